@@ -1,0 +1,54 @@
+//! `kiln conformance`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use serde_json::json;
+
+use crate::conformance::{run_test, summary, test_dirs, Outcome};
+use crate::ep::{Runtime, SessionOptions};
+use crate::sandbox::SandboxConfig;
+use crate::{Error, Result};
+
+use super::{choose_device, registry, DeviceArg, PackageArgs};
+
+#[derive(clap::Args, Debug)]
+pub struct ConformanceArgs {
+    /// A folder of ONNX node tests (onnx/backend/test/data/node).
+    pub dir: PathBuf,
+    #[arg(long, value_enum, default_value_t)]
+    pub device: DeviceArg,
+    /// Only tests whose folder name contains this.
+    #[arg(long)]
+    pub filter: Option<String>,
+    /// Write every test's result as JSON.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    #[command(flatten)]
+    pub packages: PackageArgs,
+}
+
+pub fn run(a: ConformanceArgs) -> Result<ExitCode> {
+    let device = choose_device(a.device)?;
+    let dirs = test_dirs(&a.dir, a.filter.as_deref())?;
+    if dirs.is_empty() {
+        return Err(Error::Input(format!("{}: no test folders (test_*/model.onnx) found", a.dir.display())));
+    }
+    let rt = Runtime::new(registry(&a.packages), SandboxConfig::default())?;
+    let options = SessionOptions { device, ..SessionOptions::default() };
+    let results: Vec<_> = dirs.iter().map(|d| run_test(&rt, d, &options)).collect();
+    print!("{}", summary(&results));
+    if let Some(p) = &a.json {
+        let count = |f: fn(&Outcome) -> bool| results.iter().filter(|r| f(&r.outcome)).count();
+        let doc = json!({
+            "device": device.to_string(),
+            "passed": count(|o| matches!(o, Outcome::Passed)),
+            "failed": count(|o| matches!(o, Outcome::Failed(_))),
+            "unsupported": count(|o| matches!(o, Outcome::Unsupported(_))),
+            "tests": results,
+        });
+        std::fs::write(p, serde_json::to_string_pretty(&doc).unwrap_or_default()).map_err(|source| Error::Io { path: p.clone(), source })?;
+    }
+    let failed = results.iter().any(|r| matches!(r.outcome, Outcome::Failed(_)));
+    Ok(if failed { ExitCode::from(1) } else { ExitCode::SUCCESS })
+}

@@ -1,0 +1,106 @@
+//! `kiln run`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use crate::ep::{Runtime, Session, SessionOptions};
+use crate::sandbox::SandboxConfig;
+use crate::tensorio::{read_tensor_file, write_npy};
+use crate::{conformance, model, Error, Result, Tensor};
+
+use super::{choose_device, registry, DeviceArg, PackageArgs};
+
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    /// The ONNX model.
+    pub model: PathBuf,
+    /// An input: NAME=FILE (.npy or .pb). Repeat for each graph input.
+    #[arg(long = "input", value_name = "NAME=FILE")]
+    pub inputs: Vec<String>,
+    /// Check an output against a reference: NAME=FILE, at ONNX's tolerances (rtol 1e-3,
+    /// atol 1e-7). Exits with status 2 on a mismatch.
+    #[arg(long = "expect", value_name = "NAME=FILE")]
+    pub expect: Vec<String>,
+    /// Where outputs are written as NAME.npy.
+    #[arg(long, value_name = "DIR", default_value = "kiln-out")]
+    pub output_dir: PathBuf,
+    #[arg(long, value_enum, default_value_t)]
+    pub device: DeviceArg,
+    /// Print nodes, packages, Wasm calls and time per op.
+    #[arg(long)]
+    pub report: bool,
+    /// Write the report as JSON.
+    #[arg(long, value_name = "FILE")]
+    pub report_json: Option<PathBuf>,
+    #[command(flatten)]
+    pub packages: PackageArgs,
+}
+
+fn name_file(arg: &str, flag: &str) -> Result<(String, PathBuf)> {
+    match arg.split_once('=') {
+        Some((n, f)) if !n.is_empty() && !f.is_empty() => Ok((n.to_string(), PathBuf::from(f))),
+        _ => Err(Error::Input(format!("{flag} {arg:?}: expected NAME=FILE"))),
+    }
+}
+
+pub fn run(a: RunArgs) -> Result<ExitCode> {
+    let device = choose_device(a.device)?;
+    let mut feeds: Vec<(String, Tensor)> = Vec::new();
+    for arg in &a.inputs {
+        let (name, file) = name_file(arg, "--input")?;
+        feeds.push((name, read_tensor_file(&file)?.0));
+    }
+    let mut expect = Vec::new();
+    for arg in &a.expect {
+        let (name, file) = name_file(arg, "--expect")?;
+        expect.push((name, read_tensor_file(&file)?.0));
+    }
+    let t0 = Instant::now();
+    let model = model::load(&a.model)?;
+    let rt = Runtime::new(registry(&a.packages), SandboxConfig::default())?;
+    let mut session = Session::new(rt, model, SessionOptions { device, ..SessionOptions::default() })?;
+    let prepared = t0.elapsed();
+    let outputs = session.run(feeds)?;
+    std::fs::create_dir_all(&a.output_dir).map_err(|source| Error::Io { path: a.output_dir.clone(), source })?;
+    eprintln!("kiln: {} on {device}: loaded in {:.1} ms, ran in {:.1} ms", a.model.display(), prepared.as_secs_f64() * 1e3, session.report.run_time_us as f64 / 1e3);
+    for (name, t) in &outputs {
+        let file = a.output_dir.join(format!("{}.npy", sanitize(name)));
+        write_npy(&file, t)?;
+        println!("{name}: {} {:?} -> {}", t.dtype, t.shape, file.display());
+        println!("  {}", preview(t));
+    }
+    let mut mismatches = 0;
+    for (name, e) in &expect {
+        let Some((_, t)) = outputs.iter().find(|(n, _)| n == name) else {
+            return Err(Error::Input(format!("--expect {name}: the model has no output {name:?}")));
+        };
+        match conformance::compare(t, e, conformance::RTOL, conformance::ATOL) {
+            None => println!("{name}: matches the expected output"),
+            Some(m) => {
+                mismatches += 1;
+                println!("{name}: MISMATCH: {m}");
+            }
+        }
+    }
+    if a.report {
+        print!("{}", session.report.render());
+    }
+    if let Some(p) = &a.report_json {
+        let json = serde_json::to_string_pretty(&session.report).map_err(|e| Error::Input(e.to_string()))?;
+        std::fs::write(p, json).map_err(|source| Error::Io { path: p.clone(), source })?;
+    }
+    Ok(if mismatches > 0 { ExitCode::from(2) } else { ExitCode::SUCCESS })
+}
+
+/// A file name for an output name (ONNX names may hold '/' or ':').
+fn sanitize(name: &str) -> String {
+    name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.' { c } else { '_' }).collect()
+}
+
+/// The first few elements.
+fn preview(t: &Tensor) -> String {
+    let v = conformance::to_f64(t);
+    let shown: Vec<String> = v.iter().take(8).map(|x| format!("{x:.6}")).collect();
+    format!("[{}{}]", shown.join(", "), if v.len() > 8 { ", …" } else { "" })
+}

@@ -1,0 +1,220 @@
+//! ONNX backend node tests: each test folder holds `model.onnx` and `test_data_set_*/`
+//! with `input_K.pb` / `output_K.pb` (`TensorProto`). Outputs are compared as ONNX's backend
+//! runner does: `|actual − expected| ≤ atol + rtol·|expected|` (rtol 1e-3, atol 1e-7),
+//! NaN equal to NaN, integers and bools exactly.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use kiln_kernel_abi::DType;
+use serde::Serialize;
+
+use crate::ep::{Runtime, Session, SessionOptions};
+use crate::model;
+use crate::tensorio::read_tensor_file;
+use crate::{Error, Result, Tensor};
+
+/// ONNX's default tolerances.
+pub const RTOL: f64 = 1e-3;
+pub const ATOL: f64 = 1e-7;
+
+/// How one test ended.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "status", content = "reason", rename_all = "lowercase")]
+pub enum Outcome {
+    Passed,
+    Failed(String),
+    /// An op, dtype, attribute or feature no package (or the host) supports.
+    Unsupported(String),
+}
+
+/// The result of one test folder.
+#[derive(Clone, Debug, Serialize)]
+pub struct TestResult {
+    pub name: String,
+    /// The op the test is about (its single node, or the op its name starts with).
+    pub op: String,
+    #[serde(flatten)]
+    pub outcome: Outcome,
+    pub time_ms: f64,
+}
+
+/// Test folders under `dir` whose names contain `filter`, sorted.
+pub fn test_dirs(dir: &Path, filter: Option<&str>) -> Result<Vec<PathBuf>> {
+    let io = |source| Error::Io { path: dir.to_path_buf(), source };
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(io)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("model.onnx").is_file())
+        .filter(|p| filter.is_none_or(|f| p.file_name().is_some_and(|n| n.to_string_lossy().contains(f))))
+        .collect();
+    dirs.sort();
+    Ok(dirs)
+}
+
+/// Runs one test folder.
+pub fn run_test(rt: &Arc<Runtime>, dir: &Path, options: &SessionOptions) -> TestResult {
+    let start = Instant::now();
+    let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let (op, result) = match model::load(&dir.join("model.onnx")) {
+        Err(e) => (String::new(), Err(e)),
+        Ok(m) => {
+            let op = test_op(&name, &m);
+            (op, Session::new(rt.clone(), m, options.clone()).and_then(|mut s| run_data_sets(&mut s, dir)))
+        }
+    };
+    let outcome = match result {
+        Ok(None) => Outcome::Passed,
+        Ok(Some(mismatch)) => Outcome::Failed(mismatch),
+        Err(e) if e.is_unsupported() => Outcome::Unsupported(e.to_string()),
+        Err(e) => Outcome::Failed(e.to_string()),
+    };
+    TestResult { name, op, outcome, time_ms: start.elapsed().as_secs_f64() * 1e3 }
+}
+
+/// Runs every data set; `Ok(Some(msg))` describes the first mismatch.
+fn run_data_sets(s: &mut Session, dir: &Path) -> Result<Option<String>> {
+    let mut sets: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|source| Error::Io { path: dir.to_path_buf(), source })?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_dir() && p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("test_data_set_")))
+        .collect();
+    sets.sort();
+    let inputs = s.input_names();
+    for set in sets {
+        let files = |prefix: &str| -> Result<Vec<Tensor>> {
+            let mut k = 0;
+            let mut out = Vec::new();
+            while let Ok(true) = set.join(format!("{prefix}_{k}.pb")).try_exists() {
+                out.push(read_tensor_file(&set.join(format!("{prefix}_{k}.pb")))?.0);
+                k += 1;
+            }
+            Ok(out)
+        };
+        let feeds: Vec<(String, Tensor)> = inputs.iter().cloned().zip(files("input")?).collect();
+        let expected = files("output")?;
+        let actual = s.run(feeds)?;
+        if actual.len() != expected.len() {
+            return Ok(Some(format!("{} outputs, {} expected", actual.len(), expected.len())));
+        }
+        for ((name, a), e) in actual.iter().zip(&expected) {
+            if let Some(msg) = compare(a, e, RTOL, ATOL) {
+                return Ok(Some(format!("{}: output {name:?}: {msg}", set.file_name().unwrap_or_default().to_string_lossy())));
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// Compares `actual` with `expected`; `None` when equal within tolerance, else the first
+/// difference.
+pub fn compare(actual: &Tensor, expected: &Tensor, rtol: f64, atol: f64) -> Option<String> {
+    if actual.dtype != expected.dtype {
+        return Some(format!("dtype {} != expected {}", actual.dtype, expected.dtype));
+    }
+    if actual.shape != expected.shape {
+        return Some(format!("shape {:?} != expected {:?}", actual.shape, expected.shape));
+    }
+    let (a, e) = (to_f64(actual), to_f64(expected));
+    let exact = !actual.dtype.is_float();
+    for (i, (x, y)) in a.iter().zip(&e).enumerate() {
+        let ok = if exact {
+            x == y
+        } else if x.is_nan() || y.is_nan() {
+            x.is_nan() && y.is_nan()
+        } else if x.is_infinite() || y.is_infinite() {
+            x == y
+        } else {
+            (x - y).abs() <= atol + rtol * y.abs()
+        };
+        if !ok {
+            return Some(format!("element {i}: {x} != expected {y} (rtol {rtol}, atol {atol})"));
+        }
+    }
+    None
+}
+
+/// Elements as f64 (exact for every integer type up to 2^53; i64/u64 beyond that compare
+/// by their rounded values, which ONNX's tests do not reach).
+pub fn to_f64(t: &Tensor) -> Vec<f64> {
+    let d = &t.data;
+    let n = t.numel();
+    let get = |i: usize, s: usize| &d[i * s..(i + 1) * s];
+    (0..n)
+        .map(|i| match t.dtype {
+            DType::F32 => f32::from_le_bytes(get(i, 4).try_into().unwrap_or_default()) as f64,
+            DType::F64 => f64::from_le_bytes(get(i, 8).try_into().unwrap_or_default()),
+            DType::F16 => half::f16::from_le_bytes(get(i, 2).try_into().unwrap_or_default()).to_f64(),
+            DType::BF16 => half::bf16::from_le_bytes(get(i, 2).try_into().unwrap_or_default()).to_f64(),
+            DType::I8 => d[i] as i8 as f64,
+            DType::U8 | DType::Bool => d[i] as f64,
+            DType::I16 => i16::from_le_bytes(get(i, 2).try_into().unwrap_or_default()) as f64,
+            DType::U16 => u16::from_le_bytes(get(i, 2).try_into().unwrap_or_default()) as f64,
+            DType::I32 => i32::from_le_bytes(get(i, 4).try_into().unwrap_or_default()) as f64,
+            DType::U32 => u32::from_le_bytes(get(i, 4).try_into().unwrap_or_default()) as f64,
+            DType::I64 => i64::from_le_bytes(get(i, 8).try_into().unwrap_or_default()) as f64,
+            DType::U64 => u64::from_le_bytes(get(i, 8).try_into().unwrap_or_default()) as f64,
+            DType::String => f64::NAN,
+        })
+        .collect()
+}
+
+/// The op a test is about: its single node's op, or the longest op type of the graph that
+/// the test's name starts with (`test_layer_normalization_…_expanded` → LayerNormalization).
+fn test_op(name: &str, m: &model::Model) -> String {
+    let nodes = &m.graph.nodes;
+    if nodes.len() == 1 {
+        return nodes[0].op_type.clone();
+    }
+    let flat = name.trim_start_matches("test_").replace('_', "").to_lowercase();
+    nodes.iter().map(|n| &n.op_type).filter(|op| flat.starts_with(&op.to_lowercase())).max_by_key(|op| op.len()).cloned().unwrap_or_else(|| "(graph)".into())
+}
+
+/// Per-op counts and the closing line.
+pub fn summary(results: &[TestResult]) -> String {
+    use std::collections::BTreeMap;
+    let mut by_op: BTreeMap<&str, [usize; 3]> = BTreeMap::new();
+    for r in results {
+        let c = by_op.entry(if r.op.is_empty() { "(unloadable)" } else { &r.op }).or_default();
+        match r.outcome {
+            Outcome::Passed => c[0] += 1,
+            Outcome::Failed(_) => c[1] += 1,
+            Outcome::Unsupported(_) => c[2] += 1,
+        }
+    }
+    let mut s = format!("{:<28} {:>7} {:>7} {:>12}\n", "op", "passed", "failed", "unsupported");
+    for (op, [p, f, u]) in &by_op {
+        s += &format!("{op:<28} {p:>7} {f:>7} {u:>12}\n");
+    }
+    let failed: Vec<_> = results.iter().filter(|r| matches!(r.outcome, Outcome::Failed(_))).collect();
+    if !failed.is_empty() {
+        s += "\nfailed:\n";
+        for r in &failed {
+            if let Outcome::Failed(m) = &r.outcome {
+                s += &format!("  {}: {}\n", r.name, first_line(m));
+            }
+        }
+    }
+    let unsupported: Vec<_> = results.iter().filter(|r| matches!(r.outcome, Outcome::Unsupported(_))).collect();
+    if !unsupported.is_empty() {
+        s += "\nunsupported:\n";
+        for r in &unsupported {
+            if let Outcome::Unsupported(m) = &r.outcome {
+                s += &format!("  {}: {}\n", r.name, first_line(m));
+            }
+        }
+    }
+    let count = |f: fn(&Outcome) -> bool| results.iter().filter(|r| f(&r.outcome)).count();
+    s += &format!(
+        "\nconformance: {} passed, {} failed, {} unsupported\n",
+        count(|o| matches!(o, Outcome::Passed)),
+        count(|o| matches!(o, Outcome::Failed(_))),
+        count(|o| matches!(o, Outcome::Unsupported(_)))
+    );
+    s
+}
+
+fn first_line(s: &str) -> &str {
+    s.lines().next().unwrap_or("")
+}

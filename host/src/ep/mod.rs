@@ -1,0 +1,58 @@
+//! The execution provider: resolves nodes to packages, prepares shims, and executes the
+//! graph in topological order on a device backend.
+//!
+//! [`Runtime`] is shared (sandbox, op registry, compiled shims); a [`Session`] is one model
+//! on one device with its own shim instances.
+
+mod prepare;
+mod session;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use kiln_registry::{OpRegistry, Package};
+
+use crate::sandbox::{Sandbox, SandboxConfig, ShimModule};
+use crate::Result;
+
+pub use session::{Session, SessionOptions};
+
+/// The device a session runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Device {
+    /// Packages' CPU references, run in the sandbox.
+    Cpu,
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+        }
+    }
+}
+
+/// Shared state: the sandbox, the op registry and shims compiled once per package.
+pub struct Runtime {
+    pub sandbox: Sandbox,
+    pub registry: OpRegistry,
+    modules: Mutex<HashMap<String, Arc<ShimModule>>>,
+}
+
+impl Runtime {
+    pub fn new(registry: OpRegistry, config: SandboxConfig) -> Result<Arc<Runtime>> {
+        Ok(Arc::new(Runtime { sandbox: Sandbox::new(config)?, registry, modules: Mutex::default() }))
+    }
+
+    /// The compiled shim of `pkg` (compiled on first use).
+    pub fn module(&self, pkg: &Package) -> Result<Arc<ShimModule>> {
+        let id = pkg.id();
+        if let Some(m) = self.modules.lock().unwrap_or_else(|p| p.into_inner()).get(&id) {
+            return Ok(m.clone());
+        }
+        let kernels = pkg.manifest.kernels().map(String::from).collect();
+        let module = self.sandbox.load(&id, &pkg.shim, kernels)?;
+        self.modules.lock().unwrap_or_else(|p| p.into_inner()).insert(id, module.clone());
+        Ok(module)
+    }
+}

@@ -1,0 +1,4 @@
+//! The `kiln` command.
+fn main() -> std::process::ExitCode {
+    kiln_host::cli::main()
+}

@@ -1,0 +1,238 @@
+//! ONNX protobuf → [`Model`]. Every inconsistency is an [`Error::Model`] naming what is
+//! wrong; features kiln does not run (subgraphs, sequences, sparse tensors) are
+//! [`Error::Unsupported`].
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::path::Path;
+
+use kiln_kernel_abi::DType;
+use onnx_protobuf::attribute_proto::AttributeType;
+use onnx_protobuf::{type_proto, AttributeProto, Message, ModelProto, ValueInfoProto};
+
+use super::{tensor_from_proto, AttrValue, Dim, ExternalData, Graph, Model, Node, Value, ValueId, ValueType};
+use crate::{Error, Tensor};
+
+/// Largest single tensor a model may declare, in bytes (64 GiB): beyond this a dimension is
+/// taken as corrupt rather than attempted.
+pub const MAX_TENSOR_BYTES: u64 = 64 << 30;
+
+/// Loads `path`; external data is resolved against its folder.
+pub fn load(path: &Path) -> Result<Model, Error> {
+    let bytes = std::fs::read(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+    let mut m = load_bytes(&bytes, path.parent().map(Path::to_path_buf).or_else(|| Some(".".into())))?;
+    m.path = Some(path.to_path_buf());
+    Ok(m)
+}
+
+/// Loads a serialized `ModelProto`; `base` is the folder external data is relative to.
+pub fn load_bytes(bytes: &[u8], base: Option<std::path::PathBuf>) -> Result<Model, Error> {
+    let proto = ModelProto::parse_from_bytes(bytes)
+        .map_err(|e| Error::Model(format!("not a valid ONNX protobuf (truncated or not an .onnx file?): {e}")))?;
+    let Some(g) = proto.graph.as_ref() else {
+        return Err(Error::Model("the model has no graph".into()));
+    };
+    let mut opsets = HashMap::new();
+    for o in &proto.opset_import {
+        let d = if o.domain == "ai.onnx" { String::new() } else { o.domain.clone() };
+        opsets.insert(d, o.version);
+    }
+    if proto.opset_import.is_empty() {
+        return Err(Error::Model("the model imports no opset (opset_import is empty)".into()));
+    }
+    let ext = ExternalData::new(base);
+    let mut b = Builder::default();
+
+    for t in &g.initializer {
+        if t.name.is_empty() {
+            return Err(Error::Model("an initializer has no name".into()));
+        }
+        let tensor = tensor_from_proto(t, &ext)?;
+        let id = b.define(&t.name, "initializer")?;
+        b.graph.initializers.insert(id, tensor);
+    }
+    if !g.sparse_initializer.is_empty() {
+        return Err(Error::Unsupported("sparse initializers".into()));
+    }
+    for vi in &g.input {
+        let ty = value_type(vi)?;
+        match b.ids.get(&vi.name) {
+            // IR >= 4: an initializer may also be listed as an input (an overridable default).
+            Some(&id) => b.graph.values[id].ty = ty,
+            None => {
+                let id = b.define(&vi.name, "graph input")?;
+                b.graph.values[id].ty = ty;
+                b.graph.inputs.push(id);
+            }
+        }
+    }
+    for (i, n) in g.node.iter().enumerate() {
+        let label = if n.name.is_empty() { format!("{}#{i}", n.op_type) } else { n.name.clone() };
+        let mut attributes = Vec::with_capacity(n.attribute.len());
+        for a in &n.attribute {
+            attributes.push((a.name.clone(), attr_value(&label, a, &ext)?));
+        }
+        let mut outputs = Vec::with_capacity(n.output.len());
+        for o in &n.output {
+            outputs.push(if o.is_empty() { None } else { Some(b.define(o, &format!("output of node {label:?}"))?) });
+        }
+        b.graph.nodes.push(Node {
+            name: n.name.clone(),
+            op_type: n.op_type.clone(),
+            domain: if n.domain == "ai.onnx" { String::new() } else { n.domain.clone() },
+            inputs: Vec::new(),
+            outputs,
+            attributes,
+        });
+    }
+    // Inputs after every output is defined, so that order problems are reported as cycles.
+    for (i, n) in g.node.iter().enumerate() {
+        let label = b.graph.nodes[i].label(i);
+        let mut inputs = Vec::with_capacity(n.input.len());
+        for name in &n.input {
+            if name.is_empty() {
+                inputs.push(None);
+                continue;
+            }
+            let id = b.ids.get(name).copied().ok_or_else(|| {
+                Error::Model(format!("node {label:?} reads {name:?}, which no node produces and is neither an input nor an initializer"))
+            })?;
+            inputs.push(Some(id));
+        }
+        b.graph.nodes[i].inputs = inputs;
+    }
+    for vi in &g.output {
+        let id = b.ids.get(&vi.name).copied().ok_or_else(|| Error::Model(format!("graph output {:?} is never produced", vi.name)))?;
+        if let Some(ty) = value_type(vi)? {
+            b.graph.values[id].ty.get_or_insert(ty);
+        }
+        b.graph.outputs.push(id);
+    }
+    for vi in &g.value_info {
+        if let (Some(&id), Ok(Some(ty))) = (b.ids.get(&vi.name), value_type(vi)) {
+            b.graph.values[id].ty.get_or_insert(ty);
+        }
+    }
+    let mut graph = b.graph;
+    graph.nodes = topological_order(&graph)?;
+    Ok(Model { path: None, ir_version: proto.ir_version, opsets, producer: proto.producer_name.clone(), graph })
+}
+
+#[derive(Default)]
+struct Builder {
+    graph: Graph,
+    ids: HashMap<String, ValueId>,
+}
+
+impl Builder {
+    /// Defines a new value; a name defined twice breaks ONNX's single assignment.
+    fn define(&mut self, name: &str, what: &str) -> Result<ValueId, Error> {
+        if self.ids.contains_key(name) {
+            return Err(Error::Model(format!("value {name:?} ({what}) is defined twice")));
+        }
+        let id = self.graph.values.len();
+        self.graph.values.push(Value { name: name.to_string(), ty: None });
+        self.ids.insert(name.to_string(), id);
+        Ok(id)
+    }
+}
+
+fn value_type(vi: &ValueInfoProto) -> Result<Option<ValueType>, Error> {
+    let Some(tp) = vi.type_.as_ref() else { return Ok(None) };
+    match &tp.value {
+        None => Ok(None),
+        Some(type_proto::Value::TensorType(t)) => {
+            let dtype = DType::from_code(t.elem_type).filter(|d| *d != DType::String).ok_or_else(|| {
+                Error::Unsupported(format!("value {:?} has element type {} (ONNX code), which kiln does not support", vi.name, t.elem_type))
+            })?;
+            let dims = t.shape.as_ref().map(|s| {
+                s.dim
+                    .iter()
+                    .map(|d| match &d.value {
+                        Some(onnx_protobuf::tensor_shape_proto::dimension::Value::DimValue(v)) if *v >= 0 => Dim::Known(*v as usize),
+                        Some(onnx_protobuf::tensor_shape_proto::dimension::Value::DimParam(p)) => Dim::Symbolic(p.clone()),
+                        _ => Dim::Unknown,
+                    })
+                    .collect()
+            });
+            Ok(Some(ValueType { dtype, dims }))
+        }
+        Some(other) => {
+            let kind = match other {
+                type_proto::Value::SequenceType(_) => "a sequence",
+                type_proto::Value::MapType(_) => "a map",
+                type_proto::Value::OptionalType(_) => "an optional",
+                type_proto::Value::SparseTensorType(_) => "a sparse tensor",
+                _ => "a non-tensor",
+            };
+            Err(Error::Unsupported(format!("value {:?} has {kind} type; kiln runs tensors only", vi.name)))
+        }
+    }
+}
+
+fn attr_value(node: &str, a: &AttributeProto, ext: &ExternalData) -> Result<AttrValue, Error> {
+    let unsupported = |what: &str| Err(Error::Unsupported(format!("node {node:?}: attribute {:?} is {what}", a.name)));
+    if !a.ref_attr_name.is_empty() {
+        return unsupported("a reference to a function attribute");
+    }
+    let ty = a.type_.enum_value().map_err(|v| Error::Model(format!("node {node:?}: attribute {:?} has unknown type {v}", a.name)))?;
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    Ok(match ty {
+        AttributeType::FLOAT => AttrValue::Float(a.f),
+        AttributeType::INT => AttrValue::Int(a.i),
+        AttributeType::STRING => AttrValue::String(text(&a.s)),
+        AttributeType::TENSOR => match a.t.as_ref() {
+            Some(t) => AttrValue::Tensor(tensor_from_proto(t, ext)?),
+            None => return Err(Error::Model(format!("node {node:?}: TENSOR attribute {:?} has no tensor", a.name))),
+        },
+        AttributeType::FLOATS => AttrValue::Floats(a.floats.clone()),
+        AttributeType::INTS => AttrValue::Ints(a.ints.clone()),
+        AttributeType::STRINGS => AttrValue::Strings(a.strings.iter().map(|s| text(s)).collect()),
+        AttributeType::GRAPH | AttributeType::GRAPHS => return unsupported("a subgraph (control flow is not supported)"),
+        AttributeType::SPARSE_TENSOR | AttributeType::SPARSE_TENSORS => return unsupported("a sparse tensor"),
+        AttributeType::TENSORS => return unsupported("a list of tensors"),
+        AttributeType::TYPE_PROTO | AttributeType::TYPE_PROTOS => return unsupported("a type"),
+        AttributeType::UNDEFINED => {
+            return Err(Error::Model(format!("node {node:?}: attribute {:?} has no type", a.name)));
+        }
+    })
+}
+
+/// Kahn's algorithm, stable in file order; a cycle is an error naming a node on it.
+fn topological_order(g: &Graph) -> Result<Vec<Node>, Error> {
+    let mut producer: HashMap<ValueId, usize> = HashMap::new();
+    for (i, n) in g.nodes.iter().enumerate() {
+        for o in n.outputs.iter().flatten() {
+            producer.insert(*o, i);
+        }
+    }
+    let mut indegree = vec![0usize; g.nodes.len()];
+    let mut users: Vec<Vec<usize>> = vec![Vec::new(); g.nodes.len()];
+    for (i, n) in g.nodes.iter().enumerate() {
+        let deps: HashSet<usize> = n.inputs.iter().flatten().filter_map(|v| producer.get(v).copied()).collect();
+        indegree[i] = deps.len();
+        for d in deps {
+            users[d].push(i);
+        }
+    }
+    let mut ready: VecDeque<usize> = (0..g.nodes.len()).filter(|&i| indegree[i] == 0).collect();
+    let mut order = Vec::with_capacity(g.nodes.len());
+    while let Some(i) = ready.pop_front() {
+        order.push(i);
+        for &u in &users[i] {
+            indegree[u] -= 1;
+            if indegree[u] == 0 {
+                ready.push_back(u);
+            }
+        }
+    }
+    if order.len() != g.nodes.len() {
+        let stuck = (0..g.nodes.len()).find(|i| indegree[*i] > 0).unwrap_or(0);
+        return Err(Error::Model(format!("the graph has a cycle through node {:?}", g.nodes[stuck].label(stuck))));
+    }
+    Ok(order.into_iter().map(|i| g.nodes[i].clone()).collect())
+}
+
+/// Unused-tensor helper for tests: the tensor of an initializer by name.
+pub fn initializer<'m>(m: &'m Model, name: &str) -> Option<&'m Tensor> {
+    m.graph.value_id(name).and_then(|id| m.graph.initializers.get(&id))
+}

@@ -1,0 +1,144 @@
+//! The graph IR: what the host knows of an ONNX model after loading.
+//!
+//! Values (graph inputs, initializers, node outputs) are numbered by [`ValueId`]; nodes are
+//! kept in a topological order; initializers (and `Constant`-free constants) are host
+//! [`Tensor`]s, external data memory-mapped.
+
+mod load;
+mod tensor_proto;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use kiln_kernel_abi::wire;
+use kiln_kernel_abi::DType;
+
+use crate::Tensor;
+
+pub use load::{initializer, load, load_bytes, MAX_TENSOR_BYTES};
+pub use tensor_proto::{tensor_from_proto, ExternalData};
+
+/// Index of a value in [`Graph::values`].
+pub type ValueId = usize;
+
+/// One dimension of a declared shape.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Dim {
+    Known(usize),
+    /// A named (symbolic) dimension such as `batch`.
+    Symbolic(String),
+    Unknown,
+}
+
+/// The declared type of a value (from graph inputs, outputs and `value_info`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ValueType {
+    pub dtype: DType,
+    /// `None` when the rank is unknown.
+    pub dims: Option<Vec<Dim>>,
+}
+
+/// A named value of the graph.
+#[derive(Clone, Debug)]
+pub struct Value {
+    pub name: String,
+    pub ty: Option<ValueType>,
+}
+
+/// An attribute value (ONNX `AttributeProto`; graphs, sparse tensors and type protos are
+/// refused at load as unsupported).
+#[derive(Clone, Debug, PartialEq)]
+pub enum AttrValue {
+    Float(f32),
+    Int(i64),
+    String(String),
+    Tensor(Tensor),
+    Floats(Vec<f32>),
+    Ints(Vec<i64>),
+    Strings(Vec<String>),
+}
+
+/// A node of the graph.
+#[derive(Clone, Debug)]
+pub struct Node {
+    pub name: String,
+    pub op_type: String,
+    /// `""` for ai.onnx.
+    pub domain: String,
+    /// `None` for an absent optional input (empty name).
+    pub inputs: Vec<Option<ValueId>>,
+    /// `None` for an output left out.
+    pub outputs: Vec<Option<ValueId>>,
+    pub attributes: Vec<(String, AttrValue)>,
+}
+
+impl Node {
+    /// A label for messages: the name, or `op_type#index` when unnamed.
+    pub fn label(&self, index: usize) -> String {
+        if self.name.is_empty() {
+            format!("{}#{index}", self.op_type)
+        } else {
+            self.name.clone()
+        }
+    }
+
+    /// Attributes in the ABI's borrowed form.
+    pub fn wire_attributes(&self) -> Vec<wire::Attribute<'_>> {
+        self.attributes
+            .iter()
+            .map(|(name, v)| wire::Attribute {
+                name,
+                value: match v {
+                    AttrValue::Float(x) => wire::AttrValue::Float(*x),
+                    AttrValue::Int(x) => wire::AttrValue::Int(*x),
+                    AttrValue::String(s) => wire::AttrValue::String(s),
+                    AttrValue::Tensor(t) => wire::AttrValue::Tensor(wire::TensorValue {
+                        dtype: t.dtype,
+                        dims: t.dims_i64(),
+                        data: &t.data,
+                    }),
+                    AttrValue::Floats(x) => wire::AttrValue::Floats(x.clone()),
+                    AttrValue::Ints(x) => wire::AttrValue::Ints(x.clone()),
+                    AttrValue::Strings(x) => wire::AttrValue::Strings(x.iter().map(String::as_str).collect()),
+                },
+            })
+            .collect()
+    }
+}
+
+/// The graph: values, nodes in topological order, graph inputs/outputs, initializers.
+#[derive(Clone, Debug, Default)]
+pub struct Graph {
+    pub values: Vec<Value>,
+    pub nodes: Vec<Node>,
+    /// Graph inputs the caller must feed (initializers excluded).
+    pub inputs: Vec<ValueId>,
+    pub outputs: Vec<ValueId>,
+    pub initializers: HashMap<ValueId, Tensor>,
+}
+
+impl Graph {
+    pub fn value_id(&self, name: &str) -> Option<ValueId> {
+        self.values.iter().position(|v| v.name == name)
+    }
+}
+
+/// A loaded model.
+#[derive(Clone, Debug)]
+pub struct Model {
+    /// The file it came from, if any.
+    pub path: Option<PathBuf>,
+    pub ir_version: i64,
+    /// Opset version per domain (`""` for ai.onnx).
+    pub opsets: HashMap<String, i64>,
+    pub producer: String,
+    pub graph: Graph,
+}
+
+impl Model {
+    /// The model's opset for `domain` (`""` and `ai.onnx` are the same).
+    pub fn opset(&self, domain: &str) -> Option<i64> {
+        let d = if domain == "ai.onnx" { "" } else { domain };
+        self.opsets.get(d).copied()
+    }
+}

@@ -1,0 +1,70 @@
+//! Where packages come from: the built-in ones embedded in the binary, and drop-in folders
+//! (`--packages DIR`, `KILN_PACKAGE_PATH`). A folder is either one package (it holds
+//! `kernel.toml`) or a folder of packages.
+
+use std::path::{Path, PathBuf};
+
+use kiln_registry::{OpRegistry, Package, RegistryError};
+
+/// Environment variable with extra package folders, `:`-separated.
+pub const PACKAGE_PATH_ENV: &str = "KILN_PACKAGE_PATH";
+
+/// The built-in packages, verified like any other.
+pub fn builtin() -> Vec<Result<Package, RegistryError>> {
+    kiln_builtin_kernels::PACKAGES.iter().map(|p| Package::load_files(&format!("builtin:{}", p.dir), p.files)).collect()
+}
+
+/// Package folders under `dir` (itself, when it is a package).
+pub fn package_dirs(dir: &Path) -> Result<Vec<PathBuf>, RegistryError> {
+    if dir.join("kernel.toml").is_file() {
+        return Ok(vec![dir.to_path_buf()]);
+    }
+    let io = |source| RegistryError::Io { origin: dir.display().to_string(), path: dir.to_path_buf(), source };
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(io)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("kernel.toml").is_file())
+        .collect();
+    dirs.sort();
+    Ok(dirs)
+}
+
+/// The folders of `--packages` followed by those of `KILN_PACKAGE_PATH`.
+pub fn search_path(cli: &[PathBuf]) -> Vec<PathBuf> {
+    let mut dirs = cli.to_vec();
+    if let Some(v) = std::env::var_os(PACKAGE_PATH_ENV) {
+        dirs.extend(std::env::split_paths(&v).filter(|p| !p.as_os_str().is_empty()));
+    }
+    dirs
+}
+
+/// A registry of the drop-in folders' packages and the built-in ones. Packages that fail to
+/// load are left out and returned as errors, so one broken package does not stop the others.
+pub fn registry(dirs: &[PathBuf]) -> (OpRegistry, Vec<RegistryError>) {
+    let mut reg = OpRegistry::new();
+    let mut errors = Vec::new();
+    for dir in dirs {
+        match package_dirs(dir) {
+            Ok(pkgs) => {
+                for p in pkgs {
+                    match Package::load_dir(&p) {
+                        Ok(pkg) => {
+                            reg.add(pkg);
+                        }
+                        Err(e) => errors.push(e),
+                    }
+                }
+            }
+            Err(e) => errors.push(e),
+        }
+    }
+    for p in builtin() {
+        match p {
+            Ok(pkg) => {
+                reg.add(pkg);
+            }
+            Err(e) => errors.push(e),
+        }
+    }
+    (reg, errors)
+}

@@ -1,0 +1,127 @@
+//! Handle tables: the tensors a shim may name during one call.
+//!
+//! A handle is `generation << 16 | index`. The generation changes with every call of an
+//! instance (and is never 0), so a handle kept from an earlier call is recognised as stale,
+//! and small integers (0, 1, …) are recognised as forged.
+
+use bytes::Bytes;
+use kiln_kernel_abi::DType;
+
+/// How the shim may reach a tensor's bytes.
+#[derive(Debug)]
+pub enum Access {
+    /// Host bytes the shim may read (CPU inputs).
+    Read(Bytes),
+    /// Host bytes the shim may read and write (CPU outputs and scratch).
+    Write(Vec<u8>),
+    /// Bytes the shim cannot reach (device memory during dispatch; anything during inference).
+    Opaque,
+}
+
+/// One tensor of the table.
+#[derive(Debug)]
+pub struct Slot {
+    pub dtype: Option<DType>,
+    /// Size in bytes; bounds of every offset and extent.
+    pub nbytes: u64,
+    pub access: Access,
+}
+
+/// Why a handle was refused.
+#[derive(Debug, PartialEq, Eq)]
+pub enum HandleError {
+    /// The handle was never issued (or names no slot of this call).
+    Forged(u32),
+    /// The handle was issued for an earlier call.
+    Stale(u32),
+}
+
+impl std::fmt::Display for HandleError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HandleError::Forged(h) => write!(f, "handle {h:#x} is not in this call's handle table"),
+            HandleError::Stale(h) => write!(f, "handle {h:#x} belongs to an earlier call (stale)"),
+        }
+    }
+}
+
+/// The tensors of one call.
+#[derive(Debug, Default)]
+pub struct HandleTable {
+    generation: u16,
+    slots: Vec<Slot>,
+}
+
+impl HandleTable {
+    /// An empty table for the call after one of generation `previous`.
+    pub fn next(previous: u16) -> HandleTable {
+        let generation = if previous == u16::MAX { 1 } else { previous + 1 };
+        HandleTable { generation, slots: Vec::new() }
+    }
+
+    pub fn generation(&self) -> u16 {
+        self.generation
+    }
+
+    /// Adds a slot and returns its handle.
+    pub fn push(&mut self, slot: Slot) -> u32 {
+        self.slots.push(slot);
+        ((self.generation as u32) << 16) | (self.slots.len() as u32 - 1)
+    }
+
+    /// Number of slots.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// The slot index of `handle`.
+    pub fn index(&self, handle: u32) -> Result<usize, HandleError> {
+        let (generation, index) = ((handle >> 16) as u16, (handle & 0xffff) as usize);
+        if generation == self.generation && index < self.slots.len() {
+            Ok(index)
+        } else if generation != 0 && generation != self.generation && index < 0xffff {
+            Err(HandleError::Stale(handle))
+        } else {
+            Err(HandleError::Forged(handle))
+        }
+    }
+
+    pub fn get(&self, handle: u32) -> Result<&Slot, HandleError> {
+        self.index(handle).map(|i| &self.slots[i])
+    }
+
+    pub fn get_mut(&mut self, handle: u32) -> Result<&mut Slot, HandleError> {
+        self.index(handle).map(move |i| &mut self.slots[i])
+    }
+
+    /// Takes the slots out, leaving the table empty (every handle now invalid).
+    pub fn take(&mut self) -> Vec<Slot> {
+        std::mem::take(&mut self.slots)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slot() -> Slot {
+        Slot { dtype: Some(DType::F32), nbytes: 4, access: Access::Opaque }
+    }
+
+    #[test]
+    fn handles_are_valid_for_one_call_only() {
+        let mut t = HandleTable::next(0);
+        let h = t.push(slot());
+        assert_eq!(t.index(h), Ok(0));
+        assert_eq!(t.index(0), Err(HandleError::Forged(0)));
+        assert_eq!(t.index(h + 1), Err(HandleError::Forged(h + 1)));
+        let mut t2 = HandleTable::next(t.generation());
+        t2.push(slot());
+        assert_eq!(t2.index(h), Err(HandleError::Stale(h)));
+        assert_eq!(HandleTable::next(u16::MAX).generation(), 1, "generation 0 is never issued");
+    }
+}

@@ -1,0 +1,286 @@
+//! The host imports of module `kiln` (ABI v1). Each validates every argument and refuses a
+//! bad call with a negative status (see `kiln_kernel_abi::status`), remembering the first
+//! refusal so the node fails with the host's reason.
+
+use std::ops::Range;
+
+use kiln_kernel_abi::status::{E_ARG, E_BOUNDS, E_CALL, E_HANDLE, E_LIMIT, E_MEMORY, E_READONLY};
+use kiln_kernel_abi::wire::{Gemm, KernelArg, Launch, Operand};
+use kiln_kernel_abi::{imports as imp, DType, IMPORT_MODULE};
+use wasmtime::{Caller, Engine, Linker};
+
+use super::handles::{Access, Slot};
+use super::shim::{CallKind, CallState};
+use super::{PlanArg, PlanStep};
+
+/// Longest `fail` message kept, in bytes.
+const MAX_MESSAGE: usize = 4096;
+/// Largest rank `set_output` accepts.
+const MAX_RANK: u32 = 64;
+
+/// The guest memory and the call state.
+fn split<'a>(caller: &'a mut Caller<'_, CallState>) -> Option<(&'a mut [u8], &'a mut CallState)> {
+    let mem = caller.get_export("memory")?.into_memory()?;
+    Some(mem.data_and_store_mut(caller))
+}
+
+/// `ptr..ptr+len` when inside guest memory of `size` bytes.
+fn guest_range(size: usize, ptr: i32, len: usize) -> Option<Range<usize>> {
+    let start = ptr as u32 as usize;
+    let end = start.checked_add(len)?;
+    (end <= size).then_some(start..end)
+}
+
+fn expect_kind(st: &mut CallState, import: &str, allowed: &[CallKind]) -> Result<(), i32> {
+    match st.kind {
+        Some(k) if allowed.contains(&k) => Ok(()),
+        k => Err(st.refuse(E_CALL, format!("{import} may not be called during {k:?} (allowed: {allowed:?})"))),
+    }
+}
+
+/// Checks that `[offset, offset+len)` lies in the tensor and returns its slot.
+fn slot_range<'s>(st: &'s mut CallState, import: &str, handle: u32, offset: i64, len: usize) -> Result<(&'s mut Slot, Range<usize>), i32> {
+    let nbytes = match st.table.get(handle) {
+        Ok(slot) => slot.nbytes,
+        Err(e) => return Err(st.refuse(E_HANDLE, format!("{import}: {e}"))),
+    };
+    let end = u64::try_from(offset).ok().and_then(|o| o.checked_add(len as u64)).filter(|e| *e <= nbytes);
+    let Some(end) = end else {
+        return Err(st.refuse(E_BOUNDS, format!("{import}: bytes {offset}..+{len} are outside handle {handle:#x} of {nbytes} bytes")));
+    };
+    let slot = st.table.get_mut(handle).map_err(|_| E_HANDLE)?;
+    Ok((slot, offset as usize..end as usize))
+}
+
+pub(super) fn linker(engine: &Engine) -> Linker<CallState> {
+    let mut l = Linker::new(engine);
+    let m = IMPORT_MODULE;
+    // Defining functions on a fresh linker with distinct names cannot fail.
+    l.func_wrap(m, imp::FAIL, |mut c: Caller<'_, CallState>, ptr: i32, len: i32| {
+        let Some((mem, st)) = split(&mut c) else { return };
+        let len = (len as u32 as usize).min(MAX_MESSAGE);
+        match guest_range(mem.len(), ptr, len) {
+            Some(r) => st.failure = Some(String::from_utf8_lossy(&mem[r]).into_owned()),
+            None => {
+                st.refuse(E_MEMORY, format!("fail: message {ptr:#x}+{len} is outside the shim's memory"));
+            }
+        }
+    })
+    .expect("define fail");
+    l.func_wrap(m, imp::SET_OUTPUT, |mut c: Caller<'_, CallState>, index: i32, dtype: i32, rank: i32, dims: i32| -> i32 {
+        let Some((mem, st)) = split(&mut c) else { return E_CALL };
+        if let Err(code) = expect_kind(st, "set_output", &[CallKind::Infer]) {
+            return code;
+        }
+        let i = index as u32 as usize;
+        if st.output_slots.get(i).is_none_or(|s| s.is_none()) {
+            return st.refuse(E_ARG, format!("set_output: output {index} does not exist (the node has {} outputs)", st.n_outputs));
+        }
+        let Some(dt) = DType::from_code(dtype).filter(|d| *d != DType::String) else {
+            return st.refuse(E_ARG, format!("set_output: output {index}: dtype code {dtype} is not a fixed-size ONNX dtype"));
+        };
+        if rank as u32 > MAX_RANK {
+            return st.refuse(E_ARG, format!("set_output: output {index}: rank {rank} is over {MAX_RANK}"));
+        }
+        let Some(r) = guest_range(mem.len(), dims, rank as usize * 8) else {
+            return st.refuse(E_MEMORY, format!("set_output: dims {dims:#x}+{} is outside the shim's memory", rank * 8));
+        };
+        let dims: Vec<i64> = mem[r].chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8]))).collect();
+        let mut shape = Vec::with_capacity(dims.len());
+        let mut numel: u64 = 1;
+        for d in &dims {
+            match u64::try_from(*d).ok().and_then(|d| numel.checked_mul(d).map(|n| (d, n))) {
+                Some((d, n)) => {
+                    numel = n;
+                    shape.push(d as usize);
+                }
+                None => return st.refuse(E_ARG, format!("set_output: output {index}: shape {dims:?} is negative or overflows")),
+            }
+        }
+        st.inferred[i] = Some((dt, shape));
+        0
+    })
+    .expect("define set_output");
+    l.func_wrap(m, imp::READ, |mut c: Caller<'_, CallState>, handle: i32, offset: i64, dst: i32, len: i32| -> i32 {
+        let Some((mem, st)) = split(&mut c) else { return E_CALL };
+        if let Err(code) = expect_kind(st, "read", &[CallKind::Cpu]) {
+            return code;
+        }
+        let len = len as u32 as usize;
+        let Some(g) = guest_range(mem.len(), dst, len) else {
+            return st.refuse(E_MEMORY, format!("read: destination {dst:#x}+{len} is outside the shim's memory"));
+        };
+        let (slot, r) = match slot_range(st, "read", handle as u32, offset, len) {
+            Ok(x) => x,
+            Err(code) => return code,
+        };
+        match &slot.access {
+            Access::Read(b) => mem[g].copy_from_slice(&b[r]),
+            Access::Write(v) => mem[g].copy_from_slice(&v[r]),
+            Access::Opaque => return st.refuse(E_CALL, format!("read: handle {handle:#x} has no host bytes")),
+        }
+        0
+    })
+    .expect("define read");
+    l.func_wrap(m, imp::WRITE, |mut c: Caller<'_, CallState>, handle: i32, offset: i64, src: i32, len: i32| -> i32 {
+        let Some((mem, st)) = split(&mut c) else { return E_CALL };
+        if let Err(code) = expect_kind(st, "write", &[CallKind::Cpu]) {
+            return code;
+        }
+        let len = len as u32 as usize;
+        let Some(g) = guest_range(mem.len(), src, len) else {
+            return st.refuse(E_MEMORY, format!("write: source {src:#x}+{len} is outside the shim's memory"));
+        };
+        let (slot, r) = match slot_range(st, "write", handle as u32, offset, len) {
+            Ok(x) => x,
+            Err(code) => return code,
+        };
+        match &mut slot.access {
+            Access::Write(v) => v[r].copy_from_slice(&mem[g]),
+            _ => return st.refuse(E_READONLY, format!("write: handle {handle:#x} is an input (read-only)")),
+        }
+        0
+    })
+    .expect("define write");
+    l.func_wrap(m, imp::SCRATCH, |mut c: Caller<'_, CallState>, nbytes: i64| -> i32 {
+        let Some((_, st)) = split(&mut c) else { return E_CALL };
+        let Some(kind) = st.kind.filter(|k| *k != CallKind::Infer) else {
+            return st.refuse(E_CALL, "scratch may not be called during inference".into());
+        };
+        let total = u64::try_from(nbytes).ok().and_then(|n| st.scratch_total.checked_add(n));
+        let Some(total) = total.filter(|t| *t <= st.max_scratch) else {
+            return st.refuse(E_LIMIT, format!("scratch: {nbytes} bytes would exceed the per-call limit of {} bytes", st.max_scratch));
+        };
+        if st.table.len() >= 0xfffe {
+            return st.refuse(E_LIMIT, "scratch: too many tensors in one call".into());
+        }
+        st.scratch_total = total;
+        let n = nbytes as u64;
+        let access = match kind {
+            CallKind::Cpu => Access::Write(vec![0u8; n as usize]),
+            _ => {
+                st.plan.scratch_bytes.push(n);
+                Access::Opaque
+            }
+        };
+        st.table.push(Slot { dtype: None, nbytes: n, access }) as i32
+    })
+    .expect("define scratch");
+    l.func_wrap(m, imp::LAUNCH, |mut c: Caller<'_, CallState>, ptr: i32, len: i32| -> i32 {
+        let Some((mem, st)) = split(&mut c) else { return E_CALL };
+        if let Err(code) = expect_kind(st, "launch", &[CallKind::Dispatch]) {
+            return code;
+        }
+        let Some(r) = guest_range(mem.len(), ptr, len as u32 as usize) else {
+            return st.refuse(E_MEMORY, format!("launch: descriptor {ptr:#x}+{len} is outside the shim's memory"));
+        };
+        match Launch::decode(&mem[r]).map_err(|e| format!("launch: malformed descriptor: {e}")).and_then(|l| check_launch(st, &l)) {
+            Ok(step) => push_step(st, step),
+            Err(msg) => st.refuse(E_ARG, msg),
+        }
+    })
+    .expect("define launch");
+    l.func_wrap(m, imp::GEMM, |mut c: Caller<'_, CallState>, ptr: i32, len: i32| -> i32 {
+        let Some((mem, st)) = split(&mut c) else { return E_CALL };
+        if let Err(code) = expect_kind(st, "gemm", &[CallKind::Dispatch]) {
+            return code;
+        }
+        let Some(r) = guest_range(mem.len(), ptr, len as u32 as usize) else {
+            return st.refuse(E_MEMORY, format!("gemm: descriptor {ptr:#x}+{len} is outside the shim's memory"));
+        };
+        match Gemm::decode(&mem[r]).map_err(|e| format!("gemm: malformed descriptor: {e}")).and_then(|g| check_gemm(st, g)) {
+            Ok(step) => push_step(st, step),
+            Err(msg) => st.refuse(E_ARG, msg),
+        }
+    })
+    .expect("define gemm");
+    l
+}
+
+fn push_step(st: &mut CallState, step: PlanStep) -> i32 {
+    if st.plan.steps.len() >= st.max_steps {
+        return st.refuse(E_LIMIT, format!("more than {} launches in one dispatch", st.max_steps));
+    }
+    st.plan.steps.push(step);
+    0
+}
+
+fn check_launch(st: &CallState, l: &Launch<'_>) -> Result<PlanStep, String> {
+    if !st.kernels.contains(l.kernel) {
+        return Err(format!("launch: kernel {:?} is not declared in the package's kernel.toml", l.kernel));
+    }
+    let lim = &st.limits;
+    let threads = l.block.iter().map(|&b| b as u64).product::<u64>();
+    let dims_ok = |v: &[u32; 3], max: &[u32; 3]| v.iter().zip(max).all(|(a, m)| *a >= 1 && a <= m);
+    if !dims_ok(&l.block, &lim.max_block) || threads > lim.max_threads_per_block as u64 {
+        return Err(format!("launch {}: block {:?} is over the device limits {:?} / {} threads", l.kernel, l.block, lim.max_block, lim.max_threads_per_block));
+    }
+    if !dims_ok(&l.grid, &lim.max_grid) {
+        return Err(format!("launch {}: grid {:?} is outside 1..={:?}", l.kernel, l.grid, lim.max_grid));
+    }
+    if l.shared_mem_bytes > lim.max_shared_mem_bytes {
+        return Err(format!("launch {}: {} bytes of shared memory is over the limit of {}", l.kernel, l.shared_mem_bytes, lim.max_shared_mem_bytes));
+    }
+    let mut args = Vec::with_capacity(l.args.len());
+    for a in &l.args {
+        args.push(match *a {
+            KernelArg::Tensor { handle, offset } => {
+                let slot = st.table.index(handle).map_err(|e| format!("launch {}: {e}", l.kernel))?;
+                let nbytes = st.table.get(handle).map(|s| s.nbytes).unwrap_or(0);
+                if offset > nbytes {
+                    return Err(format!("launch {}: offset {offset} is past the end of handle {handle:#x} ({nbytes} bytes)", l.kernel));
+                }
+                PlanArg::Tensor { slot, offset }
+            }
+            scalar => PlanArg::Scalar(scalar),
+        });
+    }
+    Ok(PlanStep::Launch { kernel: l.kernel.to_string(), grid: l.grid, block: l.block, shared_mem_bytes: l.shared_mem_bytes, args })
+}
+
+/// Checks every operand's extent (the last element any matrix of the batch touches) and
+/// rewrites handles to slot indices.
+fn check_gemm(st: &CallState, mut g: Gemm) -> Result<PlanStep, String> {
+    if !matches!(g.dtype, DType::F32 | DType::F16 | DType::BF16) {
+        return Err(format!("gemm: dtype {} is not supported (float32, float16, bfloat16)", g.dtype));
+    }
+    if g.m == 0 || g.n == 0 || g.k == 0 || g.batch == 0 {
+        return Err("gemm: m, n, k and batch must be at least 1".into());
+    }
+    let size = g.dtype.size().unwrap_or(4) as u64;
+    let (ar, ac) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
+    let (br, bc) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
+    let check = |name: &str, o: &mut Operand, rows: u64, cols: u64| -> Result<(), String> {
+        let slot = st.table.index(o.handle).map_err(|e| format!("gemm {name}: {e}"))?;
+        let nbytes = st.table.get(o.handle).map(|s| s.nbytes).unwrap_or(0);
+        if o.ld < cols && rows > 1 {
+            return Err(format!("gemm {name}: leading dimension {} is below {cols} columns", o.ld));
+        }
+        let last = (g.batch - 1)
+            .checked_mul(o.batch_stride)
+            .and_then(|x| x.checked_add((rows - 1).checked_mul(o.ld)?))
+            .and_then(|x| x.checked_add(cols))
+            .and_then(|x| x.checked_mul(size))
+            .and_then(|x| x.checked_add(o.offset));
+        match last {
+            Some(end) if end <= nbytes => {
+                o.handle = slot as u32;
+                Ok(())
+            }
+            _ => Err(format!("gemm {name}: the operand reaches past the end of handle {:#x} ({nbytes} bytes)", o.handle)),
+        }
+    };
+    let (m, n) = (g.m, g.n);
+    check("A", &mut g.a, ar, ac)?;
+    check("B", &mut g.b, br, bc)?;
+    check("D", &mut g.d, m, n)?;
+    if let Some(c) = g.c.as_mut() {
+        check("C", c, m, n)?;
+    }
+    if let Some(b) = g.bias.as_mut() {
+        b.ld = n;
+        b.batch_stride = 0;
+        check("bias", b, 1, n)?;
+    }
+    Ok(PlanStep::Gemm(g))
+}

@@ -1,0 +1,216 @@
+//! The sandbox: shims run in wasmtime with no WASI, a memory cap per instance, a deadline
+//! per call (epoch interruption) and handle tables valid for one call.
+//!
+//! This module knows handles, limits and the ABI (`kiln-kernel-abi`), not devices: a call
+//! gets tensors as [`handles::Access`] (host bytes or opaque), and a dispatch call returns a
+//! device-independent [`LaunchPlan`] whose tensor arguments are slot indices.
+//!
+//! Every failure of a call (a trap, the deadline, the memory cap, a refused import call, the
+//! shim's own error) is a [`ShimFailure`] naming package, op, node and reason; the instance is
+//! then discarded and the next call gets a fresh one, so the host and other packages go on.
+
+pub mod handles;
+mod imports;
+mod shim;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+pub use handles::{Access, HandleTable, Slot};
+pub use shim::{ArgTensor, CallArgs, CallKind, CallOutcome, ShimInstance, ShimModule};
+
+use kiln_kernel_abi::wire::{Gemm, KernelArg};
+
+/// Limits of the sandbox.
+#[derive(Clone, Debug)]
+pub struct SandboxConfig {
+    /// Largest linear memory of one shim instance, in bytes (at most 4 GiB, wasm32's range).
+    pub memory_limit_bytes: usize,
+    /// Wall-clock budget of one export call. Enforced by epoch interruption with a
+    /// [`SandboxConfig::tick`] resolution.
+    pub call_timeout: Duration,
+    /// Epoch tick: how often the deadline is checked.
+    pub tick: Duration,
+    /// Largest total scratch of one call, in bytes.
+    pub max_scratch_bytes: u64,
+    /// Most `launch` + `gemm` calls in one dispatch.
+    pub max_plan_steps: usize,
+    /// Device limits that `launch` checks.
+    pub launch_limits: LaunchLimits,
+}
+
+impl Default for SandboxConfig {
+    fn default() -> Self {
+        SandboxConfig {
+            memory_limit_bytes: 2 << 30,
+            call_timeout: Duration::from_secs(120),
+            tick: Duration::from_millis(10),
+            max_scratch_bytes: 1 << 30,
+            max_plan_steps: 4096,
+            launch_limits: LaunchLimits::default(),
+        }
+    }
+}
+
+/// Device limits of a kernel launch (CUDA: `cudaDeviceProp`); the defaults are those of
+/// every GPU since compute capability 3.0 and 48 KiB of shared memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchLimits {
+    pub max_threads_per_block: u32,
+    pub max_block: [u32; 3],
+    pub max_grid: [u32; 3],
+    /// Dynamic shared memory per block, bytes.
+    pub max_shared_mem_bytes: u32,
+}
+
+impl Default for LaunchLimits {
+    fn default() -> Self {
+        LaunchLimits {
+            max_threads_per_block: 1024,
+            max_block: [1024, 1024, 64],
+            max_grid: [i32::MAX as u32, 65535, 65535],
+            max_shared_mem_bytes: 48 << 10,
+        }
+    }
+}
+
+/// A kernel argument of a recorded launch: a tensor is a slot of the call (inputs, then
+/// outputs, then scratch, in order) plus a byte offset.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PlanArg {
+    Tensor { slot: usize, offset: u64 },
+    Scalar(KernelArg),
+}
+
+/// One recorded step of a dispatch.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PlanStep {
+    Launch { kernel: String, grid: [u32; 3], block: [u32; 3], shared_mem_bytes: u32, args: Vec<PlanArg> },
+    /// Operand handles are rewritten to slot indices.
+    Gemm(Gemm),
+}
+
+/// What a dispatch asked for: scratch sizes (slots after the outputs) and steps, in order.
+/// A pure function of the node and its shapes, so the host can memoize it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LaunchPlan {
+    pub scratch_bytes: Vec<u64>,
+    pub steps: Vec<PlanStep>,
+}
+
+/// How a shim call failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailureKind {
+    /// The shim reported the node invalid.
+    Failed,
+    /// The shim does not support this node.
+    Unsupported,
+    /// The shim made an import call the host refused (bad handle, bounds, pointer, name…).
+    Refused,
+    /// The shim trapped (including a panic).
+    Trap,
+    /// The call ran past its deadline.
+    Timeout,
+    /// The shim's memory would have grown past the cap.
+    MemoryLimit,
+    /// The module cannot be used (not wasm, wrong imports/exports, wrong ABI version).
+    Module,
+}
+
+/// A failed shim call or load, with everything the user needs to act.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShimFailure {
+    /// `name@version` of the package.
+    pub package: String,
+    pub op: String,
+    /// The node's name (may be empty).
+    pub node: String,
+    pub kind: FailureKind,
+    pub reason: String,
+}
+
+impl std::fmt::Display for ShimFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "package {}", self.package)?;
+        if !self.op.is_empty() {
+            write!(f, ", op {}", self.op)?;
+        }
+        if !self.node.is_empty() {
+            write!(f, " (node {:?})", self.node)?;
+        }
+        let what = match self.kind {
+            FailureKind::Failed => "failed",
+            FailureKind::Unsupported => "unsupported",
+            FailureKind::Refused => "refused import call",
+            FailureKind::Trap => "trapped",
+            FailureKind::Timeout => "timed out",
+            FailureKind::MemoryLimit => "memory limit",
+            FailureKind::Module => "unusable shim",
+        };
+        write!(f, ": {what}: {}", self.reason)
+    }
+}
+
+impl std::error::Error for ShimFailure {}
+
+/// The wasmtime engine, the host imports and the epoch ticker, shared by every shim.
+pub struct Sandbox {
+    engine: wasmtime::Engine,
+    linker: wasmtime::Linker<shim::CallState>,
+    config: SandboxConfig,
+    ticker_stop: Arc<AtomicBool>,
+    ticker: Option<JoinHandle<()>>,
+}
+
+impl Sandbox {
+    /// Creates the engine (epoch interruption on, no WASI) and starts the epoch ticker.
+    pub fn new(config: SandboxConfig) -> Result<Sandbox, ShimFailure> {
+        let mut wc = wasmtime::Config::new();
+        wc.epoch_interruption(true);
+        let engine = wasmtime::Engine::new(&wc).map_err(|e| ShimFailure {
+            package: String::new(),
+            op: String::new(),
+            node: String::new(),
+            kind: FailureKind::Module,
+            reason: format!("cannot create the wasmtime engine: {e}"),
+        })?;
+        let linker = imports::linker(&engine);
+        let ticker_stop = Arc::new(AtomicBool::new(false));
+        let (stop, eng, tick) = (ticker_stop.clone(), engine.clone(), config.tick);
+        let ticker = std::thread::Builder::new()
+            .name("kiln-epoch".into())
+            .spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(tick);
+                    eng.increment_epoch();
+                }
+            })
+            .ok();
+        Ok(Sandbox { engine, linker, config, ticker_stop, ticker })
+    }
+
+    pub fn config(&self) -> &SandboxConfig {
+        &self.config
+    }
+
+    /// Compiles and validates a shim. `package` (`name@version`) names it in errors;
+    /// `kernels` are the entry points its manifest declares (what `launch` may name).
+    pub fn load(&self, package: &str, wasm: &[u8], kernels: Vec<String>) -> Result<Arc<ShimModule>, ShimFailure> {
+        ShimModule::new(self, package, wasm, kernels).map(Arc::new)
+    }
+
+    fn deadline_ticks(&self) -> u64 {
+        (self.config.call_timeout.as_millis() / self.config.tick.as_millis().max(1)).max(1) as u64
+    }
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        self.ticker_stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.ticker.take() {
+            let _ = t.join();
+        }
+    }
+}

@@ -1,0 +1,47 @@
+//! Host tensors: a dtype, a shape and little-endian row-major bytes.
+
+use bytes::Bytes;
+use kiln_kernel_abi::DType;
+
+use crate::Error;
+
+/// A dense tensor in host memory. `data` holds `numel × dtype.size()` bytes, little-endian,
+/// row-major; cloning shares the bytes (initializers may be memory-mapped external data).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tensor {
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub data: Bytes,
+}
+
+impl Tensor {
+    /// Checks that `data` has the size the dtype and shape require.
+    pub fn new(dtype: DType, shape: Vec<usize>, data: Bytes) -> Result<Tensor, Error> {
+        let expected = byte_size(dtype, &shape)?;
+        if data.len() as u64 != expected {
+            return Err(Error::Input(format!(
+                "a {dtype} tensor of shape {shape:?} needs {expected} bytes, {} were given",
+                data.len()
+            )));
+        }
+        Ok(Tensor { dtype, shape, data })
+    }
+
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Shape as the ABI's `i64` dims.
+    pub fn dims_i64(&self) -> Vec<i64> {
+        self.shape.iter().map(|&d| d as i64).collect()
+    }
+}
+
+/// Bytes of a `dtype` tensor of `shape`, refusing string tensors and sizes that overflow.
+pub fn byte_size(dtype: DType, shape: &[usize]) -> Result<u64, Error> {
+    let size = dtype.size().ok_or_else(|| Error::Unsupported(format!("{dtype} tensors are not supported")))?;
+    shape
+        .iter()
+        .try_fold(size as u64, |acc, &d| acc.checked_mul(d as u64))
+        .ok_or_else(|| Error::Input(format!("a {dtype} tensor of shape {shape:?} is larger than memory can address")))
+}

@@ -1,0 +1,136 @@
+//! Tensor files: NumPy `.npy` (read and write) and ONNX `TensorProto` `.pb` (read), as the
+//! CLI takes inputs and ONNX's test data stores them.
+
+use std::io::Write;
+use std::path::Path;
+
+use bytes::Bytes;
+use kiln_kernel_abi::DType;
+use onnx_protobuf::{Message, TensorProto};
+
+use crate::model::{tensor_from_proto, ExternalData};
+use crate::{Error, Tensor};
+
+/// Reads a `.npy` (C order) or a `.pb` (`TensorProto`) file, by extension; returns the
+/// tensor and, for `.pb`, the name stored in it (may be empty).
+pub fn read_tensor_file(path: &Path) -> Result<(Tensor, String), Error> {
+    let bytes = std::fs::read(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+    let ctx = |e: Error| Error::Input(format!("{}: {e}", path.display()));
+    match path.extension().and_then(|e| e.to_str()) {
+        Some("npy") => read_npy(&bytes).map(|t| (t, String::new())).map_err(ctx),
+        Some("pb") => read_pb(&bytes).map_err(ctx),
+        _ => Err(Error::Input(format!("{}: tensor files must end in .npy or .pb", path.display()))),
+    }
+}
+
+/// Parses a serialized `TensorProto`.
+pub fn read_pb(bytes: &[u8]) -> Result<(Tensor, String), Error> {
+    let t = TensorProto::parse_from_bytes(bytes).map_err(|e| Error::Input(format!("not a TensorProto: {e}")))?;
+    Ok((tensor_from_proto(&t, &ExternalData::new(None))?, t.name.clone()))
+}
+
+fn npy_dtype(descr: &str) -> Option<DType> {
+    let (order, code) = descr.split_at(1);
+    if !matches!(order, "<" | "|" | "=") {
+        return None;
+    }
+    Some(match code {
+        "f2" => DType::F16,
+        "f4" => DType::F32,
+        "f8" => DType::F64,
+        "i1" => DType::I8,
+        "i2" => DType::I16,
+        "i4" => DType::I32,
+        "i8" => DType::I64,
+        "u1" => DType::U8,
+        "u2" => DType::U16,
+        "u4" => DType::U32,
+        "u8" => DType::U64,
+        "b1" => DType::Bool,
+        _ => return None,
+    })
+}
+
+/// Parses a `.npy` file (format versions 1–3, little-endian, C order).
+pub fn read_npy(bytes: &[u8]) -> Result<Tensor, Error> {
+    let mut rest = bytes;
+    let header = npyz::NpyHeader::from_reader(&mut rest).map_err(|e| Error::Input(format!("not a .npy file: {e}")))?;
+    let file = npyz::NpyFile::with_header(header, rest);
+    if file.order() != npyz::Order::C {
+        return Err(Error::Input("Fortran-order arrays are not supported; save with np.ascontiguousarray".into()));
+    }
+    let descr = match file.dtype() {
+        npyz::DType::Plain(t) => t.to_string(),
+        other => return Err(Error::Input(format!("structured dtype {other:?} is not supported"))),
+    };
+    let dtype = npy_dtype(&descr).ok_or_else(|| Error::Input(format!("dtype {descr:?} is not supported (little-endian numbers and bools)")))?;
+    let shape = file.shape().iter().map(|&d| d as usize).collect::<Vec<_>>();
+    let need = crate::tensor::byte_size(dtype, &shape)?;
+    if (rest.len() as u64) < need {
+        return Err(Error::Input(format!("the file holds {} data bytes, shape {shape:?} of {dtype} needs {need}", rest.len())));
+    }
+    Tensor::new(dtype, shape, Bytes::copy_from_slice(&rest[..need as usize]))
+}
+
+/// Writes `t` as a version-1 `.npy`. bfloat16 (which NumPy lacks) is written as float32.
+pub fn write_npy(path: &Path, t: &Tensor) -> Result<(), Error> {
+    let io = |source| Error::Io { path: path.to_path_buf(), source };
+    let (descr, data): (&str, std::borrow::Cow<[u8]>) = match t.dtype {
+        DType::BF16 => {
+            let widened: Vec<u8> = t
+                .data
+                .chunks_exact(2)
+                .flat_map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16).to_le_bytes())
+                .collect();
+            ("<f4", widened.into())
+        }
+        DType::F16 => ("<f2", (&t.data[..]).into()),
+        DType::F32 => ("<f4", (&t.data[..]).into()),
+        DType::F64 => ("<f8", (&t.data[..]).into()),
+        DType::I8 => ("|i1", (&t.data[..]).into()),
+        DType::I16 => ("<i2", (&t.data[..]).into()),
+        DType::I32 => ("<i4", (&t.data[..]).into()),
+        DType::I64 => ("<i8", (&t.data[..]).into()),
+        DType::U8 => ("|u1", (&t.data[..]).into()),
+        DType::U16 => ("<u2", (&t.data[..]).into()),
+        DType::U32 => ("<u4", (&t.data[..]).into()),
+        DType::U64 => ("<u8", (&t.data[..]).into()),
+        DType::Bool => ("|b1", (&t.data[..]).into()),
+        DType::String => return Err(Error::Unsupported("writing string tensors".into())),
+    };
+    let shape = match t.shape.len() {
+        1 => format!("({},)", t.shape[0]),
+        _ => format!("({})", t.shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")),
+    };
+    let mut header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
+    // Magic (6) + version (2) + length (2) + header + '\n' is a multiple of 64.
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut f = std::fs::File::create(path).map_err(io)?;
+    f.write_all(b"\x93NUMPY\x01\x00").map_err(io)?;
+    f.write_all(&(header.len() as u16).to_le_bytes()).map_err(io)?;
+    f.write_all(header.as_bytes()).map_err(io)?;
+    f.write_all(&data).map_err(io)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn npy_round_trips_and_bad_files_are_errors() {
+        let d = tempfile::tempdir().unwrap();
+        let t = Tensor::new(DType::I64, vec![2, 1], Bytes::from([1i64, -2].iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>()))
+            .unwrap();
+        let p = d.path().join("x.npy");
+        write_npy(&p, &t).unwrap();
+        assert_eq!(read_tensor_file(&p).unwrap().0, t);
+        let bytes = std::fs::read(&p).unwrap();
+        for cut in [0, 5, 20, bytes.len() - 1] {
+            assert!(read_npy(&bytes[..cut]).is_err(), "cut at {cut}");
+        }
+        assert!(read_tensor_file(&d.path().join("x.txt")).is_err());
+    }
+}

@@ -1,0 +1,73 @@
+//! Run metrics: what `--report` prints and `--report-json` writes.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::Serialize;
+
+/// Time and count of one op type.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct OpStat {
+    pub nodes: u64,
+    /// Wall time in microseconds, shim calls included.
+    pub time_us: u64,
+}
+
+/// Shim export calls, by export.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct WasmCalls {
+    pub infer: u64,
+    pub cpu: u64,
+    pub dispatch: u64,
+}
+
+/// Counts of one or more runs of a session.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Report {
+    pub device: String,
+    pub runs: u64,
+    /// Nodes executed, over all runs.
+    pub nodes: u64,
+    pub wasm_calls: WasmCalls,
+    /// Nodes run per package (`name@version`).
+    pub packages: BTreeMap<String, u64>,
+    pub ops: BTreeMap<String, OpStat>,
+    /// Shim instances created (a failed call discards its instance).
+    pub instances: u64,
+    pub run_time_us: u64,
+}
+
+impl Report {
+    pub fn record_node(&mut self, op: &str, package: &str, t: Duration) {
+        self.nodes += 1;
+        *self.packages.entry(package.to_string()).or_default() += 1;
+        let s = self.ops.entry(op.to_string()).or_default();
+        s.nodes += 1;
+        s.time_us += t.as_micros() as u64;
+    }
+
+    /// A human-readable table.
+    pub fn render(&self) -> String {
+        let mut s = format!(
+            "device: {}\nruns: {}  nodes: {}  time: {:.3} ms\nwasm calls: infer {}, cpu {}, dispatch {}  (instances {})\npackages:\n",
+            self.device,
+            self.runs,
+            self.nodes,
+            self.run_time_us as f64 / 1e3,
+            self.wasm_calls.infer,
+            self.wasm_calls.cpu,
+            self.wasm_calls.dispatch,
+            self.instances
+        );
+        for (p, n) in &self.packages {
+            s += &format!("  {p:<32} {n:>6} nodes\n");
+        }
+        s += "ops:\n";
+        let mut ops: Vec<_> = self.ops.iter().collect();
+        ops.sort_by(|a, b| b.1.time_us.cmp(&a.1.time_us));
+        for (op, st) in ops {
+            s += &format!("  {op:<24} {:>6} nodes {:>12.3} ms\n", st.nodes, st.time_us as f64 / 1e3);
+        }
+        s
+    }
+}

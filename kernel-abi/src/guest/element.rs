@@ -1,0 +1,244 @@
+//! Element types as Rust values, and conversion between tensor bytes and typed vectors.
+
+use alloc::vec::Vec;
+
+use half::{bf16, f16};
+
+use super::{format, Result, ShimError};
+use crate::DType;
+
+/// ONNX `bool`: one byte, 0 or 1.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Bool(pub bool);
+
+/// A fixed-size element type.
+///
+/// Conversions follow ONNX `Cast`: float → int truncates toward zero (saturating, NaN → 0),
+/// int → float rounds to nearest, anything → bool is `!= 0`, bool → number is 0 or 1.
+pub trait Element: Copy + Default + PartialOrd + 'static {
+    const DTYPE: DType;
+    const SIZE: usize;
+    fn from_le(b: &[u8]) -> Self;
+    fn write_le(self, out: &mut [u8]);
+    fn to_f64(self) -> f64;
+    fn from_f64(v: f64) -> Self;
+    fn to_i64(self) -> i64;
+    fn from_i64(v: i64) -> Self;
+}
+
+macro_rules! int_element {
+    ($t:ty, $dt:expr) => {
+        impl Element for $t {
+            const DTYPE: DType = $dt;
+            const SIZE: usize = core::mem::size_of::<$t>();
+            fn from_le(b: &[u8]) -> Self {
+                let mut a = [0u8; core::mem::size_of::<$t>()];
+                a.copy_from_slice(&b[..Self::SIZE]);
+                <$t>::from_le_bytes(a)
+            }
+            fn write_le(self, out: &mut [u8]) {
+                out[..Self::SIZE].copy_from_slice(&self.to_le_bytes())
+            }
+            fn to_f64(self) -> f64 {
+                self as f64
+            }
+            fn from_f64(v: f64) -> Self {
+                v as $t
+            }
+            fn to_i64(self) -> i64 {
+                self as i64
+            }
+            fn from_i64(v: i64) -> Self {
+                v as $t
+            }
+        }
+    };
+}
+
+int_element!(i8, DType::I8);
+int_element!(i16, DType::I16);
+int_element!(i32, DType::I32);
+int_element!(i64, DType::I64);
+int_element!(u8, DType::U8);
+int_element!(u16, DType::U16);
+int_element!(u32, DType::U32);
+int_element!(u64, DType::U64);
+
+macro_rules! float_element {
+    ($t:ty, $dt:expr, $bits:ty, $to:expr, $from:expr) => {
+        impl Element for $t {
+            const DTYPE: DType = $dt;
+            const SIZE: usize = core::mem::size_of::<$t>();
+            fn from_le(b: &[u8]) -> Self {
+                let mut a = [0u8; core::mem::size_of::<$t>()];
+                a.copy_from_slice(&b[..Self::SIZE]);
+                <$t>::from_bits(<$bits>::from_le_bytes(a))
+            }
+            fn write_le(self, out: &mut [u8]) {
+                out[..Self::SIZE].copy_from_slice(&self.to_bits().to_le_bytes())
+            }
+            fn to_f64(self) -> f64 {
+                #[allow(clippy::redundant_closure_call)]
+                ($to)(self)
+            }
+            fn from_f64(v: f64) -> Self {
+                #[allow(clippy::redundant_closure_call)]
+                ($from)(v)
+            }
+            fn to_i64(self) -> i64 {
+                let v = self.to_f64();
+                if v.is_nan() {
+                    0
+                } else {
+                    v as i64
+                }
+            }
+            fn from_i64(v: i64) -> Self {
+                Self::from_f64(v as f64)
+            }
+        }
+    };
+}
+
+float_element!(f32, DType::F32, u32, |x: f32| x as f64, |v: f64| v as f32);
+float_element!(f64, DType::F64, u64, |x: f64| x, |v: f64| v);
+float_element!(f16, DType::F16, u16, |x: f16| x.to_f64(), f16::from_f64);
+float_element!(bf16, DType::BF16, u16, |x: bf16| x.to_f64(), bf16::from_f64);
+
+impl Element for Bool {
+    const DTYPE: DType = DType::Bool;
+    const SIZE: usize = 1;
+    fn from_le(b: &[u8]) -> Self {
+        Bool(b[0] != 0)
+    }
+    fn write_le(self, out: &mut [u8]) {
+        out[0] = self.0 as u8
+    }
+    fn to_f64(self) -> f64 {
+        self.0 as u8 as f64
+    }
+    fn from_f64(v: f64) -> Self {
+        Bool(v != 0.0)
+    }
+    fn to_i64(self) -> i64 {
+        self.0 as i64
+    }
+    fn from_i64(v: i64) -> Self {
+        Bool(v != 0)
+    }
+}
+
+/// Runs `$body` with `$T` bound to the Rust type of `$dtype` (a [`DType`] value); evaluates
+/// to `$body`'s value, or to `Err(Unsupported)` for `string`.
+#[macro_export]
+macro_rules! with_dtype {
+    ($dtype:expr, $T:ident => $body:expr) => {{
+        use $crate::DType as __D;
+        match $dtype {
+            __D::F32 => {
+                type $T = f32;
+                $body
+            }
+            __D::F64 => {
+                type $T = f64;
+                $body
+            }
+            __D::F16 => {
+                type $T = $crate::guest::f16;
+                $body
+            }
+            __D::BF16 => {
+                type $T = $crate::guest::bf16;
+                $body
+            }
+            __D::I8 => {
+                type $T = i8;
+                $body
+            }
+            __D::I16 => {
+                type $T = i16;
+                $body
+            }
+            __D::I32 => {
+                type $T = i32;
+                $body
+            }
+            __D::I64 => {
+                type $T = i64;
+                $body
+            }
+            __D::U8 => {
+                type $T = u8;
+                $body
+            }
+            __D::U16 => {
+                type $T = u16;
+                $body
+            }
+            __D::U32 => {
+                type $T = u32;
+                $body
+            }
+            __D::U64 => {
+                type $T = u64;
+                $body
+            }
+            __D::Bool => {
+                type $T = $crate::guest::Bool;
+                $body
+            }
+            __D::String => {
+                Err($crate::guest::ShimError::Unsupported($crate::guest::format!("string tensors are not supported")))
+            }
+        }
+    }};
+}
+
+/// Decodes little-endian bytes of `T` elements.
+pub fn decode<T: Element>(bytes: &[u8]) -> Vec<T> {
+    bytes.chunks_exact(T::SIZE).map(T::from_le).collect()
+}
+
+/// Encodes `T` elements as little-endian bytes.
+pub fn encode<T: Element>(values: &[T]) -> Vec<u8> {
+    let mut out = alloc::vec![0u8; values.len() * T::SIZE];
+    for (v, o) in values.iter().zip(out.chunks_exact_mut(T::SIZE)) {
+        v.write_le(o);
+    }
+    out
+}
+
+/// Converts one element type to another with [`Element`]'s rules (through i64 between
+/// integer types, through f64 otherwise).
+pub fn convert<S: Element, T: Element>(v: S) -> T {
+    if S::DTYPE.is_float() || T::DTYPE.is_float() {
+        T::from_f64(v.to_f64())
+    } else {
+        T::from_i64(v.to_i64())
+    }
+}
+
+/// Decodes bytes of `dtype` elements into `T` values.
+pub fn decode_as<T: Element>(dtype: DType, bytes: &[u8]) -> Result<Vec<T>> {
+    if dtype == T::DTYPE {
+        return Ok(decode::<T>(bytes));
+    }
+    with_dtype!(dtype, S => Ok(decode::<S>(bytes).into_iter().map(convert::<S, T>).collect()))
+}
+
+/// Encodes `T` values as bytes of `dtype` elements.
+pub fn encode_as<T: Element>(dtype: DType, values: &[T]) -> Result<Vec<u8>> {
+    if dtype == T::DTYPE {
+        return Ok(encode(values));
+    }
+    with_dtype!(dtype, D => Ok(encode::<D>(&values.iter().map(|v| convert::<T, D>(*v)).collect::<Vec<D>>())))
+}
+
+/// Checks a value against a dtype for messages.
+pub fn expect_dtype(what: &str, got: DType, allowed: &[DType]) -> Result<()> {
+    if allowed.contains(&got) {
+        Ok(())
+    } else {
+        Err(ShimError::Unsupported(format!("{what}: dtype {got} is not supported")))
+    }
+}

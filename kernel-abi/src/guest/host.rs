@@ -1,0 +1,94 @@
+//! Safe wrappers of the host imports (module `kiln`, ABI v1).
+
+use alloc::vec::Vec;
+
+use super::{Result, ShimError};
+use crate::wire::{Gemm, Launch};
+
+#[cfg(target_arch = "wasm32")]
+mod sys {
+    #[link(wasm_import_module = "kiln")]
+    extern "C" {
+        pub fn fail(ptr: *const u8, len: usize);
+        pub fn set_output(index: u32, dtype: i32, rank: u32, dims: *const i64) -> i32;
+        pub fn read(handle: u32, offset: u64, dst: *mut u8, len: usize) -> i32;
+        pub fn write(handle: u32, offset: u64, src: *const u8, len: usize) -> i32;
+        pub fn scratch(nbytes: u64) -> i32;
+        pub fn launch(desc: *const u8, len: usize) -> i32;
+        pub fn gemm(desc: *const u8, len: usize) -> i32;
+    }
+}
+
+/// Off wasm32 (host-side builds of the SDK, e.g. `cargo doc`) every import refuses.
+#[cfg(not(target_arch = "wasm32"))]
+#[allow(clippy::missing_safety_doc)]
+mod sys {
+    use crate::status::E_CALL;
+    pub unsafe fn fail(_: *const u8, _: usize) {}
+    pub unsafe fn set_output(_: u32, _: i32, _: u32, _: *const i64) -> i32 {
+        E_CALL
+    }
+    pub unsafe fn read(_: u32, _: u64, _: *mut u8, _: usize) -> i32 {
+        E_CALL
+    }
+    pub unsafe fn write(_: u32, _: u64, _: *const u8, _: usize) -> i32 {
+        E_CALL
+    }
+    pub unsafe fn scratch(_: u64) -> i32 {
+        E_CALL
+    }
+    pub unsafe fn launch(_: *const u8, _: usize) -> i32 {
+        E_CALL
+    }
+    pub unsafe fn gemm(_: *const u8, _: usize) -> i32 {
+        E_CALL
+    }
+}
+
+fn check(code: i32) -> core::result::Result<i32, i32> {
+    if code < 0 {
+        Err(code)
+    } else {
+        Ok(code)
+    }
+}
+
+/// Reports a failure message to the host (the `fail` import).
+pub fn log_fail(msg: &str) {
+    unsafe { sys::fail(msg.as_ptr(), msg.len()) }
+}
+
+pub(crate) fn set_output(index: u32, dtype: i32, dims: &[i64]) -> core::result::Result<(), i32> {
+    check(unsafe { sys::set_output(index, dtype, dims.len() as u32, dims.as_ptr()) }).map(|_| ())
+}
+
+pub(crate) fn read(handle: u32, offset: u64, dst: &mut [u8]) -> core::result::Result<(), i32> {
+    check(unsafe { sys::read(handle, offset, dst.as_mut_ptr(), dst.len()) }).map(|_| ())
+}
+
+pub(crate) fn write(handle: u32, offset: u64, src: &[u8]) -> core::result::Result<(), i32> {
+    check(unsafe { sys::write(handle, offset, src.as_ptr(), src.len()) }).map(|_| ())
+}
+
+/// A scratch tensor of `nbytes` bytes for the rest of this call; returns its handle.
+pub fn scratch(nbytes: u64) -> Result<u32> {
+    check(unsafe { sys::scratch(nbytes) })
+        .map(|h| h as u32)
+        .map_err(|c| ShimError::Failed(alloc::format!("scratch of {nbytes} bytes refused ({c})")))
+}
+
+/// Enqueues one launch of a kernel declared in the package manifest (dispatch calls only).
+pub fn launch(l: &Launch<'_>) -> Result<()> {
+    let bytes: Vec<u8> = l.encode();
+    check(unsafe { sys::launch(bytes.as_ptr(), bytes.len()) })
+        .map(|_| ())
+        .map_err(|c| ShimError::Failed(alloc::format!("launch of {} refused ({c})", l.kernel)))
+}
+
+/// Enqueues one GEMM (dispatch calls only).
+pub fn gemm(g: &Gemm) -> Result<()> {
+    let bytes = g.encode();
+    check(unsafe { sys::gemm(bytes.as_ptr(), bytes.len()) })
+        .map(|_| ())
+        .map_err(|c| ShimError::Failed(alloc::format!("gemm refused ({c})")))
+}

@@ -1,0 +1,305 @@
+//! The shim SDK (feature `guest`): what a kernel package's shim crate is written with.
+//!
+//! A shim is a `no_std` `cdylib` for `wasm32-unknown-unknown` that implements [`Shim`] and
+//! exports it with [`export_shim!`](crate::export_shim):
+//!
+//! ```ignore
+//! #![no_std]
+//! extern crate alloc;
+//! use kiln_kernel_abi::guest::*;
+//!
+//! struct Relu;
+//! impl Shim for Relu {
+//!     fn infer(call: &Call) -> Result<Vec<TensorType>> {
+//!         let x = call.input(0)?;
+//!         Ok(vec![TensorType::new(x.dtype()?, x.shape()?)])
+//!     }
+//!     fn cpu(call: &Call) -> Result<()> {
+//!         let x: Vec<f32> = call.input(0)?.read_vec()?;
+//!         call.output(0)?.write_vec(&x.iter().map(|v| v.max(0.0)).collect::<Vec<_>>())
+//!     }
+//! }
+//! kiln_kernel_abi::export_shim!(Relu);
+//! ```
+//!
+//! The crate provides the global allocator (dlmalloc) and a panic handler that reports the
+//! panic message through the `fail` import before trapping, so a panicking shim fails its node
+//! with a readable reason.
+
+pub mod element;
+mod host;
+pub mod rt;
+pub mod shape;
+
+use alloc::string::String;
+use alloc::vec::Vec;
+
+pub use alloc::{format, vec};
+pub use element::{Bool, Element};
+pub use half::{bf16, f16};
+pub use host::{gemm, launch, log_fail, scratch};
+pub use libm;
+
+pub use crate::wire::{AttrValue, Epilogue, Gemm, KernelArg, Launch, NodeCall, Operand, TensorDesc, TensorValue};
+pub use crate::{status, DType};
+
+/// Why a shim call did not succeed.
+#[derive(Clone, Debug)]
+pub enum ShimError {
+    /// The node is invalid (shapes that do not match, a bad attribute): export returns
+    /// [`status::FAILED`].
+    Failed(String),
+    /// The package does not implement this case: export returns [`status::UNSUPPORTED`].
+    Unsupported(String),
+}
+
+/// Result of shim functions.
+pub type Result<T> = core::result::Result<T, ShimError>;
+
+/// Returns early with [`ShimError::Failed`] and a formatted message.
+#[macro_export]
+macro_rules! bail {
+    ($($t:tt)*) => { return Err($crate::guest::ShimError::Failed($crate::guest::format!($($t)*))) };
+}
+
+/// Returns early with [`ShimError::Unsupported`] and a formatted message.
+#[macro_export]
+macro_rules! unsupported {
+    ($($t:tt)*) => { return Err($crate::guest::ShimError::Unsupported($crate::guest::format!($($t)*))) };
+}
+
+/// The dtype and shape of one output, as inferred.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorType {
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+}
+
+impl TensorType {
+    pub fn new(dtype: DType, shape: Vec<usize>) -> Self {
+        TensorType { dtype, shape }
+    }
+}
+
+/// What a package implements. Every function is a pure function of the call: shapes,
+/// dtypes, attributes and (for value inputs) input bytes.
+pub trait Shim {
+    /// Output dtypes and shapes, one per output of the node (absent outputs included, in
+    /// order; their entries are ignored). Inputs are fully known when this is called.
+    fn infer(call: &Call) -> Result<Vec<TensorType>>;
+
+    /// Records the GPU work for the node with [`launch`], [`gemm`] and [`scratch`].
+    fn dispatch(call: &Call) -> Result<()> {
+        Err(ShimError::Unsupported(format!("{} has no GPU dispatch in this package", call.op_type())))
+    }
+
+    /// Computes the outputs on the CPU: reads inputs with [`Tensor::read_bytes`] and writes every
+    /// present output with [`Tensor::write_bytes`].
+    fn cpu(call: &Call) -> Result<()>;
+}
+
+/// A decoded node call with typed accessors.
+pub struct Call<'a> {
+    pub node: NodeCall<'a>,
+}
+
+/// One input or output of the call.
+#[derive(Clone, Copy)]
+pub struct Tensor<'c, 'a> {
+    pub desc: &'c TensorDesc<'a>,
+    /// "input 1", "output 0": for messages.
+    index: usize,
+    is_input: bool,
+}
+
+impl<'a> Call<'a> {
+    pub fn op_type(&self) -> &'a str {
+        self.node.op_type
+    }
+    pub fn domain(&self) -> &'a str {
+        self.node.domain
+    }
+    pub fn opset(&self) -> i64 {
+        self.node.opset
+    }
+    pub fn num_inputs(&self) -> usize {
+        self.node.inputs.len()
+    }
+    pub fn num_outputs(&self) -> usize {
+        self.node.outputs.len()
+    }
+
+    /// Input `i`, which must be present.
+    pub fn input(&self, i: usize) -> Result<Tensor<'_, 'a>> {
+        self.input_opt(i).ok_or_else(|| ShimError::Failed(format!("{}: input {i} is required", self.op_type())))
+    }
+
+    /// Input `i`, or `None` when absent or beyond the node's inputs.
+    pub fn input_opt(&self, i: usize) -> Option<Tensor<'_, 'a>> {
+        self.node.inputs.get(i).filter(|d| d.present).map(|desc| Tensor { desc, index: i, is_input: true })
+    }
+
+    /// Present inputs, in order (for variadic ops).
+    pub fn inputs(&self) -> Vec<Tensor<'_, 'a>> {
+        (0..self.num_inputs()).filter_map(|i| self.input_opt(i)).collect()
+    }
+
+    /// Output `i`, which must be present.
+    pub fn output(&self, i: usize) -> Result<Tensor<'_, 'a>> {
+        self.output_opt(i).ok_or_else(|| ShimError::Failed(format!("{}: output {i} is required", self.op_type())))
+    }
+
+    /// Output `i`, or `None` when the node leaves it out.
+    pub fn output_opt(&self, i: usize) -> Option<Tensor<'_, 'a>> {
+        self.node.outputs.get(i).filter(|d| d.present).map(|desc| Tensor { desc, index: i, is_input: false })
+    }
+
+    pub fn attr(&self, name: &str) -> Option<&AttrValue<'a>> {
+        self.node.attr(name)
+    }
+
+    /// INT attribute `name`, or `default` when absent.
+    pub fn attr_i(&self, name: &str, default: i64) -> Result<i64> {
+        match self.attr(name) {
+            None => Ok(default),
+            Some(AttrValue::Int(v)) => Ok(*v),
+            Some(_) => self.wrong_type(name, "INT"),
+        }
+    }
+
+    /// FLOAT attribute `name`, or `default` when absent.
+    pub fn attr_f(&self, name: &str, default: f32) -> Result<f32> {
+        match self.attr(name) {
+            None => Ok(default),
+            Some(AttrValue::Float(v)) => Ok(*v),
+            Some(_) => self.wrong_type(name, "FLOAT"),
+        }
+    }
+
+    /// STRING attribute `name`, or `default` when absent.
+    pub fn attr_s(&self, name: &str, default: &'a str) -> Result<&'a str> {
+        match self.attr(name) {
+            None => Ok(default),
+            Some(AttrValue::String(v)) => Ok(v),
+            Some(_) => self.wrong_type(name, "STRING"),
+        }
+    }
+
+    /// INTS attribute `name`, or `None` when absent.
+    pub fn attr_ints(&self, name: &str) -> Result<Option<Vec<i64>>> {
+        match self.attr(name) {
+            None => Ok(None),
+            Some(AttrValue::Ints(v)) => Ok(Some(v.clone())),
+            Some(_) => self.wrong_type(name, "INTS"),
+        }
+    }
+
+    /// FLOATS attribute `name`, or `None` when absent.
+    pub fn attr_floats(&self, name: &str) -> Result<Option<Vec<f32>>> {
+        match self.attr(name) {
+            None => Ok(None),
+            Some(AttrValue::Floats(v)) => Ok(Some(v.clone())),
+            Some(_) => self.wrong_type(name, "FLOATS"),
+        }
+    }
+
+    /// TENSOR attribute `name`, or `None` when absent.
+    pub fn attr_tensor(&self, name: &str) -> Result<Option<&TensorValue<'a>>> {
+        match self.attr(name) {
+            None => Ok(None),
+            Some(AttrValue::Tensor(v)) => Ok(Some(v)),
+            Some(_) => self.wrong_type(name, "TENSOR"),
+        }
+    }
+
+    fn wrong_type<T>(&self, name: &str, want: &str) -> Result<T> {
+        Err(ShimError::Failed(format!("{}: attribute {name} must be {want}", self.op_type())))
+    }
+}
+
+impl<'c, 'a> Tensor<'c, 'a> {
+    fn what(&self) -> String {
+        format!("{} {}", if self.is_input { "input" } else { "output" }, self.index)
+    }
+
+    /// The element type (known for every input; for outputs after inference).
+    pub fn dtype(&self) -> Result<DType> {
+        self.desc.dtype.ok_or_else(|| ShimError::Failed(format!("{} has no dtype", self.what())))
+    }
+
+    /// The shape, all dimensions known.
+    pub fn shape(&self) -> Result<Vec<usize>> {
+        let dims = self.desc.dims.as_ref().ok_or_else(|| ShimError::Failed(format!("{} has no shape", self.what())))?;
+        dims.iter()
+            .map(|&d| {
+                usize::try_from(d).map_err(|_| ShimError::Failed(format!("{} has unknown dimension {d}", self.what())))
+            })
+            .collect()
+    }
+
+    pub fn rank(&self) -> Result<usize> {
+        Ok(self.shape()?.len())
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> Result<usize> {
+        Ok(self.shape()?.iter().product())
+    }
+
+    /// Size in bytes.
+    pub fn nbytes(&self) -> Result<usize> {
+        let size =
+            self.dtype()?.size().ok_or_else(|| ShimError::Unsupported(format!("{}: string tensors", self.what())))?;
+        Ok(self.numel()? * size)
+    }
+
+    pub fn handle(&self) -> u32 {
+        self.desc.handle
+    }
+
+    /// The bytes given inline for a value input (see the manifest's `value_inputs`).
+    pub fn value(&self) -> Option<&'a [u8]> {
+        self.desc.value
+    }
+
+    /// The input's elements as i64 (from int32/int64/other integer types); from the inline
+    /// value when given, otherwise read through the host. For shape-like inputs.
+    pub fn read_i64s(&self) -> Result<Vec<i64>> {
+        let dtype = self.dtype()?;
+        let bytes = match self.value() {
+            Some(v) => Vec::from(v),
+            None => self.read_bytes()?,
+        };
+        element::decode_as::<i64>(dtype, &bytes)
+    }
+
+    /// Reads all bytes of the tensor (CPU calls only).
+    pub fn read_bytes(&self) -> Result<Vec<u8>> {
+        let n = self.nbytes()?;
+        let mut buf = vec![0u8; n];
+        host::read(self.desc.handle, 0, &mut buf)
+            .map_err(|c| ShimError::Failed(format!("reading {}: host refused ({c})", self.what())))?;
+        Ok(buf)
+    }
+
+    /// Reads the tensor converted to `T` (any numeric dtype; bool as 0/1).
+    pub fn read_vec<T: Element>(&self) -> Result<Vec<T>> {
+        element::decode_as::<T>(self.dtype()?, &self.read_bytes()?)
+    }
+
+    /// Writes `bytes` at `offset` (CPU calls only).
+    pub fn write_bytes_at(&self, offset: u64, bytes: &[u8]) -> Result<()> {
+        host::write(self.desc.handle, offset, bytes)
+            .map_err(|c| ShimError::Failed(format!("writing {}: host refused ({c})", self.what())))
+    }
+
+    /// Writes the whole tensor.
+    pub fn write_bytes(&self, bytes: &[u8]) -> Result<()> {
+        self.write_bytes_at(0, bytes)
+    }
+
+    /// Writes `values` converted to this tensor's dtype.
+    pub fn write_vec<T: Element>(&self, values: &[T]) -> Result<()> {
+        self.write_bytes(&element::encode_as(self.dtype()?, values)?)
+    }
+}

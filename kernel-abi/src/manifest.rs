@@ -1,0 +1,280 @@
+//! The `kernel.toml` manifest of a kernel package (ABI v1).
+//!
+//! ```toml
+//! abi = 1
+//! shim = "shim.wasm"
+//!
+//! [package]
+//! name = "kiln-unary"            # [a-z0-9_-], 1..=64 characters
+//! version = "1.0.0"              # semver
+//! description = "Unary elementwise ops"
+//! license = "Apache-2.0"
+//!
+//! [device]                       # what the GPU must offer (ignored by the CPU backend)
+//! min_compute_capability = "7.0"
+//! features = ["bf16"]
+//!
+//! [[ops]]
+//! domain = ""                    # "" is ai.onnx
+//! op_types = ["Relu", "Exp"]
+//! since_opset = 6                # the model's opset for `domain` must be in
+//! until_opset = 25               #   since_opset..=until_opset (until: optional)
+//! dtypes = ["float32", "float16"]  # dtypes accepted for input `dtype_input`
+//! dtype_input = 0                # default 0
+//! max_rank = 8                   # largest input/output rank handled
+//! value_inputs = []              # inputs whose bytes the shim needs for inference
+//!
+//! [[cuda]]
+//! source = "cuda/unary.cu"
+//! kernels = ["unary_f32"]        # the entry points `launch` may name
+//!
+//! [files]                        # sha256 of every other file of the package, hex
+//! "shim.wasm" = "…"
+//! "cuda/unary.cu" = "…"
+//! ```
+//!
+//! Parsing checks types and ranges; [`Manifest::validate`] checks what serde cannot
+//! (names, relative paths, hash syntax, opset ranges). Checking the files against their hashes
+//! is the loader's job (`kiln-registry`).
+
+use std::collections::BTreeMap;
+
+use semver::Version;
+use serde::{Deserialize, Serialize};
+
+use crate::DType;
+
+/// Errors in a manifest's text or content.
+#[derive(Debug, thiserror::Error)]
+pub enum ManifestError {
+    #[error("kernel.toml is not valid TOML for a kiln manifest: {0}")]
+    Toml(#[from] toml::de::Error),
+    #[error("kernel.toml: {0}")]
+    Invalid(String),
+}
+
+/// A parsed `kernel.toml`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    /// The kernel ABI version the package is built for.
+    pub abi: u32,
+    /// Path of the shim module inside the package.
+    pub shim: String,
+    pub package: PackageInfo,
+    #[serde(default)]
+    pub device: DeviceRequirements,
+    pub ops: Vec<OpEntry>,
+    #[serde(default)]
+    pub cuda: Vec<CudaSource>,
+    /// sha256 (lower-case hex) of every file of the package but `kernel.toml`, by relative path.
+    #[serde(default)]
+    pub files: BTreeMap<String, String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PackageInfo {
+    pub name: String,
+    pub version: Version,
+    #[serde(default)]
+    pub description: String,
+    #[serde(default)]
+    pub license: String,
+}
+
+/// What the GPU must offer for the package's CUDA kernels.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceRequirements {
+    /// `"major.minor"`, e.g. `"7.0"`; absent means any.
+    #[serde(default)]
+    pub min_compute_capability: Option<String>,
+    /// Device features the kernels use: `bf16`, `fp16`, `tf32`.
+    #[serde(default)]
+    pub features: Vec<String>,
+}
+
+/// A group of ops the package provides with one set of constraints.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OpEntry {
+    /// `""` (ai.onnx) or another domain such as `com.microsoft`.
+    #[serde(default)]
+    pub domain: String,
+    pub op_types: Vec<String>,
+    pub since_opset: i64,
+    #[serde(default)]
+    pub until_opset: Option<i64>,
+    /// dtype names ([`DType::name`]) accepted for input `dtype_input`.
+    pub dtypes: Vec<String>,
+    #[serde(default)]
+    pub dtype_input: usize,
+    pub max_rank: usize,
+    #[serde(default)]
+    pub value_inputs: Vec<usize>,
+}
+
+/// A CUDA C++ source file and the kernels it defines.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CudaSource {
+    pub source: String,
+    pub kernels: Vec<String>,
+}
+
+impl OpEntry {
+    /// Parsed dtypes. Validated manifests only hold known names.
+    pub fn dtype_set(&self) -> Vec<DType> {
+        self.dtypes.iter().filter_map(|n| DType::from_name(n)).collect()
+    }
+
+    /// Whether the model's opset for this domain is in range.
+    pub fn covers_opset(&self, opset: i64) -> bool {
+        opset >= self.since_opset && self.until_opset.is_none_or(|u| opset <= u)
+    }
+}
+
+impl Manifest {
+    /// Parses and validates `kernel.toml` text.
+    pub fn parse(text: &str) -> Result<Manifest, ManifestError> {
+        let m: Manifest = toml::from_str(text)?;
+        m.validate()?;
+        Ok(m)
+    }
+
+    /// Renders the manifest as TOML.
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).unwrap_or_default()
+    }
+
+    /// Every kernel entry point declared by the `[[cuda]]` sources.
+    pub fn kernels(&self) -> impl Iterator<Item = &str> {
+        self.cuda.iter().flat_map(|c| c.kernels.iter().map(String::as_str))
+    }
+
+    /// Checks what the TOML types cannot express.
+    pub fn validate(&self) -> Result<(), ManifestError> {
+        let bad = |msg: String| Err(ManifestError::Invalid(msg));
+        let name = &self.package.name;
+        if name.is_empty()
+            || name.len() > 64
+            || !name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+        {
+            return bad(format!("package name {name:?} must be 1 to 64 characters of a-z, 0-9, '-', '_'"));
+        }
+        check_relative_path(&self.shim)?;
+        if let Some(cc) = &self.device.min_compute_capability {
+            parse_compute_capability(cc)?;
+        }
+        if self.ops.is_empty() {
+            return bad("[[ops]] is empty: a package must provide at least one op".into());
+        }
+        for (i, op) in self.ops.iter().enumerate() {
+            if op.op_types.is_empty() || op.op_types.iter().any(|t| t.is_empty()) {
+                return bad(format!("ops[{i}]: op_types must list non-empty op names"));
+            }
+            if op.since_opset < 1 || op.until_opset.is_some_and(|u| u < op.since_opset) {
+                return bad(format!(
+                    "ops[{i}]: opset range {}..{:?} is empty or below 1",
+                    op.since_opset, op.until_opset
+                ));
+            }
+            if let Some(d) = op.dtypes.iter().find(|d| DType::from_name(d).is_none()) {
+                return bad(format!("ops[{i}]: unknown dtype {d:?}"));
+            }
+            if op.max_rank > 64 {
+                return bad(format!("ops[{i}]: max_rank {} is over 64", op.max_rank));
+            }
+        }
+        for c in &self.cuda {
+            check_relative_path(&c.source)?;
+            if let Some(k) = c.kernels.iter().find(|k| !is_identifier(k)) {
+                return bad(format!("cuda source {}: kernel name {k:?} is not a C identifier", c.source));
+            }
+        }
+        for (path, hash) in &self.files {
+            check_relative_path(path)?;
+            if hash.len() != 64 || !hash.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+                return bad(format!("files.{path:?}: {hash:?} is not a lower-case hex sha256"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Parses `"major.minor"` into `(major, minor)`.
+pub fn parse_compute_capability(s: &str) -> Result<(u32, u32), ManifestError> {
+    let err = || ManifestError::Invalid(format!("compute capability {s:?} is not \"major.minor\""));
+    let (a, b) = s.split_once('.').ok_or_else(err)?;
+    Ok((a.parse().map_err(|_| err())?, b.parse().map_err(|_| err())?))
+}
+
+fn is_identifier(s: &str) -> bool {
+    let mut b = s.bytes();
+    matches!(b.next(), Some(c) if c.is_ascii_alphabetic() || c == b'_')
+        && b.all(|c| c.is_ascii_alphanumeric() || c == b'_')
+}
+
+/// A path inside the package: relative, `/`-separated, no `..`, no empty or `.` components.
+pub fn check_relative_path(p: &str) -> Result<(), ManifestError> {
+    let ok = !p.is_empty()
+        && !p.starts_with('/')
+        && !p.contains('\\')
+        && p.split('/').all(|c| !c.is_empty() && c != "." && c != "..");
+    if ok {
+        Ok(())
+    } else {
+        Err(ManifestError::Invalid(format!("path {p:?} must be relative to the package, without '..'")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+abi = 1
+shim = "shim.wasm"
+[package]
+name = "kiln-unary"
+version = "1.2.3"
+[[ops]]
+op_types = ["Relu"]
+since_opset = 6
+dtypes = ["float32", "float16"]
+max_rank = 8
+[[cuda]]
+source = "cuda/unary.cu"
+kernels = ["relu_f32"]
+"#;
+
+    #[test]
+    fn a_good_manifest_parses() {
+        let m = Manifest::parse(GOOD).unwrap();
+        assert_eq!(m.package.version, Version::new(1, 2, 3));
+        assert_eq!(m.ops[0].dtype_set(), vec![DType::F32, DType::F16]);
+        assert!(m.ops[0].covers_opset(13) && !m.ops[0].covers_opset(5));
+        assert_eq!(m.kernels().collect::<Vec<_>>(), vec!["relu_f32"]);
+        assert_eq!(Manifest::parse(&m.to_toml()).unwrap(), m);
+    }
+
+    #[test]
+    fn bad_manifests_name_the_problem() {
+        let cases = [
+            (GOOD.replace("1.2.3", "1.2"), "version"),
+            (GOOD.replace("kiln-unary", "Kiln Unary"), "package name"),
+            (GOOD.replace("\"float16\"", "\"float17\""), "unknown dtype"),
+            (GOOD.replace("cuda/unary.cu", "../unary.cu"), "relative"),
+            (GOOD.replace("relu_f32", "relu-f32"), "C identifier"),
+            (GOOD.replace("since_opset = 6", "since_opset = 0"), "opset"),
+            (GOOD.replace("abi = 1", "abi = \"x\""), "abi"),
+            (format!("{GOOD}\n[files]\n\"shim.wasm\" = \"zz\""), "sha256"),
+            (format!("{GOOD}\nsurprise = 1"), "surprise"),
+        ];
+        for (text, needle) in cases {
+            let err = Manifest::parse(&text).unwrap_err().to_string();
+            assert!(err.contains(needle), "{err:?} should mention {needle:?}");
+        }
+    }
+}

@@ -1,0 +1,703 @@
+//! Wire encodings of ABI v1 (normative description: `ABI.md`, section "Encodings").
+//!
+//! Everything is little-endian and unaligned. A `str` is a `u32` byte length followed by UTF-8
+//! bytes; a list is a `u32` count followed by its items. Three messages cross the boundary:
+//!
+//! - [`NodeCall`], host → shim: the node (op, opset, inputs, outputs, attributes) given to
+//!   `kiln_infer`, `kiln_dispatch` and `kiln_cpu`.
+//! - [`Launch`], shim → host: one kernel launch, argument of the `launch` import.
+//! - [`Gemm`], shim → host: one (batched) matrix product, argument of the `gemm` import.
+//!
+//! Decoding never panics: every malformed message gives a [`WireError`].
+
+use alloc::vec::Vec;
+use core::fmt;
+
+use crate::DType;
+
+/// The handle value of an absent tensor (an optional input or output left empty).
+pub const NO_HANDLE: u32 = u32::MAX;
+
+/// Why a message could not be decoded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WireError {
+    /// The message ended before a field of `what`.
+    Truncated(&'static str),
+    /// A field held a value outside its domain.
+    Invalid(&'static str),
+    /// A `str` was not UTF-8.
+    Utf8,
+    /// Bytes were left over after the message.
+    Trailing(usize),
+}
+
+impl fmt::Display for WireError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            WireError::Truncated(what) => write!(f, "message truncated in {what}"),
+            WireError::Invalid(what) => write!(f, "invalid {what}"),
+            WireError::Utf8 => f.write_str("string is not UTF-8"),
+            WireError::Trailing(n) => write!(f, "{n} trailing bytes after the message"),
+        }
+    }
+}
+
+/// One tensor of a node call: an input or an output.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorDesc<'a> {
+    /// Whether the tensor exists (an optional input or output may be absent).
+    pub present: bool,
+    /// Element type; `None` where not yet known (outputs during `kiln_infer`).
+    pub dtype: Option<DType>,
+    /// Dimensions; `None` where the rank is unknown. A dimension of `-1` is unknown (only
+    /// during inference ahead of a run, when graph inputs have symbolic dimensions).
+    pub dims: Option<Vec<i64>>,
+    /// The handle naming this tensor for the duration of the call, or [`NO_HANDLE`].
+    pub handle: u32,
+    /// The tensor's bytes, where the manifest declares this input a value input (shape-like
+    /// inputs such as Reshape's `shape`) and the host knows them.
+    pub value: Option<&'a [u8]>,
+}
+
+impl<'a> TensorDesc<'a> {
+    /// An absent tensor.
+    pub fn absent() -> Self {
+        TensorDesc { present: false, dtype: None, dims: None, handle: NO_HANDLE, value: None }
+    }
+
+    /// Number of elements, when every dimension is known and non-negative.
+    pub fn numel(&self) -> Option<u64> {
+        let dims = self.dims.as_ref()?;
+        let mut n: u64 = 1;
+        for &d in dims {
+            if d < 0 {
+                return None;
+            }
+            n = n.checked_mul(d as u64)?;
+        }
+        Some(n)
+    }
+}
+
+/// An ONNX attribute value (`AttributeProto`, types FLOAT … STRINGS).
+#[derive(Clone, Debug, PartialEq)]
+pub enum AttrValue<'a> {
+    Float(f32),
+    Int(i64),
+    String(&'a str),
+    Tensor(TensorValue<'a>),
+    Floats(Vec<f32>),
+    Ints(Vec<i64>),
+    Strings(Vec<&'a str>),
+}
+
+impl AttrValue<'_> {
+    /// The ONNX `AttributeProto.AttributeType` code, which is the wire tag.
+    pub fn code(&self) -> u32 {
+        match self {
+            AttrValue::Float(_) => 1,
+            AttrValue::Int(_) => 2,
+            AttrValue::String(_) => 3,
+            AttrValue::Tensor(_) => 4,
+            AttrValue::Floats(_) => 6,
+            AttrValue::Ints(_) => 7,
+            AttrValue::Strings(_) => 8,
+        }
+    }
+}
+
+/// A tensor carried by value (a TENSOR attribute): little-endian element bytes, row-major.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorValue<'a> {
+    pub dtype: DType,
+    pub dims: Vec<i64>,
+    pub data: &'a [u8],
+}
+
+/// A named attribute.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Attribute<'a> {
+    pub name: &'a str,
+    pub value: AttrValue<'a>,
+}
+
+/// One node as given to a shim export.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodeCall<'a> {
+    /// ABI version of the encoding (1).
+    pub abi_version: u32,
+    /// Operator domain: `""` for `ai.onnx`, `com.microsoft`, …
+    pub domain: &'a str,
+    /// Operator type, as in the ONNX graph (`MatMul`).
+    pub op_type: &'a str,
+    /// The model's opset version for `domain`.
+    pub opset: i64,
+    /// The node's name (may be empty), for messages.
+    pub node_name: &'a str,
+    pub inputs: Vec<TensorDesc<'a>>,
+    pub outputs: Vec<TensorDesc<'a>>,
+    pub attributes: Vec<Attribute<'a>>,
+}
+
+impl<'a> NodeCall<'a> {
+    /// The attribute named `name`, if the node has it.
+    pub fn attr(&self, name: &str) -> Option<&AttrValue<'a>> {
+        self.attributes.iter().find(|a| a.name == name).map(|a| &a.value)
+    }
+
+    /// Encodes the call (host side).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.u32(self.abi_version);
+        w.str(self.domain);
+        w.str(self.op_type);
+        w.i64(self.opset);
+        w.str(self.node_name);
+        for list in [&self.inputs, &self.outputs] {
+            w.u32(list.len() as u32);
+            for t in list.iter() {
+                encode_tensor(&mut w, t);
+            }
+        }
+        w.u32(self.attributes.len() as u32);
+        for a in &self.attributes {
+            w.str(a.name);
+            w.u32(a.value.code());
+            match &a.value {
+                AttrValue::Float(v) => w.f32(*v),
+                AttrValue::Int(v) => w.i64(*v),
+                AttrValue::String(s) => w.str(s),
+                AttrValue::Tensor(t) => {
+                    w.i32(t.dtype.code());
+                    w.dims(&t.dims);
+                    w.bytes(t.data);
+                }
+                AttrValue::Floats(v) => {
+                    w.u32(v.len() as u32);
+                    v.iter().for_each(|x| w.f32(*x));
+                }
+                AttrValue::Ints(v) => w.dims(v),
+                AttrValue::Strings(v) => {
+                    w.u32(v.len() as u32);
+                    v.iter().for_each(|s| w.str(s));
+                }
+            }
+        }
+        w.0
+    }
+
+    /// Decodes a call (shim side).
+    pub fn decode(bytes: &'a [u8]) -> Result<Self, WireError> {
+        let mut r = Reader::new(bytes);
+        let abi_version = r.u32("abi_version")?;
+        let domain = r.str("domain")?;
+        let op_type = r.str("op_type")?;
+        let opset = r.i64("opset")?;
+        let node_name = r.str("node_name")?;
+        let mut lists = [Vec::new(), Vec::new()];
+        for list in lists.iter_mut() {
+            let n = r.count("tensor count", 9)?;
+            for _ in 0..n {
+                list.push(decode_tensor(&mut r)?);
+            }
+        }
+        let [inputs, outputs] = lists;
+        let n = r.count("attribute count", 8)?;
+        let mut attributes = Vec::with_capacity(n);
+        for _ in 0..n {
+            let name = r.str("attribute name")?;
+            let value = match r.u32("attribute type")? {
+                1 => AttrValue::Float(r.f32("FLOAT")?),
+                2 => AttrValue::Int(r.i64("INT")?),
+                3 => AttrValue::String(r.str("STRING")?),
+                4 => AttrValue::Tensor(TensorValue {
+                    dtype: r.dtype("TENSOR dtype")?,
+                    dims: r.dims("TENSOR dims")?,
+                    data: r.bytes("TENSOR data")?,
+                }),
+                6 => {
+                    let n = r.count("FLOATS", 4)?;
+                    (0..n).map(|_| r.f32("FLOATS")).collect::<Result<_, _>>().map(AttrValue::Floats)?
+                }
+                7 => AttrValue::Ints(r.dims("INTS")?),
+                8 => {
+                    let n = r.count("STRINGS", 4)?;
+                    (0..n).map(|_| r.str("STRINGS")).collect::<Result<_, _>>().map(AttrValue::Strings)?
+                }
+                _ => return Err(WireError::Invalid("attribute type")),
+            };
+            attributes.push(Attribute { name, value });
+        }
+        r.finish()?;
+        Ok(NodeCall { abi_version, domain, op_type, opset, node_name, inputs, outputs, attributes })
+    }
+}
+
+const FLAG_PRESENT: u32 = 1;
+const FLAG_VALUE: u32 = 2;
+const FLAG_RANK: u32 = 4;
+
+fn encode_tensor(w: &mut Writer, t: &TensorDesc<'_>) {
+    let mut flags = 0;
+    if t.present {
+        flags |= FLAG_PRESENT;
+    }
+    if t.value.is_some() {
+        flags |= FLAG_VALUE;
+    }
+    if t.dims.is_some() {
+        flags |= FLAG_RANK;
+    }
+    w.u32(flags);
+    w.i32(t.dtype.map_or(0, DType::code));
+    w.dims(t.dims.as_deref().unwrap_or(&[]));
+    w.u32(t.handle);
+    if let Some(v) = t.value {
+        w.bytes(v);
+    }
+}
+
+fn decode_tensor<'a>(r: &mut Reader<'a>) -> Result<TensorDesc<'a>, WireError> {
+    let flags = r.u32("tensor flags")?;
+    if flags & !(FLAG_PRESENT | FLAG_VALUE | FLAG_RANK) != 0 {
+        return Err(WireError::Invalid("tensor flags"));
+    }
+    let code = r.i32("tensor dtype")?;
+    let dtype = if code == 0 { None } else { Some(DType::from_code(code).ok_or(WireError::Invalid("dtype"))?) };
+    let dims = r.dims("tensor dims")?;
+    let handle = r.u32("tensor handle")?;
+    let value = if flags & FLAG_VALUE != 0 { Some(r.bytes("tensor value")?) } else { None };
+    Ok(TensorDesc {
+        present: flags & FLAG_PRESENT != 0,
+        dtype,
+        dims: if flags & FLAG_RANK != 0 { Some(dims) } else { None },
+        handle,
+        value,
+    })
+}
+
+/// One argument of a kernel launch.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum KernelArg {
+    /// A device pointer: the tensor named by `handle`, advanced by `offset` bytes. Tag 1.
+    Tensor { handle: u32, offset: u64 },
+    /// Tag 2.
+    I32(i32),
+    /// Tag 3.
+    U32(u32),
+    /// Tag 4.
+    I64(i64),
+    /// Tag 5.
+    U64(u64),
+    /// Tag 6.
+    F32(f32),
+    /// Tag 7.
+    F64(f64),
+}
+
+/// One launch of a kernel that the package's manifest declares (argument of `launch`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Launch<'a> {
+    /// Kernel entry point, as declared in `kernel.toml` (`[[cuda]] kernels`).
+    pub kernel: &'a str,
+    /// Grid dimensions in blocks (x, y, z).
+    pub grid: [u32; 3],
+    /// Block dimensions in threads (x, y, z).
+    pub block: [u32; 3],
+    /// Dynamic shared memory per block, in bytes.
+    pub shared_mem_bytes: u32,
+    /// Kernel parameters, in order.
+    pub args: Vec<KernelArg>,
+}
+
+impl<'a> Launch<'a> {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.str(self.kernel);
+        self.grid.iter().chain(self.block.iter()).for_each(|v| w.u32(*v));
+        w.u32(self.shared_mem_bytes);
+        w.u32(self.args.len() as u32);
+        for a in &self.args {
+            match *a {
+                KernelArg::Tensor { handle, offset } => {
+                    w.u8(1);
+                    w.u32(handle);
+                    w.u64(offset);
+                }
+                KernelArg::I32(v) => {
+                    w.u8(2);
+                    w.i32(v)
+                }
+                KernelArg::U32(v) => {
+                    w.u8(3);
+                    w.u32(v)
+                }
+                KernelArg::I64(v) => {
+                    w.u8(4);
+                    w.i64(v)
+                }
+                KernelArg::U64(v) => {
+                    w.u8(5);
+                    w.u64(v)
+                }
+                KernelArg::F32(v) => {
+                    w.u8(6);
+                    w.f32(v)
+                }
+                KernelArg::F64(v) => {
+                    w.u8(7);
+                    w.u64(v.to_bits())
+                }
+            }
+        }
+        w.0
+    }
+
+    pub fn decode(bytes: &'a [u8]) -> Result<Self, WireError> {
+        let mut r = Reader::new(bytes);
+        let kernel = r.str("kernel name")?;
+        let mut dims = [0u32; 6];
+        for d in dims.iter_mut() {
+            *d = r.u32("launch dimensions")?;
+        }
+        let shared_mem_bytes = r.u32("shared memory")?;
+        let n = r.count("argument count", 5)?;
+        let mut args = Vec::with_capacity(n);
+        for _ in 0..n {
+            args.push(match r.u8("argument tag")? {
+                1 => KernelArg::Tensor { handle: r.u32("handle")?, offset: r.u64("offset")? },
+                2 => KernelArg::I32(r.i32("i32")?),
+                3 => KernelArg::U32(r.u32("u32")?),
+                4 => KernelArg::I64(r.i64("i64")?),
+                5 => KernelArg::U64(r.u64("u64")?),
+                6 => KernelArg::F32(r.f32("f32")?),
+                7 => KernelArg::F64(f64::from_bits(r.u64("f64")?)),
+                _ => return Err(WireError::Invalid("argument tag")),
+            });
+        }
+        r.finish()?;
+        Ok(Launch {
+            kernel,
+            grid: [dims[0], dims[1], dims[2]],
+            block: [dims[3], dims[4], dims[5]],
+            shared_mem_bytes,
+            args,
+        })
+    }
+}
+
+/// A matrix operand of [`Gemm`]: row-major, `ld` elements between rows, `batch_stride`
+/// elements between the matrices of a batch (0 broadcasts one matrix over the batch).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Operand {
+    pub handle: u32,
+    /// Byte offset of the first element.
+    pub offset: u64,
+    pub ld: u64,
+    pub batch_stride: u64,
+}
+
+/// Activation applied after the product and bias (cuBLASLt epilogues).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Epilogue {
+    None = 0,
+    Relu = 1,
+    /// GELU, tanh approximation (cuBLASLt `CUBLASLT_EPILOGUE_GELU`).
+    Gelu = 2,
+}
+
+/// `D = epilogue(alpha · op(A) · op(B) + beta · C + bias)` for each of `batch` matrices, row-major:
+/// `op(A)` is `m × k`, `op(B)` is `k × n`, `C` and `D` are `m × n`, `bias` is `n` elements
+/// broadcast over rows. `op(X)` is `X` or its transpose. Argument of the `gemm` import.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gemm {
+    /// Element type of A, B, C, D and bias (f32 computes in f32 or TF32; f16/bf16 accumulate
+    /// in f32).
+    pub dtype: DType,
+    pub trans_a: bool,
+    pub trans_b: bool,
+    pub m: u64,
+    pub n: u64,
+    pub k: u64,
+    pub batch: u64,
+    pub alpha: f32,
+    pub beta: f32,
+    pub a: Operand,
+    pub b: Operand,
+    /// Read when `beta != 0`.
+    pub c: Option<Operand>,
+    pub d: Operand,
+    /// `n` elements; its `ld` and `batch_stride` are ignored.
+    pub bias: Option<Operand>,
+    pub epilogue: Epilogue,
+}
+
+impl Gemm {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.i32(self.dtype.code());
+        w.u8(self.trans_a as u8);
+        w.u8(self.trans_b as u8);
+        for v in [self.m, self.n, self.k, self.batch] {
+            w.u64(v);
+        }
+        w.f32(self.alpha);
+        w.f32(self.beta);
+        for op in [Some(self.a), Some(self.b), self.c, Some(self.d), self.bias] {
+            match op {
+                None => w.u8(0),
+                Some(o) => {
+                    w.u8(1);
+                    w.u32(o.handle);
+                    w.u64(o.offset);
+                    w.u64(o.ld);
+                    w.u64(o.batch_stride);
+                }
+            }
+        }
+        w.u32(self.epilogue as u32);
+        w.0
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Self, WireError> {
+        let mut r = Reader::new(bytes);
+        let dtype = r.dtype("gemm dtype")?;
+        let trans_a = r.bool("trans_a")?;
+        let trans_b = r.bool("trans_b")?;
+        let (m, n, k, batch) = (r.u64("m")?, r.u64("n")?, r.u64("k")?, r.u64("batch")?);
+        let alpha = r.f32("alpha")?;
+        let beta = r.f32("beta")?;
+        let mut ops = [None; 5];
+        for o in ops.iter_mut() {
+            if r.bool("operand tag")? {
+                *o = Some(Operand {
+                    handle: r.u32("operand handle")?,
+                    offset: r.u64("operand offset")?,
+                    ld: r.u64("operand ld")?,
+                    batch_stride: r.u64("operand batch stride")?,
+                });
+            }
+        }
+        let epilogue = match r.u32("epilogue")? {
+            0 => Epilogue::None,
+            1 => Epilogue::Relu,
+            2 => Epilogue::Gelu,
+            _ => return Err(WireError::Invalid("epilogue")),
+        };
+        r.finish()?;
+        let (a, b, d) = match (ops[0], ops[1], ops[3]) {
+            (Some(a), Some(b), Some(d)) => (a, b, d),
+            _ => return Err(WireError::Invalid("gemm: A, B and D are required")),
+        };
+        Ok(Gemm { dtype, trans_a, trans_b, m, n, k, batch, alpha, beta, a, b, c: ops[2], d, bias: ops[4], epilogue })
+    }
+}
+
+/// Little-endian writer.
+#[derive(Default)]
+pub struct Writer(pub Vec<u8>);
+
+impl Writer {
+    pub fn u8(&mut self, v: u8) {
+        self.0.push(v)
+    }
+    pub fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes())
+    }
+    pub fn i32(&mut self, v: i32) {
+        self.0.extend_from_slice(&v.to_le_bytes())
+    }
+    pub fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes())
+    }
+    pub fn i64(&mut self, v: i64) {
+        self.0.extend_from_slice(&v.to_le_bytes())
+    }
+    pub fn f32(&mut self, v: f32) {
+        self.0.extend_from_slice(&v.to_le_bytes())
+    }
+    pub fn bytes(&mut self, v: &[u8]) {
+        self.u32(v.len() as u32);
+        self.0.extend_from_slice(v)
+    }
+    pub fn str(&mut self, v: &str) {
+        self.bytes(v.as_bytes())
+    }
+    pub fn dims(&mut self, v: &[i64]) {
+        self.u32(v.len() as u32);
+        v.iter().for_each(|d| self.i64(*d));
+    }
+}
+
+/// Little-endian reader over a message; every read is bounds-checked.
+pub struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    pub fn new(buf: &'a [u8]) -> Self {
+        Reader { buf, pos: 0 }
+    }
+
+    fn take(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], WireError> {
+        let end = self.pos.checked_add(n).ok_or(WireError::Truncated(what))?;
+        let s = self.buf.get(self.pos..end).ok_or(WireError::Truncated(what))?;
+        self.pos = end;
+        Ok(s)
+    }
+    fn array<const N: usize>(&mut self, what: &'static str) -> Result<[u8; N], WireError> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N, what)?);
+        Ok(a)
+    }
+    pub fn u8(&mut self, what: &'static str) -> Result<u8, WireError> {
+        Ok(self.take(1, what)?[0])
+    }
+    pub fn bool(&mut self, what: &'static str) -> Result<bool, WireError> {
+        match self.u8(what)? {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(WireError::Invalid(what)),
+        }
+    }
+    pub fn u32(&mut self, what: &'static str) -> Result<u32, WireError> {
+        self.array(what).map(u32::from_le_bytes)
+    }
+    pub fn i32(&mut self, what: &'static str) -> Result<i32, WireError> {
+        self.array(what).map(i32::from_le_bytes)
+    }
+    pub fn u64(&mut self, what: &'static str) -> Result<u64, WireError> {
+        self.array(what).map(u64::from_le_bytes)
+    }
+    pub fn i64(&mut self, what: &'static str) -> Result<i64, WireError> {
+        self.array(what).map(i64::from_le_bytes)
+    }
+    pub fn f32(&mut self, what: &'static str) -> Result<f32, WireError> {
+        self.array(what).map(f32::from_le_bytes)
+    }
+    pub fn dtype(&mut self, what: &'static str) -> Result<DType, WireError> {
+        DType::from_code(self.i32(what)?).ok_or(WireError::Invalid(what))
+    }
+    /// A count of items that each take at least `min_item` bytes: refused when the rest of the
+    /// message could not hold them (so a forged count cannot make the reader allocate).
+    pub fn count(&mut self, what: &'static str, min_item: usize) -> Result<usize, WireError> {
+        let n = self.u32(what)? as usize;
+        if n.saturating_mul(min_item) > self.buf.len() - self.pos {
+            return Err(WireError::Truncated(what));
+        }
+        Ok(n)
+    }
+    pub fn bytes(&mut self, what: &'static str) -> Result<&'a [u8], WireError> {
+        let n = self.u32(what)? as usize;
+        self.take(n, what)
+    }
+    pub fn str(&mut self, what: &'static str) -> Result<&'a str, WireError> {
+        core::str::from_utf8(self.bytes(what)?).map_err(|_| WireError::Utf8)
+    }
+    pub fn dims(&mut self, what: &'static str) -> Result<Vec<i64>, WireError> {
+        let n = self.count(what, 8)?;
+        (0..n).map(|_| self.i64(what)).collect()
+    }
+    pub fn finish(&self) -> Result<(), WireError> {
+        match self.buf.len() - self.pos {
+            0 => Ok(()),
+            n => Err(WireError::Trailing(n)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use alloc::vec;
+
+    fn sample<'a>(value: &'a [u8]) -> NodeCall<'a> {
+        NodeCall {
+            abi_version: 1,
+            domain: "",
+            op_type: "Reshape",
+            opset: 21,
+            node_name: "r0",
+            inputs: vec![
+                TensorDesc { present: true, dtype: Some(DType::F32), dims: Some(vec![2, -1]), handle: 7, value: None },
+                TensorDesc {
+                    present: true,
+                    dtype: Some(DType::I64),
+                    dims: Some(vec![1]),
+                    handle: 8,
+                    value: Some(value),
+                },
+                TensorDesc::absent(),
+            ],
+            outputs: vec![TensorDesc { present: true, dtype: None, dims: None, handle: 9, value: None }],
+            attributes: vec![
+                Attribute { name: "allowzero", value: AttrValue::Int(0) },
+                Attribute { name: "f", value: AttrValue::Floats(vec![1.5, -2.0]) },
+                Attribute { name: "s", value: AttrValue::Strings(vec!["a", "bc"]) },
+                Attribute {
+                    name: "t",
+                    value: AttrValue::Tensor(TensorValue { dtype: DType::F16, dims: vec![1], data: &[0, 60] }),
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn node_call_round_trips() {
+        let v = 6i64.to_le_bytes();
+        let call = sample(&v);
+        let bytes = call.encode();
+        assert_eq!(NodeCall::decode(&bytes).unwrap(), call);
+    }
+
+    #[test]
+    fn every_truncation_of_a_node_call_is_an_error() {
+        let v = 6i64.to_le_bytes();
+        let bytes = sample(&v).encode();
+        for cut in 0..bytes.len() {
+            assert!(NodeCall::decode(&bytes[..cut]).is_err(), "prefix of {cut} bytes decoded");
+        }
+        let mut long = bytes.clone();
+        long.push(0);
+        assert_eq!(NodeCall::decode(&long), Err(WireError::Trailing(1)));
+    }
+
+    #[test]
+    fn a_forged_count_is_refused_without_allocating() {
+        let mut w = Writer::default();
+        w.u32(u32::MAX);
+        assert!(Reader::new(&w.0).dims("dims").is_err());
+    }
+
+    #[test]
+    fn launch_and_gemm_round_trip() {
+        let l = Launch {
+            kernel: "relu_f32",
+            grid: [4, 1, 1],
+            block: [256, 1, 1],
+            shared_mem_bytes: 0,
+            args: vec![KernelArg::Tensor { handle: 3, offset: 16 }, KernelArg::U64(10), KernelArg::F64(0.5)],
+        };
+        assert_eq!(Launch::decode(&l.encode()).unwrap(), l);
+        let op = Operand { handle: 1, offset: 0, ld: 8, batch_stride: 64 };
+        let g = Gemm {
+            dtype: DType::F16,
+            trans_a: false,
+            trans_b: true,
+            m: 8,
+            n: 8,
+            k: 8,
+            batch: 2,
+            alpha: 1.0,
+            beta: 0.0,
+            a: op,
+            b: op,
+            c: None,
+            d: op,
+            bias: Some(op),
+            epilogue: Epilogue::Gelu,
+        };
+        assert_eq!(Gemm::decode(&g.encode()).unwrap(), g);
+    }
+}

@@ -1,0 +1,501 @@
+//! Shim of `kiln-binary`: elementwise ops of two or more inputs with ONNX multidirectional
+//! (numpy) broadcasting, following ONNX Operators.md: Add-14, Sub-14, Mul-14, Div-14, Pow-15,
+//! Mod-13, Max-13, Min-13, Sum-13, Mean-13, Equal-19, Less-13, Greater-13, LessOrEqual-16,
+//! GreaterOrEqual-16, And-7, Or-7, Xor-7, Where-16 (and their earlier broadcasting versions).
+//!
+//! The CPU reference computes floating-point ops in f64 and rounds once to the output dtype
+//! (round to nearest even, also for float16/bfloat16); integer ops are done in integers,
+//! wrapping as two's complement hardware does (Div truncates toward zero; Mod follows the sign
+//! of the divisor unless `fmod` = 1). Integer division or modulo by zero gives 0, as numpy
+//! (ONNX's reference implementation) does; ONNX leaves it undefined.
+#![no_std]
+extern crate alloc;
+
+use alloc::vec::Vec;
+use kiln_kernel_abi::guest::*;
+use kiln_kernel_abi::{bail, export_shim, unsupported};
+
+struct Binary;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Op {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Pow,
+    Mod { fmod: bool },
+    Max,
+    Min,
+    Sum,
+    Mean,
+    Equal,
+    Less,
+    Greater,
+    LessOrEqual,
+    GreaterOrEqual,
+    And,
+    Or,
+    Xor,
+    Where,
+}
+
+impl Op {
+    fn from_call(call: &Call) -> Result<Op> {
+        Ok(match call.op_type() {
+            "Add" => Op::Add,
+            "Sub" => Op::Sub,
+            "Mul" => Op::Mul,
+            "Div" => Op::Div,
+            "Pow" => Op::Pow,
+            "Mod" => match call.attr_i("fmod", 0)? {
+                0 => Op::Mod { fmod: false },
+                1 => Op::Mod { fmod: true },
+                other => bail!("Mod: fmod must be 0 or 1, not {other}"),
+            },
+            "Max" => Op::Max,
+            "Min" => Op::Min,
+            "Sum" => Op::Sum,
+            "Mean" => Op::Mean,
+            "Equal" => Op::Equal,
+            "Less" => Op::Less,
+            "Greater" => Op::Greater,
+            "LessOrEqual" => Op::LessOrEqual,
+            "GreaterOrEqual" => Op::GreaterOrEqual,
+            "And" => Op::And,
+            "Or" => Op::Or,
+            "Xor" => Op::Xor,
+            "Where" => Op::Where,
+            other => unsupported!("kiln-binary does not implement {other}"),
+        })
+    }
+
+    fn is_variadic(self) -> bool {
+        matches!(self, Op::Max | Op::Min | Op::Sum | Op::Mean)
+    }
+
+    fn is_comparison(self) -> bool {
+        matches!(self, Op::Equal | Op::Less | Op::Greater | Op::LessOrEqual | Op::GreaterOrEqual)
+    }
+
+    fn is_logical(self) -> bool {
+        matches!(self, Op::And | Op::Or | Op::Xor)
+    }
+}
+
+fn is_unsigned(dtype: DType) -> bool {
+    matches!(dtype, DType::U8 | DType::U16 | DType::U32 | DType::U64)
+}
+
+/// Checks the node and returns its op, the inputs' dtypes and shapes, and the output type.
+fn check(call: &Call) -> Result<(Op, Vec<DType>, Vec<Vec<usize>>, TensorType)> {
+    let op = Op::from_call(call)?;
+    let name = call.op_type();
+    let n = call.num_inputs();
+    let arity_ok = match op {
+        Op::Where => n == 3,
+        _ if op.is_variadic() => n >= 1,
+        _ => n == 2,
+    };
+    if !arity_ok {
+        bail!("{name}: wrong number of inputs ({n})");
+    }
+    let mut dtypes = Vec::with_capacity(n);
+    let mut shapes = Vec::with_capacity(n);
+    for i in 0..n {
+        let t = call.input(i)?;
+        let dtype = t.dtype()?;
+        if dtype == DType::String {
+            unsupported!("{name}: string tensors are not supported");
+        }
+        dtypes.push(dtype);
+        shapes.push(t.shape()?);
+    }
+    let refs: Vec<&[usize]> = shapes.iter().map(|s| s.as_slice()).collect();
+    let out_shape = shape::broadcast_shapes(&refs)?;
+
+    // The inputs that must share one dtype, and the output dtype.
+    let (same, out_dtype): (&[DType], DType) = match op {
+        Op::Where => {
+            if dtypes[0] != DType::Bool {
+                bail!("Where: condition must be bool, not {}", dtypes[0]);
+            }
+            (&dtypes[1..], dtypes[1])
+        }
+        Op::Pow => {
+            if dtypes[0] == DType::Bool || dtypes[1] == DType::Bool {
+                bail!("Pow: bool inputs are not allowed");
+            }
+            (&dtypes[..1], dtypes[0])
+        }
+        _ if op.is_logical() => {
+            if dtypes.iter().any(|d| *d != DType::Bool) {
+                bail!("{name}: inputs must be bool, not {} and {}", dtypes[0], dtypes[1]);
+            }
+            (&dtypes[..], DType::Bool)
+        }
+        _ if op.is_comparison() => {
+            if dtypes[0] == DType::Bool && op != Op::Equal {
+                bail!("{name}: bool inputs are not allowed");
+            }
+            (&dtypes[..], DType::Bool)
+        }
+        _ => {
+            let d = dtypes[0];
+            if d == DType::Bool {
+                bail!("{name}: bool inputs are not allowed");
+            }
+            if matches!(op, Op::Sum | Op::Mean) && !d.is_float() {
+                bail!("{name}: inputs must be floating-point, not {d}");
+            }
+            if op == (Op::Mod { fmod: false }) && d.is_float() {
+                bail!("Mod: floating-point inputs require fmod = 1");
+            }
+            (&dtypes[..], d)
+        }
+    };
+    if let Some(d) = same.iter().find(|d| **d != same[0]) {
+        bail!("{name}: inputs must have the same dtype, not {} and {d}", same[0]);
+    }
+    Ok((op, dtypes, shapes, TensorType::new(out_dtype, out_shape)))
+}
+
+/// Element values of one input, widened: floats exactly as f64, integers as i64 (sign- or
+/// zero-extended; uint64 reinterpreted, see [`is_unsigned`]), bools.
+enum Vals {
+    F(Vec<f64>),
+    I(Vec<i64>),
+    B(Vec<bool>),
+}
+
+fn load(t: &Tensor) -> Result<Vals> {
+    let dtype = t.dtype()?;
+    Ok(if dtype.is_float() {
+        Vals::F(t.read_vec::<f64>()?)
+    } else if dtype.is_int() {
+        Vals::I(t.read_vec::<i64>()?)
+    } else if dtype == DType::Bool {
+        Vals::B(t.read_vec::<Bool>()?.into_iter().map(|b| b.0).collect())
+    } else {
+        unsupported!("{dtype} tensors are not supported")
+    })
+}
+
+/// f64 → f32 rounding to odd: correctly rounding the result again to a format of at most 22
+/// significant bits (float16, bfloat16) gives the correctly rounded value of `v`.
+fn f32_round_odd(v: f64) -> f32 {
+    let f = v as f32;
+    if !f.is_finite() || f as f64 == v {
+        // Exact, NaN, or beyond the f32 range (and so beyond float16's and bfloat16's).
+        return f;
+    }
+    let mut bits = f.to_bits();
+    if (f as f64).abs() > v.abs() {
+        bits -= 1; // Truncate toward zero.
+    }
+    f32::from_bits(bits | 1)
+}
+
+/// Encodes f64 values as `dtype` floats, rounding each once to nearest even.
+fn encode_floats(dtype: DType, vals: &[f64]) -> Result<Vec<u8>> {
+    Ok(match dtype {
+        DType::F64 => element::encode(vals),
+        DType::F32 => element::encode(&vals.iter().map(|&v| v as f32).collect::<Vec<_>>()),
+        DType::F16 => element::encode(&vals.iter().map(|&v| f16::from_f32(f32_round_odd(v))).collect::<Vec<_>>()),
+        DType::BF16 => element::encode(&vals.iter().map(|&v| bf16::from_f32(f32_round_odd(v))).collect::<Vec<_>>()),
+        other => bail!("internal: {other} is not a float dtype"),
+    })
+}
+
+/// For each input, the index of its element for each output element (`None`: the input has
+/// the output's shape).
+fn gather_indices(shapes: &[Vec<usize>], out_shape: &[usize]) -> Vec<Option<Vec<usize>>> {
+    shapes
+        .iter()
+        .map(|s| if s.as_slice() == out_shape { None } else { Some(shape::broadcast_index(s, out_shape)) })
+        .collect()
+}
+
+fn at(idx: &Option<Vec<usize>>, i: usize) -> usize {
+    match idx {
+        None => i,
+        Some(v) => v[i],
+    }
+}
+
+/// `f(a[i], b[j])` over the broadcast shape of two inputs.
+fn map2<A: Copy, B: Copy, T>(
+    a: &[A],
+    a_shape: &[usize],
+    b: &[B],
+    b_shape: &[usize],
+    f: impl Fn(A, B) -> Result<T>,
+) -> Result<Vec<T>> {
+    let (out, _) = shape::broadcast_map2(a, a_shape, b, b_shape, f)?;
+    out.into_iter().collect()
+}
+
+fn float_max(a: f64, b: f64) -> f64 {
+    if a.is_nan() || b.is_nan() {
+        f64::NAN
+    } else if a > b {
+        a
+    } else {
+        b
+    }
+}
+
+fn float_min(a: f64, b: f64) -> f64 {
+    if a.is_nan() || b.is_nan() {
+        f64::NAN
+    } else if a < b {
+        a
+    } else {
+        b
+    }
+}
+
+/// A two-input float op (Mod is fmod: floats require fmod = 1).
+fn float_op(op: Op, a: f64, b: f64) -> f64 {
+    match op {
+        Op::Add | Op::Sum | Op::Mean => a + b,
+        Op::Sub => a - b,
+        Op::Mul => a * b,
+        Op::Div => a / b,
+        Op::Pow => libm::pow(a, b),
+        Op::Mod { .. } => libm::fmod(a, b),
+        Op::Max => float_max(a, b),
+        Op::Min => float_min(a, b),
+        _ => f64::NAN,
+    }
+}
+
+/// A two-input integer op on widened values; `u`: the dtype is unsigned.
+fn int_op(op: Op, u: bool, a: i64, b: i64) -> Result<i64> {
+    Ok(match op {
+        Op::Add | Op::Sum => a.wrapping_add(b),
+        Op::Sub => a.wrapping_sub(b),
+        Op::Mul => a.wrapping_mul(b),
+        Op::Div => {
+            if b == 0 {
+                0
+            } else if u {
+                ((a as u64) / (b as u64)) as i64
+            } else {
+                a.wrapping_div(b)
+            }
+        }
+        Op::Mod { fmod } => {
+            if b == 0 {
+                0
+            } else if u {
+                ((a as u64) % (b as u64)) as i64
+            } else {
+                let r = a.wrapping_rem(b);
+                if !fmod && r != 0 && ((r < 0) != (b < 0)) {
+                    r + b
+                } else {
+                    r
+                }
+            }
+        }
+        Op::Max => {
+            if int_lt(u, a, b) {
+                b
+            } else {
+                a
+            }
+        }
+        Op::Min => {
+            if int_lt(u, b, a) {
+                b
+            } else {
+                a
+            }
+        }
+        other => bail!("internal: {other:?} is not an integer op"),
+    })
+}
+
+fn int_lt(u: bool, a: i64, b: i64) -> bool {
+    if u {
+        (a as u64) < (b as u64)
+    } else {
+        a < b
+    }
+}
+
+fn compare<T: PartialOrd>(op: Op, a: T, b: T) -> bool {
+    match op {
+        Op::Equal => a == b,
+        Op::Less => a < b,
+        Op::Greater => a > b,
+        Op::LessOrEqual => a <= b,
+        _ => a >= b,
+    }
+}
+
+/// `base ^ exp` for integers, wrapping; a negative exponent gives the truncated quotient
+/// (0 unless |base| = 1).
+fn int_pow(base: i64, base_unsigned: bool, exp: i64, exp_unsigned: bool) -> Result<i64> {
+    if !exp_unsigned && exp < 0 {
+        return Ok(match base {
+            1 => 1,
+            -1 if !base_unsigned => {
+                if exp % 2 == 0 {
+                    1
+                } else {
+                    -1
+                }
+            }
+            0 => unsupported!("Pow: integer 0 to a negative power"),
+            _ => 0,
+        });
+    }
+    let mut e = exp as u64;
+    let mut b = base;
+    let mut r: i64 = 1;
+    while e > 0 {
+        if e & 1 == 1 {
+            r = r.wrapping_mul(b);
+        }
+        b = b.wrapping_mul(b);
+        e >>= 1;
+    }
+    Ok(r)
+}
+
+/// Widened integer (as in [`Vals::I`]) → f64.
+fn int_to_f64(v: i64, unsigned: bool) -> f64 {
+    if unsigned {
+        v as u64 as f64
+    } else {
+        v as f64
+    }
+}
+
+/// Float result → integer of `dtype`, truncating toward zero (NaN → 0; out of range, which
+/// ONNX leaves undefined, saturates).
+fn f64_to_int(v: f64, dtype: DType) -> i64 {
+    if dtype == DType::U64 {
+        v as u64 as i64
+    } else {
+        v as i64
+    }
+}
+
+fn pow(call: &Call, dtypes: &[DType], shapes: &[Vec<usize>], a: Vals, b: Vals, out: &Tensor) -> Result<()> {
+    let (bd, ed) = (dtypes[0], dtypes[1]);
+    let (bu, eu) = (is_unsigned(bd), is_unsigned(ed));
+    let (ash, bsh) = (&shapes[0][..], &shapes[1][..]);
+    match (a, b) {
+        (Vals::F(x), Vals::F(y)) => {
+            out.write_bytes(&encode_floats(bd, &map2(&x, ash, &y, bsh, |p, q| Ok(libm::pow(p, q)))?)?)
+        }
+        (Vals::F(x), Vals::I(y)) => {
+            out.write_bytes(&encode_floats(bd, &map2(&x, ash, &y, bsh, |p, q| Ok(libm::pow(p, int_to_f64(q, eu))))?)?)
+        }
+        (Vals::I(x), Vals::F(y)) => {
+            out.write_vec::<i64>(&map2(&x, ash, &y, bsh, |p, q| Ok(f64_to_int(libm::pow(int_to_f64(p, bu), q), bd)))?)
+        }
+        (Vals::I(x), Vals::I(y)) => out.write_vec::<i64>(&map2(&x, ash, &y, bsh, |p, q| int_pow(p, bu, q, eu))?),
+        _ => bail!("{}: bool inputs are not allowed", call.op_type()),
+    }
+}
+
+impl Shim for Binary {
+    fn infer(call: &Call) -> Result<Vec<TensorType>> {
+        let (_, _, _, out) = check(call)?;
+        Ok(vec![out])
+    }
+
+    fn cpu(call: &Call) -> Result<()> {
+        let (op, dtypes, shapes, out_type) = check(call)?;
+        let out = call.output(0)?;
+        let dtype = dtypes[0];
+        let u = is_unsigned(dtype);
+
+        if op == Op::Where {
+            let cond: Vec<bool> = call.input(0)?.read_vec::<Bool>()?.into_iter().map(|b| b.0).collect();
+            let size = out_type.dtype.size().ok_or_else(|| ShimError::Unsupported("string tensors".into()))?;
+            let x = call.input(1)?.read_bytes()?;
+            let y = call.input(2)?.read_bytes()?;
+            let idx = gather_indices(&shapes, &out_type.shape);
+            let n: usize = out_type.shape.iter().product();
+            let mut bytes = vec![0u8; n * size];
+            for (i, o) in bytes.chunks_exact_mut(size).enumerate() {
+                let src = if cond[at(&idx[0], i)] { (&x, at(&idx[1], i)) } else { (&y, at(&idx[2], i)) };
+                o.copy_from_slice(&src.0[src.1 * size..(src.1 + 1) * size]);
+            }
+            return out.write_bytes(&bytes);
+        }
+
+        if op.is_variadic() {
+            let idx = gather_indices(&shapes, &out_type.shape);
+            let n: usize = out_type.shape.iter().product();
+            let inputs = call.inputs().iter().map(load).collect::<Result<Vec<Vals>>>()?;
+            return match &inputs[0] {
+                Vals::F(first) => {
+                    let mut acc: Vec<f64> = (0..n).map(|i| first[at(&idx[0], i)]).collect();
+                    for (k, v) in inputs.iter().enumerate().skip(1) {
+                        let Vals::F(v) = v else { bail!("internal: mixed dtypes") };
+                        for (i, a) in acc.iter_mut().enumerate() {
+                            *a = float_op(op, *a, v[at(&idx[k], i)]);
+                        }
+                    }
+                    if op == Op::Mean {
+                        let count = inputs.len() as f64;
+                        acc.iter_mut().for_each(|a| *a /= count);
+                    }
+                    out.write_bytes(&encode_floats(dtype, &acc)?)
+                }
+                Vals::I(first) => {
+                    let mut acc: Vec<i64> = (0..n).map(|i| first[at(&idx[0], i)]).collect();
+                    for (k, v) in inputs.iter().enumerate().skip(1) {
+                        let Vals::I(v) = v else { bail!("internal: mixed dtypes") };
+                        for (i, a) in acc.iter_mut().enumerate() {
+                            *a = int_op(op, u, *a, v[at(&idx[k], i)])?;
+                        }
+                    }
+                    out.write_vec::<i64>(&acc)
+                }
+                Vals::B(_) => bail!("{}: bool inputs are not allowed", call.op_type()),
+            };
+        }
+
+        let a = load(&call.input(0)?)?;
+        let b = load(&call.input(1)?)?;
+        if op == Op::Pow {
+            return pow(call, &dtypes, &shapes, a, b, &out);
+        }
+        let (ash, bsh) = (&shapes[0][..], &shapes[1][..]);
+        if op.is_comparison() || op.is_logical() {
+            let r: Vec<Bool> = match (a, b) {
+                (Vals::F(x), Vals::F(y)) => map2(&x, ash, &y, bsh, |p, q| Ok(Bool(compare(op, p, q))))?,
+                (Vals::I(x), Vals::I(y)) if u => {
+                    map2(&x, ash, &y, bsh, |p, q| Ok(Bool(compare(op, p as u64, q as u64))))?
+                }
+                (Vals::I(x), Vals::I(y)) => map2(&x, ash, &y, bsh, |p, q| Ok(Bool(compare(op, p, q))))?,
+                (Vals::B(x), Vals::B(y)) => map2(&x, ash, &y, bsh, |p, q| {
+                    Ok(Bool(match op {
+                        Op::And => p && q,
+                        Op::Or => p || q,
+                        Op::Xor => p != q,
+                        _ => compare(op, p, q),
+                    }))
+                })?,
+                _ => bail!("internal: mixed dtypes"),
+            };
+            return out.write_vec::<Bool>(&r);
+        }
+        match (a, b) {
+            (Vals::F(x), Vals::F(y)) => {
+                out.write_bytes(&encode_floats(dtype, &map2(&x, ash, &y, bsh, |p, q| Ok(float_op(op, p, q)))?)?)
+            }
+            (Vals::I(x), Vals::I(y)) => out.write_vec::<i64>(&map2(&x, ash, &y, bsh, |p, q| int_op(op, u, p, q))?),
+            _ => bail!("{}: bool inputs are not allowed", call.op_type()),
+        }
+    }
+}
+
+export_shim!(Binary);

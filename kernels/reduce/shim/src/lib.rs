@@ -1,0 +1,187 @@
+//! Shim of `kiln-reduce`: ReduceSum, ReduceMean and ReduceMax, following ONNX Operators.md.
+//!
+//! `axes` is an attribute before ReduceSum-13 and ReduceMean-18/ReduceMax-18, the optional
+//! input 1 from then on (a value input: its bytes arrive inline). `keepdims` defaults to 1;
+//! `noop_with_empty_axes` (input-axes versions only) makes an empty or absent `axes` the
+//! identity instead of a reduction over every axis.
+//!
+//! The CPU reference sums floating-point values in f64 and rounds once; integer sums wrap in
+//! i64 (the same, modulo 2^bits, as wrapping in the element type); an integer mean is the sum
+//! divided in f64 and truncated (numpy's `mean(dtype=...)`). An empty sum is 0, an empty mean
+//! NaN (0/0), an empty max the dtype's lowest value (-inf for floats, `false` for bool). Max
+//! propagates NaN.
+#![no_std]
+extern crate alloc;
+
+use alloc::vec::Vec;
+use kiln_kernel_abi::guest::*;
+use kiln_kernel_abi::{bail, export_shim, unsupported, with_dtype};
+
+struct Reduce;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Sum,
+    Mean,
+    Max,
+}
+
+struct Plan {
+    kind: Kind,
+    in_shape: Vec<usize>,
+    /// The output shape with reduced axes kept as 1 (what the data is reduced onto).
+    kept_shape: Vec<usize>,
+    /// The output shape as declared (reduced axes dropped unless `keepdims`).
+    out_shape: Vec<usize>,
+    /// No reduction at all: the output is the input (`noop_with_empty_axes` with no axes).
+    noop: bool,
+}
+
+fn plan(call: &Call) -> Result<Plan> {
+    let kind = match call.op_type() {
+        "ReduceSum" => Kind::Sum,
+        "ReduceMean" => Kind::Mean,
+        "ReduceMax" => Kind::Max,
+        other => unsupported!("kiln-reduce does not implement {other}"),
+    };
+    let x = call.input(0)?;
+    let in_shape = x.shape()?;
+    let rank = in_shape.len();
+    let axes_as_input = call.opset() >= if kind == Kind::Sum { 13 } else { 18 };
+    let keepdims = call.attr_i("keepdims", 1)? != 0;
+
+    let axes: Vec<i64> = if axes_as_input {
+        match call.input_opt(1) {
+            Some(t) => {
+                if t.rank()? > 1 {
+                    bail!("{}: axes must be 1-D, got shape {:?}", call.op_type(), t.shape()?);
+                }
+                t.read_i64s()?
+            }
+            None => Vec::new(),
+        }
+    } else {
+        call.attr_ints("axes")?.unwrap_or_default()
+    };
+    let noop = axes.is_empty() && axes_as_input && call.attr_i("noop_with_empty_axes", 0)? != 0;
+
+    let mut reduced = vec![axes.is_empty() && !noop; rank];
+    for &a in &axes {
+        let ax = shape::normalize_axis(a, rank).map_err(|e| match e {
+            ShimError::Failed(m) => ShimError::Failed(format!("{}: {m}", call.op_type())),
+            other => other,
+        })?;
+        if reduced[ax] {
+            bail!("{}: axis {a} is given more than once in {axes:?}", call.op_type());
+        }
+        reduced[ax] = true;
+    }
+    let kept_shape: Vec<usize> = in_shape.iter().zip(&reduced).map(|(&d, &r)| if r { 1 } else { d }).collect();
+    let out_shape: Vec<usize> = if keepdims {
+        kept_shape.clone()
+    } else {
+        in_shape.iter().zip(&reduced).filter(|(_, &r)| !r).map(|(&d, _)| d).collect()
+    };
+    Ok(Plan { kind, in_shape, kept_shape, out_shape, noop })
+}
+
+impl Plan {
+    /// For each input element (row-major), the output element it reduces onto.
+    fn index(&self) -> Vec<usize> {
+        shape::broadcast_index(&self.kept_shape, &self.in_shape)
+    }
+
+    fn out_len(&self) -> usize {
+        self.kept_shape.iter().product()
+    }
+
+    /// How many input elements reduce onto each output element.
+    fn group(&self) -> usize {
+        let n: usize = self.in_shape.iter().product();
+        let m = self.out_len();
+        if m == 0 {
+            0
+        } else {
+            n / m
+        }
+    }
+}
+
+fn check_dtype(call: &Call, dtype: DType, kind: Kind) -> Result<()> {
+    match dtype {
+        DType::String => unsupported!("{}: string tensors are not supported", call.op_type()),
+        DType::Bool if kind != Kind::Max => unsupported!("{}: bool input is not supported", call.op_type()),
+        _ => Ok(()),
+    }
+}
+
+/// Max over each group, natively in `T`; NaN propagates.
+fn reduce_max<T: Element>(p: &Plan, x: &[T], lowest: T) -> Vec<T> {
+    let mut out = vec![lowest; p.out_len()];
+    #[allow(clippy::eq_op)]
+    for (&v, &j) in x.iter().zip(&p.index()) {
+        let acc = out[j];
+        if acc == acc && (v != v || v > acc) {
+            out[j] = v;
+        }
+    }
+    out
+}
+
+impl Shim for Reduce {
+    fn infer(call: &Call) -> Result<Vec<TensorType>> {
+        let p = plan(call)?;
+        let dtype = call.input(0)?.dtype()?;
+        check_dtype(call, dtype, p.kind)?;
+        Ok(vec![TensorType::new(dtype, if p.noop { p.in_shape } else { p.out_shape })])
+    }
+
+    fn cpu(call: &Call) -> Result<()> {
+        let p = plan(call)?;
+        let x = call.input(0)?;
+        let dtype = x.dtype()?;
+        check_dtype(call, dtype, p.kind)?;
+        let y = call.output(0)?;
+        if p.noop {
+            return y.write_bytes(&x.read_bytes()?);
+        }
+        match p.kind {
+            Kind::Max => {
+                let bytes = x.read_bytes()?;
+                let out = with_dtype!(dtype, T => {
+                    let lowest = if dtype == DType::Bool { T::default() } else { T::from_f64(f64::NEG_INFINITY) };
+                    Ok(element::encode(&reduce_max::<T>(&p, &element::decode::<T>(&bytes), lowest)))
+                })?;
+                y.write_bytes(&out)
+            }
+            Kind::Sum | Kind::Mean if dtype.is_float() => {
+                let xs = x.read_vec::<f64>()?;
+                let mut out = vec![0f64; p.out_len()];
+                for (&v, &j) in xs.iter().zip(&p.index()) {
+                    out[j] += v;
+                }
+                if p.kind == Kind::Mean {
+                    let n = p.group() as f64;
+                    out.iter_mut().for_each(|v| *v /= n);
+                }
+                y.write_vec(&out)
+            }
+            Kind::Sum | Kind::Mean => {
+                let xs = x.read_vec::<i64>()?;
+                let mut out = vec![0i64; p.out_len()];
+                for (&v, &j) in xs.iter().zip(&p.index()) {
+                    out[j] = out[j].wrapping_add(v);
+                }
+                if p.kind == Kind::Sum {
+                    return y.write_vec(&out);
+                }
+                // The sum in the element type, divided in f64, truncated back.
+                let n = p.group() as f64;
+                let mean = with_dtype!(dtype, T => Ok(out.iter().map(|&v| T::from_i64(v).to_f64() / n).collect::<Vec<f64>>()))?;
+                y.write_vec(&mean)
+            }
+        }
+    }
+}
+
+export_shim!(Reduce);

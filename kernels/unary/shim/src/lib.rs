@@ -1,0 +1,262 @@
+//! Shim of `kiln-unary`: unary elementwise ops, following ONNX Operators.md (Relu-14,
+//! LeakyRelu-16, Sigmoid-13, Tanh-13, Exp-13, Log-13, Sqrt-13, Neg-13, Abs-13, Erf-13,
+//! Reciprocal-13, Cos-7, Sin-7, Floor-13, Ceil-13, Not-1, Gelu-20, Softplus-1, HardSigmoid-6,
+//! Clip-6/11/13). The CPU reference computes floating-point ops in f64 and rounds once.
+#![no_std]
+extern crate alloc;
+
+use alloc::vec::Vec;
+use kiln_kernel_abi::guest::*;
+use kiln_kernel_abi::{bail, export_shim, unsupported, with_dtype};
+
+struct Unary;
+
+/// A float op and its parameters.
+#[derive(Clone, Copy)]
+enum Op {
+    Relu,
+    LeakyRelu(f64),
+    Sigmoid,
+    Tanh,
+    Exp,
+    Log,
+    Sqrt,
+    Neg,
+    Abs,
+    Erf,
+    Reciprocal,
+    Cos,
+    Sin,
+    Floor,
+    Ceil,
+    Gelu { tanh: bool },
+    Softplus,
+    HardSigmoid(f64, f64),
+}
+
+impl Op {
+    fn from_call(call: &Call) -> Result<Op> {
+        Ok(match call.op_type() {
+            "Relu" => Op::Relu,
+            "LeakyRelu" => Op::LeakyRelu(call.attr_f("alpha", 0.01)? as f64),
+            "Sigmoid" => Op::Sigmoid,
+            "Tanh" => Op::Tanh,
+            "Exp" => Op::Exp,
+            "Log" => Op::Log,
+            "Sqrt" => Op::Sqrt,
+            "Neg" => Op::Neg,
+            "Abs" => Op::Abs,
+            "Erf" => Op::Erf,
+            "Reciprocal" => Op::Reciprocal,
+            "Cos" => Op::Cos,
+            "Sin" => Op::Sin,
+            "Floor" => Op::Floor,
+            "Ceil" => Op::Ceil,
+            "Gelu" => match call.attr_s("approximate", "none")? {
+                "none" => Op::Gelu { tanh: false },
+                "tanh" => Op::Gelu { tanh: true },
+                other => bail!("Gelu: approximate must be \"none\" or \"tanh\", not {other:?}"),
+            },
+            "Softplus" => Op::Softplus,
+            "HardSigmoid" => Op::HardSigmoid(call.attr_f("alpha", 0.2)? as f64, call.attr_f("beta", 0.5)? as f64),
+            other => unsupported!("kiln-unary does not implement {other}"),
+        })
+    }
+
+    /// The op code passed to the CUDA kernel (`enum UnaryOp` in cuda/unary.cu).
+    fn code(self) -> u32 {
+        match self {
+            Op::Relu => 0,
+            Op::LeakyRelu(_) => 1,
+            Op::Sigmoid => 2,
+            Op::Tanh => 3,
+            Op::Exp => 4,
+            Op::Log => 5,
+            Op::Sqrt => 6,
+            Op::Neg => 7,
+            Op::Abs => 8,
+            Op::Erf => 9,
+            Op::Reciprocal => 10,
+            Op::Cos => 11,
+            Op::Sin => 12,
+            Op::Floor => 13,
+            Op::Ceil => 14,
+            Op::Gelu { tanh: false } => 15,
+            Op::Gelu { tanh: true } => 16,
+            Op::Softplus => 17,
+            Op::HardSigmoid(..) => 18,
+        }
+    }
+
+    fn params(self) -> (f64, f64) {
+        match self {
+            Op::LeakyRelu(a) => (a, 0.0),
+            Op::HardSigmoid(a, b) => (a, b),
+            _ => (0.0, 0.0),
+        }
+    }
+
+    fn apply(self, x: f64) -> f64 {
+        use libm::{ceil, cos, erf, exp, floor, log, log1p, sin, sqrt, tanh};
+        match self {
+            Op::Relu => {
+                if x > 0.0 {
+                    x
+                } else {
+                    0.0
+                }
+            }
+            Op::LeakyRelu(a) => {
+                if x >= 0.0 {
+                    x
+                } else {
+                    a * x
+                }
+            }
+            Op::Sigmoid => {
+                if x >= 0.0 {
+                    1.0 / (1.0 + exp(-x))
+                } else {
+                    let e = exp(x);
+                    e / (1.0 + e)
+                }
+            }
+            Op::Tanh => tanh(x),
+            Op::Exp => exp(x),
+            Op::Log => log(x),
+            Op::Sqrt => sqrt(x),
+            Op::Neg => -x,
+            Op::Abs => x.abs(),
+            Op::Erf => erf(x),
+            Op::Reciprocal => 1.0 / x,
+            Op::Cos => cos(x),
+            Op::Sin => sin(x),
+            Op::Floor => floor(x),
+            Op::Ceil => ceil(x),
+            Op::Gelu { tanh: false } => 0.5 * x * (1.0 + erf(x / core::f64::consts::SQRT_2)),
+            Op::Gelu { tanh: true } => {
+                let c = sqrt(2.0 / core::f64::consts::PI);
+                0.5 * x * (1.0 + tanh(c * (x + 0.044715 * x * x * x)))
+            }
+            // log(1 + e^x), stable for large |x|.
+            Op::Softplus => {
+                if x > 0.0 {
+                    x + log1p(exp(-x))
+                } else {
+                    log1p(exp(x))
+                }
+            }
+            Op::HardSigmoid(a, b) => (a * x + b).clamp(0.0, 1.0),
+        }
+    }
+
+    /// Integer inputs: Relu, Neg, Abs (wrapping, as two's complement hardware does).
+    fn apply_int(self, x: i64) -> Result<i64> {
+        Ok(match self {
+            Op::Relu => x.max(0),
+            Op::Neg => x.wrapping_neg(),
+            Op::Abs => x.wrapping_abs(),
+            _ => unsupported!("integer input"),
+        })
+    }
+}
+
+fn map<T: Element>(bytes: &[u8], f: impl Fn(T) -> Result<T>) -> Result<Vec<u8>> {
+    let xs = element::decode::<T>(bytes);
+    let ys = xs.into_iter().map(f).collect::<Result<Vec<T>>>()?;
+    Ok(element::encode(&ys))
+}
+
+/// Clip's bounds: inputs `min`/`max` (opset 11+) or attributes (opset 6), as f64 and i64.
+fn clip_bounds(call: &Call) -> Result<(Option<f64>, Option<f64>)> {
+    if call.opset() < 11 {
+        let lo = call.attr("min").map(|_| call.attr_f("min", 0.0)).transpose()?;
+        let hi = call.attr("max").map(|_| call.attr_f("max", 0.0)).transpose()?;
+        return Ok((lo.map(f64::from), hi.map(f64::from)));
+    }
+    let bound = |i: usize| -> Result<Option<f64>> {
+        match call.input_opt(i) {
+            None => Ok(None),
+            Some(t) => {
+                let v: Vec<f64> = t.read_vec()?;
+                match v.as_slice() {
+                    [x] => Ok(Some(*x)),
+                    _ => bail!("Clip: input {i} must be a scalar"),
+                }
+            }
+        }
+    };
+    Ok((bound(1)?, bound(2)?))
+}
+
+impl Shim for Unary {
+    fn infer(call: &Call) -> Result<Vec<TensorType>> {
+        let x = call.input(0)?;
+        let dtype = x.dtype()?;
+        if call.op_type() == "Not" && dtype != DType::Bool {
+            bail!("Not: input must be bool, not {dtype}");
+        }
+        Ok(vec![TensorType::new(dtype, x.shape()?)])
+    }
+
+    fn cpu(call: &Call) -> Result<()> {
+        let x = call.input(0)?;
+        let dtype = x.dtype()?;
+        let bytes = x.read_bytes()?;
+        let out = match call.op_type() {
+            "Not" => map::<Bool>(&bytes, |b| Ok(Bool(!b.0)))?,
+            "Clip" => {
+                let (lo, hi) = clip_bounds(call)?;
+                with_dtype!(dtype, T => map::<T>(&bytes, |v| {
+                    let mut r = v;
+                    if let Some(l) = lo { let l = T::from_f64(l); if r < l { r = l } }
+                    if let Some(h) = hi { let h = T::from_f64(h); if r > h { r = h } }
+                    Ok(r)
+                }))?
+            }
+            _ => {
+                let op = Op::from_call(call)?;
+                if dtype.is_float() {
+                    with_dtype!(dtype, T => map::<T>(&bytes, |v| Ok(T::from_f64(op.apply(v.to_f64())))))?
+                } else {
+                    with_dtype!(dtype, T => map::<T>(&bytes, |v| Ok(T::from_i64(op.apply_int(v.to_i64())?))))?
+                }
+            }
+        };
+        call.output(0)?.write_bytes(&out)
+    }
+
+    fn dispatch(call: &Call) -> Result<()> {
+        let x = call.input(0)?;
+        let kernel = match x.dtype()? {
+            DType::F32 => "kiln_unary_f32",
+            DType::F16 => "kiln_unary_f16",
+            DType::BF16 => "kiln_unary_bf16",
+            other => unsupported!("{}: no CUDA kernel for {other}", call.op_type()),
+        };
+        if matches!(call.op_type(), "Not" | "Clip") {
+            unsupported!("{}: no CUDA kernel yet", call.op_type());
+        }
+        let op = Op::from_call(call)?;
+        let (alpha, beta) = op.params();
+        let n = x.numel()? as u64;
+        let block = 256u32;
+        let grid = (n.div_ceil(block as u64).clamp(1, 65535 * 32)) as u32;
+        launch(&Launch {
+            kernel,
+            grid: [grid, 1, 1],
+            block: [block, 1, 1],
+            shared_mem_bytes: 0,
+            args: vec![
+                KernelArg::Tensor { handle: x.handle(), offset: 0 },
+                KernelArg::Tensor { handle: call.output(0)?.handle(), offset: 0 },
+                KernelArg::U64(n),
+                KernelArg::U32(op.code()),
+                KernelArg::F32(alpha as f32),
+                KernelArg::F32(beta as f32),
+            ],
+        })
+    }
+}
+
+export_shim!(Unary);

@@ -1,0 +1,25 @@
+//! Errors of package loading.
+
+use std::path::PathBuf;
+
+use kiln_kernel_abi::manifest::ManifestError;
+
+/// Why a package could not be loaded. Every variant names the package source (folder or
+/// `builtin:<dir>`) so the user knows which package to fix or remove.
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    #[error("{origin}: cannot read {path}: {source}")]
+    Io { origin: String, path: PathBuf, source: std::io::Error },
+    #[error("{origin}: {source}")]
+    Manifest { origin: String, source: ManifestError },
+    #[error("{origin}: kernel ABI {found} is not spoken by this kiln (it speaks {supported:?}); rebuild the package for ABI {}", supported.last().copied().unwrap_or(1))]
+    AbiVersion { origin: String, found: u32, supported: Vec<u32> },
+    #[error("{origin}: {file} is not listed in [files] of kernel.toml with its sha256")]
+    Unlisted { origin: String, file: String },
+    #[error("{origin}: {file} listed in [files] is missing from the package")]
+    Missing { origin: String, file: String },
+    #[error("{origin}: sha256 of {file} is {actual}, but kernel.toml says {expected}: the package is corrupt or was modified")]
+    Checksum { origin: String, file: String, expected: String, actual: String },
+    #[error("{origin}: {file} is not UTF-8 text")]
+    NotText { origin: String, file: String },
+}

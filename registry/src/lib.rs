@@ -1,0 +1,14 @@
+//! kiln-registry: kernel packages and the op registry.
+//!
+//! - [`package`]: a package (a folder, or the files of a built-in one) loaded, its manifest
+//!   validated and every file checked against the sha256 the manifest gives.
+//! - [`ops`]: the op registry, which matches a node (domain, op type, opset, dtypes, rank,
+//!   device) to the highest compatible package version and explains every rejection.
+
+pub mod error;
+pub mod ops;
+pub mod package;
+
+pub use error::RegistryError;
+pub use ops::{DeviceCaps, NodeQuery, OpRegistry, Rejection, Resolution, Unresolved};
+pub use package::Package;

@@ -1,0 +1,251 @@
+//! The op registry: which package runs a node.
+//!
+//! A node is described by a [`NodeQuery`]; every op entry of every package with the node's
+//! domain and op type is a candidate. A candidate is rejected, with a [`Rejection`] that says
+//! why, when the model's opset is outside its range, the dtype of its `dtype_input` is not
+//! listed, a tensor's rank is over `max_rank`, or the device lacks what the package requires.
+//! Among the rest, the highest package version wins (the first registered on a tie).
+
+use std::fmt;
+use std::sync::Arc;
+
+use kiln_kernel_abi::manifest::{parse_compute_capability, OpEntry};
+use kiln_kernel_abi::DType;
+
+use crate::Package;
+
+/// What the device of a run offers; `None` in a query means the CPU backend, where device
+/// requirements do not apply.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceCaps {
+    /// Compute capability (major, minor).
+    pub compute_capability: (u32, u32),
+    /// Features: `bf16`, `fp16`, `tf32`.
+    pub features: Vec<String>,
+}
+
+/// A node to resolve.
+#[derive(Clone, Debug)]
+pub struct NodeQuery<'a> {
+    /// `""` or `"ai.onnx"` for the default domain.
+    pub domain: &'a str,
+    pub op_type: &'a str,
+    /// The model's opset version for the domain.
+    pub opset: i64,
+    /// dtype of each input (`None` where absent or unknown).
+    pub input_dtypes: Vec<Option<DType>>,
+    /// Largest rank among the node's inputs and outputs, where known.
+    pub max_rank: Option<usize>,
+    pub device: Option<&'a DeviceCaps>,
+}
+
+/// The chosen package and op entry.
+#[derive(Clone, Debug)]
+pub struct Resolution {
+    pub package: Arc<Package>,
+    pub entry: OpEntry,
+}
+
+/// Why one candidate was not chosen.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rejection {
+    /// `name@version`.
+    pub package: String,
+    pub reason: String,
+}
+
+/// No package runs the node.
+#[derive(Clone, Debug)]
+pub struct Unresolved {
+    pub domain: String,
+    pub op_type: String,
+    pub opset: i64,
+    pub dtype: Option<DType>,
+    pub rank: Option<usize>,
+    /// Every candidate and why it was rejected (empty when no package provides the op).
+    pub rejections: Vec<Rejection>,
+}
+
+impl fmt::Display for Unresolved {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let domain = if self.domain.is_empty() { "ai.onnx" } else { &self.domain };
+        write!(f, "no kernel package runs {domain}::{} (opset {}", self.op_type, self.opset)?;
+        if let Some(d) = self.dtype {
+            write!(f, ", dtype {d}")?;
+        }
+        if let Some(r) = self.rank {
+            write!(f, ", rank {r}")?;
+        }
+        write!(f, ")")?;
+        if self.rejections.is_empty() {
+            write!(f, ": no installed package provides this op; add a package that does (see `kiln kernels list`)")
+        } else {
+            for r in &self.rejections {
+                write!(f, "\n  {} rejected: {}", r.package, r.reason)?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Normalises the default domain's two spellings to `""`.
+pub fn normalize_domain(domain: &str) -> &str {
+    if domain == "ai.onnx" {
+        ""
+    } else {
+        domain
+    }
+}
+
+/// Index of packages by op.
+#[derive(Default, Debug)]
+pub struct OpRegistry {
+    packages: Vec<Arc<Package>>,
+}
+
+impl OpRegistry {
+    pub fn new() -> Self {
+        OpRegistry::default()
+    }
+
+    /// Adds a package. A package with the same name and version as one already present is
+    /// ignored (the first registered wins) and `false` is returned.
+    pub fn add(&mut self, package: Package) -> bool {
+        if self.packages.iter().any(|p| p.name() == package.name() && p.version() == package.version()) {
+            return false;
+        }
+        self.packages.push(Arc::new(package));
+        true
+    }
+
+    /// All packages, in registration order.
+    pub fn packages(&self) -> &[Arc<Package>] {
+        &self.packages
+    }
+
+    /// The package for `q`, or every candidate's rejection.
+    pub fn resolve(&self, q: &NodeQuery<'_>) -> Result<Resolution, Box<Unresolved>> {
+        let domain = normalize_domain(q.domain);
+        let mut rejections = Vec::new();
+        let mut best: Option<Resolution> = None;
+        for pkg in &self.packages {
+            for entry in &pkg.manifest.ops {
+                if normalize_domain(&entry.domain) != domain || !entry.op_types.iter().any(|t| t == q.op_type) {
+                    continue;
+                }
+                match check(pkg, entry, q) {
+                    Err(reason) => rejections.push(Rejection { package: pkg.id(), reason }),
+                    Ok(()) => {
+                        if best.as_ref().is_none_or(|b| pkg.version() > b.package.version()) {
+                            best = Some(Resolution { package: pkg.clone(), entry: entry.clone() });
+                        }
+                    }
+                }
+            }
+        }
+        best.ok_or_else(|| {
+            Box::new(Unresolved {
+                domain: domain.to_string(),
+                op_type: q.op_type.to_string(),
+                opset: q.opset,
+                dtype: q.input_dtypes.iter().flatten().next().copied(),
+                rank: q.max_rank,
+                rejections,
+            })
+        })
+    }
+}
+
+fn check(pkg: &Package, entry: &OpEntry, q: &NodeQuery<'_>) -> Result<(), String> {
+    if !entry.covers_opset(q.opset) {
+        let until = entry.until_opset.map_or(String::new(), |u| u.to_string());
+        return Err(format!("opset {} is outside {}..{until}", q.opset, entry.since_opset));
+    }
+    if let Some(Some(dtype)) = q.input_dtypes.get(entry.dtype_input) {
+        if !entry.dtype_set().contains(dtype) {
+            return Err(format!(
+                "dtype {dtype} of input {} is not in [{}]",
+                entry.dtype_input,
+                entry.dtypes.join(", ")
+            ));
+        }
+    }
+    if let Some(rank) = q.max_rank {
+        if rank > entry.max_rank {
+            return Err(format!("rank {rank} is over its max_rank {}", entry.max_rank));
+        }
+    }
+    if let Some(dev) = q.device {
+        let req = &pkg.manifest.device;
+        if let Some(cc) = &req.min_compute_capability {
+            let need = parse_compute_capability(cc).map_err(|e| e.to_string())?;
+            if dev.compute_capability < need {
+                return Err(format!(
+                    "needs compute capability {}.{}, the device has {}.{}",
+                    need.0, need.1, dev.compute_capability.0, dev.compute_capability.1
+                ));
+            }
+        }
+        if let Some(f) = req.features.iter().find(|f| !dev.features.contains(f)) {
+            return Err(format!("needs device feature {f}"));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sha2::{Digest, Sha256};
+
+    fn package(name: &str, version: &str, dtypes: &str, cc: &str) -> Package {
+        let shim = b"\0asm";
+        let text = format!(
+            "abi = 1\nshim = \"shim.wasm\"\n[package]\nname = \"{name}\"\nversion = \"{version}\"\n[device]\nmin_compute_capability = \"{cc}\"\n[[ops]]\nop_types = [\"Relu\"]\nsince_opset = 6\nuntil_opset = 20\ndtypes = [{dtypes}]\nmax_rank = 4\n[files]\n\"shim.wasm\" = \"{}\"\n",
+            hex::encode(Sha256::digest(shim))
+        );
+        Package::load_files("mem", &[("kernel.toml", text.as_bytes()), ("shim.wasm", shim)]).unwrap()
+    }
+
+    fn query(dtype: DType, opset: i64, rank: usize) -> NodeQuery<'static> {
+        NodeQuery {
+            domain: "ai.onnx",
+            op_type: "Relu",
+            opset,
+            input_dtypes: vec![Some(dtype)],
+            max_rank: Some(rank),
+            device: None,
+        }
+    }
+
+    #[test]
+    fn the_highest_compatible_version_wins() {
+        let mut r = OpRegistry::new();
+        r.add(package("a", "1.0.0", "\"float32\"", "7.0"));
+        r.add(package("a", "1.2.0", "\"float32\"", "7.0"));
+        r.add(package("a", "2.0.0", "\"float16\"", "7.0"));
+        let res = r.resolve(&query(DType::F32, 13, 2)).unwrap();
+        assert_eq!(res.package.id(), "a@1.2.0");
+        assert!(!r.add(package("a", "1.2.0", "\"float32\"", "7.0")), "duplicates are ignored");
+    }
+
+    #[test]
+    fn every_rejection_is_explained() {
+        let mut r = OpRegistry::new();
+        r.add(package("a", "1.0.0", "\"float32\"", "9.0"));
+        let dev = DeviceCaps { compute_capability: (8, 0), features: vec![] };
+        let e = r.resolve(&query(DType::I32, 13, 2)).unwrap_err().to_string();
+        assert!(e.contains("dtype int32 of input 0 is not in [float32]"), "{e}");
+        let e = r.resolve(&query(DType::F32, 21, 2)).unwrap_err().to_string();
+        assert!(e.contains("opset 21 is outside 6..20"), "{e}");
+        let e = r.resolve(&query(DType::F32, 13, 5)).unwrap_err().to_string();
+        assert!(e.contains("rank 5 is over its max_rank 4"), "{e}");
+        let mut q = query(DType::F32, 13, 2);
+        q.device = Some(&dev);
+        let e = r.resolve(&q).unwrap_err().to_string();
+        assert!(e.contains("needs compute capability 9.0, the device has 8.0"), "{e}");
+        q.op_type = "Gelu";
+        let e = r.resolve(&q).unwrap_err().to_string();
+        assert!(e.contains("ai.onnx::Gelu") && e.contains("no installed package provides"), "{e}");
+    }
+}
