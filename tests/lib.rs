@@ -1,1 +1,130 @@
+//! Helpers shared by the integration tests.
 
+use std::path::PathBuf;
+
+use bytes::Bytes;
+use kiln_host::Tensor;
+use kiln_kernel_abi::DType;
+
+/// The repository root.
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ has a parent").to_path_buf()
+}
+
+/// A float32 tensor.
+pub fn f32_tensor(shape: &[usize], values: &[f32]) -> Tensor {
+    let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    Tensor::new(DType::F32, shape.to_vec(), Bytes::from(data)).expect("consistent tensor")
+}
+
+/// The elements of a float32 tensor.
+pub fn f32_values(t: &Tensor) -> Vec<f32> {
+    assert_eq!(t.dtype, DType::F32);
+    t.data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+/// The folder of ONNX 1.20.0's node tests, fetched into `.cache/` on first use by
+/// `scripts/fetch-onnx-node-tests.sh` (pip download of the onnx wheel, unzip of the tests).
+pub fn onnx_node_tests() -> PathBuf {
+    let dir = root().join(".cache/onnx-node-1.20.0/node");
+    if !dir.join("test_relu/model.onnx").is_file() {
+        let script = root().join("scripts/fetch-onnx-node-tests.sh");
+        let status = std::process::Command::new("bash").arg(&script).status();
+        assert!(
+            matches!(status, Ok(s) if s.success()) && dir.is_dir(),
+            "the ONNX node tests are missing from {} and {} could not fetch them (it needs python3 -m pip and \
+             network access to PyPI); run it by hand",
+            dir.display(),
+            script.display()
+        );
+    }
+    dir
+}
+
+/// Building small ONNX models in tests.
+pub mod onnx {
+    pub use onnx_protobuf::*;
+    use protobuf::{EnumOrUnknown, MessageField};
+
+    /// A node `op(inputs) -> outputs` with attributes.
+    pub fn node(op: &str, inputs: &[&str], outputs: &[&str], attrs: Vec<AttributeProto>) -> NodeProto {
+        NodeProto {
+            op_type: op.into(),
+            input: inputs.iter().map(|s| s.to_string()).collect(),
+            output: outputs.iter().map(|s| s.to_string()).collect(),
+            attribute: attrs,
+            ..Default::default()
+        }
+    }
+
+    pub fn attr_ints(name: &str, v: &[i64]) -> AttributeProto {
+        AttributeProto {
+            name: name.into(),
+            type_: EnumOrUnknown::new(attribute_proto::AttributeType::INTS),
+            ints: v.to_vec(),
+            ..Default::default()
+        }
+    }
+
+    pub fn attr_float(name: &str, v: f32) -> AttributeProto {
+        AttributeProto {
+            name: name.into(),
+            type_: EnumOrUnknown::new(attribute_proto::AttributeType::FLOAT),
+            f: v,
+            ..Default::default()
+        }
+    }
+
+    /// A tensor value declaration: ONNX dtype code and dims (negative = symbolic "n").
+    pub fn value(name: &str, dtype: i32, dims: &[i64]) -> ValueInfoProto {
+        let dim = dims
+            .iter()
+            .map(|&d| tensor_shape_proto::Dimension {
+                value: Some(if d >= 0 {
+                    tensor_shape_proto::dimension::Value::DimValue(d)
+                } else {
+                    tensor_shape_proto::dimension::Value::DimParam("n".into())
+                }),
+                ..Default::default()
+            })
+            .collect();
+        ValueInfoProto {
+            name: name.into(),
+            type_: MessageField::some(TypeProto {
+                value: Some(type_proto::Value::TensorType(type_proto::Tensor {
+                    elem_type: dtype,
+                    shape: MessageField::some(TensorShapeProto { dim, ..Default::default() }),
+                    ..Default::default()
+                })),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    /// A float32 initializer.
+    pub fn init_f32(name: &str, dims: &[i64], v: &[f32]) -> TensorProto {
+        TensorProto { name: name.into(), data_type: 1, dims: dims.to_vec(), float_data: v.to_vec(), ..Default::default() }
+    }
+
+    /// A model with one graph, opset 21 of ai.onnx.
+    pub fn model(nodes: Vec<NodeProto>, inputs: Vec<ValueInfoProto>, outputs: Vec<ValueInfoProto>, inits: Vec<TensorProto>) -> ModelProto {
+        ModelProto {
+            ir_version: 10,
+            opset_import: vec![OperatorSetIdProto { domain: String::new(), version: 21, ..Default::default() }],
+            graph: MessageField::some(GraphProto {
+                name: "g".into(),
+                node: nodes,
+                input: inputs,
+                output: outputs,
+                initializer: inits,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    pub fn bytes(m: &ModelProto) -> Vec<u8> {
+        protobuf::Message::write_to_bytes(m).expect("serializable")
+    }
+}

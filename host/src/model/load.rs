@@ -107,6 +107,9 @@ pub fn load_bytes(bytes: &[u8], base: Option<std::path::PathBuf>) -> Result<Mode
         }
         b.graph.outputs.push(id);
     }
+    if b.graph.outputs.is_empty() {
+        return Err(Error::Model("the graph declares no outputs".into()));
+    }
     for vi in &g.value_info {
         if let (Some(&id), Ok(Some(ty))) = (b.ids.get(&vi.name), value_type(vi)) {
             b.graph.values[id].ty.get_or_insert(ty);

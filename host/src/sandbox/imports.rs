@@ -34,7 +34,8 @@ fn guest_range(size: usize, ptr: i32, len: usize) -> Option<Range<usize>> {
 fn expect_kind(st: &mut CallState, import: &str, allowed: &[CallKind]) -> Result<(), i32> {
     match st.kind {
         Some(k) if allowed.contains(&k) => Ok(()),
-        k => Err(st.refuse(E_CALL, format!("{import} may not be called during {k:?} (allowed: {allowed:?})"))),
+        Some(k) => Err(st.refuse(E_CALL, format!("{import} may not be called during {k:?} (allowed: {allowed:?})"))),
+        None => Err(st.refuse(E_CALL, format!("{import} called outside of a call"))),
     }
 }
 

@@ -383,7 +383,8 @@ impl ShimInstance {
                 } else if let Some(r) = refusal {
                     (FailureKind::Refused, r)
                 } else {
-                    let msg = failure_msg.map(|m| format!("{m} ({e})")).unwrap_or_else(|| format!("{e}"));
+                    let trap = e.downcast_ref::<wasmtime::Trap>().map_or_else(|| format!("{e:#}"), |t| t.to_string());
+                    let msg = failure_msg.map(|m| format!("{m} ({trap})")).unwrap_or(trap);
                     (FailureKind::Trap, msg)
                 };
                 Err(fail(fk, reason))

@@ -87,8 +87,16 @@ fn is_unsigned(dtype: DType) -> bool {
     matches!(dtype, DType::U8 | DType::U16 | DType::U32 | DType::U64)
 }
 
-/// Checks the node and returns its op, the inputs' dtypes and shapes, and the output type.
-fn check(call: &Call) -> Result<(Op, Vec<DType>, Vec<Vec<usize>>, TensorType)> {
+/// A checked node: its op, the inputs' dtypes and shapes, and the output type.
+struct Checked {
+    op: Op,
+    dtypes: Vec<DType>,
+    shapes: Vec<Vec<usize>>,
+    out: TensorType,
+}
+
+/// Checks the node's arity, dtypes and shapes.
+fn check(call: &Call) -> Result<Checked> {
     let op = Op::from_call(call)?;
     let name = call.op_type();
     let n = call.num_inputs();
@@ -157,7 +165,7 @@ fn check(call: &Call) -> Result<(Op, Vec<DType>, Vec<Vec<usize>>, TensorType)> {
     if let Some(d) = same.iter().find(|d| **d != same[0]) {
         bail!("{name}: inputs must have the same dtype, not {} and {d}", same[0]);
     }
-    Ok((op, dtypes, shapes, TensorType::new(out_dtype, out_shape)))
+    Ok(Checked { op, dtypes, shapes, out: TensorType::new(out_dtype, out_shape) })
 }
 
 /// Element values of one input, widened: floats exactly as f64, integers as i64 (sign- or
@@ -405,12 +413,11 @@ fn pow(call: &Call, dtypes: &[DType], shapes: &[Vec<usize>], a: Vals, b: Vals, o
 
 impl Shim for Binary {
     fn infer(call: &Call) -> Result<Vec<TensorType>> {
-        let (_, _, _, out) = check(call)?;
-        Ok(vec![out])
+        Ok(vec![check(call)?.out])
     }
 
     fn cpu(call: &Call) -> Result<()> {
-        let (op, dtypes, shapes, out_type) = check(call)?;
+        let Checked { op, dtypes, shapes, out: out_type } = check(call)?;
         let out = call.output(0)?;
         let dtype = dtypes[0];
         let u = is_unsigned(dtype);

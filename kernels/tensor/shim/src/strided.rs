@@ -106,8 +106,9 @@ fn slice(call: &Call, dims: &[usize]) -> Result<Plan> {
         shape[a] = len as usize;
         if len > 0 {
             base += start as isize * st[a];
-            strides[a] = st[a] * steps[i] as isize;
         }
+        // With more than one element, |step| < dim, so the scaled stride cannot overflow.
+        strides[a] = if len > 1 { st[a] * steps[i] as isize } else { 0 };
     }
     Ok(Plan { shape, strides, base })
 }

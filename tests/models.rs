@@ -1,0 +1,267 @@
+//! Loading and executing models: malformed input is an error (never a panic), op logic lives
+//! in the packages, intermediates and dtypes behave.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use kiln_host::ep::{Runtime, Session, SessionOptions};
+use kiln_host::sandbox::SandboxConfig;
+use kiln_host::{model, packages, Error};
+use kiln_tests::onnx::{self, attr_float, attr_ints, init_f32, node, value};
+use kiln_tests::{f32_tensor, f32_values};
+use sha2::{Digest, Sha256};
+
+fn runtime(extra: &[&Path]) -> Arc<Runtime> {
+    let dirs: Vec<_> = extra.iter().map(|p| p.to_path_buf()).collect();
+    let (reg, errors) = packages::registry(&dirs);
+    assert!(errors.is_empty(), "{errors:?}");
+    Runtime::new(reg, SandboxConfig::default()).expect("runtime")
+}
+
+/// y = Relu(x), x: float32 [4].
+fn relu_model() -> onnx::ModelProto {
+    onnx::model(vec![node("Relu", &["x"], &["y"], vec![])], vec![value("x", 1, &[4])], vec![value("y", 1, &[4])], vec![])
+}
+
+fn run(rt: &Arc<Runtime>, bytes: &[u8], feeds: Vec<(String, kiln_host::Tensor)>) -> Result<Vec<(String, kiln_host::Tensor)>, Error> {
+    let m = model::load_bytes(bytes, None)?;
+    Session::new(rt.clone(), m, SessionOptions::default())?.run(feeds)
+}
+
+#[test]
+fn a_small_graph_runs_and_matches_float64() {
+    // z = Softmax(Relu(x · W + b)), checked against a float64 computation.
+    let w = [0.5f32, -1.0, 2.0, 0.25, -0.5, 1.5];
+    let b = [0.1f32, -0.2];
+    let m = onnx::model(
+        vec![
+            node("MatMul", &["x", "W"], &["h"], vec![]),
+            node("Add", &["h", "b"], &["a"], vec![]),
+            node("Relu", &["a"], &["r"], vec![]),
+            node("Softmax", &["r"], &["z"], vec![]),
+        ],
+        vec![value("x", 1, &[-1, 3])],
+        vec![value("z", 1, &[-1, 2])],
+        vec![init_f32("W", &[3, 2], &w), init_f32("b", &[2], &b)],
+    );
+    let x = [1.0f32, 2.0, 3.0, -1.0, 0.5, 4.0];
+    let out = run(&runtime(&[]), &onnx::bytes(&m), vec![("x".into(), f32_tensor(&[2, 3], &x))]).unwrap();
+    let z = f32_values(&out[0].1);
+    for row in 0..2 {
+        let mut a = [0f64; 2];
+        for j in 0..2 {
+            a[j] = (0..3).map(|k| x[row * 3 + k] as f64 * w[k * 2 + j] as f64).sum::<f64>() + b[j] as f64;
+            a[j] = a[j].max(0.0);
+        }
+        let m = a[0].max(a[1]);
+        let s: f64 = a.iter().map(|v| (v - m).exp()).sum();
+        for j in 0..2 {
+            let want = (a[j] - m).exp() / s;
+            assert!((z[row * 2 + j] as f64 - want).abs() < 1e-6, "row {row}: {z:?} vs {want}");
+        }
+    }
+}
+
+/// Writes a package `kiln-unary` 9.9.9 providing Relu whose shim doubles its input instead.
+/// The node call of `Relu` with no node name, one float32 [4] input and one output puts the
+/// input handle at byte 52 of the call and the output handle at byte 80 (ABI.md, encodings).
+fn doubling_relu_package(dir: &Path) {
+    let wasm = wat::parse_str(
+        r#"(module
+  (import "kiln" "set_output" (func $set_output (param i32 i32 i32 i32) (result i32)))
+  (import "kiln" "read" (func $read (param i32 i64 i32 i32) (result i32)))
+  (import "kiln" "write" (func $write (param i32 i64 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 64) "\04\00\00\00\00\00\00\00")
+  (func (export "kiln_abi_version") (result i32) (i32.const 1))
+  (func (export "kiln_alloc") (param i32) (result i32) (i32.const 1024))
+  (func (export "kiln_infer") (param $p i32) (param $n i32) (result i32)
+    (call $set_output (i32.const 0) (i32.const 1) (i32.const 1) (i32.const 64)))
+  (func (export "kiln_dispatch") (param $p i32) (param $n i32) (result i32) (i32.const 2))
+  (func (export "kiln_cpu") (param $p i32) (param $n i32) (result i32) (local $i i32)
+    (drop (call $read (i32.load (i32.add (local.get $p) (i32.const 52))) (i64.const 0) (i32.const 256) (i32.const 16)))
+    (loop $l
+      (f32.store (i32.add (i32.const 256) (local.get $i))
+        (f32.mul (f32.load (i32.add (i32.const 256) (local.get $i))) (f32.const 2)))
+      (local.set $i (i32.add (local.get $i) (i32.const 4)))
+      (br_if $l (i32.lt_u (local.get $i) (i32.const 16))))
+    (call $write (i32.load (i32.add (local.get $p) (i32.const 80))) (i64.const 0) (i32.const 256) (i32.const 16)))
+)"#,
+    )
+    .unwrap();
+    std::fs::write(dir.join("shim.wasm"), &wasm).unwrap();
+    let manifest = format!(
+        "abi = 1\nshim = \"shim.wasm\"\n[package]\nname = \"kiln-unary\"\nversion = \"9.9.9\"\n\
+         [[ops]]\nop_types = [\"Relu\"]\nsince_opset = 6\ndtypes = [\"float32\"]\nmax_rank = 1\n\
+         [files]\n\"shim.wasm\" = \"{}\"\n",
+        hex::encode(Sha256::digest(&wasm))
+    );
+    std::fs::write(dir.join("kernel.toml"), manifest).unwrap();
+}
+
+#[test]
+fn op_logic_lives_in_the_packages_a_newer_shim_changes_the_result() {
+    let x = || vec![("x".to_string(), f32_tensor(&[4], &[1.0, -2.0, 3.0, -4.0]))];
+    let bytes = onnx::bytes(&relu_model());
+    let builtin = run(&runtime(&[]), &bytes, x()).unwrap();
+    assert_eq!(f32_values(&builtin[0].1), [1.0, 0.0, 3.0, 0.0]);
+    let dir = tempfile::tempdir().unwrap();
+    doubling_relu_package(dir.path());
+    let rt = runtime(&[dir.path()]);
+    let swapped = run(&rt, &bytes, x()).unwrap();
+    assert_eq!(f32_values(&swapped[0].1), [2.0, -4.0, 6.0, -8.0], "kiln-unary 9.9.9 outranks the built-in 1.0.0");
+    // Where the newer package does not apply (rank 2 > its max_rank 1), the built-in one runs.
+    let m2 = onnx::model(vec![node("Relu", &["x"], &["y"], vec![])], vec![value("x", 1, &[1, 4])], vec![value("y", 1, &[1, 4])], vec![]);
+    let out = run(&rt, &onnx::bytes(&m2), vec![("x".into(), f32_tensor(&[1, 4], &[1.0, -2.0, 3.0, -4.0]))]).unwrap();
+    assert_eq!(f32_values(&out[0].1), [1.0, 0.0, 3.0, 0.0]);
+}
+
+#[test]
+fn a_failing_package_fails_its_node_and_the_runtime_keeps_working() {
+    let dir = tempfile::tempdir().unwrap();
+    doubling_relu_package(dir.path());
+    let rt = runtime(&[dir.path()]);
+    // The doubling shim assumes a 4-element input: fed 2 elements, its read is out of bounds.
+    let err = run(&rt, &onnx::bytes(&relu_model()), vec![("x".into(), f32_tensor(&[2], &[1.0, -1.0]))]).unwrap_err().to_string();
+    assert!(err.contains("kiln-unary@9.9.9") && err.contains("Relu") && err.contains("outside handle"), "{err}");
+    let ok = run(&rt, &onnx::bytes(&relu_model()), vec![("x".into(), f32_tensor(&[4], &[1.0, 1.0, 1.0, 1.0]))]).unwrap();
+    assert_eq!(f32_values(&ok[0].1), [2.0; 4]);
+}
+
+fn load_err(m: &onnx::ModelProto) -> String {
+    match model::load_bytes(&onnx::bytes(m), None) {
+        Err(e) => e.to_string(),
+        Ok(m) => match Session::new(runtime(&[]), m, SessionOptions::default()) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("the model was accepted"),
+        },
+    }
+}
+
+#[test]
+fn every_truncation_of_a_model_is_an_error_or_a_smaller_model_never_a_panic() {
+    let bytes = onnx::bytes(&onnx::model(
+        vec![node("MatMul", &["x", "W"], &["h"], vec![]), node("Relu", &["h"], &["y"], vec![])],
+        vec![value("x", 1, &[1, 2])],
+        vec![value("y", 1, &[1, 2])],
+        vec![init_f32("W", &[2, 2], &[1.0, 2.0, 3.0, 4.0])],
+    ));
+    let rt = runtime(&[]);
+    let mut errors = 0;
+    for cut in 0..bytes.len() {
+        let feeds = vec![("x".into(), f32_tensor(&[1, 2], &[1.0, 1.0]))];
+        if run(&rt, &bytes[..cut], feeds).is_err() {
+            errors += 1;
+        }
+    }
+    // A cut inside the last value declaration leaves a valid model (an output without its
+    // type); every other prefix misses something the model needs.
+    assert!(errors >= bytes.len() - 8, "{errors} of {} prefixes failed", bytes.len());
+    for junk in [&b"\xff\xff\xff\xff"[..], b"GIF89a....", b"\x0a\xff\xff\xff\xff\x0f"] {
+        let e = model::load_bytes(junk, None).unwrap_err().to_string();
+        assert!(e.contains("not a valid ONNX protobuf") || e.contains("no graph"), "{e}");
+    }
+}
+
+#[test]
+fn malformed_models_name_what_is_wrong() {
+    let relu = || node("Relu", &["x"], &["y"], vec![]);
+    let x = || value("x", 1, &[4]);
+    let y = || value("y", 1, &[4]);
+    let cases: Vec<(onnx::ModelProto, &str)> = vec![
+        // A node reads a value nobody defines (a missing initializer).
+        (onnx::model(vec![node("Add", &["x", "bias"], &["y"], vec![])], vec![x()], vec![y()], vec![]), "reads \"bias\", which no node produces"),
+        // A cycle.
+        (
+            onnx::model(vec![node("Relu", &["b"], &["a"], vec![]), node("Relu", &["a"], &["b"], vec![])], vec![], vec![value("a", 1, &[1])], vec![]),
+            "cycle through node",
+        ),
+        // A value defined twice.
+        (onnx::model(vec![relu(), node("Neg", &["x"], &["y"], vec![])], vec![x()], vec![y()], vec![]), "defined twice"),
+        // Initializer data that does not match its shape; negative and absurd dims.
+        (onnx::model(vec![relu()], vec![], vec![y()], vec![init_f32("x", &[5], &[1.0, 2.0])]), "5 elements expected, 2 given"),
+        (onnx::model(vec![relu()], vec![], vec![y()], vec![init_f32("x", &[-3], &[])]), "negative dimension -3"),
+        (onnx::model(vec![relu()], vec![], vec![y()], vec![init_f32("x", &[1 << 40, 1 << 40], &[])]), "overflows"),
+        (onnx::model(vec![relu()], vec![], vec![y()], vec![init_f32("x", &[1 << 31, 1 << 10], &[])]), "over the limit"),
+        // A graph output nobody produces.
+        (onnx::model(vec![relu()], vec![x()], vec![value("z", 1, &[4])], vec![]), "graph output \"z\" is never produced"),
+        // An attribute of the wrong type (Transpose's perm as FLOAT).
+        (
+            onnx::model(vec![node("Transpose", &["x"], &["y"], vec![attr_float("perm", 1.0)])], vec![value("x", 1, &[2, 2])], vec![y()], vec![]),
+            "perm",
+        ),
+        // An attribute inconsistent with the shapes.
+        (
+            onnx::model(vec![node("Transpose", &["x"], &["y"], vec![attr_ints("perm", &[0, 0])])], vec![value("x", 1, &[2, 2])], vec![y()], vec![]),
+            "Transpose",
+        ),
+        // An unknown element type.
+        (onnx::model(vec![relu()], vec![value("x", 99, &[4])], vec![y()], vec![]), "element type 99"),
+    ];
+    for (m, needle) in cases {
+        let e = load_err(&m);
+        assert!(e.contains(needle), "{e:?} should mention {needle:?}");
+    }
+    // A domain the model does not import.
+    let mut m = relu_model();
+    m.graph.as_mut().unwrap().node[0].domain = "com.example".into();
+    assert!(load_err(&m).contains("does not import"), "{}", load_err(&m));
+    // No opset at all.
+    let mut m = relu_model();
+    m.opset_import.clear();
+    assert!(load_err(&m).contains("imports no opset"));
+}
+
+#[test]
+fn external_data_is_mapped_and_cannot_escape_the_model_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let w: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+    std::fs::write(dir.path().join("w.bin"), [&[0u8; 8][..], &w].concat()).unwrap();
+    let ext = |location: &str, offset: &str| {
+        let mut t = onnx::TensorProto { name: "W".into(), data_type: 1, dims: vec![4], ..Default::default() };
+        for (k, v) in [("location", location), ("offset", offset), ("length", "16")] {
+            t.external_data.push(onnx::StringStringEntryProto { key: k.into(), value: v.into(), ..Default::default() });
+        }
+        t.data_location = protobuf::EnumOrUnknown::new(onnx::tensor_proto::DataLocation::EXTERNAL);
+        onnx::model(vec![node("Add", &["x", "W"], &["y"], vec![])], vec![value("x", 1, &[4])], vec![value("y", 1, &[4])], vec![t])
+    };
+    let path = dir.path().join("m.onnx");
+    std::fs::write(&path, onnx::bytes(&ext("w.bin", "8"))).unwrap();
+    let m = model::load(&path).unwrap();
+    let out = Session::new(runtime(&[]), m, SessionOptions::default())
+        .unwrap()
+        .run(vec![("x".into(), f32_tensor(&[4], &[1.0; 4]))])
+        .unwrap();
+    assert_eq!(f32_values(&out[0].1), [2.0, 3.0, 4.0, 5.0]);
+    for (loc, off, needle) in [("../w.bin", "0", "inside the model's folder"), ("/etc/passwd", "0", "inside"), ("w.bin", "16", "past the end"), ("nope.bin", "0", "nope.bin")] {
+        std::fs::write(&path, onnx::bytes(&ext(loc, off))).unwrap();
+        let e = model::load(&path).unwrap_err().to_string();
+        assert!(e.contains(needle), "{e:?} should mention {needle:?}");
+    }
+}
+
+#[test]
+fn wrong_inputs_are_errors() {
+    let rt = runtime(&[]);
+    let bytes = onnx::bytes(&relu_model());
+    let int = kiln_host::Tensor::new(kiln_kernel_abi::DType::I64, vec![4], vec![0u8; 32].into()).unwrap();
+    let cases = [
+        (vec![], "input \"x\" was not given"),
+        (vec![("x".to_string(), int)], "must be float32, not int64"),
+        (vec![("nope".to_string(), f32_tensor(&[4], &[0.0; 4]))], "no input \"nope\""),
+    ];
+    for (feeds, needle) in cases {
+        let e = run(&rt, &bytes, feeds).unwrap_err().to_string();
+        assert!(e.contains(needle), "{e:?} should mention {needle:?}");
+    }
+}
+
+#[test]
+fn an_op_no_package_provides_names_node_op_and_candidates() {
+    let m = onnx::model(vec![node("Celu", &["x"], &["y"], vec![])], vec![value("x", 1, &[4])], vec![value("y", 1, &[4])], vec![]);
+    let e = load_err(&m);
+    assert!(e.contains("Celu#0") && e.contains("ai.onnx::Celu") && e.contains("float32") && e.contains("no installed package"), "{e}");
+    let m = onnx::model(vec![node("Sqrt", &["x"], &["y"], vec![])], vec![value("x", 7, &[4])], vec![value("y", 7, &[4])], vec![]);
+    let e = load_err(&m);
+    assert!(e.contains("kiln-unary@1.0.0 rejected: dtype int64 of input 0 is not in"), "{e}");
+}

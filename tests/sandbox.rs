@@ -1,0 +1,266 @@
+//! Hostile shims: every abuse of the ABI is a clear error naming package, op and reason, the
+//! host keeps running, and the next call (or another package) still works.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use kiln_host::sandbox::{Access, ArgTensor, CallArgs, CallKind, FailureKind, Sandbox, SandboxConfig, ShimFailure};
+use kiln_kernel_abi::wire::{KernelArg, Launch};
+use kiln_kernel_abi::DType;
+
+const PACKAGE: &str = "hostile@6.6.6";
+
+/// A complete ABI v1 module whose export bodies are given (each `(param $p i32) (param $n i32)
+/// (result i32)`). The first call of an instance names its input 0x10000 and output 0x10001.
+fn shim(infer: &str, cpu: &str, dispatch: &str, extra: &str) -> Vec<u8> {
+    let text = format!(
+        r#"(module
+  (import "kiln" "fail" (func $fail (param i32 i32)))
+  (import "kiln" "set_output" (func $set_output (param i32 i32 i32 i32) (result i32)))
+  (import "kiln" "read" (func $read (param i32 i64 i32 i32) (result i32)))
+  (import "kiln" "write" (func $write (param i32 i64 i32 i32) (result i32)))
+  (import "kiln" "scratch" (func $scratch (param i64) (result i32)))
+  (import "kiln" "launch" (func $launch (param i32 i32) (result i32)))
+  (import "kiln" "gemm" (func $gemm (param i32 i32) (result i32)))
+  (memory (export "memory") 2)
+  (global $saved (mut i32) (i32.const 0))
+  (data (i32.const 64) "\04\00\00\00\00\00\00\00")
+  {extra}
+  (func (export "kiln_abi_version") (result i32) (i32.const 1))
+  (func (export "kiln_alloc") (param i32) (result i32) (i32.const 4096))
+  (func (export "kiln_infer") (param $p i32) (param $n i32) (result i32) {infer})
+  (func (export "kiln_cpu") (param $p i32) (param $n i32) (result i32) {cpu})
+  (func (export "kiln_dispatch") (param $p i32) (param $n i32) (result i32) {dispatch})
+)"#
+    );
+    wat::parse_str(&text).unwrap_or_else(|e| panic!("bad test module: {e}\n{text}"))
+}
+
+/// Infers output 0 as float32 [4] (dims at offset 64).
+const INFER_OK: &str = "(drop (call $set_output (i32.const 0) (i32.const 1) (i32.const 1) (i32.const 64))) (i32.const 0)";
+const OK: &str = "(i32.const 0)";
+
+fn sandbox() -> Sandbox {
+    Sandbox::new(SandboxConfig {
+        call_timeout: Duration::from_millis(300),
+        memory_limit_bytes: 16 << 20,
+        ..SandboxConfig::default()
+    })
+    .expect("sandbox")
+}
+
+fn input(values: [f32; 4]) -> ArgTensor<'static> {
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    ArgTensor { dtype: Some(DType::F32), dims: Some(vec![4]), value: None, nbytes: 16, access: Access::Read(Bytes::from(bytes)) }
+}
+
+fn output() -> ArgTensor<'static> {
+    ArgTensor { dtype: Some(DType::F32), dims: Some(vec![4]), value: None, nbytes: 16, access: Access::Write(vec![0; 16]) }
+}
+
+fn args() -> CallArgs<'static> {
+    CallArgs {
+        domain: "",
+        op_type: "Relu",
+        opset: 14,
+        node_name: "evil_node",
+        attributes: vec![],
+        inputs: vec![Some(input([1.0, -2.0, 3.0, -4.0]))],
+        outputs: vec![Some(output())],
+    }
+}
+
+/// Loads `wasm` and makes one call of `kind`; returns the failure.
+fn fails(sb: &Sandbox, wasm: &[u8], kind: CallKind) -> ShimFailure {
+    let module = sb.load(PACKAGE, wasm, vec!["declared_kernel".into()]).expect("the module loads");
+    let mut inst = module.instantiate().expect("instantiates");
+    match inst.call(kind, args()) {
+        Ok(_) => panic!("the hostile call succeeded"),
+        Err(f) => f,
+    }
+}
+
+/// The failure names package, op and node, has the right kind, and its reason says `why`.
+fn check(f: &ShimFailure, kind: FailureKind, why: &str) {
+    let text = f.to_string();
+    assert_eq!(f.kind, kind, "{text}");
+    assert!(text.contains(PACKAGE) && text.contains("Relu") && text.contains("evil_node"), "{text}");
+    assert!(text.contains(why), "{text:?} should say {why:?}");
+}
+
+#[test]
+fn an_infinite_loop_hits_the_deadline() {
+    let sb = sandbox();
+    let f = fails(&sb, &shim(INFER_OK, "(loop (br 0)) (i32.const 0)", OK, ""), CallKind::Cpu);
+    check(&f, FailureKind::Timeout, "time limit");
+}
+
+#[test]
+fn a_memory_growth_bomb_hits_the_cap() {
+    let sb = sandbox();
+    let bomb = "(loop (br_if 0 (i32.ne (memory.grow (i32.const 16)) (i32.const -1)))) unreachable";
+    let f = fails(&sb, &shim(INFER_OK, bomb, OK, ""), CallKind::Cpu);
+    check(&f, FailureKind::MemoryLimit, "limit of 16777216 bytes");
+}
+
+#[test]
+fn forged_stale_and_out_of_bounds_handles_are_refused() {
+    let sb = sandbox();
+    let read = |h: &str, off: i64| format!("(drop (call $read {h} (i64.const {off}) (i32.const 128) (i32.const 4))) (i32.const 0)");
+    check(&fails(&sb, &shim(INFER_OK, &read("(i32.const 7)", 0), OK, ""), CallKind::Cpu), FailureKind::Refused, "not in this call's handle table");
+    check(&fails(&sb, &shim(INFER_OK, &read("(i32.const 0x10000)", 13), OK, ""), CallKind::Cpu), FailureKind::Refused, "outside handle");
+    check(&fails(&sb, &shim(INFER_OK, &read("(i32.const 0x10000)", -4), OK, ""), CallKind::Cpu), FailureKind::Refused, "outside handle");
+    // A handle kept from the first call (inference) and used in the second.
+    let keep = "(global.set $saved (i32.const 0x10000)) (drop (call $set_output (i32.const 0) (i32.const 1) (i32.const 1) (i32.const 64))) (i32.const 0)";
+    let module = sb.load(PACKAGE, &shim(keep, &read("(global.get $saved)", 0), OK, ""), vec![]).unwrap();
+    let mut inst = module.instantiate().unwrap();
+    inst.call(CallKind::Infer, args()).expect("the first call is fine");
+    check(&inst.call(CallKind::Cpu, args()).unwrap_err(), FailureKind::Refused, "stale");
+}
+
+#[test]
+fn garbage_pointers_and_lengths_are_refused_by_every_import() {
+    let sb = sandbox();
+    let far = "(i32.const 0x7ffffff0)";
+    let cases: Vec<(CallKind, String, &str)> = vec![
+        (CallKind::Cpu, format!("(call $fail {far} (i32.const 100)) (i32.const 0)"), "fail: message"),
+        (CallKind::Infer, format!("(drop (call $set_output (i32.const 0) (i32.const 1) (i32.const 3) {far})) (i32.const 0)"), "set_output: dims"),
+        (CallKind::Infer, "(drop (call $set_output (i32.const 5) (i32.const 1) (i32.const 1) (i32.const 64))) (i32.const 0)".into(), "output 5 does not exist"),
+        (CallKind::Infer, "(drop (call $set_output (i32.const 0) (i32.const 99) (i32.const 1) (i32.const 64))) (i32.const 0)".into(), "dtype code 99"),
+        (CallKind::Infer, "(drop (call $set_output (i32.const 0) (i32.const 1) (i32.const 1000) (i32.const 64))) (i32.const 0)".into(), "rank 1000"),
+        (CallKind::Cpu, format!("(drop (call $read (i32.const 0x10000) (i64.const 0) {far} (i32.const 16))) (i32.const 0)"), "read: destination"),
+        (CallKind::Cpu, "(drop (call $read (i32.const 0x10000) (i64.const 0) (i32.const 0) (i32.const -1))) (i32.const 0)".into(), "read: destination"),
+        (CallKind::Cpu, format!("(drop (call $write (i32.const 0x10001) (i64.const 0) {far} (i32.const 16))) (i32.const 0)"), "write: source"),
+        (CallKind::Cpu, "(drop (call $write (i32.const 0x10001) (i64.const 8) (i32.const 0) (i32.const 16))) (i32.const 0)".into(), "outside handle"),
+        (CallKind::Cpu, "(drop (call $write (i32.const 0x10000) (i64.const 0) (i32.const 0) (i32.const 4))) (i32.const 0)".into(), "read-only"),
+        (CallKind::Cpu, "(drop (call $scratch (i64.const 0x7fffffffffffffff))) (i32.const 0)".into(), "per-call limit"),
+        (CallKind::Cpu, "(drop (call $scratch (i64.const -5))) (i32.const 0)".into(), "per-call limit"),
+        (CallKind::Dispatch, format!("(drop (call $launch {far} (i32.const 64))) (i32.const 0)"), "launch: descriptor"),
+        (CallKind::Dispatch, "(drop (call $launch (i32.const 0) (i32.const 64))) (i32.const 0)".into(), "launch: malformed"),
+        (CallKind::Dispatch, format!("(drop (call $gemm {far} (i32.const 64))) (i32.const 0)"), "gemm: descriptor"),
+        (CallKind::Dispatch, "(drop (call $gemm (i32.const 0) (i32.const 200))) (i32.const 0)".into(), "gemm: malformed"),
+        // Imports outside the call kinds that may use them.
+        (CallKind::Infer, "(drop (call $write (i32.const 0x10001) (i64.const 0) (i32.const 0) (i32.const 4))) (i32.const 0)".into(), "write may not be called during Infer"),
+        (CallKind::Cpu, "(drop (call $launch (i32.const 0) (i32.const 4))) (i32.const 0)".into(), "launch may not be called during Cpu"),
+    ];
+    for (kind, body, why) in cases {
+        let (infer, cpu, dispatch) = match kind {
+            CallKind::Infer => (body.as_str(), OK, OK),
+            CallKind::Cpu => (INFER_OK, body.as_str(), OK),
+            CallKind::Dispatch => (INFER_OK, OK, body.as_str()),
+        };
+        check(&fails(&sb, &shim(infer, cpu, dispatch, ""), kind), FailureKind::Refused, why);
+    }
+}
+
+/// A data segment holding `bytes` at `offset`.
+fn data(offset: u32, bytes: &[u8]) -> String {
+    let escaped: String = bytes.iter().map(|b| format!("\\{b:02x}")).collect();
+    format!("(data (i32.const {offset}) \"{escaped}\")")
+}
+
+#[test]
+fn launches_are_checked_against_the_manifest_and_device_limits() {
+    let sb = sandbox();
+    let launch = |kernel: &str, block: u32, handle: u32, offset: u64| {
+        Launch {
+            kernel,
+            grid: [1, 1, 1],
+            block: [block, 1, 1],
+            shared_mem_bytes: 0,
+            args: vec![KernelArg::Tensor { handle, offset }, KernelArg::U64(4)],
+        }
+        .encode()
+    };
+    let body = |len: usize| format!("(drop (call $launch (i32.const 1024) (i32.const {len}))) (i32.const 0)");
+    for (bytes, why) in [
+        (launch("evil", 32, 0x10000, 0), "kernel \"evil\" is not declared"),
+        (launch("declared_kernel", 4096, 0x10000, 0), "over the device limits"),
+        (launch("declared_kernel", 32, 0x30000, 0), "stale"),
+        (launch("declared_kernel", 32, 0x10001, 17), "past the end"),
+    ] {
+        let f = fails(&sb, &shim(INFER_OK, OK, &body(bytes.len()), &data(1024, &bytes)), CallKind::Dispatch);
+        check(&f, FailureKind::Refused, why);
+    }
+    // A good launch is recorded with slot indices, not handles.
+    let bytes = launch("declared_kernel", 32, 0x10001, 4);
+    let module = sb.load(PACKAGE, &shim(INFER_OK, OK, &body(bytes.len()), &data(1024, &bytes)), vec!["declared_kernel".into()]).unwrap();
+    let plan = module.instantiate().unwrap().call(CallKind::Dispatch, args()).unwrap().plan;
+    assert_eq!(plan.steps.len(), 1);
+    assert!(format!("{:?}", plan.steps[0]).contains("Tensor { slot: 1, offset: 4 }"), "{:?}", plan.steps[0]);
+}
+
+#[test]
+fn a_trap_half_way_fails_the_node_and_the_next_instance_works() {
+    let sb = sandbox();
+    let half = "(drop (call $write (i32.const 0x10001) (i64.const 0) (i32.const 64) (i32.const 8))) unreachable";
+    let wasm = shim(INFER_OK, half, OK, "");
+    let f = fails(&sb, &wasm, CallKind::Cpu);
+    check(&f, FailureKind::Trap, "unreachable");
+    // The shim's own message travels with the trap.
+    let panicky = "(call $fail (i32.const 512) (i32.const 22)) unreachable";
+    let f = fails(&sb, &shim(INFER_OK, panicky, OK, &data(512, b"shim panicked: boom!!!")), CallKind::Cpu);
+    check(&f, FailureKind::Trap, "shim panicked: boom!!! (wasm trap: wasm `unreachable` instruction executed)");
+    // A well-behaved shim in the same sandbox still runs.
+    let copy = "(drop (call $read (i32.const 0x10000) (i64.const 0) (i32.const 256) (i32.const 16))) \
+                (drop (call $write (i32.const 0x10001) (i64.const 0) (i32.const 256) (i32.const 16))) (i32.const 0)";
+    let good = sb.load("good@1.0.0", &shim(INFER_OK, copy, OK, ""), vec![]).unwrap();
+    let out = good.instantiate().unwrap().call(CallKind::Cpu, args()).unwrap();
+    match &out.slots[1].access {
+        Access::Write(v) => assert_eq!(&v[..], &[1.0f32, -2.0, 3.0, -4.0].iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<_>>()[..]),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn bad_statuses_and_unset_outputs_fail_the_node() {
+    let sb = sandbox();
+    check(&fails(&sb, &shim(INFER_OK, "(i32.const 77)", OK, ""), CallKind::Cpu), FailureKind::Failed, "unknown status 77");
+    check(&fails(&sb, &shim(OK, OK, OK, ""), CallKind::Infer), FailureKind::Failed, "did not set output 0");
+    let msg = "(call $fail (i32.const 512) (i32.const 17)) (i32.const 2)";
+    let f = fails(&sb, &shim(msg, OK, OK, &data(512, b"no such attribute")), CallKind::Infer);
+    check(&f, FailureKind::Unsupported, "unsupported: no such attribute");
+}
+
+#[test]
+fn modules_that_break_the_abi_are_refused_at_load() {
+    let sb = sandbox();
+    let good = shim(INFER_OK, OK, OK, "");
+    let load_err = |wasm: &[u8]| sb.load(PACKAGE, wasm, vec![]).err().expect("refused").to_string();
+    // Wrong ABI version.
+    let text = String::from_utf8_lossy(&wat_text(INFER_OK)).replace("(result i32) (i32.const 1))", "(result i32) (i32.const 2))");
+    let e = load_err(&wat::parse_str(&text).unwrap());
+    assert!(e.contains(PACKAGE) && e.contains("kernel ABI 2"), "{e}");
+    // A missing export.
+    let text = String::from_utf8_lossy(&wat_text(INFER_OK)).replace("(export \"kiln_cpu\")", "");
+    let e = load_err(&wat::parse_str(&text).unwrap());
+    assert!(e.contains("missing export kiln_cpu"), "{e}");
+    // WASI or any other import.
+    let e = load_err(&wat::parse_str("(module (import \"wasi_snapshot_preview1\" \"fd_write\" (func (param i32 i32 i32 i32) (result i32))))").unwrap());
+    assert!(e.contains("wasi_snapshot_preview1::fd_write") && e.contains("may import only"), "{e}");
+    // Not wasm at all, and a truncated module.
+    assert!(load_err(b"\x7fELF").contains("not a valid WebAssembly module"));
+    assert!(load_err(&good[..good.len() / 2]).contains("not a valid WebAssembly module"));
+    // An import with the wrong signature.
+    let text = String::from_utf8_lossy(&wat_text(INFER_OK)).replace("(func $scratch (param i64)", "(func $scratch (param i32)");
+    assert!(load_err(&wat::parse_str(&text).unwrap()).contains("scratch"));
+}
+
+/// A minimal valid module's text, for edits that break it.
+fn wat_text(infer: &str) -> Vec<u8> {
+    format!(
+        r#"(module
+  (import "kiln" "fail" (func $fail (param i32 i32)))
+  (import "kiln" "set_output" (func $set_output (param i32 i32 i32 i32) (result i32)))
+  (import "kiln" "scratch" (func $scratch (param i64) (result i32)))
+  (memory (export "memory") 2)
+  (data (i32.const 64) "\04\00\00\00\00\00\00\00")
+  (func (export "kiln_abi_version") (result i32) (i32.const 1))
+  (func (export "kiln_alloc") (param i32) (result i32) (i32.const 4096))
+  (func (export "kiln_infer") (param $p i32) (param $n i32) (result i32) {infer})
+  (func (export "kiln_cpu") (param $p i32) (param $n i32) (result i32) (i32.const 0))
+  (func (export "kiln_dispatch") (param $p i32) (param $n i32) (result i32) (i32.const 0))
+)"#
+    )
+    .into_bytes()
+}
