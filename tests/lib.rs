@@ -104,11 +104,22 @@ pub mod onnx {
 
     /// A float32 initializer.
     pub fn init_f32(name: &str, dims: &[i64], v: &[f32]) -> TensorProto {
-        TensorProto { name: name.into(), data_type: 1, dims: dims.to_vec(), float_data: v.to_vec(), ..Default::default() }
+        TensorProto {
+            name: name.into(),
+            data_type: 1,
+            dims: dims.to_vec(),
+            float_data: v.to_vec(),
+            ..Default::default()
+        }
     }
 
     /// A model with one graph, opset 21 of ai.onnx.
-    pub fn model(nodes: Vec<NodeProto>, inputs: Vec<ValueInfoProto>, outputs: Vec<ValueInfoProto>, inits: Vec<TensorProto>) -> ModelProto {
+    pub fn model(
+        nodes: Vec<NodeProto>,
+        inputs: Vec<ValueInfoProto>,
+        outputs: Vec<ValueInfoProto>,
+        inits: Vec<TensorProto>,
+    ) -> ModelProto {
         ModelProto {
             ir_version: 10,
             opset_import: vec![OperatorSetIdProto { domain: String::new(), version: 21, ..Default::default() }],

@@ -20,10 +20,19 @@ fn runtime(extra: &[&Path]) -> Arc<Runtime> {
 
 /// y = Relu(x), x: float32 [4].
 fn relu_model() -> onnx::ModelProto {
-    onnx::model(vec![node("Relu", &["x"], &["y"], vec![])], vec![value("x", 1, &[4])], vec![value("y", 1, &[4])], vec![])
+    onnx::model(
+        vec![node("Relu", &["x"], &["y"], vec![])],
+        vec![value("x", 1, &[4])],
+        vec![value("y", 1, &[4])],
+        vec![],
+    )
 }
 
-fn run(rt: &Arc<Runtime>, bytes: &[u8], feeds: Vec<(String, kiln_host::Tensor)>) -> Result<Vec<(String, kiln_host::Tensor)>, Error> {
+fn run(
+    rt: &Arc<Runtime>,
+    bytes: &[u8],
+    feeds: Vec<(String, kiln_host::Tensor)>,
+) -> Result<Vec<(String, kiln_host::Tensor)>, Error> {
     let m = model::load_bytes(bytes, None)?;
     Session::new(rt.clone(), m, SessionOptions::default())?.run(feeds)
 }
@@ -111,7 +120,12 @@ fn op_logic_lives_in_the_packages_a_newer_shim_changes_the_result() {
     let swapped = run(&rt, &bytes, x()).unwrap();
     assert_eq!(f32_values(&swapped[0].1), [2.0, -4.0, 6.0, -8.0], "kiln-unary 9.9.9 outranks the built-in 1.0.0");
     // Where the newer package does not apply (rank 2 > its max_rank 1), the built-in one runs.
-    let m2 = onnx::model(vec![node("Relu", &["x"], &["y"], vec![])], vec![value("x", 1, &[1, 4])], vec![value("y", 1, &[1, 4])], vec![]);
+    let m2 = onnx::model(
+        vec![node("Relu", &["x"], &["y"], vec![])],
+        vec![value("x", 1, &[1, 4])],
+        vec![value("y", 1, &[1, 4])],
+        vec![],
+    );
     let out = run(&rt, &onnx::bytes(&m2), vec![("x".into(), f32_tensor(&[1, 4], &[1.0, -2.0, 3.0, -4.0]))]).unwrap();
     assert_eq!(f32_values(&out[0].1), [1.0, 0.0, 3.0, 0.0]);
 }
@@ -122,9 +136,12 @@ fn a_failing_package_fails_its_node_and_the_runtime_keeps_working() {
     doubling_relu_package(dir.path());
     let rt = runtime(&[dir.path()]);
     // The doubling shim assumes a 4-element input: fed 2 elements, its read is out of bounds.
-    let err = run(&rt, &onnx::bytes(&relu_model()), vec![("x".into(), f32_tensor(&[2], &[1.0, -1.0]))]).unwrap_err().to_string();
+    let err = run(&rt, &onnx::bytes(&relu_model()), vec![("x".into(), f32_tensor(&[2], &[1.0, -1.0]))])
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("kiln-unary@9.9.9") && err.contains("Relu") && err.contains("outside handle"), "{err}");
-    let ok = run(&rt, &onnx::bytes(&relu_model()), vec![("x".into(), f32_tensor(&[4], &[1.0, 1.0, 1.0, 1.0]))]).unwrap();
+    let ok =
+        run(&rt, &onnx::bytes(&relu_model()), vec![("x".into(), f32_tensor(&[4], &[1.0, 1.0, 1.0, 1.0]))]).unwrap();
     assert_eq!(f32_values(&ok[0].1), [2.0; 4]);
 }
 
@@ -170,29 +187,53 @@ fn malformed_models_name_what_is_wrong() {
     let y = || value("y", 1, &[4]);
     let cases: Vec<(onnx::ModelProto, &str)> = vec![
         // A node reads a value nobody defines (a missing initializer).
-        (onnx::model(vec![node("Add", &["x", "bias"], &["y"], vec![])], vec![x()], vec![y()], vec![]), "reads \"bias\", which no node produces"),
+        (
+            onnx::model(vec![node("Add", &["x", "bias"], &["y"], vec![])], vec![x()], vec![y()], vec![]),
+            "reads \"bias\", which no node produces",
+        ),
         // A cycle.
         (
-            onnx::model(vec![node("Relu", &["b"], &["a"], vec![]), node("Relu", &["a"], &["b"], vec![])], vec![], vec![value("a", 1, &[1])], vec![]),
+            onnx::model(
+                vec![node("Relu", &["b"], &["a"], vec![]), node("Relu", &["a"], &["b"], vec![])],
+                vec![],
+                vec![value("a", 1, &[1])],
+                vec![],
+            ),
             "cycle through node",
         ),
         // A value defined twice.
         (onnx::model(vec![relu(), node("Neg", &["x"], &["y"], vec![])], vec![x()], vec![y()], vec![]), "defined twice"),
         // Initializer data that does not match its shape; negative and absurd dims.
-        (onnx::model(vec![relu()], vec![], vec![y()], vec![init_f32("x", &[5], &[1.0, 2.0])]), "5 elements expected, 2 given"),
+        (
+            onnx::model(vec![relu()], vec![], vec![y()], vec![init_f32("x", &[5], &[1.0, 2.0])]),
+            "5 elements expected, 2 given",
+        ),
         (onnx::model(vec![relu()], vec![], vec![y()], vec![init_f32("x", &[-3], &[])]), "negative dimension -3"),
         (onnx::model(vec![relu()], vec![], vec![y()], vec![init_f32("x", &[1 << 40, 1 << 40], &[])]), "overflows"),
         (onnx::model(vec![relu()], vec![], vec![y()], vec![init_f32("x", &[1 << 31, 1 << 10], &[])]), "over the limit"),
         // A graph output nobody produces.
-        (onnx::model(vec![relu()], vec![x()], vec![value("z", 1, &[4])], vec![]), "graph output \"z\" is never produced"),
+        (
+            onnx::model(vec![relu()], vec![x()], vec![value("z", 1, &[4])], vec![]),
+            "graph output \"z\" is never produced",
+        ),
         // An attribute of the wrong type (Transpose's perm as FLOAT).
         (
-            onnx::model(vec![node("Transpose", &["x"], &["y"], vec![attr_float("perm", 1.0)])], vec![value("x", 1, &[2, 2])], vec![y()], vec![]),
+            onnx::model(
+                vec![node("Transpose", &["x"], &["y"], vec![attr_float("perm", 1.0)])],
+                vec![value("x", 1, &[2, 2])],
+                vec![y()],
+                vec![],
+            ),
             "perm",
         ),
         // An attribute inconsistent with the shapes.
         (
-            onnx::model(vec![node("Transpose", &["x"], &["y"], vec![attr_ints("perm", &[0, 0])])], vec![value("x", 1, &[2, 2])], vec![y()], vec![]),
+            onnx::model(
+                vec![node("Transpose", &["x"], &["y"], vec![attr_ints("perm", &[0, 0])])],
+                vec![value("x", 1, &[2, 2])],
+                vec![y()],
+                vec![],
+            ),
             "Transpose",
         ),
         // An unknown element type.
@@ -223,7 +264,12 @@ fn external_data_is_mapped_and_cannot_escape_the_model_folder() {
             t.external_data.push(onnx::StringStringEntryProto { key: k.into(), value: v.into(), ..Default::default() });
         }
         t.data_location = protobuf::EnumOrUnknown::new(onnx::tensor_proto::DataLocation::EXTERNAL);
-        onnx::model(vec![node("Add", &["x", "W"], &["y"], vec![])], vec![value("x", 1, &[4])], vec![value("y", 1, &[4])], vec![t])
+        onnx::model(
+            vec![node("Add", &["x", "W"], &["y"], vec![])],
+            vec![value("x", 1, &[4])],
+            vec![value("y", 1, &[4])],
+            vec![t],
+        )
     };
     let path = dir.path().join("m.onnx");
     std::fs::write(&path, onnx::bytes(&ext("w.bin", "8"))).unwrap();
@@ -233,7 +279,12 @@ fn external_data_is_mapped_and_cannot_escape_the_model_folder() {
         .run(vec![("x".into(), f32_tensor(&[4], &[1.0; 4]))])
         .unwrap();
     assert_eq!(f32_values(&out[0].1), [2.0, 3.0, 4.0, 5.0]);
-    for (loc, off, needle) in [("../w.bin", "0", "inside the model's folder"), ("/etc/passwd", "0", "inside"), ("w.bin", "16", "past the end"), ("nope.bin", "0", "nope.bin")] {
+    for (loc, off, needle) in [
+        ("../w.bin", "0", "inside the model's folder"),
+        ("/etc/passwd", "0", "inside"),
+        ("w.bin", "16", "past the end"),
+        ("nope.bin", "0", "nope.bin"),
+    ] {
         std::fs::write(&path, onnx::bytes(&ext(loc, off))).unwrap();
         let e = model::load(&path).unwrap_err().to_string();
         assert!(e.contains(needle), "{e:?} should mention {needle:?}");
@@ -258,10 +309,26 @@ fn wrong_inputs_are_errors() {
 
 #[test]
 fn an_op_no_package_provides_names_node_op_and_candidates() {
-    let m = onnx::model(vec![node("Celu", &["x"], &["y"], vec![])], vec![value("x", 1, &[4])], vec![value("y", 1, &[4])], vec![]);
+    let m = onnx::model(
+        vec![node("Celu", &["x"], &["y"], vec![])],
+        vec![value("x", 1, &[4])],
+        vec![value("y", 1, &[4])],
+        vec![],
+    );
     let e = load_err(&m);
-    assert!(e.contains("Celu#0") && e.contains("ai.onnx::Celu") && e.contains("float32") && e.contains("no installed package"), "{e}");
-    let m = onnx::model(vec![node("Sqrt", &["x"], &["y"], vec![])], vec![value("x", 7, &[4])], vec![value("y", 7, &[4])], vec![]);
+    assert!(
+        e.contains("Celu#0")
+            && e.contains("ai.onnx::Celu")
+            && e.contains("float32")
+            && e.contains("no installed package"),
+        "{e}"
+    );
+    let m = onnx::model(
+        vec![node("Sqrt", &["x"], &["y"], vec![])],
+        vec![value("x", 7, &[4])],
+        vec![value("y", 7, &[4])],
+        vec![],
+    );
     let e = load_err(&m);
     assert!(e.contains("kiln-unary@1.0.0 rejected: dtype int64 of input 0 is not in"), "{e}");
 }

@@ -37,7 +37,8 @@ fn shim(infer: &str, cpu: &str, dispatch: &str, extra: &str) -> Vec<u8> {
 }
 
 /// Infers output 0 as float32 [4] (dims at offset 64).
-const INFER_OK: &str = "(drop (call $set_output (i32.const 0) (i32.const 1) (i32.const 1) (i32.const 64))) (i32.const 0)";
+const INFER_OK: &str =
+    "(drop (call $set_output (i32.const 0) (i32.const 1) (i32.const 1) (i32.const 64))) (i32.const 0)";
 const OK: &str = "(i32.const 0)";
 
 fn sandbox() -> Sandbox {
@@ -51,11 +52,23 @@ fn sandbox() -> Sandbox {
 
 fn input(values: [f32; 4]) -> ArgTensor<'static> {
     let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-    ArgTensor { dtype: Some(DType::F32), dims: Some(vec![4]), value: None, nbytes: 16, access: Access::Read(Bytes::from(bytes)) }
+    ArgTensor {
+        dtype: Some(DType::F32),
+        dims: Some(vec![4]),
+        value: None,
+        nbytes: 16,
+        access: Access::Read(Bytes::from(bytes)),
+    }
 }
 
 fn output() -> ArgTensor<'static> {
-    ArgTensor { dtype: Some(DType::F32), dims: Some(vec![4]), value: None, nbytes: 16, access: Access::Write(vec![0; 16]) }
+    ArgTensor {
+        dtype: Some(DType::F32),
+        dims: Some(vec![4]),
+        value: None,
+        nbytes: 16,
+        access: Access::Write(vec![0; 16]),
+    }
 }
 
 fn args() -> CallArgs<'static> {
@@ -106,10 +119,24 @@ fn a_memory_growth_bomb_hits_the_cap() {
 #[test]
 fn forged_stale_and_out_of_bounds_handles_are_refused() {
     let sb = sandbox();
-    let read = |h: &str, off: i64| format!("(drop (call $read {h} (i64.const {off}) (i32.const 128) (i32.const 4))) (i32.const 0)");
-    check(&fails(&sb, &shim(INFER_OK, &read("(i32.const 7)", 0), OK, ""), CallKind::Cpu), FailureKind::Refused, "not in this call's handle table");
-    check(&fails(&sb, &shim(INFER_OK, &read("(i32.const 0x10000)", 13), OK, ""), CallKind::Cpu), FailureKind::Refused, "outside handle");
-    check(&fails(&sb, &shim(INFER_OK, &read("(i32.const 0x10000)", -4), OK, ""), CallKind::Cpu), FailureKind::Refused, "outside handle");
+    let read = |h: &str, off: i64| {
+        format!("(drop (call $read {h} (i64.const {off}) (i32.const 128) (i32.const 4))) (i32.const 0)")
+    };
+    check(
+        &fails(&sb, &shim(INFER_OK, &read("(i32.const 7)", 0), OK, ""), CallKind::Cpu),
+        FailureKind::Refused,
+        "not in this call's handle table",
+    );
+    check(
+        &fails(&sb, &shim(INFER_OK, &read("(i32.const 0x10000)", 13), OK, ""), CallKind::Cpu),
+        FailureKind::Refused,
+        "outside handle",
+    );
+    check(
+        &fails(&sb, &shim(INFER_OK, &read("(i32.const 0x10000)", -4), OK, ""), CallKind::Cpu),
+        FailureKind::Refused,
+        "outside handle",
+    );
     // A handle kept from the first call (inference) and used in the second.
     let keep = "(global.set $saved (i32.const 0x10000)) (drop (call $set_output (i32.const 0) (i32.const 1) (i32.const 1) (i32.const 64))) (i32.const 0)";
     let module = sb.load(PACKAGE, &shim(keep, &read("(global.get $saved)", 0), OK, ""), vec![]).unwrap();
@@ -124,24 +151,77 @@ fn garbage_pointers_and_lengths_are_refused_by_every_import() {
     let far = "(i32.const 0x7ffffff0)";
     let cases: Vec<(CallKind, String, &str)> = vec![
         (CallKind::Cpu, format!("(call $fail {far} (i32.const 100)) (i32.const 0)"), "fail: message"),
-        (CallKind::Infer, format!("(drop (call $set_output (i32.const 0) (i32.const 1) (i32.const 3) {far})) (i32.const 0)"), "set_output: dims"),
-        (CallKind::Infer, "(drop (call $set_output (i32.const 5) (i32.const 1) (i32.const 1) (i32.const 64))) (i32.const 0)".into(), "output 5 does not exist"),
-        (CallKind::Infer, "(drop (call $set_output (i32.const 0) (i32.const 99) (i32.const 1) (i32.const 64))) (i32.const 0)".into(), "dtype code 99"),
-        (CallKind::Infer, "(drop (call $set_output (i32.const 0) (i32.const 1) (i32.const 1000) (i32.const 64))) (i32.const 0)".into(), "rank 1000"),
-        (CallKind::Cpu, format!("(drop (call $read (i32.const 0x10000) (i64.const 0) {far} (i32.const 16))) (i32.const 0)"), "read: destination"),
-        (CallKind::Cpu, "(drop (call $read (i32.const 0x10000) (i64.const 0) (i32.const 0) (i32.const -1))) (i32.const 0)".into(), "read: destination"),
-        (CallKind::Cpu, format!("(drop (call $write (i32.const 0x10001) (i64.const 0) {far} (i32.const 16))) (i32.const 0)"), "write: source"),
-        (CallKind::Cpu, "(drop (call $write (i32.const 0x10001) (i64.const 8) (i32.const 0) (i32.const 16))) (i32.const 0)".into(), "outside handle"),
-        (CallKind::Cpu, "(drop (call $write (i32.const 0x10000) (i64.const 0) (i32.const 0) (i32.const 4))) (i32.const 0)".into(), "read-only"),
+        (
+            CallKind::Infer,
+            format!("(drop (call $set_output (i32.const 0) (i32.const 1) (i32.const 3) {far})) (i32.const 0)"),
+            "set_output: dims",
+        ),
+        (
+            CallKind::Infer,
+            "(drop (call $set_output (i32.const 5) (i32.const 1) (i32.const 1) (i32.const 64))) (i32.const 0)".into(),
+            "output 5 does not exist",
+        ),
+        (
+            CallKind::Infer,
+            "(drop (call $set_output (i32.const 0) (i32.const 99) (i32.const 1) (i32.const 64))) (i32.const 0)".into(),
+            "dtype code 99",
+        ),
+        (
+            CallKind::Infer,
+            "(drop (call $set_output (i32.const 0) (i32.const 1) (i32.const 1000) (i32.const 64))) (i32.const 0)"
+                .into(),
+            "rank 1000",
+        ),
+        (
+            CallKind::Cpu,
+            format!("(drop (call $read (i32.const 0x10000) (i64.const 0) {far} (i32.const 16))) (i32.const 0)"),
+            "read: destination",
+        ),
+        (
+            CallKind::Cpu,
+            "(drop (call $read (i32.const 0x10000) (i64.const 0) (i32.const 0) (i32.const -1))) (i32.const 0)".into(),
+            "read: destination",
+        ),
+        (
+            CallKind::Cpu,
+            format!("(drop (call $write (i32.const 0x10001) (i64.const 0) {far} (i32.const 16))) (i32.const 0)"),
+            "write: source",
+        ),
+        (
+            CallKind::Cpu,
+            "(drop (call $write (i32.const 0x10001) (i64.const 8) (i32.const 0) (i32.const 16))) (i32.const 0)".into(),
+            "outside handle",
+        ),
+        (
+            CallKind::Cpu,
+            "(drop (call $write (i32.const 0x10000) (i64.const 0) (i32.const 0) (i32.const 4))) (i32.const 0)".into(),
+            "read-only",
+        ),
         (CallKind::Cpu, "(drop (call $scratch (i64.const 0x7fffffffffffffff))) (i32.const 0)".into(), "per-call limit"),
         (CallKind::Cpu, "(drop (call $scratch (i64.const -5))) (i32.const 0)".into(), "per-call limit"),
         (CallKind::Dispatch, format!("(drop (call $launch {far} (i32.const 64))) (i32.const 0)"), "launch: descriptor"),
-        (CallKind::Dispatch, "(drop (call $launch (i32.const 0) (i32.const 64))) (i32.const 0)".into(), "launch: malformed"),
+        (
+            CallKind::Dispatch,
+            "(drop (call $launch (i32.const 0) (i32.const 64))) (i32.const 0)".into(),
+            "launch: malformed",
+        ),
         (CallKind::Dispatch, format!("(drop (call $gemm {far} (i32.const 64))) (i32.const 0)"), "gemm: descriptor"),
-        (CallKind::Dispatch, "(drop (call $gemm (i32.const 0) (i32.const 200))) (i32.const 0)".into(), "gemm: malformed"),
+        (
+            CallKind::Dispatch,
+            "(drop (call $gemm (i32.const 0) (i32.const 200))) (i32.const 0)".into(),
+            "gemm: malformed",
+        ),
         // Imports outside the call kinds that may use them.
-        (CallKind::Infer, "(drop (call $write (i32.const 0x10001) (i64.const 0) (i32.const 0) (i32.const 4))) (i32.const 0)".into(), "write may not be called during Infer"),
-        (CallKind::Cpu, "(drop (call $launch (i32.const 0) (i32.const 4))) (i32.const 0)".into(), "launch may not be called during Cpu"),
+        (
+            CallKind::Infer,
+            "(drop (call $write (i32.const 0x10001) (i64.const 0) (i32.const 0) (i32.const 4))) (i32.const 0)".into(),
+            "write may not be called during Infer",
+        ),
+        (
+            CallKind::Cpu,
+            "(drop (call $launch (i32.const 0) (i32.const 4))) (i32.const 0)".into(),
+            "launch may not be called during Cpu",
+        ),
     ];
     for (kind, body, why) in cases {
         let (infer, cpu, dispatch) = match kind {
@@ -184,7 +264,9 @@ fn launches_are_checked_against_the_manifest_and_device_limits() {
     }
     // A good launch is recorded with slot indices, not handles.
     let bytes = launch("declared_kernel", 32, 0x10001, 4);
-    let module = sb.load(PACKAGE, &shim(INFER_OK, OK, &body(bytes.len()), &data(1024, &bytes)), vec!["declared_kernel".into()]).unwrap();
+    let module = sb
+        .load(PACKAGE, &shim(INFER_OK, OK, &body(bytes.len()), &data(1024, &bytes)), vec!["declared_kernel".into()])
+        .unwrap();
     let plan = module.instantiate().unwrap().call(CallKind::Dispatch, args()).unwrap().plan;
     assert_eq!(plan.steps.len(), 1);
     assert!(format!("{:?}", plan.steps[0]).contains("Tensor { slot: 1, offset: 4 }"), "{:?}", plan.steps[0]);
@@ -207,7 +289,9 @@ fn a_trap_half_way_fails_the_node_and_the_next_instance_works() {
     let good = sb.load("good@1.0.0", &shim(INFER_OK, copy, OK, ""), vec![]).unwrap();
     let out = good.instantiate().unwrap().call(CallKind::Cpu, args()).unwrap();
     match &out.slots[1].access {
-        Access::Write(v) => assert_eq!(&v[..], &[1.0f32, -2.0, 3.0, -4.0].iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<_>>()[..]),
+        Access::Write(v) => {
+            assert_eq!(&v[..], &[1.0f32, -2.0, 3.0, -4.0].iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<_>>()[..])
+        }
         other => panic!("{other:?}"),
     }
 }
@@ -215,7 +299,11 @@ fn a_trap_half_way_fails_the_node_and_the_next_instance_works() {
 #[test]
 fn bad_statuses_and_unset_outputs_fail_the_node() {
     let sb = sandbox();
-    check(&fails(&sb, &shim(INFER_OK, "(i32.const 77)", OK, ""), CallKind::Cpu), FailureKind::Failed, "unknown status 77");
+    check(
+        &fails(&sb, &shim(INFER_OK, "(i32.const 77)", OK, ""), CallKind::Cpu),
+        FailureKind::Failed,
+        "unknown status 77",
+    );
     check(&fails(&sb, &shim(OK, OK, OK, ""), CallKind::Infer), FailureKind::Failed, "did not set output 0");
     let msg = "(call $fail (i32.const 512) (i32.const 17)) (i32.const 2)";
     let f = fails(&sb, &shim(msg, OK, OK, &data(512, b"no such attribute")), CallKind::Infer);
@@ -228,7 +316,8 @@ fn modules_that_break_the_abi_are_refused_at_load() {
     let good = shim(INFER_OK, OK, OK, "");
     let load_err = |wasm: &[u8]| sb.load(PACKAGE, wasm, vec![]).err().expect("refused").to_string();
     // Wrong ABI version.
-    let text = String::from_utf8_lossy(&wat_text(INFER_OK)).replace("(result i32) (i32.const 1))", "(result i32) (i32.const 2))");
+    let text = String::from_utf8_lossy(&wat_text(INFER_OK))
+        .replace("(result i32) (i32.const 1))", "(result i32) (i32.const 2))");
     let e = load_err(&wat::parse_str(&text).unwrap());
     assert!(e.contains(PACKAGE) && e.contains("kernel ABI 2"), "{e}");
     // A missing export.
@@ -236,13 +325,19 @@ fn modules_that_break_the_abi_are_refused_at_load() {
     let e = load_err(&wat::parse_str(&text).unwrap());
     assert!(e.contains("missing export kiln_cpu"), "{e}");
     // WASI or any other import.
-    let e = load_err(&wat::parse_str("(module (import \"wasi_snapshot_preview1\" \"fd_write\" (func (param i32 i32 i32 i32) (result i32))))").unwrap());
+    let e = load_err(
+        &wat::parse_str(
+            "(module (import \"wasi_snapshot_preview1\" \"fd_write\" (func (param i32 i32 i32 i32) (result i32))))",
+        )
+        .unwrap(),
+    );
     assert!(e.contains("wasi_snapshot_preview1::fd_write") && e.contains("may import only"), "{e}");
     // Not wasm at all, and a truncated module.
     assert!(load_err(b"\x7fELF").contains("not a valid WebAssembly module"));
     assert!(load_err(&good[..good.len() / 2]).contains("not a valid WebAssembly module"));
     // An import with the wrong signature.
-    let text = String::from_utf8_lossy(&wat_text(INFER_OK)).replace("(func $scratch (param i64)", "(func $scratch (param i32)");
+    let text = String::from_utf8_lossy(&wat_text(INFER_OK))
+        .replace("(func $scratch (param i64)", "(func $scratch (param i32)");
     assert!(load_err(&wat::parse_str(&text).unwrap()).contains("scratch"));
 }
 

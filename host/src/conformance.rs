@@ -100,7 +100,10 @@ fn run_data_sets(s: &mut Session, dir: &Path) -> Result<Option<String>> {
         }
         for ((name, a), e) in actual.iter().zip(&expected) {
             if let Some(msg) = compare(a, e, RTOL, ATOL) {
-                return Ok(Some(format!("{}: output {name:?}: {msg}", set.file_name().unwrap_or_default().to_string_lossy())));
+                return Ok(Some(format!(
+                    "{}: output {name:?}: {msg}",
+                    set.file_name().unwrap_or_default().to_string_lossy()
+                )));
             }
         }
     }
@@ -168,7 +171,13 @@ fn test_op(name: &str, m: &model::Model) -> String {
         return nodes[0].op_type.clone();
     }
     let flat = name.trim_start_matches("test_").replace('_', "").to_lowercase();
-    nodes.iter().map(|n| &n.op_type).filter(|op| flat.starts_with(&op.to_lowercase())).max_by_key(|op| op.len()).cloned().unwrap_or_else(|| "(graph)".into())
+    nodes
+        .iter()
+        .map(|n| &n.op_type)
+        .filter(|op| flat.starts_with(&op.to_lowercase()))
+        .max_by_key(|op| op.len())
+        .cloned()
+        .unwrap_or_else(|| "(graph)".into())
 }
 
 /// Per-op counts and the closing line.

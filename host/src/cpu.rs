@@ -28,7 +28,11 @@ pub fn output_args(types: &[Option<(DType, Vec<usize>)>]) -> Vec<Option<ArgTenso
 }
 
 /// The output tensors of a CPU call: slots `n_inputs..` in output order.
-pub fn collect_outputs(outcome: CallOutcome, n_inputs: usize, types: &[Option<(DType, Vec<usize>)>]) -> Result<Vec<Option<Tensor>>> {
+pub fn collect_outputs(
+    outcome: CallOutcome,
+    n_inputs: usize,
+    types: &[Option<(DType, Vec<usize>)>],
+) -> Result<Vec<Option<Tensor>>> {
     let mut slots = outcome.slots.into_iter().skip(n_inputs);
     let mut out = Vec::with_capacity(types.len());
     for t in types {

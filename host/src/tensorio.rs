@@ -63,11 +63,15 @@ pub fn read_npy(bytes: &[u8]) -> Result<Tensor, Error> {
         npyz::DType::Plain(t) => t.to_string(),
         other => return Err(Error::Input(format!("structured dtype {other:?} is not supported"))),
     };
-    let dtype = npy_dtype(&descr).ok_or_else(|| Error::Input(format!("dtype {descr:?} is not supported (little-endian numbers and bools)")))?;
+    let dtype = npy_dtype(&descr)
+        .ok_or_else(|| Error::Input(format!("dtype {descr:?} is not supported (little-endian numbers and bools)")))?;
     let shape = file.shape().iter().map(|&d| d as usize).collect::<Vec<_>>();
     let need = crate::tensor::byte_size(dtype, &shape)?;
     if (rest.len() as u64) < need {
-        return Err(Error::Input(format!("the file holds {} data bytes, shape {shape:?} of {dtype} needs {need}", rest.len())));
+        return Err(Error::Input(format!(
+            "the file holds {} data bytes, shape {shape:?} of {dtype} needs {need}",
+            rest.len()
+        )));
     }
     Tensor::new(dtype, shape, Bytes::copy_from_slice(&rest[..need as usize]))
 }
@@ -122,8 +126,12 @@ mod tests {
     #[test]
     fn npy_round_trips_and_bad_files_are_errors() {
         let d = tempfile::tempdir().unwrap();
-        let t = Tensor::new(DType::I64, vec![2, 1], Bytes::from([1i64, -2].iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>()))
-            .unwrap();
+        let t = Tensor::new(
+            DType::I64,
+            vec![2, 1],
+            Bytes::from([1i64, -2].iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>()),
+        )
+        .unwrap();
         let p = d.path().join("x.npy");
         write_npy(&p, &t).unwrap();
         assert_eq!(read_tensor_file(&p).unwrap().0, t);

@@ -64,7 +64,7 @@ impl Report {
         }
         s += "ops:\n";
         let mut ops: Vec<_> = self.ops.iter().collect();
-        ops.sort_by(|a, b| b.1.time_us.cmp(&a.1.time_us));
+        ops.sort_by_key(|(_, s)| std::cmp::Reverse(s.time_us));
         for (op, st) in ops {
             s += &format!("  {op:<24} {:>6} nodes {:>12.3} ms\n", st.nodes, st.time_us as f64 / 1e3);
         }

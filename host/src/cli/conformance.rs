@@ -47,7 +47,8 @@ pub fn run(a: ConformanceArgs) -> Result<ExitCode> {
             "unsupported": count(|o| matches!(o, Outcome::Unsupported(_))),
             "tests": results,
         });
-        std::fs::write(p, serde_json::to_string_pretty(&doc).unwrap_or_default()).map_err(|source| Error::Io { path: p.clone(), source })?;
+        std::fs::write(p, serde_json::to_string_pretty(&doc).unwrap_or_default())
+            .map_err(|source| Error::Io { path: p.clone(), source })?;
     }
     let failed = results.iter().any(|r| matches!(r.outcome, Outcome::Failed(_)));
     Ok(if failed { ExitCode::from(1) } else { ExitCode::SUCCESS })

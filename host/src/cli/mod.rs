@@ -60,9 +60,9 @@ pub fn choose_device(arg: DeviceArg) -> Result<Device> {
             eprintln!("kiln: no CUDA backend in this build; running on the CPU (package CPU references)");
             Ok(Device::Cpu)
         }
-        DeviceArg::Cuda => Err(Error::Device(
-            "--device cuda: this kiln has no CUDA backend yet; use --device cpu (or auto)".into(),
-        )),
+        DeviceArg::Cuda => {
+            Err(Error::Device("--device cuda: this kiln has no CUDA backend yet; use --device cpu (or auto)".into()))
+        }
     }
 }
 

@@ -63,7 +63,12 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     let prepared = t0.elapsed();
     let outputs = session.run(feeds)?;
     std::fs::create_dir_all(&a.output_dir).map_err(|source| Error::Io { path: a.output_dir.clone(), source })?;
-    eprintln!("kiln: {} on {device}: loaded in {:.1} ms, ran in {:.1} ms", a.model.display(), prepared.as_secs_f64() * 1e3, session.report.run_time_us as f64 / 1e3);
+    eprintln!(
+        "kiln: {} on {device}: loaded in {:.1} ms, ran in {:.1} ms",
+        a.model.display(),
+        prepared.as_secs_f64() * 1e3,
+        session.report.run_time_us as f64 / 1e3
+    );
     for (name, t) in &outputs {
         let file = a.output_dir.join(format!("{}.npy", sanitize(name)));
         write_npy(&file, t)?;

@@ -28,7 +28,10 @@ pub(super) fn known_values(model: &Model) -> Vec<Known> {
     for (id, v) in g.values.iter().enumerate() {
         if let Some(ty) = &v.ty {
             known[id].dtype = Some(ty.dtype);
-            known[id].shape = ty.dims.as_ref().and_then(|d| d.iter().map(|d| if let Dim::Known(n) = d { Some(*n) } else { None }).collect());
+            known[id].shape = ty
+                .dims
+                .as_ref()
+                .and_then(|d| d.iter().map(|d| if let Dim::Known(n) = d { Some(*n) } else { None }).collect());
         }
     }
     for (id, t) in &g.initializers {
@@ -51,10 +54,21 @@ impl Session {
             let dtypes: Vec<Option<DType>> = ins.iter().map(|k| k.and_then(|k| k.dtype)).collect();
             let rank = ins.iter().flatten().filter_map(|k| k.shape.as_ref().map(Vec::len)).max();
             let opset = self.opset_of(idx)?;
-            let q = NodeQuery { domain: &node.domain, op_type: &node.op_type, opset, input_dtypes: dtypes, max_rank: rank, device: None };
-            let res = self.rt.registry.resolve(&q).map_err(|detail| Error::Unresolved { node: node.label(idx), detail })?;
+            let q = NodeQuery {
+                domain: &node.domain,
+                op_type: &node.op_type,
+                opset,
+                input_dtypes: dtypes,
+                max_rank: rank,
+                device: None,
+            };
+            let res =
+                self.rt.registry.resolve(&q).map_err(|detail| Error::Unresolved { node: node.label(idx), detail })?;
+            // Compile the shim now rather than during the first run.
+            self.rt.module(&res.package)?;
             // Inference needs every shape, and the bytes of every value input.
-            let value_ok = res.entry.value_inputs.iter().all(|&i| ins.get(i).copied().flatten().is_none_or(|k| k.value.is_some()));
+            let value_ok =
+                res.entry.value_inputs.iter().all(|&i| ins.get(i).copied().flatten().is_none_or(|k| k.value.is_some()));
             if !value_ok || ins.iter().flatten().any(|k| k.shape.is_none()) {
                 continue;
             }
@@ -80,7 +94,13 @@ impl Session {
                         })
                     })
                     .collect(),
-                outputs: node.outputs.iter().map(|o| o.map(|_| ArgTensor { dtype: None, dims: None, value: None, nbytes: 0, access: Access::Opaque })).collect(),
+                outputs: node
+                    .outputs
+                    .iter()
+                    .map(|o| {
+                        o.map(|_| ArgTensor { dtype: None, dims: None, value: None, nbytes: 0, access: Access::Opaque })
+                    })
+                    .collect(),
             };
             let outcome = self.call_shim(&res.package, CallKind::Infer, args)?;
             for (o, inf) in node.outputs.iter().zip(outcome.inferred) {

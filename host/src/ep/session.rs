@@ -64,7 +64,8 @@ impl Session {
             last_use[*v] = Some(usize::MAX);
         }
         let report = Report { device: options.device.to_string(), ..Report::default() };
-        let mut s = Session { rt, model, options, instances: HashMap::new(), resolutions: HashMap::new(), last_use, report };
+        let mut s =
+            Session { rt, model, options, instances: HashMap::new(), resolutions: HashMap::new(), last_use, report };
         s.prepare()?;
         Ok(s)
     }
@@ -76,7 +77,11 @@ impl Session {
     pub(super) fn opset_of(&self, node: usize) -> Result<i64> {
         let n = &self.model.graph.nodes[node];
         self.model.opset(&n.domain).ok_or_else(|| {
-            Error::Model(format!("node {:?} uses domain {:?}, which the model does not import (opset_import)", n.label(node), n.domain))
+            Error::Model(format!(
+                "node {:?} uses domain {:?}, which the model does not import (opset_import)",
+                n.label(node),
+                n.domain
+            ))
         })
     }
 
@@ -110,7 +115,14 @@ impl Session {
         }
         let node = &self.model.graph.nodes[idx];
         let opset = self.opset_of(idx)?;
-        let q = NodeQuery { domain: &node.domain, op_type: &node.op_type, opset, input_dtypes: dtypes, max_rank: Some(rank), device: None };
+        let q = NodeQuery {
+            domain: &node.domain,
+            op_type: &node.op_type,
+            opset,
+            input_dtypes: dtypes,
+            max_rank: Some(rank),
+            device: None,
+        };
         let r = self.rt.registry.resolve(&q).map_err(|detail| Error::Unresolved { node: node.label(idx), detail })?;
         self.resolutions.insert(key, r.clone());
         Ok(r)
@@ -126,10 +138,13 @@ impl Session {
             values[*id] = Some(t.clone());
         }
         for (name, t) in feeds {
-            let id = g.value_id(&name).filter(|id| g.inputs.contains(id) || g.initializers.contains_key(id)).ok_or_else(|| {
-                let names: Vec<&str> = g.inputs.iter().map(|i| g.values[*i].name.as_str()).collect();
-                Error::Input(format!("the model has no input {name:?} (its inputs: {names:?})"))
-            })?;
+            let id = g
+                .value_id(&name)
+                .filter(|id| g.inputs.contains(id) || g.initializers.contains_key(id))
+                .ok_or_else(|| {
+                    let names: Vec<&str> = g.inputs.iter().map(|i| g.values[*i].name.as_str()).collect();
+                    Error::Input(format!("the model has no input {name:?} (its inputs: {names:?})"))
+                })?;
             if let Some(ty) = &g.values[id].ty {
                 if ty.dtype != t.dtype {
                     return Err(Error::Input(format!("input {name:?} must be {}, not {}", ty.dtype, t.dtype)));
@@ -154,7 +169,9 @@ impl Session {
         let g = &self.model.graph;
         let mut outs = Vec::with_capacity(g.outputs.len());
         for &o in &g.outputs {
-            let t = values[o].clone().ok_or_else(|| Error::Model(format!("graph output {:?} was not computed", g.values[o].name)))?;
+            let t = values[o]
+                .clone()
+                .ok_or_else(|| Error::Model(format!("graph output {:?} was not computed", g.values[o].name)))?;
             outs.push((g.values[o].name.clone(), t));
         }
         self.report.runs += 1;
@@ -172,7 +189,10 @@ impl Session {
             inputs.push(match v {
                 None => None,
                 Some(v) => Some(values[*v].as_ref().ok_or_else(|| {
-                    Error::Model(format!("node {label:?} reads {:?} before it is computed", model.graph.values[*v].name))
+                    Error::Model(format!(
+                        "node {label:?} reads {:?} before it is computed",
+                        model.graph.values[*v].name
+                    ))
                 })?),
             });
         }
@@ -198,7 +218,13 @@ impl Session {
             node_name: &node.name,
             attributes: node.wire_attributes(),
             inputs: refs.iter().enumerate().map(|(i, t)| t.map(|t| arg(&value_inputs, i, t, Access::Opaque))).collect(),
-            outputs: node.outputs.iter().map(|o| o.map(|_| ArgTensor { dtype: None, dims: None, value: None, nbytes: 0, access: Access::Opaque })).collect(),
+            outputs: node
+                .outputs
+                .iter()
+                .map(|o| {
+                    o.map(|_| ArgTensor { dtype: None, dims: None, value: None, nbytes: 0, access: Access::Opaque })
+                })
+                .collect(),
         };
         let inferred = self.call_shim(&res.package, CallKind::Infer, infer)?.inferred;
         let mut out_types = Vec::with_capacity(node.outputs.len());
@@ -226,7 +252,11 @@ impl Session {
                     opset,
                     node_name: &node.name,
                     attributes: node.wire_attributes(),
-                    inputs: refs.iter().enumerate().map(|(i, t)| t.map(|t| arg(&value_inputs, i, t, Access::Read(t.data.clone())))).collect(),
+                    inputs: refs
+                        .iter()
+                        .enumerate()
+                        .map(|(i, t)| t.map(|t| arg(&value_inputs, i, t, Access::Read(t.data.clone()))))
+                        .collect(),
                     outputs: cpu::output_args(&out_types),
                 };
                 let n_in = refs.iter().flatten().count();

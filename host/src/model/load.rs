@@ -94,14 +94,20 @@ pub fn load_bytes(bytes: &[u8], base: Option<std::path::PathBuf>) -> Result<Mode
                 continue;
             }
             let id = b.ids.get(name).copied().ok_or_else(|| {
-                Error::Model(format!("node {label:?} reads {name:?}, which no node produces and is neither an input nor an initializer"))
+                Error::Model(format!(
+                    "node {label:?} reads {name:?}, which no node produces and is neither an input nor an initializer"
+                ))
             })?;
             inputs.push(Some(id));
         }
         b.graph.nodes[i].inputs = inputs;
     }
     for vi in &g.output {
-        let id = b.ids.get(&vi.name).copied().ok_or_else(|| Error::Model(format!("graph output {:?} is never produced", vi.name)))?;
+        let id = b
+            .ids
+            .get(&vi.name)
+            .copied()
+            .ok_or_else(|| Error::Model(format!("graph output {:?} is never produced", vi.name)))?;
         if let Some(ty) = value_type(vi)? {
             b.graph.values[id].ty.get_or_insert(ty);
         }
@@ -145,14 +151,21 @@ fn value_type(vi: &ValueInfoProto) -> Result<Option<ValueType>, Error> {
         None => Ok(None),
         Some(type_proto::Value::TensorType(t)) => {
             let dtype = DType::from_code(t.elem_type).filter(|d| *d != DType::String).ok_or_else(|| {
-                Error::Unsupported(format!("value {:?} has element type {} (ONNX code), which kiln does not support", vi.name, t.elem_type))
+                Error::Unsupported(format!(
+                    "value {:?} has element type {} (ONNX code), which kiln does not support",
+                    vi.name, t.elem_type
+                ))
             })?;
             let dims = t.shape.as_ref().map(|s| {
                 s.dim
                     .iter()
                     .map(|d| match &d.value {
-                        Some(onnx_protobuf::tensor_shape_proto::dimension::Value::DimValue(v)) if *v >= 0 => Dim::Known(*v as usize),
-                        Some(onnx_protobuf::tensor_shape_proto::dimension::Value::DimParam(p)) => Dim::Symbolic(p.clone()),
+                        Some(onnx_protobuf::tensor_shape_proto::dimension::Value::DimValue(v)) if *v >= 0 => {
+                            Dim::Known(*v as usize)
+                        }
+                        Some(onnx_protobuf::tensor_shape_proto::dimension::Value::DimParam(p)) => {
+                            Dim::Symbolic(p.clone())
+                        }
                         _ => Dim::Unknown,
                     })
                     .collect()
@@ -177,7 +190,10 @@ fn attr_value(node: &str, a: &AttributeProto, ext: &ExternalData) -> Result<Attr
     if !a.ref_attr_name.is_empty() {
         return unsupported("a reference to a function attribute");
     }
-    let ty = a.type_.enum_value().map_err(|v| Error::Model(format!("node {node:?}: attribute {:?} has unknown type {v}", a.name)))?;
+    let ty = a
+        .type_
+        .enum_value()
+        .map_err(|v| Error::Model(format!("node {node:?}: attribute {:?} has unknown type {v}", a.name)))?;
     let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
     Ok(match ty {
         AttributeType::FLOAT => AttrValue::Float(a.f),
@@ -190,7 +206,9 @@ fn attr_value(node: &str, a: &AttributeProto, ext: &ExternalData) -> Result<Attr
         AttributeType::FLOATS => AttrValue::Floats(a.floats.clone()),
         AttributeType::INTS => AttrValue::Ints(a.ints.clone()),
         AttributeType::STRINGS => AttrValue::Strings(a.strings.iter().map(|s| text(s)).collect()),
-        AttributeType::GRAPH | AttributeType::GRAPHS => return unsupported("a subgraph (control flow is not supported)"),
+        AttributeType::GRAPH | AttributeType::GRAPHS => {
+            return unsupported("a subgraph (control flow is not supported)")
+        }
         AttributeType::SPARSE_TENSOR | AttributeType::SPARSE_TENSORS => return unsupported("a sparse tensor"),
         AttributeType::TENSORS => return unsupported("a list of tensors"),
         AttributeType::TYPE_PROTO | AttributeType::TYPE_PROTOS => return unsupported("a type"),

@@ -92,11 +92,9 @@ impl Node {
                     AttrValue::Float(x) => wire::AttrValue::Float(*x),
                     AttrValue::Int(x) => wire::AttrValue::Int(*x),
                     AttrValue::String(s) => wire::AttrValue::String(s),
-                    AttrValue::Tensor(t) => wire::AttrValue::Tensor(wire::TensorValue {
-                        dtype: t.dtype,
-                        dims: t.dims_i64(),
-                        data: &t.data,
-                    }),
+                    AttrValue::Tensor(t) => {
+                        wire::AttrValue::Tensor(wire::TensorValue { dtype: t.dtype, dims: t.dims_i64(), data: &t.data })
+                    }
                     AttrValue::Floats(x) => wire::AttrValue::Floats(x.clone()),
                     AttrValue::Ints(x) => wire::AttrValue::Ints(x.clone()),
                     AttrValue::Strings(x) => wire::AttrValue::Strings(x.iter().map(String::as_str).collect()),

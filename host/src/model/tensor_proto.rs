@@ -44,7 +44,8 @@ impl ExternalData {
                 // SAFETY: the file is mapped read-only; kiln never writes it, and a model whose
                 // data file is changed while it runs is outside what kiln guarantees (as for
                 // onnxruntime, which maps it the same way).
-                let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| Error::Io { path: path.clone(), source })?;
+                let map =
+                    unsafe { memmap2::Mmap::map(&file) }.map_err(|source| Error::Io { path: path.clone(), source })?;
                 let b = Bytes::from_owner(map);
                 maps.insert(path.clone(), b.clone());
                 b
@@ -63,22 +64,35 @@ impl ExternalData {
 pub fn tensor_from_proto(t: &TensorProto, ext: &ExternalData) -> Result<Tensor, Error> {
     let name = &t.name;
     let dtype = DType::from_code(t.data_type).filter(|d| *d != DType::String).ok_or_else(|| {
-        Error::Unsupported(format!("tensor {name:?} has data type {} (ONNX TensorProto code), which kiln does not support", t.data_type))
+        Error::Unsupported(format!(
+            "tensor {name:?} has data type {} (ONNX TensorProto code), which kiln does not support",
+            t.data_type
+        ))
     })?;
     let mut shape = Vec::with_capacity(t.dims.len());
     for &d in &t.dims {
-        shape.push(usize::try_from(d).map_err(|_| Error::Model(format!("tensor {name:?} has negative dimension {d}")))?);
+        shape
+            .push(usize::try_from(d).map_err(|_| Error::Model(format!("tensor {name:?} has negative dimension {d}")))?);
     }
-    let nbytes = byte_size(dtype, &shape).map_err(|_| Error::Model(format!("tensor {name:?}: shape {shape:?} overflows")))?;
+    let nbytes =
+        byte_size(dtype, &shape).map_err(|_| Error::Model(format!("tensor {name:?}: shape {shape:?} overflows")))?;
     if nbytes > MAX_TENSOR_BYTES {
-        return Err(Error::Model(format!("tensor {name:?}: shape {shape:?} needs {nbytes} bytes, over the limit of {MAX_TENSOR_BYTES}")));
+        return Err(Error::Model(format!(
+            "tensor {name:?}: shape {shape:?} needs {nbytes} bytes, over the limit of {MAX_TENSOR_BYTES}"
+        )));
     }
     let numel = shape.iter().product::<usize>();
     let data: Bytes = if t.data_location.value() == 1 || !t.external_data.is_empty() {
         let get = |k: &str| t.external_data.iter().find(|e| e.key == k).map(|e| e.value.as_str());
-        let location = get("location").ok_or_else(|| Error::Model(format!("tensor {name:?}: external data without a location")))?;
+        let location = get("location")
+            .ok_or_else(|| Error::Model(format!("tensor {name:?}: external data without a location")))?;
         let num = |k: &str| -> Result<Option<u64>, Error> {
-            get(k).map(|v| v.parse::<u64>().map_err(|_| Error::Model(format!("tensor {name:?}: external data {k} {v:?} is not a number")))).transpose()
+            get(k)
+                .map(|v| {
+                    v.parse::<u64>()
+                        .map_err(|_| Error::Model(format!("tensor {name:?}: external data {k} {v:?} is not a number")))
+                })
+                .transpose()
         };
         ext.slice(name, location, num("offset")?.unwrap_or(0), num("length")?)?
     } else if !t.raw_data.is_empty() {

@@ -40,14 +40,23 @@ fn expect_kind(st: &mut CallState, import: &str, allowed: &[CallKind]) -> Result
 }
 
 /// Checks that `[offset, offset+len)` lies in the tensor and returns its slot.
-fn slot_range<'s>(st: &'s mut CallState, import: &str, handle: u32, offset: i64, len: usize) -> Result<(&'s mut Slot, Range<usize>), i32> {
+fn slot_range<'s>(
+    st: &'s mut CallState,
+    import: &str,
+    handle: u32,
+    offset: i64,
+    len: usize,
+) -> Result<(&'s mut Slot, Range<usize>), i32> {
     let nbytes = match st.table.get(handle) {
         Ok(slot) => slot.nbytes,
         Err(e) => return Err(st.refuse(E_HANDLE, format!("{import}: {e}"))),
     };
     let end = u64::try_from(offset).ok().and_then(|o| o.checked_add(len as u64)).filter(|e| *e <= nbytes);
     let Some(end) = end else {
-        return Err(st.refuse(E_BOUNDS, format!("{import}: bytes {offset}..+{len} are outside handle {handle:#x} of {nbytes} bytes")));
+        return Err(st.refuse(
+            E_BOUNDS,
+            format!("{import}: bytes {offset}..+{len} are outside handle {handle:#x} of {nbytes} bytes"),
+        ));
     };
     let slot = st.table.get_mut(handle).map_err(|_| E_HANDLE)?;
     Ok((slot, offset as usize..end as usize))
@@ -68,39 +77,56 @@ pub(super) fn linker(engine: &Engine) -> Linker<CallState> {
         }
     })
     .expect("define fail");
-    l.func_wrap(m, imp::SET_OUTPUT, |mut c: Caller<'_, CallState>, index: i32, dtype: i32, rank: i32, dims: i32| -> i32 {
-        let Some((mem, st)) = split(&mut c) else { return E_CALL };
-        if let Err(code) = expect_kind(st, "set_output", &[CallKind::Infer]) {
-            return code;
-        }
-        let i = index as u32 as usize;
-        if st.output_slots.get(i).is_none_or(|s| s.is_none()) {
-            return st.refuse(E_ARG, format!("set_output: output {index} does not exist (the node has {} outputs)", st.n_outputs));
-        }
-        let Some(dt) = DType::from_code(dtype).filter(|d| *d != DType::String) else {
-            return st.refuse(E_ARG, format!("set_output: output {index}: dtype code {dtype} is not a fixed-size ONNX dtype"));
-        };
-        if rank as u32 > MAX_RANK {
-            return st.refuse(E_ARG, format!("set_output: output {index}: rank {rank} is over {MAX_RANK}"));
-        }
-        let Some(r) = guest_range(mem.len(), dims, rank as usize * 8) else {
-            return st.refuse(E_MEMORY, format!("set_output: dims {dims:#x}+{} is outside the shim's memory", rank * 8));
-        };
-        let dims: Vec<i64> = mem[r].chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8]))).collect();
-        let mut shape = Vec::with_capacity(dims.len());
-        let mut numel: u64 = 1;
-        for d in &dims {
-            match u64::try_from(*d).ok().and_then(|d| numel.checked_mul(d).map(|n| (d, n))) {
-                Some((d, n)) => {
-                    numel = n;
-                    shape.push(d as usize);
-                }
-                None => return st.refuse(E_ARG, format!("set_output: output {index}: shape {dims:?} is negative or overflows")),
+    l.func_wrap(
+        m,
+        imp::SET_OUTPUT,
+        |mut c: Caller<'_, CallState>, index: i32, dtype: i32, rank: i32, dims: i32| -> i32 {
+            let Some((mem, st)) = split(&mut c) else { return E_CALL };
+            if let Err(code) = expect_kind(st, "set_output", &[CallKind::Infer]) {
+                return code;
             }
-        }
-        st.inferred[i] = Some((dt, shape));
-        0
-    })
+            let i = index as u32 as usize;
+            if st.output_slots.get(i).is_none_or(|s| s.is_none()) {
+                return st.refuse(
+                    E_ARG,
+                    format!("set_output: output {index} does not exist (the node has {} outputs)", st.n_outputs),
+                );
+            }
+            let Some(dt) = DType::from_code(dtype).filter(|d| *d != DType::String) else {
+                return st.refuse(
+                    E_ARG,
+                    format!("set_output: output {index}: dtype code {dtype} is not a fixed-size ONNX dtype"),
+                );
+            };
+            if rank as u32 > MAX_RANK {
+                return st.refuse(E_ARG, format!("set_output: output {index}: rank {rank} is over {MAX_RANK}"));
+            }
+            let Some(r) = guest_range(mem.len(), dims, rank as usize * 8) else {
+                return st
+                    .refuse(E_MEMORY, format!("set_output: dims {dims:#x}+{} is outside the shim's memory", rank * 8));
+            };
+            let dims: Vec<i64> =
+                mem[r].chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8]))).collect();
+            let mut shape = Vec::with_capacity(dims.len());
+            let mut numel: u64 = 1;
+            for d in &dims {
+                match u64::try_from(*d).ok().and_then(|d| numel.checked_mul(d).map(|n| (d, n))) {
+                    Some((d, n)) => {
+                        numel = n;
+                        shape.push(d as usize);
+                    }
+                    None => {
+                        return st.refuse(
+                            E_ARG,
+                            format!("set_output: output {index}: shape {dims:?} is negative or overflows"),
+                        )
+                    }
+                }
+            }
+            st.inferred[i] = Some((dt, shape));
+            0
+        },
+    )
     .expect("define set_output");
     l.func_wrap(m, imp::READ, |mut c: Caller<'_, CallState>, handle: i32, offset: i64, dst: i32, len: i32| -> i32 {
         let Some((mem, st)) = split(&mut c) else { return E_CALL };
@@ -150,7 +176,10 @@ pub(super) fn linker(engine: &Engine) -> Linker<CallState> {
         };
         let total = u64::try_from(nbytes).ok().and_then(|n| st.scratch_total.checked_add(n));
         let Some(total) = total.filter(|t| *t <= st.max_scratch) else {
-            return st.refuse(E_LIMIT, format!("scratch: {nbytes} bytes would exceed the per-call limit of {} bytes", st.max_scratch));
+            return st.refuse(
+                E_LIMIT,
+                format!("scratch: {nbytes} bytes would exceed the per-call limit of {} bytes", st.max_scratch),
+            );
         };
         if st.table.len() >= 0xfffe {
             return st.refuse(E_LIMIT, "scratch: too many tensors in one call".into());
@@ -175,7 +204,10 @@ pub(super) fn linker(engine: &Engine) -> Linker<CallState> {
         let Some(r) = guest_range(mem.len(), ptr, len as u32 as usize) else {
             return st.refuse(E_MEMORY, format!("launch: descriptor {ptr:#x}+{len} is outside the shim's memory"));
         };
-        match Launch::decode(&mem[r]).map_err(|e| format!("launch: malformed descriptor: {e}")).and_then(|l| check_launch(st, &l)) {
+        match Launch::decode(&mem[r])
+            .map_err(|e| format!("launch: malformed descriptor: {e}"))
+            .and_then(|l| check_launch(st, &l))
+        {
             Ok(step) => push_step(st, step),
             Err(msg) => st.refuse(E_ARG, msg),
         }
@@ -189,7 +221,10 @@ pub(super) fn linker(engine: &Engine) -> Linker<CallState> {
         let Some(r) = guest_range(mem.len(), ptr, len as u32 as usize) else {
             return st.refuse(E_MEMORY, format!("gemm: descriptor {ptr:#x}+{len} is outside the shim's memory"));
         };
-        match Gemm::decode(&mem[r]).map_err(|e| format!("gemm: malformed descriptor: {e}")).and_then(|g| check_gemm(st, g)) {
+        match Gemm::decode(&mem[r])
+            .map_err(|e| format!("gemm: malformed descriptor: {e}"))
+            .and_then(|g| check_gemm(st, g))
+        {
             Ok(step) => push_step(st, step),
             Err(msg) => st.refuse(E_ARG, msg),
         }
@@ -214,13 +249,19 @@ fn check_launch(st: &CallState, l: &Launch<'_>) -> Result<PlanStep, String> {
     let threads = l.block.iter().map(|&b| b as u64).product::<u64>();
     let dims_ok = |v: &[u32; 3], max: &[u32; 3]| v.iter().zip(max).all(|(a, m)| *a >= 1 && a <= m);
     if !dims_ok(&l.block, &lim.max_block) || threads > lim.max_threads_per_block as u64 {
-        return Err(format!("launch {}: block {:?} is over the device limits {:?} / {} threads", l.kernel, l.block, lim.max_block, lim.max_threads_per_block));
+        return Err(format!(
+            "launch {}: block {:?} is over the device limits {:?} / {} threads",
+            l.kernel, l.block, lim.max_block, lim.max_threads_per_block
+        ));
     }
     if !dims_ok(&l.grid, &lim.max_grid) {
         return Err(format!("launch {}: grid {:?} is outside 1..={:?}", l.kernel, l.grid, lim.max_grid));
     }
     if l.shared_mem_bytes > lim.max_shared_mem_bytes {
-        return Err(format!("launch {}: {} bytes of shared memory is over the limit of {}", l.kernel, l.shared_mem_bytes, lim.max_shared_mem_bytes));
+        return Err(format!(
+            "launch {}: {} bytes of shared memory is over the limit of {}",
+            l.kernel, l.shared_mem_bytes, lim.max_shared_mem_bytes
+        ));
     }
     let mut args = Vec::with_capacity(l.args.len());
     for a in &l.args {
@@ -229,14 +270,23 @@ fn check_launch(st: &CallState, l: &Launch<'_>) -> Result<PlanStep, String> {
                 let slot = st.table.index(handle).map_err(|e| format!("launch {}: {e}", l.kernel))?;
                 let nbytes = st.table.get(handle).map(|s| s.nbytes).unwrap_or(0);
                 if offset > nbytes {
-                    return Err(format!("launch {}: offset {offset} is past the end of handle {handle:#x} ({nbytes} bytes)", l.kernel));
+                    return Err(format!(
+                        "launch {}: offset {offset} is past the end of handle {handle:#x} ({nbytes} bytes)",
+                        l.kernel
+                    ));
                 }
                 PlanArg::Tensor { slot, offset }
             }
             scalar => PlanArg::Scalar(scalar),
         });
     }
-    Ok(PlanStep::Launch { kernel: l.kernel.to_string(), grid: l.grid, block: l.block, shared_mem_bytes: l.shared_mem_bytes, args })
+    Ok(PlanStep::Launch {
+        kernel: l.kernel.to_string(),
+        grid: l.grid,
+        block: l.block,
+        shared_mem_bytes: l.shared_mem_bytes,
+        args,
+    })
 }
 
 /// Checks every operand's extent (the last element any matrix of the batch touches) and
@@ -268,7 +318,9 @@ fn check_gemm(st: &CallState, mut g: Gemm) -> Result<PlanStep, String> {
                 o.handle = slot as u32;
                 Ok(())
             }
-            _ => Err(format!("gemm {name}: the operand reaches past the end of handle {:#x} ({nbytes} bytes)", o.handle)),
+            _ => {
+                Err(format!("gemm {name}: the operand reaches past the end of handle {:#x} ({nbytes} bytes)", o.handle))
+            }
         }
     };
     let (m, n) = (g.m, g.n);

@@ -87,7 +87,13 @@ pub enum PlanArg {
 /// One recorded step of a dispatch.
 #[derive(Clone, Debug, PartialEq)]
 pub enum PlanStep {
-    Launch { kernel: String, grid: [u32; 3], block: [u32; 3], shared_mem_bytes: u32, args: Vec<PlanArg> },
+    Launch {
+        kernel: String,
+        grid: [u32; 3],
+        block: [u32; 3],
+        shared_mem_bytes: u32,
+        args: Vec<PlanArg>,
+    },
     /// Operand handles are rewritten to slot indices.
     Gemm(Gemm),
 }

@@ -132,7 +132,12 @@ pub struct ShimModule {
 }
 
 impl ShimModule {
-    pub(super) fn new(sb: &Sandbox, package: &str, wasm: &[u8], kernels: Vec<String>) -> Result<ShimModule, ShimFailure> {
+    pub(super) fn new(
+        sb: &Sandbox,
+        package: &str,
+        wasm: &[u8],
+        kernels: Vec<String>,
+    ) -> Result<ShimModule, ShimFailure> {
         let fail = |reason: String| ShimFailure {
             package: package.to_string(),
             op: String::new(),
@@ -140,7 +145,8 @@ impl ShimModule {
             kind: FailureKind::Module,
             reason,
         };
-        let module = Module::from_binary(&sb.engine, wasm).map_err(|e| fail(format!("not a valid WebAssembly module: {e}")))?;
+        let module =
+            Module::from_binary(&sb.engine, wasm).map_err(|e| fail(format!("not a valid WebAssembly module: {e}")))?;
         let known = [imp::FAIL, imp::SET_OUTPUT, imp::READ, imp::WRITE, imp::SCRATCH, imp::LAUNCH, imp::GEMM];
         for i in module.imports() {
             if i.module() != IMPORT_MODULE || !known.contains(&i.name()) {
@@ -167,7 +173,9 @@ impl ShimModule {
                         a.len() == b.len() && a.zip(b).all(|(x, y)| ValType::eq(&x, y))
                     };
                     if !same(&mut ft.params(), params) || !same(&mut ft.results(), results) {
-                        return Err(fail(format!("export {name} has type {ft}, ABI v1 requires {params:?} -> {results:?}")));
+                        return Err(fail(format!(
+                            "export {name} has type {ft}, ABI v1 requires {params:?} -> {results:?}"
+                        )));
                     }
                 }
                 Some(_) => return Err(fail(format!("export {name} is not a function"))),
@@ -191,7 +199,8 @@ impl ShimModule {
         };
         let mut inst = this.instantiate().map_err(|e| fail(e.reason))?;
         inst.store.set_epoch_deadline(this.deadline_ticks);
-        let version = inst.abi_version.call(&mut inst.store, ()).map_err(|e| fail(format!("kiln_abi_version trapped: {e}")))?;
+        let version =
+            inst.abi_version.call(&mut inst.store, ()).map_err(|e| fail(format!("kiln_abi_version trapped: {e}")))?;
         if version != ABI_VERSION as i32 {
             return Err(fail(format!(
                 "the shim was built for kernel ABI {version}; this kiln speaks ABI {ABI_VERSION}: rebuild the package"
@@ -239,14 +248,19 @@ impl ShimModule {
             failure(kind, format!("instantiation failed: {e}"))
         })?;
         let func = |store: &mut Store<CallState>, name: &str| {
-            instance.get_typed_func::<(i32, i32), i32>(&mut *store, name).map_err(|e| failure(FailureKind::Module, e.to_string()))
+            instance
+                .get_typed_func::<(i32, i32), i32>(&mut *store, name)
+                .map_err(|e| failure(FailureKind::Module, e.to_string()))
         };
         let infer = func(&mut store, exports::INFER)?;
         let dispatch = func(&mut store, exports::DISPATCH)?;
         let cpu = func(&mut store, exports::CPU)?;
-        let alloc = instance.get_typed_func::<i32, i32>(&mut store, exports::ALLOC).map_err(|e| failure(FailureKind::Module, e.to_string()))?;
-        let abi_version =
-            instance.get_typed_func::<(), i32>(&mut store, exports::ABI_VERSION).map_err(|e| failure(FailureKind::Module, e.to_string()))?;
+        let alloc = instance
+            .get_typed_func::<i32, i32>(&mut store, exports::ALLOC)
+            .map_err(|e| failure(FailureKind::Module, e.to_string()))?;
+        let abi_version = instance
+            .get_typed_func::<(), i32>(&mut store, exports::ABI_VERSION)
+            .map_err(|e| failure(FailureKind::Module, e.to_string()))?;
         let memory = instance
             .get_memory(&mut store, exports::MEMORY)
             .ok_or_else(|| failure(FailureKind::Module, "no memory export".into()))?;
@@ -360,7 +374,10 @@ impl ShimInstance {
                     dst.copy_from_slice(&blob);
                     Ok(ptr)
                 }
-                None => Err(wasmtime::format_err!("kiln_alloc returned {ptr:#x}, outside its memory of {} bytes", data.len())),
+                None => Err(wasmtime::format_err!(
+                    "kiln_alloc returned {ptr:#x}, outside its memory of {} bytes",
+                    data.len()
+                )),
             }
         });
         let func = match kind {
@@ -377,9 +394,15 @@ impl ShimInstance {
         match result {
             Err(e) => {
                 let (fk, reason) = if st.limiter.hit {
-                    (FailureKind::MemoryLimit, format!("linear memory would grow past the limit of {} bytes ({e})", st.limiter.limit))
+                    (
+                        FailureKind::MemoryLimit,
+                        format!("linear memory would grow past the limit of {} bytes ({e})", st.limiter.limit),
+                    )
                 } else if matches!(e.downcast_ref::<wasmtime::Trap>(), Some(wasmtime::Trap::Interrupt)) {
-                    (FailureKind::Timeout, format!("{} exceeded its time limit of {} ticks", kind.export(), self.timeout_hint))
+                    (
+                        FailureKind::Timeout,
+                        format!("{} exceeded its time limit of {} ticks", kind.export(), self.timeout_hint),
+                    )
                 } else if let Some(r) = refusal {
                     (FailureKind::Refused, r)
                 } else {
@@ -393,17 +416,28 @@ impl ShimInstance {
                 if let Some(r) = refusal {
                     return Err(fail(FailureKind::Refused, r));
                 }
-                let msg = || failure_msg.clone().unwrap_or_else(|| format!("{} returned {code} without a message", kind.export()));
+                let msg = || {
+                    failure_msg
+                        .clone()
+                        .unwrap_or_else(|| format!("{} returned {code} without a message", kind.export()))
+                };
                 match code {
                     status::OK => {}
                     status::UNSUPPORTED => return Err(fail(FailureKind::Unsupported, msg())),
                     status::FAILED => return Err(fail(FailureKind::Failed, msg())),
-                    other => return Err(fail(FailureKind::Failed, format!("{} returned unknown status {other}: {}", kind.export(), msg()))),
+                    other => {
+                        return Err(fail(
+                            FailureKind::Failed,
+                            format!("{} returned unknown status {other}: {}", kind.export(), msg()),
+                        ))
+                    }
                 }
                 let st = self.store.data_mut();
                 let inferred = std::mem::take(&mut st.inferred);
                 if kind == CallKind::Infer {
-                    if let Some(i) = st.output_slots.iter().zip(&inferred).position(|(s, inf)| s.is_some() && inf.is_none()) {
+                    if let Some(i) =
+                        st.output_slots.iter().zip(&inferred).position(|(s, inf)| s.is_some() && inf.is_none())
+                    {
                         return Err(fail(FailureKind::Failed, format!("kiln_infer did not set output {i}")));
                     }
                 }

@@ -102,8 +102,27 @@ macro_rules! float_element {
 
 float_element!(f32, DType::F32, u32, |x: f32| x as f64, |v: f64| v as f32);
 float_element!(f64, DType::F64, u64, |x: f64| x, |v: f64| v);
-float_element!(f16, DType::F16, u16, |x: f16| x.to_f64(), f16::from_f64);
-float_element!(bf16, DType::BF16, u16, |x: bf16| x.to_f64(), bf16::from_f64);
+// f64 → f16/bf16 goes through f32 rounded to odd, so that the final rounding to nearest even
+// is correct (`half`'s own `from_f64` rounds twice).
+float_element!(f16, DType::F16, u16, |x: f16| x.to_f64(), |v: f64| f16::from_f32(f32_round_odd(v)));
+float_element!(bf16, DType::BF16, u16, |x: bf16| x.to_f64(), |v: f64| bf16::from_f32(f32_round_odd(v)));
+
+/// f64 → f32 rounded to odd (the last bit set when inexact). Rounding that f32 again to a
+/// format of at most 22 significant bits (float16, bfloat16) gives the correctly rounded
+/// value of `v` (Boldo & Melquiond, "Emulation of FMA and correctly rounded sums: proved
+/// algorithms using rounding to odd", 2008).
+pub fn f32_round_odd(v: f64) -> f32 {
+    let f = v as f32;
+    if !f.is_finite() || f as f64 == v {
+        // Exact, NaN, or beyond the f32 range (and so beyond float16's and bfloat16's).
+        return f;
+    }
+    let mut bits = f.to_bits();
+    if (f as f64).abs() > v.abs() {
+        bits -= 1; // Toward zero.
+    }
+    f32::from_bits(bits | 1)
+}
 
 impl Element for Bool {
     const DTYPE: DType = DType::Bool;

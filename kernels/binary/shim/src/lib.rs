@@ -189,32 +189,6 @@ fn load(t: &Tensor) -> Result<Vals> {
     })
 }
 
-/// f64 → f32 rounding to odd: correctly rounding the result again to a format of at most 22
-/// significant bits (float16, bfloat16) gives the correctly rounded value of `v`.
-fn f32_round_odd(v: f64) -> f32 {
-    let f = v as f32;
-    if !f.is_finite() || f as f64 == v {
-        // Exact, NaN, or beyond the f32 range (and so beyond float16's and bfloat16's).
-        return f;
-    }
-    let mut bits = f.to_bits();
-    if (f as f64).abs() > v.abs() {
-        bits -= 1; // Truncate toward zero.
-    }
-    f32::from_bits(bits | 1)
-}
-
-/// Encodes f64 values as `dtype` floats, rounding each once to nearest even.
-fn encode_floats(dtype: DType, vals: &[f64]) -> Result<Vec<u8>> {
-    Ok(match dtype {
-        DType::F64 => element::encode(vals),
-        DType::F32 => element::encode(&vals.iter().map(|&v| v as f32).collect::<Vec<_>>()),
-        DType::F16 => element::encode(&vals.iter().map(|&v| f16::from_f32(f32_round_odd(v))).collect::<Vec<_>>()),
-        DType::BF16 => element::encode(&vals.iter().map(|&v| bf16::from_f32(f32_round_odd(v))).collect::<Vec<_>>()),
-        other => bail!("internal: {other} is not a float dtype"),
-    })
-}
-
 /// For each input, the index of its element for each output element (`None`: the input has
 /// the output's shape).
 fn gather_indices(shapes: &[Vec<usize>], out_shape: &[usize]) -> Vec<Option<Vec<usize>>> {
@@ -398,11 +372,12 @@ fn pow(call: &Call, dtypes: &[DType], shapes: &[Vec<usize>], a: Vals, b: Vals, o
     let (ash, bsh) = (&shapes[0][..], &shapes[1][..]);
     match (a, b) {
         (Vals::F(x), Vals::F(y)) => {
-            out.write_bytes(&encode_floats(bd, &map2(&x, ash, &y, bsh, |p, q| Ok(libm::pow(p, q)))?)?)
+            out.write_bytes(&element::encode_as::<f64>(bd, &map2(&x, ash, &y, bsh, |p, q| Ok(libm::pow(p, q)))?)?)
         }
-        (Vals::F(x), Vals::I(y)) => {
-            out.write_bytes(&encode_floats(bd, &map2(&x, ash, &y, bsh, |p, q| Ok(libm::pow(p, int_to_f64(q, eu))))?)?)
-        }
+        (Vals::F(x), Vals::I(y)) => out.write_bytes(&element::encode_as::<f64>(
+            bd,
+            &map2(&x, ash, &y, bsh, |p, q| Ok(libm::pow(p, int_to_f64(q, eu))))?,
+        )?),
         (Vals::I(x), Vals::F(y)) => {
             out.write_vec::<i64>(&map2(&x, ash, &y, bsh, |p, q| Ok(f64_to_int(libm::pow(int_to_f64(p, bu), q), bd)))?)
         }
@@ -454,7 +429,7 @@ impl Shim for Binary {
                         let count = inputs.len() as f64;
                         acc.iter_mut().for_each(|a| *a /= count);
                     }
-                    out.write_bytes(&encode_floats(dtype, &acc)?)
+                    out.write_bytes(&element::encode_as::<f64>(dtype, &acc)?)
                 }
                 Vals::I(first) => {
                     let mut acc: Vec<i64> = (0..n).map(|i| first[at(&idx[0], i)]).collect();
@@ -496,9 +471,10 @@ impl Shim for Binary {
             return out.write_vec::<Bool>(&r);
         }
         match (a, b) {
-            (Vals::F(x), Vals::F(y)) => {
-                out.write_bytes(&encode_floats(dtype, &map2(&x, ash, &y, bsh, |p, q| Ok(float_op(op, p, q)))?)?)
-            }
+            (Vals::F(x), Vals::F(y)) => out.write_bytes(&element::encode_as::<f64>(
+                dtype,
+                &map2(&x, ash, &y, bsh, |p, q| Ok(float_op(op, p, q)))?,
+            )?),
             (Vals::I(x), Vals::I(y)) => out.write_vec::<i64>(&map2(&x, ash, &y, bsh, |p, q| int_op(op, u, p, q))?),
             _ => bail!("{}: bool inputs are not allowed", call.op_type()),
         }

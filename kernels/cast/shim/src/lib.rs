@@ -44,22 +44,7 @@ fn dtypes(call: &Call) -> Result<(DType, DType)> {
     Ok((from, to))
 }
 
-/// f64 → f32 rounding to odd: correctly rounding the result again to a format of at most 22
-/// significant bits (float16, bfloat16) gives the correctly rounded value of `v`.
-fn f32_round_odd(v: f64) -> f32 {
-    let f = v as f32;
-    if !f.is_finite() || f as f64 == v {
-        // Exact, NaN, or beyond the f32 range (and so beyond float16's and bfloat16's).
-        return f;
-    }
-    let mut bits = f.to_bits();
-    if (f as f64).abs() > v.abs() {
-        bits -= 1; // Truncate toward zero.
-    }
-    f32::from_bits(bits | 1)
-}
-
-/// Integer → f32 rounding to odd (see [`f32_round_odd`]); `v` is within the u64/i64 range.
+/// Integer → f32 rounding to odd (see [`element::f32_round_odd`]); `v` is within the u64/i64 range.
 fn f32_round_odd_int(v: i128) -> f32 {
     let f = v as f32;
     let back = f as i128;
@@ -93,10 +78,10 @@ fn convert(src: &Src, to: DType) -> Result<Vec<u8>> {
         (Src::F(v), DType::F64) => element::encode(v),
         (Src::F(v), DType::F32) => element::encode(&v.iter().map(|&x| x as f32).collect::<Vec<_>>()),
         (Src::F(v), DType::F16) => {
-            element::encode(&v.iter().map(|&x| f16::from_f32(f32_round_odd(x))).collect::<Vec<_>>())
+            element::encode(&v.iter().map(|&x| f16::from_f32(element::f32_round_odd(x))).collect::<Vec<_>>())
         }
         (Src::F(v), DType::BF16) => {
-            element::encode(&v.iter().map(|&x| bf16::from_f32(f32_round_odd(x))).collect::<Vec<_>>())
+            element::encode(&v.iter().map(|&x| bf16::from_f32(element::f32_round_odd(x))).collect::<Vec<_>>())
         }
         // To integers and bool: `from_f64` truncates toward zero, saturating, NaN → 0;
         // bool is `x != 0`.

@@ -98,12 +98,7 @@ impl Plan {
     /// How many input elements reduce onto each output element.
     fn group(&self) -> usize {
         let n: usize = self.in_shape.iter().product();
-        let m = self.out_len();
-        if m == 0 {
-            0
-        } else {
-            n / m
-        }
+        n.checked_div(self.out_len()).unwrap_or(0)
     }
 }
 

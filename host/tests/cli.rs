@@ -1,0 +1,148 @@
+//! The `kiln` binary end to end: the README's example, kernel listing, conformance on a few
+//! node tests, and clear errors for bad arguments.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn kiln(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).current_dir(root()).output().expect("kiln runs")
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+#[test]
+fn the_readme_example_runs_and_matches_onnxruntime() {
+    let out = tempfile::tempdir().unwrap();
+    let o = kiln(&[
+        "run",
+        "examples/mlp/model.onnx",
+        "--input",
+        "x=examples/mlp/x.npy",
+        "--expect",
+        "probs=examples/mlp/expected.npy",
+        "--output-dir",
+        out.path().to_str().unwrap(),
+        "--report-json",
+        out.path().join("report.json").to_str().unwrap(),
+    ]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains("probs: float32 [3, 4]") && t.contains("probs: matches the expected output"), "{t}");
+    assert!(t.contains("running on the CPU"), "auto says it picked the CPU: {t}");
+    assert!(out.path().join("probs.npy").is_file());
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.path().join("report.json")).unwrap()).unwrap();
+    assert_eq!(report["nodes"], 7);
+    assert_eq!(report["wasm_calls"]["cpu"], 7);
+    assert_eq!(report["packages"]["kiln-matmul@1.0.0"], 2);
+}
+
+#[test]
+fn a_wrong_expectation_exits_with_status_2() {
+    let out = tempfile::tempdir().unwrap();
+    let o = kiln(&[
+        "run",
+        "examples/mlp/model.onnx",
+        "--input",
+        "x=examples/mlp/x.npy",
+        "--expect",
+        "probs=examples/mlp/x.npy",
+        "--output-dir",
+        out.path().to_str().unwrap(),
+        "--device",
+        "cpu",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("MISMATCH"));
+}
+
+#[test]
+fn kernels_list_shows_every_builtin_package() {
+    let o = kiln(&["kernels", "list"]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    for p in [
+        "kiln-unary 1.0.0",
+        "kiln-binary 1.0.0",
+        "kiln-cast 1.0.0",
+        "kiln-matmul 1.0.0",
+        "kiln-reduce 1.0.0",
+        "kiln-normalization 1.0.0",
+        "kiln-tensor 1.0.0",
+    ] {
+        assert!(t.contains(p), "{p} missing from:\n{t}");
+    }
+    assert!(t.contains("LayerNormalization") && t.contains("bfloat16"));
+}
+
+#[test]
+fn conformance_prints_a_table_and_the_summary_line() {
+    let dir = root().join(".cache/onnx-node-1.20.0/node");
+    if !dir.is_dir() {
+        let s = Command::new("bash").arg(root().join("scripts/fetch-onnx-node-tests.sh")).status().unwrap();
+        assert!(s.success(), "could not fetch the ONNX node tests");
+    }
+    let json = tempfile::NamedTempFile::new().unwrap();
+    let o = kiln(&[
+        "conformance",
+        dir.to_str().unwrap(),
+        "--filter",
+        "test_softmax",
+        "--device",
+        "cpu",
+        "--json",
+        json.path().to_str().unwrap(),
+    ]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains("Softmax") && t.contains("conformance: ") && t.contains(" passed, 0 failed, "), "{t}");
+    let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(json.path()).unwrap()).unwrap();
+    assert!(doc["passed"].as_u64().unwrap() >= 7, "{doc}");
+}
+
+#[test]
+fn bad_arguments_are_clear_errors() {
+    let cases: [(&[&str], &str); 6] = [
+        (&["run", "nope.onnx"], "cannot read nope.onnx"),
+        (&["run", "examples/mlp/model.onnx", "--input", "x"], "expected NAME=FILE"),
+        (&["run", "examples/mlp/model.onnx", "--input", "x=examples/mlp/model.onnx"], "must end in .npy or .pb"),
+        (&["run", "examples/mlp/model.onnx", "--input", "x=examples/mlp/x.npy", "--device", "cuda"], "no CUDA backend"),
+        (&["run", "examples/mlp/model.onnx"], "input \"x\" was not given"),
+        (&["run", "examples/mlp/x.npy", "--input", "x=examples/mlp/x.npy"], "not a valid ONNX protobuf"),
+    ];
+    for (args, needle) in cases {
+        let o = kiln(args);
+        assert!(!o.status.success(), "{args:?} succeeded");
+        assert!(text(&o).contains(needle), "{args:?}: {:?} should mention {needle:?}", text(&o));
+    }
+}
+
+#[test]
+fn a_broken_drop_in_package_is_reported_and_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    let pkg = dir.path().join("broken");
+    std::fs::create_dir(&pkg).unwrap();
+    std::fs::write(pkg.join("kernel.toml"), "abi = 1\nname = 3\n").unwrap();
+    let o = kiln(&["kernels", "list", "--packages", dir.path().to_str().unwrap()]);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{t}");
+    assert!(t.contains("BROKEN") && t.contains("broken") && t.contains("kiln-unary"), "{t}");
+    let out = tempfile::tempdir().unwrap();
+    let o = kiln(&[
+        "run",
+        "examples/mlp/model.onnx",
+        "--input",
+        "x=examples/mlp/x.npy",
+        "--packages",
+        dir.path().to_str().unwrap(),
+        "--output-dir",
+        out.path().to_str().unwrap(),
+    ]);
+    assert!(o.status.success() && text(&o).contains("warning: package skipped"), "{}", text(&o));
+}
