@@ -58,7 +58,7 @@ pub fn run_test(rt: &Arc<Runtime>, dir: &Path, options: &SessionOptions) -> Test
     let start = Instant::now();
     let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let (op, result) = match model::load(&dir.join("model.onnx")) {
-        Err(e) => (String::new(), Err(e)),
+        Err(e) => ((if e.is_unsupported() { "(unsupported model)" } else { "(invalid model)" }).to_string(), Err(e)),
         Ok(m) => {
             let op = test_op(&name, &m);
             (op, Session::new(rt.clone(), m, options.clone()).and_then(|mut s| run_data_sets(&mut s, dir)))
@@ -119,12 +119,15 @@ pub fn compare(actual: &Tensor, expected: &Tensor, rtol: f64, atol: f64) -> Opti
     if actual.shape != expected.shape {
         return Some(format!("shape {:?} != expected {:?}", actual.shape, expected.shape));
     }
+    if !actual.dtype.is_float() {
+        // Integers and bools: exactly, bit for bit.
+        let size = actual.dtype.size().unwrap_or(1);
+        let diff = actual.data.chunks_exact(size).zip(expected.data.chunks_exact(size)).position(|(x, y)| x != y)?;
+        return Some(format!("element {diff}: {} != expected {}", int_value(actual, diff), int_value(expected, diff)));
+    }
     let (a, e) = (to_f64(actual), to_f64(expected));
-    let exact = !actual.dtype.is_float();
     for (i, (x, y)) in a.iter().zip(&e).enumerate() {
-        let ok = if exact {
-            x == y
-        } else if x.is_nan() || y.is_nan() {
+        let ok = if x.is_nan() || y.is_nan() {
             x.is_nan() && y.is_nan()
         } else if x.is_infinite() || y.is_infinite() {
             x == y
@@ -138,11 +141,28 @@ pub fn compare(actual: &Tensor, expected: &Tensor, rtol: f64, atol: f64) -> Opti
     None
 }
 
-/// Elements as f64 (exact for every integer type up to 2^53; i64/u64 beyond that compare
-/// by their rounded values, which ONNX's tests do not reach).
+/// Element `i` of an integer or bool tensor, exactly.
+pub fn int_value(t: &Tensor, i: usize) -> i128 {
+    let size = t.dtype.size().unwrap_or(1);
+    let b = &t.data[i * size..(i + 1) * size];
+    let mut le = [0u8; 16];
+    le[..size].copy_from_slice(b);
+    let signed = matches!(t.dtype, DType::I8 | DType::I16 | DType::I32 | DType::I64);
+    if signed && b[size - 1] & 0x80 != 0 {
+        le[size..].iter_mut().for_each(|x| *x = 0xff);
+    }
+    i128::from_le_bytes(le)
+}
+
+/// Elements as f64 (exact for floats and for integers up to 2^53).
 pub fn to_f64(t: &Tensor) -> Vec<f64> {
+    to_f64_prefix(t, t.numel())
+}
+
+/// The first `n` elements (at most all) as f64.
+pub fn to_f64_prefix(t: &Tensor, n: usize) -> Vec<f64> {
     let d = &t.data;
-    let n = t.numel();
+    let n = n.min(t.numel());
     let get = |i: usize, s: usize| &d[i * s..(i + 1) * s];
     (0..n)
         .map(|i| match t.dtype {
@@ -185,7 +205,7 @@ pub fn summary(results: &[TestResult]) -> String {
     use std::collections::BTreeMap;
     let mut by_op: BTreeMap<&str, [usize; 3]> = BTreeMap::new();
     for r in results {
-        let c = by_op.entry(if r.op.is_empty() { "(unloadable)" } else { &r.op }).or_default();
+        let c = by_op.entry(&r.op).or_default();
         match r.outcome {
             Outcome::Passed => c[0] += 1,
             Outcome::Failed(_) => c[1] += 1,

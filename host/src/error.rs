@@ -9,7 +9,7 @@ use crate::sandbox::{FailureKind, ShimFailure};
 /// Everything that can go wrong in the host. Each variant says what to fix.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("cannot read {path}: {source}")]
+    #[error("{path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
     /// A malformed or inconsistent model.
     #[error("invalid model: {0}")]

@@ -12,6 +12,7 @@ pub mod conformance;
 pub mod cpu;
 pub mod ep;
 pub mod error;
+pub mod genai;
 pub mod model;
 pub mod packages;
 pub mod sandbox;

@@ -38,8 +38,9 @@ pub fn search_path(cli: &[PathBuf]) -> Vec<PathBuf> {
     dirs
 }
 
-/// A registry of the drop-in folders' packages and the built-in ones. Packages that fail to
-/// load are left out and returned as errors, so one broken package does not stop the others.
+/// A registry of the drop-in folders' packages and the built-in ones; the folders' packages
+/// outrank the built-in ones. Packages that fail to load are left out and returned as errors,
+/// so one broken package does not stop the others.
 pub fn registry(dirs: &[PathBuf]) -> (OpRegistry, Vec<RegistryError>) {
     let mut reg = OpRegistry::new();
     let mut errors = Vec::new();
@@ -49,7 +50,7 @@ pub fn registry(dirs: &[PathBuf]) -> (OpRegistry, Vec<RegistryError>) {
                 for p in pkgs {
                     match Package::load_dir(&p) {
                         Ok(pkg) => {
-                            reg.add(pkg);
+                            reg.add(pkg, kiln_registry::USER);
                         }
                         Err(e) => errors.push(e),
                     }
@@ -61,7 +62,7 @@ pub fn registry(dirs: &[PathBuf]) -> (OpRegistry, Vec<RegistryError>) {
     for p in builtin() {
         match p {
             Ok(pkg) => {
-                reg.add(pkg);
+                reg.add(pkg, kiln_registry::BUILTIN);
             }
             Err(e) => errors.push(e),
         }

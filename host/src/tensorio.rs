@@ -51,29 +51,61 @@ fn npy_dtype(descr: &str) -> Option<DType> {
     })
 }
 
-/// Parses a `.npy` file (format versions 1–3, little-endian, C order).
+/// Parses a `.npy` file (format versions 1–3, little-endian, C order; NumPy's
+/// `numpy/lib/format.py` describes the format).
 pub fn read_npy(bytes: &[u8]) -> Result<Tensor, Error> {
-    let mut rest = bytes;
-    let header = npyz::NpyHeader::from_reader(&mut rest).map_err(|e| Error::Input(format!("not a .npy file: {e}")))?;
-    let file = npyz::NpyFile::with_header(header, rest);
-    if file.order() != npyz::Order::C {
-        return Err(Error::Input("Fortran-order arrays are not supported; save with np.ascontiguousarray".into()));
+    let bad = |m: &str| Error::Input(format!("not a valid .npy file: {m}"));
+    if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
+        return Err(bad("no \\x93NUMPY magic"));
     }
-    let descr = match file.dtype() {
-        npyz::DType::Plain(t) => t.to_string(),
-        other => return Err(Error::Input(format!("structured dtype {other:?} is not supported"))),
+    let (len, start): (usize, usize) = match bytes[6] {
+        1 => (u16::from_le_bytes([bytes[8], bytes[9]]) as usize, 10),
+        2 | 3 if bytes.len() >= 12 => (u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize, 12),
+        v => return Err(bad(&format!("format version {v} is not supported"))),
     };
-    let dtype = npy_dtype(&descr)
+    let header = bytes.get(start..start.saturating_add(len)).ok_or_else(|| bad("the header is truncated"))?;
+    let header = std::str::from_utf8(header).map_err(|_| bad("the header is not text"))?;
+    let descr = dict_value(header, "descr").ok_or_else(|| bad("no 'descr' in the header"))?;
+    let descr = descr.trim_matches(|c| c == '\'' || c == '"');
+    match dict_value(header, "fortran_order") {
+        Some("False") => {}
+        Some("True") => {
+            return Err(Error::Input("Fortran-order arrays are not supported; save with np.ascontiguousarray".into()))
+        }
+        _ => return Err(bad("no 'fortran_order' in the header")),
+    }
+    let shape_text = dict_value(header, "shape").ok_or_else(|| bad("no 'shape' in the header"))?;
+    let inner =
+        shape_text.strip_prefix('(').and_then(|t| t.strip_suffix(')')).ok_or_else(|| bad("'shape' is not a tuple"))?;
+    let shape = inner
+        .split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .map(|d| d.parse::<usize>().map_err(|_| bad(&format!("dimension {d:?} is not a number"))))
+        .collect::<Result<Vec<usize>, Error>>()?;
+    let dtype = npy_dtype(descr)
         .ok_or_else(|| Error::Input(format!("dtype {descr:?} is not supported (little-endian numbers and bools)")))?;
-    let shape = file.shape().iter().map(|&d| d as usize).collect::<Vec<_>>();
     let need = crate::tensor::byte_size(dtype, &shape)?;
-    if (rest.len() as u64) < need {
+    let data = &bytes[start + len..];
+    if (data.len() as u64) < need {
         return Err(Error::Input(format!(
             "the file holds {} data bytes, shape {shape:?} of {dtype} needs {need}",
-            rest.len()
+            data.len()
         )));
     }
-    Tensor::new(dtype, shape, Bytes::copy_from_slice(&rest[..need as usize]))
+    Tensor::new(dtype, shape, Bytes::copy_from_slice(&data[..need as usize]))
+}
+
+/// The text of `key`'s value in a `.npy` header dict: a quoted string, a word, or a tuple.
+fn dict_value<'h>(header: &'h str, key: &str) -> Option<&'h str> {
+    let at = header.find(&format!("'{key}'")).or_else(|| header.find(&format!("\"{key}\"")))?;
+    let rest = header[at + key.len() + 2..].trim_start().strip_prefix(':')?.trim_start();
+    let end = match rest.chars().next()? {
+        '(' => rest.find(')')? + 1,
+        q @ ('\'' | '"') => rest[1..].find(q)? + 2,
+        _ => rest.find([',', '}']).unwrap_or(rest.len()),
+    };
+    Some(rest[..end].trim())
 }
 
 /// Writes `t` as a version-1 `.npy`. bfloat16 (which NumPy lacks) is written as float32.
@@ -140,5 +172,36 @@ mod tests {
             assert!(read_npy(&bytes[..cut]).is_err(), "cut at {cut}");
         }
         assert!(read_tensor_file(&d.path().join("x.txt")).is_err());
+    }
+
+    fn npy(header: &str, data: &[u8]) -> Vec<u8> {
+        let mut b = b"\x93NUMPY\x01\x00".to_vec();
+        b.extend_from_slice(&(header.len() as u16).to_le_bytes());
+        b.extend_from_slice(header.as_bytes());
+        b.extend_from_slice(data);
+        b
+    }
+
+    #[test]
+    fn hostile_npy_headers_are_errors() {
+        let ok = npy("{'descr': '<i4', 'fortran_order': False, 'shape': (2,), }", &[1, 0, 0, 0, 2, 0, 0, 0]);
+        assert_eq!(read_npy(&ok).unwrap().shape, vec![2]);
+        let scalar = npy("{'descr': '<f8', 'fortran_order': False, 'shape': (), }", &1.5f64.to_le_bytes());
+        assert_eq!(read_npy(&scalar).unwrap().shape, Vec::<usize>::new());
+        for (header, needle) in [
+            ("{'descr': '<f4', 'fortran_order': False, 'shape': (100000000000, 100000000000), }", "larger than memory"),
+            ("{'descr': '<f4', 'fortran_order': False, 'shape': (-1,), }", "not a number"),
+            ("{'descr': '>f4', 'fortran_order': False, 'shape': (1,), }", "not supported"),
+            ("{'descr': '<f4', 'fortran_order': True, 'shape': (1,), }", "Fortran"),
+            ("{'descr': '<f4', 'shape': (1,), }", "fortran_order"),
+            ("{'descr': '<f4', 'fortran_order': False, 'shape': (4,), }", "needs 16"),
+            ("{'descr': '<f4', 'fortran_order': False, 'shape': 4, }", "not a tuple"),
+        ] {
+            let e = read_npy(&npy(header, &[0; 4])).unwrap_err().to_string();
+            assert!(e.contains(needle), "{header}: {e}");
+        }
+        let mut long = npy("{'descr': '<f4', 'fortran_order': False, 'shape': (1,), }", &[]);
+        long[8] = 0xff;
+        assert!(read_npy(&long).unwrap_err().to_string().contains("truncated"));
     }
 }

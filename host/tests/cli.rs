@@ -109,7 +109,7 @@ fn conformance_prints_a_table_and_the_summary_line() {
 #[test]
 fn bad_arguments_are_clear_errors() {
     let cases: [(&[&str], &str); 6] = [
-        (&["run", "nope.onnx"], "cannot read nope.onnx"),
+        (&["run", "nope.onnx"], "nope.onnx: No such file"),
         (&["run", "examples/mlp/model.onnx", "--input", "x"], "expected NAME=FILE"),
         (&["run", "examples/mlp/model.onnx", "--input", "x=examples/mlp/model.onnx"], "must end in .npy or .pb"),
         (&["run", "examples/mlp/model.onnx", "--input", "x=examples/mlp/x.npy", "--device", "cuda"], "no CUDA backend"),

@@ -295,6 +295,10 @@ pub enum KernelArg {
     F64(f64),
 }
 
+/// Most arguments of one launch (CUDA allows 32 KiB of parameters; every argument takes at
+/// least 4 bytes).
+pub const MAX_KERNEL_ARGS: usize = 1024;
+
 /// One launch of a kernel that the package's manifest declares (argument of `launch`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Launch<'a> {
@@ -362,6 +366,9 @@ impl<'a> Launch<'a> {
         }
         let shared_mem_bytes = r.u32("shared memory")?;
         let n = r.count("argument count", 5)?;
+        if n > MAX_KERNEL_ARGS {
+            return Err(WireError::Invalid("argument count (over MAX_KERNEL_ARGS)"));
+        }
         let mut args = Vec::with_capacity(n);
         for _ in 0..n {
             args.push(match r.u8("argument tag")? {

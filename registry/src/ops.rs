@@ -4,7 +4,8 @@
 //! domain and op type is a candidate. A candidate is rejected, with a [`Rejection`] that says
 //! why, when the model's opset is outside its range, the dtype of its `dtype_input` is not
 //! listed, a tensor's rank is over `max_rank`, or the device lacks what the package requires.
-//! Among the rest, the highest package version wins (the first registered on a tie).
+//! Among the rest, the package of the highest *precedence* wins (packages a user adds outrank
+//! built-in ones), then the highest version, then the first registered.
 
 use std::fmt;
 use std::sync::Arc;
@@ -44,6 +45,8 @@ pub struct NodeQuery<'a> {
 pub struct Resolution {
     pub package: Arc<Package>,
     pub entry: OpEntry,
+    /// The package's precedence (see [`OpRegistry::add`]).
+    pub precedence: u32,
 }
 
 /// Why one candidate was not chosen.
@@ -100,27 +103,34 @@ pub fn normalize_domain(domain: &str) -> &str {
 /// Index of packages by op.
 #[derive(Default, Debug)]
 pub struct OpRegistry {
-    packages: Vec<Arc<Package>>,
+    packages: Vec<(Arc<Package>, u32)>,
 }
+
+/// Precedence of the built-in packages.
+pub const BUILTIN: u32 = 0;
+/// Precedence of packages from folders the user gives.
+pub const USER: u32 = 1;
 
 impl OpRegistry {
     pub fn new() -> Self {
         OpRegistry::default()
     }
 
-    /// Adds a package. A package with the same name and version as one already present is
-    /// ignored (the first registered wins) and `false` is returned.
-    pub fn add(&mut self, package: Package) -> bool {
-        if self.packages.iter().any(|p| p.name() == package.name() && p.version() == package.version()) {
+    /// Adds a package with a precedence ([`BUILTIN`], [`USER`]): a candidate of higher
+    /// precedence wins over any version of lower precedence. A package with the same name and
+    /// version as one already present is ignored (the first registered wins) and `false` is
+    /// returned.
+    pub fn add(&mut self, package: Package, precedence: u32) -> bool {
+        if self.packages.iter().any(|(p, _)| p.name() == package.name() && p.version() == package.version()) {
             return false;
         }
-        self.packages.push(Arc::new(package));
+        self.packages.push((Arc::new(package), precedence));
         true
     }
 
     /// All packages, in registration order.
-    pub fn packages(&self) -> &[Arc<Package>] {
-        &self.packages
+    pub fn packages(&self) -> impl Iterator<Item = &Arc<Package>> {
+        self.packages.iter().map(|(p, _)| p)
     }
 
     /// The package for `q`, or every candidate's rejection.
@@ -128,7 +138,7 @@ impl OpRegistry {
         let domain = normalize_domain(q.domain);
         let mut rejections = Vec::new();
         let mut best: Option<Resolution> = None;
-        for pkg in &self.packages {
+        for (pkg, precedence) in &self.packages {
             for entry in &pkg.manifest.ops {
                 if normalize_domain(&entry.domain) != domain || !entry.op_types.iter().any(|t| t == q.op_type) {
                     continue;
@@ -136,8 +146,15 @@ impl OpRegistry {
                 match check(pkg, entry, q) {
                     Err(reason) => rejections.push(Rejection { package: pkg.id(), reason }),
                     Ok(()) => {
-                        if best.as_ref().is_none_or(|b| pkg.version() > b.package.version()) {
-                            best = Some(Resolution { package: pkg.clone(), entry: entry.clone() });
+                        let better = best
+                            .as_ref()
+                            .is_none_or(|b| (*precedence, pkg.version()) > (b.precedence, b.package.version()));
+                        if better {
+                            best = Some(Resolution {
+                                package: pkg.clone(),
+                                entry: entry.clone(),
+                                precedence: *precedence,
+                            });
                         }
                     }
                 }
@@ -221,18 +238,21 @@ mod tests {
     #[test]
     fn the_highest_compatible_version_wins() {
         let mut r = OpRegistry::new();
-        r.add(package("a", "1.0.0", "\"float32\"", "7.0"));
-        r.add(package("a", "1.2.0", "\"float32\"", "7.0"));
-        r.add(package("a", "2.0.0", "\"float16\"", "7.0"));
+        r.add(package("a", "1.0.0", "\"float32\"", "7.0"), BUILTIN);
+        r.add(package("a", "1.2.0", "\"float32\"", "7.0"), BUILTIN);
+        r.add(package("a", "2.0.0", "\"float16\"", "7.0"), BUILTIN);
         let res = r.resolve(&query(DType::F32, 13, 2)).unwrap();
         assert_eq!(res.package.id(), "a@1.2.0");
-        assert!(!r.add(package("a", "1.2.0", "\"float32\"", "7.0")), "duplicates are ignored");
+        assert!(!r.add(package("a", "1.2.0", "\"float32\"", "7.0"), USER), "duplicates are ignored");
+        // A user's package outranks built-in ones whatever its version.
+        r.add(package("mine", "0.1.0", "\"float32\"", "7.0"), USER);
+        assert_eq!(r.resolve(&query(DType::F32, 13, 2)).unwrap().package.id(), "mine@0.1.0");
     }
 
     #[test]
     fn every_rejection_is_explained() {
         let mut r = OpRegistry::new();
-        r.add(package("a", "1.0.0", "\"float32\"", "9.0"));
+        r.add(package("a", "1.0.0", "\"float32\"", "9.0"), BUILTIN);
         let dev = DeviceCaps { compute_capability: (8, 0), features: vec![] };
         let e = r.resolve(&query(DType::I32, 13, 2)).unwrap_err().to_string();
         assert!(e.contains("dtype int32 of input 0 is not in [float32]"), "{e}");

@@ -1,6 +1,7 @@
 //! The `kiln` command line: `run`, `kernels list`, `conformance`.
 
 mod conformance;
+mod generate;
 mod kernels;
 mod run;
 
@@ -29,6 +30,8 @@ pub enum Command {
         #[command(subcommand)]
         command: kernels::KernelsCommand,
     },
+    /// Generate text with an LLM in the onnxruntime-genai model folder format.
+    Generate(generate::GenerateArgs),
     /// Run ONNX backend node tests (a folder of test_* folders) and compare with their outputs.
     Conformance(conformance::ConformanceArgs),
 }
@@ -84,6 +87,7 @@ pub fn main() -> ExitCode {
         Command::Run(a) => run::run(a),
         Command::Kernels { command } => kernels::run(command),
         Command::Conformance(a) => conformance::run(a),
+        Command::Generate(a) => generate::run(a),
     };
     match result {
         Ok(code) => code,

@@ -22,7 +22,7 @@ pub struct RunArgs {
     /// atol 1e-7). Exits with status 2 on a mismatch.
     #[arg(long = "expect", value_name = "NAME=FILE")]
     pub expect: Vec<String>,
-    /// Where outputs are written as NAME.npy.
+    /// Where outputs are written as NAME.npy (bfloat16 outputs as float32, which NumPy lacks).
     #[arg(long, value_name = "DIR", default_value = "kiln-out")]
     pub output_dir: PathBuf,
     #[arg(long, value_enum, default_value_t)]
@@ -49,6 +49,9 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     let mut feeds: Vec<(String, Tensor)> = Vec::new();
     for arg in &a.inputs {
         let (name, file) = name_file(arg, "--input")?;
+        if feeds.iter().any(|(n, _)| *n == name) {
+            return Err(Error::Input(format!("--input {name} is given twice")));
+        }
         feeds.push((name, read_tensor_file(&file)?.0));
     }
     let mut expect = Vec::new();
@@ -56,13 +59,18 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         let (name, file) = name_file(arg, "--expect")?;
         expect.push((name, read_tensor_file(&file)?.0));
     }
+    std::fs::create_dir_all(&a.output_dir).map_err(|source| Error::Io { path: a.output_dir.clone(), source })?;
     let t0 = Instant::now();
     let model = model::load(&a.model)?;
+    for (name, _) in &expect {
+        if !model.graph.outputs.iter().any(|&o| &model.graph.values[o].name == name) {
+            return Err(Error::Input(format!("--expect {name}: the model has no output {name:?}")));
+        }
+    }
     let rt = Runtime::new(registry(&a.packages), SandboxConfig::default())?;
     let mut session = Session::new(rt, model, SessionOptions { device, ..SessionOptions::default() })?;
     let prepared = t0.elapsed();
     let outputs = session.run(feeds)?;
-    std::fs::create_dir_all(&a.output_dir).map_err(|source| Error::Io { path: a.output_dir.clone(), source })?;
     eprintln!(
         "kiln: {} on {device}: loaded in {:.1} ms, ran in {:.1} ms",
         a.model.display(),
@@ -105,7 +113,11 @@ fn sanitize(name: &str) -> String {
 
 /// The first few elements.
 fn preview(t: &Tensor) -> String {
-    let v = conformance::to_f64(t);
-    let shown: Vec<String> = v.iter().take(8).map(|x| format!("{x:.6}")).collect();
-    format!("[{}{}]", shown.join(", "), if v.len() > 8 { ", …" } else { "" })
+    let n = t.numel().min(8);
+    let shown: Vec<String> = if t.dtype.is_float() {
+        conformance::to_f64_prefix(t, n).iter().map(|x| format!("{x:.6}")).collect()
+    } else {
+        (0..n).map(|i| conformance::int_value(t, i).to_string()).collect()
+    };
+    format!("[{}{}]", shown.join(", "), if t.numel() > 8 { ", …" } else { "" })
 }

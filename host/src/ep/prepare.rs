@@ -1,16 +1,15 @@
 //! Ahead-of-run resolution and inference: walks the graph with what is known (declared
-//! types, initializers), resolves every node whose input dtypes are known, and runs shape
-//! inference where shapes and value inputs are known. Unsupported nodes are found here,
-//! before any input is read.
+//! types, initializers), resolves every node (an op no package provides is an error before
+//! any input is read), compiles the packages' shims, and runs shape inference where shapes
+//! and value inputs are known, filling the session's inference cache.
 
 use kiln_kernel_abi::DType;
 use kiln_registry::NodeQuery;
 
 use crate::model::{Dim, Model};
-use crate::sandbox::{Access, ArgTensor, CallArgs, CallKind};
 use crate::{Error, Result};
 
-use super::session::Session;
+use super::session::{InferInput, Session};
 
 /// What is known of a value before a run.
 #[derive(Clone, Debug, Default)]
@@ -22,7 +21,7 @@ pub(super) struct Known {
     pub value: Option<bytes::Bytes>,
 }
 
-pub(super) fn known_values(model: &Model) -> Vec<Known> {
+fn known_values(model: &Model) -> Vec<Known> {
     let g = &model.graph;
     let mut known = vec![Known::default(); g.values.len()];
     for (id, v) in g.values.iter().enumerate() {
@@ -41,19 +40,18 @@ pub(super) fn known_values(model: &Model) -> Vec<Known> {
 }
 
 impl Session {
-    /// Resolves and infers what can be known before a run. Errors: a node no package runs
-    /// (with every candidate's reason), or a shim's inference failing on known shapes.
+    /// Resolves every node and infers what can be known before a run. Errors: a node no
+    /// package runs (with every candidate's reason), or a shim's inference failing on known
+    /// shapes.
     pub(super) fn prepare(&mut self) -> Result<()> {
         let mut known = known_values(&self.model);
         for idx in 0..self.model.graph.nodes.len() {
             let node = self.model.graph.nodes[idx].clone();
-            let ins: Vec<Option<&Known>> = node.inputs.iter().map(|i| i.map(|v| &known[v])).collect();
-            if ins.iter().flatten().any(|k| k.dtype.is_none()) {
-                continue;
-            }
-            let dtypes: Vec<Option<DType>> = ins.iter().map(|k| k.and_then(|k| k.dtype)).collect();
+            let ins: Vec<Option<Known>> = node.inputs.iter().map(|i| i.map(|v| known[v].clone())).collect();
+            let dtypes: Vec<Option<DType>> = ins.iter().map(|k| k.as_ref().and_then(|k| k.dtype)).collect();
             let rank = ins.iter().flatten().filter_map(|k| k.shape.as_ref().map(Vec::len)).max();
             let opset = self.opset_of(idx)?;
+            // Unknown dtypes are not checked here (they are at run time), but the op must exist.
             let q = NodeQuery {
                 domain: &node.domain,
                 op_type: &node.op_type,
@@ -63,47 +61,30 @@ impl Session {
                 device: None,
             };
             let res =
-                self.rt.registry.resolve(&q).map_err(|detail| Error::Unresolved { node: node.label(idx), detail })?;
-            // Compile the shim now rather than during the first run.
+                self.rt.registry.resolve(&q).map_err(|detail| Error::Unresolved { node: node.name.clone(), detail })?;
             self.rt.module(&res.package)?;
-            // Inference needs every shape, and the bytes of every value input.
-            let value_ok =
-                res.entry.value_inputs.iter().all(|&i| ins.get(i).copied().flatten().is_none_or(|k| k.value.is_some()));
-            if !value_ok || ins.iter().flatten().any(|k| k.shape.is_none()) {
+            // Inference needs every dtype and shape, and the bytes of every value input.
+            let complete = ins.iter().flatten().all(|k| k.dtype.is_some() && k.shape.is_some())
+                && res
+                    .entry
+                    .value_inputs
+                    .iter()
+                    .all(|&i| ins.get(i).and_then(Option::as_ref).is_none_or(|k| k.value.is_some()));
+            if !complete {
                 continue;
             }
-            let args = CallArgs {
-                domain: &node.domain,
-                op_type: &node.op_type,
-                opset,
-                node_name: &node.name,
-                attributes: node.wire_attributes(),
-                inputs: ins
-                    .iter()
-                    .enumerate()
-                    .map(|(i, k)| {
-                        k.map(|k| {
-                            let shape = k.shape.clone().unwrap_or_default();
-                            ArgTensor {
-                                dtype: k.dtype,
-                                dims: Some(shape.iter().map(|&d| d as i64).collect()),
-                                value: if res.entry.value_inputs.contains(&i) { k.value.as_deref() } else { None },
-                                nbytes: 0,
-                                access: Access::Opaque,
-                            }
-                        })
+            let infer_ins: Vec<Option<InferInput>> = ins
+                .iter()
+                .map(|k| {
+                    k.as_ref().map(|k| InferInput {
+                        dtype: k.dtype.unwrap_or(DType::F32),
+                        shape: k.shape.clone().unwrap_or_default(),
+                        bytes: k.value.clone(),
                     })
-                    .collect(),
-                outputs: node
-                    .outputs
-                    .iter()
-                    .map(|o| {
-                        o.map(|_| ArgTensor { dtype: None, dims: None, value: None, nbytes: 0, access: Access::Opaque })
-                    })
-                    .collect(),
-            };
-            let outcome = self.call_shim(&res.package, CallKind::Infer, args)?;
-            for (o, inf) in node.outputs.iter().zip(outcome.inferred) {
+                })
+                .collect();
+            let inferred = self.infer(idx, &res, &infer_ins)?;
+            for (o, inf) in node.outputs.iter().zip(inferred) {
                 if let (Some(v), Some((dtype, shape))) = (o, inf) {
                     known[*v].dtype = Some(dtype);
                     known[*v].shape = Some(shape);

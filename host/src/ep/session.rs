@@ -32,6 +32,23 @@ impl Default for SessionOptions {
 /// Key of a run-time resolution: node, input dtypes, largest rank.
 type ResolveKey = (usize, Vec<Option<DType>>, usize);
 
+/// Key of an inference result: node, input dtypes and shapes, value inputs' bytes.
+type InferKey = (usize, Vec<Option<(DType, Vec<usize>)>>, Vec<u8>);
+
+/// Inferred dtype and shape of each output (`None`: absent).
+pub(super) type OutputTypes = Vec<Option<(DType, Vec<usize>)>>;
+
+/// Most inference results kept per session.
+const INFER_CACHE_ENTRIES: usize = 8192;
+
+/// An input as inference sees it; `bytes` are used only for the package's value inputs.
+#[derive(Clone, Debug)]
+pub(super) struct InferInput {
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub bytes: Option<bytes::Bytes>,
+}
+
 /// One model, prepared for one device.
 pub struct Session {
     pub(super) rt: Arc<Runtime>,
@@ -39,6 +56,10 @@ pub struct Session {
     options: SessionOptions,
     instances: HashMap<String, ShimInstance>,
     resolutions: HashMap<ResolveKey, Resolution>,
+    /// Shims' inference is a pure function of the node and its inputs (ABI.md §3).
+    inferred: HashMap<InferKey, OutputTypes>,
+    /// Largest tensor a node may produce, in bytes.
+    max_tensor_bytes: u64,
     /// For each value, the index of the last node that reads it (graph outputs: never freed).
     last_use: Vec<Option<usize>>,
     pub report: Report,
@@ -64,8 +85,21 @@ impl Session {
             last_use[*v] = Some(usize::MAX);
         }
         let report = Report { device: options.device.to_string(), ..Report::default() };
-        let mut s =
-            Session { rt, model, options, instances: HashMap::new(), resolutions: HashMap::new(), last_use, report };
+        // On the CPU a tensor must fit in a shim's linear memory to be computed at all.
+        let max_tensor_bytes = match options.device {
+            Device::Cpu => options.max_tensor_bytes.min(rt.sandbox.config().memory_limit_bytes as u64),
+        };
+        let mut s = Session {
+            rt,
+            model,
+            options,
+            instances: HashMap::new(),
+            resolutions: HashMap::new(),
+            inferred: HashMap::new(),
+            max_tensor_bytes,
+            last_use,
+            report,
+        };
         s.prepare()?;
         Ok(s)
     }
@@ -79,7 +113,7 @@ impl Session {
         self.model.opset(&n.domain).ok_or_else(|| {
             Error::Model(format!(
                 "node {:?} uses domain {:?}, which the model does not import (opset_import)",
-                n.label(node),
+                n.name.clone(),
                 n.domain
             ))
         })
@@ -123,7 +157,7 @@ impl Session {
             max_rank: Some(rank),
             device: None,
         };
-        let r = self.rt.registry.resolve(&q).map_err(|detail| Error::Unresolved { node: node.label(idx), detail })?;
+        let r = self.rt.registry.resolve(&q).map_err(|detail| Error::Unresolved { node: node.name.clone(), detail })?;
         self.resolutions.insert(key, r.clone());
         Ok(r)
     }
@@ -159,9 +193,15 @@ impl Session {
             let t0 = Instant::now();
             let (op, pkg) = self.run_node(idx, &mut values)?;
             self.report.record_node(&op, &pkg, t0.elapsed());
-            // Release intermediates after their last use.
-            for v in self.model.graph.nodes[idx].inputs.iter().flatten() {
+            // Release intermediates after their last use, and outputs nobody reads at once.
+            let node = &self.model.graph.nodes[idx];
+            for v in node.inputs.iter().flatten() {
                 if self.last_use[*v] == Some(idx) && !self.model.graph.initializers.contains_key(v) {
+                    values[*v] = None;
+                }
+            }
+            for v in node.outputs.iter().flatten() {
+                if self.last_use[*v].is_none() {
                     values[*v] = None;
                 }
             }
@@ -179,11 +219,89 @@ impl Session {
         Ok(outs)
     }
 
+    /// Output types of node `idx` for these inputs: from the cache, or from the shim's
+    /// `kiln_infer`. Checks the outputs against the package's `max_rank` and the session's
+    /// tensor size limit.
+    pub(super) fn infer(&mut self, idx: usize, res: &Resolution, inputs: &[Option<InferInput>]) -> Result<OutputTypes> {
+        let mut value_bytes = Vec::new();
+        for i in inputs.iter().flatten() {
+            if let Some(b) = &i.bytes {
+                value_bytes.extend_from_slice(&(b.len() as u64).to_le_bytes());
+                value_bytes.extend_from_slice(b);
+            }
+        }
+        let key: InferKey =
+            (idx, inputs.iter().map(|i| i.as_ref().map(|i| (i.dtype, i.shape.clone()))).collect(), value_bytes);
+        if let Some(t) = self.inferred.get(&key) {
+            return Ok(t.clone());
+        }
+        let opset = self.opset_of(idx)?;
+        let node = self.model.graph.nodes[idx].clone();
+        let args = CallArgs {
+            domain: &node.domain,
+            op_type: &node.op_type,
+            opset,
+            node_name: &node.name,
+            attributes: node.wire_attributes(),
+            inputs: inputs
+                .iter()
+                .map(|i| {
+                    i.as_ref().map(|i| ArgTensor {
+                        dtype: Some(i.dtype),
+                        dims: Some(i.shape.iter().map(|&d| d as i64).collect()),
+                        value: i.bytes.as_deref(),
+                        nbytes: byte_size(i.dtype, &i.shape).unwrap_or(0),
+                        access: Access::Opaque,
+                    })
+                })
+                .collect(),
+            outputs: node
+                .outputs
+                .iter()
+                .map(|o| {
+                    o.map(|_| ArgTensor { dtype: None, dims: None, value: None, nbytes: 0, access: Access::Opaque })
+                })
+                .collect(),
+        };
+        let inferred = self.call_shim(&res.package, CallKind::Infer, args)?.inferred;
+        let mut out = Vec::with_capacity(node.outputs.len());
+        for (i, o) in node.outputs.iter().enumerate() {
+            out.push(match (o, inferred.get(i).cloned().flatten()) {
+                (None, _) => None,
+                (Some(_), Some((dtype, shape))) => {
+                    if shape.len() > res.entry.max_rank {
+                        return Err(Error::Unsupported(format!(
+                            "node {:?}: output {i} has rank {}, over {}'s max_rank {}",
+                            node.name,
+                            shape.len(),
+                            res.package.id(),
+                            res.entry.max_rank
+                        )));
+                    }
+                    let nbytes = byte_size(dtype, &shape)?;
+                    if nbytes > self.max_tensor_bytes {
+                        return Err(Error::Model(format!(
+                            "node {:?}: output {i} would be {dtype} {shape:?} ({nbytes} bytes), over the limit of {} bytes per tensor",
+                            node.name, self.max_tensor_bytes
+                        )));
+                    }
+                    Some((dtype, shape))
+                }
+                (Some(_), None) => return Err(Error::Model(format!("node {:?}: output {i} has no inferred type", node.name))),
+            });
+        }
+        if self.inferred.len() >= INFER_CACHE_ENTRIES {
+            self.inferred.clear();
+        }
+        self.inferred.insert(key, out.clone());
+        Ok(out)
+    }
+
     /// Infers and executes node `idx`; returns (op type, package id).
     fn run_node(&mut self, idx: usize, values: &mut [Option<Tensor>]) -> Result<(String, String)> {
         let model = &self.model;
         let node = &model.graph.nodes[idx];
-        let label = node.label(idx);
+        let label = node.name.clone();
         let mut inputs: Vec<Option<&Tensor>> = Vec::with_capacity(node.inputs.len());
         for v in &node.inputs {
             inputs.push(match v {
@@ -211,39 +329,18 @@ impl Session {
                 access,
             }
         }
-        let infer = CallArgs {
-            domain: &node.domain,
-            op_type: &node.op_type,
-            opset,
-            node_name: &node.name,
-            attributes: node.wire_attributes(),
-            inputs: refs.iter().enumerate().map(|(i, t)| t.map(|t| arg(&value_inputs, i, t, Access::Opaque))).collect(),
-            outputs: node
-                .outputs
-                .iter()
-                .map(|o| {
-                    o.map(|_| ArgTensor { dtype: None, dims: None, value: None, nbytes: 0, access: Access::Opaque })
+        let infer_ins: Vec<Option<InferInput>> = refs
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                t.map(|t| InferInput {
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                    bytes: value_inputs.contains(&i).then(|| t.data.clone()),
                 })
-                .collect(),
-        };
-        let inferred = self.call_shim(&res.package, CallKind::Infer, infer)?.inferred;
-        let mut out_types = Vec::with_capacity(node.outputs.len());
-        for (i, o) in node.outputs.iter().enumerate() {
-            out_types.push(match (o, inferred.get(i).cloned().flatten()) {
-                (None, _) => None,
-                (Some(_), Some((dtype, shape))) => {
-                    let nbytes = byte_size(dtype, &shape)?;
-                    if nbytes > self.options.max_tensor_bytes {
-                        return Err(Error::Model(format!(
-                            "node {label:?}: output {i} would be {dtype} {shape:?} ({nbytes} bytes), over the limit of {}",
-                            self.options.max_tensor_bytes
-                        )));
-                    }
-                    Some((dtype, shape))
-                }
-                (Some(_), None) => return Err(Error::Model(format!("node {label:?}: output {i} has no inferred type"))),
-            });
-        }
+            })
+            .collect();
+        let out_types = self.infer(idx, &res, &infer_ins)?;
         let outputs = match self.options.device {
             Device::Cpu => {
                 let args = CallArgs {

@@ -76,7 +76,8 @@ pub fn load_bytes(bytes: &[u8], base: Option<std::path::PathBuf>) -> Result<Mode
             outputs.push(if o.is_empty() { None } else { Some(b.define(o, &format!("output of node {label:?}"))?) });
         }
         b.graph.nodes.push(Node {
-            name: n.name.clone(),
+            // Unnamed nodes get a name for messages, fixed at load (file order).
+            name: label.clone(),
             op_type: n.op_type.clone(),
             domain: if n.domain == "ai.onnx" { String::new() } else { n.domain.clone() },
             inputs: Vec::new(),
@@ -86,7 +87,7 @@ pub fn load_bytes(bytes: &[u8], base: Option<std::path::PathBuf>) -> Result<Mode
     }
     // Inputs after every output is defined, so that order problems are reported as cycles.
     for (i, n) in g.node.iter().enumerate() {
-        let label = b.graph.nodes[i].label(i);
+        let label = b.graph.nodes[i].name.clone();
         let mut inputs = Vec::with_capacity(n.input.len());
         for name in &n.input {
             if name.is_empty() {
@@ -248,7 +249,7 @@ fn topological_order(g: &Graph) -> Result<Vec<Node>, Error> {
     }
     if order.len() != g.nodes.len() {
         let stuck = (0..g.nodes.len()).find(|i| indegree[*i] > 0).unwrap_or(0);
-        return Err(Error::Model(format!("the graph has a cycle through node {:?}", g.nodes[stuck].label(stuck))));
+        return Err(Error::Model(format!("the graph has a cycle through node {:?}", g.nodes[stuck].name.clone())));
     }
     Ok(order.into_iter().map(|i| g.nodes[i].clone()).collect())
 }

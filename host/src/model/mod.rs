@@ -61,6 +61,7 @@ pub enum AttrValue {
 /// A node of the graph.
 #[derive(Clone, Debug)]
 pub struct Node {
+    /// The node's name; `op_type#index` (position in the file) for unnamed nodes.
     pub name: String,
     pub op_type: String,
     /// `""` for ai.onnx.
@@ -73,15 +74,6 @@ pub struct Node {
 }
 
 impl Node {
-    /// A label for messages: the name, or `op_type#index` when unnamed.
-    pub fn label(&self, index: usize) -> String {
-        if self.name.is_empty() {
-            format!("{}#{index}", self.op_type)
-        } else {
-            self.name.clone()
-        }
-    }
-
     /// Attributes in the ABI's borrowed form.
     pub fn wire_attributes(&self) -> Vec<wire::Attribute<'_>> {
         self.attributes

@@ -25,6 +25,8 @@ pub struct Slot {
     /// Size in bytes; bounds of every offset and extent.
     pub nbytes: u64,
     pub access: Access,
+    /// Outputs and scratch: what a GEMM may write.
+    pub writable: bool,
 }
 
 /// Why a handle was refused.
@@ -44,6 +46,10 @@ impl std::fmt::Display for HandleError {
         }
     }
 }
+
+/// Most slots of one call (inputs, outputs and scratch): the index has 16 bits, and
+/// 0xffff is never a valid index.
+pub const MAX_SLOTS: usize = 0xffff;
 
 /// The tensors of one call.
 #[derive(Debug, Default)]
@@ -109,7 +115,7 @@ mod tests {
     use super::*;
 
     fn slot() -> Slot {
-        Slot { dtype: Some(DType::F32), nbytes: 4, access: Access::Opaque }
+        Slot { dtype: Some(DType::F32), nbytes: 4, access: Access::Opaque, writable: false }
     }
 
     #[test]

@@ -171,9 +171,10 @@ pub(super) fn linker(engine: &Engine) -> Linker<CallState> {
     .expect("define write");
     l.func_wrap(m, imp::SCRATCH, |mut c: Caller<'_, CallState>, nbytes: i64| -> i32 {
         let Some((_, st)) = split(&mut c) else { return E_CALL };
-        let Some(kind) = st.kind.filter(|k| *k != CallKind::Infer) else {
-            return st.refuse(E_CALL, "scratch may not be called during inference".into());
-        };
+        if let Err(code) = expect_kind(st, "scratch", &[CallKind::Cpu, CallKind::Dispatch]) {
+            return code;
+        }
+        let kind = st.kind.unwrap_or(CallKind::Cpu);
         let total = u64::try_from(nbytes).ok().and_then(|n| st.scratch_total.checked_add(n));
         let Some(total) = total.filter(|t| *t <= st.max_scratch) else {
             return st.refuse(
@@ -181,7 +182,7 @@ pub(super) fn linker(engine: &Engine) -> Linker<CallState> {
                 format!("scratch: {nbytes} bytes would exceed the per-call limit of {} bytes", st.max_scratch),
             );
         };
-        if st.table.len() >= 0xfffe {
+        if st.table.len() >= super::handles::MAX_SLOTS {
             return st.refuse(E_LIMIT, "scratch: too many tensors in one call".into());
         }
         st.scratch_total = total;
@@ -193,7 +194,7 @@ pub(super) fn linker(engine: &Engine) -> Linker<CallState> {
                 Access::Opaque
             }
         };
-        st.table.push(Slot { dtype: None, nbytes: n, access }) as i32
+        st.table.push(Slot { dtype: None, nbytes: n, access, writable: true }) as i32
     })
     .expect("define scratch");
     l.func_wrap(m, imp::LAUNCH, |mut c: Caller<'_, CallState>, ptr: i32, len: i32| -> i32 {
@@ -324,6 +325,12 @@ fn check_gemm(st: &CallState, mut g: Gemm) -> Result<PlanStep, String> {
         }
     };
     let (m, n) = (g.m, g.n);
+    if g.beta != 0.0 && g.c.is_none() {
+        return Err("gemm: beta is not 0 but C is absent".into());
+    }
+    if !st.table.get(g.d.handle).is_ok_and(|s| s.writable) {
+        return Err(format!("gemm D: handle {:#x} is not an output or scratch tensor", g.d.handle));
+    }
     check("A", &mut g.a, ar, ac)?;
     check("B", &mut g.b, br, bc)?;
     check("D", &mut g.d, m, n)?;

@@ -173,15 +173,18 @@ pub struct Sandbox {
 impl Sandbox {
     /// Creates the engine (epoch interruption on, no WASI) and starts the epoch ticker.
     pub fn new(config: SandboxConfig) -> Result<Sandbox, ShimFailure> {
-        let mut wc = wasmtime::Config::new();
-        wc.epoch_interruption(true);
-        let engine = wasmtime::Engine::new(&wc).map_err(|e| ShimFailure {
+        let fail = |reason: String| ShimFailure {
             package: String::new(),
             op: String::new(),
             node: String::new(),
             kind: FailureKind::Module,
-            reason: format!("cannot create the wasmtime engine: {e}"),
-        })?;
+            reason,
+        };
+        let mut wc = wasmtime::Config::new();
+        wc.epoch_interruption(true);
+        // ABI v1: one linear memory. With several, the memory cap would apply to each.
+        wc.wasm_multi_memory(false);
+        let engine = wasmtime::Engine::new(&wc).map_err(|e| fail(format!("cannot create the wasmtime engine: {e}")))?;
         let linker = imports::linker(&engine);
         let ticker_stop = Arc::new(AtomicBool::new(false));
         let (stop, eng, tick) = (ticker_stop.clone(), engine.clone(), config.tick);
@@ -193,8 +196,8 @@ impl Sandbox {
                     eng.increment_epoch();
                 }
             })
-            .ok();
-        Ok(Sandbox { engine, linker, config, ticker_stop, ticker })
+            .map_err(|e| fail(format!("cannot start the epoch ticker (no deadline could be enforced): {e}")))?;
+        Ok(Sandbox { engine, linker, config, ticker_stop, ticker: Some(ticker) })
     }
 
     pub fn config(&self) -> &SandboxConfig {
@@ -207,6 +210,7 @@ impl Sandbox {
         ShimModule::new(self, package, wasm, kernels).map(Arc::new)
     }
 
+    /// The per-call deadline in ticks.
     fn deadline_ticks(&self) -> u64 {
         (self.config.call_timeout.as_millis() / self.config.tick.as_millis().max(1)).max(1) as u64
     }

@@ -7,7 +7,7 @@ use kiln_kernel_abi::wire::{Attribute, NodeCall, TensorDesc, NO_HANDLE};
 use kiln_kernel_abi::{exports, imports as imp, status, DType, ABI_VERSION, IMPORT_MODULE};
 use wasmtime::{ExternType, Instance, InstancePre, Memory, Module, Store, TypedFunc, ValType};
 
-use super::handles::{Access, HandleTable, Slot};
+use super::handles::{self, Access, HandleTable, Slot};
 use super::{FailureKind, LaunchLimits, LaunchPlan, Sandbox, ShimFailure};
 
 /// The kind of export call.
@@ -116,6 +116,18 @@ impl wasmtime::ResourceLimiter for MemoryLimiter {
     fn table_growing(&mut self, _current: usize, desired: usize, _max: Option<usize>) -> wasmtime::Result<bool> {
         Ok(desired <= 1 << 16)
     }
+
+    fn memories(&self) -> usize {
+        1
+    }
+
+    fn tables(&self) -> usize {
+        1
+    }
+
+    fn instances(&self) -> usize {
+        1
+    }
 }
 
 /// A compiled, validated shim: cheap to instantiate.
@@ -126,6 +138,7 @@ pub struct ShimModule {
     engine: wasmtime::Engine,
     memory_limit: usize,
     deadline_ticks: u64,
+    timeout: std::time::Duration,
     max_scratch: u64,
     max_steps: usize,
     limits: LaunchLimits,
@@ -193,6 +206,7 @@ impl ShimModule {
             engine: sb.engine.clone(),
             memory_limit: sb.config.memory_limit_bytes,
             deadline_ticks: sb.deadline_ticks(),
+            timeout: sb.config.call_timeout,
             max_scratch: sb.config.max_scratch_bytes,
             max_steps: sb.config.max_plan_steps,
             limits: sb.config.launch_limits,
@@ -267,7 +281,7 @@ impl ShimModule {
         Ok(ShimInstance {
             package: self.package.clone(),
             deadline_ticks: self.deadline_ticks,
-            timeout_hint: self.deadline_ticks,
+            timeout: self.timeout,
             store,
             memory,
             alloc,
@@ -284,7 +298,8 @@ impl ShimModule {
 pub struct ShimInstance {
     package: String,
     deadline_ticks: u64,
-    timeout_hint: u64,
+    /// The deadline, for messages.
+    timeout: std::time::Duration,
     store: Store<CallState>,
     memory: Memory,
     alloc: TypedFunc<i32, i32>,
@@ -306,7 +321,16 @@ impl ShimInstance {
             kind,
             reason,
         };
-        // Handle table and the encoded call.
+        // Handle table and the encoded call. A handle's index has 16 bits.
+        if args.inputs.len() + args.outputs.len() > handles::MAX_SLOTS / 2 {
+            return Err(fail(
+                FailureKind::Failed,
+                format!(
+                    "{} inputs and outputs are more than a node call may have",
+                    args.inputs.len() + args.outputs.len()
+                ),
+            ));
+        }
         let mut table = HandleTable::next(self.generation);
         self.generation = table.generation();
         let mut descs_in = Vec::with_capacity(args.inputs.len());
@@ -322,7 +346,8 @@ impl ShimInstance {
                         TensorDesc::absent()
                     }
                     Some(t) => {
-                        let handle = table.push(Slot { dtype: t.dtype, nbytes: t.nbytes, access: t.access });
+                        let handle =
+                            table.push(Slot { dtype: t.dtype, nbytes: t.nbytes, access: t.access, writable: is_out });
                         if is_out {
                             output_slots.push(Some(table.len() - 1));
                         }
@@ -401,7 +426,7 @@ impl ShimInstance {
                 } else if matches!(e.downcast_ref::<wasmtime::Trap>(), Some(wasmtime::Trap::Interrupt)) {
                     (
                         FailureKind::Timeout,
-                        format!("{} exceeded its time limit of {} ticks", kind.export(), self.timeout_hint),
+                        format!("{} exceeded its time limit of {:.3} s", kind.export(), self.timeout.as_secs_f64()),
                     )
                 } else if let Some(r) = refusal {
                     (FailureKind::Refused, r)

@@ -1,0 +1,143 @@
+//! `kiln generate`.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use serde_json::json;
+
+use crate::ep::{Runtime, SessionOptions};
+use crate::genai::{GenerateOptions, Generator, ModelFolder, SamplingParams};
+use crate::sandbox::SandboxConfig;
+use crate::{Error, Result};
+
+use super::{choose_device, registry, DeviceArg, PackageArgs};
+
+#[derive(clap::Args, Debug)]
+pub struct GenerateArgs {
+    /// An onnxruntime-genai model folder (genai_config.json, model.onnx, tokenizer.json).
+    pub model_dir: PathBuf,
+    /// A prompt; repeat for a batch (right-padded).
+    #[arg(long = "prompt", required = true)]
+    pub prompts: Vec<String>,
+    /// Apply the folder's chat template (a user message with the generation prompt).
+    #[arg(long)]
+    pub chat: bool,
+    #[arg(long, default_value_t = 128)]
+    pub max_new_tokens: usize,
+    /// Longest sequence (prompt + generated); overrides genai_config.json's search.max_length.
+    #[arg(long)]
+    pub max_length: Option<usize>,
+    /// Always take the most likely token (the default unless the config says do_sample).
+    #[arg(long, conflicts_with_all = ["temperature", "top_k", "top_p", "seed"])]
+    pub greedy: bool,
+    /// Sample with this temperature.
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    /// Sample among the k most likely tokens (0: all).
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Sample from the smallest set of tokens whose probability reaches p.
+    #[arg(long)]
+    pub top_p: Option<f32>,
+    /// Seed of the sampler.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Penalty for tokens already in the sequence (1.0: none).
+    #[arg(long)]
+    pub repetition_penalty: Option<f32>,
+    #[arg(long, value_enum, default_value_t)]
+    pub device: DeviceArg,
+    /// Write prompt ids, generated ids, text and timings as JSON.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    #[command(flatten)]
+    pub packages: PackageArgs,
+}
+
+fn sampling(a: &GenerateArgs, folder: &ModelFolder) -> Result<SamplingParams> {
+    let s = &folder.config.search;
+    let sampled = a.temperature.is_some() || a.top_k.is_some() || a.top_p.is_some() || a.seed.is_some();
+    let p = SamplingParams {
+        do_sample: !a.greedy && (sampled || s.do_sample),
+        temperature: a.temperature.unwrap_or(s.temperature),
+        top_k: a.top_k.unwrap_or(s.top_k),
+        top_p: a.top_p.unwrap_or(s.top_p),
+        repetition_penalty: a.repetition_penalty.unwrap_or(s.repetition_penalty),
+        seed: a.seed.unwrap_or(0),
+    };
+    if !(p.temperature > 0.0) || !(p.top_p > 0.0 && p.top_p <= 1.0) || !(p.repetition_penalty > 0.0) {
+        return Err(Error::Input("--temperature and --repetition-penalty must be > 0, --top-p in (0, 1]".into()));
+    }
+    Ok(p)
+}
+
+pub fn run(a: GenerateArgs) -> Result<ExitCode> {
+    let device = choose_device(a.device)?;
+    if a.max_new_tokens == 0 {
+        return Err(Error::Input("--max-new-tokens must be at least 1".into()));
+    }
+    let folder = ModelFolder::open(&a.model_dir)?;
+    let params = sampling(&a, &folder)?;
+    let mut prompts = Vec::with_capacity(a.prompts.len());
+    for p in &a.prompts {
+        let text = if a.chat { folder.chat_prompt(p)? } else { p.clone() };
+        prompts.push(folder.encode(&text)?);
+    }
+    let rt = Runtime::new(registry(&a.packages), SandboxConfig::default())?;
+    let mut generator = Generator::new(rt, folder, SessionOptions { device, ..SessionOptions::default() })?;
+    let opts = GenerateOptions { max_new_tokens: a.max_new_tokens, max_length: a.max_length, sampling: params };
+    // Stream the first (or only) row as its tokens come.
+    let stream = prompts.len() == 1;
+    let mut shown = String::new();
+    let mut ids0: Vec<i64> = Vec::new();
+    let folder_ref = &generator.folder as *const ModelFolder;
+    let mut on_token = |row: usize, id: i64| {
+        if !stream || row != 0 {
+            return;
+        }
+        ids0.push(id);
+        // SAFETY: the folder is not mutated during generation; only `session` is.
+        let folder = unsafe { &*folder_ref };
+        if let Ok(text) = folder.decode(&ids0) {
+            // Hold back an incomplete UTF-8 sequence (decoded as U+FFFD) until it completes.
+            if !text.ends_with('\u{FFFD}') && text.len() >= shown.len() && text.starts_with(shown.as_str()) {
+                print!("{}", &text[shown.len()..]);
+                let _ = std::io::stdout().flush();
+                shown = text;
+            }
+        }
+    };
+    let result = generator.generate(&prompts, &opts, &mut on_token)?;
+    let folder = &generator.folder;
+    let mut rows_json = Vec::new();
+    for (i, r) in result.rows.iter().enumerate() {
+        let text = folder.decode(&r.generated_ids)?;
+        if stream {
+            let rest = text.strip_prefix(shown.as_str()).unwrap_or("");
+            println!("{rest}");
+        } else {
+            println!("[{i}] {}{text}", a.prompts[i]);
+        }
+        rows_json.push(json!({
+            "prompt": a.prompts[i],
+            "prompt_ids": r.prompt_ids,
+            "generated_ids": r.generated_ids,
+            "text": text,
+            "stopped_by": r.stopped_by,
+        }));
+    }
+    let t = &result.timings;
+    eprintln!(
+        "kiln: {device}: time to first token {:.1} ms, prefill {:.1} tokens/s, decode {:.1} tokens/s ({} tokens in {:.1} ms)",
+        t.time_to_first_token_ms, t.prefill_tokens_per_s, t.decode_tokens_per_s, t.decode_tokens, t.decode_ms
+    );
+    if let Some(path) = &a.json {
+        let mut doc = if rows_json.len() == 1 { rows_json[0].clone() } else { json!({ "rows": rows_json }) };
+        doc["timings"] = serde_json::to_value(t).unwrap_or_default();
+        doc["device"] = json!(device.to_string());
+        std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap_or_default())
+            .map_err(|source| Error::Io { path: path.clone(), source })?;
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,14 @@
+//! LLM generation from onnxruntime-genai model folders: `genai_config.json`, the decoder
+//! `model.onnx` (+ external data), `tokenizer.json`, and `chat_template.jinja` for chat
+//! prompts. Prefill runs the prompt, then one token per step with the KV cache; greedy or
+//! sampled; batches of prompts are right-padded as onnxruntime-genai pads them.
+
+pub mod config;
+mod folder;
+mod generate;
+pub mod sampling;
+
+pub use config::GenaiConfig;
+pub use folder::ModelFolder;
+pub use generate::{GenerateOptions, Generation, Generator, RowResult, StopReason, Timings};
+pub use sampling::{Sampler, SamplingParams};

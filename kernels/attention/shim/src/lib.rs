@@ -1,0 +1,652 @@
+//! Shim of `kiln-attention`: onnxruntime's `com.microsoft` GroupQueryAttention-1 and
+//! RotaryEmbedding-1, following docs/ContribOperators.md and onnxruntime's CPU kernels
+//! (`contrib_ops/cpu/bert/group_query_attention*`, `gqa_attention_base.h`,
+//! `rotary_embedding*`), cross-checked against onnxruntime 1.32 on random inputs.
+//!
+//! # GroupQueryAttention
+//!
+//! Inputs: `query` [B,S,N·H] (or packed QKV [B,S,(N+2·Nk)·H] when `key` and `value` are
+//! absent), `key`/`value` [B,S,Nk·H], `past_key`/`past_value` [B,Nk,P,H], `seqlens_k` [B]
+//! (int32, total valid length − 1 per batch row), `total_sequence_length` (int32 scalar, a
+//! value input: the present length depends on it), `cos_cache`/`sin_cache` [M, R/2],
+//! `attention_bias` (input 10) [B|1, N|1, S, total], `head_sink` (input 11) [N].
+//!
+//! * present length = max(total_sequence_length, P).
+//! * The call is a *first prompt* when S = total_sequence_length: every row starts at
+//!   position 0 and row b holds T_b = seqlens_k[b] + 1 ≤ S valid tokens (right padding).
+//!   Otherwise row b had `past_b = T_b − S` cached tokens (S = 1 for batches of more than one
+//!   row, as onnxruntime requires).
+//! * The S new keys/values (rotated when `do_rotary`) go to present rows
+//!   `past_b .. past_b + S`. Past and present share one buffer exactly when P ≥
+//!   total_sequence_length (onnxruntime-genai's `past_present_share_buffer`): present is then
+//!   the past buffer with those rows overwritten. Otherwise present holds past rows
+//!   `0 .. past_b`, the new rows, and zeros elsewhere (onnxruntime's non-shared layout).
+//! * Query row s sits at position `past_b + s` (also its rotary position) and attends to the
+//!   keys `start .. min(past_b + s + 1, T_b)` with `start = max(0, past_b + s + 1 − W)` when
+//!   `local_window_size` W ≥ 0; a row without keys (padding) outputs zeros.
+//! * score = q·k · scale (scale 0 → 1/√H), then `softcap`·tanh(score/`softcap`) when
+//!   softcap > 0, then + attention_bias. Softmax; with `smooth_softmax` = 1 or `head_sink`,
+//!   the denominator gains exp(sink − max) (sink = head_sink[h], or 0).
+//! * Query head h uses kv head h / (N / Nk).
+//!
+//! Not implemented (reported unsupported): `position_ids`, quantized caches (`k_scale`,
+//! `v_scale`, `k_quant_type`/`v_quant_type` other than NONE, caches of another dtype),
+//! `q_norm_weight`/`k_norm_weight`, `query_seqlens`, the `output_qk` output / `qk_output`,
+//! `causal` = 0, `sliding_window_cache` = 1, and absent present outputs when a past is given.
+//!
+//! # RotaryEmbedding
+//!
+//! `input` [B,S,hidden] or [B,N,S,H], `position_ids` (int64: one element = start position p,
+//! row s at p + s; or [B,S]), `cos_cache`/`sin_cache` [M, R/2]. Head size is
+//! `hidden / num_heads` when `rotary_embedding_dim` is set, else 2·(cache width); the first R
+//! elements of each head are rotated (interleaved pairs (2i, 2i+1), or halves (i, i + R/2)),
+//! the rest copied. `scale` is accepted and, as in onnxruntime's kernels, unused.
+//! `is_packed_batching` = 1 is unsupported.
+//!
+//! The CPU reference computes in f64; rotated Q and K are rounded to the tensor dtype before
+//! the attention, as onnxruntime stores them.
+#![no_std]
+extern crate alloc;
+
+use alloc::vec::Vec;
+use kiln_kernel_abi::guest::*;
+use kiln_kernel_abi::{bail, export_shim, unsupported};
+
+struct Attention;
+
+const GQA: &str = "GroupQueryAttention";
+const ROPE: &str = "RotaryEmbedding";
+
+fn check_float(op: &str, what: &str, dtype: DType) -> Result<()> {
+    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+        unsupported!("{op}: {what} has dtype {dtype}; float32, float16 and bfloat16 are supported");
+    }
+    Ok(())
+}
+
+/// Rounds an f64 to the precision of `dtype` (f32, f16, bf16).
+fn rounder(dtype: DType) -> fn(f64) -> f64 {
+    match dtype {
+        DType::F16 => |x| f16::from_f64(x).to_f64(),
+        DType::BF16 => |x| bf16::from_f64(x).to_f64(),
+        _ => |x| x as f32 as f64,
+    }
+}
+
+/// Rotates `x` (one head, at least `2·half` elements) in place with the cache rows `cos`, `sin`.
+fn rotate(x: &mut [f64], cos: &[f64], sin: &[f64], interleaved: bool) {
+    let half = cos.len();
+    for i in 0..half {
+        let (a_idx, b_idx) = if interleaved { (2 * i, 2 * i + 1) } else { (i, i + half) };
+        let (a, b) = (x[a_idx], x[b_idx]);
+        x[a_idx] = a * cos[i] - b * sin[i];
+        x[b_idx] = a * sin[i] + b * cos[i];
+    }
+}
+
+/// The cos/sin caches: `rows` positions of `half` values each.
+struct Caches {
+    cos: Vec<f64>,
+    sin: Vec<f64>,
+    rows: usize,
+    half: usize,
+}
+
+impl Caches {
+    fn read(cos: &Tensor, sin: &Tensor) -> Result<Caches> {
+        let [rows, half] = cache_shape(cos, sin)?;
+        Ok(Caches { cos: cos.read_vec()?, sin: sin.read_vec()?, rows, half })
+    }
+
+    fn rotate(&self, op: &str, x: &mut [f64], pos: i64, interleaved: bool) -> Result<()> {
+        if pos < 0 || pos as u64 >= self.rows as u64 {
+            bail!("{op}: position {pos} is outside the cos/sin caches of {} rows", self.rows);
+        }
+        let r = pos as usize * self.half..(pos as usize + 1) * self.half;
+        rotate(x, &self.cos[r.clone()], &self.sin[r], interleaved);
+        Ok(())
+    }
+}
+
+/// Checks cos and sin caches: rank 2, same shape; returns [rows, half].
+fn cache_shape(cos: &Tensor, sin: &Tensor) -> Result<[usize; 2]> {
+    let (c, s) = (cos.shape()?, sin.shape()?);
+    if c.len() != 2 || c != s {
+        bail!("cos_cache {c:?} and sin_cache {s:?} must be 2-D of the same shape");
+    }
+    Ok([c[0], c[1]])
+}
+
+// ---------------------------------------------------------------------------------------------
+// GroupQueryAttention
+// ---------------------------------------------------------------------------------------------
+
+/// Geometry and attributes of a GroupQueryAttention node.
+struct GqaPlan {
+    dtype: DType,
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_size: usize,
+    packed: bool,
+    /// Sequence length of past_key/past_value (0 without past).
+    past_len: usize,
+    total: usize,
+    present_len: usize,
+    first_prompt: bool,
+    /// Rotary cache width (R/2) when `do_rotary`.
+    rotary_half: Option<usize>,
+    /// Attention bias dims (rank 4) when given.
+    bias_dims: Option<[usize; 4]>,
+}
+
+fn gqa_plan(call: &Call) -> Result<GqaPlan> {
+    for (i, what) in [
+        (9, "position_ids"),
+        (12, "k_scale"),
+        (13, "v_scale"),
+        (14, "q_norm_weight"),
+        (15, "k_norm_weight"),
+        (16, "query_seqlens"),
+    ] {
+        if call.input_opt(i).is_some() {
+            unsupported!("{GQA}: input {i} ({what}) is not supported");
+        }
+    }
+    if call.num_inputs() > 17 {
+        unsupported!("{GQA}: {} inputs; at most 17 are known", call.num_inputs());
+    }
+    if call.output_opt(3).is_some() || call.attr_i("qk_output", 0)? != 0 {
+        unsupported!("{GQA}: output_qk (qk_output) is not supported");
+    }
+    if call.attr_i("causal", 1)? != 1 {
+        unsupported!("{GQA}: causal = {} is not supported (only causal attention)", call.attr_i("causal", 1)?);
+    }
+    if call.attr_i("sliding_window_cache", 0)? != 0 {
+        unsupported!("{GQA}: sliding_window_cache = 1 (windowed KV cache) is not supported");
+    }
+    for name in ["k_quant_type", "v_quant_type"] {
+        let q = call.attr_s(name, "NONE")?;
+        if q != "NONE" {
+            unsupported!("{GQA}: {name} = {q:?} (quantized KV cache) is not supported");
+        }
+    }
+
+    let heads = call.attr_i("num_heads", 0)?;
+    let kv_heads = call.attr_i("kv_num_heads", 0)?;
+    if call.attr("num_heads").is_none() || call.attr("kv_num_heads").is_none() {
+        bail!("{GQA}: attributes num_heads and kv_num_heads are required");
+    }
+    if heads <= 0 || kv_heads <= 0 || heads % kv_heads != 0 {
+        bail!("{GQA}: num_heads ({heads}) must be a positive multiple of kv_num_heads ({kv_heads})");
+    }
+    let (heads, kv_heads) = (heads as usize, kv_heads as usize);
+
+    let query = call.input(0)?;
+    let dtype = query.dtype()?;
+    check_float(GQA, "query", dtype)?;
+    let qs = query.shape()?;
+    if qs.len() != 3 {
+        bail!("{GQA}: query must be 3-D [batch, sequence, hidden], got {qs:?}");
+    }
+    let (batch, seq) = (qs[0], qs[1]);
+    let packed = call.input_opt(1).is_none();
+    let head_size;
+    if packed {
+        if call.input_opt(2).is_some() {
+            bail!("{GQA}: key and value must both be present or both absent (packed QKV)");
+        }
+        let parts = heads + 2 * kv_heads;
+        if qs[2] % parts != 0 || qs[2] == 0 {
+            bail!(
+                "{GQA}: packed QKV width {} is not a positive multiple of num_heads + 2·kv_num_heads = {parts}",
+                qs[2]
+            );
+        }
+        head_size = qs[2] / parts;
+    } else {
+        if qs[2] % heads != 0 || qs[2] == 0 {
+            bail!("{GQA}: query width {} is not a positive multiple of num_heads {heads}", qs[2]);
+        }
+        head_size = qs[2] / heads;
+        let want = [batch, seq, kv_heads * head_size];
+        for i in [1, 2] {
+            let t = call
+                .input(i)
+                .map_err(|_| ShimError::Failed(format!("{GQA}: key and value must both be present or both absent")))?;
+            if t.dtype()? != dtype {
+                bail!("{GQA}: input {i} has dtype {}, query has {dtype}", t.dtype()?);
+            }
+            if t.shape()? != want {
+                bail!("{GQA}: input {i} (key/value) has shape {:?}, expected {want:?}", t.shape()?);
+            }
+        }
+    }
+
+    let past_len = match (call.input_opt(3), call.input_opt(4)) {
+        (None, None) => 0,
+        (Some(pk), Some(pv)) => {
+            for t in [&pk, &pv] {
+                if t.dtype()? != dtype {
+                    unsupported!(
+                        "{GQA}: past key/value of dtype {} with query of dtype {dtype} (quantized caches) is not supported",
+                        t.dtype()?
+                    );
+                }
+            }
+            let (ks, vs) = (pk.shape()?, pv.shape()?);
+            if ks.len() != 4 || ks != vs || ks[0] != batch || ks[1] != kv_heads || ks[3] != head_size {
+                bail!(
+                    "{GQA}: past_key {ks:?} and past_value {vs:?} must both be [{batch}, {kv_heads}, past, {head_size}]"
+                );
+            }
+            ks[2]
+        }
+        _ => bail!("{GQA}: past_key and past_value must both be present or both absent"),
+    };
+    if past_len > 0 && (call.output_opt(1).is_none() || call.output_opt(2).is_none()) {
+        unsupported!("{GQA}: a past key/value without the present_key and present_value outputs is not supported");
+    }
+
+    let seqlens = call.input(5)?;
+    if seqlens.dtype()? != DType::I32 || seqlens.numel()? != batch || seqlens.rank()? != 1 {
+        bail!("{GQA}: seqlens_k must be int32 of shape [{batch}], got {} {:?}", seqlens.dtype()?, seqlens.shape()?);
+    }
+    let total_t = call.input(6)?;
+    if total_t.dtype()? != DType::I32 || total_t.numel()? != 1 {
+        bail!("{GQA}: total_sequence_length must be one int32, got {} {:?}", total_t.dtype()?, total_t.shape()?);
+    }
+    let total = total_t.read_i64s()?[0];
+    if total < 1 || total > i32::MAX as i64 {
+        bail!("{GQA}: total_sequence_length {total} must be at least 1");
+    }
+    let total = total as usize;
+    let first_prompt = seq == total;
+    if !first_prompt {
+        if seq > total {
+            bail!("{GQA}: sequence length {seq} exceeds total_sequence_length {total}");
+        }
+        if seq > 1 && batch != 1 {
+            bail!("{GQA}: batch size must be 1 when sequence length ({seq}) > 1 and a past context is given");
+        }
+    }
+    let present_len = total.max(past_len);
+
+    let rotary_half = match (call.input_opt(7), call.input_opt(8)) {
+        (None, None) => None,
+        (Some(c), Some(s)) => {
+            for t in [&c, &s] {
+                if t.dtype()? != dtype {
+                    bail!("{GQA}: cos/sin caches have dtype {}, query has {dtype}", t.dtype()?);
+                }
+            }
+            let [_, half] = cache_shape(&c, &s).map_err(|e| prefix(GQA, e))?;
+            if half == 0 || 2 * half > head_size {
+                bail!("{GQA}: cos/sin cache width {half} must be in 1..=head_size/2 ({})", head_size / 2);
+            }
+            Some(half)
+        }
+        _ => bail!("{GQA}: cos_cache and sin_cache must both be present or both absent"),
+    };
+    let rotary_half = if call.attr_i("do_rotary", 0)? == 1 {
+        if rotary_half.is_none() {
+            bail!("{GQA}: do_rotary = 1 needs cos_cache and sin_cache");
+        }
+        rotary_half
+    } else {
+        None
+    };
+
+    let bias_dims = match call.input_opt(10) {
+        None => None,
+        Some(b) => {
+            let s = b.shape()?;
+            if b.dtype()? != dtype
+                || s.len() != 4
+                || (s[0] != 1 && s[0] != batch)
+                || (s[1] != 1 && s[1] != heads)
+                || s[2] != seq
+                || s[3] != total
+            {
+                bail!(
+                    "{GQA}: attention_bias {} {s:?} must be {dtype} [{batch} or 1, {heads} or 1, {seq}, {total}]",
+                    b.dtype()?
+                );
+            }
+            Some([s[0], s[1], s[2], s[3]])
+        }
+    };
+    if let Some(h) = call.input_opt(11) {
+        if h.dtype()? != dtype || h.shape()? != [heads] {
+            bail!("{GQA}: head_sink must be {dtype} [{heads}], got {} {:?}", h.dtype()?, h.shape()?);
+        }
+    }
+
+    Ok(GqaPlan {
+        dtype,
+        batch,
+        seq,
+        heads,
+        kv_heads,
+        head_size,
+        packed,
+        past_len,
+        total,
+        present_len,
+        first_prompt,
+        rotary_half,
+        bias_dims,
+    })
+}
+
+fn prefix(op: &str, e: ShimError) -> ShimError {
+    match e {
+        ShimError::Failed(m) => ShimError::Failed(format!("{op}: {m}")),
+        other => other,
+    }
+}
+
+fn gqa_infer(call: &Call) -> Result<Vec<TensorType>> {
+    let p = gqa_plan(call)?;
+    let present = TensorType::new(p.dtype, vec![p.batch, p.kv_heads, p.present_len, p.head_size]);
+    Ok(vec![TensorType::new(p.dtype, vec![p.batch, p.seq, p.heads * p.head_size]), present.clone(), present])
+}
+
+fn gqa_cpu(call: &Call) -> Result<()> {
+    let p = gqa_plan(call)?;
+    let (b_n, s_n, n_h, n_kv, h_sz) = (p.batch, p.seq, p.heads, p.kv_heads, p.head_size);
+    let group = n_h / n_kv;
+    let round = rounder(p.dtype);
+    let interleaved = call.attr_i("rotary_interleaved", 0)? == 1;
+    let scale = match call.attr_f("scale", 0.0)? {
+        0.0 => 1.0 / libm::sqrt(h_sz as f64),
+        s => s as f64,
+    };
+    let softcap = call.attr_f("softcap", 0.0)? as f64;
+    let window = call.attr_i("local_window_size", -1)?;
+    let smooth = call.attr_i("smooth_softmax", 0)? == 1;
+
+    let q_in = call.input(0)?.read_vec::<f64>()?;
+    // Row widths and head offsets of Q, K, V in their inputs.
+    let (q_w, k_in, v_in, k_off, v_off, kv_w) = if p.packed {
+        let w = (n_h + 2 * n_kv) * h_sz;
+        (w, None, None, n_h * h_sz, (n_h + n_kv) * h_sz, w)
+    } else {
+        (
+            n_h * h_sz,
+            Some(call.input(1)?.read_vec::<f64>()?),
+            Some(call.input(2)?.read_vec::<f64>()?),
+            0,
+            0,
+            n_kv * h_sz,
+        )
+    };
+    let k_src = k_in.as_deref().unwrap_or(&q_in);
+    let v_src = v_in.as_deref().unwrap_or(&q_in);
+    let seqlens = call.input(5)?.read_i64s()?;
+    let caches = match p.rotary_half {
+        Some(_) => Some(Caches::read(&call.input(7)?, &call.input(8)?)?),
+        None => None,
+    };
+    let bias = match call.input_opt(10) {
+        Some(t) => Some(t.read_vec::<f64>()?),
+        None => None,
+    };
+    let sink = match call.input_opt(11) {
+        Some(t) => Some(t.read_vec::<f64>()?),
+        None => None,
+    };
+
+    // Present K/V [B, Nk, PL, H].
+    let (pl, past) = (p.present_len, p.past_len);
+    let shared = past >= p.total;
+    let (past_k, past_v) = if past > 0 {
+        (call.input(3)?.read_vec::<f64>()?, call.input(4)?.read_vec::<f64>()?)
+    } else {
+        (Vec::new(), Vec::new())
+    };
+    let (mut pres_k, mut pres_v) = if shared && past > 0 {
+        (past_k.clone(), past_v.clone())
+    } else {
+        (vec![0.0; b_n * n_kv * pl * h_sz], vec![0.0; b_n * n_kv * pl * h_sz])
+    };
+
+    // Per batch row: total valid length and past length.
+    let mut rows = Vec::with_capacity(b_n);
+    for (b, &sk) in seqlens.iter().enumerate() {
+        let t = sk + 1;
+        let bad = if p.first_prompt { t < 1 || t > s_n as i64 } else { t < s_n as i64 || t > p.total as i64 };
+        if bad {
+            bail!(
+                "{GQA}: seqlens_k[{b}] = {sk} is out of range for sequence length {s_n} and total_sequence_length {}",
+                p.total
+            );
+        }
+        let t = t as usize;
+        let past_b = if p.first_prompt { 0 } else { t - s_n };
+        if !shared && past_b > past {
+            bail!("{GQA}: seqlens_k[{b}] = {sk} needs {past_b} past tokens but past_key holds {past}");
+        }
+        rows.push((t, past_b));
+    }
+
+    let head = |b: usize, j: usize| (b * n_kv + j) * pl * h_sz;
+    let past_head = |b: usize, j: usize| (b * n_kv + j) * past * h_sz;
+    for (b, &(_, past_b)) in rows.iter().enumerate() {
+        for j in 0..n_kv {
+            if !shared && past_b > 0 {
+                let (dst, src) = (head(b, j), past_head(b, j));
+                let n = past_b * h_sz;
+                pres_k[dst..dst + n].copy_from_slice(&past_k[src..src + n]);
+                pres_v[dst..dst + n].copy_from_slice(&past_v[src..src + n]);
+            }
+            for s in 0..s_n {
+                let src = (b * s_n + s) * kv_w;
+                let dst = head(b, j) + (past_b + s) * h_sz;
+                let kr = &mut pres_k[dst..dst + h_sz];
+                kr.copy_from_slice(&k_src[src + k_off + j * h_sz..][..h_sz]);
+                if let Some(c) = &caches {
+                    c.rotate(GQA, kr, (past_b + s) as i64, interleaved)?;
+                    kr.iter_mut().for_each(|x| *x = round(*x));
+                }
+                pres_v[dst..dst + h_sz].copy_from_slice(&v_src[src + v_off + j * h_sz..][..h_sz]);
+            }
+        }
+    }
+
+    let mut out = vec![0.0f64; b_n * s_n * n_h * h_sz];
+    let mut q = vec![0.0f64; h_sz];
+    let mut scores = Vec::new();
+    for (b, &(t_b, past_b)) in rows.iter().enumerate() {
+        for h in 0..n_h {
+            let j = h / group;
+            let kh = &pres_k[head(b, j)..head(b, j) + pl * h_sz];
+            let vh = &pres_v[head(b, j)..head(b, j) + pl * h_sz];
+            for s in 0..s_n {
+                let causal = past_b + s + 1;
+                let start = if window >= 0 && causal as i64 > window { causal - window as usize } else { 0 };
+                let end = causal.min(t_b);
+                if start >= end {
+                    continue; // No key: the row stays zero.
+                }
+                q.copy_from_slice(&q_in[(b * s_n + s) * q_w + h * h_sz..][..h_sz]);
+                if let Some(c) = &caches {
+                    c.rotate(GQA, &mut q, (past_b + s) as i64, interleaved)?;
+                    q.iter_mut().for_each(|x| *x = round(*x));
+                }
+                scores.clear();
+                for t in start..end {
+                    let kr = &kh[t * h_sz..(t + 1) * h_sz];
+                    let mut x = q.iter().zip(kr).map(|(a, b)| a * b).sum::<f64>() * scale;
+                    if softcap > 0.0 {
+                        x = softcap * libm::tanh(x / softcap);
+                    }
+                    if let (Some(bias), Some(d)) = (&bias, p.bias_dims) {
+                        let (bb, bh) = (if d[0] == 1 { 0 } else { b }, if d[1] == 1 { 0 } else { h });
+                        x += bias[((bb * d[1] + bh) * d[2] + s) * d[3] + t];
+                    }
+                    scores.push(x);
+                }
+                let mut max = scores.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x));
+                let sink_v = match &sink {
+                    Some(sv) => Some(sv[h]),
+                    None if smooth => Some(0.0),
+                    None => None,
+                };
+                if let Some(sv) = sink_v {
+                    max = max.max(sv);
+                }
+                let mut den = sink_v.map_or(0.0, |sv| libm::exp(sv - max));
+                for x in scores.iter_mut() {
+                    *x = libm::exp(*x - max);
+                    den += *x;
+                }
+                let o = &mut out[(b * s_n + s) * n_h * h_sz + h * h_sz..][..h_sz];
+                for (i, t) in (start..end).enumerate() {
+                    let w = scores[i] / den;
+                    for (od, vd) in o.iter_mut().zip(&vh[t * h_sz..(t + 1) * h_sz]) {
+                        *od += w * vd;
+                    }
+                }
+            }
+        }
+    }
+
+    call.output(0)?.write_vec(&out)?;
+    if let Some(t) = call.output_opt(1) {
+        t.write_vec(&pres_k)?;
+    }
+    if let Some(t) = call.output_opt(2) {
+        t.write_vec(&pres_v)?;
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// RotaryEmbedding
+// ---------------------------------------------------------------------------------------------
+
+/// Geometry of a RotaryEmbedding node: the input seen as [B, S, N, H] through strides.
+struct RopePlan {
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_size: usize,
+    rotary_dim: usize,
+    /// Element strides of batch, sequence and head.
+    strides: [usize; 3],
+    /// One start position for all rows instead of a [B, S] tensor.
+    scalar_pos: bool,
+}
+
+fn rope_plan(call: &Call) -> Result<RopePlan> {
+    if call.attr_i("is_packed_batching", 0)? != 0 {
+        unsupported!("{ROPE}: is_packed_batching = 1 is not supported");
+    }
+    let x = call.input(0)?;
+    check_float(ROPE, "input", x.dtype()?)?;
+    let xs = x.shape()?;
+    let pos = call.input(1)?;
+    if pos.dtype()? != DType::I64 {
+        bail!("{ROPE}: position_ids must be int64, got {}", pos.dtype()?);
+    }
+    let (cos, sin) = (call.input(2)?, call.input(3)?);
+    for t in [&cos, &sin] {
+        if t.dtype()? != x.dtype()? {
+            bail!("{ROPE}: cos/sin caches have dtype {}, input has {}", t.dtype()?, x.dtype()?);
+        }
+    }
+    let [_, half] = cache_shape(&cos, &sin).map_err(|e| prefix(ROPE, e))?;
+    let num_heads = call.attr_i("num_heads", 0)?;
+    let rot_attr = call.attr_i("rotary_embedding_dim", 0)?;
+    if num_heads < 0 || rot_attr < 0 {
+        bail!("{ROPE}: num_heads ({num_heads}) and rotary_embedding_dim ({rot_attr}) must not be negative");
+    }
+    if rot_attr > 0 && num_heads == 0 {
+        bail!("{ROPE}: num_heads must be given with rotary_embedding_dim");
+    }
+    let (batch, seq, hidden, transposed) = match xs[..] {
+        [b, s, d] => (b, s, d, false),
+        [b, n, s, h] => (b, s, n * h, true),
+        _ => bail!("{ROPE}: input must be 3-D or 4-D, got {xs:?}"),
+    };
+    let head_size = if rot_attr == 0 {
+        2 * half
+    } else {
+        if hidden % num_heads as usize != 0 {
+            bail!("{ROPE}: hidden size {hidden} is not a multiple of num_heads {num_heads}");
+        }
+        hidden / num_heads as usize
+    };
+    if head_size == 0 || hidden % head_size != 0 {
+        bail!("{ROPE}: hidden size {hidden} is not a positive multiple of the head size {head_size}");
+    }
+    let heads = if num_heads > 0 { num_heads as usize } else { hidden / head_size };
+    if heads * head_size != hidden {
+        bail!("{ROPE}: num_heads {heads} × head size {head_size} ≠ hidden size {hidden}");
+    }
+    if transposed && (xs[1] != heads || xs[3] != head_size) {
+        unsupported!("{ROPE}: 4-D input {xs:?} whose head layout differs from [_, {heads}, _, {head_size}]");
+    }
+    let rotary_dim = if rot_attr > 0 { rot_attr as usize } else { head_size };
+    if rotary_dim > head_size || rotary_dim % 2 != 0 || rotary_dim / 2 != half {
+        bail!(
+            "{ROPE}: rotary dimension {rotary_dim} must be even, at most the head size {head_size}, \
+             and twice the cache width {half}"
+        );
+    }
+    let scalar_pos = pos.numel()? == 1 && pos.rank()? <= 1;
+    if !scalar_pos && pos.shape()? != [batch, seq] {
+        bail!("{ROPE}: position_ids must have one element or shape [{batch}, {seq}], got {:?}", pos.shape()?);
+    }
+    let strides = if transposed {
+        [heads * seq * head_size, head_size, seq * head_size]
+    } else {
+        [seq * hidden, hidden, head_size]
+    };
+    Ok(RopePlan { batch, seq, heads, head_size, rotary_dim, strides, scalar_pos })
+}
+
+fn rope_cpu(call: &Call) -> Result<()> {
+    let p = rope_plan(call)?;
+    let interleaved = call.attr_i("interleaved", 0)? == 1;
+    let mut x = call.input(0)?.read_vec::<f64>()?;
+    let pos = call.input(1)?.read_i64s()?;
+    let caches = Caches::read(&call.input(2)?, &call.input(3)?)?;
+    for b in 0..p.batch {
+        for s in 0..p.seq {
+            let position = if p.scalar_pos { pos[0].saturating_add(s as i64) } else { pos[b * p.seq + s] };
+            for n in 0..p.heads {
+                let at = b * p.strides[0] + s * p.strides[1] + n * p.strides[2];
+                let head = &mut x[at..at + p.head_size];
+                caches.rotate(ROPE, &mut head[..p.rotary_dim], position, interleaved)?;
+            }
+        }
+    }
+    call.output(0)?.write_vec(&x)
+}
+
+impl Shim for Attention {
+    fn infer(call: &Call) -> Result<Vec<TensorType>> {
+        match call.op_type() {
+            GQA => gqa_infer(call),
+            ROPE => {
+                rope_plan(call)?;
+                let x = call.input(0)?;
+                Ok(vec![TensorType::new(x.dtype()?, x.shape()?)])
+            }
+            other => unsupported!("kiln-attention does not implement {other}"),
+        }
+    }
+
+    fn cpu(call: &Call) -> Result<()> {
+        match call.op_type() {
+            GQA => gqa_cpu(call),
+            ROPE => rope_cpu(call),
+            other => unsupported!("kiln-attention does not implement {other}"),
+        }
+    }
+}
+
+export_shim!(Attention);

@@ -1,0 +1,252 @@
+//! onnxruntime's RMS normalisations, following its docs/ContribOperators.md and CPU kernels
+//! (`core/providers/cpu/nn/layer_norm_impl.cc` with `simplified`, `contrib_ops/cpu/skip_layer_norm.cc`).
+//!
+//! **SimplifiedLayerNormalization** (onnxruntime registers it in the ai.onnx domain, opset 1):
+//! inputs `X`, `scale`; outputs `Y`, optional `inv_std_var`; attributes `axis` (-1), `epsilon`
+//! (1e-5), `stash_type` (1).
+//!
+//! ```text
+//! inv_std_var = 1 / sqrt(mean(X², over axes axis..rank) + epsilon)
+//! Y           = X · inv_std_var · scale
+//! ```
+//!
+//! `scale` broadcasts unidirectionally to X (its rank at most X's) and may have another
+//! floating-point dtype than X: Y has scale's dtype (onnxruntime's T and V). `inv_std_var` has
+//! X's shape with dimensions `axis..` set to 1 and the dtype named by `stash_type` (1 float32 or
+//! 11 float64, onnxruntime's U).
+//!
+//! **SkipSimplifiedLayerNormalization** (com.microsoft, opset 1): inputs `input`, `skip`,
+//! `gamma`, optional `bias`; attribute `epsilon` (1e-12); outputs `output`, optional `mean`,
+//! `inv_std_var`, `input_skip_bias_sum`.
+//!
+//! ```text
+//! input_skip_bias_sum = input + skip (+ bias)
+//! inv_std_var         = 1 / sqrt(mean(input_skip_bias_sum², over the last axis) + epsilon)
+//! output              = input_skip_bias_sum · inv_std_var · gamma
+//! ```
+//!
+//! As in onnxruntime: `input` is `[batch, sequence, hidden]` or `[sequence, hidden]`; `skip` has
+//! input's shape or, for a 3-D input, `[sequence, hidden]` or `[1, sequence, hidden]` (added to
+//! every batch); `gamma` and `bias` are `[hidden]`; all share one dtype. `mean` and
+//! `inv_std_var` are float32 of input's shape with the last dimension 1; `mean` is all zeros,
+//! which is what onnxruntime's CPU kernel writes (RMS normalisation does not centre).
+//! `epsilon` must not be negative.
+//!
+//! The reference computes in f64 from the inputs' values and rounds each output once.
+
+use alloc::vec::Vec;
+use kiln_kernel_abi::bail;
+use kiln_kernel_abi::guest::*;
+
+use crate::{axis_error, check_float};
+
+const SIMPLIFIED: &str = "SimplifiedLayerNormalization";
+const SKIP: &str = "SkipSimplifiedLayerNormalization";
+
+/// Maps each element of a tensor of shape `out` (row-major) to the element of an input that
+/// broadcasts onto it. An input whose shape, leading 1s dropped, is a suffix of `out` (the usual
+/// `[hidden]` scale) is indexed modulo its size, without an index table.
+struct Broadcast {
+    table: Option<Vec<usize>>,
+    len: usize,
+}
+
+impl Broadcast {
+    /// `input` must broadcast to `out`.
+    fn new(input: &[usize], out: &[usize]) -> Broadcast {
+        let core = &input[input.iter().take_while(|&&d| d == 1).count()..];
+        let len = core.iter().product();
+        let table = if out.ends_with(core) { None } else { Some(shape::broadcast_index(input, out)) };
+        Broadcast { table, len }
+    }
+
+    fn at(&self, k: usize) -> usize {
+        match &self.table {
+            Some(t) => t[k],
+            None => k % self.len,
+        }
+    }
+}
+
+/// Normalises the `rows` rows of `x` (`cols` elements each) in place: `x / rms · scale(k)` with
+/// `k` the element's index in `x`. Returns each row's `1 / rms` (NaN for rows of no element, as
+/// onnxruntime's 0 / 0).
+fn rms_rows(x: &mut [f64], rows: usize, cols: usize, eps: f64, scale: impl Fn(usize) -> f64) -> Vec<f64> {
+    let mut inv_std = Vec::with_capacity(rows);
+    for r in 0..rows {
+        let row = &mut x[r * cols..(r + 1) * cols];
+        let rms = libm::sqrt(row.iter().map(|v| v * v).sum::<f64>() / cols as f64 + eps);
+        for (c, v) in row.iter_mut().enumerate() {
+            *v = *v / rms * scale(r * cols + c);
+        }
+        inv_std.push(1.0 / rms);
+    }
+    inv_std
+}
+
+fn check_arity(call: &Call, op: &str, inputs: usize, outputs: usize) -> Result<()> {
+    if call.num_inputs() > inputs || call.num_outputs() > outputs {
+        bail!(
+            "{op}: takes at most {inputs} inputs and {outputs} outputs, the node has {} and {}",
+            call.num_inputs(),
+            call.num_outputs()
+        );
+    }
+    Ok(())
+}
+
+/// SimplifiedLayerNormalization's geometry and types.
+struct SimplifiedPlan {
+    x_shape: Vec<usize>,
+    scale_shape: Vec<usize>,
+    rows: usize,
+    cols: usize,
+    y_dtype: DType,
+    /// Shape of inv_std_var: normalised dimensions kept as 1.
+    stat_shape: Vec<usize>,
+    stat_dtype: DType,
+}
+
+fn simplified_plan(call: &Call) -> Result<SimplifiedPlan> {
+    check_arity(call, SIMPLIFIED, 2, 2)?;
+    let x = call.input(0)?;
+    check_float(call, x.dtype()?)?;
+    let scale = call.input(1)?;
+    let y_dtype = scale.dtype()?;
+    check_float(call, y_dtype)?;
+    let x_shape = x.shape()?;
+    let scale_shape = scale.shape()?;
+    let a = shape::normalize_axis(call.attr_i("axis", -1)?, x_shape.len()).map_err(|e| axis_error(call, e))?;
+    if shape::broadcast_shapes(&[&x_shape, &scale_shape]).ok().as_deref() != Some(&x_shape[..]) {
+        bail!("{SIMPLIFIED}: scale of shape {scale_shape:?} does not broadcast to X's shape {x_shape:?}");
+    }
+    let stat_dtype = match call.attr_i("stash_type", 1)? {
+        1 => DType::F32,
+        11 => DType::F64,
+        s => bail!("{SIMPLIFIED}: stash_type {s} is neither 1 (float32) nor 11 (float64)"),
+    };
+    Ok(SimplifiedPlan {
+        rows: x_shape[..a].iter().product(),
+        cols: x_shape[a..].iter().product(),
+        stat_shape: x_shape.iter().enumerate().map(|(i, &d)| if i < a { d } else { 1 }).collect(),
+        x_shape,
+        scale_shape,
+        y_dtype,
+        stat_dtype,
+    })
+}
+
+pub fn simplified_infer(call: &Call) -> Result<Vec<TensorType>> {
+    let p = simplified_plan(call)?;
+    Ok(vec![TensorType::new(p.y_dtype, p.x_shape), TensorType::new(p.stat_dtype, p.stat_shape)])
+}
+
+pub fn simplified_cpu(call: &Call) -> Result<()> {
+    let p = simplified_plan(call)?;
+    let eps = call.attr_f("epsilon", 1e-5)? as f64;
+    let mut x = call.input(0)?.read_vec::<f64>()?;
+    let scale = call.input(1)?.read_vec::<f64>()?;
+    let at = Broadcast::new(&p.scale_shape, &p.x_shape);
+    let inv_std = rms_rows(&mut x, p.rows, p.cols, eps, |k| scale[at.at(k)]);
+    call.output(0)?.write_vec(&x)?;
+    if let Some(t) = call.output_opt(1) {
+        t.write_vec(&inv_std)?;
+    }
+    Ok(())
+}
+
+/// SkipSimplifiedLayerNormalization's geometry.
+struct SkipPlan {
+    shape: Vec<usize>,
+    dtype: DType,
+    rows: usize,
+    hidden: usize,
+    /// Shape of mean and inv_std_var: the last dimension set to 1.
+    stat_shape: Vec<usize>,
+    epsilon: f64,
+}
+
+fn skip_plan(call: &Call) -> Result<SkipPlan> {
+    check_arity(call, SKIP, 4, 4)?;
+    let input = call.input(0)?;
+    let dtype = input.dtype()?;
+    check_float(call, dtype)?;
+    let shape = input.shape()?;
+    if !(2..=3).contains(&shape.len()) {
+        bail!("{SKIP}: input must be [batch, sequence, hidden] or [sequence, hidden], not of shape {shape:?}");
+    }
+    for (i, what) in [(1, "skip"), (2, "gamma"), (3, "bias")] {
+        if let Some(t) = call.input_opt(i) {
+            if t.dtype()? != dtype {
+                bail!("{SKIP}: {what} has dtype {}, input has {dtype}", t.dtype()?);
+            }
+        }
+    }
+    let skip = call.input(1)?.shape()?;
+    let tail = &shape[shape.len() - 2..];
+    let skip_ok = skip == shape
+        || (shape.len() == 3 && (skip == tail || (skip.len() == 3 && skip[0] == 1 && skip[1..] == *tail)));
+    if !skip_ok {
+        bail!(
+            "{SKIP}: skip of shape {skip:?} is neither input's shape {shape:?} nor, for a 3-D input, \
+             [sequence, hidden] or [1, sequence, hidden]"
+        );
+    }
+    let hidden = shape[shape.len() - 1];
+    call.input(2)?;
+    for (i, what) in [(2, "gamma"), (3, "bias")] {
+        if let Some(t) = call.input_opt(i) {
+            if t.shape()? != [hidden] {
+                bail!("{SKIP}: {what} must be [hidden] = [{hidden}], not of shape {:?}", t.shape()?);
+            }
+        }
+    }
+    let epsilon = call.attr_f("epsilon", 1e-12)?;
+    if epsilon.is_nan() || epsilon < 0.0 {
+        bail!("{SKIP}: epsilon must be at least 0, not {epsilon}");
+    }
+    let mut stat_shape = shape.clone();
+    *stat_shape.last_mut().expect("rank 2 or 3") = 1;
+    Ok(SkipPlan {
+        rows: shape[..shape.len() - 1].iter().product(),
+        hidden,
+        dtype,
+        stat_shape,
+        shape,
+        epsilon: epsilon as f64,
+    })
+}
+
+pub fn skip_simplified_infer(call: &Call) -> Result<Vec<TensorType>> {
+    let p = skip_plan(call)?;
+    let stat = TensorType::new(DType::F32, p.stat_shape);
+    let data = TensorType::new(p.dtype, p.shape);
+    Ok(vec![data.clone(), stat.clone(), stat, data])
+}
+
+pub fn skip_simplified_cpu(call: &Call) -> Result<()> {
+    let p = skip_plan(call)?;
+    let mut sum = call.input(0)?.read_vec::<f64>()?;
+    let skip = call.input(1)?.read_vec::<f64>()?;
+    let gamma = call.input(2)?.read_vec::<f64>()?;
+    let bias = call.input_opt(3).map(|t| t.read_vec::<f64>()).transpose()?;
+    // skip is input's shape or one [sequence, hidden] slice repeated over the batch.
+    for (k, v) in sum.iter_mut().enumerate() {
+        *v += skip[k % skip.len()];
+        if let Some(b) = &bias {
+            *v += b[k % p.hidden];
+        }
+    }
+    if let Some(t) = call.output_opt(3) {
+        t.write_vec(&sum)?;
+    }
+    let inv_std = rms_rows(&mut sum, p.rows, p.hidden, p.epsilon, |k| gamma[k % p.hidden]);
+    call.output(0)?.write_vec(&sum)?;
+    if let Some(t) = call.output_opt(1) {
+        t.write_vec(&vec![0f64; p.rows])?;
+    }
+    if let Some(t) = call.output_opt(2) {
+        t.write_vec(&inv_std)?;
+    }
+    Ok(())
+}

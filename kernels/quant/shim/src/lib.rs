@@ -1,0 +1,550 @@
+//! Shim of `kiln-quant`: block-quantized weight ops of onnxruntime's `com.microsoft` domain,
+//! following onnxruntime's docs/ContribOperators.md (checked against its CPU kernels):
+//!
+//! - **MatMulNBits-1**: `Y = A · dequant(B)ᵀ (+ bias)`, `B` [N, k_blocks, blob_size] packed
+//!   along K (low bits first), `dequant = (q − zero_point) · scale` per block of `block_size`
+//!   along K; bits 2, 4, 8; zero points absent (2^(bits−1)), packed uint8, or of A's dtype;
+//!   `g_idx` (deprecated) for 4 bits without packed zero points; an omitted projection (a zero
+//!   dimension in `B`) gives the bias or zeros. `accuracy_level` is ignored: the weights are
+//!   dequantized to f32 once per call (row by row of N) and the products summed in f32 lanes
+//!   per chunk of 64 and in f64 across chunks, then rounded once to A's dtype. The two inner
+//!   loops use wasm `simd128` (enabled by default in wasmtime).
+//! - **GatherBlockQuantized-1**: `data` uint8 (bits 2, 4 packed along the last axis, low bits
+//!   first, or 8), `gather_axis` 0, output = `float(q − zero_point) · scale` in scales' dtype
+//!   (f32 arithmetic, rounded once, as onnxruntime); out-of-range indices give zeros.
+//!   int4/uint4/float8/float4 `data` have no kiln dtype.
+#![no_std]
+extern crate alloc;
+
+use alloc::vec::Vec;
+use kiln_kernel_abi::guest::*;
+use kiln_kernel_abi::{bail, export_shim, unsupported};
+
+struct Pkg;
+
+impl Shim for Pkg {
+    fn infer(call: &Call) -> Result<Vec<TensorType>> {
+        match call.op_type() {
+            "MatMulNBits" => {
+                let p = MnbPlan::new(call)?;
+                Ok(vec![TensorType::new(p.dtype, p.out_shape)])
+            }
+            "GatherBlockQuantized" => {
+                let p = GbqPlan::new(call)?;
+                Ok(vec![TensorType::new(p.dtype, p.out_shape)])
+            }
+            other => unsupported!("kiln-quant does not implement {other}"),
+        }
+    }
+
+    fn cpu(call: &Call) -> Result<()> {
+        match call.op_type() {
+            "MatMulNBits" => MnbPlan::new(call)?.run(call),
+            "GatherBlockQuantized" => GbqPlan::new(call)?.run(call),
+            other => unsupported!("kiln-quant does not implement {other}"),
+        }
+    }
+}
+
+export_shim!(Pkg);
+
+/// A required INT attribute.
+fn attr_req(call: &Call, name: &str) -> Result<i64> {
+    if call.attr(name).is_none() {
+        bail!("{}: attribute {name} is required", call.op_type());
+    }
+    call.attr_i(name, 0)
+}
+
+fn is_float(d: DType) -> bool {
+    matches!(d, DType::F32 | DType::F16 | DType::BF16)
+}
+
+/// Whether `shape` is `[a·b]` or `[a, b]` (1-D kept by onnxruntime for older models).
+fn is_1d_or_2d(shape: &[usize], a: usize, b: usize) -> bool {
+    shape == [a * b] || shape == [a, b]
+}
+
+/// Extracts element `j` of a row packed `bits` per element, low bits first.
+#[inline(always)]
+fn unpack(bytes: &[u8], j: usize, bits: usize) -> u8 {
+    let per = 8 / bits;
+    let mask = ((1u16 << bits) - 1) as u8;
+    (bytes[j / per] >> ((j % per) * bits)) & mask
+}
+
+// ---------------------------------------------------------------------------------------
+// MatMulNBits
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Zp {
+    /// 2^(bits−1).
+    Default,
+    /// uint8, packed `bits` per element along the blocks of a row.
+    Packed,
+    /// A's dtype, one per block.
+    Float,
+}
+
+struct MnbPlan {
+    dtype: DType,
+    k: usize,
+    n: usize,
+    bits: usize,
+    block: usize,
+    k_blocks: usize,
+    blob: usize,
+    /// Rows of A (product of its leading dimensions).
+    m: usize,
+    out_shape: Vec<usize>,
+    zp: Zp,
+    g_idx: bool,
+    bias: bool,
+    /// `B` has a zero dimension: the projection is omitted (Y = bias or 0).
+    omitted: bool,
+}
+
+impl MnbPlan {
+    fn new(call: &Call) -> Result<MnbPlan> {
+        let op = "MatMulNBits";
+        let k = attr_req(call, "K")?;
+        let n = attr_req(call, "N")?;
+        let block = attr_req(call, "block_size")?;
+        let bits = call.attr_i("bits", 4)?;
+        if k < 0 || n < 0 {
+            bail!("{op}: K ({k}) and N ({n}) must be >= 0");
+        }
+        if !(2..=8).contains(&bits) {
+            bail!("{op}: bits must be in 2..=8, got {bits}");
+        }
+        if !matches!(bits, 2 | 4 | 8) {
+            unsupported!("{op}: bits {bits} (onnxruntime implements 2, 4 and 8)");
+        }
+        if block < 16 || block & (block - 1) != 0 {
+            bail!("{op}: block_size must be a power of two >= 16, got {block}");
+        }
+        let prepacked = call.attr_i("weight_prepacked", 0)?;
+        if prepacked != 0 {
+            unsupported!("{op}: weight_prepacked={prepacked} (an execution-provider-specific layout)");
+        }
+        let (k, n, bits, block) = (k as usize, n as usize, bits as usize, block as usize);
+        let k_blocks = k.div_ceil(block);
+        let blob = block * bits / 8;
+
+        let a = call.input(0)?;
+        let dtype = a.dtype()?;
+        if !is_float(dtype) {
+            unsupported!("{op}: A of dtype {dtype} (float32, float16 and bfloat16 are)");
+        }
+        let a_shape = a.shape()?;
+        if a_shape.last() != Some(&k) {
+            bail!("{op}: the last dimension of A {a_shape:?} must be K = {k}");
+        }
+        let m = a_shape[..a_shape.len() - 1].iter().product();
+        let mut out_shape = a_shape.clone();
+        *out_shape.last_mut().unwrap() = n;
+
+        let b = call.input(1)?;
+        if b.dtype()? != DType::U8 {
+            bail!("{op}: B must be uint8, got {}", b.dtype()?);
+        }
+        let b_shape = b.shape()?;
+        let want = [n, k_blocks, blob];
+        let omitted =
+            b_shape.len() == 3 && b_shape.contains(&0) && (0..3).all(|i| b_shape[i] == 0 || b_shape[i] == want[i]);
+        if b_shape != want && !omitted {
+            bail!("{op}: B has shape {b_shape:?}, expected {want:?} (N, ceil(K / block_size), block_size·bits/8)");
+        }
+
+        let scales = call.input(2)?;
+        if scales.dtype()? != dtype {
+            bail!("{op}: scales must have A's dtype {dtype}, got {}", scales.dtype()?);
+        }
+        let s_shape = scales.shape()?;
+        if !omitted && !is_1d_or_2d(&s_shape, n, k_blocks) {
+            bail!("{op}: scales has shape {s_shape:?}, expected [{n}, {k_blocks}]");
+        }
+
+        let zp = match call.input_opt(3) {
+            None => Zp::Default,
+            Some(z) => {
+                let zd = z.dtype()?;
+                let zs = z.shape()?;
+                if zd == DType::U8 {
+                    let per_row = (k_blocks * bits).div_ceil(8);
+                    if !omitted && !is_1d_or_2d(&zs, n, per_row) {
+                        bail!("{op}: uint8 zero_points has shape {zs:?}, expected [{n}, {per_row}]");
+                    }
+                    Zp::Packed
+                } else if zd == dtype {
+                    if !omitted && !is_1d_or_2d(&zs, n, k_blocks) {
+                        bail!("{op}: zero_points has shape {zs:?}, expected [{n}, {k_blocks}]");
+                    }
+                    Zp::Float
+                } else {
+                    bail!("{op}: zero_points must be uint8 or A's dtype {dtype}, got {zd}");
+                }
+            }
+        };
+
+        let g_idx = match call.input_opt(4) {
+            None => false,
+            Some(g) => {
+                if g.dtype()? != DType::I32 {
+                    bail!("{op}: g_idx must be int32, got {}", g.dtype()?);
+                }
+                let gs = g.shape()?;
+                if !omitted && gs != [k] && gs != [k_blocks * block] {
+                    bail!("{op}: g_idx has shape {gs:?}, expected [{k}] or [{}]", k_blocks * block);
+                }
+                if !omitted && bits != 4 {
+                    unsupported!("{op}: g_idx with {bits}-bit weights (onnxruntime implements g_idx for 4 bits)");
+                }
+                if !omitted && zp == Zp::Packed {
+                    unsupported!(
+                        "{op}: g_idx with uint8 zero_points (onnxruntime's CPU kernel disagrees with its documentation)"
+                    );
+                }
+                true
+            }
+        };
+
+        let bias = match call.input_opt(5) {
+            None => false,
+            Some(bt) => {
+                if bt.dtype()? != dtype {
+                    bail!("{op}: bias must have A's dtype {dtype}, got {}", bt.dtype()?);
+                }
+                if bt.shape()? != [n] {
+                    bail!("{op}: bias has shape {:?}, expected [{n}]", bt.shape()?);
+                }
+                true
+            }
+        };
+
+        Ok(MnbPlan { dtype, k, n, bits, block, k_blocks, blob, m, out_shape, zp, g_idx, bias, omitted })
+    }
+
+    fn run(&self, call: &Call) -> Result<()> {
+        let (m, n, k) = (self.m, self.n, self.k);
+        let y = call.output(0)?;
+        let bias: Vec<f32> = match self.bias {
+            true => call.input(5)?.read_vec()?,
+            false => vec![0.0; n],
+        };
+        if m * n == 0 {
+            return Ok(());
+        }
+        if self.omitted || k == 0 {
+            let out: Vec<f64> = (0..m).flat_map(|_| bias.iter().map(|&b| b as f64)).collect();
+            return y.write_vec(&out);
+        }
+        let a: Vec<f32> = call.input(0)?.read_vec()?;
+        let b = call.input(1)?.read_bytes()?;
+        let scales: Vec<f32> = call.input(2)?.read_vec()?;
+        let zp_u8 = match self.zp {
+            Zp::Packed => call.input(3)?.read_bytes()?,
+            _ => Vec::new(),
+        };
+        let zp_f: Vec<f32> = match self.zp {
+            Zp::Float => call.input(3)?.read_vec()?,
+            _ => Vec::new(),
+        };
+        let g_idx: Vec<i32> = match self.g_idx {
+            true => call.input(4)?.read_vec()?,
+            false => Vec::new(),
+        };
+        if let Some((i, g)) = g_idx.iter().take(k).enumerate().find(|(_, &g)| g < 0 || g as usize >= self.k_blocks) {
+            bail!("MatMulNBits: g_idx[{i}] = {g} is outside [0, {})", self.k_blocks);
+        }
+
+        let (kb, bits, bs) = (self.k_blocks, self.bits, self.block);
+        let zp_row = (kb * bits).div_ceil(8);
+        let default_zp = (1u32 << (bits - 1)) as f32;
+        // Zero point of block `j` of row `r`.
+        let zero = |r: usize, j: usize| -> f32 {
+            match self.zp {
+                Zp::Default => default_zp,
+                Zp::Packed => unpack(&zp_u8[r * zp_row..(r + 1) * zp_row], j, bits) as f32,
+                Zp::Float => zp_f[r * kb + j],
+            }
+        };
+
+        let mut out = vec![0f64; m * n];
+        // Whole blocks (the padding of a partial last one is dequantized and never used).
+        let mut w = vec![0f32; kb * bs];
+        for r in 0..n {
+            let row = &b[r * kb * self.blob..(r + 1) * kb * self.blob];
+            if self.g_idx {
+                for (i, wi) in w[..k].iter_mut().enumerate() {
+                    let g = g_idx[i] as usize;
+                    let q = unpack(row, i, bits) as f32;
+                    *wi = (q - zero(r, g)) * scales[r * kb + g];
+                }
+            } else {
+                for j in 0..kb {
+                    let blob = &row[j * self.blob..(j + 1) * self.blob];
+                    dequant_block(blob, bits, scales[r * kb + j], zero(r, j), &mut w[j * bs..(j + 1) * bs]);
+                }
+            }
+            for i in 0..m {
+                out[i * n + r] = dot(&a[i * k..(i + 1) * k], &w[..k]) + bias[r] as f64;
+            }
+        }
+        y.write_vec(&out)
+    }
+}
+
+/// Dequantizes one whole block: `w[j] = (q_j − z) · s`, `w.len()` = block_size.
+fn dequant_block(blob: &[u8], bits: usize, s: f32, z: f32, w: &mut [f32]) {
+    #[cfg(target_arch = "wasm32")]
+    if bits == 4 || bits == 8 {
+        return simd::dequant_block(blob, bits, s, z, w);
+    }
+    let lut: Vec<f32> = (0..1u32 << bits).map(|q| (q as f32 - z) * s).collect();
+    for (j, wi) in w.iter_mut().enumerate() {
+        *wi = lut[unpack(blob, j, bits) as usize];
+    }
+}
+
+/// `Σ a[i]·w[i]`: f32 products summed in f32 lanes per chunk of 64, chunks summed in f64.
+fn dot(a: &[f32], w: &[f32]) -> f64 {
+    const CHUNK: usize = 64;
+    let mut total = 0f64;
+    let mut ac = a.chunks_exact(CHUNK);
+    let mut wc = w.chunks_exact(CHUNK);
+    for (x, y) in (&mut ac).zip(&mut wc) {
+        total += dot64(x, y);
+    }
+    for (&x, &y) in ac.remainder().iter().zip(wc.remainder()) {
+        total += (x * y) as f64;
+    }
+    total
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+fn dot64(x: &[f32], y: &[f32]) -> f64 {
+    let mut lanes = [0f32; 16];
+    for (x16, y16) in x.chunks_exact(16).zip(y.chunks_exact(16)) {
+        for l in 0..16 {
+            lanes[l] += x16[l] * y16[l];
+        }
+    }
+    lanes.iter().map(|&v| v as f64).sum()
+}
+
+#[cfg(target_arch = "wasm32")]
+use simd::dot64;
+
+/// 128-bit SIMD (wasm `simd128`, on by default in wasmtime) for the two inner loops.
+#[cfg(target_arch = "wasm32")]
+mod simd {
+    use core::arch::wasm32::*;
+
+    /// `Σ x[i]·y[i]` over 64 elements in 16 f32 lanes, the lanes summed in f64.
+    #[target_feature(enable = "simd128")]
+    pub fn dot64(x: &[f32], y: &[f32]) -> f64 {
+        assert!(x.len() == 64 && y.len() == 64);
+        let (xp, yp) = (x.as_ptr() as *const v128, y.as_ptr() as *const v128);
+        let mut acc = [f32x4_splat(0.0); 4];
+        for i in 0..4 {
+            for (l, a) in acc.iter_mut().enumerate() {
+                // SAFETY: 4·4 + 4 < 16 vectors of 4 lanes = 64 elements, checked above;
+                // wasm loads need no alignment.
+                let (xv, yv) = unsafe { (v128_load(xp.add(i * 4 + l)), v128_load(yp.add(i * 4 + l))) };
+                *a = f32x4_add(*a, f32x4_mul(xv, yv));
+            }
+        }
+        let s = f32x4_add(f32x4_add(acc[0], acc[1]), f32x4_add(acc[2], acc[3]));
+        f32x4_extract_lane::<0>(s) as f64
+            + f32x4_extract_lane::<1>(s) as f64
+            + f32x4_extract_lane::<2>(s) as f64
+            + f32x4_extract_lane::<3>(s) as f64
+    }
+
+    /// `w[j] = (q_j − z) · s` for a whole block of 4- or 8-bit values (block_size >= 16).
+    #[target_feature(enable = "simd128")]
+    pub fn dequant_block(blob: &[u8], bits: usize, s: f32, z: f32, w: &mut [f32]) {
+        let (sv, zv) = (f32x4_splat(s), f32x4_splat(z));
+        if bits == 4 {
+            // 8 bytes -> 16 values, low nibble first.
+            for (i, b8) in blob.chunks_exact(8).enumerate() {
+                // SAFETY: `b8` holds 8 bytes; wasm loads need no alignment.
+                let bytes = unsafe { v128_load64_zero(b8.as_ptr() as *const u64) };
+                let lo = v128_and(bytes, u8x16_splat(15));
+                let hi = u8x16_shr(bytes, 4);
+                let q = u8x16_shuffle::<0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23>(lo, hi);
+                put(&mut w[i * 16..i * 16 + 16], q, zv, sv);
+            }
+        } else {
+            for (i, b16) in blob.chunks_exact(16).enumerate() {
+                // SAFETY: `b16` holds 16 bytes.
+                let q = unsafe { v128_load(b16.as_ptr() as *const v128) };
+                put(&mut w[i * 16..i * 16 + 16], q, zv, sv);
+            }
+        }
+    }
+
+    /// `w[j] = (q_j − z) · s` for the 16 u8 lanes of `q`.
+    #[target_feature(enable = "simd128")]
+    fn put(w: &mut [f32], q: v128, zv: v128, sv: v128) {
+        let (h0, h1) = (u16x8_extend_low_u8x16(q), u16x8_extend_high_u8x16(q));
+        let parts = [
+            u32x4_extend_low_u16x8(h0),
+            u32x4_extend_high_u16x8(h0),
+            u32x4_extend_low_u16x8(h1),
+            u32x4_extend_high_u16x8(h1),
+        ];
+        for (p, chunk) in parts.iter().zip(w.chunks_exact_mut(4)) {
+            let v = f32x4_mul(f32x4_sub(f32x4_convert_i32x4(*p), zv), sv);
+            // SAFETY: `chunk` holds 4 f32; wasm stores need no alignment.
+            unsafe { v128_store(chunk.as_mut_ptr() as *mut v128, v) };
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// GatherBlockQuantized
+
+struct GbqPlan {
+    /// Output dtype (scales').
+    dtype: DType,
+    bits: usize,
+    block: usize,
+    quantize_axis: usize,
+    /// `data`'s logical shape (the last dimension unpacked).
+    logical: Vec<usize>,
+    out_shape: Vec<usize>,
+    zero_points: bool,
+}
+
+impl GbqPlan {
+    fn new(call: &Call) -> Result<GbqPlan> {
+        let op = "GatherBlockQuantized";
+        let data = call.input(0)?;
+        let dd = data.dtype()?;
+        if dd != DType::U8 {
+            unsupported!(
+                "{op}: data of dtype {dd} (uint8 is implemented; int4/uint4/float8/float4 have no kiln dtype)"
+            );
+        }
+        let indices = call.input(1)?;
+        if !matches!(indices.dtype()?, DType::I32 | DType::I64) {
+            bail!("{op}: indices must be int32 or int64, got {}", indices.dtype()?);
+        }
+        let scales = call.input(2)?;
+        let dtype = scales.dtype()?;
+        if !is_float(dtype) {
+            bail!("{op}: scales must be float32, float16 or bfloat16, got {dtype}");
+        }
+        let bits = call.attr_i("bits", 4)?;
+        if !matches!(bits, 2 | 4 | 8) {
+            bail!("{op}: bits must be 2, 4 or 8 for uint8 data, got {bits}");
+        }
+        let block = call.attr_i("block_size", 128)?;
+        if block < 16 || block & (block - 1) != 0 {
+            bail!("{op}: block_size must be a power of two >= 16 for uint8 data, got {block}");
+        }
+        let (bits, block) = (bits as usize, block as usize);
+        let shape = data.shape()?;
+        let r = shape.len();
+        if r == 0 {
+            bail!("{op}: data must have rank >= 1");
+        }
+        let gather_axis = shape::normalize_axis(call.attr_i("gather_axis", 0)?, r)?;
+        let quantize_axis = shape::normalize_axis(call.attr_i("quantize_axis", 1)?, r)?;
+        if gather_axis != 0 {
+            bail!("{op}: gather_axis must be 0 for uint8 data, got {gather_axis}");
+        }
+        let comps = 8 / bits;
+        if comps > 1 {
+            if quantize_axis == gather_axis {
+                bail!("{op}: gather_axis and quantize_axis must differ for {bits}-bit data");
+            }
+            if quantize_axis != r - 1 {
+                unsupported!("{op}: {bits}-bit data packed along the last axis, quantized along axis {quantize_axis}");
+            }
+        }
+        let mut logical = shape.clone();
+        logical[r - 1] *= comps;
+
+        let s_shape = scales.shape()?;
+        let mut want = logical.clone();
+        want[quantize_axis] = logical[quantize_axis].div_ceil(block);
+        if s_shape != want {
+            bail!("{op}: scales has shape {s_shape:?}, expected {want:?}");
+        }
+        let zero_points = match call.input_opt(3) {
+            None => false,
+            Some(z) => {
+                if z.dtype()? != DType::U8 {
+                    bail!("{op}: zero_points must have data's dtype uint8, got {}", z.dtype()?);
+                }
+                let mut zwant = want.clone();
+                zwant[quantize_axis] = want[quantize_axis].div_ceil(comps);
+                if z.shape()? != zwant {
+                    bail!("{op}: zero_points has shape {:?}, expected {zwant:?}", z.shape()?);
+                }
+                true
+            }
+        };
+
+        let mut out_shape = indices.shape()?;
+        out_shape.extend_from_slice(&logical[1..]);
+        Ok(GbqPlan { dtype, bits, block, quantize_axis, logical, out_shape, zero_points })
+    }
+
+    fn run(&self, call: &Call) -> Result<()> {
+        let data = call.input(0)?.read_bytes()?;
+        let indices = call.input(1)?.read_i64s()?;
+        let scales: Vec<f32> = call.input(2)?.read_vec()?;
+        let zp = match self.zero_points {
+            true => call.input(3)?.read_bytes()?,
+            false => Vec::new(),
+        };
+        let bits = self.bits;
+        let comps = 8 / bits;
+        let mask = ((1u16 << bits) - 1) as u8;
+        let rows = self.logical[0];
+        let row_len: usize = self.logical[1..].iter().product();
+        let qa = self.quantize_axis;
+        let q_dim = self.logical[qa];
+        let q_inner: usize = self.logical[qa + 1..].iter().product();
+        let q_blocks = q_dim.div_ceil(self.block);
+        let zp_row = q_blocks.div_ceil(comps);
+        let default_zp = 1i32 << (bits - 1);
+
+        let mut out = vec![0f32; indices.len() * row_len];
+        for (o, &idx) in out.chunks_exact_mut(row_len.max(1)).zip(&indices) {
+            let g = rows as i64;
+            if idx < -g || idx >= g {
+                continue; // Out of range: zeros (onnxruntime's documented behaviour).
+            }
+            let row = if idx < 0 { idx + g } else { idx } as usize;
+            for (e, v) in o.iter_mut().enumerate() {
+                let i = row * row_len + e;
+                let q = ((data[i / comps] >> ((i % comps) * bits)) & mask) as i32;
+                let x = i / (q_dim * q_inner);
+                let y = (i / q_inner) % q_dim;
+                let z = i % q_inner;
+                let s = (x * q_blocks + y / self.block) * q_inner + z;
+                let zp_val = if !self.zero_points {
+                    default_zp
+                } else if comps > 1 {
+                    // quantize_axis is the last: `s` = row · q_blocks + block.
+                    let (zr, zb) = (s / q_blocks, s % q_blocks);
+                    ((zp[zr * zp_row + zb / comps] >> ((zb % comps) * bits)) & mask) as i32
+                } else {
+                    zp[s] as i32
+                };
+                *v = (q - zp_val) as f32 * scales[s];
+            }
+        }
+        let y = call.output(0)?;
+        match self.dtype {
+            DType::F16 => y.write_vec(&out.iter().map(|&v| f16::from_f32(v)).collect::<Vec<_>>()),
+            DType::BF16 => y.write_vec(&out.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()),
+            _ => y.write_vec(&out),
+        }
+    }
+}

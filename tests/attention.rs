@@ -1,0 +1,662 @@
+//! `kiln-attention`: com.microsoft GroupQueryAttention and RotaryEmbedding against float64
+//! references written here, on random shapes and configurations (prompt with right padding,
+//! decode, later prompt chunks; shared and separate KV buffers; packed QKV; rotary;
+//! local windows; softcap; smooth softmax; head sinks; attention bias; f32/f16/bf16).
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use kiln_host::ep::{Runtime, Session, SessionOptions};
+use kiln_host::sandbox::SandboxConfig;
+use kiln_host::{model, packages, Error, Tensor};
+use kiln_kernel_abi::DType;
+use kiln_tests::onnx::{self, attr_float, node, value};
+use protobuf::EnumOrUnknown;
+
+fn runtime() -> Arc<Runtime> {
+    let (reg, errors) = packages::registry(&[]);
+    assert!(errors.is_empty(), "{errors:?}");
+    Runtime::new(reg, SandboxConfig::default()).expect("runtime")
+}
+
+/// A tiny seeded PRNG (splitmix64).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in lo..=hi.
+    fn int(&mut self, lo: usize, hi: usize) -> usize {
+        lo + (self.next() % (hi - lo + 1) as u64) as usize
+    }
+    fn pick<T: Copy>(&mut self, v: &[T]) -> T {
+        v[self.int(0, v.len() - 1)]
+    }
+    fn coin(&mut self) -> bool {
+        self.next() & 1 == 1
+    }
+    /// Uniform in [-1, 1), a multiple of 1/64 so that float16 and bfloat16 hold it exactly.
+    fn val(&mut self) -> f64 {
+        (self.int(0, 127) as f64 - 64.0) / 64.0
+    }
+    fn vals(&mut self, n: usize) -> Vec<f64> {
+        (0..n).map(|_| self.val()).collect()
+    }
+}
+
+fn attr_int(name: &str, v: i64) -> onnx::AttributeProto {
+    onnx::AttributeProto {
+        name: name.into(),
+        type_: EnumOrUnknown::new(onnx::attribute_proto::AttributeType::INT),
+        i: v,
+        ..Default::default()
+    }
+}
+
+fn dtype_code(d: DType) -> i32 {
+    match d {
+        DType::F32 => 1,
+        DType::F16 => 10,
+        DType::BF16 => 16,
+        DType::I32 => 6,
+        DType::I64 => 7,
+        other => panic!("{other:?}"),
+    }
+}
+
+fn f16_bits(v: f64) -> u16 {
+    // Values of the tests are multiples of 1/64 in [-4, 4]: normal and exact in float16.
+    if v == 0.0 {
+        return 0;
+    }
+    let sign = if v < 0.0 { 0x8000 } else { 0 };
+    let (mut m, mut e) = (v.abs(), 0i32);
+    while m >= 2.0 {
+        m /= 2.0;
+        e += 1;
+    }
+    while m < 1.0 {
+        m *= 2.0;
+        e -= 1;
+    }
+    let frac = ((m - 1.0) * 1024.0).round() as u16;
+    assert!((m - 1.0) * 1024.0 == frac as f64 && (-14..=15).contains(&e), "{v} is not exact in float16");
+    sign | (((e + 15) as u16) << 10) | frac
+}
+
+fn f16_value(b: u16) -> f64 {
+    let sign = if b & 0x8000 != 0 { -1.0 } else { 1.0 };
+    let (e, f) = (((b >> 10) & 0x1f) as i32, (b & 0x3ff) as f64);
+    sign * match e {
+        0 => f / 1024.0 * 2f64.powi(-14),
+        31 => f64::NAN,
+        _ => (1.0 + f / 1024.0) * 2f64.powi(e - 15),
+    }
+}
+
+/// A float tensor of `dtype` holding `v` (exactly representable).
+fn float_tensor(dtype: DType, shape: &[usize], v: &[f64]) -> Tensor {
+    let data: Vec<u8> = match dtype {
+        DType::F32 => v.iter().flat_map(|x| (*x as f32).to_le_bytes()).collect(),
+        DType::F16 => v.iter().flat_map(|x| f16_bits(*x).to_le_bytes()).collect(),
+        DType::BF16 => v
+            .iter()
+            .flat_map(|x| {
+                let bits = (*x as f32).to_bits();
+                assert_eq!(bits & 0xffff, 0, "{x} is not exact in bfloat16");
+                ((bits >> 16) as u16).to_le_bytes()
+            })
+            .collect(),
+        other => panic!("{other:?}"),
+    };
+    Tensor::new(dtype, shape.to_vec(), Bytes::from(data)).unwrap()
+}
+
+fn float_values(t: &Tensor) -> Vec<f64> {
+    match t.dtype {
+        DType::F32 => t.data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64).collect(),
+        DType::F16 => t.data.chunks_exact(2).map(|c| f16_value(u16::from_le_bytes([c[0], c[1]]))).collect(),
+        DType::BF16 => t
+            .data
+            .chunks_exact(2)
+            .map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16) as f64)
+            .collect(),
+        other => panic!("{other:?}"),
+    }
+}
+
+fn i32_tensor(shape: &[usize], v: &[i32]) -> Tensor {
+    Tensor::new(DType::I32, shape.to_vec(), Bytes::from(v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<_>>()))
+        .unwrap()
+}
+
+fn i64_tensor(shape: &[usize], v: &[i64]) -> Tensor {
+    Tensor::new(DType::I64, shape.to_vec(), Bytes::from(v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<_>>()))
+        .unwrap()
+}
+
+/// Runs a one-node com.microsoft model; `inputs` are (slot name or "" for absent, tensor).
+fn run_node(
+    rt: &Arc<Runtime>,
+    op: &str,
+    inputs: Vec<(&str, Option<Tensor>)>,
+    outputs: &[&str],
+    attrs: Vec<onnx::AttributeProto>,
+) -> Result<Vec<Tensor>, Error> {
+    let names: Vec<&str> = inputs.iter().map(|(n, t)| if t.is_some() { *n } else { "" }).collect();
+    let decl: Vec<_> = inputs
+        .iter()
+        .filter_map(|(n, t)| {
+            t.as_ref().map(|t| value(n, dtype_code(t.dtype), &t.shape.iter().map(|&d| d as i64).collect::<Vec<_>>()))
+        })
+        .collect();
+    let out_decl: Vec<_> = outputs.iter().map(|n| value(n, 0, &[])).map(untyped).collect();
+    let mut n = node(op, &names, outputs, attrs);
+    n.domain = "com.microsoft".into();
+    let mut m = onnx::model(vec![n], decl, out_decl, vec![]);
+    m.opset_import.push(onnx::OperatorSetIdProto { domain: "com.microsoft".into(), version: 1, ..Default::default() });
+    let feeds = inputs.into_iter().filter_map(|(n, t)| t.map(|t| (n.to_string(), t))).collect();
+    let model = model::load_bytes(&onnx::bytes(&m), None)?;
+    let out = Session::new(rt.clone(), model, SessionOptions::default())?.run(feeds)?;
+    Ok(out.into_iter().map(|(_, t)| t).collect())
+}
+
+/// An output declaration without a type (inferred).
+fn untyped(mut v: onnx::ValueInfoProto) -> onnx::ValueInfoProto {
+    v.type_ = Default::default();
+    v
+}
+
+fn assert_close(what: &str, got: &[f64], want: &[f64], rel: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let max = want.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= rel * max, "{what}[{i}]: got {g}, want {w} (max |ref| {max}, rel tol {rel})");
+    }
+}
+
+/// Rotates one head (f64) in place at `pos` with caches of `half` columns.
+fn rope_ref(x: &mut [f64], cos: &[f64], sin: &[f64], half: usize, pos: usize, interleaved: bool) {
+    let (c, s) = (&cos[pos * half..(pos + 1) * half], &sin[pos * half..(pos + 1) * half]);
+    let orig = x.to_vec();
+    for i in 0..half {
+        let (a, b) = if interleaved { (2 * i, 2 * i + 1) } else { (i, i + half) };
+        x[a] = orig[a] * c[i] - orig[b] * s[i];
+        x[b] = orig[a] * s[i] + orig[b] * c[i];
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Mode {
+    /// First prompt: S = total, rows right-padded through seqlens_k.
+    Prompt,
+    /// S = 1 with a past.
+    Decode,
+    /// A later prompt chunk (batch 1, S > 1, past given).
+    Chunk,
+}
+
+#[derive(Clone, Debug)]
+struct Case {
+    dtype: DType,
+    mode: Mode,
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_size: usize,
+    packed: bool,
+    shared: bool,
+    /// Rotary: cache width (R/2), interleaved.
+    rotary: Option<(usize, bool)>,
+    window: i64,
+    softcap: f32,
+    scale: f32,
+    smooth: bool,
+    sink: bool,
+    bias: bool,
+    /// Valid length per batch row.
+    lens: Vec<usize>,
+    total: usize,
+    past_len: usize,
+}
+
+fn random_case(r: &mut Rng, dtype: DType) -> Case {
+    let mode = r.pick(&[Mode::Prompt, Mode::Decode, Mode::Decode, Mode::Chunk]);
+    let batch = if mode == Mode::Chunk { 1 } else { r.int(1, 3) };
+    let kv_heads = r.int(1, 2);
+    let heads = kv_heads * r.pick(&[1, 2, 4]);
+    let head_size = r.pick(&[8, 16, 32, 64]);
+    let shared = r.coin();
+    let (seq, lens, total, past_len);
+    match mode {
+        Mode::Prompt => {
+            seq = r.int(1, 6);
+            lens = (0..batch).map(|_| r.int(1, seq)).collect::<Vec<_>>();
+            total = seq;
+            past_len = if shared { total + r.int(0, 3) } else { 0 };
+        }
+        Mode::Decode => {
+            seq = 1;
+            let max = r.int(2, 9);
+            let mut l: Vec<_> = (0..batch).map(|_| r.int(1, max)).collect();
+            l[r.int(0, batch - 1)] = max;
+            lens = l;
+            total = max;
+            past_len = if shared { total + r.int(0, 3) } else { total - 1 };
+        }
+        Mode::Chunk => {
+            seq = r.int(2, 4);
+            let past = r.int(1, 5);
+            lens = vec![past + seq];
+            total = past + seq;
+            past_len = if shared { total + r.int(0, 3) } else { past };
+        }
+    }
+    let rotary = if r.coin() { Some((r.pick(&[head_size / 2, head_size / 4]), r.coin())) } else { None };
+    Case {
+        dtype,
+        mode,
+        batch,
+        seq,
+        heads,
+        kv_heads,
+        head_size,
+        packed: r.coin(),
+        shared,
+        rotary,
+        window: if r.int(0, 2) == 0 { r.int(1, 5) as i64 } else { -1 },
+        softcap: if r.int(0, 3) == 0 { 1.5 } else { 0.0 },
+        scale: r.pick(&[0.0, 0.0, 0.3]),
+        smooth: r.int(0, 4) == 0,
+        sink: r.int(0, 5) == 0,
+        bias: r.int(0, 5) == 0,
+        lens,
+        total,
+        past_len,
+    }
+}
+
+struct Data {
+    q: Vec<f64>,
+    k: Vec<f64>,
+    v: Vec<f64>,
+    past_k: Vec<f64>,
+    past_v: Vec<f64>,
+    cos: Vec<f64>,
+    sin: Vec<f64>,
+    cache_rows: usize,
+    sink: Vec<f64>,
+    bias: Vec<f64>,
+    bias_dims: [usize; 4],
+}
+
+fn random_data(r: &mut Rng, c: &Case) -> Data {
+    let (b, s, h) = (c.batch, c.seq, c.head_size);
+    let cache_rows = c.total.max(c.past_len) + r.int(0, 2);
+    let half = c.rotary.map_or(0, |x| x.0);
+    let bias_dims = [r.pick(&[1, b]), r.pick(&[1, c.heads]), s, c.total];
+    Data {
+        q: r.vals(b * s * c.heads * h),
+        k: r.vals(b * s * c.kv_heads * h),
+        v: r.vals(b * s * c.kv_heads * h),
+        past_k: r.vals(b * c.kv_heads * c.past_len * h),
+        past_v: r.vals(b * c.kv_heads * c.past_len * h),
+        cos: r.vals(cache_rows * half),
+        sin: r.vals(cache_rows * half),
+        cache_rows,
+        sink: r.vals(c.heads),
+        bias: r.vals(bias_dims.iter().product()),
+        bias_dims,
+    }
+}
+
+/// float64 GroupQueryAttention: (output [B,S,N·H], present K, present V [B,Nk,PL,H]).
+fn gqa_ref(c: &Case, d: &Data) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let (h, nk, n, s_n) = (c.head_size, c.kv_heads, c.heads, c.seq);
+    let pl = c.total.max(c.past_len);
+    let mut pres_k = vec![0.0; c.batch * nk * pl * h];
+    let mut pres_v = pres_k.clone();
+    let mut out = vec![0.0; c.batch * s_n * n * h];
+    let at = |b: usize, j: usize, t: usize| ((b * nk + j) * pl + t) * h;
+    let past_at = |b: usize, j: usize, t: usize| ((b * nk + j) * c.past_len + t) * h;
+    for b in 0..c.batch {
+        let len = c.lens[b];
+        let past = if c.mode == Mode::Prompt { 0 } else { len - s_n };
+        for j in 0..nk {
+            // The cache before this step: the whole shared buffer, or the valid past rows.
+            let rows = if c.shared { c.past_len } else { past };
+            for t in 0..rows {
+                pres_k[at(b, j, t)..][..h].copy_from_slice(&d.past_k[past_at(b, j, t)..][..h]);
+                pres_v[at(b, j, t)..][..h].copy_from_slice(&d.past_v[past_at(b, j, t)..][..h]);
+            }
+            for s in 0..s_n {
+                let mut key = d.k[((b * s_n + s) * nk + j) * h..][..h].to_vec();
+                if let Some((half, il)) = c.rotary {
+                    rope_ref(&mut key, &d.cos, &d.sin, half, past + s, il);
+                }
+                pres_k[at(b, j, past + s)..][..h].copy_from_slice(&key);
+                pres_v[at(b, j, past + s)..][..h].copy_from_slice(&d.v[((b * s_n + s) * nk + j) * h..][..h]);
+            }
+        }
+        for head in 0..n {
+            let j = head * nk / n;
+            for s in 0..s_n {
+                let pos = past + s;
+                let mut q = d.q[((b * s_n + s) * n + head) * h..][..h].to_vec();
+                if let Some((half, il)) = c.rotary {
+                    rope_ref(&mut q, &d.cos, &d.sin, half, pos, il);
+                }
+                let scale = if c.scale == 0.0 { 1.0 / (h as f64).sqrt() } else { c.scale as f64 };
+                let keys: Vec<usize> =
+                    (0..len).filter(|&t| t <= pos && (c.window < 0 || (t as i64) > pos as i64 - c.window)).collect();
+                if keys.is_empty() {
+                    continue;
+                }
+                let logits: Vec<f64> = keys
+                    .iter()
+                    .map(|&t| {
+                        let kr = &pres_k[at(b, j, t)..][..h];
+                        let mut x = scale * q.iter().zip(kr).map(|(a, b)| a * b).sum::<f64>();
+                        if c.softcap > 0.0 {
+                            let cap = c.softcap as f64;
+                            x = cap * (x / cap).tanh();
+                        }
+                        if c.bias {
+                            let bd = d.bias_dims;
+                            let (bb, bh) = (b.min(bd[0] - 1), head.min(bd[1] - 1));
+                            x += d.bias[((bb * bd[1] + bh) * bd[2] + s) * bd[3] + t];
+                        }
+                        x
+                    })
+                    .collect();
+                let sink = if c.sink {
+                    Some(d.sink[head])
+                } else if c.smooth {
+                    Some(0.0)
+                } else {
+                    None
+                };
+                let m = logits.iter().cloned().chain(sink).fold(f64::NEG_INFINITY, f64::max);
+                let den: f64 = logits.iter().map(|x| (x - m).exp()).sum::<f64>() + sink.map_or(0.0, |x| (x - m).exp());
+                for (x, &t) in logits.iter().zip(&keys) {
+                    let w = (x - m).exp() / den;
+                    for i in 0..h {
+                        out[((b * s_n + s) * n + head) * h + i] += w * pres_v[at(b, j, t) + i];
+                    }
+                }
+            }
+        }
+    }
+    (out, pres_k, pres_v)
+}
+
+fn run_gqa(rt: &Arc<Runtime>, c: &Case, d: &Data) -> Result<Vec<Tensor>, Error> {
+    let (b, s, h, dt) = (c.batch, c.seq, c.head_size, c.dtype);
+    let (query, key, value_t) = if c.packed {
+        // Interleave per token: [q heads | k heads | v heads].
+        let (qw, kw) = (c.heads * h, c.kv_heads * h);
+        let mut p = Vec::new();
+        for t in 0..b * s {
+            p.extend_from_slice(&d.q[t * qw..(t + 1) * qw]);
+            p.extend_from_slice(&d.k[t * kw..(t + 1) * kw]);
+            p.extend_from_slice(&d.v[t * kw..(t + 1) * kw]);
+        }
+        (float_tensor(dt, &[b, s, qw + 2 * kw], &p), None, None)
+    } else {
+        (
+            float_tensor(dt, &[b, s, c.heads * h], &d.q),
+            Some(float_tensor(dt, &[b, s, c.kv_heads * h], &d.k)),
+            Some(float_tensor(dt, &[b, s, c.kv_heads * h], &d.v)),
+        )
+    };
+    let has_past = c.past_len > 0;
+    let past = |v: &[f64]| has_past.then(|| float_tensor(dt, &[b, c.kv_heads, c.past_len, h], v));
+    let seqlens: Vec<i32> = c.lens.iter().map(|&l| l as i32 - 1).collect();
+    let half = c.rotary.map_or(0, |x| x.0);
+    let cache = |v: &[f64]| c.rotary.map(|_| float_tensor(dt, &[d.cache_rows, half], v));
+    let inputs = vec![
+        ("query", Some(query)),
+        ("key", key),
+        ("value", value_t),
+        ("past_key", past(&d.past_k)),
+        ("past_value", past(&d.past_v)),
+        ("seqlens_k", Some(i32_tensor(&[b], &seqlens))),
+        ("total_sequence_length", Some(i32_tensor(&[], &[c.total as i32]))),
+        ("cos_cache", cache(&d.cos)),
+        ("sin_cache", cache(&d.sin)),
+        ("position_ids", None),
+        ("attention_bias", c.bias.then(|| float_tensor(dt, &d.bias_dims, &d.bias))),
+        ("head_sink", c.sink.then(|| float_tensor(dt, &[c.heads], &d.sink))),
+    ];
+    let mut attrs = vec![
+        attr_int("num_heads", c.heads as i64),
+        attr_int("kv_num_heads", c.kv_heads as i64),
+        attr_float("scale", c.scale),
+        attr_float("softcap", c.softcap),
+        attr_int("local_window_size", c.window),
+        attr_int("do_rotary", c.rotary.is_some() as i64),
+        attr_int("rotary_interleaved", c.rotary.is_some_and(|x| x.1) as i64),
+    ];
+    if c.smooth {
+        attrs.push(attr_int("smooth_softmax", 1));
+    }
+    run_node(rt, "GroupQueryAttention", inputs, &["output", "present_key", "present_value"], attrs)
+}
+
+fn check_gqa(rt: &Arc<Runtime>, c: &Case, d: &Data, rel: f64) {
+    let out = run_gqa(rt, c, d).unwrap_or_else(|e| panic!("{c:?}: {e}"));
+    let (o, pk, pv) = gqa_ref(c, d);
+    let pl = c.total.max(c.past_len);
+    assert_eq!(out[0].shape, vec![c.batch, c.seq, c.heads * c.head_size], "{c:?}");
+    assert_eq!(out[1].shape, vec![c.batch, c.kv_heads, pl, c.head_size], "{c:?}");
+    assert_eq!(out[2].shape, out[1].shape, "{c:?}");
+    let ctx = format!("{c:?}");
+    assert_close(&format!("output of {ctx}"), &float_values(&out[0]), &o, rel);
+    assert_close(&format!("present_key of {ctx}"), &float_values(&out[1]), &pk, rel);
+    assert_close(&format!("present_value of {ctx}"), &float_values(&out[2]), &pv, rel);
+}
+
+#[test]
+fn group_query_attention_matches_float64_on_random_configurations() {
+    let rt = runtime();
+    let mut r = Rng(0x6a09_e667_f3bc_c908);
+    let mut seen = [0usize; 3];
+    for _ in 0..60 {
+        let c = random_case(&mut r, DType::F32);
+        seen[c.mode as usize] += 1;
+        let d = random_data(&mut r, &c);
+        check_gqa(&rt, &c, &d, 1e-5);
+    }
+    assert!(seen.iter().all(|&n| n > 5), "{seen:?}");
+}
+
+#[test]
+fn group_query_attention_in_float16_and_bfloat16() {
+    let rt = runtime();
+    let mut r = Rng(42);
+    for (dtype, rel) in [(DType::F16, 4e-3), (DType::BF16, 3e-2)] {
+        for _ in 0..8 {
+            let c = random_case(&mut r, dtype);
+            let d = random_data(&mut r, &c);
+            check_gqa(&rt, &c, &d, rel);
+        }
+    }
+}
+
+/// tiny-llama-v512's configuration (do_rotary 1, non-interleaved, scale 0.25, 4 heads, 2 KV
+/// heads, head size 16), a padded two-row prompt, then decoding into the shared buffer fed
+/// back as the next past.
+#[test]
+fn group_query_attention_prompt_then_decode_through_a_shared_buffer() {
+    let rt = runtime();
+    let mut r = Rng(7);
+    let max_len = 12;
+    let mut c = Case {
+        dtype: DType::F32,
+        mode: Mode::Prompt,
+        batch: 2,
+        seq: 5,
+        heads: 4,
+        kv_heads: 2,
+        head_size: 16,
+        packed: false,
+        shared: true,
+        rotary: Some((8, false)),
+        window: -1,
+        softcap: 0.0,
+        scale: 0.25,
+        smooth: false,
+        sink: false,
+        bias: false,
+        lens: vec![5, 3],
+        total: 5,
+        past_len: max_len,
+    };
+    let mut d = random_data(&mut r, &c);
+    d.past_k = vec![0.0; 2 * 2 * max_len * 16];
+    d.past_v = d.past_k.clone();
+    for step in 0..4 {
+        let out = run_gqa(&rt, &c, &d).unwrap();
+        let (o, pk, pv) = gqa_ref(&c, &d);
+        assert_close(&format!("step {step} output"), &float_values(&out[0]), &o, 1e-5);
+        assert_close(&format!("step {step} present_key"), &float_values(&out[1]), &pk, 1e-5);
+        assert_close(&format!("step {step} present_value"), &float_values(&out[2]), &pv, 1e-5);
+        // The next step: one token per row, the present buffer as the past.
+        d.past_k = float_values(&out[1]);
+        d.past_v = float_values(&out[2]);
+        c.mode = Mode::Decode;
+        c.seq = 1;
+        c.lens = c.lens.iter().map(|l| l + 1).collect();
+        c.total = *c.lens.iter().max().unwrap();
+        d.q = r.vals(2 * 4 * 16);
+        d.k = r.vals(2 * 2 * 16);
+        d.v = r.vals(2 * 2 * 16);
+    }
+}
+
+#[test]
+fn group_query_attention_reports_unsupported_and_invalid_nodes() {
+    let rt = runtime();
+    let mut r = Rng(3);
+    let (q, k, v) = (r.vals(64), r.vals(32), r.vals(32));
+    let base = |extra: Vec<onnx::AttributeProto>| {
+        let mut inputs: Vec<(&str, Option<Tensor>)> = vec![
+            ("query", Some(float_tensor(DType::F32, &[1, 2, 32], &q))),
+            ("key", Some(float_tensor(DType::F32, &[1, 2, 16], &k))),
+            ("value", Some(float_tensor(DType::F32, &[1, 2, 16], &v))),
+            ("past_key", None),
+            ("past_value", None),
+            ("seqlens_k", Some(i32_tensor(&[1], &[1]))),
+            ("total_sequence_length", Some(i32_tensor(&[], &[2]))),
+        ];
+        let mut attrs = vec![attr_int("num_heads", 2), attr_int("kv_num_heads", 1)];
+        attrs.retain(|a| !extra.iter().any(|x| x.name == a.name));
+        attrs.extend(extra);
+        if attrs.iter().any(|a| a.name == "with_position_ids") {
+            attrs.retain(|a| a.name != "with_position_ids");
+            inputs.extend([("cos_cache", None), ("sin_cache", None)]);
+            inputs.push(("position_ids", Some(i64_tensor(&[1, 2], &[0, 1]))));
+        }
+        run_node(&rt, "GroupQueryAttention", inputs, &["output", "present_key", "present_value"], attrs)
+    };
+    assert!(base(vec![]).is_ok());
+    for (attrs, needle) in [
+        (vec![attr_int("causal", 0)], "causal"),
+        (vec![attr_int("sliding_window_cache", 1), attr_int("local_window_size", 2)], "sliding_window_cache"),
+        (vec![attr_int("qk_output", 1)], "qk_output"),
+        (vec![attr_int("with_position_ids", 1)], "position_ids"),
+    ] {
+        let e = base(attrs).unwrap_err();
+        assert!(e.is_unsupported() && e.to_string().contains(needle), "{e}");
+    }
+    // num_heads not a multiple of kv_num_heads; a packed width that does not divide.
+    let e = base(vec![attr_int("kv_num_heads", 3)]).unwrap_err();
+    assert!(!e.is_unsupported() && e.to_string().contains("multiple"), "{e}");
+}
+
+/// float64 RotaryEmbedding on x viewed as [B, S, N, H] with the given element strides.
+#[allow(clippy::too_many_arguments)]
+fn rope_embedding_ref(
+    x: &[f64],
+    dims: [usize; 4],
+    strides: [usize; 3],
+    pos: &dyn Fn(usize, usize) -> usize,
+    cos: &[f64],
+    sin: &[f64],
+    rdim: usize,
+    il: bool,
+) -> Vec<f64> {
+    let mut y = x.to_vec();
+    let [b_n, s_n, n_n, h] = dims;
+    for b in 0..b_n {
+        for s in 0..s_n {
+            for n in 0..n_n {
+                let at = b * strides[0] + s * strides[1] + n * strides[2];
+                rope_ref(&mut y[at..at + h][..rdim], cos, sin, rdim / 2, pos(b, s), il);
+            }
+        }
+    }
+    y
+}
+
+#[test]
+fn rotary_embedding_matches_float64() {
+    let rt = runtime();
+    let mut r = Rng(11);
+    for i in 0..24 {
+        let dtype = [DType::F32, DType::F32, DType::F16, DType::BF16][i % 4];
+        let (b, s, n) = (r.int(1, 3), r.int(1, 5), r.int(1, 3));
+        let h = r.pick(&[8, 16, 32]);
+        let partial = r.coin();
+        let rdim = if partial { h / 2 } else { h };
+        let four_d = r.coin();
+        let scalar = r.coin();
+        let il = r.coin();
+        let rows = 12;
+        let x = r.vals(b * s * n * h);
+        let cos = r.vals(rows * rdim / 2);
+        let sin = r.vals(rows * rdim / 2);
+        let start = r.int(0, rows - s);
+        let pos: Vec<i64> = (0..b * s).map(|_| r.int(0, rows - 1) as i64).collect();
+        let (shape, strides) =
+            if four_d { (vec![b, n, s, h], [n * s * h, h, s * h]) } else { (vec![b, s, n * h], [s * n * h, n * h, h]) };
+        let pos_of = |bi: usize, si: usize| if scalar { start + si } else { pos[bi * s + si] as usize };
+        let want = rope_embedding_ref(&x, [b, s, n, h], strides, &pos_of, &cos, &sin, rdim, il);
+        let mut attrs = vec![attr_int("interleaved", il as i64), attr_float("scale", 2.0)];
+        if partial {
+            attrs.extend([attr_int("num_heads", n as i64), attr_int("rotary_embedding_dim", rdim as i64)]);
+        }
+        let pos_t = if scalar { i64_tensor(&[1], &[start as i64]) } else { i64_tensor(&[b, s], &pos) };
+        let out = run_node(
+            &rt,
+            "RotaryEmbedding",
+            vec![
+                ("input", Some(float_tensor(dtype, &shape, &x))),
+                ("position_ids", Some(pos_t)),
+                ("cos_cache", Some(float_tensor(dtype, &[rows, rdim / 2], &cos))),
+                ("sin_cache", Some(float_tensor(dtype, &[rows, rdim / 2], &sin))),
+            ],
+            &["output"],
+            attrs,
+        )
+        .unwrap_or_else(|e| panic!("case {i}: {e}"));
+        assert_eq!(out[0].shape, shape);
+        let rel = match dtype {
+            DType::F32 => 1e-6,
+            DType::F16 => 2e-3,
+            _ => 1e-2,
+        };
+        assert_close(
+            &format!("case {i} ({dtype:?}, {shape:?}, partial {partial}, il {il})"),
+            &float_values(&out[0]),
+            &want,
+            rel,
+        );
+    }
+}

@@ -1,0 +1,750 @@
+//! `kiln-quant`: MatMulNBits and GatherBlockQuantized (com.microsoft) against float64 (and
+//! exact float32) references written independently here, on seeded random configurations.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use kiln_host::ep::{Runtime, Session, SessionOptions};
+use kiln_host::sandbox::SandboxConfig;
+use kiln_host::{model, packages, Error, Tensor};
+use kiln_kernel_abi::DType;
+use kiln_tests::onnx::{self, attribute_proto, node, value, AttributeProto, OperatorSetIdProto, TensorProto};
+use protobuf::EnumOrUnknown;
+
+fn runtime() -> Arc<Runtime> {
+    let (reg, errors) = packages::registry(&[]);
+    assert!(errors.is_empty(), "{errors:?}");
+    Runtime::new(reg, SandboxConfig::default()).expect("runtime")
+}
+
+/// splitmix64.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in `0..n`.
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    /// Uniform in `lo..=hi`.
+    fn int(&mut self, lo: i64, hi: i64) -> i64 {
+        lo + (self.next() % (hi - lo + 1) as u64) as i64
+    }
+    fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
+        xs[self.below(xs.len())]
+    }
+    fn coin(&mut self) -> bool {
+        self.next() & 1 == 1
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Float formats, written here rather than borrowed from the SDK.
+
+/// f32 → binary16 bits, rounding to nearest even.
+fn f16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    let sign = ((b >> 16) & 0x8000) as u16;
+    let e = ((b >> 23) & 0xff) as i32;
+    let m = b & 0x7f_ffff;
+    if e == 255 {
+        return sign | 0x7c00 | if m != 0 { 0x200 } else { 0 };
+    }
+    let e16 = e - 127 + 15;
+    if e16 >= 31 {
+        return sign | 0x7c00;
+    }
+    let (r, rem, half) = if e16 <= 0 {
+        if e16 < -10 {
+            return sign;
+        }
+        let m = m | 0x80_0000;
+        let shift = (14 - e16) as u32;
+        (m >> shift, m & ((1 << shift) - 1), 1u32 << (shift - 1))
+    } else {
+        (((e16 as u32) << 10) | (m >> 13), m & 0x1fff, 0x1000)
+    };
+    let r = if rem > half || (rem == half && r & 1 == 1) { r + 1 } else { r };
+    sign | r as u16
+}
+
+fn f16_value(h: u16) -> f64 {
+    let s = if h & 0x8000 != 0 { -1.0 } else { 1.0 };
+    let e = ((h >> 10) & 31) as i32;
+    let m = (h & 1023) as f64;
+    s * match e {
+        0 => m * 2f64.powi(-24),
+        31 => f64::INFINITY,
+        _ => (1024.0 + m) * 2f64.powi(e - 25),
+    }
+}
+
+/// f32 → bfloat16 bits, rounding to nearest even (finite values).
+fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    let (r, rem) = (b >> 16, b & 0xffff);
+    (if rem > 0x8000 || (rem == 0x8000 && r & 1 == 1) { r + 1 } else { r }) as u16
+}
+
+fn bf16_value(h: u16) -> f64 {
+    f32::from_bits((h as u32) << 16) as f64
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum F {
+    F32,
+    F16,
+    BF16,
+}
+
+impl F {
+    fn dtype(self) -> DType {
+        match self {
+            F::F32 => DType::F32,
+            F::F16 => DType::F16,
+            F::BF16 => DType::BF16,
+        }
+    }
+    /// Encodes values (rounded to nearest even through f32).
+    fn encode(self, v: &[f64]) -> Vec<u8> {
+        match self {
+            F::F32 => v.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect(),
+            F::F16 => v.iter().flat_map(|&x| f16_bits(x as f32).to_le_bytes()).collect(),
+            F::BF16 => v.iter().flat_map(|&x| bf16_bits(x as f32).to_le_bytes()).collect(),
+        }
+    }
+    fn decode(self, b: &[u8]) -> Vec<f64> {
+        match self {
+            F::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64).collect(),
+            F::F16 => b.chunks_exact(2).map(|c| f16_value(u16::from_le_bytes([c[0], c[1]]))).collect(),
+            F::BF16 => b.chunks_exact(2).map(|c| bf16_value(u16::from_le_bytes([c[0], c[1]]))).collect(),
+        }
+    }
+    /// Relative rounding error of one rounding to this format (half an ulp, doubled for slack).
+    fn eps(self) -> f64 {
+        match self {
+            F::F32 => 2f64.powi(-23),
+            F::F16 => 2f64.powi(-10),
+            F::BF16 => 2f64.powi(-7),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// One-node models.
+
+fn attr_int(name: &str, v: i64) -> AttributeProto {
+    AttributeProto {
+        name: name.into(),
+        type_: EnumOrUnknown::new(attribute_proto::AttributeType::INT),
+        i: v,
+        ..Default::default()
+    }
+}
+
+/// A tensor for a node input.
+#[derive(Clone)]
+struct In {
+    dtype: DType,
+    shape: Vec<usize>,
+    bytes: Vec<u8>,
+}
+
+fn input(dtype: DType, shape: &[usize], bytes: Vec<u8>) -> Option<In> {
+    Some(In { dtype, shape: shape.to_vec(), bytes })
+}
+
+/// Runs `op` (com.microsoft) on `ins` (absent ones `None`): inputs listed in `inits` become
+/// initializers, the others graph inputs. Returns output 0.
+fn run_op(
+    rt: &Arc<Runtime>,
+    op: &str,
+    attrs: Vec<AttributeProto>,
+    ins: &[Option<In>],
+    inits: &[usize],
+    out: (DType, &[usize]),
+) -> Result<Tensor, Error> {
+    let names: Vec<String> =
+        ins.iter().enumerate().map(|(i, t)| if t.is_some() { format!("x{i}") } else { String::new() }).collect();
+    let used = names.iter().rposition(|n| !n.is_empty()).map_or(0, |p| p + 1);
+    let node_inputs: Vec<&str> = names[..used].iter().map(String::as_str).collect();
+    let mut graph_inputs = Vec::new();
+    let mut initializers = Vec::new();
+    let mut feeds = Vec::new();
+    for (i, t) in ins.iter().enumerate() {
+        let Some(t) = t else { continue };
+        if inits.contains(&i) {
+            initializers.push(TensorProto {
+                name: names[i].clone(),
+                data_type: t.dtype as i32,
+                dims: t.shape.iter().map(|&d| d as i64).collect(),
+                raw_data: t.bytes.clone(),
+                ..Default::default()
+            });
+        } else {
+            let dims: Vec<i64> = t.shape.iter().map(|&d| d as i64).collect();
+            graph_inputs.push(value(&names[i], t.dtype as i32, &dims));
+            feeds.push((names[i].clone(), Tensor::new(t.dtype, t.shape.clone(), Bytes::from(t.bytes.clone()))?));
+        }
+    }
+    let out_dims: Vec<i64> = out.1.iter().map(|&d| d as i64).collect();
+    let mut n = node(op, &node_inputs, &["y"], attrs);
+    n.domain = "com.microsoft".into();
+    let mut m = onnx::model(vec![n], graph_inputs, vec![value("y", out.0 as i32, &out_dims)], initializers);
+    m.opset_import.push(OperatorSetIdProto { domain: "com.microsoft".into(), version: 1, ..Default::default() });
+    let loaded = model::load_bytes(&onnx::bytes(&m), None)?;
+    let mut outs = Session::new(rt.clone(), loaded, SessionOptions::default())?.run(feeds)?;
+    let (_, y) = outs.remove(0);
+    assert_eq!(y.dtype, out.0);
+    assert_eq!(y.shape, out.1);
+    Ok(y)
+}
+
+/// Packs `values` (each < 2^bits) `8 / bits` per byte, low bits first; the unused high bits
+/// of a last partial byte are filled with garbage the op must ignore.
+fn pack(values: &[u32], bits: usize, rng: &mut Rng) -> Vec<u8> {
+    let per = 8 / bits;
+    let mut out = vec![0u8; values.len().div_ceil(per)];
+    for (i, &v) in values.iter().enumerate() {
+        out[i / per] |= (v << ((i % per) * bits)) as u8;
+    }
+    let used = values.len() % per;
+    if used != 0 {
+        let garbage = (rng.next() as u8) & !((1u16 << (used * bits)) as u8).wrapping_sub(1);
+        *out.last_mut().unwrap() |= garbage;
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------
+// MatMulNBits
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Zp {
+    Absent,
+    Packed,
+    Float,
+}
+
+#[derive(Clone, Debug)]
+struct MnbCase {
+    f: F,
+    bits: usize,
+    block: usize,
+    k: usize,
+    n: usize,
+    lead: Vec<usize>,
+    zp: Zp,
+    bias: bool,
+    /// scales (and zero points) given 1-D, as older models do.
+    flat: bool,
+    /// `Some(len)`: a random g_idx of `len` (K or k_blocks·block_size).
+    g_idx: Option<usize>,
+    /// Quantization parameters as initializers rather than graph inputs.
+    inits: bool,
+}
+
+/// Runs one MatMulNBits case and checks it against float64.
+fn check_mnb(rt: &Arc<Runtime>, c: &MnbCase, rng: &mut Rng) {
+    let (f, bits, bs, k, n) = (c.f, c.bits, c.block, c.k, c.n);
+    let kb = k.div_ceil(bs);
+    let blob = bs * bits / 8;
+    let levels = 1u32 << bits;
+    let m: usize = c.lead.iter().product();
+    // Values on grids exact in every float format: dequantization and products are exact.
+    let a: Vec<f64> = (0..m * k).map(|_| rng.int(-255, 255) as f64 / 128.0).collect();
+    // q[n][kb·bs], the padding of a partial last block included (garbage, ignored).
+    let q: Vec<u32> = (0..n * kb * bs).map(|_| rng.below(levels as usize) as u32).collect();
+    let mut b = Vec::with_capacity(n * kb * blob);
+    for blk in q.chunks(bs) {
+        b.extend(pack(blk, bits, rng));
+    }
+    let scales: Vec<f64> = (0..n * kb).map(|_| rng.int(-63, 63) as f64 / 1024.0).collect();
+    let zps: Vec<f64> = match c.zp {
+        Zp::Absent => vec![(levels / 2) as f64; n * kb],
+        Zp::Packed => (0..n * kb).map(|_| rng.below(levels as usize) as f64).collect(),
+        Zp::Float => (0..n * kb).map(|_| rng.int(0, 4 * levels as i64 - 4) as f64 / 4.0).collect(),
+    };
+    let g: Vec<usize> = match c.g_idx {
+        Some(len) => (0..len).map(|_| rng.below(kb)).collect(),
+        None => (0..k).map(|i| i / bs).collect(),
+    };
+    let bias: Vec<f64> = (0..n).map(|_| rng.int(-128, 128) as f64 / 64.0).collect();
+    // What the float inputs hold once encoded (bfloat16 rounds some zero points).
+    let zps = if c.zp == Zp::Float { f.decode(&f.encode(&zps)) } else { zps };
+
+    let ps = |cols: usize| if c.flat { vec![n * cols] } else { vec![n, cols] };
+    let mut a_shape = c.lead.clone();
+    a_shape.push(k);
+    let zp_in = match c.zp {
+        Zp::Absent => None,
+        Zp::Packed => {
+            let per_row = (kb * bits).div_ceil(8);
+            let bytes: Vec<u8> = zps
+                .chunks(kb)
+                .flat_map(|row| pack(&row.iter().map(|&z| z as u32).collect::<Vec<_>>(), bits, rng))
+                .collect();
+            assert_eq!(bytes.len(), n * per_row);
+            input(DType::U8, &ps(per_row), bytes)
+        }
+        Zp::Float => input(f.dtype(), &ps(kb), f.encode(&zps)),
+    };
+    let g_in = c.g_idx.map(|len| In {
+        dtype: DType::I32,
+        shape: vec![len],
+        bytes: g.iter().flat_map(|&v| (v as i32).to_le_bytes()).collect(),
+    });
+    let ins = [
+        input(f.dtype(), &a_shape, f.encode(&a)),
+        input(DType::U8, &[n, kb, blob], b),
+        input(f.dtype(), &ps(kb), f.encode(&scales)),
+        zp_in,
+        g_in,
+        if c.bias { input(f.dtype(), &[n], f.encode(&bias)) } else { None },
+    ];
+    let attrs = vec![
+        attr_int("K", k as i64),
+        attr_int("N", n as i64),
+        attr_int("bits", bits as i64),
+        attr_int("block_size", bs as i64),
+        attr_int("accuracy_level", 4),
+    ];
+    let mut y_shape = c.lead.clone();
+    y_shape.push(n);
+    let inits: &[usize] = if c.inits { &[1, 2, 3, 4, 5] } else { &[] };
+    let y =
+        run_op(rt, "MatMulNBits", attrs, &ins, inits, (f.dtype(), &y_shape)).unwrap_or_else(|e| panic!("{c:?}: {e}"));
+    let y = f.decode(&y.data);
+
+    for i in 0..m {
+        for j in 0..n {
+            let (mut sum, mut mag) = (0f64, 0f64);
+            for kk in 0..k {
+                let grp = g[kk];
+                let w = (q[j * kb * bs + kk] as f64 - zps[j * kb + grp]) * scales[j * kb + grp];
+                sum += a[i * k + kk] * w;
+                mag += (a[i * k + kk] * w).abs();
+            }
+            if c.bias {
+                sum += bias[j];
+                mag += bias[j].abs();
+            }
+            let got = y[i * n + j];
+            let tol = 1e-6 * mag + f.eps() * (sum.abs() + 1e-4);
+            assert!((got - sum).abs() <= tol, "{c:?}: y[{i}, {j}] = {got}, want {sum} (tolerance {tol})");
+        }
+    }
+}
+
+fn random_mnb(rng: &mut Rng, f: F) -> MnbCase {
+    let bits = rng.pick(&[2, 4, 8]);
+    let block = rng.pick(&[16, 32, 64, 128, 256]);
+    let k = match rng.below(3) {
+        0 => block * rng.int(1, 3) as usize,
+        1 => block * rng.int(0, 2) as usize + rng.int(1, block as i64 - 1) as usize,
+        _ => rng.int(1, 300) as usize,
+    };
+    let lead: Vec<usize> = (0..rng.below(4)).map(|_| rng.int(1, 3) as usize).collect();
+    let zp = rng.pick(&[Zp::Absent, Zp::Packed, Zp::Float]);
+    MnbCase {
+        f,
+        bits,
+        block,
+        k,
+        n: rng.int(1, 24) as usize,
+        lead,
+        zp,
+        bias: rng.coin(),
+        flat: rng.below(4) == 0,
+        g_idx: None,
+        inits: rng.coin(),
+    }
+}
+
+#[test]
+fn matmul_nbits_matches_float64_on_random_cases() {
+    let rt = runtime();
+    let mut rng = Rng(0x5eed_0001);
+    for _ in 0..60 {
+        let c = random_mnb(&mut rng, F::F32);
+        check_mnb(&rt, &c, &mut rng);
+    }
+}
+
+#[test]
+fn matmul_nbits_half_precision_inputs() {
+    let rt = runtime();
+    let mut rng = Rng(0x5eed_0002);
+    for i in 0..30 {
+        let c = random_mnb(&mut rng, if i % 2 == 0 { F::F16 } else { F::BF16 });
+        check_mnb(&rt, &c, &mut rng);
+    }
+}
+
+#[test]
+fn matmul_nbits_covers_every_bit_width_block_size_and_zero_point_kind() {
+    let rt = runtime();
+    let mut rng = Rng(0x5eed_0003);
+    for bits in [2, 4, 8] {
+        for block in [16, 32, 64, 128, 256] {
+            for (z, zp) in [Zp::Absent, Zp::Packed, Zp::Float].into_iter().enumerate() {
+                // A multiple of the block, and a partial last block.
+                let k = if z == 1 { 2 * block } else { block + 5 + z };
+                let c = MnbCase {
+                    f: F::F32,
+                    bits,
+                    block,
+                    k,
+                    n: 3 + z,
+                    lead: vec![2],
+                    zp,
+                    bias: z != 0,
+                    flat: false,
+                    g_idx: None,
+                    inits: true,
+                };
+                check_mnb(&rt, &c, &mut rng);
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_nbits_llm_shapes() {
+    // The shapes of the int4 LLM fixtures: bits 4, block 32, no zero points, 1 and several rows.
+    let rt = runtime();
+    let mut rng = Rng(0x5eed_0004);
+    for (k, n, lead) in [(64, 128, vec![1, 1]), (128, 64, vec![1, 7]), (576, 40, vec![1, 3])] {
+        let c = MnbCase {
+            f: F::F32,
+            bits: 4,
+            block: 32,
+            k,
+            n,
+            lead,
+            zp: Zp::Absent,
+            bias: false,
+            flat: false,
+            g_idx: None,
+            inits: true,
+        };
+        check_mnb(&rt, &c, &mut rng);
+    }
+}
+
+#[test]
+fn matmul_nbits_g_idx() {
+    let rt = runtime();
+    let mut rng = Rng(0x5eed_0005);
+    for i in 0..12 {
+        let block = rng.pick(&[16, 32, 64]);
+        let k = rng.int(1, 3 * block as i64) as usize;
+        let kb = k.div_ceil(block);
+        let c = MnbCase {
+            f: if i % 3 == 2 { F::F16 } else { F::F32 },
+            bits: 4,
+            block,
+            k,
+            n: rng.int(1, 9) as usize,
+            lead: vec![2],
+            zp: if i % 2 == 0 { Zp::Absent } else { Zp::Float },
+            bias: rng.coin(),
+            flat: false,
+            g_idx: Some(if rng.coin() { k } else { kb * block }),
+            inits: rng.coin(),
+        };
+        check_mnb(&rt, &c, &mut rng);
+    }
+}
+
+/// A MatMulNBits node with K = 32, N = 2, block 16 and the given extra inputs / attributes.
+fn mnb_node(
+    rt: &Arc<Runtime>,
+    bits: i64,
+    b_shape: &[usize],
+    extra: Vec<(usize, In)>,
+    attrs: Vec<AttributeProto>,
+) -> Result<Tensor, Error> {
+    let mut ins = vec![
+        input(DType::F32, &[1, 32], vec![0; 128]),
+        input(DType::U8, b_shape, vec![0x11; b_shape.iter().product()]),
+        input(DType::F32, &[2, 2], 1f32.to_le_bytes().repeat(4)),
+        None,
+        None,
+        None,
+    ];
+    for (i, t) in extra {
+        ins[i] = Some(t);
+    }
+    let mut all = vec![attr_int("K", 32), attr_int("N", 2), attr_int("bits", bits), attr_int("block_size", 16)];
+    all.extend(attrs);
+    run_op(rt, "MatMulNBits", all, &ins, &[1, 2], (DType::F32, &[1, 2]))
+}
+
+#[test]
+fn matmul_nbits_unsupported_and_invalid_nodes() {
+    let rt = runtime();
+    let g_idx = In { dtype: DType::I32, shape: vec![32], bytes: vec![0; 128] };
+    let zp_u8 = In { dtype: DType::U8, shape: vec![2, 1], bytes: vec![0x88; 2] };
+    // Unsupported: g_idx beyond 4 bits or with uint8 zero points, prepacked weights, 3 bits.
+    let e = mnb_node(&rt, 8, &[2, 2, 16], vec![(4, g_idx.clone())], vec![]).unwrap_err();
+    assert!(e.is_unsupported(), "{e}");
+    let e = mnb_node(&rt, 4, &[2, 2, 8], vec![(3, zp_u8), (4, g_idx.clone())], vec![]).unwrap_err();
+    assert!(e.is_unsupported(), "{e}");
+    let e = mnb_node(&rt, 4, &[2, 2, 8], vec![], vec![attr_int("weight_prepacked", 1)]).unwrap_err();
+    assert!(e.is_unsupported(), "{e}");
+    let e = mnb_node(&rt, 3, &[2, 2, 6], vec![], vec![]).unwrap_err();
+    assert!(e.is_unsupported(), "{e}");
+    // Invalid: B's shape, scales' shape, bias' shape, g_idx out of range, block size.
+    let e = mnb_node(&rt, 4, &[2, 2, 16], vec![], vec![]).unwrap_err();
+    assert!(!e.is_unsupported(), "{e}");
+    let bad_scales = In { dtype: DType::F32, shape: vec![2, 3], bytes: vec![0; 24] };
+    let e = mnb_node(&rt, 4, &[2, 2, 8], vec![(2, bad_scales)], vec![]).unwrap_err();
+    assert!(!e.is_unsupported(), "{e}");
+    let bad_bias = In { dtype: DType::F32, shape: vec![3], bytes: vec![0; 12] };
+    let e = mnb_node(&rt, 4, &[2, 2, 8], vec![(5, bad_bias)], vec![]).unwrap_err();
+    assert!(!e.is_unsupported(), "{e}");
+    let bad_g = In { dtype: DType::I32, shape: vec![32], bytes: 2i32.to_le_bytes().repeat(32) };
+    let e = mnb_node(&rt, 4, &[2, 2, 8], vec![(4, bad_g)], vec![]).unwrap_err();
+    assert!(!e.is_unsupported(), "{e}");
+    let all = vec![attr_int("K", 32), attr_int("N", 2), attr_int("bits", 4), attr_int("block_size", 24)];
+    let ins = [
+        input(DType::F32, &[1, 32], vec![0; 128]),
+        input(DType::U8, &[2, 2, 12], vec![0; 48]),
+        input(DType::F32, &[2, 2], vec![0; 16]),
+    ];
+    let e = run_op(&rt, "MatMulNBits", all, &ins, &[], (DType::F32, &[1, 2])).unwrap_err();
+    assert!(!e.is_unsupported(), "{e}");
+    // The documented default zero point 8 and low-nibble-first packing, by hand: B's bytes 0x11
+    // hold q = 1 everywhere, so with A = 1 every weight is (1 − 8) · 1 and Y = 32 · −7.
+    let ones = In { dtype: DType::F32, shape: vec![1, 32], bytes: 1f32.to_le_bytes().repeat(32) };
+    let y = mnb_node(&rt, 4, &[2, 2, 8], vec![(0, ones)], vec![]).unwrap();
+    assert_eq!(y.data.as_ref(), (-224f32).to_le_bytes().repeat(2));
+}
+
+#[test]
+fn matmul_nbits_omitted_projection_gives_the_bias() {
+    let rt = runtime();
+    let bias =
+        In { dtype: DType::F32, shape: vec![2], bytes: [1.5f32, -2.0].iter().flat_map(|v| v.to_le_bytes()).collect() };
+    let ins = [
+        input(DType::F32, &[3, 32], 1f32.to_le_bytes().repeat(96)),
+        input(DType::U8, &[2, 0, 8], vec![]),
+        input(DType::F32, &[0], vec![]),
+        None,
+        None,
+        Some(bias),
+    ];
+    let attrs = vec![attr_int("K", 32), attr_int("N", 2), attr_int("bits", 4), attr_int("block_size", 16)];
+    let y = run_op(&rt, "MatMulNBits", attrs, &ins, &[1, 2], (DType::F32, &[3, 2])).unwrap();
+    assert_eq!(y.data.as_ref(), [1.5f32, -2.0].repeat(3).iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>());
+}
+
+// ---------------------------------------------------------------------------------------
+// GatherBlockQuantized
+
+#[derive(Clone, Debug)]
+struct GbqCase {
+    f: F,
+    bits: usize,
+    block: usize,
+    /// data's logical shape (last dimension unpacked).
+    logical: Vec<usize>,
+    quantize_axis: usize,
+    /// quantize_axis given as a negative attribute.
+    negative_axis: bool,
+    zero_points: bool,
+    indices: Vec<usize>,
+    i64_indices: bool,
+}
+
+fn strides(shape: &[usize]) -> Vec<usize> {
+    let mut s = vec![1; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        s[i] = s[i + 1] * shape[i + 1];
+    }
+    s
+}
+
+fn check_gbq(rt: &Arc<Runtime>, c: &GbqCase, rng: &mut Rng) {
+    let (f, bits, bs, qa) = (c.f, c.bits, c.block, c.quantize_axis);
+    let comps = 8 / bits;
+    let levels = 1usize << bits;
+    let r = c.logical.len();
+    let mut packed = c.logical.clone();
+    packed[r - 1] /= comps;
+    let mut s_shape = c.logical.clone();
+    s_shape[qa] = c.logical[qa].div_ceil(bs);
+    let mut z_shape = s_shape.clone();
+    z_shape[qa] = s_shape[qa].div_ceil(comps);
+
+    let numel: usize = c.logical.iter().product();
+    let q: Vec<u32> = (0..numel).map(|_| rng.below(levels) as u32).collect();
+    let data = pack(&q, bits, rng);
+    let s_numel: usize = s_shape.iter().product();
+    let scales: Vec<f64> = (0..s_numel).map(|_| rng.int(-2000, 2000) as f64 / 4096.0).collect();
+    let scales = f.decode(&f.encode(&scales));
+    let zps: Vec<u32> = (0..s_numel).map(|_| rng.below(levels) as u32).collect();
+    // Zero points: packed along quantize_axis (the last axis when comps > 1), row by row.
+    let zp_bytes: Vec<u8> = zps
+        .chunks(s_shape[r - 1])
+        .flat_map(|row| if comps > 1 { pack(row, bits, rng) } else { row.iter().map(|&z| z as u8).collect() })
+        .collect();
+    assert_eq!(zp_bytes.len(), z_shape.iter().product::<usize>());
+
+    // Indices in [-rows - 2, rows + 1]: negative ones count from the end, others are out of range.
+    let rows = c.logical[0] as i64;
+    let idx_shape = c.indices.clone();
+    let n_idx: usize = idx_shape.iter().product();
+    let idx: Vec<i64> = (0..n_idx).map(|_| rng.int(-rows - 2, rows + 1)).collect();
+    let idx_in = if c.i64_indices {
+        In { dtype: DType::I64, shape: idx_shape.clone(), bytes: idx.iter().flat_map(|v| v.to_le_bytes()).collect() }
+    } else {
+        In {
+            dtype: DType::I32,
+            shape: idx_shape.clone(),
+            bytes: idx.iter().flat_map(|&v| (v as i32).to_le_bytes()).collect(),
+        }
+    };
+    let ins = [
+        input(DType::U8, &packed, data),
+        Some(idx_in),
+        input(f.dtype(), &s_shape, f.encode(&scales)),
+        if c.zero_points { input(DType::U8, &z_shape, zp_bytes) } else { None },
+    ];
+    let attrs = vec![
+        attr_int("bits", bits as i64),
+        attr_int("block_size", bs as i64),
+        attr_int("gather_axis", if c.negative_axis { -(r as i64) } else { 0 }),
+        attr_int("quantize_axis", if c.negative_axis { qa as i64 - r as i64 } else { qa as i64 }),
+    ];
+    let mut y_shape = idx_shape.clone();
+    y_shape.extend_from_slice(&c.logical[1..]);
+    let inits: &[usize] = if c.zero_points { &[0, 2, 3] } else { &[0, 2] };
+    let y = run_op(rt, "GatherBlockQuantized", attrs, &ins, inits, (f.dtype(), &y_shape))
+        .unwrap_or_else(|e| panic!("{c:?}: {e}"));
+
+    // Expected: float32 (q − zp) · scale rounded once to the output format, per element,
+    // through multi-indices.
+    let ls = strides(&c.logical);
+    let ss = strides(&s_shape);
+    let row_len: usize = c.logical[1..].iter().product();
+    let mut want = Vec::with_capacity(n_idx * row_len);
+    for &ix in &idx {
+        for e in 0..row_len {
+            if ix < -rows || ix >= rows {
+                want.push(0.0);
+                continue;
+            }
+            let row = if ix < 0 { ix + rows } else { ix } as usize;
+            let flat = row * ls[0] + e;
+            let mi: Vec<usize> = (0..r).map(|d| flat / ls[d] % c.logical[d]).collect();
+            let si: usize = (0..r).map(|d| if d == qa { mi[d] / bs } else { mi[d] } * ss[d]).sum();
+            let z = if c.zero_points { zps[si] as i32 } else { 1 << (bits - 1) };
+            let v = (q[flat] as i32 - z) as f32 * scales[si] as f32;
+            want.push(v as f64);
+        }
+    }
+    let want = f.decode(&f.encode(&want));
+    let got = f.decode(&y.data);
+    assert_eq!(got, want, "{c:?}");
+}
+
+fn random_gbq(rng: &mut Rng, f: F) -> GbqCase {
+    let bits = rng.pick(&[2, 4, 8]);
+    let comps = 8 / bits;
+    let block = rng.pick(&[16, 32, 64]);
+    let rank = if bits == 8 { rng.int(1, 3) } else { rng.int(2, 3) } as usize;
+    let mut logical: Vec<usize> = (0..rank).map(|_| rng.int(1, 5) as usize).collect();
+    logical[0] = rng.int(1, 12) as usize;
+    let quantize_axis = if bits == 8 { rng.below(rank) } else { rank - 1 };
+    // A long quantized axis: several blocks, often a partial last one.
+    logical[quantize_axis] = rng.int(1, 3 * block as i64) as usize;
+    logical[rank - 1] = logical[rank - 1].div_ceil(comps) * comps;
+    let n_idx = rng.int(1, 3) as usize;
+    let indices: Vec<usize> = match rng.below(3) {
+        0 => vec![],
+        1 => vec![n_idx],
+        _ => vec![n_idx, rng.int(1, 2) as usize],
+    };
+    GbqCase {
+        f,
+        bits,
+        block,
+        logical,
+        quantize_axis,
+        negative_axis: rng.coin(),
+        zero_points: rng.coin(),
+        indices,
+        i64_indices: rng.coin(),
+    }
+}
+
+#[test]
+fn gather_block_quantized_matches_reference_on_random_cases() {
+    let rt = runtime();
+    let mut rng = Rng(0x5eed_0010);
+    for i in 0..60 {
+        let f = [F::F32, F::F32, F::F16, F::BF16][i % 4];
+        let c = random_gbq(&mut rng, f);
+        check_gbq(&rt, &c, &mut rng);
+    }
+}
+
+#[test]
+fn gather_block_quantized_llm_embedding() {
+    // The int4 fixtures' embedding: uint8 [vocab, hidden / 2], bits 4, block 32, no zero points.
+    let rt = runtime();
+    let mut rng = Rng(0x5eed_0011);
+    let c = GbqCase {
+        f: F::F32,
+        bits: 4,
+        block: 32,
+        logical: vec![512, 64],
+        quantize_axis: 1,
+        negative_axis: false,
+        zero_points: false,
+        indices: vec![1, 7],
+        i64_indices: true,
+    };
+    check_gbq(&rt, &c, &mut rng);
+}
+
+#[test]
+fn gather_block_quantized_unsupported_and_invalid_nodes() {
+    let rt = runtime();
+    let gbq = |dtype: DType, shape: &[usize], attrs: Vec<(&str, i64)>| {
+        let n: usize = shape.iter().product();
+        let mut s = shape.to_vec();
+        let qa = attrs.iter().find(|a| a.0 == "quantize_axis").map_or(1, |a| a.1) as usize;
+        s[qa] = 1;
+        let ins = [
+            input(dtype, shape, vec![0; n]),
+            input(DType::I64, &[1], 0i64.to_le_bytes().to_vec()),
+            input(DType::F32, &s, 1f32.to_le_bytes().repeat(s.iter().product())),
+        ];
+        let attrs = attrs.into_iter().map(|(k, v)| attr_int(k, v)).collect();
+        run_op(&rt, "GatherBlockQuantized", attrs, &ins, &[0, 2], (DType::F32, &[1]))
+    };
+    // int8 data is not a type of the op.
+    let e = gbq(DType::I8, &[4, 8], vec![("bits", 8), ("block_size", 16)]).unwrap_err();
+    assert!(e.is_unsupported(), "{e}");
+    // 4-bit data quantized along an axis that is not the packed last one.
+    let e = gbq(DType::U8, &[4, 2, 8], vec![("bits", 4), ("block_size", 16), ("quantize_axis", 1)]).unwrap_err();
+    assert!(e.is_unsupported(), "{e}");
+    // Invalid: gather_axis other than 0 for uint8, equal axes for packed data, bad block size.
+    let e = gbq(DType::U8, &[4, 8], vec![("bits", 8), ("block_size", 16), ("gather_axis", 1)]).unwrap_err();
+    assert!(!e.is_unsupported(), "{e}");
+    let e = gbq(DType::U8, &[4, 8], vec![("bits", 4), ("block_size", 16), ("quantize_axis", 0)]).unwrap_err();
+    assert!(!e.is_unsupported(), "{e}");
+    let e = gbq(DType::U8, &[4, 8], vec![("bits", 8), ("block_size", 24)]).unwrap_err();
+    assert!(!e.is_unsupported(), "{e}");
+    let e = gbq(DType::U8, &[4, 8], vec![("bits", 3), ("block_size", 16)]).unwrap_err();
+    assert!(!e.is_unsupported(), "{e}");
+}
