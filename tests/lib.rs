@@ -139,3 +139,17 @@ pub mod onnx {
         protobuf::Message::write_to_bytes(m).expect("serializable")
     }
 }
+
+/// The shared fixtures folder: `KILN_FIXTURES`, or `../shared/fixtures` beside the repository.
+/// Fails with what to do when it or `sub` is missing.
+pub fn fixture(sub: &str) -> PathBuf {
+    let base =
+        std::env::var_os("KILN_FIXTURES").map(PathBuf::from).unwrap_or_else(|| root().join("../shared/fixtures"));
+    let path = base.join(sub);
+    assert!(
+        path.exists(),
+        "fixture {} is missing: set KILN_FIXTURES to the shared fixtures folder (default ../shared/fixtures; see its README.md)",
+        path.display()
+    );
+    path
+}

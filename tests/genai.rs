@@ -1,0 +1,174 @@
+//! onnxruntime-genai model folders on the CPU, against the shared fixtures' references
+//! (fixtures/README.md): onnxruntime's logits for a prefill and 8 decode steps (max |Δ| ≤
+//! 1e-3 × max |reference logit|, same argmax) and onnxruntime-genai's 32 greedy tokens.
+
+use std::path::Path;
+
+use kiln_host::conformance::to_f64;
+use kiln_host::ep::{Runtime, SessionOptions};
+use kiln_host::genai::{GenerateOptions, Generator, ModelFolder, SamplingParams};
+use kiln_host::packages;
+use kiln_host::sandbox::SandboxConfig;
+use kiln_host::Tensor;
+use kiln_tests::fixture;
+use serde_json::Value;
+
+fn generator(folder: &str) -> Generator {
+    let (reg, errors) = packages::registry(&[]);
+    assert!(errors.is_empty(), "{errors:?}");
+    let rt = Runtime::new(reg, SandboxConfig::default()).unwrap();
+    let folder = ModelFolder::open(&fixture(&format!("llm/{folder}"))).unwrap();
+    Generator::new(rt, folder, SessionOptions::default()).unwrap()
+}
+
+fn json(path: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<i64> {
+    v.as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect()
+}
+
+/// Prefill + 8 decode steps fed with the reference's tokens, the past growing by one position
+/// per step as in the reference run; every step's last-position logits are compared.
+fn teacher_forced_logits_match(folder: &str) {
+    let refs = fixture(&format!("llm/references/{folder}"));
+    let doc = json(&refs.join("ort_greedy.json"));
+    let mut g = generator(folder);
+    let d = g.folder.config.model.decoder.clone();
+    let vocab = g.folder.config.model.vocab_size;
+    for prompt in doc["prompts"].as_array().unwrap() {
+        let name = prompt["prompt_id"].as_str().unwrap();
+        let bin = std::fs::read(refs.join(prompt["logits_file"].as_str().unwrap())).unwrap();
+        let reference: Vec<f32> = bin.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        let mut tokens = ids(&prompt["prompt_token_ids"]);
+        let generated = ids(&prompt["generated_token_ids"]);
+        let mut past: Vec<(String, Tensor)> = Vec::new();
+        for l in 0..d.num_hidden_layers {
+            for tmpl in [&d.inputs.past_key_names, &d.inputs.past_value_names] {
+                let shape = vec![1, d.num_key_value_heads, 0, d.head_size];
+                past.push((
+                    tmpl.replace("%d", &l.to_string()),
+                    Tensor::new(g.folder.kv_dtype, shape, Vec::new().into()).unwrap(),
+                ));
+            }
+        }
+        let mut feed = tokens.clone();
+        let steps = reference.len() / vocab;
+        for step in 0..steps {
+            let mask = vec![1i64; tokens.len()];
+            let (logits, next) = g.step(&feed, 1, &mask, past).unwrap();
+            past = next;
+            let all = to_f64(&logits);
+            let last = &all[all.len() - vocab..];
+            let want = &reference[step * vocab..(step + 1) * vocab];
+            let max_ref = want.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+            let max_diff = last.iter().zip(want).map(|(a, b)| (a - *b as f64).abs()).fold(0.0, f64::max);
+            assert!(
+                max_diff <= 1e-3 * max_ref,
+                "{folder} {name} step {step}: max |Δlogit| {max_diff} > 1e-3 × {max_ref}"
+            );
+            let argmax = last.iter().enumerate().fold(0, |b, (i, v)| if *v > last[b] { i } else { b });
+            let ref_argmax = prompt["steps"][step]["argmax"].as_i64().unwrap();
+            assert_eq!(argmax as i64, ref_argmax, "{folder} {name} step {step}: argmax");
+            if step + 1 < steps {
+                feed = vec![generated[step]];
+                tokens.push(generated[step]);
+            }
+        }
+    }
+}
+
+/// onnxruntime-genai's greedy generation of 32 tokens, prompt by prompt and as one batch.
+fn greedy_tokens_match(folder: &str, batched: bool) {
+    let doc = json(&fixture(&format!("llm/references/{folder}/genai_greedy.json")));
+    let mut g = generator(folder);
+    let runs = doc["runs"].as_array().unwrap();
+    let opts = GenerateOptions { max_new_tokens: 32, max_length: None, sampling: SamplingParams::default() };
+    let mut prompts = Vec::new();
+    for run in runs {
+        let text = run["prompt_text"].as_str().unwrap();
+        let prompt_ids = g.folder.encode(text).unwrap();
+        assert_eq!(prompt_ids, ids(&run["prompt_token_ids"]), "{folder}: tokenization of {text:?}");
+        if run["prompt_kind"] == "chat" {
+            // The chat template reproduces the reference's prompt text.
+            let user = "What is the capital of France?";
+            assert_eq!(g.folder.chat_prompt(user).unwrap(), text);
+        }
+        prompts.push(prompt_ids);
+    }
+    let results: Vec<_> = if batched {
+        g.generate(&prompts, &opts, &mut |_, _| {}).unwrap().rows
+    } else {
+        prompts
+            .iter()
+            .map(|p| g.generate(std::slice::from_ref(p), &opts, &mut |_, _| {}).unwrap().rows.remove(0))
+            .collect()
+    };
+    for (run, r) in runs.iter().zip(&results) {
+        assert_eq!(
+            r.generated_ids,
+            ids(&run["generated_token_ids"]),
+            "{folder} {} (batched: {batched})",
+            run["prompt_id"]
+        );
+    }
+}
+
+#[test]
+fn tiny_llama_fp32_matches_onnxruntime_logits() {
+    teacher_forced_logits_match("tiny-llama-v512-fp32-cpu");
+}
+
+#[test]
+fn tiny_llama_int4_matches_onnxruntime_logits() {
+    teacher_forced_logits_match("tiny-llama-v512-int4-acc1-cpu");
+}
+
+#[test]
+fn smollm2_int4_matches_onnxruntime_logits() {
+    teacher_forced_logits_match("smollm2-135m-int4-acc1-cpu");
+}
+
+#[test]
+fn tiny_llama_fp32_matches_genai_greedy_tokens_alone_and_batched() {
+    greedy_tokens_match("tiny-llama-v512-fp32-cpu", false);
+    greedy_tokens_match("tiny-llama-v512-fp32-cpu", true);
+}
+
+#[test]
+fn tiny_llama_int4_matches_genai_greedy_tokens() {
+    greedy_tokens_match("tiny-llama-v512-int4-acc1-cpu", true);
+}
+
+#[test]
+fn smollm2_int4_answers_the_capital_of_france_like_genai() {
+    greedy_tokens_match("smollm2-135m-int4-acc1-cpu", false);
+    let mut g = generator("smollm2-135m-int4-acc1-cpu");
+    let prompt = g.folder.encode(&g.folder.chat_prompt("What is the capital of France?").unwrap()).unwrap();
+    let opts = GenerateOptions { max_new_tokens: 10, max_length: None, sampling: SamplingParams::default() };
+    let out = g.generate(&[prompt], &opts, &mut |_, _| {}).unwrap();
+    let text = g.folder.decode(&out.rows[0].generated_ids).unwrap();
+    assert!(text.starts_with("The capital of France is Paris, capital of"), "{text:?}");
+}
+
+#[test]
+fn a_bad_model_folder_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = |d: &Path| ModelFolder::open(d).err().expect("refused").to_string();
+    assert!(err(&dir.path().join("nope")).contains("not a folder"));
+    assert!(err(dir.path()).contains("genai_config.json"));
+    let src = fixture("llm/tiny-llama-v512-fp32-cpu");
+    for f in ["genai_config.json", "model.onnx", "model.onnx.data", "tokenizer.json"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+    }
+    ModelFolder::open(dir.path()).unwrap();
+    let cfg = std::fs::read_to_string(src.join("genai_config.json")).unwrap();
+    std::fs::write(dir.path().join("genai_config.json"), cfg.replace("present.%d.key", "present_key.%d")).unwrap();
+    assert!(err(dir.path()).contains("no output \"present_key.0\""), "{}", err(dir.path()));
+    std::fs::write(dir.path().join("genai_config.json"), "{").unwrap();
+    assert!(err(dir.path()).contains("genai_config.json"));
+    std::fs::write(dir.path().join("genai_config.json"), cfg).unwrap();
+    std::fs::write(dir.path().join("tokenizer.json"), "not json").unwrap();
+    assert!(err(dir.path()).contains("tokenizer.json"));
+}
