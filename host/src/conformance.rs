@@ -38,6 +38,9 @@ pub struct TestResult {
     #[serde(flatten)]
     pub outcome: Outcome,
     pub time_ms: f64,
+    /// With `check_dispatch`: ops whose package had no GPU dispatch.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub no_dispatch: Vec<String>,
 }
 
 /// Test folders under `dir` whose names contain `filter`, sorted.
@@ -57,11 +60,17 @@ pub fn test_dirs(dir: &Path, filter: Option<&str>) -> Result<Vec<PathBuf>> {
 pub fn run_test(rt: &Arc<Runtime>, dir: &Path, options: &SessionOptions) -> TestResult {
     let start = Instant::now();
     let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let mut no_dispatch = Vec::new();
     let (op, result) = match model::load(&dir.join("model.onnx")) {
         Err(e) => ((if e.is_unsupported() { "(unsupported model)" } else { "(invalid model)" }).to_string(), Err(e)),
         Ok(m) => {
             let op = test_op(&name, &m);
-            (op, Session::new(rt.clone(), m, options.clone()).and_then(|mut s| run_data_sets(&mut s, dir)))
+            let result = Session::new(rt.clone(), m, options.clone()).and_then(|mut s| {
+                let r = run_data_sets(&mut s, dir);
+                no_dispatch = s.report.dispatch_unsupported.keys().cloned().collect();
+                r
+            });
+            (op, result)
         }
     };
     let outcome = match result {
@@ -70,7 +79,7 @@ pub fn run_test(rt: &Arc<Runtime>, dir: &Path, options: &SessionOptions) -> Test
         Err(e) if e.is_unsupported() => Outcome::Unsupported(e.to_string()),
         Err(e) => Outcome::Failed(e.to_string()),
     };
-    TestResult { name, op, outcome, time_ms: start.elapsed().as_secs_f64() * 1e3 }
+    TestResult { name, op, outcome, time_ms: start.elapsed().as_secs_f64() * 1e3, no_dispatch }
 }
 
 /// Runs every data set; `Ok(Some(msg))` describes the first mismatch.
@@ -232,6 +241,18 @@ pub fn summary(results: &[TestResult]) -> String {
             if let Outcome::Unsupported(m) = &r.outcome {
                 s += &format!("  {}: {}\n", r.name, first_line(m));
             }
+        }
+    }
+    let mut no_dispatch: BTreeMap<&str, usize> = BTreeMap::new();
+    for r in results.iter().filter(|r| r.outcome == Outcome::Passed) {
+        for op in &r.no_dispatch {
+            *no_dispatch.entry(op).or_default() += 1;
+        }
+    }
+    if !no_dispatch.is_empty() {
+        s += "\nno GPU dispatch (tests that passed on the CPU):\n";
+        for (op, n) in &no_dispatch {
+            s += &format!("  {op:<28} {n:>5}\n");
         }
     }
     let count = |f: fn(&Outcome) -> bool| results.iter().filter(|r| f(&r.outcome)).count();

@@ -35,6 +35,10 @@ pub struct Report {
     /// Shim instances created (a failed call discards its instance).
     pub instances: u64,
     pub run_time_us: u64,
+    /// Launch-plan steps recorded by checked dispatches (`SessionOptions::check_dispatch`).
+    pub dispatch_steps: u64,
+    /// Nodes whose package has no GPU dispatch for them, by op.
+    pub dispatch_unsupported: BTreeMap<String, u64>,
 }
 
 impl Report {

@@ -21,6 +21,9 @@ pub struct ConformanceArgs {
     /// Only tests whose folder name contains this.
     #[arg(long)]
     pub filter: Option<String>,
+    /// On the CPU, also run every node's GPU dispatch and validate its launch plan.
+    #[arg(long)]
+    pub check_dispatch: bool,
     /// Write every test's result as JSON.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -35,7 +38,7 @@ pub fn run(a: ConformanceArgs) -> Result<ExitCode> {
         return Err(Error::Input(format!("{}: no test folders (test_*/model.onnx) found", a.dir.display())));
     }
     let rt = Runtime::new(registry(&a.packages), SandboxConfig::default())?;
-    let options = SessionOptions { device, ..SessionOptions::default() };
+    let options = SessionOptions { device, check_dispatch: a.check_dispatch, ..SessionOptions::default() };
     let results: Vec<_> = dirs.iter().map(|d| run_test(&rt, d, &options)).collect();
     print!("{}", summary(&results));
     if let Some(p) = &a.json {

@@ -21,11 +21,15 @@ pub struct SessionOptions {
     pub device: Device,
     /// Largest tensor a node may produce, in bytes.
     pub max_tensor_bytes: u64,
+    /// On the CPU, also run every node's `kiln_dispatch` and validate its launch plan (kernels
+    /// declared, launch dimensions and operand extents in bounds) without a GPU. Dispatches a
+    /// package does not implement are counted in the report, others fail the node.
+    pub check_dispatch: bool,
 }
 
 impl Default for SessionOptions {
     fn default() -> Self {
-        SessionOptions { device: Device::Cpu, max_tensor_bytes: crate::model::MAX_TENSOR_BYTES }
+        SessionOptions { device: Device::Cpu, max_tensor_bytes: crate::model::MAX_TENSOR_BYTES, check_dispatch: false }
     }
 }
 
@@ -358,7 +362,33 @@ impl Session {
                 };
                 let n_in = refs.iter().flatten().count();
                 let outcome = self.call_shim(&res.package, CallKind::Cpu, args)?;
-                cpu::collect_outputs(outcome, n_in, &out_types)?
+                let outputs = cpu::collect_outputs(outcome, n_in, &out_types)?;
+                if self.options.check_dispatch {
+                    let opaque = |t: &Tensor| ArgTensor {
+                        dtype: Some(t.dtype),
+                        dims: Some(t.dims_i64()),
+                        value: None,
+                        nbytes: t.data.len() as u64,
+                        access: Access::Opaque,
+                    };
+                    let args = CallArgs {
+                        domain: &node.domain,
+                        op_type: &node.op_type,
+                        opset,
+                        node_name: &node.name,
+                        attributes: node.wire_attributes(),
+                        inputs: refs.iter().enumerate().map(|(i, t)| t.map(|t| ArgTensor { value: value_inputs.contains(&i).then_some(&t.data[..]), ..opaque(t) })).collect(),
+                        outputs: outputs.iter().map(|t| t.as_ref().map(opaque)).collect(),
+                    };
+                    match self.call_shim(&res.package, CallKind::Dispatch, args) {
+                        Ok(o) => self.report.dispatch_steps += o.plan.steps.len() as u64,
+                        Err(e) if e.is_unsupported() => {
+                            *self.report.dispatch_unsupported.entry(node.op_type.clone()).or_default() += 1;
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+                outputs
             }
         };
         for (o, t) in node.outputs.iter().zip(outputs) {

@@ -1,7 +1,6 @@
 // kiln-unary CUDA kernels: y[i] = op(x[i]) over n contiguous elements, grid-stride loop.
 // Compiled by NVRTC for the GPU present; op codes match `Op::code` in shim/src/lib.rs.
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#include "kiln.cuh"
 
 enum UnaryOp {
     RELU = 0, LEAKY_RELU, SIGMOID, TANH, EXP, LOG, SQRT, NEG, ABS, ERF, RECIPROCAL,
@@ -12,7 +11,7 @@ __device__ __forceinline__ float unary_apply(float x, unsigned op, float alpha, 
     switch (op) {
     case RELU: return x > 0.f ? x : 0.f;
     case LEAKY_RELU: return x >= 0.f ? x : alpha * x;
-    case SIGMOID: return 1.f / (1.f + __expf(-x));
+    case SIGMOID: return 1.f / (1.f + expf(-x));
     case TANH: return tanhf(x);
     case EXP: return expf(x);
     case LOG: return logf(x);
@@ -33,28 +32,22 @@ __device__ __forceinline__ float unary_apply(float x, unsigned op, float alpha, 
     }
 }
 
-template <typename T, typename Load, typename Store>
-__device__ void unary_loop(const T* x, T* y, unsigned long long n, unsigned op, float alpha, float beta,
-                           Load load, Store store) {
-    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
-         i += (unsigned long long)gridDim.x * blockDim.x) {
-        y[i] = store(unary_apply(load(x[i]), op, alpha, beta));
-    }
+template <typename Tag>
+__device__ void unary(const typename Tag::storage* x, typename Tag::storage* y, kiln_u64 n, unsigned op, float alpha,
+                      float beta) {
+    KILN_FOR(i, n) { y[i] = kiln_from_f32(Tag(), unary_apply(kiln_to_f32(Tag(), x[i]), op, alpha, beta)); }
 }
 
-extern "C" __global__ void kiln_unary_f32(const float* x, float* y, unsigned long long n, unsigned op,
-                                          float alpha, float beta) {
-    unary_loop(x, y, n, op, alpha, beta, [](float v) { return v; }, [](float v) { return v; });
+extern "C" __global__ void kiln_unary_f32(const float* x, float* y, kiln_u64 n, unsigned op, float alpha, float beta) {
+    unary<kiln_tag_f32>(x, y, n, op, alpha, beta);
 }
 
-extern "C" __global__ void kiln_unary_f16(const __half* x, __half* y, unsigned long long n, unsigned op,
-                                          float alpha, float beta) {
-    unary_loop(x, y, n, op, alpha, beta, [](__half v) { return __half2float(v); },
-               [](float v) { return __float2half(v); });
+extern "C" __global__ void kiln_unary_f16(const kiln_f16* x, kiln_f16* y, kiln_u64 n, unsigned op, float alpha,
+                                          float beta) {
+    unary<kiln_tag_f16>(x, y, n, op, alpha, beta);
 }
 
-extern "C" __global__ void kiln_unary_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, unsigned long long n,
-                                           unsigned op, float alpha, float beta) {
-    unary_loop(x, y, n, op, alpha, beta, [](__nv_bfloat16 v) { return __bfloat162float(v); },
-               [](float v) { return __float2bfloat16(v); });
+extern "C" __global__ void kiln_unary_bf16(const kiln_bf16* x, kiln_bf16* y, kiln_u64 n, unsigned op, float alpha,
+                                           float beta) {
+    unary<kiln_tag_bf16>(x, y, n, op, alpha, beta);
 }

@@ -1,0 +1,66 @@
+// kiln.cuh — the prelude the kiln host gives every package's CUDA source, as the NVRTC header
+// "kiln.cuh" (sources `#include "kiln.cuh"`). It needs no CUDA toolkit headers: float16 and
+// bfloat16 are their 16-bit patterns, converted with PTX `cvt` (PTX ISA: cvt).
+#pragma once
+
+typedef unsigned short kiln_f16;   // IEEE 754 binary16 bits
+typedef unsigned short kiln_bf16;  // bfloat16 bits
+typedef long long kiln_i64;
+typedef unsigned long long kiln_u64;
+
+__device__ __forceinline__ float kiln_f16_to_f32(kiln_f16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ kiln_f16 kiln_f32_to_f16(float f) {
+    kiln_f16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float kiln_bf16_to_f32(kiln_bf16 b) {
+    return __uint_as_float(((unsigned)b) << 16);
+}
+
+__device__ __forceinline__ kiln_bf16 kiln_f32_to_bf16(float f) {
+#if __CUDA_ARCH__ >= 800
+    kiln_bf16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#else
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (kiln_bf16)((u >> 16) | 0x40);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);                                              // round to nearest even
+    return (kiln_bf16)(u >> 16);
+#endif
+}
+
+// Element access by storage type: kiln_load<T>(p, i) → float, kiln_store<T>(p, i, v).
+// T is float, kiln_f16 (use struct tags below to tell f16 from bf16), or double.
+struct kiln_tag_f32 { typedef float storage; };
+struct kiln_tag_f16 { typedef kiln_f16 storage; };
+struct kiln_tag_bf16 { typedef kiln_bf16 storage; };
+
+__device__ __forceinline__ float kiln_to_f32(kiln_tag_f32, float v) { return v; }
+__device__ __forceinline__ float kiln_to_f32(kiln_tag_f16, kiln_f16 v) { return kiln_f16_to_f32(v); }
+__device__ __forceinline__ float kiln_to_f32(kiln_tag_bf16, kiln_bf16 v) { return kiln_bf16_to_f32(v); }
+__device__ __forceinline__ float kiln_from_f32(kiln_tag_f32, float v) { return v; }
+__device__ __forceinline__ kiln_f16 kiln_from_f32(kiln_tag_f16, float v) { return kiln_f32_to_f16(v); }
+__device__ __forceinline__ kiln_bf16 kiln_from_f32(kiln_tag_bf16, float v) { return kiln_f32_to_bf16(v); }
+
+// Grid-stride loop over n elements.
+#define KILN_FOR(i, n)                                                                   \
+    for (kiln_u64 i = blockIdx.x * (kiln_u64)blockDim.x + threadIdx.x; i < (kiln_u64)(n); \
+         i += (kiln_u64)gridDim.x * blockDim.x)
+
+// Warp reductions (full warp).
+__device__ __forceinline__ float kiln_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float kiln_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
