@@ -162,7 +162,15 @@ fn run_node(
     m.opset_import.push(onnx::OperatorSetIdProto { domain: "com.microsoft".into(), version: 1, ..Default::default() });
     let feeds = inputs.into_iter().filter_map(|(n, t)| t.map(|t| (n.to_string(), t))).collect();
     let model = model::load_bytes(&onnx::bytes(&m), None)?;
-    let out = Session::new(rt.clone(), model, SessionOptions::default())?.run(feeds)?;
+    // Every run also validates the GPU launch plan (kiln_dispatch on opaque tensors).
+    let mut session = Session::new(rt.clone(), model, SessionOptions { check_dispatch: true, ..Default::default() })?;
+    let out = session.run(feeds)?;
+    assert!(
+        session.report.dispatch_unsupported.is_empty(),
+        "{op}: no GPU dispatch: {:?}",
+        session.report.dispatch_unsupported
+    );
+    assert!(session.report.dispatch_steps > 0, "{op}: an empty launch plan");
     Ok(out.into_iter().map(|(_, t)| t).collect())
 }
 

@@ -18,12 +18,12 @@ fn runtime(extra: &[&Path]) -> Arc<Runtime> {
     Runtime::new(reg, SandboxConfig::default()).expect("runtime")
 }
 
-/// y = Relu(x), x: float32 [4].
+/// y = Relu(x), x: float32 [n].
 fn relu_model() -> onnx::ModelProto {
     onnx::model(
         vec![node("Relu", &["x"], &["y"], vec![])],
-        vec![value("x", 1, &[4])],
-        vec![value("y", 1, &[4])],
+        vec![value("x", 1, &[-1])],
+        vec![value("y", 1, &[-1])],
         vec![],
     )
 }
@@ -72,8 +72,9 @@ fn a_small_graph_runs_and_matches_float64() {
 }
 
 /// Writes a package `kiln-unary` 9.9.9 providing Relu whose shim doubles its input instead.
-/// The node call of `Relu` with no node name, one float32 [4] input and one output puts the
-/// input handle at byte 52 of the call and the output handle at byte 80 (ABI.md, encodings).
+/// The node call of the unnamed `Relu` (named `Relu#0` at load), one float32 [n] input and one
+/// output puts the input handle at byte 58 of the call and the output handle at byte 86
+/// (ABI.md §6.1).
 fn doubling_relu_package(dir: &Path) {
     let wasm = wat::parse_str(
         r#"(module
@@ -88,13 +89,13 @@ fn doubling_relu_package(dir: &Path) {
     (call $set_output (i32.const 0) (i32.const 1) (i32.const 1) (i32.const 64)))
   (func (export "kiln_dispatch") (param $p i32) (param $n i32) (result i32) (i32.const 2))
   (func (export "kiln_cpu") (param $p i32) (param $n i32) (result i32) (local $i i32)
-    (drop (call $read (i32.load (i32.add (local.get $p) (i32.const 52))) (i64.const 0) (i32.const 256) (i32.const 16)))
+    (drop (call $read (i32.load (i32.add (local.get $p) (i32.const 58))) (i64.const 0) (i32.const 256) (i32.const 16)))
     (loop $l
       (f32.store (i32.add (i32.const 256) (local.get $i))
         (f32.mul (f32.load (i32.add (i32.const 256) (local.get $i))) (f32.const 2)))
       (local.set $i (i32.add (local.get $i) (i32.const 4)))
       (br_if $l (i32.lt_u (local.get $i) (i32.const 16))))
-    (call $write (i32.load (i32.add (local.get $p) (i32.const 80))) (i64.const 0) (i32.const 256) (i32.const 16)))
+    (call $write (i32.load (i32.add (local.get $p) (i32.const 86))) (i64.const 0) (i32.const 256) (i32.const 16)))
 )"#,
     )
     .unwrap();

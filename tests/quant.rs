@@ -199,7 +199,14 @@ fn run_op(
     let mut m = onnx::model(vec![n], graph_inputs, vec![value("y", out.0 as i32, &out_dims)], initializers);
     m.opset_import.push(OperatorSetIdProto { domain: "com.microsoft".into(), version: 1, ..Default::default() });
     let loaded = model::load_bytes(&onnx::bytes(&m), None)?;
-    let mut outs = Session::new(rt.clone(), loaded, SessionOptions::default())?.run(feeds)?;
+    // Every run also validates the GPU launch plan (kiln_dispatch on opaque tensors).
+    let mut session = Session::new(rt.clone(), loaded, SessionOptions { check_dispatch: true, ..Default::default() })?;
+    let mut outs = session.run(feeds)?;
+    assert!(
+        session.report.dispatch_unsupported.is_empty(),
+        "{op}: no GPU dispatch: {:?}",
+        session.report.dispatch_unsupported
+    );
     let (_, y) = outs.remove(0);
     assert_eq!(y.dtype, out.0);
     assert_eq!(y.shape, out.1);

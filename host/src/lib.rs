@@ -10,6 +10,7 @@
 pub mod cli;
 pub mod conformance;
 pub mod cpu;
+pub mod cuda;
 pub mod ep;
 pub mod error;
 pub mod genai;

@@ -35,6 +35,10 @@ pub struct Report {
     /// Shim instances created (a failed call discards its instance).
     pub instances: u64,
     pub run_time_us: u64,
+    /// Kernel launches and GEMMs enqueued on a GPU.
+    pub launches: u64,
+    /// GPU nodes whose launch plan came from the memo (no Wasm call).
+    pub plan_hits: u64,
     /// Launch-plan steps recorded by checked dispatches (`SessionOptions::check_dispatch`).
     pub dispatch_steps: u64,
     /// Nodes whose package has no GPU dispatch for them, by op.
@@ -65,6 +69,9 @@ impl Report {
         );
         for (p, n) in &self.packages {
             s += &format!("  {p:<32} {n:>6} nodes\n");
+        }
+        if self.launches > 0 {
+            s += &format!("gpu: {} launches, {} plan hits\n", self.launches, self.plan_hits);
         }
         s += "ops:\n";
         let mut ops: Vec<_> = self.ops.iter().collect();

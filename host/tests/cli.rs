@@ -112,7 +112,7 @@ fn bad_arguments_are_clear_errors() {
         (&["run", "nope.onnx"], "nope.onnx: No such file"),
         (&["run", "examples/mlp/model.onnx", "--input", "x"], "expected NAME=FILE"),
         (&["run", "examples/mlp/model.onnx", "--input", "x=examples/mlp/model.onnx"], "must end in .npy or .pb"),
-        (&["run", "examples/mlp/model.onnx", "--input", "x=examples/mlp/x.npy", "--device", "cuda"], "no CUDA backend"),
+        (&["run", "examples/mlp/model.onnx", "--input", "x=examples/mlp/x.npy", "--device", "cuda"], "no CUDA driver"),
         (&["run", "examples/mlp/model.onnx"], "input \"x\" was not given"),
         (&["run", "examples/mlp/x.npy", "--input", "x=examples/mlp/x.npy"], "not a valid ONNX protobuf"),
     ];

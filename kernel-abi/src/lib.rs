@@ -39,7 +39,7 @@ pub mod exports {
     /// `() -> i32`: the ABI version the shim was built against.
     pub const ABI_VERSION: &str = "kiln_abi_version";
     /// `(size: i32) -> i32`: a pointer to `size` writable bytes (8-byte aligned) in the shim's
-    /// memory, valid until the next call of any export.
+    /// memory, valid until the next `kiln_alloc`.
     pub const ALLOC: &str = "kiln_alloc";
     /// `(ptr: i32, len: i32) -> i32`: shape and dtype inference.
     pub const INFER: &str = "kiln_infer";

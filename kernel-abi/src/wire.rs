@@ -49,8 +49,8 @@ pub struct TensorDesc<'a> {
     pub present: bool,
     /// Element type; `None` where not yet known (outputs during `kiln_infer`).
     pub dtype: Option<DType>,
-    /// Dimensions; `None` where the rank is unknown. A dimension of `-1` is unknown (only
-    /// during inference ahead of a run, when graph inputs have symbolic dimensions).
+    /// Dimensions; `None` where the rank is unknown (outputs during inference). ABI v1 hosts
+    /// send only known dimensions (≥ 0) for present inputs.
     pub dims: Option<Vec<i64>>,
     /// The handle naming this tensor for the duration of the call, or [`NO_HANDLE`].
     pub handle: u32,

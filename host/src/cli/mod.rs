@@ -34,6 +34,12 @@ pub enum Command {
     Generate(generate::GenerateArgs),
     /// Run ONNX backend node tests (a folder of test_* folders) and compare with their outputs.
     Conformance(conformance::ConformanceArgs),
+    /// List CUDA devices: name, compute capability, memory, driver, NVRTC and cuBLASLt versions.
+    Devices {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// `--device`.
@@ -55,17 +61,25 @@ pub struct PackageArgs {
     pub packages: Vec<PathBuf>,
 }
 
-/// Picks the device. This build has the CPU backend only: `auto` says so, `cuda` is refused.
+/// Picks the device: `auto` takes GPU 0 when one is usable and otherwise says it runs on the
+/// CPU; `cuda` without a GPU is an error.
 pub fn choose_device(arg: DeviceArg) -> Result<Device> {
+    let gpus = crate::cuda::device_count();
+    let missing = || {
+        if crate::cuda::driver_present() {
+            "no CUDA GPU is visible"
+        } else {
+            "no CUDA driver (libcuda) on this machine"
+        }
+    };
     match arg {
         DeviceArg::Cpu => Ok(Device::Cpu),
+        DeviceArg::Auto | DeviceArg::Cuda if gpus > 0 => Ok(Device::Cuda(0)),
         DeviceArg::Auto => {
-            eprintln!("kiln: no CUDA backend in this build; running on the CPU (package CPU references)");
+            eprintln!("kiln: {}; running on the CPU (package CPU references)", missing());
             Ok(Device::Cpu)
         }
-        DeviceArg::Cuda => {
-            Err(Error::Device("--device cuda: this kiln has no CUDA backend yet; use --device cpu (or auto)".into()))
-        }
+        DeviceArg::Cuda => Err(Error::Device(format!("--device cuda: {}; use --device cpu (or auto)", missing()))),
     }
 }
 
@@ -78,6 +92,39 @@ pub fn registry(args: &PackageArgs) -> kiln_registry::OpRegistry {
     reg
 }
 
+fn devices(json: bool) -> Result<ExitCode> {
+    if !crate::cuda::driver_present() {
+        println!("no CUDA driver (libcuda) on this machine: kiln runs on the CPU");
+        return Ok(ExitCode::SUCCESS);
+    }
+    let devs = crate::cuda::probe()?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&devs).unwrap_or_default());
+        return Ok(ExitCode::SUCCESS);
+    }
+    if devs.is_empty() {
+        println!("no CUDA GPU is visible: kiln runs on the CPU");
+    }
+    for d in devs {
+        println!(
+            "cuda:{}  {}  compute capability {}.{} ({})  memory {:.1} GiB ({:.1} GiB free)\n  driver {}.{}  NVRTC {}.{}  cuBLASLt {}",
+            d.ordinal,
+            d.name,
+            d.compute_capability.0,
+            d.compute_capability.1,
+            d.arch,
+            d.total_memory_bytes as f64 / (1u64 << 30) as f64,
+            d.free_memory_bytes as f64 / (1u64 << 30) as f64,
+            d.driver_version / 1000,
+            d.driver_version % 1000 / 10,
+            d.nvrtc_version.0,
+            d.nvrtc_version.1,
+            d.cublaslt_version.map_or("not found".to_string(), |v| v.to_string()),
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 /// Entry point of the binary.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -88,6 +135,7 @@ pub fn main() -> ExitCode {
         Command::Kernels { command } => kernels::run(command),
         Command::Conformance(a) => conformance::run(a),
         Command::Generate(a) => generate::run(a),
+        Command::Devices { json } => devices(json),
     };
     match result {
         Ok(code) => code,

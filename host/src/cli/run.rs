@@ -27,6 +27,9 @@ pub struct RunArgs {
     pub output_dir: PathBuf,
     #[arg(long, value_enum, default_value_t)]
     pub device: DeviceArg,
+    /// Most device memory kiln may allocate, in MiB.
+    #[arg(long, value_name = "MIB")]
+    pub device_memory_limit: Option<u64>,
     /// Print nodes, packages, Wasm calls and time per op.
     #[arg(long)]
     pub report: bool,
@@ -68,7 +71,12 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         }
     }
     let rt = Runtime::new(registry(&a.packages), SandboxConfig::default())?;
-    let mut session = Session::new(rt, model, SessionOptions { device, ..SessionOptions::default() })?;
+    let options = SessionOptions {
+        device,
+        device_memory_limit: a.device_memory_limit.map(|m| m << 20),
+        ..SessionOptions::default()
+    };
+    let mut session = Session::new(rt, model, options)?;
     let prepared = t0.elapsed();
     let outputs = session.run(feeds)?;
     eprintln!(

@@ -22,12 +22,15 @@ pub use session::{Session, SessionOptions};
 pub enum Device {
     /// Packages' CPU references, run in the sandbox.
     Cpu,
+    /// The CUDA device of this ordinal: packages' kernels through launch plans.
+    Cuda(usize),
 }
 
 impl std::fmt::Display for Device {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
         }
     }
 }

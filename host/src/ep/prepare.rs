@@ -84,11 +84,31 @@ impl Session {
                 })
                 .collect();
             let inferred = self.infer(idx, &res, &infer_ins)?;
-            for (o, inf) in node.outputs.iter().zip(inferred) {
+            for (o, inf) in node.outputs.iter().zip(&inferred) {
                 if let (Some(v), Some((dtype, shape))) = (o, inf) {
-                    known[*v].dtype = Some(dtype);
-                    known[*v].shape = Some(shape);
+                    known[*v].dtype = Some(*dtype);
+                    known[*v].shape = Some(shape.clone());
                 }
+            }
+            // Constant folding: a node whose every input is a constant runs once, here, through
+            // its package's CPU reference; its outputs become initializers.
+            let constant = ins.iter().flatten().all(|k| k.value.is_some());
+            let outputs_used = node.outputs.iter().flatten().all(|v| !self.model.graph.outputs.contains(v));
+            if constant && outputs_used {
+                let host: Vec<Option<crate::Tensor>> = ins
+                    .iter()
+                    .map(|k| {
+                        k.as_ref().and_then(|k| crate::Tensor::new(k.dtype?, k.shape.clone()?, k.value.clone()?).ok())
+                    })
+                    .collect();
+                let outs = self.execute_cpu(idx, &res, &host, &inferred)?;
+                for (o, t) in node.outputs.iter().zip(outs) {
+                    if let (Some(v), Some(t)) = (o, t) {
+                        known[*v].value = Some(t.data.clone());
+                        self.model.graph.initializers.insert(*v, t);
+                    }
+                }
+                self.folded[idx] = true;
             }
         }
         Ok(())

@@ -56,7 +56,7 @@ impl Default for SandboxConfig {
 
 /// Device limits of a kernel launch (CUDA: `cudaDeviceProp`); the defaults are those of
 /// every GPU since compute capability 3.0 and 48 KiB of shared memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct LaunchLimits {
     pub max_threads_per_block: u32,
     pub max_block: [u32; 3],

@@ -8,17 +8,19 @@ use super::{host, Call, Shim, ShimError};
 use crate::status;
 use crate::wire::NodeCall;
 
-struct CallBuffer(UnsafeCell<Vec<u8>>);
+/// 8-byte words, so that the buffer is 8-byte aligned as ABI.md §3 requires.
+struct CallBuffer(UnsafeCell<Vec<u64>>);
 // SAFETY: a wasm32-unknown-unknown shim is single-threaded.
 unsafe impl Sync for CallBuffer {}
 static CALL_BUFFER: CallBuffer = CallBuffer(UnsafeCell::new(Vec::new()));
 
-/// Body of `kiln_alloc`: a buffer of `size` bytes for the host to write a call into.
+/// Body of `kiln_alloc`: an 8-byte-aligned buffer of `size` bytes for the host to write a
+/// call into, valid until the next `kiln_alloc`.
 pub fn alloc_call_buffer(size: i32) -> i32 {
     // SAFETY: single-threaded; the previous call's borrow ended when its export returned.
     let buf = unsafe { &mut *CALL_BUFFER.0.get() };
     buf.clear();
-    buf.resize(size.max(0) as usize, 0);
+    buf.resize((size.max(0) as usize).div_ceil(8), 0);
     buf.as_mut_ptr() as i32
 }
 

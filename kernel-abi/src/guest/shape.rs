@@ -15,6 +15,26 @@ pub fn normalize_axis(axis: i64, rank: usize) -> Result<usize> {
     Ok(a as usize)
 }
 
+/// Number of elements of `shape`, refusing products that overflow `usize` (32 bits in a
+/// wasm32 shim).
+pub fn numel(shape: &[usize]) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .ok_or_else(|| ShimError::Failed(format!("shape {shape:?} has more elements than a shim can address")))
+}
+
+/// ONNX dims (`i64`, e.g. from a shape input) as `usize`, refusing negative values and values
+/// over the shim's address space.
+pub fn dims_from_i64(dims: &[i64]) -> Result<Vec<usize>> {
+    let mut out = Vec::with_capacity(dims.len());
+    for &d in dims {
+        out.push(usize::try_from(d).map_err(|_| ShimError::Failed(format!("dimension {d} is negative or too large")))?);
+    }
+    numel(&out)?;
+    Ok(out)
+}
+
 /// Row-major strides in elements.
 pub fn strides(shape: &[usize]) -> Vec<usize> {
     let mut s = alloc::vec![1usize; shape.len()];

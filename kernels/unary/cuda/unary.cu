@@ -1,5 +1,13 @@
-// kiln-unary CUDA kernels: y[i] = op(x[i]) over n contiguous elements, grid-stride loop.
+// kiln-unary CUDA kernels: y[i] = op(x[i]) over n contiguous elements, grid-stride loops.
 // Compiled by NVRTC for the GPU present; op codes match `Op::code` in shim/src/lib.rs.
+//
+// Entry points (argument order is what shim/src/lib.rs `dispatch` passes):
+//   kiln_unary_{f32,f16,bf16,f64}(const T* x, T* y, u64 n, u32 op, f32 alpha, f32 beta)
+//   kiln_unary_int_{i8,i16,i32,i64}(const T* x, T* y, u64 n, u32 op)     Relu, Neg, Abs (wrapping)
+//   kiln_not(const u8* x, u8* y, u64 n)                                     bool
+//   kiln_clip_<t>(const T* x, T* y, u64 n, const T* lo, const T* hi, u32 flags, f64 lo_attr, f64 hi_attr)
+//     flags: bit 0 lower bound *lo, bit 1 upper bound *hi (opset 11+ inputs, device scalars),
+//            bit 2 lower bound lo_attr, bit 3 upper bound hi_attr (opset 6 attributes).
 #include "kiln.cuh"
 
 enum UnaryOp {
@@ -7,47 +15,309 @@ enum UnaryOp {
     COS, SIN, FLOOR, CEIL, GELU, GELU_TANH, SOFTPLUS, HARD_SIGMOID
 };
 
-__device__ __forceinline__ float unary_apply(float x, unsigned op, float alpha, float beta) {
+// ---- math overloads (no toolkit headers: float and double spelled out) ----
+__device__ __forceinline__ float m_exp(float x) { return expf(x); }
+__device__ __forceinline__ double m_exp(double x) { return exp(x); }
+__device__ __forceinline__ float m_tanh(float x) { return tanhf(x); }
+__device__ __forceinline__ double m_tanh(double x) { return tanh(x); }
+__device__ __forceinline__ float m_log(float x) { return logf(x); }
+__device__ __forceinline__ double m_log(double x) { return log(x); }
+__device__ __forceinline__ float m_log1p(float x) { return log1pf(x); }
+__device__ __forceinline__ double m_log1p(double x) { return log1p(x); }
+__device__ __forceinline__ float m_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ double m_sqrt(double x) { return sqrt(x); }
+__device__ __forceinline__ float m_abs(float x) { return fabsf(x); }
+__device__ __forceinline__ double m_abs(double x) { return fabs(x); }
+__device__ __forceinline__ float m_erf(float x) { return erff(x); }
+__device__ __forceinline__ double m_erf(double x) { return erf(x); }
+__device__ __forceinline__ float m_cos(float x) { return cosf(x); }
+__device__ __forceinline__ double m_cos(double x) { return cos(x); }
+__device__ __forceinline__ float m_sin(float x) { return sinf(x); }
+__device__ __forceinline__ double m_sin(double x) { return sin(x); }
+__device__ __forceinline__ float m_floor(float x) { return floorf(x); }
+__device__ __forceinline__ double m_floor(double x) { return floor(x); }
+__device__ __forceinline__ float m_ceil(float x) { return ceilf(x); }
+__device__ __forceinline__ double m_ceil(double x) { return ceil(x); }
+
+// Same formulas as the CPU reference (`Op::apply`), in the compute type C (float or double).
+template <typename C>
+__device__ __forceinline__ C unary_apply(C x, unsigned op, C alpha, C beta) {
     switch (op) {
-    case RELU: return x > 0.f ? x : 0.f;
-    case LEAKY_RELU: return x >= 0.f ? x : alpha * x;
-    case SIGMOID: return 1.f / (1.f + expf(-x));
-    case TANH: return tanhf(x);
-    case EXP: return expf(x);
-    case LOG: return logf(x);
-    case SQRT: return sqrtf(x);
+    case RELU: return x > C(0) ? x : C(0);
+    case LEAKY_RELU: return x >= C(0) ? x : alpha * x;
+    case SIGMOID:
+        if (x >= C(0)) return C(1) / (C(1) + m_exp(-x));
+        else {
+            C e = m_exp(x);
+            return e / (C(1) + e);
+        }
+    case TANH: return m_tanh(x);
+    case EXP: return m_exp(x);
+    case LOG: return m_log(x);
+    case SQRT: return m_sqrt(x);
     case NEG: return -x;
-    case ABS: return fabsf(x);
-    case ERF: return erff(x);
-    case RECIPROCAL: return 1.f / x;
-    case COS: return cosf(x);
-    case SIN: return sinf(x);
-    case FLOOR: return floorf(x);
-    case CEIL: return ceilf(x);
-    case GELU: return 0.5f * x * (1.f + erff(x * 0.70710678118654752f));
-    case GELU_TANH: return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
-    case SOFTPLUS: return x > 0.f ? x + log1pf(expf(-x)) : log1pf(expf(x));
-    case HARD_SIGMOID: return fminf(1.f, fmaxf(0.f, alpha * x + beta));
+    case ABS: return m_abs(x);
+    case ERF: return m_erf(x);
+    case RECIPROCAL: return C(1) / x;
+    case COS: return m_cos(x);
+    case SIN: return m_sin(x);
+    case FLOOR: return m_floor(x);
+    case CEIL: return m_ceil(x);
+    case GELU: return C(0.5) * x * (C(1) + m_erf(x * C(0.70710678118654752440)));
+    case GELU_TANH:
+        return C(0.5) * x * (C(1) + m_tanh(C(0.79788456080286535588) * (x + C(0.044715) * x * x * x)));
+    case SOFTPLUS: return x > C(0) ? x + m_log1p(m_exp(-x)) : m_log1p(m_exp(x));
+    case HARD_SIGMOID: {
+        C v = alpha * x + beta;
+        return v < C(0) ? C(0) : (v > C(1) ? C(1) : v);
+    }
     default: return x;
     }
 }
 
-template <typename Tag>
-__device__ void unary(const typename Tag::storage* x, typename Tag::storage* y, kiln_u64 n, unsigned op, float alpha,
-                      float beta) {
-    KILN_FOR(i, n) { y[i] = kiln_from_f32(Tag(), unary_apply(kiln_to_f32(Tag(), x[i]), op, alpha, beta)); }
+// ---- element types: storage S, compute C ----
+struct TF32 {
+    typedef float S;
+    typedef float C;
+    static const bool is_float = true;
+    __device__ static C ld(S v) { return v; }
+    __device__ static S st(C v) { return v; }
+};
+struct TF16 {
+    typedef kiln_f16 S;
+    typedef float C;
+    static const bool is_float = true;
+    __device__ static C ld(S v) { return kiln_f16_to_f32(v); }
+    __device__ static S st(C v) { return kiln_f32_to_f16(v); }
+};
+struct TBF16 {
+    typedef kiln_bf16 S;
+    typedef float C;
+    static const bool is_float = true;
+    __device__ static C ld(S v) { return kiln_bf16_to_f32(v); }
+    __device__ static S st(C v) { return kiln_f32_to_bf16(v); }
+};
+struct TF64 {
+    typedef double S;
+    typedef double C;
+    static const bool is_float = true;
+    __device__ static C ld(S v) { return v; }
+    __device__ static S st(C v) { return v; }
+};
+// Integers compute on their 64-bit two's complement pattern (sign- or zero-extended), as the
+// CPU reference widens to i64; storing truncates (wraps).
+#define KILN_INT_TYPE(NAME, STORAGE, SIGNED)                      \
+    struct NAME {                                                 \
+        typedef STORAGE S;                                        \
+        typedef kiln_u64 C;                                       \
+        static const bool is_float = false;                       \
+        static const bool is_signed = SIGNED;                     \
+        __device__ static C ld(S v) { return (kiln_u64)v; }       \
+        __device__ static S st(C v) { return (S)v; }              \
+    };
+KILN_INT_TYPE(TI8, signed char, true)
+KILN_INT_TYPE(TI16, short, true)
+KILN_INT_TYPE(TI32, int, true)
+KILN_INT_TYPE(TI64, long long, true)
+KILN_INT_TYPE(TU8, unsigned char, false)
+KILN_INT_TYPE(TU16, unsigned short, false)
+KILN_INT_TYPE(TU32, unsigned, false)
+KILN_INT_TYPE(TU64, unsigned long long, false)
+
+// `V` elements of `T`, for 16-byte loads and stores.
+template <typename T, int V>
+struct alignas(sizeof(T) * V) KVec {
+    T e[V];
+};
+
+__device__ __forceinline__ bool kiln_aligned(const void* p, unsigned a) {
+    return ((unsigned long long)p & (a - 1)) == 0;
+}
+
+// y[i] = f(x[i]) over n contiguous elements; 16-byte vector accesses when both pointers allow.
+template <typename S, typename F>
+__device__ __forceinline__ void map_contiguous(const S* x, S* y, kiln_u64 n, const F& f) {
+    const int V = 16 / sizeof(S);
+    if (kiln_aligned(x, 16) && kiln_aligned(y, 16)) {
+        const kiln_u64 nv = n / V;
+        const KVec<S, V>* xv = (const KVec<S, V>*)x;
+        KVec<S, V>* yv = (KVec<S, V>*)y;
+        KILN_FOR(i, nv) {
+            KVec<S, V> a = xv[i];
+            KVec<S, V> b;
+#pragma unroll
+            for (int j = 0; j < V; ++j) b.e[j] = f(a.e[j]);
+            yv[i] = b;
+        }
+        KILN_FOR(i, n - nv * V) {
+            const kiln_u64 k = nv * V + i;
+            y[k] = f(x[k]);
+        }
+    } else {
+        KILN_FOR(i, n) { y[i] = f(x[i]); }
+    }
+}
+
+template <typename T>
+struct FloatOp {
+    unsigned op;
+    typename T::C alpha, beta;
+    __device__ typename T::S operator()(typename T::S v) const {
+        return T::st(unary_apply<typename T::C>(T::ld(v), op, alpha, beta));
+    }
+};
+
+template <typename T>
+__device__ __forceinline__ void unary_float(const typename T::S* x, typename T::S* y, kiln_u64 n, unsigned op,
+                                            float alpha, float beta) {
+    FloatOp<T> f;
+    f.op = op;
+    f.alpha = (typename T::C)alpha;
+    f.beta = (typename T::C)beta;
+    map_contiguous(x, y, n, f);
 }
 
 extern "C" __global__ void kiln_unary_f32(const float* x, float* y, kiln_u64 n, unsigned op, float alpha, float beta) {
-    unary<kiln_tag_f32>(x, y, n, op, alpha, beta);
+    unary_float<TF32>(x, y, n, op, alpha, beta);
 }
-
 extern "C" __global__ void kiln_unary_f16(const kiln_f16* x, kiln_f16* y, kiln_u64 n, unsigned op, float alpha,
                                           float beta) {
-    unary<kiln_tag_f16>(x, y, n, op, alpha, beta);
+    unary_float<TF16>(x, y, n, op, alpha, beta);
 }
-
 extern "C" __global__ void kiln_unary_bf16(const kiln_bf16* x, kiln_bf16* y, kiln_u64 n, unsigned op, float alpha,
                                            float beta) {
-    unary<kiln_tag_bf16>(x, y, n, op, alpha, beta);
+    unary_float<TBF16>(x, y, n, op, alpha, beta);
 }
+extern "C" __global__ void kiln_unary_f64(const double* x, double* y, kiln_u64 n, unsigned op, float alpha,
+                                          float beta) {
+    unary_float<TF64>(x, y, n, op, alpha, beta);
+}
+
+// Integer Relu, Neg, Abs on signed types, wrapping (Neg/Abs of the minimum stay the minimum).
+template <typename T>
+struct IntOp {
+    unsigned op;
+    __device__ typename T::S operator()(typename T::S v) const {
+        kiln_u64 x = T::ld(v);
+        bool neg = (long long)x < 0;
+        switch (op) {
+        case RELU: return neg ? (typename T::S)0 : v;
+        case NEG: return T::st(0ull - x);
+        case ABS: return neg ? T::st(0ull - x) : v;
+        default: return v;
+        }
+    }
+};
+
+#define KILN_UNARY_INT(NAME, T)                                                                        \
+    extern "C" __global__ void NAME(const T::S* x, T::S* y, kiln_u64 n, unsigned op) {                  \
+        IntOp<T> f;                                                                                     \
+        f.op = op;                                                                                      \
+        map_contiguous(x, y, n, f);                                                                     \
+    }
+KILN_UNARY_INT(kiln_unary_int_i8, TI8)
+KILN_UNARY_INT(kiln_unary_int_i16, TI16)
+KILN_UNARY_INT(kiln_unary_int_i32, TI32)
+KILN_UNARY_INT(kiln_unary_int_i64, TI64)
+
+struct NotOp {
+    __device__ unsigned char operator()(unsigned char v) const { return v == 0 ? 1 : 0; }
+};
+
+extern "C" __global__ void kiln_not(const unsigned char* x, unsigned char* y, kiln_u64 n) {
+    map_contiguous(x, y, n, NotOp());
+}
+
+// ---- Clip ----
+
+// f64 → integer as Rust's `as`: truncate toward zero, saturate, NaN → 0.
+template <typename S, bool SIGNED>
+__device__ __forceinline__ S sat_from_f64(double v) {
+    const kiln_u64 top = 1ull << (8 * sizeof(S) - 1);  // 2^(bits-1)
+    if (v != v) return (S)0;
+    if constexpr (SIGNED) {
+        if (v <= -(double)top) return (S)top;  // the minimum's bit pattern
+        if (v >= (double)top) return (S)(top - 1);
+        return (S)(long long)v;
+    } else {
+        if (v <= 0.0) return (S)0;
+        if (v >= 2.0 * (double)top) return (S)~0ull;
+        return (S)(kiln_u64)v;
+    }
+}
+
+// A bound of the CPU reference: the bound tensor's element read as f64, converted back to T.
+template <typename T>
+__device__ __forceinline__ typename T::S bound_from_f64(double v) {
+    if constexpr (T::is_float) {
+        return T::st((typename T::C)v);  // v is the f64 of a T value (or of an f32 attribute)
+    } else {
+        return sat_from_f64<typename T::S, T::is_signed>(v);
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ double to_f64(typename T::S v) {
+    if constexpr (T::is_float) {
+        return (double)T::ld(v);
+    } else if constexpr (T::is_signed) {
+        return (double)(long long)T::ld(v);
+    } else {
+        return (double)T::ld(v);
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ bool less(typename T::S a, typename T::S b) {
+    if constexpr (T::is_float) {
+        return T::ld(a) < T::ld(b);
+    } else {
+        return a < b;  // native signed or unsigned comparison
+    }
+}
+
+template <typename T>
+struct ClipOp {
+    typename T::S lo, hi;
+    bool has_lo, has_hi;
+    __device__ typename T::S operator()(typename T::S v) const {
+        typename T::S r = v;
+        if (has_lo && less<T>(r, lo)) r = lo;
+        if (has_hi && less<T>(hi, r)) r = hi;
+        return r;
+    }
+};
+
+template <typename T>
+__device__ __forceinline__ void clip(const typename T::S* x, typename T::S* y, kiln_u64 n, const typename T::S* lo,
+                                     const typename T::S* hi, unsigned flags, double lo_attr, double hi_attr) {
+    ClipOp<T> f;
+    f.has_lo = (flags & 5u) != 0;
+    f.has_hi = (flags & 10u) != 0;
+    f.lo = f.hi = typename T::S(0);
+    // The CPU reference reads bounds as f64 and converts them back (exact but for 64-bit
+    // integers beyond 2^53, which round): the same here.
+    if (flags & 1u) f.lo = bound_from_f64<T>(to_f64<T>(*lo));
+    else if (flags & 4u) f.lo = bound_from_f64<T>(lo_attr);
+    if (flags & 2u) f.hi = bound_from_f64<T>(to_f64<T>(*hi));
+    else if (flags & 8u) f.hi = bound_from_f64<T>(hi_attr);
+    map_contiguous(x, y, n, f);
+}
+
+#define KILN_CLIP(NAME, T)                                                                                   \
+    extern "C" __global__ void NAME(const T::S* x, T::S* y, kiln_u64 n, const T::S* lo, const T::S* hi,       \
+                                    unsigned flags, double lo_attr, double hi_attr) {                         \
+        clip<T>(x, y, n, lo, hi, flags, lo_attr, hi_attr);                                                    \
+    }
+KILN_CLIP(kiln_clip_f32, TF32)
+KILN_CLIP(kiln_clip_f16, TF16)
+KILN_CLIP(kiln_clip_bf16, TBF16)
+KILN_CLIP(kiln_clip_f64, TF64)
+KILN_CLIP(kiln_clip_i8, TI8)
+KILN_CLIP(kiln_clip_i16, TI16)
+KILN_CLIP(kiln_clip_i32, TI32)
+KILN_CLIP(kiln_clip_i64, TI64)
+KILN_CLIP(kiln_clip_u8, TU8)
+KILN_CLIP(kiln_clip_u16, TU16)
+KILN_CLIP(kiln_clip_u32, TU32)
+KILN_CLIP(kiln_clip_u64, TU64)

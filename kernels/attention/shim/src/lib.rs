@@ -627,6 +627,229 @@ fn rope_cpu(call: &Call) -> Result<()> {
     call.output(0)?.write_vec(&x)
 }
 
+// ---------------------------------------------------------------------------------------------
+// GPU plans
+// ---------------------------------------------------------------------------------------------
+
+/// Kernel names per dtype: (gqa_kv, gqa_attn, rope).
+fn kernels(op: &str, d: DType) -> Result<(&'static str, &'static str, &'static str)> {
+    Ok(match d {
+        DType::F32 => ("kiln_gqa_kv_f32", "kiln_gqa_attn_f32", "kiln_rope_f32"),
+        DType::F16 => ("kiln_gqa_kv_f16", "kiln_gqa_attn_f16", "kiln_rope_f16"),
+        DType::BF16 => ("kiln_gqa_kv_bf16", "kiln_gqa_attn_bf16", "kiln_rope_bf16"),
+        other => unsupported!("{op}: no CUDA kernel for {other}"),
+    })
+}
+
+fn targ(t: &Tensor) -> KernelArg {
+    KernelArg::Tensor { handle: t.handle(), offset: 0 }
+}
+
+fn harg(handle: u32) -> KernelArg {
+    KernelArg::Tensor { handle, offset: 0 }
+}
+
+/// A `u32` kernel argument, or unsupported when the value does not fit.
+fn u32_arg(op: &str, what: &str, v: usize) -> Result<KernelArg> {
+    match u32::try_from(v) {
+        Ok(v) => Ok(KernelArg::U32(v)),
+        Err(_) => unsupported!("{op}: {what} = {v} does not fit the CUDA kernel's 32-bit index"),
+    }
+}
+
+fn flag(b: bool) -> KernelArg {
+    KernelArg::U32(b as u32)
+}
+
+/// Threads per block of the grid-stride kernels.
+const BLOCK: u32 = 256;
+
+fn grid_for(n: usize) -> u32 {
+    (n as u64).div_ceil(BLOCK as u64).clamp(1, 65535 * 32) as u32
+}
+
+/// Largest head size of `kiln_gqa_attn_*` (8 elements per lane).
+const GQA_MAX_HEAD: usize = 256;
+
+/// GroupQueryAttention on the GPU: `kiln_gqa_kv_*` writes the whole present K/V (past rows
+/// copied, the new rows rotated and appended at each batch row's past length, which the kernels
+/// read from `seqlens_k`), then `kiln_gqa_attn_*` runs one block per (query row, head, batch
+/// row) with an online softmax in f32 (8 warps splitting the keys for decode, 4 for prompts).
+/// Without a past, absent present outputs become scratch buffers.
+fn gqa_dispatch(call: &Call) -> Result<()> {
+    let p = gqa_plan(call)?;
+    let (kv_k, attn_k, _) = kernels(GQA, p.dtype)?;
+    if p.head_size > GQA_MAX_HEAD {
+        unsupported!("{GQA}: head size {} (the CUDA kernel handles up to {GQA_MAX_HEAD})", p.head_size);
+    }
+    if p.seq > 65535 * 32 || p.heads > 65535 || p.batch > 65535 {
+        unsupported!("{GQA}: batch {}, sequence {}, heads {} exceed the launch grid", p.batch, p.seq, p.heads);
+    }
+    let out = call.output(0)?;
+    let interleaved = call.attr_i("rotary_interleaved", 0)? == 1;
+    let scale = match call.attr_f("scale", 0.0)? {
+        0.0 => 1.0 / libm::sqrt(p.head_size as f64),
+        s => s as f64,
+    } as f32;
+    let softcap = call.attr_f("softcap", 0.0)?;
+    let window = call.attr_i("local_window_size", -1)?;
+    let window = i32::try_from(window.max(-1)).unwrap_or(i32::MAX);
+    let smooth = call.attr_i("smooth_softmax", 0)? == 1;
+    let (n_h, n_kv, h_sz) = (p.heads, p.kv_heads, p.head_size);
+
+    let query = call.input(0)?;
+    let (k_src, v_src, kv_w, k_off, v_off) = if p.packed {
+        let w = (n_h + 2 * n_kv) * h_sz;
+        (targ(&query), targ(&query), w, n_h * h_sz, (n_h + n_kv) * h_sz)
+    } else {
+        (targ(&call.input(1)?), targ(&call.input(2)?), n_kv * h_sz, 0, 0)
+    };
+    let q_w = if p.packed { (n_h + 2 * n_kv) * h_sz } else { n_h * h_sz };
+    let present_elems = p.batch * n_kv * p.present_len * h_sz;
+    let present_bytes = (present_elems * p.dtype.size().unwrap_or(4)) as u64;
+    let buffer = |i: usize| -> Result<u32> {
+        match call.output_opt(i) {
+            Some(t) => Ok(t.handle()),
+            None => scratch(present_bytes),
+        }
+    };
+    let (pres_k, pres_v) = (buffer(1)?, buffer(2)?);
+    // Absent optional tensors are passed as the query, never read.
+    let (past_k, past_v) = match p.past_len {
+        0 => (targ(&query), targ(&query)),
+        _ => (targ(&call.input(3)?), targ(&call.input(4)?)),
+    };
+    let seqlens = targ(&call.input(5)?);
+    let (cos, sin, cache_rows, rot_half) = match p.rotary_half {
+        Some(half) => {
+            let c = call.input(7)?;
+            (targ(&c), targ(&call.input(8)?), c.shape()?[0], half)
+        }
+        None => (targ(&query), targ(&query), 0, 0),
+    };
+    let shared = p.past_len > 0 && p.past_len >= p.total;
+    let u = |what: &str, v: usize| u32_arg(GQA, what, v);
+
+    if present_elems > 0 {
+        launch(&Launch {
+            kernel: kv_k,
+            grid: [grid_for(present_elems), 1, 1],
+            block: [BLOCK, 1, 1],
+            shared_mem_bytes: 0,
+            args: vec![
+                k_src,
+                v_src,
+                past_k,
+                past_v,
+                seqlens,
+                cos,
+                sin,
+                harg(pres_k),
+                harg(pres_v),
+                u("batch", p.batch)?,
+                u("sequence", p.seq)?,
+                u("kv_num_heads", n_kv)?,
+                u("head size", h_sz)?,
+                u("present length", p.present_len)?,
+                u("past length", p.past_len)?,
+                KernelArg::U64(kv_w as u64),
+                KernelArg::U64(k_off as u64),
+                KernelArg::U64(v_off as u64),
+                flag(p.first_prompt),
+                flag(shared),
+                KernelArg::U64(cache_rows as u64),
+                u("rotary width", rot_half)?,
+                flag(interleaved),
+            ],
+        })?;
+    }
+
+    let (bias, bias_b, bias_h) = match (call.input_opt(10), p.bias_dims) {
+        (Some(t), Some(d)) => (targ(&t), d[0], d[1]),
+        _ => (targ(&query), 1, 1),
+    };
+    let (sink, sink_mode) = match call.input_opt(11) {
+        Some(t) => (targ(&t), 2u32),
+        None => (targ(&query), smooth as u32),
+    };
+    if out.numel()? == 0 {
+        return Ok(());
+    }
+    let warps: u32 = if p.seq == 1 { 8 } else { 4 };
+    launch(&Launch {
+        kernel: attn_k,
+        grid: [p.seq as u32, p.heads as u32, p.batch as u32],
+        block: [32 * warps, 1, 1],
+        shared_mem_bytes: 0,
+        args: vec![
+            targ(&query),
+            harg(pres_k),
+            harg(pres_v),
+            seqlens,
+            cos,
+            sin,
+            bias,
+            sink,
+            targ(&out),
+            u("sequence", p.seq)?,
+            u("num_heads", n_h)?,
+            u("kv_num_heads", n_kv)?,
+            u("head size", h_sz)?,
+            u("present length", p.present_len)?,
+            KernelArg::U64(q_w as u64),
+            flag(p.first_prompt),
+            KernelArg::U64(cache_rows as u64),
+            u("rotary width", rot_half)?,
+            flag(interleaved),
+            KernelArg::F32(scale),
+            KernelArg::F32(softcap),
+            KernelArg::I32(window),
+            flag(p.bias_dims.is_some()),
+            u("attention_bias batch", bias_b)?,
+            u("attention_bias heads", bias_h)?,
+            u("total_sequence_length", p.total)?,
+            KernelArg::U32(sink_mode),
+        ],
+    })
+}
+
+/// RotaryEmbedding on the GPU: `kiln_rope_*`, one thread per element.
+fn rope_dispatch(call: &Call) -> Result<()> {
+    let p = rope_plan(call)?;
+    let x = call.input(0)?;
+    let (_, _, kernel) = kernels(ROPE, x.dtype()?)?;
+    let y = call.output(0)?;
+    let total = x.numel()?;
+    if total == 0 {
+        return Ok(());
+    }
+    let cos = call.input(2)?;
+    let transposed = x.rank()? == 4;
+    let u = |what: &str, v: usize| u32_arg(ROPE, what, v);
+    launch(&Launch {
+        kernel,
+        grid: [grid_for(total), 1, 1],
+        block: [BLOCK, 1, 1],
+        shared_mem_bytes: 0,
+        args: vec![
+            targ(&x),
+            targ(&call.input(1)?),
+            targ(&cos),
+            targ(&call.input(3)?),
+            targ(&y),
+            KernelArg::U64(total as u64),
+            u("sequence", p.seq)?,
+            u("heads", p.heads)?,
+            u("head size", p.head_size)?,
+            u("rotary width", p.rotary_dim / 2)?,
+            KernelArg::U64(cos.shape()?[0] as u64),
+            flag(transposed),
+            flag(p.scalar_pos),
+            flag(call.attr_i("interleaved", 0)? == 1),
+        ],
+    })
+}
+
 impl Shim for Attention {
     fn infer(call: &Call) -> Result<Vec<TensorType>> {
         match call.op_type() {
@@ -644,6 +867,14 @@ impl Shim for Attention {
         match call.op_type() {
             GQA => gqa_cpu(call),
             ROPE => rope_cpu(call),
+            other => unsupported!("kiln-attention does not implement {other}"),
+        }
+    }
+
+    fn dispatch(call: &Call) -> Result<()> {
+        match call.op_type() {
+            GQA => gqa_dispatch(call),
+            ROPE => rope_dispatch(call),
             other => unsupported!("kiln-attention does not implement {other}"),
         }
     }

@@ -245,6 +245,283 @@ fn gemm_cpu(call: &Call, dtype: DType) -> Result<()> {
     y.write_vec(&out)
 }
 
+// ---- GPU dispatch ------------------------------------------------------------------------------
+
+fn tensor_at(handle: u32, offset: u64) -> KernelArg {
+    KernelArg::Tensor { handle, offset }
+}
+
+/// Whether cuBLASLt (the host's `gemm`) computes `dtype`.
+fn gemm_dtype(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+}
+
+fn tiled_suffix(op: &str, dtype: DType) -> Result<&'static str> {
+    Ok(match dtype {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::F64 => "f64",
+        DType::I32 => "i32",
+        DType::I64 => "i64",
+        DType::U32 => "u32",
+        DType::U64 => "u64",
+        other => unsupported!("{op}: no CUDA kernel for {other}"),
+    })
+}
+
+/// Most gemm calls one MatMul issues before it takes the tiled kernel instead.
+const MAX_GEMM_CALLS: u64 = 256;
+
+/// One group of merged batch dimensions: its size and the strides (elements) of A, B and Y.
+#[derive(Clone, Copy)]
+struct BatchGroup {
+    size: u64,
+    a: u64,
+    b: u64,
+    y: u64,
+}
+
+/// MatMul's batch dimensions, those of size 1 in the output dropped and neighbours whose strides
+/// continue each other merged, outermost first.
+fn batch_groups(p: &MatMulPlan) -> Vec<BatchGroup> {
+    let l = p.batch.len();
+    let pad = |v: &[usize]| -> Vec<u64> {
+        let mut out = vec![1u64; l - v.len()];
+        out.extend(v.iter().map(|&d| d as u64));
+        out
+    };
+    let (ab, bb) = (pad(&p.a_batch), pad(&p.b_batch));
+    let (m, k, n) = (p.m as u64, p.k as u64, p.n as u64);
+    // Element strides of each batch dimension in A, B and Y.
+    let (mut sa, mut sb, mut sy) = (m * k, k * n, m * n);
+    let mut dims = Vec::new();
+    for d in (0..l).rev() {
+        let size = p.batch[d] as u64;
+        if size != 1 {
+            dims.push((size, if ab[d] == 1 { 0 } else { sa }, if bb[d] == 1 { 0 } else { sb }, sy));
+        }
+        sa *= ab[d];
+        sb *= bb[d];
+        sy *= size;
+    }
+    // `dims` runs innermost first: merge each dimension into the group inside it when every
+    // stride continues that group's (or A, resp. B, broadcasts both).
+    let mut groups: Vec<BatchGroup> = Vec::new();
+    for (size, a, b, y) in dims {
+        if let Some(g) = groups.last_mut() {
+            let cont = |outer: u64, inner: u64| (outer == 0 && inner == 0) || (inner != 0 && outer == inner * g.size);
+            if cont(a, g.a) && cont(b, g.b) && y == g.y * g.size {
+                g.size *= size;
+                continue;
+            }
+        }
+        groups.push(BatchGroup { size, a, b, y });
+    }
+    groups.reverse();
+    groups
+}
+
+fn matmul_dispatch(call: &Call) -> Result<()> {
+    let dtype = operand_dtype(call, &[0, 1])?;
+    let (a, b) = (call.input(0)?, call.input(1)?);
+    let p = matmul_plan(&a.shape()?, &b.shape()?)?;
+    let y = call.output(0)?;
+    let (m, k, n) = (p.m as u64, p.k as u64, p.n as u64);
+    if y.numel()? == 0 {
+        return Ok(());
+    }
+    let groups = batch_groups(&p);
+    let esize = dtype.size().unwrap_or(4) as u64;
+    if gemm_dtype(dtype) && k > 0 {
+        // The innermost group is the gemm's batch (or, where B is shared and A's matrices are
+        // consecutive, folded into M); the outer groups are separate calls.
+        let (inner, outer) = match groups.split_last() {
+            Some((g, rest)) => (Some(*g), rest),
+            None => (None, &groups[..]),
+        };
+        let calls: u64 = outer.iter().map(|g| g.size).product();
+        if calls <= MAX_GEMM_CALLS {
+            let (gm, batch, sa, sb, sy) = match inner {
+                None => (m, 1, 0, 0, 0),
+                Some(g) if g.b == 0 && g.a == m * k => (m * g.size, 1, 0, 0, 0),
+                Some(g) => (m, g.size, g.a, g.b, g.y),
+            };
+            for c in 0..calls {
+                let (mut rem, mut oa, mut ob, mut oy) = (c, 0u64, 0u64, 0u64);
+                for g in outer.iter().rev() {
+                    let i = rem % g.size;
+                    rem /= g.size;
+                    oa += i * g.a;
+                    ob += i * g.b;
+                    oy += i * g.y;
+                }
+                let operand = |handle: u32, off: u64, ld: u64, stride: u64| Operand {
+                    handle,
+                    offset: off * esize,
+                    ld,
+                    batch_stride: stride,
+                };
+                gemm(&Gemm {
+                    dtype,
+                    trans_a: false,
+                    trans_b: false,
+                    m: gm,
+                    n,
+                    k,
+                    batch,
+                    alpha: 1.0,
+                    beta: 0.0,
+                    a: operand(a.handle(), oa, k, sa),
+                    b: operand(b.handle(), ob, n, sb),
+                    c: None,
+                    d: operand(y.handle(), oy, n, sy),
+                    bias: None,
+                    epilogue: Epilogue::None,
+                })?;
+            }
+            return Ok(());
+        }
+    }
+    if groups.len() > 6 {
+        unsupported!("MatMul: more than 6 batch dimensions");
+    }
+    let batch: u64 = groups.iter().map(|g| g.size).product();
+    let mut args = vec![
+        tensor_at(a.handle(), 0),
+        tensor_at(b.handle(), 0),
+        tensor_at(a.handle(), 0),
+        tensor_at(y.handle(), 0),
+        KernelArg::U64(m),
+        KernelArg::U64(n),
+        KernelArg::U64(k),
+        KernelArg::U64(k),
+        KernelArg::U64(1),
+        KernelArg::U64(n),
+        KernelArg::U64(1),
+        KernelArg::U64(0),
+        KernelArg::U64(0),
+        KernelArg::U32(0),
+        KernelArg::F32(1.0),
+        KernelArg::F32(0.0),
+        KernelArg::U32(0),
+        KernelArg::U64(batch),
+        KernelArg::U32(groups.len() as u32),
+    ];
+    args.extend((0..6).map(|i| KernelArg::U64(groups.get(i).map_or(1, |g| g.size))));
+    args.extend((0..6).map(|i| KernelArg::U64(groups.get(i).map_or(0, |g| g.a))));
+    args.extend((0..6).map(|i| KernelArg::U64(groups.get(i).map_or(0, |g| g.b))));
+    launch_tiled(call.op_type(), dtype, m, n, batch, args)
+}
+
+fn launch_tiled(op: &str, dtype: DType, m: u64, n: u64, batch: u64, args: Vec<KernelArg>) -> Result<()> {
+    launch(&Launch {
+        kernel: &format!("kiln_matmul_tiled_{}", tiled_suffix(op, dtype)?),
+        grid: [n.div_ceil(16).min(1 << 20) as u32, m.div_ceil(16).min(65535) as u32, batch.min(65535) as u32],
+        block: [16, 16, 1],
+        shared_mem_bytes: 0,
+        args,
+    })
+}
+
+fn gemm_dispatch(call: &Call) -> Result<()> {
+    let dtype = operand_dtype(call, &[0, 1, 2])?;
+    let p = gemm_plan(call)?;
+    let (m, k, n) = (p.m as u64, p.k as u64, p.n as u64);
+    if m * n == 0 {
+        return Ok(());
+    }
+    let (a, b, y) = (call.input(0)?, call.input(1)?, call.output(0)?);
+    let c = call.input_opt(2).filter(|_| p.beta != 0.0);
+    // C's shape as (rows, cols) and its strides over (M, N), 0 where it broadcasts.
+    let (c_rows, c_cols) = match p.c_shape.as_deref() {
+        Some([r, c]) => (*r as u64, *c as u64),
+        Some([c]) => (1, *c as u64),
+        _ => (1, 1),
+    };
+    let (c_rs, c_cs) = (if c_rows == 1 { 0 } else { c_cols }, if c_cols == 1 { 0 } else { 1 });
+    let esize = dtype.size().unwrap_or(4) as u64;
+    let (alpha, beta) = (p.alpha as f32, p.beta as f32);
+    if gemm_dtype(dtype) && k > 0 {
+        let operand = |handle: u32, ld: u64| Operand { handle, offset: 0, ld, batch_stride: 0 };
+        let (mut c_op, mut bias, mut g_beta) = (None, None, 0.0);
+        if let Some(c) = c {
+            if (c_rows == m || m == 1) && (c_cols == n || n == 1) && c_rows * c_cols == m * n {
+                c_op = Some(operand(c.handle(), n));
+                g_beta = beta;
+            } else if c_rows == 1 && c_cols == n && beta == 1.0 {
+                bias = Some(operand(c.handle(), n));
+            } else {
+                // Materialise the broadcast C, then use it with beta.
+                let full = scratch(m * n * esize)?;
+                launch(&Launch {
+                    kernel: "kiln_matmul_bcast",
+                    grid: [(m * n).div_ceil(256).min(1 << 20) as u32, 1, 1],
+                    block: [256, 1, 1],
+                    shared_mem_bytes: 0,
+                    args: vec![
+                        tensor_at(c.handle(), 0),
+                        tensor_at(full, 0),
+                        KernelArg::U64(m),
+                        KernelArg::U64(n),
+                        KernelArg::U64(c_rs),
+                        KernelArg::U64(c_cs),
+                        KernelArg::U32(esize as u32),
+                    ],
+                })?;
+                c_op = Some(operand(full, n));
+                g_beta = beta;
+            }
+        }
+        let (a_shape, b_shape) = (a.shape()?, b.shape()?);
+        return gemm(&Gemm {
+            dtype,
+            trans_a: p.trans_a,
+            trans_b: p.trans_b,
+            m,
+            n,
+            k,
+            batch: 1,
+            alpha,
+            beta: g_beta,
+            a: operand(a.handle(), a_shape[1] as u64),
+            b: operand(b.handle(), b_shape[1] as u64),
+            c: c_op,
+            d: operand(y.handle(), n),
+            bias,
+            epilogue: Epilogue::None,
+        });
+    }
+    // The tiled kernel: transposes as strides; integers exact unless scaled.
+    let (a_rs, a_cs) = if p.trans_a { (1, m) } else { (k, 1) };
+    let (b_rs, b_cs) = if p.trans_b { (1, k) } else { (n, 1) };
+    let exact = alpha == 1.0 && (c.is_none() || beta == 1.0);
+    let mut args = vec![
+        tensor_at(a.handle(), 0),
+        tensor_at(b.handle(), 0),
+        tensor_at(c.map_or(a.handle(), |c| c.handle()), 0),
+        tensor_at(y.handle(), 0),
+        KernelArg::U64(m),
+        KernelArg::U64(n),
+        KernelArg::U64(k),
+        KernelArg::U64(a_rs),
+        KernelArg::U64(a_cs),
+        KernelArg::U64(b_rs),
+        KernelArg::U64(b_cs),
+        KernelArg::U64(c_rs),
+        KernelArg::U64(c_cs),
+        KernelArg::U32(c.is_some() as u32),
+        KernelArg::F32(alpha),
+        KernelArg::F32(beta),
+        KernelArg::U32(!exact as u32),
+        KernelArg::U64(1),
+        KernelArg::U32(0),
+    ];
+    args.extend((0..6).map(|_| KernelArg::U64(1)));
+    args.extend((0..12).map(|_| KernelArg::U64(0)));
+    launch_tiled("Gemm", dtype, m, n, 1, args)
+}
+
 impl Shim for MatMulPkg {
     fn infer(call: &Call) -> Result<Vec<TensorType>> {
         match call.op_type() {
@@ -276,6 +553,14 @@ impl Shim for MatMulPkg {
                 }
             }
             "Gemm" => gemm_cpu(call, operand_dtype(call, &[0, 1, 2])?),
+            other => unsupported!("kiln-matmul does not implement {other}"),
+        }
+    }
+
+    fn dispatch(call: &Call) -> Result<()> {
+        match call.op_type() {
+            "MatMul" => matmul_dispatch(call),
+            "Gemm" => gemm_dispatch(call),
             other => unsupported!("kiln-matmul does not implement {other}"),
         }
     }

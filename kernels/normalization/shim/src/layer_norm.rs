@@ -6,8 +6,8 @@
 //! (default 1, float32). The reference computes in f64 and rounds once.
 
 use alloc::vec::Vec;
-use kiln_kernel_abi::bail;
 use kiln_kernel_abi::guest::*;
+use kiln_kernel_abi::{bail, unsupported};
 
 use crate::{axis_error, check_float};
 
@@ -93,4 +93,56 @@ pub fn layer_norm_cpu(call: &Call) -> Result<()> {
         t.write_vec(&inv_stds)?;
     }
     Ok(())
+}
+
+pub fn layer_norm_dispatch(call: &Call) -> Result<()> {
+    use crate::gpu::{row_launch, suffix, suffix_operand, tensor};
+    let p = layer_norm_plan(call)?;
+    let x = call.input(0)?;
+    let dtype = x.dtype()?;
+    let sfx = suffix(call, dtype)?;
+    let (rows, cols) = (p.rows as u64, p.cols as u64);
+    if rows == 0 {
+        return Ok(());
+    }
+    let stat_code = match p.stat_dtype {
+        DType::F32 | DType::F16 | DType::F64 | DType::BF16 => p.stat_dtype.code() as u32,
+        other => unsupported!("LayerNormalization: no CUDA kernel for stash_type {other}"),
+    };
+    let operand = |i: usize| -> Result<Option<(u32, u64)>> {
+        match call.input_opt(i) {
+            None => Ok(None),
+            Some(_) if cols == 0 => Ok(Some((x.handle(), 1))),
+            Some(t) => suffix_operand(t.handle(), dtype, &t.shape()?, &p.x_shape).map(Some),
+        }
+    };
+    let (scale, scale_len) =
+        operand(1)?.ok_or_else(|| ShimError::Failed("LayerNormalization: input 1 (Scale) is required".into()))?;
+    let bias = operand(2)?;
+    let y = call.output(0)?;
+    let (mean, inv) = (call.output_opt(1), call.output_opt(2));
+    let (grid, block) = row_launch(rows, cols);
+    launch(&Launch {
+        kernel: &format!("kiln_layer_norm_{sfx}"),
+        grid,
+        block,
+        shared_mem_bytes: 0,
+        args: vec![
+            tensor(x.handle()),
+            tensor(scale),
+            tensor(bias.map_or(x.handle(), |b| b.0)),
+            tensor(y.handle()),
+            tensor(mean.map_or(y.handle(), |t| t.handle())),
+            tensor(inv.map_or(y.handle(), |t| t.handle())),
+            KernelArg::U64(rows),
+            KernelArg::U64(cols),
+            KernelArg::U64(scale_len),
+            KernelArg::U64(bias.map_or(1, |b| b.1)),
+            KernelArg::U32(bias.is_some() as u32),
+            KernelArg::F32(call.attr_f("epsilon", 1e-5)?),
+            KernelArg::U32(stat_code),
+            KernelArg::U32(mean.is_some() as u32),
+            KernelArg::U32(inv.is_some() as u32),
+        ],
+    })
 }

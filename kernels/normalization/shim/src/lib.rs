@@ -34,6 +34,82 @@ fn axis_error(call: &Call, e: ShimError) -> ShimError {
     }
 }
 
+/// Helpers of the GPU dispatches (kernels in `cuda/normalization.cu`).
+mod gpu {
+    use alloc::vec::Vec;
+    use kiln_kernel_abi::guest::*;
+    use kiln_kernel_abi::unsupported;
+
+    /// The kernels' suffix for a floating-point dtype.
+    pub fn suffix(call: &Call, dtype: DType) -> Result<&'static str> {
+        Ok(match dtype {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::F64 => "f64",
+            other => unsupported!("{}: no CUDA kernel for {other}", call.op_type()),
+        })
+    }
+
+    pub fn tensor(handle: u32) -> KernelArg {
+        KernelArg::Tensor { handle, offset: 0 }
+    }
+
+    /// Grid and block of a row kernel over `rows` rows of `cols` elements: a warp per row (8
+    /// rows a block) for short rows, a block per row for long ones.
+    pub fn row_launch(rows: u64, cols: u64) -> ([u32; 3], [u32; 3]) {
+        let (block, rows_per_block) = if cols <= 1024 {
+            ([32, 8, 1], 8)
+        } else if cols <= 8192 {
+            ([256, 1, 1], 1)
+        } else {
+            ([1024, 1, 1], 1)
+        };
+        ([rows.div_ceil(rows_per_block).clamp(1, 1 << 20) as u32, 1, 1], block)
+    }
+
+    /// A tensor `t` of shape `shape` that broadcasts to `x_shape`, as the kernels index it:
+    /// element k of X reads element `k % len`. When `shape`, leading 1s dropped, is a suffix of
+    /// `x_shape` that is `t` itself; otherwise `t` is first expanded into scratch to the trailing
+    /// `shape.len()` dimensions of X. Returns (handle, len).
+    pub fn suffix_operand(t: u32, dtype: DType, shape: &[usize], x_shape: &[usize]) -> Result<(u32, u64)> {
+        let core = &shape[shape.iter().take_while(|&&d| d == 1).count()..];
+        if x_shape.ends_with(core) {
+            return Ok((t, core.iter().product::<usize>().max(1) as u64));
+        }
+        let out = &x_shape[x_shape.len() - shape.len()..];
+        let n: u64 = out.iter().map(|&d| d as u64).product();
+        if n == 0 || out.len() > 8 {
+            unsupported!("broadcast of shape {shape:?} to {x_shape:?}");
+        }
+        let esize = dtype.size().unwrap_or(4) as u64;
+        let dst = scratch(n * esize)?;
+        let mut strides = vec![0u64; shape.len()];
+        let mut acc = 1u64;
+        for i in (0..shape.len()).rev() {
+            strides[i] = if shape[i] == 1 { 0 } else { acc };
+            acc *= shape[i] as u64;
+        }
+        let mut args: Vec<KernelArg> = vec![
+            tensor(t),
+            tensor(dst),
+            KernelArg::U64(n),
+            KernelArg::U32(esize as u32),
+            KernelArg::U32(out.len() as u32),
+        ];
+        args.extend((0..8).map(|i| KernelArg::U64(out.get(i).map_or(1, |&d| d as u64))));
+        args.extend((0..8).map(|i| KernelArg::U64(strides.get(i).copied().unwrap_or(0))));
+        launch(&Launch {
+            kernel: "kiln_norm_expand",
+            grid: [n.div_ceil(256).min(1 << 20) as u32, 1, 1],
+            block: [256, 1, 1],
+            shared_mem_bytes: 0,
+            args,
+        })?;
+        Ok((dst, n))
+    }
+}
+
 impl Shim for Normalization {
     fn infer(call: &Call) -> Result<Vec<TensorType>> {
         match call.op_type() {
@@ -63,6 +139,19 @@ impl Shim for Normalization {
             "LayerNormalization" => layer_norm::layer_norm_cpu(call),
             "SimplifiedLayerNormalization" => rms_norm::simplified_cpu(call),
             "SkipSimplifiedLayerNormalization" => rms_norm::skip_simplified_cpu(call),
+            other => unsupported!("kiln-normalization does not implement {other}"),
+        }
+    }
+
+    fn dispatch(call: &Call) -> Result<()> {
+        match call.op_type() {
+            "Softmax" | "LogSoftmax" => {
+                check_float(call, call.input(0)?.dtype()?)?;
+                softmax::softmax_dispatch(call, call.op_type() == "LogSoftmax")
+            }
+            "LayerNormalization" => layer_norm::layer_norm_dispatch(call),
+            "SimplifiedLayerNormalization" => rms_norm::simplified_dispatch(call),
+            "SkipSimplifiedLayerNormalization" => rms_norm::skip_simplified_dispatch(call),
             other => unsupported!("kiln-normalization does not implement {other}"),
         }
     }

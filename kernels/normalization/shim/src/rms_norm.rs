@@ -250,3 +250,82 @@ pub fn skip_simplified_cpu(call: &Call) -> Result<()> {
     }
     Ok(())
 }
+
+pub fn simplified_dispatch(call: &Call) -> Result<()> {
+    use crate::gpu::{row_launch, suffix, suffix_operand, tensor};
+    let p = simplified_plan(call)?;
+    let x = call.input(0)?;
+    let (xs, ys) = (suffix(call, x.dtype()?)?, suffix(call, p.y_dtype)?);
+    let (rows, cols) = (p.rows as u64, p.cols as u64);
+    if rows == 0 {
+        return Ok(());
+    }
+    let scale = call.input(1)?;
+    let (scale, scale_len) = if cols == 0 {
+        (scale.handle(), 1)
+    } else {
+        suffix_operand(scale.handle(), p.y_dtype, &p.scale_shape, &p.x_shape)?
+    };
+    let y = call.output(0)?;
+    let inv = call.output_opt(1);
+    let (grid, block) = row_launch(rows, cols);
+    launch(&Launch {
+        kernel: &format!("kiln_rms_norm_{xs}_{ys}"),
+        grid,
+        block,
+        shared_mem_bytes: 0,
+        args: vec![
+            tensor(x.handle()),
+            tensor(scale),
+            tensor(y.handle()),
+            tensor(inv.map_or(y.handle(), |t| t.handle())),
+            KernelArg::U64(rows),
+            KernelArg::U64(cols),
+            KernelArg::U64(scale_len),
+            KernelArg::F32(call.attr_f("epsilon", 1e-5)?),
+            KernelArg::U32(p.stat_dtype.code() as u32),
+            KernelArg::U32(inv.is_some() as u32),
+        ],
+    })
+}
+
+pub fn skip_simplified_dispatch(call: &Call) -> Result<()> {
+    use crate::gpu::{row_launch, suffix, tensor};
+    let p = skip_plan(call)?;
+    let sfx = suffix(call, p.dtype)?;
+    let (rows, hidden) = (p.rows as u64, p.hidden as u64);
+    if rows == 0 {
+        return Ok(());
+    }
+    let x = call.input(0)?;
+    let skip = call.input(1)?;
+    let skip_len = (skip.numel()? as u64).max(1);
+    let bias = call.input_opt(3);
+    let out = call.output(0)?;
+    let (mean, inv, sum) = (call.output_opt(1), call.output_opt(2), call.output_opt(3));
+    let (grid, block) = row_launch(rows, hidden);
+    launch(&Launch {
+        kernel: &format!("kiln_skip_rms_norm_{sfx}"),
+        grid,
+        block,
+        shared_mem_bytes: 0,
+        args: vec![
+            tensor(x.handle()),
+            tensor(skip.handle()),
+            tensor(call.input(2)?.handle()),
+            tensor(bias.map_or(x.handle(), |t| t.handle())),
+            tensor(out.handle()),
+            tensor(mean.map_or(out.handle(), |t| t.handle())),
+            tensor(inv.map_or(out.handle(), |t| t.handle())),
+            tensor(sum.map_or(out.handle(), |t| t.handle())),
+            KernelArg::U64(rows),
+            KernelArg::U64(hidden),
+            KernelArg::U64(skip_len),
+            KernelArg::U32(bias.is_some() as u32),
+            KernelArg::U32(mean.is_some() as u32),
+            KernelArg::U32(inv.is_some() as u32),
+            KernelArg::U32(sum.is_some() as u32),
+            KernelArg::F32(p.epsilon as f32),
+        ],
+    })
+}

@@ -58,3 +58,39 @@ pub fn softmax_cpu(call: &Call, log: bool) -> Result<()> {
     }
     call.output(0)?.write_vec(&x)
 }
+
+pub fn softmax_dispatch(call: &Call, log: bool) -> Result<()> {
+    let p = softmax_plan(call)?;
+    let x = call.input(0)?;
+    let sfx = crate::gpu::suffix(call, x.dtype()?)?;
+    let (outer, n, inner) = (p.outer as u64, p.n as u64, p.inner as u64);
+    if outer * n * inner == 0 {
+        return Ok(());
+    }
+    let (xh, yh) = (crate::gpu::tensor(x.handle()), crate::gpu::tensor(call.output(0)?.handle()));
+    if inner == 1 {
+        let (grid, block) = crate::gpu::row_launch(outer, n);
+        launch(&Launch {
+            kernel: &format!("kiln_softmax_rows_{sfx}"),
+            grid,
+            block,
+            shared_mem_bytes: 0,
+            args: vec![xh, yh, KernelArg::U64(outer), KernelArg::U64(n), KernelArg::U32(log as u32)],
+        })
+    } else {
+        launch(&Launch {
+            kernel: &format!("kiln_softmax_cols_{sfx}"),
+            grid: [(outer * inner).div_ceil(256).min(1 << 20) as u32, 1, 1],
+            block: [256, 1, 1],
+            shared_mem_bytes: 0,
+            args: vec![
+                xh,
+                yh,
+                KernelArg::U64(outer),
+                KernelArg::U64(n),
+                KernelArg::U64(inner),
+                KernelArg::U32(log as u32),
+            ],
+        })
+    }
+}

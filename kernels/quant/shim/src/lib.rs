@@ -44,9 +44,47 @@ impl Shim for Pkg {
             other => unsupported!("kiln-quant does not implement {other}"),
         }
     }
+
+    fn dispatch(call: &Call) -> Result<()> {
+        match call.op_type() {
+            "MatMulNBits" => MnbPlan::new(call)?.dispatch(call),
+            "GatherBlockQuantized" => GbqPlan::new(call)?.dispatch(call),
+            other => unsupported!("kiln-quant does not implement {other}"),
+        }
+    }
 }
 
 export_shim!(Pkg);
+
+/// Kernel name suffix of a float dtype.
+fn suffix(op: &str, d: DType) -> Result<&'static str> {
+    Ok(match d {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        other => unsupported!("{op}: no CUDA kernel for {other}"),
+    })
+}
+
+fn tensor(t: &Tensor) -> KernelArg {
+    KernelArg::Tensor { handle: t.handle(), offset: 0 }
+}
+
+/// A `u32` kernel argument, or unsupported when the value does not fit.
+fn u32_arg(op: &str, what: &str, v: usize) -> Result<KernelArg> {
+    match u32::try_from(v) {
+        Ok(v) => Ok(KernelArg::U32(v)),
+        Err(_) => unsupported!("{op}: {what} = {v} does not fit the CUDA kernel's 32-bit index"),
+    }
+}
+
+/// Threads per block of the grid-stride kernels.
+const BLOCK: u32 = 256;
+
+/// Grid of a grid-stride loop over `n` elements.
+fn grid_for(n: usize) -> u32 {
+    (n as u64).div_ceil(BLOCK as u64).clamp(1, 65535 * 32) as u32
+}
 
 /// A required INT attribute.
 fn attr_req(call: &Call, name: &str) -> Result<i64> {
@@ -295,6 +333,140 @@ impl MnbPlan {
     }
 }
 
+impl MnbPlan {
+    /// GPU plan. Up to [`GEMV_MAX_M`] rows of A (decode): `kiln_mnb_gemv_*`, one warp per output
+    /// column reading each packed weight word once, dequantizing in registers, f32 sums, bias
+    /// fused. More rows (prefill): the weights dequantized once into a scratch N × K matrix of
+    /// A's dtype (`kiln_mnb_dequant_*`), then one GEMM `Y = A · Wᵀ + bias`; when that matrix
+    /// would be over [`DEQUANT_SCRATCH_MAX`] bytes, the GEMV kernel over tiles of 8 rows.
+    fn dispatch(&self, call: &Call) -> Result<()> {
+        const OP: &str = "MatMulNBits";
+        let sfx = suffix(OP, self.dtype)?;
+        let (m, n, k) = (self.m, self.n, self.k);
+        let y = call.output(0)?;
+        if m * n == 0 {
+            return Ok(());
+        }
+        let bias_arg = match call.input_opt(5) {
+            Some(b) => tensor(&b),
+            None => tensor(&y), // Not read (has_bias = 0).
+        };
+        if self.omitted || k == 0 {
+            return launch(&Launch {
+                kernel: kname("kiln_mnb_fill_", sfx),
+                grid: [grid_for(m * n), 1, 1],
+                block: [BLOCK, 1, 1],
+                shared_mem_bytes: 0,
+                args: vec![bias_arg, tensor(&y), KernelArg::U64((m * n) as u64), u32_arg(OP, "N", n)?, flag(self.bias)],
+            });
+        }
+        let (a, b, scales) = (call.input(0)?, call.input(1)?, call.input(2)?);
+        // Absent optional tensors are passed as another tensor of the call, never read.
+        let (zp_kind, zp_u8, zp_f) = match self.zp {
+            Zp::Default => (0, tensor(&b), tensor(&scales)),
+            Zp::Packed => (1, tensor(&call.input(3)?), tensor(&scales)),
+            Zp::Float => (2, tensor(&b), tensor(&call.input(3)?)),
+        };
+        let g_idx = match self.g_idx {
+            true => tensor(&call.input(4)?),
+            false => tensor(&b),
+        };
+        let zp_row = (self.k_blocks * self.bits).div_ceil(8);
+        let quant = [
+            u32_arg(OP, "block_size", self.block)?,
+            u32_arg(OP, "bits", self.bits)?,
+            u32_arg(OP, "K blocks", self.k_blocks)?,
+            KernelArg::U32(zp_kind),
+            u32_arg(OP, "zero point row", zp_row)?,
+            flag(self.g_idx),
+        ];
+        u32_arg(OP, "packed row bits", self.k_blocks * self.block * self.bits)?;
+        let (n32, k32) = (u32_arg(OP, "N", n)?, u32_arg(OP, "K", k)?);
+        let size = self.dtype.size().unwrap_or(4);
+        let w_bytes = n as u64 * k as u64 * size as u64;
+
+        if m > GEMV_MAX_M && w_bytes <= DEQUANT_SCRATCH_MAX {
+            let w = scratch(w_bytes)?;
+            let mut args =
+                vec![tensor(&b), tensor(&scales), zp_u8, zp_f, g_idx, KernelArg::Tensor { handle: w, offset: 0 }];
+            args.extend([n32, k32]);
+            args.extend(quant);
+            launch(&Launch {
+                kernel: kname("kiln_mnb_dequant_", sfx),
+                grid: [grid_for(n * k), 1, 1],
+                block: [BLOCK, 1, 1],
+                shared_mem_bytes: 0,
+                args,
+            })?;
+            let op = |handle: u32, ld: usize| Operand { handle, offset: 0, ld: ld as u64, batch_stride: 0 };
+            return gemm(&Gemm {
+                dtype: self.dtype,
+                trans_a: false,
+                trans_b: true,
+                m: m as u64,
+                n: n as u64,
+                k: k as u64,
+                batch: 1,
+                alpha: 1.0,
+                beta: 0.0,
+                a: op(a.handle(), k),
+                b: op(w, k),
+                c: None,
+                d: op(y.handle(), n),
+                bias: match call.input_opt(5) {
+                    Some(t) => Some(op(t.handle(), n)),
+                    None => None,
+                },
+                epilogue: Epilogue::None,
+            });
+        }
+
+        let tiles = m.div_ceil(8);
+        if tiles > 65535 {
+            unsupported!("{OP}: {m} rows of A with a weight matrix too large to dequantize");
+        }
+        let warps = 8u32;
+        let mut args = vec![tensor(&a), tensor(&b), tensor(&scales), zp_u8, zp_f, g_idx, bias_arg, tensor(&y)];
+        args.extend([KernelArg::U64(m as u64), n32, k32]);
+        args.extend(quant);
+        args.push(flag(self.bias));
+        launch(&Launch {
+            kernel: kname("kiln_mnb_gemv_", sfx),
+            grid: [n.div_ceil(warps as usize) as u32, tiles as u32, 1],
+            block: [32 * warps, 1, 1],
+            shared_mem_bytes: 0,
+            args,
+        })
+    }
+}
+
+/// Most rows of A for the GEMV plan of MatMulNBits (one tile of accumulators).
+const GEMV_MAX_M: usize = 8;
+/// Largest dequantized weight matrix of the GEMM plan, bytes.
+const DEQUANT_SCRATCH_MAX: u64 = 512 << 20;
+
+fn flag(b: bool) -> KernelArg {
+    KernelArg::U32(b as u32)
+}
+
+/// `prefix` + `sfx` as a static kernel name.
+fn kname(prefix: &str, sfx: &str) -> &'static str {
+    match (prefix, sfx) {
+        ("kiln_mnb_gemv_", "f32") => "kiln_mnb_gemv_f32",
+        ("kiln_mnb_gemv_", "f16") => "kiln_mnb_gemv_f16",
+        ("kiln_mnb_gemv_", _) => "kiln_mnb_gemv_bf16",
+        ("kiln_mnb_dequant_", "f32") => "kiln_mnb_dequant_f32",
+        ("kiln_mnb_dequant_", "f16") => "kiln_mnb_dequant_f16",
+        ("kiln_mnb_dequant_", _) => "kiln_mnb_dequant_bf16",
+        ("kiln_mnb_fill_", "f32") => "kiln_mnb_fill_f32",
+        ("kiln_mnb_fill_", "f16") => "kiln_mnb_fill_f16",
+        ("kiln_mnb_fill_", _) => "kiln_mnb_fill_bf16",
+        (_, "f32") => "kiln_gbq_f32",
+        (_, "f16") => "kiln_gbq_f16",
+        _ => "kiln_gbq_bf16",
+    }
+}
+
 /// Dequantizes one whole block: `w[j] = (q_j − z) · s`, `w.len()` = block_size.
 fn dequant_block(blob: &[u8], bits: usize, s: f32, z: f32, w: &mut [f32]) {
     #[cfg(target_arch = "wasm32")]
@@ -492,6 +664,49 @@ impl GbqPlan {
         let mut out_shape = indices.shape()?;
         out_shape.extend_from_slice(&logical[1..]);
         Ok(GbqPlan { dtype, bits, block, quantize_axis, logical, out_shape, zero_points })
+    }
+
+    /// GPU plan: `kiln_gbq_*`, one thread per output element (grid-stride).
+    fn dispatch(&self, call: &Call) -> Result<()> {
+        const OP: &str = "GatherBlockQuantized";
+        let sfx = suffix(OP, self.dtype)?;
+        let y = call.output(0)?;
+        let total = y.numel()?;
+        let row_len: usize = self.logical[1..].iter().product();
+        if total == 0 || row_len == 0 {
+            return Ok(());
+        }
+        let (data, indices, scales) = (call.input(0)?, call.input(1)?, call.input(2)?);
+        let qa = self.quantize_axis;
+        let q_dim = self.logical[qa];
+        let q_inner: usize = self.logical[qa + 1..].iter().product();
+        let zp = match call.input_opt(3) {
+            Some(z) => tensor(&z),
+            None => tensor(&data), // Not read (has_zp = 0).
+        };
+        launch(&Launch {
+            kernel: kname("kiln_gbq_", sfx),
+            grid: [grid_for(total), 1, 1],
+            block: [BLOCK, 1, 1],
+            shared_mem_bytes: 0,
+            args: vec![
+                tensor(&data),
+                tensor(&indices),
+                tensor(&scales),
+                zp,
+                tensor(&y),
+                KernelArg::U64(total as u64),
+                KernelArg::U64(self.logical[0] as u64),
+                KernelArg::U64(row_len as u64),
+                KernelArg::U64(q_dim as u64),
+                KernelArg::U64(q_inner as u64),
+                KernelArg::U64(q_dim.div_ceil(self.block) as u64),
+                u32_arg(OP, "block_size", self.block)?,
+                u32_arg(OP, "bits", self.bits)?,
+                flag(self.zero_points),
+                flag(indices.dtype()? == DType::I64),
+            ],
+        })
     }
 
     fn run(&self, call: &Call) -> Result<()> {

@@ -21,9 +21,10 @@ struct Reduce;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Kind {
-    Sum,
-    Mean,
-    Max,
+    // The CUDA kernels' op codes.
+    Sum = 0,
+    Mean = 1,
+    Max = 2,
 }
 
 struct Plan {
@@ -123,6 +124,118 @@ fn reduce_max<T: Element>(p: &Plan, x: &[T], lowest: T) -> Vec<T> {
     out
 }
 
+/// The CUDA kernels' suffix for `dtype` (bool reduces as its bytes: Max is a logical "any").
+fn kernel_suffix(call: &Call, dtype: DType) -> Result<&'static str> {
+    Ok(match dtype {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::F64 => "f64",
+        DType::I8 => "i8",
+        DType::I32 => "i32",
+        DType::I64 => "i64",
+        DType::U8 | DType::Bool => "u8",
+        DType::U32 => "u32",
+        DType::U64 => "u64",
+        other => unsupported!("{}: no CUDA kernel for {other}", call.op_type()),
+    })
+}
+
+fn tensor(handle: u32) -> KernelArg {
+    KernelArg::Tensor { handle, offset: 0 }
+}
+
+/// Most blocks in x of one launch (the kernels loop over the rest).
+const MAX_GRID: u64 = 1 << 20;
+
+fn dispatch(call: &Call) -> Result<()> {
+    let p = plan(call)?;
+    let x = call.input(0)?;
+    let dtype = x.dtype()?;
+    check_dtype(call, dtype, p.kind)?;
+    let suffix = kernel_suffix(call, dtype)?;
+    let y = call.output(0)?;
+    if p.noop {
+        let nbytes = x.nbytes()? as u64;
+        if nbytes == 0 {
+            return Ok(());
+        }
+        return launch(&Launch {
+            kernel: "kiln_reduce_copy",
+            grid: [nbytes.div_ceil(256).min(MAX_GRID) as u32, 1, 1],
+            block: [256, 1, 1],
+            shared_mem_bytes: 0,
+            args: vec![tensor(x.handle()), tensor(y.handle()), KernelArg::U64(nbytes)],
+        });
+    }
+    let n_out = p.out_len() as u64;
+    if n_out == 0 {
+        return Ok(());
+    }
+    let count = p.group() as u64;
+    // Dimensions of size 1 dropped, neighbours of the same kind (kept or reduced) merged: each
+    // entry is (size, reduced); `strides` are their strides in elements.
+    let mut dims: Vec<(u64, bool)> = Vec::new();
+    for (&d, &k) in p.in_shape.iter().zip(&p.kept_shape) {
+        if d == 1 {
+            continue;
+        }
+        let reduced = k != d;
+        match dims.last_mut() {
+            Some((size, r)) if *r == reduced => *size *= d as u64,
+            _ => dims.push((d as u64, reduced)),
+        }
+    }
+    let mut strides = vec![1u64; dims.len()];
+    for i in (0..dims.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * dims[i + 1].0;
+    }
+    let op = KernelArg::U32(p.kind as u32);
+    // Contiguous rows: every reduced element is innermost ([kept], reduced), or nothing to read.
+    let rows_layout = count == 0 || dims.is_empty() || (dims.len() <= 2 && matches!(dims.last(), Some((_, true))));
+    if rows_layout {
+        let (block, rows_per_block) = if count <= 1024 {
+            ([32, 8, 1], 8)
+        } else if count <= 16384 {
+            ([256, 1, 1], 1)
+        } else {
+            ([1024, 1, 1], 1)
+        };
+        return launch(&Launch {
+            kernel: &format!("kiln_reduce_rows_{suffix}"),
+            grid: [n_out.div_ceil(rows_per_block).min(MAX_GRID) as u32, 1, 1],
+            block,
+            shared_mem_bytes: 0,
+            args: vec![tensor(x.handle()), tensor(y.handle()), KernelArg::U64(n_out), KernelArg::U64(count), op],
+        });
+    }
+    // Any other axis set: kept and reduced dimensions with their strides, at most 8 of each.
+    let mut args = vec![tensor(x.handle()), tensor(y.handle()), KernelArg::U64(n_out), KernelArg::U64(count), op];
+    for reduced in [false, true] {
+        let sel: Vec<(u64, u64)> =
+            dims.iter().zip(&strides).filter(|((_, r), _)| *r == reduced).map(|(&(d, _), &s)| (d, s)).collect();
+        if sel.len() > 8 {
+            unsupported!("{}: more than 8 separate dimension groups", call.op_type());
+        }
+        args.push(KernelArg::U32(sel.len() as u32));
+        for i in 0..8 {
+            args.push(KernelArg::U64(sel.get(i).map_or(1, |v| v.0)));
+        }
+        for i in 0..8 {
+            args.push(KernelArg::U64(sel.get(i).map_or(0, |v| v.1)));
+        }
+    }
+    // 32 outputs per block in x; threadIdx.y splits each output's reduced elements.
+    let ys = if count >= 64 { 8 } else { 1 };
+    launch(&Launch {
+        kernel: &format!("kiln_reduce_any_{suffix}"),
+        grid: [n_out.div_ceil(32).min(MAX_GRID) as u32, 1, 1],
+        block: [32, ys, 1],
+        shared_mem_bytes: 0,
+        args,
+    })
+}
+
 impl Shim for Reduce {
     fn infer(call: &Call) -> Result<Vec<TensorType>> {
         let p = plan(call)?;
@@ -176,6 +289,10 @@ impl Shim for Reduce {
                 y.write_vec(&mean)
             }
         }
+    }
+
+    fn dispatch(call: &Call) -> Result<()> {
+        dispatch(call)
     }
 }
 

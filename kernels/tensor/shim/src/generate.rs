@@ -5,7 +5,7 @@ use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
 use kiln_kernel_abi::{bail, unsupported, with_dtype};
 
-use crate::elem_size;
+use crate::{elem_size, gpu};
 
 /// What the node produces: the output's dtype and shape, and how to make its bytes.
 struct Plan {
@@ -43,6 +43,31 @@ pub fn cpu(call: &Call) -> Result<()> {
         )))?,
     };
     call.output(0)?.write_bytes(&bytes)
+}
+
+/// Shape and Size: the values, known from the shapes, as launch arguments. ConstantOfShape:
+/// a fill. Range: one arithmetic-sequence launch. Constant: none (the host folds it).
+pub fn dispatch(call: &Call) -> Result<()> {
+    if call.op_type() == "Constant" {
+        unsupported!("Constant has no GPU dispatch: the host folds it at load");
+    }
+    let p = plan(call)?;
+    let esize = elem_size(call.op_type(), p.dtype)?;
+    let n: usize = p.shape.iter().product();
+    let dst = gpu::At::of(&call.output(0)?);
+    match p.fill {
+        Fill::Bytes(b) => {
+            if p.dtype != DType::I64 {
+                unsupported!("{}: only int64 values have a GPU dispatch", call.op_type());
+            }
+            let values: Vec<u64> =
+                b.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8]))).collect();
+            gpu::values64(dst, &values)
+        }
+        Fill::Repeat(one) => gpu::fill(dst, (n * esize) as u64, &one),
+        Fill::IntRange(start, delta) => gpu::range_int(dst, n as u64, start, delta, esize),
+        Fill::FloatRange(start, delta) => gpu::range_float(dst, n as u64, start, delta, p.dtype),
+    }
 }
 
 fn plan(call: &Call) -> Result<Plan> {

@@ -5,10 +5,10 @@
 //! element size).
 
 use alloc::vec::Vec;
-use kiln_kernel_abi::bail;
 use kiln_kernel_abi::guest::*;
+use kiln_kernel_abi::{bail, unsupported};
 
-use crate::{axis, elem_size, ints_input_or_attr};
+use crate::{axis, elem_size, gpu, ints_input_or_attr};
 
 /// `(outer, inner)` for `axis` of `dims`, `inner` in bytes.
 fn blocks(dims: &[usize], axis: usize, esize: usize) -> (usize, usize) {
@@ -68,6 +68,29 @@ pub fn concat_cpu(call: &Call) -> Result<()> {
         }
     }
     call.output(0)?.write_bytes(&out)
+}
+
+/// One 2-D copy per non-empty input, into the output at the input's offset along the axis.
+pub fn concat_dispatch(call: &Call) -> Result<()> {
+    let (a, shape) = concat_plan(call)?;
+    let inputs = call.inputs();
+    if inputs.len() > gpu::MAX_LAUNCHES {
+        unsupported!("Concat of {} inputs (at most {} launches)", inputs.len(), gpu::MAX_LAUNCHES);
+    }
+    let esize = elem_size("Concat", inputs[0].dtype()?)?;
+    let (outer, inner) = blocks(&shape, a, esize);
+    let out = gpu::At::of(&call.output(0)?);
+    let out_row = (shape[a] * inner) as i64;
+    let mut offset = 0u64;
+    for t in &inputs {
+        let dims = t.shape()?;
+        let row = (dims[a] * inner) as u64;
+        if t.numel()? > 0 {
+            gpu::copy2d(gpu::At::of(t), out.plus(offset), outer as u64, row, row as i64, out_row)?;
+        }
+        offset += row;
+    }
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------
@@ -161,6 +184,31 @@ pub fn split_cpu(call: &Call) -> Result<()> {
     Ok(())
 }
 
+/// One 2-D copy per present, non-empty output, from the input at its offset along the axis.
+pub fn split_dispatch(call: &Call) -> Result<()> {
+    let x = call.input(0)?;
+    let esize = elem_size("Split", x.dtype()?)?;
+    let dims = x.shape()?;
+    let (a, sizes) = split_plan(call)?;
+    if sizes.len() > gpu::MAX_LAUNCHES {
+        unsupported!("Split into {} outputs (at most {} launches)", sizes.len(), gpu::MAX_LAUNCHES);
+    }
+    let (outer, inner) = blocks(&dims, a, esize);
+    let src = gpu::At::of(&x);
+    let in_row = (dims[a] * inner) as i64;
+    let mut offset = 0u64;
+    for (i, &s) in sizes.iter().enumerate() {
+        let row = (s * inner) as u64;
+        if let Some(out) = call.output_opt(i) {
+            if outer > 0 && row > 0 {
+                gpu::copy2d(src.plus(offset), gpu::At::of(&out), outer as u64, row, in_row, row as i64)?;
+            }
+        }
+        offset += row;
+    }
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------------------
 // Gather
 
@@ -211,4 +259,29 @@ pub fn gather_cpu(call: &Call) -> Result<()> {
         }
     }
     call.output(0)?.write_bytes(&out)
+}
+
+/// One gather launch; indices are read on the device (negative ones wrap; out-of-range ones
+/// give zeros, where the CPU reference fails the node).
+pub fn gather_dispatch(call: &Call) -> Result<()> {
+    let x = call.input(0)?;
+    let esize = elem_size("Gather", x.dtype()?)?;
+    let dims = x.shape()?;
+    let (a, shape) = gather_plan(call)?;
+    if shape.iter().product::<usize>() == 0 {
+        return Ok(());
+    }
+    let indices = call.input(1)?;
+    let idx64 = indices.dtype()? == DType::I64;
+    let (outer, inner) = blocks(&dims, a, esize);
+    gpu::gather(
+        gpu::At::of(&x),
+        gpu::At::of(&indices),
+        idx64,
+        gpu::At::of(&call.output(0)?),
+        outer as u64,
+        dims[a] as u64,
+        indices.numel()? as u64,
+        inner as u64,
+    )
 }

@@ -5,7 +5,7 @@ use alloc::vec::Vec;
 use kiln_kernel_abi::bail;
 use kiln_kernel_abi::guest::*;
 
-use crate::{distinct_axes, elem_size, ints_input_or_attr};
+use crate::{distinct_axes, elem_size, gpu, ints_input_or_attr};
 
 /// The output shape of the node.
 pub fn out_shape(call: &Call) -> Result<Vec<usize>> {
@@ -28,6 +28,17 @@ pub fn cpu(call: &Call) -> Result<()> {
         bail!("{}: output has {n_out} elements, input {}", call.op_type(), x.numel()?);
     }
     call.output(0)?.write_bytes(&x.read_bytes()?)
+}
+
+/// A contiguous copy of the input's bytes (the host may alias instead).
+pub fn dispatch(call: &Call) -> Result<()> {
+    let x = call.input(0)?;
+    let esize = elem_size(call.op_type(), x.dtype()?)?;
+    let n_out: usize = out_shape(call)?.iter().product();
+    if n_out != x.numel()? {
+        bail!("{}: output has {n_out} elements, input {}", call.op_type(), x.numel()?);
+    }
+    gpu::copy(gpu::At::of(&x), gpu::At::of(&call.output(0)?), (n_out * esize) as u64)
 }
 
 /// Reshape-5+ (`shape` input, `allowzero` from 14) and Reshape-1 (`shape` attribute).

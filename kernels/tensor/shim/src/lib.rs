@@ -10,6 +10,9 @@
 //! - [`generate`]: ops that make new values: Shape (`start`/`end` from 15), Size, Constant,
 //!   ConstantOfShape, Range.
 //!
+//! GPU dispatches ([`gpu`], kernels in `cuda/tensor.cu`) move bytes by element size, so
+//! they too serve every fixed-size dtype; Constant has none (the host folds it at load).
+//!
 //! Every op works on raw element bytes, so every fixed-size dtype works; string tensors
 //! are unsupported. Shape-like inputs are value inputs (see `kernel.toml`): `infer` reads
 //! them with [`Tensor::read_i64s`], and never reads any other input's bytes.
@@ -17,6 +20,7 @@
 extern crate alloc;
 
 mod generate;
+mod gpu;
 mod join;
 mod layout;
 mod strided;
@@ -42,6 +46,18 @@ impl Shim for Tensors {
             "Split" => join::split_infer(call),
             "Gather" => join::gather_infer(call),
             "Shape" | "Size" | "Constant" | "ConstantOfShape" | "Range" => generate::infer(call),
+            other => unsupported!("kiln-tensor does not implement {other}"),
+        }
+    }
+
+    fn dispatch(call: &Call) -> Result<()> {
+        match call.op_type() {
+            "Reshape" | "Flatten" | "Squeeze" | "Unsqueeze" | "Identity" => layout::dispatch(call),
+            "Transpose" | "Slice" | "Expand" => strided::dispatch(call),
+            "Concat" => join::concat_dispatch(call),
+            "Split" => join::split_dispatch(call),
+            "Gather" => join::gather_dispatch(call),
+            "Shape" | "Size" | "Constant" | "ConstantOfShape" | "Range" => generate::dispatch(call),
             other => unsupported!("kiln-tensor does not implement {other}"),
         }
     }

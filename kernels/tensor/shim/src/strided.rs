@@ -6,7 +6,7 @@ use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
 use kiln_kernel_abi::{bail, unsupported};
 
-use crate::{distinct_axes, elem_size};
+use crate::{distinct_axes, elem_size, gpu};
 
 /// The output shape, and for each output axis the input stride (in elements) to step by,
 /// from the input element `base`.
@@ -32,6 +32,18 @@ pub fn cpu(call: &Call) -> Result<()> {
     let p = plan(call)?;
     let src = if p.shape.iter().product::<usize>() == 0 { Vec::new() } else { x.read_bytes()? };
     call.output(0)?.write_bytes(&strided_copy(&src, esize, &p.shape, &p.strides, p.base))
+}
+
+/// One strided gather from the plan's first source element.
+pub fn dispatch(call: &Call) -> Result<()> {
+    let x = call.input(0)?;
+    let esize = elem_size(call.op_type(), x.dtype()?)?;
+    let p = plan(call)?;
+    if p.shape.iter().product::<usize>() == 0 {
+        return Ok(());
+    }
+    let src = gpu::At::of(&x).plus((p.base as u64) * esize as u64);
+    gpu::strided(src, gpu::At::of(&call.output(0)?), esize, &p.shape, &p.strides)
 }
 
 fn in_strides(dims: &[usize]) -> Vec<isize> {

@@ -228,35 +228,131 @@ impl Shim for Unary {
 
     fn dispatch(call: &Call) -> Result<()> {
         let x = call.input(0)?;
-        let kernel = match x.dtype()? {
-            DType::F32 => "kiln_unary_f32",
-            DType::F16 => "kiln_unary_f16",
-            DType::BF16 => "kiln_unary_bf16",
-            other => unsupported!("{}: no CUDA kernel for {other}", call.op_type()),
-        };
-        if matches!(call.op_type(), "Not" | "Clip") {
-            unsupported!("{}: no CUDA kernel yet", call.op_type());
-        }
-        let op = Op::from_call(call)?;
-        let (alpha, beta) = op.params();
+        let y = call.output(0)?;
+        let dtype = x.dtype()?;
         let n = x.numel()? as u64;
-        let block = 256u32;
-        let grid = (n.div_ceil(block as u64).clamp(1, 65535 * 32)) as u32;
+        let (kernel, extra): (&str, Vec<KernelArg>) = match call.op_type() {
+            "Not" => {
+                if dtype != DType::Bool {
+                    bail!("Not: input must be bool, not {dtype}");
+                }
+                ("kiln_not", vec![])
+            }
+            "Clip" => clip_dispatch(call, dtype)?,
+            _ => {
+                let op = Op::from_call(call)?;
+                if dtype.is_float() {
+                    let kernel = match dtype {
+                        DType::F32 => "kiln_unary_f32",
+                        DType::F16 => "kiln_unary_f16",
+                        DType::BF16 => "kiln_unary_bf16",
+                        DType::F64 => "kiln_unary_f64",
+                        other => unsupported!("{}: no CUDA kernel for {other}", call.op_type()),
+                    };
+                    let (alpha, beta) = op.params();
+                    (kernel, vec![KernelArg::U32(op.code()), KernelArg::F32(alpha as f32), KernelArg::F32(beta as f32)])
+                } else {
+                    if !matches!(op, Op::Relu | Op::Neg | Op::Abs) {
+                        unsupported!("{}: integer input", call.op_type());
+                    }
+                    let kernel = match dtype {
+                        DType::I8 => "kiln_unary_int_i8",
+                        DType::I16 => "kiln_unary_int_i16",
+                        DType::I32 => "kiln_unary_int_i32",
+                        DType::I64 => "kiln_unary_int_i64",
+                        other => unsupported!("{}: no CUDA kernel for {other}", call.op_type()),
+                    };
+                    (kernel, vec![KernelArg::U32(op.code())])
+                }
+            }
+        };
+        if n == 0 {
+            return Ok(());
+        }
+        let size = dtype.size().unwrap_or(1) as u64;
+        let mut args = vec![
+            KernelArg::Tensor { handle: x.handle(), offset: 0 },
+            KernelArg::Tensor { handle: y.handle(), offset: 0 },
+            KernelArg::U64(n),
+        ];
+        args.extend(extra);
         launch(&Launch {
             kernel,
-            grid: [grid, 1, 1],
-            block: [block, 1, 1],
+            grid: [grid_for(n, 16 / size), 1, 1],
+            block: [BLOCK, 1, 1],
             shared_mem_bytes: 0,
-            args: vec![
-                KernelArg::Tensor { handle: x.handle(), offset: 0 },
-                KernelArg::Tensor { handle: call.output(0)?.handle(), offset: 0 },
-                KernelArg::U64(n),
-                KernelArg::U32(op.code()),
-                KernelArg::F32(alpha as f32),
-                KernelArg::F32(beta as f32),
-            ],
+            args,
         })
     }
+}
+
+/// Threads per block of every launch.
+const BLOCK: u32 = 256;
+
+/// Blocks for `n` elements at `per_thread` elements per thread, capped (the kernels loop).
+fn grid_for(n: u64, per_thread: u64) -> u32 {
+    n.div_ceil(BLOCK as u64 * per_thread.max(1)).clamp(1, 65535 * 32) as u32
+}
+
+/// Clip's kernel and its arguments after `x, y, n`: `lo, hi, flags, lo_attr, hi_attr` (see
+/// cuda/unary.cu).
+fn clip_dispatch<'c>(call: &Call, dtype: DType) -> Result<(&'c str, Vec<KernelArg>)> {
+    let kernel = match dtype {
+        DType::F32 => "kiln_clip_f32",
+        DType::F16 => "kiln_clip_f16",
+        DType::BF16 => "kiln_clip_bf16",
+        DType::F64 => "kiln_clip_f64",
+        DType::I8 => "kiln_clip_i8",
+        DType::I16 => "kiln_clip_i16",
+        DType::I32 => "kiln_clip_i32",
+        DType::I64 => "kiln_clip_i64",
+        DType::U8 => "kiln_clip_u8",
+        DType::U16 => "kiln_clip_u16",
+        DType::U32 => "kiln_clip_u32",
+        DType::U64 => "kiln_clip_u64",
+        other => unsupported!("Clip: no CUDA kernel for {other}"),
+    };
+    let x = call.input(0)?.handle();
+    let mut flags = 0u32;
+    let (mut lo, mut hi) = (x, x);
+    let (mut lo_attr, mut hi_attr) = (0.0f64, 0.0f64);
+    if call.opset() < 11 {
+        if call.attr("min").is_some() {
+            lo_attr = call.attr_f("min", 0.0)? as f64;
+            flags |= 4;
+        }
+        if call.attr("max").is_some() {
+            hi_attr = call.attr_f("max", 0.0)? as f64;
+            flags |= 8;
+        }
+    } else {
+        for (i, bit) in [(1usize, 1u32), (2, 2)] {
+            if let Some(t) = call.input_opt(i) {
+                if t.numel()? != 1 {
+                    bail!("Clip: input {i} must be a scalar");
+                }
+                if t.dtype()? != dtype {
+                    unsupported!("Clip: bound {i} of dtype {} for input of {dtype}", t.dtype()?);
+                }
+                if i == 1 {
+                    lo = t.handle();
+                } else {
+                    hi = t.handle();
+                }
+                flags |= bit;
+            }
+        }
+    }
+    Ok((
+        kernel,
+        vec![
+            KernelArg::Tensor { handle: lo, offset: 0 },
+            KernelArg::Tensor { handle: hi, offset: 0 },
+            KernelArg::U32(flags),
+            KernelArg::F64(lo_attr),
+            KernelArg::F64(hi_attr),
+        ],
+    ))
 }
 
 export_shim!(Unary);

@@ -1,0 +1,93 @@
+//! NVRTC: compile a package's CUDA source for the GPU present (`--gpu-architecture=sm_XY`),
+//! with the host's prelude `kiln.cuh`, cached on disk by sha256 of (prelude, source, arch,
+//! NVRTC version, options) under `$KILN_CACHE_DIR`, `$XDG_CACHE_HOME/kiln` or `~/.cache/kiln`.
+
+use std::ffi::CString;
+use std::path::PathBuf;
+
+use sha2::{Digest, Sha256};
+
+use crate::{Error, Result};
+
+/// The prelude every source includes as `kiln.cuh`.
+pub const PRELUDE: &str = include_str!("../../cuda/kiln.cuh");
+
+/// NVRTC options besides the architecture.
+const OPTIONS: &[&str] = &["--std=c++17", "-default-device"];
+
+/// PTX of one source, and whether it came from the cache.
+pub struct CompiledSource {
+    pub ptx: String,
+    pub cache_hit: bool,
+}
+
+/// NVRTC's (major, minor).
+pub fn nvrtc_version() -> Option<(i32, i32)> {
+    // SAFETY: dlopen probe, then a call writing two ints.
+    unsafe {
+        if !cudarc::nvrtc::sys::is_culib_present() {
+            return None;
+        }
+        let (mut a, mut b) = (0, 0);
+        (cudarc::nvrtc::sys::nvrtcVersion(&mut a, &mut b) == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS)
+            .then_some((a, b))
+    }
+}
+
+/// The cache folder.
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("KILN_CACHE_DIR") {
+        return PathBuf::from(d);
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir);
+    base.join("kiln")
+}
+
+/// Compiles `source` (named `file` of package `package` for messages) for `arch` (`sm_90`).
+/// A compile error carries NVRTC's full log.
+pub fn compile_cached(package: &str, file: &str, source: &str, arch: &str) -> Result<CompiledSource> {
+    let version = nvrtc_version().ok_or_else(|| Error::Device("NVRTC (libnvrtc) is not available".into()))?;
+    let mut h = Sha256::new();
+    for part in [PRELUDE, source, arch, &format!("{version:?}"), &OPTIONS.join(" ")] {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part.as_bytes());
+    }
+    let key = hex::encode(h.finalize());
+    let path = cache_dir().join("nvrtc").join(format!("{key}.ptx"));
+    if let Ok(ptx) = std::fs::read_to_string(&path) {
+        return Ok(CompiledSource { ptx, cache_hit: true });
+    }
+    let full = source.replace("#include \"kiln.cuh\"", PRELUDE);
+    let fail = |m: String| Error::Device(format!("NVRTC: package {package}, {file}: {m}"));
+    let src = CString::new(full).map_err(|_| fail("the source holds a NUL byte".into()))?;
+    let name = CString::new(file.replace('\0', "")).unwrap_or_default();
+    let prog = cudarc::nvrtc::result::create_program(&src, Some(&name)).map_err(|e| fail(e.to_string()))?;
+    let mut opts: Vec<String> = vec![format!("--gpu-architecture={arch}")];
+    opts.extend(OPTIONS.iter().map(|s| s.to_string()));
+    // SAFETY: prog is a live program; options are valid strings.
+    let compiled = unsafe { cudarc::nvrtc::result::compile_program(prog, &opts) };
+    let log = unsafe { cudarc::nvrtc::result::get_program_log(prog) }
+        .map(|l| l.iter().map(|&c| c as u8).take_while(|&c| c != 0).map(char::from).collect::<String>())
+        .unwrap_or_default();
+    let ptx = match compiled {
+        Err(e) => {
+            unsafe { cudarc::nvrtc::result::destroy_program(prog) }.ok();
+            return Err(fail(format!("compilation failed ({e}):\n{log}")));
+        }
+        Ok(()) => unsafe { cudarc::nvrtc::result::get_ptx(prog) }.map_err(|e| fail(e.to_string()))?,
+    };
+    unsafe { cudarc::nvrtc::result::destroy_program(prog) }.ok();
+    let ptx: String = ptx.iter().map(|&c| c as u8).take_while(|&c| c != 0).map(char::from).collect();
+    if let Some(dir) = path.parent() {
+        if std::fs::create_dir_all(dir).is_ok() {
+            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+            if std::fs::write(&tmp, &ptx).is_ok() {
+                let _ = std::fs::rename(&tmp, &path);
+            }
+        }
+    }
+    Ok(CompiledSource { ptx, cache_hit: false })
+}

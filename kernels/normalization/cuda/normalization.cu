@@ -1,0 +1,261 @@
+// kiln-normalization CUDA kernels: Softmax / LogSoftmax, LayerNormalization, onnxruntime's
+// SimplifiedLayerNormalization and SkipSimplifiedLayerNormalization. Statistics accumulate in f32
+// (f64 when a float64 tensor takes part), with warp reductions.
+//
+// Row kernels take [rows, cols] contiguous data: blockDim.x threads per row (a multiple of 32),
+// blockDim.y rows per block (blockDim.y > 1 only with blockDim.x == 32), rows beyond the grid
+// looped over. Scale / bias tensors broadcast as suffixes of X: element k of X (row-major) uses
+// element k % len (the shim materialises other broadcasts with kiln_norm_expand first).
+#include "kiln.cuh"
+
+struct nf16 { unsigned short b; };
+struct nbf16 { unsigned short b; };
+
+__device__ __forceinline__ float nld(const float* p, kiln_u64 i) { return p[i]; }
+__device__ __forceinline__ double nld(const double* p, kiln_u64 i) { return p[i]; }
+__device__ __forceinline__ float nld(const nf16* p, kiln_u64 i) { return kiln_f16_to_f32(p[i].b); }
+__device__ __forceinline__ float nld(const nbf16* p, kiln_u64 i) { return kiln_bf16_to_f32(p[i].b); }
+__device__ __forceinline__ void nst(float* p, kiln_u64 i, float v) { p[i] = v; }
+__device__ __forceinline__ void nst(double* p, kiln_u64 i, double v) { p[i] = v; }
+__device__ __forceinline__ void nst(nf16* p, kiln_u64 i, float v) { p[i].b = kiln_f32_to_f16(v); }
+__device__ __forceinline__ void nst(nbf16* p, kiln_u64 i, float v) { p[i].b = kiln_f32_to_bf16(v); }
+
+// Stores v as ONNX dtype `code` (1 float32, 10 float16, 11 float64, 16 bfloat16).
+__device__ __forceinline__ void nst_code(void* p, kiln_u64 i, double v, unsigned code) {
+    switch (code) {
+    case 1: ((float*)p)[i] = (float)v; break;
+    case 10: ((unsigned short*)p)[i] = kiln_f32_to_f16((float)v); break;
+    case 11: ((double*)p)[i] = v; break;
+    case 16: ((unsigned short*)p)[i] = kiln_f32_to_bf16((float)v); break;
+    default: break;
+    }
+}
+
+__device__ __forceinline__ float n_exp(float v) { return expf(v); }
+__device__ __forceinline__ double n_exp(double v) { return exp(v); }
+__device__ __forceinline__ float n_log(float v) { return logf(v); }
+__device__ __forceinline__ double n_log(double v) { return log(v); }
+__device__ __forceinline__ float n_sqrt(float v) { return sqrtf(v); }
+__device__ __forceinline__ double n_sqrt(double v) { return sqrt(v); }
+__device__ __forceinline__ float n_ninf(float) { return __int_as_float(0xff800000); }
+__device__ __forceinline__ double n_ninf(double) { return __longlong_as_double(0xfff0000000000000ll); }
+
+// Max that propagates NaN, as the CPU reference.
+template <typename A> __device__ __forceinline__ A n_max(A a, A b) {
+    if (a != a) return a;
+    return (b != b || b > a) ? b : a;
+}
+struct NSum { template <typename A> __device__ __forceinline__ A operator()(A a, A b) const { return a + b; } };
+struct NMax { template <typename A> __device__ __forceinline__ A operator()(A a, A b) const { return n_max(a, b); } };
+
+// Reduces v over the blockDim.x threads of the row; every thread of the row gets the result.
+// Called by every thread of the block when blockDim.x > 32.
+template <typename A, typename Op> __device__ __forceinline__ A row_reduce(A v, Op op) {
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const unsigned wpr = blockDim.x >> 5;
+    if (wpr == 1) return v;
+    __shared__ A buf[32];
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) buf[threadIdx.y * wpr + (threadIdx.x >> 5)] = v;
+    __syncthreads();
+    A r = buf[threadIdx.y * wpr];
+    for (unsigned i = 1; i < wpr; ++i) r = op(r, buf[threadIdx.y * wpr + i]);
+    return r;
+}
+
+#define ROW_LOOP(row, rows) \
+    for (kiln_u64 row = (kiln_u64)blockIdx.x * blockDim.y + threadIdx.y; row < (rows); row += (kiln_u64)gridDim.x * blockDim.y)
+#define COL_LOOP(c, cols) for (kiln_u64 c = threadIdx.x; c < (cols); c += blockDim.x)
+
+// ---- Softmax / LogSoftmax ------------------------------------------------------------------
+
+template <typename T, typename A>
+__device__ void softmax_rows(const T* x, T* y, kiln_u64 rows, kiln_u64 n, unsigned log_out) {
+    ROW_LOOP(row, rows) {
+        const kiln_u64 base = row * n;
+        A m = n_ninf(A());
+        COL_LOOP(j, n) m = n_max(m, (A)nld(x, base + j));
+        m = row_reduce(m, NMax());
+        A s = 0;
+        COL_LOOP(j, n) s += n_exp((A)nld(x, base + j) - m);
+        s = row_reduce(s, NSum());
+        if (log_out) {
+            const A lse = m + n_log(s);
+            COL_LOOP(j, n) nst(y, base + j, (A)nld(x, base + j) - lse);
+        } else {
+            COL_LOOP(j, n) nst(y, base + j, n_exp((A)nld(x, base + j) - m) / s);
+        }
+    }
+}
+
+// [outer, n, inner] with inner > 1: one thread per (outer, inner) column.
+template <typename T, typename A>
+__device__ void softmax_cols(const T* x, T* y, kiln_u64 outer, kiln_u64 n, kiln_u64 inner, unsigned log_out) {
+    KILN_FOR(t, outer * inner) {
+        const kiln_u64 o = t / inner, i = t - o * inner;
+        const kiln_u64 base = o * n * inner + i;
+        A m = n_ninf(A());
+        for (kiln_u64 j = 0; j < n; ++j) m = n_max(m, (A)nld(x, base + j * inner));
+        A s = 0;
+        for (kiln_u64 j = 0; j < n; ++j) s += n_exp((A)nld(x, base + j * inner) - m);
+        if (log_out) {
+            const A lse = m + n_log(s);
+            for (kiln_u64 j = 0; j < n; ++j) nst(y, base + j * inner, (A)nld(x, base + j * inner) - lse);
+        } else {
+            for (kiln_u64 j = 0; j < n; ++j) nst(y, base + j * inner, n_exp((A)nld(x, base + j * inner) - m) / s);
+        }
+    }
+}
+
+// ---- LayerNormalization ----------------------------------------------------------------------
+
+// y = (x - mean) · inv_std · scale (+ bias); Mean and InvStdDev (dtype stat_code) when has_*.
+template <typename T, typename A>
+__device__ void layer_norm(const T* x, const T* scale, const T* bias, T* y, void* mean_out, void* inv_out,
+                           kiln_u64 rows, kiln_u64 cols, kiln_u64 scale_len, kiln_u64 bias_len, unsigned has_bias,
+                           float eps, unsigned stat_code, unsigned has_mean, unsigned has_inv) {
+    ROW_LOOP(row, rows) {
+        const kiln_u64 base = row * cols;
+        A s = 0;
+        COL_LOOP(c, cols) s += (A)nld(x, base + c);
+        const A mean = row_reduce(s, NSum()) / (A)cols;
+        A q = 0;
+        COL_LOOP(c, cols) {
+            const A d = (A)nld(x, base + c) - mean;
+            q += d * d;
+        }
+        const A var = row_reduce(q, NSum()) / (A)cols;
+        const A inv_std = (A)1 / n_sqrt(var + (A)eps);
+        COL_LOOP(c, cols) {
+            const kiln_u64 k = base + c;
+            A v = ((A)nld(x, k) - mean) * inv_std * (A)nld(scale, k % scale_len);
+            if (has_bias) v += (A)nld(bias, k % bias_len);
+            nst(y, k, v);
+        }
+        if (threadIdx.x == 0) {
+            if (has_mean) nst_code(mean_out, row, (double)mean, stat_code);
+            if (has_inv) nst_code(inv_out, row, (double)inv_std, stat_code);
+        }
+    }
+}
+
+// ---- RMS normalisations (onnxruntime) ---------------------------------------------------------
+
+// SimplifiedLayerNormalization: y = x · inv_std · scale, inv_std = 1 / sqrt(mean(x²) + eps); Y has
+// scale's dtype.
+template <typename X, typename Y, typename A>
+__device__ void rms_norm(const X* x, const Y* scale, Y* y, void* inv_out, kiln_u64 rows, kiln_u64 cols,
+                         kiln_u64 scale_len, float eps, unsigned stat_code, unsigned has_inv) {
+    ROW_LOOP(row, rows) {
+        const kiln_u64 base = row * cols;
+        A q = 0;
+        COL_LOOP(c, cols) {
+            const A v = (A)nld(x, base + c);
+            q += v * v;
+        }
+        const A rms = n_sqrt(row_reduce(q, NSum()) / (A)cols + (A)eps);
+        const A inv_std = (A)1 / rms;
+        COL_LOOP(c, cols) {
+            const kiln_u64 k = base + c;
+            nst(y, k, (A)nld(x, k) / rms * (A)nld(scale, k % scale_len));
+        }
+        if (threadIdx.x == 0 && has_inv) nst_code(inv_out, row, (double)inv_std, stat_code);
+    }
+}
+
+// SkipSimplifiedLayerNormalization: s = input + skip (+ bias), out = s · inv_std · gamma; mean
+// (float32 zeros), inv_std_var (float32) and input_skip_bias_sum when has_*.
+template <typename T, typename A>
+__device__ void skip_rms_norm(const T* x, const T* skip, const T* gamma, const T* bias, T* out, float* mean_out,
+                              float* inv_out, T* sum_out, kiln_u64 rows, kiln_u64 hidden, kiln_u64 skip_len,
+                              unsigned has_bias, unsigned has_mean, unsigned has_inv, unsigned has_sum, float eps) {
+    ROW_LOOP(row, rows) {
+        const kiln_u64 base = row * hidden;
+        A q = 0;
+        COL_LOOP(c, hidden) {
+            const kiln_u64 k = base + c;
+            A v = (A)nld(x, k) + (A)nld(skip, k % skip_len);
+            if (has_bias) v += (A)nld(bias, c);
+            if (has_sum) nst(sum_out, k, v);
+            q += v * v;
+        }
+        const A rms = n_sqrt(row_reduce(q, NSum()) / (A)hidden + (A)eps);
+        COL_LOOP(c, hidden) {
+            const kiln_u64 k = base + c;
+            A v = (A)nld(x, k) + (A)nld(skip, k % skip_len);
+            if (has_bias) v += (A)nld(bias, c);
+            nst(out, k, v / rms * (A)nld(gamma, c));
+        }
+        if (threadIdx.x == 0) {
+            if (has_mean) mean_out[row] = 0.f;
+            if (has_inv) inv_out[row] = (float)((A)1 / rms);
+        }
+    }
+}
+
+// ---- entry points ----------------------------------------------------------------------------
+
+#define NORM_KERNELS(SUFFIX, T, A)                                                                                  \
+    extern "C" __global__ void kiln_softmax_rows_##SUFFIX(const T* x, T* y, kiln_u64 rows, kiln_u64 n,            \
+                                                           unsigned log_out) {                                     \
+        softmax_rows<T, A>(x, y, rows, n, log_out);                                                                \
+    }                                                                                                              \
+    extern "C" __global__ void kiln_softmax_cols_##SUFFIX(const T* x, T* y, kiln_u64 outer, kiln_u64 n,           \
+                                                           kiln_u64 inner, unsigned log_out) {                     \
+        softmax_cols<T, A>(x, y, outer, n, inner, log_out);                                                        \
+    }                                                                                                              \
+    extern "C" __global__ void kiln_layer_norm_##SUFFIX(                                                           \
+        const T* x, const T* scale, const T* bias, T* y, void* mean_out, void* inv_out, kiln_u64 rows,            \
+        kiln_u64 cols, kiln_u64 scale_len, kiln_u64 bias_len, unsigned has_bias, float eps, unsigned stat_code,    \
+        unsigned has_mean, unsigned has_inv) {                                                                     \
+        layer_norm<T, A>(x, scale, bias, y, mean_out, inv_out, rows, cols, scale_len, bias_len, has_bias, eps,     \
+                         stat_code, has_mean, has_inv);                                                            \
+    }                                                                                                              \
+    extern "C" __global__ void kiln_skip_rms_norm_##SUFFIX(                                                        \
+        const T* x, const T* skip, const T* gamma, const T* bias, T* out, float* mean_out, float* inv_out,        \
+        T* sum_out, kiln_u64 rows, kiln_u64 hidden, kiln_u64 skip_len, unsigned has_bias, unsigned has_mean,       \
+        unsigned has_inv, unsigned has_sum, float eps) {                                                           \
+        skip_rms_norm<T, A>(x, skip, gamma, bias, out, mean_out, inv_out, sum_out, rows, hidden, skip_len,         \
+                            has_bias, has_mean, has_inv, has_sum, eps);                                            \
+    }
+
+NORM_KERNELS(f32, float, float)
+NORM_KERNELS(f16, nf16, float)
+NORM_KERNELS(bf16, nbf16, float)
+NORM_KERNELS(f64, double, double)
+
+#define RMS_KERNEL(XS, X, YS, Y, A)                                                                                 \
+    extern "C" __global__ void kiln_rms_norm_##XS##_##YS(const X* x, const Y* scale, Y* y, void* inv_out,         \
+                                                          kiln_u64 rows, kiln_u64 cols, kiln_u64 scale_len,        \
+                                                          float eps, unsigned stat_code, unsigned has_inv) {       \
+        rms_norm<X, Y, A>(x, scale, y, inv_out, rows, cols, scale_len, eps, stat_code, has_inv);                  \
+    }
+#define RMS_KERNELS_X(XS, X, A)              \
+    RMS_KERNEL(XS, X, f32, float, A)         \
+    RMS_KERNEL(XS, X, f16, nf16, A)          \
+    RMS_KERNEL(XS, X, bf16, nbf16, A)        \
+    RMS_KERNEL(XS, X, f64, double, double)
+RMS_KERNELS_X(f32, float, float)
+RMS_KERNELS_X(f16, nf16, float)
+RMS_KERNELS_X(bf16, nbf16, float)
+RMS_KERNELS_X(f64, double, double)
+
+// dst (n elements of esize bytes, row-major over dims[0..rank]) = src broadcast: element index
+// sum(i_d · strides[d]) of src, strides 0 on broadcast dimensions.
+extern "C" __global__ void kiln_norm_expand(const unsigned char* src, unsigned char* dst, kiln_u64 n, unsigned esize,
+                                            unsigned rank, kiln_u64 d0, kiln_u64 d1, kiln_u64 d2, kiln_u64 d3,
+                                            kiln_u64 d4, kiln_u64 d5, kiln_u64 d6, kiln_u64 d7, kiln_u64 s0,
+                                            kiln_u64 s1, kiln_u64 s2, kiln_u64 s3, kiln_u64 s4, kiln_u64 s5,
+                                            kiln_u64 s6, kiln_u64 s7) {
+    const kiln_u64 dims[8] = {d0, d1, d2, d3, d4, d5, d6, d7};
+    const kiln_u64 strides[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
+    KILN_FOR(i, n) {
+        kiln_u64 r = i, off = 0;
+        for (int d = (int)rank - 1; d >= 0; --d) {
+            const kiln_u64 q = r / dims[d];
+            off += (r - q * dims[d]) * strides[d];
+            r = q;
+        }
+        for (unsigned b = 0; b < esize; ++b) dst[i * esize + b] = src[off * esize + b];
+    }
+}

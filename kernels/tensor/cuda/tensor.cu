@@ -1,0 +1,359 @@
+// kiln-tensor CUDA kernels: dtype-agnostic data movement (by element size in bytes) and the
+// small generators (Shape/Size values, ConstantOfShape fill, Range). Compiled by NVRTC for the
+// GPU present. Every kernel is a grid-stride loop over its work items, so any grid of ≥ 1
+// block is correct; the shim sizes grids from a predicted vector width.
+//
+// Vector widths are chosen at run time from the actual pointer addresses together with the
+// sizes and pitches: 16-byte accesses when everything is a multiple of 16, down to bytes.
+#include "kiln.cuh"
+
+// A 16-byte unit (loads and stores as one 128-bit access when aligned).
+struct __align__(16) kt_v16 {
+    kiln_u64 lo, hi;
+};
+
+__device__ __forceinline__ kiln_u64 kt_addr(const void* p) { return (kiln_u64)p; }
+
+// Largest width in {16, 8, 4, 2, 1} that divides `bits` (the OR of every address and size).
+__device__ __forceinline__ unsigned kt_width(kiln_u64 bits) {
+    if ((bits & 15) == 0) return 16;
+    if ((bits & 7) == 0) return 8;
+    if ((bits & 3) == 0) return 4;
+    if ((bits & 1) == 0) return 2;
+    return 1;
+}
+
+// ---------------------------------------------------------------------------------------
+// Contiguous copy: dst[0..nbytes) = src[0..nbytes).
+
+template <typename T>
+__device__ void kt_copy_units(const char* src, char* dst, kiln_u64 nbytes) {
+    const kiln_u64 units = nbytes / sizeof(T);
+    const T* s = (const T*)src;
+    T* d = (T*)dst;
+    KILN_FOR(i, units) { d[i] = s[i]; }
+    // Tail bytes (only when the width was chosen from the addresses alone).
+    const kiln_u64 done = units * sizeof(T);
+    KILN_FOR(i, nbytes - done) { dst[done + i] = src[done + i]; }
+}
+
+extern "C" __global__ void kiln_tensor_copy(const char* src, char* dst, kiln_u64 nbytes) {
+    // Width from the addresses only; the tail is copied bytewise.
+    switch (kt_width(kt_addr(src) | kt_addr(dst))) {
+    case 16: kt_copy_units<kt_v16>(src, dst, nbytes); break;
+    case 8: kt_copy_units<kiln_u64>(src, dst, nbytes); break;
+    case 4: kt_copy_units<unsigned>(src, dst, nbytes); break;
+    case 2: kt_copy_units<unsigned short>(src, dst, nbytes); break;
+    default: kt_copy_units<unsigned char>(src, dst, nbytes); break;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 2-D copy: rows of row_bytes bytes; row r starts at src + r·src_pitch and dst + r·dst_pitch
+// (pitches in bytes, signed). Concat (into an axis offset), Split (out of one), Slice and
+// Expand that reduce to rows.
+
+template <typename T, typename I>
+__device__ void kt_copy2d_units(const char* src, char* dst, I rows, I upr, long long src_pitch, long long dst_pitch) {
+    const I total = rows * upr;
+    for (I i = (I)(blockIdx.x * (kiln_u64)blockDim.x + threadIdx.x); i < total; i += (I)(gridDim.x * (kiln_u64)blockDim.x)) {
+        const I r = i / upr;
+        const I c = i - r * upr;
+        const T* s = (const T*)(src + (long long)r * src_pitch);
+        T* d = (T*)(dst + (long long)r * dst_pitch);
+        d[c] = s[c];
+    }
+}
+
+template <typename T>
+__device__ void kt_copy2d_w(const char* src, char* dst, kiln_u64 rows, kiln_u64 row_bytes, long long src_pitch,
+                            long long dst_pitch) {
+    const kiln_u64 upr = row_bytes / sizeof(T);
+    if (rows * upr <= 0xffffffffull)
+        kt_copy2d_units<T, unsigned>(src, dst, (unsigned)rows, (unsigned)upr, src_pitch, dst_pitch);
+    else
+        kt_copy2d_units<T, kiln_u64>(src, dst, rows, upr, src_pitch, dst_pitch);
+}
+
+extern "C" __global__ void kiln_tensor_copy2d(const char* src, char* dst, kiln_u64 rows, kiln_u64 row_bytes,
+                                              long long src_pitch, long long dst_pitch) {
+    const kiln_u64 bits =
+        kt_addr(src) | kt_addr(dst) | row_bytes | (kiln_u64)src_pitch | (kiln_u64)dst_pitch;
+    switch (kt_width(bits)) {
+    case 16: kt_copy2d_w<kt_v16>(src, dst, rows, row_bytes, src_pitch, dst_pitch); break;
+    case 8: kt_copy2d_w<kiln_u64>(src, dst, rows, row_bytes, src_pitch, dst_pitch); break;
+    case 4: kt_copy2d_w<unsigned>(src, dst, rows, row_bytes, src_pitch, dst_pitch); break;
+    case 2: kt_copy2d_w<unsigned short>(src, dst, rows, row_bytes, src_pitch, dst_pitch); break;
+    default: kt_copy2d_w<unsigned char>(src, dst, rows, row_bytes, src_pitch, dst_pitch); break;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Strided gather: dst is n contiguous elements of esize bytes (1, 2, 4, 8 or 16); the output
+// element at multi-index (i_{rank-1}, …, i_0) — axis 0 innermost — is the source element
+// Σ i_k·s_k (element strides, signed; src already points at the first output element).
+// Transpose (permuted strides), Slice (scaled, possibly negative strides), Expand (zero
+// strides).
+
+#define KT_RANK 8
+
+template <typename I>
+__device__ __forceinline__ long long kt_src_index(I i, unsigned rank, const kiln_u64* d, const long long* s) {
+    long long off = 0;
+    I rem = i;
+#pragma unroll
+    for (int k = 0; k < KT_RANK; ++k) {
+        if ((unsigned)k + 1 < rank) {
+            const I q = rem / (I)d[k];
+            off += (long long)(rem - q * (I)d[k]) * s[k];
+            rem = q;
+        } else if ((unsigned)k + 1 == rank) {
+            off += (long long)rem * s[k];
+        }
+    }
+    return off;
+}
+
+// One element is K units of T (K > 1 only for the unaligned bytewise fallback).
+template <typename T, int K, typename I>
+__device__ void kt_strided_run(const T* src, T* dst, I n, unsigned rank, const kiln_u64* d, const long long* s) {
+    for (I i = (I)(blockIdx.x * (kiln_u64)blockDim.x + threadIdx.x); i < n; i += (I)(gridDim.x * (kiln_u64)blockDim.x)) {
+        const long long o = kt_src_index<I>(i, rank, d, s);
+#pragma unroll
+        for (int k = 0; k < K; ++k) dst[(kiln_u64)i * K + k] = src[o * K + k];
+    }
+}
+
+template <typename T, int K>
+__device__ void kt_strided_w(const char* src, char* dst, kiln_u64 n, unsigned rank, const kiln_u64* d,
+                             const long long* s) {
+    if (n <= 0xffffffffull)
+        kt_strided_run<T, K, unsigned>((const T*)src, (T*)dst, (unsigned)n, rank, d, s);
+    else
+        kt_strided_run<T, K, kiln_u64>((const T*)src, (T*)dst, n, rank, d, s);
+}
+
+extern "C" __global__ void kiln_tensor_strided(const char* src, char* dst, kiln_u64 n, unsigned esize, unsigned rank,
+                                               kiln_u64 d0, kiln_u64 d1, kiln_u64 d2, kiln_u64 d3, kiln_u64 d4,
+                                               kiln_u64 d5, kiln_u64 d6, kiln_u64 d7, long long s0, long long s1,
+                                               long long s2, long long s3, long long s4, long long s5, long long s6,
+                                               long long s7) {
+    const kiln_u64 d[KT_RANK] = {d0, d1, d2, d3, d4, d5, d6, d7};
+    const long long s[KT_RANK] = {s0, s1, s2, s3, s4, s5, s6, s7};
+    const bool aligned = ((kt_addr(src) | kt_addr(dst)) & (esize - 1)) == 0;
+    switch (aligned ? esize : esize + 100) {
+    case 1: kt_strided_w<unsigned char, 1>(src, dst, n, rank, d, s); break;
+    case 2: kt_strided_w<unsigned short, 1>(src, dst, n, rank, d, s); break;
+    case 4: kt_strided_w<unsigned, 1>(src, dst, n, rank, d, s); break;
+    case 8: kt_strided_w<kiln_u64, 1>(src, dst, n, rank, d, s); break;
+    case 16: kt_strided_w<kt_v16, 1>(src, dst, n, rank, d, s); break;
+    case 102: kt_strided_w<unsigned char, 2>(src, dst, n, rank, d, s); break;
+    case 104: kt_strided_w<unsigned char, 4>(src, dst, n, rank, d, s); break;
+    case 108: kt_strided_w<unsigned char, 8>(src, dst, n, rank, d, s); break;
+    case 116: kt_strided_w<unsigned char, 16>(src, dst, n, rank, d, s); break;
+    default: break;  // esize is checked by the shim
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Tiled batched transpose, the strided gather's fast path when the source is contiguous along
+// the output's second-to-last axis: dst is nb × nk × nl elements of esize (1, 2, 4, 8) bytes,
+// dst[b][k][l] = src[off(b) + k + l·s_l], where off(b) decomposes b over the batch axes
+// (bd0 innermost, element strides bs_i, signed). 32×32 tiles through shared memory, so both
+// the reads (along k) and the writes (along l) are coalesced. Block 32×8; grid-stride over
+// tiles.
+
+#define KT_TILE 32
+#define KT_ROWS 8
+#define KT_BRANK 6
+
+template <typename T>
+__device__ void kt_transpose_run(const T* src, T* dst, kiln_u64 nb, kiln_u64 nk, kiln_u64 nl, long long s_l,
+                                 unsigned brank, const kiln_u64* bd, const long long* bs) {
+    __shared__ T tile[KT_TILE][KT_TILE + 1];
+    const kiln_u64 tk_n = (nk + KT_TILE - 1) / KT_TILE, tl_n = (nl + KT_TILE - 1) / KT_TILE;
+    const kiln_u64 tiles = nb * tk_n * tl_n;
+    const unsigned tx = threadIdx.x, ty = threadIdx.y;
+    for (kiln_u64 t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const kiln_u64 tl = t % tl_n;
+        const kiln_u64 rest = t / tl_n;
+        const kiln_u64 tk = rest % tk_n;
+        const kiln_u64 b = rest / tk_n;
+        long long off = 0;
+        kiln_u64 rem = b;
+#pragma unroll
+        for (int i = 0; i < KT_BRANK; ++i) {
+            if ((unsigned)i < brank) {
+                const kiln_u64 q = rem / bd[i];
+                off += (long long)(rem - q * bd[i]) * bs[i];
+                rem = q;
+            }
+        }
+        const kiln_u64 k0 = tk * KT_TILE, l0 = tl * KT_TILE;
+        // Read: consecutive threads take consecutive k (contiguous in the source).
+        const kiln_u64 k = k0 + tx;
+#pragma unroll
+        for (unsigned j = 0; j < KT_TILE; j += KT_ROWS) {
+            const kiln_u64 l = l0 + ty + j;
+            if (k < nk && l < nl) tile[ty + j][tx] = src[off + (long long)k + (long long)l * s_l];
+        }
+        __syncthreads();
+        // Write: consecutive threads take consecutive l (contiguous in dst).
+        const kiln_u64 l = l0 + tx;
+        T* out = dst + b * nk * nl;
+#pragma unroll
+        for (unsigned j = 0; j < KT_TILE; j += KT_ROWS) {
+            const kiln_u64 kk = k0 + ty + j;
+            if (kk < nk && l < nl) out[kk * nl + l] = tile[tx][ty + j];
+        }
+        __syncthreads();
+    }
+}
+
+extern "C" __global__ void kiln_tensor_transpose(const char* src, char* dst, unsigned esize, kiln_u64 nb, kiln_u64 nk,
+                                                 kiln_u64 nl, long long s_l, unsigned brank, kiln_u64 bd0,
+                                                 kiln_u64 bd1, kiln_u64 bd2, kiln_u64 bd3, kiln_u64 bd4, kiln_u64 bd5,
+                                                 long long bs0, long long bs1, long long bs2, long long bs3,
+                                                 long long bs4, long long bs5) {
+    const kiln_u64 bd[KT_BRANK] = {bd0, bd1, bd2, bd3, bd4, bd5};
+    const long long bs[KT_BRANK] = {bs0, bs1, bs2, bs3, bs4, bs5};
+    const unsigned e = ((kt_addr(src) | kt_addr(dst)) & (esize - 1)) == 0 ? esize : 0;
+    switch (e) {
+    case 1: kt_transpose_run<unsigned char>((const unsigned char*)src, (unsigned char*)dst, nb, nk, nl, s_l, brank, bd, bs); break;
+    case 2: kt_transpose_run<unsigned short>((const unsigned short*)src, (unsigned short*)dst, nb, nk, nl, s_l, brank, bd, bs); break;
+    case 4: kt_transpose_run<unsigned>((const unsigned*)src, (unsigned*)dst, nb, nk, nl, s_l, brank, bd, bs); break;
+    case 8: kt_transpose_run<kiln_u64>((const kiln_u64*)src, (kiln_u64*)dst, nb, nk, nl, s_l, brank, bd, bs); break;
+    default: {
+        // Unaligned pointers (not expected: allocations are aligned): element by element, bytewise.
+        const kiln_u64 n = nb * nk * nl;
+        const kiln_u64 threads = (kiln_u64)gridDim.x * blockDim.x * blockDim.y;
+        for (kiln_u64 i = (kiln_u64)blockIdx.x * blockDim.x * blockDim.y + threadIdx.y * blockDim.x + threadIdx.x; i < n;
+             i += threads) {
+            const kiln_u64 l = i % nl, r = i / nl, k = r % nk;
+            kiln_u64 rem = r / nk;
+            long long off = 0;
+            for (int j = 0; j < KT_BRANK; ++j) {
+                if ((unsigned)j < brank) {
+                    const kiln_u64 q = rem / bd[j];
+                    off += (long long)(rem - q * bd[j]) * bs[j];
+                    rem = q;
+                }
+            }
+            const long long at = (off + (long long)k + (long long)l * s_l) * (long long)esize;
+            for (unsigned c = 0; c < esize; ++c) dst[i * esize + c] = src[at + c];
+        }
+        break;
+    }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Gather along an axis: data is outer × dim × inner_bytes, indices n_idx int32 (idx64 = 0)
+// or int64 (idx64 = 1); dst is outer × n_idx × inner_bytes. Negative indices wrap once;
+// indices still outside 0..dim write zeros (never read out of bounds).
+
+template <typename T, typename I>
+__device__ void kt_gather_run(const T* src, const void* idx, T* dst, I outer, I dim, I n_idx, I upi, unsigned idx64) {
+    const I total = outer * n_idx * upi;
+    for (I i = (I)(blockIdx.x * (kiln_u64)blockDim.x + threadIdx.x); i < total; i += (I)(gridDim.x * (kiln_u64)blockDim.x)) {
+        const I t = i / upi;
+        const I c = i - t * upi;
+        const I o = t / n_idx;
+        const I j = t - o * n_idx;
+        long long k = idx64 ? ((const long long*)idx)[j] : (long long)((const int*)idx)[j];
+        if (k < 0) k += (long long)dim;
+        if (k >= 0 && k < (long long)dim) {
+            dst[i] = src[((kiln_u64)o * dim + (kiln_u64)k) * upi + c];
+        } else {
+            dst[i] = T();
+        }
+    }
+}
+
+template <typename T>
+__device__ void kt_gather_w(const char* src, const void* idx, char* dst, kiln_u64 outer, kiln_u64 dim, kiln_u64 n_idx,
+                            kiln_u64 inner_bytes, unsigned idx64) {
+    const kiln_u64 upi = inner_bytes / sizeof(T);
+    if (outer * n_idx * upi <= 0xffffffffull && outer * dim * upi <= 0xffffffffull)
+        kt_gather_run<T, unsigned>((const T*)src, idx, (T*)dst, (unsigned)outer, (unsigned)dim, (unsigned)n_idx,
+                                   (unsigned)upi, idx64);
+    else
+        kt_gather_run<T, kiln_u64>((const T*)src, idx, (T*)dst, outer, dim, n_idx, upi, idx64);
+}
+
+extern "C" __global__ void kiln_tensor_gather(const char* src, const void* idx, char* dst, kiln_u64 outer, kiln_u64 dim,
+                                              kiln_u64 n_idx, kiln_u64 inner_bytes, unsigned idx64) {
+    switch (kt_width(kt_addr(src) | kt_addr(dst) | inner_bytes)) {
+    case 16: kt_gather_w<kt_v16>(src, idx, dst, outer, dim, n_idx, inner_bytes, idx64); break;
+    case 8: kt_gather_w<kiln_u64>(src, idx, dst, outer, dim, n_idx, inner_bytes, idx64); break;
+    case 4: kt_gather_w<unsigned>(src, idx, dst, outer, dim, n_idx, inner_bytes, idx64); break;
+    case 2: kt_gather_w<unsigned short>(src, idx, dst, outer, dim, n_idx, inner_bytes, idx64); break;
+    default: kt_gather_w<unsigned char>(src, idx, dst, outer, dim, n_idx, inner_bytes, idx64); break;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Fill: nbytes bytes of a 16-byte pattern (lo, hi little-endian), byte k = pattern[k % 16].
+// ConstantOfShape (the value repeated to 16 bytes).
+
+extern "C" __global__ void kiln_tensor_fill(char* dst, kiln_u64 nbytes, kiln_u64 lo, kiln_u64 hi) {
+    kiln_u64 done = 0;
+    if ((kt_addr(dst) & 15) == 0) {
+        const kiln_u64 units = nbytes / 16;
+        kt_v16 v;
+        v.lo = lo;
+        v.hi = hi;
+        kt_v16* d = (kt_v16*)dst;
+        KILN_FOR(i, units) { d[i] = v; }
+        done = units * 16;
+    }
+    KILN_FOR(i, nbytes - done) {
+        const kiln_u64 k = (done + i) & 15;
+        const kiln_u64 w = k < 8 ? lo : hi;
+        dst[done + i] = (char)(w >> (8 * (k & 7)));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Up to 8 given 64-bit values: dst[i] = v_i for i < n. Shape and Size (int64 outputs).
+
+extern "C" __global__ void kiln_tensor_values64(char* dst, unsigned n, kiln_u64 v0, kiln_u64 v1, kiln_u64 v2,
+                                                kiln_u64 v3, kiln_u64 v4, kiln_u64 v5, kiln_u64 v6, kiln_u64 v7) {
+    const kiln_u64 v[8] = {v0, v1, v2, v3, v4, v5, v6, v7};
+    const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n || i >= 8) return;
+    if ((kt_addr(dst) & 7) == 0) {
+        ((kiln_u64*)dst)[i] = v[i];
+    } else {
+        for (int b = 0; b < 8; ++b) dst[8 * i + b] = (char)(v[i] >> (8 * b));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Range: dst[i] = start + i·delta.
+// Integers: computed in int64 with wraparound, stored as the low esize (2, 4, 8) bytes.
+// Floats: computed in double, stored as float (esize 4) or double (esize 8).
+
+extern "C" __global__ void kiln_tensor_range_int(char* dst, kiln_u64 n, long long start, long long delta,
+                                                 unsigned esize) {
+    KILN_FOR(i, n) {
+        const kiln_u64 v = (kiln_u64)start + i * (kiln_u64)delta;
+        switch (esize) {
+        case 1: ((unsigned char*)dst)[i] = (unsigned char)v; break;
+        case 2: ((unsigned short*)dst)[i] = (unsigned short)v; break;
+        case 4: ((unsigned*)dst)[i] = (unsigned)v; break;
+        default: ((kiln_u64*)dst)[i] = v; break;
+        }
+    }
+}
+
+extern "C" __global__ void kiln_tensor_range_float(char* dst, kiln_u64 n, double start, double delta, unsigned esize) {
+    KILN_FOR(i, n) {
+        // Rounded as the CPU reference (no fused multiply-add).
+        const double v = __dadd_rn(start, __dmul_rn((double)i, delta));
+        if (esize == 4)
+            ((float*)dst)[i] = (float)v;
+        else
+            ((double*)dst)[i] = v;
+    }
+}

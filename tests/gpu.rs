@@ -1,0 +1,58 @@
+//! GPU tests (the H200 machine: `.gpu/cargo-nextest nextest run --archive-file .gpu/tests.tar.zst
+//! --workspace-remap . --run-ignored all`). Each needs a CUDA GPU and says so when ignored.
+
+use kiln_host::conformance::{run_test, summary, test_dirs, Outcome};
+use kiln_host::ep::{Device, Runtime, Session, SessionOptions};
+use kiln_host::sandbox::SandboxConfig;
+use kiln_host::{model, packages, tensorio};
+
+fn runtime() -> std::sync::Arc<Runtime> {
+    let (reg, errors) = packages::registry(&[]);
+    assert!(errors.is_empty(), "{errors:?}");
+    Runtime::new(reg, SandboxConfig::default()).unwrap()
+}
+
+fn cuda() -> SessionOptions {
+    assert!(kiln_host::cuda::device_count() > 0, "no CUDA GPU visible");
+    SessionOptions { device: Device::Cuda(0), ..SessionOptions::default() }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_example_runs_on_the_gpu_and_matches_onnxruntime() {
+    let root = kiln_tests::root();
+    let m = model::load(&root.join("examples/mlp/model.onnx")).unwrap();
+    let x = tensorio::read_tensor_file(&root.join("examples/mlp/x.npy")).unwrap().0;
+    let want = tensorio::read_tensor_file(&root.join("examples/mlp/expected.npy")).unwrap().0;
+    let mut s = Session::new(runtime(), m, cuda()).unwrap();
+    for _ in 0..3 {
+        let out = s.run(vec![("x".into(), x.clone())]).unwrap();
+        assert_eq!(kiln_host::conformance::compare(&out[0].1, &want, 1e-3, 1e-5), None);
+    }
+    assert!(s.report.plan_hits > 0, "later runs reuse the launch plans: {:?}", s.report);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn onnx_node_tests_that_pass_on_the_cpu_pass_on_the_gpu() {
+    let dir = kiln_tests::onnx_node_tests();
+    let rt = runtime();
+    let dirs = test_dirs(&dir, None).unwrap();
+    let cpu: Vec<_> = dirs.iter().map(|d| run_test(&rt, d, &SessionOptions::default())).collect();
+    let gpu: Vec<_> = dirs.iter().map(|d| run_test(&rt, d, &cuda())).collect();
+    println!("{}", summary(&gpu));
+    let regressions: Vec<_> = cpu
+        .iter()
+        .zip(&gpu)
+        .filter(|(c, g)| c.outcome == Outcome::Passed && g.outcome != Outcome::Passed)
+        .map(|(_, g)| format!("{}: {:?}", g.name, g.outcome))
+        .collect();
+    let failed = gpu.iter().filter(|r| matches!(r.outcome, Outcome::Failed(_))).count();
+    assert_eq!(failed, 0, "{failed} node tests failed on the GPU");
+    assert!(
+        regressions.is_empty(),
+        "{} tests pass on the CPU but not on the GPU:\n{}",
+        regressions.len(),
+        regressions.join("\n")
+    );
+}
