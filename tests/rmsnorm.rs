@@ -170,7 +170,7 @@ fn run(rt: &Arc<Runtime>, m: &ModelProto, feeds: &[&Feed]) -> Result<Vec<(String
         .iter()
         .map(|f| (f.name.to_string(), Tensor::new(f.dtype, f.shape.clone(), Bytes::from(f.bytes.clone())).unwrap()))
         .collect();
-    Session::new(rt.clone(), m, SessionOptions::default())?.run(feeds)
+    Session::new(rt.clone(), m, SessionOptions { check_dispatch: true, ..SessionOptions::default() })?.run(feeds)
 }
 
 fn output<'a>(outs: &'a [(String, Tensor)], name: &str) -> &'a Tensor {

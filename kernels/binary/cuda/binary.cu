@@ -16,8 +16,8 @@
 //   kiln_where_{1,2,4,8}(const u8* c, const T* x, const T* z, T* y, u64 n, u32 rank, DIMS,
 //                        STRIDES(c), STRIDES(x), STRIDES(z))              (T by element size)
 //   kiln_nary_<t>(T* y, u64 n, u32 op, u32 count, u32 mean, u32 rank, DIMS,
-//                 const T* x0, const T* x1, const T* x2, const T* x3, STRIDES(x0) .. STRIDES(x3))
-//     y = fold of op over x0..x{count-1} (count 1..4), divided by `mean` when it is not 0.
+//                 const T* x0, .., const T* x7, STRIDES(x0) .. STRIDES(x7))
+//     y = fold of op over x0..x{count-1} (count 1..8), divided by `mean` when it is not 0.
 //   kiln_pow(const void* a, const void* b, void* y, u64 n, u32 a_dtype, u32 b_dtype, u32 rank,
 //            DIMS, STRIDES(a), STRIDES(b))      Pow of mixed dtypes (ONNX dtype codes); y has a's
 // with DIMS = u64 d0..d7 and STRIDES(p) = u64 p0..p7; <t> one of f32 f16 bf16 f64 i8 i16 i32 i64
@@ -381,17 +381,31 @@ KILN_WHERE(unsigned short, 2)
 KILN_WHERE(unsigned, 4)
 KILN_WHERE(kiln_u64, 8)
 
-// Max, Min, Sum, Mean over up to 4 inputs (the shim chains launches for more, passing y as x0).
+// The fold of Sum/Mean (ADD), Max and Min: `arith` without the ops that variadic ops lack.
+template <typename T>
+__device__ __forceinline__ typename T::C nary_combine(typename T::C a, typename T::C b, unsigned op) {
+    if constexpr (T::is_float) {
+        if (op == ADD) return a + b;
+        if (a != a) return a;
+        if (b != b) return b;
+        return op == MAX ? (a > b ? a : b) : (a < b ? a : b);
+    } else {
+        if (op == MAX) return int_lt(T::is_signed, a, b) ? b : a;
+        return int_lt(T::is_signed, b, a) ? b : a;  // MIN (ADD is float-only)
+    }
+}
+
+// Max, Min, Sum, Mean over up to 8 inputs (the shim chains launches for more, passing y as x0).
 template <typename T>
 struct NaryF {
-    const typename T::S* x[4];
+    const typename T::S* x[8];
     typename T::S* y;
     unsigned op, count, mean;
-    __device__ void operator()(kiln_u64 i, const kiln_u64 (&off)[4]) const {
+    __device__ void operator()(kiln_u64 i, const kiln_u64 (&off)[8]) const {
         typename T::C acc = T::ld(x[0][off[0]]);
 #pragma unroll
-        for (int j = 1; j < 4; ++j) {
-            if (j < (int)count) acc = arith<T>(acc, T::ld(x[j][off[j]]), op);
+        for (int j = 1; j < 8; ++j) {
+            if (j < (int)count) acc = nary_combine<T>(acc, T::ld(x[j][off[j]]), op);
         }
         if constexpr (T::is_float) {
             if (mean) acc = acc / (typename T::C)mean;
@@ -403,12 +417,15 @@ struct NaryF {
 #define KILN_NARY(T, SUFFIX)                                                                                        \
     extern "C" __global__ void kiln_nary_##SUFFIX(T::S* y, kiln_u64 n, unsigned op, unsigned count, unsigned mean,    \
                                                   unsigned rank, KILN_DIMS, const T::S* x0, const T::S* x1,           \
-                                                  const T::S* x2, const T::S* x3, KILN_STRIDES(s0), KILN_STRIDES(s1), \
-                                                  KILN_STRIDES(s2), KILN_STRIDES(s3)) {                               \
+                                                  const T::S* x2, const T::S* x3, const T::S* x4, const T::S* x5,     \
+                                                  const T::S* x6, const T::S* x7, KILN_STRIDES(s0), KILN_STRIDES(s1), \
+                                                  KILN_STRIDES(s2), KILN_STRIDES(s3), KILN_STRIDES(s4),               \
+                                                  KILN_STRIDES(s5), KILN_STRIDES(s6), KILN_STRIDES(s7)) {             \
         const kiln_u64 d[8] = KILN_ARR(d);                                                                          \
-        const kiln_u64 s[4][8] = {KILN_ARR(s0), KILN_ARR(s1), KILN_ARR(s2), KILN_ARR(s3)};                          \
-        NaryF<T> f{{x0, x1, x2, x3}, y, op, count, mean};                                                           \
-        for_each<4>(n, rank, d, s, f);                                                                              \
+        const kiln_u64 s[8][8] = {KILN_ARR(s0), KILN_ARR(s1), KILN_ARR(s2), KILN_ARR(s3),                           \
+                                  KILN_ARR(s4), KILN_ARR(s5), KILN_ARR(s6), KILN_ARR(s7)};                          \
+        NaryF<T> f{{x0, x1, x2, x3, x4, x5, x6, x7}, y, op, count, mean};                                           \
+        for_each<8>(n, rank, d, s, f);                                                                              \
     }
 KILN_NARY(TF32, f32)
 KILN_NARY(TF16, f16)
@@ -517,7 +534,12 @@ struct PowF {
         } else if (bf) {
             const kiln_u64 p = load_i(a, off[0], ta);
             const double base = au ? (double)p : (double)(long long)p;
-            store_i(y, i, ta, f64_to_int(pow(base, load_f(b, off[1], tb)), ta == DT_U64));
+            const double e = load_f(b, off[1], tb);
+            double r = pow(base, e);
+            // An integer to a natural power is an integer: keep pow's last-ulp error from
+            // truncating it to the one below (the CPU's libm is exact there).
+            if (e >= 0.0 && e == floor(e) && fabs(r) < 9007199254740992.0) r = rint(r);
+            store_i(y, i, ta, f64_to_int(r, ta == DT_U64));
         } else {
             store_i(y, i, ta, int_pow(load_i(a, off[0], ta), !au, load_i(b, off[1], tb), !bu));
         }

@@ -30,6 +30,8 @@ __device__ __forceinline__ float m_abs(float x) { return fabsf(x); }
 __device__ __forceinline__ double m_abs(double x) { return fabs(x); }
 __device__ __forceinline__ float m_erf(float x) { return erff(x); }
 __device__ __forceinline__ double m_erf(double x) { return erf(x); }
+__device__ __forceinline__ float m_erfc(float x) { return erfcf(x); }
+__device__ __forceinline__ double m_erfc(double x) { return erfc(x); }
 __device__ __forceinline__ float m_cos(float x) { return cosf(x); }
 __device__ __forceinline__ double m_cos(double x) { return cos(x); }
 __device__ __forceinline__ float m_sin(float x) { return sinf(x); }
@@ -63,9 +65,11 @@ __device__ __forceinline__ C unary_apply(C x, unsigned op, C alpha, C beta) {
     case SIN: return m_sin(x);
     case FLOOR: return m_floor(x);
     case CEIL: return m_ceil(x);
-    case GELU: return C(0.5) * x * (C(1) + m_erf(x * C(0.70710678118654752440)));
+    // 0.5·x·(1 + erf(x/√2)) = 0.5·x·erfc(−x/√2), without cancellation for negative x.
+    case GELU: return C(0.5) * x * m_erfc(x * C(-0.70710678118654752440));
+    // 0.5·x·(1 + tanh(u)) = x / (1 + exp(−2u)), likewise.
     case GELU_TANH:
-        return C(0.5) * x * (C(1) + m_tanh(C(0.79788456080286535588) * (x + C(0.044715) * x * x * x)));
+        return x / (C(1) + m_exp(C(-2) * (C(0.79788456080286535588) * (x + C(0.044715) * x * x * x))));
     case SOFTPLUS: return x > C(0) ? x + m_log1p(m_exp(-x)) : m_log1p(m_exp(x));
     case HARD_SIGMOID: {
         C v = alpha * x + beta;

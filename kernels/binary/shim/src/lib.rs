@@ -386,6 +386,217 @@ fn pow(call: &Call, dtypes: &[DType], shapes: &[Vec<usize>], a: Vals, b: Vals, o
     }
 }
 
+/// Threads per block of every launch.
+const BLOCK: u32 = 256;
+
+/// Blocks for `n` elements at `per_thread` elements per thread, capped (the kernels loop).
+fn grid_for(n: u64, per_thread: u64) -> u32 {
+    n.div_ceil(BLOCK as u64 * per_thread.max(1)).clamp(1, 65535 * 32) as u32
+}
+
+/// The kernel name suffix of a numeric dtype (cuda/binary.cu).
+fn suffix(dtype: DType) -> Option<&'static str> {
+    Some(match dtype {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::F64 => "f64",
+        DType::I8 => "i8",
+        DType::I16 => "i16",
+        DType::I32 => "i32",
+        DType::I64 => "i64",
+        DType::U8 => "u8",
+        DType::U16 => "u16",
+        DType::U32 => "u32",
+        DType::U64 => "u64",
+        _ => return None,
+    })
+}
+
+/// `enum ArithOp` of cuda/binary.cu (Sum folds with ADD).
+fn arith_code(op: Op) -> Option<u32> {
+    Some(match op {
+        Op::Add | Op::Sum | Op::Mean => 0,
+        Op::Sub => 1,
+        Op::Mul => 2,
+        Op::Div => 3,
+        Op::Pow => 4,
+        Op::Mod { fmod: true } => 5,
+        Op::Mod { fmod: false } => 6,
+        Op::Max => 7,
+        Op::Min => 8,
+        _ => return None,
+    })
+}
+
+/// `enum CmpOp` of cuda/binary.cu.
+fn cmp_code(op: Op) -> Option<u32> {
+    Some(match op {
+        Op::Equal => 0,
+        Op::Less => 1,
+        Op::Greater => 2,
+        Op::LessOrEqual => 3,
+        Op::GreaterOrEqual => 4,
+        _ => return None,
+    })
+}
+
+/// `enum LogicOp` of cuda/binary.cu (Equal of bools included).
+fn logic_code(op: Op) -> Option<u32> {
+    Some(match op {
+        Op::And => 0,
+        Op::Or => 1,
+        Op::Xor => 2,
+        Op::Equal => 3,
+        _ => return None,
+    })
+}
+
+/// Most dims a kernel takes.
+const MAX_RANK: usize = 8;
+
+/// The broadcast of some inputs to the output shape, as the kernels take it: the output's dims
+/// (size-1 dims dropped, adjacent dims merged where every input allows) and each input's
+/// element strides along them (0 on broadcast dims).
+struct Layout {
+    dims: Vec<u64>,
+    strides: Vec<Vec<u64>>,
+}
+
+impl Layout {
+    fn new(out: &[usize], inputs: &[&[usize]]) -> Result<Layout> {
+        let r = out.len();
+        let mut dims: Vec<u64> = Vec::with_capacity(r);
+        let mut strides: Vec<Vec<u64>> = vec![Vec::with_capacity(r); inputs.len()];
+        // Each input's strides along the output's axes.
+        let full: Vec<Vec<u64>> = inputs
+            .iter()
+            .map(|s| {
+                let lead = r - s.len();
+                let mut st = vec![0u64; r];
+                let mut acc = 1u64;
+                for k in (0..s.len()).rev() {
+                    st[lead + k] = if s[k] == 1 { 0 } else { acc };
+                    acc *= s[k] as u64;
+                }
+                st
+            })
+            .collect();
+        for k in 0..r {
+            let d = out[k] as u64;
+            if d == 1 {
+                continue;
+            }
+            let last = dims.len();
+            // Merge into the previous dim when every input steps over this one contiguously.
+            if last > 0 && full.iter().zip(&strides).all(|(f, st)| st[last - 1] == f[k] * d) {
+                dims[last - 1] *= d;
+                for (f, st) in full.iter().zip(strides.iter_mut()) {
+                    st[last - 1] = f[k];
+                }
+                continue;
+            }
+            dims.push(d);
+            for (f, st) in full.iter().zip(strides.iter_mut()) {
+                st.push(f[k]);
+            }
+        }
+        if dims.is_empty() {
+            // One element: every input has one too.
+            dims.push(1);
+            strides.iter_mut().for_each(|st| st.push(1));
+        }
+        if dims.len() > MAX_RANK {
+            unsupported!("broadcasting over more than {MAX_RANK} dims");
+        }
+        Ok(Layout { dims, strides })
+    }
+
+    /// All inputs have the output's shape, contiguous.
+    fn contiguous(&self) -> bool {
+        self.dims.len() == 1 && self.strides.iter().all(|s| s[0] == 1)
+    }
+
+    fn push_rank_dims(&self, args: &mut Vec<KernelArg>) {
+        args.push(KernelArg::U32(self.dims.len() as u32));
+        self.push_dims(args);
+    }
+
+    fn push_dims(&self, args: &mut Vec<KernelArg>) {
+        args.extend((0..MAX_RANK).map(|k| KernelArg::U64(self.dims.get(k).copied().unwrap_or(1))));
+    }
+
+    fn push_strides(&self, args: &mut Vec<KernelArg>) {
+        for st in &self.strides {
+            args.extend((0..MAX_RANK).map(|k| KernelArg::U64(st.get(k).copied().unwrap_or(0))));
+        }
+    }
+}
+
+fn tensor(handle: u32) -> KernelArg {
+    KernelArg::Tensor { handle, offset: 0 }
+}
+
+/// One launch of a two-input kernel `kernel(a, b, y, n, op, rank, dims, strides a, strides b)`;
+/// `vec`: elements per thread on the contiguous fast path.
+#[allow(clippy::too_many_arguments)]
+fn launch2(kernel: &str, a: u32, b: u32, y: u32, n: u64, op: u32, lay: &Layout, vec: u64) -> Result<()> {
+    let mut args = vec![tensor(a), tensor(b), tensor(y), KernelArg::U64(n), KernelArg::U32(op)];
+    lay.push_rank_dims(&mut args);
+    lay.push_strides(&mut args);
+    let per_thread = if lay.contiguous() { vec } else { 1 };
+    launch(&Launch { kernel, grid: [grid_for(n, per_thread), 1, 1], block: [BLOCK, 1, 1], shared_mem_bytes: 0, args })
+}
+
+/// Most inputs of one `kiln_nary_*` launch.
+const NARY_INPUTS: usize = 8;
+
+/// Max, Min, Sum, Mean: launches of `kiln_nary_<t>` folding up to eight inputs each; after the
+/// first, the output so far is the first input of the next (float16/bfloat16 sums of more than
+/// eight inputs round in between).
+fn dispatch_nary(call: &Call, op: Op, dtype: DType, shapes: &[Vec<usize>], out: &TensorType) -> Result<()> {
+    let Some(sfx) = suffix(dtype) else { unsupported!("{}: no CUDA kernel for {dtype}", call.op_type()) };
+    let Some(code) = arith_code(op) else { bail!("internal: {op:?} is not variadic") };
+    let kernel = format!("kiln_nary_{sfx}");
+    let y = call.output(0)?.handle();
+    let n: u64 = out.shape.iter().product::<usize>() as u64;
+    let count = shapes.len();
+    let mut next = 0;
+    while next < count {
+        // (handle, shape) of this launch's inputs.
+        let mut ins: Vec<(u32, &[usize])> = Vec::with_capacity(NARY_INPUTS);
+        if next > 0 {
+            ins.push((y, &out.shape));
+        }
+        while ins.len() < NARY_INPUTS && next < count {
+            ins.push((call.input(next)?.handle(), &shapes[next]));
+            next += 1;
+        }
+        let used = ins.len();
+        let mean = if op == Op::Mean && next == count { count as u32 } else { 0 };
+        let lay = Layout::new(&out.shape, &ins.iter().map(|(_, s)| *s).collect::<Vec<_>>())?;
+        let mut args =
+            vec![tensor(y), KernelArg::U64(n), KernelArg::U32(code), KernelArg::U32(used as u32), KernelArg::U32(mean)];
+        lay.push_rank_dims(&mut args);
+        // Unused slots repeat the first input with zero strides (never read).
+        for k in 0..NARY_INPUTS {
+            args.push(tensor(ins.get(k).unwrap_or(&ins[0]).0));
+        }
+        lay.push_strides(&mut args);
+        for _ in used..NARY_INPUTS {
+            args.extend((0..MAX_RANK).map(|_| KernelArg::U64(0)));
+        }
+        launch(&Launch {
+            kernel: &kernel,
+            grid: [grid_for(n, 1), 1, 1],
+            block: [BLOCK, 1, 1],
+            shared_mem_bytes: 0,
+            args,
+        })?;
+    }
+    Ok(())
+}
+
 impl Shim for Binary {
     fn infer(call: &Call) -> Result<Vec<TensorType>> {
         Ok(vec![check(call)?.out])
@@ -478,6 +689,75 @@ impl Shim for Binary {
             (Vals::I(x), Vals::I(y)) => out.write_vec::<i64>(&map2(&x, ash, &y, bsh, |p, q| int_op(op, u, p, q))?),
             _ => bail!("{}: bool inputs are not allowed", call.op_type()),
         }
+    }
+
+    fn dispatch(call: &Call) -> Result<()> {
+        let Checked { op, dtypes, shapes, out } = check(call)?;
+        let name = call.op_type();
+        let n: u64 = out.shape.iter().product::<usize>() as u64;
+        if n == 0 {
+            return Ok(());
+        }
+        if op.is_variadic() {
+            return dispatch_nary(call, op, dtypes[0], &shapes, &out);
+        }
+        let y = call.output(0)?.handle();
+        let h = |i: usize| -> Result<u32> { Ok(call.input(i)?.handle()) };
+        if op == Op::Where {
+            let size = match out.dtype.size() {
+                Some(s @ (1 | 2 | 4 | 8)) => s,
+                _ => unsupported!("Where: no CUDA kernel for {}", out.dtype),
+            };
+            let lay = Layout::new(&out.shape, &[&shapes[0], &shapes[1], &shapes[2]])?;
+            let mut args = vec![tensor(h(0)?), tensor(h(1)?), tensor(h(2)?), tensor(y), KernelArg::U64(n)];
+            lay.push_rank_dims(&mut args);
+            lay.push_strides(&mut args);
+            let kernel = format!("kiln_where_{size}");
+            return launch(&Launch {
+                kernel: &kernel,
+                grid: [grid_for(n, 1), 1, 1],
+                block: [BLOCK, 1, 1],
+                shared_mem_bytes: 0,
+                args,
+            });
+        }
+        let (a, b) = (h(0)?, h(1)?);
+        let lay = Layout::new(&out.shape, &[&shapes[0], &shapes[1]])?;
+        let dtype = dtypes[0];
+        let vec = 16 / dtype.size().unwrap_or(16) as u64;
+        if op == Op::Pow && dtypes[1] != dtype {
+            let (Some(_), Some(_)) = (suffix(dtype), suffix(dtypes[1])) else {
+                unsupported!("Pow: no CUDA kernel for {dtype} and {}", dtypes[1]);
+            };
+            let mut args = vec![
+                tensor(a),
+                tensor(b),
+                tensor(y),
+                KernelArg::U64(n),
+                KernelArg::U32(dtype.code() as u32),
+                KernelArg::U32(dtypes[1].code() as u32),
+            ];
+            lay.push_rank_dims(&mut args);
+            lay.push_strides(&mut args);
+            return launch(&Launch {
+                kernel: "kiln_pow",
+                grid: [grid_for(n, 1), 1, 1],
+                block: [BLOCK, 1, 1],
+                shared_mem_bytes: 0,
+                args,
+            });
+        }
+        if op.is_logical() || (op == Op::Equal && dtype == DType::Bool) {
+            let Some(code) = logic_code(op) else { bail!("internal: {op:?} is not logical") };
+            return launch2("kiln_logic", a, b, y, n, code, &lay, vec);
+        }
+        let Some(sfx) = suffix(dtype) else { unsupported!("{name}: no CUDA kernel for {dtype}") };
+        if op.is_comparison() {
+            let Some(code) = cmp_code(op) else { bail!("internal: {op:?} is not a comparison") };
+            return launch2(&format!("kiln_compare_{sfx}"), a, b, y, n, code, &lay, vec);
+        }
+        let Some(code) = arith_code(op) else { bail!("internal: {op:?} is not arithmetic") };
+        launch2(&format!("kiln_binary_{sfx}"), a, b, y, n, code, &lay, vec)
     }
 }
 

@@ -101,8 +101,8 @@ fn tensor_bytes(op: &str, t: &TensorValue) -> Result<(Vec<usize>, Vec<u8>)> {
     if let Some(d) = t.dims.iter().find(|&&d| d < 0) {
         bail!("{op}: value has negative dimension {d}");
     }
-    let shape: Vec<usize> = t.dims.iter().map(|&d| d as usize).collect();
-    let n: usize = shape.iter().product();
+    let shape: Vec<usize> = shape::dims_from_i64(&t.dims)?;
+    let n: usize = shape::numel(&shape)?;
     if t.data.len() != n * esize {
         bail!("{op}: value of shape {shape:?} and dtype {} has {} bytes, not {}", t.dtype, t.data.len(), n * esize);
     }
@@ -155,7 +155,7 @@ fn constant_of_shape(call: &Call) -> Result<Plan> {
     if let Some(d) = dims.iter().find(|&&d| d < 0) {
         bail!("ConstantOfShape: shape {dims:?} has negative dimension {d}");
     }
-    let shape = dims.iter().map(|&d| d as usize).collect();
+    let shape = shape::dims_from_i64(&dims)?;
     let (dtype, one) = match call.attr_tensor("value")? {
         None => (DType::F32, element::encode(&[0f32])),
         Some(t) => {
@@ -198,6 +198,9 @@ fn range(call: &Call) -> Result<Plan> {
         let n = libm::ceil((limit - start) / delta);
         if !n.is_finite() {
             bail!("Range: start {start}, limit {limit} and delta {delta} give no finite length");
+        }
+        if n > u32::MAX as f64 {
+            bail!("Range: {n} elements are more than a shim can address");
         }
         let n = if n > 0.0 { n as usize } else { 0 };
         Ok(Plan { dtype, shape: vec![n], fill: Fill::FloatRange(start, delta) })

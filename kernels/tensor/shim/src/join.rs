@@ -110,7 +110,7 @@ fn split_plan(call: &Call) -> Result<(usize, Vec<usize>)> {
             if split.iter().any(|&s| s < 0) || split.iter().sum::<i64>() != dim as i64 {
                 bail!("Split: split {split:?} does not add up to dimension {dim} of axis {a}");
             }
-            split.iter().map(|&s| s as usize).collect()
+            shape::dims_from_i64(&split)?
         }
         None => {
             // Split-18: `num_outputs` parts of ceil(dim / num_outputs), the last one smaller.

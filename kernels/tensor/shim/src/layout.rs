@@ -74,11 +74,11 @@ fn reshape(call: &Call, dims: &[usize]) -> Result<Vec<usize>> {
                 None => bail!("Reshape: shape {spec:?} copies dimension {i}, beyond input rank {}", dims.len()),
             },
             d if d < 0 => bail!("Reshape: shape {spec:?} has invalid dimension {d}"),
-            d => d as usize,
+            d => usize::try_from(d).map_err(|_| ShimError::Failed(format!("Reshape: dimension {d} is too large")))?,
         });
     }
     let total: usize = dims.iter().product();
-    let known: usize = out.iter().product();
+    let known: usize = shape::numel(&out)?;
     if let Some(i) = infer_at {
         if known == 0 || !total.is_multiple_of(known) {
             bail!("Reshape: cannot reshape {dims:?} to {spec:?}");

@@ -135,7 +135,7 @@ fn expand(call: &Call, dims: &[usize]) -> Result<Plan> {
     if let Some(d) = target.iter().find(|&&d| d < 0) {
         bail!("Expand: shape {target:?} has negative dimension {d}");
     }
-    let target: Vec<usize> = target.iter().map(|&d| d as usize).collect();
+    let target: Vec<usize> = shape::dims_from_i64(&target)?;
     let shape = match shape::broadcast_shapes(&[dims, &target]) {
         Ok(s) => s,
         Err(_) => bail!("Expand: input shape {dims:?} cannot be broadcast to {target:?}"),

@@ -1,0 +1,183 @@
+// kiln-cast CUDA kernels: y[i] = convert(x[i]) over n contiguous elements, grid-stride loops.
+// Compiled by NVRTC for the GPU present. Conversions follow the CPU reference (shim/src/lib.rs):
+//
+// - float → float rounds to nearest even once (float64 → float16/bfloat16 through float32
+//   rounded to odd); NaN and ±inf are kept, values beyond the target's range become ±inf;
+// - float → integer truncates toward zero, saturating, NaN → 0 (Rust's `as`);
+// - integer → float rounds to nearest even once; integer → integer wraps;
+// - anything → bool is `x != 0` (NaN → true); bool (any nonzero byte) → number is 0 or 1.
+//
+// Entry points: kiln_cast_<from>(const S* x, void* y, u64 n, u32 to), <from> one of f32 f16
+// bf16 f64 i8 i16 i32 i64 u8 u16 u32 u64 bool, `to` the ONNX dtype code of y.
+#include "kiln.cuh"
+
+enum DTypeCode { DT_F32 = 1, DT_U8 = 2, DT_I8 = 3, DT_U16 = 4, DT_I16 = 5, DT_I32 = 6, DT_I64 = 7, DT_BOOL = 9,
+                 DT_F16 = 10, DT_F64 = 11, DT_U32 = 12, DT_U64 = 13, DT_BF16 = 16 };
+
+// Kinds of element: 0 float (value as float or double), 1 signed, 2 unsigned, 3 bool.
+enum Kind { FLOAT = 0, SIGNED, UNSIGNED, BOOL };
+
+struct TF32 { typedef float S; static const int kind = FLOAT; static const int id = DT_F32; };
+struct TF16 { typedef kiln_f16 S; static const int kind = FLOAT; static const int id = DT_F16; };
+struct TBF16 { typedef kiln_bf16 S; static const int kind = FLOAT; static const int id = DT_BF16; };
+struct TF64 { typedef double S; static const int kind = FLOAT; static const int id = DT_F64; };
+struct TI8 { typedef signed char S; static const int kind = SIGNED; static const int id = DT_I8; };
+struct TI16 { typedef short S; static const int kind = SIGNED; static const int id = DT_I16; };
+struct TI32 { typedef int S; static const int kind = SIGNED; static const int id = DT_I32; };
+struct TI64 { typedef long long S; static const int kind = SIGNED; static const int id = DT_I64; };
+struct TU8 { typedef unsigned char S; static const int kind = UNSIGNED; static const int id = DT_U8; };
+struct TU16 { typedef unsigned short S; static const int kind = UNSIGNED; static const int id = DT_U16; };
+struct TU32 { typedef unsigned S; static const int kind = UNSIGNED; static const int id = DT_U32; };
+struct TU64 { typedef unsigned long long S; static const int kind = UNSIGNED; static const int id = DT_U64; };
+struct TBool { typedef unsigned char S; static const int kind = BOOL; static const int id = DT_BOOL; };
+
+
+// A float source's value as float (float32, float16, bfloat16: exact).
+template <typename T>
+__device__ __forceinline__ float ld_float(typename T::S v) {
+    if constexpr (sizeof(typename T::S) == 4) return v;
+    else if constexpr (T::id == DT_F16) return kiln_f16_to_f32(v);
+    else return kiln_bf16_to_f32(v);
+}
+
+// f64 → f32 rounded to odd (as the CPU reference's `element::f32_round_odd`).
+__device__ __forceinline__ float f32_round_odd(double v) {
+    const float f = (float)v;
+    if ((__float_as_uint(f) & 0x7f800000u) == 0x7f800000u || (double)f == v) return f;
+    unsigned bits = __float_as_uint(f);
+    if (fabs((double)f) > fabs(v)) bits -= 1;  // toward zero
+    return __uint_as_float(bits | 1u);
+}
+
+// 64-bit integer → f32 rounded to odd (as the CPU reference's `f32_round_odd_int`): truncate
+// toward zero, then set the last bit when inexact.
+__device__ __forceinline__ float f32_round_odd_s64(long long v) {
+    const float f = __ll2float_rz(v);  // |f| <= |v| < 2^63: converting back is exact
+    return __float2ll_rz(f) == v ? f : __uint_as_float(__float_as_uint(f) | 1u);
+}
+__device__ __forceinline__ float f32_round_odd_u64(kiln_u64 v) {
+    const float f = __ull2float_rz(v);
+    return __float2ull_rz(f) == v ? f : __uint_as_float(__float_as_uint(f) | 1u);
+}
+
+// f64 → integer of `bits` bits as Rust's `as`: truncate toward zero, saturate, NaN → 0.
+template <bool SIGNED, int BITS>
+__device__ __forceinline__ kiln_u64 sat_int(double v) {
+    const kiln_u64 top = 1ull << (BITS - 1);  // 2^(BITS-1)
+    if (v != v) return 0;
+    if constexpr (SIGNED) {
+        if (v <= -(double)top) return 0ull - top;
+        if (v >= (double)top) return top - 1;
+        return (kiln_u64)(long long)v;
+    } else {
+        if (v <= 0.0) return 0;
+        if (v >= 2.0 * (double)top) return BITS == 64 ? ~0ull : (top << 1) - 1;
+        return (kiln_u64)v;
+    }
+}
+
+// Float source (as double, exact) → integer target T.
+template <typename To>
+__device__ __forceinline__ typename To::S float_to_int(double v) {
+    constexpr int bits = 8 * sizeof(typename To::S);
+    return (typename To::S)sat_int<To::kind == SIGNED, bits>(v);
+}
+
+template <typename From, typename To>
+__device__ __forceinline__ typename To::S convert(typename From::S x) {
+    typedef typename To::S D;
+    if constexpr (From::kind == FLOAT) {
+        if constexpr (To::kind == BOOL) {
+            if constexpr (From::id == DT_F64) return x != 0.0 ? 1 : 0;
+            else return ld_float<From>(x) != 0.f ? 1 : 0;
+        } else if constexpr (To::kind == FLOAT) {
+            if constexpr (From::id == DT_F64) {
+                if constexpr (To::id == DT_F64) return x;
+                else if constexpr (To::id == DT_F32) return (float)x;
+                else if constexpr (To::id == DT_F16) return kiln_f32_to_f16(f32_round_odd(x));
+                else return kiln_f32_to_bf16(f32_round_odd(x));
+            } else {
+                const float f = ld_float<From>(x);  // exact
+                if constexpr (To::id == DT_F64) return (double)f;
+                else if constexpr (To::id == DT_F32) return f;
+                else if constexpr (To::id == DT_F16) return kiln_f32_to_f16(f);
+                else return kiln_f32_to_bf16(f);
+            }
+        } else {
+            double v;
+            if constexpr (From::id == DT_F64) v = x;
+            else v = (double)ld_float<From>(x);
+            return float_to_int<To>(v);
+        }
+    } else {
+        // Integer or bool source: its value as a sign- or zero-extended 64-bit pattern.
+        kiln_u64 u;
+        bool neg_ok;  // the pattern is a signed value
+        if constexpr (From::kind == BOOL) {
+            u = x != 0 ? 1 : 0;
+            neg_ok = false;
+        } else {
+            u = (kiln_u64)x;  // sign-extends signed sources
+            neg_ok = From::kind == SIGNED;
+        }
+        if constexpr (To::kind == BOOL) {
+            return u != 0 ? 1 : 0;
+        } else if constexpr (To::kind == FLOAT) {
+            if constexpr (To::id == DT_F64) {
+                return neg_ok ? (double)(long long)u : (double)u;
+            } else if constexpr (To::id == DT_F32) {
+                return neg_ok ? (float)(long long)u : (float)u;
+            } else {
+                const float f = neg_ok ? f32_round_odd_s64((long long)u) : f32_round_odd_u64(u);
+                if constexpr (To::id == DT_F16) return kiln_f32_to_f16(f);
+                else return kiln_f32_to_bf16(f);
+            }
+        } else {
+            return (D)u;  // keep the low bits
+        }
+    }
+}
+
+template <typename From, typename To>
+__device__ __forceinline__ void cast_loop(const typename From::S* x, void* y_, kiln_u64 n) {
+    typename To::S* y = (typename To::S*)y_;
+    KILN_FOR(i, n) { y[i] = convert<From, To>(x[i]); }
+}
+
+template <typename From>
+__device__ __forceinline__ void cast_from(const typename From::S* x, void* y, kiln_u64 n, unsigned to) {
+    switch (to) {
+    case DT_F32: cast_loop<From, TF32>(x, y, n); break;
+    case DT_F16: cast_loop<From, TF16>(x, y, n); break;
+    case DT_BF16: cast_loop<From, TBF16>(x, y, n); break;
+    case DT_F64: cast_loop<From, TF64>(x, y, n); break;
+    case DT_I8: cast_loop<From, TI8>(x, y, n); break;
+    case DT_I16: cast_loop<From, TI16>(x, y, n); break;
+    case DT_I32: cast_loop<From, TI32>(x, y, n); break;
+    case DT_I64: cast_loop<From, TI64>(x, y, n); break;
+    case DT_U8: cast_loop<From, TU8>(x, y, n); break;
+    case DT_U16: cast_loop<From, TU16>(x, y, n); break;
+    case DT_U32: cast_loop<From, TU32>(x, y, n); break;
+    case DT_U64: cast_loop<From, TU64>(x, y, n); break;
+    case DT_BOOL: cast_loop<From, TBool>(x, y, n); break;
+    default: break;
+    }
+}
+
+#define KILN_CAST(T, SUFFIX)                                                                          \
+    extern "C" __global__ void kiln_cast_##SUFFIX(const T::S* x, void* y, kiln_u64 n, unsigned to) { \
+        cast_from<T>(x, y, n, to);                                                                    \
+    }
+KILN_CAST(TF32, f32)
+KILN_CAST(TF16, f16)
+KILN_CAST(TBF16, bf16)
+KILN_CAST(TF64, f64)
+KILN_CAST(TI8, i8)
+KILN_CAST(TI16, i16)
+KILN_CAST(TI32, i32)
+KILN_CAST(TI64, i64)
+KILN_CAST(TU8, u8)
+KILN_CAST(TU16, u16)
+KILN_CAST(TU32, u32)
+KILN_CAST(TU64, u64)
+KILN_CAST(TBool, bool)
