@@ -149,7 +149,8 @@ fn a_broken_drop_in_package_is_reported_and_skipped() {
 
 #[test]
 fn generate_streams_text_and_writes_json_like_genai() {
-    let fixtures = std::env::var_os("KILN_FIXTURES").map(PathBuf::from).unwrap_or_else(|| root().join("../shared/fixtures"));
+    let fixtures =
+        std::env::var_os("KILN_FIXTURES").map(PathBuf::from).unwrap_or_else(|| root().join("../shared/fixtures"));
     let dir = fixtures.join("llm/tiny-llama-v512-fp32-cpu");
     assert!(dir.is_dir(), "fixture {} is missing: set KILN_FIXTURES (see ../shared/fixtures/README.md)", dir.display());
     let json = tempfile::NamedTempFile::new().unwrap();
@@ -168,8 +169,10 @@ fn generate_streams_text_and_writes_json_like_genai() {
     assert!(o.status.success(), "{t}");
     assert!(t.contains("time to first token") && t.contains("decode"), "{t}");
     let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(json.path()).unwrap()).unwrap();
-    let reference: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(fixtures.join("llm/references/tiny-llama-v512-fp32-cpu/genai_greedy.json")).unwrap()).unwrap();
+    let reference: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(fixtures.join("llm/references/tiny-llama-v512-fp32-cpu/genai_greedy.json")).unwrap(),
+    )
+    .unwrap();
     let run = reference["runs"].as_array().unwrap().iter().find(|r| r["prompt_id"] == "plain_once_upon").unwrap();
     assert_eq!(doc["prompt_ids"], run["prompt_token_ids"]);
     assert_eq!(doc["generated_ids"], run["generated_token_ids"]);

@@ -20,6 +20,14 @@ use crate::{Error, Result, Tensor};
 /// The kernels of one package, by entry-point name.
 pub type KernelCache = HashMap<String, CudaFunction>;
 
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        // Everything enqueued must finish before the pool's memory goes back to the driver.
+        let _ = self.synchronize();
+        self.alloc.release_cached();
+    }
+}
+
 /// One device as a session uses it.
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
@@ -98,7 +106,8 @@ impl Gpu {
                 } else {
                     self.compiles += 1;
                 }
-                let module = self.ctx.load_module(Ptx::from_src(compiled.ptx)).map_err(dev_err("cuModuleLoadData"))?;
+                let module =
+                    self.ctx.load_module(Ptx::from_binary(compiled.cubin)).map_err(dev_err("cuModuleLoadData"))?;
                 for k in &src.kernels {
                     let f = module
                         .load_function(k)

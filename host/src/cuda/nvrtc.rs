@@ -1,4 +1,5 @@
-//! NVRTC: compile a package's CUDA source for the GPU present (`--gpu-architecture=sm_XY`),
+//! NVRTC: compile a package's CUDA source to a CUBIN for the GPU present
+//! (`--gpu-architecture=sm_XY`, so loading needs no PTX JIT),
 //! with the host's prelude `kiln.cuh`, cached on disk by sha256 of (prelude, source, arch,
 //! NVRTC version, options) under `$KILN_CACHE_DIR`, `$XDG_CACHE_HOME/kiln` or `~/.cache/kiln`.
 
@@ -15,9 +16,10 @@ pub const PRELUDE: &str = include_str!("../../cuda/kiln.cuh");
 /// NVRTC options besides the architecture.
 const OPTIONS: &[&str] = &["--std=c++17", "-default-device"];
 
-/// PTX of one source, and whether it came from the cache.
+/// The CUBIN (machine code for the device's `sm_XY`) of one source, and whether it came from
+/// the cache.
 pub struct CompiledSource {
-    pub ptx: String,
+    pub cubin: Vec<u8>,
     pub cache_hit: bool,
 }
 
@@ -56,9 +58,11 @@ pub fn compile_cached(package: &str, file: &str, source: &str, arch: &str) -> Re
         h.update(part.as_bytes());
     }
     let key = hex::encode(h.finalize());
-    let path = cache_dir().join("nvrtc").join(format!("{key}.ptx"));
-    if let Ok(ptx) = std::fs::read_to_string(&path) {
-        return Ok(CompiledSource { ptx, cache_hit: true });
+    let path = cache_dir().join("nvrtc").join(format!("{key}.cubin"));
+    if let Ok(cubin) = std::fs::read(&path) {
+        if !cubin.is_empty() {
+            return Ok(CompiledSource { cubin, cache_hit: true });
+        }
     }
     let full = source.replace("#include \"kiln.cuh\"", PRELUDE);
     let fail = |m: String| Error::Device(format!("NVRTC: package {package}, {file}: {m}"));
@@ -72,22 +76,34 @@ pub fn compile_cached(package: &str, file: &str, source: &str, arch: &str) -> Re
     let log = unsafe { cudarc::nvrtc::result::get_program_log(prog) }
         .map(|l| l.iter().map(|&c| c as u8).take_while(|&c| c != 0).map(char::from).collect::<String>())
         .unwrap_or_default();
-    let ptx = match compiled {
-        Err(e) => {
-            unsafe { cudarc::nvrtc::result::destroy_program(prog) }.ok();
-            return Err(fail(format!("compilation failed ({e}):\n{log}")));
+    if let Err(e) = compiled {
+        unsafe { cudarc::nvrtc::result::destroy_program(prog) }.ok();
+        return Err(fail(format!("compilation failed ({e}):\n{log}")));
+    }
+    let mut size = 0usize;
+    // SAFETY: prog compiled for a real architecture (sm_XY), so it holds a CUBIN.
+    let cubin = unsafe {
+        use cudarc::nvrtc::sys::{nvrtcGetCUBIN, nvrtcGetCUBINSize, nvrtcResult::NVRTC_SUCCESS};
+        let mut buf = Vec::new();
+        if nvrtcGetCUBINSize(prog, &mut size) == NVRTC_SUCCESS && size > 0 {
+            buf = vec![0u8; size];
+            if nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut std::ffi::c_char) != NVRTC_SUCCESS {
+                buf.clear();
+            }
         }
-        Ok(()) => unsafe { cudarc::nvrtc::result::get_ptx(prog) }.map_err(|e| fail(e.to_string()))?,
+        buf
     };
     unsafe { cudarc::nvrtc::result::destroy_program(prog) }.ok();
-    let ptx: String = ptx.iter().map(|&c| c as u8).take_while(|&c| c != 0).map(char::from).collect();
+    if cubin.is_empty() {
+        return Err(fail("NVRTC produced no CUBIN".into()));
+    }
     if let Some(dir) = path.parent() {
         if std::fs::create_dir_all(dir).is_ok() {
             let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-            if std::fs::write(&tmp, &ptx).is_ok() {
+            if std::fs::write(&tmp, &cubin).is_ok() {
                 let _ = std::fs::rename(&tmp, &path);
             }
         }
     }
-    Ok(CompiledSource { ptx, cache_hit: false })
+    Ok(CompiledSource { cubin, cache_hit: false })
 }

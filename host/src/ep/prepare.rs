@@ -92,16 +92,14 @@ impl Session {
             }
             // Constant folding: a node whose every input is a constant runs once, here, through
             // its package's CPU reference; its outputs become initializers.
-            let constant = ins.iter().flatten().all(|k| k.value.is_some());
-            let outputs_used = node.outputs.iter().flatten().all(|v| !self.model.graph.outputs.contains(v));
-            if constant && outputs_used {
+            if ins.iter().flatten().all(|k| k.value.is_some()) {
                 let host: Vec<Option<crate::Tensor>> = ins
                     .iter()
                     .map(|k| {
                         k.as_ref().and_then(|k| crate::Tensor::new(k.dtype?, k.shape.clone()?, k.value.clone()?).ok())
                     })
                     .collect();
-                let outs = self.execute_cpu(idx, &res, &host, &inferred)?;
+                let outs = self.execute_cpu(idx, &res, &host, &inferred, false)?;
                 for (o, t) in node.outputs.iter().zip(outs) {
                     if let (Some(v), Some(t)) = (o, t) {
                         known[*v].value = Some(t.data.clone());

@@ -136,6 +136,8 @@ pub struct Session {
     gpu: Option<Gpu>,
     /// Device copies of the initializers (resident weights): pointer and size.
     device_values: HashMap<ValueId, (cudarc::driver::sys::CUdeviceptr, u64)>,
+    /// The buffers behind `device_values`, freed with the session.
+    resident_buffers: Vec<DevBuffer>,
     /// Nodes computed once at preparation (constant folding).
     pub(super) folded: Vec<bool>,
     /// Largest tensor a node may produce, in bytes.
@@ -143,6 +145,16 @@ pub struct Session {
     /// For each value, the index of the last node that reads it (graph outputs: never freed).
     last_use: Vec<Option<usize>>,
     pub report: Report,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        if let Some(gpu) = self.gpu.as_mut() {
+            for b in self.resident_buffers.drain(..) {
+                gpu.alloc.free(b);
+            }
+        }
+    }
 }
 
 impl Session {
@@ -180,6 +192,7 @@ impl Session {
             plans: HashMap::new(),
             gpu,
             device_values: HashMap::new(),
+            resident_buffers: Vec::new(),
             folded,
             max_tensor_bytes,
             last_use,
@@ -409,8 +422,7 @@ impl Session {
         for (id, t) in &self.model.graph.initializers {
             let b = gpu.upload(t)?;
             self.device_values.insert(*id, (b.ptr, t.data.len() as u64));
-            // Resident for the session's life: the buffer is not returned to the pool.
-            std::mem::forget(b);
+            self.resident_buffers.push(b);
         }
         gpu.synchronize()
     }
@@ -468,13 +480,15 @@ impl Session {
         }
     }
 
-    /// Runs node `idx` through its package's CPU reference on host tensors.
+    /// Runs node `idx` through its package's CPU reference on host tensors; with
+    /// `check_dispatch`, validates its GPU launch plan as well.
     pub(super) fn execute_cpu(
         &mut self,
         idx: usize,
         res: &Resolution,
         inputs: &[Option<Tensor>],
         out_types: &OutputTypes,
+        check_dispatch: bool,
     ) -> Result<Vec<Option<Tensor>>> {
         let opset = self.opset_of(idx)?;
         let node = self.model.graph.nodes[idx].clone();
@@ -507,7 +521,7 @@ impl Session {
         let n_in = inputs.iter().flatten().count();
         let outcome = self.call_shim(&res.package, CallKind::Cpu, args)?;
         let outputs = cpu::collect_outputs(outcome, n_in, out_types)?;
-        if self.options.check_dispatch {
+        if check_dispatch {
             let opaque = |t: &Tensor| ArgTensor {
                 dtype: Some(t.dtype),
                 dims: Some(t.dims_i64()),
@@ -585,7 +599,10 @@ impl Session {
                         Some(v) => Some(self.to_host(v)?),
                     });
                 }
-                self.execute_cpu(idx, &res, &host, &out_types)?.into_iter().map(|t| t.map(Value::Host)).collect()
+                self.execute_cpu(idx, &res, &host, &out_types, self.options.check_dispatch)?
+                    .into_iter()
+                    .map(|t| t.map(Value::Host))
+                    .collect()
             }
             Device::Cuda(_) => self.execute_gpu(idx, &res, &inputs, &infer_ins, &out_types)?,
         };
