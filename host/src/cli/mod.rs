@@ -1,7 +1,9 @@
 //! The `kiln` command line: `run`, `kernels list`, `conformance`.
 
+mod bench;
 mod conformance;
 mod generate;
+mod verify;
 mod kernels;
 mod run;
 
@@ -34,6 +36,13 @@ pub enum Command {
     Generate(generate::GenerateArgs),
     /// Run ONNX backend node tests (a folder of test_* folders) and compare with their outputs.
     Conformance(conformance::ConformanceArgs),
+    /// Check a package's GPU kernels against its CPU reference and ONNX's node tests.
+    Verify(verify::VerifyArgs),
+    /// Benchmarks (GPU): `kiln bench ops`.
+    Bench {
+        #[command(subcommand)]
+        command: bench::BenchCommand,
+    },
     /// List CUDA devices: name, compute capability, memory, driver, NVRTC and cuBLASLt versions.
     Devices {
         /// Print JSON.
@@ -136,6 +145,8 @@ pub fn main() -> ExitCode {
         Command::Conformance(a) => conformance::run(a),
         Command::Generate(a) => generate::run(a),
         Command::Devices { json } => devices(json),
+        Command::Verify(a) => verify::run(a),
+        Command::Bench { command } => bench::run(command),
     };
     match result {
         Ok(code) => code,
