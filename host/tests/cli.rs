@@ -183,3 +183,26 @@ fn generate_streams_text_and_writes_json_like_genai() {
     let o = kiln(&["generate", "nope", "--prompt", "x"]);
     assert!(!o.status.success() && text(&o).contains("not a folder"), "{}", text(&o));
 }
+
+#[test]
+fn verify_checks_a_package_on_the_cpu_and_names_unknown_packages() {
+    let dir = root().join(".cache/onnx-node-1.20.0/node");
+    if !dir.is_dir() {
+        let s = Command::new("bash").arg(root().join("scripts/fetch-onnx-node-tests.sh")).status().unwrap();
+        assert!(s.success(), "could not fetch the ONNX node tests");
+    }
+    let json = tempfile::NamedTempFile::new().unwrap();
+    let o = kiln(&["verify", "kiln-unary", "--device", "cpu", "--seeds", "1", "--json", json.path().to_str().unwrap()]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains("verify kiln-unary: ") && t.contains(" passed, 0 failed, 0 unsupported"), "{t}");
+    assert!(t.contains("Sigmoid") && t.contains("float16") && t.contains("max rel err"), "{t}");
+    let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(json.path()).unwrap()).unwrap();
+    assert!(doc["passed"].as_u64().unwrap() > 100 && doc["failed"] == 0, "{doc}");
+    assert!(doc["random"].as_array().unwrap().iter().any(|c| c["dtype"] == "bfloat16"), "{doc}");
+
+    let o = kiln(&["verify", "nope", "--device", "cpu"]);
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(t.contains("no package named \"nope\"") && t.contains("kiln-unary"), "{t}");
+}

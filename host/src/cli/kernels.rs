@@ -4,12 +4,18 @@ use std::process::ExitCode;
 
 use clap::Subcommand;
 
+use crate::ep::Device;
 use crate::Result;
 
 use super::PackageArgs;
 
 #[derive(Subcommand, Debug)]
 pub enum KernelsCommand {
+    /// Compile every package's CUDA sources for the GPU present into the NVRTC cache.
+    Warm {
+        #[command(flatten)]
+        packages: PackageArgs,
+    },
     /// List the packages kiln can use: name, version, origin, ops and dtypes.
     List {
         #[command(flatten)]
@@ -19,6 +25,25 @@ pub enum KernelsCommand {
 
 pub fn run(cmd: KernelsCommand) -> Result<ExitCode> {
     match cmd {
+        KernelsCommand::Warm { packages } => {
+            let Device::Cuda(ordinal) = super::choose_device(super::DeviceArg::Cuda)? else {
+                return Err(crate::Error::Device("kiln kernels warm needs a CUDA GPU".into()));
+            };
+            let reg = super::registry(&packages);
+            let mut gpu = crate::cuda::Gpu::open(ordinal, None)?;
+            for p in reg.packages() {
+                let t0 = std::time::Instant::now();
+                let n = gpu.warm(p)?;
+                println!("{:<32} {n:>4} kernels  {:>8.1} ms", p.id(), t0.elapsed().as_secs_f64() * 1e3);
+            }
+            println!(
+                "NVRTC: {} compiled, {} from the cache ({})",
+                gpu.compiles,
+                gpu.compile_cache_hits,
+                crate::cuda::cache_dir().display()
+            );
+            Ok(ExitCode::SUCCESS)
+        }
         KernelsCommand::List { packages } => {
             let (reg, errors) = crate::packages::registry(&crate::packages::search_path(&packages.packages));
             for p in reg.packages() {

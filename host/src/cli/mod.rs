@@ -3,9 +3,9 @@
 mod bench;
 mod conformance;
 mod generate;
-mod verify;
 mod kernels;
 mod run;
+mod verify;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -1,15 +1,443 @@
-//! `kiln verify PACKAGE` (being written).
+//! `kiln verify PACKAGE`: runs a package's kernels on a device against its own CPU reference
+//! on random inputs (the dtypes and shapes of its ONNX node tests, a few seeds, doubled shapes
+//! for elementwise ops), reported as max relative error per (op, dtype), plus every ONNX node
+//! test whose nodes are all ops the package claims.
 
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 
-use crate::{Error, Result};
+use kiln_kernel_abi::manifest::OpEntry;
+use kiln_kernel_abi::DType;
+use kiln_registry::ops::normalize_domain;
+use kiln_registry::Package;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+use serde_json::json;
 
+use crate::conformance::{int_value, run_test, test_dirs, to_f64, Outcome, TestResult};
+use crate::ep::{Device, Runtime, Session, SessionOptions};
+use crate::model::{self, Model};
+use crate::sandbox::SandboxConfig;
+use crate::tensorio::read_tensor_file;
+use crate::{Error, Result, Tensor};
+
+use super::{choose_device, registry, DeviceArg, PackageArgs};
+
+/// Arguments of `kiln verify`.
 #[derive(clap::Args, Debug)]
 pub struct VerifyArgs {
     /// The package name (e.g. kiln-unary) or folder.
     pub package: String,
+    /// The device whose kernels are checked against the CPU reference.
+    #[arg(long, value_enum, default_value = "cuda")]
+    pub device: DeviceArg,
+    /// The ONNX node tests (fetched by scripts/fetch-onnx-node-tests.sh).
+    #[arg(long, value_name = "DIR", default_value = ".cache/onnx-node-1.20.0/node")]
+    pub node_tests: PathBuf,
+    /// Random inputs per node-test model.
+    #[arg(long, default_value_t = 3)]
+    pub seeds: u64,
+    /// Write the node-test results, the random cases and the counts as JSON.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    #[command(flatten)]
+    pub packages: PackageArgs,
 }
 
-pub fn run(a: VerifyArgs) -> Result<ExitCode> {
-    Err(Error::Unsupported(format!("kiln verify {}: not available yet", a.package)))
+/// One run of a node-test model on random inputs, device against CPU reference.
+#[derive(Clone, Debug, Serialize)]
+pub struct Case {
+    pub test: String,
+    pub op: String,
+    /// The dtype of the first non-value input.
+    pub dtype: String,
+    pub shapes: Vec<Vec<usize>>,
+    pub seed: u64,
+    /// Largest |device − cpu| / max(|cpu|, atol/rtol) over the outputs.
+    pub max_rel_error: f64,
+    /// The relative tolerance of the first output's dtype (0: exact).
+    pub tolerance: f64,
+    #[serde(flatten)]
+    pub outcome: Outcome,
+}
+
+/// `kiln verify`.
+pub fn run(mut a: VerifyArgs) -> Result<ExitCode> {
+    let folder = Path::new(&a.package);
+    if folder.join("kernel.toml").is_file() {
+        let pkg = Package::load_dir(folder)?;
+        a.packages.packages.push(folder.to_path_buf());
+        a.package = pkg.name().to_string();
+    }
+    let reg = registry(&a.packages);
+    let pkg = reg.packages().filter(|p| p.name() == a.package).max_by_key(|p| p.version().clone()).cloned();
+    let pkg = pkg.ok_or_else(|| {
+        let mut names: Vec<&str> = reg.packages().map(|p| p.name()).collect();
+        names.dedup();
+        Error::Input(format!("no package named {:?}; available packages: {}", a.package, names.join(", ")))
+    })?;
+    let device = choose_device(a.device)?;
+    if !a.node_tests.is_dir() {
+        return Err(Error::Input(format!(
+            "{}: no ONNX node tests; run scripts/fetch-onnx-node-tests.sh (or pass --node-tests DIR)",
+            a.node_tests.display()
+        )));
+    }
+    let rt = Runtime::new(reg, SandboxConfig::default())?;
+    let options = SessionOptions { device, ..SessionOptions::default() };
+    let (mut tests, mut cases) = (Vec::new(), Vec::new());
+    for dir in test_dirs(&a.node_tests, None)? {
+        let Ok(m) = model::load(&dir.join("model.onnx")) else { continue };
+        if m.graph.nodes.is_empty() || !m.graph.nodes.iter().all(|n| entry(&pkg, &n.domain, &n.op_type).is_some()) {
+            continue;
+        }
+        let r = run_test(&rt, &dir, &options);
+        if !matches!(r.outcome, Outcome::Unsupported(_)) {
+            cases.extend(random_cases(&rt, &pkg, &dir, &r.op, m, device, a.seeds));
+        }
+        tests.push(r);
+    }
+    if tests.is_empty() {
+        return Err(Error::Input(format!("{}: no node tests of {}'s ops", a.node_tests.display(), pkg.id())));
+    }
+    let mut counts = [0usize; 3];
+    tests.iter().map(|t| &t.outcome).chain(cases.iter().map(|c| &c.outcome)).for_each(|o| counts[slot(o)] += 1);
+    print!("{}", report(&tests, &cases, device));
+    println!("verify {}: {} passed, {} failed, {} unsupported", a.package, counts[0], counts[1], counts[2]);
+    if let Some(p) = &a.json {
+        let doc = json!({
+            "package": pkg.id(), "device": device.to_string(), "seeds": a.seeds,
+            "passed": counts[0], "failed": counts[1], "unsupported": counts[2],
+            "node_tests": tests, "random": cases,
+        });
+        std::fs::write(p, serde_json::to_string_pretty(&doc).unwrap_or_default())
+            .map_err(|source| Error::Io { path: p.clone(), source })?;
+    }
+    Ok(if counts[1] > 0 { ExitCode::from(1) } else { ExitCode::SUCCESS })
+}
+
+/// The manifest entry of `pkg` that claims `op_type` in `domain`.
+fn entry<'a>(pkg: &'a Package, domain: &str, op_type: &str) -> Option<&'a OpEntry> {
+    let d = normalize_domain(domain);
+    pkg.manifest.ops.iter().find(|e| normalize_domain(&e.domain) == d && e.op_types.iter().any(|t| t == op_type))
+}
+
+/// Where a random input's values lie (floats from x in [-2, 2], integers from [-5, 5], bool
+/// random): `Positive` |x| + 0.1 or 1..=5, `Unit` 0.45·x, `AboveOne` |x| + 1, `Divisor`
+/// ±(|x| + 0.1) or 1..=5, `Exponent` integers 0..=3, `Keep` the test's data (value inputs).
+#[derive(Clone, Copy, PartialEq)]
+enum Range {
+    Any,
+    Positive,
+    Unit,
+    AboveOne,
+    Divisor,
+    Exponent,
+    Keep,
+}
+
+/// The op's domain restriction on input `slot`, by op type.
+fn range(op: &str, slot: usize, unsigned_out: bool) -> Range {
+    match (op, slot) {
+        ("Log" | "Sqrt" | "Reciprocal" | "Rsqrt", _) | ("Pow", 0) => Range::Positive,
+        ("QuantizeLinear" | "DequantizeLinear", 1) => Range::Positive,
+        ("Cast" | "CastLike", 0) if unsigned_out => Range::Positive,
+        ("Acos" | "Asin" | "Atanh", _) => Range::Unit,
+        ("Acosh", _) => Range::AboveOne,
+        ("Div" | "Mod", 1) => Range::Divisor,
+        ("Pow", 1) => Range::Exponent,
+        _ => Range::Any,
+    }
+}
+
+/// A random tensor of `dtype` and `shape` within `r`.
+fn random_tensor(rng: &mut StdRng, dtype: DType, shape: &[usize], r: Range) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let unsigned = matches!(dtype, DType::U8 | DType::U16 | DType::U32 | DType::U64);
+    let mut b = Vec::with_capacity(n * dtype.size().unwrap_or(1));
+    for _ in 0..n {
+        let x: f64 = rng.random_range(-2.0..=2.0);
+        let i: i64 = match r {
+            Range::Positive | Range::Divisor => rng.random_range(1..=5),
+            Range::Exponent => rng.random_range(0..=3),
+            _ if unsigned || dtype == DType::Bool => rng.random_range(0..=5),
+            _ => rng.random_range(-5..=5),
+        };
+        let x = match r {
+            Range::Positive => x.abs() + 0.1,
+            Range::Unit => x * 0.45,
+            Range::AboveOne => x.abs() + 1.0,
+            Range::Divisor => x.signum() * (x.abs() + 0.1),
+            _ => x,
+        };
+        match dtype {
+            DType::F32 => b.extend((x as f32).to_le_bytes()),
+            DType::F64 => b.extend(x.to_le_bytes()),
+            DType::F16 => b.extend(half::f16::from_f64(x).to_le_bytes()),
+            DType::BF16 => b.extend(half::bf16::from_f64(x).to_le_bytes()),
+            DType::Bool => b.push((i % 2) as u8),
+            DType::U8 | DType::I8 => b.push(i as u8),
+            DType::I16 | DType::U16 => b.extend((i as i16).to_le_bytes()),
+            DType::I32 | DType::U32 => b.extend((i as i32).to_le_bytes()),
+            DType::I64 | DType::U64 => b.extend(i.to_le_bytes()),
+            DType::String => return Err(Error::Unsupported("random string tensors".into())),
+        }
+    }
+    Tensor::new(dtype, shape.to_vec(), b.into())
+}
+
+/// (rtol, atol) per dtype; integers and bools exactly.
+fn tolerance(d: DType) -> (f64, f64) {
+    match d {
+        DType::F32 => (1e-4, 1e-5),
+        DType::F16 => (1e-2, 1e-3),
+        DType::BF16 => (5e-2, 1e-2),
+        DType::F64 => (1e-9, 1e-12),
+        _ => (0.0, 0.0),
+    }
+}
+
+/// Max |a − e| / max(|e|, atol/rtol) (NaN equals NaN), or why they cannot be compared.
+fn max_rel_error(a: &Tensor, e: &Tensor) -> std::result::Result<f64, String> {
+    if (a.dtype, &a.shape) != (e.dtype, &e.shape) {
+        return Err(format!("{} {:?} != reference {} {:?}", a.dtype, a.shape, e.dtype, e.shape));
+    }
+    if !e.dtype.is_float() {
+        let rel = |i| (int_value(a, i) - int_value(e, i)).abs() as f64 / (int_value(e, i).abs().max(1) as f64);
+        return Ok((0..e.numel()).map(rel).fold(0.0, f64::max));
+    }
+    let (rtol, atol) = tolerance(e.dtype);
+    let err = |(x, y): (&f64, &f64)| match () {
+        _ if x.is_nan() && y.is_nan() || x == y => 0.0,
+        _ if x.is_nan() || y.is_nan() || x.is_infinite() || y.is_infinite() => f64::INFINITY,
+        _ => (x - y).abs() / y.abs().max(atol / rtol),
+    };
+    Ok(to_f64(a).iter().zip(&to_f64(e)).map(err).fold(0.0, f64::max))
+}
+
+/// Random-input cases of one node-test model: `seeds` runs with the test's shapes, and one
+/// with every dim doubled when all inputs are float tensors of one shape.
+fn random_cases(
+    rt: &Arc<Runtime>,
+    pkg: &Package,
+    dir: &Path,
+    op: &str,
+    m: Model,
+    device: Device,
+    seeds: u64,
+) -> Vec<Case> {
+    let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let g = &m.graph;
+    let mut data = Vec::new();
+    for k in 0..g.inputs.len() {
+        match read_tensor_file(&dir.join(format!("test_data_set_0/input_{k}.pb"))) {
+            Ok((t, _)) => data.push(t),
+            Err(_) => return Vec::new(),
+        }
+    }
+    let unsigned_out = g.outputs.iter().any(|&o| {
+        g.values[o].ty.as_ref().is_some_and(|t| matches!(t.dtype, DType::U8 | DType::U16 | DType::U32 | DType::U64))
+    });
+    let ranges: Vec<Range> = g
+        .inputs
+        .iter()
+        .map(|&id| {
+            // Every (node, input slot) that reads this graph input.
+            let uses: Vec<_> = g
+                .nodes
+                .iter()
+                .flat_map(|n| n.inputs.iter().enumerate().filter(|(_, i)| **i == Some(id)).map(move |(s, _)| (n, s)))
+                .collect();
+            let value = |(n, s): &(&model::Node, usize)| {
+                entry(pkg, &n.domain, &n.op_type).is_some_and(|e| e.value_inputs.contains(s))
+            };
+            match uses.first() {
+                _ if uses.iter().any(value) => Range::Keep,
+                Some((n, s)) => range(&n.op_type, *s, unsigned_out),
+                None => Range::Any,
+            }
+        })
+        .collect();
+    let label = data.iter().zip(&ranges).find(|(_, r)| **r != Range::Keep).or(data.iter().zip(&ranges).next());
+    let label = label.map_or("-".to_string(), |(t, _)| t.dtype.to_string());
+    let randomized = !data.is_empty() && ranges.iter().all(|r| *r != Range::Keep);
+    let shapes: Vec<Vec<usize>> = data.iter().map(|t| t.shape.clone()).collect();
+    let dtypes: Vec<DType> = data.iter().map(|t| t.dtype).collect();
+    // The test's shapes and dtypes, one run per seed.
+    let mut variants = vec![Variant {
+        model: m.clone(),
+        dtypes: dtypes.clone(),
+        label,
+        tol: output_tolerance(&m),
+        runs: (0..seeds).map(|s| (s, shapes.clone())).collect(),
+    }];
+    // Every dim doubled, when all inputs are float tensors of one shape.
+    let relaxed = relax(&m, DType::F32, DType::F32);
+    if randomized && data.iter().all(|t| t.dtype.is_float() && t.shape == data[0].shape && !t.shape.is_empty()) {
+        let doubled = shapes.iter().map(|s| s.iter().map(|d| d * 2).collect()).collect();
+        variants.push(Variant { model: relaxed, runs: vec![(seeds, doubled)], ..variants[0].clone() });
+    }
+    // The other float dtypes the package claims, when the test is all float32.
+    let all_f32 = m.graph.initializers.is_empty() && dtypes.iter().all(|d| *d == DType::F32);
+    for d in [DType::F16, DType::BF16, DType::F64] {
+        let claimed =
+            g.nodes.iter().all(|n| entry(pkg, &n.domain, &n.op_type).is_some_and(|e| e.dtype_set().contains(&d)));
+        if randomized && all_f32 && claimed {
+            let (model, dtypes) = (relax(&m, DType::F32, d), vec![d; data.len()]);
+            let (tol, runs) = (output_tolerance(&model), vec![(0, shapes.clone())]);
+            variants.push(Variant { model, dtypes, label: d.to_string(), tol, runs });
+        }
+    }
+    let mut cases = Vec::new();
+    for v in variants {
+        let s = |d| Session::new(rt.clone(), v.model.clone(), SessionOptions { device: d, ..Default::default() });
+        let mut sessions = s(Device::Cpu).and_then(|c| Ok((c, s(device)?)));
+        for (seed, shapes) in v.runs {
+            let mut case = Case {
+                test: name.clone(),
+                op: op.to_string(),
+                dtype: v.label.clone(),
+                shapes,
+                seed,
+                max_rel_error: 0.0,
+                tolerance: v.tol,
+                outcome: Outcome::Passed,
+            };
+            let result = match &mut sessions {
+                Err(e) => Err(outcome(e, "session")),
+                Ok(pair) => compare_run(pair, &data, &ranges, &v.dtypes, &mut case),
+            };
+            case.outcome = result.err().unwrap_or(Outcome::Passed);
+            cases.push(case);
+        }
+    }
+    cases
+}
+
+/// A model to run on random inputs: its input dtypes, the table's dtype and tolerance, and
+/// the (seed, input shapes) of each run.
+#[derive(Clone)]
+struct Variant {
+    model: Model,
+    dtypes: Vec<DType>,
+    label: String,
+    tol: f64,
+    runs: Vec<(u64, Vec<Vec<usize>>)>,
+}
+
+/// The relative tolerance of the first output's declared dtype (0: exact).
+fn output_tolerance(m: &Model) -> f64 {
+    let g = &m.graph;
+    g.outputs.first().and_then(|&o| g.values[o].ty.as_ref()).map_or(0.0, |t| tolerance(t.dtype).0)
+}
+
+/// `m` with no declared dims (any shape) and every `from` value type made `to`.
+fn relax(m: &Model, from: DType, to: DType) -> Model {
+    let mut m = m.clone();
+    for t in m.graph.values.iter_mut().filter_map(|v| v.ty.as_mut()) {
+        t.dims = None;
+        if t.dtype == from {
+            t.dtype = to;
+        }
+    }
+    m
+}
+
+/// Runs one case: the CPU reference (retried with the test's non-float inputs when it rejects
+/// random ones: indices, for example), then the device; sets the case's max relative error.
+fn compare_run(
+    (cpu, dev): &mut (Session, Session),
+    data: &[Tensor],
+    ranges: &[Range],
+    dtypes: &[DType],
+    case: &mut Case,
+) -> std::result::Result<(), Outcome> {
+    let names = cpu.input_names();
+    let feeds = |keep_ints: bool| -> Result<Vec<(String, Tensor)>> {
+        let mut rng = StdRng::seed_from_u64(case.seed);
+        let mut out = Vec::new();
+        for ((((t, r), shape), d), name) in data.iter().zip(ranges).zip(&case.shapes).zip(dtypes).zip(&names) {
+            let keep = *r == Range::Keep || (keep_ints && !d.is_float() && t.shape == *shape);
+            out.push((name.clone(), if keep { t.clone() } else { random_tensor(&mut rng, *d, shape, *r)? }));
+        }
+        Ok(out)
+    };
+    let run = |s: &mut Session, keep: bool| feeds(keep).and_then(|f| Ok((f.clone(), s.run(f)?)));
+    let (feeds, reference) = run(cpu, false)
+        .or_else(|_| run(cpu, true))
+        .map_err(|e| Outcome::Unsupported(format!("the CPU reference rejects random inputs: {e}")))?;
+    let actual = dev.run(feeds).map_err(|e| outcome(&e, "device"))?;
+    for ((name, a), (_, e)) in actual.iter().zip(&reference) {
+        let err = max_rel_error(a, e).map_err(|m| Outcome::Failed(format!("output {name:?}: {m}")))?;
+        case.max_rel_error = case.max_rel_error.max(err);
+        let rtol = tolerance(e.dtype).0;
+        if err > rtol {
+            return Err(Outcome::Failed(format!("output {name:?}: max relative error {err:.3e} > {rtol:e}")));
+        }
+    }
+    Ok(())
+}
+
+/// Index of an outcome in `[passed, failed, unsupported]` counts.
+fn slot(o: &Outcome) -> usize {
+    match o {
+        Outcome::Passed => 0,
+        Outcome::Failed(_) => 1,
+        Outcome::Unsupported(_) => 2,
+    }
+}
+
+/// A device or session error as an outcome: unsupported, or failed.
+fn outcome(e: &Error, what: &str) -> Outcome {
+    if e.is_unsupported() {
+        Outcome::Unsupported(format!("{what}: {e}"))
+    } else {
+        Outcome::Failed(format!("{what}: {e}"))
+    }
+}
+
+type Row = (usize, f64, f64, [usize; 3]);
+
+/// The node tests per op, the random cases per (op, dtype), and every failure.
+fn report(tests: &[TestResult], cases: &[Case], device: Device) -> String {
+    let mut by_op: BTreeMap<&str, [usize; 3]> = BTreeMap::new();
+    tests.iter().for_each(|t| by_op.entry(&t.op).or_default()[slot(&t.outcome)] += 1);
+    let mut s =
+        format!("ONNX node tests on {device}\n{:<24} {:>7} {:>7} {:>12}\n", "op", "passed", "failed", "unsupported");
+    for (op, [p, f, u]) in &by_op {
+        s += &format!("{op:<24} {p:>7} {f:>7} {u:>12}\n");
+    }
+    // (op, dtype) → cases, max relative error, tolerance, [passed, failed, unsupported].
+    let mut rows: BTreeMap<(&str, &str), Row> = BTreeMap::new();
+    for c in cases {
+        let r = rows.entry((&c.op, &c.dtype)).or_insert((0, 0.0, c.tolerance, [0; 3]));
+        r.0 += 1;
+        r.1 = r.1.max(c.max_rel_error);
+        r.2 = r.2.max(c.tolerance);
+        r.3[slot(&c.outcome)] += 1;
+    }
+    s += &format!("\nrandom inputs, {device} against the CPU reference\n");
+    s += &format!("{:<24} {:<9} {:>6} {:>13} {:>10}  status\n", "op", "dtype", "cases", "max rel err", "tolerance");
+    for ((op, dtype), (n, err, tol, [_, f, u])) in &rows {
+        let status = match (f, u) {
+            (0, u) if u == n => "unsupported".to_string(),
+            (0, _) => "ok".to_string(),
+            (f, _) => format!("FAIL ({f})"),
+        };
+        let tol = if *tol == 0.0 { "exact".to_string() } else { format!("{tol:.0e}") };
+        s += &format!("{op:<24} {dtype:<9} {n:>6} {err:>13.3e} {tol:>10}  {status}\n");
+    }
+    let failed = tests.iter().map(|t| (&t.name, &t.outcome)).chain(cases.iter().map(|c| (&c.test, &c.outcome)));
+    let failed: Vec<_> =
+        failed.filter_map(|(n, o)| if let Outcome::Failed(m) = o { Some((n, m)) } else { None }).collect();
+    if !failed.is_empty() {
+        s += "\nfailed:\n";
+        for (n, m) in failed {
+            s += &format!("  {n}: {}\n", m.lines().next().unwrap_or(""));
+        }
+    }
+    s + "\n"
 }

@@ -5,7 +5,7 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use cudarc::cublaslt::{Activation, CudaBlasLT, Matmul, MatmulConfig};
+use cudarc::cublaslt::{sys as lt, Activation, CudaBlasLT, Matmul, MatmulConfig, MatmulShared, Workspace};
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 use cudarc::nvrtc::Ptx;
@@ -16,6 +16,31 @@ use kiln_registry::Package;
 use super::{compile_cached, open_context, Allocator, DevBuffer, DeviceInfo};
 use crate::sandbox::{LaunchPlan, PlanArg, PlanStep};
 use crate::{Error, Result, Tensor};
+
+/// cuBLASLt with exact float32 compute: ONNX float32 MatMul/Gemm keep full precision
+/// (cudarc's own `Matmul<f32>` computes in TF32, 10-bit mantissas).
+struct ExactF32<'a>(&'a CudaBlasLT);
+
+impl MatmulShared for ExactF32<'_> {
+    fn handle(&self) -> &lt::cublasLtHandle_t {
+        self.0.handle()
+    }
+    fn workspace(&self) -> &Workspace {
+        self.0.workspace()
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        MatmulShared::stream(self.0)
+    }
+}
+
+impl Matmul<f32> for ExactF32<'_> {
+    fn matrix_type() -> lt::cudaDataType {
+        lt::cudaDataType_t::CUDA_R_32F
+    }
+    fn compute_type() -> lt::cublasComputeType_t {
+        lt::cublasComputeType_t::CUBLAS_COMPUTE_32F
+    }
+}
 
 /// The kernels of one package, by entry-point name.
 pub type KernelCache = HashMap<String, CudaFunction>;
@@ -118,6 +143,14 @@ impl Gpu {
             self.kernels.insert(id.clone(), fns);
         }
         Ok(&self.kernels[&id])
+    }
+
+    /// The loaded function `kernel` of `pkg` (compiling the package's sources if needed).
+    pub fn function(&mut self, pkg: &Package, kernel: &str) -> Result<cudarc::driver::sys::CUfunction> {
+        self.kernels(pkg)?
+            .get(kernel)
+            .map(|f| f.cu_function())
+            .ok_or_else(|| Error::Device(format!("{}: no kernel {kernel}", pkg.id())))
     }
 
     /// Compiles every package's sources ahead of use (`kiln kernels warm`).
@@ -259,7 +292,7 @@ impl Gpu {
             slots.iter().find(|s| s.0 <= p && p < s.0 + s.1.max(1)).map_or(0, |s| ((s.0 + s.1 - p) / size) as usize)
         };
         macro_rules! run {
-            ($t:ty) => {{
+            ($t:ty, $engine:expr) => {{
                 let stream = &self.stream;
                 // SAFETY: views over checked extents, leaked after the call (the slots own them).
                 unsafe {
@@ -267,7 +300,7 @@ impl Gpu {
                     let bv = stream.upgrade_device_ptr::<$t>(a, len(a));
                     let mut dv = stream.upgrade_device_ptr::<$t>(d, len(d));
                     let biasv = bias.map(|p| stream.upgrade_device_ptr::<$t>(p, len(p)));
-                    let r = blas.matmul(cfg, &av, &bv, &mut dv, biasv.as_ref(), act.as_ref());
+                    let r = $engine.matmul(cfg, &av, &bv, &mut dv, biasv.as_ref(), act.as_ref());
                     av.leak();
                     bv.leak();
                     dv.leak();
@@ -279,9 +312,9 @@ impl Gpu {
             }};
         }
         let r = match g.dtype {
-            DType::F32 => run!(f32),
-            DType::F16 => run!(half::f16),
-            DType::BF16 => run!(half::bf16),
+            DType::F32 => run!(f32, ExactF32(blas)),
+            DType::F16 => run!(half::f16, blas),
+            DType::BF16 => run!(half::bf16, blas),
             other => return Err(Error::Unsupported(format!("gemm of {other}"))),
         };
         r.map_err(|e| Error::Device(format!("cublasLtMatmul (m {} n {} k {} batch {}): {e:?}", g.m, g.n, g.k, g.batch)))

@@ -17,7 +17,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 
 pub use alloc::{Allocator, AllocatorStats, DevBuffer};
 pub use exec::{Gpu, KernelCache};
-pub use nvrtc::{compile_cached, nvrtc_version, CompiledSource};
+pub use nvrtc::{cache_dir, compile_cached, nvrtc_version, CompiledSource};
 
 use crate::sandbox::LaunchLimits;
 use crate::{Error, Result};
