@@ -91,15 +91,14 @@ pub fn run(a: GenerateArgs) -> Result<ExitCode> {
     let stream = prompts.len() == 1;
     let mut shown = String::new();
     let mut ids0: Vec<i64> = Vec::new();
-    let folder_ref = &generator.folder as *const ModelFolder;
+    let tokenizer = generator.folder.tokenizer.clone();
     let mut on_token = |row: usize, id: i64| {
         if !stream || row != 0 {
             return;
         }
         ids0.push(id);
-        // SAFETY: the folder is not mutated during generation; only `session` is.
-        let folder = unsafe { &*folder_ref };
-        if let Ok(text) = folder.decode(&ids0) {
+        let ids: Vec<u32> = ids0.iter().map(|&i| i as u32).collect();
+        if let Ok(text) = tokenizer.decode(&ids, true) {
             // Hold back an incomplete UTF-8 sequence (decoded as U+FFFD) until it completes.
             if !text.ends_with('\u{FFFD}') && text.len() >= shown.len() && text.starts_with(shown.as_str()) {
                 print!("{}", &text[shown.len()..]);
