@@ -52,13 +52,14 @@ impl Session {
             let rank = ins.iter().flatten().filter_map(|k| k.shape.as_ref().map(Vec::len)).max();
             let opset = self.opset_of(idx)?;
             // Unknown dtypes are not checked here (they are at run time), but the op must exist.
+            let caps = self.device_caps();
             let q = NodeQuery {
                 domain: &node.domain,
                 op_type: &node.op_type,
                 opset,
                 input_dtypes: dtypes,
                 max_rank: rank,
-                device: None,
+                device: caps.as_ref(),
             };
             let res =
                 self.rt.registry.resolve(&q).map_err(|detail| Error::Unresolved { node: node.name.clone(), detail })?;

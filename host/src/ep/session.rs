@@ -207,6 +207,15 @@ impl Session {
         &self.model
     }
 
+    /// What the session's GPU offers packages (`None` on the CPU, where device requirements
+    /// do not apply).
+    pub(super) fn device_caps(&self) -> Option<kiln_registry::DeviceCaps> {
+        self.gpu.as_ref().map(|g| kiln_registry::DeviceCaps {
+            compute_capability: g.info.compute_capability,
+            features: g.info.features(),
+        })
+    }
+
     pub(super) fn opset_of(&self, node: usize) -> Result<i64> {
         let n = &self.model.graph.nodes[node];
         self.model.opset(&n.domain).ok_or_else(|| {
@@ -246,13 +255,14 @@ impl Session {
         }
         let node = &self.model.graph.nodes[idx];
         let opset = self.opset_of(idx)?;
+        let caps = self.device_caps();
         let q = NodeQuery {
             domain: &node.domain,
             op_type: &node.op_type,
             opset,
             input_dtypes: dtypes,
             max_rank: Some(rank),
-            device: None,
+            device: caps.as_ref(),
         };
         let r = self.rt.registry.resolve(&q).map_err(|detail| Error::Unresolved { node: node.name.clone(), detail })?;
         self.resolutions.insert(key, r.clone());
