@@ -4,19 +4,13 @@
 
 use std::path::Path;
 
-use kiln_host::conformance::to_f64;
-use kiln_host::ep::{Runtime, SessionOptions};
+use kiln_host::ep::SessionOptions;
 use kiln_host::genai::{GenerateOptions, Generator, ModelFolder, SamplingParams};
-use kiln_host::packages;
-use kiln_host::sandbox::SandboxConfig;
-use kiln_host::Tensor;
 use kiln_tests::fixture;
 use serde_json::Value;
 
 fn generator(folder: &str) -> Generator {
-    let (reg, errors) = packages::registry(&[]);
-    assert!(errors.is_empty(), "{errors:?}");
-    let rt = Runtime::new(reg, SandboxConfig::default()).unwrap();
+    let rt = kiln_tests::builtin_runtime();
     let folder = ModelFolder::open(&fixture(&format!("llm/{folder}"))).unwrap();
     Generator::new(rt, folder, SessionOptions::default()).unwrap()
 }
@@ -29,54 +23,22 @@ fn ids(v: &Value) -> Vec<i64> {
     v.as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect()
 }
 
-/// Prefill + 8 decode steps fed with the reference's tokens, the past growing by one position
-/// per step as in the reference run; every step's last-position logits are compared.
+/// Prefill + 8 decode steps fed with the reference's tokens: max |Δlogit| ≤ 1e-3 × max
+/// |reference logit| and the same argmax at every step.
 fn teacher_forced_logits_match(folder: &str) {
-    let refs = fixture(&format!("llm/references/{folder}"));
-    let doc = json(&refs.join("ort_greedy.json"));
     let mut g = generator(folder);
-    let d = g.folder.config.model.decoder.clone();
-    let vocab = g.folder.config.model.vocab_size;
-    for prompt in doc["prompts"].as_array().unwrap() {
-        let name = prompt["prompt_id"].as_str().unwrap();
-        let bin = std::fs::read(refs.join(prompt["logits_file"].as_str().unwrap())).unwrap();
-        let reference: Vec<f32> = bin.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-        let mut tokens = ids(&prompt["prompt_token_ids"]);
-        let generated = ids(&prompt["generated_token_ids"]);
-        let mut past: Vec<(String, Tensor)> = Vec::new();
-        for l in 0..d.num_hidden_layers {
-            for tmpl in [&d.inputs.past_key_names, &d.inputs.past_value_names] {
-                let shape = vec![1, d.num_key_value_heads, 0, d.head_size];
-                past.push((
-                    tmpl.replace("%d", &l.to_string()),
-                    Tensor::new(g.folder.kv_dtype, shape, Vec::new().into()).unwrap(),
-                ));
-            }
-        }
-        let mut feed = tokens.clone();
-        let steps = reference.len() / vocab;
-        for step in 0..steps {
-            let mask = vec![1i64; tokens.len()];
-            let (logits, next) = g.step(&feed, 1, &mask, past).unwrap();
-            past = next;
-            let all = to_f64(&logits);
-            let last = &all[all.len() - vocab..];
-            let want = &reference[step * vocab..(step + 1) * vocab];
-            let max_ref = want.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
-            let max_diff = last.iter().zip(want).map(|(a, b)| (a - *b as f64).abs()).fold(0.0, f64::max);
-            assert!(
-                max_diff <= 1e-3 * max_ref,
-                "{folder} {name} step {step}: max |Δlogit| {max_diff} > 1e-3 × {max_ref}"
-            );
-            let argmax = last.iter().enumerate().fold(0, |b, (i, v)| if *v > last[b] { i } else { b });
-            let ref_argmax = prompt["steps"][step]["argmax"].as_i64().unwrap();
-            assert_eq!(argmax as i64, ref_argmax, "{folder} {name} step {step}: argmax");
-            if step + 1 < steps {
-                feed = vec![generated[step]];
-                tokens.push(generated[step]);
-            }
-        }
-    }
+    kiln_tests::teacher_forced(&mut g, &fixture(&format!("llm/references/{folder}")), |s| {
+        let max_ref = s.reference.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+        let max_diff = s.kiln.iter().zip(s.reference).map(|(a, b)| (a - *b as f64).abs()).fold(0.0, f64::max);
+        assert!(
+            max_diff <= 1e-3 * max_ref,
+            "{folder} {} step {}: max |Δlogit| {max_diff} > 1e-3 × {max_ref}",
+            s.prompt,
+            s.step
+        );
+        let argmax = s.kiln.iter().enumerate().fold(0, |b, (i, v)| if *v > s.kiln[b] { i } else { b });
+        assert_eq!(argmax, s.reference_argmax, "{folder} {} step {}: argmax", s.prompt, s.step);
+    });
 }
 
 /// onnxruntime-genai's greedy generation of 32 tokens, prompt by prompt and as one batch.

@@ -7,15 +7,12 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use kiln_host::ep::{Runtime, Session, SessionOptions};
-use kiln_host::sandbox::SandboxConfig;
-use kiln_host::{model, packages, Tensor};
+use kiln_host::{model, Tensor};
 use kiln_kernel_abi::DType;
 use kiln_tests::onnx::{self, attr_float, node, value, AttributeProto, ModelProto, OperatorSetIdProto};
 
 fn runtime() -> Arc<Runtime> {
-    let (reg, errors) = packages::registry(&[]);
-    assert!(errors.is_empty(), "{errors:?}");
-    Runtime::new(reg, SandboxConfig::default()).expect("runtime")
+    kiln_tests::builtin_runtime()
 }
 
 /// splitmix64.

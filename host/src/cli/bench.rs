@@ -5,6 +5,7 @@
 //!   measured device-to-device copy bandwidth;
 //! - host overhead per op: eager dispatch through a memoized launch plan vs a bare
 //!   cuLaunchKernel of the same kernel.
+//!
 //! PyTorch's numbers come from `bench/torch_ops.py`, run in the same session.
 
 use std::process::ExitCode;

@@ -66,7 +66,9 @@ fn sampling(a: &GenerateArgs, folder: &ModelFolder) -> Result<SamplingParams> {
         repetition_penalty: a.repetition_penalty.unwrap_or(s.repetition_penalty),
         seed: a.seed.unwrap_or(0),
     };
-    if !(p.temperature > 0.0) || !(p.top_p > 0.0 && p.top_p <= 1.0) || !(p.repetition_penalty > 0.0) {
+    // Written so that NaN is refused too.
+    let valid = p.temperature > 0.0 && p.top_p > 0.0 && p.top_p <= 1.0 && p.repetition_penalty > 0.0;
+    if !valid {
         return Err(Error::Input("--temperature and --repetition-penalty must be > 0, --top-p in (0, 1]".into()));
     }
     Ok(p)

@@ -121,6 +121,20 @@ pub(super) struct InferInput {
     pub bytes: Option<bytes::Bytes>,
 }
 
+impl InferInput {
+    /// The input as a shim sees it in inference and dispatch: dtype, shape, inline value
+    /// bytes, no reachable data.
+    fn opaque_arg(&self) -> ArgTensor<'_> {
+        ArgTensor {
+            dtype: Some(self.dtype),
+            dims: Some(self.shape.iter().map(|&d| d as i64).collect()),
+            value: self.bytes.as_deref(),
+            nbytes: byte_size(self.dtype, &self.shape).unwrap_or(0),
+            access: Access::Opaque,
+        }
+    }
+}
+
 /// One model, prepared for one device.
 pub struct Session {
     pub(super) rt: Arc<Runtime>,
@@ -317,7 +331,7 @@ impl Session {
                 let v = values[o].take().or_else(|| self.resident(o));
                 match v {
                     Some(v) => {
-                        let t = self.to_host(&v);
+                        let t = self.host_tensor(&v);
                         self.release(v);
                         outs.push((name, t?));
                     }
@@ -372,18 +386,7 @@ impl Session {
             opset,
             node_name: &node.name,
             attributes: node.wire_attributes(),
-            inputs: inputs
-                .iter()
-                .map(|i| {
-                    i.as_ref().map(|i| ArgTensor {
-                        dtype: Some(i.dtype),
-                        dims: Some(i.shape.iter().map(|&d| d as i64).collect()),
-                        value: i.bytes.as_deref(),
-                        nbytes: byte_size(i.dtype, &i.shape).unwrap_or(0),
-                        access: Access::Opaque,
-                    })
-                })
-                .collect(),
+            inputs: inputs.iter().map(|i| i.as_ref().map(InferInput::opaque_arg)).collect(),
             outputs: node
                 .outputs
                 .iter()
@@ -454,7 +457,7 @@ impl Session {
     }
 
     /// A value's bytes on the host (downloads device values).
-    fn to_host(&mut self, v: &Value) -> Result<Tensor> {
+    fn host_tensor(&mut self, v: &Value) -> Result<Tensor> {
         match v {
             Value::Host(t) => Ok(t.clone()),
             Value::Device { host: Some(t), .. } => Ok(t.clone()),
@@ -595,7 +598,7 @@ impl Session {
                 Some(v) => Some(InferInput {
                     dtype: v.dtype(),
                     shape: v.shape().to_vec(),
-                    bytes: if value_inputs.contains(&i) { Some(self.to_host(v)?.data) } else { None },
+                    bytes: if value_inputs.contains(&i) { Some(self.host_tensor(v)?.data) } else { None },
                 }),
             });
         }
@@ -606,7 +609,7 @@ impl Session {
                 for v in &inputs {
                     host.push(match v {
                         None => None,
-                        Some(v) => Some(self.to_host(v)?),
+                        Some(v) => Some(self.host_tensor(v)?),
                     });
                 }
                 self.execute_cpu(idx, &res, &host, &out_types, self.options.check_dispatch)?
@@ -651,18 +654,7 @@ impl Session {
                     opset,
                     node_name: &node.name,
                     attributes: node.wire_attributes(),
-                    inputs: infer_ins
-                        .iter()
-                        .map(|i| {
-                            i.as_ref().map(|i| ArgTensor {
-                                dtype: Some(i.dtype),
-                                dims: Some(i.shape.iter().map(|&d| d as i64).collect()),
-                                value: i.bytes.as_deref(),
-                                nbytes: byte_size(i.dtype, &i.shape).unwrap_or(0),
-                                access: Access::Opaque,
-                            })
-                        })
-                        .collect(),
+                    inputs: infer_ins.iter().map(|i| i.as_ref().map(InferInput::opaque_arg)).collect(),
                     outputs: out_types
                         .iter()
                         .map(|t| {

@@ -112,7 +112,7 @@ impl GenaiConfig {
         if d.num_hidden_layers == 0 || d.num_attention_heads == 0 || d.num_key_value_heads == 0 || d.head_size == 0 {
             return Err("model.decoder: layer, head counts and head_size must be at least 1".into());
         }
-        if d.num_attention_heads % d.num_key_value_heads != 0 {
+        if !d.num_attention_heads.is_multiple_of(d.num_key_value_heads) {
             return Err(format!(
                 "model.decoder: num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 d.num_attention_heads, d.num_key_value_heads
