@@ -10,40 +10,11 @@ use kiln_host::ep::{Runtime, Session, SessionOptions};
 use kiln_host::{model, Error, Tensor};
 use kiln_kernel_abi::DType;
 use kiln_tests::onnx::{self, attr_float, node, value};
+use kiln_tests::Rng;
 use protobuf::EnumOrUnknown;
 
 fn runtime() -> Arc<Runtime> {
     kiln_tests::builtin_runtime()
-}
-
-/// A tiny seeded PRNG (splitmix64).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in lo..=hi.
-    fn int(&mut self, lo: usize, hi: usize) -> usize {
-        lo + (self.next() % (hi - lo + 1) as u64) as usize
-    }
-    fn pick<T: Copy>(&mut self, v: &[T]) -> T {
-        v[self.int(0, v.len() - 1)]
-    }
-    fn coin(&mut self) -> bool {
-        self.next() & 1 == 1
-    }
-    /// Uniform in [-1, 1), a multiple of 1/64 so that float16 and bfloat16 hold it exactly.
-    fn val(&mut self) -> f64 {
-        (self.int(0, 127) as f64 - 64.0) / 64.0
-    }
-    fn vals(&mut self, n: usize) -> Vec<f64> {
-        (0..n).map(|_| self.val()).collect()
-    }
 }
 
 fn attr_int(name: &str, v: i64) -> onnx::AttributeProto {
@@ -233,34 +204,34 @@ struct Case {
 
 fn random_case(r: &mut Rng, dtype: DType) -> Case {
     let mode = r.pick(&[Mode::Prompt, Mode::Decode, Mode::Decode, Mode::Chunk]);
-    let batch = if mode == Mode::Chunk { 1 } else { r.int(1, 3) };
-    let kv_heads = r.int(1, 2);
+    let batch = if mode == Mode::Chunk { 1 } else { r.range(1, 3) };
+    let kv_heads = r.range(1, 2);
     let heads = kv_heads * r.pick(&[1, 2, 4]);
     let head_size = r.pick(&[8, 16, 32, 64]);
     let shared = r.coin();
     let (seq, lens, total, past_len);
     match mode {
         Mode::Prompt => {
-            seq = r.int(1, 6);
-            lens = (0..batch).map(|_| r.int(1, seq)).collect::<Vec<_>>();
+            seq = r.range(1, 6);
+            lens = (0..batch).map(|_| r.range(1, seq)).collect::<Vec<_>>();
             total = seq;
-            past_len = if shared { total + r.int(0, 3) } else { 0 };
+            past_len = if shared { total + r.range(0, 3) } else { 0 };
         }
         Mode::Decode => {
             seq = 1;
-            let max = r.int(2, 9);
-            let mut l: Vec<_> = (0..batch).map(|_| r.int(1, max)).collect();
-            l[r.int(0, batch - 1)] = max;
+            let max = r.range(2, 9);
+            let mut l: Vec<_> = (0..batch).map(|_| r.range(1, max)).collect();
+            l[r.range(0, batch - 1)] = max;
             lens = l;
             total = max;
-            past_len = if shared { total + r.int(0, 3) } else { total - 1 };
+            past_len = if shared { total + r.range(0, 3) } else { total - 1 };
         }
         Mode::Chunk => {
-            seq = r.int(2, 4);
-            let past = r.int(1, 5);
+            seq = r.range(2, 4);
+            let past = r.range(1, 5);
             lens = vec![past + seq];
             total = past + seq;
-            past_len = if shared { total + r.int(0, 3) } else { past };
+            past_len = if shared { total + r.range(0, 3) } else { past };
         }
     }
     let rotary = if r.coin() { Some((r.pick(&[head_size / 2, head_size / 4]), r.coin())) } else { None };
@@ -275,12 +246,12 @@ fn random_case(r: &mut Rng, dtype: DType) -> Case {
         packed: r.coin(),
         shared,
         rotary,
-        window: if r.int(0, 2) == 0 { r.int(1, 5) as i64 } else { -1 },
-        softcap: if r.int(0, 3) == 0 { 1.5 } else { 0.0 },
+        window: if r.range(0, 2) == 0 { r.range(1, 5) as i64 } else { -1 },
+        softcap: if r.range(0, 3) == 0 { 1.5 } else { 0.0 },
         scale: r.pick(&[0.0, 0.0, 0.3]),
-        smooth: r.int(0, 4) == 0,
-        sink: r.int(0, 5) == 0,
-        bias: r.int(0, 5) == 0,
+        smooth: r.range(0, 4) == 0,
+        sink: r.range(0, 5) == 0,
+        bias: r.range(0, 5) == 0,
         lens,
         total,
         past_len,
@@ -303,7 +274,7 @@ struct Data {
 
 fn random_data(r: &mut Rng, c: &Case) -> Data {
     let (b, s, h) = (c.batch, c.seq, c.head_size);
-    let cache_rows = c.total.max(c.past_len) + r.int(0, 2);
+    let cache_rows = c.total.max(c.past_len) + r.range(0, 2);
     let half = c.rotary.map_or(0, |x| x.0);
     let bias_dims = [r.pick(&[1, b]), r.pick(&[1, c.heads]), s, c.total];
     Data {
@@ -616,7 +587,7 @@ fn rotary_embedding_matches_float64() {
     let mut r = Rng(11);
     for i in 0..24 {
         let dtype = [DType::F32, DType::F32, DType::F16, DType::BF16][i % 4];
-        let (b, s, n) = (r.int(1, 3), r.int(1, 5), r.int(1, 3));
+        let (b, s, n) = (r.range(1, 3), r.range(1, 5), r.range(1, 3));
         let h = r.pick(&[8, 16, 32]);
         let partial = r.coin();
         let rdim = if partial { h / 2 } else { h };
@@ -627,8 +598,8 @@ fn rotary_embedding_matches_float64() {
         let x = r.vals(b * s * n * h);
         let cos = r.vals(rows * rdim / 2);
         let sin = r.vals(rows * rdim / 2);
-        let start = r.int(0, rows - s);
-        let pos: Vec<i64> = (0..b * s).map(|_| r.int(0, rows - 1) as i64).collect();
+        let start = r.range(0, rows - s);
+        let pos: Vec<i64> = (0..b * s).map(|_| r.range(0, rows - 1) as i64).collect();
         let (shape, strides) =
             if four_d { (vec![b, n, s, h], [n * s * h, h, s * h]) } else { (vec![b, s, n * h], [s * n * h, n * h, h]) };
         let pos_of = |bi: usize, si: usize| if scalar { start + si } else { pos[bi * s + si] as usize };
@@ -663,5 +634,21 @@ fn rotary_embedding_matches_float64() {
             &want,
             rel,
         );
+    }
+}
+
+/// Test values for attention inputs.
+trait Values {
+    fn val(&mut self) -> f64;
+    fn vals(&mut self, n: usize) -> Vec<f64>;
+}
+
+impl Values for Rng {
+    /// Uniform in [-1, 1), a multiple of 1/64 so that float16 and bfloat16 hold it exactly.
+    fn val(&mut self) -> f64 {
+        (self.range(0, 127) as f64 - 64.0) / 64.0
+    }
+    fn vals(&mut self, n: usize) -> Vec<f64> {
+        (0..n).map(|_| self.val()).collect()
     }
 }

@@ -8,37 +8,11 @@ use kiln_host::ep::{Runtime, Session, SessionOptions};
 use kiln_host::{model, Error, Tensor};
 use kiln_kernel_abi::DType;
 use kiln_tests::onnx::{self, attribute_proto, node, value, AttributeProto, OperatorSetIdProto, TensorProto};
+use kiln_tests::Rng;
 use protobuf::EnumOrUnknown;
 
 fn runtime() -> Arc<Runtime> {
     kiln_tests::builtin_runtime()
-}
-
-/// splitmix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in `0..n`.
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    /// Uniform in `lo..=hi`.
-    fn int(&mut self, lo: i64, hi: i64) -> i64 {
-        lo + (self.next() % (hi - lo + 1) as u64) as i64
-    }
-    fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
-        xs[self.below(xs.len())]
-    }
-    fn coin(&mut self) -> bool {
-        self.next() & 1 == 1
-    }
 }
 
 // ---------------------------------------------------------------------------------------

@@ -10,32 +10,10 @@ use kiln_host::ep::{Runtime, Session, SessionOptions};
 use kiln_host::{model, Tensor};
 use kiln_kernel_abi::DType;
 use kiln_tests::onnx::{self, attr_float, node, value, AttributeProto, ModelProto, OperatorSetIdProto};
+use kiln_tests::Rng;
 
 fn runtime() -> Arc<Runtime> {
     kiln_tests::builtin_runtime()
-}
-
-/// splitmix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in `lo..=hi`.
-    fn range(&mut self, lo: usize, hi: usize) -> usize {
-        lo + (self.next() % (hi - lo + 1) as u64) as usize
-    }
-    fn coin(&mut self) -> bool {
-        self.next() & 1 == 1
-    }
-    fn pick<T: Copy>(&mut self, items: &[T]) -> T {
-        items[self.range(0, items.len() - 1)]
-    }
 }
 
 /// Random values of `dtype` (magnitudes about 2^-4 to 4, some negative) as tensor bytes and as

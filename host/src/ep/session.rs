@@ -89,6 +89,35 @@ impl Value {
     }
 }
 
+/// The call of `node` with these inputs and outputs.
+fn node_call<'a>(
+    node: &'a crate::model::Node,
+    opset: i64,
+    inputs: Vec<Option<ArgTensor<'a>>>,
+    outputs: Vec<Option<ArgTensor<'a>>>,
+) -> CallArgs<'a> {
+    CallArgs {
+        domain: &node.domain,
+        op_type: &node.op_type,
+        opset,
+        node_name: &node.name,
+        attributes: node.wire_attributes(),
+        inputs,
+        outputs,
+    }
+}
+
+/// A host tensor as a call argument, with its bytes inline when it is a value input.
+fn tensor_arg(t: &Tensor, value_input: bool, access: Access) -> ArgTensor<'_> {
+    ArgTensor {
+        dtype: Some(t.dtype),
+        dims: Some(t.dims_i64()),
+        value: value_input.then_some(&t.data[..]),
+        nbytes: t.data.len() as u64,
+        access,
+    }
+}
+
 /// The memo key of a node's inference and launch plan.
 fn infer_key(idx: usize, inputs: &[Option<InferInput>]) -> InferKey {
     let mut value_bytes = Vec::new();
@@ -380,21 +409,17 @@ impl Session {
         }
         let opset = self.opset_of(idx)?;
         let node = self.model.graph.nodes[idx].clone();
-        let args = CallArgs {
-            domain: &node.domain,
-            op_type: &node.op_type,
+        let args = node_call(
+            &node,
             opset,
-            node_name: &node.name,
-            attributes: node.wire_attributes(),
-            inputs: inputs.iter().map(|i| i.as_ref().map(InferInput::opaque_arg)).collect(),
-            outputs: node
-                .outputs
+            inputs.iter().map(|i| i.as_ref().map(InferInput::opaque_arg)).collect(),
+            node.outputs
                 .iter()
                 .map(|o| {
                     o.map(|_| ArgTensor { dtype: None, dims: None, value: None, nbytes: 0, access: Access::Opaque })
                 })
                 .collect(),
-        };
+        );
         let inferred = self.call_shim(&res.package, CallKind::Infer, args)?.inferred;
         let mut out = Vec::with_capacity(node.outputs.len());
         for (i, o) in node.outputs.iter().enumerate() {
@@ -506,58 +531,32 @@ impl Session {
         let opset = self.opset_of(idx)?;
         let node = self.model.graph.nodes[idx].clone();
         let value_inputs = res.entry.value_inputs.clone();
-        let arg = |t: &Tensor, access: Access| ArgTensor {
-            dtype: Some(t.dtype),
-            dims: Some(t.dims_i64()),
-            value: None,
-            nbytes: t.data.len() as u64,
-            access,
-        };
-        let args = CallArgs {
-            domain: &node.domain,
-            op_type: &node.op_type,
+        let args = node_call(
+            &node,
             opset,
-            node_name: &node.name,
-            attributes: node.wire_attributes(),
-            inputs: inputs
+            inputs
                 .iter()
                 .enumerate()
                 .map(|(i, t)| {
-                    t.as_ref().map(|t| ArgTensor {
-                        value: value_inputs.contains(&i).then_some(&t.data[..]),
-                        ..arg(t, Access::Read(t.data.clone()))
-                    })
+                    t.as_ref().map(|t| tensor_arg(t, value_inputs.contains(&i), Access::Read(t.data.clone())))
                 })
                 .collect(),
-            outputs: cpu::output_args(out_types),
-        };
+            cpu::output_args(out_types),
+        );
         let n_in = inputs.iter().flatten().count();
         let outcome = self.call_shim(&res.package, CallKind::Cpu, args)?;
         let outputs = cpu::collect_outputs(outcome, n_in, out_types)?;
         if check_dispatch {
-            let opaque = |t: &Tensor| ArgTensor {
-                dtype: Some(t.dtype),
-                dims: Some(t.dims_i64()),
-                value: None,
-                nbytes: t.data.len() as u64,
-                access: Access::Opaque,
-            };
-            let args = CallArgs {
-                domain: &node.domain,
-                op_type: &node.op_type,
+            let args = node_call(
+                &node,
                 opset,
-                node_name: &node.name,
-                attributes: node.wire_attributes(),
-                inputs: inputs
+                inputs
                     .iter()
                     .enumerate()
-                    .map(|(i, t)| {
-                        t.as_ref()
-                            .map(|t| ArgTensor { value: value_inputs.contains(&i).then_some(&t.data[..]), ..opaque(t) })
-                    })
+                    .map(|(i, t)| t.as_ref().map(|t| tensor_arg(t, value_inputs.contains(&i), Access::Opaque)))
                     .collect(),
-                outputs: outputs.iter().map(|t| t.as_ref().map(opaque)).collect(),
-            };
+                outputs.iter().map(|t| t.as_ref().map(|t| tensor_arg(t, false, Access::Opaque))).collect(),
+            );
             match self.call_shim(&res.package, CallKind::Dispatch, args) {
                 Ok(o) => self.report.dispatch_steps += o.plan.steps.len() as u64,
                 Err(e) if e.is_unsupported() => {
@@ -648,14 +647,11 @@ impl Session {
             None => {
                 let opset = self.opset_of(idx)?;
                 let node = self.model.graph.nodes[idx].clone();
-                let args = CallArgs {
-                    domain: &node.domain,
-                    op_type: &node.op_type,
+                let args = node_call(
+                    &node,
                     opset,
-                    node_name: &node.name,
-                    attributes: node.wire_attributes(),
-                    inputs: infer_ins.iter().map(|i| i.as_ref().map(InferInput::opaque_arg)).collect(),
-                    outputs: out_types
+                    infer_ins.iter().map(|i| i.as_ref().map(InferInput::opaque_arg)).collect(),
+                    out_types
                         .iter()
                         .map(|t| {
                             t.as_ref().map(|(d, s)| ArgTensor {
@@ -667,7 +663,7 @@ impl Session {
                             })
                         })
                         .collect(),
-                };
+                );
                 let plan = self.call_shim(&res.package, CallKind::Dispatch, args)?.plan;
                 if self.plans.len() >= INFER_CACHE_ENTRIES {
                     self.plans.clear();
