@@ -225,7 +225,7 @@ pub fn teacher_forced(g: &mut kiln_host::genai::Generator, refs: &std::path::Pat
 pub struct Rng(pub u64);
 
 impl Rng {
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -234,20 +234,20 @@ impl Rng {
     }
     /// Uniform in `0..n`.
     pub fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
+        (self.next_u64() % n as u64) as usize
     }
     /// Uniform in `lo..=hi`.
     pub fn range(&mut self, lo: usize, hi: usize) -> usize {
-        lo + (self.next() % (hi - lo + 1) as u64) as usize
+        lo + (self.next_u64() % (hi - lo + 1) as u64) as usize
     }
     /// Uniform in `lo..=hi`.
     pub fn int(&mut self, lo: i64, hi: i64) -> i64 {
-        lo + (self.next() % (hi - lo + 1) as u64) as i64
+        lo + (self.next_u64() % (hi - lo + 1) as u64) as i64
     }
     pub fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
         xs[self.below(xs.len())]
     }
     pub fn coin(&mut self) -> bool {
-        self.next() & 1 == 1
+        self.next_u64() & 1 == 1
     }
 }

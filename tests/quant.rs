@@ -194,7 +194,7 @@ fn pack(values: &[u32], bits: usize, rng: &mut Rng) -> Vec<u8> {
     }
     let used = values.len() % per;
     if used != 0 {
-        let garbage = (rng.next() as u8) & !((1u16 << (used * bits)) as u8).wrapping_sub(1);
+        let garbage = (rng.next_u64() as u8) & !((1u16 << (used * bits)) as u8).wrapping_sub(1);
         *out.last_mut().unwrap() |= garbage;
     }
     out

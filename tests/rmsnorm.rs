@@ -22,7 +22,7 @@ fn random_values(rng: &mut Rng, dtype: DType, n: usize) -> (Vec<u8>, Vec<f64>) {
     let mut bytes = Vec::new();
     let mut vals = Vec::new();
     for _ in 0..n {
-        let r = rng.next();
+        let r = rng.next_u64();
         let sign = if r & 1 == 1 { -1.0 } else { 1.0 };
         let exp = ((r >> 1) % 7) as i32 - 4;
         let frac = ((r >> 8) & 0xffff_ffff) as f64 / 4_294_967_296.0;
