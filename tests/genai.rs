@@ -26,8 +26,11 @@ fn ids(v: &Value) -> Vec<i64> {
 /// Prefill + 8 decode steps fed with the reference's tokens: max |Δlogit| ≤ 1e-3 × max
 /// |reference logit| and the same argmax at every step.
 fn teacher_forced_logits_match(folder: &str) {
-    let mut g = generator(folder);
-    kiln_tests::teacher_forced(&mut g, &fixture(&format!("llm/references/{folder}")), |s| {
+    teacher_forced_logits_match_with(&mut generator(folder), folder);
+}
+
+fn teacher_forced_logits_match_with(g: &mut Generator, folder: &str) {
+    kiln_tests::teacher_forced(g, &fixture(&format!("llm/references/{folder}")), |s| {
         let max_ref = s.reference.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
         let max_diff = s.kiln.iter().zip(s.reference).map(|(a, b)| (a - *b as f64).abs()).fold(0.0, f64::max);
         assert!(
@@ -43,8 +46,11 @@ fn teacher_forced_logits_match(folder: &str) {
 
 /// onnxruntime-genai's greedy generation of 32 tokens, prompt by prompt and as one batch.
 fn greedy_tokens_match(folder: &str, batched: bool) {
+    greedy_tokens_match_with(&mut generator(folder), folder, batched);
+}
+
+fn greedy_tokens_match_with(g: &mut Generator, folder: &str, batched: bool) {
     let doc = json(&fixture(&format!("llm/references/{folder}/genai_greedy.json")));
-    let mut g = generator(folder);
     let runs = doc["runs"].as_array().unwrap();
     let opts = GenerateOptions { max_new_tokens: 32, max_length: None, sampling: SamplingParams::default() };
     let mut prompts = Vec::new();
@@ -96,6 +102,17 @@ fn smollm2_int4_matches_onnxruntime_logits() {
 fn tiny_llama_fp32_matches_genai_greedy_tokens_alone_and_batched() {
     greedy_tokens_match("tiny-llama-v512-fp32-cpu", false);
     greedy_tokens_match("tiny-llama-v512-fp32-cpu", true);
+}
+
+#[test]
+fn without_a_shared_buffer_the_past_grows_from_step_to_step() {
+    // The same fixture with `past_present_share_buffer` off: each step's presents (kept by the
+    // session) become the next step's pasts.
+    let folder = "tiny-llama-v512-fp32-cpu";
+    let mut g = generator(folder);
+    g.folder.config.search.past_present_share_buffer = false;
+    teacher_forced_logits_match_with(&mut g, folder);
+    greedy_tokens_match_with(&mut g, folder, false);
 }
 
 #[test]

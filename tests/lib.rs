@@ -172,52 +172,40 @@ pub struct StepLogits<'a> {
 }
 
 /// Runs `g` as the fixture references' `ort_greedy.json` ran onnxruntime (fixtures/README.md):
-/// each prompt's prefill, then one step per reference token (teacher forcing), the past growing
-/// by one position per step; calls `check` on every step's last-position logits.
+/// each prompt's prefill, then one decode step per reference token (teacher forcing), through
+/// the generator's KV cache; calls `check` on every step's last-position logits.
 pub fn teacher_forced(g: &mut kiln_host::genai::Generator, refs: &std::path::Path, mut check: impl FnMut(&StepLogits)) {
-    use kiln_host::conformance::to_f64;
     let json = |p: PathBuf| -> serde_json::Value {
         serde_json::from_slice(&std::fs::read(p).expect("reference")).expect("json")
     };
     let ids =
         |v: &serde_json::Value| -> Vec<i64> { v.as_array().expect("ids").iter().filter_map(|x| x.as_i64()).collect() };
     let doc = json(refs.join("ort_greedy.json"));
-    let d = g.folder.config.model.decoder.clone();
     let vocab = g.folder.config.model.vocab_size;
     for prompt in doc["prompts"].as_array().expect("prompts") {
         let name = prompt["prompt_id"].as_str().unwrap_or("?");
         let bin = std::fs::read(refs.join(prompt["logits_file"].as_str().expect("logits_file"))).expect("logits");
         let reference: Vec<f32> = bin.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-        let mut tokens = ids(&prompt["prompt_token_ids"]);
+        let tokens = ids(&prompt["prompt_token_ids"]);
         let generated = ids(&prompt["generated_token_ids"]);
-        let mut past: Vec<(String, Tensor)> = Vec::new();
-        for l in 0..d.num_hidden_layers {
-            for tmpl in [&d.inputs.past_key_names, &d.inputs.past_value_names] {
-                let shape = vec![1, d.num_key_value_heads, 0, d.head_size];
-                past.push((
-                    tmpl.replace("%d", &l.to_string()),
-                    Tensor::new(g.folder.kv_dtype, shape, Bytes::new()).expect("empty past"),
-                ));
-            }
-        }
-        let mut feed = tokens.clone();
         let steps = reference.len() / vocab;
+        let (mut kv, first) = g.prefill(std::slice::from_ref(&tokens), tokens.len() + steps).expect("prefill");
+        let mut logits = first.into_iter().next().expect("one row");
         for step in 0..steps {
-            let (logits, next) = g.step(&feed, 1, &vec![1i64; tokens.len()], past).expect("decoder step");
-            past = next;
-            let all = to_f64(&logits);
+            let kiln: Vec<f64> = logits.iter().map(|&v| v as f64).collect();
             check(&StepLogits {
                 prompt: name,
                 step,
-                kiln: &all[all.len() - vocab..],
+                kiln: &kiln,
                 reference: &reference[step * vocab..(step + 1) * vocab],
                 reference_argmax: prompt["steps"][step]["argmax"].as_u64().expect("argmax") as usize,
             });
             if step + 1 < steps {
-                feed = vec![generated[step]];
-                tokens.push(generated[step]);
+                logits =
+                    g.decode(&mut kv, &[generated[step]]).expect("decode step").into_iter().next().expect("one row");
             }
         }
+        g.free(kv);
     }
 }
 

@@ -31,6 +31,20 @@ impl Tensor {
         self.shape.iter().product()
     }
 
+    /// The elements of a float tensor (f32, f16, bf16, f64) as f32. Errors: another dtype.
+    pub fn to_f32(&self) -> Result<Vec<f32>, Error> {
+        let d = &self.data;
+        Ok(match self.dtype {
+            DType::F32 => d.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            DType::F16 => d.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            DType::BF16 => d.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            DType::F64 => {
+                d.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap_or_default()) as f32).collect()
+            }
+            other => return Err(Error::Input(format!("{other} values are not floats"))),
+        })
+    }
+
     /// Shape as the ABI's `i64` dims.
     pub fn dims_i64(&self) -> Vec<i64> {
         self.shape.iter().map(|&d| d as i64).collect()

@@ -11,6 +11,8 @@ pub struct OpStat {
     pub nodes: u64,
     /// Wall time in microseconds, shim calls included.
     pub time_us: u64,
+    /// GPU time in microseconds, when profiling (see `Session::set_gpu_profiling`).
+    pub gpu_us: f64,
 }
 
 /// Shim export calls, by export.
@@ -48,10 +50,26 @@ pub struct Report {
 impl Report {
     pub fn record_node(&mut self, op: &str, package: &str, t: Duration) {
         self.nodes += 1;
-        *self.packages.entry(package.to_string()).or_default() += 1;
-        let s = self.ops.entry(op.to_string()).or_default();
-        s.nodes += 1;
-        s.time_us += t.as_micros() as u64;
+        match self.packages.get_mut(package) {
+            Some(n) => *n += 1,
+            None => {
+                self.packages.insert(package.to_string(), 1);
+            }
+        }
+        if !self.ops.contains_key(op) {
+            self.ops.insert(op.to_string(), OpStat::default());
+        }
+        if let Some(s) = self.ops.get_mut(op) {
+            s.nodes += 1;
+            s.time_us += t.as_micros() as u64;
+        }
+    }
+
+    /// Adds GPU time to an op's count.
+    pub fn record_gpu(&mut self, op: &str, ms: f32) {
+        if let Some(s) = self.ops.get_mut(op) {
+            s.gpu_us += ms as f64 * 1e3;
+        }
     }
 
     /// A human-readable table.
@@ -76,8 +94,13 @@ impl Report {
         s += "ops:\n";
         let mut ops: Vec<_> = self.ops.iter().collect();
         ops.sort_by_key(|(_, s)| std::cmp::Reverse(s.time_us));
+        let profiled = self.ops.values().any(|s| s.gpu_us > 0.0);
         for (op, st) in ops {
-            s += &format!("  {op:<24} {:>6} nodes {:>12.3} ms\n", st.nodes, st.time_us as f64 / 1e3);
+            s += &format!("  {op:<24} {:>6} nodes {:>12.3} ms", st.nodes, st.time_us as f64 / 1e3);
+            if profiled {
+                s += &format!(" {:>12.3} ms GPU", st.gpu_us / 1e3);
+            }
+            s += "\n";
         }
         s
     }

@@ -36,10 +36,15 @@ pub enum BenchCommand {
         #[command(flatten)]
         packages: PackageArgs,
     },
+    /// LLM decode speed of an onnxruntime-genai model folder (prompt, greedy new tokens).
+    Decode(super::bench_decode::DecodeArgs),
 }
 
 pub fn run(cmd: BenchCommand) -> Result<ExitCode> {
-    let BenchCommand::Ops { json, packages } = cmd;
+    let (json, packages) = match cmd {
+        BenchCommand::Ops { json, packages } => (json, packages),
+        BenchCommand::Decode(a) => return super::bench_decode::run(a),
+    };
     let Device::Cuda(ordinal) = choose_device(DeviceArg::Cuda)? else {
         return Err(Error::Device("kiln bench ops needs a CUDA GPU".into()));
     };

@@ -38,7 +38,12 @@ pub fn run(a: ConformanceArgs) -> Result<ExitCode> {
         return Err(Error::Input(format!("{}: no test folders (test_*/model.onnx) found", a.dir.display())));
     }
     let rt = Runtime::new(registry(&a.packages), SandboxConfig::default())?;
-    let options = SessionOptions { device, check_dispatch: a.check_dispatch, ..SessionOptions::default() };
+    let options = SessionOptions {
+        device,
+        check_dispatch: a.check_dispatch,
+        small_integer_nodes_on_host: false,
+        ..SessionOptions::default()
+    };
     let results: Vec<_> = dirs.iter().map(|d| run_test(&rt, d, &options)).collect();
     print!("{}", summary(&results));
     if let Some(p) = &a.json {

@@ -1,6 +1,8 @@
-//! The `kiln` command line: `run`, `kernels list`, `conformance`.
+//! The `kiln` command line: `run`, `generate`, `kernels`, `conformance`, `verify`, `bench`,
+//! `devices`.
 
 mod bench;
+mod bench_decode;
 mod conformance;
 mod generate;
 mod kernels;
@@ -38,7 +40,7 @@ pub enum Command {
     Conformance(conformance::ConformanceArgs),
     /// Check a package's GPU kernels against its CPU reference and ONNX's node tests.
     Verify(verify::VerifyArgs),
-    /// Benchmarks (GPU): `kiln bench ops`.
+    /// Benchmarks: `kiln bench ops` (GPU kernels), `kiln bench decode MODEL_DIR` (LLM decode).
     Bench {
         #[command(subcommand)]
         command: bench::BenchCommand,

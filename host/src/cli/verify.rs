@@ -87,7 +87,7 @@ pub fn run(mut a: VerifyArgs) -> Result<ExitCode> {
         )));
     }
     let rt = Runtime::new(reg, SandboxConfig::default())?;
-    let options = SessionOptions { device, ..SessionOptions::default() };
+    let options = SessionOptions { device, small_integer_nodes_on_host: false, ..SessionOptions::default() };
     let (mut tests, mut cases) = (Vec::new(), Vec::new());
     for dir in test_dirs(&a.node_tests, None)? {
         let Ok(m) = model::load(&dir.join("model.onnx")) else { continue };
@@ -293,7 +293,13 @@ fn random_cases(
     }
     let mut cases = Vec::new();
     for v in variants {
-        let s = |d| Session::new(rt.clone(), v.model.clone(), SessionOptions { device: d, ..Default::default() });
+        let s = |d| {
+            Session::new(
+                rt.clone(),
+                v.model.clone(),
+                SessionOptions { device: d, small_integer_nodes_on_host: false, ..Default::default() },
+            )
+        };
         let mut sessions = s(Device::Cpu).and_then(|c| Ok((c, s(device)?)));
         for (seed, shapes) in v.runs {
             let mut case = Case {

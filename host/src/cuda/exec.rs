@@ -5,42 +5,25 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use cudarc::cublaslt::{sys as lt, Activation, CudaBlasLT, Matmul, MatmulConfig, MatmulShared, Workspace};
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 use cudarc::nvrtc::Ptx;
-use kiln_kernel_abi::wire::{Epilogue, Gemm, KernelArg};
+use kiln_kernel_abi::wire::{Gemm, KernelArg};
 use kiln_kernel_abi::DType;
 use kiln_registry::Package;
 
-use super::{compile_cached, open_context, Allocator, DevBuffer, DeviceInfo};
+use super::{compile_cached, open_context, Allocator, Blas, DevBuffer, DeviceInfo};
 use crate::sandbox::{LaunchPlan, PlanArg, PlanStep};
 use crate::{Error, Result, Tensor};
 
-/// cuBLASLt with exact float32 compute: ONNX float32 MatMul/Gemm keep full precision
-/// (cudarc's own `Matmul<f32>` computes in TF32, 10-bit mantissas).
-struct ExactF32<'a>(&'a CudaBlasLT);
+/// A loaded kernel (`CUfunction`), valid while the session's context lives.
+#[derive(Clone, Copy, Debug)]
+pub struct Function(pub cudarc::driver::sys::CUfunction);
 
-impl MatmulShared for ExactF32<'_> {
-    fn handle(&self) -> &lt::cublasLtHandle_t {
-        self.0.handle()
-    }
-    fn workspace(&self) -> &Workspace {
-        self.0.workspace()
-    }
-    fn stream(&self) -> &Arc<CudaStream> {
-        MatmulShared::stream(self.0)
-    }
-}
-
-impl Matmul<f32> for ExactF32<'_> {
-    fn matrix_type() -> lt::cudaDataType {
-        lt::cudaDataType_t::CUDA_R_32F
-    }
-    fn compute_type() -> lt::cublasComputeType_t {
-        lt::cublasComputeType_t::CUBLAS_COMPUTE_32F
-    }
-}
+// SAFETY: a CUfunction is a handle of the context, usable from any thread that makes the
+// context current; kiln uses it only through its session.
+unsafe impl Send for Function {}
+unsafe impl Sync for Function {}
 
 /// The kernels of one package, by entry-point name.
 pub type KernelCache = HashMap<String, CudaFunction>;
@@ -49,6 +32,10 @@ impl Drop for Gpu {
     fn drop(&mut self) {
         // Everything enqueued must finish before the pool's memory goes back to the driver.
         let _ = self.synchronize();
+        self.timeline = None;
+        if let Some(b) = self.blas.take() {
+            b.close(&mut self.alloc);
+        }
         self.alloc.release_cached();
     }
 }
@@ -60,10 +47,12 @@ pub struct Gpu {
     pub info: DeviceInfo,
     pub alloc: Allocator,
     kernels: HashMap<String, KernelCache>,
-    blas: Option<CudaBlasLT>,
+    blas: Option<Blas>,
     /// NVRTC compiles and cache hits.
     pub compiles: u64,
     pub compile_cache_hits: u64,
+    /// Per-node GPU timing, when profiling.
+    pub timeline: Option<super::Timeline>,
 }
 
 fn dev_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
@@ -84,6 +73,7 @@ impl Gpu {
             blas: None,
             compiles: 0,
             compile_cache_hits: 0,
+            timeline: None,
         })
     }
 
@@ -99,6 +89,36 @@ impl Gpu {
         Ok(buf)
     }
 
+    /// A new device buffer of `bytes` zero bytes (the memset is enqueued on the stream).
+    pub fn zeroed(&mut self, bytes: u64) -> Result<DevBuffer> {
+        let buf = self.alloc.alloc(bytes)?;
+        // SAFETY: buf holds at least `bytes` bytes.
+        unsafe { cudarc::driver::result::memset_d8_async(buf.ptr, 0, bytes as usize, self.stream.cu_stream()) }
+            .map_err(dev_err("cuMemsetD8Async"))?;
+        Ok(buf)
+    }
+
+    /// Copies host bytes into `dst`, which holds at least `data.len()` bytes (enqueued; the
+    /// caller keeps `data` alive until the stream is synchronized or the copy is staged).
+    pub fn upload_into(&mut self, dst: CUdeviceptr, data: &[u8]) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: the caller guarantees the destination extent.
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, data, self.stream.cu_stream()) }
+            .map_err(dev_err("cuMemcpyHtoDAsync"))
+    }
+
+    /// Copies `bytes` bytes from `src` to `dst` on the stream (both extents checked by the caller).
+    pub fn copy(&mut self, dst: CUdeviceptr, src: CUdeviceptr, bytes: u64) -> Result<()> {
+        if bytes == 0 || dst == src {
+            return Ok(());
+        }
+        // SAFETY: the caller guarantees both extents.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes as usize, self.stream.cu_stream()) }
+            .map_err(dev_err("cuMemcpyDtoDAsync"))
+    }
+
     /// Copies `bytes` bytes of a device buffer back (synchronizes the stream).
     pub fn download(&mut self, ptr: CUdeviceptr, dtype: DType, shape: Vec<usize>, bytes: usize) -> Result<Tensor> {
         let mut host = vec![0u8; bytes];
@@ -109,6 +129,14 @@ impl Gpu {
         }
         self.synchronize()?;
         Tensor::new(dtype, shape, Bytes::from(host))
+    }
+
+    /// Records a timeline mark on the stream when profiling.
+    pub fn mark(&mut self) -> Result<()> {
+        match self.timeline.as_mut() {
+            Some(t) => t.mark(&self.stream),
+            None => Ok(()),
+        }
     }
 
     pub fn synchronize(&self) -> Result<()> {
@@ -162,18 +190,49 @@ impl Gpu {
     /// (present ones, in order), each with its size in bytes; scratch is allocated here and
     /// returned to the pool after the plan.
     pub fn execute(&mut self, pkg: &Package, plan: &LaunchPlan, slots: &[(CUdeviceptr, u64)]) -> Result<()> {
-        let mut all: Vec<(CUdeviceptr, u64)> = slots.to_vec();
-        let mut scratch = Vec::with_capacity(plan.scratch_bytes.len());
-        for &n in &plan.scratch_bytes {
-            let b = self.alloc.alloc(n)?;
-            all.push((b.ptr, n));
-            scratch.push(b);
-        }
-        let result = plan.steps.iter().try_for_each(|step| match step {
-            PlanStep::Launch { kernel, grid, block, shared_mem_bytes, args } => {
-                self.launch(pkg, kernel, *grid, *block, *shared_mem_bytes, args, &all)
+        let functions = self.plan_functions(pkg, plan)?;
+        self.execute_resolved(plan, &functions, slots)
+    }
+
+    /// The loaded function of every launch step of `plan` (compiling the package's sources on
+    /// first use); `None` for GEMM steps. Kept with a memoized plan, it spares later runs the
+    /// lookups.
+    pub fn plan_functions(&mut self, pkg: &Package, plan: &LaunchPlan) -> Result<Vec<Option<Function>>> {
+        plan.steps
+            .iter()
+            .map(|step| match step {
+                PlanStep::Launch { kernel, .. } => self.function(pkg, kernel).map(|f| Some(Function(f))),
+                PlanStep::Gemm(_) => Ok(None),
+            })
+            .collect()
+    }
+
+    /// Runs `plan` with the functions of [`Gpu::plan_functions`].
+    pub fn execute_resolved(
+        &mut self,
+        plan: &LaunchPlan,
+        functions: &[Option<Function>],
+        slots: &[(CUdeviceptr, u64)],
+    ) -> Result<()> {
+        let mut scratch = Vec::new();
+        let mut with_scratch;
+        let all: &[(CUdeviceptr, u64)] = if plan.scratch_bytes.is_empty() {
+            slots
+        } else {
+            with_scratch = slots.to_vec();
+            for &n in &plan.scratch_bytes {
+                let b = self.alloc.alloc(n)?;
+                with_scratch.push((b.ptr, n));
+                scratch.push(b);
             }
-            PlanStep::Gemm(g) => self.gemm(g, &all),
+            &with_scratch
+        };
+        let result = plan.steps.iter().zip(functions).try_for_each(|(step, f)| match (step, f) {
+            (PlanStep::Launch { kernel, grid, block, shared_mem_bytes, args }, Some(f)) => {
+                self.launch(f.0, kernel, *grid, *block, *shared_mem_bytes, args, all)
+            }
+            (PlanStep::Gemm(g), _) => self.gemm(g, all),
+            (PlanStep::Launch { kernel, .. }, None) => Err(Error::Device(format!("kernel {kernel} was not loaded"))),
         });
         for b in scratch {
             self.alloc.free(b);
@@ -184,7 +243,7 @@ impl Gpu {
     #[allow(clippy::too_many_arguments)]
     fn launch(
         &mut self,
-        pkg: &Package,
+        f: cudarc::driver::sys::CUfunction,
         kernel: &str,
         grid: [u32; 3],
         block: [u32; 3],
@@ -193,15 +252,18 @@ impl Gpu {
         slots: &[(CUdeviceptr, u64)],
     ) -> Result<()> {
         let stream = self.stream.cu_stream();
-        let f = self
-            .kernels(pkg)?
-            .get(kernel)
-            .ok_or_else(|| Error::Device(format!("{}: kernel {kernel} was not loaded", pkg.id())))?
-            .cu_function();
         // One 8-byte cell per argument; the kernel reads its parameter's size from the cell.
-        let mut cells: Vec<u64> = Vec::with_capacity(args.len());
-        for a in args {
-            cells.push(match *a {
+        // Up to 64 arguments live on the stack.
+        let mut stack_cells = [0u64; 64];
+        let mut heap_cells = Vec::new();
+        let cells: &mut [u64] = if args.len() <= stack_cells.len() {
+            &mut stack_cells[..args.len()]
+        } else {
+            heap_cells.resize(args.len(), 0);
+            &mut heap_cells
+        };
+        for (cell, a) in cells.iter_mut().zip(args) {
+            *cell = match *a {
                 PlanArg::Tensor { slot, offset } => slots
                     .get(slot)
                     .map(|s| s.0 + offset)
@@ -215,9 +277,19 @@ impl Gpu {
                 PlanArg::Scalar(KernelArg::Tensor { .. }) => {
                     return Err(Error::Device("tensor argument left in a plan".into()))
                 }
-            });
+            };
         }
-        let mut params: Vec<*mut c_void> = cells.iter_mut().map(|c| c as *mut u64 as *mut c_void).collect();
+        let mut stack_params = [std::ptr::null_mut::<c_void>(); 64];
+        let mut heap_params = Vec::new();
+        let params: &mut [*mut c_void] = if cells.len() <= stack_params.len() {
+            &mut stack_params[..cells.len()]
+        } else {
+            heap_params.resize(cells.len(), std::ptr::null_mut());
+            &mut heap_params
+        };
+        for (p, c) in params.iter_mut().zip(cells.iter_mut()) {
+            *p = c as *mut u64 as *mut c_void;
+        }
         // SAFETY: the sandbox checked the kernel name, dimensions and tensor offsets against
         // the device limits and the tensors' sizes; `cells` outlives the call (the driver
         // copies parameters at launch).
@@ -228,16 +300,15 @@ impl Gpu {
                 (block[0], block[1], block[2]),
                 shmem,
                 stream,
-                &mut params,
+                params,
             )
         }
-        .map_err(|e| Error::Device(format!("{}: launch of {kernel}: {e}", pkg.id())))
+        .map_err(|e| Error::Device(format!("launch of {kernel}: {e}")))
     }
 
     fn gemm(&mut self, g: &Gemm, slots: &[(CUdeviceptr, u64)]) -> Result<()> {
         if self.blas.is_none() {
-            self.blas =
-                Some(CudaBlasLT::new(self.stream.clone()).map_err(|e| Error::Device(format!("cuBLASLt: {e:?}")))?);
+            self.blas = Some(Blas::new(&mut self.alloc, self.info.compute_capability.0)?);
         }
         let ptr = |o: &kiln_kernel_abi::wire::Operand| slots.get(o.handle as usize).map(|s| s.0 + o.offset);
         let (a, b, d) = match (ptr(&g.a), ptr(&g.b), ptr(&g.d)) {
@@ -261,62 +332,17 @@ impl Gpu {
                 }
             }
         }
-        // Row-major D = op(A)·op(B) is column-major Dᵀ = op(B)ᵀ·op(A)ᵀ: swap the operands.
-        let batched = g.batch > 1;
-        let cfg = MatmulConfig {
-            transa: g.trans_b,
-            transb: g.trans_a,
-            transc: false,
-            m: g.n,
-            n: g.m,
-            k: g.k,
-            alpha: g.alpha,
-            lda: g.b.ld as i64,
-            ldb: g.a.ld as i64,
-            beta: if g.c.is_some() { g.beta } else { 0.0 },
-            ldc: g.d.ld as i64,
-            stride_a: batched.then_some(g.b.batch_stride as i64),
-            stride_b: batched.then_some(g.a.batch_stride as i64),
-            stride_c: batched.then_some(g.d.batch_stride as i64),
-            stride_bias: batched.then_some(0),
-            batch_size: batched.then_some(g.batch as i32),
+        let bias = match g.bias.as_ref() {
+            Some(o) => Some(ptr(o).ok_or_else(|| Error::Device("gemm: bias slot missing".into()))?),
+            None => None,
         };
-        let act = match g.epilogue {
-            Epilogue::None => None,
-            Epilogue::Relu => Some(Activation::Relu),
-            Epilogue::Gelu => Some(Activation::Gelu),
-        };
-        let bias = g.bias.as_ref().and_then(ptr);
-        let blas = self.blas.as_ref().ok_or_else(|| Error::Device("cuBLASLt missing".into()))?;
-        let len = |p: CUdeviceptr| {
-            slots.iter().find(|s| s.0 <= p && p < s.0 + s.1.max(1)).map_or(0, |s| ((s.0 + s.1 - p) / size) as usize)
-        };
-        macro_rules! run {
-            ($t:ty, $engine:expr) => {{
-                let stream = &self.stream;
-                // SAFETY: views over checked extents, leaked after the call (the slots own them).
-                unsafe {
-                    let av = stream.upgrade_device_ptr::<$t>(b, len(b));
-                    let bv = stream.upgrade_device_ptr::<$t>(a, len(a));
-                    let mut dv = stream.upgrade_device_ptr::<$t>(d, len(d));
-                    let biasv = bias.map(|p| stream.upgrade_device_ptr::<$t>(p, len(p)));
-                    let r = $engine.matmul(cfg, &av, &bv, &mut dv, biasv.as_ref(), act.as_ref());
-                    av.leak();
-                    bv.leak();
-                    dv.leak();
-                    if let Some(v) = biasv {
-                        v.leak();
-                    }
-                    r
-                }
-            }};
-        }
-        let r = match g.dtype {
-            DType::F32 => run!(f32, ExactF32(blas)),
-            DType::F16 => run!(half::f16, blas),
-            DType::BF16 => run!(half::bf16, blas),
-            other => return Err(Error::Unsupported(format!("gemm of {other}"))),
-        };
-        r.map_err(|e| Error::Device(format!("cublasLtMatmul (m {} n {} k {} batch {}): {e:?}", g.m, g.n, g.k, g.batch)))
+        let stream = self.stream.cu_stream();
+        let blas = self.blas.as_mut().ok_or_else(|| Error::Device("cuBLASLt missing".into()))?;
+        blas.gemm(g, a, b, d, bias, stream)
+    }
+
+    /// GEMM plan-cache counters: (hits, heuristic queries).
+    pub fn gemm_plan_stats(&self) -> (u64, u64) {
+        self.blas.as_ref().map_or((0, 0), |b| (b.plan_hits, b.heuristic_queries))
     }
 }

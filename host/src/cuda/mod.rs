@@ -7,8 +7,10 @@
 //! buffer freed to the pool is only reused by work enqueued after its last use.
 
 mod alloc;
+mod blas;
 mod exec;
 mod nvrtc;
+mod timeline;
 
 use std::sync::Arc;
 
@@ -16,8 +18,10 @@ use cudarc::driver::sys::CUdevice_attribute as Attr;
 use cudarc::driver::{CudaContext, CudaStream};
 
 pub use alloc::{Allocator, AllocatorStats, DevBuffer};
-pub use exec::{Gpu, KernelCache};
+pub use blas::Blas;
+pub use exec::{Function, Gpu, KernelCache};
 pub use nvrtc::{cache_dir, compile_cached, nvrtc_version, CompiledSource};
+pub use timeline::Timeline;
 
 use crate::sandbox::LaunchLimits;
 use crate::{Error, Result};

@@ -4,6 +4,7 @@
 //! [`Runtime`] is shared (sandbox, op registry, compiled shims); a [`Session`] is one model
 //! on one device with its own shim instances.
 
+mod binding;
 mod prepare;
 mod session;
 
@@ -15,6 +16,7 @@ use kiln_registry::{OpRegistry, Package};
 use crate::sandbox::{Sandbox, SandboxConfig, ShimModule};
 use crate::Result;
 
+pub use binding::{DeviceTensor, Feed, Fetch, Fetched};
 pub use session::{Session, SessionOptions};
 
 /// The device a session runs on.

@@ -7,13 +7,14 @@ use std::time::Instant;
 use kiln_kernel_abi::DType;
 use kiln_registry::{NodeQuery, Package, Resolution};
 
-use crate::cuda::{DevBuffer, Gpu};
+use crate::cuda::{DevBuffer, Function, Gpu};
 use crate::model::{Model, ValueId};
 use crate::sandbox::{Access, ArgTensor, CallArgs, CallKind, CallOutcome, LaunchPlan, ShimInstance};
 use crate::tensor::byte_size;
 use crate::trace::Report;
 use crate::{cpu, Error, Result, Tensor};
 
+use super::binding::{Feed, Fetch, Fetched, Held};
 use super::{Device, Runtime};
 
 /// Options of a session.
@@ -28,6 +29,11 @@ pub struct SessionOptions {
     pub check_dispatch: bool,
     /// Most device memory the session may allocate, in bytes (default: all of it).
     pub device_memory_limit: Option<u64>,
+    /// On a GPU, compute small integer nodes whose inputs are already on the host (a graph's
+    /// shape arithmetic) with the packages' CPU references, as onnxruntime places shape
+    /// subgraphs on the CPU (default on). Conformance and `kiln verify` turn it off so that
+    /// every node runs the GPU kernels.
+    pub small_integer_nodes_on_host: bool,
 }
 
 impl Default for SessionOptions {
@@ -37,6 +43,7 @@ impl Default for SessionOptions {
             max_tensor_bytes: crate::model::MAX_TENSOR_BYTES,
             check_dispatch: false,
             device_memory_limit: None,
+            small_integer_nodes_on_host: true,
         }
     }
 }
@@ -59,22 +66,42 @@ pub(super) enum Value {
 }
 
 impl Value {
-    fn dtype(&self) -> DType {
+    pub(super) fn dtype(&self) -> DType {
         match self {
             Value::Host(t) => t.dtype,
             Value::Device { dtype, .. } => *dtype,
         }
     }
 
-    fn shape(&self) -> &[usize] {
+    pub(super) fn shape(&self) -> &[usize] {
         match self {
             Value::Host(t) => &t.shape,
             Value::Device { shape, .. } => shape,
         }
     }
 
+    /// Logical size in bytes.
+    pub(super) fn nbytes(&self) -> u64 {
+        match self {
+            Value::Host(t) => t.data.len() as u64,
+            Value::Device { nbytes, .. } => *nbytes,
+        }
+    }
+
+    pub(super) fn is_device(&self) -> bool {
+        matches!(self, Value::Device { .. })
+    }
+
+    /// The host bytes, when the value has them without a download.
+    fn host_bytes(&self) -> Option<&Tensor> {
+        match self {
+            Value::Host(t) | Value::Device { host: Some(t), .. } => Some(t),
+            Value::Device { host: None, .. } => None,
+        }
+    }
+
     /// The same value without ownership of its buffer.
-    fn clone_ref(&self) -> Value {
+    pub(super) fn clone_ref(&self) -> Value {
         match self {
             Value::Host(t) => Value::Host(t.clone()),
             Value::Device { dtype, shape, ptr, nbytes, host, .. } => Value::Device {
@@ -164,19 +191,33 @@ impl InferInput {
     }
 }
 
+/// A node's resolution and its package id (for the report), shared by the memo.
+pub(super) struct Resolved {
+    pub res: Resolution,
+    pub package_id: String,
+}
+
+/// Largest inputs (bytes, all together) and outputs of an integer node a GPU session computes
+/// on the host when every input already has host bytes (`small_integer_nodes_on_host`): the
+/// shape arithmetic of a graph (Shape, Gather of a shape, ReduceSum of an attention mask) then
+/// never waits for the device, and value inputs derived from it (GroupQueryAttention's
+/// `total_sequence_length`) are known without a download.
+const HOST_NODE_MAX_INPUT_BYTES: u64 = 256 << 10;
+const HOST_NODE_MAX_OUTPUT_BYTES: u64 = 4 << 10;
+
 /// One model, prepared for one device.
 pub struct Session {
     pub(super) rt: Arc<Runtime>,
     pub(super) model: Model,
     options: SessionOptions,
     instances: HashMap<String, ShimInstance>,
-    resolutions: HashMap<ResolveKey, Resolution>,
+    resolutions: HashMap<ResolveKey, Arc<Resolved>>,
     /// Shims' inference is a pure function of the node and its inputs (ABI.md §3).
     inferred: HashMap<InferKey, OutputTypes>,
     /// Launch plans, memoized the same way: later runs launch without entering Wasm.
-    plans: HashMap<InferKey, LaunchPlan>,
+    plans: HashMap<InferKey, Arc<LaunchPlan>>,
     /// The GPU of a CUDA session.
-    gpu: Option<Gpu>,
+    pub(super) gpu: Option<Gpu>,
     /// Device copies of the initializers (resident weights): pointer and size.
     device_values: HashMap<ValueId, (cudarc::driver::sys::CUdeviceptr, u64)>,
     /// The buffers behind `device_values`, freed with the session.
@@ -187,11 +228,36 @@ pub struct Session {
     max_tensor_bytes: u64,
     /// For each value, the index of the last node that reads it (graph outputs: never freed).
     last_use: Vec<Option<usize>>,
+    /// This session's number (held tensors of other sessions are refused).
+    pub(super) number: u64,
+    /// Tensors held between runs, by id.
+    pub(super) held: HashMap<u64, Held>,
+    pub(super) next_held: u64,
+    /// During a run: graph outputs bound to held tensors (value → held id).
+    bound: HashMap<ValueId, u64>,
+    /// Per node, what its last GPU execution needed: a run with the same input types skips
+    /// resolution, inference and the memo lookups (a decode step repeats every shape).
+    memo: Vec<Option<Arc<NodeMemo>>>,
     pub report: Report,
+}
+
+/// A GPU node's last execution: its input types (and value inputs' bytes), and what
+/// resolution, inference and dispatch gave for them.
+pub(super) struct NodeMemo {
+    inputs: Vec<Option<(DType, Vec<usize>)>>,
+    value_bytes: Vec<Option<bytes::Bytes>>,
+    resolved: Arc<Resolved>,
+    out_types: OutputTypes,
+    plan: Arc<LaunchPlan>,
+    functions: Vec<Option<Function>>,
 }
 
 impl Drop for Session {
     fn drop(&mut self) {
+        let held: Vec<Held> = self.held.drain().map(|(_, h)| h).collect();
+        for h in held {
+            self.release(h.value);
+        }
         if let Some(gpu) = self.gpu.as_mut() {
             for b in self.resident_buffers.drain(..) {
                 gpu.alloc.free(b);
@@ -225,6 +291,7 @@ impl Session {
             Device::Cuda(ordinal) => Some(Gpu::open(ordinal, options.device_memory_limit)?),
         };
         let folded = vec![false; g.nodes.len()];
+        let memo = vec![None; g.nodes.len()];
         let mut s = Session {
             rt,
             model,
@@ -239,6 +306,11 @@ impl Session {
             folded,
             max_tensor_bytes,
             last_use,
+            number: super::binding::session_number(),
+            held: HashMap::new(),
+            next_held: 1,
+            bound: HashMap::new(),
+            memo,
             report,
         };
         s.prepare()?;
@@ -248,6 +320,11 @@ impl Session {
 
     pub fn model(&self) -> &Model {
         &self.model
+    }
+
+    /// The device of this session.
+    pub fn device(&self) -> Device {
+        self.options.device
     }
 
     /// What the session's GPU offers packages (`None` on the CPU, where device requirements
@@ -291,8 +368,8 @@ impl Session {
         })
     }
 
-    fn resolve(&mut self, idx: usize, dtypes: Vec<Option<DType>>, rank: usize) -> Result<Resolution> {
-        let key = (idx, dtypes.clone(), rank);
+    fn resolve(&mut self, idx: usize, dtypes: Vec<Option<DType>>, rank: usize) -> Result<Arc<Resolved>> {
+        let key = (idx, dtypes, rank);
         if let Some(r) = self.resolutions.get(&key) {
             return Ok(r.clone());
         }
@@ -303,45 +380,69 @@ impl Session {
             domain: &node.domain,
             op_type: &node.op_type,
             opset,
-            input_dtypes: dtypes,
+            input_dtypes: key.1.clone(),
             max_rank: Some(rank),
             device: caps.as_ref(),
         };
-        let r = self.rt.registry.resolve(&q).map_err(|detail| Error::Unresolved { node: node.name.clone(), detail })?;
+        let res =
+            self.rt.registry.resolve(&q).map_err(|detail| Error::Unresolved { node: node.name.clone(), detail })?;
+        let r = Arc::new(Resolved { package_id: res.package.id(), res });
         self.resolutions.insert(key, r.clone());
         Ok(r)
     }
 
     /// Runs the graph on `feeds` (graph input name → tensor) and returns the graph outputs
-    /// in order. Every graph input must be fed (initializers listed as inputs may be).
+    /// in order, on the host. Every graph input must be fed (initializers listed as inputs may be).
     pub fn run(&mut self, feeds: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
+        let feeds = feeds.into_iter().map(|(n, t)| (n, Feed::Host(t))).collect();
+        self.run_with(feeds, &[])?.into_iter().map(|(n, f)| Ok((n, f.into_host()?))).collect()
+    }
+
+    /// Runs the graph with bound inputs and outputs (see [`super::binding`]): `feeds` gives
+    /// every graph input, `fetches` says where named outputs go (others come back to the
+    /// host). Returns every graph output in order. Errors: an unknown or missing input, a
+    /// dtype or shape the model does not declare, an output that does not fit its bound
+    /// tensor, and whatever a node reports.
+    pub fn run_with(
+        &mut self,
+        feeds: Vec<(String, Feed<'_>)>,
+        fetches: &[(&str, Fetch<'_>)],
+    ) -> Result<Vec<(String, Fetched)>> {
         let start = Instant::now();
-        let g = &self.model.graph;
-        let mut values: Vec<Option<Value>> = (0..g.values.len()).map(|_| None).collect();
-        for (name, t) in feeds {
+        let mut values: Vec<Option<Value>> = (0..self.model.graph.values.len()).map(|_| None).collect();
+        for (name, feed) in feeds {
+            let g = &self.model.graph;
             let id = g.value_id(&name).filter(|id| g.inputs.contains(id)).ok_or_else(|| {
                 let names: Vec<&str> = g.inputs.iter().map(|i| g.values[*i].name.as_str()).collect();
                 Error::Input(format!("the model has no input {name:?} (its inputs: {names:?})"))
             })?;
-            if let Some(ty) = &g.values[id].ty {
-                if ty.dtype != t.dtype {
-                    return Err(Error::Input(format!("input {name:?} must be {}, not {}", ty.dtype, t.dtype)));
-                }
-                if let Some(dims) = &ty.dims {
-                    let fits = dims.len() == t.shape.len()
-                        && dims.iter().zip(&t.shape).all(|(d, n)| !matches!(d, crate::model::Dim::Known(k) if k != n));
-                    if !fits {
-                        return Err(Error::Input(format!(
-                            "input {name:?} has shape {:?}; the model declares {dims:?}",
-                            t.shape
-                        )));
-                    }
-                }
-            }
-            values[id] = Some(Value::Host(t));
+            let v = match feed {
+                Feed::Host(t) => Value::Host(t),
+                Feed::Device(t) => self.fed_value(t)?,
+            };
+            check_input(&self.model, id, &name, v.dtype(), v.shape())?;
+            values[id] = Some(v);
         }
+        let g = &self.model.graph;
         if let Some(missing) = g.inputs.iter().find(|i| values[**i].is_none()) {
             return Err(Error::Input(format!("input {:?} was not given", g.values[*missing].name)));
+        }
+        let mut fetch_of: HashMap<ValueId, &Fetch<'_>> = HashMap::new();
+        for (name, f) in fetches {
+            let id = g
+                .value_id(name)
+                .filter(|id| g.outputs.contains(id))
+                .ok_or_else(|| Error::Input(format!("the model has no output {name:?} to fetch")))?;
+            fetch_of.insert(id, f);
+        }
+        self.bound.clear();
+        for (id, f) in &fetch_of {
+            if let Fetch::Into(t) = f {
+                self.held.get(&t.id).filter(|_| t.session == self.number).ok_or_else(|| {
+                    Error::Input("a fetch is bound to a tensor of another session, or a freed one".into())
+                })?;
+                self.bound.insert(*id, t.id);
+            }
         }
         if self.gpu.is_some() {
             for v in values.iter_mut() {
@@ -352,39 +453,79 @@ impl Session {
             }
         }
         let result = self.run_nodes(&mut values);
+        self.bound.clear();
         // Return every device buffer of the run to the pool, whatever happened.
         let mut outs = Vec::with_capacity(self.model.graph.outputs.len());
-        if result.is_ok() {
+        let mut failed = result.err();
+        if failed.is_none() {
             for &o in &self.model.graph.outputs.clone() {
                 let name = self.model.graph.values[o].name.clone();
-                let v = values[o].take().or_else(|| self.resident(o));
-                match v {
-                    Some(v) => {
-                        let t = self.host_tensor(&v);
-                        self.release(v);
-                        outs.push((name, t?));
+                let Some(v) = values[o].take().or_else(|| self.resident(o)) else {
+                    failed = Some(Error::Model(format!("graph output {name:?} was not computed")));
+                    break;
+                };
+                match self.fetch_output(&name, v, fetch_of.get(&o).copied().unwrap_or(&Fetch::Host)) {
+                    Ok(f) => outs.push((name, f)),
+                    Err(e) => {
+                        failed = Some(e);
+                        break;
                     }
-                    None => return Err(Error::Model(format!("graph output {name:?} was not computed"))),
                 }
             }
         }
         for v in values.into_iter().flatten() {
             self.release(v);
         }
-        result?;
+        if let Some(e) = failed {
+            for (_, f) in outs {
+                if let Fetched::Device(t) = f {
+                    self.free_tensor(t);
+                }
+            }
+            return Err(e);
+        }
         self.report.runs += 1;
         self.report.run_time_us += start.elapsed().as_micros() as u64;
         Ok(outs)
     }
 
+    /// Per-op GPU time in the report (CUDA events between nodes; each run then waits for the
+    /// device at its end). No effect on the CPU.
+    pub fn set_gpu_profiling(&mut self, on: bool) {
+        if let Some(gpu) = self.gpu.as_mut() {
+            gpu.timeline = on.then(crate::cuda::Timeline::default);
+        }
+    }
+
+    /// Adds the GPU spans of the nodes just run (in `order`) to the report.
+    fn collect_gpu_profile(&mut self, order: &[usize]) -> Result<()> {
+        let Some(gpu) = self.gpu.as_mut() else { return Ok(()) };
+        let Some(t) = gpu.timeline.as_mut() else { return Ok(()) };
+        gpu.stream.synchronize().map_err(|e| Error::Device(format!("cuStreamSynchronize: {e}")))?;
+        let spans = t.spans_ms()?;
+        for (idx, ms) in order.iter().zip(spans) {
+            self.report.record_gpu(&self.model.graph.nodes[*idx].op_type, ms);
+        }
+        Ok(())
+    }
+
     fn run_nodes(&mut self, values: &mut [Option<Value>]) -> Result<()> {
+        let profiling = self.gpu.as_ref().is_some_and(|g| g.timeline.is_some());
+        let mut order = Vec::new();
+        if profiling {
+            self.gpu.as_mut().map_or(Ok(()), Gpu::mark)?;
+        }
         for idx in 0..self.model.graph.nodes.len() {
             if self.folded[idx] {
                 continue;
             }
             let t0 = Instant::now();
-            let (op, pkg) = self.run_node(idx, values)?;
-            self.report.record_node(&op, &pkg, t0.elapsed());
+            let resolved = self.run_node(idx, values)?;
+            if profiling {
+                self.gpu.as_mut().map_or(Ok(()), Gpu::mark)?;
+                order.push(idx);
+            }
+            self.report.record_node(&self.model.graph.nodes[idx].op_type, &resolved.package_id, t0.elapsed());
             // Release intermediates after their last use, and outputs nobody reads at once.
             let node = &self.model.graph.nodes[idx];
             let mut dead: Vec<ValueId> =
@@ -396,6 +537,9 @@ impl Session {
                 }
             }
         }
+        if profiling {
+            self.collect_gpu_profile(&order)?;
+        }
         Ok(())
     }
 
@@ -404,6 +548,16 @@ impl Session {
     /// tensor size limit.
     pub(super) fn infer(&mut self, idx: usize, res: &Resolution, inputs: &[Option<InferInput>]) -> Result<OutputTypes> {
         let key = infer_key(idx, inputs);
+        self.infer_keyed(idx, res, inputs, key)
+    }
+
+    fn infer_keyed(
+        &mut self,
+        idx: usize,
+        res: &Resolution,
+        inputs: &[Option<InferInput>],
+        key: InferKey,
+    ) -> Result<OutputTypes> {
         if let Some(t) = self.inferred.get(&key) {
             return Ok(t.clone());
         }
@@ -482,19 +636,19 @@ impl Session {
     }
 
     /// A value's bytes on the host (downloads device values).
-    fn host_tensor(&mut self, v: &Value) -> Result<Tensor> {
-        match v {
-            Value::Host(t) => Ok(t.clone()),
-            Value::Device { host: Some(t), .. } => Ok(t.clone()),
-            Value::Device { dtype, shape, ptr, nbytes, .. } => {
-                let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("device value without a GPU".into()))?;
-                gpu.download(*ptr, *dtype, shape.clone(), *nbytes as usize)
-            }
+    pub(super) fn host_tensor(&mut self, v: &Value) -> Result<Tensor> {
+        if let Some(t) = v.host_bytes() {
+            return Ok(t.clone());
         }
+        let Value::Device { dtype, shape, ptr, nbytes, .. } = v else {
+            return Err(Error::Device("a host value without bytes".into()));
+        };
+        let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("device value without a GPU".into()))?;
+        gpu.download(*ptr, *dtype, shape.clone(), *nbytes as usize)
     }
 
     /// Returns a value's device buffer (if it owns one) to the pool.
-    fn release(&mut self, v: Value) {
+    pub(super) fn release(&mut self, v: Value) {
         if let (Value::Device { owned: Some(b), .. }, Some(gpu)) = (v, self.gpu.as_mut()) {
             gpu.alloc.free(b);
         }
@@ -568,19 +722,44 @@ impl Session {
         Ok(outputs)
     }
 
-    /// Infers and executes node `idx`; returns (op type, package id).
-    fn run_node(&mut self, idx: usize, values: &mut [Option<Value>]) -> Result<(String, String)> {
-        let node = self.model.graph.nodes[idx].clone();
-        let mut inputs: Vec<Option<Value>> = Vec::with_capacity(node.inputs.len());
-        for v in &node.inputs {
+    /// Whether a GPU session computes this node on the host: every input has host bytes, no
+    /// input or output is a float, and inputs and outputs are small (see
+    /// [`HOST_NODE_MAX_INPUT_BYTES`]).
+    fn runs_on_host(inputs: &[Option<Value>], out_types: &OutputTypes) -> bool {
+        let mut in_bytes = 0;
+        for v in inputs.iter().flatten() {
+            if v.host_bytes().is_none() || v.dtype().is_float() {
+                return false;
+            }
+            in_bytes += v.nbytes();
+        }
+        if out_types.iter().flatten().any(|(d, _)| d.is_float()) {
+            return false;
+        }
+        let out_bytes: u64 = out_types.iter().flatten().map(|(d, s)| byte_size(*d, s).unwrap_or(u64::MAX)).sum();
+        in_bytes <= HOST_NODE_MAX_INPUT_BYTES && out_bytes <= HOST_NODE_MAX_OUTPUT_BYTES
+    }
+
+    /// Infers and executes node `idx`; returns its resolution.
+    fn run_node(&mut self, idx: usize, values: &mut [Option<Value>]) -> Result<Arc<Resolved>> {
+        if let Some(r) = self.run_node_memoized(idx, values)? {
+            return Ok(r);
+        }
+        let (in_ids, out_ids) = {
+            let n = &self.model.graph.nodes[idx];
+            (n.inputs.clone(), n.outputs.clone())
+        };
+        let mut inputs: Vec<Option<Value>> = Vec::with_capacity(in_ids.len());
+        for v in &in_ids {
             inputs.push(match v {
                 None => None,
                 Some(v) => Some(match values[*v].as_ref() {
                     Some(val) => val.clone_ref(),
                     None => self.resident(*v).ok_or_else(|| {
+                        let g = &self.model.graph;
                         Error::Model(format!(
                             "node {:?} reads {:?} before it is computed",
-                            node.name, self.model.graph.values[*v].name
+                            g.nodes[idx].name, g.values[*v].name
                         ))
                     })?,
                 }),
@@ -588,8 +767,8 @@ impl Session {
         }
         let dtypes: Vec<Option<DType>> = inputs.iter().map(|v| v.as_ref().map(Value::dtype)).collect();
         let rank = inputs.iter().flatten().map(|v| v.shape().len()).max().unwrap_or(0);
-        let res = self.resolve(idx, dtypes, rank)?;
-        let value_inputs = res.entry.value_inputs.clone();
+        let resolved = self.resolve(idx, dtypes, rank)?;
+        let res = &resolved.res;
         let mut infer_ins = Vec::with_capacity(inputs.len());
         for (i, v) in inputs.iter().enumerate() {
             infer_ins.push(match v {
@@ -597,39 +776,65 @@ impl Session {
                 Some(v) => Some(InferInput {
                     dtype: v.dtype(),
                     shape: v.shape().to_vec(),
-                    bytes: if value_inputs.contains(&i) { Some(self.host_tensor(v)?.data) } else { None },
+                    bytes: if res.entry.value_inputs.contains(&i) { Some(self.host_tensor(v)?.data) } else { None },
                 }),
             });
         }
-        let out_types = self.infer(idx, &res, &infer_ins)?;
-        let outputs: Vec<Option<Value>> = match self.options.device {
-            Device::Cpu => {
-                let mut host = Vec::with_capacity(inputs.len());
-                for v in &inputs {
-                    host.push(match v {
-                        None => None,
-                        Some(v) => Some(self.host_tensor(v)?),
-                    });
-                }
-                self.execute_cpu(idx, &res, &host, &out_types, self.options.check_dispatch)?
-                    .into_iter()
-                    .map(|t| t.map(Value::Host))
-                    .collect()
+        let key = infer_key(idx, &infer_ins);
+        let out_types = self.infer_keyed(idx, res, &infer_ins, key.clone())?;
+        let on_host =
+            self.gpu.is_none() || (self.options.small_integer_nodes_on_host && Self::runs_on_host(&inputs, &out_types));
+        let outputs: Vec<Option<Value>> = if on_host {
+            let mut host = Vec::with_capacity(inputs.len());
+            for v in &inputs {
+                host.push(match v {
+                    None => None,
+                    Some(v) => Some(self.host_tensor(v)?),
+                });
             }
-            Device::Cuda(_) => self.execute_gpu(idx, &res, &inputs, &infer_ins, &out_types)?,
+            let check = self.options.check_dispatch && self.gpu.is_none();
+            self.execute_cpu(idx, res, &host, &out_types, check)?.into_iter().map(|t| t.map(Value::Host)).collect()
+        } else {
+            // Host values go to the device once, for every later reader too.
+            for (slot, v) in in_ids.iter().enumerate() {
+                if let (Some(id), Some(Value::Host(_))) = (v, &inputs[slot]) {
+                    if let Some(val) = inputs[slot].take() {
+                        let d = self.on_device(&val)?;
+                        inputs[slot] = Some(d.clone_ref());
+                        if let Some(old) = values[*id].replace(d) {
+                            self.release(old);
+                        }
+                    }
+                }
+            }
+            let (outs, plan) = self.execute_gpu(idx, res, &inputs, &infer_ins, &out_types, key, &out_ids)?;
+            if let Some(gpu) = self.gpu.as_mut() {
+                let functions = gpu.plan_functions(&res.package, &plan)?;
+                self.memo[idx] = Some(Arc::new(NodeMemo {
+                    inputs: infer_ins.iter().map(|i| i.as_ref().map(|i| (i.dtype, i.shape.clone()))).collect(),
+                    value_bytes: infer_ins.iter().map(|i| i.as_ref().and_then(|i| i.bytes.clone())).collect(),
+                    resolved: resolved.clone(),
+                    out_types: out_types.clone(),
+                    plan,
+                    functions,
+                }));
+            }
+            outs
         };
-        for (o, v) in node.outputs.iter().zip(outputs) {
+        for (o, v) in out_ids.iter().zip(outputs) {
             match (o, v) {
                 (Some(id), Some(v)) => values[*id] = Some(v),
                 (_, Some(v)) => self.release(v),
                 _ => {}
             }
         }
-        Ok((node.op_type.clone(), res.package.id()))
+        Ok(resolved)
     }
 
     /// Runs node `idx` on the GPU: the launch plan comes from the memo or from the shim's
-    /// `kiln_dispatch`; outputs are new device buffers.
+    /// `kiln_dispatch`; outputs are new device buffers, or the held tensors they are bound to.
+    /// Returns the outputs and the plan.
+    #[allow(clippy::too_many_arguments)]
     fn execute_gpu(
         &mut self,
         idx: usize,
@@ -637,8 +842,9 @@ impl Session {
         inputs: &[Option<Value>],
         infer_ins: &[Option<InferInput>],
         out_types: &OutputTypes,
-    ) -> Result<Vec<Option<Value>>> {
-        let key = infer_key(idx, infer_ins);
+        key: InferKey,
+        out_ids: &[Option<ValueId>],
+    ) -> Result<(Vec<Option<Value>>, Arc<LaunchPlan>)> {
         let plan = match self.plans.get(&key) {
             Some(p) => {
                 self.report.plan_hits += 1;
@@ -664,7 +870,7 @@ impl Session {
                         })
                         .collect(),
                 );
-                let plan = self.call_shim(&res.package, CallKind::Dispatch, args)?.plan;
+                let plan = Arc::new(self.call_shim(&res.package, CallKind::Dispatch, args)?.plan);
                 if self.plans.len() >= INFER_CACHE_ENTRIES {
                     self.plans.clear();
                 }
@@ -672,46 +878,64 @@ impl Session {
                 plan
             }
         };
-        let mut slots = Vec::new();
-        let mut uploaded = Vec::new();
+        let mut slots = Vec::with_capacity(inputs.len() + out_types.len());
         for v in inputs.iter().flatten() {
-            let d = self.on_device(v)?;
-            if let Value::Device { ptr, nbytes, .. } = &d {
-                slots.push((*ptr, *nbytes));
+            match v {
+                Value::Device { ptr, nbytes, .. } => slots.push((*ptr, *nbytes)),
+                Value::Host(_) => return Err(Error::Device("a host value reached a GPU node".into())),
             }
-            uploaded.push(d);
+        }
+        let outs = self.launch_outputs(&plan, None, &res.package, out_types, out_ids, slots)?;
+        Ok((outs, plan))
+    }
+
+    /// Allocates the outputs of a GPU node (or takes the held tensors they are bound to), adds
+    /// them to the input `slots`, and runs `plan` (with its loaded functions when known).
+    fn launch_outputs(
+        &mut self,
+        plan: &LaunchPlan,
+        functions: Option<&[Option<Function>]>,
+        package: &Package,
+        out_types: &OutputTypes,
+        out_ids: &[Option<ValueId>],
+        mut slots: Vec<(cudarc::driver::sys::CUdeviceptr, u64)>,
+    ) -> Result<Vec<Option<Value>>> {
+        let mut outs = Vec::with_capacity(out_types.len());
+        for (t, id) in out_types.iter().zip(out_ids) {
+            let Some((dtype, shape)) = t else {
+                outs.push(None);
+                continue;
+            };
+            let nbytes = byte_size(*dtype, shape)?;
+            // A bound output is written into its held tensor when it fits (else copied there
+            // after the run, by `fetch_output`).
+            let target =
+                id.and_then(|id| self.bound.get(&id)).and_then(|h| self.held.get(h)).and_then(|h| match &h.value {
+                    Value::Device { ptr, dtype: d, .. } if d == dtype && nbytes <= h.capacity => Some(*ptr),
+                    _ => None,
+                });
+            let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
+            let (ptr, owned) = match target {
+                Some(ptr) => (ptr, None),
+                None => match gpu.alloc.alloc(nbytes) {
+                    Ok(b) => (b.ptr, Some(b)),
+                    Err(e) => {
+                        for v in outs.into_iter().flatten() {
+                            self.release(v);
+                        }
+                        return Err(e);
+                    }
+                },
+            };
+            slots.push((ptr, nbytes));
+            outs.push(Some(Value::Device { dtype: *dtype, shape: shape.clone(), ptr, nbytes, owned, host: None }));
         }
         let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
-        let mut outs = Vec::with_capacity(out_types.len());
-        for t in out_types {
-            outs.push(match t {
-                None => None,
-                Some((dtype, shape)) => {
-                    let nbytes = byte_size(*dtype, shape)?;
-                    let b = gpu.alloc.alloc(nbytes)?;
-                    slots.push((b.ptr, nbytes));
-                    Some(Value::Device {
-                        dtype: *dtype,
-                        shape: shape.clone(),
-                        ptr: b.ptr,
-                        nbytes,
-                        owned: Some(b),
-                        host: None,
-                    })
-                }
-            });
-        }
-        let result = gpu.execute(&res.package, &plan, &slots);
+        let result = match functions {
+            Some(f) => gpu.execute_resolved(plan, f, &slots),
+            None => gpu.execute(package, plan, &slots),
+        };
         self.report.launches += plan.steps.len() as u64;
-        for d in uploaded {
-            // Inputs uploaded for this node only (host values) go back to the pool: later work
-            // on the stream cannot overtake this node's kernels.
-            if let Value::Device { owned: Some(b), .. } = d {
-                if let Some(gpu) = self.gpu.as_mut() {
-                    gpu.alloc.free(b);
-                }
-            }
-        }
         if let Err(e) = result {
             for v in outs.into_iter().flatten() {
                 self.release(v);
@@ -719,6 +943,59 @@ impl Session {
             return Err(e);
         }
         Ok(outs)
+    }
+
+    /// Runs GPU node `idx` from its memo when its inputs have the types of the memoized run
+    /// (no resolution, inference or memo lookups). `None`: no memo, or other inputs.
+    fn run_node_memoized(&mut self, idx: usize, values: &mut [Option<Value>]) -> Result<Option<Arc<Resolved>>> {
+        let Some(memo) = self.memo[idx].clone() else { return Ok(None) };
+        let node = &self.model.graph.nodes[idx];
+        let mut slots = Vec::with_capacity(node.inputs.len() + node.outputs.len());
+        for (i, v) in node.inputs.iter().enumerate() {
+            let want = memo.inputs.get(i).and_then(Option::as_ref);
+            let (id, (dtype, shape)) = match (v, want) {
+                (None, None) => continue,
+                (Some(id), Some(w)) => (*id, w),
+                _ => return Ok(None),
+            };
+            let (d, s, ptr, nbytes, host) = match values[id].as_ref() {
+                Some(Value::Device { dtype, shape, ptr, nbytes, host, .. }) => {
+                    (*dtype, &shape[..], *ptr, *nbytes, host.as_ref())
+                }
+                Some(Value::Host(_)) => return Ok(None),
+                None => match (self.device_values.get(&id), self.model.graph.initializers.get(&id)) {
+                    (Some(&(ptr, nbytes)), Some(t)) => (t.dtype, &t.shape[..], ptr, nbytes, Some(t)),
+                    _ => return Ok(None),
+                },
+            };
+            if d != *dtype || s != &shape[..] {
+                return Ok(None);
+            }
+            if let Some(bytes) = memo.value_bytes.get(i).and_then(Option::as_ref) {
+                if host.is_none_or(|t| t.data != *bytes) {
+                    return Ok(None);
+                }
+            }
+            slots.push((ptr, nbytes));
+        }
+        let out_ids = node.outputs.clone();
+        self.report.plan_hits += 1;
+        let outs = self.launch_outputs(
+            &memo.plan,
+            Some(&memo.functions),
+            &memo.resolved.res.package,
+            &memo.out_types,
+            &out_ids,
+            slots,
+        )?;
+        for (o, v) in out_ids.iter().zip(outs) {
+            match (o, v) {
+                (Some(id), Some(v)) => values[*id] = Some(v),
+                (_, Some(v)) => self.release(v),
+                _ => {}
+            }
+        }
+        Ok(Some(memo.resolved.clone()))
     }
 
     /// Names and declared types of the graph inputs.
@@ -730,4 +1007,25 @@ impl Session {
     pub fn output_ids(&self) -> &[ValueId] {
         &self.model.graph.outputs
     }
+
+    /// Allocator and GEMM-plan counters of a GPU session.
+    pub fn gpu_stats(&self) -> Option<(crate::cuda::AllocatorStats, (u64, u64))> {
+        self.gpu.as_ref().map(|g| (g.alloc.stats(), g.gemm_plan_stats()))
+    }
+}
+
+/// Checks a fed value against the input's declared dtype and shape.
+fn check_input(model: &Model, id: ValueId, name: &str, dtype: DType, shape: &[usize]) -> Result<()> {
+    let Some(ty) = &model.graph.values[id].ty else { return Ok(()) };
+    if ty.dtype != dtype {
+        return Err(Error::Input(format!("input {name:?} must be {}, not {dtype}", ty.dtype)));
+    }
+    if let Some(dims) = &ty.dims {
+        let fits = dims.len() == shape.len()
+            && dims.iter().zip(shape).all(|(d, n)| !matches!(d, crate::model::Dim::Known(k) if k != n));
+        if !fits {
+            return Err(Error::Input(format!("input {name:?} has shape {shape:?}; the model declares {dims:?}")));
+        }
+    }
+    Ok(())
 }

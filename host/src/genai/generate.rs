@@ -1,23 +1,24 @@
-//! The generation loop: prefill, then one token per step, feeding each step's present KV
-//! back as the next step's past.
+//! The generation loop: prefill, then one token per step, with the KV cache held on the
+//! session's device between steps (never through the host).
 //!
 //! KV layout (onnxruntime-genai decoders): `past_key_values.N.key` `[batch, kv_heads,
 //! past_len, head_size]`. With `search.past_present_share_buffer` the past is one buffer of
-//! the generation's maximum length from the first step, and GroupQueryAttention writes new
-//! keys at each row's position (`seqlens_k`, derived in the graph from `attention_mask`);
-//! otherwise the past grows by one position per step. Prompts of a batch are right-padded.
+//! the generation's maximum length from the first step, bound as both `past_*` input and
+//! `present_*` output, so GroupQueryAttention writes each new key in place at its row's
+//! position (`seqlens_k`, derived in the graph from `attention_mask`). Decode steps then feed a
+//! mask of that full length, zero past each row's end, as onnxruntime-genai does under CUDA
+//! graphs: every step has the same shapes, so every node's launch plan is reused. Without a
+//! shared buffer the past grows by one position per step, each step's presents (kept on the
+//! device) becoming the next step's pasts. Prompts of a batch are right-padded.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use bytes::Bytes;
 use kiln_kernel_abi::DType;
 use serde::Serialize;
 
 use super::{GenaiConfig, ModelFolder, Sampler, SamplingParams};
-use crate::conformance::to_f64;
-use crate::ep::{Runtime, Session, SessionOptions};
+use crate::ep::{DeviceTensor, Feed, Fetch, Fetched, Runtime, Session, SessionOptions};
 use crate::{Error, Result, Tensor};
 
 /// What to generate.
@@ -75,6 +76,34 @@ pub struct Generator {
     pub session: Session,
 }
 
+/// The state of one batch between steps: the held past tensors, the attention mask and the
+/// positions used so far (padding included).
+pub struct KvCache {
+    /// `past_key_values.N.key` then `.value`, for every layer.
+    past: Vec<DeviceTensor>,
+    batch: usize,
+    /// One shared buffer of `limit` positions, updated in place.
+    shared: bool,
+    /// Most positions (prompt, padding and generated).
+    limit: usize,
+    /// Positions used so far.
+    total: usize,
+    /// `[batch, total]`; `[batch, limit]` with zeros past `total` once a shared cache is past
+    /// its prefill.
+    mask: Vec<i64>,
+}
+
+impl KvCache {
+    /// Positions used so far (the padded prompt plus the decode steps).
+    pub fn len(&self) -> usize {
+        self.total
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.total == 0
+    }
+}
+
 impl Generator {
     pub fn new(rt: Arc<Runtime>, folder: ModelFolder, options: SessionOptions) -> Result<Generator> {
         let session = Session::new(rt, folder.model.clone(), options)?;
@@ -85,56 +114,172 @@ impl Generator {
         &self.folder.config
     }
 
-    /// Zeros of the KV dtype, `[batch, kv_heads, len, head_size]`, for every layer's key and value.
-    fn empty_past(&self, batch: usize, len: usize) -> Result<Vec<(String, Tensor)>> {
+    /// Graph input names of every layer's past key and value, in [`KvCache::past`] order.
+    fn past_names(&self) -> Vec<String> {
         let d = &self.config().model.decoder;
-        let shape = vec![batch, d.num_key_value_heads, len, d.head_size];
-        let n = crate::tensor::byte_size(self.folder.kv_dtype, &shape)? as usize;
-        let zeros = Bytes::from(vec![0u8; n]);
-        let mut out = Vec::with_capacity(2 * d.num_hidden_layers);
-        for l in 0..d.num_hidden_layers {
-            for tmpl in [&d.inputs.past_key_names, &d.inputs.past_value_names] {
-                out.push((
-                    GenaiConfig::layer_name(tmpl, l),
-                    Tensor::new(self.folder.kv_dtype, shape.clone(), zeros.clone())?,
-                ));
-            }
-        }
-        Ok(out)
+        (0..d.num_hidden_layers)
+            .flat_map(|l| [&d.inputs.past_key_names, &d.inputs.past_value_names].map(|t| GenaiConfig::layer_name(t, l)))
+            .collect()
     }
 
-    /// Runs one step: token ids `[batch, len]`, attention mask `[batch, total]` and the past.
-    /// Returns the logits `[batch, len, vocab]` and the presents renamed as the next pasts.
-    pub fn step(
-        &mut self,
-        ids: &[i64],
-        batch: usize,
-        mask: &[i64],
-        past: Vec<(String, Tensor)>,
-    ) -> Result<(Tensor, Vec<(String, Tensor)>)> {
+    /// Graph output names of every layer's present key and value, in the same order.
+    fn present_names(&self) -> Vec<String> {
+        let d = &self.config().model.decoder;
+        (0..d.num_hidden_layers)
+            .flat_map(|l| {
+                [&d.outputs.present_key_names, &d.outputs.present_value_names].map(|t| GenaiConfig::layer_name(t, l))
+            })
+            .collect()
+    }
+
+    /// Gives a cache's device memory back.
+    pub fn free(&mut self, kv: KvCache) {
+        for t in kv.past {
+            self.session.free_tensor(t);
+        }
+    }
+
+    /// Runs the prompts (token ids, right-padded into one batch) with an empty cache of at
+    /// most `limit` positions. Returns the cache and each row's logits at its last prompt
+    /// token (`vocab` values). Errors: an empty prompt, prompts of different lengths without a
+    /// shared buffer, a prompt of `limit` tokens or more.
+    pub fn prefill(&mut self, prompts: &[Vec<i64>], limit: usize) -> Result<(KvCache, Vec<Vec<f32>>)> {
+        let batch = prompts.len();
+        if batch == 0 || prompts.iter().any(|p| p.is_empty()) {
+            return Err(Error::Input("every prompt must have at least one token".into()));
+        }
+        let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
+        let s = lens.iter().copied().max().unwrap_or(1);
+        if s >= limit {
+            return Err(Error::Input(format!("the prompt has {s} tokens; max_length is {limit}")));
+        }
+        let shared = self.config().search.past_present_share_buffer;
+        if !shared && lens.iter().any(|&l| l != s) {
+            return Err(Error::Input(
+                "prompts of different lengths in one batch need a model with past_present_share_buffer".into(),
+            ));
+        }
+        let pad = self.config().model.pad_token_id.unwrap_or(0);
+        let mut ids = vec![pad; batch * s];
+        let mut mask = vec![0i64; batch * s];
+        for (b, p) in prompts.iter().enumerate() {
+            ids[b * s..b * s + p.len()].copy_from_slice(p);
+            mask[b * s..b * s + p.len()].iter_mut().for_each(|m| *m = 1);
+        }
         let d = self.config().model.decoder.clone();
-        let mut feeds = vec![(d.inputs.input_ids.clone(), i64_tensor(vec![batch, ids.len() / batch], ids)?)];
+        let shape = vec![batch, d.num_key_value_heads, if shared { limit } else { 0 }, d.head_size];
+        let mut past = Vec::with_capacity(2 * d.num_hidden_layers);
+        for _ in 0..2 * d.num_hidden_layers {
+            match self.session.zeros(self.folder.kv_dtype, shape.clone()) {
+                Ok(t) => past.push(t),
+                Err(e) => {
+                    past.into_iter().for_each(|t| self.session.free_tensor(t));
+                    return Err(e);
+                }
+            }
+        }
+        let mut kv = KvCache { past, batch, shared, limit, total: s, mask };
+        let rows: Vec<usize> = lens.iter().enumerate().map(|(b, &l)| b * s + l - 1).collect();
+        match self.run_step(&mut kv, &ids, &rows) {
+            Ok(logits) => {
+                if kv.shared {
+                    // From now on the mask has its full width, zero past each row's end.
+                    let mut full = vec![0i64; batch * limit];
+                    for b in 0..batch {
+                        full[b * limit..b * limit + s].copy_from_slice(&kv.mask[b * s..(b + 1) * s]);
+                    }
+                    kv.mask = full;
+                }
+                Ok((kv, logits))
+            }
+            Err(e) => {
+                self.free(kv);
+                Err(e)
+            }
+        }
+    }
+
+    /// One decode step: `tokens` holds one token per row. Returns each row's logits.
+    /// Errors: a wrong number of tokens, or a cache already `limit` positions long.
+    pub fn decode(&mut self, kv: &mut KvCache, tokens: &[i64]) -> Result<Vec<Vec<f32>>> {
+        if tokens.len() != kv.batch {
+            return Err(Error::Input(format!("{} tokens for a batch of {}", tokens.len(), kv.batch)));
+        }
+        if kv.total >= kv.limit {
+            return Err(Error::Input(format!("the cache is full ({} positions)", kv.limit)));
+        }
+        let (b_n, old) = (kv.batch, kv.total);
+        kv.total += 1;
+        if kv.shared {
+            for b in 0..b_n {
+                kv.mask[b * kv.limit + old] = 1;
+            }
+        } else {
+            let mut m = Vec::with_capacity(b_n * kv.total);
+            for b in 0..b_n {
+                m.extend_from_slice(&kv.mask[b * old..(b + 1) * old]);
+                m.push(1);
+            }
+            kv.mask = m;
+        }
+        let rows: Vec<usize> = (0..b_n).collect();
+        self.run_step(kv, tokens, &rows)
+    }
+
+    /// Runs the decoder on `ids` (`[batch, ids.len() / batch]`) with the cache's mask and past,
+    /// updates the past, and returns the logits of the flattened `(row, position)` indices `rows`.
+    fn run_step(&mut self, kv: &mut KvCache, ids: &[i64], rows: &[usize]) -> Result<Vec<Vec<f32>>> {
+        let d = self.config().model.decoder.clone();
+        let vocab = self.config().model.vocab_size;
+        let past_names = self.past_names();
+        let present_names = self.present_names();
+        let mut feeds =
+            vec![(d.inputs.input_ids.clone(), Feed::Host(i64_tensor(vec![kv.batch, ids.len() / kv.batch], ids)?))];
         if let Some(m) = &d.inputs.attention_mask {
-            feeds.push((m.clone(), i64_tensor(vec![batch, mask.len() / batch], mask)?));
+            let width = kv.mask.len() / kv.batch;
+            feeds.push((m.clone(), Feed::Host(i64_tensor(vec![kv.batch, width], &kv.mask)?)));
         }
-        feeds.extend(past);
-        let outputs: HashMap<String, Tensor> = self.session.run(feeds)?.into_iter().collect();
-        let take = |name: &str| {
-            outputs.get(name).cloned().ok_or_else(|| Error::Model(format!("the decoder did not produce {name:?}")))
+        feeds.extend(past_names.iter().cloned().zip(kv.past.iter().map(Feed::Device)));
+        let mut fetches: Vec<(&str, Fetch<'_>)> = vec![(d.outputs.logits.as_str(), Fetch::Device)];
+        for (name, t) in present_names.iter().zip(&kv.past) {
+            fetches.push((name.as_str(), if kv.shared { Fetch::Into(t) } else { Fetch::Device }));
+        }
+        let outputs = self.session.run_with(feeds, &fetches)?;
+        let mut logits = None;
+        let mut presents = std::collections::HashMap::new();
+        for (name, f) in outputs {
+            match f {
+                Fetched::Device(t) if name == d.outputs.logits => logits = Some(t),
+                Fetched::Device(t) if present_names.contains(&name) => {
+                    presents.insert(name, t);
+                }
+                Fetched::Device(t) => self.session.free_tensor(t),
+                _ => {}
+            }
+        }
+        if !kv.shared {
+            // The presents become the pasts; the old pasts go back to the pool.
+            for (slot, name) in present_names.iter().enumerate() {
+                let t = presents
+                    .remove(name)
+                    .ok_or_else(|| Error::Model(format!("the decoder did not produce {name:?}")))?;
+                let old = std::mem::replace(&mut kv.past[slot], t);
+                self.session.free_tensor(old);
+            }
+        }
+        let logits =
+            logits.ok_or_else(|| Error::Model(format!("the decoder did not produce {:?}", d.outputs.logits)))?;
+        let contiguous = rows.windows(2).all(|w| w[1] == w[0] + 1);
+        let out = match (contiguous, rows.first()) {
+            // Decode: every row at once, one download.
+            (true, Some(&first)) => self.session.read_slice(&logits, first * vocab, rows.len() * vocab).and_then(|t| {
+                let all = t.to_f32()?;
+                Ok(all.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
+            }),
+            _ => rows.iter().map(|&r| self.session.read_slice(&logits, r * vocab, vocab)?.to_f32()).collect(),
         };
-        let logits = take(&d.outputs.logits)?;
-        let mut next = Vec::with_capacity(2 * d.num_hidden_layers);
-        for l in 0..d.num_hidden_layers {
-            next.push((
-                GenaiConfig::layer_name(&d.inputs.past_key_names, l),
-                take(&GenaiConfig::layer_name(&d.outputs.present_key_names, l))?,
-            ));
-            next.push((
-                GenaiConfig::layer_name(&d.inputs.past_value_names, l),
-                take(&GenaiConfig::layer_name(&d.outputs.present_value_names, l))?,
-            ));
-        }
-        Ok((logits, next))
+        self.session.free_tensor(logits);
+        out
     }
 
     /// Generates for `prompts` (token ids; a batch is right-padded). `on_token(row, id)` is
@@ -146,101 +291,16 @@ impl Generator {
         on_token: &mut dyn FnMut(usize, i64),
     ) -> Result<Generation> {
         let t0 = Instant::now();
-        let batch = prompts.len();
-        if batch == 0 || prompts.iter().any(|p| p.is_empty()) {
-            return Err(Error::Input("every prompt must have at least one token".into()));
-        }
         let cfg = self.config().clone();
-        let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
-        let s = *lens.iter().max().unwrap_or(&1);
+        let s = prompts.iter().map(Vec::len).max().unwrap_or(0);
         let max_length = opts.max_length.unwrap_or_else(|| cfg.max_length());
-        if s >= max_length {
-            return Err(Error::Input(format!("the prompt has {s} tokens; max_length is {max_length}")));
-        }
-        let share = cfg.search.past_present_share_buffer;
-        if !share && lens.iter().any(|&l| l != s) {
-            return Err(Error::Input(
-                "prompts of different lengths in one batch need a model with past_present_share_buffer".into(),
-            ));
-        }
-        // The longest the sequences can get; the shared KV buffer is allocated at that length.
-        let limit = max_length.min(s + opts.max_new_tokens);
-        let pad = cfg.model.pad_token_id.unwrap_or(0);
-        let eos = cfg.model.eos_token_id.to_vec();
-        let vocab = cfg.model.vocab_size;
-
-        let mut ids = vec![pad; batch * s];
-        let mut mask = vec![0i64; batch * s];
-        for (b, p) in prompts.iter().enumerate() {
-            ids[b * s..b * s + p.len()].copy_from_slice(p);
-            mask[b * s..b * s + p.len()].iter_mut().for_each(|m| *m = 1);
-        }
-        let past = self.empty_past(batch, if share { limit } else { 0 })?;
-        let (logits, mut past) = self.step(&ids, batch, &mask, past)?;
-        let mut sampler = Sampler::new(opts.sampling.clone());
-        let mut history: Vec<Vec<i64>> = prompts.to_vec();
-        let mut generated: Vec<Vec<i64>> = vec![Vec::new(); batch];
-        let mut stopped: Vec<Option<StopReason>> = vec![None; batch];
-        let mut next = vec![pad; batch];
-        let values = to_f64(&logits);
-        for b in 0..batch {
-            let row = &values[(b * s + lens[b] - 1) * vocab..(b * s + lens[b]) * vocab];
-            let row: Vec<f32> = row.iter().map(|&v| v as f32).collect();
-            next[b] = sampler.next(&row, &history[b]);
-        }
-        let prefill = t0.elapsed();
-        let mut timings = Timings {
-            time_to_first_token_ms: prefill.as_secs_f64() * 1e3,
-            prefill_ms: prefill.as_secs_f64() * 1e3,
-            prefill_tokens: lens.iter().sum(),
-            ..Timings::default()
-        };
-        timings.prefill_tokens_per_s = timings.prefill_tokens as f64 / prefill.as_secs_f64().max(1e-9);
-        let t1 = Instant::now();
-        let mut total = s;
-        loop {
-            for b in 0..batch {
-                if stopped[b].is_some() {
-                    continue;
-                }
-                generated[b].push(next[b]);
-                history[b].push(next[b]);
-                on_token(b, next[b]);
-                if eos.contains(&next[b]) {
-                    stopped[b] = Some(StopReason::Eos);
-                } else if generated[b].len() >= opts.max_new_tokens {
-                    stopped[b] = Some(StopReason::MaxNewTokens);
-                } else if total + 1 >= max_length {
-                    stopped[b] = Some(StopReason::MaxLength);
-                }
-            }
-            if stopped.iter().all(Option::is_some) {
-                break;
-            }
-            // One decode step: every row feeds its last token (finished rows feed padding).
-            let step_ids: Vec<i64> = (0..batch).map(|b| if stopped[b].is_some() { pad } else { next[b] }).collect();
-            total += 1;
-            let mut m = Vec::with_capacity(batch * total);
-            for b in 0..batch {
-                m.extend_from_slice(&mask[b * (total - 1)..b * (total - 1) + total - 1]);
-                m.push(1);
-            }
-            mask = m;
-            let (logits, p) = self.step(&step_ids, batch, &mask, past)?;
-            past = p;
-            timings.decode_steps += 1;
-            let values = to_f64(&logits);
-            for b in 0..batch {
-                if stopped[b].is_none() {
-                    let row: Vec<f32> = values[b * vocab..(b + 1) * vocab].iter().map(|&v| v as f32).collect();
-                    next[b] = sampler.next(&row, &history[b]);
-                    timings.decode_tokens += 1;
-                }
-            }
-        }
-        let decode = t1.elapsed();
-        timings.decode_ms = decode.as_secs_f64() * 1e3;
-        timings.decode_tokens_per_s = timings.decode_tokens as f64 / decode.as_secs_f64().max(1e-9);
+        // The longest the sequences can get; a shared KV buffer is allocated at that length.
+        let limit = max_length.min(s + opts.max_new_tokens.max(1));
+        let (mut kv, first) = self.prefill(prompts, limit)?;
+        let result = self.decode_loop(&mut kv, prompts, first, opts, max_length, t0, on_token);
+        self.free(kv);
+        let (generated, stopped, mut timings) = result?;
+        timings.prefill_tokens = prompts.iter().map(Vec::len).sum();
         let rows = prompts
             .iter()
             .zip(generated)
@@ -253,9 +313,74 @@ impl Generator {
             .collect();
         Ok(Generation { rows, timings })
     }
+
+    /// Samples the first tokens from the prefill's logits, then decodes until every row stops.
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn decode_loop(
+        &mut self,
+        kv: &mut KvCache,
+        prompts: &[Vec<i64>],
+        first: Vec<Vec<f32>>,
+        opts: &GenerateOptions,
+        max_length: usize,
+        t0: Instant,
+        on_token: &mut dyn FnMut(usize, i64),
+    ) -> Result<(Vec<Vec<i64>>, Vec<Option<StopReason>>, Timings)> {
+        let batch = prompts.len();
+        let pad = self.config().model.pad_token_id.unwrap_or(0);
+        let eos = self.config().model.eos_token_id.to_vec();
+        let mut sampler = Sampler::new(opts.sampling.clone());
+        let mut history: Vec<Vec<i64>> = prompts.to_vec();
+        let mut generated: Vec<Vec<i64>> = vec![Vec::new(); batch];
+        let mut stopped: Vec<Option<StopReason>> = vec![None; batch];
+        let mut next: Vec<i64> = first.iter().zip(&history).map(|(row, h)| sampler.next(row, h)).collect();
+        let prefill = t0.elapsed();
+        let prefill_tokens: usize = prompts.iter().map(Vec::len).sum();
+        let mut timings = Timings {
+            time_to_first_token_ms: prefill.as_secs_f64() * 1e3,
+            prefill_ms: prefill.as_secs_f64() * 1e3,
+            prefill_tokens_per_s: prefill_tokens as f64 / prefill.as_secs_f64().max(1e-9),
+            ..Timings::default()
+        };
+        let t1 = Instant::now();
+        loop {
+            for b in 0..batch {
+                if stopped[b].is_some() {
+                    continue;
+                }
+                generated[b].push(next[b]);
+                history[b].push(next[b]);
+                on_token(b, next[b]);
+                if eos.contains(&next[b]) {
+                    stopped[b] = Some(StopReason::Eos);
+                } else if generated[b].len() >= opts.max_new_tokens {
+                    stopped[b] = Some(StopReason::MaxNewTokens);
+                } else if kv.len() + 1 >= max_length {
+                    stopped[b] = Some(StopReason::MaxLength);
+                }
+            }
+            if stopped.iter().all(Option::is_some) {
+                break;
+            }
+            // One decode step: every row feeds its last token (finished rows feed padding).
+            let step_ids: Vec<i64> = (0..batch).map(|b| if stopped[b].is_some() { pad } else { next[b] }).collect();
+            let logits = self.decode(kv, &step_ids)?;
+            timings.decode_steps += 1;
+            for b in 0..batch {
+                if stopped[b].is_none() {
+                    next[b] = sampler.next(&logits[b], &history[b]);
+                    timings.decode_tokens += 1;
+                }
+            }
+        }
+        let decode = t1.elapsed();
+        timings.decode_ms = decode.as_secs_f64() * 1e3;
+        timings.decode_tokens_per_s = timings.decode_tokens as f64 / decode.as_secs_f64().max(1e-9);
+        Ok((generated, stopped, timings))
+    }
 }
 
 /// An int64 tensor.
 pub fn i64_tensor(shape: Vec<usize>, values: &[i64]) -> Result<Tensor> {
-    Tensor::new(DType::I64, shape, Bytes::from(values.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()))
+    Tensor::new(DType::I64, shape, bytes::Bytes::from(values.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()))
 }

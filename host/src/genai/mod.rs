@@ -10,5 +10,5 @@ pub mod sampling;
 
 pub use config::GenaiConfig;
 pub use folder::ModelFolder;
-pub use generate::{GenerateOptions, Generation, Generator, RowResult, StopReason, Timings};
+pub use generate::{GenerateOptions, Generation, Generator, KvCache, RowResult, StopReason, Timings};
 pub use sampling::{Sampler, SamplingParams};

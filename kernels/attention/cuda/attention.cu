@@ -6,7 +6,9 @@
 // Largest head size of the attention kernel: each lane holds ceil(H / 32) ≤ 8 elements.
 #define GQA_MAX_CHUNKS 8
 // Most warps per attention block.
-#define GQA_MAX_WARPS 8
+#define GQA_MAX_WARPS 16
+// Keys each warp has in flight at once in the attention loop.
+#define GQA_KEYS 4
 
 // Rotated element d (< 2·half) of a head `x` at cache row `pos`, in f32. Positions outside the
 // cache (the CPU reference fails the node) give NaN.
@@ -41,7 +43,8 @@ __device__ __forceinline__ void gqa_row(const int* seqlens, unsigned b, unsigned
     *past_b = first_prompt ? 0 : *t_b - (long long)S;
 }
 
-// Writes the whole present K and V [B, Nk, PL, H]: rows past_b .. past_b + S are the new keys
+// Writes the present K and V [B, Nk, PL, H] (only the new rows when present is the past buffer
+// itself, else every row): rows past_b .. past_b + S are the new keys
 // (rotated at their position when rotary_half > 0, rounded to the dtype) and values; other rows
 // are the past rows (shared buffer: every row; otherwise rows < past_b) or zeros.
 // k_src/v_src rows are (b·S + s)·kv_w elements apart, head j at k_off + j·H (v_off + j·H).
@@ -54,6 +57,29 @@ __device__ void gqa_kv(const typename Tag::storage* k_src, const typename Tag::s
                        unsigned first_prompt, unsigned shared, kiln_u64 cache_rows, unsigned rotary_half,
                        unsigned interleaved) {
     typedef typename Tag::storage T;
+    // Past and present are one buffer (bound in place by the host): only the new rows change,
+    // so only they are visited.
+    if (shared && P == PL && pres_k == past_k && pres_v == past_v) {
+        KILN_FOR(i, (kiln_u64)B * Nk * S * H) {
+            const unsigned d = (unsigned)(i % H);
+            const unsigned s = (unsigned)((i / H) % S);
+            const unsigned j = (unsigned)((i / ((kiln_u64)H * S)) % Nk);
+            const unsigned b = (unsigned)(i / ((kiln_u64)H * S * Nk));
+            long long t_b, past_b;
+            gqa_row(seqlens, b, S, first_prompt, &t_b, &past_b);
+            const long long t = past_b + (long long)s;
+            if (t < 0 || t >= (long long)PL) continue;
+            const kiln_u64 row = ((kiln_u64)b * S + s) * kv_w;
+            const T* kr = k_src + row + k_off + (kiln_u64)j * H;
+            const kiln_u64 at = (((kiln_u64)b * Nk + j) * PL + (kiln_u64)t) * H + d;
+            if (rotary_half > 0 && d < 2 * rotary_half)
+                pres_k[at] = kiln_from_f32(Tag(), rope_elem<Tag>(kr, cos_c, sin_c, t, cache_rows, rotary_half, d, interleaved));
+            else
+                pres_k[at] = kr[d];
+            pres_v[at] = v_src[row + v_off + (kiln_u64)j * H + d];
+        }
+        return;
+    }
     KILN_FOR(i, (kiln_u64)B * Nk * PL * H) {
         const unsigned d = (unsigned)(i % H);
         const unsigned t = (unsigned)((i / H) % PL);
@@ -138,29 +164,43 @@ __device__ void gqa_attn(const typename Tag::storage* q_src, const typename Tag:
     if (has_bias)
         bias_row = bias + (((kiln_u64)(bias_b == 1 ? 0 : b) * bias_h + (bias_h == 1 ? 0 : h)) * S + s) * total;
     float m = -__int_as_float(0x7f800000), l = 0.f;
-    for (long long t = start + warp; t < end; t += warps) {
-        const typename Tag::storage* kr = pres_k + head + (kiln_u64)t * H;
-        float dot = 0.f;
+    // Each warp takes GQA_KEYS keys at a time (start + warp, + warps, …): their K and V rows
+    // are loaded together so the loads overlap, then folded into the online softmax in order.
+    for (long long t0 = start + warp; t0 < end; t0 += (long long)warps * GQA_KEYS) {
+        float x[GQA_KEYS];
+        float v[GQA_KEYS][GQA_MAX_CHUNKS];
 #pragma unroll
-        for (int c = 0; c < GQA_MAX_CHUNKS; ++c) {
-            const unsigned d = lane + 32u * c;
-            if (d < H) dot += q[c] * kiln_to_f32(Tag(), kr[d]);
-        }
-        float x = kiln_warp_sum(dot) * scale;
-        if (softcap > 0.f) x = softcap * tanhf(x / softcap);
-        if (has_bias) x += kiln_to_f32(Tag(), bias_row[t]);
-        if (x == -__int_as_float(0x7f800000)) continue;  // exp(−inf) = 0: no weight.
-        const float m_new = fmaxf(m, x);
-        const float corr = expf(m - m_new);  // m = −inf → 0
-        const float p = expf(x - m_new);
-        l = l * corr + p;
-        const typename Tag::storage* vr = pres_v + head + (kiln_u64)t * H;
+        for (int u = 0; u < GQA_KEYS; ++u) {
+            const long long t = t0 + (long long)u * warps;
+            const bool live = t < end;
+            const typename Tag::storage* kr = pres_k + head + (kiln_u64)t * H;
+            const typename Tag::storage* vr = pres_v + head + (kiln_u64)t * H;
+            float dot = 0.f;
 #pragma unroll
-        for (int c = 0; c < GQA_MAX_CHUNKS; ++c) {
-            const unsigned d = lane + 32u * c;
-            acc[c] = acc[c] * corr + (d < H ? p * kiln_to_f32(Tag(), vr[d]) : 0.f);
+            for (int c = 0; c < GQA_MAX_CHUNKS; ++c) {
+                const unsigned d = lane + 32u * c;
+                const bool in = live && d < H;
+                dot += in ? q[c] * kiln_to_f32(Tag(), kr[d]) : 0.f;
+                v[u][c] = in ? kiln_to_f32(Tag(), vr[d]) : 0.f;
+            }
+            x[u] = dot;
         }
-        m = m_new;
+#pragma unroll
+        for (int u = 0; u < GQA_KEYS; ++u) {
+            const long long t = t0 + (long long)u * warps;
+            float xu = kiln_warp_sum(x[u]) * scale;
+            if (t >= end) continue;
+            if (softcap > 0.f) xu = softcap * tanhf(xu / softcap);
+            if (has_bias) xu += kiln_to_f32(Tag(), bias_row[t]);
+            if (xu == -__int_as_float(0x7f800000)) continue;  // exp(−inf) = 0: no weight.
+            const float m_new = fmaxf(m, xu);
+            const float corr = expf(m - m_new);  // m = −inf → 0
+            const float p = expf(xu - m_new);
+            l = l * corr + p;
+#pragma unroll
+            for (int c = 0; c < GQA_MAX_CHUNKS; ++c) acc[c] = acc[c] * corr + p * v[u][c];
+            m = m_new;
+        }
     }
     if (lane == 0) {
         s_m[warp] = m;

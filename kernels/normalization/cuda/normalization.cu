@@ -67,6 +67,12 @@ template <typename A, typename Op> __device__ __forceinline__ A row_reduce(A v, 
     for (kiln_u64 row = (kiln_u64)blockIdx.x * blockDim.y + threadIdx.y; row < (rows); row += (kiln_u64)gridDim.x * blockDim.y)
 #define COL_LOOP(c, cols) for (kiln_u64 c = threadIdx.x; c < (cols); c += blockDim.x)
 
+// Element k (column c of a row of `cols`) of a suffix-broadcast operand of `len` elements,
+// without a 64-bit division in the common cases (one row's worth, or the whole tensor).
+__device__ __forceinline__ kiln_u64 suffix_idx(kiln_u64 k, kiln_u64 c, kiln_u64 cols, kiln_u64 len) {
+    return len == cols ? c : (k < len ? k : k % len);
+}
+
 // ---- Softmax / LogSoftmax ------------------------------------------------------------------
 
 template <typename T, typename A>
@@ -128,8 +134,8 @@ __device__ void layer_norm(const T* x, const T* scale, const T* bias, T* y, void
         const A inv_std = (A)1 / n_sqrt(var + (A)eps);
         COL_LOOP(c, cols) {
             const kiln_u64 k = base + c;
-            A v = ((A)nld(x, k) - mean) * inv_std * (A)nld(scale, k % scale_len);
-            if (has_bias) v += (A)nld(bias, k % bias_len);
+            A v = ((A)nld(x, k) - mean) * inv_std * (A)nld(scale, suffix_idx(k, c, cols, scale_len));
+            if (has_bias) v += (A)nld(bias, suffix_idx(k, c, cols, bias_len));
             nst(y, k, v);
         }
         if (threadIdx.x == 0) {
@@ -157,7 +163,7 @@ __device__ void rms_norm(const X* x, const Y* scale, Y* y, void* inv_out, kiln_u
         const A inv_std = (A)1 / rms;
         COL_LOOP(c, cols) {
             const kiln_u64 k = base + c;
-            nst(y, k, (A)nld(x, k) / rms * (A)nld(scale, k % scale_len));
+            nst(y, k, (A)nld(x, k) / rms * (A)nld(scale, suffix_idx(k, c, cols, scale_len)));
         }
         if (threadIdx.x == 0 && has_inv) nst_code(inv_out, row, (double)inv_std, stat_code);
     }
@@ -174,7 +180,7 @@ __device__ void skip_rms_norm(const T* x, const T* skip, const T* gamma, const T
         A q = 0;
         COL_LOOP(c, hidden) {
             const kiln_u64 k = base + c;
-            A v = (A)nld(x, k) + (A)nld(skip, k % skip_len);
+            A v = (A)nld(x, k) + (A)nld(skip, suffix_idx(k, c, hidden, skip_len));
             if (has_bias) v += (A)nld(bias, c);
             if (has_sum) nst(sum_out, k, v);
             q += v * v;
@@ -182,7 +188,7 @@ __device__ void skip_rms_norm(const T* x, const T* skip, const T* gamma, const T
         const A rms = n_sqrt(row_reduce(q, NSum()) / (A)hidden + (A)eps);
         COL_LOOP(c, hidden) {
             const kiln_u64 k = base + c;
-            A v = (A)nld(x, k) + (A)nld(skip, k % skip_len);
+            A v = (A)nld(x, k) + (A)nld(skip, suffix_idx(k, c, hidden, skip_len));
             if (has_bias) v += (A)nld(bias, c);
             nst(out, k, v / rms * (A)nld(gamma, c));
         }

@@ -674,7 +674,7 @@ const GQA_MAX_HEAD: usize = 256;
 /// GroupQueryAttention on the GPU: `kiln_gqa_kv_*` writes the whole present K/V (past rows
 /// copied, the new rows rotated and appended at each batch row's past length, which the kernels
 /// read from `seqlens_k`), then `kiln_gqa_attn_*` runs one block per (query row, head, batch
-/// row) with an online softmax in f32 (8 warps splitting the keys for decode, 4 for prompts).
+/// row) with an online softmax in f32 (16 warps splitting the keys for decode, 4 for prompts).
 /// Without a past, absent present outputs become scratch buffers.
 fn gqa_dispatch(call: &Call) -> Result<()> {
     let p = gqa_plan(call)?;
@@ -731,9 +731,13 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
     let u = |what: &str, v: usize| u32_arg(GQA, what, v);
 
     if present_elems > 0 {
+        // A shared buffer bound in place only needs the new rows written (the kernel checks);
+        // otherwise the grid-stride loop copies the past with the same threads.
+        let new_elems = p.batch * n_kv * p.seq * h_sz;
+        let kv_threads = if shared { (present_elems / 8).max(new_elems) } else { present_elems };
         launch(&Launch {
             kernel: kv_k,
-            grid: [grid_for(present_elems), 1, 1],
+            grid: [grid_for(kv_threads), 1, 1],
             block: [BLOCK, 1, 1],
             shared_mem_bytes: 0,
             args: vec![
@@ -775,7 +779,7 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
     if out.numel()? == 0 {
         return Ok(());
     }
-    let warps: u32 = if p.seq == 1 { 8 } else { 4 };
+    let warps: u32 = if p.seq == 1 { 16 } else { 4 };
     launch(&Launch {
         kernel: attn_k,
         grid: [p.seq as u32, p.heads as u32, p.batch as u32],

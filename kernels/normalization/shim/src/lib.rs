@@ -56,8 +56,14 @@ mod gpu {
     }
 
     /// Grid and block of a row kernel over `rows` rows of `cols` elements: a warp per row (8
-    /// rows a block) for short rows, a block per row for long ones.
+    /// rows a block) for short rows, a block per row for long ones, and for a few rows (a
+    /// decode step) a block per row with about 4 elements a thread, so that a row's loads are
+    /// spread over many threads rather than queued on one warp.
     pub fn row_launch(rows: u64, cols: u64) -> ([u32; 3], [u32; 3]) {
+        if rows < 128 && cols > 128 {
+            let threads = (cols.div_ceil(4).div_ceil(32) * 32).clamp(32, 1024) as u32;
+            return ([rows.max(1) as u32, 1, 1], [threads, 1, 1]);
+        }
         let (block, rows_per_block) = if cols <= 1024 {
             ([32, 8, 1], 8)
         } else if cols <= 8192 {

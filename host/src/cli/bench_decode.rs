@@ -1,0 +1,216 @@
+//! `kiln bench decode MODEL_DIR`: LLM decode speed, measured as the PyTorch peer
+//! (`fixtures/device/bench_torch_decode.py`) measures it: random prompt ids (seeded), greedy,
+//! exactly `--new-tokens` tokens per row (EOS ignored). The first token comes from the
+//! prefill; decode time is the `new_tokens − 1` decode steps that follow. Each configuration
+//! is warmed up once, then timed `--runs` times; medians are reported.
+//!
+//! The floor printed beside the numbers is the time to read every weight once per step at
+//! `--bandwidth-gbps` (the weights of a decode step are streamed from HBM at least once).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use serde_json::json;
+
+use crate::ep::{Runtime, SessionOptions};
+use crate::genai::{Generator, ModelFolder};
+use crate::sandbox::SandboxConfig;
+use crate::{Error, Result};
+
+use super::{choose_device, registry, DeviceArg, PackageArgs};
+
+#[derive(clap::Args, Debug)]
+pub struct DecodeArgs {
+    /// An onnxruntime-genai model folder.
+    pub model_dir: PathBuf,
+    /// Rows per batch; repeat to measure several batch sizes.
+    #[arg(long = "batch", default_values_t = [1usize])]
+    pub batches: Vec<usize>,
+    /// Prompt tokens per row (random ids).
+    #[arg(long, default_value_t = 128)]
+    pub prompt_len: usize,
+    /// Tokens generated per row (the first by the prefill).
+    #[arg(long, default_value_t = 256)]
+    pub new_tokens: usize,
+    /// Timed runs per batch size (after one warm-up run).
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    /// Seed of the random prompt ids.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Memory bandwidth of the floor, in GB/s (H200: 4500 measured, 4800 spec).
+    #[arg(long, default_value_t = 4500.0)]
+    pub bandwidth_gbps: f64,
+    #[arg(long, value_enum, default_value_t)]
+    pub device: DeviceArg,
+    /// Print the session's report (per-op host time, launches, plan hits) after the runs.
+    #[arg(long)]
+    pub report: bool,
+    /// After the timed runs, one more run with per-op GPU time (CUDA events between nodes);
+    /// printed with the report.
+    #[arg(long)]
+    pub profile: bool,
+    /// Write the numbers as JSON.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    #[command(flatten)]
+    pub packages: PackageArgs,
+}
+
+/// One timed run: prefill and decode wall times, and the part of decode the host spent
+/// enqueuing the graph (`Session::run_with`, which does not wait for the device).
+struct Run {
+    prefill_ms: f64,
+    decode_ms: f64,
+    enqueue_ms: f64,
+}
+
+/// Index of the largest value (the first of equals).
+fn argmax(row: &[f32]) -> i64 {
+    row.iter().enumerate().fold(0, |b, (i, v)| if *v > row[b] { i } else { b }) as i64
+}
+
+/// Generates `new_tokens` greedy tokens per row of `prompts`.
+fn run_once(g: &mut Generator, prompts: &[Vec<i64>], new_tokens: usize) -> Result<Run> {
+    let limit = prompts[0].len() + new_tokens;
+    let t0 = Instant::now();
+    let (mut kv, first) = g.prefill(prompts, limit)?;
+    let mut next: Vec<i64> = first.iter().map(|r| argmax(r)).collect();
+    let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let t1 = Instant::now();
+    let enqueued_before = g.session.report.run_time_us;
+    let mut result = Ok(());
+    for _ in 1..new_tokens {
+        match g.decode(&mut kv, &next) {
+            Ok(rows) => next = rows.iter().map(|r| argmax(r)).collect(),
+            Err(e) => {
+                result = Err(e);
+                break;
+            }
+        }
+    }
+    let decode_ms = t1.elapsed().as_secs_f64() * 1e3;
+    let enqueue_ms = (g.session.report.run_time_us - enqueued_before) as f64 / 1e3;
+    g.free(kv);
+    result.map(|_| Run { prefill_ms, decode_ms, enqueue_ms })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+pub fn run(a: DecodeArgs) -> Result<ExitCode> {
+    if a.new_tokens < 2 || a.prompt_len == 0 || a.runs == 0 || a.batches.contains(&0) {
+        return Err(Error::Input("--new-tokens must be ≥ 2; --prompt-len, --runs and --batch ≥ 1".into()));
+    }
+    let device = choose_device(a.device)?;
+    let folder = ModelFolder::open(&a.model_dir)?;
+    let vocab = folder.config.model.vocab_size;
+    let weight_bytes: u64 = folder.model.graph.initializers.values().map(|t| t.data.len() as u64).sum();
+    let floor_ms = weight_bytes as f64 / (a.bandwidth_gbps * 1e9) * 1e3;
+    let rt = Runtime::new(registry(&a.packages), SandboxConfig::default())?;
+    let t_setup = Instant::now();
+    let mut g = Generator::new(rt, folder, SessionOptions { device, ..SessionOptions::default() })?;
+    let setup_s = t_setup.elapsed().as_secs_f64();
+    println!(
+        "model: {} ({} layers, vocab {vocab}), device {device}; prompt {} tokens, {} new tokens, {} runs (medians)",
+        a.model_dir.display(),
+        g.folder.config.model.decoder.num_hidden_layers,
+        a.prompt_len,
+        a.new_tokens,
+        a.runs
+    );
+    println!(
+        "weights {:.1} MB: floor {:.1} µs/step at {} GB/s; session setup {setup_s:.2} s",
+        weight_bytes as f64 / 1e6,
+        floor_ms * 1e3,
+        a.bandwidth_gbps
+    );
+    println!("| batch | decode ms/step | decode tok/s | prefill ms | × floor | host enqueue ms/step |");
+    println!("|---:|---:|---:|---:|---:|---:|");
+    let mut rows = Vec::new();
+    let mut rng = a.seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    for &batch in &a.batches {
+        let prompts: Vec<Vec<i64>> = (0..batch)
+            .map(|_| {
+                (0..a.prompt_len)
+                    .map(|_| {
+                        // splitmix64
+                        rng = rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                        let mut z = rng;
+                        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                        ((z ^ (z >> 31)) % vocab as u64) as i64
+                    })
+                    .collect()
+            })
+            .collect();
+        let t_warm = Instant::now();
+        run_once(&mut g, &prompts, a.new_tokens)?;
+        let warm_s = t_warm.elapsed().as_secs_f64();
+        let report_before = g.session.report.clone();
+        let mut runs = Vec::with_capacity(a.runs);
+        for _ in 0..a.runs {
+            runs.push(run_once(&mut g, &prompts, a.new_tokens)?);
+        }
+        let steps = (a.new_tokens - 1) as f64;
+        let ms_step = median(runs.iter().map(|r| r.decode_ms / steps).collect());
+        let prefill_ms = median(runs.iter().map(|r| r.prefill_ms).collect());
+        let enqueue = median(runs.iter().map(|r| r.enqueue_ms / steps).collect());
+        let tok_s = batch as f64 * 1e3 / ms_step;
+        println!(
+            "| {batch} | {ms_step:.3} | {tok_s:.0} | {prefill_ms:.1} | {:.0} | {enqueue:.3} |",
+            ms_step / floor_ms
+        );
+        let r = &g.session.report;
+        let timed_runs = (r.runs - report_before.runs) as f64;
+        rows.push(json!({
+            "batch": batch,
+            "decode_ms_per_step": ms_step,
+            "decode_tokens_per_s": tok_s,
+            "host_enqueue_ms_per_step": enqueue,
+            "prefill_ms": prefill_ms,
+            "warmup_s": warm_s,
+            "times_floor": ms_step / floor_ms,
+            "runs": runs.iter().map(|r| json!({"prefill_ms": r.prefill_ms, "decode_ms": r.decode_ms, "enqueue_ms": r.enqueue_ms})).collect::<Vec<_>>(),
+            "per_session_run": {
+                "nodes": (r.nodes - report_before.nodes) as f64 / timed_runs,
+                "launches": (r.launches - report_before.launches) as f64 / timed_runs,
+                "plan_hits": (r.plan_hits - report_before.plan_hits) as f64 / timed_runs,
+                "wasm_calls": ((r.wasm_calls.infer + r.wasm_calls.cpu + r.wasm_calls.dispatch)
+                    - (report_before.wasm_calls.infer + report_before.wasm_calls.cpu + report_before.wasm_calls.dispatch)) as f64 / timed_runs,
+            },
+        }));
+    }
+    if a.profile {
+        g.session.report = Default::default();
+        g.session.set_gpu_profiling(true);
+        let prompts: Vec<Vec<i64>> = vec![(0..a.prompt_len as i64).map(|i| i % vocab as i64).collect()];
+        run_once(&mut g, &prompts, a.new_tokens)?;
+        g.session.set_gpu_profiling(false);
+        println!("profile (batch 1, one run: {} decode steps):", a.new_tokens - 1);
+    }
+    if a.report || a.profile {
+        println!("{}", g.session.report.render());
+        if let Some((alloc, (hits, queries))) = g.session.gpu_stats() {
+            println!("allocator: {alloc:?}\ngemm plans: {hits} hits, {queries} heuristic queries");
+        }
+    }
+    if let Some(path) = &a.json {
+        let doc = json!({
+            "model": a.model_dir.display().to_string(),
+            "device": device.to_string(),
+            "prompt_len": a.prompt_len,
+            "new_tokens": a.new_tokens,
+            "weight_bytes": weight_bytes,
+            "floor_ms_per_step": floor_ms,
+            "setup_s": setup_s,
+            "rows": rows,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap_or_default())
+            .map_err(|source| Error::Io { path: path.clone(), source })?;
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,272 @@
+//! I/O binding: tensors a caller keeps on the session's device between runs (a KV cache),
+//! fed without a copy and written in place, as onnxruntime's `IOBinding` does.
+//!
+//! A [`DeviceTensor`] is a handle; the session owns the buffer (device memory on a GPU, host
+//! bytes on the CPU). Feeding it ([`Feed::Device`]) gives the graph its buffer as-is;
+//! [`Fetch::Into`] makes the node that produces an output write straight into it (when the
+//! output fits), and [`Fetch::Device`] keeps an output on the device as a new handle.
+//!
+//! Binding an output into the buffer of an input is the caller's promise that the producing
+//! node may update that input in place (GroupQueryAttention's shared past/present buffer,
+//! `past_present_share_buffer` of onnxruntime-genai); other nodes reading the input must not
+//! run after the producer.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use kiln_kernel_abi::DType;
+
+use super::session::{Session, Value};
+use crate::tensor::byte_size;
+use crate::{Error, Result, Tensor};
+
+/// A tensor held by one session between runs. Not `Clone`: the handle is the ownership;
+/// give it back with [`Session::free_tensor`] (or drop the session).
+#[derive(Debug, PartialEq, Eq)]
+pub struct DeviceTensor {
+    pub(super) session: u64,
+    pub(super) id: u64,
+}
+
+/// A graph input of a run.
+#[derive(Debug)]
+pub enum Feed<'a> {
+    /// Host bytes (uploaded on a GPU).
+    Host(Tensor),
+    /// A held tensor, given to the graph without a copy.
+    Device(&'a DeviceTensor),
+}
+
+/// Where a graph output goes.
+#[derive(Debug)]
+pub enum Fetch<'a> {
+    /// Back to the host (the default for outputs not named).
+    Host,
+    /// Kept on the device as a new held tensor.
+    Device,
+    /// Written into this held tensor (in place when the producing node can write there; its
+    /// dtype must match and its bytes fit the tensor's buffer). The tensor takes the output's shape.
+    Into(&'a DeviceTensor),
+}
+
+/// A graph output of a run.
+#[derive(Debug)]
+pub enum Fetched {
+    Host(Tensor),
+    Device(DeviceTensor),
+    /// Written into the tensor of [`Fetch::Into`].
+    Written,
+}
+
+impl Fetched {
+    /// The host tensor of a [`Fetch::Host`] output.
+    pub fn into_host(self) -> Result<Tensor> {
+        match self {
+            Fetched::Host(t) => Ok(t),
+            _ => Err(Error::Input("the output was not fetched to the host".into())),
+        }
+    }
+}
+
+/// A held tensor: its value (owning its device buffer on a GPU) and the buffer's capacity.
+#[derive(Debug)]
+pub(super) struct Held {
+    pub value: Value,
+    pub capacity: u64,
+}
+
+static NEXT_SESSION: AtomicU64 = AtomicU64::new(1);
+
+/// A process-unique session number, so handles of another session are refused.
+pub(super) fn session_number() -> u64 {
+    NEXT_SESSION.fetch_add(1, Ordering::Relaxed)
+}
+
+impl Session {
+    fn held(&self, t: &DeviceTensor) -> Result<&Held> {
+        if t.session != self.number {
+            return Err(Error::Input("the device tensor belongs to another session".into()));
+        }
+        self.held.get(&t.id).ok_or_else(|| Error::Input("the device tensor was freed".into()))
+    }
+
+    fn hold(&mut self, value: Value, capacity: u64) -> DeviceTensor {
+        let id = self.next_held;
+        self.next_held += 1;
+        self.held.insert(id, Held { value, capacity });
+        DeviceTensor { session: self.number, id }
+    }
+
+    /// A new held tensor of zeros, `dtype` and `shape`. Errors: unsupported dtype, size overflow,
+    /// device memory limit.
+    pub fn zeros(&mut self, dtype: DType, shape: Vec<usize>) -> Result<DeviceTensor> {
+        let nbytes = byte_size(dtype, &shape)?;
+        let value = match self.gpu.as_mut() {
+            None => Value::Host(Tensor::new(dtype, shape, bytes::Bytes::from(vec![0u8; nbytes as usize]))?),
+            Some(gpu) => {
+                let b = gpu.zeroed(nbytes)?;
+                Value::Device { dtype, shape, ptr: b.ptr, nbytes, owned: Some(b), host: None }
+            }
+        };
+        Ok(self.hold(value, nbytes))
+    }
+
+    /// Dtype and current shape of a held tensor.
+    pub fn tensor_type(&self, t: &DeviceTensor) -> Result<(DType, Vec<usize>)> {
+        let h = self.held(t)?;
+        Ok((h.value.dtype(), h.value.shape().to_vec()))
+    }
+
+    /// A copy of a held tensor on the host (waits for the device).
+    pub fn read_tensor(&mut self, t: &DeviceTensor) -> Result<Tensor> {
+        let v = self.held(t)?.value.clone_ref();
+        self.host_tensor(&v)
+    }
+
+    /// Elements `start .. start + len` of a held tensor, flattened row-major, as a 1-D host
+    /// tensor (waits for the device). Errors: a range outside the tensor.
+    pub fn read_slice(&mut self, t: &DeviceTensor, start: usize, len: usize) -> Result<Tensor> {
+        let v = self.held(t)?.value.clone_ref();
+        let dtype = v.dtype();
+        let size = dtype.size().ok_or_else(|| Error::Unsupported(format!("{dtype} tensors")))?;
+        let numel = v.shape().iter().product::<usize>();
+        if start.checked_add(len).is_none_or(|end| end > numel) {
+            return Err(Error::Input(format!(
+                "elements {start}..{} of a tensor of {numel}",
+                start.saturating_add(len)
+            )));
+        }
+        let (off, n) = (start * size, len * size);
+        match &v {
+            Value::Device { ptr, host: None, .. } => {
+                let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("device value without a GPU".into()))?;
+                gpu.download(ptr + off as u64, dtype, vec![len], n)
+            }
+            _ => {
+                let t = self.host_tensor(&v)?;
+                Tensor::new(dtype, vec![len], t.data.slice(off..off + n))
+            }
+        }
+    }
+
+    /// Gives a held tensor's memory back (to the device pool on a GPU).
+    pub fn free_tensor(&mut self, t: DeviceTensor) {
+        if t.session == self.number {
+            if let Some(h) = self.held.remove(&t.id) {
+                self.release(h.value);
+            }
+        }
+    }
+
+    /// The value a fed held tensor gives the graph.
+    pub(super) fn fed_value(&self, t: &DeviceTensor) -> Result<Value> {
+        Ok(self.held(t)?.value.clone_ref())
+    }
+
+    /// Where output `nbytes` of `dtype` may be written in place: the held buffer of `t`.
+    /// Errors: another dtype, or more bytes than the buffer holds.
+    pub(super) fn bound_target(&self, t: &DeviceTensor, dtype: DType, nbytes: u64, name: &str) -> Result<u64> {
+        let h = self.held(t)?;
+        match &h.value {
+            Value::Device { ptr, dtype: d, .. } if *d == dtype && nbytes <= h.capacity => Ok(*ptr),
+            v => Err(Error::Input(format!(
+                "output {name:?} ({dtype}, {nbytes} bytes) does not fit its bound tensor ({}, {} bytes)",
+                v.dtype(),
+                h.capacity
+            ))),
+        }
+    }
+
+    /// Finishes one graph output `v` of a run as `fetch` asks.
+    pub(super) fn fetch_output(&mut self, name: &str, v: Value, fetch: &Fetch<'_>) -> Result<Fetched> {
+        match fetch {
+            Fetch::Host => {
+                let t = self.host_tensor(&v);
+                self.release(v);
+                Ok(Fetched::Host(t?))
+            }
+            Fetch::Device => {
+                let v = match v {
+                    v @ (Value::Device { owned: Some(_), .. } | Value::Host(_))
+                        if self.gpu.is_some() == v.is_device() =>
+                    {
+                        v
+                    }
+                    other => {
+                        // An alias (an input or an initializer): the held tensor gets its own copy.
+                        let copy = self.copied(&other)?;
+                        self.release(other);
+                        copy
+                    }
+                };
+                let capacity = v.nbytes();
+                Ok(Fetched::Device(self.hold(v, capacity)))
+            }
+            Fetch::Into(t) => {
+                let (dtype, shape, nbytes) = (v.dtype(), v.shape().to_vec(), v.nbytes());
+                let capacity = self.held(t)?.capacity;
+                if self.held(t)?.value.dtype() != dtype || nbytes > capacity {
+                    self.release(v);
+                    return Err(Error::Input(format!(
+                        "output {name:?} ({dtype} {shape:?}) does not fit its bound tensor ({capacity} bytes)"
+                    )));
+                }
+                let id = t.id;
+                match self.gpu.is_some() {
+                    false => {
+                        let host = self.host_tensor(&v)?;
+                        if let Some(h) = self.held.get_mut(&id) {
+                            h.value = Value::Host(host);
+                        }
+                    }
+                    true => {
+                        let dst = self.bound_target(t, dtype, nbytes, name)?;
+                        self.copy_into(dst, &v)?;
+                        self.release(v);
+                        if let Some(Held { value: Value::Device { shape: s, nbytes: n, .. }, .. }) =
+                            self.held.get_mut(&id)
+                        {
+                            *s = shape;
+                            *n = nbytes;
+                        }
+                    }
+                }
+                Ok(Fetched::Written)
+            }
+        }
+    }
+
+    /// `v` in a new buffer of the session's device.
+    fn copied(&mut self, v: &Value) -> Result<Value> {
+        match (v, self.gpu.as_mut()) {
+            (Value::Host(t), None) => Ok(Value::Host(t.clone())),
+            (_, None) => self.host_tensor(v).map(Value::Host),
+            (v, Some(gpu)) => {
+                let b = gpu.alloc.alloc(v.nbytes())?;
+                let ptr = b.ptr;
+                let out = Value::Device {
+                    dtype: v.dtype(),
+                    shape: v.shape().to_vec(),
+                    ptr,
+                    nbytes: v.nbytes(),
+                    owned: Some(b),
+                    host: None,
+                };
+                self.copy_into(ptr, v)?;
+                Ok(out)
+            }
+        }
+    }
+
+    /// Copies the bytes of `v` to device address `dst` (nothing when `v` is already there).
+    fn copy_into(&mut self, dst: u64, v: &Value) -> Result<()> {
+        let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
+        match v {
+            Value::Device { ptr, nbytes, .. } => gpu.copy(dst, *ptr, *nbytes),
+            Value::Host(t) => {
+                gpu.upload_into(dst, &t.data)?;
+                // The host bytes may go away with `v`: wait for the copy.
+                gpu.synchronize()
+            }
+        }
+    }
+}

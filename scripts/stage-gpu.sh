@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Stages what a run on the GPU machine needs into .gpu/ (git-ignored), compressed to stay well
+# under the 64 MiB that may travel:
+#   .gpu/kiln.xz, .gpu/gpu-tests.xz   release kiln and the GPU test binary (tests/gpu.rs)
+#   .gpu/node-tests.tar.xz            the ONNX node tests (.cache/onnx-node-1.20.0)
+#   .gpu/fixtures/llm/...             the small LLM fixtures the GPU tests read
+#   .gpu/device-fixtures/             ../shared/fixtures/device (SmolLM2-architecture builder,
+#                                     PyTorch peer benchmark) with a slimmed builder wheel
+#   .gpu/setup.sh                     run first on the GPU machine: unpacks into /tmp/kiln-gpu
+#
+# On the GPU machine, from the repository root:
+#   source .gpu/setup.sh            # sets KILN, GPU_TESTS, KILN_FIXTURES, KILN_CACHE_DIR
+#   bash .gpu/device-fixtures/make-smollm2-arch.sh /tmp/kiln-models --results "$OUT/make"
+#   "$GPU_TESTS" --include-ignored --test-threads 1
+#   "$KILN" bench decode /tmp/kiln-models/smollm2-arch-fp16-cuda --batch 1 --batch 8
+set -euo pipefail
+root=$(git rev-parse --show-toplevel)
+cd "$root"
+shared="${KILN_SHARED:-$root/../shared}"
+rm -rf .gpu && mkdir -p .gpu/fixtures/llm/references
+cargo build --release -p kiln-host
+tests_bin=$(cargo test --release -p kiln-tests --test gpu --no-run --message-format json 2>/dev/null |
+  python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable"):
+        print(m["executable"])')
+xz -T2 -6 -c target/release/kiln > .gpu/kiln.xz
+xz -T2 -6 -c "$tests_bin" > .gpu/gpu-tests.xz
+tar -C "$root" -cJf .gpu/node-tests.tar.xz .cache/onnx-node-1.20.0
+for f in tiny-llama-v512-fp16-cuda; do
+  cp -r "$shared/fixtures/llm/$f" .gpu/fixtures/llm/
+  cp -r "$shared/fixtures/llm/references/$f" .gpu/fixtures/llm/references/
+done
+cp -r "$shared/fixtures/device" .gpu/device-fixtures
+rm -rf .gpu/device-fixtures/results
+# The builder needs only the wheel's pure-Python onnxruntime_genai/models/.
+wheel="onnxruntime_genai-0.18.0-cp312-cp312-manylinux_2_28_x86_64.whl"
+[ -f "/tmp/whl/$wheel" ] || python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+  --implementation cp --platform manylinux_2_28_x86_64 onnxruntime-genai==0.18.0 -d /tmp/whl >/dev/null
+python3 - "/tmp/whl/$wheel" ".gpu/device-fixtures/$wheel" <<'EOF'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as src, zipfile.ZipFile(sys.argv[2], "w", zipfile.ZIP_DEFLATED) as dst:
+    for n in src.namelist():
+        if n.startswith("onnxruntime_genai/models/") and n.endswith(".py"):
+            dst.writestr(n, src.read(n))
+EOF
+cat > .gpu/setup.sh <<'EOF'
+# Sourced on the GPU machine from the repository root.
+R=$PWD
+mkdir -p /tmp/kiln-gpu
+for b in kiln gpu-tests; do
+  python3 -c 'import lzma,sys; open(sys.argv[2],"wb").write(lzma.open(sys.argv[1]).read())' .gpu/$b.xz /tmp/kiln-gpu/$b
+  chmod +x /tmp/kiln-gpu/$b
+done
+tar -xJf .gpu/node-tests.tar.xz -C "$R"
+# The test binary finds the repository where it was built (tests/lib.rs `root()`).
+built_root=$(cat .gpu/built-root)
+if [ "$built_root" != "$R" ]; then mkdir -p "$(dirname "$built_root")"; ln -sfn "$R" "$built_root"; fi
+export KILN=/tmp/kiln-gpu/kiln GPU_TESTS=/tmp/kiln-gpu/gpu-tests
+export KILN_FIXTURES=$R/.gpu/fixtures KILN_CACHE_DIR=/tmp/kiln-cache
+EOF
+echo "$root" > .gpu/built-root
+du -sh .gpu
+ls -la .gpu
