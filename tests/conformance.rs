@@ -88,3 +88,26 @@ fn onnx_node_tests_pass_on_the_cpu() {
         assert!(results.iter().any(|r| r.op == *op && r.outcome == Outcome::Passed), "no node test of {op} passed");
     }
 }
+
+/// kiln's node tests of onnxruntime's contrib ops (tests/contrib-node-tests, expected outputs
+/// from onnxruntime's CPU provider): every one passes, each launch plan checked too.
+#[test]
+fn contrib_op_node_tests_match_onnxruntime_on_the_cpu() {
+    let dir = kiln_tests::root().join("tests/contrib-node-tests");
+    let rt = kiln_tests::builtin_runtime();
+    let options = SessionOptions { check_dispatch: true, ..SessionOptions::default() };
+    let results: Vec<_> = test_dirs(&dir, None).unwrap().iter().map(|d| run_test(&rt, d, &options)).collect();
+    println!("{}", summary(&results));
+    let not_passed: Vec<_> = results.iter().filter(|r| r.outcome != Outcome::Passed).collect();
+    assert!(not_passed.is_empty(), "{not_passed:#?}");
+    for op in [
+        "GroupQueryAttention",
+        "RotaryEmbedding",
+        "MatMulNBits",
+        "GatherBlockQuantized",
+        "SimplifiedLayerNormalization",
+        "SkipSimplifiedLayerNormalization",
+    ] {
+        assert!(results.iter().any(|r| r.op == op), "no node test of {op}");
+    }
+}

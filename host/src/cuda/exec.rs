@@ -53,6 +53,8 @@ pub struct Gpu {
     pub compile_cache_hits: u64,
     /// Per-node GPU timing, when profiling.
     pub timeline: Option<super::Timeline>,
+    /// The copy stream and its pinned staging buffers.
+    pub transfers: super::Transfers,
 }
 
 fn dev_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
@@ -64,6 +66,8 @@ impl Gpu {
     pub fn open(ordinal: usize, memory_limit: Option<u64>) -> Result<Gpu> {
         let (ctx, stream, info) = open_context(ordinal)?;
         let limit = memory_limit.unwrap_or(info.total_memory_bytes as u64);
+        let copy = ctx.new_stream().map_err(dev_err("cuStreamCreate"))?;
+        let transfers = super::Transfers::new(copy)?;
         Ok(Gpu {
             ctx,
             stream,
@@ -74,17 +78,17 @@ impl Gpu {
             compiles: 0,
             compile_cache_hits: 0,
             timeline: None,
+            transfers,
         })
     }
 
-    /// Copies a host tensor to a new device buffer (enqueued on the stream).
+    /// Copies a host tensor to a new device buffer (through the copy stream; later work on the
+    /// compute stream sees it).
     pub fn upload(&mut self, t: &Tensor) -> Result<DevBuffer> {
         let buf = self.alloc.alloc(t.data.len() as u64)?;
-        if !t.data.is_empty() {
-            // SAFETY: buf holds at least data.len() bytes; the host bytes live until the
-            // stream is synchronized (the caller keeps `t` or synchronizes before dropping it).
-            unsafe { cudarc::driver::result::memcpy_htod_async(buf.ptr, &t.data[..], self.stream.cu_stream()) }
-                .map_err(dev_err("cuMemcpyHtoDAsync"))?;
+        if let Err(e) = self.transfers.upload(&self.stream, buf.ptr, &t.data) {
+            self.alloc.free(buf);
+            return Err(e);
         }
         Ok(buf)
     }
@@ -98,15 +102,10 @@ impl Gpu {
         Ok(buf)
     }
 
-    /// Copies host bytes into `dst`, which holds at least `data.len()` bytes (enqueued; the
-    /// caller keeps `data` alive until the stream is synchronized or the copy is staged).
+    /// Copies host bytes into `dst`, which holds at least `data.len()` bytes (through the copy
+    /// stream; `data` may go away on return).
     pub fn upload_into(&mut self, dst: CUdeviceptr, data: &[u8]) -> Result<()> {
-        if data.is_empty() {
-            return Ok(());
-        }
-        // SAFETY: the caller guarantees the destination extent.
-        unsafe { cudarc::driver::result::memcpy_htod_async(dst, data, self.stream.cu_stream()) }
-            .map_err(dev_err("cuMemcpyHtoDAsync"))
+        self.transfers.upload(&self.stream, dst, data)
     }
 
     /// Copies `bytes` bytes from `src` to `dst` on the stream (both extents checked by the caller).
@@ -119,15 +118,11 @@ impl Gpu {
             .map_err(dev_err("cuMemcpyDtoDAsync"))
     }
 
-    /// Copies `bytes` bytes of a device buffer back (synchronizes the stream).
+    /// Copies `bytes` bytes of a device buffer back once the compute stream's work so far is
+    /// done (through the copy stream).
     pub fn download(&mut self, ptr: CUdeviceptr, dtype: DType, shape: Vec<usize>, bytes: usize) -> Result<Tensor> {
         let mut host = vec![0u8; bytes];
-        if bytes > 0 {
-            // SAFETY: ptr holds `bytes` bytes; host is written before synchronize returns.
-            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut host[..], ptr, self.stream.cu_stream()) }
-                .map_err(dev_err("cuMemcpyDtoHAsync"))?;
-        }
-        self.synchronize()?;
+        self.transfers.download(&self.stream, ptr, &mut host)?;
         Tensor::new(dtype, shape, Bytes::from(host))
     }
 

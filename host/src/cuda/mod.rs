@@ -1,16 +1,20 @@
-//! The CUDA runtime (cudarc 0.19, CUDA 13 API, libraries loaded at run time): one context and
-//! one compute stream per device, a caching allocator, NVRTC compilation of package sources
-//! with an on-disk cache, and execution of launch plans (kernel launches and cuBLASLt GEMMs).
+//! The CUDA runtime (cudarc 0.19, CUDA 13 API, libraries loaded at run time): the device's
+//! (primary) context, a compute stream and a copy stream per session, a caching allocator,
+//! NVRTC compilation of package sources with an on-disk cache, transfers through pinned
+//! staging buffers, and execution of launch plans (kernel launches and cuBLASLt GEMMs with
+//! cached plans).
 //!
 //! cudarc's automatic event tracking is disabled right after the context is created (it
-//! breaks stream capture); all work of a session is ordered on its one compute stream, so a
-//! buffer freed to the pool is only reused by work enqueued after its last use.
+//! breaks stream capture); kiln orders its streams with its own events. Kernels run on the
+//! compute stream, so a buffer freed to the pool is only reused by work enqueued after its last
+//! use; the copy stream waits for the compute stream before it writes into a buffer.
 
 mod alloc;
 mod blas;
 mod exec;
 mod nvrtc;
 mod timeline;
+mod transfer;
 
 use std::sync::Arc;
 
@@ -22,6 +26,7 @@ pub use blas::Blas;
 pub use exec::{Function, Gpu, KernelCache};
 pub use nvrtc::{cache_dir, compile_cached, nvrtc_version, CompiledSource};
 pub use timeline::Timeline;
+pub use transfer::Transfers;
 
 use crate::sandbox::LaunchLimits;
 use crate::{Error, Result};

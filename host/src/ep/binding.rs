@@ -262,11 +262,7 @@ impl Session {
         let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
         match v {
             Value::Device { ptr, nbytes, .. } => gpu.copy(dst, *ptr, *nbytes),
-            Value::Host(t) => {
-                gpu.upload_into(dst, &t.data)?;
-                // The host bytes may go away with `v`: wait for the copy.
-                gpu.synchronize()
-            }
+            Value::Host(t) => gpu.upload_into(dst, &t.data),
         }
     }
 }

@@ -1,0 +1,1 @@
+ Bzero_pointsJ 0Dó%òÙ „\æÏ×3'3GÊwqaXæİérĞŸ@á
