@@ -333,3 +333,33 @@ fn an_op_no_package_provides_names_node_op_and_candidates() {
     let e = load_err(&m);
     assert!(e.contains("kiln-unary@1.0.0 rejected: dtype int64 of input 0 is not in"), "{e}");
 }
+
+/// I/O binding on the CPU: an output kept as a held tensor, fed back as an input without a
+/// copy, written into in place; bad shapes and another session's handles are errors.
+#[test]
+fn held_tensors_feed_fetch_and_refuse_misuse() {
+    use kiln_host::ep::{Feed, Fetch, Fetched};
+    use kiln_kernel_abi::DType;
+    let rt = runtime(&[]);
+    let m = model::load_bytes(&onnx::bytes(&relu_model()), None).unwrap();
+    let mut s = Session::new(rt.clone(), m.clone(), SessionOptions::default()).unwrap();
+    let x = f32_tensor(&[4], &[-1.0, 2.0, -3.0, 4.0]);
+    let out = s.run_with(vec![("x".into(), Feed::Host(x))], &[("y", Fetch::Device)]).unwrap();
+    let Some((_, Fetched::Device(y))) = out.into_iter().next() else { panic!("y is not held") };
+    assert_eq!(s.tensor_type(&y).unwrap(), (DType::F32, vec![4]));
+    assert_eq!(f32_values(&s.read_tensor(&y).unwrap()), [0.0, 2.0, 0.0, 4.0]);
+    // Relu(y) written into y itself.
+    let out = s.run_with(vec![("x".into(), Feed::Device(&y))], &[("y", Fetch::Into(&y))]).unwrap();
+    assert!(matches!(out[0].1, Fetched::Written));
+    assert_eq!(f32_values(&s.read_slice(&y, 1, 3).unwrap()), [2.0, 0.0, 4.0]);
+    assert!(s.read_slice(&y, 2, 3).is_err(), "a slice past the end");
+    // Misuse.
+    assert!(s.zeros(DType::F32, vec![1 << 40]).is_err(), "a tensor over the size limit");
+    let mut other = Session::new(rt, m, SessionOptions::default()).unwrap();
+    assert!(other.tensor_type(&y).is_err(), "another session's handle");
+    let wrong = other.zeros(DType::F32, vec![3]).unwrap();
+    let too_small = s.run_with(vec![("x".into(), Feed::Device(&y))], &[("y", Fetch::Into(&wrong))]);
+    assert!(too_small.is_err(), "a bound tensor of another session");
+    s.free_tensor(y);
+    other.free_tensor(wrong);
+}

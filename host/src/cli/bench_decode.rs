@@ -108,6 +108,17 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
     let device = choose_device(a.device)?;
     let folder = ModelFolder::open(&a.model_dir)?;
     let vocab = folder.config.model.vocab_size;
+    if vocab == 0 {
+        return Err(Error::Input(format!("{}: vocab_size is 0", a.model_dir.display())));
+    }
+    if a.prompt_len + a.new_tokens > folder.config.max_length() {
+        return Err(Error::Input(format!(
+            "--prompt-len {} + --new-tokens {} is over the model's max_length {}",
+            a.prompt_len,
+            a.new_tokens,
+            folder.config.max_length()
+        )));
+    }
     let weight_bytes: u64 = folder.model.graph.initializers.values().map(|t| t.data.len() as u64).sum();
     let floor_ms = weight_bytes as f64 / (a.bandwidth_gbps * 1e9) * 1e3;
     let rt = Runtime::new(registry(&a.packages), SandboxConfig::default())?;

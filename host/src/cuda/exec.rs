@@ -87,6 +87,8 @@ impl Gpu {
     pub fn upload(&mut self, t: &Tensor) -> Result<DevBuffer> {
         let buf = self.alloc.alloc(t.data.len() as u64)?;
         if let Err(e) = self.transfers.upload(&self.stream, buf.ptr, &t.data) {
+            // Chunks already queued may still write into the buffer: wait before it goes back.
+            let _ = self.transfers.synchronize();
             self.alloc.free(buf);
             return Err(e);
         }
@@ -216,9 +218,16 @@ impl Gpu {
         } else {
             with_scratch = slots.to_vec();
             for &n in &plan.scratch_bytes {
-                let b = self.alloc.alloc(n)?;
-                with_scratch.push((b.ptr, n));
-                scratch.push(b);
+                match self.alloc.alloc(n) {
+                    Ok(b) => {
+                        with_scratch.push((b.ptr, n));
+                        scratch.push(b);
+                    }
+                    Err(e) => {
+                        scratch.into_iter().for_each(|b| self.alloc.free(b));
+                        return Err(e);
+                    }
+                }
             }
             &with_scratch
         };

@@ -31,6 +31,11 @@ impl Timeline {
         Ok(())
     }
 
+    /// Forgets the marks recorded so far (a run that failed half-way left some).
+    pub fn reset(&mut self) {
+        self.used = 0;
+    }
+
     /// Milliseconds between consecutive marks (one fewer than the marks); the caller has
     /// synchronized the stream. Starts a new timeline.
     pub fn spans_ms(&mut self) -> Result<Vec<f32>> {

@@ -128,6 +128,11 @@ impl Transfers {
         }
     }
 
+    /// Waits for every copy enqueued so far.
+    pub fn synchronize(&self) -> Result<()> {
+        self.copy.synchronize().map_err(drv("cuStreamSynchronize"))
+    }
+
     /// Copies `data` to device address `dst` (which holds at least `data.len()` bytes); work
     /// enqueued on `compute` afterwards sees the bytes.
     pub fn upload(&mut self, compute: &CudaStream, dst: CUdeviceptr, data: &[u8]) -> Result<()> {

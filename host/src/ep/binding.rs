@@ -44,7 +44,9 @@ pub enum Fetch<'a> {
     /// Kept on the device as a new held tensor.
     Device,
     /// Written into this held tensor (in place when the producing node can write there; its
-    /// dtype must match and its bytes fit the tensor's buffer). The tensor takes the output's shape.
+    /// dtype must match and its bytes fit the tensor's buffer). The tensor takes the output's
+    /// shape. An in-place write changes every input fed from the same tensor; after a failed
+    /// run the tensor's bytes may be partly written.
     Into(&'a DeviceTensor),
 }
 
@@ -89,7 +91,11 @@ impl Session {
         self.held.get(&t.id).ok_or_else(|| Error::Input("the device tensor was freed".into()))
     }
 
-    fn hold(&mut self, value: Value, capacity: u64) -> DeviceTensor {
+    fn hold(&mut self, mut value: Value, capacity: u64) -> DeviceTensor {
+        // A held buffer may be written in place later: a host copy of its bytes would go stale.
+        if let Value::Device { host, .. } = &mut value {
+            *host = None;
+        }
         let id = self.next_held;
         self.next_held += 1;
         self.held.insert(id, Held { value, capacity });
@@ -100,6 +106,12 @@ impl Session {
     /// device memory limit.
     pub fn zeros(&mut self, dtype: DType, shape: Vec<usize>) -> Result<DeviceTensor> {
         let nbytes = byte_size(dtype, &shape)?;
+        if nbytes > self.max_tensor_bytes {
+            return Err(Error::Input(format!(
+                "a {dtype} tensor of shape {shape:?} ({nbytes} bytes) is over the limit of {} bytes per tensor",
+                self.max_tensor_bytes
+            )));
+        }
         let value = match self.gpu.as_mut() {
             None => Value::Host(Tensor::new(dtype, shape, bytes::Bytes::from(vec![0u8; nbytes as usize]))?),
             Some(gpu) => {
@@ -148,7 +160,8 @@ impl Session {
         }
     }
 
-    /// Gives a held tensor's memory back (to the device pool on a GPU).
+    /// Gives a held tensor's memory back (to the device pool on a GPU). A handle of another
+    /// session is ignored.
     pub fn free_tensor(&mut self, t: DeviceTensor) {
         if t.session == self.number {
             if let Some(h) = self.held.remove(&t.id) {
@@ -219,9 +232,9 @@ impl Session {
                         }
                     }
                     true => {
-                        let dst = self.bound_target(t, dtype, nbytes, name)?;
-                        self.copy_into(dst, &v)?;
+                        let copied = self.bound_target(t, dtype, nbytes, name).and_then(|dst| self.copy_into(dst, &v));
                         self.release(v);
+                        copied?;
                         if let Some(Held { value: Value::Device { shape: s, nbytes: n, .. }, .. }) =
                             self.held.get_mut(&id)
                         {
@@ -251,7 +264,10 @@ impl Session {
                     owned: Some(b),
                     host: None,
                 };
-                self.copy_into(ptr, v)?;
+                if let Err(e) = self.copy_into(ptr, v) {
+                    self.release(out);
+                    return Err(e);
+                }
                 Ok(out)
             }
         }

@@ -225,7 +225,7 @@ pub struct Session {
     /// Nodes computed once at preparation (constant folding).
     pub(super) folded: Vec<bool>,
     /// Largest tensor a node may produce, in bytes.
-    max_tensor_bytes: u64,
+    pub(super) max_tensor_bytes: u64,
     /// For each value, the index of the last node that reads it (graph outputs: never freed).
     last_use: Vec<Option<usize>>,
     /// This session's number (held tensors of other sessions are refused).
@@ -444,15 +444,21 @@ impl Session {
                 self.bound.insert(*id, t.id);
             }
         }
+        let mut uploaded = Ok(());
         if self.gpu.is_some() {
             for v in values.iter_mut() {
                 if let Some(val @ Value::Host(_)) = v {
-                    let d = self.on_device(val)?;
-                    *v = Some(d);
+                    match self.on_device(val) {
+                        Ok(d) => *v = Some(d),
+                        Err(e) => {
+                            uploaded = Err(e);
+                            break;
+                        }
+                    }
                 }
             }
         }
-        let result = self.run_nodes(&mut values);
+        let result = uploaded.and_then(|_| self.run_nodes(&mut values));
         self.bound.clear();
         // Return every device buffer of the run to the pool, whatever happened.
         let mut outs = Vec::with_capacity(self.model.graph.outputs.len());
@@ -513,6 +519,9 @@ impl Session {
         let profiling = self.gpu.as_ref().is_some_and(|g| g.timeline.is_some());
         let mut order = Vec::new();
         if profiling {
+            if let Some(t) = self.gpu.as_mut().and_then(|g| g.timeline.as_mut()) {
+                t.reset();
+            }
             self.gpu.as_mut().map_or(Ok(()), Gpu::mark)?;
         }
         for idx in 0..self.model.graph.nodes.len() {
@@ -795,21 +804,36 @@ impl Session {
             let check = self.options.check_dispatch && self.gpu.is_none();
             self.execute_cpu(idx, res, &host, &out_types, check)?.into_iter().map(|t| t.map(Value::Host)).collect()
         } else {
-            // Host values go to the device once, for every later reader too.
+            // Host values go to the device once, for every later reader too (and for a value
+            // this node reads twice, once).
             for (slot, v) in in_ids.iter().enumerate() {
                 if let (Some(id), Some(Value::Host(_))) = (v, &inputs[slot]) {
-                    if let Some(val) = inputs[slot].take() {
-                        let d = self.on_device(&val)?;
-                        inputs[slot] = Some(d.clone_ref());
-                        if let Some(old) = values[*id].replace(d) {
-                            self.release(old);
+                    let d = match values[*id].as_ref() {
+                        Some(on @ Value::Device { .. }) => on.clone_ref(),
+                        _ => {
+                            let Some(val) = inputs[slot].take() else { continue };
+                            let d = self.on_device(&val)?;
+                            let r = d.clone_ref();
+                            if let Some(old) = values[*id].replace(d) {
+                                self.release(old);
+                            }
+                            r
                         }
-                    }
+                    };
+                    inputs[slot] = Some(d);
                 }
             }
             let (outs, plan) = self.execute_gpu(idx, res, &inputs, &infer_ins, &out_types, key, &out_ids)?;
             if let Some(gpu) = self.gpu.as_mut() {
-                let functions = gpu.plan_functions(&res.package, &plan)?;
+                let functions = match gpu.plan_functions(&res.package, &plan) {
+                    Ok(f) => f,
+                    Err(e) => {
+                        for v in outs.into_iter().flatten() {
+                            self.release(v);
+                        }
+                        return Err(e);
+                    }
+                };
                 self.memo[idx] = Some(Arc::new(NodeMemo {
                     inputs: infer_ins.iter().map(|i| i.as_ref().map(|i| (i.dtype, i.shape.clone()))).collect(),
                     value_bytes: infer_ins.iter().map(|i| i.as_ref().and_then(|i| i.bytes.clone())).collect(),

@@ -77,7 +77,8 @@ pub struct Generator {
 }
 
 /// The state of one batch between steps: the held past tensors, the attention mask and the
-/// positions used so far (padding included).
+/// positions used so far (padding included). Give it back with [`Generator::free`]; dropped
+/// without that, its device memory stays with the session until the session is dropped.
 pub struct KvCache {
     /// `past_key_values.N.key` then `.value`, for every layer.
     past: Vec<DeviceTensor>,
@@ -209,8 +210,11 @@ impl Generator {
             return Err(Error::Input(format!("the cache is full ({} positions)", kv.limit)));
         }
         let (b_n, old) = (kv.batch, kv.total);
+        let saved_mask = (!kv.shared).then(|| kv.mask.clone());
         kv.total += 1;
         if kv.shared {
+            // The mask's sum is what the graph reads (seqlens_k = sum − 1, the new token's
+            // position); the 1 goes in column `total`, whatever the row's padding.
             for b in 0..b_n {
                 kv.mask[b * kv.limit + old] = 1;
             }
@@ -223,7 +227,16 @@ impl Generator {
             kv.mask = m;
         }
         let rows: Vec<usize> = (0..b_n).collect();
-        self.run_step(kv, tokens, &rows)
+        let result = self.run_step(kv, tokens, &rows);
+        if result.is_err() {
+            // The step did not happen: the cache keeps its length (a retry rewrites the row).
+            kv.total = old;
+            match saved_mask {
+                Some(m) => kv.mask = m,
+                None => (0..b_n).for_each(|b| kv.mask[b * kv.limit + old] = 0),
+            }
+        }
+        result
     }
 
     /// Runs the decoder on `ids` (`[batch, ids.len() / batch]`) with the cache's mask and past,
@@ -257,18 +270,27 @@ impl Generator {
                 _ => {}
             }
         }
+        let missing = if logits.is_none() {
+            Some(d.outputs.logits.clone())
+        } else if !kv.shared {
+            present_names.iter().find(|n| !presents.contains_key(*n)).cloned()
+        } else {
+            None
+        };
+        if let Some(name) = missing {
+            presents.into_values().chain(logits).for_each(|t| self.session.free_tensor(t));
+            return Err(Error::Model(format!("the decoder did not produce {name:?}")));
+        }
         if !kv.shared {
             // The presents become the pasts; the old pasts go back to the pool.
             for (slot, name) in present_names.iter().enumerate() {
-                let t = presents
-                    .remove(name)
-                    .ok_or_else(|| Error::Model(format!("the decoder did not produce {name:?}")))?;
-                let old = std::mem::replace(&mut kv.past[slot], t);
-                self.session.free_tensor(old);
+                if let Some(t) = presents.remove(name) {
+                    let old = std::mem::replace(&mut kv.past[slot], t);
+                    self.session.free_tensor(old);
+                }
             }
         }
-        let logits =
-            logits.ok_or_else(|| Error::Model(format!("the decoder did not produce {:?}", d.outputs.logits)))?;
+        let Some(logits) = logits else { return Err(Error::Model("the decoder produced no logits".into())) };
         let contiguous = rows.windows(2).all(|w| w[1] == w[0] + 1);
         let out = match (contiguous, rows.first()) {
             // Decode: every row at once, one download.
