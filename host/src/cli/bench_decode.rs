@@ -42,6 +42,7 @@ pub struct DecodeArgs {
     /// Memory bandwidth of the floor, in GB/s (H200: 4500 measured, 4800 spec).
     #[arg(long, default_value_t = 4500.0)]
     pub bandwidth_gbps: f64,
+    /// Where to run: the GPU when one is usable (auto), or cpu / cuda.
     #[arg(long, value_enum, default_value_t)]
     pub device: DeviceArg,
     /// Print the session's report (per-op host time, launches, plan hits) after the runs.
@@ -102,8 +103,20 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 pub fn run(a: DecodeArgs) -> Result<ExitCode> {
-    if a.new_tokens < 2 || a.prompt_len == 0 || a.runs == 0 || a.batches.contains(&0) {
-        return Err(Error::Input("--new-tokens must be ≥ 2; --prompt-len, --runs and --batch ≥ 1".into()));
+    let bounds = [
+        (
+            a.new_tokens < 2,
+            format!("--new-tokens must be at least 2 (the prefill makes the first), got {}", a.new_tokens),
+        ),
+        (a.prompt_len == 0, "--prompt-len must be at least 1".to_string()),
+        (a.runs == 0, "--runs must be at least 1".to_string()),
+        (a.batches.contains(&0), "--batch must be at least 1".to_string()),
+    ];
+    if let Some((_, msg)) = bounds.into_iter().find(|(bad, _)| *bad) {
+        return Err(Error::Input(msg));
+    }
+    if let Some(dir) = a.json.as_ref().and_then(|p| p.parent()).filter(|d| !d.as_os_str().is_empty() && !d.is_dir()) {
+        return Err(Error::Input(format!("--json: the folder {} does not exist", dir.display())));
     }
     let device = choose_device(a.device)?;
     let folder = ModelFolder::open(&a.model_dir)?;
@@ -126,7 +139,7 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
     let mut g = Generator::new(rt, folder, SessionOptions { device, ..SessionOptions::default() })?;
     let setup_s = t_setup.elapsed().as_secs_f64();
     println!(
-        "model: {} ({} layers, vocab {vocab}), device {device}; prompt {} tokens, {} new tokens, {} runs (medians)",
+        "model: {} ({} layers, vocab {vocab}), device {device}; prompt {} tokens, {} new tokens, medians over {} timed run(s)",
         a.model_dir.display(),
         g.folder.config.model.decoder.num_hidden_layers,
         a.prompt_len,
@@ -195,19 +208,27 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
             },
         }));
     }
+    if a.report {
+        println!("session report (warm-up runs included):\n{}", g.session.report.render());
+        if let Some((alloc, (hits, queries))) = g.session.gpu_stats() {
+            println!("allocator: {alloc:?}\ngemm plans: {hits} hits, {queries} heuristic queries");
+        }
+    }
     if a.profile {
-        g.session.report = Default::default();
+        g.session.report = crate::trace::Report { device: device.to_string(), ..Default::default() };
         g.session.set_gpu_profiling(true);
         let prompts: Vec<Vec<i64>> = vec![(0..a.prompt_len as i64).map(|i| i % vocab as i64).collect()];
         run_once(&mut g, &prompts, a.new_tokens)?;
         g.session.set_gpu_profiling(false);
-        println!("profile (batch 1, one run: {} decode steps):", a.new_tokens - 1);
-    }
-    if a.report || a.profile {
-        println!("{}", g.session.report.render());
-        if let Some((alloc, (hits, queries))) = g.session.gpu_stats() {
-            println!("allocator: {alloc:?}\ngemm plans: {hits} hits, {queries} heuristic queries");
-        }
+        let what = match device {
+            crate::ep::Device::Cpu => "host time per op only: GPU time needs a GPU",
+            crate::ep::Device::Cuda(_) => "host and GPU time per op",
+        };
+        println!(
+            "profile (batch 1, one prefill and {} decode steps; {what}):\n{}",
+            a.new_tokens - 1,
+            g.session.report.render()
+        );
     }
     if let Some(path) = &a.json {
         let doc = json!({

@@ -34,9 +34,9 @@ pub struct VerifyArgs {
     /// The device whose kernels are checked against the CPU reference.
     #[arg(long, value_enum, default_value = "cuda")]
     pub device: DeviceArg,
-    /// Folders of node tests: ONNX's (fetched by scripts/fetch-onnx-node-tests.sh) and kiln's
-    /// own for onnxruntime's contrib ops (made by scripts/make-contrib-node-tests.py). Folders
-    /// that do not exist are skipped; at least one must.
+    /// Folders of node tests (repeatable; relative to the working directory): ONNX's (fetched
+    /// by scripts/fetch-onnx-node-tests.sh) and kiln's own for onnxruntime's contrib ops
+    /// (tests/contrib-node-tests). Missing folders are skipped, but one must exist.
     #[arg(
         long,
         value_name = "DIR",
@@ -90,7 +90,7 @@ pub fn run(mut a: VerifyArgs) -> Result<ExitCode> {
     if dirs.is_empty() {
         let names: Vec<String> = a.node_tests.iter().map(|d| d.display().to_string()).collect();
         return Err(Error::Input(format!(
-            "no node tests in {}; run scripts/fetch-onnx-node-tests.sh (or pass --node-tests DIR)",
+            "no node tests in {} (relative to the working directory; run kiln verify from the repository root, run scripts/fetch-onnx-node-tests.sh, or pass --node-tests DIR)",
             names.join(", ")
         )));
     }
