@@ -3,6 +3,7 @@
 
 use kiln_host::conformance::{run_test, summary, test_dirs, Outcome};
 use kiln_host::ep::{Device, Runtime, Session, SessionOptions};
+use kiln_host::genai::sampling::argmax;
 use kiln_host::{model, tensorio};
 
 fn runtime() -> std::sync::Arc<Runtime> {
@@ -122,10 +123,6 @@ fn smollm2_arch_teacher_forced(folder: &str, mut check: impl FnMut(usize, usize,
         }
     }
     g.free(kv);
-}
-
-fn argmax(v: &[f32]) -> usize {
-    v.iter().enumerate().fold(0, |b, (i, x)| if *x > v[b] { i } else { b })
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {

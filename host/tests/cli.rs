@@ -8,6 +8,16 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
 }
 
+/// ONNX's node tests, fetched into `.cache/` by scripts/fetch-onnx-node-tests.sh when missing.
+fn node_tests() -> PathBuf {
+    let dir = root().join(".cache/onnx-node-1.20.0/node");
+    if !dir.is_dir() {
+        let s = Command::new("bash").arg(root().join("scripts/fetch-onnx-node-tests.sh")).status().unwrap();
+        assert!(s.success(), "could not fetch the ONNX node tests");
+    }
+    dir
+}
+
 fn kiln(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).current_dir(root()).output().expect("kiln runs")
 }
@@ -83,11 +93,7 @@ fn kernels_list_shows_every_builtin_package() {
 
 #[test]
 fn conformance_prints_a_table_and_the_summary_line() {
-    let dir = root().join(".cache/onnx-node-1.20.0/node");
-    if !dir.is_dir() {
-        let s = Command::new("bash").arg(root().join("scripts/fetch-onnx-node-tests.sh")).status().unwrap();
-        assert!(s.success(), "could not fetch the ONNX node tests");
-    }
+    let dir = node_tests();
     let json = tempfile::NamedTempFile::new().unwrap();
     let o = kiln(&[
         "conformance",
@@ -186,11 +192,8 @@ fn generate_streams_text_and_writes_json_like_genai() {
 
 #[test]
 fn verify_checks_a_package_on_the_cpu_and_names_unknown_packages() {
-    let dir = root().join(".cache/onnx-node-1.20.0/node");
-    if !dir.is_dir() {
-        let s = Command::new("bash").arg(root().join("scripts/fetch-onnx-node-tests.sh")).status().unwrap();
-        assert!(s.success(), "could not fetch the ONNX node tests");
-    }
+    // verify reads the node tests from the default folder under the repository root.
+    node_tests();
     let json = tempfile::NamedTempFile::new().unwrap();
     let o = kiln(&["verify", "kiln-unary", "--device", "cpu", "--seeds", "1", "--json", json.path().to_str().unwrap()]);
     let t = text(&o);

@@ -11,9 +11,12 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use serde_json::json;
 
 use crate::ep::{Runtime, SessionOptions};
+use crate::genai::sampling::argmax;
 use crate::genai::{Generator, ModelFolder};
 use crate::sandbox::SandboxConfig;
 use crate::{Error, Result};
@@ -67,24 +70,19 @@ struct Run {
     enqueue_ms: f64,
 }
 
-/// Index of the largest value (the first of equals).
-fn argmax(row: &[f32]) -> i64 {
-    row.iter().enumerate().fold(0, |b, (i, v)| if *v > row[b] { i } else { b }) as i64
-}
-
 /// Generates `new_tokens` greedy tokens per row of `prompts`.
 fn run_once(g: &mut Generator, prompts: &[Vec<i64>], new_tokens: usize) -> Result<Run> {
     let limit = prompts[0].len() + new_tokens;
     let t0 = Instant::now();
     let (mut kv, first) = g.prefill(prompts, limit)?;
-    let mut next: Vec<i64> = first.iter().map(|r| argmax(r)).collect();
+    let mut next: Vec<i64> = first.iter().map(|r| argmax(r) as i64).collect();
     let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
     let t1 = Instant::now();
     let enqueued_before = g.session.report.run_time_us;
     let mut result = Ok(());
     for _ in 1..new_tokens {
         match g.decode(&mut kv, &next) {
-            Ok(rows) => next = rows.iter().map(|r| argmax(r)).collect(),
+            Ok(rows) => next = rows.iter().map(|r| argmax(r) as i64).collect(),
             Err(e) => {
                 result = Err(e);
                 break;
@@ -155,22 +153,10 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
     println!("| batch | decode ms/step | decode tok/s | prefill ms | × floor | host enqueue ms/step |");
     println!("|---:|---:|---:|---:|---:|---:|");
     let mut rows = Vec::new();
-    let mut rng = a.seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut rng = StdRng::seed_from_u64(a.seed);
     for &batch in &a.batches {
-        let prompts: Vec<Vec<i64>> = (0..batch)
-            .map(|_| {
-                (0..a.prompt_len)
-                    .map(|_| {
-                        // splitmix64
-                        rng = rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
-                        let mut z = rng;
-                        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-                        ((z ^ (z >> 31)) % vocab as u64) as i64
-                    })
-                    .collect()
-            })
-            .collect();
+        let prompts: Vec<Vec<i64>> =
+            (0..batch).map(|_| (0..a.prompt_len).map(|_| rng.random_range(0..vocab as i64)).collect()).collect();
         let t_warm = Instant::now();
         run_once(&mut g, &prompts, a.new_tokens)?;
         let warm_s = t_warm.elapsed().as_secs_f64();

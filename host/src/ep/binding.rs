@@ -76,6 +76,21 @@ pub(super) struct Held {
     pub capacity: u64,
 }
 
+impl Held {
+    /// Whether an output of `dtype` and `nbytes` may be written into this tensor.
+    pub fn fits(&self, dtype: DType, nbytes: u64) -> bool {
+        self.value.dtype() == dtype && nbytes <= self.capacity
+    }
+
+    /// The device buffer (`None` on the CPU).
+    pub fn device_ptr(&self) -> Option<u64> {
+        match self.value {
+            Value::Device { ptr, .. } => Some(ptr),
+            Value::Host(_) => None,
+        }
+    }
+}
+
 static NEXT_SESSION: AtomicU64 = AtomicU64::new(1);
 
 /// A process-unique session number, so handles of another session are refused.
@@ -175,20 +190,6 @@ impl Session {
         Ok(self.held(t)?.value.clone_ref())
     }
 
-    /// Where output `nbytes` of `dtype` may be written in place: the held buffer of `t`.
-    /// Errors: another dtype, or more bytes than the buffer holds.
-    pub(super) fn bound_target(&self, t: &DeviceTensor, dtype: DType, nbytes: u64, name: &str) -> Result<u64> {
-        let h = self.held(t)?;
-        match &h.value {
-            Value::Device { ptr, dtype: d, .. } if *d == dtype && nbytes <= h.capacity => Ok(*ptr),
-            v => Err(Error::Input(format!(
-                "output {name:?} ({dtype}, {nbytes} bytes) does not fit its bound tensor ({}, {} bytes)",
-                v.dtype(),
-                h.capacity
-            ))),
-        }
-    }
-
     /// Finishes one graph output `v` of a run as `fetch` asks.
     pub(super) fn fetch_output(&mut self, name: &str, v: Value, fetch: &Fetch<'_>) -> Result<Fetched> {
         match fetch {
@@ -216,32 +217,32 @@ impl Session {
             }
             Fetch::Into(t) => {
                 let (dtype, shape, nbytes) = (v.dtype(), v.shape().to_vec(), v.nbytes());
-                let capacity = self.held(t)?.capacity;
-                if self.held(t)?.value.dtype() != dtype || nbytes > capacity {
+                let h = self.held(t)?;
+                if !h.fits(dtype, nbytes) {
+                    let e = Error::Input(format!(
+                        "output {name:?} ({dtype} {shape:?}, {nbytes} bytes) does not fit its bound tensor ({}, {} bytes)",
+                        h.value.dtype(),
+                        h.capacity
+                    ));
                     self.release(v);
-                    return Err(Error::Input(format!(
-                        "output {name:?} ({dtype} {shape:?}) does not fit its bound tensor ({capacity} bytes)"
-                    )));
+                    return Err(e);
                 }
-                let id = t.id;
-                match self.gpu.is_some() {
-                    false => {
-                        let host = self.host_tensor(&v)?;
+                let (dst, id) = (h.device_ptr(), t.id);
+                // On a GPU the bytes go into the held buffer (nothing to do when the producing
+                // node wrote there); on the CPU the held value is replaced.
+                let written = match dst {
+                    Some(dst) => self.copy_into(dst, &v),
+                    None => self.host_tensor(&v).map(|host| {
                         if let Some(h) = self.held.get_mut(&id) {
                             h.value = Value::Host(host);
                         }
-                    }
-                    true => {
-                        let copied = self.bound_target(t, dtype, nbytes, name).and_then(|dst| self.copy_into(dst, &v));
-                        self.release(v);
-                        copied?;
-                        if let Some(Held { value: Value::Device { shape: s, nbytes: n, .. }, .. }) =
-                            self.held.get_mut(&id)
-                        {
-                            *s = shape;
-                            *n = nbytes;
-                        }
-                    }
+                    }),
+                };
+                self.release(v);
+                written?;
+                if let Some(Held { value: Value::Device { shape: s, nbytes: n, .. }, .. }) = self.held.get_mut(&id) {
+                    *s = shape;
+                    *n = nbytes;
                 }
                 Ok(Fetched::Written)
             }

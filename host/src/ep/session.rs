@@ -241,6 +241,9 @@ pub struct Session {
     pub report: Report,
 }
 
+/// A GPU node's outputs, with the plan that made them and its loaded functions.
+type GpuExecution = (Vec<Option<Value>>, Arc<LaunchPlan>, Vec<Option<Function>>);
+
 /// A GPU node's last execution: its input types (and value inputs' bytes), and what
 /// resolution, inference and dispatch gave for them.
 pub(super) struct NodeMemo {
@@ -823,26 +826,15 @@ impl Session {
                     inputs[slot] = Some(d);
                 }
             }
-            let (outs, plan) = self.execute_gpu(idx, res, &inputs, &infer_ins, &out_types, key, &out_ids)?;
-            if let Some(gpu) = self.gpu.as_mut() {
-                let functions = match gpu.plan_functions(&res.package, &plan) {
-                    Ok(f) => f,
-                    Err(e) => {
-                        for v in outs.into_iter().flatten() {
-                            self.release(v);
-                        }
-                        return Err(e);
-                    }
-                };
-                self.memo[idx] = Some(Arc::new(NodeMemo {
-                    inputs: infer_ins.iter().map(|i| i.as_ref().map(|i| (i.dtype, i.shape.clone()))).collect(),
-                    value_bytes: infer_ins.iter().map(|i| i.as_ref().and_then(|i| i.bytes.clone())).collect(),
-                    resolved: resolved.clone(),
-                    out_types: out_types.clone(),
-                    plan,
-                    functions,
-                }));
-            }
+            let (outs, plan, functions) = self.execute_gpu(idx, res, &inputs, &infer_ins, &out_types, key, &out_ids)?;
+            self.memo[idx] = Some(Arc::new(NodeMemo {
+                inputs: infer_ins.iter().map(|i| i.as_ref().map(|i| (i.dtype, i.shape.clone()))).collect(),
+                value_bytes: infer_ins.iter().map(|i| i.as_ref().and_then(|i| i.bytes.clone())).collect(),
+                resolved: resolved.clone(),
+                out_types: out_types.clone(),
+                plan,
+                functions,
+            }));
             outs
         };
         for (o, v) in out_ids.iter().zip(outputs) {
@@ -868,7 +860,7 @@ impl Session {
         out_types: &OutputTypes,
         key: InferKey,
         out_ids: &[Option<ValueId>],
-    ) -> Result<(Vec<Option<Value>>, Arc<LaunchPlan>)> {
+    ) -> Result<GpuExecution> {
         let plan = match self.plans.get(&key) {
             Some(p) => {
                 self.report.plan_hits += 1;
@@ -909,17 +901,18 @@ impl Session {
                 Value::Host(_) => return Err(Error::Device("a host value reached a GPU node".into())),
             }
         }
-        let outs = self.launch_outputs(&plan, None, &res.package, out_types, out_ids, slots)?;
-        Ok((outs, plan))
+        let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
+        let functions = gpu.plan_functions(&res.package, &plan)?;
+        let outs = self.launch_outputs(&plan, &functions, out_types, out_ids, slots)?;
+        Ok((outs, plan, functions))
     }
 
     /// Allocates the outputs of a GPU node (or takes the held tensors they are bound to), adds
-    /// them to the input `slots`, and runs `plan` (with its loaded functions when known).
+    /// them to the input `slots`, and runs `plan` with its loaded functions.
     fn launch_outputs(
         &mut self,
         plan: &LaunchPlan,
-        functions: Option<&[Option<Function>]>,
-        package: &Package,
+        functions: &[Option<Function>],
         out_types: &OutputTypes,
         out_ids: &[Option<ValueId>],
         mut slots: Vec<(cudarc::driver::sys::CUdeviceptr, u64)>,
@@ -933,11 +926,11 @@ impl Session {
             let nbytes = byte_size(*dtype, shape)?;
             // A bound output is written into its held tensor when it fits (else copied there
             // after the run, by `fetch_output`).
-            let target =
-                id.and_then(|id| self.bound.get(&id)).and_then(|h| self.held.get(h)).and_then(|h| match &h.value {
-                    Value::Device { ptr, dtype: d, .. } if d == dtype && nbytes <= h.capacity => Some(*ptr),
-                    _ => None,
-                });
+            let target = id
+                .and_then(|id| self.bound.get(&id))
+                .and_then(|h| self.held.get(h))
+                .filter(|h| h.fits(*dtype, nbytes))
+                .and_then(Held::device_ptr);
             let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
             let (ptr, owned) = match target {
                 Some(ptr) => (ptr, None),
@@ -955,10 +948,7 @@ impl Session {
             outs.push(Some(Value::Device { dtype: *dtype, shape: shape.clone(), ptr, nbytes, owned, host: None }));
         }
         let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
-        let result = match functions {
-            Some(f) => gpu.execute_resolved(plan, f, &slots),
-            None => gpu.execute(package, plan, &slots),
-        };
+        let result = gpu.execute_resolved(plan, functions, &slots);
         self.report.launches += plan.steps.len() as u64;
         if let Err(e) = result {
             for v in outs.into_iter().flatten() {
@@ -1004,14 +994,7 @@ impl Session {
         }
         let out_ids = node.outputs.clone();
         self.report.plan_hits += 1;
-        let outs = self.launch_outputs(
-            &memo.plan,
-            Some(&memo.functions),
-            &memo.resolved.res.package,
-            &memo.out_types,
-            &out_ids,
-            slots,
-        )?;
+        let outs = self.launch_outputs(&memo.plan, &memo.functions, &memo.out_types, &out_ids, slots)?;
         for (o, v) in out_ids.iter().zip(outs) {
             match (o, v) {
                 (Some(id), Some(v)) => values[*id] = Some(v),

@@ -74,6 +74,36 @@ pub struct Generation {
 pub struct Generator {
     pub folder: ModelFolder,
     pub session: Session,
+    /// The decoder's input and output names, resolved from the config once.
+    names: StepNames,
+}
+
+/// The names a decoder step feeds and fetches (`genai_config.json`'s `decoder.inputs` and
+/// `decoder.outputs`, layer templates expanded).
+struct StepNames {
+    input_ids: String,
+    attention_mask: Option<String>,
+    logits: String,
+    /// Every layer's past key and value, in [`KvCache::past`] order.
+    past: Vec<String>,
+    /// The matching presents, in the same order.
+    present: Vec<String>,
+}
+
+impl StepNames {
+    fn of(config: &GenaiConfig) -> StepNames {
+        let d = &config.model.decoder;
+        let layers = |k: &str, v: &str| -> Vec<String> {
+            (0..d.num_hidden_layers).flat_map(|l| [k, v].map(|t| GenaiConfig::layer_name(t, l))).collect()
+        };
+        StepNames {
+            input_ids: d.inputs.input_ids.clone(),
+            attention_mask: d.inputs.attention_mask.clone(),
+            logits: d.outputs.logits.clone(),
+            past: layers(&d.inputs.past_key_names, &d.inputs.past_value_names),
+            present: layers(&d.outputs.present_key_names, &d.outputs.present_value_names),
+        }
+    }
 }
 
 /// The state of one batch between steps: the held past tensors, the attention mask and the
@@ -108,29 +138,12 @@ impl KvCache {
 impl Generator {
     pub fn new(rt: Arc<Runtime>, folder: ModelFolder, options: SessionOptions) -> Result<Generator> {
         let session = Session::new(rt, folder.model.clone(), options)?;
-        Ok(Generator { folder, session })
+        let names = StepNames::of(&folder.config);
+        Ok(Generator { folder, session, names })
     }
 
     fn config(&self) -> &GenaiConfig {
         &self.folder.config
-    }
-
-    /// Graph input names of every layer's past key and value, in [`KvCache::past`] order.
-    fn past_names(&self) -> Vec<String> {
-        let d = &self.config().model.decoder;
-        (0..d.num_hidden_layers)
-            .flat_map(|l| [&d.inputs.past_key_names, &d.inputs.past_value_names].map(|t| GenaiConfig::layer_name(t, l)))
-            .collect()
-    }
-
-    /// Graph output names of every layer's present key and value, in the same order.
-    fn present_names(&self) -> Vec<String> {
-        let d = &self.config().model.decoder;
-        (0..d.num_hidden_layers)
-            .flat_map(|l| {
-                [&d.outputs.present_key_names, &d.outputs.present_value_names].map(|t| GenaiConfig::layer_name(t, l))
-            })
-            .collect()
     }
 
     /// Gives a cache's device memory back.
@@ -167,10 +180,10 @@ impl Generator {
             ids[b * s..b * s + p.len()].copy_from_slice(p);
             mask[b * s..b * s + p.len()].iter_mut().for_each(|m| *m = 1);
         }
-        let d = self.config().model.decoder.clone();
+        let d = &self.folder.config.model.decoder;
         let shape = vec![batch, d.num_key_value_heads, if shared { limit } else { 0 }, d.head_size];
-        let mut past = Vec::with_capacity(2 * d.num_hidden_layers);
-        for _ in 0..2 * d.num_hidden_layers {
+        let mut past = Vec::with_capacity(self.names.past.len());
+        for _ in 0..self.names.past.len() {
             match self.session.zeros(self.folder.kv_dtype, shape.clone()) {
                 Ok(t) => past.push(t),
                 Err(e) => {
@@ -242,52 +255,46 @@ impl Generator {
     /// Runs the decoder on `ids` (`[batch, ids.len() / batch]`) with the cache's mask and past,
     /// updates the past, and returns the logits of the flattened `(row, position)` indices `rows`.
     fn run_step(&mut self, kv: &mut KvCache, ids: &[i64], rows: &[usize]) -> Result<Vec<Vec<f32>>> {
-        let d = self.config().model.decoder.clone();
-        let vocab = self.config().model.vocab_size;
-        let past_names = self.past_names();
-        let present_names = self.present_names();
+        let vocab = self.folder.config.model.vocab_size;
+        let names = &self.names;
         let mut feeds =
-            vec![(d.inputs.input_ids.clone(), Feed::Host(i64_tensor(vec![kv.batch, ids.len() / kv.batch], ids)?))];
-        if let Some(m) = &d.inputs.attention_mask {
+            vec![(names.input_ids.clone(), Feed::Host(i64_tensor(vec![kv.batch, ids.len() / kv.batch], ids)?))];
+        if let Some(m) = &names.attention_mask {
             let width = kv.mask.len() / kv.batch;
             feeds.push((m.clone(), Feed::Host(i64_tensor(vec![kv.batch, width], &kv.mask)?)));
         }
-        feeds.extend(past_names.iter().cloned().zip(kv.past.iter().map(Feed::Device)));
-        let mut fetches: Vec<(&str, Fetch<'_>)> = vec![(d.outputs.logits.as_str(), Fetch::Device)];
-        for (name, t) in present_names.iter().zip(&kv.past) {
+        feeds.extend(names.past.iter().cloned().zip(kv.past.iter().map(Feed::Device)));
+        let mut fetches: Vec<(&str, Fetch<'_>)> = vec![(names.logits.as_str(), Fetch::Device)];
+        for (name, t) in names.present.iter().zip(&kv.past) {
             fetches.push((name.as_str(), if kv.shared { Fetch::Into(t) } else { Fetch::Device }));
         }
         let outputs = self.session.run_with(feeds, &fetches)?;
+        // Held outputs by name: the logits, and (without a shared buffer) the presents.
         let mut logits = None;
-        let mut presents = std::collections::HashMap::new();
+        let mut presents: Vec<Option<DeviceTensor>> = (0..names.present.len()).map(|_| None).collect();
         for (name, f) in outputs {
-            match f {
-                Fetched::Device(t) if name == d.outputs.logits => logits = Some(t),
-                Fetched::Device(t) if present_names.contains(&name) => {
-                    presents.insert(name, t);
-                }
-                Fetched::Device(t) => self.session.free_tensor(t),
-                _ => {}
+            let Fetched::Device(t) = f else { continue };
+            match names.present.iter().position(|p| *p == name) {
+                _ if name == names.logits => logits = Some(t),
+                Some(slot) => presents[slot] = Some(t),
+                None => self.session.free_tensor(t),
             }
         }
-        let missing = if logits.is_none() {
-            Some(d.outputs.logits.clone())
-        } else if !kv.shared {
-            present_names.iter().find(|n| !presents.contains_key(*n)).cloned()
-        } else {
-            None
+        let missing = match (&logits, kv.shared) {
+            (None, _) => Some(&names.logits),
+            (Some(_), false) => names.present.iter().zip(&presents).find(|(_, t)| t.is_none()).map(|(n, _)| n),
+            (Some(_), true) => None,
         };
         if let Some(name) = missing {
-            presents.into_values().chain(logits).for_each(|t| self.session.free_tensor(t));
-            return Err(Error::Model(format!("the decoder did not produce {name:?}")));
+            let e = Error::Model(format!("the decoder did not produce {name:?}"));
+            presents.into_iter().flatten().chain(logits).for_each(|t| self.session.free_tensor(t));
+            return Err(e);
         }
-        if !kv.shared {
-            // The presents become the pasts; the old pasts go back to the pool.
-            for (slot, name) in present_names.iter().enumerate() {
-                if let Some(t) = presents.remove(name) {
-                    let old = std::mem::replace(&mut kv.past[slot], t);
-                    self.session.free_tensor(old);
-                }
+        // Without a shared buffer the presents become the pasts; the old pasts go back.
+        for (slot, t) in presents.into_iter().enumerate() {
+            if let Some(t) = t {
+                let old = std::mem::replace(&mut kv.past[slot], t);
+                self.session.free_tensor(old);
             }
         }
         let Some(logits) = logits else { return Err(Error::Model("the decoder produced no logits".into())) };
