@@ -52,7 +52,12 @@ fn greedy_tokens_match(folder: &str, batched: bool) {
 fn greedy_tokens_match_with(g: &mut Generator, folder: &str, batched: bool) {
     let doc = json(&fixture(&format!("llm/references/{folder}/genai_greedy.json")));
     let runs = doc["runs"].as_array().unwrap();
-    let opts = GenerateOptions { max_new_tokens: 32, max_length: None, sampling: SamplingParams::default() };
+    let opts = GenerateOptions {
+        max_new_tokens: 32,
+        max_length: None,
+        sampling: SamplingParams::default(),
+        ignore_eos: false,
+    };
     let mut prompts = Vec::new();
     for run in runs {
         let text = run["prompt_text"].as_str().unwrap();
@@ -125,7 +130,12 @@ fn smollm2_int4_answers_the_capital_of_france_like_genai() {
     greedy_tokens_match("smollm2-135m-int4-acc1-cpu", false);
     let mut g = generator("smollm2-135m-int4-acc1-cpu");
     let prompt = g.folder.encode(&g.folder.chat_prompt("What is the capital of France?").unwrap()).unwrap();
-    let opts = GenerateOptions { max_new_tokens: 10, max_length: None, sampling: SamplingParams::default() };
+    let opts = GenerateOptions {
+        max_new_tokens: 10,
+        max_length: None,
+        sampling: SamplingParams::default(),
+        ignore_eos: false,
+    };
     let out = g.generate(&[prompt], &opts, &mut |_, _| {}).unwrap();
     let text = g.folder.decode(&out.rows[0].generated_ids).unwrap();
     assert!(text.starts_with("The capital of France is Paris, capital of"), "{text:?}");
@@ -150,4 +160,32 @@ fn a_bad_model_folder_is_a_clear_error() {
     std::fs::write(dir.path().join("genai_config.json"), cfg).unwrap();
     std::fs::write(dir.path().join("tokenizer.json"), "not json").unwrap();
     assert!(err(dir.path()).contains("tokenizer.json"));
+}
+
+/// Greedy steps that choose their tokens on the device (ArgMax and the mask update as graph
+/// nodes, here through the packages' CPU references) give the tokens of host sampling from
+/// downloaded logits: a right-padded batch of two, 20 steps.
+#[test]
+fn device_sampled_greedy_steps_match_host_argmax() {
+    use kiln_host::genai::sampling::argmax;
+    let mut g = generator("tiny-llama-v512-fp32-cpu");
+    assert!(g.samples_on_device());
+    let prompts =
+        vec![g.folder.encode("Once upon a time").unwrap(), g.folder.encode("The capital of France is").unwrap()];
+    let opts =
+        GenerateOptions { max_new_tokens: 20, max_length: None, sampling: SamplingParams::default(), ignore_eos: true };
+    let out = g.generate(&prompts, &opts, &mut |_, _| {}).unwrap();
+    assert!(out.timings.device_sampling);
+    let longest = prompts.iter().map(Vec::len).max().unwrap();
+    let (mut kv, logits) = g.prefill(&prompts, longest + 20).unwrap();
+    let mut host: Vec<Vec<i64>> = logits.iter().map(|l| vec![argmax(l) as i64]).collect();
+    for _ in 1..20 {
+        let last: Vec<i64> = host.iter().map(|h| *h.last().unwrap()).collect();
+        let l = g.decode(&mut kv, &last).unwrap();
+        host.iter_mut().zip(&l).for_each(|(h, l)| h.push(argmax(l) as i64));
+    }
+    g.free(kv);
+    for (row, h) in out.rows.iter().zip(&host) {
+        assert_eq!(&row.generated_ids, h);
+    }
 }

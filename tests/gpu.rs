@@ -166,3 +166,272 @@ fn smollm2_arch_fp32_on_the_gpu_matches_the_fp32_reference() {
     });
     println!("smollm2-arch fp32: max |Δlogit| {worst}");
 }
+
+/// A generator of `folder` on the GPU with CUDA graphs `graphs`.
+fn gpu_generator(folder: &std::path::Path, graphs: kiln_host::ep::GraphMode) -> kiln_host::genai::Generator {
+    use kiln_host::genai::{Generator, ModelFolder};
+    let mf = ModelFolder::open(folder).unwrap();
+    let g = Generator::new(runtime(), mf, SessionOptions { graphs, ..cuda() }).unwrap();
+    assert!(g.samples_on_device(), "{}: greedy steps should sample on the device", folder.display());
+    g
+}
+
+/// `rows` prompts of different lengths (3 + 4·row tokens, ids spread over the vocabulary).
+fn prompts(rows: usize, vocab: usize) -> Vec<Vec<i64>> {
+    (0..rows).map(|r| (0..3 + 4 * r).map(|i| ((i * 7919 + r * 104_729 + 11) % vocab) as i64).collect()).collect()
+}
+
+/// Greedy generation of `new` tokens per row, EOS ignored.
+fn greedy(g: &mut kiln_host::genai::Generator, prompts: &[Vec<i64>], new: usize) -> kiln_host::genai::Generation {
+    use kiln_host::genai::{GenerateOptions, SamplingParams};
+    let opts = GenerateOptions {
+        max_new_tokens: new,
+        max_length: None,
+        sampling: SamplingParams::default(),
+        ignore_eos: true,
+    };
+    g.generate(prompts, &opts, &mut |_, _| {}).unwrap()
+}
+
+/// Graph decode gives exactly the tokens of eager decode (the same execution plan, run
+/// without capture) at the same bucket: batch 1, 3 (padded to 4) and 8, 512 steps each. A
+/// second generation of each shape replays the graph at every step, with no fallback.
+fn graph_decode_matches_eager(folder: &std::path::Path) {
+    use kiln_host::ep::GraphMode;
+    let mut eager = gpu_generator(folder, GraphMode::Off);
+    let mut graph = gpu_generator(folder, GraphMode::On);
+    let vocab = eager.folder.config.model.vocab_size;
+    for rows in [1usize, 3, 8] {
+        let p = prompts(rows, vocab);
+        let want = greedy(&mut eager, &p, 513);
+        let got = greedy(&mut graph, &p, 513);
+        assert_eq!(got.timings.bucket, kiln_host::genai::bucket(rows));
+        assert!(got.timings.device_sampling);
+        for (r, (a, b)) in want.rows.iter().zip(&got.rows).enumerate() {
+            assert_eq!(a.generated_ids.len(), 513);
+            assert_eq!(
+                a.generated_ids,
+                b.generated_ids,
+                "{}: batch {rows} row {r}: graph vs eager tokens",
+                folder.display()
+            );
+        }
+        let before = graph.session.report.graphs.clone();
+        let again = greedy(&mut graph, &p, 513);
+        let after = &graph.session.report.graphs;
+        assert_eq!(again.rows[0].generated_ids, got.rows[0].generated_ids, "the same prompt twice");
+        assert_eq!(after.replays - before.replays, again.timings.decode_steps as u64, "one replay per step: {after:?}");
+        assert_eq!(after.fallbacks, before.fallbacks, "no fallback: {after:?}");
+        assert_eq!(after.recaptures, before.recaptures, "same buffers, no re-capture");
+        println!(
+            "{}: batch {rows}: {} steps replayed; graph {} nodes",
+            folder.display(),
+            again.timings.decode_steps,
+            after.graph_nodes
+        );
+    }
+}
+
+fn device_models() -> std::path::PathBuf {
+    let root =
+        std::path::PathBuf::from(std::env::var("KILN_DEVICE_MODELS").unwrap_or_else(|_| "/tmp/kiln-models".into()));
+    assert!(
+        root.join("smollm2-arch-fp16-cuda/genai_config.json").is_file(),
+        "{} has no SmolLM2-architecture folders: build them first (bash .gpu/device-fixtures/make-smollm2-arch.sh {})",
+        root.display(),
+        root.display()
+    );
+    root
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn graph_decode_gives_the_eager_tokens_tiny_llama_fp16() {
+    graph_decode_matches_eager(&kiln_tests::fixture("llm/tiny-llama-v512-fp16-cuda"));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn graph_decode_gives_the_eager_tokens_smollm2_arch_fp16() {
+    graph_decode_matches_eager(&device_models().join("smollm2-arch-fp16-cuda"));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn graph_decode_gives_the_eager_tokens_smollm2_arch_fp32() {
+    graph_decode_matches_eager(&device_models().join("smollm2-arch-fp32-cpu"));
+}
+
+/// Device greedy sampling (ArgMax on the device, graphs on) picks the tokens the host's
+/// argmax picks from the same logits: batch 1 teacher-free, 64 steps, against the host-sampled
+/// decode path (`Generator::decode`, logits downloaded, `sampling::argmax`).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn device_argmax_picks_the_host_argmax_tokens() {
+    use kiln_host::ep::GraphMode;
+    let folder = kiln_tests::fixture("llm/tiny-llama-v512-fp16-cuda");
+    let mut g = gpu_generator(&folder, GraphMode::On);
+    let p = prompts(1, g.folder.config.model.vocab_size);
+    let device = greedy(&mut g, &p, 65).rows.remove(0).generated_ids;
+    let (mut kv, logits) = g.prefill(&p, p[0].len() + 65).unwrap();
+    let mut host = vec![argmax(&logits[0]) as i64];
+    while host.len() < 65 {
+        let l = g.decode(&mut kv, &[*host.last().unwrap()]).unwrap();
+        host.push(argmax(&l[0]) as i64);
+    }
+    g.free(kv);
+    assert_eq!(device, host, "device ArgMax vs host argmax");
+}
+
+/// New buffers at new addresses (same shapes) make the next step re-capture, through
+/// `cuGraphExecUpdate` since the topology is the same; the reason is counted and the tokens
+/// stay the same.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn new_buffers_re_capture_by_graph_update() {
+    use kiln_host::ep::GraphMode;
+    let folder = kiln_tests::fixture("llm/tiny-llama-v512-fp16-cuda");
+    let mut g = gpu_generator(&folder, GraphMode::On);
+    let p = prompts(2, g.folder.config.model.vocab_size);
+    let first = greedy(&mut g, &p, 40);
+    g.release_buffers();
+    // Hold a block so that the new buffers cannot all land where the old ones were.
+    let kv_dtype = g.folder.kv_dtype;
+    let d = &g.folder.config.model.decoder;
+    let hold = g.session.zeros(kv_dtype, vec![2, d.num_key_value_heads, p[1].len() + 40, d.head_size]).unwrap();
+    let before = g.session.report.graphs.clone();
+    let second = greedy(&mut g, &p, 40);
+    g.session.free_tensor(hold);
+    let after = &g.session.report.graphs;
+    for (a, b) in first.rows.iter().zip(&second.rows) {
+        assert_eq!(a.generated_ids, b.generated_ids);
+    }
+    assert!(after.recaptures > before.recaptures, "a re-capture: {after:?}");
+    assert!(after.updates > before.updates, "by cuGraphExecUpdate: {after:?}");
+    assert_eq!(after.fallbacks, before.fallbacks, "{after:?}");
+}
+
+/// The example model through execution plans: fed from a held tensor, its output bound to
+/// another, it is captured and replayed with onnxruntime's result; fresh tensors on every run
+/// re-capture until the budget runs out, and then it runs eagerly with that reason reported.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_example_replays_as_a_graph_and_a_moving_binding_exhausts_the_budget() {
+    use kiln_host::ep::{Feed, Fetch, GraphMode};
+    let root = kiln_tests::root();
+    let m = model::load(&root.join("examples/mlp/model.onnx")).unwrap();
+    let x = tensorio::read_tensor_file(&root.join("examples/mlp/x.npy")).unwrap().0;
+    let want = tensorio::read_tensor_file(&root.join("examples/mlp/expected.npy")).unwrap().0;
+    let mut s = Session::new(runtime(), m, SessionOptions { graphs: GraphMode::Auto, ..cuda() }).unwrap();
+    let out_name = s.model().graph.values[s.output_ids()[0]].name.clone();
+    let xin = s.zeros(x.dtype, x.shape.clone()).unwrap();
+    s.write_tensor(&xin, &x).unwrap();
+    let y = s.zeros(want.dtype, want.shape.clone()).unwrap();
+    for _ in 0..4 {
+        s.run_with(vec![("x".into(), Feed::Device(&xin))], &[(out_name.as_str(), Fetch::Into(&y))]).unwrap();
+        let got = s.read_tensor(&y).unwrap();
+        assert_eq!(kiln_host::conformance::compare(&got, &want, 1e-3, 1e-5), None);
+    }
+    let st = s.report.graphs.clone();
+    assert_eq!((st.plans_built, st.first_runs, st.captures, st.replays), (1, 1, 1, 3), "{st:?}");
+    // A new output tensor on every run: bindings change each time.
+    let mut keep = Vec::new();
+    for _ in 0..8 {
+        let y2 = s.zeros(want.dtype, want.shape.clone()).unwrap();
+        s.run_with(vec![("x".into(), Feed::Device(&xin))], &[(out_name.as_str(), Fetch::Into(&y2))]).unwrap();
+        assert_eq!(kiln_host::conformance::compare(&s.read_tensor(&y2).unwrap(), &want, 1e-3, 1e-5), None);
+        keep.push(y2);
+    }
+    let st = &s.report.graphs;
+    assert!(st.fallbacks.get("re-capture budget exhausted").is_some_and(|n| *n > 0), "{st:?}");
+    assert!(st.last_fallback.as_deref().is_some_and(|r| r.contains("in a row")), "{st:?}");
+}
+
+/// GroupQueryAttention decode over a long shared buffer (the split-K path: keys in chunks of
+/// 256 over blocks, then merged) against the package's CPU reference on the same float32
+/// inputs: rows of 3000, 700 and 1 valid positions in a 3072-position buffer, rotary on,
+/// one row with a local window. max |Δ| ≤ 1e-4 on the output and the present K/V.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn long_context_decode_attention_matches_the_cpu_reference() {
+    use kiln_host::Tensor;
+    use kiln_kernel_abi::DType;
+    use kiln_tests::onnx::{self, attr_float, node, value};
+    let (b, n, nk, h, pl, half) = (3usize, 4usize, 2usize, 64usize, 3072usize, 32usize);
+    let lens = [3000i32, 700, 1];
+    let mut r = kiln_tests::Rng(0x5eed);
+    let f32t = |shape: &[usize], v: Vec<f32>| kiln_tests::f32_tensor(shape, &v);
+    let mut vals = |k: usize| {
+        (0..k).map(|_| ((r.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).collect::<Vec<f32>>()
+    };
+    let inputs = vec![
+        ("query", f32t(&[b, 1, n * h], vals(b * n * h))),
+        ("key", f32t(&[b, 1, nk * h], vals(b * nk * h))),
+        ("value", f32t(&[b, 1, nk * h], vals(b * nk * h))),
+        ("past_key", f32t(&[b, nk, pl, h], vals(b * nk * pl * h))),
+        ("past_value", f32t(&[b, nk, pl, h], vals(b * nk * pl * h))),
+        (
+            "seqlens_k",
+            Tensor::new(
+                DType::I32,
+                vec![b],
+                lens.iter().map(|l| l - 1).flat_map(i32::to_le_bytes).collect::<Vec<u8>>().into(),
+            )
+            .unwrap(),
+        ),
+        ("total_sequence_length", Tensor::new(DType::I32, vec![], (pl as i32).to_le_bytes().to_vec().into()).unwrap()),
+        ("cos_cache", f32t(&[pl, half], vals(pl * half))),
+        ("sin_cache", f32t(&[pl, half], vals(pl * half))),
+    ];
+    let code = |d: DType| if d == DType::F32 { 1 } else { 6 };
+    let decl: Vec<_> = inputs
+        .iter()
+        .map(|(nm, t)| value(nm, code(t.dtype), &t.shape.iter().map(|&d| d as i64).collect::<Vec<_>>()))
+        .collect();
+    let int = |name: &str, v: i64| onnx::AttributeProto {
+        name: name.into(),
+        type_: protobuf::EnumOrUnknown::new(onnx::attribute_proto::AttributeType::INT),
+        i: v,
+        ..Default::default()
+    };
+    for window in [-1i64, 1000] {
+        let names: Vec<&str> = inputs.iter().map(|(nm, _)| *nm).collect();
+        let mut g = node(
+            "GroupQueryAttention",
+            &names,
+            &["output", "present_key", "present_value"],
+            vec![
+                int("num_heads", n as i64),
+                int("kv_num_heads", nk as i64),
+                attr_float("scale", 0.125),
+                int("local_window_size", window),
+                int("do_rotary", 1),
+            ],
+        );
+        g.domain = "com.microsoft".into();
+        let outs: Vec<_> = ["output", "present_key", "present_value"]
+            .iter()
+            .map(|nm| {
+                let mut v = value(nm, 1, &[]);
+                v.type_ = Default::default();
+                v
+            })
+            .collect();
+        let mut m = onnx::model(vec![g], decl.clone(), outs, vec![]);
+        m.opset_import.push(onnx::OperatorSetIdProto {
+            domain: "com.microsoft".into(),
+            version: 1,
+            ..Default::default()
+        });
+        let feeds: Vec<(String, Tensor)> = inputs.iter().map(|(nm, t)| (nm.to_string(), t.clone())).collect();
+        let load = || model::load_bytes(&onnx::bytes(&m), None).unwrap();
+        let want = Session::new(runtime(), load(), SessionOptions::default()).unwrap().run(feeds.clone()).unwrap();
+        let mut gpu =
+            Session::new(runtime(), load(), SessionOptions { small_integer_nodes_on_host: false, ..cuda() }).unwrap();
+        let got = gpu.run(feeds).unwrap();
+        for ((name, a), (_, b)) in got.iter().zip(&want) {
+            let d = max_abs_diff(&kiln_tests::f32_values(a), &kiln_tests::f32_values(b));
+            assert!(d <= 1e-4, "window {window}: {name}: max |Δ| {d}");
+        }
+    }
+}

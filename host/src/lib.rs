@@ -7,6 +7,7 @@
 //! - [`trace`] is a leaf every module may use; [`tensor`] and [`tensorio`] are data types and
 //!   file formats.
 
+pub mod capture;
 pub mod cli;
 pub mod conformance;
 pub mod cpu;

@@ -45,6 +45,73 @@ pub struct Report {
     pub dispatch_steps: u64,
     /// Nodes whose package has no GPU dispatch for them, by op.
     pub dispatch_unsupported: BTreeMap<String, u64>,
+    /// Execution plans and CUDA graphs.
+    pub graphs: GraphStats,
+}
+
+/// Counters of plans and graphs, for `--report`. Times in microseconds.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct GraphStats {
+    /// Execution plans built (one per shape signature and output selection).
+    pub plans_built: u64,
+    /// First runs of new plans, run eagerly (they warm up the libraries' lazily loaded
+    /// kernels; later runs are captured). Not fallbacks.
+    pub first_runs: u64,
+    /// Bytes of the plans' arenas (intermediates and scratch), all plans together.
+    pub arena_bytes: u64,
+    pub captures: u64,
+    /// Graph launches.
+    pub replays: u64,
+    /// Re-captures because the bindings changed, of which `updates` took `cuGraphExecUpdate`.
+    pub recaptures: u64,
+    pub updates: u64,
+    /// Runs of a plan without a graph, by reason (`Fallback::key`).
+    pub fallbacks: BTreeMap<String, u64>,
+    /// The last fallback's full reason.
+    pub last_fallback: Option<String>,
+    /// Runs that could not use a plan at all, by reason (host feeds, unbound outputs, a value
+    /// read back mid-run): they run node by node.
+    pub unplanned: BTreeMap<String, u64>,
+    pub capture_us: u64,
+    pub instantiate_us: u64,
+    /// Nodes of the last instantiated graph.
+    pub graph_nodes: u64,
+}
+
+impl GraphStats {
+    /// Counts one fallback: `key` its kind (the report's key), `reason` the whole text.
+    pub fn fallback(&mut self, key: &str, reason: String) {
+        *self.fallbacks.entry(key.to_string()).or_default() += 1;
+        self.last_fallback = Some(reason);
+    }
+
+    /// Lines for `--report`.
+    pub fn render(&self) -> String {
+        let mut s = format!(
+            "graphs: {} plans ({} B arena, {} first runs eager), {} captures, {} replays, {} re-captures ({} by cuGraphExecUpdate), \
+             capture {:.3} ms, instantiate {:.3} ms, {} nodes in the last graph\n",
+            self.plans_built,
+            self.arena_bytes,
+            self.first_runs,
+            self.captures,
+            self.replays,
+            self.recaptures,
+            self.updates,
+            self.capture_us as f64 / 1e3,
+            self.instantiate_us as f64 / 1e3,
+            self.graph_nodes
+        );
+        for (k, n) in &self.fallbacks {
+            s += &format!("  fallback ({k}): {n} runs\n");
+        }
+        if let Some(r) = &self.last_fallback {
+            s += &format!("  last fallback: {r}\n");
+        }
+        for (k, n) in &self.unplanned {
+            s += &format!("  not planned ({k}): {n} runs\n");
+        }
+        s
+    }
 }
 
 impl Report {
@@ -88,8 +155,9 @@ impl Report {
         for (p, n) in &self.packages {
             s += &format!("  {p:<32} {n:>6} nodes\n");
         }
-        if self.launches > 0 {
-            s += &format!("gpu: {} launches, {} plan hits\n", self.launches, self.plan_hits);
+        if self.launches > 0 || self.graphs.plans_built > 0 {
+            s += &format!("gpu: {} eager launches, {} plan hits\n", self.launches, self.plan_hits);
+            s += &self.graphs.render();
         }
         s += "ops:\n";
         let mut ops: Vec<_> = self.ops.iter().collect();

@@ -4,6 +4,9 @@
 //! prefill; decode time is the `new_tokens − 1` decode steps that follow. Each configuration
 //! is warmed up once, then timed `--runs` times; medians are reported.
 //!
+//! It times `Generator::generate`, the path `kiln generate` takes (device sampling, batch
+//! buckets and CUDA graphs included), not a loop of its own.
+//!
 //! The floor printed beside the numbers is the time to read every weight once per step at
 //! `--bandwidth-gbps` (the weights of a decode step are streamed from HBM at least once).
 
@@ -16,12 +19,11 @@ use rand::{Rng, SeedableRng};
 use serde_json::json;
 
 use crate::ep::{Runtime, SessionOptions};
-use crate::genai::sampling::argmax;
-use crate::genai::{Generator, ModelFolder};
+use crate::genai::{GenerateOptions, Generator, ModelFolder, SamplingParams};
 use crate::sandbox::SandboxConfig;
 use crate::{Error, Result};
 
-use super::{choose_device, registry, DeviceArg, PackageArgs};
+use super::{choose_device, registry, DeviceArg, GraphArgs, PackageArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct DecodeArgs {
@@ -36,6 +38,10 @@ pub struct DecodeArgs {
     /// Tokens generated per row (the first by the prefill).
     #[arg(long, default_value_t = 256)]
     pub new_tokens: usize,
+    /// Positions of the KV cache (prompt + generated; default: --prompt-len + --new-tokens).
+    /// Give the same value to compare prompt lengths at one cache size.
+    #[arg(long)]
+    pub max_length: Option<usize>,
     /// Timed runs per batch size (after one warm-up run).
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
@@ -48,6 +54,8 @@ pub struct DecodeArgs {
     /// Where to run: the GPU when one is usable (auto), or cpu / cuda.
     #[arg(long, value_enum, default_value_t)]
     pub device: DeviceArg,
+    #[command(flatten)]
+    pub graph: GraphArgs,
     /// Print the session's report (per-op host time, launches, plan hits) after the runs.
     #[arg(long)]
     pub report: bool,
@@ -62,37 +70,33 @@ pub struct DecodeArgs {
     pub packages: PackageArgs,
 }
 
-/// One timed run: prefill and decode wall times, and the part of decode the host spent
-/// enqueuing the graph (`Session::run_with`, which does not wait for the device).
+/// One timed run: prefill and decode wall times, decode steps, and the host time of the decode
+/// steps' session runs (enqueueing; the device is not waited for).
 struct Run {
     prefill_ms: f64,
     decode_ms: f64,
+    steps: usize,
     enqueue_ms: f64,
+    bucket: usize,
 }
 
-/// Generates `new_tokens` greedy tokens per row of `prompts`.
-fn run_once(g: &mut Generator, prompts: &[Vec<i64>], new_tokens: usize) -> Result<Run> {
-    let limit = prompts[0].len() + new_tokens;
-    let t0 = Instant::now();
-    let (mut kv, first) = g.prefill(prompts, limit)?;
-    let mut next: Vec<i64> = first.iter().map(|r| argmax(r) as i64).collect();
-    let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let t1 = Instant::now();
-    let enqueued_before = g.session.report.run_time_us;
-    let mut result = Ok(());
-    for _ in 1..new_tokens {
-        match g.decode(&mut kv, &next) {
-            Ok(rows) => next = rows.iter().map(|r| argmax(r) as i64).collect(),
-            Err(e) => {
-                result = Err(e);
-                break;
-            }
-        }
-    }
-    let decode_ms = t1.elapsed().as_secs_f64() * 1e3;
-    let enqueue_ms = (g.session.report.run_time_us - enqueued_before) as f64 / 1e3;
-    g.free(kv);
-    result.map(|_| Run { prefill_ms, decode_ms, enqueue_ms })
+/// Generates `new_tokens` greedy tokens per row of `prompts` (EOS ignored) with a cache of
+/// `max_length` positions, through `Generator::generate`.
+fn run_once(g: &mut Generator, prompts: &[Vec<i64>], new_tokens: usize, max_length: usize) -> Result<Run> {
+    let opts = GenerateOptions {
+        max_new_tokens: new_tokens,
+        max_length: Some(max_length),
+        sampling: SamplingParams::default(),
+        ignore_eos: true,
+    };
+    let t = g.generate(prompts, &opts, &mut |_, _| {})?.timings;
+    Ok(Run {
+        prefill_ms: t.prefill_ms,
+        decode_ms: t.decode_ms,
+        steps: t.decode_steps,
+        enqueue_ms: t.decode_host_ms,
+        bucket: t.bucket,
+    })
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -122,19 +126,25 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
     if vocab == 0 {
         return Err(Error::Input(format!("{}: vocab_size is 0", a.model_dir.display())));
     }
-    if a.prompt_len + a.new_tokens > folder.config.max_length() {
+    let max_length = a.max_length.unwrap_or(a.prompt_len + a.new_tokens);
+    if a.prompt_len + a.new_tokens > max_length {
         return Err(Error::Input(format!(
-            "--prompt-len {} + --new-tokens {} is over the model's max_length {}",
-            a.prompt_len,
-            a.new_tokens,
-            folder.config.max_length()
+            "--prompt-len {} + --new-tokens {} is over --max-length {max_length}",
+            a.prompt_len, a.new_tokens
         )));
     }
+    if max_length > folder.config.model.context_length {
+        return Err(Error::Input(format!(
+            "--max-length {max_length} (or --prompt-len + --new-tokens) is over the model's context length {}",
+            folder.config.model.context_length
+        )));
+    }
+    let graphs = a.graph.mode(device)?;
     let weight_bytes: u64 = folder.model.graph.initializers.values().map(|t| t.data.len() as u64).sum();
     let floor_ms = weight_bytes as f64 / (a.bandwidth_gbps * 1e9) * 1e3;
     let rt = Runtime::new(registry(&a.packages), SandboxConfig::default())?;
     let t_setup = Instant::now();
-    let mut g = Generator::new(rt, folder, SessionOptions { device, ..SessionOptions::default() })?;
+    let mut g = Generator::new(rt, folder, SessionOptions { device, graphs, ..SessionOptions::default() })?;
     let setup_s = t_setup.elapsed().as_secs_f64();
     println!(
         "model: {} ({} layers, vocab {vocab}), device {device}; prompt {} tokens, {} new tokens, medians over {} timed run(s)",
@@ -150,41 +160,51 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
         floor_ms * 1e3,
         a.bandwidth_gbps
     );
-    println!("| batch | decode ms/step | decode tok/s | prefill ms | × floor | host enqueue ms/step |");
-    println!("|---:|---:|---:|---:|---:|---:|");
+    let graphs_label = if g.session.captures_graphs() { "on" } else { "off" };
+    println!("| batch (bucket) | graphs | decode ms/step | decode tok/s | prefill ms | × floor | host ms/step | replays/step |");
+    println!("|---:|---|---:|---:|---:|---:|---:|---:|");
     let mut rows = Vec::new();
     let mut rng = StdRng::seed_from_u64(a.seed);
     for &batch in &a.batches {
         let prompts: Vec<Vec<i64>> =
             (0..batch).map(|_| (0..a.prompt_len).map(|_| rng.random_range(0..vocab as i64)).collect()).collect();
         let t_warm = Instant::now();
-        run_once(&mut g, &prompts, a.new_tokens)?;
+        run_once(&mut g, &prompts, a.new_tokens, max_length)?;
         let warm_s = t_warm.elapsed().as_secs_f64();
         let report_before = g.session.report.clone();
         let mut runs = Vec::with_capacity(a.runs);
         for _ in 0..a.runs {
-            runs.push(run_once(&mut g, &prompts, a.new_tokens)?);
+            runs.push(run_once(&mut g, &prompts, a.new_tokens, max_length)?);
         }
-        let steps = (a.new_tokens - 1) as f64;
-        let ms_step = median(runs.iter().map(|r| r.decode_ms / steps).collect());
+        let per_step = |r: &Run, v: f64| v / r.steps.max(1) as f64;
+        let ms_step = median(runs.iter().map(|r| per_step(r, r.decode_ms)).collect());
         let prefill_ms = median(runs.iter().map(|r| r.prefill_ms).collect());
-        let enqueue = median(runs.iter().map(|r| r.enqueue_ms / steps).collect());
+        let enqueue = median(runs.iter().map(|r| per_step(r, r.enqueue_ms)).collect());
         let tok_s = batch as f64 * 1e3 / ms_step;
+        let r = &g.session.report;
+        let timed_runs = (r.runs - report_before.runs).max(1) as f64;
+        let steps_timed: usize = runs.iter().map(|r| r.steps).sum();
+        let replays = (r.graphs.replays - report_before.graphs.replays) as f64 / steps_timed.max(1) as f64;
+        let bucket = runs.first().map_or(batch, |r| r.bucket);
         println!(
-            "| {batch} | {ms_step:.3} | {tok_s:.0} | {prefill_ms:.1} | {:.0} | {enqueue:.3} |",
+            "| {batch} ({bucket}) | {graphs_label} | {ms_step:.3} | {tok_s:.0} | {prefill_ms:.1} | {:.0} | {enqueue:.3} | {replays:.2} |",
             ms_step / floor_ms
         );
-        let r = &g.session.report;
-        let timed_runs = (r.runs - report_before.runs) as f64;
+        let fallbacks: u64 =
+            r.graphs.fallbacks.values().sum::<u64>() - report_before.graphs.fallbacks.values().sum::<u64>();
         rows.push(json!({
             "batch": batch,
+            "bucket": bucket,
+            "graphs": graphs_label,
+            "graph_replays_per_step": replays,
+            "graph_fallbacks_timed": fallbacks,
             "decode_ms_per_step": ms_step,
             "decode_tokens_per_s": tok_s,
             "host_enqueue_ms_per_step": enqueue,
             "prefill_ms": prefill_ms,
             "warmup_s": warm_s,
             "times_floor": ms_step / floor_ms,
-            "runs": runs.iter().map(|r| json!({"prefill_ms": r.prefill_ms, "decode_ms": r.decode_ms, "enqueue_ms": r.enqueue_ms})).collect::<Vec<_>>(),
+            "runs": runs.iter().map(|r| json!({"prefill_ms": r.prefill_ms, "decode_ms": r.decode_ms, "steps": r.steps, "enqueue_ms": r.enqueue_ms})).collect::<Vec<_>>(),
             "per_session_run": {
                 "nodes": (r.nodes - report_before.nodes) as f64 / timed_runs,
                 "launches": (r.launches - report_before.launches) as f64 / timed_runs,
@@ -204,7 +224,7 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
         g.session.report = crate::trace::Report { device: device.to_string(), ..Default::default() };
         g.session.set_gpu_profiling(true);
         let prompts: Vec<Vec<i64>> = vec![(0..a.prompt_len as i64).map(|i| i % vocab as i64).collect()];
-        run_once(&mut g, &prompts, a.new_tokens)?;
+        run_once(&mut g, &prompts, a.new_tokens, max_length)?;
         g.session.set_gpu_profiling(false);
         let what = match device {
             crate::ep::Device::Cpu => "host time per op only: GPU time needs a GPU",
@@ -222,6 +242,9 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
             "device": device.to_string(),
             "prompt_len": a.prompt_len,
             "new_tokens": a.new_tokens,
+            "max_length": max_length,
+            "graphs": graphs_label,
+            "graph_stats": g.session.report.graphs,
             "weight_bytes": weight_bytes,
             "floor_ms_per_step": floor_ms,
             "setup_s": setup_s,

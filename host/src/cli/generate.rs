@@ -11,7 +11,7 @@ use crate::genai::{GenerateOptions, Generator, ModelFolder, SamplingParams};
 use crate::sandbox::SandboxConfig;
 use crate::{Error, Result};
 
-use super::{choose_device, registry, DeviceArg, PackageArgs};
+use super::{choose_device, registry, DeviceArg, GraphArgs, PackageArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct GenerateArgs {
@@ -52,6 +52,15 @@ pub struct GenerateArgs {
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
     #[command(flatten)]
+    pub graph: GraphArgs,
+    /// Print the session's report after the run (nodes, launches, graphs: captures, replays,
+    /// fallbacks with their reasons).
+    #[arg(long)]
+    pub report: bool,
+    /// Write the session's report as JSON.
+    #[arg(long, value_name = "FILE")]
+    pub report_json: Option<PathBuf>,
+    #[command(flatten)]
     pub packages: PackageArgs,
 }
 
@@ -76,6 +85,7 @@ fn sampling(a: &GenerateArgs, folder: &ModelFolder) -> Result<SamplingParams> {
 
 pub fn run(a: GenerateArgs) -> Result<ExitCode> {
     let device = choose_device(a.device)?;
+    let graphs = a.graph.mode(device)?;
     if a.max_new_tokens == 0 {
         return Err(Error::Input("--max-new-tokens must be at least 1".into()));
     }
@@ -87,8 +97,13 @@ pub fn run(a: GenerateArgs) -> Result<ExitCode> {
         prompts.push(folder.encode(&text)?);
     }
     let rt = Runtime::new(registry(&a.packages), SandboxConfig::default())?;
-    let mut generator = Generator::new(rt, folder, SessionOptions { device, ..SessionOptions::default() })?;
-    let opts = GenerateOptions { max_new_tokens: a.max_new_tokens, max_length: a.max_length, sampling: params };
+    let mut generator = Generator::new(rt, folder, SessionOptions { device, graphs, ..SessionOptions::default() })?;
+    let opts = GenerateOptions {
+        max_new_tokens: a.max_new_tokens,
+        max_length: a.max_length,
+        sampling: params,
+        ignore_eos: false,
+    };
     // Stream the first (or only) row as its tokens come.
     let stream = prompts.len() == 1;
     let mut shown = String::new();
@@ -129,10 +144,23 @@ pub fn run(a: GenerateArgs) -> Result<ExitCode> {
         }));
     }
     let t = &result.timings;
+    let g = &generator.session.report.graphs;
+    let graphs_note = match (t.device_sampling, generator.session.captures_graphs()) {
+        (true, true) => format!("graphs on: {} replays of {} steps, bucket {}", g.replays, t.decode_steps, t.bucket),
+        (true, false) => "graphs off, sampling on the device".to_string(),
+        (false, _) => "graphs off, sampling on the host".to_string(),
+    };
     eprintln!(
-        "kiln: {device}: time to first token {:.1} ms, prefill {:.1} tokens/s, decode {:.1} tokens/s ({} tokens in {:.1} ms)",
+        "kiln: {device}: time to first token {:.1} ms, prefill {:.1} tokens/s, decode {:.1} tokens/s ({} tokens in {:.1} ms; {graphs_note})",
         t.time_to_first_token_ms, t.prefill_tokens_per_s, t.decode_tokens_per_s, t.decode_tokens, t.decode_ms
     );
+    if a.report {
+        eprintln!("{}", generator.session.report.render());
+    }
+    if let Some(path) = &a.report_json {
+        std::fs::write(path, serde_json::to_string_pretty(&generator.session.report).unwrap_or_default())
+            .map_err(|source| Error::Io { path: path.clone(), source })?;
+    }
     if let Some(path) = &a.json {
         let mut doc = if rows_json.len() == 1 { rows_json[0].clone() } else { json!({ "rows": rows_json }) };
         doc["timings"] = serde_json::to_value(t).unwrap_or_default();

@@ -72,6 +72,30 @@ pub struct PackageArgs {
     pub packages: Vec<PathBuf>,
 }
 
+/// `--graph`: whether decode steps (and other runs whose inputs and outputs stay on the
+/// device) are captured into CUDA graphs.
+#[derive(clap::Args, Debug, Clone, Copy)]
+pub struct GraphArgs {
+    /// CUDA graphs: `auto` captures where possible and counts every fallback with its reason,
+    /// `on` makes a step that cannot be captured an error (and needs a GPU), `off` runs the
+    /// execution plans eagerly.
+    #[arg(long = "graph", value_enum, default_value_t)]
+    pub graph: crate::capture::GraphMode,
+}
+
+impl GraphArgs {
+    /// The mode for `device`. Errors: `on` without a GPU.
+    pub fn mode(&self, device: Device) -> Result<crate::capture::GraphMode> {
+        use crate::capture::GraphMode;
+        match (self.graph, device) {
+            (GraphMode::On, Device::Cpu) => {
+                Err(Error::Input("--graph on needs a CUDA GPU (CUDA graphs); use --graph auto or off".into()))
+            }
+            (m, _) => Ok(m),
+        }
+    }
+}
+
 /// Picks the device: `auto` takes GPU 0 when one is usable and otherwise says it runs on the
 /// CPU; `cuda` without a GPU is an error.
 pub fn choose_device(arg: DeviceArg) -> Result<Device> {

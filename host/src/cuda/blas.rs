@@ -127,6 +127,12 @@ impl Blas {
         alloc.free(std::mem::replace(&mut self.workspace, DevBuffer { ptr: 0, bytes: 0 }));
     }
 
+    /// Makes the cached plan of `g`'s shape (descriptors and the heuristic's algorithm), so
+    /// that a later [`Blas::gemm`] of that shape only enqueues.
+    pub fn prepare(&mut self, g: &Gemm) -> Result<()> {
+        self.plan(g).map(|_| ())
+    }
+
     fn plan(&mut self, g: &Gemm) -> Result<&Plan> {
         let key = PlanKey::of(g);
         if self.plans.contains_key(&key) {

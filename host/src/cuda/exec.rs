@@ -231,17 +231,47 @@ impl Gpu {
             }
             &with_scratch
         };
-        let result = plan.steps.iter().zip(functions).try_for_each(|(step, f)| match (step, f) {
-            (PlanStep::Launch { kernel, grid, block, shared_mem_bytes, args }, Some(f)) => {
-                self.launch(f.0, kernel, *grid, *block, *shared_mem_bytes, args, all)
-            }
-            (PlanStep::Gemm(g), _) => self.gemm(g, all),
-            (PlanStep::Launch { kernel, .. }, None) => Err(Error::Device(format!("kernel {kernel} was not loaded"))),
-        });
+        let result = self.run_steps(plan, functions, all);
         for b in scratch {
             self.alloc.free(b);
         }
         result
+    }
+
+    /// Enqueues `plan`'s launches and GEMMs with every slot given (inputs, outputs, then
+    /// scratch): no allocation, no synchronization, so an execution plan can run it inside a
+    /// capture.
+    pub fn run_steps(
+        &mut self,
+        plan: &LaunchPlan,
+        functions: &[Option<Function>],
+        slots: &[(CUdeviceptr, u64)],
+    ) -> Result<()> {
+        plan.steps.iter().zip(functions).try_for_each(|(step, f)| match (step, f) {
+            (PlanStep::Launch { kernel, grid, block, shared_mem_bytes, args }, Some(f)) => {
+                self.launch(f.0, kernel, *grid, *block, *shared_mem_bytes, args, slots)
+            }
+            (PlanStep::Gemm(g), _) => self.gemm(g, slots),
+            (PlanStep::Launch { kernel, .. }, None) => Err(Error::Device(format!("kernel {kernel} was not loaded"))),
+        })
+    }
+
+    /// Readies everything `plan`'s GEMMs need before a capture (the cuBLASLt handle, its
+    /// workspace and each shape's algorithm), without enqueueing anything.
+    pub fn prepare_gemms(&mut self, plan: &LaunchPlan) -> Result<()> {
+        for step in &plan.steps {
+            if let PlanStep::Gemm(g) = step {
+                self.blas()?.prepare(g)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn blas(&mut self) -> Result<&mut Blas> {
+        if self.blas.is_none() {
+            self.blas = Some(Blas::new(&mut self.alloc, self.info.compute_capability.0)?);
+        }
+        self.blas.as_mut().ok_or_else(|| Error::Device("cuBLASLt missing".into()))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -311,9 +341,7 @@ impl Gpu {
     }
 
     fn gemm(&mut self, g: &Gemm, slots: &[(CUdeviceptr, u64)]) -> Result<()> {
-        if self.blas.is_none() {
-            self.blas = Some(Blas::new(&mut self.alloc, self.info.compute_capability.0)?);
-        }
+        self.blas()?;
         let ptr = |o: &kiln_kernel_abi::wire::Operand| slots.get(o.handle as usize).map(|s| s.0 + o.offset);
         let (a, b, d) = match (ptr(&g.a), ptr(&g.b), ptr(&g.d)) {
             (Some(a), Some(b), Some(d)) => (a, b, d),

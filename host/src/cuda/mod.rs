@@ -2,7 +2,7 @@
 //! (primary) context, a compute stream and a copy stream per session, a caching allocator,
 //! NVRTC compilation of package sources with an on-disk cache, transfers through pinned
 //! staging buffers, and execution of launch plans (kernel launches and cuBLASLt GEMMs with
-//! cached plans).
+//! cached plans), and CUDA graphs (`graph`: capture, instantiate, update, replay).
 //!
 //! cudarc's automatic event tracking is disabled right after the context is created (it
 //! breaks stream capture); kiln orders its streams with its own events. Kernels run on the
@@ -12,6 +12,7 @@
 mod alloc;
 mod blas;
 mod exec;
+mod graph;
 mod nvrtc;
 mod timeline;
 mod transfer;
@@ -24,6 +25,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 pub use alloc::{Allocator, AllocatorStats, DevBuffer};
 pub use blas::Blas;
 pub use exec::{Function, Gpu, KernelCache};
+pub use graph::{capture, Captured, GraphExec};
 pub use nvrtc::{cache_dir, compile_cached, nvrtc_version, CompiledSource};
 pub use timeline::Timeline;
 pub use transfer::Transfers;

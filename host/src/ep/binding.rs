@@ -48,6 +48,10 @@ pub enum Fetch<'a> {
     /// shape. An in-place write changes every input fed from the same tensor; after a failed
     /// run the tensor's bytes may be partly written.
     Into(&'a DeviceTensor),
+    /// Not wanted: the output is not returned, and nodes that only it needs do not run (as
+    /// onnxruntime runs only what the requested outputs need). Graph inputs that only such
+    /// nodes read need not be fed.
+    Skip,
 }
 
 /// A graph output of a run.
@@ -175,6 +179,37 @@ impl Session {
         }
     }
 
+    /// Copies host tensor `t` into held tensor `dst`, which takes `t`'s shape (enqueued on the
+    /// GPU's stream: later runs see it). Errors: another dtype, or more bytes than `dst` holds.
+    pub fn write_tensor(&mut self, dst: &DeviceTensor, t: &Tensor) -> Result<()> {
+        let h = self.held(dst)?;
+        let nbytes = t.data.len() as u64;
+        if !h.fits(t.dtype, nbytes) {
+            return Err(Error::Input(format!(
+                "a {} tensor of {nbytes} bytes does not fit a held {} tensor of {} bytes",
+                t.dtype,
+                h.value.dtype(),
+                h.capacity
+            )));
+        }
+        match h.device_ptr() {
+            Some(ptr) => {
+                let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
+                gpu.upload_into(ptr, &t.data)?;
+                if let Some(Held { value: Value::Device { shape, nbytes: n, .. }, .. }) = self.held.get_mut(&dst.id) {
+                    *shape = t.shape.clone();
+                    *n = nbytes;
+                }
+            }
+            None => {
+                if let Some(h) = self.held.get_mut(&dst.id) {
+                    h.value = Value::Host(t.clone());
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Gives a held tensor's memory back (to the device pool on a GPU). A handle of another
     /// session is ignored.
     pub fn free_tensor(&mut self, t: DeviceTensor) {
@@ -214,6 +249,10 @@ impl Session {
                 };
                 let capacity = v.nbytes();
                 Ok(Fetched::Device(self.hold(v, capacity)))
+            }
+            Fetch::Skip => {
+                self.release(v);
+                Ok(Fetched::Written)
             }
             Fetch::Into(t) => {
                 let (dtype, shape, nbytes) = (v.dtype(), v.shape().to_vec(), v.nbytes());

@@ -5,6 +5,7 @@
 //! on one device with its own shim instances.
 
 mod binding;
+mod plan;
 mod prepare;
 mod session;
 
@@ -16,7 +17,9 @@ use kiln_registry::{OpRegistry, Package};
 use crate::sandbox::{Sandbox, SandboxConfig, ShimModule};
 use crate::Result;
 
+pub use crate::capture::GraphMode;
 pub use binding::{DeviceTensor, Feed, Fetch, Fetched};
+pub use plan::assign_offsets;
 pub use session::{Session, SessionOptions};
 
 /// The device a session runs on.

@@ -7,6 +7,7 @@ use std::time::Instant;
 use kiln_kernel_abi::DType;
 use kiln_registry::{NodeQuery, Package, Resolution};
 
+use crate::capture::GraphMode;
 use crate::cuda::{DevBuffer, Function, Gpu};
 use crate::model::{Model, ValueId};
 use crate::sandbox::{Access, ArgTensor, CallArgs, CallKind, CallOutcome, LaunchPlan, ShimInstance};
@@ -15,6 +16,7 @@ use crate::trace::Report;
 use crate::{cpu, Error, Result, Tensor};
 
 use super::binding::{Feed, Fetch, Fetched, Held};
+use super::plan::{Bindings, ExecutionPlan, RecIn, RecOut, Recorder};
 use super::{Device, Runtime};
 
 /// Options of a session.
@@ -34,6 +36,10 @@ pub struct SessionOptions {
     /// subgraphs on the CPU (default on). Conformance and `kiln verify` turn it off so that
     /// every node runs the GPU kernels.
     pub small_integer_nodes_on_host: bool,
+    /// On a GPU, whether runs with every input fed from a held tensor and every returned
+    /// output bound to one are captured into CUDA graphs (see `capture`). Such runs always go
+    /// through an execution plan; `Off` runs the plan eagerly.
+    pub graphs: GraphMode,
 }
 
 impl Default for SessionOptions {
@@ -44,6 +50,7 @@ impl Default for SessionOptions {
             check_dispatch: false,
             device_memory_limit: None,
             small_integer_nodes_on_host: true,
+            graphs: GraphMode::Auto,
         }
     }
 }
@@ -205,6 +212,25 @@ pub(super) struct Resolved {
 const HOST_NODE_MAX_INPUT_BYTES: u64 = 256 << 10;
 const HOST_NODE_MAX_OUTPUT_BYTES: u64 = 4 << 10;
 
+/// Most execution plans a session keeps (one per shape signature and output selection).
+const MAX_PLANS: usize = 16;
+
+/// What a shape signature of eligible runs got: a plan, or the reason it has none.
+enum PlanEntry {
+    Plan(ExecutionPlan),
+    Unplanned(String),
+}
+
+/// Key of an execution plan: each fed graph input's dtype and shape, and for each graph
+/// output whether it is returned (bound) or skipped.
+type PlanKey = (Vec<(ValueId, DType, Vec<usize>)>, Vec<(ValueId, bool)>);
+
+/// The nodes a run executes and the values they read, for the outputs it asks for.
+pub(super) struct LiveSet {
+    nodes: Vec<bool>,
+    values: Vec<bool>,
+}
+
 /// One model, prepared for one device.
 pub struct Session {
     pub(super) rt: Arc<Runtime>,
@@ -238,6 +264,18 @@ pub struct Session {
     /// Per node, what its last GPU execution needed: a run with the same input types skips
     /// resolution, inference and the memo lookups (a decode step repeats every shape).
     memo: Vec<Option<Arc<NodeMemo>>>,
+    /// Execution plans of eligible runs (see `plan`).
+    exec_plans: HashMap<PlanKey, PlanEntry>,
+    /// During a dry run: what it records (and no kernel is launched).
+    recorder: Option<Recorder>,
+    /// The node being run, for messages.
+    current_node: usize,
+    /// What the current run executes.
+    live: Arc<LiveSet>,
+    live_cache: HashMap<Vec<bool>, Arc<LiveSet>>,
+    /// Per node, `Some(false)` once its CPU reference was seen reading a device value's bytes
+    /// (it is then never tried as shape arithmetic again).
+    shape_only: Vec<Option<bool>>,
     pub report: Report,
 }
 
@@ -257,6 +295,14 @@ pub(super) struct NodeMemo {
 
 impl Drop for Session {
     fn drop(&mut self) {
+        let plans: Vec<PlanEntry> = self.exec_plans.drain().map(|(_, e)| e).collect();
+        if let Some(gpu) = self.gpu.as_mut() {
+            for e in plans {
+                if let PlanEntry::Plan(p) = e {
+                    p.release(gpu);
+                }
+            }
+        }
         let held: Vec<Held> = self.held.drain().map(|(_, h)| h).collect();
         for h in held {
             self.release(h.value);
@@ -295,6 +341,8 @@ impl Session {
         };
         let folded = vec![false; g.nodes.len()];
         let memo = vec![None; g.nodes.len()];
+        let live = Arc::new(LiveSet { nodes: vec![true; g.nodes.len()], values: vec![true; g.values.len()] });
+        let shape_only = vec![None; g.nodes.len()];
         let mut s = Session {
             rt,
             model,
@@ -314,6 +362,12 @@ impl Session {
             next_held: 1,
             bound: HashMap::new(),
             memo,
+            exec_plans: HashMap::new(),
+            recorder: None,
+            current_node: 0,
+            live,
+            live_cache: HashMap::new(),
+            shape_only,
             report,
         };
         s.prepare()?;
@@ -328,6 +382,11 @@ impl Session {
     /// The device of this session.
     pub fn device(&self) -> Device {
         self.options.device
+    }
+
+    /// Whether eligible runs are captured into CUDA graphs (a GPU, graphs not off).
+    pub fn captures_graphs(&self) -> bool {
+        self.gpu.is_some() && self.options.graphs != GraphMode::Off
     }
 
     /// What the session's GPU offers packages (`None` on the CPU, where device requirements
@@ -412,6 +471,17 @@ impl Session {
         fetches: &[(&str, Fetch<'_>)],
     ) -> Result<Vec<(String, Fetched)>> {
         let start = Instant::now();
+        let g = &self.model.graph;
+        let mut fetch_of: HashMap<ValueId, &Fetch<'_>> = HashMap::new();
+        for (name, f) in fetches {
+            let id = g
+                .value_id(name)
+                .filter(|id| g.outputs.contains(id))
+                .ok_or_else(|| Error::Input(format!("the model has no output {name:?} to fetch")))?;
+            fetch_of.insert(id, f);
+        }
+        let wanted: Vec<bool> = g.outputs.iter().map(|o| !matches!(fetch_of.get(o), Some(Fetch::Skip))).collect();
+        self.live = self.live_set(wanted);
         let mut values: Vec<Option<Value>> = (0..self.model.graph.values.len()).map(|_| None).collect();
         for (name, feed) in feeds {
             let g = &self.model.graph;
@@ -427,16 +497,8 @@ impl Session {
             values[id] = Some(v);
         }
         let g = &self.model.graph;
-        if let Some(missing) = g.inputs.iter().find(|i| values[**i].is_none()) {
+        if let Some(missing) = g.inputs.iter().find(|i| values[**i].is_none() && self.live.values[**i]) {
             return Err(Error::Input(format!("input {:?} was not given", g.values[*missing].name)));
-        }
-        let mut fetch_of: HashMap<ValueId, &Fetch<'_>> = HashMap::new();
-        for (name, f) in fetches {
-            let id = g
-                .value_id(name)
-                .filter(|id| g.outputs.contains(id))
-                .ok_or_else(|| Error::Input(format!("the model has no output {name:?} to fetch")))?;
-            fetch_of.insert(id, f);
         }
         self.bound.clear();
         for (id, f) in &fetch_of {
@@ -445,6 +507,17 @@ impl Session {
                     Error::Input("a fetch is bound to a tensor of another session, or a freed one".into())
                 })?;
                 self.bound.insert(*id, t.id);
+            }
+        }
+        let profiling = self.gpu.as_ref().is_some_and(|g| g.timeline.is_some());
+        if self.gpu.is_some() && !profiling {
+            let planned = self.run_planned(&values, &fetch_of, start);
+            if !matches!(planned, Ok(None)) {
+                self.bound.clear();
+                for v in values.into_iter().flatten() {
+                    self.release(v);
+                }
+                return planned.map(Option::unwrap_or_default);
             }
         }
         let mut uploaded = Ok(());
@@ -468,12 +541,16 @@ impl Session {
         let mut failed = result.err();
         if failed.is_none() {
             for &o in &self.model.graph.outputs.clone() {
+                let fetch = fetch_of.get(&o).copied().unwrap_or(&Fetch::Host);
+                if matches!(fetch, Fetch::Skip) {
+                    continue;
+                }
                 let name = self.model.graph.values[o].name.clone();
                 let Some(v) = values[o].take().or_else(|| self.resident(o)) else {
                     failed = Some(Error::Model(format!("graph output {name:?} was not computed")));
                     break;
                 };
-                match self.fetch_output(&name, v, fetch_of.get(&o).copied().unwrap_or(&Fetch::Host)) {
+                match self.fetch_output(&name, v, fetch) {
                     Ok(f) => outs.push((name, f)),
                     Err(e) => {
                         failed = Some(e);
@@ -496,6 +573,155 @@ impl Session {
         self.report.runs += 1;
         self.report.run_time_us += start.elapsed().as_micros() as u64;
         Ok(outs)
+    }
+
+    /// The nodes to run (and values they read) when the graph outputs flagged in `wanted` are
+    /// asked for: a reverse walk from those outputs, cached per selection.
+    fn live_set(&mut self, wanted: Vec<bool>) -> Arc<LiveSet> {
+        if let Some(l) = self.live_cache.get(&wanted) {
+            return l.clone();
+        }
+        let g = &self.model.graph;
+        let mut values = vec![false; g.values.len()];
+        for (o, w) in g.outputs.iter().zip(&wanted) {
+            values[*o] |= *w;
+        }
+        let mut nodes = vec![false; g.nodes.len()];
+        for (i, n) in g.nodes.iter().enumerate().rev() {
+            if n.outputs.iter().flatten().any(|v| values[*v]) {
+                nodes[i] = true;
+                for v in n.inputs.iter().flatten() {
+                    values[*v] = true;
+                }
+            }
+        }
+        let l = Arc::new(LiveSet { nodes, values });
+        self.live_cache.insert(wanted, l.clone());
+        l
+    }
+
+    /// Runs through an execution plan when the run allows one: a GPU, every graph input fed
+    /// from a held tensor, every returned output bound to one (`Fetch::Into`), the others
+    /// skipped. The first run of a signature records the plan with a dry run. `Ok(None)`: the
+    /// run is not eligible, or its signature has a seam (counted in the report); the caller
+    /// runs it node by node. Errors: an output that does not fit its bound tensor, a launch
+    /// failure, and with `--graph on` a run that cannot be planned or captured.
+    fn run_planned(
+        &mut self,
+        values: &[Option<Value>],
+        fetch_of: &HashMap<ValueId, &Fetch<'_>>,
+        start: Instant,
+    ) -> Result<Option<Vec<(String, Fetched)>>> {
+        let g = &self.model.graph;
+        let mut key_feeds = Vec::new();
+        let mut feeds = HashMap::new();
+        for &i in &g.inputs {
+            match values[i].as_ref() {
+                Some(Value::Device { dtype, shape, ptr, owned: None, host: None, .. }) => {
+                    key_feeds.push((i, *dtype, shape.clone()));
+                    feeds.insert(i, *ptr);
+                }
+                None if !self.live.values[i] => {}
+                _ => return Ok(None),
+            }
+        }
+        let mut key_outs = Vec::new();
+        let mut outputs = Vec::new();
+        let mut bound = HashMap::new();
+        for &o in &g.outputs {
+            match fetch_of.get(&o) {
+                Some(Fetch::Skip) => key_outs.push((o, false)),
+                Some(Fetch::Into(_)) => {
+                    let ptr = self.bound.get(&o).and_then(|h| self.held.get(h)).and_then(Held::device_ptr);
+                    let Some(ptr) = ptr else { return Ok(None) };
+                    bound.insert(o, ptr);
+                    key_outs.push((o, true));
+                    outputs.push((o, g.values[o].name.clone()));
+                }
+                _ => return Ok(None),
+            }
+        }
+        let key = (key_feeds, key_outs);
+        if !self.exec_plans.contains_key(&key) {
+            let entry = self.record_plan(values, &outputs)?;
+            if self.exec_plans.len() >= MAX_PLANS {
+                let old = self.exec_plans.keys().next().cloned();
+                if let (Some(PlanEntry::Plan(p)), Some(gpu)) =
+                    (old.and_then(|k| self.exec_plans.remove(&k)), self.gpu.as_mut())
+                {
+                    p.release(gpu);
+                }
+            }
+            self.exec_plans.insert(key.clone(), entry);
+        }
+        let Session { exec_plans, gpu, report, held, options, bound: bound_ids, model, .. } = self;
+        let gpu = gpu.as_mut().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
+        let plan = match exec_plans.get_mut(&key) {
+            Some(PlanEntry::Plan(p)) => p,
+            Some(PlanEntry::Unplanned(why)) => {
+                *report.graphs.unplanned.entry("seam".into()).or_default() += 1;
+                report.graphs.last_fallback = Some(why.clone());
+                if options.graphs == GraphMode::On {
+                    return Err(Error::Unsupported(format!("--graph on: this run cannot be planned: {why}")));
+                }
+                return Ok(None);
+            }
+            None => return Ok(None),
+        };
+        for (v, dtype, shape, nbytes) in &plan.outputs {
+            let h = bound_ids.get(v).and_then(|id| held.get(id));
+            if let Some(h) = h.filter(|h| !h.fits(*dtype, *nbytes)) {
+                return Err(Error::Input(format!(
+                    "output {:?} ({dtype} {shape:?}, {nbytes} bytes) does not fit its bound tensor ({}, {} bytes)",
+                    model.graph.values[*v].name,
+                    h.value.dtype(),
+                    h.capacity
+                )));
+            }
+        }
+        let replayed = plan.run(gpu, options.graphs, false, &Bindings { feeds, bound }, &mut report.graphs)?;
+        if !replayed {
+            report.launches += plan.launches;
+        }
+        report.nodes += plan.nodes() as u64;
+        for (v, _, shape, nbytes) in &plan.outputs {
+            if let Some(Held { value: Value::Device { shape: s, nbytes: n, .. }, .. }) =
+                bound_ids.get(v).and_then(|id| held.get_mut(id))
+            {
+                s.clone_from(shape);
+                *n = *nbytes;
+            }
+        }
+        report.runs += 1;
+        report.run_time_us += start.elapsed().as_micros() as u64;
+        Ok(Some(outputs.into_iter().map(|(_, name)| (name, Fetched::Written)).collect()))
+    }
+
+    /// Records the execution plan of this run's signature with a dry run (every node resolved,
+    /// inferred and dispatched, no kernel launched), or the seam that keeps it from one.
+    fn record_plan(&mut self, values: &[Option<Value>], outputs: &[(ValueId, String)]) -> Result<PlanEntry> {
+        let mut vals: Vec<Option<Value>> = values.iter().map(|v| v.as_ref().map(Value::clone_ref)).collect();
+        self.recorder = Some(Recorder::default());
+        let ran = self.run_nodes(&mut vals);
+        let rec = self.recorder.take().unwrap_or_default();
+        for v in vals.into_iter().flatten() {
+            self.release(v);
+        }
+        if let Err(e) = ran {
+            return match rec.seam {
+                Some(s) => Ok(PlanEntry::Unplanned(s)),
+                None => Err(e),
+            };
+        }
+        let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
+        Ok(match rec.finish(gpu, outputs) {
+            Ok(plan) => {
+                self.report.graphs.plans_built += 1;
+                self.report.graphs.arena_bytes += plan.arena_bytes;
+                PlanEntry::Plan(plan)
+            }
+            Err(why) => PlanEntry::Unplanned(why),
+        })
     }
 
     /// Per-op GPU time in the report (CUDA events between nodes; each run then waits for the
@@ -527,10 +753,12 @@ impl Session {
             }
             self.gpu.as_mut().map_or(Ok(()), Gpu::mark)?;
         }
+        let live = self.live.clone();
         for idx in 0..self.model.graph.nodes.len() {
-            if self.folded[idx] {
+            if self.folded[idx] || !live.nodes[idx] {
                 continue;
             }
+            self.current_node = idx;
             let t0 = Instant::now();
             let resolved = self.run_node(idx, values)?;
             if profiling {
@@ -651,6 +879,13 @@ impl Session {
     pub(super) fn host_tensor(&mut self, v: &Value) -> Result<Tensor> {
         if let Some(t) = v.host_bytes() {
             return Ok(t.clone());
+        }
+        if let Some(rec) = self.recorder.as_mut() {
+            // A dry run launched nothing: the bytes are not there, and a plan cannot wait for them.
+            let node = &self.model.graph.nodes[self.current_node];
+            let why = format!("node {:?} ({}) needs a value computed on the GPU on the host", node.name, node.op_type);
+            rec.seam(why.clone());
+            return Err(Error::Unsupported(why));
         }
         let Value::Device { dtype, shape, ptr, nbytes, .. } = v else {
             return Err(Error::Device("a host value without bytes".into()));
@@ -796,7 +1031,24 @@ impl Session {
         let out_types = self.infer_keyed(idx, res, &infer_ins, key.clone())?;
         let on_host =
             self.gpu.is_none() || (self.options.small_integer_nodes_on_host && Self::runs_on_host(&inputs, &out_types));
-        let outputs: Vec<Option<Value>> = if on_host {
+        // Shape arithmetic over device values (Shape of a fed tensor): the CPU reference runs
+        // with those inputs opaque, and succeeds only when it never reads their bytes.
+        let probed = if !on_host
+            && self.options.small_integer_nodes_on_host
+            && self.shape_only[idx] != Some(false)
+            && Self::small_integer_outputs(&out_types)
+        {
+            let p = self.probe_shape_only(idx, res, &inputs, &out_types)?;
+            if p.is_none() {
+                self.shape_only[idx] = Some(false);
+            }
+            p
+        } else {
+            None
+        };
+        let outputs: Vec<Option<Value>> = if let Some(outs) = probed {
+            outs.into_iter().map(|t| t.map(Value::Host)).collect()
+        } else if on_host {
             let mut host = Vec::with_capacity(inputs.len());
             for v in &inputs {
                 host.push(match v {
@@ -816,6 +1068,9 @@ impl Session {
                         _ => {
                             let Some(val) = inputs[slot].take() else { continue };
                             let d = self.on_device(&val)?;
+                            if let (Some(rec), Value::Host(t)) = (self.recorder.as_mut(), &val) {
+                                rec.upload(*id, t);
+                            }
                             let r = d.clone_ref();
                             if let Some(old) = values[*id].replace(d) {
                                 self.release(old);
@@ -903,21 +1158,25 @@ impl Session {
         }
         let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
         let functions = gpu.plan_functions(&res.package, &plan)?;
-        let outs = self.launch_outputs(&plan, &functions, out_types, out_ids, slots)?;
+        let outs = self.launch_outputs(idx, &plan, &functions, out_types, out_ids, slots)?;
         Ok((outs, plan, functions))
     }
 
-    /// Allocates the outputs of a GPU node (or takes the held tensors they are bound to), adds
-    /// them to the input `slots`, and runs `plan` with its loaded functions.
+    /// Allocates the outputs of GPU node `idx` (or takes the held tensors they are bound to),
+    /// adds them to the input `slots`, and runs `plan` with its loaded functions. In a dry run
+    /// it records the node instead of launching it.
     fn launch_outputs(
         &mut self,
-        plan: &LaunchPlan,
+        idx: usize,
+        plan: &Arc<LaunchPlan>,
         functions: &[Option<Function>],
         out_types: &OutputTypes,
         out_ids: &[Option<ValueId>],
         mut slots: Vec<(cudarc::driver::sys::CUdeviceptr, u64)>,
     ) -> Result<Vec<Option<Value>>> {
+        let n_in = slots.len();
         let mut outs = Vec::with_capacity(out_types.len());
+        let mut in_place = Vec::with_capacity(out_types.len());
         for (t, id) in out_types.iter().zip(out_ids) {
             let Some((dtype, shape)) = t else {
                 outs.push(None);
@@ -945,11 +1204,19 @@ impl Session {
                 },
             };
             slots.push((ptr, nbytes));
+            in_place.push(target.is_some());
             outs.push(Some(Value::Device { dtype: *dtype, shape: shape.clone(), ptr, nbytes, owned, host: None }));
         }
+        if self.recorder.is_some() {
+            self.record_node(idx, plan, functions, &slots[..n_in], &outs, out_ids, &in_place);
+        }
         let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
-        let result = gpu.execute_resolved(plan, functions, &slots);
-        self.report.launches += plan.steps.len() as u64;
+        let result = if self.recorder.is_some() {
+            gpu.prepare_gemms(plan)
+        } else {
+            self.report.launches += plan.steps.len() as u64;
+            gpu.execute_resolved(plan, functions, &slots)
+        };
         if let Err(e) = result {
             for v in outs.into_iter().flatten() {
                 self.release(v);
@@ -957,6 +1224,104 @@ impl Session {
             return Err(e);
         }
         Ok(outs)
+    }
+
+    /// Records GPU node `idx` of a dry run: where each input comes from (`inputs` are their
+    /// pointers and sizes, in order), and each output's value (`in_place`: written into its
+    /// bound tensor).
+    #[allow(clippy::too_many_arguments)]
+    fn record_node(
+        &mut self,
+        idx: usize,
+        plan: &Arc<LaunchPlan>,
+        functions: &[Option<Function>],
+        inputs: &[(cudarc::driver::sys::CUdeviceptr, u64)],
+        outs: &[Option<Value>],
+        out_ids: &[Option<ValueId>],
+        in_place: &[bool],
+    ) {
+        let g = &self.model.graph;
+        let Some(rec) = self.recorder.as_mut() else { return };
+        let mut rec_in = Vec::with_capacity(inputs.len());
+        for (v, &(ptr, n)) in g.nodes[idx].inputs.iter().flatten().zip(inputs) {
+            let from = if g.inputs.contains(v) {
+                RecIn::Feed(*v)
+            } else if rec.written(*v) {
+                RecIn::Bound(*v)
+            } else if rec.produced(*v) {
+                RecIn::Produced(*v)
+            } else if rec.uploaded_here(*v) {
+                RecIn::Uploaded(*v)
+            } else if self.device_values.get(v).is_some_and(|d| d.0 == ptr) {
+                RecIn::Fixed(ptr)
+            } else {
+                rec.seam(format!(
+                    "node {:?} reads {:?}, which has no fixed place",
+                    g.nodes[idx].name, g.values[*v].name
+                ));
+                RecIn::Fixed(ptr)
+            };
+            rec_in.push((from, n));
+        }
+        let mut rec_out = Vec::with_capacity(outs.len());
+        let mut placed = in_place.iter();
+        for (o, id) in outs.iter().zip(out_ids) {
+            let Some(Value::Device { dtype, shape, nbytes, .. }) = o else { continue };
+            let out = match (id, placed.next()) {
+                (Some(v), Some(true)) => {
+                    rec.write_bound(*v, *dtype, shape.clone(), *nbytes);
+                    RecOut::Bound(*v)
+                }
+                (Some(v), _) => RecOut::Value(*v),
+                (None, _) => RecOut::Unnamed,
+            };
+            rec_out.push((out, *nbytes));
+        }
+        rec.node(idx, plan, functions, rec_in, rec_out);
+    }
+
+    /// Whether every output of a node is a small non-float tensor (shape arithmetic).
+    fn small_integer_outputs(out_types: &OutputTypes) -> bool {
+        !out_types.iter().flatten().any(|(d, _)| d.is_float())
+            && out_types.iter().flatten().map(|(d, s)| byte_size(*d, s).unwrap_or(u64::MAX)).sum::<u64>()
+                <= HOST_NODE_MAX_OUTPUT_BYTES
+    }
+
+    /// Runs node `idx`'s CPU reference with its device inputs opaque. `Some`: the reference
+    /// never read their bytes, so the outputs are a function of shapes and host values alone
+    /// (Shape, Size, and what follows them). `None`: it tried to read them.
+    fn probe_shape_only(
+        &mut self,
+        idx: usize,
+        res: &Resolution,
+        inputs: &[Option<Value>],
+        out_types: &OutputTypes,
+    ) -> Result<Option<Vec<Option<Tensor>>>> {
+        let opset = self.opset_of(idx)?;
+        let node = self.model.graph.nodes[idx].clone();
+        let value_inputs = res.entry.value_inputs.clone();
+        let args_in = inputs
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                v.as_ref().map(|v| match v.host_bytes() {
+                    Some(t) => tensor_arg(t, value_inputs.contains(&i), Access::Read(t.data.clone())),
+                    None => ArgTensor {
+                        dtype: Some(v.dtype()),
+                        dims: Some(v.shape().iter().map(|&d| d as i64).collect()),
+                        value: None,
+                        nbytes: v.nbytes(),
+                        access: Access::Opaque,
+                    },
+                })
+            })
+            .collect();
+        let args = node_call(&node, opset, args_in, cpu::output_args(out_types));
+        let n_in = inputs.iter().flatten().count();
+        match self.call_shim(&res.package, CallKind::Cpu, args) {
+            Ok(outcome) => cpu::collect_outputs(outcome, n_in, out_types).map(Some),
+            Err(_) => Ok(None),
+        }
     }
 
     /// Runs GPU node `idx` from its memo when its inputs have the types of the memoized run
@@ -994,7 +1359,7 @@ impl Session {
         }
         let out_ids = node.outputs.clone();
         self.report.plan_hits += 1;
-        let outs = self.launch_outputs(&memo.plan, &memo.functions, &memo.out_types, &out_ids, slots)?;
+        let outs = self.launch_outputs(idx, &memo.plan, &memo.functions, &memo.out_types, &out_ids, slots)?;
         for (o, v) in out_ids.iter().zip(outs) {
             match (o, v) {
                 (Some(id), Some(v)) => values[*id] = Some(v),

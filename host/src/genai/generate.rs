@@ -10,6 +10,12 @@
 //! graphs: every step has the same shapes, so every node's launch plan is reused. Without a
 //! shared buffer the past grows by one position per step, each step's presents (kept on the
 //! device) becoming the next step's pasts. Prompts of a batch are right-padded.
+//!
+//! Greedy decoding with a shared buffer samples on the device (`device_step`): each step feeds
+//! and writes the same held buffers (tokens, mask, position, KV), so on a GPU it runs through
+//! one execution plan and, from its second step, as one CUDA-graph replay. On a GPU such a
+//! batch is padded to a bucket (1, 2, 4, 8, 16, 32, then multiples of 32) with one-token rows
+//! whose output is dropped, so every batch size of a bucket shares one graph.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -17,6 +23,7 @@ use std::time::Instant;
 use kiln_kernel_abi::DType;
 use serde::Serialize;
 
+use super::device_step::{self, StepBuffers, StepNames as DeviceNames};
 use super::{GenaiConfig, ModelFolder, Sampler, SamplingParams};
 use crate::ep::{DeviceTensor, Feed, Fetch, Fetched, Runtime, Session, SessionOptions};
 use crate::{Error, Result, Tensor};
@@ -28,6 +35,8 @@ pub struct GenerateOptions {
     /// Overrides the config's `search.max_length` (prompt + generated tokens).
     pub max_length: Option<usize>,
     pub sampling: SamplingParams,
+    /// Keep generating after an end-of-sequence token (benchmarks: exactly `max_new_tokens`).
+    pub ignore_eos: bool,
 }
 
 /// Why a row stopped.
@@ -61,6 +70,13 @@ pub struct Timings {
     pub decode_tokens: usize,
     pub decode_tokens_per_s: f64,
     pub decode_steps: usize,
+    /// Host time of the decode steps' session runs (enqueueing; a replayed graph is one
+    /// launch), in milliseconds.
+    pub decode_host_ms: f64,
+    /// Whether the decode steps chose their tokens on the device (greedy with a shared KV
+    /// buffer), and the batch bucket they ran at (rows, padding included).
+    pub device_sampling: bool,
+    pub bucket: usize,
 }
 
 /// Every row's result and the timings.
@@ -76,6 +92,13 @@ pub struct Generator {
     pub session: Session,
     /// The decoder's input and output names, resolved from the config once.
     names: StepNames,
+    /// The names of the device-sampling nodes, when the session's graph has them.
+    device: Option<DeviceNames>,
+    /// The buffers of device-sampled steps, kept for the next generation of the same shape.
+    step_buffers: Option<StepBuffers>,
+    /// A freed shared KV cache, reused by the next prefill of the same shape (its addresses,
+    /// and so a captured step's graph, stay valid).
+    spare_kv: Option<(Vec<usize>, Vec<DeviceTensor>)>,
 }
 
 /// The names a decoder step feeds and fetches (`genai_config.json`'s `decoder.inputs` and
@@ -137,19 +160,44 @@ impl KvCache {
 
 impl Generator {
     pub fn new(rt: Arc<Runtime>, folder: ModelFolder, options: SessionOptions) -> Result<Generator> {
-        let session = Session::new(rt, folder.model.clone(), options)?;
+        let mut model = folder.model.clone();
+        let device = device_step::augment(&mut model, &folder.config, &rt.registry);
+        let session = Session::new(rt, model, options)?;
         let names = StepNames::of(&folder.config);
-        Ok(Generator { folder, session, names })
+        Ok(Generator { folder, session, names, device, step_buffers: None, spare_kv: None })
+    }
+
+    /// Whether greedy decode steps choose their tokens on the device.
+    pub fn samples_on_device(&self) -> bool {
+        self.device.is_some()
     }
 
     fn config(&self) -> &GenaiConfig {
         &self.folder.config
     }
 
-    /// Gives a cache's device memory back.
+    /// Gives a cache's device memory back. A shared cache is kept for the next prefill of
+    /// the same shape (the one kept before it is freed).
     pub fn free(&mut self, kv: KvCache) {
-        for t in kv.past {
-            self.session.free_tensor(t);
+        let shape = kv.past.first().and_then(|t| self.session.tensor_type(t).ok()).map(|t| t.1);
+        match shape {
+            Some(shape) if kv.shared => {
+                if let Some((_, old)) = self.spare_kv.replace((shape, kv.past)) {
+                    old.into_iter().for_each(|t| self.session.free_tensor(t));
+                }
+            }
+            _ => kv.past.into_iter().for_each(|t| self.session.free_tensor(t)),
+        }
+    }
+
+    /// Frees what the generator keeps between generations (a spare KV cache, the device-step
+    /// buffers). The next generation allocates them anew, at new addresses.
+    pub fn release_buffers(&mut self) {
+        if let Some((_, kv)) = self.spare_kv.take() {
+            kv.into_iter().for_each(|t| self.session.free_tensor(t));
+        }
+        if let Some(b) = self.step_buffers.take() {
+            b.free(&mut self.session);
         }
     }
 
@@ -183,7 +231,14 @@ impl Generator {
         let d = &self.folder.config.model.decoder;
         let shape = vec![batch, d.num_key_value_heads, if shared { limit } else { 0 }, d.head_size];
         let mut past = Vec::with_capacity(self.names.past.len());
-        for _ in 0..self.names.past.len() {
+        match self.spare_kv.take() {
+            // Stale rows past each row's length are never read: GroupQueryAttention reads
+            // positions below seqlens_k only, and the prompt overwrites the rest.
+            Some((s, kv)) if s == shape => past = kv,
+            Some((_, kv)) => kv.into_iter().for_each(|t| self.session.free_tensor(t)),
+            None => {}
+        }
+        while past.len() < self.names.past.len() {
             match self.session.zeros(self.folder.kv_dtype, shape.clone()) {
                 Ok(t) => past.push(t),
                 Err(e) => {
@@ -268,6 +323,11 @@ impl Generator {
         for (name, t) in names.present.iter().zip(&kv.past) {
             fetches.push((name.as_str(), if kv.shared { Fetch::Into(t) } else { Fetch::Device }));
         }
+        if let Some(d) = &self.device {
+            for n in [&d.next_ids, &d.next_mask, &d.next_position] {
+                fetches.push((n.as_str(), Fetch::Skip));
+            }
+        }
         let outputs = self.session.run_with(feeds, &fetches)?;
         // Held outputs by name: the logits, and (without a shared buffer) the presents.
         let mut logits = None;
@@ -325,11 +385,24 @@ impl Generator {
         let max_length = opts.max_length.unwrap_or_else(|| cfg.max_length());
         // The longest the sequences can get; a shared KV buffer is allocated at that length.
         let limit = max_length.min(s + opts.max_new_tokens.max(1));
-        let (mut kv, first) = self.prefill(prompts, limit)?;
-        let result = self.decode_loop(&mut kv, prompts, first, opts, max_length, t0, on_token);
+        let p = &opts.sampling;
+        let on_device = self.device.is_some()
+            && cfg.search.past_present_share_buffer
+            && (!p.do_sample || p.temperature <= 0.0)
+            && p.repetition_penalty == 1.0;
+        // On a GPU, device-sampled batches run at their bucket, graphs on or off, so that eager
+        // and graph steps of one batch have the same shapes (and the same tokens).
+        let on_gpu = self.session.device() != crate::ep::Device::Cpu;
+        let bucket = if on_device && on_gpu { bucket(prompts.len()) } else { prompts.len() };
+        let mut rows = prompts.to_vec();
+        rows.resize(bucket, vec![cfg.model.pad_token_id.unwrap_or(0)]);
+        let (mut kv, first) = self.prefill(&rows, limit)?;
+        let result = self.decode_loop(&mut kv, &rows, prompts.len(), first, opts, on_device, max_length, t0, on_token);
         self.free(kv);
         let (generated, stopped, mut timings) = result?;
         timings.prefill_tokens = prompts.iter().map(Vec::len).sum();
+        timings.device_sampling = on_device;
+        timings.bucket = bucket;
         let rows = prompts
             .iter()
             .zip(generated)
@@ -344,13 +417,17 @@ impl Generator {
     }
 
     /// Samples the first tokens from the prefill's logits, then decodes until every row stops.
+    /// Rows from `real` on are padding of the batch bucket: they step, nothing of them is kept.
+    /// `on_device`: greedy steps that choose their tokens on the device.
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn decode_loop(
         &mut self,
         kv: &mut KvCache,
         prompts: &[Vec<i64>],
+        real: usize,
         first: Vec<Vec<f32>>,
         opts: &GenerateOptions,
+        on_device: bool,
         max_length: usize,
         t0: Instant,
         on_token: &mut dyn FnMut(usize, i64),
@@ -361,10 +438,14 @@ impl Generator {
         let mut sampler = Sampler::new(opts.sampling.clone());
         let mut history: Vec<Vec<i64>> = prompts.to_vec();
         let mut generated: Vec<Vec<i64>> = vec![Vec::new(); batch];
-        let mut stopped: Vec<Option<StopReason>> = vec![None; batch];
+        let mut stopped: Vec<Option<StopReason>> =
+            (0..batch).map(|b| (b >= real).then_some(StopReason::MaxLength)).collect();
         let mut next: Vec<i64> = first.iter().zip(&history).map(|(row, h)| sampler.next(row, h)).collect();
+        if on_device {
+            self.start_device_steps(kv, &next)?;
+        }
         let prefill = t0.elapsed();
-        let prefill_tokens: usize = prompts.iter().map(Vec::len).sum();
+        let prefill_tokens: usize = prompts[..real].iter().map(Vec::len).sum();
         let mut timings = Timings {
             time_to_first_token_ms: prefill.as_secs_f64() * 1e3,
             prefill_ms: prefill.as_secs_f64() * 1e3,
@@ -372,6 +453,7 @@ impl Generator {
             ..Timings::default()
         };
         let t1 = Instant::now();
+        let host_before = self.session.report.run_time_us;
         loop {
             for b in 0..batch {
                 if stopped[b].is_some() {
@@ -380,7 +462,7 @@ impl Generator {
                 generated[b].push(next[b]);
                 history[b].push(next[b]);
                 on_token(b, next[b]);
-                if eos.contains(&next[b]) {
+                if !opts.ignore_eos && eos.contains(&next[b]) {
                     stopped[b] = Some(StopReason::Eos);
                 } else if generated[b].len() >= opts.max_new_tokens {
                     stopped[b] = Some(StopReason::MaxNewTokens);
@@ -391,10 +473,22 @@ impl Generator {
             if stopped.iter().all(Option::is_some) {
                 break;
             }
+            timings.decode_steps += 1;
+            if on_device {
+                // Every row steps with the token the device chose for it (finished rows too,
+                // harmlessly); only the ids come back.
+                let ids = self.decode_on_device(kv)?;
+                for b in 0..batch {
+                    if stopped[b].is_none() {
+                        next[b] = ids[b];
+                        timings.decode_tokens += 1;
+                    }
+                }
+                continue;
+            }
             // One decode step: every row feeds its last token (finished rows feed padding).
             let step_ids: Vec<i64> = (0..batch).map(|b| if stopped[b].is_some() { pad } else { next[b] }).collect();
             let logits = self.decode(kv, &step_ids)?;
-            timings.decode_steps += 1;
             for b in 0..batch {
                 if stopped[b].is_none() {
                     next[b] = sampler.next(&logits[b], &history[b]);
@@ -403,9 +497,88 @@ impl Generator {
             }
         }
         let decode = t1.elapsed();
+        timings.decode_host_ms = (self.session.report.run_time_us - host_before) as f64 / 1e3;
         timings.decode_ms = decode.as_secs_f64() * 1e3;
         timings.decode_tokens_per_s = timings.decode_tokens as f64 / decode.as_secs_f64().max(1e-9);
         Ok((generated, stopped, timings))
+    }
+
+    /// Readies device-sampled steps after a prefill: the step buffers of this shape (kept from
+    /// an earlier generation, or new), with `tokens` to feed, the cache's mask with the first
+    /// step's column set, and the position after it.
+    pub fn start_device_steps(&mut self, kv: &KvCache, tokens: &[i64]) -> Result<()> {
+        if self.device.is_none() || !kv.shared {
+            return Err(Error::Input("this model's decode steps cannot sample on the device".into()));
+        }
+        if kv.total >= kv.limit {
+            return Err(Error::Input(format!("the cache is full ({} positions)", kv.limit)));
+        }
+        let fits = self.step_buffers.as_ref().is_some_and(|b| b.batch == kv.batch && b.limit == kv.limit);
+        if !fits {
+            if let Some(old) = self.step_buffers.take() {
+                old.free(&mut self.session);
+            }
+            self.step_buffers = Some(StepBuffers::new(&mut self.session, kv.batch, kv.limit)?);
+        }
+        let mut mask = kv.mask.clone();
+        for b in 0..kv.batch {
+            mask[b * kv.limit + kv.total] = 1;
+        }
+        let buffers = self.step_buffers.as_ref().ok_or_else(|| Error::Device("step buffers vanished".into()))?;
+        buffers.start(&mut self.session, tokens, &mask, kv.total + 1)
+    }
+
+    /// One greedy decode step that chooses its tokens on the device (after
+    /// [`Generator::start_device_steps`]): feeds the step buffers and the cache, and returns the
+    /// token each row chose (already in place as the next step's input). Errors: a full cache,
+    /// no started steps, or the step's own failure (the step buffers may then be partly
+    /// written: start again).
+    pub fn decode_on_device(&mut self, kv: &mut KvCache) -> Result<Vec<i64>> {
+        if kv.total >= kv.limit {
+            return Err(Error::Input(format!("the cache is full ({} positions)", kv.limit)));
+        }
+        let (Some(d), Some(b)) = (&self.device, &self.step_buffers) else {
+            return Err(Error::Input("decode_on_device before start_device_steps".into()));
+        };
+        if b.batch != kv.batch || b.limit != kv.limit {
+            return Err(Error::Input("the device-step buffers are of another cache: start again".into()));
+        }
+        let names = &self.names;
+        let mut feeds =
+            vec![(names.input_ids.clone(), Feed::Device(&b.ids)), (d.position.clone(), Feed::Device(&b.position))];
+        if let Some(m) = &names.attention_mask {
+            feeds.push((m.clone(), Feed::Device(&b.mask)));
+        }
+        feeds.extend(names.past.iter().cloned().zip(kv.past.iter().map(Feed::Device)));
+        let mut fetches: Vec<(&str, Fetch<'_>)> = vec![
+            (names.logits.as_str(), Fetch::Skip),
+            (d.next_ids.as_str(), Fetch::Into(&b.ids)),
+            (d.next_mask.as_str(), Fetch::Into(&b.mask)),
+            (d.next_position.as_str(), Fetch::Into(&b.position)),
+        ];
+        for (name, t) in names.present.iter().zip(&kv.past) {
+            fetches.push((name.as_str(), Fetch::Into(t)));
+        }
+        self.session.run_with(feeds, &fetches)?;
+        for row in 0..kv.batch {
+            kv.mask[row * kv.limit + kv.total] = 1;
+        }
+        kv.total += 1;
+        let ids = self.session.read_tensor(&b.ids)?;
+        Ok(ids
+            .data
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+            .collect())
+    }
+}
+
+/// The batch bucket of `rows` rows under CUDA graphs: 1, 2, 4, 8, 16, 32, then multiples of 32.
+pub fn bucket(rows: usize) -> usize {
+    if rows <= 32 {
+        rows.max(1).next_power_of_two()
+    } else {
+        rows.div_ceil(32) * 32
     }
 }
 

@@ -4,11 +4,15 @@
 //! sampled; batches of prompts are right-padded as onnxruntime-genai pads them.
 
 pub mod config;
+mod device_step;
 mod folder;
 mod generate;
 pub mod sampling;
 
 pub use config::GenaiConfig;
+pub use device_step::KILN_DOMAIN;
 pub use folder::ModelFolder;
-pub use generate::{GenerateOptions, Generation, Generator, KvCache, RowResult, StopReason, Timings};
+pub use generate::{
+    bucket, i64_tensor, GenerateOptions, Generation, Generator, KvCache, RowResult, StopReason, Timings,
+};
 pub use sampling::{Sampler, SamplingParams};

@@ -108,42 +108,13 @@ __device__ void gqa_kv(const typename Tag::storage* k_src, const typename Tag::s
     }
 }
 
-// Attention for query row s = blockIdx.x, head h = blockIdx.y, batch row b = blockIdx.z over the
-// present K/V [B, Nk, PL, H]. Each warp takes keys start + w, start + w + warps, … with its own
-// online softmax (f32); lanes hold head elements d = lane + 32·c. The warps' states are merged
-// through shared memory. Query rows are rotated (rotary_half > 0) and rounded to the dtype as
-// the CPU reference does. sink_mode: 0 none, 1 smooth softmax (sink 0), 2 head_sink[h].
-// bias (has_bias): [bias_b, bias_h, S, total] broadcast over batch / heads when 1.
+// The query row of head h at position pos, rotated (rotary_half > 0) and rounded to the dtype
+// as the CPU reference does; lane holds elements d = lane + 32·c.
 template <typename Tag>
-__device__ void gqa_attn(const typename Tag::storage* q_src, const typename Tag::storage* pres_k,
-                         const typename Tag::storage* pres_v, const int* seqlens, const typename Tag::storage* cos_c,
-                         const typename Tag::storage* sin_c, const typename Tag::storage* bias,
-                         const typename Tag::storage* sink, typename Tag::storage* out, unsigned S, unsigned N,
-                         unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w, unsigned first_prompt, kiln_u64 cache_rows,
-                         unsigned rotary_half, unsigned interleaved, float scale, float softcap, int window,
-                         unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode) {
-    __shared__ float s_acc[GQA_MAX_WARPS][GQA_MAX_CHUNKS * 32];
-    __shared__ float s_m[GQA_MAX_WARPS], s_l[GQA_MAX_WARPS];
-    const unsigned s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const unsigned group = N / Nk;
-    const unsigned j = h / group;
-    long long t_b, past_b;
-    gqa_row(seqlens, b, S, first_prompt, &t_b, &past_b);
-    const long long causal = past_b + (long long)s + 1;
-    long long start = (window >= 0 && causal > (long long)window) ? causal - window : 0;
-    long long end = causal < t_b ? causal : t_b;
-    if (start < 0) start = 0;
-    if (end > (long long)PL) end = PL;
-    typename Tag::storage* o = out + ((kiln_u64)b * S + s) * ((kiln_u64)N * H) + (kiln_u64)h * H;
-    if (start >= end) {
-        for (unsigned d = threadIdx.x; d < H; d += blockDim.x) o[d] = kiln_from_f32(Tag(), 0.f);
-        return;
-    }
-
-    const typename Tag::storage* qr = q_src + ((kiln_u64)b * S + s) * q_w + (kiln_u64)h * H;
-    const long long pos = past_b + (long long)s;
-    float q[GQA_MAX_CHUNKS], acc[GQA_MAX_CHUNKS];
+__device__ __forceinline__ void gqa_query(const typename Tag::storage* qr, const typename Tag::storage* cos_c,
+                                          const typename Tag::storage* sin_c, long long pos, kiln_u64 cache_rows,
+                                          unsigned rotary_half, unsigned interleaved, unsigned H, unsigned lane,
+                                          float* q) {
 #pragma unroll
     for (int c = 0; c < GQA_MAX_CHUNKS; ++c) {
         const unsigned d = lane + 32u * c;
@@ -156,25 +127,32 @@ __device__ void gqa_attn(const typename Tag::storage* q_src, const typename Tag:
                 v = kiln_to_f32(Tag(), qr[d]);
         }
         q[c] = v;
-        acc[c] = 0.f;
     }
+}
 
-    const kiln_u64 head = ((kiln_u64)b * Nk + j) * PL * H;
-    const typename Tag::storage* bias_row = 0;
-    if (has_bias)
-        bias_row = bias + (((kiln_u64)(bias_b == 1 ? 0 : b) * bias_h + (bias_h == 1 ? 0 : h)) * S + s) * total;
+// Folds keys [lo, hi) of one head's K/V rows (`kh`, `vh`: row t at t·H) into an online
+// softmax per warp (f32): warp w takes keys lo + w, lo + w + warps, …, GQA_KEYS at a time so
+// the loads overlap. On return, after a __syncthreads, the block's state is merged: `*mx` is
+// the largest score, `*den` = Σ e^(x − mx), and s_acc[0][d] = Σ e^(x − mx)·v[d] for d < H.
+template <typename Tag>
+__device__ void gqa_fold(const float* q, const typename Tag::storage* kh, const typename Tag::storage* vh,
+                         long long lo, long long hi, unsigned H, float scale, float softcap,
+                         const typename Tag::storage* bias_row, float (*s_acc)[GQA_MAX_CHUNKS * 32], float* s_m,
+                         float* s_l, float* mx, float* den) {
+    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    float acc[GQA_MAX_CHUNKS];
+#pragma unroll
+    for (int c = 0; c < GQA_MAX_CHUNKS; ++c) acc[c] = 0.f;
     float m = -__int_as_float(0x7f800000), l = 0.f;
-    // Each warp takes GQA_KEYS keys at a time (start + warp, + warps, …): their K and V rows
-    // are loaded together so the loads overlap, then folded into the online softmax in order.
-    for (long long t0 = start + warp; t0 < end; t0 += (long long)warps * GQA_KEYS) {
+    for (long long t0 = lo + warp; t0 < hi; t0 += (long long)warps * GQA_KEYS) {
         float x[GQA_KEYS];
         float v[GQA_KEYS][GQA_MAX_CHUNKS];
 #pragma unroll
         for (int u = 0; u < GQA_KEYS; ++u) {
             const long long t = t0 + (long long)u * warps;
-            const bool live = t < end;
-            const typename Tag::storage* kr = pres_k + head + (kiln_u64)t * H;
-            const typename Tag::storage* vr = pres_v + head + (kiln_u64)t * H;
+            const bool live = t < hi;
+            const typename Tag::storage* kr = kh + (kiln_u64)t * H;
+            const typename Tag::storage* vr = vh + (kiln_u64)t * H;
             float dot = 0.f;
 #pragma unroll
             for (int c = 0; c < GQA_MAX_CHUNKS; ++c) {
@@ -189,9 +167,9 @@ __device__ void gqa_attn(const typename Tag::storage* q_src, const typename Tag:
         for (int u = 0; u < GQA_KEYS; ++u) {
             const long long t = t0 + (long long)u * warps;
             float xu = kiln_warp_sum(x[u]) * scale;
-            if (t >= end) continue;
+            if (t >= hi) continue;
             if (softcap > 0.f) xu = softcap * tanhf(xu / softcap);
-            if (has_bias) xu += kiln_to_f32(Tag(), bias_row[t]);
+            if (bias_row) xu += kiln_to_f32(Tag(), bias_row[t]);
             if (xu == -__int_as_float(0x7f800000)) continue;  // exp(−inf) = 0: no weight.
             const float m_new = fmaxf(m, xu);
             const float corr = expf(m - m_new);  // m = −inf → 0
@@ -209,21 +187,168 @@ __device__ void gqa_attn(const typename Tag::storage* q_src, const typename Tag:
 #pragma unroll
     for (int c = 0; c < GQA_MAX_CHUNKS; ++c) s_acc[warp][lane + 32u * c] = acc[c];
     __syncthreads();
-
-    // Merge: M = max over warps (and the sink), L = Σ l_w·e^(m_w − M) (+ e^(sink − M)).
-    float mx = -__int_as_float(0x7f800000);
-    for (unsigned w = 0; w < warps; ++w) mx = fmaxf(mx, s_m[w]);
-    float sink_v = 0.f;
-    const bool has_sink = sink_mode != 0;
-    if (sink_mode == 2) sink_v = kiln_to_f32(Tag(), sink[h]);
-    if (has_sink) mx = fmaxf(mx, sink_v);
-    float den = has_sink ? expf(sink_v - mx) : 0.f;
+    // Merge: M = max over warps, L = Σ l_w·e^(m_w − M); acc likewise, into s_acc[0] (each d is
+    // read and written by one thread only).
+    float M = -__int_as_float(0x7f800000);
+    for (unsigned w = 0; w < warps; ++w) M = fmaxf(M, s_m[w]);
+    float L = 0.f;
     for (unsigned w = 0; w < warps; ++w)
-        if (s_l[w] > 0.f) den += s_l[w] * expf(s_m[w] - mx);
+        if (s_l[w] > 0.f) L += s_l[w] * expf(s_m[w] - M);
+    for (unsigned d = threadIdx.x; d < H; d += blockDim.x) {
+        float a = 0.f;
+        for (unsigned w = 0; w < warps; ++w)
+            if (s_l[w] > 0.f) a += s_acc[w][d] * expf(s_m[w] - M);
+        s_acc[0][d] = a;
+    }
+    *mx = M;
+    *den = L;
+}
+
+// The bias row of (b, h, s) over `total` keys, or null.
+template <typename Tag>
+__device__ __forceinline__ const typename Tag::storage* gqa_bias_row(const typename Tag::storage* bias,
+                                                                     unsigned has_bias, unsigned bias_b,
+                                                                     unsigned bias_h, unsigned b, unsigned h,
+                                                                     unsigned s, unsigned S, unsigned total) {
+    if (!has_bias) return 0;
+    return bias + (((kiln_u64)(bias_b == 1 ? 0 : b) * bias_h + (bias_h == 1 ? 0 : h)) * S + s) * total;
+}
+
+// The key range [*start, *end) query row s of batch row b attends to (causal, window, clamped
+// to the present length PL).
+__device__ __forceinline__ void gqa_range(const int* seqlens, unsigned b, unsigned s, unsigned S,
+                                          unsigned first_prompt, int window, unsigned PL, long long* start,
+                                          long long* end, long long* pos) {
+    long long t_b, past_b;
+    gqa_row(seqlens, b, S, first_prompt, &t_b, &past_b);
+    const long long causal = past_b + (long long)s + 1;
+    long long st = (window >= 0 && causal > (long long)window) ? causal - window : 0;
+    long long en = causal < t_b ? causal : t_b;
+    if (st < 0) st = 0;
+    if (en > (long long)PL) en = PL;
+    *start = st;
+    *end = en;
+    *pos = past_b + (long long)s;
+}
+
+// Attention for query row s = blockIdx.x, head h = blockIdx.y, batch row b = blockIdx.z over the
+// present K/V [B, Nk, PL, H]: one online softmax per warp (gqa_fold), merged through shared
+// memory. sink_mode: 0 none, 1 smooth softmax (sink 0), 2 head_sink[h]. bias (has_bias):
+// [bias_b, bias_h, S, total] broadcast over batch / heads when 1.
+template <typename Tag>
+__device__ void gqa_attn(const typename Tag::storage* q_src, const typename Tag::storage* pres_k,
+                         const typename Tag::storage* pres_v, const int* seqlens, const typename Tag::storage* cos_c,
+                         const typename Tag::storage* sin_c, const typename Tag::storage* bias,
+                         const typename Tag::storage* sink, typename Tag::storage* out, unsigned S, unsigned N,
+                         unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w, unsigned first_prompt, kiln_u64 cache_rows,
+                         unsigned rotary_half, unsigned interleaved, float scale, float softcap, int window,
+                         unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode) {
+    __shared__ float s_acc[GQA_MAX_WARPS][GQA_MAX_CHUNKS * 32];
+    __shared__ float s_m[GQA_MAX_WARPS], s_l[GQA_MAX_WARPS];
+    const unsigned s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const unsigned j = h / (N / Nk);
+    long long start, end, pos;
+    gqa_range(seqlens, b, s, S, first_prompt, window, PL, &start, &end, &pos);
+    typename Tag::storage* o = out + ((kiln_u64)b * S + s) * ((kiln_u64)N * H) + (kiln_u64)h * H;
+    if (start >= end) {
+        for (unsigned d = threadIdx.x; d < H; d += blockDim.x) o[d] = kiln_from_f32(Tag(), 0.f);
+        return;
+    }
+    float q[GQA_MAX_CHUNKS];
+    gqa_query<Tag>(q_src + ((kiln_u64)b * S + s) * q_w + (kiln_u64)h * H, cos_c, sin_c, pos, cache_rows, rotary_half,
+                   interleaved, H, threadIdx.x & 31u, q);
+    const kiln_u64 head = ((kiln_u64)b * Nk + j) * PL * H;
+    float mx, den;
+    gqa_fold<Tag>(q, pres_k + head, pres_v + head, start, end, H, scale, softcap,
+                  gqa_bias_row<Tag>(bias, has_bias, bias_b, bias_h, b, h, s, S, total), s_acc, s_m, s_l, &mx, &den);
+    float sink_v = 0.f;
+    if (sink_mode == 2) sink_v = kiln_to_f32(Tag(), sink[h]);
+    if (sink_mode != 0) {
+        const float m2 = fmaxf(mx, sink_v);
+        const float a = expf(mx - m2);  // mx = −inf (no weight) → 0
+        den = den * a + expf(sink_v - m2);
+        for (unsigned d = threadIdx.x; d < H; d += blockDim.x) o[d] = kiln_from_f32(Tag(), s_acc[0][d] * a / den);
+        return;
+    }
+    for (unsigned d = threadIdx.x; d < H; d += blockDim.x) o[d] = kiln_from_f32(Tag(), s_acc[0][d] / den);
+}
+
+// Split-K decode attention (flash-decoding), S = 1 and not a first prompt: block (split, h, b)
+// folds keys [split·chunk, (split + 1)·chunk) ∩ [start, end) into a partial state in f32 at
+// partial + ((b·N + h)·splits + split)·(H + 2): m, l, then acc[0..H) (unnormalized). Splits
+// past the row's length write l = 0 and return at once, so a step reads only its own keys.
+template <typename Tag>
+__device__ void gqa_decode_split(const typename Tag::storage* q_src, const typename Tag::storage* pres_k,
+                                 const typename Tag::storage* pres_v, const int* seqlens,
+                                 const typename Tag::storage* cos_c, const typename Tag::storage* sin_c,
+                                 const typename Tag::storage* bias, float* partial, unsigned N, unsigned Nk,
+                                 unsigned H, unsigned PL, kiln_u64 q_w, kiln_u64 cache_rows, unsigned rotary_half,
+                                 unsigned interleaved, float scale, float softcap, int window, unsigned has_bias,
+                                 unsigned bias_b, unsigned bias_h, unsigned total, unsigned chunk) {
+    __shared__ float s_acc[GQA_MAX_WARPS][GQA_MAX_CHUNKS * 32];
+    __shared__ float s_m[GQA_MAX_WARPS], s_l[GQA_MAX_WARPS];
+    const unsigned split = blockIdx.x, h = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
+    const unsigned j = h / (N / Nk);
+    long long start, end, pos;
+    gqa_range(seqlens, b, 0, 1, 0, window, PL, &start, &end, &pos);
+    long long lo = (long long)split * chunk, hi = lo + chunk;
+    if (lo < start) lo = start;
+    if (hi > end) hi = end;
+    float* part = partial + (((kiln_u64)b * N + h) * splits + split) * (H + 2);
+    if (lo >= hi) {
+        if (threadIdx.x == 0) {
+            part[0] = -__int_as_float(0x7f800000);
+            part[1] = 0.f;
+        }
+        return;
+    }
+    float q[GQA_MAX_CHUNKS];
+    gqa_query<Tag>(q_src + (kiln_u64)b * q_w + (kiln_u64)h * H, cos_c, sin_c, pos, cache_rows, rotary_half,
+                   interleaved, H, threadIdx.x & 31u, q);
+    const kiln_u64 head = ((kiln_u64)b * Nk + j) * PL * H;
+    float mx, den;
+    gqa_fold<Tag>(q, pres_k + head, pres_v + head, lo, hi, H, scale, softcap,
+                  gqa_bias_row<Tag>(bias, has_bias, bias_b, bias_h, b, h, 0, 1, total), s_acc, s_m, s_l, &mx, &den);
+    if (threadIdx.x == 0) {
+        part[0] = mx;
+        part[1] = den;
+    }
+    for (unsigned d = threadIdx.x; d < H; d += blockDim.x) part[2 + d] = s_acc[0][d];
+}
+
+// Merges the splits of gqa_decode_split for head h = blockIdx.x, batch row b = blockIdx.y,
+// with the sink (sink_mode as gqa_attn), into out [B, 1, N·H]. A row with no key to attend
+// to gets zeros, as in gqa_attn.
+template <typename Tag>
+__device__ void gqa_decode_merge(const float* partial, const int* seqlens, const typename Tag::storage* sink,
+                                 typename Tag::storage* out, unsigned N, unsigned H, unsigned PL, int window,
+                                 unsigned splits, unsigned sink_mode) {
+    const unsigned h = blockIdx.x, b = blockIdx.y;
+    long long start, end, pos;
+    gqa_range(seqlens, b, 0, 1, 0, window, PL, &start, &end, &pos);
+    typename Tag::storage* o = out + (kiln_u64)b * N * H + (kiln_u64)h * H;
+    if (start >= end) {
+        for (unsigned d = threadIdx.x; d < H; d += blockDim.x) o[d] = kiln_from_f32(Tag(), 0.f);
+        return;
+    }
+    const float* part = partial + ((kiln_u64)b * N + h) * splits * (H + 2);
+    float M = -__int_as_float(0x7f800000);
+    for (unsigned s = 0; s < splits; ++s)
+        if (part[s * (H + 2) + 1] > 0.f) M = fmaxf(M, part[s * (H + 2)]);
+    float sink_v = 0.f;
+    if (sink_mode == 2) sink_v = kiln_to_f32(Tag(), sink[h]);
+    if (sink_mode != 0) M = fmaxf(M, sink_v);
+    float den = sink_mode != 0 ? expf(sink_v - M) : 0.f;
+    for (unsigned s = 0; s < splits; ++s) {
+        const float l = part[s * (H + 2) + 1];
+        if (l > 0.f) den += l * expf(part[s * (H + 2)] - M);
+    }
     for (unsigned d = threadIdx.x; d < H; d += blockDim.x) {
         float v = 0.f;
-        for (unsigned w = 0; w < warps; ++w)
-            if (s_l[w] > 0.f) v += s_acc[w][d] * expf(s_m[w] - mx);
+        for (unsigned s = 0; s < splits; ++s) {
+            const float* p = part + s * (H + 2);
+            if (p[1] > 0.f) v += p[2 + d] * expf(p[0] - M);
+        }
         o[d] = kiln_from_f32(Tag(), v / den);
     }
 }
@@ -275,6 +400,21 @@ __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, c
         gqa_attn<TAG>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, out, S, N, Nk, H, PL, q_w,             \
                       first_prompt, cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b,    \
                       bias_h, total, sink_mode);                                                                       \
+    }                                                                                                                  \
+    extern "C" __global__ void kiln_gqa_split_##SUF(                                                                   \
+        const TAG::storage* q_src, const TAG::storage* pres_k, const TAG::storage* pres_v, const int* seqlens,         \
+        const TAG::storage* cos_c, const TAG::storage* sin_c, const TAG::storage* bias, float* partial, unsigned N,    \
+        unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w, kiln_u64 cache_rows, unsigned rotary_half,                 \
+        unsigned interleaved, float scale, float softcap, int window, unsigned has_bias, unsigned bias_b,              \
+        unsigned bias_h, unsigned total, unsigned chunk) {                                                             \
+        gqa_decode_split<TAG>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, partial, N, Nk, H, PL, q_w,          \
+                              cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b, bias_h,  \
+                              total, chunk);                                                                           \
+    }                                                                                                                  \
+    extern "C" __global__ void kiln_gqa_merge_##SUF(const float* partial, const int* seqlens, const TAG::storage* sink, \
+                                                    TAG::storage* out, unsigned N, unsigned H, unsigned PL, int window, \
+                                                    unsigned splits, unsigned sink_mode) {                              \
+        gqa_decode_merge<TAG>(partial, seqlens, sink, out, N, H, PL, window, splits, sink_mode);                      \
     }                                                                                                                  \
     extern "C" __global__ void kiln_rope_##SUF(const TAG::storage* x, const long long* pos_ids,                        \
                                                const TAG::storage* cos_c, const TAG::storage* sin_c, TAG::storage* y,  \

@@ -241,3 +241,106 @@ RED_KERNELS(u64, unsigned long long)
 extern "C" __global__ void kiln_reduce_copy(const unsigned char* x, unsigned char* y, kiln_u64 nbytes) {
     KILN_FOR(i, nbytes) { y[i] = x[i]; }
 }
+
+// ArgMax / ArgMin (ONNX Operators.md): the input viewed as [outer, n, inner], reduced over n
+// onto int64 indices. A NaN wins over any number (numpy's argmax and argmin); among equal
+// values the first index wins, or the last with select_last_index. is_min picks ArgMin.
+//
+// - kiln_arg_rows_<T>: inner == 1; one block per row (grid-stride over rows), each thread scans
+//   a strided part of the row, then warp shuffles and shared memory merge (value, index) pairs.
+// - kiln_arg_strided_<T>: inner > 1; one thread per output (grid-stride), scanning n.
+template <typename M>
+__device__ __forceinline__ bool arg_better(M v, long long i, M best, long long bi, unsigned is_min, unsigned last) {
+    const bool vn = v != v, bn = best != best;
+    if (bi < 0) return true;
+    if (vn || bn) {
+        if (vn && !bn) return true;
+        if (bn && !vn) return false;
+        return last ? i > bi : i < bi;
+    }
+    if (v == best) return last ? i > bi : i < bi;
+    return is_min ? v < best : v > best;
+}
+
+template <typename T>
+__device__ void arg_rows(const T* x, long long* y, kiln_u64 rows, kiln_u64 n, unsigned is_min, unsigned last) {
+    typedef typename RT<T>::M M;
+    __shared__ M s_v[32];
+    __shared__ long long s_i[32];
+    for (kiln_u64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const T* xr = x + row * n;
+        M best = RT<T>::lowest();
+        long long bi = -1;
+        for (kiln_u64 j = threadIdx.x; j < n; j += blockDim.x) {
+            const M v = RT<T>::ld(xr[j]);
+            if (arg_better(v, (long long)j, best, bi, is_min, last)) {
+                best = v;
+                bi = (long long)j;
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            const M v = __shfl_xor_sync(0xffffffffu, best, o);
+            const long long i = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (i >= 0 && arg_better(v, i, best, bi, is_min, last)) {
+                best = v;
+                bi = i;
+            }
+        }
+        const unsigned warps = blockDim.x >> 5;
+        __syncthreads();
+        if ((threadIdx.x & 31) == 0) {
+            s_v[threadIdx.x >> 5] = best;
+            s_i[threadIdx.x >> 5] = bi;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (unsigned w = 1; w < warps; ++w)
+                if (s_i[w] >= 0 && arg_better(s_v[w], s_i[w], best, bi, is_min, last)) {
+                    best = s_v[w];
+                    bi = s_i[w];
+                }
+            y[row] = bi < 0 ? 0 : bi;
+        }
+    }
+}
+
+template <typename T>
+__device__ void arg_strided(const T* x, long long* y, kiln_u64 outer, kiln_u64 n, kiln_u64 inner, unsigned is_min,
+                            unsigned last) {
+    typedef typename RT<T>::M M;
+    KILN_FOR(o, outer * inner) {
+        const kiln_u64 a = o / inner, b = o - a * inner;
+        const T* xr = x + a * n * inner + b;
+        M best = RT<T>::lowest();
+        long long bi = -1;
+        for (kiln_u64 j = 0; j < n; ++j) {
+            const M v = RT<T>::ld(xr[j * inner]);
+            if (arg_better(v, (long long)j, best, bi, is_min, last)) {
+                best = v;
+                bi = (long long)j;
+            }
+        }
+        y[o] = bi < 0 ? 0 : bi;
+    }
+}
+
+#define ARG_KERNELS(SUFFIX, T)                                                                                   \
+    extern "C" __global__ void kiln_arg_rows_##SUFFIX(const T* x, long long* y, kiln_u64 rows, kiln_u64 n,      \
+                                                       unsigned is_min, unsigned last) {                        \
+        arg_rows<T>(x, y, rows, n, is_min, last);                                                                \
+    }                                                                                                            \
+    extern "C" __global__ void kiln_arg_strided_##SUFFIX(const T* x, long long* y, kiln_u64 outer, kiln_u64 n,  \
+                                                          kiln_u64 inner, unsigned is_min, unsigned last) {      \
+        arg_strided<T>(x, y, outer, n, inner, is_min, last);                                                     \
+    }
+
+ARG_KERNELS(f32, float)
+ARG_KERNELS(f16, red_f16)
+ARG_KERNELS(bf16, red_bf16)
+ARG_KERNELS(f64, double)
+ARG_KERNELS(i8, signed char)
+ARG_KERNELS(i32, int)
+ARG_KERNELS(i64, long long)
+ARG_KERNELS(u8, unsigned char)
+ARG_KERNELS(u32, unsigned)
+ARG_KERNELS(u64, unsigned long long)

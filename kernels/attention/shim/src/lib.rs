@@ -668,6 +668,22 @@ fn grid_for(n: usize) -> u32 {
     (n as u64).div_ceil(BLOCK as u64).clamp(1, 65535 * 32) as u32
 }
 
+/// Decode attention over a present buffer longer than this many positions is split over the
+/// keys (`kiln_gqa_split_*` then `kiln_gqa_merge_*`), `SPLIT_KEYS` keys per block of
+/// `SPLIT_WARPS` warps.
+const SPLIT_MIN_PRESENT: usize = 512;
+const SPLIT_KEYS: usize = 256;
+const SPLIT_WARPS: u32 = 8;
+
+/// The CUDA kernels' dtype suffix (f32, f16 or bf16; other dtypes are refused earlier).
+fn dtype_suffix(d: DType) -> &'static str {
+    match d {
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        _ => "f32",
+    }
+}
+
 /// Largest head size of `kiln_gqa_attn_*` (8 elements per lane).
 const GQA_MAX_HEAD: usize = 256;
 
@@ -734,7 +750,7 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
         // A shared buffer bound in place only needs the new rows written (the kernel checks);
         // otherwise the grid-stride loop copies the past with the same threads.
         let new_elems = p.batch * n_kv * p.seq * h_sz;
-        let kv_threads = if shared { (present_elems / 8).max(new_elems) } else { present_elems };
+        let kv_threads = if shared { (present_elems / 64).max(new_elems) } else { present_elems };
         launch(&Launch {
             kernel: kv_k,
             grid: [grid_for(kv_threads), 1, 1],
@@ -778,6 +794,68 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
     };
     if out.numel()? == 0 {
         return Ok(());
+    }
+    if p.seq == 1 && !p.first_prompt && p.present_len > SPLIT_MIN_PRESENT {
+        // Flash-decoding: the keys split in chunks over blocks, then merged. The split count
+        // depends on the present length only (a plan constant under graph capture); splits past
+        // a row's length return at once.
+        let splits = p.present_len.div_ceil(SPLIT_KEYS);
+        if splits > 65535 {
+            unsupported!("{GQA}: present length {} needs {splits} splits (at most 65535)", p.present_len);
+        }
+        let partial_bytes = (p.batch * n_h * splits * (h_sz + 2) * 4) as u64;
+        let partial = scratch(partial_bytes)?;
+        let suffix = dtype_suffix(p.dtype);
+        launch(&Launch {
+            kernel: &format!("kiln_gqa_split_{suffix}"),
+            grid: [splits as u32, p.heads as u32, p.batch as u32],
+            block: [32 * SPLIT_WARPS, 1, 1],
+            shared_mem_bytes: 0,
+            args: vec![
+                targ(&query),
+                harg(pres_k),
+                harg(pres_v),
+                seqlens,
+                cos,
+                sin,
+                bias,
+                harg(partial),
+                u("num_heads", n_h)?,
+                u("kv_num_heads", n_kv)?,
+                u("head size", h_sz)?,
+                u("present length", p.present_len)?,
+                KernelArg::U64(q_w as u64),
+                KernelArg::U64(cache_rows as u64),
+                u("rotary width", rot_half)?,
+                flag(interleaved),
+                KernelArg::F32(scale),
+                KernelArg::F32(softcap),
+                KernelArg::I32(window),
+                flag(p.bias_dims.is_some()),
+                u("attention_bias batch", bias_b)?,
+                u("attention_bias heads", bias_h)?,
+                u("total_sequence_length", p.total)?,
+                KernelArg::U32(SPLIT_KEYS as u32),
+            ],
+        })?;
+        return launch(&Launch {
+            kernel: &format!("kiln_gqa_merge_{suffix}"),
+            grid: [p.heads as u32, p.batch as u32, 1],
+            block: [64, 1, 1],
+            shared_mem_bytes: 0,
+            args: vec![
+                harg(partial),
+                seqlens,
+                sink,
+                targ(&out),
+                u("num_heads", n_h)?,
+                u("head size", h_sz)?,
+                u("present length", p.present_len)?,
+                KernelArg::I32(window),
+                u("splits", splits)?,
+                KernelArg::U32(sink_mode),
+            ],
+        });
     }
     let warps: u32 = if p.seq == 1 { 16 } else { 4 };
     launch(&Launch {

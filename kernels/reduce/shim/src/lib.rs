@@ -1,4 +1,5 @@
-//! Shim of `kiln-reduce`: ReduceSum, ReduceMean and ReduceMax, following ONNX Operators.md.
+//! Shim of `kiln-reduce`: ReduceSum, ReduceMean and ReduceMax, and ArgMax / ArgMin
+//! (`arg`), following ONNX Operators.md.
 //!
 //! `axes` is an attribute before ReduceSum-13 and ReduceMean-18/ReduceMax-18, the optional
 //! input 1 from then on (a value input: its bytes arrive inline). `keepdims` defaults to 1;
@@ -12,6 +13,8 @@
 //! propagates NaN.
 #![no_std]
 extern crate alloc;
+
+mod arg;
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
@@ -236,8 +239,15 @@ fn dispatch(call: &Call) -> Result<()> {
     })
 }
 
+fn is_arg(call: &Call) -> bool {
+    matches!(call.op_type(), "ArgMax" | "ArgMin")
+}
+
 impl Shim for Reduce {
     fn infer(call: &Call) -> Result<Vec<TensorType>> {
+        if is_arg(call) {
+            return arg::infer(call);
+        }
         let p = plan(call)?;
         let dtype = call.input(0)?.dtype()?;
         check_dtype(call, dtype, p.kind)?;
@@ -245,6 +255,9 @@ impl Shim for Reduce {
     }
 
     fn cpu(call: &Call) -> Result<()> {
+        if is_arg(call) {
+            return arg::cpu(call);
+        }
         let p = plan(call)?;
         let x = call.input(0)?;
         let dtype = x.dtype()?;
@@ -292,6 +305,9 @@ impl Shim for Reduce {
     }
 
     fn dispatch(call: &Call) -> Result<()> {
+        if is_arg(call) {
+            return arg::dispatch(call);
+        }
         dispatch(call)
     }
 }

@@ -1,0 +1,142 @@
+//! CUDA graphs as owned values (CUDA driver API, "Graph Management" and "Stream Management"):
+//! [`capture`] records what a closure enqueues on a stream into a [`Captured`] graph
+//! (`cuStreamBeginCapture` in thread-local mode, `cuStreamEndCapture`), which
+//! [`Captured::instantiate`] turns into a launchable [`GraphExec`] (`cuGraphInstantiate`).
+//! A `GraphExec` replays with [`GraphExec::launch`] (`cuGraphLaunch`), and takes a newly
+//! captured graph of the same topology with [`GraphExec::update`] (`cuGraphExecUpdate`), which
+//! costs far less than instantiating again. Dropping either value destroys what it owns, so an
+//! error path cannot leak a graph.
+//!
+//! Nothing may allocate, free or synchronize on the capturing thread while a capture is open:
+//! the driver then fails the capture (thread-local mode), and [`capture`] returns that error.
+
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys::{
+    self, CUgraph, CUgraphExec, CUgraphExecUpdateResult, CUgraphExecUpdateResultInfo, CUstream, CUstreamCaptureMode,
+};
+
+use crate::{Error, Result};
+
+fn check(what: &str, r: sys::CUresult) -> Result<()> {
+    r.result().map_err(|e| Error::Device(format!("{what}: {e}")))
+}
+
+/// A captured graph (`CUgraph`), destroyed on drop.
+pub struct Captured {
+    graph: CUgraph,
+    /// Wall time of the capture (the closure's enqueueing included).
+    pub capture_time: Duration,
+}
+
+// SAFETY: a CUgraph is a handle of the context, used only through `&mut`/owned access.
+unsafe impl Send for Captured {}
+
+impl Drop for Captured {
+    fn drop(&mut self) {
+        if !self.graph.is_null() {
+            // SAFETY: the graph was created by `cuStreamEndCapture` and is destroyed once.
+            let _ = unsafe { sys::cuGraphDestroy(self.graph) };
+        }
+    }
+}
+
+/// Records the work `body` enqueues on `stream` (which must belong to the current context and
+/// not be capturing). Returns the graph, or `body`'s error, or the driver's when the capture
+/// was invalidated (an allocation, a synchronization or an uncapturable call inside it).
+pub fn capture(stream: CUstream, body: impl FnOnce() -> Result<()>) -> Result<Captured> {
+    let t0 = Instant::now();
+    // SAFETY: a live stream of the current context; the capture is always ended below.
+    check("cuStreamBeginCapture", unsafe {
+        sys::cuStreamBeginCapture_v2(stream, CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+    })?;
+    let ran = body();
+    let mut graph: CUgraph = std::ptr::null_mut();
+    // SAFETY: ends the capture begun above; `graph` receives the new graph or stays null.
+    let ended = check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream, &mut graph) });
+    let captured = Captured { graph, capture_time: t0.elapsed() };
+    ran?;
+    ended?;
+    if captured.graph.is_null() {
+        return Err(Error::Device("cuStreamEndCapture returned no graph".into()));
+    }
+    Ok(captured)
+}
+
+impl Captured {
+    /// Number of nodes (kernels, memcpys, memsets, library kernels included).
+    pub fn node_count(&self) -> Result<usize> {
+        let mut n = 0usize;
+        // SAFETY: a live graph; with a null node array the driver only writes the count.
+        check("cuGraphGetNodes", unsafe { sys::cuGraphGetNodes(self.graph, std::ptr::null_mut(), &mut n) })?;
+        Ok(n)
+    }
+
+    /// Instantiates the graph; the returned value owns both the graph and its executable.
+    pub fn instantiate(self) -> Result<GraphExec> {
+        let t0 = Instant::now();
+        let mut exec: CUgraphExec = std::ptr::null_mut();
+        // SAFETY: a live graph; `exec` receives the executable.
+        check("cuGraphInstantiate", unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, self.graph, 0) })?;
+        let nodes = self.node_count()?;
+        Ok(GraphExec { exec, graph: self, nodes, instantiate_time: t0.elapsed() })
+    }
+}
+
+/// An instantiated graph (`CUgraphExec`) and the graph it came from; both destroyed on drop.
+/// The caller keeps the stream's pending launches finished before dropping it.
+pub struct GraphExec {
+    exec: CUgraphExec,
+    graph: Captured,
+    /// Nodes of the graph.
+    pub nodes: usize,
+    /// Wall time of the instantiation.
+    pub instantiate_time: Duration,
+}
+
+// SAFETY: as for `Captured`.
+unsafe impl Send for GraphExec {}
+
+impl Drop for GraphExec {
+    fn drop(&mut self) {
+        // SAFETY: created by cuGraphInstantiate and destroyed once; the graph is destroyed after
+        // (by `Captured`'s drop).
+        let _ = unsafe { sys::cuGraphExecDestroy(self.exec) };
+    }
+}
+
+impl GraphExec {
+    /// Uploads the executable's resources ahead of the first launch (`cuGraphUpload`).
+    pub fn upload(&self, stream: CUstream) -> Result<()> {
+        // SAFETY: live executable and stream.
+        check("cuGraphUpload", unsafe { sys::cuGraphUpload(self.exec, stream) })
+    }
+
+    /// Enqueues one replay on `stream`.
+    pub fn launch(&self, stream: CUstream) -> Result<()> {
+        // SAFETY: live executable and stream.
+        check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(self.exec, stream) })
+    }
+
+    /// Takes `graph`'s parameters (kernel arguments, copy addresses) into this executable when
+    /// the topology is the same (`cuGraphExecUpdate`). `Ok(Ok(()))`: updated, `graph` kept as
+    /// this executable's graph. `Ok(Err((graph, reason)))`: the driver refused (the topology or
+    /// a node type changed); the executable is unchanged and `graph` is handed back.
+    pub fn update(&mut self, graph: Captured) -> Result<std::result::Result<(), (Captured, String)>> {
+        let mut info = CUgraphExecUpdateResultInfo {
+            result: CUgraphExecUpdateResult::CU_GRAPH_EXEC_UPDATE_SUCCESS,
+            errorNode: std::ptr::null_mut(),
+            errorFromNode: std::ptr::null_mut(),
+        };
+        // SAFETY: live executable and graph; `info` is written by the driver.
+        let r = unsafe { sys::cuGraphExecUpdate_v2(self.exec, graph.graph, &mut info) };
+        if r == sys::CUresult::CUDA_SUCCESS && info.result == CUgraphExecUpdateResult::CU_GRAPH_EXEC_UPDATE_SUCCESS {
+            self.graph = graph;
+            return Ok(Ok(()));
+        }
+        if r != sys::CUresult::CUDA_SUCCESS && r != sys::CUresult::CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE {
+            check("cuGraphExecUpdate", r)?;
+        }
+        Ok(Err((graph, format!("{:?}", info.result))))
+    }
+}

@@ -1,0 +1,506 @@
+//! Execution plans: what one (model, shape signature, output selection) runs on a GPU, built
+//! once and then executed eagerly or captured into a CUDA graph (`capture`).
+//!
+//! A plan is recorded by a *dry* run of the session: every node is resolved, inferred and
+//! dispatched as in a real run, but no kernel is launched. The [`Recorder`] keeps, per GPU node,
+//! its launch plan, its loaded functions and where each tensor lives:
+//! - a graph input's fed tensor ([`Loc::Feed`]) or a graph output's bound tensor
+//!   ([`Loc::Bound`]), whose addresses are the run's *bindings*;
+//! - a resident initializer ([`Loc::Fixed`]);
+//! - a constant computed on the host (shape arithmetic, folded per shape signature) and
+//!   uploaded once into the plan ([`Loc::Const`]);
+//! - an intermediate or scratch buffer at an offset of the plan's arena ([`Loc::Arena`]).
+//!
+//! The arena is laid out from value lifetimes (a value lives from the step that writes it to the
+//! last step that reads it; scratch lives for its step), so nothing is allocated or freed while
+//! the plan runs and every address is fixed: the conditions of a CUDA graph capture.
+//!
+//! A dry run that needs a device value's bytes on the host (a value input computed on the GPU)
+//! or an output not written in place has a *seam*; such a signature is not planned and runs
+//! node by node, with the reason counted.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUdeviceptr;
+use kiln_kernel_abi::DType;
+
+use crate::capture::{CaptureState, Fallback, GraphMode, RECAPTURE_BUDGET};
+use crate::cuda::{capture, DevBuffer, Function, Gpu};
+use crate::model::ValueId;
+use crate::sandbox::LaunchPlan;
+use crate::trace::GraphStats;
+use crate::{Error, Result, Tensor};
+
+/// Alignment of arena offsets, in bytes (cudaMalloc's own alignment).
+pub const ARENA_ALIGN: u64 = 256;
+
+/// Where a tensor of a planned step lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Loc {
+    /// This byte offset of the plan's arena.
+    Arena(u64),
+    /// The tensor fed to this graph input.
+    Feed(ValueId),
+    /// The held tensor this graph output is bound to.
+    Bound(ValueId),
+    /// A resident buffer of the session (an initializer).
+    Fixed(CUdeviceptr),
+    /// The plan's constant number `i`.
+    Const(usize),
+}
+
+/// A recorded input of a GPU node, as the session saw it.
+pub enum RecIn {
+    Feed(ValueId),
+    /// Produced by an earlier recorded node.
+    Produced(ValueId),
+    Fixed(CUdeviceptr),
+    /// A host value uploaded for this run (its bytes are a constant of the signature).
+    Uploaded(ValueId),
+    /// A graph output an earlier node wrote into its bound tensor.
+    Bound(ValueId),
+}
+
+/// A recorded output of a GPU node.
+pub enum RecOut {
+    /// Written in place into the held tensor this graph output is bound to.
+    Bound(ValueId),
+    /// A new buffer for this value.
+    Value(ValueId),
+    /// An output nobody names (absent in the graph): a buffer for the node's step only.
+    Unnamed,
+}
+
+struct RecStep {
+    node: usize,
+    launch: Arc<LaunchPlan>,
+    functions: Vec<Option<Function>>,
+    /// Inputs then outputs, each with its size in bytes.
+    inputs: Vec<(RecIn, u64)>,
+    outputs: Vec<(RecOut, u64)>,
+}
+
+/// Collects what a dry run does; [`Recorder::finish`] turns it into a plan.
+#[derive(Default)]
+pub struct Recorder {
+    steps: Vec<RecStep>,
+    produced: HashSet<ValueId>,
+    uploaded: HashMap<ValueId, Tensor>,
+    /// Graph outputs written into their bound tensors: dtype, shape and bytes.
+    written: HashMap<ValueId, (DType, Vec<usize>, u64)>,
+    /// The first reason the run cannot be planned.
+    pub seam: Option<String>,
+}
+
+impl Recorder {
+    /// Whether `v` was produced by a recorded node.
+    pub fn produced(&self, v: ValueId) -> bool {
+        self.produced.contains(&v)
+    }
+
+    /// Whether `v` is a graph output already written into its bound tensor.
+    pub fn written(&self, v: ValueId) -> bool {
+        self.written.contains_key(&v)
+    }
+
+    /// Notes that a node wrote graph output `v` (of this type) into its bound tensor.
+    pub fn write_bound(&mut self, v: ValueId, dtype: DType, shape: Vec<usize>, nbytes: u64) {
+        self.written.insert(v, (dtype, shape, nbytes));
+    }
+
+    /// Whether `v` is a host value uploaded during the recording.
+    pub fn uploaded_here(&self, v: ValueId) -> bool {
+        self.uploaded.contains_key(&v)
+    }
+
+    /// A host value uploaded for a GPU node (its bytes become a constant of the plan).
+    pub fn upload(&mut self, v: ValueId, t: &Tensor) {
+        self.uploaded.insert(v, t.clone());
+    }
+
+    /// Notes the first reason the run cannot be planned.
+    pub fn seam(&mut self, why: String) {
+        self.seam.get_or_insert(why);
+    }
+
+    /// One GPU node: its plan and functions, and its inputs and outputs (present ones, in order).
+    pub fn node(
+        &mut self,
+        node: usize,
+        launch: &Arc<LaunchPlan>,
+        functions: &[Option<Function>],
+        inputs: Vec<(RecIn, u64)>,
+        outputs: Vec<(RecOut, u64)>,
+    ) {
+        for (o, _) in &outputs {
+            if let RecOut::Value(v) = o {
+                self.produced.insert(*v);
+            }
+        }
+        self.steps.push(RecStep { node, launch: launch.clone(), functions: functions.to_vec(), inputs, outputs });
+    }
+
+    /// Lays out the arena and uploads the constants. `outputs` are the graph outputs the run
+    /// returns (each must have been written in place into its bound tensor).
+    pub fn finish(self, gpu: &mut Gpu, outputs: &[(ValueId, String)]) -> Result<ExecutionPlan, String> {
+        if let Some(s) = self.seam {
+            return Err(s);
+        }
+        if let Some((_, name)) = outputs.iter().find(|(v, _)| !self.written.contains_key(v)) {
+            return Err(format!("graph output {name:?} is not written in place into its bound tensor"));
+        }
+        // Lifetimes: (bytes, first step, last step) per arena buffer.
+        let mut intervals: Vec<(u64, usize, usize)> = Vec::new();
+        let mut value_interval: HashMap<ValueId, usize> = HashMap::new();
+        let mut step_buffers: Vec<Vec<usize>> = Vec::with_capacity(self.steps.len());
+        for (i, s) in self.steps.iter().enumerate() {
+            for (inp, _) in &s.inputs {
+                if let RecIn::Produced(v) = inp {
+                    if let Some(&k) = value_interval.get(v) {
+                        intervals[k].2 = i;
+                    }
+                }
+            }
+            let mut own = Vec::new();
+            for (o, n) in &s.outputs {
+                match o {
+                    RecOut::Value(v) => {
+                        value_interval.insert(*v, intervals.len());
+                        intervals.push((*n, i, i));
+                    }
+                    RecOut::Unnamed => {
+                        own.push(intervals.len());
+                        intervals.push((*n, i, i));
+                    }
+                    RecOut::Bound(_) => {}
+                }
+            }
+            for &n in &s.launch.scratch_bytes {
+                own.push(intervals.len());
+                intervals.push((n, i, i));
+            }
+            step_buffers.push(own);
+        }
+        let (offsets, arena_bytes) = assign_offsets(&intervals);
+        let arena = if arena_bytes > 0 { Some(gpu.alloc.alloc(arena_bytes).map_err(|e| e.to_string())?) } else { None };
+        let mut plan = ExecutionPlan {
+            steps: Vec::with_capacity(self.steps.len()),
+            arena,
+            arena_bytes,
+            consts: Vec::new(),
+            outputs: outputs
+                .iter()
+                .filter_map(|(v, _)| self.written.get(v).map(|(d, s, n)| (*v, *d, s.clone(), *n)))
+                .collect(),
+            launches: 0,
+            runs: 0,
+            capture: CaptureState::default(),
+        };
+        let mut const_of: HashMap<ValueId, usize> = HashMap::new();
+        for (s, own) in self.steps.into_iter().zip(step_buffers) {
+            let mut slots = Vec::with_capacity(s.inputs.len() + s.outputs.len() + own.len());
+            for (inp, n) in s.inputs {
+                let loc = match inp {
+                    RecIn::Feed(v) => Loc::Feed(v),
+                    RecIn::Bound(v) => Loc::Bound(v),
+                    RecIn::Fixed(p) => Loc::Fixed(p),
+                    RecIn::Produced(v) => Loc::Arena(offsets[value_interval[&v]]),
+                    RecIn::Uploaded(v) => match const_of.get(&v) {
+                        Some(&i) => Loc::Const(i),
+                        None => {
+                            let t = self.uploaded.get(&v).ok_or("an uploaded value went missing")?;
+                            let b = match gpu.upload(t) {
+                                Ok(b) => b,
+                                Err(e) => {
+                                    plan.release(gpu);
+                                    return Err(e.to_string());
+                                }
+                            };
+                            plan.consts.push(b);
+                            const_of.insert(v, plan.consts.len() - 1);
+                            Loc::Const(plan.consts.len() - 1)
+                        }
+                    },
+                };
+                slots.push((loc, n));
+            }
+            let mut own_iter = own.iter();
+            for (o, n) in s.outputs {
+                let loc = match o {
+                    RecOut::Bound(v) => Loc::Bound(v),
+                    RecOut::Value(v) => Loc::Arena(offsets[value_interval[&v]]),
+                    RecOut::Unnamed => Loc::Arena(offsets[*own_iter.next().ok_or("scratch went missing")?]),
+                };
+                slots.push((loc, n));
+            }
+            for (&n, &k) in s.launch.scratch_bytes.iter().zip(own_iter) {
+                slots.push((Loc::Arena(offsets[k]), n));
+            }
+            plan.launches += s.launch.steps.len() as u64;
+            plan.steps.push(Step { node: s.node, launch: s.launch, functions: s.functions, slots });
+        }
+        Ok(plan)
+    }
+}
+
+/// Offsets for buffers `(bytes, first step, last step)` such that two buffers alive at the same
+/// step never overlap; returns them and the arena's size. Largest first, each at the lowest
+/// aligned offset free over its lifetime (the greedy-by-size strategy of TFLite's and
+/// onnxruntime's memory planners).
+pub fn assign_offsets(buffers: &[(u64, usize, usize)]) -> (Vec<u64>, u64) {
+    let mut order: Vec<usize> = (0..buffers.len()).collect();
+    order.sort_by_key(|&i| (std::cmp::Reverse(buffers[i].0), buffers[i].1));
+    let mut offsets = vec![0u64; buffers.len()];
+    let mut placed: Vec<(u64, u64, usize, usize)> = Vec::new();
+    let mut total = 0u64;
+    for i in order {
+        let (bytes, first, last) = buffers[i];
+        let size = bytes.max(1).div_ceil(ARENA_ALIGN) * ARENA_ALIGN;
+        let mut live: Vec<(u64, u64)> =
+            placed.iter().filter(|p| p.2 <= last && first <= p.3).map(|p| (p.0, p.1)).collect();
+        live.sort_unstable();
+        let mut at = 0u64;
+        for (start, end) in live {
+            if start >= at + size {
+                break;
+            }
+            at = at.max(end);
+        }
+        offsets[i] = at;
+        placed.push((at, at + size, first, last));
+        total = total.max(at + size);
+    }
+    (offsets, total)
+}
+
+/// One GPU node of a plan.
+struct Step {
+    node: usize,
+    launch: Arc<LaunchPlan>,
+    functions: Vec<Option<Function>>,
+    /// Inputs, outputs, then scratch, each with its size in bytes.
+    slots: Vec<(Loc, u64)>,
+}
+
+/// The addresses of a run's fed and bound tensors.
+pub struct Bindings {
+    pub feeds: HashMap<ValueId, CUdeviceptr>,
+    pub bound: HashMap<ValueId, CUdeviceptr>,
+}
+
+/// A planned execution (see the module docs). Give it back with [`ExecutionPlan::release`].
+pub struct ExecutionPlan {
+    steps: Vec<Step>,
+    arena: Option<DevBuffer>,
+    pub arena_bytes: u64,
+    consts: Vec<DevBuffer>,
+    /// The bound graph outputs: value, dtype, shape and bytes after a run.
+    pub outputs: Vec<(ValueId, DType, Vec<usize>, u64)>,
+    /// Kernel launches and GEMMs of one eager run.
+    pub launches: u64,
+    /// Runs so far.
+    runs: u64,
+    capture: CaptureState,
+}
+
+impl ExecutionPlan {
+    /// Nodes of one run.
+    pub fn nodes(&self) -> usize {
+        self.steps.len()
+    }
+
+    /// The bindings in a fixed order: every fed, then every bound address the steps use.
+    fn binding_vector(&self, b: &Bindings) -> Result<Vec<u64>> {
+        let mut out = Vec::new();
+        for s in &self.steps {
+            for (loc, _) in &s.slots {
+                match loc {
+                    Loc::Feed(v) => out.push(*b.feeds.get(v).ok_or_else(|| missing("input", *v))?),
+                    Loc::Bound(v) => out.push(*b.bound.get(v).ok_or_else(|| missing("output", *v))?),
+                    _ => {}
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn ptr(&self, loc: Loc, b: &Bindings) -> Result<CUdeviceptr> {
+        Ok(match loc {
+            Loc::Arena(off) => self.arena.as_ref().map(|a| a.ptr + off).ok_or_else(|| missing("arena", 0))?,
+            Loc::Feed(v) => *b.feeds.get(&v).ok_or_else(|| missing("input", v))?,
+            Loc::Bound(v) => *b.bound.get(&v).ok_or_else(|| missing("output", v))?,
+            Loc::Fixed(p) => p,
+            Loc::Const(i) => self.consts.get(i).map(|c| c.ptr).ok_or_else(|| missing("constant", i))?,
+        })
+    }
+
+    /// Enqueues every step on the GPU's stream (no allocation, no synchronization).
+    fn enqueue(&self, gpu: &mut Gpu, b: &Bindings) -> Result<()> {
+        let mut slots = Vec::new();
+        for s in &self.steps {
+            slots.clear();
+            for &(loc, n) in &s.slots {
+                slots.push((self.ptr(loc, b)?, n));
+            }
+            gpu.run_steps(&s.launch, &s.functions, &slots)
+                .map_err(|e| Error::Device(format!("execution plan, node #{}: {e}", s.node)))?;
+        }
+        Ok(())
+    }
+
+    /// Runs the plan: the first run eagerly (it is a real run, and it warms up the kernels that
+    /// libraries load lazily, which a capture must not do); later ones replay the graph when the
+    /// bindings match, else (by `mode`) capture it anew, update the graph or run eagerly,
+    /// counting what happened in `stats`. Returns whether the run was a graph launch. Errors: a
+    /// launch or driver failure, or with [`GraphMode::On`] a run that cannot be captured.
+    pub fn run(
+        &mut self,
+        gpu: &mut Gpu,
+        mode: GraphMode,
+        profiling: bool,
+        b: &Bindings,
+        stats: &mut GraphStats,
+    ) -> Result<bool> {
+        self.runs += 1;
+        let why = match (mode, profiling, &self.capture.disabled) {
+            (GraphMode::Off, _, _) => Some(Fallback::GraphsOff),
+            (_, true, _) => Some(Fallback::Profiling),
+            (_, _, Some(f)) => Some(f.clone()),
+            _ => None,
+        };
+        if let Some(why) = why {
+            return self.eager(gpu, mode, b, stats, why);
+        }
+        if self.runs == 1 {
+            self.enqueue(gpu, b)?;
+            stats.first_runs += 1;
+            return Ok(false);
+        }
+        let bindings = self.binding_vector(b)?;
+        if !self.capture.replayable(&bindings) {
+            let recapture = self.capture.exec.is_some();
+            if recapture {
+                self.capture.recaptures_in_a_row += 1;
+                if self.capture.recaptures_in_a_row >= RECAPTURE_BUDGET {
+                    gpu.synchronize()?;
+                    self.capture.exec = None;
+                    self.capture.disabled = Some(Fallback::RecaptureBudget);
+                    return self.eager(gpu, mode, b, stats, Fallback::RecaptureBudget);
+                }
+            }
+            let stream = gpu.stream.cu_stream();
+            let captured = match capture(stream, || self.enqueue(gpu, b)) {
+                Ok(c) => c,
+                Err(e) => return self.disable(gpu, mode, b, stats, e),
+            };
+            stats.captures += 1;
+            stats.capture_us += captured.capture_time.as_micros() as u64;
+            let left = match self.capture.exec.as_mut() {
+                Some(exec) => {
+                    stats.recaptures += 1;
+                    match exec.update(captured)? {
+                        Ok(()) => {
+                            stats.updates += 1;
+                            None
+                        }
+                        Err((g, _refused)) => Some(g),
+                    }
+                }
+                None => Some(captured),
+            };
+            if let Some(g) = left {
+                let exec = match g.instantiate().and_then(|e| e.upload(stream).map(|_| e)) {
+                    Ok(e) => e,
+                    Err(e) => return self.disable(gpu, mode, b, stats, e),
+                };
+                stats.instantiate_us += exec.instantiate_time.as_micros() as u64;
+                stats.graph_nodes = exec.nodes as u64;
+                if self.capture.exec.is_some() {
+                    // The old executable may still have a launch in flight.
+                    gpu.synchronize()?;
+                }
+                self.capture.exec = Some(exec);
+            }
+            self.capture.bindings = bindings;
+        }
+        let exec = self.capture.exec.as_ref().ok_or_else(|| Error::Device("no graph after capture".into()))?;
+        exec.launch(gpu.stream.cu_stream())?;
+        stats.replays += 1;
+        self.capture.recaptures_in_a_row = 0;
+        Ok(true)
+    }
+
+    /// Stops capturing this region after a driver refusal, and runs this one eagerly.
+    fn disable(
+        &mut self,
+        gpu: &mut Gpu,
+        mode: GraphMode,
+        b: &Bindings,
+        stats: &mut GraphStats,
+        e: Error,
+    ) -> Result<bool> {
+        let why = Fallback::CaptureFailed(e.to_string());
+        self.capture.disabled = Some(why.clone());
+        self.eager(gpu, mode, b, stats, why)
+    }
+
+    fn eager(
+        &mut self,
+        gpu: &mut Gpu,
+        mode: GraphMode,
+        b: &Bindings,
+        stats: &mut GraphStats,
+        why: Fallback,
+    ) -> Result<bool> {
+        if mode == GraphMode::On && why != Fallback::Profiling {
+            return Err(Error::Unsupported(format!("--graph on: this run cannot be captured: {why}")));
+        }
+        self.enqueue(gpu, b)?;
+        stats.fallback(why.key(), why.to_string());
+        Ok(false)
+    }
+
+    /// Gives the arena and constants back to the pool (after the stream's work is done) and
+    /// destroys the graph.
+    pub fn release(self, gpu: &mut Gpu) {
+        let _ = gpu.synchronize();
+        drop(self.capture);
+        if let Some(a) = self.arena {
+            gpu.alloc.free(a);
+        }
+        for c in self.consts {
+            gpu.alloc.free(c);
+        }
+    }
+}
+
+fn missing(what: &str, v: usize) -> Error {
+    Error::Device(format!("execution plan: {what} {v} has no buffer in this run"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::assign_offsets;
+
+    #[test]
+    fn buffers_alive_together_never_overlap_and_dead_ones_are_reused() {
+        // (bytes, first step, last step)
+        let bufs = [(1000, 0, 1), (500, 1, 2), (2000, 2, 3), (700, 3, 3), (300, 0, 3)];
+        let (off, total) = assign_offsets(&bufs);
+        let size = |b: u64| b.div_ceil(super::ARENA_ALIGN) * super::ARENA_ALIGN;
+        for i in 0..bufs.len() {
+            assert_eq!(off[i] % super::ARENA_ALIGN, 0);
+            assert!(off[i] + size(bufs[i].0) <= total);
+            for j in 0..i {
+                let together = bufs[i].1 <= bufs[j].2 && bufs[j].1 <= bufs[i].2;
+                let apart = off[i] + size(bufs[i].0) <= off[j] || off[j] + size(bufs[j].0) <= off[i];
+                assert!(!together || apart, "buffers {i} and {j} overlap while both are alive");
+            }
+        }
+        // Buffer 0 (steps 0–1) and buffer 2 (steps 2–3) can share bytes; the arena is smaller
+        // than the sum of all sizes.
+        let sum: u64 = bufs.iter().map(|b| size(b.0)).sum();
+        assert!(total < sum, "arena {total} B, sum {sum} B");
+    }
+}
