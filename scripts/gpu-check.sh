@@ -5,6 +5,7 @@
 #   bench      kiln bench decode, graphs on and off, batch 1 and 8, prompt 128 and 3840
 #   peers      PyTorch eager, CUDA graph and torch.compile on the same architecture
 #   sanitize   compute-sanitizer memcheck over a graph decode
+#   profile    ncu: GPU time of every kernel of one eager decode step (batch 1 and 8)
 # Logs and JSON go to $OUT (or ./gpu-out); the last lines printed are a summary.
 set -uo pipefail
 out="${OUT:-$PWD/gpu-out}"
@@ -30,12 +31,16 @@ for phase in $phases; do
     ;;
   bench)
     m=$models/smollm2-arch-fp16-cuda
+    # Prompt 128 + 256 new tokens (the peers' setting), graphs on and off.
     for g in on off; do
-      "$KILN" bench decode "$m" --batch 1 --batch 8 --graph $g --runs 3 --max-length 4096 --json "$out/decode-$g.json" 2>&1 |
+      "$KILN" bench decode "$m" --batch 1 --batch 8 --graph $g --runs 3 --json "$out/decode-$g.json" 2>&1 |
         tee "$out/decode-$g.log"
     done
-    "$KILN" bench decode "$m" --batch 1 --batch 8 --graph on --runs 3 --prompt-len 3840 --max-length 4096 \
-      --json "$out/decode-ctx4096.json" --report 2>&1 | tee "$out/decode-ctx4096.log"
+    # Context: prompt 128 and 3840 at one cache size (4096 positions).
+    for p in 128 3840; do
+      "$KILN" bench decode "$m" --batch 1 --batch 8 --graph on --runs 3 --prompt-len $p --max-length 4096 \
+        --json "$out/decode-ctx$p.json" 2>&1 | tee "$out/decode-ctx$p.log"
+    done
     summary+=("bench: $(grep -hE '^\| [0-9]' "$out"/decode-*.log | tr '\n' ' ')")
     ;;
   peers)
@@ -44,6 +49,14 @@ for phase in $phases; do
     python3 $py --methods compile --batches 1 --json "$out/torch-compile-b1.json" >>"$out/torch.log" 2>&1
     python3 $py --methods compile --batches 8 --json "$out/torch-compile-b8.json" >>"$out/torch.log" 2>&1
     python3 $py --table "$out/torch.json" "$out"/torch-compile-b*.json | tee "$out/torch-table.md"
+    ;;
+  profile)
+    for b in 1 8; do
+      ncu --cache-control none --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+        --launch-skip 1300 --launch-count 460 "$KILN" bench decode "$models/smollm2-arch-fp16-cuda" --batch $b \
+        --graph off --runs 1 --new-tokens 8 >"$out/ncu-b$b.csv" 2>"$out/ncu-b$b.err"
+    done
+    summary+=("profile: $(wc -l "$out"/ncu-b*.csv | tail -1)")
     ;;
   sanitize)
     compute-sanitizer --tool memcheck "$KILN" generate "$KILN_FIXTURES/llm/tiny-llama-v512-fp16-cuda" \

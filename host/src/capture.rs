@@ -7,9 +7,9 @@
 //! seam is not captured at all). Its [`CaptureState`] holds the instantiated graph and the
 //! buffer addresses it was captured with (the *bindings*: the fed and bound tensors). A run
 //! whose bindings match replays; one whose bindings differ re-captures and tries
-//! `cuGraphExecUpdate` before instantiating again. After [`RECAPTURE_BUDGET`] re-captures in a
-//! row without a replay between them, the region stops capturing and runs eagerly, with that
-//! reason reported.
+//! `cuGraphExecUpdate` before instantiating again. After [`RECAPTURE_BUDGET`] runs in a row
+//! that each had to re-capture (no run replaying the graph as it was between them), the region
+//! stops capturing and runs eagerly, with that reason reported.
 
 use serde::Serialize;
 
@@ -81,7 +81,7 @@ pub struct CaptureState {
     pub exec: Option<GraphExec>,
     /// Device addresses of the fed and bound tensors at capture.
     pub bindings: Vec<u64>,
-    /// Re-captures since the last replay.
+    /// Runs in a row that re-captured (reset by a run that replays the graph as it is).
     pub recaptures_in_a_row: u32,
     /// Set once the region stops capturing, with the reason.
     pub disabled: Option<Fallback>,

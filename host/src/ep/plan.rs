@@ -378,7 +378,9 @@ impl ExecutionPlan {
             return Ok(false);
         }
         let bindings = self.binding_vector(b)?;
-        if !self.capture.replayable(&bindings) {
+        if self.capture.replayable(&bindings) {
+            self.capture.recaptures_in_a_row = 0;
+        } else {
             let recapture = self.capture.exec.is_some();
             if recapture {
                 self.capture.recaptures_in_a_row += 1;
@@ -427,7 +429,6 @@ impl ExecutionPlan {
         let exec = self.capture.exec.as_ref().ok_or_else(|| Error::Device("no graph after capture".into()))?;
         exec.launch(gpu.stream.cu_stream())?;
         stats.replays += 1;
-        self.capture.recaptures_in_a_row = 0;
         Ok(true)
     }
 

@@ -316,6 +316,178 @@ __device__ void gqa_decode_split(const typename Tag::storage* q_src, const typen
     for (unsigned d = threadIdx.x; d < H; d += blockDim.x) part[2 + d] = s_acc[0][d];
 }
 
+// Decode attention by KV head (S = 1, not a first prompt): block (split, j, b) reads keys
+// [split·GQA_DEC_KEYS, (split + 1)·GQA_DEC_KEYS) ∩ [start, end) of KV head j once, for all
+// `group` query heads that share it, with 16-byte loads:
+// 1. the group's query rows, rotated and rounded as the CPU reference does, into shared memory;
+// 2. one thread per key: its K row against every query row → scores in shared memory;
+// 3. one warp per query row: max and Σ e^(x − max), the scores turned into weights;
+// 4. threads over (key lane, 16-byte V vector): Σ weight·V per query row, reduced over the key
+//    lanes (warp shuffles, then shared memory).
+// With one split the block writes the output (sink_mode as gqa_attn); with several it writes
+// the partial state of gqa_decode_split for kiln_gqa_merge. Needs group ≤ GQA_DEC_MAX_GROUP,
+// group·H ≤ GQA_DEC_MAX_QH, H·sizeof(T) a multiple of 16, and 256 threads.
+#define GQA_DEC_KEYS 256
+#define GQA_DEC_MAX_GROUP 8
+#define GQA_DEC_MAX_QH 1024
+#define GQA_DEC_WARPS 8
+
+template <typename Tag>
+__device__ void gqa_decode(const typename Tag::storage* q_src, const typename Tag::storage* pres_k,
+                           const typename Tag::storage* pres_v, const int* seqlens, const typename Tag::storage* cos_c,
+                           const typename Tag::storage* sin_c, const typename Tag::storage* bias,
+                           const typename Tag::storage* sink, float* partial, typename Tag::storage* out, unsigned N,
+                           unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w, kiln_u64 cache_rows,
+                           unsigned rotary_half, unsigned interleaved, float scale, float softcap, int window,
+                           unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode) {
+    typedef typename Tag::storage T;
+    const unsigned VE = 16 / sizeof(T);  // elements per 16-byte vector
+    __shared__ float q_s[GQA_DEC_MAX_QH];
+    __shared__ float s_sc[GQA_DEC_MAX_GROUP][GQA_DEC_KEYS];
+    __shared__ float s_m[GQA_DEC_MAX_GROUP], s_l[GQA_DEC_MAX_GROUP];
+    __shared__ float s_red[GQA_DEC_WARPS][GQA_DEC_MAX_QH];
+    const unsigned split = blockIdx.x, j = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
+    const unsigned group = N / Nk, tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    long long start, end, pos;
+    gqa_range(seqlens, b, 0, 1, 0, window, PL, &start, &end, &pos);
+    long long lo = (long long)split * GQA_DEC_KEYS, hi = lo + GQA_DEC_KEYS;
+    if (lo < start) lo = start;
+    if (hi > end) hi = end;
+    if (lo >= hi) {
+        if (splits == 1) {
+            for (unsigned i = tid; i < group * H; i += blockDim.x)
+                out[(kiln_u64)b * N * H + (kiln_u64)(j * group) * H + i] = kiln_from_f32(Tag(), 0.f);
+        } else if (tid < group) {
+            float* part = partial + (((kiln_u64)b * N + j * group + tid) * splits + split) * (H + 2);
+            part[0] = -__int_as_float(0x7f800000);
+            part[1] = 0.f;
+        }
+        return;
+    }
+    const unsigned n = (unsigned)(hi - lo);
+    // 1. Query rows.
+    for (unsigned i = tid; i < group * H; i += blockDim.x) {
+        const unsigned g = i / H, d = i - g * H;
+        const T* qr = q_src + (kiln_u64)b * q_w + (kiln_u64)(j * group + g) * H;
+        float v;
+        if (rotary_half > 0 && d < 2 * rotary_half)
+            v = kiln_to_f32(Tag(), kiln_from_f32(Tag(), rope_elem<Tag>(qr, cos_c, sin_c, pos, cache_rows, rotary_half,
+                                                                       d, interleaved)));
+        else
+            v = kiln_to_f32(Tag(), qr[d]);
+        q_s[i] = v;
+    }
+    __syncthreads();
+    // 2. Scores, one key per thread.
+    const kiln_u64 head = ((kiln_u64)b * Nk + j) * PL * H;
+    for (unsigned k = tid; k < n; k += blockDim.x) {
+        const uint4* kr = (const uint4*)(pres_k + head + (kiln_u64)(lo + k) * H);
+        float dot[GQA_DEC_MAX_GROUP];
+#pragma unroll
+        for (int g = 0; g < GQA_DEC_MAX_GROUP; ++g) dot[g] = 0.f;
+        for (unsigned c = 0; c < H / VE; ++c) {
+            const uint4 raw = kr[c];
+            const T* e = (const T*)&raw;
+            for (unsigned x = 0; x < VE; ++x) {
+                const float kv = kiln_to_f32(Tag(), e[x]);
+#pragma unroll
+                for (int g = 0; g < GQA_DEC_MAX_GROUP; ++g)
+                    if (g < (int)group) dot[g] += q_s[g * H + c * VE + x] * kv;
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < GQA_DEC_MAX_GROUP; ++g) {
+            if (g >= (int)group) break;
+            float xs = dot[g] * scale;
+            if (softcap > 0.f) xs = softcap * tanhf(xs / softcap);
+            const T* br = gqa_bias_row<Tag>(bias, has_bias, bias_b, bias_h, b, j * group + g, 0, 1, total);
+            if (br) xs += kiln_to_f32(Tag(), br[lo + k]);
+            s_sc[g][k] = xs;
+        }
+    }
+    __syncthreads();
+    // 3. Weights, one warp per query row.
+    for (unsigned g = warp; g < group; g += blockDim.x >> 5) {
+        float m = -__int_as_float(0x7f800000);
+        for (unsigned k = lane; k < n; k += 32) m = fmaxf(m, s_sc[g][k]);
+        m = kiln_warp_max(m);
+        float l = 0.f;
+        for (unsigned k = lane; k < n; k += 32) {
+            const float p = m == -__int_as_float(0x7f800000) ? 0.f : expf(s_sc[g][k] - m);
+            s_sc[g][k] = p;
+            l += p;
+        }
+        l = kiln_warp_sum(l);
+        if (lane == 0) {
+            s_m[g] = m;
+            s_l[g] = l;
+        }
+    }
+    __syncthreads();
+    // 4. Σ weight·V: thread (key lane kl, vector vi).
+    const unsigned vpr = H / VE, lanes = blockDim.x / vpr;
+    const unsigned kl = tid / vpr, vi = tid - kl * vpr;
+    float acc[GQA_DEC_MAX_GROUP][8];
+#pragma unroll
+    for (int g = 0; g < GQA_DEC_MAX_GROUP; ++g)
+#pragma unroll
+        for (int x = 0; x < 8; ++x) acc[g][x] = 0.f;
+    if (kl < lanes) {
+        for (unsigned k = kl; k < n; k += lanes) {
+            const uint4 raw = ((const uint4*)(pres_v + head + (kiln_u64)(lo + k) * H))[vi];
+            const T* e = (const T*)&raw;
+#pragma unroll
+            for (int g = 0; g < GQA_DEC_MAX_GROUP; ++g) {
+                if (g >= (int)group) break;
+                const float p = s_sc[g][k];
+#pragma unroll
+                for (int x = 0; x < 8; ++x)
+                    if (x < (int)VE) acc[g][x] += p * kiln_to_f32(Tag(), e[x]);
+            }
+        }
+    }
+    // Reduce over the key lanes of a warp (lanes vi + vpr·i), then over the warps.
+    for (unsigned o = vpr; o < 32; o <<= 1)
+#pragma unroll
+        for (int g = 0; g < GQA_DEC_MAX_GROUP; ++g)
+#pragma unroll
+            for (int x = 0; x < 8; ++x) acc[g][x] += __shfl_xor_sync(0xffffffffu, acc[g][x], o);
+    if (lane < vpr) {
+#pragma unroll
+        for (int g = 0; g < GQA_DEC_MAX_GROUP; ++g) {
+            if (g >= (int)group) break;
+#pragma unroll
+            for (int x = 0; x < 8; ++x)
+                if (x < (int)VE) s_red[warp][g * H + vi * VE + x] = acc[g][x];
+        }
+    }
+    __syncthreads();
+    const unsigned warps_used = (lanes * vpr + 31) / 32;
+    for (unsigned i = tid; i < group * H; i += blockDim.x) {
+        const unsigned g = i / H, d = i - g * H;
+        float a = 0.f;
+        for (unsigned w = 0; w < warps_used; ++w) a += s_red[w][i];
+        const unsigned h = j * group + g;
+        if (splits == 1) {
+            float den = s_l[g], scale_o = 1.f;
+            if (sink_mode != 0) {
+                const float sink_v = sink_mode == 2 ? kiln_to_f32(Tag(), sink[h]) : 0.f;
+                const float m2 = fmaxf(s_m[g], sink_v);
+                scale_o = expf(s_m[g] - m2);
+                den = den * scale_o + expf(sink_v - m2);
+            }
+            out[(kiln_u64)b * N * H + (kiln_u64)h * H + d] = kiln_from_f32(Tag(), a * scale_o / den);
+        } else {
+            float* part = partial + (((kiln_u64)b * N + h) * splits + split) * (H + 2);
+            if (d == 0) {
+                part[0] = s_m[g];
+                part[1] = s_l[g];
+            }
+            part[2 + d] = a;
+        }
+    }
+}
+
 // Merges the splits of gqa_decode_split for head h = blockIdx.x, batch row b = blockIdx.y,
 // with the sink (sink_mode as gqa_attn), into out [B, 1, N·H]. A row with no key to attend
 // to gets zeros, as in gqa_attn.
@@ -410,6 +582,16 @@ __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, c
         gqa_decode_split<TAG>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, partial, N, Nk, H, PL, q_w,          \
                               cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b, bias_h,  \
                               total, chunk);                                                                           \
+    }                                                                                                                  \
+    extern "C" __global__ void kiln_gqa_decode_##SUF(                                                                  \
+        const TAG::storage* q_src, const TAG::storage* pres_k, const TAG::storage* pres_v, const int* seqlens,         \
+        const TAG::storage* cos_c, const TAG::storage* sin_c, const TAG::storage* bias, const TAG::storage* sink,      \
+        float* partial, TAG::storage* out, unsigned N, unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w,             \
+        kiln_u64 cache_rows, unsigned rotary_half, unsigned interleaved, float scale, float softcap, int window,        \
+        unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode) {                     \
+        gqa_decode<TAG>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out, N, Nk, H, PL, q_w,     \
+                        cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b, bias_h, total, \
+                        sink_mode);                                                                                    \
     }                                                                                                                  \
     extern "C" __global__ void kiln_gqa_merge_##SUF(const float* partial, const int* seqlens, const TAG::storage* sink, \
                                                     TAG::storage* out, unsigned N, unsigned H, unsigned PL, int window, \

@@ -169,6 +169,9 @@ __device__ void rms_norm(const X* x, const Y* scale, Y* y, void* inv_out, kiln_u
     }
 }
 
+// Elements per thread a SkipSimplifiedLayerNormalization row keeps in registers.
+#define SKIP_RMS_CACHE 8
+
 // SkipSimplifiedLayerNormalization: s = input + skip (+ bias), out = s · inv_std · gamma; mean
 // (float32 zeros), inv_std_var (float32) and input_skip_bias_sum when has_*.
 template <typename T, typename A>
@@ -177,20 +180,49 @@ __device__ void skip_rms_norm(const T* x, const T* skip, const T* gamma, const T
                               unsigned has_bias, unsigned has_mean, unsigned has_inv, unsigned has_sum, float eps) {
     ROW_LOOP(row, rows) {
         const kiln_u64 base = row * hidden;
-        A q = 0;
-        COL_LOOP(c, hidden) {
-            const kiln_u64 k = base + c;
-            A v = (A)nld(x, k) + (A)nld(skip, suffix_idx(k, c, hidden, skip_len));
-            if (has_bias) v += (A)nld(bias, c);
-            if (has_sum) nst(sum_out, k, v);
-            q += v * v;
-        }
-        const A rms = n_sqrt(row_reduce(q, NSum()) / (A)hidden + (A)eps);
-        COL_LOOP(c, hidden) {
-            const kiln_u64 k = base + c;
-            A v = (A)nld(x, k) + (A)nld(skip, suffix_idx(k, c, hidden, skip_len));
-            if (has_bias) v += (A)nld(bias, c);
-            nst(out, k, v / rms * (A)nld(gamma, c));
+        A q = 0, rms;
+        if (hidden <= (kiln_u64)SKIP_RMS_CACHE * blockDim.x) {
+            // A row of at most SKIP_RMS_CACHE elements per thread stays in registers: every load
+            // is issued before the first store (which the compiler must assume may alias them),
+            // and the row is read once. Same arithmetic, in the same order, as the loop below.
+            A v[SKIP_RMS_CACHE], g[SKIP_RMS_CACHE];
+#pragma unroll
+            for (int i = 0; i < SKIP_RMS_CACHE; ++i) {
+                const kiln_u64 c = threadIdx.x + (kiln_u64)i * blockDim.x, k = base + c;
+                v[i] = 0;
+                g[i] = 0;
+                if (c < hidden) {
+                    A s = (A)nld(x, k) + (A)nld(skip, suffix_idx(k, c, hidden, skip_len));
+                    if (has_bias) s += (A)nld(bias, c);
+                    v[i] = s;
+                    g[i] = (A)nld(gamma, c);
+                    q += s * s;
+                }
+            }
+            rms = n_sqrt(row_reduce(q, NSum()) / (A)hidden + (A)eps);
+#pragma unroll
+            for (int i = 0; i < SKIP_RMS_CACHE; ++i) {
+                const kiln_u64 c = threadIdx.x + (kiln_u64)i * blockDim.x, k = base + c;
+                if (c < hidden) {
+                    if (has_sum) nst(sum_out, k, v[i]);
+                    nst(out, k, v[i] / rms * g[i]);
+                }
+            }
+        } else {
+            COL_LOOP(c, hidden) {
+                const kiln_u64 k = base + c;
+                A v = (A)nld(x, k) + (A)nld(skip, suffix_idx(k, c, hidden, skip_len));
+                if (has_bias) v += (A)nld(bias, c);
+                if (has_sum) nst(sum_out, k, v);
+                q += v * v;
+            }
+            rms = n_sqrt(row_reduce(q, NSum()) / (A)hidden + (A)eps);
+            COL_LOOP(c, hidden) {
+                const kiln_u64 k = base + c;
+                A v = (A)nld(x, k) + (A)nld(skip, suffix_idx(k, c, hidden, skip_len));
+                if (has_bias) v += (A)nld(bias, c);
+                nst(out, k, v / rms * (A)nld(gamma, c));
+            }
         }
         if (threadIdx.x == 0) {
             if (has_mean) mean_out[row] = 0.f;

@@ -668,7 +668,13 @@ fn grid_for(n: usize) -> u32 {
     (n as u64).div_ceil(BLOCK as u64).clamp(1, 65535 * 32) as u32
 }
 
-/// Decode attention over a present buffer longer than this many positions is split over the
+/// Decode attention by KV head (`kiln_gqa_decode_*`): keys per block, and the largest query
+/// group and group × head size it handles (attention.cu's GQA_DEC_* limits).
+const DEC_KEYS: usize = 256;
+const DEC_MAX_GROUP: usize = 8;
+const DEC_MAX_QH: usize = 1024;
+
+/// Other decode attention over a present buffer longer than this many positions is split over the
 /// keys (`kiln_gqa_split_*` then `kiln_gqa_merge_*`), `SPLIT_KEYS` keys per block of
 /// `SPLIT_WARPS` warps.
 const SPLIT_MIN_PRESENT: usize = 512;
@@ -794,6 +800,82 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
     };
     if out.numel()? == 0 {
         return Ok(());
+    }
+    let esize = p.dtype.size().unwrap_or(4);
+    let group = n_h / n_kv.max(1);
+    let vectors = (h_sz * esize) / 16;
+    let by_kv_head = p.seq == 1
+        && !p.first_prompt
+        && group <= DEC_MAX_GROUP
+        && group * h_sz <= DEC_MAX_QH
+        && (h_sz * esize) % 16 == 0
+        && vectors.is_power_of_two()
+        && vectors <= 32;
+    if by_kv_head {
+        // One block per (key chunk, KV head, batch row) for all the query heads of the KV head;
+        // with more than one chunk, the partial states are merged by kiln_gqa_merge.
+        let splits = p.present_len.div_ceil(DEC_KEYS).max(1);
+        if splits > 65535 {
+            unsupported!("{GQA}: present length {} needs {splits} splits (at most 65535)", p.present_len);
+        }
+        let suffix = dtype_suffix(p.dtype);
+        let partial =
+            if splits > 1 { scratch((p.batch * n_h * splits * (h_sz + 2) * 4) as u64)? } else { out.handle() };
+        launch(&Launch {
+            kernel: &format!("kiln_gqa_decode_{suffix}"),
+            grid: [splits as u32, n_kv as u32, p.batch as u32],
+            block: [256, 1, 1],
+            shared_mem_bytes: 0,
+            args: vec![
+                targ(&query),
+                harg(pres_k),
+                harg(pres_v),
+                seqlens,
+                cos,
+                sin,
+                bias,
+                sink,
+                harg(partial),
+                targ(&out),
+                u("num_heads", n_h)?,
+                u("kv_num_heads", n_kv)?,
+                u("head size", h_sz)?,
+                u("present length", p.present_len)?,
+                KernelArg::U64(q_w as u64),
+                KernelArg::U64(cache_rows as u64),
+                u("rotary width", rot_half)?,
+                flag(interleaved),
+                KernelArg::F32(scale),
+                KernelArg::F32(softcap),
+                KernelArg::I32(window),
+                flag(p.bias_dims.is_some()),
+                u("attention_bias batch", bias_b)?,
+                u("attention_bias heads", bias_h)?,
+                u("total_sequence_length", p.total)?,
+                KernelArg::U32(sink_mode),
+            ],
+        })?;
+        if splits == 1 {
+            return Ok(());
+        }
+        return launch(&Launch {
+            kernel: &format!("kiln_gqa_merge_{suffix}"),
+            grid: [p.heads as u32, p.batch as u32, 1],
+            block: [64, 1, 1],
+            shared_mem_bytes: 0,
+            args: vec![
+                harg(partial),
+                seqlens,
+                sink,
+                targ(&out),
+                u("num_heads", n_h)?,
+                u("head size", h_sz)?,
+                u("present length", p.present_len)?,
+                KernelArg::I32(window),
+                u("splits", splits)?,
+                KernelArg::U32(sink_mode),
+            ],
+        });
     }
     if p.seq == 1 && !p.first_prompt && p.present_len > SPLIT_MIN_PRESENT {
         // Flash-decoding: the keys split in chunks over blocks, then merged. The split count
