@@ -363,3 +363,28 @@ fn held_tensors_feed_fetch_and_refuse_misuse() {
     s.free_tensor(y);
     other.free_tensor(wrong);
 }
+
+/// `Fetch::Skip`: a skipped output is not returned, the node that only it needs does not run,
+/// and an input only that node reads need not be fed.
+#[test]
+fn a_skipped_output_is_not_computed_and_its_inputs_need_not_be_fed() {
+    use kiln_host::ep::{Feed, Fetch};
+    let m = onnx::model(
+        vec![node("Relu", &["x"], &["y"], vec![]), node("Neg", &["z"], &["w"], vec![])],
+        vec![value("x", 1, &[3]), value("z", 1, &[3])],
+        vec![value("y", 1, &[3]), value("w", 1, &[3])],
+        vec![],
+    );
+    let model = model::load_bytes(&onnx::bytes(&m), None).unwrap();
+    let mut s = Session::new(runtime(&[]), model, SessionOptions::default()).unwrap();
+    let x = f32_tensor(&[3], &[-1.0, 2.0, -3.0]);
+    let mut out = s.run_with(vec![("x".into(), Feed::Host(x.clone()))], &[("w", Fetch::Skip)]).unwrap();
+    assert_eq!(out.len(), 1);
+    let (name, y) = out.remove(0);
+    assert_eq!(name, "y");
+    assert_eq!(f32_values(&y.into_host().unwrap()), vec![0.0, 2.0, 0.0]);
+    assert_eq!(s.report.nodes, 1, "only Relu ran");
+    // Without the skip, z is needed.
+    let err = s.run_with(vec![("x".into(), Feed::Host(x))], &[]).unwrap_err().to_string();
+    assert!(err.contains("\"z\" was not given"), "{err}");
+}

@@ -7,9 +7,11 @@
 //! seam is not captured at all). Its [`CaptureState`] holds the instantiated graph and the
 //! buffer addresses it was captured with (the *bindings*: the fed and bound tensors). A run
 //! whose bindings match replays; one whose bindings differ re-captures and tries
-//! `cuGraphExecUpdate` before instantiating again. After [`RECAPTURE_BUDGET`] runs in a row
-//! that each had to re-capture (no run replaying the graph as it was between them), the region
-//! stops capturing and runs eagerly, with that reason reported.
+//! `cuGraphExecUpdate` before instantiating again. When more than [`RECAPTURE_BUDGET`] runs in
+//! a row each had to re-capture (no run replaying the graph as it was between them), the region
+//! stops capturing and runs eagerly, with that reason reported. Runs that cannot use a plan at
+//! all (inputs fed from the host, outputs not bound, a seam, profiling) run node by node and are
+//! counted by reason; with `--graph on` a seam is an error.
 
 use serde::Serialize;
 
@@ -28,32 +30,26 @@ pub enum GraphMode {
     Auto,
 }
 
-/// Re-captures in a row (bindings changed every run) after which a region runs eagerly.
+/// Re-captures in a row (bindings changed every run) that a region may make; one more and it
+/// runs eagerly.
 pub const RECAPTURE_BUDGET: u32 = 4;
 
-/// Why a run that was eligible for a plan did not replay a graph.
+/// Why a planned run did not replay a graph.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Fallback {
     /// `--graph off`.
     GraphsOff,
-    /// Per-op GPU profiling needs events between nodes.
-    Profiling,
-    /// The plan has a seam: a node's input had to come back to the host, or an output is not
-    /// written in place. The text names the node.
-    Seam(String),
     /// The driver refused the capture or the instantiation.
     CaptureFailed(String),
-    /// Bindings changed on [`RECAPTURE_BUDGET`] runs in a row.
+    /// Bindings changed on more than [`RECAPTURE_BUDGET`] runs in a row.
     RecaptureBudget,
 }
 
 impl Fallback {
-    /// The report's key: the kind of reason, without the node or driver text.
+    /// The report's key: the kind of reason, without the driver's text.
     pub fn key(&self) -> &'static str {
         match self {
             Fallback::GraphsOff => "graphs off",
-            Fallback::Profiling => "profiling",
-            Fallback::Seam(_) => "seam",
             Fallback::CaptureFailed(_) => "capture failed",
             Fallback::RecaptureBudget => "re-capture budget exhausted",
         }
@@ -64,12 +60,10 @@ impl std::fmt::Display for Fallback {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Fallback::GraphsOff => f.write_str("graphs are off (--graph off)"),
-            Fallback::Profiling => f.write_str("per-op GPU profiling runs every node eagerly"),
-            Fallback::Seam(s) => write!(f, "seam: {s}"),
             Fallback::CaptureFailed(s) => write!(f, "capture failed: {s}"),
             Fallback::RecaptureBudget => write!(
                 f,
-                "the bindings changed on {RECAPTURE_BUDGET} runs in a row; the region runs eagerly from now on"
+                "the bindings changed on more than {RECAPTURE_BUDGET} runs in a row; the region runs eagerly from now on"
             ),
         }
     }

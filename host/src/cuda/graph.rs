@@ -74,11 +74,11 @@ impl Captured {
 
     /// Instantiates the graph; the returned value owns both the graph and its executable.
     pub fn instantiate(self) -> Result<GraphExec> {
+        let nodes = self.node_count()?;
         let t0 = Instant::now();
         let mut exec: CUgraphExec = std::ptr::null_mut();
-        // SAFETY: a live graph; `exec` receives the executable.
+        // SAFETY: a live graph; `exec` receives the executable (owned by the value returned).
         check("cuGraphInstantiate", unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, self.graph, 0) })?;
-        let nodes = self.node_count()?;
         Ok(GraphExec { exec, graph: self, nodes, instantiate_time: t0.elapsed() })
     }
 }

@@ -142,13 +142,15 @@ impl Recorder {
     }
 
     /// Lays out the arena and uploads the constants. `outputs` are the graph outputs the run
-    /// returns (each must have been written in place into its bound tensor).
-    pub fn finish(self, gpu: &mut Gpu, outputs: &[(ValueId, String)]) -> Result<ExecutionPlan, String> {
+    /// returns (each must have been written in place into its bound tensor). `Ok(Err(seam))`:
+    /// the signature cannot be planned, for that reason. Errors: the arena or a constant does
+    /// not fit in device memory (nothing is kept).
+    pub fn finish(self, gpu: &mut Gpu, outputs: &[(ValueId, String)]) -> Result<Result<ExecutionPlan, String>> {
         if let Some(s) = self.seam {
-            return Err(s);
+            return Ok(Err(s));
         }
         if let Some((_, name)) = outputs.iter().find(|(v, _)| !self.written.contains_key(v)) {
-            return Err(format!("graph output {name:?} is not written in place into its bound tensor"));
+            return Ok(Err(format!("graph output {name:?} is not written in place into its bound tensor")));
         }
         // Lifetimes: (bytes, first step, last step) per arena buffer.
         let mut intervals: Vec<(u64, usize, usize)> = Vec::new();
@@ -183,7 +185,7 @@ impl Recorder {
             step_buffers.push(own);
         }
         let (offsets, arena_bytes) = assign_offsets(&intervals);
-        let arena = if arena_bytes > 0 { Some(gpu.alloc.alloc(arena_bytes).map_err(|e| e.to_string())?) } else { None };
+        let arena = if arena_bytes > 0 { Some(gpu.alloc.alloc(arena_bytes)?) } else { None };
         let mut plan = ExecutionPlan {
             steps: Vec::with_capacity(self.steps.len()),
             arena,
@@ -198,7 +200,8 @@ impl Recorder {
             capture: CaptureState::default(),
         };
         let mut const_of: HashMap<ValueId, usize> = HashMap::new();
-        for (s, own) in self.steps.into_iter().zip(step_buffers) {
+        let (uploaded, steps) = (self.uploaded, self.steps);
+        for (s, own) in steps.into_iter().zip(step_buffers) {
             let mut slots = Vec::with_capacity(s.inputs.len() + s.outputs.len() + own.len());
             for (inp, n) in s.inputs {
                 let loc = match inp {
@@ -209,15 +212,17 @@ impl Recorder {
                     RecIn::Uploaded(v) => match const_of.get(&v) {
                         Some(&i) => Loc::Const(i),
                         None => {
-                            let t = self.uploaded.get(&v).ok_or("an uploaded value went missing")?;
-                            let b = match gpu.upload(t) {
-                                Ok(b) => b,
+                            let up = match uploaded.get(&v) {
+                                Some(t) => gpu.upload(t),
+                                None => Err(Error::Device(format!("execution plan: value {v} was not recorded"))),
+                            };
+                            match up {
+                                Ok(b) => plan.consts.push(b),
                                 Err(e) => {
                                     plan.release(gpu);
-                                    return Err(e.to_string());
+                                    return Err(e);
                                 }
-                            };
-                            plan.consts.push(b);
+                            }
                             const_of.insert(v, plan.consts.len() - 1);
                             Loc::Const(plan.consts.len() - 1)
                         }
@@ -225,12 +230,19 @@ impl Recorder {
                 };
                 slots.push((loc, n));
             }
+            // `own` lists the step's unnamed outputs, then its scratch, in this order.
             let mut own_iter = own.iter();
             for (o, n) in s.outputs {
                 let loc = match o {
                     RecOut::Bound(v) => Loc::Bound(v),
                     RecOut::Value(v) => Loc::Arena(offsets[value_interval[&v]]),
-                    RecOut::Unnamed => Loc::Arena(offsets[*own_iter.next().ok_or("scratch went missing")?]),
+                    RecOut::Unnamed => match own_iter.next() {
+                        Some(&k) => Loc::Arena(offsets[k]),
+                        None => {
+                            plan.release(gpu);
+                            return Err(Error::Device("execution plan: an unnamed output has no buffer".into()));
+                        }
+                    },
                 };
                 slots.push((loc, n));
             }
@@ -240,7 +252,7 @@ impl Recorder {
             plan.launches += s.launch.steps.len() as u64;
             plan.steps.push(Step { node: s.node, launch: s.launch, functions: s.functions, slots });
         }
-        Ok(plan)
+        Ok(Ok(plan))
     }
 }
 
@@ -310,7 +322,7 @@ impl ExecutionPlan {
         self.steps.len()
     }
 
-    /// The bindings in a fixed order: every fed, then every bound address the steps use.
+    /// The bindings in a fixed order: the fed and bound addresses as the steps use them.
     fn binding_vector(&self, b: &Bindings) -> Result<Vec<u64>> {
         let mut out = Vec::new();
         for s in &self.steps {
@@ -354,19 +366,11 @@ impl ExecutionPlan {
     /// bindings match, else (by `mode`) capture it anew, update the graph or run eagerly,
     /// counting what happened in `stats`. Returns whether the run was a graph launch. Errors: a
     /// launch or driver failure, or with [`GraphMode::On`] a run that cannot be captured.
-    pub fn run(
-        &mut self,
-        gpu: &mut Gpu,
-        mode: GraphMode,
-        profiling: bool,
-        b: &Bindings,
-        stats: &mut GraphStats,
-    ) -> Result<bool> {
+    pub fn run(&mut self, gpu: &mut Gpu, mode: GraphMode, b: &Bindings, stats: &mut GraphStats) -> Result<bool> {
         self.runs += 1;
-        let why = match (mode, profiling, &self.capture.disabled) {
-            (GraphMode::Off, _, _) => Some(Fallback::GraphsOff),
-            (_, true, _) => Some(Fallback::Profiling),
-            (_, _, Some(f)) => Some(f.clone()),
+        let why = match (mode, &self.capture.disabled) {
+            (GraphMode::Off, _) => Some(Fallback::GraphsOff),
+            (_, Some(f)) => Some(f.clone()),
             _ => None,
         };
         if let Some(why) = why {
@@ -384,7 +388,7 @@ impl ExecutionPlan {
             let recapture = self.capture.exec.is_some();
             if recapture {
                 self.capture.recaptures_in_a_row += 1;
-                if self.capture.recaptures_in_a_row >= RECAPTURE_BUDGET {
+                if self.capture.recaptures_in_a_row > RECAPTURE_BUDGET {
                     gpu.synchronize()?;
                     self.capture.exec = None;
                     self.capture.disabled = Some(Fallback::RecaptureBudget);
@@ -454,7 +458,7 @@ impl ExecutionPlan {
         stats: &mut GraphStats,
         why: Fallback,
     ) -> Result<bool> {
-        if mode == GraphMode::On && why != Fallback::Profiling {
+        if mode == GraphMode::On {
             return Err(Error::Unsupported(format!("--graph on: this run cannot be captured: {why}")));
         }
         self.enqueue(gpu, b)?;

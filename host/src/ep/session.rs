@@ -222,8 +222,9 @@ enum PlanEntry {
 }
 
 /// Key of an execution plan: each fed graph input's dtype and shape, and for each graph
-/// output whether it is returned (bound) or skipped.
-type PlanKey = (Vec<(ValueId, DType, Vec<usize>)>, Vec<(ValueId, bool)>);
+/// output the capacity in bytes of the tensor it is bound to (`None`: skipped). Whether an
+/// output is written in place depends on that capacity.
+type PlanKey = (Vec<(ValueId, DType, Vec<usize>)>, Vec<(ValueId, Option<u64>)>);
 
 /// The nodes a run executes and the values they read, for the outputs it asks for.
 pub(super) struct LiveSet {
@@ -389,6 +390,11 @@ impl Session {
         self.gpu.is_some() && self.options.graphs != GraphMode::Off
     }
 
+    /// The session's `--graph` mode.
+    pub fn graph_mode(&self) -> GraphMode {
+        self.options.graphs
+    }
+
     /// What the session's GPU offers packages (`None` on the CPU, where device requirements
     /// do not apply).
     pub(super) fn device_caps(&self) -> Option<kiln_registry::DeviceCaps> {
@@ -510,7 +516,9 @@ impl Session {
             }
         }
         let profiling = self.gpu.as_ref().is_some_and(|g| g.timeline.is_some());
-        if self.gpu.is_some() && !profiling {
+        if profiling {
+            *self.report.graphs.unplanned.entry("profiling".into()).or_default() += 1;
+        } else if self.gpu.is_some() {
             let planned = self.run_planned(&values, &fetch_of, start);
             if !matches!(planned, Ok(None)) {
                 self.bound.clear();
@@ -613,6 +621,10 @@ impl Session {
         start: Instant,
     ) -> Result<Option<Vec<(String, Fetched)>>> {
         let g = &self.model.graph;
+        let not_planned = |report: &mut Report, why: &str| {
+            *report.graphs.unplanned.entry(why.to_string()).or_default() += 1;
+            Ok(None)
+        };
         let mut key_feeds = Vec::new();
         let mut feeds = HashMap::new();
         for &i in &g.inputs {
@@ -622,7 +634,7 @@ impl Session {
                     feeds.insert(i, *ptr);
                 }
                 None if !self.live.values[i] => {}
-                _ => return Ok(None),
+                _ => return not_planned(&mut self.report, "an input fed from the host"),
             }
         }
         let mut key_outs = Vec::new();
@@ -630,15 +642,17 @@ impl Session {
         let mut bound = HashMap::new();
         for &o in &g.outputs {
             match fetch_of.get(&o) {
-                Some(Fetch::Skip) => key_outs.push((o, false)),
+                Some(Fetch::Skip) => key_outs.push((o, None)),
                 Some(Fetch::Into(_)) => {
-                    let ptr = self.bound.get(&o).and_then(|h| self.held.get(h)).and_then(Held::device_ptr);
-                    let Some(ptr) = ptr else { return Ok(None) };
+                    let h = self.bound.get(&o).and_then(|h| self.held.get(h));
+                    let Some((ptr, capacity)) = h.and_then(|h| h.device_ptr().map(|p| (p, h.capacity))) else {
+                        return Ok(None);
+                    };
                     bound.insert(o, ptr);
-                    key_outs.push((o, true));
+                    key_outs.push((o, Some(capacity)));
                     outputs.push((o, g.values[o].name.clone()));
                 }
-                _ => return Ok(None),
+                _ => return not_planned(&mut self.report, "an output not bound to a held tensor"),
             }
         }
         let key = (key_feeds, key_outs);
@@ -679,7 +693,7 @@ impl Session {
                 )));
             }
         }
-        let replayed = plan.run(gpu, options.graphs, false, &Bindings { feeds, bound }, &mut report.graphs)?;
+        let replayed = plan.run(gpu, options.graphs, &Bindings { feeds, bound }, &mut report.graphs)?;
         if !replayed {
             report.launches += plan.launches;
         }
@@ -714,7 +728,7 @@ impl Session {
             };
         }
         let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
-        Ok(match rec.finish(gpu, outputs) {
+        Ok(match rec.finish(gpu, outputs)? {
             Ok(plan) => {
                 self.report.graphs.plans_built += 1;
                 self.report.graphs.arena_bytes += plan.arena_bytes;
@@ -765,7 +779,9 @@ impl Session {
                 self.gpu.as_mut().map_or(Ok(()), Gpu::mark)?;
                 order.push(idx);
             }
-            self.report.record_node(&self.model.graph.nodes[idx].op_type, &resolved.package_id, t0.elapsed());
+            if self.recorder.is_none() {
+                self.report.record_node(&self.model.graph.nodes[idx].op_type, &resolved.package_id, t0.elapsed());
+            }
             // Release intermediates after their last use, and outputs nobody reads at once.
             let node = &self.model.graph.nodes[idx];
             let mut dead: Vec<ValueId> =
@@ -1118,7 +1134,9 @@ impl Session {
     ) -> Result<GpuExecution> {
         let plan = match self.plans.get(&key) {
             Some(p) => {
-                self.report.plan_hits += 1;
+                if self.recorder.is_none() {
+                    self.report.plan_hits += 1;
+                }
                 p.clone()
             }
             None => {
@@ -1358,7 +1376,9 @@ impl Session {
             slots.push((ptr, nbytes));
         }
         let out_ids = node.outputs.clone();
-        self.report.plan_hits += 1;
+        if self.recorder.is_none() {
+            self.report.plan_hits += 1;
+        }
         let outs = self.launch_outputs(idx, &memo.plan, &memo.functions, &memo.out_types, &out_ids, slots)?;
         for (o, v) in out_ids.iter().zip(outs) {
             match (o, v) {

@@ -116,6 +116,9 @@ pub fn augment(model: &mut Model, cfg: &GenaiConfig, registry: &OpRegistry) -> O
 pub struct StepBuffers {
     pub batch: usize,
     pub limit: usize,
+    /// The cache length the buffers are ready for (the next step's `KvCache::len`); a step of
+    /// a cache at another length is refused.
+    pub at: usize,
     pub ids: DeviceTensor,
     pub mask: DeviceTensor,
     pub position: DeviceTensor,
@@ -140,12 +143,13 @@ impl StepBuffers {
                 return Err(e);
             }
         };
-        Ok(StepBuffers { batch, limit, ids, mask, position })
+        Ok(StepBuffers { batch, limit, at: usize::MAX, ids, mask, position })
     }
 
     /// Sets the first step's inputs: `tokens` (one per row), the full-width `mask` with the
-    /// first step's column already set, and `position`, the column the step after it takes.
-    pub fn start(&self, session: &mut Session, tokens: &[i64], mask: &[i64], position: usize) -> Result<()> {
+    /// first step's column already set, and `position`, the column the step after it takes
+    /// (the cache is then `position − 1` long).
+    pub fn start(&mut self, session: &mut Session, tokens: &[i64], mask: &[i64], position: usize) -> Result<()> {
         if tokens.len() != self.batch || mask.len() != self.batch * self.limit {
             return Err(Error::Input(format!(
                 "{} tokens and {} mask entries for a batch of {} and {} positions",
@@ -155,9 +159,12 @@ impl StepBuffers {
                 self.limit
             )));
         }
+        self.at = usize::MAX;
         session.write_tensor(&self.ids, &super::i64_tensor(vec![self.batch, 1], tokens)?)?;
         session.write_tensor(&self.mask, &super::i64_tensor(vec![self.batch, self.limit], mask)?)?;
-        session.write_tensor(&self.position, &super::i64_tensor(vec![1], &[position as i64])?)
+        session.write_tensor(&self.position, &super::i64_tensor(vec![1], &[position as i64])?)?;
+        self.at = position - 1;
+        Ok(())
     }
 
     /// Gives the buffers back to the session.

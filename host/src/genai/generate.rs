@@ -15,7 +15,8 @@
 //! and writes the same held buffers (tokens, mask, position, KV), so on a GPU it runs through
 //! one execution plan and, from its second step, as one CUDA-graph replay. On a GPU such a
 //! batch is padded to a bucket (1, 2, 4, 8, 16, 32, then multiples of 32) with one-token rows
-//! whose output is dropped, so every batch size of a bucket shares one graph.
+//! whose output is dropped, so every batch size of a bucket shares one plan and graph for one
+//! cache length (the plan's key is the bucket and the cache length, at most 16 plans a session).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -380,6 +381,9 @@ impl Generator {
         on_token: &mut dyn FnMut(usize, i64),
     ) -> Result<Generation> {
         let t0 = Instant::now();
+        if prompts.is_empty() {
+            return Err(Error::Input("no prompt to generate for".into()));
+        }
         let cfg = self.config().clone();
         let s = prompts.iter().map(Vec::len).max().unwrap_or(0);
         let max_length = opts.max_length.unwrap_or_else(|| cfg.max_length());
@@ -393,6 +397,13 @@ impl Generator {
         // On a GPU, device-sampled batches run at their bucket, graphs on or off, so that eager
         // and graph steps of one batch have the same shapes (and the same tokens).
         let on_gpu = self.session.device() != crate::ep::Device::Cpu;
+        if self.session.graph_mode() == crate::ep::GraphMode::On && on_gpu && !on_device {
+            return Err(Error::Input(
+                "--graph on: decode steps are captured for greedy decoding (no repetition penalty) of a folder with \
+                 past_present_share_buffer; this generation samples on the host: use --graph auto or off"
+                    .into(),
+            ));
+        }
         let bucket = if on_device && on_gpu { bucket(prompts.len()) } else { prompts.len() };
         let mut rows = prompts.to_vec();
         rows.resize(bucket, vec![cfg.model.pad_token_id.unwrap_or(0)]);
@@ -524,7 +535,7 @@ impl Generator {
         for b in 0..kv.batch {
             mask[b * kv.limit + kv.total] = 1;
         }
-        let buffers = self.step_buffers.as_ref().ok_or_else(|| Error::Device("step buffers vanished".into()))?;
+        let buffers = self.step_buffers.as_mut().ok_or_else(|| Error::Device("step buffers vanished".into()))?;
         buffers.start(&mut self.session, tokens, &mask, kv.total + 1)
     }
 
@@ -540,8 +551,12 @@ impl Generator {
         let (Some(d), Some(b)) = (&self.device, &self.step_buffers) else {
             return Err(Error::Input("decode_on_device before start_device_steps".into()));
         };
-        if b.batch != kv.batch || b.limit != kv.limit {
-            return Err(Error::Input("the device-step buffers are of another cache: start again".into()));
+        if b.batch != kv.batch || b.limit != kv.limit || b.at != kv.total {
+            return Err(Error::Input(
+                "the device-step buffers are not ready for this cache (another cache, a host-side step, or a failed \
+                 step came between): call start_device_steps again"
+                    .into(),
+            ));
         }
         let names = &self.names;
         let mut feeds =
@@ -559,11 +574,18 @@ impl Generator {
         for (name, t) in names.present.iter().zip(&kv.past) {
             fetches.push((name.as_str(), Fetch::Into(t)));
         }
-        self.session.run_with(feeds, &fetches)?;
+        let ran = self.session.run_with(feeds, &fetches);
+        let Some(b) = self.step_buffers.as_mut() else {
+            return Err(Error::Device("step buffers vanished".into()));
+        };
+        // A failed step may have written part of the buffers: they are not ready until restarted.
+        b.at = usize::MAX;
+        ran?;
         for row in 0..kv.batch {
             kv.mask[row * kv.limit + kv.total] = 1;
         }
         kv.total += 1;
+        b.at = kv.total;
         let ids = self.session.read_tensor(&b.ids)?;
         Ok(ids
             .data
@@ -585,4 +607,15 @@ pub fn bucket(rows: usize) -> usize {
 /// An int64 tensor.
 pub fn i64_tensor(shape: Vec<usize>, values: &[i64]) -> Result<Tensor> {
     Tensor::new(DType::I64, shape, bytes::Bytes::from(values.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bucket;
+
+    #[test]
+    fn batches_pad_to_powers_of_two_then_multiples_of_32() {
+        let got: Vec<usize> = [1, 2, 3, 5, 8, 9, 17, 32, 33, 64, 65, 100].iter().map(|&n| bucket(n)).collect();
+        assert_eq!(got, [1, 2, 4, 8, 8, 16, 32, 32, 64, 64, 96, 128]);
+    }
 }

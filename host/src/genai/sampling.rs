@@ -90,11 +90,16 @@ impl Sampler {
     }
 }
 
-/// Index of the largest value (the first on ties).
+/// Index of the largest value (the first on ties); a NaN wins over every number (the first
+/// NaN), as numpy's `argmax` and kiln-reduce's ArgMax have it, so host and device greedy
+/// decoding pick the same token from the same logits.
 pub fn argmax(v: &[f32]) -> usize {
     let mut best = 0;
     for (i, x) in v.iter().enumerate() {
-        if *x > v[best] {
+        if v[best].is_nan() {
+            break;
+        }
+        if x.is_nan() || *x > v[best] {
             best = i;
         }
     }

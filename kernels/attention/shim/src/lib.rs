@@ -804,29 +804,46 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
     let esize = p.dtype.size().unwrap_or(4);
     let group = n_h / n_kv.max(1);
     let vectors = (h_sz * esize) / 16;
-    let by_kv_head = p.seq == 1
-        && !p.first_prompt
+    let decode = p.seq == 1 && !p.first_prompt;
+    let by_kv_head = decode
         && group <= DEC_MAX_GROUP
         && group * h_sz <= DEC_MAX_QH
         && (h_sz * esize) % 16 == 0
         && vectors.is_power_of_two()
         && vectors <= 32;
-    if by_kv_head {
-        // One block per (key chunk, KV head, batch row) for all the query heads of the KV head;
-        // with more than one chunk, the partial states are merged by kiln_gqa_merge.
-        let splits = p.present_len.div_ceil(DEC_KEYS).max(1);
+    if by_kv_head || (decode && p.present_len > SPLIT_MIN_PRESENT) {
+        // Split over the keys (flash-decoding): the split count depends on the present length
+        // only (a plan constant under graph capture); splits past a row's length return at once.
+        // By KV head, one block per (key chunk, KV head, batch row) serves all the query heads of
+        // the KV head; otherwise one per (key chunk, query head, batch row). Several chunks are
+        // merged by kiln_gqa_merge_*.
+        let keys = if by_kv_head { DEC_KEYS } else { SPLIT_KEYS };
+        let splits = p.present_len.div_ceil(keys).max(1);
         if splits > 65535 {
             unsupported!("{GQA}: present length {} needs {splits} splits (at most 65535)", p.present_len);
         }
         let suffix = dtype_suffix(p.dtype);
-        let partial =
-            if splits > 1 { scratch((p.batch * n_h * splits * (h_sz + 2) * 4) as u64)? } else { out.handle() };
-        launch(&Launch {
-            kernel: &format!("kiln_gqa_decode_{suffix}"),
-            grid: [splits as u32, n_kv as u32, p.batch as u32],
-            block: [256, 1, 1],
-            shared_mem_bytes: 0,
-            args: vec![
+        let merged = splits > 1 || !by_kv_head;
+        let partial = if merged { scratch((p.batch * n_h * splits * (h_sz + 2) * 4) as u64)? } else { out.handle() };
+        let geometry = vec![
+            u("num_heads", n_h)?,
+            u("kv_num_heads", n_kv)?,
+            u("head size", h_sz)?,
+            u("present length", p.present_len)?,
+            KernelArg::U64(q_w as u64),
+            KernelArg::U64(cache_rows as u64),
+            u("rotary width", rot_half)?,
+            flag(interleaved),
+            KernelArg::F32(scale),
+            KernelArg::F32(softcap),
+            KernelArg::I32(window),
+            flag(p.bias_dims.is_some()),
+            u("attention_bias batch", bias_b)?,
+            u("attention_bias heads", bias_h)?,
+            u("total_sequence_length", p.total)?,
+        ];
+        let (kernel, grid, block, mut args, last) = if by_kv_head {
+            let t = vec![
                 targ(&query),
                 harg(pres_k),
                 harg(pres_v),
@@ -837,89 +854,24 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
                 sink,
                 harg(partial),
                 targ(&out),
-                u("num_heads", n_h)?,
-                u("kv_num_heads", n_kv)?,
-                u("head size", h_sz)?,
-                u("present length", p.present_len)?,
-                KernelArg::U64(q_w as u64),
-                KernelArg::U64(cache_rows as u64),
-                u("rotary width", rot_half)?,
-                flag(interleaved),
-                KernelArg::F32(scale),
-                KernelArg::F32(softcap),
-                KernelArg::I32(window),
-                flag(p.bias_dims.is_some()),
-                u("attention_bias batch", bias_b)?,
-                u("attention_bias heads", bias_h)?,
-                u("total_sequence_length", p.total)?,
-                KernelArg::U32(sink_mode),
-            ],
+            ];
+            ("decode", [splits as u32, n_kv as u32, p.batch as u32], 256, t, KernelArg::U32(sink_mode))
+        } else {
+            let t = vec![targ(&query), harg(pres_k), harg(pres_v), seqlens, cos, sin, bias, harg(partial)];
+            ("split", [splits as u32, p.heads as u32, p.batch as u32], 32 * SPLIT_WARPS, t, KernelArg::U32(keys as u32))
+        };
+        args.extend(geometry);
+        args.push(last);
+        launch(&Launch {
+            kernel: &format!("kiln_gqa_{kernel}_{suffix}"),
+            grid,
+            block: [block, 1, 1],
+            shared_mem_bytes: 0,
+            args,
         })?;
-        if splits == 1 {
+        if !merged {
             return Ok(());
         }
-        return launch(&Launch {
-            kernel: &format!("kiln_gqa_merge_{suffix}"),
-            grid: [p.heads as u32, p.batch as u32, 1],
-            block: [64, 1, 1],
-            shared_mem_bytes: 0,
-            args: vec![
-                harg(partial),
-                seqlens,
-                sink,
-                targ(&out),
-                u("num_heads", n_h)?,
-                u("head size", h_sz)?,
-                u("present length", p.present_len)?,
-                KernelArg::I32(window),
-                u("splits", splits)?,
-                KernelArg::U32(sink_mode),
-            ],
-        });
-    }
-    if p.seq == 1 && !p.first_prompt && p.present_len > SPLIT_MIN_PRESENT {
-        // Flash-decoding: the keys split in chunks over blocks, then merged. The split count
-        // depends on the present length only (a plan constant under graph capture); splits past
-        // a row's length return at once.
-        let splits = p.present_len.div_ceil(SPLIT_KEYS);
-        if splits > 65535 {
-            unsupported!("{GQA}: present length {} needs {splits} splits (at most 65535)", p.present_len);
-        }
-        let partial_bytes = (p.batch * n_h * splits * (h_sz + 2) * 4) as u64;
-        let partial = scratch(partial_bytes)?;
-        let suffix = dtype_suffix(p.dtype);
-        launch(&Launch {
-            kernel: &format!("kiln_gqa_split_{suffix}"),
-            grid: [splits as u32, p.heads as u32, p.batch as u32],
-            block: [32 * SPLIT_WARPS, 1, 1],
-            shared_mem_bytes: 0,
-            args: vec![
-                targ(&query),
-                harg(pres_k),
-                harg(pres_v),
-                seqlens,
-                cos,
-                sin,
-                bias,
-                harg(partial),
-                u("num_heads", n_h)?,
-                u("kv_num_heads", n_kv)?,
-                u("head size", h_sz)?,
-                u("present length", p.present_len)?,
-                KernelArg::U64(q_w as u64),
-                KernelArg::U64(cache_rows as u64),
-                u("rotary width", rot_half)?,
-                flag(interleaved),
-                KernelArg::F32(scale),
-                KernelArg::F32(softcap),
-                KernelArg::I32(window),
-                flag(p.bias_dims.is_some()),
-                u("attention_bias batch", bias_b)?,
-                u("attention_bias heads", bias_h)?,
-                u("total_sequence_length", p.total)?,
-                KernelArg::U32(SPLIT_KEYS as u32),
-            ],
-        })?;
         return launch(&Launch {
             kernel: &format!("kiln_gqa_merge_{suffix}"),
             grid: [p.heads as u32, p.batch as u32, 1],
