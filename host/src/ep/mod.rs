@@ -19,7 +19,6 @@ use crate::Result;
 
 pub use crate::capture::GraphMode;
 pub use binding::{DeviceTensor, Feed, Fetch, Fetched};
-pub use plan::assign_offsets;
 pub use session::{Session, SessionOptions};
 
 /// The device a session runs on.
