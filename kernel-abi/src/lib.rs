@@ -7,6 +7,7 @@
 //! - [`wire`]: the little-endian encodings of a node call (host → shim), a kernel launch and a
 //!   GEMM descriptor (shim → host).
 //! - [`status`]: the return codes of shim exports and host imports.
+//! - [`plan`]: launch plans, the pure data a dispatch records and a device backend runs.
 //! - [`manifest`] (feature `manifest`, std): the `kernel.toml` types.
 //! - [`guest`] (feature `guest`, no_std + alloc): the SDK shim crates are written with.
 //!
@@ -16,6 +17,7 @@
 extern crate alloc;
 
 pub mod dtype;
+pub mod plan;
 pub mod status;
 pub mod wire;
 

@@ -8,12 +8,12 @@ use bytes::Bytes;
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 use cudarc::nvrtc::Ptx;
+use kiln_kernel_abi::plan::{LaunchPlan, PlanArg, PlanStep};
 use kiln_kernel_abi::wire::{Gemm, KernelArg};
 use kiln_kernel_abi::DType;
 use kiln_registry::Package;
 
 use super::{compile_cached, open_context, Allocator, Blas, DevBuffer, DeviceInfo};
-use crate::sandbox::{LaunchPlan, PlanArg, PlanStep};
 use crate::{Error, Result, Tensor};
 
 /// A loaded kernel (`CUfunction`), valid while the session's context lives.

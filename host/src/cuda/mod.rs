@@ -21,6 +21,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUdevice_attribute as Attr;
 use cudarc::driver::{CudaContext, CudaStream};
+use kiln_kernel_abi::plan::LaunchLimits;
 
 pub use alloc::{Allocator, AllocatorStats, DevBuffer};
 pub use blas::Blas;
@@ -30,7 +31,6 @@ pub use nvrtc::{cache_dir, compile_cached, nvrtc_version, CompiledSource};
 pub use timeline::Timeline;
 pub use transfer::Transfers;
 
-use crate::sandbox::LaunchLimits;
 use crate::{Error, Result};
 
 /// What `kiln devices` prints.

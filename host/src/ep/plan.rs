@@ -23,12 +23,12 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUdeviceptr;
+use kiln_kernel_abi::plan::LaunchPlan;
 use kiln_kernel_abi::DType;
 
 use crate::capture::{CaptureState, Fallback, GraphMode, RECAPTURE_BUDGET};
 use crate::cuda::{capture, DevBuffer, Function, Gpu};
 use crate::model::ValueId;
-use crate::sandbox::LaunchPlan;
 use crate::trace::GraphStats;
 use crate::{Error, Result, Tensor};
 

@@ -21,7 +21,7 @@ use std::time::Duration;
 pub use handles::{Access, HandleTable, Slot};
 pub use shim::{ArgTensor, CallArgs, CallKind, CallOutcome, ShimInstance, ShimModule};
 
-use kiln_kernel_abi::wire::{Gemm, KernelArg};
+pub use kiln_kernel_abi::plan::{LaunchLimits, LaunchPlan, PlanArg, PlanStep};
 
 /// Limits of the sandbox.
 #[derive(Clone, Debug)]
@@ -52,58 +52,6 @@ impl Default for SandboxConfig {
             launch_limits: LaunchLimits::default(),
         }
     }
-}
-
-/// Device limits of a kernel launch (CUDA: `cudaDeviceProp`); the defaults are those of
-/// every GPU since compute capability 3.0 and 48 KiB of shared memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-pub struct LaunchLimits {
-    pub max_threads_per_block: u32,
-    pub max_block: [u32; 3],
-    pub max_grid: [u32; 3],
-    /// Dynamic shared memory per block, bytes.
-    pub max_shared_mem_bytes: u32,
-}
-
-impl Default for LaunchLimits {
-    fn default() -> Self {
-        LaunchLimits {
-            max_threads_per_block: 1024,
-            max_block: [1024, 1024, 64],
-            max_grid: [i32::MAX as u32, 65535, 65535],
-            max_shared_mem_bytes: 48 << 10,
-        }
-    }
-}
-
-/// A kernel argument of a recorded launch: a tensor is a slot of the call (inputs, then
-/// outputs, then scratch, in order) plus a byte offset.
-#[derive(Clone, Debug, PartialEq)]
-pub enum PlanArg {
-    Tensor { slot: usize, offset: u64 },
-    Scalar(KernelArg),
-}
-
-/// One recorded step of a dispatch.
-#[derive(Clone, Debug, PartialEq)]
-pub enum PlanStep {
-    Launch {
-        kernel: String,
-        grid: [u32; 3],
-        block: [u32; 3],
-        shared_mem_bytes: u32,
-        args: Vec<PlanArg>,
-    },
-    /// Operand handles are rewritten to slot indices.
-    Gemm(Gemm),
-}
-
-/// What a dispatch asked for: scratch sizes (slots after the outputs) and steps, in order.
-/// A pure function of the node and its shapes, so the host can memoize it.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct LaunchPlan {
-    pub scratch_bytes: Vec<u64>,
-    pub steps: Vec<PlanStep>,
 }
 
 /// How a shim call failed.
