@@ -10,6 +10,15 @@ fn runtime() -> std::sync::Arc<Runtime> {
     kiln_tests::builtin_runtime()
 }
 
+/// The bundled example: its model, input and onnxruntime's output.
+fn example() -> (model::Model, kiln_host::Tensor, kiln_host::Tensor) {
+    let root = kiln_tests::root();
+    let m = model::load(&root.join("examples/mlp/model.onnx")).unwrap();
+    let x = tensorio::read_tensor_file(&root.join("examples/mlp/x.npy")).unwrap().0;
+    let want = tensorio::read_tensor_file(&root.join("examples/mlp/expected.npy")).unwrap().0;
+    (m, x, want)
+}
+
 fn cuda() -> SessionOptions {
     assert!(kiln_host::cuda::device_count() > 0, "no CUDA GPU visible");
     SessionOptions { device: Device::Cuda(0), ..SessionOptions::default() }
@@ -18,10 +27,7 @@ fn cuda() -> SessionOptions {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn the_example_runs_on_the_gpu_and_matches_onnxruntime() {
-    let root = kiln_tests::root();
-    let m = model::load(&root.join("examples/mlp/model.onnx")).unwrap();
-    let x = tensorio::read_tensor_file(&root.join("examples/mlp/x.npy")).unwrap().0;
-    let want = tensorio::read_tensor_file(&root.join("examples/mlp/expected.npy")).unwrap().0;
+    let (m, x, want) = example();
     let mut s = Session::new(runtime(), m, cuda()).unwrap();
     for _ in 0..3 {
         let out = s.run(vec![("x".into(), x.clone())]).unwrap();
@@ -87,8 +93,7 @@ fn tiny_llama_fp16_on_the_gpu_matches_onnxruntime_within_f16_tolerances() {
 /// decode steps in one batch. `check(row, step, kiln logits, reference logits, reference step)`.
 fn smollm2_arch_teacher_forced(folder: &str, mut check: impl FnMut(usize, usize, &[f32], &[f32], &serde_json::Value)) {
     use kiln_host::genai::{Generator, ModelFolder};
-    let root =
-        std::path::PathBuf::from(std::env::var("KILN_DEVICE_MODELS").unwrap_or_else(|_| "/tmp/kiln-models".into()));
+    let root = device_models();
     let refs = root.join("reference");
     let json_path = refs.join("smollm2-arch-ref.json");
     assert!(
@@ -318,10 +323,7 @@ fn new_buffers_re_capture_by_graph_update() {
 #[ignore = "needs a CUDA GPU"]
 fn the_example_replays_as_a_graph_and_a_moving_binding_exhausts_the_budget() {
     use kiln_host::ep::{Feed, Fetch, GraphMode};
-    let root = kiln_tests::root();
-    let m = model::load(&root.join("examples/mlp/model.onnx")).unwrap();
-    let x = tensorio::read_tensor_file(&root.join("examples/mlp/x.npy")).unwrap().0;
-    let want = tensorio::read_tensor_file(&root.join("examples/mlp/expected.npy")).unwrap().0;
+    let (m, x, want) = example();
     let mut s = Session::new(runtime(), m, SessionOptions { graphs: GraphMode::Auto, ..cuda() }).unwrap();
     let out_name = s.model().graph.values[s.output_ids()[0]].name.clone();
     let xin = s.zeros(x.dtype, x.shape.clone()).unwrap();

@@ -45,6 +45,16 @@ impl Tensor {
         })
     }
 
+    /// The elements of an int64 tensor. Errors: another dtype.
+    pub fn to_i64(&self) -> Result<Vec<i64>, Error> {
+        match self.dtype {
+            DType::I64 => {
+                Ok(self.data.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap_or_default())).collect())
+            }
+            other => Err(Error::Input(format!("{other} values are not int64"))),
+        }
+    }
+
     /// Shape as the ABI's `i64` dims.
     pub fn dims_i64(&self) -> Vec<i64> {
         self.shape.iter().map(|&d| d as i64).collect()

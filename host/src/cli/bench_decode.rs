@@ -126,8 +126,9 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
     if vocab == 0 {
         return Err(Error::Input(format!("{}: vocab_size is 0", a.model_dir.display())));
     }
-    let max_length = a.max_length.unwrap_or(a.prompt_len + a.new_tokens);
-    if a.prompt_len + a.new_tokens > max_length {
+    let needed = a.prompt_len.saturating_add(a.new_tokens);
+    let max_length = a.max_length.unwrap_or(needed);
+    if needed > max_length {
         return Err(Error::Input(format!(
             "--prompt-len {} + --new-tokens {} is over --max-length {max_length}",
             a.prompt_len, a.new_tokens

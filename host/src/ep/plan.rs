@@ -36,7 +36,7 @@ use crate::{Error, Result, Tensor};
 pub const ARENA_ALIGN: u64 = 256;
 
 /// Where a tensor of a planned step lives.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Loc {
     /// This byte offset of the plan's arena.
     Arena(u64),
@@ -196,6 +196,7 @@ impl Recorder {
                 .filter_map(|(v, _)| self.written.get(v).map(|(d, s, n)| (*v, *d, s.clone(), *n)))
                 .collect(),
             launches: 0,
+            binds: Vec::new(),
             runs: 0,
             capture: CaptureState::default(),
         };
@@ -252,6 +253,13 @@ impl Recorder {
             plan.launches += s.launch.steps.len() as u64;
             plan.steps.push(Step { node: s.node, launch: s.launch, functions: s.functions, slots });
         }
+        let mut seen = HashSet::new();
+        plan.binds = plan
+            .steps
+            .iter()
+            .flat_map(|s| s.slots.iter().map(|(loc, _)| *loc))
+            .filter(|loc| matches!(loc, Loc::Feed(_) | Loc::Bound(_)) && seen.insert(*loc))
+            .collect();
         Ok(Ok(plan))
     }
 }
@@ -311,6 +319,9 @@ pub struct ExecutionPlan {
     pub outputs: Vec<(ValueId, DType, Vec<usize>, u64)>,
     /// Kernel launches and GEMMs of one eager run.
     pub launches: u64,
+    /// The fed and bound values the steps use, each once, in order of first use: what a
+    /// captured graph's addresses depend on.
+    binds: Vec<Loc>,
     /// Runs so far.
     runs: u64,
     capture: CaptureState,
@@ -322,19 +333,9 @@ impl ExecutionPlan {
         self.steps.len()
     }
 
-    /// The bindings in a fixed order: the fed and bound addresses as the steps use them.
+    /// The run's addresses of the plan's fed and bound values, in the plan's fixed order.
     fn binding_vector(&self, b: &Bindings) -> Result<Vec<u64>> {
-        let mut out = Vec::new();
-        for s in &self.steps {
-            for (loc, _) in &s.slots {
-                match loc {
-                    Loc::Feed(v) => out.push(*b.feeds.get(v).ok_or_else(|| missing("input", *v))?),
-                    Loc::Bound(v) => out.push(*b.bound.get(v).ok_or_else(|| missing("output", *v))?),
-                    _ => {}
-                }
-            }
-        }
-        Ok(out)
+        self.binds.iter().map(|&loc| self.ptr(loc, b)).collect()
     }
 
     fn ptr(&self, loc: Loc, b: &Bindings) -> Result<CUdeviceptr> {

@@ -389,11 +389,10 @@ impl Generator {
         let max_length = opts.max_length.unwrap_or_else(|| cfg.max_length());
         // The longest the sequences can get; a shared KV buffer is allocated at that length.
         let limit = max_length.min(s + opts.max_new_tokens.max(1));
-        let p = &opts.sampling;
         let on_device = self.device.is_some()
             && cfg.search.past_present_share_buffer
-            && (!p.do_sample || p.temperature <= 0.0)
-            && p.repetition_penalty == 1.0;
+            && opts.sampling.is_greedy()
+            && opts.sampling.repetition_penalty == 1.0;
         // On a GPU, device-sampled batches run at their bucket, graphs on or off, so that eager
         // and graph steps of one batch have the same shapes (and the same tokens).
         let on_gpu = self.session.device() != crate::ep::Device::Cpu;
@@ -586,12 +585,7 @@ impl Generator {
         }
         kv.total += 1;
         b.at = kv.total;
-        let ids = self.session.read_tensor(&b.ids)?;
-        Ok(ids
-            .data
-            .chunks_exact(8)
-            .map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
-            .collect())
+        self.session.read_tensor(&b.ids)?.to_i64()
     }
 }
 

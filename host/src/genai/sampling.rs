@@ -20,6 +20,13 @@ pub struct SamplingParams {
     pub seed: u64,
 }
 
+impl SamplingParams {
+    /// Whether these parameters pick the most likely token (no sampling, or temperature 0).
+    pub fn is_greedy(&self) -> bool {
+        !self.do_sample || self.temperature <= 0.0
+    }
+}
+
 impl Default for SamplingParams {
     fn default() -> Self {
         SamplingParams { do_sample: false, temperature: 1.0, top_k: 50, top_p: 1.0, repetition_penalty: 1.0, seed: 0 }
@@ -52,7 +59,7 @@ impl Sampler {
                 }
             }
         }
-        if !self.params.do_sample || self.params.temperature <= 0.0 {
+        if self.params.is_greedy() {
             return argmax(&l) as i64;
         }
         let t = self.params.temperature;
