@@ -443,3 +443,70 @@ fn long_context_decode_attention(n: usize, nk: usize) {
         }
     }
 }
+
+/// MatMul at decode sizes (at most 8 rows of A, batch dimensions folded into M, against a 2-D B,
+/// as every decode projection is; N on and off the 16-byte vector) on random shapes, float32 /
+/// float16 / bfloat16, against the CPU reference, which sums in f64 and rounds once. Bound per element: one ulp of
+/// the output dtype (2^-10 relative for float16, 2^-7 for bfloat16, 2^-23 for float32) plus the
+/// f32 accumulation error, K · 2^-22 · max|x·w| with |x|, |w| ≤ 1.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_sized_matmul_matches_the_float64_reference() {
+    use kiln_tests::onnx::{self, node, value};
+    let mut r = kiln_tests::Rng(0x9e3f);
+    let int = |name: &str, v: i64| onnx::AttributeProto {
+        name: name.into(),
+        type_: protobuf::EnumOrUnknown::new(onnx::attribute_proto::AttributeType::INT),
+        i: v,
+        ..Default::default()
+    };
+    // (ONNX dtype code, relative ulp, vector elements)
+    for (code, ulp, vec) in [(1i64, 2f32.powi(-23), 4usize), (10, 2f32.powi(-10), 8), (16, 2f32.powi(-7), 8)] {
+        for case in 0..12 {
+            let k = match case {
+                0 => 1,
+                1 => 7,
+                _ => r.range(8, 2100),
+            };
+            // Last case: N off the 16-byte vector.
+            let n = if case == 11 { vec * r.range(1, 40) + 3 } else { vec * r.range(1, 130) };
+            let a_shape: Vec<usize> = match r.below(3) {
+                0 => vec![r.range(1, 8), k],
+                1 => vec![r.range(1, 8), 1, k],
+                _ => vec![2, r.range(1, 4), k],
+            };
+            let mut vals = |len: usize| -> Vec<f32> {
+                (0..len).map(|_| ((r.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).collect()
+            };
+            let x = kiln_tests::f32_tensor(&a_shape, &vals(a_shape.iter().product()));
+            let w = kiln_tests::f32_tensor(&[k, n], &vals(k * n));
+            let dims = |s: &[usize]| s.iter().map(|&d| d as i64).collect::<Vec<_>>();
+            let mut y = value("y", 1, &[]);
+            y.type_ = Default::default();
+            let m = onnx::model(
+                vec![
+                    node("Cast", &["x"], &["xc"], vec![int("to", code)]),
+                    node("Cast", &["w"], &["wc"], vec![int("to", code)]),
+                    node("MatMul", &["xc", "wc"], &["y"], vec![]),
+                ],
+                vec![value("x", 1, &dims(&a_shape)), value("w", 1, &dims(&[k, n]))],
+                vec![y],
+                vec![],
+            );
+            let feeds = vec![("x".to_string(), x), ("w".to_string(), w)];
+            let load = || model::load_bytes(&onnx::bytes(&m), None).unwrap();
+            let want = Session::new(runtime(), load(), SessionOptions::default()).unwrap().run(feeds.clone()).unwrap();
+            let got = Session::new(runtime(), load(), cuda()).unwrap().run(feeds).unwrap();
+            let (got, want) = (got[0].1.to_f32().unwrap(), want[0].1.to_f32().unwrap());
+            assert_eq!(got.len(), want.len());
+            let acc = k as f32 * 2f32.powi(-22);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let tol = ulp * w.abs() + acc + 1e-7;
+                assert!(
+                    (g - w).abs() <= tol,
+                    "dtype {code}, A {a_shape:?}, B [{k}, {n}]: element {i}: GPU {g}, reference {w} (|Δ| > {tol})"
+                );
+            }
+        }
+    }
+}
