@@ -77,6 +77,12 @@ fn blas_err(what: &str) -> impl Fn(ltr::CublasError) -> Error + '_ {
     move |e| Error::Device(format!("{what}: {e:?}"))
 }
 
+/// Split-K reductions the heuristic may pick: in the compute type (f32) only. The in-place and
+/// output-type schemes add the partial products up in D's dtype, which at decode sizes cost
+/// float16 GEMMs several ulps (5 ulps at K = 1098 on the H200: the decode-sized MatMul GPU test).
+/// Unsplit algorithms (CUBLASLT_REDUCTION_SCHEME_NONE) are always allowed.
+const SPLIT_K_REDUCTION: u32 = lt::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32;
+
 /// `(matrix type, compute type)` of a GEMM dtype. f32 computes in exact f32 (ONNX float32
 /// MatMul/Gemm keep full precision, not TF32); f16 and bf16 accumulate in f32.
 fn types(dtype: DType) -> Result<(lt::cudaDataType, lt::cublasComputeType_t)> {
@@ -223,6 +229,14 @@ impl Blas {
                 &ws as *const usize as *const c_void,
                 size_of::<usize>(),
             )
+            .and_then(|_| {
+                ltr::set_matmul_pref_attribute(
+                    pref,
+                    lt::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                    &SPLIT_K_REDUCTION as *const u32 as *const c_void,
+                    size_of::<u32>(),
+                )
+            })
             .and_then(|_| {
                 ltr::get_matmul_algo_heuristic(
                     self.handle,
