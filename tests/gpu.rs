@@ -446,9 +446,11 @@ fn long_context_decode_attention(n: usize, nk: usize) {
 
 /// MatMul at decode sizes (at most 8 rows of A, batch dimensions folded into M, against a 2-D B,
 /// as every decode projection is; N on and off the 16-byte vector) on random shapes, float32 /
-/// float16 / bfloat16, against the CPU reference, which sums in f64 and rounds once. Bound per element: one ulp of
-/// the output dtype (2^-10 relative for float16, 2^-7 for bfloat16, 2^-23 for float32) plus the
-/// f32 accumulation error, K · 2^-22 · max|x·w| with |x|, |w| ≤ 1.
+/// float16 / bfloat16, against the CPU reference, which sums in f64 and rounds once. Bound per
+/// element: one ulp of the output dtype (2^-10 relative for float16, 2^-7 for bfloat16, 2^-23
+/// for float32) plus K · 2^-22 for the f32 accumulation (|x|, |w| ≤ 1): far above what an f32
+/// sum in any order loses on these inputs, below what partial sums rounded to float16 lose
+/// (cuBLASLt's in-place split-K reduction failed it by 5 ulps at K = 1098).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn decode_sized_matmul_matches_the_float64_reference() {

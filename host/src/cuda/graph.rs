@@ -44,7 +44,7 @@ impl Drop for Captured {
 /// Records the work `body` enqueues on `stream` (which must belong to the current context and
 /// not be capturing). Returns the graph, or `body`'s error, or the driver's when the capture
 /// was invalidated (an allocation, a synchronization or an uncapturable call inside it).
-pub fn capture(stream: CUstream, body: impl FnOnce() -> Result<()>) -> Result<Captured> {
+pub(crate) fn capture(stream: CUstream, body: impl FnOnce() -> Result<()>) -> Result<Captured> {
     let t0 = Instant::now();
     // SAFETY: a live stream of the current context; the capture is always ended below.
     check("cuStreamBeginCapture", unsafe {
@@ -107,13 +107,13 @@ impl Drop for GraphExec {
 
 impl GraphExec {
     /// Uploads the executable's resources ahead of the first launch (`cuGraphUpload`).
-    pub fn upload(&self, stream: CUstream) -> Result<()> {
+    pub(crate) fn upload(&self, stream: CUstream) -> Result<()> {
         // SAFETY: live executable and stream.
         check("cuGraphUpload", unsafe { sys::cuGraphUpload(self.exec, stream) })
     }
 
     /// Enqueues one replay on `stream`.
-    pub fn launch(&self, stream: CUstream) -> Result<()> {
+    pub(crate) fn launch(&self, stream: CUstream) -> Result<()> {
         // SAFETY: live executable and stream.
         check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(self.exec, stream) })
     }

@@ -26,7 +26,7 @@ use kiln_kernel_abi::plan::LaunchLimits;
 pub use alloc::{Allocator, AllocatorStats, DevBuffer};
 pub use blas::Blas;
 pub use exec::{Function, Gpu, KernelCache};
-pub use graph::{capture, Captured, GraphExec};
+pub(crate) use graph::{capture, GraphExec};
 pub use nvrtc::{cache_dir, compile_cached, nvrtc_version, CompiledSource};
 pub use timeline::Timeline;
 pub use transfer::Transfers;

@@ -217,7 +217,7 @@ const MAX_PLANS: usize = 16;
 
 /// What a shape signature of eligible runs got: a plan, or the reason it has none.
 enum PlanEntry {
-    Plan(ExecutionPlan),
+    Plan(Box<ExecutionPlan>),
     Unplanned(String),
 }
 
@@ -732,7 +732,7 @@ impl Session {
             Ok(plan) => {
                 self.report.graphs.plans_built += 1;
                 self.report.graphs.arena_bytes += plan.arena_bytes;
-                PlanEntry::Plan(plan)
+                PlanEntry::Plan(Box::new(plan))
             }
             Err(why) => PlanEntry::Unplanned(why),
         })
