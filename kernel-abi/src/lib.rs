@@ -17,6 +17,7 @@
 extern crate alloc;
 
 pub mod dtype;
+pub mod philox;
 pub mod plan;
 pub mod status;
 pub mod wire;

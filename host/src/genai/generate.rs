@@ -445,12 +445,13 @@ impl Generator {
         let batch = prompts.len();
         let pad = self.config().model.pad_token_id.unwrap_or(0);
         let eos = self.config().model.eos_token_id.to_vec();
-        let mut sampler = Sampler::new(opts.sampling.clone());
+        let sampler = Sampler::new(opts.sampling.clone());
         let mut history: Vec<Vec<i64>> = prompts.to_vec();
         let mut generated: Vec<Vec<i64>> = vec![Vec::new(); batch];
         let mut stopped: Vec<Option<StopReason>> =
             (0..batch).map(|b| (b >= real).then_some(StopReason::MaxLength)).collect();
-        let mut next: Vec<i64> = first.iter().zip(&history).map(|(row, h)| sampler.next(row, h)).collect();
+        let mut next: Vec<i64> =
+            first.iter().zip(&history).enumerate().map(|(b, (row, h))| sampler.next(row, h, b, 0)).collect();
         if on_device {
             self.start_device_steps(kv, &next)?;
         }
@@ -501,7 +502,7 @@ impl Generator {
             let logits = self.decode(kv, &step_ids)?;
             for b in 0..batch {
                 if stopped[b].is_none() {
-                    next[b] = sampler.next(&logits[b], &history[b]);
+                    next[b] = sampler.next(&logits[b], &history[b], b, generated[b].len());
                     timings.decode_tokens += 1;
                 }
             }

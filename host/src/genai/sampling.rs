@@ -1,9 +1,10 @@
 //! Choosing the next token from logits: greedy, or sampling with temperature, top-k and top-p
 //! (nucleus), after a repetition penalty — the semantics of Hugging Face transformers'
-//! logits processors, which onnxruntime-genai follows.
+//! logits processors, which onnxruntime-genai follows. Each draw is Philox4x32-10 keyed by
+//! (seed, row, step) ([`kiln_kernel_abi::philox::uniform`]), so a row's tokens do not depend on
+//! the other rows of its batch, and a device sampler keyed the same way draws the same numbers.
 
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use kiln_kernel_abi::philox;
 
 /// How to pick tokens.
 #[derive(Clone, Debug, PartialEq)]
@@ -33,20 +34,20 @@ impl Default for SamplingParams {
     }
 }
 
-/// A sampler with its own seeded random stream.
+/// A sampler: its parameters, and draws addressed by (seed, row, step), no state between them.
 pub struct Sampler {
     pub params: SamplingParams,
-    rng: StdRng,
 }
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Sampler {
-        let rng = StdRng::seed_from_u64(params.seed);
-        Sampler { params, rng }
+        Sampler { params }
     }
 
-    /// The next token for one sequence; `history` is every token of it so far (prompt included).
-    pub fn next(&mut self, logits: &[f32], history: &[i64]) -> i64 {
+    /// The next token for one sequence: `logits` over the vocabulary, `history` every token of it
+    /// so far (prompt included), `row` its index in the request and `step` the number of tokens
+    /// generated for it before this one (the draw's Philox counter).
+    pub fn next(&self, logits: &[f32], history: &[i64], row: usize, step: usize) -> i64 {
         let mut l = logits.to_vec();
         let p = self.params.repetition_penalty;
         if p != 1.0 {
@@ -85,7 +86,7 @@ impl Sampler {
             let s: f64 = probs.iter().sum();
             probs.iter_mut().for_each(|p| *p /= s);
         }
-        let r: f64 = self.rng.random();
+        let r = philox::uniform(self.params.seed, row as u32, step as u64);
         let mut acc = 0.0;
         for (c, p) in cand.iter().zip(&probs) {
             acc += p;
@@ -119,24 +120,32 @@ mod tests {
 
     #[test]
     fn greedy_takes_the_argmax_and_the_penalty_changes_it() {
-        let mut s = Sampler::new(SamplingParams::default());
-        assert_eq!(s.next(&[0.1, 3.0, 2.9], &[]), 1);
-        let mut s = Sampler::new(SamplingParams { repetition_penalty: 1.1, ..SamplingParams::default() });
-        assert_eq!(s.next(&[0.1, 3.0, 2.9], &[1]), 2, "3.0 / 1.1 < 2.9");
+        let s = Sampler::new(SamplingParams::default());
+        assert_eq!(s.next(&[0.1, 3.0, 2.9], &[], 0, 0), 1);
+        let s = Sampler::new(SamplingParams { repetition_penalty: 1.1, ..SamplingParams::default() });
+        assert_eq!(s.next(&[0.1, 3.0, 2.9], &[1], 0, 0), 2, "3.0 / 1.1 < 2.9");
     }
 
     #[test]
     fn sampling_respects_top_k_top_p_and_the_seed() {
         let logits = [1.0, 2.0, 3.0, 4.0];
         let params = SamplingParams { do_sample: true, top_k: 2, ..SamplingParams::default() };
-        let mut s = Sampler::new(params.clone());
-        let draws: Vec<i64> = (0..200).map(|_| s.next(&logits, &[])).collect();
+        let s = Sampler::new(params.clone());
+        let draws: Vec<i64> = (0..2000).map(|i| s.next(&logits, &[], 0, i)).collect();
         assert!(draws.iter().all(|t| *t == 2 || *t == 3));
-        assert!(draws.contains(&2) && draws.contains(&3));
-        let mut again = Sampler::new(params);
-        assert_eq!(draws, (0..200).map(|_| again.next(&logits, &[])).collect::<Vec<_>>(), "same seed, same tokens");
+        // top-k 2 leaves p(3) = e / (1 + e) = 0.731: 2000 draws within 4 standard errors (0.04).
+        let threes = draws.iter().filter(|&&t| t == 3).count() as f64 / 2000.0;
+        assert!((threes - 0.731).abs() < 0.04, "{threes}");
+        let again = Sampler::new(params.clone());
+        assert_eq!(draws, (0..2000).map(|i| again.next(&logits, &[], 0, i)).collect::<Vec<_>>(), "same seed, same tokens");
+        let other = Sampler::new(SamplingParams { seed: 1, ..params });
+        assert_ne!(draws, (0..2000).map(|i| other.next(&logits, &[], 0, i)).collect::<Vec<_>>(), "another seed");
+        // A row's draws are its own: row 1 at step i is the same whatever row 0 does.
+        let row1: Vec<i64> = (0..200).map(|i| s.next(&logits, &[], 1, i)).collect();
+        assert_eq!(row1, (0..200).map(|i| again.next(&logits, &[], 1, i)).collect::<Vec<_>>());
+        assert_ne!(row1, draws[..200].to_vec(), "rows draw apart");
         // top_p 0.5: p(3) = 0.64 alone reaches it.
-        let mut s = Sampler::new(SamplingParams { do_sample: true, top_k: 0, top_p: 0.5, ..SamplingParams::default() });
-        assert!((0..50).all(|_| s.next(&logits, &[]) == 3));
+        let s = Sampler::new(SamplingParams { do_sample: true, top_k: 0, top_p: 0.5, ..SamplingParams::default() });
+        assert!((0..50).all(|i| s.next(&logits, &[], 0, i) == 3));
     }
 }
