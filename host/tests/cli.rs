@@ -180,9 +180,33 @@ fn generate_streams_text_and_writes_json_like_genai() {
     )
     .unwrap();
     let run = reference["runs"].as_array().unwrap().iter().find(|r| r["prompt_id"] == "plain_once_upon").unwrap();
-    assert_eq!(doc["prompt_ids"], run["prompt_token_ids"]);
-    assert_eq!(doc["generated_ids"], run["generated_token_ids"]);
+    // One schema for any number of prompts: a list of rows.
+    assert_eq!(doc["rows"].as_array().map(Vec::len), Some(1), "{doc}");
+    assert_eq!(doc["rows"][0]["prompt_ids"], run["prompt_token_ids"]);
+    assert_eq!(doc["rows"][0]["generated_ids"], run["generated_token_ids"]);
     assert!(doc["timings"]["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
+    // `--json -`: the JSON alone on stdout (the text goes to stderr), two prompts, same schema.
+    let o = kiln(&[
+        "generate",
+        dir.to_str().unwrap(),
+        "--prompt",
+        "Once upon a time",
+        "--prompt",
+        "The cat",
+        "--max-new-tokens",
+        "8",
+        "--greedy",
+        "--json",
+        "-",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let doc: serde_json::Value = serde_json::from_slice(&o.stdout).expect("stdout is one JSON document");
+    assert_eq!(doc["rows"].as_array().map(Vec::len), Some(2), "{doc}");
+    assert_eq!(
+        doc["rows"][0]["generated_ids"].as_array().unwrap()[..8],
+        run["generated_token_ids"].as_array().unwrap()[..8]
+    );
+    assert!(String::from_utf8_lossy(&o.stderr).contains("[1] The cat"), "{}", text(&o));
     // Bad arguments.
     let o = kiln(&["generate", dir.to_str().unwrap(), "--prompt", "x", "--top-p", "2"]);
     assert!(!o.status.success() && text(&o).contains("--top-p"), "{}", text(&o));
@@ -208,4 +232,50 @@ fn verify_checks_a_package_on_the_cpu_and_names_unknown_packages() {
     let t = text(&o);
     assert!(!o.status.success(), "{t}");
     assert!(t.contains("no package named \"nope\"") && t.contains("kiln-unary"), "{t}");
+}
+
+/// `--json -` writes the document to stdout and the human-readable table to stderr; a JSON
+/// path in a missing folder fails before any test runs, naming the flag; `devices --json` is
+/// JSON on a machine without a driver too.
+#[test]
+fn json_goes_to_stdout_with_a_dash_and_bad_paths_fail_first() {
+    let dir = node_tests();
+    let o = kiln(&["conformance", dir.to_str().unwrap(), "--filter", "test_softmax", "--device", "cpu", "--json", "-"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let doc: serde_json::Value = serde_json::from_slice(&o.stdout).expect("stdout is one JSON document");
+    assert!(doc["passed"].as_u64().unwrap() >= 7, "{doc}");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("conformance: "), "{}", text(&o));
+    let missing = tempfile::tempdir().unwrap().path().join("gone/results.json");
+    let started = std::time::Instant::now();
+    let o = kiln(&["conformance", dir.to_str().unwrap(), "--device", "cpu", "--json", missing.to_str().unwrap()]);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{t}");
+    assert!(t.contains("--json") && t.contains("does not exist") && !t.contains("conformance: "), "{t}");
+    assert!(started.elapsed().as_secs() < 20, "the path is checked before the 1,600 tests run");
+    let o = kiln(&["devices", "--json"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let doc: serde_json::Value = serde_json::from_slice(&o.stdout).expect("devices --json is JSON");
+    assert!(doc.is_array(), "{doc}");
+}
+
+/// `kiln … | head`: a reader that goes away ends kiln quietly (SIGPIPE), with no panic and no
+/// backtrace.
+#[test]
+#[cfg(unix)]
+fn a_closed_pipe_ends_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::Stdio;
+    let dir = node_tests();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["conformance", dir.to_str().unwrap(), "--filter", "test_add", "--device", "cpu"])
+        .current_dir(root())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kiln runs");
+    drop(child.stdout.take());
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!err.contains("panicked") && !err.contains("Broken pipe"), "{err}");
+    assert_eq!(o.status.signal(), Some(13), "ended by SIGPIPE: {:?} {err}", o.status);
 }

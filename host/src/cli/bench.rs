@@ -8,6 +8,7 @@
 //!
 //! PyTorch's numbers come from `bench/torch_ops.py`, run in the same session.
 
+use super::output::say;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -45,6 +46,8 @@ pub fn run(cmd: BenchCommand) -> Result<ExitCode> {
         BenchCommand::Ops { json, packages } => (json, packages),
         BenchCommand::Decode(a) => return super::bench_decode::run(a),
     };
+    super::output::check_path("--json", &json)?;
+    let human = super::output::Human::new(&[&json]);
     let Device::Cuda(ordinal) = choose_device(DeviceArg::Cuda)? else {
         return Err(Error::Device("kiln bench ops needs a CUDA GPU".into()));
     };
@@ -57,28 +60,28 @@ pub fn run(cmd: BenchCommand) -> Result<ExitCode> {
     };
     let (binary, unary) = (find("kiln-binary")?, find("kiln-unary")?);
     let mut gpu = Gpu::open(ordinal, None)?;
-    println!("device: {} ({})", gpu.info.name, gpu.info.arch);
+    say!(human, "device: {} ({})", gpu.info.name, gpu.info.arch);
     let mut doc = json!({ "device": gpu.info.name });
     for (n, dtype) in [(4096u64, DType::F16), (4096, DType::BF16), (8192, DType::F16), (8192, DType::BF16)] {
         let tflops = gemm_tflops(&mut gpu, n, dtype)?;
-        println!("gemm {n}x{n}x{n} {dtype}: {tflops:.1} TFLOP/s");
+        say!(human, "gemm {n}x{n}x{n} {dtype}: {tflops:.1} TFLOP/s");
         doc[format!("gemm_{n}_{dtype}_tflops")] = json!(tflops);
     }
     let (copy, add) = bandwidth(&mut gpu, &binary)?;
-    println!("device-to-device copy (256 Mi f16, read + write): {copy:.0} GB/s");
-    println!("Add f16, 256 Mi elements (2 reads + 1 write): {add:.0} GB/s ({:.0} % of copy)", 100.0 * add / copy);
+    say!(human, "device-to-device copy (256 Mi f16, read + write): {copy:.0} GB/s");
+    say!(human, "Add f16, 256 Mi elements (2 reads + 1 write): {add:.0} GB/s ({:.0} % of copy)", 100.0 * add / copy);
     doc["copy_gbps"] = json!(copy);
     doc["add_f16_gbps"] = json!(add);
     let (plan_us, bare_us) = launch_overhead(&mut gpu, &unary)?;
-    println!(
+    say!(
+        human,
         "host time per op: memoized launch plan {plan_us:.2} µs, bare cuLaunchKernel {bare_us:.2} µs (+{:.2} µs)",
         plan_us - bare_us
     );
     doc["plan_launch_us"] = json!(plan_us);
     doc["bare_launch_us"] = json!(bare_us);
     if let Some(p) = json {
-        std::fs::write(&p, serde_json::to_string_pretty(&doc).unwrap_or_default())
-            .map_err(|source| Error::Io { path: p.clone(), source })?;
+        super::output::write_json(&p, &doc)?;
     }
     Ok(ExitCode::SUCCESS)
 }

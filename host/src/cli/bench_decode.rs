@@ -10,6 +10,7 @@
 //! The floor printed beside the numbers is the time to read every weight once per step at
 //! `--bandwidth-gbps` (the weights of a decode step are streamed from HBM at least once).
 
+use super::output::say;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
@@ -117,9 +118,8 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
     if let Some((_, msg)) = bounds.into_iter().find(|(bad, _)| *bad) {
         return Err(Error::Input(msg));
     }
-    if let Some(dir) = a.json.as_ref().and_then(|p| p.parent()).filter(|d| !d.as_os_str().is_empty() && !d.is_dir()) {
-        return Err(Error::Input(format!("--json: the folder {} does not exist", dir.display())));
-    }
+    super::output::check_path("--json", &a.json)?;
+    let human = super::output::Human::new(&[&a.json]);
     let device = choose_device(a.device)?;
     let folder = ModelFolder::open(&a.model_dir)?;
     let vocab = folder.config.model.vocab_size;
@@ -147,7 +147,8 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
     let t_setup = Instant::now();
     let mut g = Generator::new(rt, folder, SessionOptions { device, graphs, ..SessionOptions::default() })?;
     let setup_s = t_setup.elapsed().as_secs_f64();
-    println!(
+    say!(
+            human,
         "model: {} ({} layers, vocab {vocab}), device {device}; prompt {} tokens, {} new tokens, medians over {} timed run(s)",
         a.model_dir.display(),
         g.folder.config.model.decoder.num_hidden_layers,
@@ -155,15 +156,16 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
         a.new_tokens,
         a.runs
     );
-    println!(
+    say!(
+        human,
         "weights {:.1} MB: floor {:.1} µs/step at {} GB/s; session setup {setup_s:.2} s",
         weight_bytes as f64 / 1e6,
         floor_ms * 1e3,
         a.bandwidth_gbps
     );
     let graphs_label = if g.session.captures_graphs() { "on" } else { "off" };
-    println!("| batch (bucket) | graphs | decode ms/step | decode tok/s | prefill ms | × floor | host ms/step | replays/step |");
-    println!("|---:|---|---:|---:|---:|---:|---:|---:|");
+    say!(human, "| batch (bucket) | graphs | decode ms/step | decode tok/s | prefill ms | × floor | host ms/step | replays/step |");
+    say!(human, "|---:|---|---:|---:|---:|---:|---:|---:|");
     let mut rows = Vec::new();
     let mut rng = StdRng::seed_from_u64(a.seed);
     for &batch in &a.batches {
@@ -187,7 +189,8 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
         let steps_timed: usize = runs.iter().map(|r| r.steps).sum();
         let replays = (r.graphs.replays - report_before.graphs.replays) as f64 / steps_timed.max(1) as f64;
         let bucket = runs.first().map_or(batch, |r| r.bucket);
-        println!(
+        say!(
+            human,
             "| {batch} ({bucket}) | {graphs_label} | {ms_step:.3} | {tok_s:.0} | {prefill_ms:.1} | {:.0} | {enqueue:.3} | {replays:.2} |",
             ms_step / floor_ms
         );
@@ -216,9 +219,9 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
         }));
     }
     if a.report {
-        println!("session report (warm-up runs included):\n{}", g.session.report.render());
+        say!(human, "session report (warm-up runs included):\n{}", g.session.report.render());
         if let Some((alloc, (hits, queries))) = g.session.gpu_stats() {
-            println!("allocator: {alloc:?}\ngemm plans: {hits} hits, {queries} heuristic queries");
+            say!(human, "allocator: {alloc:?}\ngemm plans: {hits} hits, {queries} heuristic queries");
         }
     }
     if a.profile {
@@ -231,7 +234,8 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
             crate::ep::Device::Cpu => "host time per op only: GPU time needs a GPU",
             crate::ep::Device::Cuda(_) => "host and GPU time per op",
         };
-        println!(
+        say!(
+            human,
             "profile (batch 1, one prefill and {} decode steps; {what}):\n{}",
             a.new_tokens - 1,
             g.session.report.render()
@@ -251,8 +255,7 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
             "setup_s": setup_s,
             "rows": rows,
         });
-        std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap_or_default())
-            .map_err(|source| Error::Io { path: path.clone(), source })?;
+        super::output::write_json(path, &doc)?;
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -32,6 +32,8 @@ pub struct ConformanceArgs {
 }
 
 pub fn run(a: ConformanceArgs) -> Result<ExitCode> {
+    super::output::check_path("--json", &a.json)?;
+    let human = super::output::Human::new(&[&a.json]);
     let device = choose_device(a.device)?;
     let dirs = test_dirs(&a.dir, a.filter.as_deref())?;
     if dirs.is_empty() {
@@ -45,7 +47,7 @@ pub fn run(a: ConformanceArgs) -> Result<ExitCode> {
         ..SessionOptions::default()
     };
     let results: Vec<_> = dirs.iter().map(|d| run_test(&rt, d, &options)).collect();
-    print!("{}", summary(&results));
+    human.print(&summary(&results));
     if let Some(p) = &a.json {
         let count = |f: fn(&Outcome) -> bool| results.iter().filter(|r| f(&r.outcome)).count();
         let doc = json!({
@@ -55,8 +57,7 @@ pub fn run(a: ConformanceArgs) -> Result<ExitCode> {
             "unsupported": count(|o| matches!(o, Outcome::Unsupported(_))),
             "tests": results,
         });
-        std::fs::write(p, serde_json::to_string_pretty(&doc).unwrap_or_default())
-            .map_err(|source| Error::Io { path: p.clone(), source })?;
+        super::output::write_json(p, &doc)?;
     }
     let failed = results.iter().any(|r| matches!(r.outcome, Outcome::Failed(_)));
     Ok(if failed { ExitCode::from(1) } else { ExitCode::SUCCESS })

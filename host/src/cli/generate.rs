@@ -1,6 +1,5 @@
 //! `kiln generate`.
 
-use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -84,6 +83,12 @@ fn sampling(a: &GenerateArgs, folder: &ModelFolder) -> Result<SamplingParams> {
 }
 
 pub fn run(a: GenerateArgs) -> Result<ExitCode> {
+    super::output::check_path("--json", &a.json)?;
+    super::output::check_path("--report-json", &a.report_json)?;
+    if super::output::json_on_stdout(&[&a.json]) && super::output::json_on_stdout(&[&a.report_json]) {
+        return Err(Error::Input("--json - and --report-json -: only one of them can go to standard output".into()));
+    }
+    let human = super::output::Human::new(&[&a.json, &a.report_json]);
     let device = choose_device(a.device)?;
     let graphs = a.graph.mode(device)?;
     if a.max_new_tokens == 0 {
@@ -118,8 +123,7 @@ pub fn run(a: GenerateArgs) -> Result<ExitCode> {
         if let Ok(text) = tokenizer.decode(&ids, true) {
             // Hold back an incomplete UTF-8 sequence (decoded as U+FFFD) until it completes.
             if !text.ends_with('\u{FFFD}') && text.len() >= shown.len() && text.starts_with(shown.as_str()) {
-                print!("{}", &text[shown.len()..]);
-                let _ = std::io::stdout().flush();
+                human.print(&text[shown.len()..]);
                 shown = text;
             }
         }
@@ -131,9 +135,9 @@ pub fn run(a: GenerateArgs) -> Result<ExitCode> {
         let text = folder.decode(&r.generated_ids)?;
         if stream {
             let rest = text.strip_prefix(shown.as_str()).unwrap_or("");
-            println!("{rest}");
+            human.line(rest);
         } else {
-            println!("[{i}] {}{text}", a.prompts[i]);
+            human.line(&format!("[{i}] {}{text}", a.prompts[i]));
         }
         rows_json.push(json!({
             "prompt": a.prompts[i],
@@ -158,15 +162,12 @@ pub fn run(a: GenerateArgs) -> Result<ExitCode> {
         eprintln!("{}", generator.session.report.render());
     }
     if let Some(path) = &a.report_json {
-        std::fs::write(path, serde_json::to_string_pretty(&generator.session.report).unwrap_or_default())
-            .map_err(|source| Error::Io { path: path.clone(), source })?;
+        super::output::write_json(path, &generator.session.report)?;
     }
     if let Some(path) = &a.json {
-        let mut doc = if rows_json.len() == 1 { rows_json[0].clone() } else { json!({ "rows": rows_json }) };
-        doc["timings"] = serde_json::to_value(t).unwrap_or_default();
-        doc["device"] = json!(device.to_string());
-        std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap_or_default())
-            .map_err(|source| Error::Io { path: path.clone(), source })?;
+        // One schema for any number of prompts.
+        let doc = json!({ "rows": rows_json, "timings": t, "device": device.to_string() });
+        super::output::write_json(path, &doc)?;
     }
     Ok(ExitCode::SUCCESS)
 }

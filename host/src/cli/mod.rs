@@ -6,6 +6,7 @@ mod bench_decode;
 mod conformance;
 mod generate;
 mod kernels;
+mod output;
 mod run;
 mod verify;
 
@@ -129,12 +130,17 @@ pub fn registry(args: &PackageArgs) -> kiln_registry::OpRegistry {
 
 fn devices(json: bool) -> Result<ExitCode> {
     if !crate::cuda::driver_present() {
-        println!("no CUDA driver (libcuda) on this machine: kiln runs on the CPU");
+        if json {
+            // The same schema as with a driver: the (empty) list of devices.
+            println!("[]");
+        } else {
+            println!("no CUDA driver (libcuda) on this machine: kiln runs on the CPU");
+        }
         return Ok(ExitCode::SUCCESS);
     }
     let devs = crate::cuda::probe()?;
     if json {
-        println!("{}", serde_json::to_string_pretty(&devs).unwrap_or_default());
+        output::write_json(std::path::Path::new("-"), &devs)?;
         return Ok(ExitCode::SUCCESS);
     }
     if devs.is_empty() {
@@ -160,8 +166,20 @@ fn devices(json: bool) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Writing to a closed pipe (`kiln … | head`) ends the process quietly, as it does a C tool:
+/// SIGPIPE back to its default action. Rust ignores SIGPIPE at start-up, which turns the write
+/// into an error and `println!` into a panic with a backtrace.
+fn quiet_broken_pipe() {
+    #[cfg(unix)]
+    // SAFETY: sets one signal's disposition to its default, before any other thread exists.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 /// Entry point of the binary.
 pub fn main() -> ExitCode {
+    quiet_broken_pipe();
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_env("KILN_LOG").unwrap_or_else(|_| "warn".into());
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();

@@ -1,5 +1,6 @@
 //! `kiln run`.
 
+use super::output::say;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
@@ -48,6 +49,8 @@ fn name_file(arg: &str, flag: &str) -> Result<(String, PathBuf)> {
 }
 
 pub fn run(a: RunArgs) -> Result<ExitCode> {
+    super::output::check_path("--report-json", &a.report_json)?;
+    let human = super::output::Human::new(&[&a.report_json]);
     let device = choose_device(a.device)?;
     let mut feeds: Vec<(String, Tensor)> = Vec::new();
     for arg in &a.inputs {
@@ -88,8 +91,8 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     for (name, t) in &outputs {
         let file = a.output_dir.join(format!("{}.npy", sanitize(name)));
         write_npy(&file, t)?;
-        println!("{name}: {} {:?} -> {}", t.dtype, t.shape, file.display());
-        println!("  {}", preview(t));
+        say!(human, "{name}: {} {:?} -> {}", t.dtype, t.shape, file.display());
+        say!(human, "  {}", preview(t));
     }
     let mut mismatches = 0;
     for (name, e) in &expect {
@@ -97,19 +100,18 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             return Err(Error::Input(format!("--expect {name}: the model has no output {name:?}")));
         };
         match conformance::compare(t, e, conformance::RTOL, conformance::ATOL) {
-            None => println!("{name}: matches the expected output"),
+            None => say!(human, "{name}: matches the expected output"),
             Some(m) => {
                 mismatches += 1;
-                println!("{name}: MISMATCH: {m}");
+                say!(human, "{name}: MISMATCH: {m}");
             }
         }
     }
     if a.report {
-        print!("{}", session.report.render());
+        human.print(&session.report.render());
     }
     if let Some(p) = &a.report_json {
-        let json = serde_json::to_string_pretty(&session.report).map_err(|e| Error::Input(e.to_string()))?;
-        std::fs::write(p, json).map_err(|source| Error::Io { path: p.clone(), source })?;
+        super::output::write_json(p, &session.report)?;
     }
     Ok(if mismatches > 0 { ExitCode::from(2) } else { ExitCode::SUCCESS })
 }

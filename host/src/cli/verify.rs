@@ -72,6 +72,7 @@ pub struct Case {
 
 /// `kiln verify`.
 pub fn run(mut a: VerifyArgs) -> Result<ExitCode> {
+    super::output::check_path("--json", &a.json)?;
     let folder = Path::new(&a.package);
     if folder.join("kernel.toml").is_file() {
         let pkg = Package::load_dir(folder)?;
@@ -117,16 +118,16 @@ pub fn run(mut a: VerifyArgs) -> Result<ExitCode> {
     }
     let mut counts = [0usize; 3];
     tests.iter().map(|t| &t.outcome).chain(cases.iter().map(|c| &c.outcome)).for_each(|o| counts[slot(o)] += 1);
-    print!("{}", report(&tests, &cases, device));
-    println!("verify {}: {} passed, {} failed, {} unsupported", a.package, counts[0], counts[1], counts[2]);
+    let human = super::output::Human::new(&[&a.json]);
+    human.print(&report(&tests, &cases, device));
+    human.line(&format!("verify {}: {} passed, {} failed, {} unsupported", a.package, counts[0], counts[1], counts[2]));
     if let Some(p) = &a.json {
         let doc = json!({
             "package": pkg.id(), "device": device.to_string(), "seeds": a.seeds,
             "passed": counts[0], "failed": counts[1], "unsupported": counts[2],
             "node_tests": tests, "random": cases,
         });
-        std::fs::write(p, serde_json::to_string_pretty(&doc).unwrap_or_default())
-            .map_err(|source| Error::Io { path: p.clone(), source })?;
+        super::output::write_json(p, &doc)?;
     }
     Ok(if counts[1] > 0 { ExitCode::from(1) } else { ExitCode::SUCCESS })
 }

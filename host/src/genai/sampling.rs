@@ -137,7 +137,11 @@ mod tests {
         let threes = draws.iter().filter(|&&t| t == 3).count() as f64 / 2000.0;
         assert!((threes - 0.731).abs() < 0.04, "{threes}");
         let again = Sampler::new(params.clone());
-        assert_eq!(draws, (0..2000).map(|i| again.next(&logits, &[], 0, i)).collect::<Vec<_>>(), "same seed, same tokens");
+        assert_eq!(
+            draws,
+            (0..2000).map(|i| again.next(&logits, &[], 0, i)).collect::<Vec<_>>(),
+            "same seed, same tokens"
+        );
         let other = Sampler::new(SamplingParams { seed: 1, ..params });
         assert_ne!(draws, (0..2000).map(|i| other.next(&logits, &[], 0, i)).collect::<Vec<_>>(), "another seed");
         // A row's draws are its own: row 1 at step i is the same whatever row 0 does.
