@@ -279,3 +279,51 @@ fn a_closed_pipe_ends_quietly() {
     assert!(!err.contains("panicked") && !err.contains("Broken pipe"), "{err}");
     assert_eq!(o.status.signal(), Some(13), "ended by SIGPIPE: {:?} {err}", o.status);
 }
+
+/// Sampling is explicit: `--temperature 0` is greedy (the reference's greedy tokens); a
+/// sampled run prints its seed, a random one unless given, and `--seed` repeats it; sampling
+/// flags without `--temperature` say what they imply; a bad value names its flag.
+#[test]
+fn sampling_flags_say_what_they_do() {
+    let fixtures =
+        std::env::var_os("KILN_FIXTURES").map(PathBuf::from).unwrap_or_else(|| root().join("../shared/fixtures"));
+    let dir = fixtures.join("llm/tiny-llama-v512-fp32-cpu");
+    assert!(dir.is_dir(), "fixture {} is missing: set KILN_FIXTURES (see ../shared/fixtures/README.md)", dir.display());
+    let reference: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(fixtures.join("llm/references/tiny-llama-v512-fp32-cpu/genai_greedy.json")).unwrap(),
+    )
+    .unwrap();
+    let run = reference["runs"].as_array().unwrap().iter().find(|r| r["prompt_id"] == "plain_once_upon").unwrap();
+    let gen = |extra: &[&str]| {
+        let mut args =
+            vec!["generate", dir.to_str().unwrap(), "--prompt", "Once upon a time", "--max-new-tokens", "16"];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--json", "-"]);
+        let o = kiln(&args);
+        assert!(o.status.success(), "{extra:?}: {}", text(&o));
+        let doc: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON on stdout");
+        (doc, String::from_utf8_lossy(&o.stderr).to_string())
+    };
+    let (doc, err) = gen(&["--temperature", "0"]);
+    assert_eq!(doc["sampling"]["do_sample"], false, "{doc}");
+    assert_eq!(
+        doc["rows"][0]["generated_ids"].as_array().unwrap()[..],
+        run["generated_token_ids"].as_array().unwrap()[..16]
+    );
+    assert!(!err.contains("seed"), "greedy prints no seed: {err}");
+    // Two sampled runs without --seed: random seeds, both printed; --seed repeats a run.
+    let (a, err_a) = gen(&["--temperature", "1.5"]);
+    let (b, _) = gen(&["--temperature", "1.5"]);
+    let seed = a["sampling"]["seed"].as_u64().unwrap();
+    assert_ne!(seed, b["sampling"]["seed"].as_u64().unwrap(), "seeds are random unless given");
+    assert!(err_a.contains(&format!("seed {seed}")), "{err_a}");
+    let (again, _) = gen(&["--temperature", "1.5", "--seed", &seed.to_string()]);
+    assert_eq!(again["rows"][0]["generated_ids"], a["rows"][0]["generated_ids"]);
+    let (_, err) = gen(&["--top-k", "5"]);
+    assert!(err.contains("--top-k without --temperature") && err.contains("sampling"), "{err}");
+    for (flag, value) in [("--temperature", "-1"), ("--repetition-penalty", "0"), ("--top-p", "0")] {
+        let o = kiln(&["generate", dir.to_str().unwrap(), "--prompt", "x", flag, value]);
+        assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+        assert!(text(&o).contains(&format!("{flag} must be")), "{flag}: {}", text(&o));
+    }
+}

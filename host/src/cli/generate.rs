@@ -30,20 +30,20 @@ pub struct GenerateArgs {
     /// Always take the most likely token (the default unless the config says do_sample).
     #[arg(long, conflicts_with_all = ["temperature", "top_k", "top_p", "seed"])]
     pub greedy: bool,
-    /// Sample with this temperature.
-    #[arg(long)]
+    /// Sample with this temperature (> 0); 0 is greedy.
+    #[arg(long, allow_negative_numbers = true)]
     pub temperature: Option<f32>,
     /// Sample among the k most likely tokens (0: all).
     #[arg(long)]
     pub top_k: Option<usize>,
     /// Sample from the smallest set of tokens whose probability reaches p.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub top_p: Option<f32>,
-    /// Seed of the sampler.
+    /// Seed of the sampler (random when not given; printed whenever the run samples).
     #[arg(long)]
     pub seed: Option<u64>,
     /// Penalty for tokens already in the sequence (1.0: none).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub repetition_penalty: Option<f32>,
     #[arg(long, value_enum, default_value_t)]
     pub device: DeviceArg,
@@ -63,21 +63,70 @@ pub struct GenerateArgs {
     pub packages: PackageArgs,
 }
 
+/// The sampling parameters of a run, explicit about what the flags imply:
+/// - `--temperature 0` is greedy (as llama.cpp and OpenAI have it); `--temperature T > 0`
+///   samples;
+/// - `--top-k`, `--top-p` or `--seed` without `--temperature` sample at the folder's temperature,
+///   and a note on stderr says so;
+/// - with no flag, the folder's `search.do_sample` decides;
+/// - the seed is random unless given, and is printed whenever the run samples.
+///
+/// Errors name the bad flag and its value.
 fn sampling(a: &GenerateArgs, folder: &ModelFolder) -> Result<SamplingParams> {
     let s = &folder.config.search;
-    let sampled = a.temperature.is_some() || a.top_k.is_some() || a.top_p.is_some() || a.seed.is_some();
+    let bad = |flag: &str, want: &str, got: f32| Err(Error::Input(format!("{flag} must be {want}, got {got}")));
+    // Written so that NaN is refused too.
+    if let Some(t) = a.temperature.filter(|t| !(*t >= 0.0 && t.is_finite())) {
+        return bad("--temperature", "≥ 0 (0: greedy)", t);
+    }
+    if let Some(p) = a.top_p.filter(|p| !(*p > 0.0 && *p <= 1.0)) {
+        return bad("--top-p", "in (0, 1]", p);
+    }
+    if let Some(r) = a.repetition_penalty.filter(|r| !(*r > 0.0 && r.is_finite())) {
+        return bad("--repetition-penalty", "> 0 (1: none)", r);
+    }
+    let implied: Vec<&str> =
+        [(a.top_k.is_some(), "--top-k"), (a.top_p.is_some(), "--top-p"), (a.seed.is_some(), "--seed")]
+            .into_iter()
+            .filter_map(|(given, flag)| given.then_some(flag))
+            .collect();
+    let do_sample = match a.temperature {
+        _ if a.greedy => false,
+        Some(t) => t > 0.0,
+        None if !implied.is_empty() => {
+            eprintln!(
+                "kiln: note: {} without --temperature: sampling at the folder's temperature {} (--temperature 0 or \
+                 --greedy for greedy)",
+                implied.join(", "),
+                s.temperature
+            );
+            true
+        }
+        None => s.do_sample,
+    };
+    let temperature = a.temperature.filter(|t| *t > 0.0).unwrap_or(s.temperature);
+    if do_sample && !(temperature > 0.0 && temperature.is_finite()) {
+        return bad("the folder's search.temperature", "> 0 to sample (give --temperature)", temperature);
+    }
     let p = SamplingParams {
-        do_sample: !a.greedy && (sampled || s.do_sample),
-        temperature: a.temperature.unwrap_or(s.temperature),
+        do_sample,
+        temperature,
         top_k: a.top_k.unwrap_or(s.top_k),
         top_p: a.top_p.unwrap_or(s.top_p),
         repetition_penalty: a.repetition_penalty.unwrap_or(s.repetition_penalty),
-        seed: a.seed.unwrap_or(0),
+        seed: a.seed.unwrap_or_else(rand::random),
     };
-    // Written so that NaN is refused too.
-    let valid = p.temperature > 0.0 && p.top_p > 0.0 && p.top_p <= 1.0 && p.repetition_penalty > 0.0;
-    if !valid {
-        return Err(Error::Input("--temperature and --repetition-penalty must be > 0, --top-p in (0, 1]".into()));
+    if !(p.top_p > 0.0 && p.top_p <= 1.0) {
+        return bad("the folder's search.top_p", "in (0, 1]", p.top_p);
+    }
+    if !(p.repetition_penalty > 0.0) {
+        return bad("the folder's search.repetition_penalty", "> 0", p.repetition_penalty);
+    }
+    if p.do_sample {
+        eprintln!(
+            "kiln: sampling: temperature {}, top-k {}, top-p {}, seed {} (--seed {} repeats this run)",
+            p.temperature, p.top_k, p.top_p, p.seed, p.seed
+        );
     }
     Ok(p)
 }
@@ -166,7 +215,16 @@ pub fn run(a: GenerateArgs) -> Result<ExitCode> {
     }
     if let Some(path) = &a.json {
         // One schema for any number of prompts.
-        let doc = json!({ "rows": rows_json, "timings": t, "device": device.to_string() });
+        let sampled = &opts.sampling;
+        let doc = json!({
+            "rows": rows_json,
+            "timings": t,
+            "device": device.to_string(),
+            "sampling": {
+                "do_sample": sampled.do_sample, "temperature": sampled.temperature, "top_k": sampled.top_k,
+                "top_p": sampled.top_p, "repetition_penalty": sampled.repetition_penalty, "seed": sampled.seed,
+            },
+        });
         super::output::write_json(path, &doc)?;
     }
     Ok(ExitCode::SUCCESS)
