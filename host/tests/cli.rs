@@ -22,6 +22,21 @@ fn kiln(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).current_dir(root()).output().expect("kiln runs")
 }
 
+/// The tiny-llama fp32 CPU fixture folder and onnxruntime-genai's greedy run of "Once upon a
+/// time" on it (`prompt_token_ids`, `generated_token_ids`).
+fn tiny_llama_fp32() -> (PathBuf, serde_json::Value) {
+    let fixtures =
+        std::env::var_os("KILN_FIXTURES").map(PathBuf::from).unwrap_or_else(|| root().join("../shared/fixtures"));
+    let dir = fixtures.join("llm/tiny-llama-v512-fp32-cpu");
+    assert!(dir.is_dir(), "fixture {} is missing: set KILN_FIXTURES (see ../shared/fixtures/README.md)", dir.display());
+    let reference: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(fixtures.join("llm/references/tiny-llama-v512-fp32-cpu/genai_greedy.json")).unwrap(),
+    )
+    .unwrap();
+    let run = reference["runs"].as_array().unwrap().iter().find(|r| r["prompt_id"] == "plain_once_upon").unwrap();
+    (dir, run.clone())
+}
+
 fn text(o: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
 }
@@ -155,10 +170,7 @@ fn a_broken_drop_in_package_is_reported_and_skipped() {
 
 #[test]
 fn generate_streams_text_and_writes_json_like_genai() {
-    let fixtures =
-        std::env::var_os("KILN_FIXTURES").map(PathBuf::from).unwrap_or_else(|| root().join("../shared/fixtures"));
-    let dir = fixtures.join("llm/tiny-llama-v512-fp32-cpu");
-    assert!(dir.is_dir(), "fixture {} is missing: set KILN_FIXTURES (see ../shared/fixtures/README.md)", dir.display());
+    let (dir, run) = tiny_llama_fp32();
     let json = tempfile::NamedTempFile::new().unwrap();
     let o = kiln(&[
         "generate",
@@ -175,11 +187,6 @@ fn generate_streams_text_and_writes_json_like_genai() {
     assert!(o.status.success(), "{t}");
     assert!(t.contains("time to first token") && t.contains("decode"), "{t}");
     let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(json.path()).unwrap()).unwrap();
-    let reference: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(fixtures.join("llm/references/tiny-llama-v512-fp32-cpu/genai_greedy.json")).unwrap(),
-    )
-    .unwrap();
-    let run = reference["runs"].as_array().unwrap().iter().find(|r| r["prompt_id"] == "plain_once_upon").unwrap();
     // One schema for any number of prompts: a list of rows.
     assert_eq!(doc["rows"].as_array().map(Vec::len), Some(1), "{doc}");
     assert_eq!(doc["rows"][0]["prompt_ids"], run["prompt_token_ids"]);
@@ -285,15 +292,7 @@ fn a_closed_pipe_ends_quietly() {
 /// flags without `--temperature` say what they imply; a bad value names its flag.
 #[test]
 fn sampling_flags_say_what_they_do() {
-    let fixtures =
-        std::env::var_os("KILN_FIXTURES").map(PathBuf::from).unwrap_or_else(|| root().join("../shared/fixtures"));
-    let dir = fixtures.join("llm/tiny-llama-v512-fp32-cpu");
-    assert!(dir.is_dir(), "fixture {} is missing: set KILN_FIXTURES (see ../shared/fixtures/README.md)", dir.display());
-    let reference: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(fixtures.join("llm/references/tiny-llama-v512-fp32-cpu/genai_greedy.json")).unwrap(),
-    )
-    .unwrap();
-    let run = reference["runs"].as_array().unwrap().iter().find(|r| r["prompt_id"] == "plain_once_upon").unwrap();
+    let (dir, run) = tiny_llama_fp32();
     let gen = |extra: &[&str]| {
         let mut args =
             vec!["generate", dir.to_str().unwrap(), "--prompt", "Once upon a time", "--max-new-tokens", "16"];
