@@ -69,7 +69,7 @@ fn the_readme_example_runs_and_matches_onnxruntime() {
 }
 
 #[test]
-fn a_wrong_expectation_exits_with_status_2() {
+fn a_wrong_expectation_exits_with_the_mismatch_code() {
     let out = tempfile::tempdir().unwrap();
     let o = kiln(&[
         "run",
@@ -83,7 +83,7 @@ fn a_wrong_expectation_exits_with_status_2() {
         "--device",
         "cpu",
     ]);
-    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert_eq!(o.status.code(), Some(5), "a mismatch: {}", text(&o));
     assert!(text(&o).contains("MISMATCH"));
 }
 
@@ -137,6 +137,9 @@ fn bad_arguments_are_clear_errors() {
         (&["run", "examples/mlp/model.onnx"], "input \"x\" was not given"),
         (&["run", "examples/mlp/x.npy", "--input", "x=examples/mlp/x.npy"], "not a valid ONNX protobuf"),
     ];
+    // A usage error is 2, an invalid input 3 (README, "Exit codes").
+    let o = kiln(&["run", "--no-such-flag"]);
+    assert_eq!(o.status.code(), Some(2), "usage: {}", text(&o));
     for (args, needle) in cases {
         let o = kiln(args);
         assert!(!o.status.success(), "{args:?} succeeded");
@@ -152,7 +155,7 @@ fn a_broken_drop_in_package_is_reported_and_skipped() {
     std::fs::write(pkg.join("kernel.toml"), "abi = 1\nname = 3\n").unwrap();
     let o = kiln(&["kernels", "list", "--packages", dir.path().to_str().unwrap()]);
     let t = text(&o);
-    assert_eq!(o.status.code(), Some(1), "{t}");
+    assert_eq!(o.status.code(), Some(3), "invalid input: {t}");
     assert!(t.contains("BROKEN") && t.contains("broken") && t.contains("kiln-unary"), "{t}");
     let out = tempfile::tempdir().unwrap();
     let o = kiln(&[
@@ -217,6 +220,11 @@ fn generate_streams_text_and_writes_json_like_genai() {
     // Bad arguments.
     let o = kiln(&["generate", dir.to_str().unwrap(), "--prompt", "x", "--top-p", "2"]);
     assert!(!o.status.success() && text(&o).contains("--top-p"), "{}", text(&o));
+    // A length over the model's context (2048) fails before the session is built.
+    let o = kiln(&["generate", dir.to_str().unwrap(), "--prompt", "x", "--max-length", "6000"]);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(3), "invalid input: {t}");
+    assert!(t.contains("--max-length") && t.contains("6000") && t.contains("context_length 2048"), "{t}");
     let o = kiln(&["generate", "nope", "--prompt", "x"]);
     assert!(!o.status.success() && text(&o).contains("not a folder"), "{}", text(&o));
 }
@@ -256,7 +264,7 @@ fn json_goes_to_stdout_with_a_dash_and_bad_paths_fail_first() {
     let started = std::time::Instant::now();
     let o = kiln(&["conformance", dir.to_str().unwrap(), "--device", "cpu", "--json", missing.to_str().unwrap()]);
     let t = text(&o);
-    assert_eq!(o.status.code(), Some(1), "{t}");
+    assert_eq!(o.status.code(), Some(3), "invalid input: {t}");
     assert!(t.contains("--json") && t.contains("does not exist") && !t.contains("conformance: "), "{t}");
     assert!(started.elapsed().as_secs() < 20, "the path is checked before the 1,600 tests run");
     let o = kiln(&["devices", "--json"]);
@@ -322,7 +330,7 @@ fn sampling_flags_say_what_they_do() {
     assert!(err.contains("--top-k without --temperature") && err.contains("sampling"), "{err}");
     for (flag, value) in [("--temperature", "-1"), ("--repetition-penalty", "0"), ("--top-p", "0")] {
         let o = kiln(&["generate", dir.to_str().unwrap(), "--prompt", "x", flag, value]);
-        assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+        assert_eq!(o.status.code(), Some(3), "invalid input: {}", text(&o));
         assert!(text(&o).contains(&format!("{flag} must be")), "{flag}: {}", text(&o));
     }
 }

@@ -128,6 +128,7 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
     }
     let needed = a.prompt_len.saturating_add(a.new_tokens);
     let max_length = a.max_length.unwrap_or(needed);
+    folder.config.checked_max_length(Some(max_length)).map_err(|e| Error::Input(format!("--max-length: {e}")))?;
     if needed > max_length {
         return Err(Error::Input(format!(
             "--prompt-len {} + --new-tokens {} is over --max-length {max_length}",

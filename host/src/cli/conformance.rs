@@ -60,5 +60,5 @@ pub fn run(a: ConformanceArgs) -> Result<ExitCode> {
         super::output::write_json(p, &doc)?;
     }
     let failed = results.iter().any(|r| matches!(r.outcome, Outcome::Failed(_)));
-    Ok(if failed { ExitCode::from(1) } else { ExitCode::SUCCESS })
+    Ok(super::exit::checks(failed))
 }

@@ -144,6 +144,8 @@ pub fn run(a: GenerateArgs) -> Result<ExitCode> {
         return Err(Error::Input("--max-new-tokens must be at least 1".into()));
     }
     let folder = ModelFolder::open(&a.model_dir)?;
+    // Before the session is built: a length over the context fails now, not mid-stream.
+    folder.config.checked_max_length(a.max_length).map_err(|e| Error::Input(format!("--max-length: {e}")))?;
     let params = sampling(&a, &folder)?;
     let mut prompts = Vec::with_capacity(a.prompts.len());
     for p in &a.prompts {

@@ -67,7 +67,8 @@ pub fn run(cmd: KernelsCommand) -> Result<ExitCode> {
             for e in &errors {
                 println!("BROKEN: {e}");
             }
-            Ok(if errors.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) })
+            // A broken package is invalid input; the others are listed and usable.
+            Ok(ExitCode::from(if errors.is_empty() { super::exit::OK } else { super::exit::INVALID_INPUT }))
         }
     }
 }

@@ -4,6 +4,7 @@
 mod bench;
 mod bench_decode;
 mod conformance;
+mod exit;
 mod generate;
 mod kernels;
 mod output;
@@ -196,7 +197,7 @@ pub fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("kiln: error: {e}");
-            ExitCode::from(1)
+            ExitCode::from(exit::of(&e))
         }
     }
 }

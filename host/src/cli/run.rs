@@ -113,7 +113,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     if let Some(p) = &a.report_json {
         super::output::write_json(p, &session.report)?;
     }
-    Ok(if mismatches > 0 { ExitCode::from(2) } else { ExitCode::SUCCESS })
+    Ok(super::exit::checks(mismatches > 0))
 }
 
 /// A file name for an output name (ONNX names may hold '/' or ':').

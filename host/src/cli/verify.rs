@@ -129,7 +129,7 @@ pub fn run(mut a: VerifyArgs) -> Result<ExitCode> {
         });
         super::output::write_json(p, &doc)?;
     }
-    Ok(if counts[1] > 0 { ExitCode::from(1) } else { ExitCode::SUCCESS })
+    Ok(super::exit::checks(counts[1] > 0))
 }
 
 /// The manifest entry of `pkg` that claims `op_type` in `domain`.

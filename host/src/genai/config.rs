@@ -139,6 +139,22 @@ impl GenaiConfig {
         template.replacen("%d", &layer.to_string(), 1)
     }
 
+    /// The longest sequence a generation may reach for a requested `max_length` (`None`: the
+    /// config's own, as the folder's builder set it). Errors: a request over the model's
+    /// `context_length` (the rotary cache and the position embeddings end there), naming both.
+    pub fn checked_max_length(&self, requested: Option<usize>) -> Result<usize, crate::Error> {
+        let Some(n) = requested else {
+            return Ok(self.max_length());
+        };
+        let context = self.model.context_length;
+        if context > 0 && n > context {
+            return Err(crate::Error::Input(format!(
+                "max_length {n} is over the model's context_length {context} (genai_config.json)"
+            )));
+        }
+        Ok(n)
+    }
+
     /// The longest sequence a generation may reach: `search.max_length`, else the context length.
     pub fn max_length(&self) -> usize {
         match self.search.max_length {

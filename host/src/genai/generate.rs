@@ -386,7 +386,7 @@ impl Generator {
         }
         let cfg = self.config().clone();
         let s = prompts.iter().map(Vec::len).max().unwrap_or(0);
-        let max_length = opts.max_length.unwrap_or_else(|| cfg.max_length());
+        let max_length = cfg.checked_max_length(opts.max_length)?;
         // The longest the sequences can get; a shared KV buffer is allocated at that length.
         let limit = max_length.min(s + opts.max_new_tokens.max(1));
         let on_device = self.device.is_some()
