@@ -92,6 +92,10 @@ fn sampling(a: &GenerateArgs, folder: &ModelFolder) -> Result<SamplingParams> {
             .collect();
     let do_sample = match a.temperature {
         _ if a.greedy => false,
+        Some(t) if t == 0.0 && !implied.is_empty() => {
+            eprintln!("kiln: note: --temperature 0 is greedy: {} ignored", implied.join(", "));
+            false
+        }
         Some(t) => t > 0.0,
         None if !implied.is_empty() => {
             eprintln!(
@@ -102,9 +106,13 @@ fn sampling(a: &GenerateArgs, folder: &ModelFolder) -> Result<SamplingParams> {
             );
             true
         }
+        None if s.do_sample && s.temperature == 0.0 => {
+            eprintln!("kiln: note: the folder's search.temperature is 0: greedy");
+            false
+        }
         None => s.do_sample,
     };
-    let temperature = a.temperature.filter(|t| *t > 0.0).unwrap_or(s.temperature);
+    let temperature = a.temperature.unwrap_or(s.temperature);
     if do_sample && !(temperature > 0.0 && temperature.is_finite()) {
         return bad("the folder's search.temperature", "> 0 to sample (give --temperature)", temperature);
     }
@@ -119,7 +127,7 @@ fn sampling(a: &GenerateArgs, folder: &ModelFolder) -> Result<SamplingParams> {
     if !(p.top_p > 0.0 && p.top_p <= 1.0) {
         return bad("the folder's search.top_p", "in (0, 1]", p.top_p);
     }
-    if !(p.repetition_penalty > 0.0) {
+    if !(p.repetition_penalty > 0.0 && p.repetition_penalty.is_finite()) {
         return bad("the folder's search.repetition_penalty", "> 0", p.repetition_penalty);
     }
     if p.do_sample {

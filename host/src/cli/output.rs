@@ -31,11 +31,28 @@ pub fn check_path(flag: &str, path: &Option<PathBuf>) -> Result<()> {
     match std::fs::metadata(dir) {
         Err(_) => bad(format!("the folder {} does not exist", dir.display())),
         Ok(m) if !m.is_dir() => bad(format!("{} is not a folder", dir.display())),
-        Ok(m) if m.permissions().readonly() => bad(format!("the folder {} is read-only", dir.display())),
-        Ok(_) => match std::fs::metadata(path) {
-            Ok(m) if m.permissions().readonly() => bad("the file is read-only".into()),
-            _ => Ok(()),
-        },
+        Ok(_) if !writable(dir) => bad(format!("the folder {} is not writable", dir.display())),
+        Ok(_) if path.exists() && !writable(path) => bad("the file is not writable".into()),
+        Ok(_) => Ok(()),
+    }
+}
+
+/// Whether this process may write `path`: `access(2)` with `W_OK`, which knows the user, ACLs
+/// and read-only mounts (permission bits alone do not). Elsewhere: assumed.
+fn writable(path: &Path) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+            return false;
+        };
+        // SAFETY: a NUL-terminated path that outlives the call.
+        unsafe { libc::access(c.as_ptr(), libc::W_OK) == 0 }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = path;
+        true
     }
 }
 
