@@ -334,3 +334,34 @@ fn sampling_flags_say_what_they_do() {
         assert!(text(&o).contains(&format!("{flag} must be")), "{flag}: {}", text(&o));
     }
 }
+
+/// A fed tensor of the wrong shape names the declared shape as people write it (`[N, 4]`), not
+/// as Rust debug-prints it.
+#[test]
+fn shapes_print_readably() {
+    let dir = tempfile::tempdir().unwrap();
+    let x = dir.path().join("x.npy");
+    let data: Vec<u8> = (0..15).flat_map(|i| (i as f32).to_le_bytes()).collect();
+    let t = kiln_host::Tensor::new(kiln_kernel_abi::DType::F32, vec![3, 5], data.into()).unwrap();
+    kiln_host::tensorio::write_npy(&x, &t).unwrap();
+    let o = kiln(&["run", "examples/mlp/model.onnx", "--input", &format!("x={}", x.display())]);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(3), "invalid input: {t}");
+    assert!(t.contains("has shape [3, 5]; the model declares ["), "{t}");
+    assert!(!t.contains("Known(") && !t.contains("Symbolic("), "{t}");
+}
+
+/// Commands that only run on a GPU say so without pointing at a `--device` flag they lack.
+#[test]
+fn gpu_only_commands_name_no_missing_flag() {
+    for (args, command) in [(&["kernels", "warm"][..], "kernels warm"), (&["bench", "ops"][..], "bench ops")] {
+        let o = kiln(args);
+        let t = text(&o);
+        if kiln_host::cuda::device_count() > 0 {
+            assert!(o.status.success(), "{args:?} on a GPU: {t}");
+            continue;
+        }
+        assert_eq!(o.status.code(), Some(1), "{t}");
+        assert!(t.contains(&format!("kiln {command} needs a CUDA GPU")) && !t.contains("--device"), "{t}");
+    }
+}

@@ -21,11 +21,10 @@ use kiln_registry::Package;
 use serde_json::json;
 
 use crate::cuda::Gpu;
-use crate::ep::Device;
 use crate::sandbox::{Access, ArgTensor, CallArgs, CallKind, LaunchPlan, PlanStep, Sandbox, SandboxConfig};
 use crate::{Error, Result};
 
-use super::{choose_device, registry, DeviceArg, PackageArgs};
+use super::{registry, PackageArgs};
 
 #[derive(Subcommand, Debug)]
 pub enum BenchCommand {
@@ -48,9 +47,7 @@ pub fn run(cmd: BenchCommand) -> Result<ExitCode> {
     };
     super::output::check_path("--json", &json)?;
     let human = super::output::Human::new(&[&json]);
-    let Device::Cuda(ordinal) = choose_device(DeviceArg::Cuda)? else {
-        return Err(Error::Device("kiln bench ops needs a CUDA GPU".into()));
-    };
+    let ordinal = super::require_gpu("bench ops")?;
     let reg = registry(&packages);
     let find = |name: &str| {
         reg.packages()

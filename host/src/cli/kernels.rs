@@ -4,7 +4,6 @@ use std::process::ExitCode;
 
 use clap::Subcommand;
 
-use crate::ep::Device;
 use crate::Result;
 
 use super::PackageArgs;
@@ -26,9 +25,7 @@ pub enum KernelsCommand {
 pub fn run(cmd: KernelsCommand) -> Result<ExitCode> {
     match cmd {
         KernelsCommand::Warm { packages } => {
-            let Device::Cuda(ordinal) = super::choose_device(super::DeviceArg::Cuda)? else {
-                return Err(crate::Error::Device("kiln kernels warm needs a CUDA GPU".into()));
-            };
+            let ordinal = super::require_gpu("kernels warm")?;
             let reg = super::registry(&packages);
             let mut gpu = crate::cuda::Gpu::open(ordinal, None)?;
             for p in reg.packages() {

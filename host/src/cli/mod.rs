@@ -102,13 +102,6 @@ impl GraphArgs {
 /// CPU; `cuda` without a GPU is an error.
 pub fn choose_device(arg: DeviceArg) -> Result<Device> {
     let gpus = crate::cuda::device_count();
-    let missing = || {
-        if crate::cuda::driver_present() {
-            "no CUDA GPU is visible"
-        } else {
-            "no CUDA driver (libcuda) on this machine"
-        }
-    };
     match arg {
         DeviceArg::Cpu => Ok(Device::Cpu),
         DeviceArg::Auto | DeviceArg::Cuda if gpus > 0 => Ok(Device::Cuda(0)),
@@ -118,6 +111,24 @@ pub fn choose_device(arg: DeviceArg) -> Result<Device> {
         }
         DeviceArg::Cuda => Err(Error::Device(format!("--device cuda: {}; use --device cpu (or auto)", missing()))),
     }
+}
+
+/// Why no GPU can be used: no driver, or no visible device.
+fn missing() -> &'static str {
+    if crate::cuda::driver_present() {
+        "no CUDA GPU is visible"
+    } else {
+        "no CUDA driver (libcuda) on this machine"
+    }
+}
+
+/// GPU 0 for a command that only runs on a GPU (`kernels warm`, `bench ops`: they have no
+/// `--device` flag). Errors: no usable GPU, naming the command and the reason.
+pub fn require_gpu(command: &str) -> Result<usize> {
+    if crate::cuda::device_count() == 0 {
+        return Err(Error::Device(format!("kiln {command} needs a CUDA GPU: {}", missing())));
+    }
+    Ok(0)
 }
 
 /// Builds the op registry, printing packages that could not be loaded.

@@ -1416,7 +1416,10 @@ fn check_input(model: &Model, id: ValueId, name: &str, dtype: DType, shape: &[us
         let fits = dims.len() == shape.len()
             && dims.iter().zip(shape).all(|(d, n)| !matches!(d, crate::model::Dim::Known(k) if k != n));
         if !fits {
-            return Err(Error::Input(format!("input {name:?} has shape {shape:?}; the model declares {dims:?}")));
+            return Err(Error::Input(format!(
+                "input {name:?} has shape {shape:?}; the model declares {}",
+                crate::model::format_dims(dims)
+            )));
         }
     }
     Ok(())

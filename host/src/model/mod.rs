@@ -30,6 +30,22 @@ pub enum Dim {
     Unknown,
 }
 
+impl std::fmt::Display for Dim {
+    /// `8`, `batch`, or `?` for an unknown dimension.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Dim::Known(n) => write!(f, "{n}"),
+            Dim::Symbolic(s) => f.write_str(s),
+            Dim::Unknown => f.write_str("?"),
+        }
+    }
+}
+
+/// A declared shape as people write it: `[batch, 8]` (`?` for an unknown dimension).
+pub fn format_dims(dims: &[Dim]) -> String {
+    format!("[{}]", dims.iter().map(Dim::to_string).collect::<Vec<_>>().join(", "))
+}
+
 /// The declared type of a value (from graph inputs, outputs and `value_info`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ValueType {
