@@ -18,6 +18,8 @@ root=$(git rev-parse --show-toplevel)
 cd "$root"
 shared="${KILN_SHARED:-$root/../shared}"
 rm -rf .gpu && mkdir -p .gpu/fixtures/llm/references
+rustup target add wasm32-unknown-unknown >/dev/null 2>&1 || true
+bash scripts/fetch-onnx-node-tests.sh
 cargo build --release -p kiln-host
 tests_bin=$(cargo test --release -p kiln-tests --test gpu --no-run --message-format json 2>/dev/null |
   python3 -c 'import json,sys

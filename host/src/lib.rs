@@ -14,6 +14,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod ep;
 pub mod error;
+pub mod fuse;
 pub mod genai;
 pub mod model;
 pub mod packages;

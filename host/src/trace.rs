@@ -47,6 +47,66 @@ pub struct Report {
     pub dispatch_unsupported: BTreeMap<String, u64>,
     /// Execution plans and CUDA graphs.
     pub graphs: GraphStats,
+    /// Fusions applied at load, and matches a constraint turned down.
+    pub fusions: Fusions,
+}
+
+/// What the fusion pass did to the model (`fuse`).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Fusions {
+    /// Whether fusion ran (`--no-fuse` turns it off).
+    pub enabled: bool,
+    pub applied: Vec<FusionApplied>,
+    pub rejected: Vec<FusionRejected>,
+}
+
+/// One rewritten match.
+#[derive(Clone, Debug, Serialize)]
+pub struct FusionApplied {
+    pub fusion: String,
+    /// `name@version` of the declaring package.
+    pub package: String,
+    /// The matched nodes, in pattern order.
+    pub nodes: Vec<String>,
+}
+
+/// A complete match that was not rewritten, and why.
+#[derive(Clone, Debug, Serialize)]
+pub struct FusionRejected {
+    pub fusion: String,
+    pub package: String,
+    pub nodes: Vec<String>,
+    pub reason: String,
+}
+
+impl Fusions {
+    /// `fusions: …` lines: each applied fusion with its count and first match, each rejected
+    /// match with its reason.
+    pub fn render(&self) -> String {
+        if !self.enabled {
+            return "fusions: off (--no-fuse)\n".into();
+        }
+        let mut s = format!("fusions: {} applied, {} rejected\n", self.applied.len(), self.rejected.len());
+        for (name, n) in self.applied_counts() {
+            let a = self.applied.iter().find(|a| a.fusion == name).map(|a| (&a.package, a.nodes.join(", ")));
+            if let Some((pkg, nodes)) = a {
+                s += &format!("  {name} ({pkg}) ×{n}, first at {nodes}\n");
+            }
+        }
+        for r in &self.rejected {
+            s += &format!("  rejected {} ({}) at {}: {}\n", r.fusion, r.package, r.nodes.join(", "), r.reason);
+        }
+        s
+    }
+
+    /// Applied fusions counted by name, for one-line summaries.
+    pub fn applied_counts(&self) -> BTreeMap<&str, usize> {
+        let mut m = BTreeMap::new();
+        for a in &self.applied {
+            *m.entry(a.fusion.as_str()).or_insert(0) += 1;
+        }
+        m
+    }
 }
 
 /// Counters of plans and graphs, for `--report`. Times in microseconds.
@@ -159,6 +219,7 @@ impl Report {
             s += &format!("gpu: {} eager launches, {} plan hits\n", self.launches, self.plan_hits);
             s += &self.graphs.render();
         }
+        s += &self.fusions.render();
         s += "ops:\n";
         let mut ops: Vec<_> = self.ops.iter().collect();
         ops.sort_by_key(|(_, s)| std::cmp::Reverse(s.time_us));

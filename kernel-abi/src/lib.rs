@@ -8,7 +8,8 @@
 //!   GEMM descriptor (shim → host).
 //! - [`status`]: the return codes of shim exports and host imports.
 //! - [`plan`]: launch plans, the pure data a dispatch records and a device backend runs.
-//! - [`manifest`] (feature `manifest`, std): the `kernel.toml` types.
+//! - [`manifest`] (feature `manifest`, std): the `kernel.toml` types; [`fusion`]: its
+//!   `[[fusions]]` patterns.
 //! - [`guest`] (feature `guest`, no_std + alloc): the SDK shim crates are written with.
 //!
 //! The crate knows nothing of wasmtime or CUDA: it is the data model, not a runtime.
@@ -22,6 +23,8 @@ pub mod plan;
 pub mod status;
 pub mod wire;
 
+#[cfg(feature = "manifest")]
+pub mod fusion;
 #[cfg(feature = "manifest")]
 pub mod manifest;
 

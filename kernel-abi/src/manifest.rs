@@ -28,6 +28,12 @@
 //! source = "cuda/unary.cu"
 //! kernels = ["unary_f32"]        # the entry points `launch` may name
 //!
+//! [[fusions]]                    # optional: subgraphs the package's ops replace
+//! name = "swiglu"                #   (see `crate::fusion` for every field)
+//! match = [ … ]
+//! replace = [ … ]
+//! outputs = ["y"]
+//!
 //! [files]                        # sha256 of every other file of the package, hex
 //! "shim.wasm" = "…"
 //! "cuda/unary.cu" = "…"
@@ -42,6 +48,7 @@ use std::collections::BTreeMap;
 use semver::Version;
 use serde::{Deserialize, Serialize};
 
+use crate::fusion::Fusion;
 use crate::DType;
 
 /// Errors in a manifest's text or content.
@@ -67,6 +74,9 @@ pub struct Manifest {
     pub ops: Vec<OpEntry>,
     #[serde(default)]
     pub cuda: Vec<CudaSource>,
+    /// Subgraph patterns the package's ops replace (ABI.md §7.1, [`crate::fusion`]).
+    #[serde(default)]
+    pub fusions: Vec<Fusion>,
     /// sha256 (lower-case hex) of every file of the package but `kernel.toml`, by relative path.
     #[serde(default)]
     pub files: BTreeMap<String, String>,
@@ -191,6 +201,12 @@ impl Manifest {
             check_relative_path(&c.source)?;
             if let Some(k) = c.kernels.iter().find(|k| !is_identifier(k)) {
                 return bad(format!("cuda source {}: kernel name {k:?} is not a C identifier", c.source));
+            }
+        }
+        for (i, f) in self.fusions.iter().enumerate() {
+            f.validate().map_err(ManifestError::Invalid)?;
+            if self.fusions[..i].iter().any(|g| g.name == f.name) {
+                return bad(format!("fusion name {:?} is used twice", f.name));
             }
         }
         for (path, hash) in &self.files {

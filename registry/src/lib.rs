@@ -10,5 +10,5 @@ pub mod ops;
 pub mod package;
 
 pub use error::RegistryError;
-pub use ops::{DeviceCaps, NodeQuery, OpRegistry, Rejection, Resolution, Unresolved, BUILTIN, USER};
+pub use ops::{normalize_domain, DeviceCaps, NodeQuery, OpRegistry, Rejection, Resolution, Unresolved, BUILTIN, USER};
 pub use package::Package;

@@ -133,6 +133,11 @@ impl OpRegistry {
         self.packages.iter().map(|(p, _)| p)
     }
 
+    /// All packages with their precedence, in registration order.
+    pub fn packages_with_precedence(&self) -> impl Iterator<Item = (&Arc<Package>, u32)> {
+        self.packages.iter().map(|(p, n)| (p, *n))
+    }
+
     /// The package for `q`, or every candidate's rejection.
     pub fn resolve(&self, q: &NodeQuery<'_>) -> Result<Resolution, Box<Unresolved>> {
         let domain = normalize_domain(q.domain);

@@ -24,7 +24,7 @@ use crate::genai::{GenerateOptions, Generator, ModelFolder, SamplingParams};
 use crate::sandbox::SandboxConfig;
 use crate::{Error, Result};
 
-use super::{choose_device, registry, DeviceArg, GraphArgs, PackageArgs};
+use super::{choose_device, registry, DeviceArg, FuseArgs, GraphArgs, PackageArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct DecodeArgs {
@@ -69,6 +69,8 @@ pub struct DecodeArgs {
     pub json: Option<PathBuf>,
     #[command(flatten)]
     pub packages: PackageArgs,
+    #[command(flatten)]
+    pub fuse: FuseArgs,
 }
 
 /// One timed run: prefill and decode wall times, decode steps, and the host time of the decode
@@ -146,7 +148,11 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
     let floor_ms = weight_bytes as f64 / (a.bandwidth_gbps * 1e9) * 1e3;
     let rt = Runtime::new(registry(&a.packages), SandboxConfig::default())?;
     let t_setup = Instant::now();
-    let mut g = Generator::new(rt, folder, SessionOptions { device, graphs, ..SessionOptions::default() })?;
+    let mut g = Generator::new(
+        rt,
+        folder,
+        SessionOptions { device, graphs, fuse: !a.fuse.no_fuse, ..SessionOptions::default() },
+    )?;
     let setup_s = t_setup.elapsed().as_secs_f64();
     say!(
             human,

@@ -10,7 +10,7 @@ use crate::genai::{GenerateOptions, Generator, ModelFolder, SamplingParams};
 use crate::sandbox::SandboxConfig;
 use crate::{Error, Result};
 
-use super::{choose_device, registry, DeviceArg, GraphArgs, PackageArgs};
+use super::{choose_device, registry, DeviceArg, FuseArgs, GraphArgs, PackageArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct GenerateArgs {
@@ -61,6 +61,8 @@ pub struct GenerateArgs {
     pub report_json: Option<PathBuf>,
     #[command(flatten)]
     pub packages: PackageArgs,
+    #[command(flatten)]
+    pub fuse: FuseArgs,
 }
 
 /// The sampling parameters of a run, explicit about what the flags imply:
@@ -161,7 +163,11 @@ pub fn run(a: GenerateArgs) -> Result<ExitCode> {
         prompts.push(folder.encode(&text)?);
     }
     let rt = Runtime::new(registry(&a.packages), SandboxConfig::default())?;
-    let mut generator = Generator::new(rt, folder, SessionOptions { device, graphs, ..SessionOptions::default() })?;
+    let mut generator = Generator::new(
+        rt,
+        folder,
+        SessionOptions { device, graphs, fuse: !a.fuse.no_fuse, ..SessionOptions::default() },
+    )?;
     let opts = GenerateOptions {
         max_new_tokens: a.max_new_tokens,
         max_length: a.max_length,

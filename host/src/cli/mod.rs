@@ -74,6 +74,15 @@ pub struct PackageArgs {
     pub packages: Vec<PathBuf>,
 }
 
+/// `--no-fuse`: whether the packages' fusion patterns rewrite the model at load.
+#[derive(clap::Args, Debug, Clone, Copy)]
+pub struct FuseArgs {
+    /// Run the model's nodes as they are: no fusion pattern (the `[[fusions]]` of the packages'
+    /// manifests) rewrites the graph at load. `--report` lists what fusion applied.
+    #[arg(long = "no-fuse")]
+    pub no_fuse: bool,
+}
+
 /// `--graph`: whether decode steps (and other runs whose inputs and outputs stay on the
 /// device) are captured into CUDA graphs.
 #[derive(clap::Args, Debug, Clone, Copy)]

@@ -10,7 +10,7 @@ use crate::sandbox::SandboxConfig;
 use crate::tensorio::{read_tensor_file, write_npy};
 use crate::{conformance, model, Error, Result, Tensor};
 
-use super::{choose_device, registry, DeviceArg, PackageArgs};
+use super::{choose_device, registry, DeviceArg, FuseArgs, PackageArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct RunArgs {
@@ -39,6 +39,8 @@ pub struct RunArgs {
     pub report_json: Option<PathBuf>,
     #[command(flatten)]
     pub packages: PackageArgs,
+    #[command(flatten)]
+    pub fuse: FuseArgs,
 }
 
 fn name_file(arg: &str, flag: &str) -> Result<(String, PathBuf)> {
@@ -77,6 +79,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     let options = SessionOptions {
         device,
         device_memory_limit: a.device_memory_limit.map(|m| m << 20),
+        fuse: !a.fuse.no_fuse,
         ..SessionOptions::default()
     };
     let mut session = Session::new(rt, model, options)?;

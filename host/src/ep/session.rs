@@ -40,6 +40,9 @@ pub struct SessionOptions {
     /// output bound to one are captured into CUDA graphs (see `capture`). Such runs always go
     /// through an execution plan; `Off` runs the plan eagerly.
     pub graphs: GraphMode,
+    /// Rewrite the packages' declared fusion patterns at load (`fuse`; default on,
+    /// `--no-fuse` turns it off).
+    pub fuse: bool,
 }
 
 impl Default for SessionOptions {
@@ -51,6 +54,7 @@ impl Default for SessionOptions {
             device_memory_limit: None,
             small_integer_nodes_on_host: true,
             graphs: GraphMode::Auto,
+            fuse: true,
         }
     }
 }
@@ -319,7 +323,17 @@ impl Drop for Session {
 impl Session {
     /// Prepares `model`: resolves every node whose dtypes are known and infers shapes
     /// ahead of the run (see `prepare`).
-    pub fn new(rt: Arc<Runtime>, model: Model, options: SessionOptions) -> Result<Session> {
+    pub fn new(rt: Arc<Runtime>, mut model: Model, options: SessionOptions) -> Result<Session> {
+        let gpu = match options.device {
+            Device::Cpu => None,
+            Device::Cuda(ordinal) => Some(Gpu::open(ordinal, options.device_memory_limit)?),
+        };
+        let fusions = if options.fuse {
+            let caps = gpu.as_ref().map(caps_of);
+            crate::fuse::Fusions { enabled: true, ..crate::fuse::fuse(&mut model, &rt.registry, caps.as_ref()) }
+        } else {
+            crate::fuse::Fusions::default()
+        };
         let g = &model.graph;
         let mut last_use = vec![None; g.values.len()];
         for (i, n) in g.nodes.iter().enumerate() {
@@ -330,15 +344,11 @@ impl Session {
         for v in &g.outputs {
             last_use[*v] = Some(usize::MAX);
         }
-        let report = Report { device: options.device.to_string(), ..Report::default() };
+        let report = Report { device: options.device.to_string(), fusions, ..Report::default() };
         // On the CPU a tensor must fit in a shim's linear memory to be computed at all.
         let max_tensor_bytes = match options.device {
             Device::Cpu => options.max_tensor_bytes.min(rt.sandbox.config().memory_limit_bytes as u64),
             Device::Cuda(_) => options.max_tensor_bytes,
-        };
-        let gpu = match options.device {
-            Device::Cpu => None,
-            Device::Cuda(ordinal) => Some(Gpu::open(ordinal, options.device_memory_limit)?),
         };
         let folded = vec![false; g.nodes.len()];
         let memo = vec![None; g.nodes.len()];
@@ -398,10 +408,7 @@ impl Session {
     /// What the session's GPU offers packages (`None` on the CPU, where device requirements
     /// do not apply).
     pub(super) fn device_caps(&self) -> Option<kiln_registry::DeviceCaps> {
-        self.gpu.as_ref().map(|g| kiln_registry::DeviceCaps {
-            compute_capability: g.info.compute_capability,
-            features: g.info.features(),
-        })
+        self.gpu.as_ref().map(caps_of)
     }
 
     pub(super) fn opset_of(&self, node: usize) -> Result<i64> {
@@ -1407,6 +1414,11 @@ impl Session {
 }
 
 /// Checks a fed value against the input's declared dtype and shape.
+/// What a GPU offers packages (their `[device]` requirements).
+fn caps_of(g: &Gpu) -> kiln_registry::DeviceCaps {
+    kiln_registry::DeviceCaps { compute_capability: g.info.compute_capability, features: g.info.features() }
+}
+
 fn check_input(model: &Model, id: ValueId, name: &str, dtype: DType, shape: &[usize]) -> Result<()> {
     let Some(ty) = &model.graph.values[id].ty else { return Ok(()) };
     if ty.dtype != dtype {

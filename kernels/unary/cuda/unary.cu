@@ -325,3 +325,29 @@ KILN_CLIP(kiln_clip_u8, TU8)
 KILN_CLIP(kiln_clip_u16, TU16)
 KILN_CLIP(kiln_clip_u32, TU32)
 KILN_CLIP(kiln_clip_u64, TU64)
+
+// SwiGlu (shim/src/swiglu.rs): y[r·N + c] = SiLU(g)·u with g = gate[r·ld + c] and
+// u = up[r·ld + up_off + c]; n = rows·N outputs. Packed [..., 2N]: gate = up, ld = 2N,
+// up_off = N; separate inputs: ld = N, up_off = 0. Computed in T::C (f32, f64 for f64).
+//   kiln_swiglu_<t>(const T* gate, const T* up, T* y, u64 n, u64 N, u64 ld, u64 up_off)
+template <typename T>
+__device__ __forceinline__ void swiglu(const typename T::S* gate, const typename T::S* up, typename T::S* y, kiln_u64 n,
+                                       kiln_u64 N, kiln_u64 ld, kiln_u64 up_off) {
+    typedef typename T::C C;
+    KILN_FOR(i, n) {
+        const kiln_u64 r = i / N, c = i - r * N;
+        const C g = T::ld(gate[r * ld + c]);
+        const C u = T::ld(up[r * ld + up_off + c]);
+        y[i] = T::st(g * unary_apply<C>(g, SIGMOID, C(0), C(0)) * u);
+    }
+}
+
+#define KILN_SWIGLU(NAME, T)                                                                                   \
+    extern "C" __global__ void NAME(const T::S* gate, const T::S* up, T::S* y, kiln_u64 n, kiln_u64 N,          \
+                                    kiln_u64 ld, kiln_u64 up_off) {                                            \
+        swiglu<T>(gate, up, y, n, N, ld, up_off);                                                              \
+    }
+KILN_SWIGLU(kiln_swiglu_f32, TF32)
+KILN_SWIGLU(kiln_swiglu_f16, TF16)
+KILN_SWIGLU(kiln_swiglu_bf16, TBF16)
+KILN_SWIGLU(kiln_swiglu_f64, TF64)

@@ -1,9 +1,12 @@
 //! Shim of `kiln-unary`: unary elementwise ops, following ONNX Operators.md (Relu-14,
 //! LeakyRelu-16, Sigmoid-13, Tanh-13, Exp-13, Log-13, Sqrt-13, Neg-13, Abs-13, Erf-13,
 //! Reciprocal-13, Cos-7, Sin-7, Floor-13, Ceil-13, Not-1, Gelu-20, Softplus-1, HardSigmoid-6,
-//! Clip-6/11/13). The CPU reference computes floating-point ops in f64 and rounds once.
+//! Clip-6/11/13), and `ai.kiln::SwiGlu` (`swiglu`). The CPU reference computes
+//! floating-point ops in f64 and rounds once.
 #![no_std]
 extern crate alloc;
+
+mod swiglu;
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
@@ -191,6 +194,9 @@ fn clip_bounds(call: &Call) -> Result<(Option<f64>, Option<f64>)> {
 
 impl Shim for Unary {
     fn infer(call: &Call) -> Result<Vec<TensorType>> {
+        if call.op_type() == "SwiGlu" {
+            return swiglu::infer(call);
+        }
         let x = call.input(0)?;
         let dtype = x.dtype()?;
         if call.op_type() == "Not" && dtype != DType::Bool {
@@ -200,6 +206,9 @@ impl Shim for Unary {
     }
 
     fn cpu(call: &Call) -> Result<()> {
+        if call.op_type() == "SwiGlu" {
+            return swiglu::cpu(call);
+        }
         let x = call.input(0)?;
         let dtype = x.dtype()?;
         let bytes = x.read_bytes()?;
@@ -227,6 +236,9 @@ impl Shim for Unary {
     }
 
     fn dispatch(call: &Call) -> Result<()> {
+        if call.op_type() == "SwiGlu" {
+            return swiglu::dispatch(call);
+        }
         let x = call.input(0)?;
         let y = call.output(0)?;
         let dtype = x.dtype()?;

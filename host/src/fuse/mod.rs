@@ -1,0 +1,195 @@
+//! Fusion at load: the `[[fusions]]` patterns packages declare (`kiln_kernel_abi::fusion`),
+//! matched in the model's graph and rewritten into their replacements before the session
+//! prepares it. The host knows no op here: what matches, what replaces it and which dtypes it
+//! takes all come from the manifests; the replacement's ops resolve like any node.
+//!
+//! Order: patterns with more nodes first, then the declaring package by the op-resolution
+//! rule (higher precedence, then higher version); a graph node is rewritten at most once.
+//! Every structurally complete match that a constraint turns down is reported with its reason
+//! ([`crate::trace::Fusions`]).
+
+mod matcher;
+mod rewrite;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use kiln_kernel_abi::fusion::Fusion;
+use kiln_kernel_abi::DType;
+use kiln_registry::{DeviceCaps, NodeQuery, OpRegistry, Package};
+
+use crate::model::{Model, ValueId};
+pub use crate::trace::Fusions;
+use crate::trace::{FusionApplied, FusionRejected};
+
+use matcher::{bindings_from, Binding, Index};
+
+/// A pattern and the package that declares it.
+struct Candidate<'a> {
+    package: &'a Arc<Package>,
+    precedence: u32,
+    fusion: &'a Fusion,
+}
+
+/// The fusions of every package, in the order they are tried (module docs). Of two packages
+/// with the same name, only the one op resolution would prefer contributes.
+fn candidates(registry: &OpRegistry) -> Vec<Candidate<'_>> {
+    let mut all: Vec<Candidate<'_>> = registry
+        .packages_with_precedence()
+        .flat_map(|(package, precedence)| {
+            package.manifest.fusions.iter().map(move |fusion| Candidate { package, precedence, fusion })
+        })
+        .collect();
+    all.sort_by(|a, b| {
+        (b.fusion.pattern.len(), b.precedence, b.package.version())
+            .cmp(&(a.fusion.pattern.len(), a.precedence, a.package.version()))
+            .then_with(|| a.package.name().cmp(b.package.name()))
+    });
+    let mut seen = HashSet::new();
+    all.retain(|c| seen.insert((c.package.name().to_string(), c.fusion.name.clone())));
+    all
+}
+
+/// Rewrites every match of the registry's fusions in `model`. `device` is the GPU the
+/// replacements must run on (`None` on the CPU). Never fails: a match that cannot be rewritten
+/// is left as it is, with its reason in the result.
+pub fn fuse(model: &mut Model, registry: &OpRegistry, device: Option<&DeviceCaps>) -> Fusions {
+    let mut report = Fusions::default();
+    for c in candidates(registry) {
+        let ix = Index::new(&model.graph);
+        let mut used = vec![false; model.graph.nodes.len()];
+        let mut accepted: Vec<(Binding, Vec<rewrite::NewConstant>, Vec<(String, i64)>)> = Vec::new();
+        let Some(first) = c.fusion.pattern.first() else { continue };
+        for start in 0..model.graph.nodes.len() {
+            let n = &model.graph.nodes[start];
+            if used[start]
+                || n.op_type != first.op
+                || kiln_registry::normalize_domain(&n.domain) != kiln_registry::normalize_domain(&first.domain)
+            {
+                continue;
+            }
+            let mut first_reason = None;
+            for b in bindings_from(c.fusion, &model.graph, &ix, start, &used) {
+                match check(&c, model, &ix, &b, registry, device) {
+                    Ok((consts, opsets)) => {
+                        for &i in &b.nodes {
+                            used[i] = true;
+                        }
+                        accepted.push((b, consts, opsets));
+                        first_reason = None;
+                        break;
+                    }
+                    Err(reason) => {
+                        first_reason.get_or_insert((b, reason));
+                    }
+                }
+            }
+            if let Some((b, reason)) = first_reason {
+                report.rejected.push(FusionRejected {
+                    fusion: c.fusion.name.clone(),
+                    package: c.package.id(),
+                    nodes: b.nodes.iter().map(|&i| model.graph.nodes[i].name.clone()).collect(),
+                    reason,
+                });
+            }
+        }
+        if accepted.is_empty() {
+            continue;
+        }
+        let mut removed = std::collections::BTreeSet::new();
+        for (b, consts, opsets) in accepted {
+            for (domain, v) in opsets {
+                model.opsets.entry(domain).or_insert(v);
+            }
+            report.applied.push(FusionApplied {
+                fusion: c.fusion.name.clone(),
+                package: c.package.id(),
+                nodes: b.nodes.iter().map(|&i| model.graph.nodes[i].name.clone()).collect(),
+            });
+            rewrite::apply(&mut model.graph, c.fusion, &b, consts);
+            removed.extend(b.nodes);
+        }
+        rewrite::finish(&mut model.graph, &removed);
+    }
+    report
+}
+
+/// The dtype of `v` where the load knows it: an initializer or a declared type.
+fn known_dtype(model: &Model, v: ValueId) -> Option<DType> {
+    let g = &model.graph;
+    g.initializers.get(&v).map(|t| t.dtype).or_else(|| g.values[v].ty.as_ref().map(|t| t.dtype))
+}
+
+/// The constraints of `c` on binding `b`: the new constants and the opsets the model must
+/// import for the replacement, or why the match is not rewritten.
+#[allow(clippy::type_complexity)]
+fn check(
+    c: &Candidate<'_>,
+    model: &Model,
+    ix: &Index,
+    b: &Binding,
+    registry: &OpRegistry,
+    device: Option<&DeviceCaps>,
+) -> Result<(Vec<rewrite::NewConstant>, Vec<(String, i64)>), String> {
+    let f = c.fusion;
+    let g = &model.graph;
+    let name = |v: ValueId| g.values[v].name.clone();
+    for var in &f.constant {
+        let v = b.vars[var];
+        let Some(t) = g.initializers.get(&v) else {
+            return Err(format!("{var} ({}) is not a constant", name(v)));
+        };
+        if let Some(&rank) = f.ranks.get(var) {
+            if t.shape.len() != rank {
+                return Err(format!("{var} ({}) has rank {}, not {rank}", name(v), t.shape.len()));
+            }
+        }
+    }
+    for (var, allowed) in &f.dtypes {
+        let v = b.vars[var];
+        let Some(d) = known_dtype(model, v) else {
+            return Err(format!("the dtype of {var} ({}) is not known at load", name(v)));
+        };
+        if !allowed.iter().any(|a| a == d.name()) {
+            return Err(format!("{var} ({}) is {d}, not one of [{}]", name(v), allowed.join(", ")));
+        }
+    }
+    // Intermediates must stay inside the match.
+    for node in &b.nodes {
+        for v in g.nodes[*node].outputs.iter().flatten() {
+            let var = b.vars.iter().find(|(_, x)| **x == *v).map(|(k, _)| k.as_str());
+            let declared = var.is_some_and(|k| f.outputs.iter().any(|o| o == k));
+            if !declared && ix.escapes(*v, &b.nodes) {
+                return Err(format!("{} is read outside the match", name(*v)));
+            }
+        }
+    }
+    if let Some(between) = rewrite::node_between(g, ix, &b.nodes) {
+        return Err(format!("node {} lies between matched nodes", g.nodes[between].name));
+    }
+    let consts = rewrite::concat_constants(g, f, b)?;
+    // Every replacement node must resolve, with the dtype of its first input where known.
+    let mut opsets = Vec::new();
+    for r in &f.replace {
+        let dtype = r.inputs.iter().filter(|v| !v.is_empty()).find_map(|v| {
+            b.vars
+                .get(v)
+                .and_then(|&x| known_dtype(model, x))
+                .or_else(|| consts.iter().find(|k| &k.var == v).map(|k| k.tensor.dtype))
+        });
+        let imported = model.opset(&r.domain);
+        let q = NodeQuery {
+            domain: &r.domain,
+            op_type: &r.op,
+            opset: imported.unwrap_or(i64::MAX),
+            input_dtypes: vec![dtype],
+            max_rank: None,
+            device,
+        };
+        let res = registry.resolve(&q).map_err(|e| format!("the replacement does not resolve: {e}"))?;
+        if imported.is_none() {
+            opsets.push((r.domain.clone(), res.entry.since_opset));
+        }
+    }
+    Ok((consts, opsets))
+}

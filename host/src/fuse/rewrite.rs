@@ -1,0 +1,181 @@
+//! Rewriting a match: new constants, the replacement's nodes and values, removal of the
+//! matched nodes, and a topological order again.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, BinaryHeap, HashMap};
+
+use kiln_kernel_abi::fusion::Fusion;
+
+use crate::model::{Graph, Node, Value, ValueId};
+use crate::Tensor;
+
+use super::matcher::{Binding, Index};
+
+/// A constant the replacement reads, made at load (`concat`).
+pub(super) struct NewConstant {
+    pub var: String,
+    pub tensor: Tensor,
+}
+
+/// The `concat` constants of `f` for binding `b`, or why they cannot be made (dtypes, ranks or
+/// the other dimensions differ).
+pub(super) fn concat_constants(g: &Graph, f: &Fusion, b: &Binding) -> Result<Vec<NewConstant>, String> {
+    let mut out = Vec::new();
+    for c in &f.concat {
+        let parts: Vec<&Tensor> = c.inputs.iter().map(|v| &g.initializers[&b.vars[v]]).collect();
+        let t = concat(&parts, c.axis).map_err(|e| format!("concat {}: {e}", c.output))?;
+        out.push(NewConstant { var: c.output.clone(), tensor: t });
+    }
+    Ok(out)
+}
+
+/// ONNX Concat of host tensors along `axis` (negative from the end), byte-wise.
+pub(crate) fn concat(parts: &[&Tensor], axis: i64) -> Result<Tensor, String> {
+    let first = parts.first().ok_or("no inputs")?;
+    let rank = first.shape.len() as i64;
+    let a = if axis < 0 { axis + rank } else { axis };
+    if !(0..rank).contains(&a) {
+        return Err(format!("axis {axis} is outside rank {rank}"));
+    }
+    let a = a as usize;
+    for p in parts {
+        if p.dtype != first.dtype {
+            return Err(format!("dtypes {} and {} differ", first.dtype, p.dtype));
+        }
+        if p.shape.len() != first.shape.len()
+            || p.shape.iter().zip(&first.shape).enumerate().any(|(i, (x, y))| i != a && x != y)
+        {
+            return Err(format!("shapes {:?} and {:?} differ outside axis {a}", first.shape, p.shape));
+        }
+    }
+    let size = first.dtype.size().ok_or_else(|| format!("dtype {} has no fixed size", first.dtype))?;
+    let outer: usize = first.shape[..a].iter().product();
+    let chunk = |t: &Tensor| t.shape[a..].iter().product::<usize>() * size;
+    let mut data = Vec::with_capacity(parts.iter().map(|p| p.data.len()).sum());
+    for o in 0..outer {
+        for p in parts {
+            let n = chunk(p);
+            data.extend_from_slice(&p.data[o * n..(o + 1) * n]);
+        }
+    }
+    let mut shape = first.shape.clone();
+    shape[a] = parts.iter().map(|p| p.shape[a]).sum();
+    Tensor::new(first.dtype, shape, data.into()).map_err(|e| e.to_string())
+}
+
+/// A node outside `nodes` on a path from one of them to another (the match is not convex,
+/// so no order could place its replacement), if any.
+pub(super) fn node_between(g: &Graph, ix: &Index, nodes: &[usize]) -> Option<usize> {
+    // Walk forward from the match's readers outside it; `origin` is the first outside node.
+    let mut stack: Vec<(usize, usize)> = Vec::new();
+    let mut seen = BTreeSet::new();
+    for &n in nodes {
+        for v in g.nodes[n].outputs.iter().flatten() {
+            for &c in &ix.consumers[*v] {
+                if !nodes.contains(&c) && seen.insert(c) {
+                    stack.push((c, c));
+                }
+            }
+        }
+    }
+    while let Some((n, origin)) = stack.pop() {
+        for v in g.nodes[n].outputs.iter().flatten() {
+            for &c in &ix.consumers[*v] {
+                if nodes.contains(&c) {
+                    return Some(origin);
+                }
+                if seen.insert(c) {
+                    stack.push((c, origin));
+                }
+            }
+        }
+    }
+    None
+}
+
+/// Appends the replacement of binding `b` (its constants, values and nodes) to `g`. The
+/// matched nodes stay until [`finish`] removes them.
+pub(super) fn apply(g: &mut Graph, f: &Fusion, b: &Binding, consts: Vec<NewConstant>) {
+    let base = g.nodes[*b.nodes.last().unwrap_or(&0)].name.clone();
+    let mut vars: HashMap<String, ValueId> = b.vars.clone();
+    for c in consts {
+        let id = g.values.len();
+        g.values.push(Value { name: format!("{base}/{}/{}", f.name, c.var), ty: None });
+        g.initializers.insert(id, c.tensor);
+        vars.insert(c.var, id);
+    }
+    let many = f.replace.len() > 1;
+    for (i, r) in f.replace.iter().enumerate() {
+        let mut var_id = |v: &str, g: &mut Graph| -> Option<ValueId> {
+            if v.is_empty() {
+                return None;
+            }
+            Some(*vars.entry(v.to_string()).or_insert_with(|| {
+                g.values.push(Value { name: format!("{base}/{}/{v}", f.name), ty: None });
+                g.values.len() - 1
+            }))
+        };
+        let inputs = r.inputs.iter().map(|v| var_id(v, g)).collect();
+        let outputs = r.outputs.iter().map(|v| var_id(v, g)).collect();
+        let attributes = r.attributes_from.map(|a| g.nodes[b.nodes[a]].attributes.clone()).unwrap_or_default();
+        g.nodes.push(Node {
+            name: if many { format!("{base}/{}#{i}", f.name) } else { format!("{base}/{}", f.name) },
+            op_type: r.op.clone(),
+            domain: r.domain.clone(),
+            inputs,
+            outputs,
+            attributes,
+        });
+    }
+}
+
+/// Removes the nodes at `removed`, the initializers nothing reads any more, and puts the
+/// nodes back in a topological order (the original order where it is one).
+pub(super) fn finish(g: &mut Graph, removed: &BTreeSet<usize>) {
+    let mut i = 0;
+    g.nodes.retain(|_| {
+        i += 1;
+        !removed.contains(&(i - 1))
+    });
+    let read: BTreeSet<ValueId> = g.nodes.iter().flat_map(|n| n.inputs.iter().flatten().copied()).collect();
+    let outputs: BTreeSet<ValueId> = g.outputs.iter().copied().collect();
+    g.initializers.retain(|v, _| read.contains(v) || outputs.contains(v));
+    sort_topologically(g);
+}
+
+/// Kahn's algorithm, taking the lowest current index among the ready nodes. A graph with a
+/// cycle keeps its order (the matcher never makes one: matches are convex).
+fn sort_topologically(g: &mut Graph) {
+    let n = g.nodes.len();
+    let mut producer: HashMap<ValueId, usize> = HashMap::new();
+    for (i, node) in g.nodes.iter().enumerate() {
+        for v in node.outputs.iter().flatten() {
+            producer.insert(*v, i);
+        }
+    }
+    let mut waiting = vec![0usize; n];
+    let mut readers: Vec<Vec<usize>> = vec![Vec::new(); n];
+    for (i, node) in g.nodes.iter().enumerate() {
+        let deps: BTreeSet<usize> = node.inputs.iter().flatten().filter_map(|v| producer.get(v).copied()).collect();
+        waiting[i] = deps.len();
+        for d in deps {
+            readers[d].push(i);
+        }
+    }
+    let mut ready: BinaryHeap<Reverse<usize>> = (0..n).filter(|&i| waiting[i] == 0).map(Reverse).collect();
+    let mut order = Vec::with_capacity(n);
+    while let Some(Reverse(i)) = ready.pop() {
+        order.push(i);
+        for &r in &readers[i] {
+            waiting[r] -= 1;
+            if waiting[r] == 0 {
+                ready.push(Reverse(r));
+            }
+        }
+    }
+    if order.len() != n {
+        return;
+    }
+    let mut nodes: Vec<Option<Node>> = std::mem::take(&mut g.nodes).into_iter().map(Some).collect();
+    g.nodes = order.into_iter().filter_map(|i| nodes[i].take()).collect();
+}

@@ -1,0 +1,357 @@
+//! Fusion patterns a package declares in `kernel.toml` (`[[fusions]]`, ABI.md §7.1): a
+//! subgraph of ONNX nodes (`match`) and the nodes that replace it (`replace`), usually one
+//! fused op of the package.
+//!
+//! ```toml
+//! [[fusions]]
+//! name = "gate-up-swiglu"                    # [a-z0-9_-], unique in the package
+//! description = "SiLU(x·Wg)·(x·Wu) as one GEMM and one elementwise kernel"
+//! match = [                                  # in topological order
+//!   { op = "MatMul", inputs = ["x", "Wg"], outputs = ["g"] },
+//!   { op = "MatMul", inputs = ["x", "Wu"], outputs = ["u"] },
+//!   { op = "Sigmoid", inputs = ["g"], outputs = ["s"] },
+//!   { op = "Mul", inputs = ["g", "s"], outputs = ["a"], commutative = true },
+//!   { op = "Mul", inputs = ["a", "u"], outputs = ["y"], commutative = true },
+//! ]
+//! constant = ["Wg", "Wu"]                    # must be initializers
+//! dtypes = { Wg = ["float32", "float16", "bfloat16"] }   # where known at load
+//! ranks = { Wg = 2, Wu = 2 }
+//! concat = [{ output = "Wgu", inputs = ["Wg", "Wu"], axis = -1 }]   # new constants
+//! replace = [
+//!   { op = "MatMul", inputs = ["x", "Wgu"], outputs = ["gu"] },
+//!   { domain = "ai.kiln", op = "SwiGlu", inputs = ["gu"], outputs = ["y"] },
+//! ]
+//! outputs = ["y"]                            # the values the rest of the graph may read
+//! verify = { x = [3, 64], Wg = [64, 96], Wu = [64, 96] }    # shapes `kiln verify` uses
+//! ```
+//!
+//! Names in `inputs`/`outputs` are pattern variables; `""` is an absent optional input or an
+//! output left out. A variable no `match` node defines is a pattern input; the others are
+//! defined once each (SSA). [`Fusion::validate`] refuses what can never match or cannot be
+//! rewritten: cycles (a variable read before its node defines it), a pattern that is not
+//! connected, a replacement that reads a variable the match does not bind, `outputs` that the
+//! replacement does not define. Matching and rewriting are the host's (`kiln-host`
+//! `fuse`); this module is the declaration only.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+use crate::DType;
+
+/// One `[[fusions]]` entry.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Fusion {
+    /// `[a-z0-9_-]`, 1..=64 characters, unique in the package.
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    /// The subgraph to find, nodes in topological order.
+    #[serde(rename = "match")]
+    pub pattern: Vec<PatternNode>,
+    /// What replaces it, in topological order.
+    pub replace: Vec<PatternNode>,
+    /// Variables defined by the match that nodes outside it may read; every other matched
+    /// output must have no reader outside the match and must not be a graph output.
+    pub outputs: Vec<String>,
+    /// Pattern inputs that must be initializers (constant at load).
+    #[serde(default)]
+    pub constant: Vec<String>,
+    /// Allowed dtypes per variable ([`DType::name`]). A constrained variable whose dtype is
+    /// unknown at load rejects the candidate.
+    #[serde(default)]
+    pub dtypes: BTreeMap<String, Vec<String>>,
+    /// Required rank per constant variable.
+    #[serde(default)]
+    pub ranks: BTreeMap<String, usize>,
+    /// New constants the replacement reads: constant variables concatenated along an axis.
+    #[serde(default)]
+    pub concat: Vec<ConstantConcat>,
+    /// Shapes of the pattern inputs for `kiln verify` (the input domain of the declaration).
+    #[serde(default)]
+    pub verify: BTreeMap<String, Vec<usize>>,
+}
+
+/// A node of a pattern or of its replacement.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PatternNode {
+    /// `""` (ai.onnx) or another domain.
+    #[serde(default)]
+    pub domain: String,
+    pub op: String,
+    pub inputs: Vec<String>,
+    pub outputs: Vec<String>,
+    /// A match node with two inputs that may bind in either order (Add, Mul).
+    #[serde(default)]
+    pub commutative: bool,
+    /// A replacement node takes every attribute of this match node (index into `match`).
+    #[serde(default)]
+    pub attributes_from: Option<usize>,
+}
+
+/// `output` = Concat(`inputs`, `axis`) of constant variables, computed once at load.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConstantConcat {
+    pub output: String,
+    pub inputs: Vec<String>,
+    /// Negative counts from the last axis, as ONNX Concat.
+    pub axis: i64,
+}
+
+impl Fusion {
+    /// Pattern inputs: variables `match` reads but does not define, in first-use order.
+    pub fn pattern_inputs(&self) -> Vec<&str> {
+        let defined: BTreeSet<&str> = self.defined();
+        let mut seen = BTreeSet::new();
+        let mut out = Vec::new();
+        for n in &self.pattern {
+            for v in n.inputs.iter().map(String::as_str).filter(|v| !v.is_empty()) {
+                if !defined.contains(v) && seen.insert(v) {
+                    out.push(v);
+                }
+            }
+        }
+        out
+    }
+
+    fn defined(&self) -> BTreeSet<&str> {
+        self.pattern.iter().flat_map(|n| n.outputs.iter().map(String::as_str)).filter(|v| !v.is_empty()).collect()
+    }
+
+    /// Checks the declaration (see the module docs). The error names the fusion and the
+    /// offending node or variable.
+    pub fn validate(&self) -> Result<(), String> {
+        let at = |msg: String| Err(format!("fusion {:?}: {msg}", self.name));
+        let n = &self.name;
+        if n.is_empty()
+            || n.len() > 64
+            || !n.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+        {
+            return Err(format!("fusion name {n:?} must be 1 to 64 characters of a-z, 0-9, '-', '_'"));
+        }
+        if self.pattern.is_empty() {
+            return at("`match` is empty: the pattern would match nothing".into());
+        }
+        if self.replace.is_empty() {
+            return at("`replace` is empty".into());
+        }
+        // SSA and topological order; a variable read before its definition is a cycle.
+        let defined = self.defined();
+        let mut so_far: BTreeSet<&str> = BTreeSet::new();
+        for (i, node) in self.pattern.iter().enumerate() {
+            if node.op.is_empty() {
+                return at(format!("match[{i}] has no op"));
+            }
+            if node.outputs.iter().all(String::is_empty) {
+                return at(format!("match[{i}] ({}) defines no output", node.op));
+            }
+            if node.commutative && node.inputs.len() != 2 {
+                return at(format!("match[{i}] ({}) is commutative but has {} inputs", node.op, node.inputs.len()));
+            }
+            if node.attributes_from.is_some() {
+                return at(format!("match[{i}]: attributes_from belongs on replacement nodes"));
+            }
+            for v in node.inputs.iter().filter(|v| !v.is_empty()) {
+                if defined.contains(v.as_str()) && !so_far.contains(v.as_str()) {
+                    return at(format!(
+                        "match[{i}] ({}) reads {v:?} before a later node defines it: the pattern has a cycle or is out of order",
+                        node.op
+                    ));
+                }
+            }
+            for v in node.outputs.iter().filter(|v| !v.is_empty()) {
+                if !so_far.insert(v) {
+                    return at(format!("variable {v:?} is defined twice"));
+                }
+            }
+        }
+        // Connected: every node after the first shares a variable with an earlier one.
+        let mut reach: BTreeSet<&str> = BTreeSet::new();
+        fn vars(n: &PatternNode) -> Vec<&str> {
+            n.inputs.iter().chain(&n.outputs).map(String::as_str).filter(|v| !v.is_empty()).collect()
+        }
+        let mut left: Vec<usize> = (0..self.pattern.len()).collect();
+        reach.extend(vars(&self.pattern[0]));
+        left.remove(0);
+        while !left.is_empty() {
+            let Some(pos) = left.iter().position(|&i| vars(&self.pattern[i]).iter().any(|v| reach.contains(v))) else {
+                return at(format!(
+                    "match[{}] ({}) shares no value with the rest: the pattern is not connected",
+                    left[0], self.pattern[left[0]].op
+                ));
+            };
+            reach.extend(vars(&self.pattern[left.remove(pos)]));
+        }
+        let inputs: BTreeSet<&str> = self.pattern_inputs().into_iter().collect();
+        for v in &self.constant {
+            if !inputs.contains(v.as_str()) {
+                return at(format!("constant {v:?} is not a pattern input"));
+            }
+        }
+        for (v, names) in &self.dtypes {
+            if !inputs.contains(v.as_str()) && !defined.contains(v.as_str()) {
+                return at(format!("dtypes: {v:?} is not a pattern variable"));
+            }
+            if let Some(d) = names.iter().find(|d| DType::from_name(d).is_none()) {
+                return at(format!("dtypes.{v}: unknown dtype {d:?}"));
+            }
+        }
+        for v in self.ranks.keys() {
+            if !self.constant.contains(v) {
+                return at(format!("ranks: {v:?} is not a constant (ranks are checked on constants)"));
+            }
+        }
+        let mut available: BTreeSet<&str> = inputs.clone();
+        for c in &self.concat {
+            if c.inputs.len() < 2 {
+                return at(format!("concat {:?} needs at least two inputs", c.output));
+            }
+            if let Some(v) = c.inputs.iter().find(|v| !self.constant.contains(v)) {
+                return at(format!("concat {:?}: input {v:?} is not a constant", c.output));
+            }
+            if inputs.contains(c.output.as_str()) || defined.contains(c.output.as_str()) || !available.insert(&c.output)
+            {
+                return at(format!("concat output {:?} is already a variable", c.output));
+            }
+        }
+        for v in &self.outputs {
+            if !defined.contains(v.as_str()) {
+                return at(format!("outputs: {v:?} is not defined by the match"));
+            }
+        }
+        let mut replaced: BTreeSet<&str> = BTreeSet::new();
+        for (i, node) in self.replace.iter().enumerate() {
+            if node.op.is_empty() {
+                return at(format!("replace[{i}] has no op"));
+            }
+            if node.commutative {
+                return at(format!("replace[{i}]: commutative belongs on match nodes"));
+            }
+            if let Some(a) = node.attributes_from.filter(|&a| a >= self.pattern.len()) {
+                return at(format!(
+                    "replace[{i}]: attributes_from = {a} but the match has {} nodes",
+                    self.pattern.len()
+                ));
+            }
+            for v in node.inputs.iter().filter(|v| !v.is_empty()) {
+                if !available.contains(v.as_str()) && !replaced.contains(v.as_str()) {
+                    return at(format!(
+                        "replace[{i}] ({}) reads {v:?}, which is neither a pattern input, a concat output nor an earlier replacement output",
+                        node.op
+                    ));
+                }
+            }
+            for v in node.outputs.iter().filter(|v| !v.is_empty()) {
+                if inputs.contains(v.as_str()) || !replaced.insert(v) {
+                    return at(format!("replace[{i}] ({}) redefines {v:?}", node.op));
+                }
+            }
+        }
+        for v in &self.outputs {
+            if !replaced.contains(v.as_str()) {
+                return at(format!("outputs: the replacement does not define {v:?}"));
+            }
+        }
+        for (v, shape) in &self.verify {
+            if !inputs.contains(v.as_str()) {
+                return at(format!("verify: {v:?} is not a pattern input"));
+            }
+            if shape.contains(&0) || shape.len() > 8 {
+                return at(format!("verify.{v}: shape {shape:?} must have 1..=8 non-zero dimensions"));
+            }
+        }
+        if !self.verify.is_empty() {
+            if let Some(v) = inputs.iter().find(|v| !self.verify.contains_key(**v)) {
+                return at(format!("verify: no shape for pattern input {v:?}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SWIGLU: &str = r#"
+name = "gate-up-swiglu"
+match = [
+  { op = "MatMul", inputs = ["x", "Wg"], outputs = ["g"] },
+  { op = "MatMul", inputs = ["x", "Wu"], outputs = ["u"] },
+  { op = "Sigmoid", inputs = ["g"], outputs = ["s"] },
+  { op = "Mul", inputs = ["g", "s"], outputs = ["a"], commutative = true },
+  { op = "Mul", inputs = ["a", "u"], outputs = ["y"], commutative = true },
+]
+constant = ["Wg", "Wu"]
+dtypes = { Wg = ["float32", "float16"] }
+ranks = { Wg = 2, Wu = 2 }
+concat = [{ output = "Wgu", inputs = ["Wg", "Wu"], axis = -1 }]
+replace = [
+  { op = "MatMul", inputs = ["x", "Wgu"], outputs = ["gu"] },
+  { domain = "ai.kiln", op = "SwiGlu", inputs = ["gu"], outputs = ["y"] },
+]
+outputs = ["y"]
+verify = { x = [3, 8], Wg = [8, 6], Wu = [8, 6] }
+"#;
+
+    fn parse(text: &str) -> Fusion {
+        toml::from_str(text).unwrap()
+    }
+
+    #[test]
+    fn a_good_pattern_validates() {
+        let f = parse(SWIGLU);
+        f.validate().unwrap();
+        assert_eq!(f.pattern_inputs(), vec!["x", "Wg", "Wu"]);
+    }
+
+    #[test]
+    fn hostile_patterns_are_refused_with_the_reason() {
+        let cases = [
+            // A cycle: Sigmoid reads `a`, which a later node defines.
+            (SWIGLU.replace(r#"inputs = ["g"], outputs = ["s"]"#, r#"inputs = ["a"], outputs = ["s"]"#), "cycle"),
+            (
+                SWIGLU.replace(r#"inputs = ["a", "u"], outputs = ["y"]"#, r#"inputs = ["p", "q"], outputs = ["y"]"#),
+                "not connected",
+            ),
+            (
+                SWIGLU.replace(
+                    r#"outputs = ["y"]
+verify"#,
+                    r#"outputs = ["z"]
+verify"#,
+                ),
+                "not defined by the match",
+            ),
+            (
+                SWIGLU.replace(r#"inputs = ["gu"], outputs = ["y"]"#, r#"inputs = ["gx"], outputs = ["y"]"#),
+                "neither a pattern input",
+            ),
+            (
+                SWIGLU.replace(r#"inputs = ["gu"], outputs = ["y"]"#, r#"inputs = ["gu"], outputs = ["w"]"#),
+                "does not define",
+            ),
+            (SWIGLU.replace(r#"constant = ["Wg", "Wu"]"#, r#"constant = ["Wg", "g"]"#), "not a pattern input"),
+            (SWIGLU.replace(r#"outputs = ["u"]"#, r#"outputs = ["g"]"#), "defined twice"),
+            (SWIGLU.replace("float16", "float17"), "unknown dtype"),
+            (SWIGLU.replace(", Wu = [8, 6]", ""), "no shape"),
+            (
+                SWIGLU.replace(
+                    r#"{ op = "Mul", inputs = ["g", "s"], outputs = ["a"], commutative = true }"#,
+                    r#"{ op = "Mul", inputs = ["g", "s", "x"], outputs = ["a"], commutative = true }"#,
+                ),
+                "commutative",
+            ),
+        ];
+        for (text, needle) in cases {
+            assert_ne!(text, SWIGLU, "case {needle:?} did not change the pattern");
+            let err = parse(&text).validate().unwrap_err();
+            assert!(err.contains(needle), "{err:?} should mention {needle:?}");
+        }
+        let empty = Fusion { pattern: vec![], ..parse(SWIGLU) };
+        assert!(empty.validate().unwrap_err().contains("match nothing"));
+    }
+}
