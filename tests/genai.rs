@@ -110,6 +110,24 @@ fn tiny_llama_fp32_matches_genai_greedy_tokens_alone_and_batched() {
 }
 
 #[test]
+fn fused_and_unfused_tiny_llama_fp32_both_match_onnxruntime() {
+    // The default generator fuses each layer's gate/up projections and SiLU into one MatMul
+    // and SwiGlu (kiln-unary's gate-up-swiglu); with fusion off the graph runs as written.
+    let folder = "tiny-llama-v512-fp32-cpu";
+    let fused = generator(folder);
+    let f = &fused.session.report.fusions;
+    assert_eq!(f.applied_counts().get("gate-up-swiglu"), Some(&2), "{}", f.render());
+    let rt = kiln_tests::builtin_runtime();
+    let dir = ModelFolder::open(&fixture(&format!("llm/{folder}"))).unwrap();
+    let mut unfused = Generator::new(rt, dir, SessionOptions { fuse: false, ..SessionOptions::default() }).unwrap();
+    assert!(unfused.session.report.fusions.applied.is_empty());
+    let ops = |g: &Generator| g.session.model().graph.nodes.iter().filter(|n| n.op_type == "MatMul").count();
+    assert_eq!(ops(&unfused) - ops(&fused), 2, "one MatMul fewer per layer");
+    teacher_forced_logits_match_with(&mut unfused, folder);
+    greedy_tokens_match_with(&mut unfused, folder, true);
+}
+
+#[test]
 fn without_a_shared_buffer_the_past_grows_from_step_to_step() {
     // The same fixture with `past_present_share_buffer` off: each step's presents (kept by the
     // session) become the next step's pasts.

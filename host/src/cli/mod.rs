@@ -10,6 +10,7 @@ mod kernels;
 mod output;
 mod run;
 mod verify;
+pub mod verify_fusion;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

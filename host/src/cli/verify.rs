@@ -1,7 +1,8 @@
 //! `kiln verify PACKAGE`: runs a package's kernels on a device against its own CPU reference
 //! on random inputs (the dtypes and shapes of its ONNX node tests, a few seeds, doubled shapes
 //! for elementwise ops), reported as max relative error per (op, dtype), plus every ONNX node
-//! test whose nodes are all ops the package claims.
+//! test whose nodes are all ops the package claims, plus each fusion pattern the package
+//! declares, fused against unfused (`verify_fusion`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -116,16 +117,23 @@ pub fn run(mut a: VerifyArgs) -> Result<ExitCode> {
     if tests.is_empty() {
         return Err(Error::Input(format!("no node tests of {}'s ops in the --node-tests folders", pkg.id())));
     }
+    let fusions = super::verify_fusion::fusion_cases(&rt, &pkg, device, a.seeds);
     let mut counts = [0usize; 3];
-    tests.iter().map(|t| &t.outcome).chain(cases.iter().map(|c| &c.outcome)).for_each(|o| counts[slot(o)] += 1);
+    tests
+        .iter()
+        .map(|t| &t.outcome)
+        .chain(cases.iter().map(|c| &c.outcome))
+        .chain(fusions.iter().map(|c| &c.outcome))
+        .for_each(|o| counts[slot(o)] += 1);
     let human = super::output::Human::new(&[&a.json]);
     human.print(&report(&tests, &cases, device));
+    human.print(&super::verify_fusion::render(&fusions, device));
     human.line(&format!("verify {}: {} passed, {} failed, {} unsupported", a.package, counts[0], counts[1], counts[2]));
     if let Some(p) = &a.json {
         let doc = json!({
             "package": pkg.id(), "device": device.to_string(), "seeds": a.seeds,
             "passed": counts[0], "failed": counts[1], "unsupported": counts[2],
-            "node_tests": tests, "random": cases,
+            "node_tests": tests, "random": cases, "fusions": fusions,
         });
         super::output::write_json(p, &doc)?;
     }
@@ -142,7 +150,7 @@ fn entry<'a>(pkg: &'a Package, domain: &str, op_type: &str) -> Option<&'a OpEntr
 /// random): `Positive` |x| + 0.1 or 1..=5, `Unit` 0.45·x, `AboveOne` |x| + 1, `Divisor`
 /// ±(|x| + 0.1) or 1..=5, `Exponent` integers 0..=3, `Keep` the test's data (value inputs).
 #[derive(Clone, Copy, PartialEq)]
-enum Range {
+pub(super) enum Range {
     Any,
     Positive,
     Unit,
@@ -169,7 +177,7 @@ fn range(op: &str, slot: usize, unsigned_out: bool) -> Range {
 }
 
 /// A random tensor of `dtype` and `shape` within `r`.
-fn random_tensor(rng: &mut StdRng, dtype: DType, shape: &[usize], r: Range) -> Result<Tensor> {
+pub(super) fn random_tensor(rng: &mut StdRng, dtype: DType, shape: &[usize], r: Range) -> Result<Tensor> {
     let n: usize = shape.iter().product();
     let unsigned = matches!(dtype, DType::U8 | DType::U16 | DType::U32 | DType::U64);
     let mut b = Vec::with_capacity(n * dtype.size().unwrap_or(1));
@@ -205,7 +213,7 @@ fn random_tensor(rng: &mut StdRng, dtype: DType, shape: &[usize], r: Range) -> R
 }
 
 /// (rtol, atol) per dtype; integers and bools exactly.
-fn tolerance(d: DType) -> (f64, f64) {
+pub(super) fn tolerance(d: DType) -> (f64, f64) {
     match d {
         DType::F32 => (1e-4, 1e-5),
         DType::F16 => (1e-2, 1e-3),
@@ -216,7 +224,7 @@ fn tolerance(d: DType) -> (f64, f64) {
 }
 
 /// Max |a − e| / max(|e|, atol/rtol) (NaN equals NaN), or why they cannot be compared.
-fn max_rel_error(a: &Tensor, e: &Tensor) -> std::result::Result<f64, String> {
+pub(super) fn max_rel_error(a: &Tensor, e: &Tensor) -> std::result::Result<f64, String> {
     if (a.dtype, &a.shape) != (e.dtype, &e.shape) {
         return Err(format!("{} {:?} != reference {} {:?}", a.dtype, a.shape, e.dtype, e.shape));
     }
@@ -412,7 +420,7 @@ fn slot(o: &Outcome) -> usize {
 }
 
 /// A device or session error as an outcome: unsupported, or failed.
-fn outcome(e: &Error, what: &str) -> Outcome {
+pub(super) fn outcome(e: &Error, what: &str) -> Outcome {
     if e.is_unsupported() {
         Outcome::Unsupported(format!("{what}: {e}"))
     } else {

@@ -24,6 +24,13 @@ use crate::trace::{FusionApplied, FusionRejected};
 
 use matcher::{bindings_from, Binding, Index};
 
+/// What a match that passed its constraints needs to be rewritten: the new constants and the
+/// opsets the model must import for the replacement.
+struct Accepted {
+    constants: Vec<rewrite::NewConstant>,
+    opsets: Vec<(String, i64)>,
+}
+
 /// A pattern and the package that declares it.
 struct Candidate<'a> {
     package: &'a Arc<Package>,
@@ -58,7 +65,7 @@ pub fn fuse(model: &mut Model, registry: &OpRegistry, device: Option<&DeviceCaps
     for c in candidates(registry) {
         let ix = Index::new(&model.graph);
         let mut used = vec![false; model.graph.nodes.len()];
-        let mut accepted: Vec<(Binding, Vec<rewrite::NewConstant>, Vec<(String, i64)>)> = Vec::new();
+        let mut accepted: Vec<(Binding, Accepted)> = Vec::new();
         let Some(first) = c.fusion.pattern.first() else { continue };
         for start in 0..model.graph.nodes.len() {
             let n = &model.graph.nodes[start];
@@ -71,11 +78,11 @@ pub fn fuse(model: &mut Model, registry: &OpRegistry, device: Option<&DeviceCaps
             let mut first_reason = None;
             for b in bindings_from(c.fusion, &model.graph, &ix, start, &used) {
                 match check(&c, model, &ix, &b, registry, device) {
-                    Ok((consts, opsets)) => {
+                    Ok(a) => {
                         for &i in &b.nodes {
                             used[i] = true;
                         }
-                        accepted.push((b, consts, opsets));
+                        accepted.push((b, a));
                         first_reason = None;
                         break;
                     }
@@ -97,7 +104,7 @@ pub fn fuse(model: &mut Model, registry: &OpRegistry, device: Option<&DeviceCaps
             continue;
         }
         let mut removed = std::collections::BTreeSet::new();
-        for (b, consts, opsets) in accepted {
+        for (b, Accepted { constants, opsets }) in accepted {
             for (domain, v) in opsets {
                 model.opsets.entry(domain).or_insert(v);
             }
@@ -106,7 +113,7 @@ pub fn fuse(model: &mut Model, registry: &OpRegistry, device: Option<&DeviceCaps
                 package: c.package.id(),
                 nodes: b.nodes.iter().map(|&i| model.graph.nodes[i].name.clone()).collect(),
             });
-            rewrite::apply(&mut model.graph, c.fusion, &b, consts);
+            rewrite::apply(&mut model.graph, c.fusion, &b, constants);
             removed.extend(b.nodes);
         }
         rewrite::finish(&mut model.graph, &removed);
@@ -120,9 +127,8 @@ fn known_dtype(model: &Model, v: ValueId) -> Option<DType> {
     g.initializers.get(&v).map(|t| t.dtype).or_else(|| g.values[v].ty.as_ref().map(|t| t.dtype))
 }
 
-/// The constraints of `c` on binding `b`: the new constants and the opsets the model must
-/// import for the replacement, or why the match is not rewritten.
-#[allow(clippy::type_complexity)]
+/// The constraints of `c` on binding `b`: what the rewrite needs, or why the match is not
+/// rewritten.
 fn check(
     c: &Candidate<'_>,
     model: &Model,
@@ -130,7 +136,7 @@ fn check(
     b: &Binding,
     registry: &OpRegistry,
     device: Option<&DeviceCaps>,
-) -> Result<(Vec<rewrite::NewConstant>, Vec<(String, i64)>), String> {
+) -> Result<Accepted, String> {
     let f = c.fusion;
     let g = &model.graph;
     let name = |v: ValueId| g.values[v].name.clone();
@@ -191,5 +197,5 @@ fn check(
             opsets.push((r.domain.clone(), res.entry.since_opset));
         }
     }
-    Ok((consts, opsets))
+    Ok(Accepted { constants: consts, opsets })
 }

@@ -1,0 +1,253 @@
+//! Fusion at load (`kiln_host::fuse`): the built-in packages' `[[fusions]]` patterns rewrite
+//! the graphs they match, the result equals the unfused graph and a float64 reference, and a
+//! match that a constraint turns down is left alone with its reason.
+
+use kiln_host::ep::{Device, Session, SessionOptions};
+use kiln_host::model::{self, Model};
+use kiln_host::Tensor;
+use kiln_tests::onnx::{self, node, value};
+use kiln_tests::{f32_tensor, f32_values};
+
+const F32: i32 = 1;
+
+/// Deterministic values in [-2, 2).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f64 / (1u64 << 24) as f64 * 4.0 - 2.0) as f32
+        })
+        .collect()
+}
+
+fn silu_mul(g: f64, u: f64) -> f64 {
+    g / (1.0 + (-g).exp()) * u
+}
+
+const ROWS: usize = 3;
+const K: usize = 8;
+const N: usize = 6;
+
+/// x [ROWS, K] · Wg, x · Wu [K, N] → Sigmoid, Mul (inputs in the order given), Mul → y,
+/// plus extra graph outputs.
+fn gated_mlp(mul_order: [&str; 2], extra_outputs: &[&str]) -> Model {
+    let nodes = vec![
+        node("MatMul", &["x", "Wg"], &["g"], vec![]),
+        node("MatMul", &["x", "Wu"], &["u"], vec![]),
+        node("Sigmoid", &["g"], &["s"], vec![]),
+        node("Mul", &mul_order, &["a"], vec![]),
+        node("Mul", &["u", "a"], &["y"], vec![]),
+    ];
+    let mut outputs = vec![value("y", F32, &[ROWS as i64, N as i64])];
+    outputs.extend(extra_outputs.iter().map(|o| value(o, F32, &[ROWS as i64, N as i64])));
+    let inits = vec![
+        onnx::init_f32("Wg", &[K as i64, N as i64], &values(K * N, 1)),
+        onnx::init_f32("Wu", &[K as i64, N as i64], &values(K * N, 2)),
+    ];
+    let m = onnx::model(nodes, vec![value("x", F32, &[ROWS as i64, K as i64])], outputs, inits);
+    model::load_bytes(&onnx::bytes(&m), None).unwrap()
+}
+
+fn session(m: Model, fuse: bool) -> Session {
+    let options = SessionOptions { device: Device::Cpu, fuse, ..SessionOptions::default() };
+    Session::new(kiln_tests::builtin_runtime(), m, options).unwrap()
+}
+
+fn run(s: &mut Session, feeds: Vec<(&str, Tensor)>) -> Vec<Vec<f32>> {
+    let out = s.run(feeds.into_iter().map(|(n, t)| (n.to_string(), t)).collect()).unwrap();
+    out.iter().map(|(_, t)| f32_values(t)).collect()
+}
+
+/// y = SiLU(x·Wg)·(x·Wu) in float64.
+fn reference(x: &[f32]) -> Vec<f64> {
+    let (wg, wu) = (values(K * N, 1), values(K * N, 2));
+    let mut y = Vec::new();
+    for r in 0..ROWS {
+        for c in 0..N {
+            let dot = |w: &[f32]| (0..K).map(|k| x[r * K + k] as f64 * w[k * N + c] as f64).sum::<f64>();
+            y.push(silu_mul(dot(&wg), dot(&wu)));
+        }
+    }
+    y
+}
+
+fn assert_close(got: &[f32], want: &[f64], rel: f64) {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((*g as f64 - w).abs() <= rel * scale, "element {i}: {g} vs {w} (scale {scale})");
+    }
+}
+
+#[test]
+fn the_gate_up_projections_and_silu_become_one_matmul_and_swiglu() {
+    let x = values(ROWS * K, 3);
+    // Mul's inputs in either order match (the pattern declares it commutative).
+    for order in [["g", "s"], ["s", "g"]] {
+        let mut fused = session(gated_mlp(order, &[]), true);
+        let f = &fused.report.fusions;
+        assert!(f.enabled);
+        assert_eq!(f.applied.len(), 1, "{}", f.render());
+        assert_eq!(f.applied[0].fusion, "gate-up-swiglu");
+        assert_eq!(f.applied[0].nodes.len(), 5);
+        let ops: Vec<&str> = fused.model().graph.nodes.iter().map(|n| n.op_type.as_str()).collect();
+        assert_eq!(ops, ["MatMul", "SwiGlu"]);
+        // Wg and Wu are gone; one [K, 2N] weight replaces them.
+        let inits: Vec<Vec<usize>> = fused.model().graph.initializers.values().map(|t| t.shape.clone()).collect();
+        assert_eq!(inits, vec![vec![K, 2 * N]]);
+        let mut unfused = session(gated_mlp(order, &[]), false);
+        assert!(!unfused.report.fusions.enabled && unfused.report.fusions.applied.is_empty());
+        assert_eq!(unfused.model().graph.nodes.len(), 5);
+        let a = run(&mut fused, vec![("x", f32_tensor(&[ROWS, K], &x))]);
+        let b = run(&mut unfused, vec![("x", f32_tensor(&[ROWS, K], &x))]);
+        let want = reference(&x);
+        assert_close(&a[0], &want, 1e-6);
+        assert_close(&b[0], &want, 1e-6);
+    }
+}
+
+#[test]
+fn an_intermediate_read_outside_the_match_keeps_the_graph_as_it_is() {
+    let x = values(ROWS * K, 4);
+    let mut s = session(gated_mlp(["g", "s"], &["s"]), true);
+    let f = &s.report.fusions;
+    assert!(f.applied.is_empty(), "{}", f.render());
+    let gate_up = f.rejected.iter().find(|r| r.fusion == "gate-up-swiglu").expect("the gate-up match is reported");
+    assert!(gate_up.reason.contains("s is read outside the match"), "{}", gate_up.reason);
+    assert_eq!(s.model().graph.nodes.len(), 5);
+    let out = run(&mut s, vec![("x", f32_tensor(&[ROWS, K], &x))]);
+    assert_close(&out[0], &reference(&x), 1e-6);
+}
+
+/// Sigmoid(g), Mul, Mul over graph inputs g and u (declared float32).
+fn silu_graph(g_dtype: Option<i32>) -> Model {
+    let nodes = vec![
+        node("Sigmoid", &["g"], &["s"], vec![]),
+        node("Mul", &["s", "g"], &["a"], vec![]),
+        node("Mul", &["a", "u"], &["y"], vec![]),
+    ];
+    let mut g = value("g", g_dtype.unwrap_or(F32), &[2, 5]);
+    if g_dtype.is_none() {
+        // A value whose type the load does not know.
+        g.type_ = Default::default();
+    }
+    let m = onnx::model(nodes, vec![g, value("u", F32, &[2, 5])], vec![value("y", F32, &[2, 5])], vec![]);
+    model::load_bytes(&onnx::bytes(&m), None).unwrap()
+}
+
+#[test]
+fn silu_times_up_becomes_swiglu_where_the_dtype_is_known() {
+    let (g, u) = (values(10, 5), values(10, 6));
+    let mut s = session(silu_graph(Some(F32)), true);
+    assert_eq!(s.report.fusions.applied.len(), 1, "{}", s.report.fusions.render());
+    assert_eq!(s.report.fusions.applied[0].fusion, "swiglu");
+    let out = run(&mut s, vec![("g", f32_tensor(&[2, 5], &g)), ("u", f32_tensor(&[2, 5], &u))]);
+    let want: Vec<f64> = g.iter().zip(&u).map(|(a, b)| silu_mul(*a as f64, *b as f64)).collect();
+    assert_close(&out[0], &want, 1e-6);
+
+    let s = session(silu_graph(None), true);
+    let f = &s.report.fusions;
+    assert!(f.applied.is_empty());
+    assert_eq!(f.rejected.len(), 1, "{}", f.render());
+    assert!(f.rejected[0].reason.contains("dtype of g (g) is not known at load"), "{}", f.rejected[0].reason);
+}
+
+#[test]
+fn a_package_with_a_cyclic_fusion_is_refused_at_load_with_the_fusion_named() {
+    let manifest = r#"
+abi = 1
+shim = "shim.wasm"
+[package]
+name = "hostile"
+version = "1.0.0"
+[[ops]]
+op_types = ["Relu"]
+since_opset = 6
+dtypes = ["float32"]
+max_rank = 8
+[[fusions]]
+name = "loop"
+match = [
+  { op = "Relu", inputs = ["b"], outputs = ["a"] },
+  { op = "Relu", inputs = ["a"], outputs = ["b"] },
+]
+replace = [{ op = "Relu", inputs = ["a"], outputs = ["b"] }]
+outputs = ["b"]
+"#;
+    let err = kiln_registry::Package::load_files("hostile", &[("kernel.toml", manifest.as_bytes())]).unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains("fusion \"loop\"") && msg.contains("cycle"), "{msg}");
+}
+
+/// A package whose declared fusion is wrong: Relu(x) "fused" into Neg(x), on kiln-unary's
+/// shim.
+fn wrong_fusion_package() -> kiln_registry::Package {
+    use sha2::Digest;
+    let unary = kiln_host::packages::builtin()
+        .into_iter()
+        .flatten()
+        .find(|p| p.name() == "kiln-unary")
+        .expect("kiln-unary is built in");
+    let hash: String = sha2::Sha256::digest(&unary.shim).iter().map(|b| format!("{b:02x}")).collect();
+    let manifest = format!(
+        r#"
+abi = 1
+shim = "shim.wasm"
+[package]
+name = "wrong-fusion"
+version = "1.0.0"
+[[ops]]
+op_types = ["Abs"]
+since_opset = 6
+dtypes = ["float32"]
+max_rank = 8
+[[fusions]]
+name = "relu-as-neg"
+match = [{{ op = "Relu", inputs = ["x"], outputs = ["y"] }}]
+replace = [{{ op = "Neg", inputs = ["x"], outputs = ["y"] }}]
+outputs = ["y"]
+verify = {{ x = [4, 8] }}
+[files]
+"shim.wasm" = "{hash}"
+"#
+    );
+    kiln_registry::Package::load_files(
+        "wrong-fusion",
+        &[("kernel.toml", manifest.as_bytes()), ("shim.wasm", &unary.shim)],
+    )
+    .expect("a valid package")
+}
+
+#[test]
+fn verify_refuses_a_fused_op_that_disagrees_with_its_pattern() {
+    let (mut reg, errors) = kiln_host::packages::registry(&[]);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert!(reg.add(wrong_fusion_package(), kiln_registry::USER));
+    let rt = kiln_host::ep::Runtime::new(reg, kiln_host::sandbox::SandboxConfig::default()).unwrap();
+    let pkg = rt.registry.packages().find(|p| p.name() == "wrong-fusion").unwrap().clone();
+    let cases = kiln_host::cli::verify_fusion::fusion_cases(&rt, &pkg, Device::Cpu, 2);
+    assert_eq!(cases.len(), 2, "one float32 case per seed");
+    for c in &cases {
+        assert_eq!(c.fusion, "relu-as-neg");
+        match &c.outcome {
+            kiln_host::conformance::Outcome::Failed(m) => assert!(m.contains("max relative error"), "{m}"),
+            other => panic!("a wrong fusion must fail verification, got {other:?}"),
+        }
+        assert!(c.max_rel_error > 1.0, "Relu and Neg differ everywhere: {}", c.max_rel_error);
+    }
+    // The built-in fusions agree with the ops they replace, in every dtype they declare.
+    let rt = kiln_tests::builtin_runtime();
+    let unary = rt.registry.packages().find(|p| p.name() == "kiln-unary").unwrap().clone();
+    let cases = kiln_host::cli::verify_fusion::fusion_cases(&rt, &unary, Device::Cpu, 1);
+    let names: std::collections::BTreeSet<(&str, &str)> =
+        cases.iter().map(|c| (c.fusion.as_str(), c.dtype.as_str())).collect();
+    assert!(names.contains(&("gate-up-swiglu", "float16")) && names.contains(&("swiglu", "bfloat16")), "{names:?}");
+    for c in &cases {
+        assert!(matches!(c.outcome, kiln_host::conformance::Outcome::Passed), "{c:?}");
+        if c.dtype != "float64" {
+            // Fused rounds once, unfused after every op: a real difference, within tolerance.
+            assert!(c.max_rel_error > 0.0 && c.max_rel_error <= c.tolerance, "{c:?}");
+        }
+    }
+}
