@@ -153,20 +153,17 @@ fn silu_times_up_becomes_swiglu_where_the_dtype_is_known() {
     assert!(f.rejected[0].reason.contains("dtype of g (g) is not known at load"), "{}", f.rejected[0].reason);
 }
 
+/// A package manifest providing float32 Abs, with one `[[fusions]]` entry and a tail.
+fn manifest(name: &str, fusion: &str, tail: &str) -> String {
+    format!(
+        "abi = 1\nshim = \"shim.wasm\"\n[package]\nname = \"{name}\"\nversion = \"1.0.0\"\n[[ops]]\nop_types = [\"Abs\"]\n\
+         since_opset = 6\ndtypes = [\"float32\"]\nmax_rank = 8\n[[fusions]]{fusion}{tail}"
+    )
+}
+
 #[test]
 fn a_package_with_a_cyclic_fusion_is_refused_at_load_with_the_fusion_named() {
-    let manifest = r#"
-abi = 1
-shim = "shim.wasm"
-[package]
-name = "hostile"
-version = "1.0.0"
-[[ops]]
-op_types = ["Relu"]
-since_opset = 6
-dtypes = ["float32"]
-max_rank = 8
-[[fusions]]
+    let fusion = r#"
 name = "loop"
 match = [
   { op = "Relu", inputs = ["b"], outputs = ["a"] },
@@ -175,6 +172,7 @@ match = [
 replace = [{ op = "Relu", inputs = ["a"], outputs = ["b"] }]
 outputs = ["b"]
 "#;
+    let manifest = manifest("hostile", fusion, "");
     let err = kiln_registry::Package::load_files("hostile", &[("kernel.toml", manifest.as_bytes())]).unwrap_err();
     let msg = err.to_string();
     assert!(msg.contains("fusion \"loop\"") && msg.contains("cycle"), "{msg}");
@@ -190,28 +188,14 @@ fn wrong_fusion_package() -> kiln_registry::Package {
         .find(|p| p.name() == "kiln-unary")
         .expect("kiln-unary is built in");
     let hash: String = sha2::Sha256::digest(&unary.shim).iter().map(|b| format!("{b:02x}")).collect();
-    let manifest = format!(
-        r#"
-abi = 1
-shim = "shim.wasm"
-[package]
-name = "wrong-fusion"
-version = "1.0.0"
-[[ops]]
-op_types = ["Abs"]
-since_opset = 6
-dtypes = ["float32"]
-max_rank = 8
-[[fusions]]
+    let fusion = r#"
 name = "relu-as-neg"
-match = [{{ op = "Relu", inputs = ["x"], outputs = ["y"] }}]
-replace = [{{ op = "Neg", inputs = ["x"], outputs = ["y"] }}]
+match = [{ op = "Relu", inputs = ["x"], outputs = ["y"] }]
+replace = [{ op = "Neg", inputs = ["x"], outputs = ["y"] }]
 outputs = ["y"]
-verify = {{ x = [4, 8] }}
-[files]
-"shim.wasm" = "{hash}"
-"#
-    );
+verify = { x = [4, 8] }
+"#;
+    let manifest = manifest("wrong-fusion", fusion, &format!("[files]\n\"shim.wasm\" = \"{hash}\"\n"));
     kiln_registry::Package::load_files(
         "wrong-fusion",
         &[("kernel.toml", manifest.as_bytes()), ("shim.wasm", &unary.shim)],
