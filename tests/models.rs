@@ -388,3 +388,47 @@ fn a_skipped_output_is_not_computed_and_its_inputs_need_not_be_fed() {
     let err = s.run_with(vec![("x".into(), Feed::Host(x))], &[]).unwrap_err().to_string();
     assert!(err.contains("\"z\" was not given"), "{err}");
 }
+
+#[test]
+fn one_error_names_every_op_no_package_runs() {
+    // Conv twice, MaxPool once, then a supported Relu: the error gives the first Conv's full
+    // detail and names MaxPool (with its first node) as missing too.
+    let m = onnx::model(
+        vec![
+            node("Conv", &["x", "w"], &["c1"], vec![]),
+            node("MaxPool", &["c1"], &["p"], vec![attr_ints("kernel_shape", &[2, 2])]),
+            node("Conv", &["p", "w"], &["c2"], vec![]),
+            node("Relu", &["c2"], &["y"], vec![]),
+        ],
+        vec![value("x", 1, &[1, 1, 8, 8])],
+        vec![value("y", 1, &[-1, -1, -1, -1])],
+        vec![init_f32("w", &[1, 1, 3, 3], &[0.5; 9])],
+    );
+    let bytes = onnx::bytes(&m);
+    // `kiln inspect` lists both, with their counts, and the Relu's package.
+    let (reg, _) = packages::registry(&[]);
+    let ins = kiln_host::cli::inspect::inspect(
+        model::load_bytes(&bytes, None).unwrap(),
+        &reg,
+        kiln_host::ep::Device::Cpu,
+        None,
+        true,
+    );
+    assert_eq!(ins.unsupported_ops, 2);
+    let row = |op: &str| ins.ops.iter().find(|r| r.op == op).unwrap();
+    assert_eq!((row("ai.onnx::Conv").nodes, row("ai.onnx::Conv").package.as_deref()), (2, None));
+    assert!(row("ai.onnx::MaxPool").reason.as_deref().unwrap().contains("no kernel package runs ai.onnx::MaxPool"));
+    assert_eq!(row("ai.onnx::Relu").package.as_deref(), Some("kiln-unary@1.0.0"));
+    assert_eq!(ins.inputs[0].shape, "1 × 1 × 8 × 8");
+    let err = Session::new(runtime(&[]), model::load_bytes(&bytes, None).unwrap(), SessionOptions::default())
+        .err()
+        .expect("no package runs Conv");
+    assert!(err.is_unsupported(), "{err}");
+    let msg = err.to_string();
+    assert!(msg.starts_with("node \"Conv#0\": no kernel package runs ai.onnx::Conv"), "{msg}");
+    assert!(
+        msg.contains("no package runs these ops of the model either: ai.onnx::MaxPool (1 node, first \"MaxPool#1\")"),
+        "{msg}"
+    );
+    assert!(!msg.contains("Relu"), "Relu has a package: {msg}");
+}

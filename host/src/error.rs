@@ -17,9 +17,10 @@ pub enum Error {
     /// A valid model (or input) that uses something kiln does not support.
     #[error("unsupported: {0}")]
     Unsupported(String),
-    /// No package runs a node.
-    #[error("node {node:?}: {detail}")]
-    Unresolved { node: String, detail: Box<Unresolved> },
+    /// No package runs a node. `others`: the other ops of the model that no package runs
+    /// (op, node count, first node), so that one error names everything missing.
+    #[error("node {node:?}: {detail}{}", also_unresolved(others))]
+    Unresolved { node: String, detail: Box<Unresolved>, others: Vec<UnresolvedOp> },
     #[error("{0}")]
     Shim(Box<ShimFailure>),
     #[error(transparent)]
@@ -42,6 +43,28 @@ impl Error {
             _ => false,
         }
     }
+}
+
+/// An op of the model that no package runs: `domain::op_type`, how many nodes use it, and
+/// the first of them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct UnresolvedOp {
+    pub op: String,
+    pub nodes: usize,
+    pub first_node: String,
+}
+
+fn also_unresolved(others: &[UnresolvedOp]) -> String {
+    if others.is_empty() {
+        return String::new();
+    }
+    let list: Vec<String> = others
+        .iter()
+        .map(|o| {
+            format!("{} ({} node{}, first {:?})", o.op, o.nodes, if o.nodes == 1 { "" } else { "s" }, o.first_node)
+        })
+        .collect();
+    format!("\nno package runs these ops of the model either: {}", list.join(", "))
 }
 
 impl From<ShimFailure> for Error {

@@ -365,3 +365,41 @@ fn gpu_only_commands_name_no_missing_flag() {
         assert!(t.contains(&format!("kiln {command} needs a CUDA GPU")) && !t.contains("--device"), "{t}");
     }
 }
+
+/// `kiln inspect`: a model folder's inputs with readable shapes, each op with its package
+/// and the fusions that apply (exit 0); a model with an op no package runs names it with the
+/// reason and exits with the unsupported code.
+#[test]
+fn inspect_shows_shapes_packages_fusions_and_what_is_missing() {
+    let (dir, _) = tiny_llama_fp32();
+    let o = kiln(&["inspect", dir.to_str().unwrap(), "--device", "cpu", "--json", "-"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let doc: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON on stdout");
+    let input = doc["inputs"].as_array().unwrap().iter().find(|i| i["name"] == "input_ids").unwrap();
+    assert_eq!(input["shape"], "batch_size × sequence_length");
+    assert_eq!(input["dtype"], "int64");
+    let ops = doc["ops"].as_array().unwrap();
+    let op = |name: &str| ops.iter().find(|r| r["op"] == name).cloned();
+    assert_eq!(op("com.microsoft::GroupQueryAttention").unwrap()["package"], "kiln-attention@1.0.0");
+    // Fused: SwiGlu replaces Sigmoid·Mul·Mul in both layers.
+    assert_eq!(op("ai.kiln::SwiGlu").unwrap()["nodes"], 2);
+    assert!(op("ai.onnx::Sigmoid").is_none());
+    assert_eq!(doc["fusions"]["applied"].as_array().unwrap().len(), 2);
+    assert_eq!(doc["unsupported_ops"], 0);
+    let t = String::from_utf8_lossy(&o.stderr);
+    assert!(t.contains("every node has a package on this device"), "{t}");
+    // Unfused, the graph's own ops show.
+    let o = kiln(&["inspect", dir.to_str().unwrap(), "--device", "cpu", "--no-fuse", "--json", "-"]);
+    let doc: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(doc["ops"].as_array().unwrap().iter().any(|r| r["op"] == "ai.onnx::Sigmoid" && r["nodes"] == 2), "{doc}");
+
+    let conv = node_tests().join("test_conv_with_strides_no_padding/model.onnx");
+    let o = kiln(&["inspect", conv.to_str().unwrap(), "--device", "cpu"]);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(4), "unsupported: {t}");
+    assert!(
+        t.contains("ai.onnx::Conv") && t.contains("UNSUPPORTED") && t.contains("no kernel package runs ai.onnx::Conv"),
+        "{t}"
+    );
+    assert!(t.contains("x  ") && t.contains("1 × 1 × 7 × 5"), "readable input shape: {t}");
+}

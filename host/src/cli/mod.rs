@@ -1,11 +1,12 @@
-//! The `kiln` command line: `run`, `generate`, `kernels`, `conformance`, `verify`, `bench`,
-//! `devices`.
+//! The `kiln` command line: `run`, `generate`, `inspect`, `kernels`, `conformance`, `verify`,
+//! `bench`, `devices`.
 
 mod bench;
 mod bench_decode;
 mod conformance;
 mod exit;
 mod generate;
+pub mod inspect;
 mod kernels;
 mod output;
 mod run;
@@ -39,6 +40,9 @@ pub enum Command {
     },
     /// Generate text with an LLM in the onnxruntime-genai model folder format.
     Generate(generate::GenerateArgs),
+    /// Show a model: inputs and outputs, opsets, ops with the package that runs each here,
+    /// every op no package runs with its reason, and the fusions that apply.
+    Inspect(inspect::InspectArgs),
     /// Run ONNX backend node tests (a folder of test_* folders) and compare with their outputs.
     Conformance(conformance::ConformanceArgs),
     /// Check a package's GPU kernels against its CPU reference and ONNX's node tests.
@@ -212,6 +216,7 @@ pub fn main() -> ExitCode {
         Command::Generate(a) => generate::run(a),
         Command::Devices { json } => devices(json),
         Command::Verify(a) => verify::run(a),
+        Command::Inspect(a) => inspect::run(a),
         Command::Bench { command } => bench::run(command),
     };
     match result {

@@ -45,6 +45,7 @@ impl Session {
     /// shapes.
     pub(super) fn prepare(&mut self) -> Result<()> {
         let mut known = known_values(&self.model);
+        let mut unresolved: Vec<(String, Box<kiln_registry::Unresolved>)> = Vec::new();
         for idx in 0..self.model.graph.nodes.len() {
             let node = self.model.graph.nodes[idx].clone();
             let ins: Vec<Option<Known>> = node.inputs.iter().map(|i| i.map(|v| known[v].clone())).collect();
@@ -61,8 +62,14 @@ impl Session {
                 max_rank: rank,
                 device: caps.as_ref(),
             };
-            let res =
-                self.rt.registry.resolve(&q).map_err(|detail| Error::Unresolved { node: node.name.clone(), detail })?;
+            let res = match self.rt.registry.resolve(&q) {
+                Ok(r) => r,
+                Err(detail) => {
+                    // Go on, so that the error names every op the model is missing.
+                    unresolved.push((node.name.clone(), detail));
+                    continue;
+                }
+            };
             self.rt.module(&res.package)?;
             // Inference needs every dtype and shape, and the bytes of every value input.
             let complete = ins.iter().flatten().all(|k| k.dtype.is_some() && k.shape.is_some())
@@ -110,6 +117,30 @@ impl Session {
                 self.folded[idx] = true;
             }
         }
-        Ok(())
+        unresolved_error(unresolved)
     }
+}
+
+/// The error for the nodes no package runs (none: `Ok`): the first node's full detail, and
+/// every other missing op with its node count and first node.
+fn unresolved_error(unresolved: Vec<(String, Box<kiln_registry::Unresolved>)>) -> Result<()> {
+    let mut it = unresolved.into_iter();
+    let Some((node, detail)) = it.next() else { return Ok(()) };
+    let op_name = |d: &kiln_registry::Unresolved| {
+        let domain = if d.domain.is_empty() { "ai.onnx" } else { &d.domain };
+        format!("{domain}::{}", d.op_type)
+    };
+    let first = op_name(&detail);
+    let mut others: Vec<crate::error::UnresolvedOp> = Vec::new();
+    for (n, d) in it {
+        let op = op_name(&d);
+        if op == first {
+            continue;
+        }
+        match others.iter_mut().find(|o| o.op == op) {
+            Some(o) => o.nodes += 1,
+            None => others.push(crate::error::UnresolvedOp { op, nodes: 1, first_node: n }),
+        }
+    }
+    Err(Error::Unresolved { node, detail, others })
 }

@@ -459,8 +459,11 @@ impl Session {
             max_rank: Some(rank),
             device: caps.as_ref(),
         };
-        let res =
-            self.rt.registry.resolve(&q).map_err(|detail| Error::Unresolved { node: node.name.clone(), detail })?;
+        let res = self.rt.registry.resolve(&q).map_err(|detail| Error::Unresolved {
+            node: node.name.clone(),
+            detail,
+            others: Vec::new(),
+        })?;
         let r = Arc::new(Resolved { package_id: res.package.id(), res });
         self.resolutions.insert(key, r.clone());
         Ok(r)

@@ -1,0 +1,241 @@
+//! `kiln inspect MODEL`: what a model is and whether kiln runs it here — inputs and outputs
+//! with readable shapes, opsets, op counts with the package (name@version) that runs each op
+//! on the chosen device, every op no package runs with its reason, all at once, and the
+//! fusions that would apply. Nothing is run and no GPU memory is allocated.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use kiln_kernel_abi::DType;
+use kiln_registry::{DeviceCaps, NodeQuery, OpRegistry};
+use serde::Serialize;
+
+use crate::ep::Device;
+use crate::model::{self, Dim, Model, ValueId};
+use crate::{Error, Result};
+
+use super::{choose_device, registry, DeviceArg, FuseArgs, PackageArgs};
+
+/// Arguments of `kiln inspect`.
+#[derive(clap::Args, Debug)]
+pub struct InspectArgs {
+    /// An .onnx file, or an onnxruntime-genai model folder (its model file is inspected).
+    pub model: PathBuf,
+    /// The device whose packages are asked (`auto`: the GPU when one is usable).
+    #[arg(long, value_enum, default_value_t)]
+    pub device: DeviceArg,
+    /// Also write the inspection as JSON (`-` for stdout; the text then goes to stderr).
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    #[command(flatten)]
+    pub packages: PackageArgs,
+    #[command(flatten)]
+    pub fuse: FuseArgs,
+}
+
+/// A graph input or output.
+#[derive(Debug, Serialize)]
+pub struct Io {
+    pub name: String,
+    pub dtype: Option<String>,
+    /// `batch × 8`; `?` for an unknown dimension, `scalar` for rank 0, `unknown` rank.
+    pub shape: String,
+}
+
+/// One op of the model, with how many nodes use it and what runs it.
+#[derive(Debug, Serialize)]
+pub struct OpRow {
+    /// `domain::op_type` (`ai.onnx` for the default domain).
+    pub op: String,
+    pub opset: Option<i64>,
+    pub nodes: usize,
+    /// `name@version` of the package that runs it here, or `None`.
+    pub package: Option<String>,
+    /// Why no package runs it (every candidate's reason), when none does.
+    pub reason: Option<String>,
+    /// The first node that uses it.
+    pub first_node: String,
+}
+
+/// What `kiln inspect` finds.
+#[derive(Debug, Serialize)]
+pub struct Inspection {
+    pub model: String,
+    pub ir_version: i64,
+    pub producer: String,
+    pub device: String,
+    pub opsets: BTreeMap<String, i64>,
+    pub inputs: Vec<Io>,
+    pub outputs: Vec<Io>,
+    pub initializers: usize,
+    pub initializer_bytes: u64,
+    pub ops: Vec<OpRow>,
+    /// Nodes no package runs, by op (the count of `ops` rows without a package).
+    pub unsupported_ops: usize,
+    pub fusions: crate::trace::Fusions,
+}
+
+/// A shape as `batch × 8`.
+pub fn format_shape(dims: Option<&[Dim]>) -> String {
+    match dims {
+        None => "unknown".into(),
+        Some([]) => "scalar".into(),
+        Some(d) => d.iter().map(Dim::to_string).collect::<Vec<_>>().join(" × "),
+    }
+}
+
+fn io(m: &Model, id: ValueId) -> Io {
+    let v = &m.graph.values[id];
+    Io {
+        name: v.name.clone(),
+        dtype: v.ty.as_ref().map(|t| t.dtype.to_string()),
+        shape: format_shape(v.ty.as_ref().and_then(|t| t.dims.as_deref())),
+    }
+}
+
+/// The dtype of every value known before a run: declared types and initializers.
+fn declared_dtypes(m: &Model) -> HashMap<ValueId, DType> {
+    let g = &m.graph;
+    let mut d: HashMap<ValueId, DType> =
+        g.values.iter().enumerate().filter_map(|(i, v)| v.ty.as_ref().map(|t| (i, t.dtype))).collect();
+    d.extend(g.initializers.iter().map(|(i, t)| (*i, t.dtype)));
+    d
+}
+
+/// Inspects `m` for `device` (its caps from `caps`) with the packages of `reg`.
+pub fn inspect(mut m: Model, reg: &OpRegistry, device: Device, caps: Option<&DeviceCaps>, fuse: bool) -> Inspection {
+    let fusions = if fuse {
+        crate::fuse::Fusions { enabled: true, ..crate::fuse::fuse(&mut m, reg, caps) }
+    } else {
+        crate::fuse::Fusions::default()
+    };
+    let dtypes = declared_dtypes(&m);
+    let mut ops: Vec<OpRow> = Vec::new();
+    for n in &m.graph.nodes {
+        let domain = if n.domain.is_empty() || n.domain == "ai.onnx" { "ai.onnx" } else { n.domain.as_str() };
+        let op = format!("{domain}::{}", n.op_type);
+        if let Some(row) = ops.iter_mut().find(|r| r.op == op) {
+            row.nodes += 1;
+            continue;
+        }
+        let opset = m.opset(&n.domain);
+        let input_dtypes = n.inputs.iter().map(|i| i.and_then(|v| dtypes.get(&v).copied())).collect();
+        let (package, reason) = match opset {
+            None => (None, Some(format!("the model does not import domain {domain:?} (opset_import)"))),
+            Some(opset) => {
+                let q = NodeQuery {
+                    domain: &n.domain,
+                    op_type: &n.op_type,
+                    opset,
+                    input_dtypes,
+                    max_rank: None,
+                    device: caps,
+                };
+                match reg.resolve(&q) {
+                    Ok(r) => (Some(r.package.id()), None),
+                    Err(u) => (None, Some(u.to_string())),
+                }
+            }
+        };
+        ops.push(OpRow { op, opset, nodes: 1, package, reason, first_node: n.name.clone() });
+    }
+    ops.sort_by(|a, b| b.nodes.cmp(&a.nodes).then_with(|| a.op.cmp(&b.op)));
+    let g = &m.graph;
+    Inspection {
+        model: m.path.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
+        ir_version: m.ir_version,
+        producer: m.producer.clone(),
+        device: device.to_string(),
+        opsets: m
+            .opsets
+            .iter()
+            .map(|(d, v)| (if d.is_empty() { "ai.onnx".to_string() } else { d.clone() }, *v))
+            .collect(),
+        inputs: g.inputs.iter().map(|&i| io(&m, i)).collect(),
+        outputs: g.outputs.iter().map(|&i| io(&m, i)).collect(),
+        initializers: g.initializers.len(),
+        initializer_bytes: g.initializers.values().map(|t| t.data.len() as u64).sum(),
+        unsupported_ops: ops.iter().filter(|r| r.package.is_none()).count(),
+        ops,
+        fusions,
+    }
+}
+
+impl Inspection {
+    /// The human-readable form.
+    pub fn render(&self) -> String {
+        let mut s = format!("model: {} (IR {}, producer {:?})\n", self.model, self.ir_version, self.producer);
+        let opsets: Vec<String> = self.opsets.iter().map(|(d, v)| format!("{d} {v}")).collect();
+        s += &format!("opsets: {}\n", opsets.join(", "));
+        for (title, list) in [("inputs", &self.inputs), ("outputs", &self.outputs)] {
+            s += &format!("{title}:\n");
+            let w = list.iter().map(|i| i.name.len()).max().unwrap_or(0);
+            for i in list {
+                s += &format!("  {:<w$}  {:<8}  {}\n", i.name, i.dtype.as_deref().unwrap_or("?"), i.shape);
+            }
+        }
+        s += &format!(
+            "initializers: {} ({:.1} MB)\nops on {} ({} nodes):\n",
+            self.initializers,
+            self.initializer_bytes as f64 / 1e6,
+            self.device,
+            self.ops.iter().map(|r| r.nodes).sum::<usize>()
+        );
+        let w = self.ops.iter().map(|r| r.op.len()).max().unwrap_or(0);
+        for r in &self.ops {
+            let runs = r.package.clone().unwrap_or_else(|| "UNSUPPORTED".into());
+            s += &format!("  {:<w$}  {:>5} node{}  {runs}\n", r.op, r.nodes, if r.nodes == 1 { " " } else { "s" });
+        }
+        s += &self.fusions.render();
+        if self.unsupported_ops == 0 {
+            s += "every node has a package on this device\n";
+        } else {
+            s += &format!("{} op(s) no package runs on {}:\n", self.unsupported_ops, self.device);
+            for r in self.ops.iter().filter(|r| r.package.is_none()) {
+                let reason = r.reason.as_deref().unwrap_or("");
+                s += &format!("  {} ({} node(s), first {:?}): {}\n", r.op, r.nodes, r.first_node, reason);
+            }
+        }
+        s
+    }
+}
+
+/// The model file of `path`: the path itself, or a genai folder's model.
+fn model_file(path: &Path) -> Result<PathBuf> {
+    if !path.is_dir() {
+        return Ok(path.to_path_buf());
+    }
+    if !path.join("genai_config.json").is_file() {
+        return Err(Error::Input(format!(
+            "{} is a folder without genai_config.json: give an .onnx file or an onnxruntime-genai model folder",
+            path.display()
+        )));
+    }
+    let file = path.join("genai_config.json");
+    let text = std::fs::read_to_string(&file).map_err(|source| Error::Io { path: file.clone(), source })?;
+    let cfg = crate::genai::GenaiConfig::parse(&text).map_err(|e| Error::Input(format!("{}: {e}", file.display())))?;
+    Ok(path.join(&cfg.model.decoder.filename))
+}
+
+/// `kiln inspect`. Exit code 0 when every op has a package here, [`super::exit::UNSUPPORTED`]
+/// otherwise.
+pub fn run(a: InspectArgs) -> Result<ExitCode> {
+    super::output::check_path("--json", &a.json)?;
+    let m = model::load(&model_file(&a.model)?)?;
+    let device = choose_device(a.device)?;
+    let caps = match device {
+        Device::Cpu => None,
+        Device::Cuda(i) => crate::cuda::probe()?
+            .into_iter()
+            .find(|d| d.ordinal == i)
+            .map(|d| DeviceCaps { compute_capability: d.compute_capability, features: d.features() }),
+    };
+    let ins = inspect(m, &registry(&a.packages), device, caps.as_ref(), !a.fuse.no_fuse);
+    let human = super::output::Human::new(&[&a.json]);
+    human.print(&ins.render());
+    if let Some(p) = &a.json {
+        super::output::write_json(p, &ins)?;
+    }
+    Ok(ExitCode::from(if ins.unsupported_ops == 0 { super::exit::OK } else { super::exit::UNSUPPORTED }))
+}
