@@ -178,9 +178,8 @@ outputs = ["b"]
     assert!(msg.contains("fusion \"loop\"") && msg.contains("cycle"), "{msg}");
 }
 
-/// A package whose declared fusion is wrong: Relu(x) "fused" into Neg(x), on kiln-unary's
-/// shim.
-fn wrong_fusion_package() -> kiln_registry::Package {
+/// A package on kiln-unary's shim (float32 Abs) declaring one fusion.
+fn package_on_unary_shim(name: &str, fusion: &str) -> kiln_registry::Package {
     use sha2::Digest;
     let unary = kiln_host::packages::builtin()
         .into_iter()
@@ -188,6 +187,13 @@ fn wrong_fusion_package() -> kiln_registry::Package {
         .find(|p| p.name() == "kiln-unary")
         .expect("kiln-unary is built in");
     let hash: String = sha2::Sha256::digest(&unary.shim).iter().map(|b| format!("{b:02x}")).collect();
+    let manifest = manifest(name, fusion, &format!("[files]\n\"shim.wasm\" = \"{hash}\"\n"));
+    kiln_registry::Package::load_files(name, &[("kernel.toml", manifest.as_bytes()), ("shim.wasm", &unary.shim)])
+        .expect("a valid package")
+}
+
+/// A package whose declared fusion is wrong: Relu(x) "fused" into Neg(x).
+fn wrong_fusion_package() -> kiln_registry::Package {
     let fusion = r#"
 name = "relu-as-neg"
 match = [{ op = "Relu", inputs = ["x"], outputs = ["y"] }]
@@ -195,12 +201,7 @@ replace = [{ op = "Neg", inputs = ["x"], outputs = ["y"] }]
 outputs = ["y"]
 verify = { x = [4, 8] }
 "#;
-    let manifest = manifest("wrong-fusion", fusion, &format!("[files]\n\"shim.wasm\" = \"{hash}\"\n"));
-    kiln_registry::Package::load_files(
-        "wrong-fusion",
-        &[("kernel.toml", manifest.as_bytes()), ("shim.wasm", &unary.shim)],
-    )
-    .expect("a valid package")
+    package_on_unary_shim("wrong-fusion", fusion)
 }
 
 #[test]
@@ -234,4 +235,109 @@ fn verify_refuses_a_fused_op_that_disagrees_with_its_pattern() {
             assert!(c.max_rel_error > 0.0 && c.max_rel_error <= c.tolerance, "{c:?}");
         }
     }
+}
+
+#[test]
+fn a_pattern_input_never_binds_to_a_value_made_inside_the_match() {
+    // y = g·σ(g)·σ(g): the last Mul reads s, not an outside `u`. Fusing it as SwiGlu(g, s)
+    // would read s after removing its producer.
+    let nodes = vec![
+        node("Sigmoid", &["g"], &["s"], vec![]),
+        node("Mul", &["g", "s"], &["a"], vec![]),
+        node("Mul", &["a", "s"], &["y"], vec![]),
+    ];
+    let m = onnx::model(nodes, vec![value("g", F32, &[2, 5])], vec![value("y", F32, &[2, 5])], vec![]);
+    let mut s = session(model::load_bytes(&onnx::bytes(&m), None).unwrap(), true);
+    let f = &s.report.fusions;
+    assert!(f.applied.is_empty(), "{}", f.render());
+    assert!(f.rejected.iter().any(|r| r.reason.contains("produced inside it")), "{}", f.render());
+    let g = values(10, 7);
+    let out = run(&mut s, vec![("g", f32_tensor(&[2, 5], &g))]);
+    let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
+    let want: Vec<f64> = g.iter().map(|&x| x as f64 * sig(x as f64) * sig(x as f64)).collect();
+    assert_close(&out[0], &want, 1e-6);
+}
+
+#[test]
+fn a_broadcasting_mul_is_not_fused_into_swiglu() {
+    let nodes = vec![
+        node("Sigmoid", &["g"], &["s"], vec![]),
+        node("Mul", &["g", "s"], &["a"], vec![]),
+        node("Mul", &["a", "u"], &["y"], vec![]),
+    ];
+    let inputs = vec![value("g", F32, &[2, 5]), value("u", F32, &[5])];
+    let m = onnx::model(nodes, inputs, vec![value("y", F32, &[2, 5])], vec![]);
+    let mut s = session(model::load_bytes(&onnx::bytes(&m), None).unwrap(), true);
+    let f = &s.report.fusions;
+    assert!(f.applied.is_empty(), "{}", f.render());
+    assert!(f.rejected[0].reason.contains("shapes differ"), "{}", f.render());
+    let (g, u) = (values(10, 8), values(5, 9));
+    let out = run(&mut s, vec![("g", f32_tensor(&[2, 5], &g)), ("u", f32_tensor(&[5], &u))]);
+    let want: Vec<f64> = (0..10).map(|i| silu_mul(g[i] as f64, u[i % 5] as f64)).collect();
+    assert_close(&out[0], &want, 1e-6);
+}
+
+#[test]
+fn a_matched_node_with_attributes_the_replacement_drops_is_not_fused() {
+    // A package "fuses" LeakyRelu into Relu without taking its attributes: alpha would be lost.
+    let fusion = r#"
+name = "leaky-as-relu"
+match = [{ op = "LeakyRelu", inputs = ["x"], outputs = ["y"] }]
+replace = [{ op = "Relu", inputs = ["x"], outputs = ["y"] }]
+outputs = ["y"]
+"#;
+    let (mut reg, _) = kiln_host::packages::registry(&[]);
+    assert!(reg.add(package_on_unary_shim("leaky", fusion), kiln_registry::USER));
+    let rt = kiln_host::ep::Runtime::new(reg, kiln_host::sandbox::SandboxConfig::default()).unwrap();
+    let nodes = vec![node("LeakyRelu", &["x"], &["y"], vec![onnx::attr_float("alpha", 0.1)])];
+    let m = onnx::model(nodes, vec![value("x", F32, &[4])], vec![value("y", F32, &[4])], vec![]);
+    let m = model::load_bytes(&onnx::bytes(&m), None).unwrap();
+    let mut s = Session::new(rt, m, SessionOptions::default()).unwrap();
+    let f = &s.report.fusions;
+    assert!(f.applied.is_empty(), "{}", f.render());
+    assert!(f.rejected[0].reason.contains("attributes (alpha)"), "{}", f.render());
+    let out = run(&mut s, vec![("x", f32_tensor(&[4], &[-1.0, -0.5, 0.5, 2.0]))]);
+    assert_close(&out[0], &[-0.1, -0.05, 0.5, 2.0], 1e-6);
+}
+
+#[test]
+fn two_matches_that_would_need_each_other_are_not_both_rewritten() {
+    // Each match {Relu(p) -> r, Add(r, q) -> s} is convex alone, but its replacement (one node
+    // making r and s from p and q) makes r depend on q: with q1 = Neg(r2) and q2 = Neg(r1),
+    // rewriting both would be a cycle. The second is refused and the graph stays orderable.
+    let fusion = r#"
+name = "relu-add"
+match = [
+  { op = "Relu", inputs = ["p"], outputs = ["r"] },
+  { op = "Add", inputs = ["r", "q"], outputs = ["s"] },
+]
+replace = [{ domain = "ai.kiln", op = "AppendAttentionMask", inputs = ["p", "q"], outputs = ["s", "r"] }]
+outputs = ["r", "s"]
+"#;
+    let (mut reg, _) = kiln_host::packages::registry(&[]);
+    assert!(reg.add(package_on_unary_shim("two-outputs", fusion), kiln_registry::USER));
+    const I64: i32 = 7;
+    let nodes = vec![
+        node("Relu", &["p1"], &["r1"], vec![]),
+        node("Relu", &["p2"], &["r2"], vec![]),
+        node("Neg", &["r1"], &["q2"], vec![]),
+        node("Neg", &["r2"], &["q1"], vec![]),
+        node("Add", &["r1", "q1"], &["s1"], vec![]),
+        node("Add", &["r2", "q2"], &["s2"], vec![]),
+    ];
+    let inputs = vec![value("p1", I64, &[1, 4]), value("p2", I64, &[1, 4])];
+    let m = onnx::model(nodes, inputs, vec![value("s1", I64, &[1, 4]), value("s2", I64, &[1, 4])], vec![]);
+    let mut m = model::load_bytes(&onnx::bytes(&m), None).unwrap();
+    let f = kiln_host::fuse::fuse(&mut m, &reg, None);
+    assert_eq!(f.applied.len(), 1, "{}", f.render());
+    assert_eq!(f.rejected.len(), 1, "{}", f.render());
+    assert!(f.rejected[0].reason.contains("cycle"), "{}", f.render());
+    // Every node reads only graph inputs or values made before it.
+    let g = &m.graph;
+    let mut made: std::collections::HashSet<usize> = g.inputs.iter().copied().collect();
+    for n in &g.nodes {
+        assert!(n.inputs.iter().flatten().all(|v| made.contains(v)), "{} reads a value made later", n.name);
+        made.extend(n.outputs.iter().flatten());
+    }
+    assert_eq!(g.nodes.len(), 5, "one Relu + Add pair became one node");
 }

@@ -16,6 +16,7 @@
 //! constant = ["Wg", "Wu"]                    # must be initializers
 //! dtypes = { Wg = ["float32", "float16", "bfloat16"] }   # where known at load
 //! ranks = { Wg = 2, Wu = 2 }
+//! same_shape = [["Wg", "Wu"]]                # one shape, known at load
 //! concat = [{ output = "Wgu", inputs = ["Wg", "Wu"], axis = -1 }]   # new constants
 //! replace = [
 //!   { op = "MatMul", inputs = ["x", "Wgu"], outputs = ["gu"] },
@@ -38,6 +39,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 
 use crate::DType;
+
+/// Most elements of one `verify` input (16 Mi): verification inputs are small by design.
+pub const MAX_VERIFY_ELEMENTS: usize = 1 << 24;
 
 /// One `[[fusions]]` entry.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -65,6 +69,10 @@ pub struct Fusion {
     /// Required rank per constant variable.
     #[serde(default)]
     pub ranks: BTreeMap<String, usize>,
+    /// Groups of variables that must have one shape; a shape unknown at load rejects the
+    /// candidate (SwiGlu(g, u) does not broadcast, `Mul` does).
+    #[serde(default)]
+    pub same_shape: Vec<Vec<String>>,
     /// New constants the replacement reads: constant variables concatenated along an axis.
     #[serde(default)]
     pub concat: Vec<ConstantConcat>,
@@ -204,6 +212,14 @@ impl Fusion {
                 return at(format!("ranks: {v:?} is not a constant (ranks are checked on constants)"));
             }
         }
+        for group in &self.same_shape {
+            if group.len() < 2 {
+                return at("same_shape groups need at least two variables".into());
+            }
+            if let Some(v) = group.iter().find(|v| !inputs.contains(v.as_str()) && !defined.contains(v.as_str())) {
+                return at(format!("same_shape: {v:?} is not a pattern variable"));
+            }
+        }
         let mut available: BTreeSet<&str> = inputs.clone();
         for c in &self.concat {
             if c.inputs.len() < 2 {
@@ -245,7 +261,7 @@ impl Fusion {
                 }
             }
             for v in node.outputs.iter().filter(|v| !v.is_empty()) {
-                if inputs.contains(v.as_str()) || !replaced.insert(v) {
+                if available.contains(v.as_str()) || !replaced.insert(v) {
                     return at(format!("replace[{i}] ({}) redefines {v:?}", node.op));
                 }
             }
@@ -259,8 +275,11 @@ impl Fusion {
             if !inputs.contains(v.as_str()) {
                 return at(format!("verify: {v:?} is not a pattern input"));
             }
-            if shape.contains(&0) || shape.len() > 8 {
-                return at(format!("verify.{v}: shape {shape:?} must have 1..=8 non-zero dimensions"));
+            let elements = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+            if shape.contains(&0) || shape.len() > 8 || elements.is_none_or(|n| n > MAX_VERIFY_ELEMENTS) {
+                return at(format!(
+                    "verify.{v}: shape {shape:?} must have 1..=8 non-zero dimensions and at most {MAX_VERIFY_ELEMENTS} elements"
+                ));
             }
         }
         if !self.verify.is_empty() {
@@ -337,6 +356,9 @@ verify"#,
             (SWIGLU.replace(r#"constant = ["Wg", "Wu"]"#, r#"constant = ["Wg", "g"]"#), "not a pattern input"),
             (SWIGLU.replace(r#"outputs = ["u"]"#, r#"outputs = ["g"]"#), "defined twice"),
             (SWIGLU.replace("float16", "float17"), "unknown dtype"),
+            (SWIGLU.replace(r#"outputs = ["gu"] }"#, r#"outputs = ["Wgu"] }"#), "redefines"),
+            (SWIGLU.replace("x = [3, 8]", "x = [65536, 65536]"), "at most"),
+            (SWIGLU.replace("ranks = {", "same_shape = [[\"Wg\", \"W\"]]\nranks = {"), "same_shape"),
             (SWIGLU.replace(", Wu = [8, 6]", ""), "no shape"),
             (
                 SWIGLU.replace(

@@ -17,8 +17,12 @@ pub struct GenerateArgs {
     /// An onnxruntime-genai model folder (genai_config.json, model.onnx, tokenizer.json).
     pub model_dir: PathBuf,
     /// A prompt; repeat for a batch (right-padded).
-    #[arg(long = "prompt", required = true)]
+    #[arg(long = "prompt", required_unless_present = "prompt_files")]
     pub prompts: Vec<String>,
+    /// A file whose text is one prompt (`-`: standard input; one trailing newline is dropped);
+    /// repeat for a batch. These prompts follow the `--prompt` ones.
+    #[arg(long = "prompt-file", value_name = "FILE")]
+    pub prompt_files: Vec<PathBuf>,
     /// Apply the folder's chat template (a user message with the generation prompt).
     #[arg(long)]
     pub chat: bool,
@@ -141,12 +145,40 @@ fn sampling(a: &GenerateArgs, folder: &ModelFolder) -> Result<SamplingParams> {
     Ok(p)
 }
 
-pub fn run(a: GenerateArgs) -> Result<ExitCode> {
+/// The text of each `--prompt-file` (`-`: standard input, read once), a trailing newline
+/// dropped. Errors name the file.
+fn read_prompt_files(files: &[PathBuf]) -> Result<Vec<String>> {
+    if files.iter().filter(|f| f.as_os_str() == "-").count() > 1 {
+        return Err(Error::Input("--prompt-file -: standard input can be read only once".into()));
+    }
+    files
+        .iter()
+        .map(|f| {
+            let text = if f.as_os_str() == "-" {
+                let mut s = String::new();
+                std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)
+                    .map_err(|e| Error::Input(format!("--prompt-file -: cannot read standard input as UTF-8: {e}")))?;
+                s
+            } else {
+                std::fs::read_to_string(f).map_err(|e| Error::Input(format!("--prompt-file {}: {e}", f.display())))?
+            };
+            let text = text.strip_suffix('\n').map(|t| t.strip_suffix('\r').unwrap_or(t)).unwrap_or(&text);
+            if text.is_empty() {
+                return Err(Error::Input(format!("--prompt-file {}: the prompt is empty", f.display())));
+            }
+            Ok(text.to_string())
+        })
+        .collect()
+}
+
+pub fn run(mut a: GenerateArgs) -> Result<ExitCode> {
     super::output::check_path("--json", &a.json)?;
     super::output::check_path("--report-json", &a.report_json)?;
     if super::output::json_on_stdout(&[&a.json]) && super::output::json_on_stdout(&[&a.report_json]) {
         return Err(Error::Input("--json - and --report-json -: only one of them can go to standard output".into()));
     }
+    let files = read_prompt_files(&a.prompt_files)?;
+    a.prompts.extend(files);
     let human = super::output::Human::new(&[&a.json, &a.report_json]);
     let device = choose_device(a.device)?;
     let graphs = a.graph.mode(device)?;
@@ -202,7 +234,8 @@ pub fn run(a: GenerateArgs) -> Result<ExitCode> {
             let rest = text.strip_prefix(shown.as_str()).unwrap_or("");
             human.line(rest);
         } else {
-            human.line(&format!("[{i}] {}{text}", a.prompts[i]));
+            // A batch prints each row labelled, its prompt apart from its answer.
+            human.line(&format!("[{i}] prompt: {}\n[{i}] output: {text}", a.prompts[i]));
         }
         rows_json.push(json!({
             "prompt": a.prompts[i],

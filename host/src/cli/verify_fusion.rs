@@ -34,11 +34,13 @@ pub struct FusionCase {
     pub outcome: Outcome,
 }
 
-/// The dtypes a pattern is verified in: those its first `dtypes` constraint allows among the
-/// float types, else float32. Every pattern input takes the case's dtype.
+/// The dtypes a pattern is verified in: the float types its dtype constraint allows (that
+/// of the first pattern input with one, else of any constrained variable), else float32.
+/// Every pattern input takes the case's dtype.
 fn case_dtypes(f: &Fusion) -> Vec<DType> {
     let floats = [DType::F32, DType::F16, DType::BF16, DType::F64];
-    match f.dtypes.values().next() {
+    let constraint = f.pattern_inputs().into_iter().find_map(|v| f.dtypes.get(v)).or_else(|| f.dtypes.values().next());
+    match constraint {
         None => vec![DType::F32],
         Some(names) => floats.into_iter().filter(|d| names.iter().any(|n| n == d.name())).collect(),
     }
@@ -106,11 +108,17 @@ pub fn fusion_cases(rt: &Arc<Runtime>, pkg: &Package, device: Device, seeds: u64
             cases.push(FusionCase { outcome: Outcome::Unsupported(why), ..base });
             continue;
         }
-        for dtype in case_dtypes(f) {
+        let dtypes = case_dtypes(f);
+        if dtypes.is_empty() {
+            let why = "its dtype constraint allows no float type, the only ones verify draws".to_string();
+            cases.push(FusionCase { outcome: Outcome::Unsupported(why), ..base });
+            continue;
+        }
+        for dtype in dtypes {
             for seed in 0..seeds.max(1) {
                 let mut case =
                     FusionCase { dtype: dtype.to_string(), seed, tolerance: tolerance(dtype).0, ..base.clone() };
-                if let Err(o) = run_case(rt, f, dtype, device, &mut case) {
+                if let Err(o) = run_case(rt, &pkg.id(), f, dtype, device, &mut case) {
                     case.outcome = o;
                 }
                 cases.push(case);
@@ -122,6 +130,7 @@ pub fn fusion_cases(rt: &Arc<Runtime>, pkg: &Package, device: Device, seeds: u64
 
 fn run_case(
     rt: &Arc<Runtime>,
+    pkg_id: &str,
     f: &Fusion,
     dtype: DType,
     device: Device,
@@ -133,7 +142,7 @@ fn run_case(
         Session::new(rt.clone(), model.clone(), opts(Device::Cpu, false)).map_err(|e| outcome(&e, "unfused"))?;
     let mut fused = Session::new(rt.clone(), model, opts(device, true)).map_err(|e| outcome(&e, "fused"))?;
     let report = &fused.report.fusions;
-    if !report.applied.iter().any(|a| a.fusion == f.name) {
+    if !report.applied.iter().any(|a| a.fusion == f.name && a.package == pkg_id) {
         let why: Vec<String> = report.rejected.iter().map(|r| format!("{}: {}", r.fusion, r.reason)).collect();
         return Err(Outcome::Failed(format!(
             "the pattern does not match its own verify graph{}",

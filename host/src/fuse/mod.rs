@@ -4,14 +4,16 @@
 //! takes all come from the manifests; the replacement's ops resolve like any node.
 //!
 //! Order: patterns with more nodes first, then the declaring package by the op-resolution
-//! rule (higher precedence, then higher version); a graph node is rewritten at most once.
-//! Every structurally complete match that a constraint turns down is reported with its reason
-//! ([`crate::trace::Fusions`]).
+//! rule (higher precedence, then higher version). A graph node belongs to at most one match of
+//! a pattern; the nodes a replacement adds may be matched by patterns tried later. For each
+//! node where a pattern could start, the first structurally complete match that a constraint
+//! turns down is reported with its reason ([`crate::trace::Fusions`]); a match that a later
+//! one-by-one rewrite would turn into a cycle is reported too.
 
 mod matcher;
 mod rewrite;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use kiln_kernel_abi::fusion::Fusion;
@@ -39,10 +41,19 @@ struct Candidate<'a> {
 }
 
 /// The fusions of every package, in the order they are tried (module docs). Of two packages
-/// with the same name, only the one op resolution would prefer contributes.
+/// with the same name, only the one op resolution would prefer (higher precedence, then
+/// higher version) contributes: a newer version that drops or changes a fusion wins.
 fn candidates(registry: &OpRegistry) -> Vec<Candidate<'_>> {
+    let mut best: HashMap<&str, (u32, &_)> = HashMap::new();
+    for (p, prec) in registry.packages_with_precedence() {
+        let e = best.entry(p.name()).or_insert((prec, p.version()));
+        if (prec, p.version()) > *e {
+            *e = (prec, p.version());
+        }
+    }
     let mut all: Vec<Candidate<'_>> = registry
         .packages_with_precedence()
+        .filter(|(p, prec)| best.get(p.name()) == Some(&(*prec, p.version())))
         .flat_map(|(package, precedence)| {
             package.manifest.fusions.iter().map(move |fusion| Candidate { package, precedence, fusion })
         })
@@ -58,8 +69,10 @@ fn candidates(registry: &OpRegistry) -> Vec<Candidate<'_>> {
 }
 
 /// Rewrites every match of the registry's fusions in `model`. `device` is the GPU the
-/// replacements must run on (`None` on the CPU). Never fails: a match that cannot be rewritten
-/// is left as it is, with its reason in the result.
+/// replacements must run on (`None` on the CPU). Returns no error: a match that cannot be
+/// rewritten is left as it is, with its reason in the result. (A replacement whose op then
+/// rejects its inputs' shapes fails the session like any node: `kiln verify` is where a
+/// package proves its patterns.)
 pub fn fuse(model: &mut Model, registry: &OpRegistry, device: Option<&DeviceCaps>) -> Fusions {
     let mut report = Fusions::default();
     for c in candidates(registry) {
@@ -103,18 +116,31 @@ pub fn fuse(model: &mut Model, registry: &OpRegistry, device: Option<&DeviceCaps
         if accepted.is_empty() {
             continue;
         }
+        // Each match is convex on its own; two of them together could still need each other's
+        // outputs. Rewrite them one by one and undo one that would make a cycle.
         let mut removed = std::collections::BTreeSet::new();
         for (b, Accepted { constants, opsets }) in accepted {
-            for (domain, v) in opsets {
-                model.opsets.entry(domain).or_insert(v);
-            }
-            report.applied.push(FusionApplied {
-                fusion: c.fusion.name.clone(),
-                package: c.package.id(),
-                nodes: b.nodes.iter().map(|&i| model.graph.nodes[i].name.clone()).collect(),
-            });
+            let names: Vec<String> = b.nodes.iter().map(|&i| model.graph.nodes[i].name.clone()).collect();
+            let mark = rewrite::Mark::of(&model.graph);
             rewrite::apply(&mut model.graph, c.fusion, &b, constants);
-            removed.extend(b.nodes);
+            let mut with: std::collections::BTreeSet<usize> = removed.clone();
+            with.extend(b.nodes.iter().copied());
+            if !rewrite::acyclic(&model.graph, &with) {
+                mark.undo(&mut model.graph);
+                report.rejected.push(FusionRejected {
+                    fusion: c.fusion.name.clone(),
+                    package: c.package.id(),
+                    nodes: names,
+                    reason: "rewritten together with an earlier match of the pattern it would make a cycle".into(),
+                });
+                continue;
+            }
+            removed = with;
+            for (domain, v) in opsets {
+                let e = model.opsets.entry(domain).or_insert(v);
+                *e = (*e).max(v);
+            }
+            report.applied.push(FusionApplied { fusion: c.fusion.name.clone(), package: c.package.id(), nodes: names });
         }
         rewrite::finish(&mut model.graph, &removed);
     }
@@ -125,6 +151,16 @@ pub fn fuse(model: &mut Model, registry: &OpRegistry, device: Option<&DeviceCaps
 fn known_dtype(model: &Model, v: ValueId) -> Option<DType> {
     let g = &model.graph;
     g.initializers.get(&v).map(|t| t.dtype).or_else(|| g.values[v].ty.as_ref().map(|t| t.dtype))
+}
+
+/// The shape of `v` where the load knows it fully: an initializer or a declared type.
+fn known_shape(model: &Model, v: ValueId) -> Option<Vec<usize>> {
+    let g = &model.graph;
+    if let Some(t) = g.initializers.get(&v) {
+        return Some(t.shape.clone());
+    }
+    let dims = g.values[v].ty.as_ref()?.dims.as_ref()?;
+    dims.iter().map(|d| if let crate::model::Dim::Known(n) = d { Some(*n) } else { None }).collect()
 }
 
 /// The constraints of `c` on binding `b`: what the rewrite needs, or why the match is not
@@ -160,11 +196,41 @@ fn check(
             return Err(format!("{var} ({}) is {d}, not one of [{}]", name(v), allowed.join(", ")));
         }
     }
+    // Pattern inputs come from outside the match (Mul(a, s) must not bind `u` to `s`).
+    for var in f.pattern_inputs() {
+        let v = b.vars[var];
+        if ix.producer[v].is_some_and(|p| b.nodes.contains(&p)) {
+            return Err(format!("{var} ({}) would be an input of the match but is produced inside it", name(v)));
+        }
+    }
+    for group in &f.same_shape {
+        let shapes: Vec<Option<Vec<usize>>> = group.iter().map(|var| known_shape(model, b.vars[var])).collect();
+        if let Some(i) = shapes.iter().position(Option::is_none) {
+            let v = b.vars[&group[i]];
+            return Err(format!("the shape of {} ({}) is not known at load", group[i], name(v)));
+        }
+        if shapes.windows(2).any(|w| w[0] != w[1]) {
+            let list: Vec<String> = group.iter().zip(&shapes).map(|(v, s)| format!("{v} {:?}", s.as_ref())).collect();
+            return Err(format!("shapes differ: {}", list.join(", ")));
+        }
+    }
+    // A matched node's attributes must carry over to a replacement node, else the pattern
+    // would match whatever attributes the node has.
+    for (k, &n) in b.nodes.iter().enumerate() {
+        let node = &g.nodes[n];
+        if !node.attributes.is_empty() && !f.replace.iter().any(|r| r.attributes_from == Some(k)) {
+            let names: Vec<&str> = node.attributes.iter().map(|(a, _)| a.as_str()).collect();
+            return Err(format!(
+                "node {} has attributes ({}) the replacement does not take",
+                node.name,
+                names.join(", ")
+            ));
+        }
+    }
     // Intermediates must stay inside the match.
     for node in &b.nodes {
         for v in g.nodes[*node].outputs.iter().flatten() {
-            let var = b.vars.iter().find(|(_, x)| **x == *v).map(|(k, _)| k.as_str());
-            let declared = var.is_some_and(|k| f.outputs.iter().any(|o| o == k));
+            let declared = b.vars.iter().any(|(k, x)| *x == *v && f.outputs.iter().any(|o| o == k));
             if !declared && ix.escapes(*v, &b.nodes) {
                 return Err(format!("{} is read outside the match", name(*v)));
             }

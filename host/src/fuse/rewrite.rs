@@ -129,6 +129,60 @@ pub(super) fn apply(g: &mut Graph, f: &Fusion, b: &Binding, consts: Vec<NewConst
     }
 }
 
+/// How far the graph's nodes and values reached before a rewrite, to take it back.
+pub(super) struct Mark {
+    nodes: usize,
+    values: usize,
+}
+
+impl Mark {
+    pub fn of(g: &Graph) -> Mark {
+        Mark { nodes: g.nodes.len(), values: g.values.len() }
+    }
+
+    /// Drops what was appended since the mark: nodes, values and their initializers.
+    pub fn undo(self, g: &mut Graph) {
+        g.nodes.truncate(self.nodes);
+        g.values.truncate(self.values);
+        g.initializers.retain(|v, _| *v < self.values);
+    }
+}
+
+/// Whether the nodes of `g` but those at `removed` can be ordered (no value needs itself).
+pub(super) fn acyclic(g: &Graph, removed: &BTreeSet<usize>) -> bool {
+    let live: Vec<usize> = (0..g.nodes.len()).filter(|i| !removed.contains(i)).collect();
+    let mut producer: HashMap<ValueId, usize> = HashMap::new();
+    for &i in &live {
+        for v in g.nodes[i].outputs.iter().flatten() {
+            producer.insert(*v, i);
+        }
+    }
+    let mut waiting: HashMap<usize, usize> = HashMap::new();
+    let mut readers: HashMap<usize, Vec<usize>> = HashMap::new();
+    for &i in &live {
+        let deps: BTreeSet<usize> =
+            g.nodes[i].inputs.iter().flatten().filter_map(|v| producer.get(v).copied()).collect();
+        waiting.insert(i, deps.len());
+        for d in deps {
+            readers.entry(d).or_default().push(i);
+        }
+    }
+    let mut ready: Vec<usize> = live.iter().copied().filter(|i| waiting[i] == 0).collect();
+    let mut done = 0;
+    while let Some(i) = ready.pop() {
+        done += 1;
+        for r in readers.get(&i).into_iter().flatten() {
+            if let Some(w) = waiting.get_mut(r) {
+                *w -= 1;
+                if *w == 0 {
+                    ready.push(*r);
+                }
+            }
+        }
+    }
+    done == live.len()
+}
+
 /// Removes the nodes at `removed`, the initializers nothing reads any more, and puts the
 /// nodes back in a topological order (the original order where it is one).
 pub(super) fn finish(g: &mut Graph, removed: &BTreeSet<usize>) {
@@ -144,7 +198,8 @@ pub(super) fn finish(g: &mut Graph, removed: &BTreeSet<usize>) {
 }
 
 /// Kahn's algorithm, taking the lowest current index among the ready nodes. A graph with a
-/// cycle keeps its order (the matcher never makes one: matches are convex).
+/// cycle keeps its order (`fuse` never makes one: each match is convex and each rewrite is
+/// checked with [`acyclic`]).
 fn sort_topologically(g: &mut Graph) {
     let n = g.nodes.len();
     let mut producer: HashMap<ValueId, usize> = HashMap::new();
