@@ -57,6 +57,7 @@ fn greedy_tokens_match_with(g: &mut Generator, folder: &str, batched: bool) {
         max_length: None,
         sampling: SamplingParams::default(),
         ignore_eos: false,
+        stop: None,
     };
     let mut prompts = Vec::new();
     for run in runs {
@@ -153,6 +154,7 @@ fn smollm2_int4_answers_the_capital_of_france_like_genai() {
         max_length: None,
         sampling: SamplingParams::default(),
         ignore_eos: false,
+        stop: None,
     };
     let out = g.generate(&[prompt], &opts, &mut |_, _| {}).unwrap();
     let text = g.folder.decode(&out.rows[0].generated_ids).unwrap();
@@ -190,8 +192,13 @@ fn device_sampled_greedy_steps_match_host_argmax() {
     assert!(g.samples_on_device());
     let prompts =
         vec![g.folder.encode("Once upon a time").unwrap(), g.folder.encode("The capital of France is").unwrap()];
-    let opts =
-        GenerateOptions { max_new_tokens: 20, max_length: None, sampling: SamplingParams::default(), ignore_eos: true };
+    let opts = GenerateOptions {
+        max_new_tokens: 20,
+        max_length: None,
+        sampling: SamplingParams::default(),
+        ignore_eos: true,
+        stop: None,
+    };
     let out = g.generate(&prompts, &opts, &mut |_, _| {}).unwrap();
     assert!(out.timings.device_sampling);
     let longest = prompts.iter().map(Vec::len).max().unwrap();
@@ -206,4 +213,30 @@ fn device_sampled_greedy_steps_match_host_argmax() {
     for (row, h) in out.rows.iter().zip(&host) {
         assert_eq!(&row.generated_ids, h);
     }
+}
+
+#[test]
+fn a_set_stop_flag_ends_the_generation_with_the_tokens_so_far() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static STOP: AtomicBool = AtomicBool::new(false);
+    let mut g = generator("tiny-llama-v512-fp32-cpu");
+    let prompt = g.folder.encode("Once upon a time").unwrap();
+    let opts = GenerateOptions {
+        max_new_tokens: 32,
+        max_length: None,
+        sampling: SamplingParams::default(),
+        ignore_eos: true,
+        stop: Some(&STOP),
+    };
+    let mut seen = 0;
+    let r = g
+        .generate(&[prompt], &opts, &mut |_, _| {
+            seen += 1;
+            if seen == 3 {
+                STOP.store(true, Ordering::SeqCst);
+            }
+        })
+        .unwrap();
+    assert_eq!(r.rows[0].generated_ids.len(), 3);
+    assert_eq!(r.rows[0].stopped_by, kiln_host::genai::StopReason::Interrupted);
 }

@@ -194,6 +194,7 @@ fn greedy(g: &mut kiln_host::genai::Generator, prompts: &[Vec<i64>], new: usize)
         max_length: None,
         sampling: SamplingParams::default(),
         ignore_eos: true,
+        stop: None,
     };
     g.generate(prompts, &opts, &mut |_, _| {}).unwrap()
 }

@@ -216,7 +216,9 @@ fn generate_streams_text_and_writes_json_like_genai() {
         doc["rows"][0]["generated_ids"].as_array().unwrap()[..8],
         run["generated_token_ids"].as_array().unwrap()[..8]
     );
-    assert!(String::from_utf8_lossy(&o.stderr).contains("[1] The cat"), "{}", text(&o));
+    // A batch prints each row labelled, prompt and answer apart.
+    let t = String::from_utf8_lossy(&o.stderr);
+    assert!(t.contains("[0] prompt: Once upon a time\n[0] output: ") && t.contains("[1] prompt: The cat\n"), "{t}");
     // Bad arguments.
     let o = kiln(&["generate", dir.to_str().unwrap(), "--prompt", "x", "--top-p", "2"]);
     assert!(!o.status.success() && text(&o).contains("--top-p"), "{}", text(&o));
@@ -402,4 +404,86 @@ fn inspect_shows_shapes_packages_fusions_and_what_is_missing() {
         "{t}"
     );
     assert!(t.contains("x  ") && t.contains("1 × 1 × 7 × 5"), "readable input shape: {t}");
+}
+
+/// `kiln chat`: each stdin line is a turn; a greedy first answer is what `generate --chat`
+/// gives for the same message; `/reset` starts over (the same answer again); a conversation
+/// over `--max-length` drops its oldest turn and says so; `/exit` ends with 0.
+#[test]
+fn chat_answers_turn_by_turn_resets_and_keeps_within_the_context() {
+    use std::io::Write;
+    let (dir, _) = tiny_llama_fp32();
+    let d = dir.to_str().unwrap();
+    let chat = |stdin: &str, extra: &[&str]| {
+        let mut args = vec!["chat", d, "--max-new-tokens", "8", "--greedy"];
+        args.extend_from_slice(extra);
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(&args)
+            .current_dir(root())
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
+        child.wait_with_output().unwrap()
+    };
+    let g = kiln(&["generate", d, "--chat", "--prompt", "Hello", "--max-new-tokens", "8", "--greedy"]);
+    assert!(g.status.success(), "{}", text(&g));
+    let answer = String::from_utf8_lossy(&g.stdout).trim_end().to_string();
+    assert!(!answer.is_empty());
+
+    let o = chat("Hello\n/reset\nHello\n/exit\nnot read\n", &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let answers: Vec<&str> = out.lines().collect();
+    assert_eq!(answers, vec![answer.as_str(), answer.as_str()], "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("kiln: history cleared"), "{}", text(&o));
+
+    let o = chat("Hi\nHey\nYo\n", &["--max-length", "70", "--system", "Be brief."]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert_eq!(String::from_utf8_lossy(&o.stdout).lines().count(), 3, "{}", text(&o));
+    assert!(text(&o).contains("kiln: dropped the oldest 2 message(s) to stay within 70 tokens"), "{}", text(&o));
+
+    // A turn that cannot fit is refused and the chat goes on.
+    let long = "word ".repeat(40);
+    let o = chat(&format!("{long}\nHi\n"), &["--max-length", "70"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(text(&o).contains("with --max-new-tokens the conversation may have at most 62"), "{}", text(&o));
+    assert_eq!(String::from_utf8_lossy(&o.stdout).lines().count(), 1, "{}", text(&o));
+}
+
+/// `--prompt-file`: a file's text (or stdin's, with `-`) is a prompt, the same as `--prompt`.
+#[test]
+fn prompts_come_from_files_and_stdin_too() {
+    use std::io::Write;
+    let (dir, _) = tiny_llama_fp32();
+    let d = dir.to_str().unwrap();
+    let base = ["generate", d, "--max-new-tokens", "6", "--greedy", "--json", "-"];
+    let ids = |o: &Output, row: usize| {
+        assert!(o.status.success(), "{}", text(o));
+        let doc: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        doc["rows"][row]["generated_ids"].clone()
+    };
+    let mut args = base.to_vec();
+    args.extend(["--prompt", "Once upon a time"]);
+    let want = ids(&kiln(&args), 0);
+    let f = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(f.path(), "Once upon a time\n").unwrap();
+    let mut args = base.to_vec();
+    args.extend(["--prompt", "The cat", "--prompt-file", f.path().to_str().unwrap()]);
+    assert_eq!(ids(&kiln(&args), 1), want, "the file's prompt follows the --prompt ones");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(base.iter().chain(&["--prompt-file", "-"]))
+        .current_dir(root())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"Once upon a time\n").unwrap();
+    assert_eq!(ids(&child.wait_with_output().unwrap(), 0), want);
+    let o = kiln(&["generate", d, "--prompt-file", "/nonexistent/p.txt"]);
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+    assert!(text(&o).contains("--prompt-file /nonexistent/p.txt"), "{}", text(&o));
 }

@@ -91,6 +91,7 @@ fn run_once(g: &mut Generator, prompts: &[Vec<i64>], new_tokens: usize, max_leng
         max_length: Some(max_length),
         sampling: SamplingParams::default(),
         ignore_eos: true,
+        stop: None,
     };
     let t = g.generate(prompts, &opts, &mut |_, _| {})?.timings;
     Ok(Run {

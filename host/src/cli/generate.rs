@@ -31,24 +31,8 @@ pub struct GenerateArgs {
     /// Longest sequence (prompt + generated); overrides genai_config.json's search.max_length.
     #[arg(long)]
     pub max_length: Option<usize>,
-    /// Always take the most likely token (the default unless the config says do_sample).
-    #[arg(long, conflicts_with_all = ["temperature", "top_k", "top_p", "seed"])]
-    pub greedy: bool,
-    /// Sample with this temperature (> 0); 0 is greedy.
-    #[arg(long, allow_negative_numbers = true)]
-    pub temperature: Option<f32>,
-    /// Sample among the k most likely tokens (0: all).
-    #[arg(long)]
-    pub top_k: Option<usize>,
-    /// Sample from the smallest set of tokens whose probability reaches p.
-    #[arg(long, allow_negative_numbers = true)]
-    pub top_p: Option<f32>,
-    /// Seed of the sampler (random when not given; printed whenever the run samples).
-    #[arg(long)]
-    pub seed: Option<u64>,
-    /// Penalty for tokens already in the sequence (1.0: none).
-    #[arg(long, allow_negative_numbers = true)]
-    pub repetition_penalty: Option<f32>,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     #[arg(long, value_enum, default_value_t)]
     pub device: DeviceArg,
     /// Write prompt ids, generated ids, text and timings as JSON.
@@ -69,6 +53,29 @@ pub struct GenerateArgs {
     pub fuse: FuseArgs,
 }
 
+/// The sampling flags of `generate` and `chat`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SamplingArgs {
+    /// Always take the most likely token (the default unless the config says do_sample).
+    #[arg(long, conflicts_with_all = ["temperature", "top_k", "top_p", "seed"])]
+    pub greedy: bool,
+    /// Sample with this temperature (> 0); 0 is greedy.
+    #[arg(long, allow_negative_numbers = true)]
+    pub temperature: Option<f32>,
+    /// Sample among the k most likely tokens (0: all).
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Sample from the smallest set of tokens whose probability reaches p.
+    #[arg(long, allow_negative_numbers = true)]
+    pub top_p: Option<f32>,
+    /// Seed of the sampler (random when not given; printed whenever the run samples).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Penalty for tokens already in the sequence (1.0: none).
+    #[arg(long, allow_negative_numbers = true)]
+    pub repetition_penalty: Option<f32>,
+}
+
 /// The sampling parameters of a run, explicit about what the flags imply:
 /// - `--temperature 0` is greedy (as llama.cpp and OpenAI have it); `--temperature T > 0`
 ///   samples;
@@ -78,7 +85,7 @@ pub struct GenerateArgs {
 /// - the seed is random unless given, and is printed whenever the run samples.
 ///
 /// Errors name the bad flag and its value.
-fn sampling(a: &GenerateArgs, folder: &ModelFolder) -> Result<SamplingParams> {
+pub(super) fn sampling(a: &SamplingArgs, folder: &ModelFolder) -> Result<SamplingParams> {
     let s = &folder.config.search;
     let bad = |flag: &str, want: &str, got: f32| Err(Error::Input(format!("{flag} must be {want}, got {got}")));
     // Written so that NaN is refused too.
@@ -188,7 +195,7 @@ pub fn run(mut a: GenerateArgs) -> Result<ExitCode> {
     let folder = ModelFolder::open(&a.model_dir)?;
     // Before the session is built: a length over the context fails now, not mid-stream.
     folder.config.checked_max_length(a.max_length).map_err(|e| Error::Input(format!("--max-length: {e}")))?;
-    let params = sampling(&a, &folder)?;
+    let params = sampling(&a.sampling, &folder)?;
     let mut prompts = Vec::with_capacity(a.prompts.len());
     for p in &a.prompts {
         let text = if a.chat { folder.chat_prompt(p)? } else { p.clone() };
@@ -205,23 +212,15 @@ pub fn run(mut a: GenerateArgs) -> Result<ExitCode> {
         max_length: a.max_length,
         sampling: params,
         ignore_eos: false,
+        stop: None,
     };
     // Stream the first (or only) row as its tokens come.
     let stream = prompts.len() == 1;
-    let mut shown = String::new();
-    let mut ids0: Vec<i64> = Vec::new();
-    let tokenizer = generator.folder.tokenizer.clone();
+    let mut text0 = crate::genai::TextStream::new(generator.folder.tokenizer.clone());
     let mut on_token = |row: usize, id: i64| {
-        if !stream || row != 0 {
-            return;
-        }
-        ids0.push(id);
-        let ids: Vec<u32> = ids0.iter().map(|&i| i as u32).collect();
-        if let Ok(text) = tokenizer.decode(&ids, true) {
-            // Hold back an incomplete UTF-8 sequence (decoded as U+FFFD) until it completes.
-            if !text.ends_with('\u{FFFD}') && text.len() >= shown.len() && text.starts_with(shown.as_str()) {
-                human.print(&text[shown.len()..]);
-                shown = text;
+        if stream && row == 0 {
+            if let Some(piece) = text0.push(id) {
+                human.print(&piece);
             }
         }
     };
@@ -231,7 +230,7 @@ pub fn run(mut a: GenerateArgs) -> Result<ExitCode> {
     for (i, r) in result.rows.iter().enumerate() {
         let text = folder.decode(&r.generated_ids)?;
         if stream {
-            let rest = text.strip_prefix(shown.as_str()).unwrap_or("");
+            let rest = text.strip_prefix(text0.shown()).unwrap_or("");
             human.line(rest);
         } else {
             // A batch prints each row labelled, its prompt apart from its answer.

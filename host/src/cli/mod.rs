@@ -1,8 +1,9 @@
-//! The `kiln` command line: `run`, `generate`, `inspect`, `kernels`, `conformance`, `verify`,
+//! The `kiln` command line: `run`, `generate`, `chat`, `inspect`, `kernels`, `conformance`, `verify`,
 //! `bench`, `devices`.
 
 mod bench;
 mod bench_decode;
+mod chat;
 mod conformance;
 mod exit;
 mod generate;
@@ -40,6 +41,8 @@ pub enum Command {
     },
     /// Generate text with an LLM in the onnxruntime-genai model folder format.
     Generate(generate::GenerateArgs),
+    /// Chat with an LLM folder through its chat template: one line per turn, answers stream.
+    Chat(chat::ChatArgs),
     /// Show a model: inputs and outputs, opsets, ops with the package that runs each here,
     /// every op no package runs with its reason, and the fusions that apply.
     Inspect(inspect::InspectArgs),
@@ -214,6 +217,7 @@ pub fn main() -> ExitCode {
         Command::Kernels { command } => kernels::run(command),
         Command::Conformance(a) => conformance::run(a),
         Command::Generate(a) => generate::run(a),
+        Command::Chat(a) => chat::run(a),
         Command::Devices { json } => devices(json),
         Command::Verify(a) => verify::run(a),
         Command::Inspect(a) => inspect::run(a),

@@ -21,6 +21,19 @@ pub struct ModelFolder {
     pub kv_dtype: DType,
 }
 
+/// One message of a conversation: `role` is `system`, `user` or `assistant`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: &str, content: &str) -> ChatMessage {
+        ChatMessage { role: role.into(), content: content.into() }
+    }
+}
+
 impl ModelFolder {
     pub fn open(dir: &Path) -> Result<ModelFolder> {
         let file = |name: &str| dir.join(name);
@@ -48,6 +61,12 @@ impl ModelFolder {
 
     /// Renders a chat prompt (`user` message, generation prompt added) with the folder's template.
     pub fn chat_prompt(&self, user: &str) -> Result<String> {
+        self.render_chat(&[ChatMessage::new("user", user)])
+    }
+
+    /// The folder's chat template over `messages` (role and content each), with the generation
+    /// prompt. Errors: no chat_template.jinja, or the template fails.
+    pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String> {
         let template = self
             .chat_template
             .as_deref()
@@ -55,8 +74,12 @@ impl ModelFolder {
         let mut env = minijinja::Environment::new();
         env.add_template("chat", template).map_err(|e| Error::Input(format!("chat_template.jinja: {e}")))?;
         let tmpl = env.get_template("chat").map_err(|e| Error::Input(format!("chat_template.jinja: {e}")))?;
+        let messages: Vec<minijinja::Value> = messages
+            .iter()
+            .map(|m| minijinja::context! { role => m.role.as_str(), content => m.content.as_str() })
+            .collect();
         tmpl.render(minijinja::context! {
-            messages => vec![minijinja::context! { role => "user", content => user }],
+            messages => messages,
             add_generation_prompt => true,
             bos_token => "",
             eos_token => "",

@@ -38,6 +38,9 @@ pub struct GenerateOptions {
     pub sampling: SamplingParams,
     /// Keep generating after an end-of-sequence token (benchmarks: exactly `max_new_tokens`).
     pub ignore_eos: bool,
+    /// Once set (from a SIGINT handler, for example), every row stops before the next step
+    /// with [`StopReason::Interrupted`]; the tokens so far are kept.
+    pub stop: Option<&'static std::sync::atomic::AtomicBool>,
 }
 
 /// Why a row stopped.
@@ -47,6 +50,8 @@ pub enum StopReason {
     Eos,
     MaxNewTokens,
     MaxLength,
+    /// `GenerateOptions::stop` was set.
+    Interrupted,
 }
 
 /// One prompt's result.
@@ -479,6 +484,11 @@ impl Generator {
                     stopped[b] = Some(StopReason::MaxNewTokens);
                 } else if kv.len() + 1 >= max_length {
                     stopped[b] = Some(StopReason::MaxLength);
+                }
+            }
+            if opts.stop.is_some_and(|s| s.load(std::sync::atomic::Ordering::SeqCst)) {
+                for s in stopped.iter_mut().filter(|s| s.is_none()) {
+                    *s = Some(StopReason::Interrupted);
                 }
             }
             if stopped.iter().all(Option::is_some) {

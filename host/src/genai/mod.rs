@@ -8,11 +8,13 @@ mod device_step;
 mod folder;
 mod generate;
 pub mod sampling;
+mod stream;
 
 pub use config::GenaiConfig;
 pub use device_step::KILN_DOMAIN;
-pub use folder::ModelFolder;
+pub use folder::{ChatMessage, ModelFolder};
 pub use generate::{
     bucket, i64_tensor, GenerateOptions, Generation, Generator, KvCache, RowResult, StopReason, Timings,
 };
 pub use sampling::{Sampler, SamplingParams};
+pub use stream::TextStream;
