@@ -158,7 +158,12 @@ pub fn fixture(sub: &str) -> PathBuf {
 pub fn builtin_runtime() -> std::sync::Arc<kiln_host::ep::Runtime> {
     let (reg, errors) = kiln_host::packages::registry(&[]);
     assert!(errors.is_empty(), "{errors:?}");
-    kiln_host::ep::Runtime::new(reg, kiln_host::sandbox::SandboxConfig::default()).expect("runtime")
+    // Compiled shims are cached under target/, so that only the first test compiles them.
+    let config = kiln_host::sandbox::SandboxConfig {
+        module_cache: Some(root().join("target/kiln-test-shims")),
+        ..kiln_host::sandbox::SandboxConfig::default()
+    };
+    kiln_host::ep::Runtime::new(reg, config).expect("runtime")
 }
 
 /// One step of a teacher-forced run: kiln's and onnxruntime's last-position logits.

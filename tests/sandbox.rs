@@ -359,3 +359,42 @@ fn wat_text(infer: &str) -> Vec<u8> {
     )
     .into_bytes()
 }
+
+/// The module cache: the second load of a shim comes from the cache file the first wrote
+/// (and behaves the same, sandbox limits included); a damaged cache file is compiled again
+/// and replaced.
+#[test]
+fn compiled_shims_are_cached_and_a_damaged_cache_file_is_rebuilt() {
+    let dir = tempfile::tempdir().unwrap();
+    let sb = Sandbox::new(SandboxConfig {
+        call_timeout: Duration::from_millis(300),
+        memory_limit_bytes: 16 << 20,
+        module_cache: Some(dir.path().to_path_buf()),
+        ..SandboxConfig::default()
+    })
+    .unwrap();
+    // A shim whose CPU call loops forever: the deadline must hold for a cached module too.
+    let wasm = shim(INFER_OK, "(loop (br 0)) (i32.const 0)", OK, "");
+    let files =
+        || -> Vec<std::path::PathBuf> { std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().path()).collect() };
+    for _ in 0..2 {
+        let module = sb.load(PACKAGE, &wasm, vec!["declared_kernel".into()]).expect("loads");
+        let mut inst = module.instantiate().expect("instantiates");
+        let f = inst.call(CallKind::Cpu, args()).err().expect("the loop is stopped");
+        check(&f, FailureKind::Timeout, "time limit");
+        let cached = files();
+        assert_eq!(cached.len(), 1, "one cache file: {cached:?}");
+        assert!(cached[0].extension().is_some_and(|e| e == "cwasm"));
+    }
+    let file = files().remove(0);
+    let good = std::fs::read(&file).unwrap();
+    std::fs::write(&file, b"not a compiled module").unwrap();
+    let module =
+        sb.load(PACKAGE, &wasm, vec!["declared_kernel".into()]).expect("a damaged cache file is compiled again");
+    let f = module.instantiate().unwrap().call(CallKind::Cpu, args()).err().expect("stopped");
+    check(&f, FailureKind::Timeout, "time limit");
+    assert_eq!(std::fs::read(&file).unwrap().len(), good.len(), "the damaged file is replaced");
+    // Another shim gets its own file.
+    sb.load(PACKAGE, &shim(INFER_OK, OK, OK, ""), vec![]).expect("loads");
+    assert_eq!(files().len(), 2);
+}

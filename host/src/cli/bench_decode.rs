@@ -21,7 +21,6 @@ use serde_json::json;
 
 use crate::ep::{Runtime, SessionOptions};
 use crate::genai::{GenerateOptions, Generator, ModelFolder, SamplingParams};
-use crate::sandbox::SandboxConfig;
 use crate::{Error, Result};
 
 use super::{choose_device, registry, DeviceArg, FuseArgs, GraphArgs, PackageArgs};
@@ -147,7 +146,7 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
     let graphs = a.graph.mode(device)?;
     let weight_bytes: u64 = folder.model.graph.initializers.values().map(|t| t.data.len() as u64).sum();
     let floor_ms = weight_bytes as f64 / (a.bandwidth_gbps * 1e9) * 1e3;
-    let rt = Runtime::new(registry(&a.packages), SandboxConfig::default())?;
+    let rt = Runtime::new(registry(&a.packages), super::sandbox_config())?;
     let t_setup = Instant::now();
     let mut g = Generator::new(
         rt,

@@ -11,7 +11,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::ep::{Runtime, SessionOptions};
 use crate::genai::{ChatMessage, GenerateOptions, Generator, ModelFolder, StopReason, TextStream};
-use crate::sandbox::SandboxConfig;
 use crate::{Error, Result};
 
 use super::generate::{sampling, SamplingArgs};
@@ -128,7 +127,7 @@ pub fn run(a: ChatArgs) -> Result<ExitCode> {
         )));
     }
     let params = sampling(&a.sampling, &folder)?;
-    let rt = Runtime::new(registry(&a.packages), SandboxConfig::default())?;
+    let rt = Runtime::new(registry(&a.packages), super::sandbox_config())?;
     let options = SessionOptions { device, graphs, fuse: !a.fuse.no_fuse, ..SessionOptions::default() };
     let mut generator = Generator::new(rt, folder, options)?;
     let interactive = std::io::stdin().is_terminal();

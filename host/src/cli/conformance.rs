@@ -7,7 +7,6 @@ use serde_json::json;
 
 use crate::conformance::{run_test, summary, test_dirs, Outcome};
 use crate::ep::{Runtime, SessionOptions};
-use crate::sandbox::SandboxConfig;
 use crate::{Error, Result};
 
 use super::{choose_device, registry, DeviceArg, PackageArgs};
@@ -39,7 +38,7 @@ pub fn run(a: ConformanceArgs) -> Result<ExitCode> {
     if dirs.is_empty() {
         return Err(Error::Input(format!("{}: no test folders (test_*/model.onnx) found", a.dir.display())));
     }
-    let rt = Runtime::new(registry(&a.packages), SandboxConfig::default())?;
+    let rt = Runtime::new(registry(&a.packages), super::sandbox_config())?;
     let options = SessionOptions {
         device,
         check_dispatch: a.check_dispatch,

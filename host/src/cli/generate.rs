@@ -7,7 +7,6 @@ use serde_json::json;
 
 use crate::ep::{Runtime, SessionOptions};
 use crate::genai::{GenerateOptions, Generator, ModelFolder, SamplingParams};
-use crate::sandbox::SandboxConfig;
 use crate::{Error, Result};
 
 use super::{choose_device, registry, DeviceArg, FuseArgs, GraphArgs, PackageArgs};
@@ -201,7 +200,7 @@ pub fn run(mut a: GenerateArgs) -> Result<ExitCode> {
         let text = if a.chat { folder.chat_prompt(p)? } else { p.clone() };
         prompts.push(folder.encode(&text)?);
     }
-    let rt = Runtime::new(registry(&a.packages), SandboxConfig::default())?;
+    let rt = Runtime::new(registry(&a.packages), super::sandbox_config())?;
     let mut generator = Generator::new(
         rt,
         folder,

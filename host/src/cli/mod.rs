@@ -115,6 +115,15 @@ impl GraphArgs {
     }
 }
 
+/// The sandbox of a command: defaults, with compiled shims cached in `$KILN_CACHE_DIR/shims`
+/// (default `~/.cache/kiln/shims`), so that only the first run compiles them.
+pub fn sandbox_config() -> crate::sandbox::SandboxConfig {
+    crate::sandbox::SandboxConfig {
+        module_cache: Some(crate::cuda::cache_dir().join("shims")),
+        ..crate::sandbox::SandboxConfig::default()
+    }
+}
+
 /// Picks the device: `auto` takes GPU 0 when one is usable and otherwise says it runs on the
 /// CPU; `cuda` without a GPU is an error.
 pub fn choose_device(arg: DeviceArg) -> Result<Device> {

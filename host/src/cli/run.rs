@@ -6,7 +6,6 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use crate::ep::{Runtime, Session, SessionOptions};
-use crate::sandbox::SandboxConfig;
 use crate::tensorio::{read_tensor_file, write_npy};
 use crate::{conformance, model, Error, Result, Tensor};
 
@@ -75,7 +74,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             return Err(Error::Input(format!("--expect {name}: the model has no output {name:?}")));
         }
     }
-    let rt = Runtime::new(registry(&a.packages), SandboxConfig::default())?;
+    let rt = Runtime::new(registry(&a.packages), super::sandbox_config())?;
     let options = SessionOptions {
         device,
         device_memory_limit: a.device_memory_limit.map(|m| m << 20),

@@ -21,7 +21,6 @@ use serde_json::json;
 use crate::conformance::{int_value, run_test, test_dirs, to_f64, Outcome, TestResult};
 use crate::ep::{Device, Runtime, Session, SessionOptions};
 use crate::model::{self, Model};
-use crate::sandbox::SandboxConfig;
 use crate::tensorio::read_tensor_file;
 use crate::{Error, Result, Tensor};
 
@@ -96,7 +95,7 @@ pub fn run(mut a: VerifyArgs) -> Result<ExitCode> {
             names.join(", ")
         )));
     }
-    let rt = Runtime::new(reg, SandboxConfig::default())?;
+    let rt = Runtime::new(reg, super::sandbox_config())?;
     let options = SessionOptions { device, small_integer_nodes_on_host: false, ..SessionOptions::default() };
     let (mut tests, mut cases) = (Vec::new(), Vec::new());
     let mut all = Vec::new();

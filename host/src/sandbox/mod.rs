@@ -39,6 +39,11 @@ pub struct SandboxConfig {
     pub max_plan_steps: usize,
     /// Device limits that `launch` checks.
     pub launch_limits: LaunchLimits,
+    /// A folder for compiled shims (`Module::serialize`), keyed by the Wasm bytes and the
+    /// engine's configuration, so that a later process skips Cranelift. `None`: compile every
+    /// time. Only kiln writes there; it must not be writable by others (its files are native
+    /// code).
+    pub module_cache: Option<std::path::PathBuf>,
 }
 
 impl Default for SandboxConfig {
@@ -50,6 +55,7 @@ impl Default for SandboxConfig {
             max_scratch_bytes: 1 << 30,
             max_plan_steps: 4096,
             launch_limits: LaunchLimits::default(),
+            module_cache: None,
         }
     }
 }
@@ -150,6 +156,45 @@ impl Sandbox {
 
     pub fn config(&self) -> &SandboxConfig {
         &self.config
+    }
+
+    /// The compiled module of `wasm`: from the module cache when it holds one made by this
+    /// engine configuration, else compiled by Cranelift (and stored there). A cache file that
+    /// does not load is compiled again; a cache that cannot be written is skipped.
+    pub(super) fn compile(&self, wasm: &[u8]) -> Result<wasmtime::Module, wasmtime::Error> {
+        let Some(dir) = &self.config.module_cache else { return wasmtime::Module::from_binary(&self.engine, wasm) };
+        let path = dir.join(format!("{}.cwasm", self.cache_key(wasm)));
+        if path.is_file() {
+            // SAFETY: the file is one this host wrote with `Module::serialize` into kiln's own
+            // cache folder, named by the hash of the Wasm bytes and of the engine's
+            // compatibility hash; wasmtime checks its header and refuses a file of another
+            // engine version or configuration (then it is compiled again).
+            if let Ok(m) = unsafe { wasmtime::Module::deserialize_file(&self.engine, &path) } {
+                return Ok(m);
+            }
+        }
+        let module = wasmtime::Module::from_binary(&self.engine, wasm)?;
+        if let Ok(bytes) = module.serialize() {
+            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+            let stored = std::fs::create_dir_all(dir).and_then(|_| std::fs::write(&tmp, &bytes));
+            if stored.and_then(|_| std::fs::rename(&tmp, &path)).is_err() {
+                let _ = std::fs::remove_file(&tmp);
+            }
+        }
+        Ok(module)
+    }
+
+    /// sha256 of the Wasm bytes, the engine's compatibility hash and kiln's version, hex.
+    fn cache_key(&self, wasm: &[u8]) -> String {
+        use sha2::{Digest, Sha256};
+        use std::hash::{Hash, Hasher};
+        let mut engine = std::collections::hash_map::DefaultHasher::new();
+        self.engine.precompile_compatibility_hash().hash(&mut engine);
+        let mut h = Sha256::new();
+        h.update(wasm);
+        h.update(engine.finish().to_le_bytes());
+        h.update(env!("CARGO_PKG_VERSION").as_bytes());
+        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
     }
 
     /// Compiles and validates a shim. `package` (`name@version`) names it in errors;

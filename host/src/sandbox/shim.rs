@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use kiln_kernel_abi::wire::{Attribute, NodeCall, TensorDesc, NO_HANDLE};
 use kiln_kernel_abi::{exports, imports as imp, status, DType, ABI_VERSION, IMPORT_MODULE};
-use wasmtime::{ExternType, Instance, InstancePre, Memory, Module, Store, TypedFunc, ValType};
+use wasmtime::{ExternType, Instance, InstancePre, Memory, Store, TypedFunc, ValType};
 
 use super::handles::{self, Access, HandleTable, Slot};
 use super::{FailureKind, LaunchLimits, LaunchPlan, Sandbox, ShimFailure};
@@ -158,8 +158,7 @@ impl ShimModule {
             kind: FailureKind::Module,
             reason,
         };
-        let module =
-            Module::from_binary(&sb.engine, wasm).map_err(|e| fail(format!("not a valid WebAssembly module: {e}")))?;
+        let module = sb.compile(wasm).map_err(|e| fail(format!("not a valid WebAssembly module: {e}")))?;
         let known = [imp::FAIL, imp::SET_OUTPUT, imp::READ, imp::WRITE, imp::SCRATCH, imp::LAUNCH, imp::GEMM];
         for i in module.imports() {
             if i.module() != IMPORT_MODULE || !known.contains(&i.name()) {
