@@ -341,3 +341,32 @@ outputs = ["r", "s"]
     }
     assert_eq!(g.nodes.len(), 5, "one Relu + Add pair became one node");
 }
+
+#[test]
+fn named_dimensions_count_as_the_same_size() {
+    // g and u are both [n, 5] (n symbolic): one shape, so SwiGlu(g, u) replaces the three
+    // nodes; u [5] broadcasts and is not fused.
+    let graph = |u_dims: &[i64]| {
+        let nodes = vec![
+            node("Sigmoid", &["g"], &["s"], vec![]),
+            node("Mul", &["g", "s"], &["a"], vec![]),
+            node("Mul", &["a", "u"], &["y"], vec![]),
+        ];
+        let inputs = vec![value("g", F32, &[-1, 5]), value("u", F32, u_dims)];
+        let m = onnx::model(nodes, inputs, vec![value("y", F32, &[-1, 5])], vec![]);
+        model::load_bytes(&onnx::bytes(&m), None).unwrap()
+    };
+    let mut s = session(graph(&[-1, 5]), true);
+    assert_eq!(s.report.fusions.applied.len(), 1, "{}", s.report.fusions.render());
+    let (g, u) = (values(15, 10), values(15, 11));
+    let out = run(&mut s, vec![("g", f32_tensor(&[3, 5], &g)), ("u", f32_tensor(&[3, 5], &u))]);
+    let want: Vec<f64> = g.iter().zip(&u).map(|(a, b)| silu_mul(*a as f64, *b as f64)).collect();
+    assert_close(&out[0], &want, 1e-6);
+    let s = session(graph(&[5]), true);
+    assert!(s.report.fusions.applied.is_empty());
+    assert!(
+        s.report.fusions.rejected[0].reason.contains("shapes differ: g [n, 5], u [5]"),
+        "{}",
+        s.report.fusions.render()
+    );
+}

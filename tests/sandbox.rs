@@ -380,7 +380,7 @@ fn compiled_shims_are_cached_and_a_damaged_cache_file_is_rebuilt() {
     for _ in 0..2 {
         let module = sb.load(PACKAGE, &wasm, vec!["declared_kernel".into()]).expect("loads");
         let mut inst = module.instantiate().expect("instantiates");
-        let f = inst.call(CallKind::Cpu, args()).err().expect("the loop is stopped");
+        let f = inst.call(CallKind::Cpu, args()).expect_err("the loop is stopped");
         check(&f, FailureKind::Timeout, "time limit");
         let cached = files();
         assert_eq!(cached.len(), 1, "one cache file: {cached:?}");
@@ -391,7 +391,7 @@ fn compiled_shims_are_cached_and_a_damaged_cache_file_is_rebuilt() {
     std::fs::write(&file, b"not a compiled module").unwrap();
     let module =
         sb.load(PACKAGE, &wasm, vec!["declared_kernel".into()]).expect("a damaged cache file is compiled again");
-    let f = module.instantiate().unwrap().call(CallKind::Cpu, args()).err().expect("stopped");
+    let f = module.instantiate().unwrap().call(CallKind::Cpu, args()).expect_err("stopped");
     check(&f, FailureKind::Timeout, "time limit");
     assert_eq!(std::fs::read(&file).unwrap().len(), good.len(), "the damaged file is replaced");
     // Another shim gets its own file.

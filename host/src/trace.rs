@@ -93,8 +93,18 @@ impl Fusions {
                 s += &format!("  {name} ({pkg}) ×{n}, first at {nodes}\n");
             }
         }
+        // Rejections grouped by fusion and reason (an LLM repeats one per layer).
+        let mut groups: Vec<(&FusionRejected, usize)> = Vec::new();
         for r in &self.rejected {
-            s += &format!("  rejected {} ({}) at {}: {}\n", r.fusion, r.package, r.nodes.join(", "), r.reason);
+            let shape = |x: &FusionRejected| x.reason.split(" (").next().unwrap_or("").to_string();
+            match groups.iter_mut().find(|(g, _)| g.fusion == r.fusion && shape(g) == shape(r)) {
+                Some((_, n)) => *n += 1,
+                None => groups.push((r, 1)),
+            }
+        }
+        for (r, n) in groups {
+            let more = if n > 1 { format!(" (×{n}, first)") } else { String::new() };
+            s += &format!("  rejected {} ({}){more} at {}: {}\n", r.fusion, r.package, r.nodes.join(", "), r.reason);
         }
         s
     }
@@ -225,7 +235,7 @@ impl Report {
         ops.sort_by_key(|(_, s)| std::cmp::Reverse(s.time_us));
         let profiled = self.ops.values().any(|s| s.gpu_us > 0.0);
         for (op, st) in ops {
-            s += &format!("  {op:<24} {:>6} nodes {:>12.3} ms", st.nodes, st.time_us as f64 / 1e3);
+            s += &format!("  {op:<34} {:>6} nodes {:>12.3} ms", st.nodes, st.time_us as f64 / 1e3);
             if profiled {
                 s += &format!(" {:>12.3} ms GPU", st.gpu_us / 1e3);
             }

@@ -449,8 +449,12 @@ fn chat_answers_turn_by_turn_resets_and_keeps_within_the_context() {
     let long = "word ".repeat(40);
     let o = chat(&format!("{long}\nHi\n"), &["--max-length", "70"]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
-    assert!(text(&o).contains("with --max-new-tokens the conversation may have at most 62"), "{}", text(&o));
+    assert!(text(&o).contains("kiln: turn skipped: with the system prompt it takes"), "{}", text(&o));
+    assert!(text(&o).contains("a prompt may take at most 62 (--max-length less --max-new-tokens)"), "{}", text(&o));
     assert_eq!(String::from_utf8_lossy(&o.stdout).lines().count(), 1, "{}", text(&o));
+    // Unknown commands are not sent to the model.
+    let o = chat("/help\n/exit\n", &[]);
+    assert!(text(&o).contains("unknown command /help") && o.stdout.is_empty(), "{}", text(&o));
 }
 
 /// `--prompt-file`: a file's text (or stdin's, with `-`) is a prompt, the same as `--prompt`.

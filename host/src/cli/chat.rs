@@ -33,6 +33,7 @@ pub struct ChatArgs {
     pub max_length: Option<usize>,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    /// Where to run: `auto` takes the GPU when one is usable, else the CPU.
     #[arg(long, value_enum, default_value_t)]
     pub device: DeviceArg,
     #[command(flatten)]
@@ -95,8 +96,8 @@ fn fit(
         // Drop the oldest user turn and its answer; the current turn is the last message.
         if skip + 2 >= history.len() {
             return Err(Error::Input(format!(
-                "this message and the system prompt take {} tokens; with --max-new-tokens the conversation may have at \
-                 most {budget}",
+                "with the system prompt it takes {} tokens, and a prompt may take at most {budget} (--max-length less \
+                 --max-new-tokens)",
                 ids.len()
             )));
         }
@@ -147,7 +148,7 @@ pub fn run(a: ChatArgs) -> Result<ExitCode> {
         let Some(line) = lines.next() else { break };
         let line = line.map_err(|e| Error::Input(format!("reading standard input: {e}")))?;
         let text = line.trim();
-        match text {
+        let text = match text {
             "" => continue,
             "/exit" | "/quit" => break,
             "/reset" => {
@@ -155,15 +156,23 @@ pub fn run(a: ChatArgs) -> Result<ExitCode> {
                 eprintln!("kiln: history cleared");
                 continue;
             }
-            _ => {}
-        }
+            t if t.starts_with("//") => &t[1..],
+            t if t.starts_with('/') => {
+                eprintln!(
+                    "kiln: unknown command {t}: the commands are /reset and /exit (start a message with // to send a \
+                     leading /)"
+                );
+                continue;
+            }
+            t => t,
+        };
         history.push(ChatMessage::new("user", text));
         let (prompt, dropped) =
             match fit(&generator.folder, a.system.as_deref(), &history, max_length - a.max_new_tokens) {
                 Ok(x) => x,
                 Err(e) => {
                     history.pop();
-                    eprintln!("kiln: {e}");
+                    eprintln!("kiln: turn skipped: {e}");
                     continue;
                 }
             };

@@ -12,11 +12,12 @@ use crate::{Error, Result};
 use super::{choose_device, registry, DeviceArg, FuseArgs, GraphArgs, PackageArgs};
 
 #[derive(clap::Args, Debug)]
+#[command(group(clap::ArgGroup::new("prompt_input").required(true).multiple(true).args(["prompts", "prompt_files"])))]
 pub struct GenerateArgs {
     /// An onnxruntime-genai model folder (genai_config.json, model.onnx, tokenizer.json).
     pub model_dir: PathBuf,
     /// A prompt; repeat for a batch (right-padded).
-    #[arg(long = "prompt", required_unless_present = "prompt_files")]
+    #[arg(long = "prompt")]
     pub prompts: Vec<String>,
     /// A file whose text is one prompt (`-`: standard input; one trailing newline is dropped);
     /// repeat for a batch. These prompts follow the `--prompt` ones.
@@ -25,6 +26,7 @@ pub struct GenerateArgs {
     /// Apply the folder's chat template (a user message with the generation prompt).
     #[arg(long)]
     pub chat: bool,
+    /// Most tokens generated per prompt.
     #[arg(long, default_value_t = 128)]
     pub max_new_tokens: usize,
     /// Longest sequence (prompt + generated); overrides genai_config.json's search.max_length.
@@ -32,9 +34,10 @@ pub struct GenerateArgs {
     pub max_length: Option<usize>,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    /// Where to run: `auto` takes the GPU when one is usable, else the CPU.
     #[arg(long, value_enum, default_value_t)]
     pub device: DeviceArg,
-    /// Write prompt ids, generated ids, text and timings as JSON.
+    /// Write prompt ids, generated ids, text and timings as JSON (`-`: standard output).
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
     #[command(flatten)]

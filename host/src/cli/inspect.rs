@@ -41,6 +41,9 @@ pub struct Io {
     pub dtype: Option<String>,
     /// `batch × 8`; `?` for an unknown dimension, `scalar` for rank 0, `unknown` rank.
     pub shape: String,
+    /// The same as a list: numbers, names of symbolic dimensions, `null` for unknown ones;
+    /// `None` when the rank is unknown.
+    pub dims: Option<Vec<serde_json::Value>>,
 }
 
 /// One op of the model, with how many nodes use it and what runs it.
@@ -91,6 +94,15 @@ fn io(m: &Model, id: ValueId) -> Io {
         name: v.name.clone(),
         dtype: v.ty.as_ref().map(|t| t.dtype.to_string()),
         shape: format_shape(v.ty.as_ref().and_then(|t| t.dims.as_deref())),
+        dims: v.ty.as_ref().and_then(|t| t.dims.as_ref()).map(|d| {
+            d.iter()
+                .map(|d| match d {
+                    Dim::Known(n) => serde_json::Value::from(*n),
+                    Dim::Symbolic(s) => serde_json::Value::from(s.as_str()),
+                    Dim::Unknown => serde_json::Value::Null,
+                })
+                .collect()
+        }),
     }
 }
 
@@ -105,6 +117,8 @@ fn declared_dtypes(m: &Model) -> HashMap<ValueId, DType> {
 
 /// Inspects `m` for `device` (its caps from `caps`) with the packages of `reg`.
 pub fn inspect(mut m: Model, reg: &OpRegistry, device: Device, caps: Option<&DeviceCaps>, fuse: bool) -> Inspection {
+    // The file's own opsets (fusion may import a domain for its replacements).
+    let file_opsets = m.opsets.clone();
     let fusions = if fuse {
         crate::fuse::Fusions { enabled: true, ..crate::fuse::fuse(&mut m, reg, caps) }
     } else {
@@ -147,8 +161,7 @@ pub fn inspect(mut m: Model, reg: &OpRegistry, device: Device, caps: Option<&Dev
         ir_version: m.ir_version,
         producer: m.producer.clone(),
         device: device.to_string(),
-        opsets: m
-            .opsets
+        opsets: file_opsets
             .iter()
             .map(|(d, v)| (if d.is_empty() { "ai.onnx".to_string() } else { d.clone() }, *v))
             .collect(),
@@ -176,7 +189,7 @@ impl Inspection {
             }
         }
         s += &format!(
-            "initializers: {} ({:.1} MB)\nops on {} ({} nodes):\n",
+            "initializers: {} ({:.1} MB)\nops on {} ({} node(s)):\n",
             self.initializers,
             self.initializer_bytes as f64 / 1e6,
             self.device,

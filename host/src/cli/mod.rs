@@ -41,7 +41,10 @@ pub enum Command {
     },
     /// Generate text with an LLM in the onnxruntime-genai model folder format.
     Generate(generate::GenerateArgs),
-    /// Chat with an LLM folder through its chat template: one line per turn, answers stream.
+    /// Chat with an LLM folder through its chat template: each line on standard input is a
+    /// turn and the answer streams. `/reset` clears the history, `/exit` (or `/quit`, or the end
+    /// of input) ends, Ctrl-C stops the answer being generated; a line starting with `//` is
+    /// sent with one `/` removed.
     Chat(chat::ChatArgs),
     /// Show a model: inputs and outputs, opsets, ops with the package that runs each here,
     /// every op no package runs with its reason, and the fusions that apply.
@@ -86,7 +89,8 @@ pub struct PackageArgs {
 #[derive(clap::Args, Debug, Clone, Copy)]
 pub struct FuseArgs {
     /// Run the model's nodes as they are: no fusion pattern (the `[[fusions]]` of the packages'
-    /// manifests) rewrites the graph at load. `--report` lists what fusion applied.
+    /// manifests) rewrites the graph at load. `kiln inspect` (and `--report` where a command
+    /// has it) lists what fusion applies.
     #[arg(long = "no-fuse")]
     pub no_fuse: bool,
 }
@@ -135,7 +139,8 @@ pub fn choose_device(arg: DeviceArg) -> Result<Device> {
             eprintln!("kiln: {}; running on the CPU (package CPU references)", missing());
             Ok(Device::Cpu)
         }
-        DeviceArg::Cuda => Err(Error::Device(format!("--device cuda: {}; use --device cpu (or auto)", missing()))),
+        // A flag's value that cannot be met is invalid input (exit 3), as `--graph on` is.
+        DeviceArg::Cuda => Err(Error::Input(format!("--device cuda: {}; use --device cpu (or auto)", missing()))),
     }
 }
 

@@ -25,6 +25,7 @@ pub struct RunArgs {
     /// Where outputs are written as NAME.npy (bfloat16 outputs as float32, which NumPy lacks).
     #[arg(long, value_name = "DIR", default_value = "kiln-out")]
     pub output_dir: PathBuf,
+    /// Where to run: `auto` takes the GPU when one is usable, else the CPU.
     #[arg(long, value_enum, default_value_t)]
     pub device: DeviceArg,
     /// Most device memory kiln may allocate, in MiB.

@@ -153,14 +153,20 @@ fn known_dtype(model: &Model, v: ValueId) -> Option<DType> {
     g.initializers.get(&v).map(|t| t.dtype).or_else(|| g.values[v].ty.as_ref().map(|t| t.dtype))
 }
 
-/// The shape of `v` where the load knows it fully: an initializer or a declared type.
-fn known_shape(model: &Model, v: ValueId) -> Option<Vec<usize>> {
+/// The shape of `v` as far as the load knows it: an initializer's, or a declared one whose
+/// every dimension is a number or a named (symbolic) dimension. Two values with the same named
+/// dimension have the same size at run time (ONNX's `dim_param`).
+fn known_shape(model: &Model, v: ValueId) -> Option<Vec<crate::model::Dim>> {
+    use crate::model::Dim;
     let g = &model.graph;
     if let Some(t) = g.initializers.get(&v) {
-        return Some(t.shape.clone());
+        return Some(t.shape.iter().map(|&n| Dim::Known(n)).collect());
     }
     let dims = g.values[v].ty.as_ref()?.dims.as_ref()?;
-    dims.iter().map(|d| if let crate::model::Dim::Known(n) = d { Some(*n) } else { None }).collect()
+    if dims.contains(&Dim::Unknown) {
+        return None;
+    }
+    Some(dims.clone())
 }
 
 /// The constraints of `c` on binding `b`: what the rewrite needs, or why the match is not
@@ -204,13 +210,18 @@ fn check(
         }
     }
     for group in &f.same_shape {
-        let shapes: Vec<Option<Vec<usize>>> = group.iter().map(|var| known_shape(model, b.vars[var])).collect();
+        let shapes: Vec<Option<Vec<crate::model::Dim>>> =
+            group.iter().map(|var| known_shape(model, b.vars[var])).collect();
         if let Some(i) = shapes.iter().position(Option::is_none) {
             let v = b.vars[&group[i]];
             return Err(format!("the shape of {} ({}) is not known at load", group[i], name(v)));
         }
         if shapes.windows(2).any(|w| w[0] != w[1]) {
-            let list: Vec<String> = group.iter().zip(&shapes).map(|(v, s)| format!("{v} {:?}", s.as_ref())).collect();
+            let list: Vec<String> = group
+                .iter()
+                .zip(&shapes)
+                .map(|(v, s)| format!("{v} {}", crate::model::format_dims(s.as_deref().unwrap_or(&[]))))
+                .collect();
             return Err(format!("shapes differ: {}", list.join(", ")));
         }
     }
