@@ -4,6 +4,8 @@
 #   tests      the GPU tests (tests/gpu.rs), all of them
 #   bench      kiln bench decode: graphs on and off at prompt 128 + 256 new tokens, batch 1 and 8;
 #              prompt 128 and 3840 at one cache size (4096 positions); a streamed kiln generate
+#   fusion     kiln bench decode with --no-fuse (graphs on, batch 1 and 8) and kiln verify of the
+#              fusing package on the GPU (each declared fusion fused against the unfused ops)
 #   sanitize   compute-sanitizer memcheck over a graph decode
 #   peers      PyTorch eager, CUDA graph and torch.compile on the same architecture
 #   profile    ncu: GPU time of every kernel of one eager decode step (batch 1 and 8)
@@ -48,6 +50,13 @@ for phase in $phases; do
       tail -40 >"$out/generate.log"
     summary+=("bench: $(grep -hE '^\| [0-9]' "$out/bench.log" | tr '\n' ' ')")
     summary+=("generate: $(grep -E 'decode .* tokens/s' "$out/generate.log")")
+    ;;
+  fusion)
+    "$KILN" bench decode "$m" --batch 1 --batch 8 --graph on --no-fuse --runs 3 --json "$work/decode-nofuse.json" 2>&1 |
+      tee "$out/fusion.log"
+    "$KILN" verify kiln-unary --device cuda --seeds 1 2>&1 | tail -12 | tee -a "$out/fusion.log"
+    summary+=("unfused: $(grep -hE '^\| [0-9]' "$out/fusion.log" | tr '\n' ' ')")
+    summary+=("$(grep -E '^verify kiln-unary' "$out/fusion.log")")
     ;;
   sanitize)
     compute-sanitizer --tool memcheck "$KILN" generate "$KILN_FIXTURES/llm/tiny-llama-v512-fp16-cuda" \
