@@ -18,6 +18,22 @@ fn node_tests() -> PathBuf {
     dir
 }
 
+/// `kiln args…` with `stdin` as its standard input.
+fn kiln_with_stdin(args: &[&str], stdin: &[u8]) -> Output {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .current_dir(root())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kiln runs");
+    child.stdin.take().expect("a piped stdin").write_all(stdin).expect("kiln reads its input");
+    child.wait_with_output().expect("kiln ends")
+}
+
 fn kiln(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).current_dir(root()).output().expect("kiln runs")
 }
@@ -411,22 +427,12 @@ fn inspect_shows_shapes_packages_fusions_and_what_is_missing() {
 /// over `--max-length` drops its oldest turn and says so; `/exit` ends with 0.
 #[test]
 fn chat_answers_turn_by_turn_resets_and_keeps_within_the_context() {
-    use std::io::Write;
     let (dir, _) = tiny_llama_fp32();
     let d = dir.to_str().unwrap();
     let chat = |stdin: &str, extra: &[&str]| {
         let mut args = vec!["chat", d, "--max-new-tokens", "8", "--greedy"];
         args.extend_from_slice(extra);
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
-            .args(&args)
-            .current_dir(root())
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        child.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
-        child.wait_with_output().unwrap()
+        kiln_with_stdin(&args, stdin.as_bytes())
     };
     let g = kiln(&["generate", d, "--chat", "--prompt", "Hello", "--max-new-tokens", "8", "--greedy"]);
     assert!(g.status.success(), "{}", text(&g));
@@ -460,7 +466,6 @@ fn chat_answers_turn_by_turn_resets_and_keeps_within_the_context() {
 /// `--prompt-file`: a file's text (or stdin's, with `-`) is a prompt, the same as `--prompt`.
 #[test]
 fn prompts_come_from_files_and_stdin_too() {
-    use std::io::Write;
     let (dir, _) = tiny_llama_fp32();
     let d = dir.to_str().unwrap();
     let base = ["generate", d, "--max-new-tokens", "6", "--greedy", "--json", "-"];
@@ -477,16 +482,8 @@ fn prompts_come_from_files_and_stdin_too() {
     let mut args = base.to_vec();
     args.extend(["--prompt", "The cat", "--prompt-file", f.path().to_str().unwrap()]);
     assert_eq!(ids(&kiln(&args), 1), want, "the file's prompt follows the --prompt ones");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(base.iter().chain(&["--prompt-file", "-"]))
-        .current_dir(root())
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(b"Once upon a time\n").unwrap();
-    assert_eq!(ids(&child.wait_with_output().unwrap(), 0), want);
+    let args: Vec<&str> = base.iter().chain(&["--prompt-file", "-"]).copied().collect();
+    assert_eq!(ids(&kiln_with_stdin(&args, b"Once upon a time\n"), 0), want);
     let o = kiln(&["generate", d, "--prompt-file", "/nonexistent/p.txt"]);
     assert_eq!(o.status.code(), Some(3), "{}", text(&o));
     assert!(text(&o).contains("--prompt-file /nonexistent/p.txt"), "{}", text(&o));
