@@ -488,3 +488,39 @@ fn prompts_come_from_files_and_stdin_too() {
     assert_eq!(o.status.code(), Some(3), "{}", text(&o));
     assert!(text(&o).contains("--prompt-file /nonexistent/p.txt"), "{}", text(&o));
 }
+
+/// `kiln bench run`: random inputs of the declared shape (`--shape` for named dimensions),
+/// percentiles in the JSON; a named dimension without `--shape` and a wrong `--shape` are clear
+/// errors.
+#[test]
+fn bench_run_times_a_model_on_random_inputs() {
+    let o = kiln(&["bench", "run", "examples/mlp/model.onnx", "--shape", "x=4x8", "--runs", "7", "--json", "-"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let doc: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(doc["runs"], 7);
+    assert_eq!(doc["inputs"]["x"], serde_json::json!([4, 8]));
+    let (p50, p90, p99, min) = (
+        doc["p50_ms"].as_f64().unwrap(),
+        doc["p90_ms"].as_f64().unwrap(),
+        doc["p99_ms"].as_f64().unwrap(),
+        doc["min_ms"].as_f64().unwrap(),
+    );
+    assert!(0.0 < min && min <= p50 && p50 <= p90 && p90 <= p99, "{doc}");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("latency ms: p50"), "{}", text(&o));
+    for (args, want) in [
+        (vec!["bench", "run", "examples/mlp/model.onnx"], "give its shape with --shape x=DIMS"),
+        (
+            vec!["bench", "run", "examples/mlp/model.onnx", "--shape", "x=4x8x2"],
+            "3 dimensions, but the input is declared [batch, 8]",
+        ),
+        (
+            vec!["bench", "run", "examples/mlp/model.onnx", "--shape", "y=4"],
+            "the model has no input \"y\"; its inputs: x",
+        ),
+        (vec!["bench", "run", "examples/mlp/model.onnx", "--shape", "x=4xb"], "expected NAME=DIMS"),
+    ] {
+        let o = kiln(&args);
+        assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+        assert!(text(&o).contains(want), "{}", text(&o));
+    }
+}

@@ -38,12 +38,15 @@ pub enum BenchCommand {
     },
     /// LLM decode speed of an onnxruntime-genai model folder (prompt, greedy new tokens).
     Decode(super::bench_decode::DecodeArgs),
+    /// Latency of whole-model runs on random inputs: p50/p90/p99, throughput.
+    Run(super::bench_run::BenchRunArgs),
 }
 
 pub fn run(cmd: BenchCommand) -> Result<ExitCode> {
     let (json, packages) = match cmd {
         BenchCommand::Ops { json, packages } => (json, packages),
         BenchCommand::Decode(a) => return super::bench_decode::run(a),
+        BenchCommand::Run(a) => return super::bench_run::run(a),
     };
     super::output::check_path("--json", &json)?;
     let human = super::output::Human::new(&[&json]);

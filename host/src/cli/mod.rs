@@ -3,6 +3,7 @@
 
 mod bench;
 mod bench_decode;
+mod bench_run;
 mod chat;
 mod conformance;
 mod exit;
