@@ -524,3 +524,21 @@ fn bench_run_times_a_model_on_random_inputs() {
         assert!(text(&o).contains(want), "{}", text(&o));
     }
 }
+
+/// `-v` logs what kiln does (model load, fusion, preparation); `-q` leaves only results and
+/// errors on the terminal.
+#[test]
+fn verbose_and_quiet_change_what_goes_to_stderr() {
+    let run = ["run", "examples/mlp/model.onnx", "--input", "x=examples/mlp/x.npy", "--device", "cpu"];
+    let o = kiln(&[&["-v"], &run[..]].concat());
+    assert!(o.status.success(), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("INFO") && err.contains("model loaded") && err.contains("session prepared"), "{err}");
+    assert!(!err.contains('\u{1b}'), "no colour codes into a pipe: {err:?}");
+    let o = kiln(&[&run[..], &["-q"]].concat());
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(o.stderr.is_empty(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("probs: float32 [3, 4]"), "{}", text(&o));
+    let o = kiln(&["-q", "-v", "devices"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+}

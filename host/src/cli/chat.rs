@@ -14,6 +14,7 @@ use crate::genai::{ChatMessage, GenerateOptions, Generator, ModelFolder, StopRea
 use crate::{Error, Result};
 
 use super::generate::{sampling, SamplingArgs};
+use super::output::note;
 use super::{choose_device, registry, DeviceArg, FuseArgs, GraphArgs, PackageArgs};
 
 /// Arguments of `kiln chat`.
@@ -133,9 +134,7 @@ pub fn run(a: ChatArgs) -> Result<ExitCode> {
     let mut generator = Generator::new(rt, folder, options)?;
     let interactive = std::io::stdin().is_terminal();
     if interactive {
-        eprintln!(
-            "kiln chat on {device}: type a message; /reset clears the history, /exit ends, Ctrl-C stops an answer"
-        );
+        note!("kiln chat on {device}: type a message; /reset clears the history, /exit ends, Ctrl-C stops an answer");
     }
     let mut history: Vec<ChatMessage> = Vec::new();
     let stdin = std::io::stdin();
@@ -153,7 +152,7 @@ pub fn run(a: ChatArgs) -> Result<ExitCode> {
             "/exit" | "/quit" => break,
             "/reset" => {
                 history.clear();
-                eprintln!("kiln: history cleared");
+                note!("kiln: history cleared");
                 continue;
             }
             t if t.starts_with("//") => &t[1..],
@@ -178,7 +177,7 @@ pub fn run(a: ChatArgs) -> Result<ExitCode> {
             };
         if dropped > 0 {
             history.drain(..dropped);
-            eprintln!("kiln: dropped the oldest {} message(s) to stay within {max_length} tokens", dropped);
+            note!("kiln: dropped the oldest {} message(s) to stay within {max_length} tokens", dropped);
         }
         let opts = GenerateOptions {
             max_new_tokens: a.max_new_tokens,
@@ -211,9 +210,9 @@ pub fn run(a: ChatArgs) -> Result<ExitCode> {
         let rest = answer.strip_prefix(stream.shown()).unwrap_or("");
         println!("{rest}");
         match row.stopped_by {
-            StopReason::Interrupted => eprintln!("kiln: stopped"),
-            StopReason::MaxNewTokens => eprintln!("kiln: the answer reached --max-new-tokens {}", a.max_new_tokens),
-            StopReason::MaxLength => eprintln!("kiln: the conversation reached {max_length} tokens"),
+            StopReason::Interrupted => note!("kiln: stopped"),
+            StopReason::MaxNewTokens => note!("kiln: the answer reached --max-new-tokens {}", a.max_new_tokens),
+            StopReason::MaxLength => note!("kiln: the conversation reached {max_length} tokens"),
             StopReason::Eos => {}
         }
         history.push(ChatMessage::new("assistant", answer.trim()));

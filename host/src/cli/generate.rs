@@ -9,6 +9,7 @@ use crate::ep::{Runtime, SessionOptions};
 use crate::genai::{GenerateOptions, Generator, ModelFolder, SamplingParams};
 use crate::{Error, Result};
 
+use super::output::note;
 use super::{choose_device, registry, DeviceArg, FuseArgs, GraphArgs, PackageArgs};
 
 #[derive(clap::Args, Debug)]
@@ -108,12 +109,12 @@ pub(super) fn sampling(a: &SamplingArgs, folder: &ModelFolder) -> Result<Samplin
     let do_sample = match a.temperature {
         _ if a.greedy => false,
         Some(t) if t == 0.0 && !implied.is_empty() => {
-            eprintln!("kiln: note: --temperature 0 is greedy: {} ignored", implied.join(", "));
+            note!("kiln: note: --temperature 0 is greedy: {} ignored", implied.join(", "));
             false
         }
         Some(t) => t > 0.0,
         None if !implied.is_empty() => {
-            eprintln!(
+            note!(
                 "kiln: note: {} without --temperature: sampling at the folder's temperature {} (--temperature 0 or \
                  --greedy for greedy)",
                 implied.join(", "),
@@ -122,7 +123,7 @@ pub(super) fn sampling(a: &SamplingArgs, folder: &ModelFolder) -> Result<Samplin
             true
         }
         None if s.do_sample && s.temperature == 0.0 => {
-            eprintln!("kiln: note: the folder's search.temperature is 0: greedy");
+            note!("kiln: note: the folder's search.temperature is 0: greedy");
             false
         }
         None => s.do_sample,
@@ -253,7 +254,7 @@ pub fn run(mut a: GenerateArgs) -> Result<ExitCode> {
         (true, false) => "graphs off, sampling on the device".to_string(),
         (false, _) => "graphs off, sampling on the host".to_string(),
     };
-    eprintln!(
+    note!(
         "kiln: {device}: time to first token {:.1} ms, prefill {:.1} tokens/s, decode {:.1} tokens/s ({} tokens in {:.1} ms; {graphs_note})",
         t.time_to_first_token_ms, t.prefill_tokens_per_s, t.decode_tokens_per_s, t.decode_tokens, t.decode_ms
     );

@@ -29,6 +29,13 @@ use crate::{Error, Result};
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    /// More log output on standard error: -v what kiln does (load, fusion, preparation,
+    /// compilation and caches), -vv more. `KILN_LOG` (a tracing filter) overrides it.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    pub verbose: u8,
+    /// Only errors, warnings and results: no notes on standard error.
+    #[arg(short, long, global = true, conflicts_with = "verbose")]
+    pub quiet: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -137,7 +144,7 @@ pub fn choose_device(arg: DeviceArg) -> Result<Device> {
         DeviceArg::Cpu => Ok(Device::Cpu),
         DeviceArg::Auto | DeviceArg::Cuda if gpus > 0 => Ok(Device::Cuda(0)),
         DeviceArg::Auto => {
-            eprintln!("kiln: {}; running on the CPU (package CPU references)", missing());
+            output::note!("kiln: {}; running on the CPU (package CPU references)", missing());
             Ok(Device::Cpu)
         }
         // A flag's value that cannot be met is invalid input (exit 3), as `--graph on` is.
@@ -225,8 +232,16 @@ fn quiet_broken_pipe() {
 pub fn main() -> ExitCode {
     quiet_broken_pipe();
     let cli = Cli::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_env("KILN_LOG").unwrap_or_else(|_| "warn".into());
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    output::set_quiet(cli.quiet);
+    let level = match (cli.quiet, cli.verbose) {
+        (true, _) => "error",
+        (_, 0) => "warn",
+        (_, 1) => "warn,kiln_host=info",
+        _ => "warn,kiln_host=debug",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KILN_LOG").unwrap_or_else(|_| level.into());
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).try_init();
     let result = match cli.command {
         Command::Run(a) => run::run(a),
         Command::Kernels { command } => kernels::run(command),

@@ -66,6 +66,28 @@ pub fn write_json(path: &Path, doc: &impl serde::Serialize) -> Result<()> {
     std::fs::write(path, text).map_err(|source| Error::Io { path: path.to_path_buf(), source })
 }
 
+/// `-q`: notes (what kiln chose, timing summaries) are not printed; errors, warnings and
+/// results are.
+static QUIET: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+pub fn set_quiet(quiet: bool) {
+    QUIET.store(quiet, std::sync::atomic::Ordering::Relaxed);
+}
+
+pub fn quiet() -> bool {
+    QUIET.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// `note!("format", args…)`: a line on standard error, unless `-q`.
+macro_rules! note {
+    ($($arg:tt)*) => {
+        if !$crate::cli::output::quiet() {
+            eprintln!($($arg)*);
+        }
+    };
+}
+pub(crate) use note;
+
 /// `say!(human, "format", args…)`: one line of human-readable text through a [`Human`].
 macro_rules! say {
     ($human:expr, $($arg:tt)*) => {

@@ -1,5 +1,6 @@
 //! `kiln run`.
 
+use super::output::note;
 use super::output::say;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -85,7 +86,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     let mut session = Session::new(rt, model, options)?;
     let prepared = t0.elapsed();
     let outputs = session.run(feeds)?;
-    eprintln!(
+    note!(
         "kiln: {} on {device}: loaded in {:.1} ms, ran in {:.1} ms",
         a.model.display(),
         prepared.as_secs_f64() * 1e3,

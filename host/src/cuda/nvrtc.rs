@@ -61,9 +61,11 @@ pub fn compile_cached(package: &str, file: &str, source: &str, arch: &str) -> Re
     let path = cache_dir().join("nvrtc").join(format!("{key}.cubin"));
     if let Ok(cubin) = std::fs::read(&path) {
         if !cubin.is_empty() {
+            tracing::debug!(package, file, "NVRTC: from the cache");
             return Ok(CompiledSource { cubin, cache_hit: true });
         }
     }
+    let started = std::time::Instant::now();
     let full = source.replace("#include \"kiln.cuh\"", PRELUDE);
     let fail = |m: String| Error::Device(format!("NVRTC: package {package}, {file}: {m}"));
     let src = CString::new(full).map_err(|_| fail("the source holds a NUL byte".into()))?;
@@ -97,6 +99,7 @@ pub fn compile_cached(package: &str, file: &str, source: &str, arch: &str) -> Re
     if cubin.is_empty() {
         return Err(fail("NVRTC produced no CUBIN".into()));
     }
+    tracing::info!(package, file, arch, ms = started.elapsed().as_millis() as u64, "NVRTC: compiled");
     if let Some(dir) = path.parent() {
         if std::fs::create_dir_all(dir).is_ok() {
             let tmp = path.with_extension(format!("tmp{}", std::process::id()));

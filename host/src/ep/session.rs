@@ -328,12 +328,20 @@ impl Session {
             Device::Cpu => None,
             Device::Cuda(ordinal) => Some(Gpu::open(ordinal, options.device_memory_limit)?),
         };
+        let started = std::time::Instant::now();
         let fusions = if options.fuse {
             let caps = gpu.as_ref().map(caps_of);
             crate::fuse::Fusions { enabled: true, ..crate::fuse::fuse(&mut model, &rt.registry, caps.as_ref()) }
         } else {
             crate::fuse::Fusions::default()
         };
+        tracing::info!(
+            applied = fusions.applied.len(),
+            rejected = fusions.rejected.len(),
+            ms = started.elapsed().as_millis() as u64,
+            "fusion{}",
+            if options.fuse { "" } else { " off (--no-fuse)" }
+        );
         let g = &model.graph;
         let mut last_use = vec![None; g.values.len()];
         for (i, n) in g.nodes.iter().enumerate() {
@@ -381,8 +389,20 @@ impl Session {
             shape_only,
             report,
         };
+        let started = std::time::Instant::now();
         s.prepare()?;
+        tracing::info!(
+            nodes = s.model.graph.nodes.len(),
+            folded = s.folded.iter().filter(|f| **f).count(),
+            ms = started.elapsed().as_millis() as u64,
+            "session prepared"
+        );
+        let started = std::time::Instant::now();
         s.upload_initializers()?;
+        if s.gpu.is_some() {
+            let bytes: u64 = s.model.graph.initializers.values().map(|t| t.data.len() as u64).sum();
+            tracing::info!(bytes, ms = started.elapsed().as_millis() as u64, "weights uploaded");
+        }
         Ok(s)
     }
 

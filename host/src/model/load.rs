@@ -18,9 +18,17 @@ pub const MAX_TENSOR_BYTES: u64 = 64 << 30;
 
 /// Loads `path`; external data is resolved against its folder.
 pub fn load(path: &Path) -> Result<Model, Error> {
+    let started = std::time::Instant::now();
     let bytes = std::fs::read(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
     let mut m = load_bytes(&bytes, path.parent().map(Path::to_path_buf).or_else(|| Some(".".into())))?;
     m.path = Some(path.to_path_buf());
+    tracing::info!(
+        path = %path.display(),
+        nodes = m.graph.nodes.len(),
+        initializers = m.graph.initializers.len(),
+        ms = started.elapsed().as_millis() as u64,
+        "model loaded"
+    );
     Ok(m)
 }
 

@@ -170,10 +170,13 @@ impl Sandbox {
             // compatibility hash; wasmtime checks its header and refuses a file of another
             // engine version or configuration (then it is compiled again).
             if let Ok(m) = unsafe { wasmtime::Module::deserialize_file(&self.engine, &path) } {
+                tracing::debug!(file = %path.display(), "shim: from the module cache");
                 return Ok(m);
             }
         }
+        let started = std::time::Instant::now();
         let module = wasmtime::Module::from_binary(&self.engine, wasm)?;
+        tracing::info!(ms = started.elapsed().as_millis() as u64, bytes = wasm.len(), "shim: compiled by Cranelift");
         if let Ok(bytes) = module.serialize() {
             let tmp = path.with_extension(format!("tmp{}", std::process::id()));
             let stored = std::fs::create_dir_all(dir).and_then(|_| std::fs::write(&tmp, &bytes));
