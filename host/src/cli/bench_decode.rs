@@ -23,7 +23,7 @@ use crate::ep::{Runtime, SessionOptions};
 use crate::genai::{GenerateOptions, Generator, ModelFolder, SamplingParams};
 use crate::{Error, Result};
 
-use super::{choose_device, registry, DeviceArg, FuseArgs, GraphArgs, PackageArgs};
+use super::{choose_device, registry, GraphArgs, ModelRunArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct DecodeArgs {
@@ -51,9 +51,6 @@ pub struct DecodeArgs {
     /// Memory bandwidth of the floor, in GB/s (H200: 4500 measured, 4800 spec).
     #[arg(long, default_value_t = 4500.0)]
     pub bandwidth_gbps: f64,
-    /// Where to run: the GPU when one is usable (auto), or cpu / cuda.
-    #[arg(long, value_enum, default_value_t)]
-    pub device: DeviceArg,
     #[command(flatten)]
     pub graph: GraphArgs,
     /// Print the session's report (per-op host time, launches, plan hits) after the runs.
@@ -67,9 +64,7 @@ pub struct DecodeArgs {
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
     #[command(flatten)]
-    pub packages: PackageArgs,
-    #[command(flatten)]
-    pub fuse: FuseArgs,
+    pub target: ModelRunArgs,
 }
 
 /// One timed run: prefill and decode wall times, decode steps, and the host time of the decode
@@ -122,7 +117,7 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
     }
     super::output::check_path("--json", &a.json)?;
     let human = super::output::Human::new(&[&a.json]);
-    let device = choose_device(a.device)?;
+    let device = choose_device(a.target.device)?;
     let folder = ModelFolder::open(&a.model_dir)?;
     let vocab = folder.config.model.vocab_size;
     if vocab == 0 {
@@ -146,12 +141,12 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
     let graphs = a.graph.mode(device)?;
     let weight_bytes: u64 = folder.model.graph.initializers.values().map(|t| t.data.len() as u64).sum();
     let floor_ms = weight_bytes as f64 / (a.bandwidth_gbps * 1e9) * 1e3;
-    let rt = Runtime::new(registry(&a.packages), super::sandbox_config())?;
+    let rt = Runtime::new(registry(&a.target.packages), super::sandbox_config())?;
     let t_setup = Instant::now();
     let mut g = Generator::new(
         rt,
         folder,
-        SessionOptions { device, graphs, fuse: !a.fuse.no_fuse, ..SessionOptions::default() },
+        SessionOptions { device, graphs, fuse: !a.target.fuse.no_fuse, ..SessionOptions::default() },
     )?;
     let setup_s = t_setup.elapsed().as_secs_f64();
     say!(

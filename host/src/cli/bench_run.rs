@@ -19,7 +19,7 @@ use crate::model::{self, Dim};
 use crate::{Error, Result, Tensor};
 
 use super::verify::{random_tensor, Range};
-use super::{choose_device, registry, DeviceArg, FuseArgs, PackageArgs};
+use super::{choose_device, registry, ModelRunArgs};
 
 /// Arguments of `kiln bench run`.
 #[derive(clap::Args, Debug)]
@@ -39,16 +39,11 @@ pub struct BenchRunArgs {
     /// Seed of the random inputs (floats uniform in [-2, 2], integers in [-5, 5], bools).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Where to run: `auto` takes the GPU when one is usable, else the CPU.
-    #[arg(long, value_enum, default_value_t)]
-    pub device: DeviceArg,
     /// Also write the numbers as JSON (`-` for stdout).
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
     #[command(flatten)]
-    pub packages: PackageArgs,
-    #[command(flatten)]
-    pub fuse: FuseArgs,
+    pub target: ModelRunArgs,
 }
 
 /// What `kiln bench run` measured. Times in milliseconds.
@@ -147,11 +142,11 @@ pub fn run(a: BenchRunArgs) -> Result<ExitCode> {
         };
         specs.push((v.name.clone(), ty.dtype, shape));
     }
-    let device = choose_device(a.device)?;
+    let device = choose_device(a.target.device)?;
     let human = super::output::Human::new(&[&a.json]);
     let t0 = Instant::now();
-    let rt = crate::ep::Runtime::new(registry(&a.packages), super::sandbox_config())?;
-    let options = SessionOptions { device, fuse: !a.fuse.no_fuse, ..SessionOptions::default() };
+    let rt = crate::ep::Runtime::new(registry(&a.target.packages), super::sandbox_config())?;
+    let options = SessionOptions { device, fuse: !a.target.fuse.no_fuse, ..SessionOptions::default() };
     let mut session = Session::new(rt, m, options)?;
     let setup_ms = t0.elapsed().as_secs_f64() * 1e3;
     let mut rng = StdRng::seed_from_u64(a.seed);

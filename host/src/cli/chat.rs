@@ -15,7 +15,7 @@ use crate::{Error, Result};
 
 use super::generate::{sampling, SamplingArgs};
 use super::output::note;
-use super::{choose_device, registry, DeviceArg, FuseArgs, GraphArgs, PackageArgs};
+use super::{choose_device, registry, GraphArgs, ModelRunArgs};
 
 /// Arguments of `kiln chat`.
 #[derive(clap::Args, Debug)]
@@ -34,15 +34,10 @@ pub struct ChatArgs {
     pub max_length: Option<usize>,
     #[command(flatten)]
     pub sampling: SamplingArgs,
-    /// Where to run: `auto` takes the GPU when one is usable, else the CPU.
-    #[arg(long, value_enum, default_value_t)]
-    pub device: DeviceArg,
     #[command(flatten)]
     pub graph: GraphArgs,
     #[command(flatten)]
-    pub packages: PackageArgs,
-    #[command(flatten)]
-    pub fuse: FuseArgs,
+    pub target: ModelRunArgs,
 }
 
 /// Set by SIGINT while an answer is generated.
@@ -108,7 +103,7 @@ fn fit(
 
 /// `kiln chat`.
 pub fn run(a: ChatArgs) -> Result<ExitCode> {
-    let device = choose_device(a.device)?;
+    let device = choose_device(a.target.device)?;
     let graphs = a.graph.mode(device)?;
     if a.max_new_tokens == 0 {
         return Err(Error::Input("--max-new-tokens must be at least 1".into()));
@@ -129,8 +124,8 @@ pub fn run(a: ChatArgs) -> Result<ExitCode> {
         )));
     }
     let params = sampling(&a.sampling, &folder)?;
-    let rt = Runtime::new(registry(&a.packages), super::sandbox_config())?;
-    let options = SessionOptions { device, graphs, fuse: !a.fuse.no_fuse, ..SessionOptions::default() };
+    let rt = Runtime::new(registry(&a.target.packages), super::sandbox_config())?;
+    let options = SessionOptions { device, graphs, fuse: !a.target.fuse.no_fuse, ..SessionOptions::default() };
     let mut generator = Generator::new(rt, folder, options)?;
     let interactive = std::io::stdin().is_terminal();
     if interactive {

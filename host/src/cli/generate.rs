@@ -10,7 +10,7 @@ use crate::genai::{GenerateOptions, Generator, ModelFolder, SamplingParams};
 use crate::{Error, Result};
 
 use super::output::note;
-use super::{choose_device, registry, DeviceArg, FuseArgs, GraphArgs, PackageArgs};
+use super::{choose_device, registry, GraphArgs, ModelRunArgs};
 
 #[derive(clap::Args, Debug)]
 #[command(group(clap::ArgGroup::new("prompt_input").required(true).multiple(true).args(["prompts", "prompt_files"])))]
@@ -35,9 +35,6 @@ pub struct GenerateArgs {
     pub max_length: Option<usize>,
     #[command(flatten)]
     pub sampling: SamplingArgs,
-    /// Where to run: `auto` takes the GPU when one is usable, else the CPU.
-    #[arg(long, value_enum, default_value_t)]
-    pub device: DeviceArg,
     /// Write prompt ids, generated ids, text and timings as JSON (`-`: standard output).
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -51,9 +48,7 @@ pub struct GenerateArgs {
     #[arg(long, value_name = "FILE")]
     pub report_json: Option<PathBuf>,
     #[command(flatten)]
-    pub packages: PackageArgs,
-    #[command(flatten)]
-    pub fuse: FuseArgs,
+    pub target: ModelRunArgs,
 }
 
 /// The sampling flags of `generate` and `chat`.
@@ -190,7 +185,7 @@ pub fn run(mut a: GenerateArgs) -> Result<ExitCode> {
     let files = read_prompt_files(&a.prompt_files)?;
     a.prompts.extend(files);
     let human = super::output::Human::new(&[&a.json, &a.report_json]);
-    let device = choose_device(a.device)?;
+    let device = choose_device(a.target.device)?;
     let graphs = a.graph.mode(device)?;
     if a.max_new_tokens == 0 {
         return Err(Error::Input("--max-new-tokens must be at least 1".into()));
@@ -204,11 +199,11 @@ pub fn run(mut a: GenerateArgs) -> Result<ExitCode> {
         let text = if a.chat { folder.chat_prompt(p)? } else { p.clone() };
         prompts.push(folder.encode(&text)?);
     }
-    let rt = Runtime::new(registry(&a.packages), super::sandbox_config())?;
+    let rt = Runtime::new(registry(&a.target.packages), super::sandbox_config())?;
     let mut generator = Generator::new(
         rt,
         folder,
-        SessionOptions { device, graphs, fuse: !a.fuse.no_fuse, ..SessionOptions::default() },
+        SessionOptions { device, graphs, fuse: !a.target.fuse.no_fuse, ..SessionOptions::default() },
     )?;
     let opts = GenerateOptions {
         max_new_tokens: a.max_new_tokens,

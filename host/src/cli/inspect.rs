@@ -15,23 +15,18 @@ use crate::ep::Device;
 use crate::model::{self, Dim, Model, ValueId};
 use crate::{Error, Result};
 
-use super::{choose_device, registry, DeviceArg, FuseArgs, PackageArgs};
+use super::{choose_device, registry, ModelRunArgs};
 
 /// Arguments of `kiln inspect`.
 #[derive(clap::Args, Debug)]
 pub struct InspectArgs {
     /// An .onnx file, or an onnxruntime-genai model folder (its model file is inspected).
     pub model: PathBuf,
-    /// The device whose packages are asked (`auto`: the GPU when one is usable).
-    #[arg(long, value_enum, default_value_t)]
-    pub device: DeviceArg,
     /// Also write the inspection as JSON (`-` for stdout; the text then goes to stderr).
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
     #[command(flatten)]
-    pub packages: PackageArgs,
-    #[command(flatten)]
-    pub fuse: FuseArgs,
+    pub target: ModelRunArgs,
 }
 
 /// A graph input or output.
@@ -236,7 +231,7 @@ fn model_file(path: &Path) -> Result<PathBuf> {
 pub fn run(a: InspectArgs) -> Result<ExitCode> {
     super::output::check_path("--json", &a.json)?;
     let m = model::load(&model_file(&a.model)?)?;
-    let device = choose_device(a.device)?;
+    let device = choose_device(a.target.device)?;
     let caps = match device {
         Device::Cpu => None,
         Device::Cuda(i) => crate::cuda::probe()?
@@ -244,7 +239,7 @@ pub fn run(a: InspectArgs) -> Result<ExitCode> {
             .find(|d| d.ordinal == i)
             .map(|d| DeviceCaps { compute_capability: d.compute_capability, features: d.features() }),
     };
-    let ins = inspect(m, &registry(&a.packages), device, caps.as_ref(), !a.fuse.no_fuse);
+    let ins = inspect(m, &registry(&a.target.packages), device, caps.as_ref(), !a.target.fuse.no_fuse);
     let human = super::output::Human::new(&[&a.json]);
     human.print(&ins.render());
     if let Some(p) = &a.json {

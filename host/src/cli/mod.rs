@@ -93,6 +93,18 @@ pub struct PackageArgs {
     pub packages: Vec<PathBuf>,
 }
 
+/// Where and with what a command runs a model: `--device`, `--packages`, `--no-fuse`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ModelRunArgs {
+    /// Where to run: `auto` takes the GPU when one is usable, else the CPU.
+    #[arg(long, value_enum, default_value_t)]
+    pub device: DeviceArg,
+    #[command(flatten)]
+    pub packages: PackageArgs,
+    #[command(flatten)]
+    pub fuse: FuseArgs,
+}
+
 /// `--no-fuse`: whether the packages' fusion patterns rewrite the model at load.
 #[derive(clap::Args, Debug, Clone, Copy)]
 pub struct FuseArgs {

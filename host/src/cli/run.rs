@@ -10,7 +10,7 @@ use crate::ep::{Runtime, Session, SessionOptions};
 use crate::tensorio::{read_tensor_file, write_npy};
 use crate::{conformance, model, Error, Result, Tensor};
 
-use super::{choose_device, registry, DeviceArg, FuseArgs, PackageArgs};
+use super::{choose_device, registry, ModelRunArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct RunArgs {
@@ -26,9 +26,6 @@ pub struct RunArgs {
     /// Where outputs are written as NAME.npy (bfloat16 outputs as float32, which NumPy lacks).
     #[arg(long, value_name = "DIR", default_value = "kiln-out")]
     pub output_dir: PathBuf,
-    /// Where to run: `auto` takes the GPU when one is usable, else the CPU.
-    #[arg(long, value_enum, default_value_t)]
-    pub device: DeviceArg,
     /// Most device memory kiln may allocate, in MiB.
     #[arg(long, value_name = "MIB")]
     pub device_memory_limit: Option<u64>,
@@ -39,9 +36,7 @@ pub struct RunArgs {
     #[arg(long, value_name = "FILE")]
     pub report_json: Option<PathBuf>,
     #[command(flatten)]
-    pub packages: PackageArgs,
-    #[command(flatten)]
-    pub fuse: FuseArgs,
+    pub target: ModelRunArgs,
 }
 
 fn name_file(arg: &str, flag: &str) -> Result<(String, PathBuf)> {
@@ -54,7 +49,7 @@ fn name_file(arg: &str, flag: &str) -> Result<(String, PathBuf)> {
 pub fn run(a: RunArgs) -> Result<ExitCode> {
     super::output::check_path("--report-json", &a.report_json)?;
     let human = super::output::Human::new(&[&a.report_json]);
-    let device = choose_device(a.device)?;
+    let device = choose_device(a.target.device)?;
     let mut feeds: Vec<(String, Tensor)> = Vec::new();
     for arg in &a.inputs {
         let (name, file) = name_file(arg, "--input")?;
@@ -76,11 +71,11 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             return Err(Error::Input(format!("--expect {name}: the model has no output {name:?}")));
         }
     }
-    let rt = Runtime::new(registry(&a.packages), super::sandbox_config())?;
+    let rt = Runtime::new(registry(&a.target.packages), super::sandbox_config())?;
     let options = SessionOptions {
         device,
         device_memory_limit: a.device_memory_limit.map(|m| m << 20),
-        fuse: !a.fuse.no_fuse,
+        fuse: !a.target.fuse.no_fuse,
         ..SessionOptions::default()
     };
     let mut session = Session::new(rt, model, options)?;
