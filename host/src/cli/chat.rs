@@ -43,6 +43,7 @@ pub struct ChatArgs {
 /// Set by SIGINT while an answer is generated.
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
+#[cfg(unix)]
 extern "C" fn on_sigint(_: libc::c_int) {
     INTERRUPTED.store(true, Ordering::SeqCst);
 }

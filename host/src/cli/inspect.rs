@@ -3,11 +3,10 @@
 //! on the chosen device, every op no package runs with its reason, all at once, and the
 //! fusions that would apply. Nothing is run and no GPU memory is allocated.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use kiln_kernel_abi::DType;
 use kiln_registry::{DeviceCaps, NodeQuery, OpRegistry};
 use serde::Serialize;
 
@@ -101,15 +100,6 @@ fn io(m: &Model, id: ValueId) -> Io {
     }
 }
 
-/// The dtype of every value known before a run: declared types and initializers.
-fn declared_dtypes(m: &Model) -> HashMap<ValueId, DType> {
-    let g = &m.graph;
-    let mut d: HashMap<ValueId, DType> =
-        g.values.iter().enumerate().filter_map(|(i, v)| v.ty.as_ref().map(|t| (i, t.dtype))).collect();
-    d.extend(g.initializers.iter().map(|(i, t)| (*i, t.dtype)));
-    d
-}
-
 /// Inspects `m` for `device` (its caps from `caps`) with the packages of `reg`.
 pub fn inspect(mut m: Model, reg: &OpRegistry, device: Device, caps: Option<&DeviceCaps>, fuse: bool) -> Inspection {
     // The file's own opsets (fusion may import a domain for its replacements).
@@ -119,7 +109,6 @@ pub fn inspect(mut m: Model, reg: &OpRegistry, device: Device, caps: Option<&Dev
     } else {
         crate::fuse::Fusions::default()
     };
-    let dtypes = declared_dtypes(&m);
     let mut ops: Vec<OpRow> = Vec::new();
     for n in &m.graph.nodes {
         let domain = if n.domain.is_empty() || n.domain == "ai.onnx" { "ai.onnx" } else { n.domain.as_str() };
@@ -129,7 +118,7 @@ pub fn inspect(mut m: Model, reg: &OpRegistry, device: Device, caps: Option<&Dev
             continue;
         }
         let opset = m.opset(&n.domain);
-        let input_dtypes = n.inputs.iter().map(|i| i.and_then(|v| dtypes.get(&v).copied())).collect();
+        let input_dtypes = n.inputs.iter().map(|i| i.and_then(|v| m.graph.declared_dtype(v))).collect();
         let (package, reason) = match opset {
             None => (None, Some(format!("the model does not import domain {domain:?} (opset_import)"))),
             Some(opset) => {
@@ -220,10 +209,7 @@ fn model_file(path: &Path) -> Result<PathBuf> {
             path.display()
         )));
     }
-    let file = path.join("genai_config.json");
-    let text = std::fs::read_to_string(&file).map_err(|source| Error::Io { path: file.clone(), source })?;
-    let cfg = crate::genai::GenaiConfig::parse(&text).map_err(|e| Error::Input(format!("{}: {e}", file.display())))?;
-    Ok(path.join(&cfg.model.decoder.filename))
+    Ok(path.join(&crate::genai::GenaiConfig::read(path)?.model.decoder.filename))
 }
 
 /// `kiln inspect`. Exit code 0 when every op has a package here, [`super::exit::UNSUPPORTED`]

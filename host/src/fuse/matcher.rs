@@ -85,7 +85,7 @@ pub(super) fn bindings_from(f: &Fusion, g: &Graph, ix: &Index, start: usize, use
     out
 }
 
-fn same_op(p: &PatternNode, n: &crate::model::Node) -> bool {
+pub(super) fn same_op(p: &PatternNode, n: &crate::model::Node) -> bool {
     p.op == n.op_type && normalize_domain(&p.domain) == normalize_domain(&n.domain)
 }
 

@@ -81,11 +81,7 @@ pub fn fuse(model: &mut Model, registry: &OpRegistry, device: Option<&DeviceCaps
         let mut accepted: Vec<(Binding, Accepted)> = Vec::new();
         let Some(first) = c.fusion.pattern.first() else { continue };
         for start in 0..model.graph.nodes.len() {
-            let n = &model.graph.nodes[start];
-            if used[start]
-                || n.op_type != first.op
-                || kiln_registry::normalize_domain(&n.domain) != kiln_registry::normalize_domain(&first.domain)
-            {
+            if used[start] || !matcher::same_op(first, &model.graph.nodes[start]) {
                 continue;
             }
             let mut first_reason = None;
@@ -123,10 +119,12 @@ pub fn fuse(model: &mut Model, registry: &OpRegistry, device: Option<&DeviceCaps
             let names: Vec<String> = b.nodes.iter().map(|&i| model.graph.nodes[i].name.clone()).collect();
             let mark = rewrite::Mark::of(&model.graph);
             rewrite::apply(&mut model.graph, c.fusion, &b, constants);
-            let mut with: std::collections::BTreeSet<usize> = removed.clone();
-            with.extend(b.nodes.iter().copied());
-            if !rewrite::acyclic(&model.graph, &with) {
+            removed.extend(b.nodes.iter().copied());
+            if !rewrite::acyclic(&model.graph, &removed) {
                 mark.undo(&mut model.graph);
+                for n in &b.nodes {
+                    removed.remove(n);
+                }
                 report.rejected.push(FusionRejected {
                     fusion: c.fusion.name.clone(),
                     package: c.package.id(),
@@ -135,7 +133,6 @@ pub fn fuse(model: &mut Model, registry: &OpRegistry, device: Option<&DeviceCaps
                 });
                 continue;
             }
-            removed = with;
             for (domain, v) in opsets {
                 let e = model.opsets.entry(domain).or_insert(v);
                 *e = (*e).max(v);
@@ -149,8 +146,7 @@ pub fn fuse(model: &mut Model, registry: &OpRegistry, device: Option<&DeviceCaps
 
 /// The dtype of `v` where the load knows it: an initializer or a declared type.
 fn known_dtype(model: &Model, v: ValueId) -> Option<DType> {
-    let g = &model.graph;
-    g.initializers.get(&v).map(|t| t.dtype).or_else(|| g.values[v].ty.as_ref().map(|t| t.dtype))
+    model.graph.declared_dtype(v)
 }
 
 /// The shape of `v` as far as the load knows it: an initializer's, or a declared one whose

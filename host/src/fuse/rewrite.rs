@@ -150,6 +150,13 @@ impl Mark {
 
 /// Whether the nodes of `g` but those at `removed` can be ordered (no value needs itself).
 pub(super) fn acyclic(g: &Graph, removed: &BTreeSet<usize>) -> bool {
+    topological_order(g, removed).is_some()
+}
+
+/// The nodes of `g` but those at `removed` in a topological order (Kahn's algorithm, the
+/// lowest current index first among the ready ones, so an order that already is one stays),
+/// or `None` when some value needs itself.
+fn topological_order(g: &Graph, removed: &BTreeSet<usize>) -> Option<Vec<usize>> {
     let live: Vec<usize> = (0..g.nodes.len()).filter(|i| !removed.contains(i)).collect();
     let mut producer: HashMap<ValueId, usize> = HashMap::new();
     for &i in &live {
@@ -167,20 +174,20 @@ pub(super) fn acyclic(g: &Graph, removed: &BTreeSet<usize>) -> bool {
             readers.entry(d).or_default().push(i);
         }
     }
-    let mut ready: Vec<usize> = live.iter().copied().filter(|i| waiting[i] == 0).collect();
-    let mut done = 0;
-    while let Some(i) = ready.pop() {
-        done += 1;
+    let mut ready: BinaryHeap<Reverse<usize>> = live.iter().filter(|i| waiting[i] == 0).map(|&i| Reverse(i)).collect();
+    let mut order = Vec::with_capacity(live.len());
+    while let Some(Reverse(i)) = ready.pop() {
+        order.push(i);
         for r in readers.get(&i).into_iter().flatten() {
             if let Some(w) = waiting.get_mut(r) {
                 *w -= 1;
                 if *w == 0 {
-                    ready.push(*r);
+                    ready.push(Reverse(*r));
                 }
             }
         }
     }
-    done == live.len()
+    (order.len() == live.len()).then_some(order)
 }
 
 /// Removes the nodes at `removed`, the initializers nothing reads any more, and puts the
@@ -197,40 +204,11 @@ pub(super) fn finish(g: &mut Graph, removed: &BTreeSet<usize>) {
     sort_topologically(g);
 }
 
-/// Kahn's algorithm, taking the lowest current index among the ready nodes. A graph with a
-/// cycle keeps its order (`fuse` never makes one: each match is convex and each rewrite is
-/// checked with [`acyclic`]).
+/// Puts the nodes in a topological order ([`topological_order`]). A graph with a cycle keeps
+/// its order (`fuse` never makes one: each match is convex and each rewrite is checked with
+/// [`acyclic`]).
 fn sort_topologically(g: &mut Graph) {
-    let n = g.nodes.len();
-    let mut producer: HashMap<ValueId, usize> = HashMap::new();
-    for (i, node) in g.nodes.iter().enumerate() {
-        for v in node.outputs.iter().flatten() {
-            producer.insert(*v, i);
-        }
-    }
-    let mut waiting = vec![0usize; n];
-    let mut readers: Vec<Vec<usize>> = vec![Vec::new(); n];
-    for (i, node) in g.nodes.iter().enumerate() {
-        let deps: BTreeSet<usize> = node.inputs.iter().flatten().filter_map(|v| producer.get(v).copied()).collect();
-        waiting[i] = deps.len();
-        for d in deps {
-            readers[d].push(i);
-        }
-    }
-    let mut ready: BinaryHeap<Reverse<usize>> = (0..n).filter(|&i| waiting[i] == 0).map(Reverse).collect();
-    let mut order = Vec::with_capacity(n);
-    while let Some(Reverse(i)) = ready.pop() {
-        order.push(i);
-        for &r in &readers[i] {
-            waiting[r] -= 1;
-            if waiting[r] == 0 {
-                ready.push(Reverse(r));
-            }
-        }
-    }
-    if order.len() != n {
-        return;
-    }
+    let Some(order) = topological_order(g, &BTreeSet::new()) else { return };
     let mut nodes: Vec<Option<Node>> = std::mem::take(&mut g.nodes).into_iter().map(Some).collect();
     g.nodes = order.into_iter().filter_map(|i| nodes[i].take()).collect();
 }

@@ -106,6 +106,13 @@ impl Default for SearchConfig {
 
 impl GenaiConfig {
     /// Parses and checks the config; errors name the field.
+    /// `genai_config.json` of folder `dir`. Errors name the file.
+    pub fn read(dir: &std::path::Path) -> crate::Result<GenaiConfig> {
+        let file = dir.join("genai_config.json");
+        let text = std::fs::read_to_string(&file).map_err(|source| crate::Error::Io { path: file.clone(), source })?;
+        GenaiConfig::parse(&text).map_err(|e| crate::Error::Input(format!("{}: {e}", file.display())))
+    }
+
     pub fn parse(text: &str) -> Result<GenaiConfig, String> {
         let c: GenaiConfig = serde_json::from_str(text).map_err(|e| e.to_string())?;
         let d = &c.model.decoder;

@@ -37,16 +37,13 @@ impl ChatMessage {
 impl ModelFolder {
     pub fn open(dir: &Path) -> Result<ModelFolder> {
         let file = |name: &str| dir.join(name);
-        let read =
-            |name: &str| std::fs::read_to_string(file(name)).map_err(|source| Error::Io { path: file(name), source });
         if !dir.is_dir() {
             return Err(Error::Input(format!(
                 "{}: not a folder (an onnxruntime-genai model folder is expected)",
                 dir.display()
             )));
         }
-        let config = GenaiConfig::parse(&read("genai_config.json")?)
-            .map_err(|e| Error::Input(format!("{}: {e}", file("genai_config.json").display())))?;
+        let config = GenaiConfig::read(dir)?;
         let model = model::load(&file(&config.model.decoder.filename))?;
         let tokenizer = Tokenizer::from_file(file("tokenizer.json"))
             .map_err(|e| Error::Input(format!("{}: {e}", file("tokenizer.json").display())))?;

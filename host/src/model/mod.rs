@@ -124,6 +124,11 @@ pub struct Graph {
 }
 
 impl Graph {
+    /// The dtype of `v` known before a run: an initializer's, or the declared one.
+    pub fn declared_dtype(&self, v: ValueId) -> Option<DType> {
+        self.initializers.get(&v).map(|t| t.dtype).or_else(|| self.values.get(v)?.ty.as_ref().map(|t| t.dtype))
+    }
+
     pub fn value_id(&self, name: &str) -> Option<ValueId> {
         self.values.iter().position(|v| v.name == name)
     }
