@@ -4,6 +4,8 @@
 #   tests      the GPU tests (tests/gpu.rs), all of them
 #   bench      kiln bench decode: graphs on and off at prompt 128 + 256 new tokens, batch 1 and 8;
 #              prompt 128 and 3840 at one cache size (4096 positions); a streamed kiln generate
+#   linear     the decode linear layers: their GPU test, kiln verify kiln-matmul on the GPU, and
+#              kiln bench decode (graphs on, batch 1 and 8) fused, with --pdl off, and --no-fuse
 #   fusion     kiln bench decode with --no-fuse (graphs on, batch 1 and 8) and kiln verify of the
 #              fusing package on the GPU (each declared fusion fused against the unfused ops)
 #   sanitize   compute-sanitizer memcheck over a graph decode
@@ -50,6 +52,16 @@ for phase in $phases; do
       tail -40 >"$out/generate.log"
     summary+=("bench: $(grep -hE '^\| [0-9]' "$out/bench.log" | tr '\n' ' ')")
     summary+=("generate: $(grep -E 'decode .* tokens/s' "$out/generate.log")")
+    ;;
+  linear)
+    "$GPU_TESTS" --include-ignored --test-threads 1 linear_ops 2>&1 | tee "$out/linear.log" | grep -E "^test |test result|panicked"
+    "$KILN" verify kiln-matmul --device cuda --seeds 2 2>&1 | tail -18 | tee -a "$out/linear.log"
+    for args in "" "--pdl off" "--no-fuse"; do
+      echo "== bench decode $args"
+      "$KILN" bench decode "$m" --batch 1 --batch 8 --graph on --runs 3 $args --report 2>&1
+    done | tee -a "$out/linear.log" | grep -E "^==|^\| [0-9]|graphs:|fusions:"
+    summary+=("linear: $(grep -E 'test result' "$out/linear.log" | tail -1); $(grep -E '^verify kiln-matmul' "$out/linear.log")")
+    summary+=("linear bench: $(grep -hE '^==|^\| [0-9]' "$out/linear.log" | tr '\n' ' ')")
     ;;
   fusion)
     "$KILN" bench decode "$m" --batch 1 --batch 8 --graph on --no-fuse --runs 3 --json "$work/decode-nofuse.json" 2>&1 |

@@ -36,7 +36,7 @@ def main(argv):
         names = (ctypes.c_char_p * 1)(b"kiln.cuh")
         rc = lib.nvrtcCreateProgram(ctypes.byref(prog), src, os.path.basename(path).encode(), 1, headers, names)
         assert rc == 0, rc
-        opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", b"-default-device"]
+        opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", b"-default-device"] + [o.encode() for o in os.environ.get("KILN_NVRTC_OPTS", "").split()]
         arr = (ctypes.c_char_p * len(opts))(*opts)
         rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
         size = ctypes.c_size_t()

@@ -88,14 +88,18 @@ fn the_gate_up_projections_and_silu_become_one_matmul_and_swiglu() {
         let mut fused = session(gated_mlp(order, &[]), true);
         let f = &fused.report.fusions;
         assert!(f.enabled);
-        assert_eq!(f.applied.len(), 1, "{}", f.render());
+        // gate-up-swiglu (5 nodes), then kiln-matmul's `linear` stores the concatenated weight
+        // [N, K] for its GEMV.
+        assert_eq!(f.applied.len(), 2, "{}", f.render());
         assert_eq!(f.applied[0].fusion, "gate-up-swiglu");
         assert_eq!(f.applied[0].nodes.len(), 5);
+        assert_eq!(f.applied[1].fusion, "linear");
         let ops: Vec<&str> = fused.model().graph.nodes.iter().map(|n| n.op_type.as_str()).collect();
-        assert_eq!(ops, ["MatMul", "SwiGlu"]);
-        // Wg and Wu are gone; one [K, 2N] weight replaces them.
+        assert_eq!(ops, ["Linear", "SwiGlu"]);
+        // Wg and Wu are gone; one [2N, K] weight (the [K, 2N] concatenation, transposed)
+        // replaces them.
         let inits: Vec<Vec<usize>> = fused.model().graph.initializers.values().map(|t| t.shape.clone()).collect();
-        assert_eq!(inits, vec![vec![K, 2 * N]]);
+        assert_eq!(inits, vec![vec![2 * N, K]]);
         let mut unfused = session(gated_mlp(order, &[]), false);
         assert!(!unfused.report.fusions.enabled && unfused.report.fusions.applied.is_empty());
         assert_eq!(unfused.model().graph.nodes.len(), 5);
@@ -112,10 +116,15 @@ fn an_intermediate_read_outside_the_match_keeps_the_graph_as_it_is() {
     let x = values(ROWS * K, 4);
     let mut s = session(gated_mlp(["g", "s"], &["s"]), true);
     let f = &s.report.fusions;
-    assert!(f.applied.is_empty(), "{}", f.render());
+    // Only the single-node `linear` applies (each MatMul by a constant); the gate-up and SiLU
+    // nodes stay as they are.
+    let counts = f.applied_counts();
+    assert_eq!(counts.into_iter().collect::<Vec<_>>(), vec![("linear", 2)], "{}", f.render());
     let gate_up = f.rejected.iter().find(|r| r.fusion == "gate-up-swiglu").expect("the gate-up match is reported");
     assert!(gate_up.reason.contains("s is read outside the match"), "{}", gate_up.reason);
-    assert_eq!(s.model().graph.nodes.len(), 5);
+    let mut ops: Vec<&str> = s.model().graph.nodes.iter().map(|n| n.op_type.as_str()).collect();
+    ops.sort_unstable();
+    assert_eq!(ops, ["Linear", "Linear", "Mul", "Mul", "Sigmoid"]);
     let out = run(&mut s, vec![("x", f32_tensor(&[ROWS, K], &x))]);
     assert_close(&out[0], &reference(&x), 1e-6);
 }
@@ -369,4 +378,142 @@ fn named_dimensions_count_as_the_same_size() {
         "{}",
         s.report.fusions.render()
     );
+}
+
+// ---- kiln-matmul's decode fusions -------------------------------------------------------------
+
+const H: usize = 16; // hidden
+const F: usize = 24; // MLP width
+const V: usize = 20; // vocabulary
+
+/// A decoder layer as onnxruntime-genai's builder writes one (float32, `rows` rows):
+/// SimplifiedLayerNormalization → MatMul(Wq) → MatMul(Wo) → SkipSimplifiedLayerNormalization →
+/// gate/up MatMuls, SiLU·mul, MatMul(Wd) → SkipSimplifiedLayerNormalization → MatMul(Wl). With
+/// `sum_out` the last norm's sum is a graph output too.
+fn decoder_layer(rows: usize, sum_out: bool) -> Model {
+    let com = |mut n: onnx::NodeProto| {
+        n.domain = "com.microsoft".into();
+        n
+    };
+    let last_outputs: &[&str] = if sum_out { &["n2", "", "", "s2"] } else { &["n2"] };
+    let nodes = vec![
+        node("SimplifiedLayerNormalization", &["x", "g0"], &["n0"], vec![onnx::attr_float("epsilon", 1e-5)]),
+        node("MatMul", &["n0", "Wq"], &["q"], vec![]),
+        node("MatMul", &["q", "Wo"], &["o"], vec![]),
+        com(node("SkipSimplifiedLayerNormalization", &["x", "o", "g1"], &["n1", "", "", "s1"], vec![onnx::attr_float("epsilon", 1e-6)])),
+        node("MatMul", &["n1", "Wg"], &["g"], vec![]),
+        node("MatMul", &["n1", "Wu"], &["u"], vec![]),
+        node("Sigmoid", &["g"], &["sg"], vec![]),
+        node("Mul", &["g", "sg"], &["a"], vec![]),
+        node("Mul", &["a", "u"], &["h"], vec![]),
+        node("MatMul", &["h", "Wd"], &["d"], vec![]),
+        com(node("SkipSimplifiedLayerNormalization", &["s1", "d", "g2"], last_outputs, vec![onnx::attr_float("epsilon", 1e-6)])),
+        node("MatMul", &["n2", "Wl"], &["logits"], vec![]),
+    ];
+    let mut outputs = vec![value("logits", F32, &[rows as i64, V as i64])];
+    if sum_out {
+        outputs.push(value("s2", F32, &[rows as i64, H as i64]));
+    }
+    let (h, f, v) = (H as i64, F as i64, V as i64);
+    let inits = vec![
+        onnx::init_f32("g0", &[h], &values(H, 10)),
+        onnx::init_f32("g1", &[h], &values(H, 11)),
+        onnx::init_f32("g2", &[h], &values(H, 12)),
+        onnx::init_f32("Wq", &[h, h], &values(H * H, 13)),
+        onnx::init_f32("Wo", &[h, h], &values(H * H, 14)),
+        onnx::init_f32("Wg", &[h, f], &values(H * F, 15)),
+        onnx::init_f32("Wu", &[h, f], &values(H * F, 16)),
+        onnx::init_f32("Wd", &[f, h], &values(F * H, 17)),
+        onnx::init_f32("Wl", &[h, v], &values(H * V, 18)),
+    ];
+    let mut m = onnx::model(nodes, vec![value("x", F32, &[rows as i64, h])], outputs, inits);
+    m.opset_import.push(onnx::OperatorSetIdProto { domain: "com.microsoft".into(), version: 1, ..Default::default() });
+    model::load_bytes(&onnx::bytes(&m), None).unwrap()
+}
+
+/// `x [rows, k] · w [k, n]` in float64 (w row-major as ONNX stores it).
+fn matmul64(x: &[f64], w: &[f32], k: usize, n: usize) -> Vec<f64> {
+    let rows = x.len() / k;
+    let mut y = vec![0.0; rows * n];
+    for r in 0..rows {
+        for c in 0..n {
+            y[r * n + c] = (0..k).map(|i| x[r * k + i] * w[i * n + c] as f64).sum();
+        }
+    }
+    y
+}
+
+/// RMS norm of each `H`-wide row, times gamma, in float64.
+fn rms64(s: &[f64], gamma: &[f32], eps: f64) -> Vec<f64> {
+    s.chunks(H)
+        .flat_map(|row| {
+            let rms = (row.iter().map(|v| v * v).sum::<f64>() / H as f64 + eps).sqrt();
+            row.iter().zip(gamma).map(move |(v, g)| v / rms * *g as f64).collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// The layer's logits and last sum in float64.
+fn decoder_layer_reference(x: &[f32]) -> (Vec<f64>, Vec<f64>) {
+    let x: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+    let q = matmul64(&rms64(&x, &values(H, 10), 1e-5), &values(H * H, 13), H, H);
+    let o = matmul64(&q, &values(H * H, 14), H, H);
+    let s1: Vec<f64> = x.iter().zip(&o).map(|(a, b)| a + b).collect();
+    let n1 = rms64(&s1, &values(H, 11), 1e-6);
+    let (g, u) = (matmul64(&n1, &values(H * F, 15), H, F), matmul64(&n1, &values(H * F, 16), H, F));
+    let h: Vec<f64> = g.iter().zip(&u).map(|(&g, &u)| silu_mul(g, u)).collect();
+    let d = matmul64(&h, &values(F * H, 17), F, H);
+    let s2: Vec<f64> = s1.iter().zip(&d).map(|(a, b)| a + b).collect();
+    let logits = matmul64(&rms64(&s2, &values(H, 12), 1e-6), &values(H * V, 18), H, V);
+    (logits, s2)
+}
+
+#[test]
+fn a_decoder_layer_becomes_rms_norm_linears_a_swiglu_linear_and_a_linear() {
+    // 3 rows take the GEMV path on a GPU, 40 the prologue + cuBLASLt path; the CPU reference
+    // is the same for both.
+    for (rows, sum_out) in [(3, false), (40, true)] {
+        let x = values(rows * H, 20 + rows as u64);
+        let mut fused = session(decoder_layer(rows, sum_out), true);
+        let f = &fused.report.fusions;
+        let counts = f.applied_counts();
+        let last = if sum_out { "skip-rmsnorm-linear" } else { "skip-rmsnorm-linear-last" };
+        let want: std::collections::BTreeMap<&str, usize> =
+            [("rmsnorm-linear", 1), ("linear", 1), ("skip-rmsnorm-mlp", 1), (last, 1)].into_iter().collect();
+        assert_eq!(counts, want, "{}", f.render());
+        let ops: Vec<&str> = fused.model().graph.nodes.iter().map(|n| n.op_type.as_str()).collect();
+        assert_eq!(ops, ["RmsNormLinear", "Linear", "RmsNormLinear", "SwiGluLinear", "RmsNormLinear"]);
+        // Every weight is stored [N, K] now: Wq, Wo [H, H], [Wg | Wu]ᵀ [2F, H], Wdᵀ [H, F], Wlᵀ [V, H].
+        let mut shapes: Vec<Vec<usize>> =
+            fused.model().graph.initializers.values().filter(|t| t.shape.len() == 2).map(|t| t.shape.clone()).collect();
+        shapes.sort();
+        assert_eq!(shapes, vec![vec![H, H], vec![H, H], vec![H, F], vec![V, H], vec![2 * F, H]]);
+        let mut unfused = session(decoder_layer(rows, sum_out), false);
+        let a = run(&mut fused, vec![("x", f32_tensor(&[rows, H], &x))]);
+        let b = run(&mut unfused, vec![("x", f32_tensor(&[rows, H], &x))]);
+        let (logits, s2) = decoder_layer_reference(&x);
+        assert_close(&a[0], &logits, 1e-5);
+        assert_close(&b[0], &logits, 1e-5);
+        if sum_out {
+            assert_close(&a[1], &s2, 1e-6);
+        }
+    }
+}
+
+#[test]
+fn verify_proves_every_decode_fusion_of_kiln_matmul_on_the_cpu() {
+    use kiln_host::cli::verify_fusion::fusion_cases;
+    let rt = kiln_tests::builtin_runtime();
+    let pkg = rt.registry.packages().find(|p| p.name() == "kiln-matmul").expect("kiln-matmul is built in").clone();
+    let cases = fusion_cases(&rt, &pkg, Device::Cpu, 1);
+    let names: std::collections::BTreeSet<&str> = cases.iter().map(|c| c.fusion.as_str()).collect();
+    assert_eq!(
+        names,
+        ["linear", "rmsnorm-linear", "skip-rmsnorm-linear", "skip-rmsnorm-linear-last", "skip-rmsnorm-mlp"].into_iter().collect()
+    );
+    for c in &cases {
+        assert!(matches!(c.outcome, kiln_host::conformance::Outcome::Passed), "{} {}: {:?}", c.fusion, c.dtype, c.outcome);
+    }
+    // float32, float16 and bfloat16 each.
+    assert_eq!(cases.len(), 15);
 }

@@ -117,18 +117,25 @@ fn tiny_llama_fp32_matches_genai_greedy_tokens_alone_and_batched() {
 
 #[test]
 fn fused_and_unfused_tiny_llama_fp32_both_match_onnxruntime() {
-    // The default generator fuses each layer's gate/up projections and SiLU into one MatMul
-    // and SwiGlu (kiln-unary's gate-up-swiglu); with fusion off the graph runs as written.
+    // The default generator fuses each layer's norms and projections into kiln-matmul's
+    // RmsNormLinear, Linear and SwiGluLinear (weights stored [N, K]); with fusion off the graph
+    // runs as written.
     let folder = "tiny-llama-v512-fp32-cpu";
     let fused = generator(folder);
     let f = &fused.session.report.fusions;
-    assert_eq!(f.applied_counts().get("gate-up-swiglu"), Some(&2), "{}", f.render());
+    let counts = f.applied_counts();
+    assert_eq!(counts.get("skip-rmsnorm-mlp"), Some(&2), "{}", f.render());
+    assert_eq!(counts.get("linear"), Some(&2), "{}", f.render());
+    assert_eq!(counts.get("rmsnorm-linear"), Some(&1), "{}", f.render());
+    assert_eq!(counts.get("skip-rmsnorm-linear"), Some(&1), "{}", f.render());
+    assert_eq!(counts.get("skip-rmsnorm-linear-last"), Some(&1), "{}", f.render());
     let rt = kiln_tests::builtin_runtime();
     let dir = ModelFolder::open(&fixture(&format!("llm/{folder}"))).unwrap();
     let mut unfused = Generator::new(rt, dir, SessionOptions { fuse: false, ..SessionOptions::default() }).unwrap();
     assert!(unfused.session.report.fusions.applied.is_empty());
-    let ops = |g: &Generator| g.session.model().graph.nodes.iter().filter(|n| n.op_type == "MatMul").count();
-    assert_eq!(ops(&unfused) - ops(&fused), 2, "one MatMul fewer per layer");
+    let ops = |g: &Generator, op: &str| g.session.model().graph.nodes.iter().filter(|n| n.op_type == op).count();
+    assert_eq!((ops(&unfused, "MatMul"), ops(&fused, "MatMul")), (11, 0), "every MatMul is fused");
+    assert_eq!(ops(&fused, "RmsNormLinear") + ops(&fused, "Linear") + ops(&fused, "SwiGluLinear"), 9);
     teacher_forced_logits_match_with(&mut unfused, folder);
     greedy_tokens_match_with(&mut unfused, folder, true);
 }

@@ -513,3 +513,107 @@ fn decode_sized_matmul_matches_the_float64_reference() {
         }
     }
 }
+
+/// kiln-matmul's `ai.kiln::Linear`, `RmsNormLinear` and `SwiGluLinear` on the GPU against their
+/// CPU reference (f64, A rounded to the dtype, then Y rounded once), on random shapes: 1 to 4
+/// rows (the GEMV kernels for 1, 2 and 4 rows), more rows (prologue kernel + cuBLASLt),
+/// K off the 16-byte vector (the cuBLASLt path at any row count), N from 1 up, skip broadcast
+/// over the leading dimension. Tolerance: a relative ulp of the dtype on Y, the f32 accumulation
+/// (K · 2^-22 · 4), and up to four elements of A that f32 and f64 round to neighbouring values
+/// (4 · ulp · 4): a wrong index or a lost row is off by O(1).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn linear_ops_match_their_cpu_reference() {
+    use kiln_tests::onnx::{self, node, value};
+    let mut r = kiln_tests::Rng(0x11ea);
+    let int = |name: &str, v: i64| onnx::AttributeProto {
+        name: name.into(),
+        type_: protobuf::EnumOrUnknown::new(onnx::attribute_proto::AttributeType::INT),
+        i: v,
+        ..Default::default()
+    };
+    let mut cases = 0;
+    for (code, ulp, vec) in [(1i64, 2f32.powi(-23), 4usize), (10, 2f32.powi(-10), 8), (16, 2f32.powi(-7), 8)] {
+        for op in ["Linear", "RmsNormLinear", "SwiGluLinear"] {
+            for case in 0..8 {
+                let rows = match case {
+                    0 => 1,
+                    1 => 2,
+                    2 => 4,
+                    3 => 3,
+                    4 => r.range(5, 70),
+                    _ => r.range(1, 5),
+                };
+                let k = if case == 7 { vec * r.range(1, 40) + 1 } else { vec * r.range(1, 200) };
+                let n = if case == 6 { r.range(1, 7) } else { r.range(8, 400) };
+                let lead: Vec<usize> = if rows % 2 == 0 && r.coin() { vec![2, rows / 2] } else { vec![rows] };
+                let x_last = if op == "SwiGluLinear" { 2 * k } else { k };
+                let x_shape: Vec<usize> = lead.iter().copied().chain([x_last]).collect();
+                let mut vals = |len: usize| -> Vec<f32> {
+                    (0..len).map(|_| ((r.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).collect()
+                };
+                let dims = |s: &[usize]| s.iter().map(|&d| d as i64).collect::<Vec<_>>();
+                let mut feeds = vec![("x".to_string(), kiln_tests::f32_tensor(&x_shape, &vals(x_shape.iter().product())))];
+                let mut inputs = vec!["xc"];
+                let mut casts = vec![node("Cast", &["x"], &["xc"], vec![int("to", code)])];
+                let mut outputs = vec!["y"];
+                if op == "RmsNormLinear" {
+                    // Skip of the whole shape, a broadcast suffix, or none.
+                    let skip_shape: Option<Vec<usize>> = match case % 3 {
+                        0 => Some(x_shape.clone()),
+                        1 if lead.len() == 2 => Some(x_shape[1..].to_vec()),
+                        _ => None,
+                    };
+                    if let Some(s) = &skip_shape {
+                        feeds.push(("skip".into(), kiln_tests::f32_tensor(s, &vals(s.iter().product()))));
+                        casts.push(node("Cast", &["skip"], &["skipc"], vec![int("to", code)]));
+                        inputs.push("skipc");
+                        outputs.push("sum");
+                    } else {
+                        inputs.push("");
+                    }
+                    feeds.push(("gamma".into(), kiln_tests::f32_tensor(&[k], &vals(k))));
+                    casts.push(node("Cast", &["gamma"], &["gammac"], vec![int("to", code)]));
+                    inputs.push("gammac");
+                }
+                feeds.push(("w".into(), kiln_tests::f32_tensor(&[n, k], &vals(n * k))));
+                casts.push(node("Cast", &["w"], &["wc"], vec![int("to", code)]));
+                inputs.push("wc");
+                let mut op_node = node(op, &inputs, &outputs, vec![]);
+                op_node.domain = "ai.kiln".into();
+                casts.push(op_node);
+                let graph_inputs = feeds
+                    .iter()
+                    .map(|(name, t)| value(name, 1, &dims(&t.shape)))
+                    .collect();
+                let graph_outputs = outputs
+                    .iter()
+                    .map(|o| {
+                        let mut v = value(o, 1, &[]);
+                        v.type_ = Default::default();
+                        v
+                    })
+                    .collect();
+                let mut m = onnx::model(casts, graph_inputs, graph_outputs, vec![]);
+                m.opset_import.push(onnx::OperatorSetIdProto { domain: "ai.kiln".into(), version: 1, ..Default::default() });
+                let load = || model::load_bytes(&onnx::bytes(&m), None).unwrap();
+                let want = Session::new(runtime(), load(), SessionOptions::default()).unwrap().run(feeds.clone()).unwrap();
+                let got = Session::new(runtime(), load(), cuda()).unwrap().run(feeds).unwrap();
+                for ((name, g), (_, w)) in got.iter().zip(&want) {
+                    let (g, w) = (g.to_f32().unwrap(), w.to_f32().unwrap());
+                    assert_eq!(g.len(), w.len());
+                    let slack = if name == "y" { k as f32 * 2f32.powi(-22) * 4.0 + 16.0 * ulp.max(2f32.powi(-23)) } else { 0.0 };
+                    for (i, (a, b)) in g.iter().zip(&w).enumerate() {
+                        let tol = ulp * b.abs() + slack + 1e-7;
+                        assert!(
+                            (a - b).abs() <= tol,
+                            "{op} dtype {code}, X {x_shape:?}, W [{n}, {k}]: {name}[{i}]: GPU {a}, reference {b} (|Δ| > {tol})"
+                        );
+                    }
+                }
+                cases += 1;
+            }
+        }
+    }
+    assert_eq!(cases, 72);
+}

@@ -64,3 +64,23 @@ __device__ __forceinline__ float kiln_warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
+
+// Programmatic dependent launch (Hopper and later; PTX ISA: griddepcontrol). A kernel launched
+// after its predecessor with programmatic stream serialization may start before that
+// predecessor ends; kiln_griddep_wait() blocks until the predecessor has completed and its
+// writes are visible. Before it, a kernel may read only what no earlier kernel of the stream
+// writes (weights) and must write nothing. Without such a launch it returns at once.
+__device__ __forceinline__ void kiln_griddep_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next kernel of the stream, when it is launched with programmatic dependent launch,
+// start before this one ends (PTX ISA: griddepcontrol.launch_dependents); it still waits in
+// kiln_griddep_wait() for this kernel's completion before it reads what this kernel writes.
+__device__ __forceinline__ void kiln_griddep_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}

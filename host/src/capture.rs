@@ -30,6 +30,21 @@ pub enum GraphMode {
     Auto,
 }
 
+/// Whether kernels that packages declare PDL-safe are launched with programmatic dependent
+/// launch (`--pdl`): each may then start, and load its weights, while the kernel before it
+/// ends. Eager launches and captured graphs alike.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PdlMode {
+    /// Plain launches.
+    Off,
+    /// PDL launches; a device without it (compute capability below 9.0) is an error.
+    On,
+    /// PDL launches where the device has them.
+    #[default]
+    Auto,
+}
+
 /// Re-captures in a row (bindings changed every run) that a region may make; one more and it
 /// runs eagerly.
 pub const RECAPTURE_BUDGET: u32 = 4;

@@ -146,6 +146,10 @@ pub struct GraphStats {
     pub instantiate_us: u64,
     /// Nodes of the last instantiated graph.
     pub graph_nodes: u64,
+    /// Kernel launches and GEMMs of the last plan built, and how many of its kernels launch
+    /// with programmatic dependent launch (`--pdl`).
+    pub plan_launches: u64,
+    pub pdl_launches: u64,
 }
 
 impl GraphStats {
@@ -159,7 +163,8 @@ impl GraphStats {
     pub fn render(&self) -> String {
         let mut s = format!(
             "graphs: {} plans ({} B arena, {} first runs eager), {} captures, {} replays, {} re-captures ({} by cuGraphExecUpdate), \
-             capture {:.3} ms, instantiate {:.3} ms, {} nodes in the last graph\n",
+             capture {:.3} ms, instantiate {:.3} ms, {} nodes in the last graph; the last plan launches {} kernels and GEMMs, \
+             {} with programmatic dependent launch\n",
             self.plans_built,
             self.arena_bytes,
             self.first_runs,
@@ -169,7 +174,9 @@ impl GraphStats {
             self.updates,
             self.capture_us as f64 / 1e3,
             self.instantiate_us as f64 / 1e3,
-            self.graph_nodes
+            self.graph_nodes,
+            self.plan_launches,
+            self.pdl_launches
         );
         for (k, n) in &self.fallbacks {
             s += &format!("  fallback ({k}): {n} runs\n");

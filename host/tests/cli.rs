@@ -81,7 +81,7 @@ fn the_readme_example_runs_and_matches_onnxruntime() {
         serde_json::from_slice(&std::fs::read(out.path().join("report.json")).unwrap()).unwrap();
     assert_eq!(report["nodes"], 7);
     assert_eq!(report["wasm_calls"]["cpu"], 7);
-    assert_eq!(report["packages"]["kiln-matmul@1.0.0"], 2);
+    assert_eq!(report["packages"]["kiln-matmul@1.1.0"], 2);
 }
 
 #[test]
@@ -112,7 +112,7 @@ fn kernels_list_shows_every_builtin_package() {
         "kiln-unary 1.0.0",
         "kiln-binary 1.0.0",
         "kiln-cast 1.0.0",
-        "kiln-matmul 1.0.0",
+        "kiln-matmul 1.1.0",
         "kiln-reduce 1.0.0",
         "kiln-normalization 1.0.0",
         "kiln-tensor 1.0.0",
@@ -399,10 +399,12 @@ fn inspect_shows_shapes_packages_fusions_and_what_is_missing() {
     let ops = doc["ops"].as_array().unwrap();
     let op = |name: &str| ops.iter().find(|r| r["op"] == name).cloned();
     assert_eq!(op("com.microsoft::GroupQueryAttention").unwrap()["package"], "kiln-attention@1.0.0");
-    // Fused: SwiGlu replaces Sigmoid·Mul·Mul in both layers.
-    assert_eq!(op("ai.kiln::SwiGlu").unwrap()["nodes"], 2);
-    assert!(op("ai.onnx::Sigmoid").is_none());
-    assert_eq!(doc["fusions"]["applied"].as_array().unwrap().len(), 2);
+    // Fused: each layer's norms and projections become kiln-matmul's linear layers (the MLP
+    // half one RmsNormLinear and one SwiGluLinear).
+    assert_eq!(op("ai.kiln::SwiGluLinear").unwrap()["nodes"], 2);
+    assert_eq!(op("ai.kiln::SwiGluLinear").unwrap()["package"], "kiln-matmul@1.1.0");
+    assert!(op("ai.onnx::Sigmoid").is_none() && op("ai.onnx::MatMul").is_none());
+    assert_eq!(doc["fusions"]["applied"].as_array().unwrap().len(), 7);
     assert_eq!(doc["unsupported_ops"], 0);
     let t = String::from_utf8_lossy(&o.stderr);
     assert!(t.contains("every node has a package on this device"), "{t}");

@@ -18,6 +18,7 @@
 //! ranks = { Wg = 2, Wu = 2 }
 //! same_shape = [["Wg", "Wu"]]                # one shape, known at load
 //! concat = [{ output = "Wgu", inputs = ["Wg", "Wu"], axis = -1 }]   # new constants
+//! transpose = [{ output = "WguT", input = "Wgu" }]   # more: ONNX Transpose (axes reversed)
 //! replace = [
 //!   { op = "MatMul", inputs = ["x", "Wgu"], outputs = ["gu"] },
 //!   { domain = "ai.kiln", op = "SwiGlu", inputs = ["gu"], outputs = ["y"] },
@@ -76,6 +77,11 @@ pub struct Fusion {
     /// New constants the replacement reads: constant variables concatenated along an axis.
     #[serde(default)]
     pub concat: Vec<ConstantConcat>,
+    /// New constants the replacement reads: a constant variable or an earlier new constant
+    /// (`concat` outputs first, then `transpose` outputs in order) with its axes reversed.
+    /// Added in ABI 1 manifests of host 0.1 with the decode fusions (ABI.md §7.1).
+    #[serde(default)]
+    pub transpose: Vec<ConstantTranspose>,
     /// Shapes of the pattern inputs for `kiln verify` (the input domain of the declaration).
     #[serde(default)]
     pub verify: BTreeMap<String, Vec<usize>>,
@@ -107,6 +113,15 @@ pub struct ConstantConcat {
     pub inputs: Vec<String>,
     /// Negative counts from the last axis, as ONNX Concat.
     pub axis: i64,
+}
+
+/// `output` = Transpose(`input`) with no `perm` (ONNX: the axes reversed; a matrix `[K, N]`
+/// becomes `[N, K]`), computed once at load.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConstantTranspose {
+    pub output: String,
+    pub input: String,
 }
 
 impl Fusion {
@@ -233,6 +248,20 @@ impl Fusion {
                 return at(format!("concat output {:?} is already a variable", c.output));
             }
         }
+        let mut made: BTreeSet<&str> = self.concat.iter().map(|c| c.output.as_str()).collect();
+        for t in &self.transpose {
+            if !self.constant.contains(&t.input) && !made.contains(t.input.as_str()) {
+                return at(format!(
+                    "transpose {:?}: input {:?} is neither a constant nor an earlier concat or transpose output",
+                    t.output, t.input
+                ));
+            }
+            if inputs.contains(t.output.as_str()) || defined.contains(t.output.as_str()) || !available.insert(&t.output)
+            {
+                return at(format!("transpose output {:?} is already a variable", t.output));
+            }
+            made.insert(&t.output);
+        }
         for v in &self.outputs {
             if !defined.contains(v.as_str()) {
                 return at(format!("outputs: {v:?} is not defined by the match"));
@@ -255,7 +284,7 @@ impl Fusion {
             for v in node.inputs.iter().filter(|v| !v.is_empty()) {
                 if !available.contains(v.as_str()) && !replaced.contains(v.as_str()) {
                     return at(format!(
-                        "replace[{i}] ({}) reads {v:?}, which is neither a pattern input, a concat output nor an earlier replacement output",
+                        "replace[{i}] ({}) reads {v:?}, which is neither a pattern input, a concat or transpose output nor an earlier replacement output",
                         node.op
                     ));
                 }
@@ -308,6 +337,7 @@ constant = ["Wg", "Wu"]
 dtypes = { Wg = ["float32", "float16"] }
 ranks = { Wg = 2, Wu = 2 }
 concat = [{ output = "Wgu", inputs = ["Wg", "Wu"], axis = -1 }]
+transpose = [{ output = "WguT", input = "Wgu" }]
 replace = [
   { op = "MatMul", inputs = ["x", "Wgu"], outputs = ["gu"] },
   { domain = "ai.kiln", op = "SwiGlu", inputs = ["gu"], outputs = ["y"] },
@@ -360,6 +390,8 @@ verify"#,
             (SWIGLU.replace("x = [3, 8]", "x = [65536, 65536]"), "at most"),
             (SWIGLU.replace("ranks = {", "same_shape = [[\"Wg\", \"W\"]]\nranks = {"), "same_shape"),
             (SWIGLU.replace(", Wu = [8, 6]", ""), "no shape"),
+            (SWIGLU.replace(r#"input = "Wgu" }"#, r#"input = "g" }"#), "neither a constant nor an earlier"),
+            (SWIGLU.replace(r#"output = "WguT""#, r#"output = "Wgu""#), "transpose output \"Wgu\" is already"),
             (
                 SWIGLU.replace(
                     r#"{ op = "Mul", inputs = ["g", "s"], outputs = ["a"], commutative = true }"#,

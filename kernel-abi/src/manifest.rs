@@ -27,6 +27,7 @@
 //! [[cuda]]
 //! source = "cuda/unary.cu"
 //! kernels = ["unary_f32"]        # the entry points `launch` may name
+//! pdl = ["unary_f32"]            # optional: kernels safe under programmatic dependent launch
 //!
 //! [[fusions]]                    # optional: subgraphs the package's ops replace
 //! name = "swiglu"                #   (see `crate::fusion` for every field)
@@ -131,6 +132,12 @@ pub struct OpEntry {
 pub struct CudaSource {
     pub source: String,
     pub kernels: Vec<String>,
+    /// Kernels (of `kernels`) that may be launched with programmatic dependent launch (PDL,
+    /// Hopper and later): every block calls the prelude's `kiln_griddep_wait()` before it
+    /// reads anything an earlier kernel of the stream writes, and writes nothing before it.
+    /// Such a kernel may start while its predecessor finishes (ABI.md §7).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pdl: Vec<String>,
 }
 
 impl OpEntry {
@@ -156,6 +163,11 @@ impl Manifest {
     /// Renders the manifest as TOML.
     pub fn to_toml(&self) -> String {
         toml::to_string(self).unwrap_or_default()
+    }
+
+    /// Whether `kernel` is declared safe under programmatic dependent launch.
+    pub fn kernel_pdl(&self, kernel: &str) -> bool {
+        self.cuda.iter().any(|c| c.pdl.iter().any(|k| k == kernel))
     }
 
     /// Every kernel entry point declared by the `[[cuda]]` sources.
@@ -201,6 +213,9 @@ impl Manifest {
             check_relative_path(&c.source)?;
             if let Some(k) = c.kernels.iter().find(|k| !is_identifier(k)) {
                 return bad(format!("cuda source {}: kernel name {k:?} is not a C identifier", c.source));
+            }
+            if let Some(k) = c.pdl.iter().find(|k| !c.kernels.contains(k)) {
+                return bad(format!("cuda source {}: pdl names {k:?}, which its `kernels` do not declare", c.source));
             }
         }
         for (i, f) in self.fusions.iter().enumerate() {

@@ -146,7 +146,7 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
     let mut g = Generator::new(
         rt,
         folder,
-        SessionOptions { device, graphs, fuse: !a.target.fuse.no_fuse, ..SessionOptions::default() },
+        SessionOptions { device, graphs, fuse: !a.target.fuse.no_fuse, pdl: a.target.pdl, ..SessionOptions::default() },
     )?;
     let setup_s = t_setup.elapsed().as_secs_f64();
     say!(

@@ -203,7 +203,7 @@ pub fn run(mut a: GenerateArgs) -> Result<ExitCode> {
     let mut generator = Generator::new(
         rt,
         folder,
-        SessionOptions { device, graphs, fuse: !a.target.fuse.no_fuse, ..SessionOptions::default() },
+        SessionOptions { device, graphs, fuse: !a.target.fuse.no_fuse, pdl: a.target.pdl, ..SessionOptions::default() },
     )?;
     let opts = GenerateOptions {
         max_new_tokens: a.max_new_tokens,

@@ -103,6 +103,11 @@ pub struct ModelRunArgs {
     pub packages: PackageArgs,
     #[command(flatten)]
     pub fuse: FuseArgs,
+    /// Programmatic dependent launch (Hopper and later): kernels that their package declares
+    /// PDL-safe start, and load their weights, while the kernel before them ends. `auto` uses it
+    /// where the GPU has it, `on` makes a GPU without it an error, `off` launches plainly.
+    #[arg(long = "pdl", value_enum, default_value_t)]
+    pub pdl: crate::capture::PdlMode,
 }
 
 /// `--no-fuse`: whether the packages' fusion patterns rewrite the model at load.

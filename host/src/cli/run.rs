@@ -76,6 +76,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         device,
         device_memory_limit: a.device_memory_limit.map(|m| m << 20),
         fuse: !a.target.fuse.no_fuse,
+        pdl: a.target.pdl,
         ..SessionOptions::default()
     };
     let mut session = Session::new(rt, model, options)?;

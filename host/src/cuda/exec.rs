@@ -18,7 +18,12 @@ use crate::{Error, Result, Tensor};
 
 /// A loaded kernel (`CUfunction`), valid while the session's context lives.
 #[derive(Clone, Copy, Debug)]
-pub struct Function(pub cudarc::driver::sys::CUfunction);
+pub struct Function {
+    pub f: cudarc::driver::sys::CUfunction,
+    /// Launched with programmatic dependent launch (the package declares the kernel PDL-safe
+    /// and the session has PDL on).
+    pub pdl: bool,
+}
 
 // SAFETY: a CUfunction is a handle of the context, usable from any thread that makes the
 // context current; kiln uses it only through its session.
@@ -53,6 +58,10 @@ pub struct Gpu {
     pub compile_cache_hits: u64,
     /// Per-node GPU timing, when profiling.
     pub timeline: Option<super::Timeline>,
+    /// Launch the kernels that packages declare PDL-safe (`[[cuda]] pdl`) with programmatic
+    /// stream serialization, so that each may start while its predecessor ends (compute
+    /// capability 9.0 and later; see [`Gpu::pdl_supported`]).
+    pub pdl: bool,
     /// The copy stream and its pinned staging buffers.
     pub transfers: super::Transfers,
 }
@@ -61,7 +70,52 @@ fn dev_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
     move |e| Error::Device(format!("{what}: {e}"))
 }
 
+/// `cuLaunchKernelEx` with `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`: the kernel
+/// may start once every block of the stream's previous kernel has triggered
+/// (`griddepcontrol.launch_dependents`) or exited, and waits for that kernel's completion in
+/// `kiln_griddep_wait()` (CUDA Programming Guide, "Programmatic Dependent Launch and
+/// Synchronization"). Stream capture keeps the dependency as a programmatic graph edge.
+fn launch_pdl(
+    f: cudarc::driver::sys::CUfunction,
+    kernel: &str,
+    grid: [u32; 3],
+    block: [u32; 3],
+    shmem: u32,
+    stream: cudarc::driver::sys::CUstream,
+    params: &mut [*mut c_void],
+) -> Result<()> {
+    use cudarc::driver::sys;
+    // SAFETY: a zeroed attribute is a valid C struct; the union member written is the one the
+    // id names.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: grid[0],
+        gridDimY: grid[1],
+        gridDimZ: grid[2],
+        blockDimX: block[0],
+        blockDimY: block[1],
+        blockDimZ: block[2],
+        sharedMemBytes: shmem,
+        hStream: stream,
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: as `Gpu::launch`: the plan was validated by the sandbox, `params` outlives the
+    // call and `config` points at one live attribute.
+    unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) }
+        .result()
+        .map_err(|e| Error::Device(format!("launch of {kernel} (programmatic dependent launch): {e}")))
+}
+
 impl Gpu {
+    /// Whether the device can launch kernels with programmatic dependent launch (compute
+    /// capability 9.0 and later).
+    pub fn pdl_supported(&self) -> bool {
+        self.info.compute_capability.0 >= 9
+    }
+
     /// Opens device `ordinal` with a device-memory budget of `memory_limit` bytes.
     pub fn open(ordinal: usize, memory_limit: Option<u64>) -> Result<Gpu> {
         let (ctx, stream, info) = open_context(ordinal)?;
@@ -78,6 +132,7 @@ impl Gpu {
             compiles: 0,
             compile_cache_hits: 0,
             timeline: None,
+            pdl: false,
             transfers,
         })
     }
@@ -198,7 +253,10 @@ impl Gpu {
         plan.steps
             .iter()
             .map(|step| match step {
-                PlanStep::Launch { kernel, .. } => self.function(pkg, kernel).map(|f| Some(Function(f))),
+                PlanStep::Launch { kernel, .. } => {
+                    let pdl = self.pdl && pkg.manifest.kernel_pdl(kernel);
+                    self.function(pkg, kernel).map(|f| Some(Function { f, pdl }))
+                }
                 PlanStep::Gemm(_) => Ok(None),
             })
             .collect()
@@ -249,7 +307,7 @@ impl Gpu {
     ) -> Result<()> {
         plan.steps.iter().zip(functions).try_for_each(|(step, f)| match (step, f) {
             (PlanStep::Launch { kernel, grid, block, shared_mem_bytes, args }, Some(f)) => {
-                self.launch(f.0, kernel, *grid, *block, *shared_mem_bytes, args, slots)
+                self.launch(f, kernel, *grid, *block, *shared_mem_bytes, args, slots)
             }
             (PlanStep::Gemm(g), _) => self.gemm(g, slots),
             (PlanStep::Launch { kernel, .. }, None) => Err(Error::Device(format!("kernel {kernel} was not loaded"))),
@@ -277,7 +335,7 @@ impl Gpu {
     #[allow(clippy::too_many_arguments)]
     fn launch(
         &mut self,
-        f: cudarc::driver::sys::CUfunction,
+        f: &Function,
         kernel: &str,
         grid: [u32; 3],
         block: [u32; 3],
@@ -324,12 +382,15 @@ impl Gpu {
         for (p, c) in params.iter_mut().zip(cells.iter_mut()) {
             *p = c as *mut u64 as *mut c_void;
         }
+        if f.pdl {
+            return launch_pdl(f.f, kernel, grid, block, shmem, stream, params);
+        }
         // SAFETY: the sandbox checked the kernel name, dimensions and tensor offsets against
         // the device limits and the tensors' sizes; `cells` outlives the call (the driver
         // copies parameters at launch).
         unsafe {
             cudarc::driver::result::launch_kernel(
-                f,
+                f.f,
                 (grid[0], grid[1], grid[2]),
                 (block[0], block[1], block[2]),
                 shmem,

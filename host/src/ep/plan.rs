@@ -196,6 +196,7 @@ impl Recorder {
                 .filter_map(|(v, _)| self.written.get(v).map(|(d, s, n)| (*v, *d, s.clone(), *n)))
                 .collect(),
             launches: 0,
+            pdl_launches: 0,
             binds: Vec::new(),
             runs: 0,
             capture: CaptureState::default(),
@@ -251,6 +252,7 @@ impl Recorder {
                 slots.push((Loc::Arena(offsets[k]), n));
             }
             plan.launches += s.launch.steps.len() as u64;
+            plan.pdl_launches += s.functions.iter().flatten().filter(|f| f.pdl).count() as u64;
             plan.steps.push(Step { node: s.node, launch: s.launch, functions: s.functions, slots });
         }
         let mut seen = HashSet::new();
@@ -319,6 +321,8 @@ pub struct ExecutionPlan {
     pub outputs: Vec<(ValueId, DType, Vec<usize>, u64)>,
     /// Kernel launches and GEMMs of one eager run.
     pub launches: u64,
+    /// Of those, kernels launched with programmatic dependent launch.
+    pub pdl_launches: u64,
     /// The fed and bound values the steps use, each once, in order of first use: what a
     /// captured graph's addresses depend on.
     binds: Vec<Loc>,

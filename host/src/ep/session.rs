@@ -43,6 +43,8 @@ pub struct SessionOptions {
     /// Rewrite the packages' declared fusion patterns at load (`fuse`; default on,
     /// `--no-fuse` turns it off).
     pub fuse: bool,
+    /// Programmatic dependent launch of the kernels packages declare PDL-safe (`--pdl`).
+    pub pdl: crate::capture::PdlMode,
 }
 
 impl Default for SessionOptions {
@@ -55,6 +57,7 @@ impl Default for SessionOptions {
             small_integer_nodes_on_host: true,
             graphs: GraphMode::Auto,
             fuse: true,
+            pdl: crate::capture::PdlMode::Auto,
         }
     }
 }
@@ -325,8 +328,25 @@ impl Session {
     /// ahead of the run (see `prepare`).
     pub fn new(rt: Arc<Runtime>, mut model: Model, options: SessionOptions) -> Result<Session> {
         let gpu = match options.device {
+            Device::Cpu if options.pdl == crate::capture::PdlMode::On => {
+                return Err(Error::Input("--pdl on needs a CUDA GPU (programmatic dependent launch)".into()));
+            }
             Device::Cpu => None,
-            Device::Cuda(ordinal) => Some(Gpu::open(ordinal, options.device_memory_limit)?),
+            Device::Cuda(ordinal) => {
+                let mut gpu = Gpu::open(ordinal, options.device_memory_limit)?;
+                gpu.pdl = match options.pdl {
+                    crate::capture::PdlMode::Off => false,
+                    crate::capture::PdlMode::Auto => gpu.pdl_supported(),
+                    crate::capture::PdlMode::On if gpu.pdl_supported() => true,
+                    crate::capture::PdlMode::On => {
+                        let (major, minor) = gpu.info.compute_capability;
+                        return Err(Error::Unsupported(format!(
+                            "--pdl on needs programmatic dependent launch (compute capability 9.0 or later); this GPU is {major}.{minor}"
+                        )));
+                    }
+                };
+                Some(gpu)
+            }
         };
         let started = std::time::Instant::now();
         let fusions = if options.fuse {
@@ -762,6 +782,8 @@ impl Session {
             Ok(plan) => {
                 self.report.graphs.plans_built += 1;
                 self.report.graphs.arena_bytes += plan.arena_bytes;
+                self.report.graphs.plan_launches = plan.launches;
+                self.report.graphs.pdl_launches = plan.pdl_launches;
                 PlanEntry::Plan(Box::new(plan))
             }
             Err(why) => PlanEntry::Unplanned(why),

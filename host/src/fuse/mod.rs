@@ -246,7 +246,7 @@ fn check(
     if let Some(between) = rewrite::node_between(g, ix, &b.nodes) {
         return Err(format!("node {} lies between matched nodes", g.nodes[between].name));
     }
-    let consts = rewrite::concat_constants(g, f, b)?;
+    let consts = rewrite::new_constants(g, f, b)?;
     // Every replacement node must resolve, with the dtype of its first input where known.
     let mut opsets = Vec::new();
     for r in &f.replace {

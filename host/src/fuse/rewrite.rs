@@ -11,22 +11,75 @@ use crate::Tensor;
 
 use super::matcher::{Binding, Index};
 
-/// A constant the replacement reads, made at load (`concat`).
+/// A constant the replacement reads, made at load (`concat`, `transpose`).
 pub(super) struct NewConstant {
     pub var: String,
     pub tensor: Tensor,
 }
 
-/// The `concat` constants of `f` for binding `b`, or why they cannot be made (dtypes, ranks or
-/// the other dimensions differ).
-pub(super) fn concat_constants(g: &Graph, f: &Fusion, b: &Binding) -> Result<Vec<NewConstant>, String> {
-    let mut out = Vec::new();
+/// The `concat`, then the `transpose` constants of `f` for binding `b`, or why they cannot be
+/// made (dtypes, ranks or the other dimensions differ).
+pub(super) fn new_constants(g: &Graph, f: &Fusion, b: &Binding) -> Result<Vec<NewConstant>, String> {
+    let mut out: Vec<NewConstant> = Vec::new();
     for c in &f.concat {
         let parts: Vec<&Tensor> = c.inputs.iter().map(|v| &g.initializers[&b.vars[v]]).collect();
         let t = concat(&parts, c.axis).map_err(|e| format!("concat {}: {e}", c.output))?;
         out.push(NewConstant { var: c.output.clone(), tensor: t });
     }
+    for t in &f.transpose {
+        let input = match out.iter().find(|c| c.var == t.input) {
+            Some(c) => &c.tensor,
+            None => &g.initializers[&b.vars[&t.input]],
+        };
+        let tensor = transpose(input).map_err(|e| format!("transpose {}: {e}", t.output))?;
+        out.push(NewConstant { var: t.output.clone(), tensor });
+    }
     Ok(out)
+}
+
+/// ONNX Transpose of a host tensor without `perm` (its axes reversed), byte-wise. Matrices are
+/// copied in 32×32 tiles, so that a weight of hundreds of MB transposes at memory speed.
+pub(crate) fn transpose(t: &Tensor) -> Result<Tensor, String> {
+    let size = t.dtype.size().ok_or_else(|| format!("dtype {} has no fixed size", t.dtype))?;
+    let shape: Vec<usize> = t.shape.iter().rev().copied().collect();
+    let rank = t.shape.len();
+    let n: usize = t.shape.iter().product();
+    let mut data = vec![0u8; n * size];
+    if rank == 2 {
+        let (rows, cols) = (t.shape[0], t.shape[1]);
+        const TILE: usize = 32;
+        for r0 in (0..rows).step_by(TILE) {
+            for c0 in (0..cols).step_by(TILE) {
+                for r in r0..(r0 + TILE).min(rows) {
+                    for c in c0..(c0 + TILE).min(cols) {
+                        let (src, dst) = ((r * cols + c) * size, (c * rows + r) * size);
+                        data[dst..dst + size].copy_from_slice(&t.data[src..src + size]);
+                    }
+                }
+            }
+        }
+    } else if rank > 2 {
+        // Strides of the input, read in the output's (reversed) axis order.
+        let mut strides = vec![1usize; rank];
+        for a in (0..rank.saturating_sub(1)).rev() {
+            strides[a] = strides[a + 1] * t.shape[a + 1];
+        }
+        let mut index = vec![0usize; rank];
+        for dst in 0..n {
+            let src: usize = index.iter().enumerate().map(|(a, &i)| i * strides[rank - 1 - a]).sum();
+            data[dst * size..(dst + 1) * size].copy_from_slice(&t.data[src * size..(src + 1) * size]);
+            for a in (0..rank).rev() {
+                index[a] += 1;
+                if index[a] < shape[a] {
+                    break;
+                }
+                index[a] = 0;
+            }
+        }
+    } else {
+        data.copy_from_slice(&t.data);
+    }
+    Tensor::new(t.dtype, shape, data.into()).map_err(|e| e.to_string())
 }
 
 /// ONNX Concat of host tensors along `axis` (negative from the end), byte-wise.
@@ -211,4 +264,45 @@ fn sort_topologically(g: &mut Graph) {
     let Some(order) = topological_order(g, &BTreeSet::new()) else { return };
     let mut nodes: Vec<Option<Node>> = std::mem::take(&mut g.nodes).into_iter().map(Some).collect();
     g.nodes = order.into_iter().filter_map(|i| nodes[i].take()).collect();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_kernel_abi::DType;
+
+    fn f32_tensor(shape: Vec<usize>) -> Tensor {
+        let n: usize = shape.iter().product();
+        let data: Vec<u8> = (0..n).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        Tensor::new(DType::F32, shape, data.into()).unwrap()
+    }
+
+    fn values(t: &Tensor) -> Vec<f32> {
+        t.data.chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    }
+
+    #[test]
+    fn transpose_reverses_the_axes() {
+        // A matrix wider than one 32×32 tile: out[c][r] = in[r][c].
+        let (rows, cols) = (3, 70);
+        let t = transpose(&f32_tensor(vec![rows, cols])).unwrap();
+        assert_eq!(t.shape, vec![cols, rows]);
+        let v = values(&t);
+        for c in 0..cols {
+            for r in 0..rows {
+                assert_eq!(v[c * rows + r], (r * cols + c) as f32);
+            }
+        }
+        // Rank 3: out[k][j][i] = in[i][j][k].
+        let t = transpose(&f32_tensor(vec![2, 3, 4])).unwrap();
+        assert_eq!(t.shape, vec![4, 3, 2]);
+        let v = values(&t);
+        for i in 0..2 {
+            for j in 0..3 {
+                for k in 0..4 {
+                    assert_eq!(v[k * 6 + j * 2 + i], (i * 12 + j * 4 + k) as f32);
+                }
+            }
+        }
+    }
 }

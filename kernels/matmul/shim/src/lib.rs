@@ -3,6 +3,9 @@
 //! Gemm-7/9/11/13 (`transA`, `transB`, `alpha`, `beta`, optional `C` broadcast
 //! unidirectionally to (M, N)), following ONNX Operators.md.
 //!
+//! `ai.kiln::Linear`, `RmsNormLinear` and `SwiGluLinear` (weights stored `[N, K]`; the decode
+//! fusions) are in [`linear`].
+//!
 //! The CPU reference accumulates floating-point products in f64 and rounds once; integer
 //! products accumulate in i64 with wrapping arithmetic (the same result, modulo 2^bits, as
 //! wrapping in the element type).
@@ -12,6 +15,8 @@ extern crate alloc;
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
 use kiln_kernel_abi::{bail, export_shim, unsupported, with_dtype};
+
+mod linear;
 
 struct MatMulPkg;
 
@@ -524,6 +529,9 @@ fn gemm_dispatch(call: &Call) -> Result<()> {
 
 impl Shim for MatMulPkg {
     fn infer(call: &Call) -> Result<Vec<TensorType>> {
+        if call.domain() == "ai.kiln" {
+            return linear::infer(call);
+        }
         match call.op_type() {
             "MatMul" => {
                 let dtype = operand_dtype(call, &[0, 1])?;
@@ -540,6 +548,9 @@ impl Shim for MatMulPkg {
     }
 
     fn cpu(call: &Call) -> Result<()> {
+        if call.domain() == "ai.kiln" {
+            return linear::cpu(call);
+        }
         match call.op_type() {
             "MatMul" => {
                 let dtype = operand_dtype(call, &[0, 1])?;
@@ -558,6 +569,9 @@ impl Shim for MatMulPkg {
     }
 
     fn dispatch(call: &Call) -> Result<()> {
+        if call.domain() == "ai.kiln" {
+            return linear::dispatch(call);
+        }
         match call.op_type() {
             "MatMul" => matmul_dispatch(call),
             "Gemm" => gemm_dispatch(call),

@@ -1,0 +1,411 @@
+// linear.cu — ai.kiln::Linear, ai.kiln::RmsNormLinear and ai.kiln::SwiGluLinear (shim/src/linear.rs):
+// Y = A · Wᵀ with W stored [N, K] (K contiguous, as torch.nn.Linear keeps its weight), where A is
+// X itself (Linear), RMS-normalised X (+ skip) (RmsNormLinear) or SiLU(gate)·up of a packed
+// [gate | up] row (SwiGluLinear). A is rounded to the storage type before the product, as the
+// unfused graph stores it (SwiGluLinear rounds after Sigmoid, Mul and Mul, as those three
+// ops do); products accumulate in f32.
+//
+// Decode (few rows): kiln_linear_gemv_<mode><R>_<t>, one kernel. Every block first computes A for its rows
+// into shared memory (the prologue; every block does it again, which costs L2 reads of a few
+// KiB), then each warp computes LIN_COLS outputs for all those rows: lanes stream 16-byte runs
+// of a weight row (all loads of a pass issued before the first FMA), partial sums meet in warp
+// shuffles. The first pass's weight loads are issued before the grid-dependency wait, so under
+// programmatic dependent launch they overlap the previous kernel; before that wait the kernel
+// reads nothing but W and writes nothing (every block reaches the wait). It lets the next kernel
+// launch at once (griddepcontrol.launch_dependents): a GEMV after it loads its own weights while
+// this one runs.
+//
+// Prefill (many rows): the shim writes A with kiln_linear_rmsnorm_<t> / kiln_linear_swiglu_<t>
+// into scratch and calls cuBLASLt (gemm with transB) for the product.
+#include "kiln.cuh"
+
+namespace lin {
+
+struct F32 {
+    typedef float S;
+    enum { VEC = 4 };
+    static __device__ __forceinline__ float ld(float v) { return v; }
+    static __device__ __forceinline__ float st(float v) { return v; }
+    static __device__ __forceinline__ void unpack(const uint4& v, float* f) {
+        f[0] = __uint_as_float(v.x);
+        f[1] = __uint_as_float(v.y);
+        f[2] = __uint_as_float(v.z);
+        f[3] = __uint_as_float(v.w);
+    }
+    static __device__ __forceinline__ uint4 pack(const float* f) {
+        return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
+    }
+};
+
+struct F16 {
+    typedef kiln_f16 S;
+    enum { VEC = 8 };
+    static __device__ __forceinline__ float ld(kiln_f16 v) { return kiln_f16_to_f32(v); }
+    static __device__ __forceinline__ kiln_f16 st(float v) { return kiln_f32_to_f16(v); }
+    static __device__ __forceinline__ void unpack(const uint4& v, float* f) {
+        const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            f[2 * i] = kiln_f16_to_f32((kiln_f16)(w[i] & 0xffffu));
+            f[2 * i + 1] = kiln_f16_to_f32((kiln_f16)(w[i] >> 16));
+        }
+    }
+    static __device__ __forceinline__ uint4 pack(const float* f) {
+        unsigned w[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) w[i] = (unsigned)kiln_f32_to_f16(f[2 * i]) | ((unsigned)kiln_f32_to_f16(f[2 * i + 1]) << 16);
+        return make_uint4(w[0], w[1], w[2], w[3]);
+    }
+};
+
+struct BF16 {
+    typedef kiln_bf16 S;
+    enum { VEC = 8 };
+    static __device__ __forceinline__ float ld(kiln_bf16 v) { return kiln_bf16_to_f32(v); }
+    static __device__ __forceinline__ kiln_bf16 st(float v) { return kiln_f32_to_bf16(v); }
+    static __device__ __forceinline__ void unpack(const uint4& v, float* f) {
+        const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            f[2 * i] = __uint_as_float(w[i] << 16);
+            f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+        }
+    }
+    static __device__ __forceinline__ uint4 pack(const float* f) {
+        unsigned w[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            w[i] = (unsigned)kiln_f32_to_bf16(f[2 * i]) | ((unsigned)kiln_f32_to_bf16(f[2 * i + 1]) << 16);
+        return make_uint4(w[0], w[1], w[2], w[3]);
+    }
+};
+
+// Modes of the GEMV's prologue (the shim's `Prologue`).
+enum { MODE_LINEAR = 0, MODE_RMSNORM = 1, MODE_SWIGLU = 2 };
+// Flags of the RMS prologue.
+enum { HAS_SKIP = 1, HAS_SUM = 2 };
+
+#define LIN_WARPS 4    // warps per block
+#define LIN_COLS 2     // outputs (weight rows) per warp
+#define LIN_ROWS 8     // rows of A per block
+#define LIN_UNROLL 4   // 16-byte weight loads per lane and output in flight
+#define LIN_PRO 4      // 16-byte activation loads per thread in flight in the prologue
+
+// Sigmoid without overflow and without a branch: with e = exp(-|g|), 1 / (1 + e) for g ≥ 0 and
+// e / (1 + e) below (kiln-unary's formula, the division as a correctly rounded reciprocal).
+__device__ __forceinline__ float sigmoid(float g) {
+    const float e = expf(-fabsf(g));
+    const float r = __frcp_rn(1.f + e);
+    return g >= 0.f ? r : e * r;
+}
+
+// SiLU(g)·u as the ONNX ops Sigmoid, Mul, Mul compute it on kiln's GPU: each in f32 and rounded
+// to the storage type (the caller rounds the last).
+template <typename T>
+__device__ __forceinline__ float silu_mul(float g, float u) {
+    const float s = T::ld(T::st(sigmoid(g)));
+    return T::ld(T::st(g * s)) * u;
+}
+
+// A chunk of VEC values of A into shared memory as f32, each rounded to the storage type first
+// (A holds what the unfused graph would store), and back.
+template <typename T>
+__device__ __forceinline__ void store_a(float* dst, const float* f) {
+    float4* d = (float4*)dst;
+#pragma unroll
+    for (int i = 0; i < T::VEC / 4; ++i)
+        d[i] = make_float4(T::ld(T::st(f[4 * i])), T::ld(T::st(f[4 * i + 1])), T::ld(T::st(f[4 * i + 2])),
+                           T::ld(T::st(f[4 * i + 3])));
+}
+
+template <typename T>
+__device__ __forceinline__ void load_a(const float* src, float* f) {
+    const float4* s = (const float4*)src;
+#pragma unroll
+    for (int i = 0; i < T::VEC / 4; ++i) {
+        const float4 v = s[i];
+        f[4 * i] = v.x;
+        f[4 * i + 1] = v.y;
+        f[4 * i + 2] = v.z;
+        f[4 * i + 3] = v.w;
+    }
+}
+
+// One row of RmsNormLinear's A by `lanes` threads starting at `lane` (`reduce` sums over them),
+// scalar accesses (the prefill kernel): s = x + skip, a = s · (1 / rms) · gamma with
+// rms = sqrt(mean(s²) + eps); s is written to `sum` when given.
+template <typename T, typename Reduce>
+__device__ __forceinline__ void rms_row(const typename T::S* x, const typename T::S* skip, const typename T::S* gamma,
+                                        typename T::S* a, typename T::S* sum, kiln_u64 row, kiln_u64 k,
+                                        kiln_u64 skip_len, unsigned flags, float eps, unsigned lane, unsigned lanes,
+                                        Reduce reduce) {
+    const kiln_u64 base = row * k;
+    float q = 0.f;
+    for (kiln_u64 c = lane; c < k; c += lanes) {
+        float s = T::ld(x[base + c]);
+        if (flags & HAS_SKIP) s += T::ld(skip[(base + c) % skip_len]);
+        if (sum) sum[base + c] = T::st(s);
+        q += s * s;
+    }
+    const float inv = 1.f / sqrtf(reduce(q) / (float)k + eps);
+    for (kiln_u64 c = lane; c < k; c += lanes) {
+        float s = T::ld(x[base + c]);
+        if (flags & HAS_SKIP) s += T::ld(skip[(base + c) % skip_len]);
+        a[c] = T::st(s * inv * T::ld(gamma[c]));
+    }
+}
+
+struct WarpSum {
+    __device__ __forceinline__ float operator()(float v) const { return kiln_warp_sum(v); }
+};
+
+// Block-wide sum for blockDim.x a multiple of 32, at most 1024.
+struct BlockSum {
+    float* shared;  // 32 floats
+    __device__ __forceinline__ float operator()(float v) const {
+        v = kiln_warp_sum(v);
+        const unsigned w = threadIdx.x / 32, l = threadIdx.x % 32, nw = blockDim.x / 32;
+        __syncthreads();
+        if (l == 0) shared[w] = v;
+        __syncthreads();
+        float t = l < nw ? shared[l] : 0.f;
+        return kiln_warp_sum(t);
+    }
+};
+
+// rms_row for the GEMV prologue: one warp, 16-byte accesses, LIN_PRO loads of each operand in
+// flight per lane. `a` is the row in shared memory (f32, rounded values), `sum` the row of the sum
+// output or null; kc = k / VEC; skip_len is a multiple of k.
+template <typename T>
+__device__ __forceinline__ void rms_row_warp(const typename T::S* x, const typename T::S* skip,
+                                             const typename T::S* gamma, float* a, typename T::S* sum,
+                                             kiln_u64 row, kiln_u64 k, unsigned kc, kiln_u64 skip_len, unsigned flags,
+                                             float eps, unsigned lane) {
+    const uint4* xr = (const uint4*)(x + row * k);
+    const uint4* sr = (const uint4*)(skip + (row * k) % skip_len);
+    const uint4* gr = (const uint4*)gamma;
+    uint4* sum_r = (uint4*)sum;
+    const bool has_skip = flags & HAS_SKIP;
+    float q = 0.f;
+    for (unsigned c0 = 0; c0 < kc; c0 += 32 * LIN_PRO) {
+        uint4 xv[LIN_PRO], sv[LIN_PRO];
+#pragma unroll
+        for (int u = 0; u < LIN_PRO; ++u) {
+            const unsigned c = c0 + u * 32 + lane;
+            xv[u] = c < kc ? xr[c] : make_uint4(0, 0, 0, 0);
+            sv[u] = has_skip && c < kc ? sr[c] : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < LIN_PRO; ++u) {
+            float xf[T::VEC], sf[T::VEC];
+            T::unpack(xv[u], xf);
+            T::unpack(sv[u], sf);
+#pragma unroll
+            for (int e = 0; e < T::VEC; ++e) {
+                xf[e] += sf[e];
+                q += xf[e] * xf[e];
+            }
+            const unsigned c = c0 + u * 32 + lane;
+            if (sum_r && c < kc) sum_r[c] = T::pack(xf);
+        }
+    }
+    const float inv = 1.f / sqrtf(kiln_warp_sum(q) / (float)k + eps);
+    for (unsigned c0 = 0; c0 < kc; c0 += 32 * LIN_PRO) {
+        uint4 xv[LIN_PRO], sv[LIN_PRO], gv[LIN_PRO];
+#pragma unroll
+        for (int u = 0; u < LIN_PRO; ++u) {
+            const unsigned c = c0 + u * 32 + lane;
+            xv[u] = c < kc ? xr[c] : make_uint4(0, 0, 0, 0);
+            gv[u] = c < kc ? gr[c] : make_uint4(0, 0, 0, 0);
+            sv[u] = has_skip && c < kc ? sr[c] : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < LIN_PRO; ++u) {
+            float xf[T::VEC], sf[T::VEC], gf[T::VEC];
+            T::unpack(xv[u], xf);
+            T::unpack(sv[u], sf);
+            T::unpack(gv[u], gf);
+#pragma unroll
+            for (int e = 0; e < T::VEC; ++e) xf[e] = (xf[e] + sf[e]) * inv * gf[e];
+            const unsigned c = c0 + u * 32 + lane;
+            if (c < kc) store_a<T>(a + c * T::VEC, xf);
+        }
+    }
+}
+
+// Loads the weight runs of one pass: outputs col..col+LIN_COLS-1, 16-byte chunks
+// base + u·32 + lane (zeros past the row or past N).
+__device__ __forceinline__ void load_pass(uint4 (&wv)[LIN_COLS][LIN_UNROLL], const uint4* w, kiln_u64 col, kiln_u64 n,
+                                          unsigned kc, unsigned base, unsigned lane) {
+#pragma unroll
+    for (int j = 0; j < LIN_COLS; ++j) {
+#pragma unroll
+        for (int u = 0; u < LIN_UNROLL; ++u) {
+            const unsigned c = base + u * 32 + lane;
+            wv[j][u] = col + j < n && c < kc ? __ldg(w + (col + j) * kc + c) : make_uint4(0, 0, 0, 0);
+        }
+    }
+}
+
+// Y[rows, n] = A · Wᵀ for at most ROWS rows per block (blockIdx.y picks them); see the top.
+// MODE is the prologue; ROWS (1, 2 or 4) sizes the accumulators, so that a decode step of one
+// row carries no arithmetic for four.
+template <typename T, int MODE, int ROWS>
+__device__ __forceinline__ void gemv(const typename T::S* x, const typename T::S* skip, const typename T::S* gamma,
+                                     const typename T::S* w, typename T::S* y, typename T::S* sum, kiln_u64 rows,
+                                     kiln_u64 n, kiln_u64 k, kiln_u64 skip_len, unsigned flags, float eps) {
+    typedef typename T::S S;
+    extern __shared__ __align__(16) unsigned char lin_shared[];
+    float* a = (float*)lin_shared;  // [rows_here, k] in f32: converted once, read by every warp
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const kiln_u64 row0 = (kiln_u64)blockIdx.y * ROWS;
+    const unsigned rows_here = (unsigned)min((kiln_u64)ROWS, rows - row0);
+    const unsigned kc = (unsigned)(k / T::VEC);
+    const uint4* w4 = (const uint4*)w;
+    const kiln_u64 col_step = (kiln_u64)gridDim.x * LIN_WARPS * LIN_COLS;
+    kiln_u64 col = ((kiln_u64)blockIdx.x * LIN_WARPS + warp) * LIN_COLS;
+
+    uint4 wv[LIN_COLS][LIN_UNROLL];
+    load_pass(wv, w4, col, n, kc, 0, lane);
+    kiln_griddep_launch_dependents();
+    kiln_griddep_wait();
+
+    // Prologue: A for this block's rows.
+    if (MODE == MODE_RMSNORM) {
+        for (unsigned r = warp; r < rows_here; r += LIN_WARPS) {
+            S* s = (blockIdx.x == 0 && (flags & HAS_SUM)) ? sum + (row0 + r) * k : (S*)0;
+            rms_row_warp<T>(x, skip, gamma, a + (kiln_u64)r * k, s, row0 + r, k, kc, skip_len, flags, eps, lane);
+        }
+    } else {
+        // SwiGlu: chunk i of A (row i / kc) from the gate and up chunks of X's row; Linear: a copy.
+        const unsigned total = rows_here * kc;
+        for (unsigned i0 = threadIdx.x; i0 < total; i0 += blockDim.x * LIN_PRO) {
+            uint4 gv[LIN_PRO], uv[LIN_PRO];
+#pragma unroll
+            for (int u = 0; u < LIN_PRO; ++u) {
+                const unsigned i = i0 + u * blockDim.x, r = i / kc, c = i - r * kc;
+                const uint4* xr = (const uint4*)(x + (row0 + r) * (MODE == MODE_SWIGLU ? 2 : 1) * k);
+                gv[u] = i < total ? xr[c] : make_uint4(0, 0, 0, 0);
+                if (MODE == MODE_SWIGLU) uv[u] = i < total ? xr[kc + c] : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int u = 0; u < LIN_PRO; ++u) {
+                const unsigned i = i0 + u * blockDim.x;
+                if (MODE == MODE_SWIGLU) {
+                    float gf[T::VEC], uf[T::VEC];
+                    T::unpack(gv[u], gf);
+                    T::unpack(uv[u], uf);
+#pragma unroll
+                    for (int e = 0; e < T::VEC; ++e) gf[e] = silu_mul<T>(gf[e], uf[e]);
+                    if (i < total) store_a<T>(a + i * T::VEC, gf);
+                } else if (i < total) {
+                    float xf[T::VEC];
+                    T::unpack(gv[u], xf);
+                    store_a<T>(a + i * T::VEC, xf);
+                }
+            }
+        }
+    }
+    __syncthreads();
+
+    bool loaded = true;
+    for (; col < n; col += col_step) {
+        float acc[ROWS][LIN_COLS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+            for (int j = 0; j < LIN_COLS; ++j) acc[r][j] = 0.f;
+        for (unsigned base = 0; base < kc; base += 32 * LIN_UNROLL) {
+            if (!loaded) load_pass(wv, w4, col, n, kc, base, lane);
+            loaded = false;
+#pragma unroll
+            for (int u = 0; u < LIN_UNROLL; ++u) {
+                const unsigned c = base + u * 32 + lane;
+                if (c < kc) {
+                    float wf[LIN_COLS][T::VEC];
+#pragma unroll
+                    for (int j = 0; j < LIN_COLS; ++j) T::unpack(wv[j][u], wf[j]);
+#pragma unroll
+                    for (int r = 0; r < ROWS; ++r) {
+                        if (ROWS == 1 || r < (int)rows_here) {
+                            float af[T::VEC];
+                            load_a<T>(a + (r * kc + c) * T::VEC, af);
+#pragma unroll
+                            for (int j = 0; j < LIN_COLS; ++j)
+#pragma unroll
+                                for (int e = 0; e < T::VEC; ++e) acc[r][j] = fmaf(af[e], wf[j][e], acc[r][j]);
+                        }
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            if (ROWS == 1 || r < (int)rows_here) {
+#pragma unroll
+                for (int j = 0; j < LIN_COLS; ++j) {
+                    const float v = kiln_warp_sum(acc[r][j]);
+                    if (lane == 0 && col + j < n) y[(row0 + r) * n + col + j] = T::st(v);
+                }
+            }
+        }
+    }
+}
+
+}  // namespace lin
+
+// kiln_linear_gemv_<mode><R>_<t>(const T* x, const T* skip, const T* gamma, const T* w, T* y, T* sum,
+//                                u64 rows, u64 n, u64 k, u64 skip_len, u32 flags, float eps)
+// mode lin: A = X [rows, k]; rms: A = RMS(X + skip) · gamma, s = X + skip written to sum when
+// flags has HAS_SUM (by the blocks of column block 0); swiglu: A = SiLU(X[:, :k]) · X[:, k:], X
+// [rows, 2k]. R (1, 2, 4) rows per block: grid [column blocks, ceil(rows / R), 1], block
+// [128, 1, 1], dynamic shared memory min(rows, R) · k · 4 (A in f32). k is a multiple of
+// 16 / sizeof(T); every operand 16-byte aligned.
+#define KILN_LINEAR_GEMV(NAME, T, MODE, R)                                                                           \
+    extern "C" __global__ void __launch_bounds__(LIN_WARPS * 32)                                                     \
+        NAME(const T::S* x, const T::S* skip, const T::S* gamma, const T::S* w, T::S* y, T::S* sum, kiln_u64 rows, \
+             kiln_u64 n, kiln_u64 k, kiln_u64 skip_len, unsigned flags, float eps) {                                \
+        lin::gemv<T, MODE, R>(x, skip, gamma, w, y, sum, rows, n, k, skip_len, flags, eps);                          \
+    }
+#define KILN_LINEAR_GEMV_ROWS(MODE_NAME, MODE, SFX, T)                        \
+    KILN_LINEAR_GEMV(kiln_linear_gemv_##MODE_NAME##1_##SFX, T, MODE, 1)       \
+    KILN_LINEAR_GEMV(kiln_linear_gemv_##MODE_NAME##2_##SFX, T, MODE, 2)       \
+    KILN_LINEAR_GEMV(kiln_linear_gemv_##MODE_NAME##4_##SFX, T, MODE, 4)
+#define KILN_LINEAR_GEMV_MODES(SFX, T)                           \
+    KILN_LINEAR_GEMV_ROWS(lin, lin::MODE_LINEAR, SFX, T)         \
+    KILN_LINEAR_GEMV_ROWS(rms, lin::MODE_RMSNORM, SFX, T)        \
+    KILN_LINEAR_GEMV_ROWS(swiglu, lin::MODE_SWIGLU, SFX, T)
+KILN_LINEAR_GEMV_MODES(f32, lin::F32)
+KILN_LINEAR_GEMV_MODES(f16, lin::F16)
+KILN_LINEAR_GEMV_MODES(bf16, lin::BF16)
+
+// kiln_linear_rmsnorm_<t>(const T* x, const T* skip, const T* gamma, T* a, T* sum, u64 rows, u64 k,
+//                         u64 skip_len, u32 flags, float eps)
+// A [rows, k] and (HAS_SUM) s = X + skip for the prefill path; a block per row (grid-stride),
+// block [256, 1, 1]. `sum` is ignored without HAS_SUM.
+#define KILN_LINEAR_RMSNORM(NAME, T)                                                                               \
+    extern "C" __global__ void NAME(const T::S* x, const T::S* skip, const T::S* gamma, T::S* a, T::S* sum,      \
+                                    kiln_u64 rows, kiln_u64 k, kiln_u64 skip_len, unsigned flags, float eps) {   \
+        __shared__ float red[32];                                                                                  \
+        kiln_griddep_wait();                                                                                       \
+        for (kiln_u64 r = blockIdx.x; r < rows; r += gridDim.x)                                                    \
+            lin::rms_row<T>(x, skip, gamma, a + r * k, (flags & lin::HAS_SUM) ? sum : (T::S*)0, r, k, skip_len,  \
+                            flags, eps, threadIdx.x, blockDim.x, lin::BlockSum{red});                              \
+    }
+KILN_LINEAR_RMSNORM(kiln_linear_rmsnorm_f32, lin::F32)
+KILN_LINEAR_RMSNORM(kiln_linear_rmsnorm_f16, lin::F16)
+KILN_LINEAR_RMSNORM(kiln_linear_rmsnorm_bf16, lin::BF16)
+
+// kiln_linear_swiglu_<t>(const T* gu, T* a, u64 rows, u64 k): A[r, c] = SiLU(gu[r, c]) · gu[r, k + c],
+// GU [rows, 2k]; grid-stride over rows · k.
+#define KILN_LINEAR_SWIGLU(NAME, T)                                                                  \
+    extern "C" __global__ void NAME(const T::S* gu, T::S* a, kiln_u64 rows, kiln_u64 k) {            \
+        kiln_griddep_wait();                                                                         \
+        KILN_FOR(i, rows * k) {                                                                      \
+            const kiln_u64 r = i / k, c = i - r * k;                                                 \
+            a[i] = T::st(lin::silu_mul<T>(T::ld(gu[r * 2 * k + c]), T::ld(gu[r * 2 * k + k + c])));     \
+        }                                                                                            \
+    }
+KILN_LINEAR_SWIGLU(kiln_linear_swiglu_f32, lin::F32)
+KILN_LINEAR_SWIGLU(kiln_linear_swiglu_f16, lin::F16)
+KILN_LINEAR_SWIGLU(kiln_linear_swiglu_bf16, lin::BF16)

@@ -1,0 +1,365 @@
+//! kiln's linear layers over a weight stored `[N, K]` (K contiguous, as `torch.nn.Linear` keeps
+//! it; the decode fusions of `kernel.toml` transpose ONNX's `[K, N]` MatMul weights once at
+//! load):
+//!
+//! - `ai.kiln::Linear(X [..., K], W [N, K])` → `Y [..., N]`, `Y = X · Wᵀ`
+//!   (`torch.nn.functional.linear` without bias);
+//! - `ai.kiln::RmsNormLinear(X [..., K], skip?, gamma [K], W [N, K])` → `Y [..., N]`,
+//!   `sum [..., K]?`: onnxruntime's SkipSimplifiedLayerNormalization (or, without `skip`,
+//!   SimplifiedLayerNormalization over the last axis) followed by the MatMul that reads its
+//!   output: `s = X + skip`, `A = s / sqrt(mean(s²) + epsilon) · gamma`, `Y = A · Wᵀ`, and `sum`
+//!   (SkipSimplifiedLayerNormalization's `input_skip_bias_sum`) is `s`. `skip` has X's shape or a
+//!   suffix of it (added to every leading index, as onnxruntime allows `[sequence, hidden]`).
+//!   Attribute `epsilon`: default 1e-12 with `skip` and 1e-5 without, the defaults of the two ops
+//!   it replaces; `axis` (must be -1 or X's last axis) and `stash_type` are accepted so that a
+//!   SimplifiedLayerNormalization's attributes carry over;
+//! - `ai.kiln::SwiGluLinear(GU [..., 2F], W [N, F])` → `Y [..., N]`: `A = SiLU(gate) · up` of
+//!   each row's gate half then up half (kiln-unary's packed SwiGlu), `Y = A · Wᵀ`, with A
+//!   computed as the ops it replaces compute it: `Sigmoid(gate)`, `gate · that` and `· up`,
+//!   each rounded to the dtype (the verify of `skip-rmsnorm-mlp` holds the fused op to those
+//!   three roundings; rounding once differs by an ulp, which the down projection's sum
+//!   magnifies where it cancels).
+//!
+//! All operands share one dtype: float32, float16, bfloat16 (and float64 on the CPU). `A` is
+//! rounded to that dtype before the product, as the unfused graph stores it, so the fused op
+//! computes what the ops it replaces compute. The CPU reference computes in f64 and rounds `A`,
+//! `sum` and `Y` once each; the CUDA kernels compute in f32 (`cuda/linear.cu`).
+//!
+//! On the GPU, up to [`GEMV_MAX_ROWS`] rows (decode) run as one GEMV kernel that computes `A` in
+//! its prologue; more rows (prefill) write `A` to scratch and call cuBLASLt with `transB`.
+
+use alloc::vec::Vec;
+use kiln_kernel_abi::guest::*;
+use kiln_kernel_abi::{bail, unsupported};
+
+/// Most rows (product of X's leading dimensions) that take the GEMV kernel. On an H200 at 8 rows
+/// (bench/RESULTS.md, 2026-12-02) the GEMV's CUDA-core arithmetic and its per-block prologue cost
+/// more than a prologue kernel plus cuBLASLt; at 1 row it is well ahead.
+pub const GEMV_MAX_ROWS: usize = 4;
+/// Most rows of A one GEMV block holds in shared memory: its kernels come for 1, 2 and 4.
+const GEMV_BLOCK_ROWS: usize = 4;
+/// Threads per GEMV block and outputs per block (`LIN_WARPS` · 32, `LIN_WARPS` · `LIN_COLS`).
+const GEMV_THREADS: u32 = 128;
+const GEMV_COLS_PER_BLOCK: usize = 8;
+/// Most GEMV column blocks; larger N loops inside the blocks.
+const GEMV_MAX_BLOCKS: usize = 1024;
+/// Shared memory a GEMV block may use for A (the portable per-block limit).
+const GEMV_MAX_SHARED: usize = 48 * 1024;
+
+/// What the product's left operand A is made of (the `<mode>` of `kiln_linear_gemv_<mode><R>_<t>`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Prologue {
+    Linear,
+    RmsNorm,
+    SwiGlu,
+}
+
+impl Prologue {
+    fn kernel_mode(self) -> &'static str {
+        match self {
+            Prologue::Linear => "lin",
+            Prologue::RmsNorm => "rms",
+            Prologue::SwiGlu => "swiglu",
+        }
+    }
+}
+
+/// One call's geometry: `rows` rows of A, each `k` wide, against W `[n, k]`.
+struct Geometry {
+    prologue: Prologue,
+    dtype: DType,
+    rows: usize,
+    k: usize,
+    n: usize,
+    y_shape: Vec<usize>,
+    x_shape: Vec<usize>,
+    /// Elements of `skip` (RmsNormLinear with skip), else 0.
+    skip_len: usize,
+    eps: f32,
+}
+
+fn op_prologue(op: &str) -> Result<Prologue> {
+    Ok(match op {
+        "Linear" => Prologue::Linear,
+        "RmsNormLinear" => Prologue::RmsNorm,
+        "SwiGluLinear" => Prologue::SwiGlu,
+        other => unsupported!("kiln-matmul does not implement ai.kiln::{other}"),
+    })
+}
+
+fn geometry(call: &Call) -> Result<Geometry> {
+    let op = call.op_type();
+    let prologue = op_prologue(op)?;
+    let (w_index, max_inputs) = match prologue {
+        Prologue::RmsNorm => (3, 4),
+        _ => (1, 2),
+    };
+    if call.num_inputs() != max_inputs {
+        bail!("{op}: takes {max_inputs} inputs, the node has {}", call.num_inputs());
+    }
+    let max_outputs = if prologue == Prologue::RmsNorm { 2 } else { 1 };
+    if call.num_outputs() > max_outputs {
+        bail!("{op}: has at most {max_outputs} outputs, the node has {}", call.num_outputs());
+    }
+    let x = call.input(0)?;
+    let dtype = x.dtype()?;
+    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16 | DType::F64) {
+        unsupported!("{op}: dtype {dtype} is not supported (float32, float16, bfloat16, float64)");
+    }
+    let same = |i: usize, what: &str| -> Result<Vec<usize>> {
+        let t = call.input(i)?;
+        let d = t.dtype()?;
+        if d != dtype {
+            bail!("{op}: {what} is {d} but X is {dtype}");
+        }
+        t.shape()
+    };
+    let w = same(w_index, "W")?;
+    let x_shape = x.shape()?;
+    let Some(&last) = x_shape.last() else { bail!("{op}: X must have rank ≥ 1, not a scalar") };
+    if w.len() != 2 {
+        bail!("{op}: W must be a matrix [N, K], got shape {w:?}");
+    }
+    let (n, k) = (w[0], w[1]);
+    let want = if prologue == Prologue::SwiGlu { 2 * k } else { k };
+    if last != want {
+        bail!("{op}: X's last dimension is {last}, W {w:?} needs {want}");
+    }
+    let rows = x_shape[..x_shape.len() - 1].iter().product();
+    let mut y_shape = x_shape.clone();
+    *y_shape.last_mut().unwrap_or(&mut 0) = n;
+    let mut skip_len = 0;
+    let mut eps = 0.0;
+    if prologue == Prologue::RmsNorm {
+        if let Some(skip) = call.input_opt(1) {
+            let s = same(1, "skip")?;
+            if s.is_empty() || !x_shape.ends_with(&s[s.iter().take_while(|&&d| d == 1).count()..]) || s.len() > x_shape.len() {
+                bail!("{op}: skip of shape {s:?} must have X's shape {x_shape:?} or a suffix of it");
+            }
+            skip_len = skip.numel()?;
+        }
+        let g = same(2, "gamma")?;
+        if g != [k] {
+            bail!("{op}: gamma must be [{k}], got {g:?}");
+        }
+        let axis = call.attr_i("axis", -1)?;
+        if axis != -1 && axis != x_shape.len() as i64 - 1 {
+            unsupported!("{op}: normalises the last axis only, not axis {axis}");
+        }
+        let default = if skip_len > 0 { 1e-12 } else { 1e-5 };
+        eps = call.attr_f("epsilon", default)?;
+        if !(eps >= 0.0) {
+            bail!("{op}: epsilon must not be negative, got {eps}");
+        }
+    }
+    Ok(Geometry { prologue, dtype, rows, k, n, y_shape, x_shape, skip_len, eps })
+}
+
+pub fn infer(call: &Call) -> Result<Vec<TensorType>> {
+    let g = geometry(call)?;
+    let mut out = alloc::vec![TensorType::new(g.dtype, g.y_shape)];
+    if g.prologue == Prologue::RmsNorm {
+        out.push(TensorType::new(g.dtype, g.x_shape));
+    }
+    Ok(out)
+}
+
+/// SiLU(g)·u as Sigmoid, Mul and Mul compute it, `round` after the first two.
+fn silu_mul(g: f64, u: f64, round: impl Fn(f64) -> f64) -> f64 {
+    let s = if g >= 0.0 {
+        1.0 / (1.0 + libm::exp(-g))
+    } else {
+        let e = libm::exp(g);
+        e / (1.0 + e)
+    };
+    round(round(g * round(s)) * u)
+}
+
+/// A `[rows, k]` in f64, not yet rounded (`round` rounds the values the unfused ops would
+/// store on the way), and, for RmsNorm, `s = X + skip`.
+fn operand_a(call: &Call, g: &Geometry, round: impl Fn(f64) -> f64) -> Result<(Vec<f64>, Vec<f64>)> {
+    let x = call.input(0)?.read_vec::<f64>()?;
+    match g.prologue {
+        Prologue::Linear => Ok((x, Vec::new())),
+        Prologue::SwiGlu => {
+            let mut a = Vec::with_capacity(g.rows * g.k);
+            for r in 0..g.rows {
+                let row = &x[r * 2 * g.k..(r + 1) * 2 * g.k];
+                a.extend((0..g.k).map(|c| silu_mul(row[c], row[g.k + c], &round)));
+            }
+            Ok((a, Vec::new()))
+        }
+        Prologue::RmsNorm => {
+            let skip = match call.input_opt(1) {
+                Some(t) => t.read_vec::<f64>()?,
+                None => Vec::new(),
+            };
+            let gamma = call.input(2)?.read_vec::<f64>()?;
+            let mut s = x;
+            if !skip.is_empty() {
+                for (i, v) in s.iter_mut().enumerate() {
+                    *v += skip[i % skip.len()];
+                }
+            }
+            let mut a = s.clone();
+            for r in 0..g.rows {
+                let row = &mut a[r * g.k..(r + 1) * g.k];
+                let rms = libm::sqrt(row.iter().map(|v| v * v).sum::<f64>() / g.k as f64 + g.eps as f64);
+                for (c, v) in row.iter_mut().enumerate() {
+                    *v = *v / rms * gamma[c];
+                }
+            }
+            Ok((a, s))
+        }
+    }
+}
+
+pub fn cpu(call: &Call) -> Result<()> {
+    let g = geometry(call)?;
+    // A as the unfused graph stores it: rounded to the dtype.
+    let round = |v: f64| -> f64 {
+        match g.dtype {
+            DType::F32 => <f32 as Element>::from_f64(v) as f64,
+            DType::F16 => <f16 as Element>::from_f64(v).to_f64(),
+            DType::BF16 => <bf16 as Element>::from_f64(v).to_f64(),
+            _ => v,
+        }
+    };
+    let (a, s) = operand_a(call, &g, round)?;
+    let w = call.input(if g.prologue == Prologue::RmsNorm { 3 } else { 1 })?.read_vec::<f64>()?;
+    let a: Vec<f64> = a.into_iter().map(round).collect();
+    let mut y = alloc::vec![0f64; g.rows * g.n];
+    for r in 0..g.rows {
+        let ar = &a[r * g.k..(r + 1) * g.k];
+        for (c, out) in y[r * g.n..(r + 1) * g.n].iter_mut().enumerate() {
+            let wr = &w[c * g.k..(c + 1) * g.k];
+            *out = ar.iter().zip(wr).map(|(x, w)| x * w).sum();
+        }
+    }
+    call.output(0)?.write_vec(&y)?;
+    if let Some(sum) = call.output_opt(1) {
+        sum.write_vec(&s)?;
+    }
+    Ok(())
+}
+
+fn suffix(op: &str, dtype: DType) -> Result<&'static str> {
+    Ok(match dtype {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        other => unsupported!("{op}: no CUDA kernel for {other}"),
+    })
+}
+
+fn at(handle: u32) -> KernelArg {
+    KernelArg::Tensor { handle, offset: 0 }
+}
+
+pub fn dispatch(call: &Call) -> Result<()> {
+    let g = geometry(call)?;
+    let op = call.op_type();
+    let sfx = suffix(op, g.dtype)?;
+    let esize = g.dtype.size().unwrap_or(4);
+    let x = call.input(0)?.handle();
+    let y = call.output(0)?.handle();
+    let sum = call.output_opt(1).map(|t| t.handle());
+    let (skip, gamma, w) = match g.prologue {
+        Prologue::RmsNorm => (call.input_opt(1).map(|t| t.handle()), Some(call.input(2)?.handle()), call.input(3)?.handle()),
+        _ => (None, None, call.input(1)?.handle()),
+    };
+    let flags = skip.is_some() as u32 | (sum.is_some() as u32) << 1;
+    if g.rows == 0 || g.n == 0 && sum.is_none() {
+        return Ok(());
+    }
+    let vec = 16 / esize;
+    // Rows per block: the smallest kernel that holds them all, else 8 per block.
+    let block_rows = g.rows.next_power_of_two().min(GEMV_BLOCK_ROWS);
+    // A in f32 in shared memory.
+    let shared = g.rows.min(block_rows) * g.k * 4;
+    if g.rows <= GEMV_MAX_ROWS && g.k % vec == 0 && shared <= GEMV_MAX_SHARED && g.n > 0 {
+        let blocks = g.n.div_ceil(GEMV_COLS_PER_BLOCK).min(GEMV_MAX_BLOCKS);
+        return launch(&Launch {
+            kernel: &format!("kiln_linear_gemv_{}{block_rows}_{sfx}", g.prologue.kernel_mode()),
+            grid: [blocks as u32, g.rows.div_ceil(block_rows) as u32, 1],
+            block: [GEMV_THREADS, 1, 1],
+            shared_mem_bytes: shared as u32,
+            args: alloc::vec![
+                at(x),
+                at(skip.unwrap_or(x)),
+                at(gamma.unwrap_or(x)),
+                at(w),
+                at(y),
+                at(sum.unwrap_or(y)),
+                KernelArg::U64(g.rows as u64),
+                KernelArg::U64(g.n as u64),
+                KernelArg::U64(g.k as u64),
+                KernelArg::U64(g.skip_len.max(1) as u64),
+                KernelArg::U32(flags),
+                KernelArg::F32(g.eps),
+            ],
+        });
+    }
+    // Prefill: A into scratch (or X itself), then cuBLASLt.
+    let (rows, k) = (g.rows as u64, g.k as u64);
+    let a = match g.prologue {
+        Prologue::Linear => x,
+        Prologue::RmsNorm => {
+            let a = scratch(rows * k * esize as u64)?;
+            launch(&Launch {
+                kernel: &format!("kiln_linear_rmsnorm_{sfx}"),
+                grid: [rows.min(65535) as u32, 1, 1],
+                block: [256, 1, 1],
+                shared_mem_bytes: 0,
+                args: alloc::vec![
+                    at(x),
+                    at(skip.unwrap_or(x)),
+                    at(gamma.unwrap_or(x)),
+                    at(a),
+                    at(sum.unwrap_or(a)),
+                    KernelArg::U64(rows),
+                    KernelArg::U64(k),
+                    KernelArg::U64(g.skip_len.max(1) as u64),
+                    KernelArg::U32(flags),
+                    KernelArg::F32(g.eps),
+                ],
+            })?;
+            a
+        }
+        Prologue::SwiGlu => {
+            let a = scratch(rows * k * esize as u64)?;
+            launch(&Launch {
+                kernel: &format!("kiln_linear_swiglu_{sfx}"),
+                grid: [(rows * k).div_ceil(256).clamp(1, 1 << 20) as u32, 1, 1],
+                block: [256, 1, 1],
+                shared_mem_bytes: 0,
+                args: alloc::vec![at(x), at(a), KernelArg::U64(rows), KernelArg::U64(k)],
+            })?;
+            a
+        }
+    };
+    if g.n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        bail!("{op}: K = 0 on the GPU is not supported (an empty product)");
+    }
+    let operand = |handle: u32, ld: u64| Operand { handle, offset: 0, ld, batch_stride: 0 };
+    gemm(&Gemm {
+        dtype: g.dtype,
+        trans_a: false,
+        trans_b: true,
+        m: rows,
+        n: g.n as u64,
+        k,
+        batch: 1,
+        alpha: 1.0,
+        beta: 0.0,
+        a: operand(a, k),
+        b: operand(w, k),
+        c: None,
+        d: operand(y, g.n as u64),
+        bias: None,
+        epilogue: Epilogue::None,
+    })
+}
