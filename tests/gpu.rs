@@ -397,12 +397,7 @@ fn long_context_decode_attention(n: usize, nk: usize) {
         .iter()
         .map(|(nm, t)| value(nm, code(t.dtype), &t.shape.iter().map(|&d| d as i64).collect::<Vec<_>>()))
         .collect();
-    let int = |name: &str, v: i64| onnx::AttributeProto {
-        name: name.into(),
-        type_: protobuf::EnumOrUnknown::new(onnx::attribute_proto::AttributeType::INT),
-        i: v,
-        ..Default::default()
-    };
+    let int = onnx::attr_int;
     for window in [-1i64, 1000] {
         let names: Vec<&str> = inputs.iter().map(|(nm, _)| *nm).collect();
         let mut g = node(
@@ -457,12 +452,7 @@ fn long_context_decode_attention(n: usize, nk: usize) {
 fn decode_sized_matmul_matches_the_float64_reference() {
     use kiln_tests::onnx::{self, node, value};
     let mut r = kiln_tests::Rng(0x9e3f);
-    let int = |name: &str, v: i64| onnx::AttributeProto {
-        name: name.into(),
-        type_: protobuf::EnumOrUnknown::new(onnx::attribute_proto::AttributeType::INT),
-        i: v,
-        ..Default::default()
-    };
+    let int = onnx::attr_int;
     // (ONNX dtype code, relative ulp, vector elements)
     for (code, ulp, vec) in [(1i64, 2f32.powi(-23), 4usize), (10, 2f32.powi(-10), 8), (16, 2f32.powi(-7), 8)] {
         for case in 0..12 {
@@ -526,12 +516,7 @@ fn decode_sized_matmul_matches_the_float64_reference() {
 fn linear_ops_match_their_cpu_reference() {
     use kiln_tests::onnx::{self, node, value};
     let mut r = kiln_tests::Rng(0x11ea);
-    let int = |name: &str, v: i64| onnx::AttributeProto {
-        name: name.into(),
-        type_: protobuf::EnumOrUnknown::new(onnx::attribute_proto::AttributeType::INT),
-        i: v,
-        ..Default::default()
-    };
+    let int = onnx::attr_int;
     let mut cases = 0;
     for (code, ulp, vec) in [(1i64, 2f32.powi(-23), 4usize), (10, 2f32.powi(-10), 8), (16, 2f32.powi(-7), 8)] {
         for op in ["Linear", "RmsNormLinear", "SwiGluLinear"] {

@@ -66,6 +66,15 @@ pub mod onnx {
         }
     }
 
+    pub fn attr_int(name: &str, v: i64) -> AttributeProto {
+        AttributeProto {
+            name: name.into(),
+            type_: EnumOrUnknown::new(attribute_proto::AttributeType::INT),
+            i: v,
+            ..Default::default()
+        }
+    }
+
     pub fn attr_float(name: &str, v: f32) -> AttributeProto {
         AttributeProto {
             name: name.into(),
