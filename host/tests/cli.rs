@@ -544,3 +544,18 @@ fn verbose_and_quiet_change_what_goes_to_stderr() {
     let o = kiln(&["-q", "-v", "devices"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
 }
+
+/// `--pdl on` asks for programmatic dependent launch, which needs a GPU: on the CPU it is
+/// invalid input with the reason; `--pdl off` and the default run.
+#[test]
+fn pdl_on_without_a_gpu_is_invalid_input() {
+    let args = ["run", "examples/mlp/model.onnx", "--input", "x=examples/mlp/x.npy", "--device", "cpu"];
+    let o = kiln(&[&args[..], &["--pdl", "on"]].concat());
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(3), "invalid input: {t}");
+    assert!(t.contains("--pdl on needs a CUDA GPU"), "{t}");
+    for mode in ["off", "auto"] {
+        let o = kiln(&[&args[..], &["--pdl", mode]].concat());
+        assert!(o.status.success(), "--pdl {mode}: {}", text(&o));
+    }
+}
