@@ -400,14 +400,24 @@ fn decoder_layer(rows: usize, sum_out: bool) -> Model {
         node("SimplifiedLayerNormalization", &["x", "g0"], &["n0"], vec![onnx::attr_float("epsilon", 1e-5)]),
         node("MatMul", &["n0", "Wq"], &["q"], vec![]),
         node("MatMul", &["q", "Wo"], &["o"], vec![]),
-        com(node("SkipSimplifiedLayerNormalization", &["x", "o", "g1"], &["n1", "", "", "s1"], vec![onnx::attr_float("epsilon", 1e-6)])),
+        com(node(
+            "SkipSimplifiedLayerNormalization",
+            &["x", "o", "g1"],
+            &["n1", "", "", "s1"],
+            vec![onnx::attr_float("epsilon", 1e-6)],
+        )),
         node("MatMul", &["n1", "Wg"], &["g"], vec![]),
         node("MatMul", &["n1", "Wu"], &["u"], vec![]),
         node("Sigmoid", &["g"], &["sg"], vec![]),
         node("Mul", &["g", "sg"], &["a"], vec![]),
         node("Mul", &["a", "u"], &["h"], vec![]),
         node("MatMul", &["h", "Wd"], &["d"], vec![]),
-        com(node("SkipSimplifiedLayerNormalization", &["s1", "d", "g2"], last_outputs, vec![onnx::attr_float("epsilon", 1e-6)])),
+        com(node(
+            "SkipSimplifiedLayerNormalization",
+            &["s1", "d", "g2"],
+            last_outputs,
+            vec![onnx::attr_float("epsilon", 1e-6)],
+        )),
         node("MatMul", &["n2", "Wl"], &["logits"], vec![]),
     ];
     let mut outputs = vec![value("logits", F32, &[rows as i64, V as i64])];
@@ -509,11 +519,46 @@ fn verify_proves_every_decode_fusion_of_kiln_matmul_on_the_cpu() {
     let names: std::collections::BTreeSet<&str> = cases.iter().map(|c| c.fusion.as_str()).collect();
     assert_eq!(
         names,
-        ["linear", "rmsnorm-linear", "skip-rmsnorm-linear", "skip-rmsnorm-linear-last", "skip-rmsnorm-mlp"].into_iter().collect()
+        ["linear", "rmsnorm-linear", "skip-rmsnorm-linear", "skip-rmsnorm-linear-last", "skip-rmsnorm-mlp"]
+            .into_iter()
+            .collect()
     );
     for c in &cases {
-        assert!(matches!(c.outcome, kiln_host::conformance::Outcome::Passed), "{} {}: {:?}", c.fusion, c.dtype, c.outcome);
+        assert!(
+            matches!(c.outcome, kiln_host::conformance::Outcome::Passed),
+            "{} {}: {:?}",
+            c.fusion,
+            c.dtype,
+            c.outcome
+        );
     }
     // float32, float16 and bfloat16 each.
     assert_eq!(cases.len(), 15);
+}
+
+#[test]
+fn rms_norm_linear_refuses_a_skip_that_is_not_whole_rows() {
+    // skip [1] would broadcast one value (the unfused SkipSimplifiedLayerNormalization refuses
+    // it, and the GEMV reads skip in whole rows): a clear error, not a read past the tensor.
+    let mut n = node("RmsNormLinear", &["x", "skip", "gamma", "W"], &["y"], vec![]);
+    n.domain = "ai.kiln".into();
+    let inits = vec![
+        onnx::init_f32("gamma", &[H as i64], &values(H, 1)),
+        onnx::init_f32("W", &[4, H as i64], &values(4 * H, 2)),
+    ];
+    let mut m = onnx::model(
+        vec![n],
+        vec![value("x", F32, &[2, H as i64]), value("skip", F32, &[1])],
+        vec![value("y", F32, &[2, 4])],
+        inits,
+    );
+    m.opset_import.push(onnx::OperatorSetIdProto { domain: "ai.kiln".into(), version: 1, ..Default::default() });
+    let m = model::load_bytes(&onnx::bytes(&m), None).unwrap();
+    // Refused when the session infers the node's shapes, before any run.
+    let options = SessionOptions { device: Device::Cpu, fuse: false, ..SessionOptions::default() };
+    let err = match Session::new(kiln_tests::builtin_runtime(), m, options) {
+        Ok(_) => panic!("a skip of shape [1] must be refused"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("skip of shape [1] must have X's shape [2, 16] or a suffix of it that ends in K"), "{err}");
 }

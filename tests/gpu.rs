@@ -538,7 +538,8 @@ fn linear_ops_match_their_cpu_reference() {
                     (0..len).map(|_| ((r.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).collect()
                 };
                 let dims = |s: &[usize]| s.iter().map(|&d| d as i64).collect::<Vec<_>>();
-                let mut feeds = vec![("x".to_string(), kiln_tests::f32_tensor(&x_shape, &vals(x_shape.iter().product())))];
+                let mut feeds =
+                    vec![("x".to_string(), kiln_tests::f32_tensor(&x_shape, &vals(x_shape.iter().product())))];
                 let mut inputs = vec!["xc"];
                 let mut casts = vec![node("Cast", &["x"], &["xc"], vec![int("to", code)])];
                 let mut outputs = vec!["y"];
@@ -567,10 +568,7 @@ fn linear_ops_match_their_cpu_reference() {
                 let mut op_node = node(op, &inputs, &outputs, vec![]);
                 op_node.domain = "ai.kiln".into();
                 casts.push(op_node);
-                let graph_inputs = feeds
-                    .iter()
-                    .map(|(name, t)| value(name, 1, &dims(&t.shape)))
-                    .collect();
+                let graph_inputs = feeds.iter().map(|(name, t)| value(name, 1, &dims(&t.shape))).collect();
                 let graph_outputs = outputs
                     .iter()
                     .map(|o| {
@@ -580,14 +578,23 @@ fn linear_ops_match_their_cpu_reference() {
                     })
                     .collect();
                 let mut m = onnx::model(casts, graph_inputs, graph_outputs, vec![]);
-                m.opset_import.push(onnx::OperatorSetIdProto { domain: "ai.kiln".into(), version: 1, ..Default::default() });
+                m.opset_import.push(onnx::OperatorSetIdProto {
+                    domain: "ai.kiln".into(),
+                    version: 1,
+                    ..Default::default()
+                });
                 let load = || model::load_bytes(&onnx::bytes(&m), None).unwrap();
-                let want = Session::new(runtime(), load(), SessionOptions::default()).unwrap().run(feeds.clone()).unwrap();
+                let want =
+                    Session::new(runtime(), load(), SessionOptions::default()).unwrap().run(feeds.clone()).unwrap();
                 let got = Session::new(runtime(), load(), cuda()).unwrap().run(feeds).unwrap();
                 for ((name, g), (_, w)) in got.iter().zip(&want) {
                     let (g, w) = (g.to_f32().unwrap(), w.to_f32().unwrap());
                     assert_eq!(g.len(), w.len());
-                    let slack = if name == "y" { k as f32 * 2f32.powi(-22) * 4.0 + 16.0 * ulp.max(2f32.powi(-23)) } else { 0.0 };
+                    let slack = if name == "y" {
+                        k as f32 * 2f32.powi(-22) * 4.0 + 16.0 * ulp.max(2f32.powi(-23))
+                    } else {
+                        0.0
+                    };
                     for (i, (a, b)) in g.iter().zip(&w).enumerate() {
                         let tol = ulp * b.abs() + slack + 1e-7;
                         assert!(

@@ -146,9 +146,9 @@ pub struct GraphStats {
     pub instantiate_us: u64,
     /// Nodes of the last instantiated graph.
     pub graph_nodes: u64,
-    /// Kernel launches and GEMMs of the last plan built, and how many of its kernels launch
-    /// with programmatic dependent launch (`--pdl`).
+    /// Kernel launches and GEMMs of the last plan built.
     pub plan_launches: u64,
+    /// Of those, the kernels launched with programmatic dependent launch (`--pdl`).
     pub pdl_launches: u64,
 }
 

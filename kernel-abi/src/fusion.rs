@@ -109,7 +109,9 @@ pub struct PatternNode {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ConstantConcat {
+    /// The new constant's variable.
     pub output: String,
+    /// Constant pattern inputs, concatenated in this order.
     pub inputs: Vec<String>,
     /// Negative counts from the last axis, as ONNX Concat.
     pub axis: i64,
@@ -120,7 +122,9 @@ pub struct ConstantConcat {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ConstantTranspose {
+    /// The new constant's variable, read by `replace` nodes or a later `transpose`.
     pub output: String,
+    /// A constant pattern input, or the output of a `concat` or an earlier `transpose`.
     pub input: String,
 }
 

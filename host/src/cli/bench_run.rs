@@ -146,7 +146,8 @@ pub fn run(a: BenchRunArgs) -> Result<ExitCode> {
     let human = super::output::Human::new(&[&a.json]);
     let t0 = Instant::now();
     let rt = crate::ep::Runtime::new(registry(&a.target.packages), super::sandbox_config())?;
-    let options = SessionOptions { device, fuse: !a.target.fuse.no_fuse, pdl: a.target.pdl, ..SessionOptions::default() };
+    let options =
+        SessionOptions { device, fuse: !a.target.fuse.no_fuse, pdl: a.target.pdl, ..SessionOptions::default() };
     let mut session = Session::new(rt, m, options)?;
     let setup_ms = t0.elapsed().as_secs_f64() * 1e3;
     let mut rng = StdRng::seed_from_u64(a.seed);

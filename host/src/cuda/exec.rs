@@ -110,10 +110,11 @@ fn launch_pdl(
 }
 
 impl Gpu {
-    /// Whether the device can launch kernels with programmatic dependent launch (compute
-    /// capability 9.0 and later).
+    /// Whether the device can launch kernels with programmatic dependent launch and capture
+    /// such launches into graphs: compute capability 9.0 and later, and a driver of CUDA 12.3 or
+    /// later (programmatic edges in stream capture).
     pub fn pdl_supported(&self) -> bool {
-        self.info.compute_capability.0 >= 9
+        self.info.compute_capability.0 >= 9 && self.info.driver_version >= 12030
     }
 
     /// Opens device `ordinal` with a device-memory budget of `memory_limit` bytes.

@@ -9,11 +9,11 @@
 // into shared memory (the prologue; every block does it again, which costs L2 reads of a few
 // KiB), then each warp computes LIN_COLS outputs for all those rows: lanes stream 16-byte runs
 // of a weight row (all loads of a pass issued before the first FMA), partial sums meet in warp
-// shuffles. The first pass's weight loads are issued before the grid-dependency wait, so under
-// programmatic dependent launch they overlap the previous kernel; before that wait the kernel
-// reads nothing but W and writes nothing (every block reaches the wait). It lets the next kernel
-// launch at once (griddepcontrol.launch_dependents): a GEMV after it loads its own weights while
-// this one runs.
+// shuffles. The first pass's weight lines are prefetched into L2 before the grid-dependency
+// wait, so under programmatic dependent launch they stream in while the previous kernel ends;
+// before that wait the kernel reads nothing and writes nothing (every block reaches the wait). It
+// lets the next kernel launch at once (griddepcontrol.launch_dependents): a GEMV after it
+// prefetches its own weights while this one runs.
 //
 // Prefill (many rows): the shim writes A with kiln_linear_rmsnorm_<t> / kiln_linear_swiglu_<t>
 // into scratch and calls cuBLASLt (gemm with transB) for the product.
@@ -247,6 +247,18 @@ __device__ __forceinline__ void load_pass(uint4 (&wv)[LIN_COLS][LIN_UNROLL], con
     }
 }
 
+// prefetch.global.L2 of the lines load_pass(…, base 0, …) reads.
+__device__ __forceinline__ void prefetch_pass(const uint4* w, kiln_u64 col, kiln_u64 n, unsigned kc, unsigned lane) {
+#pragma unroll
+    for (int j = 0; j < LIN_COLS; ++j) {
+#pragma unroll
+        for (int u = 0; u < LIN_UNROLL; ++u) {
+            const unsigned c = u * 32 + lane;
+            if (col + j < n && c < kc) asm volatile("prefetch.global.L2 [%0];" ::"l"(w + (col + j) * kc + c));
+        }
+    }
+}
+
 // Y[rows, n] = A · Wᵀ for at most ROWS rows per block (blockIdx.y picks them); see the top.
 // MODE is the prologue; ROWS (1, 2 or 4) sizes the accumulators, so that a decode step of one
 // row carries no arithmetic for four.
@@ -265,10 +277,14 @@ __device__ __forceinline__ void gemv(const typename T::S* x, const typename T::S
     const kiln_u64 col_step = (kiln_u64)gridDim.x * LIN_WARPS * LIN_COLS;
     kiln_u64 col = ((kiln_u64)blockIdx.x * LIN_WARPS + warp) * LIN_COLS;
 
-    uint4 wv[LIN_COLS][LIN_UNROLL];
-    load_pass(wv, w4, col, n, kc, 0, lane);
+    // Before the wait, only an L2 prefetch of the first pass's weight lines: W may be any tensor
+    // (the op does not know that it is an initializer), and L2 is where every SM's writes meet,
+    // so a prefetch cannot bring in a stale copy; the loads themselves come after the wait.
+    prefetch_pass(w4, col, n, kc, lane);
     kiln_griddep_launch_dependents();
     kiln_griddep_wait();
+    uint4 wv[LIN_COLS][LIN_UNROLL];
+    load_pass(wv, w4, col, n, kc, 0, lane);
 
     // Prologue: A for this block's rows.
     if (MODE == MODE_RMSNORM) {

@@ -121,7 +121,8 @@ fn geometry(call: &Call) -> Result<Geometry> {
         bail!("{op}: W must be a matrix [N, K], got shape {w:?}");
     }
     let (n, k) = (w[0], w[1]);
-    let want = if prologue == Prologue::SwiGlu { 2 * k } else { k };
+    let want = if prologue == Prologue::SwiGlu { k.checked_mul(2) } else { Some(k) };
+    let Some(want) = want else { bail!("{op}: W {w:?} is too large") };
     if last != want {
         bail!("{op}: X's last dimension is {last}, W {w:?} needs {want}");
     }
@@ -132,9 +133,12 @@ fn geometry(call: &Call) -> Result<Geometry> {
     let mut eps = 0.0;
     if prologue == Prologue::RmsNorm {
         if let Some(skip) = call.input_opt(1) {
+            // X's shape, or a suffix of it that ends in K (leading 1s allowed): each row adds
+            // whole rows of skip.
             let s = same(1, "skip")?;
-            if s.is_empty() || !x_shape.ends_with(&s[s.iter().take_while(|&&d| d == 1).count()..]) || s.len() > x_shape.len() {
-                bail!("{op}: skip of shape {s:?} must have X's shape {x_shape:?} or a suffix of it");
+            let core = &s[s.iter().take_while(|&&d| d == 1).count()..];
+            if core.is_empty() || s.len() > x_shape.len() || !x_shape.ends_with(core) {
+                bail!("{op}: skip of shape {s:?} must have X's shape {x_shape:?} or a suffix of it that ends in K");
             }
             skip_len = skip.numel()?;
         }
@@ -265,7 +269,9 @@ pub fn dispatch(call: &Call) -> Result<()> {
     let y = call.output(0)?.handle();
     let sum = call.output_opt(1).map(|t| t.handle());
     let (skip, gamma, w) = match g.prologue {
-        Prologue::RmsNorm => (call.input_opt(1).map(|t| t.handle()), Some(call.input(2)?.handle()), call.input(3)?.handle()),
+        Prologue::RmsNorm => {
+            (call.input_opt(1).map(|t| t.handle()), Some(call.input(2)?.handle()), call.input(3)?.handle())
+        }
         _ => (None, None, call.input(1)?.handle()),
     };
     let flags = skip.is_some() as u32 | (sum.is_some() as u32) << 1;
@@ -275,9 +281,10 @@ pub fn dispatch(call: &Call) -> Result<()> {
     let vec = 16 / esize;
     // Rows per block: the smallest kernel that holds them all, else 8 per block.
     let block_rows = g.rows.next_power_of_two().min(GEMV_BLOCK_ROWS);
-    // A in f32 in shared memory.
-    let shared = g.rows.min(block_rows) * g.k * 4;
-    if g.rows <= GEMV_MAX_ROWS && g.k % vec == 0 && shared <= GEMV_MAX_SHARED && g.n > 0 {
+    // A in f32 in shared memory (u64: the shim's usize is 32 bits).
+    let shared = g.rows.min(block_rows) as u64 * g.k as u64 * 4;
+    // K = 0 takes the GEMV at any row count: it writes the zeros of an empty product.
+    if (g.rows <= GEMV_MAX_ROWS || g.k == 0) && g.k % vec == 0 && shared <= GEMV_MAX_SHARED as u64 && g.n > 0 {
         let blocks = g.n.div_ceil(GEMV_COLS_PER_BLOCK).min(GEMV_MAX_BLOCKS);
         return launch(&Launch {
             kernel: &format!("kiln_linear_gemv_{}{block_rows}_{sfx}", g.prologue.kernel_mode()),
@@ -338,11 +345,10 @@ pub fn dispatch(call: &Call) -> Result<()> {
             a
         }
     };
-    if g.n == 0 {
+    if g.n == 0 || k == 0 {
+        // No output, or (with a norm's sum written above) nothing left: K = 0 with outputs took
+        // the GEMV.
         return Ok(());
-    }
-    if k == 0 {
-        bail!("{op}: K = 0 on the GPU is not supported (an empty product)");
     }
     let operand = |handle: u32, ld: u64| Operand { handle, offset: 0, ld, batch_stride: 0 };
     gemm(&Gemm {
