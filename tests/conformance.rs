@@ -75,7 +75,7 @@ const OPS: &[&str] = &[
 #[test]
 fn onnx_node_tests_pass_on_the_cpu() {
     let dir = kiln_tests::onnx_node_tests();
-    let (reg, errors) = packages::registry(&[]);
+    let (reg, errors) = packages::registry(&[], &[]);
     assert!(errors.is_empty(), "{errors:?}");
     let rt = Runtime::new(reg, SandboxConfig::default()).unwrap();
     let results: Vec<_> =

@@ -215,7 +215,7 @@ verify = { x = [4, 8] }
 
 #[test]
 fn verify_refuses_a_fused_op_that_disagrees_with_its_pattern() {
-    let (mut reg, errors) = kiln_host::packages::registry(&[]);
+    let (mut reg, errors) = kiln_host::packages::registry(&[], &[]);
     assert!(errors.is_empty(), "{errors:?}");
     assert!(reg.add(wrong_fusion_package(), kiln_registry::USER));
     let rt = kiln_host::ep::Runtime::new(reg, kiln_host::sandbox::SandboxConfig::default()).unwrap();
@@ -295,7 +295,7 @@ match = [{ op = "LeakyRelu", inputs = ["x"], outputs = ["y"] }]
 replace = [{ op = "Relu", inputs = ["x"], outputs = ["y"] }]
 outputs = ["y"]
 "#;
-    let (mut reg, _) = kiln_host::packages::registry(&[]);
+    let (mut reg, _) = kiln_host::packages::registry(&[], &[]);
     assert!(reg.add(package_on_unary_shim("leaky", fusion), kiln_registry::USER));
     let rt = kiln_host::ep::Runtime::new(reg, kiln_host::sandbox::SandboxConfig::default()).unwrap();
     let nodes = vec![node("LeakyRelu", &["x"], &["y"], vec![onnx::attr_float("alpha", 0.1)])];
@@ -323,7 +323,7 @@ match = [
 replace = [{ domain = "ai.kiln", op = "AppendAttentionMask", inputs = ["p", "q"], outputs = ["s", "r"] }]
 outputs = ["r", "s"]
 "#;
-    let (mut reg, _) = kiln_host::packages::registry(&[]);
+    let (mut reg, _) = kiln_host::packages::registry(&[], &[]);
     assert!(reg.add(package_on_unary_shim("two-outputs", fusion), kiln_registry::USER));
     const I64: i32 = 7;
     let nodes = vec![

@@ -165,7 +165,7 @@ pub fn fixture(sub: &str) -> PathBuf {
 
 /// A runtime with the built-in packages (and no load errors).
 pub fn builtin_runtime() -> std::sync::Arc<kiln_host::ep::Runtime> {
-    let (reg, errors) = kiln_host::packages::registry(&[]);
+    let (reg, errors) = kiln_host::packages::registry(&[], &[]);
     assert!(errors.is_empty(), "{errors:?}");
     // Compiled shims are cached under target/, so that only the first test compiles them.
     let config = kiln_host::sandbox::SandboxConfig {

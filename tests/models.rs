@@ -13,7 +13,7 @@ use sha2::{Digest, Sha256};
 
 fn runtime(extra: &[&Path]) -> Arc<Runtime> {
     let dirs: Vec<_> = extra.iter().map(|p| p.to_path_buf()).collect();
-    let (reg, errors) = packages::registry(&dirs);
+    let (reg, errors) = packages::registry(&dirs, &[]);
     assert!(errors.is_empty(), "{errors:?}");
     Runtime::new(reg, SandboxConfig::default()).expect("runtime")
 }
@@ -129,6 +129,40 @@ fn op_logic_lives_in_the_packages_a_newer_shim_changes_the_result() {
     );
     let out = run(&rt, &onnx::bytes(&m2), vec![("x".into(), f32_tensor(&[1, 4], &[1.0, -2.0, 3.0, -4.0]))]).unwrap();
     assert_eq!(f32_values(&out[0].1), [1.0, 0.0, 3.0, 0.0]);
+}
+
+/// A package published to a registry directory outranks the built-in one; a drop-in folder
+/// outranks the registry; a yanked version is no longer chosen.
+#[test]
+fn registry_packages_rank_between_drop_ins_and_built_ins_and_yanked_ones_are_skipped() {
+    let x = || vec![("x".to_string(), f32_tensor(&[4], &[1.0, -2.0, 3.0, -4.0]))];
+    let bytes = onnx::bytes(&relu_model());
+    let src = tempfile::tempdir().unwrap();
+    doubling_relu_package(src.path());
+    let reg_dir = tempfile::tempdir().unwrap();
+    let reg = kiln_registry::RegistryDir::new(reg_dir.path());
+    reg.publish("doubling.kpkg", &kiln_registry::archive::pack(src.path()).unwrap()).unwrap();
+    let with = |dirs: &[std::path::PathBuf], regs: &[std::path::PathBuf]| {
+        let (r, errors) = packages::registry(dirs, regs);
+        assert!(errors.is_empty(), "{errors:?}");
+        Runtime::new(r, SandboxConfig::default()).unwrap()
+    };
+    let regs = [reg_dir.path().to_path_buf()];
+    let out = run(&with(&[], &regs), &bytes, x()).unwrap();
+    assert_eq!(f32_values(&out[0].1), [2.0, -4.0, 6.0, -8.0], "the registry's kiln-unary 9.9.9 outranks the built-in");
+    // A drop-in kiln-unary (the built-in's own files, as a folder) outranks the registry's.
+    let builtin_unary = kiln_builtin_kernels::PACKAGES.iter().find(|p| p.dir == "unary").unwrap();
+    let drop_in = tempfile::tempdir().unwrap();
+    for (rel, data) in builtin_unary.files {
+        let path = drop_in.path().join(rel);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, data).unwrap();
+    }
+    let out = run(&with(&[drop_in.path().to_path_buf()], &regs), &bytes, x()).unwrap();
+    assert_eq!(f32_values(&out[0].1), [1.0, 0.0, 3.0, 0.0], "a drop-in folder outranks every registry");
+    reg.yank("kiln-unary", &"9.9.9".parse().unwrap(), true).unwrap();
+    let out = run(&with(&[], &regs), &bytes, x()).unwrap();
+    assert_eq!(f32_values(&out[0].1), [1.0, 0.0, 3.0, 0.0], "a yanked version is not chosen");
 }
 
 #[test]
@@ -406,7 +440,7 @@ fn one_error_names_every_op_no_package_runs() {
     );
     let bytes = onnx::bytes(&m);
     // `kiln inspect` lists both, with their counts, and the Relu's package.
-    let (reg, _) = packages::registry(&[]);
+    let (reg, _) = packages::registry(&[], &[]);
     let ins = kiln_host::cli::inspect::inspect(
         model::load_bytes(&bytes, None).unwrap(),
         &reg,

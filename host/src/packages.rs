@@ -1,6 +1,8 @@
-//! Where packages come from: the built-in ones embedded in the binary, and drop-in folders
-//! (`--packages DIR`, `KILN_PACKAGE_PATH`). A folder is either one package (it holds
-//! `kernel.toml`) or a folder of packages.
+//! Where packages come from: the built-in ones embedded in the binary, drop-in folders
+//! (`--packages DIR`, `KILN_PACKAGE_PATH`) and registry directories (`--registry DIR`,
+//! `KILN_REGISTRY`). A folder is either one package (it holds `kernel.toml`) or a folder of
+//! packages. Precedence (DESIGN.md): drop-in folders, then registries in the order given, then
+//! the built-ins; the highest version within one source.
 
 use std::path::{Path, PathBuf};
 
@@ -38,12 +40,23 @@ pub fn search_path(cli: &[PathBuf]) -> Vec<PathBuf> {
     dirs
 }
 
-/// A registry of the drop-in folders' packages and the built-in ones; the folders' packages
-/// outrank the built-in ones. Packages that fail to load are left out and returned as errors,
-/// so one broken package does not stop the others.
-pub fn registry(dirs: &[PathBuf]) -> (OpRegistry, Vec<RegistryError>) {
+/// An op registry of the drop-in folders' packages, the registry directories' published
+/// versions that are not yanked, and the built-in packages, in that precedence (module docs).
+/// Packages that fail to load are left out and returned as errors, so one broken package does
+/// not stop the others.
+pub fn registry(dirs: &[PathBuf], registries: &[PathBuf]) -> (OpRegistry, Vec<RegistryError>) {
     let mut reg = OpRegistry::new();
     let mut errors = Vec::new();
+    for (i, dir) in registries.iter().enumerate() {
+        for p in kiln_registry::RegistryDir::new(dir).load_all() {
+            match p {
+                Ok(pkg) => {
+                    reg.add(pkg, kiln_registry::registry_precedence(i));
+                }
+                Err(e) => errors.push(e),
+            }
+        }
+    }
     for dir in dirs {
         match package_dirs(dir) {
             Ok(pkgs) => {

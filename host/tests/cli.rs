@@ -559,3 +559,131 @@ fn pdl_on_without_a_gpu_is_invalid_input() {
         assert!(o.status.success(), "--pdl {mode}: {}", text(&o));
     }
 }
+
+/// A package folder `p` at `version` whose shim is `shim` (its bytes are only hashed here).
+fn tiny_package(dir: &std::path::Path, version: &str, shim: &[u8]) {
+    use sha2::Digest;
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("shim.wasm"), shim).unwrap();
+    let hash = hex::encode(sha2::Sha256::digest(shim));
+    let manifest = format!(
+        "abi = 1\nshim = \"shim.wasm\"\n[package]\nname = \"p\"\nversion = \"{version}\"\n[[ops]]\ndomain = \"ai.example\"\n\
+         op_types = [\"Twice\"]\nsince_opset = 1\ndtypes = [\"float32\"]\nmax_rank = 4\n[files]\n\"shim.wasm\" = \"{hash}\"\n"
+    );
+    std::fs::write(dir.join("kernel.toml"), manifest).unwrap();
+}
+
+/// `kiln package pack`, `publish`, `search`, `yank` end to end; a republished version and a
+/// tampered archive are refused with their reasons.
+#[test]
+fn pack_publish_search_and_yank() {
+    let t = tempfile::tempdir().unwrap();
+    let reg = t.path().join("registry");
+    let reg_s = reg.to_str().unwrap();
+    tiny_package(&t.path().join("src"), "1.0.0", b"\0asm\x01\0\0\0");
+    let out = t.path().join("p.kpkg");
+    let o = kiln(&["package", "pack", t.path().join("src").to_str().unwrap(), "-o", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = kiln(&["publish", out.to_str().unwrap(), "--registry", reg_s]);
+    assert!(o.status.success() && text(&o).contains("published p@1.0.0"), "{}", text(&o));
+    let o = kiln(&["publish", out.to_str().unwrap(), "--registry", reg_s]);
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+    assert!(text(&o).contains("p@1.0.0 is already published"), "{}", text(&o));
+    let o = kiln(&["search", "ai.example::Twice", "--registry", reg_s, "--json", "-"]);
+    let doc: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON on stdout");
+    assert_eq!(doc[0]["index"]["vers"], "1.0.0");
+    assert_eq!(doc[0]["index"]["yanked"], false);
+    let o = kiln(&["yank", "p@1.0.0", "--registry", reg_s]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = kiln(&["search", "Twice", "--registry", reg_s]);
+    assert!(text(&o).contains("p@1.0.0") && text(&o).contains("[yanked]"), "{}", text(&o));
+    let o = kiln(&["yank", "p@2.0.0", "--registry", reg_s]);
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+    // A tampered archive is named when a run loads the registry.
+    kiln(&["yank", "p@1.0.0", "--undo", "--registry", reg_s]);
+    let archive = reg.join("packages/p/p-1.0.0.kpkg");
+    let mut bytes = std::fs::read(&archive).unwrap();
+    let n = bytes.len() / 3;
+    bytes[n] ^= 0xff;
+    std::fs::write(&archive, bytes).unwrap();
+    let o = kiln(&["kernels", "list", "--registry", reg_s]);
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+    assert!(text(&o).contains("p-1.0.0.kpkg") && text(&o).contains("sha256"), "{}", text(&o));
+    // No registry given.
+    let o = kiln(&["publish", out.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(3));
+    assert!(text(&o).contains("--registry DIR or KILN_REGISTRY"), "{}", text(&o));
+}
+
+/// 8 processes publish 50 versions each of one package into one registry at once while a ninth
+/// publisher is SIGKILLed in the middle of writing its archive: exactly the 400 versions are
+/// published, every index line parses and every archive verifies.
+#[test]
+#[cfg(unix)]
+fn concurrent_publishers_and_a_killed_one_lose_nothing() {
+    let t = tempfile::tempdir().unwrap();
+    let reg = t.path().join("registry");
+    let (workers, each) = (8usize, 50usize);
+    for w in 0..workers {
+        for i in 0..each {
+            let src = t.path().join(format!("src-{w}-{i}"));
+            tiny_package(&src, &format!("1.{w}.{i}"), format!("\0asm\x01\0\0\0{w}-{i}").as_bytes());
+            let bytes = kiln_registry::archive::pack(&src).unwrap();
+            std::fs::write(t.path().join(format!("a-{w}-{i}.kpkg")), bytes).unwrap();
+        }
+    }
+    // The victim: a 48 MiB archive, so that writing and syncing it takes a while.
+    let big = t.path().join("src-big");
+    let shim: Vec<u8> = (0..48u32 << 20).map(|i| (i.wrapping_mul(2654435761) >> 24) as u8).collect();
+    tiny_package(&big, "9.9.9", &shim);
+    std::fs::write(t.path().join("big.kpkg"), kiln_registry::archive::pack(&big).unwrap()).unwrap();
+    let bin = env!("CARGO_BIN_EXE_kiln");
+    let reg_s = reg.to_str().unwrap().to_string();
+    let mut children: Vec<std::process::Child> = (0..workers)
+        .map(|w| {
+            let script = format!(
+                "for i in $(seq 0 {}); do \"$0\" publish {}/a-{w}-$i.kpkg --registry \"$1\" >/dev/null || exit 1; done",
+                each - 1,
+                t.path().display()
+            );
+            Command::new("sh").args(["-c", &script, bin, &reg_s]).spawn().unwrap()
+        })
+        .collect();
+    let mut victim = Command::new(bin)
+        .args(["publish", t.path().join("big.kpkg").to_str().unwrap(), "--registry", &reg_s])
+        .spawn()
+        .unwrap();
+    // Kill it once its temporary archive exists: it is then mid-write (or mid-fsync).
+    let pkg_dir = reg.join("packages/p");
+    let started = std::time::Instant::now();
+    let mut killed_mid_write = false;
+    while started.elapsed() < std::time::Duration::from_secs(60) {
+        let mid = std::fs::read_dir(&pkg_dir)
+            .map(|rd| rd.filter_map(|e| e.ok()).any(|e| e.file_name().to_string_lossy().starts_with(".p-9.9.9.kpkg.")))
+            .unwrap_or(false);
+        if mid {
+            victim.kill().unwrap();
+            killed_mid_write = true;
+            break;
+        }
+        if victim.try_wait().unwrap().is_some() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    }
+    let _ = victim.kill();
+    let _ = victim.wait();
+    for c in &mut children {
+        assert!(c.wait().unwrap().success(), "a publisher failed");
+    }
+    let dir = kiln_registry::RegistryDir::new(&reg);
+    let lines = dir.versions("p").unwrap();
+    assert!(killed_mid_write, "the victim was never seen mid-write, so the crash was not tested");
+    let published: std::collections::BTreeSet<String> = lines.iter().map(|l| l.vers.to_string()).collect();
+    assert!(!published.contains("9.9.9"), "the killed publisher's version must not be published");
+    assert_eq!(lines.len(), workers * each);
+    assert_eq!(published.len(), lines.len(), "no version twice");
+    for l in &lines {
+        dir.load(l).unwrap_or_else(|e| panic!("{}: {e}", l.id()));
+    }
+}

@@ -22,4 +22,14 @@ pub enum RegistryError {
     Checksum { origin: String, file: String, expected: String, actual: String },
     #[error("{origin}: {file} is not UTF-8 text")]
     NotText { origin: String, file: String },
+    #[error("{origin}: refused archive: {reason}")]
+    Archive { origin: String, reason: String },
+    #[error("{}: line {line}: {reason}", path.display())]
+    Index { path: PathBuf, line: usize, reason: String },
+    #[error("{}: sha256 is {actual}, but the registry index says {expected}: the archive is corrupt or was modified", path.display())]
+    Tampered { path: PathBuf, expected: String, actual: String },
+    #[error("registry {registry}: {id} is already published (a version is published once; publish a new version)")]
+    AlreadyPublished { registry: String, id: String },
+    #[error("registry {registry}: {id} is not published")]
+    NotPublished { registry: String, id: String },
 }

@@ -4,8 +4,9 @@
 //! domain and op type is a candidate. A candidate is rejected, with a [`Rejection`] that says
 //! why, when the model's opset is outside its range, the dtype of its `dtype_input` is not
 //! listed, a tensor's rank is over `max_rank`, or the device lacks what the package requires.
-//! Among the rest, the package of the highest *precedence* wins (packages a user adds outrank
-//! built-in ones), then the highest version, then the first registered.
+//! Among the rest, the package of the highest *precedence* wins (drop-in folders, then registry
+//! directories in the order given, then the built-in packages), then the highest version, then
+//! the first registered.
 
 use std::fmt;
 use std::sync::Arc;
@@ -108,8 +109,14 @@ pub struct OpRegistry {
 
 /// Precedence of the built-in packages.
 pub const BUILTIN: u32 = 0;
-/// Precedence of packages from folders the user gives.
-pub const USER: u32 = 1;
+/// Precedence of packages from folders the user gives (`--packages`): above every registry.
+pub const USER: u32 = 1 << 16;
+
+/// Precedence of the packages of the `index`-th registry directory given (0 first): below
+/// [`USER`], above [`BUILTIN`], an earlier registry above a later one.
+pub fn registry_precedence(index: usize) -> u32 {
+    USER - 1 - index.min((USER - 2) as usize) as u32
+}
 
 impl OpRegistry {
     pub fn new() -> Self {

@@ -42,7 +42,10 @@ pub fn run(cmd: KernelsCommand) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         KernelsCommand::List { packages } => {
-            let (reg, errors) = crate::packages::registry(&crate::packages::search_path(&packages.packages));
+            let (reg, errors) = crate::packages::registry(
+                &crate::packages::search_path(&packages.packages),
+                &packages.registries.dirs(),
+            );
             for p in reg.packages() {
                 let m = &p.manifest;
                 println!("{} {}  ({})", m.package.name, m.package.version, p.origin);

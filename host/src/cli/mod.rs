@@ -1,5 +1,5 @@
 //! The `kiln` command line: `run`, `generate`, `chat`, `inspect`, `kernels`, `conformance`, `verify`,
-//! `bench`, `devices`.
+//! `bench`, `devices`, `package`, `publish`, `yank`, `search`.
 
 mod bench;
 mod bench_decode;
@@ -11,6 +11,7 @@ mod generate;
 pub mod inspect;
 mod kernels;
 mod output;
+mod registry;
 mod run;
 mod verify;
 pub mod verify_fusion;
@@ -66,6 +67,18 @@ pub enum Command {
         #[command(subcommand)]
         command: bench::BenchCommand,
     },
+    /// Kernel package archives: `kiln package pack DIR` writes a `.kpkg`.
+    Package {
+        #[command(subcommand)]
+        command: registry::PackageCommand,
+    },
+    /// Publish a `.kpkg` archive to a registry directory (docs/REGISTRY.md).
+    Publish(registry::PublishArgs),
+    /// Yank a published version (NAME@VERSION) so that runs no longer choose it; `--undo`
+    /// takes it back.
+    Yank(registry::YankArgs),
+    /// List the published packages that provide an op.
+    Search(registry::SearchArgs),
     /// List CUDA devices: name, compute capability, memory, driver, NVRTC and cuBLASLt versions.
     Devices {
         /// Print JSON.
@@ -91,6 +104,8 @@ pub struct PackageArgs {
     /// `KILN_PACKAGE_PATH`. They take part in resolution beside the built-in packages.
     #[arg(long = "packages", value_name = "DIR")]
     pub packages: Vec<PathBuf>,
+    #[command(flatten)]
+    pub registries: registry::RegistryArgs,
 }
 
 /// Where and with what a command runs a model: `--device`, `--packages`, `--no-fuse`.
@@ -189,7 +204,8 @@ pub fn require_gpu(command: &str) -> Result<usize> {
 
 /// Builds the op registry, printing packages that could not be loaded.
 pub fn registry(args: &PackageArgs) -> kiln_registry::OpRegistry {
-    let (reg, errors) = crate::packages::registry(&crate::packages::search_path(&args.packages));
+    let (reg, errors) =
+        crate::packages::registry(&crate::packages::search_path(&args.packages), &args.registries.dirs());
     for e in errors {
         eprintln!("kiln: warning: package skipped: {e}");
     }
@@ -269,6 +285,10 @@ pub fn main() -> ExitCode {
         Command::Verify(a) => verify::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Bench { command } => bench::run(command),
+        Command::Package { command } => registry::package(command),
+        Command::Publish(a) => registry::publish(a),
+        Command::Yank(a) => registry::yank(a),
+        Command::Search(a) => registry::search(a),
     };
     match result {
         Ok(code) => code,

@@ -1,0 +1,158 @@
+//! `kiln package pack`, `kiln publish`, `kiln yank`, `kiln search`: `.kpkg` archives and
+//! registry directories (docs/REGISTRY.md, `kiln_registry::directory`).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Subcommand};
+use kiln_registry::{archive, RegistryDir};
+
+use crate::{Error, Result};
+
+use super::output::{self, note, say};
+
+/// Environment variable with registry directories, `:`-separated, after those of `--registry`.
+pub const REGISTRY_ENV: &str = "KILN_REGISTRY";
+
+/// `--registry DIR` (repeatable) and `KILN_REGISTRY`.
+#[derive(Args, Debug, Clone, Default)]
+pub struct RegistryArgs {
+    /// A registry directory (docs/REGISTRY.md); repeatable; also `KILN_REGISTRY`
+    /// (`:`-separated). Their packages rank below `--packages` folders and above the built-in
+    /// ones, the first registry given first.
+    #[arg(long = "registry", value_name = "DIR")]
+    pub registry: Vec<PathBuf>,
+}
+
+impl RegistryArgs {
+    /// The directories of `--registry`, then those of `KILN_REGISTRY`.
+    pub fn dirs(&self) -> Vec<PathBuf> {
+        let mut dirs = self.registry.clone();
+        if let Some(v) = std::env::var_os(REGISTRY_ENV) {
+            dirs.extend(std::env::split_paths(&v).filter(|p| !p.as_os_str().is_empty()));
+        }
+        dirs
+    }
+
+    /// The one registry a write goes to: the first of [`RegistryArgs::dirs`]. Errors: none given.
+    fn target(&self, command: &str) -> Result<RegistryDir> {
+        self.dirs().into_iter().next().map(RegistryDir::new).ok_or_else(|| {
+            Error::Input(format!("kiln {command} needs a registry directory: --registry DIR or {REGISTRY_ENV}=DIR"))
+        })
+    }
+}
+
+#[derive(Subcommand, Debug)]
+pub enum PackageCommand {
+    /// Write a package folder (with its built shim.wasm and `[files]` hashes) as a `.kpkg`
+    /// archive, after checking that it loads.
+    Pack {
+        /// The package folder (it holds kernel.toml).
+        dir: PathBuf,
+        /// The archive to write (default: NAME-VERSION.kpkg in the current folder).
+        #[arg(short, long, value_name = "FILE")]
+        output: Option<PathBuf>,
+    },
+}
+
+/// `kiln publish`.
+#[derive(Args, Debug)]
+pub struct PublishArgs {
+    /// A `.kpkg` archive (`kiln package pack`).
+    pub archive: PathBuf,
+    #[command(flatten)]
+    pub registry: RegistryArgs,
+}
+
+/// `kiln yank`.
+#[derive(Args, Debug)]
+pub struct YankArgs {
+    /// The version to yank: NAME@VERSION.
+    pub package: String,
+    /// Un-yank it instead.
+    #[arg(long)]
+    pub undo: bool,
+    #[command(flatten)]
+    pub registry: RegistryArgs,
+}
+
+/// `kiln search`.
+#[derive(Args, Debug)]
+pub struct SearchArgs {
+    /// An op: `OP` in any domain, or `DOMAIN::OP` (`com.microsoft::GroupQueryAttention`).
+    pub op: String,
+    #[command(flatten)]
+    pub registry: RegistryArgs,
+    /// Write the matching index lines as JSON (`-` for standard output).
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+}
+
+pub fn package(cmd: PackageCommand) -> Result<ExitCode> {
+    match cmd {
+        PackageCommand::Pack { dir, output } => {
+            let bytes = archive::pack(&dir)?;
+            let pkg = archive::unpack(&dir.display().to_string(), &bytes)?;
+            let out = output.unwrap_or_else(|| PathBuf::from(format!("{}-{}.kpkg", pkg.name(), pkg.version())));
+            std::fs::write(&out, &bytes).map_err(|source| Error::Io { path: out.clone(), source })?;
+            println!("{}: {} ({} bytes)", pkg.id(), out.display(), bytes.len());
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+pub fn publish(a: PublishArgs) -> Result<ExitCode> {
+    let reg = a.registry.target("publish")?;
+    let bytes = std::fs::read(&a.archive).map_err(|source| Error::Io { path: a.archive.clone(), source })?;
+    let line = reg.publish(&a.archive.display().to_string(), &bytes)?;
+    println!("published {} to {} (sha256 {})", line.id(), reg.root.display(), line.cksum);
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn yank(a: YankArgs) -> Result<ExitCode> {
+    let reg = a.registry.target("yank")?;
+    let (name, version) =
+        a.package.split_once('@').ok_or_else(|| Error::Input(format!("yank: {:?} is not NAME@VERSION", a.package)))?;
+    let version: kiln_registry::Version =
+        version.parse().map_err(|e| Error::Input(format!("yank: version {version:?} of {name}: {e}")))?;
+    let line = reg.yank(name, &version, !a.undo)?;
+    println!("{} {} in {}", line.id(), if line.yanked { "yanked" } else { "un-yanked" }, reg.root.display());
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn search(a: SearchArgs) -> Result<ExitCode> {
+    let dirs = a.registry.dirs();
+    if dirs.is_empty() {
+        return Err(Error::Input(format!(
+            "kiln search needs a registry directory: --registry DIR or {REGISTRY_ENV}=DIR"
+        )));
+    }
+    output::check_path("--json", &a.json)?;
+    let human = output::Human::new(&[&a.json]);
+    let mut found = Vec::new();
+    for d in dirs {
+        let reg = RegistryDir::new(&d);
+        for line in reg.search(&a.op)? {
+            found.push((d.display().to_string(), line));
+        }
+    }
+    if let Some(p) = &a.json {
+        let doc: Vec<serde_json::Value> =
+            found.iter().map(|(r, l)| serde_json::json!({ "registry": r, "index": l })).collect();
+        output::write_json(p, &doc)?;
+    }
+    for (r, l) in &found {
+        let ops: Vec<String> = l
+            .ops
+            .iter()
+            .filter(|e| !e.op_types.is_empty())
+            .map(|e| format!("{} opset {}.. ({})", e.op_types.join(", "), e.since_opset, e.dtypes.join(", ")))
+            .collect();
+        let yanked = if l.yanked { "  [yanked]" } else { "" };
+        say!(human, "{}  ({r}){yanked}\n  {}", l.id(), ops.join("\n  "));
+    }
+    if found.is_empty() {
+        note!("no package in the registries provides {}", a.op);
+    }
+    Ok(ExitCode::SUCCESS)
+}

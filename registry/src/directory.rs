@@ -1,0 +1,321 @@
+//! Registry directories: folders that publishers add `.kpkg` archives to and runs load packages
+//! from. The format is specified in `docs/REGISTRY.md`; in short:
+//!
+//! ```text
+//! REGISTRY/
+//!   .lock                              taken (flock) by every writer
+//!   index/NAME                         one JSON line per published version, oldest first
+//!   packages/NAME/NAME-VERSION.kpkg    the archives
+//! ```
+//!
+//! Writers take the lock, write the new file beside its final name, fsync it, rename it over
+//! the final name and fsync the folder, so a reader sees the old index or the new one, never a
+//! torn line, and a publisher killed mid-write leaves at most an orphaned temporary file or an
+//! archive no index line names (a later publish of that version replaces it). Readers take no
+//! lock. Loading checks each archive's sha256 against its index line and the manifest inside
+//! against the line's name, version and ABI.
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use kiln_kernel_abi::manifest::{DeviceRequirements, OpEntry};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::{archive, Package, RegistryError};
+
+/// One published version: a line of `index/NAME` (docs/REGISTRY.md).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IndexLine {
+    pub name: String,
+    pub vers: semver::Version,
+    /// The kernel ABI of the package's shim.
+    pub abi: u32,
+    /// sha256 of the archive, lower-case hex.
+    pub cksum: String,
+    /// The manifest's `[[ops]]`, so that a search needs no archive.
+    pub ops: Vec<OpEntry>,
+    /// The manifest's `[device]`.
+    pub device: DeviceRequirements,
+    /// A yanked version stays readable but is not chosen for new runs.
+    #[serde(default)]
+    pub yanked: bool,
+}
+
+impl IndexLine {
+    /// `name@version`.
+    pub fn id(&self) -> String {
+        format!("{}@{}", self.name, self.vers)
+    }
+
+    /// Whether one of its op entries provides `op` (`OP` in any domain, or `DOMAIN::OP`).
+    pub fn provides(&self, op: &str) -> bool {
+        let (domain, op_type) = match op.rsplit_once("::") {
+            Some((d, o)) => (Some(crate::normalize_domain(d)), o),
+            None => (None, op),
+        };
+        self.ops.iter().any(|e| {
+            e.op_types.iter().any(|t| t == op_type) && domain.is_none_or(|d| crate::normalize_domain(&e.domain) == d)
+        })
+    }
+}
+
+/// A registry directory (module docs).
+#[derive(Clone, Debug)]
+pub struct RegistryDir {
+    pub root: PathBuf,
+}
+
+impl RegistryDir {
+    pub fn new(root: impl Into<PathBuf>) -> RegistryDir {
+        RegistryDir { root: root.into() }
+    }
+
+    fn origin(&self) -> String {
+        self.root.display().to_string()
+    }
+
+    fn io(&self, path: &Path) -> impl Fn(std::io::Error) -> RegistryError + '_ {
+        let path = path.to_path_buf();
+        move |source| RegistryError::Io { origin: self.origin(), path: path.clone(), source }
+    }
+
+    fn index_path(&self, name: &str) -> PathBuf {
+        self.root.join("index").join(name)
+    }
+
+    /// Where the archive of `name@vers` lives.
+    pub fn archive_path(&self, name: &str, vers: &semver::Version) -> PathBuf {
+        self.root.join("packages").join(name).join(format!("{name}-{vers}.kpkg"))
+    }
+
+    /// The exclusive writer lock, held until the returned file is dropped (or the process dies).
+    fn lock(&self) -> Result<File, RegistryError> {
+        std::fs::create_dir_all(&self.root).map_err(self.io(&self.root))?;
+        let path = self.root.join(".lock");
+        let f = OpenOptions::new().create(true).truncate(false).write(true).open(&path).map_err(self.io(&path))?;
+        f.lock().map_err(self.io(&path))?;
+        Ok(f)
+    }
+
+    /// The published versions of `name`, oldest first; none when it was never published.
+    /// Errors: an unreadable index or a line that does not parse (file and line named).
+    pub fn versions(&self, name: &str) -> Result<Vec<IndexLine>, RegistryError> {
+        let path = self.index_path(name);
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(self.io(&path)(e)),
+        };
+        let mut out = Vec::new();
+        for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+            let parsed: IndexLine = serde_json::from_str(line).map_err(|e| RegistryError::Index {
+                path: path.clone(),
+                line: i + 1,
+                reason: e.to_string(),
+            })?;
+            if parsed.name != name {
+                let reason = format!("names package {:?} in the index of {name:?}", parsed.name);
+                return Err(RegistryError::Index { path: path.clone(), line: i + 1, reason });
+            }
+            out.push(parsed);
+        }
+        Ok(out)
+    }
+
+    /// Every package name with an index file, sorted.
+    pub fn names(&self) -> Result<Vec<String>, RegistryError> {
+        let dir = self.root.join("index");
+        let rd = match std::fs::read_dir(&dir) {
+            Ok(rd) => rd,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && self.root.is_dir() => return Ok(Vec::new()),
+            Err(e) => return Err(self.io(&dir)(e)),
+        };
+        let mut names: Vec<String> = rd
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+            .filter_map(|e| e.file_name().into_string().ok())
+            .filter(|n| !n.starts_with('.'))
+            .collect();
+        names.sort();
+        Ok(names)
+    }
+
+    /// Publishes archive `bytes` (a `.kpkg`, see [`archive`]): the archive is verified, then
+    /// written with its index line under the lock. Errors: a bad archive; a version that is
+    /// already published (republishing is refused, yanked or not); I/O.
+    pub fn publish(&self, origin: &str, bytes: &[u8]) -> Result<IndexLine, RegistryError> {
+        let pkg = archive::unpack(origin, bytes)?;
+        let m = &pkg.manifest;
+        let line = IndexLine {
+            name: m.package.name.clone(),
+            vers: m.package.version.clone(),
+            abi: m.abi,
+            cksum: hex::encode(Sha256::digest(bytes)),
+            ops: m.ops.clone(),
+            device: m.device.clone(),
+            yanked: false,
+        };
+        let _lock = self.lock()?;
+        let mut lines = self.versions(&line.name)?;
+        if lines.iter().any(|l| l.vers == line.vers) {
+            return Err(RegistryError::AlreadyPublished { registry: self.origin(), id: line.id() });
+        }
+        let archive_path = self.archive_path(&line.name, &line.vers);
+        self.write_atomically(&archive_path, bytes)?;
+        lines.push(line.clone());
+        self.write_index(&line.name, &lines)?;
+        Ok(line)
+    }
+
+    /// Marks `name@vers` yanked (or not): it stays loadable by exact version but is no longer
+    /// chosen. Errors: no such version; I/O.
+    pub fn yank(&self, name: &str, vers: &semver::Version, yanked: bool) -> Result<IndexLine, RegistryError> {
+        let _lock = self.lock()?;
+        let mut lines = self.versions(name)?;
+        let Some(l) = lines.iter_mut().find(|l| &l.vers == vers) else {
+            return Err(RegistryError::NotPublished { registry: self.origin(), id: format!("{name}@{vers}") });
+        };
+        l.yanked = yanked;
+        let out = l.clone();
+        self.write_index(name, &lines)?;
+        Ok(out)
+    }
+
+    /// Every index line, of every package, that provides `op` (see [`IndexLine::provides`]).
+    pub fn search(&self, op: &str) -> Result<Vec<IndexLine>, RegistryError> {
+        let mut out = Vec::new();
+        for name in self.names()? {
+            out.extend(self.versions(&name)?.into_iter().filter(|l| l.provides(op)));
+        }
+        Ok(out)
+    }
+
+    /// The package of one index line, its archive checked against the line's checksum and its
+    /// manifest against the line's name, version and ABI.
+    pub fn load(&self, line: &IndexLine) -> Result<Package, RegistryError> {
+        let path = self.archive_path(&line.name, &line.vers);
+        let bytes = std::fs::read(&path).map_err(self.io(&path))?;
+        let actual = hex::encode(Sha256::digest(&bytes));
+        if actual != line.cksum {
+            return Err(RegistryError::Tampered { path, expected: line.cksum.clone(), actual });
+        }
+        let pkg = archive::unpack(&path.display().to_string(), &bytes)?;
+        let m = &pkg.manifest;
+        if (m.package.name.as_str(), &m.package.version, m.abi) != (line.name.as_str(), &line.vers, line.abi) {
+            let reason = format!(
+                "the archive holds {}@{} (ABI {}) but its index line says {} (ABI {})",
+                m.package.name,
+                m.package.version,
+                m.abi,
+                line.id(),
+                line.abi
+            );
+            return Err(RegistryError::Archive { origin: path.display().to_string(), reason });
+        }
+        Ok(pkg)
+    }
+
+    /// Every version that is not yanked, loaded (each result on its own, so that one bad
+    /// archive does not hide the others).
+    pub fn load_all(&self) -> Vec<Result<Package, RegistryError>> {
+        let names = match self.names() {
+            Ok(n) => n,
+            Err(e) => return vec![Err(e)],
+        };
+        let mut out = Vec::new();
+        for name in names {
+            match self.versions(&name) {
+                Ok(lines) => out.extend(lines.iter().filter(|l| !l.yanked).map(|l| self.load(l))),
+                Err(e) => out.push(Err(e)),
+            }
+        }
+        out
+    }
+
+    fn write_index(&self, name: &str, lines: &[IndexLine]) -> Result<(), RegistryError> {
+        let mut text = String::new();
+        for l in lines {
+            let json = serde_json::to_string(l).map_err(|e| RegistryError::Index {
+                path: self.index_path(name),
+                line: 0,
+                reason: e.to_string(),
+            })?;
+            text.push_str(&json);
+            text.push('\n');
+        }
+        self.write_atomically(&self.index_path(name), text.as_bytes())
+    }
+
+    /// Writes `bytes` to a temporary file beside `path`, fsyncs it, renames it to `path` and
+    /// fsyncs the folder.
+    fn write_atomically(&self, path: &Path, bytes: &[u8]) -> Result<(), RegistryError> {
+        let dir = path.parent().unwrap_or(&self.root);
+        std::fs::create_dir_all(dir).map_err(self.io(dir))?;
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let file_name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
+        let tmp = dir.join(format!(".{file_name}.{}.{nanos}.tmp", std::process::id()));
+        let mut f = File::create(&tmp).map_err(self.io(&tmp))?;
+        f.write_all(bytes).and_then(|_| f.sync_all()).map_err(self.io(&tmp))?;
+        drop(f);
+        std::fs::rename(&tmp, path).map_err(self.io(path))?;
+        File::open(dir).and_then(|d| d.sync_all()).map_err(self.io(dir))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn archive_of(name: &str, version: &str) -> Vec<u8> {
+        let d = tempfile::tempdir().unwrap();
+        archive::tests::write_package(d.path(), name, version);
+        archive::pack(d.path()).unwrap()
+    }
+
+    #[test]
+    fn publish_search_yank_and_load() {
+        let r = tempfile::tempdir().unwrap();
+        let reg = RegistryDir::new(r.path());
+        assert!(reg.names().unwrap().is_empty());
+        for v in ["1.0.0", "1.1.0"] {
+            let line = reg.publish("p.kpkg", &archive_of("p", v)).unwrap();
+            assert_eq!(line.id(), format!("p@{v}"));
+        }
+        let err = reg.publish("p.kpkg", &archive_of("p", "1.1.0")).unwrap_err().to_string();
+        assert!(err.contains("p@1.1.0 is already published"), "{err}");
+        assert_eq!(reg.search("Relu").unwrap().len(), 2);
+        assert_eq!(reg.search("ai.onnx::Relu").unwrap().len(), 2);
+        assert!(reg.search("com.microsoft::Relu").unwrap().is_empty());
+        reg.yank("p", &"1.1.0".parse().unwrap(), true).unwrap();
+        let loaded: Vec<String> = reg.load_all().into_iter().map(|p| p.unwrap().id()).collect();
+        assert_eq!(loaded, vec!["p@1.0.0"]);
+        assert!(reg
+            .yank("p", &"9.0.0".parse().unwrap(), true)
+            .unwrap_err()
+            .to_string()
+            .contains("p@9.0.0 is not published"));
+    }
+
+    #[test]
+    fn a_tampered_archive_or_index_line_is_refused_naming_the_file() {
+        let r = tempfile::tempdir().unwrap();
+        let reg = RegistryDir::new(r.path());
+        let line = reg.publish("p.kpkg", &archive_of("p", "1.0.0")).unwrap();
+        let path = reg.archive_path("p", &line.vers);
+        let mut bytes = std::fs::read(&path).unwrap();
+        let n = bytes.len();
+        bytes[n / 3] ^= 1;
+        std::fs::write(&path, &bytes).unwrap();
+        let err = reg.load(&line).unwrap_err().to_string();
+        assert!(err.contains("p-1.0.0.kpkg") && err.contains("sha256"), "{err}");
+        // A torn index line.
+        let index = r.path().join("index/p");
+        let text = std::fs::read_to_string(&index).unwrap();
+        std::fs::write(&index, &text[..text.len() / 2]).unwrap();
+        let err = reg.versions("p").unwrap_err().to_string();
+        assert!(err.contains("index/p") && err.contains("line 1"), "{err}");
+    }
+}
