@@ -164,7 +164,7 @@ fn bad_arguments_are_clear_errors() {
 }
 
 #[test]
-fn a_broken_drop_in_package_is_reported_and_skipped() {
+fn a_broken_drop_in_package_is_listed_and_fails_a_run_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     let pkg = dir.path().join("broken");
     std::fs::create_dir(&pkg).unwrap();
@@ -184,7 +184,12 @@ fn a_broken_drop_in_package_is_reported_and_skipped() {
         "--output-dir",
         out.path().to_str().unwrap(),
     ]);
-    assert!(o.status.success() && text(&o).contains("warning: package skipped"), "{}", text(&o));
+    // A run never falls back silently from a package the user added: invalid input (3),
+    // naming the package folder and the reason.
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(3), "invalid input: {t}");
+    assert!(t.contains("1 package(s) could not be loaded") && t.contains("broken"), "{t}");
+    assert!(!out.path().join("probs.npy").exists(), "nothing ran");
 }
 
 #[test]
@@ -686,4 +691,41 @@ fn concurrent_publishers_and_a_killed_one_lose_nothing() {
     for l in &lines {
         dir.load(l).unwrap_or_else(|e| panic!("{}: {e}", l.id()));
     }
+}
+
+/// `kiln kernels why`: a drop-in folder's version outranks a higher version in a registry, and a
+/// dtype no candidate lists rejects them all with the reason (unsupported, exit 4).
+#[test]
+fn kernels_why_names_the_chosen_package_and_why_the_others_lose() {
+    let t = tempfile::tempdir().unwrap();
+    let reg = t.path().join("registry");
+    tiny_package(&t.path().join("v1"), "1.0.0", b"\0asm\x01\0\0\0");
+    let archive = t.path().join("p.kpkg");
+    assert!(kiln(&["package", "pack", t.path().join("v1").to_str().unwrap(), "-o", archive.to_str().unwrap()])
+        .status
+        .success());
+    assert!(kiln(&["publish", archive.to_str().unwrap(), "--registry", reg.to_str().unwrap()]).status.success());
+    let drop_in = t.path().join("drop-in");
+    tiny_package(&drop_in, "0.5.0", b"\0asm\x01\0\0\0");
+    let base = [
+        "kernels",
+        "why",
+        "ai.example::Twice",
+        "--registry",
+        reg.to_str().unwrap(),
+        "--packages",
+        drop_in.to_str().unwrap(),
+    ];
+    let o = kiln(&base);
+    let t1 = text(&o);
+    assert!(o.status.success(), "{t1}");
+    let chosen = t1.lines().find(|l| l.contains("chosen")).expect("a chosen line");
+    assert!(chosen.contains("p@0.5.0") && chosen.contains("drop-in folder"), "{t1}");
+    let outranked = t1.lines().find(|l| l.contains("outranked")).expect("an outranked line");
+    assert!(outranked.contains("p@1.0.0") && outranked.contains("registry 1"), "{t1}");
+    let o = kiln(&[&base[..], &["--dtype", "float64"]].concat());
+    let t2 = text(&o);
+    assert_eq!(o.status.code(), Some(4), "unsupported: {t2}");
+    assert_eq!(t2.matches("rejected").count(), 2, "{t2}");
+    assert!(t2.contains("dtype float64 of input 0 is not in [float32]"), "{t2}");
 }

@@ -185,6 +185,62 @@ impl OpRegistry {
     }
 }
 
+/// What became of one candidate (a package's op entry for the queried op) in [`OpRegistry::explain`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// It runs the node.
+    Chosen,
+    /// It supports the node, but the chosen package ranks higher (precedence, then version).
+    Outranked,
+    /// It does not support the node: why.
+    Rejected(String),
+}
+
+/// One candidate of [`OpRegistry::explain`].
+#[derive(Clone, Debug)]
+pub struct Candidate {
+    pub package: Arc<Package>,
+    pub precedence: u32,
+    pub verdict: Verdict,
+}
+
+impl OpRegistry {
+    /// Every package entry that declares the queried op, with what [`OpRegistry::resolve`]
+    /// made of it: the chosen one, those it outranks, and the rejected ones with their reasons;
+    /// best first (precedence, then version), rejected ones last.
+    pub fn explain(&self, q: &NodeQuery<'_>) -> Vec<Candidate> {
+        let chosen = self.resolve(q).ok();
+        let domain = normalize_domain(q.domain);
+        let mut out = Vec::new();
+        for (pkg, precedence) in &self.packages {
+            for entry in &pkg.manifest.ops {
+                if normalize_domain(&entry.domain) != domain || !entry.op_types.iter().any(|t| t == q.op_type) {
+                    continue;
+                }
+                let verdict = match check(pkg, entry, q) {
+                    Err(reason) => Verdict::Rejected(reason),
+                    Ok(()) if chosen.as_ref().is_some_and(|c| Arc::ptr_eq(&c.package, pkg) && &c.entry == entry) => {
+                        Verdict::Chosen
+                    }
+                    Ok(()) => Verdict::Outranked,
+                };
+                out.push(Candidate { package: pkg.clone(), precedence: *precedence, verdict });
+            }
+        }
+        let rank = |c: &Candidate| match c.verdict {
+            Verdict::Chosen => 0,
+            Verdict::Outranked => 1,
+            Verdict::Rejected(_) => 2,
+        };
+        out.sort_by(|a, b| {
+            rank(a)
+                .cmp(&rank(b))
+                .then_with(|| (b.precedence, b.package.version()).cmp(&(a.precedence, a.package.version())))
+        });
+        out
+    }
+}
+
 fn check(pkg: &Package, entry: &OpEntry, q: &NodeQuery<'_>) -> Result<(), String> {
     if !entry.covers_opset(q.opset) {
         let until = entry.until_opset.map_or(String::new(), |u| u.to_string());

@@ -51,7 +51,7 @@ pub fn run(cmd: BenchCommand) -> Result<ExitCode> {
     super::output::check_path("--json", &json)?;
     let human = super::output::Human::new(&[&json]);
     let ordinal = super::require_gpu("bench ops")?;
-    let reg = registry(&packages);
+    let reg = registry(&packages)?;
     let find = |name: &str| {
         reg.packages()
             .find(|p| p.name() == name)

@@ -145,7 +145,7 @@ pub fn run(a: BenchRunArgs) -> Result<ExitCode> {
     let device = choose_device(a.target.device)?;
     let human = super::output::Human::new(&[&a.json]);
     let t0 = Instant::now();
-    let rt = crate::ep::Runtime::new(registry(&a.target.packages), super::sandbox_config())?;
+    let rt = crate::ep::Runtime::new(registry(&a.target.packages)?, super::sandbox_config())?;
     let options =
         SessionOptions { device, fuse: !a.target.fuse.no_fuse, pdl: a.target.pdl, ..SessionOptions::default() };
     let mut session = Session::new(rt, m, options)?;

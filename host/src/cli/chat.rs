@@ -125,7 +125,7 @@ pub fn run(a: ChatArgs) -> Result<ExitCode> {
         )));
     }
     let params = sampling(&a.sampling, &folder)?;
-    let rt = Runtime::new(registry(&a.target.packages), super::sandbox_config())?;
+    let rt = Runtime::new(registry(&a.target.packages)?, super::sandbox_config())?;
     let options =
         SessionOptions { device, graphs, fuse: !a.target.fuse.no_fuse, pdl: a.target.pdl, ..SessionOptions::default() };
     let mut generator = Generator::new(rt, folder, options)?;

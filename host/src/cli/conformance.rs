@@ -38,7 +38,7 @@ pub fn run(a: ConformanceArgs) -> Result<ExitCode> {
     if dirs.is_empty() {
         return Err(Error::Input(format!("{}: no test folders (test_*/model.onnx) found", a.dir.display())));
     }
-    let rt = Runtime::new(registry(&a.packages), super::sandbox_config())?;
+    let rt = Runtime::new(registry(&a.packages)?, super::sandbox_config())?;
     let options = SessionOptions {
         device,
         check_dispatch: a.check_dispatch,

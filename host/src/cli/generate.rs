@@ -199,7 +199,7 @@ pub fn run(mut a: GenerateArgs) -> Result<ExitCode> {
         let text = if a.chat { folder.chat_prompt(p)? } else { p.clone() };
         prompts.push(folder.encode(&text)?);
     }
-    let rt = Runtime::new(registry(&a.target.packages), super::sandbox_config())?;
+    let rt = Runtime::new(registry(&a.target.packages)?, super::sandbox_config())?;
     let mut generator = Generator::new(
         rt,
         folder,

@@ -218,14 +218,8 @@ pub fn run(a: InspectArgs) -> Result<ExitCode> {
     super::output::check_path("--json", &a.json)?;
     let m = model::load(&model_file(&a.model)?)?;
     let device = choose_device(a.target.device)?;
-    let caps = match device {
-        Device::Cpu => None,
-        Device::Cuda(i) => crate::cuda::probe()?
-            .into_iter()
-            .find(|d| d.ordinal == i)
-            .map(|d| DeviceCaps { compute_capability: d.compute_capability, features: d.features() }),
-    };
-    let ins = inspect(m, &registry(&a.target.packages), device, caps.as_ref(), !a.target.fuse.no_fuse);
+    let caps = super::device_caps(device)?;
+    let ins = inspect(m, &registry(&a.target.packages)?, device, caps.as_ref(), !a.target.fuse.no_fuse);
     let human = super::output::Human::new(&[&a.json]);
     human.print(&ins.render());
     if let Some(p) = &a.json {

@@ -168,6 +168,18 @@ pub fn sandbox_config() -> crate::sandbox::SandboxConfig {
     }
 }
 
+/// What the op registry checks packages against on `device`: the GPU's compute capability and
+/// features, or nothing on the CPU.
+pub fn device_caps(device: Device) -> Result<Option<kiln_registry::DeviceCaps>> {
+    Ok(match device {
+        Device::Cpu => None,
+        Device::Cuda(i) => crate::cuda::probe()?
+            .into_iter()
+            .find(|d| d.ordinal == i)
+            .map(|d| kiln_registry::DeviceCaps { compute_capability: d.compute_capability, features: d.features() }),
+    })
+}
+
 /// Picks the device: `auto` takes GPU 0 when one is usable and otherwise says it runs on the
 /// CPU; `cuda` without a GPU is an error.
 pub fn choose_device(arg: DeviceArg) -> Result<Device> {
@@ -202,14 +214,21 @@ pub fn require_gpu(command: &str) -> Result<usize> {
     Ok(0)
 }
 
-/// Builds the op registry, printing packages that could not be loaded.
-pub fn registry(args: &PackageArgs) -> kiln_registry::OpRegistry {
+/// Builds the op registry of the drop-in folders, registries and built-in packages. Errors: a
+/// package that does not load (bad manifest, hash, archive or index), naming each: a run never
+/// falls back silently to another package than the one the user added.
+pub fn registry(args: &PackageArgs) -> Result<kiln_registry::OpRegistry> {
     let (reg, errors) =
         crate::packages::registry(&crate::packages::search_path(&args.packages), &args.registries.dirs());
-    for e in errors {
-        eprintln!("kiln: warning: package skipped: {e}");
+    if errors.is_empty() {
+        return Ok(reg);
     }
-    reg
+    let list: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
+    Err(Error::Input(format!(
+        "{} package(s) could not be loaded; fix or remove them (`kiln kernels list` shows every package):\n  {}",
+        list.len(),
+        list.join("\n  ")
+    )))
 }
 
 fn devices(json: bool) -> Result<ExitCode> {

@@ -71,7 +71,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             return Err(Error::Input(format!("--expect {name}: the model has no output {name:?}")));
         }
     }
-    let rt = Runtime::new(registry(&a.target.packages), super::sandbox_config())?;
+    let rt = Runtime::new(registry(&a.target.packages)?, super::sandbox_config())?;
     let options = SessionOptions {
         device,
         device_memory_limit: a.device_memory_limit.map(|m| m << 20),

@@ -79,7 +79,7 @@ pub fn run(mut a: VerifyArgs) -> Result<ExitCode> {
         a.packages.packages.push(folder.to_path_buf());
         a.package = pkg.name().to_string();
     }
-    let reg = registry(&a.packages);
+    let reg = registry(&a.packages)?;
     let pkg = reg.packages().filter(|p| p.name() == a.package).max_by_key(|p| p.version().clone()).cloned();
     let pkg = pkg.ok_or_else(|| {
         let mut names: Vec<&str> = reg.packages().map(|p| p.name()).collect();
