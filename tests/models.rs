@@ -160,6 +160,17 @@ fn registry_packages_rank_between_drop_ins_and_built_ins_and_yanked_ones_are_ski
     }
     let out = run(&with(&[drop_in.path().to_path_buf()], &regs), &bytes, x()).unwrap();
     assert_eq!(f32_values(&out[0].1), [1.0, 0.0, 3.0, 0.0], "a drop-in folder outranks every registry");
+    // A requirement keeps the registry's 9.9.9 out: the built-in 1.0.0 runs.
+    let (mut r, _) = packages::registry(&[], &regs);
+    r.require(&["kiln-unary@^1".parse().unwrap()]).unwrap();
+    let out = run(&Runtime::new(r, SandboxConfig::default()).unwrap(), &bytes, x()).unwrap();
+    assert_eq!(f32_values(&out[0].1), [1.0, 0.0, 3.0, 0.0], "kiln-unary@^1 excludes 9.9.9");
+    let (mut r, _) = packages::registry(&[], &regs);
+    let err = r.require(&["kiln-unary@^2".parse().unwrap()]).unwrap_err();
+    assert!(
+        err.contains("kiln-unary@^2: no package meets it") && err.contains("9.9.9") && err.contains("1.0.0"),
+        "{err}"
+    );
     reg.yank("kiln-unary", &"9.9.9".parse().unwrap(), true).unwrap();
     let out = run(&with(&[], &regs), &bytes, x()).unwrap();
     assert_eq!(f32_values(&out[0].1), [1.0, 0.0, 3.0, 0.0], "a yanked version is not chosen");

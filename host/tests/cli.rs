@@ -729,3 +729,18 @@ fn kernels_why_names_the_chosen_package_and_why_the_others_lose() {
     assert_eq!(t2.matches("rejected").count(), 2, "{t2}");
     assert!(t2.contains("dtype float64 of input 0 is not in [float32]"), "{t2}");
 }
+
+/// `--kernels NAME@REQ`: a requirement no package meets stops the run before any work, listing
+/// the versions there are; one that the built-in meets runs.
+#[test]
+fn a_kernel_requirement_no_package_meets_is_invalid_input() {
+    let args = ["run", "examples/mlp/model.onnx", "--input", "x=examples/mlp/x.npy", "--device", "cpu"];
+    let o = kiln(&[&args[..], &["--kernels", "kiln-matmul@^2"]].concat());
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(3), "invalid input: {t}");
+    assert!(t.contains("--kernels kiln-matmul@^2: no package meets it; there are 1.1.0 (builtin:matmul)"), "{t}");
+    let o = kiln(&[&args[..], &["--kernels", "kiln-matmul@^1.1"]].concat());
+    assert!(o.status.success(), "{}", text(&o));
+    let o = kiln(&[&args[..], &["--kernels", "kiln-matmul@~~1"]].concat());
+    assert_eq!(o.status.code(), Some(2), "a malformed requirement is a usage error: {}", text(&o));
+}

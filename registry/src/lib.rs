@@ -16,6 +16,6 @@ pub mod package;
 pub use directory::{IndexLine, RegistryDir};
 pub use error::RegistryError;
 pub use ops::{normalize_domain, DeviceCaps, NodeQuery, OpRegistry, Rejection, Resolution, Unresolved, BUILTIN, USER};
-pub use ops::{registry_precedence, Candidate, Verdict};
+pub use ops::{registry_precedence, Candidate, Requirement, Verdict};
 pub use package::Package;
 pub use semver::Version;

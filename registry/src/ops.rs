@@ -185,6 +185,61 @@ impl OpRegistry {
     }
 }
 
+/// A version requirement on one package name (`--kernels NAME@REQ`): only the versions of
+/// `name` that match `req` take part in resolution.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Requirement {
+    pub name: String,
+    pub req: semver::VersionReq,
+}
+
+impl std::str::FromStr for Requirement {
+    type Err = String;
+
+    /// `NAME@REQ` with a semver requirement (`kiln-unary@^1.0`, `kiln-matmul@=1.1.0`); a bare
+    /// `NAME` takes any version.
+    fn from_str(s: &str) -> Result<Requirement, String> {
+        let (name, req) = s.split_once('@').unwrap_or((s, "*"));
+        if name.is_empty() {
+            return Err(format!("{s:?}: give NAME@REQUIREMENT, e.g. kiln-unary@^1.0"));
+        }
+        let req = req.parse().map_err(|e| format!("{s:?}: version requirement {req:?}: {e}"))?;
+        Ok(Requirement { name: name.to_string(), req })
+    }
+}
+
+impl fmt::Display for Requirement {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}@{}", self.name, self.req)
+    }
+}
+
+impl OpRegistry {
+    /// Keeps, of each package name a requirement names, only the versions that meet it (every
+    /// requirement on that name). Errors: a requirement no package meets, with the versions
+    /// there are, so that the run never silently takes another version than the one asked for.
+    pub fn require(&mut self, reqs: &[Requirement]) -> Result<(), String> {
+        for r in reqs {
+            let available: Vec<String> = self
+                .packages
+                .iter()
+                .filter(|(p, _)| p.name() == r.name)
+                .map(|(p, _)| format!("{} ({})", p.version(), p.origin))
+                .collect();
+            self.packages.retain(|(p, _)| p.name() != r.name || r.req.matches(p.version()));
+            if !self.packages.iter().any(|(p, _)| p.name() == r.name) {
+                let there = if available.is_empty() {
+                    "no package has that name".to_string()
+                } else {
+                    format!("there are {}", available.join(", "))
+                };
+                return Err(format!("--kernels {r}: no package meets it; {there}"));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// What became of one candidate (a package's op entry for the queried op) in [`OpRegistry::explain`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Verdict {

@@ -129,10 +129,11 @@ pub fn run(cmd: KernelsCommand) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         KernelsCommand::List { packages } => {
-            let (reg, errors) = crate::packages::registry(
+            let (mut reg, errors) = crate::packages::registry(
                 &crate::packages::search_path(&packages.packages),
                 &packages.registries.dirs(),
             );
+            reg.require(&packages.kernels).map_err(crate::Error::Input)?;
             for p in reg.packages() {
                 let m = &p.manifest;
                 println!("{} {}  ({})", m.package.name, m.package.version, p.origin);

@@ -106,6 +106,11 @@ pub struct PackageArgs {
     pub packages: Vec<PathBuf>,
     #[command(flatten)]
     pub registries: registry::RegistryArgs,
+    /// Only versions that meet a semver requirement take part: `NAME@REQ`
+    /// (`kiln-matmul@^1.1`, `kiln-unary@=1.0.0`); repeatable. A requirement no package meets is
+    /// an error that lists the versions there are.
+    #[arg(long = "kernels", value_name = "NAME@REQ")]
+    pub kernels: Vec<kiln_registry::Requirement>,
 }
 
 /// Where and with what a command runs a model: `--device`, `--packages`, `--no-fuse`.
@@ -218,9 +223,10 @@ pub fn require_gpu(command: &str) -> Result<usize> {
 /// package that does not load (bad manifest, hash, archive or index), naming each: a run never
 /// falls back silently to another package than the one the user added.
 pub fn registry(args: &PackageArgs) -> Result<kiln_registry::OpRegistry> {
-    let (reg, errors) =
+    let (mut reg, errors) =
         crate::packages::registry(&crate::packages::search_path(&args.packages), &args.registries.dirs());
     if errors.is_empty() {
+        reg.require(&args.kernels).map_err(Error::Input)?;
         return Ok(reg);
     }
     let list: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
