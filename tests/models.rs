@@ -160,6 +160,14 @@ fn registry_packages_rank_between_drop_ins_and_built_ins_and_yanked_ones_are_ski
     }
     let out = run(&with(&[drop_in.path().to_path_buf()], &regs), &bytes, x()).unwrap();
     assert_eq!(f32_values(&out[0].1), [1.0, 0.0, 3.0, 0.0], "a drop-in folder outranks every registry");
+    // Also when both hold the same name@version: the drop-in's copy (the built-in Relu, renamed
+    // 9.9.9; kernel.toml is not among the hashed files) runs, not the registry's doubling one.
+    let toml = std::fs::read_to_string(drop_in.path().join("kernel.toml")).unwrap();
+    let toml = toml.replacen("version = \"1.0.0\"", "version = \"9.9.9\"", 1);
+    assert!(toml.contains("version = \"9.9.9\""));
+    std::fs::write(drop_in.path().join("kernel.toml"), toml).unwrap();
+    let out = run(&with(&[drop_in.path().to_path_buf()], &regs), &bytes, x()).unwrap();
+    assert_eq!(f32_values(&out[0].1), [1.0, 0.0, 3.0, 0.0], "the drop-in's kiln-unary@9.9.9 wins over the registry's");
     // A requirement keeps the registry's 9.9.9 out: the built-in 1.0.0 runs.
     let (mut r, _) = packages::registry(&[], &regs);
     r.require(&["kiln-unary@^1".parse().unwrap()]).unwrap();

@@ -42,21 +42,11 @@ pub fn search_path(cli: &[PathBuf]) -> Vec<PathBuf> {
 
 /// An op registry of the drop-in folders' packages, the registry directories' published
 /// versions that are not yanked, and the built-in packages, in that precedence (module docs).
-/// Packages that fail to load are left out and returned as errors, so one broken package does
-/// not stop the others.
+/// Packages that fail to load are left out and returned as errors (a registry's published ones
+/// as [`RegistryError::Published`]), so one broken package does not stop the others.
 pub fn registry(dirs: &[PathBuf], registries: &[PathBuf]) -> (OpRegistry, Vec<RegistryError>) {
     let mut reg = OpRegistry::new();
     let mut errors = Vec::new();
-    for (i, dir) in registries.iter().enumerate() {
-        for p in kiln_registry::RegistryDir::new(dir).load_all() {
-            match p {
-                Ok(pkg) => {
-                    reg.add(pkg, kiln_registry::registry_precedence(i));
-                }
-                Err(e) => errors.push(e),
-            }
-        }
-    }
     for dir in dirs {
         match package_dirs(dir) {
             Ok(pkgs) => {
@@ -70,6 +60,18 @@ pub fn registry(dirs: &[PathBuf], registries: &[PathBuf]) -> (OpRegistry, Vec<Re
                 }
             }
             Err(e) => errors.push(e),
+        }
+    }
+    // After the drop-in folders (`OpRegistry::add` keeps the first copy of a name@version, so
+    // the sources are added in precedence order).
+    for (i, dir) in registries.iter().enumerate() {
+        for p in kiln_registry::RegistryDir::new(dir).load_all() {
+            match p {
+                Ok(pkg) => {
+                    reg.add(pkg, kiln_registry::registry_precedence(i));
+                }
+                Err(e) => errors.push(e),
+            }
         }
     }
     for p in builtin() {

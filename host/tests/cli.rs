@@ -614,6 +614,26 @@ fn pack_publish_search_and_yank() {
     let o = kiln(&["kernels", "list", "--registry", reg_s]);
     assert_eq!(o.status.code(), Some(3), "{}", text(&o));
     assert!(text(&o).contains("p-1.0.0.kpkg") && text(&o).contains("sha256"), "{}", text(&o));
+    // A run skips it with a warning naming it; the other packages load and the model runs.
+    let o = kiln(&[
+        "run",
+        "examples/mlp/model.onnx",
+        "--input",
+        "x=examples/mlp/x.npy",
+        "--device",
+        "cpu",
+        "--registry",
+        reg_s,
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("warning: package skipped: registry") && text(&o).contains("p-1.0.0.kpkg"),
+        "{}",
+        text(&o)
+    );
+    let o = kiln(&["yank", "../../x@1.0.0", "--registry", reg_s]);
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+    assert!(text(&o).contains("is not a package name"), "{}", text(&o));
     // No registry given.
     let o = kiln(&["publish", out.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(3));

@@ -68,17 +68,23 @@ pub fn entries(origin: &str, bytes: &[u8]) -> Result<Vec<(String, Vec<u8>)>, Reg
         if entry.header().entry_type() != tar::EntryType::Regular {
             return Err(bad(origin, format!("{shown} is not a regular file ({:?})", entry.header().entry_type())));
         }
-        if !path.components().all(|c| matches!(c, Component::Normal(_))) || shown.is_empty() {
+        let rel = path.to_str().ok_or_else(|| bad(origin, format!("{shown:?} is not UTF-8")))?.to_string();
+        // Every segment a plain name: no root, no `.` or `..`, no empty segment (`a//b`), which
+        // `Path::components` would normalize away.
+        let plain = !rel.is_empty()
+            && rel.split('/').all(|seg| !seg.is_empty() && seg != "." && seg != "..")
+            && path.components().all(|c| matches!(c, Component::Normal(_)));
+        if !plain {
             return Err(bad(origin, format!("{shown:?} is not a plain relative path")));
         }
-        let rel = path.to_str().ok_or_else(|| bad(origin, format!("{shown:?} is not UTF-8")))?.to_string();
         if !seen.insert(rel.clone()) {
             return Err(bad(origin, format!("{rel} appears twice")));
         }
         if seen.len() > MAX_ENTRIES {
             return Err(bad(origin, format!("more than {MAX_ENTRIES} entries")));
         }
-        let size = entry.header().size().map_err(|e| bad(origin, format!("{rel}: bad size: {e}")))?;
+        // The entry's size as the reader applies it (a pax `size` record overrides the header).
+        let size = entry.size();
         if size > MAX_ENTRY_BYTES {
             return Err(bad(origin, format!("{rel} is {size} bytes, over the {MAX_ENTRY_BYTES}-byte limit")));
         }
@@ -86,7 +92,7 @@ pub fn entries(origin: &str, bytes: &[u8]) -> Result<Vec<(String, Vec<u8>)>, Reg
         if total > MAX_TOTAL_BYTES {
             return Err(bad(origin, format!("the entries add up to over {MAX_TOTAL_BYTES} bytes")));
         }
-        let mut data = Vec::with_capacity(size as usize);
+        let mut data = Vec::with_capacity((size as usize).min(bytes.len()));
         entry.by_ref().take(size).read_to_end(&mut data).map_err(|e| bad(origin, format!("{rel}: {e}")))?;
         if data.len() as u64 != size {
             return Err(bad(origin, format!("{rel} is truncated ({} of {size} bytes)", data.len())));
@@ -166,6 +172,8 @@ pub(crate) mod tests {
         let cases: Vec<(Vec<u8>, &str)> = vec![
             (raw_tar(&[(b"../kernel.toml", reg, &toml)]), "not a plain relative path"),
             (raw_tar(&[(b"/etc/passwd", reg, b"x")]), "not a plain relative path"),
+            (raw_tar(&[(b"cuda//k.cu", reg, b"x")]), "not a plain relative path"),
+            (raw_tar(&[(b"cuda/./k.cu", reg, b"x")]), "not a plain relative path"),
             (raw_tar(&[(b"kernel.toml", tar::EntryType::Symlink, b"")]), "not a regular file"),
             (raw_tar(&[(b"kernel.toml", reg, &toml), (b"kernel.toml", reg, &toml)]), "appears twice"),
             (

@@ -40,7 +40,6 @@ pub struct IndexLine {
     /// The manifest's `[device]`.
     pub device: DeviceRequirements,
     /// A yanked version stays readable but is not chosen for new runs.
-    #[serde(default)]
     pub yanked: bool,
 }
 
@@ -60,6 +59,17 @@ impl IndexLine {
             e.op_types.iter().any(|t| t == op_type) && domain.is_none_or(|d| crate::normalize_domain(&e.domain) == d)
         })
     }
+}
+
+/// Largest index file a reader takes (64 MiB: some 100,000 versions).
+pub const MAX_INDEX_BYTES: u64 = 64 << 20;
+
+/// Whether `name` is a package name (`[a-z0-9_-]`, 1 to 64 characters, as `kernel.toml`
+/// requires): only such names become file names in a registry.
+pub fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
 
 /// A registry directory (module docs).
@@ -86,6 +96,27 @@ impl RegistryDir {
         self.root.join("index").join(name)
     }
 
+    fn refuse(&self, reason: String) -> RegistryError {
+        RegistryError::Registry { registry: self.origin(), reason }
+    }
+
+    fn check_name(&self, name: &str) -> Result<(), RegistryError> {
+        if valid_name(name) {
+            Ok(())
+        } else {
+            Err(self.refuse(format!("{name:?} is not a package name (1 to 64 characters of a-z, 0-9, '-', '_')")))
+        }
+    }
+
+    /// The bytes of `path`, refused past `limit` bytes before they are read.
+    fn read_limited(&self, path: &Path, limit: u64) -> Result<Vec<u8>, RegistryError> {
+        let len = std::fs::metadata(path).map_err(self.io(path))?.len();
+        if len > limit {
+            return Err(self.refuse(format!("{} is {len} bytes, over the {limit}-byte limit", path.display())));
+        }
+        std::fs::read(path).map_err(self.io(path))
+    }
+
     /// Where the archive of `name@vers` lives.
     pub fn archive_path(&self, name: &str, vers: &semver::Version) -> PathBuf {
         self.root.join("packages").join(name).join(format!("{name}-{vers}.kpkg"))
@@ -103,22 +134,27 @@ impl RegistryDir {
     /// The published versions of `name`, oldest first; none when it was never published.
     /// Errors: an unreadable index or a line that does not parse (file and line named).
     pub fn versions(&self, name: &str) -> Result<Vec<IndexLine>, RegistryError> {
+        self.check_name(name)?;
         let path = self.index_path(name);
-        let text = match std::fs::read_to_string(&path) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(self.io(&path)(e)),
-        };
-        let mut out = Vec::new();
+        if !path.exists() {
+            return Ok(Vec::new());
+        }
+        let bytes = self.read_limited(&path, MAX_INDEX_BYTES)?;
+        let bad = |line: usize, reason: String| RegistryError::Index { path: path.clone(), line, reason };
+        let text = String::from_utf8(bytes).map_err(|_| bad(0, "not UTF-8 text".into()))?;
+        let mut out: Vec<IndexLine> = Vec::new();
         for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-            let parsed: IndexLine = serde_json::from_str(line).map_err(|e| RegistryError::Index {
-                path: path.clone(),
-                line: i + 1,
-                reason: e.to_string(),
-            })?;
+            let parsed: IndexLine = serde_json::from_str(line).map_err(|e| bad(i + 1, e.to_string()))?;
             if parsed.name != name {
-                let reason = format!("names package {:?} in the index of {name:?}", parsed.name);
-                return Err(RegistryError::Index { path: path.clone(), line: i + 1, reason });
+                return Err(bad(i + 1, format!("names package {:?} in the index of {name:?}", parsed.name)));
+            }
+            if parsed.cksum.len() != 64
+                || !parsed.cksum.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+            {
+                return Err(bad(i + 1, format!("cksum {:?} is not 64 lower-case hex digits", parsed.cksum)));
+            }
+            if out.iter().any(|l| l.vers == parsed.vers) {
+                return Err(bad(i + 1, format!("version {} appears twice", parsed.vers)));
             }
             out.push(parsed);
         }
@@ -137,7 +173,7 @@ impl RegistryDir {
             .filter_map(|e| e.ok())
             .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
             .filter_map(|e| e.file_name().into_string().ok())
-            .filter(|n| !n.starts_with('.'))
+            .filter(|n| valid_name(n))
             .collect();
         names.sort();
         Ok(names)
@@ -163,6 +199,11 @@ impl RegistryDir {
         if lines.iter().any(|l| l.vers == line.vers) {
             return Err(RegistryError::AlreadyPublished { registry: self.origin(), id: line.id() });
         }
+        // Archive names must not collide on a case-insensitive file system (1.0.0-RC, 1.0.0-rc).
+        let shown = line.vers.to_string();
+        if let Some(l) = lines.iter().find(|l| l.vers.to_string().eq_ignore_ascii_case(&shown)) {
+            return Err(self.refuse(format!("{} differs from the published {} only in case", line.id(), l.id())));
+        }
         let archive_path = self.archive_path(&line.name, &line.vers);
         self.write_atomically(&archive_path, bytes)?;
         lines.push(line.clone());
@@ -173,6 +214,10 @@ impl RegistryDir {
     /// Marks `name@vers` yanked (or not): it stays loadable by exact version but is no longer
     /// chosen. Errors: no such version; I/O.
     pub fn yank(&self, name: &str, vers: &semver::Version, yanked: bool) -> Result<IndexLine, RegistryError> {
+        self.check_name(name)?;
+        if !self.root.is_dir() {
+            return Err(self.refuse("no such registry directory".into()));
+        }
         let _lock = self.lock()?;
         let mut lines = self.versions(name)?;
         let Some(l) = lines.iter_mut().find(|l| &l.vers == vers) else {
@@ -196,8 +241,10 @@ impl RegistryDir {
     /// The package of one index line, its archive checked against the line's checksum and its
     /// manifest against the line's name, version and ABI.
     pub fn load(&self, line: &IndexLine) -> Result<Package, RegistryError> {
+        self.check_name(&line.name)?;
         let path = self.archive_path(&line.name, &line.vers);
-        let bytes = std::fs::read(&path).map_err(self.io(&path))?;
+        let limit = archive::MAX_TOTAL_BYTES + (archive::MAX_ENTRIES as u64 + 2) * 1024;
+        let bytes = self.read_limited(&path, limit)?;
         let actual = hex::encode(Sha256::digest(&bytes));
         if actual != line.cksum {
             return Err(RegistryError::Tampered { path, expected: line.cksum.clone(), actual });
@@ -218,18 +265,25 @@ impl RegistryDir {
         Ok(pkg)
     }
 
-    /// Every version that is not yanked, loaded (each result on its own, so that one bad
-    /// archive does not hide the others).
+    /// Every version that is not yanked and whose ABI this host speaks, loaded; each result on
+    /// its own, so that one bad archive does not hide the others. Failures are
+    /// [`RegistryError::Published`].
     pub fn load_all(&self) -> Vec<Result<Package, RegistryError>> {
+        let wrap = |e: RegistryError| RegistryError::Published { registry: self.origin(), source: Box::new(e) };
         let names = match self.names() {
             Ok(n) => n,
-            Err(e) => return vec![Err(e)],
+            Err(e) => return vec![Err(wrap(e))],
         };
         let mut out = Vec::new();
         for name in names {
             match self.versions(&name) {
-                Ok(lines) => out.extend(lines.iter().filter(|l| !l.yanked).map(|l| self.load(l))),
-                Err(e) => out.push(Err(e)),
+                Ok(lines) => out.extend(
+                    lines
+                        .iter()
+                        .filter(|l| !l.yanked && crate::package::SUPPORTED_ABI.contains(&l.abi))
+                        .map(|l| self.load(l).map_err(wrap)),
+                ),
+                Err(e) => out.push(Err(wrap(e))),
             }
         }
         out
@@ -250,18 +304,27 @@ impl RegistryDir {
     }
 
     /// Writes `bytes` to a temporary file beside `path`, fsyncs it, renames it to `path` and
-    /// fsyncs the folder.
+    /// fsyncs the folder (and the folders above it up to the root, which may be new). A failed
+    /// write removes its temporary file.
     fn write_atomically(&self, path: &Path, bytes: &[u8]) -> Result<(), RegistryError> {
         let dir = path.parent().unwrap_or(&self.root);
         std::fs::create_dir_all(dir).map_err(self.io(dir))?;
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
         let file_name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
         let tmp = dir.join(format!(".{file_name}.{}.{nanos}.tmp", std::process::id()));
-        let mut f = File::create(&tmp).map_err(self.io(&tmp))?;
-        f.write_all(bytes).and_then(|_| f.sync_all()).map_err(self.io(&tmp))?;
-        drop(f);
-        std::fs::rename(&tmp, path).map_err(self.io(path))?;
-        File::open(dir).and_then(|d| d.sync_all()).map_err(self.io(dir))
+        let written = File::create(&tmp)
+            .and_then(|mut f| f.write_all(bytes).and_then(|_| f.sync_all()))
+            .and_then(|_| std::fs::rename(&tmp, path));
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(self.io(path)(e));
+        }
+        let mut d = Some(dir);
+        while let Some(folder) = d {
+            File::open(folder).and_then(|f| f.sync_all()).map_err(self.io(folder))?;
+            d = folder.parent().filter(|_| folder != self.root.as_path());
+        }
+        Ok(())
     }
 }
 

@@ -8,7 +8,7 @@ use kiln_kernel_abi::manifest::ManifestError;
 /// `builtin:<dir>`) so the user knows which package to fix or remove.
 #[derive(Debug, thiserror::Error)]
 pub enum RegistryError {
-    #[error("{origin}: cannot read {path}: {source}")]
+    #[error("{origin}: {}: {source}", path.display())]
     Io { origin: String, path: PathBuf, source: std::io::Error },
     #[error("{origin}: {source}")]
     Manifest { origin: String, source: ManifestError },
@@ -32,4 +32,17 @@ pub enum RegistryError {
     AlreadyPublished { registry: String, id: String },
     #[error("registry {registry}: {id} is not published")]
     NotPublished { registry: String, id: String },
+    #[error("registry {registry}: {reason}")]
+    Registry { registry: String, reason: String },
+    /// A published package of a registry directory that did not load: runs skip it (the
+    /// others load), `kiln kernels list` reports it.
+    #[error("registry {registry}: {source} (its publisher can `kiln yank` it)")]
+    Published { registry: String, source: Box<RegistryError> },
+}
+
+impl RegistryError {
+    /// Whether this is a registry's published package that failed to load ([`RegistryError::Published`]).
+    pub fn is_published(&self) -> bool {
+        matches!(self, RegistryError::Published { .. })
+    }
 }

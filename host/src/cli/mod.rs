@@ -219,22 +219,29 @@ pub fn require_gpu(command: &str) -> Result<usize> {
     Ok(0)
 }
 
-/// Builds the op registry of the drop-in folders, registries and built-in packages. Errors: a
-/// package that does not load (bad manifest, hash, archive or index), naming each: a run never
-/// falls back silently to another package than the one the user added.
+/// Builds the op registry of the drop-in folders, registries and built-in packages, and applies
+/// `--kernels`. Errors: a drop-in or built-in package that does not load, naming each (a run
+/// never falls back silently from a package the user added). A registry's published package
+/// that does not load is skipped with a warning, as cargo skips a broken crate it does not
+/// need: one bad upload must not stop every user of a shared registry (`--kernels NAME@REQ`
+/// turns a needed one's absence into an error).
 pub fn registry(args: &PackageArgs) -> Result<kiln_registry::OpRegistry> {
     let (mut reg, errors) =
         crate::packages::registry(&crate::packages::search_path(&args.packages), &args.registries.dirs());
-    if errors.is_empty() {
-        reg.require(&args.kernels).map_err(Error::Input)?;
-        return Ok(reg);
+    let (published, local): (Vec<_>, Vec<_>) = errors.into_iter().partition(|e| e.is_published());
+    for e in &published {
+        eprintln!("kiln: warning: package skipped: {e}");
     }
-    let list: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
-    Err(Error::Input(format!(
-        "{} package(s) could not be loaded; fix or remove them (`kiln kernels list` shows every package):\n  {}",
-        list.len(),
-        list.join("\n  ")
-    )))
+    if !local.is_empty() {
+        let list: Vec<String> = local.iter().map(|e| e.to_string()).collect();
+        return Err(Error::Input(format!(
+            "{} package(s) could not be loaded; fix or remove them (`kiln kernels list` shows every package):\n  {}",
+            list.len(),
+            list.join("\n  ")
+        )));
+    }
+    reg.require(&args.kernels).map_err(Error::Input)?;
+    Ok(reg)
 }
 
 fn devices(json: bool) -> Result<ExitCode> {
