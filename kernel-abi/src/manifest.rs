@@ -152,6 +152,14 @@ impl OpEntry {
     }
 }
 
+/// Whether `name` is a valid package name: 1 to 64 characters of `a-z`, `0-9`, `-`, `_` (safe
+/// as a file name, which registry directories rely on).
+pub fn is_package_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
 impl Manifest {
     /// Parses and validates `kernel.toml` text.
     pub fn parse(text: &str) -> Result<Manifest, ManifestError> {
@@ -179,10 +187,7 @@ impl Manifest {
     pub fn validate(&self) -> Result<(), ManifestError> {
         let bad = |msg: String| Err(ManifestError::Invalid(msg));
         let name = &self.package.name;
-        if name.is_empty()
-            || name.len() > 64
-            || !name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
-        {
+        if !is_package_name(name) {
             return bad(format!("package name {name:?} must be 1 to 64 characters of a-z, 0-9, '-', '_'"));
         }
         check_relative_path(&self.shim)?;

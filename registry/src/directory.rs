@@ -64,14 +64,6 @@ impl IndexLine {
 /// Largest index file a reader takes (64 MiB: some 100,000 versions).
 pub const MAX_INDEX_BYTES: u64 = 64 << 20;
 
-/// Whether `name` is a package name (`[a-z0-9_-]`, 1 to 64 characters, as `kernel.toml`
-/// requires): only such names become file names in a registry.
-pub fn valid_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 64
-        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
-}
-
 /// A registry directory (module docs).
 #[derive(Clone, Debug)]
 pub struct RegistryDir {
@@ -101,7 +93,7 @@ impl RegistryDir {
     }
 
     fn check_name(&self, name: &str) -> Result<(), RegistryError> {
-        if valid_name(name) {
+        if kiln_kernel_abi::manifest::is_package_name(name) {
             Ok(())
         } else {
             Err(self.refuse(format!("{name:?} is not a package name (1 to 64 characters of a-z, 0-9, '-', '_')")))
@@ -173,7 +165,7 @@ impl RegistryDir {
             .filter_map(|e| e.ok())
             .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
             .filter_map(|e| e.file_name().into_string().ok())
-            .filter(|n| valid_name(n))
+            .filter(|n| kiln_kernel_abi::manifest::is_package_name(n))
             .collect();
         names.sort();
         Ok(names)
