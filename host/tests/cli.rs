@@ -565,7 +565,13 @@ fn pdl_on_without_a_gpu_is_invalid_input() {
     }
 }
 
-/// A package folder `p` at `version` whose shim is `shim` (its bytes are only hashed here).
+/// A real shim module (kiln-unary's): `pack` and `publish` compile and validate the shim.
+fn a_shim() -> &'static [u8] {
+    let unary = kiln_builtin_kernels::PACKAGES.iter().find(|p| p.dir == "unary").expect("kiln-unary is built in");
+    unary.files.iter().find(|(rel, _)| *rel == "shim.wasm").expect("a shim").1
+}
+
+/// A package folder `p` at `version` providing `ai.example::Twice` with shim bytes `shim`.
 fn tiny_package(dir: &std::path::Path, version: &str, shim: &[u8]) {
     use sha2::Digest;
     std::fs::create_dir_all(dir).unwrap();
@@ -585,7 +591,7 @@ fn pack_publish_search_and_yank() {
     let t = tempfile::tempdir().unwrap();
     let reg = t.path().join("registry");
     let reg_s = reg.to_str().unwrap();
-    tiny_package(&t.path().join("src"), "1.0.0", b"\0asm\x01\0\0\0");
+    tiny_package(&t.path().join("src"), "1.0.0", a_shim());
     let out = t.path().join("p.kpkg");
     let o = kiln(&["package", "pack", t.path().join("src").to_str().unwrap(), "-o", out.to_str().unwrap()]);
     assert!(o.status.success(), "{}", text(&o));
@@ -634,6 +640,34 @@ fn pack_publish_search_and_yank() {
     let o = kiln(&["yank", "../../x@1.0.0", "--registry", reg_s]);
     assert_eq!(o.status.code(), Some(3), "{}", text(&o));
     assert!(text(&o).contains("is not a package name"), "{}", text(&o));
+    // The archive never overwrites the package's own files; an invalid shim is refused.
+    let src = t.path().join("src");
+    let o = kiln(&["package", "pack", src.to_str().unwrap(), "-o", src.join("shim.wasm").to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+    assert!(text(&o).contains("must not be written inside the package folder"), "{}", text(&o));
+    tiny_package(&t.path().join("bad"), "1.0.0", b"not wasm at all");
+    let o = kiln(&[
+        "package",
+        "pack",
+        t.path().join("bad").to_str().unwrap(),
+        "-o",
+        t.path().join("bad.kpkg").to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+    assert!(text(&o).contains("not a valid WebAssembly module"), "{}", text(&o));
+    // A registry folder that does not exist is an error for a run, not a skipped package.
+    let o = kiln(&[
+        "run",
+        "examples/mlp/model.onnx",
+        "--input",
+        "x=examples/mlp/x.npy",
+        "--device",
+        "cpu",
+        "--registry",
+        "/nonexistent/registry",
+    ]);
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+    assert!(text(&o).contains("no such registry directory"), "{}", text(&o));
     // No registry given.
     let o = kiln(&["publish", out.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(3));
@@ -652,15 +686,23 @@ fn concurrent_publishers_and_a_killed_one_lose_nothing() {
     for w in 0..workers {
         for i in 0..each {
             let src = t.path().join(format!("src-{w}-{i}"));
-            tiny_package(&src, &format!("1.{w}.{i}"), format!("\0asm\x01\0\0\0{w}-{i}").as_bytes());
+            tiny_package(&src, &format!("1.{w}.{i}"), a_shim());
             let bytes = kiln_registry::archive::pack(&src).unwrap();
             std::fs::write(t.path().join(format!("a-{w}-{i}.kpkg")), bytes).unwrap();
         }
     }
-    // The victim: a 48 MiB archive, so that writing and syncing it takes a while.
+    // The victim: a 48 MiB archive (a real shim and a large data file), so that writing and
+    // syncing it takes a while.
     let big = t.path().join("src-big");
-    let shim: Vec<u8> = (0..48u32 << 20).map(|i| (i.wrapping_mul(2654435761) >> 24) as u8).collect();
-    tiny_package(&big, "9.9.9", &shim);
+    tiny_package(&big, "9.9.9", a_shim());
+    let blob: Vec<u8> = (0..48u32 << 20).map(|i| (i.wrapping_mul(2654435761) >> 24) as u8).collect();
+    std::fs::write(big.join("blob.bin"), &blob).unwrap();
+    let toml = std::fs::read_to_string(big.join("kernel.toml")).unwrap();
+    let blob_hash = {
+        use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(&blob))
+    };
+    std::fs::write(big.join("kernel.toml"), format!("{toml}\"blob.bin\" = \"{blob_hash}\"\n")).unwrap();
     std::fs::write(t.path().join("big.kpkg"), kiln_registry::archive::pack(&big).unwrap()).unwrap();
     let bin = env!("CARGO_BIN_EXE_kiln");
     let reg_s = reg.to_str().unwrap().to_string();
@@ -719,14 +761,14 @@ fn concurrent_publishers_and_a_killed_one_lose_nothing() {
 fn kernels_why_names_the_chosen_package_and_why_the_others_lose() {
     let t = tempfile::tempdir().unwrap();
     let reg = t.path().join("registry");
-    tiny_package(&t.path().join("v1"), "1.0.0", b"\0asm\x01\0\0\0");
+    tiny_package(&t.path().join("v1"), "1.0.0", a_shim());
     let archive = t.path().join("p.kpkg");
     assert!(kiln(&["package", "pack", t.path().join("v1").to_str().unwrap(), "-o", archive.to_str().unwrap()])
         .status
         .success());
     assert!(kiln(&["publish", archive.to_str().unwrap(), "--registry", reg.to_str().unwrap()]).status.success());
     let drop_in = t.path().join("drop-in");
-    tiny_package(&drop_in, "0.5.0", b"\0asm\x01\0\0\0");
+    tiny_package(&drop_in, "0.5.0", a_shim());
     let base = [
         "kernels",
         "why",

@@ -259,8 +259,13 @@ impl RegistryDir {
 
     /// Every version that is not yanked and whose ABI this host speaks, loaded; each result on
     /// its own, so that one bad archive does not hide the others. Failures are
-    /// [`RegistryError::Published`].
+    /// [`RegistryError::Published`], but a root that is not a folder, which is
+    /// [`RegistryError::Registry`].
     pub fn load_all(&self) -> Vec<Result<Package, RegistryError>> {
+        if !self.root.is_dir() {
+            // A mistyped --registry is the user's error, not a bad upload: not skipped.
+            return vec![Err(self.refuse("no such registry directory".into()))];
+        }
         let wrap = |e: RegistryError| RegistryError::Published { registry: self.origin(), source: Box::new(e) };
         let names = match self.names() {
             Ok(n) => n,

@@ -36,7 +36,7 @@ pub enum RegistryError {
     Registry { registry: String, reason: String },
     /// A published package of a registry directory that did not load: runs skip it (the
     /// others load), `kiln kernels list` reports it.
-    #[error("registry {registry}: {source} (its publisher can `kiln yank` it)")]
+    #[error("registry {registry}: {source}")]
     Published { registry: String, source: Box<RegistryError> },
 }
 

@@ -200,8 +200,10 @@ impl std::str::FromStr for Requirement {
     /// `NAME` takes any version.
     fn from_str(s: &str) -> Result<Requirement, String> {
         let (name, req) = s.split_once('@').unwrap_or((s, "*"));
-        if name.is_empty() {
-            return Err(format!("{s:?}: give NAME@REQUIREMENT, e.g. kiln-unary@^1.0"));
+        if !kiln_kernel_abi::manifest::is_package_name(name) {
+            return Err(format!(
+                "{s:?} is not NAME@REQUIREMENT (a package name, then a semver requirement, e.g. kiln-unary@^1.0)"
+            ));
         }
         let req = req.parse().map_err(|e| format!("{s:?}: version requirement {req:?}: {e}"))?;
         Ok(Requirement { name: name.to_string(), req })

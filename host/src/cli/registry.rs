@@ -17,9 +17,9 @@ pub const REGISTRY_ENV: &str = "KILN_REGISTRY";
 /// `--registry DIR` (repeatable) and `KILN_REGISTRY`.
 #[derive(Args, Debug, Clone, Default)]
 pub struct RegistryArgs {
-    /// A registry directory (docs/REGISTRY.md); repeatable; also `KILN_REGISTRY`
-    /// (`:`-separated). Their packages rank below `--packages` folders and above the built-in
-    /// ones, the first registry given first.
+    /// A registry directory (docs/REGISTRY.md); repeatable; `KILN_REGISTRY` (`:`-separated)
+    /// adds more after these. Runs rank their packages below `--packages` folders and above the
+    /// built-in ones, the first registry first; `publish` and `yank` write to the first one.
     #[arg(long = "registry", value_name = "DIR")]
     pub registry: Vec<PathBuf>,
 }
@@ -45,11 +45,13 @@ impl RegistryArgs {
 #[derive(Subcommand, Debug)]
 pub enum PackageCommand {
     /// Write a package folder (with its built shim.wasm and `[files]` hashes) as a `.kpkg`
-    /// archive, after checking that it loads.
+    /// archive, after checking that it loads: its manifest, every file's sha256, and its shim
+    /// (a valid module of the kernel ABI with the exports kiln calls).
     Pack {
         /// The package folder (it holds kernel.toml).
         dir: PathBuf,
-        /// The archive to write (default: NAME-VERSION.kpkg in the current folder).
+        /// The archive to write (default: NAME-VERSION.kpkg in the current folder); never a path
+        /// inside DIR, nor an existing file that is not a `.kpkg`.
         #[arg(short, long, value_name = "FILE")]
         output: Option<PathBuf>,
     },
@@ -88,12 +90,40 @@ pub struct SearchArgs {
     pub json: Option<PathBuf>,
 }
 
+/// Compiles and validates the package's shim (exports, ABI version), as a run would.
+fn check_shim(pkg: &kiln_registry::Package) -> Result<()> {
+    let sandbox = crate::sandbox::Sandbox::new(super::sandbox_config()).map_err(Error::from)?;
+    sandbox.load(&pkg.id(), &pkg.shim, pkg.manifest.kernels().map(String::from).collect()).map_err(Error::from)?;
+    Ok(())
+}
+
 pub fn package(cmd: PackageCommand) -> Result<ExitCode> {
     match cmd {
         PackageCommand::Pack { dir, output } => {
             let bytes = archive::pack(&dir)?;
             let pkg = archive::unpack(&dir.display().to_string(), &bytes)?;
+            check_shim(&pkg)?;
             let out = output.unwrap_or_else(|| PathBuf::from(format!("{}-{}.kpkg", pkg.name(), pkg.version())));
+            let inside = match (std::path::absolute(&out), std::fs::canonicalize(&dir)) {
+                (Ok(o), Ok(d)) => {
+                    let parent = o.parent().and_then(|p| std::fs::canonicalize(p).ok()).unwrap_or(o.clone());
+                    parent.starts_with(&d)
+                }
+                _ => false,
+            };
+            if inside {
+                return Err(Error::Input(format!(
+                    "-o {}: the archive must not be written inside the package folder {}",
+                    out.display(),
+                    dir.display()
+                )));
+            }
+            if out.exists() && out.extension().is_none_or(|e| e != "kpkg") {
+                return Err(Error::Input(format!(
+                    "-o {}: the file exists and is not a .kpkg archive; not overwriting it",
+                    out.display()
+                )));
+            }
             std::fs::write(&out, &bytes).map_err(|source| Error::Io { path: out.clone(), source })?;
             println!("{}: {} ({} bytes)", pkg.id(), out.display(), bytes.len());
             Ok(ExitCode::SUCCESS)
@@ -103,7 +133,15 @@ pub fn package(cmd: PackageCommand) -> Result<ExitCode> {
 
 pub fn publish(a: PublishArgs) -> Result<ExitCode> {
     let reg = a.registry.target("publish")?;
+    if a.archive.is_dir() {
+        return Err(Error::Input(format!(
+            "{} is a folder: publish takes a .kpkg archive (`kiln package pack {}` makes one)",
+            a.archive.display(),
+            a.archive.display()
+        )));
+    }
     let bytes = std::fs::read(&a.archive).map_err(|source| Error::Io { path: a.archive.clone(), source })?;
+    check_shim(&archive::unpack(&a.archive.display().to_string(), &bytes)?)?;
     let line = reg.publish(&a.archive.display().to_string(), &bytes)?;
     println!("published {} to {} (sha256 {})", line.id(), reg.root.display(), line.cksum);
     Ok(ExitCode::SUCCESS)
