@@ -806,3 +806,57 @@ fn a_kernel_requirement_no_package_meets_is_invalid_input() {
     let o = kiln(&[&args[..], &["--kernels", "kiln-matmul@~~1"]].concat());
     assert_eq!(o.status.code(), Some(2), "a malformed requirement is a usage error: {}", text(&o));
 }
+
+/// `kiln lock` pins the packages a model resolves to; `--lock` runs with exactly those, and a
+/// pinned version that is not available, or a package whose files changed, stops the run naming
+/// it.
+#[test]
+fn a_lock_pins_the_packages_a_model_uses() {
+    let t = tempfile::tempdir().unwrap();
+    let lock = t.path().join("kiln.lock");
+    let o = kiln(&["lock", "examples/mlp/model.onnx", "--device", "cpu", "-o", lock.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    let text_lock = std::fs::read_to_string(&lock).unwrap();
+    assert!(text_lock.contains("name = \"kiln-matmul\"") && text_lock.contains("version = \"1.1.0\""), "{text_lock}");
+    assert!(!text_lock.contains("kiln-attention"), "only the packages the model uses: {text_lock}");
+    let run = |extra: &[&str]| {
+        let args = ["run", "examples/mlp/model.onnx", "--input", "x=examples/mlp/x.npy", "--device", "cpu"];
+        kiln(&[&args[..], extra].concat())
+    };
+    let o = run(&["--lock", lock.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    // A version that is not available.
+    std::fs::write(&lock, text_lock.replace("version = \"1.1.0\"", "version = \"1.0.9\"")).unwrap();
+    let o = run(&["--lock", lock.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+    assert!(
+        text(&o).contains("the lock pins kiln-matmul@1.0.9") && text(&o).contains("there are 1.1.0"),
+        "{}",
+        text(&o)
+    );
+    // Another package under the pinned name and version.
+    let digest_line = text_lock.lines().find(|l| l.starts_with("digest")).unwrap().to_string();
+    std::fs::write(&lock, text_lock.replacen(&digest_line, &format!("digest = \"{}\"", "0".repeat(64)), 1)).unwrap();
+    let o = run(&["--lock", lock.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+    assert!(text(&o).contains("is not the package the lock pins"), "{}", text(&o));
+    // A model folder's lock covers the ops decoding adds (device-step sampling) too: generate
+    // runs with it.
+    let (dir, _) = tiny_llama_fp32();
+    let folder_lock = t.path().join("llm.lock");
+    let o = kiln(&["lock", dir.to_str().unwrap(), "--device", "cpu", "-o", folder_lock.to_str().unwrap()]);
+    assert!(o.status.success() && text(&o).contains("kiln-sampling"), "{}", text(&o));
+    let o = kiln(&[
+        "generate",
+        dir.to_str().unwrap(),
+        "--prompt",
+        "Once upon a time",
+        "--max-new-tokens",
+        "4",
+        "--device",
+        "cpu",
+        "--lock",
+        folder_lock.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+}

@@ -135,6 +135,11 @@ impl OpRegistry {
         true
     }
 
+    /// Keeps only the packages `keep` accepts.
+    pub fn retain(&mut self, mut keep: impl FnMut(&Package) -> bool) {
+        self.packages.retain(|(p, _)| keep(p));
+    }
+
     /// All packages, in registration order.
     pub fn packages(&self) -> impl Iterator<Item = &Arc<Package>> {
         self.packages.iter().map(|(p, _)| p)

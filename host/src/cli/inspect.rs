@@ -28,6 +28,18 @@ pub struct InspectArgs {
     pub target: ModelRunArgs,
 }
 
+/// `kiln lock`.
+#[derive(clap::Args, Debug)]
+pub struct LockArgs {
+    /// An .onnx file, or an onnxruntime-genai model folder.
+    pub model: PathBuf,
+    /// Where to write the lock (default: kiln.lock beside the .onnx file, or in the folder).
+    #[arg(short, long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+    #[command(flatten)]
+    pub target: ModelRunArgs,
+}
+
 /// A graph input or output.
 #[derive(Debug, Serialize)]
 pub struct Io {
@@ -210,6 +222,44 @@ fn model_file(path: &Path) -> Result<PathBuf> {
         )));
     }
     Ok(path.join(&crate::genai::GenaiConfig::read(path)?.model.decoder.filename))
+}
+
+/// `kiln lock`: resolves the model as `inspect` does and pins the packages its ops resolved to.
+/// Errors: an op no package runs (unsupported), as a run would fail.
+pub fn lock(a: LockArgs) -> Result<ExitCode> {
+    let out = match &a.output {
+        Some(p) => p.clone(),
+        None if a.model.is_dir() => a.model.join("kiln.lock"),
+        None => a.model.with_file_name("kiln.lock"),
+    };
+    super::output::check_path("--output", &Some(out.clone()))?;
+    let mut m = model::load(&model_file(&a.model)?)?;
+    let device = choose_device(a.target.device)?;
+    let caps = super::device_caps(device)?;
+    let reg = registry(&a.target.packages)?;
+    if a.model.is_dir() {
+        // A model folder's decode appends the device-step ops (greedy tokens chosen on the
+        // device): their packages are pinned too.
+        let cfg = crate::genai::GenaiConfig::read(&a.model)?;
+        crate::genai::device_step::augment(&mut m, &cfg, &reg);
+    }
+    let ins = inspect(m, &reg, device, caps.as_ref(), !a.target.fuse.no_fuse);
+    if ins.unsupported_ops > 0 {
+        return Err(Error::Unsupported(format!(
+            "{} op(s) of the model have no package here (`kiln inspect` lists them): nothing to lock",
+            ins.unsupported_ops
+        )));
+    }
+    let used: std::collections::BTreeSet<&str> = ins.ops.iter().filter_map(|o| o.package.as_deref()).collect();
+    let pkgs: Vec<&kiln_registry::Package> =
+        reg.packages().filter(|p| used.contains(p.id().as_str())).map(|p| p.as_ref()).collect();
+    let lock = kiln_registry::lock::Lock::of(pkgs);
+    std::fs::write(&out, lock.to_toml()).map_err(|source| Error::Io { path: out.clone(), source })?;
+    for l in &lock.package {
+        println!("{}@{}  ({})", l.name, l.version, l.source);
+    }
+    println!("wrote {} ({} packages)", out.display(), lock.package.len());
+    Ok(ExitCode::SUCCESS)
 }
 
 /// `kiln inspect`. Exit code 0 when every op has a package here, [`super::exit::UNSUPPORTED`]

@@ -58,6 +58,9 @@ pub enum Command {
     /// Show a model: inputs and outputs, opsets, ops with the package that runs each here,
     /// every op no package runs with its reason, and the fusions that apply.
     Inspect(inspect::InspectArgs),
+    /// Write a `kiln.lock` pinning the packages (name, version, digest) that a model's nodes
+    /// resolve to on this device; `--lock FILE` then makes runs use exactly those.
+    Lock(inspect::LockArgs),
     /// Run ONNX backend node tests (a folder of test_* folders) and compare with their outputs.
     Conformance(conformance::ConformanceArgs),
     /// Check a package's GPU kernels against its CPU reference and ONNX's node tests.
@@ -111,6 +114,11 @@ pub struct PackageArgs {
     /// an error that lists the versions there are.
     #[arg(long = "kernels", value_name = "NAME@REQ")]
     pub kernels: Vec<kiln_registry::Requirement>,
+    /// Use exactly the packages of this `kiln.lock` (`kiln lock MODEL` writes one): a pinned
+    /// package that is missing or differs (another digest) is an error, and no other package
+    /// takes part.
+    #[arg(long = "lock", value_name = "FILE")]
+    pub lock: Option<PathBuf>,
 }
 
 /// Where and with what a command runs a model: `--device`, `--packages`, `--no-fuse`.
@@ -241,6 +249,10 @@ pub fn registry(args: &PackageArgs) -> Result<kiln_registry::OpRegistry> {
         )));
     }
     reg.require(&args.kernels).map_err(Error::Input)?;
+    if let Some(path) = &args.lock {
+        let lock = kiln_registry::lock::Lock::read(path).map_err(Error::Input)?;
+        lock.apply(&mut reg).map_err(|e| Error::Input(format!("--lock {}: {e}", path.display())))?;
+    }
     Ok(reg)
 }
 
@@ -316,6 +328,7 @@ pub fn main() -> ExitCode {
         Command::Devices { json } => devices(json),
         Command::Verify(a) => verify::run(a),
         Command::Inspect(a) => inspect::run(a),
+        Command::Lock(a) => inspect::lock(a),
         Command::Bench { command } => bench::run(command),
         Command::Package { command } => registry::package(command),
         Command::Publish(a) => registry::publish(a),

@@ -4,7 +4,7 @@
 //! sampled; batches of prompts are right-padded as onnxruntime-genai pads them.
 
 pub mod config;
-mod device_step;
+pub(crate) mod device_step;
 mod folder;
 mod generate;
 pub mod sampling;
