@@ -790,6 +790,10 @@ fn kernels_why_names_the_chosen_package_and_why_the_others_lose() {
     assert_eq!(o.status.code(), Some(4), "unsupported: {t2}");
     assert_eq!(t2.matches("rejected").count(), 2, "{t2}");
     assert!(t2.contains("dtype float64 of input 0 is not in [float32]"), "{t2}");
+    // Without its domain the op is looked up in ai.onnx, and the domains that have it are named.
+    let o = kiln(&["kernels", "why", "Twice", "--packages", drop_in.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(4), "{}", text(&o));
+    assert!(text(&o).contains("packages declare ai.example::Twice"), "{}", text(&o));
 }
 
 /// `--kernels NAME@REQ`: a requirement no package meets stops the run before any work, listing

@@ -94,7 +94,23 @@ fn why(a: WhyArgs) -> Result<ExitCode> {
     println!("{head}, on {device}:");
     let candidates = reg.explain(&q);
     if candidates.is_empty() {
-        println!("  no package declares {shown_domain}::{op_type}");
+        // The op under another domain (`why Twice` for ai.example::Twice) is named, as `search`
+        // finds it in any domain.
+        let mut elsewhere: Vec<String> = reg
+            .packages()
+            .flat_map(|p| p.manifest.ops.iter())
+            .filter(|e| e.op_types.iter().any(|t| t == op_type))
+            .map(|e| kiln_registry::normalize_domain(&e.domain).to_string())
+            .map(|d| if d.is_empty() { "ai.onnx".to_string() } else { d })
+            .collect();
+        elsewhere.sort();
+        elsewhere.dedup();
+        if elsewhere.is_empty() {
+            println!("  no package declares {shown_domain}::{op_type}");
+        } else {
+            let names: Vec<String> = elsewhere.iter().map(|d| format!("{d}::{op_type}")).collect();
+            println!("  no package declares {shown_domain}::{op_type}; packages declare {}", names.join(", "));
+        }
     }
     for c in &candidates {
         let (what, why) = match &c.verdict {
