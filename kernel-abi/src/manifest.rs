@@ -1,6 +1,7 @@
 //! The `kernel.toml` manifest of a kernel package (ABI v1).
 //!
 //! ```toml
+//! schema = 1                     # optional: the manifest schema (ABI.md §7.2), default 1
 //! abi = 1
 //! shim = "shim.wasm"
 //!
@@ -55,16 +56,29 @@ use crate::DType;
 /// Errors in a manifest's text or content.
 #[derive(Debug, thiserror::Error)]
 pub enum ManifestError {
-    #[error("kernel.toml is not valid TOML for a kiln manifest: {0}")]
+    #[error("kernel.toml is not valid TOML for a kiln manifest (this kiln reads manifest schema {MANIFEST_SCHEMA}; a field a newer schema added needs a newer kiln, ABI.md §7.2): {0}")]
     Toml(#[from] toml::de::Error),
+    #[error("kernel.toml follows manifest schema {found}, newer than this kiln (kiln-kernel-abi {}) reads (up to {MANIFEST_SCHEMA}): upgrade kiln; ABI.md §7.2 lists what each schema added and which kiln reads it", env!("CARGO_PKG_VERSION"))]
+    NewerSchema { found: u32 },
     #[error("kernel.toml: {0}")]
     Invalid(String),
+}
+
+/// The newest manifest schema this crate reads (ABI.md §7.2). A manifest that names a newer one
+/// is refused with [`ManifestError::NewerSchema`] before its fields are read.
+pub const MANIFEST_SCHEMA: u32 = 1;
+
+fn default_schema() -> u32 {
+    1
 }
 
 /// A parsed `kernel.toml`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Manifest {
+    /// The manifest schema the file follows (ABI.md §7.2); absent means 1.
+    #[serde(default = "default_schema")]
+    pub schema: u32,
     /// The kernel ABI version the package is built for.
     pub abi: u32,
     /// Path of the shim module inside the package.
@@ -163,6 +177,19 @@ pub fn is_package_name(name: &str) -> bool {
 impl Manifest {
     /// Parses and validates `kernel.toml` text.
     pub fn parse(text: &str) -> Result<Manifest, ManifestError> {
+        // The schema first, so that a newer manifest is refused for what it is rather than for
+        // the first field this host does not know.
+        let table: toml::Table = toml::from_str(text)?;
+        if let Some(v) = table.get("schema") {
+            let found = v
+                .as_integer()
+                .and_then(|n| u32::try_from(n).ok())
+                .filter(|n| *n >= 1)
+                .ok_or_else(|| ManifestError::Invalid(format!("schema must be a positive integer, not {v}")))?;
+            if found > MANIFEST_SCHEMA {
+                return Err(ManifestError::NewerSchema { found });
+            }
+        }
         let m: Manifest = toml::from_str(text)?;
         m.validate()?;
         Ok(m)
@@ -293,6 +320,24 @@ kernels = ["relu_f32"]
         assert!(m.ops[0].covers_opset(13) && !m.ops[0].covers_opset(5));
         assert_eq!(m.kernels().collect::<Vec<_>>(), vec!["relu_f32"]);
         assert_eq!(Manifest::parse(&m.to_toml()).unwrap(), m);
+    }
+
+    #[test]
+    fn a_newer_schema_is_refused_for_what_it_is_and_an_unknown_field_is_named() {
+        let newer = format!("schema = {}\n{GOOD}\nsignatures = 1\n", MANIFEST_SCHEMA + 1);
+        let err = Manifest::parse(&newer).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("manifest schema {}", MANIFEST_SCHEMA + 1)) && err.contains("upgrade kiln"),
+            "{err}"
+        );
+        let m = Manifest::parse(&format!("schema = 1\n{GOOD}")).unwrap();
+        assert_eq!(m.schema, 1);
+        let err = Manifest::parse(&GOOD.replace("kernels = [", "pdl_kernels = [\"x\"]\nkernels = ["))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("unknown field `pdl_kernels`") && err.contains("reads manifest schema 1"), "{err}");
+        let err = Manifest::parse(&format!("schema = -1\n{GOOD}")).unwrap_err().to_string();
+        assert!(err.contains("schema must be a positive integer"), "{err}");
     }
 
     #[test]
