@@ -88,9 +88,9 @@ impl Fusions {
         }
         let mut s = format!("fusions: {} applied, {} rejected\n", self.applied.len(), self.rejected.len());
         for (name, n) in self.applied_counts() {
-            let a = self.applied.iter().find(|a| a.fusion == name).map(|a| (&a.package, a.nodes.join(", ")));
+            let a = self.applied.iter().find(|a| a.fusion == name).map(|a| (&a.package, a.nodes.join(" + ")));
             if let Some((pkg, nodes)) = a {
-                s += &format!("  {name} ({pkg}) ×{n}, first at {nodes}\n");
+                s += &format!("  {name} ({pkg}) ×{n}; the first one fused {nodes}\n");
             }
         }
         // Rejections grouped by fusion and reason (an LLM repeats one per layer).
@@ -219,7 +219,7 @@ impl Report {
     /// A human-readable table.
     pub fn render(&self) -> String {
         let mut s = format!(
-            "device: {}\nruns: {}  nodes: {}  time: {:.3} ms\nwasm calls: infer {}, cpu {}, dispatch {}  (instances {})\npackages:\n",
+            "device: {}\nruns: {}  node executions: {}  time: {:.3} ms\nwasm calls: infer {}, cpu {}, dispatch {}  (instances {})\npackages (node executions):\n",
             self.device,
             self.runs,
             self.nodes,
@@ -230,19 +230,19 @@ impl Report {
             self.instances
         );
         for (p, n) in &self.packages {
-            s += &format!("  {p:<32} {n:>6} nodes\n");
+            s += &format!("  {p:<32} {n:>6}\n");
         }
         if self.launches > 0 || self.graphs.plans_built > 0 {
             s += &format!("gpu: {} eager launches, {} plan hits\n", self.launches, self.plan_hits);
             s += &self.graphs.render();
         }
         s += &self.fusions.render();
-        s += "ops:\n";
+        s += "ops (node executions, host time):\n";
         let mut ops: Vec<_> = self.ops.iter().collect();
         ops.sort_by_key(|(_, s)| std::cmp::Reverse(s.time_us));
         let profiled = self.ops.values().any(|s| s.gpu_us > 0.0);
         for (op, st) in ops {
-            s += &format!("  {op:<34} {:>6} nodes {:>12.3} ms", st.nodes, st.time_us as f64 / 1e3);
+            s += &format!("  {op:<34} {:>6} {:>12.3} ms", st.nodes, st.time_us as f64 / 1e3);
             if profiled {
                 s += &format!(" {:>12.3} ms GPU", st.gpu_us / 1e3);
             }
