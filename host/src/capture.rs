@@ -38,7 +38,8 @@ pub enum GraphMode {
 pub enum PdlMode {
     /// Plain launches.
     Off,
-    /// PDL launches; a device without it (compute capability below 9.0) is an error.
+    /// PDL launches; a device without it (compute capability below 9.0, or a driver before
+    /// CUDA 12.3) is an error.
     On,
     /// PDL launches where the device has them.
     #[default]

@@ -38,6 +38,12 @@ fn kiln(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).current_dir(root()).output().expect("kiln runs")
 }
 
+/// `kiln run` of the README example on the CPU, with `extra` arguments.
+fn run_example(extra: &[&str]) -> Output {
+    let args = ["run", "examples/mlp/model.onnx", "--input", "x=examples/mlp/x.npy", "--device", "cpu"];
+    kiln(&[&args[..], extra].concat())
+}
+
 /// The tiny-llama fp32 CPU fixture folder and onnxruntime-genai's greedy run of "Once upon a
 /// time" on it (`prompt_token_ids`, `generated_token_ids`).
 fn tiny_llama_fp32() -> (PathBuf, serde_json::Value) {
@@ -554,13 +560,12 @@ fn verbose_and_quiet_change_what_goes_to_stderr() {
 /// invalid input with the reason; `--pdl off` and the default run.
 #[test]
 fn pdl_on_without_a_gpu_is_invalid_input() {
-    let args = ["run", "examples/mlp/model.onnx", "--input", "x=examples/mlp/x.npy", "--device", "cpu"];
-    let o = kiln(&[&args[..], &["--pdl", "on"]].concat());
+    let o = run_example(&["--pdl", "on"]);
     let t = text(&o);
     assert_eq!(o.status.code(), Some(3), "invalid input: {t}");
     assert!(t.contains("--pdl on needs a CUDA GPU"), "{t}");
     for mode in ["off", "auto"] {
-        let o = kiln(&[&args[..], &["--pdl", mode]].concat());
+        let o = run_example(&["--pdl", mode]);
         assert!(o.status.success(), "--pdl {mode}: {}", text(&o));
     }
 }
@@ -621,16 +626,7 @@ fn pack_publish_search_and_yank() {
     assert_eq!(o.status.code(), Some(3), "{}", text(&o));
     assert!(text(&o).contains("p-1.0.0.kpkg") && text(&o).contains("sha256"), "{}", text(&o));
     // A run skips it with a warning naming it; the other packages load and the model runs.
-    let o = kiln(&[
-        "run",
-        "examples/mlp/model.onnx",
-        "--input",
-        "x=examples/mlp/x.npy",
-        "--device",
-        "cpu",
-        "--registry",
-        reg_s,
-    ]);
+    let o = run_example(&["--registry", reg_s]);
     assert!(o.status.success(), "{}", text(&o));
     assert!(
         text(&o).contains("warning: package skipped: registry") && text(&o).contains("p-1.0.0.kpkg"),
@@ -656,16 +652,7 @@ fn pack_publish_search_and_yank() {
     assert_eq!(o.status.code(), Some(3), "{}", text(&o));
     assert!(text(&o).contains("not a valid WebAssembly module"), "{}", text(&o));
     // A registry folder that does not exist is an error for a run, not a skipped package.
-    let o = kiln(&[
-        "run",
-        "examples/mlp/model.onnx",
-        "--input",
-        "x=examples/mlp/x.npy",
-        "--device",
-        "cpu",
-        "--registry",
-        "/nonexistent/registry",
-    ]);
+    let o = run_example(&["--registry", "/nonexistent/registry"]);
     assert_eq!(o.status.code(), Some(3), "{}", text(&o));
     assert!(text(&o).contains("no such registry directory"), "{}", text(&o));
     // No registry given.
@@ -800,14 +787,13 @@ fn kernels_why_names_the_chosen_package_and_why_the_others_lose() {
 /// the versions there are; one that the built-in meets runs.
 #[test]
 fn a_kernel_requirement_no_package_meets_is_invalid_input() {
-    let args = ["run", "examples/mlp/model.onnx", "--input", "x=examples/mlp/x.npy", "--device", "cpu"];
-    let o = kiln(&[&args[..], &["--kernels", "kiln-matmul@^2"]].concat());
+    let o = run_example(&["--kernels", "kiln-matmul@^2"]);
     let t = text(&o);
     assert_eq!(o.status.code(), Some(3), "invalid input: {t}");
     assert!(t.contains("--kernels kiln-matmul@^2: no package meets it; there are 1.1.0 (builtin:matmul)"), "{t}");
-    let o = kiln(&[&args[..], &["--kernels", "kiln-matmul@^1.1"]].concat());
+    let o = run_example(&["--kernels", "kiln-matmul@^1.1"]);
     assert!(o.status.success(), "{}", text(&o));
-    let o = kiln(&[&args[..], &["--kernels", "kiln-matmul@~~1"]].concat());
+    let o = run_example(&["--kernels", "kiln-matmul@~~1"]);
     assert_eq!(o.status.code(), Some(2), "a malformed requirement is a usage error: {}", text(&o));
 }
 
@@ -823,15 +809,11 @@ fn a_lock_pins_the_packages_a_model_uses() {
     let text_lock = std::fs::read_to_string(&lock).unwrap();
     assert!(text_lock.contains("name = \"kiln-matmul\"") && text_lock.contains("version = \"1.1.0\""), "{text_lock}");
     assert!(!text_lock.contains("kiln-attention"), "only the packages the model uses: {text_lock}");
-    let run = |extra: &[&str]| {
-        let args = ["run", "examples/mlp/model.onnx", "--input", "x=examples/mlp/x.npy", "--device", "cpu"];
-        kiln(&[&args[..], extra].concat())
-    };
-    let o = run(&["--lock", lock.to_str().unwrap()]);
+    let o = run_example(&["--lock", lock.to_str().unwrap()]);
     assert!(o.status.success(), "{}", text(&o));
     // A version that is not available.
     std::fs::write(&lock, text_lock.replace("version = \"1.1.0\"", "version = \"1.0.9\"")).unwrap();
-    let o = run(&["--lock", lock.to_str().unwrap()]);
+    let o = run_example(&["--lock", lock.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(3), "{}", text(&o));
     assert!(
         text(&o).contains("the lock pins kiln-matmul@1.0.9") && text(&o).contains("there are 1.1.0"),
@@ -841,7 +823,7 @@ fn a_lock_pins_the_packages_a_model_uses() {
     // Another package under the pinned name and version.
     let digest_line = text_lock.lines().find(|l| l.starts_with("digest")).unwrap().to_string();
     std::fs::write(&lock, text_lock.replacen(&digest_line, &format!("digest = \"{}\"", "0".repeat(64)), 1)).unwrap();
-    let o = run(&["--lock", lock.to_str().unwrap()]);
+    let o = run_example(&["--lock", lock.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(3), "{}", text(&o));
     assert!(text(&o).contains("is not the package the lock pins"), "{}", text(&o));
     // A model folder's lock covers the ops decoding adds (device-step sampling) too: generate

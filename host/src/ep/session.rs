@@ -340,8 +340,12 @@ impl Session {
                     crate::capture::PdlMode::On if gpu.pdl_supported() => true,
                     crate::capture::PdlMode::On => {
                         let (major, minor) = gpu.info.compute_capability;
+                        let driver = gpu.info.driver_version;
                         return Err(Error::Unsupported(format!(
-                            "--pdl on needs programmatic dependent launch (compute capability 9.0 or later); this GPU is {major}.{minor}"
+                            "--pdl on needs programmatic dependent launch (compute capability 9.0 or later, a CUDA 12.3 or later driver); \
+                             this GPU is {major}.{minor} with a CUDA {}.{} driver: use --pdl auto or off",
+                            driver / 1000,
+                            driver % 1000 / 10
                         )));
                     }
                 };

@@ -37,47 +37,36 @@ struct F32 {
     }
 };
 
-struct F16 {
-    typedef kiln_f16 S;
+// Eight 16-bit values in 16 bytes, converted through T::ld / T::st (F16, BF16).
+template <typename T>
+struct Packed16 {
     enum { VEC = 8 };
-    static __device__ __forceinline__ float ld(kiln_f16 v) { return kiln_f16_to_f32(v); }
-    static __device__ __forceinline__ kiln_f16 st(float v) { return kiln_f32_to_f16(v); }
     static __device__ __forceinline__ void unpack(const uint4& v, float* f) {
         const unsigned w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            f[2 * i] = kiln_f16_to_f32((kiln_f16)(w[i] & 0xffffu));
-            f[2 * i + 1] = kiln_f16_to_f32((kiln_f16)(w[i] >> 16));
+            f[2 * i] = T::ld((typename T::S)(w[i] & 0xffffu));
+            f[2 * i + 1] = T::ld((typename T::S)(w[i] >> 16));
         }
     }
     static __device__ __forceinline__ uint4 pack(const float* f) {
         unsigned w[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) w[i] = (unsigned)kiln_f32_to_f16(f[2 * i]) | ((unsigned)kiln_f32_to_f16(f[2 * i + 1]) << 16);
+        for (int i = 0; i < 4; ++i) w[i] = (unsigned)T::st(f[2 * i]) | ((unsigned)T::st(f[2 * i + 1]) << 16);
         return make_uint4(w[0], w[1], w[2], w[3]);
     }
 };
 
-struct BF16 {
+struct F16 : Packed16<F16> {
+    typedef kiln_f16 S;
+    static __device__ __forceinline__ float ld(kiln_f16 v) { return kiln_f16_to_f32(v); }
+    static __device__ __forceinline__ kiln_f16 st(float v) { return kiln_f32_to_f16(v); }
+};
+
+struct BF16 : Packed16<BF16> {
     typedef kiln_bf16 S;
-    enum { VEC = 8 };
     static __device__ __forceinline__ float ld(kiln_bf16 v) { return kiln_bf16_to_f32(v); }
     static __device__ __forceinline__ kiln_bf16 st(float v) { return kiln_f32_to_bf16(v); }
-    static __device__ __forceinline__ void unpack(const uint4& v, float* f) {
-        const unsigned w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            f[2 * i] = __uint_as_float(w[i] << 16);
-            f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-        }
-    }
-    static __device__ __forceinline__ uint4 pack(const float* f) {
-        unsigned w[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            w[i] = (unsigned)kiln_f32_to_bf16(f[2 * i]) | ((unsigned)kiln_f32_to_bf16(f[2 * i + 1]) << 16);
-        return make_uint4(w[0], w[1], w[2], w[3]);
-    }
 };
 
 // Modes of the GEMV's prologue (the shim's `Prologue`).
@@ -87,7 +76,6 @@ enum { HAS_SKIP = 1, HAS_SUM = 2 };
 
 #define LIN_WARPS 4    // warps per block
 #define LIN_COLS 2     // outputs (weight rows) per warp
-#define LIN_ROWS 8     // rows of A per block
 #define LIN_UNROLL 4   // 16-byte weight loads per lane and output in flight
 #define LIN_PRO 4      // 16-byte activation loads per thread in flight in the prologue
 
