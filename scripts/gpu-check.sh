@@ -10,7 +10,8 @@
 #              fusing package on the GPU (each declared fusion fused against the unfused ops)
 #   sanitize   compute-sanitizer memcheck over a graph decode
 #   peers      PyTorch eager, CUDA graph and torch.compile on the same architecture
-#   profile    ncu: GPU time of every kernel of one eager decode step (batch 1 and 8)
+#   profile    ncu: GPU time of every kernel of one eager decode step (batch 1 and 8, cache of 384
+#              positions as in the bench rows)
 # At most 8 files come back from the machine, so $OUT (or ./gpu-out) gets one log per phase
 # and the JSON in tar files; the last lines printed are a summary.
 set -uo pipefail
@@ -90,7 +91,7 @@ for phase in $phases; do
     for b in 1 8; do
       ncu --cache-control none --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
         --launch-skip 1300 --launch-count 460 "$KILN" bench decode "$m" --batch $b \
-        --graph off --runs 1 --new-tokens 8 >"$work/ncu-b$b.csv" 2>"$work/ncu-b$b.err"
+        --graph off --runs 1 --new-tokens 8 --max-length 384 >"$work/ncu-b$b.csv" 2>"$work/ncu-b$b.err"
     done
     tar -C "$work" -cf "$out/ncu.tar" ncu-b1.csv ncu-b8.csv
     ;;

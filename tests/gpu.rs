@@ -506,7 +506,8 @@ fn decode_sized_matmul_matches_the_float64_reference() {
 
 /// kiln-matmul's `ai.kiln::Linear`, `RmsNormLinear` and `SwiGluLinear` on the GPU against their
 /// CPU reference (f64, A rounded to the dtype, then Y rounded once), on random shapes: 1 to 4
-/// rows (the GEMV kernels for 1, 2 and 4 rows), more rows (prologue kernel + cuBLASLt),
+/// rows (the CUDA-core GEMV for 1 row and float32; the tensor-core GEMV for 2 to 16 rows of
+/// float16 and bfloat16, one or two n-tiles), more rows (prologue kernel + cuBLASLt),
 /// K off the 16-byte vector (the cuBLASLt path at any row count), N from 1 up, skip broadcast
 /// over the leading dimension. Tolerance: a relative ulp of the dtype on Y, the f32 accumulation
 /// (K · 2^-22 · 4), and up to four elements of A that f32 and f64 round to neighbouring values
@@ -527,6 +528,8 @@ fn linear_ops_match_their_cpu_reference() {
                     2 => 4,
                     3 => 3,
                     4 => r.range(5, 70),
+                    // Two n-tiles of the tensor-core GEMV (float16, bfloat16).
+                    5 => r.range(9, 17),
                     _ => r.range(1, 5),
                 };
                 let k = if case == 7 { vec * r.range(1, 40) + 1 } else { vec * r.range(1, 200) };

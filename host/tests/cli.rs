@@ -87,7 +87,7 @@ fn the_readme_example_runs_and_matches_onnxruntime() {
         serde_json::from_slice(&std::fs::read(out.path().join("report.json")).unwrap()).unwrap();
     assert_eq!(report["nodes"], 7);
     assert_eq!(report["wasm_calls"]["cpu"], 7);
-    assert_eq!(report["packages"]["kiln-matmul@1.1.0"], 2);
+    assert_eq!(report["packages"]["kiln-matmul@1.2.0"], 2);
 }
 
 #[test]
@@ -118,7 +118,7 @@ fn kernels_list_shows_every_builtin_package() {
         "kiln-unary 1.0.0",
         "kiln-binary 1.0.0",
         "kiln-cast 1.0.0",
-        "kiln-matmul 1.1.0",
+        "kiln-matmul 1.2.0",
         "kiln-reduce 1.0.0",
         "kiln-normalization 1.0.0",
         "kiln-tensor 1.0.0",
@@ -409,11 +409,11 @@ fn inspect_shows_shapes_packages_fusions_and_what_is_missing() {
     assert_eq!(input["dtype"], "int64");
     let ops = doc["ops"].as_array().unwrap();
     let op = |name: &str| ops.iter().find(|r| r["op"] == name).cloned();
-    assert_eq!(op("com.microsoft::GroupQueryAttention").unwrap()["package"], "kiln-attention@1.0.0");
+    assert_eq!(op("com.microsoft::GroupQueryAttention").unwrap()["package"], "kiln-attention@1.1.0");
     // Fused: each layer's norms and projections become kiln-matmul's linear layers (the MLP
     // half one RmsNormLinear and one SwiGluLinear).
     assert_eq!(op("ai.kiln::SwiGluLinear").unwrap()["nodes"], 2);
-    assert_eq!(op("ai.kiln::SwiGluLinear").unwrap()["package"], "kiln-matmul@1.1.0");
+    assert_eq!(op("ai.kiln::SwiGluLinear").unwrap()["package"], "kiln-matmul@1.2.0");
     assert!(op("ai.onnx::Sigmoid").is_none() && op("ai.onnx::MatMul").is_none());
     assert_eq!(doc["fusions"]["applied"].as_array().unwrap().len(), 7);
     assert_eq!(doc["unsupported_ops"], 0);
@@ -790,7 +790,7 @@ fn a_kernel_requirement_no_package_meets_is_invalid_input() {
     let o = run_example(&["--kernels", "kiln-matmul@^2"]);
     let t = text(&o);
     assert_eq!(o.status.code(), Some(3), "invalid input: {t}");
-    assert!(t.contains("--kernels kiln-matmul@^2: no package meets it; there are 1.1.0 (builtin:matmul)"), "{t}");
+    assert!(t.contains("--kernels kiln-matmul@^2: no package meets it; there are 1.2.0 (builtin:matmul)"), "{t}");
     let o = run_example(&["--kernels", "kiln-matmul@^1.1"]);
     assert!(o.status.success(), "{}", text(&o));
     let o = run_example(&["--kernels", "kiln-matmul@~~1"]);
@@ -807,16 +807,16 @@ fn a_lock_pins_the_packages_a_model_uses() {
     let o = kiln(&["lock", "examples/mlp/model.onnx", "--device", "cpu", "-o", lock.to_str().unwrap()]);
     assert!(o.status.success(), "{}", text(&o));
     let text_lock = std::fs::read_to_string(&lock).unwrap();
-    assert!(text_lock.contains("name = \"kiln-matmul\"") && text_lock.contains("version = \"1.1.0\""), "{text_lock}");
+    assert!(text_lock.contains("name = \"kiln-matmul\"") && text_lock.contains("version = \"1.2.0\""), "{text_lock}");
     assert!(!text_lock.contains("kiln-attention"), "only the packages the model uses: {text_lock}");
     let o = run_example(&["--lock", lock.to_str().unwrap()]);
     assert!(o.status.success(), "{}", text(&o));
     // A version that is not available.
-    std::fs::write(&lock, text_lock.replace("version = \"1.1.0\"", "version = \"1.0.9\"")).unwrap();
+    std::fs::write(&lock, text_lock.replace("version = \"1.2.0\"", "version = \"1.0.9\"")).unwrap();
     let o = run_example(&["--lock", lock.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(3), "{}", text(&o));
     assert!(
-        text(&o).contains("the lock pins kiln-matmul@1.0.9") && text(&o).contains("there are 1.1.0"),
+        text(&o).contains("the lock pins kiln-matmul@1.0.9") && text(&o).contains("there are 1.2.0"),
         "{}",
         text(&o)
     );

@@ -325,26 +325,75 @@ __device__ void gqa_decode_split(const typename Tag::storage* q_src, const typen
 // 4. threads over (key lane, 16-byte V vector): Σ weight·V per query row, reduced over the key
 //    lanes (warp shuffles, then shared memory).
 // With one split the block writes the output (sink_mode as gqa_attn); with several it writes
-// the partial state of gqa_decode_split for kiln_gqa_merge. Needs group ≤ GQA_DEC_MAX_GROUP,
+// the partial state of gqa_decode_split for kiln_gqa_merge. With `append` it first writes the
+// present rows it owns (gqa_decode_append) instead of kiln_gqa_kv_*. Needs group ≤ GQA_DEC_MAX_GROUP,
 // group·H ≤ GQA_DEC_MAX_QH, H·sizeof(T) a multiple of 16, and 256 threads.
 #define GQA_DEC_KEYS 256
 #define GQA_DEC_MAX_GROUP 8
 #define GQA_DEC_MAX_QH 1024
 #define GQA_DEC_WARPS 8
+#define GQA_DEC_ROW_VECS 8  // 16-byte vectors of a K row loaded together (a 64-wide f16 row)
+#define GQA_DEC_V_KEYS 4    // V rows per thread loaded together
 
+// The present rows block (split, j, b) of gqa_decode owns, rows split·GQA_DEC_KEYS ..
+// + GQA_DEC_KEYS of KV head j, batch row b, as kiln_gqa_kv_* writes them for a shared past and
+// present (S = 1): bound in place (present is the past buffer) only the new row at `pos`, else
+// every owned row (the new row, past rows below P, zeros). Every key a block reads is a row it
+// owns, so the append needs no other block: a decode step runs one kernel fewer.
 template <typename Tag>
-__device__ void gqa_decode(const typename Tag::storage* q_src, const typename Tag::storage* pres_k,
-                           const typename Tag::storage* pres_v, const int* seqlens, const typename Tag::storage* cos_c,
+__device__ __forceinline__ void gqa_decode_append(
+    const typename Tag::storage* k_src, const typename Tag::storage* v_src, const typename Tag::storage* past_k,
+    const typename Tag::storage* past_v, const typename Tag::storage* cos_c, const typename Tag::storage* sin_c,
+    typename Tag::storage* pres_k, typename Tag::storage* pres_v, unsigned split, unsigned j, unsigned b, unsigned Nk,
+    unsigned H, unsigned PL, unsigned P, long long pos, kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off,
+    kiln_u64 cache_rows, unsigned rotary_half, unsigned interleaved) {
+    typedef typename Tag::storage T;
+    const long long r0 = (long long)split * GQA_DEC_KEYS;
+    const long long r1 = r0 + GQA_DEC_KEYS < (long long)PL ? r0 + GQA_DEC_KEYS : (long long)PL;
+    const T* kr = k_src + (kiln_u64)b * kv_w + k_off + (kiln_u64)j * H;
+    const T* vr = v_src + (kiln_u64)b * kv_w + v_off + (kiln_u64)j * H;
+    const kiln_u64 head = ((kiln_u64)b * Nk + j) * PL * H;
+    const bool in_place = pres_k == past_k && pres_v == past_v;
+    const long long lo = in_place ? (pos > r0 ? pos : r0) : r0;
+    const long long hi = in_place ? (pos + 1 < r1 ? pos + 1 : r1) : r1;
+    if (lo >= hi) return;
+    for (kiln_u64 i = threadIdx.x; i < (kiln_u64)(hi - lo) * H; i += blockDim.x) {
+        const long long t = lo + (long long)(i / H);
+        const unsigned d = (unsigned)(i % H);
+        const kiln_u64 at = head + (kiln_u64)t * H + d;
+        T kv = 0, vv = 0;
+        if (t == pos) {
+            if (rotary_half > 0 && d < 2 * rotary_half)
+                kv = kiln_from_f32(Tag(), rope_elem<Tag>(kr, cos_c, sin_c, t, cache_rows, rotary_half, d, interleaved));
+            else
+                kv = kr[d];
+            vv = vr[d];
+        } else if (t < (long long)P) {
+            const kiln_u64 src = (((kiln_u64)b * Nk + j) * P + (kiln_u64)t) * H + d;
+            kv = past_k[src];
+            vv = past_v[src];
+        }
+        pres_k[at] = kv;
+        pres_v[at] = vv;
+    }
+}
+
+template <typename Tag, int G>
+__device__ void gqa_decode(const typename Tag::storage* q_src, typename Tag::storage* pres_k,
+                           typename Tag::storage* pres_v, const int* seqlens, const typename Tag::storage* cos_c,
                            const typename Tag::storage* sin_c, const typename Tag::storage* bias,
                            const typename Tag::storage* sink, float* partial, typename Tag::storage* out, unsigned N,
                            unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w, kiln_u64 cache_rows,
                            unsigned rotary_half, unsigned interleaved, float scale, float softcap, int window,
-                           unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode) {
+                           unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode,
+                           const typename Tag::storage* k_src, const typename Tag::storage* v_src,
+                           const typename Tag::storage* past_k, const typename Tag::storage* past_v, unsigned P,
+                           kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off, unsigned append) {
     typedef typename Tag::storage T;
     const unsigned VE = 16 / sizeof(T);  // elements per 16-byte vector
-    __shared__ float q_s[GQA_DEC_MAX_QH];
-    __shared__ float s_sc[GQA_DEC_MAX_GROUP][GQA_DEC_KEYS];
-    __shared__ float s_m[GQA_DEC_MAX_GROUP], s_l[GQA_DEC_MAX_GROUP];
+    __shared__ __align__(16) float q_s[GQA_DEC_MAX_QH];
+    __shared__ float s_sc[G][GQA_DEC_KEYS];
+    __shared__ float s_m[G], s_l[G];
     __shared__ float s_red[GQA_DEC_WARPS][GQA_DEC_MAX_QH];
     const unsigned split = blockIdx.x, j = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
     const unsigned group = N / Nk, tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
@@ -353,7 +402,32 @@ __device__ void gqa_decode(const typename Tag::storage* q_src, const typename Ta
     long long lo = (long long)split * GQA_DEC_KEYS, hi = lo + GQA_DEC_KEYS;
     if (lo < start) lo = start;
     if (hi > end) hi = end;
-    if (lo >= hi) {
+    const unsigned n = lo < hi ? (unsigned)(hi - lo) : 0;  // ≤ GQA_DEC_KEYS = blockDim.x
+    const kiln_u64 head = ((kiln_u64)b * Nk + j) * PL * H;
+    const unsigned vpr = H / VE;  // 16-byte vectors per K/V row
+    // Key k's K and V rows are loaded before the append and the query rows (their latency
+    // overlaps), except rows this block writes first: the new row, or every owned row when the
+    // present is not the past buffer. Those are loaded after the __syncthreads below.
+    const bool in_place = pres_k == past_k && pres_v == past_v;
+    const auto late = [&](unsigned k) { return append && (!in_place || lo + (long long)k == pos); };
+    const uint4* krow = (const uint4*)(pres_k + head + (kiln_u64)(lo + tid) * H);
+    uint4 kraw[GQA_DEC_ROW_VECS];
+#pragma unroll
+    for (unsigned u = 0; u < GQA_DEC_ROW_VECS; ++u)
+        kraw[u] = tid < n && u < vpr && !late(tid) ? krow[u] : make_uint4(0, 0, 0, 0);
+    const unsigned lanes = blockDim.x / vpr;
+    const unsigned kl = tid / vpr, vi = tid - kl * vpr;
+    const auto vrow = [&](unsigned k) { return ((const uint4*)(pres_v + head + (kiln_u64)(lo + k) * H))[vi]; };
+    uint4 vraw[GQA_DEC_V_KEYS];
+#pragma unroll
+    for (unsigned u = 0; u < GQA_DEC_V_KEYS; ++u) {
+        const unsigned k = kl + u * lanes;
+        vraw[u] = k < n && !late(k) ? vrow(k) : make_uint4(0, 0, 0, 0);
+    }
+    if (append)
+        gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v, split, j, b, Nk, H, PL, P,
+                               pos, kv_w, k_off, v_off, cache_rows, rotary_half, interleaved);
+    if (n == 0) {
         if (splits == 1) {
             for (unsigned i = tid; i < group * H; i += blockDim.x)
                 out[(kiln_u64)b * N * H + (kiln_u64)(j * group) * H + i] = kiln_from_f32(Tag(), 0.f);
@@ -364,7 +438,6 @@ __device__ void gqa_decode(const typename Tag::storage* q_src, const typename Ta
         }
         return;
     }
-    const unsigned n = (unsigned)(hi - lo);
     // 1. Query rows.
     for (unsigned i = tid; i < group * H; i += blockDim.x) {
         const unsigned g = i / H, d = i - g * H;
@@ -377,26 +450,40 @@ __device__ void gqa_decode(const typename Tag::storage* q_src, const typename Ta
             v = kiln_to_f32(Tag(), qr[d]);
         q_s[i] = v;
     }
-    __syncthreads();
-    // 2. Scores, one key per thread.
-    const kiln_u64 head = ((kiln_u64)b * Nk + j) * PL * H;
-    for (unsigned k = tid; k < n; k += blockDim.x) {
-        const uint4* kr = (const uint4*)(pres_k + head + (kiln_u64)(lo + k) * H);
-        float dot[GQA_DEC_MAX_GROUP];
+    __syncthreads();  // the appended rows and q_s
+    // 2. Scores, one key per thread (n ≤ blockDim.x).
+    if (tid < n) {
+        const unsigned k = tid;
+        float dot[G];
 #pragma unroll
-        for (int g = 0; g < GQA_DEC_MAX_GROUP; ++g) dot[g] = 0.f;
-        for (unsigned c = 0; c < H / VE; ++c) {
-            const uint4 raw = kr[c];
-            const T* e = (const T*)&raw;
-            for (unsigned x = 0; x < VE; ++x) {
-                const float kv = kiln_to_f32(Tag(), e[x]);
+        for (int g = 0; g < G; ++g) dot[g] = 0.f;
+        for (unsigned c0 = 0; c0 < vpr; c0 += GQA_DEC_ROW_VECS) {
+            // The row's vectors in flight together (the first ones loaded above), then the products.
+            uint4 raw[GQA_DEC_ROW_VECS];
 #pragma unroll
-                for (int g = 0; g < GQA_DEC_MAX_GROUP; ++g)
-                    if (g < (int)group) dot[g] += q_s[g * H + c * VE + x] * kv;
+            for (unsigned u = 0; u < GQA_DEC_ROW_VECS; ++u)
+                raw[u] = c0 == 0 && !late(k) ? kraw[u] : c0 + u < vpr ? krow[c0 + u] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (unsigned u = 0; u < GQA_DEC_ROW_VECS; ++u) {
+                if (c0 + u >= vpr) break;
+                const T* e = (const T*)&raw[u];
+                float kf[16 / sizeof(T)];
+#pragma unroll
+                for (unsigned x = 0; x < VE; ++x) kf[x] = kiln_to_f32(Tag(), e[x]);
+#pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    if (g >= (int)group) break;
+                    const float4* qv = (const float4*)(q_s + g * H + (c0 + u) * VE);
+#pragma unroll
+                    for (unsigned x = 0; x < VE / 4; ++x) {
+                        const float4 qq = qv[x];
+                        dot[g] += qq.x * kf[4 * x] + qq.y * kf[4 * x + 1] + qq.z * kf[4 * x + 2] + qq.w * kf[4 * x + 3];
+                    }
+                }
             }
         }
 #pragma unroll
-        for (int g = 0; g < GQA_DEC_MAX_GROUP; ++g) {
+        for (int g = 0; g < G; ++g) {
             if (g >= (int)group) break;
             float xs = dot[g] * scale;
             if (softcap > 0.f) xs = softcap * tanhf(xs / softcap);
@@ -424,37 +511,46 @@ __device__ void gqa_decode(const typename Tag::storage* q_src, const typename Ta
         }
     }
     __syncthreads();
-    // 4. Σ weight·V: thread (key lane kl, vector vi).
-    const unsigned vpr = H / VE, lanes = blockDim.x / vpr;
-    const unsigned kl = tid / vpr, vi = tid - kl * vpr;
-    float acc[GQA_DEC_MAX_GROUP][8];
+    // 4. Σ weight·V: thread (key lane kl, vector vi), GQA_DEC_V_KEYS keys' loads in flight (the
+    // first ones loaded above).
+    float acc[G][8];
 #pragma unroll
-    for (int g = 0; g < GQA_DEC_MAX_GROUP; ++g)
+    for (int g = 0; g < G; ++g)
 #pragma unroll
         for (int x = 0; x < 8; ++x) acc[g][x] = 0.f;
     if (kl < lanes) {
-        for (unsigned k = kl; k < n; k += lanes) {
-            const uint4 raw = ((const uint4*)(pres_v + head + (kiln_u64)(lo + k) * H))[vi];
-            const T* e = (const T*)&raw;
+        for (unsigned k0 = kl; k0 < n; k0 += GQA_DEC_V_KEYS * lanes) {
+            uint4 raw[GQA_DEC_V_KEYS];
 #pragma unroll
-            for (int g = 0; g < GQA_DEC_MAX_GROUP; ++g) {
-                if (g >= (int)group) break;
-                const float p = s_sc[g][k];
+            for (unsigned u = 0; u < GQA_DEC_V_KEYS; ++u) {
+                const unsigned k = k0 + u * lanes;
+                raw[u] = k0 == kl && !late(k) ? vraw[u] : k < n ? vrow(k) : make_uint4(0, 0, 0, 0);
+            }
 #pragma unroll
-                for (int x = 0; x < 8; ++x)
-                    if (x < (int)VE) acc[g][x] += p * kiln_to_f32(Tag(), e[x]);
+            for (unsigned u = 0; u < GQA_DEC_V_KEYS; ++u) {
+                const unsigned k = k0 + u * lanes;
+                if (k >= n) break;
+                const T* e = (const T*)&raw[u];
+#pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    if (g >= (int)group) break;
+                    const float p = s_sc[g][k];
+#pragma unroll
+                    for (int x = 0; x < 8; ++x)
+                        if (x < (int)VE) acc[g][x] += p * kiln_to_f32(Tag(), e[x]);
+                }
             }
         }
     }
     // Reduce over the key lanes of a warp (lanes vi + vpr·i), then over the warps.
     for (unsigned o = vpr; o < 32; o <<= 1)
 #pragma unroll
-        for (int g = 0; g < GQA_DEC_MAX_GROUP; ++g)
+        for (int g = 0; g < G; ++g)
 #pragma unroll
             for (int x = 0; x < 8; ++x) acc[g][x] += __shfl_xor_sync(0xffffffffu, acc[g][x], o);
     if (lane < vpr) {
 #pragma unroll
-        for (int g = 0; g < GQA_DEC_MAX_GROUP; ++g) {
+        for (int g = 0; g < G; ++g) {
             if (g >= (int)group) break;
 #pragma unroll
             for (int x = 0; x < 8; ++x)
@@ -552,6 +648,20 @@ __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, c
     }
 }
 
+#define KILN_GQA_DECODE(SUF, TAG, G)                                                                          \
+    extern "C" __global__ void kiln_gqa_decode##G##_##SUF(                                                                  \
+        const TAG::storage* q_src, TAG::storage* pres_k, TAG::storage* pres_v, const int* seqlens,                     \
+        const TAG::storage* cos_c, const TAG::storage* sin_c, const TAG::storage* bias, const TAG::storage* sink,      \
+        float* partial, TAG::storage* out, unsigned N, unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w,             \
+        kiln_u64 cache_rows, unsigned rotary_half, unsigned interleaved, float scale, float softcap, int window,        \
+        unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode,                       \
+        const TAG::storage* k_src, const TAG::storage* v_src, const TAG::storage* past_k, const TAG::storage* past_v,  \
+        unsigned P, kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off, unsigned append) {                                  \
+        gqa_decode<TAG, G>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out, N, Nk, H, PL, q_w,     \
+                        cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b, bias_h, total, \
+                        sink_mode, k_src, v_src, past_k, past_v, P, kv_w, k_off, v_off, append);                      \
+    }
+
 #define KILN_ATTENTION_KERNELS(SUF, TAG)                                                                               \
     extern "C" __global__ void kiln_gqa_kv_##SUF(                                                                      \
         const TAG::storage* k_src, const TAG::storage* v_src, const TAG::storage* past_k, const TAG::storage* past_v,  \
@@ -583,16 +693,10 @@ __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, c
                               cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b, bias_h,  \
                               total, chunk);                                                                           \
     }                                                                                                                  \
-    extern "C" __global__ void kiln_gqa_decode_##SUF(                                                                  \
-        const TAG::storage* q_src, const TAG::storage* pres_k, const TAG::storage* pres_v, const int* seqlens,         \
-        const TAG::storage* cos_c, const TAG::storage* sin_c, const TAG::storage* bias, const TAG::storage* sink,      \
-        float* partial, TAG::storage* out, unsigned N, unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w,             \
-        kiln_u64 cache_rows, unsigned rotary_half, unsigned interleaved, float scale, float softcap, int window,        \
-        unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode) {                     \
-        gqa_decode<TAG>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out, N, Nk, H, PL, q_w,     \
-                        cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b, bias_h, total, \
-                        sink_mode);                                                                                    \
-    }                                                                                                                  \
+    KILN_GQA_DECODE(SUF, TAG, 1)                                                                                       \
+    KILN_GQA_DECODE(SUF, TAG, 2)                                                                                       \
+    KILN_GQA_DECODE(SUF, TAG, 4)                                                                                       \
+    KILN_GQA_DECODE(SUF, TAG, 8)                                                                                       \
     extern "C" __global__ void kiln_gqa_merge_##SUF(const float* partial, const int* seqlens, const TAG::storage* sink, \
                                                     TAG::storage* out, unsigned N, unsigned H, unsigned PL, int window, \
                                                     unsigned splits, unsigned sink_mode) {                              \

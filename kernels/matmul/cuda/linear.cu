@@ -162,11 +162,12 @@ struct BlockSum {
 };
 
 // rms_row for the GEMV prologue: one warp, 16-byte accesses, LIN_PRO loads of each operand in
-// flight per lane. `a` is the row in shared memory (f32, rounded values), `sum` the row of the sum
-// output or null; kc = k / VEC; skip_len is a multiple of k.
-template <typename T>
+// flight per lane. `a(c, f)` stores chunk c (VEC values, f32, not yet rounded) of the row into
+// shared memory; `sum` is the row of the sum output or null; kc = k / VEC; skip_len is a multiple
+// of k.
+template <typename T, typename Store>
 __device__ __forceinline__ void rms_row_warp(const typename T::S* x, const typename T::S* skip,
-                                             const typename T::S* gamma, float* a, typename T::S* sum,
+                                             const typename T::S* gamma, Store a, typename T::S* sum,
                                              kiln_u64 row, kiln_u64 k, unsigned kc, kiln_u64 skip_len, unsigned flags,
                                              float eps, unsigned lane) {
     const uint4* xr = (const uint4*)(x + row * k);
@@ -216,7 +217,63 @@ __device__ __forceinline__ void rms_row_warp(const typename T::S* x, const typen
 #pragma unroll
             for (int e = 0; e < T::VEC; ++e) xf[e] = (xf[e] + sf[e]) * inv * gf[e];
             const unsigned c = c0 + u * 32 + lane;
-            if (c < kc) store_a<T>(a + c * T::VEC, xf);
+            if (c < kc) a(c, xf);
+        }
+    }
+}
+
+// A in shared memory for the CUDA-core GEMV: row r at a + r·k in f32, rounded to the storage type.
+template <typename T>
+struct RowsF32 {
+    float* a;
+    kiln_u64 k;
+    struct Row {
+        float* p;
+        __device__ __forceinline__ void operator()(unsigned c, const float* f) const { store_a<T>(p + c * T::VEC, f); }
+    };
+    __device__ __forceinline__ Row row(unsigned r) const { return Row{a + (kiln_u64)r * k}; }
+};
+
+// A's rows row0 .. row0 + rows_here into shared memory through `out` (RowsF32 or RowsMma), by the
+// whole block: RMS (one warp per row, `sum` written by the blocks of column block 0 when flags has
+// HAS_SUM), SwiGlu (chunk i of A from the gate and up chunks of X's row) or a copy (Linear).
+template <typename T, int MODE, typename Rows>
+__device__ __forceinline__ void prologue(const typename T::S* x, const typename T::S* skip,
+                                         const typename T::S* gamma, typename T::S* sum, Rows out, kiln_u64 row0,
+                                         unsigned rows_here, kiln_u64 k, unsigned kc, kiln_u64 skip_len,
+                                         unsigned flags, float eps) {
+    typedef typename T::S S;
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    if (MODE == MODE_RMSNORM) {
+        for (unsigned r = warp; r < rows_here; r += warps) {
+            S* s = (blockIdx.x == 0 && (flags & HAS_SUM)) ? sum + (row0 + r) * k : (S*)0;
+            rms_row_warp<T>(x, skip, gamma, out.row(r), s, row0 + r, k, kc, skip_len, flags, eps, lane);
+        }
+        return;
+    }
+    const unsigned total = rows_here * kc;
+    for (unsigned i0 = threadIdx.x; i0 < total; i0 += blockDim.x * LIN_PRO) {
+        uint4 gv[LIN_PRO], uv[LIN_PRO];
+#pragma unroll
+        for (int u = 0; u < LIN_PRO; ++u) {
+            const unsigned i = i0 + u * blockDim.x, r = i / kc, c = i - r * kc;
+            const uint4* xr = (const uint4*)(x + (row0 + r) * (MODE == MODE_SWIGLU ? 2 : 1) * k);
+            gv[u] = i < total ? xr[c] : make_uint4(0, 0, 0, 0);
+            if (MODE == MODE_SWIGLU) uv[u] = i < total ? xr[kc + c] : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < LIN_PRO; ++u) {
+            const unsigned i = i0 + u * blockDim.x, r = i / kc, c = i - r * kc;
+            if (i >= total) continue;
+            float f[T::VEC];
+            T::unpack(gv[u], f);
+            if (MODE == MODE_SWIGLU) {
+                float uf[T::VEC];
+                T::unpack(uv[u], uf);
+#pragma unroll
+                for (int e = 0; e < T::VEC; ++e) f[e] = silu_mul<T>(f[e], uf[e]);
+            }
+            out.row(r)(c, f);
         }
     }
 }
@@ -275,41 +332,7 @@ __device__ __forceinline__ void gemv(const typename T::S* x, const typename T::S
     load_pass(wv, w4, col, n, kc, 0, lane);
 
     // Prologue: A for this block's rows.
-    if (MODE == MODE_RMSNORM) {
-        for (unsigned r = warp; r < rows_here; r += LIN_WARPS) {
-            S* s = (blockIdx.x == 0 && (flags & HAS_SUM)) ? sum + (row0 + r) * k : (S*)0;
-            rms_row_warp<T>(x, skip, gamma, a + (kiln_u64)r * k, s, row0 + r, k, kc, skip_len, flags, eps, lane);
-        }
-    } else {
-        // SwiGlu: chunk i of A (row i / kc) from the gate and up chunks of X's row; Linear: a copy.
-        const unsigned total = rows_here * kc;
-        for (unsigned i0 = threadIdx.x; i0 < total; i0 += blockDim.x * LIN_PRO) {
-            uint4 gv[LIN_PRO], uv[LIN_PRO];
-#pragma unroll
-            for (int u = 0; u < LIN_PRO; ++u) {
-                const unsigned i = i0 + u * blockDim.x, r = i / kc, c = i - r * kc;
-                const uint4* xr = (const uint4*)(x + (row0 + r) * (MODE == MODE_SWIGLU ? 2 : 1) * k);
-                gv[u] = i < total ? xr[c] : make_uint4(0, 0, 0, 0);
-                if (MODE == MODE_SWIGLU) uv[u] = i < total ? xr[kc + c] : make_uint4(0, 0, 0, 0);
-            }
-#pragma unroll
-            for (int u = 0; u < LIN_PRO; ++u) {
-                const unsigned i = i0 + u * blockDim.x;
-                if (MODE == MODE_SWIGLU) {
-                    float gf[T::VEC], uf[T::VEC];
-                    T::unpack(gv[u], gf);
-                    T::unpack(uv[u], uf);
-#pragma unroll
-                    for (int e = 0; e < T::VEC; ++e) gf[e] = silu_mul<T>(gf[e], uf[e]);
-                    if (i < total) store_a<T>(a + i * T::VEC, gf);
-                } else if (i < total) {
-                    float xf[T::VEC];
-                    T::unpack(gv[u], xf);
-                    store_a<T>(a + i * T::VEC, xf);
-                }
-            }
-        }
-    }
+    prologue<T, MODE>(x, skip, gamma, sum, RowsF32<T>{a, k}, row0, rows_here, k, kc, skip_len, flags, eps);
     __syncthreads();
 
     bool loaded = true;
@@ -356,6 +379,208 @@ __device__ __forceinline__ void gemv(const typename T::S* x, const typename T::S
     }
 }
 
+// ---- Tensor-core GEMV for 2–16 rows ("swap-AB") ----------------------------------------------
+//
+// W's rows are the M side of mma.m16n8k16 (16 outputs per tile) and A's rows the N side (8 per
+// n-tile, NT n-tiles), so a decode batch of a few rows fills the instruction's narrow side. The
+// sum over K does not depend on the order of its terms, so each lane loads its fragments as
+// whole 16-byte runs and the K order inside a 32-wide group is permuted alike for W and A: lane
+// (g = lane / 4, q = lane % 4) reads W rows m0 + g and m0 + g + 8 and A row g, elements
+// kb + 8q .. kb + 8q + 7, and feeds elements 8q + 4s + {0, 1} as the fragment's columns 2q, 2q + 1
+// and 8q + 4s + {2, 3} as columns 2q + 8, 2q + 9 of mma step s ∈ {0, 1} (PTX ISA, "Matrix
+// Fragments for mma.m16n8k16"). A block of MMA_WARPS warps holds MMA_WARPS / ksplit tiles of 16
+// outputs; the ksplit warps of a tile take interleaved K groups, and their f32 partial sums meet in
+// shared memory in warp order (deterministic). A is in shared memory in the storage type, row r's
+// 16-byte chunk c at r·kcp + (c ^ mma_swizzle(r)) (kcp: chunks per row rounded up to 8), so the 8
+// rows a quarter-warp reads land in distinct banks; rows and chunks past A's are zeros.
+#define MMA_WARPS 8
+#define MMA_UNROLL 4  // 32-wide K groups per warp whose weights are in flight at once
+
+__device__ __forceinline__ unsigned mma_swizzle(unsigned r) { return ((r & 1u) << 2) | ((r >> 1) & 3u); }
+
+template <typename T>
+struct RowsMma {
+    uint4* a;
+    unsigned kcp;
+    struct Row {
+        uint4* p;
+        unsigned sw;
+        __device__ __forceinline__ void operator()(unsigned c, const float* f) const { p[c ^ sw] = T::pack(f); }
+    };
+    __device__ __forceinline__ Row row(unsigned r) const { return Row{a + r * kcp, mma_swizzle(r)}; }
+};
+
+// d += A · B for one m16n8k16 fragment set (f32 accumulators). Before sm_80 (no such mma) the
+// warp computes the same fragments from shuffled operands.
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1);
+
+template <typename T>
+__device__ __forceinline__ void mma16816_emulated(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                                  unsigned b0, unsigned b1) {
+    const unsigned lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+#pragma unroll
+    for (unsigned p = 0; p < 4; ++p) {
+        // Lane (g, p) holds A rows g, g + 8 at columns 2p, 2p + 1 (a0, a1) and 2p + 8, 2p + 9 (a2, a3);
+        // lane (n, p) holds B column n at rows 2p, 2p + 1 (b0) and 2p + 8, 2p + 9 (b1).
+        const unsigned ra[4] = {__shfl_sync(0xffffffffu, a0, g * 4 + p), __shfl_sync(0xffffffffu, a1, g * 4 + p),
+                                __shfl_sync(0xffffffffu, a2, g * 4 + p), __shfl_sync(0xffffffffu, a3, g * 4 + p)};
+        unsigned rb[2][2];
+#pragma unroll
+        for (unsigned j = 0; j < 2; ++j) {
+            rb[j][0] = __shfl_sync(0xffffffffu, b0, (2 * q + j) * 4 + p);
+            rb[j][1] = __shfl_sync(0xffffffffu, b1, (2 * q + j) * 4 + p);
+        }
+#pragma unroll
+        for (unsigned i = 0; i < 4; ++i) {
+            const unsigned half = i / 2, j = i % 2;  // output row g + 8·half, column 2q + j
+#pragma unroll
+            for (unsigned hi = 0; hi < 2; ++hi) {    // columns 2p.. (a0/a1, b0) or 2p + 8.. (a2/a3, b1)
+                const unsigned av = ra[half + 2 * hi], bv = rb[j][hi];
+                d[i] += T::ld((typename T::S)(av & 0xffffu)) * T::ld((typename T::S)(bv & 0xffffu)) +
+                        T::ld((typename T::S)(av >> 16)) * T::ld((typename T::S)(bv >> 16));
+            }
+        }
+    }
+}
+
+template <>
+__device__ __forceinline__ void mma16816<F16>(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                              unsigned b0, unsigned b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    mma16816_emulated<F16>(d, a0, a1, a2, a3, b0, b1);
+#endif
+}
+
+template <>
+__device__ __forceinline__ void mma16816<BF16>(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                               unsigned b0, unsigned b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    mma16816_emulated<BF16>(d, a0, a1, a2, a3, b0, b1);
+#endif
+}
+
+// The 16-byte weight runs of K groups g0, g0 + ksplit, … (MMA_UNROLL of them) of rows m0 + g
+// (w0) and m0 + g + 8 (w1) for lane quarter q; zeros past the row or past N.
+__device__ __forceinline__ void mma_load(uint4 (&wa)[MMA_UNROLL], uint4 (&wb)[MMA_UNROLL], const uint4* w0,
+                                         const uint4* w1, bool ok0, bool ok1, unsigned g0, unsigned ksplit,
+                                         unsigned kc, unsigned q) {
+#pragma unroll
+    for (unsigned u = 0; u < MMA_UNROLL; ++u) {
+        const unsigned c = (g0 + u * ksplit) * 4 + q;
+        wa[u] = ok0 && c < kc ? __ldg(w0 + c) : make_uint4(0, 0, 0, 0);
+        wb[u] = ok1 && c < kc ? __ldg(w1 + c) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+// Y[rows, n] = A · Wᵀ for rows ≤ 8·NT on tensor cores; see above. Same PDL contract as gemv:
+// only L2 prefetches of the first weight groups before the grid-dependency wait.
+template <typename T, int MODE, int NT>
+__device__ __forceinline__ void gemv_mma(const typename T::S* x, const typename T::S* skip,
+                                         const typename T::S* gamma, const typename T::S* w, typename T::S* y,
+                                         typename T::S* sum, kiln_u64 rows, kiln_u64 n, kiln_u64 k,
+                                         kiln_u64 skip_len, unsigned flags, float eps, unsigned ksplit) {
+    extern __shared__ __align__(16) unsigned char lin_shared[];
+    uint4* as = (uint4*)lin_shared;
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, q = lane % 4;
+    const unsigned kc = (unsigned)(k / T::VEC), kcp = (kc + 7) & ~7u, groups = kcp / 4;
+    const unsigned rows_here = (unsigned)min(rows, (kiln_u64)(8 * NT));
+    const unsigned ks = warp % ksplit;
+    const kiln_u64 m0 = ((kiln_u64)blockIdx.x * (MMA_WARPS / ksplit) + warp / ksplit) * 16;
+    const bool ok0 = m0 + g < n, ok1 = m0 + g + 8 < n;
+    const uint4* w0 = (const uint4*)w + (ok0 ? (m0 + g) * kc : 0);
+    const uint4* w1 = (const uint4*)w + (ok1 ? (m0 + g + 8) * kc : 0);
+
+#pragma unroll
+    for (unsigned u = 0; u < MMA_UNROLL; ++u) {
+        const unsigned c = (ks + u * ksplit) * 4 + q;
+        if (c < kc) {
+            if (ok0) asm volatile("prefetch.global.L2 [%0];" ::"l"(w0 + c));
+            if (ok1) asm volatile("prefetch.global.L2 [%0];" ::"l"(w1 + c));
+        }
+    }
+    kiln_griddep_launch_dependents();
+    kiln_griddep_wait();
+    // The first weight groups stream in while the prologue runs; each pass loads the next.
+    uint4 wa[MMA_UNROLL], wb[MMA_UNROLL];
+    mma_load(wa, wb, w0, w1, ok0, ok1, ks, ksplit, kc, q);
+
+    // Zeros where A has no values (rows past `rows`, chunks past kc), then A itself.
+    for (unsigned i = threadIdx.x; i < 8 * NT * kcp; i += blockDim.x) {
+        const unsigned r = i / kcp, c = i - r * kcp;
+        if (r >= rows_here || c >= kc) as[r * kcp + (c ^ mma_swizzle(r))] = make_uint4(0, 0, 0, 0);
+    }
+    prologue<T, MODE>(x, skip, gamma, sum, RowsMma<T>{as, kcp}, 0, rows_here, k, kc, skip_len, flags, eps);
+    __syncthreads();
+
+    float acc[NT][4];
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[t][i] = 0.f;
+    const unsigned sw = mma_swizzle(g);
+    for (unsigned g0 = ks; g0 < groups; g0 += MMA_UNROLL * ksplit) {
+        uint4 na[MMA_UNROLL], nb[MMA_UNROLL];
+        mma_load(na, nb, w0, w1, ok0, ok1, g0 + MMA_UNROLL * ksplit, ksplit, kc, q);
+#pragma unroll
+        for (unsigned u = 0; u < MMA_UNROLL; ++u) {
+            const unsigned gi = g0 + u * ksplit;
+            if (gi >= groups) break;  // the same for the whole warp
+            const unsigned c = gi * 4 + q;
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                const uint4 b = as[(t * 8 + g) * kcp + (c ^ sw)];
+                mma16816<T>(acc[t], wa[u].x, wb[u].x, wa[u].y, wb[u].y, b.x, b.y);
+                mma16816<T>(acc[t], wa[u].z, wb[u].z, wa[u].w, wb[u].w, b.z, b.w);
+            }
+        }
+#pragma unroll
+        for (unsigned u = 0; u < MMA_UNROLL; ++u) {
+            wa[u] = na[u];
+            wb[u] = nb[u];
+        }
+    }
+
+    if (ksplit > 1) {
+        // The tile's partial sums, summed in warp order by its first warp; A's space is reused.
+        float* red = (float*)lin_shared;  // [warp][NT][4][32]
+        __syncthreads();
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) red[((warp * NT + t) * 4 + i) * 32 + lane] = acc[t][i];
+        __syncthreads();
+        if (ks != 0) return;
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float v = acc[t][i];
+                for (unsigned s = 1; s < ksplit; ++s) v += red[(((warp + s) * NT + t) * 4 + i) * 32 + lane];
+                acc[t][i] = v;
+            }
+    }
+    // Fragment i of n-tile t: output m0 + g + 8·(i / 2), row 8t + 2q + i % 2.
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const kiln_u64 m = m0 + g + 8 * (i / 2), r = 8 * t + 2 * q + i % 2;
+            if (m < n && r < rows) y[r * n + m] = T::st(acc[t][i]);
+        }
+}
+
 }  // namespace lin
 
 // kiln_linear_gemv_<mode><R>_<t>(const T* x, const T* skip, const T* gamma, const T* w, T* y, T* sum,
@@ -382,6 +607,28 @@ __device__ __forceinline__ void gemv(const typename T::S* x, const typename T::S
 KILN_LINEAR_GEMV_MODES(f32, lin::F32)
 KILN_LINEAR_GEMV_MODES(f16, lin::F16)
 KILN_LINEAR_GEMV_MODES(bf16, lin::BF16)
+
+// kiln_linear_mma_<mode><NT>_<t>(const T* x, const T* skip, const T* gamma, const T* w, T* y, T* sum,
+//                               u64 rows, u64 n, u64 k, u64 skip_len, u32 flags, float eps, u32 ksplit)
+// The tensor-core GEMV (float16 and bfloat16) for 2 ≤ rows ≤ 8·NT (NT 1 or 2), same operands as
+// kiln_linear_gemv_*: grid [ceil(ceil(n / 16) / (MMA_WARPS / ksplit)), 1, 1], block [256, 1, 1],
+// ksplit ∈ {1, 2, 4, 8}, dynamic shared memory max(8·NT · kcp · 16, MMA_WARPS · NT · 512) with
+// kcp = ceil(k / 64) · 8. k is a multiple of 8; every operand 16-byte aligned.
+#define KILN_LINEAR_MMA(NAME, T, MODE, NT)                                                                          \
+    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)                                                    \
+        NAME(const T::S* x, const T::S* skip, const T::S* gamma, const T::S* w, T::S* y, T::S* sum, kiln_u64 rows, \
+             kiln_u64 n, kiln_u64 k, kiln_u64 skip_len, unsigned flags, float eps, unsigned ksplit) {              \
+        lin::gemv_mma<T, MODE, NT>(x, skip, gamma, w, y, sum, rows, n, k, skip_len, flags, eps, ksplit);            \
+    }
+#define KILN_LINEAR_MMA_MODES(SFX, T)                                                     \
+    KILN_LINEAR_MMA(kiln_linear_mma_lin1_##SFX, T, lin::MODE_LINEAR, 1)                   \
+    KILN_LINEAR_MMA(kiln_linear_mma_lin2_##SFX, T, lin::MODE_LINEAR, 2)                   \
+    KILN_LINEAR_MMA(kiln_linear_mma_rms1_##SFX, T, lin::MODE_RMSNORM, 1)                  \
+    KILN_LINEAR_MMA(kiln_linear_mma_rms2_##SFX, T, lin::MODE_RMSNORM, 2)                  \
+    KILN_LINEAR_MMA(kiln_linear_mma_swiglu1_##SFX, T, lin::MODE_SWIGLU, 1)                \
+    KILN_LINEAR_MMA(kiln_linear_mma_swiglu2_##SFX, T, lin::MODE_SWIGLU, 2)
+KILN_LINEAR_MMA_MODES(f16, lin::F16)
+KILN_LINEAR_MMA_MODES(bf16, lin::BF16)
 
 // kiln_linear_rmsnorm_<t>(const T* x, const T* skip, const T* gamma, T* a, T* sum, u64 rows, u64 k,
 //                         u64 skip_len, u32 flags, float eps)

@@ -697,6 +697,8 @@ const GQA_MAX_HEAD: usize = 256;
 /// copied, the new rows rotated and appended at each batch row's past length, which the kernels
 /// read from `seqlens_k`), then `kiln_gqa_attn_*` runs one block per (query row, head, batch
 /// row) with an online softmax in f32 (16 warps splitting the keys for decode, 4 for prompts).
+/// Decode by KV head over a shared past and present (the decode graphs' case) runs without
+/// `kiln_gqa_kv_*`: each `kiln_gqa_decode_*` block writes the present rows it reads.
 /// Without a past, absent present outputs become scratch buffers.
 fn gqa_dispatch(call: &Call) -> Result<()> {
     let p = gqa_plan(call)?;
@@ -751,8 +753,20 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
     };
     let shared = p.past_len > 0 && p.past_len >= p.total;
     let u = |what: &str, v: usize| u32_arg(GQA, what, v);
+    let esize = p.dtype.size().unwrap_or(4);
+    let group = n_h / n_kv.max(1);
+    let vectors = (h_sz * esize) / 16;
+    let decode = p.seq == 1 && !p.first_prompt;
+    let by_kv_head = decode
+        && group <= DEC_MAX_GROUP
+        && group * h_sz <= DEC_MAX_QH
+        && (h_sz * esize) % 16 == 0
+        && vectors.is_power_of_two()
+        && vectors <= 32;
+    // A shared past and present at decode: kiln_gqa_decode_* appends the new rows itself.
+    let append = by_kv_head && shared && out.numel()? > 0;
 
-    if present_elems > 0 {
+    if present_elems > 0 && !append {
         // A shared buffer bound in place only needs the new rows written (the kernel checks);
         // otherwise the grid-stride loop copies the past with the same threads.
         let new_elems = p.batch * n_kv * p.seq * h_sz;
@@ -801,16 +815,6 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
     if out.numel()? == 0 {
         return Ok(());
     }
-    let esize = p.dtype.size().unwrap_or(4);
-    let group = n_h / n_kv.max(1);
-    let vectors = (h_sz * esize) / 16;
-    let decode = p.seq == 1 && !p.first_prompt;
-    let by_kv_head = decode
-        && group <= DEC_MAX_GROUP
-        && group * h_sz <= DEC_MAX_QH
-        && (h_sz * esize) % 16 == 0
-        && vectors.is_power_of_two()
-        && vectors <= 32;
     if by_kv_head || (decode && p.present_len > SPLIT_MIN_PRESENT) {
         // Split over the keys (flash-decoding): the split count depends on the present length
         // only (a plan constant under graph capture); splits past a row's length return at once.
@@ -855,13 +859,33 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
                 harg(partial),
                 targ(&out),
             ];
-            ("decode", [splits as u32, n_kv as u32, p.batch as u32], 256, t, KernelArg::U32(sink_mode))
+            // The kernel for the group rounded up to a power of two (its per-thread arrays).
+            let kernel = match group {
+                0..=1 => "decode1",
+                2 => "decode2",
+                3..=4 => "decode4",
+                _ => "decode8",
+            };
+            (kernel, [splits as u32, n_kv as u32, p.batch as u32], 256, t, KernelArg::U32(sink_mode))
         } else {
             let t = vec![targ(&query), harg(pres_k), harg(pres_v), seqlens, cos, sin, bias, harg(partial)];
             ("split", [splits as u32, p.heads as u32, p.batch as u32], 32 * SPLIT_WARPS, t, KernelArg::U32(keys as u32))
         };
         args.extend(geometry);
         args.push(last);
+        if by_kv_head {
+            args.extend([
+                k_src,
+                v_src,
+                past_k,
+                past_v,
+                u("past length", p.past_len)?,
+                KernelArg::U64(kv_w as u64),
+                KernelArg::U64(k_off as u64),
+                KernelArg::U64(v_off as u64),
+                flag(append),
+            ]);
+        }
         launch(&Launch {
             kernel: &format!("kiln_gqa_{kernel}_{suffix}"),
             grid,

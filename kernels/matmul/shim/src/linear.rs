@@ -25,8 +25,11 @@
 //! computes what the ops it replaces compute. The CPU reference computes in f64 and rounds `A`,
 //! `sum` and `Y` once each; the CUDA kernels compute in f32 (`cuda/linear.cu`).
 //!
-//! On the GPU, up to [`GEMV_MAX_ROWS`] rows (decode) run as one GEMV kernel that computes `A` in
-//! its prologue; more rows (prefill) write `A` to scratch and call cuBLASLt with `transB`.
+//! On the GPU, decode's few rows run as one kernel that computes `A` in its prologue: float16 and
+//! bfloat16 from 2 to [`MMA_MAX_ROWS`] rows on tensor cores (`kiln_linear_mma_*`, the weight as
+//! the M side of the mma), one row and float32 up to [`GEMV_MAX_ROWS`] rows on CUDA cores
+//! (`kiln_linear_gemv_*`); more rows (prefill) write `A` to scratch and call cuBLASLt with
+//! `transB`.
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
@@ -45,6 +48,15 @@ const GEMV_COLS_PER_BLOCK: usize = 8;
 const GEMV_MAX_BLOCKS: usize = 1024;
 /// Shared memory a GEMV block may use for A (the portable per-block limit).
 const GEMV_MAX_SHARED: usize = 48 * 1024;
+/// Rows (float16, bfloat16) that take the tensor-core GEMV `kiln_linear_mma_<mode><NT>_<t>`, NT
+/// n-tiles of 8 rows each.
+const MMA_MIN_ROWS: usize = 2;
+pub const MMA_MAX_ROWS: usize = 16;
+/// Warps per tensor-core GEMV block (linear.cu's `MMA_WARPS`); each holds 16 outputs of W.
+const MMA_WARPS: usize = 8;
+/// Blocks the tensor-core GEMV aims for (about an H200's 132 SMs): a block holds fewer 16-output
+/// tiles, with its warps splitting K, until the grid has this many blocks or one tile per block.
+const MMA_MIN_BLOCKS: usize = 128;
 
 /// What the product's left operand A is made of (the `<mode>` of `kiln_linear_gemv_<mode><R>_<t>`).
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -279,6 +291,43 @@ pub fn dispatch(call: &Call) -> Result<()> {
         return Ok(());
     }
     let vec = 16 / esize;
+    let operands = alloc::vec![
+        at(x),
+        at(skip.unwrap_or(x)),
+        at(gamma.unwrap_or(x)),
+        at(w),
+        at(y),
+        at(sum.unwrap_or(y)),
+        KernelArg::U64(g.rows as u64),
+        KernelArg::U64(g.n as u64),
+        KernelArg::U64(g.k as u64),
+        KernelArg::U64(g.skip_len.max(1) as u64),
+        KernelArg::U32(flags),
+        KernelArg::F32(g.eps),
+    ];
+    let tensor_cores = matches!(g.dtype, DType::F16 | DType::BF16) && (MMA_MIN_ROWS..=MMA_MAX_ROWS).contains(&g.rows);
+    if tensor_cores && g.k > 0 && g.k % vec == 0 && g.n > 0 {
+        // A in the storage type, 8·NT rows of K rounded up to 64; the split-K partial sums reuse it.
+        let n_tiles = g.rows.div_ceil(8) as u64;
+        let row_chunks = (g.k / vec).div_ceil(8) as u64 * 8;
+        let shared = (8 * n_tiles * row_chunks * 16).max(MMA_WARPS as u64 * n_tiles * 512);
+        if shared <= GEMV_MAX_SHARED as u64 {
+            let tiles = g.n.div_ceil(16);
+            let mut per_block = MMA_WARPS;
+            while per_block > 1 && tiles.div_ceil(per_block) < MMA_MIN_BLOCKS {
+                per_block /= 2;
+            }
+            let mut args = operands;
+            args.push(KernelArg::U32((MMA_WARPS / per_block) as u32));
+            return launch(&Launch {
+                kernel: &format!("kiln_linear_mma_{}{n_tiles}_{sfx}", g.prologue.kernel_mode()),
+                grid: [tiles.div_ceil(per_block) as u32, 1, 1],
+                block: [(MMA_WARPS * 32) as u32, 1, 1],
+                shared_mem_bytes: shared as u32,
+                args,
+            });
+        }
+    }
     // Rows per block: the smallest kernel that holds them all, else 8 per block.
     let block_rows = g.rows.next_power_of_two().min(GEMV_BLOCK_ROWS);
     // A in f32 in shared memory (u64: the shim's usize is 32 bits).
@@ -291,20 +340,7 @@ pub fn dispatch(call: &Call) -> Result<()> {
             grid: [blocks as u32, g.rows.div_ceil(block_rows) as u32, 1],
             block: [GEMV_THREADS, 1, 1],
             shared_mem_bytes: shared as u32,
-            args: alloc::vec![
-                at(x),
-                at(skip.unwrap_or(x)),
-                at(gamma.unwrap_or(x)),
-                at(w),
-                at(y),
-                at(sum.unwrap_or(y)),
-                KernelArg::U64(g.rows as u64),
-                KernelArg::U64(g.n as u64),
-                KernelArg::U64(g.k as u64),
-                KernelArg::U64(g.skip_len.max(1) as u64),
-                KernelArg::U32(flags),
-                KernelArg::F32(g.eps),
-            ],
+            args: operands,
         });
     }
     // Prefill: A into scratch (or X itself), then cuBLASLt.
