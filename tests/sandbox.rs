@@ -388,13 +388,38 @@ fn compiled_shims_are_cached_and_a_damaged_cache_file_is_rebuilt() {
     }
     let file = files().remove(0);
     let good = std::fs::read(&file).unwrap();
-    std::fs::write(&file, b"not a compiled module").unwrap();
-    let module =
-        sb.load(PACKAGE, &wasm, vec!["declared_kernel".into()]).expect("a damaged cache file is compiled again");
-    let f = module.instantiate().unwrap().call(CallKind::Cpu, args()).expect_err("stopped");
-    check(&f, FailureKind::Timeout, "time limit");
-    assert_eq!(std::fs::read(&file).unwrap().len(), good.len(), "the damaged file is replaced");
+    assert_eq!(&good[..8], kiln_host::native_cache::MAGIC, "a sealed entry");
+    // Not an entry at all; one altered byte in the compiled code (the digest no longer
+    // matches: never deserialized); a truncated file.
+    let mut flipped = good.clone();
+    flipped[good.len() / 2] ^= 0x40;
+    for damaged in [b"not a compiled module".to_vec(), flipped, good[..good.len() / 3].to_vec()] {
+        std::fs::write(&file, &damaged).unwrap();
+        let module =
+            sb.load(PACKAGE, &wasm, vec!["declared_kernel".into()]).expect("a damaged cache file is compiled again");
+        let f = module.instantiate().unwrap().call(CallKind::Cpu, args()).expect_err("stopped");
+        check(&f, FailureKind::Timeout, "time limit");
+        let replaced =
+            kiln_host::native_cache::read_sealed(&file).expect("the damaged file is replaced by a sealed one");
+        assert_eq!(replaced.map(|p| p.len()), Some(good.len() - 40), "by the same compiled module");
+    }
     // Another shim gets its own file.
     sb.load(PACKAGE, &shim(INFER_OK, OK, OK, ""), vec![]).expect("loads");
     assert_eq!(files().len(), 2);
+}
+
+/// A module cache folder that other users may write is not used (its files would be native code
+/// that anyone could plant): shims still load, compiled, and nothing is written there.
+#[cfg(unix)]
+#[test]
+fn a_module_cache_others_may_write_is_not_used() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let sb = Sandbox::new(SandboxConfig { module_cache: Some(dir.path().to_path_buf()), ..SandboxConfig::default() })
+        .unwrap();
+    for _ in 0..2 {
+        sb.load(PACKAGE, &shim(INFER_OK, OK, OK, ""), vec![]).expect("loads without the cache");
+    }
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "nothing cached in a folder others may write");
 }

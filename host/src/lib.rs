@@ -17,6 +17,7 @@ pub mod error;
 pub mod fuse;
 pub mod genai;
 pub mod model;
+pub mod native_cache;
 pub mod packages;
 pub mod sandbox;
 pub mod tensor;

@@ -140,7 +140,7 @@ pub fn run(cmd: KernelsCommand) -> Result<ExitCode> {
                 "NVRTC: {} compiled, {} from the cache ({})",
                 gpu.compiles,
                 gpu.compile_cache_hits,
-                crate::cuda::cache_dir().display()
+                crate::native_cache::cache_dir().display()
             );
             Ok(ExitCode::SUCCESS)
         }

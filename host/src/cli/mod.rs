@@ -176,7 +176,7 @@ impl GraphArgs {
 /// (default `~/.cache/kiln/shims`), so that only the first run compiles them.
 pub fn sandbox_config() -> crate::sandbox::SandboxConfig {
     crate::sandbox::SandboxConfig {
-        module_cache: Some(crate::cuda::cache_dir().join("shims")),
+        module_cache: Some(crate::native_cache::cache_dir().join("shims")),
         ..crate::sandbox::SandboxConfig::default()
     }
 }

@@ -27,7 +27,7 @@ pub use alloc::{Allocator, AllocatorStats, DevBuffer};
 pub use blas::Blas;
 pub use exec::{Function, Gpu, KernelCache};
 pub(crate) use graph::{capture, GraphExec};
-pub use nvrtc::{cache_dir, compile_cached, nvrtc_version, CompiledSource};
+pub use nvrtc::{compile_cached, nvrtc_version, CompiledSource};
 pub use timeline::Timeline;
 pub use transfer::Transfers;
 

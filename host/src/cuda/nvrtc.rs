@@ -1,14 +1,13 @@
 //! NVRTC: compile a package's CUDA source to a CUBIN for the GPU present
 //! (`--gpu-architecture=sm_XY`, so loading needs no PTX JIT),
 //! with the host's prelude `kiln.cuh`, cached on disk by sha256 of (prelude, source, arch,
-//! NVRTC version, options) under `$KILN_CACHE_DIR`, `$XDG_CACHE_HOME/kiln` or `~/.cache/kiln`.
+//! NVRTC version, options) as sealed entries of `native_cache` in its `nvrtc/` folder.
 
 use std::ffi::CString;
-use std::path::PathBuf;
 
 use sha2::{Digest, Sha256};
 
-use crate::{Error, Result};
+use crate::{native_cache, Error, Result};
 
 /// The prelude every source includes as `kiln.cuh`.
 pub const PRELUDE: &str = include_str!("../../cuda/kiln.cuh");
@@ -36,18 +35,6 @@ pub fn nvrtc_version() -> Option<(i32, i32)> {
     }
 }
 
-/// The cache folder.
-pub fn cache_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("KILN_CACHE_DIR") {
-        return PathBuf::from(d);
-    }
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-        .unwrap_or_else(std::env::temp_dir);
-    base.join("kiln")
-}
-
 /// Compiles `source` (named `file` of package `package` for messages) for `arch` (`sm_90`).
 /// A compile error carries NVRTC's full log.
 pub fn compile_cached(package: &str, file: &str, source: &str, arch: &str) -> Result<CompiledSource> {
@@ -58,11 +45,22 @@ pub fn compile_cached(package: &str, file: &str, source: &str, arch: &str) -> Re
         h.update(part.as_bytes());
     }
     let key = hex::encode(h.finalize());
-    let path = cache_dir().join("nvrtc").join(format!("{key}.cubin"));
-    if let Ok(cubin) = std::fs::read(&path) {
-        if !cubin.is_empty() {
-            tracing::debug!(package, file, "NVRTC: from the cache");
-            return Ok(CompiledSource { cubin, cache_hit: true });
+    let dir = native_cache::cache_dir().join("nvrtc");
+    let cache = match native_cache::private_dir(&dir) {
+        Ok(()) => Some(dir.join(format!("{key}.cubin"))),
+        Err(why) => {
+            native_cache::warn_unusable(&why);
+            None
+        }
+    };
+    if let Some(path) = &cache {
+        match native_cache::read_sealed(path) {
+            Ok(Some(cubin)) if !cubin.is_empty() => {
+                tracing::debug!(package, file, "NVRTC: from the cache");
+                return Ok(CompiledSource { cubin, cache_hit: true });
+            }
+            Ok(_) => {}
+            Err(why) => tracing::warn!(file = %path.display(), "NVRTC cache entry not used, compiling again: {why}"),
         }
     }
     let started = std::time::Instant::now();
@@ -100,12 +98,9 @@ pub fn compile_cached(package: &str, file: &str, source: &str, arch: &str) -> Re
         return Err(fail("NVRTC produced no CUBIN".into()));
     }
     tracing::info!(package, file, arch, ms = started.elapsed().as_millis() as u64, "NVRTC: compiled");
-    if let Some(dir) = path.parent() {
-        if std::fs::create_dir_all(dir).is_ok() {
-            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-            if std::fs::write(&tmp, &cubin).is_ok() {
-                let _ = std::fs::rename(&tmp, &path);
-            }
+    if let Some(path) = &cache {
+        if let Err(e) = native_cache::write_sealed(path, &cubin) {
+            tracing::warn!(file = %path.display(), "NVRTC cache entry not written: {e}");
         }
     }
     Ok(CompiledSource { cubin, cache_hit: false })

@@ -18,6 +18,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use crate::native_cache;
+
 pub use handles::{Access, HandleTable, Slot};
 pub use shim::{ArgTensor, CallArgs, CallKind, CallOutcome, ShimInstance, ShimModule};
 
@@ -39,10 +41,10 @@ pub struct SandboxConfig {
     pub max_plan_steps: usize,
     /// Device limits that `launch` checks.
     pub launch_limits: LaunchLimits,
-    /// A folder for compiled shims (`Module::serialize`), keyed by the Wasm bytes and the
-    /// engine's configuration, so that a later process skips Cranelift. `None`: compile every
-    /// time. Only kiln writes there; it must not be writable by others (its files are native
-    /// code).
+    /// A folder for compiled shims (`Module::serialize`, sealed entries of `native_cache`),
+    /// keyed by the Wasm bytes and the engine's configuration, so that a later process skips
+    /// Cranelift. `None`: compile every time. Its files are native code: a folder that is not
+    /// this user's, or that others may write, is not used (one warning).
     pub module_cache: Option<std::path::PathBuf>,
 }
 
@@ -158,31 +160,45 @@ impl Sandbox {
         &self.config
     }
 
-    /// The compiled module of `wasm`: from the module cache when it holds one made by this
-    /// engine configuration, else compiled by Cranelift (and stored there). A cache file that
-    /// does not load is compiled again; a cache that cannot be written is skipped.
+    /// The compiled module of `wasm`: from the module cache when it holds a sealed entry made by
+    /// this engine configuration (`native_cache`: this user's folder, digest checked), else
+    /// compiled by Cranelift and stored there. An entry that is damaged, foreign or refused by
+    /// wasmtime is compiled again and replaced; a cache that cannot be used is skipped.
     pub(super) fn compile(&self, wasm: &[u8]) -> Result<wasmtime::Module, wasmtime::Error> {
         let Some(dir) = &self.config.module_cache else { return wasmtime::Module::from_binary(&self.engine, wasm) };
+        if let Err(why) = native_cache::private_dir(dir) {
+            native_cache::warn_unusable(&why);
+            return wasmtime::Module::from_binary(&self.engine, wasm);
+        }
         let path = dir.join(format!("{}.cwasm", self.cache_key(wasm)));
-        if path.is_file() {
-            // SAFETY: the file is one this host wrote with `Module::serialize` into kiln's own
-            // cache folder, named by the hash of the Wasm bytes and of the engine's
-            // compatibility hash; wasmtime checks its header and refuses a file of another
-            // engine version or configuration (then it is compiled again).
-            if let Ok(m) = unsafe { wasmtime::Module::deserialize_file(&self.engine, &path) } {
-                tracing::debug!(file = %path.display(), "shim: from the module cache");
-                return Ok(m);
+        match native_cache::read_sealed(&path) {
+            Ok(Some(bytes)) => {
+                // SAFETY: `read_sealed` returned the payload of a sealed entry in a folder and
+                // file that only this user can write, and its digest matched: bytes this host
+                // wrote with `Module::serialize` under a name that hashes the Wasm bytes and the
+                // engine's compatibility hash. wasmtime also checks the header and refuses
+                // another engine version or configuration (then it is compiled again).
+                match unsafe { wasmtime::Module::deserialize(&self.engine, &bytes) } {
+                    Ok(m) => {
+                        tracing::debug!(file = %path.display(), "shim: from the module cache");
+                        return Ok(m);
+                    }
+                    Err(e) => tracing::warn!(file = %path.display(), "shim cache entry refused by wasmtime: {e}"),
+                }
             }
+            Ok(None) => {}
+            Err(why) => tracing::warn!(file = %path.display(), "shim cache entry not used, compiling again: {why}"),
         }
         let started = std::time::Instant::now();
         let module = wasmtime::Module::from_binary(&self.engine, wasm)?;
         tracing::info!(ms = started.elapsed().as_millis() as u64, bytes = wasm.len(), "shim: compiled by Cranelift");
-        if let Ok(bytes) = module.serialize() {
-            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-            let stored = std::fs::create_dir_all(dir).and_then(|_| std::fs::write(&tmp, &bytes));
-            if stored.and_then(|_| std::fs::rename(&tmp, &path)).is_err() {
-                let _ = std::fs::remove_file(&tmp);
+        match module.serialize() {
+            Ok(bytes) => {
+                if let Err(e) = native_cache::write_sealed(&path, &bytes) {
+                    tracing::warn!(file = %path.display(), "shim cache entry not written: {e}");
+                }
             }
+            Err(e) => tracing::warn!("shim: cannot serialize the compiled module: {e}"),
         }
         Ok(module)
     }
