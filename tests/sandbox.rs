@@ -4,7 +4,9 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use kiln_host::sandbox::{Access, ArgTensor, CallArgs, CallKind, FailureKind, Sandbox, SandboxConfig, ShimFailure};
+use kiln_host::sandbox::{
+    Access, ArgTensor, CallArgs, CallKind, FailureKind, ParamKind, Sandbox, SandboxConfig, ShimFailure,
+};
 use kiln_kernel_abi::wire::{KernelArg, Launch};
 use kiln_kernel_abi::DType;
 
@@ -85,7 +87,7 @@ fn args() -> CallArgs<'static> {
 
 /// Loads `wasm` and makes one call of `kind`; returns the failure.
 fn fails(sb: &Sandbox, wasm: &[u8], kind: CallKind) -> ShimFailure {
-    let module = sb.load(PACKAGE, wasm, vec!["declared_kernel".into()]).expect("the module loads");
+    let module = sb.load(PACKAGE, wasm, declared()).expect("the module loads");
     let mut inst = module.instantiate().expect("instantiates");
     match inst.call(kind, args()) {
         Ok(_) => panic!("the hostile call succeeded"),
@@ -239,34 +241,55 @@ fn data(offset: u32, bytes: &[u8]) -> String {
     format!("(data (i32.const {offset}) \"{escaped}\")")
 }
 
+/// The kernel the test shims may launch: `declared_kernel(float* x, unsigned long long n)`.
+fn declared() -> Vec<(String, Vec<ParamKind>)> {
+    vec![("declared_kernel".into(), vec![ParamKind::Tensor, ParamKind::U64])]
+}
+
 #[test]
 fn launches_are_checked_against_the_manifest_and_device_limits() {
     let sb = sandbox();
-    let launch = |kernel: &str, block: u32, handle: u32, offset: u64| {
-        Launch {
-            kernel,
-            grid: [1, 1, 1],
-            block: [block, 1, 1],
-            shared_mem_bytes: 0,
-            args: vec![KernelArg::Tensor { handle, offset }, KernelArg::U64(4)],
-        }
-        .encode()
+    let launch_with = |kernel: &str, block: u32, args: Vec<KernelArg>| {
+        Launch { kernel, grid: [1, 1, 1], block: [block, 1, 1], shared_mem_bytes: 0, args }.encode()
     };
+    let launch = |kernel: &str, block: u32, handle: u32, offset: u64| {
+        launch_with(kernel, block, vec![KernelArg::Tensor { handle, offset }, KernelArg::U64(4)])
+    };
+    let x = KernelArg::Tensor { handle: 0x10000, offset: 0 };
     let body = |len: usize| format!("(drop (call $launch (i32.const 1024) (i32.const {len}))) (i32.const 0)");
     for (bytes, why) in [
         (launch("evil", 32, 0x10000, 0), "kernel \"evil\" is not declared"),
         (launch("declared_kernel", 4096, 0x10000, 0), "over the device limits"),
         (launch("declared_kernel", 32, 0x30000, 0), "stale"),
         (launch("declared_kernel", 32, 0x10001, 17), "past the end"),
+        // Against the kernel's signature (ABI.md §7.3): nothing of these reaches a driver.
+        (
+            launch_with("declared_kernel", 32, vec![x]),
+            "1 arguments, but kernel.toml declares 2 parameters (tensor, u64)",
+        ),
+        (
+            launch_with("declared_kernel", 32, vec![x, KernelArg::U64(4), KernelArg::U32(1)]),
+            "3 arguments, but kernel.toml declares 2 parameters",
+        ),
+        (
+            launch_with("declared_kernel", 32, vec![KernelArg::U64(0), KernelArg::U64(4)]),
+            "argument 0 is a 8-byte scalar u64 but parameter 0 is declared a tensor",
+        ),
+        (
+            launch_with("declared_kernel", 32, vec![x, x]),
+            "argument 1 is a tensor but parameter 1 is declared a 8-byte scalar u64",
+        ),
+        (
+            launch_with("declared_kernel", 32, vec![x, KernelArg::U32(4)]),
+            "argument 1 is a 4-byte scalar u32 but parameter 1 is declared a 8-byte scalar u64",
+        ),
     ] {
         let f = fails(&sb, &shim(INFER_OK, OK, &body(bytes.len()), &data(1024, &bytes)), CallKind::Dispatch);
         check(&f, FailureKind::Refused, why);
     }
     // A good launch is recorded with slot indices, not handles.
     let bytes = launch("declared_kernel", 32, 0x10001, 4);
-    let module = sb
-        .load(PACKAGE, &shim(INFER_OK, OK, &body(bytes.len()), &data(1024, &bytes)), vec!["declared_kernel".into()])
-        .unwrap();
+    let module = sb.load(PACKAGE, &shim(INFER_OK, OK, &body(bytes.len()), &data(1024, &bytes)), declared()).unwrap();
     let plan = module.instantiate().unwrap().call(CallKind::Dispatch, args()).unwrap().plan;
     assert_eq!(plan.steps.len(), 1);
     assert!(format!("{:?}", plan.steps[0]).contains("Tensor { slot: 1, offset: 4 }"), "{:?}", plan.steps[0]);
@@ -378,7 +401,7 @@ fn compiled_shims_are_cached_and_a_damaged_cache_file_is_rebuilt() {
     let files =
         || -> Vec<std::path::PathBuf> { std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().path()).collect() };
     for _ in 0..2 {
-        let module = sb.load(PACKAGE, &wasm, vec!["declared_kernel".into()]).expect("loads");
+        let module = sb.load(PACKAGE, &wasm, declared()).expect("loads");
         let mut inst = module.instantiate().expect("instantiates");
         let f = inst.call(CallKind::Cpu, args()).expect_err("the loop is stopped");
         check(&f, FailureKind::Timeout, "time limit");
@@ -395,8 +418,7 @@ fn compiled_shims_are_cached_and_a_damaged_cache_file_is_rebuilt() {
     flipped[good.len() / 2] ^= 0x40;
     for damaged in [b"not a compiled module".to_vec(), flipped, good[..good.len() / 3].to_vec()] {
         std::fs::write(&file, &damaged).unwrap();
-        let module =
-            sb.load(PACKAGE, &wasm, vec!["declared_kernel".into()]).expect("a damaged cache file is compiled again");
+        let module = sb.load(PACKAGE, &wasm, declared()).expect("a damaged cache file is compiled again");
         let f = module.instantiate().unwrap().call(CallKind::Cpu, args()).expect_err("stopped");
         check(&f, FailureKind::Timeout, "time limit");
         let replaced =

@@ -1,7 +1,7 @@
 //! The `kernel.toml` manifest of a kernel package (ABI v1).
 //!
 //! ```toml
-//! schema = 1                     # optional: the manifest schema (ABI.md §7.2), default 1
+//! schema = 2                     # the manifest schema (ABI.md §7.2); absent means 1
 //! abi = 1
 //! shim = "shim.wasm"
 //!
@@ -29,6 +29,9 @@
 //! source = "cuda/unary.cu"
 //! kernels = ["unary_f32"]        # the entry points `launch` may name
 //! pdl = ["unary_f32"]            # optional: kernels safe under programmatic dependent launch
+//! signatures = [                 # every kernel's parameters, in order (schema 2; ABI.md §7.3)
+//!     { kernels = ["unary_*"], params = ["tensor", "tensor", "u64", "u32"] },
+//! ]
 //!
 //! [[fusions]]                    # optional: subgraphs the package's ops replace
 //! name = "swiglu"                #   (see `crate::fusion` for every field)
@@ -51,6 +54,7 @@ use semver::Version;
 use serde::{Deserialize, Serialize};
 
 use crate::fusion::Fusion;
+use crate::wire::{KernelArg, MAX_KERNEL_ARGS};
 use crate::DType;
 
 /// Errors in a manifest's text or content.
@@ -65,8 +69,9 @@ pub enum ManifestError {
 }
 
 /// The newest manifest schema this crate reads (ABI.md §7.2). A manifest that names a newer one
-/// is refused with [`ManifestError::NewerSchema`] before its fields are read.
-pub const MANIFEST_SCHEMA: u32 = 1;
+/// is refused with [`ManifestError::NewerSchema`] before its fields are read. Schema 2 added
+/// kernel signatures (`[[cuda]] signatures`), which every declared kernel must have.
+pub const MANIFEST_SCHEMA: u32 = 2;
 
 fn default_schema() -> u32 {
     1
@@ -152,6 +157,103 @@ pub struct CudaSource {
     /// Such a kernel may start while its predecessor finishes (ABI.md §7).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pdl: Vec<String>,
+    /// The parameters of every kernel of `kernels` (schema 2): each kernel matches exactly one
+    /// entry. `launch` is checked against them before anything reaches the driver.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub signatures: Vec<KernelSignature>,
+}
+
+/// The parameters of the kernels that `kernels` names (ABI.md §7.3): exact names or patterns in
+/// which `*` stands for any run of characters (`kiln_gemv_*`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KernelSignature {
+    pub kernels: Vec<String>,
+    /// In order, as the kernel's C signature declares them.
+    pub params: Vec<ParamKind>,
+}
+
+/// The kind of one kernel parameter, as `launch` passes it ([`KernelArg`]): a device pointer
+/// (`tensor`, a handle and a byte offset) or a scalar of a given type and width.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ParamKind {
+    /// Any pointer parameter (`const float*`, `T*`): 8 bytes.
+    Tensor,
+    /// `int`: 4 bytes.
+    I32,
+    /// `unsigned`: 4 bytes.
+    U32,
+    /// `long long`: 8 bytes.
+    I64,
+    /// `unsigned long long`: 8 bytes.
+    U64,
+    /// `float`: 4 bytes.
+    F32,
+    /// `double`: 8 bytes.
+    F64,
+}
+
+impl ParamKind {
+    /// The kind of a `launch` argument.
+    pub fn of(arg: &KernelArg) -> ParamKind {
+        match arg {
+            KernelArg::Tensor { .. } => ParamKind::Tensor,
+            KernelArg::I32(_) => ParamKind::I32,
+            KernelArg::U32(_) => ParamKind::U32,
+            KernelArg::I64(_) => ParamKind::I64,
+            KernelArg::U64(_) => ParamKind::U64,
+            KernelArg::F32(_) => ParamKind::F32,
+            KernelArg::F64(_) => ParamKind::F64,
+        }
+    }
+
+    /// Bytes the parameter takes in the kernel's parameter buffer.
+    pub fn size(self) -> usize {
+        match self {
+            ParamKind::I32 | ParamKind::U32 | ParamKind::F32 => 4,
+            _ => 8,
+        }
+    }
+
+    /// The name used in `kernel.toml`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ParamKind::Tensor => "tensor",
+            ParamKind::I32 => "i32",
+            ParamKind::U32 => "u32",
+            ParamKind::I64 => "i64",
+            ParamKind::U64 => "u64",
+            ParamKind::F32 => "f32",
+            ParamKind::F64 => "f64",
+        }
+    }
+}
+
+/// Whether kernel `name` matches `pattern` (`*` matches any run of characters, also none).
+pub fn kernel_pattern_matches(pattern: &str, name: &str) -> bool {
+    let mut parts = pattern.split('*');
+    let first = parts.next().unwrap_or("");
+    let Some(mut rest) = name.strip_prefix(first) else { return false };
+    let parts: Vec<&str> = parts.collect();
+    let Some((last, middle)) = parts.split_last() else { return rest.is_empty() };
+    for part in middle {
+        match rest.find(part) {
+            Some(i) => rest = &rest[i + part.len()..],
+            None => return false,
+        }
+    }
+    rest.len() >= last.len() && rest.ends_with(last)
+}
+
+impl CudaSource {
+    /// The parameters of `kernel` when this source declares it and one signature matches it.
+    pub fn params(&self, kernel: &str) -> Option<&[ParamKind]> {
+        self.signatures
+            .iter()
+            .find(|s| s.kernels.iter().any(|p| kernel_pattern_matches(p, kernel)))
+            .map(|s| s.params.as_slice())
+    }
 }
 
 impl OpEntry {
@@ -210,6 +312,14 @@ impl Manifest {
         self.cuda.iter().flat_map(|c| c.kernels.iter().map(String::as_str))
     }
 
+    /// Every declared kernel with its parameters (a validated manifest gives every kernel one).
+    pub fn kernel_signatures(&self) -> Vec<(String, Vec<ParamKind>)> {
+        self.cuda
+            .iter()
+            .flat_map(|c| c.kernels.iter().map(move |k| (k.clone(), c.params(k).unwrap_or_default().to_vec())))
+            .collect()
+    }
+
     /// Checks what the TOML types cannot express.
     pub fn validate(&self) -> Result<(), ManifestError> {
         let bad = |msg: String| Err(ManifestError::Invalid(msg));
@@ -249,6 +359,7 @@ impl Manifest {
             if let Some(k) = c.pdl.iter().find(|k| !c.kernels.contains(k)) {
                 return bad(format!("cuda source {}: pdl names {k:?}, which its `kernels` do not declare", c.source));
             }
+            self.check_signatures(c)?;
         }
         for (i, f) in self.fusions.iter().enumerate() {
             f.validate().map_err(ManifestError::Invalid)?;
@@ -260,6 +371,41 @@ impl Manifest {
             check_relative_path(path)?;
             if hash.len() != 64 || !hash.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
                 return bad(format!("files.{path:?}: {hash:?} is not a lower-case hex sha256"));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Manifest {
+    /// Every kernel of `c` matches exactly one signature, every signature pattern matches one of
+    /// its kernels, and signatures come with schema 2.
+    fn check_signatures(&self, c: &CudaSource) -> Result<(), ManifestError> {
+        let bad = |msg: String| Err(ManifestError::Invalid(format!("cuda source {}: {msg}", c.source)));
+        if !c.signatures.is_empty() && self.schema < 2 {
+            return bad("`signatures` come with manifest schema 2: set `schema = 2`".into());
+        }
+        for k in &c.kernels {
+            let hits = c.signatures.iter().filter(|s| s.kernels.iter().any(|p| kernel_pattern_matches(p, k))).count();
+            if hits == 0 {
+                let schema = if self.schema < 2 { "set `schema = 2` and " } else { "" };
+                return bad(format!(
+                    "kernel {k:?} has no signature: {schema}add an entry such as \
+                     `{{ kernels = [\"{k}\"], params = [\"tensor\", \"u64\"] }}` to its `signatures`, \
+                     one parameter kind per C parameter (tensor, i32, u32, i64, u64, f32, f64; ABI.md §7.3; \
+                     scripts/kernel-signatures.py prints them from the source)"
+                ));
+            }
+            if hits > 1 {
+                return bad(format!("kernel {k:?} matches {hits} signatures; it must match exactly one"));
+            }
+        }
+        for s in &c.signatures {
+            if let Some(p) = s.kernels.iter().find(|p| !c.kernels.iter().any(|k| kernel_pattern_matches(p, k))) {
+                return bad(format!("signature pattern {p:?} matches none of the source's kernels"));
+            }
+            if s.params.len() > MAX_KERNEL_ARGS {
+                return bad(format!("a signature has {} parameters (at most {MAX_KERNEL_ARGS})", s.params.len()));
             }
         }
         Ok(())
@@ -297,6 +443,7 @@ mod tests {
     use super::*;
 
     const GOOD: &str = r#"
+schema = 2
 abi = 1
 shim = "shim.wasm"
 [package]
@@ -310,6 +457,7 @@ max_rank = 8
 [[cuda]]
 source = "cuda/unary.cu"
 kernels = ["relu_f32"]
+signatures = [{ kernels = ["relu_*"], params = ["tensor", "tensor", "u64"] }]
 "#;
 
     #[test]
@@ -319,24 +467,71 @@ kernels = ["relu_f32"]
         assert_eq!(m.ops[0].dtype_set(), vec![DType::F32, DType::F16]);
         assert!(m.ops[0].covers_opset(13) && !m.ops[0].covers_opset(5));
         assert_eq!(m.kernels().collect::<Vec<_>>(), vec!["relu_f32"]);
+        assert_eq!(
+            m.kernel_signatures(),
+            vec![("relu_f32".to_string(), vec![ParamKind::Tensor, ParamKind::Tensor, ParamKind::U64])]
+        );
         assert_eq!(Manifest::parse(&m.to_toml()).unwrap(), m);
     }
 
     #[test]
+    fn kernel_patterns_match_runs_of_characters() {
+        for (p, k, hit) in [
+            ("relu_*", "relu_f32", true),
+            ("relu_*", "relu_", true),
+            ("relu_*", "gelu_f32", false),
+            ("*_f32", "relu_f32", true),
+            ("a*b*c", "aXXbYYc", true),
+            ("a*b*c", "aXXcYYb", false),
+            ("ab*ba", "aba", false),
+            ("relu_f32", "relu_f32", true),
+            ("relu_f32", "relu_f16", false),
+        ] {
+            assert_eq!(kernel_pattern_matches(p, k), hit, "{p} vs {k}");
+        }
+    }
+
+    #[test]
+    fn every_kernel_needs_exactly_one_signature() {
+        let sig = r#"signatures = [{ kernels = ["relu_*"], params = ["tensor", "tensor", "u64"] }]"#;
+        let cases = [
+            // A manifest of schema 1 has no signatures: it says what to add.
+            (GOOD.replace("schema = 2\n", "").replace(sig, ""), "has no signature: set `schema = 2` and add"),
+            (GOOD.replace(sig, ""), "kernel \"relu_f32\" has no signature: add an entry such as"),
+            (GOOD.replace("schema = 2\n", ""), "`signatures` come with manifest schema 2"),
+            (GOOD.replace("[\"relu_*\"]", "[\"relu_*\", \"*_f32\"]"), ""),
+            (GOOD.replace("u64\"] }]", "u64\"] }, { kernels = [\"relu_f32\"], params = [] }]"), "matches 2 signatures"),
+            (GOOD.replace("[\"relu_*\"]", "[\"relu_*\", \"gelu_*\"]"), "pattern \"gelu_*\" matches none"),
+            (GOOD.replace("\"u64\"]", "\"u128\"]"), "unknown variant `u128`"),
+        ];
+        for (text, needle) in cases {
+            match Manifest::parse(&text) {
+                Ok(_) if needle.is_empty() => {}
+                Ok(_) => panic!("accepted; should mention {needle:?}:\n{text}"),
+                Err(e) => {
+                    assert!(!needle.is_empty() && e.to_string().contains(needle), "{e} should mention {needle:?}")
+                }
+            }
+        }
+    }
+
+    #[test]
     fn a_newer_schema_is_refused_for_what_it_is_and_an_unknown_field_is_named() {
-        let newer = format!("schema = {}\n{GOOD}\nsignatures = 1\n", MANIFEST_SCHEMA + 1);
+        let newer = format!("schema = {}\n{}\nsurprise = 1\n", MANIFEST_SCHEMA + 1, GOOD.replace("schema = 2\n", ""));
         let err = Manifest::parse(&newer).unwrap_err().to_string();
         assert!(
             err.contains(&format!("manifest schema {}", MANIFEST_SCHEMA + 1)) && err.contains("upgrade kiln"),
             "{err}"
         );
-        let m = Manifest::parse(&format!("schema = 1\n{GOOD}")).unwrap();
-        assert_eq!(m.schema, 1);
-        let err = Manifest::parse(&GOOD.replace("kernels = [", "pdl_kernels = [\"x\"]\nkernels = ["))
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("unknown field `pdl_kernels`") && err.contains("reads manifest schema 1"), "{err}");
-        let err = Manifest::parse(&format!("schema = -1\n{GOOD}")).unwrap_err().to_string();
+        let m = Manifest::parse(GOOD).unwrap();
+        assert_eq!(m.schema, 2);
+        let err = Manifest::parse(
+            &GOOD.replace("kernels = [\"relu_f32\"]", "pdl_kernels = [\"x\"]\nkernels = [\"relu_f32\"]"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("unknown field `pdl_kernels`") && err.contains("reads manifest schema 2"), "{err}");
+        let err = Manifest::parse(&GOOD.replace("schema = 2", "schema = -1")).unwrap_err().to_string();
         assert!(err.contains("schema must be a positive integer"), "{err}");
     }
 

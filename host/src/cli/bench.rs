@@ -172,7 +172,7 @@ fn dummy_package() -> Result<Package> {
 /// `n_in`, one output).
 fn plan_for(pkg: &Package, op: &str, n_in: usize, dtype: DType, shape: &[usize]) -> Result<LaunchPlan> {
     let sb = Sandbox::new(SandboxConfig::default())?;
-    let module = sb.load(&pkg.id(), &pkg.shim, pkg.manifest.kernels().map(String::from).collect())?;
+    let module = sb.load(&pkg.id(), &pkg.shim, pkg.manifest.kernel_signatures())?;
     let mut inst = module.instantiate()?;
     let nbytes = shape.iter().product::<usize>() as u64 * dtype.size().unwrap_or(1) as u64;
     let t = || {

@@ -93,7 +93,7 @@ pub struct SearchArgs {
 /// Compiles and validates the package's shim (exports, ABI version), as a run would.
 fn check_shim(pkg: &kiln_registry::Package) -> Result<()> {
     let sandbox = crate::sandbox::Sandbox::new(super::sandbox_config()).map_err(Error::from)?;
-    sandbox.load(&pkg.id(), &pkg.shim, pkg.manifest.kernels().map(String::from).collect()).map_err(Error::from)?;
+    sandbox.load(&pkg.id(), &pkg.shim, pkg.manifest.kernel_signatures()).map_err(Error::from)?;
     Ok(())
 }
 

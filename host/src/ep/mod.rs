@@ -57,7 +57,7 @@ impl Runtime {
         if let Some(m) = self.modules.lock().unwrap_or_else(|p| p.into_inner()).get(&id) {
             return Ok(m.clone());
         }
-        let kernels = pkg.manifest.kernels().map(String::from).collect();
+        let kernels = pkg.manifest.kernel_signatures();
         let module = self.sandbox.load(&id, &pkg.shim, kernels)?;
         self.modules.lock().unwrap_or_else(|p| p.into_inner()).insert(id, module.clone());
         Ok(module)

@@ -4,6 +4,7 @@
 
 use std::ops::Range;
 
+use kiln_kernel_abi::manifest::ParamKind;
 use kiln_kernel_abi::status::{E_ARG, E_BOUNDS, E_CALL, E_HANDLE, E_LIMIT, E_MEMORY, E_READONLY};
 use kiln_kernel_abi::wire::{Gemm, KernelArg, Launch, Operand};
 use kiln_kernel_abi::{imports as imp, DType, IMPORT_MODULE};
@@ -243,9 +244,10 @@ fn push_step(st: &mut CallState, step: PlanStep) -> i32 {
 }
 
 fn check_launch(st: &CallState, l: &Launch<'_>) -> Result<PlanStep, String> {
-    if !st.kernels.contains(l.kernel) {
+    let Some(params) = st.kernels.get(l.kernel) else {
         return Err(format!("launch: kernel {:?} is not declared in the package's kernel.toml", l.kernel));
-    }
+    };
+    check_signature(l, params)?;
     let lim = &st.limits;
     let threads = l.block.iter().map(|&b| b as u64).product::<u64>();
     let dims_ok = |v: &[u32; 3], max: &[u32; 3]| v.iter().zip(max).all(|(a, m)| *a >= 1 && a <= m);
@@ -288,6 +290,40 @@ fn check_launch(st: &CallState, l: &Launch<'_>) -> Result<PlanStep, String> {
         shared_mem_bytes: l.shared_mem_bytes,
         args,
     })
+}
+
+/// The launch's arguments against the kernel's declared parameters (ABI.md §7.3): their number,
+/// and each one's kind (a tensor or a scalar of a type and width). A mismatch never reaches the
+/// driver, which would read a parameter buffer of the wrong layout.
+fn check_signature(l: &Launch<'_>, params: &[ParamKind]) -> Result<(), String> {
+    if l.args.len() != params.len() {
+        return Err(format!(
+            "launch {}: {} arguments, but kernel.toml declares {} parameters ({})",
+            l.kernel,
+            l.args.len(),
+            params.len(),
+            params.iter().map(|p| p.name()).collect::<Vec<_>>().join(", ")
+        ));
+    }
+    for (i, (a, p)) in l.args.iter().zip(params).enumerate() {
+        let got = ParamKind::of(a);
+        if got != *p {
+            return Err(format!(
+                "launch {}: argument {i} is {} but parameter {i} is declared {}",
+                l.kernel,
+                describe(got),
+                describe(*p)
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn describe(k: ParamKind) -> String {
+    match k {
+        ParamKind::Tensor => "a tensor".into(),
+        scalar => format!("a {}-byte scalar {}", scalar.size(), scalar.name()),
+    }
 }
 
 /// Checks every operand's extent (the last element any matrix of the batch touches) and

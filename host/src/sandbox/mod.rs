@@ -21,7 +21,8 @@ use std::time::Duration;
 use crate::native_cache;
 
 pub use handles::{Access, HandleTable, Slot};
-pub use shim::{ArgTensor, CallArgs, CallKind, CallOutcome, ShimInstance, ShimModule};
+pub use kiln_kernel_abi::manifest::ParamKind;
+pub use shim::{ArgTensor, CallArgs, CallKind, CallOutcome, KernelTable, ShimInstance, ShimModule};
 
 pub use kiln_kernel_abi::plan::{LaunchLimits, LaunchPlan, PlanArg, PlanStep};
 
@@ -217,8 +218,14 @@ impl Sandbox {
     }
 
     /// Compiles and validates a shim. `package` (`name@version`) names it in errors;
-    /// `kernels` are the entry points its manifest declares (what `launch` may name).
-    pub fn load(&self, package: &str, wasm: &[u8], kernels: Vec<String>) -> Result<Arc<ShimModule>, ShimFailure> {
+    /// `kernels` are the entry points its manifest declares (what `launch` may name) with their
+    /// signatures (`Manifest::kernel_signatures`), against which every launch is checked.
+    pub fn load(
+        &self,
+        package: &str,
+        wasm: &[u8],
+        kernels: Vec<(String, Vec<ParamKind>)>,
+    ) -> Result<Arc<ShimModule>, ShimFailure> {
         ShimModule::new(self, package, wasm, kernels).map(Arc::new)
     }
 

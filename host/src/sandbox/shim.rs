@@ -1,8 +1,9 @@
 //! Compiled shims and their instances.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::Arc;
 
+use kiln_kernel_abi::manifest::ParamKind;
 use kiln_kernel_abi::wire::{Attribute, NodeCall, TensorDesc, NO_HANDLE};
 use kiln_kernel_abi::{exports, imports as imp, status, DType, ABI_VERSION, IMPORT_MODULE};
 use wasmtime::{ExternType, Instance, InstancePre, Memory, Store, TypedFunc, ValType};
@@ -81,7 +82,8 @@ pub(crate) struct CallState {
     pub refusal: Option<String>,
     pub inferred: Vec<Option<(DType, Vec<usize>)>>,
     pub plan: LaunchPlan,
-    pub kernels: Arc<HashSet<String>>,
+    /// The kernels `launch` may name, with their parameters (the manifest's signatures).
+    pub kernels: Arc<KernelTable>,
     pub limits: LaunchLimits,
     pub scratch_total: u64,
     pub max_scratch: u64,
@@ -130,11 +132,14 @@ impl wasmtime::ResourceLimiter for MemoryLimiter {
     }
 }
 
+/// The kernels a package declares, by entry point, with their parameters (ABI.md §7.3).
+pub type KernelTable = HashMap<String, Vec<ParamKind>>;
+
 /// A compiled, validated shim: cheap to instantiate.
 pub struct ShimModule {
     package: String,
     pre: InstancePre<CallState>,
-    kernels: Arc<HashSet<String>>,
+    kernels: Arc<KernelTable>,
     engine: wasmtime::Engine,
     memory_limit: usize,
     deadline_ticks: u64,
@@ -149,7 +154,7 @@ impl ShimModule {
         sb: &Sandbox,
         package: &str,
         wasm: &[u8],
-        kernels: Vec<String>,
+        kernels: Vec<(String, Vec<ParamKind>)>,
     ) -> Result<ShimModule, ShimFailure> {
         let fail = |reason: String| ShimFailure {
             package: package.to_string(),

@@ -1,0 +1,107 @@
+"""Prints the parameter signatures of a package's CUDA kernels, read from its sources, as the
+`signatures` tables of kernel.toml (ABI.md §7.3), or checks a package's manifest against them.
+
+    python3 scripts/kernel-signatures.py kernels/matmul            # print, per [[cuda]] source
+    python3 scripts/kernel-signatures.py --check kernels/*         # exit 1 on any mismatch
+
+Each source is run through the C preprocessor (`cpp`, with the host prelude's folder
+host/cuda on the include path), so kernels that macros define are seen as the compiler sees
+them. A parameter is `tensor` when it is a pointer, else its scalar type: `i32` (int), `u32`
+(unsigned), `i64` (long long, kiln_i64), `u64` (unsigned long long, kiln_u64), `f32` (float),
+`f64` (double). Kernels with the same parameters are grouped under a `*` pattern when one
+covers exactly them, else listed.
+"""
+import os
+import re
+import subprocess
+import sys
+import tomllib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCALARS = {
+    "int": "i32", "signed": "i32", "signed int": "i32", "int32_t": "i32",
+    "unsigned": "u32", "unsigned int": "u32", "uint32_t": "u32",
+    "long long": "i64", "long long int": "i64", "kiln_i64": "i64", "int64_t": "i64",
+    "unsigned long long": "u64", "unsigned long long int": "u64", "kiln_u64": "u64", "uint64_t": "u64",
+    "float": "f32", "double": "f64",
+}
+
+
+def kernels_of(source):
+    """{kernel name: [param kind, ...]} of every extern "C" __global__ function in `source`."""
+    out = subprocess.run(["cpp", "-P", "-x", "c++", "-I", os.path.join(ROOT, "host", "cuda"), source],
+                         check=True, capture_output=True, text=True).stdout
+    found = {}
+    for m in re.finditer(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)', out):
+        name, params = m.group(1), m.group(2).strip()
+        kinds = []
+        for p in [p.strip() for p in params.split(",")] if params and params != "void" else []:
+            if "*" in p:
+                kinds.append("tensor")
+                continue
+            words = [w for w in re.sub(r"\b(const|volatile|__restrict__)\b", " ", p).split()]
+            ty = " ".join(words[:-1])
+            if ty not in SCALARS:
+                raise SystemExit(f"{source}: kernel {name}: parameter {p!r} has a type this script does not map")
+            kinds.append(SCALARS[ty])
+        found[name] = kinds
+    return found
+
+
+def glob_match(pattern, name):
+    return re.fullmatch(".*".join(map(re.escape, pattern.split("*"))), name) is not None
+
+
+def groups(declared, sigs):
+    """[(patterns, params)] covering `declared`, one entry per distinct parameter list."""
+    by_params = {}
+    for k in declared:
+        by_params.setdefault(tuple(sigs[k]), []).append(k)
+    result = []
+    for params, names in by_params.items():
+        prefix = os.path.commonprefix(names)
+        others = [k for k in declared if k not in names]
+        pattern = prefix + "*"
+        if len(names) > 1 and prefix and not any(glob_match(pattern, k) for k in others):
+            result.append(([pattern], list(params)))
+        else:
+            result.append((names, list(params)))
+    return result
+
+
+def toml_list(items, indent="    "):
+    line = ", ".join(f'"{i}"' for i in items)
+    return f"[{line}]"
+
+
+def main(argv):
+    check = argv[:1] == ["--check"]
+    failed = 0
+    for pkg in argv[1:] if check else argv:
+        manifest = tomllib.load(open(os.path.join(pkg, "kernel.toml"), "rb"))
+        for c in manifest.get("cuda", []):
+            sigs = kernels_of(os.path.join(pkg, c["source"]))
+            missing = [k for k in c["kernels"] if k not in sigs]
+            if missing:
+                print(f"{pkg}: {c['source']}: declared kernels not in the source: {missing}")
+                failed += 1
+                continue
+            if check:
+                for k in c["kernels"]:
+                    hits = [s for s in c.get("signatures", []) if any(glob_match(p, k) for p in s["kernels"])]
+                    if len(hits) != 1 or hits[0]["params"] != sigs[k]:
+                        print(f"{pkg}: {c['source']}: kernel {k}: manifest {[h['params'] for h in hits]}, source {sigs[k]}")
+                        failed += 1
+                continue
+            print(f"# {pkg}: {c['source']}")
+            print("signatures = [")
+            for patterns, params in groups(c["kernels"], sigs):
+                print(f"    {{ kernels = {toml_list(patterns)}, params = {toml_list(params)} }},")
+            print("]")
+    if check:
+        print("ok" if failed == 0 else f"{failed} mismatches")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
