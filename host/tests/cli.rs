@@ -278,6 +278,43 @@ fn verify_checks_a_package_on_the_cpu_and_names_unknown_packages() {
     assert!(t.contains("no package named \"nope\"") && t.contains("kiln-unary"), "{t}");
 }
 
+/// A package that claims an (op, opset, dtype) in its manifest but answers UNSUPPORTED for it
+/// fails `kiln verify` (the claim is what resolution trusts), naming the claim and the answer.
+#[test]
+fn verify_fails_a_package_that_answers_unsupported_for_what_it_claims() {
+    use sha2::Digest;
+    node_tests();
+    let dir = tempfile::tempdir().unwrap();
+    // Every call of this shim answers UNSUPPORTED (status 2, ABI.md §3).
+    let wasm = wat::parse_str(
+        r#"(module
+  (memory (export "memory") 1)
+  (func (export "kiln_abi_version") (result i32) (i32.const 1))
+  (func (export "kiln_alloc") (param i32) (result i32) (i32.const 1024))
+  (func (export "kiln_infer") (param i32 i32) (result i32) (i32.const 2))
+  (func (export "kiln_dispatch") (param i32 i32) (result i32) (i32.const 2))
+  (func (export "kiln_cpu") (param i32 i32) (result i32) (i32.const 2)))"#,
+    )
+    .unwrap();
+    std::fs::write(dir.path().join("shim.wasm"), &wasm).unwrap();
+    std::fs::write(
+        dir.path().join("kernel.toml"),
+        format!(
+            "schema = 2\nabi = 1\nshim = \"shim.wasm\"\n[package]\nname = \"claims-relu\"\nversion = \"1.0.0\"\n\
+             [[ops]]\nop_types = [\"Relu\"]\nsince_opset = 6\ndtypes = [\"float32\"]\nmax_rank = 8\n\
+             [files]\n\"shim.wasm\" = \"{}\"\n",
+            hex::encode(sha2::Sha256::digest(&wasm))
+        ),
+    )
+    .unwrap();
+    let o = kiln(&["verify", dir.path().to_str().unwrap(), "--device", "cpu", "--seeds", "1"]);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(5), "a check failed: {t}");
+    assert!(t.contains("kernel.toml claims Relu at opset 14 for float32, but the package answered"), "{t}");
+    // The node test and its random cases (float32 twice: the test's shapes and doubled dims).
+    assert!(t.contains("verify claims-relu: 0 passed, 3 failed, 0 unsupported"), "{t}");
+}
+
 /// `--json -` writes the document to stdout and the human-readable table to stderr; a JSON
 /// path in a missing folder fails before any test runs, naming the flag; `devices --json` is
 /// JSON on a machine without a driver too.

@@ -97,6 +97,10 @@ pub struct Manifest {
     /// Subgraph patterns the package's ops replace (ABI.md §7.1, [`crate::fusion`]).
     #[serde(default)]
     pub fusions: Vec<Fusion>,
+    /// Where the random inputs of `kiln verify` must lie for the package's ops (schema 2,
+    /// ABI.md §7.4); inputs no entry names take any value.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub input_domains: Vec<InputDomain>,
     /// sha256 (lower-case hex) of every file of the package but `kernel.toml`, by relative path.
     #[serde(default)]
     pub files: BTreeMap<String, String>,
@@ -111,6 +115,45 @@ pub struct PackageInfo {
     pub description: String,
     #[serde(default)]
     pub license: String,
+}
+
+/// The values some inputs of some ops must take (ABI.md §7.4): what `kiln verify` draws its
+/// random inputs from, so that a check exercises the op inside its domain.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InputDomain {
+    /// `""` (ai.onnx) or another domain, as in `[[ops]]`.
+    #[serde(default)]
+    pub domain: String,
+    pub op_types: Vec<String>,
+    /// Input indices; empty means every input.
+    #[serde(default)]
+    pub inputs: Vec<usize>,
+    pub values: ValueDomain,
+}
+
+/// A set of input values (floats are drawn from x in [-2, 2], integers from [-5, 5]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ValueDomain {
+    /// Any value.
+    Any,
+    /// |x| + 0.1 (floats) or 1..=5 (integers): `Log`, `Sqrt`, scales.
+    Positive,
+    /// 0.45·x, inside (-1, 1): `Acos`, `Atanh`.
+    Unit,
+    /// |x| + 1: `Acosh`.
+    AboveOne,
+    /// ±(|x| + 0.1) or 1..=5: divisors.
+    Nonzero,
+    /// Integers 0..=3 (floats: any): exponents.
+    Exponent,
+    /// |x| / 2, in [0, 1]: probabilities.
+    Probability,
+    /// Positive when the op's output is an unsigned integer type, else any (`Cast`).
+    PositiveIfUnsignedOutput,
+    /// The node test's own data, never randomised: indices, positions, sequence lengths.
+    Keep,
 }
 
 /// What the GPU must offer for the package's CUDA kernels.
@@ -312,6 +355,20 @@ impl Manifest {
         self.cuda.iter().flat_map(|c| c.kernels.iter().map(String::as_str))
     }
 
+    /// The declared domain of input `input` of `op_type` in `domain` (`""` and `ai.onnx` are
+    /// the same), [`ValueDomain::Any`] when no entry names it.
+    pub fn input_domain(&self, domain: &str, op_type: &str, input: usize) -> ValueDomain {
+        let norm = |d: &str| if d == "ai.onnx" { String::new() } else { d.to_string() };
+        self.input_domains
+            .iter()
+            .find(|e| {
+                norm(&e.domain) == norm(domain)
+                    && e.op_types.iter().any(|t| t == op_type)
+                    && (e.inputs.is_empty() || e.inputs.contains(&input))
+            })
+            .map_or(ValueDomain::Any, |e| e.values)
+    }
+
     /// Every declared kernel with its parameters (a validated manifest gives every kernel one).
     pub fn kernel_signatures(&self) -> Vec<(String, Vec<ParamKind>)> {
         self.cuda
@@ -361,6 +418,14 @@ impl Manifest {
             }
             self.check_signatures(c)?;
         }
+        if !self.input_domains.is_empty() && self.schema < 2 {
+            return bad("`input_domains` come with manifest schema 2: set `schema = 2`".into());
+        }
+        for (i, d) in self.input_domains.iter().enumerate() {
+            if let Some(t) = d.op_types.iter().find(|t| !self.claims(&d.domain, t)) {
+                return bad(format!("input_domains[{i}]: op {t:?} is not one of the package's [[ops]]"));
+            }
+        }
         for (i, f) in self.fusions.iter().enumerate() {
             f.validate().map_err(ManifestError::Invalid)?;
             if self.fusions[..i].iter().any(|g| g.name == f.name) {
@@ -378,6 +443,12 @@ impl Manifest {
 }
 
 impl Manifest {
+    /// Whether some `[[ops]]` entry lists `op_type` in `domain`.
+    fn claims(&self, domain: &str, op_type: &str) -> bool {
+        let norm = |d: &str| if d == "ai.onnx" { String::new() } else { d.to_string() };
+        self.ops.iter().any(|e| norm(&e.domain) == norm(domain) && e.op_types.iter().any(|t| t == op_type))
+    }
+
     /// Every kernel of `c` matches exactly one signature, every signature pattern matches one of
     /// its kernels, and signatures come with schema 2.
     fn check_signatures(&self, c: &CudaSource) -> Result<(), ManifestError> {
@@ -472,6 +543,20 @@ signatures = [{ kernels = ["relu_*"], params = ["tensor", "tensor", "u64"] }]
             vec![("relu_f32".to_string(), vec![ParamKind::Tensor, ParamKind::Tensor, ParamKind::U64])]
         );
         assert_eq!(Manifest::parse(&m.to_toml()).unwrap(), m);
+    }
+
+    #[test]
+    fn input_domains_name_ops_of_the_package() {
+        let good = format!("{GOOD}\n[[input_domains]]\nop_types = [\"Relu\"]\ninputs = [0]\nvalues = \"positive\"\n");
+        let m = Manifest::parse(&good).unwrap();
+        assert_eq!(m.input_domain("", "Relu", 0), ValueDomain::Positive);
+        assert_eq!(m.input_domain("ai.onnx", "Relu", 0), ValueDomain::Positive);
+        assert_eq!(m.input_domain("", "Relu", 1), ValueDomain::Any);
+        assert_eq!(m.input_domain("com.microsoft", "Relu", 0), ValueDomain::Any);
+        let err = Manifest::parse(&good.replace("[\"Relu\"]\ninputs", "[\"Gelu\"]\ninputs")).unwrap_err().to_string();
+        assert!(err.contains("op \"Gelu\" is not one of the package's [[ops]]"), "{err}");
+        let err = Manifest::parse(&good.replace("\"positive\"", "\"sometimes\"")).unwrap_err().to_string();
+        assert!(err.contains("unknown variant `sometimes`"), "{err}");
     }
 
     #[test]

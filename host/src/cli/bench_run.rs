@@ -18,8 +18,9 @@ use crate::ep::{Session, SessionOptions};
 use crate::model::{self, Dim};
 use crate::{Error, Result, Tensor};
 
-use super::verify::{random_tensor, Range};
+use super::verify::random_tensor;
 use super::{choose_device, registry, ModelRunArgs};
+use kiln_kernel_abi::manifest::ValueDomain;
 
 /// Arguments of `kiln bench run`.
 #[derive(clap::Args, Debug)]
@@ -153,7 +154,7 @@ pub fn run(a: BenchRunArgs) -> Result<ExitCode> {
     let mut rng = StdRng::seed_from_u64(a.seed);
     let mut feeds: Vec<(String, Tensor)> = Vec::new();
     for (name, dtype, shape) in &specs {
-        feeds.push((name.clone(), random_tensor(&mut rng, *dtype, shape, Range::Any)?));
+        feeds.push((name.clone(), random_tensor(&mut rng, *dtype, shape, ValueDomain::Any)?));
     }
     for _ in 0..a.warmup {
         session.run(feeds.clone())?;

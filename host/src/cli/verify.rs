@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use kiln_kernel_abi::manifest::OpEntry;
+use kiln_kernel_abi::manifest::{OpEntry, ValueDomain};
 use kiln_kernel_abi::DType;
 use kiln_registry::ops::normalize_domain;
 use kiln_registry::Package;
@@ -107,9 +107,21 @@ pub fn run(mut a: VerifyArgs) -> Result<ExitCode> {
         if m.graph.nodes.is_empty() || !m.graph.nodes.iter().all(|n| entry(&pkg, &n.domain, &n.op_type).is_some()) {
             continue;
         }
-        let r = run_test(&rt, &dir, &options);
+        // The manifest promised this (op, opset, dtype), so answering UNSUPPORTED breaks the
+        // claim: resolution picked the package because of it. Random cases only draw claimed
+        // dtypes, at the test's opset.
+        let claimed = claim(&pkg, &m);
+        let broken = |o: &mut Outcome| {
+            if let (Outcome::Unsupported(why), Some(c)) = (&*o, &claimed) {
+                *o = Outcome::Failed(format!("kernel.toml claims {c}, but the package answered: {why}"));
+            }
+        };
+        let mut r = run_test(&rt, &dir, &options);
+        broken(&mut r.outcome);
         if !matches!(r.outcome, Outcome::Unsupported(_)) {
-            cases.extend(random_cases(&rt, &pkg, &dir, &r.op, m, device, a.seeds));
+            let mut more = random_cases(&rt, &pkg, &dir, &r.op, m, device, a.seeds);
+            more.iter_mut().for_each(|c| broken(&mut c.outcome));
+            cases.extend(more);
         }
         tests.push(r);
     }
@@ -139,60 +151,62 @@ pub fn run(mut a: VerifyArgs) -> Result<ExitCode> {
     Ok(super::exit::checks(counts[1] > 0))
 }
 
+/// What `pkg`'s manifest claims for every node of `m` (`Op at opset O for dtype D`, joined), when
+/// it claims each one's op, the model's opset and the dtype of its `dtype_input`; `None` when a
+/// node is not claimed or its input dtype is not known before a run.
+fn claim(pkg: &Package, m: &Model) -> Option<String> {
+    let mut parts = Vec::new();
+    for n in &m.graph.nodes {
+        let e = entry(pkg, &n.domain, &n.op_type)?;
+        let opset = m.opset(&n.domain)?;
+        let dtype = m.graph.declared_dtype((*n.inputs.get(e.dtype_input)?)?)?;
+        if !e.covers_opset(opset) || !e.dtype_set().contains(&dtype) {
+            return None;
+        }
+        parts.push(format!("{} at opset {opset} for {dtype}", n.op_type));
+    }
+    (!parts.is_empty()).then(|| parts.join(", "))
+}
+
 /// The manifest entry of `pkg` that claims `op_type` in `domain`.
 fn entry<'a>(pkg: &'a Package, domain: &str, op_type: &str) -> Option<&'a OpEntry> {
     let d = normalize_domain(domain);
     pkg.manifest.ops.iter().find(|e| normalize_domain(&e.domain) == d && e.op_types.iter().any(|t| t == op_type))
 }
 
-/// Where a random input's values lie (floats from x in [-2, 2], integers from [-5, 5], bool
-/// random): `Positive` |x| + 0.1 or 1..=5, `Unit` 0.45·x, `AboveOne` |x| + 1, `Divisor`
-/// ±(|x| + 0.1) or 1..=5, `Exponent` integers 0..=3, `Keep` the test's data (value inputs).
-#[derive(Clone, Copy, PartialEq)]
-pub(super) enum Range {
-    Any,
-    Positive,
-    Unit,
-    AboveOne,
-    Divisor,
-    Exponent,
-    Keep,
-}
-
-/// The op's domain restriction on input `slot`, by op type.
-fn range(op: &str, slot: usize, unsigned_out: bool) -> Range {
-    match (op, slot) {
-        ("Log" | "Sqrt" | "Reciprocal" | "Rsqrt", _) | ("Pow", 0) => Range::Positive,
-        ("QuantizeLinear" | "DequantizeLinear", 1) => Range::Positive,
-        ("Cast" | "CastLike", 0) if unsigned_out => Range::Positive,
-        ("Acos" | "Asin" | "Atanh", _) => Range::Unit,
-        ("Acosh", _) => Range::AboveOne,
-        ("Div" | "Mod", 1) => Range::Divisor,
-        ("Pow", 1) => Range::Exponent,
-        // Positions and indices of onnxruntime's contrib ops must stay valid.
-        ("GroupQueryAttention", 5) | ("RotaryEmbedding", 1) | ("GatherBlockQuantized", 1) => Range::Keep,
-        _ => Range::Any,
+/// Where a random input's values lie: the package's declared domain of the input
+/// (`[[input_domains]]`, ABI.md §7.4; any when none is declared), with
+/// [`ValueDomain::PositiveIfUnsignedOutput`] resolved against the test's outputs.
+fn range(pkg: &Package, node: &model::Node, slot: usize, unsigned_out: bool) -> ValueDomain {
+    match pkg.manifest.input_domain(&node.domain, &node.op_type, slot) {
+        ValueDomain::PositiveIfUnsignedOutput if unsigned_out => ValueDomain::Positive,
+        ValueDomain::PositiveIfUnsignedOutput => ValueDomain::Any,
+        d => d,
     }
 }
 
-/// A random tensor of `dtype` and `shape` within `r`.
-pub(super) fn random_tensor(rng: &mut StdRng, dtype: DType, shape: &[usize], r: Range) -> Result<Tensor> {
+/// A random tensor of `dtype` and `shape` within `r` (floats from x in [-2, 2], integers from
+/// [-5, 5] or [0, 5] when unsigned, bools random; [`ValueDomain`] says how each domain maps them;
+/// `Keep` is drawn as `Any`: the caller keeps the test's data instead).
+pub(super) fn random_tensor(rng: &mut StdRng, dtype: DType, shape: &[usize], r: ValueDomain) -> Result<Tensor> {
     let n: usize = shape.iter().product();
     let unsigned = matches!(dtype, DType::U8 | DType::U16 | DType::U32 | DType::U64);
     let mut b = Vec::with_capacity(n * dtype.size().unwrap_or(1));
     for _ in 0..n {
         let x: f64 = rng.random_range(-2.0..=2.0);
         let i: i64 = match r {
-            Range::Positive | Range::Divisor => rng.random_range(1..=5),
-            Range::Exponent => rng.random_range(0..=3),
+            ValueDomain::Positive | ValueDomain::Nonzero | ValueDomain::AboveOne => rng.random_range(1..=5),
+            ValueDomain::Exponent => rng.random_range(0..=3),
+            ValueDomain::Probability => rng.random_range(0..=1),
             _ if unsigned || dtype == DType::Bool => rng.random_range(0..=5),
             _ => rng.random_range(-5..=5),
         };
         let x = match r {
-            Range::Positive => x.abs() + 0.1,
-            Range::Unit => x * 0.45,
-            Range::AboveOne => x.abs() + 1.0,
-            Range::Divisor => x.signum() * (x.abs() + 0.1),
+            ValueDomain::Positive => x.abs() + 0.1,
+            ValueDomain::Unit => x * 0.45,
+            ValueDomain::AboveOne => x.abs() + 1.0,
+            ValueDomain::Nonzero => x.signum() * (x.abs() + 0.1),
+            ValueDomain::Probability => x.abs() / 2.0,
             _ => x,
         };
         match dtype {
@@ -263,7 +277,7 @@ fn random_cases(
     let unsigned_out = g.outputs.iter().any(|&o| {
         g.values[o].ty.as_ref().is_some_and(|t| matches!(t.dtype, DType::U8 | DType::U16 | DType::U32 | DType::U64))
     });
-    let ranges: Vec<Range> = g
+    let ranges: Vec<ValueDomain> = g
         .inputs
         .iter()
         .map(|&id| {
@@ -277,15 +291,15 @@ fn random_cases(
                 entry(pkg, &n.domain, &n.op_type).is_some_and(|e| e.value_inputs.contains(s))
             };
             match uses.first() {
-                _ if uses.iter().any(value) => Range::Keep,
-                Some((n, s)) => range(&n.op_type, *s, unsigned_out),
-                None => Range::Any,
+                _ if uses.iter().any(value) => ValueDomain::Keep,
+                Some((n, s)) => range(pkg, n, *s, unsigned_out),
+                None => ValueDomain::Any,
             }
         })
         .collect();
-    let label = data.iter().zip(&ranges).find(|(_, r)| **r != Range::Keep).or(data.iter().zip(&ranges).next());
+    let label = data.iter().zip(&ranges).find(|(_, r)| **r != ValueDomain::Keep).or(data.iter().zip(&ranges).next());
     let label = label.map_or("-".to_string(), |(t, _)| t.dtype.to_string());
-    let randomized = !data.is_empty() && ranges.iter().all(|r| *r != Range::Keep);
+    let randomized = !data.is_empty() && ranges.iter().all(|r| *r != ValueDomain::Keep);
     let shapes: Vec<Vec<usize>> = data.iter().map(|t| t.shape.clone()).collect();
     let dtypes: Vec<DType> = data.iter().map(|t| t.dtype).collect();
     // The test's shapes and dtypes, one run per seed.
@@ -379,7 +393,7 @@ fn relax(m: &Model, from: DType, to: DType) -> Model {
 fn compare_run(
     (cpu, dev): &mut (Session, Session),
     data: &[Tensor],
-    ranges: &[Range],
+    ranges: &[ValueDomain],
     dtypes: &[DType],
     case: &mut Case,
 ) -> std::result::Result<(), Outcome> {
@@ -388,7 +402,7 @@ fn compare_run(
         let mut rng = StdRng::seed_from_u64(case.seed);
         let mut out = Vec::new();
         for ((((t, r), shape), d), name) in data.iter().zip(ranges).zip(&case.shapes).zip(dtypes).zip(&names) {
-            let keep = *r == Range::Keep || (keep_ints && !d.is_float() && t.shape == *shape);
+            let keep = *r == ValueDomain::Keep || (keep_ints && !d.is_float() && t.shape == *shape);
             out.push((name.clone(), if keep { t.clone() } else { random_tensor(&mut rng, *d, shape, *r)? }));
         }
         Ok(out)

@@ -18,7 +18,8 @@ use crate::ep::{Device, Runtime, Session, SessionOptions};
 use crate::model::{Dim, Graph, Model, Node, Value, ValueType};
 use crate::{Result, Tensor};
 
-use super::verify::{max_rel_error, outcome, random_tensor, tolerance, Range};
+use super::verify::{max_rel_error, outcome, random_tensor, tolerance};
+use kiln_kernel_abi::manifest::ValueDomain;
 
 /// One run of a fusion pattern on random inputs.
 #[derive(Clone, Debug, Serialize)]
@@ -63,7 +64,7 @@ fn pattern_model(f: &Fusion, dtype: DType, seed: u64) -> Result<Model> {
         let i = id(&mut g, v);
         g.values[i].ty = Some(ValueType { dtype, dims: Some(shape.iter().map(|&d| Dim::Known(d)).collect()) });
         if f.constant.iter().any(|c| c == v) {
-            g.initializers.insert(i, random_tensor(&mut rng, dtype, shape, Range::Any)?);
+            g.initializers.insert(i, random_tensor(&mut rng, dtype, shape, ValueDomain::Any)?);
         } else {
             g.inputs.push(i);
         }
@@ -154,7 +155,7 @@ fn run_case(
     for v in f.pattern_inputs() {
         if !f.constant.iter().any(|c| c == v) {
             let t: Tensor =
-                random_tensor(&mut rng, dtype, &f.verify[v], Range::Any).map_err(|e| outcome(&e, "inputs"))?;
+                random_tensor(&mut rng, dtype, &f.verify[v], ValueDomain::Any).map_err(|e| outcome(&e, "inputs"))?;
             feeds.push((v.to_string(), t));
         }
     }
