@@ -315,6 +315,54 @@ fn verify_fails_a_package_that_answers_unsupported_for_what_it_claims() {
     assert!(t.contains("verify claims-relu: 0 passed, 3 failed, 0 unsupported"), "{t}");
 }
 
+/// `kiln package new` scaffolds a package that builds and passes its own test: `package build`
+/// compiles its shim for wasm32 with cargo, fills `[files]` and writes the archive; `verify`
+/// passes its node test and random cases on the CPU, and `conformance --check-dispatch` checks
+/// its GPU launch against the kernel's declared signature. Bad names and existing folders are
+/// refused.
+#[test]
+fn a_new_package_builds_and_passes_its_own_test() {
+    let t = tempfile::tempdir().unwrap();
+    let at = t.path().to_str().unwrap();
+    let o = kiln(&["package", "new", "my-twice", "--dir", at]);
+    assert!(o.status.success(), "{}", text(&o));
+    let dir = t.path().join("my-twice");
+    let d = dir.to_str().unwrap();
+    let kpkg = t.path().join("my-twice.kpkg");
+    let o = kiln(&["package", "build", d, "-o", kpkg.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("my-twice@0.1.0"), "{}", text(&o));
+    let manifest = std::fs::read_to_string(dir.join("kernel.toml")).unwrap();
+    assert!(
+        manifest.contains("[files]")
+            && manifest.contains("\"shim.wasm\" = ")
+            && manifest.contains("\"cuda/kernel.cu\" = ")
+    );
+    let tests = dir.join("tests");
+    let o = kiln(&["verify", d, "--node-tests", tests.to_str().unwrap(), "--device", "cpu", "--seeds", "1"]);
+    assert!(
+        o.status.success() && text(&o).contains("verify my-twice: 3 passed, 0 failed, 0 unsupported"),
+        "{}",
+        text(&o)
+    );
+    let o = kiln(&["conformance", tests.to_str().unwrap(), "--packages", d, "--check-dispatch", "--device", "cpu"]);
+    assert!(o.status.success() && text(&o).contains("conformance: 1 passed, 0 failed"), "{}", text(&o));
+    // A second build is the same package; the archive publishes.
+    let reg = t.path().join("reg");
+    let o = kiln(&["publish", kpkg.to_str().unwrap(), "--registry", reg.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+
+    let o = kiln(&["package", "new", "my-twice", "--dir", at]);
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+    assert!(text(&o).contains("exists"), "{}", text(&o));
+    let o = kiln(&["package", "new", "My Twice", "--dir", at]);
+    assert!(text(&o).contains("package name \"My Twice\""), "{}", text(&o));
+    let o = kiln(&["package", "new", "x", "--op", "ai.example::", "--dir", at]);
+    assert!(text(&o).contains("expected DOMAIN::OP"), "{}", text(&o));
+    let o = kiln(&["package", "build", at]);
+    assert!(text(&o).contains("has kernel.toml and a shim crate in shim/"), "{}", text(&o));
+}
+
 /// `--json -` writes the document to stdout and the human-readable table to stderr; a JSON
 /// path in a missing folder fails before any test runs, naming the flag; `devices --json` is
 /// JSON on a machine without a driver too.

@@ -13,6 +13,7 @@ mod kernels;
 mod output;
 mod registry;
 mod run;
+mod scaffold;
 mod verify;
 pub mod verify_fusion;
 

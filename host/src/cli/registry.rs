@@ -55,6 +55,33 @@ pub enum PackageCommand {
         #[arg(short, long, value_name = "FILE")]
         output: Option<PathBuf>,
     },
+    /// Scaffold a package folder NAME that builds and passes its own test: kernel.toml (with its
+    /// kernel's signature), cuda/kernel.cu, a shim crate in shim/, and a node test in tests/.
+    /// Its op computes Y = 2·X over float32: the place to start from.
+    New {
+        /// The package name: 1 to 64 characters of a-z, 0-9, '-', '_'.
+        name: String,
+        /// The op it provides, DOMAIN::OP.
+        #[arg(long, default_value = "ai.example::Twice")]
+        op: String,
+        /// Where to create the folder NAME.
+        #[arg(long, default_value = ".")]
+        dir: PathBuf,
+        /// The kiln-kernel-abi crate the shim depends on (default: the source this kiln was built
+        /// from).
+        #[arg(long, value_name = "PATH")]
+        abi_path: Option<PathBuf>,
+    },
+    /// Build a package folder: the shim in shim/ for wasm32-unknown-unknown (cargo), written as
+    /// shim.wasm; every file's sha256 into kernel.toml's [files]; the checks of `pack`; then the
+    /// `.kpkg` archive.
+    Build {
+        /// The package folder (kernel.toml and shim/Cargo.toml).
+        dir: PathBuf,
+        /// The archive to write (default: NAME-VERSION.kpkg in the current folder).
+        #[arg(short, long, value_name = "FILE")]
+        output: Option<PathBuf>,
+    },
 }
 
 /// `kiln publish`.
@@ -100,35 +127,46 @@ fn check_shim(pkg: &kiln_registry::Package) -> Result<()> {
 pub fn package(cmd: PackageCommand) -> Result<ExitCode> {
     match cmd {
         PackageCommand::Pack { dir, output } => {
-            let bytes = archive::pack(&dir)?;
-            let pkg = archive::unpack(&dir.display().to_string(), &bytes)?;
-            check_shim(&pkg)?;
+            let pkg = kiln_registry::Package::load_dir(&dir)?;
             let out = output.unwrap_or_else(|| PathBuf::from(format!("{}-{}.kpkg", pkg.name(), pkg.version())));
-            let inside = match (std::path::absolute(&out), std::fs::canonicalize(&dir)) {
-                (Ok(o), Ok(d)) => {
-                    let parent = o.parent().and_then(|p| std::fs::canonicalize(p).ok()).unwrap_or(o.clone());
-                    parent.starts_with(&d)
-                }
-                _ => false,
-            };
-            if inside {
-                return Err(Error::Input(format!(
-                    "-o {}: the archive must not be written inside the package folder {}",
-                    out.display(),
-                    dir.display()
-                )));
-            }
-            if out.exists() && out.extension().is_none_or(|e| e != "kpkg") {
-                return Err(Error::Input(format!(
-                    "-o {}: the file exists and is not a .kpkg archive; not overwriting it",
-                    out.display()
-                )));
-            }
-            std::fs::write(&out, &bytes).map_err(|source| Error::Io { path: out.clone(), source })?;
-            println!("{}: {} ({} bytes)", pkg.id(), out.display(), bytes.len());
+            pack_to(&dir, &out)?;
             Ok(ExitCode::SUCCESS)
         }
+        PackageCommand::New { name, op, dir, abi_path } => super::scaffold::new_package(&name, &op, &dir, abi_path),
+        PackageCommand::Build { dir, output } => super::scaffold::build_package(&dir, output),
     }
+}
+
+/// Archives package folder `dir` as `out` after checking that it loads (manifest, hashes, the
+/// shim's exports and ABI version); prints the package and the archive.
+pub(super) fn pack_to(dir: &std::path::Path, out: &std::path::Path) -> Result<()> {
+    let bytes = archive::pack(dir)?;
+    let pkg = archive::unpack(&dir.display().to_string(), &bytes)?;
+    check_shim(&pkg)?;
+    let out = out.to_path_buf();
+    let inside = match (std::path::absolute(&out), std::fs::canonicalize(dir)) {
+        (Ok(o), Ok(d)) => {
+            let parent = o.parent().and_then(|p| std::fs::canonicalize(p).ok()).unwrap_or(o.clone());
+            parent.starts_with(&d)
+        }
+        _ => false,
+    };
+    if inside {
+        return Err(Error::Input(format!(
+            "-o {}: the archive must not be written inside the package folder {}",
+            out.display(),
+            dir.display()
+        )));
+    }
+    if out.exists() && out.extension().is_none_or(|e| e != "kpkg") {
+        return Err(Error::Input(format!(
+            "-o {}: the file exists and is not a .kpkg archive; not overwriting it",
+            out.display()
+        )));
+    }
+    std::fs::write(&out, &bytes).map_err(|source| Error::Io { path: out.clone(), source })?;
+    println!("{}: {} ({} bytes)", pkg.id(), out.display(), bytes.len());
+    Ok(())
 }
 
 pub fn publish(a: PublishArgs) -> Result<ExitCode> {
