@@ -347,10 +347,35 @@ fn a_new_package_builds_and_passes_its_own_test() {
     );
     let o = kiln(&["conformance", tests.to_str().unwrap(), "--packages", d, "--check-dispatch", "--device", "cpu"]);
     assert!(o.status.success() && text(&o).contains("conformance: 1 passed, 0 failed"), "{}", text(&o));
-    // A second build is the same package; the archive publishes.
+    // The archive publishes; a lock pins it; once yanked, only a run with that lock uses it.
     let reg = t.path().join("reg");
-    let o = kiln(&["publish", kpkg.to_str().unwrap(), "--registry", reg.to_str().unwrap()]);
+    let r = reg.to_str().unwrap();
+    let o = kiln(&["publish", kpkg.to_str().unwrap(), "--registry", r]);
     assert!(o.status.success(), "{}", text(&o));
+    let case = tests.join("test_twice");
+    let model = case.join("model.onnx");
+    let m = model.to_str().unwrap();
+    let lock = t.path().join("twice.lock");
+    let o = kiln(&["lock", m, "--registry", r, "--device", "cpu", "-o", lock.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = kiln(&["yank", "my-twice@0.1.0", "--registry", r]);
+    assert!(o.status.success(), "{}", text(&o));
+    let input = format!("x={}", case.join("test_data_set_0/input_0.pb").display());
+    let expect = format!("y={}", case.join("test_data_set_0/output_0.pb").display());
+    let out_dir = t.path().join("out");
+    let run = |extra: &[&str]| {
+        let args = ["run", m, "--input", &input, "--expect", &expect, "--registry", r, "--device", "cpu"];
+        kiln(&[&args[..], &["--output-dir", out_dir.to_str().unwrap()], extra].concat())
+    };
+    let o = run(&[]);
+    assert!(!o.status.success() && text(&o).contains("no kernel package runs ai.example::Twice"), "{}", text(&o));
+    let o = run(&["--lock", lock.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("my-twice@0.1.0 is yanked in") && text(&o).contains("used because the lock pins it"),
+        "{}",
+        text(&o)
+    );
 
     let o = kiln(&["package", "new", "my-twice", "--dir", at]);
     assert_eq!(o.status.code(), Some(3), "{}", text(&o));
@@ -361,6 +386,53 @@ fn a_new_package_builds_and_passes_its_own_test() {
     assert!(text(&o).contains("expected DOMAIN::OP"), "{}", text(&o));
     let o = kiln(&["package", "build", at]);
     assert!(text(&o).contains("has kernel.toml and a shim crate in shim/"), "{}", text(&o));
+}
+
+/// A `kiln.toml` beside a model holds its package requirements (`[kernels] NAME = "REQ"`), as
+/// `--kernels NAME@REQ` does, and errors name the file; `--locked` uses the `kiln.lock` beside
+/// the model and is an error without one.
+#[test]
+fn requirements_and_the_lock_beside_a_model_apply_to_its_runs() {
+    let t = tempfile::tempdir().unwrap();
+    let model = t.path().join("model.onnx");
+    std::fs::copy(root().join("examples/mlp/model.onnx"), &model).unwrap();
+    let m = model.to_str().unwrap();
+    let x = format!("x={}", root().join("examples/mlp/x.npy").display());
+    let out = t.path().join("out");
+    let run = |extra: &[&str]| {
+        let args = ["run", m, "--input", &x, "--device", "cpu", "--output-dir", out.to_str().unwrap()];
+        kiln(&[&args[..], extra].concat())
+    };
+    let toml = t.path().join("kiln.toml");
+    std::fs::write(&toml, "[kernels]\nkiln-matmul = \"^2\"\n").unwrap();
+    let o = run(&[]);
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+    assert!(
+        text(&o).contains(&format!("{} kiln-matmul@^2: no package meets it; there are 1.2.0", toml.display())),
+        "{}",
+        text(&o)
+    );
+    std::fs::write(&toml, "[kernels]\nkiln-matmul = \"^1.2\"\nkiln-unary = \"1\"\n").unwrap();
+    let o = run(&[]);
+    assert!(o.status.success(), "{}", text(&o));
+    for (bad, why) in [
+        ("[kernel]\nx = \"1\"\n", "unknown table or key \"kernel\""),
+        ("[kernels]\nkiln-matmul = 1\n", "kernels.kiln-matmul must be a version requirement string"),
+        ("[kernels]\nkiln-matmul = \"^x\"\n", "kernels.kiln-matmul"),
+    ] {
+        std::fs::write(&toml, bad).unwrap();
+        let o = run(&[]);
+        assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+        assert!(text(&o).contains(&toml.display().to_string()) && text(&o).contains(why), "{why}: {}", text(&o));
+    }
+    std::fs::remove_file(&toml).unwrap();
+    let o = run(&["--locked"]);
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+    assert!(text(&o).contains("--locked: no kiln.lock beside the model"), "{}", text(&o));
+    let o = kiln(&["lock", m, "--device", "cpu"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = run(&["--locked"]);
+    assert!(o.status.success(), "{}", text(&o));
 }
 
 /// `--json -` writes the document to stdout and the human-readable table to stderr; a JSON

@@ -257,6 +257,20 @@ impl RegistryDir {
         Ok(pkg)
     }
 
+    /// `name@version` whether yanked or not (a lock may pin a yanked version), or `None` when
+    /// the registry does not have it.
+    pub fn load_exact(&self, name: &str, version: &semver::Version) -> Result<Option<Package>, RegistryError> {
+        if !self.root.is_dir() || !kiln_kernel_abi::manifest::is_package_name(name) {
+            return Ok(None);
+        }
+        let lines = match self.versions(name) {
+            Ok(l) => l,
+            Err(_) if !self.index_path(name).exists() => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        lines.iter().find(|l| &l.vers == version).map(|l| self.load(l)).transpose()
+    }
+
     /// Every version that is not yanked and whose ABI this host speaks, loaded; each result on
     /// its own, so that one bad archive does not hide the others. Failures are
     /// [`RegistryError::Published`], but a root that is not a folder, which is

@@ -226,6 +226,12 @@ impl OpRegistry {
     /// requirement on that name). Errors: a requirement no package meets, with the versions
     /// there are, so that the run never silently takes another version than the one asked for.
     pub fn require(&mut self, reqs: &[Requirement]) -> Result<(), String> {
+        self.require_from(reqs, "--kernels")
+    }
+
+    /// [`OpRegistry::require`] for requirements from `origin` (`--kernels`, or the file they
+    /// come from), which errors name.
+    pub fn require_from(&mut self, reqs: &[Requirement], origin: &str) -> Result<(), String> {
         for r in reqs {
             let available: Vec<String> = self
                 .packages
@@ -240,7 +246,7 @@ impl OpRegistry {
                 } else {
                     format!("there are {}", available.join(", "))
                 };
-                return Err(format!("--kernels {r}: no package meets it; {there}"));
+                return Err(format!("{origin} {r}: no package meets it; {there}"));
             }
         }
         Ok(())

@@ -23,7 +23,7 @@ use crate::ep::{Runtime, SessionOptions};
 use crate::genai::{GenerateOptions, Generator, ModelFolder, SamplingParams};
 use crate::{Error, Result};
 
-use super::{choose_device, registry, GraphArgs, ModelRunArgs};
+use super::{choose_device, model_registry, GraphArgs, ModelRunArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct DecodeArgs {
@@ -141,7 +141,7 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
     let graphs = a.graph.mode(device)?;
     let weight_bytes: u64 = folder.model.graph.initializers.values().map(|t| t.data.len() as u64).sum();
     let floor_ms = weight_bytes as f64 / (a.bandwidth_gbps * 1e9) * 1e3;
-    let rt = Runtime::new(registry(&a.target.packages)?, super::sandbox_config())?;
+    let rt = Runtime::new(model_registry(&a.target.packages, &a.model_dir)?, super::sandbox_config())?;
     let t_setup = Instant::now();
     let mut g = Generator::new(
         rt,

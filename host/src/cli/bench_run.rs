@@ -19,7 +19,7 @@ use crate::model::{self, Dim};
 use crate::{Error, Result, Tensor};
 
 use super::verify::random_tensor;
-use super::{choose_device, registry, ModelRunArgs};
+use super::{choose_device, model_registry, ModelRunArgs};
 use kiln_kernel_abi::manifest::ValueDomain;
 
 /// Arguments of `kiln bench run`.
@@ -146,7 +146,7 @@ pub fn run(a: BenchRunArgs) -> Result<ExitCode> {
     let device = choose_device(a.target.device)?;
     let human = super::output::Human::new(&[&a.json]);
     let t0 = Instant::now();
-    let rt = crate::ep::Runtime::new(registry(&a.target.packages)?, super::sandbox_config())?;
+    let rt = crate::ep::Runtime::new(model_registry(&a.target.packages, &a.model)?, super::sandbox_config())?;
     let options =
         SessionOptions { device, fuse: !a.target.fuse.no_fuse, pdl: a.target.pdl, ..SessionOptions::default() };
     let mut session = Session::new(rt, m, options)?;

@@ -15,7 +15,7 @@ use crate::{Error, Result};
 
 use super::generate::{sampling, SamplingArgs};
 use super::output::note;
-use super::{choose_device, registry, GraphArgs, ModelRunArgs};
+use super::{choose_device, model_registry, GraphArgs, ModelRunArgs};
 
 /// Arguments of `kiln chat`.
 #[derive(clap::Args, Debug)]
@@ -125,7 +125,7 @@ pub fn run(a: ChatArgs) -> Result<ExitCode> {
         )));
     }
     let params = sampling(&a.sampling, &folder)?;
-    let rt = Runtime::new(registry(&a.target.packages)?, super::sandbox_config())?;
+    let rt = Runtime::new(model_registry(&a.target.packages, &a.model_dir)?, super::sandbox_config())?;
     let options =
         SessionOptions { device, graphs, fuse: !a.target.fuse.no_fuse, pdl: a.target.pdl, ..SessionOptions::default() };
     let mut generator = Generator::new(rt, folder, options)?;

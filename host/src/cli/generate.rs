@@ -10,7 +10,7 @@ use crate::genai::{GenerateOptions, Generator, ModelFolder, SamplingParams};
 use crate::{Error, Result};
 
 use super::output::note;
-use super::{choose_device, registry, GraphArgs, ModelRunArgs};
+use super::{choose_device, model_registry, GraphArgs, ModelRunArgs};
 
 #[derive(clap::Args, Debug)]
 #[command(group(clap::ArgGroup::new("prompt_input").required(true).multiple(true).args(["prompts", "prompt_files"])))]
@@ -199,7 +199,7 @@ pub fn run(mut a: GenerateArgs) -> Result<ExitCode> {
         let text = if a.chat { folder.chat_prompt(p)? } else { p.clone() };
         prompts.push(folder.encode(&text)?);
     }
-    let rt = Runtime::new(registry(&a.target.packages)?, super::sandbox_config())?;
+    let rt = Runtime::new(model_registry(&a.target.packages, &a.model_dir)?, super::sandbox_config())?;
     let mut generator = Generator::new(
         rt,
         folder,

@@ -14,7 +14,7 @@ use crate::ep::Device;
 use crate::model::{self, Dim, Model, ValueId};
 use crate::{Error, Result};
 
-use super::{choose_device, registry, ModelRunArgs};
+use super::{choose_device, model_registry, ModelRunArgs};
 
 /// Arguments of `kiln inspect`.
 #[derive(clap::Args, Debug)]
@@ -236,7 +236,7 @@ pub fn lock(a: LockArgs) -> Result<ExitCode> {
     let mut m = model::load(&model_file(&a.model)?)?;
     let device = choose_device(a.target.device)?;
     let caps = super::device_caps(device)?;
-    let reg = registry(&a.target.packages)?;
+    let reg = model_registry(&a.target.packages, &a.model)?;
     if a.model.is_dir() {
         // A model folder's decode appends the device-step ops (greedy tokens chosen on the
         // device): their packages are pinned too.
@@ -269,7 +269,7 @@ pub fn run(a: InspectArgs) -> Result<ExitCode> {
     let m = model::load(&model_file(&a.model)?)?;
     let device = choose_device(a.target.device)?;
     let caps = super::device_caps(device)?;
-    let ins = inspect(m, &registry(&a.target.packages)?, device, caps.as_ref(), !a.target.fuse.no_fuse);
+    let ins = inspect(m, &model_registry(&a.target.packages, &a.model)?, device, caps.as_ref(), !a.target.fuse.no_fuse);
     let human = super::output::Human::new(&[&a.json]);
     human.print(&ins.render());
     if let Some(p) = &a.json {

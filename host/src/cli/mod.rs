@@ -117,9 +117,69 @@ pub struct PackageArgs {
     pub kernels: Vec<kiln_registry::Requirement>,
     /// Use exactly the packages of this `kiln.lock` (`kiln lock MODEL` writes one): a pinned
     /// package that is missing or differs (another digest) is an error, and no other package
-    /// takes part.
+    /// takes part. A pinned version that its registry has yanked is still used.
     #[arg(long = "lock", value_name = "FILE")]
     pub lock: Option<PathBuf>,
+    /// Use the `kiln.lock` beside the model (in its folder) as `--lock` does; without one, an
+    /// error.
+    #[arg(long = "locked", conflicts_with = "lock")]
+    pub locked: bool,
+}
+
+/// The file beside a model (a model file's folder, or a model folder itself) where kiln reads
+/// the model's package requirements (`kiln.toml`) and lock (`kiln.lock`).
+fn beside_model(model: &std::path::Path, file: &str) -> PathBuf {
+    let dir = if model.is_dir() { model } else { model.parent().unwrap_or(std::path::Path::new(".")) };
+    dir.join(file)
+}
+
+/// The requirements of the `kiln.toml` beside `model`, when there is one:
+/// `[kernels]` with `NAME = "REQ"` entries (`kiln-matmul = "^1.2"`), as `--kernels NAME@REQ`.
+/// Errors: a file that is not such a table, naming it and the entry.
+pub fn model_requirements(model: &std::path::Path) -> Result<Vec<kiln_registry::Requirement>> {
+    let path = beside_model(model, "kiln.toml");
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => return Err(Error::Io { path, source }),
+    };
+    let bad = |why: String| Error::Input(format!("{}: {why}", path.display()));
+    let doc: toml::Table = toml::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    if let Some(k) = doc.keys().find(|k| k.as_str() != "kernels") {
+        return Err(bad(format!("unknown table or key {k:?}; kiln.toml holds [kernels] NAME = \"REQ\" entries")));
+    }
+    let Some(kernels) = doc.get("kernels") else { return Ok(Vec::new()) };
+    let table = kernels.as_table().ok_or_else(|| bad("`kernels` must be a table of NAME = \"REQ\"".into()))?;
+    table
+        .iter()
+        .map(|(name, req)| {
+            let req =
+                req.as_str().ok_or_else(|| bad(format!("kernels.{name} must be a version requirement string")))?;
+            format!("{name}@{req}").parse().map_err(|e: String| bad(format!("kernels.{name}: {e}")))
+        })
+        .collect()
+}
+
+/// [`registry`] for a command that runs `model`: also the requirements of the `kiln.toml` beside
+/// it, and with `--locked` the `kiln.lock` beside it.
+pub fn model_registry(args: &PackageArgs, model: &std::path::Path) -> Result<kiln_registry::OpRegistry> {
+    let mut args = args.clone();
+    if args.locked {
+        let lock = beside_model(model, "kiln.lock");
+        if !lock.is_file() {
+            return Err(Error::Input(format!(
+                "--locked: no kiln.lock beside the model ({}); `kiln lock {}` writes one",
+                lock.display(),
+                model.display()
+            )));
+        }
+        args.lock = Some(lock);
+    }
+    let mut reg = registry(&args)?;
+    let reqs = model_requirements(model)?;
+    let origin = beside_model(model, "kiln.toml").display().to_string();
+    reg.require_from(&reqs, &origin).map_err(Error::Input)?;
+    Ok(reg)
 }
 
 /// Where and with what a command runs a model: `--device`, `--packages`, `--no-fuse`.
@@ -252,6 +312,30 @@ pub fn registry(args: &PackageArgs) -> Result<kiln_registry::OpRegistry> {
     reg.require(&args.kernels).map_err(Error::Input)?;
     if let Some(path) = &args.lock {
         let lock = kiln_registry::lock::Lock::read(path).map_err(Error::Input)?;
+        // A pinned version that its registry has yanked is loaded for the lock alone (yanked
+        // versions are never chosen otherwise).
+        let dirs = args.registries.dirs();
+        for l in &lock.package {
+            if reg.packages().any(|p| p.name() == l.name && p.version() == &l.version) {
+                continue;
+            }
+            for (i, dir) in dirs.iter().enumerate() {
+                match kiln_registry::RegistryDir::new(dir).load_exact(&l.name, &l.version) {
+                    Ok(Some(pkg)) => {
+                        eprintln!(
+                            "kiln: note: {}@{} is yanked in {}; used because the lock pins it",
+                            l.name,
+                            l.version,
+                            dir.display()
+                        );
+                        reg.add(pkg, kiln_registry::registry_precedence(i));
+                        break;
+                    }
+                    Ok(None) => {}
+                    Err(e) => return Err(Error::Input(format!("--lock {}: {e}", path.display()))),
+                }
+            }
+        }
         lock.apply(&mut reg).map_err(|e| Error::Input(format!("--lock {}: {e}", path.display())))?;
     }
     Ok(reg)

@@ -10,7 +10,7 @@ use crate::ep::{Runtime, Session, SessionOptions};
 use crate::tensorio::{read_tensor_file, write_npy};
 use crate::{conformance, model, Error, Result, Tensor};
 
-use super::{choose_device, registry, ModelRunArgs};
+use super::{choose_device, model_registry, ModelRunArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct RunArgs {
@@ -71,7 +71,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             return Err(Error::Input(format!("--expect {name}: the model has no output {name:?}")));
         }
     }
-    let rt = Runtime::new(registry(&a.target.packages)?, super::sandbox_config())?;
+    let rt = Runtime::new(model_registry(&a.target.packages, &a.model)?, super::sandbox_config())?;
     let options = SessionOptions {
         device,
         device_memory_limit: a.device_memory_limit.map(|m| m << 20),
