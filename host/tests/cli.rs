@@ -388,6 +388,58 @@ fn a_new_package_builds_and_passes_its_own_test() {
     assert!(text(&o).contains("has kernel.toml and a shim crate in shim/"), "{}", text(&o));
 }
 
+/// The third-party example end to end on the CPU (examples/third-party): its package
+/// (com.example::BiasGelu) is built with `kiln package build` (in a copy, so the checkout stays
+/// clean), published to a temporary registry, and the example model that uses it runs from that
+/// registry and matches numpy's float64 reference (`make_model.py`).
+#[test]
+fn the_third_party_example_builds_publishes_and_runs() {
+    let t = tempfile::tempdir().unwrap();
+    let src = root().join("examples/third-party");
+    let pkg = t.path().join("bias-gelu");
+    for rel in ["kernel.toml", "cuda/bias_gelu.cu", "shim/Cargo.toml", "shim/src/lib.rs"] {
+        std::fs::create_dir_all(pkg.join(rel).parent().unwrap()).unwrap();
+        std::fs::copy(src.join("bias-gelu").join(rel), pkg.join(rel)).unwrap();
+    }
+    // The copy's shim depends on this checkout's kernel-abi.
+    let cargo = std::fs::read_to_string(pkg.join("shim/Cargo.toml")).unwrap();
+    let abi = root().join("kernel-abi");
+    std::fs::write(
+        pkg.join("shim/Cargo.toml"),
+        cargo.replace("\"../../../../kernel-abi\"", &format!("{:?}", abi.display().to_string())),
+    )
+    .unwrap();
+    let kpkg = t.path().join("bias-gelu.kpkg");
+    let o = kiln(&["package", "build", pkg.to_str().unwrap(), "-o", kpkg.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    let reg = t.path().join("reg");
+    let o = kiln(&["publish", kpkg.to_str().unwrap(), "--registry", reg.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    let path = |f: &str| src.join(f).display().to_string();
+    let out = t.path().join("out");
+    let o = kiln(&[
+        "run",
+        &path("model.onnx"),
+        "--input",
+        &format!("x={}", path("x.npy")),
+        "--expect",
+        &format!("y={}", path("expected.npy")),
+        "--registry",
+        reg.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--output-dir",
+        out.to_str().unwrap(),
+        "--report",
+    ]);
+    let t_ = text(&o);
+    assert!(o.status.success() && t_.contains("y: matches the expected output"), "{t_}");
+    assert!(t_.contains("bias-gelu@1.0.0"), "the registry's package ran BiasGelu: {t_}");
+    // Without the registry, nothing provides the op.
+    let o = kiln(&["run", &path("model.onnx"), "--input", &format!("x={}", path("x.npy")), "--device", "cpu"]);
+    assert!(text(&o).contains("no kernel package runs com.example::BiasGelu"), "{}", text(&o));
+}
+
 /// A `kiln.toml` beside a model holds its package requirements (`[kernels] NAME = "REQ"`), as
 /// `--kernels NAME@REQ` does, and errors name the file; `--locked` uses the `kiln.lock` beside
 /// the model and is an error without one.
