@@ -8,6 +8,7 @@
 //! directories in the order given, then the built-in packages), then the highest version, then
 //! the first registered.
 
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
 
@@ -105,6 +106,11 @@ pub fn normalize_domain(domain: &str) -> &str {
 #[derive(Default, Debug)]
 pub struct OpRegistry {
     packages: Vec<(Arc<Package>, u32)>,
+    /// (normalized domain, op type) → (package, `[[ops]]` entry) indices, in registration
+    /// order: a query visits only the entries that name its op.
+    by_op: HashMap<(String, String), Vec<(usize, usize)>>,
+    /// Every registered name@version.
+    ids: HashSet<(String, semver::Version)>,
 }
 
 /// Precedence of the built-in packages.
@@ -128,16 +134,50 @@ impl OpRegistry {
     /// version as one already present is ignored (the first registered wins) and `false` is
     /// returned.
     pub fn add(&mut self, package: Package, precedence: u32) -> bool {
-        if self.packages.iter().any(|(p, _)| p.name() == package.name() && p.version() == package.version()) {
+        if !self.ids.insert((package.name().to_string(), package.version().clone())) {
             return false;
         }
+        self.index(self.packages.len(), &package);
         self.packages.push((Arc::new(package), precedence));
         true
+    }
+
+    fn index(&mut self, at: usize, package: &Package) {
+        for (e, entry) in package.manifest.ops.iter().enumerate() {
+            for t in &entry.op_types {
+                let key = (normalize_domain(&entry.domain).to_string(), t.clone());
+                let list = self.by_op.entry(key).or_default();
+                // An entry that lists the op twice is visited once.
+                if list.last() != Some(&(at, e)) {
+                    list.push((at, e));
+                }
+            }
+        }
     }
 
     /// Keeps only the packages `keep` accepts.
     pub fn retain(&mut self, mut keep: impl FnMut(&Package) -> bool) {
         self.packages.retain(|(p, _)| keep(p));
+        self.by_op.clear();
+        self.ids.clear();
+        let packages = std::mem::take(&mut self.packages);
+        for (i, (p, _)) in packages.iter().enumerate() {
+            self.ids.insert((p.name().to_string(), p.version().clone()));
+            self.index(i, p);
+        }
+        self.packages = packages;
+    }
+
+    /// The (package, precedence, entry) candidates that name `q`'s op, in registration order.
+    fn candidates<'s>(
+        &'s self,
+        domain: &str,
+        op_type: &str,
+    ) -> impl Iterator<Item = (&'s Arc<Package>, u32, &'s OpEntry)> {
+        self.by_op.get(&(domain.to_string(), op_type.to_string())).into_iter().flatten().map(|&(i, e)| {
+            let (p, precedence) = &self.packages[i];
+            (p, *precedence, &p.manifest.ops[e])
+        })
     }
 
     /// All packages, in registration order.
@@ -154,29 +194,19 @@ impl OpRegistry {
     pub fn resolve(&self, q: &NodeQuery<'_>) -> Result<Resolution, Box<Unresolved>> {
         let domain = normalize_domain(q.domain);
         let mut rejections = Vec::new();
-        let mut best: Option<Resolution> = None;
-        for (pkg, precedence) in &self.packages {
-            for entry in &pkg.manifest.ops {
-                if normalize_domain(&entry.domain) != domain || !entry.op_types.iter().any(|t| t == q.op_type) {
-                    continue;
-                }
-                match check(pkg, entry, q) {
-                    Err(reason) => rejections.push(Rejection { package: pkg.id(), reason }),
-                    Ok(()) => {
-                        let better = best
-                            .as_ref()
-                            .is_none_or(|b| (*precedence, pkg.version()) > (b.precedence, b.package.version()));
-                        if better {
-                            best = Some(Resolution {
-                                package: pkg.clone(),
-                                entry: entry.clone(),
-                                precedence: *precedence,
-                            });
-                        }
+        let mut best: Option<(&Arc<Package>, &OpEntry, u32)> = None;
+        for (pkg, precedence, entry) in self.candidates(domain, q.op_type) {
+            match check(pkg, entry, q) {
+                Err(reason) => rejections.push(Rejection { package: pkg.id(), reason }),
+                Ok(()) => {
+                    let better = best.is_none_or(|(b, _, bp)| (precedence, pkg.version()) > (bp, b.version()));
+                    if better {
+                        best = Some((pkg, entry, precedence));
                     }
                 }
             }
         }
+        let best = best.map(|(p, e, precedence)| Resolution { package: p.clone(), entry: e.clone(), precedence });
         best.ok_or_else(|| {
             Box::new(Unresolved {
                 domain: domain.to_string(),
@@ -239,7 +269,7 @@ impl OpRegistry {
                 .filter(|(p, _)| p.name() == r.name)
                 .map(|(p, _)| format!("{} ({})", p.version(), p.origin))
                 .collect();
-            self.packages.retain(|(p, _)| p.name() != r.name || r.req.matches(p.version()));
+            self.retain(|p| p.name() != r.name || r.req.matches(p.version()));
             if !self.packages.iter().any(|(p, _)| p.name() == r.name) {
                 let there = if available.is_empty() {
                     "no package has that name".to_string()
@@ -280,20 +310,15 @@ impl OpRegistry {
         let chosen = self.resolve(q).ok();
         let domain = normalize_domain(q.domain);
         let mut out = Vec::new();
-        for (pkg, precedence) in &self.packages {
-            for entry in &pkg.manifest.ops {
-                if normalize_domain(&entry.domain) != domain || !entry.op_types.iter().any(|t| t == q.op_type) {
-                    continue;
+        for (pkg, precedence, entry) in self.candidates(domain, q.op_type) {
+            let verdict = match check(pkg, entry, q) {
+                Err(reason) => Verdict::Rejected(reason),
+                Ok(()) if chosen.as_ref().is_some_and(|c| Arc::ptr_eq(&c.package, pkg) && &c.entry == entry) => {
+                    Verdict::Chosen
                 }
-                let verdict = match check(pkg, entry, q) {
-                    Err(reason) => Verdict::Rejected(reason),
-                    Ok(()) if chosen.as_ref().is_some_and(|c| Arc::ptr_eq(&c.package, pkg) && &c.entry == entry) => {
-                        Verdict::Chosen
-                    }
-                    Ok(()) => Verdict::Outranked,
-                };
-                out.push(Candidate { package: pkg.clone(), precedence: *precedence, verdict });
-            }
+                Ok(()) => Verdict::Outranked,
+            };
+            out.push(Candidate { package: pkg.clone(), precedence, verdict });
         }
         let rank = |c: &Candidate| match c.verdict {
             Verdict::Chosen => 0,
