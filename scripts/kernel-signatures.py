@@ -2,7 +2,7 @@
 `signatures` tables of kernel.toml (ABI.md §7.3), or checks a package's manifest against them.
 
     python3 scripts/kernel-signatures.py kernels/matmul            # print, per [[cuda]] source
-    python3 scripts/kernel-signatures.py --check kernels/*         # exit 1 on any mismatch
+    python3 scripts/kernel-signatures.py --check kernels/*/        # exit 1 on any mismatch
 
 Each source is run through the C preprocessor (`cpp`, with the host prelude's folder
 host/cuda on the include path), so kernels that macros define are seen as the compiler sees

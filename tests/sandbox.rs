@@ -430,18 +430,21 @@ fn compiled_shims_are_cached_and_a_damaged_cache_file_is_rebuilt() {
     assert_eq!(files().len(), 2);
 }
 
-/// A module cache folder that other users may write is not used (its files would be native code
-/// that anyone could plant): shims still load, compiled, and nothing is written there.
+/// A module cache entry that other users may write is not used (it would be native code that
+/// anyone could plant): the shim is compiled again and the entry replaced by one only this user
+/// may write; a cache folder of this user's that others may write loses those bits first.
 #[cfg(unix)]
 #[test]
-fn a_module_cache_others_may_write_is_not_used() {
+fn a_module_cache_entry_others_may_write_is_not_used() {
     use std::os::unix::fs::PermissionsExt;
     let dir = tempfile::tempdir().unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
     let sb = Sandbox::new(SandboxConfig { module_cache: Some(dir.path().to_path_buf()), ..SandboxConfig::default() })
         .unwrap();
-    for _ in 0..2 {
-        sb.load(PACKAGE, &shim(INFER_OK, OK, OK, ""), vec![]).expect("loads without the cache");
-    }
-    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "nothing cached in a folder others may write");
+    sb.load(PACKAGE, &shim(INFER_OK, OK, OK, ""), vec![]).expect("loads");
+    assert_eq!(std::fs::metadata(dir.path()).unwrap().permissions().mode() & 0o777, 0o755, "the folder is tightened");
+    let entry = std::fs::read_dir(dir.path()).unwrap().next().unwrap().unwrap().path();
+    std::fs::set_permissions(&entry, std::fs::Permissions::from_mode(0o666)).unwrap();
+    sb.load(PACKAGE, &shim(INFER_OK, OK, OK, ""), vec![]).expect("compiled again");
+    assert_eq!(std::fs::metadata(&entry).unwrap().permissions().mode() & 0o777, 0o600, "and replaced");
 }

@@ -36,8 +36,10 @@ pub fn cache_dir() -> PathBuf {
 }
 
 /// Makes `dir` (and its parents; new folders get mode 0700) and checks that it may hold native
-/// code: a folder owned by this user that its group and others cannot write. Errors: why not, for
-/// a warning (the caller then compiles without the cache).
+/// code: a folder owned by this user that its group and others cannot write. A folder of this
+/// user's that they may write (made by an older kiln under umask 002) loses those bits first:
+/// every entry is still checked on its own. Errors: why not, for a warning (the caller then
+/// compiles without the cache).
 pub fn private_dir(dir: &Path) -> Result<(), String> {
     let mut builder = std::fs::DirBuilder::new();
     builder.recursive(true);
@@ -47,6 +49,19 @@ pub fn private_dir(dir: &Path) -> Result<(), String> {
     let md = std::fs::metadata(dir).map_err(|e| format!("cannot read {}: {e}", dir.display()))?;
     if !md.is_dir() {
         return Err(format!("{} is not a folder", dir.display()));
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        if md.uid() == unsafe { libc::geteuid() } && md.mode() & 0o022 != 0 {
+            let mode = md.mode() & 0o7777 & !0o022;
+            if std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode)).is_ok() {
+                tracing::info!(folder = %dir.display(), "cache folder: group and others may no longer write it");
+            }
+            let md = std::fs::metadata(dir).map_err(|e| format!("cannot read {}: {e}", dir.display()))?;
+            return owner_only(&md).map_err(|why| format!("cache folder {}: {why}", dir.display()));
+        }
     }
     owner_only(&md).map_err(|why| format!("cache folder {}: {why}", dir.display()))
 }
@@ -71,10 +86,12 @@ fn owner_only(_: &std::fs::Metadata) -> Result<(), String> {
     Ok(())
 }
 
-/// Logs, once per process, why the cache is not used (see [`private_dir`]).
+/// Logs why a cache is not used (see [`private_dir`]), once per reason and process.
 pub fn warn_unusable(why: &str) {
-    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+    static WARNED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let mut warned = WARNED.lock().unwrap_or_else(|e| e.into_inner());
+    if !warned.iter().any(|w| w == why) {
+        warned.push(why.to_string());
         tracing::warn!("{why}; compiling without the cache");
     }
 }
@@ -168,10 +185,21 @@ mod tests {
         assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
         assert!(read_sealed(&path).unwrap_err().contains("may write it"));
+        // This user's folder that others may write is tightened, then used.
         std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o777)).unwrap();
-        assert!(private_dir(&cache).unwrap_err().contains("may write it"));
+        private_dir(&cache).unwrap();
+        assert_eq!(std::fs::metadata(&cache).unwrap().permissions().mode() & 0o777, 0o755);
+        // Another user's folder is refused (making one needs root: chown).
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            let theirs = dir.path().join("theirs");
+            std::fs::create_dir(&theirs).unwrap();
+            let c = std::ffi::CString::new(theirs.to_str().unwrap()).unwrap();
+            // SAFETY: a valid NUL-terminated path.
+            assert_eq!(unsafe { libc::chown(c.as_ptr(), 12345, 12345) }, 0);
+            assert!(private_dir(&theirs).unwrap_err().contains("belongs to user 12345"), "refused");
+        }
         // A symbolic link is not an entry, even to a good one.
-        std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o700)).unwrap();
         write_sealed(&path, b"x").unwrap();
         std::os::unix::fs::symlink(&path, cache.join("link.bin")).unwrap();
         assert_eq!(read_sealed(&cache.join("link.bin")), Err("not a regular file".into()));

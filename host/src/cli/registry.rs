@@ -78,7 +78,7 @@ pub enum PackageCommand {
     Build {
         /// The package folder (kernel.toml and shim/Cargo.toml).
         dir: PathBuf,
-        /// The archive to write (default: NAME-VERSION.kpkg in the current folder).
+        /// The archive to write (default: NAME-VERSION.kpkg beside the package folder).
         #[arg(short, long, value_name = "FILE")]
         output: Option<PathBuf>,
     },

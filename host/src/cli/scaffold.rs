@@ -76,7 +76,7 @@ pub fn new_package(name: &str, op: &str, parent: &Path, abi_path: Option<PathBuf
     let domain_line = if domain.is_empty() { String::new() } else { format!("domain = \"{domain}\"\n") };
     let manifest = format!(
         r#"# {name}: {op_type}, Y = 2·X over float32 (scaffolded by `kiln package new`; make it yours).
-# kernel-abi/ABI.md §7 describes every field; `kiln package build .` fills [files].
+# kernel-abi/ABI.md §7 describes every field; `kiln package build {name}` fills [files].
 schema = 2
 abi = 1
 shim = "shim.wasm"
@@ -324,7 +324,11 @@ pub fn build_package(dir: &Path, output: Option<PathBuf>) -> Result<ExitCode> {
     write(&dir.join("kernel.toml"), with_files_table(&manifest_text, &table).as_bytes())?;
     // 3. Checks and the archive, as `kiln package pack` does them.
     let pkg = kiln_registry::Package::load_dir(dir)?;
-    let out = output.unwrap_or_else(|| PathBuf::from(format!("{}-{}.kpkg", pkg.name(), pkg.version())));
+    // By default beside the folder (never inside it, which `pack` refuses).
+    let out = output.unwrap_or_else(|| {
+        let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+        dir.parent().unwrap_or(Path::new(".")).join(format!("{}-{}.kpkg", pkg.name(), pkg.version()))
+    });
     super::registry::pack_to(dir, &out)?;
     Ok(ExitCode::SUCCESS)
 }

@@ -107,20 +107,26 @@ pub fn run(mut a: VerifyArgs) -> Result<ExitCode> {
         if m.graph.nodes.is_empty() || !m.graph.nodes.iter().all(|n| entry(&pkg, &n.domain, &n.op_type).is_some()) {
             continue;
         }
-        // The manifest promised this (op, opset, dtype), so answering UNSUPPORTED breaks the
-        // claim: resolution picked the package because of it. Random cases only draw claimed
-        // dtypes, at the test's opset.
+        // The manifest promised this (op, opset, dtype), so the package's own shim answering
+        // UNSUPPORTED breaks the claim: resolution picked the package because of it (its rank
+        // and device checks passed, or the shim would not have been called). Unsupported
+        // outcomes from elsewhere (no resolution, the host, the CPU reference) stay unsupported.
+        // Random cases only draw claimed dtypes, at the test's opset.
         let claimed = claim(&pkg, &m);
-        let broken = |o: &mut Outcome| {
-            if let (Outcome::Unsupported(why), Some(c)) = (&*o, &claimed) {
-                *o = Outcome::Failed(format!("kernel.toml claims {c}, but the package answered: {why}"));
+        let broken = |o: &mut Outcome, dtype: &str| {
+            if let (Outcome::Unsupported(why), Some((c, _))) = (&*o, &claimed) {
+                if declined_by(&pkg, why) {
+                    *o =
+                        Outcome::Failed(format!("kernel.toml claims {c} for {dtype}, but the package answered: {why}"));
+                }
             }
         };
         let mut r = run_test(&rt, &dir, &options);
-        broken(&mut r.outcome);
+        let test_dtype = claimed.as_ref().map(|(_, d)| d.to_string()).unwrap_or_default();
+        broken(&mut r.outcome, &test_dtype);
         if !matches!(r.outcome, Outcome::Unsupported(_)) {
             let mut more = random_cases(&rt, &pkg, &dir, &r.op, m, device, a.seeds);
-            more.iter_mut().for_each(|c| broken(&mut c.outcome));
+            more.iter_mut().for_each(|c| broken(&mut c.outcome, &c.dtype));
             cases.extend(more);
         }
         tests.push(r);
@@ -151,11 +157,18 @@ pub fn run(mut a: VerifyArgs) -> Result<ExitCode> {
     Ok(super::exit::checks(counts[1] > 0))
 }
 
-/// What `pkg`'s manifest claims for every node of `m` (`Op at opset O for dtype D`, joined), when
-/// it claims each one's op, the model's opset and the dtype of its `dtype_input`; `None` when a
-/// node is not claimed or its input dtype is not known before a run.
-fn claim(pkg: &Package, m: &Model) -> Option<String> {
+/// Whether an unsupported outcome's reason is `pkg`'s own shim declining (a `ShimFailure` of
+/// kind unsupported from that package), as opposed to the host or resolution.
+fn declined_by(pkg: &Package, why: &str) -> bool {
+    why.contains(&format!("package {}, op ", pkg.id())) && why.contains("): unsupported: ")
+}
+
+/// What `pkg`'s manifest claims for every node of `m` (`Op at opset O`, joined) and the first
+/// node's dtype, when it claims each one's op, the model's opset and the dtype of its
+/// `dtype_input`; `None` when a node is not claimed or its input dtype is not known before a run.
+fn claim(pkg: &Package, m: &Model) -> Option<(String, DType)> {
     let mut parts = Vec::new();
+    let mut first = None;
     for n in &m.graph.nodes {
         let e = entry(pkg, &n.domain, &n.op_type)?;
         let opset = m.opset(&n.domain)?;
@@ -163,9 +176,10 @@ fn claim(pkg: &Package, m: &Model) -> Option<String> {
         if !e.covers_opset(opset) || !e.dtype_set().contains(&dtype) {
             return None;
         }
-        parts.push(format!("{} at opset {opset} for {dtype}", n.op_type));
+        parts.push(format!("{} at opset {opset}", n.op_type));
+        first.get_or_insert(dtype);
     }
-    (!parts.is_empty()).then(|| parts.join(", "))
+    Some((parts.join(", "), first?))
 }
 
 /// The manifest entry of `pkg` that claims `op_type` in `domain`.
