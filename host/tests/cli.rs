@@ -356,7 +356,7 @@ fn a_new_package_builds_and_passes_its_own_test() {
     let model = case.join("model.onnx");
     let m = model.to_str().unwrap();
     let lock = t.path().join("twice.lock");
-    let o = kiln(&["lock", m, "--registry", r, "--device", "cpu", "-o", lock.to_str().unwrap()]);
+    let o = kiln(&["lock", m, "--registry", r, "--allow-unsigned", "--device", "cpu", "-o", lock.to_str().unwrap()]);
     assert!(o.status.success(), "{}", text(&o));
     let o = kiln(&["yank", "my-twice@0.1.0", "--registry", r]);
     assert!(o.status.success(), "{}", text(&o));
@@ -364,7 +364,8 @@ fn a_new_package_builds_and_passes_its_own_test() {
     let expect = format!("y={}", case.join("test_data_set_0/output_0.pb").display());
     let out_dir = t.path().join("out");
     let run = |extra: &[&str]| {
-        let args = ["run", m, "--input", &input, "--expect", &expect, "--registry", r, "--device", "cpu"];
+        let args =
+            ["run", m, "--input", &input, "--expect", &expect, "--registry", r, "--allow-unsigned", "--device", "cpu"];
         kiln(&[&args[..], &["--output-dir", out_dir.to_str().unwrap()], extra].concat())
     };
     let o = run(&[]);
@@ -373,6 +374,11 @@ fn a_new_package_builds_and_passes_its_own_test() {
     assert!(o.status.success(), "{}", text(&o));
     assert!(
         text(&o).contains("my-twice@0.1.0 is yanked in") && text(&o).contains("used because the lock pins it"),
+        "{}",
+        text(&o)
+    );
+    assert!(
+        text(&o).contains("note: using my-twice@0.1.0 (unsigned;") && text(&o).contains("(--allow-unsigned)"),
         "{}",
         text(&o)
     );
@@ -412,9 +418,22 @@ fn the_third_party_example_builds_publishes_and_runs() {
     let kpkg = t.path().join("bias-gelu.kpkg");
     let o = kiln(&["package", "build", pkg.to_str().unwrap(), "-o", kpkg.to_str().unwrap()]);
     assert!(o.status.success(), "{}", text(&o));
-    let reg = t.path().join("reg");
-    let o = kiln(&["publish", kpkg.to_str().unwrap(), "--registry", reg.to_str().unwrap()]);
+    // Signed by its publisher's key, which the run trusts.
+    let key_file = t.path().join("publisher.key");
+    let o = kiln(&["key", "new", "-o", key_file.to_str().unwrap()]);
     assert!(o.status.success(), "{}", text(&o));
+    let public = String::from_utf8_lossy(&o.stdout).trim().to_string();
+    assert!(public.starts_with("ed25519:") && public.len() == 8 + 64, "{public}");
+    let reg = t.path().join("reg");
+    let o = kiln(&[
+        "publish",
+        kpkg.to_str().unwrap(),
+        "--registry",
+        reg.to_str().unwrap(),
+        "--sign",
+        key_file.to_str().unwrap(),
+    ]);
+    assert!(o.status.success() && text(&o).contains(&format!("signed by {public}")), "{}", text(&o));
     let path = |f: &str| src.join(f).display().to_string();
     let out = t.path().join("out");
     let o = kiln(&[
@@ -426,6 +445,8 @@ fn the_third_party_example_builds_publishes_and_runs() {
         &format!("y={}", path("expected.npy")),
         "--registry",
         reg.to_str().unwrap(),
+        "--trust",
+        &public,
         "--device",
         "cpu",
         "--output-dir",
@@ -438,6 +459,79 @@ fn the_third_party_example_builds_publishes_and_runs() {
     // Without the registry, nothing provides the op.
     let o = kiln(&["run", &path("model.onnx"), "--input", &format!("x={}", path("x.npy")), "--device", "cpu"]);
     assert!(text(&o).contains("no kernel package runs com.example::BiasGelu"), "{}", text(&o));
+}
+
+/// Registry packages run only when a trusted key signed them: unsigned or signed by another key,
+/// they are left out with the reason (and `--allow-unsigned` takes them, saying so); a
+/// signature that does not verify is refused even then; `trust = [...]` in the `kiln.toml` beside
+/// a model trusts a key as `--trust` does.
+#[test]
+fn registry_packages_need_a_trusted_signature() {
+    let t = tempfile::tempdir().unwrap();
+    let (reg, p) = (t.path().join("reg"), t.path().join("p"));
+    let r = reg.to_str().unwrap();
+    let key = |name: &str| {
+        let f = t.path().join(name);
+        let o = kiln(&["key", "new", "-o", f.to_str().unwrap()]);
+        assert!(o.status.success(), "{}", text(&o));
+        (f, String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    let (signer, public) = key("a.key");
+    let (_, other) = key("b.key");
+    let publish = |version: &str, sign: Option<&std::path::Path>| {
+        tiny_package(&p.join(version), version, a_shim());
+        let kpkg = t.path().join(format!("p-{version}.kpkg"));
+        let o = kiln(&["package", "pack", p.join(version).to_str().unwrap(), "-o", kpkg.to_str().unwrap()]);
+        assert!(o.status.success(), "{}", text(&o));
+        let mut args = vec!["publish", kpkg.to_str().unwrap(), "--registry", r];
+        if let Some(s) = sign {
+            args.extend(["--sign", s.to_str().unwrap()]);
+        }
+        let o = kiln(&args);
+        assert!(o.status.success(), "{}", text(&o));
+    };
+    publish("1.0.0", Some(&signer));
+    publish("0.9.0", None);
+    let why = |extra: &[&str]| kiln(&[&["kernels", "why", "ai.example::Twice", "--registry", r][..], extra].concat());
+    // No trust: both left out, each with its reason.
+    let o = why(&[]);
+    assert_eq!(o.status.code(), Some(4), "{}", text(&o));
+    assert!(
+        text(&o).contains(&format!("left out: p@1.0.0 (signed by {public}, which is not trusted;")),
+        "{}",
+        text(&o)
+    );
+    assert!(text(&o).contains("left out: p@0.9.0 (unsigned;"), "{}", text(&o));
+    // Trusting another key changes nothing; trusting the signer chooses the signed version only.
+    assert_eq!(why(&["--trust", &other]).status.code(), Some(4));
+    let o = why(&["--trust", &public]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).lines().any(|l| l.contains("chosen") && l.contains("p@1.0.0")), "{}", text(&o));
+    assert!(text(&o).contains("left out: p@0.9.0 (unsigned;"), "{}", text(&o));
+    let o = why(&["--allow-unsigned"]);
+    assert!(o.status.success() && text(&o).contains("note: using p@0.9.0 (unsigned;"), "{}", text(&o));
+    let o = why(&["--trust", "ed25519:1234"]);
+    assert_eq!(o.status.code(), Some(2), "a malformed key is a usage error: {}", text(&o));
+    // A signature that does not verify (the index line names another key) is refused, trusted or not.
+    let index = reg.join("index/p");
+    let lines = std::fs::read_to_string(&index).unwrap();
+    std::fs::write(&index, lines.replace(&public[8..], &other[8..])).unwrap();
+    let o = why(&["--trust", &other, "--allow-unsigned"]);
+    assert!(text(&o).contains("does not verify"), "{}", text(&o));
+    assert!(!text(&o).lines().any(|l| l.contains("chosen") && l.contains("p@1.0.0")), "{}", text(&o));
+    std::fs::write(&index, lines).unwrap();
+    // `trust = [...]` beside a model, for the commands that run one.
+    let model_dir = t.path().join("m");
+    std::fs::create_dir_all(&model_dir).unwrap();
+    let model = model_dir.join("model.onnx");
+    std::fs::copy(root().join("examples/mlp/model.onnx"), &model).unwrap();
+    std::fs::write(model_dir.join("kiln.toml"), format!("trust = [\"{public}\"]\n")).unwrap();
+    let o = kiln(&["inspect", model.to_str().unwrap(), "--registry", r, "--device", "cpu"]);
+    assert!(o.status.success() && !text(&o).contains("left out: p@1.0.0"), "{}", text(&o));
+    assert!(text(&o).contains("left out: p@0.9.0"), "{}", text(&o));
+    std::fs::write(model_dir.join("kiln.toml"), "trust = [\"nope\"]\n").unwrap();
+    let o = kiln(&["inspect", model.to_str().unwrap(), "--registry", r, "--device", "cpu"]);
+    assert!(text(&o).contains("trust: \"nope\" is not a public key"), "{}", text(&o));
 }
 
 /// A `kiln.toml` beside a model holds its package requirements (`[kernels] NAME = "REQ"`), as
@@ -971,6 +1065,7 @@ fn kernels_why_names_the_chosen_package_and_why_the_others_lose() {
         "ai.example::Twice",
         "--registry",
         reg.to_str().unwrap(),
+        "--allow-unsigned",
         "--packages",
         drop_in.to_str().unwrap(),
     ];

@@ -41,6 +41,9 @@ pub struct IndexLine {
     pub device: DeviceRequirements,
     /// A yanked version stays readable but is not chosen for new runs.
     pub yanked: bool,
+    /// The publisher's signature (`crate::signing`), when the version was published signed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signature: Option<crate::signing::LineSignature>,
 }
 
 impl IndexLine {
@@ -175,9 +178,20 @@ impl RegistryDir {
     /// written with its index line under the lock. Errors: a bad archive; a version that is
     /// already published (republishing is refused, yanked or not); I/O.
     pub fn publish(&self, origin: &str, bytes: &[u8]) -> Result<IndexLine, RegistryError> {
+        self.publish_signed(origin, bytes, None)
+    }
+
+    /// [`RegistryDir::publish`], the index line signed with `key` when given
+    /// (`crate::signing`).
+    pub fn publish_signed(
+        &self,
+        origin: &str,
+        bytes: &[u8],
+        key: Option<&crate::signing::SecretKey>,
+    ) -> Result<IndexLine, RegistryError> {
         let pkg = archive::unpack(origin, bytes)?;
         let m = &pkg.manifest;
-        let line = IndexLine {
+        let mut line = IndexLine {
             name: m.package.name.clone(),
             vers: m.package.version.clone(),
             abi: m.abi,
@@ -185,7 +199,11 @@ impl RegistryDir {
             ops: m.ops.clone(),
             device: m.device.clone(),
             yanked: false,
+            signature: None,
         };
+        if let Some(key) = key {
+            crate::signing::sign(&mut line, key);
+        }
         let _lock = self.lock()?;
         let mut lines = self.versions(&line.name)?;
         if lines.iter().any(|l| l.vers == line.vers) {
@@ -254,6 +272,10 @@ impl RegistryDir {
             );
             return Err(RegistryError::Archive { origin: path.display().to_string(), reason });
         }
+        let mut pkg = pkg;
+        pkg.signer = crate::signing::verify(line)
+            .map_err(|reason| RegistryError::Archive { origin: path.display().to_string(), reason })?
+            .map(|k| k.to_string());
         Ok(pkg)
     }
 

@@ -14,6 +14,7 @@ pub mod error;
 pub mod lock;
 pub mod ops;
 pub mod package;
+pub mod signing;
 
 pub use directory::{IndexLine, RegistryDir};
 pub use error::RegistryError;

@@ -22,6 +22,9 @@ pub struct Package {
     pub shim: Arc<[u8]>,
     /// CUDA sources by package-relative path.
     pub cuda_sources: BTreeMap<String, String>,
+    /// The public key (`ed25519:HEX`) whose signature on the package's registry index line
+    /// verified; `None` for a package from elsewhere or published unsigned.
+    pub signer: Option<String>,
 }
 
 impl Package {
@@ -102,7 +105,7 @@ impl Package {
                 .map_err(|_| RegistryError::NotText { origin: origin.clone(), file: c.source.clone() })?;
             cuda_sources.insert(c.source.clone(), text);
         }
-        Ok(Package { manifest, origin, shim, cuda_sources })
+        Ok(Package { manifest, origin, shim, cuda_sources, signer: None })
     }
 }
 

@@ -83,6 +83,12 @@ pub enum Command {
     Yank(registry::YankArgs),
     /// List the published packages that provide an op.
     Search(registry::SearchArgs),
+    /// Publisher keys: `kiln key new -o FILE` writes an ed25519 secret key (for `publish
+    /// --sign`) and prints its public key (for `--trust`).
+    Key {
+        #[command(subcommand)]
+        command: registry::KeyCommand,
+    },
     /// List CUDA devices: name, compute capability, memory, driver, NVRTC and cuBLASLt versions.
     Devices {
         /// Print JSON.
@@ -124,6 +130,15 @@ pub struct PackageArgs {
     /// error.
     #[arg(long = "locked", conflicts_with = "lock")]
     pub locked: bool,
+    /// Accept a registry's packages published with a signature by this public key
+    /// (`ed25519:HEX`, as `kiln key new` prints); repeatable, and `trust = [...]` in the
+    /// `kiln.toml` beside a model. A registry package without a trusted signature is left out.
+    #[arg(long = "trust", value_name = "KEY")]
+    pub trust: Vec<kiln_registry::signing::PublicKey>,
+    /// Also accept registry packages without a trusted signature (each is named on stderr); a
+    /// signature that does not verify is refused all the same.
+    #[arg(long = "allow-unsigned")]
+    pub allow_unsigned: bool,
 }
 
 /// The file beside a model (a model file's folder, or a model folder itself) where kiln reads
@@ -133,31 +148,49 @@ fn beside_model(model: &std::path::Path, file: &str) -> PathBuf {
     dir.join(file)
 }
 
-/// The requirements of the `kiln.toml` beside `model`, when there is one:
-/// `[kernels]` with `NAME = "REQ"` entries (`kiln-matmul = "^1.2"`), as `--kernels NAME@REQ`.
+/// The `kiln.toml` beside `model`, when there is one: `[kernels]` with `NAME = "REQ"` entries
+/// (`kiln-matmul = "^1.2"`), as `--kernels NAME@REQ`, and `trust = ["ed25519:…"]`, as `--trust`.
 /// Errors: a file that is not such a table, naming it and the entry.
-pub fn model_requirements(model: &std::path::Path) -> Result<Vec<kiln_registry::Requirement>> {
+pub fn model_config(model: &std::path::Path) -> Result<ModelConfig> {
     let path = beside_model(model, "kiln.toml");
     let text = match std::fs::read_to_string(&path) {
         Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(ModelConfig::default()),
         Err(source) => return Err(Error::Io { path, source }),
     };
     let bad = |why: String| Error::Input(format!("{}: {why}", path.display()));
     let doc: toml::Table = toml::from_str(&text).map_err(|e| bad(e.to_string()))?;
-    if let Some(k) = doc.keys().find(|k| k.as_str() != "kernels") {
-        return Err(bad(format!("unknown table or key {k:?}; kiln.toml holds [kernels] NAME = \"REQ\" entries")));
+    if let Some(k) = doc.keys().find(|k| !matches!(k.as_str(), "kernels" | "trust")) {
+        return Err(bad(format!(
+            "unknown table or key {k:?}; kiln.toml holds `trust = [KEY, ...]` and [kernels] NAME = \"REQ\" entries"
+        )));
     }
-    let Some(kernels) = doc.get("kernels") else { return Ok(Vec::new()) };
+    let mut config = ModelConfig::default();
+    if let Some(trust) = doc.get("trust") {
+        let keys = trust.as_array().ok_or_else(|| bad("`trust` must be a list of public keys".into()))?;
+        for k in keys {
+            let k = k.as_str().ok_or_else(|| bad("`trust` must be a list of public keys".into()))?;
+            config.trust.push(k.parse().map_err(|e: String| bad(format!("trust: {e}")))?);
+        }
+    }
+    let Some(kernels) = doc.get("kernels") else { return Ok(config) };
     let table = kernels.as_table().ok_or_else(|| bad("`kernels` must be a table of NAME = \"REQ\"".into()))?;
-    table
-        .iter()
-        .map(|(name, req)| {
-            let req =
-                req.as_str().ok_or_else(|| bad(format!("kernels.{name} must be a version requirement string")))?;
-            format!("{name}@{req}").parse().map_err(|e: String| bad(format!("kernels.{name}: {e}")))
-        })
-        .collect()
+    for (name, req) in table {
+        let req = req.as_str().ok_or_else(|| bad(format!("kernels.{name} must be a version requirement string")))?;
+        config
+            .requirements
+            .push(format!("{name}@{req}").parse().map_err(|e: String| bad(format!("kernels.{name}: {e}")))?);
+    }
+    Ok(config)
+}
+
+/// What the `kiln.toml` beside a model says.
+#[derive(Default)]
+pub struct ModelConfig {
+    /// `[kernels] NAME = "REQ"`, as `--kernels NAME@REQ`.
+    pub requirements: Vec<kiln_registry::Requirement>,
+    /// `trust = ["ed25519:…"]`, as `--trust`.
+    pub trust: Vec<kiln_registry::signing::PublicKey>,
 }
 
 /// [`registry`] for a command that runs `model`: also the requirements of the `kiln.toml` beside
@@ -175,10 +208,11 @@ pub fn model_registry(args: &PackageArgs, model: &std::path::Path) -> Result<kil
         }
         args.lock = Some(lock);
     }
+    let config = model_config(model)?;
+    args.trust.extend(config.trust);
     let mut reg = registry(&args)?;
-    let reqs = model_requirements(model)?;
     let origin = beside_model(model, "kiln.toml").display().to_string();
-    reg.require_from(&reqs, &origin).map_err(Error::Input)?;
+    reg.require_from(&config.requirements, &origin).map_err(Error::Input)?;
     Ok(reg)
 }
 
@@ -309,11 +343,13 @@ pub fn registry(args: &PackageArgs) -> Result<kiln_registry::OpRegistry> {
             list.join("\n  ")
         )));
     }
-    reg.require(&args.kernels).map_err(Error::Input)?;
-    if let Some(path) = &args.lock {
-        let lock = kiln_registry::lock::Lock::read(path).map_err(Error::Input)?;
+    let lock = match &args.lock {
+        Some(path) => Some((path, kiln_registry::lock::Lock::read(path).map_err(Error::Input)?)),
+        None => None,
+    };
+    if let Some((path, lock)) = &lock {
         // A pinned version that its registry has yanked is loaded for the lock alone (yanked
-        // versions are never chosen otherwise).
+        // versions are never chosen otherwise); it needs a trusted signature as any other.
         let dirs = args.registries.dirs();
         for l in &lock.package {
             if reg.packages().any(|p| p.name() == l.name && p.version() == &l.version) {
@@ -336,9 +372,48 @@ pub fn registry(args: &PackageArgs) -> Result<kiln_registry::OpRegistry> {
                 }
             }
         }
+    }
+    trust_registry_packages(&mut reg, args);
+    reg.require(&args.kernels).map_err(Error::Input)?;
+    if let Some((path, lock)) = &lock {
         lock.apply(&mut reg).map_err(|e| Error::Input(format!("--lock {}: {e}", path.display())))?;
     }
     Ok(reg)
+}
+
+/// Leaves out the registry directories' packages that no trusted key signed (`--trust`), unless
+/// `--allow-unsigned`; names each on stderr either way. Drop-in folders and built-ins are the
+/// user's own and need no signature.
+fn trust_registry_packages(reg: &mut kiln_registry::OpRegistry, args: &PackageArgs) {
+    let trusted: Vec<String> = args.trust.iter().map(|k| k.to_string()).collect();
+    let from_registry = |p: u32| p > kiln_registry::BUILTIN && p < kiln_registry::USER;
+    let untrusted: Vec<(String, String)> = reg
+        .packages_with_precedence()
+        .filter(|(p, prec)| from_registry(*prec) && !p.signer.as_ref().is_some_and(|s| trusted.contains(s)))
+        .map(|(p, _)| {
+            let how = match &p.signer {
+                Some(k) => format!("signed by {k}, which is not trusted"),
+                None => "unsigned".to_string(),
+            };
+            (p.id(), format!("{} ({how}; {})", p.id(), p.origin))
+        })
+        .collect();
+    if untrusted.is_empty() {
+        return;
+    }
+    if args.allow_unsigned {
+        for (_, what) in &untrusted {
+            eprintln!("kiln: note: using {what} (--allow-unsigned)");
+        }
+        return;
+    }
+    for (_, what) in &untrusted {
+        eprintln!(
+            "kiln: warning: registry package left out: {what}; trust its publisher with --trust KEY or accept it with --allow-unsigned"
+        );
+    }
+    let ids: Vec<String> = untrusted.into_iter().map(|(id, _)| id).collect();
+    reg.retain(|p| !ids.contains(&p.id()));
 }
 
 fn devices(json: bool) -> Result<ExitCode> {
@@ -419,6 +494,7 @@ pub fn main() -> ExitCode {
         Command::Publish(a) => registry::publish(a),
         Command::Yank(a) => registry::yank(a),
         Command::Search(a) => registry::search(a),
+        Command::Key { command } => registry::key(command),
     };
     match result {
         Ok(code) => code,

@@ -91,6 +91,36 @@ pub struct PublishArgs {
     pub archive: PathBuf,
     #[command(flatten)]
     pub registry: RegistryArgs,
+    /// Sign the index line with this secret key (`kiln key new`): runs that trust its public
+    /// key accept the package (docs/REGISTRY.md, "Signatures").
+    #[arg(long, value_name = "KEY_FILE")]
+    pub sign: Option<PathBuf>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum KeyCommand {
+    /// Write a new ed25519 secret key to FILE (mode 0600; never over an existing file) and print
+    /// its public key.
+    New {
+        #[arg(short, long, value_name = "FILE")]
+        output: PathBuf,
+    },
+}
+
+/// `kiln key`.
+pub fn key(cmd: KeyCommand) -> Result<ExitCode> {
+    match cmd {
+        KeyCommand::New { output } => {
+            let key = kiln_registry::signing::SecretKey::generate().map_err(Error::Input)?;
+            key.write(&output).map_err(Error::Input)?;
+            println!("{}", key.public());
+            eprintln!(
+                "kiln: secret key written to {}; publish with --sign {0}, trust its public key with --trust",
+                output.display()
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+    }
 }
 
 /// `kiln yank`.
@@ -180,8 +210,10 @@ pub fn publish(a: PublishArgs) -> Result<ExitCode> {
     }
     let bytes = std::fs::read(&a.archive).map_err(|source| Error::Io { path: a.archive.clone(), source })?;
     check_shim(&archive::unpack(&a.archive.display().to_string(), &bytes)?)?;
-    let line = reg.publish(&a.archive.display().to_string(), &bytes)?;
-    println!("published {} to {} (sha256 {})", line.id(), reg.root.display(), line.cksum);
+    let key = a.sign.as_deref().map(kiln_registry::signing::SecretKey::read).transpose().map_err(Error::Input)?;
+    let line = reg.publish_signed(&a.archive.display().to_string(), &bytes, key.as_ref())?;
+    let signed = key.map_or(String::new(), |k| format!(", signed by {}", k.public()));
+    println!("published {} to {} (sha256 {}{signed})", line.id(), reg.root.display(), line.cksum);
     Ok(ExitCode::SUCCESS)
 }
 
