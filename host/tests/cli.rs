@@ -370,8 +370,9 @@ fn a_new_package_builds_and_passes_its_own_test() {
     };
     let o = run(&[]);
     assert!(!o.status.success() && text(&o).contains("no kernel package runs ai.example::Twice"), "{}", text(&o));
-    let o = run(&["--lock", lock.to_str().unwrap()]);
+    let o = run(&["--lock", lock.to_str().unwrap(), "--report"]);
     assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("my-twice@0.1.0 (unsigned)"), "the report says so: {}", text(&o));
     assert!(
         text(&o).contains("my-twice@0.1.0 is yanked in") && text(&o).contains("used because the lock pins it"),
         "{}",
@@ -386,8 +387,11 @@ fn a_new_package_builds_and_passes_its_own_test() {
     let o = kiln(&["package", "new", "my-twice", "--dir", at]);
     assert_eq!(o.status.code(), Some(3), "{}", text(&o));
     assert!(text(&o).contains("exists"), "{}", text(&o));
-    let o = kiln(&["package", "new", "My Twice", "--dir", at]);
-    assert!(text(&o).contains("package name \"My Twice\""), "{}", text(&o));
+    for bad in ["My Twice", "1abc", "-x"] {
+        let o = kiln(&["package", "new", "--dir", at, "--", bad]);
+        assert_eq!(o.status.code(), Some(3), "{bad}: {}", text(&o));
+        assert!(text(&o).contains(&format!("package name {bad:?}")), "{}", text(&o));
+    }
     let o = kiln(&["package", "new", "x", "--op", "ai.example::", "--dir", at]);
     assert!(text(&o).contains("expected DOMAIN::OP"), "{}", text(&o));
     let o = kiln(&["package", "build", at]);
@@ -493,9 +497,13 @@ fn registry_packages_need_a_trusted_signature() {
     publish("1.0.0", Some(&signer));
     publish("0.9.0", None);
     let why = |extra: &[&str]| kiln(&[&["kernels", "why", "ai.example::Twice", "--registry", r][..], extra].concat());
-    // No trust: both left out, each with its reason.
+    // No trust: both left out, each with its reason, which the verdicts name too.
     let o = why(&[]);
     assert_eq!(o.status.code(), Some(4), "{}", text(&o));
+    assert!(text(&o).contains("left out: signed by") && text(&o).contains("left out: unsigned;"), "{}", text(&o));
+    // The public key of a key file, again.
+    let k = kiln(&["key", "public", signer.to_str().unwrap()]);
+    assert!(k.status.success() && String::from_utf8_lossy(&k.stdout).trim() == public, "{}", text(&k));
     assert!(
         text(&o).contains(&format!("left out: p@1.0.0 (signed by {public}, which is not trusted;")),
         "{}",

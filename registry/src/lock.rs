@@ -99,10 +99,15 @@ impl Lock {
                     .filter(|p| p.name() == l.name)
                     .map(|p| format!("{} ({})", p.version(), p.origin))
                     .collect();
-                let there = if there.is_empty() {
-                    "no version is available".into()
-                } else {
-                    format!("there are {}", there.join(", "))
+                let left_out: Vec<String> = reg
+                    .excluded()
+                    .filter(|(p, _)| p.name() == l.name)
+                    .map(|(p, why)| format!("{} ({why})", p.id()))
+                    .collect();
+                let there = match (there.is_empty(), left_out.is_empty()) {
+                    (true, true) => "no version is available".into(),
+                    (true, false) => format!("left out: {}", left_out.join(", ")),
+                    _ => format!("there are {}", there.join(", ")),
                 };
                 return Err(format!(
                     "the lock pins {}@{} (from {}), which is not available; {there}",

@@ -111,6 +111,9 @@ pub struct OpRegistry {
     by_op: HashMap<(String, String), Vec<(usize, usize)>>,
     /// Every registered name@version.
     ids: HashSet<(String, semver::Version)>,
+    /// Packages taken out by policy ([`OpRegistry::exclude`]) with the reason, so that a node
+    /// they would have run names them instead of saying that nothing provides its op.
+    excluded: Vec<(Arc<Package>, String)>,
 }
 
 /// Precedence of the built-in packages.
@@ -168,6 +171,42 @@ impl OpRegistry {
         self.packages = packages;
     }
 
+    /// Takes out the packages `why` gives a reason for, keeping them (with it) for the errors
+    /// of nodes they declare ([`OpRegistry::resolve`], [`OpRegistry::explain`]).
+    pub fn exclude(&mut self, mut why: impl FnMut(&Package) -> Option<String>) {
+        let mut out = Vec::new();
+        for (p, _) in &self.packages {
+            if let Some(reason) = why(p) {
+                out.push((p.clone(), reason));
+            }
+        }
+        if out.is_empty() {
+            return;
+        }
+        let gone: HashSet<String> = out.iter().map(|(p, _)| p.id()).collect();
+        self.retain(|p| !gone.contains(&p.id()));
+        self.excluded.extend(out);
+    }
+
+    /// Every package [`OpRegistry::exclude`] took out, with the reason.
+    pub fn excluded(&self) -> impl Iterator<Item = &(Arc<Package>, String)> {
+        self.excluded.iter()
+    }
+
+    /// The excluded packages that declare `op_type` in `domain`, with their reasons.
+    fn excluded_for<'s>(
+        &'s self,
+        domain: &'s str,
+        op_type: &'s str,
+    ) -> impl Iterator<Item = &'s (Arc<Package>, String)> {
+        self.excluded.iter().filter(move |(p, _)| {
+            p.manifest
+                .ops
+                .iter()
+                .any(|e| normalize_domain(&e.domain) == domain && e.op_types.iter().any(|t| t == op_type))
+        })
+    }
+
     /// The (package, precedence, entry) candidates that name `q`'s op, in registration order.
     fn candidates<'s>(
         &'s self,
@@ -207,6 +246,11 @@ impl OpRegistry {
             }
         }
         let best = best.map(|(p, e, precedence)| Resolution { package: p.clone(), entry: e.clone(), precedence });
+        if best.is_none() {
+            for (p, reason) in self.excluded_for(domain, q.op_type) {
+                rejections.push(Rejection { package: p.id(), reason: reason.clone() });
+            }
+        }
         best.ok_or_else(|| {
             Box::new(Unresolved {
                 domain: domain.to_string(),
@@ -271,10 +315,16 @@ impl OpRegistry {
                 .collect();
             self.retain(|p| p.name() != r.name || r.req.matches(p.version()));
             if !self.packages.iter().any(|(p, _)| p.name() == r.name) {
-                let there = if available.is_empty() {
-                    "no package has that name".to_string()
-                } else {
-                    format!("there are {}", available.join(", "))
+                let left_out: Vec<String> = self
+                    .excluded
+                    .iter()
+                    .filter(|(p, _)| p.name() == r.name)
+                    .map(|(p, why)| format!("{} ({why})", p.id()))
+                    .collect();
+                let there = match (available.is_empty(), left_out.is_empty()) {
+                    (true, true) => "no package has that name".to_string(),
+                    (true, false) => format!("left out: {}", left_out.join(", ")),
+                    _ => format!("there are {}", available.join(", ")),
                 };
                 return Err(format!("{origin} {r}: no package meets it; {there}"));
             }
@@ -319,6 +369,9 @@ impl OpRegistry {
                 Ok(()) => Verdict::Outranked,
             };
             out.push(Candidate { package: pkg.clone(), precedence, verdict });
+        }
+        for (p, reason) in self.excluded_for(domain, q.op_type) {
+            out.push(Candidate { package: p.clone(), precedence: 0, verdict: Verdict::Rejected(reason.clone()) });
         }
         let rank = |c: &Candidate| match c.verdict {
             Verdict::Chosen => 0,

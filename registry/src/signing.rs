@@ -59,7 +59,8 @@ impl SecretKey {
 
     /// Reads a secret-key file (`kiln key new` writes one).
     pub fn read(path: &Path) -> Result<SecretKey, String> {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("{}: {e} (a secret-key file that `kiln key new` wrote)", path.display()))?;
         let bad = || format!("{}: not a kiln secret key file ({SECRET_TAG} and 64 hex digits)", path.display());
         let hex = text.trim().strip_prefix(SECRET_TAG).ok_or_else(bad)?.trim();
         let bytes: [u8; 32] = hex::decode(hex).ok().and_then(|b| b.try_into().ok()).ok_or_else(bad)?;

@@ -71,7 +71,8 @@ pub enum Command {
         #[command(subcommand)]
         command: bench::BenchCommand,
     },
-    /// Kernel package archives: `kiln package pack DIR` writes a `.kpkg`.
+    /// Kernel packages: `kiln package new NAME` scaffolds one, `build DIR` builds its shim and
+    /// archive, `pack DIR` archives a built folder as a `.kpkg`.
     Package {
         #[command(subcommand)]
         command: registry::PackageCommand,
@@ -395,25 +396,25 @@ fn trust_registry_packages(reg: &mut kiln_registry::OpRegistry, args: &PackageAr
                 Some(k) => format!("signed by {k}, which is not trusted"),
                 None => "unsigned".to_string(),
             };
-            (p.id(), format!("{} ({how}; {})", p.id(), p.origin))
+            (p.id(), format!("{how}; {}", p.origin))
         })
         .collect();
-    if untrusted.is_empty() {
-        return;
-    }
     if args.allow_unsigned {
-        for (_, what) in &untrusted {
-            eprintln!("kiln: note: using {what} (--allow-unsigned)");
+        for (id, what) in &untrusted {
+            eprintln!("kiln: note: using {id} ({what}) (--allow-unsigned)");
         }
         return;
     }
-    for (_, what) in &untrusted {
+    for (id, what) in &untrusted {
         eprintln!(
-            "kiln: warning: registry package left out: {what}; trust its publisher with --trust KEY or accept it with --allow-unsigned"
+            "kiln: warning: registry package left out: {id} ({what}); trust its publisher with --trust KEY or accept it with --allow-unsigned"
         );
     }
-    let ids: Vec<String> = untrusted.into_iter().map(|(id, _)| id).collect();
-    reg.retain(|p| !ids.contains(&p.id()));
+    reg.exclude(|p| {
+        untrusted.iter().find(|(id, _)| *id == p.id()).map(|(_, what)| {
+            format!("left out: {what}; trust its publisher with --trust KEY or accept it with --allow-unsigned")
+        })
+    });
 }
 
 fn devices(json: bool) -> Result<ExitCode> {

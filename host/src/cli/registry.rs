@@ -102,8 +102,14 @@ pub enum KeyCommand {
     /// Write a new ed25519 secret key to FILE (mode 0600; never over an existing file) and print
     /// its public key.
     New {
+        /// The secret-key file to write (keep it private; `publish --sign FILE` reads it).
         #[arg(short, long, value_name = "FILE")]
         output: PathBuf,
+    },
+    /// Print the public key (for `--trust`) of a secret-key file.
+    Public {
+        /// A secret-key file (`kiln key new`).
+        file: PathBuf,
     },
 }
 
@@ -112,12 +118,18 @@ pub fn key(cmd: KeyCommand) -> Result<ExitCode> {
     match cmd {
         KeyCommand::New { output } => {
             let key = kiln_registry::signing::SecretKey::generate().map_err(Error::Input)?;
-            key.write(&output).map_err(Error::Input)?;
+            key.write(&output)
+                .map_err(|e| Error::Input(format!("kiln key new -o: {e} (kiln never overwrites a key)")))?;
             println!("{}", key.public());
             eprintln!(
                 "kiln: secret key written to {}; publish with --sign {0}, trust its public key with --trust",
                 output.display()
             );
+            Ok(ExitCode::SUCCESS)
+        }
+        KeyCommand::Public { file } => {
+            let key = kiln_registry::signing::SecretKey::read(&file).map_err(Error::Input)?;
+            println!("{}", key.public());
             Ok(ExitCode::SUCCESS)
         }
     }
@@ -210,7 +222,12 @@ pub fn publish(a: PublishArgs) -> Result<ExitCode> {
     }
     let bytes = std::fs::read(&a.archive).map_err(|source| Error::Io { path: a.archive.clone(), source })?;
     check_shim(&archive::unpack(&a.archive.display().to_string(), &bytes)?)?;
-    let key = a.sign.as_deref().map(kiln_registry::signing::SecretKey::read).transpose().map_err(Error::Input)?;
+    let key = a
+        .sign
+        .as_deref()
+        .map(kiln_registry::signing::SecretKey::read)
+        .transpose()
+        .map_err(|e| Error::Input(format!("--sign: {e}")))?;
     let line = reg.publish_signed(&a.archive.display().to_string(), &bytes, key.as_ref())?;
     let signed = key.map_or(String::new(), |k| format!(", signed by {}", k.public()));
     println!("published {} to {} (sha256 {}{signed})", line.id(), reg.root.display(), line.cksum);

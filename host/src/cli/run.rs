@@ -20,7 +20,7 @@ pub struct RunArgs {
     #[arg(long = "input", value_name = "NAME=FILE")]
     pub inputs: Vec<String>,
     /// Check an output against a reference: NAME=FILE, at ONNX's tolerances (rtol 1e-3,
-    /// atol 1e-7). Exits with status 2 on a mismatch.
+    /// atol 1e-7). Exits with status 5 on a mismatch.
     #[arg(long = "expect", value_name = "NAME=FILE")]
     pub expect: Vec<String>,
     /// Where outputs are written as NAME.npy (bfloat16 outputs as float32, which NumPy lacks).

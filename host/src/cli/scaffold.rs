@@ -52,8 +52,11 @@ fn write(path: &Path, bytes: &[u8]) -> Result<()> {
 
 /// `kiln package new NAME [--op DOMAIN::OP] [--dir PARENT] [--abi-path PATH]`.
 pub fn new_package(name: &str, op: &str, parent: &Path, abi_path: Option<PathBuf>) -> Result<ExitCode> {
-    if !kiln_kernel_abi::manifest::is_package_name(name) {
-        return Err(Error::Input(format!("package name {name:?}: 1 to 64 characters of a-z, 0-9, '-', '_'")));
+    // A package name that also makes a C identifier (the kernel) and a cargo crate (the shim).
+    if !kiln_kernel_abi::manifest::is_package_name(name) || !name.starts_with(|c: char| c.is_ascii_lowercase()) {
+        return Err(Error::Input(format!(
+            "package name {name:?}: a letter a-z, then up to 63 characters of a-z, 0-9, '-', '_'"
+        )));
     }
     let (domain, op_type) = split_op(op)?;
     let abi = abi_path.or_else(default_abi_path).ok_or_else(|| {
@@ -205,7 +208,7 @@ export_shim!(Op);
         dir.display(),
         if domain.is_empty() { op_type.clone() } else { format!("{domain}::{op_type}") }
     );
-    println!("next: kiln package build {0} && kiln verify {0} --node-tests {0}/tests", dir.display());
+    println!("next: kiln package build {0} && kiln verify {0} --node-tests {0}/tests --device auto", dir.display());
     Ok(ExitCode::SUCCESS)
 }
 

@@ -205,7 +205,9 @@ impl InferInput {
     }
 }
 
-/// A node's resolution and its package id (for the report), shared by the memo.
+/// A node's resolution and its package id for the report (`NAME@VERSION`, then ` (unsigned)` for
+/// a registry's package without a signature, which runs only under `--allow-unsigned`), shared by
+/// the memo.
 pub(super) struct Resolved {
     pub res: Resolution,
     pub package_id: String,
@@ -508,7 +510,14 @@ impl Session {
             detail,
             others: Vec::new(),
         })?;
-        let r = Arc::new(Resolved { package_id: res.package.id(), res });
+        // A registry's package without a signature ran only under --allow-unsigned: the report
+        // says so.
+        let from_registry = res.precedence > kiln_registry::BUILTIN && res.precedence < kiln_registry::USER;
+        let package_id = match (from_registry, &res.package.signer) {
+            (true, None) => format!("{} (unsigned)", res.package.id()),
+            _ => res.package.id(),
+        };
+        let r = Arc::new(Resolved { package_id, res });
         self.resolutions.insert(key, r.clone());
         Ok(r)
     }
