@@ -99,16 +99,7 @@ impl Lock {
                     .filter(|p| p.name() == l.name)
                     .map(|p| format!("{} ({})", p.version(), p.origin))
                     .collect();
-                let left_out: Vec<String> = reg
-                    .excluded()
-                    .filter(|(p, _)| p.name() == l.name)
-                    .map(|(p, why)| format!("{} ({why})", p.id()))
-                    .collect();
-                let there = match (there.is_empty(), left_out.is_empty()) {
-                    (true, true) => "no version is available".into(),
-                    (true, false) => format!("left out: {}", left_out.join(", ")),
-                    _ => format!("there are {}", there.join(", ")),
-                };
+                let there = reg.versions_note(&l.name, &there, "no version is available");
                 return Err(format!(
                     "the lock pins {}@{} (from {}), which is not available; {there}",
                     l.name, l.version, l.source

@@ -188,6 +188,26 @@ impl OpRegistry {
         self.excluded.extend(out);
     }
 
+    /// What an error about package `name` says of its versions: `there are …` (`available`, as
+    /// the caller lists them), else the versions the policy left out with their reasons, else
+    /// `none`.
+    pub fn versions_note(&self, name: &str, available: &[String], none: &str) -> String {
+        if !available.is_empty() {
+            return format!("there are {}", available.join(", "));
+        }
+        let left_out: Vec<String> = self
+            .excluded
+            .iter()
+            .filter(|(p, _)| p.name() == name)
+            .map(|(p, why)| format!("{} ({why})", p.id()))
+            .collect();
+        if left_out.is_empty() {
+            none.to_string()
+        } else {
+            format!("left out: {}", left_out.join(", "))
+        }
+    }
+
     /// Every package [`OpRegistry::exclude`] took out, with the reason.
     pub fn excluded(&self) -> impl Iterator<Item = &(Arc<Package>, String)> {
         self.excluded.iter()
@@ -315,17 +335,7 @@ impl OpRegistry {
                 .collect();
             self.retain(|p| p.name() != r.name || r.req.matches(p.version()));
             if !self.packages.iter().any(|(p, _)| p.name() == r.name) {
-                let left_out: Vec<String> = self
-                    .excluded
-                    .iter()
-                    .filter(|(p, _)| p.name() == r.name)
-                    .map(|(p, why)| format!("{} ({why})", p.id()))
-                    .collect();
-                let there = match (available.is_empty(), left_out.is_empty()) {
-                    (true, true) => "no package has that name".to_string(),
-                    (true, false) => format!("left out: {}", left_out.join(", ")),
-                    _ => format!("there are {}", available.join(", ")),
-                };
+                let there = self.versions_note(&r.name, &available, "no package has that name");
                 return Err(format!("{origin} {r}: no package meets it; {there}"));
             }
         }
