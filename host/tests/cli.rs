@@ -396,6 +396,11 @@ fn a_new_package_builds_and_passes_its_own_test() {
     assert!(text(&o).contains("expected DOMAIN::OP"), "{}", text(&o));
     let o = kiln(&["package", "build", at]);
     assert!(text(&o).contains("has kernel.toml and a shim crate in shim/"), "{}", text(&o));
+    let before = std::fs::read_to_string(dir.join("kernel.toml")).unwrap();
+    let o = kiln(&["package", "build", d, "-o", "/nonexistent/x.kpkg"]);
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+    assert!(text(&o).contains("-o: folder /nonexistent does not exist"), "{}", text(&o));
+    assert_eq!(std::fs::read_to_string(dir.join("kernel.toml")).unwrap(), before, "nothing rewritten");
 }
 
 /// The third-party example end to end on the CPU (examples/third-party): its package
@@ -518,6 +523,10 @@ fn registry_packages_need_a_trusted_signature() {
     assert!(text(&o).contains("left out: p@0.9.0 (unsigned;"), "{}", text(&o));
     let o = why(&["--allow-unsigned"]);
     assert!(o.status.success() && text(&o).contains("note: using p@0.9.0 (unsigned;"), "{}", text(&o));
+    // `kernels list` marks what runs leave out.
+    let o = kiln(&["kernels", "list", "--registry", r, "--trust", &public]);
+    assert!(text(&o).contains("[unsigned: left out by runs; --trust KEY or --allow-unsigned]"), "{}", text(&o));
+    assert!(!text(&o).contains(&format!("[signed by {public}")), "{}", text(&o));
     let o = why(&["--trust", "ed25519:1234"]);
     assert_eq!(o.status.code(), Some(2), "a malformed key is a usage error: {}", text(&o));
     // A signature that does not verify (the index line names another key) is refused, trusted or not.

@@ -150,9 +150,15 @@ pub fn run(cmd: KernelsCommand) -> Result<ExitCode> {
                 &packages.registries.dirs(),
             );
             reg.require(&packages.kernels).map_err(crate::Error::Input)?;
-            for p in reg.packages() {
+            for (p, precedence) in reg.packages_with_precedence() {
                 let m = &p.manifest;
-                println!("{} {}  ({})", m.package.name, m.package.version, p.origin);
+                // Runs leave out a registry package without a trusted signature (--trust).
+                let trust = match super::untrusted(p, precedence, &packages.trust) {
+                    Some(how) if packages.allow_unsigned => format!("  [{how}: used under --allow-unsigned]"),
+                    Some(how) => format!("  [{how}: left out by runs; --trust KEY or --allow-unsigned]"),
+                    None => String::new(),
+                };
+                println!("{} {}  ({}){trust}", m.package.name, m.package.version, p.origin);
                 if !m.package.description.is_empty() {
                     println!("  {}", m.package.description);
                 }

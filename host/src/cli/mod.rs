@@ -385,19 +385,27 @@ pub fn registry(args: &PackageArgs) -> Result<kiln_registry::OpRegistry> {
 /// Leaves out the registry directories' packages that no trusted key signed (`--trust`), unless
 /// `--allow-unsigned`; names each on stderr either way. Drop-in folders and built-ins are the
 /// user's own and need no signature.
+/// Why a package of `precedence` lacks a trusted signature (`unsigned`, `signed by K, which is
+/// not trusted`), or `None` when it needs none (drop-in folders, built-ins) or has one.
+pub fn untrusted(
+    p: &kiln_registry::Package,
+    precedence: u32,
+    trust: &[kiln_registry::signing::PublicKey],
+) -> Option<String> {
+    let from_registry = precedence > kiln_registry::BUILTIN && precedence < kiln_registry::USER;
+    if !from_registry || p.signer.as_ref().is_some_and(|s| trust.iter().any(|k| k.to_string() == *s)) {
+        return None;
+    }
+    Some(match &p.signer {
+        Some(k) => format!("signed by {k}, which is not trusted"),
+        None => "unsigned".to_string(),
+    })
+}
+
 fn trust_registry_packages(reg: &mut kiln_registry::OpRegistry, args: &PackageArgs) {
-    let trusted: Vec<String> = args.trust.iter().map(|k| k.to_string()).collect();
-    let from_registry = |p: u32| p > kiln_registry::BUILTIN && p < kiln_registry::USER;
     let untrusted: Vec<(String, String)> = reg
         .packages_with_precedence()
-        .filter(|(p, prec)| from_registry(*prec) && !p.signer.as_ref().is_some_and(|s| trusted.contains(s)))
-        .map(|(p, _)| {
-            let how = match &p.signer {
-                Some(k) => format!("signed by {k}, which is not trusted"),
-                None => "unsigned".to_string(),
-            };
-            (p.id(), format!("{how}; {}", p.origin))
-        })
+        .filter_map(|(p, prec)| untrusted(p, prec, &args.trust).map(|how| (p.id(), format!("{how}; {}", p.origin))))
         .collect();
     if args.allow_unsigned {
         for (id, what) in &untrusted {

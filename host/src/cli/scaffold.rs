@@ -286,6 +286,12 @@ pub fn build_package(dir: &Path, output: Option<PathBuf>) -> Result<ExitCode> {
         .map_err(|source| Error::Io { path: dir.join("kernel.toml"), source })?;
     let manifest = kiln_kernel_abi::manifest::Manifest::parse(&manifest_text)
         .map_err(|e| Error::Input(format!("{}: {e}", dir.join("kernel.toml").display())))?;
+    // The archive's folder must exist before anything in the package folder is rewritten.
+    if let Some(parent) = output.as_deref().and_then(Path::parent).filter(|p| !p.as_os_str().is_empty()) {
+        if !parent.is_dir() {
+            return Err(Error::Input(format!("-o: folder {} does not exist", parent.display())));
+        }
+    }
     // 1. The shim, for wasm32-unknown-unknown.
     let target = dir.join("shim/target");
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
