@@ -592,6 +592,9 @@ fn requirements_and_the_lock_beside_a_model_apply_to_its_runs() {
     let o = run(&["--locked"]);
     assert_eq!(o.status.code(), Some(3), "{}", text(&o));
     assert!(text(&o).contains("--locked: no kiln.lock beside the model"), "{}", text(&o));
+    let o = kiln(&["lock", m, "--device", "cpu", "--locked"]);
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+    assert!(text(&o).contains("--lock and --locked read one: drop them"), "{}", text(&o));
     let o = kiln(&["lock", m, "--device", "cpu"]);
     assert!(o.status.success(), "{}", text(&o));
     let o = run(&["--locked"]);

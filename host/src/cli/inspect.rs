@@ -227,6 +227,12 @@ fn model_file(path: &Path) -> Result<PathBuf> {
 /// `kiln lock`: resolves the model as `inspect` does and pins the packages its ops resolved to.
 /// Errors: an op no package runs (unsupported), as a run would fail.
 pub fn lock(a: LockArgs) -> Result<ExitCode> {
+    if a.target.packages.locked || a.target.packages.lock.is_some() {
+        return Err(Error::Input(
+            "kiln lock writes a kiln.lock from what the model resolves to; --lock and --locked read one: drop them"
+                .into(),
+        ));
+    }
     let out = match &a.output {
         Some(p) => p.clone(),
         None if a.model.is_dir() => a.model.join("kiln.lock"),
