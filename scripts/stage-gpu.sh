@@ -2,6 +2,7 @@
 # Stages what a run on the GPU machine needs into .gpu/ (git-ignored), compressed to stay well
 # under the 64 MiB that may travel:
 #   .gpu/kiln.xz, .gpu/gpu-tests.xz   release kiln and the GPU test binary (tests/gpu.rs)
+#   .gpu/bias-gelu.kpkg               the third-party example's package (examples/third-party)
 #   .gpu/node-tests.tar.xz            the ONNX node tests (.cache/onnx-node-1.20.0)
 #   .gpu/fixtures/llm/...             the small LLM fixtures the GPU tests read
 #   .gpu/device-fixtures/             ../shared/fixtures/device (SmolLM2-architecture builder,
@@ -27,6 +28,14 @@ for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable"):
         print(m["executable"])')
+# The third-party example's package for its GPU test (the GPU machine has no cargo): built here
+# in a copy whose shim depends on this checkout's kernel-abi.
+tp=$(mktemp -d)
+cp -r examples/third-party/bias-gelu "$tp/"
+rm -rf "$tp/bias-gelu/shim/target" "$tp/bias-gelu/shim.wasm"
+sed -i "s|path = \"../../../../kernel-abi\"|path = \"$root/kernel-abi\"|" "$tp/bias-gelu/shim/Cargo.toml"
+target/release/kiln -q package build "$tp/bias-gelu" -o .gpu/bias-gelu.kpkg >/dev/null
+rm -rf "$tp"
 xz -T2 -6 -c target/release/kiln > .gpu/kiln.xz
 xz -T2 -6 -c "$tests_bin" > .gpu/gpu-tests.xz
 tar -C "$root" -cJf .gpu/node-tests.tar.xz .cache/onnx-node-1.20.0

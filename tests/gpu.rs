@@ -36,6 +36,33 @@ fn the_example_runs_on_the_gpu_and_matches_onnxruntime() {
     assert!(s.report.plan_hits > 0, "later runs reuse the launch plans: {:?}", s.report);
 }
 
+/// The third-party example (examples/third-party) on CUDA: its package, built and archived by
+/// `scripts/stage-gpu.sh` into `.gpu/bias-gelu.kpkg` (the GPU machine has no cargo), runs
+/// com.example::BiasGelu with its own CUDA kernel, and the model matches numpy's float64
+/// reference.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_third_party_example_runs_its_cuda_kernel() {
+    let root = kiln_tests::root();
+    let kpkg = root.join(".gpu/bias-gelu.kpkg");
+    let bytes = std::fs::read(&kpkg)
+        .unwrap_or_else(|e| panic!("{}: {e}: scripts/stage-gpu.sh builds the example's package", kpkg.display()));
+    let pkg = kiln_registry::archive::unpack(&kpkg.display().to_string(), &bytes).unwrap();
+    let (mut reg, errors) = kiln_host::packages::registry(&[], &[]);
+    assert!(errors.is_empty(), "{errors:?}");
+    reg.add(pkg, kiln_registry::USER);
+    let rt = Runtime::new(reg, kiln_host::sandbox::SandboxConfig::default()).unwrap();
+    let dir = root.join("examples/third-party");
+    let m = model::load(&dir.join("model.onnx")).unwrap();
+    let x = tensorio::read_tensor_file(&dir.join("x.npy")).unwrap().0;
+    let want = tensorio::read_tensor_file(&dir.join("expected.npy")).unwrap().0;
+    let mut s = Session::new(rt, m, cuda()).unwrap();
+    let out = s.run(vec![("x".into(), x)]).unwrap();
+    assert_eq!(kiln_host::conformance::compare(&out[0].1, &want, 1e-4, 1e-5), None);
+    assert_eq!(s.report.packages.get("bias-gelu@1.0.0"), Some(&1), "{:?}", s.report.packages);
+    assert!(s.report.wasm_calls.dispatch > 0, "BiasGelu ran its CUDA kernel: {:?}", s.report.wasm_calls);
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn onnx_node_tests_that_pass_on_the_cpu_pass_on_the_gpu() {
