@@ -445,31 +445,27 @@ __device__ __forceinline__ void mma16816_emulated(float (&d)[4], unsigned a0, un
     }
 }
 
-template <>
-__device__ __forceinline__ void mma16816<F16>(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                              unsigned b0, unsigned b1) {
+// The mma for one element type: PTX_TYPE is f16 or bf16.
 #if __CUDA_ARCH__ >= 800
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#define KILN_MMA16816(T, PTX_TYPE)                                                                                 \
+    template <>                                                                                                    \
+    __device__ __forceinline__ void mma16816<T>(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, \
+                                                unsigned b0, unsigned b1) {                                        \
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE ".f32 {%0,%1,%2,%3}, "         \
+                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"                                                      \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                              \
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));                                      \
+    }
 #else
-    mma16816_emulated<F16>(d, a0, a1, a2, a3, b0, b1);
+#define KILN_MMA16816(T, PTX_TYPE)                                                                                 \
+    template <>                                                                                                    \
+    __device__ __forceinline__ void mma16816<T>(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, \
+                                                unsigned b0, unsigned b1) {                                        \
+        mma16816_emulated<T>(d, a0, a1, a2, a3, b0, b1);                                                           \
+    }
 #endif
-}
-
-template <>
-__device__ __forceinline__ void mma16816<BF16>(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                               unsigned b0, unsigned b1) {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#else
-    mma16816_emulated<BF16>(d, a0, a1, a2, a3, b0, b1);
-#endif
-}
+KILN_MMA16816(F16, "f16")
+KILN_MMA16816(BF16, "bf16")
 
 // The 16-byte weight runs of K groups g0, g0 + ksplit, … (MMA_UNROLL of them) of rows m0 + g
 // (w0) and m0 + g + 8 (w1) for lane quarter q; zeros past the row or past N.
