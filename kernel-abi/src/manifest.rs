@@ -358,11 +358,10 @@ impl Manifest {
     /// The declared domain of input `input` of `op_type` in `domain` (`""` and `ai.onnx` are
     /// the same), [`ValueDomain::Any`] when no entry names it.
     pub fn input_domain(&self, domain: &str, op_type: &str, input: usize) -> ValueDomain {
-        let norm = |d: &str| if d == "ai.onnx" { String::new() } else { d.to_string() };
         self.input_domains
             .iter()
             .find(|e| {
-                norm(&e.domain) == norm(domain)
+                same_domain(&e.domain, domain)
                     && e.op_types.iter().any(|t| t == op_type)
                     && (e.inputs.is_empty() || e.inputs.contains(&input))
             })
@@ -445,8 +444,7 @@ impl Manifest {
 impl Manifest {
     /// Whether some `[[ops]]` entry lists `op_type` in `domain`.
     fn claims(&self, domain: &str, op_type: &str) -> bool {
-        let norm = |d: &str| if d == "ai.onnx" { String::new() } else { d.to_string() };
-        self.ops.iter().any(|e| norm(&e.domain) == norm(domain) && e.op_types.iter().any(|t| t == op_type))
+        self.ops.iter().any(|e| same_domain(&e.domain, domain) && e.op_types.iter().any(|t| t == op_type))
     }
 
     /// Every kernel of `c` matches exactly one signature, every signature pattern matches one of
@@ -481,6 +479,18 @@ impl Manifest {
         }
         Ok(())
     }
+}
+
+/// Whether two op domains are the same (`""` and `"ai.onnx"` are).
+fn same_domain(a: &str, b: &str) -> bool {
+    fn norm(d: &str) -> &str {
+        if d == "ai.onnx" {
+            ""
+        } else {
+            d
+        }
+    }
+    norm(a) == norm(b)
 }
 
 /// Parses `"major.minor"` into `(major, minor)`.

@@ -208,11 +208,6 @@ impl OpRegistry {
         }
     }
 
-    /// Every package [`OpRegistry::exclude`] took out, with the reason.
-    pub fn excluded(&self) -> impl Iterator<Item = &(Arc<Package>, String)> {
-        self.excluded.iter()
-    }
-
     /// The excluded packages that declare `op_type` in `domain`, with their reasons.
     fn excluded_for<'s>(
         &'s self,

@@ -233,11 +233,7 @@ pub fn lock(a: LockArgs) -> Result<ExitCode> {
                 .into(),
         ));
     }
-    let out = match &a.output {
-        Some(p) => p.clone(),
-        None if a.model.is_dir() => a.model.join("kiln.lock"),
-        None => a.model.with_file_name("kiln.lock"),
-    };
+    let out = a.output.clone().unwrap_or_else(|| super::beside_model(&a.model, "kiln.lock"));
     super::output::check_path("--output", &Some(out.clone()))?;
     let mut m = model::load(&model_file(&a.model)?)?;
     let device = choose_device(a.target.device)?;

@@ -144,7 +144,7 @@ pub struct PackageArgs {
 
 /// The file beside a model (a model file's folder, or a model folder itself) where kiln reads
 /// the model's package requirements (`kiln.toml`) and lock (`kiln.lock`).
-fn beside_model(model: &std::path::Path, file: &str) -> PathBuf {
+pub(super) fn beside_model(model: &std::path::Path, file: &str) -> PathBuf {
     let dir = if model.is_dir() { model } else { model.parent().unwrap_or(std::path::Path::new(".")) };
     dir.join(file)
 }

@@ -169,9 +169,7 @@ fn check_shim(pkg: &kiln_registry::Package) -> Result<()> {
 pub fn package(cmd: PackageCommand) -> Result<ExitCode> {
     match cmd {
         PackageCommand::Pack { dir, output } => {
-            let pkg = kiln_registry::Package::load_dir(&dir)?;
-            let out = output.unwrap_or_else(|| PathBuf::from(format!("{}-{}.kpkg", pkg.name(), pkg.version())));
-            pack_to(&dir, &out)?;
+            pack_to(&dir, |pkg| output.unwrap_or_else(|| PathBuf::from(archive_name(pkg))))?;
             Ok(ExitCode::SUCCESS)
         }
         PackageCommand::New { name, op, dir, abi_path } => super::scaffold::new_package(&name, &op, &dir, abi_path),
@@ -179,13 +177,18 @@ pub fn package(cmd: PackageCommand) -> Result<ExitCode> {
     }
 }
 
-/// Archives package folder `dir` as `out` after checking that it loads (manifest, hashes, the
-/// shim's exports and ABI version); prints the package and the archive.
-pub(super) fn pack_to(dir: &std::path::Path, out: &std::path::Path) -> Result<()> {
+/// `NAME-VERSION.kpkg`, the default file name of a package's archive.
+pub(super) fn archive_name(pkg: &kiln_registry::Package) -> String {
+    format!("{}-{}.kpkg", pkg.name(), pkg.version())
+}
+
+/// Archives package folder `dir` as `out(package)` after checking that it loads (manifest,
+/// hashes, the shim's exports and ABI version); prints the package and the archive.
+pub(super) fn pack_to(dir: &std::path::Path, out: impl FnOnce(&kiln_registry::Package) -> PathBuf) -> Result<()> {
     let bytes = archive::pack(dir)?;
     let pkg = archive::unpack(&dir.display().to_string(), &bytes)?;
     check_shim(&pkg)?;
-    let out = out.to_path_buf();
+    let out = out(&pkg);
     let inside = match (std::path::absolute(&out), std::fs::canonicalize(dir)) {
         (Ok(o), Ok(d)) => {
             let parent = o.parent().and_then(|p| std::fs::canonicalize(p).ok()).unwrap_or(o.clone());

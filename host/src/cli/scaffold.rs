@@ -332,13 +332,13 @@ pub fn build_package(dir: &Path, output: Option<PathBuf>) -> Result<ExitCode> {
     }
     write(&dir.join("kernel.toml"), with_files_table(&manifest_text, &table).as_bytes())?;
     // 3. Checks and the archive, as `kiln package pack` does them.
-    let pkg = kiln_registry::Package::load_dir(dir)?;
     // By default beside the folder (never inside it, which `pack` refuses).
-    let out = output.unwrap_or_else(|| {
-        let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
-        dir.parent().unwrap_or(Path::new(".")).join(format!("{}-{}.kpkg", pkg.name(), pkg.version()))
-    });
-    super::registry::pack_to(dir, &out)?;
+    super::registry::pack_to(dir, |pkg| {
+        output.unwrap_or_else(|| {
+            let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+            dir.parent().unwrap_or(Path::new(".")).join(super::registry::archive_name(pkg))
+        })
+    })?;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -123,6 +123,9 @@ pub struct Sandbox {
     engine: wasmtime::Engine,
     linker: wasmtime::Linker<shim::CallState>,
     config: SandboxConfig,
+    /// `config.module_cache` when it may hold native code (`native_cache::private_dir`,
+    /// checked once here), else `None`.
+    module_cache: Option<std::path::PathBuf>,
     ticker_stop: Arc<AtomicBool>,
     ticker: Option<JoinHandle<()>>,
 }
@@ -154,7 +157,14 @@ impl Sandbox {
                 }
             })
             .map_err(|e| fail(format!("cannot start the epoch ticker (no deadline could be enforced): {e}")))?;
-        Ok(Sandbox { engine, linker, config, ticker_stop, ticker: Some(ticker) })
+        let module_cache = config.module_cache.clone().filter(|dir| match native_cache::private_dir(dir) {
+            Ok(()) => true,
+            Err(why) => {
+                native_cache::warn_unusable(&why);
+                false
+            }
+        });
+        Ok(Sandbox { engine, linker, config, module_cache, ticker_stop, ticker: Some(ticker) })
     }
 
     pub fn config(&self) -> &SandboxConfig {
@@ -166,11 +176,7 @@ impl Sandbox {
     /// compiled by Cranelift and stored there. An entry that is damaged, foreign or refused by
     /// wasmtime is compiled again and replaced; a cache that cannot be used is skipped.
     pub(super) fn compile(&self, wasm: &[u8]) -> Result<wasmtime::Module, wasmtime::Error> {
-        let Some(dir) = &self.config.module_cache else { return wasmtime::Module::from_binary(&self.engine, wasm) };
-        if let Err(why) = native_cache::private_dir(dir) {
-            native_cache::warn_unusable(&why);
-            return wasmtime::Module::from_binary(&self.engine, wasm);
-        }
+        let Some(dir) = &self.module_cache else { return wasmtime::Module::from_binary(&self.engine, wasm) };
         let path = dir.join(format!("{}.cwasm", self.cache_key(wasm)));
         match native_cache::read_sealed(&path) {
             Ok(Some(bytes)) => {
