@@ -8,7 +8,7 @@ Each source is run through the C preprocessor (`cpp`, with the host prelude's fo
 host/cuda on the include path), so kernels that macros define are seen as the compiler sees
 them. A parameter is `tensor` when it is a pointer, else its scalar type: `i32` (int), `u32`
 (unsigned), `i64` (long long, kiln_i64), `u64` (unsigned long long, kiln_u64), `f32` (float),
-`f64` (double). Kernels with the same parameters are grouped under a `*` pattern when one
+`f64` (double); a `kiln_status*` is `status` (ABI.md §7.5). Kernels with the same parameters are grouped under a `*` pattern when one
 covers exactly them, else listed.
 """
 import os
@@ -36,6 +36,9 @@ def kernels_of(source):
         name, params = m.group(1), m.group(2).strip()
         kinds = []
         for p in [p.strip() for p in params.split(",")] if params and params != "void" else []:
+            if re.match(r"(const\s+)?kiln_status\s*\*", p):
+                kinds.append("status")
+                continue
             if "*" in p:
                 kinds.append("tensor")
                 continue

@@ -252,3 +252,25 @@ fn a_set_stop_flag_ends_the_generation_with_the_tokens_so_far() {
     assert_eq!(r.rows[0].generated_ids.len(), 3);
     assert_eq!(r.rows[0].stopped_by, kiln_host::genai::StopReason::Interrupted);
 }
+
+/// Streamed text pieces join to the whole sequence's decoding (held back at the end: at most an
+/// incomplete character), for the byte-level tokenizers of the fixtures, over text with
+/// multi-byte characters that tokens split.
+#[test]
+fn streamed_pieces_join_to_the_whole_decoding() {
+    use kiln_host::genai::TextStream;
+    for folder in ["tiny-llama-v512-fp16-cuda", "tiny-llama-v512-fp32-cpu"] {
+        let tok = ModelFolder::open(&fixture(&format!("llm/{folder}"))).unwrap().tokenizer;
+        for text in ["Once upon a time, there was a little girl.", "naïve café — 東京 🙂 ok", "a  b\n\nc\td"] {
+            let ids: Vec<u32> = tok.encode(text, false).unwrap().get_ids().to_vec();
+            let mut s = TextStream::new(tok.clone());
+            let joined: String = ids.iter().filter_map(|&i| s.push(i as i64)).collect();
+            let whole = tok.decode(&ids, true).unwrap();
+            assert_eq!(joined, s.shown());
+            assert!(whole.starts_with(&joined) && whole.len() - joined.len() <= 4, "{folder}: {joined:?} vs {whole:?}");
+            if !whole.ends_with('\u{FFFD}') {
+                assert_eq!(joined, whole, "{folder}: nothing held back at a character boundary");
+            }
+        }
+    }
+}

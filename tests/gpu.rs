@@ -390,72 +390,9 @@ fn long_context_decode_attention_matches_the_cpu_reference() {
 }
 
 fn long_context_decode_attention(n: usize, nk: usize) {
-    use kiln_host::Tensor;
-    use kiln_kernel_abi::DType;
-    use kiln_tests::onnx::{self, attr_float, node, value};
-    let (b, h, pl, half) = (3usize, 64usize, 3072usize, 32usize);
-    let lens = [3000i32, 700, 1];
-    let mut r = kiln_tests::Rng(0x5eed);
-    let f32t = |shape: &[usize], v: Vec<f32>| kiln_tests::f32_tensor(shape, &v);
-    let mut vals = |k: usize| {
-        (0..k).map(|_| ((r.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).collect::<Vec<f32>>()
-    };
-    let inputs = vec![
-        ("query", f32t(&[b, 1, n * h], vals(b * n * h))),
-        ("key", f32t(&[b, 1, nk * h], vals(b * nk * h))),
-        ("value", f32t(&[b, 1, nk * h], vals(b * nk * h))),
-        ("past_key", f32t(&[b, nk, pl, h], vals(b * nk * pl * h))),
-        ("past_value", f32t(&[b, nk, pl, h], vals(b * nk * pl * h))),
-        (
-            "seqlens_k",
-            Tensor::new(
-                DType::I32,
-                vec![b],
-                lens.iter().map(|l| l - 1).flat_map(i32::to_le_bytes).collect::<Vec<u8>>().into(),
-            )
-            .unwrap(),
-        ),
-        ("total_sequence_length", Tensor::new(DType::I32, vec![], (pl as i32).to_le_bytes().to_vec().into()).unwrap()),
-        ("cos_cache", f32t(&[pl, half], vals(pl * half))),
-        ("sin_cache", f32t(&[pl, half], vals(pl * half))),
-    ];
-    let code = |d: DType| if d == DType::F32 { 1 } else { 6 };
-    let decl: Vec<_> = inputs
-        .iter()
-        .map(|(nm, t)| value(nm, code(t.dtype), &t.shape.iter().map(|&d| d as i64).collect::<Vec<_>>()))
-        .collect();
-    let int = onnx::attr_int;
     for window in [-1i64, 1000] {
-        let names: Vec<&str> = inputs.iter().map(|(nm, _)| *nm).collect();
-        let mut g = node(
-            "GroupQueryAttention",
-            &names,
-            &["output", "present_key", "present_value"],
-            vec![
-                int("num_heads", n as i64),
-                int("kv_num_heads", nk as i64),
-                attr_float("scale", 0.125),
-                int("local_window_size", window),
-                int("do_rotary", 1),
-            ],
-        );
-        g.domain = "com.microsoft".into();
-        let outs: Vec<_> = ["output", "present_key", "present_value"]
-            .iter()
-            .map(|nm| {
-                let mut v = value(nm, 1, &[]);
-                v.type_ = Default::default();
-                v
-            })
-            .collect();
-        let mut m = onnx::model(vec![g], decl.clone(), outs, vec![]);
-        m.opset_import.push(onnx::OperatorSetIdProto {
-            domain: "com.microsoft".into(),
-            version: 1,
-            ..Default::default()
-        });
-        let feeds: Vec<(String, Tensor)> = inputs.iter().map(|(nm, t)| (nm.to_string(), t.clone())).collect();
-        let load = || model::load_bytes(&onnx::bytes(&m), None).unwrap();
+        let (m, feeds) = gqa_decode_model(n, nk, window, &[3000, 700, 1], true);
+        let load = || model::load_bytes(&kiln_tests::onnx::bytes(&m), None).unwrap();
         let want = Session::new(runtime(), load(), SessionOptions::default()).unwrap().run(feeds.clone()).unwrap();
         let mut gpu =
             Session::new(runtime(), load(), SessionOptions { small_integer_nodes_on_host: false, ..cuda() }).unwrap();
@@ -465,6 +402,183 @@ fn long_context_decode_attention(n: usize, nk: usize) {
             assert!(d <= 1e-4, "{n} heads, {nk} KV heads, window {window}: {name}: max |Δ| {d}");
         }
     }
+}
+
+/// `seqlens_k` as an int32 tensor of `lens` valid positions per row.
+fn seqlens_k(lens: &[i32]) -> kiln_host::Tensor {
+    let bytes: Vec<u8> = lens.iter().map(|l| l - 1).flat_map(i32::to_le_bytes).collect();
+    kiln_host::Tensor::new(kiln_kernel_abi::DType::I32, vec![lens.len()], bytes.into()).unwrap()
+}
+
+/// One GroupQueryAttention decode node over a shared 3072-position past (float32, head size 64,
+/// rotary on, scale 0.125, local window `window`), `n` query heads and `nk` KV heads, rows of
+/// `lens` valid positions, random values: the model and its feeds. total_sequence_length (3072)
+/// is a feed when `total_fed`, else an initializer (so that every feed may be a device tensor).
+fn gqa_decode_model(
+    n: usize,
+    nk: usize,
+    window: i64,
+    lens: &[i32],
+    total_fed: bool,
+) -> (kiln_tests::onnx::ModelProto, Vec<(String, kiln_host::Tensor)>) {
+    use kiln_host::Tensor;
+    use kiln_kernel_abi::DType;
+    use kiln_tests::onnx::{self, attr_float, node, value};
+    let (b, h, pl, half) = (lens.len(), 64usize, 3072usize, 32usize);
+    let mut r = kiln_tests::Rng(0x5eed);
+    let f32t = |shape: &[usize], v: Vec<f32>| kiln_tests::f32_tensor(shape, &v);
+    let mut vals = |k: usize| {
+        (0..k).map(|_| ((r.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).collect::<Vec<f32>>()
+    };
+    let total = Tensor::new(DType::I32, vec![], (pl as i32).to_le_bytes().to_vec().into()).unwrap();
+    let mut inputs = vec![
+        ("query", f32t(&[b, 1, n * h], vals(b * n * h))),
+        ("key", f32t(&[b, 1, nk * h], vals(b * nk * h))),
+        ("value", f32t(&[b, 1, nk * h], vals(b * nk * h))),
+        ("past_key", f32t(&[b, nk, pl, h], vals(b * nk * pl * h))),
+        ("past_value", f32t(&[b, nk, pl, h], vals(b * nk * pl * h))),
+        ("seqlens_k", seqlens_k(lens)),
+        ("total_sequence_length", total),
+        ("cos_cache", f32t(&[pl, half], vals(pl * half))),
+        ("sin_cache", f32t(&[pl, half], vals(pl * half))),
+    ];
+    let names: Vec<&str> = inputs.iter().map(|(nm, _)| *nm).collect();
+    let int = onnx::attr_int;
+    let mut g = node(
+        "GroupQueryAttention",
+        &names,
+        &["output", "present_key", "present_value"],
+        vec![
+            int("num_heads", n as i64),
+            int("kv_num_heads", nk as i64),
+            attr_float("scale", 0.125),
+            int("local_window_size", window),
+            int("do_rotary", 1),
+        ],
+    );
+    g.domain = "com.microsoft".into();
+    let mut inits = Vec::new();
+    if !total_fed {
+        inputs.retain(|(nm, _)| *nm != "total_sequence_length");
+        inits.push(onnx::TensorProto {
+            name: "total_sequence_length".into(),
+            data_type: 6,
+            int32_data: vec![pl as i32],
+            ..Default::default()
+        });
+    }
+    let code = |d: DType| if d == DType::F32 { 1 } else { 6 };
+    let decl: Vec<_> = inputs
+        .iter()
+        .map(|(nm, t)| value(nm, code(t.dtype), &t.shape.iter().map(|&d| d as i64).collect::<Vec<_>>()))
+        .collect();
+    let outs: Vec<_> = ["output", "present_key", "present_value"]
+        .iter()
+        .map(|nm| {
+            let mut v = value(nm, 1, &[]);
+            v.type_ = Default::default();
+            v
+        })
+        .collect();
+    let mut m = onnx::model(vec![g], decl, outs, inits);
+    m.opset_import.push(onnx::OperatorSetIdProto { domain: "com.microsoft".into(), version: 1, ..Default::default() });
+    (m, inputs.into_iter().map(|(nm, t)| (nm.to_string(), t)).collect())
+}
+
+/// A `seqlens_k` past the KV buffer, fed to a captured GroupQueryAttention decode (every input a
+/// held device tensor, the outputs bound in place, the run a graph replay), fails that run at
+/// its synchronization with the CPU reference's own reason, naming the node's package and op;
+/// the kernels stay inside their buffers (compute-sanitizer checks that in `gpu-check.sh
+/// sanitize`), and the next run with good lengths replays the same graph with the CPU's
+/// result. A Gather index out of range fails the same way, eagerly.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn crafted_indices_fail_a_captured_run_with_the_cpu_error_and_the_next_run_works() {
+    use kiln_host::ep::{Feed, Fetch, GraphMode};
+    use kiln_host::Error;
+    let good = [3000, 700, 1];
+    let (m, feeds) = gqa_decode_model(4, 2, -1, &good, false);
+    let load = || model::load_bytes(&kiln_tests::onnx::bytes(&m), None).unwrap();
+    let mut cpu = Session::new(runtime(), load(), SessionOptions::default()).unwrap();
+    let want = cpu.run(feeds.clone()).unwrap();
+    let mut s = Session::new(runtime(), load(), SessionOptions { graphs: GraphMode::On, ..cuda() }).unwrap();
+    let held: Vec<_> = feeds
+        .iter()
+        .map(|(_, t)| {
+            let d = s.zeros(t.dtype, t.shape.clone()).unwrap();
+            s.write_tensor(&d, t).unwrap();
+            d
+        })
+        .collect();
+    let outs: Vec<_> = want.iter().map(|(_, t)| s.zeros(t.dtype, t.shape.clone()).unwrap()).collect();
+    let out_names: Vec<String> = want.iter().map(|(nm, _)| nm.clone()).collect();
+    let run = |s: &mut Session| -> kiln_host::Result<Vec<kiln_host::Tensor>> {
+        let fed = feeds.iter().zip(&held).map(|((nm, _), d)| (nm.clone(), Feed::Device(d))).collect();
+        let fetch: Vec<_> = out_names.iter().zip(&outs).map(|(nm, d)| (nm.as_str(), Fetch::Into(d))).collect();
+        s.run_with(fed, &fetch)?;
+        outs.iter().map(|d| s.read_tensor(d)).collect()
+    };
+    let check = |got: &[kiln_host::Tensor], when: &str| {
+        for (g, (name, w)) in got.iter().zip(&want) {
+            let d = max_abs_diff(&kiln_tests::f32_values(g), &kiln_tests::f32_values(w));
+            assert!(d <= 1e-4, "{when}: {name}: max |Δ| {d}");
+        }
+    };
+    // The present K/V are the past buffers' copies, written in place: feed the pasts afresh.
+    let reset = |s: &mut Session| {
+        for ((_, t), d) in feeds.iter().zip(&held) {
+            s.write_tensor(d, t).unwrap();
+        }
+    };
+    for i in 0..3 {
+        reset(&mut s);
+        check(&run(&mut s).unwrap(), &format!("run {i}"));
+    }
+    let seq_at = feeds.iter().position(|(nm, _)| nm == "seqlens_k").unwrap();
+    for bad in [[5000, 700, 1], [3000, 0, 1], [3000, 700, 3073]] {
+        let mut crafted = feeds.clone();
+        crafted[seq_at].1 = seqlens_k(&bad);
+        let Err(Error::Shim(cpu_err)) = cpu.run(crafted.clone()) else { panic!("the CPU accepts seqlens {bad:?}") };
+        reset(&mut s);
+        s.write_tensor(&held[seq_at], &crafted[seq_at].1).unwrap();
+        let replays = s.report.graphs.replays;
+        match run(&mut s) {
+            Err(Error::DeviceCheck(d)) => {
+                assert_eq!(d.reason, cpu_err.reason, "lengths {bad:?}");
+                assert_eq!((d.package.as_str(), d.op.as_str()), (cpu_err.package.as_str(), "GroupQueryAttention"));
+                println!("lengths {bad:?}: {d}");
+            }
+            other => panic!("lengths {bad:?}: expected a device check failure, got {:?}", other.map(|_| ())),
+        }
+        assert_eq!(s.report.graphs.replays, replays + 1, "the crafted run was a graph replay");
+        reset(&mut s);
+        check(&run(&mut s).unwrap(), &format!("after lengths {bad:?}"));
+    }
+    let st = &s.report.graphs;
+    assert_eq!((st.captures, st.fallbacks.len()), (1, 0), "one capture, no fallback: {st:?}");
+
+    // Gather: an index past its axis.
+    use kiln_tests::onnx::{self, node, value};
+    let g = node("Gather", &["data", "idx"], &["y"], vec![onnx::attr_int("axis", 1)]);
+    let gm = onnx::model(vec![g], vec![value("data", 1, &[2, 5]), value("idx", 7, &[3])], vec![value("y", 1, &[2, 3])], vec![]);
+    let gload = || model::load_bytes(&onnx::bytes(&gm), None).unwrap();
+    let data = kiln_tests::f32_tensor(&[2, 5], &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]);
+    let idx = |v: [i64; 3]| {
+        kiln_host::Tensor::new(kiln_kernel_abi::DType::I64, vec![3], v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>().into()).unwrap()
+    };
+    let opts = SessionOptions { small_integer_nodes_on_host: false, ..cuda() };
+    let mut gs = Session::new(runtime(), gload(), opts).unwrap();
+    let bad = vec![("data".to_string(), data.clone()), ("idx".to_string(), idx([1, 7, -2]))];
+    let Err(Error::Shim(cpu_err)) = Session::new(runtime(), gload(), SessionOptions::default()).unwrap().run(bad.clone())
+    else {
+        panic!("the CPU accepts index 7 of 5")
+    };
+    match gs.run(bad) {
+        Err(Error::DeviceCheck(d)) => assert_eq!(d.reason, cpu_err.reason),
+        other => panic!("expected a device check failure, got {:?}", other.map(|_| ())),
+    }
+    let y = gs.run(vec![("data".to_string(), data), ("idx".to_string(), idx([1, 4, -2]))]).unwrap();
+    assert_eq!(kiln_tests::f32_values(&y[0].1), vec![1.0, 4.0, 3.0, 6.0, 9.0, 8.0]);
 }
 
 /// MatMul at decode sizes (at most 8 rows of A, batch dimensions folded into M, against a 2-D B,

@@ -84,3 +84,28 @@ __device__ __forceinline__ void kiln_griddep_launch_dependents() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+
+// Device status records (ABI.md §7.5). A kernel whose signature has a `status` parameter gets a
+// pointer to its node's record (host memory the device writes through; it is only touched on
+// failure). kiln_fail reports that an input is out of range: the first report of a node wins,
+// with the code (1 and up, explained by the package's [[device_errors]]) and four values that
+// its message names as {0}..{3}. The kernel must still stay inside its buffers (clamp, skip or
+// write zeros): the run goes on to the step's synchronization, where the host fails it.
+struct kiln_status {
+    unsigned code;
+    unsigned reserved;
+    long long values[4];
+};
+
+__device__ __noinline__ void kiln_fail(kiln_status* st, unsigned code, long long v0, long long v1 = 0,
+                                       long long v2 = 0, long long v3 = 0) {
+    if (st == 0 || code == 0) return;
+    if (atomicCAS(&st->code, 0u, 0xffffffffu) == 0u) {
+        st->values[0] = v0;
+        st->values[1] = v1;
+        st->values[2] = v2;
+        st->values[3] = v3;
+        __threadfence_system();
+        atomicExch(&st->code, code);
+    }
+}

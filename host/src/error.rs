@@ -31,6 +31,35 @@ pub enum Error {
     /// The requested device is not available.
     #[error("{0}")]
     Device(String),
+    /// A kernel found an input out of range on the device (ABI.md §7.5): the same input the
+    /// CPU reference refuses, found at the step's synchronization.
+    #[error("{0}")]
+    DeviceCheck(Box<DeviceCheck>),
+}
+
+/// A node whose kernel reported an input out of range through its device status record: the
+/// package, op and node, and the package's message for the code (ABI.md §7.5).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceCheck {
+    /// `name@version` of the package (empty when the node's package is not known).
+    pub package: String,
+    pub op: String,
+    /// The node's name (may be empty).
+    pub node: String,
+    pub reason: String,
+}
+
+impl std::fmt::Display for DeviceCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if !self.package.is_empty() {
+            write!(f, "package {}, ", self.package)?;
+        }
+        write!(f, "op {}", self.op)?;
+        if !self.node.is_empty() {
+            write!(f, " (node {:?})", self.node)?;
+        }
+        write!(f, ": failed on the device: {}", self.reason)
+    }
 }
 
 impl Error {

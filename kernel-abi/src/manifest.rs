@@ -33,6 +33,10 @@
 //!     { kernels = ["unary_*"], params = ["tensor", "tensor", "u64", "u32"] },
 //! ]
 //!
+//! [[device_errors]]              # optional (schema 3; ABI.md §7.5): what a kernel's
+//! code = 1                       #   kiln_fail(status, 1, …) means; {0}..{3} are its values
+//! message = "index {0} is out of range for dimension {1}"
+//!
 //! [[fusions]]                    # optional: subgraphs the package's ops replace
 //! name = "swiglu"                #   (see `crate::fusion` for every field)
 //! match = [ … ]
@@ -70,8 +74,9 @@ pub enum ManifestError {
 
 /// The newest manifest schema this crate reads (ABI.md §7.2). A manifest that names a newer one
 /// is refused with [`ManifestError::NewerSchema`] before its fields are read. Schema 2 added
-/// kernel signatures (`[[cuda]] signatures`), which every declared kernel must have.
-pub const MANIFEST_SCHEMA: u32 = 2;
+/// kernel signatures (`[[cuda]] signatures`), which every declared kernel must have; schema 3
+/// added device status records (the `status` parameter kind and `[[device_errors]]`).
+pub const MANIFEST_SCHEMA: u32 = 3;
 
 fn default_schema() -> u32 {
     1
@@ -101,6 +106,9 @@ pub struct Manifest {
     /// ABI.md §7.4); inputs no entry names take any value.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub input_domains: Vec<InputDomain>,
+    /// What the codes kernels report through their status record mean (schema 3, ABI.md §7.5).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub device_errors: Vec<DeviceError>,
     /// sha256 (lower-case hex) of every file of the package but `kernel.toml`, by relative path.
     #[serde(default)]
     pub files: BTreeMap<String, String>,
@@ -154,6 +162,28 @@ pub enum ValueDomain {
     PositiveIfUnsignedOutput,
     /// The node test's own data, never randomised: indices, positions, sequence lengths.
     Keep,
+}
+
+/// The meaning of a code a kernel reports through its status record (ABI.md §7.5): the
+/// prelude's `kiln_fail(status, code, v0, v1, v2, v3)` fails the run with `message`, in which
+/// `{0}` … `{3}` stand for the four values, as the node's error on the device.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceError {
+    /// 1 and up (0 is "no error").
+    pub code: u32,
+    pub message: String,
+}
+
+impl DeviceError {
+    /// `message` with `{0}` … `{3}` replaced by `values`.
+    pub fn render(&self, values: &[i64; 4]) -> String {
+        let mut out = self.message.clone();
+        for (i, v) in values.iter().enumerate() {
+            out = out.replace(&format!("{{{i}}}"), &v.to_string());
+        }
+        out
+    }
 }
 
 /// What the GPU must offer for the package's CUDA kernels.
@@ -235,6 +265,9 @@ pub enum ParamKind {
     F32,
     /// `double`: 8 bytes.
     F64,
+    /// `kiln_status*`: the node's device status record (ABI.md §7.5, schema 3), 8 bytes; the
+    /// launch passes [`KernelArg::Status`].
+    Status,
 }
 
 impl ParamKind {
@@ -248,6 +281,7 @@ impl ParamKind {
             KernelArg::U64(_) => ParamKind::U64,
             KernelArg::F32(_) => ParamKind::F32,
             KernelArg::F64(_) => ParamKind::F64,
+            KernelArg::Status => ParamKind::Status,
         }
     }
 
@@ -269,6 +303,7 @@ impl ParamKind {
             ParamKind::U64 => "u64",
             ParamKind::F32 => "f32",
             ParamKind::F64 => "f64",
+            ParamKind::Status => "status",
         }
     }
 }
@@ -368,6 +403,11 @@ impl Manifest {
             .map_or(ValueDomain::Any, |e| e.values)
     }
 
+    /// The message of device error `code` (ABI.md §7.5), if the manifest declares it.
+    pub fn device_error(&self, code: u32) -> Option<&DeviceError> {
+        self.device_errors.iter().find(|e| e.code == code)
+    }
+
     /// Every declared kernel with its parameters (a validated manifest gives every kernel one).
     pub fn kernel_signatures(&self) -> Vec<(String, Vec<ParamKind>)> {
         self.cuda
@@ -425,6 +465,20 @@ impl Manifest {
                 return bad(format!("input_domains[{i}]: op {t:?} is not one of the package's [[ops]]"));
             }
         }
+        if !self.device_errors.is_empty() && self.schema < 3 {
+            return bad("`device_errors` come with manifest schema 3: set `schema = 3`".into());
+        }
+        for (i, e) in self.device_errors.iter().enumerate() {
+            if e.code == 0 {
+                return bad(format!("device_errors[{i}]: code 0 means \"no error\"; codes start at 1"));
+            }
+            if self.device_errors[..i].iter().any(|d| d.code == e.code) {
+                return bad(format!("device_errors[{i}]: code {} is declared twice", e.code));
+            }
+            if e.message.trim().is_empty() {
+                return bad(format!("device_errors[{i}]: code {} has an empty message", e.code));
+            }
+        }
         for (i, f) in self.fusions.iter().enumerate() {
             f.validate().map_err(ManifestError::Invalid)?;
             if self.fusions[..i].iter().any(|g| g.name == f.name) {
@@ -454,6 +508,9 @@ impl Manifest {
         if !c.signatures.is_empty() && self.schema < 2 {
             return bad("`signatures` come with manifest schema 2: set `schema = 2`".into());
         }
+        if self.schema < 3 && c.signatures.iter().any(|s| s.params.contains(&ParamKind::Status)) {
+            return bad("the `status` parameter kind comes with manifest schema 3: set `schema = 3`".into());
+        }
         for k in &c.kernels {
             let hits = c.signatures.iter().filter(|s| s.kernels.iter().any(|p| kernel_pattern_matches(p, k))).count();
             if hits == 0 {
@@ -461,7 +518,7 @@ impl Manifest {
                 return bad(format!(
                     "kernel {k:?} has no signature: {schema}add an entry such as \
                      `{{ kernels = [\"{k}\"], params = [\"tensor\", \"u64\"] }}` to its `signatures`, \
-                     one parameter kind per C parameter (tensor, i32, u32, i64, u64, f32, f64; ABI.md §7.3; \
+                     one parameter kind per C parameter (tensor, i32, u32, i64, u64, f32, f64, status; ABI.md §7.3; \
                      scripts/kernel-signatures.py prints them from the source)"
                 ));
             }
@@ -570,6 +627,28 @@ signatures = [{ kernels = ["relu_*"], params = ["tensor", "tensor", "u64"] }]
     }
 
     #[test]
+    fn device_errors_come_with_schema_3_and_render_their_values() {
+        let v3 = GOOD.replace("schema = 2", "schema = 3").replace("\"u64\"]", "\"u64\", \"status\"]");
+        let good = format!("{v3}\n[[device_errors]]\ncode = 1\nmessage = \"index {{0}} is out of range for dimension {{1}}\"\n");
+        let m = Manifest::parse(&good).unwrap();
+        assert_eq!(m.kernel_signatures()[0].1.last(), Some(&ParamKind::Status));
+        let e = m.device_error(1).unwrap();
+        assert_eq!(e.render(&[7, 3, 0, 0]), "index 7 is out of range for dimension 3");
+        assert!(m.device_error(2).is_none());
+        assert_eq!(Manifest::parse(&m.to_toml()).unwrap(), m);
+        for (text, needle) in [
+            (good.replace("schema = 3", "schema = 2"), "`device_errors` come with manifest schema 3"),
+            (v3.replace("schema = 3", "schema = 2"), "`status` parameter kind comes with manifest schema 3"),
+            (good.replace("code = 1", "code = 0"), "codes start at 1"),
+            (format!("{good}[[device_errors]]\ncode = 1\nmessage = \"again\"\n"), "code 1 is declared twice"),
+            (good.replace("message = \"index", "message = \" \"\n#"), "empty message"),
+        ] {
+            let err = Manifest::parse(&text).unwrap_err().to_string();
+            assert!(err.contains(needle), "{err} should mention {needle:?}");
+        }
+    }
+
+    #[test]
     fn kernel_patterns_match_runs_of_characters() {
         for (p, k, hit) in [
             ("relu_*", "relu_f32", true),
@@ -625,7 +704,7 @@ signatures = [{ kernels = ["relu_*"], params = ["tensor", "tensor", "u64"] }]
         )
         .unwrap_err()
         .to_string();
-        assert!(err.contains("unknown field `pdl_kernels`") && err.contains("reads manifest schema 2"), "{err}");
+        assert!(err.contains("unknown field `pdl_kernels`") && err.contains("reads manifest schema 3"), "{err}");
         let err = Manifest::parse(&GOOD.replace("schema = 2", "schema = -1")).unwrap_err().to_string();
         assert!(err.contains("schema must be a positive integer"), "{err}");
     }

@@ -293,6 +293,11 @@ pub enum KernelArg {
     F32(f32),
     /// Tag 7.
     F64(f64),
+    /// A pointer to the node's device status record (`kiln_status*` of the prelude, ABI.md
+    /// §7.5), through which a kernel reports an out-of-range input such as an index past its
+    /// buffer; the host reads it at the step's synchronization and fails the run with the
+    /// package's `[[device_errors]]` message. Tag 8, no payload (manifest schema 3).
+    Status,
 }
 
 /// Most arguments of one launch (CUDA allows 32 KiB of parameters; every argument takes at
@@ -352,6 +357,7 @@ impl<'a> Launch<'a> {
                     w.u8(7);
                     w.u64(v.to_bits())
                 }
+                KernelArg::Status => w.u8(8),
             }
         }
         w.0
@@ -379,6 +385,7 @@ impl<'a> Launch<'a> {
                 5 => KernelArg::U64(r.u64("u64")?),
                 6 => KernelArg::F32(r.f32("f32")?),
                 7 => KernelArg::F64(f64::from_bits(r.u64("f64")?)),
+                8 => KernelArg::Status,
                 _ => return Err(WireError::Invalid("argument tag")),
             });
         }
@@ -684,7 +691,12 @@ mod tests {
             grid: [4, 1, 1],
             block: [256, 1, 1],
             shared_mem_bytes: 0,
-            args: vec![KernelArg::Tensor { handle: 3, offset: 16 }, KernelArg::U64(10), KernelArg::F64(0.5)],
+            args: vec![
+                KernelArg::Tensor { handle: 3, offset: 16 },
+                KernelArg::U64(10),
+                KernelArg::F64(0.5),
+                KernelArg::Status,
+            ],
         };
         assert_eq!(Launch::decode(&l.encode()).unwrap(), l);
         let op = Operand { handle: 1, offset: 0, ld: 8, batch_stride: 64 };

@@ -150,7 +150,7 @@ fn gemm_tflops(gpu: &mut Gpu, n: u64, dtype: DType) -> Result<f64> {
     };
     let plan = LaunchPlan { scratch_bytes: vec![], steps: vec![PlanStep::Gemm(g)] };
     let pkg = dummy_package()?;
-    let ms = time_ms(gpu, 3, 20, |g| g.execute(&pkg, &plan, &slots))?;
+    let ms = time_ms(gpu, 3, 20, |g| g.execute(&pkg, &plan, &slots, 0))?;
     for b in bufs {
         gpu.alloc.free(b);
     }
@@ -208,7 +208,7 @@ fn bandwidth(gpu: &mut Gpu, binary: &Arc<Package>) -> Result<(f64, f64)> {
             .map_err(|e| Error::Device(e.to_string()))
     })?;
     let plan = plan_for(binary, "Add", 2, DType::F16, &[n])?;
-    let add_ms = time_ms(gpu, 3, 20, |g| g.execute(binary, &plan, &slots))?;
+    let add_ms = time_ms(gpu, 3, 20, |g| g.execute(binary, &plan, &slots, 0))?;
     for b in bufs {
         gpu.alloc.free(b);
     }
@@ -225,12 +225,12 @@ fn launch_overhead(gpu: &mut Gpu, unary: &Arc<Package>) -> Result<(f64, f64)> {
     let plan = plan_for(unary, "Relu", 1, DType::F32, &shape)?;
     let memo: std::collections::HashMap<u64, LaunchPlan> = [(0u64, plan)].into_iter().collect();
     let iters = 20_000;
-    gpu.execute(unary, &memo[&0], &slots)?;
+    gpu.execute(unary, &memo[&0], &slots, 0)?;
     gpu.synchronize()?;
     let t0 = Instant::now();
     for _ in 0..iters {
         let plan = memo.get(&0).ok_or_else(|| Error::Device("plan".into()))?;
-        gpu.execute(unary, plan, &slots)?;
+        gpu.execute(unary, plan, &slots, 0)?;
     }
     let plan_us = t0.elapsed().as_secs_f64() * 1e6 / iters as f64;
     gpu.synchronize()?;

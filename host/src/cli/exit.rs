@@ -27,7 +27,9 @@ pub fn of(e: &Error) -> u8 {
         return UNSUPPORTED;
     }
     match e {
-        Error::Io { .. } | Error::Model(_) | Error::Input(_) | Error::Registry(_) => INVALID_INPUT,
+        Error::Io { .. } | Error::Model(_) | Error::Input(_) | Error::Registry(_) | Error::DeviceCheck(_) => {
+            INVALID_INPUT
+        }
         Error::Shim(f) if f.kind == FailureKind::Failed => INVALID_INPUT,
         // A package whose shim is not a valid module (not Wasm, a missing export, another ABI).
         Error::Shim(f) if f.kind == FailureKind::Module && !f.package.is_empty() => INVALID_INPUT,

@@ -64,6 +64,8 @@ pub struct Gpu {
     pub pdl: bool,
     /// The copy stream and its pinned staging buffers.
     pub transfers: super::Transfers,
+    /// One device status record per node of the session's graph (ABI.md §7.5).
+    status: super::StatusRecords,
 }
 
 fn dev_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
@@ -123,6 +125,8 @@ impl Gpu {
         let limit = memory_limit.unwrap_or(info.total_memory_bytes as u64);
         let copy = ctx.new_stream().map_err(dev_err("cuStreamCreate"))?;
         let transfers = super::Transfers::new(copy)?;
+        ctx.bind_to_thread().map_err(dev_err("cuCtxSetCurrent"))?;
+        let status = super::StatusRecords::new(1)?;
         Ok(Gpu {
             ctx,
             stream,
@@ -135,7 +139,26 @@ impl Gpu {
             timeline: None,
             pdl: false,
             transfers,
+            status,
         })
+    }
+
+    /// Gives the session `records` device status records, one per node (ABI.md §7.5), before
+    /// anything is launched: a captured graph holds their addresses, so they are never moved
+    /// once a plan has run.
+    pub fn status_records(&mut self, records: usize) -> Result<()> {
+        if records > self.status.len() {
+            self.synchronize()?;
+            self.ctx.bind_to_thread().map_err(dev_err("cuCtxSetCurrent"))?;
+            self.status = super::StatusRecords::new(records)?;
+        }
+        Ok(())
+    }
+
+    /// The first failure a kernel reported through a status record since the last call, with
+    /// every record cleared (ABI.md §7.5). Meaningful once the stream's work is done.
+    pub fn take_fault(&mut self) -> Option<super::Fault> {
+        self.status.take()
     }
 
     /// Copies a host tensor to a new device buffer (through the copy stream; later work on the
@@ -182,6 +205,17 @@ impl Gpu {
         let mut host = vec![0u8; bytes];
         self.transfers.download(&self.stream, ptr, &mut host)?;
         Tensor::new(dtype, shape, Bytes::from(host))
+    }
+
+    /// Starts a download of `bytes` bytes (at most [`super::READBACK_BYTES`]) of a device
+    /// buffer after the stream's work so far, without waiting ([`super::Transfers::download_start`]).
+    pub fn download_start(&mut self, ptr: CUdeviceptr, bytes: usize) -> Result<super::PendingDownload> {
+        self.transfers.download_start(&self.stream, ptr, bytes)
+    }
+
+    /// Waits for a download of [`Gpu::download_start`] and returns its bytes.
+    pub fn download_finish(&mut self, p: super::PendingDownload) -> Result<Vec<u8>> {
+        self.transfers.download_finish(p)
     }
 
     /// Records a timeline mark on the stream when profiling.
@@ -241,10 +275,17 @@ impl Gpu {
 
     /// Runs a launch plan. `slots` are the device pointers of the call's inputs then outputs
     /// (present ones, in order), each with its size in bytes; scratch is allocated here and
-    /// returned to the pool after the plan.
-    pub fn execute(&mut self, pkg: &Package, plan: &LaunchPlan, slots: &[(CUdeviceptr, u64)]) -> Result<()> {
+    /// returned to the pool after the plan. `record`: the node's status record (its index in
+    /// the session's graph; 0 outside a session).
+    pub fn execute(
+        &mut self,
+        pkg: &Package,
+        plan: &LaunchPlan,
+        slots: &[(CUdeviceptr, u64)],
+        record: usize,
+    ) -> Result<()> {
         let functions = self.plan_functions(pkg, plan)?;
-        self.execute_resolved(plan, &functions, slots)
+        self.execute_resolved(plan, &functions, slots, record)
     }
 
     /// The loaded function of every launch step of `plan` (compiling the package's sources on
@@ -269,6 +310,7 @@ impl Gpu {
         plan: &LaunchPlan,
         functions: &[Option<Function>],
         slots: &[(CUdeviceptr, u64)],
+        record: usize,
     ) -> Result<()> {
         let mut scratch = Vec::new();
         let mut with_scratch;
@@ -290,7 +332,7 @@ impl Gpu {
             }
             &with_scratch
         };
-        let result = self.run_steps(plan, functions, all);
+        let result = self.run_steps(plan, functions, all, record);
         for b in scratch {
             self.alloc.free(b);
         }
@@ -298,17 +340,19 @@ impl Gpu {
     }
 
     /// Enqueues `plan`'s launches and GEMMs with every slot given (inputs, outputs, then
-    /// scratch): no allocation, no synchronization, so an execution plan can run it inside a
-    /// capture.
+    /// scratch) and status record `record`: no allocation, no synchronization, so an execution
+    /// plan can run it inside a capture.
     pub fn run_steps(
         &mut self,
         plan: &LaunchPlan,
         functions: &[Option<Function>],
         slots: &[(CUdeviceptr, u64)],
+        record: usize,
     ) -> Result<()> {
         plan.steps.iter().zip(functions).try_for_each(|(step, f)| match (step, f) {
             (PlanStep::Launch { kernel, grid, block, shared_mem_bytes, args }, Some(f)) => {
-                self.launch(f, kernel, *grid, *block, *shared_mem_bytes, args, slots)
+                let status = self.status.device_ptr(record)?;
+                self.launch(f, kernel, *grid, *block, *shared_mem_bytes, args, slots, status)
             }
             (PlanStep::Gemm(g), _) => self.gemm(g, slots),
             (PlanStep::Launch { kernel, .. }, None) => Err(Error::Device(format!("kernel {kernel} was not loaded"))),
@@ -343,6 +387,7 @@ impl Gpu {
         shmem: u32,
         args: &[PlanArg],
         slots: &[(CUdeviceptr, u64)],
+        status: CUdeviceptr,
     ) -> Result<()> {
         let stream = self.stream.cu_stream();
         // One 8-byte cell per argument; the kernel reads its parameter's size from the cell.
@@ -367,6 +412,7 @@ impl Gpu {
                 PlanArg::Scalar(KernelArg::U64(v)) => v,
                 PlanArg::Scalar(KernelArg::F32(v)) => v.to_bits() as u64,
                 PlanArg::Scalar(KernelArg::F64(v)) => v.to_bits(),
+                PlanArg::Scalar(KernelArg::Status) => status,
                 PlanArg::Scalar(KernelArg::Tensor { .. }) => {
                     return Err(Error::Device("tensor argument left in a plan".into()))
                 }

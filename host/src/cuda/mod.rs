@@ -2,7 +2,8 @@
 //! (primary) context, a compute stream and a copy stream per session, a caching allocator,
 //! NVRTC compilation of package sources with an on-disk cache, transfers through pinned
 //! staging buffers, and execution of launch plans (kernel launches and cuBLASLt GEMMs with
-//! cached plans), and CUDA graphs (`graph`: capture, instantiate, update, replay).
+//! cached plans), CUDA graphs (`graph`: capture, instantiate, update, replay), and the nodes'
+//! device status records (`status`, ABI.md §7.5).
 //!
 //! cudarc's automatic event tracking is disabled right after the context is created (it
 //! breaks stream capture); kiln orders its streams with its own events. Kernels run on the
@@ -14,6 +15,7 @@ mod blas;
 mod exec;
 mod graph;
 mod nvrtc;
+mod status;
 mod timeline;
 mod transfer;
 
@@ -28,8 +30,9 @@ pub use blas::Blas;
 pub use exec::{Function, Gpu, KernelCache};
 pub(crate) use graph::{capture, GraphExec};
 pub use nvrtc::{compile_cached, nvrtc_version, CompiledSource};
+pub use status::{Fault, StatusRecords};
 pub use timeline::Timeline;
-pub use transfer::Transfers;
+pub use transfer::{PendingDownload, Transfers, READBACK_BYTES};
 
 use crate::{Error, Result};
 

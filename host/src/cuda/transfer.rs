@@ -72,11 +72,26 @@ impl Staging {
     }
 }
 
+/// A download started by [`Transfers::download_start`]: which readback buffer holds it and
+/// how many bytes.
+#[derive(Debug)]
+pub struct PendingDownload {
+    slot: usize,
+    bytes: usize,
+}
+
+/// Most bytes of one [`Transfers::download_start`] (a decode step's token ids).
+pub const READBACK_BYTES: usize = 64 << 10;
+
 /// The copy stream, its staging buffers and the events that order it against the compute stream.
 pub struct Transfers {
     copy: Arc<CudaStream>,
     staging: [Staging; 2],
     next: usize,
+    /// Pinned buffers of downloads the host collects later (two, so that a step's readback can
+    /// be in flight while the one before it is read).
+    readback: [Staging; 2],
+    next_readback: usize,
     /// Recorded on the compute stream, waited for by the copy stream.
     compute_mark: CUevent,
     /// Recorded on the copy stream, waited for by the compute stream.
@@ -103,16 +118,24 @@ impl Transfers {
             free: std::ptr::null_mut(),
             pending: false,
         });
+        let readback = [(); 2].map(|_| Staging {
+            ptr: std::ptr::null_mut(),
+            bytes: 0,
+            free: std::ptr::null_mut(),
+            pending: false,
+        });
         let mut t = Transfers {
             copy,
             staging,
             next: 0,
+            readback,
+            next_readback: 0,
             compute_mark: new_event()?,
             copy_mark: new_event()?,
             uploaded_bytes: 0,
             downloaded_bytes: 0,
         };
-        for s in &mut t.staging {
+        for s in t.staging.iter_mut().chain(t.readback.iter_mut()) {
             s.free = new_event()?;
         }
         Ok(t)
@@ -206,10 +229,47 @@ impl Transfers {
     }
 }
 
+impl Transfers {
+    /// Enqueues a copy of `bytes` bytes (at most [`READBACK_BYTES`]) from device address `src`
+    /// into a pinned readback buffer on `compute`, after the work enqueued there so far, and
+    /// returns at once; [`Transfers::download_finish`] waits for it and hands the bytes over.
+    /// Work enqueued on `compute` later may overwrite `src`: the copy reads it first. At most
+    /// two downloads are outstanding; a third waits for the oldest buffer's copy.
+    pub fn download_start(&mut self, compute: &CudaStream, src: CUdeviceptr, bytes: usize) -> Result<PendingDownload> {
+        if bytes > READBACK_BYTES {
+            return Err(Error::Device(format!("a readback of {bytes} bytes (at most {READBACK_BYTES})")));
+        }
+        let slot = self.next_readback;
+        self.next_readback ^= 1;
+        let s = &mut self.readback[slot];
+        s.ready(bytes.max(1))?;
+        if bytes > 0 {
+            // SAFETY: the buffer is pinned and holds `bytes`; it is read only after `free`
+            // completes; the source extent is the caller's guarantee.
+            unsafe {
+                memcpy_dtoh_async(s.slice(bytes), src, compute.cu_stream()).map_err(drv("cuMemcpyDtoHAsync"))?;
+            }
+        }
+        // SAFETY: a live event of the current context, recorded on the compute stream.
+        unsafe { event::record(s.free, compute.cu_stream()) }.map_err(drv("cuEventRecord"))?;
+        s.pending = true;
+        self.downloaded_bytes += bytes as u64;
+        Ok(PendingDownload { slot, bytes })
+    }
+
+    /// Waits for a download of [`Transfers::download_start`] (and the compute stream's work
+    /// before it) and returns its bytes.
+    pub fn download_finish(&mut self, p: PendingDownload) -> Result<Vec<u8>> {
+        let s = &mut self.readback[p.slot];
+        s.ready(0)?;
+        Ok(if p.bytes == 0 { Vec::new() } else { s.slice(p.bytes).to_vec() })
+    }
+}
+
 impl Drop for Transfers {
     fn drop(&mut self) {
         let _ = self.copy.synchronize();
-        for s in &mut self.staging {
+        for s in self.staging.iter_mut().chain(self.readback.iter_mut()) {
             // SAFETY: the copy stream is idle; each pointer and event is freed once.
             unsafe {
                 if !s.ptr.is_null() {

@@ -54,6 +54,17 @@ pub enum Fetch<'a> {
     Skip,
 }
 
+/// A read of a held tensor that [`Session::read_start`] started: the copy is enqueued behind
+/// the device's work so far; [`Session::read_finish`] waits for it.
+#[derive(Debug)]
+pub struct PendingRead {
+    dtype: DType,
+    shape: Vec<usize>,
+    download: Option<crate::cuda::PendingDownload>,
+    /// The bytes, when the tensor already has them on the host.
+    host: Option<Tensor>,
+}
+
 /// A graph output of a run.
 #[derive(Debug)]
 pub enum Fetched {
@@ -153,6 +164,49 @@ impl Session {
         self.host_tensor(&v)
     }
 
+    /// Waits for the work enqueued on the session's device so far. Errors: the device's, or an
+    /// input a kernel found out of range meanwhile (as [`Session::read_tensor`]).
+    pub fn synchronize(&mut self) -> Result<()> {
+        if let Some(gpu) = self.gpu.as_ref() {
+            gpu.synchronize()?;
+        }
+        self.check_device()
+    }
+
+    /// Starts reading a small held tensor (at most [`crate::cuda::READBACK_BYTES`]) back to the
+    /// host behind the device's work so far, and returns at once: runs enqueued afterwards may
+    /// overwrite the tensor (the copy reads it first), so a decode loop can enqueue its next
+    /// step before it waits for this one's tokens. At most two reads may be outstanding.
+    /// Errors: a tensor over the limit.
+    pub fn read_start(&mut self, t: &DeviceTensor) -> Result<PendingRead> {
+        let v = self.held(t)?.value.clone_ref();
+        let (dtype, shape) = (v.dtype(), v.shape().to_vec());
+        if let Some(host) = v.host_bytes() {
+            return Ok(PendingRead { dtype, shape, download: None, host: Some(host.clone()) });
+        }
+        let Value::Device { ptr, nbytes, .. } = v else {
+            return Err(Error::Device("a host value without bytes".into()));
+        };
+        let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("device value without a GPU".into()))?;
+        let download = Some(gpu.download_start(ptr, nbytes as usize)?);
+        Ok(PendingRead { dtype, shape, download, host: None })
+    }
+
+    /// Waits for a read of [`Session::read_start`] and returns the tensor; fails, as
+    /// [`Session::read_tensor`] does, when a kernel reported an input out of range meanwhile.
+    pub fn read_finish(&mut self, p: PendingRead) -> Result<Tensor> {
+        match (p.download, p.host) {
+            (_, Some(t)) => Ok(t),
+            (Some(d), None) => {
+                let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("device value without a GPU".into()))?;
+                let bytes = gpu.download_finish(d)?;
+                self.check_device()?;
+                Tensor::new(p.dtype, p.shape, bytes.into())
+            }
+            (None, None) => Err(Error::Device("a read without a download".into())),
+        }
+    }
+
     /// Elements `start .. start + len` of a held tensor, flattened row-major, as a 1-D host
     /// tensor (waits for the device). Errors: a range outside the tensor.
     pub fn read_slice(&mut self, t: &DeviceTensor, start: usize, len: usize) -> Result<Tensor> {
@@ -170,7 +224,9 @@ impl Session {
         match &v {
             Value::Device { ptr, host: None, .. } => {
                 let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("device value without a GPU".into()))?;
-                gpu.download(ptr + off as u64, dtype, vec![len], n)
+                let t = gpu.download(ptr + off as u64, dtype, vec![len], n)?;
+                self.check_device()?;
+                Ok(t)
             }
             _ => {
                 let t = self.host_tensor(&v)?;

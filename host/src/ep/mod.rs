@@ -18,7 +18,7 @@ use crate::sandbox::{Sandbox, SandboxConfig, ShimModule};
 use crate::Result;
 
 pub use crate::capture::GraphMode;
-pub use binding::{DeviceTensor, Feed, Fetch, Fetched};
+pub use binding::{DeviceTensor, Feed, Fetch, Fetched, PendingRead};
 pub use session::{Session, SessionOptions};
 
 /// The device a session runs on.

@@ -360,7 +360,7 @@ impl ExecutionPlan {
             for &(loc, n) in &s.slots {
                 slots.push((self.ptr(loc, b)?, n));
             }
-            gpu.run_steps(&s.launch, &s.functions, &slots)
+            gpu.run_steps(&s.launch, &s.functions, &slots, s.node)
                 .map_err(|e| Error::Device(format!("execution plan, node #{}: {e}", s.node)))?;
         }
         Ok(())

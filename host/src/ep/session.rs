@@ -107,7 +107,7 @@ impl Value {
     }
 
     /// The host bytes, when the value has them without a download.
-    fn host_bytes(&self) -> Option<&Tensor> {
+    pub(super) fn host_bytes(&self) -> Option<&Tensor> {
         match self {
             Value::Host(t) | Value::Device { host: Some(t), .. } => Some(t),
             Value::Device { host: None, .. } => None,
@@ -415,6 +415,9 @@ impl Session {
             shape_only,
             report,
         };
+        if let Some(gpu) = s.gpu.as_mut() {
+            gpu.status_records(s.model.graph.nodes.len())?;
+        }
         let started = std::time::Instant::now();
         s.prepare()?;
         tracing::info!(
@@ -972,7 +975,32 @@ impl Session {
             return Err(Error::Device("a host value without bytes".into()));
         };
         let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("device value without a GPU".into()))?;
-        gpu.download(*ptr, *dtype, shape.clone(), *nbytes as usize)
+        let t = gpu.download(*ptr, *dtype, shape.clone(), *nbytes as usize)?;
+        self.check_device()?;
+        Ok(t)
+    }
+
+    /// Fails with the first input a kernel found out of range since the last check (ABI.md
+    /// §7.5), naming its node, op and package; the records are then clear for the next run.
+    /// Call it after a synchronization.
+    pub(super) fn check_device(&mut self) -> Result<()> {
+        let Some(fault) = self.gpu.as_mut().and_then(Gpu::take_fault) else { return Ok(()) };
+        let node = self.model.graph.nodes.get(fault.record);
+        let memo = self.memo.get(fault.record).and_then(Option::as_ref);
+        let message = memo.and_then(|m| m.resolved.res.package.manifest.device_error(fault.code));
+        let reason = match message {
+            Some(e) => e.render(&fault.values),
+            None => format!(
+                "device error code {} with values {:?}, which the package's [[device_errors]] do not declare",
+                fault.code, fault.values
+            ),
+        };
+        Err(Error::DeviceCheck(Box::new(crate::error::DeviceCheck {
+            package: memo.map(|m| m.resolved.package_id.clone()).unwrap_or_default(),
+            op: node.map(|n| n.op_type.clone()).unwrap_or_else(|| format!("node #{}", fault.record)),
+            node: node.map(|n| n.name.clone()).unwrap_or_default(),
+            reason,
+        })))
     }
 
     /// Returns a value's device buffer (if it owns one) to the pool.
@@ -1298,7 +1326,7 @@ impl Session {
             gpu.prepare_gemms(plan)
         } else {
             self.report.launches += plan.steps.len() as u64;
-            gpu.execute_resolved(plan, functions, &slots)
+            gpu.execute_resolved(plan, functions, &slots, idx)
         };
         if let Err(e) = result {
             for v in outs.into_iter().flatten() {

@@ -470,7 +470,16 @@ impl Generator {
         };
         let t1 = Instant::now();
         let host_before = self.session.report.run_time_us;
+        // Device steps run one ahead: step k + 1 is enqueued before step k's tokens are read, so
+        // the device works while the host hands the tokens out (`ahead`: the enqueued step whose
+        // tokens are not read yet). A row that stops makes that step's tokens unused.
+        let mut ahead: Option<crate::ep::PendingRead> = None;
+        // Decode steps any row may still need (its first token came from the prefill).
+        let mut steps_left = opts.max_new_tokens.saturating_sub(1);
+        let result = (|| -> Result<()> {
         loop {
+            // The cache length these tokens extend (a step enqueued ahead is not counted).
+            let len = kv.len() - ahead.is_some() as usize;
             for b in 0..batch {
                 if stopped[b].is_some() {
                     continue;
@@ -482,7 +491,7 @@ impl Generator {
                     stopped[b] = Some(StopReason::Eos);
                 } else if generated[b].len() >= opts.max_new_tokens {
                     stopped[b] = Some(StopReason::MaxNewTokens);
-                } else if kv.len() + 1 >= max_length {
+                } else if len + 1 >= max_length {
                     stopped[b] = Some(StopReason::MaxLength);
                 }
             }
@@ -498,7 +507,18 @@ impl Generator {
             if on_device {
                 // Every row steps with the token the device chose for it (finished rows too,
                 // harmlessly); only the ids come back.
-                let ids = self.decode_on_device(kv)?;
+                let this = match ahead.take() {
+                    Some(p) => p,
+                    None => {
+                        steps_left = steps_left.saturating_sub(1);
+                        self.enqueue_device_step(kv)?
+                    }
+                };
+                if steps_left > 0 && kv.len() + 1 < max_length.min(kv.limit) {
+                    steps_left -= 1;
+                    ahead = Some(self.enqueue_device_step(kv)?);
+                }
+                let ids = self.session.read_finish(this)?.to_i64()?;
                 for b in 0..batch {
                     if stopped[b].is_none() {
                         next[b] = ids[b];
@@ -516,6 +536,17 @@ impl Generator {
                     timings.decode_tokens += 1;
                 }
             }
+        }
+        Ok(())
+        })();
+        // A step enqueued ahead whose tokens no row wants: wait for it (its readback buffer is
+        // reused), and report a failure it found.
+        if let Some(p) = ahead.take() {
+            let done = self.session.read_finish(p);
+            result?;
+            done?;
+        } else {
+            result?;
         }
         let decode = t1.elapsed();
         timings.decode_host_ms = (self.session.report.run_time_us - host_before) as f64 / 1e3;
@@ -555,6 +586,15 @@ impl Generator {
     /// no started steps, or the step's own failure (the step buffers may then be partly
     /// written: start again).
     pub fn decode_on_device(&mut self, kv: &mut KvCache) -> Result<Vec<i64>> {
+        let pending = self.enqueue_device_step(kv)?;
+        self.session.read_finish(pending)?.to_i64()
+    }
+
+    /// [`Generator::decode_on_device`] without waiting: enqueues the step and the readback of
+    /// the tokens it chooses, and returns the pending read ([`Session::read_finish`] gives the
+    /// tokens). The next step may be enqueued before this one's tokens are read: it takes them
+    /// from the device. At most two steps' reads may be outstanding.
+    pub fn enqueue_device_step(&mut self, kv: &mut KvCache) -> Result<crate::ep::PendingRead> {
         if kv.total >= kv.limit {
             return Err(Error::Input(format!("the cache is full ({} positions)", kv.limit)));
         }
@@ -596,7 +636,8 @@ impl Generator {
         }
         kv.total += 1;
         b.at = kv.total;
-        self.session.read_tensor(&b.ids)?.to_i64()
+        let ids = &self.step_buffers.as_ref().ok_or_else(|| Error::Device("step buffers vanished".into()))?.ids;
+        self.session.read_start(ids)
     }
 }
 

@@ -322,6 +322,7 @@ fn check_signature(l: &Launch<'_>, params: &[ParamKind]) -> Result<(), String> {
 fn describe(k: ParamKind) -> String {
     match k {
         ParamKind::Tensor => "a tensor".into(),
+        ParamKind::Status => "the status record".into(),
         scalar => format!("a {}-byte scalar {}", scalar.size(), scalar.name()),
     }
 }

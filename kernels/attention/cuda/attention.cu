@@ -43,6 +43,29 @@ __device__ __forceinline__ void gqa_row(const int* seqlens, unsigned b, unsigned
     *past_b = first_prompt ? 0 : *t_b - (long long)S;
 }
 
+// Row b's sequence length and rotary positions against the CPU reference's checks, reported
+// through the node's status record (ABI.md §7.5; the codes are kernel.toml's [[device_errors]]):
+// 1 seqlens_k out of range, 2 more past rows than past_key holds (check_past: a past and
+// present that are not one buffer), 3 a position outside the cos/sin caches. The kernels
+// never index outside their buffers either way (gqa_range clamps, rope_elem gives NaN).
+__device__ __noinline__ void gqa_check(kiln_status* st, const int* seqlens, unsigned b, unsigned S,
+                                       unsigned first_prompt, unsigned total, unsigned check_past, unsigned P,
+                                       kiln_u64 cache_rows, unsigned rotary_half) {
+    const long long sk = seqlens[b], t = sk + 1;
+    const bool bad = first_prompt ? (t < 1 || t > (long long)S) : (t < (long long)S || t > (long long)total);
+    if (bad) {
+        kiln_fail(st, 1, b, sk, S, total);
+        return;
+    }
+    const long long past_b = first_prompt ? 0 : t - (long long)S;
+    if (check_past && past_b > (long long)P) {
+        kiln_fail(st, 2, b, sk, past_b, P);
+        return;
+    }
+    if (rotary_half > 0 && past_b + (long long)S > (long long)cache_rows)
+        kiln_fail(st, 3, past_b > (long long)cache_rows ? past_b : (long long)cache_rows, cache_rows);
+}
+
 // Writes the present K and V [B, Nk, PL, H] (only the new rows when present is the past buffer
 // itself, else every row): rows past_b .. past_b + S are the new keys
 // (rotated at their position when rotary_half > 0, rounded to the dtype) and values; other rows
@@ -55,8 +78,11 @@ __device__ void gqa_kv(const typename Tag::storage* k_src, const typename Tag::s
                        typename Tag::storage* pres_k, typename Tag::storage* pres_v, unsigned B, unsigned S,
                        unsigned Nk, unsigned H, unsigned PL, unsigned P, kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off,
                        unsigned first_prompt, unsigned shared, kiln_u64 cache_rows, unsigned rotary_half,
-                       unsigned interleaved) {
+                       unsigned interleaved, unsigned total, kiln_status* st) {
     typedef typename Tag::storage T;
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+        for (unsigned b = 0; b < B; ++b)
+            gqa_check(st, seqlens, b, S, first_prompt, total, !shared, P, cache_rows, rotary_half);
     // Past and present are one buffer (bound in place by the host): only the new rows change,
     // so only they are visited.
     if (shared && P == PL && pres_k == past_k && pres_v == past_v) {
@@ -242,10 +268,13 @@ __device__ void gqa_attn(const typename Tag::storage* q_src, const typename Tag:
                          const typename Tag::storage* sink, typename Tag::storage* out, unsigned S, unsigned N,
                          unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w, unsigned first_prompt, kiln_u64 cache_rows,
                          unsigned rotary_half, unsigned interleaved, float scale, float softcap, int window,
-                         unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode) {
+                         unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode,
+                         kiln_status* st) {
     __shared__ float s_acc[GQA_MAX_WARPS][GQA_MAX_CHUNKS * 32];
     __shared__ float s_m[GQA_MAX_WARPS], s_l[GQA_MAX_WARPS];
     const unsigned s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    if (s == 0 && h == 0 && threadIdx.x == 0)
+        gqa_check(st, seqlens, b, S, first_prompt, total, 0, 0, cache_rows, rotary_half);
     const unsigned j = h / (N / Nk);
     long long start, end, pos;
     gqa_range(seqlens, b, s, S, first_prompt, window, PL, &start, &end, &pos);
@@ -284,10 +313,11 @@ __device__ void gqa_decode_split(const typename Tag::storage* q_src, const typen
                                  const typename Tag::storage* bias, float* partial, unsigned N, unsigned Nk,
                                  unsigned H, unsigned PL, kiln_u64 q_w, kiln_u64 cache_rows, unsigned rotary_half,
                                  unsigned interleaved, float scale, float softcap, int window, unsigned has_bias,
-                                 unsigned bias_b, unsigned bias_h, unsigned total, unsigned chunk) {
+                                 unsigned bias_b, unsigned bias_h, unsigned total, unsigned chunk, kiln_status* st) {
     __shared__ float s_acc[GQA_MAX_WARPS][GQA_MAX_CHUNKS * 32];
     __shared__ float s_m[GQA_MAX_WARPS], s_l[GQA_MAX_WARPS];
     const unsigned split = blockIdx.x, h = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
+    if (split == 0 && h == 0 && threadIdx.x == 0) gqa_check(st, seqlens, b, 1, 0, total, 0, 0, cache_rows, rotary_half);
     const unsigned j = h / (N / Nk);
     long long start, end, pos;
     gqa_range(seqlens, b, 0, 1, 0, window, PL, &start, &end, &pos);
@@ -388,7 +418,7 @@ __device__ void gqa_decode(const typename Tag::storage* q_src, typename Tag::sto
                            unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode,
                            const typename Tag::storage* k_src, const typename Tag::storage* v_src,
                            const typename Tag::storage* past_k, const typename Tag::storage* past_v, unsigned P,
-                           kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off, unsigned append) {
+                           kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off, unsigned append, kiln_status* st) {
     typedef typename Tag::storage T;
     const unsigned VE = 16 / sizeof(T);  // elements per 16-byte vector
     __shared__ __align__(16) float q_s[GQA_DEC_MAX_QH];
@@ -397,6 +427,7 @@ __device__ void gqa_decode(const typename Tag::storage* q_src, typename Tag::sto
     __shared__ float s_red[GQA_DEC_WARPS][GQA_DEC_MAX_QH];
     const unsigned split = blockIdx.x, j = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
     const unsigned group = N / Nk, tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    if (split == 0 && j == 0 && tid == 0) gqa_check(st, seqlens, b, 1, 0, total, 0, 0, cache_rows, rotary_half);
     long long start, end, pos;
     gqa_range(seqlens, b, 0, 1, 0, window, PL, &start, &end, &pos);
     long long lo = (long long)split * GQA_DEC_KEYS, hi = lo + GQA_DEC_KEYS;
@@ -628,7 +659,7 @@ template <typename Tag>
 __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, const typename Tag::storage* cos_c,
                      const typename Tag::storage* sin_c, typename Tag::storage* y, kiln_u64 total, unsigned S,
                      unsigned N, unsigned H, unsigned half, kiln_u64 cache_rows, unsigned transposed,
-                     unsigned scalar_pos, unsigned interleaved) {
+                     unsigned scalar_pos, unsigned interleaved, kiln_status* st) {
     KILN_FOR(i, total) {
         const unsigned d = (unsigned)(i % H);
         if (d >= 2 * half) {
@@ -644,6 +675,7 @@ __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, c
             b = (unsigned)(i / ((kiln_u64)H * N * S));
         }
         const long long p = scalar_pos ? pos_ids[0] + (long long)s : pos_ids[(kiln_u64)b * S + s];
+        if (d == 0 && (p < 0 || (kiln_u64)p >= cache_rows)) kiln_fail(st, 4, p, (long long)cache_rows);
         y[i] = kiln_from_f32(Tag(), rope_elem<Tag>(x + (i - d), cos_c, sin_c, p, cache_rows, half, d, interleaved));
     }
 }
@@ -656,10 +688,10 @@ __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, c
         kiln_u64 cache_rows, unsigned rotary_half, unsigned interleaved, float scale, float softcap, int window,        \
         unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode,                       \
         const TAG::storage* k_src, const TAG::storage* v_src, const TAG::storage* past_k, const TAG::storage* past_v,  \
-        unsigned P, kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off, unsigned append) {                                  \
+        unsigned P, kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off, unsigned append, kiln_status* st) {                 \
         gqa_decode<TAG, G>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out, N, Nk, H, PL, q_w,     \
                         cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b, bias_h, total, \
-                        sink_mode, k_src, v_src, past_k, past_v, P, kv_w, k_off, v_off, append);                      \
+                        sink_mode, k_src, v_src, past_k, past_v, P, kv_w, k_off, v_off, append, st);                  \
     }
 
 #define KILN_ATTENTION_KERNELS(SUF, TAG)                                                                               \
@@ -668,9 +700,9 @@ __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, c
         const int* seqlens, const TAG::storage* cos_c, const TAG::storage* sin_c, TAG::storage* pres_k,                \
         TAG::storage* pres_v, unsigned B, unsigned S, unsigned Nk, unsigned H, unsigned PL, unsigned P, kiln_u64 kv_w, \
         kiln_u64 k_off, kiln_u64 v_off, unsigned first_prompt, unsigned shared, kiln_u64 cache_rows,                   \
-        unsigned rotary_half, unsigned interleaved) {                                                                  \
+        unsigned rotary_half, unsigned interleaved, unsigned total, kiln_status* st) {                                 \
         gqa_kv<TAG>(k_src, v_src, past_k, past_v, seqlens, cos_c, sin_c, pres_k, pres_v, B, S, Nk, H, PL, P, kv_w,     \
-                    k_off, v_off, first_prompt, shared, cache_rows, rotary_half, interleaved);                         \
+                    k_off, v_off, first_prompt, shared, cache_rows, rotary_half, interleaved, total, st);              \
     }                                                                                                                  \
     extern "C" __global__ void kiln_gqa_attn_##SUF(                                                                    \
         const TAG::storage* q_src, const TAG::storage* pres_k, const TAG::storage* pres_v, const int* seqlens,         \
@@ -678,20 +710,20 @@ __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, c
         TAG::storage* out, unsigned S, unsigned N, unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w,                 \
         unsigned first_prompt, kiln_u64 cache_rows, unsigned rotary_half, unsigned interleaved, float scale,           \
         float softcap, int window, unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total,                \
-        unsigned sink_mode) {                                                                                          \
+        unsigned sink_mode, kiln_status* st) {                                                                         \
         gqa_attn<TAG>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, out, S, N, Nk, H, PL, q_w,             \
                       first_prompt, cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b,    \
-                      bias_h, total, sink_mode);                                                                       \
+                      bias_h, total, sink_mode, st);                                                                   \
     }                                                                                                                  \
     extern "C" __global__ void kiln_gqa_split_##SUF(                                                                   \
         const TAG::storage* q_src, const TAG::storage* pres_k, const TAG::storage* pres_v, const int* seqlens,         \
         const TAG::storage* cos_c, const TAG::storage* sin_c, const TAG::storage* bias, float* partial, unsigned N,    \
         unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w, kiln_u64 cache_rows, unsigned rotary_half,                 \
         unsigned interleaved, float scale, float softcap, int window, unsigned has_bias, unsigned bias_b,              \
-        unsigned bias_h, unsigned total, unsigned chunk) {                                                             \
+        unsigned bias_h, unsigned total, unsigned chunk, kiln_status* st) {                                            \
         gqa_decode_split<TAG>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, partial, N, Nk, H, PL, q_w,          \
                               cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b, bias_h,  \
-                              total, chunk);                                                                           \
+                              total, chunk, st);                                                                       \
     }                                                                                                                  \
     KILN_GQA_DECODE(SUF, TAG, 1)                                                                                       \
     KILN_GQA_DECODE(SUF, TAG, 2)                                                                                       \
@@ -706,8 +738,9 @@ __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, c
                                                const TAG::storage* cos_c, const TAG::storage* sin_c, TAG::storage* y,  \
                                                kiln_u64 total, unsigned S, unsigned N, unsigned H, unsigned half,      \
                                                kiln_u64 cache_rows, unsigned transposed, unsigned scalar_pos,          \
-                                               unsigned interleaved) {                                                 \
-        rope<TAG>(x, pos_ids, cos_c, sin_c, y, total, S, N, H, half, cache_rows, transposed, scalar_pos, interleaved); \
+                                               unsigned interleaved, kiln_status* st) {                                \
+        rope<TAG>(x, pos_ids, cos_c, sin_c, y, total, S, N, H, half, cache_rows, transposed, scalar_pos, interleaved,  \
+                  st);                                                                                                 \
     }
 
 KILN_ATTENTION_KERNELS(f32, kiln_tag_f32)

@@ -250,45 +250,49 @@ extern "C" __global__ void kiln_tensor_transpose(const char* src, char* dst, uns
 // ---------------------------------------------------------------------------------------
 // Gather along an axis: data is outer × dim × inner_bytes, indices n_idx int32 (idx64 = 0)
 // or int64 (idx64 = 1); dst is outer × n_idx × inner_bytes. Negative indices wrap once;
-// indices still outside 0..dim write zeros (never read out of bounds).
+// indices still outside 0..dim write zeros (never read out of bounds) and report device error
+// 1 (index, dim, axis) through the node's status record.
 
 template <typename T, typename I>
-__device__ void kt_gather_run(const T* src, const void* idx, T* dst, I outer, I dim, I n_idx, I upi, unsigned idx64) {
+__device__ void kt_gather_run(const T* src, const void* idx, T* dst, I outer, I dim, I n_idx, I upi, unsigned idx64,
+                              unsigned axis, kiln_status* st) {
     const I total = outer * n_idx * upi;
     for (I i = (I)(blockIdx.x * (kiln_u64)blockDim.x + threadIdx.x); i < total; i += (I)(gridDim.x * (kiln_u64)blockDim.x)) {
         const I t = i / upi;
         const I c = i - t * upi;
         const I o = t / n_idx;
         const I j = t - o * n_idx;
-        long long k = idx64 ? ((const long long*)idx)[j] : (long long)((const int*)idx)[j];
-        if (k < 0) k += (long long)dim;
+        const long long given = idx64 ? ((const long long*)idx)[j] : (long long)((const int*)idx)[j];
+        const long long k = given < 0 ? given + (long long)dim : given;
         if (k >= 0 && k < (long long)dim) {
             dst[i] = src[((kiln_u64)o * dim + (kiln_u64)k) * upi + c];
         } else {
             dst[i] = T();
+            if (o == 0 && c == 0) kiln_fail(st, 1, given, (long long)dim, axis);
         }
     }
 }
 
 template <typename T>
 __device__ void kt_gather_w(const char* src, const void* idx, char* dst, kiln_u64 outer, kiln_u64 dim, kiln_u64 n_idx,
-                            kiln_u64 inner_bytes, unsigned idx64) {
+                            kiln_u64 inner_bytes, unsigned idx64, unsigned axis, kiln_status* st) {
     const kiln_u64 upi = inner_bytes / sizeof(T);
     if (outer * n_idx * upi <= 0xffffffffull && outer * dim * upi <= 0xffffffffull)
         kt_gather_run<T, unsigned>((const T*)src, idx, (T*)dst, (unsigned)outer, (unsigned)dim, (unsigned)n_idx,
-                                   (unsigned)upi, idx64);
+                                   (unsigned)upi, idx64, axis, st);
     else
-        kt_gather_run<T, kiln_u64>((const T*)src, idx, (T*)dst, outer, dim, n_idx, upi, idx64);
+        kt_gather_run<T, kiln_u64>((const T*)src, idx, (T*)dst, outer, dim, n_idx, upi, idx64, axis, st);
 }
 
 extern "C" __global__ void kiln_tensor_gather(const char* src, const void* idx, char* dst, kiln_u64 outer, kiln_u64 dim,
-                                              kiln_u64 n_idx, kiln_u64 inner_bytes, unsigned idx64) {
+                                              kiln_u64 n_idx, kiln_u64 inner_bytes, unsigned idx64, unsigned axis,
+                                              kiln_status* st) {
     switch (kt_width(kt_addr(src) | kt_addr(dst) | inner_bytes)) {
-    case 16: kt_gather_w<kt_v16>(src, idx, dst, outer, dim, n_idx, inner_bytes, idx64); break;
-    case 8: kt_gather_w<kiln_u64>(src, idx, dst, outer, dim, n_idx, inner_bytes, idx64); break;
-    case 4: kt_gather_w<unsigned>(src, idx, dst, outer, dim, n_idx, inner_bytes, idx64); break;
-    case 2: kt_gather_w<unsigned short>(src, idx, dst, outer, dim, n_idx, inner_bytes, idx64); break;
-    default: kt_gather_w<unsigned char>(src, idx, dst, outer, dim, n_idx, inner_bytes, idx64); break;
+    case 16: kt_gather_w<kt_v16>(src, idx, dst, outer, dim, n_idx, inner_bytes, idx64, axis, st); break;
+    case 8: kt_gather_w<kiln_u64>(src, idx, dst, outer, dim, n_idx, inner_bytes, idx64, axis, st); break;
+    case 4: kt_gather_w<unsigned>(src, idx, dst, outer, dim, n_idx, inner_bytes, idx64, axis, st); break;
+    case 2: kt_gather_w<unsigned short>(src, idx, dst, outer, dim, n_idx, inner_bytes, idx64, axis, st); break;
+    default: kt_gather_w<unsigned char>(src, idx, dst, outer, dim, n_idx, inner_bytes, idx64, axis, st); break;
     }
 }
 

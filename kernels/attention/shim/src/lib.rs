@@ -800,6 +800,8 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
                 KernelArg::U64(cache_rows as u64),
                 u("rotary width", rot_half)?,
                 flag(interleaved),
+                u("total_sequence_length", p.total)?,
+                KernelArg::Status,
             ],
         })?;
     }
@@ -886,6 +888,7 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
                 flag(append),
             ]);
         }
+        args.push(KernelArg::Status);
         launch(&Launch {
             kernel: &format!("kiln_gqa_{kernel}_{suffix}"),
             grid,
@@ -949,6 +952,7 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
             u("attention_bias heads", bias_h)?,
             u("total_sequence_length", p.total)?,
             KernelArg::U32(sink_mode),
+            KernelArg::Status,
         ],
     })
 }
@@ -986,6 +990,7 @@ fn rope_dispatch(call: &Call) -> Result<()> {
             flag(transposed),
             flag(p.scalar_pos),
             flag(call.attr_i("interleaved", 0)? == 1),
+            KernelArg::Status,
         ],
     })
 }

@@ -198,7 +198,8 @@ fn transpose(src: At, dst: At, esize: usize, dims: &[u64], st: &[i64]) -> Result
     })
 }
 
-/// Gather along an axis: `data` is `outer × dim × inner_bytes`, `indices` int32 or int64.
+/// Gather along axis `axis` (for the device error's message): `data` is
+/// `outer × dim × inner_bytes`, `indices` int32 or int64.
 #[allow(clippy::too_many_arguments)]
 pub fn gather(
     data: At,
@@ -209,6 +210,7 @@ pub fn gather(
     dim: u64,
     n_idx: u64,
     inner_bytes: u64,
+    axis: u32,
 ) -> Result<()> {
     let units = outer * n_idx * inner_bytes;
     if units == 0 {
@@ -227,6 +229,8 @@ pub fn gather(
             KernelArg::U64(n_idx),
             KernelArg::U64(inner_bytes),
             KernelArg::U32(idx64 as u32),
+            KernelArg::U32(axis),
+            KernelArg::Status,
         ],
     )
 }

@@ -261,8 +261,9 @@ pub fn gather_cpu(call: &Call) -> Result<()> {
     call.output(0)?.write_bytes(&out)
 }
 
-/// One gather launch; indices are read on the device (negative ones wrap; out-of-range ones
-/// give zeros, where the CPU reference fails the node).
+/// One gather launch; indices are read on the device (negative ones wrap; an out-of-range one
+/// gives zeros and fails the run through the node's status record with the CPU reference's
+/// message, kernel.toml's device error 1).
 pub fn gather_dispatch(call: &Call) -> Result<()> {
     let x = call.input(0)?;
     let esize = elem_size("Gather", x.dtype()?)?;
@@ -283,5 +284,6 @@ pub fn gather_dispatch(call: &Call) -> Result<()> {
         dims[a] as u64,
         indices.numel()? as u64,
         inner as u64,
+        a as u32,
     )
 }
