@@ -560,16 +560,27 @@ fn crafted_indices_fail_a_captured_run_with_the_cpu_error_and_the_next_run_works
     // Gather: an index past its axis.
     use kiln_tests::onnx::{self, node, value};
     let g = node("Gather", &["data", "idx"], &["y"], vec![onnx::attr_int("axis", 1)]);
-    let gm = onnx::model(vec![g], vec![value("data", 1, &[2, 5]), value("idx", 7, &[3])], vec![value("y", 1, &[2, 3])], vec![]);
+    let gm = onnx::model(
+        vec![g],
+        vec![value("data", 1, &[2, 5]), value("idx", 7, &[3])],
+        vec![value("y", 1, &[2, 3])],
+        vec![],
+    );
     let gload = || model::load_bytes(&onnx::bytes(&gm), None).unwrap();
     let data = kiln_tests::f32_tensor(&[2, 5], &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]);
     let idx = |v: [i64; 3]| {
-        kiln_host::Tensor::new(kiln_kernel_abi::DType::I64, vec![3], v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>().into()).unwrap()
+        kiln_host::Tensor::new(
+            kiln_kernel_abi::DType::I64,
+            vec![3],
+            v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>().into(),
+        )
+        .unwrap()
     };
     let opts = SessionOptions { small_integer_nodes_on_host: false, ..cuda() };
     let mut gs = Session::new(runtime(), gload(), opts).unwrap();
     let bad = vec![("data".to_string(), data.clone()), ("idx".to_string(), idx([1, 7, -2]))];
-    let Err(Error::Shim(cpu_err)) = Session::new(runtime(), gload(), SessionOptions::default()).unwrap().run(bad.clone())
+    let Err(Error::Shim(cpu_err)) =
+        Session::new(runtime(), gload(), SessionOptions::default()).unwrap().run(bad.clone())
     else {
         panic!("the CPU accepts index 7 of 5")
     };

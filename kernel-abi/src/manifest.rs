@@ -629,7 +629,9 @@ signatures = [{ kernels = ["relu_*"], params = ["tensor", "tensor", "u64"] }]
     #[test]
     fn device_errors_come_with_schema_3_and_render_their_values() {
         let v3 = GOOD.replace("schema = 2", "schema = 3").replace("\"u64\"]", "\"u64\", \"status\"]");
-        let good = format!("{v3}\n[[device_errors]]\ncode = 1\nmessage = \"index {{0}} is out of range for dimension {{1}}\"\n");
+        let good = format!(
+            "{v3}\n[[device_errors]]\ncode = 1\nmessage = \"index {{0}} is out of range for dimension {{1}}\"\n"
+        );
         let m = Manifest::parse(&good).unwrap();
         assert_eq!(m.kernel_signatures()[0].1.last(), Some(&ParamKind::Status));
         let e = m.device_error(1).unwrap();
@@ -637,7 +639,10 @@ signatures = [{ kernels = ["relu_*"], params = ["tensor", "tensor", "u64"] }]
         assert!(m.device_error(2).is_none());
         assert_eq!(Manifest::parse(&m.to_toml()).unwrap(), m);
         for (text, needle) in [
-            (good.replace("schema = 3", "schema = 2"), "`device_errors` come with manifest schema 3"),
+            (
+                format!("{GOOD}\n[[device_errors]]\ncode = 1\nmessage = \"m\"\n"),
+                "`device_errors` come with manifest schema 3",
+            ),
             (v3.replace("schema = 3", "schema = 2"), "`status` parameter kind comes with manifest schema 3"),
             (good.replace("code = 1", "code = 0"), "codes start at 1"),
             (format!("{good}[[device_errors]]\ncode = 1\nmessage = \"again\"\n"), "code 1 is declared twice"),

@@ -107,7 +107,8 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         String::new()
     } else {
         format!(
-            "; CUDA graphs {graphs}: {} captured, {} replays, {} fallbacks",
+            "; CUDA graphs {}: {} captured, {} replays, {} fallbacks",
+            format!("{graphs:?}").to_lowercase(),
             g.captures,
             g.replays,
             g.fallbacks.values().sum::<u64>()
@@ -160,10 +161,11 @@ fn run_held(session: &mut Session, feeds: Vec<(String, Tensor)>, runs: u32) -> R
         session.write_tensor(&d, &t)?;
         held.push((name, d));
     }
-    let names: Vec<String> = session.output_ids().iter().map(|&o| session.model().graph.values[o].name.clone()).collect();
-    let fed = |held: &[(String, DeviceTensor)]| -> Vec<(String, Feed<'_>)> {
+    let names: Vec<String> =
+        session.output_ids().iter().map(|&o| session.model().graph.values[o].name.clone()).collect();
+    fn fed(held: &[(String, DeviceTensor)]) -> Vec<(String, Feed<'_>)> {
         held.iter().map(|(n, d)| (n.clone(), Feed::Device(d))).collect()
-    };
+    }
     let first: Vec<(&str, Fetch<'_>)> = names.iter().map(|n| (n.as_str(), Fetch::Device)).collect();
     let mut outs: Vec<(String, DeviceTensor)> = Vec::new();
     let t = Instant::now();

@@ -477,67 +477,67 @@ impl Generator {
         // Decode steps any row may still need (its first token came from the prefill).
         let mut steps_left = opts.max_new_tokens.saturating_sub(1);
         let result = (|| -> Result<()> {
-        loop {
-            // The cache length these tokens extend (a step enqueued ahead is not counted).
-            let len = kv.len() - ahead.is_some() as usize;
-            for b in 0..batch {
-                if stopped[b].is_some() {
+            loop {
+                // The cache length these tokens extend (a step enqueued ahead is not counted).
+                let len = kv.len() - ahead.is_some() as usize;
+                for b in 0..batch {
+                    if stopped[b].is_some() {
+                        continue;
+                    }
+                    generated[b].push(next[b]);
+                    history[b].push(next[b]);
+                    on_token(b, next[b]);
+                    if !opts.ignore_eos && eos.contains(&next[b]) {
+                        stopped[b] = Some(StopReason::Eos);
+                    } else if generated[b].len() >= opts.max_new_tokens {
+                        stopped[b] = Some(StopReason::MaxNewTokens);
+                    } else if len + 1 >= max_length {
+                        stopped[b] = Some(StopReason::MaxLength);
+                    }
+                }
+                if opts.stop.is_some_and(|s| s.load(std::sync::atomic::Ordering::SeqCst)) {
+                    for s in stopped.iter_mut().filter(|s| s.is_none()) {
+                        *s = Some(StopReason::Interrupted);
+                    }
+                }
+                if stopped.iter().all(Option::is_some) {
+                    break;
+                }
+                timings.decode_steps += 1;
+                if on_device {
+                    // Every row steps with the token the device chose for it (finished rows too,
+                    // harmlessly); only the ids come back.
+                    let this = match ahead.take() {
+                        Some(p) => p,
+                        None => {
+                            steps_left = steps_left.saturating_sub(1);
+                            self.enqueue_device_step(kv)?
+                        }
+                    };
+                    if steps_left > 0 && kv.len() + 1 < max_length.min(kv.limit) {
+                        steps_left -= 1;
+                        ahead = Some(self.enqueue_device_step(kv)?);
+                    }
+                    let ids = self.session.read_finish(this)?.to_i64()?;
+                    for b in 0..batch {
+                        if stopped[b].is_none() {
+                            next[b] = ids[b];
+                            timings.decode_tokens += 1;
+                        }
+                    }
                     continue;
                 }
-                generated[b].push(next[b]);
-                history[b].push(next[b]);
-                on_token(b, next[b]);
-                if !opts.ignore_eos && eos.contains(&next[b]) {
-                    stopped[b] = Some(StopReason::Eos);
-                } else if generated[b].len() >= opts.max_new_tokens {
-                    stopped[b] = Some(StopReason::MaxNewTokens);
-                } else if len + 1 >= max_length {
-                    stopped[b] = Some(StopReason::MaxLength);
-                }
-            }
-            if opts.stop.is_some_and(|s| s.load(std::sync::atomic::Ordering::SeqCst)) {
-                for s in stopped.iter_mut().filter(|s| s.is_none()) {
-                    *s = Some(StopReason::Interrupted);
-                }
-            }
-            if stopped.iter().all(Option::is_some) {
-                break;
-            }
-            timings.decode_steps += 1;
-            if on_device {
-                // Every row steps with the token the device chose for it (finished rows too,
-                // harmlessly); only the ids come back.
-                let this = match ahead.take() {
-                    Some(p) => p,
-                    None => {
-                        steps_left = steps_left.saturating_sub(1);
-                        self.enqueue_device_step(kv)?
-                    }
-                };
-                if steps_left > 0 && kv.len() + 1 < max_length.min(kv.limit) {
-                    steps_left -= 1;
-                    ahead = Some(self.enqueue_device_step(kv)?);
-                }
-                let ids = self.session.read_finish(this)?.to_i64()?;
+                // One decode step: every row feeds its last token (finished rows feed padding).
+                let step_ids: Vec<i64> = (0..batch).map(|b| if stopped[b].is_some() { pad } else { next[b] }).collect();
+                let logits = self.decode(kv, &step_ids)?;
                 for b in 0..batch {
                     if stopped[b].is_none() {
-                        next[b] = ids[b];
+                        next[b] = sampler.next(&logits[b], &history[b], b, generated[b].len());
                         timings.decode_tokens += 1;
                     }
                 }
-                continue;
             }
-            // One decode step: every row feeds its last token (finished rows feed padding).
-            let step_ids: Vec<i64> = (0..batch).map(|b| if stopped[b].is_some() { pad } else { next[b] }).collect();
-            let logits = self.decode(kv, &step_ids)?;
-            for b in 0..batch {
-                if stopped[b].is_none() {
-                    next[b] = sampler.next(&logits[b], &history[b], b, generated[b].len());
-                    timings.decode_tokens += 1;
-                }
-            }
-        }
-        Ok(())
+            Ok(())
         })();
         // A step enqueued ahead whose tokens no row wants: wait for it (its readback buffer is
         // reused), and report a failure it found.
