@@ -3,7 +3,8 @@
 # times kiln in one call. Phases (any of them, in this order):
 #   tests      the GPU tests (tests/gpu.rs), all of them
 #   bench      kiln bench decode: graphs on and off at prompt 128 + 256 new tokens, batch 1 and 8;
-#              prompt 128 and 3840 at one cache size (4096 positions); a streamed kiln generate
+#              prompt 128 and 3840 at one cache size (4096 positions); a streamed kiln generate;
+#              kiln run of the example 20 times with graphs on
 #   linear     the decode linear layers: their GPU test, kiln verify kiln-matmul on the GPU, and
 #              kiln bench decode (graphs on, batch 1 and 8) fused, with --pdl off, and --no-fuse
 #   fusion     kiln bench decode with --no-fuse (graphs on, batch 1 and 8) and kiln verify of the
@@ -51,6 +52,10 @@ for phase in $phases; do
     # kiln generate streams its tokens through the same Generator path.
     "$KILN" generate "$m" --prompt "Once upon a time" --max-new-tokens 256 --graph on --report 2>&1 |
       tail -40 >"$out/generate.log"
+    # A plain model run many times on the device: one graph replay per run from the third.
+    "$KILN" run examples/mlp/model.onnx --input x=examples/mlp/x.npy --expect probs=examples/mlp/expected.npy \
+      --output-dir "$work/run-out" --runs 20 --graph on 2>&1 | tail -3 >"$out/run.log"
+    summary+=("run: $(tr '\n' ' ' <"$out/run.log")")
     summary+=("bench: $(grep -hE '^\| [0-9]' "$out/bench.log" | tr '\n' ' ')")
     summary+=("generate: $(grep -E 'decode .* tokens/s' "$out/generate.log")")
     ;;
