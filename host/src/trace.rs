@@ -49,6 +49,17 @@ pub struct Report {
     pub graphs: GraphStats,
     /// Fusions applied at load, and matches a constraint turned down.
     pub fusions: Fusions,
+    /// kiln's device memory after the last run (GPU sessions).
+    pub device_memory: Option<DeviceMemory>,
+}
+
+/// The device memory of a session's caching allocator, in bytes: held by tensors, cached for
+/// reuse, and the most ever held.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct DeviceMemory {
+    pub in_use_bytes: u64,
+    pub cached_bytes: u64,
+    pub peak_bytes: u64,
 }
 
 /// What the fusion pass did to the model (`fuse`).
@@ -235,6 +246,15 @@ impl Report {
         if self.launches > 0 || self.graphs.plans_built > 0 {
             s += &format!("gpu: {} eager launches, {} plan hits\n", self.launches, self.plan_hits);
             s += &self.graphs.render();
+        }
+        if let Some(m) = &self.device_memory {
+            let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+            s += &format!(
+                "device memory: {:.1} MiB in use, {:.1} MiB cached, peak {:.1} MiB\n",
+                mib(m.in_use_bytes),
+                mib(m.cached_bytes),
+                mib(m.peak_bytes)
+            );
         }
         s += &self.fusions.render();
         s += "ops (node executions, host time):\n";

@@ -36,6 +36,15 @@ pub use transfer::{PendingDownload, Transfers, READBACK_BYTES};
 
 use crate::{Error, Result};
 
+/// Free and total memory of the device of the calling thread's current context, in bytes
+/// (`cuMemGetInfo`): what the whole process, kiln's pool and the driver's own allocations
+/// (graphs, modules) included, leaves free. Errors: no current context.
+pub fn memory_info() -> Result<(u64, u64)> {
+    let (free, total) =
+        cudarc::driver::result::mem_get_info().map_err(|e| Error::Device(format!("cuMemGetInfo: {e}")))?;
+    Ok((free as u64, total as u64))
+}
+
 /// What `kiln devices` prints.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct DeviceInfo {

@@ -646,6 +646,7 @@ impl Session {
         }
         self.report.runs += 1;
         self.report.run_time_us += start.elapsed().as_micros() as u64;
+        self.report.device_memory = self.gpu.as_ref().map(|g| memory_of(&g.alloc));
         Ok(outs)
     }
 
@@ -774,6 +775,7 @@ impl Session {
         }
         report.runs += 1;
         report.run_time_us += start.elapsed().as_micros() as u64;
+        report.device_memory = Some(memory_of(&gpu.alloc));
         Ok(Some(outputs.into_iter().map(|(_, name)| (name, Fetched::Written)).collect()))
     }
 
@@ -1501,6 +1503,12 @@ impl Session {
 
 /// Checks a fed value against the input's declared dtype and shape.
 /// What a GPU offers packages (their `[device]` requirements).
+/// The report's view of an allocator.
+fn memory_of(a: &crate::cuda::Allocator) -> crate::trace::DeviceMemory {
+    let s = a.stats();
+    crate::trace::DeviceMemory { in_use_bytes: s.in_use_bytes, cached_bytes: s.cached_bytes, peak_bytes: s.peak_bytes }
+}
+
 fn caps_of(g: &Gpu) -> kiln_registry::DeviceCaps {
     kiln_registry::DeviceCaps { compute_capability: g.info.compute_capability, features: g.info.features() }
 }
