@@ -363,7 +363,7 @@ __device__ void gqa_decode_split(const typename Tag::storage* q_src, const typen
 #define GQA_DEC_MAX_QH 1024
 #define GQA_DEC_WARPS 8
 #define GQA_DEC_ROW_VECS 8  // 16-byte vectors of a K row loaded together (a 64-wide f16 row)
-#define GQA_DEC_V_KEYS 4    // V rows per thread loaded together
+#define GQA_DEC_V_KEYS 8    // V rows per thread loaded together (every V row of a 64-wide f16 block at once)
 
 // The present rows block (split, j, b) of gqa_decode owns, rows split·GQA_DEC_KEYS ..
 // + GQA_DEC_KEYS of KV head j, batch row b, as kiln_gqa_kv_* writes them for a shared past and
@@ -681,7 +681,7 @@ __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, c
 }
 
 #define KILN_GQA_DECODE(SUF, TAG, G)                                                                          \
-    extern "C" __global__ void kiln_gqa_decode##G##_##SUF(                                                                  \
+    extern "C" __global__ void __launch_bounds__(256, 2) kiln_gqa_decode##G##_##SUF(                                                                \
         const TAG::storage* q_src, TAG::storage* pres_k, TAG::storage* pres_v, const int* seqlens,                     \
         const TAG::storage* cos_c, const TAG::storage* sin_c, const TAG::storage* bias, const TAG::storage* sink,      \
         float* partial, TAG::storage* out, unsigned N, unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w,             \
