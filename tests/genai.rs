@@ -261,8 +261,13 @@ fn streamed_pieces_join_to_the_whole_decoding() {
     use kiln_host::genai::TextStream;
     for folder in ["tiny-llama-v512-fp16-cuda", "tiny-llama-v512-fp32-cpu"] {
         let tok = ModelFolder::open(&fixture(&format!("llm/{folder}"))).unwrap().tokenizer;
-        for text in ["Once upon a time, there was a little girl.", "naïve café — 東京 🙂 ok", "a  b\n\nc\td"] {
-            let ids: Vec<u32> = tok.encode(text, false).unwrap().get_ids().to_vec();
+        let vocab = tok.get_vocab_size(true) as u32;
+        let texts = ["Once upon a time, there was a little girl.", "naïve café — 東京 🙂 ok", "a  b\n\nc\td"];
+        let mut cases: Vec<Vec<u32>> =
+            texts.iter().map(|t| tok.encode(*t, false).unwrap().get_ids().to_vec()).collect();
+        // What a random model emits: byte tokens that do not make characters, mid-text.
+        cases.push((0..300u32).map(|i| (i * 7919 + 13) % vocab).collect());
+        for ids in cases {
             let mut s = TextStream::new(tok.clone());
             let joined: String = ids.iter().filter_map(|&i| s.push(i as i64)).collect();
             let whole = tok.decode(&ids, true).unwrap();

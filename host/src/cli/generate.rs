@@ -250,8 +250,15 @@ pub fn run(mut a: GenerateArgs) -> Result<ExitCode> {
         (false, _) => "graphs off, sampling on the host".to_string(),
     };
     note!(
-        "kiln: {device}: time to first token {:.1} ms, prefill {:.1} tokens/s, decode {:.1} tokens/s ({} tokens in {:.1} ms; {graphs_note})",
-        t.time_to_first_token_ms, t.prefill_tokens_per_s, t.decode_tokens_per_s, t.decode_tokens, t.decode_ms
+        "kiln: {device}: time to first token {:.1} ms, prefill {:.1} tokens/s, decode {:.1} tokens/s ({} tokens in {:.1} ms; \
+         the first step {:.1} ms, which builds the step's plan for a new shape; after it {:.1} tokens/s; {graphs_note})",
+        t.time_to_first_token_ms,
+        t.prefill_tokens_per_s,
+        t.decode_tokens_per_s,
+        t.decode_tokens,
+        t.decode_ms,
+        t.first_step_ms,
+        t.steady_tokens_per_s
     );
     if a.report {
         eprintln!("{}", generator.session.report.render());
