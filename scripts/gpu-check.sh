@@ -13,6 +13,8 @@
 #   peers      PyTorch eager, CUDA graph and torch.compile on the same architecture
 #   profile    ncu: GPU time of every kernel of one eager decode step (batch 1 and 8, cache of 384
 #              positions as in the bench rows)
+#   longctx    ncu: time, DRAM throughput, occupancy and stalls of the decode attention kernels at
+#              batch 8, context 3840
 # At most 8 files come back from the machine, so $OUT (or ./gpu-out) gets one log per phase
 # and the JSON in tar files; the last lines printed are a summary.
 set -uo pipefail
@@ -99,6 +101,14 @@ for phase in $phases; do
         --graph off --runs 1 --new-tokens 8 --max-length 384 >"$work/ncu-b$b.csv" 2>"$work/ncu-b$b.err"
     done
     tar -C "$work" -cf "$out/ncu.tar" ncu-b1.csv ncu-b8.csv
+    ;;
+  longctx)
+    # ncu: the decode attention kernels of a batch-8 step at context 3840 (cache of 4096).
+    ncu --cache-control none --clock-control none --kernel-name regex:'kiln_gqa_(decode|merge)' --launch-count 60 \
+      --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size,launch__occupancy_limit_registers,smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_barrier_per_warp_active.pct \
+      --csv --print-units base "$KILN" bench decode "$m" --batch 8 --graph off --runs 1 --new-tokens 4 --prompt-len 3840 \
+      --max-length 4096 >"$work/ncu-longctx.csv" 2>"$work/ncu-longctx.err"
+    tar -C "$work" -cf "$out/ncu-longctx.tar" ncu-longctx.csv ncu-longctx.err
     ;;
   esac
   echo "phase $phase: $(($(date +%s) - t0)) s"
