@@ -1170,3 +1170,32 @@ fn a_lock_pins_the_packages_a_model_uses() {
     ]);
     assert!(o.status.success(), "{}", text(&o));
 }
+
+/// `kernels why --model M --node NAME`: a node a fusion absorbs is followed into the nodes that
+/// replace it, each explained with the model's opset and dtypes; `--no-fuse` explains the node
+/// itself; a name the model does not have is invalid input that names it.
+#[test]
+fn kernels_why_explains_a_node_of_a_model_through_its_fusion() {
+    let (dir, _) = tiny_llama_fp32();
+    let m = dir.to_str().unwrap();
+    let node = "/model/layers.0/mlp/act_fn/Sigmoid";
+    let o = kiln(&["kernels", "why", "--model", m, "--node", node, "--device", "cpu"]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(
+        t.contains(&format!("node \"{node}\" (ai.onnx::Sigmoid) is fused by skip-rmsnorm-mlp (kiln-matmul@")),
+        "{t}"
+    );
+    assert!(t.contains("ai.kiln::RmsNormLinear at opset 1, float32, on cpu:"), "{t}");
+    assert!(t.contains("ai.kiln::SwiGluLinear") && t.matches("chosen     kiln-matmul@").count() == 2, "{t}");
+    let o = kiln(&["kernels", "why", "--model", m, "--node", node, "--device", "cpu", "--no-fuse"]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains("ai.onnx::Sigmoid at opset") && t.contains("chosen     kiln-unary@"), "{t}");
+    assert!(!t.contains("fused by"), "{t}");
+    let o = kiln(&["kernels", "why", "--model", m, "--node", "no/such/node", "--device", "cpu"]);
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+    assert!(text(&o).contains("has no node named \"no/such/node\""), "{}", text(&o));
+    let o = kiln(&["kernels", "why", "--node", node]);
+    assert_eq!(o.status.code(), Some(2), "--node without --model is a usage error: {}", text(&o));
+}

@@ -211,7 +211,7 @@ impl Inspection {
 }
 
 /// The model file of `path`: the path itself, or a genai folder's model.
-fn model_file(path: &Path) -> Result<PathBuf> {
+pub fn model_file(path: &Path) -> Result<PathBuf> {
     if !path.is_dir() {
         return Ok(path.to_path_buf());
     }

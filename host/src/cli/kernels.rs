@@ -28,9 +28,21 @@ pub enum KernelsCommand {
 
 /// `kiln kernels why`.
 #[derive(clap::Args, Debug)]
+#[command(group(clap::ArgGroup::new("what").required(true).args(["op", "node"])))]
 pub struct WhyArgs {
     /// The op: `OP` (ai.onnx) or `DOMAIN::OP` (`com.microsoft::GroupQueryAttention`).
-    pub op: String,
+    pub op: Option<String>,
+    /// A node of `--model`, by name: its op, opset and input dtypes come from the model, and a
+    /// node that a fusion pattern absorbs is followed into the nodes that replace it.
+    #[arg(long, requires = "model", conflicts_with_all = ["op", "opset", "dtype"])]
+    pub node: Option<String>,
+    /// The model of `--node`: an .onnx file or an onnxruntime-genai model folder (its
+    /// `kiln.toml` requirements and trusted keys apply, as in a run).
+    #[arg(long, value_name = "MODEL", requires = "node")]
+    pub model: Option<std::path::PathBuf>,
+    /// With `--node`: explain the model's nodes as they are, without fusion.
+    #[arg(long = "no-fuse", requires = "node")]
+    pub no_fuse: bool,
     /// The model's opset for the op's domain (default: the highest any candidate declares).
     #[arg(long)]
     pub opset: Option<i64>,
@@ -57,8 +69,12 @@ fn source(precedence: u32) -> String {
 }
 
 fn why(a: WhyArgs) -> Result<ExitCode> {
+    if let (Some(node), Some(model)) = (&a.node, &a.model) {
+        return why_node(&a, model, node);
+    }
     let reg = super::registry(&a.packages)?;
-    let (domain, op_type) = a.op.rsplit_once("::").unwrap_or(("", &a.op));
+    let op = a.op.as_deref().unwrap_or_default();
+    let (domain, op_type) = op.rsplit_once("::").unwrap_or(("", op));
     let dtype = match &a.dtype {
         None => None,
         Some(d) => Some(kiln_kernel_abi::DType::from_name(d).ok_or_else(|| {
@@ -92,7 +108,14 @@ fn why(a: WhyArgs) -> Result<ExitCode> {
         head += &format!(", rank {r}");
     }
     println!("{head}, on {device}:");
-    let candidates = reg.explain(&q);
+    Ok(ExitCode::from(if explain(&reg, &q) { super::exit::OK } else { super::exit::UNSUPPORTED }))
+}
+
+/// Prints every candidate of `q` with its verdict; whether one is chosen.
+fn explain(reg: &kiln_registry::OpRegistry, q: &kiln_registry::NodeQuery<'_>) -> bool {
+    let (domain, op_type) = (q.domain, q.op_type);
+    let shown_domain = if domain.is_empty() { "ai.onnx" } else { domain };
+    let candidates = reg.explain(q);
     if candidates.is_empty() {
         // The op under another domain (`why Twice` for ai.example::Twice) is named, as `search`
         // finds it in any domain.
@@ -120,8 +143,84 @@ fn why(a: WhyArgs) -> Result<ExitCode> {
         };
         println!("  {what:<10} {:<28} {} ({}){why}", c.package.id(), source(c.precedence), c.package.origin);
     }
-    let chosen = candidates.iter().any(|c| c.verdict == kiln_registry::Verdict::Chosen);
-    Ok(ExitCode::from(if chosen { super::exit::OK } else { super::exit::UNSUPPORTED }))
+    candidates.iter().any(|c| c.verdict == kiln_registry::Verdict::Chosen)
+}
+
+/// `kiln kernels why --model M --node NAME`: the node's query from the model (fused as a run
+/// fuses it, unless `--no-fuse`), explained; a fused node is followed into its replacements.
+fn why_node(a: &WhyArgs, model_path: &std::path::Path, name: &str) -> Result<ExitCode> {
+    let reg = super::model_registry(&a.packages, model_path)?;
+    let mut m = crate::model::load(&super::inspect::model_file(model_path)?)?;
+    let device = super::choose_device(a.device)?;
+    let caps = super::device_caps(device)?;
+    if !m.graph.nodes.iter().any(|n| n.name == name) {
+        let names: Vec<&str> = m.graph.nodes.iter().take(5).map(|n| n.name.as_str()).collect();
+        return Err(crate::Error::Input(format!(
+            "{} has no node named {name:?} (its {} nodes begin {names:?}; `kiln inspect` lists its ops)",
+            model_path.display(),
+            m.graph.nodes.len()
+        )));
+    }
+    let op_of = |m: &crate::model::Model, n: &str| {
+        m.graph.nodes.iter().find(|x| x.name == n).map(|x| format!("{}::{}", shown(&x.domain), x.op_type))
+    };
+    let original = op_of(&m, name).unwrap_or_default();
+    let mut targets = vec![name.to_string()];
+    if !a.no_fuse {
+        let fusions = crate::fuse::fuse(&mut m, &reg, caps.as_ref());
+        if let Some(f) = fusions.applied.iter().find(|f| f.nodes.iter().any(|n| n == name)) {
+            // Replacement nodes are named after the match's last node and the fusion (fuse::rewrite).
+            let base = format!("{}/{}", f.nodes.last().map(String::as_str).unwrap_or_default(), f.fusion);
+            targets = m
+                .graph
+                .nodes
+                .iter()
+                .filter(|n| n.name == base || n.name.starts_with(&format!("{base}#")))
+                .map(|n| n.name.clone())
+                .collect();
+            let into: Vec<String> =
+                targets.iter().map(|t| format!("{t} ({})", op_of(&m, t).unwrap_or_default())).collect();
+            println!(
+                "node {name:?} ({original}) is fused by {} ({}) with {} into {} (--no-fuse keeps it):",
+                f.fusion,
+                f.package,
+                f.nodes.iter().filter(|n| *n != name).map(|n| format!("{n:?}")).collect::<Vec<_>>().join(", "),
+                into.join(", ")
+            );
+        }
+    }
+    let mut all_chosen = true;
+    for t in &targets {
+        let Some(n) = m.graph.nodes.iter().find(|x| &x.name == t) else { continue };
+        let Some(opset) = m.opset(&n.domain) else {
+            println!("node {t:?} ({}): the model does not import domain {:?}", n.op_type, shown(&n.domain));
+            all_chosen = false;
+            continue;
+        };
+        let input_dtypes: Vec<_> = n.inputs.iter().map(|i| i.and_then(|v| m.graph.declared_dtype(v))).collect();
+        let dtype = input_dtypes.first().copied().flatten();
+        let q = kiln_registry::NodeQuery {
+            domain: &n.domain,
+            op_type: &n.op_type,
+            opset,
+            input_dtypes,
+            max_rank: None,
+            device: caps.as_ref(),
+        };
+        let dt = dtype.map_or(String::new(), |d| format!(", {d}"));
+        println!("node {t:?}: {}::{} at opset {opset}{dt}, on {device}:", shown(&n.domain), n.op_type);
+        all_chosen &= explain(&reg, &q);
+    }
+    Ok(ExitCode::from(if all_chosen { super::exit::OK } else { super::exit::UNSUPPORTED }))
+}
+
+/// A domain as `kernels why` prints it (`ai.onnx` for the default one).
+fn shown(domain: &str) -> &str {
+    if domain.is_empty() || domain == "ai.onnx" {
+        "ai.onnx"
+    } else {
+        domain
+    }
 }
 
 pub fn run(cmd: KernelsCommand) -> Result<ExitCode> {
