@@ -63,6 +63,58 @@ fn the_third_party_example_runs_its_cuda_kernel() {
     assert!(s.report.wasm_calls.dispatch > 0, "BiasGelu ran its CUDA kernel: {:?}", s.report.wasm_calls);
 }
 
+/// A package whose kernel, as compiled, takes other parameters than its kernel.toml signature
+/// declares (one more; one of another size) fails its node when the kernel is loaded, before its
+/// first launch, naming the node, the package, the kernel and the mismatch; the process goes
+/// on, and the package as built runs in a new session.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_kernel_compiled_unlike_its_signature_fails_its_node_before_any_launch() {
+    let root = kiln_tests::root();
+    let kpkg = root.join(".gpu/bias-gelu.kpkg");
+    let bytes = std::fs::read(&kpkg)
+        .unwrap_or_else(|e| panic!("{}: {e}: scripts/stage-gpu.sh builds the example's package", kpkg.display()));
+    let dir = root.join("examples/third-party");
+    let x = tensorio::read_tensor_file(&dir.join("x.npy")).unwrap().0;
+    let session = |edit: &dyn Fn(&str) -> String| {
+        let mut pkg = kiln_registry::archive::unpack(&kpkg.display().to_string(), &bytes).unwrap();
+        let src = pkg.cuda_sources.get_mut("cuda/bias_gelu.cu").unwrap();
+        *src = edit(src);
+        let (mut reg, _) = kiln_host::packages::registry(&[], &[]);
+        reg.add(pkg, kiln_registry::USER);
+        let rt = Runtime::new(reg, kiln_host::sandbox::SandboxConfig::default()).unwrap();
+        Session::new(rt, model::load(&dir.join("model.onnx")).unwrap(), cuda()).unwrap()
+    };
+    let sig = "kiln_u64 n, kiln_u64 c)";
+    for (edit, want) in [
+        (
+            "kiln_u64 n, kiln_u64 c, unsigned extra)",
+            "takes 6 parameters as compiled, but its kernel.toml signature declares 5",
+        ),
+        (
+            "kiln_u64 n, unsigned c)",
+            "parameter 4 is 4 bytes as compiled, but its kernel.toml signature declares u64 (8 bytes)",
+        ),
+    ] {
+        let mut s = session(&|src: &str| {
+            assert!(src.contains(sig), "the example kernel's parameters changed: update this test");
+            src.replace(sig, edit)
+        });
+        let err = s.run(vec![("x".into(), x.clone())]).unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, kiln_host::Error::Input(_)), "{msg}");
+        assert!(
+            msg.contains("(BiasGelu): package bias-gelu@1.0.0: kernel bias_gelu_f32") && msg.contains(want),
+            "{msg}"
+        );
+        println!("{msg}");
+    }
+    let mut s = session(&|src: &str| src.to_string());
+    let want = tensorio::read_tensor_file(&dir.join("expected.npy")).unwrap().0;
+    let out = s.run(vec![("x".into(), x)]).unwrap();
+    assert_eq!(kiln_host::conformance::compare(&out[0].1, &want, 1e-4, 1e-5), None);
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn onnx_node_tests_that_pass_on_the_cpu_pass_on_the_gpu() {

@@ -111,6 +111,48 @@ fn launch_pdl(
         .map_err(|e| Error::Device(format!("launch of {kernel} (programmatic dependent launch): {e}")))
 }
 
+/// The parameters of a loaded kernel as compiled (`cuFuncGetParamInfo`, CUDA 12.4: each one's
+/// size, in order) against its signature in the package's manifest (ABI.md §7.3), once per
+/// kernel at load: a count or a size that differs would have the driver read a parameter buffer
+/// of the wrong layout at launch. Errors: invalid input naming the package, the kernel and the
+/// first parameter that differs.
+fn check_params(
+    pkg: &str,
+    kernel: &str,
+    f: cudarc::driver::sys::CUfunction,
+    declared: &[kiln_kernel_abi::manifest::ParamKind],
+) -> Result<()> {
+    let mut sizes = Vec::new();
+    while sizes.len() <= kiln_kernel_abi::wire::MAX_KERNEL_ARGS {
+        let (mut offset, mut size) = (0usize, 0usize);
+        // SAFETY: a loaded function of the current context; the out-pointers are live locals.
+        let r = unsafe { cudarc::driver::sys::cuFuncGetParamInfo(f, sizes.len(), &mut offset, &mut size) };
+        if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+            break;
+        }
+        sizes.push(size);
+    }
+    let list = |d: &[kiln_kernel_abi::manifest::ParamKind]| d.iter().map(|p| p.name()).collect::<Vec<_>>().join(", ");
+    if sizes.len() != declared.len() {
+        return Err(Error::Input(format!(
+            "package {pkg}: kernel {kernel} takes {} parameters as compiled, but its kernel.toml signature declares {}              ({}): the signature must list the kernel's C parameters in order (ABI.md §7.3)",
+            sizes.len(),
+            declared.len(),
+            list(declared)
+        )));
+    }
+    for (i, (size, kind)) in sizes.iter().zip(declared).enumerate() {
+        if *size != kind.size() {
+            return Err(Error::Input(format!(
+                "package {pkg}: kernel {kernel}: parameter {i} is {size} bytes as compiled, but its kernel.toml                  signature declares {} ({} bytes) (ABI.md §7.3)",
+                kind.name(),
+                kind.size()
+            )));
+        }
+    }
+    Ok(())
+}
+
 impl Gpu {
     /// Whether the device can launch kernels with programmatic dependent launch and capture
     /// such launches into graphs: compute capability 9.0 and later, and a driver of CUDA 12.3 or
@@ -252,6 +294,9 @@ impl Gpu {
                     let f = module
                         .load_function(k)
                         .map_err(|e| Error::Device(format!("{id}: kernel {k} of {}: {e}", src.source)))?;
+                    if self.info.driver_version >= 12040 {
+                        check_params(&id, k, f.cu_function(), src.params(k).unwrap_or_default())?;
+                    }
                     fns.insert(k.clone(), f);
                 }
             }

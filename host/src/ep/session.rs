@@ -1270,7 +1270,14 @@ impl Session {
             }
         }
         let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
-        let functions = gpu.plan_functions(&res.package, &plan)?;
+        let functions = gpu.plan_functions(&res.package, &plan).map_err(|e| {
+            let n = &self.model.graph.nodes[idx];
+            let what = format!("node {:?} ({}): {e}", n.name, n.op_type);
+            match e {
+                Error::Input(_) => Error::Input(what),
+                _ => Error::Device(what),
+            }
+        })?;
         let outs = self.launch_outputs(idx, &plan, &functions, out_types, out_ids, slots)?;
         Ok((outs, plan, functions))
     }
