@@ -443,7 +443,7 @@ fn long_context_decode_attention_matches_the_cpu_reference() {
 
 fn long_context_decode_attention(n: usize, nk: usize) {
     for window in [-1i64, 1000] {
-        let (m, feeds) = gqa_decode_model(n, nk, window, &[3000, 700, 1], true);
+        let (m, feeds) = gqa_decode_model(n, nk, window, &[3000, 700, 1], true, 3072, 3072);
         let load = || model::load_bytes(&kiln_tests::onnx::bytes(&m), None).unwrap();
         let want = Session::new(runtime(), load(), SessionOptions::default()).unwrap().run(feeds.clone()).unwrap();
         let mut gpu =
@@ -462,16 +462,20 @@ fn seqlens_k(lens: &[i32]) -> kiln_host::Tensor {
     kiln_host::Tensor::new(kiln_kernel_abi::DType::I32, vec![lens.len()], bytes.into()).unwrap()
 }
 
-/// One GroupQueryAttention decode node over a shared 3072-position past (float32, head size 64,
-/// rotary on, scale 0.125, local window `window`), `n` query heads and `nk` KV heads, rows of
-/// `lens` valid positions, random values: the model and its feeds. total_sequence_length (3072)
-/// is a feed when `total_fed`, else an initializer (so that every feed may be a device tensor).
+/// One GroupQueryAttention decode node with total_sequence_length 3072 over a past of `past`
+/// positions (shared with the present when 3072 or more) and cos/sin caches of `cache_rows`
+/// rows (float32, head size 64, rotary on, scale 0.125, local window `window`), `n` query heads
+/// and `nk` KV heads, rows of `lens` valid positions, random values: the model and its feeds.
+/// total_sequence_length is a feed when `total_fed`, else an initializer (so that every feed may
+/// be a device tensor).
 fn gqa_decode_model(
     n: usize,
     nk: usize,
     window: i64,
     lens: &[i32],
     total_fed: bool,
+    past: usize,
+    cache_rows: usize,
 ) -> (kiln_tests::onnx::ModelProto, Vec<(String, kiln_host::Tensor)>) {
     use kiln_host::Tensor;
     use kiln_kernel_abi::DType;
@@ -487,12 +491,12 @@ fn gqa_decode_model(
         ("query", f32t(&[b, 1, n * h], vals(b * n * h))),
         ("key", f32t(&[b, 1, nk * h], vals(b * nk * h))),
         ("value", f32t(&[b, 1, nk * h], vals(b * nk * h))),
-        ("past_key", f32t(&[b, nk, pl, h], vals(b * nk * pl * h))),
-        ("past_value", f32t(&[b, nk, pl, h], vals(b * nk * pl * h))),
+        ("past_key", f32t(&[b, nk, past, h], vals(b * nk * past * h))),
+        ("past_value", f32t(&[b, nk, past, h], vals(b * nk * past * h))),
         ("seqlens_k", seqlens_k(lens)),
         ("total_sequence_length", total),
-        ("cos_cache", f32t(&[pl, half], vals(pl * half))),
-        ("sin_cache", f32t(&[pl, half], vals(pl * half))),
+        ("cos_cache", f32t(&[cache_rows, half], vals(cache_rows * half))),
+        ("sin_cache", f32t(&[cache_rows, half], vals(cache_rows * half))),
     ];
     let names: Vec<&str> = inputs.iter().map(|(nm, _)| *nm).collect();
     let int = onnx::attr_int;
@@ -549,7 +553,7 @@ fn crafted_indices_fail_a_captured_run_with_the_cpu_error_and_the_next_run_works
     use kiln_host::ep::{Feed, Fetch, GraphMode};
     use kiln_host::Error;
     let good = [3000, 700, 1];
-    let (m, feeds) = gqa_decode_model(4, 2, -1, &good, false);
+    let (m, feeds) = gqa_decode_model(4, 2, -1, &good, false, 3072, 3072);
     let load = || model::load_bytes(&kiln_tests::onnx::bytes(&m), None).unwrap();
     let mut cpu = Session::new(runtime(), load(), SessionOptions::default()).unwrap();
     let want = cpu.run(feeds.clone()).unwrap();
@@ -608,6 +612,44 @@ fn crafted_indices_fail_a_captured_run_with_the_cpu_error_and_the_next_run_works
     }
     let st = &s.report.graphs;
     assert_eq!((st.captures, st.fallbacks.len()), (1, 0), "one capture, no fallback: {st:?}");
+
+    // Run eagerly, with the other checks: a past shorter than a row's length (past and present
+    // apart), a position past the cos/sin caches, and RotaryEmbedding's position_ids.
+    let same_error = |m: &kiln_tests::onnx::ModelProto, feeds: Vec<(String, kiln_host::Tensor)>, what: &str| {
+        let load = || model::load_bytes(&kiln_tests::onnx::bytes(m), None).unwrap();
+        let cpu = Session::new(runtime(), load(), SessionOptions::default()).unwrap().run(feeds.clone());
+        let Err(Error::Shim(cpu_err)) = cpu else { panic!("{what}: the CPU accepts it") };
+        let opts = SessionOptions { small_integer_nodes_on_host: false, ..cuda() };
+        match Session::new(runtime(), load(), opts).unwrap().run(feeds) {
+            Err(Error::DeviceCheck(d)) => {
+                assert_eq!(d.reason, cpu_err.reason, "{what}");
+                println!("{what}: {d}");
+            }
+            other => panic!("{what}: expected a device check failure, got {:?}", other.map(|_| ())),
+        }
+    };
+    let (m, feeds) = gqa_decode_model(4, 2, -1, &good, false, 2048, 3072);
+    same_error(&m, feeds, "past of 2048 positions");
+    let (m, feeds) = gqa_decode_model(4, 2, -1, &good, false, 3072, 2048);
+    same_error(&m, feeds, "cos/sin caches of 2048 rows");
+    let dir = kiln_tests::root().join("tests/contrib-node-tests/test_rotary_embedding");
+    let rm = <kiln_tests::onnx::ModelProto as protobuf::Message>::parse_from_bytes(
+        &std::fs::read(dir.join("model.onnx")).unwrap(),
+    )
+    .unwrap();
+    let mut feeds = Vec::new();
+    for (i, input) in rm.graph.input.iter().enumerate() {
+        let t = tensorio::read_tensor_file(&dir.join(format!("test_data_set_0/input_{i}.pb"))).unwrap().0;
+        feeds.push((input.name.clone(), t));
+    }
+    let pos = feeds.iter().position(|(_, t)| t.dtype == kiln_kernel_abi::DType::I64).expect("position_ids");
+    let rows = feeds.iter().find(|(nm, _)| nm.contains("cos")).map(|(_, t)| t.shape[0]).unwrap() as i64;
+    let p = &feeds[pos].1;
+    let mut crafted: Vec<i64> = p.data.chunks(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect();
+    *crafted.last_mut().unwrap() = rows + 3;
+    let bytes: Vec<u8> = crafted.iter().flat_map(|v| v.to_le_bytes()).collect();
+    feeds[pos].1 = kiln_host::Tensor::new(p.dtype, p.shape.clone(), bytes.into()).unwrap();
+    same_error(&rm, feeds, "RotaryEmbedding position past the caches");
 
     // Gather: an index past its axis.
     use kiln_tests::onnx::{self, node, value};

@@ -204,7 +204,7 @@ pub fn run(a: ChatArgs) -> Result<ExitCode> {
             }
         };
         let answer = generator.folder.decode(&row.generated_ids)?;
-        let rest = answer.strip_prefix(stream.shown()).unwrap_or("");
+        let rest = stream.rest(&answer);
         println!("{rest}");
         match row.stopped_by {
             StopReason::Interrupted => note!("kiln: stopped"),

@@ -228,7 +228,7 @@ pub fn run(mut a: GenerateArgs) -> Result<ExitCode> {
     for (i, r) in result.rows.iter().enumerate() {
         let text = folder.decode(&r.generated_ids)?;
         if stream {
-            let rest = text.strip_prefix(text0.shown()).unwrap_or("");
+            let rest = text0.rest(&text);
             human.line(rest);
         } else {
             // A batch prints each row labelled, its prompt apart from its answer.
@@ -251,7 +251,8 @@ pub fn run(mut a: GenerateArgs) -> Result<ExitCode> {
     };
     note!(
         "kiln: {device}: time to first token {:.1} ms, prefill {:.1} tokens/s, decode {:.1} tokens/s ({} tokens in {:.1} ms; \
-         the first step {:.1} ms, which builds the step's plan for a new shape; after it {:.1} tokens/s; {graphs_note})",
+         the first step {:.1} ms (it builds the step's execution plan when the shape is new), then {:.1} tokens/s; \
+         {graphs_note})",
         t.time_to_first_token_ms,
         t.prefill_tokens_per_s,
         t.decode_tokens_per_s,

@@ -34,7 +34,7 @@ pub struct WhyArgs {
     pub op: Option<String>,
     /// A node of `--model`, by name: its op, opset and input dtypes come from the model, and a
     /// node that a fusion pattern absorbs is followed into the nodes that replace it.
-    #[arg(long, requires = "model", conflicts_with_all = ["op", "opset", "dtype"])]
+    #[arg(long, requires = "model", conflicts_with_all = ["op", "opset", "dtype", "rank"])]
     pub node: Option<String>,
     /// The model of `--node`: an .onnx file or an onnxruntime-genai model folder (its
     /// `kiln.toml` requirements and trusted keys apply, as in a run).
@@ -178,6 +178,12 @@ fn why_node(a: &WhyArgs, model_path: &std::path::Path, name: &str) -> Result<Exi
                 .filter(|n| n.name == base || n.name.starts_with(&format!("{base}#")))
                 .map(|n| n.name.clone())
                 .collect();
+            if targets.is_empty() {
+                return Err(crate::Error::Model(format!(
+                    "node {name:?} is fused by {} ({}), but no node named {base:?} replaces it",
+                    f.fusion, f.package
+                )));
+            }
             let into: Vec<String> =
                 targets.iter().map(|t| format!("{t} ({})", op_of(&m, t).unwrap_or_default())).collect();
             println!(

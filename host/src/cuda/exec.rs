@@ -127,15 +127,18 @@ fn check_params(
         let (mut offset, mut size) = (0usize, 0usize);
         // SAFETY: a loaded function of the current context; the out-pointers are live locals.
         let r = unsafe { cudarc::driver::sys::cuFuncGetParamInfo(f, sizes.len(), &mut offset, &mut size) };
-        if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
-            break;
+        match r {
+            cudarc::driver::sys::CUresult::CUDA_SUCCESS => sizes.push(size),
+            // Past the last parameter.
+            cudarc::driver::sys::CUresult::CUDA_ERROR_INVALID_VALUE => break,
+            e => return Err(Error::Device(format!("package {pkg}: kernel {kernel}: cuFuncGetParamInfo: {e:?}"))),
         }
-        sizes.push(size);
     }
     let list = |d: &[kiln_kernel_abi::manifest::ParamKind]| d.iter().map(|p| p.name()).collect::<Vec<_>>().join(", ");
     if sizes.len() != declared.len() {
         return Err(Error::Input(format!(
-            "package {pkg}: kernel {kernel} takes {} parameters as compiled, but its kernel.toml signature declares {}              ({}): the signature must list the kernel's C parameters in order (ABI.md §7.3)",
+            "package {pkg}: kernel {kernel} takes {} parameters as compiled, but its kernel.toml signature \
+             declares {} ({}): the signature must list the kernel's C parameters in order (ABI.md §7.3)",
             sizes.len(),
             declared.len(),
             list(declared)
@@ -144,7 +147,8 @@ fn check_params(
     for (i, (size, kind)) in sizes.iter().zip(declared).enumerate() {
         if *size != kind.size() {
             return Err(Error::Input(format!(
-                "package {pkg}: kernel {kernel}: parameter {i} is {size} bytes as compiled, but its kernel.toml                  signature declares {} ({} bytes) (ABI.md §7.3)",
+                "package {pkg}: kernel {kernel}: parameter {i} is {size} bytes as compiled, but its kernel.toml \
+                 signature declares {} ({} bytes) (ABI.md §7.3)",
                 kind.name(),
                 kind.size()
             )));

@@ -78,27 +78,31 @@ impl StatusRecords {
         Ok(self.device + (i * RECORD_BYTES) as u64)
     }
 
-    /// The first record with a reported code, cleared with every other one. Call it only when
-    /// no kernel that may write the records is in flight (after a synchronization).
+    /// The first record with a reported code; every reported record is cleared. Call it after a
+    /// synchronization: what kernels still in flight report (a decode step enqueued ahead) may
+    /// be seen now or at the next call. A record a kernel is still writing (`kiln_fail` between
+    /// claiming it and publishing its code) is left alone; a reported one is cleared by its
+    /// code alone, after its values are read, and a kernel can claim it again only then.
     pub fn take(&mut self) -> Option<Fault> {
         let mut first = None;
         for i in 0..self.len {
-            // SAFETY: record i lies inside the allocation; volatile, because the device wrote it.
+            // SAFETY: record i lies inside the allocation; volatile, because the device writes it.
             let rec = unsafe { self.host.add(i * RECORD_BYTES) };
             let code = unsafe { std::ptr::read_volatile(rec as *const u32) };
-            if code == 0 {
+            if code == 0 || code == WRITING {
                 continue;
             }
-            if first.is_none() && code != WRITING {
-                let mut values = [0i64; 4];
-                for (k, v) in values.iter_mut().enumerate() {
-                    // SAFETY: values start at byte 8 of the record, 8-byte aligned.
-                    *v = unsafe { std::ptr::read_volatile((rec.add(8) as *const i64).add(k)) };
-                }
+            let mut values = [0i64; 4];
+            for (k, v) in values.iter_mut().enumerate() {
+                // SAFETY: values start at byte 8 of the record, 8-byte aligned.
+                *v = unsafe { std::ptr::read_volatile((rec.add(8) as *const i64).add(k)) };
+            }
+            if first.is_none() {
                 first = Some(Fault { record: i, code, values });
             }
-            // SAFETY: as above; nothing on the device writes it now.
-            unsafe { std::ptr::write_bytes(rec, 0, RECORD_BYTES) };
+            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+            // SAFETY: as above; a kernel claims the record only while its code is 0.
+            unsafe { std::ptr::write_volatile(rec as *mut u32, 0) };
         }
         first
     }

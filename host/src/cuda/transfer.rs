@@ -78,6 +78,8 @@ impl Staging {
 pub struct PendingDownload {
     slot: usize,
     bytes: usize,
+    /// Which use of the slot this is (a third outstanding download reuses the oldest slot).
+    ticket: u64,
 }
 
 /// Most bytes of one [`Transfers::download_start`] (a decode step's token ids).
@@ -92,6 +94,9 @@ pub struct Transfers {
     /// be in flight while the one before it is read).
     readback: [Staging; 2],
     next_readback: usize,
+    /// The ticket of each readback slot's latest download, and the next ticket.
+    readback_ticket: [u64; 2],
+    tickets: u64,
     /// Recorded on the compute stream, waited for by the copy stream.
     compute_mark: CUevent,
     /// Recorded on the copy stream, waited for by the compute stream.
@@ -130,6 +135,8 @@ impl Transfers {
             next: 0,
             readback,
             next_readback: 0,
+            readback_ticket: [0; 2],
+            tickets: 0,
             compute_mark: new_event()?,
             copy_mark: new_event()?,
             uploaded_bytes: 0,
@@ -234,7 +241,8 @@ impl Transfers {
     /// into a pinned readback buffer on `compute`, after the work enqueued there so far, and
     /// returns at once; [`Transfers::download_finish`] waits for it and hands the bytes over.
     /// Work enqueued on `compute` later may overwrite `src`: the copy reads it first. At most
-    /// two downloads are outstanding; a third waits for the oldest buffer's copy.
+    /// two downloads may be outstanding: a third reuses the oldest one's buffer (after waiting
+    /// for its copy), and finishing that oldest one is then an error.
     pub fn download_start(&mut self, compute: &CudaStream, src: CUdeviceptr, bytes: usize) -> Result<PendingDownload> {
         if bytes > READBACK_BYTES {
             return Err(Error::Device(format!("a readback of {bytes} bytes (at most {READBACK_BYTES})")));
@@ -254,12 +262,19 @@ impl Transfers {
         unsafe { event::record(s.free, compute.cu_stream()) }.map_err(drv("cuEventRecord"))?;
         s.pending = true;
         self.downloaded_bytes += bytes as u64;
-        Ok(PendingDownload { slot, bytes })
+        self.tickets += 1;
+        self.readback_ticket[slot] = self.tickets;
+        Ok(PendingDownload { slot, bytes, ticket: self.tickets })
     }
 
     /// Waits for a download of [`Transfers::download_start`] (and the compute stream's work
     /// before it) and returns its bytes.
     pub fn download_finish(&mut self, p: PendingDownload) -> Result<Vec<u8>> {
+        if self.readback_ticket[p.slot] != p.ticket {
+            return Err(Error::Device(
+                "a readback's buffer was reused by a later one: at most two reads may be outstanding".into(),
+            ));
+        }
         let s = &mut self.readback[p.slot];
         s.ready(0)?;
         Ok(if p.bytes == 0 { Vec::new() } else { s.slice(p.bytes).to_vec() })
@@ -268,6 +283,8 @@ impl Transfers {
 
 impl Drop for Transfers {
     fn drop(&mut self) {
+        // Readbacks run on the compute stream, which the owning `Gpu` synchronizes before its
+        // fields drop; the copy stream is this value's own.
         let _ = self.copy.synchronize();
         for s in self.staging.iter_mut().chain(self.readback.iter_mut()) {
             // SAFETY: the copy stream is idle; each pointer and event is freed once.

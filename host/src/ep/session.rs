@@ -990,10 +990,15 @@ impl Session {
         let node = self.model.graph.nodes.get(fault.record);
         let memo = self.memo.get(fault.record).and_then(Option::as_ref);
         let message = memo.and_then(|m| m.resolved.res.package.manifest.device_error(fault.code));
-        let reason = match message {
-            Some(e) => e.render(&fault.values),
-            None => format!(
+        let reason = match (memo, message) {
+            (_, Some(e)) => e.render(&fault.values),
+            (Some(_), None) => format!(
                 "device error code {} with values {:?}, which the package's [[device_errors]] do not declare",
+                fault.code, fault.values
+            ),
+            (None, None) => format!(
+                "device error code {} with values {:?} (this session has no record of the node's package, so the \
+                 code's message is unknown)",
                 fault.code, fault.values
             ),
         };
@@ -1508,18 +1513,18 @@ impl Session {
     }
 }
 
-/// Checks a fed value against the input's declared dtype and shape.
-/// What a GPU offers packages (their `[device]` requirements).
 /// The report's view of an allocator.
 fn memory_of(a: &crate::cuda::Allocator) -> crate::trace::DeviceMemory {
     let s = a.stats();
     crate::trace::DeviceMemory { in_use_bytes: s.in_use_bytes, cached_bytes: s.cached_bytes, peak_bytes: s.peak_bytes }
 }
 
+/// What a GPU offers packages (their `[device]` requirements).
 fn caps_of(g: &Gpu) -> kiln_registry::DeviceCaps {
     kiln_registry::DeviceCaps { compute_capability: g.info.compute_capability, features: g.info.features() }
 }
 
+/// Checks a fed value against the input's declared dtype and shape.
 fn check_input(model: &Model, id: ValueId, name: &str, dtype: DType, shape: &[usize]) -> Result<()> {
     let Some(ty) = &model.graph.values[id].ty else { return Ok(()) };
     if ty.dtype != dtype {

@@ -482,8 +482,8 @@ impl Generator {
         let mut ahead: Option<crate::ep::PendingRead> = None;
         // Decode steps any row may still need (its first token came from the prefill).
         let mut steps_left = opts.max_new_tokens.saturating_sub(1);
-        // When the first step's tokens were known.
-        let mut first_step: Option<std::time::Duration> = None;
+        // When the first step's tokens were known, and the decode tokens it produced.
+        let mut first_step: Option<(std::time::Duration, usize)> = None;
         let result = (|| -> Result<()> {
             loop {
                 // The cache length these tokens extend (a step enqueued ahead is not counted).
@@ -527,25 +527,27 @@ impl Generator {
                         ahead = Some(self.enqueue_device_step(kv)?);
                     }
                     let ids = self.session.read_finish(this)?.to_i64()?;
-                    first_step.get_or_insert(t1.elapsed());
+                    let at = t1.elapsed();
                     for b in 0..batch {
                         if stopped[b].is_none() {
                             next[b] = ids[b];
                             timings.decode_tokens += 1;
                         }
                     }
+                    first_step.get_or_insert((at, timings.decode_tokens));
                     continue;
                 }
                 // One decode step: every row feeds its last token (finished rows feed padding).
                 let step_ids: Vec<i64> = (0..batch).map(|b| if stopped[b].is_some() { pad } else { next[b] }).collect();
                 let logits = self.decode(kv, &step_ids)?;
-                first_step.get_or_insert(t1.elapsed());
+                let at = t1.elapsed();
                 for b in 0..batch {
                     if stopped[b].is_none() {
                         next[b] = sampler.next(&logits[b], &history[b], b, generated[b].len());
                         timings.decode_tokens += 1;
                     }
                 }
+                first_step.get_or_insert((at, timings.decode_tokens));
             }
             Ok(())
         })();
@@ -562,9 +564,7 @@ impl Generator {
         timings.decode_host_ms = (self.session.report.run_time_us - host_before) as f64 / 1e3;
         timings.decode_ms = decode.as_secs_f64() * 1e3;
         timings.decode_tokens_per_s = timings.decode_tokens as f64 / decode.as_secs_f64().max(1e-9);
-        if let Some(first) = first_step {
-            // Tokens after the first step's: one per row still running then, at most.
-            let first_tokens = timings.decode_tokens.min(real);
+        if let Some((first, first_tokens)) = first_step {
             timings.first_step_ms = first.as_secs_f64() * 1e3;
             timings.steady_tokens_per_s =
                 (timings.decode_tokens - first_tokens) as f64 / (decode - first).as_secs_f64().max(1e-9);

@@ -46,4 +46,16 @@ impl TextStream {
     pub fn shown(&self) -> &str {
         &self.shown
     }
+
+    /// What of `whole` (the sequence's full decoding, at its end) is still to be shown: the text
+    /// after its longest common prefix with what was shown (all of it past the held-back tail
+    /// when the shown text is a prefix, as it is for the tokenizers kiln knows).
+    pub fn rest<'a>(&self, whole: &'a str) -> &'a str {
+        let common = whole
+            .char_indices()
+            .zip(self.shown.chars())
+            .find(|((_, a), b)| a != b)
+            .map_or(whole.len().min(self.shown.len()), |((i, _), _)| i);
+        whole.get(common..).unwrap_or("")
+    }
 }

@@ -43,27 +43,37 @@ __device__ __forceinline__ void gqa_row(const int* seqlens, unsigned b, unsigned
     *past_b = first_prompt ? 0 : *t_b - (long long)S;
 }
 
-// Row b's sequence length and rotary positions against the CPU reference's checks, reported
-// through the node's status record (ABI.md §7.5; the codes are kernel.toml's [[device_errors]]):
-// 1 seqlens_k out of range, 2 more past rows than past_key holds (check_past: a past and
-// present that are not one buffer), 3 a position outside the cos/sin caches. The kernels
-// never index outside their buffers either way (gqa_range clamps, rope_elem gives NaN).
-__device__ __noinline__ void gqa_check(kiln_status* st, const int* seqlens, unsigned b, unsigned S,
+// The B rows' sequence lengths and rotary positions against the CPU reference's checks, in its
+// order (every row's length first, then the positions row by row), reported through the node's
+// status record (ABI.md §7.5; the codes are kernel.toml's [[device_errors]]): 1 seqlens_k out of
+// range, 2 more past rows than past_key holds (check_past: a past and present that are not one
+// buffer), 3 a position outside the cos/sin caches. One thread of the node's first block calls
+// it. The kernels never index outside their buffers either way (gqa_range clamps, rope_elem
+// gives NaN).
+__device__ __noinline__ void gqa_check(kiln_status* st, const int* seqlens, unsigned B, unsigned S,
                                        unsigned first_prompt, unsigned total, unsigned check_past, unsigned P,
                                        kiln_u64 cache_rows, unsigned rotary_half) {
-    const long long sk = seqlens[b], t = sk + 1;
-    const bool bad = first_prompt ? (t < 1 || t > (long long)S) : (t < (long long)S || t > (long long)total);
-    if (bad) {
-        kiln_fail(st, 1, b, sk, S, total);
-        return;
+    for (unsigned b = 0; b < B; ++b) {
+        const long long sk = seqlens[b], t = sk + 1;
+        const bool bad = first_prompt ? (t < 1 || t > (long long)S) : (t < (long long)S || t > (long long)total);
+        if (bad) {
+            kiln_fail(st, 1, b, sk, S, total);
+            return;
+        }
+        const long long past_b = first_prompt ? 0 : t - (long long)S;
+        if (check_past && past_b > (long long)P) {
+            kiln_fail(st, 2, b, sk, past_b, P);
+            return;
+        }
     }
-    const long long past_b = first_prompt ? 0 : t - (long long)S;
-    if (check_past && past_b > (long long)P) {
-        kiln_fail(st, 2, b, sk, past_b, P);
-        return;
+    if (rotary_half == 0) return;
+    for (unsigned b = 0; b < B; ++b) {
+        const long long past_b = first_prompt ? 0 : (long long)seqlens[b] + 1 - (long long)S;
+        if (past_b + (long long)S > (long long)cache_rows) {
+            kiln_fail(st, 3, past_b > (long long)cache_rows ? past_b : (long long)cache_rows, cache_rows);
+            return;
+        }
     }
-    if (rotary_half > 0 && past_b + (long long)S > (long long)cache_rows)
-        kiln_fail(st, 3, past_b > (long long)cache_rows ? past_b : (long long)cache_rows, cache_rows);
 }
 
 // Writes the present K and V [B, Nk, PL, H] (only the new rows when present is the past buffer
@@ -81,8 +91,7 @@ __device__ void gqa_kv(const typename Tag::storage* k_src, const typename Tag::s
                        unsigned interleaved, unsigned total, kiln_status* st) {
     typedef typename Tag::storage T;
     if (blockIdx.x == 0 && threadIdx.x == 0)
-        for (unsigned b = 0; b < B; ++b)
-            gqa_check(st, seqlens, b, S, first_prompt, total, !shared, P, cache_rows, rotary_half);
+        gqa_check(st, seqlens, B, S, first_prompt, total, !shared, P, cache_rows, rotary_half);
     // Past and present are one buffer (bound in place by the host): only the new rows change,
     // so only they are visited.
     if (shared && P == PL && pres_k == past_k && pres_v == past_v) {
@@ -273,8 +282,8 @@ __device__ void gqa_attn(const typename Tag::storage* q_src, const typename Tag:
     __shared__ float s_acc[GQA_MAX_WARPS][GQA_MAX_CHUNKS * 32];
     __shared__ float s_m[GQA_MAX_WARPS], s_l[GQA_MAX_WARPS];
     const unsigned s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    if (s == 0 && h == 0 && threadIdx.x == 0)
-        gqa_check(st, seqlens, b, S, first_prompt, total, 0, 0, cache_rows, rotary_half);
+    if (s == 0 && h == 0 && b == 0 && threadIdx.x == 0)
+        gqa_check(st, seqlens, gridDim.z, S, first_prompt, total, 0, 0, cache_rows, rotary_half);
     const unsigned j = h / (N / Nk);
     long long start, end, pos;
     gqa_range(seqlens, b, s, S, first_prompt, window, PL, &start, &end, &pos);
@@ -317,7 +326,8 @@ __device__ void gqa_decode_split(const typename Tag::storage* q_src, const typen
     __shared__ float s_acc[GQA_MAX_WARPS][GQA_MAX_CHUNKS * 32];
     __shared__ float s_m[GQA_MAX_WARPS], s_l[GQA_MAX_WARPS];
     const unsigned split = blockIdx.x, h = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
-    if (split == 0 && h == 0 && threadIdx.x == 0) gqa_check(st, seqlens, b, 1, 0, total, 0, 0, cache_rows, rotary_half);
+    if (split == 0 && h == 0 && b == 0 && threadIdx.x == 0)
+        gqa_check(st, seqlens, gridDim.z, 1, 0, total, 0, 0, cache_rows, rotary_half);
     const unsigned j = h / (N / Nk);
     long long start, end, pos;
     gqa_range(seqlens, b, 0, 1, 0, window, PL, &start, &end, &pos);
@@ -427,7 +437,8 @@ __device__ void gqa_decode(const typename Tag::storage* q_src, typename Tag::sto
     __shared__ float s_red[GQA_DEC_WARPS][GQA_DEC_MAX_QH];
     const unsigned split = blockIdx.x, j = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
     const unsigned group = N / Nk, tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
-    if (split == 0 && j == 0 && tid == 0) gqa_check(st, seqlens, b, 1, 0, total, 0, 0, cache_rows, rotary_half);
+    if (split == 0 && j == 0 && b == 0 && tid == 0)
+        gqa_check(st, seqlens, gridDim.z, 1, 0, total, 0, 0, cache_rows, rotary_half);
     long long start, end, pos;
     gqa_range(seqlens, b, 0, 1, 0, window, PL, &start, &end, &pos);
     long long lo = (long long)split * GQA_DEC_KEYS, hi = lo + GQA_DEC_KEYS;
@@ -617,38 +628,91 @@ __device__ void gqa_decode(const typename Tag::storage* q_src, typename Tag::sto
 
 // Merges the splits of gqa_decode_split for head h = blockIdx.x, batch row b = blockIdx.y,
 // with the sink (sink_mode as gqa_attn), into out [B, 1, N·H]. A row with no key to attend
-// to gets zeros, as in gqa_attn.
+// to gets zeros, as in gqa_attn. The block shares the work: the splits' maxima and weights
+// exp(m_s − M) are computed once into shared memory (GQA_MERGE_CHUNK splits at a time), and
+// each thread then sums its dimensions over the splits with the loads of several splits in
+// flight, so a long context's many splits cost a few memory round trips, not one per split.
+#define GQA_MERGE_CHUNK 1024
+#define GQA_MERGE_UNROLL 8
+// Block-wide reduction of blockDim.x ≤ 1024 threads through `red` (32 floats); every thread
+// gets the result. `max_op`: maximum, else sum.
+__device__ __forceinline__ float gqa_block_reduce(float v, float* red, bool max_op) {
+    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    v = max_op ? kiln_warp_max(v) : kiln_warp_sum(v);
+    __syncthreads();  // `red` may still be read by the previous reduction
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float r = max_op ? -__int_as_float(0x7f800000) : 0.f;
+    for (unsigned w = 0; w < warps; ++w) r = max_op ? fmaxf(r, red[w]) : r + red[w];
+    return r;
+}
+
 template <typename Tag>
 __device__ void gqa_decode_merge(const float* partial, const int* seqlens, const typename Tag::storage* sink,
                                  typename Tag::storage* out, unsigned N, unsigned H, unsigned PL, int window,
                                  unsigned splits, unsigned sink_mode) {
-    const unsigned h = blockIdx.x, b = blockIdx.y;
+    __shared__ float s_w[GQA_MERGE_CHUNK];
+    __shared__ float s_red[32];
+    const unsigned h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
     long long start, end, pos;
     gqa_range(seqlens, b, 0, 1, 0, window, PL, &start, &end, &pos);
     typename Tag::storage* o = out + (kiln_u64)b * N * H + (kiln_u64)h * H;
     if (start >= end) {
-        for (unsigned d = threadIdx.x; d < H; d += blockDim.x) o[d] = kiln_from_f32(Tag(), 0.f);
+        for (unsigned d = tid; d < H; d += blockDim.x) o[d] = kiln_from_f32(Tag(), 0.f);
         return;
     }
-    const float* part = partial + ((kiln_u64)b * N + h) * splits * (H + 2);
+    const kiln_u64 stride = H + 2;
+    const float* part = partial + ((kiln_u64)b * N + h) * splits * stride;
+    // 1. The largest running maximum of the splits that saw a key, and the sink's.
     float M = -__int_as_float(0x7f800000);
-    for (unsigned s = 0; s < splits; ++s)
-        if (part[s * (H + 2) + 1] > 0.f) M = fmaxf(M, part[s * (H + 2)]);
+    for (unsigned s = tid; s < splits; s += blockDim.x)
+        if (part[s * stride + 1] > 0.f) M = fmaxf(M, part[s * stride]);
+    M = gqa_block_reduce(M, s_red, true);
     float sink_v = 0.f;
     if (sink_mode == 2) sink_v = kiln_to_f32(Tag(), sink[h]);
     if (sink_mode != 0) M = fmaxf(M, sink_v);
-    float den = sink_mode != 0 ? expf(sink_v - M) : 0.f;
-    for (unsigned s = 0; s < splits; ++s) {
-        const float l = part[s * (H + 2) + 1];
-        if (l > 0.f) den += l * expf(part[s * (H + 2)] - M);
-    }
-    for (unsigned d = threadIdx.x; d < H; d += blockDim.x) {
-        float v = 0.f;
-        for (unsigned s = 0; s < splits; ++s) {
-            const float* p = part + s * (H + 2);
-            if (p[1] > 0.f) v += p[2 + d] * expf(p[0] - M);
+    // 2. Per chunk of splits: weights into shared memory, the denominator, and each thread's
+    // dimensions (at most 8 per thread: H ≤ 8·blockDim.x).
+    float acc[8];
+#pragma unroll
+    for (int x = 0; x < 8; ++x) acc[x] = 0.f;
+    float den = 0.f;
+    for (unsigned c0 = 0; c0 < splits; c0 += GQA_MERGE_CHUNK) {
+        const unsigned cn = splits - c0 < GQA_MERGE_CHUNK ? splits - c0 : GQA_MERGE_CHUNK;
+        float l_part = 0.f;
+        for (unsigned s = tid; s < cn; s += blockDim.x) {
+            const float* p = part + (kiln_u64)(c0 + s) * stride;
+            const float l = p[1];
+            const float w = l > 0.f ? expf(p[0] - M) : 0.f;
+            s_w[s] = w;
+            l_part += l * w;
         }
-        o[d] = kiln_from_f32(Tag(), v / den);
+        den += gqa_block_reduce(l_part, s_red, false);  // its barriers also publish s_w
+#pragma unroll
+        for (int x = 0; x < 8; ++x) {
+            const unsigned d = tid + (unsigned)x * blockDim.x;
+            if (d >= H) break;
+            const float* col = part + (kiln_u64)c0 * stride + 2 + d;
+            float a = 0.f;
+            unsigned s = 0;
+            for (; s + GQA_MERGE_UNROLL <= cn; s += GQA_MERGE_UNROLL) {
+                float v[GQA_MERGE_UNROLL];
+#pragma unroll
+                for (int u = 0; u < GQA_MERGE_UNROLL; ++u) v[u] = col[(kiln_u64)(s + u) * stride];
+#pragma unroll
+                for (int u = 0; u < GQA_MERGE_UNROLL; ++u) a += v[u] * s_w[s + u];
+            }
+            for (; s < cn; ++s) a += col[(kiln_u64)s * stride] * s_w[s];
+            acc[x] += a;
+        }
+        __syncthreads();  // s_w is rewritten by the next chunk
+    }
+    if (sink_mode != 0) den += expf(sink_v - M);
+#pragma unroll
+    for (int x = 0; x < 8; ++x) {
+        const unsigned d = tid + (unsigned)x * blockDim.x;
+        if (d >= H) break;
+        o[d] = kiln_from_f32(Tag(), acc[x] / den);
     }
 }
 
@@ -662,7 +726,7 @@ __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, c
                      unsigned scalar_pos, unsigned interleaved, kiln_status* st) {
     KILN_FOR(i, total) {
         const unsigned d = (unsigned)(i % H);
-        if (d >= 2 * half) {
+        if (d >= 2 * half && (half > 0 || d > 0)) {
             y[i] = x[i];
             continue;
         }
@@ -676,6 +740,10 @@ __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, c
         }
         const long long p = scalar_pos ? pos_ids[0] + (long long)s : pos_ids[(kiln_u64)b * S + s];
         if (d == 0 && (p < 0 || (kiln_u64)p >= cache_rows)) kiln_fail(st, 4, p, (long long)cache_rows);
+        if (half == 0) {  // nothing to rotate: the position was only checked
+            y[i] = x[i];
+            continue;
+        }
         y[i] = kiln_from_f32(Tag(), rope_elem<Tag>(x + (i - d), cos_c, sin_c, p, cache_rows, half, d, interleaved));
     }
 }
