@@ -628,12 +628,14 @@ __device__ void gqa_decode(const typename Tag::storage* q_src, typename Tag::sto
 
 // Merges the splits of gqa_decode_split for head h = blockIdx.x, batch row b = blockIdx.y,
 // with the sink (sink_mode as gqa_attn), into out [B, 1, N·H]. A row with no key to attend
-// to gets zeros, as in gqa_attn. The block shares the work: the splits' maxima and weights
+// to gets zeros, as in gqa_attn. Up to GQA_MERGE_FEW splits, each thread merges its dimensions
+// alone. Beyond, the block shares the work: the splits' maxima and weights
 // exp(m_s − M) are computed once into shared memory (GQA_MERGE_CHUNK splits at a time), and
 // each thread then sums its dimensions over the splits with the loads of several splits in
 // flight, so a long context's many splits cost a few memory round trips, not one per split.
 #define GQA_MERGE_CHUNK 1024
 #define GQA_MERGE_UNROLL 8
+#define GQA_MERGE_FEW 4  // at most this many splits merge per thread, without shared memory
 // Block-wide reduction of blockDim.x ≤ 1024 threads through `red` (32 floats); every thread
 // gets the result. `max_op`: maximum, else sum.
 __device__ __forceinline__ float gqa_block_reduce(float v, float* red, bool max_op) {
@@ -663,6 +665,31 @@ __device__ void gqa_decode_merge(const float* partial, const int* seqlens, const
     }
     const kiln_u64 stride = H + 2;
     const float* part = partial + ((kiln_u64)b * N + h) * splits * stride;
+    if (splits <= GQA_MERGE_FEW) {
+        // Few splits (a short context): each thread folds them alone, with no barrier.
+        float M = -__int_as_float(0x7f800000);
+        for (unsigned s = 0; s < splits; ++s)
+            if (part[s * stride + 1] > 0.f) M = fmaxf(M, part[s * stride]);
+        float sink_v = 0.f;
+        if (sink_mode == 2) sink_v = kiln_to_f32(Tag(), sink[h]);
+        if (sink_mode != 0) M = fmaxf(M, sink_v);
+        float w[GQA_MERGE_FEW];
+        float den = sink_mode != 0 ? expf(sink_v - M) : 0.f;
+#pragma unroll
+        for (unsigned s = 0; s < GQA_MERGE_FEW; ++s) {
+            const float l = s < splits ? part[s * stride + 1] : 0.f;
+            w[s] = l > 0.f ? expf(part[s * stride] - M) : 0.f;
+            den += l * w[s];
+        }
+        for (unsigned d = tid; d < H; d += blockDim.x) {
+            float v = 0.f;
+#pragma unroll
+            for (unsigned s = 0; s < GQA_MERGE_FEW; ++s)
+                if (w[s] > 0.f) v += part[s * stride + 2 + d] * w[s];  // an empty split's sums are unset
+            o[d] = kiln_from_f32(Tag(), v / den);
+        }
+        return;
+    }
     // 1. The largest running maximum of the splits that saw a key, and the sink's.
     float M = -__int_as_float(0x7f800000);
     for (unsigned s = tid; s < splits; s += blockDim.x)
@@ -700,9 +727,10 @@ __device__ void gqa_decode_merge(const float* partial, const int* seqlens, const
 #pragma unroll
                 for (int u = 0; u < GQA_MERGE_UNROLL; ++u) v[u] = col[(kiln_u64)(s + u) * stride];
 #pragma unroll
-                for (int u = 0; u < GQA_MERGE_UNROLL; ++u) a += v[u] * s_w[s + u];
+                for (int u = 0; u < GQA_MERGE_UNROLL; ++u) a += s_w[s + u] > 0.f ? v[u] * s_w[s + u] : 0.f;
             }
-            for (; s < cn; ++s) a += col[(kiln_u64)s * stride] * s_w[s];
+            // An empty split's sums are unset (any bits): its weight 0 must not meet them.
+            for (; s < cn; ++s) a += s_w[s] > 0.f ? col[(kiln_u64)s * stride] * s_w[s] : 0.f;
             acc[x] += a;
         }
         __syncthreads();  // s_w is rewritten by the next chunk
