@@ -36,6 +36,15 @@ fn the_example_runs_on_the_gpu_and_matches_onnxruntime() {
     assert!(s.report.plan_hits > 0, "later runs reuse the launch plans: {:?}", s.report);
 }
 
+/// The third-party example's package as `scripts/stage-gpu.sh` archived it (the GPU machine has
+/// no cargo to build its shim).
+fn bias_gelu_package() -> kiln_registry::Package {
+    let kpkg = kiln_tests::root().join(".gpu/bias-gelu.kpkg");
+    let bytes = std::fs::read(&kpkg)
+        .unwrap_or_else(|e| panic!("{}: {e}: scripts/stage-gpu.sh builds the example's package", kpkg.display()));
+    kiln_registry::archive::unpack(&kpkg.display().to_string(), &bytes).unwrap()
+}
+
 /// The third-party example (examples/third-party) on CUDA: its package, built and archived by
 /// `scripts/stage-gpu.sh` into `.gpu/bias-gelu.kpkg` (the GPU machine has no cargo), runs
 /// com.example::BiasGelu with its own CUDA kernel, and the model matches numpy's float64
@@ -44,10 +53,7 @@ fn the_example_runs_on_the_gpu_and_matches_onnxruntime() {
 #[ignore = "needs a CUDA GPU"]
 fn the_third_party_example_runs_its_cuda_kernel() {
     let root = kiln_tests::root();
-    let kpkg = root.join(".gpu/bias-gelu.kpkg");
-    let bytes = std::fs::read(&kpkg)
-        .unwrap_or_else(|e| panic!("{}: {e}: scripts/stage-gpu.sh builds the example's package", kpkg.display()));
-    let pkg = kiln_registry::archive::unpack(&kpkg.display().to_string(), &bytes).unwrap();
+    let pkg = bias_gelu_package();
     let (mut reg, errors) = kiln_host::packages::registry(&[], &[]);
     assert!(errors.is_empty(), "{errors:?}");
     reg.add(pkg, kiln_registry::USER);
@@ -70,14 +76,10 @@ fn the_third_party_example_runs_its_cuda_kernel() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_kernel_compiled_unlike_its_signature_fails_its_node_before_any_launch() {
-    let root = kiln_tests::root();
-    let kpkg = root.join(".gpu/bias-gelu.kpkg");
-    let bytes = std::fs::read(&kpkg)
-        .unwrap_or_else(|e| panic!("{}: {e}: scripts/stage-gpu.sh builds the example's package", kpkg.display()));
-    let dir = root.join("examples/third-party");
+    let dir = kiln_tests::root().join("examples/third-party");
     let x = tensorio::read_tensor_file(&dir.join("x.npy")).unwrap().0;
     let session = |edit: &dyn Fn(&str) -> String| {
-        let mut pkg = kiln_registry::archive::unpack(&kpkg.display().to_string(), &bytes).unwrap();
+        let mut pkg = bias_gelu_package();
         let src = pkg.cuda_sources.get_mut("cuda/bias_gelu.cu").unwrap();
         *src = edit(src);
         let (mut reg, _) = kiln_host::packages::registry(&[], &[]);
