@@ -1199,3 +1199,17 @@ fn kernels_why_explains_a_node_of_a_model_through_its_fusion() {
     let o = kiln(&["kernels", "why", "--node", node]);
     assert_eq!(o.status.code(), Some(2), "--node without --model is a usage error: {}", text(&o));
 }
+
+/// Progress bars go to a terminal only: with stderr piped (a log, CI), `conformance`, `verify`
+/// and `run` write no bar, and their results are as before.
+#[test]
+fn progress_bars_stay_off_a_piped_stderr() {
+    let o = kiln(&["conformance", "tests/contrib-node-tests", "--filter", "rotary_embedding", "--device", "cpu"]);
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "{out}{err}");
+    assert!(out.contains("conformance: 2 passed, 0 failed"), "{out}");
+    assert!(!err.contains("conformance [") && !err.contains('\u{1b}'), "a bar on a piped stderr: {err:?}");
+    let o = run_example(&["--output-dir", tempfile::tempdir().unwrap().path().to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && !err.contains("loading the model") && !err.contains('\u{1b}'), "{err:?}");
+}

@@ -143,11 +143,13 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
     let floor_ms = weight_bytes as f64 / (a.bandwidth_gbps * 1e9) * 1e3;
     let rt = Runtime::new(model_registry(&a.target.packages, &a.model_dir)?, super::sandbox_config())?;
     let t_setup = Instant::now();
+    let loading = super::progress::Progress::spinner("loading the model");
     let mut g = Generator::new(
         rt,
         folder,
         SessionOptions { device, graphs, fuse: !a.target.fuse.no_fuse, pdl: a.target.pdl, ..SessionOptions::default() },
     )?;
+    drop(loading);
     let setup_s = t_setup.elapsed().as_secs_f64();
     say!(
             human,
@@ -170,16 +172,20 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
     say!(human, "|---:|---|---:|---:|---:|---:|---:|---:|");
     let mut rows = Vec::new();
     let mut rng = StdRng::seed_from_u64(a.seed);
+    let progress = super::progress::Progress::bar((a.batches.len() * (a.runs + 1)) as u64, "bench decode");
     for &batch in &a.batches {
         let prompts: Vec<Vec<i64>> =
             (0..batch).map(|_| (0..a.prompt_len).map(|_| rng.random_range(0..vocab as i64)).collect()).collect();
+        progress.message(&format!("batch {batch}: warm-up"));
         let t_warm = Instant::now();
         run_once(&mut g, &prompts, a.new_tokens, max_length)?;
         let warm_s = t_warm.elapsed().as_secs_f64();
+        progress.step(&format!("batch {batch}: timed runs"));
         let report_before = g.session.report.clone();
         let mut runs = Vec::with_capacity(a.runs);
         for _ in 0..a.runs {
             runs.push(run_once(&mut g, &prompts, a.new_tokens, max_length)?);
+            progress.step(&format!("batch {batch}: timed runs"));
         }
         let per_step = |r: &Run, v: f64| v / r.steps.max(1) as f64;
         let ms_step = median(runs.iter().map(|r| per_step(r, r.decode_ms)).collect());
@@ -191,11 +197,13 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
         let steps_timed: usize = runs.iter().map(|r| r.steps).sum();
         let replays = (r.graphs.replays - report_before.graphs.replays) as f64 / steps_timed.max(1) as f64;
         let bucket = runs.first().map_or(batch, |r| r.bucket);
-        say!(
-            human,
-            "| {batch} ({bucket}) | {graphs_label} | {ms_step:.3} | {tok_s:.0} | {prefill_ms:.1} | {:.0} | {enqueue:.3} | {replays:.2} |",
-            ms_step / floor_ms
-        );
+        progress.suspend(|| {
+            say!(
+                human,
+                "| {batch} ({bucket}) | {graphs_label} | {ms_step:.3} | {tok_s:.0} | {prefill_ms:.1} | {:.0} | {enqueue:.3} | {replays:.2} |",
+                ms_step / floor_ms
+            )
+        });
         let fallbacks: u64 =
             r.graphs.fallbacks.values().sum::<u64>() - report_before.graphs.fallbacks.values().sum::<u64>();
         rows.push(json!({
@@ -220,6 +228,7 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
             },
         }));
     }
+    drop(progress);
     if a.report {
         say!(human, "session report (warm-up runs included):\n{}", g.session.report.render());
         if let Some((alloc, (hits, queries))) = g.session.gpu_stats() {

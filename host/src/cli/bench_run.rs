@@ -149,7 +149,9 @@ pub fn run(a: BenchRunArgs) -> Result<ExitCode> {
     let rt = crate::ep::Runtime::new(model_registry(&a.target.packages, &a.model)?, super::sandbox_config())?;
     let options =
         SessionOptions { device, fuse: !a.target.fuse.no_fuse, pdl: a.target.pdl, ..SessionOptions::default() };
+    let loading = super::progress::Progress::spinner("loading the model");
     let mut session = Session::new(rt, m, options)?;
+    drop(loading);
     let setup_ms = t0.elapsed().as_secs_f64() * 1e3;
     let mut rng = StdRng::seed_from_u64(a.seed);
     let mut feeds: Vec<(String, Tensor)> = Vec::new();

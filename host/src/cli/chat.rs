@@ -128,7 +128,9 @@ pub fn run(a: ChatArgs) -> Result<ExitCode> {
     let rt = Runtime::new(model_registry(&a.target.packages, &a.model_dir)?, super::sandbox_config())?;
     let options =
         SessionOptions { device, graphs, fuse: !a.target.fuse.no_fuse, pdl: a.target.pdl, ..SessionOptions::default() };
+    let loading = super::progress::Progress::spinner("loading the model");
     let mut generator = Generator::new(rt, folder, options)?;
+    drop(loading);
     let interactive = std::io::stdin().is_terminal();
     if interactive {
         note!("kiln chat on {device}: type a message; /reset clears the history, /exit ends, Ctrl-C stops an answer");

@@ -45,7 +45,17 @@ pub fn run(a: ConformanceArgs) -> Result<ExitCode> {
         small_integer_nodes_on_host: false,
         ..SessionOptions::default()
     };
-    let results: Vec<_> = dirs.iter().map(|d| run_test(&rt, d, &options)).collect();
+    let progress = super::progress::Progress::bar(dirs.len() as u64, "conformance");
+    let results: Vec<_> = dirs
+        .iter()
+        .map(|d| {
+            progress.message(&d.file_name().unwrap_or_default().to_string_lossy());
+            let r = run_test(&rt, d, &options);
+            progress.step("");
+            r
+        })
+        .collect();
+    drop(progress);
     human.print(&summary(&results));
     if let Some(p) = &a.json {
         let count = |f: fn(&Outcome) -> bool| results.iter().filter(|r| f(&r.outcome)).count();

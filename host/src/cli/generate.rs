@@ -200,11 +200,13 @@ pub fn run(mut a: GenerateArgs) -> Result<ExitCode> {
         prompts.push(folder.encode(&text)?);
     }
     let rt = Runtime::new(model_registry(&a.target.packages, &a.model_dir)?, super::sandbox_config())?;
+    let loading = super::progress::Progress::spinner("loading the model");
     let mut generator = Generator::new(
         rt,
         folder,
         SessionOptions { device, graphs, fuse: !a.target.fuse.no_fuse, pdl: a.target.pdl, ..SessionOptions::default() },
     )?;
+    drop(loading);
     let opts = GenerateOptions {
         max_new_tokens: a.max_new_tokens,
         max_length: a.max_length,

@@ -236,11 +236,15 @@ pub fn run(cmd: KernelsCommand) -> Result<ExitCode> {
             let ordinal = super::require_gpu("kernels warm")?;
             let reg = super::registry(&packages)?;
             let mut gpu = crate::cuda::Gpu::open(ordinal, None)?;
+            let progress = super::progress::Progress::bar(reg.packages().count() as u64, "NVRTC");
             for p in reg.packages() {
+                progress.message(&p.id());
                 let t0 = std::time::Instant::now();
                 let n = gpu.warm(p)?;
-                println!("{:<32} {n:>4} kernels  {:>8.1} ms", p.id(), t0.elapsed().as_secs_f64() * 1e3);
+                progress.line(&format!("{:<32} {n:>4} kernels  {:>8.1} ms", p.id(), t0.elapsed().as_secs_f64() * 1e3));
+                progress.step("");
             }
+            drop(progress);
             println!(
                 "NVRTC: {} compiled, {} from the cache ({})",
                 gpu.compiles,

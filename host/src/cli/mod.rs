@@ -11,6 +11,7 @@ mod generate;
 pub mod inspect;
 mod kernels;
 mod output;
+pub mod progress;
 mod registry;
 mod run;
 mod scaffold;

@@ -88,7 +88,9 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         graphs,
         ..SessionOptions::default()
     };
+    let loading = super::progress::Progress::spinner("loading the model");
     let mut session = Session::new(rt, model, options)?;
+    drop(loading);
     let prepared = t0.elapsed();
     let (outputs, last_ms) = if a.runs > 1 && device != crate::ep::Device::Cpu {
         run_held(&mut session, feeds, a.runs)?

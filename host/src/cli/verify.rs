@@ -102,7 +102,9 @@ pub fn run(mut a: VerifyArgs) -> Result<ExitCode> {
     for d in dirs {
         all.extend(test_dirs(d, None)?);
     }
+    let progress = super::progress::Progress::bar(all.len() as u64, &format!("verify {}", pkg.id()));
     for dir in all {
+        progress.step(&dir.file_name().unwrap_or_default().to_string_lossy());
         let Ok(m) = model::load(&dir.join("model.onnx")) else { continue };
         if m.graph.nodes.is_empty() || !m.graph.nodes.iter().all(|n| entry(&pkg, &n.domain, &n.op_type).is_some()) {
             continue;
@@ -131,6 +133,7 @@ pub fn run(mut a: VerifyArgs) -> Result<ExitCode> {
         }
         tests.push(r);
     }
+    drop(progress);
     if tests.is_empty() {
         return Err(Error::Input(format!("no node tests of {}'s ops in the --node-tests folders", pkg.id())));
     }
