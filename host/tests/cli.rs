@@ -1196,6 +1196,13 @@ fn kernels_why_explains_a_node_of_a_model_through_its_fusion() {
     let o = kiln(&["kernels", "why", "--model", m, "--node", "no/such/node", "--device", "cpu"]);
     assert_eq!(o.status.code(), Some(3), "{}", text(&o));
     assert!(text(&o).contains("has no node named \"no/such/node\""), "{}", text(&o));
+    // A replacement's own name is explained as it is; a near miss names the nodes like it.
+    let fused = "/model/layers.0/mlp/down_proj/MatMul/skip-rmsnorm-mlp#1";
+    let o = kiln(&["kernels", "why", "--model", m, "--node", fused, "--device", "cpu"]);
+    assert!(o.status.success() && text(&o).contains("ai.kiln::SwiGluLinear at opset 1"), "{}", text(&o));
+    let o = kiln(&["kernels", "why", "--model", m, "--node", "/model/layers.0/mlp/act_fn/Sigmoidx", "--device", "cpu"]);
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+    assert!(text(&o).contains("nodes with a similar name: [\"/model/layers.0/mlp/act_fn/Sigmoid\""), "{}", text(&o));
     let o = kiln(&["kernels", "why", "--node", node]);
     assert_eq!(o.status.code(), Some(2), "--node without --model is a usage error: {}", text(&o));
 }

@@ -246,15 +246,19 @@ pub fn run(mut a: GenerateArgs) -> Result<ExitCode> {
     }
     let t = &result.timings;
     let g = &generator.session.report.graphs;
+    let on_cpu = device == crate::ep::Device::Cpu;
     let graphs_note = match (t.device_sampling, generator.session.captures_graphs()) {
+        _ if on_cpu => "on the CPU, no CUDA graphs".to_string(),
         (true, true) => format!("graphs on: {} replays of {} steps, bucket {}", g.replays, t.decode_steps, t.bucket),
-        (true, false) => "graphs off, sampling on the device".to_string(),
+        (true, false) => "graphs off, tokens chosen on the GPU".to_string(),
         (false, _) => "graphs off, sampling on the host".to_string(),
     };
+    let rows = result.rows.len();
     note!(
-        "kiln: {device}: time to first token {:.1} ms, prefill {:.1} tokens/s, decode {:.1} tokens/s ({} tokens in {:.1} ms; \
-         the first step {:.1} ms (it builds the step's execution plan when the shape is new), then {:.1} tokens/s; \
-         {graphs_note})",
+        "kiln: {device}, {rows} row{}: time to first token {:.1} ms, prefill {:.1} tokens/s; decode {:.1} tokens/s \
+         ({} tokens after each row's first in {:.1} ms; its first step took {:.1} ms, as it builds the step's execution \
+         plan for a new shape; {:.1} tokens/s after it); {graphs_note}",
+        if rows == 1 { "" } else { "s" },
         t.time_to_first_token_ms,
         t.prefill_tokens_per_s,
         t.decode_tokens_per_s,

@@ -38,7 +38,7 @@ pub struct WhyArgs {
     pub node: Option<String>,
     /// The model of `--node`: an .onnx file or an onnxruntime-genai model folder (its
     /// `kiln.toml` requirements and trusted keys apply, as in a run).
-    #[arg(long, value_name = "MODEL", requires = "node")]
+    #[arg(long, value_name = "MODEL", requires = "node", conflicts_with = "op")]
     pub model: Option<std::path::PathBuf>,
     /// With `--node`: explain the model's nodes as they are, without fusion.
     #[arg(long = "no-fuse", requires = "node")]
@@ -153,21 +153,19 @@ fn why_node(a: &WhyArgs, model_path: &std::path::Path, name: &str) -> Result<Exi
     let mut m = crate::model::load(&super::inspect::model_file(model_path)?)?;
     let device = super::choose_device(a.device)?;
     let caps = super::device_caps(device)?;
-    if !m.graph.nodes.iter().any(|n| n.name == name) {
-        let names: Vec<&str> = m.graph.nodes.iter().take(5).map(|n| n.name.as_str()).collect();
-        return Err(crate::Error::Input(format!(
-            "{} has no node named {name:?} (its {} nodes begin {names:?}; `kiln inspect` lists its ops)",
-            model_path.display(),
-            m.graph.nodes.len()
-        )));
-    }
     let op_of = |m: &crate::model::Model, n: &str| {
         m.graph.nodes.iter().find(|x| x.name == n).map(|x| format!("{}::{}", shown(&x.domain), x.op_type))
     };
-    let original = op_of(&m, name).unwrap_or_default();
+    let original = op_of(&m, name);
+    let names_before: Vec<String> = m.graph.nodes.iter().map(|n| n.name.clone()).collect();
     let mut targets = vec![name.to_string()];
     if !a.no_fuse {
         let fusions = crate::fuse::fuse(&mut m, &reg, caps.as_ref());
+        // A node of the model as fused (a replacement's name) is explained as it is.
+        if original.is_none() && op_of(&m, name).is_none() {
+            return Err(no_node(model_path, name, names_before.iter().chain(m.graph.nodes.iter().map(|n| &n.name))));
+        }
+        let original = original.clone().unwrap_or_default();
         if let Some(f) = fusions.applied.iter().find(|f| f.nodes.iter().any(|n| n == name)) {
             // Replacement nodes are named after the match's last node and the fusion (fuse::rewrite).
             let base = format!("{}/{}", f.nodes.last().map(String::as_str).unwrap_or_default(), f.fusion);
@@ -186,14 +184,17 @@ fn why_node(a: &WhyArgs, model_path: &std::path::Path, name: &str) -> Result<Exi
             }
             let into: Vec<String> =
                 targets.iter().map(|t| format!("{t} ({})", op_of(&m, t).unwrap_or_default())).collect();
+            let others: Vec<String> = f.nodes.iter().filter(|n| *n != name).map(|n| format!("{n:?}")).collect();
+            let with = if others.is_empty() { String::new() } else { format!(" with {}", others.join(", ")) };
             println!(
-                "node {name:?} ({original}) is fused by {} ({}) with {} into {} (--no-fuse keeps it):",
+                "node {name:?} ({original}) is fused by {} ({}){with} into {} (--no-fuse keeps it):",
                 f.fusion,
                 f.package,
-                f.nodes.iter().filter(|n| *n != name).map(|n| format!("{n:?}")).collect::<Vec<_>>().join(", "),
                 into.join(", ")
             );
         }
+    } else if original.is_none() {
+        return Err(no_node(model_path, name, names_before.iter()));
     }
     let mut all_chosen = true;
     for t in &targets {
@@ -218,6 +219,30 @@ fn why_node(a: &WhyArgs, model_path: &std::path::Path, name: &str) -> Result<Exi
         all_chosen &= explain(&reg, &q);
     }
     Ok(ExitCode::from(if all_chosen { super::exit::OK } else { super::exit::UNSUPPORTED }))
+}
+
+/// The error for a node name the model does not have: the names that contain its last path
+/// segment (case-insensitively), else those under its parent path, else the first few.
+fn no_node<'a>(model: &std::path::Path, name: &str, names: impl Iterator<Item = &'a String>) -> crate::Error {
+    let names: Vec<&String> = names.collect();
+    let key = name.rsplit('/').find(|s| !s.is_empty()).unwrap_or(name).to_lowercase();
+    let mut like: Vec<&str> =
+        names.iter().filter(|n| n.to_lowercase().contains(&key)).take(8).map(|n| n.as_str()).collect();
+    if like.is_empty() {
+        if let Some((parent, _)) = name.rsplit_once('/').filter(|(p, _)| !p.is_empty()) {
+            like = names.iter().filter(|n| n.starts_with(&format!("{parent}/"))).take(8).map(|n| n.as_str()).collect();
+        }
+    }
+    let what = if like.is_empty() {
+        like = names.iter().take(5).map(|n| n.as_str()).collect();
+        "its nodes begin"
+    } else {
+        "nodes with a similar name"
+    };
+    crate::Error::Input(format!(
+        "--node: {} has no node named {name:?} ({what}: {like:?}; `kiln inspect --json` gives each op's first node)",
+        model.display()
+    ))
 }
 
 /// A domain as `kernels why` prints it (`ai.onnx` for the default one).

@@ -250,8 +250,8 @@ pub struct FuseArgs {
 #[derive(clap::Args, Debug, Clone, Copy)]
 pub struct GraphArgs {
     /// CUDA graphs: `auto` captures where possible and counts every fallback with its reason,
-    /// `on` makes a step that cannot be captured an error (and needs a GPU), `off` runs the
-    /// execution plans eagerly.
+    /// `on` makes a run (a decode step) that cannot be captured an error (and needs a GPU),
+    /// `off` runs the execution plans eagerly.
     #[arg(long = "graph", value_enum, default_value_t)]
     pub graph: crate::capture::GraphMode,
 }

@@ -23,7 +23,7 @@ impl Progress {
     /// A bar over `len` steps: `what [=====>    ] 12/40 (eta 3s) message`.
     pub fn bar(len: u64, what: &str) -> Progress {
         let pb = ProgressBar::with_draw_target(Some(len), target());
-        let style = ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} ({eta}) {msg}")
+        let style = ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} ({eta}) {wide_msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar())
             .progress_chars("=> ");
         pb.set_style(style);
@@ -34,7 +34,7 @@ impl Progress {
     /// A spinner for work of unknown length: `⠋ what (3.2s)`.
     pub fn spinner(what: &str) -> Progress {
         let pb = ProgressBar::with_draw_target(None, target());
-        let style = ProgressStyle::with_template("{spinner} {prefix} ({elapsed}) {msg}")
+        let style = ProgressStyle::with_template("{spinner} {prefix} ({elapsed}) {wide_msg}")
             .unwrap_or_else(|_| ProgressStyle::default_spinner());
         pb.set_style(style);
         pb.set_prefix(what.to_string());

@@ -116,14 +116,15 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             g.fallbacks.values().sum::<u64>()
         )
     };
+    let runs = if a.runs == 1 {
+        format!("ran in {:.1} ms", session.report.run_time_us as f64 / 1e3)
+    } else {
+        format!("{} runs in {:.1} ms, the last {last_ms:.3} ms", a.runs, session.report.run_time_us as f64 / 1e3)
+    };
     note!(
-        "kiln: {} on {device}: loaded in {:.1} ms, {} run{} in {:.1} ms (the last {:.3} ms){graph_note}",
+        "kiln: {} on {device}: loaded in {:.1} ms, {runs}{graph_note}",
         a.model.display(),
-        prepared.as_secs_f64() * 1e3,
-        a.runs,
-        if a.runs == 1 { "" } else { "s" },
-        session.report.run_time_us as f64 / 1e3,
-        last_ms
+        prepared.as_secs_f64() * 1e3
     );
     for (name, t) in &outputs {
         let file = a.output_dir.join(format!("{}.npy", sanitize(name)));
