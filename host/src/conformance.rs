@@ -221,9 +221,11 @@ pub fn summary(results: &[TestResult]) -> String {
             Outcome::Unsupported(_) => c[2] += 1,
         }
     }
-    let mut s = format!("{:<28} {:>7} {:>7} {:>12}\n", "op", "passed", "failed", "unsupported");
+    // The op column is as wide as the longest op (SkipSimplifiedLayerNormalization is 32).
+    let w = by_op.keys().map(|op| op.len()).max().unwrap_or(0).max(28);
+    let mut s = format!("{:<w$} {:>7} {:>7} {:>12}\n", "op", "passed", "failed", "unsupported");
     for (op, [p, f, u]) in &by_op {
-        s += &format!("{op:<28} {p:>7} {f:>7} {u:>12}\n");
+        s += &format!("{op:<w$} {p:>7} {f:>7} {u:>12}\n");
     }
     let failed: Vec<_> = results.iter().filter(|r| matches!(r.outcome, Outcome::Failed(_))).collect();
     if !failed.is_empty() {

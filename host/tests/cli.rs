@@ -665,6 +665,7 @@ fn sampling_flags_say_what_they_do() {
     };
     let (doc, err) = gen(&["--temperature", "0"]);
     assert_eq!(doc["sampling"]["do_sample"], false, "{doc}");
+    assert!(doc["sampling"]["seed"].is_null(), "a greedy run draws nothing, so it has no seed: {doc}");
     assert_eq!(
         doc["rows"][0]["generated_ids"].as_array().unwrap()[..],
         run["generated_token_ids"].as_array().unwrap()[..16]
@@ -1219,4 +1220,27 @@ fn progress_bars_stay_off_a_piped_stderr() {
     let o = run_example(&["--output-dir", tempfile::tempdir().unwrap().path().to_str().unwrap()]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success() && !err.contains("loading the model") && !err.contains('\u{1b}'), "{err:?}");
+}
+
+/// `kiln run --runs N` runs the model N times on the same inputs and writes the last run's
+/// outputs (onnxruntime's, within ONNX's tolerances); `--runs 0` is invalid input that names
+/// the flag.
+#[test]
+fn run_repeats_the_model_and_refuses_zero_runs() {
+    let out = tempfile::tempdir().unwrap();
+    let o = run_example(&[
+        "--runs",
+        "4",
+        "--expect",
+        "probs=examples/mlp/expected.npy",
+        "--output-dir",
+        out.path().to_str().unwrap(),
+    ]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains("probs: matches the expected output") && t.contains("4 runs in "), "{t}");
+    assert!(out.path().join("probs.npy").is_file(), "{t}");
+    let o = run_example(&["--runs", "0", "--output-dir", out.path().to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+    assert!(text(&o).contains("--runs must be at least 1"), "{}", text(&o));
 }

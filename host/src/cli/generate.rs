@@ -282,7 +282,9 @@ pub fn run(mut a: GenerateArgs) -> Result<ExitCode> {
             "device": device.to_string(),
             "sampling": {
                 "do_sample": sampled.do_sample, "temperature": sampled.temperature, "top_k": sampled.top_k,
-                "top_p": sampled.top_p, "repetition_penalty": sampled.repetition_penalty, "seed": sampled.seed,
+                "top_p": sampled.top_p, "repetition_penalty": sampled.repetition_penalty,
+                // A greedy run draws nothing: no seed.
+                "seed": (!sampled.is_greedy()).then_some(sampled.seed),
             },
         });
         super::output::write_json(path, &doc)?;

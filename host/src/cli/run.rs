@@ -38,7 +38,7 @@ pub struct RunArgs {
     /// Run the model this many times on the same inputs (the outputs are the last run's). On a
     /// GPU the inputs then stay on the device and the outputs are written in place, so from the
     /// third run on each run is one CUDA graph replay (see `--graph`).
-    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, value_name = "N", default_value_t = 1)]
     pub runs: u32,
     #[command(flatten)]
     pub graph: GraphArgs,
@@ -58,6 +58,9 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     let human = super::output::Human::new(&[&a.report_json]);
     let device = choose_device(a.target.device)?;
     let graphs = a.graph.mode(device)?;
+    if a.runs == 0 {
+        return Err(Error::Input("--runs must be at least 1".into()));
+    }
     let mut feeds: Vec<(String, Tensor)> = Vec::new();
     for arg in &a.inputs {
         let (name, file) = name_file(arg, "--input")?;
