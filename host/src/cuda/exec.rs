@@ -398,9 +398,9 @@ impl Gpu {
         slots: &[(CUdeviceptr, u64)],
         record: usize,
     ) -> Result<()> {
+        let status = self.status.device_ptr(record)?;
         plan.steps.iter().zip(functions).try_for_each(|(step, f)| match (step, f) {
             (PlanStep::Launch { kernel, grid, block, shared_mem_bytes, args }, Some(f)) => {
-                let status = self.status.device_ptr(record)?;
                 self.launch(f, kernel, *grid, *block, *shared_mem_bytes, args, slots, status)
             }
             (PlanStep::Gemm(g), _) => self.gemm(g, slots),

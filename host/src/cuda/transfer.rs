@@ -43,6 +43,11 @@ struct Staging {
 }
 
 impl Staging {
+    /// No buffer yet (allocated by the first `ready`), its event still to be created.
+    fn empty() -> Staging {
+        Staging { ptr: std::ptr::null_mut(), bytes: 0, free: std::ptr::null_mut(), pending: false }
+    }
+
     /// Waits until the buffer's last copy is done and makes it hold at least `n` bytes.
     fn ready(&mut self, n: usize) -> Result<()> {
         if self.pending {
@@ -117,23 +122,11 @@ fn new_event() -> Result<CUevent> {
 impl Transfers {
     /// A copy stream on `copy`'s context (staging buffers are allocated on first use).
     pub fn new(copy: Arc<CudaStream>) -> Result<Transfers> {
-        let staging = [(); 2].map(|_| Staging {
-            ptr: std::ptr::null_mut(),
-            bytes: 0,
-            free: std::ptr::null_mut(),
-            pending: false,
-        });
-        let readback = [(); 2].map(|_| Staging {
-            ptr: std::ptr::null_mut(),
-            bytes: 0,
-            free: std::ptr::null_mut(),
-            pending: false,
-        });
         let mut t = Transfers {
             copy,
-            staging,
+            staging: [(); 2].map(|_| Staging::empty()),
             next: 0,
-            readback,
+            readback: [(); 2].map(|_| Staging::empty()),
             next_readback: 0,
             readback_ticket: [0; 2],
             tickets: 0,

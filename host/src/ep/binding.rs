@@ -57,12 +57,11 @@ pub enum Fetch<'a> {
 /// A read of a held tensor that [`Session::read_start`] started: the copy is enqueued behind
 /// the device's work so far; [`Session::read_finish`] waits for it.
 #[derive(Debug)]
-pub struct PendingRead {
-    dtype: DType,
-    shape: Vec<usize>,
-    download: Option<crate::cuda::PendingDownload>,
-    /// The bytes, when the tensor already has them on the host.
-    host: Option<Tensor>,
+pub enum PendingRead {
+    /// The tensor already had its bytes on the host.
+    Host(Tensor),
+    /// A copy in flight, and the tensor it makes.
+    Device { download: crate::cuda::PendingDownload, dtype: DType, shape: Vec<usize> },
 }
 
 /// A graph output of a run.
@@ -180,30 +179,27 @@ impl Session {
     /// Errors: a tensor over the limit.
     pub fn read_start(&mut self, t: &DeviceTensor) -> Result<PendingRead> {
         let v = self.held(t)?.value.clone_ref();
-        let (dtype, shape) = (v.dtype(), v.shape().to_vec());
         if let Some(host) = v.host_bytes() {
-            return Ok(PendingRead { dtype, shape, download: None, host: Some(host.clone()) });
+            return Ok(PendingRead::Host(host.clone()));
         }
-        let Value::Device { ptr, nbytes, .. } = v else {
+        let Value::Device { ptr, nbytes, dtype, shape, .. } = v else {
             return Err(Error::Device("a host value without bytes".into()));
         };
         let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("device value without a GPU".into()))?;
-        let download = Some(gpu.download_start(ptr, nbytes as usize)?);
-        Ok(PendingRead { dtype, shape, download, host: None })
+        Ok(PendingRead::Device { download: gpu.download_start(ptr, nbytes as usize)?, dtype, shape })
     }
 
     /// Waits for a read of [`Session::read_start`] and returns the tensor; fails, as
     /// [`Session::read_tensor`] does, when a kernel reported an input out of range meanwhile.
     pub fn read_finish(&mut self, p: PendingRead) -> Result<Tensor> {
-        match (p.download, p.host) {
-            (_, Some(t)) => Ok(t),
-            (Some(d), None) => {
+        match p {
+            PendingRead::Host(t) => Ok(t),
+            PendingRead::Device { download, dtype, shape } => {
                 let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("device value without a GPU".into()))?;
-                let bytes = gpu.download_finish(d)?;
+                let bytes = gpu.download_finish(download)?;
                 self.check_device()?;
-                Tensor::new(p.dtype, p.shape, bytes.into())
+                Tensor::new(dtype, shape, bytes.into())
             }
-            (None, None) => Err(Error::Device("a read without a download".into())),
         }
     }
 

@@ -1275,12 +1275,15 @@ impl Session {
             }
         }
         let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
+        // A kernel that fails to load (or to match its signature) is named with its node; the
+        // error keeps its kind.
         let functions = gpu.plan_functions(&res.package, &plan).map_err(|e| {
             let n = &self.model.graph.nodes[idx];
-            let what = format!("node {:?} ({}): {e}", n.name, n.op_type);
+            let at = |m: String| format!("node {:?} ({}): {m}", n.name, n.op_type);
             match e {
-                Error::Input(_) => Error::Input(what),
-                _ => Error::Device(what),
+                Error::Input(m) => Error::Input(at(m)),
+                Error::Device(m) => Error::Device(at(m)),
+                other => other,
             }
         })?;
         let outs = self.launch_outputs(idx, &plan, &functions, out_types, out_ids, slots)?;

@@ -597,26 +597,19 @@ impl Generator {
         buffers.start(&mut self.session, tokens, &mask, kv.total + 1)
     }
 
-    /// One greedy decode step that chooses its tokens on the device (after
-    /// [`Generator::start_device_steps`]): feeds the step buffers and the cache, and returns the
-    /// token each row chose (already in place as the next step's input). Errors: a full cache,
-    /// no started steps, or the step's own failure (the step buffers may then be partly
-    /// written: start again).
-    pub fn decode_on_device(&mut self, kv: &mut KvCache) -> Result<Vec<i64>> {
-        let pending = self.enqueue_device_step(kv)?;
-        self.session.read_finish(pending)?.to_i64()
-    }
-
-    /// [`Generator::decode_on_device`] without waiting: enqueues the step and the readback of
-    /// the tokens it chooses, and returns the pending read ([`Session::read_finish`] gives the
-    /// tokens). The next step may be enqueued before this one's tokens are read: it takes them
-    /// from the device. At most two steps' reads may be outstanding.
+    /// Enqueues one greedy decode step that chooses its tokens on the device (after
+    /// [`Generator::start_device_steps`]): it feeds the step buffers and the cache, and the
+    /// tokens each row chose are already in place as the next step's input. Returns the pending
+    /// readback of those tokens ([`crate::ep::Session::read_finish`] gives them), without
+    /// waiting: the next step may be enqueued before this one's tokens are read. At most two
+    /// steps' reads may be outstanding. Errors: a full cache, no started steps, or the step's own
+    /// failure (the step buffers may then be partly written: start again).
     pub fn enqueue_device_step(&mut self, kv: &mut KvCache) -> Result<crate::ep::PendingRead> {
         if kv.total >= kv.limit {
             return Err(Error::Input(format!("the cache is full ({} positions)", kv.limit)));
         }
         let (Some(d), Some(b)) = (&self.device, &self.step_buffers) else {
-            return Err(Error::Input("decode_on_device before start_device_steps".into()));
+            return Err(Error::Input("enqueue_device_step before start_device_steps".into()));
         };
         if b.batch != kv.batch || b.limit != kv.limit || b.at != kv.total {
             return Err(Error::Input(
