@@ -50,6 +50,9 @@ for phase in $phases; do
       "$KILN" bench decode "$m" --batch 1 --batch 8 --graph on --runs 3 --prompt-len $p --max-length 4096 \
         --json "$work/decode-ctx$p.json" 2>&1
     done | tee -a "$out/bench.log"
+    # The device sampler in the captured step (temperature, top-k 50, top-p 0.9, penalty 1.1).
+    "$KILN" bench decode "$m" --batch 1 --batch 8 --graph on --runs 3 --temperature 0.8 --top-p 0.9 \
+      --repetition-penalty 1.1 --json "$work/decode-sampled.json" 2>&1 | tee -a "$out/bench.log"
     tar -C "$work" -cf "$out/bench-json.tar" $(cd "$work" && ls decode-*.json)
     # kiln generate streams its tokens through the same Generator path.
     "$KILN" generate "$m" --prompt "Once upon a time" --max-new-tokens 256 --graph on --report 2>&1 |

@@ -227,6 +227,40 @@ fn device_sampled_greedy_steps_match_host_argmax() {
     }
 }
 
+/// Sampled decode steps (the Sample node, here through kiln-sampling's CPU reference) give the
+/// host sampler's tokens for the same seed: temperature with top-k and top-p and a repetition
+/// penalty, temperature over the whole vocabulary, and greedy with a penalty; a right-padded
+/// batch of two, 24 tokens. The sampled tokens are not the greedy ones.
+#[test]
+fn device_sampled_steps_match_the_host_sampler() {
+    let mut g = generator("tiny-llama-v512-fp32-cpu");
+    let prompts =
+        vec![g.folder.encode("Once upon a time").unwrap(), g.folder.encode("The capital of France is").unwrap()];
+    let sampled =
+        SamplingParams { do_sample: true, temperature: 0.9, top_k: 40, top_p: 0.9, repetition_penalty: 1.3, seed: 7 };
+    let whole = SamplingParams { top_k: 0, top_p: 1.0, repetition_penalty: 1.0, temperature: 1.5, ..sampled.clone() };
+    let penalized = SamplingParams { repetition_penalty: 1.5, ..SamplingParams::default() };
+    let run = |g: &mut Generator, sampling: &SamplingParams| {
+        let opts = GenerateOptions {
+            max_new_tokens: 24,
+            max_length: None,
+            sampling: sampling.clone(),
+            ignore_eos: true,
+            stop: None,
+        };
+        let out = g.generate(&prompts, &opts, &mut |_, _| {}).unwrap();
+        assert!(out.timings.device_sampling, "{sampling:?} should sample on the device");
+        out.rows.into_iter().map(|r| r.generated_ids).collect::<Vec<_>>()
+    };
+    let greedy = run(&mut g, &SamplingParams::default());
+    for params in [sampled, whole, penalized] {
+        let device = run(&mut g, &params);
+        let host = kiln_tests::host_sampled(&mut g, &prompts, &params, 24);
+        assert_eq!(device, host, "{params:?}: device steps vs host sampler");
+        assert_ne!(device, greedy, "{params:?}: not the greedy tokens");
+    }
+}
+
 #[test]
 fn a_set_stop_flag_ends_the_generation_with_the_tokens_so_far() {
     use std::sync::atomic::{AtomicBool, Ordering};

@@ -370,6 +370,54 @@ fn device_argmax_picks_the_host_argmax_tokens() {
     assert_eq!(device, host, "device ArgMax vs host argmax");
 }
 
+/// Device sampling (the Sample node inside the captured step, graphs on) gives the host
+/// sampler's tokens for the same seed from the same GPU logits: temperature with top-k, top-p
+/// and a repetition penalty, and greedy with a penalty; batch 1 and 4 (its own bucket), 96
+/// tokens, on tiny-llama fp16 and the SmolLM2-architecture fp16 folder (vocabulary 49152).
+/// A second generation replays the graph at every step and draws the same tokens.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn device_sampling_gives_the_host_samplers_tokens() {
+    use kiln_host::ep::GraphMode;
+    use kiln_host::genai::{GenerateOptions, SamplingParams};
+    let sampled =
+        SamplingParams { do_sample: true, temperature: 0.8, top_k: 50, top_p: 0.9, repetition_penalty: 1.2, seed: 11 };
+    let penalized = SamplingParams { repetition_penalty: 1.3, ..SamplingParams::default() };
+    for folder in [kiln_tests::fixture("llm/tiny-llama-v512-fp16-cuda"), device_models().join("smollm2-arch-fp16-cuda")]
+    {
+        let mut g = gpu_generator(&folder, GraphMode::On);
+        let vocab = g.folder.config.model.vocab_size;
+        for rows in [1usize, 4] {
+            let p = prompts(rows, vocab);
+            let greedy_tokens: Vec<Vec<i64>> =
+                greedy(&mut g, &p, 96).rows.into_iter().map(|r| r.generated_ids).collect();
+            for params in [&sampled, &penalized] {
+                let opts = GenerateOptions {
+                    max_new_tokens: 96,
+                    max_length: None,
+                    sampling: params.clone(),
+                    ignore_eos: true,
+                    stop: None,
+                };
+                let out = g.generate(&p, &opts, &mut |_, _| {}).unwrap();
+                assert!(out.timings.device_sampling && out.timings.bucket == rows);
+                // Again, on the captured graph: every step one replay, the same draws.
+                let before = g.session.report.graphs.clone();
+                let again = g.generate(&p, &opts, &mut |_, _| {}).unwrap();
+                let after = &g.session.report.graphs;
+                assert_eq!(after.fallbacks, before.fallbacks, "no fallback: {after:?}");
+                assert_eq!(after.replays - before.replays, again.timings.decode_steps as u64, "{after:?}");
+                let device: Vec<Vec<i64>> = out.rows.into_iter().map(|r| r.generated_ids).collect();
+                let device_again: Vec<Vec<i64>> = again.rows.into_iter().map(|r| r.generated_ids).collect();
+                assert_eq!(device, device_again, "the same seed twice");
+                let host = kiln_tests::host_sampled(&mut g, &p, params, 96);
+                assert_eq!(device, host, "{}: batch {rows} {params:?}: device vs host sampler", folder.display());
+                assert_ne!(device, greedy_tokens, "{params:?}: not the greedy tokens");
+            }
+        }
+    }
+}
+
 /// New buffers at new addresses (same shapes) make the next step re-capture, through
 /// `cuGraphExecUpdate` since the topology is the same; the reason is counted and the tokens
 /// stay the same.

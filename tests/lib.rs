@@ -253,3 +253,30 @@ impl Rng {
         self.next_u64() & 1 == 1
     }
 }
+
+/// The host sampler's tokens for `prompts`: prefill, then one host-sampled decode step at a
+/// time (logits downloaded), every row's history and step as `Generator::generate` keeps them.
+pub fn host_sampled(
+    g: &mut kiln_host::genai::Generator,
+    prompts: &[Vec<i64>],
+    params: &kiln_host::genai::SamplingParams,
+    new: usize,
+) -> Vec<Vec<i64>> {
+    let sampler = kiln_host::genai::Sampler::new(params.clone());
+    let longest = prompts.iter().map(Vec::len).max().unwrap();
+    let (mut kv, mut logits) = g.prefill(prompts, longest + new).unwrap();
+    let mut history = prompts.to_vec();
+    let mut out = vec![Vec::new(); prompts.len()];
+    for step in 0..new {
+        let next: Vec<i64> = logits.iter().enumerate().map(|(b, l)| sampler.next(l, &history[b], b, step)).collect();
+        for (b, t) in next.iter().enumerate() {
+            history[b].push(*t);
+            out[b].push(*t);
+        }
+        if step + 1 < new {
+            logits = g.decode(&mut kv, &next).unwrap();
+        }
+    }
+    g.free(kv);
+    out
+}

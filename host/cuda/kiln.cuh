@@ -109,3 +109,32 @@ __device__ __noinline__ void kiln_fail(kiln_status* st, unsigned code, long long
         atomicExch(&st->code, code);
     }
 }
+
+// Philox4x32-10 (Salmon et al., SC 2011; Random123's constants), the counter-based generator
+// kiln's samplers share with the host (kernel-abi's philox.rs): kiln_philox_uniform(seed, row,
+// step) is the same f64 in [0, 1) as the host's philox::uniform, so seeded draws match across
+// devices and a row's draws do not depend on the rest of its batch.
+__device__ __forceinline__ void kiln_philox4x32_10(unsigned c[4], unsigned k0, unsigned k1) {
+    for (int round = 0; round < 10; ++round) {
+        if (round > 0) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        const unsigned hi0 = __umulhi(0xD2511F53u, c[0]), lo0 = 0xD2511F53u * c[0];
+        const unsigned hi1 = __umulhi(0xCD9E8D57u, c[2]), lo1 = 0xCD9E8D57u * c[2];
+        const unsigned n0 = hi1 ^ c[1] ^ k0, n2 = hi0 ^ c[3] ^ k1;
+        c[0] = n0;
+        c[1] = lo1;
+        c[2] = n2;
+        c[3] = lo0;
+    }
+}
+
+// The uniform draw of one sampling decision: key = seed (low word first), counter = (step low,
+// step high, row, 0), value = the top 53 bits of output words 0 (high) and 1, times 2^-53.
+__device__ __forceinline__ double kiln_philox_uniform(kiln_u64 seed, unsigned row, kiln_u64 step) {
+    unsigned c[4] = {(unsigned)step, (unsigned)(step >> 32), row, 0u};
+    kiln_philox4x32_10(c, (unsigned)seed, (unsigned)(seed >> 32));
+    const kiln_u64 bits = ((((kiln_u64)c[0]) << 32) | c[1]) >> 11;
+    return (double)bits * (1.0 / 9007199254740992.0);
+}

@@ -8,6 +8,8 @@
 //!   GEMM descriptor (shim → host).
 //! - [`status`]: the return codes of shim exports and host imports.
 //! - [`plan`]: launch plans, the pure data a dispatch records and a device backend runs.
+//! - [`philox`] and [`sampling`]: the counter-based RNG and the token-choice reference that host
+//!   and device samplers share.
 //! - [`manifest`] (feature `manifest`, std): the `kernel.toml` types; [`fusion`]: its
 //!   `[[fusions]]` patterns.
 //! - [`guest`] (feature `guest`, no_std + alloc): the SDK shim crates are written with.
@@ -20,6 +22,7 @@ extern crate alloc;
 pub mod dtype;
 pub mod philox;
 pub mod plan;
+pub mod sampling;
 pub mod status;
 pub mod wire;
 

@@ -1,6 +1,6 @@
 //! `kiln bench decode MODEL_DIR`: LLM decode speed, measured as the PyTorch peer
-//! (`fixtures/device/bench_torch_decode.py`) measures it: random prompt ids (seeded), greedy,
-//! exactly `--new-tokens` tokens per row (EOS ignored). The first token comes from the
+//! (`fixtures/device/bench_torch_decode.py`) measures it: random prompt ids (seeded), greedy
+//! (or sampled with `--temperature`, to time the device sampler), exactly `--new-tokens` tokens per row (EOS ignored). The first token comes from the
 //! prefill; decode time is the `new_tokens − 1` decode steps that follow. Each configuration
 //! is warmed up once, then timed `--runs` times; medians are reported.
 //!
@@ -48,6 +48,18 @@ pub struct DecodeArgs {
     /// Seed of the random prompt ids.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Sample at this temperature (> 0) instead of greedy decoding, seeded with --seed.
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    /// With --temperature: the k most likely tokens are the candidates (0: all).
+    #[arg(long, default_value_t = 50, requires = "temperature")]
+    pub top_k: usize,
+    /// With --temperature: the nucleus's probability.
+    #[arg(long, default_value_t = 1.0, requires = "temperature")]
+    pub top_p: f32,
+    /// Penalty for tokens already in the sequence (1.0: none), greedy or sampled.
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
     /// Memory bandwidth of the floor, in GB/s (H200: 4500 measured, 4800 spec).
     #[arg(long, default_value_t = 4500.0)]
     pub bandwidth_gbps: f64,
@@ -77,13 +89,19 @@ struct Run {
     bucket: usize,
 }
 
-/// Generates `new_tokens` greedy tokens per row of `prompts` (EOS ignored) with a cache of
+/// Generates `new_tokens` tokens per row of `prompts` (EOS ignored) with a cache of
 /// `max_length` positions, through `Generator::generate`.
-fn run_once(g: &mut Generator, prompts: &[Vec<i64>], new_tokens: usize, max_length: usize) -> Result<Run> {
+fn run_once(
+    g: &mut Generator,
+    prompts: &[Vec<i64>],
+    sampling: &SamplingParams,
+    new_tokens: usize,
+    max_length: usize,
+) -> Result<Run> {
     let opts = GenerateOptions {
         max_new_tokens: new_tokens,
         max_length: Some(max_length),
-        sampling: SamplingParams::default(),
+        sampling: sampling.clone(),
         ignore_eos: true,
         stop: None,
     };
@@ -111,6 +129,15 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
         (a.prompt_len == 0, "--prompt-len must be at least 1".to_string()),
         (a.runs == 0, "--runs must be at least 1".to_string()),
         (a.batches.contains(&0), "--batch must be at least 1".to_string()),
+        (
+            a.temperature.is_some_and(|t| !(t > 0.0 && t.is_finite())),
+            format!("--temperature must be > 0 (leave it out for greedy), got {}", a.temperature.unwrap_or(0.0)),
+        ),
+        (!(a.top_p > 0.0 && a.top_p <= 1.0), format!("--top-p must be in (0, 1], got {}", a.top_p)),
+        (
+            !(a.repetition_penalty > 0.0 && a.repetition_penalty.is_finite()),
+            format!("--repetition-penalty must be > 0 (1: none), got {}", a.repetition_penalty),
+        ),
     ];
     if let Some((_, msg)) = bounds.into_iter().find(|(bad, _)| *bad) {
         return Err(Error::Input(msg));
@@ -139,6 +166,14 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
         )));
     }
     let graphs = a.graph.mode(device)?;
+    let sampling = SamplingParams {
+        do_sample: a.temperature.is_some(),
+        temperature: a.temperature.unwrap_or(1.0),
+        top_k: a.top_k,
+        top_p: a.top_p,
+        repetition_penalty: a.repetition_penalty,
+        seed: a.seed,
+    };
     let weight_bytes: u64 = folder.model.graph.initializers.values().map(|t| t.data.len() as u64).sum();
     let floor_ms = weight_bytes as f64 / (a.bandwidth_gbps * 1e9) * 1e3;
     let rt = Runtime::new(model_registry(&a.target.packages, &a.model_dir)?, super::sandbox_config())?;
@@ -151,9 +186,18 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
     )?;
     drop(loading);
     let setup_s = t_setup.elapsed().as_secs_f64();
+    let penalty = if a.repetition_penalty == 1.0 {
+        String::new()
+    } else {
+        format!(", repetition penalty {}", a.repetition_penalty)
+    };
+    let sampling_label = match a.temperature {
+        Some(t) => format!("sampled (temperature {t}, top-k {}, top-p {}{penalty}, seed {})", a.top_k, a.top_p, a.seed),
+        None => format!("greedy{penalty}"),
+    };
     say!(
             human,
-        "model: {} ({} layers, vocab {vocab}), device {device}; prompt {} tokens, {} new tokens, medians over {} timed run(s)",
+        "model: {} ({} layers, vocab {vocab}), device {device}; prompt {} tokens, {} new tokens, {sampling_label}, medians over {} timed run(s)",
         a.model_dir.display(),
         g.folder.config.model.decoder.num_hidden_layers,
         a.prompt_len,
@@ -178,13 +222,13 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
             (0..batch).map(|_| (0..a.prompt_len).map(|_| rng.random_range(0..vocab as i64)).collect()).collect();
         progress.message(&format!("batch {batch}: warm-up"));
         let t_warm = Instant::now();
-        run_once(&mut g, &prompts, a.new_tokens, max_length)?;
+        run_once(&mut g, &prompts, &sampling, a.new_tokens, max_length)?;
         let warm_s = t_warm.elapsed().as_secs_f64();
         progress.step(&format!("batch {batch}: timed runs"));
         let report_before = g.session.report.clone();
         let mut runs = Vec::with_capacity(a.runs);
         for _ in 0..a.runs {
-            runs.push(run_once(&mut g, &prompts, a.new_tokens, max_length)?);
+            runs.push(run_once(&mut g, &prompts, &sampling, a.new_tokens, max_length)?);
             progress.step(&format!("batch {batch}: timed runs"));
         }
         let per_step = |r: &Run, v: f64| v / r.steps.max(1) as f64;
@@ -239,7 +283,7 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
         g.session.report = crate::trace::Report { device: device.to_string(), ..Default::default() };
         g.session.set_gpu_profiling(true);
         let prompts: Vec<Vec<i64>> = vec![(0..a.prompt_len as i64).map(|i| i % vocab as i64).collect()];
-        run_once(&mut g, &prompts, a.new_tokens, max_length)?;
+        run_once(&mut g, &prompts, &sampling, a.new_tokens, max_length)?;
         g.session.set_gpu_profiling(false);
         let what = match device {
             crate::ep::Device::Cpu => "host time per op only: GPU time needs a GPU",
@@ -260,6 +304,7 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
             "new_tokens": a.new_tokens,
             "max_length": max_length,
             "graphs": graphs_label,
+            "sampling": sampling_label,
             "graph_stats": g.session.report.graphs,
             "weight_bytes": weight_bytes,
             "floor_ms_per_step": floor_ms,

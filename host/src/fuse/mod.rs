@@ -115,11 +115,14 @@ pub fn fuse(model: &mut Model, registry: &OpRegistry, device: Option<&DeviceCaps
         // Each match is convex on its own; two of them together could still need each other's
         // outputs. Rewrite them one by one and undo one that would make a cycle.
         let mut removed = std::collections::BTreeSet::new();
+        let mut places = HashMap::new();
         for (b, Accepted { constants, opsets }) in accepted {
             let names: Vec<String> = b.nodes.iter().map(|&i| model.graph.nodes[i].name.clone()).collect();
             let mark = rewrite::Mark::of(&model.graph);
             rewrite::apply(&mut model.graph, c.fusion, &b, constants);
             removed.extend(b.nodes.iter().copied());
+            let last = b.nodes.iter().copied().max().unwrap_or(0);
+            places.extend((mark.nodes()..model.graph.nodes.len()).map(|i| (i, last)));
             if !rewrite::acyclic(&model.graph, &removed) {
                 mark.undo(&mut model.graph);
                 for n in &b.nodes {
@@ -139,7 +142,7 @@ pub fn fuse(model: &mut Model, registry: &OpRegistry, device: Option<&DeviceCaps
             }
             report.applied.push(FusionApplied { fusion: c.fusion.name.clone(), package: c.package.id(), nodes: names });
         }
-        rewrite::finish(&mut model.graph, &removed);
+        rewrite::finish(&mut model.graph, &removed, &places);
     }
     report
 }

@@ -193,6 +193,11 @@ impl Mark {
         Mark { nodes: g.nodes.len(), values: g.values.len() }
     }
 
+    /// The node count at the mark: the first index of what was appended since.
+    pub fn nodes(&self) -> usize {
+        self.nodes
+    }
+
     /// Drops what was appended since the mark: nodes, values and their initializers.
     pub fn undo(self, g: &mut Graph) {
         g.nodes.truncate(self.nodes);
@@ -203,13 +208,17 @@ impl Mark {
 
 /// Whether the nodes of `g` but those at `removed` can be ordered (no value needs itself).
 pub(super) fn acyclic(g: &Graph, removed: &BTreeSet<usize>) -> bool {
-    topological_order(g, removed).is_some()
+    topological_order(g, removed, &HashMap::new()).is_some()
 }
 
 /// The nodes of `g` but those at `removed` in a topological order (Kahn's algorithm, the
-/// lowest current index first among the ready ones, so an order that already is one stays),
-/// or `None` when some value needs itself.
-fn topological_order(g: &Graph, removed: &BTreeSet<usize>) -> Option<Vec<usize>> {
+/// lowest place first among the ready ones, so an order that already is one stays), or `None`
+/// when some value needs itself. A node's place is its index, or for a replacement appended by
+/// [`apply`] the index of the last node it replaces (`places`), so that it takes that node's
+/// turn: nodes whose order the graph does not fix (a node that rewrites a fed buffer in place
+/// after the others read it) keep their order around it.
+fn topological_order(g: &Graph, removed: &BTreeSet<usize>, places: &HashMap<usize, usize>) -> Option<Vec<usize>> {
+    let place = |i: usize| (places.get(&i).copied().unwrap_or(i), i);
     let live: Vec<usize> = (0..g.nodes.len()).filter(|i| !removed.contains(i)).collect();
     let mut producer: HashMap<ValueId, usize> = HashMap::new();
     for &i in &live {
@@ -227,15 +236,16 @@ fn topological_order(g: &Graph, removed: &BTreeSet<usize>) -> Option<Vec<usize>>
             readers.entry(d).or_default().push(i);
         }
     }
-    let mut ready: BinaryHeap<Reverse<usize>> = live.iter().filter(|i| waiting[i] == 0).map(|&i| Reverse(i)).collect();
+    let mut ready: BinaryHeap<Reverse<(usize, usize)>> =
+        live.iter().filter(|i| waiting[i] == 0).map(|&i| Reverse(place(i))).collect();
     let mut order = Vec::with_capacity(live.len());
-    while let Some(Reverse(i)) = ready.pop() {
+    while let Some(Reverse((_, i))) = ready.pop() {
         order.push(i);
         for r in readers.get(&i).into_iter().flatten() {
             if let Some(w) = waiting.get_mut(r) {
                 *w -= 1;
                 if *w == 0 {
-                    ready.push(Reverse(*r));
+                    ready.push(Reverse(place(*r)));
                 }
             }
         }
@@ -244,26 +254,18 @@ fn topological_order(g: &Graph, removed: &BTreeSet<usize>) -> Option<Vec<usize>>
 }
 
 /// Removes the nodes at `removed`, the initializers nothing reads any more, and puts the
-/// nodes back in a topological order (the original order where it is one).
-pub(super) fn finish(g: &mut Graph, removed: &BTreeSet<usize>) {
-    let mut i = 0;
-    g.nodes.retain(|_| {
-        i += 1;
-        !removed.contains(&(i - 1))
-    });
+/// nodes back in a topological order: the original order where it is one, each replacement in
+/// the place of the last node it replaces (`places`, by node index before the removal).
+pub(super) fn finish(g: &mut Graph, removed: &BTreeSet<usize>, places: &HashMap<usize, usize>) {
+    // A cycle is never made (each match is convex and each rewrite checked with `acyclic`);
+    // were it, the order would stay.
+    let order = topological_order(g, removed, places)
+        .unwrap_or_else(|| (0..g.nodes.len()).filter(|i| !removed.contains(i)).collect());
+    let mut nodes: Vec<Option<Node>> = std::mem::take(&mut g.nodes).into_iter().map(Some).collect();
+    g.nodes = order.into_iter().filter_map(|i| nodes[i].take()).collect();
     let read: BTreeSet<ValueId> = g.nodes.iter().flat_map(|n| n.inputs.iter().flatten().copied()).collect();
     let outputs: BTreeSet<ValueId> = g.outputs.iter().copied().collect();
     g.initializers.retain(|v, _| read.contains(v) || outputs.contains(v));
-    sort_topologically(g);
-}
-
-/// Puts the nodes in a topological order ([`topological_order`]). A graph with a cycle keeps
-/// its order (`fuse` never makes one: each match is convex and each rewrite is checked with
-/// [`acyclic`]).
-fn sort_topologically(g: &mut Graph) {
-    let Some(order) = topological_order(g, &BTreeSet::new()) else { return };
-    let mut nodes: Vec<Option<Node>> = std::mem::take(&mut g.nodes).into_iter().map(Some).collect();
-    g.nodes = order.into_iter().filter_map(|i| nodes[i].take()).collect();
 }
 
 #[cfg(test)]
@@ -304,5 +306,34 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A replacement takes the turn of the last node it replaces: a node that only reads graph
+    /// inputs (AppendAttentionMask, which rewrites them in place) stays after it, as before the
+    /// rewrite, instead of moving ahead of a replacement appended at the end.
+    #[test]
+    fn a_replacement_keeps_the_place_of_the_nodes_it_replaces() {
+        let node = |name: &str, inputs: Vec<usize>, outputs: Vec<usize>| Node {
+            name: name.into(),
+            op_type: name.into(),
+            domain: String::new(),
+            inputs: inputs.into_iter().map(Some).collect(),
+            outputs: outputs.into_iter().map(Some).collect(),
+            attributes: Vec::new(),
+        };
+        let values = (0..5).map(|i| Value { name: format!("v{i}"), ty: None }).collect();
+        // v0 → A → v1 → B → v2 (A and B fused into F); C reads v0 only.
+        let mut g = Graph {
+            values,
+            nodes: vec![node("A", vec![0], vec![1]), node("B", vec![1], vec![2]), node("C", vec![0], vec![3])],
+            inputs: vec![0],
+            outputs: vec![2, 3],
+            initializers: HashMap::new(),
+        };
+        g.nodes.push(node("F", vec![0], vec![2]));
+        let removed: BTreeSet<usize> = [0, 1].into();
+        finish(&mut g, &removed, &HashMap::from([(3, 1)]));
+        let order: Vec<&str> = g.nodes.iter().map(|n| n.name.as_str()).collect();
+        assert_eq!(order, ["F", "C"]);
     }
 }

@@ -7,7 +7,14 @@
 //!   as the host's argmax);
 //! - `ai.kiln::AppendAttentionMask(attention_mask, kiln_position)` → the mask with the next
 //!   column set in every row, and the position advanced: written into the step's own mask and
-//!   position buffers, so the next step's `seqlens_k` is computed inside the graph.
+//!   position buffers, so the next step's `seqlens_k` is computed inside the graph;
+//! - when a package has it, `ai.kiln::Sample(logits, attention_mask, kiln_history,
+//!   kiln_position, kiln_sampling, kiln_seeds)` → `kiln_sampled_ids` `[batch, 1]` and
+//!   `kiln_next_history`: temperature, top-k, top-p and repetition penalty with per-row
+//!   parameters in device buffers (`kiln_sampling` float32 `[batch, 4]`, `kiln_seeds` int64
+//!   `[batch, 2]`: seed and the position of step 0), each row's tokens kept on the device
+//!   (`kiln_history` `[batch, limit]`, by mask column) for the penalty. A step fetches either
+//!   ArgMax's ids or Sample's, so a greedy step's graph has no sampling node.
 //!
 //! The host knows only the folder's input and output names (`genai_config.json`), never the
 //! model's arithmetic. Prefill runs skip the appended outputs (`Fetch::Skip`), so their nodes
@@ -18,8 +25,8 @@ use kiln_registry::{NodeQuery, OpRegistry};
 
 use super::GenaiConfig;
 use crate::ep::{DeviceTensor, Session};
-use crate::model::{AttrValue, Dim, Model, Node, Value, ValueType};
-use crate::{Error, Result};
+use crate::model::{AttrValue, Dim, Graph, Model, Node, Value, ValueId, ValueType};
+use crate::{Error, Result, Tensor};
 
 /// Names of the values [`augment`] adds.
 #[derive(Clone, Debug)]
@@ -30,6 +37,31 @@ pub struct StepNames {
     pub next_ids: String,
     pub next_mask: String,
     pub next_position: String,
+    /// The Sample node's values, when a package has the op.
+    pub sample: Option<SampleNames>,
+}
+
+/// Names of the Sample node's inputs and outputs.
+#[derive(Clone, Debug)]
+pub struct SampleNames {
+    /// Graph inputs: int64 `[batch, limit]`, float32 `[batch, 4]`, int64 `[batch, 2]`.
+    pub history: String,
+    pub sampling: String,
+    pub seeds: String,
+    /// Graph outputs: int64 `[batch, 1]` and `[batch, limit]`.
+    pub sampled_ids: String,
+    pub next_history: String,
+}
+
+impl StepNames {
+    /// Every graph output [`augment`] added (a prefill skips them all).
+    pub fn outputs(&self) -> Vec<&str> {
+        let mut v = vec![self.next_ids.as_str(), self.next_mask.as_str(), self.next_position.as_str()];
+        if let Some(s) = &self.sample {
+            v.extend([s.sampled_ids.as_str(), s.next_history.as_str()]);
+        }
+        v
+    }
 }
 
 /// The domain of kiln's own decode-step ops (package `kiln-sampling`).
@@ -65,28 +97,34 @@ pub fn augment(model: &mut Model, cfg: &GenaiConfig, registry: &OpRegistry) -> O
     {
         return None;
     }
+    let sample = resolves(KILN_DOMAIN, "Sample", 1, logits_dtype).then(|| SampleNames {
+        history: "kiln_history".into(),
+        sampling: "kiln_sampling".into(),
+        seeds: "kiln_seeds".into(),
+        sampled_ids: "kiln_sampled_ids".into(),
+        next_history: "kiln_next_history".into(),
+    });
     let names = StepNames {
         position: "kiln_position".into(),
         next_ids: "kiln_next_input_ids".into(),
         next_mask: "kiln_next_attention_mask".into(),
         next_position: "kiln_next_position".into(),
+        sample,
     };
-    if [&names.position, &names.next_ids, &names.next_mask, &names.next_position]
-        .iter()
-        .any(|n| g.value_id(n).is_some())
-    {
+    let mut taken = vec![names.position.as_str()];
+    taken.extend(names.outputs());
+    if let Some(s) = &names.sample {
+        taken.extend([s.history.as_str(), s.sampling.as_str(), s.seeds.as_str()]);
+    }
+    if taken.iter().any(|n| g.value_id(n).is_some()) {
         return None;
     }
     let g = &mut model.graph;
-    let mut add = |name: &str, dtype: DType, dims: Vec<Dim>| {
-        g.values.push(Value { name: name.to_string(), ty: Some(ValueType { dtype, dims: Some(dims) }) });
-        g.values.len() - 1
-    };
     let sym = |s: &str| Dim::Symbolic(s.to_string());
-    let position = add(&names.position, DType::I64, vec![Dim::Known(1)]);
-    let next_ids = add(&names.next_ids, DType::I64, vec![sym("batch_size"), sym("sequence_length")]);
-    let next_mask = add(&names.next_mask, DType::I64, vec![sym("batch_size"), sym("total_sequence_length")]);
-    let next_position = add(&names.next_position, DType::I64, vec![Dim::Known(1)]);
+    let position = add(g, &names.position, DType::I64, vec![Dim::Known(1)]);
+    let next_ids = add(g, &names.next_ids, DType::I64, vec![sym("batch_size"), sym("sequence_length")]);
+    let next_mask = add(g, &names.next_mask, DType::I64, vec![sym("batch_size"), sym("total_sequence_length")]);
+    let next_position = add(g, &names.next_position, DType::I64, vec![Dim::Known(1)]);
     g.nodes.push(Node {
         name: "kiln/ArgMax".into(),
         op_type: "ArgMax".into(),
@@ -95,6 +133,27 @@ pub fn augment(model: &mut Model, cfg: &GenaiConfig, registry: &OpRegistry) -> O
         outputs: vec![Some(next_ids)],
         attributes: vec![("axis".into(), AttrValue::Int(-1)), ("keepdims".into(), AttrValue::Int(0))],
     });
+    g.inputs.push(position);
+    g.outputs.extend([next_ids, next_mask, next_position]);
+    if let Some(s) = &names.sample {
+        let history = add(g, &s.history, DType::I64, vec![sym("batch_size"), sym("total_sequence_length")]);
+        let sampling = add(g, &s.sampling, DType::F32, vec![sym("batch_size"), Dim::Known(4)]);
+        let seeds = add(g, &s.seeds, DType::I64, vec![sym("batch_size"), Dim::Known(2)]);
+        let sampled = add(g, &s.sampled_ids, DType::I64, vec![sym("batch_size"), Dim::Known(1)]);
+        let next_history = add(g, &s.next_history, DType::I64, vec![sym("batch_size"), sym("total_sequence_length")]);
+        g.nodes.push(Node {
+            name: "kiln/Sample".into(),
+            op_type: "Sample".into(),
+            domain: KILN_DOMAIN.into(),
+            inputs: vec![Some(logits), Some(mask), Some(history), Some(position), Some(sampling), Some(seeds)],
+            outputs: vec![Some(sampled), Some(next_history)],
+            attributes: Vec::new(),
+        });
+        g.inputs.extend([history, sampling, seeds]);
+        g.outputs.extend([sampled, next_history]);
+    }
+    // Last: bound in place, it rewrites the mask and the position that the nodes above read
+    // (nodes run in list order).
     g.nodes.push(Node {
         name: "kiln/AppendAttentionMask".into(),
         op_type: "AppendAttentionMask".into(),
@@ -103,74 +162,122 @@ pub fn augment(model: &mut Model, cfg: &GenaiConfig, registry: &OpRegistry) -> O
         outputs: vec![Some(next_mask), Some(next_position)],
         attributes: Vec::new(),
     });
-    g.inputs.push(position);
-    g.outputs.extend([next_ids, next_mask, next_position]);
     model.opsets.insert(KILN_DOMAIN.into(), 1);
     Some(names)
 }
 
-/// The buffers of device-sampled decode steps for one batch shape: the tokens to feed
-/// (`[batch, 1]` int64, rewritten by each step with the tokens it chose), the attention mask
-/// (`[batch, limit]` int64) and the position (`[1]` int64). Kept between generations of the
-/// same shape, so their addresses (and a captured step's graph) stay valid.
+/// Appends a typed value to `g`; returns its id.
+fn add(g: &mut Graph, name: &str, dtype: DType, dims: Vec<Dim>) -> ValueId {
+    g.values.push(Value { name: name.to_string(), ty: Some(ValueType { dtype, dims: Some(dims) }) });
+    g.values.len() - 1
+}
+
+/// The buffers of device-sampled steps for one batch shape: the tokens to feed (`[batch, 1]`
+/// int64, rewritten by each step with the tokens it chose), the attention mask (`[batch,
+/// limit]` int64), the position (`[1]` int64) and, for the Sample node, each row's tokens by
+/// mask column (`[batch, limit]` int64), sampling parameters (`[batch, 4]` float32) and seeds
+/// (`[batch, 2]` int64). Kept between generations of the same shape, so their addresses (and
+/// a captured step's graph) stay valid.
 pub struct StepBuffers {
     pub batch: usize,
     pub limit: usize,
     /// The cache length the buffers are ready for (the next step's `KvCache::len`); a step of
     /// a cache at another length is refused.
     pub at: usize,
+    /// Whether the steps since the last [`StepBuffers::start`] sample (the Sample node) rather
+    /// than take the argmax.
+    pub sampling: bool,
     pub ids: DeviceTensor,
     pub mask: DeviceTensor,
     pub position: DeviceTensor,
+    /// `history`, `sampling`, `seeds`, when the graph has a Sample node.
+    pub sample: Option<[DeviceTensor; 3]>,
+}
+
+/// What the first sampled step needs beyond the greedy step's inputs.
+pub struct SampleStart<'a> {
+    /// `[batch, limit]`: each row's tokens at their mask columns (the prompt, then the first
+    /// generated token); zeros elsewhere.
+    pub history: &'a [i64],
+    /// `[batch, 4]`: temperature (0: greedy), top_k (0: all), top_p, repetition_penalty.
+    pub params: &'a [f32],
+    /// `[batch, 2]`: seed, and the position whose draw is step 0.
+    pub seeds: &'a [i64],
 }
 
 impl StepBuffers {
-    /// New buffers (contents set by [`StepBuffers::start`]).
-    pub fn new(session: &mut Session, batch: usize, limit: usize) -> Result<StepBuffers> {
-        let ids = session.zeros(DType::I64, vec![batch, 1])?;
-        let mask = match session.zeros(DType::I64, vec![batch, limit]) {
-            Ok(t) => t,
-            Err(e) => {
-                session.free_tensor(ids);
-                return Err(e);
+    /// New buffers (contents set by [`StepBuffers::start`]); `sample`: with the Sample node's.
+    pub fn new(session: &mut Session, batch: usize, limit: usize, sample: bool) -> Result<StepBuffers> {
+        let mut shapes = vec![(DType::I64, vec![batch, 1]), (DType::I64, vec![batch, limit]), (DType::I64, vec![1])];
+        if sample {
+            shapes.extend([
+                (DType::I64, vec![batch, limit]),
+                (DType::F32, vec![batch, 4]),
+                (DType::I64, vec![batch, 2]),
+            ]);
+        }
+        let mut made = Vec::with_capacity(shapes.len());
+        for (dtype, shape) in shapes {
+            match session.zeros(dtype, shape) {
+                Ok(t) => made.push(t),
+                Err(e) => {
+                    made.into_iter().for_each(|t| session.free_tensor(t));
+                    return Err(e);
+                }
             }
-        };
-        let position = match session.zeros(DType::I64, vec![1]) {
-            Ok(t) => t,
-            Err(e) => {
-                session.free_tensor(ids);
-                session.free_tensor(mask);
-                return Err(e);
-            }
-        };
-        Ok(StepBuffers { batch, limit, at: usize::MAX, ids, mask, position })
+        }
+        let mut it = made.into_iter();
+        let mut next = || it.next().ok_or_else(|| Error::Device("a step buffer went missing".into()));
+        let (ids, mask, position) = (next()?, next()?, next()?);
+        let sample = if sample { Some([next()?, next()?, next()?]) } else { None };
+        Ok(StepBuffers { batch, limit, at: usize::MAX, sampling: false, ids, mask, position, sample })
     }
 
     /// Sets the first step's inputs: `tokens` (one per row), the full-width `mask` with the
     /// first step's column already set, and `position`, the column the step after it takes
-    /// (the cache is then `position − 1` long).
-    pub fn start(&mut self, session: &mut Session, tokens: &[i64], mask: &[i64], position: usize) -> Result<()> {
-        if tokens.len() != self.batch || mask.len() != self.batch * self.limit {
+    /// (the cache is then `position − 1` long); `sample`: the steps sample (else they take
+    /// the argmax). Errors: sizes that do not match the buffers, or sampling without the
+    /// Sample node's buffers.
+    pub fn start(
+        &mut self,
+        session: &mut Session,
+        tokens: &[i64],
+        mask: &[i64],
+        position: usize,
+        sample: Option<SampleStart<'_>>,
+    ) -> Result<()> {
+        let (b, l) = (self.batch, self.limit);
+        let sizes_ok = sample
+            .as_ref()
+            .is_none_or(|s| s.history.len() == b * l && s.params.len() == b * 4 && s.seeds.len() == b * 2);
+        if tokens.len() != b || mask.len() != b * l || !sizes_ok {
             return Err(Error::Input(format!(
-                "{} tokens and {} mask entries for a batch of {} and {} positions",
+                "{} tokens and {} mask entries (or sampling inputs of other sizes) for a batch of {b} and {l} positions",
                 tokens.len(),
                 mask.len(),
-                self.batch,
-                self.limit
             )));
         }
         self.at = usize::MAX;
-        session.write_tensor(&self.ids, &super::i64_tensor(vec![self.batch, 1], tokens)?)?;
-        session.write_tensor(&self.mask, &super::i64_tensor(vec![self.batch, self.limit], mask)?)?;
+        session.write_tensor(&self.ids, &super::i64_tensor(vec![b, 1], tokens)?)?;
+        session.write_tensor(&self.mask, &super::i64_tensor(vec![b, l], mask)?)?;
         session.write_tensor(&self.position, &super::i64_tensor(vec![1], &[position as i64])?)?;
+        self.sampling = sample.is_some();
+        if let Some(s) = sample {
+            let Some([history, params, seeds]) = &self.sample else {
+                return Err(Error::Input("this model's decode graph has no Sample node".into()));
+            };
+            session.write_tensor(history, &super::i64_tensor(vec![b, l], s.history)?)?;
+            let bytes: Vec<u8> = s.params.iter().flat_map(|v| v.to_le_bytes()).collect();
+            session.write_tensor(params, &Tensor::new(DType::F32, vec![b, 4], bytes::Bytes::from(bytes))?)?;
+            session.write_tensor(seeds, &super::i64_tensor(vec![b, 2], s.seeds)?)?;
+        }
         self.at = position - 1;
         Ok(())
     }
 
     /// Gives the buffers back to the session.
     pub fn free(self, session: &mut Session) {
-        session.free_tensor(self.ids);
-        session.free_tensor(self.mask);
-        session.free_tensor(self.position);
+        let sample = self.sample.into_iter().flatten();
+        [self.ids, self.mask, self.position].into_iter().chain(sample).for_each(|t| session.free_tensor(t));
     }
 }

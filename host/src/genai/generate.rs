@@ -11,7 +11,8 @@
 //! shared buffer the past grows by one position per step, each step's presents (kept on the
 //! device) becoming the next step's pasts. Prompts of a batch are right-padded.
 //!
-//! Greedy decoding with a shared buffer samples on the device (`device_step`): each step feeds
+//! Decoding with a shared buffer samples on the device (`device_step`: ArgMax when greedy,
+//! else the Sample node with the same choices as the host's sampler): each step feeds
 //! and writes the same held buffers (tokens, mask, position, KV), so on a GPU it runs through
 //! one execution plan and, from its second step, as one CUDA-graph replay. On a GPU such a
 //! batch is padded to a bucket (1, 2, 4, 8, 16, 32, then multiples of 32) with one-token rows
@@ -24,7 +25,7 @@ use std::time::Instant;
 use kiln_kernel_abi::DType;
 use serde::Serialize;
 
-use super::device_step::{self, StepBuffers, StepNames as DeviceNames};
+use super::device_step::{self, SampleStart, StepBuffers, StepNames as DeviceNames};
 use super::{GenaiConfig, ModelFolder, Sampler, SamplingParams};
 use crate::ep::{DeviceTensor, Feed, Fetch, Fetched, Runtime, Session, SessionOptions};
 use crate::{Error, Result, Tensor};
@@ -336,9 +337,7 @@ impl Generator {
             fetches.push((name.as_str(), if kv.shared { Fetch::Into(t) } else { Fetch::Device }));
         }
         if let Some(d) = &self.device {
-            for n in [&d.next_ids, &d.next_mask, &d.next_position] {
-                fetches.push((n.as_str(), Fetch::Skip));
-            }
+            fetches.extend(d.outputs().into_iter().map(|n| (n, Fetch::Skip)));
         }
         let outputs = self.session.run_with(feeds, &fetches)?;
         // Held outputs by name: the logits, and (without a shared buffer) the presents.
@@ -400,19 +399,19 @@ impl Generator {
         let max_length = cfg.checked_max_length(opts.max_length)?;
         // The longest the sequences can get; a shared KV buffer is allocated at that length.
         let limit = max_length.min(s + opts.max_new_tokens.max(1));
-        let on_device = self.device.is_some()
-            && cfg.search.past_present_share_buffer
-            && opts.sampling.is_greedy()
-            && opts.sampling.repetition_penalty == 1.0;
         // On a GPU, device-sampled batches run at their bucket, graphs on or off, so that eager
         // and graph steps of one batch have the same shapes (and the same tokens).
         let on_gpu = self.session.device() != crate::ep::Device::Cpu;
+        let on_device = cfg.search.past_present_share_buffer && self.device_sampler(&opts.sampling, on_gpu).is_ok();
         if self.session.graph_mode() == crate::ep::GraphMode::On && on_gpu && !on_device {
-            return Err(Error::Input(
-                "--graph on: decode steps are captured for greedy decoding (no repetition penalty) of a folder with \
-                 past_present_share_buffer; this generation samples on the host: use --graph auto or off"
-                    .into(),
-            ));
+            let why = match self.device_sampler(&opts.sampling, on_gpu) {
+                Err(why) => why,
+                Ok(_) => "the folder has no past_present_share_buffer".into(),
+            };
+            return Err(Error::Input(format!(
+                "--graph on: decode steps are captured when they sample on the device, and this generation samples on \
+                 the host ({why}): use --graph auto or off"
+            )));
         }
         let bucket = if on_device && on_gpu { bucket(prompts.len()) } else { prompts.len() };
         let mut rows = prompts.to_vec();
@@ -439,7 +438,7 @@ impl Generator {
 
     /// Samples the first tokens from the prefill's logits, then decodes until every row stops.
     /// Rows from `real` on are padding of the batch bucket: they step, nothing of them is kept.
-    /// `on_device`: greedy steps that choose their tokens on the device.
+    /// `on_device`: steps that choose their tokens on the device (ArgMax or the Sample node).
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn decode_loop(
         &mut self,
@@ -464,7 +463,9 @@ impl Generator {
         let mut next: Vec<i64> =
             first.iter().zip(&history).enumerate().map(|(b, (row, h))| sampler.next(row, h, b, 0)).collect();
         if on_device {
-            self.start_device_steps(kv, &next)?;
+            let argmax = matches!(self.device_sampler(&opts.sampling, false), Ok(DeviceSampler::ArgMax));
+            let sample = (!argmax).then_some(&opts.sampling);
+            self.start_device_steps(kv, &next, prompts, sample)?;
         }
         let prefill = t0.elapsed();
         let prefill_tokens: usize = prompts[..real].iter().map(Vec::len).sum();
@@ -572,32 +573,94 @@ impl Generator {
         Ok((generated, stopped, timings))
     }
 
+    /// How decode steps with `params` choose their tokens on the device (`on_gpu`: within the
+    /// CUDA sampler's limits), or why they cannot.
+    fn device_sampler(&self, params: &SamplingParams, on_gpu: bool) -> std::result::Result<DeviceSampler, String> {
+        use kiln_kernel_abi::sampling::{DEVICE_MAX_CANDIDATES, DEVICE_MAX_VOCAB};
+        let Some(d) = &self.device else {
+            return Err("the registry has no device-step packages for this decoder".into());
+        };
+        if params.is_greedy() && params.repetition_penalty == 1.0 {
+            return Ok(DeviceSampler::ArgMax);
+        }
+        if d.sample.is_none() {
+            return Err("no package implements ai.kiln::Sample for these logits".into());
+        }
+        let vocab = self.folder.config.model.vocab_size;
+        let candidates = if params.top_k == 0 { vocab } else { params.top_k.min(vocab) };
+        if on_gpu && vocab > DEVICE_MAX_VOCAB {
+            return Err(format!("a vocabulary of {vocab} is above the GPU sampler's {DEVICE_MAX_VOCAB}"));
+        }
+        if on_gpu && !params.is_greedy() && candidates > DEVICE_MAX_CANDIDATES {
+            return Err(format!(
+                "top-k keeps {candidates} candidates, above the GPU sampler's {DEVICE_MAX_CANDIDATES} (set --top-k)"
+            ));
+        }
+        Ok(DeviceSampler::Sample)
+    }
+
     /// Readies device-sampled steps after a prefill: the step buffers of this shape (kept from
     /// an earlier generation, or new), with `tokens` to feed, the cache's mask with the first
-    /// step's column set, and the position after it.
-    pub fn start_device_steps(&mut self, kv: &KvCache, tokens: &[i64]) -> Result<()> {
-        if self.device.is_none() || !kv.shared {
+    /// step's column set, and the position after it. `sample`: the steps run the Sample node
+    /// with these parameters for every row, the `prompts` (the prefill's rows) and `tokens`
+    /// being each row's history; `None`: they take the argmax.
+    pub fn start_device_steps(
+        &mut self,
+        kv: &KvCache,
+        tokens: &[i64],
+        prompts: &[Vec<i64>],
+        sample: Option<&SamplingParams>,
+    ) -> Result<()> {
+        let Some(d) = &self.device else {
+            return Err(Error::Input("this model's decode steps cannot sample on the device".into()));
+        };
+        if !kv.shared {
             return Err(Error::Input("this model's decode steps cannot sample on the device".into()));
         }
         if kv.total >= kv.limit {
             return Err(Error::Input(format!("the cache is full ({} positions)", kv.limit)));
         }
-        let fits = self.step_buffers.as_ref().is_some_and(|b| b.batch == kv.batch && b.limit == kv.limit);
+        if prompts.len() != kv.batch || prompts.iter().any(|p| p.len() > kv.total) {
+            return Err(Error::Input(format!(
+                "{} prompts do not match the cache's batch of {}",
+                prompts.len(),
+                kv.batch
+            )));
+        }
+        let with_sample = d.sample.is_some();
+        let fits = self
+            .step_buffers
+            .as_ref()
+            .is_some_and(|b| b.batch == kv.batch && b.limit == kv.limit && b.sample.is_some() == with_sample);
         if !fits {
             if let Some(old) = self.step_buffers.take() {
                 old.free(&mut self.session);
             }
-            self.step_buffers = Some(StepBuffers::new(&mut self.session, kv.batch, kv.limit)?);
+            self.step_buffers = Some(StepBuffers::new(&mut self.session, kv.batch, kv.limit, with_sample)?);
         }
+        let (b_n, l) = (kv.batch, kv.limit);
         let mut mask = kv.mask.clone();
-        for b in 0..kv.batch {
-            mask[b * kv.limit + kv.total] = 1;
+        for b in 0..b_n {
+            mask[b * l + kv.total] = 1;
         }
+        let vocab = self.folder.config.model.vocab_size;
+        let inputs = sample.map(|params| {
+            let mut history = vec![0i64; b_n * l];
+            for (b, p) in prompts.iter().enumerate() {
+                history[b * l..b * l + p.len()].copy_from_slice(p);
+                history[b * l + kv.total] = tokens.get(b).copied().unwrap_or(0);
+            }
+            let r = Sampler::new(params.clone()).row_params();
+            let row = [r.temperature, r.top_k.min(vocab as u32) as f32, r.top_p, r.repetition_penalty];
+            let seeds: Vec<i64> = (0..b_n).flat_map(|_| [params.seed as i64, kv.total as i64]).collect();
+            (history, row.repeat(b_n), seeds)
+        });
+        let sample = inputs.as_ref().map(|(history, params, seeds)| SampleStart { history, params, seeds });
         let buffers = self.step_buffers.as_mut().ok_or_else(|| Error::Device("step buffers vanished".into()))?;
-        buffers.start(&mut self.session, tokens, &mask, kv.total + 1)
+        buffers.start(&mut self.session, tokens, &mask, kv.total + 1, sample)
     }
 
-    /// Enqueues one greedy decode step that chooses its tokens on the device (after
+    /// Enqueues one decode step that chooses its tokens on the device (after
     /// [`Generator::start_device_steps`]): it feeds the step buffers and the cache, and the
     /// tokens each row chose are already in place as the next step's input. Returns the pending
     /// readback of those tokens ([`crate::ep::Session::read_finish`] gives them), without
@@ -627,10 +690,23 @@ impl Generator {
         feeds.extend(names.past.iter().cloned().zip(kv.past.iter().map(Feed::Device)));
         let mut fetches: Vec<(&str, Fetch<'_>)> = vec![
             (names.logits.as_str(), Fetch::Skip),
-            (d.next_ids.as_str(), Fetch::Into(&b.ids)),
+            (d.next_ids.as_str(), if b.sampling { Fetch::Skip } else { Fetch::Into(&b.ids) }),
             (d.next_mask.as_str(), Fetch::Into(&b.mask)),
             (d.next_position.as_str(), Fetch::Into(&b.position)),
         ];
+        // The Sample node runs only when this generation samples: its ids go where ArgMax's
+        // would, and the row's history grows in place.
+        if let (Some(s), Some([history, params, seeds])) = (&d.sample, &b.sample) {
+            if b.sampling {
+                feeds.extend([
+                    (s.history.clone(), Feed::Device(history)),
+                    (s.sampling.clone(), Feed::Device(params)),
+                    (s.seeds.clone(), Feed::Device(seeds)),
+                ]);
+            }
+            fetches.push((s.sampled_ids.as_str(), if b.sampling { Fetch::Into(&b.ids) } else { Fetch::Skip }));
+            fetches.push((s.next_history.as_str(), if b.sampling { Fetch::Into(history) } else { Fetch::Skip }));
+        }
         for (name, t) in names.present.iter().zip(&kv.past) {
             fetches.push((name.as_str(), Fetch::Into(t)));
         }
@@ -649,6 +725,15 @@ impl Generator {
         let ids = &self.step_buffers.as_ref().ok_or_else(|| Error::Device("step buffers vanished".into()))?.ids;
         self.session.read_start(ids)
     }
+}
+
+/// How device-sampled decode steps choose their tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DeviceSampler {
+    /// Greedy without a repetition penalty: ArgMax.
+    ArgMax,
+    /// The Sample node (temperature, top-k, top-p, repetition penalty, per-row parameters).
+    Sample,
 }
 
 /// The batch bucket of `rows` rows under CUDA graphs: 1, 2, 4, 8, 16, 32, then multiples of 32.

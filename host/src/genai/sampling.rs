@@ -1,10 +1,13 @@
 //! Choosing the next token from logits: greedy, or sampling with temperature, top-k and top-p
 //! (nucleus), after a repetition penalty — the semantics of Hugging Face transformers'
-//! logits processors, which onnxruntime-genai follows. Each draw is Philox4x32-10 keyed by
-//! (seed, row, step) ([`kiln_kernel_abi::philox::uniform`]), so a row's tokens do not depend on
-//! the other rows of its batch, and a device sampler keyed the same way draws the same numbers.
+//! logits processors, which onnxruntime-genai follows ([`kiln_kernel_abi::sampling`], the
+//! reference the device sampler shares). Each draw is Philox4x32-10 keyed by (seed, row, step),
+//! so a row's tokens do not depend on the other rows of its batch, and the device sampler keyed
+//! the same way draws the same numbers.
 
-use kiln_kernel_abi::philox;
+use kiln_kernel_abi::sampling::{self, RowParams};
+
+pub use kiln_kernel_abi::sampling::argmax;
 
 /// How to pick tokens.
 #[derive(Clone, Debug, PartialEq)]
@@ -44,74 +47,31 @@ impl Sampler {
         Sampler { params }
     }
 
+    /// This row's parameters as the shared reference ([`kiln_kernel_abi::sampling`]) and the
+    /// device sampler take them: temperature 0 when greedy.
+    pub fn row_params(&self) -> RowParams {
+        let p = &self.params;
+        RowParams {
+            temperature: if p.is_greedy() { 0.0 } else { p.temperature },
+            top_k: u32::try_from(p.top_k).unwrap_or(u32::MAX),
+            top_p: p.top_p,
+            repetition_penalty: p.repetition_penalty,
+        }
+    }
+
     /// The next token for one sequence: `logits` over the vocabulary, `history` every token of it
     /// so far (prompt included), `row` its index in the request and `step` the number of tokens
     /// generated for it before this one (the draw's Philox counter).
     pub fn next(&self, logits: &[f32], history: &[i64], row: usize, step: usize) -> i64 {
-        let mut l = logits.to_vec();
-        let p = self.params.repetition_penalty;
-        if p != 1.0 {
-            let mut seen = history.to_vec();
-            seen.sort_unstable();
-            seen.dedup();
-            for &t in &seen {
-                if let Some(v) = usize::try_from(t).ok().and_then(|i| l.get_mut(i)) {
-                    *v = if *v > 0.0 { *v / p } else { *v * p };
-                }
-            }
-        }
-        if self.params.is_greedy() {
-            return argmax(&l) as i64;
-        }
-        let t = self.params.temperature;
-        let mut cand: Vec<(usize, f32)> = l.iter().map(|v| v / t).enumerate().collect();
-        cand.sort_by(|a, b| b.1.total_cmp(&a.1));
-        if self.params.top_k > 0 {
-            cand.truncate(self.params.top_k);
-        }
-        let max = cand.first().map_or(0.0, |c| c.1);
-        let mut probs: Vec<f64> = cand.iter().map(|c| ((c.1 - max) as f64).exp()).collect();
-        let sum: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|p| *p /= sum);
-        if self.params.top_p < 1.0 {
-            // Keep the smallest prefix whose mass reaches top_p (at least one token).
-            let mut acc = 0.0;
-            let keep = probs.iter().position(|p| {
-                acc += p;
-                acc >= self.params.top_p as f64
-            });
-            let n = keep.map_or(probs.len(), |i| i + 1);
-            probs.truncate(n);
-            cand.truncate(n);
-            let s: f64 = probs.iter().sum();
-            probs.iter_mut().for_each(|p| *p /= s);
-        }
-        let r = philox::uniform(self.params.seed, row as u32, step as u64);
-        let mut acc = 0.0;
-        for (c, p) in cand.iter().zip(&probs) {
-            acc += p;
-            if r < acc {
-                return c.0 as i64;
-            }
-        }
-        cand.last().map_or(0, |c| c.0 as i64)
+        sampling::next_token(
+            logits,
+            history.iter().copied(),
+            &self.row_params(),
+            self.params.seed,
+            row as u32,
+            step as u64,
+        ) as i64
     }
-}
-
-/// Index of the largest value (the first on ties); a NaN wins over every number (the first
-/// NaN), as numpy's `argmax` and kiln-reduce's ArgMax have it, so host and device greedy
-/// decoding pick the same token from the same logits.
-pub fn argmax(v: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, x) in v.iter().enumerate() {
-        if v[best].is_nan() {
-            break;
-        }
-        if x.is_nan() || *x > v[best] {
-            best = i;
-        }
-    }
-    best
 }
 
 #[cfg(test)]

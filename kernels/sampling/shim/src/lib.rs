@@ -1,6 +1,23 @@
 //! Shim of `kiln-sampling`: the ops a decode step runs on the device after the model, so that
 //! only token ids cross to the host (ArgMax itself is kiln-reduce's).
 //!
+//! `ai.kiln::Sample(logits, attention_mask, history, position, sampling, seeds) -> (token_ids,
+//! history_out)`:
+//! - `logits`: float32, float16 or bfloat16 `[B, S, V]` (the last position of each row is
+//!   used) or `[B, V]`.
+//! - `attention_mask`, `history`: int64 `[B, L]`; column `c` of `history` is the token at mask
+//!   column `c`, part of the row's history when `c < position` and the mask is set there.
+//! - `position`: int64 `[1]`, the column the chosen token takes.
+//! - `sampling`: float32 `[B, 4]`: temperature (≤ 0: greedy), top_k (0: all), top_p,
+//!   repetition_penalty.
+//! - `seeds`: int64 `[B, 2]`: the row's seed, and the position of its step 0 (the draw of a
+//!   row at `position` is Philox (seed, row, position − base)).
+//! - `token_ids`: int64 `[B, 1]`; `history_out`: `history` with column `position` set to the
+//!   token (bound in place, the history a decode graph keeps on the device).
+//! - The choice is kernel-abi's `sampling::next_token`, on the CPU and in the CUDA kernel
+//!   alike. The CUDA kernel keeps at most `sampling::DEVICE_MAX_CANDIDATES` candidates after
+//!   top-k and fails its node with device error 1 beyond that.
+//!
 //! `ai.kiln::AppendAttentionMask(attention_mask, position) -> (attention_mask_out,
 //! position_out)`:
 //! - `attention_mask`: int64 or int32 `[B, L]`; `position`: int64 `[1]`.
@@ -15,11 +32,18 @@ extern crate alloc;
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
+use kiln_kernel_abi::sampling::{next_token, RowParams};
 use kiln_kernel_abi::{bail, export_shim, unsupported};
 
 struct Sampling;
 
 const APPEND: &str = "AppendAttentionMask";
+const SAMPLE: &str = "Sample";
+
+/// Threads of a Sample block (one block per row), and the shared memory its kernel declares
+/// statically; the history bitmap (`ceil(V / 32)` words) must fit beside it in 48 KiB.
+const SAMPLE_THREADS: u32 = 1024;
+const SAMPLE_STATIC_SMEM: usize = 17_824;
 
 /// `(B, L)` of the mask, after checking both inputs.
 fn plan(call: &Call) -> Result<(usize, usize)> {
@@ -38,14 +62,126 @@ fn plan(call: &Call) -> Result<(usize, usize)> {
     Ok((shape[0], shape[1]))
 }
 
+/// A Sample call's sizes: batch, positions per row, vocabulary, mask length.
+struct SamplePlan {
+    b: usize,
+    s: usize,
+    v: usize,
+    l: usize,
+}
+
+fn plan_sample(call: &Call) -> Result<SamplePlan> {
+    let logits = call.input(0)?;
+    let ls = logits.shape()?;
+    element::expect_dtype("Sample: logits", logits.dtype()?, &[DType::F32, DType::F16, DType::BF16])?;
+    let (b, s, v) = match ls.as_slice() {
+        [b, v] => (*b, 1, *v),
+        [b, s, v] if *s > 0 => (*b, *s, *v),
+        _ => bail!("{SAMPLE}: logits must be [batch, vocab] or [batch, sequence, vocab] (sequence > 0), got {ls:?}"),
+    };
+    let mask = call.input(1)?.shape()?;
+    if mask.len() != 2 || mask[0] != b {
+        bail!("{SAMPLE}: attention_mask must be [{b}, length], got {mask:?}");
+    }
+    let l = mask[1];
+    let want = |i: usize, what: &str, dtype: DType, shape: &[usize]| -> Result<()> {
+        let t = call.input(i)?;
+        if t.dtype()? != dtype || t.shape()? != shape {
+            bail!("{SAMPLE}: {what} must be {dtype} {shape:?}, got {} {:?}", t.dtype()?, t.shape()?);
+        }
+        Ok(())
+    };
+    if call.input(1)?.dtype()? != DType::I64 {
+        bail!("{SAMPLE}: attention_mask must be int64, got {}", call.input(1)?.dtype()?);
+    }
+    want(2, "history", DType::I64, &[b, l])?;
+    want(3, "position", DType::I64, &[1])?;
+    want(4, "sampling", DType::F32, &[b, 4])?;
+    want(5, "seeds", DType::I64, &[b, 2])?;
+    Ok(SamplePlan { b, s, v, l })
+}
+
+/// Shared memory of one Sample block: the static part and the history bitmap.
+fn sample_smem(v: usize) -> Result<u32> {
+    let bitmap = v.div_ceil(32) * 4;
+    if SAMPLE_STATIC_SMEM + bitmap > 48 * 1024 {
+        unsupported!("{SAMPLE}: a vocabulary of {v} tokens needs {bitmap} bytes of history bitmap beside the kernel's own shared memory; the GPU sampler fits 48 KiB");
+    }
+    Ok(bitmap as u32)
+}
+
+fn sample_cpu(call: &Call) -> Result<()> {
+    let SamplePlan { b, s, v, l } = plan_sample(call)?;
+    let logits = call.input(0)?.read_vec::<f32>()?;
+    let mask = call.input(1)?.read_vec::<i64>()?;
+    let mut history = call.input(2)?.read_vec::<i64>()?;
+    let position = call.input(3)?.read_vec::<i64>()?[0];
+    let params = call.input(4)?.read_vec::<f32>()?;
+    let seeds = call.input(5)?.read_vec::<i64>()?;
+    let cols = usize::try_from(position.max(0)).unwrap_or(usize::MAX).min(l);
+    let mut ids = Vec::with_capacity(b);
+    for r in 0..b {
+        let row = &logits[(r * s + s - 1) * v..(r * s + s) * v];
+        let p = &params[r * 4..r * 4 + 4];
+        let rp = RowParams {
+            temperature: p[0],
+            top_k: if p[1] >= 1.0 { p[1] as u32 } else { 0 },
+            top_p: p[2],
+            repetition_penalty: p[3],
+        };
+        let seen = (0..cols).filter(|&c| mask[r * l + c] != 0).map(|c| history[r * l + c]);
+        let step = position.wrapping_sub(seeds[r * 2 + 1]) as u64;
+        let token = next_token(row, seen, &rp, seeds[r * 2] as u64, r as u32, step) as i64;
+        ids.push(token);
+    }
+    if let Ok(c) = usize::try_from(position) {
+        if c < l {
+            (0..b).for_each(|r| history[r * l + c] = ids[r]);
+        }
+    }
+    call.output(0)?.write_vec(&ids)?;
+    call.output(1)?.write_vec(&history)
+}
+
+fn sample_dispatch(call: &Call) -> Result<()> {
+    let SamplePlan { b, s, v, l } = plan_sample(call)?;
+    let kernel = match call.input(0)?.dtype()? {
+        DType::F16 => "kiln_sample_f16",
+        DType::BF16 => "kiln_sample_bf16",
+        _ => "kiln_sample_f32",
+    };
+    let t = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
+    let mut args: Vec<KernelArg> = (0..6).map(|i| Ok(t(call.input(i)?.handle()))).collect::<Result<_>>()?;
+    args.extend([t(call.output(0)?.handle()), t(call.output(1)?.handle())]);
+    args.extend([KernelArg::U64(s as u64), KernelArg::U64(v as u64), KernelArg::U64(l as u64), KernelArg::Status]);
+    launch(&Launch {
+        kernel,
+        grid: [b as u32, 1, 1],
+        block: [SAMPLE_THREADS, 1, 1],
+        shared_mem_bytes: sample_smem(v)?,
+        args,
+    })
+}
+
 impl Shim for Sampling {
     fn infer(call: &Call) -> Result<Vec<TensorType>> {
+        match call.op_type() {
+            APPEND => {}
+            SAMPLE => {
+                let SamplePlan { b, l, .. } = plan_sample(call)?;
+                return Ok(vec![TensorType::new(DType::I64, vec![b, 1]), TensorType::new(DType::I64, vec![b, l])]);
+            }
+            other => unsupported!("kiln-sampling does not implement {other}"),
+        }
         plan(call)?;
         let (mask, pos) = (call.input(0)?, call.input(1)?);
         Ok(vec![TensorType::new(mask.dtype()?, mask.shape()?), TensorType::new(DType::I64, pos.shape()?)])
     }
 
     fn cpu(call: &Call) -> Result<()> {
+        if call.op_type() == SAMPLE {
+            return sample_cpu(call);
+        }
         let (b_n, l) = plan(call)?;
         let mask = call.input(0)?;
         let p = call.input(1)?.read_vec::<i64>()?[0];
@@ -61,6 +197,9 @@ impl Shim for Sampling {
     }
 
     fn dispatch(call: &Call) -> Result<()> {
+        if call.op_type() == SAMPLE {
+            return sample_dispatch(call);
+        }
         let (b_n, l) = plan(call)?;
         let mask = call.input(0)?;
         let kernel = if mask.dtype()? == DType::I64 { "kiln_append_mask_i64" } else { "kiln_append_mask_i32" };
