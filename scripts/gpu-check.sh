@@ -90,7 +90,11 @@ for phase in $phases; do
     compute-sanitizer --tool memcheck --report-api-errors no "${gen[@]}" 2>&1 | tail -40 >"$out/sanitizer.log"
     compute-sanitizer --tool memcheck --print-limit 10000 "${gen[@]}" 2>&1 |
       grep -oE "Program hit [A-Z_]+ .* on CUDA API call to [A-Za-z_0-9]+" | sort | uniq -c >"$out/sanitizer-api.log"
+    # The device sampler (Sample node in the captured step) under memcheck too.
+    compute-sanitizer --tool memcheck --report-api-errors no "${gen[@]}" --temperature 0.8 --top-k 40 \
+      --top-p 0.9 --repetition-penalty 1.2 --seed 1 2>&1 | tail -40 >"$out/sanitizer-sampled.log"
     summary+=("sanitizer (memory): $(grep -E 'ERROR SUMMARY' "$out/sanitizer.log")")
+    summary+=("sanitizer (memory, sampled): $(grep -E 'ERROR SUMMARY' "$out/sanitizer-sampled.log")")
     summary+=("sanitizer (API errors by call): $(tr -s ' \n' ' ' <"$out/sanitizer-api.log")")
     ;;
   peers)

@@ -373,7 +373,8 @@ fn device_argmax_picks_the_host_argmax_tokens() {
 /// Device sampling (the Sample node inside the captured step, graphs on) gives the host
 /// sampler's tokens for the same seed from the same GPU logits: temperature with top-k, top-p
 /// and a repetition penalty, and greedy with a penalty; batch 1 and 4 (its own bucket), 96
-/// tokens, on tiny-llama fp16 and the SmolLM2-architecture fp16 folder (vocabulary 49152).
+/// tokens, on tiny-llama fp16 and the SmolLM2-architecture fp16 folder (vocabulary 49152, where
+/// greedy decoding of random weights repeats no token, so the penalty changes nothing).
 /// A second generation replays the graph at every step and draws the same tokens.
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -412,7 +413,15 @@ fn device_sampling_gives_the_host_samplers_tokens() {
                 assert_eq!(device, device_again, "the same seed twice");
                 let host = kiln_tests::host_sampled(&mut g, &p, params, 96);
                 assert_eq!(device, host, "{}: batch {rows} {params:?}: device vs host sampler", folder.display());
-                assert_ne!(device, greedy_tokens, "{params:?}: not the greedy tokens");
+                // Sampling leaves the greedy path; a penalty does wherever greedy repeats a token.
+                let repeats = p.iter().zip(&greedy_tokens).any(|(prompt, gen)| {
+                    let mut seen: Vec<i64> = prompt.iter().chain(gen).copied().collect();
+                    seen.sort_unstable();
+                    seen.windows(2).any(|w| w[0] == w[1])
+                });
+                if params.do_sample || repeats {
+                    assert_ne!(device, greedy_tokens, "{params:?}: not the greedy tokens");
+                }
             }
         }
     }
