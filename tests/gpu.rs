@@ -445,7 +445,7 @@ fn new_buffers_re_capture_by_graph_update() {
     let hold = g.session.zeros(kv_dtype, vec![2, d.num_key_value_heads, p[1].len() + 40, d.head_size]).unwrap();
     let before = g.session.report.graphs.clone();
     let second = greedy(&mut g, &p, 40);
-    g.session.free_tensor(hold);
+    drop(hold);
     let after = &g.session.report.graphs;
     for (a, b) in first.rows.iter().zip(&second.rows) {
         assert_eq!(a.generated_ids, b.generated_ids);
@@ -967,7 +967,8 @@ fn a_soak_of_10k_decode_tokens_keeps_device_memory_and_rss_flat() {
         let out = greedy(&mut g, &prompts(shapes[i % 4], vocab), 512);
         tokens += out.timings.decode_tokens;
         if let Some(h) = hold {
-            g.session.free_tensor(h);
+            drop(h);
+            g.session.reclaim();
         }
         let (alloc, _) = g.session.gpu_stats().unwrap();
         let (free, _) = kiln_host::cuda::memory_info().unwrap();

@@ -388,7 +388,8 @@ fn an_op_no_package_provides_names_node_op_and_candidates() {
 }
 
 /// I/O binding on the CPU: an output kept as a held tensor, fed back as an input without a
-/// copy, written into in place; bad shapes and another session's handles are errors.
+/// copy, written into in place; bad shapes and another session's handles are errors; a
+/// dropped handle's buffer goes back to its session.
 #[test]
 fn held_tensors_feed_fetch_and_refuse_misuse() {
     use kiln_host::ep::{Feed, Fetch, Fetched};
@@ -413,8 +414,14 @@ fn held_tensors_feed_fetch_and_refuse_misuse() {
     let wrong = other.zeros(DType::F32, vec![3]).unwrap();
     let too_small = s.run_with(vec![("x".into(), Feed::Device(&y))], &[("y", Fetch::Into(&wrong))]);
     assert!(too_small.is_err(), "a bound tensor of another session");
-    s.free_tensor(y);
-    other.free_tensor(wrong);
+    // Dropped handles give their buffers back to their own session.
+    assert_eq!((s.held_tensors(), other.held_tensors()), (1, 1));
+    drop((y, wrong));
+    s.reclaim();
+    assert_eq!((s.held_tensors(), other.held_tensors()), (0, 1), "only s reclaimed so far");
+    let z = other.zeros(DType::F32, vec![2]).unwrap();
+    assert_eq!(other.held_tensors(), 1, "an allocation reclaims first: only the new tensor is held");
+    assert_eq!(other.tensor_type(&z).unwrap(), (DType::F32, vec![2]));
 }
 
 /// `Fetch::Skip`: a skipped output is not returned, the node that only it needs does not run,

@@ -204,9 +204,7 @@ fn run_held(session: &mut Session, feeds: Vec<(String, Tensor)>, runs: u32) -> R
             }
         }
     }
-    for (_, d) in held.into_iter().chain(outs) {
-        session.free_tensor(d);
-    }
+    drop((held, outs));
     result.map(|_| (host, last))
 }
 

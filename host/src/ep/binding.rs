@@ -2,7 +2,7 @@
 //! fed without a copy and written in place, as onnxruntime's `IOBinding` does.
 //!
 //! A [`DeviceTensor`] is a handle; the session owns the buffer (device memory on a GPU, host
-//! bytes on the CPU). Feeding it ([`Feed::Device`]) gives the graph its buffer as-is;
+//! bytes on the CPU) until the handle is dropped. Feeding it ([`Feed::Device`]) gives the graph its buffer as-is;
 //! [`Fetch::Into`] makes the node that produces an output write straight into it (when the
 //! output fits), and [`Fetch::Device`] keeps an output on the device as a new handle.
 //!
@@ -12,6 +12,7 @@
 //! run after the producer.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use kiln_kernel_abi::DType;
 
@@ -19,12 +20,37 @@ use super::session::{Session, Value};
 use crate::tensor::byte_size;
 use crate::{Error, Result, Tensor};
 
-/// A tensor held by one session between runs. Not `Clone`: the handle is the ownership;
-/// give it back with [`Session::free_tensor`] (or drop the session).
-#[derive(Debug, PartialEq, Eq)]
+/// A tensor held by one session between runs. Not `Clone`: the handle is the ownership.
+/// Dropping it gives the buffer back to the session's pool (stream-ordered, so work already
+/// enqueued that reads it finishes first): at the session's next run or allocation, or at once
+/// with [`Session::reclaim`].
+#[derive(Debug)]
 pub struct DeviceTensor {
     pub(super) session: u64,
     pub(super) id: u64,
+    /// The session's queue of dropped handles.
+    pub(super) dropped: Dropped,
+}
+
+/// The ids of a session's dropped [`DeviceTensor`]s, not given back yet.
+pub(super) type Dropped = Arc<Mutex<Vec<u64>>>;
+
+impl PartialEq for DeviceTensor {
+    fn eq(&self, other: &Self) -> bool {
+        (self.session, self.id) == (other.session, other.id)
+    }
+}
+
+impl Eq for DeviceTensor {}
+
+impl Drop for DeviceTensor {
+    fn drop(&mut self) {
+        // A poisoned queue (a panic while it was locked) only loses this buffer until the
+        // session is dropped.
+        if let Ok(mut q) = self.dropped.lock() {
+            q.push(self.id);
+        }
+    }
 }
 
 /// A graph input of a run.
@@ -128,12 +154,32 @@ impl Session {
         let id = self.next_held;
         self.next_held += 1;
         self.held.insert(id, Held { value, capacity });
-        DeviceTensor { session: self.number, id }
+        DeviceTensor { session: self.number, id, dropped: self.dropped.clone() }
+    }
+
+    /// Gives the buffers of dropped [`DeviceTensor`]s back to the pool now (runs and
+    /// allocations do it first anyway).
+    pub fn reclaim(&mut self) {
+        let ids: Vec<u64> = match self.dropped.lock() {
+            Ok(mut q) => std::mem::take(&mut *q),
+            Err(_) => return,
+        };
+        for id in ids {
+            if let Some(h) = self.held.remove(&id) {
+                self.release(h.value);
+            }
+        }
+    }
+
+    /// How many tensors the session holds (dropped ones not reclaimed yet included).
+    pub fn held_tensors(&self) -> usize {
+        self.held.len()
     }
 
     /// A new held tensor of zeros, `dtype` and `shape`. Errors: unsupported dtype, size overflow,
     /// device memory limit.
     pub fn zeros(&mut self, dtype: DType, shape: Vec<usize>) -> Result<DeviceTensor> {
+        self.reclaim();
         let nbytes = byte_size(dtype, &shape)?;
         if nbytes > self.max_tensor_bytes {
             return Err(Error::Input(format!(
@@ -260,16 +306,6 @@ impl Session {
             }
         }
         Ok(())
-    }
-
-    /// Gives a held tensor's memory back (to the device pool on a GPU). A handle of another
-    /// session is ignored.
-    pub fn free_tensor(&mut self, t: DeviceTensor) {
-        if t.session == self.number {
-            if let Some(h) = self.held.remove(&t.id) {
-                self.release(h.value);
-            }
-        }
     }
 
     /// The value a fed held tensor gives the graph.

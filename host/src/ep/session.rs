@@ -268,6 +268,8 @@ pub struct Session {
     pub(super) number: u64,
     /// Tensors held between runs, by id.
     pub(super) held: HashMap<u64, Held>,
+    /// Handles of held tensors dropped since the last [`Session::reclaim`].
+    pub(super) dropped: super::binding::Dropped,
     pub(super) next_held: u64,
     /// During a run: graph outputs bound to held tensors (value → held id).
     bound: HashMap<ValueId, u64>,
@@ -404,6 +406,7 @@ impl Session {
             last_use,
             number: super::binding::session_number(),
             held: HashMap::new(),
+            dropped: Default::default(),
             next_held: 1,
             bound: HashMap::new(),
             memo,
@@ -542,6 +545,7 @@ impl Session {
         feeds: Vec<(String, Feed<'_>)>,
         fetches: &[(&str, Fetch<'_>)],
     ) -> Result<Vec<(String, Fetched)>> {
+        self.reclaim();
         let start = Instant::now();
         let g = &self.model.graph;
         let mut fetch_of: HashMap<ValueId, &Fetch<'_>> = HashMap::new();
@@ -637,11 +641,9 @@ impl Session {
             self.release(v);
         }
         if let Some(e) = failed {
-            for (_, f) in outs {
-                if let Fetched::Device(t) = f {
-                    self.free_tensor(t);
-                }
-            }
+            // Outputs already held go back with their handles.
+            drop(outs);
+            self.reclaim();
             return Err(e);
         }
         self.report.runs += 1;

@@ -216,16 +216,7 @@ impl StepBuffers {
                 (DType::I64, vec![batch, 2]),
             ]);
         }
-        let mut made = Vec::with_capacity(shapes.len());
-        for (dtype, shape) in shapes {
-            match session.zeros(dtype, shape) {
-                Ok(t) => made.push(t),
-                Err(e) => {
-                    made.into_iter().for_each(|t| session.free_tensor(t));
-                    return Err(e);
-                }
-            }
-        }
+        let made = shapes.into_iter().map(|(dtype, shape)| session.zeros(dtype, shape)).collect::<Result<Vec<_>>>()?;
         let mut it = made.into_iter();
         let mut next = || it.next().ok_or_else(|| Error::Device("a step buffer went missing".into()));
         let (ids, mask, position) = (next()?, next()?, next()?);
@@ -273,11 +264,5 @@ impl StepBuffers {
         }
         self.at = position - 1;
         Ok(())
-    }
-
-    /// Gives the buffers back to the session.
-    pub fn free(self, session: &mut Session) {
-        let sample = self.sample.into_iter().flatten();
-        [self.ids, self.mask, self.position].into_iter().chain(sample).for_each(|t| session.free_tensor(t));
     }
 }

@@ -143,8 +143,8 @@ impl StepNames {
 }
 
 /// The state of one batch between steps: the held past tensors, the attention mask and the
-/// positions used so far (padding included). Give it back with [`Generator::free`]; dropped
-/// without that, its device memory stays with the session until the session is dropped.
+/// positions used so far (padding included). Give it back with [`Generator::free`] to keep a
+/// shared cache for the next generation of its shape; dropped, its buffers go back to the pool.
 pub struct KvCache {
     /// `past_key_values.N.key` then `.value`, for every layer.
     past: Vec<DeviceTensor>,
@@ -189,29 +189,22 @@ impl Generator {
         &self.folder.config
     }
 
-    /// Gives a cache's device memory back. A shared cache is kept for the next prefill of
-    /// the same shape (the one kept before it is freed).
+    /// Gives a cache back: a shared cache is kept for the next prefill of the same shape (the
+    /// one kept before it goes back to the pool); any other cache goes back to the pool, as a
+    /// dropped one does.
     pub fn free(&mut self, kv: KvCache) {
         let shape = kv.past.first().and_then(|t| self.session.tensor_type(t).ok()).map(|t| t.1);
-        match shape {
-            Some(shape) if kv.shared => {
-                if let Some((_, old)) = self.spare_kv.replace((shape, kv.past)) {
-                    old.into_iter().for_each(|t| self.session.free_tensor(t));
-                }
-            }
-            _ => kv.past.into_iter().for_each(|t| self.session.free_tensor(t)),
+        if let (Some(shape), true) = (shape, kv.shared) {
+            self.spare_kv = Some((shape, kv.past));
         }
     }
 
-    /// Frees what the generator keeps between generations (a spare KV cache, the device-step
-    /// buffers). The next generation allocates them anew, at new addresses.
+    /// Gives back what the generator keeps between generations (a spare KV cache, the
+    /// device-step buffers). The next generation allocates them anew, at new addresses.
     pub fn release_buffers(&mut self) {
-        if let Some((_, kv)) = self.spare_kv.take() {
-            kv.into_iter().for_each(|t| self.session.free_tensor(t));
-        }
-        if let Some(b) = self.step_buffers.take() {
-            b.free(&mut self.session);
-        }
+        self.spare_kv = None;
+        self.step_buffers = None;
+        self.session.reclaim();
     }
 
     /// Runs the prompts (token ids, right-padded into one batch) with an empty cache of at
@@ -248,17 +241,11 @@ impl Generator {
             // Stale rows past each row's length are never read: GroupQueryAttention reads
             // positions below seqlens_k only, and the prompt overwrites the rest.
             Some((s, kv)) if s == shape => past = kv,
-            Some((_, kv)) => kv.into_iter().for_each(|t| self.session.free_tensor(t)),
-            None => {}
+            // Another shape: dropped, back to the pool before the new one is allocated.
+            Some(_) | None => {}
         }
         while past.len() < self.names.past.len() {
-            match self.session.zeros(self.folder.kv_dtype, shape.clone()) {
-                Ok(t) => past.push(t),
-                Err(e) => {
-                    past.into_iter().for_each(|t| self.session.free_tensor(t));
-                    return Err(e);
-                }
-            }
+            past.push(self.session.zeros(self.folder.kv_dtype, shape.clone())?);
         }
         let mut kv = KvCache { past, batch, shared, limit, total: s, mask };
         let rows: Vec<usize> = lens.iter().enumerate().map(|(b, &l)| b * s + l - 1).collect();
@@ -348,7 +335,7 @@ impl Generator {
             match names.present.iter().position(|p| *p == name) {
                 _ if name == names.logits => logits = Some(t),
                 Some(slot) => presents[slot] = Some(t),
-                None => self.session.free_tensor(t),
+                None => drop(t),
             }
         }
         let missing = match (&logits, kv.shared) {
@@ -358,14 +345,12 @@ impl Generator {
         };
         if let Some(name) = missing {
             let e = Error::Model(format!("the decoder did not produce {name:?}"));
-            presents.into_iter().flatten().chain(logits).for_each(|t| self.session.free_tensor(t));
             return Err(e);
         }
         // Without a shared buffer the presents become the pasts; the old pasts go back.
         for (slot, t) in presents.into_iter().enumerate() {
             if let Some(t) = t {
-                let old = std::mem::replace(&mut kv.past[slot], t);
-                self.session.free_tensor(old);
+                kv.past[slot] = t;
             }
         }
         let Some(logits) = logits else { return Err(Error::Model("the decoder produced no logits".into())) };
@@ -378,7 +363,6 @@ impl Generator {
             }),
             _ => rows.iter().map(|&r| self.session.read_slice(&logits, r * vocab, vocab)?.to_f32()).collect(),
         };
-        self.session.free_tensor(logits);
         out
     }
 
@@ -633,9 +617,7 @@ impl Generator {
             .as_ref()
             .is_some_and(|b| b.batch == kv.batch && b.limit == kv.limit && b.sample.is_some() == with_sample);
         if !fits {
-            if let Some(old) = self.step_buffers.take() {
-                old.free(&mut self.session);
-            }
+            self.step_buffers = None;
             self.step_buffers = Some(StepBuffers::new(&mut self.session, kv.batch, kv.limit, with_sample)?);
         }
         let (b_n, l) = (kv.batch, kv.limit);
