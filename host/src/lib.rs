@@ -20,6 +20,7 @@ pub mod model;
 pub mod native_cache;
 pub mod packages;
 pub mod sandbox;
+pub mod serve;
 pub mod tensor;
 pub mod tensorio;
 pub mod trace;

@@ -1,4 +1,4 @@
-//! The `kiln` command line: `run`, `generate`, `chat`, `inspect`, `kernels`, `conformance`, `verify`,
+//! The `kiln` command line: `run`, `generate`, `chat`, `serve`, `inspect`, `kernels`, `conformance`, `verify`,
 //! `bench`, `devices`, `package`, `publish`, `yank`, `search`.
 
 mod bench;
@@ -15,6 +15,7 @@ pub mod progress;
 mod registry;
 mod run;
 mod scaffold;
+mod serve;
 mod verify;
 pub mod verify_fusion;
 
@@ -57,6 +58,9 @@ pub enum Command {
     /// of input) ends, Ctrl-C stops the answer being generated; a line starting with `//` is
     /// sent with one `/` removed.
     Chat(chat::ChatArgs),
+    /// Serve an LLM folder over HTTP with the OpenAI API: /v1/completions and
+    /// /v1/chat/completions (streaming), /v1/models, /health, /metrics.
+    Serve(serve::ServeArgs),
     /// Show a model: inputs and outputs, opsets, ops with the package that runs each here,
     /// every op no package runs with its reason, and the fusions that apply.
     Inspect(inspect::InspectArgs),
@@ -495,6 +499,7 @@ pub fn main() -> ExitCode {
         Command::Conformance(a) => conformance::run(a),
         Command::Generate(a) => generate::run(a),
         Command::Chat(a) => chat::run(a),
+        Command::Serve(a) => serve::run(a),
         Command::Devices { json } => devices(json),
         Command::Verify(a) => verify::run(a),
         Command::Inspect(a) => inspect::run(a),
