@@ -97,7 +97,7 @@ fn serve_one(
             stop.store(true, Ordering::SeqCst);
         }
     };
-    let result = g.generate(&[ask.prompt_ids.clone()], &opts, &mut |_, id| {
+    let result = g.generate(std::slice::from_ref(&ask.prompt_ids), &opts, &mut |_, id| {
         if hit || gone {
             return;
         }
