@@ -386,12 +386,13 @@ impl Generator {
         // On a GPU, device-sampled batches run at their bucket, graphs on or off, so that eager
         // and graph steps of one batch have the same shapes (and the same tokens).
         let on_gpu = self.session.device() != crate::ep::Device::Cpu;
-        let on_device = cfg.search.past_present_share_buffer && self.device_sampler(&opts.sampling, on_gpu).is_ok();
+        let device = match self.device_sampler(&opts.sampling, on_gpu) {
+            Ok(_) if !cfg.search.past_present_share_buffer => Err("the folder has no past_present_share_buffer".into()),
+            d => d,
+        };
+        let on_device = device.is_ok();
         if self.session.graph_mode() == crate::ep::GraphMode::On && on_gpu && !on_device {
-            let why = match self.device_sampler(&opts.sampling, on_gpu) {
-                Err(why) => why,
-                Ok(_) => "the folder has no past_present_share_buffer".into(),
-            };
+            let why = device.err().unwrap_or_default();
             return Err(Error::Input(format!(
                 "--graph on: decode steps are captured when they sample on the device, and this generation samples on \
                  the host ({why}): use --graph auto or off"
@@ -401,7 +402,8 @@ impl Generator {
         let mut rows = prompts.to_vec();
         rows.resize(bucket, vec![cfg.model.pad_token_id.unwrap_or(0)]);
         let (mut kv, first) = self.prefill(&rows, limit)?;
-        let result = self.decode_loop(&mut kv, &rows, prompts.len(), first, opts, on_device, max_length, t0, on_token);
+        let result =
+            self.decode_loop(&mut kv, &rows, prompts.len(), first, opts, device.ok(), max_length, t0, on_token);
         self.free(kv);
         let (generated, stopped, mut timings) = result?;
         timings.prefill_tokens = prompts.iter().map(Vec::len).sum();
@@ -422,7 +424,7 @@ impl Generator {
 
     /// Samples the first tokens from the prefill's logits, then decodes until every row stops.
     /// Rows from `real` on are padding of the batch bucket: they step, nothing of them is kept.
-    /// `on_device`: steps that choose their tokens on the device (ArgMax or the Sample node).
+    /// `device`: how steps choose their tokens on the device (`None`: on the host).
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn decode_loop(
         &mut self,
@@ -431,7 +433,7 @@ impl Generator {
         real: usize,
         first: Vec<Vec<f32>>,
         opts: &GenerateOptions,
-        on_device: bool,
+        device: Option<DeviceSampler>,
         max_length: usize,
         t0: Instant,
         on_token: &mut dyn FnMut(usize, i64),
@@ -446,9 +448,9 @@ impl Generator {
             (0..batch).map(|b| (b >= real).then_some(StopReason::MaxLength)).collect();
         let mut next: Vec<i64> =
             first.iter().zip(&history).enumerate().map(|(b, (row, h))| sampler.next(row, h, b, 0)).collect();
-        if on_device {
-            let argmax = matches!(self.device_sampler(&opts.sampling, false), Ok(DeviceSampler::ArgMax));
-            let sample = (!argmax).then_some(&opts.sampling);
+        let on_device = device.is_some();
+        if let Some(d) = device {
+            let sample = (d == DeviceSampler::Sample).then_some(&opts.sampling);
             self.start_device_steps(kv, &next, prompts, sample)?;
         }
         let prefill = t0.elapsed();

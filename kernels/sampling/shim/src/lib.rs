@@ -32,7 +32,7 @@ extern crate alloc;
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
-use kiln_kernel_abi::sampling::{next_token, RowParams};
+use kiln_kernel_abi::sampling::{next_token, RowParams, DEVICE_MAX_VOCAB};
 use kiln_kernel_abi::{bail, export_shim, unsupported};
 
 struct Sampling;
@@ -40,10 +40,8 @@ struct Sampling;
 const APPEND: &str = "AppendAttentionMask";
 const SAMPLE: &str = "Sample";
 
-/// Threads of a Sample block (one block per row), and the shared memory its kernel declares
-/// statically; the history bitmap (`ceil(V / 32)` words) must fit beside it in 48 KiB.
+/// Threads of a Sample block (one block per row).
 const SAMPLE_THREADS: u32 = 1024;
-const SAMPLE_STATIC_SMEM: usize = 17_824;
 
 /// `(B, L)` of the mask, after checking both inputs.
 fn plan(call: &Call) -> Result<(usize, usize)> {
@@ -104,7 +102,7 @@ fn plan_sample(call: &Call) -> Result<SamplePlan> {
 /// Shared memory of one Sample block: the static part and the history bitmap.
 fn sample_smem(v: usize) -> Result<u32> {
     let bitmap = v.div_ceil(32) * 4;
-    if SAMPLE_STATIC_SMEM + bitmap > 48 * 1024 {
+    if v > DEVICE_MAX_VOCAB {
         unsupported!("{SAMPLE}: a vocabulary of {v} tokens needs {bitmap} bytes of history bitmap beside the kernel's own shared memory; the GPU sampler fits 48 KiB");
     }
     Ok(bitmap as u32)
