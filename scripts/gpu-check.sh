@@ -9,6 +9,8 @@
 #              kiln bench decode (graphs on, batch 1 and 8) fused, with --pdl off, and --no-fuse
 #   fusion     kiln bench decode with --no-fuse (graphs on, batch 1 and 8) and kiln verify of the
 #              fusing package on the GPU (each declared fusion fused against the unfused ops)
+#   serve      the load benchmark of kiln serve (bench/serve_load.py: 1, 8, 32, 64 streaming
+#              clients, --batch 64, graphs on) beside kiln bench decode --batch 64 in the same run
 #   sanitize   compute-sanitizer memcheck over a graph decode
 #   peers      PyTorch eager, CUDA graph and torch.compile on the same architecture
 #   profile    ncu: GPU time of every kernel of one eager decode step (batch 1 and 8, cache of 384
@@ -80,6 +82,14 @@ for phase in $phases; do
     "$KILN" verify kiln-unary --device cuda --seeds 1 2>&1 | tail -12 | tee -a "$out/fusion.log"
     summary+=("unfused: $(grep -hE '^\| [0-9]' "$out/fusion.log" | tr '\n' ' ')")
     summary+=("$(grep -E '^verify kiln-unary' "$out/fusion.log")")
+    ;;
+  serve)
+    "$KILN" bench decode "$m" --batch 64 --graph on --runs 3 --prompt-len 128 --new-tokens 256 --max-length 512 \
+      --json "$work/decode-b64.json" 2>&1 | tee "$out/serve.log"
+    python3 bench/serve_load.py --kiln "$KILN" --model "$m" --batch 64 --max-length 512 --max-tokens 256 \
+      --extra "--graph on" --json "$work/serve-load.json" 2>&1 | tail -12 | tee -a "$out/serve.log"
+    tar -C "$work" -cf "$out/serve-json.tar" decode-b64.json serve-load.json
+    summary+=("serve: $(grep -hE '^\| [0-9]' "$out/serve.log" | tr '\n' ' ')")
     ;;
   sanitize)
     # Memory errors, with API errors left out: loading a kernel probes cuFuncGetParamInfo one

@@ -313,3 +313,66 @@ fn streamed_pieces_join_to_the_whole_decoding() {
         }
     }
 }
+
+/// Continuous batching: sequences join a running batch of 3 slots at different steps (one waits
+/// for a slot to free), with greedy, sampled and penalized parameters side by side, and the
+/// mask's shared column wraps (a 32-position cache over more than 32 steps). Each sequence gets
+/// exactly the tokens it gets alone, its draws keyed by its slot; a prompt too long for the
+/// cache is refused and the batch goes on.
+#[test]
+fn sequences_joining_a_running_batch_get_their_own_tokens() {
+    use kiln_tests::Arrival;
+    let mut g = generator("tiny-llama-v512-fp32-cpu");
+    let sampled =
+        SamplingParams { do_sample: true, temperature: 0.9, top_k: 40, top_p: 0.9, repetition_penalty: 1.3, seed: 7 };
+    let whole = SamplingParams { top_k: 0, top_p: 1.0, repetition_penalty: 1.0, temperature: 1.5, ..sampled.clone() };
+    let penalized = SamplingParams { repetition_penalty: 1.5, ..SamplingParams::default() };
+    let arrivals = vec![
+        Arrival {
+            at: 0,
+            prompt: g.folder.encode("Once upon a time").unwrap(),
+            sampling: SamplingParams::default(),
+            max_new_tokens: 12,
+        },
+        Arrival {
+            at: 3,
+            prompt: g.folder.encode("The capital of France is").unwrap(),
+            sampling: sampled,
+            max_new_tokens: 18,
+        },
+        Arrival { at: 5, prompt: g.folder.encode("Hello").unwrap(), sampling: penalized, max_new_tokens: 9 },
+        Arrival { at: 6, prompt: g.folder.encode("a b c").unwrap(), sampling: whole, max_new_tokens: 20 },
+        Arrival {
+            at: 6,
+            prompt: g.folder.encode("Tom and Lily").unwrap(),
+            sampling: SamplingParams::default(),
+            max_new_tokens: 1,
+        },
+    ];
+    let (mut batch, out) = kiln_tests::run_continuous_batch(&mut g, 3, 32, &arrivals);
+    assert_eq!(out[3].0, 0, "the fourth sequence waits for the first one's slot");
+    for (a, (slot, tokens)) in arrivals.iter().zip(&out) {
+        let alone = kiln_tests::host_sampled_rows(
+            &mut g,
+            std::slice::from_ref(&a.prompt),
+            &[*slot],
+            &a.sampling,
+            a.max_new_tokens,
+        );
+        assert_eq!(tokens, &alone[0], "{:?} in slot {slot}", a.sampling);
+    }
+    assert!(batch.stats().compactions > 0, "the shared column wrapped: {:?}", batch.stats());
+    let long = vec![1i64; 32];
+    let params = SamplingParams::default();
+    let join = kiln_host::genai::Join { prompt: &long, sampling: &params, max_new_tokens: 4, ignore_eos: true };
+    let err = batch.join(&mut g, join).unwrap_err();
+    assert!(err.to_string().contains("32 tokens"), "{err}");
+    let prompt = g.folder.encode("Once upon a time").unwrap();
+    let join = kiln_host::genai::Join { prompt: &prompt, sampling: &params, max_new_tokens: 4, ignore_eos: true };
+    let first = batch.join(&mut g, join).unwrap();
+    let mut tokens = vec![first.token];
+    while tokens.len() < 4 {
+        tokens.extend(batch.step(&mut g).unwrap().iter().map(|e| e.token));
+    }
+    assert_eq!(tokens, out[0].1[..4], "the batch serves after a refusal");
+}

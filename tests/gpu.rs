@@ -1000,3 +1000,59 @@ fn a_soak_of_10k_decode_tokens_keeps_device_memory_and_rss_flat() {
     let st = &g.session.report.graphs;
     assert!(st.recaptures > 0 && st.fallbacks.is_empty(), "{st:?}");
 }
+
+/// Continuous batching on graphs: 10 sequences (greedy, sampled, penalized) join a running
+/// batch of 4 slots at different steps and wait for freed slots, over a 160-position cache
+/// whose shared mask column wraps. Graph steps give exactly the eager steps' tokens; every
+/// step after the first replays the graph (host rewrites of the step buffers between steps
+/// included), with no fallback. Each sequence's first token is its solo prefill's; the rest
+/// are compared with its solo decode (batch 1 against the batch's bucket of 4: printed, as
+/// GEMMs of other row counts may round differently).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn continuous_batch_steps_replay_the_graph_and_give_the_eager_tokens() {
+    use kiln_host::ep::GraphMode;
+    use kiln_host::genai::SamplingParams;
+    use kiln_tests::Arrival;
+    let sampled =
+        SamplingParams { do_sample: true, temperature: 0.8, top_k: 50, top_p: 0.9, repetition_penalty: 1.2, seed: 11 };
+    let penalized = SamplingParams { repetition_penalty: 1.3, ..SamplingParams::default() };
+    for folder in [kiln_tests::fixture("llm/tiny-llama-v512-fp16-cuda"), device_models().join("smollm2-arch-fp16-cuda")]
+    {
+        let mut eager = gpu_generator(&folder, GraphMode::Off);
+        let mut graph = gpu_generator(&folder, GraphMode::On);
+        let vocab = eager.folder.config.model.vocab_size;
+        let p = prompts(10, vocab);
+        let params = [SamplingParams::default(), sampled.clone(), penalized.clone()];
+        let arrivals: Vec<Arrival> = (0..10)
+            .map(|i| Arrival {
+                at: i * 9,
+                prompt: p[i][..3 + 4 * (i % 5)].to_vec(),
+                sampling: params[i % 3].clone(),
+                max_new_tokens: 60 + 13 * i,
+            })
+            .collect();
+        let (_, want) = kiln_tests::run_continuous_batch(&mut eager, 4, 160, &arrivals);
+        let before = graph.session.report.graphs.clone();
+        let (batch, got) = kiln_tests::run_continuous_batch(&mut graph, 4, 160, &arrivals);
+        let after = &graph.session.report.graphs;
+        let stats = batch.stats();
+        assert_eq!(got, want, "{}: graph vs eager continuous batch", folder.display());
+        assert!(stats.compactions > 0 && stats.joins == 10, "{stats:?}");
+        assert_eq!(after.fallbacks, before.fallbacks, "no fallback: {after:?}");
+        assert!(after.replays - before.replays >= stats.steps - 1, "a replay per step: {stats:?} {after:?}");
+        let mut agree = Vec::new();
+        for (a, (slot, tokens)) in arrivals.iter().zip(&got) {
+            let alone = kiln_tests::host_sampled_rows(
+                &mut eager,
+                std::slice::from_ref(&a.prompt),
+                &[*slot],
+                &a.sampling,
+                tokens.len(),
+            );
+            assert_eq!(tokens[0], alone[0][0], "the first token comes from the same batch-1 prefill");
+            agree.push(tokens.iter().zip(&alone[0]).take_while(|(x, y)| x == y).count() * 100 / tokens.len());
+        }
+        println!("{}: {stats:?}; % of each sequence equal to its solo decode: {agree:?}", folder.display());
+    }
+}

@@ -262,13 +262,27 @@ pub fn host_sampled(
     params: &kiln_host::genai::SamplingParams,
     new: usize,
 ) -> Vec<Vec<i64>> {
+    let rows: Vec<usize> = (0..prompts.len()).collect();
+    host_sampled_rows(g, prompts, &rows, params, new)
+}
+
+/// As [`host_sampled`], with prompt `b`'s draws keyed as row `rows[b]` of a batch (the slot a
+/// continuous batch gave it).
+pub fn host_sampled_rows(
+    g: &mut kiln_host::genai::Generator,
+    prompts: &[Vec<i64>],
+    rows: &[usize],
+    params: &kiln_host::genai::SamplingParams,
+    new: usize,
+) -> Vec<Vec<i64>> {
     let sampler = kiln_host::genai::Sampler::new(params.clone());
     let longest = prompts.iter().map(Vec::len).max().unwrap();
     let (mut kv, mut logits) = g.prefill(prompts, longest + new).unwrap();
     let mut history = prompts.to_vec();
     let mut out = vec![Vec::new(); prompts.len()];
     for step in 0..new {
-        let next: Vec<i64> = logits.iter().enumerate().map(|(b, l)| sampler.next(l, &history[b], b, step)).collect();
+        let next: Vec<i64> =
+            logits.iter().enumerate().map(|(b, l)| sampler.next(l, &history[b], rows[b], step)).collect();
         for (b, t) in next.iter().enumerate() {
             history[b].push(*t);
             out[b].push(*t);
@@ -279,4 +293,54 @@ pub fn host_sampled(
     }
     g.free(kv);
     out
+}
+
+/// One request of [`run_continuous_batch`]: it joins at step `at` (or, all slots taken, at the
+/// first step after a slot frees).
+pub struct Arrival {
+    pub at: usize,
+    pub prompt: Vec<i64>,
+    pub sampling: kiln_host::genai::SamplingParams,
+    pub max_new_tokens: usize,
+}
+
+/// Runs `arrivals` through a continuous batch of `rows` slots (sequences of at most
+/// `max_length` positions, end-of-sequence ignored); returns each request's slot and tokens.
+pub fn run_continuous_batch(
+    g: &mut kiln_host::genai::Generator,
+    rows: usize,
+    max_length: usize,
+    arrivals: &[Arrival],
+) -> (kiln_host::genai::ContinuousBatch, Vec<(usize, Vec<i64>)>) {
+    use kiln_host::genai::{ContinuousBatch, Join};
+    let mut batch = ContinuousBatch::new(g, rows, Some(max_length)).unwrap();
+    let mut out: Vec<(usize, Vec<i64>)> = vec![(usize::MAX, Vec::new()); arrivals.len()];
+    let mut owner: Vec<Option<usize>> = vec![None; batch.capacity()];
+    let (mut next, mut done, mut step) = (0, 0, 0);
+    while done < arrivals.len() {
+        while next < arrivals.len() && arrivals[next].at <= step && owner.iter().any(Option::is_none) {
+            let a = &arrivals[next];
+            let join =
+                Join { prompt: &a.prompt, sampling: &a.sampling, max_new_tokens: a.max_new_tokens, ignore_eos: true };
+            let e = batch.join(g, join).unwrap();
+            out[next] = (e.slot, vec![e.token]);
+            if e.finished.is_some() {
+                done += 1;
+            } else {
+                owner[e.slot] = Some(next);
+            }
+            next += 1;
+        }
+        for e in batch.step(g).unwrap() {
+            let r = owner[e.slot].expect("a token for a free slot");
+            out[r].1.push(e.token);
+            if e.finished.is_some() {
+                owner[e.slot] = None;
+                done += 1;
+            }
+        }
+        step += 1;
+        assert!(step < 10_000, "the batch does not finish");
+    }
+    (batch, out)
 }

@@ -26,7 +26,16 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on /v1/* (also `KILN_API_KEY`).
     #[arg(long)]
     pub api_key: Option<String>,
-    /// Requests that may wait beside the one being generated; more get 429.
+    /// Requests decoded together: the continuous batch's slots (on a GPU, rounded up to its
+    /// graph bucket: 1, 2, 4, 8, 16, 32, then multiples of 32). Each slot holds a KV cache of
+    /// --max-length positions.
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// Longest a request may take from its arrival, in seconds; past it, it fails with a
+    /// message saying so.
+    #[arg(long, default_value_t = 600.0)]
+    pub request_timeout: f64,
+    /// Requests that may wait for a slot; more get 429.
     #[arg(long, default_value_t = 64)]
     pub queue: usize,
     /// Largest request body in bytes; larger ones get 413.
@@ -49,6 +58,15 @@ pub struct ServeArgs {
 pub fn run(a: ServeArgs) -> Result<ExitCode> {
     if a.queue == 0 {
         return Err(Error::Input("--queue must be at least 1".into()));
+    }
+    if a.batch == 0 {
+        return Err(Error::Input("--batch must be at least 1".into()));
+    }
+    if !(a.request_timeout > 0.0 && a.request_timeout.is_finite()) {
+        return Err(Error::Input(format!(
+            "--request-timeout must be a positive number of seconds, not {}",
+            a.request_timeout
+        )));
     }
     if a.default_max_tokens == 0 {
         return Err(Error::Input("--default-max-tokens must be at least 1".into()));
@@ -76,6 +94,8 @@ pub fn run(a: ServeArgs) -> Result<ExitCode> {
         max_body_bytes: a.max_body_bytes,
         model_id,
         limits,
+        batch: a.batch,
+        timeout: std::time::Duration::from_secs_f64(a.request_timeout),
     };
     let loading = super::progress::Progress::spinner("loading the model");
     serve(

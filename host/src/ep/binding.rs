@@ -308,6 +308,59 @@ impl Session {
         Ok(())
     }
 
+    /// Copies elements `src_start .. src_start + len` of held tensor `src` to elements
+    /// `dst_start ..` of held tensor `dst` (both flattened row-major; stream-ordered on a GPU,
+    /// like a run). A continuous batch copies a prefilled sequence's KV row into its slot this
+    /// way. Errors: different dtypes, the same tensor, or a range outside either tensor.
+    pub fn copy_elements(
+        &mut self,
+        src: &DeviceTensor,
+        src_start: usize,
+        dst: &DeviceTensor,
+        dst_start: usize,
+        len: usize,
+    ) -> Result<()> {
+        if src == dst {
+            return Err(Error::Input("copy_elements within one tensor".into()));
+        }
+        let (s, d) = (self.held(src)?.value.clone_ref(), self.held(dst)?.value.clone_ref());
+        let dtype = s.dtype();
+        if d.dtype() != dtype {
+            return Err(Error::Input(format!("copy_elements from a {dtype} tensor into a {} tensor", d.dtype())));
+        }
+        let size = dtype.size().ok_or_else(|| Error::Unsupported(format!("{dtype} tensors")))?;
+        for (v, start) in [(&s, src_start), (&d, dst_start)] {
+            let numel = v.shape().iter().product::<usize>();
+            if start.checked_add(len).is_none_or(|end| end > numel) {
+                return Err(Error::Input(format!(
+                    "elements {start}..{} of a tensor of {numel}",
+                    start.saturating_add(len)
+                )));
+            }
+        }
+        let (from, to, n) = (src_start * size, dst_start * size, len * size);
+        match (&s, &d) {
+            (Value::Device { ptr: sp, .. }, Value::Device { ptr: dp, .. }) => {
+                let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
+                gpu.copy(dp + to as u64, sp + from as u64, n as u64)
+            }
+            _ => {
+                let from_bytes = self.host_tensor(&s)?.data.slice(from..from + n);
+                drop(s);
+                let Some(Held { value: Value::Host(t), .. }) = self.held.get_mut(&dst.id) else {
+                    return Err(Error::Device("copy_elements between a host and a device tensor".into()));
+                };
+                drop(d);
+                // In place when the bytes are not shared with another value (a KV cache's are not).
+                let data = std::mem::take(&mut t.data);
+                let mut bytes = data.try_into_mut().unwrap_or_else(|shared| bytes::BytesMut::from(&shared[..]));
+                bytes[to..to + n].copy_from_slice(&from_bytes);
+                t.data = bytes.freeze();
+                Ok(())
+            }
+        }
+    }
+
     /// The value a fed held tensor gives the graph.
     pub(super) fn fed_value(&self, t: &DeviceTensor) -> Result<Value> {
         Ok(self.held(t)?.value.clone_ref())

@@ -147,17 +147,17 @@ impl StepNames {
 /// shared cache for the next generation of its shape; dropped, its buffers go back to the pool.
 pub struct KvCache {
     /// `past_key_values.N.key` then `.value`, for every layer.
-    past: Vec<DeviceTensor>,
-    batch: usize,
+    pub(super) past: Vec<DeviceTensor>,
+    pub(super) batch: usize,
     /// One shared buffer of `limit` positions, updated in place.
-    shared: bool,
+    pub(super) shared: bool,
     /// Most positions (prompt, padding and generated).
-    limit: usize,
+    pub(super) limit: usize,
     /// Positions used so far.
-    total: usize,
+    pub(super) total: usize,
     /// `[batch, total]`; `[batch, limit]` with zeros past `total` once a shared cache is past
     /// its prefill.
-    mask: Vec<i64>,
+    pub(super) mask: Vec<i64>,
 }
 
 impl KvCache {
@@ -205,6 +205,22 @@ impl Generator {
         self.spare_kv = None;
         self.step_buffers = None;
         self.session.reclaim();
+    }
+
+    /// Whether the decode graph has the Sample node (else device steps take the argmax).
+    pub(super) fn has_device_sample(&self) -> bool {
+        self.device.as_ref().is_some_and(|d| d.sample.is_some())
+    }
+
+    /// A new shared KV cache of `batch` rows and `limit` positions, zeros, with nothing in it
+    /// (a continuous batch fills its rows one sequence at a time). Errors: device memory.
+    pub(super) fn empty_kv(&mut self, batch: usize, limit: usize) -> Result<KvCache> {
+        let d = &self.folder.config.model.decoder;
+        let shape = vec![batch, d.num_key_value_heads, limit, d.head_size];
+        let past = (0..self.names.past.len())
+            .map(|_| self.session.zeros(self.folder.kv_dtype, shape.clone()))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(KvCache { past, batch, shared: true, limit, total: 0, mask: vec![0; batch * limit] })
     }
 
     /// Runs the prompts (token ids, right-padded into one batch) with an empty cache of at
@@ -561,7 +577,11 @@ impl Generator {
 
     /// How decode steps with `params` choose their tokens on the device (`on_gpu`: within the
     /// CUDA sampler's limits), or why they cannot.
-    fn device_sampler(&self, params: &SamplingParams, on_gpu: bool) -> std::result::Result<DeviceSampler, String> {
+    pub(super) fn device_sampler(
+        &self,
+        params: &SamplingParams,
+        on_gpu: bool,
+    ) -> std::result::Result<DeviceSampler, String> {
         use kiln_kernel_abi::sampling::{DEVICE_MAX_CANDIDATES, DEVICE_MAX_VOCAB};
         let Some(d) = &self.device else {
             return Err("the registry has no device-step packages for this decoder".into());
@@ -597,10 +617,7 @@ impl Generator {
         prompts: &[Vec<i64>],
         sample: Option<&SamplingParams>,
     ) -> Result<()> {
-        let Some(d) = &self.device else {
-            return Err(Error::Input("this model's decode steps cannot sample on the device".into()));
-        };
-        if !kv.shared {
+        if self.device.is_none() || !kv.shared {
             return Err(Error::Input("this model's decode steps cannot sample on the device".into()));
         }
         if kv.total >= kv.limit {
@@ -612,15 +629,6 @@ impl Generator {
                 prompts.len(),
                 kv.batch
             )));
-        }
-        let with_sample = d.sample.is_some();
-        let fits = self
-            .step_buffers
-            .as_ref()
-            .is_some_and(|b| b.batch == kv.batch && b.limit == kv.limit && b.sample.is_some() == with_sample);
-        if !fits {
-            self.step_buffers = None;
-            self.step_buffers = Some(StepBuffers::new(&mut self.session, kv.batch, kv.limit, with_sample)?);
         }
         let (b_n, l) = (kv.batch, kv.limit);
         let mut mask = kv.mask.clone();
@@ -634,14 +642,39 @@ impl Generator {
                 history[b * l..b * l + p.len()].copy_from_slice(p);
                 history[b * l + kv.total] = tokens.get(b).copied().unwrap_or(0);
             }
-            let r = Sampler::new(params.clone()).row_params();
-            let row = [r.temperature, r.top_k.min(vocab as u32) as f32, r.top_p, r.repetition_penalty];
+            let row = Sampler::new(params.clone()).device_row(vocab);
             let seeds: Vec<i64> = (0..b_n).flat_map(|_| [params.seed as i64, kv.total as i64]).collect();
             (history, row.repeat(b_n), seeds)
         });
         let sample = inputs.as_ref().map(|(history, params, seeds)| SampleStart { history, params, seeds });
+        self.load_device_steps(kv, tokens, &mask, sample)
+    }
+
+    /// Sets the device-step buffers for `kv` (kept ones when they fit its batch and length, else
+    /// new ones): the tokens to feed, the full `[batch, limit]` mask, and the Sample node's
+    /// inputs (`None`: ArgMax). The next step's token takes mask column `kv.len() + 1`.
+    /// Errors: no device-step nodes, or sizes that do not match the cache.
+    pub(super) fn load_device_steps(
+        &mut self,
+        kv: &KvCache,
+        tokens: &[i64],
+        mask: &[i64],
+        sample: Option<SampleStart<'_>>,
+    ) -> Result<()> {
+        let Some(d) = &self.device else {
+            return Err(Error::Input("this model's decode steps cannot sample on the device".into()));
+        };
+        let with_sample = d.sample.is_some();
+        let fits = self
+            .step_buffers
+            .as_ref()
+            .is_some_and(|b| b.batch == kv.batch && b.limit == kv.limit && b.sample.is_some() == with_sample);
+        if !fits {
+            self.step_buffers = None;
+            self.step_buffers = Some(StepBuffers::new(&mut self.session, kv.batch, kv.limit, with_sample)?);
+        }
         let buffers = self.step_buffers.as_mut().ok_or_else(|| Error::Device("step buffers vanished".into()))?;
-        buffers.start(&mut self.session, tokens, &mask, kv.total + 1, sample)
+        buffers.start(&mut self.session, tokens, mask, kv.total + 1, sample)
     }
 
     /// Enqueues one decode step that chooses its tokens on the device (after
@@ -713,7 +746,7 @@ impl Generator {
 
 /// How device-sampled decode steps choose their tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum DeviceSampler {
+pub(super) enum DeviceSampler {
     /// Greedy without a repetition penalty: ArgMax.
     ArgMax,
     /// The Sample node (temperature, top-k, top-p, repetition penalty, per-row parameters).

@@ -3,6 +3,7 @@
 //! prompts. Prefill runs the prompt, then one token per step with the KV cache; greedy or
 //! sampled; batches of prompts are right-padded as onnxruntime-genai pads them.
 
+mod batch;
 pub mod config;
 pub(crate) mod device_step;
 mod folder;
@@ -10,6 +11,7 @@ mod generate;
 pub mod sampling;
 mod stream;
 
+pub use batch::{BatchStats, ContinuousBatch, Emitted, Join};
 pub use config::GenaiConfig;
 pub use device_step::KILN_DOMAIN;
 pub use folder::{ChatMessage, ModelFolder};

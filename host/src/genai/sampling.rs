@@ -59,6 +59,13 @@ impl Sampler {
         }
     }
 
+    /// This row's parameters as the device Sample node reads them (float32 `[4]`): temperature
+    /// (0: greedy), top_k (at most `vocab`; 0: all), top_p, repetition_penalty.
+    pub fn device_row(&self, vocab: usize) -> [f32; 4] {
+        let r = self.row_params();
+        [r.temperature, r.top_k.min(u32::try_from(vocab).unwrap_or(u32::MAX)) as f32, r.top_p, r.repetition_penalty]
+    }
+
     /// The next token for one sequence: `logits` over the vocabulary, `history` every token of it
     /// so far (prompt included), `row` its index in the request and `step` the number of tokens
     /// generated for it before this one (the draw's Philox counter).

@@ -71,6 +71,10 @@ pub struct Request {
     pub stop: Option<Stop>,
     #[serde(default)]
     pub stream: bool,
+    /// Not OpenAI's; vLLM's server takes it: keep generating past the end-of-sequence token
+    /// (load benchmarks ask for exactly `max_tokens`).
+    #[serde(default)]
+    pub ignore_eos: bool,
     #[serde(flatten)]
     pub rest: serde_json::Map<String, Value>,
 }
@@ -102,6 +106,7 @@ pub struct Ask {
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
     pub stream: bool,
+    pub ignore_eos: bool,
 }
 
 /// The limits a request is checked against.
@@ -231,6 +236,6 @@ impl Request {
             repetition_penalty,
             seed: self.seed.unwrap_or_else(rand::random),
         };
-        Ok(Ask { prompt_ids, max_tokens, sampling, stop, stream: self.stream })
+        Ok(Ask { prompt_ids, max_tokens, sampling, stop, stream: self.stream, ignore_eos: self.ignore_eos })
     }
 }

@@ -8,9 +8,10 @@
 //!   Bodies over `--max-body-bytes` get 413, malformed JSON 400, a prompt plus `max_tokens` over
 //!   the context 400 with both numbers, OpenAI parameters kiln does not implement (`n > 1`,
 //!   `logprobs`, …) 400 naming them; every error is OpenAI's error object.
-//! - One worker thread owns the generator ([`worker`]) and serves one request at a time; a
-//!   client that disconnects stops its generation at the next token. Requests do not share a
-//!   decode batch yet (continuous batching is not built).
+//! - One worker thread owns the generator ([`worker`]) and decodes the running requests as one
+//!   continuous batch of `--batch` slots: a request joins between decode steps and leaves when it
+//!   ends, when its client disconnects (its slot is free at the next step) or when it runs past
+//!   `--request-timeout`. Requests wait in the queue while every slot is taken.
 //! - `--api-key` requires `Authorization: Bearer KEY` on `/v1/*`. SIGTERM or Ctrl-C stops
 //!   accepting, lets the running request finish and exits; a device error fails its request,
 //!   turns `/health` to 503 and makes the server exit non-zero, for a supervisor to restart it.
@@ -19,6 +20,7 @@
 //! stack, so kiln's own code is only the API's semantics.
 
 pub mod api;
+mod stop;
 pub mod worker;
 
 use std::net::SocketAddr;
@@ -38,7 +40,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tokio_stream::StreamExt;
 
 use self::api::{ApiError, Limits, Request};
-use self::worker::{Event, Job, Stats};
+use self::worker::{Event, Job, Stats, WorkerOptions};
 use crate::genai::Generator;
 use crate::{Error, Result};
 
@@ -55,6 +57,10 @@ pub struct ServeOptions {
     /// The model's id in `/v1/models` and responses.
     pub model_id: String,
     pub limits: Limits,
+    /// Sequences decoded together (the continuous batch's slots).
+    pub batch: usize,
+    /// Longest a request may take from its arrival.
+    pub timeout: std::time::Duration,
 }
 
 /// What every handler shares.
@@ -84,7 +90,8 @@ pub fn serve(
     let fatal = Arc::new(tokio::sync::Notify::new());
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<()>>();
     let worker = {
-        let (stats, fatal, limits) = (stats.clone(), fatal.clone(), opts.limits);
+        let (stats, fatal) = (stats.clone(), fatal.clone());
+        let worker_opts = WorkerOptions { limits: opts.limits, batch: opts.batch, timeout: opts.timeout };
         std::thread::Builder::new()
             .name("kiln-serve-worker".into())
             .spawn(move || {
@@ -98,7 +105,7 @@ pub fn serve(
                         return;
                     }
                 };
-                worker::run(generator, queue, limits, stats, || fatal.notify_one());
+                worker::run(generator, queue, worker_opts, stats, || fatal.notify_one());
             })
             .map_err(|e| Error::Device(format!("starting the worker thread: {e}")))?
     };
@@ -222,7 +229,7 @@ async fn generate(s: Arc<Shared>, headers: HeaderMap, body: Bytes, chat: bool) -
     }
     let (events, mut rx) = unbounded_channel();
     s.stats.queued.fetch_add(1, Ordering::Relaxed);
-    if let Err(e) = s.jobs.try_send(Job { request, chat, events }) {
+    if let Err(e) = s.jobs.try_send(Job { request, chat, events, arrived: std::time::Instant::now() }) {
         s.stats.queued.fetch_sub(1, Ordering::Relaxed);
         let (status, message) = match e {
             TrySendError::Full(_) => (429, "the queue is full: retry later"),
@@ -361,6 +368,15 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
         ("kiln_requests_completed_total", "counter", "Requests answered in full.", load(&st.completed)),
         ("kiln_requests_failed_total", "counter", "Requests whose generation failed.", load(&st.failed)),
         ("kiln_requests_disconnected_total", "counter", "Requests whose client went away.", load(&st.disconnected)),
+        ("kiln_requests_timed_out_total", "counter", "Requests past --request-timeout.", load(&st.timed_out)),
+        ("kiln_batch_slots", "gauge", "Sequences one decode step carries.", load(&st.batch_slots)),
+        ("kiln_batch_steps_total", "counter", "Decode steps of the continuous batch.", load(&st.batch_steps)),
+        (
+            "kiln_batch_tokens_total",
+            "counter",
+            "Tokens the batch's decode steps gave requests.",
+            load(&st.batch_tokens),
+        ),
         ("kiln_prompt_tokens_total", "counter", "Prompt tokens processed.", load(&st.prompt_tokens)),
         ("kiln_generation_tokens_total", "counter", "Tokens generated.", load(&st.completion_tokens)),
     ];

@@ -1,22 +1,28 @@
 //! The generation worker of `kiln serve`: one thread owns the `Generator` (its session, device
-//! buffers and graphs) and serves queued requests one at a time, streaming each one's text
-//! back as it is decoded.
+//! buffers and graphs) and serves the queued requests in one continuous batch
+//! ([`crate::genai::ContinuousBatch`]): a request joins a free slot between decode steps, and
+//! leaves it when it ends, when its client goes away or when it runs past its timeout. Each
+//! request's text streams back as it is decoded. A folder that cannot batch (no shared KV
+//! buffer or no device-step packages) is served one request at a time.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::Receiver;
+use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::api::{ApiError, Ask, Limits, Request};
-use crate::genai::{GenerateOptions, Generator, StopReason, TextStream};
+use super::stop::StopMatcher;
+use crate::genai::{ContinuousBatch, Emitted, GenerateOptions, Generator, Join, StopReason, TextStream};
 use crate::Error;
 
-/// One queued request: its body, which endpoint, and where its events go.
+/// One queued request: its body, which endpoint, where its events go, and when it arrived.
 pub struct Job {
     pub request: Request,
     pub chat: bool,
     pub events: UnboundedSender<Event>,
+    pub arrived: Instant,
 }
 
 /// What a request hears from the worker, in order: `Rejected`, or `Started` then `Text`s then
@@ -42,169 +48,352 @@ pub struct Stats {
     pub completed: AtomicU64,
     pub failed: AtomicU64,
     pub disconnected: AtomicU64,
+    pub timed_out: AtomicU64,
+    /// Decode steps of the continuous batch, the tokens they gave requests, and its slots.
+    pub batch_steps: AtomicU64,
+    pub batch_tokens: AtomicU64,
+    /// Wall time of the decode steps (enqueue to tokens back), and of the joins' prefills, in µs.
+    pub batch_step_us: AtomicU64,
+    pub join_us: AtomicU64,
+    pub batch_slots: AtomicU64,
+}
+
+/// How the worker serves.
+pub struct WorkerOptions {
+    pub limits: Limits,
+    /// Sequences decoded together (the continuous batch's slots; on a GPU, its bucket).
+    pub batch: usize,
+    /// Longest a request may take from its arrival; past it, it fails with a clear message.
+    pub timeout: Duration,
 }
 
 /// Serves `jobs` until the queue closes or a device error ends it (then `fatal` is called).
-pub fn run(mut generator: Generator, jobs: Receiver<Job>, limits: Limits, stats: Arc<Stats>, fatal: impl Fn()) {
-    // The generator's interrupt flag: set when a client goes away or a stop string is seen.
-    let stop: &'static AtomicBool = Box::leak(Box::new(AtomicBool::new(false)));
-    for job in jobs {
-        stats.queued.fetch_sub(1, Ordering::Relaxed);
-        let folder = &generator.folder;
-        let checked = job.request.check(job.chat, &limits, |t| folder.encode(t), |m| folder.render_chat(m));
-        let ask = match checked {
-            Ok(ask) => ask,
-            Err(e) => {
-                let _ = job.events.send(Event::Rejected(e));
-                continue;
-            }
-        };
-        stats.running.fetch_add(1, Ordering::Relaxed);
-        let device_error = serve_one(&mut generator, ask, &job.events, &limits, &stats, stop);
-        stats.running.fetch_sub(1, Ordering::Relaxed);
-        if device_error {
-            stats.unhealthy.store(true, Ordering::SeqCst);
-            fatal();
-            return;
+pub fn run(mut g: Generator, jobs: Receiver<Job>, opts: WorkerOptions, stats: Arc<Stats>, fatal: impl Fn()) {
+    let device_error = match ContinuousBatch::new(&mut g, opts.batch, Some(opts.limits.max_length)) {
+        Ok(batch) => {
+            stats.batch_slots.store(batch.capacity() as u64, Ordering::Relaxed);
+            Batched { g, batch, live: Vec::new(), opts: &opts, stats: &stats }.run(&jobs)
+        }
+        Err(e) => {
+            tracing::warn!("serving one request at a time: {e}");
+            stats.batch_slots.store(1, Ordering::Relaxed);
+            one_at_a_time(g, &jobs, &opts, &stats)
+        }
+    };
+    if device_error {
+        stats.unhealthy.store(true, Ordering::SeqCst);
+        // Whatever still waits hears why.
+        while let Ok(job) = jobs.try_recv() {
+            stats.queued.fetch_sub(1, Ordering::Relaxed);
+            let _ = job.events.send(Event::Failed("the device failed; the server is stopping".into()));
+        }
+        fatal();
+    }
+}
+
+/// A taken job checked: its work, or its rejection already sent.
+fn accept(g: &Generator, job: Job, opts: &WorkerOptions, stats: &Stats) -> Option<(Ask, Live)> {
+    stats.queued.fetch_sub(1, Ordering::Relaxed);
+    if job.arrived.elapsed() > opts.timeout {
+        stats.timed_out.fetch_add(1, Ordering::Relaxed);
+        let e = ApiError { status: 503, message: timed_out(opts.timeout, "in the queue"), param: None };
+        let _ = job.events.send(Event::Rejected(e));
+        return None;
+    }
+    let folder = &g.folder;
+    let checked = job.request.check(job.chat, &opts.limits, |t| folder.encode(t), |m| folder.render_chat(m));
+    match checked {
+        Ok(ask) => {
+            let _ = job.events.send(Event::Started { stream: ask.stream });
+            let live = Live {
+                events: job.events,
+                text: TextStream::new(folder.tokenizer.clone()),
+                matcher: StopMatcher::new(ask.stop.clone()),
+                ids: Vec::new(),
+                prompt_tokens: ask.prompt_ids.len(),
+                deadline: job.arrived + opts.timeout,
+            };
+            Some((ask, live))
+        }
+        Err(e) => {
+            let _ = job.events.send(Event::Rejected(e));
+            None
         }
     }
 }
 
-/// Generates one request's answer; returns whether it failed with a device error.
-fn serve_one(
-    g: &mut Generator,
-    ask: Ask,
-    events: &UnboundedSender<Event>,
-    limits: &Limits,
-    stats: &Stats,
-    stop: &'static AtomicBool,
-) -> bool {
-    stop.store(false, Ordering::SeqCst);
-    let _ = events.send(Event::Started { stream: ask.stream });
-    let opts = GenerateOptions {
-        max_new_tokens: ask.max_tokens,
-        max_length: Some(limits.max_length),
-        sampling: ask.sampling.clone(),
-        ignore_eos: false,
-        stop: Some(stop),
-    };
-    let mut text = TextStream::new(g.folder.tokenizer.clone());
-    let mut matcher = StopMatcher::new(ask.stop.clone());
-    let (mut hit, mut gone) = (false, false);
-    let send = |s: String, gone: &mut bool| {
-        if !s.is_empty() && events.send(Event::Text(s)).is_err() {
-            *gone = true;
-            stop.store(true, Ordering::SeqCst);
-        }
-    };
-    let result = g.generate(std::slice::from_ref(&ask.prompt_ids), &opts, &mut |_, id| {
-        if hit || gone {
-            return;
-        }
-        if let Some(piece) = text.push(id) {
-            let (out, found) = matcher.push(&piece);
-            send(out, &mut gone);
-            if found {
-                hit = true;
-                stop.store(true, Ordering::SeqCst);
+fn timed_out(timeout: Duration, where_: &str) -> String {
+    format!("the request ran past the server's --request-timeout of {} s {where_}", timeout.as_secs_f64())
+}
+
+/// The continuous-batch loop's state.
+struct Batched<'a> {
+    g: Generator,
+    batch: ContinuousBatch,
+    /// The request in each slot.
+    live: Vec<Option<Live>>,
+    opts: &'a WorkerOptions,
+    stats: &'a Stats,
+}
+
+impl Batched<'_> {
+    /// Serves until the queue closes and the batch is empty; returns whether a device error
+    /// ended it (every running request then failed).
+    fn run(mut self, jobs: &Receiver<Job>) -> bool {
+        self.live = (0..self.batch.capacity()).map(|_| None).collect();
+        let mut closed = false;
+        loop {
+            // Admit waiting requests into free slots; block only when nothing runs.
+            while !closed && self.batch.active() < self.batch.capacity() {
+                let job = if self.batch.active() == 0 {
+                    match jobs.recv() {
+                        Ok(j) => j,
+                        Err(_) => return false,
+                    }
+                } else {
+                    match jobs.try_recv() {
+                        Ok(j) => j,
+                        Err(TryRecvError::Empty) => break,
+                        Err(TryRecvError::Disconnected) => {
+                            closed = true;
+                            break;
+                        }
+                    }
+                };
+                if self.admit(job) {
+                    return true;
+                }
+            }
+            if self.batch.active() == 0 {
+                if closed {
+                    return false;
+                }
+                continue;
+            }
+            self.drop_abandoned();
+            let t0 = Instant::now();
+            let stepped = self.batch.step(&mut self.g);
+            self.stats.batch_step_us.fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+            match stepped {
+                Ok(tokens) => {
+                    self.stats.batch_steps.fetch_add(1, Ordering::Relaxed);
+                    self.stats.batch_tokens.fetch_add(tokens.len() as u64, Ordering::Relaxed);
+                    tokens.into_iter().for_each(|e| self.deliver(e));
+                }
+                Err(e) => {
+                    let device = matches!(e, Error::Device(_));
+                    // A failed step fails the requests it carried; the batch starts over.
+                    for slot in 0..self.live.len() {
+                        if let Some(l) = self.live[slot].take() {
+                            self.batch.leave(slot);
+                            self.stats.failed.fetch_add(1, Ordering::Relaxed);
+                            self.stats.running.fetch_sub(1, Ordering::Relaxed);
+                            let _ = l.events.send(Event::Failed(e.to_string()));
+                        }
+                    }
+                    if device {
+                        return true;
+                    }
+                }
             }
         }
-    });
-    let row = match result {
-        Ok(mut r) => r.rows.remove(0),
-        Err(e) => {
-            stats.failed.fetch_add(1, Ordering::Relaxed);
-            let device = matches!(e, Error::Device(_));
-            let _ = events.send(Event::Failed(e.to_string()));
-            return device;
+    }
+
+    /// Checks `job` and joins it to the batch; returns whether a device error happened.
+    fn admit(&mut self, job: Job) -> bool {
+        let Some((ask, live)) = accept(&self.g, job, self.opts, self.stats) else { return false };
+        let join = Join {
+            prompt: &ask.prompt_ids,
+            sampling: &ask.sampling,
+            max_new_tokens: ask.max_tokens,
+            ignore_eos: ask.ignore_eos,
+        };
+        let t0 = Instant::now();
+        let joined = self.batch.join(&mut self.g, join);
+        self.stats.join_us.fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+        match joined {
+            Ok(first) => {
+                self.stats.running.fetch_add(1, Ordering::Relaxed);
+                self.live[first.slot] = Some(live);
+                self.deliver(first);
+                false
+            }
+            Err(e) => {
+                self.stats.failed.fetch_add(1, Ordering::Relaxed);
+                let _ = live.events.send(Event::Failed(e.to_string()));
+                matches!(e, Error::Device(_))
+            }
         }
-    };
-    if !hit && !gone {
-        // The text the stream held back (an unfinished character or word at the end).
-        let whole = g.folder.decode(&row.generated_ids).unwrap_or_default();
-        let (out, found) = matcher.push(text.rest(&whole));
-        hit = found;
-        send(out, &mut gone);
+    }
+
+    /// Frees the slots of requests whose client went away or whose time ran out.
+    fn drop_abandoned(&mut self) {
+        let now = Instant::now();
+        for slot in 0..self.live.len() {
+            let Some(l) = &self.live[slot] else { continue };
+            let (gone, late) = (l.events.is_closed(), now > l.deadline);
+            if !(gone || late) {
+                continue;
+            }
+            if let Some(l) = self.live[slot].take() {
+                self.batch.leave(slot);
+                self.stats.running.fetch_sub(1, Ordering::Relaxed);
+                if gone {
+                    self.stats.disconnected.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    self.stats.timed_out.fetch_add(1, Ordering::Relaxed);
+                    let _ = l.events.send(Event::Failed(timed_out(self.opts.timeout, "")));
+                }
+            }
+        }
+    }
+
+    /// Hands a token to its request; ends the request when its sequence or text is over.
+    fn deliver(&mut self, e: Emitted) {
+        let Some(live) = self.live.get_mut(e.slot).and_then(Option::as_mut) else { return };
+        match (live.push(e.token), e.finished) {
+            (Pushed::Going, None) => return,
+            (Pushed::Going, Some(why)) => live.finish(&self.g, why, self.stats),
+            (Pushed::StopString, _) => live.finish(&self.g, StopReason::Interrupted, self.stats),
+            (Pushed::Gone, _) => {
+                self.stats.disconnected.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if e.finished.is_none() {
+            self.batch.leave(e.slot);
+        }
+        self.live[e.slot] = None;
+        self.stats.running.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// One running request's stream: its text so far, stop strings and counts.
+struct Live {
+    events: UnboundedSender<Event>,
+    text: TextStream,
+    matcher: StopMatcher,
+    ids: Vec<i64>,
+    prompt_tokens: usize,
+    deadline: Instant,
+}
+
+/// What one token did to a request.
+enum Pushed {
+    Going,
+    /// A stop string ended the text.
+    StopString,
+    /// The client went away.
+    Gone,
+}
+
+impl Live {
+    fn push(&mut self, id: i64) -> Pushed {
+        self.ids.push(id);
+        let Some(piece) = self.text.push(id) else { return Pushed::Going };
+        let (out, found) = self.matcher.push(&piece);
+        if !self.send(out) {
+            return Pushed::Gone;
+        }
+        if found {
+            Pushed::StopString
+        } else {
+            Pushed::Going
+        }
+    }
+
+    /// Sends text (nothing when empty); false when the client is gone.
+    fn send(&self, text: String) -> bool {
+        text.is_empty() || self.events.send(Event::Text(text)).is_ok()
+    }
+
+    /// Ends the request: the text held back, then `Done`. `Interrupted`: a stop string was found.
+    fn finish(&mut self, g: &Generator, why: StopReason, stats: &Stats) {
+        let mut hit = why == StopReason::Interrupted;
         if !hit {
-            send(matcher.finish(), &mut gone);
+            // The text the stream held back (an unfinished character or word at the end).
+            let whole = g.folder.decode(&self.ids).unwrap_or_default();
+            let (out, found) = self.matcher.push(self.text.rest(&whole));
+            hit = found;
+            let rest = if hit { String::new() } else { self.matcher.finish() };
+            if !self.send(out + &rest) {
+                stats.disconnected.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+        }
+        stats.prompt_tokens.fetch_add(self.prompt_tokens as u64, Ordering::Relaxed);
+        stats.completion_tokens.fetch_add(self.ids.len() as u64, Ordering::Relaxed);
+        stats.completed.fetch_add(1, Ordering::Relaxed);
+        let finish_reason = if hit || why == StopReason::Eos { "stop" } else { "length" };
+        let _ = self.events.send(Event::Done {
+            finish_reason,
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.ids.len(),
+        });
+    }
+}
+
+/// Serves one request at a time through [`Generator::generate`]; returns whether a device
+/// error ended it.
+fn one_at_a_time(mut g: Generator, jobs: &Receiver<Job>, opts: &WorkerOptions, stats: &Stats) -> bool {
+    // The generator's interrupt flag: set when a client goes away, a stop string is seen or the
+    // time runs out.
+    let stop: &'static AtomicBool = Box::leak(Box::new(AtomicBool::new(false)));
+    for job in jobs {
+        let Some((ask, mut live)) = accept(&g, job, opts, stats) else { continue };
+        stats.running.fetch_add(1, Ordering::Relaxed);
+        stop.store(false, Ordering::SeqCst);
+        let gen_opts = GenerateOptions {
+            max_new_tokens: ask.max_tokens,
+            max_length: Some(opts.limits.max_length),
+            sampling: ask.sampling.clone(),
+            ignore_eos: ask.ignore_eos,
+            stop: Some(stop),
+        };
+        let mut ended = None;
+        let result = g.generate(std::slice::from_ref(&ask.prompt_ids), &gen_opts, &mut |_, id| {
+            if ended.is_some() {
+                return;
+            }
+            ended = match live.push(id) {
+                Pushed::Going if Instant::now() > live.deadline => Some(Ended::Late),
+                Pushed::Going => None,
+                Pushed::StopString => Some(Ended::StopString),
+                Pushed::Gone => Some(Ended::Gone),
+            };
+            if ended.is_some() {
+                stop.store(true, Ordering::SeqCst);
+            }
+        });
+        stats.running.fetch_sub(1, Ordering::Relaxed);
+        match (result, ended) {
+            (Err(e), _) => {
+                stats.failed.fetch_add(1, Ordering::Relaxed);
+                let device = matches!(e, Error::Device(_));
+                let _ = live.events.send(Event::Failed(e.to_string()));
+                if device {
+                    return true;
+                }
+            }
+            (Ok(_), Some(Ended::Gone)) => {
+                stats.disconnected.fetch_add(1, Ordering::Relaxed);
+            }
+            (Ok(_), Some(Ended::Late)) => {
+                stats.timed_out.fetch_add(1, Ordering::Relaxed);
+                let _ = live.events.send(Event::Failed(timed_out(opts.timeout, "")));
+            }
+            (Ok(_), Some(Ended::StopString)) => live.finish(&g, StopReason::Interrupted, stats),
+            (Ok(mut r), None) => {
+                let why = r.rows.pop().map_or(StopReason::MaxLength, |row| row.stopped_by);
+                live.finish(&g, why, stats);
+            }
         }
     }
-    stats.prompt_tokens.fetch_add(ask.prompt_ids.len() as u64, Ordering::Relaxed);
-    stats.completion_tokens.fetch_add(row.generated_ids.len() as u64, Ordering::Relaxed);
-    if gone {
-        stats.disconnected.fetch_add(1, Ordering::Relaxed);
-        return false;
-    }
-    let finish_reason = match (hit, row.stopped_by) {
-        (true, _) | (_, StopReason::Eos) => "stop",
-        _ => "length",
-    };
-    stats.completed.fetch_add(1, Ordering::Relaxed);
-    let _ = events.send(Event::Done {
-        finish_reason,
-        prompt_tokens: ask.prompt_ids.len(),
-        completion_tokens: row.generated_ids.len(),
-    });
     false
 }
 
-/// Finds stop strings in streamed text: text is released once no stop string can begin in it.
-pub struct StopMatcher {
-    stops: Vec<String>,
-    pending: String,
-}
-
-impl StopMatcher {
-    pub fn new(stops: Vec<String>) -> StopMatcher {
-        StopMatcher { stops, pending: String::new() }
-    }
-
-    /// Adds `piece`; returns the text safe to send and whether a stop string was found (the
-    /// text is then everything before it, and the rest is dropped).
-    pub fn push(&mut self, piece: &str) -> (String, bool) {
-        self.pending.push_str(piece);
-        if let Some(at) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
-            let out = self.pending[..at].to_string();
-            self.pending.clear();
-            return (out, true);
-        }
-        // Hold back the longest end of the text that starts a stop string.
-        let keep = self
-            .stops
-            .iter()
-            .flat_map(|s| s.char_indices().skip(1).map(|(k, _)| &s[..k]))
-            .filter(|prefix| self.pending.ends_with(prefix))
-            .map(str::len)
-            .max()
-            .unwrap_or(0);
-        let cut = self.pending.len() - keep;
-        let out = self.pending[..cut].to_string();
-        self.pending.drain(..cut);
-        (out, false)
-    }
-
-    /// The text held back, at the end of the answer.
-    pub fn finish(&mut self) -> String {
-        std::mem::take(&mut self.pending)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::StopMatcher;
-
-    #[test]
-    fn stop_strings_end_the_text_even_across_pieces() {
-        let mut m = StopMatcher::new(vec!["\n\n".into(), "END".into()]);
-        assert_eq!(m.push("Hello E"), ("Hello ".to_string(), false), "E may start END");
-        assert_eq!(m.push("ND of it"), (String::new(), true));
-        let mut m = StopMatcher::new(vec!["END".into()]);
-        assert_eq!(m.push("Eh"), ("Eh".to_string(), false));
-        assert_eq!(m.push(" fin"), (" fin".to_string(), false));
-        assert_eq!(m.push(" EN"), (" ".to_string(), false));
-        assert_eq!(m.finish(), "EN", "held back until the end");
-        let mut m = StopMatcher::new(vec!["é!".into()]);
-        assert_eq!(m.push("café"), ("caf".to_string(), false), "a multi-byte prefix is held whole");
-        assert_eq!(m.push("?"), ("é?".to_string(), false));
-    }
+/// Why a request of [`one_at_a_time`] ended before its sequence did.
+enum Ended {
+    StopString,
+    Gone,
+    Late,
 }

@@ -1,0 +1,299 @@
+//! Continuous batching: sequences join and leave one running decode batch between steps, as
+//! vLLM and onnxruntime-genai's server loops run them, on one graph bucket.
+//!
+//! The batch owns a shared KV cache of `rows` slots (`[rows, kv_heads, limit, head_size]` per
+//! layer, allocated once, so its addresses never move) and the generator's device-step buffers
+//! of that shape. A sequence joins a free slot by a batch-1 prefill whose KV row is copied into
+//! the slot (a device-to-device copy); its first token is sampled on the host from the prefill's
+//! logits. Every step then decodes every slot at once, as one device-sampled step (one CUDA
+//! graph replay once captured): the tokens come back, finished sequences free their slots, and
+//! free slots keep stepping harmlessly on a one-token sequence of padding.
+//!
+//! Rows are independent in the step's graph: GroupQueryAttention reads each row's own length
+//! from its mask (`seqlens_k` = the mask's sum − 1), so a slot's mask needs only the right
+//! number of set columns, not a column shared with the other rows. When sequences join, or the
+//! shared next column (`kiln_position`) reaches the cache's end, the host rewrites the step
+//! buffers compacted: each slot's tokens at columns `0 .. len`, and the next column at the
+//! longest length. A row's Philox draws stay keyed by (seed, slot, tokens generated) across
+//! rewrites, as [`super::Sampler`] keys them.
+
+use super::device_step::SampleStart;
+use super::generate::DeviceSampler;
+use super::{bucket, Generator, KvCache, Sampler, SamplingParams, StopReason};
+use crate::{Error, Result};
+
+/// One running decode batch of at most [`ContinuousBatch::capacity`] sequences.
+pub struct ContinuousBatch {
+    kv: KvCache,
+    slots: Vec<Slot>,
+    /// The step buffers no longer match the slots (a join, a failed step): rewrite them before
+    /// the next step.
+    dirty: bool,
+    /// Whether steps run the Sample node (every row with its own parameters; greedy rows at
+    /// temperature 0) rather than ArgMax (greedy rows only).
+    sampling: bool,
+    /// Most positions of a sequence (prompt and generated), at most the cache's `limit`.
+    max_length: usize,
+    vocab: usize,
+    pad: i64,
+    eos: Vec<i64>,
+    stats: BatchStats,
+}
+
+/// What a batch has done, for reports and `/metrics`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BatchStats {
+    /// Decode steps (each decodes every slot).
+    pub steps: u64,
+    /// Sequences that joined.
+    pub joins: u64,
+    /// Rewrites of the step buffers from the host (after joins, failed steps, compactions).
+    pub rewrites: u64,
+    /// Rewrites because the shared mask column reached the cache's end.
+    pub compactions: u64,
+}
+
+/// One slot: a sequence's tokens (the last is the one the next step feeds) and, while a
+/// sequence holds it, that sequence's state.
+struct Slot {
+    tokens: Vec<i64>,
+    /// Set columns of the slot's mask row: the sequence's length (a free slot's grows too).
+    len: usize,
+    seq: Option<Sequence>,
+}
+
+struct Sequence {
+    generated: usize,
+    max_new_tokens: usize,
+    ignore_eos: bool,
+    sampler: Sampler,
+}
+
+/// A token a step (or a join's prefill) chose for the sequence in `slot`; `finished`: the
+/// sequence ended with it, and the slot is free again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Emitted {
+    pub slot: usize,
+    pub token: i64,
+    pub finished: Option<StopReason>,
+}
+
+/// A sequence to add: its prompt (token ids), sampling parameters and limits.
+#[derive(Clone, Debug)]
+pub struct Join<'a> {
+    pub prompt: &'a [i64],
+    pub sampling: &'a SamplingParams,
+    pub max_new_tokens: usize,
+    /// Keep going past an end-of-sequence token.
+    pub ignore_eos: bool,
+}
+
+impl ContinuousBatch {
+    /// An empty batch of `rows` slots (on a GPU, the bucket of `rows`: 1, 2, 4, 8, 16, 32, then
+    /// multiples of 32) for sequences of at most `max_length` positions (default: the folder's
+    /// `search.max_length`). Errors: a folder without a shared KV buffer or device-step
+    /// packages, a length over the model's context, or device memory.
+    pub fn new(g: &mut Generator, rows: usize, max_length: Option<usize>) -> Result<ContinuousBatch> {
+        let cfg = g.folder.config.clone();
+        let max_length = cfg.checked_max_length(max_length)?;
+        if !cfg.search.past_present_share_buffer {
+            return Err(Error::Unsupported(
+                "continuous batching needs a folder with search.past_present_share_buffer".into(),
+            ));
+        }
+        let greedy = SamplingParams::default();
+        let on_gpu = g.session.device() != crate::ep::Device::Cpu;
+        g.device_sampler(&greedy, on_gpu).map_err(|why| Error::Unsupported(format!("continuous batching: {why}")))?;
+        let sampling = g.has_device_sample();
+        let rows = if on_gpu { bucket(rows) } else { rows.max(1) };
+        let kv = g.empty_kv(rows, max_length)?;
+        let pad = cfg.model.pad_token_id.unwrap_or(0);
+        let slots = (0..rows).map(|_| Slot { tokens: vec![pad], len: 1, seq: None }).collect();
+        Ok(ContinuousBatch {
+            kv,
+            slots,
+            dirty: true,
+            sampling,
+            max_length,
+            vocab: cfg.model.vocab_size,
+            pad,
+            eos: cfg.model.eos_token_id.to_vec(),
+            stats: BatchStats::default(),
+        })
+    }
+
+    /// Slots (the rows every step decodes).
+    pub fn capacity(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Sequences in the batch.
+    pub fn active(&self) -> usize {
+        self.slots.iter().filter(|s| s.seq.is_some()).count()
+    }
+
+    /// What the batch has done so far.
+    pub fn stats(&self) -> BatchStats {
+        self.stats
+    }
+
+    /// Most positions of one sequence (prompt and generated).
+    pub fn max_length(&self) -> usize {
+        self.max_length
+    }
+
+    /// Adds a sequence to a free slot: prefills its prompt (batch 1) and chooses its first
+    /// token. Returns that token, which may already end the sequence (the slot is then free).
+    /// Errors: no free slot, an empty prompt or one of `max_length` tokens or more, sampling the
+    /// device cannot do (named), or the prefill's failure (the batch's other sequences go on).
+    pub fn join(&mut self, g: &mut Generator, join: Join<'_>) -> Result<Emitted> {
+        let Some(slot) = self.slots.iter().position(|s| s.seq.is_none()) else {
+            return Err(Error::Input(format!("the batch's {} slots are all taken", self.slots.len())));
+        };
+        let (prompt, params) = (join.prompt, join.sampling);
+        if prompt.is_empty() || prompt.len() >= self.max_length {
+            return Err(Error::Input(format!(
+                "the prompt has {} tokens; it needs 1 to {} (max_length {})",
+                prompt.len(),
+                self.max_length - 1,
+                self.max_length
+            )));
+        }
+        let on_gpu = g.session.device() != crate::ep::Device::Cpu;
+        match g.device_sampler(params, on_gpu) {
+            Ok(DeviceSampler::Sample) if !self.sampling => {
+                return Err(Error::Unsupported("no package implements ai.kiln::Sample: only greedy requests".into()))
+            }
+            Ok(_) => {}
+            Err(why) => return Err(Error::Unsupported(why)),
+        }
+        let (scratch, logits) = g.prefill(&[prompt.to_vec()], self.kv.limit)?;
+        let row =
+            self.kv.past.first().map_or(Ok(0), |t| g.session.tensor_type(t).map(|(_, s)| s[1..].iter().product()));
+        let copied = row.and_then(|row: usize| {
+            scratch
+                .past
+                .iter()
+                .zip(&self.kv.past)
+                .try_for_each(|(from, to)| g.session.copy_elements(from, 0, to, slot * row, row))
+        });
+        g.free(scratch);
+        copied?;
+        let sampler = Sampler::new(params.clone());
+        let first = logits.first().map(|l| sampler.next(l, prompt, slot, 0));
+        let first = first.ok_or_else(|| Error::Model("the prefill returned no logits".into()))?;
+        let mut tokens = prompt.to_vec();
+        tokens.push(first);
+        let s = &mut self.slots[slot];
+        s.len = tokens.len();
+        s.tokens = tokens;
+        s.seq = Some(Sequence {
+            generated: 1,
+            max_new_tokens: join.max_new_tokens.max(1),
+            ignore_eos: join.ignore_eos,
+            sampler,
+        });
+        self.dirty = true;
+        self.stats.joins += 1;
+        let finished = self.finished(slot, first);
+        Ok(Emitted { slot, token: first, finished })
+    }
+
+    /// Ends the sequence in `slot` (a client went away, a stop string): the slot is free for
+    /// the next [`ContinuousBatch::join`].
+    pub fn leave(&mut self, slot: usize) {
+        if let Some(s) = self.slots.get_mut(slot) {
+            s.seq = None;
+        }
+    }
+
+    /// One decode step of every slot. Returns each sequence's new token, in slot order
+    /// (nothing when the batch is empty). Errors: the step's (a device error, an input a kernel
+    /// found out of range); the sequences stay in place and the next step rewrites the buffers.
+    pub fn step(&mut self, g: &mut Generator) -> Result<Vec<Emitted>> {
+        if self.active() == 0 {
+            return Ok(Vec::new());
+        }
+        let at_end = self.kv.total + 1 >= self.kv.limit;
+        if self.dirty || at_end {
+            self.stats.compactions += u64::from(at_end && !self.dirty);
+            self.load(g)?;
+        }
+        self.stats.steps += 1;
+        let ids = g.enqueue_device_step(&mut self.kv).and_then(|p| g.session.read_finish(p)?.to_i64());
+        let ids = match ids {
+            Ok(ids) => ids,
+            Err(e) => {
+                self.dirty = true;
+                return Err(e);
+            }
+        };
+        let mut out = Vec::new();
+        for slot in 0..self.slots.len() {
+            let s = &mut self.slots[slot];
+            s.len += 1;
+            let Some(seq) = s.seq.as_mut() else { continue };
+            let token = ids.get(slot).copied().unwrap_or(self.pad);
+            s.tokens.push(token);
+            seq.generated += 1;
+            let finished = self.finished(slot, token);
+            out.push(Emitted { slot, token, finished });
+        }
+        Ok(out)
+    }
+
+    /// Whether the sequence in `slot`, which just got `token`, ends there; frees the slot if so.
+    fn finished(&mut self, slot: usize, token: i64) -> Option<StopReason> {
+        let s = &mut self.slots[slot];
+        let seq = s.seq.as_ref()?;
+        let why = if !seq.ignore_eos && self.eos.contains(&token) {
+            StopReason::Eos
+        } else if seq.generated >= seq.max_new_tokens {
+            StopReason::MaxNewTokens
+        } else if s.tokens.len() >= self.max_length {
+            StopReason::MaxLength
+        } else {
+            return None;
+        };
+        s.seq = None;
+        Some(why)
+    }
+
+    /// Rewrites the step buffers from the slots, compacted: slot `b`'s tokens at mask columns
+    /// `0 .. len`, free slots one padding token, the next column at the longest length.
+    fn load(&mut self, g: &mut Generator) -> Result<()> {
+        for s in self.slots.iter_mut().filter(|s| s.seq.is_none()) {
+            s.tokens = vec![self.pad];
+            s.len = 1;
+        }
+        let (rows, l) = (self.slots.len(), self.kv.limit);
+        let next = self.slots.iter().map(|s| s.len).max().unwrap_or(1);
+        if next >= l {
+            return Err(Error::Input(format!("a sequence of {next} positions does not fit the cache's {l}")));
+        }
+        let mut mask = vec![0i64; rows * l];
+        let mut history = vec![0i64; rows * l];
+        let mut params = Vec::with_capacity(rows * 4);
+        let mut seeds = Vec::with_capacity(rows * 2);
+        let greedy = Sampler::new(SamplingParams::default()).device_row(self.vocab);
+        for (b, s) in self.slots.iter().enumerate() {
+            mask[b * l..b * l + s.len].fill(1);
+            history[b * l..b * l + s.len].copy_from_slice(&s.tokens);
+            let (row, seed, generated) = match &s.seq {
+                Some(q) => (q.sampler.device_row(self.vocab), q.sampler.params.seed, q.generated),
+                None => (greedy, 0, 0),
+            };
+            params.extend(row);
+            // The draw at column `next + k` is this sequence's token `generated + k`.
+            seeds.extend([seed as i64, next as i64 - generated as i64]);
+        }
+        let tokens: Vec<i64> = self.slots.iter().map(|s| s.tokens.last().copied().unwrap_or(self.pad)).collect();
+        self.kv.total = next - 1;
+        let sample = self.sampling.then_some(SampleStart { history: &history, params: &params, seeds: &seeds });
+        g.load_device_steps(&self.kv, &tokens, &mask, sample)?;
+        self.kv.mask = mask;
+        self.dirty = false;
+        self.stats.rewrites += 1;
+        Ok(())
+    }
+}

@@ -1,0 +1,63 @@
+//! Stop strings in streamed text (OpenAI's `stop`): text is released once no stop string can
+//! begin in it, so a client never sees part of a stop string.
+
+/// Finds stop strings in streamed text: text is released once no stop string can begin in it.
+pub struct StopMatcher {
+    stops: Vec<String>,
+    pending: String,
+}
+
+impl StopMatcher {
+    pub fn new(stops: Vec<String>) -> StopMatcher {
+        StopMatcher { stops, pending: String::new() }
+    }
+
+    /// Adds `piece`; returns the text safe to send and whether a stop string was found (the
+    /// text is then everything before it, and the rest is dropped).
+    pub fn push(&mut self, piece: &str) -> (String, bool) {
+        self.pending.push_str(piece);
+        if let Some(at) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
+            let out = self.pending[..at].to_string();
+            self.pending.clear();
+            return (out, true);
+        }
+        // Hold back the longest end of the text that starts a stop string.
+        let keep = self
+            .stops
+            .iter()
+            .flat_map(|s| s.char_indices().skip(1).map(|(k, _)| &s[..k]))
+            .filter(|prefix| self.pending.ends_with(prefix))
+            .map(str::len)
+            .max()
+            .unwrap_or(0);
+        let cut = self.pending.len() - keep;
+        let out = self.pending[..cut].to_string();
+        self.pending.drain(..cut);
+        (out, false)
+    }
+
+    /// The text held back, at the end of the answer.
+    pub fn finish(&mut self) -> String {
+        std::mem::take(&mut self.pending)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StopMatcher;
+
+    #[test]
+    fn stop_strings_end_the_text_even_across_pieces() {
+        let mut m = StopMatcher::new(vec!["\n\n".into(), "END".into()]);
+        assert_eq!(m.push("Hello E"), ("Hello ".to_string(), false), "E may start END");
+        assert_eq!(m.push("ND of it"), (String::new(), true));
+        let mut m = StopMatcher::new(vec!["END".into()]);
+        assert_eq!(m.push("Eh"), ("Eh".to_string(), false));
+        assert_eq!(m.push(" fin"), (" fin".to_string(), false));
+        assert_eq!(m.push(" EN"), (" ".to_string(), false));
+        assert_eq!(m.finish(), "EN", "held back until the end");
+        let mut m = StopMatcher::new(vec!["é!".into()]);
+        assert_eq!(m.push("café"), ("caf".to_string(), false), "a multi-byte prefix is held whole");
+        assert_eq!(m.push("?"), ("é?".to_string(), false));
+    }
+}
