@@ -11,6 +11,8 @@
 #              fusing package on the GPU (each declared fusion fused against the unfused ops)
 #   serve      the load benchmark of kiln serve (bench/serve_load.py: 1, 8, 32, 64 streaming
 #              clients, --batch 64, graphs on) beside kiln bench decode --batch 64 in the same run
+#   python     the Python package's tests (python/tests, the wheel staged in .gpu/python) with
+#              the CUDA provider
 #   sanitize   compute-sanitizer memcheck over a graph decode
 #   peers      PyTorch eager, CUDA graph and torch.compile on the same architecture
 #   profile    ncu: GPU time of every kernel of one eager decode step (batch 1 and 8, cache of 384
@@ -90,6 +92,14 @@ for phase in $phases; do
       --extra "--graph on" --json "$work/serve-load.json" 2>&1 | tail -12 | tee -a "$out/serve.log"
     tar -C "$work" -cf "$out/serve-json.tar" decode-b64.json serve-load.json
     summary+=("serve: $(grep -hE '^\| [0-9]' "$out/serve.log" | tr '\n' ' ')")
+    ;;
+  python)
+    rm -rf /tmp/kiln-py && mkdir -p /tmp/kiln-py
+    python3 -c 'import glob, zipfile
+for w in glob.glob(".gpu/python/*.whl"):
+    zipfile.ZipFile(w).extractall("/tmp/kiln-py")'
+    PYTHONPATH=/tmp/kiln-py python3 -m pytest -q -rs -p no:cacheprovider python/tests 2>&1 | tee "$out/python.log" | tail -15
+    summary+=("python: $(tail -1 "$out/python.log")")
     ;;
   sanitize)
     # Memory errors, with API errors left out: loading a kernel probes cuFuncGetParamInfo one

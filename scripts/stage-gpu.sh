@@ -7,6 +7,8 @@
 #   .gpu/fixtures/llm/...             the small LLM fixtures the GPU tests read
 #   .gpu/device-fixtures/             ../shared/fixtures/device (SmolLM2-architecture builder,
 #                                     PyTorch peer benchmark) with a slimmed builder wheel
+#   .gpu/python/                      the kiln wheel (release) and pytest's wheels, for the
+#                                     Python package's tests there (the machine has no network)
 #   .gpu/setup.sh                     run first on the GPU machine: unpacks into /tmp/kiln-gpu
 #
 # On the GPU machine, from the repository root:
@@ -36,6 +38,10 @@ rm -rf "$tp/bias-gelu/shim/target" "$tp/bias-gelu/shim.wasm"
 sed -i "s|path = \"../../../../kernel-abi\"|path = \"$root/kernel-abi\"|" "$tp/bias-gelu/shim/Cargo.toml"
 target/release/kiln -q package build "$tp/bias-gelu" -o .gpu/bias-gelu.kpkg >/dev/null
 rm -rf "$tp"
+venv=target/py-venv
+[ -x "$venv/bin/maturin" ] || { python3 -m venv "$venv" && "$venv/bin/pip" install -q "maturin>=1.5,<2"; }
+"$venv/bin/maturin" build --release -m python/Cargo.toml -o .gpu/python >/dev/null
+"$venv/bin/pip" download -q --no-deps -d .gpu/python pytest pluggy iniconfig packaging
 xz -T2 -6 -c target/release/kiln > .gpu/kiln.xz
 xz -T2 -6 -c "$tests_bin" > .gpu/gpu-tests.xz
 tar -C "$root" -cJf .gpu/node-tests.tar.xz .cache/onnx-node-1.20.0

@@ -9,7 +9,8 @@ use super::GenaiConfig;
 use crate::model::{self, Model};
 use crate::{Error, Result};
 
-/// A loaded onnxruntime-genai model folder.
+/// A loaded onnxruntime-genai model folder (cloning shares the weights' bytes).
+#[derive(Clone)]
 pub struct ModelFolder {
     pub dir: PathBuf,
     pub config: GenaiConfig,
