@@ -139,18 +139,17 @@ fn parse(bytes: &[u8]) -> (u16, String) {
 
 /// kiln's own greedy text for each prompt, generated alone in this process.
 fn greedy_texts(prompts: &[String], max_new_tokens: usize) -> Vec<String> {
+    texts(prompts, max_new_tokens, &SamplingParams::default(), false)
+}
+
+/// kiln's own text for each prompt with `sampling`, generated alone in this process.
+fn texts(prompts: &[String], max_new_tokens: usize, sampling: &SamplingParams, ignore_eos: bool) -> Vec<String> {
     let (registry, errors) = kiln_host::packages::registry(&[], &[]);
     assert!(errors.is_empty(), "{errors:?}");
     let rt = Runtime::new(registry, Default::default()).unwrap();
     let folder = ModelFolder::open(&tiny_llama()).unwrap();
     let mut g = Generator::new(rt, folder, SessionOptions::default()).unwrap();
-    let opts = GenerateOptions {
-        max_new_tokens,
-        max_length: None,
-        sampling: SamplingParams::default(),
-        ignore_eos: false,
-        stop: None,
-    };
+    let opts = GenerateOptions { max_new_tokens, max_length: None, sampling: sampling.clone(), ignore_eos, stop: None };
     prompts
         .iter()
         .map(|p| {
@@ -178,6 +177,15 @@ fn a_completion_is_onnxruntime_genais_greedy_text() {
     let mut stream = ask;
     stream["stream"] = json!(true);
     assert_eq!(server.complete(stream), expected);
+    // A sampled request alone takes slot 0: kiln generate's draws for row 0 with its seed.
+    let sampling =
+        SamplingParams { do_sample: true, temperature: 0.9, top_k: 40, top_p: 0.9, repetition_penalty: 1.2, seed: 5 };
+    let want = texts(&["Once upon a time".into()], 16, &sampling, true)[0].clone();
+    let body = json!({"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0.9, "top_k": 40, "top_p": 0.9,
+        "repetition_penalty": 1.2, "seed": 5, "ignore_eos": true});
+    let got = server.complete(body);
+    assert_eq!(got, want);
+    assert_ne!(got, expected, "sampling left the greedy text");
 }
 
 /// 64 concurrent streaming clients, 8 slots: every one completes with its own prompt's greedy
@@ -251,7 +259,7 @@ fn bad_and_vanishing_clients_leave_the_server_serving() {
     assert_eq!(status, 200);
     let text = server.complete(json!({"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}));
     assert_eq!(text, greedy_texts(&["Once upon a time".into()], 8)[0]);
-    // Every vanished client's slot was freed (none of them ran its 100 tokens to the end).
+    // Every vanished client's slot was freed (none of them ran its 120 tokens to the end).
     assert_eq!(server.metric("kiln_requests_running"), 0);
     assert_eq!(server.metric("kiln_requests_completed_total"), 1, "only the last request completed");
     assert_eq!(server.metric("kiln_requests_disconnected_total"), 3);

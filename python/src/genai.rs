@@ -90,7 +90,9 @@ impl Tokenizer {
     /// string (as onnxruntime-genai takes it) or a list of `{"role", "content"}` dicts.
     #[pyo3(signature = (messages, add_generation_prompt=true))]
     fn apply_chat_template(&self, messages: &Bound<'_, PyAny>, add_generation_prompt: bool) -> PyResult<String> {
-        let _ = add_generation_prompt;
+        if !add_generation_prompt {
+            return Err(raise(Kind::Unsupported, "kiln renders chat templates with add_generation_prompt=True only"));
+        }
         let list: Vec<(String, String)> = if let Ok(s) = messages.extract::<String>() {
             let v: Vec<std::collections::HashMap<String, String>> = serde_json_lite(&s)?;
             v.into_iter()
@@ -162,7 +164,7 @@ impl GeneratorParams {
                 top_k: s.top_k,
                 top_p: s.top_p,
                 repetition_penalty: s.repetition_penalty,
-                seed: 0,
+                seed: random_seed(),
             },
         }
     }
@@ -182,8 +184,13 @@ impl GeneratorParams {
                 "top_k" => self.sampling.top_k = v.extract().map_err(bad)?,
                 "top_p" => self.sampling.top_p = v.extract().map_err(bad)?,
                 "repetition_penalty" => self.sampling.repetition_penalty = v.extract().map_err(bad)?,
-                "random_seed" => self.sampling.seed = v.extract().map_err(bad)?,
-                "num_beams" | "num_return_sequences" if v.extract::<usize>().ok() == Some(1) => {}
+                // onnxruntime-genai's -1: a random seed.
+                "random_seed" => {
+                    let seed: i64 = v.extract().map_err(bad)?;
+                    self.sampling.seed = u64::try_from(seed).unwrap_or_else(|_| random_seed());
+                }
+                "num_beams" | "num_return_sequences" | "batch_size" if v.extract::<usize>().ok() == Some(1) => {}
+                "min_length" if v.extract::<usize>().ok() == Some(0) => {}
                 other => {
                     return Err(raise(Kind::Unsupported, format!("search option {other:?} is not supported by kiln")));
                 }
@@ -191,6 +198,12 @@ impl GeneratorParams {
         }
         Ok(())
     }
+}
+
+/// A random seed (onnxruntime-genai's default `random_seed` is -1, random).
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    std::collections::hash_map::RandomState::new().build_hasher().finish()
 }
 
 /// `kiln.Generator(model, params)`: one sequence, generated token by token.
@@ -203,10 +216,54 @@ pub struct Generator {
     kv: Option<KvCache>,
     /// Every token so far (prompt, then generated).
     sequence: Vec<i64>,
-    /// Tokens generated, and the logits of the next one.
+    /// Tokens generated.
     generated: usize,
+    /// The logits of the next token, when the model has seen the whole sequence.
     logits: Option<Vec<f32>>,
+    /// The last generated token, not fed to the model yet (it is, before the next choice or
+    /// with the next appended tokens).
+    pending: Option<i64>,
     done: bool,
+    /// A run that failed left the cache behind the sequence: every later call says so.
+    failed: Option<String>,
+}
+
+impl Generator {
+    /// Feeds `tokens` (after the pending token, if any) to the model; on success the logits of
+    /// the next token are ready. A failure ends this generator.
+    fn feed(&mut self, py: Python<'_>, mut tokens: Vec<i64>) -> PyResult<()> {
+        if let Some(why) = &self.failed {
+            return Err(raise(Kind::InvalidInput, format!("this generator failed earlier ({why}): make a new one")));
+        }
+        tokens.splice(0..0, self.pending.take());
+        let (max_length, kv) = (self.max_length, self.kv.take());
+        let ran = py.detach(|| {
+            self.model.call(move |g: &mut KilnGenerator| match kv {
+                None => {
+                    let (cache, mut logits) = g.prefill(&[tokens], max_length)?;
+                    Ok((cache, logits.pop().unwrap_or_default()))
+                }
+                Some(mut cache) => {
+                    let mut last = Vec::new();
+                    for t in &tokens {
+                        last = g.decode(&mut cache, &[*t])?.pop().unwrap_or_default();
+                    }
+                    Ok((cache, last))
+                }
+            })
+        });
+        match ran.and_then(|r| r) {
+            Ok((cache, logits)) => {
+                self.kv = Some(cache);
+                self.logits = Some(logits);
+                Ok(())
+            }
+            Err(e) => {
+                self.failed = Some(e.to_string());
+                Err(crate::errors::to_py(e))
+            }
+        }
+    }
 }
 
 #[pymethods]
@@ -224,47 +281,31 @@ impl Generator {
             sequence: Vec::new(),
             generated: 0,
             logits: None,
+            pending: None,
             done: false,
+            failed: None,
         })
     }
 
     /// Feeds tokens (numpy ids or a list): the prompt first; later calls extend the sequence
-    /// (a next turn). Errors: no tokens, or more than `max_length` in all.
+    /// (a next turn, after the generated tokens). Errors: no tokens, or `max_length` reached.
     fn append_tokens(&mut self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
         let tokens = ids_from("tokens", tokens)?;
         if tokens.is_empty() {
             return Err(raise(Kind::InvalidInput, "append_tokens: no tokens"));
         }
-        if self.sequence.len() + tokens.len() >= self.max_length {
+        let total = self.sequence.len() + tokens.len();
+        if total >= self.max_length {
             return Err(raise(
                 Kind::InvalidInput,
                 format!(
-                    "{} tokens in all would reach max_length {}",
-                    self.sequence.len() + tokens.len(),
+                    "{total} tokens in all would reach max_length {} (set_search_options(max_length=...))",
                     self.max_length
                 ),
             ));
         }
-        let (max_length, appended, kv) = (self.max_length, tokens.clone(), self.kv.take());
-        let ran = py.detach(|| {
-            self.model.call(move |g: &mut KilnGenerator| match kv {
-                None => {
-                    let (cache, mut logits) = g.prefill(&[tokens], max_length)?;
-                    Ok((cache, logits.pop().unwrap_or_default()))
-                }
-                Some(mut cache) => {
-                    let mut last = Vec::new();
-                    for t in &tokens {
-                        last = g.decode(&mut cache, &[*t])?.pop().unwrap_or_default();
-                    }
-                    Ok((cache, last))
-                }
-            })
-        });
-        let (cache, logits) = ran.py_err()?.py_err()?;
-        self.kv = Some(cache);
-        self.sequence.extend(appended);
-        self.logits = Some(logits);
+        self.feed(py, tokens.clone())?;
+        self.sequence.extend(tokens);
         self.done = false;
         Ok(())
     }
@@ -274,34 +315,23 @@ impl Generator {
         self.done
     }
 
-    /// Chooses the next token and runs the step that makes the one after it ready. Errors:
-    /// nothing appended yet, or a finished sequence.
+    /// Chooses the next token (feeding the one before it first). Errors: nothing appended yet,
+    /// a finished sequence, or a failed run.
     fn generate_next_token(&mut self, py: Python<'_>) -> PyResult<()> {
         if self.done {
             return Err(raise(Kind::InvalidInput, "generate_next_token: the sequence is done"));
+        }
+        if self.pending.is_some() {
+            self.feed(py, Vec::new())?;
         }
         let Some(logits) = self.logits.take() else {
             return Err(raise(Kind::InvalidInput, "generate_next_token: append_tokens first"));
         };
         let token = self.sampler.next(&logits, &self.sequence, 0, self.generated);
         self.sequence.push(token);
+        self.pending = Some(token);
         self.generated += 1;
-        if self.eos.contains(&token) || self.sequence.len() >= self.max_length {
-            self.done = true;
-            return Ok(());
-        }
-        let Some(mut cache) = self.kv.take() else {
-            return Err(raise(Kind::InvalidInput, "generate_next_token: append_tokens first"));
-        };
-        let ran = py.detach(|| {
-            self.model.call(move |g: &mut KilnGenerator| {
-                let logits = g.decode(&mut cache, &[token]).map(|mut l| l.pop().unwrap_or_default());
-                (cache, logits)
-            })
-        });
-        let (cache, logits) = ran.py_err()?;
-        self.kv = Some(cache);
-        self.logits = Some(logits.py_err()?);
+        self.done = self.eos.contains(&token) || self.sequence.len() >= self.max_length;
         Ok(())
     }
 

@@ -88,6 +88,9 @@ pub fn device(
     for (name, id) in &parsed {
         match name.as_str() {
             CUDA if *id < gpus => return Ok((Device::Cuda(*id), name.clone())),
+            CUDA if gpus > 0 => {
+                return Err(raise(Kind::InvalidInput, format!("{CUDA} device_id {id}: this machine has {gpus} GPU(s)")))
+            }
             CPU => return Ok((Device::Cpu, name.clone())),
             _ => {}
         }

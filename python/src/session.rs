@@ -14,6 +14,7 @@ use crate::owner::Owner;
 /// dimensions, strings for symbolic ones, `None` for unknown ones) and `type`
 /// (`"tensor(float)"`, …).
 #[pyclass(module = "kiln", frozen)]
+#[derive(Clone)]
 pub struct NodeArg {
     #[pyo3(get)]
     name: String,
@@ -153,7 +154,7 @@ impl InferenceSession {
     }
 
     /// Runs the model: `input_feed` maps every input name to a numpy array; returns the arrays
-    /// of `output_names` (all outputs when `None`), in that order. Errors: `InvalidInput` for an
+    /// of `output_names` (all outputs when `None` or empty), in that order. Errors: `InvalidInput` for an
     /// unknown or missing name, a wrong dtype or shape; `Unsupported` for an op no package runs;
     /// `DeviceError` when the device fails.
     #[pyo3(signature = (output_names, input_feed, run_options=None))]
@@ -172,7 +173,8 @@ impl InferenceSession {
             feeds.push((name, t));
         }
         let all: Vec<String> = self.outputs.iter().map(|o| o.name.clone()).collect();
-        let wanted = output_names.unwrap_or_else(|| all.clone());
+        // onnxruntime: None or an empty list is every output.
+        let wanted = output_names.filter(|n| !n.is_empty()).unwrap_or_else(|| all.clone());
         if let Some(bad) = wanted.iter().find(|n| !all.contains(n)) {
             return Err(raise(
                 Kind::InvalidInput,

@@ -42,8 +42,10 @@ def test_the_example_matches_onnxruntime():
     assert sess.get_providers() == CPU
     for mine, theirs in [(sess.get_inputs(), ref.get_inputs()), (sess.get_outputs(), ref.get_outputs())]:
         assert [(a.name, a.shape, a.type) for a in mine] == [(a.name, a.shape, a.type) for a in theirs]
-    # Output names select and order the outputs; bytes load as a path does.
+    # Output names select and order the outputs (None or [] is all of them); bytes load as a
+    # path does.
     assert len(sess.run(["probs"], {"x": x})) == 1
+    np.testing.assert_array_equal(sess.run([], {"x": x})[0], got)
     (again,) = kiln.InferenceSession((EXAMPLE / "model.onnx").read_bytes(), providers=CPU).run(None, {"x": x})
     np.testing.assert_array_equal(again, got)
 
@@ -158,6 +160,26 @@ def test_the_generator_gives_onnxruntime_genais_greedy_tokens():
         gen.generate_next_token()
     with pytest.raises(kiln.Unsupported, match="num_beams"):
         params.set_search_options(num_beams=4)
+
+
+def test_a_next_turn_continues_the_sequence():
+    """Tokens appended after generated ones continue the same sequence: the next token is the
+    one a fresh generator chooses after the whole sequence."""
+    model = kiln.Model(str(fixture("llm/tiny-llama-v512-fp32-cpu")), providers=CPU)
+    tokenizer = kiln.Tokenizer(model)
+    params = kiln.GeneratorParams(model)
+    params.set_search_options(max_length=64)
+    gen = kiln.Generator(model, params)
+    gen.append_tokens(tokenizer.encode("Once upon a time"))
+    for _ in range(5):
+        gen.generate_next_token()
+    gen.append_tokens(tokenizer.encode(" The end"))
+    gen.generate_next_token()
+    whole = gen.get_sequence(0)
+    fresh = kiln.Generator(model, params)
+    fresh.append_tokens(whole[:-1])
+    fresh.generate_next_token()
+    assert int(fresh.get_next_tokens()[0]) == int(whole[-1])
 
 
 def test_the_chat_template_is_the_folders():

@@ -16,9 +16,15 @@
 //! buffers compacted: each slot's tokens at columns `0 .. len`, and the next column at the
 //! longest length. A row's Philox draws stay keyed by (seed, slot, tokens generated) across
 //! rewrites, as [`super::Sampler`] keys them.
+//!
+//! Steps run one ahead, as `Generator::generate`'s do: step k + 1 is enqueued before step k's
+//! tokens are read, so the GPU computes while the host hands tokens out. Each enqueued step
+//! remembers every slot's occupant (an epoch that a join advances), so a token computed for a
+//! sequence that has since left its slot is dropped, never given to the slot's next sequence.
+//! A join (its prefill and KV copy are stream-ordered after the step in flight) makes the next
+//! step rewrite the buffers, which waits for the step in flight first.
 
 use super::device_step::SampleStart;
-use super::generate::DeviceSampler;
 use super::{bucket, Generator, KvCache, Sampler, SamplingParams, StopReason};
 use crate::{Error, Result};
 
@@ -38,6 +44,8 @@ pub struct ContinuousBatch {
     pad: i64,
     eos: Vec<i64>,
     stats: BatchStats,
+    /// The step enqueued ahead: its token read, and each slot's epoch when it was enqueued.
+    ahead: Option<(crate::ep::PendingRead, Vec<u64>)>,
 }
 
 /// What a batch has done, for reports and `/metrics`.
@@ -60,6 +68,8 @@ struct Slot {
     /// Set columns of the slot's mask row: the sequence's length (a free slot's grows too).
     len: usize,
     seq: Option<Sequence>,
+    /// Advanced by every join: a step enqueued before it carried another occupant.
+    epoch: u64,
 }
 
 struct Sequence {
@@ -102,23 +112,35 @@ impl ContinuousBatch {
             ));
         }
         let greedy = SamplingParams::default();
-        let on_gpu = g.session.device() != crate::ep::Device::Cpu;
+        let on_gpu = g.on_gpu();
         g.device_sampler(&greedy, on_gpu).map_err(|why| Error::Unsupported(format!("continuous batching: {why}")))?;
-        let sampling = g.has_device_sample();
+        // The Sample node, unless the GPU's sampler cannot take this vocabulary (then greedy
+        // requests only, through ArgMax).
+        let vocab = cfg.model.vocab_size;
+        let sampling = g.has_device_sample() && !(on_gpu && vocab > kiln_kernel_abi::sampling::DEVICE_MAX_VOCAB);
         let rows = if on_gpu { bucket(rows) } else { rows.max(1) };
-        let kv = g.empty_kv(rows, max_length)?;
+        let kv = g.empty_kv(rows, max_length).map_err(|e| {
+            let d = &cfg.model.decoder;
+            let bytes = 2 * d.num_hidden_layers * rows * d.num_key_value_heads * max_length * d.head_size;
+            let bytes = bytes * g.folder.kv_dtype.size().unwrap_or(2);
+            Error::Input(format!(
+                "a KV cache of {rows} rows × {max_length} positions ({:.2} GiB) could not be allocated: {e}",
+                bytes as f64 / (1u64 << 30) as f64
+            ))
+        })?;
         let pad = cfg.model.pad_token_id.unwrap_or(0);
-        let slots = (0..rows).map(|_| Slot { tokens: vec![pad], len: 1, seq: None }).collect();
+        let slots = (0..rows).map(|_| Slot { tokens: vec![pad], len: 1, seq: None, epoch: 0 }).collect();
         Ok(ContinuousBatch {
             kv,
             slots,
             dirty: true,
             sampling,
             max_length,
-            vocab: cfg.model.vocab_size,
+            vocab,
             pad,
             eos: cfg.model.eos_token_id.to_vec(),
             stats: BatchStats::default(),
+            ahead: None,
         })
     }
 
@@ -159,14 +181,7 @@ impl ContinuousBatch {
                 self.max_length
             )));
         }
-        let on_gpu = g.session.device() != crate::ep::Device::Cpu;
-        match g.device_sampler(params, on_gpu) {
-            Ok(DeviceSampler::Sample) if !self.sampling => {
-                return Err(Error::Unsupported("no package implements ai.kiln::Sample: only greedy requests".into()))
-            }
-            Ok(_) => {}
-            Err(why) => return Err(Error::Unsupported(why)),
-        }
+        self.admits(g, params).map_err(Error::Unsupported)?;
         let (scratch, logits) = g.prefill(&[prompt.to_vec()], self.kv.limit)?;
         let row =
             self.kv.past.first().map_or(Ok(0), |t| g.session.tensor_type(t).map(|(_, s)| s[1..].iter().product()));
@@ -187,6 +202,7 @@ impl ContinuousBatch {
         let s = &mut self.slots[slot];
         s.len = tokens.len();
         s.tokens = tokens;
+        s.epoch += 1;
         s.seq = Some(Sequence {
             generated: 1,
             max_new_tokens: join.max_new_tokens.max(1),
@@ -199,6 +215,27 @@ impl ContinuousBatch {
         Ok(Emitted { slot, token: first, finished })
     }
 
+    /// Whether the batch's device sampler can choose tokens with `params`, or why not, in the
+    /// request's own terms (`top_k`, temperature).
+    pub fn admits(&self, g: &Generator, params: &SamplingParams) -> std::result::Result<(), String> {
+        use kiln_kernel_abi::sampling::DEVICE_MAX_CANDIDATES;
+        let greedy = params.is_greedy() && params.repetition_penalty == 1.0;
+        if !self.sampling && !greedy {
+            return Err("this server decodes greedily only (temperature 0, no repetition penalty): its device has \
+                        no sampler for this model"
+                .into());
+        }
+        let candidates = if params.top_k == 0 { self.vocab } else { params.top_k.min(self.vocab) };
+        if g.on_gpu() && !params.is_greedy() && candidates > DEVICE_MAX_CANDIDATES {
+            return Err(format!(
+                "top_k {} keeps {candidates} candidates; the GPU sampler takes at most {DEVICE_MAX_CANDIDATES}: set \
+                 top_k between 1 and {DEVICE_MAX_CANDIDATES}",
+                params.top_k
+            ));
+        }
+        g.device_sampler(params, g.on_gpu()).map(|_| ())
+    }
+
     /// Ends the sequence in `slot` (a client went away, a stop string): the slot is free for
     /// the next [`ContinuousBatch::join`].
     pub fn leave(&mut self, slot: usize) {
@@ -207,30 +244,37 @@ impl ContinuousBatch {
         }
     }
 
+    /// Whether a step is enqueued whose tokens are not read yet ([`ContinuousBatch::step`]
+    /// reads it even when no sequence is left).
+    pub fn in_flight(&self) -> bool {
+        self.ahead.is_some()
+    }
+
     /// One decode step of every slot. Returns each sequence's new token, in slot order
     /// (nothing when the batch is empty). Errors: the step's (a device error, an input a kernel
     /// found out of range); the sequences stay in place and the next step rewrites the buffers.
     pub fn step(&mut self, g: &mut Generator) -> Result<Vec<Emitted>> {
-        if self.active() == 0 {
+        if self.active() == 0 && self.ahead.is_none() {
             return Ok(Vec::new());
         }
-        let at_end = self.kv.total + 1 >= self.kv.limit;
-        if self.dirty || at_end {
-            self.stats.compactions += u64::from(at_end && !self.dirty);
-            self.load(g)?;
-        }
-        self.stats.steps += 1;
-        let ids = g.enqueue_device_step(&mut self.kv).and_then(|p| g.session.read_finish(p)?.to_i64());
-        let ids = match ids {
-            Ok(ids) => ids,
+        let read = self.enqueue_and_read(g);
+        let (ids, epochs) = match read {
+            Ok(r) => r,
             Err(e) => {
                 self.dirty = true;
+                if let Some((p, _)) = self.ahead.take() {
+                    let _ = g.session.read_finish(p);
+                }
                 return Err(e);
             }
         };
         let mut out = Vec::new();
-        for slot in 0..self.slots.len() {
+        for (slot, epoch) in epochs.into_iter().enumerate() {
             let s = &mut self.slots[slot];
+            if s.epoch != epoch {
+                // Joined after the step was enqueued: the step computed the slot's old occupant.
+                continue;
+            }
             s.len += 1;
             let Some(seq) = s.seq.as_mut() else { continue };
             let token = ids.get(slot).copied().unwrap_or(self.pad);
@@ -240,6 +284,33 @@ impl ContinuousBatch {
             out.push(Emitted { slot, token, finished });
         }
         Ok(out)
+    }
+
+    /// Takes the step in flight (or enqueues one), enqueues the next one ahead when the buffers
+    /// need no rewrite first, and reads the taken step's tokens.
+    fn enqueue_and_read(&mut self, g: &mut Generator) -> Result<(Vec<i64>, Vec<u64>)> {
+        let this = match self.ahead.take() {
+            Some(a) => a,
+            None => {
+                let at_end = self.kv.total + 1 >= self.kv.limit;
+                if self.dirty || at_end {
+                    self.stats.compactions += u64::from(at_end && !self.dirty);
+                    self.load(g)?;
+                }
+                self.enqueue(g)?
+            }
+        };
+        if !self.dirty && self.active() > 0 && self.kv.total + 1 < self.kv.limit {
+            self.ahead = Some(self.enqueue(g)?);
+        }
+        let (pending, epochs) = this;
+        Ok((g.session.read_finish(pending)?.to_i64()?, epochs))
+    }
+
+    fn enqueue(&mut self, g: &mut Generator) -> Result<(crate::ep::PendingRead, Vec<u64>)> {
+        let pending = g.enqueue_device_step(&mut self.kv)?;
+        self.stats.steps += 1;
+        Ok((pending, self.slots.iter().map(|s| s.epoch).collect()))
     }
 
     /// Whether the sequence in `slot`, which just got `token`, ends there; frees the slot if so.

@@ -207,6 +207,11 @@ impl Generator {
         self.session.reclaim();
     }
 
+    /// Whether the session runs on a GPU.
+    pub fn on_gpu(&self) -> bool {
+        self.session.device() != crate::ep::Device::Cpu
+    }
+
     /// Whether the decode graph has the Sample node (else device steps take the argmax).
     pub(super) fn has_device_sample(&self) -> bool {
         self.device.as_ref().is_some_and(|d| d.sample.is_some())
@@ -401,7 +406,7 @@ impl Generator {
         let limit = max_length.min(s + opts.max_new_tokens.max(1));
         // On a GPU, device-sampled batches run at their bucket, graphs on or off, so that eager
         // and graph steps of one batch have the same shapes (and the same tokens).
-        let on_gpu = self.session.device() != crate::ep::Device::Cpu;
+        let on_gpu = self.on_gpu();
         let device = match self.device_sampler(&opts.sampling, on_gpu) {
             Ok(_) if !cfg.search.past_present_share_buffer => Err("the folder has no past_present_share_buffer".into()),
             d => d,

@@ -13,7 +13,7 @@
 //!   ends, when its client disconnects (its slot is free at the next step) or when it runs past
 //!   `--request-timeout`. Requests wait in the queue while every slot is taken.
 //! - `--api-key` requires `Authorization: Bearer KEY` on `/v1/*`. SIGTERM or Ctrl-C stops
-//!   accepting, lets the running request finish and exits; a device error fails its request,
+//!   accepting, lets the running requests finish and exits; a device error fails the running requests,
 //!   turns `/health` to 503 and makes the server exit non-zero, for a supervisor to restart it.
 //!
 //! axum on tokio: the HTTP/1.1 parsing, limits and streaming responses of a well-kept server
@@ -40,7 +40,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tokio_stream::StreamExt;
 
 use self::api::{ApiError, Limits, Request};
-use self::worker::{Event, Job, Stats, WorkerOptions};
+use self::worker::{Event, Job, Stats, Worker, WorkerOptions};
 use crate::genai::Generator;
 use crate::{Error, Result};
 
@@ -50,7 +50,7 @@ pub struct ServeOptions {
     pub addr: SocketAddr,
     /// Required as `Authorization: Bearer KEY` on `/v1/*` when set.
     pub api_key: Option<String>,
-    /// Requests waiting beyond the running one; more get 429.
+    /// Requests waiting for a slot of the batch; more get 429.
     pub queue: usize,
     /// Largest request body in bytes; larger ones get 413.
     pub max_body_bytes: usize,
@@ -95,17 +95,17 @@ pub fn serve(
         std::thread::Builder::new()
             .name("kiln-serve-worker".into())
             .spawn(move || {
-                let generator = match make() {
-                    Ok(g) => {
+                let worker = match make().and_then(|g| Worker::new(g, worker_opts)) {
+                    Ok(w) => {
                         let _ = ready_tx.send(Ok(()));
-                        g
+                        w
                     }
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
                         return;
                     }
                 };
-                worker::run(generator, queue, worker_opts, stats, || fatal.notify_one());
+                worker.run(queue, stats, || fatal.notify_one());
             })
             .map_err(|e| Error::Device(format!("starting the worker thread: {e}")))?
     };
@@ -377,6 +377,8 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
             "Tokens the batch's decode steps gave requests.",
             load(&st.batch_tokens),
         ),
+        ("kiln_batch_step_microseconds_total", "counter", "Wall time of the decode steps.", load(&st.batch_step_us)),
+        ("kiln_join_microseconds_total", "counter", "Wall time of joining requests (prefill).", load(&st.join_us)),
         ("kiln_prompt_tokens_total", "counter", "Prompt tokens processed.", load(&st.prompt_tokens)),
         ("kiln_generation_tokens_total", "counter", "Tokens generated.", load(&st.completion_tokens)),
     ];

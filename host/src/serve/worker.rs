@@ -67,41 +67,87 @@ pub struct WorkerOptions {
     pub timeout: Duration,
 }
 
-/// Serves `jobs` until the queue closes or a device error ends it (then `fatal` is called).
-pub fn run(mut g: Generator, jobs: Receiver<Job>, opts: WorkerOptions, stats: Arc<Stats>, fatal: impl Fn()) {
-    let device_error = match ContinuousBatch::new(&mut g, opts.batch, Some(opts.limits.max_length)) {
-        Ok(batch) => {
-            stats.batch_slots.store(batch.capacity() as u64, Ordering::Relaxed);
-            Batched { g, batch, live: Vec::new(), opts: &opts, stats: &stats }.run(&jobs)
+/// The worker's generator and how it serves: one continuous batch, or one request at a time
+/// for a folder that cannot batch.
+pub struct Worker {
+    g: Generator,
+    batch: Option<ContinuousBatch>,
+    opts: WorkerOptions,
+}
+
+impl Worker {
+    /// Readies the worker: the continuous batch's KV cache (`--batch` slots of
+    /// `--max-length` positions) is allocated here, before the server accepts anything. Errors:
+    /// the batch's allocation (with the sizes to lower); a folder that cannot batch is served one
+    /// request at a time instead, with a warning.
+    pub fn new(mut g: Generator, opts: WorkerOptions) -> crate::Result<Worker> {
+        let batch = match ContinuousBatch::new(&mut g, opts.batch, Some(opts.limits.max_length)) {
+            Ok(b) => Some(b),
+            Err(e) if e.is_unsupported() => {
+                tracing::warn!("serving one request at a time: {e}");
+                None
+            }
+            Err(e) => {
+                return Err(Error::Input(format!(
+                    "--batch {} with --max-length {}: {e} (lower --batch or --max-length)",
+                    opts.batch, opts.limits.max_length
+                )))
+            }
+        };
+        Ok(Worker { g, batch, opts })
+    }
+
+    /// Serves `jobs` until the queue closes or a device error ends it (then `fatal` is called).
+    pub fn run(self, jobs: Receiver<Job>, stats: Arc<Stats>, fatal: impl Fn()) {
+        let Worker { g, batch, opts } = self;
+        let device_error = match batch {
+            Some(batch) => {
+                stats.batch_slots.store(batch.capacity() as u64, Ordering::Relaxed);
+                Batched { g, batch, live: Vec::new(), opts: &opts, stats: &stats }.run(&jobs)
+            }
+            None => {
+                stats.batch_slots.store(1, Ordering::Relaxed);
+                one_at_a_time(g, &jobs, &opts, &stats)
+            }
+        };
+        if device_error {
+            stats.unhealthy.store(true, Ordering::SeqCst);
+            // Whatever still waits hears why.
+            while let Ok(job) = jobs.try_recv() {
+                stats.queued.fetch_sub(1, Ordering::Relaxed);
+                let _ = job.events.send(Event::Failed("the device failed; the server is stopping".into()));
+            }
+            fatal();
         }
-        Err(e) => {
-            tracing::warn!("serving one request at a time: {e}");
-            stats.batch_slots.store(1, Ordering::Relaxed);
-            one_at_a_time(g, &jobs, &opts, &stats)
-        }
-    };
-    if device_error {
-        stats.unhealthy.store(true, Ordering::SeqCst);
-        // Whatever still waits hears why.
-        while let Ok(job) = jobs.try_recv() {
-            stats.queued.fetch_sub(1, Ordering::Relaxed);
-            let _ = job.events.send(Event::Failed("the device failed; the server is stopping".into()));
-        }
-        fatal();
     }
 }
 
-/// A taken job checked: its work, or its rejection already sent.
-fn accept(g: &Generator, job: Job, opts: &WorkerOptions, stats: &Stats) -> Option<(Ask, Live)> {
+/// A taken job checked: its work, or its rejection already sent (a client that already left
+/// gets nothing). `batch`: the sampling the batch's device sampler cannot do is a 400.
+fn accept(
+    g: &Generator,
+    batch: Option<&ContinuousBatch>,
+    job: Job,
+    opts: &WorkerOptions,
+    stats: &Stats,
+) -> Option<(Ask, Live)> {
     stats.queued.fetch_sub(1, Ordering::Relaxed);
+    if job.events.is_closed() {
+        stats.disconnected.fetch_add(1, Ordering::Relaxed);
+        return None;
+    }
     if job.arrived.elapsed() > opts.timeout {
         stats.timed_out.fetch_add(1, Ordering::Relaxed);
-        let e = ApiError { status: 503, message: timed_out(opts.timeout, "in the queue"), param: None };
+        let e = ApiError { status: 503, message: timed_out(opts.timeout, "waiting in the queue"), param: None };
         let _ = job.events.send(Event::Rejected(e));
         return None;
     }
     let folder = &g.folder;
     let checked = job.request.check(job.chat, &opts.limits, |t| folder.encode(t), |m| folder.render_chat(m));
+    let checked = checked.and_then(|ask| match batch.map(|b| b.admits(g, &ask.sampling)) {
+        Some(Err(why)) => Err(ApiError::bad(why, Some("top_k"))),
+        _ => Ok(ask),
+    });
     match checked {
         Ok(ask) => {
             let _ = job.events.send(Event::Started { stream: ask.stream });
@@ -122,8 +168,13 @@ fn accept(g: &Generator, job: Job, opts: &WorkerOptions, stats: &Stats) -> Optio
     }
 }
 
-fn timed_out(timeout: Duration, where_: &str) -> String {
-    format!("the request ran past the server's --request-timeout of {} s {where_}", timeout.as_secs_f64())
+/// Why a request past its deadline failed (`while`: where it was), and what to change.
+fn timed_out(timeout: Duration, while_: &str) -> String {
+    format!(
+        "the request ran past the server's --request-timeout of {} s {while_}: ask for fewer max_tokens, or start \
+         the server with a longer --request-timeout",
+        timeout.as_secs_f64()
+    )
 }
 
 /// The continuous-batch loop's state.
@@ -164,7 +215,7 @@ impl Batched<'_> {
                     return true;
                 }
             }
-            if self.batch.active() == 0 {
+            if self.batch.active() == 0 && !self.batch.in_flight() {
                 if closed {
                     return false;
                 }
@@ -181,17 +232,9 @@ impl Batched<'_> {
                     tokens.into_iter().for_each(|e| self.deliver(e));
                 }
                 Err(e) => {
-                    let device = matches!(e, Error::Device(_));
                     // A failed step fails the requests it carried; the batch starts over.
-                    for slot in 0..self.live.len() {
-                        if let Some(l) = self.live[slot].take() {
-                            self.batch.leave(slot);
-                            self.stats.failed.fetch_add(1, Ordering::Relaxed);
-                            self.stats.running.fetch_sub(1, Ordering::Relaxed);
-                            let _ = l.events.send(Event::Failed(e.to_string()));
-                        }
-                    }
-                    if device {
+                    self.fail_all(&e);
+                    if matches!(e, Error::Device(_)) {
                         return true;
                     }
                 }
@@ -199,9 +242,22 @@ impl Batched<'_> {
         }
     }
 
-    /// Checks `job` and joins it to the batch; returns whether a device error happened.
+    /// Fails every running request with `e`, freeing its slot.
+    fn fail_all(&mut self, e: &Error) {
+        for slot in 0..self.live.len() {
+            if let Some(l) = self.live[slot].take() {
+                self.batch.leave(slot);
+                self.stats.failed.fetch_add(1, Ordering::Relaxed);
+                self.stats.running.fetch_sub(1, Ordering::Relaxed);
+                let _ = l.events.send(Event::Failed(e.to_string()));
+            }
+        }
+    }
+
+    /// Checks `job` and joins it to the batch; returns whether a device error happened (every
+    /// running request then failed).
     fn admit(&mut self, job: Job) -> bool {
-        let Some((ask, live)) = accept(&self.g, job, self.opts, self.stats) else { return false };
+        let Some((ask, live)) = accept(&self.g, Some(&self.batch), job, self.opts, self.stats) else { return false };
         let join = Join {
             prompt: &ask.prompt_ids,
             sampling: &ask.sampling,
@@ -221,7 +277,11 @@ impl Batched<'_> {
             Err(e) => {
                 self.stats.failed.fetch_add(1, Ordering::Relaxed);
                 let _ = live.events.send(Event::Failed(e.to_string()));
-                matches!(e, Error::Device(_))
+                let device = matches!(e, Error::Device(_));
+                if device {
+                    self.fail_all(&e);
+                }
+                device
             }
         }
     }
@@ -242,7 +302,7 @@ impl Batched<'_> {
                     self.stats.disconnected.fetch_add(1, Ordering::Relaxed);
                 } else {
                     self.stats.timed_out.fetch_add(1, Ordering::Relaxed);
-                    let _ = l.events.send(Event::Failed(timed_out(self.opts.timeout, "")));
+                    let _ = l.events.send(Event::Failed(timed_out(self.opts.timeout, "while generating")));
                 }
             }
         }
@@ -251,19 +311,25 @@ impl Batched<'_> {
     /// Hands a token to its request; ends the request when its sequence or text is over.
     fn deliver(&mut self, e: Emitted) {
         let Some(live) = self.live.get_mut(e.slot).and_then(Option::as_mut) else { return };
-        match (live.push(e.token), e.finished) {
+        let pushed = live.push(e.token);
+        let ended = match (&pushed, e.finished) {
             (Pushed::Going, None) => return,
-            (Pushed::Going, Some(why)) => live.finish(&self.g, why, self.stats),
-            (Pushed::StopString, _) => live.finish(&self.g, StopReason::Interrupted, self.stats),
-            (Pushed::Gone, _) => {
-                self.stats.disconnected.fetch_add(1, Ordering::Relaxed);
-            }
-        }
+            (Pushed::Going, Some(why)) => Some(why),
+            (Pushed::StopString, _) => Some(StopReason::Interrupted),
+            (Pushed::Gone, _) => None,
+        };
         if e.finished.is_none() {
             self.batch.leave(e.slot);
         }
-        self.live[e.slot] = None;
+        let Some(mut live) = self.live[e.slot].take() else { return };
+        // Not running any more before its client hears `Done`.
         self.stats.running.fetch_sub(1, Ordering::Relaxed);
+        match ended {
+            Some(why) => live.finish(&self.g, why, self.stats),
+            None => {
+                self.stats.disconnected.fetch_add(1, Ordering::Relaxed);
+            }
+        }
     }
 }
 
@@ -339,7 +405,7 @@ fn one_at_a_time(mut g: Generator, jobs: &Receiver<Job>, opts: &WorkerOptions, s
     // time runs out.
     let stop: &'static AtomicBool = Box::leak(Box::new(AtomicBool::new(false)));
     for job in jobs {
-        let Some((ask, mut live)) = accept(&g, job, opts, stats) else { continue };
+        let Some((ask, mut live)) = accept(&g, None, job, opts, stats) else { continue };
         stats.running.fetch_add(1, Ordering::Relaxed);
         stop.store(false, Ordering::SeqCst);
         let gen_opts = GenerateOptions {
@@ -379,7 +445,7 @@ fn one_at_a_time(mut g: Generator, jobs: &Receiver<Job>, opts: &WorkerOptions, s
             }
             (Ok(_), Some(Ended::Late)) => {
                 stats.timed_out.fetch_add(1, Ordering::Relaxed);
-                let _ = live.events.send(Event::Failed(timed_out(opts.timeout, "")));
+                let _ = live.events.send(Event::Failed(timed_out(opts.timeout, "while generating")));
             }
             (Ok(_), Some(Ended::StopString)) => live.finish(&g, StopReason::Interrupted, stats),
             (Ok(mut r), None) => {
