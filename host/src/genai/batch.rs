@@ -169,50 +169,78 @@ impl ContinuousBatch {
     /// Errors: no free slot, an empty prompt or one of `max_length` tokens or more, sampling the
     /// device cannot do (named), or the prefill's failure (the batch's other sequences go on).
     pub fn join(&mut self, g: &mut Generator, join: Join<'_>) -> Result<Emitted> {
-        let Some(slot) = self.slots.iter().position(|s| s.seq.is_none()) else {
-            return Err(Error::Input(format!("the batch's {} slots are all taken", self.slots.len())));
-        };
-        let (prompt, params) = (join.prompt, join.sampling);
-        if prompt.is_empty() || prompt.len() >= self.max_length {
+        let mut e = self.join_many(g, &[join])?;
+        e.pop().ok_or_else(|| Error::Model("the prefill returned no logits".into()))
+    }
+
+    /// Adds several sequences at once, to the first free slots in order: one prefill of their
+    /// prompts together (right-padded, as `Generator::prefill` pads a batch), each KV row copied
+    /// into its slot. Returns each one's first token, in the order given. Errors: as
+    /// [`ContinuousBatch::join`] (the first bad sequence named by its index); nothing joins then.
+    pub fn join_many(&mut self, g: &mut Generator, joins: &[Join<'_>]) -> Result<Vec<Emitted>> {
+        let free: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].seq.is_none()).collect();
+        if joins.len() > free.len() {
             return Err(Error::Input(format!(
-                "the prompt has {} tokens; it needs 1 to {} (max_length {})",
-                prompt.len(),
-                self.max_length - 1,
-                self.max_length
+                "{} sequences for {} free slots of {}",
+                joins.len(),
+                free.len(),
+                self.slots.len()
             )));
         }
-        self.admits(g, params).map_err(Error::Unsupported)?;
-        let (scratch, logits) = g.prefill(&[prompt.to_vec()], self.kv.limit)?;
+        for (i, j) in joins.iter().enumerate() {
+            if j.prompt.is_empty() || j.prompt.len() >= self.max_length {
+                return Err(Error::Input(format!(
+                    "sequence {i}: the prompt has {} tokens; it needs 1 to {} (max_length {})",
+                    j.prompt.len(),
+                    self.max_length - 1,
+                    self.max_length
+                )));
+            }
+            self.admits(g, j.sampling).map_err(|why| Error::Unsupported(format!("sequence {i}: {why}")))?;
+        }
+        if joins.is_empty() {
+            return Ok(Vec::new());
+        }
+        let prompts: Vec<Vec<i64>> = joins.iter().map(|j| j.prompt.to_vec()).collect();
+        let (scratch, logits) = g.prefill(&prompts, self.kv.limit)?;
         let row =
             self.kv.past.first().map_or(Ok(0), |t| g.session.tensor_type(t).map(|(_, s)| s[1..].iter().product()));
         let copied = row.and_then(|row: usize| {
-            scratch
-                .past
-                .iter()
-                .zip(&self.kv.past)
-                .try_for_each(|(from, to)| g.session.copy_elements(from, 0, to, slot * row, row))
+            scratch.past.iter().zip(&self.kv.past).try_for_each(|(from, to)| {
+                (0..joins.len()).try_for_each(|i| g.session.copy_elements(from, i * row, to, free[i] * row, row))
+            })
         });
         g.free(scratch);
         copied?;
-        let sampler = Sampler::new(params.clone());
-        let first = logits.first().map(|l| sampler.next(l, prompt, slot, 0));
-        let first = first.ok_or_else(|| Error::Model("the prefill returned no logits".into()))?;
-        let mut tokens = prompt.to_vec();
-        tokens.push(first);
-        let s = &mut self.slots[slot];
-        s.len = tokens.len();
-        s.tokens = tokens;
-        s.epoch += 1;
-        s.seq = Some(Sequence {
-            generated: 1,
-            max_new_tokens: join.max_new_tokens.max(1),
-            ignore_eos: join.ignore_eos,
-            sampler,
-        });
+        if logits.len() != joins.len() {
+            return Err(Error::Model(format!(
+                "the prefill returned {} rows of logits for {}",
+                logits.len(),
+                joins.len()
+            )));
+        }
+        let mut out = Vec::with_capacity(joins.len());
+        for ((j, l), &slot) in joins.iter().zip(&logits).zip(&free) {
+            let sampler = Sampler::new(j.sampling.clone());
+            let first = sampler.next(l, j.prompt, slot, 0);
+            let mut tokens = j.prompt.to_vec();
+            tokens.push(first);
+            let s = &mut self.slots[slot];
+            s.len = tokens.len();
+            s.tokens = tokens;
+            s.epoch += 1;
+            s.seq = Some(Sequence {
+                generated: 1,
+                max_new_tokens: j.max_new_tokens.max(1),
+                ignore_eos: j.ignore_eos,
+                sampler,
+            });
+            self.stats.joins += 1;
+            let finished = self.finished(slot, first);
+            out.push(Emitted { slot, token: first, finished });
+        }
         self.dirty = true;
-        self.stats.joins += 1;
-        let finished = self.finished(slot, first);
-        Ok(Emitted { slot, token: first, finished })
+        Ok(out)
     }
 
     /// Whether the batch's device sampler can choose tokens with `params`, or why not, in the

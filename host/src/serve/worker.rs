@@ -58,6 +58,9 @@ pub struct Stats {
     pub batch_slots: AtomicU64,
 }
 
+/// Most requests one prefill joins to the batch (their prompts padded to the longest).
+const JOIN_AT_ONCE: usize = 8;
+
 /// How the worker serves.
 pub struct WorkerOptions {
     pub limits: Limits,
@@ -194,9 +197,11 @@ impl Batched<'_> {
         self.live = (0..self.batch.capacity()).map(|_| None).collect();
         let mut closed = false;
         loop {
-            // Admit waiting requests into free slots; block only when nothing runs.
-            while !closed && self.batch.active() < self.batch.capacity() {
-                let job = if self.batch.active() == 0 {
+            // Admit waiting requests into free slots, up to JOIN_AT_ONCE per prefill; block
+            // only when nothing runs.
+            let mut taken = Vec::new();
+            while !closed && self.batch.active() + taken.len() < self.batch.capacity() && taken.len() < JOIN_AT_ONCE {
+                let job = if self.batch.active() == 0 && taken.is_empty() {
                     match jobs.recv() {
                         Ok(j) => j,
                         Err(_) => return false,
@@ -211,9 +216,10 @@ impl Batched<'_> {
                         }
                     }
                 };
-                if self.admit(job) {
-                    return true;
-                }
+                taken.extend(accept(&self.g, Some(&self.batch), job, self.opts, self.stats));
+            }
+            if !taken.is_empty() && self.admit(taken) {
+                return true;
             }
             if self.batch.active() == 0 && !self.batch.in_flight() {
                 if closed {
@@ -254,29 +260,36 @@ impl Batched<'_> {
         }
     }
 
-    /// Checks `job` and joins it to the batch; returns whether a device error happened (every
-    /// running request then failed).
-    fn admit(&mut self, job: Job) -> bool {
-        let Some((ask, live)) = accept(&self.g, Some(&self.batch), job, self.opts, self.stats) else { return false };
-        let join = Join {
-            prompt: &ask.prompt_ids,
-            sampling: &ask.sampling,
-            max_new_tokens: ask.max_tokens,
-            ignore_eos: ask.ignore_eos,
-        };
+    /// Joins accepted requests to the batch (one prefill); returns whether a device error
+    /// happened (every running request then failed).
+    fn admit(&mut self, taken: Vec<(Ask, Live)>) -> bool {
+        let joins: Vec<Join<'_>> = taken
+            .iter()
+            .map(|(ask, _)| Join {
+                prompt: &ask.prompt_ids,
+                sampling: &ask.sampling,
+                max_new_tokens: ask.max_tokens,
+                ignore_eos: ask.ignore_eos,
+            })
+            .collect();
         let t0 = Instant::now();
-        let joined = self.batch.join(&mut self.g, join);
+        let joined = self.batch.join_many(&mut self.g, &joins);
         self.stats.join_us.fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+        drop(joins);
         match joined {
-            Ok(first) => {
-                self.stats.running.fetch_add(1, Ordering::Relaxed);
-                self.live[first.slot] = Some(live);
-                self.deliver(first);
+            Ok(firsts) => {
+                for ((_, live), first) in taken.into_iter().zip(firsts) {
+                    self.stats.running.fetch_add(1, Ordering::Relaxed);
+                    self.live[first.slot] = Some(live);
+                    self.deliver(first);
+                }
                 false
             }
             Err(e) => {
-                self.stats.failed.fetch_add(1, Ordering::Relaxed);
-                let _ = live.events.send(Event::Failed(e.to_string()));
+                for (_, live) in taken {
+                    self.stats.failed.fetch_add(1, Ordering::Relaxed);
+                    let _ = live.events.send(Event::Failed(e.to_string()));
+                }
                 let device = matches!(e, Error::Device(_));
                 if device {
                     self.fail_all(&e);
