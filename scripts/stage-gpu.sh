@@ -45,7 +45,7 @@ venv=target/py-venv
 xz -T2 -6 -c target/release/kiln > .gpu/kiln.xz
 xz -T2 -6 -c "$tests_bin" > .gpu/gpu-tests.xz
 tar -C "$root" -cJf .gpu/node-tests.tar.xz .cache/onnx-node-1.20.0
-for f in tiny-llama-v512-fp16-cuda; do
+for f in tiny-llama-v512-fp16-cuda tiny-llama-v512-fp32-cpu; do
   cp -r "$shared/fixtures/llm/$f" .gpu/fixtures/llm/
   cp -r "$shared/fixtures/llm/references/$f" .gpu/fixtures/llm/references/
 done

@@ -185,6 +185,23 @@ fn a_completion_is_onnxruntime_genais_greedy_text() {
     let mut stream = ask;
     stream["stream"] = json!(true);
     assert_eq!(server.complete(stream), expected);
+    // A stop string cuts the text before it, whole and streamed, and frees the slot.
+    let cut = expected.char_indices().nth(12).map(|(i, _)| i).unwrap();
+    let stop: String = expected[cut..].chars().take(3).collect();
+    let at = expected.find(&stop).unwrap();
+    for stream in [false, true] {
+        let body =
+            json!({"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0, "stop": [stop], "stream": stream});
+        assert_eq!(server.complete(body), expected[..at], "stop {stop:?}, stream {stream}");
+    }
+    let (_, body) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "Once upon a time", "max_tokens": 16,
+        "temperature": 0, "stop": stop})
+        .to_string(),
+    );
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{body}");
     // A sampled request alone takes slot 0: kiln generate's draws for row 0 with its seed.
     let sampling =
         SamplingParams { do_sample: true, temperature: 0.9, top_k: 40, top_p: 0.9, repetition_penalty: 1.2, seed: 5 };

@@ -96,6 +96,7 @@ pub fn run(a: ServeArgs) -> Result<ExitCode> {
         limits,
         batch: a.batch,
         timeout: std::time::Duration::from_secs_f64(a.request_timeout),
+        tokenizer: folder.tokenizer.clone(),
     };
     let loading = super::progress::Progress::spinner("loading the model");
     serve(

@@ -15,7 +15,8 @@ pub struct ModelFolder {
     pub dir: PathBuf,
     pub config: GenaiConfig,
     pub model: Model,
-    pub tokenizer: Tokenizer,
+    /// Shared: a stream per request clones the handle, not the vocabulary.
+    pub tokenizer: std::sync::Arc<Tokenizer>,
     /// `chat_template.jinja`, when present.
     pub chat_template: Option<String>,
     /// dtype of the KV cache (from the first past key input).
@@ -54,7 +55,14 @@ impl ModelFolder {
             Err(source) => return Err(Error::Io { path: file("chat_template.jinja"), source }),
         };
         let kv_dtype = check_graph(&config, &model).map_err(|e| Error::Input(format!("{}: {e}", dir.display())))?;
-        Ok(ModelFolder { dir: dir.to_path_buf(), config, model, tokenizer, chat_template, kv_dtype })
+        Ok(ModelFolder {
+            dir: dir.to_path_buf(),
+            config,
+            model,
+            tokenizer: std::sync::Arc::new(tokenizer),
+            chat_template,
+            kv_dtype,
+        })
     }
 
     /// Renders a chat prompt (`user` message, generation prompt added) with the folder's template.

@@ -1,6 +1,8 @@
 //! Streaming detokenization: the text of a growing list of token ids, handed out piece by
 //! piece as it becomes final.
 
+use std::sync::Arc;
+
 use tokenizers::Tokenizer;
 
 /// Turns one sequence's tokens into text pieces as they come, decoding only a short window of
@@ -13,7 +15,7 @@ use tokenizers::Tokenizer;
 /// what a token's decoding depends on (a SentencePiece word boundary, a byte-fallback sequence)
 /// stays inside it; the piece is the window's text past the text of its released part.
 pub struct TextStream {
-    tokenizer: Tokenizer,
+    tokenizer: Arc<Tokenizer>,
     ids: Vec<u32>,
     /// Where the decoding window starts.
     prefix: usize,
@@ -23,7 +25,7 @@ pub struct TextStream {
 }
 
 impl TextStream {
-    pub fn new(tokenizer: Tokenizer) -> TextStream {
+    pub fn new(tokenizer: Arc<Tokenizer>) -> TextStream {
         TextStream { tokenizer, ids: Vec::new(), prefix: 0, read: 0, shown: String::new() }
     }
 

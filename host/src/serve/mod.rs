@@ -40,6 +40,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tokio_stream::StreamExt;
 
 use self::api::{ApiError, Limits, Request};
+use self::stop::RequestText;
 use self::worker::{Event, Job, Stats, Worker, WorkerOptions};
 use crate::genai::Generator;
 use crate::{Error, Result};
@@ -61,11 +62,14 @@ pub struct ServeOptions {
     pub batch: usize,
     /// Longest a request may take from its arrival.
     pub timeout: std::time::Duration,
+    /// The folder's tokenizer: each request's HTTP task turns its tokens into text.
+    pub tokenizer: Arc<tokenizers::Tokenizer>,
 }
 
 /// What every handler shares.
 struct Shared {
     jobs: SyncSender<Job>,
+    tokenizer: Arc<tokenizers::Tokenizer>,
     stats: Arc<Stats>,
     model_id: String,
     api_key: Option<String>,
@@ -81,7 +85,8 @@ pub fn serve(
     on_listening: impl FnOnce(SocketAddr),
 ) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        // Each request's task turns its tokens into text: threads for them beside the worker.
+        .worker_threads(std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8)))
         .enable_all()
         .build()
         .map_err(|e| Error::Device(format!("starting the server's runtime: {e}")))?;
@@ -112,6 +117,7 @@ pub fn serve(
     ready_rx.recv().map_err(|_| Error::Device("the worker thread ended before the model loaded".into()))??;
     let shared = Arc::new(Shared {
         jobs,
+        tokenizer: opts.tokenizer,
         stats: stats.clone(),
         model_id: opts.model_id,
         api_key: opts.api_key,
@@ -228,8 +234,10 @@ async fn generate(s: Arc<Shared>, headers: HeaderMap, body: Bytes, chat: bool) -
         });
     }
     let (events, mut rx) = unbounded_channel();
+    let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
     s.stats.queued.fetch_add(1, Ordering::Relaxed);
-    if let Err(e) = s.jobs.try_send(Job { request, chat, events, arrived: std::time::Instant::now() }) {
+    let job = Job { request, chat, events, arrived: std::time::Instant::now(), cancel: cancel.clone() };
+    if let Err(e) = s.jobs.try_send(job) {
         s.stats.queued.fetch_sub(1, Ordering::Relaxed);
         let (status, message) = match e {
             TrySendError::Full(_) => (429, "the queue is full: retry later"),
@@ -237,18 +245,58 @@ async fn generate(s: Arc<Shared>, headers: HeaderMap, body: Bytes, chat: bool) -
         };
         return error_response(&ApiError { status, message: message.into(), param: None });
     }
-    let stream = match rx.recv().await {
+    let (stream, prompt_tokens, stop) = match rx.recv().await {
         Some(Event::Rejected(e)) => return error_response(&e),
-        Some(Event::Started { stream }) => stream,
+        Some(Event::Started { stream, prompt_tokens, stop }) => (stream, prompt_tokens, stop),
         Some(Event::Failed(m)) => return error_response(&ApiError { status: 500, message: m, param: None }),
         _ => return error_response(&ApiError { status: 503, message: "the server is stopping".into(), param: None }),
     };
     let id = format!("{}-{}", if chat { "chatcmpl" } else { "cmpl" }, s.next_id.fetch_add(1, Ordering::Relaxed));
     let meta = Meta { id, model: s.model_id.clone(), created: now(), chat };
+    let text = Answer { text: RequestText::new(s.tokenizer.clone(), stop), cancel, prompt_tokens };
     if stream {
-        sse(meta, rx)
+        sse(meta, text, rx)
     } else {
-        whole(meta, rx).await
+        whole(meta, text, rx).await
+    }
+}
+
+/// A request's answer as its HTTP task builds it from the worker's tokens.
+struct Answer {
+    text: RequestText,
+    /// Set when a stop string ends the text, so that the worker frees the request's slot.
+    cancel: Arc<std::sync::atomic::AtomicBool>,
+    prompt_tokens: usize,
+}
+
+/// What one worker event adds to an answer.
+enum Step {
+    /// Text to send (maybe empty).
+    Text(String),
+    /// The answer is complete: its last text, finish reason and usage.
+    End(String, &'static str, Value),
+    Failed(String),
+}
+
+impl Answer {
+    fn step(&mut self, ev: Event) -> Step {
+        match ev {
+            Event::Token(id) => {
+                let t = self.text.push(id);
+                if self.text.stopped {
+                    self.cancel.store(true, Ordering::SeqCst);
+                    return Step::End(t, "stop", usage(self.prompt_tokens, self.text.tokens()));
+                }
+                Step::Text(t)
+            }
+            Event::Done { finish_reason, prompt_tokens, completion_tokens } => {
+                let t = self.text.finish();
+                let finish = if self.text.stopped { "stop" } else { finish_reason };
+                Step::End(t, finish, usage(prompt_tokens, completion_tokens))
+            }
+            Event::Failed(m) | Event::Rejected(ApiError { message: m, .. }) => Step::Failed(m),
+            Event::Started { .. } => Step::Text(String::new()),
+        }
     }
 }
 
@@ -294,19 +342,16 @@ fn usage(prompt: usize, completion: usize) -> Value {
 }
 
 /// The whole answer as one JSON body.
-async fn whole(meta: Meta, mut rx: UnboundedReceiver<Event>) -> Response {
+async fn whole(meta: Meta, mut answer: Answer, mut rx: UnboundedReceiver<Event>) -> Response {
     let mut text = String::new();
     while let Some(ev) = rx.recv().await {
-        match ev {
-            Event::Text(t) => text.push_str(&t),
-            Event::Done { finish_reason, prompt_tokens, completion_tokens } => {
-                let body =
-                    meta.body(&text, Some(finish_reason), false, true, Some(usage(prompt_tokens, completion_tokens)));
-                return axum::Json(body).into_response();
+        match answer.step(ev) {
+            Step::Text(t) => text.push_str(&t),
+            Step::End(t, finish, usage) => {
+                text.push_str(&t);
+                return axum::Json(meta.body(&text, Some(finish), false, true, Some(usage))).into_response();
             }
-            Event::Failed(m) => return error_response(&ApiError { status: 500, message: m, param: None }),
-            Event::Rejected(e) => return error_response(&e),
-            Event::Started { .. } => {}
+            Step::Failed(m) => return error_response(&ApiError { status: 500, message: m, param: None }),
         }
     }
     error_response(&ApiError { status: 503, message: "the server stopped during the request".into(), param: None })
@@ -314,26 +359,39 @@ async fn whole(meta: Meta, mut rx: UnboundedReceiver<Event>) -> Response {
 
 /// The answer as server-sent events: one `data:` line per piece of text, then a chunk with
 /// the finish reason (and usage), then `data: [DONE]`. A client that goes away drops the
-/// stream and with it the receiver, which stops the generation.
-fn sse(meta: Meta, rx: UnboundedReceiver<Event>) -> Response {
+/// stream and with it the receiver, which frees the request's slot.
+fn sse(meta: Meta, mut answer: Answer, rx: UnboundedReceiver<Event>) -> Response {
     let mut first = true;
-    let events = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(move |ev| {
-        let data = match ev {
-            Event::Text(t) => {
+    let mut ended = false;
+    // The stream ends when the worker drops its sender (the sequence ended, or the stop string
+    // the answer found freed the slot); events after the end are dropped.
+    let events = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).filter_map(move |ev| {
+        if ended {
+            return None;
+        }
+        let data = match answer.step(ev) {
+            Step::Text(t) if t.is_empty() => return None,
+            Step::Text(t) => {
                 let v = meta.body(&t, None, true, first, None);
                 first = false;
                 v.to_string()
             }
-            Event::Done { finish_reason, prompt_tokens, completion_tokens } => {
-                let v = meta.body("", Some(finish_reason), true, first, Some(usage(prompt_tokens, completion_tokens)));
-                format!("{v}\n\ndata: [DONE]")
+            Step::End(t, finish, usage) => {
+                ended = true;
+                let mut out = String::new();
+                if !t.is_empty() {
+                    out = format!("{}\n\ndata: ", meta.body(&t, None, true, first, None));
+                    first = false;
+                }
+                let v = meta.body("", Some(finish), true, first, Some(usage));
+                format!("{out}{v}\n\ndata: [DONE]")
             }
-            Event::Failed(m) | Event::Rejected(ApiError { message: m, .. }) => {
+            Step::Failed(m) => {
+                ended = true;
                 ApiError { status: 500, message: m, param: None }.body().to_string()
             }
-            Event::Started { .. } => String::new(),
         };
-        Ok::<_, std::convert::Infallible>(Bytes::from(format!("data: {data}\n\n")))
+        Some(Ok::<_, std::convert::Infallible>(Bytes::from(format!("data: {data}\n\n"))))
     });
     Response::builder()
         .header(header::CONTENT_TYPE, "text/event-stream")

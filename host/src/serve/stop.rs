@@ -61,3 +61,62 @@ mod tests {
         assert_eq!(m.push("?"), ("é?".to_string(), false));
     }
 }
+
+/// One request's text, made on its HTTP task rather than on the generation worker (which only
+/// sends token ids, so its step loop does not wait on detokenization): the streamed pieces of
+/// the tokens so far, cut at the first stop string.
+pub struct RequestText {
+    text: crate::genai::TextStream,
+    matcher: StopMatcher,
+    tokenizer: std::sync::Arc<tokenizers::Tokenizer>,
+    ids: Vec<i64>,
+    /// A stop string ended the text.
+    pub stopped: bool,
+}
+
+impl RequestText {
+    pub fn new(tokenizer: std::sync::Arc<tokenizers::Tokenizer>, stops: Vec<String>) -> RequestText {
+        RequestText {
+            text: crate::genai::TextStream::new(tokenizer.clone()),
+            matcher: StopMatcher::new(stops),
+            tokenizer,
+            ids: Vec::new(),
+            stopped: false,
+        }
+    }
+
+    /// Adds a token; returns the text now safe to send (empty while held back). After a stop
+    /// string, nothing more.
+    pub fn push(&mut self, id: i64) -> String {
+        if self.stopped {
+            return String::new();
+        }
+        self.ids.push(id);
+        let Some(piece) = self.text.push(id) else { return String::new() };
+        let (out, found) = self.matcher.push(&piece);
+        self.stopped = found;
+        out
+    }
+
+    /// The text held back at the end of the sequence (an unfinished character or word, a
+    /// possible start of a stop string that did not come).
+    pub fn finish(&mut self) -> String {
+        if self.stopped {
+            return String::new();
+        }
+        let ids: Vec<u32> = self.ids.iter().map(|&i| i as u32).collect();
+        let whole = self.tokenizer.decode(&ids, true).unwrap_or_default();
+        let (out, found) = self.matcher.push(self.text.rest(&whole));
+        self.stopped = found;
+        if found {
+            out
+        } else {
+            out + &self.matcher.finish()
+        }
+    }
+
+    /// Tokens so far (the usage's `completion_tokens`).
+    pub fn tokens(&self) -> usize {
+        self.ids.len()
+    }
+}

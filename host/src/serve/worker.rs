@@ -1,9 +1,11 @@
 //! The generation worker of `kiln serve`: one thread owns the `Generator` (its session, device
 //! buffers and graphs) and serves the queued requests in one continuous batch
 //! ([`crate::genai::ContinuousBatch`]): a request joins a free slot between decode steps, and
-//! leaves it when it ends, when its client goes away or when it runs past its timeout. Each
-//! request's text streams back as it is decoded. A folder that cannot batch (no shared KV
-//! buffer or no device-step packages) is served one request at a time.
+//! leaves it when it ends, when its client goes away, when its HTTP task found a stop string
+//! (`Job::cancel`) or when it runs past its timeout. The worker sends token ids only: each
+//! request's HTTP task turns them into text (`stop::RequestText`), so detokenization runs on
+//! the server's threads beside the step loop. A folder that cannot batch (no shared KV buffer or
+//! no device-step packages) is served one request at a time.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError};
@@ -13,26 +15,36 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::api::{ApiError, Ask, Limits, Request};
-use super::stop::StopMatcher;
-use crate::genai::{ContinuousBatch, Emitted, GenerateOptions, Generator, Join, StopReason, TextStream};
+use crate::genai::{ContinuousBatch, Emitted, GenerateOptions, Generator, Join, StopReason};
 use crate::Error;
 
-/// One queued request: its body, which endpoint, where its events go, and when it arrived.
+/// One queued request: its body, which endpoint, where its events go, when it arrived, and the
+/// flag its HTTP task sets when a stop string ended the text (the worker then frees its slot).
 pub struct Job {
     pub request: Request,
     pub chat: bool,
     pub events: UnboundedSender<Event>,
     pub arrived: Instant,
+    pub cancel: Arc<AtomicBool>,
 }
 
-/// What a request hears from the worker, in order: `Rejected`, or `Started` then `Text`s then
+/// What a request hears from the worker, in order: `Rejected`, or `Started` then `Token`s then
 /// `Done` (or `Failed`).
 #[derive(Debug)]
 pub enum Event {
     Rejected(ApiError),
-    Started { stream: bool },
-    Text(String),
-    Done { finish_reason: &'static str, prompt_tokens: usize, completion_tokens: usize },
+    Started {
+        stream: bool,
+        prompt_tokens: usize,
+        stop: Vec<String>,
+    },
+    Token(i64),
+    /// The sequence ended: `stop` (end-of-sequence token) or `length`.
+    Done {
+        finish_reason: &'static str,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
     Failed(String),
 }
 
@@ -153,12 +165,15 @@ fn accept(
     });
     match checked {
         Ok(ask) => {
-            let _ = job.events.send(Event::Started { stream: ask.stream });
+            let _ = job.events.send(Event::Started {
+                stream: ask.stream,
+                prompt_tokens: ask.prompt_ids.len(),
+                stop: ask.stop.clone(),
+            });
             let live = Live {
                 events: job.events,
-                text: TextStream::new(folder.tokenizer.clone()),
-                matcher: StopMatcher::new(ask.stop.clone()),
-                ids: Vec::new(),
+                cancel: job.cancel,
+                tokens: 0,
                 prompt_tokens: ask.prompt_ids.len(),
                 deadline: job.arrived + opts.timeout,
             };
@@ -299,19 +314,22 @@ impl Batched<'_> {
         }
     }
 
-    /// Frees the slots of requests whose client went away or whose time ran out.
+    /// Frees the slots of requests whose text ended at a stop string, whose client went away or
+    /// whose time ran out.
     fn drop_abandoned(&mut self) {
         let now = Instant::now();
         for slot in 0..self.live.len() {
             let Some(l) = &self.live[slot] else { continue };
-            let (gone, late) = (l.events.is_closed(), now > l.deadline);
-            if !(gone || late) {
+            let (stopped, gone, late) = (l.cancel.load(Ordering::SeqCst), l.events.is_closed(), now > l.deadline);
+            if !(stopped || gone || late) {
                 continue;
             }
             if let Some(l) = self.live[slot].take() {
                 self.batch.leave(slot);
                 self.stats.running.fetch_sub(1, Ordering::Relaxed);
-                if gone {
+                if stopped {
+                    l.count(self.stats);
+                } else if gone {
                     self.stats.disconnected.fetch_add(1, Ordering::Relaxed);
                 } else {
                     self.stats.timed_out.fetch_add(1, Ordering::Relaxed);
@@ -321,92 +339,60 @@ impl Batched<'_> {
         }
     }
 
-    /// Hands a token to its request; ends the request when its sequence or text is over.
+    /// Hands a token to its request; ends the request when its sequence is over.
     fn deliver(&mut self, e: Emitted) {
         let Some(live) = self.live.get_mut(e.slot).and_then(Option::as_mut) else { return };
-        let pushed = live.push(e.token);
-        let ended = match (&pushed, e.finished) {
-            (Pushed::Going, None) => return,
-            (Pushed::Going, Some(why)) => Some(why),
-            (Pushed::StopString, _) => Some(StopReason::Interrupted),
-            (Pushed::Gone, _) => None,
-        };
+        let sent = live.send_token(e.token);
+        if sent && e.finished.is_none() {
+            return;
+        }
         if e.finished.is_none() {
             self.batch.leave(e.slot);
         }
-        let Some(mut live) = self.live[e.slot].take() else { return };
+        let Some(live) = self.live[e.slot].take() else { return };
         // Not running any more before its client hears `Done`.
         self.stats.running.fetch_sub(1, Ordering::Relaxed);
-        match ended {
-            Some(why) => live.finish(&self.g, why, self.stats),
-            None => {
+        match (sent, e.finished) {
+            (true, Some(why)) => live.finish(why, self.stats),
+            _ => {
                 self.stats.disconnected.fetch_add(1, Ordering::Relaxed);
             }
         }
     }
 }
 
-/// One running request's stream: its text so far, stop strings and counts.
+/// One running request, as the worker sees it: where its tokens go, and its counts.
 struct Live {
     events: UnboundedSender<Event>,
-    text: TextStream,
-    matcher: StopMatcher,
-    ids: Vec<i64>,
+    /// Set by the request's HTTP task when a stop string ended its text.
+    cancel: Arc<AtomicBool>,
+    tokens: usize,
     prompt_tokens: usize,
     deadline: Instant,
 }
 
-/// What one token did to a request.
-enum Pushed {
-    Going,
-    /// A stop string ended the text.
-    StopString,
-    /// The client went away.
-    Gone,
-}
-
 impl Live {
-    fn push(&mut self, id: i64) -> Pushed {
-        self.ids.push(id);
-        let Some(piece) = self.text.push(id) else { return Pushed::Going };
-        let (out, found) = self.matcher.push(&piece);
-        if !self.send(out) {
-            return Pushed::Gone;
-        }
-        if found {
-            Pushed::StopString
-        } else {
-            Pushed::Going
-        }
+    /// Sends a token; false when the client is gone.
+    fn send_token(&mut self, id: i64) -> bool {
+        self.tokens += 1;
+        self.events.send(Event::Token(id)).is_ok()
     }
 
-    /// Sends text (nothing when empty); false when the client is gone.
-    fn send(&self, text: String) -> bool {
-        text.is_empty() || self.events.send(Event::Text(text)).is_ok()
-    }
-
-    /// Ends the request: the text held back, then `Done`. `Interrupted`: a stop string was found.
-    fn finish(&mut self, g: &Generator, why: StopReason, stats: &Stats) {
-        let mut hit = why == StopReason::Interrupted;
-        if !hit {
-            // The text the stream held back (an unfinished character or word at the end).
-            let whole = g.folder.decode(&self.ids).unwrap_or_default();
-            let (out, found) = self.matcher.push(self.text.rest(&whole));
-            hit = found;
-            let rest = if hit { String::new() } else { self.matcher.finish() };
-            if !self.send(out + &rest) {
-                stats.disconnected.fetch_add(1, Ordering::Relaxed);
-                return;
-            }
-        }
+    /// Counts a request answered in full.
+    fn count(&self, stats: &Stats) {
         stats.prompt_tokens.fetch_add(self.prompt_tokens as u64, Ordering::Relaxed);
-        stats.completion_tokens.fetch_add(self.ids.len() as u64, Ordering::Relaxed);
+        stats.completion_tokens.fetch_add(self.tokens as u64, Ordering::Relaxed);
         stats.completed.fetch_add(1, Ordering::Relaxed);
-        let finish_reason = if hit || why == StopReason::Eos { "stop" } else { "length" };
+    }
+
+    /// Ends the request as its sequence ended: `Done` with OpenAI's finish reason.
+    fn finish(self, why: StopReason, stats: &Stats) {
+        self.count(stats);
+        let finish_reason = if why == StopReason::Eos { "stop" } else { "length" };
         let _ = self.events.send(Event::Done {
             finish_reason,
             prompt_tokens: self.prompt_tokens,
-            completion_tokens: self.ids.len(),
+            completion_tokens: self.tokens,
         });
     }
 }
@@ -419,6 +405,7 @@ fn one_at_a_time(mut g: Generator, jobs: &Receiver<Job>, opts: &WorkerOptions, s
     let stop: &'static AtomicBool = Box::leak(Box::new(AtomicBool::new(false)));
     for job in jobs {
         let Some((ask, mut live)) = accept(&g, None, job, opts, stats) else { continue };
+        // The HTTP task sets `cancel` once a stop string ends the text.
         stats.running.fetch_add(1, Ordering::Relaxed);
         stop.store(false, Ordering::SeqCst);
         let gen_opts = GenerateOptions {
@@ -433,11 +420,14 @@ fn one_at_a_time(mut g: Generator, jobs: &Receiver<Job>, opts: &WorkerOptions, s
             if ended.is_some() {
                 return;
             }
-            ended = match live.push(id) {
-                Pushed::Going if Instant::now() > live.deadline => Some(Ended::Late),
-                Pushed::Going => None,
-                Pushed::StopString => Some(Ended::StopString),
-                Pushed::Gone => Some(Ended::Gone),
+            ended = if !live.send_token(id) {
+                Some(Ended::Gone)
+            } else if live.cancel.load(Ordering::SeqCst) {
+                Some(Ended::StopString)
+            } else if Instant::now() > live.deadline {
+                Some(Ended::Late)
+            } else {
+                None
             };
             if ended.is_some() {
                 stop.store(true, Ordering::SeqCst);
@@ -460,10 +450,10 @@ fn one_at_a_time(mut g: Generator, jobs: &Receiver<Job>, opts: &WorkerOptions, s
                 stats.timed_out.fetch_add(1, Ordering::Relaxed);
                 let _ = live.events.send(Event::Failed(timed_out(opts.timeout, "while generating")));
             }
-            (Ok(_), Some(Ended::StopString)) => live.finish(&g, StopReason::Interrupted, stats),
+            (Ok(_), Some(Ended::StopString)) => live.count(stats),
             (Ok(mut r), None) => {
                 let why = r.rows.pop().map_or(StopReason::MaxLength, |row| row.stopped_by);
-                live.finish(&g, why, stats);
+                live.finish(why, stats);
             }
         }
     }
