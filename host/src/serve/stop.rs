@@ -42,26 +42,6 @@ impl StopMatcher {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::StopMatcher;
-
-    #[test]
-    fn stop_strings_end_the_text_even_across_pieces() {
-        let mut m = StopMatcher::new(vec!["\n\n".into(), "END".into()]);
-        assert_eq!(m.push("Hello E"), ("Hello ".to_string(), false), "E may start END");
-        assert_eq!(m.push("ND of it"), (String::new(), true));
-        let mut m = StopMatcher::new(vec!["END".into()]);
-        assert_eq!(m.push("Eh"), ("Eh".to_string(), false));
-        assert_eq!(m.push(" fin"), (" fin".to_string(), false));
-        assert_eq!(m.push(" EN"), (" ".to_string(), false));
-        assert_eq!(m.finish(), "EN", "held back until the end");
-        let mut m = StopMatcher::new(vec!["é!".into()]);
-        assert_eq!(m.push("café"), ("caf".to_string(), false), "a multi-byte prefix is held whole");
-        assert_eq!(m.push("?"), ("é?".to_string(), false));
-    }
-}
-
 /// One request's text, made on its HTTP task rather than on the generation worker (which only
 /// sends token ids, so its step loop does not wait on detokenization): the streamed pieces of
 /// the tokens so far, cut at the first stop string.
@@ -118,5 +98,25 @@ impl RequestText {
     /// Tokens so far (the usage's `completion_tokens`).
     pub fn tokens(&self) -> usize {
         self.ids.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StopMatcher;
+
+    #[test]
+    fn stop_strings_end_the_text_even_across_pieces() {
+        let mut m = StopMatcher::new(vec!["\n\n".into(), "END".into()]);
+        assert_eq!(m.push("Hello E"), ("Hello ".to_string(), false), "E may start END");
+        assert_eq!(m.push("ND of it"), (String::new(), true));
+        let mut m = StopMatcher::new(vec!["END".into()]);
+        assert_eq!(m.push("Eh"), ("Eh".to_string(), false));
+        assert_eq!(m.push(" fin"), (" fin".to_string(), false));
+        assert_eq!(m.push(" EN"), (" ".to_string(), false));
+        assert_eq!(m.finish(), "EN", "held back until the end");
+        let mut m = StopMatcher::new(vec!["é!".into()]);
+        assert_eq!(m.push("café"), ("caf".to_string(), false), "a multi-byte prefix is held whole");
+        assert_eq!(m.push("?"), ("é?".to_string(), false));
     }
 }
