@@ -111,6 +111,23 @@ impl Server {
         out
     }
 
+    /// Opens a streaming completion of `body` and waits for its first bytes; the connection
+    /// stays open (a client still reading) until the returned stream is dropped.
+    fn open_stream(&self, body: &Value) -> TcpStream {
+        let body = body.to_string();
+        let mut s = TcpStream::connect(self.addr).unwrap();
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            body.len()
+        );
+        s.write_all(&[head.as_bytes(), body.as_bytes()].concat()).unwrap();
+        let mut first = [0u8; 32];
+        let n = s.read(&mut first).unwrap();
+        let head = String::from_utf8_lossy(&first[..n]);
+        assert!(head.starts_with("HTTP/1.1 200"), "{body}: {head}");
+        s
+    }
+
     fn metric(&self, name: &str) -> u64 {
         let (_, text) = self.get("/metrics");
         let line = text.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap_or_else(|| panic!("{text}"));
@@ -268,23 +285,14 @@ fn bad_and_vanishing_clients_leave_the_server_serving() {
     assert!(body.contains("\"n\""), "the parameter is named: {body}");
     // A streaming client that reads one chunk and goes away.
     for _ in 0..3 {
-        let body =
-            json!({"prompt": "Once upon a time", "max_tokens": 100, "stream": true, "temperature": 0}).to_string();
-        let mut s = TcpStream::connect(server.addr).unwrap();
-        let head = format!(
-            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-            body.len()
-        );
-        s.write_all(&[head.as_bytes(), body.as_bytes()].concat()).unwrap();
-        let mut first = [0u8; 64];
-        assert!(s.read(&mut first).unwrap() > 0);
-        drop(s);
+        drop(server.open_stream(&json!({"prompt": "Once upon a time", "max_tokens": 100, "stream": true,
+            "temperature": 0, "ignore_eos": true})));
     }
     let (status, _) = server.get("/health");
     assert_eq!(status, 200);
     let text = server.complete(json!({"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}));
     assert_eq!(text, greedy_texts(&["Once upon a time".into()], 8)[0]);
-    // Every vanished client's slot was freed (none of them ran its 120 tokens to the end).
+    // Every vanished client's slot was freed (none of them ran its 100 tokens to the end).
     assert_eq!(server.metric("kiln_requests_running"), 0);
     assert_eq!(server.metric("kiln_requests_completed_total"), 1, "only the last request completed");
     assert_eq!(server.metric("kiln_requests_disconnected_total"), 3);
@@ -307,17 +315,10 @@ fn a_request_past_its_timeout_fails_clearly() {
 fn a_full_queue_answers_429_with_retry_after() {
     let server = Server::start(&["--batch", "1", "--queue", "1", "--max-length", "512"]);
     let long = json!({"prompt": "Once upon a time", "max_tokens": 400, "stream": true, "temperature": 0,
-        "ignore_eos": true})
-    .to_string();
-    // A streaming request that holds the only slot until we stop reading and close it.
-    let mut busy = TcpStream::connect(server.addr).unwrap();
-    let head = format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-        long.len()
-    );
-    busy.write_all(&[head.as_bytes(), long.as_bytes()].concat()).unwrap();
-    let mut first = [0u8; 64];
-    assert!(busy.read(&mut first).unwrap() > 0);
+        "ignore_eos": true});
+    // A streaming request that holds the only slot until we close it.
+    let busy = server.open_stream(&long);
+    let long = long.to_string();
     std::thread::scope(|s| {
         let waiting = s.spawn(|| server.complete(json!({"prompt": "Hello", "max_tokens": 4, "temperature": 0})));
         let t0 = std::time::Instant::now();
@@ -346,17 +347,8 @@ fn a_full_queue_answers_429_with_retry_after() {
 #[cfg(unix)]
 fn sigterm_lets_the_running_request_finish() {
     let mut server = Server::start(&["--batch", "2"]);
-    let body = json!({"prompt": "Once upon a time", "max_tokens": 200, "stream": true, "temperature": 0,
-        "ignore_eos": true})
-    .to_string();
-    let mut s = TcpStream::connect(server.addr).unwrap();
-    let head = format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    s.write_all(&[head.as_bytes(), body.as_bytes()].concat()).unwrap();
-    let mut first = [0u8; 64];
-    assert!(s.read(&mut first).unwrap() > 0);
+    let mut s = server.open_stream(&json!({"prompt": "Once upon a time", "max_tokens": 200, "stream": true,
+        "temperature": 0, "ignore_eos": true}));
     let killed = Command::new("kill").args(["-TERM", &server.child.id().to_string()]).status().unwrap();
     assert!(killed.success());
     let mut rest = Vec::new();
@@ -389,17 +381,14 @@ fn a_soak_keeps_the_servers_memory_flat() {
                 s.spawn(move || {
                     if i % 5 == 4 {
                         // Abandoned after its first chunk.
-                        let body = json!({"prompt": p, "max_tokens": 60, "stream": true, "ignore_eos": true}).to_string();
-                        let mut t = TcpStream::connect(server.addr).unwrap();
-                        let head = format!(
-                            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-                            body.len()
+                        drop(
+                            server.open_stream(
+                                &json!({"prompt": p, "max_tokens": 60, "stream": true, "ignore_eos": true}),
+                            ),
                         );
-                        t.write_all(&[head.as_bytes(), body.as_bytes()].concat()).unwrap();
-                        let mut first = [0u8; 32];
-                        let _ = t.read(&mut first);
                     } else {
-                        let got = server.complete(json!({"prompt": p, "max_tokens": 10, "temperature": 0, "stream": i % 2 == 0}));
+                        let got = server
+                            .complete(json!({"prompt": p, "max_tokens": 10, "temperature": 0, "stream": i % 2 == 0}));
                         assert_eq!(&got, want, "round {round}, client {i}");
                     }
                 });
