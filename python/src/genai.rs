@@ -94,7 +94,7 @@ impl Tokenizer {
             return Err(raise(Kind::Unsupported, "kiln renders chat templates with add_generation_prompt=True only"));
         }
         let list: Vec<(String, String)> = if let Ok(s) = messages.extract::<String>() {
-            let v: Vec<std::collections::HashMap<String, String>> = serde_json_lite(&s)?;
+            let v: Vec<std::collections::HashMap<String, String>> = messages_from_json(&s)?;
             v.into_iter()
                 .map(|m| (m.get("role").cloned().unwrap_or_default(), m.get("content").cloned().unwrap_or_default()))
                 .collect()
@@ -120,8 +120,9 @@ impl Tokenizer {
     }
 }
 
-/// A JSON list of string maps, parsed with Python's own `json` module.
-fn serde_json_lite(s: &str) -> PyResult<Vec<std::collections::HashMap<String, String>>> {
+/// A conversation given as a JSON string (onnxruntime-genai's form), parsed with Python's own
+/// `json` module.
+fn messages_from_json(s: &str) -> PyResult<Vec<std::collections::HashMap<String, String>>> {
     Python::attach(|py| {
         let v = py.import("json")?.call_method1("loads", (s,))?;
         v.extract().map_err(|_| raise(Kind::InvalidInput, "messages: a JSON list of {\"role\", \"content\"} objects"))

@@ -40,6 +40,9 @@ pub struct ContinuousBatch {
     sampling: bool,
     /// Most positions of a sequence (prompt and generated), at most the cache's `limit`.
     max_length: usize,
+    /// Elements of one slot's row in each layer's key or value cache (`kv_heads × limit ×
+    /// head_size`): what a join copies.
+    row: usize,
     vocab: usize,
     pad: i64,
     eos: Vec<i64>,
@@ -88,6 +91,14 @@ pub struct Emitted {
     pub finished: Option<StopReason>,
 }
 
+/// Why a batch cannot take a sequence's sampling parameters: the request field to change (when
+/// one is) and what to change it to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    pub param: Option<&'static str>,
+    pub message: String,
+}
+
 /// A sequence to add: its prompt (token ids), sampling parameters and limits.
 #[derive(Clone, Debug)]
 pub struct Join<'a> {
@@ -119,10 +130,10 @@ impl ContinuousBatch {
         let vocab = cfg.model.vocab_size;
         let sampling = g.has_device_sample() && !(on_gpu && vocab > kiln_kernel_abi::sampling::DEVICE_MAX_VOCAB);
         let rows = if on_gpu { bucket(rows) } else { rows.max(1) };
+        let d = &cfg.model.decoder;
+        let row = d.num_key_value_heads * max_length * d.head_size;
         let kv = g.empty_kv(rows, max_length).map_err(|e| {
-            let d = &cfg.model.decoder;
-            let bytes = 2 * d.num_hidden_layers * rows * d.num_key_value_heads * max_length * d.head_size;
-            let bytes = bytes * g.folder.kv_dtype.size().unwrap_or(2);
+            let bytes = 2 * d.num_hidden_layers * rows * row * g.folder.kv_dtype.size().unwrap_or(2);
             Error::Input(format!(
                 "a KV cache of {rows} rows × {max_length} positions ({:.2} GiB) could not be allocated: {e}",
                 bytes as f64 / (1u64 << 30) as f64
@@ -136,6 +147,7 @@ impl ContinuousBatch {
             dirty: true,
             sampling,
             max_length,
+            row,
             vocab,
             pad,
             eos: cfg.model.eos_token_id.to_vec(),
@@ -196,19 +208,16 @@ impl ContinuousBatch {
                     self.max_length
                 )));
             }
-            self.admits(g, j.sampling).map_err(|why| Error::Unsupported(format!("sequence {i}: {why}")))?;
+            self.admits(g, j.sampling).map_err(|r| Error::Unsupported(format!("sequence {i}: {}", r.message)))?;
         }
         if joins.is_empty() {
             return Ok(Vec::new());
         }
         let prompts: Vec<Vec<i64>> = joins.iter().map(|j| j.prompt.to_vec()).collect();
         let (scratch, logits) = g.prefill(&prompts, self.kv.limit)?;
-        let row =
-            self.kv.past.first().map_or(Ok(0), |t| g.session.tensor_type(t).map(|(_, s)| s[1..].iter().product()));
-        let copied = row.and_then(|row: usize| {
-            scratch.past.iter().zip(&self.kv.past).try_for_each(|(from, to)| {
-                (0..joins.len()).try_for_each(|i| g.session.copy_elements(from, i * row, to, free[i] * row, row))
-            })
+        let row = self.row;
+        let copied = scratch.past.iter().zip(&self.kv.past).try_for_each(|(from, to)| {
+            (0..joins.len()).try_for_each(|i| g.session.copy_elements(from, i * row, to, free[i] * row, row))
         });
         g.free(scratch);
         copied?;
@@ -244,24 +253,30 @@ impl ContinuousBatch {
     }
 
     /// Whether the batch's device sampler can choose tokens with `params`, or why not, in the
-    /// request's own terms (`top_k`, temperature).
-    pub fn admits(&self, g: &Generator, params: &SamplingParams) -> std::result::Result<(), String> {
+    /// request's own terms (the field to change, when one is).
+    pub fn admits(&self, g: &Generator, params: &SamplingParams) -> std::result::Result<(), Refusal> {
         use kiln_kernel_abi::sampling::DEVICE_MAX_CANDIDATES;
         let greedy = params.is_greedy() && params.repetition_penalty == 1.0;
         if !self.sampling && !greedy {
-            return Err("this server decodes greedily only (temperature 0, no repetition penalty): its device has \
-                        no sampler for this model"
-                .into());
+            return Err(Refusal {
+                param: Some("temperature"),
+                message: "this server decodes greedily only (temperature 0, no repetition penalty): its device has \
+                          no sampler for this model"
+                    .into(),
+            });
         }
         let candidates = if params.top_k == 0 { self.vocab } else { params.top_k.min(self.vocab) };
         if g.on_gpu() && !params.is_greedy() && candidates > DEVICE_MAX_CANDIDATES {
-            return Err(format!(
-                "top_k {} keeps {candidates} candidates; the GPU sampler takes at most {DEVICE_MAX_CANDIDATES}: set \
-                 top_k between 1 and {DEVICE_MAX_CANDIDATES}",
-                params.top_k
-            ));
+            return Err(Refusal {
+                param: Some("top_k"),
+                message: format!(
+                    "top_k {} keeps {candidates} candidates; the GPU sampler takes at most {DEVICE_MAX_CANDIDATES}: \
+                     set top_k between 1 and {DEVICE_MAX_CANDIDATES}",
+                    params.top_k
+                ),
+            });
         }
-        g.device_sampler(params, g.on_gpu()).map(|_| ())
+        g.device_sampler(params, g.on_gpu()).map(|_| ()).map_err(|message| Refusal { param: None, message })
     }
 
     /// Ends the sequence in `slot` (a client went away, a stop string): the slot is free for

@@ -118,7 +118,8 @@ impl Worker {
         let device_error = match batch {
             Some(batch) => {
                 stats.batch_slots.store(batch.capacity() as u64, Ordering::Relaxed);
-                Batched { g, batch, live: Vec::new(), opts: &opts, stats: &stats }.run(&jobs)
+                let live = (0..batch.capacity()).map(|_| None).collect();
+                Batched { g, batch, live, opts: &opts, stats: &stats }.run(&jobs)
             }
             None => {
                 stats.batch_slots.store(1, Ordering::Relaxed);
@@ -160,7 +161,7 @@ fn accept(
     let folder = &g.folder;
     let checked = job.request.check(job.chat, &opts.limits, |t| folder.encode(t), |m| folder.render_chat(m));
     let checked = checked.and_then(|ask| match batch.map(|b| b.admits(g, &ask.sampling)) {
-        Some(Err(why)) => Err(ApiError::bad(why, Some("top_k"))),
+        Some(Err(r)) => Err(ApiError::bad(r.message, r.param)),
         _ => Ok(ask),
     });
     match checked {
@@ -209,7 +210,6 @@ impl Batched<'_> {
     /// Serves until the queue closes and the batch is empty; returns whether a device error
     /// ended it (every running request then failed).
     fn run(mut self, jobs: &Receiver<Job>) -> bool {
-        self.live = (0..self.batch.capacity()).map(|_| None).collect();
         let mut closed = false;
         loop {
             // Admit waiting requests into free slots, up to JOIN_AT_ONCE per prefill; block
