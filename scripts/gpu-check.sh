@@ -17,6 +17,7 @@
 #   peers      PyTorch eager, CUDA graph and torch.compile on the same architecture
 #   profile    ncu: GPU time of every kernel of one eager decode step (batch 1 and 8, cache of 384
 #              positions as in the bench rows)
+#   attn       decode attention variants (built-in, .gpu/variants/*): bench rows and ncu at context 3840
 #   longctx    ncu: time, DRAM throughput, occupancy and stalls of the decode attention kernels at
 #              batch 8, context 3840
 # At most 8 files come back from the machine, so $OUT (or ./gpu-out) gets one log per phase
@@ -136,12 +137,38 @@ for w in glob.glob(".gpu/python/*.whl"):
     done
     tar -C "$work" -cf "$out/ncu.tar" ncu-b1.csv ncu-b8.csv
     ;;
+  attn)
+    # Decode attention variants side by side: the built-in package, then each package folder in
+    # .gpu/variants (a drop-in outranks the built-in one): batch 8 (and 1, 64) at context 128
+    # and 3840 of a 4096 cache, graphs on, and ncu of the attention kernels at context 3840.
+    for v in builtin .gpu/variants/*; do
+      [ "$v" = builtin ] && pk=() || pk=(--packages "$v")
+      echo "== attention: $v"
+      for p in 128 3840; do
+        "$KILN" bench decode "$m" --batch 1 --batch 8 --graph on --runs 3 --prompt-len $p --max-length 4096 "${pk[@]}" 2>&1 |
+          grep -E "^\| [0-9]"
+      done
+      "$KILN" bench decode "$m" --batch 64 --graph on --runs 2 --prompt-len 128 --new-tokens 128 --max-length 512 \
+        "${pk[@]}" 2>&1 | grep -E "^\| [0-9]"
+      ncu --cache-control none --clock-control none --kernel-name regex:'kiln_gqa_(decode|merge)' --launch-skip 60 \
+        --launch-count 4 --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,launch__registers_per_thread,smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct \
+        --csv --print-units base "$KILN" bench decode "$m" --batch 8 --graph off --runs 1 --new-tokens 4 \
+        --prompt-len 3840 --max-length 4096 "${pk[@]}" 2>/dev/null | grep -E "gqa_" | tail -10
+    done 2>&1 | tee "$out/attn.log"
+    summary+=("attn: $(grep -hE '^==|^\| [0-9]' "$out/attn.log" | tr '\n' ' ')")
+    ;;
   longctx)
-    # ncu: the decode attention kernels of a batch-8 step at context 3840 (cache of 4096).
+    # ncu: the decode attention kernels of a batch-8 step at context 3840 (cache of 4096): the
+    # metrics of every layer's launch, then the full sections of one launch (where its time goes).
     ncu --cache-control none --clock-control none --kernel-name regex:'kiln_gqa_(decode|merge)' --launch-count 60 \
       --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size,launch__occupancy_limit_registers,smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_barrier_per_warp_active.pct \
       --csv --print-units base "$KILN" bench decode "$m" --batch 8 --graph off --runs 1 --new-tokens 4 --prompt-len 3840 \
       --max-length 4096 >"$work/ncu-longctx.csv" 2>"$work/ncu-longctx.err"
+    ncu --cache-control none --clock-control none --kernel-name regex:'kiln_gqa_decode' --launch-skip 30 --launch-count 1 \
+      --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy \
+      --section LaunchStats --section SchedulerStats --section SourceCounters "$KILN" bench decode "$m" --batch 8 \
+      --graph off --runs 1 --new-tokens 4 --prompt-len 3840 --max-length 4096 >"$work/ncu-longctx-sections.txt" 2>&1
+    grep -vE "^==PROF==|^\| " "$work/ncu-longctx-sections.txt" | tail -150 >"$out/ncu-longctx-sections.txt"
     tar -C "$work" -cf "$out/ncu-longctx.tar" ncu-longctx.csv ncu-longctx.err
     ;;
   esac

@@ -376,3 +376,34 @@ fn sequences_joining_a_running_batch_get_their_own_tokens() {
     }
     assert_eq!(tokens, out[0].1[..4], "the batch serves after a refusal");
 }
+
+/// A sequence longer than the running batch's shared mask column joins by writing its own rows
+/// and moving the column forward: the sampled sequence already running keeps its draws (its
+/// seeds move with the column), and both get the tokens they get alone.
+#[test]
+fn a_longer_sequence_joins_in_place_and_moves_the_shared_column() {
+    use kiln_tests::Arrival;
+    let mut g = generator("tiny-llama-v512-fp32-cpu");
+    let sampled =
+        SamplingParams { do_sample: true, temperature: 0.9, top_k: 40, top_p: 0.9, repetition_penalty: 1.2, seed: 11 };
+    let short = g.folder.encode("Hi").unwrap();
+    let long = g.folder.encode("One day, a little girl named Lily found a needle in her room").unwrap();
+    assert!(long.len() > short.len() + 4, "{} vs {} tokens", long.len(), short.len());
+    let arrivals = vec![
+        Arrival { at: 0, prompt: short, sampling: sampled.clone(), max_new_tokens: 16 },
+        Arrival { at: 2, prompt: long, sampling: SamplingParams { seed: 12, ..sampled }, max_new_tokens: 10 },
+    ];
+    let (batch, out) = kiln_tests::run_continuous_batch(&mut g, 2, 64, &arrivals);
+    let stats = batch.stats();
+    assert_eq!((stats.joined_in_place, stats.moves, stats.rewrites), (1, 1, 1), "{stats:?}");
+    for (a, (slot, tokens)) in arrivals.iter().zip(&out) {
+        let alone = kiln_tests::host_sampled_rows(
+            &mut g,
+            std::slice::from_ref(&a.prompt),
+            &[*slot],
+            &a.sampling,
+            a.max_new_tokens,
+        );
+        assert_eq!(tokens, &alone[0], "seed {} in slot {slot}", a.sampling.seed);
+    }
+}

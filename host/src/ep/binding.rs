@@ -329,15 +329,8 @@ impl Session {
             return Err(Error::Input(format!("copy_elements from a {dtype} tensor into a {} tensor", d.dtype())));
         }
         let size = dtype.size().ok_or_else(|| Error::Unsupported(format!("{dtype} tensors")))?;
-        for (v, start) in [(&s, src_start), (&d, dst_start)] {
-            let numel = v.shape().iter().product::<usize>();
-            if start.checked_add(len).is_none_or(|end| end > numel) {
-                return Err(Error::Input(format!(
-                    "elements {start}..{} of a tensor of {numel}",
-                    start.saturating_add(len)
-                )));
-            }
-        }
+        check_range(&s, src_start, len)?;
+        check_range(&d, dst_start, len)?;
         let (from, to, n) = (src_start * size, dst_start * size, len * size);
         match (&s, &d) {
             (Value::Device { ptr: sp, .. }, Value::Device { ptr: dp, .. }) => {
@@ -351,11 +344,36 @@ impl Session {
                     return Err(Error::Device("copy_elements between a host and a device tensor".into()));
                 };
                 drop(d);
-                // In place when the bytes are not shared with another value (a KV cache's are not).
-                let data = std::mem::take(&mut t.data);
-                let mut bytes = data.try_into_mut().unwrap_or_else(|shared| bytes::BytesMut::from(&shared[..]));
-                bytes[to..to + n].copy_from_slice(&from_bytes);
-                t.data = bytes.freeze();
+                write_bytes(t, to, &from_bytes);
+                Ok(())
+            }
+        }
+    }
+
+    /// Writes `values` (a tensor of `dst`'s dtype, any shape) into elements `start ..
+    /// start + values.numel()` of held tensor `dst` (flattened row-major). On a GPU the copy
+    /// is stream-ordered like a run: work enqueued before it (a decode step in flight) reads
+    /// the old elements, work enqueued after it the new ones. A continuous batch sets a joining
+    /// sequence's rows of the step buffers this way. Errors: another dtype, or a range outside
+    /// `dst`.
+    pub fn write_elements(&mut self, dst: &DeviceTensor, start: usize, values: &Tensor) -> Result<()> {
+        let d = self.held(dst)?.value.clone_ref();
+        if d.dtype() != values.dtype {
+            return Err(Error::Input(format!("write_elements of {} values into a {} tensor", values.dtype, d.dtype())));
+        }
+        let size = values.dtype.size().ok_or_else(|| Error::Unsupported(format!("{} tensors", values.dtype)))?;
+        check_range(&d, start, values.data.len() / size)?;
+        match &d {
+            &Value::Device { ptr, .. } => {
+                let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
+                gpu.upload_into(ptr + (start * size) as u64, &values.data)
+            }
+            Value::Host(_) => {
+                drop(d);
+                let Some(Held { value: Value::Host(t), .. }) = self.held.get_mut(&dst.id) else {
+                    return Err(Error::Device("a held tensor changed place".into()));
+                };
+                write_bytes(t, start * size, &values.data);
                 Ok(())
             }
         }
@@ -462,4 +480,22 @@ impl Session {
             Value::Host(t) => gpu.upload_into(dst, &t.data),
         }
     }
+}
+
+/// Checks that elements `start .. start + len` lie within `v`.
+fn check_range(v: &Value, start: usize, len: usize) -> Result<()> {
+    let numel = v.shape().iter().product::<usize>();
+    if start.checked_add(len).is_none_or(|end| end > numel) {
+        return Err(Error::Input(format!("elements {start}..{} of a tensor of {numel}", start.saturating_add(len))));
+    }
+    Ok(())
+}
+
+/// Overwrites `t`'s bytes from byte `at` with `bytes` (the caller checked the extent); in place
+/// when the bytes are not shared with another value (a KV cache's are not).
+fn write_bytes(t: &mut Tensor, at: usize, bytes: &[u8]) {
+    let data = std::mem::take(&mut t.data);
+    let mut b = data.try_into_mut().unwrap_or_else(|shared| bytes::BytesMut::from(&shared[..]));
+    b[at..at + bytes.len()].copy_from_slice(bytes);
+    t.data = b.freeze();
 }

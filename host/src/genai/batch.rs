@@ -11,29 +11,37 @@
 //!
 //! Rows are independent in the step's graph: GroupQueryAttention reads each row's own length
 //! from its mask (`seqlens_k` = the mask's sum − 1), so a slot's mask needs only the right
-//! number of set columns, not a column shared with the other rows. When sequences join, or the
-//! shared next column (`kiln_position`) reaches the cache's end, the host rewrites the step
-//! buffers compacted: each slot's tokens at columns `0 .. len`, and the next column at the
-//! longest length. A row's Philox draws stay keyed by (seed, slot, tokens generated) across
-//! rewrites, as [`super::Sampler`] keys them.
+//! number of set columns, not a column shared with the other rows. A join writes only its own
+//! rows of the step buffers (token, mask, history, sampling parameters, seeds), stream-ordered
+//! after the step in flight: its mask row has the sequence's length in set columns below the
+//! shared next column (`kiln_position`), which moves forward for every row when the joined
+//! sequence is longer. When that column reaches the cache's end (or after a failed step), the
+//! host rewrites every row compacted: each slot's tokens at columns `0 .. len`, and the next
+//! column at the longest length. A row's Philox draws stay keyed by (seed, slot, tokens
+//! generated) across moves and rewrites, as [`super::Sampler`] keys them.
 //!
 //! Steps run one ahead, as `Generator::generate`'s do: step k + 1 is enqueued before step k's
 //! tokens are read, so the GPU computes while the host hands tokens out. Each enqueued step
 //! remembers every slot's occupant (an epoch that a join advances), so a token computed for a
 //! sequence that has since left its slot is dropped, never given to the slot's next sequence.
-//! A join (its prefill and KV copy are stream-ordered after the step in flight) makes the next
-//! step rewrite the buffers, which waits for the step in flight first.
+//! A join's prefill, KV copy and row writes are stream-ordered after the step in flight, so
+//! steps stay one ahead across joins. On a GPU the joins' prefills are padded to a few shapes
+//! (rows to a power of two, lengths to a multiple of [`PREFILL_LENGTH_STEP`]), whose node
+//! dispatches the session has memoized.
 
-use super::device_step::SampleStart;
+use super::device_step::{SampleStart, StepRow};
 use super::{bucket, Generator, KvCache, Sampler, SamplingParams, StopReason};
 use crate::{Error, Result};
+
+/// Prefill lengths of joining sequences on a GPU are padded to a multiple of this.
+pub const PREFILL_LENGTH_STEP: usize = 64;
 
 /// One running decode batch of at most [`ContinuousBatch::capacity`] sequences.
 pub struct ContinuousBatch {
     kv: KvCache,
     slots: Vec<Slot>,
-    /// The step buffers no longer match the slots (a join, a failed step): rewrite them before
-    /// the next step.
+    /// The step buffers no longer match the slots (before the first step, after a failed step
+    /// or write): rewrite every row before the next step.
     dirty: bool,
     /// Whether steps run the Sample node (every row with its own parameters; greedy rows at
     /// temperature 0) rather than ArgMax (greedy rows only).
@@ -62,6 +70,10 @@ pub struct BatchStats {
     pub rewrites: u64,
     /// Rewrites because the shared mask column reached the cache's end.
     pub compactions: u64,
+    /// Joins whose rows were written into the running step buffers (no rewrite of every row).
+    pub joined_in_place: u64,
+    /// Of those, joins that moved the shared mask column forward (a longer sequence).
+    pub moves: u64,
 }
 
 /// One slot: a sequence's tokens (the last is the one the next step feeds) and, while a
@@ -73,6 +85,9 @@ struct Slot {
     seq: Option<Sequence>,
     /// Advanced by every join: a step enqueued before it carried another occupant.
     epoch: u64,
+    /// The slot's step-0 position in the seeds buffer: the draw at mask column `c` is the
+    /// sequence's token `c − seed_base`.
+    seed_base: i64,
 }
 
 struct Sequence {
@@ -140,7 +155,7 @@ impl ContinuousBatch {
             ))
         })?;
         let pad = cfg.model.pad_token_id.unwrap_or(0);
-        let slots = (0..rows).map(|_| Slot { tokens: vec![pad], len: 1, seq: None, epoch: 0 }).collect();
+        let slots = (0..rows).map(|_| Slot { tokens: vec![pad], len: 1, seq: None, epoch: 0, seed_base: 0 }).collect();
         Ok(ContinuousBatch {
             kv,
             slots,
@@ -214,7 +229,9 @@ impl ContinuousBatch {
             return Ok(Vec::new());
         }
         let prompts: Vec<Vec<i64>> = joins.iter().map(|j| j.prompt.to_vec()).collect();
-        let (scratch, logits) = g.prefill(&prompts, self.kv.limit)?;
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(1);
+        let at_least = Self::prefill_shape(g.on_gpu(), joins.len(), longest);
+        let (scratch, logits) = g.prefill_padded(&prompts, self.kv.limit, at_least)?;
         let row = self.row;
         let copied = scratch.past.iter().zip(&self.kv.past).try_for_each(|(from, to)| {
             (0..joins.len()).try_for_each(|i| g.session.copy_elements(from, i * row, to, free[i] * row, row))
@@ -248,8 +265,89 @@ impl ContinuousBatch {
             let finished = self.finished(slot, first);
             out.push(Emitted { slot, token: first, finished });
         }
-        self.dirty = true;
+        if !self.dirty {
+            let slots: Vec<usize> = out.iter().map(|e| e.slot).collect();
+            if let Err(e) = self.write_joined(g, &slots) {
+                tracing::debug!("joined rows not written in place ({e}); the next step rewrites every row");
+                self.dirty = true;
+            }
+        }
         Ok(out)
+    }
+
+    /// Writes the rows of just-joined `slots` into the running step buffers, stream-ordered
+    /// after the step in flight, so that steps go on without a rewrite of every row: each
+    /// joined row's mask has its length in set columns below the next step's position, which
+    /// moves forward for every row when a joined sequence is longer. Errors: no room before
+    /// the cache's end (a rewrite compacts the rows), or the writes'.
+    fn write_joined(&mut self, g: &mut Generator, slots: &[usize]) -> Result<()> {
+        let l = self.kv.limit;
+        let longest = slots.iter().map(|&s| self.slots[s].len).max().unwrap_or(1);
+        let mut next = self.kv.total + 1;
+        let moved = longest.saturating_sub(next);
+        if next + moved + 1 >= l {
+            return Err(Error::Input(format!("{longest} positions after the shared column {next} of {l}")));
+        }
+        next += moved;
+        for s in &mut self.slots {
+            s.seed_base += moved as i64;
+        }
+        let mut masks = Vec::with_capacity(slots.len());
+        let mut histories = Vec::with_capacity(slots.len());
+        for &slot in slots {
+            let s = &mut self.slots[slot];
+            let generated = s.seq.as_ref().map_or(0, |q| q.generated);
+            s.seed_base = next as i64 - generated as i64;
+            let mut mask = vec![0i64; l];
+            mask[..s.len].fill(1);
+            let mut history = vec![0i64; l];
+            history[..s.len].copy_from_slice(&s.tokens);
+            masks.push(mask);
+            histories.push(history);
+        }
+        let greedy = Sampler::new(SamplingParams::default()).device_row(self.vocab);
+        let rows: Vec<StepRow<'_>> = slots
+            .iter()
+            .zip(masks.iter().zip(&histories))
+            .map(|(&slot, (mask, history))| {
+                let s = &self.slots[slot];
+                let token = s.tokens.last().copied().unwrap_or(self.pad);
+                let sample = self.sampling.then(|| {
+                    let (params, seed) = s
+                        .seq
+                        .as_ref()
+                        .map_or((greedy, 0), |q| (q.sampler.device_row(self.vocab), q.sampler.params.seed));
+                    (history.as_slice(), params, [seed as i64, s.seed_base])
+                });
+                StepRow { row: slot, token, mask, sample }
+            })
+            .collect();
+        let seeds: Vec<i64> = self.seeds();
+        g.write_device_step_rows(&mut self.kv, &rows, (moved > 0).then_some((next, seeds.as_slice())))?;
+        self.stats.joined_in_place += slots.len() as u64;
+        self.stats.moves += u64::from(moved > 0);
+        Ok(())
+    }
+
+    /// Every slot's seed and step-0 position (`[rows, 2]`), as the seeds buffer holds them.
+    fn seeds(&self) -> Vec<i64> {
+        self.slots
+            .iter()
+            .flat_map(|s| [s.seq.as_ref().map_or(0, |q| q.sampler.params.seed as i64), s.seed_base])
+            .collect()
+    }
+
+    /// The least (rows, positions) a join's prefill of `rows` prompts, the longest `longest`
+    /// tokens, is padded to: on a GPU rows to a power of two and positions to a multiple of
+    /// [`PREFILL_LENGTH_STEP`], so that prefills repeat a few shapes, whose node dispatches the
+    /// session has memoized (a new shape costs every node's shim calls, milliseconds); on a CPU
+    /// no padding (it would only add arithmetic). A sequence's first token comes from this
+    /// padded prefill.
+    pub fn prefill_shape(on_gpu: bool, rows: usize, longest: usize) -> (usize, usize) {
+        match on_gpu {
+            true => (rows.next_power_of_two(), longest.next_multiple_of(PREFILL_LENGTH_STEP)),
+            false => (0, 0),
+        }
     }
 
     /// Whether the batch's device sampler can choose tokens with `params`, or why not, in the
@@ -388,19 +486,19 @@ impl ContinuousBatch {
         let mut mask = vec![0i64; rows * l];
         let mut history = vec![0i64; rows * l];
         let mut params = Vec::with_capacity(rows * 4);
-        let mut seeds = Vec::with_capacity(rows * 2);
         let greedy = Sampler::new(SamplingParams::default()).device_row(self.vocab);
-        for (b, s) in self.slots.iter().enumerate() {
+        for (b, s) in self.slots.iter_mut().enumerate() {
             mask[b * l..b * l + s.len].fill(1);
             history[b * l..b * l + s.len].copy_from_slice(&s.tokens);
-            let (row, seed, generated) = match &s.seq {
-                Some(q) => (q.sampler.device_row(self.vocab), q.sampler.params.seed, q.generated),
-                None => (greedy, 0, 0),
+            let (row, generated) = match &s.seq {
+                Some(q) => (q.sampler.device_row(self.vocab), q.generated),
+                None => (greedy, 0),
             };
             params.extend(row);
             // The draw at column `next + k` is this sequence's token `generated + k`.
-            seeds.extend([seed as i64, next as i64 - generated as i64]);
+            s.seed_base = next as i64 - generated as i64;
         }
+        let seeds = self.seeds();
         let tokens: Vec<i64> = self.slots.iter().map(|s| s.tokens.last().copied().unwrap_or(self.pad)).collect();
         self.kv.total = next - 1;
         let sample = self.sampling.then_some(SampleStart { history: &history, params: &params, seeds: &seeds });

@@ -205,6 +205,19 @@ pub struct SampleStart<'a> {
     pub seeds: &'a [i64],
 }
 
+/// A row's first-step inputs for running step buffers: a sequence that joins a continuous batch
+/// while steps of the other rows go on.
+pub struct StepRow<'a> {
+    pub row: usize,
+    /// The token the next step feeds (the row's last).
+    pub token: i64,
+    /// `[limit]`: the row's mask, its length in set columns all below the next step's position.
+    pub mask: &'a [i64],
+    /// `[limit]`, `[4]`, seed and step-0 position: the row's history, sampling parameters and
+    /// seeds, when the steps sample.
+    pub sample: Option<(&'a [i64], [f32; 4], [i64; 2])>,
+}
+
 impl StepBuffers {
     /// New buffers (contents set by [`StepBuffers::start`]); `sample`: with the Sample node's.
     pub fn new(session: &mut Session, batch: usize, limit: usize, sample: bool) -> Result<StepBuffers> {
@@ -263,6 +276,63 @@ impl StepBuffers {
             session.write_tensor(seeds, &super::i64_tensor(vec![b, 2], s.seeds)?)?;
         }
         self.at = position - 1;
+        Ok(())
+    }
+
+    /// Rewrites single rows of running buffers (stream-ordered after the steps already
+    /// enqueued, which keep the other rows' state on the device), and with `position` moves
+    /// the next step's position forward for every row, `seeds` (`[batch, 2]`) then giving every
+    /// row's seeds again. Errors: a row or size that does not fit the buffers, a position
+    /// behind the current one or at the end, sampling rows for greedy steps, or buffers not started.
+    pub fn write_rows(
+        &mut self,
+        session: &mut Session,
+        rows: &[StepRow<'_>],
+        position: Option<(usize, &[i64])>,
+    ) -> Result<()> {
+        let (b, l) = (self.batch, self.limit);
+        if self.at == usize::MAX {
+            return Err(Error::Input("write_rows on step buffers that are not started".into()));
+        }
+        if let Some(r) = rows.iter().find(|r| r.row >= b || r.mask.len() != l || r.sample.is_some() != self.sampling) {
+            return Err(Error::Input(format!(
+                "row {} of {} mask entries ({}) for step buffers of {b} rows × {l} positions{}",
+                r.row,
+                r.mask.len(),
+                if r.sample.is_some() { "sampling" } else { "greedy" },
+                if self.sampling { " that sample" } else { "" }
+            )));
+        }
+        if let Some((p, seeds)) = position {
+            if p <= self.at + 1 || p >= l || seeds.len() != b * 2 {
+                return Err(Error::Input(format!(
+                    "position {p} with {} seeds for step buffers at {} of {l} positions, {b} rows",
+                    seeds.len(),
+                    self.at + 1
+                )));
+            }
+        }
+        let at = std::mem::replace(&mut self.at, usize::MAX);
+        for r in rows {
+            session.write_elements(&self.ids, r.row, &super::i64_tensor(vec![1], &[r.token])?)?;
+            session.write_elements(&self.mask, r.row * l, &super::i64_tensor(vec![l], r.mask)?)?;
+            if let (Some((history, params, seeds)), Some([h, p, s])) = (r.sample, &self.sample) {
+                session.write_elements(h, r.row * l, &super::i64_tensor(vec![l], history)?)?;
+                let bytes: Vec<u8> = params.iter().flat_map(|v| v.to_le_bytes()).collect();
+                session.write_elements(p, r.row * 4, &Tensor::new(DType::F32, vec![4], bytes::Bytes::from(bytes))?)?;
+                session.write_elements(s, r.row * 2, &super::i64_tensor(vec![2], &seeds)?)?;
+            }
+        }
+        self.at = match position {
+            Some((p, seeds)) => {
+                session.write_elements(&self.position, 0, &super::i64_tensor(vec![1], &[p as i64])?)?;
+                if let (true, Some([_, _, s])) = (self.sampling, &self.sample) {
+                    session.write_elements(s, 0, &super::i64_tensor(vec![b, 2], seeds)?)?;
+                }
+                p - 1
+            }
+            None => at,
+        };
         Ok(())
     }
 }

@@ -25,7 +25,7 @@ use std::time::Instant;
 use kiln_kernel_abi::DType;
 use serde::Serialize;
 
-use super::device_step::{self, SampleStart, StepBuffers, StepNames as DeviceNames};
+use super::device_step::{self, SampleStart, StepBuffers, StepNames as DeviceNames, StepRow};
 use super::{GenaiConfig, ModelFolder, Sampler, SamplingParams};
 use crate::ep::{DeviceTensor, Feed, Fetch, Fetched, Runtime, Session, SessionOptions};
 use crate::{Error, Result, Tensor};
@@ -233,8 +233,21 @@ impl Generator {
     /// token (`vocab` values). Errors: an empty prompt, prompts of different lengths without a
     /// shared buffer, a prompt of `limit` tokens or more.
     pub fn prefill(&mut self, prompts: &[Vec<i64>], limit: usize) -> Result<(KvCache, Vec<Vec<f32>>)> {
-        let batch = prompts.len();
-        if batch == 0 || prompts.iter().any(|p| p.is_empty()) {
+        self.prefill_padded(prompts, limit, (0, 0))
+    }
+
+    /// [`Generator::prefill`] of a batch of at least `at_least.0` rows (extra rows: one padding
+    /// token each) padded to at least `at_least.1` positions (below `limit`), so that prompts
+    /// of nearby lengths run the same shapes (and the session's memoized dispatches) on a GPU.
+    /// Returns the logits of `prompts`' rows only. Padding needs a shared KV buffer; without
+    /// one `at_least` is ignored.
+    pub fn prefill_padded(
+        &mut self,
+        prompts: &[Vec<i64>],
+        limit: usize,
+        at_least: (usize, usize),
+    ) -> Result<(KvCache, Vec<Vec<f32>>)> {
+        if prompts.is_empty() || prompts.iter().any(|p| p.is_empty()) {
             return Err(Error::Input("every prompt must have at least one token".into()));
         }
         let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
@@ -248,12 +261,19 @@ impl Generator {
                 "prompts of different lengths in one batch need a model with past_present_share_buffer".into(),
             ));
         }
+        let (batch, s) = match shared {
+            true => (prompts.len().max(at_least.0), s.max(at_least.1.min(limit - 1))),
+            false => (prompts.len(), s),
+        };
         let pad = self.config().model.pad_token_id.unwrap_or(0);
         let mut ids = vec![pad; batch * s];
         let mut mask = vec![0i64; batch * s];
         for (b, p) in prompts.iter().enumerate() {
             ids[b * s..b * s + p.len()].copy_from_slice(p);
             mask[b * s..b * s + p.len()].iter_mut().for_each(|m| *m = 1);
+        }
+        for b in prompts.len()..batch {
+            mask[b * s] = 1;
         }
         let d = &self.folder.config.model.decoder;
         let shape = vec![batch, d.num_key_value_heads, if shared { limit } else { 0 }, d.head_size];
@@ -680,6 +700,28 @@ impl Generator {
         }
         let buffers = self.step_buffers.as_mut().ok_or_else(|| Error::Device("step buffers vanished".into()))?;
         buffers.start(&mut self.session, tokens, mask, kv.total + 1, sample)
+    }
+
+    /// Sets single rows of the running device-step buffers of `kv` ([`StepBuffers::write_rows`]),
+    /// and with `position` (the next step's position, and every row's seeds) moves the cache's
+    /// length forward to `position − 1`. The host's mask of `kv` follows. Errors: as
+    /// [`StepBuffers::write_rows`], or buffers of another cache.
+    pub(super) fn write_device_step_rows(
+        &mut self,
+        kv: &mut KvCache,
+        rows: &[StepRow<'_>],
+        position: Option<(usize, &[i64])>,
+    ) -> Result<()> {
+        let b = self.step_buffers.as_mut().filter(|b| b.batch == kv.batch && b.limit == kv.limit && b.at == kv.total);
+        let Some(b) = b else {
+            return Err(Error::Input("the device-step buffers are not ready for this cache".into()));
+        };
+        b.write_rows(&mut self.session, rows, position)?;
+        for r in rows {
+            kv.mask[r.row * kv.limit..(r.row + 1) * kv.limit].copy_from_slice(r.mask);
+        }
+        kv.total = b.at;
+        Ok(())
     }
 
     /// Enqueues one decode step that chooses its tokens on the device (after

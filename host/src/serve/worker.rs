@@ -70,8 +70,11 @@ pub struct Stats {
     pub batch_slots: AtomicU64,
 }
 
-/// Most requests one prefill joins to the batch (their prompts padded to the longest).
-const JOIN_AT_ONCE: usize = 8;
+/// Most requests one prefill joins to the batch (their prompts padded to the longest), and the
+/// most prompt tokens it takes: waiting requests join together, as vLLM's scheduler batches
+/// prefills under a token budget, so that a wave of arrivals costs a few prefills, not one each.
+const JOIN_AT_ONCE: usize = 32;
+const JOIN_TOKENS: usize = 4096;
 
 /// How the worker serves.
 pub struct WorkerOptions {
@@ -212,10 +215,13 @@ impl Batched<'_> {
     fn run(mut self, jobs: &Receiver<Job>) -> bool {
         let mut closed = false;
         loop {
-            // Admit waiting requests into free slots, up to JOIN_AT_ONCE per prefill; block
-            // only when nothing runs.
-            let mut taken = Vec::new();
-            while !closed && self.batch.active() + taken.len() < self.batch.capacity() && taken.len() < JOIN_AT_ONCE {
+            // Admit waiting requests into free slots, up to JOIN_AT_ONCE and about JOIN_TOKENS
+            // prompt tokens per prefill; block only when nothing runs.
+            let mut taken: Vec<(Ask, Live)> = Vec::new();
+            let budget_left = |taken: &[(Ask, Live)]| {
+                taken.len() < JOIN_AT_ONCE && taken.iter().map(|(a, _)| a.prompt_ids.len()).sum::<usize>() < JOIN_TOKENS
+            };
+            while !closed && self.batch.active() + taken.len() < self.batch.capacity() && budget_left(&taken) {
                 let job = if self.batch.active() == 0 && taken.is_empty() {
                     match jobs.recv() {
                         Ok(j) => j,
