@@ -91,8 +91,13 @@ for phase in $phases; do
       --json "$work/decode-b64.json" 2>&1 | tee "$out/serve.log"
     python3 bench/serve_load.py --kiln "$KILN" --model "$m" --batch 64 --max-length 512 --max-tokens 256 \
       --extra "--graph on" --json "$work/serve-load.json" 2>&1 | tail -12 | tee -a "$out/serve.log"
-    tar -C "$work" -cf "$out/serve-json.tar" decode-b64.json serve-load.json
-    summary+=("serve: $(grep -hE '^\| [0-9]' "$out/serve.log" | tr '\n' ' ')")
+    # What --batch-invariant costs (each request prefilled alone).
+    echo "== --batch-invariant" | tee -a "$out/serve.log"
+    python3 bench/serve_load.py --kiln "$KILN" --model "$m" --batch 64 --max-length 512 --max-tokens 256 \
+      --clients 1 64 --extra "--graph on --batch-invariant" --json "$work/serve-load-invariant.json" 2>&1 |
+      tail -4 | tee -a "$out/serve.log"
+    tar -C "$work" -cf "$out/serve-json.tar" decode-b64.json serve-load.json serve-load-invariant.json
+    summary+=("serve: $(grep -hE '^==|^\| [0-9]' "$out/serve.log" | tr '\n' ' ')")
     ;;
   python)
     rm -rf /tmp/kiln-py && mkdir -p /tmp/kiln-py

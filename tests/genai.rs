@@ -352,13 +352,8 @@ fn sequences_joining_a_running_batch_get_their_own_tokens() {
     let (mut batch, out) = kiln_tests::run_continuous_batch(&mut g, 3, 32, &arrivals);
     assert_eq!(out[3].0, 0, "the fourth sequence waits for the first one's slot");
     for (a, (slot, tokens)) in arrivals.iter().zip(&out) {
-        let alone = kiln_tests::host_sampled_rows(
-            &mut g,
-            std::slice::from_ref(&a.prompt),
-            &[*slot],
-            &a.sampling,
-            a.max_new_tokens,
-        );
+        let alone =
+            kiln_tests::host_sampled_rows(&mut g, std::slice::from_ref(&a.prompt), &[0], &a.sampling, a.max_new_tokens);
         assert_eq!(tokens, &alone[0], "{:?} in slot {slot}", a.sampling);
     }
     assert!(batch.stats().compactions > 0, "the shared column wrapped: {:?}", batch.stats());
@@ -397,13 +392,39 @@ fn a_longer_sequence_joins_in_place_and_moves_the_shared_column() {
     let stats = batch.stats();
     assert_eq!((stats.joined_in_place, stats.moves, stats.rewrites), (1, 1, 1), "{stats:?}");
     for (a, (slot, tokens)) in arrivals.iter().zip(&out) {
-        let alone = kiln_tests::host_sampled_rows(
-            &mut g,
-            std::slice::from_ref(&a.prompt),
-            &[*slot],
-            &a.sampling,
-            a.max_new_tokens,
-        );
+        let alone =
+            kiln_tests::host_sampled_rows(&mut g, std::slice::from_ref(&a.prompt), &[0], &a.sampling, a.max_new_tokens);
         assert_eq!(tokens, &alone[0], "seed {} in slot {slot}", a.sampling.seed);
+    }
+}
+
+/// Batch-invariant joins (`kiln serve --batch-invariant`): sequences joining together, greedy
+/// and sampled, get the tokens each gets joining alone, in whatever slot, and the tokens a
+/// single prompt gets from the host sampler with the same seed.
+#[test]
+fn batch_invariant_joins_give_each_sequence_the_tokens_it_gets_alone() {
+    let mut g = generator("tiny-llama-v512-fp32-cpu");
+    let sampled =
+        SamplingParams { do_sample: true, temperature: 0.9, top_k: 40, top_p: 0.9, repetition_penalty: 1.2, seed: 3 };
+    let seqs: Vec<(Vec<i64>, SamplingParams)> = ["Once upon a time", "The cat sat", "Lily and Tom went to the park"]
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let params = if i == 1 {
+                SamplingParams::default()
+            } else {
+                SamplingParams { seed: 3 + i as u64, ..sampled.clone() }
+            };
+            (g.folder.encode(t).unwrap(), params)
+        })
+        .collect();
+    let together = kiln_tests::run_joined_together(&mut g, 4, 48, &seqs, &[0, 1, 2], 12, true);
+    let reversed = kiln_tests::run_joined_together(&mut g, 4, 48, &seqs, &[2, 1, 0], 12, true);
+    assert_eq!(together, reversed, "the slots changed, the tokens did not");
+    for (i, s) in seqs.iter().enumerate() {
+        let alone = kiln_tests::run_joined_together(&mut g, 4, 48, std::slice::from_ref(s), &[0], 12, true);
+        assert_eq!(together[i], alone[0], "sequence {i} alone");
+        let host = kiln_tests::host_sampled_rows(&mut g, std::slice::from_ref(&s.0), &[0], &s.1, 12);
+        assert_eq!(together[i], host[0], "sequence {i} against the host sampler");
     }
 }

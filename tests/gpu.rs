@@ -1042,17 +1042,17 @@ fn continuous_batch_steps_replay_the_graph_and_give_the_eager_tokens() {
         assert_eq!(after.fallbacks, before.fallbacks, "no fallback: {after:?}");
         assert!(after.replays - before.replays >= stats.steps - 1, "a replay per step: {stats:?} {after:?}");
         let mut agree = Vec::new();
-        for (a, (slot, tokens)) in arrivals.iter().zip(&got) {
+        for (a, (_, tokens)) in arrivals.iter().zip(&got) {
             // The first token: from the join's prefill, padded as the batch pads it.
             let shape = kiln_host::genai::ContinuousBatch::prefill_shape(true, 1, a.prompt.len());
             let (kv, logits) = eager.prefill_padded(std::slice::from_ref(&a.prompt), 160, shape).unwrap();
             eager.free(kv);
-            let first = kiln_host::genai::Sampler::new(a.sampling.clone()).next(&logits[0], &a.prompt, *slot, 0);
+            let first = kiln_host::genai::Sampler::new(a.sampling.clone()).next(&logits[0], &a.prompt, 0, 0);
             assert_eq!(tokens[0], first, "the first token comes from the same padded batch-1 prefill");
             let alone = kiln_tests::host_sampled_rows(
                 &mut eager,
                 std::slice::from_ref(&a.prompt),
-                &[*slot],
+                &[0],
                 &a.sampling,
                 tokens.len(),
             );
@@ -1063,5 +1063,38 @@ fn continuous_batch_steps_replay_the_graph_and_give_the_eager_tokens() {
         // alone in the batch (same slot) gets the tokens it got beside nine others.
         let (_, alone) = kiln_tests::run_continuous_batch(&mut graph, 4, 160, &arrivals[..1]);
         assert_eq!(alone[0], got[0], "{}: a greedy sequence alone vs in a full batch", folder.display());
+    }
+}
+
+/// `kiln serve --batch-invariant` on the GPU: sequences joining a batch together (greedy and
+/// sampled, prompts of different lengths) get exactly the tokens each gets joining alone, in
+/// another slot, over a 64-slot graph bucket.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn batch_invariant_joins_give_each_sequence_the_tokens_it_gets_alone_on_the_gpu() {
+    use kiln_host::ep::GraphMode;
+    use kiln_host::genai::SamplingParams;
+    let mut g = gpu_generator(&device_models().join("smollm2-arch-fp16-cuda"), GraphMode::On);
+    let vocab = g.folder.config.model.vocab_size;
+    let p = prompts(6, vocab);
+    let sampled =
+        SamplingParams { do_sample: true, temperature: 0.8, top_k: 50, top_p: 0.9, repetition_penalty: 1.1, seed: 5 };
+    let seqs: Vec<(Vec<i64>, SamplingParams)> = (0..6)
+        .map(|i| {
+            let params = if i % 2 == 0 {
+                SamplingParams::default()
+            } else {
+                SamplingParams { seed: 5 + i as u64, ..sampled.clone() }
+            };
+            (p[i][..5 + 9 * i].to_vec(), params)
+        })
+        .collect();
+    let order: Vec<usize> = (0..6).collect();
+    let together = kiln_tests::run_joined_together(&mut g, 64, 160, &seqs, &order, 64, true);
+    let reversed: Vec<usize> = order.iter().rev().copied().collect();
+    assert_eq!(together, kiln_tests::run_joined_together(&mut g, 64, 160, &seqs, &reversed, 64, true));
+    for (i, s) in seqs.iter().enumerate() {
+        let alone = kiln_tests::run_joined_together(&mut g, 64, 160, std::slice::from_ref(s), &[0], 64, true);
+        assert_eq!(together[i], alone[0], "sequence {i}: joined with five others vs alone");
     }
 }

@@ -344,3 +344,36 @@ pub fn run_continuous_batch(
     }
     (batch, out)
 }
+
+/// Runs `seqs` (prompt and sampling each, `new` tokens, end-of-sequence ignored) through a new
+/// continuous batch of `rows` slots (`invariant`: batch-invariant joins), all joining at once
+/// in the order `order` gives; returns each sequence's tokens, in `seqs`' order.
+pub fn run_joined_together(
+    g: &mut kiln_host::genai::Generator,
+    rows: usize,
+    max_length: usize,
+    seqs: &[(Vec<i64>, kiln_host::genai::SamplingParams)],
+    order: &[usize],
+    new: usize,
+    invariant: bool,
+) -> Vec<Vec<i64>> {
+    use kiln_host::genai::{ContinuousBatch, Join};
+    let mut batch = ContinuousBatch::new(g, rows, Some(max_length)).unwrap();
+    batch.set_batch_invariant(invariant);
+    let joins: Vec<Join> = order
+        .iter()
+        .map(|&i| Join { prompt: &seqs[i].0, sampling: &seqs[i].1, max_new_tokens: new, ignore_eos: true })
+        .collect();
+    let mut out = vec![Vec::new(); seqs.len()];
+    let mut owner = vec![usize::MAX; batch.capacity()];
+    for (e, &i) in batch.join_many(g, &joins).unwrap().iter().zip(order) {
+        owner[e.slot] = i;
+        out[i].push(e.token);
+    }
+    while batch.active() > 0 || batch.in_flight() {
+        for e in batch.step(g).unwrap() {
+            out[owner[e.slot]].push(e.token);
+        }
+    }
+    out
+}

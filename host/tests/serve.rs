@@ -169,15 +169,27 @@ fn greedy_texts(prompts: &[String], max_new_tokens: usize) -> Vec<String> {
 
 /// kiln's own text for each prompt with `sampling`, generated alone in this process.
 fn texts(prompts: &[String], max_new_tokens: usize, sampling: &SamplingParams, ignore_eos: bool) -> Vec<String> {
+    texts_each(prompts, max_new_tokens, |_| (sampling.clone(), ignore_eos))
+}
+
+/// kiln's own text for prompt `i` with the sampling parameters and `ignore_eos` that
+/// `params(i)` gives, each generated alone in this process.
+fn texts_each(
+    prompts: &[String],
+    max_new_tokens: usize,
+    params: impl Fn(usize) -> (SamplingParams, bool),
+) -> Vec<String> {
     let (registry, errors) = kiln_host::packages::registry(&[], &[]);
     assert!(errors.is_empty(), "{errors:?}");
     let rt = Runtime::new(registry, Default::default()).unwrap();
     let folder = ModelFolder::open(&tiny_llama()).unwrap();
     let mut g = Generator::new(rt, folder, SessionOptions::default()).unwrap();
-    let opts = GenerateOptions { max_new_tokens, max_length: None, sampling: sampling.clone(), ignore_eos, stop: None };
     prompts
         .iter()
-        .map(|p| {
+        .enumerate()
+        .map(|(i, p)| {
+            let (sampling, ignore_eos) = params(i);
+            let opts = GenerateOptions { max_new_tokens, max_length: None, sampling, ignore_eos, stop: None };
             let ids = g.folder.encode(p).unwrap();
             let out = g.generate(&[ids], &opts, &mut |_, _| {}).unwrap();
             g.folder.decode(&out.rows[0].generated_ids).unwrap()
@@ -219,7 +231,7 @@ fn a_completion_is_onnxruntime_genais_greedy_text() {
     );
     let v: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["choices"][0]["finish_reason"], "stop", "{body}");
-    // A sampled request alone takes slot 0: kiln generate's draws for row 0 with its seed.
+    // A sampled request: kiln generate's draws for a single prompt with its seed.
     let sampling =
         SamplingParams { do_sample: true, temperature: 0.9, top_k: 40, top_p: 0.9, repetition_penalty: 1.2, seed: 5 };
     let want = texts(&["Once upon a time".into()], 16, &sampling, true)[0].clone();
@@ -230,8 +242,10 @@ fn a_completion_is_onnxruntime_genais_greedy_text() {
     assert_ne!(got, expected, "sampling left the greedy text");
 }
 
-/// 64 concurrent streaming clients, 8 slots: every one completes with its own prompt's greedy
-/// text (exact on the CPU), and the batch decoded them together.
+/// 64 concurrent streaming clients, 8 slots, half of them greedy and half sampled with seeds
+/// of their own: every one completes with its own prompt's text, the text `kiln generate` gives
+/// that prompt alone with that seed (exact on the CPU, whatever slot a request lands in), and
+/// the batch decoded them together. Also with `--batch-invariant` (each request prefilled alone).
 #[test]
 fn sixty_four_concurrent_streaming_clients_each_get_their_own_text() {
     let prompts: Vec<String> = (0..64)
@@ -242,29 +256,50 @@ fn sixty_four_concurrent_streaming_clients_each_get_their_own_text() {
             _ => format!("Lily saw {i} birds in the"),
         })
         .collect();
-    let expected = greedy_texts(&prompts, 12);
+    let sampling = |i: usize| SamplingParams {
+        do_sample: true,
+        temperature: 0.9,
+        top_k: 40,
+        top_p: 0.9,
+        repetition_penalty: 1.1,
+        seed: 100 + i as u64,
+    };
+    let expected = texts_each(&prompts, 12, |i| match i % 2 {
+        0 => (SamplingParams::default(), false),
+        _ => (sampling(i), true),
+    });
     let distinct: std::collections::HashSet<&String> = expected.iter().collect();
     assert!(distinct.len() > 32 && expected.iter().all(|t| t.len() > 8), "the prompts' answers differ: {expected:?}");
-    let server = Server::start(&["--batch", "8", "--queue", "64"]);
-    let got: Vec<String> = std::thread::scope(|s| {
-        let handles: Vec<_> = prompts
-            .iter()
-            .map(|p| {
-                let server = &server;
-                s.spawn(move || {
-                    server.complete(json!({"prompt": p, "max_tokens": 12, "temperature": 0, "stream": true}))
+    for invariant in [false, true] {
+        let mut args = vec!["--batch", "8", "--queue", "64"];
+        if invariant {
+            args.push("--batch-invariant");
+        }
+        let server = Server::start(&args);
+        let got: Vec<String> = std::thread::scope(|s| {
+            let handles: Vec<_> = prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let server = &server;
+                    let body = match i % 2 {
+                        0 => json!({"prompt": p, "max_tokens": 12, "temperature": 0, "stream": true}),
+                        _ => json!({"prompt": p, "max_tokens": 12, "temperature": 0.9, "top_k": 40, "top_p": 0.9,
+                            "repetition_penalty": 1.1, "seed": 100 + i, "ignore_eos": true, "stream": true}),
+                    };
+                    s.spawn(move || server.complete(body))
                 })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
-        assert_eq!(g, e, "client {i} ({:?})", prompts[i]);
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+            assert_eq!(g, e, "client {i} ({:?}), --batch-invariant {invariant}", prompts[i]);
+        }
+        assert_eq!(server.metric("kiln_requests_completed_total"), 64);
+        assert_eq!(server.metric("kiln_batch_slots"), 8);
+        let steps = server.metric("kiln_batch_steps_total");
+        assert!(steps < 64 * 11, "the requests shared decode steps: {steps} steps");
     }
-    assert_eq!(server.metric("kiln_requests_completed_total"), 64);
-    assert_eq!(server.metric("kiln_batch_slots"), 8);
-    let steps = server.metric("kiln_batch_steps_total");
-    assert!(steps < 64 * 11, "the requests shared decode steps: {steps} steps");
 }
 
 /// Malformed, oversize, over-context and unsupported requests get their 4xx with a clear

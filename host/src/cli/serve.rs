@@ -31,6 +31,12 @@ pub struct ServeArgs {
     /// --max-length positions.
     #[arg(long, default_value_t = 8)]
     pub batch: usize,
+    /// A request's output does not depend on what else is in the batch: each request's prompt
+    /// is prefilled alone (not with the requests arriving beside it), at a shape fixed by its
+    /// own length. Decode steps always are (fixed rows, each row's arithmetic apart, each
+    /// request's draws from its own seed). Costs one prefill per request.
+    #[arg(long)]
+    pub batch_invariant: bool,
     /// Longest a request may take from its arrival, in seconds; past it, it fails with a
     /// message saying so.
     #[arg(long, default_value_t = 600.0)]
@@ -95,6 +101,7 @@ pub fn run(a: ServeArgs) -> Result<ExitCode> {
         model_id,
         limits,
         batch: a.batch,
+        batch_invariant: a.batch_invariant,
         timeout: std::time::Duration::from_secs_f64(a.request_timeout),
         tokenizer: folder.tokenizer.clone(),
     };

@@ -17,8 +17,8 @@
 //! shared next column (`kiln_position`), which moves forward for every row when the joined
 //! sequence is longer. When that column reaches the cache's end (or after a failed step), the
 //! host rewrites every row compacted: each slot's tokens at columns `0 .. len`, and the next
-//! column at the longest length. A row's Philox draws stay keyed by (seed, slot, tokens
-//! generated) across moves and rewrites, as [`super::Sampler`] keys them.
+//! column at the longest length. A sequence's Philox draws stay keyed by (seed, stream 0,
+//! tokens generated) across moves and rewrites, whatever its slot, as a single prompt's are.
 //!
 //! Steps run one ahead, as `Generator::generate`'s do: step k + 1 is enqueued before step k's
 //! tokens are read, so the GPU computes while the host hands tokens out. Each enqueued step
@@ -36,6 +36,11 @@ use crate::{Error, Result};
 /// Prefill lengths of joining sequences on a GPU are padded to a multiple of this.
 pub const PREFILL_LENGTH_STEP: usize = 64;
 
+/// The Philox stream of every sequence's draws (kernel-abi's `philox::uniform` row word): the
+/// same for each, so a sequence's draws depend on its seed alone, never on its slot, as a
+/// single prompt's do in `Generator::generate`.
+const STREAM: usize = 0;
+
 /// One running decode batch of at most [`ContinuousBatch::capacity`] sequences.
 pub struct ContinuousBatch {
     kv: KvCache,
@@ -46,6 +51,8 @@ pub struct ContinuousBatch {
     /// Whether steps run the Sample node (every row with its own parameters; greedy rows at
     /// temperature 0) rather than ArgMax (greedy rows only).
     sampling: bool,
+    /// Each join prefills alone ([`ContinuousBatch::set_batch_invariant`]).
+    invariant: bool,
     /// Most positions of a sequence (prompt and generated), at most the cache's `limit`.
     max_length: usize,
     /// Elements of one slot's row in each layer's key or value cache (`kv_heads × limit ×
@@ -161,6 +168,7 @@ impl ContinuousBatch {
             slots,
             dirty: true,
             sampling,
+            invariant: false,
             max_length,
             row,
             vocab,
@@ -169,6 +177,16 @@ impl ContinuousBatch {
             stats: BatchStats::default(),
             ahead: None,
         })
+    }
+
+    /// With `on`, a sequence's tokens do not depend on what else is in the batch: each join
+    /// prefills alone (at [`ContinuousBatch::prefill_shape`] of one row), rather than with the
+    /// sequences joining beside it, whose number would change the prefill's matrix shapes
+    /// (and, on a GPU, the GEMM algorithms and their rounding). The steps already are: every
+    /// step decodes the batch's fixed rows, each row's arithmetic apart from the others, and
+    /// each sequence draws from its own seed's stream. The cost: one prefill per join.
+    pub fn set_batch_invariant(&mut self, on: bool) {
+        self.invariant = on;
     }
 
     /// Slots (the rows every step decodes).
@@ -229,15 +247,22 @@ impl ContinuousBatch {
             return Ok(Vec::new());
         }
         let prompts: Vec<Vec<i64>> = joins.iter().map(|j| j.prompt.to_vec()).collect();
-        let longest = prompts.iter().map(Vec::len).max().unwrap_or(1);
-        let at_least = Self::prefill_shape(g.on_gpu(), joins.len(), longest);
-        let (scratch, logits) = g.prefill_padded(&prompts, self.kv.limit, at_least)?;
-        let row = self.row;
-        let copied = scratch.past.iter().zip(&self.kv.past).try_for_each(|(from, to)| {
-            (0..joins.len()).try_for_each(|i| g.session.copy_elements(from, i * row, to, free[i] * row, row))
-        });
-        g.free(scratch);
-        copied?;
+        // One prefill of them all, or (batch-invariant) one each, so that a sequence's prefill
+        // never depends on who joined with it.
+        let group = if self.invariant { 1 } else { prompts.len() };
+        let mut logits = Vec::with_capacity(prompts.len());
+        for (n, chunk) in prompts.chunks(group).enumerate() {
+            let longest = chunk.iter().map(Vec::len).max().unwrap_or(1);
+            let at_least = Self::prefill_shape(g.on_gpu(), chunk.len(), longest);
+            let (scratch, l) = g.prefill_padded(chunk, self.kv.limit, at_least)?;
+            let (row, slots) = (self.row, &free[n * group..]);
+            let copied = scratch.past.iter().zip(&self.kv.past).try_for_each(|(from, to)| {
+                (0..chunk.len()).try_for_each(|i| g.session.copy_elements(from, i * row, to, slots[i] * row, row))
+            });
+            g.free(scratch);
+            copied?;
+            logits.extend(l);
+        }
         if logits.len() != joins.len() {
             return Err(Error::Model(format!(
                 "the prefill returned {} rows of logits for {}",
@@ -248,7 +273,7 @@ impl ContinuousBatch {
         let mut out = Vec::with_capacity(joins.len());
         for ((j, l), &slot) in joins.iter().zip(&logits).zip(&free) {
             let sampler = Sampler::new(j.sampling.clone());
-            let first = sampler.next(l, j.prompt, slot, 0);
+            let first = sampler.next(l, j.prompt, STREAM, 0);
             let mut tokens = j.prompt.to_vec();
             tokens.push(first);
             let s = &mut self.slots[slot];
@@ -317,7 +342,7 @@ impl ContinuousBatch {
                         .seq
                         .as_ref()
                         .map_or((greedy, 0), |q| (q.sampler.device_row(self.vocab), q.sampler.params.seed));
-                    (history.as_slice(), params, [seed as i64, s.seed_base])
+                    (history.as_slice(), params, [seed as i64, s.seed_base, STREAM as i64])
                 });
                 StepRow { row: slot, token, mask, sample }
             })
@@ -329,11 +354,12 @@ impl ContinuousBatch {
         Ok(())
     }
 
-    /// Every slot's seed and step-0 position (`[rows, 2]`), as the seeds buffer holds them.
+    /// Every slot's seed, step-0 position and stream (`[rows, 3]`), as the seeds buffer holds
+    /// them.
     fn seeds(&self) -> Vec<i64> {
         self.slots
             .iter()
-            .flat_map(|s| [s.seq.as_ref().map_or(0, |q| q.sampler.params.seed as i64), s.seed_base])
+            .flat_map(|s| [s.seq.as_ref().map_or(0, |q| q.sampler.params.seed as i64), s.seed_base, STREAM as i64])
             .collect()
     }
 

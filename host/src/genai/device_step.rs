@@ -12,7 +12,7 @@
 //!   kiln_position, kiln_sampling, kiln_seeds)` → `kiln_sampled_ids` `[batch, 1]` and
 //!   `kiln_next_history`: temperature, top-k, top-p and repetition penalty with per-row
 //!   parameters in device buffers (`kiln_sampling` float32 `[batch, 4]`, `kiln_seeds` int64
-//!   `[batch, 2]`: seed and the position of step 0), each row's tokens kept on the device
+//!   `[batch, 3]`: seed, the position of step 0 and the Philox stream), each row's tokens kept on the device
 //!   (`kiln_history` `[batch, limit]`, by mask column) for the penalty. A step fetches either
 //!   ArgMax's ids or Sample's, so a greedy step's graph has no sampling node.
 //!
@@ -44,7 +44,7 @@ pub struct StepNames {
 /// Names of the Sample node's inputs and outputs.
 #[derive(Clone, Debug)]
 pub struct SampleNames {
-    /// Graph inputs: int64 `[batch, limit]`, float32 `[batch, 4]`, int64 `[batch, 2]`.
+    /// Graph inputs: int64 `[batch, limit]`, float32 `[batch, 4]`, int64 `[batch, 3]`.
     pub history: String,
     pub sampling: String,
     pub seeds: String,
@@ -138,7 +138,7 @@ pub fn augment(model: &mut Model, cfg: &GenaiConfig, registry: &OpRegistry) -> O
     if let Some(s) = &names.sample {
         let history = add(g, &s.history, DType::I64, vec![sym("batch_size"), sym("total_sequence_length")]);
         let sampling = add(g, &s.sampling, DType::F32, vec![sym("batch_size"), Dim::Known(4)]);
-        let seeds = add(g, &s.seeds, DType::I64, vec![sym("batch_size"), Dim::Known(2)]);
+        let seeds = add(g, &s.seeds, DType::I64, vec![sym("batch_size"), Dim::Known(3)]);
         let sampled = add(g, &s.sampled_ids, DType::I64, vec![sym("batch_size"), Dim::Known(1)]);
         let next_history = add(g, &s.next_history, DType::I64, vec![sym("batch_size"), sym("total_sequence_length")]);
         g.nodes.push(Node {
@@ -176,7 +176,7 @@ fn add(g: &mut Graph, name: &str, dtype: DType, dims: Vec<Dim>) -> ValueId {
 /// int64, rewritten by each step with the tokens it chose), the attention mask (`[batch,
 /// limit]` int64), the position (`[1]` int64) and, for the Sample node, each row's tokens by
 /// mask column (`[batch, limit]` int64), sampling parameters (`[batch, 4]` float32) and seeds
-/// (`[batch, 2]` int64). Kept between generations of the same shape, so their addresses (and
+/// (`[batch, 3]` int64). Kept between generations of the same shape, so their addresses (and
 /// a captured step's graph) stay valid.
 pub struct StepBuffers {
     pub batch: usize,
@@ -201,7 +201,8 @@ pub struct SampleStart<'a> {
     pub history: &'a [i64],
     /// `[batch, 4]`: temperature (0: greedy), top_k (0: all), top_p, repetition_penalty.
     pub params: &'a [f32],
-    /// `[batch, 2]`: seed, and the position whose draw is step 0.
+    /// `[batch, 3]`: seed, the position whose draw is step 0, and the Philox stream (the row of
+    /// a batch of prompts; 0 for every request of a continuous batch).
     pub seeds: &'a [i64],
 }
 
@@ -213,9 +214,9 @@ pub struct StepRow<'a> {
     pub token: i64,
     /// `[limit]`: the row's mask, its length in set columns all below the next step's position.
     pub mask: &'a [i64],
-    /// `[limit]`, `[4]`, seed and step-0 position: the row's history, sampling parameters and
-    /// seeds, when the steps sample.
-    pub sample: Option<(&'a [i64], [f32; 4], [i64; 2])>,
+    /// `[limit]`, `[4]`, `[3]`: the row's history, sampling parameters and seeds (seed, step-0
+    /// position, stream), when the steps sample.
+    pub sample: Option<(&'a [i64], [f32; 4], [i64; 3])>,
 }
 
 impl StepBuffers {
@@ -226,7 +227,7 @@ impl StepBuffers {
             shapes.extend([
                 (DType::I64, vec![batch, limit]),
                 (DType::F32, vec![batch, 4]),
-                (DType::I64, vec![batch, 2]),
+                (DType::I64, vec![batch, 3]),
             ]);
         }
         let made = shapes.into_iter().map(|(dtype, shape)| session.zeros(dtype, shape)).collect::<Result<Vec<_>>>()?;
@@ -253,7 +254,7 @@ impl StepBuffers {
         let (b, l) = (self.batch, self.limit);
         let sizes_ok = sample
             .as_ref()
-            .is_none_or(|s| s.history.len() == b * l && s.params.len() == b * 4 && s.seeds.len() == b * 2);
+            .is_none_or(|s| s.history.len() == b * l && s.params.len() == b * 4 && s.seeds.len() == b * 3);
         if tokens.len() != b || mask.len() != b * l || !sizes_ok {
             return Err(Error::Input(format!(
                 "{} tokens and {} mask entries (or sampling inputs of other sizes) for a batch of {b} and {l} positions",
@@ -273,7 +274,7 @@ impl StepBuffers {
             session.write_tensor(history, &super::i64_tensor(vec![b, l], s.history)?)?;
             let bytes: Vec<u8> = s.params.iter().flat_map(|v| v.to_le_bytes()).collect();
             session.write_tensor(params, &Tensor::new(DType::F32, vec![b, 4], bytes::Bytes::from(bytes))?)?;
-            session.write_tensor(seeds, &super::i64_tensor(vec![b, 2], s.seeds)?)?;
+            session.write_tensor(seeds, &super::i64_tensor(vec![b, 3], s.seeds)?)?;
         }
         self.at = position - 1;
         Ok(())
@@ -281,7 +282,7 @@ impl StepBuffers {
 
     /// Rewrites single rows of running buffers (stream-ordered after the steps already
     /// enqueued, which keep the other rows' state on the device), and with `position` moves
-    /// the next step's position forward for every row, `seeds` (`[batch, 2]`) then giving every
+    /// the next step's position forward for every row, `seeds` (`[batch, 3]`) then giving every
     /// row's seeds again. Errors: a row or size that does not fit the buffers, a position
     /// behind the current one or at the end, sampling rows for greedy steps, or buffers not started.
     pub fn write_rows(
@@ -304,7 +305,7 @@ impl StepBuffers {
             )));
         }
         if let Some((p, seeds)) = position {
-            if p <= self.at + 1 || p >= l || seeds.len() != b * 2 {
+            if p <= self.at + 1 || p >= l || seeds.len() != b * 3 {
                 return Err(Error::Input(format!(
                     "position {p} with {} seeds for step buffers at {} of {l} positions, {b} rows",
                     seeds.len(),
@@ -320,14 +321,14 @@ impl StepBuffers {
                 session.write_elements(h, r.row * l, &super::i64_tensor(vec![l], history)?)?;
                 let bytes: Vec<u8> = params.iter().flat_map(|v| v.to_le_bytes()).collect();
                 session.write_elements(p, r.row * 4, &Tensor::new(DType::F32, vec![4], bytes::Bytes::from(bytes))?)?;
-                session.write_elements(s, r.row * 2, &super::i64_tensor(vec![2], &seeds)?)?;
+                session.write_elements(s, r.row * 3, &super::i64_tensor(vec![3], &seeds)?)?;
             }
         }
         self.at = match position {
             Some((p, seeds)) => {
                 session.write_elements(&self.position, 0, &super::i64_tensor(vec![1], &[p as i64])?)?;
                 if let (true, Some([_, _, s])) = (self.sampling, &self.sample) {
-                    session.write_elements(s, 0, &super::i64_tensor(vec![b, 2], seeds)?)?;
+                    session.write_elements(s, 0, &super::i64_tensor(vec![b, 3], seeds)?)?;
                 }
                 p - 1
             }

@@ -668,7 +668,7 @@ impl Generator {
                 history[b * l + kv.total] = tokens.get(b).copied().unwrap_or(0);
             }
             let row = Sampler::new(params.clone()).device_row(vocab);
-            let seeds: Vec<i64> = (0..b_n).flat_map(|_| [params.seed as i64, kv.total as i64]).collect();
+            let seeds: Vec<i64> = (0..b_n).flat_map(|b| [params.seed as i64, kv.total as i64, b as i64]).collect();
             (history, row.repeat(b_n), seeds)
         });
         let sample = inputs.as_ref().map(|(history, params, seeds)| SampleStart { history, params, seeds });

@@ -60,6 +60,9 @@ pub struct ServeOptions {
     pub limits: Limits,
     /// Sequences decoded together (the continuous batch's slots).
     pub batch: usize,
+    /// A request's tokens do not depend on the other requests in the batch
+    /// (`ContinuousBatch::set_batch_invariant`).
+    pub batch_invariant: bool,
     /// Longest a request may take from its arrival.
     pub timeout: std::time::Duration,
     /// The folder's tokenizer: each request's HTTP task turns its tokens into text.
@@ -96,7 +99,12 @@ pub fn serve(
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<()>>();
     let worker = {
         let (stats, fatal) = (stats.clone(), fatal.clone());
-        let worker_opts = WorkerOptions { limits: opts.limits, batch: opts.batch, timeout: opts.timeout };
+        let worker_opts = WorkerOptions {
+            limits: opts.limits,
+            batch: opts.batch,
+            batch_invariant: opts.batch_invariant,
+            timeout: opts.timeout,
+        };
         std::thread::Builder::new()
             .name("kiln-serve-worker".into())
             .spawn(move || {

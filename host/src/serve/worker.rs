@@ -81,6 +81,8 @@ pub struct WorkerOptions {
     pub limits: Limits,
     /// Sequences decoded together (the continuous batch's slots; on a GPU, its bucket).
     pub batch: usize,
+    /// Each request prefills alone, so its tokens do not depend on the others'.
+    pub batch_invariant: bool,
     /// Longest a request may take from its arrival; past it, it fails with a clear message.
     pub timeout: Duration,
 }
@@ -100,7 +102,10 @@ impl Worker {
     /// request at a time instead, with a warning.
     pub fn new(mut g: Generator, opts: WorkerOptions) -> crate::Result<Worker> {
         let batch = match ContinuousBatch::new(&mut g, opts.batch, Some(opts.limits.max_length)) {
-            Ok(b) => Some(b),
+            Ok(mut b) => {
+                b.set_batch_invariant(opts.batch_invariant);
+                Some(b)
+            }
             Err(e) if e.is_unsupported() => {
                 tracing::warn!("serving one request at a time: {e}");
                 None

@@ -236,8 +236,8 @@ __device__ void sample_row(const typename Tag::storage* logits, const long long*
                     for (unsigned j = 0; j < kept; ++j) s += w[j];
                     for (unsigned j = 0; j < kept; ++j) w[j] /= s;
                 }
-                const double r = kiln_philox_uniform((kiln_u64)seeds[b * 2], (unsigned)b,
-                                                     (kiln_u64)(p - seeds[b * 2 + 1]));
+                const double r = kiln_philox_uniform((kiln_u64)seeds[b * 3], (unsigned)seeds[b * 3 + 2],
+                                                     (kiln_u64)(p - seeds[b * 3 + 1]));
                 double acc = 0.0;
                 unsigned chosen = kept - 1;
                 for (unsigned j = 0; j < kept; ++j) {

@@ -10,8 +10,10 @@
 //! - `position`: int64 `[1]`, the column the chosen token takes.
 //! - `sampling`: float32 `[B, 4]`: temperature (≤ 0: greedy), top_k (0: all), top_p,
 //!   repetition_penalty.
-//! - `seeds`: int64 `[B, 2]`: the row's seed, and the position of its step 0 (the draw of a
-//!   row at `position` is Philox (seed, row, position − base)).
+//! - `seeds`: int64 `[B, 3]`: the row's seed, the position of its step 0 (`base`) and its
+//!   stream: the draw of a row at `position` is Philox (seed, stream, position − base). A batch
+//!   of prompts gives row `b` stream `b`; a continuous batch gives every request stream 0, so a
+//!   request's draws do not depend on its slot.
 //! - `token_ids`: int64 `[B, 1]`; `history_out`: `history` with column `position` set to the
 //!   token (bound in place, the history a decode graph keeps on the device).
 //! - The choice is kernel-abi's `sampling::next_token`, on the CPU and in the CUDA kernel
@@ -95,7 +97,7 @@ fn plan_sample(call: &Call) -> Result<SamplePlan> {
     want(2, "history", DType::I64, &[b, l])?;
     want(3, "position", DType::I64, &[1])?;
     want(4, "sampling", DType::F32, &[b, 4])?;
-    want(5, "seeds", DType::I64, &[b, 2])?;
+    want(5, "seeds", DType::I64, &[b, 3])?;
     Ok(SamplePlan { b, s, v, l })
 }
 
@@ -128,8 +130,8 @@ fn sample_cpu(call: &Call) -> Result<()> {
             repetition_penalty: p[3],
         };
         let seen = (0..cols).filter(|&c| mask[r * l + c] != 0).map(|c| history[r * l + c]);
-        let step = position.wrapping_sub(seeds[r * 2 + 1]) as u64;
-        let token = next_token(row, seen, &rp, seeds[r * 2] as u64, r as u32, step) as i64;
+        let step = position.wrapping_sub(seeds[r * 3 + 1]) as u64;
+        let token = next_token(row, seen, &rp, seeds[r * 3] as u64, seeds[r * 3 + 2] as u32, step) as i64;
         ids.push(token);
     }
     if let Ok(c) = usize::try_from(position) {
