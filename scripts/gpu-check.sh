@@ -17,6 +17,7 @@
 #   peers      PyTorch eager, CUDA graph and torch.compile on the same architecture
 #   profile    ncu: GPU time of every kernel of one eager decode step (batch 1 and 8, cache of 384
 #              positions as in the bench rows)
+#   prefill    ncu: GPU time by kernel of a batch-64 prefill (128-token prompts)
 #   attn       decode attention variants (built-in, .gpu/variants/*): bench rows and ncu at context 3840
 #   longctx    ncu: time, DRAM throughput, occupancy and stalls of the decode attention kernels at
 #              batch 8, context 3840
@@ -161,6 +162,24 @@ for w in glob.glob(".gpu/python/*.whl"):
         --prompt-len 3840 --max-length 4096 "${pk[@]}" 2>/dev/null | grep -E "gqa_" | tail -10
     done 2>&1 | tee "$out/attn.log"
     summary+=("attn: $(grep -hE '^==|^\| [0-9]' "$out/attn.log" | tr '\n' ' ')")
+    ;;
+  prefill)
+    # ncu: GPU time by kernel of a batch-64 prefill of 128-token prompts (a serve join wave).
+    ncu --cache-control none --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+      --launch-count 900 "$KILN" bench decode "$m" --batch 64 --graph off --runs 1 --new-tokens 1 --prompt-len 128 \
+      --max-length 512 >"$work/ncu-prefill.csv" 2>"$work/ncu-prefill.err"
+    python3 - "$work/ncu-prefill.csv" <<'PY' | tee "$out/prefill.log"
+import csv, collections, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 14 and r[12] == "gpu__time_duration.sum"]
+by = collections.defaultdict(lambda: [0, 0.0])
+for r in rows:
+    by[r[4]][0] += 1
+    by[r[4]][1] += float(r[14].replace(",", "")) / 1e3
+total = sum(v[1] for v in by.values())
+print(f"{len(rows)} kernels, {total:.1f} us in all")
+for k, (n, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:25]:
+    print(f"{us:10.1f} us {n:5d}x  {k[:110]}")
+PY
     ;;
   longctx)
     # ncu: the decode attention kernels of a batch-8 step at context 3840 (cache of 4096): the

@@ -1067,7 +1067,7 @@ fn continuous_batch_steps_replay_the_graph_and_give_the_eager_tokens() {
 }
 
 /// `kiln serve --batch-invariant` on the GPU: sequences joining a batch together (greedy and
-/// sampled, prompts of different lengths) get exactly the tokens each gets joining alone, in
+/// sampled, prompts of 3 to 23 tokens) get exactly the tokens each gets joining alone, in
 /// another slot, over a 64-slot graph bucket.
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -1086,7 +1086,7 @@ fn batch_invariant_joins_give_each_sequence_the_tokens_it_gets_alone_on_the_gpu(
             } else {
                 SamplingParams { seed: 5 + i as u64, ..sampled.clone() }
             };
-            (p[i][..5 + 9 * i].to_vec(), params)
+            (p[i].clone(), params)
         })
         .collect();
     let order: Vec<usize> = (0..6).collect();
