@@ -502,7 +502,7 @@ fn long_context_decode_attention_matches_the_cpu_reference() {
 
 fn long_context_decode_attention(n: usize, nk: usize) {
     for window in [-1i64, 1000] {
-        let (m, feeds) = gqa_decode_model(n, nk, window, &[3000, 700, 1], true, 3072, 3072);
+        let (m, feeds) = gqa_model(n, nk, window, &[3000, 700, 1], (1, 3072), true, 3072, 3072);
         let load = || model::load_bytes(&kiln_tests::onnx::bytes(&m), None).unwrap();
         let want = Session::new(runtime(), load(), SessionOptions::default()).unwrap().run(feeds.clone()).unwrap();
         let mut gpu =
@@ -521,17 +521,49 @@ fn seqlens_k(lens: &[i32]) -> kiln_host::Tensor {
     kiln_host::Tensor::new(kiln_kernel_abi::DType::I32, vec![lens.len()], bytes.into()).unwrap()
 }
 
-/// One GroupQueryAttention decode node with total_sequence_length 3072 over a past of `past`
-/// positions (shared with the present when 3072 or more) and cos/sin caches of `cache_rows`
-/// rows (float32, head size 64, rotary on, scale 0.125, local window `window`), `n` query heads
-/// and `nk` KV heads, rows of `lens` valid positions, random values: the model and its feeds.
-/// total_sequence_length is a feed when `total_fed`, else an initializer (so that every feed may
-/// be a device tensor).
-fn gqa_decode_model(
+/// Prompt attention (kiln_gqa_prefill_*) against the CPU reference: first prompts of 150
+/// positions (rows of 150, 97 and 1 valid tokens, right-padded) and a continuation prompt of 37
+/// tokens over pasts of 263, 213 and 0 positions, in a shared past/present buffer, with and
+/// without a local window, groups of 2 and 3 query heads per KV head.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn prompt_attention_matches_the_cpu_reference() {
+    for (n, nk) in [(4, 2), (9, 3)] {
+        for window in [-1i64, 40] {
+            for (lens, s, total, past) in [(vec![150, 97, 1], 150, 150, 256), (vec![300, 250, 37], 37, 300, 512)] {
+                let (m, feeds) = gqa_model(n, nk, window, &lens, (s, total), true, past, 1024);
+                let load = || model::load_bytes(&kiln_tests::onnx::bytes(&m), None).unwrap();
+                let want =
+                    Session::new(runtime(), load(), SessionOptions::default()).unwrap().run(feeds.clone()).unwrap();
+                let mut gpu =
+                    Session::new(runtime(), load(), SessionOptions { small_integer_nodes_on_host: false, ..cuda() })
+                        .unwrap();
+                let got = gpu.run(feeds).unwrap();
+                for ((name, a), (_, b)) in got.iter().zip(&want) {
+                    let d = max_abs_diff(&kiln_tests::f32_values(a), &kiln_tests::f32_values(b));
+                    assert!(
+                        d <= 1e-4,
+                        "{n} heads, {nk} KV heads, window {window}, S {s}, total {total}: {name}: max |Δ| {d}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// One GroupQueryAttention node of `seq_total.0` new positions with total_sequence_length
+/// `seq_total.1` over a past of `past` positions (shared with the present when
+/// total_sequence_length or more) and cos/sin caches of `cache_rows` rows (float32, head size
+/// 64, rotary on, scale 0.125, local window `window`), `n` query heads and `nk` KV heads, rows
+/// of `lens` valid positions, random values: the model and its feeds. total_sequence_length is
+/// a feed when `total_fed`, else an initializer (so that every feed may be a device tensor).
+#[allow(clippy::too_many_arguments)]
+fn gqa_model(
     n: usize,
     nk: usize,
     window: i64,
     lens: &[i32],
+    seq_total: (usize, usize),
     total_fed: bool,
     past: usize,
     cache_rows: usize,
@@ -539,7 +571,7 @@ fn gqa_decode_model(
     use kiln_host::Tensor;
     use kiln_kernel_abi::DType;
     use kiln_tests::onnx::{self, attr_float, node, value};
-    let (b, h, pl, half) = (lens.len(), 64usize, 3072usize, 32usize);
+    let ((s, pl), b, h, half) = (seq_total, lens.len(), 64usize, 32usize);
     let mut r = kiln_tests::Rng(0x5eed);
     let f32t = |shape: &[usize], v: Vec<f32>| kiln_tests::f32_tensor(shape, &v);
     let mut vals = |k: usize| {
@@ -547,9 +579,9 @@ fn gqa_decode_model(
     };
     let total = Tensor::new(DType::I32, vec![], (pl as i32).to_le_bytes().to_vec().into()).unwrap();
     let mut inputs = vec![
-        ("query", f32t(&[b, 1, n * h], vals(b * n * h))),
-        ("key", f32t(&[b, 1, nk * h], vals(b * nk * h))),
-        ("value", f32t(&[b, 1, nk * h], vals(b * nk * h))),
+        ("query", f32t(&[b, s, n * h], vals(b * s * n * h))),
+        ("key", f32t(&[b, s, nk * h], vals(b * s * nk * h))),
+        ("value", f32t(&[b, s, nk * h], vals(b * s * nk * h))),
         ("past_key", f32t(&[b, nk, past, h], vals(b * nk * past * h))),
         ("past_value", f32t(&[b, nk, past, h], vals(b * nk * past * h))),
         ("seqlens_k", seqlens_k(lens)),
@@ -612,7 +644,7 @@ fn crafted_indices_fail_a_captured_run_with_the_cpu_error_and_the_next_run_works
     use kiln_host::ep::{Feed, Fetch, GraphMode};
     use kiln_host::Error;
     let good = [3000, 700, 1];
-    let (m, feeds) = gqa_decode_model(4, 2, -1, &good, false, 3072, 3072);
+    let (m, feeds) = gqa_model(4, 2, -1, &good, (1, 3072), false, 3072, 3072);
     let load = || model::load_bytes(&kiln_tests::onnx::bytes(&m), None).unwrap();
     let mut cpu = Session::new(runtime(), load(), SessionOptions::default()).unwrap();
     let want = cpu.run(feeds.clone()).unwrap();
@@ -687,9 +719,9 @@ fn crafted_indices_fail_a_captured_run_with_the_cpu_error_and_the_next_run_works
             other => panic!("{what}: expected a device check failure, got {:?}", other.map(|_| ())),
         }
     };
-    let (m, feeds) = gqa_decode_model(4, 2, -1, &good, false, 2048, 3072);
+    let (m, feeds) = gqa_model(4, 2, -1, &good, (1, 3072), false, 2048, 3072);
     same_error(&m, feeds, "past of 2048 positions");
-    let (m, feeds) = gqa_decode_model(4, 2, -1, &good, false, 3072, 2048);
+    let (m, feeds) = gqa_model(4, 2, -1, &good, (1, 3072), false, 3072, 2048);
     same_error(&m, feeds, "cos/sin caches of 2048 rows");
     let dir = kiln_tests::root().join("tests/contrib-node-tests/test_rotary_embedding");
     let rm = <kiln_tests::onnx::ModelProto as protobuf::Message>::parse_from_bytes(

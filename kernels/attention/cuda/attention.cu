@@ -311,6 +311,134 @@ __device__ void gqa_attn(const typename Tag::storage* q_src, const typename Tag:
     for (unsigned d = threadIdx.x; d < H; d += blockDim.x) o[d] = kiln_from_f32(Tag(), s_acc[0][d] / den);
 }
 
+// Prompt attention by tiles (S > 1, no bias, softcap or sink; H ≤ GQA_PF_MAX_HEAD): block
+// (query tile, h, b) takes GQA_PF_ROWS query rows s0 … of head h, batch row b, and folds the
+// keys any of them attends to in tiles of GQA_PF_KEYS, each tile's K and V rows loaded once
+// into shared memory (coalesced) for all the block's rows, as flash-attention tiles a prompt.
+// Warp w owns rows w, w + GQA_PF_WARPS, …: for each, lane l scores key l of the tile (its
+// causal and window range masked), the warp takes the tile's max and sum (shuffles) into the
+// row's online softmax, and lane l sums weight·V for dimensions l, l + 32, …. Query rows are
+// rotated and rounded as in gqa_attn, so the result is gqa_attn's up to f32 summation order.
+#define GQA_PF_ROWS 16
+#define GQA_PF_KEYS 32
+#define GQA_PF_WARPS 4
+#define GQA_PF_MAX_HEAD 128
+#define GQA_PF_ROWS_PER_WARP (GQA_PF_ROWS / GQA_PF_WARPS)
+#define GQA_PF_CHUNKS (GQA_PF_MAX_HEAD / 32)
+
+template <typename Tag>
+__device__ void gqa_prefill(const typename Tag::storage* q_src, const typename Tag::storage* pres_k,
+                            const typename Tag::storage* pres_v, const int* seqlens,
+                            const typename Tag::storage* cos_c, const typename Tag::storage* sin_c,
+                            typename Tag::storage* out, unsigned S, unsigned N, unsigned Nk, unsigned H, unsigned PL,
+                            kiln_u64 q_w, unsigned first_prompt, kiln_u64 cache_rows, unsigned rotary_half,
+                            unsigned interleaved, float scale, int window, unsigned total, kiln_status* st) {
+    typedef typename Tag::storage T;
+    const float NEG_INF = -__int_as_float(0x7f800000);
+    __shared__ float q_s[GQA_PF_ROWS][GQA_PF_MAX_HEAD];
+    __shared__ float k_s[GQA_PF_KEYS][GQA_PF_MAX_HEAD + 1];  // +1: lanes read one key each, no bank conflicts
+    __shared__ float v_s[GQA_PF_KEYS][GQA_PF_MAX_HEAD];
+    __shared__ float p_s[GQA_PF_WARPS][GQA_PF_KEYS];
+    const unsigned s0 = blockIdx.x * GQA_PF_ROWS, h = blockIdx.y, b = blockIdx.z;
+    const unsigned tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    if (blockIdx.x == 0 && h == 0 && b == 0 && tid == 0)
+        gqa_check(st, seqlens, gridDim.z, S, first_prompt, total, 0, 0, cache_rows, rotary_half);
+    const unsigned j = h / (N / Nk);
+    const unsigned rows = S - s0 < GQA_PF_ROWS ? S - s0 : GQA_PF_ROWS;
+    // The block's keys: the union of its rows' ranges.
+    long long lo = (long long)PL, hi = 0;
+    for (unsigned r = 0; r < rows; ++r) {
+        long long a, e, p;
+        gqa_range(seqlens, b, s0 + r, S, first_prompt, window, PL, &a, &e, &p);
+        if (a < e) {
+            lo = a < lo ? a : lo;
+            hi = e > hi ? e : hi;
+        }
+    }
+    // 1. Query rows, rotated and rounded as gqa_query does.
+    for (unsigned i = tid; i < rows * H; i += blockDim.x) {
+        const unsigned r = i / H, d = i - r * H;
+        long long a, e, pos;
+        gqa_range(seqlens, b, s0 + r, S, first_prompt, window, PL, &a, &e, &pos);
+        const T* qr = q_src + ((kiln_u64)b * S + s0 + r) * q_w + (kiln_u64)h * H;
+        float v;
+        if (rotary_half > 0 && d < 2 * rotary_half)
+            v = kiln_to_f32(Tag(), kiln_from_f32(Tag(), rope_elem<Tag>(qr, cos_c, sin_c, pos, cache_rows, rotary_half,
+                                                                       d, interleaved)));
+        else
+            v = kiln_to_f32(Tag(), qr[d]);
+        q_s[r][d] = v;
+    }
+    // Each warp's rows: range, running max and sum, Σ weight·V for dimensions lane + 32·c.
+    long long r_lo[GQA_PF_ROWS_PER_WARP], r_hi[GQA_PF_ROWS_PER_WARP];
+    float m[GQA_PF_ROWS_PER_WARP], l[GQA_PF_ROWS_PER_WARP], acc[GQA_PF_ROWS_PER_WARP][GQA_PF_CHUNKS];
+#pragma unroll
+    for (int rr = 0; rr < GQA_PF_ROWS_PER_WARP; ++rr) {
+        const unsigned r = warp + rr * GQA_PF_WARPS;
+        long long p;
+        r_lo[rr] = 0;
+        r_hi[rr] = 0;
+        if (r < rows) gqa_range(seqlens, b, s0 + r, S, first_prompt, window, PL, &r_lo[rr], &r_hi[rr], &p);
+        m[rr] = NEG_INF;
+        l[rr] = 0.f;
+#pragma unroll
+        for (int c = 0; c < GQA_PF_CHUNKS; ++c) acc[rr][c] = 0.f;
+    }
+    const kiln_u64 head = ((kiln_u64)b * Nk + j) * PL * H;
+    for (long long t0 = lo; t0 < hi; t0 += GQA_PF_KEYS) {
+        __syncthreads();  // the previous tile is done with (and q_s written, the first time)
+        // 2. The tile's K and V rows into shared memory, in f32.
+        for (unsigned i = tid; i < GQA_PF_KEYS * H; i += blockDim.x) {
+            const unsigned k = i / H, d = i - k * H;
+            const long long t = t0 + k;
+            const bool in = t < hi;
+            k_s[k][d] = in ? kiln_to_f32(Tag(), pres_k[head + (kiln_u64)t * H + d]) : 0.f;
+            v_s[k][d] = in ? kiln_to_f32(Tag(), pres_v[head + (kiln_u64)t * H + d]) : 0.f;
+        }
+        __syncthreads();
+        // 3. Each of the warp's rows: lane = key.
+#pragma unroll
+        for (int rr = 0; rr < GQA_PF_ROWS_PER_WARP; ++rr) {
+            const unsigned r = warp + rr * GQA_PF_WARPS;
+            if (r >= rows || r_hi[rr] <= t0 || r_lo[rr] >= t0 + GQA_PF_KEYS) continue;  // warp-uniform
+            const long long t = t0 + lane;
+            float x = 0.f;
+            for (unsigned d = 0; d < H; ++d) x += q_s[r][d] * k_s[lane][d];
+            x = t >= r_lo[rr] && t < r_hi[rr] ? x * scale : NEG_INF;
+            const float mt = kiln_warp_max(x);
+            const float m_new = fmaxf(m[rr], mt);
+            const float corr = m[rr] == NEG_INF ? 0.f : expf(m[rr] - m_new);
+            const float p = x == NEG_INF ? 0.f : expf(x - m_new);
+            l[rr] = l[rr] * corr + kiln_warp_sum(p);
+            m[rr] = m_new;
+            p_s[warp][lane] = p;
+            __syncwarp();
+#pragma unroll
+            for (int c = 0; c < GQA_PF_CHUNKS; ++c) {
+                const unsigned d = lane + 32u * c;
+                if (d >= H) break;
+                float a = 0.f;
+#pragma unroll 8
+                for (unsigned k = 0; k < GQA_PF_KEYS; ++k) a += p_s[warp][k] * v_s[k][d];
+                acc[rr][c] = acc[rr][c] * corr + a;
+            }
+            __syncwarp();  // p_s is the next row's
+        }
+    }
+    // 4. Out: acc / l (a row with no key gets zeros, as gqa_attn).
+#pragma unroll
+    for (int rr = 0; rr < GQA_PF_ROWS_PER_WARP; ++rr) {
+        const unsigned r = warp + rr * GQA_PF_WARPS;
+        if (r >= rows) continue;
+        T* o = out + ((kiln_u64)b * S + s0 + r) * ((kiln_u64)N * H) + (kiln_u64)h * H;
+#pragma unroll
+        for (int c = 0; c < GQA_PF_CHUNKS; ++c) {
+            const unsigned d = lane + 32u * c;
+            if (d < H) o[d] = kiln_from_f32(Tag(), l[rr] > 0.f ? acc[rr][c] / l[rr] : 0.f);
+        }
+    }
+}
+
 // Split-K decode attention (flash-decoding), S = 1 and not a first prompt: block (split, h, b)
 // folds keys [split·chunk, (split + 1)·chunk) ∩ [start, end) into a partial state in f32 at
 // partial + ((b·N + h)·splits + split)·(H + 2): m, l, then acc[0..H) (unnormalized). Splits
@@ -810,6 +938,14 @@ __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, c
         gqa_attn<TAG>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, out, S, N, Nk, H, PL, q_w,             \
                       first_prompt, cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b,    \
                       bias_h, total, sink_mode, st);                                                                   \
+    }                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(GQA_PF_WARPS * 32) kiln_gqa_prefill_##SUF(                          \
+        const TAG::storage* q_src, const TAG::storage* pres_k, const TAG::storage* pres_v, const int* seqlens,         \
+        const TAG::storage* cos_c, const TAG::storage* sin_c, TAG::storage* out, unsigned S, unsigned N, unsigned Nk,  \
+        unsigned H, unsigned PL, kiln_u64 q_w, unsigned first_prompt, kiln_u64 cache_rows, unsigned rotary_half,       \
+        unsigned interleaved, float scale, int window, unsigned total, kiln_status* st) {                              \
+        gqa_prefill<TAG>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, out, S, N, Nk, H, PL, q_w, first_prompt,        \
+                         cache_rows, rotary_half, interleaved, scale, window, total, st);                              \
     }                                                                                                                  \
     extern "C" __global__ void kiln_gqa_split_##SUF(                                                                   \
         const TAG::storage* q_src, const TAG::storage* pres_k, const TAG::storage* pres_v, const int* seqlens,         \

@@ -681,6 +681,12 @@ const SPLIT_MIN_PRESENT: usize = 512;
 const SPLIT_KEYS: usize = 256;
 const SPLIT_WARPS: u32 = 8;
 
+/// Prompt attention by tiles (`kiln_gqa_prefill_*`, attention.cu's GQA_PF_* values): query
+/// rows per block, threads per block, and the largest head size.
+const PREFILL_ROWS: usize = 16;
+const PREFILL_THREADS: u32 = 128;
+const PREFILL_MAX_HEAD: usize = 128;
+
 /// The CUDA kernels' dtype suffix (f32, f16 or bf16; other dtypes are refused earlier).
 fn dtype_suffix(d: DType) -> &'static str {
     match d {
@@ -915,6 +921,39 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
                 KernelArg::I32(window),
                 u("splits", splits)?,
                 KernelArg::U32(sink_mode),
+            ],
+        });
+    }
+    if p.seq > 1 && sink_mode == 0 && softcap <= 0.0 && p.bias_dims.is_none() && h_sz <= PREFILL_MAX_HEAD {
+        // A prompt: kiln_gqa_prefill_* tiles the query rows and keys (K/V loaded once per tile of
+        // PREFILL_ROWS query rows, not once per row).
+        return launch(&Launch {
+            kernel: &format!("kiln_gqa_prefill_{}", dtype_suffix(p.dtype)),
+            grid: [p.seq.div_ceil(PREFILL_ROWS) as u32, p.heads as u32, p.batch as u32],
+            block: [PREFILL_THREADS, 1, 1],
+            shared_mem_bytes: 0,
+            args: vec![
+                targ(&query),
+                harg(pres_k),
+                harg(pres_v),
+                seqlens,
+                cos,
+                sin,
+                targ(&out),
+                u("sequence", p.seq)?,
+                u("num_heads", n_h)?,
+                u("kv_num_heads", n_kv)?,
+                u("head size", h_sz)?,
+                u("present length", p.present_len)?,
+                KernelArg::U64(q_w as u64),
+                flag(p.first_prompt),
+                KernelArg::U64(cache_rows as u64),
+                u("rotary width", rot_half)?,
+                flag(interleaved),
+                KernelArg::F32(scale),
+                KernelArg::I32(window),
+                u("total_sequence_length", p.total)?,
+                KernelArg::Status,
             ],
         });
     }
