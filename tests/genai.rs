@@ -398,9 +398,11 @@ fn a_longer_sequence_joins_in_place_and_moves_the_shared_column() {
     }
 }
 
-/// Batch-invariant joins (`kiln serve --batch-invariant`): sequences joining together, greedy
-/// and sampled, get the tokens each gets joining alone, in whatever slot, and the tokens a
-/// single prompt gets from the host sampler with the same seed.
+/// Sequences joining together (with `kiln serve --batch-invariant`'s joins, each prefilled
+/// alone), greedy and sampled, get the tokens each gets joining alone, in whatever slot, and the
+/// tokens a single prompt gets from the host sampler with the same seed: a sequence's draws
+/// follow its seed, not its slot. (On the CPU a prefill's rows do not depend on each other with
+/// or without the flag; the GPU test checks the flag where they can.)
 #[test]
 fn batch_invariant_joins_give_each_sequence_the_tokens_it_gets_alone() {
     let mut g = generator("tiny-llama-v512-fp32-cpu");
@@ -426,5 +428,23 @@ fn batch_invariant_joins_give_each_sequence_the_tokens_it_gets_alone() {
         assert_eq!(together[i], alone[0], "sequence {i} alone");
         let host = kiln_tests::host_sampled_rows(&mut g, std::slice::from_ref(&s.0), &[0], &s.1, 12);
         assert_eq!(together[i], host[0], "sequence {i} against the host sampler");
+    }
+}
+
+/// A prefill padded to more rows and positions (as a continuous batch pads joins on a GPU)
+/// gives the real rows the logits of the unpadded prefill.
+#[test]
+fn a_padded_prefill_gives_the_unpadded_logits() {
+    let mut g = generator("tiny-llama-v512-fp32-cpu");
+    let prompts = vec![g.folder.encode("Once upon a time").unwrap(), g.folder.encode("The cat").unwrap()];
+    let (kv, want) = g.prefill(&prompts, 96).unwrap();
+    g.free(kv);
+    let (kv, got) = g.prefill_padded(&prompts, 96, (4, 64)).unwrap();
+    assert_eq!(kv.len(), 64, "the padded length");
+    g.free(kv);
+    assert_eq!(got.len(), 2, "logits of the real rows only");
+    for (b, (x, y)) in got.iter().zip(&want).enumerate() {
+        let d = x.iter().zip(y).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(d <= 1e-4, "row {b}: max |Δ| {d}");
     }
 }

@@ -3,9 +3,10 @@
 //!
 //! The batch owns a shared KV cache of `rows` slots (`[rows, kv_heads, limit, head_size]` per
 //! layer, allocated once, so its addresses never move) and the generator's device-step buffers
-//! of that shape. A sequence joins a free slot by a batch-1 prefill whose KV row is copied into
-//! the slot (a device-to-device copy); its first token is sampled on the host from the prefill's
-//! logits. Every step then decodes every slot at once, as one device-sampled step (one CUDA
+//! of that shape. Sequences join free slots by a prefill of their prompts (together, or each
+//! alone when batch-invariant; on a GPU padded to a few shapes) whose KV rows are copied into
+//! the slots (device-to-device copies); each first token is sampled on the host from the
+//! prefill's logits. Every step then decodes every slot at once, as one device-sampled step (one CUDA
 //! graph replay once captured): the tokens come back, finished sequences free their slots, and
 //! free slots keep stepping harmlessly on a one-token sequence of padding.
 //!
@@ -17,7 +18,8 @@
 //! shared next column (`kiln_position`), which moves forward for every row when the joined
 //! sequence is longer. When that column reaches the cache's end (or after a failed step), the
 //! host rewrites every row compacted: each slot's tokens at columns `0 .. len`, and the next
-//! column at the longest length. A sequence's Philox draws stay keyed by (seed, stream 0,
+//! column at the longest length (also when a join finds no room to write its rows in place).
+//! A sequence's Philox draws stay keyed by (seed, stream 0,
 //! tokens generated) across moves and rewrites, whatever its slot, as a single prompt's are.
 //!
 //! Steps run one ahead, as `Generator::generate`'s do: step k + 1 is enqueued before step k's
@@ -209,8 +211,7 @@ impl ContinuousBatch {
         self.max_length
     }
 
-    /// Adds a sequence to a free slot: prefills its prompt (batch 1) and chooses its first
-    /// token. Returns that token, which may already end the sequence (the slot is then free).
+    /// Adds a sequence to a free slot: prefills its prompt and chooses its first token. Returns that token, which may already end the sequence (the slot is then free).
     /// Errors: no free slot, an empty prompt or one of `max_length` tokens or more, sampling the
     /// device cannot do (named), or the prefill's failure (the batch's other sequences go on).
     pub fn join(&mut self, g: &mut Generator, join: Join<'_>) -> Result<Emitted> {
@@ -219,9 +220,12 @@ impl ContinuousBatch {
     }
 
     /// Adds several sequences at once, to the first free slots in order: one prefill of their
-    /// prompts together (right-padded, as `Generator::prefill` pads a batch), each KV row copied
-    /// into its slot. Returns each one's first token, in the order given. Errors: as
-    /// [`ContinuousBatch::join`] (the first bad sequence named by its index); nothing joins then.
+    /// prompts together (right-padded, as `Generator::prefill` pads a batch, to
+    /// [`ContinuousBatch::prefill_shape`]), or one each when batch-invariant, each KV row copied
+    /// into its slot; their rows of the running step buffers are then written in place. Returns
+    /// each one's first token, in the order given. Errors: as [`ContinuousBatch::join`] (the
+    /// first bad sequence named by its index), or a device error writing the rows; nothing
+    /// joins then.
     pub fn join_many(&mut self, g: &mut Generator, joins: &[Join<'_>]) -> Result<Vec<Emitted>> {
         let free: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].seq.is_none()).collect();
         if joins.len() > free.len() {
@@ -290,11 +294,24 @@ impl ContinuousBatch {
             let finished = self.finished(slot, first);
             out.push(Emitted { slot, token: first, finished });
         }
-        if !self.dirty {
-            let slots: Vec<usize> = out.iter().map(|e| e.slot).collect();
-            if let Err(e) = self.write_joined(g, &slots) {
-                tracing::debug!("joined rows not written in place ({e}); the next step rewrites every row");
-                self.dirty = true;
+        // Sequences that ended on their first token hold no slot: nothing to write for them.
+        let running: Vec<usize> = out.iter().filter(|e| e.finished.is_none()).map(|e| e.slot).collect();
+        if !self.dirty && !running.is_empty() {
+            match self.write_joined(g, &running) {
+                Ok(()) => {}
+                // No room before the cache's end: the next step compacts every row.
+                Err(Error::Input(why)) => {
+                    tracing::debug!("joined rows not written in place ({why}); the next step rewrites every row");
+                    self.dirty = true;
+                }
+                // A device error: the sequences do not join, and the next step rewrites (or fails).
+                Err(e) => {
+                    for &slot in &running {
+                        self.slots[slot].seq = None;
+                    }
+                    self.dirty = true;
+                    return Err(e);
+                }
             }
         }
         Ok(out)
@@ -310,7 +327,7 @@ impl ContinuousBatch {
         let longest = slots.iter().map(|&s| self.slots[s].len).max().unwrap_or(1);
         let mut next = self.kv.total + 1;
         let moved = longest.saturating_sub(next);
-        if next + moved + 1 >= l {
+        if next + moved >= l {
             return Err(Error::Input(format!("{longest} positions after the shared column {next} of {l}")));
         }
         next += moved;

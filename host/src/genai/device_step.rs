@@ -67,6 +67,10 @@ impl StepNames {
 /// The domain of kiln's own decode-step ops (package `kiln-sampling`).
 pub const KILN_DOMAIN: &str = "ai.kiln";
 
+/// The `ai.kiln` opset of the decode-step nodes: 2, whose Sample takes seeds `[batch, 3]`
+/// (seed, step-0 position, stream); opset 1's took `[batch, 2]` (the row as the stream).
+pub const KILN_OPSET: i64 = 2;
+
 /// Appends the device-sampling nodes to `model` when its decoder has an attention mask, the
 /// KV cache is one shared buffer and `registry` has packages for both ops. `None`: left as is
 /// (decode then samples on the host).
@@ -93,11 +97,12 @@ pub fn augment(model: &mut Model, cfg: &GenaiConfig, registry: &OpRegistry) -> O
     let logits = g.value_id(&d.outputs.logits)?;
     let mask = g.value_id(mask_name)?;
     let logits_dtype = g.values[logits].ty.as_ref()?.dtype;
-    if !resolves("", "ArgMax", onnx_opset, logits_dtype) || !resolves(KILN_DOMAIN, "AppendAttentionMask", 1, DType::I64)
+    if !resolves("", "ArgMax", onnx_opset, logits_dtype)
+        || !resolves(KILN_DOMAIN, "AppendAttentionMask", KILN_OPSET, DType::I64)
     {
         return None;
     }
-    let sample = resolves(KILN_DOMAIN, "Sample", 1, logits_dtype).then(|| SampleNames {
+    let sample = resolves(KILN_DOMAIN, "Sample", KILN_OPSET, logits_dtype).then(|| SampleNames {
         history: "kiln_history".into(),
         sampling: "kiln_sampling".into(),
         seeds: "kiln_seeds".into(),
@@ -162,7 +167,8 @@ pub fn augment(model: &mut Model, cfg: &GenaiConfig, registry: &OpRegistry) -> O
         outputs: vec![Some(next_mask), Some(next_position)],
         attributes: Vec::new(),
     });
-    model.opsets.insert(KILN_DOMAIN.into(), 1);
+    let opset = model.opsets.entry(KILN_DOMAIN.into()).or_insert(KILN_OPSET);
+    *opset = (*opset).max(KILN_OPSET);
     Some(names)
 }
 

@@ -70,11 +70,12 @@ pub struct Stats {
     pub batch_slots: AtomicU64,
 }
 
-/// Most requests one prefill joins to the batch (their prompts padded to the longest), and the
-/// most prompt tokens it takes: waiting requests join together, as vLLM's scheduler batches
-/// prefills under a token budget, so that a wave of arrivals costs a few prefills, not one each.
+/// Most requests one prefill joins to the batch, and the most positions it runs (rows × the
+/// padded length, [`ContinuousBatch::prefill_shape`]): waiting requests join together, as
+/// vLLM's scheduler batches prefills under a token budget, so that a wave of arrivals costs a
+/// few prefills, not one each. A request alone always joins.
 const JOIN_AT_ONCE: usize = 32;
-const JOIN_TOKENS: usize = 4096;
+const JOIN_POSITIONS: usize = 8192;
 
 /// How the worker serves.
 pub struct WorkerOptions {
@@ -127,7 +128,7 @@ impl Worker {
             Some(batch) => {
                 stats.batch_slots.store(batch.capacity() as u64, Ordering::Relaxed);
                 let live = (0..batch.capacity()).map(|_| None).collect();
-                Batched { g, batch, live, opts: &opts, stats: &stats }.run(&jobs)
+                Batched { g, batch, live, pending: None, opts: &opts, stats: &stats }.run(&jobs)
             }
             None => {
                 stats.batch_slots.store(1, Ordering::Relaxed);
@@ -210,6 +211,8 @@ struct Batched<'a> {
     batch: ContinuousBatch,
     /// The request in each slot.
     live: Vec<Option<Live>>,
+    /// An accepted request the last prefill had no room for: the next one takes it first.
+    pending: Option<(Ask, Live)>,
     opts: &'a WorkerOptions,
     stats: &'a Stats,
 }
@@ -220,13 +223,13 @@ impl Batched<'_> {
     fn run(mut self, jobs: &Receiver<Job>) -> bool {
         let mut closed = false;
         loop {
-            // Admit waiting requests into free slots, up to JOIN_AT_ONCE and about JOIN_TOKENS
-            // prompt tokens per prefill; block only when nothing runs.
-            let mut taken: Vec<(Ask, Live)> = Vec::new();
-            let budget_left = |taken: &[(Ask, Live)]| {
-                taken.len() < JOIN_AT_ONCE && taken.iter().map(|(a, _)| a.prompt_ids.len()).sum::<usize>() < JOIN_TOKENS
-            };
-            while !closed && self.batch.active() + taken.len() < self.batch.capacity() && budget_left(&taken) {
+            // Admit waiting requests into free slots, up to JOIN_AT_ONCE (batch-invariant: one,
+            // so each first token goes out after its own prefill) and JOIN_POSITIONS per
+            // prefill; block only when nothing runs.
+            let mut taken: Vec<(Ask, Live)> = self.pending.take().into_iter().collect();
+            let at_once = if self.opts.batch_invariant { 1 } else { JOIN_AT_ONCE };
+            let on_gpu = self.g.on_gpu();
+            while !closed && self.batch.active() + taken.len() < self.batch.capacity() && taken.len() < at_once {
                 let job = if self.batch.active() == 0 && taken.is_empty() {
                     match jobs.recv() {
                         Ok(j) => j,
@@ -242,13 +245,21 @@ impl Batched<'_> {
                         }
                     }
                 };
-                taken.extend(accept(&self.g, Some(&self.batch), job, self.opts, self.stats));
+                let Some(next) = accept(&self.g, Some(&self.batch), job, self.opts, self.stats) else { continue };
+                let longest = taken.iter().chain([&next]).map(|(a, _)| a.prompt_ids.len()).max().unwrap_or(1);
+                let (rows, len) = ContinuousBatch::prefill_shape(on_gpu, taken.len() + 1, longest);
+                if !taken.is_empty() && rows.max(taken.len() + 1) * len.max(longest) > JOIN_POSITIONS {
+                    // Over the budget with it: it waits for the next prefill.
+                    self.pending = Some(next);
+                    break;
+                }
+                taken.push(next);
             }
             if !taken.is_empty() && self.admit(taken) {
                 return true;
             }
             if self.batch.active() == 0 && !self.batch.in_flight() {
-                if closed {
+                if closed && self.pending.is_none() {
                     return false;
                 }
                 continue;

@@ -29,7 +29,7 @@ extern "C" __global__ void kiln_append_mask_i32(const int* mask, const long long
 // repetition penalty over the row's history (columns < position whose mask is set), greedy
 // when temperature <= 0, else temperature, the top_k best candidates (radix select on keys that
 // order by value then by lower index, all distinct), softmax in f64 summed in candidate order,
-// top-p, and one Philox draw keyed by (seed, row, position - base). The token goes to ids[b]
+// top-p, and one Philox draw keyed by (seed, stream, position - base). The token goes to ids[b]
 // and to column `position` of hist_out (a copy of hist unless bound in place).
 #define KILN_SAMPLE_THREADS 1024
 #define KILN_SAMPLE_MAX_CANDIDATES 1024

@@ -703,6 +703,8 @@ const GQA_MAX_HEAD: usize = 256;
 /// copied, the new rows rotated and appended at each batch row's past length, which the kernels
 /// read from `seqlens_k`), then `kiln_gqa_attn_*` runs one block per (query row, head, batch
 /// row) with an online softmax in f32 (16 warps splitting the keys for decode, 4 for prompts).
+/// Prompts without bias, softcap or sink and heads of at most PREFILL_MAX_HEAD run
+/// `kiln_gqa_prefill_*` instead: a block per PREFILL_ROWS query rows, K/V tiles shared by them.
 /// Decode by KV head over a shared past and present (the decode graphs' case) runs without
 /// `kiln_gqa_kv_*`: each `kiln_gqa_decode_*` block writes the present rows it reads.
 /// Without a past, absent present outputs become scratch buffers.
