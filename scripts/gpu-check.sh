@@ -166,15 +166,21 @@ for w in glob.glob(".gpu/python/*.whl"):
   prefill)
     # ncu: GPU time by kernel of a batch-64 prefill of 128-token prompts (a serve join wave).
     ncu --cache-control none --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
-      --launch-count 900 "$KILN" bench decode "$m" --batch 64 --graph off --runs 1 --new-tokens 1 --prompt-len 128 \
+      --launch-count 900 "$KILN" bench decode "$m" --batch 64 --graph off --runs 1 --new-tokens 2 --prompt-len 128 \
       --max-length 512 >"$work/ncu-prefill.csv" 2>"$work/ncu-prefill.err"
+    tail -3 "$work/ncu-prefill.err"
     python3 - "$work/ncu-prefill.csv" <<'PY' | tee "$out/prefill.log"
 import csv, collections, sys
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 14 and r[12] == "gpu__time_duration.sum"]
+lines = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 3]
+head = next((r for r in lines if "Metric Name" in r), None)
+if head is None:
+    sys.exit("no ncu table: see ncu-prefill.err")
+name, metric, value = (head.index(c) for c in ("Kernel Name", "Metric Name", "Metric Value"))
+rows = [r for r in lines if len(r) == len(head) and r[metric] == "gpu__time_duration.sum"]
 by = collections.defaultdict(lambda: [0, 0.0])
 for r in rows:
-    by[r[4]][0] += 1
-    by[r[4]][1] += float(r[14].replace(",", "")) / 1e3
+    by[r[name]][0] += 1
+    by[r[name]][1] += float(r[value].replace(",", "")) / 1e3
 total = sum(v[1] for v in by.values())
 print(f"{len(rows)} kernels, {total:.1f} us in all")
 for k, (n, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:25]:
