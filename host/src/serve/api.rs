@@ -198,7 +198,8 @@ impl Request {
         if prompt_ids.len() + max_tokens > limits.max_length {
             return Err(ApiError::bad(
                 format!(
-                    "the prompt's {} tokens plus max_tokens {max_tokens} are over this model's context of {} tokens",
+                    "the prompt's {} tokens plus max_tokens {max_tokens} are over the server's limit of {} tokens (the \
+                     model's context, or kiln serve --max-length)",
                     prompt_ids.len(),
                     limits.max_length
                 ),

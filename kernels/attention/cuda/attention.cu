@@ -143,6 +143,19 @@ __device__ void gqa_kv(const typename Tag::storage* k_src, const typename Tag::s
     }
 }
 
+// Element d of query row `qr` at position `pos` as the attention kernels use it: rotated (d <
+// 2·rotary_half) and rounded to the storage type as the CPU reference rounds it, in f32.
+template <typename Tag>
+__device__ __forceinline__ float gqa_query_elem(const typename Tag::storage* qr, const typename Tag::storage* cos_c,
+                                                const typename Tag::storage* sin_c, long long pos,
+                                                kiln_u64 cache_rows, unsigned rotary_half, unsigned d,
+                                                unsigned interleaved) {
+    if (rotary_half > 0 && d < 2 * rotary_half)
+        return kiln_to_f32(Tag(), kiln_from_f32(Tag(), rope_elem<Tag>(qr, cos_c, sin_c, pos, cache_rows, rotary_half,
+                                                                      d, interleaved)));
+    return kiln_to_f32(Tag(), qr[d]);
+}
+
 // The query row of head h at position pos, rotated (rotary_half > 0) and rounded to the dtype
 // as the CPU reference does; lane holds elements d = lane + 32·c.
 template <typename Tag>
@@ -153,15 +166,7 @@ __device__ __forceinline__ void gqa_query(const typename Tag::storage* qr, const
 #pragma unroll
     for (int c = 0; c < GQA_MAX_CHUNKS; ++c) {
         const unsigned d = lane + 32u * c;
-        float v = 0.f;
-        if (d < H) {
-            if (rotary_half > 0 && d < 2 * rotary_half)
-                v = kiln_to_f32(Tag(), kiln_from_f32(Tag(), rope_elem<Tag>(qr, cos_c, sin_c, pos, cache_rows,
-                                                                           rotary_half, d, interleaved)));
-            else
-                v = kiln_to_f32(Tag(), qr[d]);
-        }
-        q[c] = v;
+        q[c] = d < H ? gqa_query_elem<Tag>(qr, cos_c, sin_c, pos, cache_rows, rotary_half, d, interleaved) : 0.f;
     }
 }
 
@@ -361,13 +366,7 @@ __device__ void gqa_prefill(const typename Tag::storage* q_src, const typename T
         long long a, e, pos;
         gqa_range(seqlens, b, s0 + r, S, first_prompt, window, PL, &a, &e, &pos);
         const T* qr = q_src + ((kiln_u64)b * S + s0 + r) * q_w + (kiln_u64)h * H;
-        float v;
-        if (rotary_half > 0 && d < 2 * rotary_half)
-            v = kiln_to_f32(Tag(), kiln_from_f32(Tag(), rope_elem<Tag>(qr, cos_c, sin_c, pos, cache_rows, rotary_half,
-                                                                       d, interleaved)));
-        else
-            v = kiln_to_f32(Tag(), qr[d]);
-        q_s[r][d] = v;
+        q_s[r][d] = gqa_query_elem<Tag>(qr, cos_c, sin_c, pos, cache_rows, rotary_half, d, interleaved);
     }
     // Each warp's rows: range, running max and sum, Σ weight·V for dimensions lane + 32·c.
     long long r_lo[GQA_PF_ROWS_PER_WARP], r_hi[GQA_PF_ROWS_PER_WARP];
@@ -612,13 +611,7 @@ __device__ void gqa_decode(const typename Tag::storage* q_src, typename Tag::sto
     for (unsigned i = tid; i < group * H; i += blockDim.x) {
         const unsigned g = i / H, d = i - g * H;
         const T* qr = q_src + (kiln_u64)b * q_w + (kiln_u64)(j * group + g) * H;
-        float v;
-        if (rotary_half > 0 && d < 2 * rotary_half)
-            v = kiln_to_f32(Tag(), kiln_from_f32(Tag(), rope_elem<Tag>(qr, cos_c, sin_c, pos, cache_rows, rotary_half,
-                                                                       d, interleaved)));
-        else
-            v = kiln_to_f32(Tag(), qr[d]);
-        q_s[i] = v;
+        q_s[i] = gqa_query_elem<Tag>(qr, cos_c, sin_c, pos, cache_rows, rotary_half, d, interleaved);
     }
     __syncthreads();  // the appended rows and q_s
     // 2. Scores, one key per thread (n ≤ blockDim.x).

@@ -926,6 +926,20 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
             ],
         });
     }
+    // The arguments kiln_gqa_attn_* and kiln_gqa_prefill_* share after their tensors.
+    let geometry = vec![
+        u("sequence", p.seq)?,
+        u("num_heads", n_h)?,
+        u("kv_num_heads", n_kv)?,
+        u("head size", h_sz)?,
+        u("present length", p.present_len)?,
+        KernelArg::U64(q_w as u64),
+        flag(p.first_prompt),
+        KernelArg::U64(cache_rows as u64),
+        u("rotary width", rot_half)?,
+        flag(interleaved),
+        KernelArg::F32(scale),
+    ];
     if p.seq > 1 && sink_mode == 0 && softcap <= 0.0 && p.bias_dims.is_none() && h_sz <= PREFILL_MAX_HEAD {
         // A prompt: kiln_gqa_prefill_* tiles the query rows and keys (K/V loaded once per tile of
         // PREFILL_ROWS query rows, not once per row).
@@ -934,29 +948,12 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
             grid: [p.seq.div_ceil(PREFILL_ROWS) as u32, p.heads as u32, p.batch as u32],
             block: [PREFILL_THREADS, 1, 1],
             shared_mem_bytes: 0,
-            args: vec![
-                targ(&query),
-                harg(pres_k),
-                harg(pres_v),
-                seqlens,
-                cos,
-                sin,
-                targ(&out),
-                u("sequence", p.seq)?,
-                u("num_heads", n_h)?,
-                u("kv_num_heads", n_kv)?,
-                u("head size", h_sz)?,
-                u("present length", p.present_len)?,
-                KernelArg::U64(q_w as u64),
-                flag(p.first_prompt),
-                KernelArg::U64(cache_rows as u64),
-                u("rotary width", rot_half)?,
-                flag(interleaved),
-                KernelArg::F32(scale),
-                KernelArg::I32(window),
-                u("total_sequence_length", p.total)?,
-                KernelArg::Status,
-            ],
+            args: [
+                vec![targ(&query), harg(pres_k), harg(pres_v), seqlens, cos, sin, targ(&out)],
+                geometry,
+                vec![KernelArg::I32(window), u("total_sequence_length", p.total)?, KernelArg::Status],
+            ]
+            .concat(),
         });
     }
     let warps: u32 = if p.seq == 1 { 16 } else { 4 };
@@ -965,27 +962,7 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
         grid: [p.seq as u32, p.heads as u32, p.batch as u32],
         block: [32 * warps, 1, 1],
         shared_mem_bytes: 0,
-        args: vec![
-            targ(&query),
-            harg(pres_k),
-            harg(pres_v),
-            seqlens,
-            cos,
-            sin,
-            bias,
-            sink,
-            targ(&out),
-            u("sequence", p.seq)?,
-            u("num_heads", n_h)?,
-            u("kv_num_heads", n_kv)?,
-            u("head size", h_sz)?,
-            u("present length", p.present_len)?,
-            KernelArg::U64(q_w as u64),
-            flag(p.first_prompt),
-            KernelArg::U64(cache_rows as u64),
-            u("rotary width", rot_half)?,
-            flag(interleaved),
-            KernelArg::F32(scale),
+        args: [vec![targ(&query), harg(pres_k), harg(pres_v), seqlens, cos, sin, bias, sink, targ(&out)], geometry, vec![
             KernelArg::F32(softcap),
             KernelArg::I32(window),
             flag(p.bias_dims.is_some()),
@@ -994,7 +971,8 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
             u("total_sequence_length", p.total)?,
             KernelArg::U32(sink_mode),
             KernelArg::Status,
-        ],
+        ]]
+        .concat(),
     })
 }
 
