@@ -1,13 +1,12 @@
 #!/usr/bin/env python3
-"""Compiles a kernel package's CUDA source with NVRTC as kiln does (the prelude kiln.cuh as an
-in-memory header, --std=c++17, -default-device, sm_90 unless --arch), without a GPU, and prints
-ptxas's report: registers, spills and shared memory per kernel, or the compiler's errors.
+"""Compiles CUDA sources with NVRTC (no GPU needed) to check they build, as kiln will at run
+time, with the host's prelude header kiln.cuh, and prints ptxas's report of each kernel:
+registers, bytes spilled and static shared memory. Usage:
+    python3 scripts/nvrtc-check.py [--arch sm_90] [--kernel REGEX] FILE.cu ...
 
-NVRTC comes from PyPI on a machine without the CUDA toolkit:
-    python3 -m venv /tmp/nvrtc && /tmp/nvrtc/bin/pip install nvidia-cuda-nvrtc
-    python3 scripts/nvrtc-check.py kernels/attention/cuda/attention.cu [--arch sm_90] [--lib PATH]
-        [--kernel REGEX]
-Exit status: 0 when it compiles, 1 when it does not.
+Needs libnvrtc: `pip install nvidia-cuda-nvrtc` (CUDA 13) or a CUDA toolkit; set
+KILN_NVRTC=/path/to/libnvrtc.so.13 to choose one, KILN_NVRTC_OPTS for more options.
+Exit status: 1 when a file does not compile.
 """
 import argparse
 import ctypes
@@ -15,61 +14,74 @@ import glob
 import os
 import re
 import sys
+import sysconfig
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def find_lib():
-    pats = ["/tmp/nvrtc/lib/python3*/site-packages/nvidia/cu*/lib/libnvrtc.so*",
-            os.path.expanduser("~/.local/lib/python3*/site-packages/nvidia/cu*/lib/libnvrtc.so*"),
-            "/usr/local/cuda/lib64/libnvrtc.so*"]
-    for p in pats:
-        hits = sorted(h for h in glob.glob(p) if "builtins" not in h)
+def find_nvrtc():
+    if os.environ.get("KILN_NVRTC"):
+        return os.environ["KILN_NVRTC"]
+    roots = [sysconfig.get_paths()["purelib"], "/tmp/nvrtc"]
+    for root in roots:
+        hits = glob.glob(os.path.join(root, "nvidia", "cu13", "lib", "libnvrtc.so.13"))
+        hits += glob.glob(os.path.join(root, "lib", "python3*", "site-packages", "nvidia", "cu13", "lib", "libnvrtc.so.13"))
         if hits:
-            return hits[-1]
-    sys.exit("no libnvrtc found: pip install nvidia-cuda-nvrtc into /tmp/nvrtc, or pass --lib")
+            return hits[0]
+    return "libnvrtc.so.13"
+
+
+def kernel_report(log, pattern):
+    """ptxas -v lines → one line per kernel whose name matches `pattern`."""
+    out, name, spills = [], None, 0
+    for line in log.splitlines():
+        m = re.search(r"entry function '([^']+)'", line)
+        if m:
+            name, spills = m.group(1), 0
+            continue
+        if not name or not re.search(pattern, name):
+            continue
+        m = re.search(r"(\d+) bytes spill stores", line)
+        if m:
+            spills = int(m.group(1))
+        m = re.search(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?", line)
+        if m:
+            out.append(f"  {name:40s} {m.group(1):>4s} registers  {spills:5d} B spilled  {m.group(2) or '0':>6s} B shared")
+            name = None
+    return out
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("source")
+    ap.add_argument("files", nargs="+", metavar="FILE.cu")
     ap.add_argument("--arch", default="sm_90")
-    ap.add_argument("--lib")
     ap.add_argument("--kernel", default=".", help="report only kernels whose name matches")
     a = ap.parse_args()
-    lib = ctypes.CDLL(a.lib or find_lib())
-    src = open(a.source, "rb").read()
-    prelude = open(os.path.join(ROOT, "host/cuda/kiln.cuh"), "rb").read()
-    prog = ctypes.c_void_p()
-    lib.nvrtcCreateProgram(ctypes.byref(prog), src, os.path.basename(a.source).encode(), 1,
-                           (ctypes.c_char_p * 1)(prelude), (ctypes.c_char_p * 1)(b"kiln.cuh"))
-    opts = [f"--gpu-architecture={a.arch}".encode(), b"--std=c++17", b"-default-device", b"--ptxas-options=-v"]
-    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-    n = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
-    log = ctypes.create_string_buffer(n.value)
-    lib.nvrtcGetProgramLog(prog, log)
-    text = log.value.decode(errors="replace")
-    if rc != 0:
-        print(text)
-        return 1
-    # ptxas: "Compiling entry function 'NAME'", then its spills and registers.
-    name, spills = None, 0
-    for line in text.splitlines():
-        m = re.search(r"entry function '([^']+)'", line)
-        if m:
-            name = m.group(1)
-            continue
-        if name and re.search(a.kernel, name):
-            m = re.search(r"(\d+) bytes spill stores", line)
-            if m:
-                spills = int(m.group(1))
-            m = re.search(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?", line)
-            if m:
-                smem = m.group(2) or "0"
-                print(f"{name:40s} {m.group(1):>4s} registers  {spills:5d} B spilled  {smem:>6s} B shared")
-                name = None
-    return 0
+    lib = ctypes.CDLL(find_nvrtc())
+    prelude = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "host", "cuda", "kiln.cuh"), "rb").read()
+    failed = 0
+    for path in a.files:
+        src = open(path, "rb").read()
+        prog = ctypes.c_void_p()
+        headers = (ctypes.c_char_p * 1)(prelude)
+        names = (ctypes.c_char_p * 1)(b"kiln.cuh")
+        rc = lib.nvrtcCreateProgram(ctypes.byref(prog), src, os.path.basename(path).encode(), 1, headers, names)
+        assert rc == 0, rc
+        opts = [f"--gpu-architecture={a.arch}".encode(), b"--std=c++17", b"-default-device", b"--ptxas-options=-v"]
+        opts += [o.encode() for o in os.environ.get("KILN_NVRTC_OPTS", "").split()]
+        rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        text = log.value.decode(errors="replace").strip()
+        if rc != 0:
+            failed += 1
+            print(f"FAILED {path}:\n{text}")
+        else:
+            print(f"ok     {path}")
+            for line in kernel_report(text, a.kernel):
+                print(line)
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

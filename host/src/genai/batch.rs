@@ -99,6 +99,26 @@ struct Slot {
     seed_base: i64,
 }
 
+impl Slot {
+    /// Sets the slot's mask and history rows (`limit` columns, zeros): its tokens at columns
+    /// `0 .. len`.
+    fn fill_rows(&self, mask: &mut [i64], history: &mut [i64]) {
+        mask[..self.len].fill(1);
+        history[..self.len].copy_from_slice(&self.tokens);
+    }
+
+    /// Keys the slot's draws for steps from mask column `next` on: the draw at `next + k` is
+    /// its sequence's token `generated + k`.
+    fn rebase(&mut self, next: usize) {
+        self.seed_base = next as i64 - self.seq.as_ref().map_or(0, |q| q.generated) as i64;
+    }
+
+    /// The slot's row of the sampling-parameter buffer (`greedy` for a free slot).
+    fn device_params(&self, vocab: usize, greedy: [f32; 4]) -> [f32; 4] {
+        self.seq.as_ref().map_or(greedy, |q| q.sampler.device_row(vocab))
+    }
+}
+
 struct Sequence {
     generated: usize,
     max_new_tokens: usize,
@@ -211,7 +231,8 @@ impl ContinuousBatch {
         self.max_length
     }
 
-    /// Adds a sequence to a free slot: prefills its prompt and chooses its first token. Returns that token, which may already end the sequence (the slot is then free).
+    /// Adds a sequence to a free slot: prefills its prompt and chooses its first token.
+    /// Returns that token, which may already end the sequence (the slot is then free).
     /// Errors: no free slot, an empty prompt or one of `max_length` tokens or more, sampling the
     /// device cannot do (named), or the prefill's failure (the batch's other sequences go on).
     pub fn join(&mut self, g: &mut Generator, join: Join<'_>) -> Result<Emitted> {
@@ -334,37 +355,27 @@ impl ContinuousBatch {
         for s in &mut self.slots {
             s.seed_base += moved as i64;
         }
-        let mut masks = Vec::with_capacity(slots.len());
-        let mut histories = Vec::with_capacity(slots.len());
+        let mut rows_data = Vec::with_capacity(slots.len());
         for &slot in slots {
-            let s = &mut self.slots[slot];
-            let generated = s.seq.as_ref().map_or(0, |q| q.generated);
-            s.seed_base = next as i64 - generated as i64;
-            let mut mask = vec![0i64; l];
-            mask[..s.len].fill(1);
-            let mut history = vec![0i64; l];
-            history[..s.len].copy_from_slice(&s.tokens);
-            masks.push(mask);
-            histories.push(history);
+            self.slots[slot].rebase(next);
+            let (mut mask, mut history) = (vec![0i64; l], vec![0i64; l]);
+            self.slots[slot].fill_rows(&mut mask, &mut history);
+            rows_data.push((mask, history));
         }
+        let seeds = self.seeds();
         let greedy = Sampler::new(SamplingParams::default()).device_row(self.vocab);
         let rows: Vec<StepRow<'_>> = slots
             .iter()
-            .zip(masks.iter().zip(&histories))
+            .zip(&rows_data)
             .map(|(&slot, (mask, history))| {
                 let s = &self.slots[slot];
-                let token = s.tokens.last().copied().unwrap_or(self.pad);
                 let sample = self.sampling.then(|| {
-                    let (params, seed) = s
-                        .seq
-                        .as_ref()
-                        .map_or((greedy, 0), |q| (q.sampler.device_row(self.vocab), q.sampler.params.seed));
-                    (history.as_slice(), params, [seed as i64, s.seed_base, STREAM as i64])
+                    let seed = [seeds[slot * 3], seeds[slot * 3 + 1], seeds[slot * 3 + 2]];
+                    (history.as_slice(), s.device_params(self.vocab, greedy), seed)
                 });
-                StepRow { row: slot, token, mask, sample }
+                StepRow { row: slot, token: s.tokens.last().copied().unwrap_or(self.pad), mask, sample }
             })
             .collect();
-        let seeds: Vec<i64> = self.seeds();
         g.write_device_step_rows(&mut self.kv, &rows, (moved > 0).then_some((next, seeds.as_slice())))?;
         self.stats.joined_in_place += slots.len() as u64;
         self.stats.moves += u64::from(moved > 0);
@@ -391,6 +402,13 @@ impl ContinuousBatch {
             true => (rows.next_power_of_two(), longest.next_multiple_of(PREFILL_LENGTH_STEP)),
             false => (0, 0),
         }
+    }
+
+    /// Positions (rows × padded length) a join's prefill of `rows` prompts, the longest
+    /// `longest` tokens, runs: what a server's prefill budget counts.
+    pub fn prefill_positions(on_gpu: bool, rows: usize, longest: usize) -> usize {
+        let (r, l) = Self::prefill_shape(on_gpu, rows, longest);
+        r.max(rows) * l.max(longest)
     }
 
     /// Whether the batch's device sampler can choose tokens with `params`, or why not, in the
@@ -531,15 +549,9 @@ impl ContinuousBatch {
         let mut params = Vec::with_capacity(rows * 4);
         let greedy = Sampler::new(SamplingParams::default()).device_row(self.vocab);
         for (b, s) in self.slots.iter_mut().enumerate() {
-            mask[b * l..b * l + s.len].fill(1);
-            history[b * l..b * l + s.len].copy_from_slice(&s.tokens);
-            let (row, generated) = match &s.seq {
-                Some(q) => (q.sampler.device_row(self.vocab), q.generated),
-                None => (greedy, 0),
-            };
-            params.extend(row);
-            // The draw at column `next + k` is this sequence's token `generated + k`.
-            s.seed_base = next as i64 - generated as i64;
+            s.fill_rows(&mut mask[b * l..(b + 1) * l], &mut history[b * l..(b + 1) * l]);
+            params.extend(s.device_params(self.vocab, greedy));
+            s.rebase(next);
         }
         let seeds = self.seeds();
         let tokens: Vec<i64> = self.slots.iter().map(|s| s.tokens.last().copied().unwrap_or(self.pad)).collect();

@@ -26,7 +26,7 @@ use kiln_registry::{NodeQuery, OpRegistry};
 use super::GenaiConfig;
 use crate::ep::{DeviceTensor, Session};
 use crate::model::{AttrValue, Dim, Graph, Model, Node, Value, ValueId, ValueType};
-use crate::{Error, Result, Tensor};
+use crate::{Error, Result};
 
 /// Names of the values [`augment`] adds.
 #[derive(Clone, Debug)]
@@ -278,8 +278,7 @@ impl StepBuffers {
                 return Err(Error::Input("this model's decode graph has no Sample node".into()));
             };
             session.write_tensor(history, &super::i64_tensor(vec![b, l], s.history)?)?;
-            let bytes: Vec<u8> = s.params.iter().flat_map(|v| v.to_le_bytes()).collect();
-            session.write_tensor(params, &Tensor::new(DType::F32, vec![b, 4], bytes::Bytes::from(bytes))?)?;
+            session.write_tensor(params, &super::f32_tensor(vec![b, 4], s.params)?)?;
             session.write_tensor(seeds, &super::i64_tensor(vec![b, 3], s.seeds)?)?;
         }
         self.at = position - 1;
@@ -325,8 +324,7 @@ impl StepBuffers {
             session.write_elements(&self.mask, r.row * l, &super::i64_tensor(vec![l], r.mask)?)?;
             if let (Some((history, params, seeds)), Some([h, p, s])) = (r.sample, &self.sample) {
                 session.write_elements(h, r.row * l, &super::i64_tensor(vec![l], history)?)?;
-                let bytes: Vec<u8> = params.iter().flat_map(|v| v.to_le_bytes()).collect();
-                session.write_elements(p, r.row * 4, &Tensor::new(DType::F32, vec![4], bytes::Bytes::from(bytes))?)?;
+                session.write_elements(p, r.row * 4, &super::f32_tensor(vec![4], &params)?)?;
                 session.write_elements(s, r.row * 3, &super::i64_tensor(vec![3], &seeds)?)?;
             }
         }

@@ -814,6 +814,11 @@ pub fn i64_tensor(shape: Vec<usize>, values: &[i64]) -> Result<Tensor> {
     Tensor::new(DType::I64, shape, bytes::Bytes::from(values.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()))
 }
 
+/// A float32 tensor.
+pub fn f32_tensor(shape: Vec<usize>, values: &[f32]) -> Result<Tensor> {
+    Tensor::new(DType::F32, shape, bytes::Bytes::from(values.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::bucket;

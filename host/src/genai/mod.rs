@@ -16,7 +16,7 @@ pub use config::GenaiConfig;
 pub use device_step::KILN_DOMAIN;
 pub use folder::{ChatMessage, ModelFolder};
 pub use generate::{
-    bucket, i64_tensor, GenerateOptions, Generation, Generator, KvCache, RowResult, StopReason, Timings,
+    bucket, f32_tensor, i64_tensor, GenerateOptions, Generation, Generator, KvCache, RowResult, StopReason, Timings,
 };
 pub use sampling::{Sampler, SamplingParams};
 pub use stream::TextStream;

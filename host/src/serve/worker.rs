@@ -247,8 +247,9 @@ impl Batched<'_> {
                 };
                 let Some(next) = accept(&self.g, Some(&self.batch), job, self.opts, self.stats) else { continue };
                 let longest = taken.iter().chain([&next]).map(|(a, _)| a.prompt_ids.len()).max().unwrap_or(1);
-                let (rows, len) = ContinuousBatch::prefill_shape(on_gpu, taken.len() + 1, longest);
-                if !taken.is_empty() && rows.max(taken.len() + 1) * len.max(longest) > JOIN_POSITIONS {
+                if !taken.is_empty()
+                    && ContinuousBatch::prefill_positions(on_gpu, taken.len() + 1, longest) > JOIN_POSITIONS
+                {
                     // Over the budget with it: it waits for the next prefill.
                     self.pending = Some(next);
                     break;
