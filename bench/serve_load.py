@@ -104,12 +104,14 @@ def level(addr, clients, args):
         (ta, na, sa), (tb, nb, sb) = window[0], window[-1]
         steady = (nb - na) / (tb - ta)
         decode = (nb - na) / max((sb - sa) / 1e6, 1e-9)
+    after = metrics(addr)
     ttft.sort()
     q = lambda p: ttft[min(len(ttft) - 1, int(p * len(ttft)))] * 1e3 if ttft else float("nan")  # noqa: E731
     return {"clients": clients, "requests": len(ttft), "errors": errors[:3], "error_count": len(errors),
             "ttft_p50_ms": q(0.5), "ttft_p99_ms": q(0.99), "ttft_mean_ms": statistics.mean(ttft) * 1e3 if ttft else None,
             "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "steady_tokens_per_s": steady,
-            "decode_tokens_per_s": decode}
+            "decode_tokens_per_s": decode, "device_memory_mib": after.get("kiln_device_memory_bytes", 0) / 2**20,
+            "rss_mib": after.get("process_resident_memory_bytes", 0) / 2**20}
 
 
 def main():
@@ -122,6 +124,8 @@ def main():
     ap.add_argument("--prompt-words", type=int, default=100)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--requests-per-client", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the levels this many times (a soak: device memory and RSS after each level)")
     ap.add_argument("--extra", default="", help="more kiln serve arguments")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -140,18 +144,19 @@ def main():
             sys.exit("kiln serve did not start")
         threading.Thread(target=lambda: [None for _ in server.stderr], daemon=True).start()
         level(addr, min(args.batch, 8), argparse.Namespace(**{**vars(args), "requests_per_client": 1}))  # warm-up
-        rows = [level(addr, c, args) for c in args.clients]
+        rows = [level(addr, c, args) for _ in range(args.repeat) for c in args.clients]
     finally:
         server.terminate()
         server.wait(timeout=60)
     print(f"kiln serve --batch {args.batch}: prompt ~{args.prompt_words} words, {args.max_tokens} tokens per request, "
           f"{args.requests_per_client} requests per client")
     print("| clients | requests | errors | TTFT p50 ms | TTFT p99 ms | tokens/s (whole level) | tokens/s (steady) "
-          "| decode steps' tokens/s |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| decode steps' tokens/s | device MiB after | RSS MiB after |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['clients']} | {r['requests']} | {r['error_count']} | {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} "
-              f"| {r['tokens_per_s']:.0f} | {r['steady_tokens_per_s']:.0f} | {r['decode_tokens_per_s']:.0f} |")
+              f"| {r['tokens_per_s']:.0f} | {r['steady_tokens_per_s']:.0f} | {r['decode_tokens_per_s']:.0f} "
+              f"| {r['device_memory_mib']:.0f} | {r['rss_mib']:.0f} |")
         for e in r["errors"]:
             print("  error:", e)
     if args.json:

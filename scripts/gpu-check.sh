@@ -10,7 +10,8 @@
 #   fusion     kiln bench decode with --no-fuse (graphs on, batch 1 and 8) and kiln verify of the
 #              fusing package on the GPU (each declared fusion fused against the unfused ops)
 #   serve      the load benchmark of kiln serve (bench/serve_load.py: 1, 8, 32, 64 streaming
-#              clients, --batch 64, graphs on) beside kiln bench decode --batch 64 in the same run
+#              clients, twice: device memory and RSS after each level, --batch 64, graphs on) beside
+#              kiln bench decode --batch 64 in the same run
 #   python     the Python package's tests (python/tests, the wheel staged in .gpu/python) with
 #              the CUDA provider
 #   sanitize   compute-sanitizer memcheck over a graph decode
@@ -91,7 +92,7 @@ for phase in $phases; do
     "$KILN" bench decode "$m" --batch 64 --graph on --runs 3 --prompt-len 128 --new-tokens 256 --max-length 512 \
       --json "$work/decode-b64.json" 2>&1 | tee "$out/serve.log"
     python3 bench/serve_load.py --kiln "$KILN" --model "$m" --batch 64 --max-length 512 --max-tokens 256 \
-      --extra "--graph on" --json "$work/serve-load.json" 2>&1 | tail -12 | tee -a "$out/serve.log"
+      --repeat 2 --extra "--graph on" --json "$work/serve-load.json" 2>&1 | tail -16 | tee -a "$out/serve.log"
     # What --batch-invariant costs (each request prefilled alone).
     echo "== --batch-invariant" | tee -a "$out/serve.log"
     python3 bench/serve_load.py --kiln "$KILN" --model "$m" --batch 64 --max-length 512 --max-tokens 256 \

@@ -1034,6 +1034,98 @@ fn a_soak_of_10k_decode_tokens_keeps_device_memory_and_rss_flat() {
     assert!(st.recaptures > 0 && st.fallbacks.is_empty(), "{st:?}");
 }
 
+/// The server's soak on the GPU: one continuous batch of 16 slots with graphs on, as `kiln
+/// serve` holds it, through 24 rounds of requests joining together (1 to 16 at once, prompts of
+/// 3 to 99 tokens, so the padded prefills take several shapes; greedy and sampled), a quarter of
+/// them leaving early as disconnected clients do, and one refused join (a prompt over
+/// max_length) that the batch survives. The 512-position cache fills, so steps compact. After a
+/// warm-up of 8 rounds (every prefill shape), kiln's pool holds at most 1 MiB more, the
+/// driver's free memory moves by less than 64 MiB, and the process's RSS by less than 16 MiB.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_continuous_batch_soak_keeps_device_memory_and_rss_flat() {
+    use kiln_host::ep::GraphMode;
+    use kiln_host::genai::{ContinuousBatch, Join, SamplingParams};
+    let mut g = gpu_generator(&kiln_tests::fixture("llm/tiny-llama-v512-fp16-cuda"), GraphMode::On);
+    let vocab = g.folder.config.model.vocab_size;
+    let mut batch = ContinuousBatch::new(&mut g, 16, Some(512)).unwrap();
+    let sampled =
+        SamplingParams { do_sample: true, temperature: 0.8, top_k: 50, top_p: 0.9, repetition_penalty: 1.1, seed: 3 };
+    let all = prompts(25, vocab);
+    let (mut baseline, mut tokens) = (None, 0usize);
+    for round in 0..24 {
+        let n = [16, 3, 9, 1, 12, 5, 16, 2][round % 8];
+        let params: Vec<SamplingParams> = (0..n)
+            .map(|i| {
+                if i % 2 == 0 {
+                    SamplingParams::default()
+                } else {
+                    SamplingParams { seed: i as u64, ..sampled.clone() }
+                }
+            })
+            .collect();
+        let new: Vec<usize> = (0..n).map(|i| 20 + (7 * i + 5 * round) % 60).collect();
+        let joins: Vec<Join<'_>> = (0..n)
+            .map(|i| Join {
+                prompt: &all[(i + round) % all.len()],
+                sampling: &params[i],
+                max_new_tokens: new[i],
+                ignore_eos: true,
+            })
+            .collect();
+        if round == 10 {
+            let long = vec![1i64; 600];
+            let refused = batch.join(&mut g, Join { prompt: &long, ..joins[0].clone() }).unwrap_err().to_string();
+            assert!(refused.contains("max_length"), "{refused}");
+        }
+        let firsts = batch.join_many(&mut g, &joins).unwrap();
+        let mut left: Vec<(usize, usize)> = firsts.iter().map(|e| (e.slot, 1)).collect();
+        let leaving: Vec<usize> = firsts.iter().enumerate().filter(|(i, _)| i % 4 == 3).map(|(_, e)| e.slot).collect();
+        let mut steps = 0;
+        while batch.active() > 0 || batch.in_flight() {
+            if steps == 5 {
+                leaving.iter().for_each(|&s| batch.leave(s));
+            }
+            for e in batch.step(&mut g).unwrap() {
+                if let Some(l) = left.iter_mut().find(|l| l.0 == e.slot) {
+                    l.1 += 1;
+                }
+                tokens += 1;
+            }
+            steps += 1;
+            assert!(steps < 2_000, "round {round}: the batch does not finish");
+        }
+        for (i, (slot, got)) in left.iter().enumerate() {
+            if !leaving.contains(slot) {
+                assert_eq!(*got, new[i], "round {round}: sequence {i} in slot {slot}");
+            }
+        }
+        g.session.reclaim();
+        let (alloc, _) = g.session.gpu_stats().unwrap();
+        let (free, _) = kiln_host::cuda::memory_info().unwrap();
+        let now = (alloc.in_use_bytes + alloc.cached_bytes, free, rss_bytes());
+        println!("round {round}: {n} joined; kiln holds {} B, driver free {} B, rss {} B", now.0, now.1, now.2);
+        match baseline {
+            None if round == 7 => baseline = Some(now),
+            Some(b) => {
+                assert!(now.0 <= b.0 + (1 << 20), "round {round}: kiln holds {} B, {} B after warm-up", now.0, b.0);
+                assert!(
+                    now.1.abs_diff(b.1) < 64 << 20,
+                    "round {round}: driver free {} B, {} B after warm-up",
+                    now.1,
+                    b.1
+                );
+                assert!(now.2.abs_diff(b.2) < 16 << 20, "round {round}: RSS {} B, {} B after warm-up", now.2, b.2);
+            }
+            None => {}
+        }
+    }
+    let stats = batch.stats();
+    println!("{stats:?}; {tokens} tokens");
+    assert!(stats.compactions > 0 && stats.joined_in_place > 0, "{stats:?}");
+    assert!(g.session.report.graphs.fallbacks.is_empty(), "{:?}", g.session.report.graphs);
+}
+
 /// Continuous batching on graphs: 10 sequences (greedy, sampled, penalized) join a running
 /// batch of 4 slots at different steps and wait for freed slots, over a 160-position cache
 /// whose shared mask column wraps. Graph steps give exactly the eager steps' tokens; every

@@ -396,7 +396,8 @@ fn sigterm_lets_the_running_request_finish() {
 
 /// A bounded soak: 12 rounds of 16 concurrent requests (some abandoned mid-stream) keep the
 /// server's resident memory flat after the first rounds (within 24 MiB), and every completed
-/// request's text is right.
+/// request's text is right. `/metrics` reports the resident set too. (The device-memory soak of
+/// the same batch is tests/gpu.rs `a_continuous_batch_soak_keeps_device_memory_and_rss_flat`.)
 #[test]
 #[cfg(target_os = "linux")]
 fn a_soak_keeps_the_servers_memory_flat() {
@@ -436,4 +437,8 @@ fn a_soak_keeps_the_servers_memory_flat() {
     let end = rss();
     println!("server RSS: {} MiB after warm-up, {} MiB at the end", after_warmup >> 20, end >> 20);
     assert!(end <= after_warmup + (24 << 20), "RSS grew from {after_warmup} to {end} bytes");
+    // /metrics reports the same resident set (Prometheus' process gauge), and no device pool.
+    let reported = server.metric("process_resident_memory_bytes");
+    assert!(reported.abs_diff(end) < 8 << 20, "/metrics says {reported} B resident, /proc {end} B");
+    assert_eq!(server.metric("kiln_device_memory_bytes"), 0);
 }

@@ -447,12 +447,27 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
         ("kiln_join_microseconds_total", "counter", "Wall time of joining requests (prefill).", load(&st.join_us)),
         ("kiln_prompt_tokens_total", "counter", "Prompt tokens processed.", load(&st.prompt_tokens)),
         ("kiln_generation_tokens_total", "counter", "Tokens generated.", load(&st.completion_tokens)),
+        (
+            "kiln_device_memory_bytes",
+            "gauge",
+            "Bytes kiln's device pool holds, in use and cached (0 on the CPU).",
+            load(&st.device_memory),
+        ),
+        ("process_resident_memory_bytes", "gauge", "Resident memory size in bytes.", resident_bytes()),
     ];
     let mut text = String::new();
     for (name, kind, help, v) in rows {
         text.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"));
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+/// The process's resident set in bytes (Linux `/proc/self/statm`; 0 elsewhere), as
+/// Prometheus' standard process collector reports it.
+fn resident_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages = statm.split_whitespace().nth(1).and_then(|p| p.parse::<u64>().ok()).unwrap_or(0);
+    pages * 4096
 }
 
 fn now() -> u64 {

@@ -68,6 +68,18 @@ pub struct Stats {
     pub batch_step_us: AtomicU64,
     pub join_us: AtomicU64,
     pub batch_slots: AtomicU64,
+    /// Bytes kiln's device pool holds (in use and cached), after the last join or step; 0 on
+    /// the CPU.
+    pub device_memory: AtomicU64,
+}
+
+impl Stats {
+    /// Records the device memory the generator's session holds now.
+    fn note_device_memory(&self, g: &Generator) {
+        if let Some((a, _)) = g.session.gpu_stats() {
+            self.device_memory.store(a.in_use_bytes + a.cached_bytes, Ordering::Relaxed);
+        }
+    }
 }
 
 /// Most requests one prefill joins to the batch, and the most positions it runs (rows × the
@@ -271,6 +283,7 @@ impl Batched<'_> {
             self.stats.batch_step_us.fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
             match stepped {
                 Ok(tokens) => {
+                    self.stats.note_device_memory(&self.g);
                     self.stats.batch_steps.fetch_add(1, Ordering::Relaxed);
                     self.stats.batch_tokens.fetch_add(tokens.len() as u64, Ordering::Relaxed);
                     tokens.into_iter().for_each(|e| self.deliver(e));
@@ -313,6 +326,7 @@ impl Batched<'_> {
         let t0 = Instant::now();
         let joined = self.batch.join_many(&mut self.g, &joins);
         self.stats.join_us.fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+        self.stats.note_device_memory(&self.g);
         drop(joins);
         match joined {
             Ok(firsts) => {
@@ -457,6 +471,7 @@ fn one_at_a_time(mut g: Generator, jobs: &Receiver<Job>, opts: &WorkerOptions, s
             }
         });
         stats.running.fetch_sub(1, Ordering::Relaxed);
+        stats.note_device_memory(&g);
         match (result, ended) {
             (Err(e), _) => {
                 stats.failed.fetch_add(1, Ordering::Relaxed);
