@@ -20,7 +20,10 @@ import sysconfig
 def find_nvrtc():
     if os.environ.get("KILN_NVRTC"):
         return os.environ["KILN_NVRTC"]
-    roots = [sysconfig.get_paths()["purelib"], "/tmp/nvrtc"]
+    # This Python's packages, a venv at /tmp/nvrtc (the README's), and the venv that
+    # scripts/make-model-folder.sh makes (its onnxruntime-genai builder pulls NVRTC in).
+    roots = [sysconfig.get_paths()["purelib"], "/tmp/nvrtc",
+             os.path.expanduser("~/.cache/kiln/model-build/venv")]
     for root in roots:
         hits = glob.glob(os.path.join(root, "nvidia", "cu13", "lib", "libnvrtc.so.13"))
         hits += glob.glob(os.path.join(root, "lib", "python3*", "site-packages", "nvidia", "cu13", "lib", "libnvrtc.so.13"))
