@@ -372,6 +372,47 @@ fn sequences_joining_a_running_batch_get_their_own_tokens() {
     assert_eq!(tokens, out[0].1[..4], "the batch serves after a refusal");
 }
 
+/// On the CPU a continuous batch's cache follows its sequences, not `max_length`: it starts at
+/// `CPU_MIN_LIMIT` positions, grows when a sequence outgrows it (its rows moving to the new
+/// cache), and shrinks back when an empty batch takes a short sequence. Every sequence gets the
+/// tokens it gets alone, across both reallocations.
+#[test]
+fn a_cpu_batchs_cache_grows_and_shrinks_with_its_sequences() {
+    use kiln_host::genai::CPU_MIN_LIMIT;
+    use kiln_tests::Arrival;
+    let mut g = generator("tiny-llama-v512-fp32-cpu");
+    let sampled =
+        SamplingParams { do_sample: true, temperature: 0.9, top_k: 40, top_p: 0.9, repetition_penalty: 1.2, seed: 5 };
+    let arrivals = vec![
+        Arrival {
+            at: 0,
+            prompt: g.folder.encode("Once upon a time").unwrap(),
+            sampling: SamplingParams::default(),
+            max_new_tokens: 2 * CPU_MIN_LIMIT,
+        },
+        Arrival { at: 150, prompt: g.folder.encode("The cat sat").unwrap(), sampling: sampled, max_new_tokens: 30 },
+    ];
+    let (mut batch, out) = kiln_tests::run_continuous_batch(&mut g, 2, 2048, &arrivals);
+    let grown = batch.stats();
+    assert!(grown.resizes >= 1, "the cache grew past {CPU_MIN_LIMIT} positions: {grown:?}");
+    for (a, (slot, tokens)) in arrivals.iter().zip(&out) {
+        let alone =
+            kiln_tests::host_sampled_rows(&mut g, std::slice::from_ref(&a.prompt), &[0], &a.sampling, a.max_new_tokens);
+        assert_eq!(tokens, &alone[0], "{:?} in slot {slot}", a.sampling);
+    }
+    // The batch is empty: a short sequence joining starts over at the smallest cache.
+    let prompt = g.folder.encode("Hello").unwrap();
+    let params = SamplingParams::default();
+    let join = kiln_host::genai::Join { prompt: &prompt, sampling: &params, max_new_tokens: 6, ignore_eos: true };
+    let mut tokens = vec![batch.join(&mut g, join).unwrap().token];
+    while tokens.len() < 6 {
+        tokens.extend(batch.step(&mut g).unwrap().iter().map(|e| e.token));
+    }
+    assert_eq!(batch.stats().resizes, grown.resizes + 1, "the cache shrank back: {:?}", batch.stats());
+    let alone = kiln_tests::host_sampled_rows(&mut g, std::slice::from_ref(&prompt), &[0], &params, 6);
+    assert_eq!(tokens, alone[0]);
+}
+
 /// A sequence longer than the running batch's shared mask column joins by writing its own rows
 /// and moving the column forward: the sampled sequence already running keeps its draws (its
 /// seeds move with the column), and both get the tokens they get alone.

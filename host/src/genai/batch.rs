@@ -2,8 +2,9 @@
 //! vLLM and onnxruntime-genai's server loops run them, on one graph bucket.
 //!
 //! The batch owns a shared KV cache of `rows` slots (`[rows, kv_heads, limit, head_size]` per
-//! layer, allocated once, so its addresses never move) and the generator's device-step buffers
-//! of that shape. Sequences join free slots by a prefill of their prompts (together, or each
+//! layer; on a GPU `limit` is `max_length` and the cache is allocated once, so its addresses
+//! never move; on the CPU `limit` follows the sequences, see [`CPU_MIN_LIMIT`]) and the
+//! generator's device-step buffers of that shape. Sequences join free slots by a prefill of their prompts (together, or each
 //! alone when batch-invariant; on a GPU padded to a few shapes) whose KV rows are copied into
 //! the slots (device-to-device copies); each first token is sampled on the host from the
 //! prefill's logits. Every step then decodes every slot at once, as one device-sampled step (one CUDA
@@ -35,6 +36,13 @@ use super::device_step::{SampleStart, StepRow};
 use super::{bucket, Generator, KvCache, Sampler, SamplingParams, StopReason};
 use crate::{Error, Result};
 
+/// On the CPU the cache holds as many positions as the running sequences need (twice the
+/// longest, rounded up to a power of two, at least this many, at most `max_length`), and
+/// grows or shrinks at a rewrite of every row: a CPU step passes each layer's whole present
+/// through the package's CPU reference, so its cost follows the cache's length. On a GPU the
+/// cache is `max_length` long from the start, so its addresses never move (graphs).
+pub const CPU_MIN_LIMIT: usize = 128;
+
 /// Prefill lengths of joining sequences on a GPU are padded to a multiple of this.
 pub const PREFILL_LENGTH_STEP: usize = 64;
 
@@ -63,6 +71,8 @@ pub struct ContinuousBatch {
     vocab: usize,
     pad: i64,
     eos: Vec<i64>,
+    /// Whether the batch runs on a GPU (a fixed cache, steps one ahead).
+    on_gpu: bool,
     stats: BatchStats,
     /// The step enqueued ahead: its token read, and each slot's epoch when it was enqueued.
     ahead: Option<(crate::ep::PendingRead, Vec<u64>)>,
@@ -83,6 +93,8 @@ pub struct BatchStats {
     pub joined_in_place: u64,
     /// Of those, joins that moved the shared mask column forward (a longer sequence).
     pub moves: u64,
+    /// Reallocations of the cache to another length (the CPU's cache follows the sequences).
+    pub resizes: u64,
 }
 
 /// One slot: a sequence's tokens (the last is the one the next step feeds) and, while a
@@ -174,12 +186,13 @@ impl ContinuousBatch {
         let vocab = cfg.model.vocab_size;
         let sampling = g.has_device_sample() && !(on_gpu && vocab > kiln_kernel_abi::sampling::DEVICE_MAX_VOCAB);
         let rows = if on_gpu { bucket(rows) } else { rows.max(1) };
+        let limit = if on_gpu { max_length } else { max_length.min(CPU_MIN_LIMIT) };
         let d = &cfg.model.decoder;
-        let row = d.num_key_value_heads * max_length * d.head_size;
-        let kv = g.empty_kv(rows, max_length).map_err(|e| {
+        let row = d.num_key_value_heads * limit * d.head_size;
+        let kv = g.empty_kv(rows, limit).map_err(|e| {
             let bytes = 2 * d.num_hidden_layers * rows * row * g.folder.kv_dtype.size().unwrap_or(2);
             Error::Input(format!(
-                "a KV cache of {rows} rows × {max_length} positions ({:.2} GiB) could not be allocated: {e}",
+                "a KV cache of {rows} rows × {limit} positions ({:.2} GiB) could not be allocated: {e}",
                 bytes as f64 / (1u64 << 30) as f64
             ))
         })?;
@@ -196,6 +209,7 @@ impl ContinuousBatch {
             vocab,
             pad,
             eos: cfg.model.eos_token_id.to_vec(),
+            on_gpu,
             stats: BatchStats::default(),
             ahead: None,
         })
@@ -270,6 +284,16 @@ impl ContinuousBatch {
         }
         if joins.is_empty() {
             return Ok(Vec::new());
+        }
+        // On the CPU an empty batch starts over with a rewrite of every row, at which its cache
+        // shrinks back to what the new sequences need.
+        if !self.on_gpu && self.active() == 0 {
+            self.dirty = true;
+        }
+        // The CPU's cache grows first when a prompt needs more room than it has.
+        let longest_prompt = joins.iter().map(|j| j.prompt.len()).max().unwrap_or(1);
+        if longest_prompt + 1 >= self.kv.limit && self.fit(g, longest_prompt + 1)? {
+            self.dirty = true;
         }
         let prompts: Vec<Vec<i64>> = joins.iter().map(|j| j.prompt.to_vec()).collect();
         // One prefill of them all, or (batch-invariant) one each, so that a sequence's prefill
@@ -502,7 +526,9 @@ impl ContinuousBatch {
                 self.enqueue(g)?
             }
         };
-        if !self.dirty && self.active() > 0 && self.kv.total + 1 < self.kv.limit {
+        // On the CPU a step runs when enqueued: running ahead would gain nothing, and the cache
+        // may be reallocated between steps.
+        if self.on_gpu && !self.dirty && self.active() > 0 && self.kv.total + 1 < self.kv.limit {
             self.ahead = Some(self.enqueue(g)?);
         }
         let (pending, epochs) = this;
@@ -532,6 +558,35 @@ impl ContinuousBatch {
         Some(why)
     }
 
+    /// On the CPU, reallocates the cache when `needed` positions (the longest sequence and the
+    /// step after it) do not fit, or when it is over four times longer than they need; returns
+    /// whether it did (the step buffers then need a rewrite). Each slot's first `len`
+    /// positions move to the new cache. A GPU's cache never moves. Errors: allocation.
+    fn fit(&mut self, g: &mut Generator, needed: usize) -> Result<bool> {
+        let limit = self.kv.limit;
+        let want = (2 * needed).next_power_of_two().max(CPU_MIN_LIMIT).min(self.max_length).max(needed);
+        if self.on_gpu || want == limit || (needed < limit && 2 * want > limit) {
+            return Ok(false);
+        }
+        let d = &g.folder.config.model.decoder;
+        let (heads, size) = (d.num_key_value_heads, d.head_size);
+        let kv = g.empty_kv(self.slots.len(), want)?;
+        for (from, to) in self.kv.past.iter().zip(&kv.past) {
+            for (b, s) in self.slots.iter().enumerate() {
+                let n = s.len.min(limit).min(want) * size;
+                for h in 0..heads {
+                    let (src, dst) = ((b * heads + h) * limit * size, (b * heads + h) * want * size);
+                    g.session.copy_elements(from, src, to, dst, n)?;
+                }
+            }
+        }
+        // The old cache goes back to the pool (not kept as the generator's spare).
+        drop(std::mem::replace(&mut self.kv, kv));
+        self.row = heads * want * size;
+        self.stats.resizes += 1;
+        Ok(true)
+    }
+
     /// Rewrites the step buffers from the slots, compacted: slot `b`'s tokens at mask columns
     /// `0 .. len`, free slots one padding token, the next column at the longest length.
     fn load(&mut self, g: &mut Generator) -> Result<()> {
@@ -539,8 +594,9 @@ impl ContinuousBatch {
             s.tokens = vec![self.pad];
             s.len = 1;
         }
-        let (rows, l) = (self.slots.len(), self.kv.limit);
         let next = self.slots.iter().map(|s| s.len).max().unwrap_or(1);
+        self.fit(g, next + 1)?;
+        let (rows, l) = (self.slots.len(), self.kv.limit);
         if next >= l {
             return Err(Error::Input(format!("a sequence of {next} positions does not fit the cache's {l}")));
         }

@@ -11,7 +11,7 @@ mod generate;
 pub mod sampling;
 mod stream;
 
-pub use batch::{BatchStats, ContinuousBatch, Emitted, Join, Refusal};
+pub use batch::{BatchStats, ContinuousBatch, Emitted, Join, Refusal, CPU_MIN_LIMIT};
 pub use config::GenaiConfig;
 pub use device_step::KILN_DOMAIN;
 pub use folder::{ChatMessage, ModelFolder};
