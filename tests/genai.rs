@@ -413,6 +413,55 @@ fn a_cpu_batchs_cache_grows_and_shrinks_with_its_sequences() {
     assert_eq!(tokens, alone[0]);
 }
 
+/// A continuous batch's rows follow its load: a batch of 8 slots runs its steps over one row
+/// while one sequence runs, grows a row at a time as four more join (the running sequences'
+/// rows moving to each new cache), shrinks back once they end, and grows again. Slots stay with their sequences throughout, and every sequence
+/// (greedy, sampled and penalized) gets the tokens it gets alone. Batch-invariant, the rows stay
+/// at 8.
+#[test]
+fn a_batchs_rows_follow_its_load() {
+    use kiln_tests::Arrival;
+    let mut g = generator("tiny-llama-v512-fp32-cpu");
+    let sampled =
+        SamplingParams { do_sample: true, temperature: 0.9, top_k: 40, top_p: 0.9, repetition_penalty: 1.2, seed: 9 };
+    let penalized = SamplingParams { repetition_penalty: 1.4, ..SamplingParams::default() };
+    let texts = ["Once upon a time", "The cat", "Lily went to", "A big red", "Tom had a dog", "The sun"];
+    let params = [SamplingParams::default(), sampled.clone(), penalized, sampled, SamplingParams::default()];
+    let arrivals: Vec<Arrival> = texts
+        .iter()
+        .enumerate()
+        .map(|(i, t)| Arrival {
+            at: [0, 3, 4, 5, 6, 40][i],
+            prompt: g.folder.encode(t).unwrap(),
+            sampling: SamplingParams { seed: 9 + i as u64, ..params[i % 5].clone() },
+            max_new_tokens: [60, 12, 9, 14, 10, 8][i],
+        })
+        .collect();
+    let (batch, out) = kiln_tests::run_continuous_batch(&mut g, 8, 128, &arrivals);
+    let stats = batch.stats();
+    // 8 → 1, then 2, 3, 4, 5 as four join, 1 once they end, 2 for the last.
+    assert!(stats.transitions >= 6, "{stats:?}");
+    assert_eq!(batch.capacity(), 8);
+    let slots: Vec<usize> = out.iter().map(|(slot, _)| *slot).collect();
+    assert_eq!(slots, [0, 1, 2, 3, 4, 1], "each joins the lowest free slot");
+    for (a, (slot, tokens)) in arrivals.iter().zip(&out) {
+        let alone =
+            kiln_tests::host_sampled_rows(&mut g, std::slice::from_ref(&a.prompt), &[0], &a.sampling, a.max_new_tokens);
+        assert_eq!(tokens, &alone[0], "{:?} in slot {slot}", a.sampling);
+    }
+    let mut fixed = kiln_host::genai::ContinuousBatch::new(&mut g, 8, Some(128)).unwrap();
+    fixed.set_batch_invariant(true);
+    let a = &arrivals[0];
+    let join = kiln_host::genai::Join { prompt: &a.prompt, sampling: &a.sampling, max_new_tokens: 6, ignore_eos: true };
+    let mut tokens = vec![fixed.join(&mut g, join).unwrap().token];
+    while tokens.len() < 6 {
+        tokens.extend(fixed.step(&mut g).unwrap().iter().map(|e| e.token));
+        assert_eq!(fixed.rows(), 8, "batch-invariant: every slot's row, always");
+    }
+    assert_eq!(tokens, out[0].1[..6]);
+    assert_eq!(fixed.stats().transitions, 0);
+}
+
 /// A sequence longer than the running batch's shared mask column joins by writing its own rows
 /// and moving the column forward: the sampled sequence already running keeps its draws (its
 /// seeds move with the column), and both get the tokens they get alone.

@@ -312,8 +312,20 @@ pub fn run_continuous_batch(
     max_length: usize,
     arrivals: &[Arrival],
 ) -> (kiln_host::genai::ContinuousBatch, Vec<(usize, Vec<i64>)>) {
+    run_continuous_batch_with(g, rows, max_length, arrivals, false)
+}
+
+/// [`run_continuous_batch`], batch-invariant when `invariant` (the steps keep every slot's row).
+pub fn run_continuous_batch_with(
+    g: &mut kiln_host::genai::Generator,
+    rows: usize,
+    max_length: usize,
+    arrivals: &[Arrival],
+    invariant: bool,
+) -> (kiln_host::genai::ContinuousBatch, Vec<(usize, Vec<i64>)>) {
     use kiln_host::genai::{ContinuousBatch, Join};
     let mut batch = ContinuousBatch::new(g, rows, Some(max_length)).unwrap();
+    batch.set_batch_invariant(invariant);
     let mut out: Vec<(usize, Vec<i64>)> = vec![(usize::MAX, Vec::new()); arrivals.len()];
     let mut owner: Vec<Option<usize>> = vec![None; batch.capacity()];
     let (mut next, mut done, mut step) = (0, 0, 0);

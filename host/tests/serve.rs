@@ -299,6 +299,11 @@ fn sixty_four_concurrent_streaming_clients_each_get_their_own_text() {
         assert_eq!(server.metric("kiln_batch_slots"), 8);
         let steps = server.metric("kiln_batch_steps_total");
         assert!(steps < 64 * 11, "the requests shared decode steps: {steps} steps");
+        // A request alone afterwards runs its steps on one row, unless batch-invariant (every
+        // slot's), and gets the same text.
+        let alone = server.complete(json!({"prompt": prompts[0], "max_tokens": 12, "temperature": 0, "stream": true}));
+        assert_eq!(alone, expected[0]);
+        assert_eq!(server.metric("kiln_batch_rows"), if invariant { 8 } else { 1 });
     }
 }
 

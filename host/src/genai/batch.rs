@@ -1,5 +1,14 @@
 //! Continuous batching: sequences join and leave one running decode batch between steps, as
-//! vLLM and onnxruntime-genai's server loops run them, on one graph bucket.
+//! vLLM and onnxruntime-genai's server loops run them, on the graph buckets.
+//!
+//! A batch has `capacity` slots (the sequences it may hold at once; a sequence keeps its slot
+//! number from join to end) and runs its steps over fewer rows when fewer sequences run: the
+//! rows follow the load, to the bucket of the running sequences on a GPU (1, 2, 4, …; each row
+//! count has its own cache and captured graph, kept once used) and to their number on the
+//! CPU. Rows grow when joins need them and shrink when at most a quarter of them carry a
+//! sequence; the running sequences' KV rows move to the new cache (device-to-device copies)
+//! and the step buffers are rewritten. With `--batch-invariant` the rows stay at `capacity`,
+//! since another row count changes the steps' GEMM shapes.
 //!
 //! The batch owns a shared KV cache of `rows` slots (`[rows, kv_heads, limit, head_size]` per
 //! layer; on a GPU `limit` is `max_length` and the cache is allocated once, so its addresses
@@ -54,7 +63,18 @@ const STREAM: usize = 0;
 /// One running decode batch of at most [`ContinuousBatch::capacity`] sequences.
 pub struct ContinuousBatch {
     kv: KvCache,
-    slots: Vec<Slot>,
+    /// On a GPU, the caches of other row counts the batch ran at, kept so that their addresses
+    /// (and their steps' captured graphs) stay valid.
+    parked: Vec<KvCache>,
+    /// The cache's rows: a sequence each, or padding.
+    rows: Vec<Row>,
+    /// Slots: the most sequences at once (the rows at their most).
+    capacity: usize,
+    /// Whether the rows follow the load (not when batch-invariant).
+    follow: bool,
+    /// Tokens of a step read early, before the rows moved for a join: the next
+    /// [`ContinuousBatch::step`] returns them first.
+    drained: Vec<Emitted>,
     /// The step buffers no longer match the slots (before the first step, after a failed step
     /// or write): rewrite every row before the next step.
     dirty: bool,
@@ -89,6 +109,8 @@ pub struct BatchStats {
     pub rewrites: u64,
     /// Rewrites because the shared mask column reached the cache's end.
     pub compactions: u64,
+    /// Row-count changes (the rows following the load).
+    pub transitions: u64,
     /// Joins whose rows were written into the running step buffers (no rewrite of every row).
     pub joined_in_place: u64,
     /// Of those, joins that moved the shared mask column forward (a longer sequence).
@@ -97,21 +119,26 @@ pub struct BatchStats {
     pub resizes: u64,
 }
 
-/// One slot: a sequence's tokens (the last is the one the next step feeds) and, while a
-/// sequence holds it, that sequence's state.
-struct Slot {
+/// One row of the cache: a sequence's tokens (the last is the one the next step feeds) and,
+/// while a sequence holds it, that sequence's state.
+struct Row {
     tokens: Vec<i64>,
     /// Set columns of the slot's mask row: the sequence's length (a free slot's grows too).
     len: usize,
     seq: Option<Sequence>,
     /// Advanced by every join: a step enqueued before it carried another occupant.
     epoch: u64,
-    /// The slot's step-0 position in the seeds buffer: the draw at mask column `c` is the
+    /// The row's step-0 position in the seeds buffer: the draw at mask column `c` is the
     /// sequence's token `c − seed_base`.
     seed_base: i64,
 }
 
-impl Slot {
+impl Row {
+    /// A row of padding (one token).
+    fn free(pad: i64) -> Row {
+        Row { tokens: vec![pad], len: 1, seq: None, epoch: 0, seed_base: 0 }
+    }
+
     /// Sets the slot's mask and history rows (`limit` columns, zeros): its tokens at columns
     /// `0 .. len`.
     fn fill_rows(&self, mask: &mut [i64], history: &mut [i64]) {
@@ -132,6 +159,8 @@ impl Slot {
 }
 
 struct Sequence {
+    /// Its slot number, from join to end.
+    slot: usize,
     generated: usize,
     max_new_tokens: usize,
     ignore_eos: bool,
@@ -168,7 +197,8 @@ pub struct Join<'a> {
 impl ContinuousBatch {
     /// An empty batch of `rows` slots (on a GPU, the bucket of `rows`: 1, 2, 4, 8, 16, 32, then
     /// multiples of 32) for sequences of at most `max_length` positions (default: the folder's
-    /// `search.max_length`). Errors: a folder without a shared KV buffer or device-step
+    /// `search.max_length`). The cache for every slot is allocated here, so that a batch that
+    /// cannot fit fails now. Errors: a folder without a shared KV buffer or device-step
     /// packages, a length over the model's context, or device memory.
     pub fn new(g: &mut Generator, rows: usize, max_length: Option<usize>) -> Result<ContinuousBatch> {
         let cfg = g.folder.config.clone();
@@ -197,10 +227,13 @@ impl ContinuousBatch {
             ))
         })?;
         let pad = cfg.model.pad_token_id.unwrap_or(0);
-        let slots = (0..rows).map(|_| Slot { tokens: vec![pad], len: 1, seq: None, epoch: 0, seed_base: 0 }).collect();
         Ok(ContinuousBatch {
             kv,
-            slots,
+            parked: Vec::new(),
+            rows: (0..rows).map(|_| Row::free(pad)).collect(),
+            capacity: rows,
+            follow: true,
+            drained: Vec::new(),
             dirty: true,
             sampling,
             invariant: false,
@@ -218,21 +251,28 @@ impl ContinuousBatch {
     /// With `on`, a sequence's tokens do not depend on what else is in the batch: each join
     /// prefills alone (at [`ContinuousBatch::prefill_shape`] of one row), rather than with the
     /// sequences joining beside it, whose number would change the prefill's matrix shapes
-    /// (and, on a GPU, the GEMM algorithms and their rounding). The steps already are: every
-    /// step decodes the batch's fixed rows, each row's arithmetic apart from the others, and
-    /// each sequence draws from its own seed's stream. The cost: one prefill per join.
+    /// (and, on a GPU, the GEMM algorithms and their rounding), and the steps keep every slot's
+    /// row (the rows do not follow the load, which would change the steps' shapes). Every row's
+    /// arithmetic is apart from the others', and each sequence draws from its own seed's
+    /// stream. The cost: one prefill per join, and every step at `capacity` rows.
     pub fn set_batch_invariant(&mut self, on: bool) {
         self.invariant = on;
+        self.follow = !on;
     }
 
-    /// Slots (the rows every step decodes).
+    /// Slots: the most sequences the batch holds at once.
     pub fn capacity(&self) -> usize {
-        self.slots.len()
+        self.capacity
+    }
+
+    /// Rows the steps decode now (on a GPU, their graph bucket).
+    pub fn rows(&self) -> usize {
+        self.rows.len()
     }
 
     /// Sequences in the batch.
     pub fn active(&self) -> usize {
-        self.slots.iter().filter(|s| s.seq.is_some()).count()
+        self.rows.iter().filter(|r| r.seq.is_some()).count()
     }
 
     /// What the batch has done so far.
@@ -254,21 +294,21 @@ impl ContinuousBatch {
         e.pop().ok_or_else(|| Error::Model("the prefill returned no logits".into()))
     }
 
-    /// Adds several sequences at once, to the first free slots in order: one prefill of their
+    /// Adds several sequences at once, to the lowest free slots in order: one prefill of their
     /// prompts together (right-padded, as `Generator::prefill` pads a batch, to
     /// [`ContinuousBatch::prefill_shape`]), or one each when batch-invariant, each KV row copied
-    /// into its slot; their rows of the running step buffers are then written in place. Returns
-    /// each one's first token, in the order given. Errors: as [`ContinuousBatch::join`] (the
-    /// first bad sequence named by its index), or a device error writing the rows; nothing
-    /// joins then.
+    /// into a free row (the rows grow first when too few are free); their rows of the running
+    /// step buffers are then written in place. Returns each one's first token, in the order
+    /// given. Errors: as [`ContinuousBatch::join`] (the first bad sequence named by its index),
+    /// or a device error writing the rows; nothing joins then.
     pub fn join_many(&mut self, g: &mut Generator, joins: &[Join<'_>]) -> Result<Vec<Emitted>> {
-        let free: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].seq.is_none()).collect();
-        if joins.len() > free.len() {
+        let free_slots = self.free_slots();
+        if joins.len() > free_slots.len() {
             return Err(Error::Input(format!(
                 "{} sequences for {} free slots of {}",
                 joins.len(),
-                free.len(),
-                self.slots.len()
+                free_slots.len(),
+                self.capacity
             )));
         }
         for (i, j) in joins.iter().enumerate() {
@@ -290,11 +330,19 @@ impl ContinuousBatch {
         if !self.on_gpu && self.active() == 0 {
             self.dirty = true;
         }
+        // Too few free rows: the step in flight is read (its tokens go out with the next step),
+        // and the rows grow.
+        if joins.len() > self.rows.iter().filter(|r| r.seq.is_none()).count() {
+            self.drain(g)?;
+            let want = self.rows_for(self.active() + joins.len());
+            self.transition(g, want)?;
+        }
         // The CPU's cache grows first when a prompt needs more room than it has.
         let longest_prompt = joins.iter().map(|j| j.prompt.len()).max().unwrap_or(1);
         if longest_prompt + 1 >= self.kv.limit && self.fit(g, longest_prompt + 1)? {
             self.dirty = true;
         }
+        let free: Vec<usize> = (0..self.rows.len()).filter(|&r| self.rows[r].seq.is_none()).collect();
         let prompts: Vec<Vec<i64>> = joins.iter().map(|j| j.prompt.to_vec()).collect();
         // One prefill of them all, or (batch-invariant) one each, so that a sequence's prefill
         // never depends on who joined with it.
@@ -304,9 +352,9 @@ impl ContinuousBatch {
             let longest = chunk.iter().map(Vec::len).max().unwrap_or(1);
             let at_least = Self::prefill_shape(g.on_gpu(), chunk.len(), longest);
             let (scratch, l) = g.prefill_padded(chunk, self.kv.limit, at_least)?;
-            let (row, slots) = (self.row, &free[n * group..]);
+            let (row, rows) = (self.row, &free[n * group..]);
             let copied = scratch.past.iter().zip(&self.kv.past).try_for_each(|(from, to)| {
-                (0..chunk.len()).try_for_each(|i| g.session.copy_elements(from, i * row, to, slots[i] * row, row))
+                (0..chunk.len()).try_for_each(|i| g.session.copy_elements(from, i * row, to, rows[i] * row, row))
             });
             g.free(scratch);
             copied?;
@@ -320,27 +368,28 @@ impl ContinuousBatch {
             )));
         }
         let mut out = Vec::with_capacity(joins.len());
-        for ((j, l), &slot) in joins.iter().zip(&logits).zip(&free) {
+        for (((j, l), &r), &slot) in joins.iter().zip(&logits).zip(&free).zip(&free_slots) {
             let sampler = Sampler::new(j.sampling.clone());
             let first = sampler.next(l, j.prompt, STREAM, 0);
             let mut tokens = j.prompt.to_vec();
             tokens.push(first);
-            let s = &mut self.slots[slot];
-            s.len = tokens.len();
-            s.tokens = tokens;
-            s.epoch += 1;
-            s.seq = Some(Sequence {
+            let row = &mut self.rows[r];
+            row.len = tokens.len();
+            row.tokens = tokens;
+            row.epoch += 1;
+            row.seq = Some(Sequence {
+                slot,
                 generated: 1,
                 max_new_tokens: j.max_new_tokens.max(1),
                 ignore_eos: j.ignore_eos,
                 sampler,
             });
             self.stats.joins += 1;
-            let finished = self.finished(slot, first);
+            let finished = self.finished(r, first);
             out.push(Emitted { slot, token: first, finished });
         }
-        // Sequences that ended on their first token hold no slot: nothing to write for them.
-        let running: Vec<usize> = out.iter().filter(|e| e.finished.is_none()).map(|e| e.slot).collect();
+        // Sequences that ended on their first token hold no row: nothing to write for them.
+        let running: Vec<usize> = free[..joins.len()].iter().copied().filter(|&r| self.rows[r].seq.is_some()).collect();
         if !self.dirty && !running.is_empty() {
             match self.write_joined(g, &running) {
                 Ok(()) => {}
@@ -351,8 +400,8 @@ impl ContinuousBatch {
                 }
                 // A device error: the sequences do not join, and the next step rewrites (or fails).
                 Err(e) => {
-                    for &slot in &running {
-                        self.slots[slot].seq = None;
+                    for &r in &running {
+                        self.rows[r].seq = None;
                     }
                     self.dirty = true;
                     return Err(e);
@@ -362,56 +411,152 @@ impl ContinuousBatch {
         Ok(out)
     }
 
-    /// Writes the rows of just-joined `slots` into the running step buffers, stream-ordered
+    /// Slot numbers no sequence holds, lowest first. A slot whose sequence ended in a step read
+    /// early stays taken until [`ContinuousBatch::step`] has returned that end.
+    fn free_slots(&self) -> Vec<usize> {
+        let mut taken = vec![false; self.capacity];
+        let held = self.rows.iter().filter_map(|r| r.seq.as_ref().map(|q| q.slot));
+        for slot in held.chain(self.drained.iter().filter(|e| e.finished.is_some()).map(|e| e.slot)) {
+            if let Some(t) = taken.get_mut(slot) {
+                *t = true;
+            }
+        }
+        (0..self.capacity).filter(|&s| !taken[s]).collect()
+    }
+
+    /// Rows for `sequences` running sequences: their bucket on a GPU, their number on the CPU,
+    /// at most `capacity`.
+    fn rows_for(&self, sequences: usize) -> usize {
+        let n = sequences.max(1);
+        (if self.on_gpu { bucket(n) } else { n }).min(self.capacity)
+    }
+
+    /// The row count the next step should run at, when it differs from now: `capacity` when the
+    /// rows do not follow the load, else the running sequences' rows once at most a quarter of
+    /// the rows carry one.
+    fn rows_wanted(&self) -> Option<usize> {
+        let now = self.rows.len();
+        let want = match self.follow {
+            false => self.capacity,
+            true => self.rows_for(self.active()),
+        };
+        (want != now && (!self.follow || 4 * want <= now)).then_some(want)
+    }
+
+    /// Reads the step in flight now, its tokens kept for the next [`ContinuousBatch::step`].
+    fn drain(&mut self, g: &mut Generator) -> Result<()> {
+        let Some((pending, epochs)) = self.ahead.take() else { return Ok(()) };
+        match g.session.read_finish(pending).and_then(|t| t.to_i64()) {
+            Ok(ids) => {
+                let tokens = self.apply(&ids, &epochs);
+                self.drained.extend(tokens);
+                Ok(())
+            }
+            Err(e) => {
+                self.dirty = true;
+                Err(e)
+            }
+        }
+    }
+
+    /// Moves the running sequences to a cache of `n` rows (at least as many as they are), their
+    /// KV rows copied there in row order; the step buffers are rewritten before the next step.
+    /// On a GPU the old cache is kept for a later move back, and a new one that cannot be
+    /// allocated leaves the rows as they are when shrinking, or grows them to `capacity`.
+    /// Needs no step in flight. Errors: the copies', or no cache to grow to.
+    fn transition(&mut self, g: &mut Generator, n: usize) -> Result<()> {
+        let running: Vec<usize> = (0..self.rows.len()).filter(|&r| self.rows[r].seq.is_some()).collect();
+        let n = n.max(running.len()).max(1);
+        if n == self.rows.len() || self.ahead.is_some() {
+            return Ok(());
+        }
+        let limit = self.kv.limit;
+        let parked = self.parked.iter().position(|k| k.batch == n && k.limit == limit);
+        let (n, kv) = match parked {
+            Some(i) => (n, self.parked.remove(i)),
+            None => match g.empty_kv(n, limit) {
+                Ok(kv) => (n, kv),
+                Err(e) if n < self.rows.len() => {
+                    tracing::debug!("the batch stays at {} rows: {e}", self.rows.len());
+                    return Ok(());
+                }
+                Err(e) => {
+                    let Some(i) = self.parked.iter().position(|k| k.batch == self.capacity && k.limit == limit) else {
+                        return Err(e);
+                    };
+                    (self.capacity, self.parked.remove(i))
+                }
+            },
+        };
+        let row = self.row;
+        for (from, to) in self.kv.past.iter().zip(&kv.past) {
+            for (i, &r) in running.iter().enumerate() {
+                g.session.copy_elements(from, r * row, to, i * row, row)?;
+            }
+        }
+        let old = std::mem::replace(&mut self.kv, kv);
+        if self.on_gpu {
+            self.parked.push(old);
+        }
+        let mut rows: Vec<Row> =
+            running.into_iter().map(|r| std::mem::replace(&mut self.rows[r], Row::free(self.pad))).collect();
+        rows.resize_with(n, || Row::free(self.pad));
+        self.rows = rows;
+        self.dirty = true;
+        self.stats.transitions += 1;
+        Ok(())
+    }
+
+    /// Writes the rows of just-joined `rows` into the running step buffers, stream-ordered
     /// after the step in flight, so that steps go on without a rewrite of every row: each
     /// joined row's mask has its length in set columns below the next step's position, which
     /// moves forward for every row when a joined sequence is longer. Errors: no room before
     /// the cache's end (a rewrite compacts the rows), or the writes'.
-    fn write_joined(&mut self, g: &mut Generator, slots: &[usize]) -> Result<()> {
+    fn write_joined(&mut self, g: &mut Generator, rows: &[usize]) -> Result<()> {
         let l = self.kv.limit;
-        let longest = slots.iter().map(|&s| self.slots[s].len).max().unwrap_or(1);
+        let longest = rows.iter().map(|&r| self.rows[r].len).max().unwrap_or(1);
         let mut next = self.kv.total + 1;
         let moved = longest.saturating_sub(next);
         if next + moved >= l {
             return Err(Error::Input(format!("{longest} positions after the shared column {next} of {l}")));
         }
         next += moved;
-        for s in &mut self.slots {
-            s.seed_base += moved as i64;
+        for r in &mut self.rows {
+            r.seed_base += moved as i64;
         }
-        let mut rows_data = Vec::with_capacity(slots.len());
-        for &slot in slots {
-            self.slots[slot].rebase(next);
+        let mut rows_data = Vec::with_capacity(rows.len());
+        for &r in rows {
+            self.rows[r].rebase(next);
             let (mut mask, mut history) = (vec![0i64; l], vec![0i64; l]);
-            self.slots[slot].fill_rows(&mut mask, &mut history);
+            self.rows[r].fill_rows(&mut mask, &mut history);
             rows_data.push((mask, history));
         }
         let seeds = self.seeds();
         let greedy = Sampler::new(SamplingParams::default()).device_row(self.vocab);
-        let rows: Vec<StepRow<'_>> = slots
+        let step_rows: Vec<StepRow<'_>> = rows
             .iter()
             .zip(&rows_data)
-            .map(|(&slot, (mask, history))| {
-                let s = &self.slots[slot];
+            .map(|(&r, (mask, history))| {
+                let s = &self.rows[r];
                 let sample = self.sampling.then(|| {
-                    let seed = [seeds[slot * 3], seeds[slot * 3 + 1], seeds[slot * 3 + 2]];
+                    let seed = [seeds[r * 3], seeds[r * 3 + 1], seeds[r * 3 + 2]];
                     (history.as_slice(), s.device_params(self.vocab, greedy), seed)
                 });
-                StepRow { row: slot, token: s.tokens.last().copied().unwrap_or(self.pad), mask, sample }
+                StepRow { row: r, token: s.tokens.last().copied().unwrap_or(self.pad), mask, sample }
             })
             .collect();
-        g.write_device_step_rows(&mut self.kv, &rows, (moved > 0).then_some((next, seeds.as_slice())))?;
-        self.stats.joined_in_place += slots.len() as u64;
+        g.write_device_step_rows(&mut self.kv, &step_rows, (moved > 0).then_some((next, seeds.as_slice())))?;
+        self.stats.joined_in_place += rows.len() as u64;
         self.stats.moves += u64::from(moved > 0);
         Ok(())
     }
 
-    /// Every slot's seed, step-0 position and stream (`[rows, 3]`), as the seeds buffer holds
+    /// Every row's seed, step-0 position and stream (`[rows, 3]`), as the seeds buffer holds
     /// them.
     fn seeds(&self) -> Vec<i64> {
-        self.slots
+        self.rows
             .iter()
-            .flat_map(|s| [s.seq.as_ref().map_or(0, |q| q.sampler.params.seed as i64), s.seed_base, STREAM as i64])
+            .flat_map(|r| [r.seq.as_ref().map_or(0, |q| q.sampler.params.seed as i64), r.seed_base, STREAM as i64])
             .collect()
     }
 
@@ -465,23 +610,26 @@ impl ContinuousBatch {
     /// Ends the sequence in `slot` (a client went away, a stop string): the slot is free for
     /// the next [`ContinuousBatch::join`].
     pub fn leave(&mut self, slot: usize) {
-        if let Some(s) = self.slots.get_mut(slot) {
-            s.seq = None;
+        if let Some(r) = self.rows.iter_mut().find(|r| r.seq.as_ref().is_some_and(|q| q.slot == slot)) {
+            r.seq = None;
         }
     }
 
-    /// Whether a step is enqueued whose tokens are not read yet ([`ContinuousBatch::step`]
-    /// reads it even when no sequence is left).
+    /// Whether a step's tokens are still to come from [`ContinuousBatch::step`] (a step
+    /// enqueued and not read yet, or one read early): it returns them even when no sequence is
+    /// left.
     pub fn in_flight(&self) -> bool {
-        self.ahead.is_some()
+        self.ahead.is_some() || !self.drained.is_empty()
     }
 
-    /// One decode step of every slot. Returns each sequence's new token, in slot order
-    /// (nothing when the batch is empty). Errors: the step's (a device error, an input a kernel
-    /// found out of range); the sequences stay in place and the next step rewrites the buffers.
+    /// One decode step of every row. Returns each sequence's new token, in row order, after
+    /// the tokens of a step read early (nothing when the batch is empty). Errors: the step's (a
+    /// device error, an input a kernel found out of range); the sequences stay in place and the
+    /// next step rewrites the buffers.
     pub fn step(&mut self, g: &mut Generator) -> Result<Vec<Emitted>> {
+        let mut out = std::mem::take(&mut self.drained);
         if self.active() == 0 && self.ahead.is_none() {
-            return Ok(Vec::new());
+            return Ok(out);
         }
         let read = self.enqueue_and_read(g);
         let (ids, epochs) = match read {
@@ -494,30 +642,42 @@ impl ContinuousBatch {
                 return Err(e);
             }
         };
-        let mut out = Vec::new();
-        for (slot, epoch) in epochs.into_iter().enumerate() {
-            let s = &mut self.slots[slot];
-            if s.epoch != epoch {
-                // Joined after the step was enqueued: the step computed the slot's old occupant.
-                continue;
-            }
-            s.len += 1;
-            let Some(seq) = s.seq.as_mut() else { continue };
-            let token = ids.get(slot).copied().unwrap_or(self.pad);
-            s.tokens.push(token);
-            seq.generated += 1;
-            let finished = self.finished(slot, token);
-            out.push(Emitted { slot, token, finished });
-        }
+        out.extend(self.apply(&ids, &epochs));
         Ok(out)
     }
 
-    /// Takes the step in flight (or enqueues one), enqueues the next one ahead when the buffers
-    /// need no rewrite first, and reads the taken step's tokens.
+    /// Gives each row's sequence the token a step chose for it (`ids` by row), unless the row
+    /// changed hands since the step was enqueued (`epochs`); returns the tokens, in row order.
+    fn apply(&mut self, ids: &[i64], epochs: &[u64]) -> Vec<Emitted> {
+        let mut out = Vec::new();
+        for (r, &epoch) in epochs.iter().enumerate() {
+            let Some(row) = self.rows.get_mut(r) else { continue };
+            if row.epoch != epoch {
+                // Joined after the step was enqueued: the step computed the row's old occupant.
+                continue;
+            }
+            row.len += 1;
+            let Some(seq) = row.seq.as_mut() else { continue };
+            let token = ids.get(r).copied().unwrap_or(self.pad);
+            row.tokens.push(token);
+            seq.generated += 1;
+            let slot = seq.slot;
+            let finished = self.finished(r, token);
+            out.push(Emitted { slot, token, finished });
+        }
+        out
+    }
+
+    /// Takes the step in flight (or moves the rows when the load asks for it, and enqueues a
+    /// step), enqueues the next one ahead when the buffers need no rewrite first and the rows
+    /// are to stay, and reads the taken step's tokens.
     fn enqueue_and_read(&mut self, g: &mut Generator) -> Result<(Vec<i64>, Vec<u64>)> {
         let this = match self.ahead.take() {
             Some(a) => a,
             None => {
+                if let Some(n) = self.rows_wanted() {
+                    self.transition(g, n)?;
+                }
                 let at_end = self.kv.total + 1 >= self.kv.limit;
                 if self.dirty || at_end {
                     self.stats.compactions += u64::from(at_end && !self.dirty);
@@ -528,7 +688,8 @@ impl ContinuousBatch {
         };
         // On the CPU a step runs when enqueued: running ahead would gain nothing, and the cache
         // may be reallocated between steps.
-        if self.on_gpu && !self.dirty && self.active() > 0 && self.kv.total + 1 < self.kv.limit {
+        let stay = self.rows_wanted().is_none();
+        if self.on_gpu && stay && !self.dirty && self.active() > 0 && self.kv.total + 1 < self.kv.limit {
             self.ahead = Some(self.enqueue(g)?);
         }
         let (pending, epochs) = this;
@@ -538,29 +699,29 @@ impl ContinuousBatch {
     fn enqueue(&mut self, g: &mut Generator) -> Result<(crate::ep::PendingRead, Vec<u64>)> {
         let pending = g.enqueue_device_step(&mut self.kv)?;
         self.stats.steps += 1;
-        Ok((pending, self.slots.iter().map(|s| s.epoch).collect()))
+        Ok((pending, self.rows.iter().map(|r| r.epoch).collect()))
     }
 
-    /// Whether the sequence in `slot`, which just got `token`, ends there; frees the slot if so.
-    fn finished(&mut self, slot: usize, token: i64) -> Option<StopReason> {
-        let s = &mut self.slots[slot];
-        let seq = s.seq.as_ref()?;
+    /// Whether the sequence in row `r`, which just got `token`, ends there; frees the row if so.
+    fn finished(&mut self, r: usize, token: i64) -> Option<StopReason> {
+        let row = &mut self.rows[r];
+        let seq = row.seq.as_ref()?;
         let why = if !seq.ignore_eos && self.eos.contains(&token) {
             StopReason::Eos
         } else if seq.generated >= seq.max_new_tokens {
             StopReason::MaxNewTokens
-        } else if s.tokens.len() >= self.max_length {
+        } else if row.tokens.len() >= self.max_length {
             StopReason::MaxLength
         } else {
             return None;
         };
-        s.seq = None;
+        row.seq = None;
         Some(why)
     }
 
     /// On the CPU, reallocates the cache when `needed` positions (the longest sequence and the
     /// step after it) do not fit, or when it is over four times longer than they need; returns
-    /// whether it did (the step buffers then need a rewrite). Each slot's first `len`
+    /// whether it did (the step buffers then need a rewrite). Each row's first `len`
     /// positions move to the new cache. A GPU's cache never moves. Errors: allocation.
     fn fit(&mut self, g: &mut Generator, needed: usize) -> Result<bool> {
         let limit = self.kv.limit;
@@ -570,10 +731,10 @@ impl ContinuousBatch {
         }
         let d = &g.folder.config.model.decoder;
         let (heads, size) = (d.num_key_value_heads, d.head_size);
-        let kv = g.empty_kv(self.slots.len(), want)?;
+        let kv = g.empty_kv(self.rows.len(), want)?;
         for (from, to) in self.kv.past.iter().zip(&kv.past) {
-            for (b, s) in self.slots.iter().enumerate() {
-                let n = s.len.min(limit).min(want) * size;
+            for (b, r) in self.rows.iter().enumerate() {
+                let n = r.len.min(limit).min(want) * size;
                 for h in 0..heads {
                     let (src, dst) = ((b * heads + h) * limit * size, (b * heads + h) * want * size);
                     g.session.copy_elements(from, src, to, dst, n)?;
@@ -587,16 +748,16 @@ impl ContinuousBatch {
         Ok(true)
     }
 
-    /// Rewrites the step buffers from the slots, compacted: slot `b`'s tokens at mask columns
-    /// `0 .. len`, free slots one padding token, the next column at the longest length.
+    /// Rewrites the step buffers from the rows, compacted: row `b`'s tokens at mask columns
+    /// `0 .. len`, free rows one padding token, the next column at the longest length.
     fn load(&mut self, g: &mut Generator) -> Result<()> {
-        for s in self.slots.iter_mut().filter(|s| s.seq.is_none()) {
-            s.tokens = vec![self.pad];
-            s.len = 1;
+        for r in self.rows.iter_mut().filter(|r| r.seq.is_none()) {
+            r.tokens = vec![self.pad];
+            r.len = 1;
         }
-        let next = self.slots.iter().map(|s| s.len).max().unwrap_or(1);
+        let next = self.rows.iter().map(|r| r.len).max().unwrap_or(1);
         self.fit(g, next + 1)?;
-        let (rows, l) = (self.slots.len(), self.kv.limit);
+        let (rows, l) = (self.rows.len(), self.kv.limit);
         if next >= l {
             return Err(Error::Input(format!("a sequence of {next} positions does not fit the cache's {l}")));
         }
@@ -604,13 +765,13 @@ impl ContinuousBatch {
         let mut history = vec![0i64; rows * l];
         let mut params = Vec::with_capacity(rows * 4);
         let greedy = Sampler::new(SamplingParams::default()).device_row(self.vocab);
-        for (b, s) in self.slots.iter_mut().enumerate() {
-            s.fill_rows(&mut mask[b * l..(b + 1) * l], &mut history[b * l..(b + 1) * l]);
-            params.extend(s.device_params(self.vocab, greedy));
-            s.rebase(next);
+        for (b, r) in self.rows.iter_mut().enumerate() {
+            r.fill_rows(&mut mask[b * l..(b + 1) * l], &mut history[b * l..(b + 1) * l]);
+            params.extend(r.device_params(self.vocab, greedy));
+            r.rebase(next);
         }
         let seeds = self.seeds();
-        let tokens: Vec<i64> = self.slots.iter().map(|s| s.tokens.last().copied().unwrap_or(self.pad)).collect();
+        let tokens: Vec<i64> = self.rows.iter().map(|r| r.tokens.last().copied().unwrap_or(self.pad)).collect();
         self.kv.total = next - 1;
         let sample = self.sampling.then_some(SampleStart { history: &history, params: &params, seeds: &seeds });
         g.load_device_steps(&self.kv, &tokens, &mask, sample)?;

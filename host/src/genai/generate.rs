@@ -99,6 +99,9 @@ pub struct Generation {
     pub timings: Timings,
 }
 
+/// Most device-step buffer sets a generator keeps (one per batch and cache length).
+const KEPT_STEP_BUFFERS: usize = 8;
+
 /// A model folder ready to generate.
 pub struct Generator {
     pub folder: ModelFolder,
@@ -107,8 +110,10 @@ pub struct Generator {
     names: StepNames,
     /// The names of the device-sampling nodes, when the session's graph has them.
     device: Option<DeviceNames>,
-    /// The buffers of device-sampled steps, kept for the next generation of the same shape.
-    step_buffers: Option<StepBuffers>,
+    /// The buffers of device-sampled steps, kept for the next steps of the same shape (a
+    /// continuous batch moving between row counts, the next generation), most recently used
+    /// first, at most [`KEPT_STEP_BUFFERS`]: each shape's captured graph keeps its addresses.
+    step_buffers: Vec<StepBuffers>,
     /// A freed shared KV cache, reused by the next prefill of the same shape (its addresses,
     /// and so a captured step's graph, stay valid).
     spare_kv: Option<(Vec<usize>, Vec<DeviceTensor>)>,
@@ -177,7 +182,7 @@ impl Generator {
         let device = device_step::augment(&mut model, &folder.config, &rt.registry);
         let session = Session::new(rt, model, options)?;
         let names = StepNames::of(&folder.config);
-        Ok(Generator { folder, session, names, device, step_buffers: None, spare_kv: None })
+        Ok(Generator { folder, session, names, device, step_buffers: Vec::new(), spare_kv: None })
     }
 
     /// Whether greedy decode steps choose their tokens on the device.
@@ -203,7 +208,7 @@ impl Generator {
     /// device-step buffers). The next generation allocates them anew, at new addresses.
     pub fn release_buffers(&mut self) {
         self.spare_kv = None;
-        self.step_buffers = None;
+        self.step_buffers.clear();
         self.session.reclaim();
     }
 
@@ -690,16 +695,20 @@ impl Generator {
             return Err(Error::Input("this model's decode steps cannot sample on the device".into()));
         };
         let with_sample = d.sample.is_some();
-        let fits = self
+        let kept = self
             .step_buffers
-            .as_ref()
-            .is_some_and(|b| b.batch == kv.batch && b.limit == kv.limit && b.sample.is_some() == with_sample);
-        if !fits {
-            self.step_buffers = None;
-            self.step_buffers = Some(StepBuffers::new(&mut self.session, kv.batch, kv.limit, with_sample)?);
-        }
-        let buffers = self.step_buffers.as_mut().ok_or_else(|| Error::Device("step buffers vanished".into()))?;
-        buffers.start(&mut self.session, tokens, mask, kv.total + 1, sample)
+            .iter()
+            .position(|b| b.batch == kv.batch && b.limit == kv.limit && b.sample.is_some() == with_sample);
+        let buffers = match kept {
+            Some(i) => self.step_buffers.remove(i),
+            None => {
+                // The least recently used set goes back to the pool first.
+                self.step_buffers.truncate(KEPT_STEP_BUFFERS - 1);
+                StepBuffers::new(&mut self.session, kv.batch, kv.limit, with_sample)?
+            }
+        };
+        self.step_buffers.insert(0, buffers);
+        self.step_buffers[0].start(&mut self.session, tokens, mask, kv.total + 1, sample)
     }
 
     /// Sets single rows of the running device-step buffers of `kv` ([`StepBuffers::write_rows`]),
@@ -712,7 +721,8 @@ impl Generator {
         rows: &[StepRow<'_>],
         position: Option<(usize, &[i64])>,
     ) -> Result<()> {
-        let b = self.step_buffers.as_mut().filter(|b| b.batch == kv.batch && b.limit == kv.limit && b.at == kv.total);
+        let b =
+            self.step_buffers.first_mut().filter(|b| b.batch == kv.batch && b.limit == kv.limit && b.at == kv.total);
         let Some(b) = b else {
             return Err(Error::Input("the device-step buffers are not ready for this cache".into()));
         };
@@ -735,7 +745,7 @@ impl Generator {
         if kv.total >= kv.limit {
             return Err(Error::Input(format!("the cache is full ({} positions)", kv.limit)));
         }
-        let (Some(d), Some(b)) = (&self.device, &self.step_buffers) else {
+        let (Some(d), Some(b)) = (&self.device, self.step_buffers.first()) else {
             return Err(Error::Input("enqueue_device_step before start_device_steps".into()));
         };
         if b.batch != kv.batch || b.limit != kv.limit || b.at != kv.total {
@@ -775,7 +785,7 @@ impl Generator {
             fetches.push((name.as_str(), Fetch::Into(t)));
         }
         let ran = self.session.run_with(feeds, &fetches);
-        let Some(b) = self.step_buffers.as_mut() else {
+        let Some(b) = self.step_buffers.first_mut() else {
             return Err(Error::Device("step buffers vanished".into()));
         };
         // A failed step may have written part of the buffers: they are not ready until restarted.
@@ -786,7 +796,7 @@ impl Generator {
         }
         kv.total += 1;
         b.at = kv.total;
-        let ids = &self.step_buffers.as_ref().ok_or_else(|| Error::Device("step buffers vanished".into()))?.ids;
+        let ids = &self.step_buffers.first().ok_or_else(|| Error::Device("step buffers vanished".into()))?.ids;
         self.session.read_start(ids)
     }
 }

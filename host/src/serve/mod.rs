@@ -435,7 +435,13 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
         ("kiln_requests_failed_total", "counter", "Requests whose generation failed.", load(&st.failed)),
         ("kiln_requests_disconnected_total", "counter", "Requests whose client went away.", load(&st.disconnected)),
         ("kiln_requests_timed_out_total", "counter", "Requests past --request-timeout.", load(&st.timed_out)),
-        ("kiln_batch_slots", "gauge", "Sequences one decode step carries.", load(&st.batch_slots)),
+        ("kiln_batch_slots", "gauge", "Sequences the continuous batch holds at most.", load(&st.batch_slots)),
+        (
+            "kiln_batch_rows",
+            "gauge",
+            "Rows the last decode step ran (they follow the load; on a GPU, the graph bucket).",
+            load(&st.batch_rows),
+        ),
         ("kiln_batch_steps_total", "counter", "Decode steps of the continuous batch.", load(&st.batch_steps)),
         (
             "kiln_batch_tokens_total",

@@ -68,6 +68,8 @@ pub struct Stats {
     pub batch_step_us: AtomicU64,
     pub join_us: AtomicU64,
     pub batch_slots: AtomicU64,
+    /// Rows the decode steps run now (they follow the load: on a GPU, the graph bucket).
+    pub batch_rows: AtomicU64,
     /// Bytes kiln's device pool holds (in use and cached), after the last join or step; 0 on
     /// the CPU.
     pub device_memory: AtomicU64,
@@ -284,6 +286,7 @@ impl Batched<'_> {
             match stepped {
                 Ok(tokens) => {
                     self.stats.note_device_memory(&self.g);
+                    self.stats.batch_rows.store(self.batch.rows() as u64, Ordering::Relaxed);
                     self.stats.batch_steps.fetch_add(1, Ordering::Relaxed);
                     self.stats.batch_tokens.fetch_add(tokens.len() as u64, Ordering::Relaxed);
                     tokens.into_iter().for_each(|e| self.deliver(e));
