@@ -1038,8 +1038,8 @@ fn a_soak_of_10k_decode_tokens_keeps_device_memory_and_rss_flat() {
 /// serve` holds it, through 24 rounds of requests joining together (1 to 16 at once, prompts of
 /// 3 to 99 tokens, so the padded prefills take several shapes; greedy and sampled), a quarter of
 /// them leaving early as disconnected clients do, and one refused join (a prompt over
-/// max_length) that the batch survives. The 512-position cache fills, so steps compact, and the
-/// rows follow the load (1 to 16). After a warm-up of 12 rounds (every prefill shape and row
+/// max_length) that the batch survives. The rows follow the load (1 to 16), each row count's
+/// cache and graph kept once used. After a warm-up of 12 rounds (every prefill shape and row
 /// count), kiln's pool holds at most 1 MiB more, the driver's free memory moves by less than
 /// 64 MiB, and the process's RSS by less than 16 MiB.
 #[test]
@@ -1123,7 +1123,7 @@ fn a_continuous_batch_soak_keeps_device_memory_and_rss_flat() {
     }
     let stats = batch.stats();
     println!("{stats:?}; {tokens} tokens");
-    assert!(stats.compactions > 0 && stats.joined_in_place > 0 && stats.transitions > 0, "{stats:?}");
+    assert!(stats.joined_in_place > 0 && stats.transitions > 0, "{stats:?}");
     assert!(g.session.report.graphs.fallbacks.is_empty(), "{:?}", g.session.report.graphs);
 }
 

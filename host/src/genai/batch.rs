@@ -6,7 +6,7 @@
 //! rows follow the load, to the bucket of the running sequences on a GPU (1, 2, 4, …; each row
 //! count has its own cache and captured graph, kept once used) and to their number on the
 //! CPU. Rows grow when joins need them and shrink when at most a quarter of them carry a
-//! sequence; the running sequences' KV rows move to the new cache (device-to-device copies)
+//! sequence (on a GPU, for [`SHRINK_AFTER_STEPS`] steps in a row); the running sequences' KV rows move to the new cache (device-to-device copies)
 //! and the step buffers are rewritten. With `--batch-invariant` the rows stay at `capacity`,
 //! since another row count changes the steps' GEMM shapes.
 //!
@@ -52,6 +52,13 @@ use crate::{Error, Result};
 /// cache is `max_length` long from the start, so its addresses never move (graphs).
 pub const CPU_MIN_LIMIT: usize = 128;
 
+/// On a GPU the rows shrink only after this many steps in a row could have run on a quarter of
+/// them: a wave of requests ending together and the next wave joining (a server's clients
+/// sending their next requests) should not shrink and then grow the rows, each move costing
+/// its KV copies and a rewrite. On the CPU, where a step costs far more than a move, they
+/// shrink at once.
+const SHRINK_AFTER_STEPS: u32 = 32;
+
 /// Prefill lengths of joining sequences on a GPU are padded to a multiple of this.
 pub const PREFILL_LENGTH_STEP: usize = 64;
 
@@ -75,6 +82,8 @@ pub struct ContinuousBatch {
     /// Tokens of a step read early, before the rows moved for a join: the next
     /// [`ContinuousBatch::step`] returns them first.
     drained: Vec<Emitted>,
+    /// Steps in a row whose sequences would have fit a quarter of the rows.
+    low_steps: u32,
     /// The step buffers no longer match the slots (before the first step, after a failed step
     /// or write): rewrite every row before the next step.
     dirty: bool,
@@ -234,6 +243,7 @@ impl ContinuousBatch {
             capacity: rows,
             follow: true,
             drained: Vec::new(),
+            low_steps: 0,
             dirty: true,
             sampling,
             invariant: false,
@@ -433,14 +443,15 @@ impl ContinuousBatch {
 
     /// The row count the next step should run at, when it differs from now: `capacity` when the
     /// rows do not follow the load, else the running sequences' rows once at most a quarter of
-    /// the rows carry one.
+    /// the rows have carried one for [`SHRINK_AFTER_STEPS`] steps (on a GPU).
     fn rows_wanted(&self) -> Option<usize> {
         let now = self.rows.len();
-        let want = match self.follow {
-            false => self.capacity,
-            true => self.rows_for(self.active()),
-        };
-        (want != now && (!self.follow || 4 * want <= now)).then_some(want)
+        if !self.follow {
+            return (self.capacity != now).then_some(self.capacity);
+        }
+        let want = self.rows_for(self.active());
+        let settled = !self.on_gpu || self.low_steps >= SHRINK_AFTER_STEPS;
+        (want != now && 4 * want <= now && settled).then_some(want)
     }
 
     /// Reads the step in flight now, its tokens kept for the next [`ContinuousBatch::step`].
@@ -503,6 +514,7 @@ impl ContinuousBatch {
         rows.resize_with(n, || Row::free(self.pad));
         self.rows = rows;
         self.dirty = true;
+        self.low_steps = 0;
         self.stats.transitions += 1;
         Ok(())
     }
@@ -699,6 +711,8 @@ impl ContinuousBatch {
     fn enqueue(&mut self, g: &mut Generator) -> Result<(crate::ep::PendingRead, Vec<u64>)> {
         let pending = g.enqueue_device_step(&mut self.kv)?;
         self.stats.steps += 1;
+        let low = 4 * self.rows_for(self.active()) <= self.rows.len();
+        self.low_steps = if low { self.low_steps.saturating_add(1) } else { 0 };
         Ok((pending, self.rows.iter().map(|r| r.epoch).collect()))
     }
 
