@@ -952,6 +952,29 @@ fn linear_ops_match_their_cpu_reference() {
 }
 
 /// The resident set of this process, bytes (Linux `/proc/self/statm`).
+/// A soak's memory at one point: what kiln's device pool holds (in use and cached), the
+/// driver's free device memory (graphs and modules included), and the process's RSS, in bytes.
+#[derive(Clone, Copy, Debug)]
+struct MemorySample {
+    kiln_holds: u64,
+    driver_free: u64,
+    rss: u64,
+}
+
+fn memory_sample(g: &kiln_host::genai::Generator) -> MemorySample {
+    let (alloc, _) = g.session.gpu_stats().unwrap();
+    let (driver_free, _) = kiln_host::cuda::memory_info().unwrap();
+    MemorySample { kiln_holds: alloc.in_use_bytes + alloc.cached_bytes, driver_free, rss: rss_bytes() }
+}
+
+/// Flat against the sample after a soak's warm-up: kiln's pool holds at most 1 MiB more, the
+/// driver's free memory moves by less than 64 MiB, and the RSS by less than 16 MiB.
+fn assert_memory_flat(when: &str, now: MemorySample, warm: MemorySample) {
+    assert!(now.kiln_holds <= warm.kiln_holds + (1 << 20), "{when}: {now:?}, after warm-up {warm:?}");
+    assert!(now.driver_free.abs_diff(warm.driver_free) < 64 << 20, "{when}: {now:?}, after warm-up {warm:?}");
+    assert!(now.rss.abs_diff(warm.rss) < 16 << 20, "{when}: {now:?}, after warm-up {warm:?}");
+}
+
 fn rss_bytes() -> u64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
     statm.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 4096
@@ -1003,29 +1026,11 @@ fn a_soak_of_10k_decode_tokens_keeps_device_memory_and_rss_flat() {
             drop(h);
             g.session.reclaim();
         }
-        let (alloc, _) = g.session.gpu_stats().unwrap();
-        let (free, _) = kiln_host::cuda::memory_info().unwrap();
-        let now = (alloc.device_allocations, alloc.in_use_bytes + alloc.cached_bytes, free, rss_bytes());
-        println!(
-            "generation {i}: batch {}: allocations {}, held {} B, driver free {} B, rss {} B",
-            shapes[i % 4],
-            now.0,
-            now.1,
-            now.2,
-            now.3
-        );
+        let now = memory_sample(&g);
+        println!("generation {i}: batch {}: {now:?}", shapes[i % 4]);
         match baseline {
             None if i == 9 => baseline = Some(now),
-            Some(b) => {
-                assert!(now.1 <= b.1 + (1 << 20), "generation {i}: kiln holds {} B, {} B after warm-up", now.1, b.1);
-                assert!(
-                    now.2.abs_diff(b.2) < 64 << 20,
-                    "generation {i}: driver free memory {} B, {} B after warm-up",
-                    now.2,
-                    b.2
-                );
-                assert!(now.3.abs_diff(b.3) < 16 << 20, "generation {i}: RSS {} B, {} B after warm-up", now.3, b.3);
-            }
+            Some(b) => assert_memory_flat(&format!("generation {i}"), now, b),
             None => {}
         }
     }
@@ -1102,22 +1107,11 @@ fn a_continuous_batch_soak_keeps_device_memory_and_rss_flat() {
             }
         }
         g.session.reclaim();
-        let (alloc, _) = g.session.gpu_stats().unwrap();
-        let (free, _) = kiln_host::cuda::memory_info().unwrap();
-        let now = (alloc.in_use_bytes + alloc.cached_bytes, free, rss_bytes());
-        println!("round {round}: {n} joined; kiln holds {} B, driver free {} B, rss {} B", now.0, now.1, now.2);
+        let now = memory_sample(&g);
+        println!("round {round}: {n} joined; {now:?}");
         match baseline {
             None if round == 11 => baseline = Some(now),
-            Some(b) => {
-                assert!(now.0 <= b.0 + (1 << 20), "round {round}: kiln holds {} B, {} B after warm-up", now.0, b.0);
-                assert!(
-                    now.1.abs_diff(b.1) < 64 << 20,
-                    "round {round}: driver free {} B, {} B after warm-up",
-                    now.1,
-                    b.1
-                );
-                assert!(now.2.abs_diff(b.2) < 16 << 20, "round {round}: RSS {} B, {} B after warm-up", now.2, b.2);
-            }
+            Some(b) => assert_memory_flat(&format!("round {round}"), now, b),
             None => {}
         }
     }
