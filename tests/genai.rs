@@ -316,9 +316,9 @@ fn streamed_pieces_join_to_the_whole_decoding() {
 
 /// Continuous batching: sequences join a running batch of 3 slots at different steps (one waits
 /// for a slot to free), with greedy, sampled and penalized parameters side by side, and the
-/// mask's shared column wraps (a 32-position cache over more than 32 steps). Each sequence gets
-/// exactly the tokens it gets alone, its draws keyed by its slot; a prompt too long for the
-/// cache is refused and the batch goes on.
+/// mask's shared column wraps (a 32-position cache over more than 32 steps; the rows fixed at 3,
+/// batch-invariant). Each sequence gets exactly the tokens it gets alone, its draws keyed by its
+/// seed; a prompt too long for the cache is refused and the batch goes on.
 #[test]
 fn sequences_joining_a_running_batch_get_their_own_tokens() {
     use kiln_tests::Arrival;
@@ -349,7 +349,9 @@ fn sequences_joining_a_running_batch_get_their_own_tokens() {
             max_new_tokens: 1,
         },
     ];
-    let (mut batch, out) = kiln_tests::run_continuous_batch(&mut g, 3, 32, &arrivals);
+    // Batch-invariant, so that the rows stay at 3 (rows following the load rewrite every row
+    // at each move, and the shared column would not wrap).
+    let (mut batch, out) = kiln_tests::run_continuous_batch_with(&mut g, 3, 32, &arrivals, true);
     assert_eq!(out[3].0, 0, "the fourth sequence waits for the first one's slot");
     for (a, (slot, tokens)) in arrivals.iter().zip(&out) {
         let alone =
@@ -478,7 +480,8 @@ fn a_longer_sequence_joins_in_place_and_moves_the_shared_column() {
         Arrival { at: 0, prompt: short, sampling: sampled.clone(), max_new_tokens: 16 },
         Arrival { at: 2, prompt: long, sampling: SamplingParams { seed: 12, ..sampled }, max_new_tokens: 10 },
     ];
-    let (batch, out) = kiln_tests::run_continuous_batch(&mut g, 2, 64, &arrivals);
+    // Batch-invariant, so that the rows stay at 2 and the second sequence finds a free row.
+    let (batch, out) = kiln_tests::run_continuous_batch_with(&mut g, 2, 64, &arrivals, true);
     let stats = batch.stats();
     assert_eq!((stats.joined_in_place, stats.moves, stats.rewrites), (1, 1, 1), "{stats:?}");
     for (a, (slot, tokens)) in arrivals.iter().zip(&out) {

@@ -109,11 +109,18 @@ impl Fetched {
     }
 }
 
-/// A held tensor: its value (owning its device buffer on a GPU) and the buffer's capacity.
+/// A held tensor: its value (owning its device buffer on a GPU, unless it is a view) and the
+/// buffer's capacity.
 #[derive(Debug)]
 pub(super) struct Held {
     pub value: Value,
     pub capacity: u64,
+    /// A view's parent (the held tensor whose buffer it reads and writes).
+    pub parent: Option<u64>,
+    /// Views of this tensor not reclaimed yet: its buffer outlives its handle until they go.
+    pub views: usize,
+    /// Its handle was dropped while views of it remained.
+    pub orphaned: bool,
 }
 
 impl Held {
@@ -153,8 +160,39 @@ impl Session {
         }
         let id = self.next_held;
         self.next_held += 1;
-        self.held.insert(id, Held { value, capacity });
+        self.held.insert(id, Held { value, capacity, parent: None, views: 0, orphaned: false });
         DeviceTensor { session: self.number, id, dropped: self.dropped.clone() }
+    }
+
+    /// A view of the first elements of held device tensor `t` as a tensor of `shape` (its
+    /// dtype): the same device buffer from its start, so writes through either are seen by the
+    /// other, and its address is `t`'s. A KV cache of `[rows, heads, positions, size]` viewed
+    /// as `[n, heads, positions, size]` is the cache of its first `n` rows. `t`'s buffer stays
+    /// until every view of it is dropped, whenever `t` is. A view of a view views its parent.
+    /// Errors: a CPU session (host tensors are not shared), a shape larger than `t`, a freed or
+    /// foreign handle.
+    pub fn view(&mut self, t: &DeviceTensor, shape: Vec<usize>) -> Result<DeviceTensor> {
+        let h = self.held(t)?;
+        let Value::Device { dtype, ptr, .. } = h.value else {
+            return Err(Error::Unsupported("views of held tensors need a GPU session".into()));
+        };
+        let root = h.parent.unwrap_or(t.id);
+        let nbytes = byte_size(dtype, &shape)?;
+        if nbytes > h.capacity {
+            return Err(Error::Input(format!(
+                "a view of shape {shape:?} ({nbytes} bytes) is larger than its tensor ({} bytes)",
+                h.capacity
+            )));
+        }
+        let value = Value::Device { dtype, shape, ptr, nbytes, owned: None, host: None };
+        if let Some(r) = self.held.get_mut(&root) {
+            r.views += 1;
+        }
+        let v = self.hold(value, nbytes);
+        if let Some(h) = self.held.get_mut(&v.id) {
+            h.parent = Some(root);
+        }
+        Ok(v)
     }
 
     /// Gives the buffers of dropped [`DeviceTensor`]s back to the pool now (runs and
@@ -165,8 +203,22 @@ impl Session {
             Err(_) => return,
         };
         for id in ids {
-            if let Some(h) = self.held.remove(&id) {
-                self.release(h.value);
+            let Some(mut h) = self.held.remove(&id) else { continue };
+            if h.views > 0 {
+                // Views still read its buffer: it goes with the last of them.
+                h.orphaned = true;
+                self.held.insert(id, h);
+                continue;
+            }
+            let parent = h.parent;
+            self.release(h.value);
+            let Some(p) = parent else { continue };
+            let last = self.held.get_mut(&p).is_some_and(|r| {
+                r.views -= 1;
+                r.views == 0 && r.orphaned
+            });
+            if let Some(r) = last.then(|| self.held.remove(&p)).flatten() {
+                self.release(r.value);
             }
         }
     }

@@ -2,61 +2,70 @@
 //! vLLM and onnxruntime-genai's server loops run them, on the graph buckets.
 //!
 //! A batch has `capacity` slots (the sequences it may hold at once; a sequence keeps its slot
-//! number from join to end) and runs its steps over fewer rows when fewer sequences run: the
-//! rows follow the load, to the bucket of the running sequences on a GPU (1, 2, 4, …; each row
-//! count has its own cache and captured graph, kept once used) and to their number on the
-//! CPU. Rows grow when joins need them and shrink when at most a quarter of them carry a
-//! sequence (on a GPU, for [`SHRINK_AFTER_STEPS`] steps in a row); the running sequences' KV rows move to the new cache (device-to-device copies)
-//! and the step buffers are rewritten. With `--batch-invariant` the rows stay at `capacity`,
-//! since another row count changes the steps' GEMM shapes.
+//! number from join to end) and runs its steps over the running sequences' rows only: the rows
+//! follow the load, to the running sequences' bucket on a GPU (1, 2, 4, …) and to their number
+//! on the CPU. They grow when a join needs more free rows (or starts an empty batch), and
+//! shrink once at most a quarter of them carry a sequence (on a GPU, for
+//! [`SHRINK_AFTER_STEPS`] steps in a row; on the CPU as soon as fewer rows would do). With
+//! `--batch-invariant` the rows stay at `capacity`, since another row count changes the
+//! steps' GEMM shapes.
 //!
-//! The batch owns a shared KV cache of `rows` slots (`[rows, kv_heads, limit, head_size]` per
-//! layer; on a GPU `limit` is `max_length` and the cache is allocated once, so its addresses
-//! never move; on the CPU `limit` follows the sequences, see [`CPU_MIN_LIMIT`]) and the
-//! generator's device-step buffers of that shape. Sequences join free slots by a prefill of their prompts (together, or each
-//! alone when batch-invariant; on a GPU padded to a few shapes) whose KV rows are copied into
-//! the slots (device-to-device copies); each first token is sampled on the host from the
-//! prefill's logits. Every step then decodes every slot at once, as one device-sampled step (one CUDA
-//! graph replay once captured): the tokens come back, finished sequences free their slots, and
-//! free slots keep stepping harmlessly on a one-token sequence of padding.
+//! The KV cache is shared by the rows (`[rows, kv_heads, limit, head_size]` per layer). On a
+//! GPU the cache of every slot is allocated once, `limit` = `max_length`, and the cache of `n`
+//! rows is its first `n` rows (views of the same buffers): every row count has the same
+//! addresses, so each count's captured graph stays valid, and memory is bounded by
+//! `capacity`. Growing moves nothing; shrinking compacts the running rows' KV to the front
+//! (device-to-device copies of their filled positions). On the CPU a move is a new cache, and
+//! its `limit` follows the sequences too ([`CPU_MIN_LIMIT`]). The generator keeps each row
+//! count's device-step buffers; a move rewrites them.
+//!
+//! Sequences join free rows by a prefill of their prompts (together, or each alone when
+//! batch-invariant; on a GPU padded to a few shapes) whose KV rows are copied into the cache
+//! (device-to-device copies); each first token is sampled on the host from the prefill's
+//! logits. Every step then decodes every row at once, as one device-sampled step (one CUDA
+//! graph replay once captured): the tokens come back, finished sequences free their rows and
+//! slots, and free rows keep stepping harmlessly on a one-token sequence of padding.
 //!
 //! Rows are independent in the step's graph: GroupQueryAttention reads each row's own length
-//! from its mask (`seqlens_k` = the mask's sum − 1), so a slot's mask needs only the right
+//! from its mask (`seqlens_k` = the mask's sum − 1), so a row's mask needs only the right
 //! number of set columns, not a column shared with the other rows. A join writes only its own
 //! rows of the step buffers (token, mask, history, sampling parameters, seeds), stream-ordered
 //! after the step in flight: its mask row has the sequence's length in set columns below the
 //! shared next column (`kiln_position`), which moves forward for every row when the joined
-//! sequence is longer. When that column reaches the cache's end (or after a failed step), the
-//! host rewrites every row compacted: each slot's tokens at columns `0 .. len`, and the next
-//! column at the longest length (also when a join finds no room to write its rows in place).
-//! A sequence's Philox draws stay keyed by (seed, stream 0,
-//! tokens generated) across moves and rewrites, whatever its slot, as a single prompt's are.
+//! sequence is longer. When that column reaches the cache's end (or after a failed step or a
+//! move), the host rewrites every row compacted: each row's tokens at columns `0 .. len`, and
+//! the next column at the longest length (also when a join finds no room to write its rows in
+//! place). A sequence's Philox draws stay keyed by (seed, stream 0, tokens generated) across
+//! moves and rewrites, whatever its slot or row, as a single prompt's are.
 //!
-//! Steps run one ahead, as `Generator::generate`'s do: step k + 1 is enqueued before step k's
-//! tokens are read, so the GPU computes while the host hands tokens out. Each enqueued step
-//! remembers every slot's occupant (an epoch that a join advances), so a token computed for a
-//! sequence that has since left its slot is dropped, never given to the slot's next sequence.
+//! On a GPU steps run one ahead, as `Generator::generate`'s do: step k + 1 is enqueued before
+//! step k's tokens are read, so the GPU computes while the host hands tokens out. Each enqueued
+//! step remembers every row's occupant (an epoch that a join advances), so a token computed for
+//! a sequence that has since left its row is dropped, never given to the row's next sequence.
 //! A join's prefill, KV copy and row writes are stream-ordered after the step in flight, so
-//! steps stay one ahead across joins. On a GPU the joins' prefills are padded to a few shapes
-//! (rows to a power of two, lengths to a multiple of [`PREFILL_LENGTH_STEP`]), whose node
-//! dispatches the session has memoized.
+//! steps stay one ahead across joins, except a join that moves the rows: the step in flight is
+//! read first, and its tokens come with the next [`ContinuousBatch::step`]. The joins' prefills
+//! are padded to a few shapes (rows to a power of two, lengths to a multiple of
+//! [`PREFILL_LENGTH_STEP`]), whose node dispatches the session has memoized. On the CPU a step
+//! runs when enqueued, so nothing runs ahead.
 
 use super::device_step::{SampleStart, StepRow};
 use super::{bucket, Generator, KvCache, Sampler, SamplingParams, StopReason};
 use crate::{Error, Result};
 
 /// On the CPU the cache holds as many positions as the running sequences need (twice the
-/// longest, rounded up to a power of two, at least this many, at most `max_length`), and
-/// grows or shrinks at a rewrite of every row: a CPU step passes each layer's whole present
-/// through the package's CPU reference, so its cost follows the cache's length. On a GPU the
-/// cache is `max_length` long from the start, so its addresses never move (graphs).
+/// longest, rounded up to a power of two, at least this many, at most `max_length`): it grows
+/// when the longest sequence outgrows it, and shrinks at a rewrite of every row once it is over
+/// four times too long. A CPU step passes each layer's whole present through the package's CPU
+/// reference, so its cost follows the cache's length. On a GPU the cache is `max_length` long
+/// from the start, so its addresses never move (graphs).
 pub const CPU_MIN_LIMIT: usize = 128;
 
 /// On a GPU the rows shrink only after this many steps in a row could have run on a quarter of
 /// them: a wave of requests ending together and the next wave joining (a server's clients
-/// sending their next requests) should not shrink and then grow the rows, each move costing
-/// its KV copies and a rewrite. On the CPU, where a step costs far more than a move, they
-/// shrink at once.
+/// sending their next requests) should not shrink and then grow the rows, each shrink costing
+/// its KV copies and each move a rewrite. On the CPU, where a step costs far more than a move,
+/// they shrink at once.
 const SHRINK_AFTER_STEPS: u32 = 32;
 
 /// Prefill lengths of joining sequences on a GPU are padded to a multiple of this.
@@ -69,10 +78,13 @@ const STREAM: usize = 0;
 
 /// One running decode batch of at most [`ContinuousBatch::capacity`] sequences.
 pub struct ContinuousBatch {
+    /// The cache the steps run over: on a GPU the first `rows` rows of `full` (views of its
+    /// buffers); on the CPU its own buffers.
     kv: KvCache,
-    /// On a GPU, the caches of other row counts the batch ran at, kept so that their addresses
-    /// (and their steps' captured graphs) stay valid.
-    parked: Vec<KvCache>,
+    /// On a GPU, the cache of every slot, allocated once: each row count's cache is its first
+    /// rows, at the same addresses, so the memory is bounded by `capacity` and the captured
+    /// graphs of every row count stay valid.
+    full: Option<KvCache>,
     /// The cache's rows: a sequence each, or padding.
     rows: Vec<Row>,
     /// Slots: the most sequences at once (the rows at their most).
@@ -84,7 +96,7 @@ pub struct ContinuousBatch {
     drained: Vec<Emitted>,
     /// Steps in a row whose sequences would have fit a quarter of the rows.
     low_steps: u32,
-    /// The step buffers no longer match the slots (before the first step, after a failed step
+    /// The step buffers no longer match the rows (before the first step, after a failed step
     /// or write): rewrite every row before the next step.
     dirty: bool,
     /// Whether steps run the Sample node (every row with its own parameters; greedy rows at
@@ -94,7 +106,7 @@ pub struct ContinuousBatch {
     invariant: bool,
     /// Most positions of a sequence (prompt and generated), at most the cache's `limit`.
     max_length: usize,
-    /// Elements of one slot's row in each layer's key or value cache (`kv_heads × limit ×
+    /// Elements of one row in each layer's key or value cache (`kv_heads × limit ×
     /// head_size`): what a join copies.
     row: usize,
     vocab: usize,
@@ -103,14 +115,14 @@ pub struct ContinuousBatch {
     /// Whether the batch runs on a GPU (a fixed cache, steps one ahead).
     on_gpu: bool,
     stats: BatchStats,
-    /// The step enqueued ahead: its token read, and each slot's epoch when it was enqueued.
+    /// The step enqueued ahead: its token read, and each row's epoch when it was enqueued.
     ahead: Option<(crate::ep::PendingRead, Vec<u64>)>,
 }
 
 /// What a batch has done, for reports and `/metrics`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BatchStats {
-    /// Decode steps (each decodes every slot).
+    /// Decode steps (each decodes every row).
     pub steps: u64,
     /// Sequences that joined.
     pub joins: u64,
@@ -132,7 +144,7 @@ pub struct BatchStats {
 /// while a sequence holds it, that sequence's state.
 struct Row {
     tokens: Vec<i64>,
-    /// Set columns of the slot's mask row: the sequence's length (a free slot's grows too).
+    /// Set columns of the row's mask: the sequence's length (a free row's grows too).
     len: usize,
     seq: Option<Sequence>,
     /// Advanced by every join: a step enqueued before it carried another occupant.
@@ -148,20 +160,20 @@ impl Row {
         Row { tokens: vec![pad], len: 1, seq: None, epoch: 0, seed_base: 0 }
     }
 
-    /// Sets the slot's mask and history rows (`limit` columns, zeros): its tokens at columns
+    /// Sets the row's mask and history rows (`limit` columns, zeros): its tokens at columns
     /// `0 .. len`.
     fn fill_rows(&self, mask: &mut [i64], history: &mut [i64]) {
         mask[..self.len].fill(1);
         history[..self.len].copy_from_slice(&self.tokens);
     }
 
-    /// Keys the slot's draws for steps from mask column `next` on: the draw at `next + k` is
+    /// Keys the row's draws for steps from mask column `next` on: the draw at `next + k` is
     /// its sequence's token `generated + k`.
     fn rebase(&mut self, next: usize) {
         self.seed_base = next as i64 - self.seq.as_ref().map_or(0, |q| q.generated) as i64;
     }
 
-    /// The slot's row of the sampling-parameter buffer (`greedy` for a free slot).
+    /// The row's entry of the sampling-parameter buffer (`greedy` for a free row).
     fn device_params(&self, vocab: usize, greedy: [f32; 4]) -> [f32; 4] {
         self.seq.as_ref().map_or(greedy, |q| q.sampler.device_row(vocab))
     }
@@ -177,7 +189,7 @@ struct Sequence {
 }
 
 /// A token a step (or a join's prefill) chose for the sequence in `slot`; `finished`: the
-/// sequence ended with it, and the slot is free again.
+/// sequence ended with it, and the slot is free again (once this token has been returned).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Emitted {
     pub slot: usize,
@@ -206,8 +218,8 @@ pub struct Join<'a> {
 impl ContinuousBatch {
     /// An empty batch of `rows` slots (on a GPU, the bucket of `rows`: 1, 2, 4, 8, 16, 32, then
     /// multiples of 32) for sequences of at most `max_length` positions (default: the folder's
-    /// `search.max_length`). The cache for every slot is allocated here, so that a batch that
-    /// cannot fit fails now. Errors: a folder without a shared KV buffer or device-step
+    /// `search.max_length`). On a GPU the cache for every slot is allocated here (all the batch
+    /// will hold), so that a batch that cannot fit fails now. Errors: a folder without a shared KV buffer or device-step
     /// packages, a length over the model's context, or device memory.
     pub fn new(g: &mut Generator, rows: usize, max_length: Option<usize>) -> Result<ContinuousBatch> {
         let cfg = g.folder.config.clone();
@@ -236,9 +248,13 @@ impl ContinuousBatch {
             ))
         })?;
         let pad = cfg.model.pad_token_id.unwrap_or(0);
+        let (kv, full) = match on_gpu {
+            true => (g.kv_rows(&kv, rows)?, Some(kv)),
+            false => (kv, None),
+        };
         Ok(ContinuousBatch {
             kv,
-            parked: Vec::new(),
+            full,
             rows: (0..rows).map(|_| Row::free(pad)).collect(),
             capacity: rows,
             follow: true,
@@ -310,7 +326,8 @@ impl ContinuousBatch {
     /// into a free row (the rows grow first when too few are free); their rows of the running
     /// step buffers are then written in place. Returns each one's first token, in the order
     /// given. Errors: as [`ContinuousBatch::join`] (the first bad sequence named by its index),
-    /// or a device error writing the rows; nothing joins then.
+    /// or a device error writing the rows; nothing joins then (the rows may have moved, and a
+    /// step in flight may have been read: its tokens come with the next step).
     pub fn join_many(&mut self, g: &mut Generator, joins: &[Join<'_>]) -> Result<Vec<Emitted>> {
         let free_slots = self.free_slots();
         if joins.len() > free_slots.len() {
@@ -340,9 +357,10 @@ impl ContinuousBatch {
         if !self.on_gpu && self.active() == 0 {
             self.dirty = true;
         }
-        // Too few free rows: the step in flight is read (its tokens go out with the next step),
-        // and the rows grow.
-        if joins.len() > self.rows.iter().filter(|r| r.seq.is_none()).count() {
+        // Too few free rows (or an empty batch, whose rows start at the joins' own): the step in
+        // flight is read (its tokens go out with the next step), and the rows move.
+        let free_rows = self.rows.iter().filter(|r| r.seq.is_none()).count();
+        if self.follow && (joins.len() > free_rows || self.active() == 0) {
             self.drain(g)?;
             let want = self.rows_for(self.active() + joins.len());
             self.transition(g, want)?;
@@ -450,8 +468,11 @@ impl ContinuousBatch {
             return (self.capacity != now).then_some(self.capacity);
         }
         let want = self.rows_for(self.active());
-        let settled = !self.on_gpu || self.low_steps >= SHRINK_AFTER_STEPS;
-        (want != now && 4 * want <= now && settled).then_some(want)
+        let shrink = match self.on_gpu {
+            true => 4 * want <= now && self.low_steps >= SHRINK_AFTER_STEPS,
+            false => want < now,
+        };
+        (want != now && shrink).then_some(want)
     }
 
     /// Reads the step in flight now, its tokens kept for the next [`ContinuousBatch::step`].
@@ -470,47 +491,38 @@ impl ContinuousBatch {
         }
     }
 
-    /// Moves the running sequences to a cache of `n` rows (at least as many as they are), their
-    /// KV rows copied there in row order; the step buffers are rewritten before the next step.
-    /// On a GPU the old cache is kept for a later move back, and a new one that cannot be
-    /// allocated leaves the rows as they are when shrinking, or grows them to `capacity`.
-    /// Needs no step in flight. Errors: the copies', or no cache to grow to.
+    /// Moves the running sequences to a cache of `n` rows (at least as many as they are), in
+    /// row order: on a GPU the first `n` rows of the full cache (the running rows' KV compacted
+    /// to the front within it; growing moves nothing), on the CPU a new cache. The step buffers
+    /// are rewritten before the next step. Needs no step in flight. Errors: a step in flight,
+    /// the copies' or (CPU) the allocation's; the rows stay as they were then.
     fn transition(&mut self, g: &mut Generator, n: usize) -> Result<()> {
+        if self.ahead.is_some() {
+            return Err(Error::Device("the batch's rows cannot move while a step is in flight".into()));
+        }
         let running: Vec<usize> = (0..self.rows.len()).filter(|&r| self.rows[r].seq.is_some()).collect();
         let n = n.max(running.len()).max(1);
-        if n == self.rows.len() || self.ahead.is_some() {
+        if n == self.rows.len() {
             return Ok(());
         }
-        let limit = self.kv.limit;
-        let parked = self.parked.iter().position(|k| k.batch == n && k.limit == limit);
-        let (n, kv) = match parked {
-            Some(i) => (n, self.parked.remove(i)),
-            None => match g.empty_kv(n, limit) {
-                Ok(kv) => (n, kv),
-                Err(e) if n < self.rows.len() => {
-                    tracing::debug!("the batch stays at {} rows: {e}", self.rows.len());
-                    return Ok(());
-                }
-                Err(e) => {
-                    let Some(i) = self.parked.iter().position(|k| k.batch == self.capacity && k.limit == limit) else {
-                        return Err(e);
-                    };
-                    (self.capacity, self.parked.remove(i))
-                }
-            },
+        let kv = match &self.full {
+            Some(full) => g.kv_rows(full, n)?,
+            None => g.empty_kv(n, self.kv.limit)?,
         };
-        let row = self.row;
-        for (from, to) in self.kv.past.iter().zip(&kv.past) {
-            for (i, &r) in running.iter().enumerate() {
-                g.session.copy_elements(from, r * row, to, i * row, row)?;
-            }
-        }
-        let old = std::mem::replace(&mut self.kv, kv);
-        if self.on_gpu {
-            self.parked.push(old);
-        }
-        let mut rows: Vec<Row> =
-            running.into_iter().map(|r| std::mem::replace(&mut self.rows[r], Row::free(self.pad))).collect();
+        // Growing keeps every row where it is; shrinking compacts the running rows to the front.
+        let grow = n > self.rows.len();
+        let to = |i: usize, r: usize| if grow { r } else { i };
+        let moves: Vec<(usize, usize, usize)> =
+            running.iter().enumerate().map(|(i, &r)| (r, to(i, r), self.rows[r].len)).collect();
+        // Views of one buffer: rows in place stay, and a row never lands on one still to move
+        // (compacting, row i < r is free or already moved).
+        let moves: Vec<_> = moves.into_iter().filter(|&(r, i, _)| self.full.is_none() || r != i).collect();
+        copy_rows(g, &self.kv, &kv, &moves)?;
+        self.kv = kv;
+        let mut rows: Vec<Row> = match grow {
+            true => std::mem::take(&mut self.rows),
+            false => running.into_iter().map(|r| std::mem::replace(&mut self.rows[r], Row::free(self.pad))).collect(),
+        };
         rows.resize_with(n, || Row::free(self.pad));
         self.rows = rows;
         self.dirty = true;
@@ -625,6 +637,8 @@ impl ContinuousBatch {
         if let Some(r) = self.rows.iter_mut().find(|r| r.seq.as_ref().is_some_and(|q| q.slot == slot)) {
             r.seq = None;
         }
+        // Its tokens from a step read early go too: the slot's next sequence must not get them.
+        self.drained.retain(|e| e.slot != slot);
     }
 
     /// Whether a step's tokens are still to come from [`ContinuousBatch::step`] (a step
@@ -647,6 +661,8 @@ impl ContinuousBatch {
         let (ids, epochs) = match read {
             Ok(r) => r,
             Err(e) => {
+                // The tokens read early stay for the next step (or `leave`).
+                self.drained = out;
                 self.dirty = true;
                 if let Some((p, _)) = self.ahead.take() {
                     let _ = g.session.read_finish(p);
@@ -743,21 +759,13 @@ impl ContinuousBatch {
         if self.on_gpu || want == limit || (needed < limit && 2 * want > limit) {
             return Ok(false);
         }
-        let d = &g.folder.config.model.decoder;
-        let (heads, size) = (d.num_key_value_heads, d.head_size);
         let kv = g.empty_kv(self.rows.len(), want)?;
-        for (from, to) in self.kv.past.iter().zip(&kv.past) {
-            for (b, r) in self.rows.iter().enumerate() {
-                let n = r.len.min(limit).min(want) * size;
-                for h in 0..heads {
-                    let (src, dst) = ((b * heads + h) * limit * size, (b * heads + h) * want * size);
-                    g.session.copy_elements(from, src, to, dst, n)?;
-                }
-            }
-        }
+        let moves: Vec<(usize, usize, usize)> = self.rows.iter().enumerate().map(|(b, r)| (b, b, r.len)).collect();
+        copy_rows(g, &self.kv, &kv, &moves)?;
         // The old cache goes back to the pool (not kept as the generator's spare).
-        drop(std::mem::replace(&mut self.kv, kv));
-        self.row = heads * want * size;
+        self.kv = kv;
+        let d = &g.folder.config.model.decoder;
+        self.row = d.num_key_value_heads * want * d.head_size;
         self.stats.resizes += 1;
         Ok(true)
     }
@@ -794,4 +802,22 @@ impl ContinuousBatch {
         self.stats.rewrites += 1;
         Ok(())
     }
+}
+
+/// Copies rows of KV cache `from` into `to` (their limits may differ): for each (source row,
+/// destination row, positions), the first `positions` positions of every KV head, in every
+/// layer's key and value cache. Positions beyond either cache's limit are not copied.
+fn copy_rows(g: &mut Generator, from: &KvCache, to: &KvCache, moves: &[(usize, usize, usize)]) -> Result<()> {
+    let d = &g.folder.config.model.decoder;
+    let (heads, size) = (d.num_key_value_heads, d.head_size);
+    let (lf, lt) = (from.limit, to.limit);
+    for (a, b) in from.past.iter().zip(&to.past) {
+        for &(src, dst, len) in moves {
+            let n = len.min(lf).min(lt) * size;
+            for h in 0..heads {
+                g.session.copy_elements(a, (src * heads + h) * lf * size, b, (dst * heads + h) * lt * size, n)?;
+            }
+        }
+    }
+    Ok(())
 }

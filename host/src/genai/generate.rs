@@ -99,8 +99,9 @@ pub struct Generation {
     pub timings: Timings,
 }
 
-/// Most device-step buffer sets a generator keeps (one per batch and cache length).
-const KEPT_STEP_BUFFERS: usize = 8;
+/// Most device-step buffer sets a generator keeps (one per batch and cache length): as many as
+/// the execution plans a session keeps, so that a continuous batch's row counts keep theirs.
+const KEPT_STEP_BUFFERS: usize = 16;
 
 /// A model folder ready to generate.
 pub struct Generator {
@@ -231,6 +232,17 @@ impl Generator {
             .map(|_| self.session.zeros(self.folder.kv_dtype, shape.clone()))
             .collect::<Result<Vec<_>>>()?;
         Ok(KvCache { past, batch, shared: true, limit, total: 0, mask: vec![0; batch * limit] })
+    }
+
+    /// The cache of the first `rows` rows of `full` (a GPU's shared cache): views of its
+    /// buffers (`Session::view`), so it has `full`'s addresses, and writes through either are
+    /// seen by the other. Its mask is empty and its length 0. Errors: a CPU session, more rows
+    /// than `full` has.
+    pub(super) fn kv_rows(&mut self, full: &KvCache, rows: usize) -> Result<KvCache> {
+        let d = &self.folder.config.model.decoder;
+        let shape = vec![rows, d.num_key_value_heads, full.limit, d.head_size];
+        let past = full.past.iter().map(|t| self.session.view(t, shape.clone())).collect::<Result<Vec<_>>>()?;
+        Ok(KvCache { past, batch: rows, shared: true, limit: full.limit, total: 0, mask: vec![0; rows * full.limit] })
     }
 
     /// Runs the prompts (token ids, right-padded into one batch) with an empty cache of at

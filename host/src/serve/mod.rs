@@ -439,7 +439,7 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
         (
             "kiln_batch_rows",
             "gauge",
-            "Rows the last decode step ran (they follow the load; on a GPU, the graph bucket).",
+            "Rows of the continuous batch after its last join or step (they follow the load; on a GPU, the graph bucket).",
             load(&st.batch_rows),
         ),
         ("kiln_batch_steps_total", "counter", "Decode steps of the continuous batch.", load(&st.batch_steps)),

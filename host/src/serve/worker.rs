@@ -68,7 +68,8 @@ pub struct Stats {
     pub batch_step_us: AtomicU64,
     pub join_us: AtomicU64,
     pub batch_slots: AtomicU64,
-    /// Rows the decode steps run now (they follow the load: on a GPU, the graph bucket).
+    /// Rows of the batch after its last join or step (they follow the load: on a GPU, the
+    /// graph bucket); 1 when requests are served one at a time.
     pub batch_rows: AtomicU64,
     /// Bytes kiln's device pool holds (in use and cached), after the last join or step; 0 on
     /// the CPU.
@@ -111,8 +112,9 @@ pub struct Worker {
 }
 
 impl Worker {
-    /// Readies the worker: the continuous batch's KV cache (`--batch` slots of
-    /// `--max-length` positions) is allocated here, before the server accepts anything. Errors:
+    /// Readies the worker: the continuous batch's KV cache is allocated here, before the server
+    /// accepts anything (on a GPU all of it, `--batch` slots of `--max-length` positions; on the
+    /// CPU it grows with the sequences). Errors:
     /// the batch's allocation (with the sizes to lower); a folder that cannot batch is served one
     /// request at a time instead, with a warning.
     pub fn new(mut g: Generator, opts: WorkerOptions) -> crate::Result<Worker> {
@@ -141,11 +143,13 @@ impl Worker {
         let device_error = match batch {
             Some(batch) => {
                 stats.batch_slots.store(batch.capacity() as u64, Ordering::Relaxed);
+                stats.batch_rows.store(batch.rows() as u64, Ordering::Relaxed);
                 let live = (0..batch.capacity()).map(|_| None).collect();
                 Batched { g, batch, live, pending: None, opts: &opts, stats: &stats }.run(&jobs)
             }
             None => {
                 stats.batch_slots.store(1, Ordering::Relaxed);
+                stats.batch_rows.store(1, Ordering::Relaxed);
                 one_at_a_time(g, &jobs, &opts, &stats)
             }
         };
@@ -330,6 +334,7 @@ impl Batched<'_> {
         let joined = self.batch.join_many(&mut self.g, &joins);
         self.stats.join_us.fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
         self.stats.note_device_memory(&self.g);
+        self.stats.batch_rows.store(self.batch.rows() as u64, Ordering::Relaxed);
         drop(joins);
         match joined {
             Ok(firsts) => {
