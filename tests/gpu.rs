@@ -1039,6 +1039,43 @@ fn a_soak_of_10k_decode_tokens_keeps_device_memory_and_rss_flat() {
     assert!(st.recaptures > 0 && st.fallbacks.is_empty(), "{st:?}");
 }
 
+/// `kiln package build`'s NVRTC check (`kiln_host::cuda::compile_package`, NVRTC only, no GPU
+/// needed): every built-in package's sources compile for sm_90 and define every kernel their
+/// manifest lists; a listed kernel the source lacks is named with its file; a compile error
+/// names the source's own file and line (the prelude between `#line` directives).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn package_sources_compile_and_define_their_kernels() {
+    use kiln_kernel_abi::manifest::Manifest;
+    let root = kiln_tests::root();
+    let read =
+        |dir: &std::path::Path| Manifest::parse(&std::fs::read_to_string(dir.join("kernel.toml")).unwrap()).unwrap();
+    let mut sources = 0;
+    for entry in std::fs::read_dir(root.join("kernels")).unwrap() {
+        let dir = entry.unwrap().path();
+        if dir.join("kernel.toml").is_file() {
+            sources += kiln_host::cuda::compile_package(&dir, &read(&dir), "sm_90")
+                .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        }
+    }
+    assert!(sources >= 9, "{sources} sources");
+    let tmp = tempfile::tempdir().unwrap();
+    let pkg = tmp.path().join("bias-gelu");
+    std::fs::create_dir_all(pkg.join("cuda")).unwrap();
+    let example = root.join("examples/third-party/bias-gelu");
+    let cu = std::fs::read_to_string(example.join("cuda/bias_gelu.cu")).unwrap();
+    let mut manifest = read(&example);
+    manifest.cuda[0].kernels.push("bias_gelu_missing".into());
+    std::fs::write(pkg.join("cuda/bias_gelu.cu"), &cu).unwrap();
+    let err = kiln_host::cuda::compile_package(&pkg, &manifest, "sm_90").unwrap_err().to_string();
+    assert!(err.contains("bias_gelu_missing") && err.contains("cuda/bias_gelu.cu"), "{err}");
+    manifest.cuda[0].kernels.pop();
+    let line = cu.lines().count() + 1;
+    std::fs::write(pkg.join("cuda/bias_gelu.cu"), format!("{cu}\nint broken = ;\n")).unwrap();
+    let err = kiln_host::cuda::compile_package(&pkg, &manifest, "sm_90").unwrap_err().to_string();
+    assert!(err.contains(&format!("cuda/bias_gelu.cu({})", line + 1)), "the source's own line: {err}");
+}
+
 /// `Session::view`: a view of a held device tensor is its first elements at its address (a KV
 /// cache's first rows): what is written through the view is read through the tensor; the
 /// tensor's buffer outlives its dropped handle while a view remains; both go back to the pool

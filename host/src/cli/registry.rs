@@ -73,14 +73,20 @@ pub enum PackageCommand {
         abi_path: Option<PathBuf>,
     },
     /// Build a package folder: the shim in shim/ for wasm32-unknown-unknown (cargo), written as
-    /// shim.wasm; every file's sha256 into kernel.toml's [files]; the checks of `pack`; then the
-    /// `.kpkg` archive.
+    /// shim.wasm; every file's sha256 into kernel.toml's [files]; its CUDA sources compiled with
+    /// NVRTC (when the library is present, no GPU needed) and each listed kernel found in them;
+    /// the checks of `pack`; then the `.kpkg` archive.
     Build {
         /// The package folder (kernel.toml and shim/Cargo.toml).
         dir: PathBuf,
         /// The archive to write (default: NAME-VERSION.kpkg beside the package folder).
         #[arg(short, long, value_name = "FILE")]
         output: Option<PathBuf>,
+        /// The GPU architecture to compile the CUDA sources for, `sm_XY` (default: the first
+        /// GPU's, else the lowest that NVRTC and the package's min_compute_capability allow).
+        /// Given, NVRTC must be present.
+        #[arg(long, value_name = "sm_XY")]
+        arch: Option<String>,
     },
 }
 
@@ -173,7 +179,7 @@ pub fn package(cmd: PackageCommand) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         PackageCommand::New { name, op, dir, abi_path } => super::scaffold::new_package(&name, &op, &dir, abi_path),
-        PackageCommand::Build { dir, output } => super::scaffold::build_package(&dir, output),
+        PackageCommand::Build { dir, output, arch } => super::scaffold::build_package(&dir, output, arch),
     }
 }
 

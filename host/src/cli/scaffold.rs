@@ -273,8 +273,8 @@ fn tensor_pb(name: &str, dims: &[i64], v: &[f32]) -> Result<Vec<u8>> {
     t.write_to_bytes().map_err(|e| Error::Input(format!("cannot write the node test's data: {e}")))
 }
 
-/// `kiln package build DIR [-o OUT.kpkg]`.
-pub fn build_package(dir: &Path, output: Option<PathBuf>) -> Result<ExitCode> {
+/// `kiln package build DIR [-o OUT.kpkg] [--arch sm_XY]`.
+pub fn build_package(dir: &Path, output: Option<PathBuf>, arch: Option<String>) -> Result<ExitCode> {
     let shim_crate = dir.join("shim/Cargo.toml");
     if !dir.join("kernel.toml").is_file() || !shim_crate.is_file() {
         return Err(Error::Input(format!(
@@ -331,7 +331,9 @@ pub fn build_package(dir: &Path, output: Option<PathBuf>) -> Result<ExitCode> {
         table.push_str(&format!("\"{rel}\" = \"{}\"\n", hex::encode(Sha256::digest(&bytes))));
     }
     write(&dir.join("kernel.toml"), with_files_table(&manifest_text, &table).as_bytes())?;
-    // 3. Checks and the archive, as `kiln package pack` does them.
+    // 3. The CUDA sources, through NVRTC as a run will compile them.
+    compile_cuda(dir, &manifest, arch)?;
+    // 4. Checks and the archive, as `kiln package pack` does them.
     // By default beside the folder (never inside it, which `pack` refuses).
     super::registry::pack_to(dir, |pkg| {
         output.unwrap_or_else(|| {
@@ -340,6 +342,55 @@ pub fn build_package(dir: &Path, output: Option<PathBuf>) -> Result<ExitCode> {
         })
     })?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Compiles the package's CUDA sources with NVRTC for `arch` (default: the first GPU's, else
+/// the lowest that NVRTC and the manifest's minimum compute capability allow) and checks their
+/// kernels ([`crate::cuda::compile_package`]). Without NVRTC it says so and goes on, unless
+/// `arch` was asked for. Errors: a bad `--arch`, a source that does not compile, a listed
+/// kernel it does not define.
+fn compile_cuda(dir: &Path, manifest: &kiln_kernel_abi::manifest::Manifest, arch: Option<String>) -> Result<()> {
+    if manifest.cuda.is_empty() {
+        return Ok(());
+    }
+    if let Some(a) = &arch {
+        let digits = a.strip_prefix("sm_").filter(|d| d.len() >= 2 && d.chars().all(|c| c.is_ascii_digit()));
+        if digits.is_none() {
+            return Err(Error::Input(format!("--arch {a}: give a GPU architecture as sm_XY, for example sm_90")));
+        }
+    }
+    let Some((major, minor)) = crate::cuda::nvrtc_version() else {
+        if arch.is_some() {
+            return Err(Error::Input(
+                "--arch: NVRTC (libnvrtc) is not available to compile the CUDA sources: install the CUDA toolkit, \
+                 or `pip install nvidia-cuda-nvrtc` and put its lib folder on LD_LIBRARY_PATH"
+                    .into(),
+            ));
+        }
+        eprintln!(
+            "CUDA sources not compiled: NVRTC (libnvrtc) is not available here; a GPU run compiles them when it loads \
+             the package (`--arch sm_XY` with NVRTC present checks them now)"
+        );
+        return Ok(());
+    };
+    // Without a GPU: the lowest architecture this NVRTC compiles for that the package allows.
+    let lowest = || {
+        let min = manifest.device.min_compute_capability.as_deref().and_then(|cc| {
+            let (a, b) = cc.split_once('.')?;
+            Some(a.parse::<i32>().ok()? * 10 + b.parse::<i32>().ok()?)
+        });
+        let archs = crate::cuda::nvrtc_archs();
+        archs.into_iter().find(|&a| a >= min.unwrap_or(0)).map(|a| format!("sm_{a}"))
+    };
+    let gpu = || crate::cuda::probe().ok().and_then(|d| d.into_iter().next()).map(|d| d.arch);
+    let Some(arch) = arch.or_else(gpu).or_else(lowest) else {
+        return Err(Error::Input(format!(
+            "NVRTC {major}.{minor} compiles for no architecture that kernel.toml's min_compute_capability allows"
+        )));
+    };
+    let n = crate::cuda::compile_package(dir, manifest, &arch)?;
+    eprintln!("compiled {n} CUDA source(s) for {arch} with NVRTC {major}.{minor}: every listed kernel is defined");
+    Ok(())
 }
 
 /// The `[package] name` of the shim crate's Cargo.toml.

@@ -29,7 +29,7 @@ pub use alloc::{Allocator, AllocatorStats, DevBuffer};
 pub use blas::Blas;
 pub use exec::{Function, Gpu, KernelCache};
 pub(crate) use graph::{capture, GraphExec};
-pub use nvrtc::{compile_cached, nvrtc_version, CompiledSource};
+pub use nvrtc::{compile_cached, compile_package, nvrtc_archs, nvrtc_version, CompiledSource};
 pub use status::{Fault, StatusRecords};
 pub use timeline::Timeline;
 pub use transfer::{PendingDownload, Transfers, READBACK_BYTES};

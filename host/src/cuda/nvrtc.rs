@@ -35,6 +35,44 @@ pub fn nvrtc_version() -> Option<(i32, i32)> {
     }
 }
 
+/// `source` with its `#include "kiln.cuh"` line replaced by the prelude, between `#line`
+/// directives, so that NVRTC's messages name `kiln.cuh` and its lines for the prelude, and
+/// `file` and its own lines for the rest.
+fn with_prelude(source: &str, file: &str) -> String {
+    let mut out = String::with_capacity(source.len() + PRELUDE.len() + 64);
+    for (i, line) in source.lines().enumerate() {
+        if line.trim() == "#include \"kiln.cuh\"" {
+            out.push_str(&format!("#line 1 \"kiln.cuh\"\n{PRELUDE}\n#line {} \"{file}\"\n", i + 2));
+        } else {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// The architectures NVRTC compiles for, as compute capabilities ×10 (90 for sm_90), lowest
+/// first; empty without NVRTC.
+pub fn nvrtc_archs() -> Vec<i32> {
+    if nvrtc_version().is_none() {
+        return Vec::new();
+    }
+    use cudarc::nvrtc::sys::{nvrtcGetNumSupportedArchs, nvrtcGetSupportedArchs, nvrtcResult::NVRTC_SUCCESS};
+    let mut n = 0;
+    // SAFETY: NVRTC is loaded; the second call fills exactly `n` ints.
+    unsafe {
+        if nvrtcGetNumSupportedArchs(&mut n) != NVRTC_SUCCESS || n <= 0 {
+            return Vec::new();
+        }
+        let mut archs = vec![0i32; n as usize];
+        if nvrtcGetSupportedArchs(archs.as_mut_ptr()) != NVRTC_SUCCESS {
+            return Vec::new();
+        }
+        archs.sort_unstable();
+        archs
+    }
+}
+
 /// Compiles `source` (named `file` of package `package` for messages) for `arch` (`sm_90`).
 /// A compile error carries NVRTC's full log.
 pub fn compile_cached(package: &str, file: &str, source: &str, arch: &str) -> Result<CompiledSource> {
@@ -64,7 +102,7 @@ pub fn compile_cached(package: &str, file: &str, source: &str, arch: &str) -> Re
         }
     }
     let started = std::time::Instant::now();
-    let full = source.replace("#include \"kiln.cuh\"", PRELUDE);
+    let full = with_prelude(source, file);
     let fail = |m: String| Error::Device(format!("NVRTC: package {package}, {file}: {m}"));
     let src = CString::new(full).map_err(|_| fail("the source holds a NUL byte".into()))?;
     let name = CString::new(file.replace('\0', "")).unwrap_or_default();
@@ -104,4 +142,60 @@ pub fn compile_cached(package: &str, file: &str, source: &str, arch: &str) -> Re
         }
     }
     Ok(CompiledSource { cubin, cache_hit: false })
+}
+
+/// Compiles every CUDA source of a package folder `dir` (its manifest `manifest`) for `arch`
+/// (`sm_XY`) with NVRTC, as a run on such a GPU will, and checks that each kernel the manifest
+/// lists for a source is an entry of its CUBIN (an `extern "C" __global__` function of that
+/// name). No GPU is needed. Returns how many sources it compiled. Errors, for `kiln package
+/// build` to report before anything is packed: NVRTC missing, a source that cannot be read or
+/// does not compile (NVRTC's log, with the file and line), or a listed kernel the source does
+/// not define (named with its file).
+pub fn compile_package(
+    dir: &std::path::Path,
+    manifest: &kiln_kernel_abi::manifest::Manifest,
+    arch: &str,
+) -> Result<usize> {
+    let name = &manifest.package.name;
+    for c in &manifest.cuda {
+        let path = dir.join(&c.source);
+        let text = std::fs::read_to_string(&path).map_err(|source| Error::Io { path: path.clone(), source })?;
+        let compiled = compile_cached(name, &c.source, &text, arch).map_err(|e| Error::Input(e.to_string()))?;
+        if let Some(k) = c.kernels.iter().find(|k| !defines(&compiled.cubin, k)) {
+            return Err(Error::Input(format!(
+                "package {name}: kernel.toml lists kernel {k} for {}, but the source compiled for {arch} defines no \
+                 such kernel (an extern \"C\" __global__ function of that name)",
+                c.source
+            )));
+        }
+    }
+    Ok(manifest.cuda.len())
+}
+
+/// Whether `cubin` has a symbol named `kernel` (a NUL-delimited entry of its string table).
+fn defines(cubin: &[u8], kernel: &str) -> bool {
+    let needle: Vec<u8> = [&[0u8][..], kernel.as_bytes(), &[0u8][..]].concat();
+    cubin.windows(needle.len()).any(|w| w == needle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::defines;
+
+    #[test]
+    fn the_prelude_keeps_the_sources_line_numbers() {
+        let src = "// a kernel\n#include \"kiln.cuh\"\nint x;\n";
+        let full = super::with_prelude(src, "cuda/k.cu");
+        let after = full.split("#line 3 \"cuda/k.cu\"\n").nth(1).expect("a #line back to the source");
+        assert_eq!(after, "int x;\n", "line 3 of the source follows its #line");
+        assert!(full.starts_with("// a kernel\n#line 1 \"kiln.cuh\"\n"), "{full}");
+    }
+
+    #[test]
+    fn a_symbol_is_found_only_whole() {
+        let strtab = b"\0.text.kiln_relu_f32\0kiln_relu_f32\0kiln_relu_f16x\0";
+        assert!(defines(strtab, "kiln_relu_f32"));
+        assert!(!defines(strtab, "kiln_relu_f16"), "a prefix of another name is not a symbol");
+        assert!(!defines(strtab, "relu_f32"), "nor is a suffix");
+    }
 }
