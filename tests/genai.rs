@@ -451,6 +451,25 @@ fn a_batchs_rows_follow_its_load() {
             kiln_tests::host_sampled_rows(&mut g, std::slice::from_ref(&a.prompt), &[0], &a.sampling, a.max_new_tokens);
         assert_eq!(tokens, &alone[0], "{:?} in slot {slot}", a.sampling);
     }
+    // Made batch-invariant once it has shrunk, the batch grows back to every slot's row for
+    // joins that need more rows than it has.
+    let mut batch = batch;
+    assert!(batch.rows() < 3, "the batch shrank: {} rows", batch.rows());
+    batch.set_batch_invariant(true);
+    let joins: Vec<_> = arrivals[..3]
+        .iter()
+        .map(|a| kiln_host::genai::Join {
+            prompt: &a.prompt,
+            sampling: &a.sampling,
+            max_new_tokens: 4,
+            ignore_eos: true,
+        })
+        .collect();
+    let firsts = batch.join_many(&mut g, &joins).unwrap();
+    assert_eq!(batch.rows(), 8);
+    for (e, (_, want)) in firsts.iter().zip(&out) {
+        assert_eq!(e.token, want[0], "slot {}", e.slot);
+    }
     let mut fixed = kiln_host::genai::ContinuousBatch::new(&mut g, 8, Some(128)).unwrap();
     fixed.set_batch_invariant(true);
     let a = &arrivals[0];

@@ -357,12 +357,17 @@ impl ContinuousBatch {
         if !self.on_gpu && self.active() == 0 {
             self.dirty = true;
         }
-        // Too few free rows (or an empty batch, whose rows start at the joins' own): the step in
-        // flight is read (its tokens go out with the next step), and the rows move.
+        // Too few free rows (whether or not the rows follow the load: a batch made invariant
+        // after it shrank grows back to every slot's row), or an empty batch whose rows follow
+        // the load (they start at the joins' own): the step in flight is read (its tokens go out
+        // with the next step), and the rows move.
         let free_rows = self.rows.iter().filter(|r| r.seq.is_none()).count();
-        if self.follow && (joins.len() > free_rows || self.active() == 0) {
+        if joins.len() > free_rows || (self.follow && self.active() == 0) {
             self.drain(g)?;
-            let want = self.rows_for(self.active() + joins.len());
+            let want = match self.follow {
+                true => self.rows_for(self.active() + joins.len()),
+                false => self.capacity,
+            };
             self.transition(g, want)?;
         }
         // The CPU's cache grows first when a prompt needs more room than it has.

@@ -468,12 +468,14 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
-/// The process's resident set in bytes (Linux `/proc/self/statm`; 0 elsewhere), as
-/// Prometheus' standard process collector reports it.
+/// The process's resident set in bytes (Linux `/proc/self/statm` pages × the page size; 0
+/// elsewhere), as Prometheus' standard process collector reports it.
 fn resident_bytes() -> u64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
     let pages = statm.split_whitespace().nth(1).and_then(|p| p.parse::<u64>().ok()).unwrap_or(0);
-    pages * 4096
+    // SAFETY: sysconf only reads a system constant.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    pages * u64::try_from(page).unwrap_or(4096)
 }
 
 fn now() -> u64 {
