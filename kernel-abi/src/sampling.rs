@@ -33,6 +33,10 @@ pub struct RowParams {
     pub repetition_penalty: f32,
 }
 
+/// Words of one row of `ai.kiln::Sample`'s `seeds` input (opset 2): the seed, the position whose
+/// draw is step 0, and the Philox stream.
+pub const SEED_WORDS: usize = 3;
+
 /// Most candidates (after top-k) the CUDA kernel of `ai.kiln::Sample` keeps on chip; a row
 /// whose `min(top_k or vocab, vocab)` is larger fails there with a device error and is sampled
 /// on the host instead.

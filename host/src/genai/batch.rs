@@ -49,6 +49,8 @@
 //! [`PREFILL_LENGTH_STEP`]), whose node dispatches the session has memoized. On the CPU a step
 //! runs when enqueued, so nothing runs ahead.
 
+use kiln_kernel_abi::sampling::SEED_WORDS;
+
 use super::device_step::{SampleStart, StepRow};
 use super::{bucket, Generator, KvCache, Sampler, SamplingParams, StopReason};
 use crate::{Error, Result};
@@ -568,7 +570,8 @@ impl ContinuousBatch {
             .map(|(&r, (mask, history))| {
                 let s = &self.rows[r];
                 let sample = self.sampling.then(|| {
-                    let seed = [seeds[r * 3], seeds[r * 3 + 1], seeds[r * 3 + 2]];
+                    let mut seed = [0; SEED_WORDS];
+                    seed.copy_from_slice(&seeds[r * SEED_WORDS..(r + 1) * SEED_WORDS]);
                     (history.as_slice(), s.device_params(self.vocab, greedy), seed)
                 });
                 StepRow { row: r, token: s.tokens.last().copied().unwrap_or(self.pad), mask, sample }

@@ -23,6 +23,8 @@
 use kiln_kernel_abi::DType;
 use kiln_registry::{NodeQuery, OpRegistry};
 
+use kiln_kernel_abi::sampling::SEED_WORDS;
+
 use super::GenaiConfig;
 use crate::ep::{DeviceTensor, Session};
 use crate::model::{AttrValue, Dim, Graph, Model, Node, Value, ValueId, ValueType};
@@ -143,7 +145,7 @@ pub fn augment(model: &mut Model, cfg: &GenaiConfig, registry: &OpRegistry) -> O
     if let Some(s) = &names.sample {
         let history = add(g, &s.history, DType::I64, vec![sym("batch_size"), sym("total_sequence_length")]);
         let sampling = add(g, &s.sampling, DType::F32, vec![sym("batch_size"), Dim::Known(4)]);
-        let seeds = add(g, &s.seeds, DType::I64, vec![sym("batch_size"), Dim::Known(3)]);
+        let seeds = add(g, &s.seeds, DType::I64, vec![sym("batch_size"), Dim::Known(SEED_WORDS)]);
         let sampled = add(g, &s.sampled_ids, DType::I64, vec![sym("batch_size"), Dim::Known(1)]);
         let next_history = add(g, &s.next_history, DType::I64, vec![sym("batch_size"), sym("total_sequence_length")]);
         g.nodes.push(Node {
@@ -222,7 +224,7 @@ pub struct StepRow<'a> {
     pub mask: &'a [i64],
     /// `[limit]`, `[4]`, `[3]`: the row's history, sampling parameters and seeds (seed, step-0
     /// position, stream), when the steps sample.
-    pub sample: Option<(&'a [i64], [f32; 4], [i64; 3])>,
+    pub sample: Option<(&'a [i64], [f32; 4], [i64; SEED_WORDS])>,
 }
 
 impl StepBuffers {
@@ -233,7 +235,7 @@ impl StepBuffers {
             shapes.extend([
                 (DType::I64, vec![batch, limit]),
                 (DType::F32, vec![batch, 4]),
-                (DType::I64, vec![batch, 3]),
+                (DType::I64, vec![batch, SEED_WORDS]),
             ]);
         }
         let made = shapes.into_iter().map(|(dtype, shape)| session.zeros(dtype, shape)).collect::<Result<Vec<_>>>()?;
@@ -260,7 +262,7 @@ impl StepBuffers {
         let (b, l) = (self.batch, self.limit);
         let sizes_ok = sample
             .as_ref()
-            .is_none_or(|s| s.history.len() == b * l && s.params.len() == b * 4 && s.seeds.len() == b * 3);
+            .is_none_or(|s| s.history.len() == b * l && s.params.len() == b * 4 && s.seeds.len() == b * SEED_WORDS);
         if tokens.len() != b || mask.len() != b * l || !sizes_ok {
             return Err(Error::Input(format!(
                 "{} tokens and {} mask entries (or sampling inputs of other sizes) for a batch of {b} and {l} positions",
@@ -279,7 +281,7 @@ impl StepBuffers {
             };
             session.write_tensor(history, &super::i64_tensor(vec![b, l], s.history)?)?;
             session.write_tensor(params, &super::f32_tensor(vec![b, 4], s.params)?)?;
-            session.write_tensor(seeds, &super::i64_tensor(vec![b, 3], s.seeds)?)?;
+            session.write_tensor(seeds, &super::i64_tensor(vec![b, SEED_WORDS], s.seeds)?)?;
         }
         self.at = position - 1;
         Ok(())
@@ -310,7 +312,7 @@ impl StepBuffers {
             )));
         }
         if let Some((p, seeds)) = position {
-            if p <= self.at + 1 || p >= l || seeds.len() != b * 3 {
+            if p <= self.at + 1 || p >= l || seeds.len() != b * SEED_WORDS {
                 return Err(Error::Input(format!(
                     "position {p} with {} seeds for step buffers at {} of {l} positions, {b} rows",
                     seeds.len(),
@@ -325,14 +327,14 @@ impl StepBuffers {
             if let (Some((history, params, seeds)), Some([h, p, s])) = (r.sample, &self.sample) {
                 session.write_elements(h, r.row * l, &super::i64_tensor(vec![l], history)?)?;
                 session.write_elements(p, r.row * 4, &super::f32_tensor(vec![4], &params)?)?;
-                session.write_elements(s, r.row * 3, &super::i64_tensor(vec![3], &seeds)?)?;
+                session.write_elements(s, r.row * SEED_WORDS, &super::i64_tensor(vec![SEED_WORDS], &seeds)?)?;
             }
         }
         self.at = match position {
             Some((p, seeds)) => {
                 session.write_elements(&self.position, 0, &super::i64_tensor(vec![1], &[p as i64])?)?;
                 if let (true, Some([_, _, s])) = (self.sampling, &self.sample) {
-                    session.write_elements(s, 0, &super::i64_tensor(vec![b, 3], seeds)?)?;
+                    session.write_elements(s, 0, &super::i64_tensor(vec![b, SEED_WORDS], seeds)?)?;
                 }
                 p - 1
             }

@@ -34,7 +34,7 @@ extern crate alloc;
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
-use kiln_kernel_abi::sampling::{next_token, RowParams, DEVICE_MAX_VOCAB};
+use kiln_kernel_abi::sampling::{next_token, RowParams, DEVICE_MAX_VOCAB, SEED_WORDS};
 use kiln_kernel_abi::{bail, export_shim, unsupported};
 
 struct Sampling;
@@ -97,7 +97,7 @@ fn plan_sample(call: &Call) -> Result<SamplePlan> {
     want(2, "history", DType::I64, &[b, l])?;
     want(3, "position", DType::I64, &[1])?;
     want(4, "sampling", DType::F32, &[b, 4])?;
-    want(5, "seeds", DType::I64, &[b, 3])?;
+    want(5, "seeds", DType::I64, &[b, SEED_WORDS])?;
     Ok(SamplePlan { b, s, v, l })
 }
 
@@ -130,8 +130,9 @@ fn sample_cpu(call: &Call) -> Result<()> {
             repetition_penalty: p[3],
         };
         let seen = (0..cols).filter(|&c| mask[r * l + c] != 0).map(|c| history[r * l + c]);
-        let step = position.wrapping_sub(seeds[r * 3 + 1]) as u64;
-        let token = next_token(row, seen, &rp, seeds[r * 3] as u64, seeds[r * 3 + 2] as u32, step) as i64;
+        let seed = &seeds[r * SEED_WORDS..(r + 1) * SEED_WORDS];
+        let step = position.wrapping_sub(seed[1]) as u64;
+        let token = next_token(row, seen, &rp, seed[0] as u64, seed[2] as u32, step) as i64;
         ids.push(token);
     }
     if let Ok(c) = usize::try_from(position) {
