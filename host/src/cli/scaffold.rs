@@ -382,7 +382,8 @@ fn compile_cuda(dir: &Path, manifest: &kiln_kernel_abi::manifest::Manifest, arch
         let archs = crate::cuda::nvrtc_archs();
         archs.into_iter().find(|&a| a >= min.unwrap_or(0)).map(|a| format!("sm_{a}"))
     };
-    let gpu = || crate::cuda::probe().ok().and_then(|d| d.into_iter().next()).map(|d| d.arch);
+    let gpu =
+        || (crate::cuda::device_count() > 0).then(|| crate::cuda::open_context(0).ok()).flatten().map(|c| c.2.arch);
     let Some(arch) = arch.or_else(gpu).or_else(lowest) else {
         return Err(Error::Input(format!(
             "NVRTC {major}.{minor} compiles for no architecture that kernel.toml's min_compute_capability allows"
