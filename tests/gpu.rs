@@ -952,7 +952,8 @@ fn linear_ops_match_their_cpu_reference() {
 }
 
 /// The resident set of this process, bytes (Linux `/proc/self/statm`).
-/// A soak's memory at one point: what kiln's device pool holds (in use and cached), the
+/// A soak's memory at one point: what kiln holds on the device (its pool's in use and cached,
+/// and the KV caches' mapped bytes), the
 /// driver's free device memory (graphs and modules included), and the process's RSS, in bytes.
 #[derive(Clone, Copy, Debug)]
 struct MemorySample {
@@ -964,7 +965,11 @@ struct MemorySample {
 fn memory_sample(g: &kiln_host::genai::Generator) -> MemorySample {
     let (alloc, _) = g.session.gpu_stats().unwrap();
     let (driver_free, _) = kiln_host::cuda::memory_info().unwrap();
-    MemorySample { kiln_holds: alloc.in_use_bytes + alloc.cached_bytes, driver_free, rss: rss_bytes() }
+    MemorySample {
+        kiln_holds: alloc.in_use_bytes + alloc.cached_bytes + alloc.vmm_mapped_bytes,
+        driver_free,
+        rss: rss_bytes(),
+    }
 }
 
 /// Flat against the sample after a soak's warm-up: kiln's pool holds at most 1 MiB more, the
@@ -1294,4 +1299,180 @@ fn batch_invariant_joins_give_each_sequence_the_tokens_it_gets_alone_on_the_gpu(
         let alone = kiln_tests::run_joined_together(&mut g, 64, 160, std::slice::from_ref(s), &[0], 64, true);
         assert_eq!(together[i], alone[0], "sequence {i}: joined with five others vs alone");
     }
+}
+
+/// A reserved tensor (VMM): its rows are mapped as asked, in whole 2 MiB chunks of the H200's
+/// granularity, at one address that never moves; growing keeps the rows written and zeroes the
+/// new ones, views past the mapped rows are refused, shrinking waits for views of the rows it
+/// unmaps and gives their chunks back, and dropping it unmaps and frees everything.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_reserved_tensor_maps_its_rows_in_place() {
+    use kiln_host::ep::GraphMode;
+    use kiln_kernel_abi::DType;
+    let mut g = gpu_generator(&kiln_tests::fixture("llm/tiny-llama-v512-fp16-cuda"), GraphMode::Off);
+    let s = &mut g.session;
+    s.reclaim();
+    let gran = kiln_host::cuda::granularity(0).unwrap();
+    let base = s.gpu_stats().unwrap().0;
+    // Rows of 1.5 granules (3 MiB on the H200), 8 of them reserved, 1 mapped.
+    let row = (3 * gran / 2 / 4) as usize;
+    let t = s.reserve(DType::F32, vec![8, row], 1).unwrap();
+    let at = s.device_address(&t).unwrap().unwrap();
+    let stats = s.gpu_stats().unwrap().0;
+    assert_eq!(stats.vmm_reserved_bytes - base.vmm_reserved_bytes, 12 * gran, "8 rows of 1.5 granules");
+    assert_eq!(stats.vmm_mapped_bytes - base.vmm_mapped_bytes, 2 * gran, "1 row rounds up to 2 granules");
+    assert_eq!(s.tensor_type(&t).unwrap().1, vec![1, row]);
+    let first: Vec<f32> = (0..row).map(|i| (i % 1000) as f32).collect();
+    s.write_elements(&t, 0, &kiln_host::genai::f32_tensor(vec![row], &first).unwrap()).unwrap();
+    let err = s.view(&t, vec![2, row]).unwrap_err().to_string();
+    assert!(err.contains("larger than its tensor"), "a view past the mapped rows: {err}");
+
+    s.map_rows(&t, 5).unwrap();
+    let grown = s.gpu_stats().unwrap().0;
+    assert_eq!(s.device_address(&t).unwrap(), Some(at), "growing keeps the address");
+    assert_eq!(grown.vmm_mapped_bytes - base.vmm_mapped_bytes, 8 * gran, "5 rows: 7.5 granules, rounded up");
+    assert_eq!(grown.vmm_maps - base.vmm_maps, 2, "one chunk per growth");
+    let whole = s.read_tensor(&t).unwrap().to_f32().unwrap();
+    assert_eq!(whole.len(), 5 * row);
+    assert_eq!(whole[..row], first[..], "the first row kept its values");
+    assert!(whole[row..].iter().all(|&x| x == 0.0), "the new rows are zeros");
+    let err = s.map_rows(&t, 9).unwrap_err().to_string();
+    assert!(err.contains("reserved for 8"), "{err}");
+
+    let v = s.view(&t, vec![5, row]).unwrap();
+    let err = s.map_rows(&t, 1).unwrap_err().to_string();
+    assert!(err.contains("still reads"), "a view of the rows being unmapped: {err}");
+    drop(v);
+    s.map_rows(&t, 1).unwrap();
+    let shrunk = s.gpu_stats().unwrap().0;
+    assert_eq!(shrunk.vmm_mapped_bytes - base.vmm_mapped_bytes, 2 * gran, "the second chunk is unmapped");
+    assert_eq!(shrunk.vmm_unmaps - base.vmm_unmaps, 1);
+    assert_eq!(s.read_tensor(&t).unwrap().to_f32().unwrap(), first, "the first row survives the shrink");
+    assert_eq!(s.device_address(&t).unwrap(), Some(at));
+
+    drop(t);
+    s.reclaim();
+    let after = s.gpu_stats().unwrap().0;
+    assert_eq!((after.vmm_reserved_bytes, after.vmm_mapped_bytes), (base.vmm_reserved_bytes, base.vmm_mapped_bytes));
+    assert_eq!(after.vmm_unmaps - base.vmm_unmaps, 2, "every chunk unmapped");
+}
+
+/// Arrivals every `every` steps: `n` prompts of 3 to 19 tokens, greedy and sampled in turn,
+/// `new` tokens each.
+fn arrivals(n: usize, every: usize, new: usize, vocab: usize) -> Vec<kiln_tests::Arrival> {
+    use kiln_host::genai::SamplingParams;
+    let sampled =
+        SamplingParams { do_sample: true, temperature: 0.8, top_k: 50, top_p: 0.9, repetition_penalty: 1.1, seed: 5 };
+    let p = prompts(n, vocab);
+    (0..n)
+        .map(|i| kiln_tests::Arrival {
+            at: i * every,
+            prompt: p[i][..3 + 4 * (i % 5)].to_vec(),
+            sampling: if i % 2 == 0 {
+                SamplingParams::default()
+            } else {
+                SamplingParams { seed: i as u64, ..sampled.clone() }
+            },
+            max_new_tokens: new,
+        })
+        .collect()
+}
+
+/// The server's KV cache grows in place: on the SmolLM2-architecture fp16 folder (768 KiB per
+/// row of each layer's key or value at 2,048 positions) with the VMM chunk set to the device's
+/// granularity, 16 sequences join a 16-slot graph batch one every 24 steps, so the rows grow
+/// 1 → 2 → 4 → 8 → 16 and each cache tensor maps 4 chunks (3 chunk boundaries crossed), over
+/// 600+ steps. Graph steps give exactly the eager steps' tokens (both at the same rows), every
+/// step after each row count's first replays its graph, with no fallback, and once the rows
+/// shrink the chunks past them are unmapped.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_continuous_batchs_kv_cache_grows_in_place_over_chunks_on_graphs() {
+    use kiln_host::ep::GraphMode;
+    use kiln_host::genai::{Generator, ModelFolder};
+    let folder = device_models().join("smollm2-arch-fp16-cuda");
+    let generator = |graphs| {
+        let options = SessionOptions { graphs, vmm_chunk_bytes: 0, ..cuda() };
+        Generator::new(runtime(), ModelFolder::open(&folder).unwrap(), options).unwrap()
+    };
+    let (mut eager, mut graph) = (generator(GraphMode::Off), generator(GraphMode::On));
+    let vocab = eager.folder.config.model.vocab_size;
+    let tensors = 2 * eager.folder.config.model.decoder.num_hidden_layers as u64;
+    let work = arrivals(16, 24, 250, vocab);
+    let (_, want) = kiln_tests::run_continuous_batch(&mut eager, 16, 2048, &work);
+    let before = (graph.session.report.graphs.clone(), graph.session.gpu_stats().unwrap().0);
+    let (batch, got) = kiln_tests::run_continuous_batch(&mut graph, 16, 2048, &work);
+    let (after, mem) = (&graph.session.report.graphs, graph.session.gpu_stats().unwrap().0);
+    let stats = batch.stats();
+    println!("{stats:?}; {mem:?}; {after:?}");
+    assert_eq!(got, want, "graph vs eager tokens");
+    assert!(stats.steps >= 512, "{stats:?}");
+    assert!(stats.transitions >= 4, "the rows grew 1 → 16: {stats:?}");
+    assert_eq!(after.fallbacks, before.0.fallbacks, "no fallback: {after:?}");
+    let replays = after.replays - before.0.replays;
+    assert!(replays + 1 + 2 * stats.transitions >= stats.steps, "a replay per step: {stats:?} {after:?}");
+    let gran = kiln_host::cuda::granularity(0).unwrap();
+    let d = &graph.folder.config.model.decoder;
+    let row = (d.num_key_value_heads * 2048 * d.head_size * 2) as u64;
+    assert_eq!(row, 768 << 10, "768 KiB per row of a layer's key or value");
+    let reserved = (16 * row).div_ceil(gran) * gran;
+    assert_eq!(mem.vmm_reserved_bytes - before.1.vmm_reserved_bytes, tensors * reserved, "16 rows per tensor");
+    assert!(mem.vmm_maps - before.1.vmm_maps >= 4 * tensors, "4 chunks per tensor at least: {mem:?}");
+    drop(batch);
+    graph.session.reclaim();
+    assert_eq!(
+        graph.session.gpu_stats().unwrap().0.vmm_mapped_bytes,
+        before.1.vmm_mapped_bytes,
+        "dropped, all unmapped"
+    );
+}
+
+/// A KV cache's growth that `--device-memory-limit` refuses: a batch on the SmolLM2-architecture
+/// fp16 folder (45 MiB of KV per row at 2,048 positions) limited to about what one sequence
+/// needs plus 200 MiB refuses 15 sequences joining beside the running one with an
+/// out-of-memory error that names the KV cache's growth; the running sequence goes on to the
+/// tokens it gets without the refused join, and the batch then takes a new sequence.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_kv_cache_growth_over_the_memory_limit_is_refused_and_the_batch_goes_on() {
+    use kiln_host::ep::GraphMode;
+    use kiln_host::genai::{ContinuousBatch, Generator, Join, ModelFolder};
+    let folder = device_models().join("smollm2-arch-fp16-cuda");
+    let generator = |limit| {
+        let options = SessionOptions { graphs: GraphMode::On, device_memory_limit: limit, ..cuda() };
+        Generator::new(runtime(), ModelFolder::open(&folder).unwrap(), options).unwrap()
+    };
+    let mut free = generator(None);
+    let vocab = free.folder.config.model.vocab_size;
+    let work = arrivals(16, 0, 40, vocab);
+    let (_, alone) = kiln_tests::run_continuous_batch(&mut free, 16, 2048, &work[..1]);
+    let peak = free.session.gpu_stats().unwrap().0.peak_bytes;
+    drop(free);
+
+    let mut g = generator(Some(peak + (200 << 20)));
+    let mut batch = ContinuousBatch::new(&mut g, 16, Some(2048)).unwrap();
+    fn join(a: &kiln_tests::Arrival) -> Join<'_> {
+        Join { prompt: &a.prompt, sampling: &a.sampling, max_new_tokens: a.max_new_tokens, ignore_eos: true }
+    }
+    let first = batch.join(&mut g, join(&work[0])).unwrap();
+    let mut tokens = vec![first.token];
+    for _ in 0..5 {
+        tokens.extend(batch.step(&mut g).unwrap().iter().map(|e| e.token));
+    }
+    let joins: Vec<Join<'_>> = work[1..].iter().map(join).collect();
+    let err = batch.join_many(&mut g, &joins).unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, kiln_host::Error::OutOfMemory(_)), "{err:?}");
+    assert!(text.contains("KV cache cannot grow") && text.contains("device memory limit"), "{text}");
+    while batch.active() > 0 || batch.in_flight() {
+        tokens.extend(batch.step(&mut g).unwrap().iter().map(|e| e.token));
+    }
+    assert_eq!(tokens, alone[0].1, "the running sequence's tokens");
+    let next = batch.join(&mut g, join(&work[2])).unwrap();
+    let mut more = vec![next.token];
+    while batch.active() > 0 || batch.in_flight() {
+        more.extend(batch.step(&mut g).unwrap().iter().map(|e| e.token));
+    }
+    assert_eq!(more.len(), 40, "a new sequence after the refusal");
 }

@@ -28,9 +28,14 @@ pub enum Error {
     /// A bad input tensor, file or argument.
     #[error("{0}")]
     Input(String),
-    /// The requested device is not available.
+    /// The requested device is not available, or it failed.
     #[error("{0}")]
     Device(String),
+    /// No room on the device for an allocation or a KV cache's growth, within
+    /// `--device-memory-limit` or the device's memory: nothing was allocated, and the session
+    /// goes on (a server fails only the requests that needed the room).
+    #[error("{0}")]
+    OutOfMemory(String),
     /// A kernel found an input out of range on the device (ABI.md §7.5): the same input the
     /// CPU reference refuses, found at the step's synchronization.
     #[error("{0}")]

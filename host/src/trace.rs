@@ -57,9 +57,15 @@ pub struct Report {
 /// reuse, and the most ever held.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct DeviceMemory {
+    /// The pool's blocks in use and cached.
     pub in_use_bytes: u64,
     pub cached_bytes: u64,
+    /// The most held at once: the pool's and the mapped bytes together.
     pub peak_bytes: u64,
+    /// Addresses reserved for KV caches (VMM; no memory behind them until mapped).
+    pub vmm_reserved_bytes: u64,
+    /// Device memory mapped into those addresses.
+    pub vmm_mapped_bytes: u64,
 }
 
 /// What the fusion pass did to the model (`fuse`).
@@ -250,9 +256,11 @@ impl Report {
         if let Some(m) = &self.device_memory {
             let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
             s += &format!(
-                "device memory: {:.1} MiB in use, {:.1} MiB cached, peak {:.1} MiB\n",
+                "device memory: {:.1} MiB in use, {:.1} MiB cached, {:.1} MiB mapped of {:.1} MiB reserved (KV), peak {:.1} MiB\n",
                 mib(m.in_use_bytes),
                 mib(m.cached_bytes),
+                mib(m.vmm_mapped_bytes),
+                mib(m.vmm_reserved_bytes),
                 mib(m.peak_bytes)
             );
         }

@@ -66,7 +66,7 @@ pub fn to_py(e: kiln_host::Error) -> PyErr {
     use kiln_host::Error;
     let kind = match &e {
         _ if e.is_unsupported() => Kind::Unsupported,
-        Error::Device(_) | Error::Shim(_) => Kind::Device,
+        Error::Device(_) | Error::OutOfMemory(_) | Error::Shim(_) => Kind::Device,
         _ => Kind::InvalidInput,
     };
     raise(kind, e.to_string())

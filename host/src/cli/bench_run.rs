@@ -14,7 +14,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 use serde::Serialize;
 
-use crate::ep::{Session, SessionOptions};
+use crate::ep::Session;
 use crate::model::{self, Dim};
 use crate::{Error, Result, Tensor};
 
@@ -147,8 +147,7 @@ pub fn run(a: BenchRunArgs) -> Result<ExitCode> {
     let human = super::output::Human::new(&[&a.json]);
     let t0 = Instant::now();
     let rt = crate::ep::Runtime::new(model_registry(&a.target.packages, &a.model)?, super::sandbox_config())?;
-    let options =
-        SessionOptions { device, fuse: !a.target.fuse.no_fuse, pdl: a.target.pdl, ..SessionOptions::default() };
+    let options = a.target.session_options(device, crate::capture::GraphMode::default());
     let loading = super::progress::Progress::spinner("loading the model");
     let mut session = Session::new(rt, m, options)?;
     drop(loading);

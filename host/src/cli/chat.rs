@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::ep::{Runtime, SessionOptions};
+use crate::ep::Runtime;
 use crate::genai::{ChatMessage, GenerateOptions, Generator, ModelFolder, StopReason, TextStream};
 use crate::{Error, Result};
 
@@ -126,8 +126,7 @@ pub fn run(a: ChatArgs) -> Result<ExitCode> {
     }
     let params = sampling(&a.sampling, &folder)?;
     let rt = Runtime::new(model_registry(&a.target.packages, &a.model_dir)?, super::sandbox_config())?;
-    let options =
-        SessionOptions { device, graphs, fuse: !a.target.fuse.no_fuse, pdl: a.target.pdl, ..SessionOptions::default() };
+    let options = a.target.session_options(device, graphs);
     let loading = super::progress::Progress::spinner("loading the model");
     let mut generator = Generator::new(rt, folder, options)?;
     drop(loading);

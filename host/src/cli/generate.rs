@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use serde_json::json;
 
-use crate::ep::{Runtime, SessionOptions};
+use crate::ep::Runtime;
 use crate::genai::{GenerateOptions, Generator, ModelFolder, SamplingParams};
 use crate::{Error, Result};
 
@@ -201,11 +201,7 @@ pub fn run(mut a: GenerateArgs) -> Result<ExitCode> {
     }
     let rt = Runtime::new(model_registry(&a.target.packages, &a.model_dir)?, super::sandbox_config())?;
     let loading = super::progress::Progress::spinner("loading the model");
-    let mut generator = Generator::new(
-        rt,
-        folder,
-        SessionOptions { device, graphs, fuse: !a.target.fuse.no_fuse, pdl: a.target.pdl, ..SessionOptions::default() },
-    )?;
+    let mut generator = Generator::new(rt, folder, a.target.session_options(device, graphs))?;
     drop(loading);
     let opts = GenerateOptions {
         max_new_tokens: a.max_new_tokens,

@@ -237,6 +237,24 @@ pub struct ModelRunArgs {
     /// where the GPU has it, `on` makes a GPU without it an error, `off` launches plainly.
     #[arg(long = "pdl", value_enum, default_value_t)]
     pub pdl: crate::capture::PdlMode,
+    /// Most device memory kiln may hold, in MiB: its pool and the KV caches' mapped memory. A
+    /// KV cache that would grow past it (a batch's rows joining) is refused with an error.
+    #[arg(long, value_name = "MIB")]
+    pub device_memory_limit: Option<u64>,
+}
+
+impl ModelRunArgs {
+    /// The session options these flags give on `device` with graph mode `graphs`.
+    pub fn session_options(&self, device: Device, graphs: crate::capture::GraphMode) -> crate::ep::SessionOptions {
+        crate::ep::SessionOptions {
+            device,
+            graphs,
+            fuse: !self.fuse.no_fuse,
+            pdl: self.pdl,
+            device_memory_limit: self.device_memory_limit.map(|m| m << 20),
+            ..crate::ep::SessionOptions::default()
+        }
+    }
 }
 
 /// `--no-fuse`: whether the packages' fusion patterns rewrite the model at load.

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use crate::ep::{DeviceTensor, Feed, Fetch, Fetched, Runtime, Session, SessionOptions};
+use crate::ep::{DeviceTensor, Feed, Fetch, Fetched, Runtime, Session};
 use crate::tensorio::{read_tensor_file, write_npy};
 use crate::{conformance, model, Error, Result, Tensor};
 
@@ -26,9 +26,6 @@ pub struct RunArgs {
     /// Where outputs are written as NAME.npy (bfloat16 outputs as float32, which NumPy lacks).
     #[arg(long, value_name = "DIR", default_value = "kiln-out")]
     pub output_dir: PathBuf,
-    /// Most device memory kiln may allocate, in MiB.
-    #[arg(long, value_name = "MIB")]
-    pub device_memory_limit: Option<u64>,
     /// Print nodes, packages, Wasm calls and time per op.
     #[arg(long)]
     pub report: bool,
@@ -83,14 +80,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         }
     }
     let rt = Runtime::new(model_registry(&a.target.packages, &a.model)?, super::sandbox_config())?;
-    let options = SessionOptions {
-        device,
-        device_memory_limit: a.device_memory_limit.map(|m| m << 20),
-        fuse: !a.target.fuse.no_fuse,
-        pdl: a.target.pdl,
-        graphs,
-        ..SessionOptions::default()
-    };
+    let options = a.target.session_options(device, graphs);
     let loading = super::progress::Progress::spinner("loading the model");
     let mut session = Session::new(rt, model, options)?;
     drop(loading);

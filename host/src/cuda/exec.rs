@@ -229,6 +229,27 @@ impl Gpu {
         Ok(buf)
     }
 
+    /// Reserves `bytes` of device addresses, nothing mapped ([`super::VirtualBuffer`]).
+    pub fn reserve(&mut self, bytes: u64) -> Result<super::VirtualBuffer> {
+        super::VirtualBuffer::reserve(&self.ctx, bytes, self.alloc.vmm_counters())
+    }
+
+    /// Maps `vb` so that its first `bytes` bytes are usable, within the device-memory limit;
+    /// the newly mapped bytes are zeroed (on the stream). Errors: the limit (nothing mapped),
+    /// the driver's.
+    pub fn map(&mut self, vb: &mut super::VirtualBuffer, bytes: u64) -> Result<()> {
+        let add = vb.growth(bytes);
+        if add == 0 {
+            return Ok(());
+        }
+        self.alloc.charge_mapping(add)?;
+        let (offset, add) = vb.map_to(bytes)?;
+        self.alloc.note_peak();
+        // SAFETY: [offset, offset + add) of vb was just mapped.
+        unsafe { cudarc::driver::result::memset_d8_async(vb.ptr() + offset, 0, add as usize, self.stream.cu_stream()) }
+            .map_err(dev_err("cuMemsetD8Async"))
+    }
+
     /// Copies host bytes into `dst`, which holds at least `data.len()` bytes (through the copy
     /// stream; `data` may go away on return).
     pub fn upload_into(&mut self, dst: CUdeviceptr, data: &[u8]) -> Result<()> {

@@ -3,7 +3,8 @@
 //! NVRTC compilation of package sources with an on-disk cache, transfers through pinned
 //! staging buffers, and execution of launch plans (kernel launches and cuBLASLt GEMMs with
 //! cached plans), CUDA graphs (`graph`: capture, instantiate, update, replay), and the nodes'
-//! device status records (`status`, ABI.md §7.5).
+//! device status records (`status`, ABI.md §7.5), and reserved address ranges that grow in
+//! place (`vmm`: the KV caches).
 //!
 //! cudarc's automatic event tracking is disabled right after the context is created (it
 //! breaks stream capture); kiln orders its streams with its own events. Kernels run on the
@@ -18,6 +19,7 @@ mod nvrtc;
 mod status;
 mod timeline;
 mod transfer;
+mod vmm;
 
 use std::sync::Arc;
 
@@ -33,6 +35,7 @@ pub use nvrtc::{compile_cached, compile_package, nvrtc_archs, nvrtc_version, Com
 pub use status::{Fault, StatusRecords};
 pub use timeline::Timeline;
 pub use transfer::{PendingDownload, Transfers, READBACK_BYTES};
+pub use vmm::{granularity, VirtualBuffer, VmmCounters};
 
 use crate::{Error, Result};
 

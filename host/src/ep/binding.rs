@@ -109,18 +109,27 @@ impl Fetched {
     }
 }
 
-/// A held tensor: its value (owning its device buffer on a GPU, unless it is a view) and the
-/// buffer's capacity.
+/// A held tensor: its value (owning its device buffer on a GPU, unless it is a view or
+/// reserved) and the buffer's capacity.
 #[derive(Debug)]
 pub(super) struct Held {
     pub value: Value,
     pub capacity: u64,
+    /// The reserved addresses of a [`Session::reserve`]d tensor, mapped for its value's rows.
+    pub reserved: Option<Reserved>,
     /// A view's parent (the held tensor whose buffer it reads and writes).
     pub parent: Option<u64>,
     /// Views of this tensor not reclaimed yet: its buffer outlives its handle until they go.
     pub views: usize,
     /// Its handle was dropped while views of it remained.
     pub orphaned: bool,
+}
+
+/// A reserved tensor's addresses: room for `rows` rows, mapped for the value's first dimension.
+#[derive(Debug)]
+pub(super) struct Reserved {
+    pub buffer: crate::cuda::VirtualBuffer,
+    pub rows: usize,
 }
 
 impl Held {
@@ -160,7 +169,7 @@ impl Session {
         }
         let id = self.next_held;
         self.next_held += 1;
-        self.held.insert(id, Held { value, capacity, parent: None, views: 0, orphaned: false });
+        self.held.insert(id, Held { value, capacity, reserved: None, parent: None, views: 0, orphaned: false });
         DeviceTensor { session: self.number, id, dropped: self.dropped.clone() }
     }
 
@@ -193,6 +202,82 @@ impl Session {
             h.parent = Some(root);
         }
         Ok(v)
+    }
+
+    /// A new held tensor of `dtype` whose addresses are reserved for `shape` (`[rows, ...]`)
+    /// and whose first `mapped` rows are mapped, zeros: the tensor has shape `[mapped, ...]`.
+    /// [`Session::map_rows`] maps more rows or fewer, at the same address; views of its first
+    /// rows ([`Session::view`]) are how work reads it. A KV cache whose rows follow a batch's
+    /// load lives so: its address never moves, so each row count's captured graph stays valid,
+    /// and only the rows in use hold memory. Errors: a CPU session, `mapped` over the rows,
+    /// size overflow, the per-tensor limit, the device-memory limit (nothing is held then).
+    pub fn reserve(&mut self, dtype: DType, shape: Vec<usize>, mapped: usize) -> Result<DeviceTensor> {
+        self.reclaim();
+        let nbytes = byte_size(dtype, &shape)?;
+        if nbytes > self.max_tensor_bytes {
+            return Err(Error::Input(format!(
+                "a {dtype} tensor of shape {shape:?} ({nbytes} bytes) is over the limit of {} bytes per tensor",
+                self.max_tensor_bytes
+            )));
+        }
+        let rows = shape.first().copied().unwrap_or(1);
+        if mapped > rows {
+            return Err(Error::Input(format!("{mapped} rows mapped of a tensor of shape {shape:?}")));
+        }
+        let gpu = self.gpu.as_mut().ok_or_else(|| Error::Unsupported("reserved tensors need a GPU session".into()))?;
+        let buffer = gpu.reserve(nbytes)?;
+        let value = Value::Device { dtype, shape, ptr: buffer.ptr(), nbytes: 0, owned: None, host: None };
+        let t = self.hold(value, 0);
+        if let Some(h) = self.held.get_mut(&t.id) {
+            h.reserved = Some(Reserved { buffer, rows });
+        }
+        self.map_rows(&t, mapped)?;
+        Ok(t)
+    }
+
+    /// Maps the first `rows` rows of reserved tensor `t` (growing: the new rows are zeros;
+    /// shrinking: the chunks past them are unmapped behind a fence, the device's work so far
+    /// finished first), which then has shape `[rows, ...]` at its same address. Growth maps
+    /// whole chunks of the device's granularity, so a little more may be mapped than asked.
+    /// Errors: not a reserved tensor, more rows than reserved, a view still reading rows past
+    /// `rows`, the device-memory limit or the driver's (the tensor stays as it was).
+    pub fn map_rows(&mut self, t: &DeviceTensor, rows: usize) -> Result<()> {
+        self.reclaim();
+        let h = self.held(t)?;
+        let Some(r) = &h.reserved else {
+            return Err(Error::Input("map_rows of a tensor that Session::reserve did not make".into()));
+        };
+        if rows > r.rows {
+            return Err(Error::Input(format!("{rows} rows of a tensor reserved for {}", r.rows)));
+        }
+        let dtype = h.value.dtype();
+        let mut shape = h.value.shape().to_vec();
+        if let Some(first) = shape.first_mut() {
+            *first = rows;
+        }
+        let nbytes = byte_size(dtype, &shape)?;
+        if let Some(v) = self.held.values().find(|v| v.parent == Some(t.id) && v.capacity > nbytes) {
+            return Err(Error::Input(format!(
+                "a view of {} bytes still reads a reserved tensor being unmapped to {nbytes} bytes",
+                v.capacity
+            )));
+        }
+        let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
+        let Some(Held { reserved: Some(r), value, capacity, .. }) = self.held.get_mut(&t.id) else {
+            return Err(Error::Device("a reserved tensor lost its addresses".into()));
+        };
+        match nbytes > r.buffer.mapped() {
+            true => gpu.map(&mut r.buffer, nbytes)?,
+            false => {
+                r.buffer.unmap_past(nbytes)?;
+            }
+        }
+        if let Value::Device { shape: s, nbytes: n, .. } = value {
+            *s = shape;
+            *n = nbytes;
+        }
+        *capacity = nbytes;
+        Ok(())
     }
 
     /// Gives the buffers of dropped [`DeviceTensor`]s back to the pool now (runs and
@@ -247,6 +332,12 @@ impl Session {
             }
         };
         Ok(self.hold(value, nbytes))
+    }
+
+    /// The device address of a held tensor (`None` on the CPU): a view's is its parent's, and a
+    /// reserved tensor's never moves while it grows. Errors: a freed or foreign handle.
+    pub fn device_address(&self, t: &DeviceTensor) -> Result<Option<u64>> {
+        Ok(self.held(t)?.device_ptr())
     }
 
     /// Dtype and current shape of a held tensor.

@@ -19,7 +19,7 @@ use crate::Result;
 
 pub use crate::capture::GraphMode;
 pub use binding::{DeviceTensor, Feed, Fetch, Fetched, PendingRead};
-pub use session::{Session, SessionOptions};
+pub use session::{Session, SessionOptions, VMM_CHUNK_BYTES};
 
 /// The device a session runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

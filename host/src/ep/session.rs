@@ -45,7 +45,15 @@ pub struct SessionOptions {
     pub fuse: bool,
     /// Programmatic dependent launch of the kernels packages declare PDL-safe (`--pdl`).
     pub pdl: crate::capture::PdlMode,
+    /// On a GPU, the least bytes one growth of a reserved KV cache maps, all its tensors
+    /// together (a decode batch's rows then grow by at least this much at once, since mapping
+    /// costs driver calls per tensor); each tensor maps whole multiples of the device's
+    /// granularity. 0: only the granularity. Default [`VMM_CHUNK_BYTES`].
+    pub vmm_chunk_bytes: u64,
 }
+
+/// The default [`SessionOptions::vmm_chunk_bytes`]: 32 MiB.
+pub const VMM_CHUNK_BYTES: u64 = 32 << 20;
 
 impl Default for SessionOptions {
     fn default() -> Self {
@@ -58,6 +66,7 @@ impl Default for SessionOptions {
             graphs: GraphMode::Auto,
             fuse: true,
             pdl: crate::capture::PdlMode::Auto,
+            vmm_chunk_bytes: VMM_CHUNK_BYTES,
         }
     }
 }
@@ -445,6 +454,11 @@ impl Session {
     /// The device of this session.
     pub fn device(&self) -> Device {
         self.options.device
+    }
+
+    /// The options the session was made with.
+    pub fn options(&self) -> &SessionOptions {
+        &self.options
     }
 
     /// Whether eligible runs are captured into CUDA graphs (a GPU, graphs not off).
@@ -1521,7 +1535,13 @@ impl Session {
 /// The report's view of an allocator.
 fn memory_of(a: &crate::cuda::Allocator) -> crate::trace::DeviceMemory {
     let s = a.stats();
-    crate::trace::DeviceMemory { in_use_bytes: s.in_use_bytes, cached_bytes: s.cached_bytes, peak_bytes: s.peak_bytes }
+    crate::trace::DeviceMemory {
+        in_use_bytes: s.in_use_bytes,
+        cached_bytes: s.cached_bytes,
+        peak_bytes: s.peak_bytes,
+        vmm_reserved_bytes: s.vmm_reserved_bytes,
+        vmm_mapped_bytes: s.vmm_mapped_bytes,
+    }
 }
 
 /// What a GPU offers packages (their `[device]` requirements).

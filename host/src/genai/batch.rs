@@ -238,15 +238,19 @@ impl ContinuousBatch {
         // requests only, through ArgMax).
         let vocab = cfg.model.vocab_size;
         let sampling = g.has_device_sample() && !(on_gpu && vocab > kiln_kernel_abi::sampling::DEVICE_MAX_VOCAB);
-        let rows = if on_gpu { bucket(rows) } else { rows.max(1) };
+        let capacity = if on_gpu { bucket(rows) } else { rows.max(1) };
         let limit = if on_gpu { max_length } else { max_length.min(CPU_MIN_LIMIT) };
         let d = &cfg.model.decoder;
         let row = d.num_key_value_heads * limit * d.head_size;
-        let kv = g.empty_kv(rows, limit).map_err(|e| {
-            let bytes = 2 * d.num_hidden_layers * rows * row * g.folder.kv_dtype.size().unwrap_or(2);
+        // On a GPU the rows start at one (a join moves them to its own) and only the rows in
+        // use are mapped; on the CPU they start at every slot's.
+        let rows = if on_gpu { 1 } else { capacity };
+        let kv = g.empty_kv(capacity, limit, rows).map_err(|e| {
+            let bytes = 2 * d.num_hidden_layers * capacity * row * g.folder.kv_dtype.size().unwrap_or(2);
             Error::Input(format!(
-                "a KV cache of {rows} rows × {limit} positions ({:.2} GiB) could not be allocated: {e}",
-                bytes as f64 / (1u64 << 30) as f64
+                "a KV cache of {capacity} rows × {limit} positions ({:.2} GiB) could not be {}: {e}",
+                bytes as f64 / (1u64 << 30) as f64,
+                if on_gpu { "reserved" } else { "allocated" }
             ))
         })?;
         let pad = cfg.model.pad_token_id.unwrap_or(0);
@@ -258,7 +262,7 @@ impl ContinuousBatch {
             kv,
             full,
             rows: (0..rows).map(|_| Row::free(pad)).collect(),
-            capacity: rows,
+            capacity,
             follow: true,
             drained: Vec::new(),
             low_steps: 0,
@@ -499,10 +503,12 @@ impl ContinuousBatch {
     }
 
     /// Moves the running sequences to a cache of `n` rows (at least as many as they are), in
-    /// row order: on a GPU the first `n` rows of the full cache (the running rows' KV compacted
-    /// to the front within it; growing moves nothing), on the CPU a new cache. The step buffers
-    /// are rewritten before the next step. Needs no step in flight. Errors: a step in flight,
-    /// the copies' or (CPU) the allocation's; the rows stay as they were then.
+    /// row order: on a GPU the first `n` rows of the full cache (growing maps its rows and moves
+    /// nothing; shrinking compacts the running rows' KV to the front within it, then unmaps the
+    /// rest), on the CPU a new cache. The step buffers are rewritten before the next step.
+    /// Needs no step in flight. Errors: a step in flight, the growth's (the device-memory
+    /// limit), the copies' or (CPU) the allocation's: the rows stay as they were then; a failed
+    /// unmap after a shrink (a device fault) leaves the rows moved.
     fn transition(&mut self, g: &mut Generator, n: usize) -> Result<()> {
         if self.ahead.is_some() {
             return Err(Error::Device("the batch's rows cannot move while a step is in flight".into()));
@@ -512,12 +518,17 @@ impl ContinuousBatch {
         if n == self.rows.len() {
             return Ok(());
         }
-        let kv = match &self.full {
-            Some(full) => g.kv_rows(full, n)?,
-            None => g.empty_kv(n, self.kv.limit)?,
-        };
         // Growing keeps every row where it is; shrinking compacts the running rows to the front.
         let grow = n > self.rows.len();
+        let kv = match &self.full {
+            Some(full) => {
+                if grow {
+                    g.map_kv_rows(full, n)?;
+                }
+                g.kv_rows(full, n)?
+            }
+            None => g.empty_kv(n, self.kv.limit, n)?,
+        };
         let to = |i: usize, r: usize| if grow { r } else { i };
         let moves: Vec<(usize, usize, usize)> =
             running.iter().enumerate().map(|(i, &r)| (r, to(i, r), self.rows[r].len)).collect();
@@ -535,7 +546,11 @@ impl ContinuousBatch {
         self.dirty = true;
         self.low_steps = 0;
         self.stats.transitions += 1;
-        Ok(())
+        // Shrunk: the rows past the running ones are unmapped, once the copies are done.
+        match (&self.full, grow) {
+            (Some(full), false) => g.map_kv_rows(full, n).map(|_| ()),
+            _ => Ok(()),
+        }
     }
 
     /// Writes the rows of just-joined `rows` into the running step buffers, stream-ordered
@@ -767,7 +782,7 @@ impl ContinuousBatch {
         if self.on_gpu || want == limit || (needed < limit && 2 * want > limit) {
             return Ok(false);
         }
-        let kv = g.empty_kv(self.rows.len(), want)?;
+        let kv = g.empty_kv(self.rows.len(), want, self.rows.len())?;
         let moves: Vec<(usize, usize, usize)> = self.rows.iter().enumerate().map(|(b, r)| (b, b, r.len)).collect();
         copy_rows(g, &self.kv, &kv, &moves)?;
         // The old cache goes back to the pool (not kept as the generator's spare).

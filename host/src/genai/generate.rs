@@ -224,20 +224,67 @@ impl Generator {
     }
 
     /// A new shared KV cache of `batch` rows and `limit` positions, zeros, with nothing in it
-    /// (a continuous batch fills its rows one sequence at a time). Errors: device memory.
-    pub(super) fn empty_kv(&mut self, batch: usize, limit: usize) -> Result<KvCache> {
+    /// (a continuous batch fills its rows one sequence at a time): on the CPU host tensors; on
+    /// a GPU addresses reserved for `batch` rows with the first `mapped` mapped (the whole
+    /// cache's addresses never move: [`Generator::map_kv_rows`] grows or shrinks what is
+    /// mapped, and [`Generator::kv_rows`] views the first rows). Errors: device memory.
+    pub(super) fn empty_kv(&mut self, batch: usize, limit: usize, mapped: usize) -> Result<KvCache> {
         let d = &self.folder.config.model.decoder;
         let shape = vec![batch, d.num_key_value_heads, limit, d.head_size];
+        let dtype = self.folder.kv_dtype;
+        let on_gpu = self.on_gpu();
         let past = (0..self.names.past.len())
-            .map(|_| self.session.zeros(self.folder.kv_dtype, shape.clone()))
+            .map(|_| match on_gpu {
+                true => self.session.reserve(dtype, shape.clone(), mapped),
+                false => self.session.zeros(dtype, shape.clone()),
+            })
             .collect::<Result<Vec<_>>>()?;
         Ok(KvCache { past, batch, shared: true, limit, total: 0, mask: vec![0; batch * limit] })
+    }
+
+    /// Maps the first `rows` rows of every tensor of `full` (a GPU's cache of
+    /// [`Generator::empty_kv`]), at the same addresses: growing maps at least the session's
+    /// [`crate::ep::SessionOptions::vmm_chunk_bytes`] in all (more rows, up to `full`'s, when
+    /// one row is smaller), zeros; shrinking unmaps the rest behind a fence (the device's work
+    /// so far finishes first). Returns the rows mapped now. Errors: views still reading rows
+    /// past `rows`, the device-memory limit or the driver's: then every tensor keeps the rows
+    /// it had.
+    pub(super) fn map_kv_rows(&mut self, full: &KvCache, rows: usize) -> Result<usize> {
+        let Some(first) = full.past.first() else { return Ok(rows) };
+        let now = self.session.tensor_type(first)?.1.first().copied().unwrap_or(0);
+        let d = &self.folder.config.model.decoder;
+        let row_bytes = (full.past.len() * d.num_key_value_heads * full.limit * d.head_size) as u64
+            * self.folder.kv_dtype.size().unwrap_or(2) as u64;
+        let rows = match rows > now {
+            true => rows.max(now + self.session.options().vmm_chunk_bytes.div_ceil(row_bytes.max(1)) as usize),
+            false => rows,
+        }
+        .min(full.batch);
+        for (i, t) in full.past.iter().enumerate() {
+            if let Err(e) = self.session.map_rows(t, rows) {
+                // Back to the rows every tensor had (unmapping what this call mapped).
+                for t in &full.past[..i] {
+                    let _ = self.session.map_rows(t, now);
+                }
+                let bytes = |r: usize| r as f64 * row_bytes as f64 / (1u64 << 20) as f64;
+                let why = format!(
+                    "the KV cache cannot grow from {now} to {rows} rows ({:.1} MiB to {:.1} MiB mapped): {e}",
+                    bytes(now),
+                    bytes(rows)
+                );
+                return Err(match e {
+                    Error::OutOfMemory(_) => Error::OutOfMemory(why),
+                    _ => Error::Device(why),
+                });
+            }
+        }
+        Ok(rows)
     }
 
     /// The cache of the first `rows` rows of `full` (a GPU's shared cache): views of its
     /// buffers (`Session::view`), so it has `full`'s addresses, and writes through either are
     /// seen by the other. Its mask is empty and its length 0. Errors: a CPU session, more rows
-    /// than `full` has.
+    /// than `full` has mapped.
     pub(super) fn kv_rows(&mut self, full: &KvCache, rows: usize) -> Result<KvCache> {
         let d = &self.folder.config.model.decoder;
         let shape = vec![rows, d.num_key_value_heads, full.limit, d.head_size];
@@ -302,8 +349,13 @@ impl Generator {
             // Another shape: dropped, back to the pool before the new one is allocated.
             Some(_) | None => {}
         }
+        // On a GPU a shared cache lives in reserved addresses (VMM), all its rows mapped.
+        let on_gpu = self.on_gpu();
         while past.len() < self.names.past.len() {
-            past.push(self.session.zeros(self.folder.kv_dtype, shape.clone())?);
+            past.push(match on_gpu && shared {
+                true => self.session.reserve(self.folder.kv_dtype, shape.clone(), batch)?,
+                false => self.session.zeros(self.folder.kv_dtype, shape.clone())?,
+            });
         }
         let mut kv = KvCache { past, batch, shared, limit, total: s, mask };
         let rows: Vec<usize> = lens.iter().enumerate().map(|(b, &l)| b * s + l - 1).collect();

@@ -456,8 +456,14 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
         (
             "kiln_device_memory_bytes",
             "gauge",
-            "Bytes kiln's device pool holds, in use and cached (0 on the CPU).",
+            "Bytes kiln holds on the device: its pool's, in use and cached, and the KV caches' mapped (0 on the CPU).",
             load(&st.device_memory),
+        ),
+        (
+            "kiln_kv_cache_mapped_bytes",
+            "gauge",
+            "Bytes mapped into the KV caches' reserved addresses (they follow the batch's rows; 0 on the CPU).",
+            load(&st.kv_mapped),
         ),
         ("process_resident_memory_bytes", "gauge", "Resident memory size in bytes.", resident_bytes()),
     ];

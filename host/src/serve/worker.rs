@@ -71,16 +71,19 @@ pub struct Stats {
     /// Rows of the batch after its last join or step (they follow the load: on a GPU, the
     /// graph bucket); 1 when requests are served one at a time.
     pub batch_rows: AtomicU64,
-    /// Bytes kiln's device pool holds (in use and cached), after the last join or step; 0 on
-    /// the CPU.
+    /// Bytes kiln holds on the device (its pool's in use and cached, and the KV caches'
+    /// mapped bytes), after the last join or step; 0 on the CPU.
     pub device_memory: AtomicU64,
+    /// Of those, the bytes mapped into the KV caches' reserved addresses.
+    pub kv_mapped: AtomicU64,
 }
 
 impl Stats {
     /// Records the device memory the generator's session holds now.
     fn note_device_memory(&self, g: &Generator) {
         if let Some((a, _)) = g.session.gpu_stats() {
-            self.device_memory.store(a.in_use_bytes + a.cached_bytes, Ordering::Relaxed);
+            self.device_memory.store(a.in_use_bytes + a.cached_bytes + a.vmm_mapped_bytes, Ordering::Relaxed);
+            self.kv_mapped.store(a.vmm_mapped_bytes, Ordering::Relaxed);
         }
     }
 }
