@@ -349,13 +349,9 @@ impl Generator {
             // Another shape: dropped, back to the pool before the new one is allocated.
             Some(_) | None => {}
         }
-        // On a GPU a shared cache lives in reserved addresses (VMM), all its rows mapped.
-        let on_gpu = self.on_gpu();
+        // A prefill's cache never grows (its rows are the batch's): the pool's, not reserved.
         while past.len() < self.names.past.len() {
-            past.push(match on_gpu && shared {
-                true => self.session.reserve(self.folder.kv_dtype, shape.clone(), batch)?,
-                false => self.session.zeros(self.folder.kv_dtype, shape.clone())?,
-            });
+            past.push(self.session.zeros(self.folder.kv_dtype, shape.clone())?);
         }
         let mut kv = KvCache { past, batch, shared, limit, total: s, mask };
         let rows: Vec<usize> = lens.iter().enumerate().map(|(b, &l)| b * s + l - 1).collect();
