@@ -4,8 +4,9 @@
 //!    into `<target>/kiln-kernels` (a target directory of its own, so this nested cargo never
 //!    waits on the outer one's lock).
 //! 2. Each package `kernels/<dir>/` is assembled into `$OUT_DIR/packages/<dir>/`: its
-//!    `kernel.toml` with a `[files]` table of sha256 hashes appended, `cuda/*`, and the
-//!    shim crate `kernels/<dir>/shim` (named `kiln-<dir>-shim`) as `shim.wasm`.
+//!    `kernel.toml` with a `[files]` table of sha256 hashes appended, `cuda/*`, `include/*`
+//!    (exported headers), and the shim crate `kernels/<dir>/shim` (named `kiln-<dir>-shim`) as
+//!    `shim.wasm` (a header-only package, one without `shim/`, has none).
 //! 3. `$OUT_DIR/builtin.rs` lists every file with `include_bytes!`.
 
 use std::path::{Path, PathBuf};
@@ -77,22 +78,28 @@ fn main() {
 /// Copies one package into `dest` and writes its manifest with `[files]`; returns the
 /// package-relative paths of every file, `kernel.toml` first.
 fn assemble(src: &Path, dest: &Path, wasm: &Path) -> Vec<String> {
-    fs::create_dir_all(dest.join("cuda")).unwrap();
+    fs::create_dir_all(dest).unwrap();
     let manifest = fs::read_to_string(src.join("kernel.toml")).unwrap();
     assert!(!manifest.contains("[files]"), "{}: [files] is written by the build; remove it", src.display());
     let mut files = vec![];
-    if src.join("cuda").is_dir() {
-        let mut cu: Vec<_> = fs::read_dir(src.join("cuda")).unwrap().filter_map(|e| e.ok()).map(|e| e.path()).collect();
-        cu.sort();
-        for f in cu {
-            let rel = format!("cuda/{}", f.file_name().unwrap().to_string_lossy());
+    for sub in ["cuda", "include"] {
+        if !src.join(sub).is_dir() {
+            continue;
+        }
+        fs::create_dir_all(dest.join(sub)).unwrap();
+        let mut found: Vec<_> = fs::read_dir(src.join(sub)).unwrap().filter_map(|e| e.ok()).map(|e| e.path()).collect();
+        found.sort();
+        for f in found {
+            let rel = format!("{sub}/{}", f.file_name().unwrap().to_string_lossy());
             fs::copy(&f, dest.join(&rel)).unwrap();
             files.push(rel);
         }
     }
-    let bytes = fs::read(wasm).unwrap_or_else(|e| panic!("shim {} was not built: {e}", wasm.display()));
-    fs::write(dest.join("shim.wasm"), bytes).unwrap();
-    files.push("shim.wasm".into());
+    if src.join("shim").is_dir() {
+        let bytes = fs::read(wasm).unwrap_or_else(|e| panic!("shim {} was not built: {e}", wasm.display()));
+        fs::write(dest.join("shim.wasm"), bytes).unwrap();
+        files.push("shim.wasm".into());
+    }
     let mut text = manifest;
     text.push_str("\n# Written by the build (builtin-kernels/build.rs).\n[files]\n");
     for rel in &files {

@@ -1045,40 +1045,61 @@ fn a_soak_of_10k_decode_tokens_keeps_device_memory_and_rss_flat() {
 }
 
 /// `kiln package build`'s NVRTC check (`kiln_host::cuda::compile_package`, NVRTC only, no GPU
-/// needed): every built-in package's sources compile for sm_90 and define every kernel their
-/// manifest lists; a listed kernel the source lacks is named with its file; a compile error
-/// names the source's own file and line (the prelude between `#line` directives).
+/// needed): every built-in package's sources compile for sm_90 with the headers of their
+/// `[dependencies]` (kiln-cuda-std, resolved as a run resolves them) and define every kernel
+/// their manifest lists; a listed kernel the source lacks is named with its file; a compile
+/// error names the source's own file and line, or the in-memory header's; a header no
+/// dependency provides is named.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn package_sources_compile_and_define_their_kernels() {
     use kiln_kernel_abi::manifest::Manifest;
+    use std::collections::BTreeMap;
     let root = kiln_tests::root();
+    let (reg, errors) = kiln_host::packages::registry(&[], &[]);
+    assert!(errors.is_empty(), "{errors:?}");
     let read =
         |dir: &std::path::Path| Manifest::parse(&std::fs::read_to_string(dir.join("kernel.toml")).unwrap()).unwrap();
-    let mut sources = 0;
+    let (mut sources, mut with_deps) = (0, 0);
     for entry in std::fs::read_dir(root.join("kernels")).unwrap() {
         let dir = entry.unwrap().path();
-        if dir.join("kernel.toml").is_file() {
-            sources += kiln_host::cuda::compile_package(&dir, &read(&dir), "sm_90")
-                .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        if !dir.join("kernel.toml").is_file() {
+            continue;
         }
+        let m = read(&dir);
+        let own: BTreeMap<String, String> =
+            m.headers.iter().map(|h| (m.include_name(h), std::fs::read_to_string(dir.join(h)).unwrap())).collect();
+        let id = format!("{}@{}", m.package.name, m.package.version);
+        let headers = reg.includes_for(&id, &own, &m.dependencies).unwrap();
+        with_deps += usize::from(!m.dependencies.is_empty());
+        sources += kiln_host::cuda::compile_package(&dir, &m, &headers, "sm_90")
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
     }
-    assert!(sources >= 9, "{sources} sources");
+    assert!(sources >= 9 && with_deps >= 4, "{sources} sources, {with_deps} packages with dependencies");
     let tmp = tempfile::tempdir().unwrap();
     let pkg = tmp.path().join("bias-gelu");
     std::fs::create_dir_all(pkg.join("cuda")).unwrap();
     let example = root.join("examples/third-party/bias-gelu");
     let cu = std::fs::read_to_string(example.join("cuda/bias_gelu.cu")).unwrap();
     let mut manifest = read(&example);
+    let none = BTreeMap::new();
     manifest.cuda[0].kernels.push("bias_gelu_missing".into());
     std::fs::write(pkg.join("cuda/bias_gelu.cu"), &cu).unwrap();
-    let err = kiln_host::cuda::compile_package(&pkg, &manifest, "sm_90").unwrap_err().to_string();
+    let err = kiln_host::cuda::compile_package(&pkg, &manifest, &none, "sm_90").unwrap_err().to_string();
     assert!(err.contains("bias_gelu_missing") && err.contains("cuda/bias_gelu.cu"), "{err}");
     manifest.cuda[0].kernels.pop();
     let line = cu.lines().count() + 1;
     std::fs::write(pkg.join("cuda/bias_gelu.cu"), format!("{cu}\nint broken = ;\n")).unwrap();
-    let err = kiln_host::cuda::compile_package(&pkg, &manifest, "sm_90").unwrap_err().to_string();
+    let err = kiln_host::cuda::compile_package(&pkg, &manifest, &none, "sm_90").unwrap_err().to_string();
     assert!(err.contains(&format!("cuda/bias_gelu.cu({})", line + 1)), "the source's own line: {err}");
+    // A dependency's header: its own name and line in NVRTC's message; an unknown one named.
+    let bad = BTreeMap::from([("dep/bad.cuh".to_string(), "#pragma once\nint also_broken = ;\n".to_string())]);
+    std::fs::write(pkg.join("cuda/bias_gelu.cu"), format!("#include \"dep/bad.cuh\"\n{cu}")).unwrap();
+    let err = kiln_host::cuda::compile_package(&pkg, &manifest, &bad, "sm_90").unwrap_err().to_string();
+    assert!(err.contains("dep/bad.cuh(2)"), "the header's own line: {err}");
+    std::fs::write(pkg.join("cuda/bias_gelu.cu"), format!("#include \"kiln-cuda-std/nothing.cuh\"\n{cu}")).unwrap();
+    let err = kiln_host::cuda::compile_package(&pkg, &manifest, &none, "sm_90").unwrap_err().to_string();
+    assert!(err.contains("kiln-cuda-std/nothing.cuh"), "{err}");
 }
 
 /// `Session::view`: a view of a held device tensor is its first elements at its address (a KV

@@ -115,17 +115,19 @@ fn kernels_list_shows_every_builtin_package() {
     let t = text(&o);
     assert!(o.status.success(), "{t}");
     for p in [
-        "kiln-unary 1.0.0",
-        "kiln-binary 1.0.0",
-        "kiln-cast 1.0.0",
+        "kiln-unary 1.0.1",
+        "kiln-binary 1.0.1",
+        "kiln-cast 1.0.1",
         "kiln-matmul 1.2.0",
         "kiln-reduce 1.0.0",
         "kiln-normalization 1.0.0",
         "kiln-tensor 1.1.0",
+        "kiln-cuda-std 1.0.0",
     ] {
         assert!(t.contains(p), "{p} missing from:\n{t}");
     }
     assert!(t.contains("LayerNormalization") && t.contains("bfloat16"));
+    assert!(t.contains("headers: kiln-cuda-std/vec.cuh") && t.contains("depends on: kiln-cuda-std ^1.0"), "{t}");
 }
 
 #[test]
@@ -313,6 +315,80 @@ fn verify_fails_a_package_that_answers_unsupported_for_what_it_claims() {
     assert!(t.contains("kernel.toml claims Relu at opset 14 for float32, but the package answered"), "{t}");
     // The node test and its random cases (float32 twice: the test's shapes and doubled dims).
     assert!(t.contains("verify claims-relu: 0 passed, 3 failed, 0 unsupported"), "{t}");
+}
+
+/// Shared device code through a registry (manifest schema 4): a header-only package builds with
+/// no shim and publishes; a package that declares it in `[dependencies]` publishes with them on
+/// its index line, `kiln lock` pins both, a run finds the dependency in the registry, and
+/// without it the node names the missing dependency.
+#[test]
+fn a_header_package_is_a_dependency_that_runs_resolve() {
+    let t = tempfile::tempdir().unwrap();
+    let at = t.path().to_str().unwrap();
+    let std_dir = t.path().join("my-std");
+    std::fs::create_dir_all(std_dir.join("include")).unwrap();
+    std::fs::write(
+        std_dir.join("kernel.toml"),
+        "schema = 4\nabi = 1\nheaders = [\"include/twice.cuh\"]\n[package]\nname = \"my-std\"\nversion = \"1.2.0\"\n",
+    )
+    .unwrap();
+    std::fs::write(
+        std_dir.join("include/twice.cuh"),
+        "#pragma once\n__device__ __forceinline__ float my_twice(float x) { return 2.f * x; }\n",
+    )
+    .unwrap();
+    let std_kpkg = t.path().join("my-std.kpkg");
+    let o = kiln(&["package", "build", std_dir.to_str().unwrap(), "-o", std_kpkg.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    let manifest = std::fs::read_to_string(std_dir.join("kernel.toml")).unwrap();
+    assert!(manifest.contains("\"include/twice.cuh\" = ") && !manifest.contains("shim"), "{manifest}");
+    let reg = t.path().join("reg");
+    let r = reg.to_str().unwrap();
+    let o = kiln(&["publish", std_kpkg.to_str().unwrap(), "--registry", r]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = kiln(&["kernels", "list", "--registry", r, "--allow-unsigned"]);
+    assert!(text(&o).contains("my-std 1.2.0") && text(&o).contains("headers: my-std/twice.cuh"), "{}", text(&o));
+
+    let o = kiln(&["package", "new", "my-twice", "--dir", at]);
+    assert!(o.status.success(), "{}", text(&o));
+    let dir = t.path().join("my-twice");
+    let toml = std::fs::read_to_string(dir.join("kernel.toml")).unwrap();
+    let toml = toml.replacen("schema = 2", "schema = 4", 1) + "\n[dependencies]\nmy-std = \"^1.0\"\n";
+    std::fs::write(dir.join("kernel.toml"), toml).unwrap();
+    let cu = std::fs::read_to_string(dir.join("cuda/kernel.cu")).unwrap();
+    std::fs::write(
+        dir.join("cuda/kernel.cu"),
+        cu.replacen("#include \"kiln.cuh\"", "#include \"kiln.cuh\"\n#include \"my-std/twice.cuh\"", 1),
+    )
+    .unwrap();
+    let kpkg = t.path().join("my-twice.kpkg");
+    let o = kiln(&["package", "build", dir.to_str().unwrap(), "-o", kpkg.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = kiln(&["publish", kpkg.to_str().unwrap(), "--registry", r]);
+    assert!(o.status.success(), "{}", text(&o));
+    let index = std::fs::read_to_string(reg.join("index/my-twice")).unwrap();
+    assert!(index.contains("\"deps\":{\"my-std\":\"^1.0\"}"), "{index}");
+
+    let case = dir.join("tests/test_twice");
+    let m = case.join("model.onnx");
+    let m = m.to_str().unwrap();
+    let lock = t.path().join("twice.lock");
+    let o = kiln(&["lock", m, "--registry", r, "--allow-unsigned", "--device", "cpu", "-o", lock.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    let pinned = std::fs::read_to_string(&lock).unwrap();
+    assert!(pinned.contains("name = \"my-twice\"") && pinned.contains("name = \"my-std\""), "{pinned}");
+    let input = format!("x={}", case.join("test_data_set_0/input_0.pb").display());
+    let expect = format!("y={}", case.join("test_data_set_0/output_0.pb").display());
+    let out_dir = t.path().join("out");
+    let run = |source: &[&str]| {
+        let args = ["run", m, "--input", &input, "--expect", &expect, "--device", "cpu", "--output-dir"];
+        kiln(&[&args[..], &[out_dir.to_str().unwrap()], source].concat())
+    };
+    let o = run(&["--registry", r, "--allow-unsigned", "--lock", lock.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = run(&["--packages", dir.to_str().unwrap()]);
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("my-twice@0.1.0 depends on my-std ^1.0, which no package source has"), "{}", text(&o));
 }
 
 /// `kiln package new` scaffolds a package that builds and passes its own test: `package build`
@@ -733,7 +809,7 @@ fn inspect_shows_shapes_packages_fusions_and_what_is_missing() {
     assert_eq!(input["dtype"], "int64");
     let ops = doc["ops"].as_array().unwrap();
     let op = |name: &str| ops.iter().find(|r| r["op"] == name).cloned();
-    assert_eq!(op("com.microsoft::GroupQueryAttention").unwrap()["package"], "kiln-attention@1.3.0");
+    assert_eq!(op("com.microsoft::GroupQueryAttention").unwrap()["package"], "kiln-attention@1.3.1");
     // Fused: each layer's norms and projections become kiln-matmul's linear layers (the MLP
     // half one RmsNormLinear and one SwiGluLinear).
     assert_eq!(op("ai.kiln::SwiGluLinear").unwrap()["nodes"], 2);

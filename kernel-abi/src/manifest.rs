@@ -43,6 +43,12 @@
 //! replace = [ … ]
 //! outputs = ["y"]
 //!
+//! headers = ["include/tile.cuh"]  # optional (schema 4): headers other packages' sources
+//!                                #   include as "kiln-unary/tile.cuh" (under `include/`)
+//!
+//! [dependencies]                 # optional (schema 4): packages whose headers this package's
+//! kiln-cuda-std = "^1.0"         #   sources include, by semver requirement
+//!
 //! [files]                        # sha256 of every other file of the package, hex
 //! "shim.wasm" = "…"
 //! "cuda/unary.cu" = "…"
@@ -75,8 +81,12 @@ pub enum ManifestError {
 /// The newest manifest schema this crate reads (ABI.md §7.2). A manifest that names a newer one
 /// is refused with [`ManifestError::NewerSchema`] before its fields are read. Schema 2 added
 /// kernel signatures (`[[cuda]] signatures`), which every declared kernel must have; schema 3
-/// added device status records (the `status` parameter kind and `[[device_errors]]`).
-pub const MANIFEST_SCHEMA: u32 = 3;
+/// added device status records (the `status` parameter kind and `[[device_errors]]`); schema 4
+/// added shared device code (`headers`, `[dependencies]`, header-only packages).
+pub const MANIFEST_SCHEMA: u32 = 4;
+
+/// The folder of a package whose files are its exported headers.
+pub const HEADER_DIR: &str = "include/";
 
 fn default_schema() -> u32 {
     1
@@ -91,12 +101,25 @@ pub struct Manifest {
     pub schema: u32,
     /// The kernel ABI version the package is built for.
     pub abi: u32,
-    /// Path of the shim module inside the package.
+    /// Path of the shim module inside the package; empty (absent) only in a header-only
+    /// package (schema 4: no `[[ops]]`, only `headers`).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub shim: String,
     pub package: PackageInfo,
     #[serde(default)]
     pub device: DeviceRequirements,
+    /// The ops the package runs; empty only in a header-only package.
+    #[serde(default)]
     pub ops: Vec<OpEntry>,
+    /// CUDA headers the package exports (schema 4): paths under `include/`, which a source of
+    /// this package or of one that depends on it includes as `"<package>/<path under
+    /// include/>"` (NVRTC gets them in memory).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub headers: Vec<String>,
+    /// Packages whose headers this package's CUDA sources include, by name, with a semver
+    /// requirement (schema 4). The host takes the candidate the op-resolution rule prefers.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub dependencies: BTreeMap<String, semver::VersionReq>,
     #[serde(default)]
     pub cuda: Vec<CudaSource>,
     /// Subgraph patterns the package's ops replace (ABI.md §7.1, [`crate::fusion`]).
@@ -380,6 +403,17 @@ impl Manifest {
         toml::to_string(self).unwrap_or_default()
     }
 
+    /// Whether the package only exports headers (no shim, no ops).
+    pub fn is_header_only(&self) -> bool {
+        self.ops.is_empty() && !self.headers.is_empty()
+    }
+
+    /// The name a CUDA source includes header `path` (one of `headers`) by:
+    /// `<package>/<path under include/>`.
+    pub fn include_name(&self, path: &str) -> String {
+        format!("{}/{}", self.package.name, path.strip_prefix(HEADER_DIR).unwrap_or(path))
+    }
+
     /// Whether `kernel` is declared safe under programmatic dependent launch.
     pub fn kernel_pdl(&self, kernel: &str) -> bool {
         self.cuda.iter().any(|c| c.pdl.iter().any(|k| k == kernel))
@@ -423,12 +457,21 @@ impl Manifest {
         if !is_package_name(name) {
             return bad(format!("package name {name:?} must be 1 to 64 characters of a-z, 0-9, '-', '_'"));
         }
-        check_relative_path(&self.shim)?;
         if let Some(cc) = &self.device.min_compute_capability {
             parse_compute_capability(cc)?;
         }
-        if self.ops.is_empty() {
-            return bad("[[ops]] is empty: a package must provide at least one op".into());
+        self.check_shared_code()?;
+        if self.is_header_only() {
+            if !self.shim.is_empty() || !self.cuda.is_empty() || !self.fusions.is_empty() {
+                return bad("a header-only package (no [[ops]]) has no shim, [[cuda]] or [[fusions]]".into());
+            }
+        } else if self.ops.is_empty() {
+            return bad("[[ops]] is empty: a package must provide at least one op, or (schema 4) only `headers`".into());
+        } else {
+            if self.shim.is_empty() {
+                return bad("`shim` is missing: a package with [[ops]] names its shim module".into());
+            }
+            check_relative_path(&self.shim)?;
         }
         for (i, op) in self.ops.iter().enumerate() {
             if op.op_types.is_empty() || op.op_types.iter().any(|t| t.is_empty()) {
@@ -496,6 +539,34 @@ impl Manifest {
 }
 
 impl Manifest {
+    /// `headers` and `[dependencies]`: schema 4, headers under `include/` with a header's
+    /// extension, each once, dependencies by valid names other than the package's own.
+    fn check_shared_code(&self) -> Result<(), ManifestError> {
+        let bad = |msg: String| Err(ManifestError::Invalid(msg));
+        if (!self.headers.is_empty() || !self.dependencies.is_empty()) && self.schema < 4 {
+            return bad("`headers` and [dependencies] come with manifest schema 4: set `schema = 4`".into());
+        }
+        for (i, h) in self.headers.iter().enumerate() {
+            check_relative_path(h)?;
+            let ext = [".cuh", ".h", ".hpp"].iter().any(|e| h.ends_with(e));
+            if !h.starts_with(HEADER_DIR) || !ext {
+                return bad(format!("headers[{i}]: {h:?} must be a .cuh, .h or .hpp file under {HEADER_DIR}"));
+            }
+            if self.headers[..i].contains(h) {
+                return bad(format!("headers[{i}]: {h:?} is listed twice"));
+            }
+        }
+        for name in self.dependencies.keys() {
+            if !is_package_name(name) {
+                return bad(format!("dependencies: {name:?} is not a package name"));
+            }
+            if name == &self.package.name {
+                return bad(format!("dependencies: the package {name:?} depends on itself"));
+            }
+        }
+        Ok(())
+    }
+
     /// Whether some `[[ops]]` entry lists `op_type` in `domain`.
     fn claims(&self, domain: &str, op_type: &str) -> bool {
         self.ops.iter().any(|e| same_domain(&e.domain, domain) && e.op_types.iter().any(|t| t == op_type))
@@ -709,9 +780,41 @@ signatures = [{ kernels = ["relu_*"], params = ["tensor", "tensor", "u64"] }]
         )
         .unwrap_err()
         .to_string();
-        assert!(err.contains("unknown field `pdl_kernels`") && err.contains("reads manifest schema 3"), "{err}");
+        assert!(err.contains("unknown field `pdl_kernels`") && err.contains("reads manifest schema 4"), "{err}");
         let err = Manifest::parse(&GOOD.replace("schema = 2", "schema = -1")).unwrap_err().to_string();
         assert!(err.contains("schema must be a positive integer"), "{err}");
+    }
+
+    /// Schema 4: a header-only package (no shim, no ops), `headers` under `include/` included
+    /// as `<package>/<file>`, `[dependencies]` by semver; each misuse named.
+    #[test]
+    fn headers_and_dependencies_come_with_schema_4() {
+        let headers_only =
+            "schema = 4\nabi = 1\nheaders = [\"include/a.cuh\"]\n[package]\nname = \"std\"\nversion = \"1.0.0\"\n";
+        let m = Manifest::parse(headers_only).unwrap();
+        assert!(m.is_header_only() && m.shim.is_empty());
+        assert_eq!(m.include_name("include/a.cuh"), "std/a.cuh");
+        assert!(!m.to_toml().contains("shim"), "no shim written back: {}", m.to_toml());
+        let user = GOOD.replace("schema = 2", "schema = 4") + "[dependencies]\nstd = \"^1.2\"\n";
+        let m = Manifest::parse(&user).unwrap();
+        assert!(m.dependencies["std"].matches(&"1.3.0".parse().unwrap()));
+        assert!(!m.dependencies["std"].matches(&"2.0.0".parse().unwrap()));
+        assert_eq!(Manifest::parse(&m.to_toml()).unwrap(), m, "round trip");
+        let cases = [
+            (headers_only.replace("schema = 4", "schema = 3"), "set `schema = 4`"),
+            (GOOD.to_string() + "[dependencies]\nstd = \"^1\"\n", "set `schema = 4`"),
+            (headers_only.replace("include/a.cuh", "a.cuh"), "under include/"),
+            (headers_only.replace("include/a.cuh", "include/a.cu"), ".cuh, .h or .hpp"),
+            (headers_only.replace("\"include/a.cuh\"]", "\"include/a.cuh\", \"include/a.cuh\"]"), "listed twice"),
+            (headers_only.replace("abi = 1", "abi = 1\nshim = \"shim.wasm\""), "header-only"),
+            (GOOD.replace("schema = 2", "schema = 4").replace("shim = \"shim.wasm\"\n", ""), "`shim` is missing"),
+            (user.replace("std = ", "kiln-unary = "), "depends on itself"),
+            (user.replace("\"^1.2\"", "\"one\""), "major version number"),
+        ];
+        for (text, want) in cases {
+            let err = Manifest::parse(&text).unwrap_err().to_string();
+            assert!(err.contains(want), "{want:?} not in {err}");
+        }
     }
 
     #[test]

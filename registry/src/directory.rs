@@ -39,6 +39,9 @@ pub struct IndexLine {
     pub ops: Vec<OpEntry>,
     /// The manifest's `[device]`.
     pub device: DeviceRequirements,
+    /// The manifest's `[dependencies]` (schema 4): packages whose headers its sources include.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub deps: std::collections::BTreeMap<String, semver::VersionReq>,
     /// A yanked version stays readable but is not chosen for new runs.
     pub yanked: bool,
     /// The publisher's signature (`crate::signing`), when the version was published signed.
@@ -198,6 +201,7 @@ impl RegistryDir {
             cksum: hex::encode(Sha256::digest(bytes)),
             ops: m.ops.clone(),
             device: m.device.clone(),
+            deps: m.dependencies.clone(),
             yanked: false,
             signature: None,
         };
@@ -269,6 +273,13 @@ impl RegistryDir {
                 m.abi,
                 line.id(),
                 line.abi
+            );
+            return Err(RegistryError::Archive { origin: path.display().to_string(), reason });
+        }
+        if m.dependencies != line.deps {
+            let reason = format!(
+                "the archive's [dependencies] {:?} differ from its index line's {:?}",
+                m.dependencies, line.deps
             );
             return Err(RegistryError::Archive { origin: path.display().to_string(), reason });
         }

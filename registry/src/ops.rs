@@ -8,7 +8,7 @@
 //! directories in the order given, then the built-in packages), then the highest version, then
 //! the first registered.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
 
@@ -234,6 +234,94 @@ impl OpRegistry {
         })
     }
 
+    /// The package a dependency on `name` with requirement `req` resolves to, by the
+    /// op-resolution rule: among the versions that meet `req`, the highest precedence, then the
+    /// highest version. `None` when no registered version meets it.
+    pub fn dependency(&self, name: &str, req: &semver::VersionReq) -> Option<&Arc<Package>> {
+        self.packages
+            .iter()
+            .filter(|(p, _)| p.name() == name && req.matches(p.version()))
+            .max_by(|(a, pa), (b, pb)| (pa, a.version()).cmp(&(pb, b.version())))
+            .map(|(p, _)| p)
+    }
+
+    /// The headers `package`'s CUDA sources may include: its own and, transitively, those of
+    /// the packages it depends on ([`OpRegistry::dependency`]), by include name. Errors: a
+    /// dependency no registered version meets, named with its requirement and the versions
+    /// there are.
+    pub fn includes_of(&self, package: &Package) -> Result<BTreeMap<String, String>, String> {
+        self.includes_for(&package.id(), &package.headers, &package.manifest.dependencies)
+    }
+
+    /// [`OpRegistry::includes_of`] for a package not registered (one being built): `id` for
+    /// messages, its own headers by include name, its `[dependencies]`.
+    pub fn includes_for(
+        &self,
+        id: &str,
+        own: &BTreeMap<String, String>,
+        dependencies: &BTreeMap<String, semver::VersionReq>,
+    ) -> Result<BTreeMap<String, String>, String> {
+        let mut out = own.clone();
+        let mut seen: Vec<String> = vec![id.split('@').next().unwrap_or(id).to_string()];
+        let mut todo: Vec<(String, semver::VersionReq, String)> =
+            dependencies.iter().map(|(n, r)| (n.clone(), r.clone(), id.to_string())).collect();
+        while let Some((name, req, from)) = todo.pop() {
+            if seen.contains(&name) {
+                continue;
+            }
+            let Some(dep) = self.dependency(&name, &req) else {
+                let there: Vec<String> = self.packages().filter(|p| p.name() == name).map(|p| p.id()).collect();
+                let note = self.versions_note(&name, &there, "none is available");
+                return Err(format!("{from} depends on {name} {req}, which no package source has ({note})"));
+            };
+            seen.push(name);
+            out.extend(dep.headers.iter().map(|(k, v)| (k.clone(), v.clone())));
+            todo.extend(dep.manifest.dependencies.iter().map(|(n, r)| (n.clone(), r.clone(), dep.id())));
+        }
+        Ok(out)
+    }
+
+    /// `packages` and, transitively, the packages their `[dependencies]` resolve to (what a
+    /// lock must pin for them to build), each once, in that order.
+    pub fn with_dependencies<'a>(&'a self, packages: &[&'a Package]) -> Vec<&'a Package> {
+        let mut out: Vec<&Package> = packages.to_vec();
+        let mut i = 0;
+        while i < out.len() {
+            for (name, req) in &out[i].manifest.dependencies {
+                if let Some(d) = self.dependency(name, req) {
+                    if !out.iter().any(|p| p.id() == d.id()) {
+                        out.push(d);
+                    }
+                }
+            }
+            i += 1;
+        }
+        out
+    }
+
+    /// Resolves every package's dependencies into its [`Package::includes`]; a package whose
+    /// dependencies cannot be met is taken out ([`OpRegistry::exclude`]) with the reason, so
+    /// that its nodes name it. Call it once every package is added.
+    pub fn link(&mut self) {
+        let mut includes = Vec::with_capacity(self.packages.len());
+        let mut broken = HashMap::new();
+        for (p, _) in &self.packages {
+            match self.includes_of(p) {
+                Ok(i) => includes.push(Some(i)),
+                Err(why) => {
+                    broken.insert(p.id(), why);
+                    includes.push(None);
+                }
+            }
+        }
+        for ((p, _), i) in self.packages.iter_mut().zip(includes) {
+            if let Some(i) = i.filter(|i| *i != p.includes) {
+                Arc::make_mut(p).includes = i;
+            }
+        }
+        self.exclude(|p| broken.get(&p.id()).cloned());
+    }
+
     /// All packages, in registration order.
     pub fn packages(&self) -> impl Iterator<Item = &Arc<Package>> {
         self.packages.iter().map(|(p, _)| p)
@@ -441,6 +529,52 @@ mod tests {
             hex::encode(Sha256::digest(shim))
         );
         Package::load_files("mem", &[("kernel.toml", text.as_bytes()), ("shim.wasm", shim)]).unwrap()
+    }
+
+    /// A header-only package `name@version` exporting `include/<file>` (its text: `text`).
+    fn headers(name: &str, version: &str, file: &str, text: &str) -> Package {
+        let path = format!("include/{file}");
+        let toml = format!(
+            "schema = 4\nabi = 1\nheaders = [\"{path}\"]\n[package]\nname = \"{name}\"\nversion = \"{version}\"\n[files]\n\"{path}\" = \"{}\"\n",
+            hex::encode(Sha256::digest(text))
+        );
+        Package::load_files("mem", &[("kernel.toml", toml.as_bytes()), (&path, text.as_bytes())]).unwrap()
+    }
+
+    /// [`package`] with `[dependencies]` `deps` (TOML lines).
+    fn depending(name: &str, deps: &str) -> Package {
+        let mut p = package(name, "1.0.0", "\"float32\"", "7.0");
+        p.manifest.schema = 4;
+        let table: toml::Table = toml::from_str(deps).unwrap();
+        p.manifest.dependencies = table.into_iter().map(|(k, v)| (k, v.as_str().unwrap().parse().unwrap())).collect();
+        p
+    }
+
+    #[test]
+    fn dependencies_resolve_by_the_precedence_rule_and_link_their_headers() {
+        let mut r = OpRegistry::new();
+        r.add(headers("std", "1.0.0", "a.cuh", "// 1.0.0"), BUILTIN);
+        r.add(headers("std", "1.1.0", "a.cuh", "// 1.1.0"), registry_precedence(0));
+        r.add(headers("std", "1.4.0", "a.cuh", "// 1.4.0"), BUILTIN);
+        r.add(headers("std", "2.0.0", "a.cuh", "// 2.0.0"), USER);
+        r.add(headers("more", "1.0.0", "b.cuh", "// b"), BUILTIN);
+        let req = |s: &str| s.parse::<semver::VersionReq>().unwrap();
+        assert_eq!(r.dependency("std", &req("^1")).unwrap().id(), "std@1.1.0", "a registry ranks above built-ins");
+        assert_eq!(r.dependency("std", &req("^2")).unwrap().id(), "std@2.0.0");
+        assert!(r.dependency("std", &req("^3")).is_none());
+        r.add(depending("user", "std = \"^1\"\nmore = \"^1\""), BUILTIN);
+        r.add(depending("lost", "std = \"^3\""), BUILTIN);
+        r.link();
+        let user = r.packages().find(|p| p.name() == "user").unwrap();
+        assert_eq!(user.includes.get("std/a.cuh").map(String::as_str), Some("// 1.1.0"));
+        assert_eq!(user.includes.get("more/b.cuh").map(String::as_str), Some("// b"));
+        let ids: Vec<String> = r.with_dependencies(&[user.as_ref()]).iter().map(|p| p.id()).collect();
+        assert_eq!(ids, ["user@1.0.0", "more@1.0.0", "std@1.1.0"], "a lock pins the dependencies too");
+        assert!(r.packages().all(|p| p.name() != "lost"), "a package whose dependency is missing is left out");
+        let err = r.resolve(&query(DType::F32, 13, 1)).map(|res| res.package.id()).unwrap();
+        assert_eq!(err, "user@1.0.0");
+        let note = r.versions_note("lost", &[], "none");
+        assert!(note.contains("lost@1.0.0 (lost@1.0.0 depends on std ^3"), "{note}");
     }
 
     fn query(dtype: DType, opset: i64, rank: usize) -> NodeQuery<'static> {

@@ -13,7 +13,7 @@ use crate::RegistryError;
 pub const SUPPORTED_ABI: &[u32] = &[kiln_kernel_abi::ABI_VERSION];
 
 /// A loaded, verified kernel package.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Package {
     pub manifest: Manifest,
     /// Where it came from: a folder path or `builtin:<dir>`.
@@ -22,6 +22,13 @@ pub struct Package {
     pub shim: Arc<[u8]>,
     /// CUDA sources by package-relative path.
     pub cuda_sources: BTreeMap<String, String>,
+    /// The headers the package exports (`headers`), by the name a source includes them by
+    /// (`<package>/<path under include/>`).
+    pub headers: BTreeMap<String, String>,
+    /// Every header its CUDA sources may include: its own and those of the packages it
+    /// depends on, by include name, once [`crate::OpRegistry::link`] resolved them (until then
+    /// its own only).
+    pub includes: BTreeMap<String, String>,
     /// The public key (`ed25519:HEX`) whose signature on the package's registry index line
     /// verified; `None` for a package from elsewhere or published unsigned.
     pub signer: Option<String>,
@@ -91,21 +98,28 @@ impl Package {
                 return Err(RegistryError::Checksum { origin, file: rel.clone(), expected: expected.clone(), actual });
             }
         }
-        let needed = std::iter::once(&manifest.shim).chain(manifest.cuda.iter().map(|c| &c.source));
+        let shim_file = (!manifest.shim.is_empty()).then_some(&manifest.shim);
+        let needed = shim_file.into_iter().chain(manifest.cuda.iter().map(|c| &c.source)).chain(&manifest.headers);
         for rel in needed {
             if !manifest.files.contains_key(rel) {
                 return Err(RegistryError::Unlisted { origin, file: rel.clone() });
             }
         }
-        let shim: Arc<[u8]> = files.remove(&manifest.shim).unwrap_or_default().into();
+        let shim: Arc<[u8]> = shim_file.and_then(|f| files.remove(f)).unwrap_or_default().into();
+        let mut text = |rel: &String| {
+            String::from_utf8(files.remove(rel).unwrap_or_default())
+                .map_err(|_| RegistryError::NotText { origin: origin.clone(), file: rel.clone() })
+        };
         let mut cuda_sources = BTreeMap::new();
         for c in &manifest.cuda {
-            let bytes = files.remove(&c.source).unwrap_or_default();
-            let text = String::from_utf8(bytes)
-                .map_err(|_| RegistryError::NotText { origin: origin.clone(), file: c.source.clone() })?;
-            cuda_sources.insert(c.source.clone(), text);
+            cuda_sources.insert(c.source.clone(), text(&c.source)?);
         }
-        Ok(Package { manifest, origin, shim, cuda_sources, signer: None })
+        let mut headers = BTreeMap::new();
+        for h in &manifest.headers {
+            headers.insert(manifest.include_name(h), text(h)?);
+        }
+        let includes = headers.clone();
+        Ok(Package { manifest, origin, shim, cuda_sources, headers, includes, signer: None })
     }
 }
 

@@ -130,6 +130,7 @@ mod tests {
             cksum: "ab".repeat(32),
             ops: Vec::new(),
             device: Default::default(),
+            deps: Default::default(),
             yanked: false,
             signature: None,
         }

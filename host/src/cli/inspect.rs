@@ -255,7 +255,8 @@ pub fn lock(a: LockArgs) -> Result<ExitCode> {
     let used: std::collections::BTreeSet<&str> = ins.ops.iter().filter_map(|o| o.package.as_deref()).collect();
     let pkgs: Vec<&kiln_registry::Package> =
         reg.packages().filter(|p| used.contains(p.id().as_str())).map(|p| p.as_ref()).collect();
-    let lock = kiln_registry::lock::Lock::of(pkgs);
+    // With the header packages their CUDA sources include.
+    let lock = kiln_registry::lock::Lock::of(reg.with_dependencies(&pkgs));
     std::fs::write(&out, lock.to_toml()).map_err(|source| Error::Io { path: out.clone(), source })?;
     for l in &lock.package {
         println!("{}@{}  ({})", l.name, l.version, l.source);

@@ -307,6 +307,14 @@ pub fn run(cmd: KernelsCommand) -> Result<ExitCode> {
                         op.max_rank
                     );
                 }
+                if !m.headers.is_empty() {
+                    let names: Vec<String> = m.headers.iter().map(|h| m.include_name(h)).collect();
+                    println!("  headers: {}", names.join(", "));
+                }
+                if !m.dependencies.is_empty() {
+                    let deps: Vec<String> = m.dependencies.iter().map(|(n, r)| format!("{n} {r}")).collect();
+                    println!("  depends on: {}", deps.join(", "));
+                }
             }
             for e in &errors {
                 println!("BROKEN: {e}");

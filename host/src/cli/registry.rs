@@ -165,8 +165,12 @@ pub struct SearchArgs {
     pub json: Option<PathBuf>,
 }
 
-/// Compiles and validates the package's shim (exports, ABI version), as a run would.
+/// Compiles and validates the package's shim (exports, ABI version), as a run would (a
+/// header-only package has none).
 fn check_shim(pkg: &kiln_registry::Package) -> Result<()> {
+    if pkg.manifest.is_header_only() {
+        return Ok(());
+    }
     let sandbox = crate::sandbox::Sandbox::new(super::sandbox_config()).map_err(Error::from)?;
     sandbox.load(&pkg.id(), &pkg.shim, pkg.manifest.kernel_signatures()).map_err(Error::from)?;
     Ok(())

@@ -276,53 +276,34 @@ fn tensor_pb(name: &str, dims: &[i64], v: &[f32]) -> Result<Vec<u8>> {
 /// `kiln package build DIR [-o OUT.kpkg] [--arch sm_XY]`.
 pub fn build_package(dir: &Path, output: Option<PathBuf>, arch: Option<String>) -> Result<ExitCode> {
     let shim_crate = dir.join("shim/Cargo.toml");
-    if !dir.join("kernel.toml").is_file() || !shim_crate.is_file() {
-        return Err(Error::Input(format!(
-            "{}: a package folder to build has kernel.toml and a shim crate in shim/ (kiln package new makes one)",
+    let no_manifest = || {
+        Error::Input(format!(
+            "{}: a package folder to build has kernel.toml and a shim crate in shim/ (kiln package new makes one), \
+             or is header-only (schema 4: `headers`, no [[ops]])",
             dir.display()
-        )));
-    }
-    let manifest_text = std::fs::read_to_string(dir.join("kernel.toml"))
-        .map_err(|source| Error::Io { path: dir.join("kernel.toml"), source })?;
+        ))
+    };
+    let manifest_text = std::fs::read_to_string(dir.join("kernel.toml")).map_err(|_| no_manifest())?;
     let manifest = kiln_kernel_abi::manifest::Manifest::parse(&manifest_text)
         .map_err(|e| Error::Input(format!("{}: {e}", dir.join("kernel.toml").display())))?;
+    if !manifest.is_header_only() && !shim_crate.is_file() {
+        return Err(no_manifest());
+    }
     // The archive's folder must exist before anything in the package folder is rewritten.
     if let Some(parent) = output.as_deref().and_then(Path::parent).filter(|p| !p.as_os_str().is_empty()) {
         if !parent.is_dir() {
             return Err(Error::Input(format!("-o: folder {} does not exist", parent.display())));
         }
     }
-    // 1. The shim, for wasm32-unknown-unknown.
-    let target = dir.join("shim/target");
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let status = Command::new(&cargo)
-        .args(["build", "--release", "--target", "wasm32-unknown-unknown", "--manifest-path"])
-        .arg(&shim_crate)
-        .arg("--target-dir")
-        .arg(&target)
-        // The package's own build, not whatever build this kiln runs inside.
-        .env_remove("CARGO_TARGET_DIR")
-        .env_remove("RUSTFLAGS")
-        .env_remove("CARGO_ENCODED_RUSTFLAGS")
-        .status()
-        .map_err(|e| {
-            Error::Input(format!("cannot run cargo ({}): {e}; install Rust from rustup.rs", cargo.to_string_lossy()))
-        })?;
-    if !status.success() {
-        return Err(Error::Input(format!(
-            "cargo could not build the shim {} ({status}); `rustup target add wasm32-unknown-unknown` if the target is missing",
-            shim_crate.display()
-        )));
+    // 1. The shim, for wasm32-unknown-unknown (a header-only package has none).
+    if !manifest.is_header_only() {
+        let wasm = build_shim(&shim_crate, &dir.join("shim/target"))?;
+        write(&dir.join(&manifest.shim), &wasm)?;
     }
-    let crate_name = shim_crate_name(&shim_crate)?;
-    let wasm_path =
-        target.join("wasm32-unknown-unknown/release").join(format!("{}.wasm", crate_name.replace('-', "_")));
-    let wasm = std::fs::read(&wasm_path).map_err(|source| Error::Io { path: wasm_path.clone(), source })?;
-    let shim_rel = manifest.shim.clone();
-    write(&dir.join(&shim_rel), &wasm)?;
-    // 2. [files]: the shim and every CUDA source.
-    let mut files: Vec<String> = vec![shim_rel];
+    // 2. [files]: the shim, every CUDA source and header.
+    let mut files: Vec<String> = (!manifest.shim.is_empty()).then(|| manifest.shim.clone()).into_iter().collect();
     files.extend(manifest.cuda.iter().map(|c| c.source.clone()));
+    files.extend(manifest.headers.iter().cloned());
     files.sort();
     files.dedup();
     let mut table = String::from("[files]\n");
@@ -389,9 +370,61 @@ fn compile_cuda(dir: &Path, manifest: &kiln_kernel_abi::manifest::Manifest, arch
             "NVRTC {major}.{minor} compiles for no architecture that kernel.toml's min_compute_capability allows"
         )));
     };
-    let n = crate::cuda::compile_package(dir, manifest, &arch)?;
+    let headers = build_includes(dir, manifest)?;
+    let n = crate::cuda::compile_package(dir, manifest, &headers, &arch)?;
     eprintln!("compiled {n} CUDA source(s) for {arch} with NVRTC {major}.{minor}: every listed kernel is defined");
     Ok(())
+}
+
+/// The headers the package's CUDA sources may include, by include name: its own `headers` (read
+/// from `dir`) and its dependencies', resolved against the drop-in folders
+/// (`KILN_PACKAGE_PATH`) and the built-in packages as a run resolves them. Errors: a header
+/// that cannot be read, a dependency no source meets.
+fn build_includes(
+    dir: &Path,
+    manifest: &kiln_kernel_abi::manifest::Manifest,
+) -> Result<std::collections::BTreeMap<String, String>> {
+    let mut own = std::collections::BTreeMap::new();
+    for h in &manifest.headers {
+        let path = dir.join(h);
+        let text = std::fs::read_to_string(&path).map_err(|source| Error::Io { path, source })?;
+        own.insert(manifest.include_name(h), text);
+    }
+    if manifest.dependencies.is_empty() {
+        return Ok(own);
+    }
+    let (reg, _) = crate::packages::registry(&crate::packages::search_path(&[]), &[]);
+    let id = format!("{}@{}", manifest.package.name, manifest.package.version);
+    reg.includes_for(&id, &own, &manifest.dependencies).map_err(Error::Input)
+}
+
+/// Builds the shim crate `shim_crate` for wasm32-unknown-unknown into `target`; returns the
+/// module's bytes. Errors: cargo missing or failing, naming the crate.
+fn build_shim(shim_crate: &Path, target: &Path) -> Result<Vec<u8>> {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(&cargo)
+        .args(["build", "--release", "--target", "wasm32-unknown-unknown", "--manifest-path"])
+        .arg(shim_crate)
+        .arg("--target-dir")
+        .arg(target)
+        // The package's own build, not whatever build this kiln runs inside.
+        .env_remove("CARGO_TARGET_DIR")
+        .env_remove("RUSTFLAGS")
+        .env_remove("CARGO_ENCODED_RUSTFLAGS")
+        .status()
+        .map_err(|e| {
+            Error::Input(format!("cannot run cargo ({}): {e}; install Rust from rustup.rs", cargo.to_string_lossy()))
+        })?;
+    if !status.success() {
+        return Err(Error::Input(format!(
+            "cargo could not build the shim {} ({status}); `rustup target add wasm32-unknown-unknown` if the target is missing",
+            shim_crate.display()
+        )));
+    }
+    let crate_name = shim_crate_name(shim_crate)?;
+    let wasm_path =
+        target.join("wasm32-unknown-unknown/release").join(format!("{}.wasm", crate_name.replace('-', "_")));
+    std::fs::read(&wasm_path).map_err(|source| Error::Io { path: wasm_path.clone(), source })
 }
 
 /// The `[package] name` of the shim crate's Cargo.toml.

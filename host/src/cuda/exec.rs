@@ -297,7 +297,8 @@ impl Gpu {
         self.stream.synchronize().map_err(dev_err("cuStreamSynchronize"))
     }
 
-    /// Compiles (or takes from the cache) and loads the CUDA sources of `pkg`.
+    /// Compiles (or takes from the cache) and loads the CUDA sources of `pkg`, with the headers
+    /// of [`Package::includes`] (its dependencies' once the registry is linked).
     fn kernels(&mut self, pkg: &Package) -> Result<&KernelCache> {
         let id = pkg.id();
         if !self.kernels.contains_key(&id) {
@@ -307,7 +308,7 @@ impl Gpu {
                     .cuda_sources
                     .get(&src.source)
                     .ok_or_else(|| Error::Device(format!("{id}: source {} missing", src.source)))?;
-                let compiled = compile_cached(&id, &src.source, text, &self.info.arch)?;
+                let compiled = compile_cached(&id, &src.source, text, &pkg.includes, &self.info.arch)?;
                 if compiled.cache_hit {
                     self.compile_cache_hits += 1;
                 } else {

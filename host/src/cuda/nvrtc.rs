@@ -1,8 +1,12 @@
 //! NVRTC: compile a package's CUDA source to a CUBIN for the GPU present
 //! (`--gpu-architecture=sm_XY`, so loading needs no PTX JIT),
-//! with the host's prelude `kiln.cuh`, cached on disk by sha256 of (prelude, source, arch,
-//! NVRTC version, options) as sealed entries of `native_cache` in its `nvrtc/` folder.
+//! with in-memory headers only (NVRTC never gets an include path): the host's prelude
+//! `kiln.cuh` and the headers of the package and of the packages it depends on
+//! (`Package::includes`, as `"<package>/<file>"`), cached on disk by sha256 of (every header's
+//! name and text, source, arch, NVRTC version, options) as sealed entries of `native_cache` in
+//! its `nvrtc/` folder.
 
+use std::collections::BTreeMap;
 use std::ffi::CString;
 
 use sha2::{Digest, Sha256};
@@ -35,22 +39,6 @@ pub fn nvrtc_version() -> Option<(i32, i32)> {
     }
 }
 
-/// `source` with its `#include "kiln.cuh"` line replaced by the prelude, between `#line`
-/// directives, so that NVRTC's messages name `kiln.cuh` and its lines for the prelude, and
-/// `file` and its own lines for the rest.
-fn with_prelude(source: &str, file: &str) -> String {
-    let mut out = String::with_capacity(source.len() + PRELUDE.len() + 64);
-    for (i, line) in source.lines().enumerate() {
-        if line.trim() == "#include \"kiln.cuh\"" {
-            out.push_str(&format!("#line 1 \"kiln.cuh\"\n{PRELUDE}\n#line {} \"{file}\"\n", i + 2));
-        } else {
-            out.push_str(line);
-            out.push('\n');
-        }
-    }
-    out
-}
-
 /// The architectures NVRTC compiles for, as compute capabilities ×10 (90 for sm_90), lowest
 /// first; empty without NVRTC.
 pub fn nvrtc_archs() -> Vec<i32> {
@@ -73,12 +61,24 @@ pub fn nvrtc_archs() -> Vec<i32> {
     }
 }
 
-/// Compiles `source` (named `file` of package `package` for messages) for `arch` (`sm_90`).
-/// A compile error carries NVRTC's full log.
-pub fn compile_cached(package: &str, file: &str, source: &str, arch: &str) -> Result<CompiledSource> {
+/// Compiles `source` (named `file` of package `package` for messages) for `arch` (`sm_90`),
+/// with the prelude as `kiln.cuh` and `headers` (include name → text) as in-memory headers. A
+/// compile error carries NVRTC's full log, whose messages name the source or header and line.
+pub fn compile_cached(
+    package: &str,
+    file: &str,
+    source: &str,
+    headers: &BTreeMap<String, String>,
+    arch: &str,
+) -> Result<CompiledSource> {
     let version = nvrtc_version().ok_or_else(|| Error::Device("NVRTC (libnvrtc) is not available".into()))?;
+    let mut all: Vec<(&str, &str)> = vec![("kiln.cuh", PRELUDE)];
+    all.extend(headers.iter().map(|(n, t)| (n.as_str(), t.as_str())));
     let mut h = Sha256::new();
-    for part in [PRELUDE, source, arch, &format!("{version:?}"), &OPTIONS.join(" ")] {
+    let version = format!("{version:?}");
+    let options = OPTIONS.join(" ");
+    let parts = all.iter().flat_map(|(n, t)| [*n, *t]).chain([source, arch, version.as_str(), options.as_str()]);
+    for part in parts {
         h.update((part.len() as u64).to_le_bytes());
         h.update(part.as_bytes());
     }
@@ -102,11 +102,29 @@ pub fn compile_cached(package: &str, file: &str, source: &str, arch: &str) -> Re
         }
     }
     let started = std::time::Instant::now();
-    let full = with_prelude(source, file);
     let fail = |m: String| Error::Device(format!("NVRTC: package {package}, {file}: {m}"));
-    let src = CString::new(full).map_err(|_| fail("the source holds a NUL byte".into()))?;
-    let name = CString::new(file.replace('\0', "")).unwrap_or_default();
-    let prog = cudarc::nvrtc::result::create_program(&src, Some(&name)).map_err(|e| fail(e.to_string()))?;
+    let c = |t: &str, what: &str| CString::new(t).map_err(|_| fail(format!("{what} holds a NUL byte")));
+    let src = c(source, "the source")?;
+    let name = c(file, "the file name")?;
+    let texts = all.iter().map(|(n, t)| c(t, &format!("header {n}"))).collect::<Result<Vec<_>>>()?;
+    let names = all.iter().map(|(n, _)| c(n, "a header name")).collect::<Result<Vec<_>>>()?;
+    let text_ptrs: Vec<*const std::ffi::c_char> = texts.iter().map(|t| t.as_ptr()).collect();
+    let name_ptrs: Vec<*const std::ffi::c_char> = names.iter().map(|t| t.as_ptr()).collect();
+    let mut prog = std::ptr::null_mut();
+    // SAFETY: every pointer is a live NUL-terminated string; the arrays hold `all.len()` each.
+    let created = unsafe {
+        cudarc::nvrtc::sys::nvrtcCreateProgram(
+            &mut prog,
+            src.as_ptr(),
+            name.as_ptr(),
+            all.len() as i32,
+            text_ptrs.as_ptr(),
+            name_ptrs.as_ptr(),
+        )
+    };
+    if created != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(fail(format!("nvrtcCreateProgram: {created:?}")));
+    }
     let mut opts: Vec<String> = vec![format!("--gpu-architecture={arch}")];
     opts.extend(OPTIONS.iter().map(|s| s.to_string()));
     // SAFETY: prog is a live program; options are valid strings.
@@ -144,8 +162,9 @@ pub fn compile_cached(package: &str, file: &str, source: &str, arch: &str) -> Re
     Ok(CompiledSource { cubin, cache_hit: false })
 }
 
-/// Compiles every CUDA source of a package folder `dir` (its manifest `manifest`) for `arch`
-/// (`sm_XY`) with NVRTC, as a run on such a GPU will, and checks that each kernel the manifest
+/// Compiles every CUDA source of a package folder `dir` (its manifest `manifest`, the headers
+/// its sources may include `headers`: its own and its dependencies', by include name) for
+/// `arch` (`sm_XY`) with NVRTC, as a run on such a GPU will, and checks that each kernel the manifest
 /// lists for a source is an entry of its CUBIN (an `extern "C" __global__` function of that
 /// name). No GPU is needed. Returns how many sources it compiled. Errors, for `kiln package
 /// build` to report before anything is packed: NVRTC missing, a source that cannot be read or
@@ -154,13 +173,15 @@ pub fn compile_cached(package: &str, file: &str, source: &str, arch: &str) -> Re
 pub fn compile_package(
     dir: &std::path::Path,
     manifest: &kiln_kernel_abi::manifest::Manifest,
+    headers: &BTreeMap<String, String>,
     arch: &str,
 ) -> Result<usize> {
     let name = &manifest.package.name;
     for c in &manifest.cuda {
         let path = dir.join(&c.source);
         let text = std::fs::read_to_string(&path).map_err(|source| Error::Io { path: path.clone(), source })?;
-        let compiled = compile_cached(name, &c.source, &text, arch).map_err(|e| Error::Input(e.to_string()))?;
+        let compiled =
+            compile_cached(name, &c.source, &text, headers, arch).map_err(|e| Error::Input(e.to_string()))?;
         if let Some(k) = c.kernels.iter().find(|k| !defines(&compiled.cubin, k)) {
             return Err(Error::Input(format!(
                 "package {name}: kernel.toml lists kernel {k} for {}, but the source compiled for {arch} defines no \
@@ -181,15 +202,6 @@ fn defines(cubin: &[u8], kernel: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::defines;
-
-    #[test]
-    fn the_prelude_keeps_the_sources_line_numbers() {
-        let src = "// a kernel\n#include \"kiln.cuh\"\nint x;\n";
-        let full = super::with_prelude(src, "cuda/k.cu");
-        let after = full.split("#line 3 \"cuda/k.cu\"\n").nth(1).expect("a #line back to the source");
-        assert_eq!(after, "int x;\n", "line 3 of the source follows its #line");
-        assert!(full.starts_with("// a kernel\n#line 1 \"kiln.cuh\"\n"), "{full}");
-    }
 
     #[test]
     fn a_symbol_is_found_only_whole() {

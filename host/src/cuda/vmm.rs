@@ -173,7 +173,7 @@ impl VirtualBuffer {
     /// context's work so far (which may read them) finishes first. Returns the bytes unmapped.
     /// Errors: the synchronization's (a device fault); nothing is unmapped then.
     pub fn unmap_past(&mut self, bytes: u64) -> Result<u64> {
-        if !self.chunks.last().is_some_and(|c| c.offset >= bytes) {
+        if self.chunks.last().is_none_or(|c| c.offset < bytes) {
             return Ok(0);
         }
         self.ctx.synchronize().map_err(|e| Error::Device(format!("cuCtxSynchronize before cuMemUnmap: {e}")))?;

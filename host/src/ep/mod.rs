@@ -47,7 +47,11 @@ pub struct Runtime {
 }
 
 impl Runtime {
-    pub fn new(registry: OpRegistry, config: SandboxConfig) -> Result<Arc<Runtime>> {
+    /// A runtime over `registry`, whose packages' dependencies are resolved here
+    /// ([`OpRegistry::link`]: one whose dependencies no source meets is left out, with the
+    /// reason its nodes then give).
+    pub fn new(mut registry: OpRegistry, config: SandboxConfig) -> Result<Arc<Runtime>> {
+        registry.link();
         Ok(Arc::new(Runtime { sandbox: Sandbox::new(config)?, registry, modules: Mutex::default() }))
     }
 

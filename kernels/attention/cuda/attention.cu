@@ -2,6 +2,7 @@
 // attention with online softmax) and RotaryEmbedding. Semantics follow the CPU reference in
 // shim/src/lib.rs. Argument order matches the shim's `launch` calls exactly.
 #include "kiln.cuh"
+#include "kiln-cuda-std/reduce.cuh"
 
 // Largest head size of the attention kernel: each lane holds ceil(H / 32) ≤ 8 elements.
 #define GQA_MAX_CHUNKS 8
@@ -757,18 +758,6 @@ __device__ void gqa_decode(const typename Tag::storage* q_src, typename Tag::sto
 #define GQA_MERGE_CHUNK 1024
 #define GQA_MERGE_UNROLL 8
 #define GQA_MERGE_FEW 4  // at most this many splits merge per thread, without shared memory
-// Block-wide reduction of blockDim.x ≤ 1024 threads through `red` (32 floats); every thread
-// gets the result. `max_op`: maximum, else sum.
-__device__ __forceinline__ float gqa_block_reduce(float v, float* red, bool max_op) {
-    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
-    v = max_op ? kiln_warp_max(v) : kiln_warp_sum(v);
-    __syncthreads();  // `red` may still be read by the previous reduction
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    float r = max_op ? -__int_as_float(0x7f800000) : 0.f;
-    for (unsigned w = 0; w < warps; ++w) r = max_op ? fmaxf(r, red[w]) : r + red[w];
-    return r;
-}
 
 template <typename Tag>
 __device__ void gqa_decode_merge(const float* partial, const int* seqlens, const typename Tag::storage* sink,
@@ -815,7 +804,7 @@ __device__ void gqa_decode_merge(const float* partial, const int* seqlens, const
     float M = -__int_as_float(0x7f800000);
     for (unsigned s = tid; s < splits; s += blockDim.x)
         if (part[s * stride + 1] > 0.f) M = fmaxf(M, part[s * stride]);
-    M = gqa_block_reduce(M, s_red, true);
+    M = kiln_block_reduce(M, s_red, true);
     float sink_v = 0.f;
     if (sink_mode == 2) sink_v = kiln_to_f32(Tag(), sink[h]);
     if (sink_mode != 0) M = fmaxf(M, sink_v);
@@ -835,7 +824,7 @@ __device__ void gqa_decode_merge(const float* partial, const int* seqlens, const
             s_w[s] = w;
             l_part += l * w;
         }
-        den += gqa_block_reduce(l_part, s_red, false);  // its barriers also publish s_w
+        den += kiln_block_reduce(l_part, s_red, false);  // its barriers also publish s_w
 #pragma unroll
         for (int x = 0; x < 8; ++x) {
             const unsigned d = tid + (unsigned)x * blockDim.x;

@@ -23,6 +23,8 @@
 // with DIMS = u64 d0..d7 and STRIDES(p) = u64 p0..p7; <t> one of f32 f16 bf16 f64 i8 i16 i32 i64
 // u8 u16 u32 u64.
 #include "kiln.cuh"
+#include "kiln-cuda-std/vec.cuh"
+#include "kiln-cuda-std/round.cuh"
 
 enum ArithOp { ADD = 0, SUB, MUL, DIV, POW, FMOD, MOD, MAX, MIN };
 enum CmpOp { EQ = 0, LT, GT, LE, GE };
@@ -270,14 +272,6 @@ __device__ __forceinline__ void for_each(kiln_u64 n, unsigned rank, const kiln_u
     }
 }
 
-template <typename T, int V>
-struct alignas(sizeof(T) * V) KVec {
-    T e[V];
-};
-
-__device__ __forceinline__ bool kiln_aligned(const void* p, unsigned a) {
-    return ((unsigned long long)p & (a - 1)) == 0;
-}
 
 template <typename In, typename Out, typename F>
 struct Apply2 {
@@ -296,13 +290,13 @@ __device__ __forceinline__ void ew2(const In* a, const In* b, Out* y, kiln_u64 n
     if (rank == 1 && s[0][0] == 1 && s[1][0] == 1 && kiln_aligned(a, 16) && kiln_aligned(b, 16) &&
         kiln_aligned(y, sizeof(Out) * V)) {
         const kiln_u64 nv = n / V;
-        const KVec<In, V>* av = (const KVec<In, V>*)a;
-        const KVec<In, V>* bv = (const KVec<In, V>*)b;
-        KVec<Out, V>* yv = (KVec<Out, V>*)y;
+        const kiln_vec<In, V>* av = (const kiln_vec<In, V>*)a;
+        const kiln_vec<In, V>* bv = (const kiln_vec<In, V>*)b;
+        kiln_vec<Out, V>* yv = (kiln_vec<Out, V>*)y;
         KILN_FOR(i, nv) {
-            const KVec<In, V> p = av[i];
-            const KVec<In, V> q = bv[i];
-            KVec<Out, V> r;
+            const kiln_vec<In, V> p = av[i];
+            const kiln_vec<In, V> q = bv[i];
+            kiln_vec<Out, V> r;
 #pragma unroll
             for (int j = 0; j < V; ++j) r.e[j] = f(p.e[j], q.e[j]);
             yv[i] = r;
@@ -475,21 +469,12 @@ __device__ __forceinline__ kiln_u64 load_i(const void* p, kiln_u64 i, unsigned d
     }
 }
 
-// f64 → f32 rounded to odd, so that rounding it again to float16/bfloat16 is correct (as the
-// CPU reference's `f32_round_odd`).
-__device__ __forceinline__ float f32_round_odd(double v) {
-    const float f = (float)v;
-    if ((__float_as_uint(f) & 0x7f800000u) == 0x7f800000u || (double)f == v) return f;
-    unsigned bits = __float_as_uint(f);
-    if (fabs((double)f) > fabs(v)) bits -= 1;
-    return __uint_as_float(bits | 1u);
-}
 
 __device__ __forceinline__ void store_f(void* p, kiln_u64 i, unsigned dt, double v) {
     switch (dt) {
     case DT_F32: ((float*)p)[i] = (float)v; break;
-    case DT_F16: ((kiln_f16*)p)[i] = kiln_f32_to_f16(f32_round_odd(v)); break;
-    case DT_BF16: ((kiln_bf16*)p)[i] = kiln_f32_to_bf16(f32_round_odd(v)); break;
+    case DT_F16: ((kiln_f16*)p)[i] = kiln_f32_to_f16(kiln_f32_round_odd(v)); break;
+    case DT_BF16: ((kiln_bf16*)p)[i] = kiln_f32_to_bf16(kiln_f32_round_odd(v)); break;
     default: ((double*)p)[i] = v; break;
     }
 }

@@ -10,6 +10,7 @@
 // Entry points: kiln_cast_<from>(const S* x, void* y, u64 n, u32 to), <from> one of f32 f16
 // bf16 f64 i8 i16 i32 i64 u8 u16 u32 u64 bool, `to` the ONNX dtype code of y.
 #include "kiln.cuh"
+#include "kiln-cuda-std/round.cuh"
 
 enum DTypeCode { DT_F32 = 1, DT_U8 = 2, DT_I8 = 3, DT_U16 = 4, DT_I16 = 5, DT_I32 = 6, DT_I64 = 7, DT_BOOL = 9,
                  DT_F16 = 10, DT_F64 = 11, DT_U32 = 12, DT_U64 = 13, DT_BF16 = 16 };
@@ -40,25 +41,6 @@ __device__ __forceinline__ float ld_float(typename T::S v) {
     else return kiln_bf16_to_f32(v);
 }
 
-// f64 → f32 rounded to odd (as the CPU reference's `element::f32_round_odd`).
-__device__ __forceinline__ float f32_round_odd(double v) {
-    const float f = (float)v;
-    if ((__float_as_uint(f) & 0x7f800000u) == 0x7f800000u || (double)f == v) return f;
-    unsigned bits = __float_as_uint(f);
-    if (fabs((double)f) > fabs(v)) bits -= 1;  // toward zero
-    return __uint_as_float(bits | 1u);
-}
-
-// 64-bit integer → f32 rounded to odd (as the CPU reference's `f32_round_odd_int`): truncate
-// toward zero, then set the last bit when inexact.
-__device__ __forceinline__ float f32_round_odd_s64(long long v) {
-    const float f = __ll2float_rz(v);  // |f| <= |v| < 2^63: converting back is exact
-    return __float2ll_rz(f) == v ? f : __uint_as_float(__float_as_uint(f) | 1u);
-}
-__device__ __forceinline__ float f32_round_odd_u64(kiln_u64 v) {
-    const float f = __ull2float_rz(v);
-    return __float2ull_rz(f) == v ? f : __uint_as_float(__float_as_uint(f) | 1u);
-}
 
 // f64 → integer of `bits` bits as Rust's `as`: truncate toward zero, saturate, NaN → 0.
 template <bool SIGNED, int BITS>
@@ -94,8 +76,8 @@ __device__ __forceinline__ typename To::S convert(typename From::S x) {
             if constexpr (From::id == DT_F64) {
                 if constexpr (To::id == DT_F64) return x;
                 else if constexpr (To::id == DT_F32) return (float)x;
-                else if constexpr (To::id == DT_F16) return kiln_f32_to_f16(f32_round_odd(x));
-                else return kiln_f32_to_bf16(f32_round_odd(x));
+                else if constexpr (To::id == DT_F16) return kiln_f32_to_f16(kiln_f32_round_odd(x));
+                else return kiln_f32_to_bf16(kiln_f32_round_odd(x));
             } else {
                 const float f = ld_float<From>(x);  // exact
                 if constexpr (To::id == DT_F64) return (double)f;
@@ -128,7 +110,7 @@ __device__ __forceinline__ typename To::S convert(typename From::S x) {
             } else if constexpr (To::id == DT_F32) {
                 return neg_ok ? (float)(long long)u : (float)u;
             } else {
-                const float f = neg_ok ? f32_round_odd_s64((long long)u) : f32_round_odd_u64(u);
+                const float f = neg_ok ? kiln_f32_round_odd_s64((long long)u) : kiln_f32_round_odd_u64(u);
                 if constexpr (To::id == DT_F16) return kiln_f32_to_f16(f);
                 else return kiln_f32_to_bf16(f);
             }

@@ -9,6 +9,7 @@
 //     flags: bit 0 lower bound *lo, bit 1 upper bound *hi (opset 11+ inputs, device scalars),
 //            bit 2 lower bound lo_attr, bit 3 upper bound hi_attr (opset 6 attributes).
 #include "kiln.cuh"
+#include "kiln-cuda-std/vec.cuh"
 
 enum UnaryOp {
     RELU = 0, LEAKY_RELU, SIGMOID, TANH, EXP, LOG, SQRT, NEG, ABS, ERF, RECIPROCAL,
@@ -128,15 +129,6 @@ KILN_INT_TYPE(TU16, unsigned short, false)
 KILN_INT_TYPE(TU32, unsigned, false)
 KILN_INT_TYPE(TU64, unsigned long long, false)
 
-// `V` elements of `T`, for 16-byte loads and stores.
-template <typename T, int V>
-struct alignas(sizeof(T) * V) KVec {
-    T e[V];
-};
-
-__device__ __forceinline__ bool kiln_aligned(const void* p, unsigned a) {
-    return ((unsigned long long)p & (a - 1)) == 0;
-}
 
 // y[i] = f(x[i]) over n contiguous elements; 16-byte vector accesses when both pointers allow.
 template <typename S, typename F>
@@ -144,11 +136,11 @@ __device__ __forceinline__ void map_contiguous(const S* x, S* y, kiln_u64 n, con
     const int V = 16 / sizeof(S);
     if (kiln_aligned(x, 16) && kiln_aligned(y, 16)) {
         const kiln_u64 nv = n / V;
-        const KVec<S, V>* xv = (const KVec<S, V>*)x;
-        KVec<S, V>* yv = (KVec<S, V>*)y;
+        const kiln_vec<S, V>* xv = (const kiln_vec<S, V>*)x;
+        kiln_vec<S, V>* yv = (kiln_vec<S, V>*)y;
         KILN_FOR(i, nv) {
-            KVec<S, V> a = xv[i];
-            KVec<S, V> b;
+            kiln_vec<S, V> a = xv[i];
+            kiln_vec<S, V> b;
 #pragma unroll
             for (int j = 0; j < V; ++j) b.e[j] = f(a.e[j]);
             yv[i] = b;
