@@ -41,7 +41,8 @@ pub fn search_path(cli: &[PathBuf]) -> Vec<PathBuf> {
 }
 
 /// An op registry of the drop-in folders' packages, the registry directories' published
-/// versions that are not yanked, and the built-in packages, in that precedence (module docs).
+/// versions that are not yanked, and the built-in packages, in that precedence (module docs),
+/// linked ([`OpRegistry::link`]: a package whose dependencies no source meets is left out).
 /// Packages that fail to load are left out and returned as errors (a registry's published ones
 /// as [`RegistryError::Published`]), so one broken package does not stop the others.
 pub fn registry(dirs: &[PathBuf], registries: &[PathBuf]) -> (OpRegistry, Vec<RegistryError>) {
@@ -82,5 +83,8 @@ pub fn registry(dirs: &[PathBuf], registries: &[PathBuf]) -> (OpRegistry, Vec<Re
             Err(e) => errors.push(e),
         }
     }
+    // Each package's dependencies resolved into its headers (`kernels warm` and `bench ops`
+    // compile from this registry without a `Runtime`, which links again).
+    reg.link();
     (reg, errors)
 }

@@ -402,6 +402,8 @@ pub fn registry(args: &PackageArgs) -> Result<kiln_registry::OpRegistry> {
     if let Some((path, lock)) = &lock {
         lock.apply(&mut reg).map_err(|e| Error::Input(format!("--lock {}: {e}", path.display())))?;
     }
+    // Again, with what the policies left: a dependency they took out leaves out its dependents.
+    reg.link();
     Ok(reg)
 }
 
