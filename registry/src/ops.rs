@@ -246,9 +246,8 @@ impl OpRegistry {
     }
 
     /// The headers `package`'s CUDA sources may include: its own and, transitively, those of
-    /// the packages it depends on ([`OpRegistry::dependency`]), by include name. Errors: a
-    /// dependency no registered version meets, named with its requirement and the versions
-    /// there are.
+    /// the packages it depends on ([`OpRegistry::dependencies_for`]), by include name. Errors:
+    /// as [`OpRegistry::dependencies_for`].
     pub fn includes_of(&self, package: &Package) -> Result<BTreeMap<String, String>, String> {
         self.includes_for(&package.id(), &package.headers, &package.manifest.dependencies)
     }
@@ -262,11 +261,38 @@ impl OpRegistry {
         dependencies: &BTreeMap<String, semver::VersionReq>,
     ) -> Result<BTreeMap<String, String>, String> {
         let mut out = own.clone();
-        let mut seen: Vec<String> = vec![id.split('@').next().unwrap_or(id).to_string()];
+        for dep in self.dependencies_for(id, dependencies)? {
+            out.extend(dep.headers.iter().map(|(k, v)| (k.clone(), v.clone())));
+        }
+        Ok(out)
+    }
+
+    /// The packages `dependencies` (of package `id`) resolve to, transitively, each name once
+    /// ([`OpRegistry::dependency`] for the first requirement met; every other requirement on
+    /// the same name must accept that version). Errors: a requirement no registered version
+    /// meets, a package depending on itself, or two requirements on one name that the chosen
+    /// version does not both meet, named with who requires what.
+    pub fn dependencies_for(
+        &self,
+        id: &str,
+        dependencies: &BTreeMap<String, semver::VersionReq>,
+    ) -> Result<Vec<&Arc<Package>>, String> {
+        let own = id.split('@').next().unwrap_or(id).to_string();
+        let mut chosen: Vec<(&Arc<Package>, String)> = Vec::new();
         let mut todo: Vec<(String, semver::VersionReq, String)> =
-            dependencies.iter().map(|(n, r)| (n.clone(), r.clone(), id.to_string())).collect();
+            dependencies.iter().rev().map(|(n, r)| (n.clone(), r.clone(), id.to_string())).collect();
         while let Some((name, req, from)) = todo.pop() {
-            if seen.contains(&name) {
+            if name == own {
+                return Err(format!("{from} depends on {name} {req}, which is {id} itself (a cycle)"));
+            }
+            if let Some((c, by)) = chosen.iter().find(|(c, _)| c.name() == name) {
+                if !req.matches(c.version()) {
+                    return Err(format!(
+                        "{from} depends on {name} {req}, but {} was chosen for {by}: the requirements on one \
+                         package must meet one version",
+                        c.id()
+                    ));
+                }
                 continue;
             }
             let Some(dep) = self.dependency(&name, &req) else {
@@ -274,27 +300,23 @@ impl OpRegistry {
                 let note = self.versions_note(&name, &there, "none is available");
                 return Err(format!("{from} depends on {name} {req}, which no package source has ({note})"));
             };
-            seen.push(name);
-            out.extend(dep.headers.iter().map(|(k, v)| (k.clone(), v.clone())));
-            todo.extend(dep.manifest.dependencies.iter().map(|(n, r)| (n.clone(), r.clone(), dep.id())));
+            chosen.push((dep, format!("{from} ({req})")));
+            todo.extend(dep.manifest.dependencies.iter().rev().map(|(n, r)| (n.clone(), r.clone(), dep.id())));
         }
-        Ok(out)
+        Ok(chosen.into_iter().map(|(p, _)| p).collect())
     }
 
-    /// `packages` and, transitively, the packages their `[dependencies]` resolve to (what a
-    /// lock must pin for them to build), each once, in that order.
+    /// `packages` and the packages their `[dependencies]` resolve to
+    /// ([`OpRegistry::dependencies_for`]; a package whose dependencies cannot be met adds none),
+    /// each once, in that order: what a lock must pin for them to build.
     pub fn with_dependencies<'a>(&'a self, packages: &[&'a Package]) -> Vec<&'a Package> {
         let mut out: Vec<&Package> = packages.to_vec();
-        let mut i = 0;
-        while i < out.len() {
-            for (name, req) in &out[i].manifest.dependencies {
-                if let Some(d) = self.dependency(name, req) {
-                    if !out.iter().any(|p| p.id() == d.id()) {
-                        out.push(d);
-                    }
+        for p in packages {
+            for d in self.dependencies_for(&p.id(), &p.manifest.dependencies).unwrap_or_default() {
+                if !out.iter().any(|q| q.id() == d.id()) {
+                    out.push(d);
                 }
             }
-            i += 1;
         }
         out
     }
@@ -320,6 +342,11 @@ impl OpRegistry {
             }
         }
         self.exclude(|p| broken.get(&p.id()).cloned());
+    }
+
+    /// The packages taken out ([`OpRegistry::exclude`], [`OpRegistry::link`]) with the reason.
+    pub fn excluded(&self) -> impl Iterator<Item = (&Arc<Package>, &str)> {
+        self.excluded.iter().map(|(p, why)| (p, why.as_str()))
     }
 
     /// All packages, in registration order.
@@ -564,7 +591,15 @@ mod tests {
         assert!(r.dependency("std", &req("^3")).is_none());
         r.add(depending("user", "std = \"^1\"\nmore = \"^1\""), BUILTIN);
         r.add(depending("lost", "std = \"^3\""), BUILTIN);
+        // A diamond whose two requirements on std no one version meets.
+        let mut mid = headers("mid", "1.0.0", "m.cuh", "// m");
+        mid.manifest.dependencies.insert("std".into(), req("^1"));
+        r.add(mid, BUILTIN);
+        r.add(depending("diamond", "mid = \"^1\"\nstd = \"^2\""), BUILTIN);
+        let err = r.includes_of(r.packages().find(|p| p.name() == "diamond").unwrap()).unwrap_err();
+        assert!(err.contains("diamond@1.0.0 depends on std ^2, but std@1.1.0 was chosen for mid@1.0.0 (^1)"), "{err}");
         r.link();
+        assert!(r.packages().all(|p| p.name() != "diamond"), "a package whose dependencies conflict is left out");
         let user = r.packages().find(|p| p.name() == "user").unwrap();
         assert_eq!(user.includes.get("std/a.cuh").map(String::as_str), Some("// 1.1.0"));
         assert_eq!(user.includes.get("more/b.cuh").map(String::as_str), Some("// b"));

@@ -179,7 +179,7 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
     let rt = Runtime::new(model_registry(&a.target.packages, &a.model_dir)?, super::sandbox_config())?;
     let t_setup = Instant::now();
     let loading = super::progress::Progress::spinner("loading the model");
-    let mut g = Generator::new(rt, folder, a.target.session_options(device, graphs))?;
+    let mut g = Generator::new(rt, folder, a.target.session_options(device, graphs)?)?;
     drop(loading);
     let setup_s = t_setup.elapsed().as_secs_f64();
     let penalty = if a.repetition_penalty == 1.0 {

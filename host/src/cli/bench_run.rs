@@ -147,7 +147,7 @@ pub fn run(a: BenchRunArgs) -> Result<ExitCode> {
     let human = super::output::Human::new(&[&a.json]);
     let t0 = Instant::now();
     let rt = crate::ep::Runtime::new(model_registry(&a.target.packages, &a.model)?, super::sandbox_config())?;
-    let options = a.target.session_options(device, crate::capture::GraphMode::default());
+    let options = a.target.session_options(device, crate::capture::GraphMode::default())?;
     let loading = super::progress::Progress::spinner("loading the model");
     let mut session = Session::new(rt, m, options)?;
     drop(loading);

@@ -126,7 +126,7 @@ pub fn run(a: ChatArgs) -> Result<ExitCode> {
     }
     let params = sampling(&a.sampling, &folder)?;
     let rt = Runtime::new(model_registry(&a.target.packages, &a.model_dir)?, super::sandbox_config())?;
-    let options = a.target.session_options(device, graphs);
+    let options = a.target.session_options(device, graphs)?;
     let loading = super::progress::Progress::spinner("loading the model");
     let mut generator = Generator::new(rt, folder, options)?;
     drop(loading);

@@ -201,7 +201,7 @@ pub fn run(mut a: GenerateArgs) -> Result<ExitCode> {
     }
     let rt = Runtime::new(model_registry(&a.target.packages, &a.model_dir)?, super::sandbox_config())?;
     let loading = super::progress::Progress::spinner("loading the model");
-    let mut generator = Generator::new(rt, folder, a.target.session_options(device, graphs))?;
+    let mut generator = Generator::new(rt, folder, a.target.session_options(device, graphs)?)?;
     drop(loading);
     let opts = GenerateOptions {
         max_new_tokens: a.max_new_tokens,

@@ -244,16 +244,27 @@ pub struct ModelRunArgs {
 }
 
 impl ModelRunArgs {
-    /// The session options these flags give on `device` with graph mode `graphs`.
-    pub fn session_options(&self, device: Device, graphs: crate::capture::GraphMode) -> crate::ep::SessionOptions {
-        crate::ep::SessionOptions {
+    /// The session options these flags give on `device` with graph mode `graphs`. Errors: a
+    /// `--device-memory-limit` too large to count in bytes.
+    pub fn session_options(
+        &self,
+        device: Device,
+        graphs: crate::capture::GraphMode,
+    ) -> Result<crate::ep::SessionOptions> {
+        let limit = match self.device_memory_limit {
+            Some(m) => Some(m.checked_mul(1 << 20).ok_or_else(|| {
+                Error::Input(format!("--device-memory-limit {m}: give MiB, at most {}", u64::MAX >> 20))
+            })?),
+            None => None,
+        };
+        Ok(crate::ep::SessionOptions {
             device,
             graphs,
             fuse: !self.fuse.no_fuse,
             pdl: self.pdl,
-            device_memory_limit: self.device_memory_limit.map(|m| m << 20),
+            device_memory_limit: limit,
             ..crate::ep::SessionOptions::default()
-        }
+        })
     }
 }
 

@@ -87,6 +87,12 @@ pub enum PackageCommand {
         /// Given, NVRTC must be present.
         #[arg(long, value_name = "sm_XY")]
         arch: Option<String>,
+        /// A folder of packages the package's `[dependencies]` may come from (repeatable;
+        /// `KILN_PACKAGE_PATH` adds more), above the registries and the built-in packages.
+        #[arg(long = "packages", value_name = "DIR")]
+        packages: Vec<PathBuf>,
+        #[command(flatten)]
+        registries: RegistryArgs,
     },
 }
 
@@ -183,7 +189,10 @@ pub fn package(cmd: PackageCommand) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         PackageCommand::New { name, op, dir, abi_path } => super::scaffold::new_package(&name, &op, &dir, abi_path),
-        PackageCommand::Build { dir, output, arch } => super::scaffold::build_package(&dir, output, arch),
+        PackageCommand::Build { dir, output, arch, packages, registries } => {
+            let sources = (crate::packages::search_path(&packages), registries.dirs());
+            super::scaffold::build_package(&dir, output, arch, &sources)
+        }
     }
 }
 

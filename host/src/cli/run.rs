@@ -80,7 +80,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         }
     }
     let rt = Runtime::new(model_registry(&a.target.packages, &a.model)?, super::sandbox_config())?;
-    let options = a.target.session_options(device, graphs);
+    let options = a.target.session_options(device, graphs)?;
     let loading = super::progress::Progress::spinner("loading the model");
     let mut session = Session::new(rt, model, options)?;
     drop(loading);

@@ -273,8 +273,17 @@ fn tensor_pb(name: &str, dims: &[i64], v: &[f32]) -> Result<Vec<u8>> {
     t.write_to_bytes().map_err(|e| Error::Input(format!("cannot write the node test's data: {e}")))
 }
 
-/// `kiln package build DIR [-o OUT.kpkg] [--arch sm_XY]`.
-pub fn build_package(dir: &Path, output: Option<PathBuf>, arch: Option<String>) -> Result<ExitCode> {
+/// Where a package's `[dependencies]` come from when it is built: drop-in folders and registry
+/// directories (the built-in packages come last).
+pub type DependencySources = (Vec<PathBuf>, Vec<PathBuf>);
+
+/// `kiln package build DIR [-o OUT.kpkg] [--arch sm_XY] [--packages DIR] [--registry DIR]`.
+pub fn build_package(
+    dir: &Path,
+    output: Option<PathBuf>,
+    arch: Option<String>,
+    sources: &DependencySources,
+) -> Result<ExitCode> {
     let shim_crate = dir.join("shim/Cargo.toml");
     let no_manifest = || {
         Error::Input(format!(
@@ -313,7 +322,7 @@ pub fn build_package(dir: &Path, output: Option<PathBuf>, arch: Option<String>) 
     }
     write(&dir.join("kernel.toml"), with_files_table(&manifest_text, &table).as_bytes())?;
     // 3. The CUDA sources, through NVRTC as a run will compile them.
-    compile_cuda(dir, &manifest, arch)?;
+    compile_cuda(dir, &manifest, arch, sources)?;
     // 4. Checks and the archive, as `kiln package pack` does them.
     // By default beside the folder (never inside it, which `pack` refuses).
     super::registry::pack_to(dir, |pkg| {
@@ -330,8 +339,13 @@ pub fn build_package(dir: &Path, output: Option<PathBuf>, arch: Option<String>) 
 /// kernels ([`crate::cuda::compile_package`]). Without NVRTC it says so and goes on, unless
 /// `arch` was asked for. Errors: a bad `--arch`, a source that does not compile, a listed
 /// kernel it does not define.
-fn compile_cuda(dir: &Path, manifest: &kiln_kernel_abi::manifest::Manifest, arch: Option<String>) -> Result<()> {
-    if manifest.cuda.is_empty() {
+fn compile_cuda(
+    dir: &Path,
+    manifest: &kiln_kernel_abi::manifest::Manifest,
+    arch: Option<String>,
+    sources: &DependencySources,
+) -> Result<()> {
+    if manifest.cuda.is_empty() && manifest.headers.is_empty() {
         return Ok(());
     }
     if let Some(a) = &arch {
@@ -370,19 +384,29 @@ fn compile_cuda(dir: &Path, manifest: &kiln_kernel_abi::manifest::Manifest, arch
             "NVRTC {major}.{minor} compiles for no architecture that kernel.toml's min_compute_capability allows"
         )));
     };
-    let headers = build_includes(dir, manifest)?;
+    let headers = build_includes(dir, manifest, sources)?;
+    if manifest.cuda.is_empty() {
+        // A header-only package: a source that includes each of its headers.
+        let source: String =
+            manifest.headers.iter().map(|h| format!("#include \"{}\"\n", manifest.include_name(h))).collect();
+        let name = &manifest.package.name;
+        crate::cuda::compile_cached(name, "(each header)", &source, &headers, &arch)
+            .map_err(|e| Error::Input(e.to_string()))?;
+        eprintln!("compiled {} header(s) for {arch} with NVRTC {major}.{minor}", manifest.headers.len());
+        return Ok(());
+    }
     let n = crate::cuda::compile_package(dir, manifest, &headers, &arch)?;
     eprintln!("compiled {n} CUDA source(s) for {arch} with NVRTC {major}.{minor}: every listed kernel is defined");
     Ok(())
 }
 
 /// The headers the package's CUDA sources may include, by include name: its own `headers` (read
-/// from `dir`) and its dependencies', resolved against the drop-in folders
-/// (`KILN_PACKAGE_PATH`) and the built-in packages as a run resolves them. Errors: a header
-/// that cannot be read, a dependency no source meets.
+/// from `dir`) and its dependencies', resolved against `sources` and the built-in packages as
+/// a run resolves them. Errors: a header that cannot be read, a dependency no source meets.
 fn build_includes(
     dir: &Path,
     manifest: &kiln_kernel_abi::manifest::Manifest,
+    sources: &DependencySources,
 ) -> Result<std::collections::BTreeMap<String, String>> {
     let mut own = std::collections::BTreeMap::new();
     for h in &manifest.headers {
@@ -393,7 +417,7 @@ fn build_includes(
     if manifest.dependencies.is_empty() {
         return Ok(own);
     }
-    let (reg, _) = crate::packages::registry(&crate::packages::search_path(&[]), &[]);
+    let (reg, _) = crate::packages::registry(&sources.0, &sources.1);
     let id = format!("{}@{}", manifest.package.name, manifest.package.version);
     reg.includes_for(&id, &own, &manifest.dependencies).map_err(Error::Input)
 }

@@ -91,7 +91,7 @@ pub fn run(a: ServeArgs) -> Result<ExitCode> {
     let limits =
         Limits { max_length, default_max_tokens: a.default_max_tokens, default_top_k: folder.config.search.top_k };
     let rt = Runtime::new(model_registry(&a.target.packages, &a.model_dir)?, super::sandbox_config())?;
-    let options = a.target.session_options(device, graphs);
+    let options = a.target.session_options(device, graphs)?;
     let opts = ServeOptions {
         addr: SocketAddr::new(a.host, a.port),
         api_key: a.api_key.or_else(|| std::env::var("KILN_API_KEY").ok().filter(|k| !k.is_empty())),

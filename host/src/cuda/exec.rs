@@ -234,8 +234,8 @@ impl Gpu {
         super::VirtualBuffer::reserve(&self.ctx, bytes, self.alloc.vmm_counters())
     }
 
-    /// Maps `vb` so that its first `bytes` bytes are usable, within the device-memory limit;
-    /// the newly mapped bytes are zeroed (on the stream). Errors: the limit (nothing mapped),
+    /// Maps `vb` so that its first `bytes` bytes are usable, within the device-memory limit
+    /// (their contents undefined). Errors: the limit ([`Error::OutOfMemory`], nothing mapped),
     /// the driver's.
     pub fn map(&mut self, vb: &mut super::VirtualBuffer, bytes: u64) -> Result<()> {
         let add = vb.growth(bytes);
@@ -243,10 +243,19 @@ impl Gpu {
             return Ok(());
         }
         self.alloc.charge_mapping(add)?;
-        let (offset, add) = vb.map_to(bytes)?;
+        vb.map_to(bytes)?;
         self.alloc.note_peak();
-        // SAFETY: [offset, offset + add) of vb was just mapped.
-        unsafe { cudarc::driver::result::memset_d8_async(vb.ptr() + offset, 0, add as usize, self.stream.cu_stream()) }
+        Ok(())
+    }
+
+    /// Sets `bytes` bytes at `ptr` to zero (enqueued on the stream; the caller guarantees the
+    /// extent).
+    pub fn zero(&mut self, ptr: CUdeviceptr, bytes: u64) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller guarantees [ptr, ptr + bytes) is device memory it owns.
+        unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, bytes as usize, self.stream.cu_stream()) }
             .map_err(dev_err("cuMemsetD8Async"))
     }
 

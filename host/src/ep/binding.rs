@@ -266,11 +266,13 @@ impl Session {
         let Some(Held { reserved: Some(r), value, capacity, .. }) = self.held.get_mut(&t.id) else {
             return Err(Error::Device("a reserved tensor lost its addresses".into()));
         };
-        match nbytes > r.buffer.mapped() {
-            true => gpu.map(&mut r.buffer, nbytes)?,
-            false => {
-                r.buffer.unmap_past(nbytes)?;
-            }
+        let old = *capacity;
+        if nbytes > old {
+            // Rows newly in use are zeros, whether their chunk is new or was mapped already.
+            gpu.map(&mut r.buffer, nbytes)?;
+            gpu.zero(r.buffer.ptr() + old, nbytes - old)?;
+        } else {
+            r.buffer.unmap_past(nbytes)?;
         }
         if let Value::Device { shape: s, nbytes: n, .. } = value {
             *s = shape;

@@ -220,9 +220,10 @@ pub struct Join<'a> {
 impl ContinuousBatch {
     /// An empty batch of `rows` slots (on a GPU, the bucket of `rows`: 1, 2, 4, 8, 16, 32, then
     /// multiples of 32) for sequences of at most `max_length` positions (default: the folder's
-    /// `search.max_length`). On a GPU the cache for every slot is allocated here (all the batch
-    /// will hold), so that a batch that cannot fit fails now. Errors: a folder without a shared KV buffer or device-step
-    /// packages, a length over the model's context, or device memory.
+    /// `search.max_length`). On a GPU the addresses of every slot's cache are reserved here and
+    /// the rows in use are mapped as sequences join (a join that would pass the device-memory
+    /// limit fails then, with [`Error::OutOfMemory`]). Errors: a folder without a shared KV
+    /// buffer or device-step packages, a length over the model's context, or device memory.
     pub fn new(g: &mut Generator, rows: usize, max_length: Option<usize>) -> Result<ContinuousBatch> {
         let cfg = g.folder.config.clone();
         let max_length = cfg.checked_max_length(max_length)?;
@@ -523,7 +524,7 @@ impl ContinuousBatch {
         let kv = match &self.full {
             Some(full) => {
                 if grow {
-                    g.map_kv_rows(full, n)?;
+                    g.map_kv_rows(full, n, true)?;
                 }
                 g.kv_rows(full, n)?
             }
@@ -548,7 +549,7 @@ impl ContinuousBatch {
         self.stats.transitions += 1;
         // Shrunk: the rows past the running ones are unmapped, once the copies are done.
         match (&self.full, grow) {
-            (Some(full), false) => g.map_kv_rows(full, n).map(|_| ()),
+            (Some(full), false) => g.map_kv_rows(full, n, false).map(|_| ()),
             _ => Ok(()),
         }
     }

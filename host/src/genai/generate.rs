@@ -242,41 +242,52 @@ impl Generator {
         Ok(KvCache { past, batch, shared: true, limit, total: 0, mask: vec![0; batch * limit] })
     }
 
-    /// Maps the first `rows` rows of every tensor of `full` (a GPU's cache of
-    /// [`Generator::empty_kv`]), at the same addresses: growing maps at least the session's
-    /// [`crate::ep::SessionOptions::vmm_chunk_bytes`] in all (more rows, up to `full`'s, when
-    /// one row is smaller), zeros; shrinking unmaps the rest behind a fence (the device's work
-    /// so far finishes first). Returns the rows mapped now. Errors: views still reading rows
-    /// past `rows`, the device-memory limit or the driver's: then every tensor keeps the rows
-    /// it had.
-    pub(super) fn map_kv_rows(&mut self, full: &KvCache, rows: usize) -> Result<usize> {
+    /// Maps at least the first `rows` rows of every tensor of `full` (a GPU's cache of
+    /// [`Generator::empty_kv`]) at the same addresses (`grow`), or at most as many as needed
+    /// (`!grow`: the rest unmapped behind a fence, the device's work so far finished first),
+    /// in steps of at least the session's [`crate::ep::SessionOptions::vmm_chunk_bytes`] in all:
+    /// a growth maps that much or more (more rows, up to `full`'s, when one row is smaller), and
+    /// a shrink keeps that much. Newly used rows are zeros. Returns the rows mapped now. Errors:
+    /// views still reading rows being unmapped, the device-memory limit
+    /// ([`Error::OutOfMemory`]) or the driver's, each of its own kind: every tensor keeps the
+    /// rows it had then ([`Error::Device`] when even that fails).
+    pub(super) fn map_kv_rows(&mut self, full: &KvCache, rows: usize, grow: bool) -> Result<usize> {
         let Some(first) = full.past.first() else { return Ok(rows) };
         let now = self.session.tensor_type(first)?.1.first().copied().unwrap_or(0);
         let d = &self.folder.config.model.decoder;
         let row_bytes = (full.past.len() * d.num_key_value_heads * full.limit * d.head_size) as u64
             * self.folder.kv_dtype.size().unwrap_or(2) as u64;
-        let rows = match rows > now {
-            true => rows.max(now + self.session.options().vmm_chunk_bytes.div_ceil(row_bytes.max(1)) as usize),
-            false => rows,
+        let chunk_rows = self.session.options().vmm_chunk_bytes.div_ceil(row_bytes.max(1)) as usize;
+        let rows = match grow {
+            true if rows <= now => return Ok(now),
+            true => rows.max(now + chunk_rows),
+            false if rows >= now => return Ok(now),
+            false => rows.max(chunk_rows).min(now),
         }
         .min(full.batch);
+        if rows == now {
+            return Ok(now);
+        }
         for (i, t) in full.past.iter().enumerate() {
-            if let Err(e) = self.session.map_rows(t, rows) {
-                // Back to the rows every tensor had (unmapping what this call mapped).
-                for t in &full.past[..i] {
-                    let _ = self.session.map_rows(t, now);
-                }
-                let bytes = |r: usize| r as f64 * row_bytes as f64 / (1u64 << 20) as f64;
-                let why = format!(
-                    "the KV cache cannot grow from {now} to {rows} rows ({:.1} MiB to {:.1} MiB mapped): {e}",
-                    bytes(now),
-                    bytes(rows)
-                );
-                return Err(match e {
-                    Error::OutOfMemory(_) => Error::OutOfMemory(why),
-                    _ => Error::Device(why),
-                });
+            let Err(e) = self.session.map_rows(t, rows) else { continue };
+            // Back to the rows every tensor had.
+            if let Some(undo) = full.past[..i].iter().map(|t| self.session.map_rows(t, now)).find_map(Result::err) {
+                return Err(Error::Device(format!(
+                    "the KV cache's tensors could not go back to {now} rows after a failed move to {rows} ({e}): {undo}"
+                )));
             }
+            let mib = |r: usize| r as f64 * row_bytes as f64 / (1u64 << 20) as f64;
+            let why = format!(
+                "the KV cache cannot {} from {now} to {rows} rows ({:.1} MiB to {:.1} MiB mapped): {e}",
+                if grow { "grow" } else { "shrink" },
+                mib(now),
+                mib(rows)
+            );
+            return Err(match e {
+                Error::OutOfMemory(_) => Error::OutOfMemory(why),
+                Error::Input(_) => Error::Input(why),
+                _ => Error::Device(why),
+            });
         }
         Ok(rows)
     }
