@@ -1405,8 +1405,8 @@ fn arrivals(n: usize, every: usize, new: usize, vocab: usize) -> Vec<kiln_tests:
 /// granularity, 16 sequences join a 16-slot graph batch one every 24 steps, so the rows grow
 /// 1 → 2 → 4 → 8 → 16 and each cache tensor maps 4 chunks (3 chunk boundaries crossed), over
 /// 600+ steps. Graph steps give exactly the eager steps' tokens (both at the same rows), every
-/// step after each row count's first replays its graph, with no fallback, and once the rows
-/// shrink the chunks past them are unmapped.
+/// step after each row count's first replays its graph, with no fallback, and dropped, the
+/// batch unmaps every chunk.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_continuous_batchs_kv_cache_grows_in_place_over_chunks_on_graphs() {

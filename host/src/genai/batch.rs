@@ -11,11 +11,12 @@
 //! steps' GEMM shapes.
 //!
 //! The KV cache is shared by the rows (`[rows, kv_heads, limit, head_size]` per layer). On a
-//! GPU the cache of every slot is allocated once, `limit` = `max_length`, and the cache of `n`
-//! rows is its first `n` rows (views of the same buffers): every row count has the same
-//! addresses, so each count's captured graph stays valid, and memory is bounded by
-//! `capacity`. Growing moves nothing; shrinking compacts the running rows' KV to the front
-//! (device-to-device copies of their filled positions). On the CPU a move is a new cache, and
+//! GPU the addresses of every slot's cache are reserved once (VMM), `limit` = `max_length`, and
+//! the cache of `n` rows is its first `n` rows (views of the same buffers): every row count has
+//! the same addresses, so each count's captured graph stays valid. Only the rows run are mapped,
+//! so memory follows the load, bounded by `capacity`. Growing maps rows and moves nothing;
+//! shrinking compacts the running rows' KV to the front (device-to-device copies of their
+//! filled positions), and the rows past them are unmapped [`UNMAP_AFTER_STEPS`] steps later. On the CPU a move is a new cache, and
 //! its `limit` follows the sequences too ([`CPU_MIN_LIMIT`]). The generator keeps each row
 //! count's device-step buffers; a move rewrites them.
 //!
@@ -70,6 +71,12 @@ pub const CPU_MIN_LIMIT: usize = 128;
 /// they shrink at once.
 const SHRINK_AFTER_STEPS: u32 = 32;
 
+/// On a GPU the KV rows past the running ones stay mapped until the rows have been fewer for
+/// this many steps in a row (about two seconds of decode): a wave of requests that regrows the
+/// rows finds them mapped, since mapping costs driver calls per cache tensor and unmapping a
+/// synchronization of the device.
+const UNMAP_AFTER_STEPS: u32 = 2048;
+
 /// Prefill lengths of joining sequences on a GPU are padded to a multiple of this.
 pub const PREFILL_LENGTH_STEP: usize = 64;
 
@@ -98,6 +105,11 @@ pub struct ContinuousBatch {
     drained: Vec<Emitted>,
     /// Steps in a row whose sequences would have fit a quarter of the rows.
     low_steps: u32,
+    /// On a GPU, the rows of `full` mapped (at least the rows run; more after a shrink, until
+    /// [`UNMAP_AFTER_STEPS`]).
+    mapped: usize,
+    /// Steps in a row with more rows mapped than run.
+    surplus_steps: u32,
     /// The step buffers no longer match the rows (before the first step, after a failed step
     /// or write): rewrite every row before the next step.
     dirty: bool,
@@ -267,6 +279,8 @@ impl ContinuousBatch {
             follow: true,
             drained: Vec::new(),
             low_steps: 0,
+            mapped: rows,
+            surplus_steps: 0,
             dirty: true,
             sampling,
             invariant: false,
@@ -505,11 +519,11 @@ impl ContinuousBatch {
 
     /// Moves the running sequences to a cache of `n` rows (at least as many as they are), in
     /// row order: on a GPU the first `n` rows of the full cache (growing maps its rows and moves
-    /// nothing; shrinking compacts the running rows' KV to the front within it, then unmaps the
-    /// rest), on the CPU a new cache. The step buffers are rewritten before the next step.
-    /// Needs no step in flight. Errors: a step in flight, the growth's (the device-memory
-    /// limit), the copies' or (CPU) the allocation's: the rows stay as they were then; a failed
-    /// unmap after a shrink (a device fault) leaves the rows moved.
+    /// nothing; shrinking compacts the running rows' KV to the front within it, and the rows
+    /// past them are unmapped [`UNMAP_AFTER_STEPS`] later), on the CPU a new cache. The step
+    /// buffers are rewritten before the next step. Needs no step in flight. Errors: a step in
+    /// flight, the growth's (the device-memory limit), the copies' or (CPU) the allocation's:
+    /// the rows stay as they were then.
     fn transition(&mut self, g: &mut Generator, n: usize) -> Result<()> {
         if self.ahead.is_some() {
             return Err(Error::Device("the batch's rows cannot move while a step is in flight".into()));
@@ -524,7 +538,7 @@ impl ContinuousBatch {
         let kv = match &self.full {
             Some(full) => {
                 if grow {
-                    g.map_kv_rows(full, n, true)?;
+                    self.mapped = self.mapped.max(g.map_kv_rows(full, n, true)?);
                 }
                 g.kv_rows(full, n)?
             }
@@ -547,11 +561,12 @@ impl ContinuousBatch {
         self.dirty = true;
         self.low_steps = 0;
         self.stats.transitions += 1;
-        // Shrunk: the rows past the running ones are unmapped, once the copies are done.
-        match (&self.full, grow) {
-            (Some(full), false) => g.map_kv_rows(full, n, false).map(|_| ()),
-            _ => Ok(()),
-        }
+        Ok(())
+    }
+
+    /// Whether the rows past the running ones have stayed mapped long enough to unmap them.
+    fn unmap_wanted(&self) -> bool {
+        self.full.is_some() && self.mapped > self.rows.len() && self.surplus_steps >= UNMAP_AFTER_STEPS
     }
 
     /// Writes the rows of just-joined `rows` into the running step buffers, stream-ordered
@@ -730,6 +745,12 @@ impl ContinuousBatch {
                 if let Some(n) = self.rows_wanted() {
                     self.transition(g, n)?;
                 }
+                if self.unmap_wanted() {
+                    if let Some(full) = &self.full {
+                        self.mapped = g.map_kv_rows(full, self.rows.len(), false)?;
+                    }
+                    self.surplus_steps = 0;
+                }
                 let at_end = self.kv.total + 1 >= self.kv.limit;
                 if self.dirty || at_end {
                     self.stats.compactions += u64::from(at_end && !self.dirty);
@@ -740,7 +761,7 @@ impl ContinuousBatch {
         };
         // On the CPU a step runs when enqueued: running ahead would gain nothing, and the cache
         // may be reallocated between steps.
-        let stay = self.rows_wanted().is_none();
+        let stay = self.rows_wanted().is_none() && !self.unmap_wanted();
         if self.on_gpu && stay && !self.dirty && self.active() > 0 && self.kv.total + 1 < self.kv.limit {
             self.ahead = Some(self.enqueue(g)?);
         }
@@ -753,6 +774,8 @@ impl ContinuousBatch {
         self.stats.steps += 1;
         let low = 4 * self.rows_for(self.active()) <= self.rows.len();
         self.low_steps = if low { self.low_steps.saturating_add(1) } else { 0 };
+        let surplus = self.mapped > self.rows.len();
+        self.surplus_steps = if surplus { self.surplus_steps.saturating_add(1) } else { 0 };
         Ok((pending, self.rows.iter().map(|r| r.epoch).collect()))
     }
 
