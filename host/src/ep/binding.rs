@@ -204,6 +204,19 @@ impl Session {
         Ok(v)
     }
 
+    /// The bytes of a new held tensor of `dtype` and `shape`. Errors: unsupported dtype, size
+    /// overflow, over the session's limit per tensor.
+    fn new_tensor_bytes(&self, dtype: DType, shape: &[usize]) -> Result<u64> {
+        let nbytes = byte_size(dtype, shape)?;
+        if nbytes > self.max_tensor_bytes {
+            return Err(Error::Input(format!(
+                "a {dtype} tensor of shape {shape:?} ({nbytes} bytes) is over the limit of {} bytes per tensor",
+                self.max_tensor_bytes
+            )));
+        }
+        Ok(nbytes)
+    }
+
     /// A new held tensor of `dtype` whose addresses are reserved for `shape` (`[rows, ...]`)
     /// and whose first `mapped` rows are mapped, zeros: the tensor has shape `[mapped, ...]`.
     /// [`Session::map_rows`] maps more rows or fewer, at the same address; views of its first
@@ -213,13 +226,7 @@ impl Session {
     /// size overflow, the per-tensor limit, the device-memory limit (nothing is held then).
     pub fn reserve(&mut self, dtype: DType, shape: Vec<usize>, mapped: usize) -> Result<DeviceTensor> {
         self.reclaim();
-        let nbytes = byte_size(dtype, &shape)?;
-        if nbytes > self.max_tensor_bytes {
-            return Err(Error::Input(format!(
-                "a {dtype} tensor of shape {shape:?} ({nbytes} bytes) is over the limit of {} bytes per tensor",
-                self.max_tensor_bytes
-            )));
-        }
+        let nbytes = self.new_tensor_bytes(dtype, &shape)?;
         let rows = shape.first().copied().unwrap_or(1);
         if mapped > rows {
             return Err(Error::Input(format!("{mapped} rows mapped of a tensor of shape {shape:?}")));
@@ -319,13 +326,7 @@ impl Session {
     /// device memory limit.
     pub fn zeros(&mut self, dtype: DType, shape: Vec<usize>) -> Result<DeviceTensor> {
         self.reclaim();
-        let nbytes = byte_size(dtype, &shape)?;
-        if nbytes > self.max_tensor_bytes {
-            return Err(Error::Input(format!(
-                "a {dtype} tensor of shape {shape:?} ({nbytes} bytes) is over the limit of {} bytes per tensor",
-                self.max_tensor_bytes
-            )));
-        }
+        let nbytes = self.new_tensor_bytes(dtype, &shape)?;
         let value = match self.gpu.as_mut() {
             None => Value::Host(Tensor::new(dtype, shape, bytes::Bytes::from(vec![0u8; nbytes as usize]))?),
             Some(gpu) => {
