@@ -5,16 +5,19 @@
     python3 scripts/kernel-signatures.py --check kernels/*/        # exit 1 on any mismatch
 
 Each source is run through the C preprocessor (`cpp`, with the host prelude's folder
-host/cuda on the include path), so kernels that macros define are seen as the compiler sees
-them. A parameter is `tensor` when it is a pointer, else its scalar type: `i32` (int), `u32`
+host/cuda on the include path, and every header package's `include/` — of kernels/ and of the
+packages given — as `<package>/`, ABI.md §7.6), so kernels that macros define are seen as the
+compiler sees them. A parameter is `tensor` when it is a pointer, else its scalar type: `i32` (int), `u32`
 (unsigned), `i64` (long long, kiln_i64), `u64` (unsigned long long, kiln_u64), `f32` (float),
 `f64` (double); a `kiln_status*` is `status` (ABI.md §7.5). Kernels with the same parameters are grouped under a `*` pattern when one
 covers exactly them, else listed.
 """
 import os
 import re
+import glob
 import subprocess
 import sys
+import tempfile
 import tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,9 +30,24 @@ SCALARS = {
 }
 
 
-def kernels_of(source):
+def header_tree(pkgs):
+    """A temporary folder where `<package>/` is each header package's `include/` (the packages
+    of kernels/ and `pkgs`), as NVRTC sees their headers."""
+    tree = tempfile.mkdtemp(prefix="kiln-headers-")
+    for pkg in sorted(set(glob.glob(os.path.join(ROOT, "kernels", "*"))) | set(pkgs)):
+        path = os.path.join(pkg, "kernel.toml")
+        if not os.path.isfile(path):
+            continue
+        manifest = tomllib.load(open(path, "rb"))
+        name = manifest["package"]["name"]
+        if manifest.get("headers") and not os.path.exists(os.path.join(tree, name)):
+            os.symlink(os.path.abspath(os.path.join(pkg, "include")), os.path.join(tree, name))
+    return tree
+
+
+def kernels_of(source, tree):
     """{kernel name: [param kind, ...]} of every extern "C" __global__ function in `source`."""
-    out = subprocess.run(["cpp", "-P", "-x", "c++", "-I", os.path.join(ROOT, "host", "cuda"), source],
+    out = subprocess.run(["cpp", "-P", "-x", "c++", "-I", os.path.join(ROOT, "host", "cuda"), "-I", tree, source],
                          check=True, capture_output=True, text=True).stdout
     found = {}
     for m in re.finditer(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)', out):
@@ -80,10 +98,12 @@ def toml_list(items, indent="    "):
 def main(argv):
     check = argv[:1] == ["--check"]
     failed = 0
-    for pkg in argv[1:] if check else argv:
+    pkgs = argv[1:] if check else argv
+    tree = header_tree(pkgs)
+    for pkg in pkgs:
         manifest = tomllib.load(open(os.path.join(pkg, "kernel.toml"), "rb"))
         for c in manifest.get("cuda", []):
-            sigs = kernels_of(os.path.join(pkg, c["source"]))
+            sigs = kernels_of(os.path.join(pkg, c["source"]), tree)
             missing = [k for k in c["kernels"] if k not in sigs]
             if missing:
                 print(f"{pkg}: {c['source']}: declared kernels not in the source: {missing}")

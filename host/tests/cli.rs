@@ -389,6 +389,10 @@ fn a_header_package_is_a_dependency_that_runs_resolve() {
     let o = run(&["--packages", dir.to_str().unwrap()]);
     assert!(!o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("my-twice@0.1.0 depends on my-std ^1.0, which no package source has"), "{}", text(&o));
+    let o = kiln(&["verify", dir.to_str().unwrap(), "--device", "cpu"]);
+    assert!(!o.status.success() && text(&o).contains("package my-twice@0.1.0 is left out: "), "{}", text(&o));
+    let o = kiln(&["kernels", "why", "ai.example::Twice", "--packages", dir.to_str().unwrap()]);
+    assert!(text(&o).contains("drop-in folder") && text(&o).contains("depends on my-std"), "{}", text(&o));
 }
 
 /// `kiln package new` scaffolds a package that builds and passes its own test: `package build`

@@ -113,7 +113,7 @@ pub struct OpRegistry {
     ids: HashSet<(String, semver::Version)>,
     /// Packages taken out by policy ([`OpRegistry::exclude`]) with the reason, so that a node
     /// they would have run names them instead of saying that nothing provides its op.
-    excluded: Vec<(Arc<Package>, String)>,
+    excluded: Vec<(Arc<Package>, String, u32)>,
 }
 
 /// Precedence of the built-in packages.
@@ -175,15 +175,15 @@ impl OpRegistry {
     /// of nodes they declare ([`OpRegistry::resolve`], [`OpRegistry::explain`]).
     pub fn exclude(&mut self, mut why: impl FnMut(&Package) -> Option<String>) {
         let mut out = Vec::new();
-        for (p, _) in &self.packages {
+        for (p, precedence) in &self.packages {
             if let Some(reason) = why(p) {
-                out.push((p.clone(), reason));
+                out.push((p.clone(), reason, *precedence));
             }
         }
         if out.is_empty() {
             return;
         }
-        let gone: HashSet<String> = out.iter().map(|(p, _)| p.id()).collect();
+        let gone: HashSet<String> = out.iter().map(|(p, ..)| p.id()).collect();
         self.retain(|p| !gone.contains(&p.id()));
         self.excluded.extend(out);
     }
@@ -198,8 +198,8 @@ impl OpRegistry {
         let left_out: Vec<String> = self
             .excluded
             .iter()
-            .filter(|(p, _)| p.name() == name)
-            .map(|(p, why)| format!("{} ({why})", p.id()))
+            .filter(|(p, ..)| p.name() == name)
+            .map(|(p, why, _)| format!("{} ({why})", p.id()))
             .collect();
         if left_out.is_empty() {
             none.to_string()
@@ -213,8 +213,8 @@ impl OpRegistry {
         &'s self,
         domain: &'s str,
         op_type: &'s str,
-    ) -> impl Iterator<Item = &'s (Arc<Package>, String)> {
-        self.excluded.iter().filter(move |(p, _)| {
+    ) -> impl Iterator<Item = &'s (Arc<Package>, String, u32)> {
+        self.excluded.iter().filter(move |(p, ..)| {
             p.manifest
                 .ops
                 .iter()
@@ -297,8 +297,11 @@ impl OpRegistry {
             }
             let Some(dep) = self.dependency(&name, &req) else {
                 let there: Vec<String> = self.packages().filter(|p| p.name() == name).map(|p| p.id()).collect();
-                let note = self.versions_note(&name, &there, "none is available");
-                return Err(format!("{from} depends on {name} {req}, which no package source has ({note})"));
+                let note = match self.versions_note(&name, &there, "") {
+                    n if n.is_empty() => String::new(),
+                    n => format!(" ({n})"),
+                };
+                return Err(format!("{from} depends on {name} {req}, which no package source has{note}"));
             };
             chosen.push((dep, format!("{from} ({req})")));
             todo.extend(dep.manifest.dependencies.iter().rev().map(|(n, r)| (n.clone(), r.clone(), dep.id())));
@@ -344,9 +347,10 @@ impl OpRegistry {
         self.exclude(|p| broken.get(&p.id()).cloned());
     }
 
-    /// The packages taken out ([`OpRegistry::exclude`], [`OpRegistry::link`]) with the reason.
-    pub fn excluded(&self) -> impl Iterator<Item = (&Arc<Package>, &str)> {
-        self.excluded.iter().map(|(p, why)| (p, why.as_str()))
+    /// The packages taken out ([`OpRegistry::exclude`], [`OpRegistry::link`]) with the reason
+    /// and the precedence they had.
+    pub fn excluded(&self) -> impl Iterator<Item = (&Arc<Package>, &str, u32)> {
+        self.excluded.iter().map(|(p, why, precedence)| (p, why.as_str(), *precedence))
     }
 
     /// All packages, in registration order.
@@ -377,7 +381,7 @@ impl OpRegistry {
         }
         let best = best.map(|(p, e, precedence)| Resolution { package: p.clone(), entry: e.clone(), precedence });
         if best.is_none() {
-            for (p, reason) in self.excluded_for(domain, q.op_type) {
+            for (p, reason, _) in self.excluded_for(domain, q.op_type) {
                 rejections.push(Rejection { package: p.id(), reason: reason.clone() });
             }
         }
@@ -490,8 +494,12 @@ impl OpRegistry {
             };
             out.push(Candidate { package: pkg.clone(), precedence, verdict });
         }
-        for (p, reason) in self.excluded_for(domain, q.op_type) {
-            out.push(Candidate { package: p.clone(), precedence: 0, verdict: Verdict::Rejected(reason.clone()) });
+        for (p, reason, precedence) in self.excluded_for(domain, q.op_type) {
+            out.push(Candidate {
+                package: p.clone(),
+                precedence: *precedence,
+                verdict: Verdict::Rejected(reason.clone()),
+            });
         }
         let rank = |c: &Candidate| match c.verdict {
             Verdict::Chosen => 0,

@@ -316,7 +316,7 @@ pub fn run(cmd: KernelsCommand) -> Result<ExitCode> {
                     println!("  depends on: {}", deps.join(", "));
                 }
             }
-            for (p, why) in reg.excluded() {
+            for (p, why, _) in reg.excluded() {
                 println!("{} {}  ({})  [left out: {why}]", p.name(), p.version(), p.origin);
             }
             for e in &errors {

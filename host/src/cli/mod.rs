@@ -237,8 +237,9 @@ pub struct ModelRunArgs {
     /// where the GPU has it, `on` makes a GPU without it an error, `off` launches plainly.
     #[arg(long = "pdl", value_enum, default_value_t)]
     pub pdl: crate::capture::PdlMode,
-    /// Most device memory kiln may hold, in MiB: its pool and the KV caches' mapped memory. A
-    /// KV cache that would grow past it (a batch's rows joining) is refused with an error.
+    /// Most device memory kiln may hold on a GPU, in MiB (default: all of the device's; the CPU
+    /// ignores it): its pool, and what the KV caches map. An allocation past it fails with an
+    /// out-of-memory error (in `kiln serve`, only the requests that needed the room).
     #[arg(long, value_name = "MIB")]
     pub device_memory_limit: Option<u64>,
 }

@@ -77,7 +77,8 @@ pub enum PackageCommand {
     /// NVRTC (when the library is present, no GPU needed) and each listed kernel found in them;
     /// the checks of `pack`; then the `.kpkg` archive.
     Build {
-        /// The package folder (kernel.toml and shim/Cargo.toml).
+        /// The package folder (kernel.toml and shim/Cargo.toml; a header-only package has no
+        /// shim).
         dir: PathBuf,
         /// The archive to write (default: NAME-VERSION.kpkg beside the package folder).
         #[arg(short, long, value_name = "FILE")]

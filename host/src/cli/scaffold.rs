@@ -362,8 +362,9 @@ fn compile_cuda(
                     .into(),
             ));
         }
+        let what = if manifest.cuda.is_empty() { "CUDA headers" } else { "CUDA sources" };
         eprintln!(
-            "CUDA sources not compiled: NVRTC (libnvrtc) is not available here; a GPU run compiles them when it loads \
+            "{what} not compiled: NVRTC (libnvrtc) is not available here; a GPU run compiles them when it loads \
              the package (`--arch sm_XY` with NVRTC present checks them now)"
         );
         return Ok(());

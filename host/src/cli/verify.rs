@@ -82,6 +82,9 @@ pub fn run(mut a: VerifyArgs) -> Result<ExitCode> {
     let reg = registry(&a.packages)?;
     let pkg = reg.packages().filter(|p| p.name() == a.package).max_by_key(|p| p.version().clone()).cloned();
     let pkg = pkg.ok_or_else(|| {
+        if let Some((p, why, _)) = reg.excluded().find(|(p, ..)| p.name() == a.package) {
+            return Error::Input(format!("package {} is left out: {why}", p.id()));
+        }
         let mut names: Vec<&str> = reg.packages().map(|p| p.name()).collect();
         names.dedup();
         Error::Input(format!("no package named {:?}; available packages: {}", a.package, names.join(", ")))
