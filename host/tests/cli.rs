@@ -153,8 +153,10 @@ fn conformance_prints_a_table_and_the_summary_line() {
 
 #[test]
 fn bad_arguments_are_clear_errors() {
-    let cases: [(&[&str], &str); 6] = [
+    let cases: [(&[&str], &str); 8] = [
         (&["run", "nope.onnx"], "nope.onnx: No such file"),
+        (&["run", "examples/mlp/model.onnx", "--device-memory-limit", "0"], "0 is not in 1..=17592186044415"),
+        (&["generate", "x", "--device-memory-limit", "99999999999999999999"], "--device-memory-limit"),
         (&["run", "examples/mlp/model.onnx", "--input", "x"], "expected NAME=FILE"),
         (&["run", "examples/mlp/model.onnx", "--input", "x=examples/mlp/model.onnx"], "must end in .npy or .pb"),
         (&["run", "examples/mlp/model.onnx", "--input", "x=examples/mlp/x.npy", "--device", "cuda"], "no CUDA driver"),

@@ -240,7 +240,7 @@ pub struct ModelRunArgs {
     /// Most device memory kiln may hold on a GPU, in MiB (default: all of the device's; the CPU
     /// ignores it): its pool, and what the KV caches map. An allocation past it fails with an
     /// out-of-memory error (in `kiln serve`, only the requests that needed the room).
-    #[arg(long, value_name = "MIB")]
+    #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..=(u64::MAX >> 20)))]
     pub device_memory_limit: Option<u64>,
 }
 
