@@ -30,10 +30,9 @@ SCALARS = {
 }
 
 
-def header_tree(pkgs):
-    """A temporary folder where `<package>/` is each header package's `include/` (the packages
-    of kernels/ and `pkgs`), as NVRTC sees their headers."""
-    tree = tempfile.mkdtemp(prefix="kiln-headers-")
+def header_tree(pkgs, tree):
+    """Fills folder `tree` so that `<package>/` is each header package's `include/` (the
+    packages of kernels/ and `pkgs`), as NVRTC sees their headers; returns it."""
     for pkg in sorted(set(glob.glob(os.path.join(ROOT, "kernels", "*"))) | set(pkgs)):
         path = os.path.join(pkg, "kernel.toml")
         if not os.path.isfile(path):
@@ -97,9 +96,13 @@ def toml_list(items, indent="    "):
 
 def main(argv):
     check = argv[:1] == ["--check"]
-    failed = 0
     pkgs = argv[1:] if check else argv
-    tree = header_tree(pkgs)
+    with tempfile.TemporaryDirectory(prefix="kiln-headers-") as tree:
+        return check_or_print(pkgs, check, header_tree(pkgs, tree))
+
+
+def check_or_print(pkgs, check, tree):
+    failed = 0
     for pkg in pkgs:
         manifest = tomllib.load(open(os.path.join(pkg, "kernel.toml"), "rb"))
         for c in manifest.get("cuda", []):

@@ -83,8 +83,9 @@ pub fn registry(dirs: &[PathBuf], registries: &[PathBuf]) -> (OpRegistry, Vec<Re
             Err(e) => errors.push(e),
         }
     }
-    // Each package's dependencies resolved into its headers (`kernels warm` and `bench ops`
-    // compile from this registry without a `Runtime`, which links again).
+    // Each package's dependencies resolved into its headers, and the packages whose
+    // dependencies cannot be met left out with the reason (`kernels list` shows them); the CLI
+    // links again after its policies, and so does `Runtime::new`.
     reg.link();
     (reg, errors)
 }

@@ -111,11 +111,6 @@ impl VirtualBuffer {
         self.ptr
     }
 
-    /// Bytes of addresses reserved.
-    pub fn reserved(&self) -> u64 {
-        self.reserved
-    }
-
     /// Bytes mapped from the start (a multiple of the granularity).
     pub fn mapped(&self) -> u64 {
         self.chunks.last().map_or(0, |c| c.offset + c.bytes)
@@ -129,14 +124,13 @@ impl VirtualBuffer {
     }
 
     /// Maps one chunk so that at least the first `bytes` bytes (within the reservation) are
-    /// mapped; the caller charged [`VirtualBuffer::growth`] against its limit. Returns the range
-    /// newly mapped (start offset, bytes), whose contents are undefined. Errors: the driver's
-    /// (out of memory); nothing is mapped then.
-    pub fn map_to(&mut self, bytes: u64) -> Result<(u64, u64)> {
+    /// mapped; the caller charged [`VirtualBuffer::growth`] against its limit. The new bytes'
+    /// contents are undefined. Errors: the driver's (out of memory); nothing is mapped then.
+    pub fn map_to(&mut self, bytes: u64) -> Result<()> {
         let add = self.growth(bytes);
         let offset = self.mapped();
         if add == 0 {
-            return Ok((offset, 0));
+            return Ok(());
         }
         self.ctx.bind_to_thread().map_err(|e| Error::Device(format!("cuCtxSetCurrent: {e}")))?;
         let prop = allocation_prop(self.ctx.cu_device());
@@ -166,25 +160,21 @@ impl VirtualBuffer {
         self.chunks.push(Chunk { handle, offset, bytes: add });
         self.counters.mapped.fetch_add(add, Ordering::Relaxed);
         self.counters.maps.fetch_add(1, Ordering::Relaxed);
-        Ok((offset, add))
+        Ok(())
     }
 
     /// Unmaps the chunks that lie wholly past the first `bytes` bytes, behind a fence: the
-    /// context's work so far (which may read them) finishes first. Returns the bytes unmapped.
-    /// Errors: the synchronization's (a device fault); nothing is unmapped then.
-    pub fn unmap_past(&mut self, bytes: u64) -> Result<u64> {
+    /// context's work so far (which may read them) finishes first. Errors: the
+    /// synchronization's (a device fault); nothing is unmapped then.
+    pub fn unmap_past(&mut self, bytes: u64) -> Result<()> {
         if self.chunks.last().is_none_or(|c| c.offset < bytes) {
-            return Ok(0);
+            return Ok(());
         }
         self.ctx.synchronize().map_err(|e| Error::Device(format!("cuCtxSynchronize before cuMemUnmap: {e}")))?;
-        let mut freed = 0;
-        while self.chunks.last().is_some_and(|c| c.offset >= bytes) {
-            if let Some(c) = self.chunks.pop() {
-                freed += c.bytes;
-                self.release(c);
-            }
+        while let Some(c) = self.chunks.pop_if(|c| c.offset >= bytes) {
+            self.release(c);
         }
-        Ok(freed)
+        Ok(())
     }
 
     fn release(&self, c: Chunk) {

@@ -538,7 +538,7 @@ impl ContinuousBatch {
         let kv = match &self.full {
             Some(full) => {
                 if grow {
-                    self.mapped = self.mapped.max(g.map_kv_rows(full, n, true)?);
+                    self.mapped = g.map_kv_rows(full, n, true)?;
                 }
                 g.kv_rows(full, n)?
             }
