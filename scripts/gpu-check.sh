@@ -153,10 +153,10 @@ for w in glob.glob(".gpu/python/*.whl"):
       echo "== attention: $v"
       for p in 128 3840; do
         "$KILN" bench decode "$m" --batch 1 --batch 8 --graph on --runs 3 --prompt-len $p --max-length 4096 "${pk[@]}" 2>&1 |
-          grep -E "^\| [0-9]"
+          grep -E "^\| [0-9]|[Ee]rror|failed"
       done
       "$KILN" bench decode "$m" --batch 64 --graph on --runs 2 --prompt-len 128 --new-tokens 128 --max-length 512 \
-        "${pk[@]}" 2>&1 | grep -E "^\| [0-9]"
+        "${pk[@]}" 2>&1 | grep -E "^\| [0-9]|[Ee]rror|failed"
       ncu --cache-control none --clock-control none --kernel-name regex:'kiln_gqa_(decode|merge)' --launch-skip 60 \
         --launch-count 4 --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,launch__registers_per_thread,smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct \
         --csv --print-units base "$KILN" bench decode "$m" --batch 8 --graph off --runs 1 --new-tokens 4 \

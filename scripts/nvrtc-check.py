@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Compiles CUDA sources with NVRTC (no GPU needed) to check they build, as kiln will at run
-time, with the host's prelude header kiln.cuh, and prints ptxas's report of each kernel:
+time, with the host's prelude header kiln.cuh and the header packages, and prints ptxas's report of each kernel:
 registers, bytes spilled and static shared memory. Usage:
     python3 scripts/nvrtc-check.py [--arch sm_90] [--kernel REGEX] FILE.cu ...
 
@@ -15,6 +15,7 @@ import os
 import re
 import sys
 import sysconfig
+import tomllib
 
 
 def find_nvrtc():
@@ -30,6 +31,20 @@ def find_nvrtc():
         if hits:
             return hits[0]
     return "libnvrtc.so.13"
+
+
+def header_packages(root):
+    """Every header package's include/ files under `root`/kernels as (name, bytes), named
+    `<package>/<file>` as the host gives them to NVRTC (ABI.md §7.6)."""
+    out = [(b"kiln.cuh", open(os.path.join(root, "host", "cuda", "kiln.cuh"), "rb").read())]
+    for inc in sorted(glob.glob(os.path.join(root, "kernels", "*", "include"))):
+        with open(os.path.join(os.path.dirname(inc), "kernel.toml"), "rb") as f:
+            name = tomllib.load(f)["package"]["name"]
+        for path in sorted(glob.glob(os.path.join(inc, "**", "*"), recursive=True)):
+            if os.path.isfile(path):
+                rel = os.path.relpath(path, inc).replace(os.sep, "/")
+                out.append((f"{name}/{rel}".encode(), open(path, "rb").read()))
+    return out
 
 
 def kernel_report(log, pattern):
@@ -59,14 +74,14 @@ def main():
     ap.add_argument("--kernel", default=".", help="report only kernels whose name matches")
     a = ap.parse_args()
     lib = ctypes.CDLL(find_nvrtc())
-    prelude = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "host", "cuda", "kiln.cuh"), "rb").read()
+    headers = header_packages(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     failed = 0
     for path in a.files:
         src = open(path, "rb").read()
         prog = ctypes.c_void_p()
-        headers = (ctypes.c_char_p * 1)(prelude)
-        names = (ctypes.c_char_p * 1)(b"kiln.cuh")
-        rc = lib.nvrtcCreateProgram(ctypes.byref(prog), src, os.path.basename(path).encode(), 1, headers, names)
+        sources = (ctypes.c_char_p * len(headers))(*(h for _, h in headers))
+        names = (ctypes.c_char_p * len(headers))(*(n for n, _ in headers))
+        rc = lib.nvrtcCreateProgram(ctypes.byref(prog), src, os.path.basename(path).encode(), len(headers), sources, names)
         assert rc == 0, rc
         opts = [f"--gpu-architecture={a.arch}".encode(), b"--std=c++17", b"-default-device", b"--ptxas-options=-v"]
         opts += [o.encode() for o in os.environ.get("KILN_NVRTC_OPTS", "").split()]

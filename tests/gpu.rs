@@ -491,12 +491,14 @@ fn the_example_replays_as_a_graph_and_a_moving_binding_exhausts_the_budget() {
 /// GroupQueryAttention decode over a long shared buffer (split over the keys in chunks of 256,
 /// then merged) against the package's CPU reference on the same float32 inputs: rows of 3000,
 /// 700 and 1 valid positions in a 3072-position buffer, rotary on, with and without a local
-/// window; 2 query heads per KV head (the kernel by KV head) and 9 (one block per query head).
-/// max |Δ| ≤ 1e-4 on the output and the present K/V.
+/// window; 2 query heads per KV head (the kernel by KV head, rows in registers), 4 query heads
+/// over 8 KV heads (73,728 cached keys in all: the kernel by KV head over shared-memory tiles)
+/// and 9 (one block per query head). max |Δ| ≤ 1e-4 on the output and the present K/V.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn long_context_decode_attention_matches_the_cpu_reference() {
     long_context_decode_attention(4, 2);
+    long_context_decode_attention(32, 8);
     long_context_decode_attention(18, 2);
 }
 

@@ -122,7 +122,7 @@ fn kernels_list_shows_every_builtin_package() {
         "kiln-reduce 1.0.0",
         "kiln-normalization 1.0.0",
         "kiln-tensor 1.1.0",
-        "kiln-cuda-std 1.0.0",
+        "kiln-cuda-std 1.1.0",
     ] {
         assert!(t.contains(p), "{p} missing from:\n{t}");
     }
@@ -815,7 +815,7 @@ fn inspect_shows_shapes_packages_fusions_and_what_is_missing() {
     assert_eq!(input["dtype"], "int64");
     let ops = doc["ops"].as_array().unwrap();
     let op = |name: &str| ops.iter().find(|r| r["op"] == name).cloned();
-    assert_eq!(op("com.microsoft::GroupQueryAttention").unwrap()["package"], "kiln-attention@1.3.1");
+    assert_eq!(op("com.microsoft::GroupQueryAttention").unwrap()["package"], "kiln-attention@1.4.0");
     // Fused: each layer's norms and projections become kiln-matmul's linear layers (the MLP
     // half one RmsNormLinear and one SwiGluLinear).
     assert_eq!(op("ai.kiln::SwiGluLinear").unwrap()["nodes"], 2);

@@ -18,7 +18,9 @@ pub struct LaunchLimits {
     pub max_threads_per_block: u32,
     pub max_block: [u32; 3],
     pub max_grid: [u32; 3],
-    /// Dynamic shared memory per block, bytes.
+    /// Dynamic shared memory per block, bytes: the device's opt-in maximum
+    /// (`CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN`, 227 KiB on compute capability
+    /// 9.0), which the kernel's static shared memory shares.
     pub max_shared_mem_bytes: u32,
 }
 

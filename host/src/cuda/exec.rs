@@ -111,6 +111,22 @@ fn launch_pdl(
         .map_err(|e| Error::Device(format!("launch of {kernel} (programmatic dependent launch): {e}")))
 }
 
+/// Lets `f` launch with up to `limit` bytes of shared memory per block, static included (the
+/// device's opt-in maximum, which the sandbox checks launches against): past 48 KiB the driver
+/// refuses a launch unless the function's `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`
+/// allows it (CUDA Programming Guide, "Shared Memory", compute capability 7.x and later). The
+/// attribute is a permission only: a launch still reserves the memory it asks for.
+fn opt_in_shared_memory(f: &CudaFunction, limit: u32) -> std::result::Result<(), cudarc::driver::DriverError> {
+    use cudarc::driver::sys::CUfunction_attribute_enum as FuncAttr;
+    let default = 48 << 10;
+    if limit <= default {
+        return Ok(());
+    }
+    let static_bytes = f.shared_size_bytes()?.max(0) as u32;
+    let dynamic = limit.saturating_sub(static_bytes).min(i32::MAX as u32) as i32;
+    f.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dynamic)
+}
+
 /// The parameters of a loaded kernel as compiled (`cuFuncGetParamInfo`, CUDA 12.4: each one's
 /// size, in order) against its signature in the package's manifest (ABI.md §7.3), once per
 /// kernel at load: a count or a size that differs would have the driver read a parameter buffer
@@ -332,6 +348,8 @@ impl Gpu {
                     if self.info.driver_version >= 12040 {
                         check_params(&id, k, f.cu_function(), src.params(k).unwrap_or_default())?;
                     }
+                    opt_in_shared_memory(&f, self.info.launch_limits.max_shared_mem_bytes)
+                        .map_err(|e| Error::Device(format!("{id}: kernel {k} of {}: {e}", src.source)))?;
                     fns.insert(k.clone(), f);
                 }
             }

@@ -133,8 +133,10 @@ pub fn open_context(ordinal: usize) -> Result<(Arc<CudaContext>, Arc<CudaStream>
             attr(&ctx, Attr::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y)?,
             attr(&ctx, Attr::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z)?,
         ],
-        // Without an opt-in (cuFuncSetAttribute), 48 KiB of dynamic shared memory per block.
-        max_shared_mem_bytes: attr(&ctx, Attr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK)?,
+        // The opt-in maximum (227 KiB on Hopper): every loaded kernel is opted in up to it
+        // (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`, see `Gpu::kernels`).
+        max_shared_mem_bytes: attr(&ctx, Attr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
+            .max(attr(&ctx, Attr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK)?),
     };
     let info = DeviceInfo {
         ordinal,

@@ -493,7 +493,10 @@ impl Session {
     pub(super) fn call_shim(&mut self, pkg: &Package, kind: CallKind, args: CallArgs<'_>) -> Result<CallOutcome> {
         let id = pkg.id();
         if !self.instances.contains_key(&id) {
-            let inst = self.rt.module(pkg)?.instantiate()?;
+            let mut inst = self.rt.module(pkg)?.instantiate()?;
+            if let Some(gpu) = &self.gpu {
+                inst.set_launch_limits(gpu.info.launch_limits);
+            }
             self.report.instances += 1;
             self.instances.insert(id.clone(), inst);
         }

@@ -2,6 +2,7 @@
 // attention with online softmax) and RotaryEmbedding. Semantics follow the CPU reference in
 // shim/src/lib.rs. Argument order matches the shim's `launch` calls exactly.
 #include "kiln.cuh"
+#include "kiln-cuda-std/async.cuh"
 #include "kiln-cuda-std/reduce.cuh"
 
 // Largest head size of the attention kernel: each lane holds ceil(H / 32) ≤ 8 elements.
@@ -484,40 +485,53 @@ __device__ void gqa_decode_split(const typename Tag::storage* q_src, const typen
     for (unsigned d = threadIdx.x; d < H; d += blockDim.x) part[2 + d] = s_acc[0][d];
 }
 
-// Decode attention by KV head (S = 1, not a first prompt): block (split, j, b) reads keys
-// [split·GQA_DEC_KEYS, (split + 1)·GQA_DEC_KEYS) ∩ [start, end) of KV head j once, for all
-// `group` query heads that share it, with 16-byte loads:
-// 1. the group's query rows, rotated and rounded as the CPU reference does, into shared memory;
+// Decode attention by KV head (S = 1, not a first prompt), gqa_decode_tiled, for grids with many
+// keys in all (bandwidth-bound): block (split, j, b) reads keys [split·kpb, (split + 1)·kpb) ∩
+// [start, end) of KV head j once, for all `group` query heads that share it:
+// 1. the rows are copied into shared memory asynchronously (K, then V, as two groups:
+//    the scores start while V still arrives), swizzled by 16-byte vector so that both one row
+//    per thread (scores) and one row per 8 threads (Σ weight·V) read without bank conflicts;
+//    the group's query rows, rotated and rounded as the CPU reference does, into shared memory;
 // 2. one thread per key: its K row against every query row → scores in shared memory;
 // 3. one warp per query row: max and Σ e^(x − max), the scores turned into weights;
 // 4. threads over (key lane, 16-byte V vector): Σ weight·V per query row, reduced over the key
-//    lanes (warp shuffles, then shared memory).
+//    lanes (warp shuffles, then shared memory over the dead K tile).
 // With one split the block writes the output (sink_mode as gqa_attn); with several it writes
 // the partial state of gqa_decode_split for kiln_gqa_merge. With `append` it first writes the
-// present rows it owns (gqa_decode_append) instead of kiln_gqa_kv_*. Needs group ≤ GQA_DEC_MAX_GROUP,
-// group·H ≤ GQA_DEC_MAX_QH, H·sizeof(T) a multiple of 16, and 256 threads.
+// present rows it owns (gqa_decode_append) instead of kiln_gqa_kv_*; those rows reach shared
+// memory by plain loads after the block's barrier. Needs group ≤ GQA_DEC_MAX_GROUP,
+// group·H ≤ GQA_DEC_MAX_QH, H·sizeof(T) a power of two multiple of 16 (at most 512 bytes),
+// kpb ≤ GQA_DEC_KEYS, 256 threads, and gqa_decode_smem(kpb, H·sizeof(T), group·H) bytes of
+// dynamic shared memory.
 #define GQA_DEC_KEYS 256
 #define GQA_DEC_MAX_GROUP 8
 #define GQA_DEC_MAX_QH 1024
 #define GQA_DEC_WARPS 8
-#define GQA_DEC_ROW_VECS 8  // 16-byte vectors of a K row loaded together (a 64-wide f16 row)
-#define GQA_DEC_V_KEYS 8    // V rows per thread loaded together (every V row of a 64-wide f16 block at once)
+#define GQA_DEC_ROW_VECS 8  // 16-byte vectors of a K row read from shared memory together
+#define GQA_DEC_V_KEYS 4    // V rows per thread read from shared memory together
 
-// The present rows block (split, j, b) of gqa_decode owns, rows split·GQA_DEC_KEYS ..
-// + GQA_DEC_KEYS of KV head j, batch row b, as kiln_gqa_kv_* writes them for a shared past and
-// present (S = 1): bound in place (present is the past buffer) only the new row at `pos`, else
-// every owned row (the new row, past rows below P, zeros). Every key a block reads is a row it
-// owns, so the append needs no other block: a decode step runs one kernel fewer.
+// Bytes of gqa_decode's K tile, which the cross-warp reduction reuses once the scores are
+// computed; the V tile follows it.
+__host__ __device__ __forceinline__ unsigned gqa_decode_k_bytes(unsigned kpb, unsigned row_bytes, unsigned qh) {
+    const unsigned k = kpb * row_bytes, red = GQA_DEC_WARPS * qh * 4u;
+    return k > red ? k : red;
+}
+
+// The present rows block (split, j, b) of gqa_decode owns, rows split·kpb .. + kpb of KV head
+// j, batch row b, as kiln_gqa_kv_* writes them for a shared past and present (S = 1): bound in
+// place (present is the past buffer) only the new row at `pos`, else every owned row (the new
+// row, past rows below P, zeros). Every key a block reads is a row it owns, so the append needs
+// no other block: a decode step runs one kernel fewer.
 template <typename Tag>
 __device__ __forceinline__ void gqa_decode_append(
     const typename Tag::storage* k_src, const typename Tag::storage* v_src, const typename Tag::storage* past_k,
     const typename Tag::storage* past_v, const typename Tag::storage* cos_c, const typename Tag::storage* sin_c,
-    typename Tag::storage* pres_k, typename Tag::storage* pres_v, unsigned split, unsigned j, unsigned b, unsigned Nk,
-    unsigned H, unsigned PL, unsigned P, long long pos, kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off,
+    typename Tag::storage* pres_k, typename Tag::storage* pres_v, unsigned split, unsigned kpb, unsigned j, unsigned b,
+    unsigned Nk, unsigned H, unsigned PL, unsigned P, long long pos, kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off,
     kiln_u64 cache_rows, unsigned rotary_half, unsigned interleaved) {
     typedef typename Tag::storage T;
-    const long long r0 = (long long)split * GQA_DEC_KEYS;
-    const long long r1 = r0 + GQA_DEC_KEYS < (long long)PL ? r0 + GQA_DEC_KEYS : (long long)PL;
+    const long long r0 = (long long)split * kpb;
+    const long long r1 = r0 + kpb < (long long)PL ? r0 + kpb : (long long)PL;
     const T* kr = k_src + (kiln_u64)b * kv_w + k_off + (kiln_u64)j * H;
     const T* vr = v_src + (kiln_u64)b * kv_w + v_off + (kiln_u64)j * H;
     const kiln_u64 head = ((kiln_u64)b * Nk + j) * PL * H;
@@ -546,8 +560,20 @@ __device__ __forceinline__ void gqa_decode_append(
     }
 }
 
+// Index of 16-byte vector u of row r in a swizzled tile of rows of `vpr` vectors (a power of
+// two): rows r … r + 7 keep vector u in 8 different bank groups.
+__device__ __forceinline__ unsigned gqa_swz(unsigned r, unsigned u, unsigned vpr) {
+    return r * vpr + (u ^ (r & (vpr - 1) & 7u));
+}
+
+// Decode attention by KV head for latency-bound grids (the shim's choice for few keys in all):
+// the same steps as gqa_decode_tiled, but each thread loads its K row and GQA_DEC_REG_V_KEYS V rows
+// into registers at the start, before the append and the query rows, so their latency
+// overlaps those. No dynamic shared memory; 2 blocks per SM (128 registers).
+#define GQA_DEC_REG_V_KEYS 8  // V rows per thread loaded together (every V row of a 64-wide f16 block at once)
+
 template <typename Tag, int G>
-__device__ void gqa_decode(const typename Tag::storage* q_src, typename Tag::storage* pres_k,
+__device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag::storage* pres_k,
                            typename Tag::storage* pres_v, const int* seqlens, const typename Tag::storage* cos_c,
                            const typename Tag::storage* sin_c, const typename Tag::storage* bias,
                            const typename Tag::storage* sink, float* partial, typename Tag::storage* out, unsigned N,
@@ -556,7 +582,8 @@ __device__ void gqa_decode(const typename Tag::storage* q_src, typename Tag::sto
                            unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode,
                            const typename Tag::storage* k_src, const typename Tag::storage* v_src,
                            const typename Tag::storage* past_k, const typename Tag::storage* past_v, unsigned P,
-                           kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off, unsigned append, kiln_status* st) {
+                           kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off, unsigned append, unsigned kpb,
+                                kiln_status* st) {
     typedef typename Tag::storage T;
     const unsigned VE = 16 / sizeof(T);  // elements per 16-byte vector
     __shared__ __align__(16) float q_s[GQA_DEC_MAX_QH];
@@ -569,10 +596,10 @@ __device__ void gqa_decode(const typename Tag::storage* q_src, typename Tag::sto
         gqa_check(st, seqlens, gridDim.z, 1, 0, total, 0, 0, cache_rows, rotary_half);
     long long start, end, pos;
     gqa_range(seqlens, b, 0, 1, 0, window, PL, &start, &end, &pos);
-    long long lo = (long long)split * GQA_DEC_KEYS, hi = lo + GQA_DEC_KEYS;
+    long long lo = (long long)split * kpb, hi = lo + kpb;
     if (lo < start) lo = start;
     if (hi > end) hi = end;
-    const unsigned n = lo < hi ? (unsigned)(hi - lo) : 0;  // ≤ GQA_DEC_KEYS = blockDim.x
+    const unsigned n = lo < hi ? (unsigned)(hi - lo) : 0;  // ≤ kpb ≤ GQA_DEC_KEYS = blockDim.x
     const kiln_u64 head = ((kiln_u64)b * Nk + j) * PL * H;
     const unsigned vpr = H / VE;  // 16-byte vectors per K/V row
     // Key k's K and V rows are loaded before the append and the query rows (their latency
@@ -588,14 +615,14 @@ __device__ void gqa_decode(const typename Tag::storage* q_src, typename Tag::sto
     const unsigned lanes = blockDim.x / vpr;
     const unsigned kl = tid / vpr, vi = tid - kl * vpr;
     const auto vrow = [&](unsigned k) { return ((const uint4*)(pres_v + head + (kiln_u64)(lo + k) * H))[vi]; };
-    uint4 vraw[GQA_DEC_V_KEYS];
+    uint4 vraw[GQA_DEC_REG_V_KEYS];
 #pragma unroll
-    for (unsigned u = 0; u < GQA_DEC_V_KEYS; ++u) {
+    for (unsigned u = 0; u < GQA_DEC_REG_V_KEYS; ++u) {
         const unsigned k = kl + u * lanes;
         vraw[u] = k < n && !late(k) ? vrow(k) : make_uint4(0, 0, 0, 0);
     }
     if (append)
-        gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v, split, j, b, Nk, H, PL, P,
+        gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v, split, kpb, j, b, Nk, H, PL, P,
                                pos, kv_w, k_off, v_off, cache_rows, rotary_half, interleaved);
     if (n == 0) {
         if (splits == 1) {
@@ -675,7 +702,7 @@ __device__ void gqa_decode(const typename Tag::storage* q_src, typename Tag::sto
         }
     }
     __syncthreads();
-    // 4. Σ weight·V: thread (key lane kl, vector vi), GQA_DEC_V_KEYS keys' loads in flight (the
+    // 4. Σ weight·V: thread (key lane kl, vector vi), GQA_DEC_REG_V_KEYS keys' loads in flight (the
     // first ones loaded above).
     float acc[G][8];
 #pragma unroll
@@ -683,15 +710,15 @@ __device__ void gqa_decode(const typename Tag::storage* q_src, typename Tag::sto
 #pragma unroll
         for (int x = 0; x < 8; ++x) acc[g][x] = 0.f;
     if (kl < lanes) {
-        for (unsigned k0 = kl; k0 < n; k0 += GQA_DEC_V_KEYS * lanes) {
-            uint4 raw[GQA_DEC_V_KEYS];
+        for (unsigned k0 = kl; k0 < n; k0 += GQA_DEC_REG_V_KEYS * lanes) {
+            uint4 raw[GQA_DEC_REG_V_KEYS];
 #pragma unroll
-            for (unsigned u = 0; u < GQA_DEC_V_KEYS; ++u) {
+            for (unsigned u = 0; u < GQA_DEC_REG_V_KEYS; ++u) {
                 const unsigned k = k0 + u * lanes;
                 raw[u] = k0 == kl && !late(k) ? vraw[u] : k < n ? vrow(k) : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
-            for (unsigned u = 0; u < GQA_DEC_V_KEYS; ++u) {
+            for (unsigned u = 0; u < GQA_DEC_REG_V_KEYS; ++u) {
                 const unsigned k = k0 + u * lanes;
                 if (k >= n) break;
                 const T* e = (const T*)&raw[u];
@@ -748,6 +775,221 @@ __device__ void gqa_decode(const typename Tag::storage* q_src, typename Tag::sto
     }
 }
 
+template <typename Tag, int G>
+__device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Tag::storage* pres_k,
+                           typename Tag::storage* pres_v, const int* seqlens, const typename Tag::storage* cos_c,
+                           const typename Tag::storage* sin_c, const typename Tag::storage* bias,
+                           const typename Tag::storage* sink, float* partial, typename Tag::storage* out, unsigned N,
+                           unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w, kiln_u64 cache_rows,
+                           unsigned rotary_half, unsigned interleaved, float scale, float softcap, int window,
+                           unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode,
+                           const typename Tag::storage* k_src, const typename Tag::storage* v_src,
+                           const typename Tag::storage* past_k, const typename Tag::storage* past_v, unsigned P,
+                           kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off, unsigned append, unsigned kpb,
+                           kiln_status* st) {
+    typedef typename Tag::storage T;
+    const unsigned VE = 16 / sizeof(T);  // elements per 16-byte vector
+    extern __shared__ __align__(16) unsigned char gqa_dyn[];
+    __shared__ __align__(16) float q_s[GQA_DEC_MAX_QH];
+    __shared__ float s_sc[G][GQA_DEC_KEYS];
+    __shared__ float s_m[G], s_l[G];
+    const unsigned split = blockIdx.x, j = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
+    const unsigned group = N / Nk, tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    const kiln_u64 head = ((kiln_u64)b * Nk + j) * PL * H;
+    const unsigned vpr = H / VE;  // 16-byte vectors per K/V row
+    const unsigned row_bytes = H * (unsigned)sizeof(T);
+    if (split == 0 && j == 0 && b == 0 && tid == 0)
+        gqa_check(st, seqlens, gridDim.z, 1, 0, total, 0, 0, cache_rows, rotary_half);
+    long long start, end, pos;
+    gqa_range(seqlens, b, 0, 1, 0, window, PL, &start, &end, &pos);
+    long long lo = (long long)split * kpb, hi = lo + kpb;
+    if (lo < start) lo = start;
+    if (hi > end) hi = end;
+    const unsigned n = lo < hi ? (unsigned)(hi - lo) : 0;  // ≤ kpb ≤ GQA_DEC_KEYS = blockDim.x
+    uint4* k_s = (uint4*)gqa_dyn;
+    uint4* v_s = (uint4*)(gqa_dyn + gqa_decode_k_bytes(kpb, row_bytes, group * H));
+    float* s_red = (float*)gqa_dyn;  // [GQA_DEC_WARPS][group·H], once the scores are computed
+    // 1. Rows this block writes first (the new row, or every owned row when the present is not
+    // the past buffer) are read after the barrier below; the others are copied now.
+    const bool in_place = pres_k == past_k && pres_v == past_v;
+    const auto late = [&](unsigned k) { return append && (!in_place || lo + (long long)k == pos); };
+    const uint4* kg = (const uint4*)(pres_k + head + (kiln_u64)lo * H);
+    const uint4* vg = (const uint4*)(pres_v + head + (kiln_u64)lo * H);
+    for (unsigned i = tid; i < n * vpr; i += blockDim.x) {
+        const unsigned k = i / vpr, u = i - k * vpr;
+        if (!late(k)) kiln_cp_async16(&k_s[gqa_swz(k, u, vpr)], &kg[i]);
+    }
+    kiln_cp_async_commit();
+    for (unsigned i = tid; i < n * vpr; i += blockDim.x) {
+        const unsigned k = i / vpr, u = i - k * vpr;
+        if (!late(k)) kiln_cp_async16(&v_s[gqa_swz(k, u, vpr)], &vg[i]);
+    }
+    kiln_cp_async_commit();
+    if (append)
+        gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v, split, kpb, j, b, Nk, H,
+                               PL, P, pos, kv_w, k_off, v_off, cache_rows, rotary_half, interleaved);
+    if (n == 0) {
+        if (splits == 1) {
+            for (unsigned i = tid; i < group * H; i += blockDim.x)
+                out[(kiln_u64)b * N * H + (kiln_u64)(j * group) * H + i] = kiln_from_f32(Tag(), 0.f);
+        } else if (tid < group) {
+            float* part = partial + (((kiln_u64)b * N + j * group + tid) * splits + split) * (H + 2);
+            part[0] = -__int_as_float(0x7f800000);
+            part[1] = 0.f;
+        }
+        kiln_cp_async_wait<0>();
+        return;
+    }
+    for (unsigned i = tid; i < group * H; i += blockDim.x) {
+        const unsigned g = i / H, d = i - g * H;
+        const T* qr = q_src + (kiln_u64)b * q_w + (kiln_u64)(j * group + g) * H;
+        q_s[i] = gqa_query_elem<Tag>(qr, cos_c, sin_c, pos, cache_rows, rotary_half, d, interleaved);
+    }
+    if (append) {
+        __syncthreads();  // the appended rows
+        for (unsigned i = tid; i < n * vpr; i += blockDim.x) {
+            const unsigned k = i / vpr, u = i - k * vpr;
+            if (late(k)) {
+                k_s[gqa_swz(k, u, vpr)] = kg[i];
+                v_s[gqa_swz(k, u, vpr)] = vg[i];
+            }
+        }
+    }
+    kiln_cp_async_wait<1>();
+    __syncthreads();  // K in shared memory, q_s
+    // 2. Scores, one key per thread (n ≤ blockDim.x).
+    if (tid < n) {
+        const unsigned k = tid;
+        float dot[G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) dot[g] = 0.f;
+        for (unsigned c0 = 0; c0 < vpr; c0 += GQA_DEC_ROW_VECS) {
+            uint4 raw[GQA_DEC_ROW_VECS];
+#pragma unroll
+            for (unsigned u = 0; u < GQA_DEC_ROW_VECS; ++u)
+                if (c0 + u < vpr) raw[u] = k_s[gqa_swz(k, c0 + u, vpr)];
+#pragma unroll
+            for (unsigned u = 0; u < GQA_DEC_ROW_VECS; ++u) {
+                if (c0 + u >= vpr) break;
+                const T* e = (const T*)&raw[u];
+                float kf[16 / sizeof(T)];
+#pragma unroll
+                for (unsigned x = 0; x < VE; ++x) kf[x] = kiln_to_f32(Tag(), e[x]);
+#pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    if (g >= (int)group) break;
+                    const float4* qv = (const float4*)(q_s + g * H + (c0 + u) * VE);
+#pragma unroll
+                    for (unsigned x = 0; x < VE / 4; ++x) {
+                        const float4 qq = qv[x];
+                        dot[g] += qq.x * kf[4 * x] + qq.y * kf[4 * x + 1] + qq.z * kf[4 * x + 2] + qq.w * kf[4 * x + 3];
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            if (g >= (int)group) break;
+            float xs = dot[g] * scale;
+            if (softcap > 0.f) xs = softcap * tanhf(xs / softcap);
+            const T* br = gqa_bias_row<Tag>(bias, has_bias, bias_b, bias_h, b, j * group + g, 0, 1, total);
+            if (br) xs += kiln_to_f32(Tag(), br[lo + k]);
+            s_sc[g][k] = xs;
+        }
+    }
+    __syncthreads();
+    // 3. Weights, one warp per query row.
+    for (unsigned g = warp; g < group; g += blockDim.x >> 5) {
+        float m = -__int_as_float(0x7f800000);
+        for (unsigned k = lane; k < n; k += 32) m = fmaxf(m, s_sc[g][k]);
+        m = kiln_warp_max(m);
+        float l = 0.f;
+        for (unsigned k = lane; k < n; k += 32) {
+            const float p = m == -__int_as_float(0x7f800000) ? 0.f : expf(s_sc[g][k] - m);
+            s_sc[g][k] = p;
+            l += p;
+        }
+        l = kiln_warp_sum(l);
+        if (lane == 0) {
+            s_m[g] = m;
+            s_l[g] = l;
+        }
+    }
+    kiln_cp_async_wait<0>();
+    __syncthreads();  // the weights, V in shared memory
+    // 4. Σ weight·V: thread (key lane kl, vector vi), GQA_DEC_V_KEYS rows read together.
+    const unsigned lanes = blockDim.x / vpr;
+    const unsigned kl = tid / vpr, vi = tid - kl * vpr;
+    float acc[G][8];
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int x = 0; x < 8; ++x) acc[g][x] = 0.f;
+    for (unsigned k0 = kl; k0 < n; k0 += GQA_DEC_V_KEYS * lanes) {
+        uint4 raw[GQA_DEC_V_KEYS];
+#pragma unroll
+        for (unsigned u = 0; u < GQA_DEC_V_KEYS; ++u) {
+            const unsigned k = k0 + u * lanes;
+            if (k < n) raw[u] = v_s[gqa_swz(k, vi, vpr)];
+        }
+#pragma unroll
+        for (unsigned u = 0; u < GQA_DEC_V_KEYS; ++u) {
+            const unsigned k = k0 + u * lanes;
+            if (k >= n) break;
+            const T* e = (const T*)&raw[u];
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                if (g >= (int)group) break;
+                const float p = s_sc[g][k];
+#pragma unroll
+                for (int x = 0; x < 8; ++x)
+                    if (x < (int)VE) acc[g][x] += p * kiln_to_f32(Tag(), e[x]);
+            }
+        }
+    }
+    // Reduce over the key lanes of a warp (lanes vi + vpr·i), then over the warps.
+    for (unsigned o = vpr; o < 32; o <<= 1)
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+#pragma unroll
+            for (int x = 0; x < 8; ++x) acc[g][x] += __shfl_xor_sync(0xffffffffu, acc[g][x], o);
+    const unsigned qh = group * H;
+    if (lane < vpr) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            if (g >= (int)group) break;
+#pragma unroll
+            for (int x = 0; x < 8; ++x)
+                if (x < (int)VE) s_red[warp * qh + g * H + vi * VE + x] = acc[g][x];
+        }
+    }
+    __syncthreads();
+    const unsigned warps_used = (lanes * vpr + 31) / 32;
+    for (unsigned i = tid; i < qh; i += blockDim.x) {
+        const unsigned g = i / H, d = i - g * H;
+        float a = 0.f;
+        for (unsigned w = 0; w < warps_used; ++w) a += s_red[w * qh + i];
+        const unsigned h = j * group + g;
+        if (splits == 1) {
+            float den = s_l[g], scale_o = 1.f;
+            if (sink_mode != 0) {
+                const float sink_v = sink_mode == 2 ? kiln_to_f32(Tag(), sink[h]) : 0.f;
+                const float m2 = fmaxf(s_m[g], sink_v);
+                scale_o = expf(s_m[g] - m2);
+                den = den * scale_o + expf(sink_v - m2);
+            }
+            out[(kiln_u64)b * N * H + (kiln_u64)h * H + d] = kiln_from_f32(Tag(), a * scale_o / den);
+        } else {
+            float* part = partial + (((kiln_u64)b * N + h) * splits + split) * (H + 2);
+            if (d == 0) {
+                part[0] = s_m[g];
+                part[1] = s_l[g];
+            }
+            part[2 + d] = a;
+        }
+    }
+}
+
 // Merges the splits of gqa_decode_split for head h = blockIdx.x, batch row b = blockIdx.y,
 // with the sink (sink_mode as gqa_attn), into out [B, 1, N·H]. A row with no key to attend
 // to gets zeros, as in gqa_attn. Up to GQA_MERGE_FEW splits, each thread merges its dimensions
@@ -757,7 +999,7 @@ __device__ void gqa_decode(const typename Tag::storage* q_src, typename Tag::sto
 // flight, so a long context's many splits cost a few memory round trips, not one per split.
 #define GQA_MERGE_CHUNK 1024
 #define GQA_MERGE_UNROLL 8
-#define GQA_MERGE_FEW 4  // at most this many splits merge per thread, without shared memory
+#define GQA_MERGE_FEW 8  // at most this many splits merge per thread, without shared memory
 
 template <typename Tag>
 __device__ void gqa_decode_merge(const float* partial, const int* seqlens, const typename Tag::storage* sink,
@@ -886,18 +1128,28 @@ __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, c
     }
 }
 
-#define KILN_GQA_DECODE(SUF, TAG, G)                                                                          \
-    extern "C" __global__ void __launch_bounds__(256, 2) kiln_gqa_decode##G##_##SUF(                                                                \
-        const TAG::storage* q_src, TAG::storage* pres_k, TAG::storage* pres_v, const int* seqlens,                     \
-        const TAG::storage* cos_c, const TAG::storage* sin_c, const TAG::storage* bias, const TAG::storage* sink,      \
-        float* partial, TAG::storage* out, unsigned N, unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w,             \
+// The parameters of both decode kernels (one signature in kernel.toml).
+#define KILN_GQA_DECODE_PARAMS(TAG)                                                                                    \
+    const TAG::storage *q_src, TAG::storage *pres_k, TAG::storage *pres_v, const int *seqlens,                         \
+        const TAG::storage *cos_c, const TAG::storage *sin_c, const TAG::storage *bias, const TAG::storage *sink,      \
+        float *partial, TAG::storage *out, unsigned N, unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w,             \
         kiln_u64 cache_rows, unsigned rotary_half, unsigned interleaved, float scale, float softcap, int window,        \
         unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode,                       \
-        const TAG::storage* k_src, const TAG::storage* v_src, const TAG::storage* past_k, const TAG::storage* past_v,  \
-        unsigned P, kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off, unsigned append, kiln_status* st) {                 \
-        gqa_decode<TAG, G>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out, N, Nk, H, PL, q_w,     \
-                        cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b, bias_h, total, \
-                        sink_mode, k_src, v_src, past_k, past_v, P, kv_w, k_off, v_off, append, st);                  \
+        const TAG::storage *k_src, const TAG::storage *v_src, const TAG::storage *past_k, const TAG::storage *past_v,  \
+        unsigned P, kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off, unsigned append, unsigned kpb, kiln_status *st
+
+#define KILN_GQA_DECODE(SUF, TAG, G)                                                                          \
+    extern "C" __global__ void __launch_bounds__(256, 2) kiln_gqa_decode##G##_##SUF(KILN_GQA_DECODE_PARAMS(TAG)) { \
+        gqa_decode_regs<TAG, G>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out, N, Nk, H, PL,  \
+                                q_w, cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b,   \
+                                bias_h, total, sink_mode, k_src, v_src, past_k, past_v, P, kv_w, k_off, v_off, append, \
+                                kpb, st);                                                                              \
+    }                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256, G <= 4 ? 3 : 2) kiln_gqa_decode_tiled##G##_##SUF(               \
+        KILN_GQA_DECODE_PARAMS(TAG)) {                                                                                 \
+        gqa_decode_tiled<TAG, G>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out, N, Nk, H, PL, q_w,  \
+                           cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b, bias_h,     \
+                           total, sink_mode, k_src, v_src, past_k, past_v, P, kv_w, k_off, v_off, append, kpb, st);   \
     }
 
 #define KILN_ATTENTION_KERNELS(SUF, TAG)                                                                               \

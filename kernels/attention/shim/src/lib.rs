@@ -668,11 +668,39 @@ fn grid_for(n: usize) -> u32 {
     (n as u64).div_ceil(BLOCK as u64).clamp(1, 65535 * 32) as u32
 }
 
-/// Decode attention by KV head (`kiln_gqa_decode_*`): keys per block, and the largest query
-/// group and group × head size it handles (attention.cu's GQA_DEC_* limits).
+/// Decode attention by KV head (`kiln_gqa_decode*`): the most keys per block, and the largest
+/// query group and group × head size it handles (attention.cu's GQA_DEC_* limits).
 const DEC_KEYS: usize = 256;
 const DEC_MAX_GROUP: usize = 8;
 const DEC_MAX_QH: usize = 1024;
+/// Cross-warp reduction rows of `kiln_gqa_decode_tiled*` (attention.cu's GQA_DEC_WARPS).
+const DEC_WARPS: usize = 8;
+/// Bytes of K and V rows one `kiln_gqa_decode_tiled*` block holds in shared memory.
+const DEC_TILE_BYTES: usize = 64 << 10;
+/// From this many cached keys in all (present length × batch rows × KV heads), decode attention
+/// runs `kiln_gqa_decode_tiled*` (K/V tiles copied into shared memory, 3 blocks per SM: the
+/// bandwidth-bound case), below it `kiln_gqa_decode*` (rows loaded into registers up front, 2
+/// blocks per SM: the latency-bound case). On the H200 (bench/RESULTS.md, 2026-12-03 session 9)
+/// the tiled kernel took batch 8 at context 3840 of a 4096 cache from 1.423 to 1.275 ms/step
+/// and the register kernel was 3–4 % faster at batch 1 and at caches of a few hundred keys.
+const DEC_TILED_MIN_KEYS: usize = 64 << 10;
+
+/// Keys per block of `kiln_gqa_decode_tiled*` for K/V rows of `row_bytes` bytes: the most
+/// (at most DEC_KEYS) whose K and V tiles fit DEC_TILE_BYTES.
+fn tiled_keys_per_block(row_bytes: usize) -> usize {
+    let mut kpb = DEC_KEYS;
+    while kpb > 1 && 2 * kpb * row_bytes > DEC_TILE_BYTES {
+        kpb /= 2;
+    }
+    kpb
+}
+
+/// Dynamic shared memory of `kiln_gqa_decode_tiled*` (attention.cu's gqa_decode_k_bytes, then
+/// the V tile): the K tile, or the cross-warp reduction that reuses it when larger, and the V
+/// tile.
+fn tiled_shared_bytes(kpb: usize, row_bytes: usize, group_head: usize) -> usize {
+    (kpb * row_bytes).max(DEC_WARPS * group_head * 4) + kpb * row_bytes
+}
 
 /// Other decode attention over a present buffer longer than this many positions is split over the
 /// keys (`kiln_gqa_split_*` then `kiln_gqa_merge_*`), `SPLIT_KEYS` keys per block of
@@ -831,7 +859,13 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
         // By KV head, one block per (key chunk, KV head, batch row) serves all the query heads of
         // the KV head; otherwise one per (key chunk, query head, batch row). Several chunks are
         // merged by kiln_gqa_merge_*.
-        let keys = if by_kv_head { DEC_KEYS } else { SPLIT_KEYS };
+        let row_bytes = h_sz * esize;
+        let tiled = by_kv_head && p.present_len.saturating_mul(p.batch * n_kv) >= DEC_TILED_MIN_KEYS;
+        let keys = match (by_kv_head, tiled) {
+            (true, true) => tiled_keys_per_block(row_bytes),
+            (true, false) => DEC_KEYS,
+            (false, _) => SPLIT_KEYS,
+        };
         let splits = p.present_len.div_ceil(keys).max(1);
         if splits > 65535 {
             unsupported!("{GQA}: present length {} needs {splits} splits (at most 65535)", p.present_len);
@@ -856,7 +890,7 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
             u("attention_bias heads", bias_h)?,
             u("total_sequence_length", p.total)?,
         ];
-        let (kernel, grid, block, mut args, last) = if by_kv_head {
+        let (kernel, grid, block, smem, mut args, last) = if by_kv_head {
             let t = vec![
                 targ(&query),
                 harg(pres_k),
@@ -870,16 +904,21 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
                 targ(&out),
             ];
             // The kernel for the group rounded up to a power of two (its per-thread arrays).
-            let kernel = match group {
-                0..=1 => "decode1",
-                2 => "decode2",
-                3..=4 => "decode4",
-                _ => "decode8",
+            let g = match group {
+                0..=1 => 1,
+                2 => 2,
+                3..=4 => 4,
+                _ => 8,
             };
-            (kernel, [splits as u32, n_kv as u32, p.batch as u32], 256, t, KernelArg::U32(sink_mode))
+            let (kernel, smem) = match tiled {
+                true => (format!("decode_tiled{g}"), tiled_shared_bytes(keys, row_bytes, group * h_sz)),
+                false => (format!("decode{g}"), 0),
+            };
+            (kernel, [splits as u32, n_kv as u32, p.batch as u32], 256, smem, t, KernelArg::U32(sink_mode))
         } else {
             let t = vec![targ(&query), harg(pres_k), harg(pres_v), seqlens, cos, sin, bias, harg(partial)];
-            ("split", [splits as u32, p.heads as u32, p.batch as u32], 32 * SPLIT_WARPS, t, KernelArg::U32(keys as u32))
+            let grid = [splits as u32, p.heads as u32, p.batch as u32];
+            (alloc::string::String::from("split"), grid, 32 * SPLIT_WARPS, 0, t, KernelArg::U32(keys as u32))
         };
         args.extend(geometry);
         args.push(last);
@@ -894,6 +933,7 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
                 KernelArg::U64(k_off as u64),
                 KernelArg::U64(v_off as u64),
                 flag(append),
+                u("keys per block", keys)?,
             ]);
         }
         args.push(KernelArg::Status);
@@ -901,7 +941,7 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
             kernel: &format!("kiln_gqa_{kernel}_{suffix}"),
             grid,
             block: [block, 1, 1],
-            shared_mem_bytes: 0,
+            shared_mem_bytes: smem as u32, // at most 2 × DEC_TILE_BYTES
             args,
         })?;
         if !merged {
