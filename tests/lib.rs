@@ -6,6 +6,9 @@ use bytes::Bytes;
 use kiln_host::Tensor;
 use kiln_kernel_abi::DType;
 
+pub mod isolate;
+pub mod mutate;
+
 /// The repository root.
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ has a parent").to_path_buf()

@@ -343,6 +343,112 @@ fn external_data_is_mapped_and_cannot_escape_the_model_folder() {
         let e = model::load(&path).unwrap_err().to_string();
         assert!(e.contains(needle), "{e:?} should mention {needle:?}");
     }
+    // An empty location names the folder itself; "." and a directory name no file.
+    std::fs::create_dir(dir.path().join("sub")).unwrap();
+    for (loc, reason) in [
+        ("", "the location is empty; it must name a file inside the model's folder".to_string()),
+        (".", "the location names the model's folder, not a file in it".to_string()),
+        ("sub", format!("{} is not a regular file", dir.path().join("sub").display())),
+    ] {
+        std::fs::write(&path, onnx::bytes(&ext(loc, "0"))).unwrap();
+        let e = model::load(&path).unwrap_err();
+        assert!(matches!(e, Error::Model(_)), "{e:?}");
+        assert_eq!(e.to_string(), format!("invalid model: initializer \"W\": external data {loc:?}: {reason}"));
+    }
+}
+
+/// `y = op(s)` for an int64 shape-like input `s` of `n` elements fed at run time, with
+/// `extra` initializers (int64, by name) as further inputs.
+fn value_driven(op: &str, n: i64, extra: &[(&str, &[i64])]) -> Vec<u8> {
+    let mut inputs = vec!["s"];
+    inputs.extend(extra.iter().map(|(name, _)| *name));
+    let inits = extra
+        .iter()
+        .map(|(name, v)| onnx::TensorProto {
+            name: name.to_string(),
+            data_type: 7,
+            dims: vec![v.len() as i64],
+            int64_data: v.to_vec(),
+            ..Default::default()
+        })
+        .collect();
+    onnx::bytes(&onnx::model(
+        vec![node(op, &inputs, &["y"], vec![])],
+        vec![value("s", 7, &[n])],
+        vec![onnx::ValueInfoProto { name: "y".into(), ..Default::default() }],
+        inits,
+    ))
+}
+
+fn int64(v: &[i64]) -> kiln_host::Tensor {
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    kiln_host::Tensor::new(kiln_kernel_abi::DType::I64, vec![v.len()], bytes.into()).unwrap()
+}
+
+#[test]
+fn a_huge_output_requested_by_a_value_is_an_error_naming_the_node() {
+    let rt = runtime(&[]);
+    let limit = 2u64 << 30;
+    let over = |node: &str, what: &str, bytes: u64| {
+        format!("invalid model: node {node:?}: output 0 would be {what} ({bytes} bytes), over the limit of {limit} bytes per tensor")
+    };
+    let cases: Vec<(Vec<u8>, Vec<i64>, String)> = vec![
+        (
+            value_driven("ConstantOfShape", 2, &[]),
+            vec![1 << 15, 1 << 15],
+            over("ConstantOfShape#0", "float32 [32768, 32768]", 1 << 32),
+        ),
+        (
+            value_driven("Range", 1, &[("limit", &[1 << 30]), ("delta", &[1])]),
+            vec![0],
+            over("Range#0", "int64 [1073741824]", 1 << 33),
+        ),
+        (
+            value_driven("Expand", 1, &[("shape", &[1 << 15, 1 << 15])]),
+            vec![7],
+            over("Expand#0", "int64 [32768, 32768]", 1 << 33),
+        ),
+    ];
+    for (bytes, s, expected) in cases {
+        let e = run(&rt, &bytes, vec![("s".into(), int64(&s))]).unwrap_err();
+        assert!(matches!(e, Error::Model(_)), "{e:?}");
+        assert_eq!(e.to_string(), expected);
+    }
+    // A shim may report 2^62 elements (the built-in ones refuse 2^32): their bytes overflow.
+    let dir = tempfile::tempdir().unwrap();
+    huge_relu_package(dir.path());
+    let e = run(&runtime(&[dir.path()]), &onnx::bytes(&relu_model()), vec![("x".into(), f32_tensor(&[1], &[1.0]))])
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "invalid model: node \"Relu#0\": output 0 would be float32 [2147483648, 2147483648], larger than memory can address"
+    );
+}
+
+/// A package whose Relu infers a float32 [2^31, 2^31] output.
+fn huge_relu_package(dir: &Path) {
+    let wasm = wat::parse_str(
+        r#"(module
+  (import "kiln" "set_output" (func $set_output (param i32 i32 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 64) "\00\00\00\80\00\00\00\00\00\00\00\80\00\00\00\00")
+  (func (export "kiln_abi_version") (result i32) (i32.const 1))
+  (func (export "kiln_alloc") (param i32) (result i32) (i32.const 1024))
+  (func (export "kiln_infer") (param $p i32) (param $n i32) (result i32)
+    (call $set_output (i32.const 0) (i32.const 1) (i32.const 2) (i32.const 64)))
+  (func (export "kiln_dispatch") (param $p i32) (param $n i32) (result i32) (i32.const 2))
+  (func (export "kiln_cpu") (param $p i32) (param $n i32) (result i32) (i32.const 2))
+)"#,
+    )
+    .unwrap();
+    std::fs::write(dir.join("shim.wasm"), &wasm).unwrap();
+    let manifest = format!(
+        "abi = 1\nshim = \"shim.wasm\"\n[package]\nname = \"huge\"\nversion = \"1.0.0\"\n\
+         [[ops]]\nop_types = [\"Relu\"]\nsince_opset = 6\ndtypes = [\"float32\"]\nmax_rank = 2\n\
+         [files]\n\"shim.wasm\" = \"{}\"\n",
+        hex::encode(Sha256::digest(&wasm))
+    );
+    std::fs::write(dir.join("kernel.toml"), manifest).unwrap();
 }
 
 #[test]

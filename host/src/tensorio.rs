@@ -23,14 +23,22 @@ pub fn read_tensor_file(path: &Path) -> Result<(Tensor, String), Error> {
     }
 }
 
-/// Parses a serialized `TensorProto`.
+/// Parses a serialized `TensorProto`; external data is refused (a tensor file stands alone).
+/// Errors: [`Error::Input`] for bytes that are not a `TensorProto` or a tensor whose data does
+/// not match its declared shape (checked before its size is allocated);
+/// [`Error::Unsupported`] for a data type kiln does not run.
 pub fn read_pb(bytes: &[u8]) -> Result<(Tensor, String), Error> {
     let t = TensorProto::parse_from_bytes(bytes).map_err(|e| Error::Input(format!("not a TensorProto: {e}")))?;
-    Ok((tensor_from_proto(&t, &ExternalData::new(None))?, t.name.clone()))
+    let tensor =
+        tensor_from_proto(&t, &format!("tensor {:?}", t.name), &ExternalData::new(None)).map_err(|e| match e {
+            Error::Model(m) => Error::Input(m),
+            other => other,
+        })?;
+    Ok((tensor, t.name.clone()))
 }
 
 fn npy_dtype(descr: &str) -> Option<DType> {
-    let (order, code) = descr.split_at(1);
+    let (order, code) = descr.split_at_checked(1)?;
     if !matches!(order, "<" | "|" | "=") {
         return None;
     }
@@ -200,8 +208,51 @@ mod tests {
             let e = read_npy(&npy(header, &[0; 4])).unwrap_err().to_string();
             assert!(e.contains(needle), "{header}: {e}");
         }
+        // An empty or non-ASCII descr (split at its first byte, this used to panic).
+        for descr in ["''", "'\u{e9}4'"] {
+            let header = format!("{{'descr': {descr}, 'fortran_order': False, 'shape': (1,), }}");
+            let e = read_npy(&npy(&header, &[0; 4])).unwrap_err().to_string();
+            assert!(
+                e.starts_with("dtype ") && e.ends_with(" is not supported (little-endian numbers and bools)"),
+                "{e}"
+            );
+        }
         let mut long = npy("{'descr': '<f4', 'fortran_order': False, 'shape': (1,), }", &[]);
         long[8] = 0xff;
         assert!(read_npy(&long).unwrap_err().to_string().contains("truncated"));
+    }
+
+    #[test]
+    fn an_11_byte_pb_declaring_8_gib_is_an_input_error_before_allocating() {
+        // name "a", float32 [2^31], no data.
+        let pb = [0x08, 0x80, 0x80, 0x80, 0x80, 0x08, 0x10, 0x01, 0x42, 0x01, b'a'];
+        let e = read_pb(&pb).unwrap_err();
+        let Error::Input(m) = &e else { panic!("{e:?}") };
+        assert_eq!(
+            m,
+            "tensor \"a\": float32 [2147483648]: 2147483648 elements expected, 0 given (no raw_data, float_data holds 0)"
+        );
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("input_0.pb");
+        std::fs::write(&p, pb).unwrap();
+        let e = read_tensor_file(&p).unwrap_err().to_string();
+        assert_eq!(e, format!("{}: {m}", p.display()));
+    }
+
+    #[test]
+    fn a_pb_naming_external_data_is_refused() {
+        let t = TensorProto {
+            name: "x".into(),
+            data_type: 1,
+            dims: vec![1],
+            external_data: vec![onnx_protobuf::StringStringEntryProto {
+                key: "location".into(),
+                value: "x.bin".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let e = read_pb(&t.write_to_bytes().unwrap()).unwrap_err().to_string();
+        assert!(e.starts_with("tensor \"x\": external data \"x.bin\": external data is refused"), "{e}");
     }
 }

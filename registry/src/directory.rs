@@ -67,6 +67,33 @@ impl IndexLine {
     }
 }
 
+/// Parses the index file of package `name` (read from `path`, which errors name): one JSON
+/// [`IndexLine`] per non-blank line, oldest first. Errors ([`RegistryError::Index`], with the
+/// line number; 0 for the whole file): text that is not UTF-8, a line that does not parse, a
+/// line naming another package, a `cksum` that is not 64 lower-case hex digits, a version
+/// listed twice. A signature is not verified here ([`crate::signing::verify`] does, at load).
+pub fn parse_index(name: &str, path: &Path, bytes: &[u8]) -> Result<Vec<IndexLine>, RegistryError> {
+    let bad = |line: usize, reason: String| RegistryError::Index { path: path.to_path_buf(), line, reason };
+    let text = std::str::from_utf8(bytes).map_err(|_| bad(0, "not UTF-8 text".into()))?;
+    let mut out: Vec<IndexLine> = Vec::new();
+    // A set, so that a 64 MiB index of distinct versions is not a quadratic scan.
+    let mut seen = std::collections::HashSet::new();
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let parsed: IndexLine = serde_json::from_str(line).map_err(|e| bad(i + 1, e.to_string()))?;
+        if parsed.name != name {
+            return Err(bad(i + 1, format!("names package {:?} in the index of {name:?}", parsed.name)));
+        }
+        if parsed.cksum.len() != 64 || !parsed.cksum.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+            return Err(bad(i + 1, format!("cksum {:?} is not 64 lower-case hex digits", parsed.cksum)));
+        }
+        if !seen.insert(parsed.vers.clone()) {
+            return Err(bad(i + 1, format!("version {} appears twice", parsed.vers)));
+        }
+        out.push(parsed);
+    }
+    Ok(out)
+}
+
 /// Largest index file a reader takes (64 MiB: some 100,000 versions).
 pub const MAX_INDEX_BYTES: u64 = 64 << 20;
 
@@ -138,25 +165,7 @@ impl RegistryDir {
             return Ok(Vec::new());
         }
         let bytes = self.read_limited(&path, MAX_INDEX_BYTES)?;
-        let bad = |line: usize, reason: String| RegistryError::Index { path: path.clone(), line, reason };
-        let text = String::from_utf8(bytes).map_err(|_| bad(0, "not UTF-8 text".into()))?;
-        let mut out: Vec<IndexLine> = Vec::new();
-        for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-            let parsed: IndexLine = serde_json::from_str(line).map_err(|e| bad(i + 1, e.to_string()))?;
-            if parsed.name != name {
-                return Err(bad(i + 1, format!("names package {:?} in the index of {name:?}", parsed.name)));
-            }
-            if parsed.cksum.len() != 64
-                || !parsed.cksum.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-            {
-                return Err(bad(i + 1, format!("cksum {:?} is not 64 lower-case hex digits", parsed.cksum)));
-            }
-            if out.iter().any(|l| l.vers == parsed.vers) {
-                return Err(bad(i + 1, format!("version {} appears twice", parsed.vers)));
-            }
-            out.push(parsed);
-        }
-        Ok(out)
+        parse_index(name, &path, &bytes)
     }
 
     /// Every package name with an index file, sorted.
@@ -424,5 +433,25 @@ mod tests {
         std::fs::write(&index, &text[..text.len() / 2]).unwrap();
         let err = reg.versions("p").unwrap_err().to_string();
         assert!(err.contains("index/p") && err.contains("line 1"), "{err}");
+    }
+
+    #[test]
+    fn an_index_of_many_versions_parses_and_a_repeated_one_is_named() {
+        let line = |v: &str| {
+            format!(
+                r#"{{"name":"p","vers":"{v}","abi":1,"cksum":"{}","ops":[],"device":{{}},"yanked":false}}"#,
+                "0".repeat(64)
+            )
+        };
+        let text: String = (0..20_000).map(|i| line(&format!("1.0.{i}")) + "\n").collect();
+        let path = Path::new("index/p");
+        assert_eq!(parse_index("p", path, text.as_bytes()).unwrap().len(), 20_000);
+        let repeated = format!("{}\n\n{}\n", line("1.0.0"), line("1.0.0"));
+        let err = parse_index("p", path, repeated.as_bytes()).unwrap_err().to_string();
+        assert_eq!(err, "index/p: line 3: version 1.0.0 appears twice");
+        let err = parse_index("q", path, line("1.0.0").as_bytes()).unwrap_err().to_string();
+        assert_eq!(err, "index/p: line 1: names package \"p\" in the index of \"q\"");
+        let err = parse_index("p", path, b"\xff").unwrap_err().to_string();
+        assert_eq!(err, "index/p: line 0: not UTF-8 text");
     }
 }

@@ -16,7 +16,7 @@ pub mod ops;
 pub mod package;
 pub mod signing;
 
-pub use directory::{IndexLine, RegistryDir};
+pub use directory::{parse_index, IndexLine, RegistryDir};
 pub use error::RegistryError;
 pub use ops::{normalize_domain, DeviceCaps, NodeQuery, OpRegistry, Rejection, Resolution, Unresolved, BUILTIN, USER};
 pub use ops::{registry_precedence, Candidate, Requirement, Verdict};

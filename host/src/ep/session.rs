@@ -934,7 +934,12 @@ impl Session {
                             res.entry.max_rank
                         )));
                     }
-                    let nbytes = byte_size(dtype, &shape)?;
+                    let nbytes = byte_size(dtype, &shape).map_err(|_| {
+                        Error::Model(format!(
+                            "node {:?}: output {i} would be {dtype} {shape:?}, larger than memory can address",
+                            node.name
+                        ))
+                    })?;
                     if nbytes > self.max_tensor_bytes {
                         return Err(Error::Model(format!(
                             "node {:?}: output {i} would be {dtype} {shape:?} ({nbytes} bytes), over the limit of {} bytes per tensor",

@@ -54,7 +54,7 @@ pub fn load_bytes(bytes: &[u8], base: Option<std::path::PathBuf>) -> Result<Mode
         if t.name.is_empty() {
             return Err(Error::Model("an initializer has no name".into()));
         }
-        let tensor = tensor_from_proto(t, &ext)?;
+        let tensor = tensor_from_proto(t, &format!("initializer {:?}", t.name), &ext)?;
         let id = b.define(&t.name, "initializer")?;
         b.graph.initializers.insert(id, tensor);
     }
@@ -209,7 +209,7 @@ fn attr_value(node: &str, a: &AttributeProto, ext: &ExternalData) -> Result<Attr
         AttributeType::INT => AttrValue::Int(a.i),
         AttributeType::STRING => AttrValue::String(text(&a.s)),
         AttributeType::TENSOR => match a.t.as_ref() {
-            Some(t) => AttrValue::Tensor(tensor_from_proto(t, ext)?),
+            Some(t) => AttrValue::Tensor(tensor_from_proto(t, &format!("node {node:?}: attribute {:?}", a.name), ext)?),
             None => return Err(Error::Model(format!("node {node:?}: TENSOR attribute {:?} has no tensor", a.name))),
         },
         AttributeType::FLOATS => AttrValue::Floats(a.floats.clone()),

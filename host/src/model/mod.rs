@@ -4,6 +4,7 @@
 //! kept in a topological order; initializers (and `Constant`-free constants) are host
 //! [`Tensor`]s, external data memory-mapped.
 
+mod external;
 mod load;
 mod tensor_proto;
 
@@ -15,8 +16,9 @@ use kiln_kernel_abi::DType;
 
 use crate::Tensor;
 
+pub use external::{check_location, ExternalData};
 pub use load::{initializer, load, load_bytes, MAX_TENSOR_BYTES};
-pub use tensor_proto::{tensor_from_proto, ExternalData};
+pub use tensor_proto::tensor_from_proto;
 
 /// Index of a value in [`Graph::values`].
 pub type ValueId = usize;

@@ -1,9 +1,8 @@
 //! `TensorProto` → [`Tensor`]: typed fields, raw data and external data (memory-mapped).
-
-use std::collections::HashMap;
-use std::fs::File;
-use std::path::{Component, Path, PathBuf};
-use std::sync::Mutex;
+//!
+//! A tensor's declared size is checked against the bytes actually present (`raw_data`, the
+//! typed field, the external file's range) before anything of that size is allocated, so a
+//! small file declaring a huge shape is an error, never an allocation failure.
 
 use bytes::Bytes;
 use kiln_kernel_abi::DType;
@@ -12,139 +11,169 @@ use onnx_protobuf::TensorProto;
 use crate::tensor::byte_size;
 use crate::{Error, Tensor};
 
-use super::MAX_TENSOR_BYTES;
+use super::{ExternalData, MAX_TENSOR_BYTES};
 
-/// Files of external data, memory-mapped once each, relative to the model's folder.
-#[derive(Debug, Default)]
-pub struct ExternalData {
-    base: Option<PathBuf>,
-    maps: Mutex<HashMap<PathBuf, Bytes>>,
-}
-
-impl ExternalData {
-    /// External data resolved against `base` (the model's folder); `None` refuses external data.
-    pub fn new(base: Option<PathBuf>) -> Self {
-        ExternalData { base, maps: Mutex::default() }
-    }
-
-    /// `length` bytes at `offset` of `location`.
-    fn slice(&self, tensor: &str, location: &str, offset: u64, length: Option<u64>) -> Result<Bytes, Error> {
-        let bad = |m: String| Error::Model(format!("tensor {tensor:?}: external data {location:?}: {m}"));
-        let base = self.base.as_ref().ok_or_else(|| bad("the model was not loaded from a file".into()))?;
-        let rel = Path::new(location);
-        if rel.is_absolute() || rel.components().any(|c| !matches!(c, Component::Normal(_))) {
-            return Err(bad("the location must be a relative path inside the model's folder".into()));
-        }
-        let path = base.join(rel);
-        let mut maps = self.maps.lock().unwrap_or_else(|p| p.into_inner());
-        let whole = match maps.get(&path) {
-            Some(b) => b.clone(),
-            None => {
-                let file = File::open(&path).map_err(|source| Error::Io { path: path.clone(), source })?;
-                // SAFETY: the file is mapped read-only; kiln never writes it, and a model whose
-                // data file is changed while it runs is outside what kiln guarantees (as for
-                // onnxruntime, which maps it the same way).
-                let map =
-                    unsafe { memmap2::Mmap::map(&file) }.map_err(|source| Error::Io { path: path.clone(), source })?;
-                let b = Bytes::from_owner(map);
-                maps.insert(path.clone(), b.clone());
-                b
-            }
-        };
-        let len = whole.len() as u64;
-        let length = length.unwrap_or(len.saturating_sub(offset));
-        match offset.checked_add(length) {
-            Some(end) if end <= len => Ok(whole.slice(offset as usize..end as usize)),
-            _ => Err(bad(format!("bytes {offset}..+{length} are past the end of the file ({len} bytes)"))),
-        }
-    }
-}
-
-/// Converts a `TensorProto` (ONNX IR: `raw_data`, the typed `*_data` fields, or external data).
-pub fn tensor_from_proto(t: &TensorProto, ext: &ExternalData) -> Result<Tensor, Error> {
-    let name = &t.name;
+/// Converts a `TensorProto` (ONNX IR: `raw_data`, the typed `*_data` fields, or external data
+/// resolved by `ext`). `what` names the tensor in errors: `initializer "W"`,
+/// `node "c": attribute "value"`, `tensor "x"`.
+///
+/// Errors: [`Error::Unsupported`] for a data type kiln does not run (strings, 4-bit types);
+/// [`Error::Model`] for a negative dimension, a shape whose size overflows or is over
+/// [`MAX_TENSOR_BYTES`], data whose size differs from the shape's, and bad external data
+/// (see [`ExternalData::slice`]); [`Error::Io`] for an external file that cannot be read.
+pub fn tensor_from_proto(t: &TensorProto, what: &str, ext: &ExternalData) -> Result<Tensor, Error> {
+    let bad = |m: String| Error::Model(format!("{what}: {m}"));
     let dtype = DType::from_code(t.data_type).filter(|d| *d != DType::String).ok_or_else(|| {
         Error::Unsupported(format!(
-            "tensor {name:?} has data type {} (ONNX TensorProto code), which kiln does not support",
+            "{what} has data type {} (ONNX TensorProto code), which kiln does not support",
             t.data_type
         ))
     })?;
     let mut shape = Vec::with_capacity(t.dims.len());
     for &d in &t.dims {
-        shape
-            .push(usize::try_from(d).map_err(|_| Error::Model(format!("tensor {name:?} has negative dimension {d}")))?);
+        shape.push(usize::try_from(d).map_err(|_| bad(format!("negative dimension {d}")))?);
     }
-    let nbytes =
-        byte_size(dtype, &shape).map_err(|_| Error::Model(format!("tensor {name:?}: shape {shape:?} overflows")))?;
+    let nbytes = byte_size(dtype, &shape).map_err(|_| bad(format!("shape {shape:?} overflows")))?;
     if nbytes > MAX_TENSOR_BYTES {
-        return Err(Error::Model(format!(
-            "tensor {name:?}: shape {shape:?} needs {nbytes} bytes, over the limit of {MAX_TENSOR_BYTES}"
-        )));
+        return Err(bad(format!("shape {shape:?} needs {nbytes} bytes, over the limit of {MAX_TENSOR_BYTES}")));
     }
-    let numel = shape.iter().product::<usize>();
     let data: Bytes = if t.data_location.value() == 1 || !t.external_data.is_empty() {
         let get = |k: &str| t.external_data.iter().find(|e| e.key == k).map(|e| e.value.as_str());
-        let location = get("location")
-            .ok_or_else(|| Error::Model(format!("tensor {name:?}: external data without a location")))?;
+        let location = get("location").ok_or_else(|| bad("external data without a location".into()))?;
         let num = |k: &str| -> Result<Option<u64>, Error> {
             get(k)
-                .map(|v| {
-                    v.parse::<u64>()
-                        .map_err(|_| Error::Model(format!("tensor {name:?}: external data {k} {v:?} is not a number")))
-                })
+                .map(|v| v.parse::<u64>().map_err(|_| bad(format!("external data {k} {v:?} is not a number"))))
                 .transpose()
         };
-        ext.slice(name, location, num("offset")?.unwrap_or(0), num("length")?)?
+        ext.slice(what, location, num("offset")?.unwrap_or(0), num("length")?)?
     } else if !t.raw_data.is_empty() {
+        if t.raw_data.len() as u64 != nbytes {
+            return Err(size_mismatch(what, dtype, &shape, nbytes, t.raw_data.len(), "raw_data"));
+        }
         Bytes::from(t.raw_data.clone())
     } else {
-        typed_data(t, dtype, numel)?
+        typed_data(t, what, dtype, &shape)?
     };
     if data.len() as u64 != nbytes {
-        return Err(Error::Model(format!(
-            "tensor {name:?}: {dtype} {shape:?} needs {nbytes} bytes of data, the file holds {}",
-            data.len()
-        )));
+        return Err(size_mismatch(what, dtype, &shape, nbytes, data.len(), "the external data"));
     }
     Ok(Tensor { dtype, shape, data })
 }
 
-/// The typed fields of `TensorProto` (onnx.proto: which field holds which dtype).
-fn typed_data(t: &TensorProto, dtype: DType, numel: usize) -> Result<Bytes, Error> {
-    let mut out = Vec::with_capacity(numel * dtype.size().unwrap_or(1));
-    let count = match dtype {
-        DType::F32 => {
-            t.float_data.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
-            t.float_data.len()
-        }
-        DType::F64 => {
-            t.double_data.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
-            t.double_data.len()
-        }
-        DType::I64 => {
-            t.int64_data.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
-            t.int64_data.len()
-        }
-        DType::U32 | DType::U64 => {
-            for v in &t.uint64_data {
-                match dtype {
-                    DType::U32 => out.extend_from_slice(&(*v as u32).to_le_bytes()),
-                    _ => out.extend_from_slice(&v.to_le_bytes()),
-                }
-            }
-            t.uint64_data.len()
-        }
+fn size_mismatch(what: &str, dtype: DType, shape: &[usize], nbytes: u64, held: usize, source: &str) -> Error {
+    Error::Model(format!("{what}: {dtype} {shape:?} needs {nbytes} bytes of data, {source} holds {held}"))
+}
+
+/// The typed field of `TensorProto` that holds `dtype`'s values (onnx.proto), and how many it
+/// holds.
+fn typed_field(t: &TensorProto, dtype: DType) -> (&'static str, usize) {
+    match dtype {
+        DType::F32 => ("float_data", t.float_data.len()),
+        DType::F64 => ("double_data", t.double_data.len()),
+        DType::I64 => ("int64_data", t.int64_data.len()),
+        DType::U32 | DType::U64 => ("uint64_data", t.uint64_data.len()),
         // int32_data carries every narrower type; f16/bf16 as their 16-bit patterns.
-        _ => {
-            let size = dtype.size().unwrap_or(4);
-            for v in &t.int32_data {
-                out.extend_from_slice(&v.to_le_bytes()[..size]);
-            }
-            t.int32_data.len()
-        }
-    };
+        _ => ("int32_data", t.int32_data.len()),
+    }
+}
+
+/// The typed field's values as little-endian bytes. The element count is checked against the
+/// shape's before the bytes are allocated, so they are never more than the field holds.
+fn typed_data(t: &TensorProto, what: &str, dtype: DType, shape: &[usize]) -> Result<Bytes, Error> {
+    let numel: usize = shape.iter().product();
+    let (field, count) = typed_field(t, dtype);
     if count != numel {
-        return Err(Error::Model(format!("tensor {:?}: {numel} elements expected, {count} given", t.name)));
+        return Err(Error::Model(format!(
+            "{what}: {dtype} {shape:?}: {numel} elements expected, {count} given (no raw_data, {field} holds {count})"
+        )));
+    }
+    let size = dtype.size().unwrap_or(1);
+    let mut out = Vec::with_capacity(numel * size);
+    match dtype {
+        DType::F32 => t.float_data.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+        DType::F64 => t.double_data.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+        DType::I64 => t.int64_data.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+        DType::U32 => t.uint64_data.iter().for_each(|v| out.extend_from_slice(&(*v as u32).to_le_bytes())),
+        DType::U64 => t.uint64_data.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+        _ => t.int32_data.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes()[..size])),
     }
     Ok(Bytes::from(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use onnx_protobuf::{GraphProto, Message, ModelProto, NodeProto, OperatorSetIdProto, ValueInfoProto};
+    use protobuf::MessageField;
+
+    use super::*;
+
+    fn model_err(initializer: TensorProto) -> (usize, Error) {
+        let m = ModelProto {
+            ir_version: 10,
+            opset_import: vec![OperatorSetIdProto { version: 21, ..Default::default() }],
+            graph: MessageField::some(GraphProto {
+                node: vec![NodeProto {
+                    op_type: "Relu".into(),
+                    input: vec!["x".into()],
+                    output: vec!["y".into()],
+                    ..Default::default()
+                }],
+                initializer: vec![initializer],
+                output: vec![ValueInfoProto { name: "y".into(), ..Default::default() }],
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let bytes = m.write_to_bytes().unwrap();
+        (bytes.len(), crate::model::load_bytes(&bytes, None).unwrap_err())
+    }
+
+    #[test]
+    fn a_70_byte_model_declaring_2_to_the_40_elements_is_refused_before_allocating() {
+        // Bool [2^40] with no data: a terabyte declared by 70 bytes.
+        let t = TensorProto {
+            name: "x".into(),
+            data_type: 9,
+            dims: vec![1 << 40],
+            doc_string: "2^40 bools and no data here".into(),
+            ..Default::default()
+        };
+        let (len, e) = model_err(t);
+        assert_eq!(len, 70);
+        let Error::Model(m) = e else { panic!("{e:?}") };
+        assert_eq!(
+            m,
+            "initializer \"x\": shape [1099511627776] needs 1099511627776 bytes, over the limit of 68719476736"
+        );
+    }
+
+    #[test]
+    fn a_shape_under_the_limit_with_no_data_is_refused_before_allocating() {
+        // 32 GiB of uint8 declared, none present: this used to abort ("memory allocation of
+        // 34359738368 bytes failed") on a machine with less memory.
+        let t = TensorProto { name: "x".into(), data_type: 2, dims: vec![1 << 35], ..Default::default() };
+        let Error::Model(m) = model_err(t).1 else { panic!() };
+        assert_eq!(
+            m,
+            "initializer \"x\": uint8 [34359738368]: 34359738368 elements expected, 0 given (no raw_data, int32_data holds 0)"
+        );
+        let t = TensorProto {
+            name: "x".into(),
+            data_type: 1,
+            dims: vec![1 << 30],
+            raw_data: vec![0; 12],
+            ..Default::default()
+        };
+        let Error::Model(m) = model_err(t).1 else { panic!() };
+        assert_eq!(m, "initializer \"x\": float32 [1073741824] needs 4294967296 bytes of data, raw_data holds 12");
+    }
+
+    #[test]
+    fn typed_fields_become_little_endian_bytes() {
+        let t = TensorProto { data_type: 10, dims: vec![2], int32_data: vec![0x3c00, 0xc000], ..Default::default() };
+        let got = tensor_from_proto(&t, "tensor \"h\"", &ExternalData::new(None)).unwrap();
+        assert_eq!((got.dtype, &got.shape[..], &got.data[..]), (DType::F16, &[2][..], &[0x00, 0x3c, 0x00, 0xc0][..]));
+        let t = TensorProto { data_type: 12, dims: vec![1], uint64_data: vec![7], ..Default::default() };
+        assert_eq!(&tensor_from_proto(&t, "u", &ExternalData::new(None)).unwrap().data[..], &[7, 0, 0, 0]);
+    }
 }

@@ -1,0 +1,12 @@
+//! A `.npy` file from arbitrary bytes: a tensor or an error, never a panic or an allocation of
+//! a declared size the file does not hold.
+
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    if let Ok(t) = kiln_host::tensorio::read_npy(data) {
+        assert_eq!(t.data.len() as u64, kiln_host::tensor::byte_size(t.dtype, &t.shape).unwrap());
+    }
+});
