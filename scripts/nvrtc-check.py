@@ -34,16 +34,16 @@ def find_nvrtc():
 
 
 def header_packages(root):
-    """Every header package's include/ files under `root`/kernels as (name, bytes), named
+    """The prelude and every package's manifest `headers` under `root`/kernels as (name, bytes), named
     `<package>/<file>` as the host gives them to NVRTC (ABI.md §7.6)."""
     out = [(b"kiln.cuh", open(os.path.join(root, "host", "cuda", "kiln.cuh"), "rb").read())]
-    for inc in sorted(glob.glob(os.path.join(root, "kernels", "*", "include"))):
-        with open(os.path.join(os.path.dirname(inc), "kernel.toml"), "rb") as f:
-            name = tomllib.load(f)["package"]["name"]
-        for path in sorted(glob.glob(os.path.join(inc, "**", "*"), recursive=True)):
-            if os.path.isfile(path):
-                rel = os.path.relpath(path, inc).replace(os.sep, "/")
-                out.append((f"{name}/{rel}".encode(), open(path, "rb").read()))
+    for toml in sorted(glob.glob(os.path.join(root, "kernels", "*", "kernel.toml"))):
+        with open(toml, "rb") as f:
+            manifest = tomllib.load(f)
+        for header in manifest.get("headers", []):  # "include/<path>", as the manifest lists them
+            rel = header.removeprefix("include/")
+            path = os.path.join(os.path.dirname(toml), header)
+            out.append((f"{manifest['package']['name']}/{rel}".encode(), open(path, "rb").read()))
     return out
 
 

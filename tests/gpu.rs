@@ -488,11 +488,12 @@ fn the_example_replays_as_a_graph_and_a_moving_binding_exhausts_the_budget() {
     assert!(st.last_fallback.as_deref().is_some_and(|r| r.contains("in a row")), "{st:?}");
 }
 
-/// GroupQueryAttention decode over a long shared buffer (split over the keys in chunks of 256,
-/// then merged) against the package's CPU reference on the same float32 inputs: rows of 3000,
+/// GroupQueryAttention decode over a long shared buffer (split over the keys in chunks, then
+/// merged) against the package's CPU reference on the same float32 inputs: rows of 3000,
 /// 700 and 1 valid positions in a 3072-position buffer, rotary on, with and without a local
-/// window; 2 query heads per KV head (the kernel by KV head, rows in registers), 4 query heads
-/// over 8 KV heads (73,728 cached keys in all: the kernel by KV head over shared-memory tiles)
+/// window; 2 query heads per KV head (the kernel by KV head, rows in registers), 32 query heads
+/// over 8 KV heads (73,728 cache positions in all: the kernel by KV head over shared-memory
+/// tiles, here with every row written first since present and past are separate buffers)
 /// and 9 (one block per query head). max |Δ| ≤ 1e-4 on the output and the present K/V.
 #[test]
 #[ignore = "needs a CUDA GPU"]

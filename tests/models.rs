@@ -260,7 +260,7 @@ fn malformed_models_name_what_is_wrong() {
         // Initializer data that does not match its shape; negative and absurd dims.
         (
             onnx::model(vec![relu()], vec![], vec![y()], vec![init_f32("x", &[5], &[1.0, 2.0])]),
-            "5 elements expected, 2 given",
+            "5 elements expected, float_data holds 2",
         ),
         (onnx::model(vec![relu()], vec![], vec![y()], vec![init_f32("x", &[-3], &[])]), "negative dimension -3"),
         (onnx::model(vec![relu()], vec![], vec![y()], vec![init_f32("x", &[1 << 40, 1 << 40], &[])]), "overflows"),

@@ -29,8 +29,9 @@ pub fn external_folder(dir: &std::path::Path) -> std::io::Result<()> {
     std::fs::create_dir_all(dir.join("sub"))?;
     #[cfg(unix)]
     {
-        std::os::unix::fs::symlink("/dev/zero", dir.join("zero"))?;
-        std::process::Command::new("mkfifo").arg(dir.join("fifo")).status()?;
+        // Either may be missing on a platform: the mutants then meet a missing file instead.
+        let _ = std::os::unix::fs::symlink("/dev/zero", dir.join("zero"));
+        let _ = std::process::Command::new("mkfifo").arg(dir.join("fifo")).status();
     }
     Ok(())
 }

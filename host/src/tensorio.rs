@@ -230,7 +230,7 @@ mod tests {
         let Error::Input(m) = &e else { panic!("{e:?}") };
         assert_eq!(
             m,
-            "tensor \"a\": float32 [2147483648]: 2147483648 elements expected, 0 given (no raw_data, float_data holds 0)"
+            "tensor \"a\": float32 [2147483648]: 2147483648 elements expected, float_data holds 0 (no raw_data)"
         );
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("input_0.pb");

@@ -65,7 +65,7 @@ impl ExternalData {
 /// Checks an external-data `location` before it touches the file system: it must be a
 /// non-empty relative path with at least one file name and no `..` (a `.` is harmless).
 /// Returns the reason it is refused.
-pub fn check_location(location: &str) -> Result<(), String> {
+pub(crate) fn check_location(location: &str) -> Result<(), String> {
     if location.is_empty() {
         return Err("the location is empty; it must name a file inside the model's folder".into());
     }

@@ -16,7 +16,7 @@ use kiln_kernel_abi::DType;
 
 use crate::Tensor;
 
-pub use external::{check_location, ExternalData};
+pub use external::ExternalData;
 pub use load::{initializer, load, load_bytes, MAX_TENSOR_BYTES};
 pub use tensor_proto::tensor_from_proto;
 

@@ -84,7 +84,7 @@ fn typed_data(t: &TensorProto, what: &str, dtype: DType, shape: &[usize]) -> Res
     let (field, count) = typed_field(t, dtype);
     if count != numel {
         return Err(Error::Model(format!(
-            "{what}: {dtype} {shape:?}: {numel} elements expected, {count} given (no raw_data, {field} holds {count})"
+            "{what}: {dtype} {shape:?}: {numel} elements expected, {field} holds {count} (no raw_data)"
         )));
     }
     let size = dtype.size().unwrap_or(1);
@@ -155,7 +155,7 @@ mod tests {
         let Error::Model(m) = model_err(t).1 else { panic!() };
         assert_eq!(
             m,
-            "initializer \"x\": uint8 [34359738368]: 34359738368 elements expected, 0 given (no raw_data, int32_data holds 0)"
+            "initializer \"x\": uint8 [34359738368]: 34359738368 elements expected, int32_data holds 0 (no raw_data)"
         );
         let t = TensorProto {
             name: "x".into(),

@@ -315,14 +315,14 @@ pub struct ShimInstance {
 }
 
 impl ShimInstance {
-    /// Runs one export. On any failure the instance must be discarded (the caller gets the
-    /// failure and should instantiate anew); on success it may be reused.
     /// The device limits this instance's `launch` calls are checked against (ABI.md §4.6):
     /// those of the GPU the instance dispatches for, in place of the sandbox's defaults.
     pub fn set_launch_limits(&mut self, limits: LaunchLimits) {
         self.store.data_mut().limits = limits;
     }
 
+    /// Runs one export. On any failure the instance must be discarded (the caller gets the
+    /// failure and should instantiate anew); on success it may be reused.
     pub fn call(&mut self, kind: CallKind, args: CallArgs<'_>) -> Result<CallOutcome, ShimFailure> {
         let fail = |kind: FailureKind, reason: String| ShimFailure {
             package: self.package.clone(),

@@ -485,39 +485,23 @@ __device__ void gqa_decode_split(const typename Tag::storage* q_src, const typen
     for (unsigned d = threadIdx.x; d < H; d += blockDim.x) part[2 + d] = s_acc[0][d];
 }
 
-// Decode attention by KV head (S = 1, not a first prompt), gqa_decode_tiled, for grids with many
-// keys in all (bandwidth-bound): block (split, j, b) reads keys [split·kpb, (split + 1)·kpb) ∩
-// [start, end) of KV head j once, for all `group` query heads that share it:
-// 1. the rows are copied into shared memory asynchronously (K, then V, as two groups:
-//    the scores start while V still arrives), swizzled by 16-byte vector so that both one row
-//    per thread (scores) and one row per 8 threads (Σ weight·V) read without bank conflicts;
-//    the group's query rows, rotated and rounded as the CPU reference does, into shared memory;
-// 2. one thread per key: its K row against every query row → scores in shared memory;
-// 3. one warp per query row: max and Σ e^(x − max), the scores turned into weights;
-// 4. threads over (key lane, 16-byte V vector): Σ weight·V per query row, reduced over the key
-//    lanes (warp shuffles, then shared memory over the dead K tile).
-// With one split the block writes the output (sink_mode as gqa_attn); with several it writes
-// the partial state of gqa_decode_split for kiln_gqa_merge. With `append` it first writes the
-// present rows it owns (gqa_decode_append) instead of kiln_gqa_kv_*; those rows reach shared
-// memory by plain loads after the block's barrier. Needs group ≤ GQA_DEC_MAX_GROUP,
-// group·H ≤ GQA_DEC_MAX_QH, H·sizeof(T) a power of two multiple of 16 (at most 512 bytes),
-// kpb ≤ GQA_DEC_KEYS, 256 threads, and gqa_decode_smem(kpb, H·sizeof(T), group·H) bytes of
-// dynamic shared memory.
+// Decode attention by KV head (gqa_decode_regs and gqa_decode_tiled below): the most keys per
+// block, the largest query group and group × head size, and warps (the shim's DEC_* constants).
 #define GQA_DEC_KEYS 256
 #define GQA_DEC_MAX_GROUP 8
 #define GQA_DEC_MAX_QH 1024
 #define GQA_DEC_WARPS 8
-#define GQA_DEC_ROW_VECS 8  // 16-byte vectors of a K row read from shared memory together
-#define GQA_DEC_V_KEYS 4    // V rows per thread read from shared memory together
+#define GQA_DEC_ROW_VECS 8  // 16-byte vectors of a K row in registers together
+#define GQA_DEC_V_KEYS 4    // V rows per thread gqa_decode_tiled reads from shared memory together
 
-// Bytes of gqa_decode's K tile, which the cross-warp reduction reuses once the scores are
+// Bytes of gqa_decode_tiled's K tile, which the cross-warp reduction reuses once the scores are
 // computed; the V tile follows it.
 __host__ __device__ __forceinline__ unsigned gqa_decode_k_bytes(unsigned kpb, unsigned row_bytes, unsigned qh) {
     const unsigned k = kpb * row_bytes, red = GQA_DEC_WARPS * qh * 4u;
     return k > red ? k : red;
 }
 
-// The present rows block (split, j, b) of gqa_decode owns, rows split·kpb .. + kpb of KV head
+// The present rows block (split, j, b) of a decode kernel owns, rows split·kpb .. + kpb of KV head
 // j, batch row b, as kiln_gqa_kv_* writes them for a shared past and present (S = 1): bound in
 // place (present is the past buffer) only the new row at `pos`, else every owned row (the new
 // row, past rows below P, zeros). Every key a block reads is a row it owns, so the append needs
@@ -596,10 +580,11 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
         gqa_check(st, seqlens, gridDim.z, 1, 0, total, 0, 0, cache_rows, rotary_half);
     long long start, end, pos;
     gqa_range(seqlens, b, 0, 1, 0, window, PL, &start, &end, &pos);
-    long long lo = (long long)split * kpb, hi = lo + kpb;
+    (void)kpb;  // the tiled kernel's argument: this one has GQA_DEC_KEYS per block, as the shim passes
+    long long lo = (long long)split * GQA_DEC_KEYS, hi = lo + GQA_DEC_KEYS;
     if (lo < start) lo = start;
     if (hi > end) hi = end;
-    const unsigned n = lo < hi ? (unsigned)(hi - lo) : 0;  // ≤ kpb ≤ GQA_DEC_KEYS = blockDim.x
+    const unsigned n = lo < hi ? (unsigned)(hi - lo) : 0;  // ≤ GQA_DEC_KEYS = blockDim.x
     const kiln_u64 head = ((kiln_u64)b * Nk + j) * PL * H;
     const unsigned vpr = H / VE;  // 16-byte vectors per K/V row
     // Key k's K and V rows are loaded before the append and the query rows (their latency
@@ -622,7 +607,7 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
         vraw[u] = k < n && !late(k) ? vrow(k) : make_uint4(0, 0, 0, 0);
     }
     if (append)
-        gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v, split, kpb, j, b, Nk, H, PL, P,
+        gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v, split, GQA_DEC_KEYS, j, b, Nk, H, PL, P,
                                pos, kv_w, k_off, v_off, cache_rows, rotary_half, interleaved);
     if (n == 0) {
         if (splits == 1) {
@@ -775,6 +760,24 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
     }
 }
 
+// Decode attention by KV head (S = 1, not a first prompt), gqa_decode_tiled, for grids with many
+// keys in all (bandwidth-bound): block (split, j, b) reads keys [split·kpb, (split + 1)·kpb) ∩
+// [start, end) of KV head j once, for all `group` query heads that share it:
+// 1. the rows are copied into shared memory asynchronously (K, then V, as two groups:
+//    the scores start while V still arrives), swizzled by 16-byte vector so that both one row
+//    per thread (scores) and one row per 8 threads (Σ weight·V) read without bank conflicts;
+//    the group's query rows, rotated and rounded as the CPU reference does, into shared memory;
+// 2. one thread per key: its K row against every query row → scores in shared memory;
+// 3. one warp per query row: max and Σ e^(x − max), the scores turned into weights;
+// 4. threads over (key lane, 16-byte V vector): Σ weight·V per query row, reduced over the key
+//    lanes (warp shuffles, then shared memory over the dead K tile).
+// With one split the block writes the output (sink_mode as gqa_attn); with several it writes
+// the partial state of gqa_decode_split for kiln_gqa_merge. With `append` it first writes the
+// present rows it owns (gqa_decode_append) instead of kiln_gqa_kv_*; those rows reach shared
+// memory by plain loads after the block's barrier. Needs group ≤ GQA_DEC_MAX_GROUP,
+// group·H ≤ GQA_DEC_MAX_QH, H·sizeof(T) a power of two multiple of 16 (at most 512 bytes),
+// kpb ≤ GQA_DEC_KEYS, 256 threads, and gqa_decode_k_bytes(kpb, H·sizeof(T), group·H) +
+// kpb·H·sizeof(T) bytes of dynamic shared memory.
 template <typename Tag, int G>
 __device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Tag::storage* pres_k,
                            typename Tag::storage* pres_v, const int* seqlens, const typename Tag::storage* cos_c,
@@ -802,10 +805,11 @@ __device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Ta
         gqa_check(st, seqlens, gridDim.z, 1, 0, total, 0, 0, cache_rows, rotary_half);
     long long start, end, pos;
     gqa_range(seqlens, b, 0, 1, 0, window, PL, &start, &end, &pos);
-    long long lo = (long long)split * kpb, hi = lo + kpb;
+    (void)kpb;  // the tiled kernel's argument: this one has GQA_DEC_KEYS per block, as the shim passes
+    long long lo = (long long)split * GQA_DEC_KEYS, hi = lo + GQA_DEC_KEYS;
     if (lo < start) lo = start;
     if (hi > end) hi = end;
-    const unsigned n = lo < hi ? (unsigned)(hi - lo) : 0;  // ≤ kpb ≤ GQA_DEC_KEYS = blockDim.x
+    const unsigned n = lo < hi ? (unsigned)(hi - lo) : 0;  // ≤ GQA_DEC_KEYS = blockDim.x
     uint4* k_s = (uint4*)gqa_dyn;
     uint4* v_s = (uint4*)(gqa_dyn + gqa_decode_k_bytes(kpb, row_bytes, group * H));
     float* s_red = (float*)gqa_dyn;  // [GQA_DEC_WARPS][group·H], once the scores are computed

@@ -1,4 +1,4 @@
-// kiln-cuda-std/async.cuh — asynchronous copies into shared memory and L2 prefetches.
+// kiln-cuda-std/async.cuh — asynchronous copies into shared memory.
 #pragma once
 #include "kiln.cuh"
 
@@ -27,14 +27,5 @@ template <int N>
 __device__ __forceinline__ void kiln_cp_async_wait() {
 #if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#endif
-}
-
-// Asks L2 to fetch `bytes` bytes from `src` (16-byte aligned, `bytes` a multiple of 16): one
-// `cp.async.bulk.prefetch.L2` on compute capability 9.0 and later (PTX ISA 8.0), nothing
-// before. A hint only: safe on memory another kernel is still writing.
-__device__ __forceinline__ void kiln_prefetch_l2(const void* src, unsigned bytes) {
-#if __CUDA_ARCH__ >= 900
-    if (bytes > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 #endif
 }

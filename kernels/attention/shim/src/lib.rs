@@ -677,9 +677,10 @@ const DEC_MAX_QH: usize = 1024;
 const DEC_WARPS: usize = 8;
 /// Bytes of K and V rows one `kiln_gqa_decode_tiled*` block holds in shared memory.
 const DEC_TILE_BYTES: usize = 64 << 10;
-/// From this many cached keys in all (present length × batch rows × KV heads), decode attention
-/// runs `kiln_gqa_decode_tiled*` (K/V tiles copied into shared memory, 3 blocks per SM: the
-/// bandwidth-bound case), below it `kiln_gqa_decode*` (rows loaded into registers up front, 2
+/// From this many cache positions in all (present buffer length × batch rows × KV heads: shapes
+/// only, so the choice is a plan constant, whatever the rows' lengths), decode attention runs
+/// `kiln_gqa_decode_tiled*` (K/V tiles copied into shared memory, 3 blocks per SM for groups of
+/// up to 4 query heads: the bandwidth-bound case), below it `kiln_gqa_decode*` (rows loaded into registers up front, 2
 /// blocks per SM: the latency-bound case). On the H200 (bench/RESULTS.md, 2026-12-03 session 9)
 /// the tiled kernel took batch 8 at context 3840 of a 4096 cache from 1.423 to 1.275 ms/step
 /// and the register kernel was 3–4 % faster at batch 1 and at caches of a few hundred keys.
@@ -734,7 +735,7 @@ const GQA_MAX_HEAD: usize = 256;
 /// Prompts without bias, softcap or sink and heads of at most PREFILL_MAX_HEAD run
 /// `kiln_gqa_prefill_*` instead: a block per PREFILL_ROWS query rows, K/V tiles shared by them.
 /// Decode by KV head over a shared past and present (the decode graphs' case) runs without
-/// `kiln_gqa_kv_*`: each `kiln_gqa_decode_*` block writes the present rows it reads.
+/// `kiln_gqa_kv_*`: each `kiln_gqa_decode*` block writes the present rows it reads.
 /// Without a past, absent present outputs become scratch buffers.
 fn gqa_dispatch(call: &Call) -> Result<()> {
     let p = gqa_plan(call)?;
@@ -799,7 +800,7 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
         && (h_sz * esize) % 16 == 0
         && vectors.is_power_of_two()
         && vectors <= 32;
-    // A shared past and present at decode: kiln_gqa_decode_* appends the new rows itself.
+    // A shared past and present at decode: kiln_gqa_decode* appends the new rows itself.
     let append = by_kv_head && shared && out.numel()? > 0;
 
     if present_elems > 0 && !append {
@@ -941,7 +942,7 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
             kernel: &format!("kiln_gqa_{kernel}_{suffix}"),
             grid,
             block: [block, 1, 1],
-            shared_mem_bytes: smem as u32, // at most 2 × DEC_TILE_BYTES
+            shared_mem_bytes: smem as u32, // at most DEC_TILE_BYTES (K and V tiles, the reduction ≤ 32 KiB)
             args,
         })?;
         if !merged {
