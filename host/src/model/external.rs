@@ -96,11 +96,20 @@ enum MapError {
 /// Maps `path` read-only, once it is known to be a regular file (opening a FIFO would block,
 /// a device could be endless).
 fn map_file(path: &Path) -> Result<Bytes, MapError> {
-    let meta = std::fs::metadata(path).map_err(MapError::Io)?;
+    if !std::fs::metadata(path).map_err(MapError::Io)?.is_file() {
+        return Err(MapError::NotAFile);
+    }
+    // Opened without blocking and checked again as opened: a FIFO swapped in after the first
+    // check would otherwise wait for a writer in open(2).
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::custom_flags(&mut options, libc::O_NONBLOCK);
+    let file: File = options.open(path).map_err(MapError::Io)?;
+    let meta = file.metadata().map_err(MapError::Io)?;
     if !meta.is_file() {
         return Err(MapError::NotAFile);
     }
-    let file = File::open(path).map_err(MapError::Io)?;
     if meta.len() == 0 {
         // mmap refuses an empty file; its every range is empty.
         return Ok(Bytes::new());
