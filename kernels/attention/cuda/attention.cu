@@ -550,6 +550,172 @@ __device__ __forceinline__ unsigned gqa_swz(unsigned r, unsigned u, unsigned vpr
     return r * vpr + (u ^ (r & (vpr - 1) & 7u));
 }
 
+// Steps both decode kernels share (gqa_decode_regs, gqa_decode_tiled); the scores and weights
+// live in s_sc [G][GQA_DEC_KEYS].
+
+// A block with no key to attend to: zeros as its output (one split) or an empty partial state.
+template <typename Tag>
+__device__ __forceinline__ void gqa_dec_empty(typename Tag::storage* out, float* partial, unsigned b, unsigned N,
+                                              unsigned H, unsigned j, unsigned group, unsigned split,
+                                              unsigned splits) {
+    if (splits == 1) {
+        for (unsigned i = threadIdx.x; i < group * H; i += blockDim.x)
+            out[(kiln_u64)b * N * H + (kiln_u64)(j * group) * H + i] = kiln_from_f32(Tag(), 0.f);
+    } else if (threadIdx.x < group) {
+        float* part = partial + (((kiln_u64)b * N + j * group + threadIdx.x) * splits + split) * (H + 2);
+        part[0] = -__int_as_float(0x7f800000);
+        part[1] = 0.f;
+    }
+}
+
+// The group's query rows, rotated and rounded as the CPU reference does, into q_s [group·H].
+template <typename Tag>
+__device__ __forceinline__ void gqa_dec_queries(float* q_s, const typename Tag::storage* q_src,
+                                                const typename Tag::storage* cos_c,
+                                                const typename Tag::storage* sin_c, long long pos,
+                                                kiln_u64 cache_rows, unsigned rotary_half, unsigned interleaved,
+                                                unsigned b, kiln_u64 q_w, unsigned j, unsigned group, unsigned H) {
+    for (unsigned i = threadIdx.x; i < group * H; i += blockDim.x) {
+        const unsigned g = i / H, d = i - g * H;
+        const typename Tag::storage* qr = q_src + (kiln_u64)b * q_w + (kiln_u64)(j * group + g) * H;
+        q_s[i] = gqa_query_elem<Tag>(qr, cos_c, sin_c, pos, cache_rows, rotary_half, d, interleaved);
+    }
+}
+
+// dot[g] += the 16-byte vector c of a K row against query row g (q_s).
+template <typename Tag, int G>
+__device__ __forceinline__ void gqa_dec_dot(float (&dot)[G], const uint4& raw, const float* q_s, unsigned c,
+                                            unsigned H, unsigned group) {
+    const unsigned VE = 16 / sizeof(typename Tag::storage);
+    const typename Tag::storage* e = (const typename Tag::storage*)&raw;
+    float kf[16 / sizeof(typename Tag::storage)];
+#pragma unroll
+    for (unsigned x = 0; x < VE; ++x) kf[x] = kiln_to_f32(Tag(), e[x]);
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        if (g >= (int)group) break;
+        const float4* qv = (const float4*)(q_s + g * H + c * VE);
+#pragma unroll
+        for (unsigned x = 0; x < VE / 4; ++x) {
+            const float4 qq = qv[x];
+            dot[g] += qq.x * kf[4 * x] + qq.y * kf[4 * x + 1] + qq.z * kf[4 * x + 2] + qq.w * kf[4 * x + 3];
+        }
+    }
+}
+
+// Key k's scores (scale, softcap, bias of key lo + k) into s_sc.
+template <typename Tag, int G>
+__device__ __forceinline__ void gqa_dec_scores(const float (&dot)[G], float (*s_sc)[GQA_DEC_KEYS], unsigned k,
+                                               long long lo, float scale, float softcap,
+                                               const typename Tag::storage* bias, unsigned has_bias,
+                                               unsigned bias_b, unsigned bias_h, unsigned b, unsigned j,
+                                               unsigned group, unsigned total) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        if (g >= (int)group) break;
+        float xs = dot[g] * scale;
+        if (softcap > 0.f) xs = softcap * tanhf(xs / softcap);
+        const typename Tag::storage* br = gqa_bias_row<Tag>(bias, has_bias, bias_b, bias_h, b, j * group + g, 0, 1, total);
+        if (br) xs += kiln_to_f32(Tag(), br[lo + k]);
+        s_sc[g][k] = xs;
+    }
+}
+
+// One warp per query row: the max and Σ e^(x − max) of its n scores (into s_m, s_l), the scores
+// turned into weights.
+__device__ __forceinline__ void gqa_dec_weights(float (*s_sc)[GQA_DEC_KEYS], float* s_m, float* s_l, unsigned n,
+                                                unsigned group) {
+    const unsigned lane = threadIdx.x & 31u;
+    for (unsigned g = threadIdx.x >> 5; g < group; g += blockDim.x >> 5) {
+        float m = -__int_as_float(0x7f800000);
+        for (unsigned k = lane; k < n; k += 32) m = fmaxf(m, s_sc[g][k]);
+        m = kiln_warp_max(m);
+        float l = 0.f;
+        for (unsigned k = lane; k < n; k += 32) {
+            const float p = m == -__int_as_float(0x7f800000) ? 0.f : expf(s_sc[g][k] - m);
+            s_sc[g][k] = p;
+            l += p;
+        }
+        l = kiln_warp_sum(l);
+        if (lane == 0) {
+            s_m[g] = m;
+            s_l[g] = l;
+        }
+    }
+}
+
+// acc[g] += weight(g, k) × the 16-byte vector of key k's V row this thread holds.
+template <typename Tag, int G>
+__device__ __forceinline__ void gqa_dec_accumulate(float (&acc)[G][8], const uint4& raw,
+                                                   const float (*s_sc)[GQA_DEC_KEYS], unsigned k, unsigned group) {
+    const unsigned VE = 16 / sizeof(typename Tag::storage);
+    const typename Tag::storage* e = (const typename Tag::storage*)&raw;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        if (g >= (int)group) break;
+        const float p = s_sc[g][k];
+#pragma unroll
+        for (int x = 0; x < 8; ++x)
+            if (x < (int)VE) acc[g][x] += p * kiln_to_f32(Tag(), e[x]);
+    }
+}
+
+// Reduces acc over the key lanes of a warp (lanes vi + vpr·i) and writes each warp's sums to
+// s_red [warp][stride] (a barrier must follow).
+template <typename Tag, int G>
+__device__ __forceinline__ void gqa_dec_reduce(float (&acc)[G][8], float* s_red, unsigned stride, unsigned vpr,
+                                               unsigned vi, unsigned H, unsigned group) {
+    const unsigned VE = 16 / sizeof(typename Tag::storage), lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    for (unsigned o = vpr; o < 32; o <<= 1)
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+#pragma unroll
+            for (int x = 0; x < 8; ++x) acc[g][x] += __shfl_xor_sync(0xffffffffu, acc[g][x], o);
+    if (lane < vpr) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            if (g >= (int)group) break;
+#pragma unroll
+            for (int x = 0; x < 8; ++x)
+                if (x < (int)VE) s_red[warp * stride + g * H + vi * VE + x] = acc[g][x];
+        }
+    }
+}
+
+// Sums the warps' rows of s_red [warp][stride] and writes the output (one split; sink_mode as
+// gqa_attn) or the partial state of gqa_decode_split for kiln_gqa_merge.
+template <typename Tag>
+__device__ __forceinline__ void gqa_dec_write(const float* s_red, unsigned stride, unsigned warps_used,
+                                              const float* s_m, const float* s_l,
+                                              const typename Tag::storage* sink, unsigned sink_mode,
+                                              typename Tag::storage* out, float* partial, unsigned b, unsigned N,
+                                              unsigned H, unsigned j, unsigned group, unsigned split,
+                                              unsigned splits) {
+    for (unsigned i = threadIdx.x; i < group * H; i += blockDim.x) {
+        const unsigned g = i / H, d = i - g * H;
+        float a = 0.f;
+        for (unsigned w = 0; w < warps_used; ++w) a += s_red[w * stride + i];
+        const unsigned h = j * group + g;
+        if (splits == 1) {
+            float den = s_l[g], scale_o = 1.f;
+            if (sink_mode != 0) {
+                const float sink_v = sink_mode == 2 ? kiln_to_f32(Tag(), sink[h]) : 0.f;
+                const float m2 = fmaxf(s_m[g], sink_v);
+                scale_o = expf(s_m[g] - m2);
+                den = den * scale_o + expf(sink_v - m2);
+            }
+            out[(kiln_u64)b * N * H + (kiln_u64)h * H + d] = kiln_from_f32(Tag(), a * scale_o / den);
+        } else {
+            float* part = partial + (((kiln_u64)b * N + h) * splits + split) * (H + 2);
+            if (d == 0) {
+                part[0] = s_m[g];
+                part[1] = s_l[g];
+            }
+            part[2 + d] = a;
+        }
+    }
+}
+
 // Decode attention by KV head for latency-bound grids (the shim's choice for few keys in all):
 // the same steps as gqa_decode_tiled, but each thread loads its K row and GQA_DEC_REG_V_KEYS V rows
 // into registers at the start, before the append and the query rows, so their latency
@@ -575,7 +741,7 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
     __shared__ float s_m[G], s_l[G];
     __shared__ float s_red[GQA_DEC_WARPS][GQA_DEC_MAX_QH];
     const unsigned split = blockIdx.x, j = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
-    const unsigned group = N / Nk, tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    const unsigned group = N / Nk, tid = threadIdx.x;
     if (split == 0 && j == 0 && b == 0 && tid == 0)
         gqa_check(st, seqlens, gridDim.z, 1, 0, total, 0, 0, cache_rows, rotary_half);
     long long start, end, pos;
@@ -610,22 +776,11 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
         gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v, split, GQA_DEC_KEYS, j, b, Nk, H, PL, P,
                                pos, kv_w, k_off, v_off, cache_rows, rotary_half, interleaved);
     if (n == 0) {
-        if (splits == 1) {
-            for (unsigned i = tid; i < group * H; i += blockDim.x)
-                out[(kiln_u64)b * N * H + (kiln_u64)(j * group) * H + i] = kiln_from_f32(Tag(), 0.f);
-        } else if (tid < group) {
-            float* part = partial + (((kiln_u64)b * N + j * group + tid) * splits + split) * (H + 2);
-            part[0] = -__int_as_float(0x7f800000);
-            part[1] = 0.f;
-        }
+        gqa_dec_empty<Tag>(out, partial, b, N, H, j, group, split, splits);
         return;
     }
     // 1. Query rows.
-    for (unsigned i = tid; i < group * H; i += blockDim.x) {
-        const unsigned g = i / H, d = i - g * H;
-        const T* qr = q_src + (kiln_u64)b * q_w + (kiln_u64)(j * group + g) * H;
-        q_s[i] = gqa_query_elem<Tag>(qr, cos_c, sin_c, pos, cache_rows, rotary_half, d, interleaved);
-    }
+    gqa_dec_queries<Tag>(q_s, q_src, cos_c, sin_c, pos, cache_rows, rotary_half, interleaved, b, q_w, j, group, H);
     __syncthreads();  // the appended rows and q_s
     // 2. Scores, one key per thread (n ≤ blockDim.x).
     if (tid < n) {
@@ -642,50 +797,14 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
 #pragma unroll
             for (unsigned u = 0; u < GQA_DEC_ROW_VECS; ++u) {
                 if (c0 + u >= vpr) break;
-                const T* e = (const T*)&raw[u];
-                float kf[16 / sizeof(T)];
-#pragma unroll
-                for (unsigned x = 0; x < VE; ++x) kf[x] = kiln_to_f32(Tag(), e[x]);
-#pragma unroll
-                for (int g = 0; g < G; ++g) {
-                    if (g >= (int)group) break;
-                    const float4* qv = (const float4*)(q_s + g * H + (c0 + u) * VE);
-#pragma unroll
-                    for (unsigned x = 0; x < VE / 4; ++x) {
-                        const float4 qq = qv[x];
-                        dot[g] += qq.x * kf[4 * x] + qq.y * kf[4 * x + 1] + qq.z * kf[4 * x + 2] + qq.w * kf[4 * x + 3];
-                    }
-                }
+                gqa_dec_dot<Tag, G>(dot, raw[u], q_s, c0 + u, H, group);
             }
         }
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            if (g >= (int)group) break;
-            float xs = dot[g] * scale;
-            if (softcap > 0.f) xs = softcap * tanhf(xs / softcap);
-            const T* br = gqa_bias_row<Tag>(bias, has_bias, bias_b, bias_h, b, j * group + g, 0, 1, total);
-            if (br) xs += kiln_to_f32(Tag(), br[lo + k]);
-            s_sc[g][k] = xs;
-        }
+        gqa_dec_scores<Tag, G>(dot, s_sc, k, lo, scale, softcap, bias, has_bias, bias_b, bias_h, b, j, group, total);
     }
     __syncthreads();
     // 3. Weights, one warp per query row.
-    for (unsigned g = warp; g < group; g += blockDim.x >> 5) {
-        float m = -__int_as_float(0x7f800000);
-        for (unsigned k = lane; k < n; k += 32) m = fmaxf(m, s_sc[g][k]);
-        m = kiln_warp_max(m);
-        float l = 0.f;
-        for (unsigned k = lane; k < n; k += 32) {
-            const float p = m == -__int_as_float(0x7f800000) ? 0.f : expf(s_sc[g][k] - m);
-            s_sc[g][k] = p;
-            l += p;
-        }
-        l = kiln_warp_sum(l);
-        if (lane == 0) {
-            s_m[g] = m;
-            s_l[g] = l;
-        }
-    }
+    gqa_dec_weights(s_sc, s_m, s_l, n, group);
     __syncthreads();
     // 4. Σ weight·V: thread (key lane kl, vector vi), GQA_DEC_REG_V_KEYS keys' loads in flight (the
     // first ones loaded above).
@@ -706,58 +825,15 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
             for (unsigned u = 0; u < GQA_DEC_REG_V_KEYS; ++u) {
                 const unsigned k = k0 + u * lanes;
                 if (k >= n) break;
-                const T* e = (const T*)&raw[u];
-#pragma unroll
-                for (int g = 0; g < G; ++g) {
-                    if (g >= (int)group) break;
-                    const float p = s_sc[g][k];
-#pragma unroll
-                    for (int x = 0; x < 8; ++x)
-                        if (x < (int)VE) acc[g][x] += p * kiln_to_f32(Tag(), e[x]);
-                }
+                gqa_dec_accumulate<Tag, G>(acc, raw[u], s_sc, k, group);
             }
         }
     }
     // Reduce over the key lanes of a warp (lanes vi + vpr·i), then over the warps.
-    for (unsigned o = vpr; o < 32; o <<= 1)
-#pragma unroll
-        for (int g = 0; g < G; ++g)
-#pragma unroll
-            for (int x = 0; x < 8; ++x) acc[g][x] += __shfl_xor_sync(0xffffffffu, acc[g][x], o);
-    if (lane < vpr) {
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            if (g >= (int)group) break;
-#pragma unroll
-            for (int x = 0; x < 8; ++x)
-                if (x < (int)VE) s_red[warp][g * H + vi * VE + x] = acc[g][x];
-        }
-    }
+    gqa_dec_reduce<Tag, G>(acc, &s_red[0][0], GQA_DEC_MAX_QH, vpr, vi, H, group);
     __syncthreads();
-    const unsigned warps_used = (lanes * vpr + 31) / 32;
-    for (unsigned i = tid; i < group * H; i += blockDim.x) {
-        const unsigned g = i / H, d = i - g * H;
-        float a = 0.f;
-        for (unsigned w = 0; w < warps_used; ++w) a += s_red[w][i];
-        const unsigned h = j * group + g;
-        if (splits == 1) {
-            float den = s_l[g], scale_o = 1.f;
-            if (sink_mode != 0) {
-                const float sink_v = sink_mode == 2 ? kiln_to_f32(Tag(), sink[h]) : 0.f;
-                const float m2 = fmaxf(s_m[g], sink_v);
-                scale_o = expf(s_m[g] - m2);
-                den = den * scale_o + expf(sink_v - m2);
-            }
-            out[(kiln_u64)b * N * H + (kiln_u64)h * H + d] = kiln_from_f32(Tag(), a * scale_o / den);
-        } else {
-            float* part = partial + (((kiln_u64)b * N + h) * splits + split) * (H + 2);
-            if (d == 0) {
-                part[0] = s_m[g];
-                part[1] = s_l[g];
-            }
-            part[2 + d] = a;
-        }
-    }
+    gqa_dec_write<Tag>(&s_red[0][0], GQA_DEC_MAX_QH, (lanes * vpr + 31) / 32, s_m, s_l, sink, sink_mode, out, partial,
+                       b, N, H, j, group, split, splits);
 }
 
 // Decode attention by KV head (S = 1, not a first prompt), gqa_decode_tiled, for grids with many
@@ -797,7 +873,7 @@ __device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Ta
     __shared__ float s_sc[G][GQA_DEC_KEYS];
     __shared__ float s_m[G], s_l[G];
     const unsigned split = blockIdx.x, j = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
-    const unsigned group = N / Nk, tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    const unsigned group = N / Nk, tid = threadIdx.x;
     const kiln_u64 head = ((kiln_u64)b * Nk + j) * PL * H;
     const unsigned vpr = H / VE;  // 16-byte vectors per K/V row
     const unsigned row_bytes = H * (unsigned)sizeof(T);
@@ -833,22 +909,11 @@ __device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Ta
         gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v, split, kpb, j, b, Nk, H,
                                PL, P, pos, kv_w, k_off, v_off, cache_rows, rotary_half, interleaved);
     if (n == 0) {
-        if (splits == 1) {
-            for (unsigned i = tid; i < group * H; i += blockDim.x)
-                out[(kiln_u64)b * N * H + (kiln_u64)(j * group) * H + i] = kiln_from_f32(Tag(), 0.f);
-        } else if (tid < group) {
-            float* part = partial + (((kiln_u64)b * N + j * group + tid) * splits + split) * (H + 2);
-            part[0] = -__int_as_float(0x7f800000);
-            part[1] = 0.f;
-        }
+        gqa_dec_empty<Tag>(out, partial, b, N, H, j, group, split, splits);
         kiln_cp_async_wait<0>();
         return;
     }
-    for (unsigned i = tid; i < group * H; i += blockDim.x) {
-        const unsigned g = i / H, d = i - g * H;
-        const T* qr = q_src + (kiln_u64)b * q_w + (kiln_u64)(j * group + g) * H;
-        q_s[i] = gqa_query_elem<Tag>(qr, cos_c, sin_c, pos, cache_rows, rotary_half, d, interleaved);
-    }
+    gqa_dec_queries<Tag>(q_s, q_src, cos_c, sin_c, pos, cache_rows, rotary_half, interleaved, b, q_w, j, group, H);
     if (append) {
         __syncthreads();  // the appended rows
         for (unsigned i = tid; i < n * vpr; i += blockDim.x) {
@@ -875,50 +940,14 @@ __device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Ta
 #pragma unroll
             for (unsigned u = 0; u < GQA_DEC_ROW_VECS; ++u) {
                 if (c0 + u >= vpr) break;
-                const T* e = (const T*)&raw[u];
-                float kf[16 / sizeof(T)];
-#pragma unroll
-                for (unsigned x = 0; x < VE; ++x) kf[x] = kiln_to_f32(Tag(), e[x]);
-#pragma unroll
-                for (int g = 0; g < G; ++g) {
-                    if (g >= (int)group) break;
-                    const float4* qv = (const float4*)(q_s + g * H + (c0 + u) * VE);
-#pragma unroll
-                    for (unsigned x = 0; x < VE / 4; ++x) {
-                        const float4 qq = qv[x];
-                        dot[g] += qq.x * kf[4 * x] + qq.y * kf[4 * x + 1] + qq.z * kf[4 * x + 2] + qq.w * kf[4 * x + 3];
-                    }
-                }
+                gqa_dec_dot<Tag, G>(dot, raw[u], q_s, c0 + u, H, group);
             }
         }
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            if (g >= (int)group) break;
-            float xs = dot[g] * scale;
-            if (softcap > 0.f) xs = softcap * tanhf(xs / softcap);
-            const T* br = gqa_bias_row<Tag>(bias, has_bias, bias_b, bias_h, b, j * group + g, 0, 1, total);
-            if (br) xs += kiln_to_f32(Tag(), br[lo + k]);
-            s_sc[g][k] = xs;
-        }
+        gqa_dec_scores<Tag, G>(dot, s_sc, k, lo, scale, softcap, bias, has_bias, bias_b, bias_h, b, j, group, total);
     }
     __syncthreads();
     // 3. Weights, one warp per query row.
-    for (unsigned g = warp; g < group; g += blockDim.x >> 5) {
-        float m = -__int_as_float(0x7f800000);
-        for (unsigned k = lane; k < n; k += 32) m = fmaxf(m, s_sc[g][k]);
-        m = kiln_warp_max(m);
-        float l = 0.f;
-        for (unsigned k = lane; k < n; k += 32) {
-            const float p = m == -__int_as_float(0x7f800000) ? 0.f : expf(s_sc[g][k] - m);
-            s_sc[g][k] = p;
-            l += p;
-        }
-        l = kiln_warp_sum(l);
-        if (lane == 0) {
-            s_m[g] = m;
-            s_l[g] = l;
-        }
-    }
+    gqa_dec_weights(s_sc, s_m, s_l, n, group);
     kiln_cp_async_wait<0>();
     __syncthreads();  // the weights, V in shared memory
     // 4. Σ weight·V: thread (key lane kl, vector vi), GQA_DEC_V_KEYS rows read together.
@@ -940,58 +969,14 @@ __device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Ta
         for (unsigned u = 0; u < GQA_DEC_V_KEYS; ++u) {
             const unsigned k = k0 + u * lanes;
             if (k >= n) break;
-            const T* e = (const T*)&raw[u];
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                if (g >= (int)group) break;
-                const float p = s_sc[g][k];
-#pragma unroll
-                for (int x = 0; x < 8; ++x)
-                    if (x < (int)VE) acc[g][x] += p * kiln_to_f32(Tag(), e[x]);
-            }
+            gqa_dec_accumulate<Tag, G>(acc, raw[u], s_sc, k, group);
         }
     }
     // Reduce over the key lanes of a warp (lanes vi + vpr·i), then over the warps.
-    for (unsigned o = vpr; o < 32; o <<= 1)
-#pragma unroll
-        for (int g = 0; g < G; ++g)
-#pragma unroll
-            for (int x = 0; x < 8; ++x) acc[g][x] += __shfl_xor_sync(0xffffffffu, acc[g][x], o);
-    const unsigned qh = group * H;
-    if (lane < vpr) {
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            if (g >= (int)group) break;
-#pragma unroll
-            for (int x = 0; x < 8; ++x)
-                if (x < (int)VE) s_red[warp * qh + g * H + vi * VE + x] = acc[g][x];
-        }
-    }
+    gqa_dec_reduce<Tag, G>(acc, s_red, group * H, vpr, vi, H, group);
     __syncthreads();
-    const unsigned warps_used = (lanes * vpr + 31) / 32;
-    for (unsigned i = tid; i < qh; i += blockDim.x) {
-        const unsigned g = i / H, d = i - g * H;
-        float a = 0.f;
-        for (unsigned w = 0; w < warps_used; ++w) a += s_red[w * qh + i];
-        const unsigned h = j * group + g;
-        if (splits == 1) {
-            float den = s_l[g], scale_o = 1.f;
-            if (sink_mode != 0) {
-                const float sink_v = sink_mode == 2 ? kiln_to_f32(Tag(), sink[h]) : 0.f;
-                const float m2 = fmaxf(s_m[g], sink_v);
-                scale_o = expf(s_m[g] - m2);
-                den = den * scale_o + expf(sink_v - m2);
-            }
-            out[(kiln_u64)b * N * H + (kiln_u64)h * H + d] = kiln_from_f32(Tag(), a * scale_o / den);
-        } else {
-            float* part = partial + (((kiln_u64)b * N + h) * splits + split) * (H + 2);
-            if (d == 0) {
-                part[0] = s_m[g];
-                part[1] = s_l[g];
-            }
-            part[2 + d] = a;
-        }
-    }
+    gqa_dec_write<Tag>(s_red, group * H, (lanes * vpr + 31) / 32, s_m, s_l, sink, sink_mode, out, partial, b, N, H, j,
+                       group, split, splits);
 }
 
 // Merges the splits of gqa_decode_split for head h = blockIdx.x, batch row b = blockIdx.y,
