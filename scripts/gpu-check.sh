@@ -2,7 +2,8 @@
 # On the GPU machine, from the repository root, after `scripts/stage-gpu.sh` here: checks and
 # times kiln in one call. Phases (any of them, in this order):
 #   tests      the GPU tests (tests/gpu.rs), all of them
-#   bench      kiln bench decode: graphs on and off at prompt 128 + 256 new tokens, batch 1 and 8;
+#   bench      kiln bench decode: graphs on and off at prompt 128 + 256 new tokens, batch 1 and 8,
+#              and unfused with graphs off (the first eager path);
 #              prompt 128 and 3840 at one cache size (4096 positions); a streamed kiln generate;
 #              kiln run of the example 20 times with graphs on
 #   linear     the decode linear layers: their GPU test, kiln verify kiln-matmul on the GPU, and
@@ -53,6 +54,10 @@ for phase in $phases; do
     for g in on off; do
       "$KILN" bench decode "$m" --batch 1 --batch 8 --graph $g --runs 3 --json "$work/decode-$g.json" 2>&1
     done | tee "$out/bench.log"
+    # The eager path the decode-graph issue measured first (no fusion, no graphs: 363 launches
+    # per step), beside the rows above in the same run.
+    "$KILN" bench decode "$m" --batch 1 --batch 8 --graph off --no-fuse --runs 3 \
+      --json "$work/decode-off-nofuse.json" 2>&1 | tee -a "$out/bench.log"
     for p in 128 3840; do
       "$KILN" bench decode "$m" --batch 1 --batch 8 --graph on --runs 3 --prompt-len $p --max-length 4096 \
         --json "$work/decode-ctx$p.json" 2>&1

@@ -319,6 +319,65 @@ fn graph_decode_matches_eager(folder: &std::path::Path) {
     }
 }
 
+/// Sessions on one device share its module cache, pool and stream (one `cuda::Device` per
+/// device per process): a second session of a model loads no kernel, a block the first session
+/// frees is the second's pool hit, and two threads, each with its own session capturing and
+/// replaying decode graphs at the same time on the shared stream, get exactly the tokens each
+/// prompt gets alone, with a replay per step and no fallback (a capture never takes in the
+/// other thread's launches).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn sessions_share_the_device_and_two_threads_capture_apart() {
+    use kiln_host::ep::GraphMode;
+    use kiln_kernel_abi::DType;
+    let folder = kiln_tests::fixture("llm/tiny-llama-v512-fp16-cuda");
+    let mut first = gpu_generator(&folder, GraphMode::On);
+    let vocab = first.folder.config.model.vocab_size;
+    let work: Vec<Vec<Vec<i64>>> = vec![prompts(1, vocab), prompts(4, vocab)[1..].to_vec()];
+    let alone: Vec<Vec<Vec<i64>>> =
+        work.iter().map(|p| greedy(&mut first, p, 300).rows.into_iter().map(|r| r.generated_ids).collect()).collect();
+    let (compiles, hits) = first.session.kernel_loads().unwrap();
+    assert!(compiles + hits > 0, "the first session loads the kernels");
+
+    let mut second = gpu_generator(&folder, GraphMode::On);
+    assert_eq!(second.session.kernel_loads(), Some((0, 0)), "the second session's kernels come from the device");
+    let t = first.session.zeros(DType::F32, vec![3 << 18]).unwrap();
+    drop(t);
+    first.session.reclaim();
+    let hits = second.session.gpu_stats().unwrap().0.pool_hits;
+    let u = second.session.zeros(DType::F32, vec![3 << 18]).unwrap();
+    assert_eq!(second.session.gpu_stats().unwrap().0.pool_hits, hits + 1, "the first session's block, reused");
+    drop(u);
+    drop(second);
+
+    let threads: Vec<_> = work
+        .into_iter()
+        .zip(alone)
+        .map(|(p, want)| {
+            let folder = folder.clone();
+            std::thread::spawn(move || {
+                let mut g = gpu_generator(&folder, GraphMode::On);
+                for round in 0..4 {
+                    let before = g.session.report.graphs.clone();
+                    let got = greedy(&mut g, &p, 300);
+                    let ids: Vec<Vec<i64>> = got.rows.iter().map(|r| r.generated_ids.clone()).collect();
+                    assert_eq!(ids, want, "round {round}: the tokens of these prompts alone");
+                    let after = &g.session.report.graphs;
+                    assert_eq!(after.fallbacks, before.fallbacks, "no fallback: {after:?}");
+                    if round > 0 {
+                        assert_eq!(after.replays - before.replays, got.timings.decode_steps as u64, "{after:?}");
+                    }
+                }
+                g.session.report.graphs.replays
+            })
+        })
+        .collect();
+    for t in threads {
+        assert!(t.join().expect("a decode thread panicked") > 0);
+    }
+    drop(first);
+}
+
 fn device_models() -> std::path::PathBuf {
     let root =
         std::path::PathBuf::from(std::env::var("KILN_DEVICE_MODELS").unwrap_or_else(|_| "/tmp/kiln-models".into()));

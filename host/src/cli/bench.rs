@@ -92,13 +92,15 @@ fn time_ms(gpu: &mut Gpu, warmup: usize, iters: usize, mut f: impl FnMut(&mut Gp
     for _ in 0..warmup {
         f(gpu)?;
     }
-    let ev = |g: &Gpu| g.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| Error::Device(e.to_string()));
+    let ev = |g: &Gpu| {
+        g.device.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| Error::Device(e.to_string()))
+    };
     let (start, end) = (ev(gpu)?, ev(gpu)?);
-    start.record(&gpu.stream).map_err(|e| Error::Device(e.to_string()))?;
+    start.record(&gpu.device.enqueue()).map_err(|e| Error::Device(e.to_string()))?;
     for _ in 0..iters {
         f(gpu)?;
     }
-    end.record(&gpu.stream).map_err(|e| Error::Device(e.to_string()))?;
+    end.record(&gpu.device.enqueue()).map_err(|e| Error::Device(e.to_string()))?;
     end.synchronize().map_err(|e| Error::Device(e.to_string()))?;
     Ok(start.elapsed_ms(&end).map_err(|e| Error::Device(e.to_string()))? as f64 / iters as f64)
 }
@@ -151,9 +153,7 @@ fn gemm_tflops(gpu: &mut Gpu, n: u64, dtype: DType) -> Result<f64> {
     let plan = LaunchPlan { scratch_bytes: vec![], steps: vec![PlanStep::Gemm(g)] };
     let pkg = dummy_package()?;
     let ms = time_ms(gpu, 3, 20, |g| g.execute(&pkg, &plan, &slots, 0))?;
-    for b in bufs {
-        gpu.alloc.free(b);
-    }
+    drop(bufs);
     Ok(2.0 * (n as f64).powi(3) / (ms * 1e-3) / 1e12)
 }
 
@@ -204,14 +204,12 @@ fn bandwidth(gpu: &mut Gpu, binary: &Arc<Package>) -> Result<(f64, f64)> {
     let (src, dst) = (bufs[0].ptr, bufs[2].ptr);
     let copy_ms = time_ms(gpu, 3, 20, |g| {
         // SAFETY: both buffers hold `bytes` bytes.
-        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes as usize, g.stream.cu_stream()) }
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes as usize, g.device.enqueue().cu_stream()) }
             .map_err(|e| Error::Device(e.to_string()))
     })?;
     let plan = plan_for(binary, "Add", 2, DType::F16, &[n])?;
     let add_ms = time_ms(gpu, 3, 20, |g| g.execute(binary, &plan, &slots, 0))?;
-    for b in bufs {
-        gpu.alloc.free(b);
-    }
+    drop(bufs);
     Ok((2.0 * bytes as f64 / (copy_ms * 1e-3) / 1e9, 3.0 * bytes as f64 / (add_ms * 1e-3) / 1e9))
 }
 
@@ -236,19 +234,18 @@ fn launch_overhead(gpu: &mut Gpu, unary: &Arc<Package>) -> Result<(f64, f64)> {
     gpu.synchronize()?;
     let f = gpu.function(unary, "kiln_unary_f32")?;
     let mut cells: [u64; 6] = [bufs[0].ptr, bufs[1].ptr, 256, 0, 0, 0];
-    let stream = gpu.stream.cu_stream();
+    let stream = gpu.device.enqueue();
     let t1 = Instant::now();
     for _ in 0..iters {
         let mut params: Vec<*mut std::ffi::c_void> =
             cells.iter_mut().map(|c| c as *mut u64 as *mut std::ffi::c_void).collect();
         // SAFETY: the kernel's parameters are (x, y, n, op, alpha, beta) over 256 floats.
-        unsafe { cudarc::driver::result::launch_kernel(f, (1, 1, 1), (256, 1, 1), 0, stream, &mut params) }
+        unsafe { cudarc::driver::result::launch_kernel(f, (1, 1, 1), (256, 1, 1), 0, stream.cu_stream(), &mut params) }
             .map_err(|e| Error::Device(e.to_string()))?;
     }
     let bare_us = t1.elapsed().as_secs_f64() * 1e6 / iters as f64;
+    drop(stream);
     gpu.synchronize()?;
-    for b in bufs {
-        gpu.alloc.free(b);
-    }
+    drop(bufs);
     Ok((plan_us, bare_us))
 }

@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::mem::size_of;
+use std::sync::Arc;
 
 use cudarc::cublaslt::result as ltr;
 use cudarc::cublaslt::sys as lt;
@@ -16,7 +17,7 @@ use cudarc::driver::sys::{CUdeviceptr, CUstream};
 use kiln_kernel_abi::wire::{Epilogue, Gemm};
 use kiln_kernel_abi::DType;
 
-use super::{Allocator, DevBuffer};
+use super::{DevBuffer, Pool};
 use crate::{Error, Result};
 
 /// What a cached plan depends on: everything of a [`Gemm`] but the pointers, alpha and beta.
@@ -106,31 +107,30 @@ pub struct Blas {
     pub heuristic_queries: u64,
 }
 
-impl Blas {
-    /// A handle with a workspace of 32 MiB on Hopper and later, 4 MiB before (NVIDIA's
-    /// recommendation for cublasLtMatmul), taken from `alloc`.
-    pub fn new(alloc: &mut Allocator, compute_major: u32) -> Result<Blas> {
-        let size = if compute_major >= 9 { 32 << 20 } else { 4 << 20 };
-        let workspace = alloc.alloc(size)?;
-        let handle = match ltr::create_handle() {
-            Ok(h) => h,
-            Err(e) => {
-                alloc.free(workspace);
-                return Err(Error::Device(format!("cublasLtCreate: {e:?}")));
-            }
-        };
-        Ok(Blas { handle, workspace, plans: HashMap::new(), plan_hits: 0, heuristic_queries: 0 })
-    }
+// SAFETY: the handle and the plans' descriptors are host objects of cuBLASLt, used by one thread
+// at a time: a `Blas` lives in its `Device`'s mutex.
+unsafe impl Send for Blas {}
 
-    /// Gives the workspace back to `alloc` (after the stream's work is done) and destroys
-    /// the handle.
-    pub fn close(mut self, alloc: &mut Allocator) {
+impl Drop for Blas {
+    /// Destroys the handle (the device's stream is idle: see `Device`'s drop); the workspace
+    /// goes back to the pool with its buffer.
+    fn drop(&mut self) {
         self.plans.clear();
-        // SAFETY: no plan refers to the handle any more.
+        // SAFETY: no plan refers to the handle any more; it is destroyed once.
         unsafe {
             let _ = ltr::destroy_handle(self.handle);
         }
-        alloc.free(std::mem::replace(&mut self.workspace, DevBuffer { ptr: 0, bytes: 0 }));
+    }
+}
+
+impl Blas {
+    /// A handle with a workspace of 32 MiB on Hopper and later, 4 MiB before (NVIDIA's
+    /// recommendation for cublasLtMatmul), taken from the device's `pool`.
+    pub fn new(pool: &Arc<Pool>, compute_major: u32) -> Result<Blas> {
+        let size = if compute_major >= 9 { 32 << 20 } else { 4 << 20 };
+        let workspace = pool.take(size, None)?;
+        let handle = ltr::create_handle().map_err(|e| Error::Device(format!("cublasLtCreate: {e:?}")))?;
+        Ok(Blas { handle, workspace, plans: HashMap::new(), plan_hits: 0, heuristic_queries: 0 })
     }
 
     /// Makes the cached plan of `g`'s shape (descriptors and the heuristic's algorithm), so

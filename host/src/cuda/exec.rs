@@ -1,4 +1,6 @@
-//! A GPU of a session: uploads, downloads, package kernels and launch-plan execution.
+//! A GPU of a session: the shared [`Device`] with the session's own account, status records,
+//! readback buffers and profiling timeline; uploads, downloads, package kernels and
+//! launch-plan execution.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -6,17 +8,17 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use cudarc::driver::sys::CUdeviceptr;
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
+use cudarc::driver::CudaFunction;
 use cudarc::nvrtc::Ptx;
 use kiln_kernel_abi::plan::{LaunchPlan, PlanArg, PlanStep};
 use kiln_kernel_abi::wire::{Gemm, KernelArg};
 use kiln_kernel_abi::DType;
 use kiln_registry::Package;
 
-use super::{compile_cached, open_context, Allocator, Blas, DevBuffer, DeviceInfo};
+use super::{compile_cached, Allocator, DevBuffer, Device, DeviceInfo};
 use crate::{Error, Result, Tensor};
 
-/// A loaded kernel (`CUfunction`), valid while the session's context lives.
+/// A loaded kernel (`CUfunction`), valid while its [`Device`] lives.
 #[derive(Clone, Copy, Debug)]
 pub struct Function {
     pub f: cudarc::driver::sys::CUfunction,
@@ -33,27 +35,36 @@ unsafe impl Sync for Function {}
 /// The kernels of one package, by entry-point name.
 pub type KernelCache = HashMap<String, CudaFunction>;
 
+/// The sha256 of a package's CUDA sources and headers, by name and text: what its loaded
+/// kernels depend on beyond its id.
+fn sources_digest(pkg: &Package) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for (name, text) in pkg.cuda_sources.iter().chain(&pkg.includes) {
+        h.update((name.len() as u64).to_le_bytes());
+        h.update(name.as_bytes());
+        h.update((text.len() as u64).to_le_bytes());
+        h.update(text.as_bytes());
+    }
+    hex::encode(&h.finalize()[..8])
+}
+
 impl Drop for Gpu {
     fn drop(&mut self) {
-        // Everything enqueued must finish before the pool's memory goes back to the driver.
+        // The kernels enqueued so far may still write the status records and read back into
+        // the pinned buffers this value owns.
         let _ = self.synchronize();
-        self.timeline = None;
-        if let Some(b) = self.blas.take() {
-            b.close(&mut self.alloc);
-        }
-        self.alloc.release_cached();
     }
 }
 
 /// One device as a session uses it.
 pub struct Gpu {
-    pub ctx: Arc<CudaContext>,
-    pub stream: Arc<CudaStream>,
+    /// The process's device, shared with every other session on it.
+    pub device: Arc<Device>,
     pub info: DeviceInfo,
+    /// The device's pool, with this session's account and memory limit.
     pub alloc: Allocator,
-    kernels: HashMap<String, KernelCache>,
-    blas: Option<Blas>,
-    /// NVRTC compiles and cache hits.
+    /// NVRTC compiles and cache hits of this session's loads.
     pub compiles: u64,
     pub compile_cache_hits: u64,
     /// Per-node GPU timing, when profiling.
@@ -62,8 +73,11 @@ pub struct Gpu {
     /// stream serialization, so that each may start while its predecessor ends (compute
     /// capability 9.0 and later; see [`Gpu::pdl_supported`]).
     pub pdl: bool,
-    /// The copy stream and its pinned staging buffers.
-    pub transfers: super::Transfers,
+    /// The device's loaded kernels this session used, by package id (one registry, so one
+    /// package per id).
+    kernels: HashMap<String, Arc<KernelCache>>,
+    /// Pinned buffers of the reads this session collects later.
+    readbacks: super::Readbacks,
     /// One device status record per node of the session's graph (ABI.md §7.5).
     status: super::StatusRecords,
 }
@@ -181,27 +195,23 @@ impl Gpu {
         self.info.compute_capability.0 >= 9 && self.info.driver_version >= 12030
     }
 
-    /// Opens device `ordinal` with a device-memory budget of `memory_limit` bytes.
+    /// Device `ordinal` (the process's shared [`Device`]) for a session that may hold at most
+    /// `memory_limit` bytes on it (default: the device's memory).
     pub fn open(ordinal: usize, memory_limit: Option<u64>) -> Result<Gpu> {
-        let (ctx, stream, info) = open_context(ordinal)?;
+        let device = Device::open(ordinal)?;
+        let info = device.info.clone();
         let limit = memory_limit.unwrap_or(info.total_memory_bytes as u64);
-        let copy = ctx.new_stream().map_err(dev_err("cuStreamCreate"))?;
-        let transfers = super::Transfers::new(copy)?;
-        ctx.bind_to_thread().map_err(dev_err("cuCtxSetCurrent"))?;
-        let status = super::StatusRecords::new(1)?;
         Ok(Gpu {
-            ctx,
-            stream,
+            alloc: Allocator::new(device.pool.clone(), limit),
+            device,
             info,
-            alloc: Allocator::new(limit),
             kernels: HashMap::new(),
-            blas: None,
             compiles: 0,
             compile_cache_hits: 0,
             timeline: None,
             pdl: false,
-            transfers,
-            status,
+            readbacks: super::Readbacks::new()?,
+            status: super::StatusRecords::new(1)?,
         })
     }
 
@@ -211,7 +221,7 @@ impl Gpu {
     pub fn status_records(&mut self, records: usize) -> Result<()> {
         if records > self.status.len() {
             self.synchronize()?;
-            self.ctx.bind_to_thread().map_err(dev_err("cuCtxSetCurrent"))?;
+            self.device.ctx.bind_to_thread().map_err(dev_err("cuCtxSetCurrent"))?;
             self.status = super::StatusRecords::new(records)?;
         }
         Ok(())
@@ -227,10 +237,11 @@ impl Gpu {
     /// compute stream sees it).
     pub fn upload(&mut self, t: &Tensor) -> Result<DevBuffer> {
         let buf = self.alloc.alloc(t.data.len() as u64)?;
-        if let Err(e) = self.transfers.upload(&self.stream, buf.ptr, &t.data) {
+        let stream = self.device.enqueue();
+        let mut transfers = self.device.transfers();
+        if let Err(e) = transfers.upload(&stream, buf.ptr, &t.data) {
             // Chunks already queued may still write into the buffer: wait before it goes back.
-            let _ = self.transfers.synchronize();
-            self.alloc.free(buf);
+            let _ = transfers.synchronize();
             return Err(e);
         }
         Ok(buf)
@@ -239,15 +250,13 @@ impl Gpu {
     /// A new device buffer of `bytes` zero bytes (the memset is enqueued on the stream).
     pub fn zeroed(&mut self, bytes: u64) -> Result<DevBuffer> {
         let buf = self.alloc.alloc(bytes)?;
-        // SAFETY: buf holds at least `bytes` bytes.
-        unsafe { cudarc::driver::result::memset_d8_async(buf.ptr, 0, bytes as usize, self.stream.cu_stream()) }
-            .map_err(dev_err("cuMemsetD8Async"))?;
+        self.zero(buf.ptr, bytes)?;
         Ok(buf)
     }
 
     /// Reserves `bytes` of device addresses, nothing mapped ([`super::VirtualBuffer`]).
     pub fn reserve(&mut self, bytes: u64) -> Result<super::VirtualBuffer> {
-        super::VirtualBuffer::reserve(&self.ctx, bytes, self.alloc.vmm_counters())
+        super::VirtualBuffer::reserve(&self.device, bytes, self.alloc.vmm_counters())
     }
 
     /// Maps `vb` so that its first `bytes` bytes are usable, within the device-memory limit
@@ -270,15 +279,17 @@ impl Gpu {
         if bytes == 0 {
             return Ok(());
         }
+        let stream = self.device.enqueue();
         // SAFETY: the caller guarantees [ptr, ptr + bytes) is device memory it owns.
-        unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, bytes as usize, self.stream.cu_stream()) }
+        unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, bytes as usize, stream.cu_stream()) }
             .map_err(dev_err("cuMemsetD8Async"))
     }
 
     /// Copies host bytes into `dst`, which holds at least `data.len()` bytes (through the copy
     /// stream; `data` may go away on return).
     pub fn upload_into(&mut self, dst: CUdeviceptr, data: &[u8]) -> Result<()> {
-        self.transfers.upload(&self.stream, dst, data)
+        let stream = self.device.enqueue();
+        self.device.transfers().upload(&stream, dst, data)
     }
 
     /// Copies `bytes` bytes from `src` to `dst` on the stream (both extents checked by the caller).
@@ -286,8 +297,9 @@ impl Gpu {
         if bytes == 0 || dst == src {
             return Ok(());
         }
+        let stream = self.device.enqueue();
         // SAFETY: the caller guarantees both extents.
-        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes as usize, self.stream.cu_stream()) }
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes as usize, stream.cu_stream()) }
             .map_err(dev_err("cuMemcpyDtoDAsync"))
     }
 
@@ -295,69 +307,87 @@ impl Gpu {
     /// done (through the copy stream).
     pub fn download(&mut self, ptr: CUdeviceptr, dtype: DType, shape: Vec<usize>, bytes: usize) -> Result<Tensor> {
         let mut host = vec![0u8; bytes];
-        self.transfers.download(&self.stream, ptr, &mut host)?;
+        let stream = self.device.enqueue();
+        let download = self.device.transfers().download(&stream, ptr, &mut host);
+        drop(stream);
+        download?;
         Tensor::new(dtype, shape, Bytes::from(host))
     }
 
     /// Starts a download of `bytes` bytes (at most [`super::READBACK_BYTES`]) of a device
     /// buffer after the stream's work so far, without waiting ([`super::Transfers::download_start`]).
     pub fn download_start(&mut self, ptr: CUdeviceptr, bytes: usize) -> Result<super::PendingDownload> {
-        self.transfers.download_start(&self.stream, ptr, bytes)
+        let stream = self.device.enqueue();
+        self.readbacks.download_start(&stream, ptr, bytes)
     }
 
     /// Waits for a download of [`Gpu::download_start`] and returns its bytes.
     pub fn download_finish(&mut self, p: super::PendingDownload) -> Result<Vec<u8>> {
-        self.transfers.download_finish(p)
+        self.readbacks.download_finish(p)
     }
 
     /// Records a timeline mark on the stream when profiling.
     pub fn mark(&mut self) -> Result<()> {
         match self.timeline.as_mut() {
-            Some(t) => t.mark(&self.stream),
+            Some(t) => t.mark(&self.device.enqueue()),
             None => Ok(()),
         }
     }
 
+    /// Waits for the device's compute stream (every session's work on it so far).
     pub fn synchronize(&self) -> Result<()> {
-        self.stream.synchronize().map_err(dev_err("cuStreamSynchronize"))
+        self.device.synchronize()
     }
 
-    /// Compiles (or takes from the cache) and loads the CUDA sources of `pkg`, with the headers
-    /// of [`Package::includes`] (its dependencies' once the registry is linked).
-    fn kernels(&mut self, pkg: &Package) -> Result<&KernelCache> {
+    /// The loaded kernels of `pkg`, from the device's module cache or compiled (or taken from
+    /// the NVRTC cache) and loaded now, with the headers of [`Package::includes`] (its
+    /// dependencies' once the registry is linked). A package is known by its id and the digest
+    /// of its sources, so two packages that share a name and version never share kernels.
+    fn kernels(&mut self, pkg: &Package) -> Result<Arc<KernelCache>> {
         let id = pkg.id();
-        if !self.kernels.contains_key(&id) {
+        if let Some(k) = self.kernels.get(&id) {
+            return Ok(k.clone());
+        }
+        let key = format!("{id}#{}", sources_digest(pkg));
+        let (device, info) = (self.device.clone(), &self.info);
+        let (mut compiles, mut hits) = (0, 0);
+        let kernels = device.module(&key, || {
+            let id = pkg.id();
             let mut fns = HashMap::new();
             for src in &pkg.manifest.cuda {
                 let text = pkg
                     .cuda_sources
                     .get(&src.source)
                     .ok_or_else(|| Error::Device(format!("{id}: source {} missing", src.source)))?;
-                let compiled = compile_cached(&id, &src.source, text, &pkg.includes, &self.info.arch)?;
+                let compiled = compile_cached(&id, &src.source, text, &pkg.includes, &info.arch)?;
                 if compiled.cache_hit {
-                    self.compile_cache_hits += 1;
+                    hits += 1;
                 } else {
-                    self.compiles += 1;
+                    compiles += 1;
                 }
                 let module =
-                    self.ctx.load_module(Ptx::from_binary(compiled.cubin)).map_err(dev_err("cuModuleLoadData"))?;
+                    device.ctx.load_module(Ptx::from_binary(compiled.cubin)).map_err(dev_err("cuModuleLoadData"))?;
                 for k in &src.kernels {
                     let f = module
                         .load_function(k)
                         .map_err(|e| Error::Device(format!("{id}: kernel {k} of {}: {e}", src.source)))?;
-                    if self.info.driver_version >= 12040 {
+                    if info.driver_version >= 12040 {
                         check_params(&id, k, f.cu_function(), src.params(k).unwrap_or_default())?;
                     }
-                    if let Err(e) = opt_in_shared_memory(&f, self.info.launch_limits.max_shared_mem_bytes) {
+                    if let Err(e) = opt_in_shared_memory(&f, info.launch_limits.max_shared_mem_bytes) {
                         // A permission only: the kernel still runs within 48 KiB.
                         tracing::warn!("{id}: kernel {k} of {}: no shared memory past 48 KiB: {e}", src.source);
                     }
                     fns.insert(k.clone(), f);
                 }
             }
-            self.kernels.insert(id.clone(), fns);
-        }
-        Ok(&self.kernels[&id])
+            Ok(fns)
+        });
+        self.compiles += compiles;
+        self.compile_cache_hits += hits;
+        let kernels = kernels?;
+        self.kernels.insert(id, kernels.clone());
+        Ok(kernels)
     }
 
     /// The loaded function `kernel` of `pkg` (compiling the package's sources if needed).
@@ -419,24 +449,15 @@ impl Gpu {
         } else {
             with_scratch = slots.to_vec();
             for &n in &plan.scratch_bytes {
-                match self.alloc.alloc(n) {
-                    Ok(b) => {
-                        with_scratch.push((b.ptr, n));
-                        scratch.push(b);
-                    }
-                    Err(e) => {
-                        scratch.into_iter().for_each(|b| self.alloc.free(b));
-                        return Err(e);
-                    }
-                }
+                let b = self.alloc.alloc(n)?;
+                with_scratch.push((b.ptr, n));
+                scratch.push(b);
             }
             &with_scratch
         };
-        let result = self.run_steps(plan, functions, all, record);
-        for b in scratch {
-            self.alloc.free(b);
-        }
-        result
+        // The scratch goes back to the pool after the launches are enqueued: only later work
+        // can reuse it.
+        self.run_steps(plan, functions, all, record)
     }
 
     /// Enqueues `plan`'s launches and GEMMs with every slot given (inputs, outputs, then
@@ -464,17 +485,10 @@ impl Gpu {
     pub fn prepare_gemms(&mut self, plan: &LaunchPlan) -> Result<()> {
         for step in &plan.steps {
             if let PlanStep::Gemm(g) = step {
-                self.blas()?.prepare(g)?;
+                self.device.with_blas(|b| b.prepare(g))?;
             }
         }
         Ok(())
-    }
-
-    fn blas(&mut self) -> Result<&mut Blas> {
-        if self.blas.is_none() {
-            self.blas = Some(Blas::new(&mut self.alloc, self.info.compute_capability.0)?);
-        }
-        self.blas.as_mut().ok_or_else(|| Error::Device("cuBLASLt missing".into()))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -489,7 +503,6 @@ impl Gpu {
         slots: &[(CUdeviceptr, u64)],
         status: CUdeviceptr,
     ) -> Result<()> {
-        let stream = self.stream.cu_stream();
         // One 8-byte cell per argument; the kernel reads its parameter's size from the cell.
         // Up to 64 arguments live on the stack.
         let mut stack_cells = [0u64; 64];
@@ -529,8 +542,9 @@ impl Gpu {
         for (p, c) in params.iter_mut().zip(cells.iter_mut()) {
             *p = c as *mut u64 as *mut c_void;
         }
+        let stream = self.device.enqueue();
         if f.pdl {
-            return launch_pdl(f.f, kernel, grid, block, shmem, stream, params);
+            return launch_pdl(f.f, kernel, grid, block, shmem, stream.cu_stream(), params);
         }
         // SAFETY: the sandbox checked the kernel name, dimensions and tensor offsets against
         // the device limits and the tensors' sizes; `cells` outlives the call (the driver
@@ -541,7 +555,7 @@ impl Gpu {
                 (grid[0], grid[1], grid[2]),
                 (block[0], block[1], block[2]),
                 shmem,
-                stream,
+                stream.cu_stream(),
                 params,
             )
         }
@@ -549,7 +563,6 @@ impl Gpu {
     }
 
     fn gemm(&mut self, g: &Gemm, slots: &[(CUdeviceptr, u64)]) -> Result<()> {
-        self.blas()?;
         let ptr = |o: &kiln_kernel_abi::wire::Operand| slots.get(o.handle as usize).map(|s| s.0 + o.offset);
         let (a, b, d) = match (ptr(&g.a), ptr(&g.b), ptr(&g.d)) {
             (Some(a), Some(b), Some(d)) => (a, b, d),
@@ -560,15 +573,14 @@ impl Gpu {
             if beta != 0.0 {
                 let cp = ptr(c).ok_or_else(|| Error::Device("gemm: C slot missing".into()))?;
                 if cp != d {
+                    let stream = self.device.enqueue();
                     if c.ld != g.d.ld || c.batch_stride != g.d.batch_stride {
                         return Err(Error::Unsupported("gemm: C with another layout than D".into()));
                     }
                     let extent = ((g.batch - 1) * g.d.batch_stride + (g.m - 1) * g.d.ld + g.n) * size;
                     // SAFETY: both extents were checked by the sandbox.
-                    unsafe {
-                        cudarc::driver::result::memcpy_dtod_async(d, cp, extent as usize, self.stream.cu_stream())
-                    }
-                    .map_err(dev_err("cuMemcpyDtoDAsync"))?;
+                    unsafe { cudarc::driver::result::memcpy_dtod_async(d, cp, extent as usize, stream.cu_stream()) }
+                        .map_err(dev_err("cuMemcpyDtoDAsync"))?;
                 }
             }
         }
@@ -576,13 +588,12 @@ impl Gpu {
             Some(o) => Some(ptr(o).ok_or_else(|| Error::Device("gemm: bias slot missing".into()))?),
             None => None,
         };
-        let stream = self.stream.cu_stream();
-        let blas = self.blas.as_mut().ok_or_else(|| Error::Device("cuBLASLt missing".into()))?;
-        blas.gemm(g, a, b, d, bias, stream)
+        let stream = self.device.enqueue();
+        self.device.with_blas(|blas| blas.gemm(g, a, b, d, bias, stream.cu_stream()))
     }
 
-    /// GEMM plan-cache counters: (hits, heuristic queries).
+    /// GEMM plan-cache counters of the device: (hits, heuristic queries).
     pub fn gemm_plan_stats(&self) -> (u64, u64) {
-        self.blas.as_ref().map_or((0, 0), |b| (b.plan_hits, b.heuristic_queries))
+        self.device.gemm_plan_stats()
     }
 }

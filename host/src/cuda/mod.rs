@@ -1,5 +1,7 @@
-//! The CUDA runtime (cudarc 0.19, CUDA 13 API, libraries loaded at run time): the device's
-//! (primary) context, a compute stream and a copy stream per session, a caching allocator,
+//! The CUDA runtime (cudarc 0.19, CUDA 13 API, libraries loaded at run time): one [`Device`]
+//! per device per process, shared by every session (the primary context, a compute stream and
+//! a copy stream, the caching allocator's pool, the loaded modules, cuBLASLt), and per session a
+//! [`Gpu`] (its memory account and limit, status records, readbacks), the caching allocator,
 //! NVRTC compilation of package sources with an on-disk cache, transfers through pinned
 //! staging buffers, and execution of launch plans (kernel launches and cuBLASLt GEMMs with
 //! cached plans), CUDA graphs (`graph`: capture, instantiate, update, replay), and the nodes'
@@ -13,6 +15,7 @@
 
 mod alloc;
 mod blas;
+mod device;
 mod exec;
 mod graph;
 mod nvrtc;
@@ -27,14 +30,15 @@ use cudarc::driver::sys::CUdevice_attribute as Attr;
 use cudarc::driver::{CudaContext, CudaStream};
 use kiln_kernel_abi::plan::LaunchLimits;
 
-pub use alloc::{Allocator, AllocatorStats, DevBuffer};
+pub use alloc::{Account, Allocator, AllocatorStats, DevBuffer, Pool};
 pub use blas::Blas;
+pub use device::{CaptureGate, Device, Enqueue};
 pub use exec::{Function, Gpu, KernelCache};
 pub(crate) use graph::{capture, GraphExec};
 pub use nvrtc::{compile_cached, compile_package, nvrtc_archs, nvrtc_version, CompiledSource};
 pub use status::{Fault, StatusRecords};
 pub use timeline::Timeline;
-pub use transfer::{PendingDownload, Transfers, READBACK_BYTES};
+pub use transfer::{PendingDownload, Readbacks, Transfers, READBACK_BYTES};
 pub use vmm::{granularity, VirtualBuffer, VmmCounters};
 
 use crate::{Error, Result};

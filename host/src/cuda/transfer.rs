@@ -70,6 +70,21 @@ impl Staging {
         Ok(())
     }
 
+    /// Frees the buffer and its event, once no copy uses them.
+    fn release(&mut self) {
+        // SAFETY: the stream that used the buffer is idle; each pointer and event is freed once.
+        unsafe {
+            if !self.ptr.is_null() {
+                let _ = free_host(self.ptr as *mut c_void);
+                self.ptr = std::ptr::null_mut();
+            }
+            if !self.free.is_null() {
+                let _ = event::destroy(self.free);
+                self.free = std::ptr::null_mut();
+            }
+        }
+    }
+
     /// The first `n` bytes (n ≤ bytes).
     fn slice(&mut self, n: usize) -> &mut [u8] {
         // SAFETY: ptr holds `bytes` ≥ n bytes of pinned memory owned by this buffer.
@@ -95,13 +110,6 @@ pub struct Transfers {
     copy: Arc<CudaStream>,
     staging: [Staging; 2],
     next: usize,
-    /// Pinned buffers of downloads the host collects later (two, so that a step's readback can
-    /// be in flight while the one before it is read).
-    readback: [Staging; 2],
-    next_readback: usize,
-    /// The ticket of each readback slot's latest download, and the next ticket.
-    readback_ticket: [u64; 2],
-    tickets: u64,
     /// Recorded on the compute stream, waited for by the copy stream.
     compute_mark: CUevent,
     /// Recorded on the copy stream, waited for by the compute stream.
@@ -126,16 +134,12 @@ impl Transfers {
             copy,
             staging: [(); 2].map(|_| Staging::empty()),
             next: 0,
-            readback: [(); 2].map(|_| Staging::empty()),
-            next_readback: 0,
-            readback_ticket: [0; 2],
-            tickets: 0,
             compute_mark: new_event()?,
             copy_mark: new_event()?,
             uploaded_bytes: 0,
             downloaded_bytes: 0,
         };
-        for s in t.staging.iter_mut().chain(t.readback.iter_mut()) {
+        for s in t.staging.iter_mut() {
             s.free = new_event()?;
         }
         Ok(t)
@@ -229,10 +233,41 @@ impl Transfers {
     }
 }
 
-impl Transfers {
+/// A session's pinned buffers for downloads the host collects later (two, so that a step's
+/// readback can be in flight while the one before it is read). Copies run on the compute
+/// stream, behind the work enqueued there before them.
+pub struct Readbacks {
+    readback: [Staging; 2],
+    next_readback: usize,
+    /// The ticket of each readback slot's latest download, and the next ticket.
+    readback_ticket: [u64; 2],
+    tickets: u64,
+    /// Bytes read back.
+    pub downloaded_bytes: u64,
+}
+
+// SAFETY: the raw pointers are pinned buffers and events owned by this value, used only through
+// `&mut self` with the context current.
+unsafe impl Send for Readbacks {}
+
+impl Readbacks {
+    pub fn new() -> Result<Readbacks> {
+        let mut r = Readbacks {
+            readback: [(); 2].map(|_| Staging::empty()),
+            next_readback: 0,
+            readback_ticket: [0; 2],
+            tickets: 0,
+            downloaded_bytes: 0,
+        };
+        for s in r.readback.iter_mut() {
+            s.free = new_event()?;
+        }
+        Ok(r)
+    }
+
     /// Enqueues a copy of `bytes` bytes (at most [`READBACK_BYTES`]) from device address `src`
     /// into a pinned readback buffer on `compute`, after the work enqueued there so far, and
-    /// returns at once; [`Transfers::download_finish`] waits for it and hands the bytes over.
+    /// returns at once; [`Readbacks::download_finish`] waits for it and hands the bytes over.
     /// Work enqueued on `compute` later may overwrite `src`: the copy reads it first. At most
     /// two downloads may be outstanding: a third reuses the oldest one's buffer (after waiting
     /// for its copy), and finishing that oldest one is then an error.
@@ -260,7 +295,7 @@ impl Transfers {
         Ok(PendingDownload { slot, bytes, ticket: self.tickets })
     }
 
-    /// Waits for a download of [`Transfers::download_start`] (and the compute stream's work
+    /// Waits for a download of [`Readbacks::download_start`] (and the compute stream's work
     /// before it) and returns its bytes.
     pub fn download_finish(&mut self, p: PendingDownload) -> Result<Vec<u8>> {
         if self.readback_ticket[p.slot] != p.ticket {
@@ -274,19 +309,22 @@ impl Transfers {
     }
 }
 
-impl Drop for Transfers {
+impl Drop for Readbacks {
     fn drop(&mut self) {
         // Readbacks run on the compute stream, which the owning `Gpu` synchronizes before its
-        // fields drop; the copy stream is this value's own.
+        // fields drop.
+        for s in self.readback.iter_mut() {
+            s.release();
+        }
+    }
+}
+
+impl Drop for Transfers {
+    fn drop(&mut self) {
+        // The copy stream is this value's own.
         let _ = self.copy.synchronize();
-        for s in self.staging.iter_mut().chain(self.readback.iter_mut()) {
-            // SAFETY: the copy stream is idle; each pointer and event is freed once.
-            unsafe {
-                if !s.ptr.is_null() {
-                    let _ = free_host(s.ptr as *mut c_void);
-                }
-                let _ = event::destroy(s.free);
-            }
+        for s in self.staging.iter_mut() {
+            s.release();
         }
         // SAFETY: as above.
         unsafe {

@@ -14,7 +14,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::sys::{self, CUdeviceptr, CUmemGenericAllocationHandle};
-use cudarc::driver::CudaContext;
+
+use super::Device;
 
 use crate::{Error, Result};
 
@@ -41,7 +42,7 @@ struct Chunk {
 /// bytes. Not `Clone`: the value owns the range and its chunks.
 #[derive(Debug)]
 pub struct VirtualBuffer {
-    ctx: Arc<CudaContext>,
+    device: Arc<Device>,
     ptr: CUdeviceptr,
     reserved: u64,
     granularity: u64,
@@ -84,9 +85,10 @@ pub fn granularity(ordinal: i32) -> Result<u64> {
 }
 
 impl VirtualBuffer {
-    /// Reserves `bytes` of addresses (rounded up to the granularity) on the device of `ctx`,
-    /// nothing mapped. Errors: the reservation's (address space, no VMM support).
-    pub fn reserve(ctx: &Arc<CudaContext>, bytes: u64, counters: &Arc<VmmCounters>) -> Result<Self> {
+    /// Reserves `bytes` of addresses (rounded up to the granularity) on `device`, nothing
+    /// mapped. Errors: the reservation's (address space, no VMM support).
+    pub fn reserve(device: &Arc<Device>, bytes: u64, counters: &Arc<VmmCounters>) -> Result<Self> {
+        let ctx = &device.ctx;
         ctx.bind_to_thread().map_err(|e| Error::Device(format!("cuCtxSetCurrent: {e}")))?;
         let granularity = granularity(ctx.cu_device())?;
         let reserved = bytes.max(1).div_ceil(granularity) * granularity;
@@ -97,7 +99,7 @@ impl VirtualBuffer {
         })?;
         counters.reserved.fetch_add(reserved, Ordering::Relaxed);
         Ok(VirtualBuffer {
-            ctx: ctx.clone(),
+            device: device.clone(),
             ptr,
             reserved,
             granularity,
@@ -132,8 +134,8 @@ impl VirtualBuffer {
         if add == 0 {
             return Ok(());
         }
-        self.ctx.bind_to_thread().map_err(|e| Error::Device(format!("cuCtxSetCurrent: {e}")))?;
-        let prop = allocation_prop(self.ctx.cu_device());
+        self.device.ctx.bind_to_thread().map_err(|e| Error::Device(format!("cuCtxSetCurrent: {e}")))?;
+        let prop = allocation_prop(self.device.ctx.cu_device());
         let mut handle: CUmemGenericAllocationHandle = 0;
         // SAFETY: prop is valid; add is a multiple of the granularity.
         check(&format!("cuMemCreate of {add} bytes"), unsafe {
@@ -164,13 +166,13 @@ impl VirtualBuffer {
     }
 
     /// Unmaps the chunks that lie wholly past the first `bytes` bytes, behind a fence: the
-    /// context's work so far (which may read them) finishes first. Errors: the
-    /// synchronization's (a device fault); nothing is unmapped then.
+    /// device's work so far (which may read them) finishes first ([`Device::synchronize`]).
+    /// Errors: the synchronization's (a device fault); nothing is unmapped then.
     pub fn unmap_past(&mut self, bytes: u64) -> Result<()> {
         if self.chunks.last().is_none_or(|c| c.offset < bytes) {
             return Ok(());
         }
-        self.ctx.synchronize().map_err(|e| Error::Device(format!("cuCtxSynchronize before cuMemUnmap: {e}")))?;
+        self.device.synchronize()?;
         while let Some(c) = self.chunks.pop_if(|c| c.offset >= bytes) {
             self.release(c);
         }
@@ -193,8 +195,8 @@ impl Drop for VirtualBuffer {
     fn drop(&mut self) {
         // The fence: work that reads the buffer finishes before it is unmapped. A failed
         // synchronization (a device fault) leaves the context unusable anyway.
-        let _ = self.ctx.bind_to_thread();
-        let _ = self.ctx.synchronize();
+        let _ = self.device.ctx.bind_to_thread();
+        let _ = self.device.synchronize();
         while let Some(c) = self.chunks.pop() {
             self.release(c);
         }

@@ -4,10 +4,14 @@
 //! [`Runtime`] is shared (sandbox, op registry, compiled shims); a [`Session`] is one model
 //! on one device with its own shim instances.
 
+mod backend;
 mod binding;
+mod infer;
 mod plan;
 mod prepare;
 mod session;
+mod shims;
+mod value;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

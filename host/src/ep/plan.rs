@@ -218,13 +218,7 @@ impl Recorder {
                                 Some(t) => gpu.upload(t),
                                 None => Err(Error::Device(format!("execution plan: value {v} was not recorded"))),
                             };
-                            match up {
-                                Ok(b) => plan.consts.push(b),
-                                Err(e) => {
-                                    plan.release(gpu);
-                                    return Err(e);
-                                }
-                            }
+                            plan.consts.push(up?);
                             const_of.insert(v, plan.consts.len() - 1);
                             Loc::Const(plan.consts.len() - 1)
                         }
@@ -240,10 +234,7 @@ impl Recorder {
                     RecOut::Value(v) => Loc::Arena(offsets[value_interval[&v]]),
                     RecOut::Unnamed => match own_iter.next() {
                         Some(&k) => Loc::Arena(offsets[k]),
-                        None => {
-                            plan.release(gpu);
-                            return Err(Error::Device("execution plan: an unnamed output has no buffer".into()));
-                        }
+                        None => return Err(Error::Device("execution plan: an unnamed output has no buffer".into())),
                     },
                 };
                 slots.push((loc, n));
@@ -400,8 +391,13 @@ impl ExecutionPlan {
                     return self.eager(gpu, mode, b, stats, Fallback::RecaptureBudget);
                 }
             }
-            let stream = gpu.stream.cu_stream();
-            let captured = match capture(stream, || self.enqueue(gpu, b)) {
+            let device = gpu.device.clone();
+            let captured = {
+                let _gate = device.capturing();
+                let stream = device.enqueue().cu_stream();
+                capture(stream, || self.enqueue(gpu, b))
+            };
+            let captured = match captured {
                 Ok(c) => c,
                 Err(e) => return self.disable(gpu, mode, b, stats, e),
             };
@@ -421,7 +417,7 @@ impl ExecutionPlan {
                 None => Some(captured),
             };
             if let Some(g) = left {
-                let exec = match g.instantiate().and_then(|e| e.upload(stream).map(|_| e)) {
+                let exec = match g.instantiate().and_then(|e| e.upload(device.enqueue().cu_stream()).map(|_| e)) {
                     Ok(e) => e,
                     Err(e) => return self.disable(gpu, mode, b, stats, e),
                 };
@@ -436,7 +432,7 @@ impl ExecutionPlan {
             self.capture.bindings = bindings;
         }
         let exec = self.capture.exec.as_ref().ok_or_else(|| Error::Device("no graph after capture".into()))?;
-        exec.launch(gpu.stream.cu_stream())?;
+        exec.launch(gpu.device.enqueue().cu_stream())?;
         stats.replays += 1;
         Ok(true)
     }
@@ -471,17 +467,10 @@ impl ExecutionPlan {
         Ok(false)
     }
 
-    /// Gives the arena and constants back to the pool (after the stream's work is done) and
-    /// destroys the graph.
+    /// Destroys the graph once no launch of it is in flight; the arena and constants go back
+    /// to the pool with their buffers.
     pub fn release(self, gpu: &mut Gpu) {
         let _ = gpu.synchronize();
-        drop(self.capture);
-        if let Some(a) = self.arena {
-            gpu.alloc.free(a);
-        }
-        for c in self.consts {
-            gpu.alloc.free(c);
-        }
     }
 }
 

@@ -9,7 +9,9 @@ use kiln_registry::NodeQuery;
 use crate::model::{Dim, Model};
 use crate::{Error, Result};
 
-use super::session::{InferInput, Session};
+use super::infer::{Call, InferInput, NodeTypes};
+use super::shims::{opset_of, Shims};
+use crate::trace::Report;
 
 /// What is known of a value before a run.
 #[derive(Clone, Debug, Default)]
@@ -39,86 +41,90 @@ fn known_values(model: &Model) -> Vec<Known> {
     known
 }
 
-impl Session {
-    /// Resolves every node and infers what can be known before a run. Errors: a node no
-    /// package runs (with every candidate's reason), or a shim's inference failing on known
-    /// shapes.
-    pub(super) fn prepare(&mut self) -> Result<()> {
-        let mut known = known_values(&self.model);
-        let mut unresolved: Vec<(String, Box<kiln_registry::Unresolved>)> = Vec::new();
-        for idx in 0..self.model.graph.nodes.len() {
-            let node = self.model.graph.nodes[idx].clone();
-            let ins: Vec<Option<Known>> = node.inputs.iter().map(|i| i.map(|v| known[v].clone())).collect();
-            let dtypes: Vec<Option<DType>> = ins.iter().map(|k| k.as_ref().and_then(|k| k.dtype)).collect();
-            let rank = ins.iter().flatten().filter_map(|k| k.shape.as_ref().map(Vec::len)).max();
-            let opset = self.opset_of(idx)?;
-            // Unknown dtypes are not checked here (they are at run time), but the op must exist.
-            let caps = self.device_caps();
-            let q = NodeQuery {
-                domain: &node.domain,
-                op_type: &node.op_type,
-                opset,
-                input_dtypes: dtypes,
-                max_rank: rank,
-                device: caps.as_ref(),
-            };
-            let res = match self.rt.registry.resolve(&q) {
-                Ok(r) => r,
-                Err(detail) => {
-                    // Go on, so that the error names every op the model is missing.
-                    unresolved.push((node.name.clone(), detail));
-                    continue;
-                }
-            };
-            self.rt.module(&res.package)?;
-            // Inference needs every dtype and shape, and the bytes of every value input.
-            let complete = ins.iter().flatten().all(|k| k.dtype.is_some() && k.shape.is_some())
-                && res
-                    .entry
-                    .value_inputs
-                    .iter()
-                    .all(|&i| ins.get(i).and_then(Option::as_ref).is_none_or(|k| k.value.is_some()));
-            if !complete {
+/// Resolves every node of `model` and infers what can be known before a run (filling `types`'
+/// memo), and folds the nodes whose inputs are all constants into initializers. Returns which
+/// nodes were folded. Errors: a node no package runs (with every candidate's reason), or a
+/// shim's inference failing on known shapes.
+pub(super) fn prepare(
+    model: &mut Model,
+    types: &mut NodeTypes,
+    shims: &mut Shims,
+    report: &mut Report,
+) -> Result<Vec<bool>> {
+    let mut folded = Vec::with_capacity(model.graph.nodes.len());
+    let mut known = known_values(model);
+    let mut unresolved: Vec<(String, Box<kiln_registry::Unresolved>)> = Vec::new();
+    for idx in 0..model.graph.nodes.len() {
+        let node = model.graph.nodes[idx].clone();
+        folded.push(false);
+        let ins: Vec<Option<Known>> = node.inputs.iter().map(|i| i.map(|v| known[v].clone())).collect();
+        let dtypes: Vec<Option<DType>> = ins.iter().map(|k| k.as_ref().and_then(|k| k.dtype)).collect();
+        let rank = ins.iter().flatten().filter_map(|k| k.shape.as_ref().map(Vec::len)).max();
+        let opset = opset_of(model, idx)?;
+        // Unknown dtypes are not checked here (they are at run time), but the op must exist.
+        let q = NodeQuery {
+            domain: &node.domain,
+            op_type: &node.op_type,
+            opset,
+            input_dtypes: dtypes,
+            max_rank: rank,
+            device: types.caps.as_ref(),
+        };
+        let res = match shims.rt.registry.resolve(&q) {
+            Ok(r) => r,
+            Err(detail) => {
+                // Go on, so that the error names every op the model is missing.
+                unresolved.push((node.name.clone(), detail));
                 continue;
             }
-            let infer_ins: Vec<Option<InferInput>> = ins
+        };
+        shims.rt.module(&res.package)?;
+        // Inference needs every dtype and shape, and the bytes of every value input.
+        let complete = ins.iter().flatten().all(|k| k.dtype.is_some() && k.shape.is_some())
+            && res
+                .entry
+                .value_inputs
                 .iter()
-                .map(|k| {
-                    k.as_ref().map(|k| InferInput {
-                        dtype: k.dtype.unwrap_or(DType::F32),
-                        shape: k.shape.clone().unwrap_or_default(),
-                        bytes: k.value.clone(),
-                    })
+                .all(|&i| ins.get(i).and_then(Option::as_ref).is_none_or(|k| k.value.is_some()));
+        if !complete {
+            continue;
+        }
+        let infer_ins: Vec<Option<InferInput>> = ins
+            .iter()
+            .map(|k| {
+                k.as_ref().map(|k| InferInput {
+                    dtype: k.dtype.unwrap_or(DType::F32),
+                    shape: k.shape.clone().unwrap_or_default(),
+                    bytes: k.value.clone(),
                 })
-                .collect();
-            let inferred = self.infer(idx, &res, &infer_ins)?;
-            for (o, inf) in node.outputs.iter().zip(&inferred) {
-                if let (Some(v), Some((dtype, shape))) = (o, inf) {
-                    known[*v].dtype = Some(*dtype);
-                    known[*v].shape = Some(shape.clone());
-                }
-            }
-            // Constant folding: a node whose every input is a constant runs once, here, through
-            // its package's CPU reference; its outputs become initializers.
-            if ins.iter().flatten().all(|k| k.value.is_some()) {
-                let host: Vec<Option<crate::Tensor>> = ins
-                    .iter()
-                    .map(|k| {
-                        k.as_ref().and_then(|k| crate::Tensor::new(k.dtype?, k.shape.clone()?, k.value.clone()?).ok())
-                    })
-                    .collect();
-                let outs = self.execute_cpu(idx, &res, &host, &inferred, false)?;
-                for (o, t) in node.outputs.iter().zip(outs) {
-                    if let (Some(v), Some(t)) = (o, t) {
-                        known[*v].value = Some(t.data.clone());
-                        self.model.graph.initializers.insert(*v, t);
-                    }
-                }
-                self.folded[idx] = true;
+            })
+            .collect();
+        let inferred = types.infer(Call { model, shims, report }, idx, &res, &infer_ins)?;
+        for (o, inf) in node.outputs.iter().zip(&inferred) {
+            if let (Some(v), Some((dtype, shape))) = (o, inf) {
+                known[*v].dtype = Some(*dtype);
+                known[*v].shape = Some(shape.clone());
             }
         }
-        unresolved_error(unresolved)
+        // Constant folding: a node whose every input is a constant runs once, here, through
+        // its package's CPU reference; its outputs become initializers.
+        if ins.iter().flatten().all(|k| k.value.is_some()) {
+            let host: Vec<Option<crate::Tensor>> = ins
+                .iter()
+                .map(|k| k.as_ref().and_then(|k| crate::Tensor::new(k.dtype?, k.shape.clone()?, k.value.clone()?).ok()))
+                .collect();
+            let outs = shims.run_reference(model, idx, &res, &host, &inferred, false, report)?;
+            for (o, t) in node.outputs.iter().zip(outs) {
+                if let (Some(v), Some(t)) = (o, t) {
+                    known[*v].value = Some(t.data.clone());
+                    model.graph.initializers.insert(*v, t);
+                }
+            }
+            folded[idx] = true;
+        }
     }
+    unresolved_error(unresolved)?;
+    Ok(folded)
 }
 
 /// The error for the nodes no package runs (none: `Ok`): the first node's full detail, and

@@ -1,22 +1,33 @@
-//! A model on a device: runs the graph node by node through the packages' shims.
+//! A model on a device: runs the graph node by node through the packages' shims, or through
+//! an execution plan (`plan`) replayed as a CUDA graph.
+//!
+//! A session is made of parts with one job each: `shims` (its shim instances and calls),
+//! `infer` (resolution and inference memos), `binding` (the tensors it holds between runs),
+//! `backend` (where values live and how bytes move, CPU or CUDA), `plan` (execution plans).
+//! This file holds the session itself: preparing a model, a run's node loop, a GPU node's
+//! dispatch and launch, and the public API, which delegates to those parts.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
 use kiln_kernel_abi::DType;
-use kiln_registry::{NodeQuery, Package, Resolution};
+use kiln_registry::Resolution;
 
 use crate::capture::GraphMode;
 use crate::cuda::{DevBuffer, Function, Gpu};
 use crate::model::{Model, ValueId};
-use crate::sandbox::{Access, ArgTensor, CallArgs, CallKind, CallOutcome, LaunchPlan, ShimInstance};
+use crate::sandbox::{Access, ArgTensor, CallKind, LaunchPlan};
 use crate::tensor::byte_size;
 use crate::trace::Report;
 use crate::{cpu, Error, Result, Tensor};
 
-use super::binding::{Feed, Fetch, Fetched, Held};
+use super::backend::{Backend, CpuBackend};
+use super::binding::{DeviceTensor, Feed, Fetch, Fetched, Held, HeldTensors, PendingRead};
+use super::infer::{infer_key, Call, InferInput, InferKey, NodeTypes, OutputTypes, Resolved, INFER_CACHE_ENTRIES};
 use super::plan::{Bindings, ExecutionPlan, RecIn, RecOut, Recorder};
+use super::shims::{node_call, opset_of, tensor_arg, Shims};
+use super::value::Value;
 use super::{Device, Runtime};
 
 /// Options of a session.
@@ -71,157 +82,6 @@ impl Default for SessionOptions {
     }
 }
 
-/// A value during a run: host bytes, or a device buffer (owned by the value, or resident).
-#[derive(Debug)]
-pub(super) enum Value {
-    Host(Tensor),
-    Device {
-        dtype: DType,
-        shape: Vec<usize>,
-        ptr: cudarc::driver::sys::CUdeviceptr,
-        /// Logical size in bytes.
-        nbytes: u64,
-        /// The buffer, when this value owns it (freed to the pool with the value).
-        owned: Option<DevBuffer>,
-        /// The host bytes, when the value came from the host.
-        host: Option<Tensor>,
-    },
-}
-
-impl Value {
-    pub(super) fn dtype(&self) -> DType {
-        match self {
-            Value::Host(t) => t.dtype,
-            Value::Device { dtype, .. } => *dtype,
-        }
-    }
-
-    pub(super) fn shape(&self) -> &[usize] {
-        match self {
-            Value::Host(t) => &t.shape,
-            Value::Device { shape, .. } => shape,
-        }
-    }
-
-    /// Logical size in bytes.
-    pub(super) fn nbytes(&self) -> u64 {
-        match self {
-            Value::Host(t) => t.data.len() as u64,
-            Value::Device { nbytes, .. } => *nbytes,
-        }
-    }
-
-    pub(super) fn is_device(&self) -> bool {
-        matches!(self, Value::Device { .. })
-    }
-
-    /// The host bytes, when the value has them without a download.
-    pub(super) fn host_bytes(&self) -> Option<&Tensor> {
-        match self {
-            Value::Host(t) | Value::Device { host: Some(t), .. } => Some(t),
-            Value::Device { host: None, .. } => None,
-        }
-    }
-
-    /// The same value without ownership of its buffer.
-    pub(super) fn clone_ref(&self) -> Value {
-        match self {
-            Value::Host(t) => Value::Host(t.clone()),
-            Value::Device { dtype, shape, ptr, nbytes, host, .. } => Value::Device {
-                dtype: *dtype,
-                shape: shape.clone(),
-                ptr: *ptr,
-                nbytes: *nbytes,
-                owned: None,
-                host: host.clone(),
-            },
-        }
-    }
-}
-
-/// The call of `node` with these inputs and outputs.
-fn node_call<'a>(
-    node: &'a crate::model::Node,
-    opset: i64,
-    inputs: Vec<Option<ArgTensor<'a>>>,
-    outputs: Vec<Option<ArgTensor<'a>>>,
-) -> CallArgs<'a> {
-    CallArgs {
-        domain: &node.domain,
-        op_type: &node.op_type,
-        opset,
-        node_name: &node.name,
-        attributes: node.wire_attributes(),
-        inputs,
-        outputs,
-    }
-}
-
-/// A host tensor as a call argument, with its bytes inline when it is a value input.
-fn tensor_arg(t: &Tensor, value_input: bool, access: Access) -> ArgTensor<'_> {
-    ArgTensor {
-        dtype: Some(t.dtype),
-        dims: Some(t.dims_i64()),
-        value: value_input.then_some(&t.data[..]),
-        nbytes: t.data.len() as u64,
-        access,
-    }
-}
-
-/// The memo key of a node's inference and launch plan.
-fn infer_key(idx: usize, inputs: &[Option<InferInput>]) -> InferKey {
-    let mut value_bytes = Vec::new();
-    for i in inputs.iter().flatten() {
-        if let Some(b) = &i.bytes {
-            value_bytes.extend_from_slice(&(b.len() as u64).to_le_bytes());
-            value_bytes.extend_from_slice(b);
-        }
-    }
-    (idx, inputs.iter().map(|i| i.as_ref().map(|i| (i.dtype, i.shape.clone()))).collect(), value_bytes)
-}
-
-/// Key of a run-time resolution: node, input dtypes, largest rank.
-type ResolveKey = (usize, Vec<Option<DType>>, usize);
-
-/// Key of an inference result: node, input dtypes and shapes, value inputs' bytes.
-type InferKey = (usize, Vec<Option<(DType, Vec<usize>)>>, Vec<u8>);
-
-/// Inferred dtype and shape of each output (`None`: absent).
-pub(super) type OutputTypes = Vec<Option<(DType, Vec<usize>)>>;
-
-/// Most inference results kept per session.
-const INFER_CACHE_ENTRIES: usize = 8192;
-
-/// An input as inference sees it; `bytes` are used only for the package's value inputs.
-#[derive(Clone, Debug)]
-pub(super) struct InferInput {
-    pub dtype: DType,
-    pub shape: Vec<usize>,
-    pub bytes: Option<bytes::Bytes>,
-}
-
-impl InferInput {
-    /// The input as a shim sees it in inference and dispatch: dtype, shape, inline value
-    /// bytes, no reachable data.
-    fn opaque_arg(&self) -> ArgTensor<'_> {
-        ArgTensor {
-            dtype: Some(self.dtype),
-            dims: Some(self.shape.iter().map(|&d| d as i64).collect()),
-            value: self.bytes.as_deref(),
-            nbytes: byte_size(self.dtype, &self.shape).unwrap_or(0),
-            access: Access::Opaque,
-        }
-    }
-}
-
-/// A node's resolution and its package id for the report (`NAME@VERSION`, then ` (unsigned)` for
-/// a registry's package without a signature, which runs only under `--allow-unsigned`), shared by
-/// the memo.
-pub(super) struct Resolved {
-    pub res: Resolution,
-    pub package_id: String,
-}
-
 /// Largest inputs (bytes, all together) and outputs of an integer node a GPU session computes
 /// on the host when every input already has host bytes (`small_integer_nodes_on_host`): the
 /// shape arithmetic of a graph (Shape, Gather of a shape, ReduceSum of an attention mask) then
@@ -252,34 +112,26 @@ pub(super) struct LiveSet {
 
 /// One model, prepared for one device.
 pub struct Session {
-    pub(super) rt: Arc<Runtime>,
-    pub(super) model: Model,
+    model: Model,
     options: SessionOptions,
-    instances: HashMap<String, ShimInstance>,
-    resolutions: HashMap<ResolveKey, Arc<Resolved>>,
-    /// Shims' inference is a pure function of the node and its inputs (ABI.md §3).
-    inferred: HashMap<InferKey, OutputTypes>,
-    /// Launch plans, memoized the same way: later runs launch without entering Wasm.
+    /// The session's shim instances (and the shared runtime).
+    shims: Shims,
+    /// Resolutions and inferred output types, memoized.
+    types: NodeTypes,
+    /// Launch plans, memoized as inference is: later runs launch without entering Wasm.
     plans: HashMap<InferKey, Arc<LaunchPlan>>,
-    /// The GPU of a CUDA session.
-    pub(super) gpu: Option<Gpu>,
     /// Device copies of the initializers (resident weights): pointer and size.
     device_values: HashMap<ValueId, (cudarc::driver::sys::CUdeviceptr, u64)>,
-    /// The buffers behind `device_values`, freed with the session.
+    /// The buffers behind `device_values`, back to the pool with the session.
     resident_buffers: Vec<DevBuffer>,
     /// Nodes computed once at preparation (constant folding).
-    pub(super) folded: Vec<bool>,
+    folded: Vec<bool>,
     /// Largest tensor a node may produce, in bytes.
-    pub(super) max_tensor_bytes: u64,
+    max_tensor_bytes: u64,
     /// For each value, the index of the last node that reads it (graph outputs: never freed).
     last_use: Vec<Option<usize>>,
-    /// This session's number (held tensors of other sessions are refused).
-    pub(super) number: u64,
-    /// Tensors held between runs, by id.
-    pub(super) held: HashMap<u64, Held>,
-    /// Handles of held tensors dropped since the last [`Session::reclaim`].
-    pub(super) dropped: super::binding::Dropped,
-    pub(super) next_held: u64,
+    /// Tensors held between runs.
+    held: HeldTensors,
     /// During a run: graph outputs bound to held tensors (value → held id).
     bound: HashMap<ValueId, u64>,
     /// Per node, what its last GPU execution needed: a run with the same input types skips
@@ -298,6 +150,9 @@ pub struct Session {
     /// (it is then never tried as shape arithmetic again).
     shape_only: Vec<Option<bool>>,
     pub report: Report,
+    /// The device: CPU, or the session's GPU. Last, so that every buffer above goes back to
+    /// the device's pool before the device can close.
+    backend: Box<dyn Backend>,
 }
 
 /// A GPU node's outputs, with the plan that made them and its loaded functions.
@@ -317,20 +172,11 @@ pub(super) struct NodeMemo {
 impl Drop for Session {
     fn drop(&mut self) {
         let plans: Vec<PlanEntry> = self.exec_plans.drain().map(|(_, e)| e).collect();
-        if let Some(gpu) = self.gpu.as_mut() {
+        if let Some(gpu) = self.backend.gpu() {
             for e in plans {
                 if let PlanEntry::Plan(p) = e {
                     p.release(gpu);
                 }
-            }
-        }
-        let held: Vec<Held> = self.held.drain().map(|(_, h)| h).collect();
-        for h in held {
-            self.release(h.value);
-        }
-        if let Some(gpu) = self.gpu.as_mut() {
-            for b in self.resident_buffers.drain(..) {
-                gpu.alloc.free(b);
             }
         }
     }
@@ -346,6 +192,8 @@ impl Session {
             }
             Device::Cpu => None,
             Device::Cuda(ordinal) => {
+                // The process's device (shared with its other sessions), with this session's
+                // memory account.
                 let mut gpu = Gpu::open(ordinal, options.device_memory_limit)?;
                 gpu.pdl = match options.pdl {
                     crate::capture::PdlMode::Off => false,
@@ -365,9 +213,14 @@ impl Session {
                 Some(gpu)
             }
         };
+        let caps = gpu.as_ref().map(caps_of);
+        let launch_limits = gpu.as_ref().map(|g| g.info.launch_limits);
+        let backend: Box<dyn Backend> = match gpu {
+            Some(gpu) => Box::new(gpu),
+            None => Box::new(CpuBackend),
+        };
         let started = std::time::Instant::now();
         let fusions = if options.fuse {
-            let caps = gpu.as_ref().map(caps_of);
             crate::fuse::Fusions { enabled: true, ..crate::fuse::fuse(&mut model, &rt.registry, caps.as_ref()) }
         } else {
             crate::fuse::Fusions::default()
@@ -389,34 +242,37 @@ impl Session {
         for v in &g.outputs {
             last_use[*v] = Some(usize::MAX);
         }
-        let report = Report { device: options.device.to_string(), fusions, ..Report::default() };
+        let mut report = Report { device: options.device.to_string(), fusions, ..Report::default() };
         // On the CPU a tensor must fit in a shim's linear memory to be computed at all.
         let max_tensor_bytes = match options.device {
             Device::Cpu => options.max_tensor_bytes.min(rt.sandbox.config().memory_limit_bytes as u64),
             Device::Cuda(_) => options.max_tensor_bytes,
         };
-        let folded = vec![false; g.nodes.len()];
         let memo = vec![None; g.nodes.len()];
         let live = Arc::new(LiveSet { nodes: vec![true; g.nodes.len()], values: vec![true; g.values.len()] });
         let shape_only = vec![None; g.nodes.len()];
+        let mut shims = Shims::new(rt, launch_limits);
+        let mut types = NodeTypes::new(caps, max_tensor_bytes);
+        let started = std::time::Instant::now();
+        let folded = super::prepare::prepare(&mut model, &mut types, &mut shims, &mut report)?;
+        tracing::info!(
+            nodes = model.graph.nodes.len(),
+            folded = folded.iter().filter(|f| **f).count(),
+            ms = started.elapsed().as_millis() as u64,
+            "session prepared"
+        );
         let mut s = Session {
-            rt,
             model,
             options,
-            instances: HashMap::new(),
-            resolutions: HashMap::new(),
-            inferred: HashMap::new(),
+            shims,
+            types,
             plans: HashMap::new(),
-            gpu,
             device_values: HashMap::new(),
             resident_buffers: Vec::new(),
             folded,
             max_tensor_bytes,
             last_use,
-            number: super::binding::session_number(),
-            held: HashMap::new(),
-            dropped: Default::default(),
-            next_held: 1,
+            held: HeldTensors::new(),
             bound: HashMap::new(),
             memo,
             exec_plans: HashMap::new(),
@@ -426,21 +282,14 @@ impl Session {
             live_cache: HashMap::new(),
             shape_only,
             report,
+            backend,
         };
-        if let Some(gpu) = s.gpu.as_mut() {
+        if let Some(gpu) = s.backend.gpu() {
             gpu.status_records(s.model.graph.nodes.len())?;
         }
         let started = std::time::Instant::now();
-        s.prepare()?;
-        tracing::info!(
-            nodes = s.model.graph.nodes.len(),
-            folded = s.folded.iter().filter(|f| **f).count(),
-            ms = started.elapsed().as_millis() as u64,
-            "session prepared"
-        );
-        let started = std::time::Instant::now();
         s.upload_initializers()?;
-        if s.gpu.is_some() {
+        if s.backend.gpu_ref().is_some() {
             let bytes: u64 = s.model.graph.initializers.values().map(|t| t.data.len() as u64).sum();
             tracing::info!(bytes, ms = started.elapsed().as_millis() as u64, "weights uploaded");
         }
@@ -453,7 +302,7 @@ impl Session {
 
     /// The device of this session.
     pub fn device(&self) -> Device {
-        self.options.device
+        self.backend.device()
     }
 
     /// The options the session was made with.
@@ -463,86 +312,12 @@ impl Session {
 
     /// Whether eligible runs are captured into CUDA graphs (a GPU, graphs not off).
     pub fn captures_graphs(&self) -> bool {
-        self.gpu.is_some() && self.options.graphs != GraphMode::Off
+        self.backend.gpu_ref().is_some() && self.options.graphs != GraphMode::Off
     }
 
     /// The session's `--graph` mode.
     pub fn graph_mode(&self) -> GraphMode {
         self.options.graphs
-    }
-
-    /// What the session's GPU offers packages (`None` on the CPU, where device requirements
-    /// do not apply).
-    pub(super) fn device_caps(&self) -> Option<kiln_registry::DeviceCaps> {
-        self.gpu.as_ref().map(caps_of)
-    }
-
-    pub(super) fn opset_of(&self, node: usize) -> Result<i64> {
-        let n = &self.model.graph.nodes[node];
-        self.model.opset(&n.domain).ok_or_else(|| {
-            Error::Model(format!(
-                "node {:?} uses domain {:?}, which the model does not import (opset_import)",
-                n.name.clone(),
-                n.domain
-            ))
-        })
-    }
-
-    /// Calls a shim export, instantiating the package's shim on first use and discarding
-    /// the instance after a failure.
-    pub(super) fn call_shim(&mut self, pkg: &Package, kind: CallKind, args: CallArgs<'_>) -> Result<CallOutcome> {
-        let id = pkg.id();
-        if !self.instances.contains_key(&id) {
-            let mut inst = self.rt.module(pkg)?.instantiate()?;
-            if let Some(gpu) = &self.gpu {
-                inst.set_launch_limits(gpu.info.launch_limits);
-            }
-            self.report.instances += 1;
-            self.instances.insert(id.clone(), inst);
-        }
-        match kind {
-            CallKind::Infer => self.report.wasm_calls.infer += 1,
-            CallKind::Cpu => self.report.wasm_calls.cpu += 1,
-            CallKind::Dispatch => self.report.wasm_calls.dispatch += 1,
-        }
-        let inst = self.instances.get_mut(&id).ok_or_else(|| Error::Device("shim instance vanished".into()))?;
-        inst.call(kind, args).map_err(|f| {
-            self.instances.remove(&id);
-            Error::from(f)
-        })
-    }
-
-    fn resolve(&mut self, idx: usize, dtypes: Vec<Option<DType>>, rank: usize) -> Result<Arc<Resolved>> {
-        let key = (idx, dtypes, rank);
-        if let Some(r) = self.resolutions.get(&key) {
-            return Ok(r.clone());
-        }
-        let node = &self.model.graph.nodes[idx];
-        let opset = self.opset_of(idx)?;
-        let caps = self.device_caps();
-        let q = NodeQuery {
-            domain: &node.domain,
-            op_type: &node.op_type,
-            opset,
-            input_dtypes: key.1.clone(),
-            max_rank: Some(rank),
-            device: caps.as_ref(),
-        };
-        let res = self.rt.registry.resolve(&q).map_err(|detail| Error::Unresolved {
-            node: node.name.clone(),
-            detail,
-            others: Vec::new(),
-        })?;
-        // A registry's package without a signature ran only under --allow-unsigned: the report
-        // says so.
-        let from_registry = res.precedence > kiln_registry::BUILTIN && res.precedence < kiln_registry::USER;
-        let package_id = match (from_registry, &res.package.signer) {
-            (true, None) => format!("{} (unsigned)", res.package.id()),
-            _ => res.package.id(),
-        };
-        let r = Arc::new(Resolved { package_id, res });
-        self.resolutions.insert(key, r.clone());
-        Ok(r)
     }
 
     /// Runs the graph on `feeds` (graph input name → tensor) and returns the graph outputs
@@ -584,7 +359,7 @@ impl Session {
             })?;
             let v = match feed {
                 Feed::Host(t) => Value::Host(t),
-                Feed::Device(t) => self.fed_value(t)?,
+                Feed::Device(t) => self.held.get(t)?.value.clone_ref(),
             };
             check_input(&self.model, id, &name, v.dtype(), v.shape())?;
             values[id] = Some(v);
@@ -596,30 +371,30 @@ impl Session {
         self.bound.clear();
         for (id, f) in &fetch_of {
             if let Fetch::Into(t) = f {
-                self.held.get(&t.id).filter(|_| t.session == self.number).ok_or_else(|| {
+                let held = self.held.id(t).map_err(|_| {
                     Error::Input("a fetch is bound to a tensor of another session, or a freed one".into())
                 })?;
-                self.bound.insert(*id, t.id);
+                self.bound.insert(*id, held);
             }
         }
-        let profiling = self.gpu.as_ref().is_some_and(|g| g.timeline.is_some());
+        let profiling = self.backend.gpu_ref().is_some_and(|g| g.timeline.is_some());
         if profiling {
             *self.report.graphs.unplanned.entry("profiling".into()).or_default() += 1;
-        } else if self.gpu.is_some() {
+        } else if self.backend.gpu_ref().is_some() {
             let planned = self.run_planned(&values, &fetch_of, start);
             if !matches!(planned, Ok(None)) {
                 self.bound.clear();
                 for v in values.into_iter().flatten() {
-                    self.release(v);
+                    drop(v);
                 }
                 return planned.map(Option::unwrap_or_default);
             }
         }
         let mut uploaded = Ok(());
-        if self.gpu.is_some() {
+        if self.backend.gpu_ref().is_some() {
             for v in values.iter_mut() {
                 if let Some(val @ Value::Host(_)) = v {
-                    match self.on_device(val) {
+                    match self.backend.place(val) {
                         Ok(d) => *v = Some(d),
                         Err(e) => {
                             uploaded = Err(e);
@@ -655,7 +430,7 @@ impl Session {
             }
         }
         for v in values.into_iter().flatten() {
-            self.release(v);
+            drop(v);
         }
         if let Some(e) = failed {
             // Outputs already held go back with their handles.
@@ -665,7 +440,7 @@ impl Session {
         }
         self.report.runs += 1;
         self.report.run_time_us += start.elapsed().as_micros() as u64;
-        self.report.device_memory = self.gpu.as_ref().map(|g| memory_of(&g.alloc));
+        self.report.device_memory = self.backend.memory();
         Ok(outs)
     }
 
@@ -730,7 +505,7 @@ impl Session {
             match fetch_of.get(&o) {
                 Some(Fetch::Skip) => key_outs.push((o, None)),
                 Some(Fetch::Into(_)) => {
-                    let h = self.bound.get(&o).and_then(|h| self.held.get(h));
+                    let h = self.bound.get(&o).and_then(|h| self.held.by_id(*h));
                     let Some((ptr, capacity)) = h.and_then(|h| h.device_ptr().map(|p| (p, h.capacity))) else {
                         return Ok(None);
                     };
@@ -747,15 +522,15 @@ impl Session {
             if self.exec_plans.len() >= MAX_PLANS {
                 let old = self.exec_plans.keys().next().cloned();
                 if let (Some(PlanEntry::Plan(p)), Some(gpu)) =
-                    (old.and_then(|k| self.exec_plans.remove(&k)), self.gpu.as_mut())
+                    (old.and_then(|k| self.exec_plans.remove(&k)), self.backend.gpu())
                 {
                     p.release(gpu);
                 }
             }
             self.exec_plans.insert(key.clone(), entry);
         }
-        let Session { exec_plans, gpu, report, held, options, bound: bound_ids, model, .. } = self;
-        let gpu = gpu.as_mut().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
+        let Session { exec_plans, backend, report, held, options, bound: bound_ids, model, .. } = self;
+        let gpu = backend.gpu().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
         let plan = match exec_plans.get_mut(&key) {
             Some(PlanEntry::Plan(p)) => p,
             Some(PlanEntry::Unplanned(why)) => {
@@ -769,7 +544,7 @@ impl Session {
             None => return Ok(None),
         };
         for (v, dtype, shape, nbytes) in &plan.outputs {
-            let h = bound_ids.get(v).and_then(|id| held.get(id));
+            let h = bound_ids.get(v).and_then(|id| held.by_id(*id));
             if let Some(h) = h.filter(|h| !h.fits(*dtype, *nbytes)) {
                 return Err(Error::Input(format!(
                     "output {:?} ({dtype} {shape:?}, {nbytes} bytes) does not fit its bound tensor ({}, {} bytes)",
@@ -785,16 +560,13 @@ impl Session {
         }
         report.nodes += plan.nodes() as u64;
         for (v, _, shape, nbytes) in &plan.outputs {
-            if let Some(Held { value: Value::Device { shape: s, nbytes: n, .. }, .. }) =
-                bound_ids.get(v).and_then(|id| held.get_mut(id))
-            {
-                s.clone_from(shape);
-                *n = *nbytes;
+            if let Some(id) = bound_ids.get(v) {
+                held.set_shape(*id, shape.clone(), *nbytes);
             }
         }
         report.runs += 1;
         report.run_time_us += start.elapsed().as_micros() as u64;
-        report.device_memory = Some(memory_of(&gpu.alloc));
+        report.device_memory = backend.memory();
         Ok(Some(outputs.into_iter().map(|(_, name)| (name, Fetched::Written)).collect()))
     }
 
@@ -806,7 +578,7 @@ impl Session {
         let ran = self.run_nodes(&mut vals);
         let rec = self.recorder.take().unwrap_or_default();
         for v in vals.into_iter().flatten() {
-            self.release(v);
+            drop(v);
         }
         if let Err(e) = ran {
             return match rec.seam {
@@ -814,7 +586,7 @@ impl Session {
                 None => Err(e),
             };
         }
-        let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
+        let gpu = self.backend.gpu().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
         Ok(match rec.finish(gpu, outputs)? {
             Ok(plan) => {
                 self.report.graphs.plans_built += 1;
@@ -830,16 +602,16 @@ impl Session {
     /// Per-op GPU time in the report (CUDA events between nodes; each run then waits for the
     /// device at its end). No effect on the CPU.
     pub fn set_gpu_profiling(&mut self, on: bool) {
-        if let Some(gpu) = self.gpu.as_mut() {
+        if let Some(gpu) = self.backend.gpu() {
             gpu.timeline = on.then(crate::cuda::Timeline::default);
         }
     }
 
     /// Adds the GPU spans of the nodes just run (in `order`) to the report.
     fn collect_gpu_profile(&mut self, order: &[usize]) -> Result<()> {
-        let Some(gpu) = self.gpu.as_mut() else { return Ok(()) };
+        let Some(gpu) = self.backend.gpu() else { return Ok(()) };
+        gpu.synchronize()?;
         let Some(t) = gpu.timeline.as_mut() else { return Ok(()) };
-        gpu.stream.synchronize().map_err(|e| Error::Device(format!("cuStreamSynchronize: {e}")))?;
         let spans = t.spans_ms()?;
         for (idx, ms) in order.iter().zip(spans) {
             self.report.record_gpu(&self.model.graph.nodes[*idx].op_type, ms);
@@ -848,13 +620,13 @@ impl Session {
     }
 
     fn run_nodes(&mut self, values: &mut [Option<Value>]) -> Result<()> {
-        let profiling = self.gpu.as_ref().is_some_and(|g| g.timeline.is_some());
+        let profiling = self.backend.gpu_ref().is_some_and(|g| g.timeline.is_some());
         let mut order = Vec::new();
         if profiling {
-            if let Some(t) = self.gpu.as_mut().and_then(|g| g.timeline.as_mut()) {
+            if let Some(t) = self.backend.gpu().and_then(|g| g.timeline.as_mut()) {
                 t.reset();
             }
-            self.gpu.as_mut().map_or(Ok(()), Gpu::mark)?;
+            self.backend.gpu().map_or(Ok(()), Gpu::mark)?;
         }
         let live = self.live.clone();
         for idx in 0..self.model.graph.nodes.len() {
@@ -865,7 +637,7 @@ impl Session {
             let t0 = Instant::now();
             let resolved = self.run_node(idx, values)?;
             if profiling {
-                self.gpu.as_mut().map_or(Ok(()), Gpu::mark)?;
+                self.backend.gpu().map_or(Ok(()), Gpu::mark)?;
                 order.push(idx);
             }
             if self.recorder.is_none() {
@@ -878,7 +650,7 @@ impl Session {
             dead.extend(node.outputs.iter().flatten().copied().filter(|v| self.last_use[*v].is_none()));
             for v in dead {
                 if let Some(val) = values[v].take() {
-                    self.release(val);
+                    drop(val);
                 }
             }
         }
@@ -888,79 +660,9 @@ impl Session {
         Ok(())
     }
 
-    /// Output types of node `idx` for these inputs: from the cache, or from the shim's
-    /// `kiln_infer`. Checks the outputs against the package's `max_rank` and the session's
-    /// tensor size limit.
-    pub(super) fn infer(&mut self, idx: usize, res: &Resolution, inputs: &[Option<InferInput>]) -> Result<OutputTypes> {
-        let key = infer_key(idx, inputs);
-        self.infer_keyed(idx, res, inputs, key)
-    }
-
-    fn infer_keyed(
-        &mut self,
-        idx: usize,
-        res: &Resolution,
-        inputs: &[Option<InferInput>],
-        key: InferKey,
-    ) -> Result<OutputTypes> {
-        if let Some(t) = self.inferred.get(&key) {
-            return Ok(t.clone());
-        }
-        let opset = self.opset_of(idx)?;
-        let node = self.model.graph.nodes[idx].clone();
-        let args = node_call(
-            &node,
-            opset,
-            inputs.iter().map(|i| i.as_ref().map(InferInput::opaque_arg)).collect(),
-            node.outputs
-                .iter()
-                .map(|o| {
-                    o.map(|_| ArgTensor { dtype: None, dims: None, value: None, nbytes: 0, access: Access::Opaque })
-                })
-                .collect(),
-        );
-        let inferred = self.call_shim(&res.package, CallKind::Infer, args)?.inferred;
-        let mut out = Vec::with_capacity(node.outputs.len());
-        for (i, o) in node.outputs.iter().enumerate() {
-            out.push(match (o, inferred.get(i).cloned().flatten()) {
-                (None, _) => None,
-                (Some(_), Some((dtype, shape))) => {
-                    if shape.len() > res.entry.max_rank {
-                        return Err(Error::Unsupported(format!(
-                            "node {:?}: output {i} has rank {}, over {}'s max_rank {}",
-                            node.name,
-                            shape.len(),
-                            res.package.id(),
-                            res.entry.max_rank
-                        )));
-                    }
-                    let nbytes = byte_size(dtype, &shape).map_err(|_| {
-                        Error::Model(format!(
-                            "node {:?}: output {i} would be {dtype} {shape:?}, larger than memory can address",
-                            node.name
-                        ))
-                    })?;
-                    if nbytes > self.max_tensor_bytes {
-                        return Err(Error::Model(format!(
-                            "node {:?}: output {i} would be {dtype} {shape:?} ({nbytes} bytes), over the limit of {} bytes per tensor",
-                            node.name, self.max_tensor_bytes
-                        )));
-                    }
-                    Some((dtype, shape))
-                }
-                (Some(_), None) => return Err(Error::Model(format!("node {:?}: output {i} has no inferred type", node.name))),
-            });
-        }
-        if self.inferred.len() >= INFER_CACHE_ENTRIES {
-            self.inferred.clear();
-        }
-        self.inferred.insert(key, out.clone());
-        Ok(out)
-    }
-
     /// Uploads every initializer to the GPU once (resident weights).
     fn upload_initializers(&mut self) -> Result<()> {
-        let Some(gpu) = self.gpu.as_mut() else { return Ok(()) };
+        let Some(gpu) = self.backend.gpu() else { return Ok(()) };
         for (id, t) in &self.model.graph.initializers {
             let b = gpu.upload(t)?;
             self.device_values.insert(*id, (b.ptr, t.data.len() as u64));
@@ -986,7 +688,7 @@ impl Session {
     }
 
     /// A value's bytes on the host (downloads device values).
-    pub(super) fn host_tensor(&mut self, v: &Value) -> Result<Tensor> {
+    fn host_tensor(&mut self, v: &Value) -> Result<Tensor> {
         if let Some(t) = v.host_bytes() {
             return Ok(t.clone());
         }
@@ -997,11 +699,7 @@ impl Session {
             rec.seam(why.clone());
             return Err(Error::Unsupported(why));
         }
-        let Value::Device { dtype, shape, ptr, nbytes, .. } = v else {
-            return Err(Error::Device("a host value without bytes".into()));
-        };
-        let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("device value without a GPU".into()))?;
-        let t = gpu.download(*ptr, *dtype, shape.clone(), *nbytes as usize)?;
+        let t = self.backend.read(v, 0, v.dtype(), v.shape().to_vec())?;
         self.check_device()?;
         Ok(t)
     }
@@ -1009,8 +707,8 @@ impl Session {
     /// Fails with the first input a kernel found out of range since the last check (ABI.md
     /// §7.5), naming its node, op and package; the records are then clear for the next run.
     /// Call it after a synchronization.
-    pub(super) fn check_device(&mut self) -> Result<()> {
-        let Some(fault) = self.gpu.as_mut().and_then(Gpu::take_fault) else { return Ok(()) };
+    fn check_device(&mut self) -> Result<()> {
+        let Some(fault) = self.backend.gpu().and_then(Gpu::take_fault) else { return Ok(()) };
         let node = self.model.graph.nodes.get(fault.record);
         let memo = self.memo.get(fault.record).and_then(Option::as_ref);
         let message = memo.and_then(|m| m.resolved.res.package.manifest.device_error(fault.code));
@@ -1032,81 +730,6 @@ impl Session {
             node: node.map(|n| n.name.clone()).unwrap_or_default(),
             reason,
         })))
-    }
-
-    /// Returns a value's device buffer (if it owns one) to the pool.
-    pub(super) fn release(&mut self, v: Value) {
-        if let (Value::Device { owned: Some(b), .. }, Some(gpu)) = (v, self.gpu.as_mut()) {
-            gpu.alloc.free(b);
-        }
-    }
-
-    /// The value on the session's device (uploads host values on a GPU).
-    fn on_device(&mut self, v: &Value) -> Result<Value> {
-        match (v, self.gpu.as_mut()) {
-            (Value::Host(t), Some(gpu)) => {
-                let b = gpu.upload(t)?;
-                Ok(Value::Device {
-                    dtype: t.dtype,
-                    shape: t.shape.clone(),
-                    ptr: b.ptr,
-                    nbytes: t.data.len() as u64,
-                    owned: Some(b),
-                    host: Some(t.clone()),
-                })
-            }
-            (other, _) => Ok(other.clone_ref()),
-        }
-    }
-
-    /// Runs node `idx` through its package's CPU reference on host tensors; with
-    /// `check_dispatch`, validates its GPU launch plan as well.
-    pub(super) fn execute_cpu(
-        &mut self,
-        idx: usize,
-        res: &Resolution,
-        inputs: &[Option<Tensor>],
-        out_types: &OutputTypes,
-        check_dispatch: bool,
-    ) -> Result<Vec<Option<Tensor>>> {
-        let opset = self.opset_of(idx)?;
-        let node = self.model.graph.nodes[idx].clone();
-        let value_inputs = res.entry.value_inputs.clone();
-        let args = node_call(
-            &node,
-            opset,
-            inputs
-                .iter()
-                .enumerate()
-                .map(|(i, t)| {
-                    t.as_ref().map(|t| tensor_arg(t, value_inputs.contains(&i), Access::Read(t.data.clone())))
-                })
-                .collect(),
-            cpu::output_args(out_types),
-        );
-        let n_in = inputs.iter().flatten().count();
-        let outcome = self.call_shim(&res.package, CallKind::Cpu, args)?;
-        let outputs = cpu::collect_outputs(outcome, n_in, out_types)?;
-        if check_dispatch {
-            let args = node_call(
-                &node,
-                opset,
-                inputs
-                    .iter()
-                    .enumerate()
-                    .map(|(i, t)| t.as_ref().map(|t| tensor_arg(t, value_inputs.contains(&i), Access::Opaque)))
-                    .collect(),
-                outputs.iter().map(|t| t.as_ref().map(|t| tensor_arg(t, false, Access::Opaque))).collect(),
-            );
-            match self.call_shim(&res.package, CallKind::Dispatch, args) {
-                Ok(o) => self.report.dispatch_steps += o.plan.steps.len() as u64,
-                Err(e) if e.is_unsupported() => {
-                    *self.report.dispatch_unsupported.entry(node.op_type.clone()).or_default() += 1;
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(outputs)
     }
 
     /// Whether a GPU session computes this node on the host: every input has host bytes, no
@@ -1154,7 +777,7 @@ impl Session {
         }
         let dtypes: Vec<Option<DType>> = inputs.iter().map(|v| v.as_ref().map(Value::dtype)).collect();
         let rank = inputs.iter().flatten().map(|v| v.shape().len()).max().unwrap_or(0);
-        let resolved = self.resolve(idx, dtypes, rank)?;
+        let resolved = self.types.resolve(&self.model, &self.shims.rt.registry, idx, dtypes, rank)?;
         let res = &resolved.res;
         let mut infer_ins = Vec::with_capacity(inputs.len());
         for (i, v) in inputs.iter().enumerate() {
@@ -1168,9 +791,10 @@ impl Session {
             });
         }
         let key = infer_key(idx, &infer_ins);
-        let out_types = self.infer_keyed(idx, res, &infer_ins, key.clone())?;
-        let on_host =
-            self.gpu.is_none() || (self.options.small_integer_nodes_on_host && Self::runs_on_host(&inputs, &out_types));
+        let call = Call { model: &self.model, shims: &mut self.shims, report: &mut self.report };
+        let out_types = self.types.infer_keyed(call, idx, res, &infer_ins, key.clone())?;
+        let on_host = self.backend.gpu_ref().is_none()
+            || (self.options.small_integer_nodes_on_host && Self::runs_on_host(&inputs, &out_types));
         // Shape arithmetic over device values (Shape of a fed tensor): the CPU reference runs
         // with those inputs opaque, and succeeds only when it never reads their bytes.
         let probed = if !on_host
@@ -1196,8 +820,12 @@ impl Session {
                     Some(v) => Some(self.host_tensor(v)?),
                 });
             }
-            let check = self.options.check_dispatch && self.gpu.is_none();
-            self.execute_cpu(idx, res, &host, &out_types, check)?.into_iter().map(|t| t.map(Value::Host)).collect()
+            let check = self.options.check_dispatch && self.backend.gpu_ref().is_none();
+            self.shims
+                .run_reference(&self.model, idx, res, &host, &out_types, check, &mut self.report)?
+                .into_iter()
+                .map(|t| t.map(Value::Host))
+                .collect()
         } else {
             // Host values go to the device once, for every later reader too (and for a value
             // this node reads twice, once).
@@ -1207,13 +835,13 @@ impl Session {
                         Some(on @ Value::Device { .. }) => on.clone_ref(),
                         _ => {
                             let Some(val) = inputs[slot].take() else { continue };
-                            let d = self.on_device(&val)?;
+                            let d = self.backend.place(&val)?;
                             if let (Some(rec), Value::Host(t)) = (self.recorder.as_mut(), &val) {
                                 rec.upload(*id, t);
                             }
                             let r = d.clone_ref();
                             if let Some(old) = values[*id].replace(d) {
-                                self.release(old);
+                                drop(old);
                             }
                             r
                         }
@@ -1235,7 +863,7 @@ impl Session {
         for (o, v) in out_ids.iter().zip(outputs) {
             match (o, v) {
                 (Some(id), Some(v)) => values[*id] = Some(v),
-                (_, Some(v)) => self.release(v),
+                (_, Some(v)) => drop(v),
                 _ => {}
             }
         }
@@ -1264,7 +892,7 @@ impl Session {
                 p.clone()
             }
             None => {
-                let opset = self.opset_of(idx)?;
+                let opset = opset_of(&self.model, idx)?;
                 let node = self.model.graph.nodes[idx].clone();
                 let args = node_call(
                     &node,
@@ -1283,7 +911,7 @@ impl Session {
                         })
                         .collect(),
                 );
-                let plan = Arc::new(self.call_shim(&res.package, CallKind::Dispatch, args)?.plan);
+                let plan = Arc::new(self.shims.call(&res.package, CallKind::Dispatch, args, &mut self.report)?.plan);
                 if self.plans.len() >= INFER_CACHE_ENTRIES {
                     self.plans.clear();
                 }
@@ -1298,7 +926,7 @@ impl Session {
                 Value::Host(_) => return Err(Error::Device("a host value reached a GPU node".into())),
             }
         }
-        let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
+        let gpu = self.backend.gpu().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
         // A kernel that fails to load (or to match its signature) is named with its node; the
         // error keeps its kind.
         let functions = gpu.plan_functions(&res.package, &plan).map_err(|e| {
@@ -1339,17 +967,17 @@ impl Session {
             // after the run, by `fetch_output`).
             let target = id
                 .and_then(|id| self.bound.get(&id))
-                .and_then(|h| self.held.get(h))
+                .and_then(|h| self.held.by_id(*h))
                 .filter(|h| h.fits(*dtype, nbytes))
                 .and_then(Held::device_ptr);
-            let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
+            let gpu = self.backend.gpu().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
             let (ptr, owned) = match target {
                 Some(ptr) => (ptr, None),
                 None => match gpu.alloc.alloc(nbytes) {
                     Ok(b) => (b.ptr, Some(b)),
                     Err(e) => {
                         for v in outs.into_iter().flatten() {
-                            self.release(v);
+                            drop(v);
                         }
                         return Err(e);
                     }
@@ -1362,7 +990,7 @@ impl Session {
         if self.recorder.is_some() {
             self.record_node(idx, plan, functions, &slots[..n_in], &outs, out_ids, &in_place);
         }
-        let gpu = self.gpu.as_mut().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
+        let gpu = self.backend.gpu().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
         let result = if self.recorder.is_some() {
             gpu.prepare_gemms(plan)
         } else {
@@ -1371,7 +999,7 @@ impl Session {
         };
         if let Err(e) = result {
             for v in outs.into_iter().flatten() {
-                self.release(v);
+                drop(v);
             }
             return Err(e);
         }
@@ -1449,7 +1077,7 @@ impl Session {
         inputs: &[Option<Value>],
         out_types: &OutputTypes,
     ) -> Result<Option<Vec<Option<Tensor>>>> {
-        let opset = self.opset_of(idx)?;
+        let opset = opset_of(&self.model, idx)?;
         let node = self.model.graph.nodes[idx].clone();
         let value_inputs = res.entry.value_inputs.clone();
         let args_in = inputs
@@ -1470,7 +1098,7 @@ impl Session {
             .collect();
         let args = node_call(&node, opset, args_in, cpu::output_args(out_types));
         let n_in = inputs.iter().flatten().count();
-        match self.call_shim(&res.package, CallKind::Cpu, args) {
+        match self.shims.call(&res.package, CallKind::Cpu, args, &mut self.report) {
             Ok(outcome) => cpu::collect_outputs(outcome, n_in, out_types).map(Some),
             Err(_) => Ok(None),
         }
@@ -1517,11 +1145,214 @@ impl Session {
         for (o, v) in out_ids.iter().zip(outs) {
             match (o, v) {
                 (Some(id), Some(v)) => values[*id] = Some(v),
-                (_, Some(v)) => self.release(v),
+                (_, Some(v)) => drop(v),
                 _ => {}
             }
         }
         Ok(Some(memo.resolved.clone()))
+    }
+
+    /// Finishes one graph output `v` of a run as `fetch` asks.
+    fn fetch_output(&mut self, name: &str, v: Value, fetch: &Fetch<'_>) -> Result<Fetched> {
+        match fetch {
+            Fetch::Host => self.host_tensor(&v).map(Fetched::Host),
+            Fetch::Device => {
+                let on_device = self.backend.gpu_ref().is_some();
+                let v = match v {
+                    v @ (Value::Device { owned: Some(_), .. } | Value::Host(_)) if on_device == v.is_device() => v,
+                    // An alias (an input or an initializer): the held tensor gets its own copy.
+                    other => self.backend.duplicate(&other)?,
+                };
+                let capacity = v.nbytes();
+                Ok(Fetched::Device(self.held.hold(v, capacity)))
+            }
+            Fetch::Skip => Ok(Fetched::Written),
+            Fetch::Into(t) => {
+                let (dtype, shape, nbytes) = (v.dtype(), v.shape().to_vec(), v.nbytes());
+                let h = self.held.get(t)?;
+                if !h.fits(dtype, nbytes) {
+                    return Err(Error::Input(format!(
+                        "output {name:?} ({dtype} {shape:?}, {nbytes} bytes) does not fit its bound tensor ({}, {} bytes)",
+                        h.value.dtype(),
+                        h.capacity
+                    )));
+                }
+                let id = self.held.id(t)?;
+                if h.value.is_device() {
+                    // The bytes go into the held buffer (nothing moves when the producing node
+                    // wrote there).
+                    let dst = &mut self
+                        .held
+                        .by_id_mut(id)
+                        .ok_or_else(|| Error::Input("the device tensor was freed".into()))?
+                        .value;
+                    if dst.device_ptr() != v.device_ptr() {
+                        self.backend.copy(&v, 0, dst, 0, nbytes as usize)?;
+                    }
+                    self.held.set_shape(id, shape, nbytes);
+                } else {
+                    // On the CPU the held value is replaced.
+                    let host = self.host_tensor(&v)?;
+                    if let Some(h) = self.held.by_id_mut(id) {
+                        h.value = Value::Host(host);
+                    }
+                }
+                Ok(Fetched::Written)
+            }
+        }
+    }
+
+    /// A view of the first elements of held device tensor `t` as a tensor of `shape` (its
+    /// dtype): the same device buffer from its start, so writes through either are seen by the
+    /// other, and its address is `t`'s. A KV cache of `[rows, heads, positions, size]` viewed
+    /// as `[n, heads, positions, size]` is the cache of its first `n` rows. `t`'s buffer stays
+    /// until every view of it is dropped, whenever `t` is. A view of a view views its parent.
+    /// Errors: a CPU session (host tensors are not shared), a shape larger than `t`, a freed or
+    /// foreign handle.
+    pub fn view(&mut self, t: &DeviceTensor, shape: Vec<usize>) -> Result<DeviceTensor> {
+        self.held.view(t, shape)
+    }
+
+    /// The bytes of a new held tensor of `dtype` and `shape`. Errors: unsupported dtype, size
+    /// overflow, over the session's limit per tensor.
+    fn new_tensor_bytes(&self, dtype: DType, shape: &[usize]) -> Result<u64> {
+        let nbytes = byte_size(dtype, shape)?;
+        if nbytes > self.max_tensor_bytes {
+            return Err(Error::Input(format!(
+                "a {dtype} tensor of shape {shape:?} ({nbytes} bytes) is over the limit of {} bytes per tensor",
+                self.max_tensor_bytes
+            )));
+        }
+        Ok(nbytes)
+    }
+
+    /// A new held tensor of `dtype` whose addresses are reserved for `shape` (`[rows, ...]`)
+    /// and whose first `mapped` rows are mapped, zeros: the tensor has shape `[mapped, ...]`.
+    /// [`Session::map_rows`] maps more rows or fewer, at the same address; views of its first
+    /// rows ([`Session::view`]) are how work reads it. A KV cache whose rows follow a batch's
+    /// load lives so: its address never moves, so each row count's captured graph stays valid,
+    /// and only the rows in use hold memory. Errors: a CPU session, `mapped` over the rows,
+    /// size overflow, the per-tensor limit, the device-memory limit (nothing is held then).
+    pub fn reserve(&mut self, dtype: DType, shape: Vec<usize>, mapped: usize) -> Result<DeviceTensor> {
+        self.held.reclaim();
+        let nbytes = self.new_tensor_bytes(dtype, &shape)?;
+        let gpu = self.backend.gpu().ok_or_else(|| Error::Unsupported("reserved tensors need a GPU session".into()))?;
+        self.held.reserve(gpu, dtype, shape, nbytes, mapped)
+    }
+
+    /// Maps the first `rows` rows of reserved tensor `t` (growing: the new rows are zeros;
+    /// shrinking: the chunks past them are unmapped behind a fence, the device's work so far
+    /// finished first), which then has shape `[rows, ...]` at its same address. Growth maps
+    /// whole chunks of the device's granularity, so a little more may be mapped than asked.
+    /// Errors: not a reserved tensor, more rows than reserved, a view still reading rows past
+    /// `rows`, the device-memory limit or the driver's (the tensor stays as it was).
+    pub fn map_rows(&mut self, t: &DeviceTensor, rows: usize) -> Result<()> {
+        self.held.reclaim();
+        let gpu = self.backend.gpu().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
+        self.held.map_rows(gpu, t, rows)
+    }
+
+    /// Gives the buffers of dropped [`DeviceTensor`]s back to the pool now (runs and
+    /// allocations do it first anyway).
+    pub fn reclaim(&mut self) {
+        self.held.reclaim();
+    }
+
+    /// How many tensors the session holds (dropped ones not reclaimed yet included).
+    pub fn held_tensors(&self) -> usize {
+        self.held.len()
+    }
+
+    /// A new held tensor of zeros, `dtype` and `shape`. Errors: unsupported dtype, size overflow,
+    /// device memory limit.
+    pub fn zeros(&mut self, dtype: DType, shape: Vec<usize>) -> Result<DeviceTensor> {
+        self.held.reclaim();
+        let nbytes = self.new_tensor_bytes(dtype, &shape)?;
+        self.held.zeros(self.backend.as_mut(), dtype, shape, nbytes)
+    }
+
+    /// The device address of a held tensor (`None` on the CPU): a view's is its parent's, and a
+    /// reserved tensor's never moves while it grows. Errors: a freed or foreign handle.
+    pub fn device_address(&self, t: &DeviceTensor) -> Result<Option<u64>> {
+        Ok(self.held.get(t)?.device_ptr())
+    }
+
+    /// Dtype and current shape of a held tensor.
+    pub fn tensor_type(&self, t: &DeviceTensor) -> Result<(DType, Vec<usize>)> {
+        let h = self.held.get(t)?;
+        Ok((h.value.dtype(), h.value.shape().to_vec()))
+    }
+
+    /// A copy of a held tensor on the host (waits for the device). Errors: the device's, or an
+    /// input a kernel found out of range since the last check (`Error::DeviceCheck`).
+    pub fn read_tensor(&mut self, t: &DeviceTensor) -> Result<Tensor> {
+        let v = self.held.get(t)?.value.clone_ref();
+        self.host_tensor(&v)
+    }
+
+    /// Waits for the work enqueued on the session's device so far. Errors: the device's, or an
+    /// input a kernel found out of range meanwhile (as [`Session::read_tensor`]).
+    pub fn synchronize(&mut self) -> Result<()> {
+        self.backend.synchronize()?;
+        self.check_device()
+    }
+
+    /// Starts reading a small held tensor (at most [`crate::cuda::READBACK_BYTES`]) back to the
+    /// host behind the device's work so far, and returns at once: runs enqueued afterwards may
+    /// overwrite the tensor (the copy reads it first), so a decode loop can enqueue its next
+    /// step before it waits for this one's tokens. At most two reads may be outstanding.
+    /// Errors: a tensor over the limit.
+    pub fn read_start(&mut self, t: &DeviceTensor) -> Result<PendingRead> {
+        let v = &self.held.get(t)?.value;
+        self.backend.read_start(v)
+    }
+
+    /// Waits for a read of [`Session::read_start`] and returns the tensor; fails, as
+    /// [`Session::read_tensor`] does, when a kernel reported an input out of range meanwhile.
+    pub fn read_finish(&mut self, p: PendingRead) -> Result<Tensor> {
+        let t = self.backend.read_finish(p)?;
+        self.check_device()?;
+        Ok(t)
+    }
+
+    /// Elements `start .. start + len` of a held tensor, flattened row-major, as a 1-D host
+    /// tensor (waits for the device). Errors: a range outside the tensor, and as
+    /// [`Session::read_tensor`].
+    pub fn read_slice(&mut self, t: &DeviceTensor, start: usize, len: usize) -> Result<Tensor> {
+        let t = self.held.read_slice(self.backend.as_mut(), t, start, len)?;
+        self.check_device()?;
+        Ok(t)
+    }
+
+    /// Copies host tensor `t` into held tensor `dst`, which takes `t`'s shape (enqueued on the
+    /// GPU's stream: later runs see it). Errors: another dtype, or more bytes than `dst` holds.
+    pub fn write_tensor(&mut self, dst: &DeviceTensor, t: &Tensor) -> Result<()> {
+        self.held.write_tensor(self.backend.as_mut(), dst, t)
+    }
+
+    /// Copies elements `src_start .. src_start + len` of held tensor `src` to elements
+    /// `dst_start ..` of held tensor `dst` (both flattened row-major; stream-ordered on a GPU,
+    /// like a run). A continuous batch copies a prefilled sequence's KV row into its slot this
+    /// way. Errors: different dtypes, the same tensor, or a range outside either tensor.
+    pub fn copy_elements(
+        &mut self,
+        src: &DeviceTensor,
+        src_start: usize,
+        dst: &DeviceTensor,
+        dst_start: usize,
+        len: usize,
+    ) -> Result<()> {
+        self.held.copy_elements(self.backend.as_mut(), src, src_start, dst, dst_start, len)
+    }
+
+    /// Writes `values` (a tensor of `dst`'s dtype, any shape) into elements `start ..
+    /// start + values.numel()` of held tensor `dst` (flattened row-major). On a GPU the copy
+    /// is stream-ordered like a run: work enqueued before it (a decode step in flight) reads
+    /// the old elements, work enqueued after it the new ones. A continuous batch sets a joining
+    /// sequence's rows of the step buffers this way. Errors: another dtype, or a range outside
+    /// `dst`.
+    pub fn write_elements(&mut self, dst: &DeviceTensor, start: usize, values: &Tensor) -> Result<()> {
+        self.held.write_elements(self.backend.as_mut(), dst, start, values)
     }
 
     /// Names and declared types of the graph inputs.
@@ -1534,21 +1365,16 @@ impl Session {
         &self.model.graph.outputs
     }
 
+    /// The kernel loads this GPU session paid for: NVRTC compiles and on-disk cache hits of the
+    /// packages it used first in this process (a package whose kernels the device's module
+    /// cache holds, loaded by another session, costs neither). `None` on the CPU.
+    pub fn kernel_loads(&self) -> Option<(u64, u64)> {
+        self.backend.gpu_ref().map(|g| (g.compiles, g.compile_cache_hits))
+    }
+
     /// Allocator and GEMM-plan counters of a GPU session.
     pub fn gpu_stats(&self) -> Option<(crate::cuda::AllocatorStats, (u64, u64))> {
-        self.gpu.as_ref().map(|g| (g.alloc.stats(), g.gemm_plan_stats()))
-    }
-}
-
-/// The report's view of an allocator.
-fn memory_of(a: &crate::cuda::Allocator) -> crate::trace::DeviceMemory {
-    let s = a.stats();
-    crate::trace::DeviceMemory {
-        in_use_bytes: s.in_use_bytes,
-        cached_bytes: s.cached_bytes,
-        peak_bytes: s.peak_bytes,
-        vmm_reserved_bytes: s.vmm_reserved_bytes,
-        vmm_mapped_bytes: s.vmm_mapped_bytes,
+        self.backend.gpu_ref().map(|g| (g.alloc.stats(), g.gemm_plan_stats()))
     }
 }
 
