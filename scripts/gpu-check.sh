@@ -126,7 +126,11 @@ for w in glob.glob(".gpu/python/*.whl"):
     # The device sampler (Sample node in the captured step) under memcheck too.
     compute-sanitizer --tool memcheck --report-api-errors no "${gen[@]}" --temperature 0.8 --top-k 40 \
       --top-p 0.9 --repetition-penalty 1.2 --seed 1 2>&1 | tail -40 >"$out/sanitizer-sampled.log"
+    # Every token a candidate (more than the kernel sorts on chip: it selects by mass).
+    compute-sanitizer --tool memcheck --report-api-errors no "${gen[@]}" --temperature 1.2 --top-k 0 \
+      --top-p 0.95 --seed 3 2>&1 | tail -40 >"$out/sanitizer-all-tokens.log"
     summary+=("sanitizer (memory): $(grep -E 'ERROR SUMMARY' "$out/sanitizer.log")")
+    summary+=("sanitizer (memory, top-k 0): $(grep -E 'ERROR SUMMARY' "$out/sanitizer-all-tokens.log")")
     summary+=("sanitizer (memory, sampled): $(grep -E 'ERROR SUMMARY' "$out/sanitizer-sampled.log")")
     summary+=("sanitizer (API errors by call): $(tr -s ' \n' ' ' <"$out/sanitizer-api.log")")
     ;;

@@ -431,9 +431,11 @@ fn device_argmax_picks_the_host_argmax_tokens() {
 
 /// Device sampling (the Sample node inside the captured step, graphs on) gives the host
 /// sampler's tokens for the same seed from the same GPU logits: temperature with top-k, top-p
-/// and a repetition penalty, and greedy with a penalty; batch 1 and 4 (its own bucket), 96
-/// tokens, on tiny-llama fp16 and the SmolLM2-architecture fp16 folder (vocabulary 49152, where
-/// greedy decoding of random weights repeats no token, so the penalty changes nothing).
+/// and a repetition penalty; greedy with a penalty; and more candidates than the kernel sorts on
+/// chip (1,024), where it selects by mass instead: every token (top-k 0), top-p 0.95 over every
+/// token at temperature 1.5, and top-k 2,000. Batch 1 and 4 (its own bucket), 96 tokens, on
+/// tiny-llama fp16 (vocabulary 512) and the SmolLM2-architecture fp16 folder (vocabulary 49152,
+/// where greedy decoding of random weights repeats no token, so the penalty changes nothing).
 /// A second generation replays the graph at every step and draws the same tokens.
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -443,6 +445,9 @@ fn device_sampling_gives_the_host_samplers_tokens() {
     let sampled =
         SamplingParams { do_sample: true, temperature: 0.8, top_k: 50, top_p: 0.9, repetition_penalty: 1.2, seed: 11 };
     let penalized = SamplingParams { repetition_penalty: 1.3, ..SamplingParams::default() };
+    let every = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, repetition_penalty: 1.0, seed: 5, ..sampled };
+    let nucleus = SamplingParams { temperature: 1.5, top_k: 0, top_p: 0.95, seed: 7, ..sampled };
+    let wide = SamplingParams { top_k: 2000, top_p: 1.0, seed: 13, ..sampled };
     for folder in [kiln_tests::fixture("llm/tiny-llama-v512-fp16-cuda"), device_models().join("smollm2-arch-fp16-cuda")]
     {
         let mut g = gpu_generator(&folder, GraphMode::On);
@@ -451,7 +456,7 @@ fn device_sampling_gives_the_host_samplers_tokens() {
             let p = prompts(rows, vocab);
             let greedy_tokens: Vec<Vec<i64>> =
                 greedy(&mut g, &p, 96).rows.into_iter().map(|r| r.generated_ids).collect();
-            for params in [&sampled, &penalized] {
+            for params in [&sampled, &penalized, &every, &nucleus, &wide] {
                 let opts = GenerateOptions {
                     max_new_tokens: 96,
                     max_length: None,

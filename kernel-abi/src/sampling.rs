@@ -37,11 +37,6 @@ pub struct RowParams {
 /// draw is step 0, and the Philox stream.
 pub const SEED_WORDS: usize = 3;
 
-/// Most candidates (after top-k) the CUDA kernel of `ai.kiln::Sample` keeps on chip; a row
-/// whose `min(top_k or vocab, vocab)` is larger fails there with a device error and is sampled
-/// on the host instead.
-pub const DEVICE_MAX_CANDIDATES: usize = 1024;
-
 /// Largest vocabulary the CUDA kernel of `ai.kiln::Sample` takes: its bitmap of the history's
 /// tokens (`ceil(V / 32)` words) fits the 48 KiB of shared memory beside its own 17,824 bytes.
 pub const DEVICE_MAX_VOCAB: usize = (48 * 1024 - 17_824) / 4 * 32;

@@ -646,7 +646,6 @@ impl ContinuousBatch {
     /// Whether the batch's device sampler can choose tokens with `params`, or why not, in the
     /// request's own terms (the field to change, when one is).
     pub fn admits(&self, g: &Generator, params: &SamplingParams) -> std::result::Result<(), Refusal> {
-        use kiln_kernel_abi::sampling::DEVICE_MAX_CANDIDATES;
         let greedy = params.is_greedy() && params.repetition_penalty == 1.0;
         if !self.sampling && !greedy {
             return Err(Refusal {
@@ -654,17 +653,6 @@ impl ContinuousBatch {
                 message: "this server decodes greedily only (temperature 0, no repetition penalty): its device has \
                           no sampler for this model"
                     .into(),
-            });
-        }
-        let candidates = if params.top_k == 0 { self.vocab } else { params.top_k.min(self.vocab) };
-        if g.on_gpu() && !params.is_greedy() && candidates > DEVICE_MAX_CANDIDATES {
-            return Err(Refusal {
-                param: Some("top_k"),
-                message: format!(
-                    "top_k {} keeps {candidates} candidates; the GPU sampler takes at most {DEVICE_MAX_CANDIDATES}: \
-                     set top_k between 1 and {DEVICE_MAX_CANDIDATES}",
-                    params.top_k
-                ),
             });
         }
         g.device_sampler(params, g.on_gpu()).map(|_| ()).map_err(|message| Refusal { param: None, message })

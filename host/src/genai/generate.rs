@@ -683,7 +683,7 @@ impl Generator {
         params: &SamplingParams,
         on_gpu: bool,
     ) -> std::result::Result<DeviceSampler, String> {
-        use kiln_kernel_abi::sampling::{DEVICE_MAX_CANDIDATES, DEVICE_MAX_VOCAB};
+        use kiln_kernel_abi::sampling::DEVICE_MAX_VOCAB;
         let Some(d) = &self.device else {
             return Err("the registry has no device-step packages for this decoder".into());
         };
@@ -694,14 +694,8 @@ impl Generator {
             return Err("no package implements ai.kiln::Sample for these logits".into());
         }
         let vocab = self.folder.config.model.vocab_size;
-        let candidates = if params.top_k == 0 { vocab } else { params.top_k.min(vocab) };
         if on_gpu && vocab > DEVICE_MAX_VOCAB {
             return Err(format!("a vocabulary of {vocab} is above the GPU sampler's {DEVICE_MAX_VOCAB}"));
-        }
-        if on_gpu && !params.is_greedy() && candidates > DEVICE_MAX_CANDIDATES {
-            return Err(format!(
-                "top-k keeps {candidates} candidates, above the GPU sampler's {DEVICE_MAX_CANDIDATES} (set --top-k)"
-            ));
         }
         Ok(DeviceSampler::Sample)
     }

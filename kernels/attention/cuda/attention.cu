@@ -881,11 +881,10 @@ __device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Ta
         gqa_check(st, seqlens, gridDim.z, 1, 0, total, 0, 0, cache_rows, rotary_half);
     long long start, end, pos;
     gqa_range(seqlens, b, 0, 1, 0, window, PL, &start, &end, &pos);
-    (void)kpb;  // the tiled kernel's argument: this one has GQA_DEC_KEYS per block, as the shim passes
-    long long lo = (long long)split * GQA_DEC_KEYS, hi = lo + GQA_DEC_KEYS;
+    long long lo = (long long)split * kpb, hi = lo + kpb;
     if (lo < start) lo = start;
     if (hi > end) hi = end;
-    const unsigned n = lo < hi ? (unsigned)(hi - lo) : 0;  // ≤ GQA_DEC_KEYS = blockDim.x
+    const unsigned n = lo < hi ? (unsigned)(hi - lo) : 0;  // ≤ kpb ≤ GQA_DEC_KEYS = blockDim.x
     uint4* k_s = (uint4*)gqa_dyn;
     uint4* v_s = (uint4*)(gqa_dyn + gqa_decode_k_bytes(kpb, row_bytes, group * H));
     float* s_red = (float*)gqa_dyn;  // [GQA_DEC_WARPS][group·H], once the scores are computed

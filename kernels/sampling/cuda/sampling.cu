@@ -28,9 +28,15 @@ extern "C" __global__ void kiln_append_mask_i32(const int* mask, const long long
 // its last position, as kernel-abi's sampling.rs (the CPU reference) does:
 // repetition penalty over the row's history (columns < position whose mask is set), greedy
 // when temperature <= 0, else temperature, the top_k best candidates (radix select on keys that
-// order by value then by lower index, all distinct), softmax in f64 summed in candidate order,
-// top-p, and one Philox draw keyed by (seed, stream, position - base). The token goes to ids[b]
-// and to column `position` of hist_out (a copy of hist unless bound in place).
+// order by value then by lower index, all distinct), softmax in f64, top-p, and one Philox draw
+// keyed by (seed, stream, position - base). The token goes to ids[b] and to column `position`
+// of hist_out (a copy of hist unless bound in place).
+//
+// Up to KILN_SAMPLE_MAX_CANDIDATES candidates are sorted on chip and their weights summed in
+// candidate order, as the reference does. More (top_k 0 over a large vocabulary) never fit on
+// chip: the top-p cut and the draw are then each a radix select by mass (sample_mass_select),
+// the first key in descending order whose running mass passes the target, so nothing is
+// sorted; the sums are the same up to the float64 rounding of their order.
 #define KILN_SAMPLE_THREADS 1024
 #define KILN_SAMPLE_MAX_CANDIDATES 1024
 #define KILN_SAMPLE_GATHER (2 * KILN_SAMPLE_MAX_CANDIDATES)
@@ -72,6 +78,112 @@ __device__ void sample_sort_desc(kiln_u64* keys, unsigned width) {
         }
 }
 
+// Sum of every thread's x over the block (blockDim.x a multiple of 32), the same on every
+// thread: lanes by a shuffle tree, then the warps' sums in warp order, so the result does not
+// depend on timing.
+__device__ double sample_block_sum(double x, double* warp_d) {
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    if ((threadIdx.x & 31) == 0) warp_d[threadIdx.x >> 5] = x;
+    __syncthreads();
+    double s = 0.0;
+    for (unsigned w = 0; w < blockDim.x / 32; ++w) s += warp_d[w];
+    __syncthreads();
+    return s;
+}
+
+// Largest of every thread's x over the block, the same on every thread.
+__device__ kiln_u64 sample_block_max(kiln_u64 x, kiln_u64* warp_k) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const kiln_u64 y = __shfl_xor_sync(0xffffffffu, x, o);
+        x = y > x ? y : x;
+    }
+    if ((threadIdx.x & 31) == 0) warp_k[threadIdx.x >> 5] = x;
+    __syncthreads();
+    kiln_u64 m = 0;
+    for (unsigned w = 0; w < blockDim.x / 32; ++w) m = warp_k[w] > m ? warp_k[w] : m;
+    __syncthreads();
+    return m;
+}
+
+// The k-th largest of the V keys key_of(i) (k >= 1): radix select, 8 bits at a time from the
+// top, by count. Every thread gets it.
+template <typename KeyOf>
+__device__ kiln_u64 sample_kth_key(KeyOf key_of, kiln_u64 V, kiln_u64 k, unsigned* bins, kiln_u64* prefix_s,
+                                   unsigned* remaining_s) {
+    const unsigned tid = threadIdx.x, nt = blockDim.x;
+    if (tid == 0) *prefix_s = 0, *remaining_s = (unsigned)k;
+    kiln_u64 high = 0;  // the bits of the prefix decided so far
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        for (unsigned i = tid; i < 256; i += nt) bins[i] = 0u;
+        __syncthreads();
+        const kiln_u64 prefix = *prefix_s;
+        for (kiln_u64 i = tid; i < V; i += nt) {
+            const kiln_u64 key = key_of(i);
+            if ((key & high) == prefix) atomicAdd(&bins[(key >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (tid == 0) {
+            unsigned above = 0, d = 255;
+            for (;; --d) {
+                if (above + bins[d] >= *remaining_s || d == 0) break;
+                above += bins[d];
+            }
+            *prefix_s = prefix | ((kiln_u64)d << shift);
+            *remaining_s -= above;
+        }
+        high |= (kiln_u64)255u << shift;
+        __syncthreads();
+    }
+    return *prefix_s;
+}
+
+// The first key in descending order, among the keys key_of(i) >= floor, whose running mass
+// passes `target` (mass > target when `strict`, else >=), where a key's mass is
+// exp(value - top) in float64: radix select, 8 bits at a time from the top, by mass. When
+// rounding leaves no key passing, the smallest key >= floor (the reference's last candidate).
+// Every thread gets it.
+template <typename KeyOf>
+__device__ kiln_u64 sample_mass_select(KeyOf key_of, kiln_u64 V, kiln_u64 floor, float top, double target, bool strict,
+                                       double* mass, unsigned* bins, kiln_u64* prefix_s, double* remaining_s) {
+    const unsigned tid = threadIdx.x, nt = blockDim.x;
+    if (tid == 0) *prefix_s = 0, *remaining_s = target;
+    kiln_u64 high = 0;
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        for (unsigned i = tid; i < 256; i += nt) mass[i] = 0.0, bins[i] = 0u;
+        __syncthreads();
+        const kiln_u64 prefix = *prefix_s;
+        for (kiln_u64 i = tid; i < V; i += nt) {
+            const kiln_u64 key = key_of(i);
+            if (key >= floor && (key & high) == prefix) {
+                const unsigned d = (unsigned)(key >> shift) & 255u;
+                atomicAdd(&mass[d], exp((double)(sample_key_value(key) - top)));
+                atomicAdd(&bins[d], 1u);
+            }
+        }
+        __syncthreads();
+        if (tid == 0) {
+            const double rem = *remaining_s;
+            double above = 0.0, above_last = 0.0;
+            int chosen = -1, last = 0;
+            for (int d = 255; d >= 0; --d) {
+                if (bins[d] == 0u) continue;
+                const double m = above + mass[d];
+                if (strict ? m > rem : m >= rem) {
+                    chosen = d;
+                    break;
+                }
+                last = d, above_last = above, above = m;
+            }
+            if (chosen < 0) chosen = last, above = above_last;
+            *prefix_s = prefix | ((kiln_u64)chosen << shift);
+            *remaining_s = rem - above;
+        }
+        high |= (kiln_u64)255u << shift;
+        __syncthreads();
+    }
+    return *prefix_s;
+}
+
 template <typename Tag>
 __device__ void sample_row(const typename Tag::storage* logits, const long long* mask, const long long* hist,
                            const long long* pos, const float* params, const long long* seeds, long long* ids,
@@ -85,6 +197,7 @@ __device__ void sample_row(const typename Tag::storage* logits, const long long*
     __shared__ long long warp_i[32];
     __shared__ long long token_s;
 
+    (void)st;  // every row samples on the device: no input fails it
     const kiln_u64 b = blockIdx.x;
     const unsigned tid = threadIdx.x, nt = blockDim.x;
     const long long p = pos[0];
@@ -133,18 +246,52 @@ __device__ void sample_row(const typename Tag::storage* logits, const long long*
         }
     } else {
         const kiln_u64 k = (top_k < 1.0f || (kiln_u64)top_k >= V) ? V : (kiln_u64)top_k;
+        const auto key_of = [&](kiln_u64 i) { return sample_key(value(i) / T, i); };
         if (k > KILN_SAMPLE_MAX_CANDIDATES) {
-            if (tid == 0) {
-                kiln_fail(st, 1, (long long)b, (long long)k, KILN_SAMPLE_MAX_CANDIDATES);
-                token_s = 0;
+            // The on-chip sort's key buffer is free on this path: it holds the mass bins, the
+            // reductions' partials and the mass still to pass.
+            double* mass = (double*)keys;                 // [256]
+            double* warp_d = (double*)(keys + 256);       // [32]
+            kiln_u64* warp_k = keys + 288;                // [32]
+            double* remaining_d = (double*)(keys + 320);  // [1]
+            // Candidates: the keys at or above the k-th largest (every key when k = V).
+            kiln_u64 best = 0;
+            for (kiln_u64 i = tid; i < V; i += nt) {
+                const kiln_u64 key = key_of(i);
+                best = key > best ? key : best;
             }
+            const float top = sample_key_value(sample_block_max(best, warp_k));
+            const kiln_u64 floor = k < V ? sample_kth_key(key_of, V, k, bins, &prefix_s, &remaining_s) : 0ull;
+            const auto mass_from = [&](kiln_u64 lo) {
+                double part = 0.0;
+                for (kiln_u64 i = tid; i < V; i += nt) {
+                    const kiln_u64 key = key_of(i);
+                    if (key >= lo) part += exp((double)(sample_key_value(key) - top));
+                }
+                return sample_block_sum(part, warp_d);
+            };
+            const double z = mass_from(floor);
+            // top-p keeps the candidates down to the first whose running probability reaches
+            // top_p; their mass is what the draw renormalizes by.
+            kiln_u64 kept = floor;
+            double kept_mass = z;
+            if (top_p < 1.0f) {
+                kept = sample_mass_select(key_of, V, floor, top, (double)top_p * z, false, mass, bins, &prefix_s,
+                                          remaining_d);
+                kept_mass = mass_from(kept);
+            }
+            const double r = kiln_philox_uniform((kiln_u64)seeds[b * 3], (unsigned)seeds[b * 3 + 2],
+                                                 (kiln_u64)(p - seeds[b * 3 + 1]));
+            const kiln_u64 chosen =
+                sample_mass_select(key_of, V, kept, top, r * kept_mass, true, mass, bins, &prefix_s, remaining_d);
+            if (tid == 0) token_s = (long long)(0xFFFFFFFFu - (unsigned)chosen);
         } else {
             // The k-th largest of the threads' best keys bounds the k-th largest key from below
             // (k threads each hold a key at least that large): gather every key above it, and
             // when they fit, sort them; the first k are the candidates in order.
             kiln_u64 best = 0;
             for (kiln_u64 i = tid; i < V; i += nt) {
-                const kiln_u64 key = sample_key(value(i) / T, i);
+                const kiln_u64 key = key_of(i);
                 best = key > best ? key : best;
             }
             keys[tid] = best;
@@ -154,7 +301,7 @@ __device__ void sample_row(const typename Tag::storage* logits, const long long*
             if (tid == 0) count_s = 0u;
             __syncthreads();
             for (kiln_u64 i = tid; i < V; i += nt) {
-                const kiln_u64 key = sample_key(value(i) / T, i);
+                const kiln_u64 key = key_of(i);
                 if (key >= bound) {
                     const unsigned slot = atomicAdd(&count_s, 1u);
                     if (slot < KILN_SAMPLE_GATHER) keys[slot] = key;
@@ -163,36 +310,13 @@ __device__ void sample_row(const typename Tag::storage* logits, const long long*
             __syncthreads();
             unsigned n = count_s;
             if (n > KILN_SAMPLE_GATHER) {
-                // Too many keys above the bound: radix select, 8 bits at a time from the top, of
-                // the k-th largest key, then gather exactly the k keys at or above it.
-                if (tid == 0) prefix_s = 0, remaining_s = (unsigned)k;
-                kiln_u64 high = 0;  // the bits of the prefix decided so far
-                for (int shift = 56; shift >= 0; shift -= 8) {
-                    for (unsigned i = tid; i < 256; i += nt) bins[i] = 0u;
-                    __syncthreads();
-                    const kiln_u64 prefix = prefix_s;
-                    for (kiln_u64 i = tid; i < V; i += nt) {
-                        const kiln_u64 key = sample_key(value(i) / T, i);
-                        if ((key & high) == prefix) atomicAdd(&bins[(key >> shift) & 255u], 1u);
-                    }
-                    __syncthreads();
-                    if (tid == 0) {
-                        unsigned above = 0, d = 255;
-                        for (;; --d) {
-                            if (above + bins[d] >= remaining_s || d == 0) break;
-                            above += bins[d];
-                        }
-                        prefix_s = prefix | ((kiln_u64)d << shift);
-                        remaining_s -= above;
-                    }
-                    high |= (kiln_u64)255u << shift;
-                    __syncthreads();
-                }
-                const kiln_u64 threshold = prefix_s;
+                // Too many keys above the bound: gather exactly the k keys at or above the k-th
+                // largest.
+                const kiln_u64 threshold = sample_kth_key(key_of, V, k, bins, &prefix_s, &remaining_s);
                 if (tid == 0) count_s = 0u;
                 __syncthreads();
                 for (kiln_u64 i = tid; i < V; i += nt) {
-                    const kiln_u64 key = sample_key(value(i) / T, i);
+                    const kiln_u64 key = key_of(i);
                     if (key >= threshold) {
                         const unsigned slot = atomicAdd(&count_s, 1u);
                         if (slot < KILN_SAMPLE_GATHER) keys[slot] = key;

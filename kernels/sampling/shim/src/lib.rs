@@ -17,8 +17,9 @@
 //! - `token_ids`: int64 `[B, 1]`; `history_out`: `history` with column `position` set to the
 //!   token (bound in place, the history a decode graph keeps on the device).
 //! - The choice is kernel-abi's `sampling::next_token`, on the CPU and in the CUDA kernel
-//!   alike. The CUDA kernel keeps at most `sampling::DEVICE_MAX_CANDIDATES` candidates after
-//!   top-k and fails its node with device error 1 beyond that.
+//!   alike, for any top-k: the CUDA kernel sorts up to 1,024 candidates on chip and selects
+//!   among more by mass (radix selects of the top-p cut and of the draw), so its sums differ from
+//!   the reference's only in float64 rounding.
 //!
 //! `ai.kiln::AppendAttentionMask(attention_mask, position) -> (attention_mask_out,
 //! position_out)`:
