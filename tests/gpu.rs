@@ -340,6 +340,8 @@ fn sessions_share_the_device_and_two_threads_capture_apart() {
     assert!(compiles + hits > 0, "the first session loads the kernels");
 
     let mut second = gpu_generator(&folder, GraphMode::On);
+    let again: Vec<Vec<i64>> = greedy(&mut second, &work[0], 300).rows.into_iter().map(|r| r.generated_ids).collect();
+    assert_eq!(again, alone[0], "the second session's tokens");
     assert_eq!(second.session.kernel_loads(), Some((0, 0)), "the second session's kernels come from the device");
     let t = first.session.zeros(DType::F32, vec![3 << 18]).unwrap();
     drop(t);

@@ -53,14 +53,15 @@ pub struct Report {
     pub device_memory: Option<DeviceMemory>,
 }
 
-/// The device memory of a session's caching allocator, in bytes: held by tensors, cached for
-/// reuse, and the most ever held.
+/// The device memory of a session, in bytes: the pool blocks it holds, the blocks the device's
+/// pool caches for reuse (every session's on that device), and the most it ever held.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct DeviceMemory {
-    /// The pool's blocks in use and cached.
+    /// The session's pool blocks in use.
     pub in_use_bytes: u64,
+    /// Free blocks the device's pool (shared by the process's sessions on it) keeps for reuse.
     pub cached_bytes: u64,
-    /// The most held at once: the pool's and the mapped bytes together.
+    /// The most the session held at once: its pool blocks and its mapped bytes together.
     pub peak_bytes: u64,
     /// Addresses reserved for KV caches (VMM; no memory behind them until mapped).
     pub vmm_reserved_bytes: u64,

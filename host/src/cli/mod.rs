@@ -237,9 +237,10 @@ pub struct ModelRunArgs {
     /// where the GPU has it, `on` makes a GPU without it an error, `off` launches plainly.
     #[arg(long = "pdl", value_enum, default_value_t)]
     pub pdl: crate::capture::PdlMode,
-    /// Most device memory kiln may hold on a GPU, in MiB (default: all of the device's; the CPU
-    /// ignores it): its pool, and what the KV caches map. An allocation past it fails with an
-    /// out-of-memory error (in `kiln serve`, only the requests that needed the room).
+    /// Most device memory the model's session may hold on a GPU, in MiB (default: all of the
+    /// device's; the CPU ignores it): its tensors and what its KV caches map; the pool's cached
+    /// blocks are freed before they would take kiln past it. An allocation past it fails with
+    /// an out-of-memory error (in `kiln serve`, only the requests that needed the room).
     #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..=(u64::MAX >> 20)))]
     pub device_memory_limit: Option<u64>,
 }

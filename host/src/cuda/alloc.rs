@@ -136,14 +136,20 @@ impl Pool {
         s.free.entry(class).or_default().push(ptr);
     }
 
-    /// Frees every cached block (`cuMemFree` waits for the work that may still use them).
+    /// Frees every cached block. `cuMemFree` does not return before the device's work that
+    /// may still use a block is done (CUDA Programming Guide, "Implicit Synchronization"); from
+    /// another thread than a capturing one it is allowed during a thread-local capture
+    /// (`cuThreadExchangeStreamCaptureMode`: such captures ignore other threads). A block whose
+    /// free fails stays cached.
     pub fn release_cached(&self) {
         let blocks: Vec<(u64, Vec<CUdeviceptr>)> = self.state().free.drain().collect();
         for (class, ptrs) in blocks {
             for p in ptrs {
                 // SAFETY: p came from cuMemAlloc and no live DevBuffer holds it.
-                let _ = unsafe { cudarc::driver::result::free_sync(p) };
-                self.state().cached_bytes -= class;
+                match unsafe { cudarc::driver::result::free_sync(p) } {
+                    Ok(()) => self.state().cached_bytes -= class,
+                    Err(_) => self.state().free.entry(class).or_default().push(p),
+                }
             }
         }
     }
@@ -228,22 +234,34 @@ impl Allocator {
         &self.account.vmm
     }
 
-    /// Room for `bytes` more bytes within the session's limit. Errors: the limit would be
-    /// passed ([`Error::OutOfMemory`]); `what` names the request.
-    fn check_limit(&self, bytes: u64, what: &str) -> Result<()> {
+    /// Room for `bytes` more bytes within the session's limit: what the session holds and
+    /// what it asks for must fit, and when the pool's cached blocks would take them past the
+    /// limit, the cached blocks are freed first (a session alone on the device then keeps
+    /// kiln's whole footprint within its limit, as before the pool was shared). Errors: the
+    /// limit would be passed ([`Error::OutOfMemory`]); `what` names the request.
+    fn make_room(&self, bytes: u64, what: &str) -> Result<()> {
         let (held, limit) = (self.account.held(), self.account.limit);
         if held + bytes > limit {
             return Err(Error::OutOfMemory(format!(
                 "device memory limit of {limit} bytes reached ({held} in use, {bytes} more requested {what})"
             )));
         }
+        if held + self.pool.counters().0 + bytes > limit {
+            self.pool.release_cached();
+        }
         Ok(())
+    }
+
+    /// Frees the device pool's cached blocks (after a driver allocation outside the pool found
+    /// no room).
+    pub fn release_cached(&self) {
+        self.pool.release_cached();
     }
 
     /// Counts `bytes` about to be mapped into a VMM buffer against the limit (the buffer's
     /// counters hold them once mapped). Errors: the limit would be passed.
     pub fn charge_mapping(&mut self, bytes: u64) -> Result<()> {
-        self.check_limit(bytes, "to map into the KV cache's reserved addresses")
+        self.make_room(bytes, "to map into the KV cache's reserved addresses")
     }
 
     /// Takes the peak again after a mapping.
@@ -254,7 +272,7 @@ impl Allocator {
     /// A buffer of at least `bytes` bytes (contents undefined), returned to the pool when
     /// dropped. Errors: the session's limit or the device's memory ([`Error::OutOfMemory`]).
     pub fn alloc(&mut self, bytes: u64) -> Result<DevBuffer> {
-        self.check_limit(size_class(bytes), "from the pool")?;
+        self.make_room(size_class(bytes), "from the pool")?;
         self.pool.take(bytes, Some(self.account.clone()))
     }
 }

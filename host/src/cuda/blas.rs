@@ -1,7 +1,8 @@
 //! GEMMs through cuBLASLt (`cublasLtMatmul`) with descriptors, layouts and the heuristic's
 //! algorithm cached per shape: the first GEMM of a shape asks `cublasLtMatmulAlgoGetHeuristic`,
-//! later ones only set the bias pointer and enqueue. The workspace is one device buffer from
-//! the session's allocator, so `--device-memory-limit` covers it.
+//! later ones only set the bias pointer and enqueue. One handle per device (`Device::with_blas`),
+//! whose workspace is one buffer of the device's pool, outside every session's
+//! `--device-memory-limit`.
 //!
 //! Row-major `D = op(A)·op(B)` (the ABI's [`Gemm`]) is computed as column-major
 //! `Dᵀ = op(B)ᵀ·op(A)ᵀ`: the operands swap and `m`/`n` exchange.

@@ -8,6 +8,10 @@
 //! A capture records everything enqueued on its stream, from any thread. So work reaches the
 //! compute stream only through [`Device::enqueue`], which waits while another thread captures
 //! ([`Device::capturing`]): a session's capture never takes in another session's launches.
+//! Captures are thread-local (`CU_STREAM_CAPTURE_MODE_THREAD_LOCAL`), which ignores other
+//! threads' allocations and frees, so those need no gate. An `Enqueue` guard is held for one
+//! enqueue, but across a synchronous transfer's wait too (`Gpu::upload`, `Gpu::download`): other
+//! sessions' enqueues wait meanwhile; the decode loop's reads (`Readbacks`) wait without it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};

@@ -59,8 +59,6 @@ impl Drop for Gpu {
 
 /// One device as a session uses it.
 pub struct Gpu {
-    /// The process's device, shared with every other session on it.
-    pub device: Arc<Device>,
     pub info: DeviceInfo,
     /// The device's pool, with this session's account and memory limit.
     pub alloc: Allocator,
@@ -80,6 +78,9 @@ pub struct Gpu {
     readbacks: super::Readbacks,
     /// One device status record per node of the session's graph (ABI.md §7.5).
     status: super::StatusRecords,
+    /// The process's device, shared with every other session on it. Last: the fields above
+    /// (events, pinned memory, pool blocks) go while its context lives.
+    pub device: Arc<Device>,
 }
 
 fn dev_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
@@ -268,7 +269,14 @@ impl Gpu {
             return Ok(());
         }
         self.alloc.charge_mapping(add)?;
-        vb.map_to(bytes)?;
+        match vb.map_to(bytes) {
+            // The device's free memory may sit in the pool's cached blocks.
+            Err(Error::OutOfMemory(_)) => {
+                self.alloc.release_cached();
+                vb.map_to(bytes)?;
+            }
+            other => other?,
+        }
         self.alloc.note_peak();
         Ok(())
     }
@@ -315,7 +323,7 @@ impl Gpu {
     }
 
     /// Starts a download of `bytes` bytes (at most [`super::READBACK_BYTES`]) of a device
-    /// buffer after the stream's work so far, without waiting ([`super::Transfers::download_start`]).
+    /// buffer after the stream's work so far, without waiting ([`super::Readbacks::download_start`]).
     pub fn download_start(&mut self, ptr: CUdeviceptr, bytes: usize) -> Result<super::PendingDownload> {
         let stream = self.device.enqueue();
         self.readbacks.download_start(&stream, ptr, bytes)

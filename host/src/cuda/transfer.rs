@@ -92,7 +92,7 @@ impl Staging {
     }
 }
 
-/// A download started by [`Transfers::download_start`]: which readback buffer holds it and
+/// A download started by [`Readbacks::download_start`]: which readback buffer holds it and
 /// how many bytes.
 #[derive(Debug)]
 pub struct PendingDownload {
@@ -102,7 +102,7 @@ pub struct PendingDownload {
     ticket: u64,
 }
 
-/// Most bytes of one [`Transfers::download_start`] (a decode step's token ids).
+/// Most bytes of one [`Readbacks::download_start`] (a decode step's token ids).
 pub const READBACK_BYTES: usize = 64 << 10;
 
 /// The copy stream, its staging buffers and the events that order it against the compute stream.

@@ -599,8 +599,9 @@ impl Session {
         })
     }
 
-    /// Per-op GPU time in the report (CUDA events between nodes; each run then waits for the
-    /// device at its end). No effect on the CPU.
+    /// Per-op GPU time in the report (CUDA events between nodes on the device's one compute
+    /// stream, so another session's kernels enqueued meanwhile count in the spans; each run
+    /// then waits for the device at its end). No effect on the CPU.
     pub fn set_gpu_profiling(&mut self, on: bool) {
         if let Some(gpu) = self.backend.gpu() {
             gpu.timeline = on.then(crate::cuda::Timeline::default);
@@ -1290,8 +1291,9 @@ impl Session {
         self.host_tensor(&v)
     }
 
-    /// Waits for the work enqueued on the session's device so far. Errors: the device's, or an
-    /// input a kernel found out of range meanwhile (as [`Session::read_tensor`]).
+    /// Waits for the work enqueued on the session's device so far (on a GPU, every session's
+    /// work on its one compute stream). Errors: the device's, or an input a kernel found out of
+    /// range meanwhile (as [`Session::read_tensor`]).
     pub fn synchronize(&mut self) -> Result<()> {
         self.backend.synchronize()?;
         self.check_device()

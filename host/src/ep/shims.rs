@@ -115,33 +115,21 @@ impl Shims {
     ) -> Result<Vec<Option<Tensor>>> {
         let opset = opset_of(model, idx)?;
         let node = &model.graph.nodes[idx];
-        let value_inputs = res.entry.value_inputs.clone();
-        let args = node_call(
-            node,
-            opset,
-            inputs
-                .iter()
-                .enumerate()
-                .map(|(i, t)| {
-                    t.as_ref().map(|t| tensor_arg(t, value_inputs.contains(&i), Access::Read(t.data.clone())))
-                })
-                .collect(),
-            cpu::output_args(out_types),
-        );
+        let value_inputs = &res.entry.value_inputs;
+        // The inputs as arguments: readable by the CPU reference, opaque to dispatch.
+        let args_in = |readable: bool| -> Vec<Option<ArgTensor<'_>>> {
+            let access = |t: &Tensor| if readable { Access::Read(t.data.clone()) } else { Access::Opaque };
+            (inputs.iter().enumerate())
+                .map(|(i, t)| t.as_ref().map(|t| tensor_arg(t, value_inputs.contains(&i), access(t))))
+                .collect()
+        };
+        let args = node_call(node, opset, args_in(true), cpu::output_args(out_types));
         let n_in = inputs.iter().flatten().count();
         let outcome = self.call(&res.package, CallKind::Cpu, args, report)?;
         let outputs = cpu::collect_outputs(outcome, n_in, out_types)?;
         if check_dispatch {
-            let args = node_call(
-                node,
-                opset,
-                inputs
-                    .iter()
-                    .enumerate()
-                    .map(|(i, t)| t.as_ref().map(|t| tensor_arg(t, value_inputs.contains(&i), Access::Opaque)))
-                    .collect(),
-                outputs.iter().map(|t| t.as_ref().map(|t| tensor_arg(t, false, Access::Opaque))).collect(),
-            );
+            let outs = outputs.iter().map(|t| t.as_ref().map(|t| tensor_arg(t, false, Access::Opaque))).collect();
+            let args = node_call(node, opset, args_in(false), outs);
             match self.call(&res.package, CallKind::Dispatch, args, report) {
                 Ok(o) => report.dispatch_steps += o.plan.steps.len() as u64,
                 Err(e) if e.is_unsupported() => {

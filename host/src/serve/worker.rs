@@ -71,8 +71,9 @@ pub struct Stats {
     /// Rows of the batch after its last join or step (they follow the load: on a GPU, the
     /// graph bucket); 1 when requests are served one at a time.
     pub batch_rows: AtomicU64,
-    /// Bytes kiln holds on the device (its pool's in use and cached, and the KV caches'
-    /// mapped bytes), after the last join or step; 0 on the CPU.
+    /// Bytes kiln holds on the device (the session's pool blocks in use, the device pool's
+    /// cached blocks, and the KV caches' mapped bytes), after the last join or step; 0 on the
+    /// CPU.
     pub device_memory: AtomicU64,
     /// Of those, the bytes mapped into the KV caches' reserved addresses.
     pub kv_mapped: AtomicU64,

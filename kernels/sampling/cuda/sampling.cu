@@ -36,7 +36,9 @@ extern "C" __global__ void kiln_append_mask_i32(const int* mask, const long long
 // candidate order, as the reference does. More (top_k 0 over a large vocabulary) never fit on
 // chip: the top-p cut and the draw are then each a radix select by mass (sample_mass_select),
 // the first key in descending order whose running mass passes the target, so nothing is
-// sorted; the sums are the same up to the float64 rounding of their order.
+// sorted; the sums are the same up to the float64 rounding of their order. A radix bin's mass
+// is summed with atomics, so its rounding may vary from run to run: a token can differ only
+// when a draw lands within that rounding of a boundary between two candidates.
 #define KILN_SAMPLE_THREADS 1024
 #define KILN_SAMPLE_MAX_CANDIDATES 1024
 #define KILN_SAMPLE_GATHER (2 * KILN_SAMPLE_MAX_CANDIDATES)
