@@ -81,10 +81,11 @@ pub fn bytes(rng: &mut Rng, b: &mut Vec<u8>) {
     }
 }
 
-/// One structural mutation of a tensor: its dims, data type, data (lengths and, for integers,
-/// values that a shape input turns into sizes), or its data moved to a [`LOCATIONS`] file.
+/// One structural mutation of a tensor: its dims, data type, data (lengths, its bytes moved
+/// into its type's typed field with a wrong length, and for integers values that a shape input
+/// turns into sizes), or its data moved to a [`LOCATIONS`] file.
 pub fn tensor(rng: &mut Rng, t: &mut TensorProto) {
-    match rng.below(9) {
+    match rng.below(10) {
         0 if !t.dims.is_empty() => {
             let i = rng.below(t.dims.len());
             t.dims[i] = rng.pick(HUGE);
@@ -106,6 +107,7 @@ pub fn tensor(rng: &mut Rng, t: &mut TensorProto) {
             t.raw_data.extend((0..extra).map(|_| rng.next_u64() as u8));
         }
         6 => integer_value(rng, t),
+        8 => typed(rng, t),
         7 => {
             t.raw_data.clear();
             t.float_data.clear();
@@ -115,6 +117,56 @@ pub fn tensor(rng: &mut Rng, t: &mut TensorProto) {
             t.uint64_data.clear();
         }
         _ => external(rng, t),
+    }
+}
+
+/// Moves `raw_data` into the typed field of the tensor's data type (ONNX's `TensorProto`:
+/// `float_data` for float, `double_data` for double, `int64_data` for int64, `uint64_data` for
+/// uint32 and uint64, `int32_data` one element per value for the rest), with elements dropped
+/// or zeros added, so that every typed field's size check meets short and long data.
+fn typed(rng: &mut Rng, t: &mut TensorProto) {
+    fn words<const N: usize>(raw: &[u8]) -> impl Iterator<Item = [u8; N]> + '_ {
+        raw.chunks_exact(N).map(|c| c.try_into().unwrap_or([0; N]))
+    }
+    fn resize<T: Default + Clone>(rng: &mut Rng, v: &mut Vec<T>) {
+        let n = if rng.coin() { rng.range(0, v.len()) } else { v.len() + rng.range(1, 3) };
+        v.resize(n, T::default());
+    }
+    let raw = std::mem::take(&mut t.raw_data);
+    match t.data_type {
+        1 => {
+            t.float_data = words::<4>(&raw).map(f32::from_le_bytes).collect();
+            resize(rng, &mut t.float_data);
+        }
+        11 => {
+            t.double_data = words::<8>(&raw).map(f64::from_le_bytes).collect();
+            resize(rng, &mut t.double_data);
+        }
+        7 => {
+            t.int64_data = words::<8>(&raw).map(i64::from_le_bytes).collect();
+            resize(rng, &mut t.int64_data);
+        }
+        12 => {
+            t.uint64_data = words::<4>(&raw).map(|w| u32::from_le_bytes(w) as u64).collect();
+            resize(rng, &mut t.uint64_data);
+        }
+        13 => {
+            t.uint64_data = words::<8>(&raw).map(u64::from_le_bytes).collect();
+            resize(rng, &mut t.uint64_data);
+        }
+        2 | 3 | 9 => {
+            t.int32_data = raw.iter().map(|&b| b as i32).collect();
+            resize(rng, &mut t.int32_data);
+        }
+        4 | 5 | 10 | 16 => {
+            t.int32_data = words::<2>(&raw).map(|w| u16::from_le_bytes(w) as i32).collect();
+            resize(rng, &mut t.int32_data);
+        }
+        6 => {
+            t.int32_data = words::<4>(&raw).map(i32::from_le_bytes).collect();
+            resize(rng, &mut t.int32_data);
+        }
+        _ => t.raw_data = raw,
     }
 }
 
