@@ -265,7 +265,7 @@ pub fn lock(a: LockArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// `kiln inspect`. Exit code 0 when every op has a package here, [`super::exit::UNSUPPORTED`]
+/// `kiln inspect`. Exit code 0 when every op has a package here, `exit::UNSUPPORTED` (4)
 /// otherwise.
 pub fn run(a: InspectArgs) -> Result<ExitCode> {
     super::output::check_path("--json", &a.json)?;

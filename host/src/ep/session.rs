@@ -327,7 +327,7 @@ impl Session {
         self.run_with(feeds, &[])?.into_iter().map(|(n, f)| Ok((n, f.into_host()?))).collect()
     }
 
-    /// Runs the graph with bound inputs and outputs (see [`super::binding`]): `feeds` gives
+    /// Runs the graph with bound inputs and outputs (see [`Feed`] and [`Fetch`]): `feeds` gives
     /// every graph input, `fetches` says where named outputs go (others come back to the
     /// host). Returns every graph output in order. Errors: an unknown or missing input, a
     /// dtype or shape the model does not declare, an output that does not fit its bound

@@ -625,7 +625,7 @@ impl ContinuousBatch {
 
     /// The least (rows, positions) a join's prefill of `rows` prompts, the longest `longest`
     /// tokens, is padded to: on a GPU rows to a power of two and positions to a multiple of
-    /// [`PREFILL_LENGTH_STEP`], so that prefills repeat a few shapes, whose node dispatches the
+    /// `PREFILL_LENGTH_STEP` (64), so that prefills repeat a few shapes, whose node dispatches the
     /// session has memoized (a new shape costs every node's shim calls, milliseconds); on a CPU
     /// no padding (it would only add arithmetic). A sequence's first token comes from this
     /// padded prefill.

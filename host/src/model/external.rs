@@ -31,7 +31,7 @@ impl ExternalData {
 
     /// `length` bytes at `offset` of `location` (the rest of the file when `length` is
     /// `None`). `what` names the tensor in errors (`initializer "W"`). Errors
-    /// ([`Error::Model`]): no folder to resolve against, a location [`check_location`]
+    /// ([`Error::Model`]): no folder to resolve against, a location `check_location`
     /// refuses, a file that is not a regular file, a range past the file's end;
     /// [`Error::Io`] when the file cannot be opened or mapped.
     pub fn slice(&self, what: &str, location: &str, offset: u64, length: Option<u64>) -> Result<Bytes, Error> {
