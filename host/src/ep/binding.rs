@@ -147,10 +147,7 @@ impl Held {
 
     /// The device buffer (`None` on the CPU).
     pub fn device_ptr(&self) -> Option<u64> {
-        match self.value {
-            Value::Device { ptr, .. } => Some(ptr),
-            Value::Host(_) => None,
-        }
+        self.value.device_ptr()
     }
 }
 
@@ -164,6 +161,10 @@ pub(super) struct HeldTensors {
     /// Handles dropped since the last [`HeldTensors::reclaim`].
     dropped: Dropped,
     next: u64,
+}
+
+fn freed() -> Error {
+    Error::Input("the device tensor was freed".into())
 }
 
 /// Checks that elements `start .. start + len` lie within `v`.
@@ -187,10 +188,21 @@ impl HeldTensors {
 
     /// The held tensor of handle `t`. Errors: a handle of another session, or a freed one.
     pub fn get(&self, t: &DeviceTensor) -> Result<&Held> {
+        self.check(t)?;
+        self.map.get(&t.id).ok_or_else(freed)
+    }
+
+    /// [`HeldTensors::get`], to change.
+    pub fn get_mut(&mut self, t: &DeviceTensor) -> Result<&mut Held> {
+        self.check(t)?;
+        self.map.get_mut(&t.id).ok_or_else(freed)
+    }
+
+    fn check(&self, t: &DeviceTensor) -> Result<()> {
         if t.session != self.number {
             return Err(Error::Input("the device tensor belongs to another session".into()));
         }
-        self.map.get(&t.id).ok_or_else(|| Error::Input("the device tensor was freed".into()))
+        Ok(())
     }
 
     /// The id of handle `t`, which this session holds. Errors: as [`HeldTensors::get`].
@@ -200,10 +212,6 @@ impl HeldTensors {
 
     pub fn by_id(&self, id: u64) -> Option<&Held> {
         self.map.get(&id)
-    }
-
-    pub fn by_id_mut(&mut self, id: u64) -> Option<&mut Held> {
-        self.map.get_mut(&id)
     }
 
     /// How many tensors are held (dropped ones not reclaimed yet included).
@@ -370,7 +378,7 @@ impl HeldTensors {
                 h.capacity
             )));
         }
-        let Some(h) = self.map.get_mut(&dst.id) else { return Err(Error::Input("the device tensor was freed".into())) };
+        let h = self.get_mut(dst)?;
         if h.value.is_device() {
             backend.write(&mut h.value, 0, &t.data)?;
             self.set_shape(dst.id, t.shape.clone(), nbytes);
@@ -402,7 +410,7 @@ impl HeldTensors {
         let size = dtype.size().ok_or_else(|| Error::Unsupported(format!("{dtype} tensors")))?;
         check_range(&s, src_start, len)?;
         check_range(d, dst_start, len)?;
-        let d = &mut self.map.get_mut(&dst.id).ok_or_else(|| Error::Input("the device tensor was freed".into()))?.value;
+        let d = &mut self.get_mut(dst)?.value;
         backend.copy(&s, src_start * size, d, dst_start * size, len * size)
     }
 
@@ -421,7 +429,7 @@ impl HeldTensors {
         }
         let size = values.dtype.size().ok_or_else(|| Error::Unsupported(format!("{} tensors", values.dtype)))?;
         check_range(d, start, values.data.len() / size)?;
-        let d = &mut self.map.get_mut(&dst.id).ok_or_else(|| Error::Input("the device tensor was freed".into()))?.value;
+        let d = &mut self.get_mut(dst)?.value;
         backend.write(d, start * size, &values.data)
     }
 

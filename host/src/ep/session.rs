@@ -1178,25 +1178,18 @@ impl Session {
                         h.capacity
                     )));
                 }
-                let id = self.held.id(t)?;
                 if h.value.is_device() {
                     // The bytes go into the held buffer (nothing moves when the producing node
                     // wrote there).
-                    let dst = &mut self
-                        .held
-                        .by_id_mut(id)
-                        .ok_or_else(|| Error::Input("the device tensor was freed".into()))?
-                        .value;
+                    let dst = &mut self.held.get_mut(t)?.value;
                     if dst.device_ptr() != v.device_ptr() {
                         self.backend.copy(&v, 0, dst, 0, nbytes as usize)?;
                     }
-                    self.held.set_shape(id, shape, nbytes);
+                    self.held.set_shape(self.held.id(t)?, shape, nbytes);
                 } else {
                     // On the CPU the held value is replaced.
                     let host = self.host_tensor(&v)?;
-                    if let Some(h) = self.held.by_id_mut(id) {
-                        h.value = Value::Host(host);
-                    }
+                    self.held.get_mut(t)?.value = Value::Host(host);
                 }
                 Ok(Fetched::Written)
             }
