@@ -3,7 +3,8 @@
 # times kiln in one call. Phases (any of them, in this order):
 #   tests      the GPU tests (tests/gpu.rs), all of them
 #   bench      kiln bench decode: graphs on and off at prompt 128 + 256 new tokens, batch 1 and 8,
-#              and unfused with graphs off (the first eager path);
+#              graphs on with a row-major KV cache (--paged-kv off), and unfused with graphs off
+#              (the first eager path);
 #              prompt 128 and 3840 at one cache size (4096 positions); a streamed kiln generate;
 #              kiln run of the example 20 times with graphs on
 #   linear     the decode linear layers: their GPU test, kiln verify kiln-matmul on the GPU, and
@@ -54,6 +55,9 @@ for phase in $phases; do
     for g in on off; do
       "$KILN" bench decode "$m" --batch 1 --batch 8 --graph $g --runs 3 --json "$work/decode-$g.json" 2>&1
     done | tee "$out/bench.log"
+    # The KV cache in the pool's row-major buffers instead of pages (graphs on), to compare.
+    "$KILN" bench decode "$m" --batch 1 --batch 8 --graph on --paged-kv off --runs 3 \
+      --json "$work/decode-rowmajor.json" 2>&1 | tee -a "$out/bench.log"
     # The eager path the decode-graph issue measured first (no fusion, no graphs: 363 launches
     # per step), beside the rows above in the same run.
     "$KILN" bench decode "$m" --batch 1 --batch 8 --graph off --no-fuse --runs 3 \

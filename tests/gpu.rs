@@ -281,17 +281,25 @@ fn greedy(g: &mut kiln_host::genai::Generator, prompts: &[Vec<i64>], new: usize)
 }
 
 /// Graph decode gives exactly the tokens of eager decode (the same execution plan, run
-/// without capture) at the same bucket: batch 1, 3 (padded to 4) and 8, 512 steps each. A
-/// second generation of each shape replays the graph at every step, with no fallback.
+/// without capture) at the same bucket: batch 1, 3 (padded to 4) and 8, 512 steps each, over a
+/// paged KV cache (kiln-attention takes paged caches), whose rows map as they grow; eager
+/// decode over the pool's row-major cache gives the same tokens. A second generation of each
+/// shape replays the graph at every step, with no fallback.
 fn graph_decode_matches_eager(folder: &std::path::Path) {
     use kiln_host::ep::GraphMode;
     let mut eager = gpu_generator(folder, GraphMode::Off);
     let mut graph = gpu_generator(folder, GraphMode::On);
+    let mut row_major = gpu_generator(folder, GraphMode::Off);
+    assert!(graph.set_paged_kv(true) && !row_major.set_paged_kv(false), "paged caches, and row-major ones");
     let vocab = eager.folder.config.model.vocab_size;
     for rows in [1usize, 3, 8] {
         let p = prompts(rows, vocab);
         let want = greedy(&mut eager, &p, 513);
         let got = greedy(&mut graph, &p, 513);
+        let plain = greedy(&mut row_major, &p, 513);
+        for (a, b) in want.rows.iter().zip(&plain.rows) {
+            assert_eq!(a.generated_ids, b.generated_ids, "{}: batch {rows}: paged vs row-major", folder.display());
+        }
         assert_eq!(got.timings.bucket, kiln_host::genai::bucket(rows));
         assert!(got.timings.device_sampling);
         for (r, (a, b)) in want.rows.iter().zip(&got.rows).enumerate() {
@@ -505,10 +513,17 @@ fn new_buffers_re_capture_by_graph_update() {
     let p = prompts(2, g.folder.config.model.vocab_size);
     let first = greedy(&mut g, &p, 40);
     g.release_buffers();
-    // Hold a block so that the new buffers cannot all land where the old ones were.
+    // Hold a block and a paged cache's addresses of the generation's shape, so that the new
+    // buffers cannot all land where the old ones were.
     let kv_dtype = g.folder.kv_dtype;
     let d = &g.folder.config.model.decoder;
-    let hold = g.session.zeros(kv_dtype, vec![2, d.num_key_value_heads, p[1].len() + 40, d.head_size]).unwrap();
+    let (kv_heads, head_size, limit) = (d.num_key_value_heads, d.head_size, p[1].len() + 40);
+    let pages =
+        kiln_host::ep::KvPages { tensors: 2 * d.num_hidden_layers, rows: 2, kv_heads, positions: limit, head_size };
+    let hold = (
+        g.session.zeros(kv_dtype, vec![2, kv_heads, limit, head_size]).unwrap(),
+        g.session.reserve_pages(kv_dtype, pages).unwrap(),
+    );
     let before = g.session.report.graphs.clone();
     let second = greedy(&mut g, &p, 40);
     drop(hold);
@@ -582,6 +597,139 @@ fn long_context_decode_attention(n: usize, nk: usize) {
             assert!(d <= 1e-4, "{n} heads, {nk} KV heads, window {window}: {name}: max |Δ| {d}");
         }
     }
+}
+
+/// GroupQueryAttention over a paged KV cache (ABI.md §6.1: the past copied into pages of a
+/// `Session::reserve_pages` cache from row-major tensors, past and present bound in place to its
+/// views) gives the CPU reference's output on the row-major caches: decode over rows of 3000,
+/// 700 and 1 positions of a 3072-position cache (2 query heads per KV head: the kernel with rows
+/// in registers; 32 over 8: 73,728 positions in all, shared-memory tiles) and a prompt of 37
+/// tokens over 263 (kiln_gqa_kv_* then kiln_gqa_prefill_*), with and without a local window.
+/// A second step then attends to the rows the first appended in place, against the CPU's next
+/// step over the first one's present. max |Δ| ≤ 1e-4.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn attention_over_a_paged_kv_cache_matches_the_cpu_reference() {
+    use kiln_host::ep::{Feed, Fetch, Fetched, KvPages};
+    for (n, nk, lens, seq_total, past) in [
+        (4, 2, vec![3000, 700, 1], (1, 3072), 3072),
+        (32, 8, vec![3000, 700, 1], (1, 3072), 3072),
+        (4, 2, vec![300], (37, 300), 512),
+    ] {
+        for window in [-1i64, 1000] {
+            let what = format!("{n} heads over {nk}, rows {lens:?}, S {}, window {window}", seq_total.0);
+            let (m, mut feeds) = gqa_model(n, nk, window, &lens, seq_total, true, past, 3072);
+            let load = || model::load_bytes(&kiln_tests::onnx::bytes(&m), None).unwrap();
+            let mut cpu = Session::new(runtime(), load(), SessionOptions::default()).unwrap();
+            let mut gpu = Session::new(runtime(), load(), cuda()).unwrap();
+            let b = lens.len();
+            let shape = KvPages { tensors: 2, rows: b, kv_heads: nk, positions: past, head_size: 64 };
+            let pages = gpu.reserve_pages(kiln_kernel_abi::DType::F32, shape).unwrap();
+            gpu.map_pages(&pages, b, past, false).unwrap();
+            for (i, name) in ["past_key", "past_value"].iter().enumerate() {
+                let t = &feeds.iter().find(|(nm, _)| nm == name).unwrap().1;
+                let held = gpu.zeros(t.dtype, t.shape.clone()).unwrap();
+                gpu.write_tensor(&held, t).unwrap();
+                for r in 0..b {
+                    gpu.copy_into_pages((&held, r), (&pages, i, r), past).unwrap();
+                }
+            }
+            let views = [gpu.page_view(&pages, 0, b).unwrap(), gpu.page_view(&pages, 1, b).unwrap()];
+            let err = gpu.read_tensor(&views[0]).unwrap_err().to_string();
+            assert!(err.contains("paged tensor"), "a host read of a paged view: {err}");
+            for step in 0..2 {
+                let want = cpu.run(feeds.clone()).unwrap();
+                let run: Vec<(String, Feed<'_>)> = feeds
+                    .iter()
+                    .map(|(nm, t)| match nm.as_str() {
+                        "past_key" => (nm.clone(), Feed::Device(&views[0])),
+                        "past_value" => (nm.clone(), Feed::Device(&views[1])),
+                        _ => (nm.clone(), Feed::Host(t.clone())),
+                    })
+                    .collect();
+                let fetches = [
+                    ("output", Fetch::Host),
+                    ("present_key", Fetch::Into(&views[0])),
+                    ("present_value", Fetch::Into(&views[1])),
+                ];
+                let got = gpu.run_with(run, &fetches).unwrap();
+                let Fetched::Host(out) = &got[0].1 else { panic!("{what}: no host output") };
+                let d = max_abs_diff(&kiln_tests::f32_values(out), &kiln_tests::f32_values(&want[0].1));
+                assert!(d <= 1e-4, "{what}, step {step}: output max |Δ| {d}");
+                // The next step: one more token per row (a decode step after a prompt), over the
+                // CPU's present as its past.
+                let grown: Vec<i32> = lens.iter().map(|&l| (l + 1).min(past as i32)).collect();
+                let next = gqa_model(n, nk, window, &grown, (1, past), true, past, 3072).1;
+                feeds = next
+                    .into_iter()
+                    .map(|(nm, t)| match nm.as_str() {
+                        "past_key" => (nm, want[1].1.clone()),
+                        "past_value" => (nm, want[2].1.clone()),
+                        _ => (nm, t),
+                    })
+                    .collect();
+            }
+        }
+    }
+}
+
+/// A paged KV cache (`Session::reserve_pages`, 32 cache tensors of 2 float16 heads of 64: 512
+/// KiB per page of 64 positions, 8 MiB per row of 1,000 positions, four 2 MiB granules of the
+/// H200) maps each row's region as its positions grow, in chunks of the granularity: rows join
+/// and grow apart, a trim unmaps the rows past the kept ones and each kept row's positions past
+/// its need, the views' addresses never move, a host read of a view and a copy into positions a
+/// row has not mapped are refused, and dropped, everything is unmapped and unreserved.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_paged_kv_cache_maps_each_row_as_its_positions_grow() {
+    use kiln_host::ep::{KvPages, PageGeometry};
+    use kiln_kernel_abi::DType;
+    let options = SessionOptions { vmm_chunk_bytes: 0, ..cuda() };
+    let mut s = Session::new(runtime(), example().0, options).unwrap();
+    s.reclaim();
+    let gran = kiln_host::cuda::granularity(0).unwrap();
+    let shape = KvPages { tensors: 32, rows: 3, kv_heads: 2, positions: 1000, head_size: 64 };
+    let g = PageGeometry::new(shape, 2, gran).unwrap();
+    assert_eq!((g.page_stride * 2, g.row_bytes()), (512 << 10, 8 << 20), "512 KiB pages, 8 MiB rows");
+    let base = s.gpu_stats().unwrap().0;
+    let pages = s.reserve_pages(DType::F16, shape).unwrap();
+    let view = s.page_view(&pages, 5, 3).unwrap();
+    let at = s.device_address(&view).unwrap();
+    let delta = |s: &Session| {
+        let m = s.gpu_stats().unwrap().0;
+        (
+            m.vmm_reserved_bytes - base.vmm_reserved_bytes,
+            m.vmm_mapped_bytes - base.vmm_mapped_bytes,
+            m.vmm_maps - base.vmm_maps,
+            m.vmm_unmaps - base.vmm_unmaps,
+        )
+    };
+    assert_eq!(delta(&s), (3 * (8 << 20), 0, 0, 0), "reserved, nothing mapped");
+    s.map_pages(&pages, 2, 1, false).unwrap();
+    assert_eq!((delta(&s).1, delta(&s).2), (2 * gran, 2), "rows 0 and 1: a granule each");
+    s.map_pages(&pages, 2, 64, false).unwrap();
+    assert_eq!(delta(&s).2, 2, "a page is within the granule: nothing new");
+    s.map_pages(&pages, 2, 300, false).unwrap();
+    assert_eq!((delta(&s).1, delta(&s).2), (4 * gran, 4), "5 pages (2.5 MiB): a second granule per row");
+    s.map_pages(&pages, 3, 300, false).unwrap();
+    assert_eq!((delta(&s).1, delta(&s).2), (6 * gran, 5), "row 2 joins: its 2 granules in one chunk");
+    // A copy into positions row 2 has not mapped is refused; within them it is done.
+    let src = s.zeros(DType::F16, vec![1, 2, 1000, 64]).unwrap();
+    let err = s.copy_into_pages((&src, 0), (&pages, 0, 2), 1000).unwrap_err().to_string();
+    assert!(err.contains("has not mapped 1000 positions"), "{err}");
+    s.copy_into_pages((&src, 0), (&pages, 31, 2), 300).unwrap();
+    s.copy_pages((&pages, 2), (&pages, 0), 300).unwrap();
+    let err = s.read_tensor(&view).unwrap_err().to_string();
+    assert!(err.contains("paged tensor"), "{err}");
+    // Trim to row 0 and 64 positions: its second granule, and rows 1 and 2, go.
+    s.map_pages(&pages, 1, 64, true).unwrap();
+    assert_eq!((delta(&s).1, delta(&s).3), (gran, 4), "row 0 keeps a granule; 4 chunks unmapped");
+    assert_eq!(s.device_address(&view).unwrap(), at, "the views' addresses never move");
+    s.map_pages(&pages, 3, 1000, false).unwrap();
+    assert_eq!(delta(&s).1, 3 * (8 << 20), "every row's every page");
+    drop((view, src, pages));
+    s.reclaim();
+    assert_eq!((delta(&s).0, delta(&s).1), (0, 0), "dropped: nothing reserved or mapped");
 }
 
 /// `seqlens_k` as an int32 tensor of `lens` valid positions per row.
@@ -1059,7 +1207,9 @@ fn rss_bytes() -> u64 {
 /// generation while a block is held (their graph re-captured at new addresses), and one failed
 /// generation (a prompt
 /// longer than max_length) in the middle. After a warm-up of 10 generations (every shape, and
-/// two releases), kiln's pool holds at most 1 MiB more, the driver's free memory (graphs and
+/// two releases), against the last warm-up generation of the same shape (the paged KV cache
+/// kept for the next generation is that shape's), kiln holds at most 1 MiB more (pool and
+/// mapped KV), the driver's free memory (graphs and
 /// modules included) moves by less than 64 MiB, and the process's RSS by less than 16 MiB.
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -1071,7 +1221,7 @@ fn a_soak_of_10k_decode_tokens_keeps_device_memory_and_rss_flat() {
     let vocab = g.folder.config.model.vocab_size;
     let shapes = [1usize, 3, 8, 2];
     let mut tokens = 0;
-    let mut baseline = None;
+    let mut baseline: [Option<MemorySample>; 4] = [None; 4];
     let kv_dtype = g.folder.kv_dtype;
     let (nkv, hs) = (g.folder.config.model.decoder.num_key_value_heads, g.folder.config.model.decoder.head_size);
     for i in 0..20 {
@@ -1102,10 +1252,12 @@ fn a_soak_of_10k_decode_tokens_keeps_device_memory_and_rss_flat() {
         }
         let now = memory_sample(&g);
         println!("generation {i}: batch {}: {now:?}", shapes[i % 4]);
-        match baseline {
-            None if i == 9 => baseline = Some(now),
-            Some(b) => assert_memory_flat(&format!("generation {i}"), now, b),
-            None => {}
+        // Against the last warm-up generation of the same shape: the spare paged cache kept
+        // for the next generation is this shape's.
+        match (i, &baseline[i % 4]) {
+            (6..=9, _) => baseline[i % 4] = Some(now),
+            (10.., Some(b)) => assert_memory_flat(&format!("generation {i}"), now, *b),
+            _ => {}
         }
     }
     assert!(tokens >= 10_000, "{tokens} decode tokens");
@@ -1469,53 +1621,88 @@ fn arrivals(n: usize, every: usize, new: usize, vocab: usize) -> Vec<kiln_tests:
         .collect()
 }
 
-/// The server's KV cache grows in place: on the SmolLM2-architecture fp16 folder (768 KiB per
-/// row of each layer's key or value at 2,048 positions) with the VMM chunk set to the device's
-/// granularity, 16 sequences join a 16-slot graph batch one every 24 steps, so the rows grow
-/// 1 → 2 → 4 → 8 → 16 and each cache tensor maps 4 chunks (3 chunk boundaries crossed), over
-/// 600+ steps. Graph steps give exactly the eager steps' tokens (both at the same rows), every
-/// step after each row count's first replays its graph, with no fallback, and dropped, the
-/// batch unmaps every chunk.
+/// The server's KV cache grows in place: on the SmolLM2-architecture fp16 folder with the VMM
+/// chunk set to the device's granularity, 16 sequences join a 16-slot graph batch one every 24
+/// steps, so the rows grow 1 → 2 → 4 → 8 → 16 over 600+ steps while the sequences grow to about
+/// 640 positions of 2,048. Graph steps give exactly the eager steps' tokens (both at the same
+/// rows), every step after each row count's first replays its graph, with no fallback, for both
+/// kinds of shared cache, which give the same tokens:
+/// - paged (kiln-attention reads paged caches): one reservation of 16 row regions of 32 pages
+///   (64 positions of all 60 cache tensors, 1.4 MiB) each; every row maps as the shared column
+///   grows (3 chunk boundaries crossed along positions at least), so at the end less than half
+///   the reservation is mapped;
+/// - by rows: each cache tensor reserved for 16 rows of 768 KiB and mapped by rows (4 chunks
+///   per tensor at least).
+///
+/// Dropped, the batch unmaps every chunk.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_continuous_batchs_kv_cache_grows_in_place_over_chunks_on_graphs() {
-    use kiln_host::ep::GraphMode;
+    use kiln_host::ep::{GraphMode, KvPages, PageGeometry};
     use kiln_host::genai::{Generator, ModelFolder};
     let folder = device_models().join("smollm2-arch-fp16-cuda");
-    let generator = |graphs| {
+    let generator = |graphs, paged| {
         let options = SessionOptions { graphs, vmm_chunk_bytes: 0, ..cuda() };
-        Generator::new(runtime(), ModelFolder::open(&folder).unwrap(), options).unwrap()
+        let mut g = Generator::new(runtime(), ModelFolder::open(&folder).unwrap(), options).unwrap();
+        assert_eq!(g.set_paged_kv(paged), paged, "kiln-attention takes paged caches");
+        g
     };
-    let (mut eager, mut graph) = (generator(GraphMode::Off), generator(GraphMode::On));
-    let vocab = eager.folder.config.model.vocab_size;
-    let tensors = 2 * eager.folder.config.model.decoder.num_hidden_layers as u64;
-    let work = arrivals(16, 24, 250, vocab);
-    let (_, want) = kiln_tests::run_continuous_batch(&mut eager, 16, 2048, &work);
-    let before = (graph.session.report.graphs.clone(), graph.session.gpu_stats().unwrap().0);
-    let (batch, got) = kiln_tests::run_continuous_batch(&mut graph, 16, 2048, &work);
-    let (after, mem) = (&graph.session.report.graphs, graph.session.gpu_stats().unwrap().0);
-    let stats = batch.stats();
-    println!("{stats:?}; {mem:?}; {after:?}");
-    assert_eq!(got, want, "graph vs eager tokens");
-    assert!(stats.steps >= 512, "{stats:?}");
-    assert!(stats.transitions >= 4, "the rows grew 1 → 16: {stats:?}");
-    assert_eq!(after.fallbacks, before.0.fallbacks, "no fallback: {after:?}");
-    let replays = after.replays - before.0.replays;
-    assert!(replays + 1 + 2 * stats.transitions >= stats.steps, "a replay per step: {stats:?} {after:?}");
     let gran = kiln_host::cuda::granularity(0).unwrap();
-    let d = &graph.folder.config.model.decoder;
-    let row = (d.num_key_value_heads * 2048 * d.head_size * 2) as u64;
-    assert_eq!(row, 768 << 10, "768 KiB per row of a layer's key or value");
-    let reserved = (16 * row).div_ceil(gran) * gran;
-    assert_eq!(mem.vmm_reserved_bytes - before.1.vmm_reserved_bytes, tensors * reserved, "16 rows per tensor");
-    assert!(mem.vmm_maps - before.1.vmm_maps >= 4 * tensors, "4 chunks per tensor at least: {mem:?}");
-    drop(batch);
-    graph.session.reclaim();
-    assert_eq!(
-        graph.session.gpu_stats().unwrap().0.vmm_mapped_bytes,
-        before.1.vmm_mapped_bytes,
-        "dropped, all unmapped"
-    );
+    let mut tokens = Vec::new();
+    for paged in [true, false] {
+        let (mut eager, mut graph) = (generator(GraphMode::Off, paged), generator(GraphMode::On, paged));
+        let vocab = eager.folder.config.model.vocab_size;
+        let d = eager.folder.config.model.decoder.clone();
+        let tensors = 2 * d.num_hidden_layers as u64;
+        let work = arrivals(16, 24, 250, vocab);
+        let (_, want) = kiln_tests::run_continuous_batch(&mut eager, 16, 2048, &work);
+        let before = (graph.session.report.graphs.clone(), graph.session.gpu_stats().unwrap().0);
+        let (batch, got) = kiln_tests::run_continuous_batch(&mut graph, 16, 2048, &work);
+        let (after, mem) = (&graph.session.report.graphs, graph.session.gpu_stats().unwrap().0);
+        let stats = batch.stats();
+        println!("paged {paged}: {stats:?}; {mem:?}; {after:?}");
+        assert_eq!(got, want, "paged {paged}: graph vs eager tokens");
+        assert!(stats.steps >= 512, "{stats:?}");
+        assert!(stats.transitions >= 4, "the rows grew 1 → 16: {stats:?}");
+        assert_eq!(after.fallbacks, before.0.fallbacks, "no fallback: {after:?}");
+        let replays = after.replays - before.0.replays;
+        assert!(replays + 1 + 2 * stats.transitions >= stats.steps, "a replay per step: {stats:?} {after:?}");
+        let (reserved, mapped, maps) = (
+            mem.vmm_reserved_bytes - before.1.vmm_reserved_bytes,
+            mem.vmm_mapped_bytes - before.1.vmm_mapped_bytes,
+            mem.vmm_maps - before.1.vmm_maps,
+        );
+        if paged {
+            let shape = KvPages {
+                tensors: tensors as usize,
+                rows: 16,
+                kv_heads: d.num_key_value_heads,
+                positions: 2048,
+                head_size: d.head_size,
+            };
+            let g = PageGeometry::new(shape, 2, gran).unwrap();
+            assert_eq!(g.page_stride * 2, 1440 << 10, "1.4 MiB per page");
+            assert_eq!(reserved, g.reserved_bytes(), "one reservation of 16 rows");
+            // Each row's first map covers what it needs then; every later one is a page crossing.
+            assert!(maps >= 16 + 3 * 16, "3 growths along positions per row at least: {mem:?}");
+            assert!(mapped < reserved / 2, "the rows map their positions, not max_length's: {mem:?}");
+        } else {
+            let row = (d.num_key_value_heads * 2048 * d.head_size * 2) as u64;
+            assert_eq!(row, 768 << 10, "768 KiB per row of a layer's key or value");
+            assert_eq!(reserved, tensors * (16 * row).div_ceil(gran) * gran, "16 rows per tensor");
+            assert!(maps >= 4 * tensors, "4 chunks per tensor at least: {mem:?}");
+        }
+        drop(batch);
+        graph.session.reclaim();
+        let now = graph.session.gpu_stats().unwrap().0;
+        assert_eq!(
+            (now.vmm_reserved_bytes, now.vmm_mapped_bytes),
+            (before.1.vmm_reserved_bytes, before.1.vmm_mapped_bytes),
+            "dropped, all unmapped"
+        );
+        tokens.push(got);
+    }
+    assert_eq!(tokens[0], tokens[1], "paged and by-rows caches give the same tokens");
 }
 
 /// A KV cache's growth that `--device-memory-limit` refuses: a batch on the SmolLM2-architecture

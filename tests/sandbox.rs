@@ -60,6 +60,7 @@ fn input(values: [f32; 4]) -> ArgTensor<'static> {
         value: None,
         nbytes: 16,
         access: Access::Read(Bytes::from(bytes)),
+        paged: None,
     }
 }
 
@@ -70,6 +71,7 @@ fn output() -> ArgTensor<'static> {
         value: None,
         nbytes: 16,
         access: Access::Write(vec![0; 16]),
+        paged: None,
     }
 }
 

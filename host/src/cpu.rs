@@ -21,6 +21,7 @@ pub fn output_args(types: &[Option<(DType, Vec<usize>)>]) -> Vec<Option<ArgTenso
                     value: None,
                     nbytes: n,
                     access: Access::Write(vec![0u8; n as usize]),
+                    paged: None,
                 }
             })
         })

@@ -24,6 +24,8 @@
 //! dtype_input = 0                # default 0
 //! max_rank = 8                   # largest input/output rank handled
 //! value_inputs = []              # inputs whose bytes the shim needs for inference
+//! paged_inputs = []              # optional (schema 5; ABI.md §6.1): inputs and outputs the
+//! paged_outputs = []             #   shim accepts paged (a KV cache in pages)
 //!
 //! [[cuda]]
 //! source = "cuda/unary.cu"
@@ -82,8 +84,9 @@ pub enum ManifestError {
 /// is refused with [`ManifestError::NewerSchema`] before its fields are read. Schema 2 added
 /// kernel signatures (`[[cuda]] signatures`), which every declared kernel must have; schema 3
 /// added device status records (the `status` parameter kind and `[[device_errors]]`); schema 4
-/// added shared device code (`headers`, `[dependencies]`, header-only packages).
-pub const MANIFEST_SCHEMA: u32 = 4;
+/// added shared device code (`headers`, `[dependencies]`, header-only packages); schema 5 added
+/// paged tensors (`paged_inputs`, `paged_outputs` of `[[ops]]`).
+pub const MANIFEST_SCHEMA: u32 = 5;
 
 /// The folder of a package whose files are its exported headers.
 pub const HEADER_DIR: &str = "include/";
@@ -239,6 +242,14 @@ pub struct OpEntry {
     pub max_rank: usize,
     #[serde(default)]
     pub value_inputs: Vec<usize>,
+    /// Inputs the shim and its kernels accept in a paged layout ([`crate::wire::Paged`],
+    /// ABI.md §6.1; schema 5), such as GroupQueryAttention's `past_key` and `past_value` read
+    /// from the host's paged KV cache. The host pages no other input.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub paged_inputs: Vec<usize>,
+    /// Outputs likewise (an output bound in place to a paged tensor, such as `present_key`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub paged_outputs: Vec<usize>,
 }
 
 /// A CUDA C++ source file and the kernels it defines.
@@ -488,6 +499,15 @@ impl Manifest {
             }
             if op.max_rank > 64 {
                 return bad(format!("ops[{i}]: max_rank {} is over 64", op.max_rank));
+            }
+            let paged = [("paged_inputs", &op.paged_inputs), ("paged_outputs", &op.paged_outputs)];
+            for (what, list) in paged {
+                if !list.is_empty() && self.schema < 5 {
+                    return bad(format!("ops[{i}]: `{what}` come with manifest schema 5: set `schema = 5`"));
+                }
+                if let Some((k, x)) = list.iter().enumerate().find(|(k, x)| list[..*k].contains(x)) {
+                    return bad(format!("ops[{i}]: {what}[{k}] lists index {x} twice"));
+                }
             }
         }
         for c in &self.cuda {
@@ -780,9 +800,29 @@ signatures = [{ kernels = ["relu_*"], params = ["tensor", "tensor", "u64"] }]
         )
         .unwrap_err()
         .to_string();
-        assert!(err.contains("unknown field `pdl_kernels`") && err.contains("reads manifest schema 4"), "{err}");
+        assert!(err.contains("unknown field `pdl_kernels`") && err.contains("reads manifest schema 5"), "{err}");
         let err = Manifest::parse(&GOOD.replace("schema = 2", "schema = -1")).unwrap_err().to_string();
         assert!(err.contains("schema must be a positive integer"), "{err}");
+    }
+
+    /// Schema 5: an op's paged inputs and outputs, each index once; with an older schema the
+    /// fields are refused naming the schema that brought them.
+    #[test]
+    fn paged_inputs_and_outputs_come_with_schema_5() {
+        let paged = "max_rank = 8\npaged_inputs = [3, 4]\npaged_outputs = [1, 2]\n";
+        let v5 = GOOD.replace("schema = 2", "schema = 5").replace("max_rank = 8\n", paged);
+        let m = Manifest::parse(&v5).unwrap();
+        assert_eq!((m.ops[0].paged_inputs.clone(), m.ops[0].paged_outputs.clone()), (vec![3, 4], vec![1, 2]));
+        assert_eq!(Manifest::parse(&m.to_toml()).unwrap(), m, "round trip");
+        let cases = [
+            (v5.replace("schema = 5", "schema = 4"), "`paged_inputs` come with manifest schema 5"),
+            (v5.replace("[3, 4]", "[3, 3]"), "paged_inputs[1] lists index 3 twice"),
+            (v5.replace("[1, 2]", "[2, 2]"), "paged_outputs[1] lists index 2 twice"),
+        ];
+        for (text, want) in cases {
+            let err = Manifest::parse(&text).unwrap_err().to_string();
+            assert!(err.contains(want), "{want}: {err}");
+        }
     }
 
     /// Schema 4: a header-only package (no shim, no ops), `headers` under `include/` included

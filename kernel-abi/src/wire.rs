@@ -57,12 +57,15 @@ pub struct TensorDesc<'a> {
     /// The tensor's bytes, where the manifest declares this input a value input (shape-like
     /// inputs such as Reshape's `shape`) and the host knows them.
     pub value: Option<&'a [u8]>,
+    /// Where the tensor is paged rather than row-major (flag bit 3): only for the inputs and
+    /// outputs the op's manifest entry declares `paged_inputs` / `paged_outputs` (schema 5).
+    pub paged: Option<Paged>,
 }
 
 impl<'a> TensorDesc<'a> {
     /// An absent tensor.
     pub fn absent() -> Self {
-        TensorDesc { present: false, dtype: None, dims: None, handle: NO_HANDLE, value: None }
+        TensorDesc { present: false, dtype: None, dims: None, handle: NO_HANDLE, value: None, paged: None }
     }
 
     /// Number of elements, when every dimension is known and non-negative.
@@ -76,6 +79,67 @@ impl<'a> TensorDesc<'a> {
             n = n.checked_mul(d as u64)?;
         }
         Some(n)
+    }
+}
+
+/// The layout of a paged tensor (ABI.md §6.1, tensor flag bit 3; manifest schema 5): axis
+/// `axis` is split into pages of `2^shift` indices, and the pages of one index of the other
+/// axes need not be adjacent. Element `(i_0, …, i_{r−1})` lies
+///
+/// ```text
+/// Σ_{k ≠ axis} i_k · strides[k]  +  (i_axis >> shift) · page_stride  +  (i_axis mod 2^shift) · strides[axis]
+/// ```
+///
+/// elements from the tensor's address. The host's paged KV cache is one: `[batch, kv_heads,
+/// positions, head_size]` whose positions (axis 2) lie in pages that hold every layer's keys
+/// and values of one row, so that memory is mapped as sequences grow (vLLM's paged attention
+/// with a fixed page table: page `p` of row `b` at `b · strides[0] + p · page_stride`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Paged {
+    /// The paged axis.
+    pub axis: u32,
+    /// log2 of the indices per page (< 32).
+    pub shift: u32,
+    /// Elements between consecutive pages of the paged axis.
+    pub page_stride: u64,
+    /// Elements between consecutive indices of each axis (within a page, for the paged axis);
+    /// one per dimension.
+    pub strides: Vec<u64>,
+}
+
+impl Paged {
+    /// Indices per page.
+    pub fn page_len(&self) -> u64 {
+        1u64 << self.shift
+    }
+
+    /// The element offset of `index` (one per dimension), `None` when the rank differs or the
+    /// offset overflows.
+    pub fn offset(&self, index: &[u64]) -> Option<u64> {
+        if index.len() != self.strides.len() {
+            return None;
+        }
+        let mut at = 0u64;
+        for (k, (&i, &s)) in index.iter().zip(&self.strides).enumerate() {
+            let term = if k == self.axis as usize {
+                (i >> self.shift)
+                    .checked_mul(self.page_stride)?
+                    .checked_add((i & (self.page_len() - 1)).checked_mul(s)?)?
+            } else {
+                i.checked_mul(s)?
+            };
+            at = at.checked_add(term)?;
+        }
+        Some(at)
+    }
+
+    /// Checks the layout against the tensor's rank: one stride per dimension, an axis within
+    /// the rank, a shift below 32.
+    pub fn check(&self, rank: usize) -> Result<(), WireError> {
+        if self.strides.len() != rank || self.axis as usize >= rank || self.shift >= 32 {
+            return Err(WireError::Invalid("paged layout"));
+        }
+        Ok(())
     }
 }
 
@@ -236,6 +300,7 @@ impl<'a> NodeCall<'a> {
 const FLAG_PRESENT: u32 = 1;
 const FLAG_VALUE: u32 = 2;
 const FLAG_RANK: u32 = 4;
+const FLAG_PAGED: u32 = 8;
 
 fn encode_tensor(w: &mut Writer, t: &TensorDesc<'_>) {
     let mut flags = 0;
@@ -248,6 +313,9 @@ fn encode_tensor(w: &mut Writer, t: &TensorDesc<'_>) {
     if t.dims.is_some() {
         flags |= FLAG_RANK;
     }
+    if t.paged.is_some() {
+        flags |= FLAG_PAGED;
+    }
     w.u32(flags);
     w.i32(t.dtype.map_or(0, DType::code));
     w.dims(t.dims.as_deref().unwrap_or(&[]));
@@ -255,11 +323,18 @@ fn encode_tensor(w: &mut Writer, t: &TensorDesc<'_>) {
     if let Some(v) = t.value {
         w.bytes(v);
     }
+    if let Some(p) = &t.paged {
+        w.u32(p.axis);
+        w.u32(p.shift);
+        w.u64(p.page_stride);
+        w.u32(p.strides.len() as u32);
+        p.strides.iter().for_each(|&s| w.u64(s));
+    }
 }
 
 fn decode_tensor<'a>(r: &mut Reader<'a>) -> Result<TensorDesc<'a>, WireError> {
     let flags = r.u32("tensor flags")?;
-    if flags & !(FLAG_PRESENT | FLAG_VALUE | FLAG_RANK) != 0 {
+    if flags & !(FLAG_PRESENT | FLAG_VALUE | FLAG_RANK | FLAG_PAGED) != 0 {
         return Err(WireError::Invalid("tensor flags"));
     }
     let code = r.i32("tensor dtype")?;
@@ -267,12 +342,27 @@ fn decode_tensor<'a>(r: &mut Reader<'a>) -> Result<TensorDesc<'a>, WireError> {
     let dims = r.dims("tensor dims")?;
     let handle = r.u32("tensor handle")?;
     let value = if flags & FLAG_VALUE != 0 { Some(r.bytes("tensor value")?) } else { None };
+    let paged = if flags & FLAG_PAGED != 0 {
+        let (axis, shift, page_stride) = (r.u32("paged axis")?, r.u32("paged shift")?, r.u64("page stride")?);
+        let n = r.count("paged strides", 8)?;
+        let strides = (0..n).map(|_| r.u64("paged strides")).collect::<Result<Vec<_>, _>>()?;
+        let p = Paged { axis, shift, page_stride, strides };
+        // A paged tensor has a known rank, one stride per dimension.
+        if flags & FLAG_RANK == 0 {
+            return Err(WireError::Invalid("paged layout of a tensor of unknown rank"));
+        }
+        p.check(dims.len())?;
+        Some(p)
+    } else {
+        None
+    };
     Ok(TensorDesc {
         present: flags & FLAG_PRESENT != 0,
         dtype,
         dims: if flags & FLAG_RANK != 0 { Some(dims) } else { None },
         handle,
         value,
+        paged,
     })
 }
 
@@ -634,17 +724,25 @@ mod tests {
             opset: 21,
             node_name: "r0",
             inputs: vec![
-                TensorDesc { present: true, dtype: Some(DType::F32), dims: Some(vec![2, -1]), handle: 7, value: None },
+                TensorDesc {
+                    present: true,
+                    dtype: Some(DType::F32),
+                    dims: Some(vec![2, 3, 8, 4]),
+                    handle: 7,
+                    value: None,
+                    paged: Some(Paged { axis: 2, shift: 2, page_stride: 96, strides: [400, 16, 4, 1].to_vec() }),
+                },
                 TensorDesc {
                     present: true,
                     dtype: Some(DType::I64),
                     dims: Some(vec![1]),
                     handle: 8,
                     value: Some(value),
+                    paged: None,
                 },
                 TensorDesc::absent(),
             ],
-            outputs: vec![TensorDesc { present: true, dtype: None, dims: None, handle: 9, value: None }],
+            outputs: vec![TensorDesc { present: true, dtype: None, dims: None, handle: 9, value: None, paged: None }],
             attributes: vec![
                 Attribute { name: "allowzero", value: AttrValue::Int(0) },
                 Attribute { name: "f", value: AttrValue::Floats(vec![1.5, -2.0]) },
@@ -675,6 +773,58 @@ mod tests {
         let mut long = bytes.clone();
         long.push(0);
         assert_eq!(NodeCall::decode(&long), Err(WireError::Trailing(1)));
+    }
+
+    #[test]
+    fn a_paged_offset_splits_its_axis_into_pages() {
+        // [2 rows, 3 heads, 8 positions, 4] in pages of 4 positions: a page holds 3 heads × 4
+        // positions × 4 = 48 elements, then another tensor's 48; a row holds 2 pages.
+        let p = Paged { axis: 2, shift: 2, page_stride: 96, strides: vec![192, 16, 4, 1] };
+        let at = |b: u64, h: u64, t: u64, d: u64| p.offset(&[b, h, t, d]).unwrap();
+        assert_eq!(at(0, 0, 0, 0), 0);
+        assert_eq!(at(0, 0, 3, 1), 13, "within the first page");
+        assert_eq!(at(0, 0, 4, 0), 96, "position 4 starts the second page");
+        assert_eq!(at(0, 2, 6, 3), 96 + 32 + 8 + 3);
+        assert_eq!(at(1, 1, 5, 2), 192 + 96 + 16 + 4 + 2);
+        // Every element of the tensor has its own offset.
+        let mut seen = alloc::collections::BTreeSet::new();
+        for i in 0..2 * 3 * 8 * 4u64 {
+            assert!(seen.insert(at(i / 96, i / 32 % 3, i / 4 % 8, i % 4)));
+        }
+        assert_eq!(p.offset(&[0, 0, 0]), None, "another rank");
+        assert_eq!(Paged { strides: vec![u64::MAX, 1, 1, 1], ..p.clone() }.offset(&[2, 0, 0, 0]), None, "overflow");
+    }
+
+    #[test]
+    fn a_paged_layout_that_does_not_fit_its_tensor_is_refused() {
+        let good = Paged { axis: 2, shift: 2, page_stride: 96, strides: vec![192, 16, 4, 1] };
+        let call = |paged: Paged, dims: Option<Vec<i64>>| {
+            let t =
+                TensorDesc { present: true, dtype: Some(DType::F16), dims, handle: 1, value: None, paged: Some(paged) };
+            NodeCall {
+                abi_version: 1,
+                domain: "",
+                op_type: "X",
+                opset: 1,
+                node_name: "",
+                inputs: vec![t],
+                outputs: vec![],
+                attributes: vec![],
+            }
+            .encode()
+        };
+        let dims = Some(vec![2, 3, 8, 4]);
+        assert!(NodeCall::decode(&call(good.clone(), dims.clone())).is_ok());
+        for (bad, what) in [
+            (Paged { strides: vec![16, 4, 1], ..good.clone() }, "3 strides for 4 dimensions"),
+            (Paged { axis: 4, ..good.clone() }, "axis past the rank"),
+            (Paged { shift: 32, ..good.clone() }, "shift of 32"),
+        ] {
+            let err = NodeCall::decode(&call(bad, dims.clone())).unwrap_err();
+            assert_eq!(err, WireError::Invalid("paged layout"), "{what}");
+        }
+        let err = NodeCall::decode(&call(good, None)).unwrap_err();
+        assert_eq!(err, WireError::Invalid("paged layout of a tensor of unknown rank"));
     }
 
     #[test]

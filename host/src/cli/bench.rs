@@ -182,6 +182,7 @@ fn plan_for(pkg: &Package, op: &str, n_in: usize, dtype: DType, shape: &[usize])
             value: None,
             nbytes,
             access: Access::Opaque,
+            paged: None,
         })
     };
     let args = CallArgs {

@@ -65,6 +65,11 @@ pub struct DecodeArgs {
     pub bandwidth_gbps: f64,
     #[command(flatten)]
     pub graph: GraphArgs,
+    /// The KV cache on a GPU: `on` pages it (its rows map as they grow, where the attention
+    /// package takes paged caches, as kiln-attention does), `off` takes the pool's row-major
+    /// buffers of the whole cache length, to compare the two.
+    #[arg(long, value_enum, default_value_t = PagedKv::On)]
+    pub paged_kv: PagedKv,
     /// Print the session's report (per-op host time, launches, plan hits) after the runs.
     #[arg(long)]
     pub report: bool,
@@ -77,6 +82,13 @@ pub struct DecodeArgs {
     pub json: Option<PathBuf>,
     #[command(flatten)]
     pub target: ModelRunArgs,
+}
+
+/// `--paged-kv`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PagedKv {
+    On,
+    Off,
 }
 
 /// One timed run: prefill and decode wall times, decode steps, and the host time of the decode
@@ -180,6 +192,7 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
     let t_setup = Instant::now();
     let loading = super::progress::Progress::spinner("loading the model");
     let mut g = Generator::new(rt, folder, a.target.session_options(device, graphs)?)?;
+    let paged = g.set_paged_kv(a.paged_kv == PagedKv::On);
     drop(loading);
     let setup_s = t_setup.elapsed().as_secs_f64();
     let penalty = if a.repetition_penalty == 1.0 {
@@ -202,10 +215,11 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
     );
     say!(
         human,
-        "weights {:.1} MB: floor {:.1} µs/step at {} GB/s; session setup {setup_s:.2} s",
+        "weights {:.1} MB: floor {:.1} µs/step at {} GB/s; session setup {setup_s:.2} s; KV cache {}",
         weight_bytes as f64 / 1e6,
         floor_ms * 1e3,
-        a.bandwidth_gbps
+        a.bandwidth_gbps,
+        if paged { "paged" } else { "row-major (the pool's)" }
     );
     let graphs_label = if g.session.captures_graphs() { "on" } else { "off" };
     say!(human, "| batch (bucket) | graphs | decode ms/step | decode tok/s | prefill ms | × floor | host ms/step | replays/step |");
@@ -250,6 +264,7 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
             "batch": batch,
             "bucket": bucket,
             "graphs": graphs_label,
+            "paged_kv": paged,
             "graph_replays_per_step": replays,
             "graph_fallbacks_timed": fallbacks,
             "decode_ms_per_step": ms_step,

@@ -255,6 +255,11 @@ impl Gpu {
         Ok(buf)
     }
 
+    /// The device's VMM allocation granularity in bytes ([`super::granularity`]).
+    pub fn granularity(&self) -> Result<u64> {
+        super::granularity(self.device.ctx.cu_device())
+    }
+
     /// Reserves `bytes` of device addresses, nothing mapped ([`super::VirtualBuffer`]).
     pub fn reserve(&mut self, bytes: u64) -> Result<super::VirtualBuffer> {
         super::VirtualBuffer::reserve(&self.device, bytes, self.alloc.vmm_counters())
@@ -264,16 +269,23 @@ impl Gpu {
     /// (their contents undefined). Errors: the limit ([`Error::OutOfMemory`], nothing mapped),
     /// the driver's.
     pub fn map(&mut self, vb: &mut super::VirtualBuffer, bytes: u64) -> Result<()> {
-        let add = vb.growth(bytes);
+        let all = vb.reserved();
+        self.map_at(vb, 0, bytes, all)
+    }
+
+    /// [`Gpu::map`] for the region of `limit` bytes at offset `start` of `vb` (a multiple of
+    /// its granularity): its first `bytes` bytes usable.
+    pub fn map_at(&mut self, vb: &mut super::VirtualBuffer, start: u64, bytes: u64, limit: u64) -> Result<()> {
+        let add = vb.growth_at(start, bytes, limit);
         if add == 0 {
             return Ok(());
         }
         self.alloc.charge_mapping(add)?;
-        match vb.map_to(bytes) {
+        match vb.map_at(start, bytes, limit) {
             // The device's free memory may sit in the pool's cached blocks.
             Err(Error::OutOfMemory(_)) => {
                 self.alloc.release_cached();
-                vb.map_to(bytes)?;
+                vb.map_at(start, bytes, limit)?;
             }
             other => other?,
         }
@@ -309,6 +321,41 @@ impl Gpu {
         // SAFETY: the caller guarantees both extents.
         unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes as usize, stream.cu_stream()) }
             .map_err(dev_err("cuMemcpyDtoDAsync"))
+    }
+
+    /// Copies `height` rows of `width` bytes from `src` (rows `src_pitch` bytes apart) to `dst`
+    /// (rows `dst_pitch` bytes apart) on the stream (`cuMemcpy2DAsync`; both extents checked by
+    /// the caller, pitches at least `width`).
+    pub fn copy_2d(
+        &mut self,
+        dst: CUdeviceptr,
+        dst_pitch: u64,
+        src: CUdeviceptr,
+        src_pitch: u64,
+        width: u64,
+        height: u64,
+    ) -> Result<()> {
+        use cudarc::driver::sys;
+        if width == 0 || height == 0 {
+            return Ok(());
+        }
+        let stream = self.device.enqueue();
+        // SAFETY: a plain C struct; all-zero is "no arrays, no host pointers".
+        let mut copy: sys::CUDA_MEMCPY2D = unsafe { std::mem::zeroed() };
+        copy.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+        copy.srcDevice = src;
+        copy.srcPitch = src_pitch as usize;
+        copy.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+        copy.dstDevice = dst;
+        copy.dstPitch = dst_pitch as usize;
+        copy.WidthInBytes = width as usize;
+        copy.Height = height as usize;
+        // SAFETY: the caller guarantees both extents; the descriptor is read during the call.
+        let r = unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream.cu_stream()) };
+        match r {
+            sys::CUresult::CUDA_SUCCESS => Ok(()),
+            e => Err(Error::Device(format!("cuMemcpy2DAsync: {e:?}"))),
+        }
     }
 
     /// Copies `bytes` bytes of a device buffer back once the compute stream's work so far is

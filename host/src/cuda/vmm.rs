@@ -1,11 +1,13 @@
 //! Virtual memory management (the CUDA driver's VMM API): a [`VirtualBuffer`] reserves a range
-//! of device addresses once (`cuMemAddressReserve`) and maps physical memory into it from its
-//! start as it grows (`cuMemCreate`, `cuMemMap`, `cuMemSetAccess`), so its address never moves
-//! while it grows: a captured CUDA graph that reads it stays valid. The KV caches of decode
-//! batches live in them. Mapping is in whole multiples of the device's allocation granularity
-//! (2 MiB on the H200); each growth is one physical allocation (a *chunk*), unmapped whole
-//! (`cuMemUnmap`, `cuMemRelease`) only behind a fence: the context's work so far is finished
-//! first. Dropped, the buffer unmaps everything and frees its addresses.
+//! of device addresses once (`cuMemAddressReserve`) and maps physical memory into it as it
+//! grows (`cuMemCreate`, `cuMemMap`, `cuMemSetAccess`), so its address never moves while it
+//! grows: a captured CUDA graph that reads it stays valid. The KV caches of decode batches live
+//! in them. A buffer grows from its start, or (a paged KV cache: one region per row) from the
+//! start of each of several regions at granularity-aligned offsets. Mapping is in whole
+//! multiples of the device's allocation granularity (2 MiB on the H200); each growth is one
+//! physical allocation (a *chunk*), unmapped whole (`cuMemUnmap`, `cuMemRelease`) only behind a
+//! fence: the context's work so far is finished first. Dropped, the buffer unmaps everything
+//! and frees its addresses.
 //!
 //! Mapped bytes count against the session's device-memory limit like the pool's
 //! ([`super::Allocator::charge_mapping`]); reserved addresses do not (they hold no memory).
@@ -39,7 +41,8 @@ struct Chunk {
 }
 
 /// A reserved range of device addresses, mapped from its start up to [`VirtualBuffer::mapped`]
-/// bytes. Not `Clone`: the value owns the range and its chunks.
+/// bytes (or from the start of each region, [`VirtualBuffer::mapped_at`]). Not `Clone`: the
+/// value owns the range and its chunks.
 #[derive(Debug)]
 pub struct VirtualBuffer {
     device: Arc<Device>,
@@ -113,24 +116,58 @@ impl VirtualBuffer {
         self.ptr
     }
 
+    /// The device's allocation granularity in bytes: mapping's unit.
+    pub fn granularity(&self) -> u64 {
+        self.granularity
+    }
+
+    /// Bytes reserved.
+    pub fn reserved(&self) -> u64 {
+        self.reserved
+    }
+
     /// Bytes mapped from the start (a multiple of the granularity).
     pub fn mapped(&self) -> u64 {
-        self.chunks.last().map_or(0, |c| c.offset + c.bytes)
+        self.mapped_at(0)
+    }
+
+    /// Bytes mapped without a gap from offset `start` (a multiple of the granularity).
+    pub fn mapped_at(&self, start: u64) -> u64 {
+        let mut end = start;
+        while let Some(c) = self.chunks.iter().find(|c| c.offset == end) {
+            end += c.bytes;
+        }
+        end - start
     }
 
     /// Bytes a growth to `bytes` would map: `bytes` rounded up to the granularity, within the
     /// reservation, less what is mapped already.
     pub fn growth(&self, bytes: u64) -> u64 {
-        let target = bytes.div_ceil(self.granularity).saturating_mul(self.granularity).min(self.reserved);
-        target.saturating_sub(self.mapped())
+        self.growth_at(0, bytes, self.reserved)
+    }
+
+    /// Bytes a growth of the region of `limit` bytes at `start` to its first `bytes` bytes would
+    /// map: `bytes` rounded up to the granularity, within the region and the reservation, less
+    /// what the region has mapped already.
+    pub fn growth_at(&self, start: u64, bytes: u64, limit: u64) -> u64 {
+        let room = limit.min(self.reserved.saturating_sub(start));
+        let target = bytes.div_ceil(self.granularity).saturating_mul(self.granularity).min(room);
+        target.saturating_sub(self.mapped_at(start))
     }
 
     /// Maps one chunk so that at least the first `bytes` bytes (within the reservation) are
     /// mapped; the caller charged [`VirtualBuffer::growth`] against its limit. The new bytes'
     /// contents are undefined. Errors: the driver's (out of memory); nothing is mapped then.
     pub fn map_to(&mut self, bytes: u64) -> Result<()> {
-        let add = self.growth(bytes);
-        let offset = self.mapped();
+        self.map_at(0, bytes, self.reserved)
+    }
+
+    /// [`VirtualBuffer::map_to`] for the region of `limit` bytes at `start` (a multiple of the
+    /// granularity): one chunk after what the region has mapped, so that its first `bytes`
+    /// bytes are mapped; the caller charged [`VirtualBuffer::growth_at`].
+    pub fn map_at(&mut self, start: u64, bytes: u64, limit: u64) -> Result<()> {
+        let add = self.growth_at(start, bytes, limit);
+        let offset = start + self.mapped_at(start);
         if add == 0 {
             return Ok(());
         }
@@ -169,11 +206,20 @@ impl VirtualBuffer {
     /// device's work so far (which may read them) finishes first ([`Device::synchronize`]).
     /// Errors: the synchronization's (a device fault); nothing is unmapped then.
     pub fn unmap_past(&mut self, bytes: u64) -> Result<()> {
-        if self.chunks.last().is_none_or(|c| c.offset < bytes) {
+        self.unmap_at(0, bytes, self.reserved)
+    }
+
+    /// [`VirtualBuffer::unmap_past`] for the region of `limit` bytes at `start`: its chunks that
+    /// start at or past `start + keep`.
+    pub fn unmap_at(&mut self, start: u64, keep: u64, limit: u64) -> Result<()> {
+        let gone = |c: &Chunk| c.offset >= start + keep && c.offset < start.saturating_add(limit);
+        if !self.chunks.iter().any(gone) {
             return Ok(());
         }
         self.device.synchronize()?;
-        while let Some(c) = self.chunks.pop_if(|c| c.offset >= bytes) {
+        let (out, kept): (Vec<Chunk>, Vec<Chunk>) = std::mem::take(&mut self.chunks).into_iter().partition(gone);
+        self.chunks = kept;
+        for c in out {
             self.release(c);
         }
         Ok(())

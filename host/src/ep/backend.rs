@@ -178,6 +178,7 @@ impl Backend for Gpu {
                     nbytes: t.data.len() as u64,
                     owned: Some(b),
                     host: Some(t.clone()),
+                    paged: None,
                 })
             }
             other => Ok(other.clone_ref()),
@@ -185,6 +186,7 @@ impl Backend for Gpu {
     }
 
     fn duplicate(&mut self, v: &Value) -> Result<Value> {
+        v.check_row_major("a copy")?;
         let b = self.alloc.alloc(v.nbytes())?;
         let mut out = Value::Device {
             dtype: v.dtype(),
@@ -193,6 +195,7 @@ impl Backend for Gpu {
             nbytes: v.nbytes(),
             owned: Some(b),
             host: None,
+            paged: None,
         };
         Backend::copy(self, v, 0, &mut out, 0, v.nbytes() as usize)?;
         Ok(out)
@@ -200,10 +203,11 @@ impl Backend for Gpu {
 
     fn zeros(&mut self, dtype: DType, shape: Vec<usize>, nbytes: u64) -> Result<Value> {
         let b = self.zeroed(nbytes)?;
-        Ok(Value::Device { dtype, shape, ptr: b.ptr, nbytes, owned: Some(b), host: None })
+        Ok(Value::Device { dtype, shape, ptr: b.ptr, nbytes, owned: Some(b), host: None, paged: None })
     }
 
     fn read(&mut self, v: &Value, start: usize, dtype: DType, shape: Vec<usize>) -> Result<Tensor> {
+        v.check_row_major("a read")?;
         let n = crate::tensor::byte_size(dtype, &shape)? as usize;
         match v {
             Value::Device { ptr, host: None, .. } => self.download(ptr + start as u64, dtype, shape, n),
@@ -212,6 +216,7 @@ impl Backend for Gpu {
     }
 
     fn write(&mut self, dst: &mut Value, at: usize, bytes: &[u8]) -> Result<()> {
+        dst.check_row_major("a write")?;
         match dst {
             Value::Device { ptr, host, .. } => {
                 // The host copy would go stale.
@@ -223,6 +228,8 @@ impl Backend for Gpu {
     }
 
     fn copy(&mut self, src: &Value, from: usize, dst: &mut Value, to: usize, n: usize) -> Result<()> {
+        src.check_row_major("a copy")?;
+        dst.check_row_major("a copy")?;
         let Value::Device { ptr: dp, host, .. } = dst else {
             return Err(Error::Device("a copy into a host value in a GPU session".into()));
         };
@@ -235,6 +242,7 @@ impl Backend for Gpu {
     }
 
     fn read_start(&mut self, v: &Value) -> Result<PendingRead> {
+        v.check_row_major("a read")?;
         match v {
             Value::Device { ptr, nbytes, dtype, shape, host: None, .. } => Ok(PendingRead::Device {
                 download: self.download_start(*ptr, *nbytes as usize)?,

@@ -12,7 +12,7 @@
 //! run after the producer.
 //!
 //! [`HeldTensors`] is a session's table of them: handles to values, views, reserved address
-//! ranges, and the queue of dropped handles. Its operations take the session's device backend
+//! ranges (among them paged KV caches, `super::pages`), and the queue of dropped handles. Its operations take the session's device backend
 //! (`backend`); the session's public methods call them.
 
 use std::collections::HashMap;
@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex};
 use kiln_kernel_abi::DType;
 
 use super::backend::Backend;
+use super::pages::{KvPages, PagedArena, PAGE_POSITIONS};
 use super::value::Value;
 use crate::cuda::Gpu;
 use crate::tensor::byte_size;
@@ -132,11 +133,14 @@ pub(super) struct Held {
     pub orphaned: bool,
 }
 
-/// A reserved tensor's addresses: room for `rows` rows, mapped for the value's first dimension.
+/// A reserved tensor's addresses.
 #[derive(Debug)]
-pub(super) struct Reserved {
-    pub buffer: crate::cuda::VirtualBuffer,
-    pub rows: usize,
+pub(super) enum Reserved {
+    /// Room for `rows` rows, mapped for the value's first dimension ([`super::Session::reserve`]).
+    Rows { buffer: crate::cuda::VirtualBuffer, rows: usize },
+    /// A paged KV cache ([`super::Session::reserve_pages`]), which views of its cache tensors
+    /// read and write.
+    Pages(PagedArena),
 }
 
 impl Held {
@@ -245,6 +249,7 @@ impl HeldTensors {
         let Value::Device { dtype, ptr, .. } = h.value else {
             return Err(Error::Unsupported("views of held tensors need a GPU session".into()));
         };
+        h.value.check_row_major("a view")?;
         let root = h.parent.unwrap_or(t.id);
         let nbytes = byte_size(dtype, &shape)?;
         if nbytes > h.capacity {
@@ -253,15 +258,151 @@ impl HeldTensors {
                 h.capacity
             )));
         }
-        let value = Value::Device { dtype, shape, ptr, nbytes, owned: None, host: None };
+        let value = Value::Device { dtype, shape, ptr, nbytes, owned: None, host: None, paged: None };
+        Ok(self.hold_view(root, value, nbytes))
+    }
+
+    /// Holds `value`, a view of held tensor `root`'s buffer (which then outlives its handle
+    /// until the view goes).
+    fn hold_view(&mut self, root: u64, value: Value, capacity: u64) -> DeviceTensor {
         if let Some(r) = self.map.get_mut(&root) {
             r.views += 1;
         }
-        let v = self.hold(value, nbytes);
+        let v = self.hold(value, capacity);
         if let Some(h) = self.map.get_mut(&v.id) {
             h.parent = Some(root);
         }
-        Ok(v)
+        v
+    }
+
+    /// A new paged KV cache of `pages` of `dtype`, its addresses reserved on `gpu` and nothing
+    /// mapped (see [`super::Session::reserve_pages`]).
+    pub fn reserve_pages(&mut self, gpu: &mut Gpu, dtype: DType, pages: KvPages) -> Result<DeviceTensor> {
+        let arena = PagedArena::reserve(gpu, dtype, pages)?;
+        let ptr = arena.buffer.ptr();
+        let value = Value::Device { dtype, shape: vec![0], ptr, nbytes: 0, owned: None, host: None, paged: None };
+        let t = self.hold(value, 0);
+        if let Some(h) = self.map.get_mut(&t.id) {
+            h.reserved = Some(Reserved::Pages(arena));
+        }
+        Ok(t)
+    }
+
+    /// The paged KV cache `t` holds. Errors: another tensor.
+    fn arena(&self, t: &DeviceTensor) -> Result<&PagedArena> {
+        match &self.get(t)?.reserved {
+            Some(Reserved::Pages(a)) => Ok(a),
+            _ => Err(Error::Input("not a paged KV cache (Session::reserve_pages)".into())),
+        }
+    }
+
+    /// A view of cache tensor `i` over the first `rows` rows of paged KV cache `t` (see
+    /// [`super::Session::page_view`]).
+    pub fn page_view(&mut self, t: &DeviceTensor, i: usize, rows: usize) -> Result<DeviceTensor> {
+        let a = self.arena(t)?;
+        let (ptr, layout) = a.view(i, rows)?;
+        let p = a.geometry.pages;
+        let nbytes = a.geometry.view_bytes(rows);
+        let shape = vec![rows, p.kv_heads, p.positions, p.head_size];
+        let value = Value::Device { dtype: a.dtype, shape, ptr, nbytes, owned: None, host: None, paged: Some(layout) };
+        Ok(self.hold_view(t.id, value, nbytes))
+    }
+
+    /// Maps the rows of paged KV cache `t` (see [`super::Session::map_pages`]).
+    pub fn map_pages(
+        &mut self,
+        gpu: &mut Gpu,
+        t: &DeviceTensor,
+        (rows, positions): (usize, usize),
+        chunk: u64,
+        trim: bool,
+    ) -> Result<()> {
+        match self.get_mut(t)?.reserved.as_mut() {
+            Some(Reserved::Pages(a)) => a.map(gpu, rows, positions, chunk, trim),
+            _ => Err(Error::Device("a paged KV cache lost its addresses".into())),
+        }
+    }
+
+    /// Copies the first `positions` positions of row `src_row` of row-major cache tensor `src`
+    /// (`[batch, kv_heads, length, head_size]`) into row `dst_row` of cache tensor `i` of paged
+    /// KV cache `t` (see [`super::Session::copy_into_pages`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn copy_into_pages(
+        &self,
+        gpu: &mut Gpu,
+        (src, src_row): (&DeviceTensor, usize),
+        (t, i, dst_row): (&DeviceTensor, usize, usize),
+        positions: usize,
+    ) -> Result<()> {
+        let a = self.arena(t)?;
+        let s = &self.get(src)?.value;
+        s.check_row_major("a copy")?;
+        let (g, p) = (&a.geometry, a.geometry.pages);
+        let shape = s.shape();
+        let fits = shape.len() == 4
+            && shape[1] == p.kv_heads
+            && shape[3] == p.head_size
+            && src_row < shape[0]
+            && positions <= shape[2].min(p.positions)
+            && i < p.tensors
+            && dst_row < p.rows;
+        if s.dtype() != a.dtype || !fits {
+            return Err(Error::Input(format!(
+                "{positions} positions of row {src_row} of a {} {shape:?} cache tensor into row {dst_row} of cache \
+                 tensor {i} of a {} paged KV cache of {p:?}",
+                s.dtype(),
+                a.dtype
+            )));
+        }
+        if a.mapped(dst_row) < g.bytes_for(positions) {
+            return Err(Error::Input(format!(
+                "row {dst_row} of the paged KV cache has not mapped {positions} positions"
+            )));
+        }
+        let src_ptr = s.device_ptr().ok_or_else(|| Error::Device("a host tensor in a GPU session".into()))?;
+        let (run, len) = ((PAGE_POSITIONS * p.head_size) as u64 * g.elem, shape[2]);
+        let (full, rest) = ((positions / PAGE_POSITIONS) as u64, (positions % PAGE_POSITIONS) as u64);
+        let page = g.page_stride * g.elem;
+        for h in 0..p.kv_heads {
+            let from = src_ptr + ((src_row * p.kv_heads + h) * len * p.head_size) as u64 * g.elem;
+            let to = a.buffer.ptr() + g.row_offset(dst_row) + g.tensor_offset(i) + h as u64 * run;
+            gpu.copy_2d(to, page, from, run, run, full)?;
+            gpu.copy(to + full * page, from + full * run, rest * p.head_size as u64 * g.elem)?;
+        }
+        Ok(())
+    }
+
+    /// Copies the first `positions` positions of every cache tensor from row `src.1` of paged KV
+    /// cache `src.0` to row `dst.1` of paged KV cache `dst.0` (the same cache, or one of the same
+    /// pages) (see [`super::Session::copy_pages`]).
+    pub fn copy_pages(
+        &self,
+        gpu: &mut Gpu,
+        (src, src_row): (&DeviceTensor, usize),
+        (dst, dst_row): (&DeviceTensor, usize),
+        positions: usize,
+    ) -> Result<()> {
+        let (a, b) = (self.arena(src)?, self.arena(dst)?);
+        let (ga, gb) = (&a.geometry, &b.geometry);
+        let (pa, pb) = (ga.pages, gb.pages);
+        if a.dtype != b.dtype
+            || ga.page_stride != gb.page_stride
+            || (pa.tensors, pa.kv_heads) != (pb.tensors, pb.kv_heads)
+        {
+            return Err(Error::Input(format!(
+                "rows copy between paged KV caches of the same pages: {} {pa:?} and {} {pb:?}",
+                a.dtype, b.dtype
+            )));
+        }
+        let bytes = ga.bytes_for(positions.min(pa.positions).min(pb.positions));
+        if src_row >= pa.rows || dst_row >= pb.rows || a.mapped(src_row).min(b.mapped(dst_row)) < bytes {
+            return Err(Error::Input(format!(
+                "{positions} positions from row {src_row} of a paged KV cache of {} rows to row {dst_row} of one of {} \
+                 (both rows must have them mapped)",
+                pa.rows, pb.rows
+            )));
+        }
+        gpu.copy(b.buffer.ptr() + gb.row_offset(dst_row), a.buffer.ptr() + ga.row_offset(src_row), bytes)
     }
 
     /// A new tensor of `dtype` whose addresses on `gpu` are reserved for `shape` (`nbytes`) and
@@ -279,10 +420,10 @@ impl HeldTensors {
             return Err(Error::Input(format!("{mapped} rows mapped of a tensor of shape {shape:?}")));
         }
         let buffer = gpu.reserve(nbytes)?;
-        let value = Value::Device { dtype, shape, ptr: buffer.ptr(), nbytes: 0, owned: None, host: None };
+        let value = Value::Device { dtype, shape, ptr: buffer.ptr(), nbytes: 0, owned: None, host: None, paged: None };
         let t = self.hold(value, 0);
         if let Some(h) = self.map.get_mut(&t.id) {
-            h.reserved = Some(Reserved { buffer, rows });
+            h.reserved = Some(Reserved::Rows { buffer, rows });
         }
         self.map_rows(gpu, &t, mapped)?;
         Ok(t)
@@ -291,11 +432,11 @@ impl HeldTensors {
     /// Maps the first `rows` rows of reserved tensor `t` (see [`super::Session::map_rows`]).
     pub fn map_rows(&mut self, gpu: &mut Gpu, t: &DeviceTensor, rows: usize) -> Result<()> {
         let h = self.get(t)?;
-        let Some(r) = &h.reserved else {
+        let Some(Reserved::Rows { rows: reserved, .. }) = &h.reserved else {
             return Err(Error::Input("map_rows of a tensor that Session::reserve did not make".into()));
         };
-        if rows > r.rows {
-            return Err(Error::Input(format!("{rows} rows of a tensor reserved for {}", r.rows)));
+        if rows > *reserved {
+            return Err(Error::Input(format!("{rows} rows of a tensor reserved for {reserved}")));
         }
         let dtype = h.value.dtype();
         let mut shape = h.value.shape().to_vec();
@@ -309,16 +450,17 @@ impl HeldTensors {
                 v.capacity
             )));
         }
-        let Some(Held { reserved: Some(r), value, capacity, .. }) = self.map.get_mut(&t.id) else {
+        let Some(Held { reserved: Some(Reserved::Rows { buffer, .. }), value, capacity, .. }) = self.map.get_mut(&t.id)
+        else {
             return Err(Error::Device("a reserved tensor lost its addresses".into()));
         };
         let old = *capacity;
         if nbytes > old {
             // Rows newly in use are zeros, whether their chunk is new or was mapped already.
-            gpu.map(&mut r.buffer, nbytes)?;
-            gpu.zero(r.buffer.ptr() + old, nbytes - old)?;
+            gpu.map(buffer, nbytes)?;
+            gpu.zero(buffer.ptr() + old, nbytes - old)?;
         } else {
-            r.buffer.unmap_past(nbytes)?;
+            buffer.unmap_past(nbytes)?;
         }
         if let Value::Device { shape: s, nbytes: n, .. } = value {
             *s = shape;

@@ -58,6 +58,7 @@ impl InferInput {
             value: self.bytes.as_deref(),
             nbytes: byte_size(self.dtype, &self.shape).unwrap_or(0),
             access: Access::Opaque,
+            paged: None,
         }
     }
 }
@@ -171,7 +172,14 @@ impl NodeTypes {
             node.outputs
                 .iter()
                 .map(|o| {
-                    o.map(|_| ArgTensor { dtype: None, dims: None, value: None, nbytes: 0, access: Access::Opaque })
+                    o.map(|_| ArgTensor {
+                        dtype: None,
+                        dims: None,
+                        value: None,
+                        nbytes: 0,
+                        access: Access::Opaque,
+                        paged: None,
+                    })
                 })
                 .collect(),
         );

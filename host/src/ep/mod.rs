@@ -7,6 +7,7 @@
 mod backend;
 mod binding;
 mod infer;
+mod pages;
 mod plan;
 mod prepare;
 mod session;
@@ -23,6 +24,7 @@ use crate::Result;
 
 pub use crate::capture::GraphMode;
 pub use binding::{DeviceTensor, Feed, Fetch, Fetched, PendingRead};
+pub use pages::{KvPages, PageGeometry, PAGE_POSITIONS};
 pub use session::{Session, SessionOptions, VMM_CHUNK_BYTES};
 
 /// The device a session runs on.

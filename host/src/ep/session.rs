@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
+use kiln_kernel_abi::wire::Paged;
 use kiln_kernel_abi::DType;
 use kiln_registry::Resolution;
 
@@ -102,7 +103,12 @@ enum PlanEntry {
 /// Key of an execution plan: each fed graph input's dtype and shape, and for each graph
 /// output the capacity in bytes of the tensor it is bound to (`None`: skipped). Whether an
 /// output is written in place depends on that capacity.
-type PlanKey = (Vec<(ValueId, DType, Vec<usize>)>, Vec<(ValueId, Option<u64>)>);
+/// A paged input's or bound output's layout is part of the key: its kernels' arguments follow it.
+type PlanKey = (Vec<(ValueId, DType, Vec<usize>, Option<Arc<Paged>>)>, Vec<(ValueId, Option<u64>, Option<Arc<Paged>>)>);
+
+/// The paged layouts of a node's inputs and of the held tensors its outputs are written into
+/// (ABI.md §6.1), in slot order; `None`: row-major. A node's launch plan depends on them.
+type Layouts = (Vec<Option<Arc<Paged>>>, Vec<Option<Arc<Paged>>>);
 
 /// The nodes a run executes and the values they read, for the outputs it asks for.
 pub(super) struct LiveSet {
@@ -119,7 +125,7 @@ pub struct Session {
     /// Resolutions and inferred output types, memoized.
     types: NodeTypes,
     /// Launch plans, memoized as inference is: later runs launch without entering Wasm.
-    plans: HashMap<InferKey, Arc<LaunchPlan>>,
+    plans: HashMap<(InferKey, Layouts), Arc<LaunchPlan>>,
     /// Device copies of the initializers (resident weights): pointer and size.
     device_values: HashMap<ValueId, (cudarc::driver::sys::CUdeviceptr, u64)>,
     /// The buffers behind `device_values`, back to the pool with the session.
@@ -163,6 +169,7 @@ type GpuExecution = (Vec<Option<Value>>, Arc<LaunchPlan>, Vec<Option<Function>>)
 pub(super) struct NodeMemo {
     inputs: Vec<Option<(DType, Vec<usize>)>>,
     value_bytes: Vec<Option<bytes::Bytes>>,
+    layouts: Layouts,
     resolved: Arc<Resolved>,
     out_types: OutputTypes,
     plan: Arc<LaunchPlan>,
@@ -490,8 +497,8 @@ impl Session {
         let mut feeds = HashMap::new();
         for &i in &g.inputs {
             match values[i].as_ref() {
-                Some(Value::Device { dtype, shape, ptr, owned: None, host: None, .. }) => {
-                    key_feeds.push((i, *dtype, shape.clone()));
+                Some(Value::Device { dtype, shape, ptr, owned: None, host: None, paged, .. }) => {
+                    key_feeds.push((i, *dtype, shape.clone(), paged.clone()));
                     feeds.insert(i, *ptr);
                 }
                 None if !self.live.values[i] => {}
@@ -503,14 +510,14 @@ impl Session {
         let mut bound = HashMap::new();
         for &o in &g.outputs {
             match fetch_of.get(&o) {
-                Some(Fetch::Skip) => key_outs.push((o, None)),
+                Some(Fetch::Skip) => key_outs.push((o, None, None)),
                 Some(Fetch::Into(_)) => {
                     let h = self.bound.get(&o).and_then(|h| self.held.by_id(*h));
                     let Some((ptr, capacity)) = h.and_then(|h| h.device_ptr().map(|p| (p, h.capacity))) else {
                         return Ok(None);
                     };
                     bound.insert(o, ptr);
-                    key_outs.push((o, Some(capacity)));
+                    key_outs.push((o, Some(capacity), h.and_then(|h| h.value.paged().cloned())));
                     outputs.push((o, g.values[o].name.clone()));
                 }
                 _ => return not_planned(&mut self.report, "an output not bound to a held tensor"),
@@ -683,6 +690,7 @@ impl Session {
                 nbytes,
                 owned: None,
                 host: Some(t.clone()),
+                paged: None,
             },
             None => Value::Host(t.clone()),
         })
@@ -850,10 +858,17 @@ impl Session {
                     inputs[slot] = Some(d);
                 }
             }
-            let (outs, plan, functions) = self.execute_gpu(idx, res, &inputs, &infer_ins, &out_types, key, &out_ids)?;
+            let layouts = (
+                inputs.iter().map(|v| v.as_ref().and_then(|v| v.paged().cloned())).collect(),
+                self.bound_layouts(&out_ids, &out_types),
+            );
+            self.check_paged(idx, &resolved, &layouts)?;
+            let (outs, plan, functions) =
+                self.execute_gpu(idx, res, &inputs, &infer_ins, &out_types, (key, layouts.clone()), &out_ids)?;
             self.memo[idx] = Some(Arc::new(NodeMemo {
                 inputs: infer_ins.iter().map(|i| i.as_ref().map(|i| (i.dtype, i.shape.clone()))).collect(),
                 value_bytes: infer_ins.iter().map(|i| i.as_ref().and_then(|i| i.bytes.clone())).collect(),
+                layouts,
                 resolved: resolved.clone(),
                 out_types: out_types.clone(),
                 plan,
@@ -871,6 +886,43 @@ impl Session {
         Ok(resolved)
     }
 
+    /// The held tensor output `id` of type `t` is written into (bound by `Fetch::Into`, and
+    /// fitting it), as `launch_outputs` chooses it.
+    fn bound_target(&self, id: Option<ValueId>, t: &(DType, Vec<usize>)) -> Option<&Held> {
+        let nbytes = byte_size(t.0, &t.1).ok()?;
+        id.and_then(|id| self.bound.get(&id)).and_then(|h| self.held.by_id(*h)).filter(|h| h.fits(t.0, nbytes))
+    }
+
+    /// The paged layouts of the held tensors a node's outputs are written into.
+    fn bound_layouts(&self, out_ids: &[Option<ValueId>], out_types: &OutputTypes) -> Vec<Option<Arc<Paged>>> {
+        if self.bound.is_empty() {
+            return vec![None; out_types.len()];
+        }
+        (out_ids.iter().zip(out_types))
+            .map(|(id, t)| t.as_ref().and_then(|t| self.bound_target(*id, t)).and_then(|h| h.value.paged().cloned()))
+            .collect()
+    }
+
+    /// Errors when node `idx` would read a paged input or write a paged output that its
+    /// package does not declare (`paged_inputs`, `paged_outputs`; ABI.md §6.1): its kernels
+    /// would address the tensor as row-major.
+    fn check_paged(&self, idx: usize, resolved: &Resolved, layouts: &Layouts) -> Result<()> {
+        let entry = &resolved.res.entry;
+        let lists = [("input", &layouts.0, &entry.paged_inputs), ("output", &layouts.1, &entry.paged_outputs)];
+        for (what, list, declared) in lists {
+            if let Some(i) = (0..list.len()).find(|i| list[*i].is_some() && !declared.contains(i)) {
+                let n = &self.model.graph.nodes[idx];
+                let field = format!("paged_{what}s");
+                return Err(Error::Unsupported(format!(
+                    "node {:?} ({}): {what} {i} is a paged tensor (a view of a paged KV cache), which {} does not \
+                     declare in {field} (kernel.toml, ABI.md §6.1)",
+                    n.name, n.op_type, resolved.package_id
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Runs node `idx` on the GPU: the launch plan comes from the memo or from the shim's
     /// `kiln_dispatch`; outputs are new device buffers, or the held tensors they are bound to.
     /// Returns the outputs and the plan.
@@ -882,7 +934,7 @@ impl Session {
         inputs: &[Option<Value>],
         infer_ins: &[Option<InferInput>],
         out_types: &OutputTypes,
-        key: InferKey,
+        key: (InferKey, Layouts),
         out_ids: &[Option<ValueId>],
     ) -> Result<GpuExecution> {
         let plan = match self.plans.get(&key) {
@@ -895,19 +947,23 @@ impl Session {
             None => {
                 let opset = opset_of(&self.model, idx)?;
                 let node = self.model.graph.nodes[idx].clone();
+                let (in_paged, out_paged) = &key.1;
+                let paged = |l: Option<&Option<Arc<Paged>>>| l.cloned().flatten().map(|p| Paged::clone(&p));
                 let args = node_call(
                     &node,
                     opset,
-                    infer_ins.iter().map(|i| i.as_ref().map(InferInput::opaque_arg)).collect(),
-                    out_types
-                        .iter()
-                        .map(|t| {
+                    (infer_ins.iter().enumerate())
+                        .map(|(i, t)| t.as_ref().map(|t| ArgTensor { paged: paged(in_paged.get(i)), ..t.opaque_arg() }))
+                        .collect(),
+                    (out_types.iter().enumerate())
+                        .map(|(i, t)| {
                             t.as_ref().map(|(d, s)| ArgTensor {
                                 dtype: Some(*d),
                                 dims: Some(s.iter().map(|&x| x as i64).collect()),
                                 value: None,
                                 nbytes: byte_size(*d, s).unwrap_or(0),
                                 access: Access::Opaque,
+                                paged: paged(out_paged.get(i)),
                             })
                         })
                         .collect(),
@@ -965,12 +1021,10 @@ impl Session {
             };
             let nbytes = byte_size(*dtype, shape)?;
             // A bound output is written into its held tensor when it fits (else copied there
-            // after the run, by `fetch_output`).
-            let target = id
-                .and_then(|id| self.bound.get(&id))
-                .and_then(|h| self.held.by_id(*h))
-                .filter(|h| h.fits(*dtype, nbytes))
-                .and_then(Held::device_ptr);
+            // after the run, by `fetch_output`), in its layout.
+            let bound = self.bound_target(*id, &(*dtype, shape.clone()));
+            let paged = bound.and_then(|h| h.value.paged().cloned());
+            let target = bound.and_then(Held::device_ptr);
             let gpu = self.backend.gpu().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
             let (ptr, owned) = match target {
                 Some(ptr) => (ptr, None),
@@ -986,7 +1040,15 @@ impl Session {
             };
             slots.push((ptr, nbytes));
             in_place.push(target.is_some());
-            outs.push(Some(Value::Device { dtype: *dtype, shape: shape.clone(), ptr, nbytes, owned, host: None }));
+            outs.push(Some(Value::Device {
+                dtype: *dtype,
+                shape: shape.clone(),
+                ptr,
+                nbytes,
+                owned,
+                host: None,
+                paged,
+            }));
         }
         if self.recorder.is_some() {
             self.record_node(idx, plan, functions, &slots[..n_in], &outs, out_ids, &in_place);
@@ -1093,6 +1155,7 @@ impl Session {
                         value: None,
                         nbytes: v.nbytes(),
                         access: Access::Opaque,
+                        paged: None,
                     },
                 })
             })
@@ -1139,6 +1202,13 @@ impl Session {
             slots.push((ptr, nbytes));
         }
         let out_ids = node.outputs.clone();
+        let in_paged =
+            node.inputs.iter().map(|v| v.and_then(|id| values[id].as_ref()).and_then(|v| v.paged().cloned()));
+        if !in_paged.eq(memo.layouts.0.iter().cloned())
+            || self.bound_layouts(&out_ids, &memo.out_types) != memo.layouts.1
+        {
+            return Ok(None);
+        }
         if self.recorder.is_none() {
             self.report.plan_hits += 1;
         }
@@ -1244,6 +1314,117 @@ impl Session {
         self.held.reclaim();
         let gpu = self.backend.gpu().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
         self.held.map_rows(gpu, t, rows)
+    }
+
+    /// Whether graph inputs `inputs` and outputs `outputs` (a KV cache's pasts and presents,
+    /// of `dtype`) may be paged tensors (ABI.md §6.1): every node reading an input resolves, for
+    /// `dtype`, to a package that lists the slot in `paged_inputs` (or is ai.onnx `Shape` or
+    /// `Size`, which read no bytes), and every node writing an output lists it in
+    /// `paged_outputs`. `false` on the CPU, for an unknown name, or a node that resolves to no
+    /// package.
+    pub fn accepts_paged(&mut self, inputs: &[String], outputs: &[String], dtype: DType) -> bool {
+        if self.backend.gpu_ref().is_none() {
+            return false;
+        }
+        let g = &self.model.graph;
+        let (Some(ins), Some(outs)) = (
+            inputs.iter().map(|n| g.value_id(n).filter(|v| g.inputs.contains(v))).collect::<Option<Vec<_>>>(),
+            outputs.iter().map(|n| g.value_id(n).filter(|v| g.outputs.contains(v))).collect::<Option<Vec<_>>>(),
+        ) else {
+            return false;
+        };
+        for idx in 0..g.nodes.len() {
+            let n = &self.model.graph.nodes[idx];
+            let reads: Vec<usize> =
+                (0..n.inputs.len()).filter(|&i| n.inputs[i].is_some_and(|v| ins.contains(&v))).collect();
+            let writes: Vec<usize> =
+                (0..n.outputs.len()).filter(|&i| n.outputs[i].is_some_and(|v| outs.contains(&v))).collect();
+            if reads.is_empty() && writes.is_empty() {
+                continue;
+            }
+            let metadata = n.domain.is_empty() && matches!(n.op_type.as_str(), "Shape" | "Size");
+            if metadata && writes.is_empty() {
+                continue;
+            }
+            let dtypes = vec![Some(dtype); n.inputs.len()];
+            let Ok(r) = self.types.resolve(&self.model, &self.shims.rt.registry, idx, dtypes, 4) else { return false };
+            let e = &r.res.entry;
+            if !reads.iter().all(|i| e.paged_inputs.contains(i)) || !writes.iter().all(|i| e.paged_outputs.contains(i))
+            {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Reserves the addresses of a paged KV cache (see `super::pages`): `pages.tensors` cache
+    /// tensors of `[rows, kv_heads, positions, head_size]` of `dtype` in one reservation, each
+    /// row's region mapped as its sequence grows ([`Session::map_pages`]), nothing mapped yet.
+    /// The handle owns the addresses; [`Session::page_view`] gives the cache tensors as paged
+    /// tensors (ABI.md §6.1) that ops declaring `paged_inputs` read and write in place. The
+    /// addresses never move, so a captured graph that reads them stays valid. Errors: a CPU
+    /// session, a zero dimension, sizes that overflow, a dtype without a size, the
+    /// reservation's (address space).
+    pub fn reserve_pages(&mut self, dtype: DType, pages: super::KvPages) -> Result<DeviceTensor> {
+        self.held.reclaim();
+        let gpu = self.backend.gpu().ok_or_else(|| Error::Unsupported("paged KV caches need a GPU session".into()))?;
+        self.held.reserve_pages(gpu, dtype, pages)
+    }
+
+    /// Cache tensor `i` of paged KV cache `pages` over its first `rows` rows: a paged view of
+    /// shape `[rows, kv_heads, positions, head_size]` at a fixed address (the cache's addresses
+    /// outlive its handle until the views go). Only kernels of ops that declare it read or
+    /// write it: a host read, write or copy of it is refused. Errors: not a paged KV cache, `i`
+    /// or `rows` past the cache's.
+    pub fn page_view(&mut self, pages: &DeviceTensor, i: usize, rows: usize) -> Result<DeviceTensor> {
+        self.held.reclaim();
+        self.held.page_view(pages, i, rows)
+    }
+
+    /// Maps rows `0 .. rows` of paged KV cache `pages` for their first `positions` positions:
+    /// a row short of them maps one chunk of at least [`SessionOptions::vmm_chunk_bytes`] (its
+    /// new bytes zeros, stream-ordered). With `trim`, it then unmaps, behind a fence (the
+    /// device's work so far finished first), the rows from `rows` on and what each other row
+    /// maps past its positions and one chunk. Views are not checked (each spans every position,
+    /// mapped or not): the caller maps what the work it enqueues reads and writes, as a decode
+    /// step's rows read and write only positions below their lengths. Errors: not a paged KV
+    /// cache, more rows than reserved, the device-memory limit ([`Error::OutOfMemory`]) or the
+    /// driver's (the rows grown before the failure stay so).
+    pub fn map_pages(&mut self, pages: &DeviceTensor, rows: usize, positions: usize, trim: bool) -> Result<()> {
+        self.held.reclaim();
+        let chunk = self.options.vmm_chunk_bytes;
+        let gpu = self.backend.gpu().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
+        self.held.map_pages(gpu, pages, (rows, positions), chunk, trim)
+    }
+
+    /// Copies the first `positions` positions of row `src.1` of row-major cache tensor `src.0`
+    /// (`[batch, kv_heads, length, head_size]`, a prefill's present) into row `dst.2` of cache
+    /// tensor `dst.1` of paged KV cache `dst.0`, stream-ordered: one strided copy per KV head.
+    /// Errors: shapes or dtypes that differ, positions past either tensor, a destination row
+    /// that has not mapped them, the driver's.
+    pub fn copy_into_pages(
+        &mut self,
+        src: (&DeviceTensor, usize),
+        dst: (&DeviceTensor, usize, usize),
+        positions: usize,
+    ) -> Result<()> {
+        let gpu = self.backend.gpu().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
+        self.held.copy_into_pages(gpu, src, dst, positions)
+    }
+
+    /// Copies the first `positions` positions of every cache tensor from row `src.1` of paged KV
+    /// cache `src.0` to row `dst.1` of paged KV cache `dst.0` (the same cache, or another of the
+    /// same dtype and pages: tensors, heads, head size), stream-ordered: one copy, since a row's
+    /// pages are contiguous. Errors: caches of other pages, rows past a cache's, either row
+    /// without those positions mapped.
+    pub fn copy_pages(
+        &mut self,
+        src: (&DeviceTensor, usize),
+        dst: (&DeviceTensor, usize),
+        positions: usize,
+    ) -> Result<()> {
+        let gpu = self.backend.gpu().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
+        self.held.copy_pages(gpu, src, dst, positions)
     }
 
     /// Gives the buffers of dropped [`DeviceTensor`]s back to the pool now (runs and

@@ -41,6 +41,7 @@ pub(super) fn tensor_arg(t: &Tensor, value_input: bool, access: Access) -> ArgTe
         value: value_input.then_some(&t.data[..]),
         nbytes: t.data.len() as u64,
         access,
+        paged: None,
     }
 }
 

@@ -1,5 +1,8 @@
 //! A value during a run: a tensor's bytes on the host, or a buffer on the device.
 
+use std::sync::Arc;
+
+use kiln_kernel_abi::wire::Paged;
 use kiln_kernel_abi::DType;
 
 use crate::cuda::DevBuffer;
@@ -19,6 +22,10 @@ pub(crate) enum Value {
         owned: Option<DevBuffer>,
         /// The host bytes, when the value came from the host.
         host: Option<Tensor>,
+        /// The layout, when the value is paged rather than row-major (a view of a paged KV
+        /// cache, ABI.md §6.1): only kernels of ops that declare it read or write it, never a
+        /// host copy.
+        paged: Option<Arc<Paged>>,
     },
 }
 
@@ -65,17 +72,37 @@ impl Value {
         }
     }
 
+    /// The paged layout of a device value (`None`: row-major, or a host value).
+    pub fn paged(&self) -> Option<&Arc<Paged>> {
+        match self {
+            Value::Device { paged, .. } => paged.as_ref(),
+            Value::Host(_) => None,
+        }
+    }
+
+    /// Errors when the value is paged: `what` (a copy, a read) needs row-major bytes.
+    pub fn check_row_major(&self, what: &str) -> crate::Result<()> {
+        match self.paged() {
+            Some(_) => Err(crate::Error::Unsupported(format!(
+                "{what} of a paged tensor (a paged KV cache's view): only the kernels of ops that declare it read \
+                 or write it"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// The same value without ownership of its buffer.
     pub fn clone_ref(&self) -> Value {
         match self {
             Value::Host(t) => Value::Host(t.clone()),
-            Value::Device { dtype, shape, ptr, nbytes, host, .. } => Value::Device {
+            Value::Device { dtype, shape, ptr, nbytes, host, paged, .. } => Value::Device {
                 dtype: *dtype,
                 shape: shape.clone(),
                 ptr: *ptr,
                 nbytes: *nbytes,
                 owned: None,
                 host: host.clone(),
+                paged: paged.clone(),
             },
         }
     }

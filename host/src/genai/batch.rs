@@ -53,7 +53,8 @@
 use kiln_kernel_abi::sampling::SEED_WORDS;
 
 use super::device_step::{SampleStart, StepRow};
-use super::{bucket, Generator, KvCache, Sampler, SamplingParams, StopReason};
+use super::kv::{self, KvCache};
+use super::{bucket, Generator, Sampler, SamplingParams, StopReason};
 use crate::{Error, Result};
 
 /// On the CPU the cache holds as many positions as the running sequences need (twice the
@@ -108,7 +109,10 @@ pub struct ContinuousBatch {
     /// On a GPU, the rows of `full` mapped (at least the rows run; more after a shrink, until
     /// [`UNMAP_AFTER_STEPS`]).
     mapped: usize,
-    /// Steps in a row with more rows mapped than run.
+    /// On a GPU with a paged cache, the most positions the rows have mapped for since the last
+    /// trim (the steps map every row to the shared column).
+    mapped_positions: usize,
+    /// Steps in a row with more rows (or, paged, over twice the positions) mapped than run.
     surplus_steps: u32,
     /// The step buffers no longer match the rows (before the first step, after a failed step
     /// or write): rewrite every row before the next step.
@@ -120,9 +124,6 @@ pub struct ContinuousBatch {
     invariant: bool,
     /// Most positions of a sequence (prompt and generated), at most the cache's `limit`.
     max_length: usize,
-    /// Elements of one row in each layer's key or value cache (`kv_heads × limit ×
-    /// head_size`): what a join copies.
-    row: usize,
     vocab: usize,
     pad: i64,
     eos: Vec<i64>,
@@ -258,7 +259,8 @@ impl ContinuousBatch {
         // On a GPU the rows start at one (a join moves them to its own) and only the rows in
         // use are mapped; on the CPU they start at every slot's.
         let rows = if on_gpu { 1 } else { capacity };
-        let kv = g.empty_kv(capacity, limit, rows).map_err(|e| {
+        let dims = g.kv_dims();
+        let kv = kv::empty(&mut g.session, &dims, capacity, limit, rows).map_err(|e| {
             let bytes = 2 * d.num_hidden_layers * capacity * row * g.folder.kv_dtype.size().unwrap_or(2);
             Error::Input(format!(
                 "a KV cache of {capacity} rows × {limit} positions ({:.2} GiB) could not be {}: {e}",
@@ -268,7 +270,7 @@ impl ContinuousBatch {
         })?;
         let pad = cfg.model.pad_token_id.unwrap_or(0);
         let (kv, full) = match on_gpu {
-            true => (g.kv_rows(&kv, rows)?, Some(kv)),
+            true => (kv::first_rows(&mut g.session, &dims, &kv, rows)?, Some(kv)),
             false => (kv, None),
         };
         Ok(ContinuousBatch {
@@ -280,12 +282,12 @@ impl ContinuousBatch {
             drained: Vec::new(),
             low_steps: 0,
             mapped: rows,
+            mapped_positions: 1,
             surplus_steps: 0,
             dirty: true,
             sampling,
             invariant: false,
             max_length,
-            row,
             vocab,
             pad,
             eos: cfg.model.eos_token_id.to_vec(),
@@ -398,6 +400,15 @@ impl ContinuousBatch {
         }
         let free: Vec<usize> = (0..self.rows.len()).filter(|&r| self.rows[r].seq.is_none()).collect();
         let prompts: Vec<Vec<i64>> = joins.iter().map(|j| j.prompt.to_vec()).collect();
+        let dims = g.kv_dims();
+        // The rows a join fills have its prompt's positions mapped (a paged cache maps every row
+        // to the shared column, which a longer joined sequence moves forward).
+        if let Some(full) = &self.full {
+            let positions = (self.kv.total + 1).max(longest_prompt + 1);
+            let rows = kv::fit(&mut g.session, &dims, full, self.rows.len(), positions, false)?;
+            self.mapped = self.mapped.max(rows);
+            self.mapped_positions = self.mapped_positions.max(positions);
+        }
         // One prefill of them all, or (batch-invariant) one each, so that a sequence's prefill
         // never depends on who joined with it.
         let group = if self.invariant { 1 } else { prompts.len() };
@@ -406,10 +417,10 @@ impl ContinuousBatch {
             let longest = chunk.iter().map(Vec::len).max().unwrap_or(1);
             let at_least = Self::prefill_shape(g.on_gpu(), chunk.len(), longest);
             let (scratch, l) = g.prefill_padded(chunk, self.kv.limit, at_least)?;
-            let (row, rows) = (self.row, &free[n * group..]);
-            let copied = scratch.past.iter().zip(&self.kv.past).try_for_each(|(from, to)| {
-                (0..chunk.len()).try_for_each(|i| g.session.copy_elements(from, i * row, to, rows[i] * row, row))
-            });
+            // Each prompt's positions go to its row (the rest of the prefill's are padding).
+            let moves: Vec<(usize, usize, usize)> =
+                chunk.iter().enumerate().map(|(i, p)| (i, free[n * group + i], p.len())).collect();
+            let copied = kv::copy_rows(&mut g.session, &dims, &scratch, &self.kv, &moves);
             g.free(scratch);
             copied?;
             logits.extend(l);
@@ -535,14 +546,16 @@ impl ContinuousBatch {
         }
         // Growing keeps every row where it is; shrinking compacts the running rows to the front.
         let grow = n > self.rows.len();
+        let dims = g.kv_dims();
         let kv = match &self.full {
             Some(full) => {
                 if grow {
-                    self.mapped = g.map_kv_rows(full, n, true)?;
+                    let rows = kv::fit(&mut g.session, &dims, full, n, self.kv.total + 1, false)?;
+                    self.mapped = self.mapped.max(rows);
                 }
-                g.kv_rows(full, n)?
+                kv::first_rows(&mut g.session, &dims, full, n)?
             }
-            None => g.empty_kv(n, self.kv.limit, n)?,
+            None => kv::empty(&mut g.session, &dims, n, self.kv.limit, n)?,
         };
         let to = |i: usize, r: usize| if grow { r } else { i };
         let moves: Vec<(usize, usize, usize)> =
@@ -550,7 +563,7 @@ impl ContinuousBatch {
         // Views of one buffer: rows in place stay, and a row never lands on one still to move
         // (compacting, row i < r is free or already moved).
         let moves: Vec<_> = moves.into_iter().filter(|&(r, i, _)| self.full.is_none() || r != i).collect();
-        copy_rows(g, &self.kv, &kv, &moves)?;
+        kv::copy_rows(&mut g.session, &dims, &self.kv, &kv, &moves)?;
         self.kv = kv;
         let mut rows: Vec<Row> = match grow {
             true => std::mem::take(&mut self.rows),
@@ -564,9 +577,17 @@ impl ContinuousBatch {
         Ok(())
     }
 
-    /// Whether the rows past the running ones have stayed mapped long enough to unmap them.
+    /// Whether more is mapped than the rows run need: rows past them, or (paged) over twice the
+    /// positions of the shared column.
+    fn surplus(&self) -> bool {
+        let paged = self.full.as_ref().is_some_and(KvCache::is_paged);
+        self.full.is_some()
+            && (self.mapped > self.rows.len() || (paged && self.mapped_positions > 2 * (self.kv.total + 1)))
+    }
+
+    /// Whether the surplus has stayed mapped long enough to unmap it.
     fn unmap_wanted(&self) -> bool {
-        self.full.is_some() && self.mapped > self.rows.len() && self.surplus_steps >= UNMAP_AFTER_STEPS
+        self.surplus() && self.surplus_steps >= UNMAP_AFTER_STEPS
     }
 
     /// Writes the rows of just-joined `rows` into the running step buffers, stream-ordered
@@ -735,7 +756,9 @@ impl ContinuousBatch {
                 }
                 if self.unmap_wanted() {
                     if let Some(full) = &self.full {
-                        self.mapped = g.map_kv_rows(full, self.rows.len(), false)?;
+                        let (positions, dims) = (self.kv.total + 1, g.kv_dims());
+                        self.mapped = kv::fit(&mut g.session, &dims, full, self.rows.len(), positions, true)?;
+                        self.mapped_positions = positions;
                     }
                     self.surplus_steps = 0;
                 }
@@ -758,12 +781,13 @@ impl ContinuousBatch {
     }
 
     fn enqueue(&mut self, g: &mut Generator) -> Result<(crate::ep::PendingRead, Vec<u64>)> {
+        // A paged cache's step maps every row to the shared column (Generator::enqueue_device_step).
+        self.mapped_positions = self.mapped_positions.max(self.kv.total + 1);
         let pending = g.enqueue_device_step(&mut self.kv)?;
         self.stats.steps += 1;
         let low = 4 * self.rows_for(self.active()) <= self.rows.len();
         self.low_steps = if low { self.low_steps.saturating_add(1) } else { 0 };
-        let surplus = self.mapped > self.rows.len();
-        self.surplus_steps = if surplus { self.surplus_steps.saturating_add(1) } else { 0 };
+        self.surplus_steps = if self.surplus() { self.surplus_steps.saturating_add(1) } else { 0 };
         Ok((pending, self.rows.iter().map(|r| r.epoch).collect()))
     }
 
@@ -794,13 +818,12 @@ impl ContinuousBatch {
         if self.on_gpu || want == limit || (needed < limit && 2 * want > limit) {
             return Ok(false);
         }
-        let kv = g.empty_kv(self.rows.len(), want, self.rows.len())?;
+        let dims = g.kv_dims();
+        let kv = kv::empty(&mut g.session, &dims, self.rows.len(), want, self.rows.len())?;
         let moves: Vec<(usize, usize, usize)> = self.rows.iter().enumerate().map(|(b, r)| (b, b, r.len)).collect();
-        copy_rows(g, &self.kv, &kv, &moves)?;
+        kv::copy_rows(&mut g.session, &dims, &self.kv, &kv, &moves)?;
         // The old cache goes back to the pool (not kept as the generator's spare).
         self.kv = kv;
-        let d = &g.folder.config.model.decoder;
-        self.row = d.num_key_value_heads * want * d.head_size;
         self.stats.resizes += 1;
         Ok(true)
     }
@@ -837,22 +860,4 @@ impl ContinuousBatch {
         self.stats.rewrites += 1;
         Ok(())
     }
-}
-
-/// Copies rows of KV cache `from` into `to` (their limits may differ): for each (source row,
-/// destination row, positions), the first `positions` positions of every KV head, in every
-/// layer's key and value cache. Positions beyond either cache's limit are not copied.
-fn copy_rows(g: &mut Generator, from: &KvCache, to: &KvCache, moves: &[(usize, usize, usize)]) -> Result<()> {
-    let d = &g.folder.config.model.decoder;
-    let (heads, size) = (d.num_key_value_heads, d.head_size);
-    let (lf, lt) = (from.limit, to.limit);
-    for (a, b) in from.past.iter().zip(&to.past) {
-        for &(src, dst, len) in moves {
-            let n = len.min(lf).min(lt) * size;
-            for h in 0..heads {
-                g.session.copy_elements(a, (src * heads + h) * lf * size, b, (dst * heads + h) * lt * size, n)?;
-            }
-        }
-    }
-    Ok(())
 }

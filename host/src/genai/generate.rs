@@ -26,6 +26,7 @@ use kiln_kernel_abi::DType;
 use serde::Serialize;
 
 use super::device_step::{self, SampleStart, StepBuffers, StepNames as DeviceNames, StepRow};
+use super::kv::{KvCache, KvDims};
 use super::{GenaiConfig, ModelFolder, Sampler, SamplingParams};
 use crate::ep::{DeviceTensor, Feed, Fetch, Fetched, Runtime, Session, SessionOptions};
 use crate::{Error, Result, Tensor};
@@ -117,7 +118,10 @@ pub struct Generator {
     step_buffers: Vec<StepBuffers>,
     /// A freed shared KV cache, reused by the next prefill of the same shape (its addresses,
     /// and so a captured step's graph, stay valid).
-    spare_kv: Option<(Vec<usize>, Vec<DeviceTensor>)>,
+    spare_kv: Option<KvCache>,
+    /// Whether a GPU's shared caches are paged ([`super::kv`]): every node reading the pasts
+    /// and writing the presents declares paged tensors.
+    paged_kv: bool,
 }
 
 /// The names a decoder step feeds and fetches (`genai_config.json`'s `decoder.inputs` and
@@ -148,42 +152,37 @@ impl StepNames {
     }
 }
 
-/// The state of one batch between steps: the held past tensors, the attention mask and the
-/// positions used so far (padding included). Give it back with [`Generator::free`] to keep a
-/// shared cache for the next generation of its shape; dropped, its buffers go back to the pool.
-pub struct KvCache {
-    /// `past_key_values.N.key` then `.value`, for every layer.
-    pub(super) past: Vec<DeviceTensor>,
-    pub(super) batch: usize,
-    /// One shared buffer of `limit` positions, updated in place.
-    pub(super) shared: bool,
-    /// Most positions (prompt, padding and generated).
-    pub(super) limit: usize,
-    /// Positions used so far.
-    pub(super) total: usize,
-    /// `[batch, total]`; `[batch, limit]` with zeros past `total` once a shared cache is past
-    /// its prefill.
-    pub(super) mask: Vec<i64>,
-}
-
-impl KvCache {
-    /// Positions used so far (the padded prompt plus the decode steps).
-    pub fn len(&self) -> usize {
-        self.total
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.total == 0
-    }
-}
-
 impl Generator {
     pub fn new(rt: Arc<Runtime>, folder: ModelFolder, options: SessionOptions) -> Result<Generator> {
         let mut model = folder.model.clone();
         let device = device_step::augment(&mut model, &folder.config, &rt.registry);
-        let session = Session::new(rt, model, options)?;
+        let mut session = Session::new(rt, model, options)?;
         let names = StepNames::of(&folder.config);
-        Ok(Generator { folder, session, names, device, step_buffers: Vec::new(), spare_kv: None })
+        let paged_kv = session.device() != crate::ep::Device::Cpu
+            && session.accepts_paged(&names.past, &names.present, folder.kv_dtype);
+        Ok(Generator { folder, session, names, device, step_buffers: Vec::new(), spare_kv: None, paged_kv })
+    }
+
+    /// Makes a GPU's shared caches (continuous batches) paged or reserved by rows (see
+    /// [`super::kv`]); paged only where the session's packages take paged caches. Returns
+    /// whether they are paged now. A batch made before keeps its cache.
+    pub fn set_paged_kv(&mut self, on: bool) -> bool {
+        self.paged_kv = on
+            && self.on_gpu()
+            && self.session.accepts_paged(&self.names.past, &self.names.present, self.folder.kv_dtype);
+        self.paged_kv
+    }
+
+    /// The shape of the cache tensors, and whether a GPU's shared caches are paged.
+    pub(super) fn kv_dims(&self) -> KvDims {
+        let d = &self.folder.config.model.decoder;
+        KvDims {
+            tensors: self.names.past.len(),
+            kv_heads: d.num_key_value_heads,
+            head_size: d.head_size,
+            dtype: self.folder.kv_dtype,
+            paged: self.paged_kv,
+        }
     }
 
     /// Whether greedy decode steps choose their tokens on the device.
@@ -199,9 +198,8 @@ impl Generator {
     /// one kept before it goes back to the pool); any other cache goes back to the pool, as a
     /// dropped one does.
     pub fn free(&mut self, kv: KvCache) {
-        let shape = kv.past.first().and_then(|t| self.session.tensor_type(t).ok()).map(|t| t.1);
-        if let (Some(shape), true) = (shape, kv.shared) {
-            self.spare_kv = Some((shape, kv.past));
+        if kv.shared {
+            self.spare_kv = Some(kv);
         }
     }
 
@@ -223,104 +221,38 @@ impl Generator {
         self.device.as_ref().is_some_and(|d| d.sample.is_some())
     }
 
-    /// A new shared KV cache of `batch` rows and `limit` positions, zeros, with nothing in it
-    /// (a continuous batch fills its rows one sequence at a time): on the CPU host tensors; on
-    /// a GPU addresses reserved for `batch` rows with the first `mapped` mapped (the whole
-    /// cache's addresses never move: [`Generator::map_kv_rows`] grows or shrinks what is
-    /// mapped, and [`Generator::kv_rows`] views the first rows). Errors: device memory.
-    pub(super) fn empty_kv(&mut self, batch: usize, limit: usize, mapped: usize) -> Result<KvCache> {
-        let d = &self.folder.config.model.decoder;
-        let shape = vec![batch, d.num_key_value_heads, limit, d.head_size];
-        let dtype = self.folder.kv_dtype;
-        let on_gpu = self.on_gpu();
-        let past = (0..self.names.past.len())
-            .map(|_| match on_gpu {
-                true => self.session.reserve(dtype, shape.clone(), mapped),
-                false => self.session.zeros(dtype, shape.clone()),
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(KvCache { past, batch, shared: true, limit, total: 0, mask: vec![0; batch * limit] })
-    }
-
-    /// Maps at least the first `rows` rows of every tensor of `full` (a GPU's cache of
-    /// [`Generator::empty_kv`]) at the same addresses (`grow`), or at most as many as needed
-    /// (`!grow`: the rest unmapped behind a fence, the device's work so far finished first),
-    /// in steps of at least the session's [`crate::ep::SessionOptions::vmm_chunk_bytes`] in all:
-    /// a growth maps that much or more (more rows, up to `full`'s, when one row is smaller), and
-    /// a shrink keeps that much. Newly used rows are zeros. Returns the rows mapped now. Errors:
-    /// views still reading rows being unmapped, the device-memory limit
-    /// ([`Error::OutOfMemory`]) or the driver's, each of its own kind: every tensor keeps the
-    /// rows it had then ([`Error::Device`] when even that fails).
-    pub(super) fn map_kv_rows(&mut self, full: &KvCache, rows: usize, grow: bool) -> Result<usize> {
-        let Some(first) = full.past.first() else { return Ok(rows) };
-        let now = self.session.tensor_type(first)?.1.first().copied().unwrap_or(0);
-        let d = &self.folder.config.model.decoder;
-        let row_bytes = (full.past.len() * d.num_key_value_heads * full.limit * d.head_size) as u64
-            * self.folder.kv_dtype.size().unwrap_or(2) as u64;
-        let chunk_rows = self.session.options().vmm_chunk_bytes.div_ceil(row_bytes.max(1)) as usize;
-        let rows = match grow {
-            true if rows <= now => return Ok(now),
-            true => rows.max(now + chunk_rows),
-            false if rows >= now => return Ok(now),
-            false => rows.max(chunk_rows).min(now),
-        }
-        .min(full.batch);
-        if rows == now {
-            return Ok(now);
-        }
-        for (i, t) in full.past.iter().enumerate() {
-            let Err(e) = self.session.map_rows(t, rows) else { continue };
-            // Back to the rows every tensor had.
-            if let Some(undo) = full.past[..i].iter().map(|t| self.session.map_rows(t, now)).find_map(Result::err) {
-                return Err(Error::Device(format!(
-                    "the KV cache's tensors could not go back to {now} rows after a failed move to {rows} ({e}): {undo}"
-                )));
-            }
-            let mib = |r: usize| r as f64 * row_bytes as f64 / (1u64 << 20) as f64;
-            let why = format!(
-                "the KV cache cannot {} from {now} to {rows} rows ({:.1} MiB to {:.1} MiB mapped): {e}",
-                if grow { "grow" } else { "shrink" },
-                mib(now),
-                mib(rows)
-            );
-            return Err(match e {
-                Error::OutOfMemory(_) => Error::OutOfMemory(why),
-                Error::Input(_) => Error::Input(why),
-                _ => Error::Device(why),
-            });
-        }
-        Ok(rows)
-    }
-
-    /// The cache of the first `rows` rows of `full` (a GPU's shared cache): views of its
-    /// buffers (`Session::view`), so it has `full`'s addresses, and writes through either are
-    /// seen by the other. Its mask is empty and its length 0. Errors: a CPU session, more rows
-    /// than `full` has mapped.
-    pub(super) fn kv_rows(&mut self, full: &KvCache, rows: usize) -> Result<KvCache> {
-        let d = &self.folder.config.model.decoder;
-        let shape = vec![rows, d.num_key_value_heads, full.limit, d.head_size];
-        let past = full.past.iter().map(|t| self.session.view(t, shape.clone())).collect::<Result<Vec<_>>>()?;
-        Ok(KvCache { past, batch: rows, shared: true, limit: full.limit, total: 0, mask: vec![0; rows * full.limit] })
-    }
-
     /// Runs the prompts (token ids, right-padded into one batch) with an empty cache of at
     /// most `limit` positions. Returns the cache and each row's logits at its last prompt
-    /// token (`vocab` values). Errors: an empty prompt, prompts of different lengths without a
+    /// token (`vocab` values). A shared cache on a GPU whose packages take paged caches is
+    /// paged ([`super::kv`]): its addresses are reserved for `limit` positions, and each row maps
+    /// its pages as it grows. Errors: an empty prompt, prompts of different lengths without a
     /// shared buffer, a prompt of `limit` tokens or more.
     pub fn prefill(&mut self, prompts: &[Vec<i64>], limit: usize) -> Result<(KvCache, Vec<Vec<f32>>)> {
-        self.prefill_padded(prompts, limit, (0, 0))
+        self.prefill_into(prompts, limit, (0, 0), self.paged_kv)
     }
 
     /// [`Generator::prefill`] of a batch of at least `at_least.0` rows (extra rows: one padding
     /// token each) padded to at least `at_least.1` positions (below `limit`), so that prompts
-    /// of nearby lengths run the same shapes (and the session's memoized dispatches) on a GPU.
-    /// Returns the logits of `prompts`' rows only. Padding needs a shared KV buffer; without
-    /// one `at_least` is ignored.
+    /// of nearby lengths run the same shapes (and the session's memoized dispatches) on a GPU,
+    /// into a row-major cache of the pool's buffers (a continuous batch's join copies its rows
+    /// out). Returns the logits of `prompts`' rows only. Padding needs a shared KV buffer;
+    /// without one `at_least` is ignored.
     pub fn prefill_padded(
         &mut self,
         prompts: &[Vec<i64>],
         limit: usize,
         at_least: (usize, usize),
+    ) -> Result<(KvCache, Vec<Vec<f32>>)> {
+        self.prefill_into(prompts, limit, at_least, false)
+    }
+
+    /// [`Generator::prefill_padded`] into a paged cache when `paged` (a shared one, on a GPU).
+    fn prefill_into(
+        &mut self,
+        prompts: &[Vec<i64>],
+        limit: usize,
+        at_least: (usize, usize),
+        paged: bool,
     ) -> Result<(KvCache, Vec<Vec<f32>>)> {
         if prompts.is_empty() || prompts.iter().any(|p| p.is_empty()) {
             return Err(Error::Input("every prompt must have at least one token".into()));
@@ -352,19 +284,32 @@ impl Generator {
         }
         let d = &self.folder.config.model.decoder;
         let shape = vec![batch, d.num_key_value_heads, if shared { limit } else { 0 }, d.head_size];
-        let mut past = Vec::with_capacity(self.names.past.len());
-        match self.spare_kv.take() {
-            // Stale rows past each row's length are never read: GroupQueryAttention reads
-            // positions below seqlens_k only, and the prompt overwrites the rest.
-            Some((s, kv)) if s == shape => past = kv,
-            // Another shape: dropped, back to the pool before the new one is allocated.
-            Some(_) | None => {}
+        let dims = self.kv_dims();
+        let paged = paged && shared && dims.paged && self.on_gpu();
+        // Stale rows past each row's length are never read: GroupQueryAttention reads positions
+        // below seqlens_k only, and the prompt overwrites the rest. A spare of another shape is
+        // dropped, back to the pool before the new cache is allocated.
+        let spare = self.spare_kv.take().filter(|k| {
+            k.is_paged() == paged
+                && k.batch == batch
+                && k.limit == limit
+                && k.past.first().and_then(|t| self.session.tensor_type(t).ok()).is_some_and(|t| t.1 == shape)
+        });
+        let mut kv = match spare {
+            Some(k) => KvCache { total: s, mask, ..k },
+            None if paged => {
+                KvCache { total: s, mask, ..super::kv::empty(&mut self.session, &dims, batch, limit, batch)? }
+            }
+            None => {
+                let past = (0..dims.tensors)
+                    .map(|_| self.session.zeros(self.folder.kv_dtype, shape.clone()))
+                    .collect::<Result<Vec<_>>>()?;
+                KvCache { past, batch, shared, limit, total: s, mask, pages: None }
+            }
+        };
+        if paged {
+            super::kv::fit(&mut self.session, &dims, &kv, batch, s, false)?;
         }
-        // A prefill's cache never grows (its rows are the batch's): the pool's, not reserved.
-        while past.len() < self.names.past.len() {
-            past.push(self.session.zeros(self.folder.kv_dtype, shape.clone())?);
-        }
-        let mut kv = KvCache { past, batch, shared, limit, total: s, mask };
         let rows: Vec<usize> = lens.iter().enumerate().map(|(b, &l)| b * s + l - 1).collect();
         match self.run_step(&mut kv, &ids, &rows) {
             Ok(logits) => {
@@ -394,6 +339,7 @@ impl Generator {
         if kv.total >= kv.limit {
             return Err(Error::Input(format!("the cache is full ({} positions)", kv.limit)));
         }
+        self.map_step(kv)?;
         let (b_n, old) = (kv.batch, kv.total);
         let saved_mask = (!kv.shared).then(|| kv.mask.clone());
         kv.total += 1;
@@ -422,6 +368,16 @@ impl Generator {
             }
         }
         result
+    }
+
+    /// Maps what the next step of a paged cache writes: every row's first `total + 1`
+    /// positions (a row's position is at most `total`). Errors: as [`super::kv::fit`].
+    fn map_step(&mut self, kv: &KvCache) -> Result<()> {
+        if kv.pages.is_none() {
+            return Ok(());
+        }
+        let d = self.kv_dims();
+        super::kv::fit(&mut self.session, &d, kv, kv.batch, kv.total + 1, false).map(drop)
     }
 
     /// Runs the decoder on `ids` (`[batch, ids.len() / batch]`) with the cache's mask and past,
@@ -810,6 +766,7 @@ impl Generator {
         if kv.total >= kv.limit {
             return Err(Error::Input(format!("the cache is full ({} positions)", kv.limit)));
         }
+        self.map_step(kv)?;
         let (Some(d), Some(b)) = (&self.device, self.step_buffers.first()) else {
             return Err(Error::Input("enqueue_device_step before start_device_steps".into()));
         };

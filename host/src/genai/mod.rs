@@ -8,6 +8,7 @@ pub mod config;
 pub(crate) mod device_step;
 mod folder;
 mod generate;
+mod kv;
 pub mod sampling;
 mod stream;
 
@@ -16,7 +17,8 @@ pub use config::GenaiConfig;
 pub use device_step::KILN_DOMAIN;
 pub use folder::{ChatMessage, ModelFolder};
 pub use generate::{
-    bucket, f32_tensor, i64_tensor, GenerateOptions, Generation, Generator, KvCache, RowResult, StopReason, Timings,
+    bucket, f32_tensor, i64_tensor, GenerateOptions, Generation, Generator, RowResult, StopReason, Timings,
 };
+pub use kv::KvCache;
 pub use sampling::{Sampler, SamplingParams};
 pub use stream::TextStream;

@@ -42,6 +42,9 @@ pub struct ArgTensor<'a> {
     /// Size in bytes (bounds of reads and writes).
     pub nbytes: u64,
     pub access: Access,
+    /// The tensor's paged layout (ABI.md §6.1), sent for the inputs and outputs the op's
+    /// manifest entry declares paged; `None`: row-major.
+    pub paged: Option<kiln_kernel_abi::wire::Paged>,
 }
 
 /// A node call, before handles are assigned.
@@ -361,7 +364,14 @@ impl ShimInstance {
                         if is_out {
                             output_slots.push(Some(table.len() - 1));
                         }
-                        TensorDesc { present: true, dtype: t.dtype, dims: t.dims, handle, value: t.value }
+                        TensorDesc {
+                            present: true,
+                            dtype: t.dtype,
+                            dims: t.dims,
+                            handle,
+                            value: t.value,
+                            paged: t.paged,
+                        }
                     }
                 };
                 if is_out {

@@ -40,7 +40,9 @@ pub use half::{bf16, f16};
 pub use host::{gemm, launch, log_fail, scratch};
 pub use libm;
 
-pub use crate::wire::{AttrValue, Epilogue, Gemm, KernelArg, Launch, NodeCall, Operand, TensorDesc, TensorValue};
+pub use crate::wire::{
+    AttrValue, Epilogue, Gemm, KernelArg, Launch, NodeCall, Operand, Paged, TensorDesc, TensorValue,
+};
 pub use crate::{status, DType};
 
 /// Why a shim call did not succeed.
@@ -255,6 +257,12 @@ impl<'c, 'a> Tensor<'c, 'a> {
 
     pub fn handle(&self) -> u32 {
         self.desc.handle
+    }
+
+    /// The tensor's paged layout (ABI.md §6.1), when the host pages it: only an input or output
+    /// the op's manifest entry lists in `paged_inputs` / `paged_outputs`. `None`: row-major.
+    pub fn paged(&self) -> Option<&crate::wire::Paged> {
+        self.desc.paged.as_ref()
     }
 
     /// The bytes given inline for a value input (see the manifest's `value_inputs`).

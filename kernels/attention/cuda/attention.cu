@@ -45,6 +45,30 @@ __device__ __forceinline__ void gqa_row(const int* seqlens, unsigned b, unsigned
     *past_b = first_prompt ? 0 : *t_b - (long long)S;
 }
 
+// Where element (b, j, t, 0) of a present K or V buffer lies, in elements from its start: batch
+// row b, KV head j, position t, with positions in pages of 2^shift that lie `page` elements apart
+// and H elements apart within a page (ABI.md §6.1 paged layouts: the host's paged KV cache, which
+// kernel.toml's paged_inputs accept). A row-major [B, Nk, PL, H] buffer is row = Nk·PL·H,
+// head = PL·H, page = 0, shift = 31 (every position in the first page).
+struct gqa_layout {
+    kiln_u64 row, head, page;
+    unsigned shift;
+};
+
+__device__ __forceinline__ kiln_u64 gqa_at(const gqa_layout& lay, unsigned b, unsigned j, long long t, unsigned H) {
+    const kiln_u64 u = (kiln_u64)t;
+    return (kiln_u64)b * lay.row + (kiln_u64)j * lay.head + (u >> lay.shift) * lay.page +
+           (u & ((1ull << lay.shift) - 1ull)) * H;
+}
+
+// The past row (b, j, t): in the present's layout when past and present have one length (one
+// buffer bound in place, or a paged past, which the shim accepts only beside a present of its
+// layout), else row-major [B, Nk, P, H].
+__device__ __forceinline__ kiln_u64 gqa_past_at(const gqa_layout& lay, unsigned b, unsigned j, long long t, unsigned H,
+                                                unsigned Nk, unsigned P, unsigned PL) {
+    return P == PL ? gqa_at(lay, b, j, t, H) : (((kiln_u64)b * Nk + j) * P + (kiln_u64)t) * H;
+}
+
 // The B rows' sequence lengths and rotary positions against the CPU reference's checks, in its
 // order (every row's length first, then the positions row by row), reported through the node's
 // status record (ABI.md §7.5; the codes are kernel.toml's [[device_errors]]): 1 seqlens_k out of
@@ -78,7 +102,7 @@ __device__ __noinline__ void gqa_check(kiln_status* st, const int* seqlens, unsi
     }
 }
 
-// Writes the present K and V [B, Nk, PL, H] (only the new rows when present is the past buffer
+// Writes the present K and V [B, Nk, PL, H] in layout `lay` (only the new rows when present is the past buffer
 // itself, else every row): rows past_b .. past_b + S are the new keys
 // (rotated at their position when rotary_half > 0, rounded to the dtype) and values; other rows
 // are the past rows (shared buffer: every row; otherwise rows < past_b) or zeros.
@@ -90,7 +114,7 @@ __device__ void gqa_kv(const typename Tag::storage* k_src, const typename Tag::s
                        typename Tag::storage* pres_k, typename Tag::storage* pres_v, unsigned B, unsigned S,
                        unsigned Nk, unsigned H, unsigned PL, unsigned P, kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off,
                        unsigned first_prompt, unsigned shared, kiln_u64 cache_rows, unsigned rotary_half,
-                       unsigned interleaved, unsigned total, kiln_status* st) {
+                       unsigned interleaved, unsigned total, gqa_layout lay, kiln_status* st) {
     typedef typename Tag::storage T;
     if (blockIdx.x == 0 && threadIdx.x == 0)
         gqa_check(st, seqlens, B, S, first_prompt, total, !shared, P, cache_rows, rotary_half);
@@ -108,7 +132,7 @@ __device__ void gqa_kv(const typename Tag::storage* k_src, const typename Tag::s
             if (t < 0 || t >= (long long)PL) continue;
             const kiln_u64 row = ((kiln_u64)b * S + s) * kv_w;
             const T* kr = k_src + row + k_off + (kiln_u64)j * H;
-            const kiln_u64 at = (((kiln_u64)b * Nk + j) * PL + (kiln_u64)t) * H + d;
+            const kiln_u64 at = gqa_at(lay, b, j, t, H) + d;
             if (rotary_half > 0 && d < 2 * rotary_half)
                 pres_k[at] = kiln_from_f32(Tag(), rope_elem<Tag>(kr, cos_c, sin_c, t, cache_rows, rotary_half, d, interleaved));
             else
@@ -136,12 +160,13 @@ __device__ void gqa_kv(const typename Tag::storage* k_src, const typename Tag::s
                 kv = kr[d];
             vv = v_src[row + v_off + (kiln_u64)j * H + d];
         } else if (P > 0 && t < P && (shared || (long long)t < past_b)) {
-            const kiln_u64 src = (((kiln_u64)b * Nk + j) * P + t) * H + d;
+            const kiln_u64 src = gqa_past_at(lay, b, j, t, H, Nk, P, PL) + d;
             kv = past_k[src];
             vv = past_v[src];
         }
-        pres_k[i] = kv;
-        pres_v[i] = vv;
+        const kiln_u64 at = gqa_at(lay, b, j, t, H) + d;
+        pres_k[at] = kv;
+        pres_v[at] = vv;
     }
 }
 
@@ -172,13 +197,14 @@ __device__ __forceinline__ void gqa_query(const typename Tag::storage* qr, const
     }
 }
 
-// Folds keys [lo, hi) of one head's K/V rows (`kh`, `vh`: row t at t·H) into an online
+// Folds keys [lo, hi) of KV head j, batch row b (K/V row t at gqa_at(lay, b, j, t, H)) into an online
 // softmax per warp (f32): warp w takes keys lo + w, lo + w + warps, …, GQA_KEYS at a time so
 // the loads overlap. On return, after a __syncthreads, the block's state is merged: `*mx` is
 // the largest score, `*den` = Σ e^(x − mx), and s_acc[0][d] = Σ e^(x − mx)·v[d] for d < H.
 template <typename Tag>
-__device__ void gqa_fold(const float* q, const typename Tag::storage* kh, const typename Tag::storage* vh,
-                         long long lo, long long hi, unsigned H, float scale, float softcap,
+__device__ void gqa_fold(const float* q, const typename Tag::storage* pk, const typename Tag::storage* pv,
+                         const gqa_layout& lay, unsigned b, unsigned j, long long lo, long long hi, unsigned H,
+                         float scale, float softcap,
                          const typename Tag::storage* bias_row, float (*s_acc)[GQA_MAX_CHUNKS * 32], float* s_m,
                          float* s_l, float* mx, float* den) {
     const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -193,8 +219,9 @@ __device__ void gqa_fold(const float* q, const typename Tag::storage* kh, const 
         for (int u = 0; u < GQA_KEYS; ++u) {
             const long long t = t0 + (long long)u * warps;
             const bool live = t < hi;
-            const typename Tag::storage* kr = kh + (kiln_u64)t * H;
-            const typename Tag::storage* vr = vh + (kiln_u64)t * H;
+            const kiln_u64 at = gqa_at(lay, b, j, t, H);
+            const typename Tag::storage* kr = pk + at;
+            const typename Tag::storage* vr = pv + at;
             float dot = 0.f;
 #pragma unroll
             for (int c = 0; c < GQA_MAX_CHUNKS; ++c) {
@@ -285,7 +312,7 @@ __device__ void gqa_attn(const typename Tag::storage* q_src, const typename Tag:
                          unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w, unsigned first_prompt, kiln_u64 cache_rows,
                          unsigned rotary_half, unsigned interleaved, float scale, float softcap, int window,
                          unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode,
-                         kiln_status* st) {
+                         gqa_layout lay, kiln_status* st) {
     __shared__ float s_acc[GQA_MAX_WARPS][GQA_MAX_CHUNKS * 32];
     __shared__ float s_m[GQA_MAX_WARPS], s_l[GQA_MAX_WARPS];
     const unsigned s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -302,9 +329,8 @@ __device__ void gqa_attn(const typename Tag::storage* q_src, const typename Tag:
     float q[GQA_MAX_CHUNKS];
     gqa_query<Tag>(q_src + ((kiln_u64)b * S + s) * q_w + (kiln_u64)h * H, cos_c, sin_c, pos, cache_rows, rotary_half,
                    interleaved, H, threadIdx.x & 31u, q);
-    const kiln_u64 head = ((kiln_u64)b * Nk + j) * PL * H;
     float mx, den;
-    gqa_fold<Tag>(q, pres_k + head, pres_v + head, start, end, H, scale, softcap,
+    gqa_fold<Tag>(q, pres_k, pres_v, lay, b, j, start, end, H, scale, softcap,
                   gqa_bias_row<Tag>(bias, has_bias, bias_b, bias_h, b, h, s, S, total), s_acc, s_m, s_l, &mx, &den);
     float sink_v = 0.f;
     if (sink_mode == 2) sink_v = kiln_to_f32(Tag(), sink[h]);
@@ -339,7 +365,8 @@ __device__ void gqa_prefill(const typename Tag::storage* q_src, const typename T
                             const typename Tag::storage* cos_c, const typename Tag::storage* sin_c,
                             typename Tag::storage* out, unsigned S, unsigned N, unsigned Nk, unsigned H, unsigned PL,
                             kiln_u64 q_w, unsigned first_prompt, kiln_u64 cache_rows, unsigned rotary_half,
-                            unsigned interleaved, float scale, int window, unsigned total, kiln_status* st) {
+                            unsigned interleaved, float scale, int window, unsigned total, gqa_layout lay,
+                            kiln_status* st) {
     typedef typename Tag::storage T;
     const float NEG_INF = -__int_as_float(0x7f800000);
     __shared__ float q_s[GQA_PF_ROWS][GQA_PF_MAX_HEAD];
@@ -385,7 +412,6 @@ __device__ void gqa_prefill(const typename Tag::storage* q_src, const typename T
 #pragma unroll
         for (int c = 0; c < GQA_PF_CHUNKS; ++c) acc[rr][c] = 0.f;
     }
-    const kiln_u64 head = ((kiln_u64)b * Nk + j) * PL * H;
     for (long long t0 = lo; t0 < hi; t0 += GQA_PF_KEYS) {
         __syncthreads();  // the previous tile is done with (and q_s written, the first time)
         // 2. The tile's K and V rows into shared memory, in f32.
@@ -393,8 +419,9 @@ __device__ void gqa_prefill(const typename Tag::storage* q_src, const typename T
             const unsigned k = i / H, d = i - k * H;
             const long long t = t0 + k;
             const bool in = t < hi;
-            k_s[k][d] = in ? kiln_to_f32(Tag(), pres_k[head + (kiln_u64)t * H + d]) : 0.f;
-            v_s[k][d] = in ? kiln_to_f32(Tag(), pres_v[head + (kiln_u64)t * H + d]) : 0.f;
+            const kiln_u64 at = gqa_at(lay, b, j, t, H) + d;
+            k_s[k][d] = in ? kiln_to_f32(Tag(), pres_k[at]) : 0.f;
+            v_s[k][d] = in ? kiln_to_f32(Tag(), pres_v[at]) : 0.f;
         }
         __syncthreads();
         // 3. Each of the warp's rows: lane = key.
@@ -451,7 +478,8 @@ __device__ void gqa_decode_split(const typename Tag::storage* q_src, const typen
                                  const typename Tag::storage* bias, float* partial, unsigned N, unsigned Nk,
                                  unsigned H, unsigned PL, kiln_u64 q_w, kiln_u64 cache_rows, unsigned rotary_half,
                                  unsigned interleaved, float scale, float softcap, int window, unsigned has_bias,
-                                 unsigned bias_b, unsigned bias_h, unsigned total, unsigned chunk, kiln_status* st) {
+                                 unsigned bias_b, unsigned bias_h, unsigned total, unsigned chunk, gqa_layout lay,
+                                 kiln_status* st) {
     __shared__ float s_acc[GQA_MAX_WARPS][GQA_MAX_CHUNKS * 32];
     __shared__ float s_m[GQA_MAX_WARPS], s_l[GQA_MAX_WARPS];
     const unsigned split = blockIdx.x, h = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
@@ -474,9 +502,8 @@ __device__ void gqa_decode_split(const typename Tag::storage* q_src, const typen
     float q[GQA_MAX_CHUNKS];
     gqa_query<Tag>(q_src + (kiln_u64)b * q_w + (kiln_u64)h * H, cos_c, sin_c, pos, cache_rows, rotary_half,
                    interleaved, H, threadIdx.x & 31u, q);
-    const kiln_u64 head = ((kiln_u64)b * Nk + j) * PL * H;
     float mx, den;
-    gqa_fold<Tag>(q, pres_k + head, pres_v + head, lo, hi, H, scale, softcap,
+    gqa_fold<Tag>(q, pres_k, pres_v, lay, b, j, lo, hi, H, scale, softcap,
                   gqa_bias_row<Tag>(bias, has_bias, bias_b, bias_h, b, h, 0, 1, total), s_acc, s_m, s_l, &mx, &den);
     if (threadIdx.x == 0) {
         part[0] = mx;
@@ -512,13 +539,12 @@ __device__ __forceinline__ void gqa_decode_append(
     const typename Tag::storage* past_v, const typename Tag::storage* cos_c, const typename Tag::storage* sin_c,
     typename Tag::storage* pres_k, typename Tag::storage* pres_v, unsigned split, unsigned kpb, unsigned j, unsigned b,
     unsigned Nk, unsigned H, unsigned PL, unsigned P, long long pos, kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off,
-    kiln_u64 cache_rows, unsigned rotary_half, unsigned interleaved) {
+    kiln_u64 cache_rows, unsigned rotary_half, unsigned interleaved, const gqa_layout& lay) {
     typedef typename Tag::storage T;
     const long long r0 = (long long)split * kpb;
     const long long r1 = r0 + kpb < (long long)PL ? r0 + kpb : (long long)PL;
     const T* kr = k_src + (kiln_u64)b * kv_w + k_off + (kiln_u64)j * H;
     const T* vr = v_src + (kiln_u64)b * kv_w + v_off + (kiln_u64)j * H;
-    const kiln_u64 head = ((kiln_u64)b * Nk + j) * PL * H;
     const bool in_place = pres_k == past_k && pres_v == past_v;
     const long long lo = in_place ? (pos > r0 ? pos : r0) : r0;
     const long long hi = in_place ? (pos + 1 < r1 ? pos + 1 : r1) : r1;
@@ -526,7 +552,7 @@ __device__ __forceinline__ void gqa_decode_append(
     for (kiln_u64 i = threadIdx.x; i < (kiln_u64)(hi - lo) * H; i += blockDim.x) {
         const long long t = lo + (long long)(i / H);
         const unsigned d = (unsigned)(i % H);
-        const kiln_u64 at = head + (kiln_u64)t * H + d;
+        const kiln_u64 at = gqa_at(lay, b, j, t, H) + d;
         T kv = 0, vv = 0;
         if (t == pos) {
             if (rotary_half > 0 && d < 2 * rotary_half)
@@ -535,7 +561,7 @@ __device__ __forceinline__ void gqa_decode_append(
                 kv = kr[d];
             vv = vr[d];
         } else if (t < (long long)P) {
-            const kiln_u64 src = (((kiln_u64)b * Nk + j) * P + (kiln_u64)t) * H + d;
+            const kiln_u64 src = gqa_past_at(lay, b, j, t, H, Nk, P, PL) + d;
             kv = past_k[src];
             vv = past_v[src];
         }
@@ -733,7 +759,7 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
                            const typename Tag::storage* k_src, const typename Tag::storage* v_src,
                            const typename Tag::storage* past_k, const typename Tag::storage* past_v, unsigned P,
                            kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off, unsigned append, unsigned kpb,
-                                kiln_status* st) {
+                           gqa_layout lay, kiln_status* st) {
     typedef typename Tag::storage T;
     const unsigned VE = 16 / sizeof(T);  // elements per 16-byte vector
     __shared__ __align__(16) float q_s[GQA_DEC_MAX_QH];
@@ -751,21 +777,20 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
     if (lo < start) lo = start;
     if (hi > end) hi = end;
     const unsigned n = lo < hi ? (unsigned)(hi - lo) : 0;  // ≤ GQA_DEC_KEYS = blockDim.x
-    const kiln_u64 head = ((kiln_u64)b * Nk + j) * PL * H;
     const unsigned vpr = H / VE;  // 16-byte vectors per K/V row
     // Key k's K and V rows are loaded before the append and the query rows (their latency
     // overlaps), except rows this block writes first: the new row, or every owned row when the
     // present is not the past buffer. Those are loaded after the __syncthreads below.
     const bool in_place = pres_k == past_k && pres_v == past_v;
     const auto late = [&](unsigned k) { return append && (!in_place || lo + (long long)k == pos); };
-    const uint4* krow = (const uint4*)(pres_k + head + (kiln_u64)(lo + tid) * H);
+    const uint4* krow = (const uint4*)(pres_k + gqa_at(lay, b, j, lo + tid, H));
     uint4 kraw[GQA_DEC_ROW_VECS];
 #pragma unroll
     for (unsigned u = 0; u < GQA_DEC_ROW_VECS; ++u)
         kraw[u] = tid < n && u < vpr && !late(tid) ? krow[u] : make_uint4(0, 0, 0, 0);
     const unsigned lanes = blockDim.x / vpr;
     const unsigned kl = tid / vpr, vi = tid - kl * vpr;
-    const auto vrow = [&](unsigned k) { return ((const uint4*)(pres_v + head + (kiln_u64)(lo + k) * H))[vi]; };
+    const auto vrow = [&](unsigned k) { return ((const uint4*)(pres_v + gqa_at(lay, b, j, lo + k, H)))[vi]; };
     uint4 vraw[GQA_DEC_REG_V_KEYS];
 #pragma unroll
     for (unsigned u = 0; u < GQA_DEC_REG_V_KEYS; ++u) {
@@ -773,8 +798,8 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
         vraw[u] = k < n && !late(k) ? vrow(k) : make_uint4(0, 0, 0, 0);
     }
     if (append)
-        gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v, split, GQA_DEC_KEYS, j, b, Nk, H, PL, P,
-                               pos, kv_w, k_off, v_off, cache_rows, rotary_half, interleaved);
+        gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v, split, GQA_DEC_KEYS, j, b,
+                               Nk, H, PL, P, pos, kv_w, k_off, v_off, cache_rows, rotary_half, interleaved, lay);
     if (n == 0) {
         gqa_dec_empty<Tag>(out, partial, b, N, H, j, group, split, splits);
         return;
@@ -865,7 +890,7 @@ __device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Ta
                            const typename Tag::storage* k_src, const typename Tag::storage* v_src,
                            const typename Tag::storage* past_k, const typename Tag::storage* past_v, unsigned P,
                            kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off, unsigned append, unsigned kpb,
-                           kiln_status* st) {
+                           gqa_layout lay, kiln_status* st) {
     typedef typename Tag::storage T;
     const unsigned VE = 16 / sizeof(T);  // elements per 16-byte vector
     extern __shared__ __align__(16) unsigned char gqa_dyn[];
@@ -874,7 +899,6 @@ __device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Ta
     __shared__ float s_m[G], s_l[G];
     const unsigned split = blockIdx.x, j = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
     const unsigned group = N / Nk, tid = threadIdx.x;
-    const kiln_u64 head = ((kiln_u64)b * Nk + j) * PL * H;
     const unsigned vpr = H / VE;  // 16-byte vectors per K/V row
     const unsigned row_bytes = H * (unsigned)sizeof(T);
     if (split == 0 && j == 0 && b == 0 && tid == 0)
@@ -892,21 +916,22 @@ __device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Ta
     // the past buffer) are read after the barrier below; the others are copied now.
     const bool in_place = pres_k == past_k && pres_v == past_v;
     const auto late = [&](unsigned k) { return append && (!in_place || lo + (long long)k == pos); };
-    const uint4* kg = (const uint4*)(pres_k + head + (kiln_u64)lo * H);
-    const uint4* vg = (const uint4*)(pres_v + head + (kiln_u64)lo * H);
+    // Vector u of key k's K or V row (rows of a block may cross pages of a paged layout).
+    const auto kg = [&](unsigned k, unsigned u) { return (const uint4*)(pres_k + gqa_at(lay, b, j, lo + k, H)) + u; };
+    const auto vg = [&](unsigned k, unsigned u) { return (const uint4*)(pres_v + gqa_at(lay, b, j, lo + k, H)) + u; };
     for (unsigned i = tid; i < n * vpr; i += blockDim.x) {
         const unsigned k = i / vpr, u = i - k * vpr;
-        if (!late(k)) kiln_cp_async16(&k_s[gqa_swz(k, u, vpr)], &kg[i]);
+        if (!late(k)) kiln_cp_async16(&k_s[gqa_swz(k, u, vpr)], kg(k, u));
     }
     kiln_cp_async_commit();
     for (unsigned i = tid; i < n * vpr; i += blockDim.x) {
         const unsigned k = i / vpr, u = i - k * vpr;
-        if (!late(k)) kiln_cp_async16(&v_s[gqa_swz(k, u, vpr)], &vg[i]);
+        if (!late(k)) kiln_cp_async16(&v_s[gqa_swz(k, u, vpr)], vg(k, u));
     }
     kiln_cp_async_commit();
     if (append)
         gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v, split, kpb, j, b, Nk, H,
-                               PL, P, pos, kv_w, k_off, v_off, cache_rows, rotary_half, interleaved);
+                               PL, P, pos, kv_w, k_off, v_off, cache_rows, rotary_half, interleaved, lay);
     if (n == 0) {
         gqa_dec_empty<Tag>(out, partial, b, N, H, j, group, split, splits);
         kiln_cp_async_wait<0>();
@@ -918,8 +943,8 @@ __device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Ta
         for (unsigned i = tid; i < n * vpr; i += blockDim.x) {
             const unsigned k = i / vpr, u = i - k * vpr;
             if (late(k)) {
-                k_s[gqa_swz(k, u, vpr)] = kg[i];
-                v_s[gqa_swz(k, u, vpr)] = vg[i];
+                k_s[gqa_swz(k, u, vpr)] = *kg(k, u);
+                v_s[gqa_swz(k, u, vpr)] = *vg(k, u);
             }
         }
     }
@@ -1116,6 +1141,11 @@ __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, c
     }
 }
 
+// The K/V layout parameters every kernel that reads or writes the present takes before its status
+// record (gqa_layout), and the layout they make.
+#define KILN_GQA_LAYOUT_PARAMS kiln_u64 kv_row, kiln_u64 kv_head, kiln_u64 kv_page, unsigned kv_shift
+#define KILN_GQA_LAYOUT (gqa_layout{kv_row, kv_head, kv_page, kv_shift})
+
 // The parameters of both decode kernels (one signature in kernel.toml).
 #define KILN_GQA_DECODE_PARAMS(TAG)                                                                                    \
     const TAG::storage *q_src, TAG::storage *pres_k, TAG::storage *pres_v, const int *seqlens,                         \
@@ -1124,20 +1154,22 @@ __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, c
         kiln_u64 cache_rows, unsigned rotary_half, unsigned interleaved, float scale, float softcap, int window,        \
         unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode,                       \
         const TAG::storage *k_src, const TAG::storage *v_src, const TAG::storage *past_k, const TAG::storage *past_v,  \
-        unsigned P, kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off, unsigned append, unsigned kpb, kiln_status *st
+        unsigned P, kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off, unsigned append, unsigned kpb,                      \
+        KILN_GQA_LAYOUT_PARAMS, kiln_status *st
 
 #define KILN_GQA_DECODE(SUF, TAG, G)                                                                          \
     extern "C" __global__ void __launch_bounds__(256, 2) kiln_gqa_decode##G##_##SUF(KILN_GQA_DECODE_PARAMS(TAG)) { \
         gqa_decode_regs<TAG, G>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out, N, Nk, H, PL,  \
                                 q_w, cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b,   \
                                 bias_h, total, sink_mode, k_src, v_src, past_k, past_v, P, kv_w, k_off, v_off, append, \
-                                kpb, st);                                                                              \
+                                kpb, KILN_GQA_LAYOUT, st);                                                             \
     }                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256, G <= 4 ? 3 : 2) kiln_gqa_decode_tiled##G##_##SUF(               \
         KILN_GQA_DECODE_PARAMS(TAG)) {                                                                                 \
         gqa_decode_tiled<TAG, G>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out, N, Nk, H, PL, q_w,  \
                            cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b, bias_h,     \
-                           total, sink_mode, k_src, v_src, past_k, past_v, P, kv_w, k_off, v_off, append, kpb, st);   \
+                           total, sink_mode, k_src, v_src, past_k, past_v, P, kv_w, k_off, v_off, append, kpb,        \
+                           KILN_GQA_LAYOUT, st);                                                                      \
     }
 
 #define KILN_ATTENTION_KERNELS(SUF, TAG)                                                                               \
@@ -1146,9 +1178,10 @@ __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, c
         const int* seqlens, const TAG::storage* cos_c, const TAG::storage* sin_c, TAG::storage* pres_k,                \
         TAG::storage* pres_v, unsigned B, unsigned S, unsigned Nk, unsigned H, unsigned PL, unsigned P, kiln_u64 kv_w, \
         kiln_u64 k_off, kiln_u64 v_off, unsigned first_prompt, unsigned shared, kiln_u64 cache_rows,                   \
-        unsigned rotary_half, unsigned interleaved, unsigned total, kiln_status* st) {                                 \
+        unsigned rotary_half, unsigned interleaved, unsigned total, KILN_GQA_LAYOUT_PARAMS, kiln_status* st) {         \
         gqa_kv<TAG>(k_src, v_src, past_k, past_v, seqlens, cos_c, sin_c, pres_k, pres_v, B, S, Nk, H, PL, P, kv_w,     \
-                    k_off, v_off, first_prompt, shared, cache_rows, rotary_half, interleaved, total, st);              \
+                    k_off, v_off, first_prompt, shared, cache_rows, rotary_half, interleaved, total, KILN_GQA_LAYOUT, \
+                    st);                                                                                               \
     }                                                                                                                  \
     extern "C" __global__ void kiln_gqa_attn_##SUF(                                                                    \
         const TAG::storage* q_src, const TAG::storage* pres_k, const TAG::storage* pres_v, const int* seqlens,         \
@@ -1156,28 +1189,28 @@ __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, c
         TAG::storage* out, unsigned S, unsigned N, unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w,                 \
         unsigned first_prompt, kiln_u64 cache_rows, unsigned rotary_half, unsigned interleaved, float scale,           \
         float softcap, int window, unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total,                \
-        unsigned sink_mode, kiln_status* st) {                                                                         \
+        unsigned sink_mode, KILN_GQA_LAYOUT_PARAMS, kiln_status* st) {                                                 \
         gqa_attn<TAG>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, out, S, N, Nk, H, PL, q_w,             \
                       first_prompt, cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b,    \
-                      bias_h, total, sink_mode, st);                                                                   \
+                      bias_h, total, sink_mode, KILN_GQA_LAYOUT, st);                                                  \
     }                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(GQA_PF_WARPS * 32) kiln_gqa_prefill_##SUF(                          \
         const TAG::storage* q_src, const TAG::storage* pres_k, const TAG::storage* pres_v, const int* seqlens,         \
         const TAG::storage* cos_c, const TAG::storage* sin_c, TAG::storage* out, unsigned S, unsigned N, unsigned Nk,  \
         unsigned H, unsigned PL, kiln_u64 q_w, unsigned first_prompt, kiln_u64 cache_rows, unsigned rotary_half,       \
-        unsigned interleaved, float scale, int window, unsigned total, kiln_status* st) {                              \
+        unsigned interleaved, float scale, int window, unsigned total, KILN_GQA_LAYOUT_PARAMS, kiln_status* st) {      \
         gqa_prefill<TAG>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, out, S, N, Nk, H, PL, q_w, first_prompt,        \
-                         cache_rows, rotary_half, interleaved, scale, window, total, st);                              \
+                         cache_rows, rotary_half, interleaved, scale, window, total, KILN_GQA_LAYOUT, st);             \
     }                                                                                                                  \
     extern "C" __global__ void kiln_gqa_split_##SUF(                                                                   \
         const TAG::storage* q_src, const TAG::storage* pres_k, const TAG::storage* pres_v, const int* seqlens,         \
         const TAG::storage* cos_c, const TAG::storage* sin_c, const TAG::storage* bias, float* partial, unsigned N,    \
         unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w, kiln_u64 cache_rows, unsigned rotary_half,                 \
         unsigned interleaved, float scale, float softcap, int window, unsigned has_bias, unsigned bias_b,              \
-        unsigned bias_h, unsigned total, unsigned chunk, kiln_status* st) {                                            \
+        unsigned bias_h, unsigned total, unsigned chunk, KILN_GQA_LAYOUT_PARAMS, kiln_status* st) {                    \
         gqa_decode_split<TAG>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, partial, N, Nk, H, PL, q_w,          \
                               cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b, bias_h,  \
-                              total, chunk, st);                                                                       \
+                              total, chunk, KILN_GQA_LAYOUT, st);                                                      \
     }                                                                                                                  \
     KILN_GQA_DECODE(SUF, TAG, 1)                                                                                       \
     KILN_GQA_DECODE(SUF, TAG, 2)                                                                                       \

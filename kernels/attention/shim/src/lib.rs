@@ -45,6 +45,14 @@
 //!
 //! The CPU reference computes in f64; rotated Q and K are rounded to the tensor dtype before
 //! the attention, as onnxruntime stores them.
+//!
+//! # Paged KV caches
+//!
+//! On the GPU `past_key`/`past_value` and `present_key`/`present_value` may come paged (ABI.md
+//! §6.1, the manifest's `paged_inputs` and `paged_outputs`): the host's paged KV cache, whose
+//! positions lie in pages shared by every layer of a row. A paged past needs present outputs of
+//! the same layout and length (the buffer bound in place); a paged present needs a paged past or
+//! none. The kernels address every K/V row through the layout (attention.cu's `gqa_layout`).
 #![no_std]
 extern crate alloc;
 
@@ -355,6 +363,10 @@ fn gqa_infer(call: &Call) -> Result<Vec<TensorType>> {
 
 fn gqa_cpu(call: &Call) -> Result<()> {
     let p = gqa_plan(call)?;
+    if (1..=4).any(|i| if i <= 2 { call.output_opt(i) } else { call.input_opt(i) }.is_some_and(|t| t.paged().is_some()))
+    {
+        unsupported!("{GQA}: the CPU reference reads row-major K/V caches, not paged ones");
+    }
     let (b_n, s_n, n_h, n_kv, h_sz) = (p.batch, p.seq, p.heads, p.kv_heads, p.head_size);
     let group = n_h / n_kv;
     let round = rounder(p.dtype);
@@ -725,6 +737,54 @@ fn dtype_suffix(d: DType) -> &'static str {
     }
 }
 
+/// The present K/V layout the kernels address (attention.cu's `gqa_layout`, in elements): batch
+/// row stride, KV head stride, page stride and log2 of the positions per page. Paged: the present
+/// outputs' layout, which a paged past must share (same layout and length: one buffer bound in
+/// place); row-major `[B, Nk, PL, H]` otherwise: `Nk·PL·H`, `PL·H`, 0, 31. Errors: a paged past
+/// beside a present of another layout or length, a paged present beside a row-major past, or a
+/// layout whose positions within a page are not `H` apart and its elements 1 apart.
+fn kv_layout(call: &Call, p: &GqaPlan) -> Result<[KernelArg; 4]> {
+    let paged = |t: Option<Tensor>| t.and_then(|t| t.paged().cloned());
+    let (past, pres) = ([paged(call.input_opt(3)), paged(call.input_opt(4))], [paged(call.output_opt(1)), paged(call.output_opt(2))]);
+    let has_past = p.past_len > 0;
+    let layout = match (&past, &pres) {
+        ([None, None], [None, None]) => {
+            let pl = (p.present_len * p.head_size) as u64;
+            return Ok([KernelArg::U64(p.kv_heads as u64 * pl), KernelArg::U64(pl), KernelArg::U64(0), KernelArg::U32(31)]);
+        }
+        ([a, b], [Some(c), Some(d)]) if c == d && (!has_past || (a.as_ref() == Some(c) && b.as_ref() == Some(c))) => {
+            if has_past && p.present_len != p.past_len {
+                bail!(
+                    "{GQA}: a paged past_key of {} positions needs present outputs of its length (the buffer bound in \
+                     place), not {}",
+                    p.past_len,
+                    p.present_len
+                );
+            }
+            c.clone()
+        }
+        _ => bail!(
+            "{GQA}: paged K/V caches need past_key, past_value, present_key and present_value in one paged layout \
+             (a paged past bound in place as the present), or a paged present without a past"
+        ),
+    };
+    if layout.axis != 2 || layout.strides[2] != p.head_size as u64 || layout.strides[3] != 1 {
+        unsupported!(
+            "{GQA}: a paged K/V layout must page axis 2 (positions) with positions {} elements apart within a page \
+             and head elements adjacent, got axis {} and strides {:?}",
+            p.head_size,
+            layout.axis,
+            layout.strides
+        );
+    }
+    Ok([
+        KernelArg::U64(layout.strides[0]),
+        KernelArg::U64(layout.strides[1]),
+        KernelArg::U64(layout.page_stride),
+        KernelArg::U32(layout.shift),
+    ])
+}
+
 /// Largest head size of `kiln_gqa_attn_*` (8 elements per lane).
 const GQA_MAX_HEAD: usize = 256;
 
@@ -740,6 +800,7 @@ const GQA_MAX_HEAD: usize = 256;
 fn gqa_dispatch(call: &Call) -> Result<()> {
     let p = gqa_plan(call)?;
     let (kv_k, attn_k, _) = kernels(GQA, p.dtype)?;
+    let layout = kv_layout(call, &p)?;
     if p.head_size > GQA_MAX_HEAD {
         unsupported!("{GQA}: head size {} (the CUDA kernel handles up to {GQA_MAX_HEAD})", p.head_size);
     }
@@ -838,6 +899,10 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
                 u("rotary width", rot_half)?,
                 flag(interleaved),
                 u("total_sequence_length", p.total)?,
+                layout[0],
+                layout[1],
+                layout[2],
+                layout[3],
                 KernelArg::Status,
             ],
         })?;
@@ -937,6 +1002,7 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
                 u("keys per block", keys)?,
             ]);
         }
+        args.extend(layout);
         args.push(KernelArg::Status);
         launch(&Launch {
             kernel: &format!("kiln_gqa_{kernel}_{suffix}"),
@@ -992,7 +1058,9 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
             args: [
                 vec![targ(&query), harg(pres_k), harg(pres_v), seqlens, cos, sin, targ(&out)],
                 geometry,
-                vec![KernelArg::I32(window), u("total_sequence_length", p.total)?, KernelArg::Status],
+                vec![KernelArg::I32(window), u("total_sequence_length", p.total)?],
+                layout.to_vec(),
+                vec![KernelArg::Status],
             ]
             .concat(),
         });
@@ -1011,8 +1079,7 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
             u("attention_bias heads", bias_h)?,
             u("total_sequence_length", p.total)?,
             KernelArg::U32(sink_mode),
-            KernelArg::Status,
-        ]]
+        ], layout.to_vec(), vec![KernelArg::Status]]
         .concat(),
     })
 }
