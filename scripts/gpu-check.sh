@@ -48,7 +48,7 @@ for phase in $phases; do
   t0=$(date +%s)
   case "$phase" in
   tests)
-    "$GPU_TESTS" --include-ignored --test-threads 1 2>&1 | tee "$out/gpu-tests.log" | grep -E "^test |test result"
+    "$GPU_TESTS" --include-ignored --test-threads 1 --nocapture 2>&1 | tee "$out/gpu-tests.log" | grep -E "^test .*(ok|FAILED)$|test result"
     summary+=("tests: $(grep -E '^test result' "$out/gpu-tests.log" | tail -1)")
     ;;
   bench)

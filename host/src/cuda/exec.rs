@@ -340,16 +340,24 @@ impl Gpu {
             return Ok(());
         }
         let stream = self.device.enqueue();
-        // SAFETY: a plain C struct; all-zero is "no arrays, no host pointers".
-        let mut copy: sys::CUDA_MEMCPY2D = unsafe { std::mem::zeroed() };
-        copy.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
-        copy.srcDevice = src;
-        copy.srcPitch = src_pitch as usize;
-        copy.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
-        copy.dstDevice = dst;
-        copy.dstPitch = dst_pitch as usize;
-        copy.WidthInBytes = width as usize;
-        copy.Height = height as usize;
+        let copy = sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcHost: std::ptr::null(),
+            srcDevice: src,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: src_pitch as usize,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: dst,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: dst_pitch as usize,
+            WidthInBytes: width as usize,
+            Height: height as usize,
+        };
         // SAFETY: the caller guarantees both extents; the descriptor is read during the call.
         let r = unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream.cu_stream()) };
         match r {
