@@ -164,7 +164,7 @@ impl Generator {
     }
 
     /// Makes a GPU's shared caches (continuous batches) paged or reserved by rows (see
-    /// [`super::kv`]); paged only where the session's packages take paged caches. Returns
+    /// `genai::kv`); paged only where the session's packages take paged caches. Returns
     /// whether they are paged now. A batch made before keeps its cache.
     pub fn set_paged_kv(&mut self, on: bool) -> bool {
         self.paged_kv = on
@@ -224,7 +224,7 @@ impl Generator {
     /// Runs the prompts (token ids, right-padded into one batch) with an empty cache of at
     /// most `limit` positions. Returns the cache and each row's logits at its last prompt
     /// token (`vocab` values). A shared cache on a GPU whose packages take paged caches is
-    /// paged ([`super::kv`]): its addresses are reserved for `limit` positions, and each row maps
+    /// paged (`genai::kv`): its addresses are reserved for `limit` positions, and each row maps
     /// its pages as it grows. Errors: an empty prompt, prompts of different lengths without a
     /// shared buffer, a prompt of `limit` tokens or more.
     pub fn prefill(&mut self, prompts: &[Vec<i64>], limit: usize) -> Result<(KvCache, Vec<Vec<f32>>)> {
