@@ -85,7 +85,7 @@ pub enum ManifestError {
 /// kernel signatures (`[[cuda]] signatures`), which every declared kernel must have; schema 3
 /// added device status records (the `status` parameter kind and `[[device_errors]]`); schema 4
 /// added shared device code (`headers`, `[dependencies]`, header-only packages); schema 5 added
-/// paged tensors (`paged_inputs`, `paged_outputs` of `[[ops]]`).
+/// paged tensors (`paged_inputs`, `paged_outputs` of `[[ops]]`) and the `counters` parameter kind.
 pub const MANIFEST_SCHEMA: u32 = 5;
 
 /// The folder of a package whose files are its exported headers.
@@ -302,6 +302,9 @@ pub enum ParamKind {
     /// `kiln_status*`: the node's device status record (ABI.md §7.5, schema 3), 8 bytes; the
     /// launch passes [`KernelArg::Status`].
     Status,
+    /// `unsigned*`: the node's counters (ABI.md §6.3, schema 5), 8 bytes; the launch passes
+    /// [`KernelArg::Counters`].
+    Counters,
 }
 
 impl ParamKind {
@@ -316,6 +319,7 @@ impl ParamKind {
             KernelArg::F32(_) => ParamKind::F32,
             KernelArg::F64(_) => ParamKind::F64,
             KernelArg::Status => ParamKind::Status,
+            KernelArg::Counters(_) => ParamKind::Counters,
         }
     }
 
@@ -338,6 +342,7 @@ impl ParamKind {
             ParamKind::F32 => "f32",
             ParamKind::F64 => "f64",
             ParamKind::Status => "status",
+            ParamKind::Counters => "counters",
         }
     }
 }
@@ -602,6 +607,9 @@ impl Manifest {
         if self.schema < 3 && c.signatures.iter().any(|s| s.params.contains(&ParamKind::Status)) {
             return bad("the `status` parameter kind comes with manifest schema 3: set `schema = 3`".into());
         }
+        if self.schema < 5 && c.signatures.iter().any(|s| s.params.contains(&ParamKind::Counters)) {
+            return bad("the `counters` parameter kind comes with manifest schema 5: set `schema = 5`".into());
+        }
         for k in &c.kernels {
             let hits = c.signatures.iter().filter(|s| s.kernels.iter().any(|p| kernel_pattern_matches(p, k))).count();
             if hits == 0 {
@@ -609,7 +617,7 @@ impl Manifest {
                 return bad(format!(
                     "kernel {k:?} has no signature: {schema}add an entry such as \
                      `{{ kernels = [\"{k}\"], params = [\"tensor\", \"u64\"] }}` to its `signatures`, \
-                     one parameter kind per C parameter (tensor, i32, u32, i64, u64, f32, f64, status; ABI.md §7.3; \
+                     one parameter kind per C parameter (tensor, i32, u32, i64, u64, f32, f64, status, counters; ABI.md §7.3; \
                      scripts/kernel-signatures.py prints them from the source)"
                 ));
             }
@@ -805,8 +813,8 @@ signatures = [{ kernels = ["relu_*"], params = ["tensor", "tensor", "u64"] }]
         assert!(err.contains("schema must be a positive integer"), "{err}");
     }
 
-    /// Schema 5: an op's paged inputs and outputs, each index once; with an older schema the
-    /// fields are refused naming the schema that brought them.
+    /// Schema 5: an op's paged inputs and outputs, each index once, and the `counters` parameter
+    /// kind; with an older schema they are refused naming the schema that brought them.
     #[test]
     fn paged_inputs_and_outputs_come_with_schema_5() {
         let paged = "max_rank = 8\npaged_inputs = [3, 4]\npaged_outputs = [1, 2]\n";
@@ -814,8 +822,14 @@ signatures = [{ kernels = ["relu_*"], params = ["tensor", "tensor", "u64"] }]
         let m = Manifest::parse(&v5).unwrap();
         assert_eq!((m.ops[0].paged_inputs.clone(), m.ops[0].paged_outputs.clone()), (vec![3, 4], vec![1, 2]));
         assert_eq!(Manifest::parse(&m.to_toml()).unwrap(), m, "round trip");
+        let counted = v5.replace("\"u64\"]", "\"u64\", \"counters\"]");
+        assert_eq!(Manifest::parse(&counted).unwrap().kernel_signatures()[0].1.last(), Some(&ParamKind::Counters));
         let cases = [
             (v5.replace("schema = 5", "schema = 4"), "`paged_inputs` come with manifest schema 5"),
+            (
+                counted.replace("schema = 5", "schema = 4").replace(paged, "max_rank = 8\n"),
+                "`counters` parameter kind comes with manifest schema 5",
+            ),
             (v5.replace("[3, 4]", "[3, 3]"), "paged_inputs[1] lists index 3 twice"),
             (v5.replace("[1, 2]", "[2, 2]"), "paged_outputs[1] lists index 2 twice"),
         ];

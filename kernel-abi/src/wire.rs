@@ -388,7 +388,17 @@ pub enum KernelArg {
     /// buffer; the host reads it at the step's synchronization and fails the run with the
     /// package's `[[device_errors]]` message. Tag 8, no payload (manifest schema 3).
     Status,
+    /// A pointer to this many `unsigned` device words that belong to the node (ABI.md §6.3,
+    /// manifest schema 5): zero when the host first gives them, at one address for the
+    /// session, and left zero by every launch that uses them (the last block to finish resets
+    /// what it counted), so that blocks of one launch can count themselves in, a "last block
+    /// merges" reduction, without a kernel to clear them. At most [`MAX_COUNTERS`]. Tag 9,
+    /// payload `u32` count.
+    Counters(u32),
 }
+
+/// Most words of a launch's [`KernelArg::Counters`].
+pub const MAX_COUNTERS: u32 = 4096;
 
 /// Most arguments of one launch (CUDA allows 32 KiB of parameters; every argument takes at
 /// least 4 bytes).
@@ -448,6 +458,10 @@ impl<'a> Launch<'a> {
                     w.u64(v.to_bits())
                 }
                 KernelArg::Status => w.u8(8),
+                KernelArg::Counters(n) => {
+                    w.u8(9);
+                    w.u32(n)
+                }
             }
         }
         w.0
@@ -476,6 +490,7 @@ impl<'a> Launch<'a> {
                 6 => KernelArg::F32(r.f32("f32")?),
                 7 => KernelArg::F64(f64::from_bits(r.u64("f64")?)),
                 8 => KernelArg::Status,
+                9 => KernelArg::Counters(r.u32("counters")?),
                 _ => return Err(WireError::Invalid("argument tag")),
             });
         }
@@ -846,6 +861,7 @@ mod tests {
                 KernelArg::U64(10),
                 KernelArg::F64(0.5),
                 KernelArg::Status,
+                KernelArg::Counters(24),
             ],
         };
         assert_eq!(Launch::decode(&l.encode()).unwrap(), l);

@@ -78,6 +78,9 @@ pub struct Gpu {
     readbacks: super::Readbacks,
     /// One device status record per node of the session's graph (ABI.md §7.5).
     status: super::StatusRecords,
+    /// The counters of the nodes whose launches take them (`KernelArg::Counters`, ABI.md §6.3),
+    /// by node: `MAX_COUNTERS` words each, zeroed once, at one address for the session.
+    counters: HashMap<usize, DevBuffer>,
     /// The process's device, shared with every other session on it. Last: the fields above
     /// (events, pinned memory, pool blocks) go while its context lives.
     pub device: Arc<Device>,
@@ -213,6 +216,7 @@ impl Gpu {
             pdl: false,
             readbacks: super::Readbacks::new()?,
             status: super::StatusRecords::new(1)?,
+            counters: HashMap::new(),
         })
     }
 
@@ -497,6 +501,22 @@ impl Gpu {
             .collect()
     }
 
+    /// Readies node `record`'s counters when a launch of `plan` takes them (`KernelArg::Counters`):
+    /// `MAX_COUNTERS` words, zeroed on the stream, kept for the session. Allocates, so it runs
+    /// before a plan is recorded or captured, never inside a capture. Errors: device memory.
+    pub fn prepare_counters(&mut self, record: usize, plan: &LaunchPlan) -> Result<()> {
+        let takes = plan.steps.iter().any(|s| match s {
+            PlanStep::Launch { args, .. } => args.iter().any(|a| matches!(a, PlanArg::Scalar(KernelArg::Counters(_)))),
+            PlanStep::Gemm(_) => false,
+        });
+        if !takes || self.counters.contains_key(&record) {
+            return Ok(());
+        }
+        let b = self.zeroed(kiln_kernel_abi::wire::MAX_COUNTERS as u64 * 4)?;
+        self.counters.insert(record, b);
+        Ok(())
+    }
+
     /// Runs `plan` with the functions of [`Gpu::plan_functions`].
     pub fn execute_resolved(
         &mut self,
@@ -534,9 +554,11 @@ impl Gpu {
         record: usize,
     ) -> Result<()> {
         let status = self.status.device_ptr(record)?;
+        // 0 when the node has none: a launch that takes them then fails (never prepared).
+        let counters = self.counters.get(&record).map_or(0, |b| b.ptr);
         plan.steps.iter().zip(functions).try_for_each(|(step, f)| match (step, f) {
             (PlanStep::Launch { kernel, grid, block, shared_mem_bytes, args }, Some(f)) => {
-                self.launch(f, kernel, *grid, *block, *shared_mem_bytes, args, slots, status)
+                self.launch(f, kernel, *grid, *block, *shared_mem_bytes, args, slots, (status, counters))
             }
             (PlanStep::Gemm(g), _) => self.gemm(g, slots),
             (PlanStep::Launch { kernel, .. }, None) => Err(Error::Device(format!("kernel {kernel} was not loaded"))),
@@ -564,7 +586,7 @@ impl Gpu {
         shmem: u32,
         args: &[PlanArg],
         slots: &[(CUdeviceptr, u64)],
-        status: CUdeviceptr,
+        (status, counters): (CUdeviceptr, CUdeviceptr),
     ) -> Result<()> {
         // One 8-byte cell per argument; the kernel reads its parameter's size from the cell.
         // Up to 64 arguments live on the stack.
@@ -589,6 +611,10 @@ impl Gpu {
                 PlanArg::Scalar(KernelArg::F32(v)) => v.to_bits() as u64,
                 PlanArg::Scalar(KernelArg::F64(v)) => v.to_bits(),
                 PlanArg::Scalar(KernelArg::Status) => status,
+                PlanArg::Scalar(KernelArg::Counters(_)) if counters != 0 => counters,
+                PlanArg::Scalar(KernelArg::Counters(_)) => {
+                    return Err(Error::Device(format!("launch {kernel}: the node's counters were not prepared")))
+                }
                 PlanArg::Scalar(KernelArg::Tensor { .. }) => {
                     return Err(Error::Device("tensor argument left in a plan".into()))
                 }

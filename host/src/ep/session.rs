@@ -995,6 +995,7 @@ impl Session {
                 other => other,
             }
         })?;
+        gpu.prepare_counters(idx, &plan)?;
         let outs = self.launch_outputs(idx, &plan, &functions, out_types, out_ids, slots)?;
         Ok((outs, plan, functions))
     }

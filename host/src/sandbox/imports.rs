@@ -280,6 +280,13 @@ fn check_launch(st: &CallState, l: &Launch<'_>) -> Result<PlanStep, String> {
                 }
                 PlanArg::Tensor { slot, offset }
             }
+            KernelArg::Counters(n) if n == 0 || n > kiln_kernel_abi::wire::MAX_COUNTERS => {
+                return Err(format!(
+                    "launch {}: {n} counters (1 to {} per node)",
+                    l.kernel,
+                    kiln_kernel_abi::wire::MAX_COUNTERS
+                ));
+            }
             scalar => PlanArg::Scalar(scalar),
         });
     }
@@ -323,6 +330,7 @@ fn describe(k: ParamKind) -> String {
     match k {
         ParamKind::Tensor => "a tensor".into(),
         ParamKind::Status => "the status record".into(),
+        ParamKind::Counters => "the node's counters".into(),
         scalar => format!("a {}-byte scalar {}", scalar.size(), scalar.name()),
     }
 }

@@ -742,6 +742,52 @@ __device__ __forceinline__ void gqa_dec_write(const float* s_red, unsigned strid
     }
 }
 
+// The split merge folded into the decode kernels (`fold`, several splits): each block of KV head
+// j, batch row b counts itself in on counters[b·Nk + j] (the node's counters, ABI.md §6.3, zero
+// between launches) once its partial state is written, and the last block to finish merges
+// every split of the group's query heads as kiln_gqa_merge_* would (sink_mode as gqa_attn; a
+// row with no key to attend to gets zeros), then puts the counter back to zero. The partial
+// states of other blocks are read through L2 (__ldcg) after a fence: a decode step runs one
+// kernel fewer per layer. Block-uniform: every thread of the block calls it.
+template <typename Tag>
+__device__ __noinline__ void gqa_dec_fold(const float* partial, unsigned* counters, const typename Tag::storage* sink,
+                                             unsigned sink_mode, typename Tag::storage* out, unsigned b, unsigned N,
+                                             unsigned H, unsigned j, unsigned group, unsigned splits, bool no_keys) {
+    __shared__ unsigned s_last;
+    __threadfence();  // this block's partial state, seen by the block that merges
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(&counters[b * gridDim.y + j], 1u) == splits - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    const kiln_u64 stride = H + 2;
+    for (unsigned i = threadIdx.x; i < group * H; i += blockDim.x) {
+        const unsigned g = i / H, d = i - g * H, h = j * group + g;
+        typename Tag::storage* o = out + (kiln_u64)b * N * H + (kiln_u64)h * H;
+        if (no_keys) {
+            o[d] = kiln_from_f32(Tag(), 0.f);
+            continue;
+        }
+        const float* part = partial + ((kiln_u64)b * N + h) * splits * stride;
+        float M = -__int_as_float(0x7f800000);
+        for (unsigned s = 0; s < splits; ++s)
+            if (__ldcg(part + s * stride + 1) > 0.f) M = fmaxf(M, __ldcg(part + s * stride));
+        float sink_v = 0.f;
+        if (sink_mode == 2) sink_v = kiln_to_f32(Tag(), sink[h]);
+        if (sink_mode != 0) M = fmaxf(M, sink_v);
+        float den = sink_mode != 0 ? expf(sink_v - M) : 0.f, v = 0.f;
+        for (unsigned s = 0; s < splits; ++s) {
+            const float l = __ldcg(part + s * stride + 1);
+            if (l <= 0.f) continue;  // an empty split's sums are unset
+            const float w = expf(__ldcg(part + s * stride) - M);
+            den += l * w;
+            v += __ldcg(part + s * stride + 2 + d) * w;
+        }
+        o[d] = kiln_from_f32(Tag(), v / den);
+    }
+    if (threadIdx.x == 0) counters[b * gridDim.y + j] = 0;
+}
+
 // Decode attention by KV head for latency-bound grids (the shim's choice for few keys in all):
 // the same steps as gqa_decode_tiled, but each thread loads its K row and GQA_DEC_REG_V_KEYS V rows
 // into registers at the start, before the append and the query rows, so their latency
@@ -759,7 +805,7 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
                            const typename Tag::storage* k_src, const typename Tag::storage* v_src,
                            const typename Tag::storage* past_k, const typename Tag::storage* past_v, unsigned P,
                            kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off, unsigned append, unsigned kpb,
-                           gqa_layout lay, kiln_status* st) {
+                           gqa_layout lay, unsigned fold, unsigned* counters, kiln_status* st) {
     typedef typename Tag::storage T;
     const unsigned VE = 16 / sizeof(T);  // elements per 16-byte vector
     __shared__ __align__(16) float q_s[GQA_DEC_MAX_QH];
@@ -802,6 +848,7 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
                                Nk, H, PL, P, pos, kv_w, k_off, v_off, cache_rows, rotary_half, interleaved, lay);
     if (n == 0) {
         gqa_dec_empty<Tag>(out, partial, b, N, H, j, group, split, splits);
+        if (fold && splits > 1) gqa_dec_fold<Tag>(partial, counters, sink, sink_mode, out, b, N, H, j, group, splits, start >= end);
         return;
     }
     // 1. Query rows.
@@ -859,6 +906,7 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
     __syncthreads();
     gqa_dec_write<Tag>(&s_red[0][0], GQA_DEC_MAX_QH, (lanes * vpr + 31) / 32, s_m, s_l, sink, sink_mode, out, partial,
                        b, N, H, j, group, split, splits);
+    if (fold && splits > 1) gqa_dec_fold<Tag>(partial, counters, sink, sink_mode, out, b, N, H, j, group, splits, false);
 }
 
 // Decode attention by KV head (S = 1, not a first prompt), gqa_decode_tiled, for grids with many
@@ -890,7 +938,7 @@ __device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Ta
                            const typename Tag::storage* k_src, const typename Tag::storage* v_src,
                            const typename Tag::storage* past_k, const typename Tag::storage* past_v, unsigned P,
                            kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off, unsigned append, unsigned kpb,
-                           gqa_layout lay, kiln_status* st) {
+                           gqa_layout lay, unsigned fold, unsigned* counters, kiln_status* st) {
     typedef typename Tag::storage T;
     const unsigned VE = 16 / sizeof(T);  // elements per 16-byte vector
     extern __shared__ __align__(16) unsigned char gqa_dyn[];
@@ -935,6 +983,7 @@ __device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Ta
     if (n == 0) {
         gqa_dec_empty<Tag>(out, partial, b, N, H, j, group, split, splits);
         kiln_cp_async_wait<0>();
+        if (fold && splits > 1) gqa_dec_fold<Tag>(partial, counters, sink, sink_mode, out, b, N, H, j, group, splits, start >= end);
         return;
     }
     gqa_dec_queries<Tag>(q_s, q_src, cos_c, sin_c, pos, cache_rows, rotary_half, interleaved, b, q_w, j, group, H);
@@ -1001,6 +1050,7 @@ __device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Ta
     __syncthreads();
     gqa_dec_write<Tag>(s_red, group * H, (lanes * vpr + 31) / 32, s_m, s_l, sink, sink_mode, out, partial, b, N, H, j,
                        group, split, splits);
+    if (fold && splits > 1) gqa_dec_fold<Tag>(partial, counters, sink, sink_mode, out, b, N, H, j, group, splits, false);
 }
 
 // Merges the splits of gqa_decode_split for head h = blockIdx.x, batch row b = blockIdx.y,
@@ -1155,21 +1205,21 @@ __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, c
         unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode,                       \
         const TAG::storage *k_src, const TAG::storage *v_src, const TAG::storage *past_k, const TAG::storage *past_v,  \
         unsigned P, kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off, unsigned append, unsigned kpb,                      \
-        KILN_GQA_LAYOUT_PARAMS, kiln_status *st
+        KILN_GQA_LAYOUT_PARAMS, unsigned fold, unsigned *counters, kiln_status *st
 
 #define KILN_GQA_DECODE(SUF, TAG, G)                                                                          \
     extern "C" __global__ void __launch_bounds__(256, 2) kiln_gqa_decode##G##_##SUF(KILN_GQA_DECODE_PARAMS(TAG)) { \
         gqa_decode_regs<TAG, G>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out, N, Nk, H, PL,  \
                                 q_w, cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b,   \
                                 bias_h, total, sink_mode, k_src, v_src, past_k, past_v, P, kv_w, k_off, v_off, append, \
-                                kpb, KILN_GQA_LAYOUT, st);                                                             \
+                                kpb, KILN_GQA_LAYOUT, fold, counters, st);                                             \
     }                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256, G <= 4 ? 3 : 2) kiln_gqa_decode_tiled##G##_##SUF(               \
         KILN_GQA_DECODE_PARAMS(TAG)) {                                                                                 \
         gqa_decode_tiled<TAG, G>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out, N, Nk, H, PL, q_w,  \
                            cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b, bias_h,     \
                            total, sink_mode, k_src, v_src, past_k, past_v, P, kv_w, k_off, v_off, append, kpb,        \
-                           KILN_GQA_LAYOUT, st);                                                                      \
+                           KILN_GQA_LAYOUT, fold, counters, st);                                                      \
     }
 
 #define KILN_ATTENTION_KERNELS(SUF, TAG)                                                                               \

@@ -59,6 +59,7 @@ extern crate alloc;
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
 use kiln_kernel_abi::{bail, export_shim, unsupported};
+use kiln_kernel_abi::wire::MAX_COUNTERS;
 
 struct Attention;
 
@@ -715,6 +716,10 @@ fn tiled_shared_bytes(kpb: usize, row_bytes: usize, group_head: usize) -> usize 
     (kpb * row_bytes).max(DEC_WARPS * group_head * 4) + kpb * row_bytes
 }
 
+/// Most splits whose merge the decode kernels fold into their last block (each of its threads
+/// walks every split twice); more go to `kiln_gqa_merge_*`, which shares the walk across a block.
+const FOLD_MAX_SPLITS: usize = 64;
+
 /// Other decode attention over a present buffer longer than this many positions is split over the
 /// keys (`kiln_gqa_split_*` then `kiln_gqa_merge_*`), `SPLIT_KEYS` keys per block of
 /// `SPLIT_WARPS` warps.
@@ -937,6 +942,11 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
             unsupported!("{GQA}: present length {} needs {splits} splits (at most 65535)", p.present_len);
         }
         let suffix = dtype_suffix(p.dtype);
+        // By KV head the last block of each (KV head, batch row) merges the splits itself, on
+        // the node's counters (one per pair), up to FOLD_MAX_SPLITS splits; past them (or past
+        // MAX_COUNTERS pairs) kiln_gqa_merge_* runs after it.
+        let pairs = p.batch * n_kv;
+        let fold = by_kv_head && splits > 1 && splits <= FOLD_MAX_SPLITS && pairs <= MAX_COUNTERS as usize;
         let merged = splits > 1 || !by_kv_head;
         let partial = if merged { scratch((p.batch * n_h * splits * (h_sz + 2) * 4) as u64)? } else { out.handle() };
         let geometry = vec![
@@ -1003,6 +1013,9 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
             ]);
         }
         args.extend(layout);
+        if by_kv_head {
+            args.extend([flag(fold), KernelArg::Counters(pairs.clamp(1, MAX_COUNTERS as usize) as u32)]);
+        }
         args.push(KernelArg::Status);
         launch(&Launch {
             kernel: &format!("kiln_gqa_{kernel}_{suffix}"),
@@ -1011,7 +1024,7 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
             shared_mem_bytes: smem as u32, // at most DEC_TILE_BYTES (K and V tiles, the reduction ≤ 32 KiB)
             args,
         })?;
-        if !merged {
+        if !merged || fold {
             return Ok(());
         }
         return launch(&Launch {
