@@ -717,8 +717,11 @@ fn tiled_shared_bytes(kpb: usize, row_bytes: usize, group_head: usize) -> usize 
 }
 
 /// Most splits whose merge the decode kernels fold into their last block (each of its threads
-/// walks every split twice); more go to `kiln_gqa_merge_*`, which shares the walk across a block.
-const FOLD_MAX_SPLITS: usize = 64;
+/// walks every split twice, one L2 round trip after another); more go to `kiln_gqa_merge_*`,
+/// which spreads the walk over a block. On the H200 (bench/RESULTS.md, 2026-12-04) folding the
+/// 16 splits of a 4,096-position cache made a step 0.16 ms (batch 1) and 0.22 ms (batch 8)
+/// slower; at 2 splits it saves the merge launch eagerly and is level under graphs.
+const FOLD_MAX_SPLITS: usize = 4;
 
 /// Other decode attention over a present buffer longer than this many positions is split over the
 /// keys (`kiln_gqa_split_*` then `kiln_gqa_merge_*`), `SPLIT_KEYS` keys per block of
