@@ -637,6 +637,21 @@ fn attention_over_a_paged_kv_cache_matches_the_cpu_reference() {
             let views = [gpu.page_view(&pages, 0, b).unwrap(), gpu.page_view(&pages, 1, b).unwrap()];
             let err = gpu.read_tensor(&views[0]).unwrap_err().to_string();
             assert!(err.contains("paged tensor"), "a host read of a paged view: {err}");
+            // A present bound to a paged tensor that is not its past (another cache) is refused.
+            let other = gpu.reserve_pages(kiln_kernel_abi::DType::F32, shape).unwrap();
+            let stray = gpu.page_view(&other, 0, b).unwrap();
+            let run: Vec<(String, Feed<'_>)> = feeds
+                .iter()
+                .map(|(nm, t)| match nm.as_str() {
+                    "past_key" => (nm.clone(), Feed::Device(&views[0])),
+                    "past_value" => (nm.clone(), Feed::Device(&views[1])),
+                    _ => (nm.clone(), Feed::Host(t.clone())),
+                })
+                .collect();
+            let fetches = [("present_key", Fetch::Into(&stray)), ("present_value", Fetch::Into(&views[1]))];
+            let err = gpu.run_with(run, &fetches).unwrap_err().to_string();
+            assert!(err.contains("written only in place"), "{what}: {err}");
+            drop((stray, other));
             // A decode step's appended row is read by the next step; a prompt's by itself.
             let steps = if seq_total.0 == 1 { 2 } else { 1 };
             for step in 0..steps {

@@ -319,7 +319,7 @@ impl HeldTensors {
     ) -> Result<()> {
         match self.get_mut(t)?.reserved.as_mut() {
             Some(Reserved::Pages(a)) => a.map(gpu, rows, positions, chunk, trim),
-            _ => Err(Error::Device("a paged KV cache lost its addresses".into())),
+            _ => Err(Error::Input("not a paged KV cache (Session::reserve_pages)".into())),
         }
     }
 

@@ -130,6 +130,9 @@ pub(super) struct PagedArena {
     pub buffer: VirtualBuffer,
     pub geometry: PageGeometry,
     pub dtype: DType,
+    /// Rows and positions every row below the first has mapped at least (since the last
+    /// trim): a step that needs no more returns at once, without a walk over the chunks.
+    covered: (usize, usize),
 }
 
 impl PagedArena {
@@ -140,7 +143,7 @@ impl PagedArena {
         let granularity = gpu.granularity()?;
         let geometry = PageGeometry::new(pages, elem, granularity)?;
         let buffer = gpu.reserve(geometry.reserved_bytes())?;
-        Ok(PagedArena { buffer, geometry, dtype })
+        Ok(PagedArena { buffer, geometry, dtype, covered: (0, 0) })
     }
 
     /// The view of cache tensor `i` over the first `rows` rows: its address and layout.
@@ -161,7 +164,8 @@ impl PagedArena {
     }
 
     /// Maps rows `0 .. rows` for their first `positions` positions: a row short of them maps
-    /// one chunk of at least `chunk` bytes (within its region), whose new bytes are zeros. With
+    /// one chunk of at least `chunk` bytes (per row, within its region), whose new bytes are
+    /// zeros. With
     /// `trim`, then unmaps (behind a fence) the rows from `rows` on, and what each other row has
     /// past its positions' bytes and one chunk. Errors: more rows than reserved, the
     /// device-memory limit ([`Error::OutOfMemory`]) or the driver's; the rows mapped before the
@@ -170,6 +174,9 @@ impl PagedArena {
         let g = &self.geometry;
         if rows > g.pages.rows {
             return Err(Error::Input(format!("{rows} rows of a paged KV cache reserved for {}", g.pages.rows)));
+        }
+        if !trim && rows <= self.covered.0 && positions <= self.covered.1 {
+            return Ok(());
         }
         let (need, limit) = (g.bytes_for(positions), g.row_bytes());
         for r in 0..rows {
@@ -181,12 +188,20 @@ impl PagedArena {
             let now = self.mapped(r);
             gpu.zero(self.buffer.ptr() + start + have, now - have)?;
         }
+        self.covered = match trim {
+            false if rows >= self.covered.0 && positions >= self.covered.1 => (rows, positions),
+            false if rows <= self.covered.0 && positions <= self.covered.1 => self.covered,
+            // Grown along one and short along the other: only what both cover is known.
+            false => (rows.min(self.covered.0), positions.min(self.covered.1)),
+            true => (0, 0),
+        };
         if trim {
             let keep = need.max(chunk);
             for r in 0..g.pages.rows {
                 let start = g.row_offset(r);
                 self.buffer.unmap_at(start, if r < rows { keep } else { 0 }, limit)?;
             }
+            self.covered = (rows, positions);
         }
         Ok(())
     }

@@ -103,8 +103,13 @@ enum PlanEntry {
 /// Key of an execution plan: each fed graph input's dtype and shape, and for each graph
 /// output the capacity in bytes of the tensor it is bound to (`None`: skipped). Whether an
 /// output is written in place depends on that capacity.
-/// A paged input's or bound output's layout is part of the key: its kernels' arguments follow it.
-type PlanKey = (Vec<(ValueId, DType, Vec<usize>, Option<Arc<Paged>>)>, Vec<(ValueId, Option<u64>, Option<Arc<Paged>>)>);
+/// A paged input's or bound output's layout is part of the key (its kernels' arguments follow
+/// it), and so is the feed a paged output aliases (it is written in place, checked when the
+/// plan is recorded).
+type PlanKey = (
+    Vec<(ValueId, DType, Vec<usize>, Option<Arc<Paged>>)>,
+    Vec<(ValueId, Option<u64>, Option<Arc<Paged>>, Option<ValueId>)>,
+);
 
 /// The paged layouts of a node's inputs and of the held tensors its outputs are written into
 /// (ABI.md §6.1), in slot order; `None`: row-major. A node's launch plan depends on them.
@@ -510,14 +515,18 @@ impl Session {
         let mut bound = HashMap::new();
         for &o in &g.outputs {
             match fetch_of.get(&o) {
-                Some(Fetch::Skip) => key_outs.push((o, None, None)),
+                Some(Fetch::Skip) => key_outs.push((o, None, None, None)),
                 Some(Fetch::Into(_)) => {
                     let h = self.bound.get(&o).and_then(|h| self.held.by_id(*h));
                     let Some((ptr, capacity)) = h.and_then(|h| h.device_ptr().map(|p| (p, h.capacity))) else {
                         return Ok(None);
                     };
                     bound.insert(o, ptr);
-                    key_outs.push((o, Some(capacity), h.and_then(|h| h.value.paged().cloned())));
+                    // A paged output's key names the feed it aliases: the plan was recorded (and
+                    // checked to write in place) for that binding.
+                    let paged = h.and_then(|h| h.value.paged().cloned());
+                    let alias = paged.as_ref().and_then(|_| feeds.iter().find(|(_, p)| **p == ptr).map(|(v, _)| *v));
+                    key_outs.push((o, Some(capacity), paged, alias));
                     outputs.push((o, g.values[o].name.clone()));
                 }
                 _ => return not_planned(&mut self.report, "an output not bound to a held tensor"),
@@ -858,11 +867,16 @@ impl Session {
                     inputs[slot] = Some(d);
                 }
             }
+            // Shape and Size read no bytes: they get a paged input as row-major metadata.
+            let n = &self.model.graph.nodes[idx];
+            let metadata = n.domain.is_empty() && matches!(n.op_type.as_str(), "Shape" | "Size");
             let layouts = (
-                inputs.iter().map(|v| v.as_ref().and_then(|v| v.paged().cloned())).collect(),
+                inputs.iter().map(|v| v.as_ref().and_then(|v| v.paged().cloned()).filter(|_| !metadata)).collect(),
                 self.bound_layouts(&out_ids, &out_types),
             );
             self.check_paged(idx, &resolved, &layouts)?;
+            let in_ptrs: Vec<Option<u64>> = inputs.iter().map(|v| v.as_ref().and_then(Value::device_ptr)).collect();
+            self.check_in_place(idx, (&layouts.0, &in_ptrs), &out_ids, &out_types)?;
             let (outs, plan, functions) =
                 self.execute_gpu(idx, res, &inputs, &infer_ins, &out_types, (key, layouts.clone()), &out_ids)?;
             self.memo[idx] = Some(Arc::new(NodeMemo {
@@ -917,6 +931,37 @@ impl Session {
                     "node {:?} ({}): {what} {i} is a paged tensor (a view of a paged KV cache), which {} does not \
                      declare in {field} (kernel.toml, ABI.md §6.1)",
                     n.name, n.op_type, resolved.package_id
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Errors when an output of node `idx` is written into a paged tensor that is not one of
+    /// its paged inputs (`inputs`: their layouts and addresses): a paged KV cache is written
+    /// only in place, where the kernels touch only the positions its rows have mapped.
+    fn check_in_place(
+        &self,
+        idx: usize,
+        inputs: (&[Option<Arc<Paged>>], &[Option<u64>]),
+        out_ids: &[Option<ValueId>],
+        out_types: &OutputTypes,
+    ) -> Result<()> {
+        if self.bound.is_empty() {
+            return Ok(());
+        }
+        for (i, (id, t)) in out_ids.iter().zip(out_types).enumerate() {
+            let Some(h) = t.as_ref().and_then(|t| self.bound_target(*id, t)) else { continue };
+            if h.value.paged().is_none() {
+                continue;
+            }
+            let ptr = h.device_ptr();
+            if !inputs.0.iter().zip(inputs.1).any(|(l, p)| l.is_some() && *p == ptr) {
+                let n = &self.model.graph.nodes[idx];
+                return Err(Error::Input(format!(
+                    "node {:?} ({}): output {i} is bound to a paged tensor that is not one of its paged inputs; a \
+                     paged KV cache is written only in place (bind the present to its past's view)",
+                    n.name, n.op_type
                 )));
             }
         }
@@ -1210,6 +1255,11 @@ impl Session {
         {
             return Ok(None);
         }
+        if memo.layouts.1.iter().any(Option::is_some) {
+            let ptrs: Vec<Option<u64>> =
+                node.inputs.iter().map(|v| v.and_then(|id| values[id].as_ref()).and_then(Value::device_ptr)).collect();
+            self.check_in_place(idx, (&memo.layouts.0, &ptrs), &out_ids, &memo.out_types)?;
+        }
         if self.recorder.is_none() {
             self.report.plan_hits += 1;
         }
@@ -1383,8 +1433,8 @@ impl Session {
     }
 
     /// Maps rows `0 .. rows` of paged KV cache `pages` for their first `positions` positions:
-    /// a row short of them maps one chunk of at least [`SessionOptions::vmm_chunk_bytes`] (its
-    /// new bytes zeros, stream-ordered). With `trim`, it then unmaps, behind a fence (the
+    /// a row short of them maps one chunk of at least [`SessionOptions::vmm_chunk_bytes`] (per
+    /// row; its new bytes zeros, stream-ordered). With `trim`, it then unmaps, behind a fence (the
     /// device's work so far finished first), the rows from `rows` on and what each other row
     /// maps past its positions and one chunk. Views are not checked (each spans every position,
     /// mapped or not): the caller maps what the work it enqueues reads and writes, as a decode

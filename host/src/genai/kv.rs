@@ -118,8 +118,9 @@ pub(super) fn first_rows(s: &mut Session, d: &KvDims, full: &KvCache, rows: usiz
 
 /// Maps `full` (a GPU's cache of [`empty`]) for its first `rows` rows and, paged, their first
 /// `positions` positions each, in steps of at least the session's
-/// [`crate::ep::SessionOptions::vmm_chunk_bytes`]: growing (`!trim`) maps what is short (by
-/// rows: more rows, up to `full`'s, when one row is smaller than a chunk); trimming unmaps,
+/// [`crate::ep::SessionOptions::vmm_chunk_bytes`] (by rows: in all, more rows up to `full`'s
+/// when one row is smaller than a chunk; paged: per row that is short): growing (`!trim`) maps
+/// what is short; trimming unmaps,
 /// behind a fence, what lies past them but one chunk (by rows: at most as many as needed;
 /// paged: the rows past `rows` and each row's positions past `positions`). Newly used bytes are
 /// zeros. Returns the rows mapped now. Errors: views still reading rows being unmapped, the
@@ -138,7 +139,8 @@ pub(super) fn fit(
     let Some(pages) = &full.pages else { return fit_rows(s, d, full, rows, !trim) };
     s.map_pages(pages, rows, positions.min(full.limit), trim).map_err(|e| {
         let why = format!(
-            "the KV cache cannot {} {rows} rows × {positions} positions ({:.1} MiB of {} reserved per row): {e}",
+            "the KV cache cannot {} {rows} rows × {positions} positions (about {:.1} MiB per row, of {} positions \
+             reserved): {e}",
             if trim { "shrink to" } else { "grow to" },
             d.row_bytes(positions) as f64 / (1u64 << 20) as f64,
             full.limit

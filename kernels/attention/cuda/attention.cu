@@ -148,6 +148,8 @@ __device__ void gqa_kv(const typename Tag::storage* k_src, const typename Tag::s
         const unsigned b = (unsigned)(i / ((kiln_u64)H * PL * Nk));
         long long t_b, past_b;
         gqa_row(seqlens, b, S, first_prompt, &t_b, &past_b);
+        // A paged present maps only the positions below each row's length: none past them.
+        if (lay.page != 0 && (long long)t >= t_b) continue;
         const long long s = (long long)t - past_b;
         T kv = 0, vv = 0;
         if (s >= 0 && s < (long long)S) {
@@ -547,7 +549,8 @@ __device__ __forceinline__ void gqa_decode_append(
     const T* vr = v_src + (kiln_u64)b * kv_w + v_off + (kiln_u64)j * H;
     const bool in_place = pres_k == past_k && pres_v == past_v;
     const long long lo = in_place ? (pos > r0 ? pos : r0) : r0;
-    const long long hi = in_place ? (pos + 1 < r1 ? pos + 1 : r1) : r1;
+    // In place, or paged (whose pages are mapped only up to the row's position): rows to pos.
+    const long long hi = in_place || lay.page != 0 ? (pos + 1 < r1 ? pos + 1 : r1) : r1;
     if (lo >= hi) return;
     for (kiln_u64 i = threadIdx.x; i < (kiln_u64)(hi - lo) * H; i += blockDim.x) {
         const long long t = lo + (long long)(i / H);

@@ -51,8 +51,8 @@
 //! On the GPU `past_key`/`past_value` and `present_key`/`present_value` may come paged (ABI.md
 //! §6.1, the manifest's `paged_inputs` and `paged_outputs`): the host's paged KV cache, whose
 //! positions lie in pages shared by every layer of a row. A paged past needs present outputs of
-//! the same layout and length (the buffer bound in place); a paged present needs a paged past or
-//! none. The kernels address every K/V row through the layout (attention.cu's `gqa_layout`).
+//! the same layout and length (the buffer bound in place, which the host checks), and a paged
+//! present such a past. The kernels address every K/V row through the layout (attention.cu's `gqa_layout`).
 #![no_std]
 extern crate alloc;
 
@@ -748,9 +748,10 @@ fn dtype_suffix(d: DType) -> &'static str {
 /// The present K/V layout the kernels address (attention.cu's `gqa_layout`, in elements): batch
 /// row stride, KV head stride, page stride and log2 of the positions per page. Paged: the present
 /// outputs' layout, which a paged past must share (same layout and length: one buffer bound in
-/// place); row-major `[B, Nk, PL, H]` otherwise: `Nk·PL·H`, `PL·H`, 0, 31. Errors: a paged past
-/// beside a present of another layout or length, a paged present beside a row-major past, or a
-/// layout whose positions within a page are not `H` apart and its elements 1 apart.
+/// place, as the host checks); row-major `[B, Nk, PL, H]` otherwise: `Nk·PL·H`, `PL·H`, 0, 31.
+/// Errors: a paged past beside a present of another layout or length, a paged present without a
+/// paged past of its layout, or a layout whose positions within a page are not `H` apart and its
+/// elements 1 apart.
 fn kv_layout(call: &Call, p: &GqaPlan) -> Result<[KernelArg; 4]> {
     let paged = |t: Option<Tensor>| t.and_then(|t| t.paged().cloned());
     let (past, pres) = ([paged(call.input_opt(3)), paged(call.input_opt(4))], [paged(call.output_opt(1)), paged(call.output_opt(2))]);
@@ -760,7 +761,7 @@ fn kv_layout(call: &Call, p: &GqaPlan) -> Result<[KernelArg; 4]> {
             let pl = (p.present_len * p.head_size) as u64;
             return Ok([KernelArg::U64(p.kv_heads as u64 * pl), KernelArg::U64(pl), KernelArg::U64(0), KernelArg::U32(31)]);
         }
-        ([a, b], [Some(c), Some(d)]) if c == d && (!has_past || (a.as_ref() == Some(c) && b.as_ref() == Some(c))) => {
+        ([a, b], [Some(c), Some(d)]) if c == d && has_past && a.as_ref() == Some(c) && b.as_ref() == Some(c) => {
             if has_past && p.present_len != p.past_len {
                 bail!(
                     "{GQA}: a paged past_key of {} positions needs present outputs of its length (the buffer bound in \
@@ -773,7 +774,7 @@ fn kv_layout(call: &Call, p: &GqaPlan) -> Result<[KernelArg; 4]> {
         }
         _ => bail!(
             "{GQA}: paged K/V caches need past_key, past_value, present_key and present_value in one paged layout \
-             (a paged past bound in place as the present), or a paged present without a past"
+             (a paged past bound in place as the present)"
         ),
     };
     if layout.axis != 2 || layout.strides[2] != p.head_size as u64 || layout.strides[3] != 1 {
