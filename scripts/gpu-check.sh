@@ -18,6 +18,7 @@
 #              the CUDA provider
 #   sanitize   compute-sanitizer memcheck over a graph decode
 #   peers      PyTorch eager, CUDA graph and torch.compile on the same architecture
+#              (PEER_METHODS=graph leaves PyTorch eager out: about 45 s less)
 #   profile    ncu: GPU time of every kernel of one eager decode step (batch 1 and 8, cache of 384
 #              positions as in the bench rows)
 #   prefill    ncu: GPU time by kernel of a batch-64 prefill (128-token prompts)
@@ -141,7 +142,7 @@ for w in glob.glob(".gpu/python/*.whl"):
   peers)
     py=.gpu/device-fixtures/bench_torch_decode.py
     {
-      python3 $py --json "$work/torch.json" --md "$work/torch.md"
+      python3 $py --methods "${PEER_METHODS:-eager,graph}" --json "$work/torch.json" --md "$work/torch.md"
       python3 $py --methods compile --batches 1 --json "$work/torch-compile-b1.json"
       python3 $py --methods compile --batches 8 --json "$work/torch-compile-b8.json"
       python3 $py --table "$work/torch.json" "$work"/torch-compile-b*.json
