@@ -9,7 +9,7 @@ host/cuda on the include path, and every header package's `include/` — of kern
 packages given — as `<package>/`, ABI.md §7.6), so kernels that macros define are seen as the
 compiler sees them. A parameter is `tensor` when it is a pointer, else its scalar type: `i32` (int), `u32`
 (unsigned), `i64` (long long, kiln_i64), `u64` (unsigned long long, kiln_u64), `f32` (float),
-`f64` (double); a `kiln_status*` is `status` (ABI.md §7.5). Kernels with the same parameters are grouped under a `*` pattern when one
+`f64` (double); a `kiln_status*` is `status` (ABI.md §7.5), a `kiln_counter*` is `counters` (§6.3). Kernels with the same parameters are grouped under a `*` pattern when one
 covers exactly them, else listed.
 """
 import os
@@ -55,6 +55,9 @@ def kernels_of(source, tree):
         for p in [p.strip() for p in params.split(",")] if params and params != "void" else []:
             if re.match(r"(const\s+)?kiln_status\s*\*", p):
                 kinds.append("status")
+                continue
+            if re.match(r"kiln_counter\s*\*", p):
+                kinds.append("counters")
                 continue
             if "*" in p:
                 kinds.append("tensor")

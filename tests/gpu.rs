@@ -610,7 +610,7 @@ fn long_context_decode_attention(n: usize, nk: usize) {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn attention_over_a_paged_kv_cache_matches_the_cpu_reference() {
-    use kiln_host::ep::{Feed, Fetch, Fetched, KvPages};
+    use kiln_host::ep::{Fetch, Fetched, KvPages};
     for (n, nk, lens, seq_total, past) in [
         (4, 2, vec![3000, 700, 1], (1, 3072), 3072),
         (32, 8, vec![3000, 700, 1], (1, 3072), 3072),
@@ -640,14 +640,7 @@ fn attention_over_a_paged_kv_cache_matches_the_cpu_reference() {
             // A present bound to a paged tensor that is not its past (another cache) is refused.
             let other = gpu.reserve_pages(kiln_kernel_abi::DType::F32, shape).unwrap();
             let stray = gpu.page_view(&other, 0, b).unwrap();
-            let run: Vec<(String, Feed<'_>)> = feeds
-                .iter()
-                .map(|(nm, t)| match nm.as_str() {
-                    "past_key" => (nm.clone(), Feed::Device(&views[0])),
-                    "past_value" => (nm.clone(), Feed::Device(&views[1])),
-                    _ => (nm.clone(), Feed::Host(t.clone())),
-                })
-                .collect();
+            let run = on_pages(&feeds, &views);
             let fetches = [("present_key", Fetch::Into(&stray)), ("present_value", Fetch::Into(&views[1]))];
             let err = gpu.run_with(run, &fetches).unwrap_err().to_string();
             assert!(err.contains("written only in place"), "{what}: {err}");
@@ -656,14 +649,7 @@ fn attention_over_a_paged_kv_cache_matches_the_cpu_reference() {
             let steps = if seq_total.0 == 1 { 2 } else { 1 };
             for step in 0..steps {
                 let want = cpu.run(feeds.clone()).unwrap();
-                let run: Vec<(String, Feed<'_>)> = feeds
-                    .iter()
-                    .map(|(nm, t)| match nm.as_str() {
-                        "past_key" => (nm.clone(), Feed::Device(&views[0])),
-                        "past_value" => (nm.clone(), Feed::Device(&views[1])),
-                        _ => (nm.clone(), Feed::Host(t.clone())),
-                    })
-                    .collect();
+                let run = on_pages(&feeds, &views);
                 let fetches = [
                     ("output", Fetch::Host),
                     ("present_key", Fetch::Into(&views[0])),
@@ -688,6 +674,21 @@ fn attention_over_a_paged_kv_cache_matches_the_cpu_reference() {
             }
         }
     }
+}
+
+/// `feeds` with the past key and value fed from paged views `views`, the rest from the host.
+fn on_pages<'a>(
+    feeds: &[(String, kiln_host::Tensor)],
+    views: &'a [kiln_host::ep::DeviceTensor; 2],
+) -> Vec<(String, kiln_host::ep::Feed<'a>)> {
+    use kiln_host::ep::Feed;
+    (feeds.iter())
+        .map(|(nm, t)| match nm.as_str() {
+            "past_key" => (nm.clone(), Feed::Device(&views[0])),
+            "past_value" => (nm.clone(), Feed::Device(&views[1])),
+            _ => (nm.clone(), Feed::Host(t.clone())),
+        })
+        .collect()
 }
 
 /// A paged KV cache (`Session::reserve_pages`, 32 cache tensors of 2 float16 heads of 64: 512

@@ -85,6 +85,11 @@ __device__ __forceinline__ void kiln_griddep_launch_dependents() {
 #endif
 }
 
+// A node's counters (ABI.md §6.3): a kernel whose signature has a `counters` parameter gets
+// `kiln_counter*`, device words of its node that are zero between launches; a launch that counts
+// on them leaves them at zero when it ends (its last block resets what it counted).
+typedef unsigned int kiln_counter;
+
 // Device status records (ABI.md §7.5). A kernel whose signature has a `status` parameter gets a
 // pointer to its node's record (host memory the device writes through; it is only touched on
 // failure). kiln_fail reports that an input is out of range: the first report of a node wins,

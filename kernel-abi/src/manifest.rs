@@ -302,7 +302,7 @@ pub enum ParamKind {
     /// `kiln_status*`: the node's device status record (ABI.md §7.5, schema 3), 8 bytes; the
     /// launch passes [`KernelArg::Status`].
     Status,
-    /// `unsigned*`: the node's counters (ABI.md §6.3, schema 5), 8 bytes; the launch passes
+    /// `kiln_counter*` (`unsigned int*`): the node's counters (ABI.md §6.3, schema 5), 8 bytes; the launch passes
     /// [`KernelArg::Counters`].
     Counters,
 }

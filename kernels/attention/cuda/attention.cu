@@ -753,7 +753,7 @@ __device__ __forceinline__ void gqa_dec_write(const float* s_red, unsigned strid
 // states of other blocks are read through L2 (__ldcg) after a fence: a decode step runs one
 // kernel fewer per layer. Block-uniform: every thread of the block calls it.
 template <typename Tag>
-__device__ __noinline__ void gqa_dec_fold(const float* partial, unsigned* counters, const typename Tag::storage* sink,
+__device__ __noinline__ void gqa_dec_fold(const float* partial, kiln_counter* counters, const typename Tag::storage* sink,
                                              unsigned sink_mode, typename Tag::storage* out, unsigned b, unsigned N,
                                              unsigned H, unsigned j, unsigned group, unsigned splits, bool no_keys) {
     __shared__ unsigned s_last;
@@ -808,7 +808,7 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
                            const typename Tag::storage* k_src, const typename Tag::storage* v_src,
                            const typename Tag::storage* past_k, const typename Tag::storage* past_v, unsigned P,
                            kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off, unsigned append, unsigned kpb,
-                           gqa_layout lay, unsigned fold, unsigned* counters, kiln_status* st) {
+                           gqa_layout lay, unsigned fold, kiln_counter* counters, kiln_status* st) {
     typedef typename Tag::storage T;
     const unsigned VE = 16 / sizeof(T);  // elements per 16-byte vector
     __shared__ __align__(16) float q_s[GQA_DEC_MAX_QH];
@@ -941,7 +941,7 @@ __device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Ta
                            const typename Tag::storage* k_src, const typename Tag::storage* v_src,
                            const typename Tag::storage* past_k, const typename Tag::storage* past_v, unsigned P,
                            kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off, unsigned append, unsigned kpb,
-                           gqa_layout lay, unsigned fold, unsigned* counters, kiln_status* st) {
+                           gqa_layout lay, unsigned fold, kiln_counter* counters, kiln_status* st) {
     typedef typename Tag::storage T;
     const unsigned VE = 16 / sizeof(T);  // elements per 16-byte vector
     extern __shared__ __align__(16) unsigned char gqa_dyn[];
@@ -1208,7 +1208,7 @@ __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, c
         unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode,                       \
         const TAG::storage *k_src, const TAG::storage *v_src, const TAG::storage *past_k, const TAG::storage *past_v,  \
         unsigned P, kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off, unsigned append, unsigned kpb,                      \
-        KILN_GQA_LAYOUT_PARAMS, unsigned fold, unsigned *counters, kiln_status *st
+        KILN_GQA_LAYOUT_PARAMS, unsigned fold, kiln_counter *counters, kiln_status *st
 
 #define KILN_GQA_DECODE(SUF, TAG, G)                                                                          \
     extern "C" __global__ void __launch_bounds__(256, 2) kiln_gqa_decode##G##_##SUF(KILN_GQA_DECODE_PARAMS(TAG)) { \
