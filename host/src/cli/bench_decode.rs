@@ -219,7 +219,11 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
         weight_bytes as f64 / 1e6,
         floor_ms * 1e3,
         a.bandwidth_gbps,
-        if paged { "paged" } else { "row-major (the pool's)" }
+        match (paged, g.on_gpu()) {
+            (true, _) => "paged",
+            (false, true) => "row-major (the pool's)",
+            (false, false) => "host tensors",
+        }
     );
     let graphs_label = if g.session.captures_graphs() { "on" } else { "off" };
     say!(human, "| batch (bucket) | graphs | decode ms/step | decode tok/s | prefill ms | × floor | host ms/step | replays/step |");
