@@ -599,7 +599,7 @@ fn long_context_decode_attention(n: usize, nk: usize) {
     }
 }
 
-/// GroupQueryAttention over a paged KV cache (ABI.md §6.1: the past copied into pages of a
+/// GroupQueryAttention over a paged KV cache (ABI.md §6.1.1: the past copied into pages of a
 /// `Session::reserve_pages` cache from row-major tensors, past and present bound in place to its
 /// views) gives the CPU reference's output on the row-major caches: decode over rows of 3000,
 /// 700 and 1 positions of a 3072-position cache (2 query heads per KV head: the kernel with rows

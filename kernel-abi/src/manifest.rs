@@ -24,7 +24,7 @@
 //! dtype_input = 0                # default 0
 //! max_rank = 8                   # largest input/output rank handled
 //! value_inputs = []              # inputs whose bytes the shim needs for inference
-//! paged_inputs = []              # optional (schema 5; ABI.md §6.1): inputs and outputs the
+//! paged_inputs = []              # optional (schema 5; ABI.md §6.1.1): inputs and outputs the
 //! paged_outputs = []             #   shim accepts paged (a KV cache in pages)
 //!
 //! [[cuda]]
@@ -243,7 +243,7 @@ pub struct OpEntry {
     #[serde(default)]
     pub value_inputs: Vec<usize>,
     /// Inputs the shim and its kernels accept in a paged layout ([`crate::wire::Paged`],
-    /// ABI.md §6.1; schema 5), such as GroupQueryAttention's `past_key` and `past_value` read
+    /// ABI.md §6.1.1; schema 5), such as GroupQueryAttention's `past_key` and `past_value` read
     /// from the host's paged KV cache. The host pages no other input.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub paged_inputs: Vec<usize>,

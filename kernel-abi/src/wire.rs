@@ -82,7 +82,7 @@ impl<'a> TensorDesc<'a> {
     }
 }
 
-/// The layout of a paged tensor (ABI.md §6.1, tensor flag bit 3; manifest schema 5): axis
+/// The layout of a paged tensor (ABI.md §6.1.1, tensor flag bit 3; manifest schema 5): axis
 /// `axis` is split into pages of `2^shift` indices, and the pages of one index of the other
 /// axes need not be adjacent. Element `(i_0, …, i_{r−1})` lies
 ///

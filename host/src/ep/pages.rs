@@ -6,7 +6,7 @@
 //! (each layer's key and value): `[tensors][kv_heads][PAGE_POSITIONS][head_size]`, contiguous.
 //! A row is its pages in position order, and its region starts at a multiple of the device's
 //! allocation granularity, so the row maps its first pages alone. Cache tensor `i` is then a
-//! paged tensor (ABI.md §6.1) of shape `[rows, kv_heads, positions, head_size]` whose address is
+//! paged tensor (ABI.md §6.1.1) of shape `[rows, kv_heads, positions, head_size]` whose address is
 //! the arena's plus `i` tensors' share of a page: element `(b, j, t, d)` lies at
 //!
 //! ```text
@@ -80,7 +80,7 @@ impl PageGeometry {
         Ok(PageGeometry { pages, elem, tensor_page, page_stride, row_pages, row_stride: row_bytes / elem })
     }
 
-    /// The layout every cache tensor's view has (ABI.md §6.1).
+    /// The layout every cache tensor's view has (ABI.md §6.1.1).
     pub fn layout(&self) -> Paged {
         let hs = self.pages.head_size as u64;
         Paged {
@@ -188,21 +188,21 @@ impl PagedArena {
             let now = self.mapped(r);
             gpu.zero(self.buffer.ptr() + start + have, now - have)?;
         }
-        self.covered = match trim {
-            false if rows >= self.covered.0 && positions >= self.covered.1 => (rows, positions),
-            false if rows <= self.covered.0 && positions <= self.covered.1 => self.covered,
-            // Grown along one and short along the other: only what both cover is known.
-            false => (rows.min(self.covered.0), positions.min(self.covered.1)),
-            true => (0, 0),
-        };
         if trim {
+            self.covered = (0, 0);
             let keep = need.max(chunk);
             for r in 0..g.pages.rows {
                 let start = g.row_offset(r);
                 self.buffer.unmap_at(start, if r < rows { keep } else { 0 }, limit)?;
             }
-            self.covered = (rows, positions);
         }
+        // Beyond what was covered along both axes: the new rectangle. Beyond along one only:
+        // only what both rectangles share is known.
+        let (r0, p0) = self.covered;
+        self.covered = match trim || (rows >= r0 && positions >= p0) {
+            true => (rows, positions),
+            false => (rows.min(r0), positions.min(p0)),
+        };
         Ok(())
     }
 }

@@ -100,6 +100,12 @@ enum PlanEntry {
     Unplanned(String),
 }
 
+/// Whether `node` reads only its inputs' shapes (ai.onnx Shape and Size): it takes a paged input
+/// as metadata, without its layout.
+fn reads_metadata_only(node: &crate::model::Node) -> bool {
+    node.domain.is_empty() && matches!(node.op_type.as_str(), "Shape" | "Size")
+}
+
 /// Key of an execution plan: each fed graph input's dtype and shape, and for each graph
 /// output the capacity in bytes of the tensor it is bound to (`None`: skipped). Whether an
 /// output is written in place depends on that capacity.
@@ -112,7 +118,7 @@ type PlanKey = (
 );
 
 /// The paged layouts of a node's inputs and of the held tensors its outputs are written into
-/// (ABI.md §6.1), in slot order; `None`: row-major. A node's launch plan depends on them.
+/// (ABI.md §6.1.1), in slot order; `None`: row-major. A node's launch plan depends on them.
 type Layouts = (Vec<Option<Arc<Paged>>>, Vec<Option<Arc<Paged>>>);
 
 /// The nodes a run executes and the values they read, for the outputs it asks for.
@@ -867,9 +873,7 @@ impl Session {
                     inputs[slot] = Some(d);
                 }
             }
-            // Shape and Size read no bytes: they get a paged input as row-major metadata.
-            let n = &self.model.graph.nodes[idx];
-            let metadata = n.domain.is_empty() && matches!(n.op_type.as_str(), "Shape" | "Size");
+            let metadata = reads_metadata_only(&self.model.graph.nodes[idx]);
             let layouts = (
                 inputs.iter().map(|v| v.as_ref().and_then(|v| v.paged().cloned()).filter(|_| !metadata)).collect(),
                 self.bound_layouts(&out_ids, &out_types),
@@ -909,16 +913,19 @@ impl Session {
 
     /// The paged layouts of the held tensors a node's outputs are written into.
     fn bound_layouts(&self, out_ids: &[Option<ValueId>], out_types: &OutputTypes) -> Vec<Option<Arc<Paged>>> {
+        (out_ids.iter().zip(out_types)).map(|(id, t)| self.bound_layout(*id, t).cloned()).collect()
+    }
+
+    /// The paged layout of the held tensor output `id` of type `t` is written into, if any.
+    fn bound_layout(&self, id: Option<ValueId>, t: &Option<(DType, Vec<usize>)>) -> Option<&Arc<Paged>> {
         if self.bound.is_empty() {
-            return vec![None; out_types.len()];
+            return None;
         }
-        (out_ids.iter().zip(out_types))
-            .map(|(id, t)| t.as_ref().and_then(|t| self.bound_target(*id, t)).and_then(|h| h.value.paged().cloned()))
-            .collect()
+        t.as_ref().and_then(|t| self.bound_target(id, t)).and_then(|h| h.value.paged())
     }
 
     /// Errors when node `idx` would read a paged input or write a paged output that its
-    /// package does not declare (`paged_inputs`, `paged_outputs`; ABI.md §6.1): its kernels
+    /// package does not declare (`paged_inputs`, `paged_outputs`; ABI.md §6.1.1): its kernels
     /// would address the tensor as row-major.
     fn check_paged(&self, idx: usize, resolved: &Resolved, layouts: &Layouts) -> Result<()> {
         let entry = &resolved.res.entry;
@@ -929,7 +936,9 @@ impl Session {
                 let field = format!("paged_{what}s");
                 return Err(Error::Unsupported(format!(
                     "node {:?} ({}): {what} {i} is a paged tensor (a view of a paged KV cache), which {} does not \
-                     declare in {field} (kernel.toml, ABI.md §6.1)",
+                     declare in {field} (kernel.toml, ABI.md §6.1.1); keep the KV cache row-major \
+                     (`Generator::set_paged_kv(false)`, `kiln bench decode --paged-kv off`) or use a package that \
+                     declares it",
                     n.name, n.op_type, resolved.package_id
                 )));
             }
@@ -1248,10 +1257,16 @@ impl Session {
             slots.push((ptr, nbytes));
         }
         let out_ids = node.outputs.clone();
-        let in_paged =
-            node.inputs.iter().map(|v| v.and_then(|id| values[id].as_ref()).and_then(|v| v.paged().cloned()));
-        if !in_paged.eq(memo.layouts.0.iter().cloned())
-            || self.bound_layouts(&out_ids, &memo.out_types) != memo.layouts.1
+        // The memo's layouts, compared without allocating (this runs for every node of an eager
+        // step); Shape and Size took theirs as metadata.
+        let metadata = reads_metadata_only(node);
+        let in_paged = node
+            .inputs
+            .iter()
+            .map(|v| v.and_then(|id| values[id].as_ref()).and_then(Value::paged).filter(|_| !metadata));
+        let out_paged = out_ids.iter().zip(&memo.out_types).map(|(id, t)| self.bound_layout(*id, t));
+        if !in_paged.eq(memo.layouts.0.iter().map(Option::as_ref))
+            || !out_paged.eq(memo.layouts.1.iter().map(Option::as_ref))
         {
             return Ok(None);
         }
@@ -1368,7 +1383,7 @@ impl Session {
     }
 
     /// Whether graph inputs `inputs` and outputs `outputs` (a KV cache's pasts and presents,
-    /// of `dtype`) may be paged tensors (ABI.md §6.1): every node reading an input resolves, for
+    /// of `dtype`) may be paged tensors (ABI.md §6.1.1): every node reading an input resolves, for
     /// `dtype`, to a package that lists the slot in `paged_inputs` (or is ai.onnx `Shape` or
     /// `Size`, which read no bytes), and every node writing an output lists it in
     /// `paged_outputs`. `false` on the CPU, for an unknown name, or a node that resolves to no
@@ -1393,8 +1408,7 @@ impl Session {
             if reads.is_empty() && writes.is_empty() {
                 continue;
             }
-            let metadata = n.domain.is_empty() && matches!(n.op_type.as_str(), "Shape" | "Size");
-            if metadata && writes.is_empty() {
+            if reads_metadata_only(n) && writes.is_empty() {
                 continue;
             }
             let dtypes = vec![Some(dtype); n.inputs.len()];
@@ -1412,7 +1426,7 @@ impl Session {
     /// tensors of `[rows, kv_heads, positions, head_size]` of `dtype` in one reservation, each
     /// row's region mapped as its sequence grows ([`Session::map_pages`]), nothing mapped yet.
     /// The handle owns the addresses; [`Session::page_view`] gives the cache tensors as paged
-    /// tensors (ABI.md §6.1) that ops declaring `paged_inputs` read and write in place. The
+    /// tensors (ABI.md §6.1.1) that ops declaring `paged_inputs` read and write in place. The
     /// addresses never move, so a captured graph that reads them stays valid. Errors: a CPU
     /// session, a zero dimension, sizes that overflow, a dtype without a size, the
     /// reservation's (address space).

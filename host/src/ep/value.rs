@@ -23,7 +23,7 @@ pub(crate) enum Value {
         /// The host bytes, when the value came from the host.
         host: Option<Tensor>,
         /// The layout, when the value is paged rather than row-major (a view of a paged KV
-        /// cache, ABI.md §6.1): only kernels of ops that declare it read or write it, never a
+        /// cache, ABI.md §6.1.1): only kernels of ops that declare it read or write it, never a
         /// host copy.
         paged: Option<Arc<Paged>>,
     },

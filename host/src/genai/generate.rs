@@ -156,11 +156,12 @@ impl Generator {
     pub fn new(rt: Arc<Runtime>, folder: ModelFolder, options: SessionOptions) -> Result<Generator> {
         let mut model = folder.model.clone();
         let device = device_step::augment(&mut model, &folder.config, &rt.registry);
-        let mut session = Session::new(rt, model, options)?;
+        let session = Session::new(rt, model, options)?;
         let names = StepNames::of(&folder.config);
-        let paged_kv = session.device() != crate::ep::Device::Cpu
-            && session.accepts_paged(&names.past, &names.present, folder.kv_dtype);
-        Ok(Generator { folder, session, names, device, step_buffers: Vec::new(), spare_kv: None, paged_kv })
+        let mut g =
+            Generator { folder, session, names, device, step_buffers: Vec::new(), spare_kv: None, paged_kv: false };
+        g.set_paged_kv(true);
+        Ok(g)
     }
 
     /// Makes a GPU's shared caches (continuous batches) paged or reserved by rows (see
@@ -228,7 +229,7 @@ impl Generator {
     /// its pages as it grows. Errors: an empty prompt, prompts of different lengths without a
     /// shared buffer, a prompt of `limit` tokens or more.
     pub fn prefill(&mut self, prompts: &[Vec<i64>], limit: usize) -> Result<(KvCache, Vec<Vec<f32>>)> {
-        self.prefill_into(prompts, limit, (0, 0), self.paged_kv)
+        self.prefill_into(prompts, limit, (0, 0), true)
     }
 
     /// [`Generator::prefill`] of a batch of at least `at_least.0` rows (extra rows: one padding
@@ -246,7 +247,8 @@ impl Generator {
         self.prefill_into(prompts, limit, at_least, false)
     }
 
-    /// [`Generator::prefill_padded`] into a paged cache when `paged` (a shared one, on a GPU).
+    /// [`Generator::prefill_padded`] into a paged cache when `paged` and the generator's shared
+    /// caches are paged (`Generator::set_paged_kv`: on a GPU whose packages take them).
     fn prefill_into(
         &mut self,
         prompts: &[Vec<i64>],
@@ -285,7 +287,7 @@ impl Generator {
         let d = &self.folder.config.model.decoder;
         let shape = vec![batch, d.num_key_value_heads, if shared { limit } else { 0 }, d.head_size];
         let dims = self.kv_dims();
-        let paged = paged && shared && dims.paged && self.on_gpu();
+        let paged = paged && shared && dims.paged;
         // Stale rows past each row's length are never read: GroupQueryAttention reads positions
         // below seqlens_k only, and the prompt overwrites the rest. A spare of another shape is
         // dropped, back to the pool before the new cache is allocated.

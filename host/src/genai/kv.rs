@@ -6,7 +6,7 @@
 //! - **paged** (when every node that reads the pasts and writes the presents declares paged
 //!   tensors, as kiln-attention's GroupQueryAttention does): one reservation whose rows each
 //!   map as their sequences grow, page by page (`crate::ep::Session::reserve_pages`); the cache
-//!   tensors are paged views of it (ABI.md §6.1);
+//!   tensors are paged views of it (ABI.md §6.1.1);
 //! - **by rows**: one reservation per cache tensor (`[rows, kv_heads, limit, head_size]`,
 //!   row-major) whose rows map as they join (`crate::ep::Session::reserve`).
 //!
@@ -145,13 +145,18 @@ pub(super) fn fit(
             d.row_bytes(positions) as f64 / (1u64 << 20) as f64,
             full.limit
         );
-        match e {
-            Error::OutOfMemory(_) => Error::OutOfMemory(why),
-            Error::Input(_) => Error::Input(why),
-            _ => Error::Device(why),
-        }
+        same_kind(&e, why)
     })?;
     Ok(rows)
+}
+
+/// `why` as an error of `e`'s kind: out of memory, bad input, or else the device's.
+fn same_kind(e: &Error, why: String) -> Error {
+    match e {
+        Error::OutOfMemory(_) => Error::OutOfMemory(why),
+        Error::Input(_) => Error::Input(why),
+        _ => Error::Device(why),
+    }
 }
 
 /// [`fit`] of a cache reserved by rows: at least (`grow`) or at most (`!grow`) `rows` rows.
@@ -185,11 +190,7 @@ fn fit_rows(s: &mut Session, d: &KvDims, full: &KvCache, rows: usize, grow: bool
             mib(now),
             mib(rows)
         );
-        return Err(match e {
-            Error::OutOfMemory(_) => Error::OutOfMemory(why),
-            Error::Input(_) => Error::Input(why),
-            _ => Error::Device(why),
-        });
+        return Err(same_kind(&e, why));
     }
     Ok(rows)
 }

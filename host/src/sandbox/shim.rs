@@ -42,7 +42,7 @@ pub struct ArgTensor<'a> {
     /// Size in bytes (bounds of reads and writes).
     pub nbytes: u64,
     pub access: Access,
-    /// The tensor's paged layout (ABI.md §6.1), sent for the inputs and outputs the op's
+    /// The tensor's paged layout (ABI.md §6.1.1), sent for the inputs and outputs the op's
     /// manifest entry declares paged; `None`: row-major.
     pub paged: Option<kiln_kernel_abi::wire::Paged>,
 }

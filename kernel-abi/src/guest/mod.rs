@@ -259,7 +259,7 @@ impl<'c, 'a> Tensor<'c, 'a> {
         self.desc.handle
     }
 
-    /// The tensor's paged layout (ABI.md §6.1), when the host pages it: only an input or output
+    /// The tensor's paged layout (ABI.md §6.1.1), when the host pages it: only an input or output
     /// the op's manifest entry lists in `paged_inputs` / `paged_outputs`. `None`: row-major.
     pub fn paged(&self) -> Option<&crate::wire::Paged> {
         self.desc.paged.as_ref()

@@ -47,7 +47,7 @@ __device__ __forceinline__ void gqa_row(const int* seqlens, unsigned b, unsigned
 
 // Where element (b, j, t, 0) of a present K or V buffer lies, in elements from its start: batch
 // row b, KV head j, position t, with positions in pages of 2^shift that lie `page` elements apart
-// and H elements apart within a page (ABI.md §6.1 paged layouts: the host's paged KV cache, which
+// and H elements apart within a page (ABI.md §6.1.1 paged layouts: the host's paged KV cache, which
 // kernel.toml's paged_inputs accept). A row-major [B, Nk, PL, H] buffer is row = Nk·PL·H,
 // head = PL·H, page = 0, shift = 31 (every position in the first page).
 struct gqa_layout {

@@ -49,7 +49,7 @@
 //! # Paged KV caches
 //!
 //! On the GPU `past_key`/`past_value` and `present_key`/`present_value` may come paged (ABI.md
-//! §6.1, the manifest's `paged_inputs` and `paged_outputs`): the host's paged KV cache, whose
+//! §6.1.1, the manifest's `paged_inputs` and `paged_outputs`): the host's paged KV cache, whose
 //! positions lie in pages shared by every layer of a row. A paged past needs present outputs of
 //! the same layout and length (the buffer bound in place, which the host checks), and a paged
 //! present such a past. The kernels address every K/V row through the layout (attention.cu's `gqa_layout`).
@@ -364,8 +364,8 @@ fn gqa_infer(call: &Call) -> Result<Vec<TensorType>> {
 
 fn gqa_cpu(call: &Call) -> Result<()> {
     let p = gqa_plan(call)?;
-    if (1..=4).any(|i| if i <= 2 { call.output_opt(i) } else { call.input_opt(i) }.is_some_and(|t| t.paged().is_some()))
-    {
+    let caches = [call.input_opt(3), call.input_opt(4), call.output_opt(1), call.output_opt(2)];
+    if caches.iter().flatten().any(|t| t.paged().is_some()) {
         unsupported!("{GQA}: the CPU reference reads row-major K/V caches, not paged ones");
     }
     let (b_n, s_n, n_h, n_kv, h_sz) = (p.batch, p.seq, p.heads, p.kv_heads, p.head_size);
