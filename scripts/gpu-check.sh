@@ -22,6 +22,9 @@
 #   profile    ncu: GPU time of every kernel of one eager decode step (batch 1 and 8, cache of 384
 #              positions as in the bench rows)
 #   prefill    ncu: GPU time by kernel of a batch-64 prefill (128-token prompts)
+#   ab         kiln bench decode (graphs on, batch 1 and 8, prompt 128 and 3840 of a 4096 cache) with
+#              the built-in packages, then with each package folder in .gpu/variants/* as a drop-in
+#              (a drop-in outranks the built-in package of its name): an A/B of kernel changes
 #   attn       decode attention variants (built-in, .gpu/variants/*): bench rows and ncu at context 3840
 #   longctx    ncu: time, DRAM throughput, occupancy and stalls of the decode attention kernels at
 #              batch 8, context 3840
@@ -157,6 +160,17 @@ for w in glob.glob(".gpu/python/*.whl"):
         --graph off --runs 1 --new-tokens 8 --max-length 384 >"$work/ncu-b$b.csv" 2>"$work/ncu-b$b.err"
     done
     tar -C "$work" -cf "$out/ncu.tar" ncu-b1.csv ncu-b8.csv
+    ;;
+  ab)
+    for v in builtin .gpu/variants/*; do
+      [ "$v" = builtin ] && pk=() || pk=(--packages "$v")
+      echo "== packages: $v"
+      for p in 128 3840; do
+        "$KILN" bench decode "$m" --batch 1 --batch 8 --graph on --runs 3 --prompt-len $p --max-length 4096 "${pk[@]}" 2>&1 |
+          grep -E "^\| [0-9]|[Ee]rror|failed|graph nodes"
+      done
+    done 2>&1 | tee "$out/ab.log"
+    summary+=("ab: $(grep -hE '^==|^\| [0-9]' "$out/ab.log" | tr '\n' ' ')")
     ;;
   attn)
     # Decode attention variants side by side: the built-in package, then each package folder in

@@ -572,21 +572,25 @@ fn the_example_replays_as_a_graph_and_a_moving_binding_exhausts_the_budget() {
 /// GroupQueryAttention decode over a long shared buffer (split over the keys in chunks, then
 /// merged) against the package's CPU reference on the same float32 inputs: rows of 3000,
 /// 700 and 1 valid positions in a 3072-position buffer, rotary on, with and without a local
-/// window; 2 query heads per KV head (the kernel by KV head, rows in registers), 32 query heads
-/// over 8 KV heads (73,728 cache positions in all: the kernel by KV head over shared-memory
-/// tiles, here with every row written first since present and past are separate buffers)
-/// and 9 (one block per query head). max |Δ| ≤ 1e-4 on the output and the present K/V.
+/// window; 2 query heads per KV head (the kernel by KV head, rows in registers, 12 splits that
+/// its last block per KV head merges), 32 query heads over 8 KV heads (73,728 cache positions
+/// in all: the kernel by KV head over shared-memory tiles, 24 splits, here with every row
+/// written first since present and past are separate buffers) and 9 (one block per query head,
+/// then `kiln_gqa_merge_*`); and 2 over 1 in a 40,960-position buffer (320 splits: more than
+/// the decode kernels fold, so `kiln_gqa_merge_*` follows them). max |Δ| ≤ 1e-4 on the output
+/// and the present K/V.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn long_context_decode_attention_matches_the_cpu_reference() {
-    long_context_decode_attention(4, 2);
-    long_context_decode_attention(32, 8);
-    long_context_decode_attention(18, 2);
+    long_context_decode_attention(4, 2, 3072);
+    long_context_decode_attention(32, 8, 3072);
+    long_context_decode_attention(18, 2, 3072);
+    long_context_decode_attention(2, 1, 40_960);
 }
 
-fn long_context_decode_attention(n: usize, nk: usize) {
+fn long_context_decode_attention(n: usize, nk: usize, past: usize) {
     for window in [-1i64, 1000] {
-        let (m, feeds) = gqa_model(n, nk, window, &[3000, 700, 1], (1, 3072), true, 3072, 3072);
+        let (m, feeds) = gqa_model(n, nk, window, &[3000, 700, 1], (1, 3072), true, past, 3072);
         let load = || model::load_bytes(&kiln_tests::onnx::bytes(&m), None).unwrap();
         let want = Session::new(runtime(), load(), SessionOptions::default()).unwrap().run(feeds.clone()).unwrap();
         let mut gpu =
@@ -594,7 +598,7 @@ fn long_context_decode_attention(n: usize, nk: usize) {
         let got = gpu.run(feeds).unwrap();
         for ((name, a), (_, b)) in got.iter().zip(&want) {
             let d = max_abs_diff(&kiln_tests::f32_values(a), &kiln_tests::f32_values(b));
-            assert!(d <= 1e-4, "{n} heads, {nk} KV heads, window {window}: {name}: max |Δ| {d}");
+            assert!(d <= 1e-4, "{n} heads, {nk} KV heads, {past} positions, window {window}: {name}: max |Δ| {d}");
         }
     }
 }

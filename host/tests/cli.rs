@@ -119,7 +119,7 @@ fn kernels_list_shows_every_builtin_package() {
         "kiln-binary 1.0.1",
         "kiln-cast 1.0.1",
         "kiln-matmul 1.2.0",
-        "kiln-reduce 1.0.0",
+        "kiln-reduce 1.0.1",
         "kiln-normalization 1.0.0",
         "kiln-tensor 1.1.0",
         "kiln-cuda-std 1.1.0",
@@ -815,7 +815,7 @@ fn inspect_shows_shapes_packages_fusions_and_what_is_missing() {
     assert_eq!(input["dtype"], "int64");
     let ops = doc["ops"].as_array().unwrap();
     let op = |name: &str| ops.iter().find(|r| r["op"] == name).cloned();
-    assert_eq!(op("com.microsoft::GroupQueryAttention").unwrap()["package"], "kiln-attention@1.5.0");
+    assert_eq!(op("com.microsoft::GroupQueryAttention").unwrap()["package"], "kiln-attention@1.6.0");
     // Fused: each layer's norms and projections become kiln-matmul's linear layers (the MLP
     // half one RmsNormLinear and one SwiGluLinear).
     assert_eq!(op("ai.kiln::SwiGluLinear").unwrap()["nodes"], 2);

@@ -745,25 +745,70 @@ __device__ __forceinline__ void gqa_dec_write(const float* s_red, unsigned strid
     }
 }
 
-// The split merge folded into the decode kernels (`fold`, several splits): each block of KV head
-// j, batch row b counts itself in on counters[b·Nk + j] (the node's counters, ABI.md §6.3, zero
-// between launches) once its partial state is written, and the last block to finish merges
-// every split of the group's query heads as kiln_gqa_merge_* would (sink_mode as gqa_attn; a
-// row with no key to attend to gets zeros), then puts the counter back to zero. The partial
-// states of other blocks are read through L2 (__ldcg) after a fence: a decode step runs one
-// kernel fewer per layer. Block-uniform: every thread of the block calls it.
+// The split merge folded into the decode kernels (`fold`, 2 to GQA_FOLD_MAX_SPLITS splits): each
+// block of KV head j, batch row b counts itself in on counters[b·Nk + j] (the node's counters,
+// ABI.md §6.3, zero between launches) once its partial state is written, and the last block to
+// finish merges every split of the group's query heads as kiln_gqa_merge_* would (sink_mode as
+// gqa_attn; a row with no key to attend to gets zeros), then puts the counter back to zero. The
+// partial states of other blocks are read through L2 (__ldcg) after a fence, spread over the
+// block: warp g takes query head g's maxima and sums (a split per lane, every load in flight)
+// and leaves the splits' weights e^(m_s − M) in `s_fold` (shared, GQA_DEC_MAX_GROUP ·
+// GQA_FOLD_MAX_SPLITS floats, free once the block's output is written), then each thread sums
+// its (query head, dimension) outputs over the splits, GQA_MERGE_UNROLL loads in flight. So a
+// decode step runs one kernel fewer per layer, at any context up to GQA_FOLD_MAX_SPLITS splits.
+// Block-uniform: every thread of the block calls it.
+#define GQA_FOLD_MAX_SPLITS 128
+#define GQA_FOLD_PER_LANE (GQA_FOLD_MAX_SPLITS / 32)
+#define GQA_MERGE_UNROLL 8
+
 template <typename Tag>
 __device__ __noinline__ void gqa_dec_fold(const float* partial, kiln_counter* counters, const typename Tag::storage* sink,
-                                             unsigned sink_mode, typename Tag::storage* out, unsigned b, unsigned N,
-                                             unsigned H, unsigned j, unsigned group, unsigned splits, bool no_keys) {
+                                          unsigned sink_mode, typename Tag::storage* out, unsigned b, unsigned N,
+                                          unsigned H, unsigned j, unsigned group, unsigned splits, bool no_keys,
+                                          float* s_fold) {
     __shared__ unsigned s_last;
+    __shared__ float s_den[GQA_DEC_MAX_GROUP];
     __threadfence();  // this block's partial state, seen by the block that merges
-    __syncthreads();
+    __syncthreads();  // also: the block is done with s_fold's memory
     if (threadIdx.x == 0) s_last = atomicAdd(&counters[b * gridDim.y + j], 1u) == splits - 1;
     __syncthreads();
     if (!s_last) return;
     __threadfence();
     const kiln_u64 stride = H + 2;
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    // 1. Per query head: M = the largest maximum of the splits that saw a key (and the sink's),
+    // each split's weight, and the denominator Σ l_s·w_s (+ the sink's e^(sink − M)).
+    for (unsigned g = warp; g < group && !no_keys; g += warps) {
+        const unsigned h = j * group + g;
+        const float* part = partial + ((kiln_u64)b * N + h) * splits * stride;
+        float m[GQA_FOLD_PER_LANE], l[GQA_FOLD_PER_LANE];
+#pragma unroll
+        for (int q = 0; q < GQA_FOLD_PER_LANE; ++q) {
+            const unsigned s = lane + 32 * q;
+            l[q] = s < splits ? __ldcg(part + s * stride + 1) : 0.f;
+            m[q] = s < splits ? __ldcg(part + s * stride) : 0.f;
+        }
+        float M = -__int_as_float(0x7f800000);
+#pragma unroll
+        for (int q = 0; q < GQA_FOLD_PER_LANE; ++q)
+            if (l[q] > 0.f) M = fmaxf(M, m[q]);  // an empty split's maximum is unset
+        M = kiln_warp_max(M);
+        float sink_v = 0.f;
+        if (sink_mode == 2) sink_v = kiln_to_f32(Tag(), sink[h]);
+        if (sink_mode != 0) M = fmaxf(M, sink_v);
+        float den = 0.f;
+#pragma unroll
+        for (int q = 0; q < GQA_FOLD_PER_LANE; ++q) {
+            const unsigned s = lane + 32 * q;
+            const float w = l[q] > 0.f ? expf(m[q] - M) : 0.f;
+            if (s < splits) s_fold[g * GQA_FOLD_MAX_SPLITS + s] = w;
+            den += l[q] > 0.f ? l[q] * w : 0.f;
+        }
+        den = kiln_warp_sum(den);
+        if (lane == 0) s_den[g] = den + (sink_mode != 0 ? expf(sink_v - M) : 0.f);
+    }
+    __syncthreads();
+    // 2. Output (g, d) = Σ_s acc_s[d]·w_s / den.
     for (unsigned i = threadIdx.x; i < group * H; i += blockDim.x) {
         const unsigned g = i / H, d = i - g * H, h = j * group + g;
         typename Tag::storage* o = out + (kiln_u64)b * N * H + (kiln_u64)h * H;
@@ -771,22 +816,20 @@ __device__ __noinline__ void gqa_dec_fold(const float* partial, kiln_counter* co
             o[d] = kiln_from_f32(Tag(), 0.f);
             continue;
         }
-        const float* part = partial + ((kiln_u64)b * N + h) * splits * stride;
-        float M = -__int_as_float(0x7f800000);
-        for (unsigned s = 0; s < splits; ++s)
-            if (__ldcg(part + s * stride + 1) > 0.f) M = fmaxf(M, __ldcg(part + s * stride));
-        float sink_v = 0.f;
-        if (sink_mode == 2) sink_v = kiln_to_f32(Tag(), sink[h]);
-        if (sink_mode != 0) M = fmaxf(M, sink_v);
-        float den = sink_mode != 0 ? expf(sink_v - M) : 0.f, v = 0.f;
-        for (unsigned s = 0; s < splits; ++s) {
-            const float l = __ldcg(part + s * stride + 1);
-            if (l <= 0.f) continue;  // an empty split's sums are unset
-            const float w = expf(__ldcg(part + s * stride) - M);
-            den += l * w;
-            v += __ldcg(part + s * stride + 2 + d) * w;
+        const float* col = partial + ((kiln_u64)b * N + h) * splits * stride + 2 + d;
+        const float* w = s_fold + g * GQA_FOLD_MAX_SPLITS;
+        float a = 0.f;
+        unsigned s = 0;
+        for (; s + GQA_MERGE_UNROLL <= splits; s += GQA_MERGE_UNROLL) {
+            float v[GQA_MERGE_UNROLL];
+#pragma unroll
+            for (int u = 0; u < GQA_MERGE_UNROLL; ++u) v[u] = __ldcg(col + (kiln_u64)(s + u) * stride);
+#pragma unroll
+            for (int u = 0; u < GQA_MERGE_UNROLL; ++u) a += w[s + u] > 0.f ? v[u] * w[s + u] : 0.f;
         }
-        o[d] = kiln_from_f32(Tag(), v / den);
+        // An empty split's sums are unset (any bits): its weight 0 must not meet them.
+        for (; s < splits; ++s) a += w[s] > 0.f ? __ldcg(col + (kiln_u64)s * stride) * w[s] : 0.f;
+        o[d] = kiln_from_f32(Tag(), a / s_den[g]);
     }
     if (threadIdx.x == 0) counters[b * gridDim.y + j] = 0;
 }
@@ -851,7 +894,8 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
                                Nk, H, PL, P, pos, kv_w, k_off, v_off, cache_rows, rotary_half, interleaved, lay);
     if (n == 0) {
         gqa_dec_empty<Tag>(out, partial, b, N, H, j, group, split, splits);
-        if (fold && splits > 1) gqa_dec_fold<Tag>(partial, counters, sink, sink_mode, out, b, N, H, j, group, splits, start >= end);
+        if (fold && splits > 1) gqa_dec_fold<Tag>(partial, counters, sink, sink_mode, out, b, N, H, j, group, splits, start >= end,
+                                              &s_red[0][0]);
         return;
     }
     // 1. Query rows.
@@ -909,7 +953,8 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
     __syncthreads();
     gqa_dec_write<Tag>(&s_red[0][0], GQA_DEC_MAX_QH, (lanes * vpr + 31) / 32, s_m, s_l, sink, sink_mode, out, partial,
                        b, N, H, j, group, split, splits);
-    if (fold && splits > 1) gqa_dec_fold<Tag>(partial, counters, sink, sink_mode, out, b, N, H, j, group, splits, false);
+    if (fold && splits > 1) gqa_dec_fold<Tag>(partial, counters, sink, sink_mode, out, b, N, H, j, group, splits, false,
+                                          &s_red[0][0]);
 }
 
 // Decode attention by KV head (S = 1, not a first prompt), gqa_decode_tiled, for grids with many
@@ -986,7 +1031,8 @@ __device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Ta
     if (n == 0) {
         gqa_dec_empty<Tag>(out, partial, b, N, H, j, group, split, splits);
         kiln_cp_async_wait<0>();
-        if (fold && splits > 1) gqa_dec_fold<Tag>(partial, counters, sink, sink_mode, out, b, N, H, j, group, splits, start >= end);
+        if (fold && splits > 1) gqa_dec_fold<Tag>(partial, counters, sink, sink_mode, out, b, N, H, j, group, splits, start >= end,
+                                              (float*)gqa_dyn);
         return;
     }
     gqa_dec_queries<Tag>(q_s, q_src, cos_c, sin_c, pos, cache_rows, rotary_half, interleaved, b, q_w, j, group, H);
@@ -1053,7 +1099,8 @@ __device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Ta
     __syncthreads();
     gqa_dec_write<Tag>(s_red, group * H, (lanes * vpr + 31) / 32, s_m, s_l, sink, sink_mode, out, partial, b, N, H, j,
                        group, split, splits);
-    if (fold && splits > 1) gqa_dec_fold<Tag>(partial, counters, sink, sink_mode, out, b, N, H, j, group, splits, false);
+    if (fold && splits > 1) gqa_dec_fold<Tag>(partial, counters, sink, sink_mode, out, b, N, H, j, group, splits, false,
+                                          (float*)gqa_dyn);
 }
 
 // Merges the splits of gqa_decode_split for head h = blockIdx.x, batch row b = blockIdx.y,
@@ -1064,7 +1111,6 @@ __device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Ta
 // each thread then sums its dimensions over the splits with the loads of several splits in
 // flight, so a long context's many splits cost a few memory round trips, not one per split.
 #define GQA_MERGE_CHUNK 1024
-#define GQA_MERGE_UNROLL 8
 #define GQA_MERGE_FEW 8  // at most this many splits merge per thread, without shared memory
 
 template <typename Tag>

@@ -246,8 +246,12 @@ extern "C" __global__ void kiln_reduce_copy(const unsigned char* x, unsigned cha
 // onto int64 indices. A NaN wins over any number (numpy's argmax and argmin); among equal
 // values the first index wins, or the last with select_last_index. is_min picks ArgMin.
 //
-// - kiln_arg_rows_<T>: inner == 1; one block per row (grid-stride over rows), each thread scans
-//   a strided part of the row, then warp shuffles and shared memory merge (value, index) pairs.
+// - kiln_arg_rows_<T>: inner == 1; one block per row (grid-stride over rows). Each thread scans
+//   a strided part of the row: over a 16-byte aligned row as 16-byte vectors, ARG_UNROLL of them
+//   in flight (a decode step's logits row of 49,152 float16 values is two rounds of loads for
+//   1,024 threads), else element by element; then warp shuffles merge (value, index) pairs
+//   within each warp and across the warps. The pairs' order is total (arg_better), so the
+//   result does not depend on the order they meet in.
 // - kiln_arg_strided_<T>: inner > 1; one thread per output (grid-stride), scanning n.
 template <typename M>
 __device__ __forceinline__ bool arg_better(M v, long long i, M best, long long bi, unsigned is_min, unsigned last) {
@@ -262,44 +266,69 @@ __device__ __forceinline__ bool arg_better(M v, long long i, M best, long long b
     return is_min ? v < best : v > best;
 }
 
+#define ARG_UNROLL 4  // 16-byte vectors per thread in flight
+
+// Merges (v, i) of the lanes of a warp into every lane (invalid pairs have i < 0).
+template <typename M>
+__device__ __forceinline__ void arg_warp(M& best, long long& bi, unsigned is_min, unsigned last) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const M v = __shfl_xor_sync(0xffffffffu, best, o);
+        const long long i = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (i >= 0 && arg_better(v, i, best, bi, is_min, last)) {
+            best = v;
+            bi = i;
+        }
+    }
+}
+
 template <typename T>
 __device__ void arg_rows(const T* x, long long* y, kiln_u64 rows, kiln_u64 n, unsigned is_min, unsigned last) {
     typedef typename RT<T>::M M;
+    const unsigned VE = 16 / sizeof(T);  // elements per 16-byte vector (every T's size divides 16)
     __shared__ M s_v[32];
     __shared__ long long s_i[32];
     for (kiln_u64 row = blockIdx.x; row < rows; row += gridDim.x) {
         const T* xr = x + row * n;
         M best = RT<T>::lowest();
         long long bi = -1;
-        for (kiln_u64 j = threadIdx.x; j < n; j += blockDim.x) {
-            const M v = RT<T>::ld(xr[j]);
+        const auto take = [&](M v, kiln_u64 j) {
             if (arg_better(v, (long long)j, best, bi, is_min, last)) {
                 best = v;
                 bi = (long long)j;
             }
-        }
-        for (int o = 16; o > 0; o >>= 1) {
-            const M v = __shfl_xor_sync(0xffffffffu, best, o);
-            const long long i = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (i >= 0 && arg_better(v, i, best, bi, is_min, last)) {
-                best = v;
-                bi = i;
+        };
+        // Vectors over an aligned row, then its tail element by element.
+        const kiln_u64 nv = ((size_t)xr & 15u) == 0 ? n / VE : 0;
+        const uint4* xv = (const uint4*)xr;
+        for (kiln_u64 c0 = threadIdx.x; c0 < nv; c0 += (kiln_u64)blockDim.x * ARG_UNROLL) {
+            uint4 raw[ARG_UNROLL];
+#pragma unroll
+            for (int u = 0; u < ARG_UNROLL; ++u) {
+                const kiln_u64 c = c0 + (kiln_u64)u * blockDim.x;
+                raw[u] = c < nv ? xv[c] : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int u = 0; u < ARG_UNROLL; ++u) {
+                const kiln_u64 c = c0 + (kiln_u64)u * blockDim.x;
+                if (c >= nv) break;
+                const T* e = (const T*)&raw[u];
+                for (unsigned k = 0; k < VE; ++k) take(RT<T>::ld(e[k]), c * VE + k);
             }
         }
-        const unsigned warps = blockDim.x >> 5;
-        __syncthreads();
-        if ((threadIdx.x & 31) == 0) {
+        for (kiln_u64 j = nv * VE + threadIdx.x; j < n; j += blockDim.x) take(RT<T>::ld(xr[j]), j);
+        arg_warp(best, bi, is_min, last);
+        const unsigned warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+        __syncthreads();  // the previous row's pairs are read
+        if (lane == 0) {
             s_v[threadIdx.x >> 5] = best;
             s_i[threadIdx.x >> 5] = bi;
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
-            for (unsigned w = 1; w < warps; ++w)
-                if (s_i[w] >= 0 && arg_better(s_v[w], s_i[w], best, bi, is_min, last)) {
-                    best = s_v[w];
-                    bi = s_i[w];
-                }
-            y[row] = bi < 0 ? 0 : bi;
+        if (threadIdx.x < 32) {
+            best = lane < warps ? s_v[lane] : RT<T>::lowest();
+            bi = lane < warps ? s_i[lane] : -1;
+            arg_warp(best, bi, is_min, last);
+            if (lane == 0) y[row] = bi < 0 ? 0 : bi;
         }
     }
 }
@@ -325,7 +354,7 @@ __device__ void arg_strided(const T* x, long long* y, kiln_u64 outer, kiln_u64 n
 }
 
 #define ARG_KERNELS(SUFFIX, T)                                                                                   \
-    extern "C" __global__ void kiln_arg_rows_##SUFFIX(const T* x, long long* y, kiln_u64 rows, kiln_u64 n,      \
+    extern "C" __global__ void __launch_bounds__(1024) kiln_arg_rows_##SUFFIX(const T* x, long long* y, kiln_u64 rows, kiln_u64 n, \
                                                        unsigned is_min, unsigned last) {                        \
         arg_rows<T>(x, y, rows, n, is_min, last);                                                                \
     }                                                                                                            \

@@ -716,12 +716,13 @@ fn tiled_shared_bytes(kpb: usize, row_bytes: usize, group_head: usize) -> usize 
     (kpb * row_bytes).max(DEC_WARPS * group_head * 4) + kpb * row_bytes
 }
 
-/// Most splits whose merge the decode kernels fold into their last block (each of its threads
-/// walks every split twice, one L2 round trip after another); more go to `kiln_gqa_merge_*`,
-/// which spreads the walk over a block. On the H200 (bench/RESULTS.md, 2026-12-04) folding the
-/// 16 splits of a 4,096-position cache made a step 0.16 ms (batch 1) and 0.22 ms (batch 8)
-/// slower; at 2 splits it saves the merge launch eagerly and is level under graphs.
-const FOLD_MAX_SPLITS: usize = 4;
+/// Most splits whose merge the decode kernels fold into their last block (attention.cu's
+/// `GQA_FOLD_MAX_SPLITS`: the block holds every split's weight in shared memory, a split per lane
+/// of a warp per query head, and sums each output over the splits with several loads in flight);
+/// more go to `kiln_gqa_merge_*` after the decode kernel. A cache of up to 32,768 positions
+/// (256 keys per split) folds. Session 11's fold walked the splits one L2 round trip after
+/// another and was limited to 4 (bench/RESULTS.md, 2026-12-04).
+const FOLD_MAX_SPLITS: usize = 128;
 
 /// Other decode attention over a present buffer longer than this many positions is split over the
 /// keys (`kiln_gqa_split_*` then `kiln_gqa_merge_*`), `SPLIT_KEYS` keys per block of
