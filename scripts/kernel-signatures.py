@@ -7,7 +7,8 @@
 Each source is run through the C preprocessor (`cpp`, with the host prelude's folder
 host/cuda on the include path, and every header package's `include/` — of kernels/ and of the
 packages given — as `<package>/`, ABI.md §7.6), so kernels that macros define are seen as the
-compiler sees them. A parameter is `tensor` when it is a pointer, else its scalar type: `i32` (int), `u32`
+compiler sees them; a kernel declared by a name expression (`kiln_cast<kiln_tag_f16>`, schema 6)
+has its function template's parameters. A parameter is `tensor` when it is a pointer, else its scalar type: `i32` (int), `u32`
 (unsigned), `i64` (long long, kiln_i64), `u64` (unsigned long long, kiln_u64), `f32` (float),
 `f64` (double); a `kiln_status*` is `status` (ABI.md §7.5), a `kiln_counter*` is `counters` (§6.3). Kernels with the same parameters are grouped under a `*` pattern when one
 covers exactly them, else listed.
@@ -45,11 +46,14 @@ def header_tree(pkgs, tree):
 
 
 def kernels_of(source, tree):
-    """{kernel name: [param kind, ...]} of every extern "C" __global__ function in `source`."""
+    """{kernel name: [param kind, ...]} of every extern "C" __global__ function in `source`, and
+    of every __global__ function template by its name (a manifest's name expression
+    `NAME<args>`, schema 6, takes the template NAME's parameters)."""
     out = subprocess.run(["cpp", "-P", "-x", "c++", "-I", os.path.join(ROOT, "host", "cuda"), "-I", tree, source],
                          check=True, capture_output=True, text=True).stdout
     found = {}
-    for m in re.finditer(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)', out):
+    entry = r'(?:extern\s+"C"|template\s*<[^>]*>)\s*__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)'
+    for m in re.finditer(entry, out):
         name, params = m.group(1), m.group(2).strip()
         kinds = []
         for p in [p.strip() for p in params.split(",")] if params and params != "void" else []:
@@ -109,7 +113,8 @@ def check_or_print(pkgs, check, tree):
     for pkg in pkgs:
         manifest = tomllib.load(open(os.path.join(pkg, "kernel.toml"), "rb"))
         for c in manifest.get("cuda", []):
-            sigs = kernels_of(os.path.join(pkg, c["source"]), tree)
+            found = kernels_of(os.path.join(pkg, c["source"]), tree)
+            sigs = {k: found[k.split("<")[0]] for k in c["kernels"] if k.split("<")[0] in found}
             missing = [k for k in c["kernels"] if k not in sigs]
             if missing:
                 print(f"{pkg}: {c['source']}: declared kernels not in the source: {missing}")

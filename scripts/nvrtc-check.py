@@ -4,6 +4,10 @@ time, with the host's prelude header kiln.cuh and the header packages, and print
 registers, bytes spilled and static shared memory. Usage:
     python3 scripts/nvrtc-check.py [--arch sm_90] [--kernel REGEX] FILE.cu ...
 
+Kernels the package's kernel.toml names by C++ name expressions (manifest schema 6,
+`kiln_cast<kiln_tag_f16>`) are instantiated with nvrtcAddNameExpression, as kiln does, and
+reported by those names.
+
 Needs libnvrtc: `pip install nvidia-cuda-nvrtc` (CUDA 13) or a CUDA toolkit; set
 KILN_NVRTC=/path/to/libnvrtc.so.13 to choose one, KILN_NVRTC_OPTS for more options.
 Exit status: 1 when a file does not compile.
@@ -47,13 +51,26 @@ def header_packages(root):
     return out
 
 
-def kernel_report(log, pattern):
-    """ptxas -v lines → one line per kernel whose name matches `pattern`."""
+def name_expressions(path):
+    """The kernels that the kernel.toml of the package holding `path` (PACKAGE/cuda/FILE.cu)
+    declares for that source by name expressions."""
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    toml = os.path.join(pkg, "kernel.toml")
+    if not os.path.isfile(toml):
+        return []
+    rel = os.path.relpath(os.path.abspath(path), pkg)
+    return [k for c in tomllib.load(open(toml, "rb")).get("cuda", []) if c["source"] == rel
+            for k in c.get("kernels", []) if "<" in k]
+
+
+def kernel_report(log, pattern, names=None):
+    """ptxas -v lines → one line per kernel whose name (a name expression's own for a lowered
+    symbol in `names`) matches `pattern`."""
     out, name, spills = [], None, 0
     for line in log.splitlines():
         m = re.search(r"entry function '([^']+)'", line)
         if m:
-            name, spills = m.group(1), 0
+            name, spills = (names or {}).get(m.group(1), m.group(1)), 0
             continue
         if not name or not re.search(pattern, name):
             continue
@@ -83,6 +100,9 @@ def main():
         names = (ctypes.c_char_p * len(headers))(*(n for n, _ in headers))
         rc = lib.nvrtcCreateProgram(ctypes.byref(prog), src, os.path.basename(path).encode(), len(headers), sources, names)
         assert rc == 0, rc
+        exprs = name_expressions(path)
+        for e in exprs:
+            assert lib.nvrtcAddNameExpression(prog, e.encode()) == 0, e
         opts = [f"--gpu-architecture={a.arch}".encode(), b"--std=c++17", b"-default-device", b"--ptxas-options=-v"]
         opts += [o.encode() for o in os.environ.get("KILN_NVRTC_OPTS", "").split()]
         rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
@@ -95,8 +115,16 @@ def main():
             failed += 1
             print(f"FAILED {path}:\n{text}")
         else:
+            lowered = {}
+            for e in exprs:
+                sym = ctypes.c_char_p()
+                if lib.nvrtcGetLoweredName(prog, e.encode(), ctypes.byref(sym)) != 0:
+                    failed += 1
+                    print(f"FAILED {path}: kernel.toml names {e}, which the source does not instantiate")
+                    continue
+                lowered[sym.value.decode()] = e
             print(f"ok     {path}")
-            for line in kernel_report(text, a.kernel):
+            for line in kernel_report(text, a.kernel, lowered):
                 print(line)
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
     return 1 if failed else 0

@@ -37,11 +37,25 @@ __device__ __forceinline__ kiln_bf16 kiln_f32_to_bf16(float f) {
 #endif
 }
 
-// Element access by storage type: kiln_load<T>(p, i) → float, kiln_store<T>(p, i, v).
-// T is float, kiln_f16 (use struct tags below to tell f16 from bf16), or double.
+// One tag type per dtype, its element's C type as `storage` (kiln_f16 and kiln_bf16 share
+// theirs: the tags tell them apart). Kernels templated over the element type take the tag as
+// their template argument, which a manifest's name expressions and a shim's
+// kiln_kernel_abi::DType::cuda_tag spell alike (ABI.md §7.3): `kiln_cast<kiln_tag_f16>`.
 struct kiln_tag_f32 { typedef float storage; };
 struct kiln_tag_f16 { typedef kiln_f16 storage; };
 struct kiln_tag_bf16 { typedef kiln_bf16 storage; };
+struct kiln_tag_f64 { typedef double storage; };
+struct kiln_tag_i8 { typedef signed char storage; };
+struct kiln_tag_i16 { typedef short storage; };
+struct kiln_tag_i32 { typedef int storage; };
+struct kiln_tag_i64 { typedef long long storage; };
+struct kiln_tag_u8 { typedef unsigned char storage; };
+struct kiln_tag_u16 { typedef unsigned short storage; };
+struct kiln_tag_u32 { typedef unsigned int storage; };
+struct kiln_tag_u64 { typedef unsigned long long storage; };
+struct kiln_tag_bool { typedef unsigned char storage; };
+
+// Floating-point elements to and from f32, by tag.
 
 __device__ __forceinline__ float kiln_to_f32(kiln_tag_f32, float v) { return v; }
 __device__ __forceinline__ float kiln_to_f32(kiln_tag_f16, kiln_f16 v) { return kiln_f16_to_f32(v); }

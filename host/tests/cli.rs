@@ -117,7 +117,7 @@ fn kernels_list_shows_every_builtin_package() {
     for p in [
         "kiln-unary 1.0.1",
         "kiln-binary 1.0.1",
-        "kiln-cast 1.0.1",
+        "kiln-cast 1.1.0",
         "kiln-matmul 1.2.0",
         "kiln-reduce 1.0.1",
         "kiln-normalization 1.0.0",

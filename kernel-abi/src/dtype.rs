@@ -67,6 +67,30 @@ impl DType {
         })
     }
 
+    /// The prelude's tag type of this dtype (`kiln.cuh`, ABI.md §7.3): `kiln_tag_f32`,
+    /// `kiln_tag_f16`, `kiln_tag_bf16`, `kiln_tag_f64`, `kiln_tag_i8` … `kiln_tag_u64`,
+    /// `kiln_tag_bool`, each with a `storage` typedef of its element's C type. The template
+    /// argument a kernel templated over the element type takes, so that a shim names it with
+    /// [`crate::names::kernel_name`] and keeps no table of its own. `None` for `string`.
+    pub fn cuda_tag(self) -> Option<&'static str> {
+        Some(match self {
+            DType::F32 => "kiln_tag_f32",
+            DType::U8 => "kiln_tag_u8",
+            DType::I8 => "kiln_tag_i8",
+            DType::U16 => "kiln_tag_u16",
+            DType::I16 => "kiln_tag_i16",
+            DType::I32 => "kiln_tag_i32",
+            DType::I64 => "kiln_tag_i64",
+            DType::String => return None,
+            DType::Bool => "kiln_tag_bool",
+            DType::F16 => "kiln_tag_f16",
+            DType::F64 => "kiln_tag_f64",
+            DType::U32 => "kiln_tag_u32",
+            DType::U64 => "kiln_tag_u64",
+            DType::BF16 => "kiln_tag_bf16",
+        })
+    }
+
     /// The name used in manifests, CLI output and errors: `float32`, `float16`, `bfloat16`,
     /// `float64`, `int8` … `uint64`, `bool`, `string`.
     pub fn name(self) -> &'static str {

@@ -7,6 +7,7 @@
 //! - [`wire`]: the little-endian encodings of a node call (host → shim), a kernel launch and a
 //!   GEMM descriptor (shim → host).
 //! - [`status`]: the return codes of shim exports and host imports.
+//! - [`names`]: kernel names, C identifiers or (schema 6) C++ name expressions of templates.
 //! - [`plan`]: launch plans, the pure data a dispatch records and a device backend runs.
 //! - [`philox`] and [`sampling`]: the counter-based RNG and the token-choice reference that host
 //!   and device samplers share.
@@ -20,6 +21,7 @@
 extern crate alloc;
 
 pub mod dtype;
+pub mod names;
 pub mod philox;
 pub mod plan;
 pub mod sampling;

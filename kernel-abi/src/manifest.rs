@@ -29,7 +29,8 @@
 //!
 //! [[cuda]]
 //! source = "cuda/unary.cu"
-//! kernels = ["unary_f32"]        # the entry points `launch` may name
+//! kernels = ["unary_f32"]        # the entry points `launch` may name: extern "C" names, or (schema 6)
+//!                                # name expressions of template instantiations, "relu<kiln_tag_f16>"
 //! pdl = ["unary_f32"]            # optional: kernels safe under programmatic dependent launch
 //! signatures = [                 # every kernel's parameters, in order (schema 2; ABI.md §7.3)
 //!     { kernels = ["unary_*"], params = ["tensor", "tensor", "u64", "u32"] },
@@ -66,6 +67,7 @@ use semver::Version;
 use serde::{Deserialize, Serialize};
 
 use crate::fusion::Fusion;
+use crate::names::{is_identifier, is_name_expression};
 use crate::wire::{KernelArg, MAX_KERNEL_ARGS};
 use crate::DType;
 
@@ -85,8 +87,10 @@ pub enum ManifestError {
 /// kernel signatures (`[[cuda]] signatures`), which every declared kernel must have; schema 3
 /// added device status records (the `status` parameter kind and `[[device_errors]]`); schema 4
 /// added shared device code (`headers`, `[dependencies]`, header-only packages); schema 5 added
-/// paged tensors (`paged_inputs`, `paged_outputs` of `[[ops]]`) and the `counters` parameter kind.
-pub const MANIFEST_SCHEMA: u32 = 5;
+/// paged tensors (`paged_inputs`, `paged_outputs` of `[[ops]]`) and the `counters` parameter kind;
+/// schema 6 added kernels named by C++ name expressions (`kiln_cast<kiln_tag_f16>`: an
+/// instantiation of a `__global__` function template, lowered by NVRTC; [`is_name_expression`]).
+pub const MANIFEST_SCHEMA: u32 = 6;
 
 /// The folder of a package whose files are its exported headers.
 pub const HEADER_DIR: &str = "include/";
@@ -257,6 +261,9 @@ pub struct OpEntry {
 #[serde(deny_unknown_fields)]
 pub struct CudaSource {
     pub source: String,
+    /// The entry points `launch` may name: C identifiers of `extern "C"` kernels, or (schema 6)
+    /// name expressions of function-template instantiations (`kiln_cast<kiln_tag_f16>`,
+    /// [`crate::names::is_name_expression`]).
     pub kernels: Vec<String>,
     /// Kernels (of `kernels`) that may be launched with programmatic dependent launch (PDL,
     /// Hopper and later): every block calls the prelude's `kiln_griddep_wait()` before it
@@ -370,6 +377,12 @@ impl CudaSource {
             .iter()
             .find(|s| s.kernels.iter().any(|p| kernel_pattern_matches(p, kernel)))
             .map(|s| s.params.as_slice())
+    }
+
+    /// The kernels this source declares by name expressions (schema 6), which NVRTC must
+    /// instantiate and lower.
+    pub fn name_expressions(&self) -> Vec<&str> {
+        self.kernels.iter().map(String::as_str).filter(|k| is_name_expression(k)).collect()
     }
 }
 
@@ -517,8 +530,23 @@ impl Manifest {
         }
         for c in &self.cuda {
             check_relative_path(&c.source)?;
-            if let Some(k) = c.kernels.iter().find(|k| !is_identifier(k)) {
-                return bad(format!("cuda source {}: kernel name {k:?} is not a C identifier", c.source));
+            if let Some(k) = c.kernels.iter().find(|k| !is_identifier(k) && !is_name_expression(k)) {
+                return bad(format!(
+                    "cuda source {}: kernel {k:?} is neither a C identifier (an extern \"C\" kernel) nor a name \
+                     expression such as \"kiln_cast<kiln_tag_f16>\" or \"gqa_decode<kiln_tag_f16, 4>\" (a template's \
+                     name, then identifiers or integers separated by \", \" in angle brackets; ABI.md §7.3)",
+                    c.source
+                ));
+            }
+            if let Some(k) = c.kernels.iter().find(|k| is_name_expression(k)).filter(|_| self.schema < 6) {
+                return bad(format!(
+                    "cuda source {}: kernel {k:?} is a name expression, which comes with manifest schema 6: set \
+                     `schema = 6`",
+                    c.source
+                ));
+            }
+            if let Some((i, k)) = c.kernels.iter().enumerate().find(|(i, k)| c.kernels[..*i].contains(k)) {
+                return bad(format!("cuda source {}: kernels[{i}] declares {k:?} twice", c.source));
             }
             if let Some(k) = c.pdl.iter().find(|k| !c.kernels.contains(k)) {
                 return bad(format!("cuda source {}: pdl names {k:?}, which its `kernels` do not declare", c.source));
@@ -654,12 +682,6 @@ pub fn parse_compute_capability(s: &str) -> Result<(u32, u32), ManifestError> {
     let err = || ManifestError::Invalid(format!("compute capability {s:?} is not \"major.minor\""));
     let (a, b) = s.split_once('.').ok_or_else(err)?;
     Ok((a.parse().map_err(|_| err())?, b.parse().map_err(|_| err())?))
-}
-
-fn is_identifier(s: &str) -> bool {
-    let mut b = s.bytes();
-    matches!(b.next(), Some(c) if c.is_ascii_alphabetic() || c == b'_')
-        && b.all(|c| c.is_ascii_alphanumeric() || c == b'_')
 }
 
 /// A path inside the package: relative, `/`-separated, no `..`, no empty or `.` components.
@@ -808,7 +830,7 @@ signatures = [{ kernels = ["relu_*"], params = ["tensor", "tensor", "u64"] }]
         )
         .unwrap_err()
         .to_string();
-        assert!(err.contains("unknown field `pdl_kernels`") && err.contains("reads manifest schema 5"), "{err}");
+        assert!(err.contains("unknown field `pdl_kernels`") && err.contains("reads manifest schema 6"), "{err}");
         let err = Manifest::parse(&GOOD.replace("schema = 2", "schema = -1")).unwrap_err().to_string();
         assert!(err.contains("schema must be a positive integer"), "{err}");
     }
@@ -836,6 +858,59 @@ signatures = [{ kernels = ["relu_*"], params = ["tensor", "tensor", "u64"] }]
         for (text, want) in cases {
             let err = Manifest::parse(&text).unwrap_err().to_string();
             assert!(err.contains(want), "{want}: {err}");
+        }
+    }
+
+    /// Schema 6: kernels named by the name expressions of template instantiations, in their
+    /// canonical spelling, matched by signature patterns; with an older schema, or misspelled,
+    /// or declared twice, they are refused with the reason.
+    #[test]
+    fn name_expressions_come_with_schema_6() {
+        let expr = crate::names::kernel_name("relu", &["kiln_tag_f16", "4"]);
+        assert_eq!(expr, "relu<kiln_tag_f16, 4>");
+        let v6 = GOOD
+            .replace("schema = 2", "schema = 6")
+            .replace("kernels = [\"relu_f32\"]", &format!("kernels = [\"relu_f32\", \"{expr}\"]"))
+            .replace("[\"relu_*\"]", "[\"relu_*\", \"relu<*>\"]");
+        let m = Manifest::parse(&v6).unwrap();
+        assert_eq!(m.cuda[0].name_expressions(), vec![expr.as_str()]);
+        assert_eq!(m.cuda[0].params(&expr), Some(&[ParamKind::Tensor, ParamKind::Tensor, ParamKind::U64][..]));
+        let cases = [
+            (v6.replace("schema = 6", "schema = 5"), "comes with manifest schema 6"),
+            (v6.replace(&expr, "relu<kiln_tag_f16,4>"), "neither a C identifier"),
+            (v6.replace(&expr, "relu<kiln_tag_f16; asm(\\\"trap;\\\")>"), "neither a C identifier"),
+            (v6.replace(&expr, "relu_f32"), "declares \"relu_f32\" twice"),
+        ];
+        for (text, want) in cases {
+            let err = Manifest::parse(&text).unwrap_err().to_string();
+            assert!(err.contains(want), "{want}: {err}");
+        }
+    }
+
+    #[test]
+    fn name_expressions_have_one_spelling() {
+        use crate::names::is_name_expression as ok;
+        for good in ["kiln_cast<kiln_tag_f16>", "gqa<kiln_tag_bf16, 4>", "k<a, -1, b_2>", "k<_T, 18446744073709551615>"]
+        {
+            assert!(ok(good), "{good}");
+        }
+        for bad in [
+            "kiln_cast",
+            "kiln_cast<>",
+            "<kiln_tag_f16>",
+            "k<a,b>",
+            "k<a , b>",
+            "k< a>",
+            "k<a>>",
+            "k<a<b>>",
+            "k<a>x",
+            "k<a::b>",
+            "k<1a>",
+            "k<->",
+            "9k<a>",
+            "k<123456789012345678901>",
+        ] {
+            assert!(!ok(bad), "{bad}");
         }
     }
 

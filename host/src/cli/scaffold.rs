@@ -75,12 +75,13 @@ pub fn new_package(name: &str, op: &str, parent: &Path, abi_path: Option<PathBuf
         return Err(Error::Input(format!("{} exists; kiln package new writes a new folder", dir.display())));
     }
     let ident = name.replace('-', "_");
-    let kernel = format!("{ident}_twice_f32");
+    let template = format!("{ident}_twice");
+    let kernel = kiln_kernel_abi::names::kernel_name(&template, &["kiln_tag_f32"]);
     let domain_line = if domain.is_empty() { String::new() } else { format!("domain = \"{domain}\"\n") };
     let manifest = format!(
         r#"# {name}: {op_type}, Y = 2·X over float32 (scaffolded by `kiln package new`; make it yours).
 # kernel-abi/ABI.md §7 describes every field; `kiln package build {name}` fills [files].
-schema = 2
+schema = 6
 abi = 1
 shim = "shim.wasm"
 
@@ -101,18 +102,23 @@ max_rank = 8
 
 [[cuda]]
 source = "cuda/kernel.cu"
+# The instantiations of cuda/kernel.cu's templates that the shim launches, by their C++ name
+# expressions; one per dtype the op takes (ABI.md §7.3).
 kernels = ["{kernel}"]
-# One parameter kind per C parameter, in order (ABI.md §7.3).
-signatures = [{{ kernels = ["{kernel}"], params = ["tensor", "tensor", "u64"] }}]
+# One parameter kind per C parameter, in order (ABI.md §7.3); `*` stands for any characters.
+signatures = [{{ kernels = ["{template}<*>"], params = ["tensor", "tensor", "u64"] }}]
 "#
     );
     let cuda = format!(
-        r#"// {name}: {op_type}, Y = 2·X over float32. "kiln.cuh" is kiln's prelude (kiln_u64, KILN_FOR,
-// kiln_griddep_wait, ...); the parameters must match the signature in kernel.toml.
+        r#"// {name}: {op_type}, Y = 2·X. "kiln.cuh" is kiln's prelude (kiln_u64, KILN_FOR, the dtype
+// tags kiln_tag_f32 … with their `storage` types, kiln_to_f32 / kiln_from_f32, ...); the
+// parameters must match the signature in kernel.toml, which lists the instantiations NVRTC
+// compiles ({kernel}: float32; kiln_tag_f16 or kiln_tag_bf16 would work as well).
 #include "kiln.cuh"
 
-extern "C" __global__ void {kernel}(const float* x, float* y, kiln_u64 n) {{
-    KILN_FOR(i, n) y[i] = 2.f * x[i];
+template <typename Tag>
+__global__ void {template}(const typename Tag::storage* x, typename Tag::storage* y, kiln_u64 n) {{
+    KILN_FOR(i, n) y[i] = kiln_from_f32(Tag(), 2.f * kiln_to_f32(Tag(), x[i]));
 }}
 "#
     );
@@ -150,6 +156,7 @@ extern crate alloc;
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
+use kiln_kernel_abi::names::kernel_name;
 use kiln_kernel_abi::{{export_shim, unsupported}};
 
 struct Op;
@@ -175,8 +182,12 @@ impl Shim for Op {{
         if n == 0 {{
             return Ok(());
         }}
+        // The instantiation for x's dtype, as kernel.toml names it: {kernel}.
+        let Some(tag) = x.dtype()?.cuda_tag() else {{
+            unsupported!("{op_type}: no CUDA kernel for {{}}", x.dtype()?);
+        }};
         launch(&Launch {{
-            kernel: "{kernel}",
+            kernel: &kernel_name("{template}", &[tag]),
             grid: [n.div_ceil(256).min(65535) as u32, 1, 1],
             block: [256, 1, 1],
             shared_mem_bytes: 0,
@@ -391,7 +402,7 @@ fn compile_cuda(
         let source: String =
             manifest.headers.iter().map(|h| format!("#include \"{}\"\n", manifest.include_name(h))).collect();
         let name = &manifest.package.name;
-        crate::cuda::compile_cached(name, "(each header)", &source, &headers, &arch)
+        crate::cuda::compile_cached(name, "(each header)", &source, &headers, &arch, &[])
             .map_err(|e| Error::Input(e.to_string()))?;
         eprintln!("compiled {} header(s) for {arch} with NVRTC {major}.{minor}", manifest.headers.len());
         return Ok(());

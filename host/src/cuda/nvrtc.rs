@@ -4,7 +4,9 @@
 //! `kiln.cuh` and the headers of the package and of the packages it depends on
 //! (`Package::includes`, as `"<package>/<file>"`), cached on disk by sha256 of (every header's
 //! name and text, source, arch, NVRTC version, options) as sealed entries of `native_cache` in
-//! its `nvrtc/` folder.
+//! its `nvrtc/` folder. Kernels a manifest names by C++ name expressions (schema 6,
+//! `kiln_cast<kiln_tag_f16>`) are instantiated with `nvrtcAddNameExpression` and found by the
+//! mangled names `nvrtcGetLoweredName` gives, which the cache keeps beside the CUBIN.
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
@@ -19,11 +21,35 @@ pub const PRELUDE: &str = include_str!("../../cuda/kiln.cuh");
 /// NVRTC options besides the architecture.
 const OPTIONS: &[&str] = &["--std=c++17", "-default-device"];
 
-/// The CUBIN (machine code for the device's `sm_XY`) of one source, and whether it came from
-/// the cache.
+/// The CUBIN (machine code for the device's `sm_XY`) of one source, the mangled name of each
+/// name expression it was compiled with, and whether it came from the cache.
 pub struct CompiledSource {
     pub cubin: Vec<u8>,
+    /// Name expression (`kiln_cast<kiln_tag_f16>`) → the symbol the CUBIN defines for it.
+    pub lowered: BTreeMap<String, String>,
     pub cache_hit: bool,
+}
+
+impl CompiledSource {
+    /// The CUBIN's symbol for kernel `kernel` of the manifest: its lowered name for a name
+    /// expression, else the name itself (an `extern "C"` kernel).
+    pub fn symbol<'a>(&'a self, kernel: &'a str) -> &'a str {
+        self.lowered.get(kernel).map_or(kernel, String::as_str)
+    }
+}
+
+/// The cache's text of lowered names: a line `expression<TAB>symbol` each.
+fn encode_lowered(lowered: &BTreeMap<String, String>) -> String {
+    lowered.iter().map(|(e, l)| format!("{e}\t{l}\n")).collect()
+}
+
+/// Reads [`encode_lowered`]'s text back; `None` when it is not that text or lacks one of
+/// `expressions`.
+fn decode_lowered(text: &[u8], expressions: &[&str]) -> Option<BTreeMap<String, String>> {
+    let text = std::str::from_utf8(text).ok()?;
+    let map: BTreeMap<String, String> =
+        text.lines().map(|l| l.split_once('\t').map(|(e, s)| (e.to_string(), s.to_string()))).collect::<Option<_>>()?;
+    expressions.iter().all(|e| map.contains_key(*e)).then_some(map)
 }
 
 /// NVRTC's (major, minor).
@@ -62,14 +88,17 @@ pub fn nvrtc_archs() -> Vec<i32> {
 }
 
 /// Compiles `source` (named `file` of package `package` for messages) for `arch` (`sm_90`),
-/// with the prelude as `kiln.cuh` and `headers` (include name → text) as in-memory headers. A
-/// compile error carries NVRTC's full log, whose messages name the source or header and line.
+/// with the prelude as `kiln.cuh` and `headers` (include name → text) as in-memory headers,
+/// instantiating each of `expressions` (kernel name expressions, [`kiln_kernel_abi::names`]). A
+/// compile error carries NVRTC's full log, whose messages name the source or header and line;
+/// an expression the source does not instantiate is an error naming it.
 pub fn compile_cached(
     package: &str,
     file: &str,
     source: &str,
     headers: &BTreeMap<String, String>,
     arch: &str,
+    expressions: &[&str],
 ) -> Result<CompiledSource> {
     let version = nvrtc_version().ok_or_else(|| Error::Device("NVRTC (libnvrtc) is not available".into()))?;
     let mut all: Vec<(&str, &str)> = vec![("kiln.cuh", PRELUDE)];
@@ -77,7 +106,11 @@ pub fn compile_cached(
     let mut h = Sha256::new();
     let version = format!("{version:?}");
     let options = OPTIONS.join(" ");
-    let parts = all.iter().flat_map(|(n, t)| [*n, *t]).chain([source, arch, version.as_str(), options.as_str()]);
+    let parts = all
+        .iter()
+        .flat_map(|(n, t)| [*n, *t])
+        .chain([source, arch, version.as_str(), options.as_str()])
+        .chain(expressions.iter().copied());
     for part in parts {
         h.update((part.len() as u64).to_le_bytes());
         h.update(part.as_bytes());
@@ -91,14 +124,22 @@ pub fn compile_cached(
             None
         }
     };
-    if let Some(path) = &cache {
-        match native_cache::read_sealed(path) {
-            Ok(Some(cubin)) if !cubin.is_empty() => {
+    let names_path = cache.as_ref().map(|p| p.with_extension("names"));
+    if let (Some(path), Some(names_path)) = (&cache, &names_path) {
+        let lowered = if expressions.is_empty() {
+            Ok(Some(BTreeMap::new()))
+        } else {
+            native_cache::read_sealed(names_path).map(|t| t.and_then(|t| decode_lowered(&t, expressions)))
+        };
+        match (native_cache::read_sealed(path), lowered) {
+            (Ok(Some(cubin)), Ok(Some(lowered))) if !cubin.is_empty() => {
                 tracing::debug!(package, file, "NVRTC: from the cache");
-                return Ok(CompiledSource { cubin, cache_hit: true });
+                return Ok(CompiledSource { cubin, lowered, cache_hit: true });
             }
-            Ok(_) => {}
-            Err(why) => tracing::warn!(file = %path.display(), "NVRTC cache entry not used, compiling again: {why}"),
+            (Err(why), _) | (_, Err(why)) => {
+                tracing::warn!(file = %path.display(), "NVRTC cache entry not used, compiling again: {why}")
+            }
+            _ => {}
         }
     }
     let started = std::time::Instant::now();
@@ -125,6 +166,15 @@ pub fn compile_cached(
     if created != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
         return Err(fail(format!("nvrtcCreateProgram: {created:?}")));
     }
+    let exprs = expressions.iter().map(|e| c(e, "a kernel name expression")).collect::<Result<Vec<_>>>()?;
+    for (e, text) in exprs.iter().zip(expressions) {
+        // SAFETY: prog is a live program; e is a NUL-terminated string.
+        let added = unsafe { cudarc::nvrtc::sys::nvrtcAddNameExpression(prog, e.as_ptr()) };
+        if added != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+            unsafe { cudarc::nvrtc::result::destroy_program(prog) }.ok();
+            return Err(fail(format!("nvrtcAddNameExpression({text}): {added:?}")));
+        }
+    }
     let mut opts: Vec<String> = vec![format!("--gpu-architecture={arch}")];
     opts.extend(OPTIONS.iter().map(|s| s.to_string()));
     // SAFETY: prog is a live program; options are valid strings.
@@ -149,24 +199,47 @@ pub fn compile_cached(
         }
         buf
     };
+    let mut lowered = BTreeMap::new();
+    for (e, text) in exprs.iter().zip(expressions) {
+        let mut name: *const std::ffi::c_char = std::ptr::null();
+        // SAFETY: prog compiled with e added; NVRTC owns the returned string until the program
+        // is destroyed, and it is copied before that.
+        let got = unsafe { cudarc::nvrtc::sys::nvrtcGetLoweredName(prog, e.as_ptr(), &mut name) };
+        if got != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS || name.is_null() {
+            unsafe { cudarc::nvrtc::result::destroy_program(prog) }.ok();
+            return Err(fail(format!(
+                "kernel.toml names kernel {text}, which this source does not instantiate \
+                 (nvrtcGetLoweredName: {got:?}); it must be a __global__ function template of that name"
+            )));
+        }
+        // SAFETY: a NUL-terminated string NVRTC returned.
+        let symbol = unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy().into_owned();
+        lowered.insert(text.to_string(), symbol);
+    }
     unsafe { cudarc::nvrtc::result::destroy_program(prog) }.ok();
     if cubin.is_empty() {
         return Err(fail("NVRTC produced no CUBIN".into()));
     }
     tracing::info!(package, file, arch, ms = started.elapsed().as_millis() as u64, "NVRTC: compiled");
-    if let Some(path) = &cache {
-        if let Err(e) = native_cache::write_sealed(path, &cubin) {
+    if let (Some(path), Some(names_path)) = (&cache, &names_path) {
+        // The names first: a CUBIN entry is used only beside them.
+        let names = if lowered.is_empty() {
+            Ok(())
+        } else {
+            native_cache::write_sealed(names_path, encode_lowered(&lowered).as_bytes())
+        };
+        if let Err(e) = names.and_then(|()| native_cache::write_sealed(path, &cubin)) {
             tracing::warn!(file = %path.display(), "NVRTC cache entry not written: {e}");
         }
     }
-    Ok(CompiledSource { cubin, cache_hit: false })
+    Ok(CompiledSource { cubin, lowered, cache_hit: false })
 }
 
 /// Compiles every CUDA source of a package folder `dir` (its manifest `manifest`, the headers
 /// its sources may include `headers`: its own and its dependencies', by include name) for
 /// `arch` (`sm_XY`) with NVRTC, as a run on such a GPU will, and checks that each kernel the manifest
 /// lists for a source is an entry of its CUBIN (an `extern "C" __global__` function of that
-/// name). No GPU is needed. Returns how many sources it compiled. Errors, for `kiln package
+/// name, or the lowered name of a name expression). No GPU is needed. Returns how many sources it compiled. Errors, for `kiln package
 /// build` to report before anything is packed: NVRTC missing, a source that cannot be read or
 /// does not compile (NVRTC's log, with the file and line), or a listed kernel the source does
 /// not define (named with its file).
@@ -180,12 +253,13 @@ pub fn compile_package(
     for c in &manifest.cuda {
         let path = dir.join(&c.source);
         let text = std::fs::read_to_string(&path).map_err(|source| Error::Io { path: path.clone(), source })?;
-        let compiled =
-            compile_cached(name, &c.source, &text, headers, arch).map_err(|e| Error::Input(e.to_string()))?;
-        if let Some(k) = c.kernels.iter().find(|k| !defines(&compiled.cubin, k)) {
+        let compiled = compile_cached(name, &c.source, &text, headers, arch, &c.name_expressions())
+            .map_err(|e| Error::Input(e.to_string()))?;
+        if let Some(k) = c.kernels.iter().find(|k| !defines(&compiled.cubin, compiled.symbol(k))) {
             return Err(Error::Input(format!(
                 "package {name}: kernel.toml lists kernel {k} for {}, but the source compiled for {arch} defines no \
-                 such kernel (an extern \"C\" __global__ function of that name)",
+                 such kernel (an extern \"C\" __global__ function of that name, or an instantiation of a \
+                 __global__ function template for a name expression)",
                 c.source
             )));
         }
@@ -201,7 +275,35 @@ fn defines(cubin: &[u8], kernel: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::defines;
+    use super::{decode_lowered, defines, encode_lowered};
+
+    /// Every dtype's tag a shim names in a name expression (`DType::cuda_tag`) is a type of the
+    /// prelude, with its element's C type as `storage`.
+    #[test]
+    fn the_prelude_defines_the_tag_of_every_dtype() {
+        use kiln_kernel_abi::DType;
+        let tags: Vec<_> = DType::ALL.iter().filter_map(|d| d.cuda_tag()).collect();
+        assert_eq!(tags.len(), DType::ALL.len() - 1, "every dtype but string");
+        for tag in tags {
+            assert!(super::PRELUDE.contains(&format!("struct {tag} {{ typedef ")), "kiln.cuh lacks {tag}");
+        }
+    }
+
+    #[test]
+    fn lowered_names_survive_the_cache_text_and_a_missing_one_is_a_miss() {
+        let lowered: std::collections::BTreeMap<String, String> = [
+            ("kiln_cast<kiln_tag_f16>", "_Z9kiln_castI12kiln_tag_f16EvPKN_7storageEPvyj"),
+            ("gqa<kiln_tag_f32, 4>", "_Z3gqaI12kiln_tag_f32Li4EEvv"),
+        ]
+        .iter()
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .collect();
+        let text = encode_lowered(&lowered);
+        assert_eq!(decode_lowered(text.as_bytes(), &["gqa<kiln_tag_f32, 4>"]), Some(lowered.clone()));
+        assert_eq!(decode_lowered(text.as_bytes(), &["kiln_cast<kiln_tag_bf16>"]), None, "an expression it lacks");
+        assert_eq!(decode_lowered(b"no tab here\n", &[]), None, "not the cache's text");
+        assert_eq!(decode_lowered(&[0xff, 0xfe], &[]), None, "not UTF-8");
+    }
 
     #[test]
     fn a_symbol_is_found_only_whole() {

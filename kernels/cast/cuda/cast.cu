@@ -7,8 +7,10 @@
 // - integer → float rounds to nearest even once; integer → integer wraps;
 // - anything → bool is `x != 0` (NaN → true); bool (any nonzero byte) → number is 0 or 1.
 //
-// Entry points: kiln_cast_<from>(const S* x, void* y, u64 n, u32 to), <from> one of f32 f16
-// bf16 f64 i8 i16 i32 i64 u8 u16 u32 u64 bool, `to` the ONNX dtype code of y.
+// Entry point: the template kiln_cast<Tag>(const Tag::storage* x, void* y, u64 n, u32 to), Tag
+// the prelude's tag of x's dtype (kiln_tag_f32 … kiln_tag_bool) and `to` the ONNX dtype code of
+// y. kernel.toml lists the instantiations (name expressions, manifest schema 6), which NVRTC
+// lowers; the shim names them with DType::cuda_tag.
 #include "kiln.cuh"
 #include "kiln-cuda-std/round.cuh"
 
@@ -18,19 +20,35 @@ enum DTypeCode { DT_F32 = 1, DT_U8 = 2, DT_I8 = 3, DT_U16 = 4, DT_I16 = 5, DT_I3
 // Kinds of element: 0 float (value as float or double), 1 signed, 2 unsigned, 3 bool.
 enum Kind { FLOAT = 0, SIGNED, UNSIGNED, BOOL };
 
-struct TF32 { typedef float S; static const int kind = FLOAT; static const int id = DT_F32; };
-struct TF16 { typedef kiln_f16 S; static const int kind = FLOAT; static const int id = DT_F16; };
-struct TBF16 { typedef kiln_bf16 S; static const int kind = FLOAT; static const int id = DT_BF16; };
-struct TF64 { typedef double S; static const int kind = FLOAT; static const int id = DT_F64; };
-struct TI8 { typedef signed char S; static const int kind = SIGNED; static const int id = DT_I8; };
-struct TI16 { typedef short S; static const int kind = SIGNED; static const int id = DT_I16; };
-struct TI32 { typedef int S; static const int kind = SIGNED; static const int id = DT_I32; };
-struct TI64 { typedef long long S; static const int kind = SIGNED; static const int id = DT_I64; };
-struct TU8 { typedef unsigned char S; static const int kind = UNSIGNED; static const int id = DT_U8; };
-struct TU16 { typedef unsigned short S; static const int kind = UNSIGNED; static const int id = DT_U16; };
-struct TU32 { typedef unsigned S; static const int kind = UNSIGNED; static const int id = DT_U32; };
-struct TU64 { typedef unsigned long long S; static const int kind = UNSIGNED; static const int id = DT_U64; };
-struct TBool { typedef unsigned char S; static const int kind = BOOL; static const int id = DT_BOOL; };
+// What the conversions need of an element type, by the prelude's tag: its C type S (the tag's
+// storage), its kind and its ONNX dtype code.
+template <typename Tag> struct Elem;
+template <> struct Elem<kiln_tag_f32> { typedef kiln_tag_f32::storage S; static const int kind = FLOAT; static const int id = DT_F32; };
+template <> struct Elem<kiln_tag_f16> { typedef kiln_tag_f16::storage S; static const int kind = FLOAT; static const int id = DT_F16; };
+template <> struct Elem<kiln_tag_bf16> { typedef kiln_tag_bf16::storage S; static const int kind = FLOAT; static const int id = DT_BF16; };
+template <> struct Elem<kiln_tag_f64> { typedef kiln_tag_f64::storage S; static const int kind = FLOAT; static const int id = DT_F64; };
+template <> struct Elem<kiln_tag_i8> { typedef kiln_tag_i8::storage S; static const int kind = SIGNED; static const int id = DT_I8; };
+template <> struct Elem<kiln_tag_i16> { typedef kiln_tag_i16::storage S; static const int kind = SIGNED; static const int id = DT_I16; };
+template <> struct Elem<kiln_tag_i32> { typedef kiln_tag_i32::storage S; static const int kind = SIGNED; static const int id = DT_I32; };
+template <> struct Elem<kiln_tag_i64> { typedef kiln_tag_i64::storage S; static const int kind = SIGNED; static const int id = DT_I64; };
+template <> struct Elem<kiln_tag_u8> { typedef kiln_tag_u8::storage S; static const int kind = UNSIGNED; static const int id = DT_U8; };
+template <> struct Elem<kiln_tag_u16> { typedef kiln_tag_u16::storage S; static const int kind = UNSIGNED; static const int id = DT_U16; };
+template <> struct Elem<kiln_tag_u32> { typedef kiln_tag_u32::storage S; static const int kind = UNSIGNED; static const int id = DT_U32; };
+template <> struct Elem<kiln_tag_u64> { typedef kiln_tag_u64::storage S; static const int kind = UNSIGNED; static const int id = DT_U64; };
+template <> struct Elem<kiln_tag_bool> { typedef kiln_tag_bool::storage S; static const int kind = BOOL; static const int id = DT_BOOL; };
+typedef Elem<kiln_tag_f32> TF32;
+typedef Elem<kiln_tag_f16> TF16;
+typedef Elem<kiln_tag_bf16> TBF16;
+typedef Elem<kiln_tag_f64> TF64;
+typedef Elem<kiln_tag_i8> TI8;
+typedef Elem<kiln_tag_i16> TI16;
+typedef Elem<kiln_tag_i32> TI32;
+typedef Elem<kiln_tag_i64> TI64;
+typedef Elem<kiln_tag_u8> TU8;
+typedef Elem<kiln_tag_u16> TU16;
+typedef Elem<kiln_tag_u32> TU32;
+typedef Elem<kiln_tag_u64> TU64;
+typedef Elem<kiln_tag_bool> TBool;
 
 
 // A float source's value as float (float32, float16, bfloat16: exact).
@@ -146,20 +164,7 @@ __device__ __forceinline__ void cast_from(const typename From::S* x, void* y, ki
     }
 }
 
-#define KILN_CAST(T, SUFFIX)                                                                          \
-    extern "C" __global__ void kiln_cast_##SUFFIX(const T::S* x, void* y, kiln_u64 n, unsigned to) { \
-        cast_from<T>(x, y, n, to);                                                                    \
-    }
-KILN_CAST(TF32, f32)
-KILN_CAST(TF16, f16)
-KILN_CAST(TBF16, bf16)
-KILN_CAST(TF64, f64)
-KILN_CAST(TI8, i8)
-KILN_CAST(TI16, i16)
-KILN_CAST(TI32, i32)
-KILN_CAST(TI64, i64)
-KILN_CAST(TU8, u8)
-KILN_CAST(TU16, u16)
-KILN_CAST(TU32, u32)
-KILN_CAST(TU64, u64)
-KILN_CAST(TBool, bool)
+template <typename Tag>
+__global__ void kiln_cast(const typename Tag::storage* x, void* y, kiln_u64 n, unsigned to) {
+    cast_from<Elem<Tag>>(x, y, n, to);
+}

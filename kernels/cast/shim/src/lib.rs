@@ -122,22 +122,10 @@ impl Shim for Cast {
 
     fn dispatch(call: &Call) -> Result<()> {
         let (from, to) = dtypes(call)?;
-        let kernel = match from {
-            DType::F32 => "kiln_cast_f32",
-            DType::F16 => "kiln_cast_f16",
-            DType::BF16 => "kiln_cast_bf16",
-            DType::F64 => "kiln_cast_f64",
-            DType::I8 => "kiln_cast_i8",
-            DType::I16 => "kiln_cast_i16",
-            DType::I32 => "kiln_cast_i32",
-            DType::I64 => "kiln_cast_i64",
-            DType::U8 => "kiln_cast_u8",
-            DType::U16 => "kiln_cast_u16",
-            DType::U32 => "kiln_cast_u32",
-            DType::U64 => "kiln_cast_u64",
-            DType::Bool => "kiln_cast_bool",
-            other => unsupported!("{}: no CUDA kernel from {other}", call.op_type()),
+        let Some(tag) = from.cuda_tag() else {
+            unsupported!("{}: no CUDA kernel from {from}", call.op_type())
         };
+        let kernel = kiln_kernel_abi::names::kernel_name("kiln_cast", &[tag]);
         if to == DType::String {
             unsupported!("{}: no CUDA kernel to {to}", call.op_type());
         }
@@ -149,7 +137,7 @@ impl Shim for Cast {
         const BLOCK: u32 = 256;
         let grid = n.div_ceil(BLOCK as u64).clamp(1, 65535 * 32) as u32;
         launch(&Launch {
-            kernel,
+            kernel: &kernel,
             grid: [grid, 1, 1],
             block: [BLOCK, 1, 1],
             shared_mem_bytes: 0,
