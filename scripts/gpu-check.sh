@@ -2,6 +2,9 @@
 # On the GPU machine, from the repository root, after `scripts/stage-gpu.sh` here: checks and
 # times kiln in one call. Phases (any of them, in this order):
 #   tests      the GPU tests (tests/gpu.rs), all of them
+#   quick      the GPU tests that need no SmolLM2-architecture model (those are skipped by name),
+#              without building the models when it is the only phase: kernels, node tests,
+#              tiny-llama, attention, graphs and memory
 #   bench      kiln bench decode: graphs on and off at prompt 128 + 256 new tokens, batch 1 and 8,
 #              graphs on with a row-major KV cache (--paged-kv off), and unfused with graphs off
 #              (the first eager path);
@@ -41,7 +44,7 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,memory.used --format=csv | tee "$out/gpu.txt"
 models=/tmp/kiln-models
 m=$models/smollm2-arch-fp16-cuda
-if [ ! -f "$models/reference/smollm2-arch-ref.json" ]; then
+if [ "$phases" != quick ] && [ ! -f "$models/reference/smollm2-arch-ref.json" ]; then
   t0=$(date +%s)
   bash .gpu/device-fixtures/make-smollm2-arch.sh "$models" --results "$work/make" >"$work/make.log" 2>&1 ||
     { tail -30 "$work/make.log"; exit 1; }
@@ -160,6 +163,13 @@ for w in glob.glob(".gpu/python/*.whl"):
         --graph off --runs 1 --new-tokens 8 --max-length 384 >"$work/ncu-b$b.csv" 2>"$work/ncu-b$b.err"
     done
     tar -C "$work" -cf "$out/ncu.tar" ncu-b1.csv ncu-b8.csv
+    ;;
+  quick)
+    skip=()
+    for t in smollm2 device_sampling soak continuous_batch batch_invariant kv_cache_grow; do skip+=(--skip "$t"); done
+    "$GPU_TESTS" --include-ignored --test-threads 1 --nocapture "${skip[@]}" 2>&1 | tee "$out/gpu-tests.log" |
+      grep -E "^test .*(ok|FAILED)$|test result"
+    summary+=("quick: $(grep -E '^test result' "$out/gpu-tests.log" | tail -1)")
     ;;
   ab)
     for v in builtin .gpu/variants/*; do

@@ -163,7 +163,7 @@ fn registry_packages_rank_between_drop_ins_and_built_ins_and_yanked_ones_are_ski
     // Also when both hold the same name@version: the drop-in's copy (the built-in Relu, renamed
     // 9.9.9; kernel.toml is not among the hashed files) runs, not the registry's doubling one.
     let toml = std::fs::read_to_string(drop_in.path().join("kernel.toml")).unwrap();
-    let toml = toml.replacen("version = \"1.0.1\"", "version = \"9.9.9\"", 1);
+    let toml = toml.replacen("version = \"1.1.0\"", "version = \"9.9.9\"", 1);
     assert!(toml.contains("version = \"9.9.9\""));
     std::fs::write(drop_in.path().join("kernel.toml"), toml).unwrap();
     let out = run(&with(&[drop_in.path().to_path_buf()], &regs), &bytes, x()).unwrap();
@@ -176,7 +176,7 @@ fn registry_packages_rank_between_drop_ins_and_built_ins_and_yanked_ones_are_ski
     let (mut r, _) = packages::registry(&[], &regs);
     let err = r.require(&["kiln-unary@^2".parse().unwrap()]).unwrap_err();
     assert!(
-        err.contains("kiln-unary@^2: no package meets it") && err.contains("9.9.9") && err.contains("1.0.1"),
+        err.contains("kiln-unary@^2: no package meets it") && err.contains("9.9.9") && err.contains("1.1.0"),
         "{err}"
     );
     reg.yank("kiln-unary", &"9.9.9".parse().unwrap(), true).unwrap();
@@ -490,7 +490,7 @@ fn an_op_no_package_provides_names_node_op_and_candidates() {
         vec![],
     );
     let e = load_err(&m);
-    assert!(e.contains("kiln-unary@1.0.1 rejected: dtype int64 of input 0 is not in"), "{e}");
+    assert!(e.contains("kiln-unary@1.1.0 rejected: dtype int64 of input 0 is not in"), "{e}");
 }
 
 /// I/O binding on the CPU: an output kept as a held tensor, fed back as an input without a
@@ -584,7 +584,7 @@ fn one_error_names_every_op_no_package_runs() {
     let row = |op: &str| ins.ops.iter().find(|r| r.op == op).unwrap();
     assert_eq!((row("ai.onnx::Conv").nodes, row("ai.onnx::Conv").package.as_deref()), (2, None));
     assert!(row("ai.onnx::MaxPool").reason.as_deref().unwrap().contains("no kernel package runs ai.onnx::MaxPool"));
-    assert_eq!(row("ai.onnx::Relu").package.as_deref(), Some("kiln-unary@1.0.1"));
+    assert_eq!(row("ai.onnx::Relu").package.as_deref(), Some("kiln-unary@1.1.0"));
     assert_eq!(ins.inputs[0].shape, "1 × 1 × 8 × 8");
     let err = Session::new(runtime(&[]), model::load_bytes(&bytes, None).unwrap(), SessionOptions::default())
         .err()

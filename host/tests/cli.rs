@@ -115,13 +115,13 @@ fn kernels_list_shows_every_builtin_package() {
     let t = text(&o);
     assert!(o.status.success(), "{t}");
     for p in [
-        "kiln-unary 1.0.1",
-        "kiln-binary 1.0.1",
+        "kiln-unary 1.1.0",
+        "kiln-binary 1.1.0",
         "kiln-cast 1.1.0",
         "kiln-matmul 1.2.0",
-        "kiln-reduce 1.0.1",
-        "kiln-normalization 1.0.0",
-        "kiln-tensor 1.1.0",
+        "kiln-reduce 1.1.0",
+        "kiln-normalization 1.1.0",
+        "kiln-tensor 1.2.0",
         "kiln-cuda-std 1.1.0",
     ] {
         assert!(t.contains(p), "{p} missing from:\n{t}");

@@ -233,7 +233,7 @@ fn launch_overhead(gpu: &mut Gpu, unary: &Arc<Package>) -> Result<(f64, f64)> {
     }
     let plan_us = t0.elapsed().as_secs_f64() * 1e6 / iters as f64;
     gpu.synchronize()?;
-    let f = gpu.function(unary, "kiln_unary_f32")?;
+    let f = gpu.function(unary, "kiln_unary<kiln_tag_f32>")?;
     let mut cells: [u64; 6] = [bufs[0].ptr, bufs[1].ptr, 256, 0, 0, 0];
     let stream = gpu.device.enqueue();
     let t1 = Instant::now();

@@ -10,18 +10,20 @@
 // vector accesses for two same-type inputs when the pointers allow).
 //
 // Entry points (argument order is what shim/src/lib.rs `dispatch` passes):
-//   kiln_binary_<t>(const T* a, const T* b, T* y, u64 n, u32 op, u32 rank, DIMS, STRIDES(a), STRIDES(b))
-//   kiln_compare_<t>(const T* a, const T* b, u8* y, u64 n, u32 op, u32 rank, DIMS, STRIDES(a), STRIDES(b))
+//   kiln_binary<Tag>(const T* a, const T* b, T* y, u64 n, u32 op, u32 rank, DIMS, STRIDES(a), STRIDES(b))
+//   kiln_compare<Tag>(const T* a, const T* b, u8* y, u64 n, u32 op, u32 rank, DIMS, STRIDES(a), STRIDES(b))
 //   kiln_logic(const u8* a, const u8* b, u8* y, u64 n, u32 op, u32 rank, DIMS, STRIDES(a), STRIDES(b))
-//   kiln_where_{1,2,4,8}(const u8* c, const T* x, const T* z, T* y, u64 n, u32 rank, DIMS,
-//                        STRIDES(c), STRIDES(x), STRIDES(z))              (T by element size)
-//   kiln_nary_<t>(T* y, u64 n, u32 op, u32 count, u32 mean, u32 rank, DIMS,
-//                 const T* x0, .., const T* x7, STRIDES(x0) .. STRIDES(x7))
+//   kiln_where<Size>(const u8* c, const T* x, const T* z, T* y, u64 n, u32 rank, DIMS,
+//                    STRIDES(c), STRIDES(x), STRIDES(z))     (T by element size, Size 1, 2, 4 or 8)
+//   kiln_nary<Tag>(T* y, u64 n, u32 op, u32 count, u32 mean, u32 rank, DIMS,
+//                  const T* x0, .., const T* x7, STRIDES(x0) .. STRIDES(x7))
 //     y = fold of op over x0..x{count-1} (count 1..8), divided by `mean` when it is not 0.
 //   kiln_pow(const void* a, const void* b, void* y, u64 n, u32 a_dtype, u32 b_dtype, u32 rank,
 //            DIMS, STRIDES(a), STRIDES(b))      Pow of mixed dtypes (ONNX dtype codes); y has a's
-// with DIMS = u64 d0..d7 and STRIDES(p) = u64 p0..p7; <t> one of f32 f16 bf16 f64 i8 i16 i32 i64
-// u8 u16 u32 u64.
+// with DIMS = u64 d0..d7 and STRIDES(p) = u64 p0..p7; Tag the prelude's tag of a numeric dtype
+// (kiln_tag_f32 f16 bf16 f64 i8 i16 i32 i64 u8 u16 u32 u64), T = Tag::storage. kernel.toml
+// instantiates the templates by name expressions (manifest schema 6), which the shim spells with
+// DType::cuda_tag; kiln_logic and kiln_pow stay extern "C".
 #include "kiln.cuh"
 #include "kiln-cuda-std/vec.cuh"
 #include "kiln-cuda-std/round.cuh"
@@ -30,33 +32,34 @@ enum ArithOp { ADD = 0, SUB, MUL, DIV, POW, FMOD, MOD, MAX, MIN };
 enum CmpOp { EQ = 0, LT, GT, LE, GE };
 enum LogicOp { AND = 0, OR, XOR, LEQ };
 
-// ---- element types: storage S, compute C ----
-struct TF32 {
-    typedef float S;
+// ---- element types, by the prelude's tag: storage S (the tag's storage), compute C ----
+template <typename Tag> struct Elem;
+template <> struct Elem<kiln_tag_f32> {
+    typedef kiln_tag_f32::storage S;
     typedef float C;
     static const bool is_float = true;
     static const bool is_signed = true;
     __device__ static C ld(S v) { return v; }
     __device__ static S st(C v) { return v; }
 };
-struct TF16 {
-    typedef kiln_f16 S;
+template <> struct Elem<kiln_tag_f16> {
+    typedef kiln_tag_f16::storage S;
     typedef float C;
     static const bool is_float = true;
     static const bool is_signed = true;
     __device__ static C ld(S v) { return kiln_f16_to_f32(v); }
     __device__ static S st(C v) { return kiln_f32_to_f16(v); }
 };
-struct TBF16 {
-    typedef kiln_bf16 S;
+template <> struct Elem<kiln_tag_bf16> {
+    typedef kiln_tag_bf16::storage S;
     typedef float C;
     static const bool is_float = true;
     static const bool is_signed = true;
     __device__ static C ld(S v) { return kiln_bf16_to_f32(v); }
     __device__ static S st(C v) { return kiln_f32_to_bf16(v); }
 };
-struct TF64 {
-    typedef double S;
+template <> struct Elem<kiln_tag_f64> {
+    typedef kiln_tag_f64::storage S;
     typedef double C;
     static const bool is_float = true;
     static const bool is_signed = true;
@@ -65,23 +68,23 @@ struct TF64 {
 };
 // Integers compute on their 64-bit two's complement pattern (sign- or zero-extended), as the
 // CPU reference widens to i64; storing truncates (wraps).
-#define KILN_INT_TYPE(NAME, STORAGE, SIGNED)                \
-    struct NAME {                                           \
-        typedef STORAGE S;                                  \
-        typedef kiln_u64 C;                                 \
-        static const bool is_float = false;                 \
-        static const bool is_signed = SIGNED;               \
-        __device__ static C ld(S v) { return (kiln_u64)v; } \
-        __device__ static S st(C v) { return (S)v; }        \
-    };
-KILN_INT_TYPE(TI8, signed char, true)
-KILN_INT_TYPE(TI16, short, true)
-KILN_INT_TYPE(TI32, int, true)
-KILN_INT_TYPE(TI64, long long, true)
-KILN_INT_TYPE(TU8, unsigned char, false)
-KILN_INT_TYPE(TU16, unsigned short, false)
-KILN_INT_TYPE(TU32, unsigned, false)
-KILN_INT_TYPE(TU64, unsigned long long, false)
+template <typename Tag, bool SIGNED>
+struct IntElem {
+    typedef typename Tag::storage S;
+    typedef kiln_u64 C;
+    static const bool is_float = false;
+    static const bool is_signed = SIGNED;
+    __device__ static C ld(S v) { return (kiln_u64)v; }
+    __device__ static S st(C v) { return (S)v; }
+};
+template <> struct Elem<kiln_tag_i8> : IntElem<kiln_tag_i8, true> {};
+template <> struct Elem<kiln_tag_i16> : IntElem<kiln_tag_i16, true> {};
+template <> struct Elem<kiln_tag_i32> : IntElem<kiln_tag_i32, true> {};
+template <> struct Elem<kiln_tag_i64> : IntElem<kiln_tag_i64, true> {};
+template <> struct Elem<kiln_tag_u8> : IntElem<kiln_tag_u8, false> {};
+template <> struct Elem<kiln_tag_u16> : IntElem<kiln_tag_u16, false> {};
+template <> struct Elem<kiln_tag_u32> : IntElem<kiln_tag_u32, false> {};
+template <> struct Elem<kiln_tag_u64> : IntElem<kiln_tag_u64, false> {};
 
 __device__ __forceinline__ float m_pow(float a, float b) { return powf(a, b); }
 __device__ __forceinline__ double m_pow(double a, double b) { return pow(a, b); }
@@ -313,35 +316,23 @@ __device__ __forceinline__ void ew2(const In* a, const In* b, Out* y, kiln_u64 n
 
 // ---- entry points ----
 
-#define KILN_BINARY(T, SUFFIX)                                                                                   \
-    extern "C" __global__ void kiln_binary_##SUFFIX(const T::S* a, const T::S* b, T::S* y, kiln_u64 n, unsigned op, \
-                                                    unsigned rank, KILN_DIMS, KILN_STRIDES(sa), KILN_STRIDES(sb)) { \
-        const kiln_u64 d[8] = KILN_ARR(d);                                                                       \
-        const kiln_u64 s[2][8] = {KILN_ARR(sa), KILN_ARR(sb)};                                                   \
-        Arith<T> f{op};                                                                                          \
-        ew2(a, b, y, n, rank, d, s, f);                                                                          \
-    }                                                                                                            \
-    extern "C" __global__ void kiln_compare_##SUFFIX(const T::S* a, const T::S* b, unsigned char* y, kiln_u64 n,   \
-                                                     unsigned op, unsigned rank, KILN_DIMS, KILN_STRIDES(sa),      \
-                                                     KILN_STRIDES(sb)) {                                           \
-        const kiln_u64 d[8] = KILN_ARR(d);                                                                       \
-        const kiln_u64 s[2][8] = {KILN_ARR(sa), KILN_ARR(sb)};                                                   \
-        Compare<T> f{op};                                                                                        \
-        ew2(a, b, y, n, rank, d, s, f);                                                                          \
-    }
+template <typename Tag>
+__global__ void kiln_binary(const typename Tag::storage* a, const typename Tag::storage* b, typename Tag::storage* y,
+                            kiln_u64 n, unsigned op, unsigned rank, KILN_DIMS, KILN_STRIDES(sa), KILN_STRIDES(sb)) {
+    const kiln_u64 d[8] = KILN_ARR(d);
+    const kiln_u64 s[2][8] = {KILN_ARR(sa), KILN_ARR(sb)};
+    Arith<Elem<Tag>> f{op};
+    ew2(a, b, y, n, rank, d, s, f);
+}
 
-KILN_BINARY(TF32, f32)
-KILN_BINARY(TF16, f16)
-KILN_BINARY(TBF16, bf16)
-KILN_BINARY(TF64, f64)
-KILN_BINARY(TI8, i8)
-KILN_BINARY(TI16, i16)
-KILN_BINARY(TI32, i32)
-KILN_BINARY(TI64, i64)
-KILN_BINARY(TU8, u8)
-KILN_BINARY(TU16, u16)
-KILN_BINARY(TU32, u32)
-KILN_BINARY(TU64, u64)
+template <typename Tag>
+__global__ void kiln_compare(const typename Tag::storage* a, const typename Tag::storage* b, unsigned char* y,
+                             kiln_u64 n, unsigned op, unsigned rank, KILN_DIMS, KILN_STRIDES(sa), KILN_STRIDES(sb)) {
+    const kiln_u64 d[8] = KILN_ARR(d);
+    const kiln_u64 s[2][8] = {KILN_ARR(sa), KILN_ARR(sb)};
+    Compare<Elem<Tag>> f{op};
+    ew2(a, b, y, n, rank, d, s, f);
+}
 
 extern "C" __global__ void kiln_logic(const unsigned char* a, const unsigned char* b, unsigned char* y, kiln_u64 n,
                                       unsigned op, unsigned rank, KILN_DIMS, KILN_STRIDES(sa), KILN_STRIDES(sb)) {
@@ -361,19 +352,22 @@ struct WhereF {
     __device__ void operator()(kiln_u64 i, const kiln_u64 (&off)[3]) const { y[i] = c[off[0]] ? x[off[1]] : z[off[2]]; }
 };
 
-#define KILN_WHERE(E, SUFFIX)                                                                                     \
-    extern "C" __global__ void kiln_where_##SUFFIX(const unsigned char* c, const E* x, const E* z, E* y, kiln_u64 n, \
-                                                   unsigned rank, KILN_DIMS, KILN_STRIDES(sc), KILN_STRIDES(sx),  \
-                                                   KILN_STRIDES(sz)) {                                            \
-        const kiln_u64 d[8] = KILN_ARR(d);                                                                        \
-        const kiln_u64 s[3][8] = {KILN_ARR(sc), KILN_ARR(sx), KILN_ARR(sz)};                                      \
-        WhereF<E> f{c, x, z, y};                                                                                  \
-        for_each<3>(n, rank, d, s, f);                                                                            \
-    }
-KILN_WHERE(unsigned char, 1)
-KILN_WHERE(unsigned short, 2)
-KILN_WHERE(unsigned, 4)
-KILN_WHERE(kiln_u64, 8)
+// The unsigned integer type of `Size` bytes, which Where moves elements as.
+template <int Size> struct Bits;
+template <> struct Bits<1> { typedef unsigned char E; };
+template <> struct Bits<2> { typedef unsigned short E; };
+template <> struct Bits<4> { typedef unsigned E; };
+template <> struct Bits<8> { typedef kiln_u64 E; };
+
+template <int Size>
+__global__ void kiln_where(const unsigned char* c, const typename Bits<Size>::E* x, const typename Bits<Size>::E* z,
+                           typename Bits<Size>::E* y, kiln_u64 n, unsigned rank, KILN_DIMS, KILN_STRIDES(sc),
+                           KILN_STRIDES(sx), KILN_STRIDES(sz)) {
+    const kiln_u64 d[8] = KILN_ARR(d);
+    const kiln_u64 s[3][8] = {KILN_ARR(sc), KILN_ARR(sx), KILN_ARR(sz)};
+    WhereF<typename Bits<Size>::E> f{c, x, z, y};
+    for_each<3>(n, rank, d, s, f);
+}
 
 // The fold of Sum/Mean (ADD), Max and Min: `arith` without the ops that variadic ops lack.
 template <typename T>
@@ -408,31 +402,20 @@ struct NaryF {
     }
 };
 
-#define KILN_NARY(T, SUFFIX)                                                                                        \
-    extern "C" __global__ void kiln_nary_##SUFFIX(T::S* y, kiln_u64 n, unsigned op, unsigned count, unsigned mean,    \
-                                                  unsigned rank, KILN_DIMS, const T::S* x0, const T::S* x1,           \
-                                                  const T::S* x2, const T::S* x3, const T::S* x4, const T::S* x5,     \
-                                                  const T::S* x6, const T::S* x7, KILN_STRIDES(s0), KILN_STRIDES(s1), \
-                                                  KILN_STRIDES(s2), KILN_STRIDES(s3), KILN_STRIDES(s4),               \
-                                                  KILN_STRIDES(s5), KILN_STRIDES(s6), KILN_STRIDES(s7)) {             \
-        const kiln_u64 d[8] = KILN_ARR(d);                                                                          \
-        const kiln_u64 s[8][8] = {KILN_ARR(s0), KILN_ARR(s1), KILN_ARR(s2), KILN_ARR(s3),                           \
-                                  KILN_ARR(s4), KILN_ARR(s5), KILN_ARR(s6), KILN_ARR(s7)};                          \
-        NaryF<T> f{{x0, x1, x2, x3, x4, x5, x6, x7}, y, op, count, mean};                                           \
-        for_each<8>(n, rank, d, s, f);                                                                              \
-    }
-KILN_NARY(TF32, f32)
-KILN_NARY(TF16, f16)
-KILN_NARY(TBF16, bf16)
-KILN_NARY(TF64, f64)
-KILN_NARY(TI8, i8)
-KILN_NARY(TI16, i16)
-KILN_NARY(TI32, i32)
-KILN_NARY(TI64, i64)
-KILN_NARY(TU8, u8)
-KILN_NARY(TU16, u16)
-KILN_NARY(TU32, u32)
-KILN_NARY(TU64, u64)
+template <typename Tag>
+__global__ void kiln_nary(typename Tag::storage* y, kiln_u64 n, unsigned op, unsigned count, unsigned mean,
+                          unsigned rank, KILN_DIMS, const typename Tag::storage* x0, const typename Tag::storage* x1,
+                          const typename Tag::storage* x2, const typename Tag::storage* x3,
+                          const typename Tag::storage* x4, const typename Tag::storage* x5,
+                          const typename Tag::storage* x6, const typename Tag::storage* x7, KILN_STRIDES(s0),
+                          KILN_STRIDES(s1), KILN_STRIDES(s2), KILN_STRIDES(s3), KILN_STRIDES(s4), KILN_STRIDES(s5),
+                          KILN_STRIDES(s6), KILN_STRIDES(s7)) {
+    const kiln_u64 d[8] = KILN_ARR(d);
+    const kiln_u64 s[8][8] = {KILN_ARR(s0), KILN_ARR(s1), KILN_ARR(s2), KILN_ARR(s3),
+                              KILN_ARR(s4), KILN_ARR(s5), KILN_ARR(s6), KILN_ARR(s7)};
+    NaryF<Elem<Tag>> f{{x0, x1, x2, x3, x4, x5, x6, x7}, y, op, count, mean};
+    for_each<8>(n, rank, d, s, f);
+}
 
 // ---- Pow of mixed dtypes: elements loaded by ONNX dtype code ----
 

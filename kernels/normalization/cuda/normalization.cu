@@ -6,10 +6,30 @@
 // blockDim.y rows per block (blockDim.y > 1 only with blockDim.x == 32), rows beyond the grid
 // looped over. Scale / bias tensors broadcast as suffixes of X: element k of X (row-major) uses
 // element k % len (the shim materialises other broadcasts with kiln_norm_expand first).
+//
+// Entry points are templates over the prelude's dtype tags (kiln_tag_f32 f16 bf16 f64):
+// kiln_softmax_rows<Tag>, kiln_softmax_cols<Tag>, kiln_layer_norm<Tag>, kiln_skip_rms_norm<Tag>
+// and kiln_rms_norm<XTag, YTag>; kernel.toml lists the instantiations (name expressions,
+// manifest schema 6), which NVRTC lowers; the shim names them with DType::cuda_tag.
+// kiln_norm_expand (bytes) is extern "C".
 #include "kiln.cuh"
 
 struct nf16 { unsigned short b; };
 struct nbf16 { unsigned short b; };
+
+// The storage type T and the accumulator A the device code takes, by the prelude's tag of the
+// dtype: float16 and bfloat16 as this package's own structs; statistics in f32, f64 for float64.
+template <typename Tag> struct NElem;
+template <> struct NElem<kiln_tag_f32> { typedef float T; typedef float A; };
+template <> struct NElem<kiln_tag_f16> { typedef nf16 T; typedef float A; };
+template <> struct NElem<kiln_tag_bf16> { typedef nbf16 T; typedef float A; };
+template <> struct NElem<kiln_tag_f64> { typedef double T; typedef double A; };
+
+// The accumulator of two tensors' accumulators (rms_norm's x and scale): f64 when either is.
+template <typename A1, typename A2> struct NAcc { typedef float A; };
+template <typename A2> struct NAcc<double, A2> { typedef double A; };
+template <typename A1> struct NAcc<A1, double> { typedef double A; };
+template <> struct NAcc<double, double> { typedef double A; };
 
 __device__ __forceinline__ float nld(const float* p, kiln_u64 i) { return p[i]; }
 __device__ __forceinline__ double nld(const double* p, kiln_u64 i) { return p[i]; }
@@ -233,50 +253,50 @@ __device__ void skip_rms_norm(const T* x, const T* skip, const T* gamma, const T
 
 // ---- entry points ----------------------------------------------------------------------------
 
-#define NORM_KERNELS(SUFFIX, T, A)                                                                                  \
-    extern "C" __global__ void kiln_softmax_rows_##SUFFIX(const T* x, T* y, kiln_u64 rows, kiln_u64 n,            \
-                                                           unsigned log_out) {                                     \
-        softmax_rows<T, A>(x, y, rows, n, log_out);                                                                \
-    }                                                                                                              \
-    extern "C" __global__ void kiln_softmax_cols_##SUFFIX(const T* x, T* y, kiln_u64 outer, kiln_u64 n,           \
-                                                           kiln_u64 inner, unsigned log_out) {                     \
-        softmax_cols<T, A>(x, y, outer, n, inner, log_out);                                                        \
-    }                                                                                                              \
-    extern "C" __global__ void kiln_layer_norm_##SUFFIX(                                                           \
-        const T* x, const T* scale, const T* bias, T* y, void* mean_out, void* inv_out, kiln_u64 rows,            \
-        kiln_u64 cols, kiln_u64 scale_len, kiln_u64 bias_len, unsigned has_bias, float eps, unsigned stat_code,    \
-        unsigned has_mean, unsigned has_inv) {                                                                     \
-        layer_norm<T, A>(x, scale, bias, y, mean_out, inv_out, rows, cols, scale_len, bias_len, has_bias, eps,     \
-                         stat_code, has_mean, has_inv);                                                            \
-    }                                                                                                              \
-    extern "C" __global__ void kiln_skip_rms_norm_##SUFFIX(                                                        \
-        const T* x, const T* skip, const T* gamma, const T* bias, T* out, float* mean_out, float* inv_out,        \
-        T* sum_out, kiln_u64 rows, kiln_u64 hidden, kiln_u64 skip_len, unsigned has_bias, unsigned has_mean,       \
-        unsigned has_inv, unsigned has_sum, float eps) {                                                           \
-        skip_rms_norm<T, A>(x, skip, gamma, bias, out, mean_out, inv_out, sum_out, rows, hidden, skip_len,         \
-                            has_bias, has_mean, has_inv, has_sum, eps);                                            \
-    }
+template <typename Tag>
+__global__ void kiln_softmax_rows(const typename NElem<Tag>::T* x, typename NElem<Tag>::T* y, kiln_u64 rows,
+                                  kiln_u64 n, unsigned log_out) {
+    softmax_rows<typename NElem<Tag>::T, typename NElem<Tag>::A>(x, y, rows, n, log_out);
+}
 
-NORM_KERNELS(f32, float, float)
-NORM_KERNELS(f16, nf16, float)
-NORM_KERNELS(bf16, nbf16, float)
-NORM_KERNELS(f64, double, double)
+template <typename Tag>
+__global__ void kiln_softmax_cols(const typename NElem<Tag>::T* x, typename NElem<Tag>::T* y, kiln_u64 outer,
+                                  kiln_u64 n, kiln_u64 inner, unsigned log_out) {
+    softmax_cols<typename NElem<Tag>::T, typename NElem<Tag>::A>(x, y, outer, n, inner, log_out);
+}
 
-#define RMS_KERNEL(XS, X, YS, Y, A)                                                                                 \
-    extern "C" __global__ void kiln_rms_norm_##XS##_##YS(const X* x, const Y* scale, Y* y, void* inv_out,         \
-                                                          kiln_u64 rows, kiln_u64 cols, kiln_u64 scale_len,        \
-                                                          float eps, unsigned stat_code, unsigned has_inv) {       \
-        rms_norm<X, Y, A>(x, scale, y, inv_out, rows, cols, scale_len, eps, stat_code, has_inv);                  \
-    }
-#define RMS_KERNELS_X(XS, X, A)              \
-    RMS_KERNEL(XS, X, f32, float, A)         \
-    RMS_KERNEL(XS, X, f16, nf16, A)          \
-    RMS_KERNEL(XS, X, bf16, nbf16, A)        \
-    RMS_KERNEL(XS, X, f64, double, double)
-RMS_KERNELS_X(f32, float, float)
-RMS_KERNELS_X(f16, nf16, float)
-RMS_KERNELS_X(bf16, nbf16, float)
-RMS_KERNELS_X(f64, double, double)
+template <typename Tag>
+__global__ void kiln_layer_norm(const typename NElem<Tag>::T* x, const typename NElem<Tag>::T* scale,
+                                const typename NElem<Tag>::T* bias, typename NElem<Tag>::T* y, void* mean_out,
+                                void* inv_out, kiln_u64 rows, kiln_u64 cols, kiln_u64 scale_len, kiln_u64 bias_len,
+                                unsigned has_bias, float eps, unsigned stat_code, unsigned has_mean,
+                                unsigned has_inv) {
+    layer_norm<typename NElem<Tag>::T, typename NElem<Tag>::A>(x, scale, bias, y, mean_out, inv_out, rows, cols,
+                                                               scale_len, bias_len, has_bias, eps, stat_code,
+                                                               has_mean, has_inv);
+}
+
+template <typename Tag>
+__global__ void kiln_skip_rms_norm(const typename NElem<Tag>::T* x, const typename NElem<Tag>::T* skip,
+                                   const typename NElem<Tag>::T* gamma, const typename NElem<Tag>::T* bias,
+                                   typename NElem<Tag>::T* out, float* mean_out, float* inv_out,
+                                   typename NElem<Tag>::T* sum_out, kiln_u64 rows, kiln_u64 hidden,
+                                   kiln_u64 skip_len, unsigned has_bias, unsigned has_mean, unsigned has_inv,
+                                   unsigned has_sum, float eps) {
+    skip_rms_norm<typename NElem<Tag>::T, typename NElem<Tag>::A>(x, skip, gamma, bias, out, mean_out, inv_out,
+                                                                  sum_out, rows, hidden, skip_len, has_bias,
+                                                                  has_mean, has_inv, has_sum, eps);
+}
+
+// X and Y (scale's dtype, the output's) by their tags; f64 statistics when either is float64.
+template <typename XTag, typename YTag>
+__global__ void kiln_rms_norm(const typename NElem<XTag>::T* x, const typename NElem<YTag>::T* scale,
+                              typename NElem<YTag>::T* y, void* inv_out, kiln_u64 rows, kiln_u64 cols,
+                              kiln_u64 scale_len, float eps, unsigned stat_code, unsigned has_inv) {
+    rms_norm<typename NElem<XTag>::T, typename NElem<YTag>::T,
+             typename NAcc<typename NElem<XTag>::A, typename NElem<YTag>::A>::A>(x, scale, y, inv_out, rows, cols,
+                                                                                 scale_len, eps, stat_code, has_inv);
+}
 
 // dst (n elements of esize bytes, row-major over dims[0..rank]) = src broadcast: element index
 // sum(i_d · strides[d]) of src, strides 0 on broadcast dimensions.

@@ -167,34 +167,38 @@ __device__ void gbq(const unsigned char* data, const void* indices, const typena
     }
 }
 
-#define KILN_QUANT_KERNELS(SUF, TAG)                                                                                   \
-    extern "C" __global__ void kiln_mnb_gemv_##SUF(                                                                    \
-        const TAG::storage* A, const unsigned* B, const TAG::storage* scales, const unsigned char* zp_u8,              \
-        const TAG::storage* zp_f, const int* g_idx, const TAG::storage* bias, TAG::storage* Y, kiln_u64 M, unsigned N, \
-        unsigned K, unsigned block, unsigned bits, unsigned kb, unsigned zp_kind, unsigned zp_row, unsigned has_gidx,  \
-        unsigned has_bias) {                                                                                           \
-        mnb_gemv<TAG>(A, B, scales, zp_u8, zp_f, g_idx, bias, Y, M, N, K, block, bits, kb, zp_kind, zp_row, has_gidx,  \
-                      has_bias);                                                                                       \
-    }                                                                                                                  \
-    extern "C" __global__ void kiln_mnb_dequant_##SUF(                                                                 \
-        const unsigned char* B, const TAG::storage* scales, const unsigned char* zp_u8, const TAG::storage* zp_f,      \
-        const int* g_idx, TAG::storage* W, unsigned N, unsigned K, unsigned block, unsigned bits, unsigned kb,         \
-        unsigned zp_kind, unsigned zp_row, unsigned has_gidx) {                                                        \
-        mnb_dequant<TAG>(B, scales, zp_u8, zp_f, g_idx, W, N, K, block, bits, kb, zp_kind, zp_row, has_gidx);          \
-    }                                                                                                                  \
-    extern "C" __global__ void kiln_mnb_fill_##SUF(const TAG::storage* bias, TAG::storage* Y, kiln_u64 total,          \
-                                                   unsigned N, unsigned has_bias) {                                    \
-        mnb_fill<TAG>(bias, Y, total, N, has_bias);                                                                    \
-    }                                                                                                                  \
-    extern "C" __global__ void kiln_gbq_##SUF(const unsigned char* data, const void* indices,                          \
-                                              const TAG::storage* scales, const unsigned char* zp, TAG::storage* out,  \
-                                              kiln_u64 total, kiln_u64 rows, kiln_u64 row_len, kiln_u64 q_dim,         \
-                                              kiln_u64 q_inner, kiln_u64 q_blocks, unsigned block, unsigned bits,      \
-                                              unsigned has_zp, unsigned idx64) {                                       \
-        gbq<TAG>(data, indices, scales, zp, out, total, rows, row_len, q_dim, q_inner, q_blocks, block, bits, has_zp,  \
-                 idx64);                                                                                               \
-    }
+// The kernels, one template each over the prelude's dtype tag (kiln_tag_f32, kiln_tag_f16,
+// kiln_tag_bf16): kernel.toml lists their instantiations by name expression (schema 6), and the
+// shim names them with DType::cuda_tag.
+template <typename Tag>
+__global__ void kiln_mnb_gemv(const typename Tag::storage* A, const unsigned* B, const typename Tag::storage* scales,
+                              const unsigned char* zp_u8, const typename Tag::storage* zp_f, const int* g_idx,
+                              const typename Tag::storage* bias, typename Tag::storage* Y, kiln_u64 M, unsigned N,
+                              unsigned K, unsigned block, unsigned bits, unsigned kb, unsigned zp_kind,
+                              unsigned zp_row, unsigned has_gidx, unsigned has_bias) {
+    mnb_gemv<Tag>(A, B, scales, zp_u8, zp_f, g_idx, bias, Y, M, N, K, block, bits, kb, zp_kind, zp_row, has_gidx,
+                  has_bias);
+}
 
-KILN_QUANT_KERNELS(f32, kiln_tag_f32)
-KILN_QUANT_KERNELS(f16, kiln_tag_f16)
-KILN_QUANT_KERNELS(bf16, kiln_tag_bf16)
+template <typename Tag>
+__global__ void kiln_mnb_dequant(const unsigned char* B, const typename Tag::storage* scales,
+                                 const unsigned char* zp_u8, const typename Tag::storage* zp_f, const int* g_idx,
+                                 typename Tag::storage* W, unsigned N, unsigned K, unsigned block, unsigned bits,
+                                 unsigned kb, unsigned zp_kind, unsigned zp_row, unsigned has_gidx) {
+    mnb_dequant<Tag>(B, scales, zp_u8, zp_f, g_idx, W, N, K, block, bits, kb, zp_kind, zp_row, has_gidx);
+}
+
+template <typename Tag>
+__global__ void kiln_mnb_fill(const typename Tag::storage* bias, typename Tag::storage* Y, kiln_u64 total, unsigned N,
+                              unsigned has_bias) {
+    mnb_fill<Tag>(bias, Y, total, N, has_bias);
+}
+
+template <typename Tag>
+__global__ void kiln_gbq(const unsigned char* data, const void* indices, const typename Tag::storage* scales,
+                         const unsigned char* zp, typename Tag::storage* out, kiln_u64 total, kiln_u64 rows,
+                         kiln_u64 row_len, kiln_u64 q_dim, kiln_u64 q_inner, kiln_u64 q_blocks, unsigned block,
+                         unsigned bits, unsigned has_zp, unsigned idx64) {
+    gbq<Tag>(data, indices, scales, zp, out, total, rows, row_len, q_dim, q_inner, q_blocks, block, bits, has_zp,
+             idx64);
+}

@@ -3,12 +3,16 @@
 // i64 with wrapping arithmetic; Max propagates NaN; an empty Mean is 0/0, an empty Max the
 // dtype's lowest value.
 //
-// - kiln_reduce_rows_<T>: x is [rows, count] contiguous; blockDim.x threads per row (a multiple
+// - kiln_reduce_rows<Tag>: x is [rows, count] contiguous; blockDim.x threads per row (a multiple
 //   of 32), blockDim.y rows per block; warp reductions, then shared memory across the warps.
-// - kiln_reduce_any_<T>: any axis set: one output per threadIdx.x (consecutive outputs are
+// - kiln_reduce_any<Tag>: any axis set: one output per threadIdx.x (consecutive outputs are
 //   consecutive threads), threadIdx.y splits the reduced elements; kept and reduced dimensions
 //   with their input strides (elements) are passed as scalars, at most 8 of each.
 // - kiln_reduce_copy: byte copy (noop_with_empty_axes).
+//
+// Tag is the prelude's tag of x's dtype (kiln_tag_f32 f16 bf16 f64 i8 i32 i64 u8 u32 u64; bool
+// reduces as its bytes, with kiln_tag_u8). kernel.toml lists the instantiations (name
+// expressions, manifest schema 6), which NVRTC lowers; the shim names them with DType::cuda_tag.
 #include "kiln.cuh"
 
 #define RED_SUM 0u
@@ -57,6 +61,20 @@ RED_INT_TRAITS(long long, long long, (-9223372036854775807ll - 1))
 RED_INT_TRAITS(unsigned char, unsigned, 0u)
 RED_INT_TRAITS(unsigned, unsigned, 0u)
 RED_INT_TRAITS(unsigned long long, unsigned long long, 0ull)
+
+// The storage type T the device code takes (what RT<T> and RedFin<T> are specialized for), by
+// the prelude's tag of the dtype: float16 and bfloat16 as this package's own structs.
+template <typename Tag> struct Elem;
+template <> struct Elem<kiln_tag_f32> { typedef float T; };
+template <> struct Elem<kiln_tag_f16> { typedef red_f16 T; };
+template <> struct Elem<kiln_tag_bf16> { typedef red_bf16 T; };
+template <> struct Elem<kiln_tag_f64> { typedef double T; };
+template <> struct Elem<kiln_tag_i8> { typedef signed char T; };
+template <> struct Elem<kiln_tag_i32> { typedef int T; };
+template <> struct Elem<kiln_tag_i64> { typedef long long T; };
+template <> struct Elem<kiln_tag_u8> { typedef unsigned char T; };
+template <> struct Elem<kiln_tag_u32> { typedef unsigned T; };
+template <> struct Elem<kiln_tag_u64> { typedef unsigned long long T; };
 
 // Element → sum accumulator (integers sign- or zero-extend to i64).
 template <typename T> __device__ __forceinline__ typename RT<T>::S to_sum(T v) { return (typename RT<T>::S)RT<T>::ld(v); }
@@ -216,27 +234,18 @@ __device__ void reduce_any(const T* x, T* y, kiln_u64 n_out, kiln_u64 count, uns
     g.rd[0] = rd0; g.rd[1] = rd1; g.rd[2] = rd2; g.rd[3] = rd3; g.rd[4] = rd4; g.rd[5] = rd5; g.rd[6] = rd6; g.rd[7] = rd7; \
     g.rs[0] = rs0; g.rs[1] = rs1; g.rs[2] = rs2; g.rs[3] = rs3; g.rs[4] = rs4; g.rs[5] = rs5; g.rs[6] = rs6; g.rs[7] = rs7;
 
-#define RED_KERNELS(SUFFIX, T)                                                                                      \
-    extern "C" __global__ void kiln_reduce_rows_##SUFFIX(const T* x, T* y, kiln_u64 rows, kiln_u64 count,         \
-                                                          unsigned op) {                                           \
-        reduce_rows<T>(x, y, rows, count, op);                                                                     \
-    }                                                                                                              \
-    extern "C" __global__ void kiln_reduce_any_##SUFFIX(const T* x, T* y, kiln_u64 n_out, kiln_u64 count,         \
-                                                         unsigned op, RED_GEOM_PARAMS) {                           \
-        RED_GEOM_BUILD(g)                                                                                          \
-        reduce_any<T>(x, y, n_out, count, op, g);                                                                  \
-    }
+template <typename Tag>
+__global__ void kiln_reduce_rows(const typename Elem<Tag>::T* x, typename Elem<Tag>::T* y, kiln_u64 rows,
+                                 kiln_u64 count, unsigned op) {
+    reduce_rows<typename Elem<Tag>::T>(x, y, rows, count, op);
+}
 
-RED_KERNELS(f32, float)
-RED_KERNELS(f16, red_f16)
-RED_KERNELS(bf16, red_bf16)
-RED_KERNELS(f64, double)
-RED_KERNELS(i8, signed char)
-RED_KERNELS(i32, int)
-RED_KERNELS(i64, long long)
-RED_KERNELS(u8, unsigned char)
-RED_KERNELS(u32, unsigned)
-RED_KERNELS(u64, unsigned long long)
+template <typename Tag>
+__global__ void kiln_reduce_any(const typename Elem<Tag>::T* x, typename Elem<Tag>::T* y, kiln_u64 n_out,
+                                kiln_u64 count, unsigned op, RED_GEOM_PARAMS) {
+    RED_GEOM_BUILD(g)
+    reduce_any<typename Elem<Tag>::T>(x, y, n_out, count, op, g);
+}
 
 extern "C" __global__ void kiln_reduce_copy(const unsigned char* x, unsigned char* y, kiln_u64 nbytes) {
     KILN_FOR(i, nbytes) { y[i] = x[i]; }
@@ -246,13 +255,13 @@ extern "C" __global__ void kiln_reduce_copy(const unsigned char* x, unsigned cha
 // onto int64 indices. A NaN wins over any number (numpy's argmax and argmin); among equal
 // values the first index wins, or the last with select_last_index. is_min picks ArgMin.
 //
-// - kiln_arg_rows_<T>: inner == 1; one block per row (grid-stride over rows). Each thread scans
+// - kiln_arg_rows<Tag>: inner == 1; one block per row (grid-stride over rows). Each thread scans
 //   a strided part of the row: over a 16-byte aligned row as 16-byte vectors, ARG_UNROLL of them
 //   in flight (a decode step's logits row of 49,152 float16 values is two rounds of loads for
 //   1,024 threads), else element by element; then warp shuffles merge (value, index) pairs
 //   within each warp and across the warps. The pairs' order is total (arg_better), so the
 //   result does not depend on the order they meet in.
-// - kiln_arg_strided_<T>: inner > 1; one thread per output (grid-stride), scanning n.
+// - kiln_arg_strided<Tag>: inner > 1; one thread per output (grid-stride), scanning n.
 template <typename M>
 __device__ __forceinline__ bool arg_better(M v, long long i, M best, long long bi, unsigned is_min, unsigned last) {
     const bool vn = v != v, bn = best != best;
@@ -353,23 +362,14 @@ __device__ void arg_strided(const T* x, long long* y, kiln_u64 outer, kiln_u64 n
     }
 }
 
-#define ARG_KERNELS(SUFFIX, T)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(1024) kiln_arg_rows_##SUFFIX(const T* x, long long* y, kiln_u64 rows, kiln_u64 n, \
-                                                       unsigned is_min, unsigned last) {                        \
-        arg_rows<T>(x, y, rows, n, is_min, last);                                                                \
-    }                                                                                                            \
-    extern "C" __global__ void kiln_arg_strided_##SUFFIX(const T* x, long long* y, kiln_u64 outer, kiln_u64 n,  \
-                                                          kiln_u64 inner, unsigned is_min, unsigned last) {      \
-        arg_strided<T>(x, y, outer, n, inner, is_min, last);                                                     \
-    }
+template <typename Tag>
+__global__ void __launch_bounds__(1024) kiln_arg_rows(const typename Elem<Tag>::T* x, long long* y, kiln_u64 rows,
+                                                      kiln_u64 n, unsigned is_min, unsigned last) {
+    arg_rows<typename Elem<Tag>::T>(x, y, rows, n, is_min, last);
+}
 
-ARG_KERNELS(f32, float)
-ARG_KERNELS(f16, red_f16)
-ARG_KERNELS(bf16, red_bf16)
-ARG_KERNELS(f64, double)
-ARG_KERNELS(i8, signed char)
-ARG_KERNELS(i32, int)
-ARG_KERNELS(i64, long long)
-ARG_KERNELS(u8, unsigned char)
-ARG_KERNELS(u32, unsigned)
-ARG_KERNELS(u64, unsigned long long)
+template <typename Tag>
+__global__ void kiln_arg_strided(const typename Elem<Tag>::T* x, long long* y, kiln_u64 outer, kiln_u64 n,
+                                 kiln_u64 inner, unsigned is_min, unsigned last) {
+    arg_strided<typename Elem<Tag>::T>(x, y, outer, n, inner, is_min, last);
+}

@@ -1,11 +1,14 @@
 // kiln-unary CUDA kernels: y[i] = op(x[i]) over n contiguous elements, grid-stride loops.
 // Compiled by NVRTC for the GPU present; op codes match `Op::code` in shim/src/lib.rs.
 //
-// Entry points (argument order is what shim/src/lib.rs `dispatch` passes):
-//   kiln_unary_{f32,f16,bf16,f64}(const T* x, T* y, u64 n, u32 op, f32 alpha, f32 beta)
-//   kiln_unary_int_{i8,i16,i32,i64}(const T* x, T* y, u64 n, u32 op)     Relu, Neg, Abs (wrapping)
-//   kiln_not(const u8* x, u8* y, u64 n)                                     bool
-//   kiln_clip_<t>(const T* x, T* y, u64 n, const T* lo, const T* hi, u32 flags, f64 lo_attr, f64 hi_attr)
+// Entry points (argument order is what shim/src/lib.rs `dispatch` passes), templates over the
+// prelude's dtype tag (T = Tag::storage), which kernel.toml instantiates by name expressions
+// (manifest schema 6) and the shim names with DType::cuda_tag:
+//   kiln_unary<Tag>(const T* x, T* y, u64 n, u32 op, f32 alpha, f32 beta)     Tag f32 f16 bf16 f64
+//   kiln_unary_int<Tag>(const T* x, T* y, u64 n, u32 op)     Relu, Neg, Abs (wrapping), Tag i8 .. i64
+//   kiln_not(const u8* x, u8* y, u64 n)                                     bool (extern "C")
+//   kiln_clip<Tag>(const T* x, T* y, u64 n, const T* lo, const T* hi, u32 flags, f64 lo_attr, f64 hi_attr)
+//     Tag f32 f16 bf16 f64 i8 .. i64 u8 .. u64;
 //     flags: bit 0 lower bound *lo, bit 1 upper bound *hi (opset 11+ inputs, device scalars),
 //            bit 2 lower bound lo_attr, bit 3 upper bound hi_attr (opset 6 attributes).
 #include "kiln.cuh"
@@ -80,30 +83,31 @@ __device__ __forceinline__ C unary_apply(C x, unsigned op, C alpha, C beta) {
     }
 }
 
-// ---- element types: storage S, compute C ----
-struct TF32 {
-    typedef float S;
+// ---- element types, by the prelude's tag: storage S (the tag's storage), compute C ----
+template <typename Tag> struct Elem;
+template <> struct Elem<kiln_tag_f32> {
+    typedef kiln_tag_f32::storage S;
     typedef float C;
     static const bool is_float = true;
     __device__ static C ld(S v) { return v; }
     __device__ static S st(C v) { return v; }
 };
-struct TF16 {
-    typedef kiln_f16 S;
+template <> struct Elem<kiln_tag_f16> {
+    typedef kiln_tag_f16::storage S;
     typedef float C;
     static const bool is_float = true;
     __device__ static C ld(S v) { return kiln_f16_to_f32(v); }
     __device__ static S st(C v) { return kiln_f32_to_f16(v); }
 };
-struct TBF16 {
-    typedef kiln_bf16 S;
+template <> struct Elem<kiln_tag_bf16> {
+    typedef kiln_tag_bf16::storage S;
     typedef float C;
     static const bool is_float = true;
     __device__ static C ld(S v) { return kiln_bf16_to_f32(v); }
     __device__ static S st(C v) { return kiln_f32_to_bf16(v); }
 };
-struct TF64 {
-    typedef double S;
+template <> struct Elem<kiln_tag_f64> {
+    typedef kiln_tag_f64::storage S;
     typedef double C;
     static const bool is_float = true;
     __device__ static C ld(S v) { return v; }
@@ -111,23 +115,23 @@ struct TF64 {
 };
 // Integers compute on their 64-bit two's complement pattern (sign- or zero-extended), as the
 // CPU reference widens to i64; storing truncates (wraps).
-#define KILN_INT_TYPE(NAME, STORAGE, SIGNED)                      \
-    struct NAME {                                                 \
-        typedef STORAGE S;                                        \
-        typedef kiln_u64 C;                                       \
-        static const bool is_float = false;                       \
-        static const bool is_signed = SIGNED;                     \
-        __device__ static C ld(S v) { return (kiln_u64)v; }       \
-        __device__ static S st(C v) { return (S)v; }              \
-    };
-KILN_INT_TYPE(TI8, signed char, true)
-KILN_INT_TYPE(TI16, short, true)
-KILN_INT_TYPE(TI32, int, true)
-KILN_INT_TYPE(TI64, long long, true)
-KILN_INT_TYPE(TU8, unsigned char, false)
-KILN_INT_TYPE(TU16, unsigned short, false)
-KILN_INT_TYPE(TU32, unsigned, false)
-KILN_INT_TYPE(TU64, unsigned long long, false)
+template <typename Tag, bool SIGNED>
+struct IntElem {
+    typedef typename Tag::storage S;
+    typedef kiln_u64 C;
+    static const bool is_float = false;
+    static const bool is_signed = SIGNED;
+    __device__ static C ld(S v) { return (kiln_u64)v; }
+    __device__ static S st(C v) { return (S)v; }
+};
+template <> struct Elem<kiln_tag_i8> : IntElem<kiln_tag_i8, true> {};
+template <> struct Elem<kiln_tag_i16> : IntElem<kiln_tag_i16, true> {};
+template <> struct Elem<kiln_tag_i32> : IntElem<kiln_tag_i32, true> {};
+template <> struct Elem<kiln_tag_i64> : IntElem<kiln_tag_i64, true> {};
+template <> struct Elem<kiln_tag_u8> : IntElem<kiln_tag_u8, false> {};
+template <> struct Elem<kiln_tag_u16> : IntElem<kiln_tag_u16, false> {};
+template <> struct Elem<kiln_tag_u32> : IntElem<kiln_tag_u32, false> {};
+template <> struct Elem<kiln_tag_u64> : IntElem<kiln_tag_u64, false> {};
 
 
 // y[i] = f(x[i]) over n contiguous elements; 16-byte vector accesses when both pointers allow.
@@ -173,20 +177,10 @@ __device__ __forceinline__ void unary_float(const typename T::S* x, typename T::
     map_contiguous(x, y, n, f);
 }
 
-extern "C" __global__ void kiln_unary_f32(const float* x, float* y, kiln_u64 n, unsigned op, float alpha, float beta) {
-    unary_float<TF32>(x, y, n, op, alpha, beta);
-}
-extern "C" __global__ void kiln_unary_f16(const kiln_f16* x, kiln_f16* y, kiln_u64 n, unsigned op, float alpha,
-                                          float beta) {
-    unary_float<TF16>(x, y, n, op, alpha, beta);
-}
-extern "C" __global__ void kiln_unary_bf16(const kiln_bf16* x, kiln_bf16* y, kiln_u64 n, unsigned op, float alpha,
-                                           float beta) {
-    unary_float<TBF16>(x, y, n, op, alpha, beta);
-}
-extern "C" __global__ void kiln_unary_f64(const double* x, double* y, kiln_u64 n, unsigned op, float alpha,
-                                          float beta) {
-    unary_float<TF64>(x, y, n, op, alpha, beta);
+template <typename Tag>
+__global__ void kiln_unary(const typename Tag::storage* x, typename Tag::storage* y, kiln_u64 n, unsigned op,
+                           float alpha, float beta) {
+    unary_float<Elem<Tag>>(x, y, n, op, alpha, beta);
 }
 
 // Integer Relu, Neg, Abs on signed types, wrapping (Neg/Abs of the minimum stay the minimum).
@@ -205,16 +199,12 @@ struct IntOp {
     }
 };
 
-#define KILN_UNARY_INT(NAME, T)                                                                        \
-    extern "C" __global__ void NAME(const T::S* x, T::S* y, kiln_u64 n, unsigned op) {                  \
-        IntOp<T> f;                                                                                     \
-        f.op = op;                                                                                      \
-        map_contiguous(x, y, n, f);                                                                     \
-    }
-KILN_UNARY_INT(kiln_unary_int_i8, TI8)
-KILN_UNARY_INT(kiln_unary_int_i16, TI16)
-KILN_UNARY_INT(kiln_unary_int_i32, TI32)
-KILN_UNARY_INT(kiln_unary_int_i64, TI64)
+template <typename Tag>
+__global__ void kiln_unary_int(const typename Tag::storage* x, typename Tag::storage* y, kiln_u64 n, unsigned op) {
+    IntOp<Elem<Tag>> f;
+    f.op = op;
+    map_contiguous(x, y, n, f);
+}
 
 struct NotOp {
     __device__ unsigned char operator()(unsigned char v) const { return v == 0 ? 1 : 0; }
@@ -300,28 +290,17 @@ __device__ __forceinline__ void clip(const typename T::S* x, typename T::S* y, k
     map_contiguous(x, y, n, f);
 }
 
-#define KILN_CLIP(NAME, T)                                                                                   \
-    extern "C" __global__ void NAME(const T::S* x, T::S* y, kiln_u64 n, const T::S* lo, const T::S* hi,       \
-                                    unsigned flags, double lo_attr, double hi_attr) {                         \
-        clip<T>(x, y, n, lo, hi, flags, lo_attr, hi_attr);                                                    \
-    }
-KILN_CLIP(kiln_clip_f32, TF32)
-KILN_CLIP(kiln_clip_f16, TF16)
-KILN_CLIP(kiln_clip_bf16, TBF16)
-KILN_CLIP(kiln_clip_f64, TF64)
-KILN_CLIP(kiln_clip_i8, TI8)
-KILN_CLIP(kiln_clip_i16, TI16)
-KILN_CLIP(kiln_clip_i32, TI32)
-KILN_CLIP(kiln_clip_i64, TI64)
-KILN_CLIP(kiln_clip_u8, TU8)
-KILN_CLIP(kiln_clip_u16, TU16)
-KILN_CLIP(kiln_clip_u32, TU32)
-KILN_CLIP(kiln_clip_u64, TU64)
+template <typename Tag>
+__global__ void kiln_clip(const typename Tag::storage* x, typename Tag::storage* y, kiln_u64 n,
+                          const typename Tag::storage* lo, const typename Tag::storage* hi, unsigned flags,
+                          double lo_attr, double hi_attr) {
+    clip<Elem<Tag>>(x, y, n, lo, hi, flags, lo_attr, hi_attr);
+}
 
 // SwiGlu (shim/src/swiglu.rs): y[r·N + c] = SiLU(g)·u with g = gate[r·ld + c] and
 // u = up[r·ld + up_off + c]; n = rows·N outputs. Packed [..., 2N]: gate = up, ld = 2N,
 // up_off = N; separate inputs: ld = N, up_off = 0. Computed in T::C (f32, f64 for f64).
-//   kiln_swiglu_<t>(const T* gate, const T* up, T* y, u64 n, u64 N, u64 ld, u64 up_off)
+//   kiln_swiglu<Tag>(const T* gate, const T* up, T* y, u64 n, u64 N, u64 ld, u64 up_off)   Tag f32 f16 bf16 f64
 template <typename T>
 __device__ __forceinline__ void swiglu(const typename T::S* gate, const typename T::S* up, typename T::S* y, kiln_u64 n,
                                        kiln_u64 N, kiln_u64 ld, kiln_u64 up_off) {
@@ -334,12 +313,8 @@ __device__ __forceinline__ void swiglu(const typename T::S* gate, const typename
     }
 }
 
-#define KILN_SWIGLU(NAME, T)                                                                                   \
-    extern "C" __global__ void NAME(const T::S* gate, const T::S* up, T::S* y, kiln_u64 n, kiln_u64 N,          \
-                                    kiln_u64 ld, kiln_u64 up_off) {                                            \
-        swiglu<T>(gate, up, y, n, N, ld, up_off);                                                              \
-    }
-KILN_SWIGLU(kiln_swiglu_f32, TF32)
-KILN_SWIGLU(kiln_swiglu_f16, TF16)
-KILN_SWIGLU(kiln_swiglu_bf16, TBF16)
-KILN_SWIGLU(kiln_swiglu_f64, TF64)
+template <typename Tag>
+__global__ void kiln_swiglu(const typename Tag::storage* gate, const typename Tag::storage* up,
+                            typename Tag::storage* y, kiln_u64 n, kiln_u64 N, kiln_u64 ld, kiln_u64 up_off) {
+    swiglu<Elem<Tag>>(gate, up, y, n, N, ld, up_off);
+}

@@ -13,6 +13,7 @@ extern crate alloc;
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
+use kiln_kernel_abi::names::kernel_name;
 use kiln_kernel_abi::{bail, export_shim, unsupported};
 
 struct Binary;
@@ -394,23 +395,15 @@ fn grid_for(n: u64, per_thread: u64) -> u32 {
     n.div_ceil(BLOCK as u64 * per_thread.max(1)).clamp(1, 65535 * 32) as u32
 }
 
-/// The kernel name suffix of a numeric dtype (cuda/binary.cu).
-fn suffix(dtype: DType) -> Option<&'static str> {
-    Some(match dtype {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        DType::F64 => "f64",
-        DType::I8 => "i8",
-        DType::I16 => "i16",
-        DType::I32 => "i32",
-        DType::I64 => "i64",
-        DType::U8 => "u8",
-        DType::U16 => "u16",
-        DType::U32 => "u32",
-        DType::U64 => "u64",
-        _ => return None,
-    })
+/// The template argument of a numeric dtype: the prelude's tag (`DType::cuda_tag`) that
+/// kernel.toml instantiates `kiln_binary`, `kiln_compare` and `kiln_nary` of cuda/binary.cu
+/// with (`kiln_binary<kiln_tag_f16>`); `None` for bool and string, which have none.
+fn numeric_tag(dtype: DType) -> Option<&'static str> {
+    if dtype.is_float() || dtype.is_int() {
+        dtype.cuda_tag()
+    } else {
+        None
+    }
 }
 
 /// `enum ArithOp` of cuda/binary.cu (Sum folds with ADD).
@@ -548,16 +541,16 @@ fn launch2(kernel: &str, a: u32, b: u32, y: u32, n: u64, op: u32, lay: &Layout, 
     launch(&Launch { kernel, grid: [grid_for(n, per_thread), 1, 1], block: [BLOCK, 1, 1], shared_mem_bytes: 0, args })
 }
 
-/// Most inputs of one `kiln_nary_*` launch.
+/// Most inputs of one `kiln_nary<Tag>` launch.
 const NARY_INPUTS: usize = 8;
 
-/// Max, Min, Sum, Mean: launches of `kiln_nary_<t>` folding up to eight inputs each; after the
+/// Max, Min, Sum, Mean: launches of `kiln_nary<Tag>` folding up to eight inputs each; after the
 /// first, the output so far is the first input of the next (float16/bfloat16 sums of more than
 /// eight inputs round in between).
 fn dispatch_nary(call: &Call, op: Op, dtype: DType, shapes: &[Vec<usize>], out: &TensorType) -> Result<()> {
-    let Some(sfx) = suffix(dtype) else { unsupported!("{}: no CUDA kernel for {dtype}", call.op_type()) };
+    let Some(tag) = numeric_tag(dtype) else { unsupported!("{}: no CUDA kernel for {dtype}", call.op_type()) };
     let Some(code) = arith_code(op) else { bail!("internal: {op:?} is not variadic") };
-    let kernel = format!("kiln_nary_{sfx}");
+    let kernel = kernel_name("kiln_nary", &[tag]);
     let y = call.output(0)?.handle();
     let n: u64 = out.shape.iter().product::<usize>() as u64;
     let count = shapes.len();
@@ -712,7 +705,7 @@ impl Shim for Binary {
             let mut args = vec![tensor(h(0)?), tensor(h(1)?), tensor(h(2)?), tensor(y), KernelArg::U64(n)];
             lay.push_rank_dims(&mut args);
             lay.push_strides(&mut args);
-            let kernel = format!("kiln_where_{size}");
+            let kernel = kernel_name("kiln_where", &[&format!("{size}")]);
             return launch(&Launch {
                 kernel: &kernel,
                 grid: [grid_for(n, 1), 1, 1],
@@ -726,7 +719,7 @@ impl Shim for Binary {
         let dtype = dtypes[0];
         let vec = 16 / dtype.size().unwrap_or(16) as u64;
         if op == Op::Pow && dtypes[1] != dtype {
-            let (Some(_), Some(_)) = (suffix(dtype), suffix(dtypes[1])) else {
+            let (Some(_), Some(_)) = (numeric_tag(dtype), numeric_tag(dtypes[1])) else {
                 unsupported!("Pow: no CUDA kernel for {dtype} and {}", dtypes[1]);
             };
             let mut args = vec![
@@ -751,13 +744,13 @@ impl Shim for Binary {
             let Some(code) = logic_code(op) else { bail!("internal: {op:?} is not logical") };
             return launch2("kiln_logic", a, b, y, n, code, &lay, vec);
         }
-        let Some(sfx) = suffix(dtype) else { unsupported!("{name}: no CUDA kernel for {dtype}") };
+        let Some(tag) = numeric_tag(dtype) else { unsupported!("{name}: no CUDA kernel for {dtype}") };
         if op.is_comparison() {
             let Some(code) = cmp_code(op) else { bail!("internal: {op:?} is not a comparison") };
-            return launch2(&format!("kiln_compare_{sfx}"), a, b, y, n, code, &lay, vec);
+            return launch2(&kernel_name("kiln_compare", &[tag]), a, b, y, n, code, &lay, vec);
         }
         let Some(code) = arith_code(op) else { bail!("internal: {op:?} is not arithmetic") };
-        launch2(&format!("kiln_binary_{sfx}"), a, b, y, n, code, &lay, vec)
+        launch2(&kernel_name("kiln_binary", &[tag]), a, b, y, n, code, &lay, vec)
     }
 }
 

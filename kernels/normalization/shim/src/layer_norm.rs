@@ -7,7 +7,7 @@
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
-use kiln_kernel_abi::{bail, unsupported};
+use kiln_kernel_abi::{bail, names, unsupported};
 
 use crate::{axis_error, check_float};
 
@@ -96,11 +96,11 @@ pub fn layer_norm_cpu(call: &Call) -> Result<()> {
 }
 
 pub fn layer_norm_dispatch(call: &Call) -> Result<()> {
-    use crate::gpu::{row_launch, suffix, suffix_operand, tensor};
+    use crate::gpu::{kernel_tag, row_launch, suffix_operand, tensor};
     let p = layer_norm_plan(call)?;
     let x = call.input(0)?;
     let dtype = x.dtype()?;
-    let sfx = suffix(call, dtype)?;
+    let tag = kernel_tag(call, dtype)?;
     let (rows, cols) = (p.rows as u64, p.cols as u64);
     if rows == 0 {
         return Ok(());
@@ -123,7 +123,7 @@ pub fn layer_norm_dispatch(call: &Call) -> Result<()> {
     let (mean, inv) = (call.output_opt(1), call.output_opt(2));
     let (grid, block) = row_launch(rows, cols);
     launch(&Launch {
-        kernel: &format!("kiln_layer_norm_{sfx}"),
+        kernel: &names::kernel_name("kiln_layer_norm", &[tag]),
         grid,
         block,
         shared_mem_bytes: 0,

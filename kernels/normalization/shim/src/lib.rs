@@ -40,15 +40,13 @@ mod gpu {
     use kiln_kernel_abi::guest::*;
     use kiln_kernel_abi::unsupported;
 
-    /// The kernels' suffix for a floating-point dtype.
-    pub fn suffix(call: &Call, dtype: DType) -> Result<&'static str> {
-        Ok(match dtype {
-            DType::F32 => "f32",
-            DType::F16 => "f16",
-            DType::BF16 => "bf16",
-            DType::F64 => "f64",
-            other => unsupported!("{}: no CUDA kernel for {other}", call.op_type()),
-        })
+    /// The kernels' template argument for a floating-point dtype (the prelude's tag of a dtype
+    /// the manifest instantiates them for).
+    pub fn kernel_tag(call: &Call, dtype: DType) -> Result<&'static str> {
+        match (dtype, dtype.cuda_tag()) {
+            (DType::F32 | DType::F16 | DType::BF16 | DType::F64, Some(tag)) => Ok(tag),
+            _ => unsupported!("{}: no CUDA kernel for {dtype}", call.op_type()),
+        }
     }
 
     pub fn tensor(handle: u32) -> KernelArg {

@@ -35,8 +35,8 @@
 //! The reference computes in f64 from the inputs' values and rounds each output once.
 
 use alloc::vec::Vec;
-use kiln_kernel_abi::bail;
 use kiln_kernel_abi::guest::*;
+use kiln_kernel_abi::{bail, names};
 
 use crate::{axis_error, check_float};
 
@@ -252,10 +252,10 @@ pub fn skip_simplified_cpu(call: &Call) -> Result<()> {
 }
 
 pub fn simplified_dispatch(call: &Call) -> Result<()> {
-    use crate::gpu::{row_launch, suffix, suffix_operand, tensor};
+    use crate::gpu::{kernel_tag, row_launch, suffix_operand, tensor};
     let p = simplified_plan(call)?;
     let x = call.input(0)?;
-    let (xs, ys) = (suffix(call, x.dtype()?)?, suffix(call, p.y_dtype)?);
+    let (xt, yt) = (kernel_tag(call, x.dtype()?)?, kernel_tag(call, p.y_dtype)?);
     let (rows, cols) = (p.rows as u64, p.cols as u64);
     if rows == 0 {
         return Ok(());
@@ -270,7 +270,7 @@ pub fn simplified_dispatch(call: &Call) -> Result<()> {
     let inv = call.output_opt(1);
     let (grid, block) = row_launch(rows, cols);
     launch(&Launch {
-        kernel: &format!("kiln_rms_norm_{xs}_{ys}"),
+        kernel: &names::kernel_name("kiln_rms_norm", &[xt, yt]),
         grid,
         block,
         shared_mem_bytes: 0,
@@ -290,9 +290,9 @@ pub fn simplified_dispatch(call: &Call) -> Result<()> {
 }
 
 pub fn skip_simplified_dispatch(call: &Call) -> Result<()> {
-    use crate::gpu::{row_launch, suffix, tensor};
+    use crate::gpu::{kernel_tag, row_launch, tensor};
     let p = skip_plan(call)?;
-    let sfx = suffix(call, p.dtype)?;
+    let tag = kernel_tag(call, p.dtype)?;
     let (rows, hidden) = (p.rows as u64, p.hidden as u64);
     if rows == 0 {
         return Ok(());
@@ -305,7 +305,7 @@ pub fn skip_simplified_dispatch(call: &Call) -> Result<()> {
     let (mean, inv, sum) = (call.output_opt(1), call.output_opt(2), call.output_opt(3));
     let (grid, block) = row_launch(rows, hidden);
     launch(&Launch {
-        kernel: &format!("kiln_skip_rms_norm_{sfx}"),
+        kernel: &names::kernel_name("kiln_skip_rms_norm", &[tag]),
         grid,
         block,
         shared_mem_bytes: 0,

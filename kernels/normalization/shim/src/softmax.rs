@@ -4,8 +4,8 @@
 //! (`axis` default 1) and normalise each row; from opset 13 they normalise along the single axis
 //! `axis` (default -1). The reference computes in f64, subtracting the maximum first.
 
-use kiln_kernel_abi::bail;
 use kiln_kernel_abi::guest::*;
+use kiln_kernel_abi::{bail, names};
 
 use crate::axis_error;
 
@@ -62,7 +62,7 @@ pub fn softmax_cpu(call: &Call, log: bool) -> Result<()> {
 pub fn softmax_dispatch(call: &Call, log: bool) -> Result<()> {
     let p = softmax_plan(call)?;
     let x = call.input(0)?;
-    let sfx = crate::gpu::suffix(call, x.dtype()?)?;
+    let tag = crate::gpu::kernel_tag(call, x.dtype()?)?;
     let (outer, n, inner) = (p.outer as u64, p.n as u64, p.inner as u64);
     if outer * n * inner == 0 {
         return Ok(());
@@ -71,7 +71,7 @@ pub fn softmax_dispatch(call: &Call, log: bool) -> Result<()> {
     if inner == 1 {
         let (grid, block) = crate::gpu::row_launch(outer, n);
         launch(&Launch {
-            kernel: &format!("kiln_softmax_rows_{sfx}"),
+            kernel: &names::kernel_name("kiln_softmax_rows", &[tag]),
             grid,
             block,
             shared_mem_bytes: 0,
@@ -79,7 +79,7 @@ pub fn softmax_dispatch(call: &Call, log: bool) -> Result<()> {
         })
     } else {
         launch(&Launch {
-            kernel: &format!("kiln_softmax_cols_{sfx}"),
+            kernel: &names::kernel_name("kiln_softmax_cols", &[tag]),
             grid: [(outer * inner).div_ceil(256).min(1 << 20) as u32, 1, 1],
             block: [256, 1, 1],
             shared_mem_bytes: 0,

@@ -18,6 +18,7 @@ extern crate alloc;
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
+use kiln_kernel_abi::names::kernel_name;
 use kiln_kernel_abi::{bail, export_shim, unsupported};
 
 struct Pkg;
@@ -56,14 +57,13 @@ impl Shim for Pkg {
 
 export_shim!(Pkg);
 
-/// Kernel name suffix of a float dtype.
-fn suffix(op: &str, d: DType) -> Result<&'static str> {
-    Ok(match d {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        other => unsupported!("{op}: no CUDA kernel for {other}"),
-    })
+/// The dtype tag of a float dtype: the kernels' template argument (`kiln_mnb_gemv<kiln_tag_f16>`,
+/// ABI.md §7.3.1).
+fn tag(op: &str, d: DType) -> Result<&'static str> {
+    match (d, d.cuda_tag()) {
+        (DType::F32 | DType::F16 | DType::BF16, Some(t)) => Ok(t),
+        _ => unsupported!("{op}: no CUDA kernel for {d}"),
+    }
 }
 
 fn tensor(t: &Tensor) -> KernelArg {
@@ -334,14 +334,14 @@ impl MnbPlan {
 }
 
 impl MnbPlan {
-    /// GPU plan. Up to [`GEMV_MAX_M`] rows of A (decode): `kiln_mnb_gemv_*`, one warp per output
+    /// GPU plan. Up to [`GEMV_MAX_M`] rows of A (decode): `kiln_mnb_gemv<Tag>`, one warp per output
     /// column reading each packed weight word once, dequantizing in registers, f32 sums, bias
     /// fused. More rows (prefill): the weights dequantized once into a scratch N × K matrix of
-    /// A's dtype (`kiln_mnb_dequant_*`), then one GEMM `Y = A · Wᵀ + bias`; when that matrix
+    /// A's dtype (`kiln_mnb_dequant<Tag>`), then one GEMM `Y = A · Wᵀ + bias`; when that matrix
     /// would be over [`DEQUANT_SCRATCH_MAX`] bytes, the GEMV kernel over tiles of 8 rows.
     fn dispatch(&self, call: &Call) -> Result<()> {
         const OP: &str = "MatMulNBits";
-        let sfx = suffix(OP, self.dtype)?;
+        let tag = tag(OP, self.dtype)?;
         let (m, n, k) = (self.m, self.n, self.k);
         let y = call.output(0)?;
         if m * n == 0 {
@@ -353,7 +353,7 @@ impl MnbPlan {
         };
         if self.omitted || k == 0 {
             return launch(&Launch {
-                kernel: kname("kiln_mnb_fill_", sfx),
+                kernel: &kernel_name("kiln_mnb_fill", &[tag]),
                 grid: [grid_for(m * n), 1, 1],
                 block: [BLOCK, 1, 1],
                 shared_mem_bytes: 0,
@@ -392,7 +392,7 @@ impl MnbPlan {
             args.extend([n32, k32]);
             args.extend(quant);
             launch(&Launch {
-                kernel: kname("kiln_mnb_dequant_", sfx),
+                kernel: &kernel_name("kiln_mnb_dequant", &[tag]),
                 grid: [grid_for(n * k), 1, 1],
                 block: [BLOCK, 1, 1],
                 shared_mem_bytes: 0,
@@ -431,7 +431,7 @@ impl MnbPlan {
         args.extend(quant);
         args.push(flag(self.bias));
         launch(&Launch {
-            kernel: kname("kiln_mnb_gemv_", sfx),
+            kernel: &kernel_name("kiln_mnb_gemv", &[tag]),
             grid: [n.div_ceil(warps as usize) as u32, tiles as u32, 1],
             block: [32 * warps, 1, 1],
             shared_mem_bytes: 0,
@@ -447,24 +447,6 @@ const DEQUANT_SCRATCH_MAX: u64 = 512 << 20;
 
 fn flag(b: bool) -> KernelArg {
     KernelArg::U32(b as u32)
-}
-
-/// `prefix` + `sfx` as a static kernel name.
-fn kname(prefix: &str, sfx: &str) -> &'static str {
-    match (prefix, sfx) {
-        ("kiln_mnb_gemv_", "f32") => "kiln_mnb_gemv_f32",
-        ("kiln_mnb_gemv_", "f16") => "kiln_mnb_gemv_f16",
-        ("kiln_mnb_gemv_", _) => "kiln_mnb_gemv_bf16",
-        ("kiln_mnb_dequant_", "f32") => "kiln_mnb_dequant_f32",
-        ("kiln_mnb_dequant_", "f16") => "kiln_mnb_dequant_f16",
-        ("kiln_mnb_dequant_", _) => "kiln_mnb_dequant_bf16",
-        ("kiln_mnb_fill_", "f32") => "kiln_mnb_fill_f32",
-        ("kiln_mnb_fill_", "f16") => "kiln_mnb_fill_f16",
-        ("kiln_mnb_fill_", _) => "kiln_mnb_fill_bf16",
-        (_, "f32") => "kiln_gbq_f32",
-        (_, "f16") => "kiln_gbq_f16",
-        _ => "kiln_gbq_bf16",
-    }
 }
 
 /// Dequantizes one whole block: `w[j] = (q_j − z) · s`, `w.len()` = block_size.
@@ -666,10 +648,10 @@ impl GbqPlan {
         Ok(GbqPlan { dtype, bits, block, quantize_axis, logical, out_shape, zero_points })
     }
 
-    /// GPU plan: `kiln_gbq_*`, one thread per output element (grid-stride).
+    /// GPU plan: `kiln_gbq<Tag>`, one thread per output element (grid-stride).
     fn dispatch(&self, call: &Call) -> Result<()> {
         const OP: &str = "GatherBlockQuantized";
-        let sfx = suffix(OP, self.dtype)?;
+        let tag = tag(OP, self.dtype)?;
         let y = call.output(0)?;
         let total = y.numel()?;
         let row_len: usize = self.logical[1..].iter().product();
@@ -685,7 +667,7 @@ impl GbqPlan {
             None => tensor(&data), // Not read (has_zp = 0).
         };
         launch(&Launch {
-            kernel: kname("kiln_gbq_", sfx),
+            kernel: &kernel_name("kiln_gbq", &[tag]),
             grid: [grid_for(total), 1, 1],
             block: [BLOCK, 1, 1],
             shared_mem_bytes: 0,

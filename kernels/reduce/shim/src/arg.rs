@@ -6,7 +6,7 @@
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
-use kiln_kernel_abi::{bail, unsupported, with_dtype};
+use kiln_kernel_abi::{bail, names, unsupported, with_dtype};
 
 /// The input viewed as `[outer, n, inner]` around the reduced axis.
 pub struct ArgPlan {
@@ -98,7 +98,7 @@ fn indices<T: Element>(p: &ArgPlan, x: &[T]) -> Vec<i64> {
 
 pub fn infer(call: &Call) -> Result<Vec<TensorType>> {
     let p = plan(call)?;
-    super::kernel_suffix(call, call.input(0)?.dtype()?)?;
+    super::kernel_tag(call, call.input(0)?.dtype()?)?;
     Ok(vec![TensorType::new(DType::I64, p.out_shape)])
 }
 
@@ -106,7 +106,7 @@ pub fn cpu(call: &Call) -> Result<()> {
     let p = plan(call)?;
     let x = call.input(0)?;
     let dtype = x.dtype()?;
-    super::kernel_suffix(call, dtype)?;
+    super::kernel_tag(call, dtype)?;
     let bytes = x.read_bytes()?;
     let out = with_dtype!(dtype, T => Ok(indices::<T>(&p, &element::decode::<T>(&bytes))))?;
     call.output(0)?.write_vec(&out)
@@ -115,7 +115,7 @@ pub fn cpu(call: &Call) -> Result<()> {
 pub fn dispatch(call: &Call) -> Result<()> {
     let p = plan(call)?;
     let x = call.input(0)?;
-    let suffix = super::kernel_suffix(call, x.dtype()?)?;
+    let tag = super::kernel_tag(call, x.dtype()?)?;
     if x.dtype()? == DType::Bool {
         unsupported!("{}: bool input", call.op_type());
     }
@@ -137,7 +137,7 @@ pub fn dispatch(call: &Call) -> Result<()> {
         let mut args = vec![x, y, KernelArg::U64(n_out), KernelArg::U64(p.n as u64)];
         args.extend(flags);
         return launch(&Launch {
-            kernel: &format!("kiln_arg_rows_{suffix}"),
+            kernel: &names::kernel_name("kiln_arg_rows", &[tag]),
             grid: [n_out.min(super::MAX_GRID) as u32, 1, 1],
             block: [threads, 1, 1],
             shared_mem_bytes: 0,
@@ -148,7 +148,7 @@ pub fn dispatch(call: &Call) -> Result<()> {
         vec![x, y, KernelArg::U64(p.outer as u64), KernelArg::U64(p.n as u64), KernelArg::U64(p.inner as u64)];
     args.extend(flags);
     launch(&Launch {
-        kernel: &format!("kiln_arg_strided_{suffix}"),
+        kernel: &names::kernel_name("kiln_arg_strided", &[tag]),
         grid: [n_out.div_ceil(256).min(super::MAX_GRID) as u32, 1, 1],
         block: [256, 1, 1],
         shared_mem_bytes: 0,

@@ -18,7 +18,7 @@ mod arg;
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
-use kiln_kernel_abi::{bail, export_shim, unsupported, with_dtype};
+use kiln_kernel_abi::{bail, export_shim, names, unsupported, with_dtype};
 
 struct Reduce;
 
@@ -127,21 +127,27 @@ fn reduce_max<T: Element>(p: &Plan, x: &[T], lowest: T) -> Vec<T> {
     out
 }
 
-/// The CUDA kernels' suffix for `dtype` (bool reduces as its bytes: Max is a logical "any").
-fn kernel_suffix(call: &Call, dtype: DType) -> Result<&'static str> {
-    Ok(match dtype {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        DType::F64 => "f64",
-        DType::I8 => "i8",
-        DType::I32 => "i32",
-        DType::I64 => "i64",
-        DType::U8 | DType::Bool => "u8",
-        DType::U32 => "u32",
-        DType::U64 => "u64",
-        other => unsupported!("{}: no CUDA kernel for {other}", call.op_type()),
-    })
+/// The CUDA kernels' template argument for `dtype`: the prelude's tag of a dtype the manifest
+/// instantiates them for (bool reduces as its bytes, with the uint8 kernels: Max is a logical
+/// "any").
+fn kernel_tag(call: &Call, dtype: DType) -> Result<&'static str> {
+    let as_dtype = if dtype == DType::Bool { DType::U8 } else { dtype };
+    match (as_dtype, as_dtype.cuda_tag()) {
+        (
+            DType::F32
+            | DType::F16
+            | DType::BF16
+            | DType::F64
+            | DType::I8
+            | DType::I32
+            | DType::I64
+            | DType::U8
+            | DType::U32
+            | DType::U64,
+            Some(tag),
+        ) => Ok(tag),
+        _ => unsupported!("{}: no CUDA kernel for {dtype}", call.op_type()),
+    }
 }
 
 fn tensor(handle: u32) -> KernelArg {
@@ -156,7 +162,7 @@ fn dispatch(call: &Call) -> Result<()> {
     let x = call.input(0)?;
     let dtype = x.dtype()?;
     check_dtype(call, dtype, p.kind)?;
-    let suffix = kernel_suffix(call, dtype)?;
+    let tag = kernel_tag(call, dtype)?;
     let y = call.output(0)?;
     if p.noop {
         let nbytes = x.nbytes()? as u64;
@@ -205,7 +211,7 @@ fn dispatch(call: &Call) -> Result<()> {
             ([1024, 1, 1], 1)
         };
         return launch(&Launch {
-            kernel: &format!("kiln_reduce_rows_{suffix}"),
+            kernel: &names::kernel_name("kiln_reduce_rows", &[tag]),
             grid: [n_out.div_ceil(rows_per_block).min(MAX_GRID) as u32, 1, 1],
             block,
             shared_mem_bytes: 0,
@@ -231,7 +237,7 @@ fn dispatch(call: &Call) -> Result<()> {
     // 32 outputs per block in x; threadIdx.y splits each output's reduced elements.
     let ys = if count >= 64 { 8 } else { 1 };
     launch(&Launch {
-        kernel: &format!("kiln_reduce_any_{suffix}"),
+        kernel: &names::kernel_name("kiln_reduce_any", &[tag]),
         grid: [n_out.div_ceil(32).min(MAX_GRID) as u32, 1, 1],
         block: [32, ys, 1],
         shared_mem_bytes: 0,

@@ -8,8 +8,10 @@ extern crate alloc;
 
 mod swiglu;
 
+use alloc::string::String;
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
+use kiln_kernel_abi::names::kernel_name;
 use kiln_kernel_abi::{bail, export_shim, unsupported, with_dtype};
 
 struct Unary;
@@ -243,23 +245,19 @@ impl Shim for Unary {
         let y = call.output(0)?;
         let dtype = x.dtype()?;
         let n = x.numel()? as u64;
-        let (kernel, extra): (&str, Vec<KernelArg>) = match call.op_type() {
+        let (kernel, extra): (String, Vec<KernelArg>) = match call.op_type() {
             "Not" => {
                 if dtype != DType::Bool {
                     bail!("Not: input must be bool, not {dtype}");
                 }
-                ("kiln_not", vec![])
+                ("kiln_not".into(), vec![])
             }
             "Clip" => clip_dispatch(call, dtype)?,
             _ => {
                 let op = Op::from_call(call)?;
                 if dtype.is_float() {
-                    let kernel = match dtype {
-                        DType::F32 => "kiln_unary_f32",
-                        DType::F16 => "kiln_unary_f16",
-                        DType::BF16 => "kiln_unary_bf16",
-                        DType::F64 => "kiln_unary_f64",
-                        other => unsupported!("{}: no CUDA kernel for {other}", call.op_type()),
+                    let Some(kernel) = instance("kiln_unary", dtype, DType::is_float) else {
+                        unsupported!("{}: no CUDA kernel for {dtype}", call.op_type())
                     };
                     let (alpha, beta) = op.params();
                     (kernel, vec![KernelArg::U32(op.code()), KernelArg::F32(alpha as f32), KernelArg::F32(beta as f32)])
@@ -267,12 +265,8 @@ impl Shim for Unary {
                     if !matches!(op, Op::Relu | Op::Neg | Op::Abs) {
                         unsupported!("{}: integer input", call.op_type());
                     }
-                    let kernel = match dtype {
-                        DType::I8 => "kiln_unary_int_i8",
-                        DType::I16 => "kiln_unary_int_i16",
-                        DType::I32 => "kiln_unary_int_i32",
-                        DType::I64 => "kiln_unary_int_i64",
-                        other => unsupported!("{}: no CUDA kernel for {other}", call.op_type()),
+                    let Some(kernel) = instance("kiln_unary_int", dtype, is_signed_int) else {
+                        unsupported!("{}: no CUDA kernel for {dtype}", call.op_type())
                     };
                     (kernel, vec![KernelArg::U32(op.code())])
                 }
@@ -289,7 +283,7 @@ impl Shim for Unary {
         ];
         args.extend(extra);
         launch(&Launch {
-            kernel,
+            kernel: &kernel,
             grid: [grid_for(n, 16 / size), 1, 1],
             block: [BLOCK, 1, 1],
             shared_mem_bytes: 0,
@@ -306,23 +300,31 @@ fn grid_for(n: u64, per_thread: u64) -> u32 {
     n.div_ceil(BLOCK as u64 * per_thread.max(1)).clamp(1, 65535 * 32) as u32
 }
 
+/// The instantiation of kernel template `template` (cuda/unary.cu) for `dtype`: its name
+/// expression with the dtype's tag (`kiln_clip<kiln_tag_f16>`), or `None` when `instantiated`
+/// (the dtypes kernel.toml instantiates the template for) does not hold `dtype`.
+fn instance(template: &str, dtype: DType, instantiated: fn(DType) -> bool) -> Option<String> {
+    if !instantiated(dtype) {
+        return None;
+    }
+    Some(kernel_name(template, &[dtype.cuda_tag()?]))
+}
+
+/// The dtypes of `kiln_unary_int`: signed integers (Relu, Neg, Abs).
+fn is_signed_int(dtype: DType) -> bool {
+    matches!(dtype, DType::I8 | DType::I16 | DType::I32 | DType::I64)
+}
+
+/// The dtypes of `kiln_clip`: floating-point and integer types (not bool).
+fn is_numeric(dtype: DType) -> bool {
+    dtype.is_float() || dtype.is_int()
+}
+
 /// Clip's kernel and its arguments after `x, y, n`: `lo, hi, flags, lo_attr, hi_attr` (see
 /// cuda/unary.cu).
-fn clip_dispatch<'c>(call: &Call, dtype: DType) -> Result<(&'c str, Vec<KernelArg>)> {
-    let kernel = match dtype {
-        DType::F32 => "kiln_clip_f32",
-        DType::F16 => "kiln_clip_f16",
-        DType::BF16 => "kiln_clip_bf16",
-        DType::F64 => "kiln_clip_f64",
-        DType::I8 => "kiln_clip_i8",
-        DType::I16 => "kiln_clip_i16",
-        DType::I32 => "kiln_clip_i32",
-        DType::I64 => "kiln_clip_i64",
-        DType::U8 => "kiln_clip_u8",
-        DType::U16 => "kiln_clip_u16",
-        DType::U32 => "kiln_clip_u32",
-        DType::U64 => "kiln_clip_u64",
-        other => unsupported!("Clip: no CUDA kernel for {other}"),
+fn clip_dispatch(call: &Call, dtype: DType) -> Result<(String, Vec<KernelArg>)> {
+    let Some(kernel) = instance("kiln_clip", dtype, is_numeric) else {
+        unsupported!("Clip: no CUDA kernel for {dtype}")
     };
     let x = call.input(0)?.handle();
     let mut flags = 0u32;

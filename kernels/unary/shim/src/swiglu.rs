@@ -90,12 +90,8 @@ pub fn dispatch(call: &Call) -> Result<()> {
     let l = layout(call)?;
     let gate = call.input(0)?;
     let dtype = gate.dtype()?;
-    let kernel = match dtype {
-        DType::F32 => "kiln_swiglu_f32",
-        DType::F16 => "kiln_swiglu_f16",
-        DType::BF16 => "kiln_swiglu_bf16",
-        DType::F64 => "kiln_swiglu_f64",
-        other => unsupported!("SwiGlu: no CUDA kernel for {other}"),
+    let Some(kernel) = crate::instance("kiln_swiglu", dtype, DType::is_float) else {
+        unsupported!("SwiGlu: no CUDA kernel for {dtype}")
     };
     let total: usize = l.out.iter().product();
     if total == 0 {
@@ -103,7 +99,7 @@ pub fn dispatch(call: &Call) -> Result<()> {
     }
     let up = if l.packed { gate.handle() } else { call.input(1)?.handle() };
     launch(&Launch {
-        kernel,
+        kernel: &kernel,
         grid: [crate::grid_for(total as u64, 1), 1, 1],
         block: [crate::BLOCK, 1, 1],
         shared_mem_bytes: 0,
