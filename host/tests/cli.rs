@@ -122,7 +122,7 @@ fn kernels_list_shows_every_builtin_package() {
         "kiln-reduce 1.1.0",
         "kiln-normalization 1.1.0",
         "kiln-tensor 1.2.0",
-        "kiln-cuda-std 1.1.0",
+        "kiln-cuda-std 1.2.0",
     ] {
         assert!(t.contains(p), "{p} missing from:\n{t}");
     }

@@ -25,6 +25,7 @@
 // instantiates the templates by name expressions (manifest schema 6), which the shim spells with
 // DType::cuda_tag; kiln_logic and kiln_pow stay extern "C".
 #include "kiln.cuh"
+#include "kiln-cuda-std/elem.cuh"
 #include "kiln-cuda-std/vec.cuh"
 #include "kiln-cuda-std/round.cuh"
 
@@ -32,59 +33,9 @@ enum ArithOp { ADD = 0, SUB, MUL, DIV, POW, FMOD, MOD, MAX, MIN };
 enum CmpOp { EQ = 0, LT, GT, LE, GE };
 enum LogicOp { AND = 0, OR, XOR, LEQ };
 
-// ---- element types, by the prelude's tag: storage S (the tag's storage), compute C ----
-template <typename Tag> struct Elem;
-template <> struct Elem<kiln_tag_f32> {
-    typedef kiln_tag_f32::storage S;
-    typedef float C;
-    static const bool is_float = true;
-    static const bool is_signed = true;
-    __device__ static C ld(S v) { return v; }
-    __device__ static S st(C v) { return v; }
-};
-template <> struct Elem<kiln_tag_f16> {
-    typedef kiln_tag_f16::storage S;
-    typedef float C;
-    static const bool is_float = true;
-    static const bool is_signed = true;
-    __device__ static C ld(S v) { return kiln_f16_to_f32(v); }
-    __device__ static S st(C v) { return kiln_f32_to_f16(v); }
-};
-template <> struct Elem<kiln_tag_bf16> {
-    typedef kiln_tag_bf16::storage S;
-    typedef float C;
-    static const bool is_float = true;
-    static const bool is_signed = true;
-    __device__ static C ld(S v) { return kiln_bf16_to_f32(v); }
-    __device__ static S st(C v) { return kiln_f32_to_bf16(v); }
-};
-template <> struct Elem<kiln_tag_f64> {
-    typedef kiln_tag_f64::storage S;
-    typedef double C;
-    static const bool is_float = true;
-    static const bool is_signed = true;
-    __device__ static C ld(S v) { return v; }
-    __device__ static S st(C v) { return v; }
-};
-// Integers compute on their 64-bit two's complement pattern (sign- or zero-extended), as the
-// CPU reference widens to i64; storing truncates (wraps).
-template <typename Tag, bool SIGNED>
-struct IntElem {
-    typedef typename Tag::storage S;
-    typedef kiln_u64 C;
-    static const bool is_float = false;
-    static const bool is_signed = SIGNED;
-    __device__ static C ld(S v) { return (kiln_u64)v; }
-    __device__ static S st(C v) { return (S)v; }
-};
-template <> struct Elem<kiln_tag_i8> : IntElem<kiln_tag_i8, true> {};
-template <> struct Elem<kiln_tag_i16> : IntElem<kiln_tag_i16, true> {};
-template <> struct Elem<kiln_tag_i32> : IntElem<kiln_tag_i32, true> {};
-template <> struct Elem<kiln_tag_i64> : IntElem<kiln_tag_i64, true> {};
-template <> struct Elem<kiln_tag_u8> : IntElem<kiln_tag_u8, false> {};
-template <> struct Elem<kiln_tag_u16> : IntElem<kiln_tag_u16, false> {};
-template <> struct Elem<kiln_tag_u32> : IntElem<kiln_tag_u32, false> {};
-template <> struct Elem<kiln_tag_u64> : IntElem<kiln_tag_u64, false> {};
+// ---- element types, by the prelude's tag (kiln-cuda-std/elem.cuh): storage S, compute C ----
+template <typename Tag>
+using Elem = kiln_elem<Tag>;
 
 __device__ __forceinline__ float m_pow(float a, float b) { return powf(a, b); }
 __device__ __forceinline__ double m_pow(double a, double b) { return pow(a, b); }

@@ -12,6 +12,7 @@
 //     flags: bit 0 lower bound *lo, bit 1 upper bound *hi (opset 11+ inputs, device scalars),
 //            bit 2 lower bound lo_attr, bit 3 upper bound hi_attr (opset 6 attributes).
 #include "kiln.cuh"
+#include "kiln-cuda-std/elem.cuh"
 #include "kiln-cuda-std/vec.cuh"
 
 enum UnaryOp {
@@ -83,55 +84,9 @@ __device__ __forceinline__ C unary_apply(C x, unsigned op, C alpha, C beta) {
     }
 }
 
-// ---- element types, by the prelude's tag: storage S (the tag's storage), compute C ----
-template <typename Tag> struct Elem;
-template <> struct Elem<kiln_tag_f32> {
-    typedef kiln_tag_f32::storage S;
-    typedef float C;
-    static const bool is_float = true;
-    __device__ static C ld(S v) { return v; }
-    __device__ static S st(C v) { return v; }
-};
-template <> struct Elem<kiln_tag_f16> {
-    typedef kiln_tag_f16::storage S;
-    typedef float C;
-    static const bool is_float = true;
-    __device__ static C ld(S v) { return kiln_f16_to_f32(v); }
-    __device__ static S st(C v) { return kiln_f32_to_f16(v); }
-};
-template <> struct Elem<kiln_tag_bf16> {
-    typedef kiln_tag_bf16::storage S;
-    typedef float C;
-    static const bool is_float = true;
-    __device__ static C ld(S v) { return kiln_bf16_to_f32(v); }
-    __device__ static S st(C v) { return kiln_f32_to_bf16(v); }
-};
-template <> struct Elem<kiln_tag_f64> {
-    typedef kiln_tag_f64::storage S;
-    typedef double C;
-    static const bool is_float = true;
-    __device__ static C ld(S v) { return v; }
-    __device__ static S st(C v) { return v; }
-};
-// Integers compute on their 64-bit two's complement pattern (sign- or zero-extended), as the
-// CPU reference widens to i64; storing truncates (wraps).
-template <typename Tag, bool SIGNED>
-struct IntElem {
-    typedef typename Tag::storage S;
-    typedef kiln_u64 C;
-    static const bool is_float = false;
-    static const bool is_signed = SIGNED;
-    __device__ static C ld(S v) { return (kiln_u64)v; }
-    __device__ static S st(C v) { return (S)v; }
-};
-template <> struct Elem<kiln_tag_i8> : IntElem<kiln_tag_i8, true> {};
-template <> struct Elem<kiln_tag_i16> : IntElem<kiln_tag_i16, true> {};
-template <> struct Elem<kiln_tag_i32> : IntElem<kiln_tag_i32, true> {};
-template <> struct Elem<kiln_tag_i64> : IntElem<kiln_tag_i64, true> {};
-template <> struct Elem<kiln_tag_u8> : IntElem<kiln_tag_u8, false> {};
-template <> struct Elem<kiln_tag_u16> : IntElem<kiln_tag_u16, false> {};
-template <> struct Elem<kiln_tag_u32> : IntElem<kiln_tag_u32, false> {};
-template <> struct Elem<kiln_tag_u64> : IntElem<kiln_tag_u64, false> {};
+// ---- element types, by the prelude's tag (kiln-cuda-std/elem.cuh): storage S, compute C ----
+template <typename Tag>
+using Elem = kiln_elem<Tag>;
 
 
 // y[i] = f(x[i]) over n contiguous elements; 16-byte vector accesses when both pointers allow.
