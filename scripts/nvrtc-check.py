@@ -52,15 +52,18 @@ def header_packages(root):
 
 
 def name_expressions(path):
-    """The kernels that the kernel.toml of the package holding `path` (PACKAGE/cuda/FILE.cu)
-    declares for that source by name expressions."""
-    pkg = os.path.dirname(os.path.dirname(os.path.abspath(path)))
-    toml = os.path.join(pkg, "kernel.toml")
-    if not os.path.isfile(toml):
-        return []
-    rel = os.path.relpath(os.path.abspath(path), pkg)
-    return [k for c in tomllib.load(open(toml, "rb")).get("cuda", []) if c["source"] == rel
-            for k in c.get("kernels", []) if "<" in k]
+    """The kernels that the kernel.toml of the package holding `path` declares for that source by
+    name expressions: the nearest kernel.toml above the file whose [[cuda]] names it."""
+    pkg = os.path.dirname(os.path.abspath(path))
+    while pkg != os.path.dirname(pkg):
+        toml = os.path.join(pkg, "kernel.toml")
+        if os.path.isfile(toml):
+            rel = os.path.relpath(os.path.abspath(path), pkg)
+            cuda = [c for c in tomllib.load(open(toml, "rb")).get("cuda", []) if c["source"] == rel]
+            if cuda:
+                return [k for c in cuda for k in c.get("kernels", []) if "<" in k]
+        pkg = os.path.dirname(pkg)
+    return []
 
 
 def kernel_report(log, pattern, names=None):
@@ -115,14 +118,18 @@ def main():
             failed += 1
             print(f"FAILED {path}:\n{text}")
         else:
-            lowered = {}
+            lowered, missing = {}, []
             for e in exprs:
                 sym = ctypes.c_char_p()
                 if lib.nvrtcGetLoweredName(prog, e.encode(), ctypes.byref(sym)) != 0:
-                    failed += 1
-                    print(f"FAILED {path}: kernel.toml names {e}, which the source does not instantiate")
+                    missing.append(e)
                     continue
                 lowered[sym.value.decode()] = e
+            if missing:
+                failed += 1
+                print(f"FAILED {path}: kernel.toml names {missing}, which the source does not instantiate")
+                lib.nvrtcDestroyProgram(ctypes.byref(prog))
+                continue
             print(f"ok     {path}")
             for line in kernel_report(text, a.kernel, lowered):
                 print(line)

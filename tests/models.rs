@@ -119,7 +119,7 @@ fn op_logic_lives_in_the_packages_a_newer_shim_changes_the_result() {
     doubling_relu_package(dir.path());
     let rt = runtime(&[dir.path()]);
     let swapped = run(&rt, &bytes, x()).unwrap();
-    assert_eq!(f32_values(&swapped[0].1), [2.0, -4.0, 6.0, -8.0], "kiln-unary 9.9.9 outranks the built-in 1.0.0");
+    assert_eq!(f32_values(&swapped[0].1), [2.0, -4.0, 6.0, -8.0], "kiln-unary 9.9.9 outranks the built-in 1.1.0");
     // Where the newer package does not apply (rank 2 > its max_rank 1), the built-in one runs.
     let m2 = onnx::model(
         vec![node("Relu", &["x"], &["y"], vec![])],
@@ -168,7 +168,7 @@ fn registry_packages_rank_between_drop_ins_and_built_ins_and_yanked_ones_are_ski
     std::fs::write(drop_in.path().join("kernel.toml"), toml).unwrap();
     let out = run(&with(&[drop_in.path().to_path_buf()], &regs), &bytes, x()).unwrap();
     assert_eq!(f32_values(&out[0].1), [1.0, 0.0, 3.0, 0.0], "the drop-in's kiln-unary@9.9.9 wins over the registry's");
-    // A requirement keeps the registry's 9.9.9 out: the built-in 1.0.0 runs.
+    // A requirement keeps the registry's 9.9.9 out: the built-in 1.1.0 runs.
     let (mut r, _) = packages::registry(&[], &regs);
     r.require(&["kiln-unary@^1".parse().unwrap()]).unwrap();
     let out = run(&Runtime::new(r, SandboxConfig::default()).unwrap(), &bytes, x()).unwrap();

@@ -40,7 +40,7 @@ __device__ __forceinline__ kiln_bf16 kiln_f32_to_bf16(float f) {
 // One tag type per dtype, its element's C type as `storage` (kiln_f16 and kiln_bf16 share
 // theirs: the tags tell them apart). Kernels templated over the element type take the tag as
 // their template argument, which a manifest's name expressions and a shim's
-// kiln_kernel_abi::DType::cuda_tag spell alike (ABI.md §7.3): `kiln_cast<kiln_tag_f16>`.
+// kiln_kernel_abi::DType::cuda_tag spell alike (ABI.md §7.3.1): `kiln_cast<kiln_tag_f16>`.
 struct kiln_tag_f32 { typedef float storage; };
 struct kiln_tag_f16 { typedef kiln_f16 storage; };
 struct kiln_tag_bf16 { typedef kiln_bf16 storage; };

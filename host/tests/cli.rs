@@ -355,7 +355,7 @@ fn a_header_package_is_a_dependency_that_runs_resolve() {
     assert!(o.status.success(), "{}", text(&o));
     let dir = t.path().join("my-twice");
     let toml = std::fs::read_to_string(dir.join("kernel.toml")).unwrap();
-    let toml = toml.replacen("schema = 2", "schema = 4", 1) + "\n[dependencies]\nmy-std = \"^1.0\"\n";
+    let toml = toml + "\n[dependencies]\nmy-std = \"^1.0\"\n";
     std::fs::write(dir.join("kernel.toml"), toml).unwrap();
     let cu = std::fs::read_to_string(dir.join("cuda/kernel.cu")).unwrap();
     std::fs::write(
@@ -395,6 +395,48 @@ fn a_header_package_is_a_dependency_that_runs_resolve() {
     assert!(!o.status.success() && text(&o).contains("package my-twice@0.1.0 is left out: "), "{}", text(&o));
     let o = kiln(&["kernels", "why", "ai.example::Twice", "--packages", dir.to_str().unwrap()]);
     assert!(text(&o).contains("drop-in folder") && text(&o).contains("depends on my-std"), "{}", text(&o));
+}
+
+/// `kiln package build` with NVRTC (a CUDA toolkit, or `pip install nvidia-cuda-nvrtc` with its
+/// lib folder on `LD_LIBRARY_PATH`; no GPU) instantiates the scaffold's template kernel by its
+/// name expression (schema 6) and finds its lowered symbol in the CUBIN, for float32 and for a
+/// float16 instantiation added to the manifest, then again from the NVRTC cache (the CUBIN and
+/// its lowered names); an expression that names no template of the
+/// source fails the build, naming the template, before anything is packed.
+#[test]
+#[ignore = "needs NVRTC (libnvrtc)"]
+fn package_build_lowers_name_expressions_and_refuses_one_the_source_lacks() {
+    let t = tempfile::tempdir().unwrap();
+    let at = t.path().to_str().unwrap();
+    assert!(kiln(&["package", "new", "my-twice", "--dir", at]).status.success());
+    let dir = t.path().join("my-twice");
+    let d = dir.to_str().unwrap();
+    let manifest = dir.join("kernel.toml");
+    // Adds kernel `k` to the manifest, with a signature entry of its own when `pattern` is given.
+    let with = |k: &str, pattern: Option<&str>| {
+        let m = std::fs::read_to_string(&manifest).unwrap();
+        let m = m.replace("kernels = [\"", &format!("kernels = [\"{k}\", \""));
+        let m = match pattern {
+            Some(p) => m.replace("[\"my_twice_twice<*>\"]", &format!("[\"my_twice_twice<*>\", \"{p}\"]")),
+            None => m,
+        };
+        std::fs::write(&manifest, m).unwrap();
+    };
+    let o = kiln(&["package", "build", d, "--arch", "sm_90"]);
+    assert!(o.status.success() && text(&o).contains("every listed kernel is defined"), "{}", text(&o));
+    with("my_twice_twice<kiln_tag_f16>", None);
+    let o = kiln(&["package", "build", d, "--arch", "sm_90"]);
+    assert!(o.status.success() && text(&o).contains("every listed kernel is defined"), "{}", text(&o));
+    // Again: the CUBIN and its lowered names come from the NVRTC cache, and still name every kernel.
+    let o = kiln(&["-vv", "package", "build", d, "--arch", "sm_90"]);
+    let out = text(&o);
+    assert!(
+        o.status.success() && out.contains("NVRTC: from the cache") && out.contains("every listed kernel is defined"),
+        "{out}"
+    );
+    with("my_twice_thrice<kiln_tag_f32>", Some("my_twice_thrice<*>"));
+    let o = kiln(&["package", "build", d, "--arch", "sm_90"]);
+    assert!(!o.status.success() && text(&o).contains("\"my_twice_thrice\" is undefined"), "{}", text(&o));
 }
 
 /// `kiln package new` scaffolds a package that builds and passes its own test: `package build`
@@ -1219,7 +1261,8 @@ fn a_lock_pins_the_packages_a_model_uses() {
     let o = run_example(&["--lock", lock.to_str().unwrap()]);
     assert!(o.status.success(), "{}", text(&o));
     // A version that is not available.
-    std::fs::write(&lock, text_lock.replace("version = \"1.2.0\"", "version = \"1.0.9\"")).unwrap();
+    let matmul = "name = \"kiln-matmul\"\nversion = \"1.2.0\"";
+    std::fs::write(&lock, text_lock.replace(matmul, "name = \"kiln-matmul\"\nversion = \"1.0.9\"")).unwrap();
     let o = run_example(&["--lock", lock.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(3), "{}", text(&o));
     assert!(

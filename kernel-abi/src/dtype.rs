@@ -67,7 +67,7 @@ impl DType {
         })
     }
 
-    /// The prelude's tag type of this dtype (`kiln.cuh`, ABI.md §7.3): `kiln_tag_f32`,
+    /// The prelude's tag type of this dtype (`kiln.cuh`, ABI.md §7.3.1): `kiln_tag_f32`,
     /// `kiln_tag_f16`, `kiln_tag_bf16`, `kiln_tag_f64`, `kiln_tag_i8` … `kiln_tag_u64`,
     /// `kiln_tag_bool`, each with a `storage` typedef of its element's C type. The template
     /// argument a kernel templated over the element type takes, so that a shim names it with

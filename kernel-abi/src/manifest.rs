@@ -528,6 +528,11 @@ impl Manifest {
                 }
             }
         }
+        // Launch names are manifest-wide (schema 6: a name declared twice is refused).
+        let all: Vec<&str> = self.kernels().collect();
+        if let Some((i, k)) = all.iter().enumerate().find(|(i, k)| all[..*i].contains(k)).filter(|_| self.schema >= 6) {
+            return bad(format!("kernel {k:?} is declared twice (the [[cuda]] sources' kernels, entry {i})"));
+        }
         for c in &self.cuda {
             check_relative_path(&c.source)?;
             if let Some(k) = c.kernels.iter().find(|k| !is_identifier(k) && !is_name_expression(k)) {
@@ -545,9 +550,7 @@ impl Manifest {
                     c.source
                 ));
             }
-            if let Some((i, k)) = c.kernels.iter().enumerate().find(|(i, k)| c.kernels[..*i].contains(k)) {
-                return bad(format!("cuda source {}: kernels[{i}] declares {k:?} twice", c.source));
-            }
+
             if let Some(k) = c.pdl.iter().find(|k| !c.kernels.contains(k)) {
                 return bad(format!("cuda source {}: pdl names {k:?}, which its `kernels` do not declare", c.source));
             }
@@ -879,7 +882,7 @@ signatures = [{ kernels = ["relu_*"], params = ["tensor", "tensor", "u64"] }]
             (v6.replace("schema = 6", "schema = 5"), "comes with manifest schema 6"),
             (v6.replace(&expr, "relu<kiln_tag_f16,4>"), "neither a C identifier"),
             (v6.replace(&expr, "relu<kiln_tag_f16; asm(\\\"trap;\\\")>"), "neither a C identifier"),
-            (v6.replace(&expr, "relu_f32"), "declares \"relu_f32\" twice"),
+            (v6.replace(&expr, "relu_f32"), "kernel \"relu_f32\" is declared twice"),
         ];
         for (text, want) in cases {
             let err = Manifest::parse(&text).unwrap_err().to_string();
@@ -890,7 +893,8 @@ signatures = [{ kernels = ["relu_*"], params = ["tensor", "tensor", "u64"] }]
     #[test]
     fn name_expressions_have_one_spelling() {
         use crate::names::is_name_expression as ok;
-        for good in ["kiln_cast<kiln_tag_f16>", "gqa<kiln_tag_bf16, 4>", "k<a, -1, b_2>", "k<_T, 18446744073709551615>"]
+        for good in
+            ["kiln_cast<kiln_tag_f16>", "gqa<kiln_tag_bf16, 4>", "k<a, -1, b_2>", "k<_T, 18446744073709551615>", "k<0>"]
         {
             assert!(ok(good), "{good}");
         }
@@ -909,6 +913,10 @@ signatures = [{ kernels = ["relu_*"], params = ["tensor", "tensor", "u64"] }]
             "k<->",
             "9k<a>",
             "k<123456789012345678901>",
+            "k<18446744073709551616>",
+            "k<-9223372036854775809>",
+            "k<010>",
+            "k<-0>",
         ] {
             assert!(!ok(bad), "{bad}");
         }

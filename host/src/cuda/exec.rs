@@ -35,16 +35,28 @@ unsafe impl Sync for Function {}
 /// The kernels of one package, by entry-point name.
 pub type KernelCache = HashMap<String, CudaFunction>;
 
-/// The sha256 of a package's CUDA sources and headers, by name and text: what its loaded
-/// kernels depend on beyond its id.
+/// The sha256 of a package's CUDA sources and headers, by name and text, and of each source's
+/// declared kernels with their signatures and PDL flags: what its loaded kernels depend on
+/// beyond its id (two packages of one name and version may differ in any of them).
 fn sources_digest(pkg: &Package) -> String {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
+    let mut part = |t: &str| {
+        h.update((t.len() as u64).to_le_bytes());
+        h.update(t.as_bytes());
+    };
     for (name, text) in pkg.cuda_sources.iter().chain(&pkg.includes) {
-        h.update((name.len() as u64).to_le_bytes());
-        h.update(name.as_bytes());
-        h.update((text.len() as u64).to_le_bytes());
-        h.update(text.as_bytes());
+        part(name);
+        part(text);
+    }
+    // What the manifest says of each source's kernels decides what is compiled (the
+    // instantiations of name expressions) and how each is checked and launched.
+    for c in &pkg.manifest.cuda {
+        part(&c.source);
+        for k in &c.kernels {
+            part(k);
+            part(&format!("{:?} {}", c.params(k), c.pdl.contains(k)));
+        }
     }
     hex::encode(&h.finalize()[..8])
 }

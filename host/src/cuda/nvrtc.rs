@@ -3,7 +3,7 @@
 //! with in-memory headers only (NVRTC never gets an include path): the host's prelude
 //! `kiln.cuh` and the headers of the package and of the packages it depends on
 //! (`Package::includes`, as `"<package>/<file>"`), cached on disk by sha256 of (every header's
-//! name and text, source, arch, NVRTC version, options) as sealed entries of `native_cache` in
+//! name and text, source, arch, NVRTC version, options, name expressions) as sealed entries of `native_cache` in
 //! its `nvrtc/` folder. Kernels a manifest names by C++ name expressions (schema 6,
 //! `kiln_cast<kiln_tag_f16>`) are instantiated with `nvrtcAddNameExpression` and found by the
 //! mangled names `nvrtcGetLoweredName` gives, which the cache keeps beside the CUBIN.
@@ -24,9 +24,11 @@ const OPTIONS: &[&str] = &["--std=c++17", "-default-device"];
 /// The CUBIN (machine code for the device's `sm_XY`) of one source, the mangled name of each
 /// name expression it was compiled with, and whether it came from the cache.
 pub struct CompiledSource {
+    /// The CUBIN, for the architecture compiled for.
     pub cubin: Vec<u8>,
     /// Name expression (`kiln_cast<kiln_tag_f16>`) → the symbol the CUBIN defines for it.
     pub lowered: BTreeMap<String, String>,
+    /// Whether it came from the on-disk cache (nothing compiled).
     pub cache_hit: bool,
 }
 
@@ -151,6 +153,7 @@ pub fn compile_cached(
     let names = all.iter().map(|(n, _)| c(n, "a header name")).collect::<Result<Vec<_>>>()?;
     let text_ptrs: Vec<*const std::ffi::c_char> = texts.iter().map(|t| t.as_ptr()).collect();
     let name_ptrs: Vec<*const std::ffi::c_char> = names.iter().map(|t| t.as_ptr()).collect();
+    let exprs = expressions.iter().map(|e| c(e, "a kernel name expression")).collect::<Result<Vec<_>>>()?;
     let mut prog = std::ptr::null_mut();
     // SAFETY: every pointer is a live NUL-terminated string; the arrays hold `all.len()` each.
     let created = unsafe {
@@ -166,7 +169,6 @@ pub fn compile_cached(
     if created != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
         return Err(fail(format!("nvrtcCreateProgram: {created:?}")));
     }
-    let exprs = expressions.iter().map(|e| c(e, "a kernel name expression")).collect::<Result<Vec<_>>>()?;
     for (e, text) in exprs.iter().zip(expressions) {
         // SAFETY: prog is a live program; e is a NUL-terminated string.
         let added = unsafe { cudarc::nvrtc::sys::nvrtcAddNameExpression(prog, e.as_ptr()) };
