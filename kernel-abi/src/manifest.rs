@@ -531,7 +531,10 @@ impl Manifest {
         // Launch names are manifest-wide (schema 6: a name declared twice is refused).
         let all: Vec<&str> = self.kernels().collect();
         if let Some((i, k)) = all.iter().enumerate().find(|(i, k)| all[..*i].contains(k)).filter(|_| self.schema >= 6) {
-            return bad(format!("kernel {k:?} is declared twice (the [[cuda]] sources' kernels, entry {i})"));
+            return bad(format!(
+                "kernel {k:?} is declared twice (entry {i} of the [[cuda]] sources' kernels): list it once, under \
+                 the source that defines it"
+            ));
         }
         for c in &self.cuda {
             check_relative_path(&c.source)?;
@@ -539,7 +542,7 @@ impl Manifest {
                 return bad(format!(
                     "cuda source {}: kernel {k:?} is neither a C identifier (an extern \"C\" kernel) nor a name \
                      expression such as \"kiln_cast<kiln_tag_f16>\" or \"gqa_decode<kiln_tag_f16, 4>\" (a template's \
-                     name, then identifiers or integers separated by \", \" in angle brackets; ABI.md §7.3)",
+                     name, then identifiers or integers separated by \", \" in angle brackets; ABI.md §7.3.1)",
                     c.source
                 ));
             }
@@ -550,7 +553,6 @@ impl Manifest {
                     c.source
                 ));
             }
-
             if let Some(k) = c.pdl.iter().find(|k| !c.kernels.contains(k)) {
                 return bad(format!("cuda source {}: pdl names {k:?}, which its `kernels` do not declare", c.source));
             }

@@ -438,20 +438,18 @@ impl Gpu {
                     .cuda_sources
                     .get(&src.source)
                     .ok_or_else(|| Error::Device(format!("{id}: source {} missing", src.source)))?;
-                let compiled =
+                let mut compiled =
                     compile_cached(&id, &src.source, text, &pkg.includes, &info.arch, &src.name_expressions())?;
                 if compiled.cache_hit {
                     hits += 1;
                 } else {
                     compiles += 1;
                 }
-                let lowered = compiled.lowered;
-                let module =
-                    device.ctx.load_module(Ptx::from_binary(compiled.cubin)).map_err(dev_err("cuModuleLoadData"))?;
+                let cubin = std::mem::take(&mut compiled.cubin);
+                let module = device.ctx.load_module(Ptx::from_binary(cubin)).map_err(dev_err("cuModuleLoadData"))?;
                 for k in &src.kernels {
-                    // A name expression's function is its lowered (mangled) name.
                     let f = module
-                        .load_function(lowered.get(k).map_or(k.as_str(), String::as_str))
+                        .load_function(compiled.symbol(k))
                         .map_err(|e| Error::Device(format!("{id}: kernel {k} of {}: {e}", src.source)))?;
                     if info.driver_version >= 12040 {
                         check_params(&id, k, f.cu_function(), src.params(k).unwrap_or_default())?;

@@ -3,8 +3,8 @@
 //! with in-memory headers only (NVRTC never gets an include path): the host's prelude
 //! `kiln.cuh` and the headers of the package and of the packages it depends on
 //! (`Package::includes`, as `"<package>/<file>"`), cached on disk by sha256 of (every header's
-//! name and text, source, arch, NVRTC version, options, name expressions) as sealed entries of `native_cache` in
-//! its `nvrtc/` folder. Kernels a manifest names by C++ name expressions (schema 6,
+//! name and text, source, arch, NVRTC version, options, name expressions) as sealed entries of
+//! `native_cache` in its `nvrtc/` folder. Kernels a manifest names by C++ name expressions (schema 6,
 //! `kiln_cast<kiln_tag_f16>`) are instantiated with `nvrtcAddNameExpression` and found by the
 //! mangled names `nvrtcGetLoweredName` gives, which the cache keeps beside the CUBIN.
 
@@ -241,8 +241,8 @@ pub fn compile_cached(
 /// its sources may include `headers`: its own and its dependencies', by include name) for
 /// `arch` (`sm_XY`) with NVRTC, as a run on such a GPU will, and checks that each kernel the manifest
 /// lists for a source is an entry of its CUBIN (an `extern "C" __global__` function of that
-/// name, or the lowered name of a name expression). No GPU is needed. Returns how many sources it compiled. Errors, for `kiln package
-/// build` to report before anything is packed: NVRTC missing, a source that cannot be read or
+/// name, or the lowered name of a name expression). No GPU is needed. Returns how many sources
+/// it compiled. Errors, for `kiln package build` to report before anything is packed: NVRTC missing, a source that cannot be read or
 /// does not compile (NVRTC's log, with the file and line), or a listed kernel the source does
 /// not define (named with its file).
 pub fn compile_package(
