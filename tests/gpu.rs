@@ -576,8 +576,8 @@ fn the_example_replays_as_a_graph_and_a_moving_binding_exhausts_the_budget() {
 /// its last block per KV head merges), 32 query heads over 8 KV heads (73,728 cache positions
 /// in all: the kernel by KV head over shared-memory tiles, 24 splits, here with every row
 /// written first since present and past are separate buffers) and 9 (one block per query head,
-/// then `kiln_gqa_merge_*`); and 2 over 1 in a 40,960-position buffer (320 splits: more than
-/// the decode kernels fold, so `kiln_gqa_merge_*` follows them). max |Δ| ≤ 1e-4 on the output
+/// then `kiln_gqa_merge`); and 2 over 1 in a 40,960-position buffer (320 splits: more than
+/// the decode kernels fold, so `kiln_gqa_merge` follows them). max |Δ| ≤ 1e-4 on the output
 /// and the present K/V.
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -608,7 +608,7 @@ fn long_context_decode_attention(n: usize, nk: usize, past: usize) {
 /// views) gives the CPU reference's output on the row-major caches: decode over rows of 3000,
 /// 700 and 1 positions of a 3072-position cache (2 query heads per KV head: the kernel with rows
 /// in registers; 32 over 8: 73,728 positions in all, shared-memory tiles) and a prompt of 37
-/// tokens over 263 (kiln_gqa_kv_* appends them, kiln_gqa_prefill_* reads them back), with and
+/// tokens over 263 (kiln_gqa_kv appends them, kiln_gqa_prefill reads them back), with and
 /// without a local window. After a decode step, a second one attends to the rows the first
 /// appended in place, against the CPU's next step over the first one's present. max |Δ| ≤ 1e-4.
 #[test]
@@ -760,7 +760,7 @@ fn seqlens_k(lens: &[i32]) -> kiln_host::Tensor {
     kiln_host::Tensor::new(kiln_kernel_abi::DType::I32, vec![lens.len()], bytes.into()).unwrap()
 }
 
-/// Prompt attention (kiln_gqa_prefill_*) against the CPU reference: first prompts of 150
+/// Prompt attention (kiln_gqa_prefill) against the CPU reference: first prompts of 150
 /// positions (rows of 150, 97 and 1 valid tokens, right-padded) and a continuation prompt of 37
 /// tokens over a past of 263 positions (batch 1, as GroupQueryAttention requires), in a shared
 /// past/present buffer, with and without a local window, groups of 2 and 3 query heads per KV

@@ -32,6 +32,7 @@
 //! kernels = ["unary_f32"]        # the entry points `launch` may name: extern "C" names, or (schema 6)
 //!                                # name expressions of template instantiations, "relu<kiln_tag_f16>"
 //! pdl = ["unary_f32"]            # optional: kernels safe under programmatic dependent launch
+//!                                # (schema 7: also `*` patterns, as in `signatures`)
 //! signatures = [                 # every kernel's parameters, in order (schema 2; ABI.md §7.3)
 //!     { kernels = ["unary_*"], params = ["tensor", "tensor", "u64", "u32"] },
 //! ]
@@ -89,8 +90,9 @@ pub enum ManifestError {
 /// added shared device code (`headers`, `[dependencies]`, header-only packages); schema 5 added
 /// paged tensors (`paged_inputs`, `paged_outputs` of `[[ops]]`) and the `counters` parameter kind;
 /// schema 6 added kernels named by C++ name expressions (`kiln_cast<kiln_tag_f16>`: an
-/// instantiation of a `__global__` function template, lowered by NVRTC; [`is_name_expression`]).
-pub const MANIFEST_SCHEMA: u32 = 6;
+/// instantiation of a `__global__` function template, lowered by NVRTC; [`is_name_expression`]);
+/// schema 7 lets `pdl` list kernels by the signatures' `*` patterns.
+pub const MANIFEST_SCHEMA: u32 = 7;
 
 /// The folder of a package whose files are its exported headers.
 pub const HEADER_DIR: &str = "include/";
@@ -371,6 +373,12 @@ pub fn kernel_pattern_matches(pattern: &str, name: &str) -> bool {
 }
 
 impl CudaSource {
+    /// Whether this source declares `kernel` and lists it in `pdl`, by name or (schema 7) by a
+    /// `*` pattern ([`kernel_pattern_matches`]).
+    pub fn kernel_pdl(&self, kernel: &str) -> bool {
+        self.kernels.iter().any(|k| k == kernel) && self.pdl.iter().any(|p| kernel_pattern_matches(p, kernel))
+    }
+
     /// The parameters of `kernel` when this source declares it and one signature matches it.
     pub fn params(&self, kernel: &str) -> Option<&[ParamKind]> {
         self.signatures
@@ -443,9 +451,10 @@ impl Manifest {
         format!("{}/{}", self.package.name, path.strip_prefix(HEADER_DIR).unwrap_or(path))
     }
 
-    /// Whether `kernel` is declared safe under programmatic dependent launch.
+    /// Whether `kernel` is declared safe under programmatic dependent launch: its source's `pdl`
+    /// names it, or (schema 7) has a `*` pattern that matches it.
     pub fn kernel_pdl(&self, kernel: &str) -> bool {
-        self.cuda.iter().any(|c| c.pdl.iter().any(|k| k == kernel))
+        self.cuda.iter().any(|c| c.kernel_pdl(kernel))
     }
 
     /// Every kernel entry point declared by the `[[cuda]]` sources.
@@ -553,8 +562,15 @@ impl Manifest {
                     c.source
                 ));
             }
-            if let Some(k) = c.pdl.iter().find(|k| !c.kernels.contains(k)) {
-                return bad(format!("cuda source {}: pdl names {k:?}, which its `kernels` do not declare", c.source));
+            if let Some(p) = c.pdl.iter().find(|p| p.contains('*')).filter(|_| self.schema < 7) {
+                return bad(format!(
+                    "cuda source {}: pdl pattern {p:?} comes with manifest schema 7: set `schema = 7`, or list the \
+                     kernels by name",
+                    c.source
+                ));
+            }
+            if let Some(p) = c.pdl.iter().find(|p| !c.kernels.iter().any(|k| kernel_pattern_matches(p, k))) {
+                return bad(format!("cuda source {}: pdl names {p:?}, which its `kernels` do not declare", c.source));
             }
             self.check_signatures(c)?;
         }
@@ -835,7 +851,11 @@ signatures = [{ kernels = ["relu_*"], params = ["tensor", "tensor", "u64"] }]
         )
         .unwrap_err()
         .to_string();
-        assert!(err.contains("unknown field `pdl_kernels`") && err.contains("reads manifest schema 6"), "{err}");
+        assert!(
+            err.contains("unknown field `pdl_kernels`")
+                && err.contains(&format!("reads manifest schema {MANIFEST_SCHEMA}")),
+            "{err}"
+        );
         let err = Manifest::parse(&GOOD.replace("schema = 2", "schema = -1")).unwrap_err().to_string();
         assert!(err.contains("schema must be a positive integer"), "{err}");
     }
@@ -885,6 +905,31 @@ signatures = [{ kernels = ["relu_*"], params = ["tensor", "tensor", "u64"] }]
             (v6.replace(&expr, "relu<kiln_tag_f16,4>"), "neither a C identifier"),
             (v6.replace(&expr, "relu<kiln_tag_f16; asm(\\\"trap;\\\")>"), "neither a C identifier"),
             (v6.replace(&expr, "relu_f32"), "kernel \"relu_f32\" is declared twice"),
+        ];
+        for (text, want) in cases {
+            let err = Manifest::parse(&text).unwrap_err().to_string();
+            assert!(err.contains(want), "{want}: {err}");
+        }
+    }
+
+    /// Schema 7: `pdl` may list kernels by `*` pattern; a pattern flags exactly the kernels of
+    /// its source that it matches, needs schema 7, and must match one.
+    #[test]
+    fn pdl_patterns_come_with_schema_7() {
+        let v7 = GOOD
+            .replace("schema = 2", "schema = 7")
+            .replace("kernels = [\"relu_f32\"]", "kernels = [\"relu_f32\", \"relu<kiln_tag_f16>\", \"abs_f32\"]")
+            .replace("[\"relu_*\"]", "[\"relu_*\", \"relu<*>\", \"abs_*\"]")
+            .replace(
+                "kernels = [\"relu_f32\", \"relu<kiln_tag_f16>\", \"abs_f32\"]",
+                "kernels = [\"relu_f32\", \"relu<kiln_tag_f16>\", \"abs_f32\"]\npdl = [\"relu*\"]",
+            );
+        let m = Manifest::parse(&v7).unwrap();
+        assert!(m.kernel_pdl("relu_f32") && m.kernel_pdl("relu<kiln_tag_f16>"));
+        assert!(!m.kernel_pdl("abs_f32") && !m.kernel_pdl("relu_f16"));
+        let cases = [
+            (v7.replace("schema = 7", "schema = 6"), "pdl pattern \"relu*\" comes with manifest schema 7"),
+            (v7.replace("pdl = [\"relu*\"]", "pdl = [\"gelu*\"]"), "pdl names \"gelu*\", which its `kernels` do not"),
         ];
         for (text, want) in cases {
             let err = Manifest::parse(&text).unwrap_err().to_string();

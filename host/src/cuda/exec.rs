@@ -55,7 +55,7 @@ fn sources_digest(pkg: &Package) -> String {
         part(&c.source);
         for k in &c.kernels {
             part(k);
-            part(&format!("{:?} {}", c.params(k), c.pdl.contains(k)));
+            part(&format!("{:?} {}", c.params(k), c.kernel_pdl(k)));
         }
     }
     hex::encode(&h.finalize()[..8])

@@ -531,7 +531,7 @@ __host__ __device__ __forceinline__ unsigned gqa_decode_k_bytes(unsigned kpb, un
 }
 
 // The present rows block (split, j, b) of a decode kernel owns, rows split·kpb .. + kpb of KV head
-// j, batch row b, as kiln_gqa_kv_* writes them for a shared past and present (S = 1): bound in
+// j, batch row b, as kiln_gqa_kv writes them for a shared past and present (S = 1): bound in
 // place (present is the past buffer) only the new row at `pos`, else every owned row (the new
 // row, past rows below P, zeros). Every key a block reads is a row it owns, so the append needs
 // no other block: a decode step runs one kernel fewer.
@@ -748,7 +748,7 @@ __device__ __forceinline__ void gqa_dec_write(const float* s_red, unsigned strid
 // The split merge folded into the decode kernels (`fold`, 2 to GQA_FOLD_MAX_SPLITS splits): each
 // block of KV head j, batch row b counts itself in on counters[b·Nk + j] (the node's counters,
 // ABI.md §6.3, zero between launches) once its partial state is written, and the last block to
-// finish merges every split of the group's query heads as kiln_gqa_merge_* would (sink_mode as
+// finish merges every split of the group's query heads as kiln_gqa_merge would (sink_mode as
 // gqa_attn; a row with no key to attend to gets zeros), then puts the counter back to zero. The
 // partial states of other blocks are read through L2 (__ldcg) after a fence, spread over the
 // block: warp g takes query head g's maxima and sums (a split per lane, every load in flight)
@@ -970,7 +970,7 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
 //    lanes (warp shuffles, then shared memory over the dead K tile).
 // With one split the block writes the output (sink_mode as gqa_attn); with several it writes
 // the partial state of gqa_decode_split for kiln_gqa_merge. With `append` it first writes the
-// present rows it owns (gqa_decode_append) instead of kiln_gqa_kv_*; those rows reach shared
+// present rows it owns (gqa_decode_append) instead of kiln_gqa_kv; those rows reach shared
 // memory by plain loads after the block's barrier. Needs group ≤ GQA_DEC_MAX_GROUP,
 // group·H ≤ GQA_DEC_MAX_QH, H·sizeof(T) a power of two multiple of 16 (at most 512 bytes),
 // kpb ≤ GQA_DEC_KEYS, 256 threads, and gqa_decode_k_bytes(kpb, H·sizeof(T), group·H) +
@@ -1246,89 +1246,109 @@ __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, c
 #define KILN_GQA_LAYOUT (gqa_layout{kv_row, kv_head, kv_page, kv_shift})
 
 // The parameters of both decode kernels (one signature in kernel.toml).
-#define KILN_GQA_DECODE_PARAMS(TAG)                                                                                    \
-    const TAG::storage *q_src, TAG::storage *pres_k, TAG::storage *pres_v, const int *seqlens,                         \
-        const TAG::storage *cos_c, const TAG::storage *sin_c, const TAG::storage *bias, const TAG::storage *sink,      \
-        float *partial, TAG::storage *out, unsigned N, unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w,             \
+#define KILN_GQA_DECODE_PARAMS                                                                                         \
+    const typename Tag::storage *q_src, typename Tag::storage *pres_k, typename Tag::storage *pres_v,                  \
+        const int *seqlens, const typename Tag::storage *cos_c, const typename Tag::storage *sin_c,                    \
+        const typename Tag::storage *bias, const typename Tag::storage *sink, float *partial,                          \
+        typename Tag::storage *out, unsigned N, unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w,                    \
         kiln_u64 cache_rows, unsigned rotary_half, unsigned interleaved, float scale, float softcap, int window,        \
         unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode,                       \
-        const TAG::storage *k_src, const TAG::storage *v_src, const TAG::storage *past_k, const TAG::storage *past_v,  \
-        unsigned P, kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off, unsigned append, unsigned kpb,                      \
-        KILN_GQA_LAYOUT_PARAMS, unsigned fold, kiln_counter *counters, kiln_status *st
+        const typename Tag::storage *k_src, const typename Tag::storage *v_src, const typename Tag::storage *past_k,   \
+        const typename Tag::storage *past_v, unsigned P, kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off,                \
+        unsigned append, unsigned kpb, KILN_GQA_LAYOUT_PARAMS, unsigned fold, kiln_counter *counters, kiln_status *st
 
-#define KILN_GQA_DECODE(SUF, TAG, G)                                                                          \
-    extern "C" __global__ void __launch_bounds__(256, 2) kiln_gqa_decode##G##_##SUF(KILN_GQA_DECODE_PARAMS(TAG)) { \
-        gqa_decode_regs<TAG, G>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out, N, Nk, H, PL,  \
-                                q_w, cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b,   \
-                                bias_h, total, sink_mode, k_src, v_src, past_k, past_v, P, kv_w, k_off, v_off, append, \
-                                kpb, KILN_GQA_LAYOUT, fold, counters, st);                                             \
-    }                                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(256, G <= 4 ? 3 : 2) kiln_gqa_decode_tiled##G##_##SUF(               \
-        KILN_GQA_DECODE_PARAMS(TAG)) {                                                                                 \
-        gqa_decode_tiled<TAG, G>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out, N, Nk, H, PL, q_w,  \
-                           cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b, bias_h,     \
-                           total, sink_mode, k_src, v_src, past_k, past_v, P, kv_w, k_off, v_off, append, kpb,        \
-                           KILN_GQA_LAYOUT, fold, counters, st);                                                      \
-    }
+// The kernels, templates over the prelude's dtype tag (and the decode kernels over the query heads
+// per KV head, G), instantiated by the name expressions kernel.toml lists (schema 6).
 
-#define KILN_ATTENTION_KERNELS(SUF, TAG)                                                                               \
-    extern "C" __global__ void kiln_gqa_kv_##SUF(                                                                      \
-        const TAG::storage* k_src, const TAG::storage* v_src, const TAG::storage* past_k, const TAG::storage* past_v,  \
-        const int* seqlens, const TAG::storage* cos_c, const TAG::storage* sin_c, TAG::storage* pres_k,                \
-        TAG::storage* pres_v, unsigned B, unsigned S, unsigned Nk, unsigned H, unsigned PL, unsigned P, kiln_u64 kv_w, \
-        kiln_u64 k_off, kiln_u64 v_off, unsigned first_prompt, unsigned shared, kiln_u64 cache_rows,                   \
-        unsigned rotary_half, unsigned interleaved, unsigned total, KILN_GQA_LAYOUT_PARAMS, kiln_status* st) {         \
-        gqa_kv<TAG>(k_src, v_src, past_k, past_v, seqlens, cos_c, sin_c, pres_k, pres_v, B, S, Nk, H, PL, P, kv_w,     \
-                    k_off, v_off, first_prompt, shared, cache_rows, rotary_half, interleaved, total, KILN_GQA_LAYOUT, \
-                    st);                                                                                               \
-    }                                                                                                                  \
-    extern "C" __global__ void kiln_gqa_attn_##SUF(                                                                    \
-        const TAG::storage* q_src, const TAG::storage* pres_k, const TAG::storage* pres_v, const int* seqlens,         \
-        const TAG::storage* cos_c, const TAG::storage* sin_c, const TAG::storage* bias, const TAG::storage* sink,      \
-        TAG::storage* out, unsigned S, unsigned N, unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w,                 \
-        unsigned first_prompt, kiln_u64 cache_rows, unsigned rotary_half, unsigned interleaved, float scale,           \
-        float softcap, int window, unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total,                \
-        unsigned sink_mode, KILN_GQA_LAYOUT_PARAMS, kiln_status* st) {                                                 \
-        gqa_attn<TAG>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, out, S, N, Nk, H, PL, q_w,             \
-                      first_prompt, cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b,    \
-                      bias_h, total, sink_mode, KILN_GQA_LAYOUT, st);                                                  \
-    }                                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(GQA_PF_WARPS * 32) kiln_gqa_prefill_##SUF(                          \
-        const TAG::storage* q_src, const TAG::storage* pres_k, const TAG::storage* pres_v, const int* seqlens,         \
-        const TAG::storage* cos_c, const TAG::storage* sin_c, TAG::storage* out, unsigned S, unsigned N, unsigned Nk,  \
-        unsigned H, unsigned PL, kiln_u64 q_w, unsigned first_prompt, kiln_u64 cache_rows, unsigned rotary_half,       \
-        unsigned interleaved, float scale, int window, unsigned total, KILN_GQA_LAYOUT_PARAMS, kiln_status* st) {      \
-        gqa_prefill<TAG>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, out, S, N, Nk, H, PL, q_w, first_prompt,        \
-                         cache_rows, rotary_half, interleaved, scale, window, total, KILN_GQA_LAYOUT, st);             \
-    }                                                                                                                  \
-    extern "C" __global__ void kiln_gqa_split_##SUF(                                                                   \
-        const TAG::storage* q_src, const TAG::storage* pres_k, const TAG::storage* pres_v, const int* seqlens,         \
-        const TAG::storage* cos_c, const TAG::storage* sin_c, const TAG::storage* bias, float* partial, unsigned N,    \
-        unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w, kiln_u64 cache_rows, unsigned rotary_half,                 \
-        unsigned interleaved, float scale, float softcap, int window, unsigned has_bias, unsigned bias_b,              \
-        unsigned bias_h, unsigned total, unsigned chunk, KILN_GQA_LAYOUT_PARAMS, kiln_status* st) {                    \
-        gqa_decode_split<TAG>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, partial, N, Nk, H, PL, q_w,          \
-                              cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b, bias_h,  \
-                              total, chunk, KILN_GQA_LAYOUT, st);                                                      \
-    }                                                                                                                  \
-    KILN_GQA_DECODE(SUF, TAG, 1)                                                                                       \
-    KILN_GQA_DECODE(SUF, TAG, 2)                                                                                       \
-    KILN_GQA_DECODE(SUF, TAG, 4)                                                                                       \
-    KILN_GQA_DECODE(SUF, TAG, 8)                                                                                       \
-    extern "C" __global__ void kiln_gqa_merge_##SUF(const float* partial, const int* seqlens, const TAG::storage* sink, \
-                                                    TAG::storage* out, unsigned N, unsigned H, unsigned PL, int window, \
-                                                    unsigned splits, unsigned sink_mode) {                              \
-        gqa_decode_merge<TAG>(partial, seqlens, sink, out, N, H, PL, window, splits, sink_mode);                      \
-    }                                                                                                                  \
-    extern "C" __global__ void kiln_rope_##SUF(const TAG::storage* x, const long long* pos_ids,                        \
-                                               const TAG::storage* cos_c, const TAG::storage* sin_c, TAG::storage* y,  \
-                                               kiln_u64 total, unsigned S, unsigned N, unsigned H, unsigned half,      \
-                                               kiln_u64 cache_rows, unsigned transposed, unsigned scalar_pos,          \
-                                               unsigned interleaved, kiln_status* st) {                                \
-        rope<TAG>(x, pos_ids, cos_c, sin_c, y, total, S, N, H, half, cache_rows, transposed, scalar_pos, interleaved,  \
-                  st);                                                                                                 \
-    }
+// Decode attention by KV head, K/V rows loaded into registers (G query heads per block).
+template <typename Tag, int G>
+__global__ void __launch_bounds__(256, 2) kiln_gqa_decode(KILN_GQA_DECODE_PARAMS) {
+    gqa_decode_regs<Tag, G>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out, N, Nk, H, PL, q_w,
+                            cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b, bias_h,
+                            total, sink_mode, k_src, v_src, past_k, past_v, P, kv_w, k_off, v_off, append, kpb,
+                            KILN_GQA_LAYOUT, fold, counters, st);
+}
 
-KILN_ATTENTION_KERNELS(f32, kiln_tag_f32)
-KILN_ATTENTION_KERNELS(f16, kiln_tag_f16)
-KILN_ATTENTION_KERNELS(bf16, kiln_tag_bf16)
+// Decode attention by KV head, K/V tiles copied into shared memory (G query heads per block).
+template <typename Tag, int G>
+__global__ void __launch_bounds__(256, G <= 4 ? 3 : 2) kiln_gqa_decode_tiled(KILN_GQA_DECODE_PARAMS) {
+    gqa_decode_tiled<Tag, G>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out, N, Nk, H, PL, q_w,
+                             cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b, bias_h,
+                             total, sink_mode, k_src, v_src, past_k, past_v, P, kv_w, k_off, v_off, append, kpb,
+                             KILN_GQA_LAYOUT, fold, counters, st);
+}
+
+// The present K/V: past rows copied, new rows rotated and appended.
+template <typename Tag>
+__global__ void kiln_gqa_kv(const typename Tag::storage* k_src, const typename Tag::storage* v_src,
+                            const typename Tag::storage* past_k, const typename Tag::storage* past_v,
+                            const int* seqlens, const typename Tag::storage* cos_c, const typename Tag::storage* sin_c,
+                            typename Tag::storage* pres_k, typename Tag::storage* pres_v, unsigned B, unsigned S,
+                            unsigned Nk, unsigned H, unsigned PL, unsigned P, kiln_u64 kv_w, kiln_u64 k_off,
+                            kiln_u64 v_off, unsigned first_prompt, unsigned shared, kiln_u64 cache_rows,
+                            unsigned rotary_half, unsigned interleaved, unsigned total, KILN_GQA_LAYOUT_PARAMS,
+                            kiln_status* st) {
+    gqa_kv<Tag>(k_src, v_src, past_k, past_v, seqlens, cos_c, sin_c, pres_k, pres_v, B, S, Nk, H, PL, P, kv_w, k_off,
+                v_off, first_prompt, shared, cache_rows, rotary_half, interleaved, total, KILN_GQA_LAYOUT, st);
+}
+
+// Attention of one query row per block (the general path: bias, sinks, softcap).
+template <typename Tag>
+__global__ void kiln_gqa_attn(const typename Tag::storage* q_src, const typename Tag::storage* pres_k,
+                              const typename Tag::storage* pres_v, const int* seqlens,
+                              const typename Tag::storage* cos_c, const typename Tag::storage* sin_c,
+                              const typename Tag::storage* bias, const typename Tag::storage* sink,
+                              typename Tag::storage* out, unsigned S, unsigned N, unsigned Nk, unsigned H, unsigned PL,
+                              kiln_u64 q_w, unsigned first_prompt, kiln_u64 cache_rows, unsigned rotary_half,
+                              unsigned interleaved, float scale, float softcap, int window, unsigned has_bias,
+                              unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode,
+                              KILN_GQA_LAYOUT_PARAMS, kiln_status* st) {
+    gqa_attn<Tag>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, out, S, N, Nk, H, PL, q_w, first_prompt,
+                  cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b, bias_h, total,
+                  sink_mode, KILN_GQA_LAYOUT, st);
+}
+
+// Prompt attention by tiles of query rows and keys.
+template <typename Tag>
+__global__ void __launch_bounds__(GQA_PF_WARPS * 32)
+    kiln_gqa_prefill(const typename Tag::storage* q_src, const typename Tag::storage* pres_k,
+                     const typename Tag::storage* pres_v, const int* seqlens, const typename Tag::storage* cos_c,
+                     const typename Tag::storage* sin_c, typename Tag::storage* out, unsigned S, unsigned N,
+                     unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w, unsigned first_prompt, kiln_u64 cache_rows,
+                     unsigned rotary_half, unsigned interleaved, float scale, int window, unsigned total,
+                     KILN_GQA_LAYOUT_PARAMS, kiln_status* st) {
+    gqa_prefill<Tag>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, out, S, N, Nk, H, PL, q_w, first_prompt, cache_rows,
+                     rotary_half, interleaved, scale, window, total, KILN_GQA_LAYOUT, st);
+}
+
+// Decode attention by query head, split along the keys (partials for kiln_gqa_merge).
+template <typename Tag>
+__global__ void kiln_gqa_split(const typename Tag::storage* q_src, const typename Tag::storage* pres_k,
+                               const typename Tag::storage* pres_v, const int* seqlens,
+                               const typename Tag::storage* cos_c, const typename Tag::storage* sin_c,
+                               const typename Tag::storage* bias, float* partial, unsigned N, unsigned Nk, unsigned H,
+                               unsigned PL, kiln_u64 q_w, kiln_u64 cache_rows, unsigned rotary_half,
+                               unsigned interleaved, float scale, float softcap, int window, unsigned has_bias,
+                               unsigned bias_b, unsigned bias_h, unsigned total, unsigned chunk,
+                               KILN_GQA_LAYOUT_PARAMS, kiln_status* st) {
+    gqa_decode_split<Tag>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, partial, N, Nk, H, PL, q_w, cache_rows,
+                          rotary_half, interleaved, scale, softcap, window, has_bias, bias_b, bias_h, total, chunk,
+                          KILN_GQA_LAYOUT, st);
+}
+
+// The merge of the splits' partials (log-sum-exp), with the sink.
+template <typename Tag>
+__global__ void kiln_gqa_merge(const float* partial, const int* seqlens, const typename Tag::storage* sink,
+                               typename Tag::storage* out, unsigned N, unsigned H, unsigned PL, int window,
+                               unsigned splits, unsigned sink_mode) {
+    gqa_decode_merge<Tag>(partial, seqlens, sink, out, N, H, PL, window, splits, sink_mode);
+}
+
+// RotaryEmbedding, one thread per element.
+template <typename Tag>
+__global__ void kiln_rope(const typename Tag::storage* x, const long long* pos_ids, const typename Tag::storage* cos_c,
+                          const typename Tag::storage* sin_c, typename Tag::storage* y, kiln_u64 total, unsigned S,
+                          unsigned N, unsigned H, unsigned half, kiln_u64 cache_rows, unsigned transposed,
+                          unsigned scalar_pos, unsigned interleaved, kiln_status* st) {
+    rope<Tag>(x, pos_ids, cos_c, sin_c, y, total, S, N, H, half, cache_rows, transposed, scalar_pos, interleaved, st);
+}

@@ -5,7 +5,7 @@
 // unfused graph stores it (SwiGluLinear rounds after Sigmoid, Mul and Mul, as those three
 // ops do); products accumulate in f32.
 //
-// Decode (few rows): kiln_linear_gemv_<mode><R>_<t>, one kernel. Every block first computes A for its rows
+// Decode (few rows): kiln_linear_gemv<Tag, MODE, R>, one kernel. Every block first computes A for its rows
 // into shared memory (the prologue; every block does it again, which costs L2 reads of a few
 // KiB), then each warp computes LIN_COLS outputs for all those rows: lanes stream 16-byte runs
 // of a weight row (all loads of a pass issued before the first FMA), partial sums meet in warp
@@ -15,29 +15,23 @@
 // lets the next kernel launch at once (griddepcontrol.launch_dependents): a GEMV after it
 // prefetches its own weights while this one runs.
 //
-// Prefill (many rows): the shim writes A with kiln_linear_rmsnorm_<t> / kiln_linear_swiglu_<t>
+// Prefill (many rows): the shim writes A with kiln_linear_rmsnorm<Tag> / kiln_linear_swiglu<Tag>
 // into scratch and calls cuBLASLt (gemm with transB) for the product.
 #include "kiln.cuh"
+#include "kiln-cuda-std/elem.cuh"
+#include "kiln-cuda-std/reduce.cuh"
+
+// Modes of the GEMV's prologue (the shim's `Prologue`): the kernels' MODE template argument.
+enum { LIN_LINEAR = 0, LIN_RMSNORM = 1, LIN_SWIGLU = 2 };
 
 namespace lin {
 
-struct F32 {
-    typedef float S;
-    enum { VEC = 4 };
-    static __device__ __forceinline__ float ld(float v) { return v; }
-    static __device__ __forceinline__ float st(float v) { return v; }
-    static __device__ __forceinline__ void unpack(const uint4& v, float* f) {
-        f[0] = __uint_as_float(v.x);
-        f[1] = __uint_as_float(v.y);
-        f[2] = __uint_as_float(v.z);
-        f[3] = __uint_as_float(v.w);
-    }
-    static __device__ __forceinline__ uint4 pack(const float* f) {
-        return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
-    }
-};
+// Element type T of the kernels: kiln-cuda-std's kiln_elem<Tag> (storage S, ld / st through
+// f32) and the 16-byte packing of VEC values the GEMV loads and stores.
+template <typename Tag>
+struct Elem;
 
-// Eight 16-bit values in 16 bytes, converted through T::ld / T::st (F16, BF16).
+// Eight 16-bit values in 16 bytes, converted through T::ld / T::st (float16, bfloat16).
 template <typename T>
 struct Packed16 {
     enum { VEC = 8 };
@@ -57,20 +51,26 @@ struct Packed16 {
     }
 };
 
-struct F16 : Packed16<F16> {
-    typedef kiln_f16 S;
-    static __device__ __forceinline__ float ld(kiln_f16 v) { return kiln_f16_to_f32(v); }
-    static __device__ __forceinline__ kiln_f16 st(float v) { return kiln_f32_to_f16(v); }
+template <>
+struct Elem<kiln_tag_f32> : kiln_elem<kiln_tag_f32> {
+    enum { VEC = 4 };
+    static __device__ __forceinline__ void unpack(const uint4& v, float* f) {
+        f[0] = __uint_as_float(v.x);
+        f[1] = __uint_as_float(v.y);
+        f[2] = __uint_as_float(v.z);
+        f[3] = __uint_as_float(v.w);
+    }
+    static __device__ __forceinline__ uint4 pack(const float* f) {
+        return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
+    }
 };
+template <>
+struct Elem<kiln_tag_f16> : kiln_elem<kiln_tag_f16>, Packed16<Elem<kiln_tag_f16> > {};
+template <>
+struct Elem<kiln_tag_bf16> : kiln_elem<kiln_tag_bf16>, Packed16<Elem<kiln_tag_bf16> > {};
+typedef Elem<kiln_tag_f16> F16;
+typedef Elem<kiln_tag_bf16> BF16;
 
-struct BF16 : Packed16<BF16> {
-    typedef kiln_bf16 S;
-    static __device__ __forceinline__ float ld(kiln_bf16 v) { return kiln_bf16_to_f32(v); }
-    static __device__ __forceinline__ kiln_bf16 st(float v) { return kiln_f32_to_bf16(v); }
-};
-
-// Modes of the GEMV's prologue (the shim's `Prologue`).
-enum { MODE_LINEAR = 0, MODE_RMSNORM = 1, MODE_SWIGLU = 2 };
 // Flags of the RMS prologue.
 enum { HAS_SKIP = 1, HAS_SUM = 2 };
 
@@ -147,18 +147,10 @@ struct WarpSum {
     __device__ __forceinline__ float operator()(float v) const { return kiln_warp_sum(v); }
 };
 
-// Block-wide sum for blockDim.x a multiple of 32, at most 1024.
+// Block-wide sum (kiln-cuda-std's kiln_block_reduce) over `shared`, 32 floats.
 struct BlockSum {
-    float* shared;  // 32 floats
-    __device__ __forceinline__ float operator()(float v) const {
-        v = kiln_warp_sum(v);
-        const unsigned w = threadIdx.x / 32, l = threadIdx.x % 32, nw = blockDim.x / 32;
-        __syncthreads();
-        if (l == 0) shared[w] = v;
-        __syncthreads();
-        float t = l < nw ? shared[l] : 0.f;
-        return kiln_warp_sum(t);
-    }
+    float* shared;
+    __device__ __forceinline__ float operator()(float v) const { return kiln_block_reduce(v, shared, false); }
 };
 
 // rms_row for the GEMV prologue: one warp, 16-byte accesses, LIN_PRO loads of each operand in
@@ -244,7 +236,7 @@ __device__ __forceinline__ void prologue(const typename T::S* x, const typename 
                                          unsigned flags, float eps) {
     typedef typename T::S S;
     const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-    if (MODE == MODE_RMSNORM) {
+    if (MODE == LIN_RMSNORM) {
         for (unsigned r = warp; r < rows_here; r += warps) {
             S* s = (blockIdx.x == 0 && (flags & HAS_SUM)) ? sum + (row0 + r) * k : (S*)0;
             rms_row_warp<T>(x, skip, gamma, out.row(r), s, row0 + r, k, kc, skip_len, flags, eps, lane);
@@ -257,9 +249,9 @@ __device__ __forceinline__ void prologue(const typename T::S* x, const typename 
 #pragma unroll
         for (int u = 0; u < LIN_PRO; ++u) {
             const unsigned i = i0 + u * blockDim.x, r = i / kc, c = i - r * kc;
-            const uint4* xr = (const uint4*)(x + (row0 + r) * (MODE == MODE_SWIGLU ? 2 : 1) * k);
+            const uint4* xr = (const uint4*)(x + (row0 + r) * (MODE == LIN_SWIGLU ? 2 : 1) * k);
             gv[u] = i < total ? xr[c] : make_uint4(0, 0, 0, 0);
-            if (MODE == MODE_SWIGLU) uv[u] = i < total ? xr[kc + c] : make_uint4(0, 0, 0, 0);
+            if (MODE == LIN_SWIGLU) uv[u] = i < total ? xr[kc + c] : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int u = 0; u < LIN_PRO; ++u) {
@@ -267,7 +259,7 @@ __device__ __forceinline__ void prologue(const typename T::S* x, const typename 
             if (i >= total) continue;
             float f[T::VEC];
             T::unpack(gv[u], f);
-            if (MODE == MODE_SWIGLU) {
+            if (MODE == LIN_SWIGLU) {
                 float uf[T::VEC];
                 T::unpack(uv[u], uf);
 #pragma unroll
@@ -579,80 +571,66 @@ __device__ __forceinline__ void gemv_mma(const typename T::S* x, const typename 
 
 }  // namespace lin
 
-// kiln_linear_gemv_<mode><R>_<t>(const T* x, const T* skip, const T* gamma, const T* w, T* y, T* sum,
-//                                u64 rows, u64 n, u64 k, u64 skip_len, u32 flags, float eps)
-// mode lin: A = X [rows, k]; rms: A = RMS(X + skip) · gamma, s = X + skip written to sum when
-// flags has HAS_SUM (by the blocks of column block 0); swiglu: A = SiLU(X[:, :k]) · X[:, k:], X
-// [rows, 2k]. R (1, 2, 4) rows per block: grid [column blocks, ceil(rows / R), 1], block
-// [128, 1, 1], dynamic shared memory min(rows, R) · k · 4 (A in f32). k is a multiple of
-// 16 / sizeof(T); every operand 16-byte aligned.
-#define KILN_LINEAR_GEMV(NAME, T, MODE, R)                                                                           \
-    extern "C" __global__ void __launch_bounds__(LIN_WARPS * 32)                                                     \
-        NAME(const T::S* x, const T::S* skip, const T::S* gamma, const T::S* w, T::S* y, T::S* sum, kiln_u64 rows, \
-             kiln_u64 n, kiln_u64 k, kiln_u64 skip_len, unsigned flags, float eps) {                                \
-        lin::gemv<T, MODE, R>(x, skip, gamma, w, y, sum, rows, n, k, skip_len, flags, eps);                          \
-    }
-#define KILN_LINEAR_GEMV_ROWS(MODE_NAME, MODE, SFX, T)                        \
-    KILN_LINEAR_GEMV(kiln_linear_gemv_##MODE_NAME##1_##SFX, T, MODE, 1)       \
-    KILN_LINEAR_GEMV(kiln_linear_gemv_##MODE_NAME##2_##SFX, T, MODE, 2)       \
-    KILN_LINEAR_GEMV(kiln_linear_gemv_##MODE_NAME##4_##SFX, T, MODE, 4)
-#define KILN_LINEAR_GEMV_MODES(SFX, T)                           \
-    KILN_LINEAR_GEMV_ROWS(lin, lin::MODE_LINEAR, SFX, T)         \
-    KILN_LINEAR_GEMV_ROWS(rms, lin::MODE_RMSNORM, SFX, T)        \
-    KILN_LINEAR_GEMV_ROWS(swiglu, lin::MODE_SWIGLU, SFX, T)
-KILN_LINEAR_GEMV_MODES(f32, lin::F32)
-KILN_LINEAR_GEMV_MODES(f16, lin::F16)
-KILN_LINEAR_GEMV_MODES(bf16, lin::BF16)
+// The kernels: templates over the prelude's dtype tag (and the prologue's mode and the rows per
+// block), instantiated by the name expressions kernel.toml lists (schema 6).
 
-// kiln_linear_mma_<mode><NT>_<t>(const T* x, const T* skip, const T* gamma, const T* w, T* y, T* sum,
-//                               u64 rows, u64 n, u64 k, u64 skip_len, u32 flags, float eps, u32 ksplit)
+// kiln_linear_gemv<Tag, MODE, R>(const T* x, const T* skip, const T* gamma, const T* w, T* y, T* sum,
+//                                u64 rows, u64 n, u64 k, u64 skip_len, u32 flags, float eps)
+// MODE LIN_LINEAR: A = X [rows, k]; LIN_RMSNORM: A = RMS(X + skip) · gamma, s = X + skip written to
+// sum when flags has HAS_SUM (by the blocks of column block 0); LIN_SWIGLU: A = SiLU(X[:, :k]) ·
+// X[:, k:], X [rows, 2k]. R (1, 2, 4) rows per block: grid [column blocks, ceil(rows / R), 1],
+// block [128, 1, 1], dynamic shared memory min(rows, R) · k · 4 (A in f32). k is a multiple of
+// 16 / sizeof(T); every operand 16-byte aligned.
+template <typename Tag, int MODE, int R>
+__global__ void __launch_bounds__(LIN_WARPS * 32)
+    kiln_linear_gemv(const typename Tag::storage* x, const typename Tag::storage* skip,
+                     const typename Tag::storage* gamma, const typename Tag::storage* w, typename Tag::storage* y,
+                     typename Tag::storage* sum, kiln_u64 rows, kiln_u64 n, kiln_u64 k, kiln_u64 skip_len,
+                     unsigned flags, float eps) {
+    lin::gemv<lin::Elem<Tag>, MODE, R>(x, skip, gamma, w, y, sum, rows, n, k, skip_len, flags, eps);
+}
+
+// kiln_linear_mma<Tag, MODE, NT>(const T* x, const T* skip, const T* gamma, const T* w, T* y, T* sum,
+//                                u64 rows, u64 n, u64 k, u64 skip_len, u32 flags, float eps, u32 ksplit)
 // The tensor-core GEMV (float16 and bfloat16) for 2 ≤ rows ≤ 8·NT (NT 1 or 2), same operands as
-// kiln_linear_gemv_*: grid [ceil(ceil(n / 16) / (MMA_WARPS / ksplit)), 1, 1], block [256, 1, 1],
+// kiln_linear_gemv: grid [ceil(ceil(n / 16) / (MMA_WARPS / ksplit)), 1, 1], block [256, 1, 1],
 // ksplit ∈ {1, 2, 4, 8}, dynamic shared memory max(8·NT · kcp · 16, MMA_WARPS · NT · 512) with
 // kcp = ceil(k / 64) · 8. k is a multiple of 8; every operand 16-byte aligned.
-#define KILN_LINEAR_MMA(NAME, T, MODE, NT)                                                                          \
-    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)                                                    \
-        NAME(const T::S* x, const T::S* skip, const T::S* gamma, const T::S* w, T::S* y, T::S* sum, kiln_u64 rows, \
-             kiln_u64 n, kiln_u64 k, kiln_u64 skip_len, unsigned flags, float eps, unsigned ksplit) {              \
-        lin::gemv_mma<T, MODE, NT>(x, skip, gamma, w, y, sum, rows, n, k, skip_len, flags, eps, ksplit);            \
-    }
-#define KILN_LINEAR_MMA_MODES(SFX, T)                                                     \
-    KILN_LINEAR_MMA(kiln_linear_mma_lin1_##SFX, T, lin::MODE_LINEAR, 1)                   \
-    KILN_LINEAR_MMA(kiln_linear_mma_lin2_##SFX, T, lin::MODE_LINEAR, 2)                   \
-    KILN_LINEAR_MMA(kiln_linear_mma_rms1_##SFX, T, lin::MODE_RMSNORM, 1)                  \
-    KILN_LINEAR_MMA(kiln_linear_mma_rms2_##SFX, T, lin::MODE_RMSNORM, 2)                  \
-    KILN_LINEAR_MMA(kiln_linear_mma_swiglu1_##SFX, T, lin::MODE_SWIGLU, 1)                \
-    KILN_LINEAR_MMA(kiln_linear_mma_swiglu2_##SFX, T, lin::MODE_SWIGLU, 2)
-KILN_LINEAR_MMA_MODES(f16, lin::F16)
-KILN_LINEAR_MMA_MODES(bf16, lin::BF16)
+template <typename Tag, int MODE, int NT>
+__global__ void __launch_bounds__(MMA_WARPS * 32)
+    kiln_linear_mma(const typename Tag::storage* x, const typename Tag::storage* skip,
+                    const typename Tag::storage* gamma, const typename Tag::storage* w, typename Tag::storage* y,
+                    typename Tag::storage* sum, kiln_u64 rows, kiln_u64 n, kiln_u64 k, kiln_u64 skip_len,
+                    unsigned flags, float eps, unsigned ksplit) {
+    lin::gemv_mma<lin::Elem<Tag>, MODE, NT>(x, skip, gamma, w, y, sum, rows, n, k, skip_len, flags, eps, ksplit);
+}
 
-// kiln_linear_rmsnorm_<t>(const T* x, const T* skip, const T* gamma, T* a, T* sum, u64 rows, u64 k,
-//                         u64 skip_len, u32 flags, float eps)
+// kiln_linear_rmsnorm<Tag>(const T* x, const T* skip, const T* gamma, T* a, T* sum, u64 rows, u64 k,
+//                          u64 skip_len, u32 flags, float eps)
 // A [rows, k] and (HAS_SUM) s = X + skip for the prefill path; a block per row (grid-stride),
 // block [256, 1, 1]. `sum` is ignored without HAS_SUM.
-#define KILN_LINEAR_RMSNORM(NAME, T)                                                                               \
-    extern "C" __global__ void NAME(const T::S* x, const T::S* skip, const T::S* gamma, T::S* a, T::S* sum,      \
-                                    kiln_u64 rows, kiln_u64 k, kiln_u64 skip_len, unsigned flags, float eps) {   \
-        __shared__ float red[32];                                                                                  \
-        kiln_griddep_wait();                                                                                       \
-        for (kiln_u64 r = blockIdx.x; r < rows; r += gridDim.x)                                                    \
-            lin::rms_row<T>(x, skip, gamma, a + r * k, (flags & lin::HAS_SUM) ? sum : (T::S*)0, r, k, skip_len,  \
-                            flags, eps, threadIdx.x, blockDim.x, lin::BlockSum{red});                              \
-    }
-KILN_LINEAR_RMSNORM(kiln_linear_rmsnorm_f32, lin::F32)
-KILN_LINEAR_RMSNORM(kiln_linear_rmsnorm_f16, lin::F16)
-KILN_LINEAR_RMSNORM(kiln_linear_rmsnorm_bf16, lin::BF16)
+template <typename Tag>
+__global__ void kiln_linear_rmsnorm(const typename Tag::storage* x, const typename Tag::storage* skip,
+                                    const typename Tag::storage* gamma, typename Tag::storage* a,
+                                    typename Tag::storage* sum, kiln_u64 rows, kiln_u64 k, kiln_u64 skip_len,
+                                    unsigned flags, float eps) {
+    typedef lin::Elem<Tag> T;
+    __shared__ float red[32];
+    kiln_griddep_wait();
+    for (kiln_u64 r = blockIdx.x; r < rows; r += gridDim.x)
+        lin::rms_row<T>(x, skip, gamma, a + r * k, (flags & lin::HAS_SUM) ? sum : (typename T::S*)0, r, k, skip_len,
+                        flags, eps, threadIdx.x, blockDim.x, lin::BlockSum{red});
+}
 
-// kiln_linear_swiglu_<t>(const T* gu, T* a, u64 rows, u64 k): A[r, c] = SiLU(gu[r, c]) · gu[r, k + c],
+// kiln_linear_swiglu<Tag>(const T* gu, T* a, u64 rows, u64 k): A[r, c] = SiLU(gu[r, c]) · gu[r, k + c],
 // GU [rows, 2k]; grid-stride over rows · k.
-#define KILN_LINEAR_SWIGLU(NAME, T)                                                                  \
-    extern "C" __global__ void NAME(const T::S* gu, T::S* a, kiln_u64 rows, kiln_u64 k) {            \
-        kiln_griddep_wait();                                                                         \
-        KILN_FOR(i, rows * k) {                                                                      \
-            const kiln_u64 r = i / k, c = i - r * k;                                                 \
-            a[i] = T::st(lin::silu_mul<T>(T::ld(gu[r * 2 * k + c]), T::ld(gu[r * 2 * k + k + c])));     \
-        }                                                                                            \
+template <typename Tag>
+__global__ void kiln_linear_swiglu(const typename Tag::storage* gu, typename Tag::storage* a, kiln_u64 rows,
+                                   kiln_u64 k) {
+    typedef lin::Elem<Tag> T;
+    kiln_griddep_wait();
+    KILN_FOR(i, rows * k) {
+        const kiln_u64 r = i / k, c = i - r * k;
+        a[i] = T::st(lin::silu_mul<T>(T::ld(gu[r * 2 * k + c]), T::ld(gu[r * 2 * k + k + c])));
     }
-KILN_LINEAR_SWIGLU(kiln_linear_swiglu_f32, lin::F32)
-KILN_LINEAR_SWIGLU(kiln_linear_swiglu_f16, lin::F16)
-KILN_LINEAR_SWIGLU(kiln_linear_swiglu_bf16, lin::BF16)
+}

@@ -1,7 +1,7 @@
 // kiln-matmul CUDA kernels. Float32 / float16 / bfloat16 products go through the host's gemm
 // (cuBLASLt); these kernels cover the rest:
 //
-// - kiln_matmul_tiled_<T>: a 16×16-tiled batched product for any dtype,
+// - kiln_matmul_tiled<Tag>: a 16×16-tiled batched product for any dtype,
 //   y[b](i, j) = alpha · Σ_p A[b](i, p) · B[b](p, j) (+ beta · C(i, j)), with A(i, p) at
 //   a[a_off(b) + i·a_rs + p·a_cs] (transposes are strides), B likewise, and C(i, j) at
 //   c[i·c_rs + j·c_cs] (0 strides broadcast). y is contiguous [batch, m, n]. The batch index
@@ -12,68 +12,40 @@
 // - kiln_matmul_bcast: y (m×n, esize-byte elements) = C broadcast (c_rs / c_cs strides, 0 on a
 //   broadcast dimension): materialises Gemm's C for cuBLASLt.
 #include "kiln.cuh"
+#include "kiln-cuda-std/elem.cuh"
 
-struct mf16 { unsigned short b; };
-struct mbf16 { unsigned short b; };
-
-template <typename T> struct MT;
-template <> struct MT<float> {
-    typedef float A;
-    static __device__ __forceinline__ A ld(float v) { return v; }
-    static __device__ __forceinline__ float out(A acc, A c, float alpha, float beta, unsigned has_c, unsigned) {
-        return has_c ? alpha * acc + beta * c : alpha * acc;
+// The tiled product's arithmetic by dtype tag, over kiln-cuda-std's kiln_elem: A is the type
+// products accumulate in (its C: f32, f64 for float64, the 64-bit pattern for integers), ld reads
+// an element into it, and out(acc, c, alpha, beta, has_c, mode) gives the stored result.
+template <typename Tag, bool FLOAT = kiln_elem<Tag>::is_float>
+struct MT : kiln_elem<Tag> {
+    typedef typename kiln_elem<Tag>::C A;
+    static __device__ __forceinline__ typename Tag::storage out(A acc, A c, float alpha, float beta, unsigned has_c,
+                                                                unsigned) {
+        return kiln_elem<Tag>::st(has_c ? (A)alpha * acc + (A)beta * c : (A)alpha * acc);
     }
 };
-template <> struct MT<double> {
-    typedef double A;
-    static __device__ __forceinline__ A ld(double v) { return v; }
-    static __device__ __forceinline__ double out(A acc, A c, float alpha, float beta, unsigned has_c, unsigned) {
-        return has_c ? (double)alpha * acc + (double)beta * c : (double)alpha * acc;
+template <typename Tag>
+struct MT<Tag, false> : kiln_elem<Tag> {
+    typedef typename kiln_elem<Tag>::C A;
+    typedef typename Tag::storage T;
+    static __device__ __forceinline__ T out(A acc, A c, float alpha, float beta, unsigned has_c, unsigned mode) {
+        if (mode == 0) return (T)(has_c ? acc + c : acc);
+        double v = (double)(T)acc * (double)alpha;
+        if (has_c) v += (double)(T)c * (double)beta;
+        return (T)v;
     }
 };
-template <> struct MT<mf16> {
-    typedef float A;
-    static __device__ __forceinline__ A ld(mf16 v) { return kiln_f16_to_f32(v.b); }
-    static __device__ __forceinline__ mf16 out(A acc, A c, float alpha, float beta, unsigned has_c, unsigned) {
-        mf16 r;
-        r.b = kiln_f32_to_f16(has_c ? alpha * acc + beta * c : alpha * acc);
-        return r;
-    }
-};
-template <> struct MT<mbf16> {
-    typedef float A;
-    static __device__ __forceinline__ A ld(mbf16 v) { return kiln_bf16_to_f32(v.b); }
-    static __device__ __forceinline__ mbf16 out(A acc, A c, float alpha, float beta, unsigned has_c, unsigned) {
-        mbf16 r;
-        r.b = kiln_f32_to_bf16(has_c ? alpha * acc + beta * c : alpha * acc);
-        return r;
-    }
-};
-#define MM_INT_TRAITS(T)                                                                                      \
-    template <> struct MT<T> {                                                                                \
-        typedef unsigned long long A;                                                                         \
-        static __device__ __forceinline__ A ld(T v) { return (unsigned long long)v; }                         \
-        static __device__ __forceinline__ T out(A acc, A c, float alpha, float beta, unsigned has_c,          \
-                                                unsigned mode) {                                              \
-            if (mode == 0) return (T)(has_c ? acc + c : acc);                                                 \
-            double v = (double)(T)acc * (double)alpha;                                                        \
-            if (has_c) v += (double)(T)c * (double)beta;                                                      \
-            return (T)v;                                                                                      \
-        }                                                                                                     \
-    };
-MM_INT_TRAITS(int)
-MM_INT_TRAITS(long long)
-MM_INT_TRAITS(unsigned)
-MM_INT_TRAITS(unsigned long long)
 
 #define MM_TILE 16
 
-template <typename T>
-__device__ void matmul_tiled(const T* a, const T* b, const T* c, T* y, kiln_u64 m, kiln_u64 n, kiln_u64 k,
+template <typename Tag>
+__device__ void matmul_tiled(const typename Tag::storage* a, const typename Tag::storage* b,
+                             const typename Tag::storage* c, typename Tag::storage* y, kiln_u64 m, kiln_u64 n, kiln_u64 k,
                              kiln_u64 a_rs, kiln_u64 a_cs, kiln_u64 b_rs, kiln_u64 b_cs, kiln_u64 c_rs,
                              kiln_u64 c_cs, unsigned has_c, float alpha, float beta, unsigned mode, kiln_u64 batch,
                              unsigned nb, const kiln_u64* bd, const kiln_u64* as, const kiln_u64* bs) {
-    typedef typename MT<T>::A A;
+    typedef typename MT<Tag>::A A;
     __shared__ A ta[MM_TILE][MM_TILE + 1];
     __shared__ A tb[MM_TILE][MM_TILE + 1];
     const unsigned tx = threadIdx.x, ty = threadIdx.y;
@@ -93,44 +65,39 @@ __device__ void matmul_tiled(const T* a, const T* b, const T* c, T* y, kiln_u64 
                 A acc = 0;
                 for (kiln_u64 p0 = 0; p0 < k; p0 += MM_TILE) {
                     const kiln_u64 pa = p0 + tx, pb = p0 + ty;
-                    ta[ty][tx] = (i < m && pa < k) ? MT<T>::ld(a[a_off + i * a_rs + pa * a_cs]) : (A)0;
-                    tb[ty][tx] = (pb < k && j < n) ? MT<T>::ld(b[b_off + pb * b_rs + j * b_cs]) : (A)0;
+                    ta[ty][tx] = (i < m && pa < k) ? MT<Tag>::ld(a[a_off + i * a_rs + pa * a_cs]) : (A)0;
+                    tb[ty][tx] = (pb < k && j < n) ? MT<Tag>::ld(b[b_off + pb * b_rs + j * b_cs]) : (A)0;
                     __syncthreads();
 #pragma unroll
                     for (int q = 0; q < MM_TILE; ++q) acc += ta[ty][q] * tb[q][tx];
                     __syncthreads();
                 }
                 if (i < m && j < n) {
-                    const A cv = has_c ? MT<T>::ld(c[i * c_rs + j * c_cs]) : (A)0;
-                    y[(bt * m + i) * n + j] = MT<T>::out(acc, cv, alpha, beta, has_c, mode);
+                    const A cv = has_c ? MT<Tag>::ld(c[i * c_rs + j * c_cs]) : (A)0;
+                    y[(bt * m + i) * n + j] = MT<Tag>::out(acc, cv, alpha, beta, has_c, mode);
                 }
             }
         }
     }
 }
 
-#define MM_KERNEL(SUFFIX, T)                                                                                         \
-    extern "C" __global__ void kiln_matmul_tiled_##SUFFIX(                                                          \
-        const T* a, const T* b, const T* c, T* y, kiln_u64 m, kiln_u64 n, kiln_u64 k, kiln_u64 a_rs, kiln_u64 a_cs, \
-        kiln_u64 b_rs, kiln_u64 b_cs, kiln_u64 c_rs, kiln_u64 c_cs, unsigned has_c, float alpha, float beta,        \
-        unsigned mode, kiln_u64 batch, unsigned nb, kiln_u64 bd0, kiln_u64 bd1, kiln_u64 bd2, kiln_u64 bd3,          \
-        kiln_u64 bd4, kiln_u64 bd5, kiln_u64 as0, kiln_u64 as1, kiln_u64 as2, kiln_u64 as3, kiln_u64 as4,           \
-        kiln_u64 as5, kiln_u64 bs0, kiln_u64 bs1, kiln_u64 bs2, kiln_u64 bs3, kiln_u64 bs4, kiln_u64 bs5) {         \
-        const kiln_u64 bd[6] = {bd0, bd1, bd2, bd3, bd4, bd5};                                                      \
-        const kiln_u64 as[6] = {as0, as1, as2, as3, as4, as5};                                                      \
-        const kiln_u64 bs[6] = {bs0, bs1, bs2, bs3, bs4, bs5};                                                      \
-        matmul_tiled<T>(a, b, c, y, m, n, k, a_rs, a_cs, b_rs, b_cs, c_rs, c_cs, has_c, alpha, beta, mode, batch,   \
-                        nb, bd, as, bs);                                                                            \
-    }
-
-MM_KERNEL(f32, float)
-MM_KERNEL(f16, mf16)
-MM_KERNEL(bf16, mbf16)
-MM_KERNEL(f64, double)
-MM_KERNEL(i32, int)
-MM_KERNEL(i64, long long)
-MM_KERNEL(u32, unsigned)
-MM_KERNEL(u64, unsigned long long)
+// The kernel, a template over the prelude's dtype tag, instantiated by the name expressions
+// kernel.toml lists (schema 6).
+template <typename Tag>
+__global__ void kiln_matmul_tiled(const typename Tag::storage* a, const typename Tag::storage* b,
+                                  const typename Tag::storage* c, typename Tag::storage* y, kiln_u64 m, kiln_u64 n,
+                                  kiln_u64 k, kiln_u64 a_rs, kiln_u64 a_cs, kiln_u64 b_rs, kiln_u64 b_cs,
+                                  kiln_u64 c_rs, kiln_u64 c_cs, unsigned has_c, float alpha, float beta,
+                                  unsigned mode, kiln_u64 batch, unsigned nb, kiln_u64 bd0, kiln_u64 bd1, kiln_u64 bd2,
+                                  kiln_u64 bd3, kiln_u64 bd4, kiln_u64 bd5, kiln_u64 as0, kiln_u64 as1, kiln_u64 as2,
+                                  kiln_u64 as3, kiln_u64 as4, kiln_u64 as5, kiln_u64 bs0, kiln_u64 bs1, kiln_u64 bs2,
+                                  kiln_u64 bs3, kiln_u64 bs4, kiln_u64 bs5) {
+    const kiln_u64 bd[6] = {bd0, bd1, bd2, bd3, bd4, bd5};
+    const kiln_u64 as[6] = {as0, as1, as2, as3, as4, as5};
+    const kiln_u64 bs[6] = {bs0, bs1, bs2, bs3, bs4, bs5};
+    matmul_tiled<Tag>(a, b, c, y, m, n, k, a_rs, a_cs, b_rs, b_cs, c_rs, c_cs, has_c, alpha, beta, mode, batch, nb, bd,
+                      as, bs);
+}
 
 extern "C" __global__ void kiln_matmul_bcast(const unsigned char* c, unsigned char* y, kiln_u64 m, kiln_u64 n,
                                              kiln_u64 c_rs, kiln_u64 c_cs, unsigned esize) {

@@ -15,13 +15,12 @@ __device__ void append_mask(const T* mask, const long long* pos, T* out, long lo
     if (threadIdx.x == 0) pos_out[0] = p + 1;
 }
 
-extern "C" __global__ void kiln_append_mask_i64(const long long* mask, const long long* pos, long long* out,
-                                                long long* pos_out, kiln_u64 B, kiln_u64 L) {
-    append_mask<long long>(mask, pos, out, pos_out, B, L);
-}
-extern "C" __global__ void kiln_append_mask_i32(const int* mask, const long long* pos, int* out, long long* pos_out,
-                                                kiln_u64 B, kiln_u64 L) {
-    append_mask<int>(mask, pos, out, pos_out, B, L);
+// The kernels: templates over the prelude's dtype tag, instantiated by the name expressions
+// kernel.toml lists (schema 6).
+template <typename Tag>
+__global__ void kiln_append_mask(const typename Tag::storage* mask, const long long* pos, typename Tag::storage* out,
+                                 long long* pos_out, kiln_u64 B, kiln_u64 L) {
+    append_mask<typename Tag::storage>(mask, pos, out, pos_out, B, L);
 }
 
 // Sample: one block of 1024 threads per row chooses the row's next token from the logits of
@@ -384,13 +383,10 @@ __device__ void sample_row(const typename Tag::storage* logits, const long long*
     }
 }
 
-#define KILN_SAMPLE_KERNEL(name, tag)                                                                              \
-    extern "C" __global__ void __launch_bounds__(KILN_SAMPLE_THREADS)                                              \
-        name(const tag::storage* logits, const long long* mask, const long long* hist, const long long* pos,      \
-             const float* params, const long long* seeds, long long* ids, long long* hist_out, kiln_u64 S,       \
-             kiln_u64 V, kiln_u64 L, kiln_status* st) {                                                           \
-        sample_row<tag>(logits, mask, hist, pos, params, seeds, ids, hist_out, S, V, L, st);                     \
-    }
-KILN_SAMPLE_KERNEL(kiln_sample_f32, kiln_tag_f32)
-KILN_SAMPLE_KERNEL(kiln_sample_f16, kiln_tag_f16)
-KILN_SAMPLE_KERNEL(kiln_sample_bf16, kiln_tag_bf16)
+template <typename Tag>
+__global__ void __launch_bounds__(KILN_SAMPLE_THREADS)
+    kiln_sample(const typename Tag::storage* logits, const long long* mask, const long long* hist, const long long* pos,
+                const float* params, const long long* seeds, long long* ids, long long* hist_out, kiln_u64 S,
+                kiln_u64 V, kiln_u64 L, kiln_status* st) {
+    sample_row<Tag>(logits, mask, hist, pos, params, seeds, ids, hist_out, S, V, L, st);
+}

@@ -58,6 +58,7 @@ extern crate alloc;
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
+use kiln_kernel_abi::names::kernel_name;
 use kiln_kernel_abi::{bail, export_shim, unsupported};
 use kiln_kernel_abi::wire::MAX_COUNTERS;
 
@@ -644,14 +645,13 @@ fn rope_cpu(call: &Call) -> Result<()> {
 // GPU plans
 // ---------------------------------------------------------------------------------------------
 
-/// Kernel names per dtype: (gqa_kv, gqa_attn, rope).
-fn kernels(op: &str, d: DType) -> Result<(&'static str, &'static str, &'static str)> {
-    Ok(match d {
-        DType::F32 => ("kiln_gqa_kv_f32", "kiln_gqa_attn_f32", "kiln_rope_f32"),
-        DType::F16 => ("kiln_gqa_kv_f16", "kiln_gqa_attn_f16", "kiln_rope_f16"),
-        DType::BF16 => ("kiln_gqa_kv_bf16", "kiln_gqa_attn_bf16", "kiln_rope_bf16"),
-        other => unsupported!("{op}: no CUDA kernel for {other}"),
-    })
+/// The CUDA kernels' template argument for `d`: the prelude's tag of a dtype kernel.toml
+/// instantiates them for (f32, f16 or bf16), spelled into a name expression by `kernel_name`.
+fn kernel_tag(op: &str, d: DType) -> Result<&'static str> {
+    match (d, d.cuda_tag()) {
+        (DType::F32 | DType::F16 | DType::BF16, Some(tag)) => Ok(tag),
+        _ => unsupported!("{op}: no CUDA kernel for {d}"),
+    }
 }
 
 fn targ(t: &Tensor) -> KernelArg {
@@ -681,25 +681,25 @@ fn grid_for(n: usize) -> u32 {
     (n as u64).div_ceil(BLOCK as u64).clamp(1, 65535 * 32) as u32
 }
 
-/// Decode attention by KV head (`kiln_gqa_decode*`): the most keys per block, and the largest
+/// Decode attention by KV head (`kiln_gqa_decode`): the most keys per block, and the largest
 /// query group and group × head size it handles (attention.cu's GQA_DEC_* limits).
 const DEC_KEYS: usize = 256;
 const DEC_MAX_GROUP: usize = 8;
 const DEC_MAX_QH: usize = 1024;
-/// Cross-warp reduction rows of `kiln_gqa_decode_tiled*` (attention.cu's GQA_DEC_WARPS).
+/// Cross-warp reduction rows of `kiln_gqa_decode_tiled` (attention.cu's GQA_DEC_WARPS).
 const DEC_WARPS: usize = 8;
-/// Bytes of K and V rows one `kiln_gqa_decode_tiled*` block holds in shared memory.
+/// Bytes of K and V rows one `kiln_gqa_decode_tiled` block holds in shared memory.
 const DEC_TILE_BYTES: usize = 64 << 10;
 /// From this many cache positions in all (present buffer length × batch rows × KV heads: shapes
 /// only, so the choice is a plan constant, whatever the rows' lengths), decode attention runs
-/// `kiln_gqa_decode_tiled*` (K/V tiles copied into shared memory, 3 blocks per SM for groups of
-/// up to 4 query heads: the bandwidth-bound case), below it `kiln_gqa_decode*` (rows loaded into registers up front, 2
+/// `kiln_gqa_decode_tiled` (K/V tiles copied into shared memory, 3 blocks per SM for groups of
+/// up to 4 query heads: the bandwidth-bound case), below it `kiln_gqa_decode` (rows loaded into registers up front, 2
 /// blocks per SM: the latency-bound case). On the H200 (bench/RESULTS.md, 2026-12-03 session 9)
 /// the tiled kernel took batch 8 at context 3840 of a 4096 cache from 1.423 to 1.275 ms/step
 /// and the register kernel was 3–4 % faster at batch 1 and at caches of a few hundred keys.
 const DEC_TILED_MIN_KEYS: usize = 64 << 10;
 
-/// Keys per block of `kiln_gqa_decode_tiled*` for K/V rows of `row_bytes` bytes: the most
+/// Keys per block of `kiln_gqa_decode_tiled` for K/V rows of `row_bytes` bytes: the most
 /// (at most DEC_KEYS) whose K and V tiles fit DEC_TILE_BYTES.
 fn tiled_keys_per_block(row_bytes: usize) -> usize {
     let mut kpb = DEC_KEYS;
@@ -709,7 +709,7 @@ fn tiled_keys_per_block(row_bytes: usize) -> usize {
     kpb
 }
 
-/// Dynamic shared memory of `kiln_gqa_decode_tiled*` (attention.cu's gqa_decode_k_bytes, then
+/// Dynamic shared memory of `kiln_gqa_decode_tiled` (attention.cu's gqa_decode_k_bytes, then
 /// the V tile): the K tile, or the cross-warp reduction that reuses it when larger, and the V
 /// tile.
 fn tiled_shared_bytes(kpb: usize, row_bytes: usize, group_head: usize) -> usize {
@@ -719,32 +719,23 @@ fn tiled_shared_bytes(kpb: usize, row_bytes: usize, group_head: usize) -> usize 
 /// Most splits whose merge the decode kernels fold into their last block (attention.cu's
 /// `GQA_FOLD_MAX_SPLITS`: the block holds every split's weight in shared memory, a split per lane
 /// of a warp per query head, and sums each output over the splits with several loads in flight);
-/// more go to `kiln_gqa_merge_*` after the decode kernel. A cache of up to 32,768 positions
+/// more go to `kiln_gqa_merge` after the decode kernel. A cache of up to 32,768 positions
 /// (256 keys per split) folds. Session 11's fold walked the splits one L2 round trip after
 /// another and was limited to 4 (bench/RESULTS.md, 2026-12-04).
 const FOLD_MAX_SPLITS: usize = 128;
 
 /// Other decode attention over a present buffer longer than this many positions is split over the
-/// keys (`kiln_gqa_split_*` then `kiln_gqa_merge_*`), `SPLIT_KEYS` keys per block of
+/// keys (`kiln_gqa_split` then `kiln_gqa_merge`), `SPLIT_KEYS` keys per block of
 /// `SPLIT_WARPS` warps.
 const SPLIT_MIN_PRESENT: usize = 512;
 const SPLIT_KEYS: usize = 256;
 const SPLIT_WARPS: u32 = 8;
 
-/// Prompt attention by tiles (`kiln_gqa_prefill_*`, attention.cu's GQA_PF_* values): query
+/// Prompt attention by tiles (`kiln_gqa_prefill`, attention.cu's GQA_PF_* values): query
 /// rows per block, threads per block, and the largest head size.
 const PREFILL_ROWS: usize = 16;
 const PREFILL_THREADS: u32 = 128;
 const PREFILL_MAX_HEAD: usize = 128;
-
-/// The CUDA kernels' dtype suffix (f32, f16 or bf16; other dtypes are refused earlier).
-fn dtype_suffix(d: DType) -> &'static str {
-    match d {
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        _ => "f32",
-    }
-}
 
 /// The present K/V layout the kernels address (attention.cu's `gqa_layout`, in elements): batch
 /// row stride, KV head stride, page stride and log2 of the positions per page. Paged: the present
@@ -795,21 +786,21 @@ fn kv_layout(call: &Call, p: &GqaPlan) -> Result<[KernelArg; 4]> {
     ])
 }
 
-/// Largest head size of `kiln_gqa_attn_*` (8 elements per lane).
+/// Largest head size of `kiln_gqa_attn` (8 elements per lane).
 const GQA_MAX_HEAD: usize = 256;
 
-/// GroupQueryAttention on the GPU: `kiln_gqa_kv_*` writes the whole present K/V (past rows
+/// GroupQueryAttention on the GPU: `kiln_gqa_kv` writes the whole present K/V (past rows
 /// copied, the new rows rotated and appended at each batch row's past length, which the kernels
-/// read from `seqlens_k`), then `kiln_gqa_attn_*` runs one block per (query row, head, batch
+/// read from `seqlens_k`), then `kiln_gqa_attn` runs one block per (query row, head, batch
 /// row) with an online softmax in f32 (16 warps splitting the keys for decode, 4 for prompts).
 /// Prompts without bias, softcap or sink and heads of at most PREFILL_MAX_HEAD run
-/// `kiln_gqa_prefill_*` instead: a block per PREFILL_ROWS query rows, K/V tiles shared by them.
+/// `kiln_gqa_prefill` instead: a block per PREFILL_ROWS query rows, K/V tiles shared by them.
 /// Decode by KV head over a shared past and present (the decode graphs' case) runs without
-/// `kiln_gqa_kv_*`: each `kiln_gqa_decode*` block writes the present rows it reads.
+/// `kiln_gqa_kv`: each `kiln_gqa_decode` block writes the present rows it reads.
 /// Without a past, absent present outputs become scratch buffers.
 fn gqa_dispatch(call: &Call) -> Result<()> {
     let p = gqa_plan(call)?;
-    let (kv_k, attn_k, _) = kernels(GQA, p.dtype)?;
+    let tag = kernel_tag(GQA, p.dtype)?;
     let layout = kv_layout(call, &p)?;
     if p.head_size > GQA_MAX_HEAD {
         unsupported!("{GQA}: head size {} (the CUDA kernel handles up to {GQA_MAX_HEAD})", p.head_size);
@@ -871,7 +862,7 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
         && (h_sz * esize) % 16 == 0
         && vectors.is_power_of_two()
         && vectors <= 32;
-    // A shared past and present at decode: kiln_gqa_decode* appends the new rows itself.
+    // A shared past and present at decode: `kiln_gqa_decode` appends the new rows itself.
     let append = by_kv_head && shared && out.numel()? > 0;
 
     if present_elems > 0 && !append {
@@ -880,7 +871,7 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
         let new_elems = p.batch * n_kv * p.seq * h_sz;
         let kv_threads = if shared { (present_elems / 64).max(new_elems) } else { present_elems };
         launch(&Launch {
-            kernel: kv_k,
+            kernel: &kernel_name("kiln_gqa_kv", &[tag]),
             grid: [grid_for(kv_threads), 1, 1],
             block: [BLOCK, 1, 1],
             shared_mem_bytes: 0,
@@ -934,7 +925,7 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
         // only (a plan constant under graph capture); splits past a row's length return at once.
         // By KV head, one block per (key chunk, KV head, batch row) serves all the query heads of
         // the KV head; otherwise one per (key chunk, query head, batch row). Several chunks are
-        // merged by kiln_gqa_merge_*.
+        // merged by `kiln_gqa_merge`.
         let row_bytes = h_sz * esize;
         let tiled = by_kv_head && p.present_len.saturating_mul(p.batch * n_kv) >= DEC_TILED_MIN_KEYS;
         let keys = match (by_kv_head, tiled) {
@@ -946,10 +937,9 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
         if splits > 65535 {
             unsupported!("{GQA}: present length {} needs {splits} splits (at most 65535)", p.present_len);
         }
-        let suffix = dtype_suffix(p.dtype);
         // By KV head the last block of each (KV head, batch row) merges the splits itself, on
         // the node's counters (one per pair), up to FOLD_MAX_SPLITS splits; past them (or past
-        // MAX_COUNTERS pairs) kiln_gqa_merge_* runs after it.
+        // MAX_COUNTERS pairs) `kiln_gqa_merge` runs after it.
         let pairs = p.batch * n_kv;
         let fold = by_kv_head && splits > 1 && splits <= FOLD_MAX_SPLITS && pairs <= MAX_COUNTERS as usize;
         let merged = splits > 1 || !by_kv_head;
@@ -986,20 +976,21 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
             ];
             // The kernel for the group rounded up to a power of two (its per-thread arrays).
             let g = match group {
-                0..=1 => 1,
-                2 => 2,
-                3..=4 => 4,
-                _ => 8,
+                0..=1 => "1",
+                2 => "2",
+                3..=4 => "4",
+                _ => "8",
             };
             let (kernel, smem) = match tiled {
-                true => (format!("decode_tiled{g}"), tiled_shared_bytes(keys, row_bytes, group * h_sz)),
-                false => (format!("decode{g}"), 0),
+                true => ("kiln_gqa_decode_tiled", tiled_shared_bytes(keys, row_bytes, group * h_sz)),
+                false => ("kiln_gqa_decode", 0),
             };
+            let kernel = kernel_name(kernel, &[tag, g]);
             (kernel, [splits as u32, n_kv as u32, p.batch as u32], 256, smem, t, KernelArg::U32(sink_mode))
         } else {
             let t = vec![targ(&query), harg(pres_k), harg(pres_v), seqlens, cos, sin, bias, harg(partial)];
             let grid = [splits as u32, p.heads as u32, p.batch as u32];
-            (alloc::string::String::from("split"), grid, 32 * SPLIT_WARPS, 0, t, KernelArg::U32(keys as u32))
+            (kernel_name("kiln_gqa_split", &[tag]), grid, 32 * SPLIT_WARPS, 0, t, KernelArg::U32(keys as u32))
         };
         args.extend(geometry);
         args.push(last);
@@ -1023,7 +1014,7 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
         }
         args.push(KernelArg::Status);
         launch(&Launch {
-            kernel: &format!("kiln_gqa_{kernel}_{suffix}"),
+            kernel: &kernel,
             grid,
             block: [block, 1, 1],
             shared_mem_bytes: smem as u32, // at most DEC_TILE_BYTES (K and V tiles, the reduction ≤ 32 KiB)
@@ -1033,7 +1024,7 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
             return Ok(());
         }
         return launch(&Launch {
-            kernel: &format!("kiln_gqa_merge_{suffix}"),
+            kernel: &kernel_name("kiln_gqa_merge", &[tag]),
             grid: [p.heads as u32, p.batch as u32, 1],
             block: [64, 1, 1],
             shared_mem_bytes: 0,
@@ -1051,7 +1042,7 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
             ],
         });
     }
-    // The arguments kiln_gqa_attn_* and kiln_gqa_prefill_* share after their tensors.
+    // The arguments `kiln_gqa_attn` and `kiln_gqa_prefill` share after their tensors.
     let geometry = vec![
         u("sequence", p.seq)?,
         u("num_heads", n_h)?,
@@ -1066,10 +1057,10 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
         KernelArg::F32(scale),
     ];
     if p.seq > 1 && sink_mode == 0 && softcap <= 0.0 && p.bias_dims.is_none() && h_sz <= PREFILL_MAX_HEAD {
-        // A prompt: kiln_gqa_prefill_* tiles the query rows and keys (K/V loaded once per tile of
+        // A prompt: `kiln_gqa_prefill` tiles the query rows and keys (K/V loaded once per tile of
         // PREFILL_ROWS query rows, not once per row).
         return launch(&Launch {
-            kernel: &format!("kiln_gqa_prefill_{}", dtype_suffix(p.dtype)),
+            kernel: &kernel_name("kiln_gqa_prefill", &[tag]),
             grid: [p.seq.div_ceil(PREFILL_ROWS) as u32, p.heads as u32, p.batch as u32],
             block: [PREFILL_THREADS, 1, 1],
             shared_mem_bytes: 0,
@@ -1085,7 +1076,7 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
     }
     let warps: u32 = if p.seq == 1 { 16 } else { 4 };
     launch(&Launch {
-        kernel: attn_k,
+        kernel: &kernel_name("kiln_gqa_attn", &[tag]),
         grid: [p.seq as u32, p.heads as u32, p.batch as u32],
         block: [32 * warps, 1, 1],
         shared_mem_bytes: 0,
@@ -1102,11 +1093,11 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
     })
 }
 
-/// RotaryEmbedding on the GPU: `kiln_rope_*`, one thread per element.
+/// RotaryEmbedding on the GPU: `kiln_rope`, one thread per element.
 fn rope_dispatch(call: &Call) -> Result<()> {
     let p = rope_plan(call)?;
     let x = call.input(0)?;
-    let (_, _, kernel) = kernels(ROPE, x.dtype()?)?;
+    let tag = kernel_tag(ROPE, x.dtype()?)?;
     let y = call.output(0)?;
     let total = x.numel()?;
     if total == 0 {
@@ -1116,7 +1107,7 @@ fn rope_dispatch(call: &Call) -> Result<()> {
     let transposed = x.rank()? == 4;
     let u = |what: &str, v: usize| u32_arg(ROPE, what, v);
     launch(&Launch {
-        kernel,
+        kernel: &kernel_name("kiln_rope", &[tag]),
         grid: [grid_for(total), 1, 1],
         block: [BLOCK, 1, 1],
         shared_mem_bytes: 0,

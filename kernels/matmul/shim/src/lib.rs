@@ -14,6 +14,7 @@ extern crate alloc;
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
+use kiln_kernel_abi::names::kernel_name;
 use kiln_kernel_abi::{bail, export_shim, unsupported, with_dtype};
 
 mod linear;
@@ -261,18 +262,16 @@ fn gemm_dtype(dtype: DType) -> bool {
     matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
 }
 
-fn tiled_suffix(op: &str, dtype: DType) -> Result<&'static str> {
-    Ok(match dtype {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        DType::F64 => "f64",
-        DType::I32 => "i32",
-        DType::I64 => "i64",
-        DType::U32 => "u32",
-        DType::U64 => "u64",
-        other => unsupported!("{op}: no CUDA kernel for {other}"),
-    })
+/// `kiln_matmul_tiled`'s template argument for `dtype`: the prelude's tag of a dtype kernel.toml
+/// instantiates it for.
+fn tiled_tag(op: &str, dtype: DType) -> Result<&'static str> {
+    match (dtype, dtype.cuda_tag()) {
+        (
+            DType::F32 | DType::F16 | DType::BF16 | DType::F64 | DType::I32 | DType::I64 | DType::U32 | DType::U64,
+            Some(tag),
+        ) => Ok(tag),
+        _ => unsupported!("{op}: no CUDA kernel for {dtype}"),
+    }
 }
 
 /// Most gemm calls one MatMul issues before it takes the tiled kernel instead.
@@ -421,7 +420,7 @@ fn matmul_dispatch(call: &Call) -> Result<()> {
 
 fn launch_tiled(op: &str, dtype: DType, m: u64, n: u64, batch: u64, args: Vec<KernelArg>) -> Result<()> {
     launch(&Launch {
-        kernel: &format!("kiln_matmul_tiled_{}", tiled_suffix(op, dtype)?),
+        kernel: &kernel_name("kiln_matmul_tiled", &[tiled_tag(op, dtype)?]),
         grid: [n.div_ceil(16).min(1 << 20) as u32, m.div_ceil(16).min(65535) as u32, batch.min(65535) as u32],
         block: [16, 16, 1],
         shared_mem_bytes: 0,

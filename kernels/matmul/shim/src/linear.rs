@@ -26,13 +26,15 @@
 //! `sum` and `Y` once each; the CUDA kernels compute in f32 (`cuda/linear.cu`).
 //!
 //! On the GPU, decode's few rows run as one kernel that computes `A` in its prologue: float16 and
-//! bfloat16 from 2 to [`MMA_MAX_ROWS`] rows on tensor cores (`kiln_linear_mma_*`, the weight as
+//! bfloat16 from 2 to [`MMA_MAX_ROWS`] rows on tensor cores (`kiln_linear_mma`, the weight as
 //! the M side of the mma), one row and float32 up to [`GEMV_MAX_ROWS`] rows on CUDA cores
-//! (`kiln_linear_gemv_*`); more rows (prefill) write `A` to scratch and call cuBLASLt with
+//! (`kiln_linear_gemv`); more rows (prefill) write `A` to scratch and call cuBLASLt with
 //! `transB`.
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
+use alloc::string::ToString;
+use kiln_kernel_abi::names::kernel_name;
 use kiln_kernel_abi::{bail, unsupported};
 
 /// Most rows (product of X's leading dimensions) that take the GEMV kernel. On an H200 at 8 rows
@@ -48,7 +50,7 @@ const GEMV_COLS_PER_BLOCK: usize = 8;
 const GEMV_MAX_BLOCKS: usize = 1024;
 /// Shared memory a GEMV block may use for A (the portable per-block limit).
 const GEMV_MAX_SHARED: usize = 48 * 1024;
-/// Rows (float16, bfloat16) that take the tensor-core GEMV `kiln_linear_mma_<mode><NT>_<t>`, NT
+/// Rows (float16, bfloat16) that take the tensor-core GEMV `kiln_linear_mma<tag, MODE, NT>`, NT
 /// n-tiles of 8 rows each.
 const MMA_MIN_ROWS: usize = 2;
 pub const MMA_MAX_ROWS: usize = 16;
@@ -58,7 +60,7 @@ const MMA_WARPS: usize = 8;
 /// tiles, with its warps splitting K, until the grid has this many blocks or one tile per block.
 const MMA_MIN_BLOCKS: usize = 128;
 
-/// What the product's left operand A is made of (the `<mode>` of `kiln_linear_gemv_<mode><R>_<t>`).
+/// What the product's left operand A is made of (the `MODE` of `kiln_linear_gemv<tag, MODE, R>`).
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Prologue {
     Linear,
@@ -67,11 +69,12 @@ enum Prologue {
 }
 
 impl Prologue {
+    /// The kernels' MODE template argument (linear.cu's enumerators).
     fn kernel_mode(self) -> &'static str {
         match self {
-            Prologue::Linear => "lin",
-            Prologue::RmsNorm => "rms",
-            Prologue::SwiGlu => "swiglu",
+            Prologue::Linear => "LIN_LINEAR",
+            Prologue::RmsNorm => "LIN_RMSNORM",
+            Prologue::SwiGlu => "LIN_SWIGLU",
         }
     }
 }
@@ -259,13 +262,13 @@ pub fn cpu(call: &Call) -> Result<()> {
     Ok(())
 }
 
-fn suffix(op: &str, dtype: DType) -> Result<&'static str> {
-    Ok(match dtype {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        other => unsupported!("{op}: no CUDA kernel for {other}"),
-    })
+/// The kernels' template argument for `dtype`: the prelude's tag of a dtype kernel.toml
+/// instantiates them for (float32, float16, bfloat16).
+fn kernel_tag(op: &str, dtype: DType) -> Result<&'static str> {
+    match (dtype, dtype.cuda_tag()) {
+        (DType::F32 | DType::F16 | DType::BF16, Some(tag)) => Ok(tag),
+        _ => unsupported!("{op}: no CUDA kernel for {dtype}"),
+    }
 }
 
 fn at(handle: u32) -> KernelArg {
@@ -275,7 +278,7 @@ fn at(handle: u32) -> KernelArg {
 pub fn dispatch(call: &Call) -> Result<()> {
     let g = geometry(call)?;
     let op = call.op_type();
-    let sfx = suffix(op, g.dtype)?;
+    let tag = kernel_tag(op, g.dtype)?;
     let esize = g.dtype.size().unwrap_or(4);
     let x = call.input(0)?.handle();
     let y = call.output(0)?.handle();
@@ -320,7 +323,7 @@ pub fn dispatch(call: &Call) -> Result<()> {
             let mut args = operands;
             args.push(KernelArg::U32((MMA_WARPS / per_block) as u32));
             return launch(&Launch {
-                kernel: &format!("kiln_linear_mma_{}{n_tiles}_{sfx}", g.prologue.kernel_mode()),
+                kernel: &kernel_name("kiln_linear_mma", &[tag, g.prologue.kernel_mode(), &n_tiles.to_string()]),
                 grid: [tiles.div_ceil(per_block) as u32, 1, 1],
                 block: [(MMA_WARPS * 32) as u32, 1, 1],
                 shared_mem_bytes: shared as u32,
@@ -336,7 +339,7 @@ pub fn dispatch(call: &Call) -> Result<()> {
     if (g.rows <= GEMV_MAX_ROWS || g.k == 0) && g.k % vec == 0 && shared <= GEMV_MAX_SHARED as u64 && g.n > 0 {
         let blocks = g.n.div_ceil(GEMV_COLS_PER_BLOCK).min(GEMV_MAX_BLOCKS);
         return launch(&Launch {
-            kernel: &format!("kiln_linear_gemv_{}{block_rows}_{sfx}", g.prologue.kernel_mode()),
+            kernel: &kernel_name("kiln_linear_gemv", &[tag, g.prologue.kernel_mode(), &block_rows.to_string()]),
             grid: [blocks as u32, g.rows.div_ceil(block_rows) as u32, 1],
             block: [GEMV_THREADS, 1, 1],
             shared_mem_bytes: shared as u32,
@@ -350,7 +353,7 @@ pub fn dispatch(call: &Call) -> Result<()> {
         Prologue::RmsNorm => {
             let a = scratch(rows * k * esize as u64)?;
             launch(&Launch {
-                kernel: &format!("kiln_linear_rmsnorm_{sfx}"),
+                kernel: &kernel_name("kiln_linear_rmsnorm", &[tag]),
                 grid: [rows.min(65535) as u32, 1, 1],
                 block: [256, 1, 1],
                 shared_mem_bytes: 0,
@@ -372,7 +375,7 @@ pub fn dispatch(call: &Call) -> Result<()> {
         Prologue::SwiGlu => {
             let a = scratch(rows * k * esize as u64)?;
             launch(&Launch {
-                kernel: &format!("kiln_linear_swiglu_{sfx}"),
+                kernel: &kernel_name("kiln_linear_swiglu", &[tag]),
                 grid: [(rows * k).div_ceil(256).clamp(1, 1 << 20) as u32, 1, 1],
                 block: [256, 1, 1],
                 shared_mem_bytes: 0,

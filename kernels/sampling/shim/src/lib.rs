@@ -36,6 +36,7 @@ extern crate alloc;
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
 use kiln_kernel_abi::sampling::{next_token, RowParams, DEVICE_MAX_VOCAB, SEED_WORDS};
+use kiln_kernel_abi::names::kernel_name;
 use kiln_kernel_abi::{bail, export_shim, unsupported};
 
 struct Sampling;
@@ -145,19 +146,24 @@ fn sample_cpu(call: &Call) -> Result<()> {
     call.output(1)?.write_vec(&history)
 }
 
+/// The kernels' template argument for `dtype`: the prelude's tag of a dtype kernel.toml
+/// instantiates them for (Sample: float32, float16, bfloat16; AppendAttentionMask: int64, int32).
+fn kernel_tag(dtype: DType) -> Result<&'static str> {
+    match (dtype, dtype.cuda_tag()) {
+        (DType::F32 | DType::F16 | DType::BF16 | DType::I64 | DType::I32, Some(tag)) => Ok(tag),
+        _ => unsupported!("kiln-sampling: no CUDA kernel for {dtype}"),
+    }
+}
+
 fn sample_dispatch(call: &Call) -> Result<()> {
     let SamplePlan { b, s, v, l } = plan_sample(call)?;
-    let kernel = match call.input(0)?.dtype()? {
-        DType::F16 => "kiln_sample_f16",
-        DType::BF16 => "kiln_sample_bf16",
-        _ => "kiln_sample_f32",
-    };
+    let kernel = kernel_name("kiln_sample", &[kernel_tag(call.input(0)?.dtype()?)?]);
     let t = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
     let mut args: Vec<KernelArg> = (0..6).map(|i| Ok(t(call.input(i)?.handle()))).collect::<Result<_>>()?;
     args.extend([t(call.output(0)?.handle()), t(call.output(1)?.handle())]);
     args.extend([KernelArg::U64(s as u64), KernelArg::U64(v as u64), KernelArg::U64(l as u64), KernelArg::Status]);
     launch(&Launch {
-        kernel,
+        kernel: &kernel,
         grid: [b as u32, 1, 1],
         block: [SAMPLE_THREADS, 1, 1],
         shared_mem_bytes: sample_smem(v)?,
@@ -204,10 +210,10 @@ impl Shim for Sampling {
         }
         let (b_n, l) = plan(call)?;
         let mask = call.input(0)?;
-        let kernel = if mask.dtype()? == DType::I64 { "kiln_append_mask_i64" } else { "kiln_append_mask_i32" };
+        let kernel = kernel_name("kiln_append_mask", &[kernel_tag(mask.dtype()?)?]);
         let t = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
         launch(&Launch {
-            kernel,
+            kernel: &kernel,
             grid: [1, 1, 1],
             block: [256, 1, 1],
             shared_mem_bytes: 0,
