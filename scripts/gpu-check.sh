@@ -2,6 +2,9 @@
 # On the GPU machine, from the repository root, after `scripts/stage-gpu.sh` here: checks and
 # times kiln in one call. Phases (any of them, in this order):
 #   tests      the GPU tests (tests/gpu.rs), all of them
+#   verify     kiln verify of every built-in package with ops on the GPU (each claimed op, opset and
+#              dtype on random inputs and node tests, against the CPU reference); no models built
+#              when it runs alone or with quick
 #   quick      the GPU tests that need no SmolLM2-architecture model (those are skipped by name),
 #              without building the models when it is the only phase: kernels, node tests,
 #              tiny-llama, attention, graphs and memory
@@ -44,7 +47,9 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,memory.used --format=csv | tee "$out/gpu.txt"
 models=/tmp/kiln-models
 m=$models/smollm2-arch-fp16-cuda
-if [ "$phases" != quick ] && [ ! -f "$models/reference/smollm2-arch-ref.json" ]; then
+needs_models=0
+for phase in $phases; do case "$phase" in quick | verify) ;; *) needs_models=1 ;; esac; done
+if [ "$needs_models" = 1 ] && [ ! -f "$models/reference/smollm2-arch-ref.json" ]; then
   t0=$(date +%s)
   bash .gpu/device-fixtures/make-smollm2-arch.sh "$models" --results "$work/make" >"$work/make.log" 2>&1 ||
     { tail -30 "$work/make.log"; exit 1; }
@@ -163,6 +168,13 @@ for w in glob.glob(".gpu/python/*.whl"):
         --graph off --runs 1 --new-tokens 8 --max-length 384 >"$work/ncu-b$b.csv" 2>"$work/ncu-b$b.err"
     done
     tar -C "$work" -cf "$out/ncu.tar" ncu-b1.csv ncu-b8.csv
+    ;;
+  verify)
+    for p in kiln-unary kiln-binary kiln-cast kiln-matmul kiln-reduce kiln-normalization kiln-tensor kiln-quant \
+      kiln-attention kiln-sampling; do
+      "$KILN" verify "$p" --device cuda --seeds 1 2>&1 | tail -6
+    done | tee "$out/verify.log"
+    summary+=("$(grep -E '^verify kiln-' "$out/verify.log" | tr '\n' ' ')")
     ;;
   quick)
     skip=()

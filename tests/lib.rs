@@ -15,6 +15,14 @@ pub fn root() -> PathBuf {
 }
 
 /// A float32 tensor.
+/// The version of the built-in package in `kernels/<dir>` as its manifest states it, so that
+/// tests which name a built-in package by `name@version` follow its version bumps.
+pub fn builtin_version(dir: &str) -> String {
+    let path = root().join("kernels").join(dir).join("kernel.toml");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    kiln_kernel_abi::manifest::Manifest::parse(&text).unwrap().package.version.to_string()
+}
+
 pub fn f32_tensor(shape: &[usize], values: &[f32]) -> Tensor {
     let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     Tensor::new(DType::F32, shape.to_vec(), Bytes::from(data)).expect("consistent tensor")

@@ -119,7 +119,7 @@ fn op_logic_lives_in_the_packages_a_newer_shim_changes_the_result() {
     doubling_relu_package(dir.path());
     let rt = runtime(&[dir.path()]);
     let swapped = run(&rt, &bytes, x()).unwrap();
-    assert_eq!(f32_values(&swapped[0].1), [2.0, -4.0, 6.0, -8.0], "kiln-unary 9.9.9 outranks the built-in 1.1.0");
+    assert_eq!(f32_values(&swapped[0].1), [2.0, -4.0, 6.0, -8.0], "kiln-unary 9.9.9 outranks the built-in");
     // Where the newer package does not apply (rank 2 > its max_rank 1), the built-in one runs.
     let m2 = onnx::model(
         vec![node("Relu", &["x"], &["y"], vec![])],
@@ -163,12 +163,13 @@ fn registry_packages_rank_between_drop_ins_and_built_ins_and_yanked_ones_are_ski
     // Also when both hold the same name@version: the drop-in's copy (the built-in Relu, renamed
     // 9.9.9; kernel.toml is not among the hashed files) runs, not the registry's doubling one.
     let toml = std::fs::read_to_string(drop_in.path().join("kernel.toml")).unwrap();
-    let toml = toml.replacen("version = \"1.1.0\"", "version = \"9.9.9\"", 1);
+    let builtin = format!("version = \"{}\"", kiln_tests::builtin_version("unary"));
+    let toml = toml.replacen(&builtin, "version = \"9.9.9\"", 1);
     assert!(toml.contains("version = \"9.9.9\""));
     std::fs::write(drop_in.path().join("kernel.toml"), toml).unwrap();
     let out = run(&with(&[drop_in.path().to_path_buf()], &regs), &bytes, x()).unwrap();
     assert_eq!(f32_values(&out[0].1), [1.0, 0.0, 3.0, 0.0], "the drop-in's kiln-unary@9.9.9 wins over the registry's");
-    // A requirement keeps the registry's 9.9.9 out: the built-in 1.1.0 runs.
+    // A requirement keeps the registry's 9.9.9 out: the built-in runs.
     let (mut r, _) = packages::registry(&[], &regs);
     r.require(&["kiln-unary@^1".parse().unwrap()]).unwrap();
     let out = run(&Runtime::new(r, SandboxConfig::default()).unwrap(), &bytes, x()).unwrap();
@@ -176,7 +177,9 @@ fn registry_packages_rank_between_drop_ins_and_built_ins_and_yanked_ones_are_ski
     let (mut r, _) = packages::registry(&[], &regs);
     let err = r.require(&["kiln-unary@^2".parse().unwrap()]).unwrap_err();
     assert!(
-        err.contains("kiln-unary@^2: no package meets it") && err.contains("9.9.9") && err.contains("1.1.0"),
+        err.contains("kiln-unary@^2: no package meets it")
+            && err.contains("9.9.9")
+            && err.contains(&kiln_tests::builtin_version("unary")),
         "{err}"
     );
     reg.yank("kiln-unary", &"9.9.9".parse().unwrap(), true).unwrap();
@@ -490,7 +493,9 @@ fn an_op_no_package_provides_names_node_op_and_candidates() {
         vec![],
     );
     let e = load_err(&m);
-    assert!(e.contains("kiln-unary@1.1.0 rejected: dtype int64 of input 0 is not in"), "{e}");
+    let unary =
+        format!("kiln-unary@{} rejected: dtype int64 of input 0 is not in", kiln_tests::builtin_version("unary"));
+    assert!(e.contains(&unary), "{e}");
 }
 
 /// I/O binding on the CPU: an output kept as a held tensor, fed back as an input without a
@@ -584,7 +589,7 @@ fn one_error_names_every_op_no_package_runs() {
     let row = |op: &str| ins.ops.iter().find(|r| r.op == op).unwrap();
     assert_eq!((row("ai.onnx::Conv").nodes, row("ai.onnx::Conv").package.as_deref()), (2, None));
     assert!(row("ai.onnx::MaxPool").reason.as_deref().unwrap().contains("no kernel package runs ai.onnx::MaxPool"));
-    assert_eq!(row("ai.onnx::Relu").package.as_deref(), Some("kiln-unary@1.1.0"));
+    assert_eq!(row("ai.onnx::Relu").package, Some(format!("kiln-unary@{}", kiln_tests::builtin_version("unary"))));
     assert_eq!(ins.inputs[0].shape, "1 × 1 × 8 × 8");
     let err = Session::new(runtime(&[]), model::load_bytes(&bytes, None).unwrap(), SessionOptions::default())
         .err()

@@ -8,6 +8,14 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
 }
 
+/// The version of the built-in package in `kernels/<dir>` as its manifest states it, so that
+/// tests which name a built-in package by version follow its version bumps.
+fn builtin_version(dir: &str) -> String {
+    let path = root().join("kernels").join(dir).join("kernel.toml");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    kiln_kernel_abi::manifest::Manifest::parse(&text).unwrap().package.version.to_string()
+}
+
 /// ONNX's node tests, fetched into `.cache/` by scripts/fetch-onnx-node-tests.sh when missing.
 fn node_tests() -> PathBuf {
     let dir = root().join(".cache/onnx-node-1.20.0/node");
@@ -87,7 +95,7 @@ fn the_readme_example_runs_and_matches_onnxruntime() {
         serde_json::from_slice(&std::fs::read(out.path().join("report.json")).unwrap()).unwrap();
     assert_eq!(report["nodes"], 7);
     assert_eq!(report["wasm_calls"]["cpu"], 7);
-    assert_eq!(report["packages"]["kiln-matmul@1.2.0"], 2);
+    assert_eq!(report["packages"][format!("kiln-matmul@{}", builtin_version("matmul"))], 2);
 }
 
 #[test]
@@ -114,17 +122,9 @@ fn kernels_list_shows_every_builtin_package() {
     let o = kiln(&["kernels", "list"]);
     let t = text(&o);
     assert!(o.status.success(), "{t}");
-    for p in [
-        "kiln-unary 1.1.0",
-        "kiln-binary 1.1.0",
-        "kiln-cast 1.1.0",
-        "kiln-matmul 1.2.0",
-        "kiln-reduce 1.1.0",
-        "kiln-normalization 1.1.0",
-        "kiln-tensor 1.2.0",
-        "kiln-cuda-std 1.2.0",
-    ] {
-        assert!(t.contains(p), "{p} missing from:\n{t}");
+    for dir in ["unary", "binary", "cast", "matmul", "reduce", "normalization", "tensor", "cuda-std"] {
+        let p = format!("kiln-{dir} {}", builtin_version(dir));
+        assert!(t.contains(&p), "{p} missing from:\n{t}");
     }
     assert!(t.contains("LayerNormalization") && t.contains("bfloat16"));
     assert!(t.contains("headers: kiln-cuda-std/vec.cuh") && t.contains("depends on: kiln-cuda-std ^1.0"), "{t}");
@@ -695,7 +695,11 @@ fn requirements_and_the_lock_beside_a_model_apply_to_its_runs() {
     let o = run(&[]);
     assert_eq!(o.status.code(), Some(3), "{}", text(&o));
     assert!(
-        text(&o).contains(&format!("{} kiln-matmul@^2: no package meets it; there are 1.2.0", toml.display())),
+        text(&o).contains(&format!(
+            "{} kiln-matmul@^2: no package meets it; there are {}",
+            toml.display(),
+            builtin_version("matmul")
+        )),
         "{}",
         text(&o)
     );
@@ -857,11 +861,13 @@ fn inspect_shows_shapes_packages_fusions_and_what_is_missing() {
     assert_eq!(input["dtype"], "int64");
     let ops = doc["ops"].as_array().unwrap();
     let op = |name: &str| ops.iter().find(|r| r["op"] == name).cloned();
-    assert_eq!(op("com.microsoft::GroupQueryAttention").unwrap()["package"], "kiln-attention@1.6.0");
+    let attention = format!("kiln-attention@{}", builtin_version("attention"));
+    assert_eq!(op("com.microsoft::GroupQueryAttention").unwrap()["package"], attention.as_str());
     // Fused: each layer's norms and projections become kiln-matmul's linear layers (the MLP
     // half one RmsNormLinear and one SwiGluLinear).
     assert_eq!(op("ai.kiln::SwiGluLinear").unwrap()["nodes"], 2);
-    assert_eq!(op("ai.kiln::SwiGluLinear").unwrap()["package"], "kiln-matmul@1.2.0");
+    let matmul = format!("kiln-matmul@{}", builtin_version("matmul"));
+    assert_eq!(op("ai.kiln::SwiGluLinear").unwrap()["package"], matmul.as_str());
     assert!(op("ai.onnx::Sigmoid").is_none() && op("ai.onnx::MatMul").is_none());
     assert_eq!(doc["fusions"]["applied"].as_array().unwrap().len(), 7);
     assert_eq!(doc["unsupported_ops"], 0);
@@ -1239,7 +1245,11 @@ fn a_kernel_requirement_no_package_meets_is_invalid_input() {
     let o = run_example(&["--kernels", "kiln-matmul@^2"]);
     let t = text(&o);
     assert_eq!(o.status.code(), Some(3), "invalid input: {t}");
-    assert!(t.contains("--kernels kiln-matmul@^2: no package meets it; there are 1.2.0 (builtin:matmul)"), "{t}");
+    let want = format!(
+        "--kernels kiln-matmul@^2: no package meets it; there are {} (builtin:matmul)",
+        builtin_version("matmul")
+    );
+    assert!(t.contains(&want), "{t}");
     let o = run_example(&["--kernels", "kiln-matmul@^1.1"]);
     assert!(o.status.success(), "{}", text(&o));
     let o = run_example(&["--kernels", "kiln-matmul@~~1"]);
@@ -1256,17 +1266,19 @@ fn a_lock_pins_the_packages_a_model_uses() {
     let o = kiln(&["lock", "examples/mlp/model.onnx", "--device", "cpu", "-o", lock.to_str().unwrap()]);
     assert!(o.status.success(), "{}", text(&o));
     let text_lock = std::fs::read_to_string(&lock).unwrap();
-    assert!(text_lock.contains("name = \"kiln-matmul\"") && text_lock.contains("version = \"1.2.0\""), "{text_lock}");
+    let matmul_version = builtin_version("matmul");
+    let matmul = format!("name = \"kiln-matmul\"\nversion = \"{matmul_version}\"");
+    assert!(text_lock.contains(&matmul), "{text_lock}");
     assert!(!text_lock.contains("kiln-attention"), "only the packages the model uses: {text_lock}");
     let o = run_example(&["--lock", lock.to_str().unwrap()]);
     assert!(o.status.success(), "{}", text(&o));
     // A version that is not available.
-    let matmul = "name = \"kiln-matmul\"\nversion = \"1.2.0\"";
-    std::fs::write(&lock, text_lock.replace(matmul, "name = \"kiln-matmul\"\nversion = \"1.0.9\"")).unwrap();
+    std::fs::write(&lock, text_lock.replace(&matmul, "name = \"kiln-matmul\"\nversion = \"1.0.9\"")).unwrap();
     let o = run_example(&["--lock", lock.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(3), "{}", text(&o));
     assert!(
-        text(&o).contains("the lock pins kiln-matmul@1.0.9") && text(&o).contains("there are 1.2.0"),
+        text(&o).contains("the lock pins kiln-matmul@1.0.9")
+            && text(&o).contains(&format!("there are {matmul_version}")),
         "{}",
         text(&o)
     );

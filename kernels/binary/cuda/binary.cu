@@ -28,6 +28,7 @@
 #include "kiln-cuda-std/elem.cuh"
 #include "kiln-cuda-std/vec.cuh"
 #include "kiln-cuda-std/round.cuh"
+#include "kiln-cuda-std/math.cuh"
 
 enum ArithOp { ADD = 0, SUB, MUL, DIV, POW, FMOD, MOD, MAX, MIN };
 enum CmpOp { EQ = 0, LT, GT, LE, GE };
@@ -37,10 +38,6 @@ enum LogicOp { AND = 0, OR, XOR, LEQ };
 template <typename Tag>
 using Elem = kiln_elem<Tag>;
 
-__device__ __forceinline__ float m_pow(float a, float b) { return powf(a, b); }
-__device__ __forceinline__ double m_pow(double a, double b) { return pow(a, b); }
-__device__ __forceinline__ float m_fmod(float a, float b) { return fmodf(a, b); }
-__device__ __forceinline__ double m_fmod(double a, double b) { return fmod(a, b); }
 
 template <typename C>
 __device__ __forceinline__ C float_arith(C a, C b, unsigned op) {
@@ -49,9 +46,9 @@ __device__ __forceinline__ C float_arith(C a, C b, unsigned op) {
     case SUB: return a - b;
     case MUL: return a * b;
     case DIV: return a / b;
-    case POW: return m_pow(a, b);
+    case POW: return kiln_pow(a, b);
     case FMOD:
-    case MOD: return m_fmod(a, b);
+    case MOD: return kiln_fmod(a, b);
     case MAX:
         if (a != a) return a;
         if (b != b) return b;

@@ -13,32 +13,18 @@
 // manifest schema 6), which NVRTC lowers; the shim names them with DType::cuda_tag.
 // kiln_norm_expand (bytes) is extern "C".
 #include "kiln.cuh"
+#include "kiln-cuda-std/elem.cuh"
+#include "kiln-cuda-std/reduce.cuh"
+#include "kiln-cuda-std/math.cuh"
 
-struct nf16 { unsigned short b; };
-struct nbf16 { unsigned short b; };
-
-// The storage type T and the accumulator A the device code takes, by the prelude's tag of the
-// dtype: float16 and bfloat16 as this package's own structs; statistics in f32, f64 for float64.
-template <typename Tag> struct NElem;
-template <> struct NElem<kiln_tag_f32> { typedef float T; typedef float A; };
-template <> struct NElem<kiln_tag_f16> { typedef nf16 T; typedef float A; };
-template <> struct NElem<kiln_tag_bf16> { typedef nbf16 T; typedef float A; };
-template <> struct NElem<kiln_tag_f64> { typedef double T; typedef double A; };
+// Element types by the prelude's dtype tag come from kiln-cuda-std's kiln_elem<Tag>: storage S,
+// ld / st, and C, the type statistics accumulate in (f32; f64 for float64).
 
 // The accumulator of two tensors' accumulators (rms_norm's x and scale): f64 when either is.
 template <typename A1, typename A2> struct NAcc { typedef float A; };
 template <typename A2> struct NAcc<double, A2> { typedef double A; };
 template <typename A1> struct NAcc<A1, double> { typedef double A; };
 template <> struct NAcc<double, double> { typedef double A; };
-
-__device__ __forceinline__ float nld(const float* p, kiln_u64 i) { return p[i]; }
-__device__ __forceinline__ double nld(const double* p, kiln_u64 i) { return p[i]; }
-__device__ __forceinline__ float nld(const nf16* p, kiln_u64 i) { return kiln_f16_to_f32(p[i].b); }
-__device__ __forceinline__ float nld(const nbf16* p, kiln_u64 i) { return kiln_bf16_to_f32(p[i].b); }
-__device__ __forceinline__ void nst(float* p, kiln_u64 i, float v) { p[i] = v; }
-__device__ __forceinline__ void nst(double* p, kiln_u64 i, double v) { p[i] = v; }
-__device__ __forceinline__ void nst(nf16* p, kiln_u64 i, float v) { p[i].b = kiln_f32_to_f16(v); }
-__device__ __forceinline__ void nst(nbf16* p, kiln_u64 i, float v) { p[i].b = kiln_f32_to_bf16(v); }
 
 // Stores v as ONNX dtype `code` (1 float32, 10 float16, 11 float64, 16 bfloat16).
 __device__ __forceinline__ void nst_code(void* p, kiln_u64 i, double v, unsigned code) {
@@ -51,27 +37,10 @@ __device__ __forceinline__ void nst_code(void* p, kiln_u64 i, double v, unsigned
     }
 }
 
-__device__ __forceinline__ float n_exp(float v) { return expf(v); }
-__device__ __forceinline__ double n_exp(double v) { return exp(v); }
-__device__ __forceinline__ float n_log(float v) { return logf(v); }
-__device__ __forceinline__ double n_log(double v) { return log(v); }
-__device__ __forceinline__ float n_sqrt(float v) { return sqrtf(v); }
-__device__ __forceinline__ double n_sqrt(double v) { return sqrt(v); }
-__device__ __forceinline__ float n_ninf(float) { return __int_as_float(0xff800000); }
-__device__ __forceinline__ double n_ninf(double) { return __longlong_as_double(0xfff0000000000000ll); }
-
-// Max that propagates NaN, as the CPU reference.
-template <typename A> __device__ __forceinline__ A n_max(A a, A b) {
-    if (a != a) return a;
-    return (b != b || b > a) ? b : a;
-}
-struct NSum { template <typename A> __device__ __forceinline__ A operator()(A a, A b) const { return a + b; } };
-struct NMax { template <typename A> __device__ __forceinline__ A operator()(A a, A b) const { return n_max(a, b); } };
-
 // Reduces v over the blockDim.x threads of the row; every thread of the row gets the result.
 // Called by every thread of the block when blockDim.x > 32.
 template <typename A, typename Op> __device__ __forceinline__ A row_reduce(A v, Op op) {
-    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    v = kiln_warp_reduce(v, op);
     const unsigned wpr = blockDim.x >> 5;
     if (wpr == 1) return v;
     __shared__ A buf[32];
@@ -95,40 +64,43 @@ __device__ __forceinline__ kiln_u64 suffix_idx(kiln_u64 k, kiln_u64 c, kiln_u64 
 
 // ---- Softmax / LogSoftmax ------------------------------------------------------------------
 
-template <typename T, typename A>
+template <typename Tag, typename T = typename Tag::storage, typename E = kiln_elem<Tag>,
+          typename A = typename kiln_elem<Tag>::C>
 __device__ void softmax_rows(const T* x, T* y, kiln_u64 rows, kiln_u64 n, unsigned log_out) {
     ROW_LOOP(row, rows) {
         const kiln_u64 base = row * n;
-        A m = n_ninf(A());
-        COL_LOOP(j, n) m = n_max(m, (A)nld(x, base + j));
-        m = row_reduce(m, NMax());
+        A m = kiln_neg_inf<A>();
+        COL_LOOP(j, n) m = kiln_max_nan(m, (A)E::ld(x[base + j]));
+        m = row_reduce(m, kiln_op_max());
         A s = 0;
-        COL_LOOP(j, n) s += n_exp((A)nld(x, base + j) - m);
-        s = row_reduce(s, NSum());
+        COL_LOOP(j, n) s += kiln_exp((A)E::ld(x[base + j]) - m);
+        s = row_reduce(s, kiln_op_sum());
         if (log_out) {
-            const A lse = m + n_log(s);
-            COL_LOOP(j, n) nst(y, base + j, (A)nld(x, base + j) - lse);
+            const A lse = m + kiln_log(s);
+            COL_LOOP(j, n) y[base + j] = E::st((A)E::ld(x[base + j]) - lse);
         } else {
-            COL_LOOP(j, n) nst(y, base + j, n_exp((A)nld(x, base + j) - m) / s);
+            COL_LOOP(j, n) y[base + j] = E::st(kiln_exp((A)E::ld(x[base + j]) - m) / s);
         }
     }
 }
 
 // [outer, n, inner] with inner > 1: one thread per (outer, inner) column.
-template <typename T, typename A>
+template <typename Tag, typename T = typename Tag::storage, typename E = kiln_elem<Tag>,
+          typename A = typename kiln_elem<Tag>::C>
 __device__ void softmax_cols(const T* x, T* y, kiln_u64 outer, kiln_u64 n, kiln_u64 inner, unsigned log_out) {
     KILN_FOR(t, outer * inner) {
         const kiln_u64 o = t / inner, i = t - o * inner;
         const kiln_u64 base = o * n * inner + i;
-        A m = n_ninf(A());
-        for (kiln_u64 j = 0; j < n; ++j) m = n_max(m, (A)nld(x, base + j * inner));
+        A m = kiln_neg_inf<A>();
+        for (kiln_u64 j = 0; j < n; ++j) m = kiln_max_nan(m, (A)E::ld(x[base + j * inner]));
         A s = 0;
-        for (kiln_u64 j = 0; j < n; ++j) s += n_exp((A)nld(x, base + j * inner) - m);
+        for (kiln_u64 j = 0; j < n; ++j) s += kiln_exp((A)E::ld(x[base + j * inner]) - m);
         if (log_out) {
-            const A lse = m + n_log(s);
-            for (kiln_u64 j = 0; j < n; ++j) nst(y, base + j * inner, (A)nld(x, base + j * inner) - lse);
+            const A lse = m + kiln_log(s);
+            for (kiln_u64 j = 0; j < n; ++j) y[base + j * inner] = E::st((A)E::ld(x[base + j * inner]) - lse);
         } else {
-            for (kiln_u64 j = 0; j < n; ++j) nst(y, base + j * inner, n_exp((A)nld(x, base + j * inner) - m) / s);
+            for (kiln_u64 j = 0; j < n; ++j)
+                y[base + j * inner] = E::st(kiln_exp((A)E::ld(x[base + j * inner]) - m) / s);
         }
     }
 }
@@ -136,27 +108,28 @@ __device__ void softmax_cols(const T* x, T* y, kiln_u64 outer, kiln_u64 n, kiln_
 // ---- LayerNormalization ----------------------------------------------------------------------
 
 // y = (x - mean) · inv_std · scale (+ bias); Mean and InvStdDev (dtype stat_code) when has_*.
-template <typename T, typename A>
+template <typename Tag, typename T = typename Tag::storage, typename E = kiln_elem<Tag>,
+          typename A = typename kiln_elem<Tag>::C>
 __device__ void layer_norm(const T* x, const T* scale, const T* bias, T* y, void* mean_out, void* inv_out,
                            kiln_u64 rows, kiln_u64 cols, kiln_u64 scale_len, kiln_u64 bias_len, unsigned has_bias,
                            float eps, unsigned stat_code, unsigned has_mean, unsigned has_inv) {
     ROW_LOOP(row, rows) {
         const kiln_u64 base = row * cols;
         A s = 0;
-        COL_LOOP(c, cols) s += (A)nld(x, base + c);
-        const A mean = row_reduce(s, NSum()) / (A)cols;
+        COL_LOOP(c, cols) s += (A)E::ld(x[base + c]);
+        const A mean = row_reduce(s, kiln_op_sum()) / (A)cols;
         A q = 0;
         COL_LOOP(c, cols) {
-            const A d = (A)nld(x, base + c) - mean;
+            const A d = (A)E::ld(x[base + c]) - mean;
             q += d * d;
         }
-        const A var = row_reduce(q, NSum()) / (A)cols;
-        const A inv_std = (A)1 / n_sqrt(var + (A)eps);
+        const A var = row_reduce(q, kiln_op_sum()) / (A)cols;
+        const A inv_std = (A)1 / kiln_sqrt(var + (A)eps);
         COL_LOOP(c, cols) {
             const kiln_u64 k = base + c;
-            A v = ((A)nld(x, k) - mean) * inv_std * (A)nld(scale, suffix_idx(k, c, cols, scale_len));
-            if (has_bias) v += (A)nld(bias, suffix_idx(k, c, cols, bias_len));
-            nst(y, k, v);
+            A v = ((A)E::ld(x[k]) - mean) * inv_std * (A)E::ld(scale[suffix_idx(k, c, cols, scale_len)]);
+            if (has_bias) v += (A)E::ld(bias[suffix_idx(k, c, cols, bias_len)]);
+            y[k] = E::st(v);
         }
         if (threadIdx.x == 0) {
             if (has_mean) nst_code(mean_out, row, (double)mean, stat_code);
@@ -169,21 +142,22 @@ __device__ void layer_norm(const T* x, const T* scale, const T* bias, T* y, void
 
 // SimplifiedLayerNormalization: y = x · inv_std · scale, inv_std = 1 / sqrt(mean(x²) + eps); Y has
 // scale's dtype.
-template <typename X, typename Y, typename A>
+template <typename XTag, typename YTag, typename A, typename X = typename XTag::storage,
+          typename Y = typename YTag::storage, typename EX = kiln_elem<XTag>, typename EY = kiln_elem<YTag> >
 __device__ void rms_norm(const X* x, const Y* scale, Y* y, void* inv_out, kiln_u64 rows, kiln_u64 cols,
                          kiln_u64 scale_len, float eps, unsigned stat_code, unsigned has_inv) {
     ROW_LOOP(row, rows) {
         const kiln_u64 base = row * cols;
         A q = 0;
         COL_LOOP(c, cols) {
-            const A v = (A)nld(x, base + c);
+            const A v = (A)EX::ld(x[base + c]);
             q += v * v;
         }
-        const A rms = n_sqrt(row_reduce(q, NSum()) / (A)cols + (A)eps);
+        const A rms = kiln_sqrt(row_reduce(q, kiln_op_sum()) / (A)cols + (A)eps);
         const A inv_std = (A)1 / rms;
         COL_LOOP(c, cols) {
             const kiln_u64 k = base + c;
-            nst(y, k, (A)nld(x, k) / rms * (A)nld(scale, suffix_idx(k, c, cols, scale_len)));
+            y[k] = EY::st((A)EX::ld(x[k]) / rms * (A)EY::ld(scale[suffix_idx(k, c, cols, scale_len)]));
         }
         if (threadIdx.x == 0 && has_inv) nst_code(inv_out, row, (double)inv_std, stat_code);
     }
@@ -194,7 +168,8 @@ __device__ void rms_norm(const X* x, const Y* scale, Y* y, void* inv_out, kiln_u
 
 // SkipSimplifiedLayerNormalization: s = input + skip (+ bias), out = s · inv_std · gamma; mean
 // (float32 zeros), inv_std_var (float32) and input_skip_bias_sum when has_*.
-template <typename T, typename A>
+template <typename Tag, typename T = typename Tag::storage, typename E = kiln_elem<Tag>,
+          typename A = typename kiln_elem<Tag>::C>
 __device__ void skip_rms_norm(const T* x, const T* skip, const T* gamma, const T* bias, T* out, float* mean_out,
                               float* inv_out, T* sum_out, kiln_u64 rows, kiln_u64 hidden, kiln_u64 skip_len,
                               unsigned has_bias, unsigned has_mean, unsigned has_inv, unsigned has_sum, float eps) {
@@ -212,36 +187,36 @@ __device__ void skip_rms_norm(const T* x, const T* skip, const T* gamma, const T
                 v[i] = 0;
                 g[i] = 0;
                 if (c < hidden) {
-                    A s = (A)nld(x, k) + (A)nld(skip, suffix_idx(k, c, hidden, skip_len));
-                    if (has_bias) s += (A)nld(bias, c);
+                    A s = (A)E::ld(x[k]) + (A)E::ld(skip[suffix_idx(k, c, hidden, skip_len)]);
+                    if (has_bias) s += (A)E::ld(bias[c]);
                     v[i] = s;
-                    g[i] = (A)nld(gamma, c);
+                    g[i] = (A)E::ld(gamma[c]);
                     q += s * s;
                 }
             }
-            rms = n_sqrt(row_reduce(q, NSum()) / (A)hidden + (A)eps);
+            rms = kiln_sqrt(row_reduce(q, kiln_op_sum()) / (A)hidden + (A)eps);
 #pragma unroll
             for (int i = 0; i < SKIP_RMS_CACHE; ++i) {
                 const kiln_u64 c = threadIdx.x + (kiln_u64)i * blockDim.x, k = base + c;
                 if (c < hidden) {
-                    if (has_sum) nst(sum_out, k, v[i]);
-                    nst(out, k, v[i] / rms * g[i]);
+                    if (has_sum) sum_out[k] = E::st(v[i]);
+                    out[k] = E::st(v[i] / rms * g[i]);
                 }
             }
         } else {
             COL_LOOP(c, hidden) {
                 const kiln_u64 k = base + c;
-                A v = (A)nld(x, k) + (A)nld(skip, suffix_idx(k, c, hidden, skip_len));
-                if (has_bias) v += (A)nld(bias, c);
-                if (has_sum) nst(sum_out, k, v);
+                A v = (A)E::ld(x[k]) + (A)E::ld(skip[suffix_idx(k, c, hidden, skip_len)]);
+                if (has_bias) v += (A)E::ld(bias[c]);
+                if (has_sum) sum_out[k] = E::st(v);
                 q += v * v;
             }
-            rms = n_sqrt(row_reduce(q, NSum()) / (A)hidden + (A)eps);
+            rms = kiln_sqrt(row_reduce(q, kiln_op_sum()) / (A)hidden + (A)eps);
             COL_LOOP(c, hidden) {
                 const kiln_u64 k = base + c;
-                A v = (A)nld(x, k) + (A)nld(skip, suffix_idx(k, c, hidden, skip_len));
-                if (has_bias) v += (A)nld(bias, c);
-                nst(out, k, v / rms * (A)nld(gamma, c));
+                A v = (A)E::ld(x[k]) + (A)E::ld(skip[suffix_idx(k, c, hidden, skip_len)]);
+                if (has_bias) v += (A)E::ld(bias[c]);
+                out[k] = E::st(v / rms * (A)E::ld(gamma[c]));
             }
         }
         if (threadIdx.x == 0) {
@@ -254,48 +229,45 @@ __device__ void skip_rms_norm(const T* x, const T* skip, const T* gamma, const T
 // ---- entry points ----------------------------------------------------------------------------
 
 template <typename Tag>
-__global__ void kiln_softmax_rows(const typename NElem<Tag>::T* x, typename NElem<Tag>::T* y, kiln_u64 rows,
-                                  kiln_u64 n, unsigned log_out) {
-    softmax_rows<typename NElem<Tag>::T, typename NElem<Tag>::A>(x, y, rows, n, log_out);
+__global__ void kiln_softmax_rows(const typename Tag::storage* x, typename Tag::storage* y, kiln_u64 rows, kiln_u64 n,
+                                  unsigned log_out) {
+    softmax_rows<Tag>(x, y, rows, n, log_out);
 }
 
 template <typename Tag>
-__global__ void kiln_softmax_cols(const typename NElem<Tag>::T* x, typename NElem<Tag>::T* y, kiln_u64 outer,
+__global__ void kiln_softmax_cols(const typename Tag::storage* x, typename Tag::storage* y, kiln_u64 outer,
                                   kiln_u64 n, kiln_u64 inner, unsigned log_out) {
-    softmax_cols<typename NElem<Tag>::T, typename NElem<Tag>::A>(x, y, outer, n, inner, log_out);
+    softmax_cols<Tag>(x, y, outer, n, inner, log_out);
 }
 
 template <typename Tag>
-__global__ void kiln_layer_norm(const typename NElem<Tag>::T* x, const typename NElem<Tag>::T* scale,
-                                const typename NElem<Tag>::T* bias, typename NElem<Tag>::T* y, void* mean_out,
+__global__ void kiln_layer_norm(const typename Tag::storage* x, const typename Tag::storage* scale,
+                                const typename Tag::storage* bias, typename Tag::storage* y, void* mean_out,
                                 void* inv_out, kiln_u64 rows, kiln_u64 cols, kiln_u64 scale_len, kiln_u64 bias_len,
                                 unsigned has_bias, float eps, unsigned stat_code, unsigned has_mean,
                                 unsigned has_inv) {
-    layer_norm<typename NElem<Tag>::T, typename NElem<Tag>::A>(x, scale, bias, y, mean_out, inv_out, rows, cols,
-                                                               scale_len, bias_len, has_bias, eps, stat_code,
-                                                               has_mean, has_inv);
+    layer_norm<Tag>(x, scale, bias, y, mean_out, inv_out, rows, cols, scale_len, bias_len, has_bias, eps, stat_code,
+                    has_mean, has_inv);
 }
 
 template <typename Tag>
-__global__ void kiln_skip_rms_norm(const typename NElem<Tag>::T* x, const typename NElem<Tag>::T* skip,
-                                   const typename NElem<Tag>::T* gamma, const typename NElem<Tag>::T* bias,
-                                   typename NElem<Tag>::T* out, float* mean_out, float* inv_out,
-                                   typename NElem<Tag>::T* sum_out, kiln_u64 rows, kiln_u64 hidden,
-                                   kiln_u64 skip_len, unsigned has_bias, unsigned has_mean, unsigned has_inv,
-                                   unsigned has_sum, float eps) {
-    skip_rms_norm<typename NElem<Tag>::T, typename NElem<Tag>::A>(x, skip, gamma, bias, out, mean_out, inv_out,
-                                                                  sum_out, rows, hidden, skip_len, has_bias,
-                                                                  has_mean, has_inv, has_sum, eps);
+__global__ void kiln_skip_rms_norm(const typename Tag::storage* x, const typename Tag::storage* skip,
+                                   const typename Tag::storage* gamma, const typename Tag::storage* bias,
+                                   typename Tag::storage* out, float* mean_out, float* inv_out,
+                                   typename Tag::storage* sum_out, kiln_u64 rows, kiln_u64 hidden, kiln_u64 skip_len,
+                                   unsigned has_bias, unsigned has_mean, unsigned has_inv, unsigned has_sum,
+                                   float eps) {
+    skip_rms_norm<Tag>(x, skip, gamma, bias, out, mean_out, inv_out, sum_out, rows, hidden, skip_len, has_bias,
+                       has_mean, has_inv, has_sum, eps);
 }
 
 // X and Y (scale's dtype, the output's) by their tags; f64 statistics when either is float64.
 template <typename XTag, typename YTag>
-__global__ void kiln_rms_norm(const typename NElem<XTag>::T* x, const typename NElem<YTag>::T* scale,
-                              typename NElem<YTag>::T* y, void* inv_out, kiln_u64 rows, kiln_u64 cols,
+__global__ void kiln_rms_norm(const typename XTag::storage* x, const typename YTag::storage* scale,
+                              typename YTag::storage* y, void* inv_out, kiln_u64 rows, kiln_u64 cols,
                               kiln_u64 scale_len, float eps, unsigned stat_code, unsigned has_inv) {
-    rms_norm<typename NElem<XTag>::T, typename NElem<YTag>::T,
-             typename NAcc<typename NElem<XTag>::A, typename NElem<YTag>::A>::A>(x, scale, y, inv_out, rows, cols,
-                                                                                 scale_len, eps, stat_code, has_inv);
+    rms_norm<XTag, YTag, typename NAcc<typename kiln_elem<XTag>::C, typename kiln_elem<YTag>::C>::A>(
+        x, scale, y, inv_out, rows, cols, scale_len, eps, stat_code, has_inv);
 }
 
 // dst (n elements of esize bytes, row-major over dims[0..rank]) = src broadcast: element index

@@ -2,6 +2,7 @@
 // weight matrix for the GEMM path, bias fill) and GatherBlockQuantized. Semantics follow the
 // CPU reference in shim/src/lib.rs. Argument order matches the shim's `launch` calls exactly.
 #include "kiln.cuh"
+#include "kiln-cuda-std/vec.cuh"
 
 // Zero-point kinds (shim: `Zp`).
 #define ZP_DEFAULT 0u
@@ -44,7 +45,7 @@ __device__ void mnb_gemv(const typename Tag::storage* A, const unsigned* B, cons
     const unsigned mask = (1u << bits) - 1u;
     const unsigned words = kb * block * bits / 32u;  // 32-bit words per weight row
     const unsigned* row = B + n * words;
-    const bool aligned = ((kiln_u64)B & 3u) == 0;
+    const bool aligned = kiln_aligned(B, 4);
     float acc[MNB_TILE_M];
 #pragma unroll
     for (int r = 0; r < MNB_TILE_M; ++r) acc[r] = 0.f;

@@ -14,94 +14,57 @@
 // reduces as its bytes, with kiln_tag_u8). kernel.toml lists the instantiations (name
 // expressions, manifest schema 6), which NVRTC lowers; the shim names them with DType::cuda_tag.
 #include "kiln.cuh"
+#include "kiln-cuda-std/elem.cuh"
+#include "kiln-cuda-std/reduce.cuh"
+#include "kiln-cuda-std/math.cuh"
+#include "kiln-cuda-std/vec.cuh"
 
 #define RED_SUM 0u
 #define RED_MEAN 1u
 #define RED_MAX 2u
 
-struct red_f16 { unsigned short b; };
-struct red_bf16 { unsigned short b; };
-
-// Per storage type: S the sum accumulator, M the max accumulator.
-template <typename T> struct RT;
-template <> struct RT<float> {
-    typedef float S; typedef float M;
-    static __device__ __forceinline__ float ld(float v) { return v; }
-    static __device__ __forceinline__ float st(float v) { return v; }
-    static __device__ __forceinline__ float lowest() { return __int_as_float(0xff800000); }
+// Per dtype tag: S the sum accumulator, M the max accumulator, ld / st between the storage type
+// and them, lowest the max's start. Floats take kiln-cuda-std's kiln_elem (S = M = its C: f32,
+// f64 for float64).
+template <typename Tag, bool FLOAT = kiln_elem<Tag>::is_float>
+struct RT : kiln_elem<Tag> {
+    typedef typename kiln_elem<Tag>::C S;
+    typedef S M;
+    static __device__ __forceinline__ M lowest() { return kiln_neg_inf<M>(); }
 };
-template <> struct RT<red_f16> {
-    typedef float S; typedef float M;
-    static __device__ __forceinline__ float ld(red_f16 v) { return kiln_f16_to_f32(v.b); }
-    static __device__ __forceinline__ red_f16 st(float v) { red_f16 r; r.b = kiln_f32_to_f16(v); return r; }
-    static __device__ __forceinline__ float lowest() { return __int_as_float(0xff800000); }
-};
-template <> struct RT<red_bf16> {
-    typedef float S; typedef float M;
-    static __device__ __forceinline__ float ld(red_bf16 v) { return kiln_bf16_to_f32(v.b); }
-    static __device__ __forceinline__ red_bf16 st(float v) { red_bf16 r; r.b = kiln_f32_to_bf16(v); return r; }
-    static __device__ __forceinline__ float lowest() { return __int_as_float(0xff800000); }
-};
-template <> struct RT<double> {
-    typedef double S; typedef double M;
-    static __device__ __forceinline__ double ld(double v) { return v; }
-    static __device__ __forceinline__ double st(double v) { return v; }
-    static __device__ __forceinline__ double lowest() { return __longlong_as_double(0xfff0000000000000ll); }
-};
-#define RED_INT_TRAITS(T, MT, LOW)                                                       \
-    template <> struct RT<T> {                                                           \
+// Integers: sums in i64 (wrapping), maxima in their own signedness.
+#define RED_INT_TRAITS(TAG, MT, LOW)                                                      \
+    template <> struct RT<TAG, false> {                                                  \
+        typedef TAG::storage T;                                                          \
         typedef long long S; typedef MT M;                                               \
         static __device__ __forceinline__ MT ld(T v) { return (MT)v; }                   \
         static __device__ __forceinline__ T st(MT v) { return (T)v; }                    \
         static __device__ __forceinline__ MT lowest() { return (MT)(LOW); }              \
     };
-RED_INT_TRAITS(signed char, int, -128)
-RED_INT_TRAITS(int, int, (-2147483647 - 1))
-RED_INT_TRAITS(long long, long long, (-9223372036854775807ll - 1))
-RED_INT_TRAITS(unsigned char, unsigned, 0u)
-RED_INT_TRAITS(unsigned, unsigned, 0u)
-RED_INT_TRAITS(unsigned long long, unsigned long long, 0ull)
-
-// The storage type T the device code takes (what RT<T> and RedFin<T> are specialized for), by
-// the prelude's tag of the dtype: float16 and bfloat16 as this package's own structs.
-template <typename Tag> struct Elem;
-template <> struct Elem<kiln_tag_f32> { typedef float T; };
-template <> struct Elem<kiln_tag_f16> { typedef red_f16 T; };
-template <> struct Elem<kiln_tag_bf16> { typedef red_bf16 T; };
-template <> struct Elem<kiln_tag_f64> { typedef double T; };
-template <> struct Elem<kiln_tag_i8> { typedef signed char T; };
-template <> struct Elem<kiln_tag_i32> { typedef int T; };
-template <> struct Elem<kiln_tag_i64> { typedef long long T; };
-template <> struct Elem<kiln_tag_u8> { typedef unsigned char T; };
-template <> struct Elem<kiln_tag_u32> { typedef unsigned T; };
-template <> struct Elem<kiln_tag_u64> { typedef unsigned long long T; };
+RED_INT_TRAITS(kiln_tag_i8, int, -128)
+RED_INT_TRAITS(kiln_tag_i32, int, (-2147483647 - 1))
+RED_INT_TRAITS(kiln_tag_i64, long long, (-9223372036854775807ll - 1))
+RED_INT_TRAITS(kiln_tag_u8, unsigned, 0u)
+RED_INT_TRAITS(kiln_tag_u32, unsigned, 0u)
+RED_INT_TRAITS(kiln_tag_u64, unsigned long long, 0ull)
 
 // Element → sum accumulator (integers sign- or zero-extend to i64).
-template <typename T> __device__ __forceinline__ typename RT<T>::S to_sum(T v) { return (typename RT<T>::S)RT<T>::ld(v); }
+template <typename Tag>
+__device__ __forceinline__ typename RT<Tag>::S to_sum(typename Tag::storage v) {
+    return (typename RT<Tag>::S)RT<Tag>::ld(v);
+}
 
 __device__ __forceinline__ float red_add(float a, float b) { return a + b; }
 __device__ __forceinline__ double red_add(double a, double b) { return a + b; }
 __device__ __forceinline__ long long red_add(long long a, long long b) {
     return (long long)((unsigned long long)a + (unsigned long long)b);  // wraps
 }
-// Max that propagates NaN (as the CPU reference: a NaN accumulator stays, a NaN value wins).
-template <typename A> __device__ __forceinline__ A red_max(A a, A b) {
-    if (a != a) return a;
-    return (b != b || b > a) ? b : a;
-}
-
 struct SumOp { template <typename A> __device__ __forceinline__ A operator()(A a, A b) const { return red_add(a, b); } };
-struct MaxOp { template <typename A> __device__ __forceinline__ A operator()(A a, A b) const { return red_max(a, b); } };
-
-template <typename A, typename Op> __device__ __forceinline__ A red_warp(A v, Op op) {
-    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
 
 // Reduces v over the blockDim.x threads of this row (threadIdx.y picks the row); every thread
 // of the row gets the result. Called by every thread of the block when blockDim.x > 32.
 template <typename A, typename Op> __device__ __forceinline__ A red_row(A v, Op op) {
-    v = red_warp(v, op);
+    v = kiln_warp_reduce(v, op);
     const unsigned wpr = blockDim.x >> 5;
     if (wpr == 1) return v;
     __shared__ A buf[32];
@@ -117,43 +80,39 @@ template <typename A, typename Op> __device__ __forceinline__ A red_row(A v, Op 
 // the element type, divided in f64, truncated back).
 __device__ __forceinline__ float red_mean(float s, kiln_u64 count) { return s / (float)count; }
 __device__ __forceinline__ double red_mean(double s, kiln_u64 count) { return s / (double)count; }
-template <typename T> struct RedFin {
-    static __device__ __forceinline__ T fin(typename RT<T>::S s, unsigned op, kiln_u64 count) {
-        return RT<T>::st(op == RED_MEAN ? red_mean(s, count) : s);
+template <typename Tag, bool FLOAT = kiln_elem<Tag>::is_float>
+struct RedFin {
+    static __device__ __forceinline__ typename Tag::storage fin(typename RT<Tag>::S s, unsigned op, kiln_u64 count) {
+        return RT<Tag>::st(op == RED_MEAN ? red_mean(s, count) : s);
     }
 };
-#define RED_INT_FIN(T)                                                                  \
-    template <> struct RedFin<T> {                                                      \
-        static __device__ __forceinline__ T fin(long long s, unsigned op, kiln_u64 count) { \
-            T t = (T)s;                                                                 \
-            return op == RED_MEAN ? (T)((double)t / (double)count) : t;                 \
-        }                                                                               \
-    };
-RED_INT_FIN(signed char)
-RED_INT_FIN(int)
-RED_INT_FIN(long long)
-RED_INT_FIN(unsigned char)
-RED_INT_FIN(unsigned)
-RED_INT_FIN(unsigned long long)
+template <typename Tag>
+struct RedFin<Tag, false> {
+    typedef typename Tag::storage T;
+    static __device__ __forceinline__ T fin(long long s, unsigned op, kiln_u64 count) {
+        T t = (T)s;
+        return op == RED_MEAN ? (T)((double)t / (double)count) : t;
+    }
+};
 
-template <typename T>
+template <typename Tag, typename T = typename Tag::storage>
 __device__ void reduce_rows(const T* x, T* y, kiln_u64 rows, kiln_u64 count, unsigned op) {
-    typedef typename RT<T>::S S;
-    typedef typename RT<T>::M M;
+    typedef typename RT<Tag>::S S;
+    typedef typename RT<Tag>::M M;
     for (kiln_u64 row = (kiln_u64)blockIdx.x * blockDim.y + threadIdx.y;; row += (kiln_u64)gridDim.x * blockDim.y) {
         // The loop's exit is uniform per row group (a warp, or the block when blockDim.y == 1).
         if (row >= rows) break;
         const T* xr = x + row * count;
         if (op == RED_MAX) {
-            M m = RT<T>::lowest();
-            for (kiln_u64 j = threadIdx.x; j < count; j += blockDim.x) m = red_max(m, RT<T>::ld(xr[j]));
-            m = red_row(m, MaxOp());
-            if (threadIdx.x == 0) y[row] = RT<T>::st(m);
+            M m = RT<Tag>::lowest();
+            for (kiln_u64 j = threadIdx.x; j < count; j += blockDim.x) m = kiln_max_nan(m, RT<Tag>::ld(xr[j]));
+            m = red_row(m, kiln_op_max());
+            if (threadIdx.x == 0) y[row] = RT<Tag>::st(m);
         } else {
             S s = 0;
-            for (kiln_u64 j = threadIdx.x; j < count; j += blockDim.x) s = red_add(s, to_sum(xr[j]));
+            for (kiln_u64 j = threadIdx.x; j < count; j += blockDim.x) s = red_add(s, to_sum<Tag>(xr[j]));
             s = red_row(s, SumOp());
-            if (threadIdx.x == 0) y[row] = RedFin<T>::fin(s, op, count);
+            if (threadIdx.x == 0) y[row] = RedFin<Tag>::fin(s, op, count);
         }
     }
 }
@@ -174,10 +133,10 @@ __device__ __forceinline__ kiln_u64 red_offset(const RedGeom& g, kiln_u64 j) {
     return off;
 }
 
-template <typename T>
+template <typename Tag, typename T = typename Tag::storage>
 __device__ void reduce_any(const T* x, T* y, kiln_u64 n_out, kiln_u64 count, unsigned op, const RedGeom& g) {
-    typedef typename RT<T>::S S;
-    typedef typename RT<T>::M M;
+    typedef typename RT<Tag>::S S;
+    typedef typename RT<Tag>::M M;
     __shared__ S sbuf[32 * 8];
     __shared__ M mbuf[32 * 8];
     const kiln_u64 step = (kiln_u64)gridDim.x * blockDim.x;
@@ -196,24 +155,24 @@ __device__ void reduce_any(const T* x, T* y, kiln_u64 n_out, kiln_u64 count, uns
         }
         const unsigned slot = threadIdx.y * blockDim.x + threadIdx.x;
         if (op == RED_MAX) {
-            M m = RT<T>::lowest();
+            M m = RT<Tag>::lowest();
             if (live)
-                for (kiln_u64 j = threadIdx.y; j < count; j += blockDim.y) m = red_max(m, RT<T>::ld(x[off + red_offset(g, j)]));
+                for (kiln_u64 j = threadIdx.y; j < count; j += blockDim.y) m = kiln_max_nan(m, RT<Tag>::ld(x[off + red_offset(g, j)]));
             mbuf[slot] = m;
             __syncthreads();
             if (threadIdx.y == 0 && live) {
-                for (unsigned k = 1; k < blockDim.y; ++k) m = red_max(m, mbuf[k * blockDim.x + threadIdx.x]);
-                y[o] = RT<T>::st(m);
+                for (unsigned k = 1; k < blockDim.y; ++k) m = kiln_max_nan(m, mbuf[k * blockDim.x + threadIdx.x]);
+                y[o] = RT<Tag>::st(m);
             }
         } else {
             S s = 0;
             if (live)
-                for (kiln_u64 j = threadIdx.y; j < count; j += blockDim.y) s = red_add(s, to_sum(x[off + red_offset(g, j)]));
+                for (kiln_u64 j = threadIdx.y; j < count; j += blockDim.y) s = red_add(s, to_sum<Tag>(x[off + red_offset(g, j)]));
             sbuf[slot] = s;
             __syncthreads();
             if (threadIdx.y == 0 && live) {
                 for (unsigned k = 1; k < blockDim.y; ++k) s = red_add(s, sbuf[k * blockDim.x + threadIdx.x]);
-                y[o] = RedFin<T>::fin(s, op, count);
+                y[o] = RedFin<Tag>::fin(s, op, count);
             }
         }
         __syncthreads();
@@ -235,16 +194,16 @@ __device__ void reduce_any(const T* x, T* y, kiln_u64 n_out, kiln_u64 count, uns
     g.rs[0] = rs0; g.rs[1] = rs1; g.rs[2] = rs2; g.rs[3] = rs3; g.rs[4] = rs4; g.rs[5] = rs5; g.rs[6] = rs6; g.rs[7] = rs7;
 
 template <typename Tag>
-__global__ void kiln_reduce_rows(const typename Elem<Tag>::T* x, typename Elem<Tag>::T* y, kiln_u64 rows,
+__global__ void kiln_reduce_rows(const typename Tag::storage* x, typename Tag::storage* y, kiln_u64 rows,
                                  kiln_u64 count, unsigned op) {
-    reduce_rows<typename Elem<Tag>::T>(x, y, rows, count, op);
+    reduce_rows<Tag>(x, y, rows, count, op);
 }
 
 template <typename Tag>
-__global__ void kiln_reduce_any(const typename Elem<Tag>::T* x, typename Elem<Tag>::T* y, kiln_u64 n_out,
+__global__ void kiln_reduce_any(const typename Tag::storage* x, typename Tag::storage* y, kiln_u64 n_out,
                                 kiln_u64 count, unsigned op, RED_GEOM_PARAMS) {
     RED_GEOM_BUILD(g)
-    reduce_any<typename Elem<Tag>::T>(x, y, n_out, count, op, g);
+    reduce_any<Tag>(x, y, n_out, count, op, g);
 }
 
 extern "C" __global__ void kiln_reduce_copy(const unsigned char* x, unsigned char* y, kiln_u64 nbytes) {
@@ -280,25 +239,20 @@ __device__ __forceinline__ bool arg_better(M v, long long i, M best, long long b
 // Merges (v, i) of the lanes of a warp into every lane (invalid pairs have i < 0).
 template <typename M>
 __device__ __forceinline__ void arg_warp(M& best, long long& bi, unsigned is_min, unsigned last) {
-    for (int o = 16; o > 0; o >>= 1) {
-        const M v = __shfl_xor_sync(0xffffffffu, best, o);
-        const long long i = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (i >= 0 && arg_better(v, i, best, bi, is_min, last)) {
-            best = v;
-            bi = i;
-        }
-    }
+    kiln_warp_reduce_pair(best, bi, [&](M v, long long i, M b, long long j) {
+        return i >= 0 && arg_better(v, i, b, j, is_min, last);
+    });
 }
 
-template <typename T>
+template <typename Tag, typename T = typename Tag::storage>
 __device__ void arg_rows(const T* x, long long* y, kiln_u64 rows, kiln_u64 n, unsigned is_min, unsigned last) {
-    typedef typename RT<T>::M M;
+    typedef typename RT<Tag>::M M;
     const unsigned VE = 16 / sizeof(T);  // elements per 16-byte vector (every T's size divides 16)
     __shared__ M s_v[32];
     __shared__ long long s_i[32];
     for (kiln_u64 row = blockIdx.x; row < rows; row += gridDim.x) {
         const T* xr = x + row * n;
-        M best = RT<T>::lowest();
+        M best = RT<Tag>::lowest();
         long long bi = -1;
         const auto take = [&](M v, kiln_u64 j) {
             if (arg_better(v, (long long)j, best, bi, is_min, last)) {
@@ -307,7 +261,7 @@ __device__ void arg_rows(const T* x, long long* y, kiln_u64 rows, kiln_u64 n, un
             }
         };
         // Vectors over an aligned row, then its tail element by element.
-        const kiln_u64 nv = ((size_t)xr & 15u) == 0 ? n / VE : 0;
+        const kiln_u64 nv = kiln_aligned(xr, 16) ? n / VE : 0;
         const uint4* xv = (const uint4*)xr;
         for (kiln_u64 c0 = threadIdx.x; c0 < nv; c0 += (kiln_u64)blockDim.x * ARG_UNROLL) {
             uint4 raw[ARG_UNROLL];
@@ -321,10 +275,10 @@ __device__ void arg_rows(const T* x, long long* y, kiln_u64 rows, kiln_u64 n, un
                 const kiln_u64 c = c0 + (kiln_u64)u * blockDim.x;
                 if (c >= nv) break;
                 const T* e = (const T*)&raw[u];
-                for (unsigned k = 0; k < VE; ++k) take(RT<T>::ld(e[k]), c * VE + k);
+                for (unsigned k = 0; k < VE; ++k) take(RT<Tag>::ld(e[k]), c * VE + k);
             }
         }
-        for (kiln_u64 j = nv * VE + threadIdx.x; j < n; j += blockDim.x) take(RT<T>::ld(xr[j]), j);
+        for (kiln_u64 j = nv * VE + threadIdx.x; j < n; j += blockDim.x) take(RT<Tag>::ld(xr[j]), j);
         arg_warp(best, bi, is_min, last);
         const unsigned warps = blockDim.x >> 5, lane = threadIdx.x & 31;
         __syncthreads();  // the previous row's pairs are read
@@ -334,7 +288,7 @@ __device__ void arg_rows(const T* x, long long* y, kiln_u64 rows, kiln_u64 n, un
         }
         __syncthreads();
         if (threadIdx.x < 32) {
-            best = lane < warps ? s_v[lane] : RT<T>::lowest();
+            best = lane < warps ? s_v[lane] : RT<Tag>::lowest();
             bi = lane < warps ? s_i[lane] : -1;
             arg_warp(best, bi, is_min, last);
             if (lane == 0) y[row] = bi < 0 ? 0 : bi;
@@ -342,17 +296,17 @@ __device__ void arg_rows(const T* x, long long* y, kiln_u64 rows, kiln_u64 n, un
     }
 }
 
-template <typename T>
+template <typename Tag, typename T = typename Tag::storage>
 __device__ void arg_strided(const T* x, long long* y, kiln_u64 outer, kiln_u64 n, kiln_u64 inner, unsigned is_min,
                             unsigned last) {
-    typedef typename RT<T>::M M;
+    typedef typename RT<Tag>::M M;
     KILN_FOR(o, outer * inner) {
         const kiln_u64 a = o / inner, b = o - a * inner;
         const T* xr = x + a * n * inner + b;
-        M best = RT<T>::lowest();
+        M best = RT<Tag>::lowest();
         long long bi = -1;
         for (kiln_u64 j = 0; j < n; ++j) {
-            const M v = RT<T>::ld(xr[j * inner]);
+            const M v = RT<Tag>::ld(xr[j * inner]);
             if (arg_better(v, (long long)j, best, bi, is_min, last)) {
                 best = v;
                 bi = (long long)j;
@@ -363,13 +317,13 @@ __device__ void arg_strided(const T* x, long long* y, kiln_u64 outer, kiln_u64 n
 }
 
 template <typename Tag>
-__global__ void __launch_bounds__(1024) kiln_arg_rows(const typename Elem<Tag>::T* x, long long* y, kiln_u64 rows,
+__global__ void __launch_bounds__(1024) kiln_arg_rows(const typename Tag::storage* x, long long* y, kiln_u64 rows,
                                                       kiln_u64 n, unsigned is_min, unsigned last) {
-    arg_rows<typename Elem<Tag>::T>(x, y, rows, n, is_min, last);
+    arg_rows<Tag>(x, y, rows, n, is_min, last);
 }
 
 template <typename Tag>
-__global__ void kiln_arg_strided(const typename Elem<Tag>::T* x, long long* y, kiln_u64 outer, kiln_u64 n,
+__global__ void kiln_arg_strided(const typename Tag::storage* x, long long* y, kiln_u64 outer, kiln_u64 n,
                                  kiln_u64 inner, unsigned is_min, unsigned last) {
-    arg_strided<typename Elem<Tag>::T>(x, y, outer, n, inner, is_min, last);
+    arg_strided<Tag>(x, y, outer, n, inner, is_min, last);
 }

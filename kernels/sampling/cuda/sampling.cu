@@ -1,5 +1,6 @@
 // kiln-sampling CUDA kernels. Argument order matches the shim's `launch` calls exactly.
 #include "kiln.cuh"
+#include "kiln-cuda-std/reduce.cuh"
 
 // AppendAttentionMask: out = mask (copied unless out is mask itself), then column `pos[0]` of
 // every row set to 1 when 0 <= pos < L; pos_out[0] = pos[0] + 1. One block: every thread reads
@@ -77,33 +78,6 @@ __device__ void sample_sort_desc(kiln_u64* keys, unsigned width) {
             }
             __syncthreads();
         }
-}
-
-// Sum of every thread's x over the block (blockDim.x a multiple of 32), the same on every
-// thread: lanes by a shuffle tree, then the warps' sums in warp order, so the result does not
-// depend on timing.
-__device__ double sample_block_sum(double x, double* warp_d) {
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    if ((threadIdx.x & 31) == 0) warp_d[threadIdx.x >> 5] = x;
-    __syncthreads();
-    double s = 0.0;
-    for (unsigned w = 0; w < blockDim.x / 32; ++w) s += warp_d[w];
-    __syncthreads();
-    return s;
-}
-
-// Largest of every thread's x over the block, the same on every thread.
-__device__ kiln_u64 sample_block_max(kiln_u64 x, kiln_u64* warp_k) {
-    for (int o = 16; o > 0; o >>= 1) {
-        const kiln_u64 y = __shfl_xor_sync(0xffffffffu, x, o);
-        x = y > x ? y : x;
-    }
-    if ((threadIdx.x & 31) == 0) warp_k[threadIdx.x >> 5] = x;
-    __syncthreads();
-    kiln_u64 m = 0;
-    for (unsigned w = 0; w < blockDim.x / 32; ++w) m = warp_k[w] > m ? warp_k[w] : m;
-    __syncthreads();
-    return m;
 }
 
 // The k-th largest of the V keys key_of(i) (k >= 1): radix select, 8 bits at a time from the
@@ -233,11 +207,9 @@ __device__ void sample_row(const typename Tag::storage* logits, const long long*
             const float x = value(i);
             if (argmax_beats(x, (long long)i, bv, bi)) bv = x, bi = (long long)i;
         }
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const long long oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (argmax_beats(ov, oi, bv, bi)) bv = ov, bi = oi;
-        }
+        kiln_warp_reduce_pair(bv, bi, [](float a, long long ia, float b, long long ib) {
+            return argmax_beats(a, ia, b, ib);
+        });
         if ((tid & 31) == 0) warp_v[tid >> 5] = bv, warp_i[tid >> 5] = bi;
         __syncthreads();
         if (tid == 0) {
@@ -261,7 +233,7 @@ __device__ void sample_row(const typename Tag::storage* logits, const long long*
                 const kiln_u64 key = key_of(i);
                 best = key > best ? key : best;
             }
-            const float top = sample_key_value(sample_block_max(best, warp_k));
+            const float top = sample_key_value(kiln_block_reduce_by(best, warp_k, kiln_op_max()));
             const kiln_u64 floor = k < V ? sample_kth_key(key_of, V, k, bins, &prefix_s, &remaining_s) : 0ull;
             const auto mass_from = [&](kiln_u64 lo) {
                 double part = 0.0;
@@ -269,7 +241,7 @@ __device__ void sample_row(const typename Tag::storage* logits, const long long*
                     const kiln_u64 key = key_of(i);
                     if (key >= lo) part += exp((double)(sample_key_value(key) - top));
                 }
-                return sample_block_sum(part, warp_d);
+                return kiln_block_reduce_by(part, warp_d, kiln_op_sum());
             };
             const double z = mass_from(floor);
             // top-p keeps the candidates down to the first whose running probability reaches

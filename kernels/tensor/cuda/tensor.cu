@@ -6,11 +6,10 @@
 // Vector widths are chosen at run time from the actual pointer addresses together with the
 // sizes and pitches: 16-byte accesses when everything is a multiple of 16, down to bytes.
 #include "kiln.cuh"
+#include "kiln-cuda-std/vec.cuh"
 
-// A 16-byte unit (loads and stores as one 128-bit access when aligned).
-struct __align__(16) kt_v16 {
-    kiln_u64 lo, hi;
-};
+// A 16-byte unit (kiln-cuda-std's kiln_vec: one 128-bit access, aligned).
+typedef kiln_vec<kiln_u64, 2> kt_v16;
 
 __device__ __forceinline__ kiln_u64 kt_addr(const void* p) { return (kiln_u64)p; }
 
@@ -302,11 +301,11 @@ extern "C" __global__ void kiln_tensor_gather(const char* src, const void* idx, 
 
 extern "C" __global__ void kiln_tensor_fill(char* dst, kiln_u64 nbytes, kiln_u64 lo, kiln_u64 hi) {
     kiln_u64 done = 0;
-    if ((kt_addr(dst) & 15) == 0) {
+    if (kiln_aligned(dst, 16)) {
         const kiln_u64 units = nbytes / 16;
         kt_v16 v;
-        v.lo = lo;
-        v.hi = hi;
+        v.e[0] = lo;
+        v.e[1] = hi;
         kt_v16* d = (kt_v16*)dst;
         KILN_FOR(i, units) { d[i] = v; }
         done = units * 16;
@@ -326,7 +325,7 @@ extern "C" __global__ void kiln_tensor_values64(char* dst, unsigned n, kiln_u64 
     const kiln_u64 v[8] = {v0, v1, v2, v3, v4, v5, v6, v7};
     const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n || i >= 8) return;
-    if ((kt_addr(dst) & 7) == 0) {
+    if (kiln_aligned(dst, 8)) {
         ((kiln_u64*)dst)[i] = v[i];
     } else {
         for (int b = 0; b < 8; ++b) dst[8 * i + b] = (char)(v[i] >> (8 * b));

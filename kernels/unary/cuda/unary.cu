@@ -14,37 +14,12 @@
 #include "kiln.cuh"
 #include "kiln-cuda-std/elem.cuh"
 #include "kiln-cuda-std/vec.cuh"
+#include "kiln-cuda-std/math.cuh"
 
 enum UnaryOp {
     RELU = 0, LEAKY_RELU, SIGMOID, TANH, EXP, LOG, SQRT, NEG, ABS, ERF, RECIPROCAL,
     COS, SIN, FLOOR, CEIL, GELU, GELU_TANH, SOFTPLUS, HARD_SIGMOID
 };
-
-// ---- math overloads (no toolkit headers: float and double spelled out) ----
-__device__ __forceinline__ float m_exp(float x) { return expf(x); }
-__device__ __forceinline__ double m_exp(double x) { return exp(x); }
-__device__ __forceinline__ float m_tanh(float x) { return tanhf(x); }
-__device__ __forceinline__ double m_tanh(double x) { return tanh(x); }
-__device__ __forceinline__ float m_log(float x) { return logf(x); }
-__device__ __forceinline__ double m_log(double x) { return log(x); }
-__device__ __forceinline__ float m_log1p(float x) { return log1pf(x); }
-__device__ __forceinline__ double m_log1p(double x) { return log1p(x); }
-__device__ __forceinline__ float m_sqrt(float x) { return sqrtf(x); }
-__device__ __forceinline__ double m_sqrt(double x) { return sqrt(x); }
-__device__ __forceinline__ float m_abs(float x) { return fabsf(x); }
-__device__ __forceinline__ double m_abs(double x) { return fabs(x); }
-__device__ __forceinline__ float m_erf(float x) { return erff(x); }
-__device__ __forceinline__ double m_erf(double x) { return erf(x); }
-__device__ __forceinline__ float m_erfc(float x) { return erfcf(x); }
-__device__ __forceinline__ double m_erfc(double x) { return erfc(x); }
-__device__ __forceinline__ float m_cos(float x) { return cosf(x); }
-__device__ __forceinline__ double m_cos(double x) { return cos(x); }
-__device__ __forceinline__ float m_sin(float x) { return sinf(x); }
-__device__ __forceinline__ double m_sin(double x) { return sin(x); }
-__device__ __forceinline__ float m_floor(float x) { return floorf(x); }
-__device__ __forceinline__ double m_floor(double x) { return floor(x); }
-__device__ __forceinline__ float m_ceil(float x) { return ceilf(x); }
-__device__ __forceinline__ double m_ceil(double x) { return ceil(x); }
 
 // Same formulas as the CPU reference (`Op::apply`), in the compute type C (float or double).
 template <typename C>
@@ -53,29 +28,29 @@ __device__ __forceinline__ C unary_apply(C x, unsigned op, C alpha, C beta) {
     case RELU: return x > C(0) ? x : C(0);
     case LEAKY_RELU: return x >= C(0) ? x : alpha * x;
     case SIGMOID:
-        if (x >= C(0)) return C(1) / (C(1) + m_exp(-x));
+        if (x >= C(0)) return C(1) / (C(1) + kiln_exp(-x));
         else {
-            C e = m_exp(x);
+            C e = kiln_exp(x);
             return e / (C(1) + e);
         }
-    case TANH: return m_tanh(x);
-    case EXP: return m_exp(x);
-    case LOG: return m_log(x);
-    case SQRT: return m_sqrt(x);
+    case TANH: return kiln_tanh(x);
+    case EXP: return kiln_exp(x);
+    case LOG: return kiln_log(x);
+    case SQRT: return kiln_sqrt(x);
     case NEG: return -x;
-    case ABS: return m_abs(x);
-    case ERF: return m_erf(x);
+    case ABS: return kiln_abs(x);
+    case ERF: return kiln_erf(x);
     case RECIPROCAL: return C(1) / x;
-    case COS: return m_cos(x);
-    case SIN: return m_sin(x);
-    case FLOOR: return m_floor(x);
-    case CEIL: return m_ceil(x);
+    case COS: return kiln_cos(x);
+    case SIN: return kiln_sin(x);
+    case FLOOR: return kiln_floor(x);
+    case CEIL: return kiln_ceil(x);
     // 0.5·x·(1 + erf(x/√2)) = 0.5·x·erfc(−x/√2), without cancellation for negative x.
-    case GELU: return C(0.5) * x * m_erfc(x * C(-0.70710678118654752440));
+    case GELU: return C(0.5) * x * kiln_erfc(x * C(-0.70710678118654752440));
     // 0.5·x·(1 + tanh(u)) = x / (1 + exp(−2u)), likewise.
     case GELU_TANH:
-        return x / (C(1) + m_exp(C(-2) * (C(0.79788456080286535588) * (x + C(0.044715) * x * x * x))));
-    case SOFTPLUS: return x > C(0) ? x + m_log1p(m_exp(-x)) : m_log1p(m_exp(x));
+        return x / (C(1) + kiln_exp(C(-2) * (C(0.79788456080286535588) * (x + C(0.044715) * x * x * x))));
+    case SOFTPLUS: return x > C(0) ? x + kiln_log1p(kiln_exp(-x)) : kiln_log1p(kiln_exp(x));
     case HARD_SIGMOID: {
         C v = alpha * x + beta;
         return v < C(0) ? C(0) : (v > C(1) ? C(1) : v);
