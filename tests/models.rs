@@ -473,15 +473,15 @@ fn wrong_inputs_are_errors() {
 #[test]
 fn an_op_no_package_provides_names_node_op_and_candidates() {
     let m = onnx::model(
-        vec![node("Celu", &["x"], &["y"], vec![])],
+        vec![node("Hardmax", &["x"], &["y"], vec![])],
         vec![value("x", 1, &[4])],
         vec![value("y", 1, &[4])],
         vec![],
     );
     let e = load_err(&m);
     assert!(
-        e.contains("Celu#0")
-            && e.contains("ai.onnx::Celu")
+        e.contains("Hardmax#0")
+            && e.contains("ai.onnx::Hardmax")
             && e.contains("float32")
             && e.contains("no installed package"),
         "{e}"

@@ -18,7 +18,8 @@
 
 enum UnaryOp {
     RELU = 0, LEAKY_RELU, SIGMOID, TANH, EXP, LOG, SQRT, NEG, ABS, ERF, RECIPROCAL,
-    COS, SIN, FLOOR, CEIL, GELU, GELU_TANH, SOFTPLUS, HARD_SIGMOID
+    COS, SIN, FLOOR, CEIL, GELU, GELU_TANH, SOFTPLUS, HARD_SIGMOID, ELU, SELU, CELU, HARD_SWISH, MISH,
+    THRESHOLDED_RELU, SOFTSIGN, SHRINK, TAN, ASIN, ACOS, ATAN, SINH, COSH, ASINH, ACOSH, ATANH, SIGN, ROUND
 };
 
 // Same formulas as the CPU reference (`Op::apply`), in the compute type C (float or double).
@@ -55,6 +56,35 @@ __device__ __forceinline__ C unary_apply(C x, unsigned op, C alpha, C beta) {
         C v = alpha * x + beta;
         return v < C(0) ? C(0) : (v > C(1) ? C(1) : v);
     }
+    case ELU: return x >= C(0) ? x : alpha * kiln_expm1(x);
+    // alpha: Selu's alpha, beta: its gamma.
+    case SELU: return x > C(0) ? beta * x : beta * alpha * kiln_expm1(x);
+    case CELU: {
+        const C e = alpha * kiln_expm1(x / alpha);
+        return (x > C(0) ? x : C(0)) + (e < C(0) ? e : C(0));
+    }
+    case HARD_SWISH: {
+        const C v = x / C(6) + C(0.5);
+        return x * (v < C(0) ? C(0) : (v > C(1) ? C(1) : v));
+    }
+    case MISH: return x * kiln_tanh(x > C(0) ? x + kiln_log1p(kiln_exp(-x)) : kiln_log1p(kiln_exp(x)));
+    case THRESHOLDED_RELU: return x > alpha ? x : C(0);
+    case SOFTSIGN: return x / (C(1) + kiln_abs(x));
+    // alpha: Shrink's bias, beta: its lambd.
+    case SHRINK: return x < -beta ? x + alpha : (x > beta ? x - alpha : C(0));
+    case TAN: return kiln_tan(x);
+    case ASIN: return kiln_asin(x);
+    case ACOS: return kiln_acos(x);
+    case ATAN: return kiln_atan(x);
+    case SINH: return kiln_sinh(x);
+    case COSH: return kiln_cosh(x);
+    case ASINH: return kiln_asinh(x);
+    case ACOSH: return kiln_acosh(x);
+    case ATANH: return kiln_atanh(x);
+    // NaN and ±0 stay as they are.
+    case SIGN: return x > C(0) ? C(1) : (x < C(0) ? C(-1) : x);
+    // Halves to even (ONNX Round).
+    case ROUND: return kiln_rint(x);
     default: return x;
     }
 }
@@ -113,7 +143,8 @@ __global__ void kiln_unary(const typename Tag::storage* x, typename Tag::storage
     unary_float<Elem<Tag>>(x, y, n, op, alpha, beta);
 }
 
-// Integer Relu, Neg, Abs on signed types, wrapping (Neg/Abs of the minimum stay the minimum).
+// Integer Relu, Neg, Abs and Sign on signed types, wrapping (Neg/Abs of the minimum stay the
+// minimum).
 template <typename T>
 struct IntOp {
     unsigned op;
@@ -124,6 +155,7 @@ struct IntOp {
         case RELU: return neg ? (typename T::S)0 : v;
         case NEG: return T::st(0ull - x);
         case ABS: return neg ? T::st(0ull - x) : v;
+        case SIGN: return neg ? T::st(~0ull) : (typename T::S)(x != 0);
         default: return v;
         }
     }

@@ -1,7 +1,9 @@
 //! Shim of `kiln-unary`: unary elementwise ops, following ONNX Operators.md (Relu-14,
 //! LeakyRelu-16, Sigmoid-13, Tanh-13, Exp-13, Log-13, Sqrt-13, Neg-13, Abs-13, Erf-13,
 //! Reciprocal-13, Cos-7, Sin-7, Floor-13, Ceil-13, Not-1, Gelu-20, Softplus-1, HardSigmoid-6,
-//! Clip-6/11/13), and `ai.kiln::SwiGlu` (`swiglu`). The CPU reference computes
+//! Clip-6/11/13, Elu-6, Selu-6, Celu-12, HardSwish-14, Mish-18, ThresholdedRelu-10, Softsign-1,
+//! Shrink-9, Tan-7, Asin-7, Acos-7, Atan-7, Sinh-9, Cosh-9, Asinh-9, Acosh-9, Atanh-9, Sign-9,
+//! Round-11), and `ai.kiln::SwiGlu` (`swiglu`). The CPU reference computes
 //! floating-point ops in f64 and rounds once.
 #![no_std]
 extern crate alloc;
@@ -37,6 +39,27 @@ enum Op {
     Gelu { tanh: bool },
     Softplus,
     HardSigmoid(f64, f64),
+    Elu(f64),
+    /// alpha, gamma.
+    Selu(f64, f64),
+    Celu(f64),
+    HardSwish,
+    Mish,
+    ThresholdedRelu(f64),
+    Softsign,
+    /// bias, lambd.
+    Shrink(f64, f64),
+    Tan,
+    Asin,
+    Acos,
+    Atan,
+    Sinh,
+    Cosh,
+    Asinh,
+    Acosh,
+    Atanh,
+    Sign,
+    Round,
 }
 
 impl Op {
@@ -64,6 +87,28 @@ impl Op {
             },
             "Softplus" => Op::Softplus,
             "HardSigmoid" => Op::HardSigmoid(call.attr_f("alpha", 0.2)? as f64, call.attr_f("beta", 0.5)? as f64),
+            "Elu" => Op::Elu(call.attr_f("alpha", 1.0)? as f64),
+            "Selu" => Op::Selu(
+                call.attr_f("alpha", 1.673_263_192_176_818_8)? as f64,
+                call.attr_f("gamma", 1.050_701_022_148_132_3)? as f64,
+            ),
+            "Celu" => Op::Celu(call.attr_f("alpha", 1.0)? as f64),
+            "HardSwish" => Op::HardSwish,
+            "Mish" => Op::Mish,
+            "ThresholdedRelu" => Op::ThresholdedRelu(call.attr_f("alpha", 1.0)? as f64),
+            "Softsign" => Op::Softsign,
+            "Shrink" => Op::Shrink(call.attr_f("bias", 0.0)? as f64, call.attr_f("lambd", 0.5)? as f64),
+            "Tan" => Op::Tan,
+            "Asin" => Op::Asin,
+            "Acos" => Op::Acos,
+            "Atan" => Op::Atan,
+            "Sinh" => Op::Sinh,
+            "Cosh" => Op::Cosh,
+            "Asinh" => Op::Asinh,
+            "Acosh" => Op::Acosh,
+            "Atanh" => Op::Atanh,
+            "Sign" => Op::Sign,
+            "Round" => Op::Round,
             other => unsupported!("kiln-unary does not implement {other}"),
         })
     }
@@ -90,19 +135,44 @@ impl Op {
             Op::Gelu { tanh: true } => 16,
             Op::Softplus => 17,
             Op::HardSigmoid(..) => 18,
+            Op::Elu(_) => 19,
+            Op::Selu(..) => 20,
+            Op::Celu(_) => 21,
+            Op::HardSwish => 22,
+            Op::Mish => 23,
+            Op::ThresholdedRelu(_) => 24,
+            Op::Softsign => 25,
+            Op::Shrink(..) => 26,
+            Op::Tan => 27,
+            Op::Asin => 28,
+            Op::Acos => 29,
+            Op::Atan => 30,
+            Op::Sinh => 31,
+            Op::Cosh => 32,
+            Op::Asinh => 33,
+            Op::Acosh => 34,
+            Op::Atanh => 35,
+            Op::Sign => 36,
+            Op::Round => 37,
         }
     }
 
     fn params(self) -> (f64, f64) {
         match self {
             Op::LeakyRelu(a) => (a, 0.0),
-            Op::HardSigmoid(a, b) => (a, b),
+            Op::HardSigmoid(a, b) | Op::Selu(a, b) | Op::Shrink(a, b) => (a, b),
+            Op::Elu(a) | Op::Celu(a) | Op::ThresholdedRelu(a) => (a, 0.0),
             _ => (0.0, 0.0),
         }
     }
 
     fn apply(self, x: f64) -> f64 {
-        use libm::{ceil, cos, erf, exp, floor, log, log1p, sin, sqrt, tanh};
+        use libm::{
+            acos, acosh, asin, asinh, atan, atanh, ceil, cos, cosh, erf, exp, expm1, floor, log, log1p, rint, sin,
+            sinh, sqrt, tan, tanh,
+        };
+        // log(1 + e^x), stable for large |x|.
+        let softplus = |x: f64| if x > 0.0 { x + log1p(exp(-x)) } else { log1p(exp(x)) };
         match self {
             Op::Relu => {
                 if x > 0.0 {
@@ -143,24 +213,73 @@ impl Op {
                 let c = sqrt(2.0 / core::f64::consts::PI);
                 0.5 * x * (1.0 + tanh(c * (x + 0.044715 * x * x * x)))
             }
-            // log(1 + e^x), stable for large |x|.
-            Op::Softplus => {
-                if x > 0.0 {
-                    x + log1p(exp(-x))
+            Op::Softplus => softplus(x),
+            Op::HardSigmoid(a, b) => (a * x + b).clamp(0.0, 1.0),
+            Op::Elu(a) => {
+                if x >= 0.0 {
+                    x
                 } else {
-                    log1p(exp(x))
+                    a * expm1(x)
                 }
             }
-            Op::HardSigmoid(a, b) => (a * x + b).clamp(0.0, 1.0),
+            Op::Selu(a, g) => {
+                if x > 0.0 {
+                    g * x
+                } else {
+                    g * a * expm1(x)
+                }
+            }
+            Op::Celu(a) => x.max(0.0) + (a * expm1(x / a)).min(0.0),
+            Op::HardSwish => x * (x / 6.0 + 0.5).clamp(0.0, 1.0),
+            Op::Mish => x * tanh(softplus(x)),
+            Op::ThresholdedRelu(a) => {
+                if x > a {
+                    x
+                } else {
+                    0.0
+                }
+            }
+            Op::Softsign => x / (1.0 + x.abs()),
+            Op::Shrink(bias, lambd) => {
+                if x < -lambd {
+                    x + bias
+                } else if x > lambd {
+                    x - bias
+                } else {
+                    0.0
+                }
+            }
+            Op::Tan => tan(x),
+            Op::Asin => asin(x),
+            Op::Acos => acos(x),
+            Op::Atan => atan(x),
+            Op::Sinh => sinh(x),
+            Op::Cosh => cosh(x),
+            Op::Asinh => asinh(x),
+            Op::Acosh => acosh(x),
+            Op::Atanh => atanh(x),
+            // NaN and ±0 stay as they are.
+            Op::Sign => {
+                if x > 0.0 {
+                    1.0
+                } else if x < 0.0 {
+                    -1.0
+                } else {
+                    x
+                }
+            }
+            // Halves to even, as ONNX's Round.
+            Op::Round => rint(x),
         }
     }
 
-    /// Integer inputs: Relu, Neg, Abs (wrapping, as two's complement hardware does).
+    /// Integer inputs: Relu, Neg, Abs (wrapping, as two's complement hardware does), Sign.
     fn apply_int(self, x: i64) -> Result<i64> {
         Ok(match self {
             Op::Relu => x.max(0),
             Op::Neg => x.wrapping_neg(),
             Op::Abs => x.wrapping_abs(),
+            Op::Sign => x.signum(),
             _ => unsupported!("integer input"),
         })
     }
@@ -262,7 +381,7 @@ impl Shim for Unary {
                     let (alpha, beta) = op.params();
                     (kernel, vec![KernelArg::U32(op.code()), KernelArg::F32(alpha as f32), KernelArg::F32(beta as f32)])
                 } else {
-                    if !matches!(op, Op::Relu | Op::Neg | Op::Abs) {
+                    if !matches!(op, Op::Relu | Op::Neg | Op::Abs | Op::Sign) {
                         unsupported!("{}: integer input", call.op_type());
                     }
                     let Some(kernel) = instance("kiln_unary_int", dtype, is_signed_int) else {
@@ -310,7 +429,7 @@ fn instance(template: &str, dtype: DType, instantiated: fn(DType) -> bool) -> Op
     Some(kernel_name(template, &[dtype.cuda_tag()?]))
 }
 
-/// The dtypes of `kiln_unary_int`: signed integers (Relu, Neg, Abs).
+/// The dtypes of `kiln_unary_int`: signed integers (Relu, Neg, Abs, Sign).
 fn is_signed_int(dtype: DType) -> bool {
     matches!(dtype, DType::I8 | DType::I16 | DType::I32 | DType::I64)
 }
