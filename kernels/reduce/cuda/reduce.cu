@@ -3,6 +3,11 @@
 // i64 with wrapping arithmetic; Max propagates NaN; an empty Mean is 0/0, an empty Max the
 // dtype's lowest value.
 //
+// ReduceMin, ReduceProd, ReduceSumSquare, ReduceL1, ReduceL2, ReduceLogSum and ReduceLogSumExp
+// take the same kernels: Min as Max mirrored; Prod multiplies (from 1); SumSquare, L1 and L2 sum
+// v², |v| and v² (L2 then a square root), LogSum the logarithm of the sum; LogSumExp first finds
+// the maximum m, then sums exp(v − m) and gives m + log of it.
+//
 // - kiln_reduce_rows<Tag>: x is [rows, count] contiguous; blockDim.x threads per row (a multiple
 //   of 32), blockDim.y rows per block; warp reductions, then shared memory across the warps.
 // - kiln_reduce_any<Tag>: any axis set: one output per threadIdx.x (consecutive outputs are
@@ -19,34 +24,44 @@
 #include "kiln-cuda-std/math.cuh"
 #include "kiln-cuda-std/vec.cuh"
 
+// Op codes (the shim's `Kind`).
 #define RED_SUM 0u
 #define RED_MEAN 1u
 #define RED_MAX 2u
+#define RED_MIN 3u
+#define RED_PROD 4u
+#define RED_SUM_SQUARE 5u
+#define RED_L1 6u
+#define RED_L2 7u
+#define RED_LOG_SUM 8u
+#define RED_LOG_SUM_EXP 9u
 
-// Per dtype tag: S the sum accumulator, M the max accumulator, ld / st between the storage type
-// and them, lowest the max's start. Floats take kiln-cuda-std's kiln_elem (S = M = its C: f32,
+// Per dtype tag: S the sum (and product) accumulator, M the max and min accumulator, ld / st
+// between the storage type and them, lowest / highest the max's / min's start. Floats take kiln-cuda-std's kiln_elem (S = M = its C: f32,
 // f64 for float64).
 template <typename Tag, bool FLOAT = kiln_elem<Tag>::is_float>
 struct RT : kiln_elem<Tag> {
     typedef typename kiln_elem<Tag>::C S;
     typedef S M;
     static __device__ __forceinline__ M lowest() { return kiln_neg_inf<M>(); }
+    static __device__ __forceinline__ M highest() { return -kiln_neg_inf<M>(); }
 };
-// Integers: sums in i64 (wrapping), maxima in their own signedness.
-#define RED_INT_TRAITS(TAG, MT, LOW)                                                      \
+// Integers: sums and products in i64 (wrapping), maxima and minima in their own signedness.
+#define RED_INT_TRAITS(TAG, MT, LOW, HIGH)                                                \
     template <> struct RT<TAG, false> {                                                  \
         typedef TAG::storage T;                                                          \
         typedef long long S; typedef MT M;                                               \
         static __device__ __forceinline__ MT ld(T v) { return (MT)v; }                   \
         static __device__ __forceinline__ T st(MT v) { return (T)v; }                    \
         static __device__ __forceinline__ MT lowest() { return (MT)(LOW); }              \
+        static __device__ __forceinline__ MT highest() { return (MT)(HIGH); }            \
     };
-RED_INT_TRAITS(kiln_tag_i8, int, -128)
-RED_INT_TRAITS(kiln_tag_i32, int, (-2147483647 - 1))
-RED_INT_TRAITS(kiln_tag_i64, long long, (-9223372036854775807ll - 1))
-RED_INT_TRAITS(kiln_tag_u8, unsigned, 0u)
-RED_INT_TRAITS(kiln_tag_u32, unsigned, 0u)
-RED_INT_TRAITS(kiln_tag_u64, unsigned long long, 0ull)
+RED_INT_TRAITS(kiln_tag_i8, int, -128, 127)
+RED_INT_TRAITS(kiln_tag_i32, int, (-2147483647 - 1), 2147483647)
+RED_INT_TRAITS(kiln_tag_i64, long long, (-9223372036854775807ll - 1), 9223372036854775807ll)
+RED_INT_TRAITS(kiln_tag_u8, unsigned, 0u, 255u)
+RED_INT_TRAITS(kiln_tag_u32, unsigned, 0u, 4294967295u)
+RED_INT_TRAITS(kiln_tag_u64, unsigned long long, 0ull, 18446744073709551615ull)
 
 // Element → sum accumulator (integers sign- or zero-extend to i64).
 template <typename Tag>
@@ -59,7 +74,50 @@ __device__ __forceinline__ double red_add(double a, double b) { return a + b; }
 __device__ __forceinline__ long long red_add(long long a, long long b) {
     return (long long)((unsigned long long)a + (unsigned long long)b);  // wraps
 }
+__device__ __forceinline__ float red_mul(float a, float b) { return a * b; }
+__device__ __forceinline__ double red_mul(double a, double b) { return a * b; }
+__device__ __forceinline__ long long red_mul(long long a, long long b) {
+    return (long long)((unsigned long long)a * (unsigned long long)b);  // wraps
+}
+__device__ __forceinline__ float red_abs(float a) { return kiln_abs(a); }
+__device__ __forceinline__ double red_abs(double a) { return kiln_abs(a); }
+__device__ __forceinline__ long long red_abs(long long a) { return a < 0 ? (long long)(0ull - (unsigned long long)a) : a; }
+// Min that propagates NaN (the mirror of kiln_max_nan).
+template <typename A>
+__device__ __forceinline__ A red_min(A a, A b) {
+    if (a != a) return a;
+    return (b != b || b < a) ? b : a;
+}
 struct SumOp { template <typename A> __device__ __forceinline__ A operator()(A a, A b) const { return red_add(a, b); } };
+struct MulOp { template <typename A> __device__ __forceinline__ A operator()(A a, A b) const { return red_mul(a, b); } };
+struct MinOp { template <typename A> __device__ __forceinline__ A operator()(A a, A b) const { return red_min(a, b); } };
+
+// The term a sum-like op adds for element v: v (Sum, Mean, LogSum), v² (SumSquare, L2), |v| (L1).
+template <typename Tag>
+__device__ __forceinline__ typename RT<Tag>::S red_term(typename Tag::storage v, unsigned op) {
+    const typename RT<Tag>::S s = to_sum<Tag>(v);
+    if (op == RED_SUM_SQUARE || op == RED_L2) return red_mul(s, s);
+    return op == RED_L1 ? red_abs(s) : s;
+}
+
+// LogSumExp (floats): m + log(Σ exp(v − m)) with m the maximum; an infinite or NaN maximum is
+// the result itself (all -inf, or empty: -inf). Integers do not take it (the shim refuses them).
+template <typename Tag, bool FLOAT = kiln_elem<Tag>::is_float>
+struct RedLse {
+    typedef typename RT<Tag>::S S;
+    typedef typename RT<Tag>::M M;
+    static __device__ __forceinline__ S term(typename Tag::storage v, M m) { return kiln_exp(RT<Tag>::ld(v) - m); }
+    static __device__ __forceinline__ typename Tag::storage fin(M m, S s) {
+        return RT<Tag>::st(m - m != M(0) ? m : m + kiln_log(s));
+    }
+};
+template <typename Tag>
+struct RedLse<Tag, false> {
+    static __device__ __forceinline__ long long term(typename Tag::storage, typename RT<Tag>::M) { return 0; }
+    static __device__ __forceinline__ typename Tag::storage fin(typename RT<Tag>::M m, long long) {
+        return RT<Tag>::st(m);
+    }
+};
 
 // Reduces v over the blockDim.x threads of this row (threadIdx.y picks the row); every thread
 // of the row gets the result. Called by every thread of the block when blockDim.x > 32.
@@ -76,13 +134,16 @@ template <typename A, typename Op> __device__ __forceinline__ A red_row(A v, Op 
     return r;
 }
 
-// The sum's output value: the sum, or for Mean the sum divided by count (integers: the sum in
-// the element type, divided in f64, truncated back).
+// A sum-like op's output value: the sum (or product), for Mean the sum divided by count
+// (integers: the sum in the element type, divided in f64, truncated back), for L2 its square
+// root, for LogSum its logarithm (floats only).
 __device__ __forceinline__ float red_mean(float s, kiln_u64 count) { return s / (float)count; }
 __device__ __forceinline__ double red_mean(double s, kiln_u64 count) { return s / (double)count; }
 template <typename Tag, bool FLOAT = kiln_elem<Tag>::is_float>
 struct RedFin {
     static __device__ __forceinline__ typename Tag::storage fin(typename RT<Tag>::S s, unsigned op, kiln_u64 count) {
+        if (op == RED_L2) return RT<Tag>::st(kiln_sqrt(s));
+        if (op == RED_LOG_SUM) return RT<Tag>::st(kiln_log(s));
         return RT<Tag>::st(op == RED_MEAN ? red_mean(s, count) : s);
     }
 };
@@ -103,14 +164,30 @@ __device__ void reduce_rows(const T* x, T* y, kiln_u64 rows, kiln_u64 count, uns
         // The loop's exit is uniform per row group (a warp, or the block when blockDim.y == 1).
         if (row >= rows) break;
         const T* xr = x + row * count;
-        if (op == RED_MAX) {
-            M m = RT<Tag>::lowest();
-            for (kiln_u64 j = threadIdx.x; j < count; j += blockDim.x) m = kiln_max_nan(m, RT<Tag>::ld(xr[j]));
-            m = red_row(m, kiln_op_max());
-            if (threadIdx.x == 0) y[row] = RT<Tag>::st(m);
+        if (op == RED_MAX || op == RED_MIN || op == RED_LOG_SUM_EXP) {
+            const bool mx = op != RED_MIN;
+            M m = mx ? RT<Tag>::lowest() : RT<Tag>::highest();
+            for (kiln_u64 j = threadIdx.x; j < count; j += blockDim.x) {
+                const M v = RT<Tag>::ld(xr[j]);
+                m = mx ? kiln_max_nan(m, v) : red_min(m, v);
+            }
+            m = mx ? red_row(m, kiln_op_max()) : red_row(m, MinOp());
+            if (op != RED_LOG_SUM_EXP) {
+                if (threadIdx.x == 0) y[row] = RT<Tag>::st(m);
+                continue;
+            }
+            S s = 0;
+            for (kiln_u64 j = threadIdx.x; j < count; j += blockDim.x) s = red_add(s, RedLse<Tag>::term(xr[j], m));
+            s = red_row(s, SumOp());
+            if (threadIdx.x == 0) y[row] = RedLse<Tag>::fin(m, s);
+        } else if (op == RED_PROD) {
+            S s = 1;
+            for (kiln_u64 j = threadIdx.x; j < count; j += blockDim.x) s = red_mul(s, to_sum<Tag>(xr[j]));
+            s = red_row(s, MulOp());
+            if (threadIdx.x == 0) y[row] = RedFin<Tag>::fin(s, op, count);
         } else {
             S s = 0;
-            for (kiln_u64 j = threadIdx.x; j < count; j += blockDim.x) s = red_add(s, to_sum<Tag>(xr[j]));
+            for (kiln_u64 j = threadIdx.x; j < count; j += blockDim.x) s = red_add(s, red_term<Tag>(xr[j], op));
             s = red_row(s, SumOp());
             if (threadIdx.x == 0) y[row] = RedFin<Tag>::fin(s, op, count);
         }
@@ -154,24 +231,53 @@ __device__ void reduce_any(const T* x, T* y, kiln_u64 n_out, kiln_u64 count, uns
             }
         }
         const unsigned slot = threadIdx.y * blockDim.x + threadIdx.x;
-        if (op == RED_MAX) {
-            M m = RT<Tag>::lowest();
+        if (op == RED_MAX || op == RED_MIN || op == RED_LOG_SUM_EXP) {
+            const bool mx = op != RED_MIN;
+            M m = mx ? RT<Tag>::lowest() : RT<Tag>::highest();
             if (live)
-                for (kiln_u64 j = threadIdx.y; j < count; j += blockDim.y) m = kiln_max_nan(m, RT<Tag>::ld(x[off + red_offset(g, j)]));
+                for (kiln_u64 j = threadIdx.y; j < count; j += blockDim.y) {
+                    const M v = RT<Tag>::ld(x[off + red_offset(g, j)]);
+                    m = mx ? kiln_max_nan(m, v) : red_min(m, v);
+                }
             mbuf[slot] = m;
             __syncthreads();
             if (threadIdx.y == 0 && live) {
-                for (unsigned k = 1; k < blockDim.y; ++k) m = kiln_max_nan(m, mbuf[k * blockDim.x + threadIdx.x]);
-                y[o] = RT<Tag>::st(m);
+                for (unsigned k = 1; k < blockDim.y; ++k) {
+                    const M v = mbuf[k * blockDim.x + threadIdx.x];
+                    m = mx ? kiln_max_nan(m, v) : red_min(m, v);
+                }
+                if (op == RED_LOG_SUM_EXP) mbuf[threadIdx.x] = m;  // this thread's own slot
+                else y[o] = RT<Tag>::st(m);
+            }
+            if (op == RED_LOG_SUM_EXP) {
+                __syncthreads();
+                m = mbuf[threadIdx.x];
+                S s = 0;
+                if (live)
+                    for (kiln_u64 j = threadIdx.y; j < count; j += blockDim.y)
+                        s = red_add(s, RedLse<Tag>::term(x[off + red_offset(g, j)], m));
+                sbuf[slot] = s;
+                __syncthreads();
+                if (threadIdx.y == 0 && live) {
+                    for (unsigned k = 1; k < blockDim.y; ++k) s = red_add(s, sbuf[k * blockDim.x + threadIdx.x]);
+                    y[o] = RedLse<Tag>::fin(m, s);
+                }
             }
         } else {
-            S s = 0;
+            const bool prod = op == RED_PROD;
+            S s = prod ? 1 : 0;
             if (live)
-                for (kiln_u64 j = threadIdx.y; j < count; j += blockDim.y) s = red_add(s, to_sum<Tag>(x[off + red_offset(g, j)]));
+                for (kiln_u64 j = threadIdx.y; j < count; j += blockDim.y) {
+                    const T v = x[off + red_offset(g, j)];
+                    s = prod ? red_mul(s, to_sum<Tag>(v)) : red_add(s, red_term<Tag>(v, op));
+                }
             sbuf[slot] = s;
             __syncthreads();
             if (threadIdx.y == 0 && live) {
-                for (unsigned k = 1; k < blockDim.y; ++k) s = red_add(s, sbuf[k * blockDim.x + threadIdx.x]);
+                for (unsigned k = 1; k < blockDim.y; ++k) {
+                    const S v = sbuf[k * blockDim.x + threadIdx.x];
+                    s = prod ? red_mul(s, v) : red_add(s, v);
+                }
                 y[o] = RedFin<Tag>::fin(s, op, count);
             }
         }

@@ -1,4 +1,5 @@
-//! Shim of `kiln-reduce`: ReduceSum, ReduceMean and ReduceMax, and ArgMax / ArgMin
+//! Shim of `kiln-reduce`: ReduceSum, ReduceMean, ReduceMax, ReduceMin, ReduceProd,
+//! ReduceSumSquare, ReduceL1, ReduceL2, ReduceLogSum and ReduceLogSumExp, and ArgMax / ArgMin
 //! (`arg`), following ONNX Operators.md.
 //!
 //! `axes` is an attribute before ReduceSum-13 and ReduceMean-18/ReduceMax-18, the optional
@@ -9,8 +10,10 @@
 //! The CPU reference sums floating-point values in f64 and rounds once; integer sums wrap in
 //! i64 (the same, modulo 2^bits, as wrapping in the element type); an integer mean is the sum
 //! divided in f64 and truncated (numpy's `mean(dtype=...)`). An empty sum is 0, an empty mean
-//! NaN (0/0), an empty max the dtype's lowest value (-inf for floats, `false` for bool). Max
-//! propagates NaN.
+//! NaN (0/0), an empty max the dtype's lowest value (-inf for floats, `false` for bool), an empty
+//! min its highest, an empty product 1, an empty LogSum or LogSumExp -inf. Max and Min propagate
+//! NaN. Prod, SumSquare and L1 of integers wrap in i64 like the sum; L2, LogSum and LogSumExp
+//! take floats only.
 #![no_std]
 extern crate alloc;
 
@@ -28,6 +31,20 @@ enum Kind {
     Sum = 0,
     Mean = 1,
     Max = 2,
+    Min = 3,
+    Prod = 4,
+    SumSquare = 5,
+    L1 = 6,
+    L2 = 7,
+    LogSum = 8,
+    LogSumExp = 9,
+}
+
+impl Kind {
+    /// Kinds defined for floating-point inputs only.
+    fn float_only(self) -> bool {
+        matches!(self, Kind::L2 | Kind::LogSum | Kind::LogSumExp)
+    }
 }
 
 struct Plan {
@@ -46,6 +63,13 @@ fn plan(call: &Call) -> Result<Plan> {
         "ReduceSum" => Kind::Sum,
         "ReduceMean" => Kind::Mean,
         "ReduceMax" => Kind::Max,
+        "ReduceMin" => Kind::Min,
+        "ReduceProd" => Kind::Prod,
+        "ReduceSumSquare" => Kind::SumSquare,
+        "ReduceL1" => Kind::L1,
+        "ReduceL2" => Kind::L2,
+        "ReduceLogSum" => Kind::LogSum,
+        "ReduceLogSumExp" => Kind::LogSumExp,
         other => unsupported!("kiln-reduce does not implement {other}"),
     };
     let x = call.input(0)?;
@@ -109,20 +133,63 @@ impl Plan {
 fn check_dtype(call: &Call, dtype: DType, kind: Kind) -> Result<()> {
     match dtype {
         DType::String => unsupported!("{}: string tensors are not supported", call.op_type()),
-        DType::Bool if kind != Kind::Max => unsupported!("{}: bool input is not supported", call.op_type()),
+        DType::Bool if !matches!(kind, Kind::Max | Kind::Min) => {
+            unsupported!("{}: bool input is not supported", call.op_type())
+        }
+        d if kind.float_only() && !d.is_float() => unsupported!("{}: {d} input is not supported", call.op_type()),
         _ => Ok(()),
     }
 }
 
-/// Max over each group, natively in `T`; NaN propagates.
-fn reduce_max<T: Element>(p: &Plan, x: &[T], lowest: T) -> Vec<T> {
-    let mut out = vec![lowest; p.out_len()];
+/// Max (or with `min`, Min) over each group, natively in `T`, from `start`; NaN propagates.
+fn reduce_extremum<T: Element>(p: &Plan, x: &[T], start: T, min: bool) -> Vec<T> {
+    let mut out = vec![start; p.out_len()];
     #[allow(clippy::eq_op)]
     for (&v, &j) in x.iter().zip(&p.index()) {
         let acc = out[j];
-        if acc == acc && (v != v || v > acc) {
+        if acc == acc && (v != v || if min { v < acc } else { v > acc }) {
             out[j] = v;
         }
+    }
+    out
+}
+
+/// A floating-point reduction of each group in f64 (rounded once when written): the sum-like
+/// kinds, Prod, and LogSumExp (shifted by the group's maximum).
+fn reduce_float(p: &Plan, kind: Kind, xs: &[f64]) -> Vec<f64> {
+    let index = p.index();
+    if kind == Kind::LogSumExp {
+        let mut m = vec![f64::NEG_INFINITY; p.out_len()];
+        #[allow(clippy::eq_op)]
+        for (&v, &j) in xs.iter().zip(&index) {
+            if m[j] == m[j] && (v != v || v > m[j]) {
+                m[j] = v;
+            }
+        }
+        let mut s = vec![0f64; p.out_len()];
+        for (&v, &j) in xs.iter().zip(&index) {
+            s[j] += libm::exp(v - m[j]);
+        }
+        // An infinite or NaN maximum is the result itself (all -inf, or empty: -inf).
+        return m.iter().zip(&s).map(|(&m, &s)| if m.is_finite() { m + libm::log(s) } else { m }).collect();
+    }
+    let mut out = vec![if kind == Kind::Prod { 1f64 } else { 0f64 }; p.out_len()];
+    for (&v, &j) in xs.iter().zip(&index) {
+        match kind {
+            Kind::Prod => out[j] *= v,
+            Kind::SumSquare | Kind::L2 => out[j] += v * v,
+            Kind::L1 => out[j] += v.abs(),
+            _ => out[j] += v,
+        }
+    }
+    let n = p.group() as f64;
+    for v in &mut out {
+        *v = match kind {
+            Kind::Mean => *v / n,
+            Kind::L2 => libm::sqrt(*v),
+            Kind::LogSum => libm::log(*v),
+            _ => *v,
+        };
     }
     out
 }
@@ -182,6 +249,10 @@ fn dispatch(call: &Call) -> Result<()> {
         return Ok(());
     }
     let count = p.group() as u64;
+    if count == 0 && dtype == DType::Bool && p.kind == Kind::Min {
+        // The kernels start a min from the byte's highest value, not `true`.
+        unsupported!("{}: an empty bool reduction on the GPU", call.op_type());
+    }
     // Dimensions of size 1 dropped, neighbours of the same kind (kept or reduced) merged: each
     // entry is (size, reduced); `strides` are their strides in elements.
     let mut dims: Vec<(u64, bool)> = Vec::new();
@@ -273,33 +344,33 @@ impl Shim for Reduce {
             return y.write_bytes(&x.read_bytes()?);
         }
         match p.kind {
-            Kind::Max => {
+            Kind::Max | Kind::Min => {
+                let min = p.kind == Kind::Min;
                 let bytes = x.read_bytes()?;
                 let out = with_dtype!(dtype, T => {
-                    let lowest = if dtype == DType::Bool { T::default() } else { T::from_f64(f64::NEG_INFINITY) };
-                    Ok(element::encode(&reduce_max::<T>(&p, &element::decode::<T>(&bytes), lowest)))
+                    let start = match (dtype == DType::Bool, min) {
+                        (true, false) => T::default(),
+                        (true, true) => T::from_f64(1.0),
+                        (false, false) => T::from_f64(f64::NEG_INFINITY),
+                        (false, true) => T::from_f64(f64::INFINITY),
+                    };
+                    Ok(element::encode(&reduce_extremum::<T>(&p, &element::decode::<T>(&bytes), start, min)))
                 })?;
                 y.write_bytes(&out)
             }
-            Kind::Sum | Kind::Mean if dtype.is_float() => {
-                let xs = x.read_vec::<f64>()?;
-                let mut out = vec![0f64; p.out_len()];
-                for (&v, &j) in xs.iter().zip(&p.index()) {
-                    out[j] += v;
-                }
-                if p.kind == Kind::Mean {
-                    let n = p.group() as f64;
-                    out.iter_mut().for_each(|v| *v /= n);
-                }
-                y.write_vec(&out)
-            }
-            Kind::Sum | Kind::Mean => {
+            _ if dtype.is_float() => y.write_vec(&reduce_float(&p, p.kind, &x.read_vec::<f64>()?)),
+            kind => {
                 let xs = x.read_vec::<i64>()?;
-                let mut out = vec![0i64; p.out_len()];
+                let mut out = vec![if kind == Kind::Prod { 1i64 } else { 0i64 }; p.out_len()];
                 for (&v, &j) in xs.iter().zip(&p.index()) {
-                    out[j] = out[j].wrapping_add(v);
+                    out[j] = match kind {
+                        Kind::Prod => out[j].wrapping_mul(v),
+                        Kind::SumSquare => out[j].wrapping_add(v.wrapping_mul(v)),
+                        Kind::L1 => out[j].wrapping_add(v.wrapping_abs()),
+                        _ => out[j].wrapping_add(v),
+                    };
                 }
-                if p.kind == Kind::Sum {
+                if kind != Kind::Mean {
                     return y.write_vec(&out);
                 }
                 // The sum in the element type, divided in f64, truncated back.
