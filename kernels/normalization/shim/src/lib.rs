@@ -4,7 +4,7 @@
 //! - [`layer_norm`]: LayerNormalization-17, following ONNX Operators.md.
 //! - [`rms_norm`]: onnxruntime's RMS normalisations, SimplifiedLayerNormalization (registered
 //!   by onnxruntime in the ai.onnx domain, opset 1) and com.microsoft
-//!   SkipSimplifiedLayerNormalization-1.
+//!   SkipSimplifiedLayerNormalization-1, and ONNX's RMSNormalization-23 (the same computation).
 //!
 //! The CPU references compute in f64 and round once to the output dtype.
 #![no_std]
@@ -128,7 +128,7 @@ impl Shim for Normalization {
                 let stat = TensorType::new(p.stat_dtype, p.stat_shape);
                 Ok(vec![TensorType::new(call.input(0)?.dtype()?, p.x_shape), stat.clone(), stat])
             }
-            "SimplifiedLayerNormalization" => rms_norm::simplified_infer(call),
+            "SimplifiedLayerNormalization" | "RMSNormalization" => rms_norm::simplified_infer(call),
             "SkipSimplifiedLayerNormalization" => rms_norm::skip_simplified_infer(call),
             other => unsupported!("kiln-normalization does not implement {other}"),
         }
@@ -141,7 +141,7 @@ impl Shim for Normalization {
                 softmax::softmax_cpu(call, call.op_type() == "LogSoftmax")
             }
             "LayerNormalization" => layer_norm::layer_norm_cpu(call),
-            "SimplifiedLayerNormalization" => rms_norm::simplified_cpu(call),
+            "SimplifiedLayerNormalization" | "RMSNormalization" => rms_norm::simplified_cpu(call),
             "SkipSimplifiedLayerNormalization" => rms_norm::skip_simplified_cpu(call),
             other => unsupported!("kiln-normalization does not implement {other}"),
         }
@@ -154,7 +154,7 @@ impl Shim for Normalization {
                 softmax::softmax_dispatch(call, call.op_type() == "LogSoftmax")
             }
             "LayerNormalization" => layer_norm::layer_norm_dispatch(call),
-            "SimplifiedLayerNormalization" => rms_norm::simplified_dispatch(call),
+            "SimplifiedLayerNormalization" | "RMSNormalization" => rms_norm::simplified_dispatch(call),
             "SkipSimplifiedLayerNormalization" => rms_norm::skip_simplified_dispatch(call),
             other => unsupported!("kiln-normalization does not implement {other}"),
         }

@@ -15,6 +15,9 @@
 //! X's shape with dimensions `axis..` set to 1 and the dtype named by `stash_type` (1 float32 or
 //! 11 float64, onnxruntime's U).
 //!
+//! **RMSNormalization** (ai.onnx, opset 23; ONNX Operators.md) is the same computation with
+//! the same inputs, attributes and dtypes (ONNX's T and V), and only the output `Y`.
+//!
 //! **SkipSimplifiedLayerNormalization** (com.microsoft, opset 1): inputs `input`, `skip`,
 //! `gamma`, optional `bias`; attribute `epsilon` (1e-12); outputs `output`, optional `mean`,
 //! `inv_std_var`, `input_skip_bias_sum`.
@@ -41,6 +44,7 @@ use kiln_kernel_abi::{bail, names};
 use crate::{axis_error, check_float};
 
 const SIMPLIFIED: &str = "SimplifiedLayerNormalization";
+const RMS: &str = "RMSNormalization";
 const SKIP: &str = "SkipSimplifiedLayerNormalization";
 
 /// Maps each element of a tensor of shape `out` (row-major) to the element of an input that
@@ -95,7 +99,7 @@ fn check_arity(call: &Call, op: &str, inputs: usize, outputs: usize) -> Result<(
     Ok(())
 }
 
-/// SimplifiedLayerNormalization's geometry and types.
+/// SimplifiedLayerNormalization's (and RMSNormalization's) geometry and types.
 struct SimplifiedPlan {
     x_shape: Vec<usize>,
     scale_shape: Vec<usize>,
@@ -108,7 +112,9 @@ struct SimplifiedPlan {
 }
 
 fn simplified_plan(call: &Call) -> Result<SimplifiedPlan> {
-    check_arity(call, SIMPLIFIED, 2, 2)?;
+    // SimplifiedLayerNormalization may also output inv_std_var; RMSNormalization only Y.
+    let op = if call.op_type() == RMS { RMS } else { SIMPLIFIED };
+    check_arity(call, op, 2, if op == RMS { 1 } else { 2 })?;
     let x = call.input(0)?;
     check_float(call, x.dtype()?)?;
     let scale = call.input(1)?;
@@ -118,12 +124,12 @@ fn simplified_plan(call: &Call) -> Result<SimplifiedPlan> {
     let scale_shape = scale.shape()?;
     let a = shape::normalize_axis(call.attr_i("axis", -1)?, x_shape.len()).map_err(|e| axis_error(call, e))?;
     if shape::broadcast_shapes(&[&x_shape, &scale_shape]).ok().as_deref() != Some(&x_shape[..]) {
-        bail!("{SIMPLIFIED}: scale of shape {scale_shape:?} does not broadcast to X's shape {x_shape:?}");
+        bail!("{op}: scale of shape {scale_shape:?} does not broadcast to X's shape {x_shape:?}");
     }
     let stat_dtype = match call.attr_i("stash_type", 1)? {
         1 => DType::F32,
         11 => DType::F64,
-        s => bail!("{SIMPLIFIED}: stash_type {s} is neither 1 (float32) nor 11 (float64)"),
+        s => bail!("{op}: stash_type {s} is neither 1 (float32) nor 11 (float64)"),
     };
     Ok(SimplifiedPlan {
         rows: x_shape[..a].iter().product(),
@@ -138,7 +144,11 @@ fn simplified_plan(call: &Call) -> Result<SimplifiedPlan> {
 
 pub fn simplified_infer(call: &Call) -> Result<Vec<TensorType>> {
     let p = simplified_plan(call)?;
-    Ok(vec![TensorType::new(p.y_dtype, p.x_shape), TensorType::new(p.stat_dtype, p.stat_shape)])
+    let y = TensorType::new(p.y_dtype, p.x_shape);
+    if call.op_type() == RMS {
+        return Ok(vec![y]);
+    }
+    Ok(vec![y, TensorType::new(p.stat_dtype, p.stat_shape)])
 }
 
 pub fn simplified_cpu(call: &Call) -> Result<()> {
