@@ -14,7 +14,6 @@ pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ has a parent").to_path_buf()
 }
 
-/// A float32 tensor.
 /// The version of the built-in package in `kernels/<dir>` as its manifest states it, so that
 /// tests which name a built-in package by `name@version` follow its version bumps.
 pub fn builtin_version(dir: &str) -> String {
@@ -23,6 +22,7 @@ pub fn builtin_version(dir: &str) -> String {
     kiln_kernel_abi::manifest::Manifest::parse(&text).unwrap().package.version.to_string()
 }
 
+/// A float32 tensor.
 pub fn f32_tensor(shape: &[usize], values: &[f32]) -> Tensor {
     let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     Tensor::new(DType::F32, shape.to_vec(), Bytes::from(data)).expect("consistent tensor")

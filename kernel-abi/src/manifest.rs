@@ -270,7 +270,9 @@ pub struct CudaSource {
     /// Kernels (of `kernels`) that may be launched with programmatic dependent launch (PDL,
     /// Hopper and later): every block calls the prelude's `kiln_griddep_wait()` before it
     /// reads anything an earlier kernel of the stream writes, and writes nothing before it.
-    /// Such a kernel may start while its predecessor finishes (ABI.md §7).
+    /// Such a kernel may start while its predecessor finishes (ABI.md §7). Entries are kernel
+    /// names, or (schema 7) `*` patterns as in `signatures`, each matching at least one of
+    /// this source's kernels.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pdl: Vec<String>,
     /// The parameters of every kernel of `kernels` (schema 2): each kernel matches exactly one
@@ -570,7 +572,7 @@ impl Manifest {
                 ));
             }
             if let Some(p) = c.pdl.iter().find(|p| !c.kernels.iter().any(|k| kernel_pattern_matches(p, k))) {
-                return bad(format!("cuda source {}: pdl names {p:?}, which its `kernels` do not declare", c.source));
+                return bad(format!("cuda source {}: pdl entry {p:?} matches none of its `kernels`", c.source));
             }
             self.check_signatures(c)?;
         }
@@ -927,9 +929,12 @@ signatures = [{ kernels = ["relu_*"], params = ["tensor", "tensor", "u64"] }]
         let m = Manifest::parse(&v7).unwrap();
         assert!(m.kernel_pdl("relu_f32") && m.kernel_pdl("relu<kiln_tag_f16>"));
         assert!(!m.kernel_pdl("abs_f32") && !m.kernel_pdl("relu_f16"));
+        // Names still work, and flag only themselves.
+        let plain = Manifest::parse(&v7.replace("pdl = [\"relu*\"]", "pdl = [\"relu_f32\"]")).unwrap();
+        assert!(plain.kernel_pdl("relu_f32") && !plain.kernel_pdl("relu<kiln_tag_f16>"));
         let cases = [
             (v7.replace("schema = 7", "schema = 6"), "pdl pattern \"relu*\" comes with manifest schema 7"),
-            (v7.replace("pdl = [\"relu*\"]", "pdl = [\"gelu*\"]"), "pdl names \"gelu*\", which its `kernels` do not"),
+            (v7.replace("pdl = [\"relu*\"]", "pdl = [\"gelu*\"]"), "pdl entry \"gelu*\" matches none of its `kernels`"),
         ];
         for (text, want) in cases {
             let err = Manifest::parse(&text).unwrap_err().to_string();

@@ -51,8 +51,9 @@ __device__ __forceinline__ T kiln_warp_reduce(T v, Op op) {
 // Reduction of `v` over a block of blockDim.x threads (a multiple of 32, at most 1024) by `op`
 // through `red` (shared memory of at least blockDim.x / 32 values of T): each warp by
 // kiln_warp_reduce, then the warps' results in warp order, so the result does not depend on
-// timing; every thread gets it. Every thread of the block must call it (it synchronizes the
-// block twice, so `red` may be reused at once).
+// timing; every thread gets it. Every thread of the block must call it. It synchronizes the
+// block before it writes `red`, so the next reduction may take the same `red` at once; any other
+// write to `red` after it needs a __syncthreads() first.
 template <typename T, typename Op>
 __device__ __forceinline__ T kiln_block_reduce_by(T v, T* red, Op op) {
     const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;

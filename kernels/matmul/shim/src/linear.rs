@@ -331,7 +331,7 @@ pub fn dispatch(call: &Call) -> Result<()> {
             });
         }
     }
-    // Rows per block: the smallest kernel that holds them all, else 8 per block.
+    // Rows per block: the smallest kernel that holds them all, else GEMV_BLOCK_ROWS per block.
     let block_rows = g.rows.next_power_of_two().min(GEMV_BLOCK_ROWS);
     // A in f32 in shared memory (u64: the shim's usize is 32 bits).
     let shared = g.rows.min(block_rows) as u64 * g.k as u64 * 4;
