@@ -30,7 +30,7 @@
 #include "kiln-cuda-std/round.cuh"
 #include "kiln-cuda-std/math.cuh"
 
-enum ArithOp { ADD = 0, SUB, MUL, DIV, POW, FMOD, MOD, MAX, MIN };
+enum ArithOp { ADD = 0, SUB, MUL, DIV, POW, FMOD, MOD, MAX, MIN, BIT_AND, BIT_OR, BIT_XOR, SHIFT_LEFT, SHIFT_RIGHT };
 enum CmpOp { EQ = 0, LT, GT, LE, GE };
 enum LogicOp { AND = 0, OR, XOR, LEQ };
 
@@ -106,6 +106,12 @@ __device__ __forceinline__ kiln_u64 int_arith(bool sg, kiln_u64 a, kiln_u64 b, u
     }
     case MAX: return int_lt(sg, a, b) ? b : a;
     case MIN: return int_lt(sg, b, a) ? b : a;
+    case BIT_AND: return a & b;
+    case BIT_OR: return a | b;
+    case BIT_XOR: return a ^ b;
+    // Unsigned only (zero-extended a); bits past the element's width are dropped when stored.
+    case SHIFT_LEFT: return b < 64 ? a << b : 0;
+    case SHIFT_RIGHT: return b < 64 ? a >> b : 0;
     default: return a;
     }
 }

@@ -19,7 +19,8 @@
 enum UnaryOp {
     RELU = 0, LEAKY_RELU, SIGMOID, TANH, EXP, LOG, SQRT, NEG, ABS, ERF, RECIPROCAL,
     COS, SIN, FLOOR, CEIL, GELU, GELU_TANH, SOFTPLUS, HARD_SIGMOID, ELU, SELU, CELU, HARD_SWISH, MISH,
-    THRESHOLDED_RELU, SOFTSIGN, SHRINK, TAN, ASIN, ACOS, ATAN, SINH, COSH, ASINH, ACOSH, ATANH, SIGN, ROUND
+    THRESHOLDED_RELU, SOFTSIGN, SHRINK, TAN, ASIN, ACOS, ATAN, SINH, COSH, ASINH, ACOSH, ATANH, SIGN, ROUND,
+    BITWISE_NOT
 };
 
 // Same formulas as the CPU reference (`Op::apply`), in the compute type C (float or double).
@@ -144,7 +145,7 @@ __global__ void kiln_unary(const typename Tag::storage* x, typename Tag::storage
 }
 
 // Integer Relu, Neg, Abs and Sign on signed types, wrapping (Neg/Abs of the minimum stay the
-// minimum).
+// minimum), and BitwiseNot on any integer type.
 template <typename T>
 struct IntOp {
     unsigned op;
@@ -156,6 +157,7 @@ struct IntOp {
         case NEG: return T::st(0ull - x);
         case ABS: return neg ? T::st(0ull - x) : v;
         case SIGN: return neg ? T::st(~0ull) : (typename T::S)(x != 0);
+        case BITWISE_NOT: return T::st(~x);
         default: return v;
         }
     }

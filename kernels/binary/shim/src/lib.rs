@@ -1,7 +1,8 @@
 //! Shim of `kiln-binary`: elementwise ops of two or more inputs with ONNX multidirectional
 //! (numpy) broadcasting, following ONNX Operators.md: Add-14, Sub-14, Mul-14, Div-14, Pow-15,
 //! Mod-13, Max-13, Min-13, Sum-13, Mean-13, Equal-19, Less-13, Greater-13, LessOrEqual-16,
-//! GreaterOrEqual-16, And-7, Or-7, Xor-7, Where-16 (and their earlier broadcasting versions).
+//! GreaterOrEqual-16, And-7, Or-7, Xor-7, Where-16 (and their earlier broadcasting versions),
+//! BitwiseAnd-18, BitwiseOr-18, BitwiseXor-18 (integers) and BitShift-11 (unsigned integers).
 //!
 //! The CPU reference computes floating-point ops in f64 and rounds once to the output dtype
 //! (round to nearest even, also for float16/bfloat16); integer ops are done in integers,
@@ -39,6 +40,10 @@ enum Op {
     Or,
     Xor,
     Where,
+    BitwiseAnd,
+    BitwiseOr,
+    BitwiseXor,
+    BitShift { left: bool },
 }
 
 impl Op {
@@ -67,6 +72,14 @@ impl Op {
             "Or" => Op::Or,
             "Xor" => Op::Xor,
             "Where" => Op::Where,
+            "BitwiseAnd" => Op::BitwiseAnd,
+            "BitwiseOr" => Op::BitwiseOr,
+            "BitwiseXor" => Op::BitwiseXor,
+            "BitShift" => match call.attr_s("direction", "")? {
+                "LEFT" => Op::BitShift { left: true },
+                "RIGHT" => Op::BitShift { left: false },
+                other => bail!("BitShift: direction must be \"LEFT\" or \"RIGHT\", not {other:?}"),
+            },
             other => unsupported!("kiln-binary does not implement {other}"),
         })
     }
@@ -81,6 +94,11 @@ impl Op {
 
     fn is_logical(self) -> bool {
         matches!(self, Op::And | Op::Or | Op::Xor)
+    }
+
+    /// Integer-only ops (BitShift: unsigned only).
+    fn is_bitwise(self) -> bool {
+        matches!(self, Op::BitwiseAnd | Op::BitwiseOr | Op::BitwiseXor | Op::BitShift { .. })
     }
 }
 
@@ -159,6 +177,12 @@ fn check(call: &Call) -> Result<Checked> {
             }
             if op == (Op::Mod { fmod: false }) && d.is_float() {
                 bail!("Mod: floating-point inputs require fmod = 1");
+            }
+            if op.is_bitwise() && d.is_float() {
+                bail!("{name}: inputs must be integers, not {d}");
+            }
+            if matches!(op, Op::BitShift { .. }) && !is_unsigned(d) {
+                bail!("BitShift: inputs must be unsigned integers, not {d}");
             }
             (&dtypes[..], d)
         }
@@ -296,6 +320,21 @@ fn int_op(op: Op, u: bool, a: i64, b: i64) -> Result<i64> {
                 a
             }
         }
+        Op::BitwiseAnd => a & b,
+        Op::BitwiseOr => a | b,
+        Op::BitwiseXor => a ^ b,
+        // Unsigned only: `a` is zero-extended, so a right shift brings in zeros; bits shifted
+        // past the element's width are dropped when it is stored.
+        Op::BitShift { left } => match u32::try_from(b as u64) {
+            Ok(s) if s < 64 => {
+                if left {
+                    ((a as u64) << s) as i64
+                } else {
+                    ((a as u64) >> s) as i64
+                }
+            }
+            _ => 0,
+        },
         other => bail!("internal: {other:?} is not an integer op"),
     })
 }
@@ -418,6 +457,11 @@ fn arith_code(op: Op) -> Option<u32> {
         Op::Mod { fmod: false } => 6,
         Op::Max => 7,
         Op::Min => 8,
+        Op::BitwiseAnd => 9,
+        Op::BitwiseOr => 10,
+        Op::BitwiseXor => 11,
+        Op::BitShift { left: true } => 12,
+        Op::BitShift { left: false } => 13,
         _ => return None,
     })
 }

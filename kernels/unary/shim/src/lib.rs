@@ -3,7 +3,7 @@
 //! Reciprocal-13, Cos-7, Sin-7, Floor-13, Ceil-13, Not-1, Gelu-20, Softplus-1, HardSigmoid-6,
 //! Clip-6/11/13, Elu-6, Selu-6, Celu-12, HardSwish-14, Mish-18, ThresholdedRelu-10, Softsign-1,
 //! Shrink-9, Tan-7, Asin-7, Acos-7, Atan-7, Sinh-9, Cosh-9, Asinh-9, Acosh-9, Atanh-9, Sign-9,
-//! Round-11), and `ai.kiln::SwiGlu` (`swiglu`). The CPU reference computes
+//! Round-11, BitwiseNot-18), and `ai.kiln::SwiGlu` (`swiglu`). The CPU reference computes
 //! floating-point ops in f64 and rounds once.
 #![no_std]
 extern crate alloc;
@@ -60,6 +60,8 @@ enum Op {
     Atanh,
     Sign,
     Round,
+    /// Integers only.
+    BitwiseNot,
 }
 
 impl Op {
@@ -109,6 +111,7 @@ impl Op {
             "Atanh" => Op::Atanh,
             "Sign" => Op::Sign,
             "Round" => Op::Round,
+            "BitwiseNot" => Op::BitwiseNot,
             other => unsupported!("kiln-unary does not implement {other}"),
         })
     }
@@ -154,6 +157,7 @@ impl Op {
             Op::Atanh => 35,
             Op::Sign => 36,
             Op::Round => 37,
+            Op::BitwiseNot => 38,
         }
     }
 
@@ -270,16 +274,20 @@ impl Op {
             }
             // Halves to even, as ONNX's Round.
             Op::Round => rint(x),
+            // Refused for floats before this is reached.
+            Op::BitwiseNot => f64::NAN,
         }
     }
 
-    /// Integer inputs: Relu, Neg, Abs (wrapping, as two's complement hardware does), Sign.
+    /// Integer inputs: Relu, Neg, Abs (wrapping, as two's complement hardware does), Sign, and
+    /// BitwiseNot (of the widened value; storing keeps the element's bits).
     fn apply_int(self, x: i64) -> Result<i64> {
         Ok(match self {
             Op::Relu => x.max(0),
             Op::Neg => x.wrapping_neg(),
             Op::Abs => x.wrapping_abs(),
             Op::Sign => x.signum(),
+            Op::BitwiseNot => !x,
             _ => unsupported!("integer input"),
         })
     }
@@ -346,6 +354,9 @@ impl Shim for Unary {
             }
             _ => {
                 let op = Op::from_call(call)?;
+                if matches!(op, Op::BitwiseNot) && !dtype.is_int() {
+                    bail!("BitwiseNot: input must be an integer, not {dtype}");
+                }
                 if dtype.is_float() {
                     with_dtype!(dtype, T => map::<T>(&bytes, |v| Ok(T::from_f64(op.apply(v.to_f64())))))?
                 } else {
@@ -374,6 +385,9 @@ impl Shim for Unary {
             "Clip" => clip_dispatch(call, dtype)?,
             _ => {
                 let op = Op::from_call(call)?;
+                if matches!(op, Op::BitwiseNot) && !dtype.is_int() {
+                    bail!("BitwiseNot: input must be an integer, not {dtype}");
+                }
                 if dtype.is_float() {
                     let Some(kernel) = instance("kiln_unary", dtype, DType::is_float) else {
                         unsupported!("{}: no CUDA kernel for {dtype}", call.op_type())
@@ -381,10 +395,12 @@ impl Shim for Unary {
                     let (alpha, beta) = op.params();
                     (kernel, vec![KernelArg::U32(op.code()), KernelArg::F32(alpha as f32), KernelArg::F32(beta as f32)])
                 } else {
-                    if !matches!(op, Op::Relu | Op::Neg | Op::Abs | Op::Sign) {
-                        unsupported!("{}: integer input", call.op_type());
-                    }
-                    let Some(kernel) = instance("kiln_unary_int", dtype, is_signed_int) else {
+                    let ints: fn(DType) -> bool = match op {
+                        Op::BitwiseNot => DType::is_int,
+                        Op::Relu | Op::Neg | Op::Abs | Op::Sign => is_signed_int,
+                        _ => unsupported!("{}: integer input", call.op_type()),
+                    };
+                    let Some(kernel) = instance("kiln_unary_int", dtype, ints) else {
                         unsupported!("{}: no CUDA kernel for {dtype}", call.op_type())
                     };
                     (kernel, vec![KernelArg::U32(op.code())])
@@ -429,7 +445,8 @@ fn instance(template: &str, dtype: DType, instantiated: fn(DType) -> bool) -> Op
     Some(kernel_name(template, &[dtype.cuda_tag()?]))
 }
 
-/// The dtypes of `kiln_unary_int`: signed integers (Relu, Neg, Abs, Sign).
+/// The integer dtypes of Relu, Neg, Abs and Sign: signed (`kiln_unary_int` is instantiated for
+/// every integer dtype, which BitwiseNot takes).
 fn is_signed_int(dtype: DType) -> bool {
     matches!(dtype, DType::I8 | DType::I16 | DType::I32 | DType::I64)
 }
