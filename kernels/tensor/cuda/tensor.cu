@@ -360,3 +360,17 @@ extern "C" __global__ void kiln_tensor_range_float(char* dst, kiln_u64 n, double
             ((double*)dst)[i] = v;
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Trilu: element t of n (esize bytes each; matrices [rows, cols] innermost) copied when
+// j − i ≥ k (upper) or j − i ≤ k (lower), for (i, j) = ((t / cols) % rows, t % cols), else zero.
+
+extern "C" __global__ void kiln_tensor_trilu(const char* src, char* dst, kiln_u64 n, unsigned esize, kiln_u64 rows,
+                                             kiln_u64 cols, long long k, unsigned upper) {
+    KILN_FOR(t, n) {
+        const kiln_u64 q = t / cols;
+        const long long d = (long long)(t - q * cols) - (long long)(q % rows);
+        const bool keep = upper ? d >= k : d <= k;
+        for (unsigned b = 0; b < esize; ++b) dst[t * esize + b] = keep ? src[t * esize + b] : (char)0;
+    }
+}

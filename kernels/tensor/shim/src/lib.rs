@@ -9,6 +9,7 @@
 //!   `num_outputs` from 18), Gather.
 //! - [`generate`]: ops that make new values: Shape (`start`/`end` from 15), Size, Constant,
 //!   ConstantOfShape, Range.
+//! - [`trilu`]: Trilu (a triangle of the last two dimensions).
 //!
 //! GPU dispatches ([`gpu`], kernels in `cuda/tensor.cu`) move bytes by element size, so
 //! they too serve every fixed-size dtype; Constant has none (the host folds it at load).
@@ -24,6 +25,7 @@ mod gpu;
 mod join;
 mod layout;
 mod strided;
+mod trilu;
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
@@ -46,6 +48,7 @@ impl Shim for Tensors {
             "Split" => join::split_infer(call),
             "Gather" => join::gather_infer(call),
             "Shape" | "Size" | "Constant" | "ConstantOfShape" | "Range" => generate::infer(call),
+            "Trilu" => trilu::infer(call),
             other => unsupported!("kiln-tensor does not implement {other}"),
         }
     }
@@ -58,6 +61,7 @@ impl Shim for Tensors {
             "Split" => join::split_dispatch(call),
             "Gather" => join::gather_dispatch(call),
             "Shape" | "Size" | "Constant" | "ConstantOfShape" | "Range" => generate::dispatch(call),
+            "Trilu" => trilu::dispatch(call),
             other => unsupported!("kiln-tensor does not implement {other}"),
         }
     }
@@ -70,6 +74,7 @@ impl Shim for Tensors {
             "Split" => join::split_cpu(call),
             "Gather" => join::gather_cpu(call),
             "Shape" | "Size" | "Constant" | "ConstantOfShape" | "Range" => generate::cpu(call),
+            "Trilu" => trilu::cpu(call),
             other => unsupported!("kiln-tensor does not implement {other}"),
         }
     }
