@@ -7,6 +7,7 @@
 //   kiln_unary<Tag>(const T* x, T* y, u64 n, u32 op, f32 alpha, f32 beta)     Tag f32 f16 bf16 f64
 //   kiln_unary_int<Tag>(const T* x, T* y, u64 n, u32 op)     Relu, Neg, Abs (wrapping), Tag i8 .. i64
 //   kiln_not(const u8* x, u8* y, u64 n)                                     bool (extern "C")
+//   kiln_classify<Tag>(const T* x, u8* y, u64 n, u32 what)   IsNaN / IsInf, Tag f32 f16 bf16 f64
 //   kiln_clip<Tag>(const T* x, T* y, u64 n, const T* lo, const T* hi, u32 flags, f64 lo_attr, f64 hi_attr)
 //     Tag f32 f16 bf16 f64 i8 .. i64 u8 .. u64;
 //     flags: bit 0 lower bound *lo, bit 1 upper bound *hi (opset 11+ inputs, device scalars),
@@ -176,6 +177,17 @@ struct NotOp {
 
 extern "C" __global__ void kiln_not(const unsigned char* x, unsigned char* y, kiln_u64 n) {
     map_contiguous(x, y, n, NotOp());
+}
+
+// IsNaN / IsInf: y[i] (bool) = x[i] is NaN (what bit 0), +inf (bit 1) or -inf (bit 2).
+template <typename Tag>
+__global__ void kiln_classify(const typename Tag::storage* x, unsigned char* y, kiln_u64 n, unsigned what) {
+    typedef typename Elem<Tag>::C C;
+    KILN_FOR(i, n) {
+        const C v = Elem<Tag>::ld(x[i]);
+        y[i] = ((what & 1u) && v != v) || ((what & 2u) && v == -kiln_neg_inf<C>()) ||
+               ((what & 4u) && v == kiln_neg_inf<C>());
+    }
 }
 
 // ---- Clip ----

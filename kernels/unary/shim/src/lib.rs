@@ -3,11 +3,12 @@
 //! Reciprocal-13, Cos-7, Sin-7, Floor-13, Ceil-13, Not-1, Gelu-20, Softplus-1, HardSigmoid-6,
 //! Clip-6/11/13, Elu-6, Selu-6, Celu-12, HardSwish-14, Mish-18, ThresholdedRelu-10, Softsign-1,
 //! Shrink-9, Tan-7, Asin-7, Acos-7, Atan-7, Sinh-9, Cosh-9, Asinh-9, Acosh-9, Atanh-9, Sign-9,
-//! Round-11, BitwiseNot-18), and `ai.kiln::SwiGlu` (`swiglu`). The CPU reference computes
+//! Round-11, BitwiseNot-18), IsNaN and IsInf (`classify`), and `ai.kiln::SwiGlu` (`swiglu`). The CPU reference computes
 //! floating-point ops in f64 and rounds once.
 #![no_std]
 extern crate alloc;
 
+mod classify;
 mod swiglu;
 
 use alloc::string::String;
@@ -323,8 +324,10 @@ fn clip_bounds(call: &Call) -> Result<(Option<f64>, Option<f64>)> {
 
 impl Shim for Unary {
     fn infer(call: &Call) -> Result<Vec<TensorType>> {
-        if call.op_type() == "SwiGlu" {
-            return swiglu::infer(call);
+        match call.op_type() {
+            "SwiGlu" => return swiglu::infer(call),
+            "IsNaN" | "IsInf" => return classify::infer(call),
+            _ => {}
         }
         let x = call.input(0)?;
         let dtype = x.dtype()?;
@@ -335,8 +338,10 @@ impl Shim for Unary {
     }
 
     fn cpu(call: &Call) -> Result<()> {
-        if call.op_type() == "SwiGlu" {
-            return swiglu::cpu(call);
+        match call.op_type() {
+            "SwiGlu" => return swiglu::cpu(call),
+            "IsNaN" | "IsInf" => return classify::cpu(call),
+            _ => {}
         }
         let x = call.input(0)?;
         let dtype = x.dtype()?;
@@ -368,8 +373,10 @@ impl Shim for Unary {
     }
 
     fn dispatch(call: &Call) -> Result<()> {
-        if call.op_type() == "SwiGlu" {
-            return swiglu::dispatch(call);
+        match call.op_type() {
+            "SwiGlu" => return swiglu::dispatch(call),
+            "IsNaN" | "IsInf" => return classify::dispatch(call),
+            _ => {}
         }
         let x = call.input(0)?;
         let y = call.output(0)?;
