@@ -433,3 +433,44 @@ __global__ void kiln_arg_strided(const typename Tag::storage* x, long long* y, k
                                  kiln_u64 inner, unsigned is_min, unsigned last) {
     arg_strided<Tag>(x, y, outer, n, inner, is_min, last);
 }
+
+// CumSum and Hardmax (shim/src/lines.rs): the input viewed as [outer, n, inner], one thread per
+// line (outer · inner of them, grid-stride), n elements apart by inner.
+
+// y = the running sum of x along the line (exclusive: without the element itself; reverse: from
+// the end), accumulated in kiln_elem's C (f32; f64 for float64; integers wrap).
+template <typename Tag>
+__global__ void kiln_cumsum(const typename Tag::storage* x, typename Tag::storage* y, kiln_u64 outer, kiln_u64 n,
+                            kiln_u64 inner, unsigned exclusive, unsigned reverse) {
+    typedef kiln_elem<Tag> E;
+    KILN_FOR(line, outer * inner) {
+        const kiln_u64 o = line / inner, i = line - o * inner, base = o * n * inner + i;
+        typename E::C acc = 0;
+        for (kiln_u64 j = 0; j < n; ++j) {
+            const kiln_u64 k = base + (reverse ? n - 1 - j : j) * inner;
+            const typename E::C before = acc;
+            acc += E::ld(x[k]);
+            y[k] = E::st(exclusive ? before : acc);
+        }
+    }
+}
+
+// y = 1 at the first largest element of the line (a NaN wins over every number), 0 elsewhere.
+template <typename Tag>
+__global__ void kiln_hardmax(const typename Tag::storage* x, typename Tag::storage* y, kiln_u64 outer, kiln_u64 n,
+                             kiln_u64 inner) {
+    typedef kiln_elem<Tag> E;
+    KILN_FOR(line, outer * inner) {
+        const kiln_u64 o = line / inner, i = line - o * inner, base = o * n * inner + i;
+        kiln_u64 best = 0;
+        typename E::C bv = E::ld(x[base]);
+        for (kiln_u64 j = 1; j < n; ++j) {
+            const typename E::C v = E::ld(x[base + j * inner]);
+            if (bv == bv && (v != v || v > bv)) {
+                bv = v;
+                best = j;
+            }
+        }
+        for (kiln_u64 j = 0; j < n; ++j) y[base + j * inner] = E::st(j == best ? 1 : 0);
+    }
+}

@@ -1,6 +1,6 @@
 //! Shim of `kiln-reduce`: ReduceSum, ReduceMean, ReduceMax, ReduceMin, ReduceProd,
-//! ReduceSumSquare, ReduceL1, ReduceL2, ReduceLogSum and ReduceLogSumExp, and ArgMax / ArgMin
-//! (`arg`), following ONNX Operators.md.
+//! ReduceSumSquare, ReduceL1, ReduceL2, ReduceLogSum and ReduceLogSumExp, ArgMax / ArgMin
+//! (`arg`), and CumSum and Hardmax (`lines`), following ONNX Operators.md.
 //!
 //! `axes` is an attribute before ReduceSum-13 and ReduceMean-18/ReduceMax-18, the optional
 //! input 1 from then on (a value input: its bytes arrive inline). `keepdims` defaults to 1;
@@ -18,6 +18,7 @@
 extern crate alloc;
 
 mod arg;
+mod lines;
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
@@ -320,10 +321,17 @@ fn is_arg(call: &Call) -> bool {
     matches!(call.op_type(), "ArgMax" | "ArgMin")
 }
 
+fn is_line_op(call: &Call) -> bool {
+    matches!(call.op_type(), "CumSum" | "Hardmax")
+}
+
 impl Shim for Reduce {
     fn infer(call: &Call) -> Result<Vec<TensorType>> {
         if is_arg(call) {
             return arg::infer(call);
+        }
+        if is_line_op(call) {
+            return lines::infer(call);
         }
         let p = plan(call)?;
         let dtype = call.input(0)?.dtype()?;
@@ -334,6 +342,9 @@ impl Shim for Reduce {
     fn cpu(call: &Call) -> Result<()> {
         if is_arg(call) {
             return arg::cpu(call);
+        }
+        if is_line_op(call) {
+            return lines::cpu(call);
         }
         let p = plan(call)?;
         let x = call.input(0)?;
@@ -384,6 +395,9 @@ impl Shim for Reduce {
     fn dispatch(call: &Call) -> Result<()> {
         if is_arg(call) {
             return arg::dispatch(call);
+        }
+        if is_line_op(call) {
+            return lines::dispatch(call);
         }
         dispatch(call)
     }
