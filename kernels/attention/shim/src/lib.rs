@@ -59,8 +59,8 @@ extern crate alloc;
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
 use kiln_kernel_abi::names::kernel_name;
-use kiln_kernel_abi::{bail, export_shim, unsupported};
 use kiln_kernel_abi::wire::MAX_COUNTERS;
+use kiln_kernel_abi::{bail, export_shim, unsupported};
 
 struct Attention;
 
@@ -746,12 +746,18 @@ const PREFILL_MAX_HEAD: usize = 128;
 /// elements 1 apart.
 fn kv_layout(call: &Call, p: &GqaPlan) -> Result<[KernelArg; 4]> {
     let paged = |t: Option<Tensor>| t.and_then(|t| t.paged().cloned());
-    let (past, pres) = ([paged(call.input_opt(3)), paged(call.input_opt(4))], [paged(call.output_opt(1)), paged(call.output_opt(2))]);
+    let (past, pres) =
+        ([paged(call.input_opt(3)), paged(call.input_opt(4))], [paged(call.output_opt(1)), paged(call.output_opt(2))]);
     let has_past = p.past_len > 0;
     let layout = match (&past, &pres) {
         ([None, None], [None, None]) => {
             let pl = (p.present_len * p.head_size) as u64;
-            return Ok([KernelArg::U64(p.kv_heads as u64 * pl), KernelArg::U64(pl), KernelArg::U64(0), KernelArg::U32(31)]);
+            return Ok([
+                KernelArg::U64(p.kv_heads as u64 * pl),
+                KernelArg::U64(pl),
+                KernelArg::U64(0),
+                KernelArg::U32(31),
+            ]);
         }
         ([a, b], [Some(c), Some(d)]) if c == d && has_past && a.as_ref() == Some(c) && b.as_ref() == Some(c) => {
             if has_past && p.present_len != p.past_len {
@@ -1080,15 +1086,21 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
         grid: [p.seq as u32, p.heads as u32, p.batch as u32],
         block: [32 * warps, 1, 1],
         shared_mem_bytes: 0,
-        args: [vec![targ(&query), harg(pres_k), harg(pres_v), seqlens, cos, sin, bias, sink, targ(&out)], geometry, vec![
-            KernelArg::F32(softcap),
-            KernelArg::I32(window),
-            flag(p.bias_dims.is_some()),
-            u("attention_bias batch", bias_b)?,
-            u("attention_bias heads", bias_h)?,
-            u("total_sequence_length", p.total)?,
-            KernelArg::U32(sink_mode),
-        ], layout.to_vec(), vec![KernelArg::Status]]
+        args: [
+            vec![targ(&query), harg(pres_k), harg(pres_v), seqlens, cos, sin, bias, sink, targ(&out)],
+            geometry,
+            vec![
+                KernelArg::F32(softcap),
+                KernelArg::I32(window),
+                flag(p.bias_dims.is_some()),
+                u("attention_bias batch", bias_b)?,
+                u("attention_bias heads", bias_h)?,
+                u("total_sequence_length", p.total)?,
+                KernelArg::U32(sink_mode),
+            ],
+            layout.to_vec(),
+            vec![KernelArg::Status],
+        ]
         .concat(),
     })
 }

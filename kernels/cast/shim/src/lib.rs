@@ -122,9 +122,7 @@ impl Shim for Cast {
 
     fn dispatch(call: &Call) -> Result<()> {
         let (from, to) = dtypes(call)?;
-        let Some(tag) = from.cuda_tag() else {
-            unsupported!("{}: no CUDA kernel from {from}", call.op_type())
-        };
+        let Some(tag) = from.cuda_tag() else { unsupported!("{}: no CUDA kernel from {from}", call.op_type()) };
         let kernel = kiln_kernel_abi::names::kernel_name("kiln_cast", &[tag]);
         if to == DType::String {
             unsupported!("{}: no CUDA kernel to {to}", call.op_type());

@@ -31,9 +31,9 @@
 //! (`kiln_linear_gemv`); more rows (prefill) write `A` to scratch and call cuBLASLt with
 //! `transB`.
 
+use alloc::string::ToString;
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
-use alloc::string::ToString;
 use kiln_kernel_abi::names::kernel_name;
 use kiln_kernel_abi::{bail, unsupported};
 

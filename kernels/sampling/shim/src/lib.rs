@@ -35,8 +35,8 @@ extern crate alloc;
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
-use kiln_kernel_abi::sampling::{next_token, RowParams, DEVICE_MAX_VOCAB, SEED_WORDS};
 use kiln_kernel_abi::names::kernel_name;
+use kiln_kernel_abi::sampling::{next_token, RowParams, DEVICE_MAX_VOCAB, SEED_WORDS};
 use kiln_kernel_abi::{bail, export_shim, unsupported};
 
 struct Sampling;

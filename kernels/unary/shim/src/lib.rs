@@ -37,7 +37,9 @@ enum Op {
     Sin,
     Floor,
     Ceil,
-    Gelu { tanh: bool },
+    Gelu {
+        tanh: bool,
+    },
     Softplus,
     HardSigmoid(f64, f64),
     Elu(f64),

@@ -1,0 +1,350 @@
+//! Shim of `kiln-pool`: pooling over the spatial dimensions of `[N, C, D1, …, Dk]` tensors,
+//! following ONNX Operators.md: MaxPool (1, 8, 10, 11, 12; the optional int64 `Indices`
+//! output), AveragePool (1, 7, 10, 11, 19), LpPool (1, 2, 11, 18), GlobalMaxPool,
+//! GlobalAveragePool and GlobalLpPool (1, 2).
+//!
+//! Geometry, per spatial dimension `d` (onnxruntime's and ONNX's reference semantics):
+//! `kernel_shape`, `strides` (1), `dilations` (1), `pads` (`[b1, …, bk, e1, …, ek]`, 0) or
+//! `auto_pad` (`SAME_UPPER` and `SAME_LOWER`: output `ceil(in / s)`, the total padding split
+//! with the odd one at the end, or at the beginning; `VALID`: no padding). The window of output
+//! `o` covers positions `o·s − b + i·dil`, `i < kernel`. The output size is
+//! `floor((in + b + e − ((kernel − 1)·dil + 1)) / s) + 1`; with `ceil_mode` it is rounded up,
+//! then reduced by one when the last window would start past `in + b`.
+//!
+//! - Max: the largest in-bounds value; `Indices` the flat index of its first occurrence in X,
+//!   `(n·C + c)·∏Di + offset`, the offset row-major (`storage_order` 0) or column-major (1).
+//! - Average: the sum of in-bounds values over their count, or with `count_include_pad` over
+//!   the window positions before `in + e` (padding counted, ceil's overhang not).
+//! - Lp: `(Σ |v|^p)^(1/p)` over in-bounds values (`p`, default 2).
+//!
+//! The CPU reference computes in f64 and rounds once. On the GPU `kiln_pool<Tag>` runs one thread
+//! per output element, for up to 3 spatial dimensions.
+#![no_std]
+extern crate alloc;
+
+use alloc::vec::Vec;
+use kiln_kernel_abi::guest::*;
+use kiln_kernel_abi::names::kernel_name;
+use kiln_kernel_abi::{bail, export_shim, unsupported};
+
+struct Pool;
+
+/// Most spatial dimensions of the CUDA kernel.
+const GPU_MAX_SPATIAL: usize = 3;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    // The CUDA kernel's codes.
+    Max = 0,
+    Average = 1,
+    Lp = 2,
+}
+
+/// One node's pooling geometry.
+struct Plan {
+    kind: Kind,
+    /// N·C.
+    planes: usize,
+    input: Vec<usize>,
+    output: Vec<usize>,
+    kernel: Vec<usize>,
+    strides: Vec<usize>,
+    dilations: Vec<usize>,
+    /// Padding before each spatial dimension (its end padding only bounds count_include_pad).
+    begin: Vec<usize>,
+    end: Vec<usize>,
+    count_include_pad: bool,
+    p: f64,
+    column_major: bool,
+    out_shape: Vec<usize>,
+}
+
+/// A positive integer list attribute of `k` entries, or `default` repeated.
+fn dims_attr(call: &Call, name: &str, k: usize, default: usize, min: i64) -> Result<Vec<usize>> {
+    let op = call.op_type();
+    match call.attr_ints(name)? {
+        None => Ok(vec![default; k]),
+        Some(v) if v.len() != k => bail!("{op}: {name} has {} entries, not {k} (one per spatial dimension)", v.len()),
+        Some(v) => {
+            v.iter()
+                .map(|&x| {
+                    if x >= min {
+                        Ok(x as usize)
+                    } else {
+                        bail!("{op}: {name} entries must be at least {min}, not {x}")
+                    }
+                })
+                .collect()
+        }
+    }
+}
+
+fn plan(call: &Call) -> Result<Plan> {
+    let op = call.op_type();
+    let (kind, global) = match op {
+        "MaxPool" => (Kind::Max, false),
+        "AveragePool" => (Kind::Average, false),
+        "LpPool" => (Kind::Lp, false),
+        "GlobalMaxPool" => (Kind::Max, true),
+        "GlobalAveragePool" => (Kind::Average, true),
+        "GlobalLpPool" => (Kind::Lp, true),
+        other => unsupported!("kiln-pool does not implement {other}"),
+    };
+    let x = call.input(0)?;
+    let shape = x.shape()?;
+    if shape.len() < 3 {
+        bail!("{op}: the input must be [N, C, D1, ...], not of rank {}", shape.len());
+    }
+    let input = shape[2..].to_vec();
+    let k = input.len();
+    let p = match kind {
+        Kind::Lp => {
+            // LpPool-1's p is a float attribute; from opset 2 an int.
+            let p = if call.opset() < 2 { call.attr_f("p", 2.0)? as f64 } else { call.attr_i("p", 2)? as f64 };
+            if p <= 0.0 {
+                bail!("{op}: p must be positive, not {p}");
+            }
+            p
+        }
+        _ => 1.0,
+    };
+    let (kernel, strides, dilations, mut begin, mut end, ceil) = if global {
+        (input.clone(), vec![1; k], vec![1; k], vec![0; k], vec![0; k], false)
+    } else {
+        let Some(kernel) = call.attr_ints("kernel_shape")? else { bail!("{op}: kernel_shape is required") };
+        if kernel.len() != k || kernel.iter().any(|&v| v < 1) {
+            bail!("{op}: kernel_shape {kernel:?} must have {k} positive entries");
+        }
+        let pads = match call.attr_ints("pads")? {
+            None => vec![0usize; 2 * k],
+            Some(v) if v.len() != 2 * k => bail!("{op}: pads has {} entries, not {}", v.len(), 2 * k),
+            Some(v) if v.iter().any(|&x| x < 0) => bail!("{op}: pads must not be negative, not {v:?}"),
+            Some(v) => v.iter().map(|&x| x as usize).collect(),
+        };
+        (
+            kernel.iter().map(|&v| v as usize).collect::<Vec<_>>(),
+            dims_attr(call, "strides", k, 1, 1)?,
+            dims_attr(call, "dilations", k, 1, 1)?,
+            pads[..k].to_vec(),
+            pads[k..].to_vec(),
+            call.attr_i("ceil_mode", 0)? != 0,
+        )
+    };
+    let auto_pad = if global { "NOTSET" } else { call.attr_s("auto_pad", "NOTSET")? };
+    let mut output = Vec::with_capacity(k);
+    for d in 0..k {
+        let extent = (kernel[d] - 1) * dilations[d] + 1;
+        let (i, s) = (input[d], strides[d]);
+        let o = match auto_pad {
+            "SAME_UPPER" | "SAME_LOWER" => {
+                let o = (i + s - 1) / s;
+                let total = ((o.max(1) - 1) * s + extent).saturating_sub(i);
+                let small = total / 2;
+                (begin[d], end[d]) =
+                    if auto_pad == "SAME_UPPER" { (small, total - small) } else { (total - small, small) };
+                o
+            }
+            "VALID" => {
+                (begin[d], end[d]) = (0, 0);
+                if i < extent {
+                    0
+                } else {
+                    (i - extent) / s + 1
+                }
+            }
+            "NOTSET" | "" => {
+                let span = i + begin[d] + end[d];
+                if span < extent {
+                    0
+                } else if ceil {
+                    let mut o = (span - extent).div_ceil(s) + 1;
+                    if (o - 1) * s >= i + begin[d] {
+                        o -= 1;
+                    }
+                    o
+                } else {
+                    (span - extent) / s + 1
+                }
+            }
+            other => bail!("{op}: auto_pad must be NOTSET, SAME_UPPER, SAME_LOWER or VALID, not {other:?}"),
+        };
+        output.push(o);
+    }
+    let mut out_shape = shape[..2].to_vec();
+    out_shape.extend(&output);
+    let storage_order = call.attr_i("storage_order", 0)?;
+    if !(0..=1).contains(&storage_order) {
+        bail!("{op}: storage_order must be 0 or 1, not {storage_order}");
+    }
+    Ok(Plan {
+        kind,
+        planes: shape[0] * shape[1],
+        input,
+        output,
+        kernel,
+        strides,
+        dilations,
+        begin,
+        end,
+        count_include_pad: call.attr_i("count_include_pad", 0)? != 0,
+        p,
+        column_major: storage_order == 1,
+        out_shape,
+    })
+}
+
+impl Plan {
+    /// Output `o` (row-major over the spatial output) of plane `plane`: the value, and for Max
+    /// the flat index of the first largest element.
+    fn pool(&self, x: &[f64], plane: usize, o: usize) -> (f64, i64) {
+        let k = self.input.len();
+        let mut rest = o;
+        let mut start = [0i64; 8];
+        for d in (0..k).rev() {
+            let od = rest % self.output[d];
+            rest /= self.output[d];
+            start[d] = (od * self.strides[d]) as i64 - self.begin[d] as i64;
+        }
+        let spatial: usize = self.input.iter().product();
+        let (mut best, mut best_at, mut sum, mut values, mut counted) =
+            (f64::NEG_INFINITY, -1i64, 0f64, 0usize, 0usize);
+        let taps: usize = self.kernel.iter().product();
+        for t in 0..taps {
+            let (mut rest, mut inside, mut before_end) = (t, true, true);
+            let (mut row, mut col, mut stride_c) = (0usize, 0usize, 1usize);
+            let mut pos = [0i64; 8];
+            for d in (0..k).rev() {
+                let i = rest % self.kernel[d];
+                rest /= self.kernel[d];
+                pos[d] = start[d] + (i * self.dilations[d]) as i64;
+                inside &= pos[d] >= 0 && (pos[d] as usize) < self.input[d];
+                before_end &= pos[d] < (self.input[d] + self.end[d]) as i64;
+            }
+            if before_end {
+                counted += 1;
+            }
+            if !inside {
+                continue;
+            }
+            for d in 0..k {
+                row = row * self.input[d] + pos[d] as usize;
+                col += pos[d] as usize * stride_c;
+                stride_c *= self.input[d];
+            }
+            let v = x[plane * spatial + row];
+            values += 1;
+            match self.kind {
+                Kind::Max => {
+                    if best_at < 0 || v > best {
+                        best = v;
+                        best_at = (plane * spatial + if self.column_major { col } else { row }) as i64;
+                    }
+                }
+                Kind::Average => sum += v,
+                Kind::Lp => sum += libm::pow(v.abs(), self.p),
+            }
+        }
+        match self.kind {
+            Kind::Max => (if best_at < 0 { f64::NAN } else { best }, best_at.max(0)),
+            Kind::Average => (sum / (if self.count_include_pad { counted } else { values }) as f64, 0),
+            Kind::Lp => (libm::pow(sum, 1.0 / self.p), 0),
+        }
+    }
+}
+
+fn check_dtype(call: &Call, kind: Kind) -> Result<DType> {
+    let d = call.input(0)?.dtype()?;
+    match d {
+        d if d.is_float() => Ok(d),
+        DType::I8 | DType::U8 if kind == Kind::Max => Ok(d),
+        d => unsupported!("{}: {d} input is not supported", call.op_type()),
+    }
+}
+
+impl Shim for Pool {
+    fn infer(call: &Call) -> Result<Vec<TensorType>> {
+        let p = plan(call)?;
+        let dtype = check_dtype(call, p.kind)?;
+        let mut out = vec![TensorType::new(dtype, p.out_shape.clone())];
+        if call.num_outputs() > 1 {
+            if p.kind != Kind::Max || call.op_type() != "MaxPool" {
+                bail!("{}: has one output, the node asks for {}", call.op_type(), call.num_outputs());
+            }
+            out.push(TensorType::new(DType::I64, p.out_shape));
+        }
+        Ok(out)
+    }
+
+    fn cpu(call: &Call) -> Result<()> {
+        let p = plan(call)?;
+        check_dtype(call, p.kind)?;
+        let x = call.input(0)?.read_vec::<f64>()?;
+        let per_plane: usize = p.output.iter().product();
+        let (mut y, mut idx) = (Vec::with_capacity(p.planes * per_plane), Vec::new());
+        for plane in 0..p.planes {
+            for o in 0..per_plane {
+                let (v, at) = p.pool(&x, plane, o);
+                y.push(v);
+                idx.push(at);
+            }
+        }
+        call.output(0)?.write_vec(&y)?;
+        if let Some(t) = call.output_opt(1) {
+            t.write_vec(&idx)?;
+        }
+        Ok(())
+    }
+
+    fn dispatch(call: &Call) -> Result<()> {
+        let p = plan(call)?;
+        let dtype = check_dtype(call, p.kind)?;
+        let k = p.input.len();
+        if k > GPU_MAX_SPATIAL {
+            unsupported!("{}: {k} spatial dimensions (the CUDA kernel takes up to {GPU_MAX_SPATIAL})", call.op_type());
+        }
+        let Some(tag) = dtype.cuda_tag() else { unsupported!("{}: no CUDA kernel for {dtype}", call.op_type()) };
+        let total = (p.planes * p.output.iter().product::<usize>()) as u64;
+        if total == 0 {
+            return Ok(());
+        }
+        let y = call.output(0)?;
+        let idx = call.output_opt(1);
+        let t = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
+        let mut args = vec![
+            t(call.input(0)?.handle()),
+            t(y.handle()),
+            t(idx.as_ref().map_or(y.handle(), |i| i.handle())),
+            KernelArg::U64(total),
+            KernelArg::U32(p.kind as u32),
+            KernelArg::U32(p.count_include_pad as u32),
+            KernelArg::U32(idx.is_some() as u32),
+            KernelArg::U32(p.column_major as u32),
+            KernelArg::F32(p.p as f32),
+        ];
+        // Three spatial dimensions, leading ones of size 1 for fewer.
+        let pad = GPU_MAX_SPATIAL - k;
+        let at = |v: &[usize], d: usize, one: usize| if d < pad { one } else { v[d - pad] };
+        for d in 0..GPU_MAX_SPATIAL {
+            for (v, one) in [
+                (&p.input, 1),
+                (&p.output, 1),
+                (&p.kernel, 1),
+                (&p.strides, 1),
+                (&p.dilations, 1),
+                (&p.begin, 0),
+                (&p.end, 0),
+            ] {
+                args.push(KernelArg::I64(at(v, d, one) as i64));
+            }
+        }
+        launch(&Launch {
+            kernel: &kernel_name("kiln_pool", &[tag]),
+            grid: [total.div_ceil(256).clamp(1, 1 << 20) as u32, 1, 1],
+            block: [256, 1, 1],
+            shared_mem_bytes: 0,
+            args,
+        })
+    }
+}
+
+export_shim!(Pool);
