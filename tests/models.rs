@@ -473,15 +473,15 @@ fn wrong_inputs_are_errors() {
 #[test]
 fn an_op_no_package_provides_names_node_op_and_candidates() {
     let m = onnx::model(
-        vec![node("Hardmax", &["x"], &["y"], vec![])],
+        vec![node("Col2Im", &["x"], &["y"], vec![])],
         vec![value("x", 1, &[4])],
         vec![value("y", 1, &[4])],
         vec![],
     );
     let e = load_err(&m);
     assert!(
-        e.contains("Hardmax#0")
-            && e.contains("ai.onnx::Hardmax")
+        e.contains("Col2Im#0")
+            && e.contains("ai.onnx::Col2Im")
             && e.contains("float32")
             && e.contains("no installed package"),
         "{e}"
@@ -562,12 +562,12 @@ fn a_skipped_output_is_not_computed_and_its_inputs_need_not_be_fed() {
 
 #[test]
 fn one_error_names_every_op_no_package_runs() {
-    // Conv twice, MaxPool once, then a supported Relu: the error gives the first Conv's full
-    // detail and names MaxPool (with its first node) as missing too.
+    // Conv twice, MaxUnpool once, then a supported Relu: the error gives the first Conv's full
+    // detail and names MaxUnpool (with its first node) as missing too.
     let m = onnx::model(
         vec![
             node("Conv", &["x", "w"], &["c1"], vec![]),
-            node("MaxPool", &["c1"], &["p"], vec![attr_ints("kernel_shape", &[2, 2])]),
+            node("MaxUnpool", &["c1"], &["p"], vec![attr_ints("kernel_shape", &[2, 2])]),
             node("Conv", &["p", "w"], &["c2"], vec![]),
             node("Relu", &["c2"], &["y"], vec![]),
         ],
@@ -588,7 +588,7 @@ fn one_error_names_every_op_no_package_runs() {
     assert_eq!(ins.unsupported_ops, 2);
     let row = |op: &str| ins.ops.iter().find(|r| r.op == op).unwrap();
     assert_eq!((row("ai.onnx::Conv").nodes, row("ai.onnx::Conv").package.as_deref()), (2, None));
-    assert!(row("ai.onnx::MaxPool").reason.as_deref().unwrap().contains("no kernel package runs ai.onnx::MaxPool"));
+    assert!(row("ai.onnx::MaxUnpool").reason.as_deref().unwrap().contains("no kernel package runs ai.onnx::MaxUnpool"));
     assert_eq!(row("ai.onnx::Relu").package, Some(format!("kiln-unary@{}", kiln_tests::builtin_version("unary"))));
     assert_eq!(ins.inputs[0].shape, "1 × 1 × 8 × 8");
     let err = Session::new(runtime(&[]), model::load_bytes(&bytes, None).unwrap(), SessionOptions::default())
@@ -598,7 +598,9 @@ fn one_error_names_every_op_no_package_runs() {
     let msg = err.to_string();
     assert!(msg.starts_with("node \"Conv#0\": no kernel package runs ai.onnx::Conv"), "{msg}");
     assert!(
-        msg.contains("no package runs these ops of the model either: ai.onnx::MaxPool (1 node, first \"MaxPool#1\")"),
+        msg.contains(
+            "no package runs these ops of the model either: ai.onnx::MaxUnpool (1 node, first \"MaxUnpool#1\")"
+        ),
         "{msg}"
     );
     assert!(!msg.contains("Relu"), "Relu has a package: {msg}");

@@ -122,7 +122,7 @@ fn kernels_list_shows_every_builtin_package() {
     let o = kiln(&["kernels", "list"]);
     let t = text(&o);
     assert!(o.status.success(), "{t}");
-    for dir in ["unary", "binary", "cast", "matmul", "reduce", "normalization", "tensor", "pool", "cuda-std"] {
+    for dir in ["unary", "binary", "cast", "matmul", "reduce", "normalization", "tensor", "pool", "loss", "cuda-std"] {
         let p = format!("kiln-{dir} {}", builtin_version(dir));
         assert!(t.contains(&p), "{p} missing from:\n{t}");
     }
