@@ -137,7 +137,7 @@ fn plan(call: &Call) -> Result<Plan> {
         let (i, s) = (input[d], strides[d]);
         let o = match auto_pad {
             "SAME_UPPER" | "SAME_LOWER" => {
-                let o = (i + s - 1) / s;
+                let o = i.div_ceil(s);
                 let total = ((o.max(1) - 1) * s + extent).saturating_sub(i);
                 let small = total / 2;
                 (begin[d], end[d]) =
@@ -226,10 +226,10 @@ impl Plan {
             if !inside {
                 continue;
             }
-            for d in 0..k {
-                row = row * self.input[d] + pos[d] as usize;
-                col += pos[d] as usize * stride_c;
-                stride_c *= self.input[d];
+            for (&p, &n) in pos[..k].iter().zip(&self.input) {
+                row = row * n + p as usize;
+                col += p as usize * stride_c;
+                stride_c *= n;
             }
             let v = x[plane * spatial + row];
             values += 1;
