@@ -114,6 +114,8 @@ const OPS: &[&str] = &[
     "GlobalAveragePool",
     "NegativeLogLikelihoodLoss",
     "SoftmaxCrossEntropyLoss",
+    "Dropout",
+    "BatchNormalization",
 ];
 
 #[test]
@@ -129,7 +131,7 @@ fn onnx_node_tests_pass_on_the_cpu() {
     let passed = results.iter().filter(|r| r.outcome == Outcome::Passed).count();
     let failed: Vec<_> = results.iter().filter(|r| matches!(r.outcome, Outcome::Failed(_))).collect();
     assert!(failed.is_empty(), "{} node tests failed:\n{failed:#?}", failed.len());
-    assert!(passed >= 1026, "only {passed} node tests passed (1026 did when this test was last raised)");
+    assert!(passed >= 1038, "only {passed} node tests passed (1038 did when this test was last raised)");
     for op in OPS {
         assert!(results.iter().any(|r| r.op == *op && r.outcome == Outcome::Passed), "no node test of {op} passed");
     }

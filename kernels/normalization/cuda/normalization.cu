@@ -270,6 +270,55 @@ __global__ void kiln_rms_norm(const typename XTag::storage* x, const typename YT
         x, scale, y, inv_out, rows, cols, scale_len, eps, stat_code, has_inv);
 }
 
+// ---- BatchNormalization (shim/src/batch_norm.rs) ----------------------------------------------
+
+// y = (x − mean[c]) / sqrt(var[c] + eps) · scale[c] + bias[c], one thread per element of
+// [N, C, S] (grid-stride), c = (i / S) % C; all of X's dtype, computed in kiln_elem's C.
+template <typename Tag>
+__global__ void kiln_batch_norm(const typename Tag::storage* x, const typename Tag::storage* scale,
+                                const typename Tag::storage* bias, const typename Tag::storage* mean,
+                                const typename Tag::storage* var, typename Tag::storage* y, kiln_u64 total, kiln_u64 C,
+                                kiln_u64 S, float eps) {
+    typedef kiln_elem<Tag> E;
+    typedef typename E::C A;
+    KILN_FOR(i, total) {
+        const kiln_u64 c = (i / S) % C;
+        const A inv = A(1) / kiln_sqrt(E::ld(var[c]) + (A)eps);
+        y[i] = E::st((E::ld(x[i]) - E::ld(mean[c])) * inv * E::ld(scale[c]) + E::ld(bias[c]));
+    }
+}
+
+// Training mode's statistics, one block per channel c: the mean over N and S, then the
+// (population) variance about it, written to batch_mean[c] and batch_var[c]; the running ones
+// (input · momentum + batch · (1 − momentum)) when has_mean / has_var.
+template <typename Tag>
+__global__ void kiln_batch_stats(const typename Tag::storage* x, const typename Tag::storage* mean_in,
+                                 const typename Tag::storage* var_in, typename Tag::storage* batch_mean,
+                                 typename Tag::storage* batch_var, typename Tag::storage* running_mean,
+                                 typename Tag::storage* running_var, kiln_u64 N, kiln_u64 C, kiln_u64 S, float momentum,
+                                 unsigned has_mean, unsigned has_var) {
+    typedef kiln_elem<Tag> E;
+    typedef typename E::C A;
+    __shared__ A red[32];
+    const kiln_u64 c = blockIdx.x, count = N * S;
+    A s = A(0);
+    for (kiln_u64 k = threadIdx.x; k < count; k += blockDim.x) s += E::ld(x[((k / S) * C + c) * S + k % S]);
+    const A m = kiln_block_reduce_by(s, red, kiln_op_sum()) / (A)count;
+    A q = A(0);
+    for (kiln_u64 k = threadIdx.x; k < count; k += blockDim.x) {
+        const A d = E::ld(x[((k / S) * C + c) * S + k % S]) - m;
+        q += d * d;
+    }
+    const A v = kiln_block_reduce_by(q, red, kiln_op_sum()) / (A)count;
+    if (threadIdx.x == 0) {
+        const A mo = (A)momentum;
+        batch_mean[c] = E::st(m);
+        batch_var[c] = E::st(v);
+        if (has_mean) running_mean[c] = E::st(E::ld(mean_in[c]) * mo + m * (A(1) - mo));
+        if (has_var) running_var[c] = E::st(E::ld(var_in[c]) * mo + v * (A(1) - mo));
+    }
+}
+
 // dst (n elements of esize bytes, row-major over dims[0..rank]) = src broadcast: element index
 // sum(i_d · strides[d]) of src, strides 0 on broadcast dimensions.
 extern "C" __global__ void kiln_norm_expand(const unsigned char* src, unsigned char* dst, kiln_u64 n, unsigned esize,

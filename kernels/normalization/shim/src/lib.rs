@@ -5,11 +5,13 @@
 //! - [`rms_norm`]: onnxruntime's RMS normalisations, SimplifiedLayerNormalization (registered
 //!   by onnxruntime in the ai.onnx domain, opset 1) and com.microsoft
 //!   SkipSimplifiedLayerNormalization-1, and ONNX's RMSNormalization-23 (the same computation).
+//! - [`batch_norm`]: BatchNormalization-9/14/15, inference and training mode.
 //!
 //! The CPU references compute in f64 and round once to the output dtype.
 #![no_std]
 extern crate alloc;
 
+mod batch_norm;
 mod layer_norm;
 mod rms_norm;
 mod softmax;
@@ -130,6 +132,7 @@ impl Shim for Normalization {
             }
             "SimplifiedLayerNormalization" | "RMSNormalization" => rms_norm::simplified_infer(call),
             "SkipSimplifiedLayerNormalization" => rms_norm::skip_simplified_infer(call),
+            "BatchNormalization" => batch_norm::infer(call),
             other => unsupported!("kiln-normalization does not implement {other}"),
         }
     }
@@ -143,6 +146,7 @@ impl Shim for Normalization {
             "LayerNormalization" => layer_norm::layer_norm_cpu(call),
             "SimplifiedLayerNormalization" | "RMSNormalization" => rms_norm::simplified_cpu(call),
             "SkipSimplifiedLayerNormalization" => rms_norm::skip_simplified_cpu(call),
+            "BatchNormalization" => batch_norm::cpu(call),
             other => unsupported!("kiln-normalization does not implement {other}"),
         }
     }
@@ -156,6 +160,7 @@ impl Shim for Normalization {
             "LayerNormalization" => layer_norm::layer_norm_dispatch(call),
             "SimplifiedLayerNormalization" | "RMSNormalization" => rms_norm::simplified_dispatch(call),
             "SkipSimplifiedLayerNormalization" => rms_norm::skip_simplified_dispatch(call),
+            "BatchNormalization" => batch_norm::dispatch(call),
             other => unsupported!("kiln-normalization does not implement {other}"),
         }
     }

@@ -10,6 +10,7 @@
 //! - [`generate`]: ops that make new values: Shape (`start`/`end` from 15), Size, Constant,
 //!   ConstantOfShape, Range.
 //! - [`trilu`]: Trilu (a triangle of the last two dimensions).
+//! - [`dropout`]: Dropout for inference (the data, and an all-true mask).
 //!
 //! GPU dispatches ([`gpu`], kernels in `cuda/tensor.cu`) move bytes by element size, so
 //! they too serve every fixed-size dtype; Constant has none (the host folds it at load).
@@ -20,6 +21,7 @@
 #![no_std]
 extern crate alloc;
 
+mod dropout;
 mod generate;
 mod gpu;
 mod join;
@@ -49,6 +51,7 @@ impl Shim for Tensors {
             "Gather" => join::gather_infer(call),
             "Shape" | "Size" | "Constant" | "ConstantOfShape" | "Range" => generate::infer(call),
             "Trilu" => trilu::infer(call),
+            "Dropout" => dropout::infer(call),
             other => unsupported!("kiln-tensor does not implement {other}"),
         }
     }
@@ -62,6 +65,7 @@ impl Shim for Tensors {
             "Gather" => join::gather_dispatch(call),
             "Shape" | "Size" | "Constant" | "ConstantOfShape" | "Range" => generate::dispatch(call),
             "Trilu" => trilu::dispatch(call),
+            "Dropout" => dropout::dispatch(call),
             other => unsupported!("kiln-tensor does not implement {other}"),
         }
     }
@@ -75,6 +79,7 @@ impl Shim for Tensors {
             "Gather" => join::gather_cpu(call),
             "Shape" | "Size" | "Constant" | "ConstantOfShape" | "Range" => generate::cpu(call),
             "Trilu" => trilu::cpu(call),
+            "Dropout" => dropout::cpu(call),
             other => unsupported!("kiln-tensor does not implement {other}"),
         }
     }

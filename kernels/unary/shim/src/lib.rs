@@ -93,10 +93,7 @@ impl Op {
             "Softplus" => Op::Softplus,
             "HardSigmoid" => Op::HardSigmoid(call.attr_f("alpha", 0.2)? as f64, call.attr_f("beta", 0.5)? as f64),
             "Elu" => Op::Elu(call.attr_f("alpha", 1.0)? as f64),
-            "Selu" => Op::Selu(
-                call.attr_f("alpha", 1.673_263_2)? as f64,
-                call.attr_f("gamma", 1.050_701)? as f64,
-            ),
+            "Selu" => Op::Selu(call.attr_f("alpha", 1.673_263_2)? as f64, call.attr_f("gamma", 1.050_701)? as f64),
             "Celu" => Op::Celu(call.attr_f("alpha", 1.0)? as f64),
             "HardSwish" => Op::HardSwish,
             "Mish" => Op::Mish,
