@@ -202,6 +202,12 @@ fn a_failing_package_fails_its_node_and_the_runtime_keeps_working() {
     assert_eq!(f32_values(&ok[0].1), [2.0; 4]);
 }
 
+/// An int64 tensor.
+fn i64_tensor(shape: &[usize], values: &[i64]) -> kiln_host::Tensor {
+    let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    kiln_host::Tensor::new(kiln_kernel_abi::DType::I64, shape.to_vec(), data.into()).unwrap()
+}
+
 fn load_err(m: &onnx::ModelProto) -> String {
     match model::load_bytes(&onnx::bytes(m), None) {
         Err(e) => e.to_string(),
@@ -604,4 +610,39 @@ fn one_error_names_every_op_no_package_runs() {
         "{msg}"
     );
     assert!(!msg.contains("Relu"), "Relu has a package: {msg}");
+}
+
+/// kiln-pool and kiln-loss refuse malformed nodes with the reason, never a panic: a stride
+/// past what the shim's 32-bit sizes hold, padding as large as the window (onnxruntime's rule),
+/// and a target that only fits 32 bits when cut short.
+#[test]
+fn malformed_pooling_and_loss_nodes_are_clear_errors() {
+    let pool = |attrs| {
+        onnx::model(
+            vec![node("MaxPool", &["x"], &["y"], attrs)],
+            vec![value("x", 1, &[1, 1, 4, 4])],
+            vec![value("y", 1, &[-1, -1, -1, -1])],
+            vec![],
+        )
+    };
+    let e = load_err(&pool(vec![attr_ints("kernel_shape", &[2, 2]), attr_ints("strides", &[1 << 32, 1])]));
+    assert!(e.contains("MaxPool: strides entries must be in 1..=2147483647, not 4294967296"), "{e}");
+    let e = load_err(&pool(vec![attr_ints("kernel_shape", &[2, 2]), attr_ints("pads", &[2, 0, 0, 0])]));
+    assert!(e.contains("MaxPool: pads [2, 0, 0, 0] must be smaller than kernel_shape [2, 2] (axis 0)"), "{e}");
+    // A target of 2^32 + 1 over 3 classes: out of range, not class 1.
+    let m = onnx::model(
+        vec![node("NegativeLogLikelihoodLoss", &["x", "t"], &["y"], vec![])],
+        vec![value("x", 1, &[1, 3]), value("t", 7, &[1])],
+        vec![value("y", 1, &[])],
+        vec![],
+    );
+    let rt = runtime(&[]);
+    let err = run(
+        &rt,
+        &onnx::bytes(&m),
+        vec![("x".into(), f32_tensor(&[1, 3], &[0.1, 0.2, 0.7])), ("t".into(), i64_tensor(&[1], &[(1i64 << 32) + 1]))],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("NegativeLogLikelihoodLoss: target 4294967297 is out of range for 3 classes"), "{err}");
 }

@@ -273,28 +273,31 @@ __global__ void kiln_rms_norm(const typename XTag::storage* x, const typename YT
 // ---- BatchNormalization (shim/src/batch_norm.rs) ----------------------------------------------
 
 // y = (x − mean[c]) / sqrt(var[c] + eps) · scale[c] + bias[c], one thread per element of
-// [N, C, S] (grid-stride), c = (i / S) % C; all of X's dtype, computed in kiln_elem's C.
+// [N, C, S] (grid-stride), c = (i / S) % C, computed in kiln_elem's C. mean and var are of X's
+// dtype, or (stats_c: kiln_batch_stats's) of C.
 template <typename Tag>
 __global__ void kiln_batch_norm(const typename Tag::storage* x, const typename Tag::storage* scale,
-                                const typename Tag::storage* bias, const typename Tag::storage* mean,
-                                const typename Tag::storage* var, typename Tag::storage* y, kiln_u64 total, kiln_u64 C,
-                                kiln_u64 S, float eps) {
+                                const typename Tag::storage* bias, const void* mean, const void* var,
+                                typename Tag::storage* y, kiln_u64 total, kiln_u64 C, kiln_u64 S, float eps,
+                                unsigned stats_c) {
     typedef kiln_elem<Tag> E;
     typedef typename E::C A;
+    typedef typename Tag::storage T;
     KILN_FOR(i, total) {
         const kiln_u64 c = (i / S) % C;
-        const A inv = A(1) / kiln_sqrt(E::ld(var[c]) + (A)eps);
-        y[i] = E::st((E::ld(x[i]) - E::ld(mean[c])) * inv * E::ld(scale[c]) + E::ld(bias[c]));
+        const A m = stats_c ? ((const A*)mean)[c] : E::ld(((const T*)mean)[c]);
+        const A v = stats_c ? ((const A*)var)[c] : E::ld(((const T*)var)[c]);
+        y[i] = E::st((E::ld(x[i]) - m) / kiln_sqrt(v + (A)eps) * E::ld(scale[c]) + E::ld(bias[c]));
     }
 }
 
 // Training mode's statistics, one block per channel c: the mean over N and S, then the
-// (population) variance about it, written to batch_mean[c] and batch_var[c]; the running ones
-// (input · momentum + batch · (1 − momentum)) when has_mean / has_var.
+// (population) variance about it, written to batch_mean[c] and batch_var[c] in kiln_elem's C;
+// the running ones (input · momentum + batch · (1 − momentum), X's dtype) when has_mean / has_var.
 template <typename Tag>
 __global__ void kiln_batch_stats(const typename Tag::storage* x, const typename Tag::storage* mean_in,
-                                 const typename Tag::storage* var_in, typename Tag::storage* batch_mean,
-                                 typename Tag::storage* batch_var, typename Tag::storage* running_mean,
+                                 const typename Tag::storage* var_in, typename kiln_elem<Tag>::C* batch_mean,
+                                 typename kiln_elem<Tag>::C* batch_var, typename Tag::storage* running_mean,
                                  typename Tag::storage* running_var, kiln_u64 N, kiln_u64 C, kiln_u64 S, float momentum,
                                  unsigned has_mean, unsigned has_var) {
     typedef kiln_elem<Tag> E;
@@ -312,8 +315,8 @@ __global__ void kiln_batch_stats(const typename Tag::storage* x, const typename 
     const A v = kiln_block_reduce_by(q, red, kiln_op_sum()) / (A)count;
     if (threadIdx.x == 0) {
         const A mo = (A)momentum;
-        batch_mean[c] = E::st(m);
-        batch_var[c] = E::st(v);
+        batch_mean[c] = m;
+        batch_var[c] = v;
         if (has_mean) running_mean[c] = E::st(E::ld(mean_in[c]) * mo + m * (A(1) - mo));
         if (has_var) running_var[c] = E::st(E::ld(var_in[c]) * mo + v * (A(1) - mo));
     }

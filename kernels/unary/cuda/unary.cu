@@ -5,7 +5,8 @@
 // prelude's dtype tag (T = Tag::storage), which kernel.toml instantiates by name expressions
 // (manifest schema 6) and the shim names with DType::cuda_tag:
 //   kiln_unary<Tag>(const T* x, T* y, u64 n, u32 op, f32 alpha, f32 beta)     Tag f32 f16 bf16 f64
-//   kiln_unary_int<Tag>(const T* x, T* y, u64 n, u32 op)     Relu, Neg, Abs (wrapping), Tag i8 .. i64
+//   kiln_unary_int<Tag>(const T* x, T* y, u64 n, u32 op)     Relu, Neg, Abs (wrapping) and Sign of
+//                                                            i8 .. i64; BitwiseNot of i8 .. u64
 //   kiln_not(const u8* x, u8* y, u64 n)                                     bool (extern "C")
 //   kiln_classify<Tag>(const T* x, u8* y, u64 n, u32 what)   IsNaN / IsInf, Tag f32 f16 bf16 f64
 //   kiln_clip<Tag>(const T* x, T* y, u64 n, const T* lo, const T* hi, u32 flags, f64 lo_attr, f64 hi_attr)

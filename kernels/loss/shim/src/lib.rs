@@ -135,11 +135,12 @@ impl Shim for Loss {
                     loss.push(0.0);
                     continue;
                 }
-                if t < 0 || t as usize >= c {
+                // usize is 32 bits in the shim: convert before comparing.
+                let Some(t) = usize::try_from(t).ok().filter(|&t| t < c) else {
                     bail!("{op}: target {t} is out of range for {c} classes");
-                }
-                let w = weight.as_ref().map_or(1.0, |w| w[t as usize]);
-                let l = -x[(n * c + t as usize) * d + j] * w;
+                };
+                let w = weight.as_ref().map_or(1.0, |w| w[t]);
+                let l = -x[(n * c + t) * d + j] * w;
                 loss.push(l);
                 total += l;
                 weights += w;

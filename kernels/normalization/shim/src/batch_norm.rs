@@ -46,9 +46,20 @@ fn plan(call: &Call) -> Result<Plan> {
             unsupported!("{OP}: input {i} must be {dtype} [{}], not {} {:?}", shape[1], t.dtype()?, t.shape()?);
         }
     }
-    let training = call.attr_i("training_mode", 0)? != 0;
-    if !training && call.num_outputs() > 1 {
-        bail!("{OP}: running_mean and running_var are outputs of training mode only");
+    // From opset 14 the `training_mode` attribute; BatchNormalization-9 trains when a node asks
+    // for its 5 outputs (running and saved statistics), which kiln does not build.
+    let training = if call.opset() >= 14 {
+        call.attr_i("training_mode", 0)? != 0
+    } else if call.num_outputs() > 1 {
+        unsupported!("{OP}: training mode of BatchNormalization-{} (its 5 outputs)", call.opset());
+    } else {
+        false
+    };
+    if call.num_outputs() > 3 || (!training && call.num_outputs() > 1) {
+        bail!(
+            "{OP}: the node asks for {} outputs; running_mean and running_var come with training_mode = 1",
+            call.num_outputs()
+        );
     }
     Ok(Plan {
         n: shape[0],
@@ -114,15 +125,19 @@ pub fn dispatch(call: &Call) -> Result<()> {
     let Some(tag) = dtype.cuda_tag() else { unsupported!("{OP}: no CUDA kernel for {dtype}") };
     let t = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
     let total = (p.n * p.c * p.s) as u64;
+    if p.c == 0 {
+        return Ok(());
+    }
     let (mut mean, mut var) = (call.input(3)?.handle(), call.input(4)?.handle());
+    // The batch's statistics in the compute type (f64 for float64, else f32): [C] means, then
+    // [C] variances.
+    let esize: u64 = if dtype == DType::F64 { 8 } else { 4 };
     if p.training {
-        // The batch's statistics, in X's dtype: [C] means, then [C] variances.
-        let esize = dtype.size().unwrap_or(4) as u64;
-        let stats = scratch(2 * p.c.max(1) as u64 * esize)?;
+        let stats = scratch(2 * p.c as u64 * esize)?;
         let running = |i: usize| call.output_opt(i).map(|o| o.handle());
         launch(&Launch {
             kernel: &kernel_name("kiln_batch_stats", &[tag]),
-            grid: [p.c.max(1) as u32, 1, 1],
+            grid: [p.c as u32, 1, 1],
             block: [256, 1, 1],
             shared_mem_bytes: 0,
             args: vec![
@@ -146,7 +161,7 @@ pub fn dispatch(call: &Call) -> Result<()> {
     if total == 0 {
         return Ok(());
     }
-    let var_offset = if p.training { p.c as u64 * dtype.size().unwrap_or(4) as u64 } else { 0 };
+    let var_offset = if p.training { p.c as u64 * esize } else { 0 };
     launch(&Launch {
         kernel: &kernel_name("kiln_batch_norm", &[tag]),
         grid: [total.div_ceil(256).clamp(1, 1 << 20) as u32, 1, 1],
@@ -163,6 +178,7 @@ pub fn dispatch(call: &Call) -> Result<()> {
             KernelArg::U64(p.c as u64),
             KernelArg::U64(p.s as u64),
             KernelArg::F32(p.eps as f32),
+            KernelArg::U32(p.training as u32),
         ],
     })
 }

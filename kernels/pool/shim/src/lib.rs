@@ -59,24 +59,21 @@ struct Plan {
     out_shape: Vec<usize>,
 }
 
-/// A positive integer list attribute of `k` entries, or `default` repeated.
-fn dims_attr(call: &Call, name: &str, k: usize, default: usize, min: i64) -> Result<Vec<usize>> {
+/// Largest kernel size, stride, dilation or padding taken: window positions then stay within
+/// i64 (the geometry is computed in u64 and i64, since the shim's usize is 32 bits).
+const MAX_ATTR: i64 = i32::MAX as i64;
+
+/// An integer list attribute of `len` entries, each in `min..=MAX_ATTR`, or `default` repeated.
+fn dims_attr(call: &Call, name: &str, len: usize, default: usize, min: i64) -> Result<Vec<usize>> {
     let op = call.op_type();
-    match call.attr_ints(name)? {
-        None => Ok(vec![default; k]),
-        Some(v) if v.len() != k => bail!("{op}: {name} has {} entries, not {k} (one per spatial dimension)", v.len()),
-        Some(v) => {
-            v.iter()
-                .map(|&x| {
-                    if x >= min {
-                        Ok(x as usize)
-                    } else {
-                        bail!("{op}: {name} entries must be at least {min}, not {x}")
-                    }
-                })
-                .collect()
-        }
+    let Some(v) = call.attr_ints(name)? else { return Ok(vec![default; len]) };
+    if v.len() != len {
+        bail!("{op}: {name} has {} entries, not {len}", v.len());
     }
+    if let Some(x) = v.iter().find(|&&x| !(min..=MAX_ATTR).contains(&x)) {
+        bail!("{op}: {name} entries must be in {min}..={MAX_ATTR}, not {x}");
+    }
+    Ok(v.iter().map(|&x| x as usize).collect())
 }
 
 fn plan(call: &Call) -> Result<Plan> {
@@ -111,18 +108,20 @@ fn plan(call: &Call) -> Result<Plan> {
     let (kernel, strides, dilations, mut begin, mut end, ceil) = if global {
         (input.clone(), vec![1; k], vec![1; k], vec![0; k], vec![0; k], false)
     } else {
-        let Some(kernel) = call.attr_ints("kernel_shape")? else { bail!("{op}: kernel_shape is required") };
-        if kernel.len() != k || kernel.iter().any(|&v| v < 1) {
-            bail!("{op}: kernel_shape {kernel:?} must have {k} positive entries");
+        if call.attr_ints("kernel_shape")?.is_none() {
+            bail!("{op}: kernel_shape is required");
         }
-        let pads = match call.attr_ints("pads")? {
-            None => vec![0usize; 2 * k],
-            Some(v) if v.len() != 2 * k => bail!("{op}: pads has {} entries, not {}", v.len(), 2 * k),
-            Some(v) if v.iter().any(|&x| x < 0) => bail!("{op}: pads must not be negative, not {v:?}"),
-            Some(v) => v.iter().map(|&x| x as usize).collect(),
-        };
+        let kernel = dims_attr(call, "kernel_shape", k, 1, 1)?;
+        if kernel.iter().try_fold(1usize, |a, &v| a.checked_mul(v)).is_none() {
+            bail!("{op}: kernel_shape {kernel:?} has more taps than the shim's 32-bit sizes hold");
+        }
+        let pads = dims_attr(call, "pads", 2 * k, 0, 0)?;
+        // As onnxruntime: a window never lies wholly in the padding.
+        if let Some(d) = (0..k).find(|&d| pads[d] >= kernel[d] || pads[k + d] >= kernel[d]) {
+            bail!("{op}: pads {pads:?} must be smaller than kernel_shape {kernel:?} (axis {d})");
+        }
         (
-            kernel.iter().map(|&v| v as usize).collect::<Vec<_>>(),
+            kernel,
             dims_attr(call, "strides", k, 1, 1)?,
             dims_attr(call, "dilations", k, 1, 1)?,
             pads[..k].to_vec(),
@@ -133,15 +132,18 @@ fn plan(call: &Call) -> Result<Plan> {
     let auto_pad = if global { "NOTSET" } else { call.attr_s("auto_pad", "NOTSET")? };
     let mut output = Vec::with_capacity(k);
     for d in 0..k {
-        let extent = (kernel[d] - 1) * dilations[d] + 1;
-        let (i, s) = (input[d], strides[d]);
-        let o = match auto_pad {
+        // In u64: each term is at most MAX_ATTR (or a dimension), so nothing below overflows.
+        let extent = (kernel[d] as u64 - 1) * dilations[d] as u64 + 1;
+        let (i, s) = (input[d] as u64, strides[d] as u64);
+        let (b, e) = (begin[d] as u64, end[d] as u64);
+        let o: u64 = match auto_pad {
             "SAME_UPPER" | "SAME_LOWER" => {
                 let o = i.div_ceil(s);
                 let total = ((o.max(1) - 1) * s + extent).saturating_sub(i);
                 let small = total / 2;
-                (begin[d], end[d]) =
-                    if auto_pad == "SAME_UPPER" { (small, total - small) } else { (total - small, small) };
+                let (tb, te) = if auto_pad == "SAME_UPPER" { (small, total - small) } else { (total - small, small) };
+                // total < extent + s: within usize once checked.
+                (begin[d], end[d]) = (usize_of(op, tb)?, usize_of(op, te)?);
                 o
             }
             "VALID" => {
@@ -153,12 +155,12 @@ fn plan(call: &Call) -> Result<Plan> {
                 }
             }
             "NOTSET" | "" => {
-                let span = i + begin[d] + end[d];
+                let span = i + b + e;
                 if span < extent {
                     0
                 } else if ceil {
                     let mut o = (span - extent).div_ceil(s) + 1;
-                    if (o - 1) * s >= i + begin[d] {
+                    if (o - 1) * s >= i + b {
                         o -= 1;
                     }
                     o
@@ -168,7 +170,7 @@ fn plan(call: &Call) -> Result<Plan> {
             }
             other => bail!("{op}: auto_pad must be NOTSET, SAME_UPPER, SAME_LOWER or VALID, not {other:?}"),
         };
-        output.push(o);
+        output.push(usize_of(op, o)?);
     }
     let mut out_shape = shape[..2].to_vec();
     out_shape.extend(&output);
@@ -193,6 +195,14 @@ fn plan(call: &Call) -> Result<Plan> {
     })
 }
 
+/// `v` as usize (32 bits in the shim), or a clear error.
+fn usize_of(op: &str, v: u64) -> Result<usize> {
+    match usize::try_from(v) {
+        Ok(v) => Ok(v),
+        Err(_) => bail!("{op}: a pooling size of {v} does not fit the shim's 32-bit sizes"),
+    }
+}
+
 impl Plan {
     /// Output `o` (row-major over the spatial output) of plane `plane`: the value, and for Max
     /// the flat index of the first largest element.
@@ -203,7 +213,7 @@ impl Plan {
         for d in (0..k).rev() {
             let od = rest % self.output[d];
             rest /= self.output[d];
-            start[d] = (od * self.strides[d]) as i64 - self.begin[d] as i64;
+            start[d] = od as i64 * self.strides[d] as i64 - self.begin[d] as i64;
         }
         let spatial: usize = self.input.iter().product();
         let (mut best, mut best_at, mut sum, mut values, mut counted) =
@@ -216,9 +226,9 @@ impl Plan {
             for d in (0..k).rev() {
                 let i = rest % self.kernel[d];
                 rest /= self.kernel[d];
-                pos[d] = start[d] + (i * self.dilations[d]) as i64;
-                inside &= pos[d] >= 0 && (pos[d] as usize) < self.input[d];
-                before_end &= pos[d] < (self.input[d] + self.end[d]) as i64;
+                pos[d] = start[d] + i as i64 * self.dilations[d] as i64;
+                inside &= pos[d] >= 0 && pos[d] < self.input[d] as i64;
+                before_end &= pos[d] < self.input[d] as i64 + self.end[d] as i64;
             }
             if before_end {
                 counted += 1;

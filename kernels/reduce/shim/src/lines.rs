@@ -67,8 +67,12 @@ fn lines(call: &Call) -> Result<Lines> {
             Ok(Lines::around(&shape, axis_of(call, call.attr_i("axis", -1)?, shape.len())?))
         }
         _ => {
-            // Coerced to 2-D: [prod(shape[..axis]), prod(shape[axis..])].
-            let ax = axis_of(call, call.attr_i("axis", 1)?, shape.len() + 1)?;
+            // Coerced to 2-D: [prod(shape[..axis]), prod(shape[axis..])], axis in [-rank, rank].
+            let (axis, rank) = (call.attr_i("axis", 1)?, shape.len() as i64);
+            if !(-rank..=rank).contains(&axis) {
+                bail!("Hardmax: axis {axis} is out of range for rank {rank}");
+            }
+            let ax = (if axis < 0 { axis + rank } else { axis }) as usize;
             Ok(Lines { outer: shape[..ax].iter().product(), n: shape[ax..].iter().product(), inner: 1 })
         }
     }

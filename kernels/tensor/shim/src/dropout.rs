@@ -1,5 +1,6 @@
 //! Dropout-7/10/12/13/22 (ONNX Operators.md) for inference: `output` is `data`, and the optional
-//! `mask` output is all true. From opset 12, `ratio` (input 1, a float scalar, 0.5 when absent)
+//! `mask` output is all true (bool from opset 10; before, of the data's dtype, all 1). From
+//! opset 12, `ratio` (input 1, a float scalar, 0.5 when absent)
 //! and `training_mode` (input 2, a bool scalar, false when absent) are value inputs; before, the
 //! op has no training mode. Training mode with a ratio above 0 draws a random mask, which kiln
 //! does not do: it is refused as unsupported; with ratio 0 it is inference.
@@ -41,9 +42,19 @@ pub fn infer(call: &Call) -> Result<Vec<TensorType>> {
     let x = call.input(0)?;
     let mut out = vec![TensorType::new(x.dtype()?, x.shape()?)];
     if call.num_outputs() > 1 {
-        out.push(TensorType::new(DType::Bool, x.shape()?));
+        out.push(TensorType::new(mask_dtype(call)?, x.shape()?));
     }
     Ok(out)
+}
+
+/// The mask's dtype: bool from opset 10, the data's before.
+fn mask_dtype(call: &Call) -> Result<DType> {
+    Ok(if call.opset() >= 10 { DType::Bool } else { call.input(0)?.dtype()? })
+}
+
+/// One mask element: `true`, or 1 in the data's dtype before opset 10.
+fn mask_one(call: &Call) -> Result<Vec<u8>> {
+    element::encode_as::<f64>(mask_dtype(call)?, &[1.0])
 }
 
 pub fn cpu(call: &Call) -> Result<()> {
@@ -52,7 +63,7 @@ pub fn cpu(call: &Call) -> Result<()> {
     elem_size("Dropout", x.dtype()?)?;
     call.output(0)?.write_bytes(&x.read_bytes()?)?;
     if let Some(mask) = call.output_opt(1) {
-        mask.write_bytes(&vec![1u8; x.numel()?])?;
+        mask.write_bytes(&mask_one(call)?.repeat(x.numel()?))?;
     }
     Ok(())
 }
@@ -64,7 +75,8 @@ pub fn dispatch(call: &Call) -> Result<()> {
     let n = x.numel()? as u64;
     gpu::copy(gpu::At::of(&x), gpu::At::of(&call.output(0)?), n * esize as u64)?;
     if let Some(mask) = call.output_opt(1) {
-        gpu::fill(gpu::At::of(&mask), n, &[1u8])?;
+        let one = mask_one(call)?;
+        gpu::fill(gpu::At::of(&mask), n * one.len() as u64, &one)?;
     }
     Ok(())
 }
