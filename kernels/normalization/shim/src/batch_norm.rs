@@ -128,12 +128,15 @@ pub fn dispatch(call: &Call) -> Result<()> {
     if p.c == 0 {
         return Ok(());
     }
-    let (mut mean, mut var) = (call.input(3)?.handle(), call.input(4)?.handle());
-    // The batch's statistics in the compute type (f64 for float64, else f32): [C] means, then
-    // [C] variances.
-    let esize: u64 = if dtype == DType::F64 { 8 } else { 4 };
-    if p.training {
+    // The statistics kiln_batch_norm reads: input_mean and input_var, or in training mode the
+    // batch's, in the compute type (f64 for float64, else f32): [C] means, then [C] variances.
+    let (mean, var) = if p.training {
+        let esize: u64 = if dtype == DType::F64 { 8 } else { 4 };
         let stats = scratch(2 * p.c as u64 * esize)?;
+        let (batch_mean, batch_var) = (
+            KernelArg::Tensor { handle: stats, offset: 0 },
+            KernelArg::Tensor { handle: stats, offset: p.c as u64 * esize },
+        );
         let running = |i: usize| call.output_opt(i).map(|o| o.handle());
         launch(&Launch {
             kernel: &kernel_name("kiln_batch_stats", &[tag]),
@@ -142,10 +145,10 @@ pub fn dispatch(call: &Call) -> Result<()> {
             shared_mem_bytes: 0,
             args: vec![
                 t(x.handle()),
-                t(mean),
-                t(var),
-                KernelArg::Tensor { handle: stats, offset: 0 },
-                KernelArg::Tensor { handle: stats, offset: p.c as u64 * esize },
+                t(call.input(3)?.handle()),
+                t(call.input(4)?.handle()),
+                batch_mean,
+                batch_var,
                 t(running(1).unwrap_or(stats)),
                 t(running(2).unwrap_or(stats)),
                 KernelArg::U64(p.n as u64),
@@ -156,12 +159,13 @@ pub fn dispatch(call: &Call) -> Result<()> {
                 KernelArg::U32(running(2).is_some() as u32),
             ],
         })?;
-        (mean, var) = (stats, stats);
-    }
+        (batch_mean, batch_var)
+    } else {
+        (t(call.input(3)?.handle()), t(call.input(4)?.handle()))
+    };
     if total == 0 {
         return Ok(());
     }
-    let var_offset = if p.training { p.c as u64 * esize } else { 0 };
     launch(&Launch {
         kernel: &kernel_name("kiln_batch_norm", &[tag]),
         grid: [total.div_ceil(256).clamp(1, 1 << 20) as u32, 1, 1],
@@ -171,8 +175,8 @@ pub fn dispatch(call: &Call) -> Result<()> {
             t(x.handle()),
             t(call.input(1)?.handle()),
             t(call.input(2)?.handle()),
-            t(mean),
-            KernelArg::Tensor { handle: var, offset: var_offset },
+            mean,
+            var,
             t(call.output(0)?.handle()),
             KernelArg::U64(total),
             KernelArg::U64(p.c as u64),

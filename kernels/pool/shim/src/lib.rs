@@ -29,6 +29,8 @@ use kiln_kernel_abi::{bail, export_shim, unsupported};
 
 struct Pool;
 
+/// Most spatial dimensions (the CPU reference's per-window position arrays).
+const MAX_SPATIAL: usize = 8;
 /// Most spatial dimensions of the CUDA kernel.
 const GPU_MAX_SPATIAL: usize = 3;
 
@@ -94,6 +96,9 @@ fn plan(call: &Call) -> Result<Plan> {
     }
     let input = shape[2..].to_vec();
     let k = input.len();
+    if k > MAX_SPATIAL {
+        unsupported!("{op}: {k} spatial dimensions (kiln-pool takes up to {MAX_SPATIAL})");
+    }
     let p = match kind {
         Kind::Lp => {
             // LpPool-1's p is a float attribute; from opset 2 an int.
@@ -209,7 +214,7 @@ impl Plan {
     fn pool(&self, x: &[f64], plane: usize, o: usize) -> (f64, i64) {
         let k = self.input.len();
         let mut rest = o;
-        let mut start = [0i64; 8];
+        let mut start = [0i64; MAX_SPATIAL];
         for d in (0..k).rev() {
             let od = rest % self.output[d];
             rest /= self.output[d];
@@ -222,7 +227,7 @@ impl Plan {
         for t in 0..taps {
             let (mut rest, mut inside, mut before_end) = (t, true, true);
             let (mut row, mut col, mut stride_c) = (0usize, 0usize, 1usize);
-            let mut pos = [0i64; 8];
+            let mut pos = [0i64; MAX_SPATIAL];
             for d in (0..k).rev() {
                 let i = rest % self.kernel[d];
                 rest /= self.kernel[d];
