@@ -28,9 +28,13 @@
 #   profile    ncu: GPU time of every kernel of one eager decode step (batch 1 and 8, cache of 384
 #              positions as in the bench rows)
 #   prefill    ncu: GPU time by kernel of a batch-64 prefill (128-token prompts)
-#   ab         kiln bench decode (graphs on, batch 1 and 8, prompt 128 and 3840 of a 4096 cache) with
+#   ab         kiln bench decode (graphs on, batch 1 and 8, prompt 128 and 3840 of a 4096 cache; AB_PROMPTS
+#              and AB_MAX_LENGTH change them) with
 #              the built-in packages, then with each package folder in .gpu/variants/* as a drop-in
 #              (a drop-in outranks the built-in package of its name): an A/B of kernel changes
+#   floor      bench/stage_floor.cu (nvcc): µs per dependent stage of a graph of small kernels, plain,
+#              with programmatic dependent launch, and as grid barriers inside one persistent kernel
+#   probe      bench/attn_probe.cu (nvcc): decode attention alone at batch 1, both decode kernels
 #   attn       decode attention variants (built-in, .gpu/variants/*): bench rows and ncu at context 3840
 #   longctx    ncu: time, DRAM throughput, occupancy and stalls of the decode attention kernels at
 #              batch 8, context 3840
@@ -48,7 +52,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,memory.u
 models=/tmp/kiln-models
 m=$models/smollm2-arch-fp16-cuda
 needs_models=0
-for phase in $phases; do case "$phase" in quick | verify) ;; *) needs_models=1 ;; esac; done
+for phase in $phases; do case "$phase" in quick | verify | floor | probe) ;; *) needs_models=1 ;; esac; done
 if [ "$needs_models" = 1 ] && [ ! -f "$models/reference/smollm2-arch-ref.json" ]; then
   t0=$(date +%s)
   bash .gpu/device-fixtures/make-smollm2-arch.sh "$models" --results "$work/make" >"$work/make.log" 2>&1 ||
@@ -184,13 +188,30 @@ for w in glob.glob(".gpu/python/*.whl"):
       grep -E "^test .*(ok|FAILED)$|test result"
     summary+=("quick: $(grep -E '^test result' "$out/gpu-tests.log" | tail -1)")
     ;;
+  floor)
+    # The cost of one dependent stage of a CUDA graph without kiln (bench/stage_floor.cu).
+    nvcc -O3 -arch=sm_90 -o "$work/stage_floor" bench/stage_floor.cu && "$work/stage_floor" | tee "$out/floor.log"
+    summary+=("floor: $(grep -E '^\| [0-9]' "$out/floor.log" | tr '\n' ' ')")
+    ;;
+  probe)
+    # Decode attention alone at batch 1 (bench/attn_probe.cu): kiln_gqa_decode and
+    # kiln_gqa_decode_cluster of this tree, L2 flushed before each launch.
+    inc="$work/inc" && mkdir -p "$inc/kiln-cuda-std" && cp kernels/cuda-std/include/* "$inc/kiln-cuda-std/" &&
+      cp host/cuda/kiln.cuh "$inc/"
+    for v in decode cluster; do
+      f=() && [ $v = cluster ] && f=(-DCLUSTER)
+      nvcc -O3 -arch=sm_90 -I"$inc" -I. "${f[@]}" -DATTN_SRC='"kernels/attention/cuda/attention.cu"' \
+        -o "$work/probe-$v" bench/attn_probe.cu && echo "== kiln_gqa_$v" && "$work/probe-$v"
+    done 2>&1 | tee "$out/probe.log"
+    summary+=("probe: $(grep -E '^==|^\| [0-9]' "$out/probe.log" | tr '\n' ' ')")
+    ;;
   ab)
     for v in builtin .gpu/variants/*; do
       [ "$v" = builtin ] && pk=() || pk=(--packages "$v")
       echo "== packages: $v"
-      for p in 128 3840; do
-        "$KILN" bench decode "$m" --batch 1 --batch 8 --graph on --runs 3 --prompt-len $p --max-length 4096 "${pk[@]}" 2>&1 |
-          grep -E "^\| [0-9]|[Ee]rror|failed|graph nodes"
+      for p in ${AB_PROMPTS:-128 3840}; do
+        "$KILN" bench decode "$m" --batch 1 --batch 8 --graph on --runs 3 --prompt-len $p --max-length ${AB_MAX_LENGTH:-4096} \
+          "${pk[@]}" 2>&1 | grep -E "^\| [0-9]|[Ee]rror|failed|graph nodes"
       done
     done 2>&1 | tee "$out/ab.log"
     summary+=("ab: $(grep -hE '^==|^\| [0-9]' "$out/ab.log" | tr '\n' ' ')")

@@ -12,6 +12,29 @@
 // Keys each warp has in flight at once in the attention loop.
 #define GQA_KEYS 4
 
+// Rotary element from its pair (xa, xb) and the position's cos and sin: the first of the pair
+// (xa·c − xb·s) or the second (xa·s + xb·c), in f32.
+__device__ __forceinline__ float rope_combine(float xa, float xb, float c, float s, bool first) {
+    return first ? xa * c - xb * s : xa * s + xb * c;
+}
+
+// Where rope_elem reads element d's pair and its cos/sin entry: pair (a, b), cache column i,
+// and whether d is the pair's first element.
+__device__ __forceinline__ void rope_index(unsigned half, unsigned d, unsigned interleaved, unsigned* i, unsigned* a,
+                                           unsigned* b, bool* first) {
+    if (interleaved) {
+        *i = d >> 1;
+        *a = 2 * *i;
+        *b = *a + 1;
+        *first = (d & 1u) == 0;
+    } else {
+        *first = d < half;
+        *i = *first ? d : d - half;
+        *a = *i;
+        *b = *i + half;
+    }
+}
+
 // Rotated element d (< 2·half) of a head `x` at cache row `pos`, in f32. Positions outside the
 // cache (the CPU reference fails the node) give NaN.
 template <typename Tag>
@@ -21,21 +44,10 @@ __device__ __forceinline__ float rope_elem(const typename Tag::storage* x, const
     if (pos < 0 || (kiln_u64)pos >= cache_rows) return __int_as_float(0x7fc00000);
     unsigned i, a, b;
     bool first;
-    if (interleaved) {
-        i = d >> 1;
-        a = 2 * i;
-        b = a + 1;
-        first = (d & 1u) == 0;
-    } else {
-        first = d < half;
-        i = first ? d : d - half;
-        a = i;
-        b = i + half;
-    }
+    rope_index(half, d, interleaved, &i, &a, &b, &first);
     const float c = kiln_to_f32(Tag(), cos_c[(kiln_u64)pos * half + i]);
     const float s = kiln_to_f32(Tag(), sin_c[(kiln_u64)pos * half + i]);
-    const float xa = kiln_to_f32(Tag(), x[a]), xb = kiln_to_f32(Tag(), x[b]);
-    return first ? xa * c - xb * s : xa * s + xb * c;
+    return rope_combine(kiln_to_f32(Tag(), x[a]), kiln_to_f32(Tag(), x[b]), c, s, first);
 }
 
 // Per batch row b: total valid length T_b = seqlens_k[b] + 1 and past length past_b.
@@ -582,12 +594,29 @@ __device__ __forceinline__ unsigned gqa_swz(unsigned r, unsigned u, unsigned vpr
 // Steps both decode kernels share (gqa_decode_regs, gqa_decode_tiled); the scores and weights
 // live in s_sc [G][GQA_DEC_KEYS].
 
-// A block with no key to attend to: zeros as its output (one split) or an empty partial state.
+// The splits of a decode kernel's grid that hold keys of batch row b ([start, end), kpb keys per
+// split): `used` splits from `first`, none when the row attends to no key. Only those blocks
+// write a partial state and count in on the fold; the others return after their append. With
+// kiln_gqa_merge after the kernel (merge_after), which reads every split, every split is used.
+struct gqa_dec_span {
+    unsigned first, used;
+};
+
+__device__ __forceinline__ gqa_dec_span gqa_dec_spans(long long start, long long end, unsigned kpb, unsigned splits,
+                                                      bool merge_after) {
+    if (merge_after) return gqa_dec_span{0u, splits};
+    if (end <= start) return gqa_dec_span{0u, 0u};
+    const unsigned first = (unsigned)(start / kpb), last = (unsigned)((end - 1) / kpb);
+    return gqa_dec_span{first, last - first + 1};
+}
+
+// A block with no key to attend to: zeros as its output (to_out: the row attends to no key, and
+// split 0 writes them) or an empty partial state (for kiln_gqa_merge).
 template <typename Tag>
 __device__ __forceinline__ void gqa_dec_empty(typename Tag::storage* out, float* partial, unsigned b, unsigned N,
                                               unsigned H, unsigned j, unsigned group, unsigned split,
-                                              unsigned splits) {
-    if (splits == 1) {
+                                              unsigned splits, bool to_out) {
+    if (to_out) {
         for (unsigned i = threadIdx.x; i < group * H; i += blockDim.x)
             out[(kiln_u64)b * N * H + (kiln_u64)(j * group) * H + i] = kiln_from_f32(Tag(), 0.f);
     } else if (threadIdx.x < group) {
@@ -597,19 +626,64 @@ __device__ __forceinline__ void gqa_dec_empty(typename Tag::storage* out, float*
     }
 }
 
-// The group's query rows, rotated and rounded as the CPU reference does, into q_s [group·H].
+// The group's query rows, rotated and rounded as the CPU reference does, into q_s [group·H], in
+// two steps: start() loads the values of element threadIdx.x (query head i / H, dimension i % H)
+// into registers, so that their latency overlaps the append and the K/V loads; finish() computes
+// it (as gqa_query_elem) and the elements past blockDim.x, then a barrier must follow.
 template <typename Tag>
-__device__ __forceinline__ void gqa_dec_queries(float* q_s, const typename Tag::storage* q_src,
-                                                const typename Tag::storage* cos_c,
-                                                const typename Tag::storage* sin_c, long long pos,
-                                                kiln_u64 cache_rows, unsigned rotary_half, unsigned interleaved,
-                                                unsigned b, kiln_u64 q_w, unsigned j, unsigned group, unsigned H) {
-    for (unsigned i = threadIdx.x; i < group * H; i += blockDim.x) {
-        const unsigned g = i / H, d = i - g * H;
-        const typename Tag::storage* qr = q_src + (kiln_u64)b * q_w + (kiln_u64)(j * group + g) * H;
-        q_s[i] = gqa_query_elem<Tag>(qr, cos_c, sin_c, pos, cache_rows, rotary_half, d, interleaved);
+struct gqa_dec_queries {
+    typedef typename Tag::storage T;
+    const T *q_src, *cos_c, *sin_c;
+    long long pos;
+    kiln_u64 cache_rows, q_w;
+    unsigned rotary_half, interleaved, b, j, group, H;
+    T xa, xb, c, s;
+    unsigned mode;  // 0 plain, 1 / 2 first / second of a rotary pair, 3 a position outside the caches (NaN)
+
+    __device__ __forceinline__ const T* row(unsigned i) const {
+        return q_src + (kiln_u64)b * q_w + (kiln_u64)(j * group + i / H) * H;
     }
-}
+    __device__ __forceinline__ void start() {
+        const unsigned i = threadIdx.x, d = i % H;
+        if (i >= group * H) return;
+        const T* qr = row(i);
+        if (rotary_half > 0 && d < 2 * rotary_half) {
+            if (pos < 0 || (kiln_u64)pos >= cache_rows) {
+                mode = 3;
+                return;
+            }
+            unsigned ci, a, bb;
+            bool first;
+            rope_index(rotary_half, d, interleaved, &ci, &a, &bb, &first);
+            c = cos_c[(kiln_u64)pos * rotary_half + ci];
+            s = sin_c[(kiln_u64)pos * rotary_half + ci];
+            xa = qr[a];
+            xb = qr[bb];
+            mode = first ? 1 : 2;
+        } else {
+            xa = qr[d];
+            mode = 0;
+        }
+    }
+    __device__ __forceinline__ void finish(float* q_s) const {
+        const unsigned i = threadIdx.x;
+        if (i < group * H) {
+            float v;
+            if (mode == 0) {
+                v = kiln_to_f32(Tag(), xa);
+            } else if (mode == 3) {
+                v = __int_as_float(0x7fc00000);
+            } else {
+                const float r = rope_combine(kiln_to_f32(Tag(), xa), kiln_to_f32(Tag(), xb), kiln_to_f32(Tag(), c),
+                                             kiln_to_f32(Tag(), s), mode == 1);
+                v = kiln_to_f32(Tag(), kiln_from_f32(Tag(), r));
+            }
+            q_s[i] = v;
+        }
+        for (unsigned k = i + blockDim.x; k < group * H; k += blockDim.x)
+            q_s[k] = gqa_query_elem<Tag>(row(k), cos_c, sin_c, pos, cache_rows, rotary_half, k % H, interleaved);
+    }
+};
 
 // dot[g] += the 16-byte vector c of a K row against query row g (q_s).
 template <typename Tag, int G>
@@ -711,21 +785,22 @@ __device__ __forceinline__ void gqa_dec_reduce(float (&acc)[G][8], float* s_red,
     }
 }
 
-// Sums the warps' rows of s_red [warp][stride] and writes the output (one split; sink_mode as
-// gqa_attn) or the partial state of gqa_decode_split for kiln_gqa_merge.
+// Sums the warps' rows of s_red [warp][stride] and writes the output (`direct`: the only split
+// with keys; sink_mode as gqa_attn) or the partial state of gqa_decode_split, for the fold or
+// kiln_gqa_merge.
 template <typename Tag>
 __device__ __forceinline__ void gqa_dec_write(const float* s_red, unsigned stride, unsigned warps_used,
                                               const float* s_m, const float* s_l,
                                               const typename Tag::storage* sink, unsigned sink_mode,
                                               typename Tag::storage* out, float* partial, unsigned b, unsigned N,
                                               unsigned H, unsigned j, unsigned group, unsigned split,
-                                              unsigned splits) {
+                                              unsigned splits, bool direct) {
     for (unsigned i = threadIdx.x; i < group * H; i += blockDim.x) {
         const unsigned g = i / H, d = i - g * H;
         float a = 0.f;
         for (unsigned w = 0; w < warps_used; ++w) a += s_red[w * stride + i];
         const unsigned h = j * group + g;
-        if (splits == 1) {
+        if (direct) {
             float den = s_l[g], scale_o = 1.f;
             if (sink_mode != 0) {
                 const float sink_v = sink_mode == 2 ? kiln_to_f32(Tag(), sink[h]) : 0.f;
@@ -746,10 +821,11 @@ __device__ __forceinline__ void gqa_dec_write(const float* s_red, unsigned strid
 }
 
 // The split merge folded into the decode kernels (`fold`, 2 to GQA_FOLD_MAX_SPLITS splits): each
-// block of KV head j, batch row b counts itself in on counters[b·Nk + j] (the node's counters,
-// ABI.md §6.3, zero between launches) once its partial state is written, and the last block to
-// finish merges every split of the group's query heads as kiln_gqa_merge would (sink_mode as
-// gqa_attn; a row with no key to attend to gets zeros), then puts the counter back to zero. The
+// block of KV head j, batch row b that holds keys (the `used` splits from `first`, gqa_dec_span)
+// counts itself in on counters[b·Nk + j] (the node's counters, ABI.md §6.3, zero between
+// launches) once its partial state is written, and the last block to finish merges those splits
+// of the group's query heads as kiln_gqa_merge would (sink_mode as gqa_attn), then puts the
+// counter back to zero. The
 // partial states of other blocks are read through L2 (__ldcg) after a fence, spread over the
 // block: warp g takes query head g's maxima and sums (a split per lane, every load in flight)
 // and leaves the splits' weights e^(m_s − M) in `s_fold` (shared, GQA_DEC_MAX_GROUP ·
@@ -764,13 +840,13 @@ __device__ __forceinline__ void gqa_dec_write(const float* s_red, unsigned strid
 template <typename Tag>
 __device__ __noinline__ void gqa_dec_fold(const float* partial, kiln_counter* counters, const typename Tag::storage* sink,
                                           unsigned sink_mode, typename Tag::storage* out, unsigned b, unsigned N,
-                                          unsigned H, unsigned j, unsigned group, unsigned splits, bool no_keys,
-                                          float* s_fold) {
+                                          unsigned H, unsigned j, unsigned group, unsigned splits, unsigned first,
+                                          unsigned used, float* s_fold) {
     __shared__ unsigned s_last;
     __shared__ float s_den[GQA_DEC_MAX_GROUP];
     __threadfence();  // this block's partial state, seen by the block that merges
     __syncthreads();  // also: the block is done with s_fold's memory
-    if (threadIdx.x == 0) s_last = atomicAdd(&counters[b * gridDim.y + j], 1u) == splits - 1;
+    if (threadIdx.x == 0) s_last = atomicAdd(&counters[b * gridDim.y + j], 1u) == used - 1;
     __syncthreads();
     if (!s_last) return;
     __threadfence();
@@ -778,15 +854,15 @@ __device__ __noinline__ void gqa_dec_fold(const float* partial, kiln_counter* co
     const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
     // 1. Per query head: M = the largest maximum of the splits that saw a key (and the sink's),
     // each split's weight, and the denominator Σ l_s·w_s (+ the sink's e^(sink − M)).
-    for (unsigned g = warp; g < group && !no_keys; g += warps) {
+    for (unsigned g = warp; g < group; g += warps) {
         const unsigned h = j * group + g;
-        const float* part = partial + ((kiln_u64)b * N + h) * splits * stride;
+        const float* part = partial + (((kiln_u64)b * N + h) * splits + first) * stride;
         float m[GQA_FOLD_PER_LANE], l[GQA_FOLD_PER_LANE];
 #pragma unroll
         for (int q = 0; q < GQA_FOLD_PER_LANE; ++q) {
             const unsigned s = lane + 32 * q;
-            l[q] = s < splits ? __ldcg(part + s * stride + 1) : 0.f;
-            m[q] = s < splits ? __ldcg(part + s * stride) : 0.f;
+            l[q] = s < used ? __ldcg(part + s * stride + 1) : 0.f;
+            m[q] = s < used ? __ldcg(part + s * stride) : 0.f;
         }
         float M = -__int_as_float(0x7f800000);
 #pragma unroll
@@ -801,7 +877,7 @@ __device__ __noinline__ void gqa_dec_fold(const float* partial, kiln_counter* co
         for (int q = 0; q < GQA_FOLD_PER_LANE; ++q) {
             const unsigned s = lane + 32 * q;
             const float w = l[q] > 0.f ? expf(m[q] - M) : 0.f;
-            if (s < splits) s_fold[g * GQA_FOLD_MAX_SPLITS + s] = w;
+            if (s < used) s_fold[g * GQA_FOLD_MAX_SPLITS + s] = w;
             den += l[q] > 0.f ? l[q] * w : 0.f;
         }
         den = kiln_warp_sum(den);
@@ -812,15 +888,11 @@ __device__ __noinline__ void gqa_dec_fold(const float* partial, kiln_counter* co
     for (unsigned i = threadIdx.x; i < group * H; i += blockDim.x) {
         const unsigned g = i / H, d = i - g * H, h = j * group + g;
         typename Tag::storage* o = out + (kiln_u64)b * N * H + (kiln_u64)h * H;
-        if (no_keys) {
-            o[d] = kiln_from_f32(Tag(), 0.f);
-            continue;
-        }
-        const float* col = partial + ((kiln_u64)b * N + h) * splits * stride + 2 + d;
+        const float* col = partial + (((kiln_u64)b * N + h) * splits + first) * stride + 2 + d;
         const float* w = s_fold + g * GQA_FOLD_MAX_SPLITS;
         float a = 0.f;
         unsigned s = 0;
-        for (; s + GQA_MERGE_UNROLL <= splits; s += GQA_MERGE_UNROLL) {
+        for (; s + GQA_MERGE_UNROLL <= used; s += GQA_MERGE_UNROLL) {
             float v[GQA_MERGE_UNROLL];
 #pragma unroll
             for (int u = 0; u < GQA_MERGE_UNROLL; ++u) v[u] = __ldcg(col + (kiln_u64)(s + u) * stride);
@@ -828,19 +900,110 @@ __device__ __noinline__ void gqa_dec_fold(const float* partial, kiln_counter* co
             for (int u = 0; u < GQA_MERGE_UNROLL; ++u) a += w[s + u] > 0.f ? v[u] * w[s + u] : 0.f;
         }
         // An empty split's sums are unset (any bits): its weight 0 must not meet them.
-        for (; s < splits; ++s) a += w[s] > 0.f ? __ldcg(col + (kiln_u64)s * stride) * w[s] : 0.f;
+        for (; s < used; ++s) a += w[s] > 0.f ? __ldcg(col + (kiln_u64)s * stride) * w[s] : 0.f;
         o[d] = kiln_from_f32(Tag(), a / s_den[g]);
     }
     if (threadIdx.x == 0) counters[b * gridDim.y + j] = 0;
 }
 
+// The split merge through a thread block cluster (compute capability 9.0): the GQA_DEC_CLUSTER
+// blocks of one (KV head, batch row) are one cluster, each leaves its partial state (maxima, sums,
+// Σ weight·V) in its shared memory, and block 0 of the cluster reads the others' through
+// distributed shared memory (PTX ISA: mapa, ld.shared::cluster) after a cluster barrier, merges
+// them as gqa_dec_fold does and writes the output; a second barrier keeps every block's shared
+// memory alive until then. No global memory, fence or atomic on the way: a few hundred cycles
+// where the fold's counter and L2 round trips take thousands (bench/RESULTS.md, 2026-12-04,
+// session 14). Block-uniform: every thread of every block of the cluster calls it once.
+#define GQA_DEC_CLUSTER 8
+
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void gqa_cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// The float at `p` in this block's shared memory, read from the same place in cluster block `rank`.
+__device__ __forceinline__ float gqa_cluster_ld(const float* p, unsigned rank) {
+    const unsigned local = (unsigned)__cvta_generic_to_shared(p);
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+
+// has_keys: this block's state is s_m, s_l and the warps' sums in s_red [warp][stride] (as
+// gqa_dec_write reads them); otherwise it holds no key. no_keys: the row attends to no key
+// (zeros, as kiln_gqa_merge writes). The block's partial state goes to shared memory the kernel
+// no longer reads (the 48 KiB of static shared memory hold nothing more): the maxima and sums to
+// ml [2·GQA_DEC_MAX_GROUP], Σ weight·V to acc [group·H].
+template <typename Tag>
+__device__ __noinline__ void gqa_dec_cluster(const float* s_red, unsigned stride, unsigned warps_used, const float* s_m,
+                                             const float* s_l, float* ml, float* acc, bool has_keys, bool no_keys,
+                                             const typename Tag::storage* sink, unsigned sink_mode,
+                                             typename Tag::storage* out, unsigned b, unsigned N, unsigned H,
+                                             unsigned j, unsigned group) {
+    const unsigned tid = threadIdx.x;
+    if (has_keys) {
+        for (unsigned i = tid; i < group * H; i += blockDim.x) {
+            float a = 0.f;
+            for (unsigned w = 0; w < warps_used; ++w) a += s_red[w * stride + i];
+            acc[i] = a;
+        }
+    }
+    if (tid < group) {
+        ml[tid] = has_keys ? s_m[tid] : -__int_as_float(0x7f800000);
+        ml[GQA_DEC_MAX_GROUP + tid] = has_keys ? s_l[tid] : 0.f;
+    }
+    gqa_cluster_sync();
+    unsigned rank;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    if (rank == 0) {
+        for (unsigned i = tid; i < group * H; i += blockDim.x) {
+            const unsigned g = i / H, d = i - g * H, h = j * group + g;
+            typename Tag::storage* o = out + (kiln_u64)b * N * H + (kiln_u64)h * H;
+            if (no_keys) {
+                o[d] = kiln_from_f32(Tag(), 0.f);
+                continue;
+            }
+            float m[GQA_DEC_CLUSTER], l[GQA_DEC_CLUSTER], v[GQA_DEC_CLUSTER];
+#pragma unroll
+            for (unsigned r = 0; r < GQA_DEC_CLUSTER; ++r) {
+                m[r] = gqa_cluster_ld(ml + g, r);
+                l[r] = gqa_cluster_ld(ml + GQA_DEC_MAX_GROUP + g, r);
+                v[r] = gqa_cluster_ld(acc + i, r);
+            }
+            float M = -__int_as_float(0x7f800000);
+#pragma unroll
+            for (unsigned r = 0; r < GQA_DEC_CLUSTER; ++r)
+                if (l[r] > 0.f) M = fmaxf(M, m[r]);  // an empty block's maximum is unset
+            float sink_v = 0.f;
+            if (sink_mode == 2) sink_v = kiln_to_f32(Tag(), sink[h]);
+            if (sink_mode != 0) M = fmaxf(M, sink_v);
+            float den = 0.f, a = 0.f;
+#pragma unroll
+            for (unsigned r = 0; r < GQA_DEC_CLUSTER; ++r) {
+                const float w = l[r] > 0.f ? expf(m[r] - M) : 0.f;
+                den += l[r] > 0.f ? l[r] * w : 0.f;
+                a += w > 0.f ? v[r] * w : 0.f;  // an empty block's sums are unset
+            }
+            if (sink_mode != 0) den += expf(sink_v - M);
+            o[d] = kiln_from_f32(Tag(), a / den);
+        }
+    }
+    gqa_cluster_sync();  // block 0 has read every block's partial state
+}
+#endif
+
 // Decode attention by KV head for latency-bound grids (the shim's choice for few keys in all):
 // the same steps as gqa_decode_tiled, but each thread loads its K row and GQA_DEC_REG_V_KEYS V rows
 // into registers at the start, before the append and the query rows, so their latency
-// overlaps those. No dynamic shared memory; 2 blocks per SM (128 registers).
+// overlaps those. No dynamic shared memory; 2 blocks per SM (128 registers). Block (split, j, b)
+// reads keys [split·kpb, (split + 1)·kpb) ∩ [start, end) (kpb ≤ GQA_DEC_KEYS). CL = GQA_DEC_CLUSTER:
+// the grid's GQA_DEC_CLUSTER splits are one thread block cluster and merge through it
+// (gqa_dec_cluster) on compute capability 9.0 and later; before it they fold (`fold` must be set).
 #define GQA_DEC_REG_V_KEYS 8  // V rows per thread loaded together (every V row of a 64-wide f16 block at once)
 
-template <typename Tag, int G>
+template <typename Tag, int G, int CL>
 __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag::storage* pres_k,
                            typename Tag::storage* pres_v, const int* seqlens, const typename Tag::storage* cos_c,
                            const typename Tag::storage* sin_c, const typename Tag::storage* bias,
@@ -864,11 +1027,10 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
         gqa_check(st, seqlens, gridDim.z, 1, 0, total, 0, 0, cache_rows, rotary_half);
     long long start, end, pos;
     gqa_range(seqlens, b, 0, 1, 0, window, PL, &start, &end, &pos);
-    (void)kpb;  // the tiled kernel's argument: this one has GQA_DEC_KEYS per block, as the shim passes
-    long long lo = (long long)split * GQA_DEC_KEYS, hi = lo + GQA_DEC_KEYS;
+    long long lo = (long long)split * kpb, hi = lo + kpb;
     if (lo < start) lo = start;
     if (hi > end) hi = end;
-    const unsigned n = lo < hi ? (unsigned)(hi - lo) : 0;  // ≤ GQA_DEC_KEYS = blockDim.x
+    const unsigned n = lo < hi ? (unsigned)(hi - lo) : 0;  // ≤ kpb ≤ GQA_DEC_KEYS = blockDim.x
     const unsigned vpr = H / VE;  // 16-byte vectors per K/V row
     // Key k's K and V rows are loaded before the append and the query rows (their latency
     // overlaps), except rows this block writes first: the new row, or every owned row when the
@@ -889,17 +1051,28 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
         const unsigned k = kl + u * lanes;
         vraw[u] = k < n && !late(k) ? vrow(k) : make_uint4(0, 0, 0, 0);
     }
+    gqa_dec_queries<Tag> queries{q_src, cos_c, sin_c, pos, cache_rows, q_w, rotary_half, interleaved, b, j, group, H};
+    queries.start();
     if (append)
-        gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v, split, GQA_DEC_KEYS, j, b,
-                               Nk, H, PL, P, pos, kv_w, k_off, v_off, cache_rows, rotary_half, interleaved, lay);
+        gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v, split, kpb, j, b, Nk, H,
+                               PL, P, pos, kv_w, k_off, v_off, cache_rows, rotary_half, interleaved, lay);
+    const bool merge_after = !fold && splits > 1;
+    const gqa_dec_span span = gqa_dec_spans(start, end, kpb, splits, merge_after);
+    const bool direct = !merge_after && span.used <= 1;
+#if __CUDA_ARCH__ >= 900
+    if (CL > 0 && n == 0) {
+        gqa_dec_cluster<Tag>(&s_red[0][0], GQA_DEC_MAX_QH, 0, s_m, s_l, &s_sc[0][0], q_s, false, start >= end, sink,
+                             sink_mode, out, b, N, H, j, group);
+        return;
+    }
+#endif
     if (n == 0) {
-        gqa_dec_empty<Tag>(out, partial, b, N, H, j, group, split, splits);
-        if (fold && splits > 1) gqa_dec_fold<Tag>(partial, counters, sink, sink_mode, out, b, N, H, j, group, splits, start >= end,
-                                              &s_red[0][0]);
+        if (merge_after || (span.used == 0 && split == 0))
+            gqa_dec_empty<Tag>(out, partial, b, N, H, j, group, split, splits, !merge_after);
         return;
     }
     // 1. Query rows.
-    gqa_dec_queries<Tag>(q_s, q_src, cos_c, sin_c, pos, cache_rows, rotary_half, interleaved, b, q_w, j, group, H);
+    queries.finish(q_s);
     __syncthreads();  // the appended rows and q_s
     // 2. Scores, one key per thread (n ≤ blockDim.x).
     if (tid < n) {
@@ -951,10 +1124,19 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
     // Reduce over the key lanes of a warp (lanes vi + vpr·i), then over the warps.
     gqa_dec_reduce<Tag, G>(acc, &s_red[0][0], GQA_DEC_MAX_QH, vpr, vi, H, group);
     __syncthreads();
+#if __CUDA_ARCH__ >= 900
+    if (CL > 0) {
+        // q_s and s_sc are read no more.
+        gqa_dec_cluster<Tag>(&s_red[0][0], GQA_DEC_MAX_QH, (lanes * vpr + 31) / 32, s_m, s_l, &s_sc[0][0], q_s, true,
+                             false, sink, sink_mode, out, b, N, H, j, group);
+        return;
+    }
+#endif
     gqa_dec_write<Tag>(&s_red[0][0], GQA_DEC_MAX_QH, (lanes * vpr + 31) / 32, s_m, s_l, sink, sink_mode, out, partial,
-                       b, N, H, j, group, split, splits);
-    if (fold && splits > 1) gqa_dec_fold<Tag>(partial, counters, sink, sink_mode, out, b, N, H, j, group, splits, false,
-                                          &s_red[0][0]);
+                       b, N, H, j, group, split, splits, direct);
+    if (!direct && fold)
+        gqa_dec_fold<Tag>(partial, counters, sink, sink_mode, out, b, N, H, j, group, splits, span.first, span.used,
+                          &s_red[0][0]);
 }
 
 // Decode attention by KV head (S = 1, not a first prompt), gqa_decode_tiled, for grids with many
@@ -1025,17 +1207,21 @@ __device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Ta
         if (!late(k)) kiln_cp_async16(&v_s[gqa_swz(k, u, vpr)], vg(k, u));
     }
     kiln_cp_async_commit();
+    gqa_dec_queries<Tag> queries{q_src, cos_c, sin_c, pos, cache_rows, q_w, rotary_half, interleaved, b, j, group, H};
+    queries.start();
     if (append)
         gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v, split, kpb, j, b, Nk, H,
                                PL, P, pos, kv_w, k_off, v_off, cache_rows, rotary_half, interleaved, lay);
+    const bool merge_after = !fold && splits > 1;
+    const gqa_dec_span span = gqa_dec_spans(start, end, kpb, splits, merge_after);
+    const bool direct = !merge_after && span.used <= 1;
     if (n == 0) {
-        gqa_dec_empty<Tag>(out, partial, b, N, H, j, group, split, splits);
+        if (merge_after || (span.used == 0 && split == 0))
+            gqa_dec_empty<Tag>(out, partial, b, N, H, j, group, split, splits, !merge_after);
         kiln_cp_async_wait<0>();
-        if (fold && splits > 1) gqa_dec_fold<Tag>(partial, counters, sink, sink_mode, out, b, N, H, j, group, splits, start >= end,
-                                              (float*)gqa_dyn);
         return;
     }
-    gqa_dec_queries<Tag>(q_s, q_src, cos_c, sin_c, pos, cache_rows, rotary_half, interleaved, b, q_w, j, group, H);
+    queries.finish(q_s);
     if (append) {
         __syncthreads();  // the appended rows
         for (unsigned i = tid; i < n * vpr; i += blockDim.x) {
@@ -1098,9 +1284,10 @@ __device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Ta
     gqa_dec_reduce<Tag, G>(acc, s_red, group * H, vpr, vi, H, group);
     __syncthreads();
     gqa_dec_write<Tag>(s_red, group * H, (lanes * vpr + 31) / 32, s_m, s_l, sink, sink_mode, out, partial, b, N, H, j,
-                       group, split, splits);
-    if (fold && splits > 1) gqa_dec_fold<Tag>(partial, counters, sink, sink_mode, out, b, N, H, j, group, splits, false,
-                                          (float*)gqa_dyn);
+                       group, split, splits, direct);
+    if (!direct && fold)
+        gqa_dec_fold<Tag>(partial, counters, sink, sink_mode, out, b, N, H, j, group, splits, span.first, span.used,
+                          (float*)gqa_dyn);
 }
 
 // Merges the splits of gqa_decode_split for head h = blockIdx.x, batch row b = blockIdx.y,
@@ -1263,10 +1450,27 @@ __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, c
 // Decode attention by KV head, K/V rows loaded into registers (G query heads per block).
 template <typename Tag, int G>
 __global__ void __launch_bounds__(256, 2) kiln_gqa_decode(KILN_GQA_DECODE_PARAMS) {
-    gqa_decode_regs<Tag, G>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out, N, Nk, H, PL, q_w,
+    gqa_decode_regs<Tag, G, 0>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out, N, Nk, H, PL, q_w,
                             cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b, bias_h,
                             total, sink_mode, k_src, v_src, past_k, past_v, P, kv_w, k_off, v_off, append, kpb,
                             KILN_GQA_LAYOUT, fold, counters, st);
+}
+
+// Decode attention by KV head over GQA_DEC_CLUSTER splits of kpb keys (grid [GQA_DEC_CLUSTER, Nk, B]),
+// K/V rows in registers, the splits merged through a thread block cluster on compute capability
+// 9.0 and later (folded before it: the shim sets `fold`). G query heads per block.
+#if __CUDA_ARCH__ >= 900
+#define KILN_GQA_CLUSTER_DIMS __cluster_dims__(GQA_DEC_CLUSTER, 1, 1)
+#else
+#define KILN_GQA_CLUSTER_DIMS
+#endif
+template <typename Tag, int G>
+__global__ void KILN_GQA_CLUSTER_DIMS __launch_bounds__(256, 2) kiln_gqa_decode_cluster(KILN_GQA_DECODE_PARAMS) {
+    gqa_decode_regs<Tag, G, GQA_DEC_CLUSTER>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out, N,
+                                            Nk, H, PL, q_w, cache_rows, rotary_half, interleaved, scale, softcap,
+                                            window, has_bias, bias_b, bias_h, total, sink_mode, k_src, v_src, past_k,
+                                            past_v, P, kv_w, k_off, v_off, append, kpb, KILN_GQA_LAYOUT, fold,
+                                            counters, st);
 }
 
 // Decode attention by KV head, K/V tiles copied into shared memory (G query heads per block).

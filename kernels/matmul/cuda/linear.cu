@@ -156,7 +156,8 @@ struct BlockSum {
 // rms_row for the GEMV prologue: one warp, 16-byte accesses, LIN_PRO loads of each operand in
 // flight per lane. `a(c, f)` stores chunk c (VEC values, f32, not yet rounded) of the row into
 // shared memory; `sum` is the row of the sum output or null; kc = k / VEC; skip_len is a multiple
-// of k.
+// of k. A row of at most 32·LIN_PRO chunks (k ≤ 1,024 for 16-bit types) is loaded once, gamma
+// with it, and kept in registers: one round trip to memory instead of two.
 template <typename T, typename Store>
 __device__ __forceinline__ void rms_row_warp(const typename T::S* x, const typename T::S* skip,
                                              const typename T::S* gamma, Store a, typename T::S* sum,
@@ -168,6 +169,41 @@ __device__ __forceinline__ void rms_row_warp(const typename T::S* x, const typen
     uint4* sum_r = (uint4*)sum;
     const bool has_skip = flags & HAS_SKIP;
     float q = 0.f;
+    if (kc <= 32 * LIN_PRO) {
+        uint4 xv[LIN_PRO], sv[LIN_PRO], gv[LIN_PRO];
+#pragma unroll
+        for (int u = 0; u < LIN_PRO; ++u) {
+            const unsigned c = u * 32 + lane;
+            xv[u] = c < kc ? xr[c] : make_uint4(0, 0, 0, 0);
+            sv[u] = has_skip && c < kc ? sr[c] : make_uint4(0, 0, 0, 0);
+            gv[u] = c < kc ? gr[c] : make_uint4(0, 0, 0, 0);
+        }
+        float xs[LIN_PRO][T::VEC];
+#pragma unroll
+        for (int u = 0; u < LIN_PRO; ++u) {
+            float sf[T::VEC];
+            T::unpack(xv[u], xs[u]);
+            T::unpack(sv[u], sf);
+#pragma unroll
+            for (int e = 0; e < T::VEC; ++e) {
+                xs[u][e] += sf[e];
+                q += xs[u][e] * xs[u][e];
+            }
+            const unsigned c = u * 32 + lane;
+            if (sum_r && c < kc) sum_r[c] = T::pack(xs[u]);
+        }
+        const float inv = 1.f / sqrtf(kiln_warp_sum(q) / (float)k + eps);
+#pragma unroll
+        for (int u = 0; u < LIN_PRO; ++u) {
+            float gf[T::VEC];
+            T::unpack(gv[u], gf);
+#pragma unroll
+            for (int e = 0; e < T::VEC; ++e) xs[u][e] = xs[u][e] * inv * gf[e];
+            const unsigned c = u * 32 + lane;
+            if (c < kc) a(c, xs[u]);
+        }
+        return;
+    }
     for (unsigned c0 = 0; c0 < kc; c0 += 32 * LIN_PRO) {
         uint4 xv[LIN_PRO], sv[LIN_PRO];
 #pragma unroll
@@ -296,6 +332,12 @@ __device__ __forceinline__ void prefetch_pass(const uint4* w, kiln_u64 col, kiln
     }
 }
 
+// prefetch.global.L2 of gamma's kc 16-byte chunks, by one warp of the grid (as prefetch_pass,
+// safe before the grid-dependency wait for any tensor; every block then finds gamma in L2).
+__device__ __forceinline__ void prefetch_gamma(const void* gamma, unsigned kc, unsigned lane) {
+    for (unsigned c = lane; c < kc; c += 32) asm volatile("prefetch.global.L2 [%0];" ::"l"((const uint4*)gamma + c));
+}
+
 // Y[rows, n] = A · Wᵀ for at most ROWS rows per block (blockIdx.y picks them); see the top.
 // MODE is the prologue; ROWS (1, 2 or 4) sizes the accumulators, so that a decode step of one
 // row carries no arithmetic for four.
@@ -318,6 +360,7 @@ __device__ __forceinline__ void gemv(const typename T::S* x, const typename T::S
     // (the op does not know that it is an initializer), and L2 is where every SM's writes meet,
     // so a prefetch cannot bring in a stale copy; the loads themselves come after the wait.
     prefetch_pass(w4, col, n, kc, lane);
+    if (MODE == LIN_RMSNORM && blockIdx.x == 0 && blockIdx.y == 0 && warp == 0) prefetch_gamma(gamma, kc, lane);
     kiln_griddep_launch_dependents();
     kiln_griddep_wait();
     uint4 wv[LIN_COLS][LIN_UNROLL];
@@ -498,6 +541,7 @@ __device__ __forceinline__ void gemv_mma(const typename T::S* x, const typename 
             if (ok1) asm volatile("prefetch.global.L2 [%0];" ::"l"(w1 + c));
         }
     }
+    if (MODE == LIN_RMSNORM && blockIdx.x == 0 && blockIdx.y == 0 && warp == 0) prefetch_gamma(gamma, kc, lane);
     kiln_griddep_launch_dependents();
     kiln_griddep_wait();
     // The first weight groups stream in while the prologue runs; each pass loads the next.

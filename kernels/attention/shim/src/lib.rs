@@ -699,6 +699,16 @@ const DEC_TILE_BYTES: usize = 64 << 10;
 /// and the register kernel was 3–4 % faster at batch 1 and at caches of a few hundred keys.
 const DEC_TILED_MIN_KEYS: usize = 64 << 10;
 
+/// Below the tiled kernel's threshold, a present buffer of at most `DEC_CLUSTER × DEC_KEYS`
+/// positions runs `kiln_gqa_decode_cluster`: DEC_CLUSTER blocks (attention.cu's GQA_DEC_CLUSTER)
+/// per (KV head, batch row), each over ceil(present / DEC_CLUSTER) keys, whose partial states
+/// merge through a thread block cluster on compute capability 9.0 (folded on the node's counters
+/// before it). Spreading a short cache over 8 multiprocessors instead of 1 or 2 cuts the
+/// latency-bound step: on the H200, decode attention at batch 1 over a 384-position cache spent
+/// most of its 7–10 µs loading 64 KiB per block into one multiprocessor and in the fold's
+/// counter and L2 round trips (bench/RESULTS.md, 2026-12-04, session 14).
+const DEC_CLUSTER: usize = 8;
+
 /// Keys per block of `kiln_gqa_decode_tiled` for K/V rows of `row_bytes` bytes: the most
 /// (at most DEC_KEYS) whose K and V tiles fit DEC_TILE_BYTES.
 fn tiled_keys_per_block(row_bytes: usize) -> usize {
@@ -933,20 +943,23 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
         // the KV head; otherwise one per (key chunk, query head, batch row). Several chunks are
         // merged by `kiln_gqa_merge`.
         let row_bytes = h_sz * esize;
-        let tiled = by_kv_head && p.present_len.saturating_mul(p.batch * n_kv) >= DEC_TILED_MIN_KEYS;
-        let keys = match (by_kv_head, tiled) {
-            (true, true) => tiled_keys_per_block(row_bytes),
-            (true, false) => DEC_KEYS,
-            (false, _) => SPLIT_KEYS,
+        let pairs = p.batch * n_kv;
+        let tiled = by_kv_head && p.present_len.saturating_mul(pairs) >= DEC_TILED_MIN_KEYS;
+        let cluster = by_kv_head && !tiled && p.present_len <= DEC_CLUSTER * DEC_KEYS && pairs <= MAX_COUNTERS as usize;
+        let keys = match (by_kv_head, tiled, cluster) {
+            (true, _, true) => p.present_len.div_ceil(DEC_CLUSTER).max(1),
+            (true, true, false) => tiled_keys_per_block(row_bytes),
+            (true, false, false) => DEC_KEYS,
+            (false, _, _) => SPLIT_KEYS,
         };
-        let splits = p.present_len.div_ceil(keys).max(1);
+        let splits = if cluster { DEC_CLUSTER } else { p.present_len.div_ceil(keys).max(1) };
         if splits > 65535 {
             unsupported!("{GQA}: present length {} needs {splits} splits (at most 65535)", p.present_len);
         }
         // By KV head the last block of each (KV head, batch row) merges the splits itself, on
         // the node's counters (one per pair), up to FOLD_MAX_SPLITS splits; past them (or past
-        // MAX_COUNTERS pairs) `kiln_gqa_merge` runs after it.
-        let pairs = p.batch * n_kv;
+        // MAX_COUNTERS pairs) `kiln_gqa_merge` runs after it. The cluster kernel merges through
+        // its cluster where it can and folds otherwise.
         let fold = by_kv_head && splits > 1 && splits <= FOLD_MAX_SPLITS && pairs <= MAX_COUNTERS as usize;
         let merged = splits > 1 || !by_kv_head;
         let partial = if merged { scratch((p.batch * n_h * splits * (h_sz + 2) * 4) as u64)? } else { out.handle() };
@@ -987,9 +1000,10 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
                 3..=4 => "4",
                 _ => "8",
             };
-            let (kernel, smem) = match tiled {
-                true => ("kiln_gqa_decode_tiled", tiled_shared_bytes(keys, row_bytes, group * h_sz)),
-                false => ("kiln_gqa_decode", 0),
+            let (kernel, smem) = match (tiled, cluster) {
+                (true, _) => ("kiln_gqa_decode_tiled", tiled_shared_bytes(keys, row_bytes, group * h_sz)),
+                (false, true) => ("kiln_gqa_decode_cluster", 0),
+                (false, false) => ("kiln_gqa_decode", 0),
             };
             let kernel = kernel_name(kernel, &[tag, g]);
             (kernel, [splits as u32, n_kv as u32, p.batch as u32], 256, smem, t, KernelArg::U32(sink_mode))
