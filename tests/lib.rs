@@ -95,6 +95,15 @@ pub mod onnx {
         }
     }
 
+    pub fn attr_string(name: &str, v: &str) -> AttributeProto {
+        AttributeProto {
+            name: name.into(),
+            type_: EnumOrUnknown::new(attribute_proto::AttributeType::STRING),
+            s: v.as_bytes().to_vec(),
+            ..Default::default()
+        }
+    }
+
     /// A tensor value declaration: ONNX dtype code and dims (negative = symbolic "n").
     pub fn value(name: &str, dtype: i32, dims: &[i64]) -> ValueInfoProto {
         let dim = dims

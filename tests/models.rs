@@ -7,7 +7,7 @@ use std::sync::Arc;
 use kiln_host::ep::{Runtime, Session, SessionOptions};
 use kiln_host::sandbox::SandboxConfig;
 use kiln_host::{model, packages, Error};
-use kiln_tests::onnx::{self, attr_float, attr_ints, init_f32, node, value};
+use kiln_tests::onnx::{self, attr_float, attr_int, attr_ints, attr_string, init_f32, node, value};
 use kiln_tests::{f32_tensor, f32_values};
 use sha2::{Digest, Sha256};
 
@@ -645,4 +645,109 @@ fn malformed_pooling_and_loss_nodes_are_clear_errors() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("NegativeLogLikelihoodLoss: target 4294967297 is out of range for 3 classes"), "{err}");
+}
+
+/// The index ops (kiln-tensor's GatherElements, ScatterND, OneHot, Pad; kiln-reduce's TopK)
+/// refuse out-of-range indices and bad geometry with the CPU reference's messages, and a
+/// scatter's repeated indices combine in order.
+#[test]
+fn index_ops_refuse_bad_indices_and_combine_repeats_in_order() {
+    let rt = runtime(&[]);
+    // GatherElements: an index of 3 along an axis of 3.
+    let m = onnx::model(
+        vec![node("GatherElements", &["x", "i"], &["y"], vec![attr_int("axis", 1)])],
+        vec![value("x", 1, &[2, 3]), value("i", 7, &[2, 1])],
+        vec![value("y", 1, &[-1, -1])],
+        vec![],
+    );
+    let x = f32_tensor(&[2, 3], &[1., 2., 3., 4., 5., 6.]);
+    let err = run(&rt, &onnx::bytes(&m), vec![("x".into(), x.clone()), ("i".into(), i64_tensor(&[2, 1], &[0, 3]))])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("GatherElements: index 3 is out of range for dimension 3 of axis 1"), "{err}");
+    let out = run(&rt, &onnx::bytes(&m), vec![("x".into(), x), ("i".into(), i64_tensor(&[2, 1], &[-1, 1]))]).unwrap();
+    assert_eq!(f32_values(&out[0].1), vec![3., 5.]);
+    // ScatterND with reduction add and a repeated index: both updates land, in order.
+    let m = onnx::model(
+        vec![node("ScatterND", &["x", "i", "u"], &["y"], vec![attr_string("reduction", "add")])],
+        vec![value("x", 1, &[4]), value("i", 7, &[3, 1]), value("u", 1, &[3])],
+        vec![value("y", 1, &[-1])],
+        vec![],
+    );
+    let out = run(
+        &rt,
+        &onnx::bytes(&m),
+        vec![
+            ("x".into(), f32_tensor(&[4], &[1., 1., 1., 1.])),
+            ("i".into(), i64_tensor(&[3, 1], &[2, -2, 0])),
+            ("u".into(), f32_tensor(&[3], &[0.5, 0.25, 2.])),
+        ],
+    )
+    .unwrap();
+    assert_eq!(f32_values(&out[0].1), vec![3., 1., 1.75, 1.]);
+    let err = run(
+        &rt,
+        &onnx::bytes(&m),
+        vec![
+            ("x".into(), f32_tensor(&[4], &[1., 1., 1., 1.])),
+            ("i".into(), i64_tensor(&[3, 1], &[2, -5, 0])),
+            ("u".into(), f32_tensor(&[3], &[0.5, 0.25, 2.])),
+        ],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("ScatterND: index -5 is out of range for dimension 4 of data axis 0"), "{err}");
+    // TopK: k larger than the axis.
+    let m = onnx::model(
+        vec![node("TopK", &["x", "k"], &["v", "i"], vec![])],
+        vec![value("x", 1, &[5]), value("k", 7, &[1])],
+        vec![value("v", 1, &[-1]), value("i", 7, &[-1])],
+        vec![],
+    );
+    let err = run(
+        &rt,
+        &onnx::bytes(&m),
+        vec![("x".into(), f32_tensor(&[5], &[1., 5., 2., 5., 0.])), ("k".into(), i64_tensor(&[1], &[6]))],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("TopK: k = 6 is out of range for axis 0 of 5 elements"), "{err}");
+    // Ties keep index order: the two 5s, the first one first.
+    let out = run(
+        &rt,
+        &onnx::bytes(&m),
+        vec![("x".into(), f32_tensor(&[5], &[1., 5., 2., 5., 0.])), ("k".into(), i64_tensor(&[1], &[3]))],
+    )
+    .unwrap();
+    assert_eq!(f32_values(&out[0].1), vec![5., 5., 2.]);
+    assert_eq!(i64_values(&out[1].1), vec![1, 3, 2]);
+    // Pad: pads that crop more than the axis holds.
+    let m = onnx::model(
+        vec![node("Pad", &["x", "p"], &["y"], vec![attr_string("mode", "reflect")])],
+        vec![value("x", 1, &[3]), value("p", 7, &[2])],
+        vec![value("y", 1, &[-1])],
+        vec![],
+    );
+    let err = run(
+        &rt,
+        &onnx::bytes(&m),
+        vec![("x".into(), f32_tensor(&[3], &[1., 2., 3.])), ("p".into(), i64_tensor(&[2], &[-2, -2]))],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("Pad: pads -2 and -2 leave axis 0 of 3 elements with -1"), "{err}");
+    // Reflect beyond one period: [1, 2, 3] padded by 5 before.
+    let out = run(
+        &rt,
+        &onnx::bytes(&m),
+        vec![("x".into(), f32_tensor(&[3], &[1., 2., 3.])), ("p".into(), i64_tensor(&[2], &[5, 1]))],
+    )
+    .unwrap();
+    assert_eq!(f32_values(&out[0].1), vec![2., 1., 2., 3., 2., 1., 2., 3., 2.]);
+}
+
+/// The elements of an int64 tensor.
+fn i64_values(t: &kiln_host::Tensor) -> Vec<i64> {
+    assert_eq!(t.dtype, kiln_kernel_abi::DType::I64);
+    t.data.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()
 }

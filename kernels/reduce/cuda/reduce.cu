@@ -474,3 +474,42 @@ __global__ void kiln_hardmax(const typename Tag::storage* x, typename Tag::stora
         for (kiln_u64 j = 0; j < n; ++j) y[base + j * inner] = E::st(j == best ? 1 : 0);
     }
 }
+
+// TopK (shim/src/topk.rs): each line's best k elements (largest: greater first; else smaller
+// first) and their indices along the line, written to values / indices [outer, k, inner], which
+// hold the list while it is built: an element enters when it beats the last kept one (or fewer
+// than k are kept), after every element it does not beat (equal ones keep index order). A NaN
+// never beats a number; integers compare with their sign. One thread per line.
+template <typename Tag>
+__global__ void kiln_topk(const typename Tag::storage* x, typename Tag::storage* values, long long* indices,
+                          kiln_u64 outer, kiln_u64 n, kiln_u64 inner, kiln_u64 k, unsigned largest) {
+    typedef kiln_elem<Tag> E;
+    typedef typename E::C C;
+    const auto beats = [&](C v, C w) {
+        if (E::is_float || !E::is_signed) return largest ? v > w : v < w;
+        return largest ? (long long)v > (long long)w : (long long)v < (long long)w;
+    };
+    KILN_FOR(line, outer * inner) {
+        const kiln_u64 o = line / inner, i = line - o * inner, in = o * n * inner + i, out = o * k * inner + i;
+        kiln_u64 kept = 0;
+        for (kiln_u64 j = 0; j < n; ++j) {
+            const typename Tag::storage s = x[in + j * inner];
+            const C v = E::ld(s);
+            if (kept == k && !beats(v, E::ld(values[out + (k - 1) * inner]))) continue;
+            kiln_u64 at = kept < k ? kept : k - 1;  // where it goes: after every kept element it does not beat
+            for (kiln_u64 p = 0; p < kept; ++p)
+                if (beats(v, E::ld(values[out + p * inner]))) {
+                    at = p;
+                    break;
+                }
+            const kiln_u64 last = kept < k ? kept : k - 1;  // the list's last slot after the insertion
+            for (kiln_u64 p = last; p > at; --p) {
+                values[out + p * inner] = values[out + (p - 1) * inner];
+                indices[out + p * inner] = indices[out + (p - 1) * inner];
+            }
+            values[out + at * inner] = s;
+            indices[out + at * inner] = (long long)j;
+            if (kept < k) ++kept;
+        }
+    }
+}

@@ -7,6 +7,7 @@
 // sizes and pitches: 16-byte accesses when everything is a multiple of 16, down to bytes.
 #include "kiln.cuh"
 #include "kiln-cuda-std/vec.cuh"
+#include "kiln-cuda-std/elem.cuh"
 
 // A 16-byte unit (kiln-cuda-std's kiln_vec: one 128-bit access, aligned).
 typedef kiln_vec<kiln_u64, 2> kt_v16;
@@ -372,5 +373,225 @@ extern "C" __global__ void kiln_tensor_trilu(const char* src, char* dst, kiln_u6
         const long long d = (long long)(t - q * cols) - (long long)(q % rows);
         const bool keep = upper ? d >= k : d <= k;
         for (unsigned b = 0; b < esize; ++b) dst[t * esize + b] = keep ? src[t * esize + b] : (char)0;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Ops that move elements by index tensors (shim/src/index.rs): GatherElements, ScatterElements
+// (and Scatter), GatherND, ScatterND. Geometry comes as eight dims and eight strides (in
+// elements; unused ones 1 and 0). An index outside [-dim, dim) fails the node through its
+// status record with the op's device error `code` (values: the index, the dimension, the axis)
+// and reads or writes nothing out of bounds: a gather writes zeros, a scatter skips the update.
+
+#define KT_DIMS8(p)                                                                                            \
+    kiln_u64 p##0, kiln_u64 p##1, kiln_u64 p##2, kiln_u64 p##3, kiln_u64 p##4, kiln_u64 p##5, kiln_u64 p##6, \
+        kiln_u64 p##7
+#define KT_ARRAY8(p) {p##0, p##1, p##2, p##3, p##4, p##5, p##6, p##7}
+
+// One element's bytes: dst[0..esize) = src[0..esize), or zeros when src is null.
+__device__ __forceinline__ void kt_elem_copy(char* dst, const char* src, unsigned esize) {
+    for (unsigned b = 0; b < esize; ++b) dst[b] = src ? src[b] : (char)0;
+}
+
+// Element t of an int32 (idx64 = 0) or int64 index tensor.
+__device__ __forceinline__ long long kt_index(const void* idx, kiln_u64 t, unsigned idx64) {
+    return idx64 ? ((const long long*)idx)[t] : (long long)((const int*)idx)[t];
+}
+
+// `i` wrapped into [0, dim), or -1 after reporting (code, i, dim, axis).
+__device__ __forceinline__ long long kt_wrap(long long i, kiln_u64 dim, unsigned axis, unsigned code,
+                                             kiln_status* st) {
+    const long long j = i < 0 ? i + (long long)dim : i;
+    if (j < 0 || j >= (long long)dim) {
+        kiln_fail(st, code, i, (long long)dim, axis);
+        return -1;
+    }
+    return j;
+}
+
+// Data offset (elements) of position t of the index dims d (rank of them), its axis coordinate
+// left out (the caller adds index · s[axis]).
+__device__ __forceinline__ kiln_u64 kt_base(kiln_u64 t, const kiln_u64* d, const kiln_u64* s, unsigned rank,
+                                            unsigned axis) {
+    kiln_u64 off = 0;
+    for (int k = (int)rank - 1; k >= 0; --k) {
+        const kiln_u64 c = t % d[k];
+        t /= d[k];
+        if (k != (int)axis) off += c * s[k];
+    }
+    return off;
+}
+
+// GatherElements: out[t] = data[t's coordinates in the index dims d with the axis one replaced by
+// indices[t]] (data strides s, data's axis dimension axis_dim). One thread per output element.
+extern "C" __global__ void kiln_tensor_gather_elements(const char* src, const void* idx, char* dst, kiln_u64 n,
+                                                       unsigned esize, unsigned idx64, unsigned rank, unsigned axis,
+                                                       kiln_u64 axis_dim, KT_DIMS8(d), KT_DIMS8(s), unsigned code,
+                                                       kiln_status* st) {
+    const kiln_u64 dims[8] = KT_ARRAY8(d), strides[8] = KT_ARRAY8(s);
+    KILN_FOR(t, n) {
+        const long long j = kt_wrap(kt_index(idx, t, idx64), axis_dim, axis, code, st);
+        const kiln_u64 at = kt_base(t, dims, strides, rank, axis) + (kiln_u64)(j < 0 ? 0 : j) * strides[axis];
+        kt_elem_copy(dst + t * esize, j < 0 ? (const char*)0 : src + at * esize, esize);
+    }
+}
+
+// `old` combined with `v` (reduction 0 none, 1 add, 2 mul, 3 max, 4 min) in kiln_elem's compute
+// type, as the CPU reference: floats in f32 (f64 for float64) rounded to the storage type,
+// integers wrapping on their 64-bit pattern, max / min by the type's order (signed or not).
+template <typename Tag>
+__device__ __forceinline__ typename Tag::storage kt_combine(typename Tag::storage old, typename Tag::storage v,
+                                                            unsigned reduction) {
+    typedef kiln_elem<Tag> E;
+    typedef typename E::C C;
+    const C a = E::ld(old), b = E::ld(v);
+    const bool greater = E::is_float || !E::is_signed ? b > a : (long long)b > (long long)a;
+    const bool less = E::is_float || !E::is_signed ? b < a : (long long)b < (long long)a;
+    switch (reduction) {
+    case 1: return E::st(a + b);
+    case 2: return E::st(a * b);
+    case 3: return greater ? v : old;
+    case 4: return less ? v : old;
+    default: return v;
+    }
+}
+
+// ScatterElements: out (already a copy of data) gets updates[t] at t's coordinates with the axis
+// one replaced by indices[t] (index dims d, data strides s). One thread per line along the axis
+// (`lines` = index elements / d[axis]), its updates in order.
+template <typename Tag>
+__global__ void kiln_tensor_scatter_elements(typename Tag::storage* out, const void* idx,
+                                             const typename Tag::storage* upd, kiln_u64 lines, unsigned idx64,
+                                             unsigned rank, unsigned axis, kiln_u64 axis_dim, unsigned reduction,
+                                             KT_DIMS8(d), KT_DIMS8(s), unsigned code, kiln_status* st) {
+    const kiln_u64 dims[8] = KT_ARRAY8(d), strides[8] = KT_ARRAY8(s);
+    kiln_u64 inner = 1;  // index elements after the axis: the axis' stride in the index dims
+    for (unsigned k = axis + 1; k < rank; ++k) inner *= dims[k];
+    KILN_FOR(line, lines) {
+        const kiln_u64 t0 = (line / inner) * dims[axis] * inner + line % inner;  // the line's first position
+        const kiln_u64 base = kt_base(t0, dims, strides, rank, axis);
+        for (kiln_u64 q = 0; q < dims[axis]; ++q) {
+            const kiln_u64 t = t0 + q * inner;
+            const long long j = kt_wrap(kt_index(idx, t, idx64), axis_dim, axis, code, st);
+            if (j < 0) continue;
+            const kiln_u64 at = base + (kiln_u64)j * strides[axis];
+            out[at] = kt_combine<Tag>(out[at], upd[t], reduction);
+        }
+    }
+}
+
+// Data offset (elements) of index tuple q (k int64 indices at idx + q·k) of GatherND / ScatterND:
+// its batch (q / per_batch) · batch_stride plus each index (wrapped in dims d) · strides s, or
+// -1 after reporting an index out of range (its data axis is batch dims + j).
+__device__ __forceinline__ long long kt_tuple(const long long* idx, kiln_u64 q, unsigned k, kiln_u64 per_batch,
+                                              kiln_u64 batch_stride, const kiln_u64* d, const kiln_u64* s,
+                                              unsigned batch_dims, unsigned code, kiln_status* st) {
+    kiln_u64 at = (q / per_batch) * batch_stride;
+    for (unsigned j = 0; j < k; ++j) {
+        const long long i = kt_wrap(idx[q * k + j], d[j], batch_dims + j, code, st);
+        if (i < 0) return -1;
+        at += (kiln_u64)i * s[j];
+    }
+    return (long long)at;
+}
+
+// GatherND: out[q·slice + e] = data[tuple q's slice + e]. One thread per output element.
+extern "C" __global__ void kiln_tensor_gather_nd(const char* src, const long long* idx, char* dst, kiln_u64 n,
+                                                 unsigned esize, unsigned k, unsigned batch_dims, kiln_u64 slice,
+                                                 kiln_u64 per_batch,
+                                                 kiln_u64 batch_stride, KT_DIMS8(d), KT_DIMS8(s), unsigned code,
+                                                 kiln_status* st) {
+    const kiln_u64 dims[8] = KT_ARRAY8(d), strides[8] = KT_ARRAY8(s);
+    KILN_FOR(t, n) {
+        const kiln_u64 q = t / slice, e = t - q * slice;
+        const long long at = kt_tuple(idx, q, k, per_batch, batch_stride, dims, strides, batch_dims, code, st);
+        kt_elem_copy(dst + t * esize, at < 0 ? (const char*)0 : src + ((kiln_u64)at + e) * esize, esize);
+    }
+}
+
+// ScatterND: out (already a copy of data) gets, for every tuple q in order, updates[q·slice + e]
+// at tuple q's slice + e. One thread per slice element e.
+template <typename Tag>
+__global__ void kiln_tensor_scatter_nd(typename Tag::storage* out, const long long* idx,
+                                       const typename Tag::storage* upd, kiln_u64 tuples, unsigned reduction,
+                                       unsigned k, unsigned batch_dims, kiln_u64 slice, kiln_u64 per_batch,
+                                       kiln_u64 batch_stride,
+                                       KT_DIMS8(d), KT_DIMS8(s), unsigned code, kiln_status* st) {
+    const kiln_u64 dims[8] = KT_ARRAY8(d), strides[8] = KT_ARRAY8(s);
+    KILN_FOR(e, slice) {
+        for (kiln_u64 q = 0; q < tuples; ++q) {
+            const long long at = kt_tuple(idx, q, k, per_batch, batch_stride, dims, strides, batch_dims, code, st);
+            if (at < 0) continue;
+            out[(kiln_u64)at + e] = kt_combine<Tag>(out[(kiln_u64)at + e], upd[q * slice + e], reduction);
+        }
+    }
+}
+
+// OneHot: out[o, h, i] (o over the index dims before the axis, h < depth, i over the `inner`
+// index elements after it) = values[1] when index [o, i] (truncated toward zero, a negative one
+// plus depth) is h, else values[0]. One thread per output element.
+template <typename Tag>
+__global__ void kiln_tensor_onehot(const typename Tag::storage* idx, const char* values, char* dst, kiln_u64 n,
+                                   unsigned esize, kiln_u64 depth, kiln_u64 inner) {
+    typedef kiln_elem<Tag> E;
+    KILN_FOR(t, n) {
+        const kiln_u64 o = t / (depth * inner), r = t - o * depth * inner, h = r / inner, i = r - h * inner;
+        const typename E::C c = E::ld(idx[o * inner + i]);
+        long long v;
+        if (E::is_float)
+            v = c >= 9.2e18 || c <= -9.2e18 || c != c ? -(long long)depth - 1 : (long long)c;
+        else
+            v = E::is_signed || (kiln_u64)c <= 0x7fffffffffffffffull ? (long long)c : -(long long)depth - 1;
+        if (v < 0) v += (long long)depth;
+        kt_elem_copy(dst + t * esize, values + (v == (long long)h ? esize : 0), esize);
+    }
+}
+
+// EyeLike: a rows × cols matrix of esize-byte elements, the little-endian pattern `one` where
+// column − row = k, zeros elsewhere.
+extern "C" __global__ void kiln_tensor_eyelike(char* dst, kiln_u64 rows, kiln_u64 cols, long long k, unsigned esize,
+                                               kiln_u64 one) {
+    KILN_FOR(t, rows * cols) {
+        const kiln_u64 r = t / cols;
+        const bool diag = (long long)(t - r * cols) - (long long)r == k;
+        for (unsigned b = 0; b < esize; ++b) dst[t * esize + b] = diag ? (char)(one >> (8 * b)) : (char)0;
+    }
+}
+
+// Pad (shim/src/pad.rs): out[t] = in[the source of each of t's coordinates], or the esize-byte
+// little-endian `value` where a coordinate has none (mode 0 constant; 1 edge, 2 reflect, 3 wrap
+// always have one). in / out dims and the pads before each axis (`b`, negative: cropped).
+extern "C" __global__ void kiln_tensor_pad(const char* src, char* dst, kiln_u64 n, unsigned esize, unsigned rank,
+                                           unsigned mode, KT_DIMS8(i), KT_DIMS8(o), long long b0, long long b1,
+                                           long long b2, long long b3, long long b4, long long b5, long long b6,
+                                           long long b7, kiln_u64 value) {
+    const kiln_u64 in[8] = KT_ARRAY8(i), out[8] = KT_ARRAY8(o);
+    const long long begin[8] = {b0, b1, b2, b3, b4, b5, b6, b7};
+    KILN_FOR(t, n) {
+        kiln_u64 rem = t, at = 0, stride = 1;
+        bool inside = true;
+        for (int k = (int)rank - 1; k >= 0; --k) {
+            const long long len = (long long)in[k];
+            long long x = (long long)(rem % out[k]) - begin[k];
+            rem /= out[k];
+            if (x < 0 || x >= len) {
+                if (mode == 0) {
+                    inside = false;
+                } else if (mode == 1) {
+                    x = x < 0 ? 0 : len - 1;
+                } else if (mode == 3) {
+                    x = ((x % len) + len) % len;
+                } else if (len == 1) {
+                    x = 0;
+                } else {
+                    const long long period = 2 * (len - 1), r = ((x % period) + period) % period;
+                    x = r >= len ? period - r : r;
+                }
+            }
+            at += (kiln_u64)(inside ? x : 0) * stride;
+            stride *= in[k];
+        }
+        for (unsigned e = 0; e < esize; ++e)
+            dst[t * esize + e] = inside ? src[at * esize + e] : (char)(value >> (8 * e));
     }
 }

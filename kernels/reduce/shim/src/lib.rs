@@ -1,6 +1,6 @@
 //! Shim of `kiln-reduce`: ReduceSum, ReduceMean, ReduceMax, ReduceMin, ReduceProd,
 //! ReduceSumSquare, ReduceL1, ReduceL2, ReduceLogSum and ReduceLogSumExp, ArgMax / ArgMin
-//! (`arg`), and CumSum and Hardmax (`lines`), following ONNX Operators.md.
+//! (`arg`), CumSum and Hardmax (`lines`), and TopK (`topk`), following ONNX Operators.md.
 //!
 //! `axes` is an attribute before ReduceSum-13 and ReduceMean-18/ReduceMax-18, the optional
 //! input 1 from then on (a value input: its bytes arrive inline). `keepdims` defaults to 1;
@@ -19,6 +19,7 @@ extern crate alloc;
 
 mod arg;
 mod lines;
+mod topk;
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
@@ -333,6 +334,9 @@ impl Shim for Reduce {
         if is_line_op(call) {
             return lines::infer(call);
         }
+        if call.op_type() == "TopK" {
+            return topk::infer(call);
+        }
         let p = plan(call)?;
         let dtype = call.input(0)?.dtype()?;
         check_dtype(call, dtype, p.kind)?;
@@ -345,6 +349,9 @@ impl Shim for Reduce {
         }
         if is_line_op(call) {
             return lines::cpu(call);
+        }
+        if call.op_type() == "TopK" {
+            return topk::cpu(call);
         }
         let p = plan(call)?;
         let x = call.input(0)?;
@@ -398,6 +405,9 @@ impl Shim for Reduce {
         }
         if is_line_op(call) {
             return lines::dispatch(call);
+        }
+        if call.op_type() == "TopK" {
+            return topk::dispatch(call);
         }
         dispatch(call)
     }

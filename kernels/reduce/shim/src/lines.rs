@@ -17,25 +17,25 @@ use kiln_kernel_abi::guest::*;
 use kiln_kernel_abi::{bail, names, unsupported, with_dtype};
 
 /// The input viewed as `[outer, n, inner]`.
-struct Lines {
-    outer: usize,
-    n: usize,
-    inner: usize,
+pub(crate) struct Lines {
+    pub outer: usize,
+    pub n: usize,
+    pub inner: usize,
 }
 
 impl Lines {
     /// Around axis `ax` of `shape`.
-    fn around(shape: &[usize], ax: usize) -> Lines {
+    pub fn around(shape: &[usize], ax: usize) -> Lines {
         Lines { outer: shape[..ax].iter().product(), n: shape[ax], inner: shape[ax + 1..].iter().product() }
     }
 
     /// Element indices of line `l`, in order along the axis.
-    fn line(&self, l: usize) -> impl Iterator<Item = usize> + '_ {
+    pub fn line(&self, l: usize) -> impl Iterator<Item = usize> + '_ {
         let (o, i) = (l / self.inner.max(1), l % self.inner.max(1));
         (0..self.n).map(move |j| (o * self.n + j) * self.inner + i)
     }
 
-    fn count(&self) -> usize {
+    pub fn count(&self) -> usize {
         self.outer * self.inner
     }
 }

@@ -29,7 +29,7 @@ impl At {
     pub fn plus(self, bytes: u64) -> At {
         At { handle: self.handle, offset: self.offset + bytes }
     }
-    fn arg(self) -> KernelArg {
+    pub fn arg(self) -> KernelArg {
         KernelArg::Tensor { handle: self.handle, offset: self.offset }
     }
 }
@@ -46,6 +46,15 @@ fn width(values: &[u64]) -> u64 {
 }
 
 fn run(kernel: &'static str, units: u64, args: Vec<KernelArg>) -> Result<()> {
+    launch(&Launch { kernel, grid: [grid(units), 1, 1], block: [BLOCK, 1, 1], shared_mem_bytes: 0, args })
+}
+
+/// One launch of `kernel` over `units` elements' worth of work (its grid-stride loop covers
+/// the rest); nothing for zero units.
+pub fn launch_elems(kernel: &str, units: u64, args: Vec<KernelArg>) -> Result<()> {
+    if units == 0 {
+        return Ok(());
+    }
     launch(&Launch { kernel, grid: [grid(units), 1, 1], block: [BLOCK, 1, 1], shared_mem_bytes: 0, args })
 }
 
@@ -140,8 +149,8 @@ pub fn strided(src: At, dst: At, esize: usize, shape: &[usize], strides: &[isize
         while g > 1 {
             let ok = dims[rank - 1] % g == 0
                 && st[..rank - 1].iter().all(|&s| s % g as i64 == 0)
-                && src.offset % (e * g) == 0
-                && dst.offset % (e * g) == 0;
+                && src.offset.is_multiple_of(e * g)
+                && dst.offset.is_multiple_of(e * g);
             if ok {
                 break;
             }

@@ -10,6 +10,9 @@
 //! - [`generate`]: ops that make new values: Shape (`start`/`end` from 15), Size, Constant,
 //!   ConstantOfShape, Range.
 //! - [`trilu`]: Trilu (a triangle of the last two dimensions).
+//! - [`index`]: GatherElements, ScatterElements (and Scatter), GatherND, ScatterND.
+//! - [`onehot`]: OneHot, EyeLike.
+//! - [`pad`]: Pad (constant, edge, reflect and wrap).
 //! - [`dropout`]: Dropout for inference (the data, and an all-true mask).
 //!
 //! GPU dispatches ([`gpu`], kernels in `cuda/tensor.cu`) move bytes by element size, so
@@ -24,8 +27,11 @@ extern crate alloc;
 mod dropout;
 mod generate;
 mod gpu;
+mod index;
 mod join;
 mod layout;
+mod onehot;
+mod pad;
 mod strided;
 mod trilu;
 
@@ -52,6 +58,13 @@ impl Shim for Tensors {
             "Shape" | "Size" | "Constant" | "ConstantOfShape" | "Range" => generate::infer(call),
             "Trilu" => trilu::infer(call),
             "Dropout" => dropout::infer(call),
+            "GatherElements" => index::gather_elements_infer(call),
+            "ScatterElements" | "Scatter" => index::scatter_elements_infer(call),
+            "GatherND" => index::gather_nd_infer(call),
+            "ScatterND" => index::scatter_nd_infer(call),
+            "OneHot" => onehot::onehot_infer(call),
+            "EyeLike" => onehot::eyelike_infer(call),
+            "Pad" => pad::infer(call),
             other => unsupported!("kiln-tensor does not implement {other}"),
         }
     }
@@ -66,6 +79,13 @@ impl Shim for Tensors {
             "Shape" | "Size" | "Constant" | "ConstantOfShape" | "Range" => generate::dispatch(call),
             "Trilu" => trilu::dispatch(call),
             "Dropout" => dropout::dispatch(call),
+            "GatherElements" => index::gather_elements_dispatch(call),
+            "ScatterElements" | "Scatter" => index::scatter_elements_dispatch(call),
+            "GatherND" => index::gather_nd_dispatch(call),
+            "ScatterND" => index::scatter_nd_dispatch(call),
+            "OneHot" => onehot::onehot_dispatch(call),
+            "EyeLike" => onehot::eyelike_dispatch(call),
+            "Pad" => pad::dispatch(call),
             other => unsupported!("kiln-tensor does not implement {other}"),
         }
     }
@@ -80,6 +100,13 @@ impl Shim for Tensors {
             "Shape" | "Size" | "Constant" | "ConstantOfShape" | "Range" => generate::cpu(call),
             "Trilu" => trilu::cpu(call),
             "Dropout" => dropout::cpu(call),
+            "GatherElements" => index::gather_elements_cpu(call),
+            "ScatterElements" | "Scatter" => index::scatter_elements_cpu(call),
+            "GatherND" => index::gather_nd_cpu(call),
+            "ScatterND" => index::scatter_nd_cpu(call),
+            "OneHot" => onehot::onehot_cpu(call),
+            "EyeLike" => onehot::eyelike_cpu(call),
+            "Pad" => pad::cpu(call),
             other => unsupported!("kiln-tensor does not implement {other}"),
         }
     }

@@ -1,0 +1,169 @@
+//! Pad-2/11/13/18/19/21/23/24/25 (ONNX Operators.md): each axis grows by `pads` elements at its
+//! start and end (negative pads crop). `pads` is an attribute before opset 11 and input 1 (int64,
+//! a value input) from it; from opset 18 input 3 (`axes`) names the axes the pads apply to (all
+//! when absent). `mode`:
+//!
+//! - `constant`: new elements are `value` (attribute before 11, the optional scalar input 2
+//!   from it; 0 when absent);
+//! - `edge`: the nearest edge element;
+//! - `reflect`: mirrored about the edge element, which is not repeated (numpy's `reflect`);
+//! - `wrap` (opset 19): taken from the other end (numpy's `wrap`).
+//!
+//! Works on element bytes, so every fixed-size dtype works. On the GPU `kiln_tensor_pad` runs one
+//! thread per output element.
+
+use alloc::vec::Vec;
+use kiln_kernel_abi::guest::*;
+use kiln_kernel_abi::{bail, with_dtype};
+
+use crate::gpu::{launch_elems, At, MAX_RANK};
+use crate::index::eight;
+use crate::{distinct_axes, elem_size};
+
+/// The kernel's mode numbers.
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    Constant = 0,
+    Edge = 1,
+    Reflect = 2,
+    Wrap = 3,
+}
+
+struct Plan {
+    esize: usize,
+    mode: Mode,
+    input: Vec<usize>,
+    out: Vec<usize>,
+    begin: Vec<i64>,
+    /// The constant's bytes (esize of them).
+    value: Vec<u8>,
+}
+
+fn plan(call: &Call) -> Result<Plan> {
+    const OP: &str = "Pad";
+    let x = call.input(0)?;
+    let dt = x.dtype()?;
+    let esize = elem_size(OP, dt)?;
+    let input = x.shape()?;
+    let mode = match call.attr_s("mode", "constant")? {
+        "constant" => Mode::Constant,
+        "edge" => Mode::Edge,
+        "reflect" => Mode::Reflect,
+        "wrap" => Mode::Wrap,
+        other => bail!("{OP}: mode must be constant, edge, reflect or wrap, not {other:?}"),
+    };
+    let old = call.opset() < 11;
+    let pads = if old {
+        match call.attr_ints("pads")? {
+            Some(p) => p,
+            None => bail!("{OP}: attribute pads is required before opset 11"),
+        }
+    } else {
+        call.input(1)?.read_i64s()?
+    };
+    let axes = match call.input_opt(3) {
+        Some(t) => distinct_axes(OP, &t.read_i64s()?, input.len())?,
+        None => (0..input.len()).collect(),
+    };
+    if pads.len() != 2 * axes.len() {
+        bail!("{OP}: pads has {} values; {} axes need {}", pads.len(), axes.len(), 2 * axes.len());
+    }
+    let mut begin = alloc::vec![0i64; input.len()];
+    let mut out = input.clone();
+    for (i, &a) in axes.iter().enumerate() {
+        let (b, e) = (pads[i], pads[i + axes.len()]);
+        let n = input[a] as i64 + b + e;
+        if n < 0 {
+            bail!("{OP}: pads {b} and {e} leave axis {a} of {} elements with {n}", input[a]);
+        }
+        if mode != Mode::Constant && input[a] == 0 && n > 0 {
+            bail!("{OP}: mode {:?} cannot pad axis {a}, which is empty", call.attr_s("mode", "")?);
+        }
+        begin[a] = b;
+        out[a] = n as usize;
+    }
+    let value = match (old, call.input_opt(2)) {
+        (true, _) => with_dtype!(dt, T => Ok(element::encode(&[T::from_f64(call.attr_f("value", 0.0)? as f64)])))?,
+        (false, Some(v)) => {
+            if v.dtype()? != dt || v.numel()? != 1 {
+                bail!("{OP}: constant_value must be one {dt} value, not {} {}", v.numel()?, v.dtype()?);
+            }
+            match v.value() {
+                Some(b) => Vec::from(b),
+                None => v.read_bytes()?,
+            }
+        }
+        (false, None) => alloc::vec![0u8; esize],
+    };
+    Ok(Plan { esize, mode, input, out, begin, value })
+}
+
+/// The input index of output index `o` on an axis of `n` input elements padded by `begin` at its
+/// start, or None for the constant.
+fn source(mode: Mode, o: i64, begin: i64, n: i64) -> Option<i64> {
+    let i = o - begin;
+    if (0..n).contains(&i) {
+        return Some(i);
+    }
+    match mode {
+        Mode::Constant => None,
+        Mode::Edge => Some(i.clamp(0, n - 1)),
+        Mode::Wrap => Some(i.rem_euclid(n)),
+        Mode::Reflect if n == 1 => Some(0),
+        Mode::Reflect => {
+            let period = 2 * (n - 1);
+            let r = i.rem_euclid(period);
+            Some(if r >= n { period - r } else { r })
+        }
+    }
+}
+
+pub fn infer(call: &Call) -> Result<Vec<TensorType>> {
+    let p = plan(call)?;
+    Ok(vec![TensorType::new(call.input(0)?.dtype()?, p.out)])
+}
+
+pub fn cpu(call: &Call) -> Result<()> {
+    let p = plan(call)?;
+    let x = call.input(0)?;
+    let data = if x.numel()? == 0 { Vec::new() } else { x.read_bytes()? };
+    let n: usize = p.out.iter().product();
+    let mut out = Vec::with_capacity(n * p.esize);
+    for t in 0..n {
+        let (mut rem, mut at, mut stride, mut inside) = (t, 0usize, 1usize, true);
+        for k in (0..p.out.len()).rev() {
+            let o = (rem % p.out[k]) as i64;
+            rem /= p.out[k];
+            match source(p.mode, o, p.begin[k], p.input[k] as i64) {
+                Some(i) => at += i as usize * stride,
+                None => inside = false,
+            }
+            stride *= p.input[k];
+        }
+        out.extend_from_slice(if inside { &data[at * p.esize..(at + 1) * p.esize] } else { &p.value });
+    }
+    call.output(0)?.write_bytes(&out)
+}
+
+/// `kiln_tensor_pad`: one thread per output element.
+pub fn dispatch(call: &Call) -> Result<()> {
+    let p = plan(call)?;
+    if p.out.len() > MAX_RANK {
+        bail!("Pad: rank {} is more than {MAX_RANK}", p.out.len());
+    }
+    let n: usize = p.out.iter().product();
+    let value = p.value.iter().rev().fold(0u64, |a, &b| (a << 8) | b as u64);
+    let mut args = vec![
+        At::of(&call.input(0)?).arg(),
+        At::of(&call.output(0)?).arg(),
+        KernelArg::U64(n as u64),
+        KernelArg::U32(p.esize as u32),
+        KernelArg::U32(p.out.len() as u32),
+        KernelArg::U32(p.mode as u32),
+    ];
+    args.extend(eight(&p.input, 1));
+    args.extend(eight(&p.out, 1));
+    args.extend((0..MAX_RANK).map(|k| KernelArg::I64(p.begin.get(k).copied().unwrap_or(0))));
+    args.push(KernelArg::U64(value));
+    launch_elems("kiln_tensor_pad", n as u64, args)
+}
