@@ -1456,7 +1456,8 @@ __global__ void __launch_bounds__(256, 2) kiln_gqa_decode(KILN_GQA_DECODE_PARAMS
                             KILN_GQA_LAYOUT, fold, counters, st);
 }
 
-// Decode attention by KV head over GQA_DEC_CLUSTER splits of kpb keys (grid [GQA_DEC_CLUSTER, Nk, B]),
+// Decode attention by KV head over GQA_DEC_CLUSTER splits of kpb keys (grid [GQA_DEC_CLUSTER, Nk, B]
+// exactly: each cluster is one (KV head, batch row), and its block 0 writes the whole output),
 // K/V rows in registers, the splits merged through a thread block cluster on compute capability
 // 9.0 and later (folded before it: the shim sets `fold`). G query heads per block.
 #if __CUDA_ARCH__ >= 900
