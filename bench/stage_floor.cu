@@ -61,6 +61,29 @@ __global__ void __launch_bounds__(128) stage(const uint4* __restrict__ in, uint4
     if (blockIdx.x == 0 && threadIdx.x < 72) out[threadIdx.x] = make_uint4(acc + 1, 0, 0, 0);
 }
 
+// Ends the capture on `s`, replays its graph 20 times to warm up, then 200 times under CUDA events:
+// µs per stage of `stages`.
+static float replay_us(cudaStream_t s, unsigned stages) {
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CHECK(cudaStreamEndCapture(s, &g));
+    CHECK(cudaGraphInstantiate(&ge, g, 0));
+    for (int i = 0; i < 20; ++i) CHECK(cudaGraphLaunch(ge, s));
+    cudaEvent_t a, b;
+    CHECK(cudaEventCreate(&a));
+    CHECK(cudaEventCreate(&b));
+    const int reps = 200;
+    CHECK(cudaEventRecord(a, s));
+    for (int i = 0; i < reps; ++i) CHECK(cudaGraphLaunch(ge, s));
+    CHECK(cudaEventRecord(b, s));
+    CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, a, b));
+    CHECK(cudaGraphExecDestroy(ge));
+    CHECK(cudaGraphDestroy(g));
+    return ms * 1000.f / reps / stages;
+}
+
 // The same stages inside one persistent kernel: a grid barrier (a counter every block adds to,
 // read with acquire) replaces each kernel boundary; each block loads the next stage's weights
 // before it waits, as a PDL kernel does before griddepcontrol.wait. Needs every block resident.
@@ -117,8 +140,6 @@ __global__ void __launch_bounds__(128) persistent(uint4* rows, const uint4* __re
 static float run_persistent(bool work, unsigned grid, unsigned stages, uint4* rows, const uint4* w, unsigned* counter,
                             cudaStream_t s) {
     const unsigned wvec = work ? 72 : 0;
-    cudaGraph_t g;
-    cudaGraphExec_t ge;
     CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
     CHECK(cudaMemsetAsync(counter, 0, 4, s));
     if (work)
@@ -126,22 +147,7 @@ static float run_persistent(bool work, unsigned grid, unsigned stages, uint4* ro
     else
         persistent<false><<<grid, 128, 0, s>>>(rows, w, wvec, stages, counter);
     CHECK(cudaGetLastError());
-    CHECK(cudaStreamEndCapture(s, &g));
-    CHECK(cudaGraphInstantiate(&ge, g, 0));
-    for (int i = 0; i < 20; ++i) CHECK(cudaGraphLaunch(ge, s));
-    cudaEvent_t a, b;
-    CHECK(cudaEventCreate(&a));
-    CHECK(cudaEventCreate(&b));
-    const int reps = 200;
-    CHECK(cudaEventRecord(a, s));
-    for (int i = 0; i < reps; ++i) CHECK(cudaGraphLaunch(ge, s));
-    CHECK(cudaEventRecord(b, s));
-    CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, a, b));
-    CHECK(cudaGraphExecDestroy(ge));
-    CHECK(cudaGraphDestroy(g));
-    return ms * 1000.f / reps / stages;
+    return replay_us(s, stages);
 }
 
 typedef void (*Kernel)(const uint4*, uint4*, const uint4*, unsigned);
@@ -149,8 +155,6 @@ typedef void (*Kernel)(const uint4*, uint4*, const uint4*, unsigned);
 static float run(Kernel k, bool pdl, unsigned grid, unsigned stages, bool work, uint4* rows, const uint4* w,
                  cudaStream_t s) {
     const unsigned wvec = work ? 72 : 0;  // 1,152 bytes of weights per block
-    cudaGraph_t g;
-    cudaGraphExec_t ge;
     CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
     for (unsigned i = 0; i < stages; ++i) {
         cudaLaunchConfig_t cfg = {};
@@ -165,22 +169,7 @@ static float run(Kernel k, bool pdl, unsigned grid, unsigned stages, bool work, 
         CHECK(cudaLaunchKernelEx(&cfg, k, (const uint4*)(rows + (i % 2) * 128), rows + ((i + 1) % 2) * 128,
                                  w + (size_t)i * grid * wvec, wvec));
     }
-    CHECK(cudaStreamEndCapture(s, &g));
-    CHECK(cudaGraphInstantiate(&ge, g, 0));
-    for (int i = 0; i < 20; ++i) CHECK(cudaGraphLaunch(ge, s));
-    cudaEvent_t a, b;
-    CHECK(cudaEventCreate(&a));
-    CHECK(cudaEventCreate(&b));
-    const int reps = 200;
-    CHECK(cudaEventRecord(a, s));
-    for (int i = 0; i < reps; ++i) CHECK(cudaGraphLaunch(ge, s));
-    CHECK(cudaEventRecord(b, s));
-    CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, a, b));
-    CHECK(cudaGraphExecDestroy(ge));
-    CHECK(cudaGraphDestroy(g));
-    return ms * 1000.f / reps / stages;
+    return replay_us(s, stages);
 }
 
 int main() {

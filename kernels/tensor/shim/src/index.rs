@@ -223,11 +223,11 @@ pub fn gather_elements_dispatch(call: &Call) -> Result<()> {
     crate::gpu::launch_elems("kiln_tensor_gather_elements", n as u64, args)
 }
 
-fn scatter_elements_plan(call: &Call, op: &str) -> Result<(Elements, Reduction)> {
-    let e = elements_plan(call, op)?;
+/// A scatter's updates (input 2: `shape` and data's dtype) and its reduction (none only for bool).
+fn updates(call: &Call, op: &str, shape: &[usize]) -> Result<Reduction> {
     let updates = call.input(2)?;
-    if updates.shape()? != e.idx {
-        bail!("{op}: updates must have indices' shape {:?}, not {:?}", e.idx, updates.shape()?);
+    if updates.shape()? != shape {
+        bail!("{op}: updates must have shape {shape:?}, not {:?}", updates.shape()?);
     }
     let dt = call.input(0)?.dtype()?;
     if updates.dtype()? != dt {
@@ -237,6 +237,12 @@ fn scatter_elements_plan(call: &Call, op: &str) -> Result<(Elements, Reduction)>
     if r != Reduction::None && dt == DType::Bool {
         unsupported!("{op}: reduction {r:?} of bool tensors is not supported");
     }
+    Ok(r)
+}
+
+fn scatter_elements_plan(call: &Call, op: &str) -> Result<(Elements, Reduction)> {
+    let e = elements_plan(call, op)?;
+    let r = updates(call, op, &e.idx)?;
     Ok((e, r))
 }
 
@@ -445,18 +451,7 @@ pub fn gather_nd_dispatch(call: &Call) -> Result<()> {
 fn scatter_nd_plan(call: &Call) -> Result<(Nd, Reduction)> {
     const OP: &str = "ScatterND";
     let p = nd_plan(call, OP, 0)?;
-    let updates = call.input(2)?;
-    if updates.shape()? != p.out {
-        bail!("{OP}: updates must have shape {:?}, not {:?}", p.out, updates.shape()?);
-    }
-    let dt = call.input(0)?.dtype()?;
-    if updates.dtype()? != dt {
-        bail!("{OP}: updates must have data's dtype {dt}, not {}", updates.dtype()?);
-    }
-    let r = reduction(call, OP)?;
-    if r != Reduction::None && dt == DType::Bool {
-        unsupported!("{OP}: reduction {r:?} of bool tensors is not supported");
-    }
+    let r = updates(call, OP, &p.out)?;
     Ok((p, r))
 }
 
