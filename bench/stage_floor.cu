@@ -27,6 +27,26 @@ enum { TRIGGER_NONE = 0, TRIGGER_FIRST = 1, TRIGGER_AFTER_WAIT = 2 };
 __device__ __forceinline__ void wait_dep() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
+// A stage's work after its dependency: every block reads the 576-value row the previous stage
+// wrote (in[0..72) as 16-byte vectors; WORK) and uses its weights `wv`, or reads one word (no
+// WORK); block 0 writes the next row.
+template <bool WORK>
+__device__ __forceinline__ void stage_work(const uint4* in, uint4* out, const uint4 (&wv)[4]) {
+    unsigned acc = 0;
+    if (WORK) {
+        if (threadIdx.x < 72) {
+            const uint4 v = __ldcg(in + threadIdx.x);
+            acc = v.x ^ v.y ^ v.z ^ v.w;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) acc += wv[u].x + wv[u].w;
+        acc = __reduce_add_sync(0xffffffffu, acc);
+    } else if (threadIdx.x == 0) {
+        acc = __ldcg((const unsigned*)in);
+    }
+    if (blockIdx.x == 0 && threadIdx.x < 72) out[threadIdx.x] = make_uint4(acc + 1, 0, 0, 0);
+}
+
 // Stage i: every block reads the 576-value row the previous stage wrote (in[0..576)), and
 // `weights` bytes of its own; block 0 writes the next row.
 template <int TRIG, bool WORK>
@@ -45,20 +65,7 @@ __global__ void __launch_bounds__(128) stage(const uint4* __restrict__ in, uint4
     if (TRIG == TRIGGER_FIRST) trigger();
     if (TRIG != TRIGGER_NONE) wait_dep();
     if (TRIG == TRIGGER_AFTER_WAIT) trigger();
-    unsigned acc = 0;
-    if (WORK) {
-        // The row: 576 f16 = 72 vectors.
-        if (threadIdx.x < 72) {
-            const uint4 v = __ldcg(in + threadIdx.x);
-            acc = v.x ^ v.y ^ v.z ^ v.w;
-        }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) acc += wv[u].x + wv[u].w;
-        acc = __reduce_add_sync(0xffffffffu, acc);
-    } else if (threadIdx.x == 0) {
-        acc = __ldcg((const unsigned*)in);
-    }
-    if (blockIdx.x == 0 && threadIdx.x < 72) out[threadIdx.x] = make_uint4(acc + 1, 0, 0, 0);
+    stage_work<WORK>(in, out, wv);
 }
 
 // Ends the capture on `s`, replays its graph 20 times to warm up, then 200 times under CUDA events:
@@ -109,19 +116,7 @@ __global__ void __launch_bounds__(128) persistent(uint4* rows, const uint4* __re
     for (unsigned i = 0; i < stages; ++i) {
         const uint4* in = rows + (i % 2) * 128;
         uint4* out = rows + ((i + 1) % 2) * 128;
-        unsigned acc = 0;
-        if (WORK) {
-            if (threadIdx.x < 72) {
-                const uint4 v = __ldcg(in + threadIdx.x);
-                acc = v.x ^ v.y ^ v.z ^ v.w;
-            }
-#pragma unroll
-            for (int u = 0; u < 4; ++u) acc += wv[u].x + wv[u].w;
-            acc = __reduce_add_sync(0xffffffffu, acc);
-        } else if (threadIdx.x == 0) {
-            acc = __ldcg((const unsigned*)in);
-        }
-        if (blockIdx.x == 0 && threadIdx.x < 72) out[threadIdx.x] = make_uint4(acc + 1, 0, 0, 0);
+        stage_work<WORK>(in, out, wv);
         if (i + 1 < stages) load(i + 1, nv);
         __syncthreads();
         if (threadIdx.x == 0) {
