@@ -744,6 +744,37 @@ fn index_ops_refuse_bad_indices_and_combine_repeats_in_order() {
     )
     .unwrap();
     assert_eq!(f32_values(&out[0].1), vec![2., 1., 2., 3., 2., 1., 2., 3., 2.]);
+    // Cropped at one end and padded at the other: the kept window wraps (ONNX's reference crops
+    // first), and a window cropped away cannot be reflected.
+    let wrap = onnx::model(
+        vec![node("Pad", &["x", "p"], &["y"], vec![attr_string("mode", "wrap")])],
+        vec![value("x", 1, &[5]), value("p", 7, &[2])],
+        vec![value("y", 1, &[-1])],
+        vec![],
+    );
+    let x5 = f32_tensor(&[5], &[0., 1., 2., 3., 4.]);
+    let out = run(&rt, &onnx::bytes(&wrap), vec![("x".into(), x5), ("p".into(), i64_tensor(&[2], &[-1, 1]))]).unwrap();
+    assert_eq!(f32_values(&out[0].1), vec![1., 2., 3., 4., 1.]);
+    let x3 = f32_tensor(&[3], &[1., 2., 3.]);
+    let err = run(&rt, &onnx::bytes(&m), vec![("x".into(), x3), ("p".into(), i64_tensor(&[2], &[-3, 2]))])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("cannot pad axis 0: pads -3 and 2 leave none of it"), "{err}");
+    // TopK orders NaN above every number (numpy, torch).
+    let m = onnx::model(
+        vec![node("TopK", &["x", "k"], &["v", "i"], vec![])],
+        vec![value("x", 1, &[3]), value("k", 7, &[1])],
+        vec![value("v", 1, &[-1]), value("i", 7, &[-1])],
+        vec![],
+    );
+    let out = run(
+        &rt,
+        &onnx::bytes(&m),
+        vec![("x".into(), f32_tensor(&[3], &[1., f32::NAN, 2.])), ("k".into(), i64_tensor(&[1], &[2]))],
+    )
+    .unwrap();
+    assert!(f32_values(&out[0].1)[0].is_nan() && f32_values(&out[0].1)[1] == 2.);
+    assert_eq!(i64_values(&out[1].1), vec![1, 2]);
 }
 
 /// The elements of an int64 tensor.

@@ -478,15 +478,19 @@ __global__ void kiln_hardmax(const typename Tag::storage* x, typename Tag::stora
 // TopK (shim/src/topk.rs): each line's best k elements (largest: greater first; else smaller
 // first) and their indices along the line, written to values / indices [outer, k, inner], which
 // hold the list while it is built: an element enters when it beats the last kept one (or fewer
-// than k are kept), after every element it does not beat (equal ones keep index order). A NaN
-// never beats a number; integers compare with their sign. One thread per line.
+// than k are kept), after every element it does not beat (equal ones keep index order). A NaN is
+// larger than every number; integers compare with their sign. One thread per line.
 template <typename Tag>
 __global__ void kiln_topk(const typename Tag::storage* x, typename Tag::storage* values, long long* indices,
                           kiln_u64 outer, kiln_u64 n, kiln_u64 inner, kiln_u64 k, unsigned largest) {
     typedef kiln_elem<Tag> E;
     typedef typename E::C C;
     const auto beats = [&](C v, C w) {
-        if (E::is_float || !E::is_signed) return largest ? v > w : v < w;
+        if (E::is_float) {
+            const bool nv = v != v, nw = w != w;
+            return largest ? (nv && !nw) || v > w : (!nv && nw) || v < w;
+        }
+        if (!E::is_signed) return largest ? v > w : v < w;
         return largest ? (long long)v > (long long)w : (long long)v < (long long)w;
     };
     KILN_FOR(line, outer * inner) {

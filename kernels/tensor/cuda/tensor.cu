@@ -528,11 +528,12 @@ __global__ void kiln_tensor_scatter_nd(typename Tag::storage* out, const long lo
 }
 
 // OneHot: out[o, h, i] (o over the index dims before the axis, h < depth, i over the `inner`
-// index elements after it) = values[1] when index [o, i] (truncated toward zero, a negative one
-// plus depth) is h, else values[0]. One thread per output element.
+// index elements after it) = values[1] when index [o, i] (truncated toward zero, a NaN matching
+// nothing; a negative one plus depth when `wrap`, OneHot-11) is h, else values[0]. One thread per
+// output element.
 template <typename Tag>
 __global__ void kiln_tensor_onehot(const typename Tag::storage* idx, const char* values, char* dst, kiln_u64 n,
-                                   unsigned esize, kiln_u64 depth, kiln_u64 inner) {
+                                   unsigned esize, kiln_u64 depth, kiln_u64 inner, unsigned wrap) {
     typedef kiln_elem<Tag> E;
     KILN_FOR(t, n) {
         const kiln_u64 o = t / (depth * inner), r = t - o * depth * inner, h = r / inner, i = r - h * inner;
@@ -542,7 +543,7 @@ __global__ void kiln_tensor_onehot(const typename Tag::storage* idx, const char*
             v = c >= 9.2e18 || c <= -9.2e18 || c != c ? -(long long)depth - 1 : (long long)c;
         else
             v = E::is_signed || (kiln_u64)c <= 0x7fffffffffffffffull ? (long long)c : -(long long)depth - 1;
-        if (v < 0) v += (long long)depth;
+        if (v < 0 && wrap) v += (long long)depth;
         kt_elem_copy(dst + t * esize, values + (v == (long long)h ? esize : 0), esize);
     }
 }
@@ -560,7 +561,9 @@ extern "C" __global__ void kiln_tensor_eyelike(char* dst, kiln_u64 rows, kiln_u6
 
 // Pad (shim/src/pad.rs): out[t] = in[the source of each of t's coordinates], or the esize-byte
 // little-endian `value` where a coordinate has none (mode 0 constant; 1 edge, 2 reflect, 3 wrap
-// always have one). in / out dims and the pads before each axis (`b`, negative: cropped).
+// always have one, from the window [lo, hi) of the axis that negative pads leave, which the
+// shim checks is not empty). in / out dims and the pads before each axis (`b`, negative:
+// cropped).
 extern "C" __global__ void kiln_tensor_pad(const char* src, char* dst, kiln_u64 n, unsigned esize, unsigned rank,
                                            unsigned mode, KT_DIMS8(i), KT_DIMS8(o), long long b0, long long b1,
                                            long long b2, long long b3, long long b4, long long b5, long long b6,
@@ -571,21 +574,22 @@ extern "C" __global__ void kiln_tensor_pad(const char* src, char* dst, kiln_u64 
         kiln_u64 rem = t, at = 0, stride = 1;
         bool inside = true;
         for (int k = (int)rank - 1; k >= 0; --k) {
-            const long long len = (long long)in[k];
+            const long long n_in = (long long)in[k], end = (long long)out[k] - n_in - begin[k];
+            const long long lo = begin[k] < 0 ? -begin[k] : 0, hi = n_in - (end < 0 ? -end : 0), len = hi - lo;
             long long x = (long long)(rem % out[k]) - begin[k];
             rem /= out[k];
-            if (x < 0 || x >= len) {
+            if (x < lo || x >= hi) {
                 if (mode == 0) {
                     inside = false;
                 } else if (mode == 1) {
-                    x = x < 0 ? 0 : len - 1;
+                    x = x < lo ? lo : hi - 1;
                 } else if (mode == 3) {
-                    x = ((x % len) + len) % len;
+                    x = lo + (((x - lo) % len) + len) % len;
                 } else if (len == 1) {
-                    x = 0;
+                    x = lo;
                 } else {
-                    const long long period = 2 * (len - 1), r = ((x % period) + period) % period;
-                    x = r >= len ? period - r : r;
+                    const long long period = 2 * (len - 1), r = (((x - lo) % period) + period) % period;
+                    x = lo + (r >= len ? period - r : r);
                 }
             }
             at += (kiln_u64)(inside ? x : 0) * stride;

@@ -2,9 +2,9 @@
 //! elements of each line along `axis` (default −1) and their int64 indices, in order (best
 //! first). `k` is an attribute in TopK-1 and input 1 (an int64 scalar or one-element tensor, a
 //! value input) from TopK-10; `largest` and `sorted` arrive in TopK-11. Of equal elements the
-//! one with the lower index comes first (the operator's rule); a NaN never beats a number, and a
-//! number never displaces a NaN already kept. `sorted` = 0 allows any order: this one is the
-//! sorted order.
+//! one with the lower index comes first (the operator's rule); a NaN is larger than every number
+//! (numpy's and torch's order), so it comes first among the largest and last among the
+//! smallest. `sorted` = 0 allows any order: this one is the sorted order.
 //!
 //! Both devices keep each line's best k with the same insertion: an element enters the list
 //! when it beats the last one kept (or the list is short), after every element it does not
@@ -43,17 +43,17 @@ fn plan(call: &Call) -> Result<Plan> {
         }
     };
     let n = shape[axis];
-    if k < 0 || k as usize > n {
+    let Some(k) = usize::try_from(k).ok().filter(|&k| k <= n) else {
         bail!("{OP}: k = {k} is out of range for axis {axis} of {n} elements");
-    }
+    };
     let largest = match call.attr_i("largest", 1)? {
         0 => false,
         1 => true,
         other => bail!("{OP}: largest must be 0 or 1, not {other}"),
     };
     let mut out = shape.clone();
-    out[axis] = k as usize;
-    Ok(Plan { lines: Lines::around(&shape, axis), k: k as usize, largest, out })
+    out[axis] = k;
+    Ok(Plan { lines: Lines::around(&shape, axis), k, largest, out })
 }
 
 pub fn infer(call: &Call) -> Result<Vec<TensorType>> {
@@ -67,7 +67,15 @@ pub fn infer(call: &Call) -> Result<Vec<TensorType>> {
 
 /// The best k of `xs` (positions of one line, in order) as (value, index along the line).
 fn best<T: Element>(xs: impl Iterator<Item = T>, k: usize, largest: bool) -> Vec<(T, usize)> {
-    let beats = |v: T, w: T| if largest { v > w } else { v < w };
+    // A total order with NaN (unordered against itself; never an integer) above every number.
+    let beats = |v: T, w: T| {
+        let (nv, nw) = (v.partial_cmp(&v).is_none(), w.partial_cmp(&w).is_none());
+        if largest {
+            (nv && !nw) || v > w
+        } else {
+            (!nv && nw) || v < w
+        }
+    };
     let mut list: Vec<(T, usize)> = Vec::with_capacity(k + 1);
     for (i, v) in xs.enumerate() {
         if k == 0 || (list.len() == k && !beats(v, list[k - 1].0)) {

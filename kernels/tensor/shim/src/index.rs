@@ -365,6 +365,7 @@ fn nd_plan(call: &Call, op: &str, batch_dims: i64) -> Result<Nd> {
     }
     let mut out = lead.to_vec();
     out.extend_from_slice(&data[b + k..]);
+    shape::numel(&out)?;
     Ok(Nd {
         b,
         k,

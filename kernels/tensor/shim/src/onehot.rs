@@ -3,9 +3,10 @@
 //! - OneHot-9/11: indices (any numeric dtype; floats are truncated toward zero) become one-hot
 //!   rows of length `depth` (input 1, a scalar value input, truncated) inserted at `axis`
 //!   (default −1, in `[-r-1, r]` for indices of rank r), `values[1]` at the index and
-//!   `values[0]` elsewhere (input 2, two values of the output's dtype). A negative index counts
-//!   from the end (`i + depth`); an index outside `[-depth, depth)` gives a row of `values[0]`,
-//!   as the operator's text says (onnxruntime does the same);
+//!   `values[0]` elsewhere (input 2, two values of the output's dtype). From OneHot-11 a negative
+//!   index counts from the end (`i + depth`); an index outside `[-depth, depth)` (OneHot-9:
+//!   `[0, depth)`), or a NaN, gives a row of `values[0]`, as the operator's text says
+//!   (onnxruntime does the same);
 //! - EyeLike-9/22: a 2-D tensor of the input's shape with ones on diagonal `k` (columns minus
 //!   rows) and zeros elsewhere, of the dtype named by attribute `dtype` (the input's when absent).
 //!
@@ -26,6 +27,8 @@ struct OneHot {
     depth: usize,
     out: Vec<usize>,
     inner: usize,
+    /// Negative indices count from the end (OneHot-11).
+    wrap: bool,
 }
 
 fn onehot_plan(call: &Call) -> Result<OneHot> {
@@ -53,11 +56,14 @@ fn onehot_plan(call: &Call) -> Result<OneHot> {
         bail!("{OP}: axis {a} is outside [{}, {r}] for indices of rank {r}", -r - 1);
     }
     let a = if a < 0 { (a + r + 1) as usize } else { a as usize };
-    let depth = d as usize;
+    let Ok(depth) = usize::try_from(d as u64) else {
+        bail!("{OP}: depth {d} is more than a shim can address");
+    };
     let mut out = idx[..a].to_vec();
     out.push(depth);
     out.extend_from_slice(&idx[a..]);
-    Ok(OneHot { depth, out, inner: idx[a..].iter().product() })
+    shape::numel(&out)?;
+    Ok(OneHot { depth, out, inner: idx[a..].iter().product(), wrap: call.opset() >= 11 })
 }
 
 pub fn onehot_infer(call: &Call) -> Result<Vec<TensorType>> {
@@ -65,9 +71,10 @@ pub fn onehot_infer(call: &Call) -> Result<Vec<TensorType>> {
     Ok(vec![TensorType::new(call.input(2)?.dtype()?, p.out)])
 }
 
-/// `i` as the index of a one-hot row of `depth`, or None outside `[-depth, depth)`.
-fn hot(i: i64, depth: usize) -> Option<usize> {
-    let j = if i < 0 { i + depth as i64 } else { i };
+/// `i` as the index of a one-hot row of `depth`, or None outside `[-depth, depth)` (without
+/// `wrap`: `[0, depth)`).
+fn hot(i: i64, depth: usize, wrap: bool) -> Option<usize> {
+    let j = if i < 0 && wrap { i + depth as i64 } else { i };
     (0..depth as i64).contains(&j).then_some(j as usize)
 }
 
@@ -78,7 +85,12 @@ pub fn onehot_cpu(call: &Call) -> Result<()> {
     let bytes = if x.numel()? == 0 { Vec::new() } else { x.read_bytes()? };
     // Integers exactly, floats truncated toward zero.
     let indices: Vec<i64> = if dt.is_float() {
-        element::decode_as::<f64>(dt, &bytes)?.into_iter().map(|v| v as i64).collect()
+        // A NaN (or a value past i64) matches no position, as on the GPU.
+        let out_of_range = |v: f64| v.is_nan() || v.abs() >= 9.2e18;
+        element::decode_as::<f64>(dt, &bytes)?
+            .into_iter()
+            .map(|v| if out_of_range(v) { i64::MIN } else { v as i64 })
+            .collect()
     } else {
         element::decode_as::<i64>(dt, &bytes)?
     };
@@ -91,7 +103,7 @@ pub fn onehot_cpu(call: &Call) -> Result<()> {
     for t in 0..n {
         let (o, rest) = (t / (p.depth * p.inner), t % (p.depth * p.inner));
         let (d, i) = (rest / p.inner, rest % p.inner);
-        out.extend_from_slice(if hot(indices[o * p.inner + i], p.depth) == Some(d) { on } else { off });
+        out.extend_from_slice(if hot(indices[o * p.inner + i], p.depth, p.wrap) == Some(d) { on } else { off });
     }
     call.output(0)?.write_bytes(&out)
 }
@@ -117,6 +129,7 @@ pub fn onehot_dispatch(call: &Call) -> Result<()> {
             KernelArg::U32(elem_size("OneHot", values.dtype()?)? as u32),
             KernelArg::U64(p.depth as u64),
             KernelArg::U64(p.inner as u64),
+            KernelArg::U32(p.wrap as u32),
         ],
     )
 }

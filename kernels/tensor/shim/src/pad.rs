@@ -6,8 +6,13 @@
 //! - `constant`: new elements are `value` (attribute before 11, the optional scalar input 2
 //!   from it; 0 when absent);
 //! - `edge`: the nearest edge element;
-//! - `reflect`: mirrored about the edge element, which is not repeated (numpy's `reflect`);
+//! - `reflect`: mirrored about the edge element, which is not repeated (numpy's `reflect`,
+//!   repeatedly when the pad is longer than the axis);
 //! - `wrap` (opset 19): taken from the other end (numpy's `wrap`).
+//!
+//! As ONNX's reference does, an axis cropped at one end and padded at the other is cropped first:
+//! edge, reflect and wrap take their values from the kept window only, and a mode other than
+//! `constant` refuses to pad an axis whose window is empty.
 //!
 //! Works on element bytes, so every fixed-size dtype works. On the GPU `kiln_tensor_pad` runs one
 //! thread per output element.
@@ -72,16 +77,23 @@ fn plan(call: &Call) -> Result<Plan> {
     let mut out = input.clone();
     for (i, &a) in axes.iter().enumerate() {
         let (b, e) = (pads[i], pads[i + axes.len()]);
-        let n = input[a] as i64 + b + e;
+        let Some(n) = (input[a] as i64).checked_add(b).and_then(|n| n.checked_add(e)) else {
+            bail!("{OP}: pads {b} and {e} overflow axis {a}");
+        };
         if n < 0 {
             bail!("{OP}: pads {b} and {e} leave axis {a} of {} elements with {n}", input[a]);
         }
-        if mode != Mode::Constant && input[a] == 0 && n > 0 {
-            bail!("{OP}: mode {:?} cannot pad axis {a}, which is empty", call.attr_s("mode", "")?);
+        let Ok(n) = usize::try_from(n) else {
+            bail!("{OP}: pads {b} and {e} make axis {a} longer than a shim can address");
+        };
+        let (lo, hi) = window(input[a] as i64, b, n as i64);
+        if mode != Mode::Constant && hi <= lo && n > 0 {
+            bail!("{OP}: mode {:?} cannot pad axis {a}: pads {b} and {e} leave none of it", call.attr_s("mode", "")?);
         }
         begin[a] = b;
-        out[a] = n as usize;
+        out[a] = n;
     }
+    shape::numel(&out)?;
     let value = match (old, call.input_opt(2)) {
         (true, _) => with_dtype!(dt, T => Ok(element::encode(&[T::from_f64(call.attr_f("value", 0.0)? as f64)])))?,
         (false, Some(v)) => {
@@ -98,22 +110,32 @@ fn plan(call: &Call) -> Result<Plan> {
     Ok(Plan { esize, mode, input, out, begin, value })
 }
 
+/// The window `[lo, hi)` of an axis of `n` input elements that an output of `out` elements,
+/// padded by `begin` at its start, keeps: a negative pad at either end crops it.
+fn window(n: i64, begin: i64, out: i64) -> (i64, i64) {
+    let end = out - n - begin;
+    (begin.min(0).abs(), n - end.min(0).abs())
+}
+
 /// The input index of output index `o` on an axis of `n` input elements padded by `begin` at its
-/// start, or None for the constant.
-fn source(mode: Mode, o: i64, begin: i64, n: i64) -> Option<i64> {
+/// start into `out` elements, or None for the constant. Edge, reflect and wrap read the kept
+/// window only (cuda/tensor.cu's kiln_tensor_pad does the same).
+fn source(mode: Mode, o: i64, begin: i64, n: i64, out: i64) -> Option<i64> {
     let i = o - begin;
-    if (0..n).contains(&i) {
+    let (lo, hi) = window(n, begin, out);
+    if (lo..hi).contains(&i) {
         return Some(i);
     }
+    let len = hi - lo;
     match mode {
         Mode::Constant => None,
-        Mode::Edge => Some(i.clamp(0, n - 1)),
-        Mode::Wrap => Some(i.rem_euclid(n)),
-        Mode::Reflect if n == 1 => Some(0),
+        Mode::Edge => Some(i.clamp(lo, hi - 1)),
+        Mode::Wrap => Some(lo + (i - lo).rem_euclid(len)),
+        Mode::Reflect if len == 1 => Some(lo),
         Mode::Reflect => {
-            let period = 2 * (n - 1);
-            let r = i.rem_euclid(period);
-            Some(if r >= n { period - r } else { r })
+            let period = 2 * (len - 1);
+            let r = (i - lo).rem_euclid(period);
+            Some(lo + if r >= len { period - r } else { r })
         }
     }
 }
@@ -134,7 +156,7 @@ pub fn cpu(call: &Call) -> Result<()> {
         for k in (0..p.out.len()).rev() {
             let o = (rem % p.out[k]) as i64;
             rem /= p.out[k];
-            match source(p.mode, o, p.begin[k], p.input[k] as i64) {
+            match source(p.mode, o, p.begin[k], p.input[k] as i64, p.out[k] as i64) {
                 Some(i) => at += i as usize * stride,
                 None => inside = false,
             }
