@@ -653,6 +653,9 @@ fn malformed_pooling_and_loss_nodes_are_clear_errors() {
 #[test]
 fn index_ops_refuse_bad_indices_and_combine_repeats_in_order() {
     let rt = runtime(&[]);
+    let feeds = |f: Vec<(&str, kiln_host::Tensor)>| f.into_iter().map(|(n, t)| (n.to_string(), t)).collect::<Vec<_>>();
+    let ok = |m: &onnx::ModelProto, f| run(&rt, &onnx::bytes(m), feeds(f)).unwrap();
+    let err = |m: &onnx::ModelProto, f| run(&rt, &onnx::bytes(m), feeds(f)).unwrap_err().to_string();
     // GatherElements: an index of 3 along an axis of 3.
     let m = onnx::model(
         vec![node("GatherElements", &["x", "i"], &["y"], vec![attr_int("axis", 1)])],
@@ -661,11 +664,9 @@ fn index_ops_refuse_bad_indices_and_combine_repeats_in_order() {
         vec![],
     );
     let x = f32_tensor(&[2, 3], &[1., 2., 3., 4., 5., 6.]);
-    let err = run(&rt, &onnx::bytes(&m), vec![("x".into(), x.clone()), ("i".into(), i64_tensor(&[2, 1], &[0, 3]))])
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("GatherElements: index 3 is out of range for dimension 3 of axis 1"), "{err}");
-    let out = run(&rt, &onnx::bytes(&m), vec![("x".into(), x), ("i".into(), i64_tensor(&[2, 1], &[-1, 1]))]).unwrap();
+    let e = err(&m, vec![("x", x.clone()), ("i", i64_tensor(&[2, 1], &[0, 3]))]);
+    assert!(e.contains("GatherElements: index 3 is out of range for dimension 3 of axis 1"), "{e}");
+    let out = ok(&m, vec![("x", x), ("i", i64_tensor(&[2, 1], &[-1, 1]))]);
     assert_eq!(f32_values(&out[0].1), vec![3., 5.]);
     // ScatterND with reduction add and a repeated index: both updates land, in order.
     let m = onnx::model(
@@ -674,107 +675,53 @@ fn index_ops_refuse_bad_indices_and_combine_repeats_in_order() {
         vec![value("y", 1, &[-1])],
         vec![],
     );
-    let out = run(
-        &rt,
-        &onnx::bytes(&m),
+    let scatter = |i: &[i64]| {
         vec![
-            ("x".into(), f32_tensor(&[4], &[1., 1., 1., 1.])),
-            ("i".into(), i64_tensor(&[3, 1], &[2, -2, 0])),
-            ("u".into(), f32_tensor(&[3], &[0.5, 0.25, 2.])),
-        ],
-    )
-    .unwrap();
-    assert_eq!(f32_values(&out[0].1), vec![3., 1., 1.75, 1.]);
-    let err = run(
-        &rt,
-        &onnx::bytes(&m),
-        vec![
-            ("x".into(), f32_tensor(&[4], &[1., 1., 1., 1.])),
-            ("i".into(), i64_tensor(&[3, 1], &[2, -5, 0])),
-            ("u".into(), f32_tensor(&[3], &[0.5, 0.25, 2.])),
-        ],
-    )
-    .unwrap_err()
-    .to_string();
-    assert!(err.contains("ScatterND: index -5 is out of range for dimension 4 of data axis 0"), "{err}");
-    // TopK: k larger than the axis.
+            ("x", f32_tensor(&[4], &[1., 1., 1., 1.])),
+            ("i", i64_tensor(&[3, 1], i)),
+            ("u", f32_tensor(&[3], &[0.5, 0.25, 2.])),
+        ]
+    };
+    assert_eq!(f32_values(&ok(&m, scatter(&[2, -2, 0]))[0].1), vec![3., 1., 1.75, 1.]);
+    let e = err(&m, scatter(&[2, -5, 0]));
+    assert!(e.contains("ScatterND: index -5 is out of range for dimension 4 of data axis 0"), "{e}");
+    // TopK: k larger than the axis; ties keep index order (the two 5s, the first one first);
+    // NaN ranks above every number (numpy, torch).
     let m = onnx::model(
         vec![node("TopK", &["x", "k"], &["v", "i"], vec![])],
-        vec![value("x", 1, &[5]), value("k", 7, &[1])],
+        vec![value("x", 1, &[-1]), value("k", 7, &[1])],
         vec![value("v", 1, &[-1]), value("i", 7, &[-1])],
         vec![],
     );
-    let err = run(
-        &rt,
-        &onnx::bytes(&m),
-        vec![("x".into(), f32_tensor(&[5], &[1., 5., 2., 5., 0.])), ("k".into(), i64_tensor(&[1], &[6]))],
-    )
-    .unwrap_err()
-    .to_string();
-    assert!(err.contains("TopK: k = 6 is out of range for axis 0 of 5 elements"), "{err}");
-    // Ties keep index order: the two 5s, the first one first.
-    let out = run(
-        &rt,
-        &onnx::bytes(&m),
-        vec![("x".into(), f32_tensor(&[5], &[1., 5., 2., 5., 0.])), ("k".into(), i64_tensor(&[1], &[3]))],
-    )
-    .unwrap();
+    let topk = |x: &[f32], k: i64| vec![("x", f32_tensor(&[x.len()], x)), ("k", i64_tensor(&[1], &[k]))];
+    let e = err(&m, topk(&[1., 5., 2., 5., 0.], 6));
+    assert!(e.contains("TopK: k = 6 is out of range for axis 0 of 5 elements"), "{e}");
+    let out = ok(&m, topk(&[1., 5., 2., 5., 0.], 3));
     assert_eq!(f32_values(&out[0].1), vec![5., 5., 2.]);
     assert_eq!(i64_values(&out[1].1), vec![1, 3, 2]);
-    // Pad: pads that crop more than the axis holds.
-    let m = onnx::model(
-        vec![node("Pad", &["x", "p"], &["y"], vec![attr_string("mode", "reflect")])],
-        vec![value("x", 1, &[3]), value("p", 7, &[2])],
-        vec![value("y", 1, &[-1])],
-        vec![],
-    );
-    let err = run(
-        &rt,
-        &onnx::bytes(&m),
-        vec![("x".into(), f32_tensor(&[3], &[1., 2., 3.])), ("p".into(), i64_tensor(&[2], &[-2, -2]))],
-    )
-    .unwrap_err()
-    .to_string();
-    assert!(err.contains("Pad: pads -2 and -2 leave axis 0 of 3 elements with -1"), "{err}");
-    // Reflect beyond one period: [1, 2, 3] padded by 5 before.
-    let out = run(
-        &rt,
-        &onnx::bytes(&m),
-        vec![("x".into(), f32_tensor(&[3], &[1., 2., 3.])), ("p".into(), i64_tensor(&[2], &[5, 1]))],
-    )
-    .unwrap();
-    assert_eq!(f32_values(&out[0].1), vec![2., 1., 2., 3., 2., 1., 2., 3., 2.]);
-    // Cropped at one end and padded at the other: the kept window wraps (ONNX's reference crops
-    // first), and a window cropped away cannot be reflected.
-    let wrap = onnx::model(
-        vec![node("Pad", &["x", "p"], &["y"], vec![attr_string("mode", "wrap")])],
-        vec![value("x", 1, &[5]), value("p", 7, &[2])],
-        vec![value("y", 1, &[-1])],
-        vec![],
-    );
-    let x5 = f32_tensor(&[5], &[0., 1., 2., 3., 4.]);
-    let out = run(&rt, &onnx::bytes(&wrap), vec![("x".into(), x5), ("p".into(), i64_tensor(&[2], &[-1, 1]))]).unwrap();
-    assert_eq!(f32_values(&out[0].1), vec![1., 2., 3., 4., 1.]);
-    let x3 = f32_tensor(&[3], &[1., 2., 3.]);
-    let err = run(&rt, &onnx::bytes(&m), vec![("x".into(), x3), ("p".into(), i64_tensor(&[2], &[-3, 2]))])
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("cannot pad axis 0: pads -3 and 2 leave none of it"), "{err}");
-    // TopK orders NaN above every number (numpy, torch).
-    let m = onnx::model(
-        vec![node("TopK", &["x", "k"], &["v", "i"], vec![])],
-        vec![value("x", 1, &[3]), value("k", 7, &[1])],
-        vec![value("v", 1, &[-1]), value("i", 7, &[-1])],
-        vec![],
-    );
-    let out = run(
-        &rt,
-        &onnx::bytes(&m),
-        vec![("x".into(), f32_tensor(&[3], &[1., f32::NAN, 2.])), ("k".into(), i64_tensor(&[1], &[2]))],
-    )
-    .unwrap();
+    let out = ok(&m, topk(&[1., f32::NAN, 2.], 2));
     assert!(f32_values(&out[0].1)[0].is_nan() && f32_values(&out[0].1)[1] == 2.);
     assert_eq!(i64_values(&out[1].1), vec![1, 2]);
+    // Pad: pads that crop more than the axis holds; reflect beyond one period; an axis cropped at
+    // one end and padded at the other wraps its kept window (ONNX's reference crops first), and a
+    // window cropped away cannot be reflected.
+    let pad = |mode| {
+        onnx::model(
+            vec![node("Pad", &["x", "p"], &["y"], vec![attr_string("mode", mode)])],
+            vec![value("x", 1, &[-1]), value("p", 7, &[2])],
+            vec![value("y", 1, &[-1])],
+            vec![],
+        )
+    };
+    let pads = |x: &[f32], p: [i64; 2]| vec![("x", f32_tensor(&[x.len()], x)), ("p", i64_tensor(&[2], &p))];
+    let e = err(&pad("reflect"), pads(&[1., 2., 3.], [-2, -2]));
+    assert!(e.contains("Pad: pads -2 and -2 leave axis 0 of 3 elements with -1"), "{e}");
+    let out = ok(&pad("reflect"), pads(&[1., 2., 3.], [5, 1]));
+    assert_eq!(f32_values(&out[0].1), vec![2., 1., 2., 3., 2., 1., 2., 3., 2.]);
+    let out = ok(&pad("wrap"), pads(&[0., 1., 2., 3., 4.], [-1, 1]));
+    assert_eq!(f32_values(&out[0].1), vec![1., 2., 3., 4., 1.]);
+    let e = err(&pad("reflect"), pads(&[1., 2., 3.], [-3, 2]));
+    assert!(e.contains("cannot pad axis 0: pads -3 and 2 leave none of it"), "{e}");
 }
 
 /// The elements of an int64 tensor.

@@ -49,6 +49,12 @@ fn run(kernel: &'static str, units: u64, args: Vec<KernelArg>) -> Result<()> {
     launch(&Launch { kernel, grid: [grid(units), 1, 1], block: [BLOCK, 1, 1], shared_mem_bytes: 0, args })
 }
 
+/// Eight u64 kernel arguments for a kernel that takes MAX_RANK dims or strides as scalars: `v`
+/// padded with `pad`.
+pub fn eight(v: &[usize], pad: u64) -> Vec<KernelArg> {
+    (0..MAX_RANK).map(|k| KernelArg::U64(v.get(k).map_or(pad, |&x| x as u64))).collect()
+}
+
 /// One launch of `kernel` over `units` elements' worth of work (its grid-stride loop covers
 /// the rest); nothing for zero units.
 pub fn launch_elems(kernel: &str, units: u64, args: Vec<KernelArg>) -> Result<()> {

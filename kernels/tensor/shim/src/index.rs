@@ -22,13 +22,12 @@
 //! (ScatterElements) or per slice element (ScatterND), each applying its updates in order, so
 //! repeated indices combine in the CPU reference's order and runs are deterministic.
 
-use alloc::format;
 use alloc::string::String;
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
 use kiln_kernel_abi::{bail, names, unsupported, with_dtype};
 
-use crate::gpu::{At, MAX_RANK};
+use crate::gpu::{eight, At};
 use crate::{axis, elem_size};
 
 /// `reduction` of the scatters (the kernels' argument).
@@ -80,20 +79,12 @@ fn combine<T: Element>(old: T, new: T, r: Reduction) -> T {
     }
 }
 
-/// Row-major strides (in elements) of `dims`.
-fn strides(dims: &[usize]) -> Vec<usize> {
-    let mut s = alloc::vec![1usize; dims.len()];
-    for k in (0..dims.len().saturating_sub(1)).rev() {
-        s[k] = s[k + 1] * dims[k + 1];
-    }
-    s
-}
-
-/// `i` wrapped into `0..dim`, or the op's out-of-range error.
-fn wrap(op: &str, i: i64, dim: usize, what: &str) -> Result<usize> {
+/// `i` wrapped into `0..dim`, or the op's out-of-range error naming `{what} {axis}` (the message
+/// is only formatted on failure).
+fn wrap(op: &str, i: i64, dim: usize, what: &str, axis: usize) -> Result<usize> {
     let j = if i < 0 { i + dim as i64 } else { i };
     if j < 0 || j >= dim as i64 {
-        bail!("{op}: index {i} is out of range for dimension {dim} of {what}");
+        bail!("{op}: index {i} is out of range for dimension {dim} of {what} {axis}");
     }
     Ok(j as usize)
 }
@@ -107,11 +98,6 @@ fn device_error(op: &str) -> KernelArg {
         "GatherND" => 5,
         _ => 6, // ScatterND
     })
-}
-
-/// Eight u64 kernel arguments: `v` padded with `pad`.
-pub(crate) fn eight(v: &[usize], pad: u64) -> Vec<KernelArg> {
-    (0..MAX_RANK).map(|k| KernelArg::U64(v.get(k).map_or(pad, |&x| x as u64))).collect()
 }
 
 fn index_dtype(op: &str, t: &Tensor, allow_i32: bool) -> Result<bool> {
@@ -141,6 +127,8 @@ fn tagged(op: &str, base: &str, dtype: DType) -> Result<String> {
 struct Elements {
     axis: usize,
     data: Vec<usize>,
+    /// Data's row-major strides.
+    ds: Vec<usize>,
     idx: Vec<usize>,
 }
 
@@ -158,20 +146,23 @@ fn elements_plan(call: &Call, op: &str) -> Result<Elements> {
             bail!("{op}: indices dimension {k} is {}, larger than data's {}", idx[k], data[k]);
         }
     }
-    Ok(Elements { axis: a, data, idx })
+    Ok(Elements { axis: a, ds: shape::strides(&data), data, idx })
 }
 
-/// Data's offset (elements) of indices position `t` with the axis coordinate set to 0.
-fn base_offset(e: &Elements, t: usize, ds: &[usize]) -> usize {
-    let (mut rem, mut off) = (t, 0);
-    for k in (0..e.idx.len()).rev() {
-        let c = rem % e.idx[k];
-        rem /= e.idx[k];
-        if k != e.axis {
-            off += c * ds[k];
+impl Elements {
+    /// Data's offset (elements) of indices position `t` with the axis coordinate `i` (wrapped,
+    /// or the op's out-of-range error).
+    fn target(&self, op: &str, t: usize, i: i64) -> Result<usize> {
+        let (mut rem, mut off) = (t, 0);
+        for k in (0..self.idx.len()).rev() {
+            let c = rem % self.idx[k];
+            rem /= self.idx[k];
+            if k != self.axis {
+                off += c * self.ds[k];
+            }
         }
+        Ok(off + wrap(op, i, self.data[self.axis], "axis", self.axis)? * self.ds[self.axis])
     }
-    off
 }
 
 pub fn gather_elements_infer(call: &Call) -> Result<Vec<TensorType>> {
@@ -186,11 +177,9 @@ pub fn gather_elements_cpu(call: &Call) -> Result<()> {
     let esize = elem_size(OP, x.dtype()?)?;
     let indices = call.input(1)?.read_i64s()?;
     let data = if x.numel()? == 0 { Vec::new() } else { x.read_bytes()? };
-    let ds = strides(&e.data);
-    let what = format!("axis {}", e.axis);
     let mut out = Vec::with_capacity(indices.len() * esize);
     for (t, &i) in indices.iter().enumerate() {
-        let at = base_offset(&e, t, &ds) + wrap(OP, i, e.data[e.axis], &what)? * ds[e.axis];
+        let at = e.target(OP, t, i)?;
         out.extend_from_slice(&data[at * esize..(at + 1) * esize]);
     }
     call.output(0)?.write_bytes(&out)
@@ -218,7 +207,7 @@ pub fn gather_elements_dispatch(call: &Call) -> Result<()> {
         KernelArg::U64(e.data[e.axis] as u64),
     ];
     args.extend(eight(&e.idx, 1));
-    args.extend(eight(&strides(&e.data), 0));
+    args.extend(eight(&e.ds, 0));
     args.extend([device_error(OP), KernelArg::Status]);
     crate::gpu::launch_elems("kiln_tensor_gather_elements", n as u64, args)
 }
@@ -258,12 +247,7 @@ pub fn scatter_elements_cpu(call: &Call) -> Result<()> {
     let x = call.input(0)?;
     let dt = x.dtype()?;
     let indices = call.input(1)?.read_i64s()?;
-    let ds = strides(&e.data);
-    let what = format!("axis {}", e.axis);
-    let mut targets = Vec::with_capacity(indices.len());
-    for (t, &i) in indices.iter().enumerate() {
-        targets.push(base_offset(&e, t, &ds) + wrap(op, i, e.data[e.axis], &what)? * ds[e.axis]);
-    }
+    let targets = indices.iter().enumerate().map(|(t, &i)| e.target(op, t, i)).collect::<Result<Vec<_>>>()?;
     let data = if x.numel()? == 0 { Vec::new() } else { x.read_bytes()? };
     let updates = if targets.is_empty() { Vec::new() } else { call.input(2)?.read_bytes()? };
     let out = apply(dt, data, &updates, r, |visit| {
@@ -324,7 +308,7 @@ pub fn scatter_elements_dispatch(call: &Call) -> Result<()> {
         KernelArg::U32(r as u32),
     ];
     args.extend(eight(&e.idx, 1));
-    args.extend(eight(&strides(&e.data), 0));
+    args.extend(eight(&e.ds, 0));
     args.extend([device_error(op), KernelArg::Status]);
     crate::gpu::launch_elems(&tagged(op, "kiln_tensor_scatter_elements", dt)?, lines as u64, args)
 }
@@ -339,8 +323,11 @@ struct Nd {
     b: usize,
     k: usize,
     data: Vec<usize>,
+    /// Data's row-major strides.
+    ds: Vec<usize>,
     tuples: usize,
-    batches: usize,
+    /// Tuples per batch (all of them without batch dims).
+    per_batch: usize,
     slice: usize,
     out: Vec<usize>,
 }
@@ -366,11 +353,14 @@ fn nd_plan(call: &Call, op: &str, batch_dims: i64) -> Result<Nd> {
     let mut out = lead.to_vec();
     out.extend_from_slice(&data[b + k..]);
     shape::numel(&out)?;
+    let tuples: usize = lead.iter().product();
+    let batches: usize = data[..b].iter().product();
     Ok(Nd {
         b,
         k,
-        tuples: lead.iter().product(),
-        batches: data[..b].iter().product(),
+        ds: shape::strides(&data),
+        tuples,
+        per_batch: tuples / batches.max(1),
         slice: data[b + k..].iter().product(),
         data,
         out,
@@ -380,30 +370,35 @@ fn nd_plan(call: &Call, op: &str, batch_dims: i64) -> Result<Nd> {
 impl Nd {
     /// Data's element offset of the slice that tuple `q` (`tuple`, its k indices) picks.
     fn slice_at(&self, op: &str, q: usize, tuple: &[i64]) -> Result<usize> {
-        let ds = strides(&self.data);
-        let per_batch = self.tuples / self.batches.max(1);
-        let mut at = if self.b > 0 { (q / per_batch) * ds[self.b - 1] } else { 0 };
+        let mut at = self.batch_stride() * (q / self.per_batch);
         for (j, &i) in tuple.iter().enumerate() {
             let d = self.b + j;
-            at += wrap(op, i, self.data[d], &format!("data axis {d}"))? * ds[d];
+            at += wrap(op, i, self.data[d], "data axis", d)? * self.ds[d];
         }
         Ok(at)
+    }
+
+    /// Data's stride of the last batch dim (0 without batch dims).
+    fn batch_stride(&self) -> usize {
+        if self.b > 0 {
+            self.ds[self.b - 1]
+        } else {
+            0
+        }
     }
 
     /// The kernels' geometry arguments: k, the batch dims, slice, tuples per batch, the batch
     /// stride, data's dims and strides from axis b.
     fn args(&self) -> Vec<KernelArg> {
-        let ds = strides(&self.data);
-        let batch_stride = if self.b > 0 { ds[self.b - 1] } else { 0 };
         let mut a = vec![
             KernelArg::U32(self.k as u32),
             KernelArg::U32(self.b as u32),
             KernelArg::U64(self.slice as u64),
-            KernelArg::U64((self.tuples / self.batches.max(1)) as u64),
-            KernelArg::U64(batch_stride as u64),
+            KernelArg::U64(self.per_batch as u64),
+            KernelArg::U64(self.batch_stride() as u64),
         ];
         a.extend(eight(&self.data[self.b..], 1));
-        a.extend(eight(&ds[self.b..], 0));
+        a.extend(eight(&self.ds[self.b..], 0));
         a
     }
 }

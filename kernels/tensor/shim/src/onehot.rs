@@ -113,13 +113,14 @@ pub fn onehot_dispatch(call: &Call) -> Result<()> {
     let p = onehot_plan(call)?;
     let n: usize = p.out.iter().product();
     let x = call.input(0)?;
-    let tag = match x.dtype()? {
-        dt @ (DType::F32 | DType::F64 | DType::I32 | DType::I64) => dt.cuda_tag(),
-        dt => unsupported!("OneHot: {dt} indices are not supported on the GPU"),
+    let dt = x.dtype()?;
+    let tag = match (dt, dt.cuda_tag()) {
+        (DType::F32 | DType::F64 | DType::I32 | DType::I64, Some(tag)) => tag,
+        _ => unsupported!("OneHot: {dt} indices are not supported on the GPU"),
     };
     let values = call.input(2)?;
     launch_elems(
-        &names::kernel_name("kiln_tensor_onehot", &[tag.unwrap_or("kiln_tag_f32")]),
+        &names::kernel_name("kiln_tensor_onehot", &[tag]),
         n as u64,
         vec![
             At::of(&x).arg(),

@@ -21,8 +21,7 @@ use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
 use kiln_kernel_abi::{bail, with_dtype};
 
-use crate::gpu::{launch_elems, At, MAX_RANK};
-use crate::index::eight;
+use crate::gpu::{eight, launch_elems, At, MAX_RANK};
 use crate::{distinct_axes, elem_size};
 
 /// The kernel's mode numbers.
