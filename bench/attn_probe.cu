@@ -1,27 +1,41 @@
-// attn_probe.cu — kiln-attention's decode kernel (kiln_gqa_decode) alone, at the SmolLM2-135M
-// architecture's batch-1 decode geometry (9 query heads, 3 KV heads, head size 64, float16, a
-// 384-position cache bound in place, rotary over the whole head), with L2 flushed before each
-// launch as the decode step's weight stream would leave it. It prints the GPU time per launch
-// (CUDA events, mean of 50) at several positions, and, when the source marks its phases with
-// KT(i) (a build with -DKT_ON), block 0's clock64 at each mark of one launch. -DCLUSTER times
-// kiln_gqa_decode_cluster (8 blocks per KV head) instead.
+// attn_probe.cu — kiln-attention's decode kernels alone, at the SmolLM2-135M architecture's
+// decode geometry (9 query heads, 3 KV heads, head size 64, float16, rotary over the whole head,
+// the cache bound in place), with L2 flushed before each launch as the decode step's weight stream
+// would leave it: by reading 256 MiB, which leaves L2 full of clean lines (-DFLUSH_DIRTY: by a
+// memset, whose dirty lines cost the kernel their write-back and about halve its read bandwidth
+// here; bench/bw_probe.cu measures both). It prints the GPU time per launch (CUDA events, mean of 50) at several positions,
+// the largest error of the output against a float64 reference of the same cache (after the last
+// position), and, when the source marks its phases with KT(i) (a build with -DKT_ON), when the
+// blocks reached each mark in one launch (the global timer; min, median and max over blocks). The kernel:
+//   (default)   kiln_gqa_decode at batch 1 over a 384-position cache (256 keys per block);
+//   -DCLUSTER   kiln_gqa_decode_cluster at batch 1 over 384 positions (8 blocks per KV head);
+//   -DTILED     kiln_gqa_decode_tiled at batch 8 over a 4096-position cache (256 keys per block,
+//               16 splits folded in the kernel): the long-context batch-8 case.
 //
 //   mkdir -p inc/kiln-cuda-std && cp kernels/cuda-std/include/* inc/kiln-cuda-std/ && cp host/cuda/kiln.cuh inc/
 //   nvcc -O3 -arch=sm_90 -Iinc -DATTN_SRC='"kernels/attention/cuda/attention.cu"' -o attn_probe bench/attn_probe.cu
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 #include <cuda_runtime.h>
 
+#include "check.cuh"
+
 #ifdef KT_ON
-__device__ long long g_kt[64 * 16];
-#define KT(i)                                                                       \
-    do {                                                                            \
-        if (threadIdx.x == 0) {                                                     \
+// Phase marks: the global timer (ns) when thread 0 of each block reaches KT(i), i < 16.
+#define KT_BLOCKS 512
+__device__ unsigned long long g_kt[KT_BLOCKS * 16];
+#define KT(i)                                                                                    \
+    do {                                                                                         \
+        if (threadIdx.x == 0) {                                                                  \
             const unsigned blk = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z); \
-            if (blk < 64) g_kt[blk * 16 + (i)] = clock64();                         \
-        }                                                                           \
+            unsigned long long t;                                                                \
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));                                \
+            if (blk < KT_BLOCKS) g_kt[blk * 16 + (i)] = t;                                       \
+        }                                                                                        \
     } while (0)
 #else
 #define KT(i) \
@@ -31,14 +45,18 @@ __device__ long long g_kt[64 * 16];
 
 #include ATTN_SRC
 
-#define CHECK(x)                                                                             \
-    do {                                                                                     \
-        cudaError_t e = (x);                                                                 \
-        if (e != cudaSuccess) {                                                              \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-            exit(1);                                                                         \
-        }                                                                                    \
-    } while (0)
+// Evicts L2 (see the top): reads `n` 16-byte vectors, or writes them with -DFLUSH_DIRTY.
+__global__ void probe_flush(uint4* p, size_t n, unsigned* sink) {
+    unsigned acc = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+#ifdef FLUSH_DIRTY
+        p[i] = make_uint4(acc, 1, 2, 3);
+#else
+        acc ^= __ldcs(p + i).x;
+#endif
+    }
+    if (acc == 0x12345678u) sink[0] = acc;
+}
 
 static kiln_f16 h16(float f) {
     // float → binary16 bits (round to nearest even; small normal values only here).
@@ -53,13 +71,34 @@ static kiln_f16 h16(float f) {
     return (kiln_f16)h;
 }
 
+static double f32h(kiln_f16 h) {
+    // binary16 bits → double.
+    const int e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    const double v = e == 0 ? ldexp(m, -24) : ldexp(1024 + m, e - 25);
+    return (h & 0x8000) ? -v : v;
+}
+
 int main() {
-    const unsigned B = 1, N = 9, Nk = 3, H = 64, PL = 384, rows = 4096, half = 32, kv_w = (N + 2 * Nk) * H;
+#ifdef TILED
+    const unsigned B = 8, PL = 4096;
+    const int positions[] = {128, 1024, 3840, 4095};
+#else
+    const unsigned B = 1, PL = 384;
+    const int positions[] = {100, 200, 300, 380};
+#endif
+    const unsigned N = 9, Nk = 3, H = 64, rows = 4096, half = 32, kv_w = (N + 2 * Nk) * H;
 #ifdef CLUSTER
     // kiln_gqa_decode_cluster: 8 blocks per KV head over ceil(PL / 8) keys each.
     const unsigned splits = 8, kpb = (PL + 7) / 8;
 #else
-    const unsigned splits = (PL + 255) / 256, kpb = 256;
+#ifndef KPB
+#define KPB 256  // keys per block (-DKPB=128 tries smaller tiles)
+#endif
+    const unsigned splits = (PL + KPB - 1) / KPB, kpb = KPB;
+#endif
+#ifdef TILED
+    // kiln_gqa_decode_tiled's K and V tiles (the shim's tiled_shared_bytes for 128-byte rows).
+    const unsigned smem = 2 * kpb * H * 2;
 #endif
     std::vector<kiln_f16> qkv(B * kv_w), cache((size_t)B * Nk * PL * H), cs((size_t)rows * half);
     srand(1);
@@ -72,6 +111,7 @@ int main() {
     kiln_counter* d_ctr;
     kiln_status* d_st;
     char* d_flush;
+    unsigned* d_sink;
     const size_t flush_bytes = 256u << 20;
     CHECK(cudaMalloc(&d_qkv, qkv.size() * 2));
     CHECK(cudaMalloc(&d_k, cache.size() * 2));
@@ -82,8 +122,14 @@ int main() {
     CHECK(cudaMalloc(&d_part, (size_t)B * N * splits * (H + 2) * 4));
     CHECK(cudaMalloc(&d_seq, B * 4));
     CHECK(cudaMalloc(&d_ctr, B * Nk * 4));
+#ifdef TILED
+    CHECK(cudaFuncSetAttribute(kiln_gqa_decode_tiled<kiln_tag_f16, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               (int)smem));
+#endif
     CHECK(cudaMalloc(&d_st, sizeof(kiln_status)));
     CHECK(cudaMalloc(&d_flush, flush_bytes));
+    CHECK(cudaMemset(d_flush, 0, flush_bytes));
+    CHECK(cudaMalloc(&d_sink, 4));
     CHECK(cudaMemcpy(d_qkv, qkv.data(), qkv.size() * 2, cudaMemcpyHostToDevice));
     CHECK(cudaMemcpy(d_k, cache.data(), cache.size() * 2, cudaMemcpyHostToDevice));
     CHECK(cudaMemcpy(d_v, cache.data(), cache.size() * 2, cudaMemcpyHostToDevice));
@@ -99,6 +145,8 @@ int main() {
     const auto launch = [&]() {
 #ifdef CLUSTER
         kiln_gqa_decode_cluster<kiln_tag_f16, 4><<<dim3(splits, Nk, B), 256, 0, s>>>(
+#elif defined(TILED)
+        kiln_gqa_decode_tiled<kiln_tag_f16, 4><<<dim3(splits, Nk, B), 256, smem, s>>>(
 #else
         kiln_gqa_decode<kiln_tag_f16, 4><<<dim3(splits, Nk, B), 256, 0, s>>>(
 #endif
@@ -108,12 +156,15 @@ int main() {
             1u, d_ctr, d_st);
     };
     printf("| position | keys used | us per launch (events, L2 flushed) |\n| ---: | ---: | ---: |\n");
-    for (int pos : {100, 200, 300, 380}) {
-        CHECK(cudaMemcpy(d_seq, &pos, 4, cudaMemcpyHostToDevice));
+    int pos = 0;
+    for (int p : positions) {
+        pos = p;
+        const std::vector<int> seq(B, pos);
+        CHECK(cudaMemcpy(d_seq, seq.data(), B * 4, cudaMemcpyHostToDevice));
         float total = 0;
         const int reps = 50;
         for (int i = 0; i < reps + 5; ++i) {
-            CHECK(cudaMemsetAsync(d_flush, i & 0xff, flush_bytes, s));
+            probe_flush<<<1056, 256, 0, s>>>((uint4*)d_flush, flush_bytes / 16, d_sink);
             CHECK(cudaEventRecord(a, s));
             launch();
             CHECK(cudaEventRecord(b, s));
@@ -124,21 +175,71 @@ int main() {
         }
         printf("| %d | %d | %.2f |\n", pos, pos + 1, total * 1000.f / reps);
 #ifdef KT_ON
-        CHECK(cudaMemsetAsync(d_flush, 1, flush_bytes, s));
+        // One launch after a flush: per mark, the ns from the first block's start at which the
+        // blocks that reached it did (min, median, max over blocks).
+        static unsigned long long kt[KT_BLOCKS * 16];
+        memset(kt, 0, sizeof(kt));
+        CHECK(cudaMemcpyToSymbol(g_kt, kt, sizeof(kt)));
+        probe_flush<<<1056, 256, 0, s>>>((uint4*)d_flush, flush_bytes / 16, d_sink);
         launch();
         CHECK(cudaStreamSynchronize(s));
-        long long kt[64 * 16];
         CHECK(cudaMemcpyFromSymbol(kt, g_kt, sizeof(kt)));
-        for (unsigned blk = 0; blk < splits * Nk; ++blk) {
-            printf("  block %u cycles from its start:", blk);
-            for (int i = 1; i < 16; ++i)
-                if (kt[blk * 16 + i] >= kt[blk * 16]) printf(" KT%d %lld", i, kt[blk * 16 + i] - kt[blk * 16]);
-            printf("\n");
+        const unsigned blocks = splits * Nk * B < KT_BLOCKS ? splits * Nk * B : KT_BLOCKS;
+        unsigned long long t0 = ~0ull;
+        for (unsigned blk = 0; blk < blocks; ++blk)
+            if (kt[blk * 16] && kt[blk * 16] < t0) t0 = kt[blk * 16];
+        for (int i = 0; i < 16; ++i) {
+            std::vector<long long> v;
+            for (unsigned blk = 0; blk < blocks; ++blk)
+                if (kt[blk * 16 + i]) v.push_back((long long)(kt[blk * 16 + i] - t0));
+            if (v.empty()) continue;
+            std::sort(v.begin(), v.end());
+            printf("  KT%d: %zu blocks, ns from the first start: min %lld, median %lld, max %lld\n", i, v.size(), v[0],
+                   v[v.size() / 2], v.back());
         }
-        static const long long zeros[64 * 16] = {};
-        CHECK(cudaMemcpyToSymbol(g_kt, zeros, sizeof(zeros)));
 #endif
     }
+    // The output after the last position against float64 over the cache the kernel left (its
+    // append wrote each position's new row in place).
+    std::vector<kiln_f16> hk(cache.size()), hv(cache.size()), ho(B * N * H);
+    CHECK(cudaMemcpy(hk.data(), d_k, hk.size() * 2, cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy(hv.data(), d_v, hv.size() * 2, cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy(ho.data(), d_out, ho.size() * 2, cudaMemcpyDeviceToHost));
+    double worst = 0, worst_rel = 0;
+    for (unsigned b = 0; b < B; ++b)
+        for (unsigned h = 0; h < N; ++h) {
+            const unsigned j = h / (N / Nk);
+            double q[64], o[64] = {};
+            for (unsigned d = 0; d < H; ++d) {
+                const kiln_f16* x = &qkv[b * kv_w + h * H];
+                const unsigned i = d < half ? d : d - half;
+                const double c = f32h(cs[(size_t)pos * half + i]), sn = f32h(cs[(size_t)pos * half + i]);
+                const double r = d < half ? f32h(x[d]) * c - f32h(x[d + half]) * sn
+                                          : f32h(x[d - half]) * sn + f32h(x[d]) * c;
+                q[d] = f32h(h16((float)r));  // rounded to float16 as the kernels do
+            }
+            std::vector<double> sc(pos + 1);
+            double m = -INFINITY, l = 0;
+            for (int t = 0; t <= pos; ++t) {
+                const kiln_f16* kr = &hk[((size_t)(b * Nk + j) * PL + t) * H];
+                double dot = 0;
+                for (unsigned d = 0; d < H; ++d) dot += q[d] * f32h(kr[d]);
+                sc[t] = dot * 0.125;
+                m = fmax(m, sc[t]);
+            }
+            for (int t = 0; t <= pos; ++t) {
+                const double p = exp(sc[t] - m);
+                l += p;
+                const kiln_f16* vr = &hv[((size_t)(b * Nk + j) * PL + t) * H];
+                for (unsigned d = 0; d < H; ++d) o[d] += p * f32h(vr[d]);
+            }
+            for (unsigned d = 0; d < H; ++d) {
+                const double want = o[d] / l, got = f32h(ho[(b * N + h) * H + d]);
+                worst = fmax(worst, fabs(got - want));
+                worst_rel = fmax(worst_rel, fabs(got - want) / fmax(fabs(want), 1e-3));
+            }
+        }
+    printf("position %d: largest error against float64 %.3g (relative %.3g)\n", pos, worst, worst_rel);
     kiln_status st;
     CHECK(cudaMemcpy(&st, d_st, sizeof(st), cudaMemcpyDeviceToHost));
     CHECK(cudaGetLastError());

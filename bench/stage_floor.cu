@@ -13,14 +13,7 @@
 #include <cstdlib>
 #include <cuda_runtime.h>
 
-#define CHECK(x)                                                                             \
-    do {                                                                                     \
-        cudaError_t e = (x);                                                                 \
-        if (e != cudaSuccess) {                                                              \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-            exit(1);                                                                         \
-        }                                                                                    \
-    } while (0)
+#include "check.cuh"
 
 enum { TRIGGER_NONE = 0, TRIGGER_FIRST = 1, TRIGGER_AFTER_WAIT = 2 };
 

@@ -34,7 +34,11 @@
 #              (a drop-in outranks the built-in package of its name): an A/B of kernel changes
 #   floor      bench/stage_floor.cu (nvcc): µs per dependent stage of a graph of small kernels, plain,
 #              with programmatic dependent launch, and as grid barriers inside one persistent kernel
-#   probe      bench/attn_probe.cu (nvcc): decode attention alone at batch 1, both decode kernels
+#   probe      bench/attn_probe.cu (nvcc): decode attention alone, the three decode kernels (batch 1 at a
+#              384 cache; the tiled one at batch 8 over 4096, 256 and 128 keys per block), GPU time
+#              and the error against float64; PROBE_OLD=path/attention.cu adds that source's tiled rows
+#   bw         bench/bw_probe.cu (nvcc): how fast one kernel reads a batch-8 layer's 24 MiB K/V cache,
+#              by access pattern, after a clean and after a dirty L2 flush
 #   attn       decode attention variants (built-in, .gpu/variants/*): bench rows and ncu at context 3840
 #   longctx    ncu: time, DRAM throughput, occupancy and stalls of the decode attention kernels at
 #              batch 8, context 3840
@@ -52,7 +56,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,memory.u
 models=/tmp/kiln-models
 m=$models/smollm2-arch-fp16-cuda
 needs_models=0
-for phase in $phases; do case "$phase" in quick | verify | floor | probe) ;; *) needs_models=1 ;; esac; done
+for phase in $phases; do case "$phase" in quick | verify | floor | probe | bw) ;; *) needs_models=1 ;; esac; done
 if [ "$needs_models" = 1 ] && [ ! -f "$models/reference/smollm2-arch-ref.json" ]; then
   t0=$(date +%s)
   bash .gpu/device-fixtures/make-smollm2-arch.sh "$models" --results "$work/make" >"$work/make.log" 2>&1 ||
@@ -193,17 +197,27 @@ for w in glob.glob(".gpu/python/*.whl"):
     nvcc -O3 -arch=sm_90 -o "$work/stage_floor" bench/stage_floor.cu && "$work/stage_floor" | tee "$out/floor.log"
     summary+=("floor: $(grep -E '^\| [0-9]' "$out/floor.log" | tr '\n' ' ')")
     ;;
+  bw)
+    # Read bandwidth of a layer's batch-8 K/V cache by access pattern (bench/bw_probe.cu).
+    nvcc -O3 -arch=sm_90 -o "$work/bw_probe" bench/bw_probe.cu && "$work/bw_probe" | tee "$out/bw.log"
+    summary+=("bw: $(grep -E '^\| [a-z]' "$out/bw.log" | tr '\n' ' ')")
+    ;;
   probe)
-    # Decode attention alone at batch 1 (bench/attn_probe.cu): kiln_gqa_decode and
-    # kiln_gqa_decode_cluster of this tree, L2 flushed before each launch.
+    # Decode attention alone (bench/attn_probe.cu): kiln_gqa_decode, kiln_gqa_decode_cluster and
+    # kiln_gqa_decode_tiled of this tree, L2 flushed before each launch.
     inc="$work/inc" && mkdir -p "$inc/kiln-cuda-std" && cp kernels/cuda-std/include/* "$inc/kiln-cuda-std/" &&
       cp host/cuda/kiln.cuh "$inc/"
-    for v in decode cluster; do
-      f=() && [ $v = cluster ] && f=(-DCLUSTER)
-      nvcc -O3 -arch=sm_90 -I"$inc" -I. "${f[@]}" -DATTN_SRC='"kernels/attention/cuda/attention.cu"' \
-        -o "$work/probe-$v" bench/attn_probe.cu && echo "== kiln_gqa_$v" && "$work/probe-$v"
+    # PROBE_OLD: another attention.cu (a path in the tree) whose tiled kernel runs beside this one.
+    variants=("decode::kernels/attention/cuda/attention.cu" "cluster:-DCLUSTER:kernels/attention/cuda/attention.cu"
+      "tiled:-DTILED:kernels/attention/cuda/attention.cu" "tiled-kpb128:-DTILED -DKPB=128:kernels/attention/cuda/attention.cu")
+    [ -n "${PROBE_OLD:-}" ] && variants+=("tiled-old:-DTILED:$PROBE_OLD" "tiled-old-kpb128:-DTILED -DKPB=128:$PROBE_OLD")
+    for spec in "${variants[@]}"; do
+      IFS=: read -r v flags src <<<"$spec"
+      # shellcheck disable=SC2086 # flags are words
+      nvcc -O3 -arch=sm_90 -I"$inc" -I. $flags -DATTN_SRC="\"$src\"" -o "$work/probe-$v" bench/attn_probe.cu &&
+        echo "== $v ($src)" && "$work/probe-$v"
     done 2>&1 | tee "$out/probe.log"
-    summary+=("probe: $(grep -E '^==|^\| [0-9]' "$out/probe.log" | tr '\n' ' ')")
+    summary+=("probe: $(grep -E '^==|^\| [0-9]|^position' "$out/probe.log" | tr '\n' ' ')")
     ;;
   ab)
     for v in builtin .gpu/variants/*; do

@@ -3,6 +3,7 @@
 // shim/src/lib.rs. Argument order matches the shim's `launch` calls exactly.
 #include "kiln.cuh"
 #include "kiln-cuda-std/async.cuh"
+#include "kiln-cuda-std/mma.cuh"
 #include "kiln-cuda-std/reduce.cuh"
 
 // Largest head size of the attention kernel: each lane holds ceil(H / 32) ≤ 8 elements.
@@ -706,7 +707,21 @@ __device__ __forceinline__ void gqa_dec_dot(float (&dot)[G], const uint4& raw, c
     }
 }
 
-// Key k's scores (scale, softcap, bias of key lo + k) into s_sc.
+// The score of query head g of the group against key `key` from their dot product: scale, softcap
+// and the bias.
+template <typename Tag>
+__device__ __forceinline__ float gqa_dec_score(float dot, long long key, unsigned g, float scale, float softcap,
+                                               const typename Tag::storage* bias, unsigned has_bias, unsigned bias_b,
+                                               unsigned bias_h, unsigned b, unsigned j, unsigned group,
+                                               unsigned total) {
+    float xs = dot * scale;
+    if (softcap > 0.f) xs = softcap * tanhf(xs / softcap);
+    const typename Tag::storage* br = gqa_bias_row<Tag>(bias, has_bias, bias_b, bias_h, b, j * group + g, 0, 1, total);
+    if (br) xs += kiln_to_f32(Tag(), br[key]);
+    return xs;
+}
+
+// Key k's scores (key lo + k) into s_sc.
 template <typename Tag, int G>
 __device__ __forceinline__ void gqa_dec_scores(const float (&dot)[G], float (*s_sc)[GQA_DEC_KEYS], unsigned k,
                                                long long lo, float scale, float softcap,
@@ -716,11 +731,122 @@ __device__ __forceinline__ void gqa_dec_scores(const float (&dot)[G], float (*s_
 #pragma unroll
     for (int g = 0; g < G; ++g) {
         if (g >= (int)group) break;
-        float xs = dot[g] * scale;
-        if (softcap > 0.f) xs = softcap * tanhf(xs / softcap);
-        const typename Tag::storage* br = gqa_bias_row<Tag>(bias, has_bias, bias_b, bias_h, b, j * group + g, 0, 1, total);
-        if (br) xs += kiln_to_f32(Tag(), br[lo + k]);
-        s_sc[g][k] = xs;
+        s_sc[g][k] = gqa_dec_score<Tag>(dot[g], lo + k, g, scale, softcap, bias, has_bias, bias_b, bias_h, b, j, group,
+                                        total);
+    }
+}
+
+// Tensor-core steps of gqa_decode_tiled (float16 and bfloat16, H a multiple of 16; kiln-cuda-std's
+// mma.cuh, m16n8k16 with f32 accumulators). Warp w takes keys 32w … 32w + 31 of the block, as two
+// 16-key steps, and the query heads of the group are the 8 columns of the B operand (heads past
+// `group` are zeros). The block's compute then costs a few hundred cycles where the scalar steps
+// (one key per thread against every query row, then Σ weight·V over key lanes) took thousands, so
+// the kernel is bound by its K/V stream (bench/RESULTS.md, 2026-12-04, session 15).
+template <typename Tag>
+__device__ __forceinline__ bool gqa_dec_tc(unsigned H) {
+    return kiln_has_mma<Tag>::value && H % 16 == 0;
+}
+
+// Scores S [keys × heads] = K · Qᵀ of keys [0, n) into s_sc (as gqa_dec_scores): A is the K tile
+// k_s (gqa_swz rows of vpr 16-byte vectors) through ldmatrix, B the query rows q_s, exact in the
+// 16-bit type (gqa_dec_queries rounds them to it).
+template <typename Tag, int G>
+__device__ __forceinline__ void gqa_dec_scores_mma(const uint4* k_s, const float* q_s, float (*s_sc)[GQA_DEC_KEYS],
+                                                   unsigned n, unsigned vpr, unsigned H, long long lo, float scale,
+                                                   float softcap, const typename Tag::storage* bias,
+                                                   unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned b,
+                                                   unsigned j, unsigned group, unsigned total) {
+    const unsigned lane = threadIdx.x & 31u, r = lane >> 2, c = (lane & 3u) * 2;
+    const unsigned m0 = (threadIdx.x >> 5) * 32;
+    if (m0 >= n) return;
+    const unsigned steps = n - m0 > 16 ? 2 : 1;  // the same for the whole warp
+    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    for (unsigned s = 0; s < H / 16; ++s) {
+        // B: query head r at dimensions 16s + c, c + 1 (b0) and 16s + 8 + c, c + 1 (b1).
+        unsigned b0 = 0, b1 = 0;
+        if (r < group) {
+            const float* q = q_s + r * H + 16 * s + c;
+            b0 = kiln_pack2<Tag>(q[0], q[1]);
+            b1 = kiln_pack2<Tag>(q[8], q[9]);
+        }
+#pragma unroll
+        for (unsigned t = 0; t < 2; ++t) {
+            if (t >= steps) break;
+            // A: matrix i (lanes 8i …) is keys + 8·(i & 1), dimensions 16s + 8·(i >> 1).
+            unsigned a[4];
+            kiln_ldmatrix_x4<false>(a, &k_s[gqa_swz(m0 + 16 * t + (lane & 15u), 2 * s + (lane >> 4), vpr)]);
+            kiln_mma16816<Tag>(acc[t], a[0], a[1], a[2], a[3], b0, b1);
+        }
+    }
+    // C: key m0 + 16t + r (+ 8 for c2, c3), heads c and c + 1.
+#pragma unroll
+    for (unsigned t = 0; t < 2; ++t)
+#pragma unroll
+        for (unsigned i = 0; i < 4; ++i) {
+            const unsigned k = m0 + 16 * t + r + (i & 2u) * 4, g = c + (i & 1u);
+            if (k < n && g < group)
+                s_sc[g][k] = gqa_dec_score<Tag>(acc[t][i], lo + k, g, scale, softcap, bias, has_bias, bias_b, bias_h,
+                                                b, j, group, total);
+        }
+}
+
+// Σ weight·V of keys [0, n): Oᵀ [H × heads] = Vᵀ · Pᵀ, A the V tile v_s through ldmatrix.trans (V
+// rows [n, n rounded up to 16) must be zeros: a weight of 0 would not clear NaN bits there), B the
+// weights s_sc. Each weight is split into its 16-bit rounding and the rest, one mma each, so that
+// the weights keep about 22 bits (16 for bfloat16) rather than the 11 of one rounding. Warp w
+// writes its sums to s_red [w·stride + g·H + d]; the warps with keys are the first ⌈n / 32⌉.
+#define GQA_DEC_PV_TILES 4
+
+template <typename Tag>
+__device__ __forceinline__ void gqa_dec_pv_mma(const uint4* v_s, const float (*s_sc)[GQA_DEC_KEYS], float* s_red,
+                                               unsigned stride, unsigned n, unsigned vpr, unsigned H,
+                                               unsigned group) {
+    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, r = lane >> 2, c = (lane & 3u) * 2;
+    const unsigned k0 = warp * 32;
+    if (k0 >= n) return;
+    const unsigned steps = n - k0 > 16 ? 2 : 1;
+    // B: head r's weights at keys k0 + 16t + c, c + 1 (+ 8 for the second register), high and low parts.
+    unsigned bh[2][2], bl[2][2];
+#pragma unroll
+    for (unsigned t = 0; t < 2; ++t)
+#pragma unroll
+        for (unsigned h = 0; h < 2; ++h) {
+            const unsigned k = k0 + 16 * t + 8 * h + c;
+            const float p0 = r < group && k < n ? s_sc[r][k] : 0.f, p1 = r < group && k + 1 < n ? s_sc[r][k + 1] : 0.f;
+            const float h0 = kiln_to_f32(Tag(), kiln_from_f32(Tag(), p0)), h1 = kiln_to_f32(Tag(), kiln_from_f32(Tag(), p1));
+            bh[t][h] = kiln_pack2<Tag>(h0, h1);
+            bl[t][h] = kiln_pack2<Tag>(p0 - h0, p1 - h1);
+        }
+    // GQA_DEC_PV_TILES dimension tiles at a time, their accumulator chains independent.
+    for (unsigned dt0 = 0; dt0 < H / 16; dt0 += GQA_DEC_PV_TILES) {
+        float acc[GQA_DEC_PV_TILES][4];
+#pragma unroll
+        for (unsigned q = 0; q < GQA_DEC_PV_TILES; ++q)
+#pragma unroll
+            for (unsigned i = 0; i < 4; ++i) acc[q][i] = 0.f;
+#pragma unroll
+        for (unsigned t = 0; t < 2; ++t) {
+            if (t >= steps) break;
+#pragma unroll
+            for (unsigned q = 0; q < GQA_DEC_PV_TILES; ++q) {
+                const unsigned dt = dt0 + q;
+                if (dt >= H / 16) break;
+                // A (transposed): matrix i is keys + 8·(i >> 1), dimensions 16·dt + 8·(i & 1).
+                unsigned a[4];
+                kiln_ldmatrix_x4<true>(a, &v_s[gqa_swz(k0 + 16 * t + (lane & 7u) + ((lane >> 4) << 3),
+                                                       2 * dt + ((lane >> 3) & 1u), vpr)]);
+                kiln_mma16816<Tag>(acc[q], a[0], a[1], a[2], a[3], bh[t][0], bh[t][1]);
+                kiln_mma16816<Tag>(acc[q], a[0], a[1], a[2], a[3], bl[t][0], bl[t][1]);
+            }
+        }
+        // C: dimension 16·dt + r (+ 8 for c2, c3), heads c and c + 1.
+#pragma unroll
+        for (unsigned q = 0; q < GQA_DEC_PV_TILES; ++q)
+#pragma unroll
+            for (unsigned i = 0; i < 4; ++i) {
+                const unsigned d = 16 * (dt0 + q) + r + (i & 2u) * 4, g = c + (i & 1u);
+                if (dt0 + q < H / 16 && g < group) s_red[warp * stride + g * H + d] = acc[q][i];
+            }
     }
 }
 
@@ -825,83 +951,75 @@ __device__ __forceinline__ void gqa_dec_write(const float* s_red, unsigned strid
 // counts itself in on counters[b·Nk + j] (the node's counters, ABI.md §6.3, zero between
 // launches) once its partial state is written, and the last block to finish merges those splits
 // of the group's query heads as kiln_gqa_merge would (sink_mode as gqa_attn), then puts the
-// counter back to zero. The
-// partial states of other blocks are read through L2 (__ldcg) after a fence, spread over the
-// block: warp g takes query head g's maxima and sums (a split per lane, every load in flight)
-// and leaves the splits' weights e^(m_s − M) in `s_fold` (shared, GQA_DEC_MAX_GROUP ·
-// GQA_FOLD_MAX_SPLITS floats, free once the block's output is written), then each thread sums
-// its (query head, dimension) outputs over the splits, GQA_MERGE_UNROLL loads in flight. So a
-// decode step runs one kernel fewer per layer, at any context up to GQA_FOLD_MAX_SPLITS splits.
-// Block-uniform: every thread of the block calls it.
+// counter back to zero. The count is one acquire-release atomic of thread 0 after a block
+// barrier (the pattern of CUTLASS's generic barrier): it publishes the block's partial state and,
+// in the last block, makes every other block's visible. Each thread of the last block then merges
+// one output (query head g, dimension d) in a single pass over the splits, reading every split's
+// maximum, sum and value d through L2 (__ldcg) with GQA_FOLD_CHUNK splits' loads in flight and an
+// online rescaling between chunks. So the merge after the last partial state costs two L2 round
+// trips (the atomic, the loads) where a fence, the atomic and two dependent passes of loads took
+// five (bench/RESULTS.md, 2026-12-04, session 15), and a decode step runs one kernel fewer per
+// layer, at any context up to GQA_FOLD_MAX_SPLITS splits. Block-uniform: every thread of the
+// block calls it.
 #define GQA_FOLD_MAX_SPLITS 128
-#define GQA_FOLD_PER_LANE (GQA_FOLD_MAX_SPLITS / 32)
-#define GQA_MERGE_UNROLL 8
+#define GQA_FOLD_CHUNK 16
 
 template <typename Tag>
 __device__ __noinline__ void gqa_dec_fold(const float* partial, kiln_counter* counters, const typename Tag::storage* sink,
                                           unsigned sink_mode, typename Tag::storage* out, unsigned b, unsigned N,
                                           unsigned H, unsigned j, unsigned group, unsigned splits, unsigned first,
-                                          unsigned used, float* s_fold) {
+                                          unsigned used) {
     __shared__ unsigned s_last;
-    __shared__ float s_den[GQA_DEC_MAX_GROUP];
-    __threadfence();  // this block's partial state, seen by the block that merges
-    __syncthreads();  // also: the block is done with s_fold's memory
-    if (threadIdx.x == 0) s_last = atomicAdd(&counters[b * gridDim.y + j], 1u) == used - 1;
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    const kiln_u64 stride = H + 2;
-    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-    // 1. Per query head: M = the largest maximum of the splits that saw a key (and the sink's),
-    // each split's weight, and the denominator Σ l_s·w_s (+ the sink's e^(sink − M)).
-    for (unsigned g = warp; g < group; g += warps) {
-        const unsigned h = j * group + g;
-        const float* part = partial + (((kiln_u64)b * N + h) * splits + first) * stride;
-        float m[GQA_FOLD_PER_LANE], l[GQA_FOLD_PER_LANE];
-#pragma unroll
-        for (int q = 0; q < GQA_FOLD_PER_LANE; ++q) {
-            const unsigned s = lane + 32 * q;
-            l[q] = s < used ? __ldcg(part + s * stride + 1) : 0.f;
-            m[q] = s < used ? __ldcg(part + s * stride) : 0.f;
-        }
-        float M = -__int_as_float(0x7f800000);
-#pragma unroll
-        for (int q = 0; q < GQA_FOLD_PER_LANE; ++q)
-            if (l[q] > 0.f) M = fmaxf(M, m[q]);  // an empty split's maximum is unset
-        M = kiln_warp_max(M);
-        float sink_v = 0.f;
-        if (sink_mode == 2) sink_v = kiln_to_f32(Tag(), sink[h]);
-        if (sink_mode != 0) M = fmaxf(M, sink_v);
-        float den = 0.f;
-#pragma unroll
-        for (int q = 0; q < GQA_FOLD_PER_LANE; ++q) {
-            const unsigned s = lane + 32 * q;
-            const float w = l[q] > 0.f ? expf(m[q] - M) : 0.f;
-            if (s < used) s_fold[g * GQA_FOLD_MAX_SPLITS + s] = w;
-            den += l[q] > 0.f ? l[q] * w : 0.f;
-        }
-        den = kiln_warp_sum(den);
-        if (lane == 0) s_den[g] = den + (sink_mode != 0 ? expf(sink_v - M) : 0.f);
+    __syncthreads();  // the block's partial state is written
+    if (threadIdx.x == 0) {
+        unsigned prev;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
+                     : "=r"(prev)
+                     : "l"(&counters[b * gridDim.y + j])
+                     : "memory");
+        s_last = prev == used - 1;
     }
     __syncthreads();
-    // 2. Output (g, d) = Σ_s acc_s[d]·w_s / den.
+    if (!s_last) return;
+    const kiln_u64 stride = H + 2;
+    const float neg_inf = -__int_as_float(0x7f800000);
     for (unsigned i = threadIdx.x; i < group * H; i += blockDim.x) {
         const unsigned g = i / H, d = i - g * H, h = j * group + g;
-        typename Tag::storage* o = out + (kiln_u64)b * N * H + (kiln_u64)h * H;
-        const float* col = partial + (((kiln_u64)b * N + h) * splits + first) * stride + 2 + d;
-        const float* w = s_fold + g * GQA_FOLD_MAX_SPLITS;
-        float a = 0.f;
-        unsigned s = 0;
-        for (; s + GQA_MERGE_UNROLL <= used; s += GQA_MERGE_UNROLL) {
-            float v[GQA_MERGE_UNROLL];
+        const float* part = partial + (((kiln_u64)b * N + h) * splits + first) * stride;
+        const float sink_v = sink_mode == 2 ? kiln_to_f32(Tag(), sink[h]) : 0.f;
+        // M: the largest maximum so far of the splits that saw a key (and the sink's); den and a:
+        // Σ l_s·e^(m_s − M) and Σ acc_s[d]·e^(m_s − M) over them.
+        float M = sink_mode != 0 ? sink_v : neg_inf, den = 0.f, a = 0.f;
+        for (unsigned s0 = 0; s0 < used; s0 += GQA_FOLD_CHUNK) {
+            float m[GQA_FOLD_CHUNK], l[GQA_FOLD_CHUNK], v[GQA_FOLD_CHUNK];
 #pragma unroll
-            for (int u = 0; u < GQA_MERGE_UNROLL; ++u) v[u] = __ldcg(col + (kiln_u64)(s + u) * stride);
+            for (unsigned u = 0; u < GQA_FOLD_CHUNK; ++u) {
+                const float* ps = part + (kiln_u64)(s0 + u) * stride;
+                const bool ok = s0 + u < used;
+                m[u] = ok ? __ldcg(ps) : 0.f;
+                l[u] = ok ? __ldcg(ps + 1) : 0.f;
+                v[u] = ok ? __ldcg(ps + 2 + d) : 0.f;
+            }
+            float Mc = M;
 #pragma unroll
-            for (int u = 0; u < GQA_MERGE_UNROLL; ++u) a += w[s + u] > 0.f ? v[u] * w[s + u] : 0.f;
+            for (unsigned u = 0; u < GQA_FOLD_CHUNK; ++u)
+                if (l[u] > 0.f) Mc = fmaxf(Mc, m[u]);  // an empty split's maximum is unset
+            if (Mc != M) {
+                const float r = M == neg_inf ? 0.f : expf(M - Mc);
+                den *= r;
+                a *= r;
+                M = Mc;
+            }
+#pragma unroll
+            for (unsigned u = 0; u < GQA_FOLD_CHUNK; ++u)
+                if (l[u] > 0.f) {  // an empty split's sums are unset (any bits)
+                    const float w = expf(m[u] - M);
+                    den += l[u] * w;
+                    a += v[u] * w;
+                }
         }
-        // An empty split's sums are unset (any bits): its weight 0 must not meet them.
-        for (; s < used; ++s) a += w[s] > 0.f ? __ldcg(col + (kiln_u64)s * stride) * w[s] : 0.f;
-        o[d] = kiln_from_f32(Tag(), a / s_den[g]);
+        if (sink_mode != 0) den += expf(sink_v - M);
+        out[(kiln_u64)b * N * H + (kiln_u64)h * H + d] = kiln_from_f32(Tag(), a / den);
     }
     if (threadIdx.x == 0) counters[b * gridDim.y + j] = 0;
 }
@@ -1135,8 +1253,7 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
     gqa_dec_write<Tag>(&s_red[0][0], GQA_DEC_MAX_QH, (lanes * vpr + 31) / 32, s_m, s_l, sink, sink_mode, out, partial,
                        b, N, H, j, group, split, splits, direct);
     if (!direct && fold)
-        gqa_dec_fold<Tag>(partial, counters, sink, sink_mode, out, b, N, H, j, group, splits, span.first, span.used,
-                          &s_red[0][0]);
+        gqa_dec_fold<Tag>(partial, counters, sink, sink_mode, out, b, N, H, j, group, splits, span.first, span.used);
 }
 
 // Decode attention by KV head (S = 1, not a first prompt), gqa_decode_tiled, for grids with many
@@ -1144,16 +1261,19 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
 // [start, end) of KV head j once, for all `group` query heads that share it:
 // 1. the rows are copied into shared memory asynchronously (K, then V, as two groups:
 //    the scores start while V still arrives), swizzled by 16-byte vector so that both one row
-//    per thread (scores) and one row per 8 threads (Σ weight·V) read without bank conflicts;
-//    the group's query rows, rotated and rounded as the CPU reference does, into shared memory;
-// 2. one thread per key: its K row against every query row → scores in shared memory;
+//    per thread (scores) and one row per 8 threads (Σ weight·V), or ldmatrix's eight rows, read
+//    without bank conflicts; the group's query rows, rotated and rounded as the CPU reference
+//    does, into shared memory;
+// 2. the scores of every key against every query row, on tensor cores (float16, bfloat16 and H a
+//    multiple of 16: gqa_dec_scores_mma) or one thread per key;
 // 3. one warp per query row: max and Σ e^(x − max), the scores turned into weights;
-// 4. threads over (key lane, 16-byte V vector): Σ weight·V per query row, reduced over the key
-//    lanes (warp shuffles, then shared memory over the dead K tile).
+// 4. Σ weight·V per query row, on tensor cores (gqa_dec_pv_mma) or by threads over (key lane,
+//    16-byte V vector) reduced over the key lanes (warp shuffles), then over the warps in shared
+//    memory over the dead K tile.
 // With one split the block writes the output (sink_mode as gqa_attn); with several it writes
-// the partial state of gqa_decode_split for kiln_gqa_merge. With `append` it first writes the
-// present rows it owns (gqa_decode_append) instead of kiln_gqa_kv; those rows reach shared
-// memory by plain loads after the block's barrier. Needs group ≤ GQA_DEC_MAX_GROUP,
+// the partial state of gqa_decode_split for the fold or kiln_gqa_merge. With `append` it first
+// writes the present rows it owns (gqa_decode_append) instead of kiln_gqa_kv; those rows reach
+// shared memory by plain loads after the block's barrier. Needs group ≤ GQA_DEC_MAX_GROUP,
 // group·H ≤ GQA_DEC_MAX_QH, H·sizeof(T) a power of two multiple of 16 (at most 512 bytes),
 // kpb ≤ GQA_DEC_KEYS, 256 threads, and gqa_decode_k_bytes(kpb, H·sizeof(T), group·H) +
 // kpb·H·sizeof(T) bytes of dynamic shared memory.
@@ -1194,18 +1314,18 @@ __device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Ta
     // the past buffer) are read after the barrier below; the others are copied now.
     const bool in_place = pres_k == past_k && pres_v == past_v;
     const auto late = [&](unsigned k) { return append && (!in_place || lo + (long long)k == pos); };
-    // Vector u of key k's K or V row (rows of a block may cross pages of a paged layout).
-    const auto kg = [&](unsigned k, unsigned u) { return (const uint4*)(pres_k + gqa_at(lay, b, j, lo + k, H)) + u; };
-    const auto vg = [&](unsigned k, unsigned u) { return (const uint4*)(pres_v + gqa_at(lay, b, j, lo + k, H)) + u; };
-    for (unsigned i = tid; i < n * vpr; i += blockDim.x) {
-        const unsigned k = i / vpr, u = i - k * vpr;
-        if (!late(k)) kiln_cp_async16(&k_s[gqa_swz(k, u, vpr)], kg(k, u));
-    }
+    // Thread tid copies 16-byte vector cu of keys key0, key0 + kstep, … (blockDim.x is a multiple of vpr,
+    // a power of two), each key's offset computed once per row without a division: the copy loop
+    // issues a block's 64 KiB at the rate the memory takes it (rows of a block may cross pages of a
+    // paged layout).
+    const unsigned lg_vpr = __ffs(vpr) - 1, cu = tid & (vpr - 1), key0 = tid >> lg_vpr, kstep = blockDim.x >> lg_vpr;
+    const kiln_u64 kv_base = (kiln_u64)b * lay.row + (kiln_u64)j * lay.head + cu * VE;
+    const auto at = [&](unsigned k) { return kv_base + gqa_at(gqa_layout{0, 0, lay.page, lay.shift}, 0, 0, lo + k, H); };
+    for (unsigned k = key0; k < n; k += kstep)
+        if (!late(k)) kiln_cp_async16(&k_s[gqa_swz(k, cu, vpr)], pres_k + at(k));
     kiln_cp_async_commit();
-    for (unsigned i = tid; i < n * vpr; i += blockDim.x) {
-        const unsigned k = i / vpr, u = i - k * vpr;
-        if (!late(k)) kiln_cp_async16(&v_s[gqa_swz(k, u, vpr)], vg(k, u));
-    }
+    for (unsigned k = key0; k < n; k += kstep)
+        if (!late(k)) kiln_cp_async16(&v_s[gqa_swz(k, cu, vpr)], pres_v + at(k));
     kiln_cp_async_commit();
     gqa_dec_queries<Tag> queries{q_src, cos_c, sin_c, pos, cache_rows, q_w, rotary_half, interleaved, b, j, group, H};
     queries.start();
@@ -1224,18 +1344,24 @@ __device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Ta
     queries.finish(q_s);
     if (append) {
         __syncthreads();  // the appended rows
-        for (unsigned i = tid; i < n * vpr; i += blockDim.x) {
-            const unsigned k = i / vpr, u = i - k * vpr;
+        for (unsigned k = key0; k < n; k += kstep)
             if (late(k)) {
-                k_s[gqa_swz(k, u, vpr)] = *kg(k, u);
-                v_s[gqa_swz(k, u, vpr)] = *vg(k, u);
+                k_s[gqa_swz(k, cu, vpr)] = *(const uint4*)(pres_k + at(k));
+                v_s[gqa_swz(k, cu, vpr)] = *(const uint4*)(pres_v + at(k));
             }
-        }
     }
+    const bool tc = gqa_dec_tc<Tag>(H);
+    if (tc)  // the V rows of the last 16-key step past n (no copy targets them)
+        for (unsigned i = n * vpr + tid; i < ((n + 15) & ~15u) * vpr; i += blockDim.x)
+            v_s[gqa_swz(i / vpr, i % vpr, vpr)] = make_uint4(0, 0, 0, 0);
     kiln_cp_async_wait<1>();
     __syncthreads();  // K in shared memory, q_s
-    // 2. Scores, one key per thread (n ≤ blockDim.x).
-    if (tid < n) {
+    // 2. Scores: on tensor cores, or one key per thread (n ≤ blockDim.x).
+    if constexpr (kiln_has_mma<Tag>::value)
+        if (tc)
+            gqa_dec_scores_mma<Tag, G>(k_s, q_s, s_sc, n, vpr, H, lo, scale, softcap, bias, has_bias, bias_b, bias_h, b,
+                                       j, group, total);
+    if (!tc && tid < n) {
         const unsigned k = tid;
         float dot[G];
 #pragma unroll
@@ -1258,36 +1384,42 @@ __device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Ta
     gqa_dec_weights(s_sc, s_m, s_l, n, group);
     kiln_cp_async_wait<0>();
     __syncthreads();  // the weights, V in shared memory
-    // 4. Σ weight·V: thread (key lane kl, vector vi), GQA_DEC_V_KEYS rows read together.
-    const unsigned lanes = blockDim.x / vpr;
-    const unsigned kl = tid / vpr, vi = tid - kl * vpr;
-    float acc[G][8];
+    // 4. Σ weight·V into s_red [warp][group·H], then over the warps: on tensor cores, or thread
+    // (key lane kl, vector vi) with GQA_DEC_V_KEYS rows read together, reduced over the key lanes of
+    // a warp (lanes vi + vpr·i).
+    unsigned warps_used = (n + 31) / 32;
+    if constexpr (kiln_has_mma<Tag>::value)
+        if (tc) gqa_dec_pv_mma<Tag>(v_s, s_sc, s_red, group * H, n, vpr, H, group);
+    if (!tc) {
+        const unsigned lanes = blockDim.x / vpr;
+        const unsigned kl = tid / vpr, vi = tid - kl * vpr;
+        float acc[G][8];
 #pragma unroll
-    for (int g = 0; g < G; ++g)
+        for (int g = 0; g < G; ++g)
 #pragma unroll
-        for (int x = 0; x < 8; ++x) acc[g][x] = 0.f;
-    for (unsigned k0 = kl; k0 < n; k0 += GQA_DEC_V_KEYS * lanes) {
-        uint4 raw[GQA_DEC_V_KEYS];
+            for (int x = 0; x < 8; ++x) acc[g][x] = 0.f;
+        for (unsigned k0 = kl; k0 < n; k0 += GQA_DEC_V_KEYS * lanes) {
+            uint4 raw[GQA_DEC_V_KEYS];
 #pragma unroll
-        for (unsigned u = 0; u < GQA_DEC_V_KEYS; ++u) {
-            const unsigned k = k0 + u * lanes;
-            if (k < n) raw[u] = v_s[gqa_swz(k, vi, vpr)];
+            for (unsigned u = 0; u < GQA_DEC_V_KEYS; ++u) {
+                const unsigned k = k0 + u * lanes;
+                if (k < n) raw[u] = v_s[gqa_swz(k, vi, vpr)];
+            }
+#pragma unroll
+            for (unsigned u = 0; u < GQA_DEC_V_KEYS; ++u) {
+                const unsigned k = k0 + u * lanes;
+                if (k >= n) break;
+                gqa_dec_accumulate<Tag, G>(acc, raw[u], s_sc, k, group);
+            }
         }
-#pragma unroll
-        for (unsigned u = 0; u < GQA_DEC_V_KEYS; ++u) {
-            const unsigned k = k0 + u * lanes;
-            if (k >= n) break;
-            gqa_dec_accumulate<Tag, G>(acc, raw[u], s_sc, k, group);
-        }
+        gqa_dec_reduce<Tag, G>(acc, s_red, group * H, vpr, vi, H, group);
+        warps_used = (lanes * vpr + 31) / 32;
     }
-    // Reduce over the key lanes of a warp (lanes vi + vpr·i), then over the warps.
-    gqa_dec_reduce<Tag, G>(acc, s_red, group * H, vpr, vi, H, group);
     __syncthreads();
-    gqa_dec_write<Tag>(s_red, group * H, (lanes * vpr + 31) / 32, s_m, s_l, sink, sink_mode, out, partial, b, N, H, j,
-                       group, split, splits, direct);
+    gqa_dec_write<Tag>(s_red, group * H, warps_used, s_m, s_l, sink, sink_mode, out, partial, b, N, H, j, group, split,
+                       splits, direct);
     if (!direct && fold)
-        gqa_dec_fold<Tag>(partial, counters, sink, sink_mode, out, b, N, H, j, group, splits, span.first, span.used,
-                          (float*)gqa_dyn);
+        gqa_dec_fold<Tag>(partial, counters, sink, sink_mode, out, b, N, H, j, group, splits, span.first, span.used);
 }
 
 // Merges the splits of gqa_decode_split for head h = blockIdx.x, batch row b = blockIdx.y,
@@ -1298,6 +1430,7 @@ __device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Ta
 // each thread then sums its dimensions over the splits with the loads of several splits in
 // flight, so a long context's many splits cost a few memory round trips, not one per split.
 #define GQA_MERGE_CHUNK 1024
+#define GQA_MERGE_UNROLL 8  // splits' loads in flight per thread
 #define GQA_MERGE_FEW 8  // at most this many splits merge per thread, without shared memory
 
 template <typename Tag>

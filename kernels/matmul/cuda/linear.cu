@@ -19,6 +19,7 @@
 // into scratch and calls cuBLASLt (gemm with transB) for the product.
 #include "kiln.cuh"
 #include "kiln-cuda-std/elem.cuh"
+#include "kiln-cuda-std/mma.cuh"
 #include "kiln-cuda-std/reduce.cuh"
 
 // Modes of the GEMV's prologue (the shim's `Prologue`): the kernels' MODE template argument.
@@ -65,9 +66,13 @@ struct Elem<kiln_tag_f32> : kiln_elem<kiln_tag_f32> {
     }
 };
 template <>
-struct Elem<kiln_tag_f16> : kiln_elem<kiln_tag_f16>, Packed16<Elem<kiln_tag_f16> > {};
+struct Elem<kiln_tag_f16> : kiln_elem<kiln_tag_f16>, Packed16<Elem<kiln_tag_f16> > {
+    typedef kiln_tag_f16 tag;
+};
 template <>
-struct Elem<kiln_tag_bf16> : kiln_elem<kiln_tag_bf16>, Packed16<Elem<kiln_tag_bf16> > {};
+struct Elem<kiln_tag_bf16> : kiln_elem<kiln_tag_bf16>, Packed16<Elem<kiln_tag_bf16> > {
+    typedef kiln_tag_bf16 tag;
+};
 typedef Elem<kiln_tag_f16> F16;
 typedef Elem<kiln_tag_bf16> BF16;
 
@@ -445,63 +450,6 @@ struct RowsMma {
     __device__ __forceinline__ Row row(unsigned r) const { return Row{a + r * kcp, mma_swizzle(r)}; }
 };
 
-// d += A · B for one m16n8k16 fragment set (f32 accumulators). Before sm_80 (no such mma) the
-// warp computes the same fragments from shuffled operands.
-template <typename T>
-__device__ __forceinline__ void mma16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                         unsigned b0, unsigned b1);
-
-template <typename T>
-__device__ __forceinline__ void mma16816_emulated(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                                  unsigned b0, unsigned b1) {
-    const unsigned lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-#pragma unroll
-    for (unsigned p = 0; p < 4; ++p) {
-        // Lane (g, p) holds A rows g, g + 8 at columns 2p, 2p + 1 (a0, a1) and 2p + 8, 2p + 9 (a2, a3);
-        // lane (n, p) holds B column n at rows 2p, 2p + 1 (b0) and 2p + 8, 2p + 9 (b1).
-        const unsigned ra[4] = {__shfl_sync(0xffffffffu, a0, g * 4 + p), __shfl_sync(0xffffffffu, a1, g * 4 + p),
-                                __shfl_sync(0xffffffffu, a2, g * 4 + p), __shfl_sync(0xffffffffu, a3, g * 4 + p)};
-        unsigned rb[2][2];
-#pragma unroll
-        for (unsigned j = 0; j < 2; ++j) {
-            rb[j][0] = __shfl_sync(0xffffffffu, b0, (2 * q + j) * 4 + p);
-            rb[j][1] = __shfl_sync(0xffffffffu, b1, (2 * q + j) * 4 + p);
-        }
-#pragma unroll
-        for (unsigned i = 0; i < 4; ++i) {
-            const unsigned half = i / 2, j = i % 2;  // output row g + 8·half, column 2q + j
-#pragma unroll
-            for (unsigned hi = 0; hi < 2; ++hi) {    // columns 2p.. (a0/a1, b0) or 2p + 8.. (a2/a3, b1)
-                const unsigned av = ra[half + 2 * hi], bv = rb[j][hi];
-                d[i] += T::ld((typename T::S)(av & 0xffffu)) * T::ld((typename T::S)(bv & 0xffffu)) +
-                        T::ld((typename T::S)(av >> 16)) * T::ld((typename T::S)(bv >> 16));
-            }
-        }
-    }
-}
-
-// The mma for one element type: PTX_TYPE is f16 or bf16.
-#if __CUDA_ARCH__ >= 800
-#define KILN_MMA16816(T, PTX_TYPE)                                                                                 \
-    template <>                                                                                                    \
-    __device__ __forceinline__ void mma16816<T>(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, \
-                                                unsigned b0, unsigned b1) {                                        \
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE ".f32 {%0,%1,%2,%3}, "         \
-                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"                                                      \
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                              \
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));                                      \
-    }
-#else
-#define KILN_MMA16816(T, PTX_TYPE)                                                                                 \
-    template <>                                                                                                    \
-    __device__ __forceinline__ void mma16816<T>(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, \
-                                                unsigned b0, unsigned b1) {                                        \
-        mma16816_emulated<T>(d, a0, a1, a2, a3, b0, b1);                                                           \
-    }
-#endif
-KILN_MMA16816(F16, "f16")
-KILN_MMA16816(BF16, "bf16")
-
 // The 16-byte weight runs of K groups g0, g0 + ksplit, … (MMA_UNROLL of them) of rows m0 + g
 // (w0) and m0 + g + 8 (w1) for lane quarter q; zeros past the row or past N.
 __device__ __forceinline__ void mma_load(uint4 (&wa)[MMA_UNROLL], uint4 (&wb)[MMA_UNROLL], const uint4* w0,
@@ -573,8 +521,8 @@ __device__ __forceinline__ void gemv_mma(const typename T::S* x, const typename 
 #pragma unroll
             for (int t = 0; t < NT; ++t) {
                 const uint4 b = as[(t * 8 + g) * kcp + (c ^ sw)];
-                mma16816<T>(acc[t], wa[u].x, wb[u].x, wa[u].y, wb[u].y, b.x, b.y);
-                mma16816<T>(acc[t], wa[u].z, wb[u].z, wa[u].w, wb[u].w, b.z, b.w);
+                kiln_mma16816<typename T::tag>(acc[t], wa[u].x, wb[u].x, wa[u].y, wb[u].y, b.x, b.y);
+                kiln_mma16816<typename T::tag>(acc[t], wa[u].z, wb[u].z, wa[u].w, wb[u].w, b.z, b.w);
             }
         }
 #pragma unroll
