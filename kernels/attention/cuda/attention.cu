@@ -1005,9 +1005,11 @@ __device__ __noinline__ void gqa_dec_fold(const float* partial, kiln_counter* co
             for (unsigned u = 0; u < GQA_FOLD_CHUNK; ++u)
                 if (l[u] > 0.f) Mc = fmaxf(Mc, m[u]);  // an empty split's maximum is unset
             if (Mc != M) {
+                // Earlier splits whose weight underflows drop out, as in kiln_gqa_merge (0 · inf
+                // would be NaN).
                 const float r = M == neg_inf ? 0.f : expf(M - Mc);
-                den *= r;
-                a *= r;
+                den = r > 0.f ? den * r : 0.f;
+                a = r > 0.f ? a * r : 0.f;
                 M = Mc;
             }
 #pragma unroll
@@ -1015,7 +1017,7 @@ __device__ __noinline__ void gqa_dec_fold(const float* partial, kiln_counter* co
                 if (l[u] > 0.f) {  // an empty split's sums are unset (any bits)
                     const float w = expf(m[u] - M);
                     den += l[u] * w;
-                    a += v[u] * w;
+                    a += w > 0.f ? v[u] * w : 0.f;
                 }
         }
         if (sink_mode != 0) den += expf(sink_v - M);

@@ -727,11 +727,12 @@ fn tiled_shared_bytes(kpb: usize, row_bytes: usize, group_head: usize) -> usize 
 }
 
 /// Most splits whose merge the decode kernels fold into their last block (attention.cu's
-/// `GQA_FOLD_MAX_SPLITS`: the block holds every split's weight in shared memory, a split per lane
-/// of a warp per query head, and sums each output over the splits with several loads in flight);
-/// more go to `kiln_gqa_merge` after the decode kernel. A cache of up to 32,768 positions
-/// (256 keys per split) folds. Session 11's fold walked the splits one L2 round trip after
-/// another and was limited to 4 (bench/RESULTS.md, 2026-12-04).
+/// `GQA_FOLD_MAX_SPLITS`: each thread of that block merges one output over the splits, 16 splits'
+/// loads in flight at a time, so the merge's latency grows by an L2 round trip per 16 splits);
+/// more go to `kiln_gqa_merge` after the decode kernel, which spreads them over a block per
+/// head. A cache of up to 32,768 positions (256 keys per split) folds. Session 11's fold walked
+/// the splits one L2 round trip after another and was limited to 4 (bench/RESULTS.md,
+/// 2026-12-04).
 const FOLD_MAX_SPLITS: usize = 128;
 
 /// Other decode attention over a present buffer longer than this many positions is split over the
