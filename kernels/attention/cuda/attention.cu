@@ -1530,14 +1530,15 @@ __device__ void gqa_decode_merge(const float* partial, const int* seqlens, const
     }
 }
 
-// RotaryEmbedding: y = x with the first R = 2·half elements of every head rotated at the row's
-// position (pos[0] + s when scalar_pos, else pos[b·S + s]). Layout [B, S, N·H] or, transposed,
-// [B, N, S, H]. One thread per element (grid-stride).
+// RotaryEmbedding (com.microsoft's, and ONNX's RotaryEmbedding-23): y = x with the first
+// R = 2·half elements of every head rotated at the row's position: pos[b·S + s] (pos_mode 0),
+// pos[0] + s (1), or b·S + s over caches of [B, S, half] without position_ids (2). Layout
+// [B, S, N·H] or, transposed, [B, N, S, H]. One thread per element (grid-stride).
 template <typename Tag>
 __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, const typename Tag::storage* cos_c,
                      const typename Tag::storage* sin_c, typename Tag::storage* y, kiln_u64 total, unsigned S,
                      unsigned N, unsigned H, unsigned half, kiln_u64 cache_rows, unsigned transposed,
-                     unsigned scalar_pos, unsigned interleaved, kiln_status* st) {
+                     unsigned pos_mode, unsigned interleaved, kiln_status* st) {
     KILN_FOR(i, total) {
         const unsigned d = (unsigned)(i % H);
         if (d >= 2 * half && (half > 0 || d > 0)) {
@@ -1552,7 +1553,10 @@ __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, c
             s = (unsigned)((i / ((kiln_u64)H * N)) % S);
             b = (unsigned)(i / ((kiln_u64)H * N * S));
         }
-        const long long p = scalar_pos ? pos_ids[0] + (long long)s : pos_ids[(kiln_u64)b * S + s];
+        // pos_mode 0: position_ids [B, S]; 1: one start position; 2: no ids, caches [B, S, half].
+        const long long p = pos_mode == 1   ? pos_ids[0] + (long long)s
+                            : pos_mode == 2 ? (long long)b * S + s
+                                            : pos_ids[(kiln_u64)b * S + s];
         if (d == 0 && (p < 0 || (kiln_u64)p >= cache_rows)) kiln_fail(st, 4, p, (long long)cache_rows);
         if (half == 0) {  // nothing to rotate: the position was only checked
             y[i] = x[i];
@@ -1689,6 +1693,6 @@ template <typename Tag>
 __global__ void kiln_rope(const typename Tag::storage* x, const long long* pos_ids, const typename Tag::storage* cos_c,
                           const typename Tag::storage* sin_c, typename Tag::storage* y, kiln_u64 total, unsigned S,
                           unsigned N, unsigned H, unsigned half, kiln_u64 cache_rows, unsigned transposed,
-                          unsigned scalar_pos, unsigned interleaved, kiln_status* st) {
-    rope<Tag>(x, pos_ids, cos_c, sin_c, y, total, S, N, H, half, cache_rows, transposed, scalar_pos, interleaved, st);
+                          unsigned pos_mode, unsigned interleaved, kiln_status* st) {
+    rope<Tag>(x, pos_ids, cos_c, sin_c, y, total, S, N, H, half, cache_rows, transposed, pos_mode, interleaved, st);
 }

@@ -1,4 +1,4 @@
-// kiln-normalization CUDA kernels: Softmax / LogSoftmax, LayerNormalization, onnxruntime's
+// kiln-normalization CUDA kernels: Softmax / LogSoftmax, LpNormalization, LayerNormalization, onnxruntime's
 // SimplifiedLayerNormalization and SkipSimplifiedLayerNormalization. Statistics accumulate in f32
 // (f64 when a float64 tensor takes part), with warp reductions.
 //
@@ -8,7 +8,8 @@
 // element k % len (the shim materialises other broadcasts with kiln_norm_expand first).
 //
 // Entry points are templates over the prelude's dtype tags (kiln_tag_f32 f16 bf16 f64):
-// kiln_softmax_rows<Tag>, kiln_softmax_cols<Tag>, kiln_layer_norm<Tag>, kiln_skip_rms_norm<Tag>
+// kiln_softmax_rows<Tag>, kiln_softmax_cols<Tag>, kiln_lp_norm_rows<Tag>, kiln_lp_norm_cols<Tag>,
+// kiln_layer_norm<Tag>, kiln_skip_rms_norm<Tag>
 // and kiln_rms_norm<XTag, YTag>; kernel.toml lists the instantiations (name expressions,
 // manifest schema 6), which NVRTC lowers; the shim names them with DType::cuda_tag.
 // kiln_norm_expand (bytes) is extern "C".
@@ -102,6 +103,46 @@ __device__ void softmax_cols(const T* x, T* y, kiln_u64 outer, kiln_u64 n, kiln_
             for (kiln_u64 j = 0; j < n; ++j)
                 y[base + j * inner] = E::st(kiln_exp((A)E::ld(x[base + j * inner]) - m) / s);
         }
+    }
+}
+
+// ---- LpNormalization -------------------------------------------------------------------------
+
+// y = x / ‖x‖_p along the row (p 1: Σ|x|; 2: √Σx²); a zero norm divides as IEEE 754 does.
+template <typename A>
+__device__ __forceinline__ A lp_term(A v, unsigned p) {
+    return p == 1 ? kiln_abs(v) : v * v;
+}
+
+template <typename A>
+__device__ __forceinline__ A lp_norm_of(A s, unsigned p) {
+    return p == 1 ? s : kiln_sqrt(s);
+}
+
+template <typename Tag, typename T = typename Tag::storage, typename E = kiln_elem<Tag>,
+          typename A = typename kiln_elem<Tag>::C>
+__device__ void lp_norm_rows(const T* x, T* y, kiln_u64 rows, kiln_u64 n, unsigned p) {
+    ROW_LOOP(row, rows) {
+        const kiln_u64 base = row * n;
+        A s = 0;
+        COL_LOOP(j, n) s += lp_term((A)E::ld(x[base + j]), p);
+        const A norm = lp_norm_of(row_reduce(s, kiln_op_sum()), p);
+        COL_LOOP(j, n) y[base + j] = E::st((A)E::ld(x[base + j]) / norm);
+    }
+}
+
+// [outer, n, inner] with inner > 1: one thread per (outer, inner) column.
+template <typename Tag, typename T = typename Tag::storage, typename E = kiln_elem<Tag>,
+          typename A = typename kiln_elem<Tag>::C>
+__device__ void lp_norm_cols(const T* x, T* y, kiln_u64 outer, kiln_u64 n, kiln_u64 inner, unsigned p) {
+    KILN_FOR(t, outer * inner) {
+        const kiln_u64 o = t / inner, i = t - o * inner;
+        const kiln_u64 base = o * n * inner + i;
+        A s = 0;
+        for (kiln_u64 j = 0; j < n; ++j) s += lp_term((A)E::ld(x[base + j * inner]), p);
+        const A norm = lp_norm_of(s, p);
+        for (kiln_u64 j = 0; j < n; ++j)
+            y[base + j * inner] = E::st((A)E::ld(x[base + j * inner]) / norm);
     }
 }
 
@@ -238,6 +279,18 @@ template <typename Tag>
 __global__ void kiln_softmax_cols(const typename Tag::storage* x, typename Tag::storage* y, kiln_u64 outer,
                                   kiln_u64 n, kiln_u64 inner, unsigned log_out) {
     softmax_cols<Tag>(x, y, outer, n, inner, log_out);
+}
+
+template <typename Tag>
+__global__ void kiln_lp_norm_rows(const typename Tag::storage* x, typename Tag::storage* y, kiln_u64 rows, kiln_u64 n,
+                                  unsigned p) {
+    lp_norm_rows<Tag>(x, y, rows, n, p);
+}
+
+template <typename Tag>
+__global__ void kiln_lp_norm_cols(const typename Tag::storage* x, typename Tag::storage* y, kiln_u64 outer,
+                                  kiln_u64 n, kiln_u64 inner, unsigned p) {
+    lp_norm_cols<Tag>(x, y, outer, n, inner, p);
 }
 
 template <typename Tag>

@@ -105,6 +105,11 @@ struct Caches {
 impl Caches {
     fn read(cos: &Tensor, sin: &Tensor) -> Result<Caches> {
         let [rows, half] = cache_shape(cos, sin)?;
+        Caches::read_as(cos, sin, rows, half)
+    }
+
+    /// The caches as `rows` rows of `half` values (a shape the caller checked).
+    fn read_as(cos: &Tensor, sin: &Tensor, rows: usize, half: usize) -> Result<Caches> {
         Ok(Caches { cos: cos.read_vec()?, sin: sin.read_vec()?, rows, half })
     }
 
@@ -550,44 +555,89 @@ struct RopePlan {
     rotary_dim: usize,
     /// Element strides of batch, sequence and head.
     strides: [usize; 3],
-    /// One start position for all rows instead of a [B, S] tensor.
-    scalar_pos: bool,
+    /// Where each (batch row, position)'s cache row comes from.
+    positions: Positions,
+    /// Input indices of position_ids (when `positions` reads them), cos_cache and sin_cache.
+    inputs: [usize; 3],
+    /// Rows of the caches (a [B, S, half] cache without position_ids counts B·S rows).
+    cache_rows: usize,
 }
 
+/// How a RotaryEmbedding node finds the cache row of batch row b, sequence index s.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Positions {
+    /// position_ids [B, S]: row position_ids[b, s].
+    Ids,
+    /// One start position (com.microsoft's scalar position_ids): row position_ids[0] + s.
+    Start,
+    /// No position_ids (ONNX's RotaryEmbedding-23): caches [B, S, half], row b·S + s.
+    Rows,
+}
+
+/// com.microsoft RotaryEmbedding (input, position_ids, cos_cache, sin_cache; `num_heads` with
+/// `rotary_embedding_dim`) or ONNX's RotaryEmbedding-23 (input, cos_cache, sin_cache, optional
+/// position_ids; a 4-D input is [B, num_heads, S, head_size], a 3-D one needs `num_heads`; without
+/// position_ids the caches are [B, S, rotary_dim / 2]). Errors: shapes, dtypes or attributes
+/// that disagree, named.
 fn rope_plan(call: &Call) -> Result<RopePlan> {
-    if call.attr_i("is_packed_batching", 0)? != 0 {
+    let onnx = call.domain() != "com.microsoft";
+    if !onnx && call.attr_i("is_packed_batching", 0)? != 0 {
         unsupported!("{ROPE}: is_packed_batching = 1 is not supported");
     }
     let x = call.input(0)?;
     check_float(ROPE, "input", x.dtype()?)?;
     let xs = x.shape()?;
-    let pos = call.input(1)?;
-    if pos.dtype()? != DType::I64 {
-        bail!("{ROPE}: position_ids must be int64, got {}", pos.dtype()?);
+    let pos_input = if onnx { call.input_opt(3).map(|_| 3) } else { Some(1) };
+    let [cos_i, sin_i] = if onnx { [1, 2] } else { [2, 3] };
+    if let Some(i) = pos_input {
+        if call.input(i)?.dtype()? != DType::I64 {
+            bail!("{ROPE}: position_ids must be int64, got {}", call.input(i)?.dtype()?);
+        }
     }
-    let (cos, sin) = (call.input(2)?, call.input(3)?);
+    let (cos, sin) = (call.input(cos_i)?, call.input(sin_i)?);
     for t in [&cos, &sin] {
         if t.dtype()? != x.dtype()? {
             bail!("{ROPE}: cos/sin caches have dtype {}, input has {}", t.dtype()?, x.dtype()?);
         }
     }
-    let [_, half] = cache_shape(&cos, &sin).map_err(|e| prefix(ROPE, e))?;
     let num_heads = call.attr_i("num_heads", 0)?;
     let rot_attr = call.attr_i("rotary_embedding_dim", 0)?;
     if num_heads < 0 || rot_attr < 0 {
         bail!("{ROPE}: num_heads ({num_heads}) and rotary_embedding_dim ({rot_attr}) must not be negative");
-    }
-    if rot_attr > 0 && num_heads == 0 {
-        bail!("{ROPE}: num_heads must be given with rotary_embedding_dim");
     }
     let (batch, seq, hidden, transposed) = match xs[..] {
         [b, s, d] => (b, s, d, false),
         [b, n, s, h] => (b, s, n * h, true),
         _ => bail!("{ROPE}: input must be 3-D or 4-D, got {xs:?}"),
     };
-    let head_size = if rot_attr == 0 {
+    let (cache_rows, half) = match pos_input {
+        Some(_) => {
+            let [rows, half] = cache_shape(&cos, &sin).map_err(|e| prefix(ROPE, e))?;
+            (rows, half)
+        }
+        None => {
+            let (c, sn) = (cos.shape()?, sin.shape()?);
+            if c != sn || c.len() != 3 || c[0] != batch || c[1] != seq {
+                bail!("{ROPE}: without position_ids cos_cache {c:?} and sin_cache {sn:?} must both be [{batch}, {seq}, _]");
+            }
+            (batch * seq, c[2])
+        }
+    };
+    let head_size = if onnx {
+        match (transposed, num_heads) {
+            (true, 0) => xs[3],
+            (true, n) if n as usize == xs[1] => xs[3],
+            (true, n) => bail!("{ROPE}: num_heads {n} disagrees with the 4-D input {xs:?}"),
+            (false, 0) => bail!("{ROPE}: a 3-D input needs num_heads"),
+            (false, n) if hidden % n as usize == 0 => hidden / n as usize,
+            (false, n) => bail!("{ROPE}: hidden size {hidden} is not a multiple of num_heads {n}"),
+        }
+    } else if rot_attr == 0 {
         2 * half
     } else {
+        if num_heads == 0 {
+            bail!("{ROPE}: num_heads must be given with rotary_embedding_dim");
+        }
         if hidden % num_heads as usize != 0 {
             bail!("{ROPE}: hidden size {hidden} is not a multiple of num_heads {num_heads}");
         }
@@ -610,27 +660,46 @@ fn rope_plan(call: &Call) -> Result<RopePlan> {
              and twice the cache width {half}"
         );
     }
-    let scalar_pos = pos.numel()? == 1 && pos.rank()? <= 1;
-    if !scalar_pos && pos.shape()? != [batch, seq] {
-        bail!("{ROPE}: position_ids must have one element or shape [{batch}, {seq}], got {:?}", pos.shape()?);
-    }
+    let positions = match pos_input {
+        None => Positions::Rows,
+        Some(i) => {
+            let pos = call.input(i)?;
+            if !onnx && pos.numel()? == 1 && pos.rank()? <= 1 {
+                Positions::Start
+            } else if pos.shape()? == [batch, seq] {
+                Positions::Ids
+            } else if onnx {
+                bail!("{ROPE}: position_ids must have shape [{batch}, {seq}], got {:?}", pos.shape()?);
+            } else {
+                bail!("{ROPE}: position_ids must have one element or shape [{batch}, {seq}], got {:?}", pos.shape()?);
+            }
+        }
+    };
     let strides = if transposed {
         [heads * seq * head_size, head_size, seq * head_size]
     } else {
         [seq * hidden, hidden, head_size]
     };
-    Ok(RopePlan { batch, seq, heads, head_size, rotary_dim, strides, scalar_pos })
+    let inputs = [pos_input.unwrap_or(0), cos_i, sin_i];
+    Ok(RopePlan { batch, seq, heads, head_size, rotary_dim, strides, positions, inputs, cache_rows })
 }
 
 fn rope_cpu(call: &Call) -> Result<()> {
     let p = rope_plan(call)?;
     let interleaved = call.attr_i("interleaved", 0)? == 1;
     let mut x = call.input(0)?.read_vec::<f64>()?;
-    let pos = call.input(1)?.read_i64s()?;
-    let caches = Caches::read(&call.input(2)?, &call.input(3)?)?;
+    let pos = match p.positions {
+        Positions::Rows => Vec::new(),
+        _ => call.input(p.inputs[0])?.read_i64s()?,
+    };
+    let caches = Caches::read_as(&call.input(p.inputs[1])?, &call.input(p.inputs[2])?, p.cache_rows, p.rotary_dim / 2)?;
     for b in 0..p.batch {
         for s in 0..p.seq {
-            let position = if p.scalar_pos { pos[0].saturating_add(s as i64) } else { pos[b * p.seq + s] };
+            let position = match p.positions {
+                Positions::Ids => pos[b * p.seq + s],
+                Positions::Start => pos[0].saturating_add(s as i64),
+                Positions::Rows => (b * p.seq + s) as i64,
+            };
             for n in 0..p.heads {
                 let at = b * p.strides[0] + s * p.strides[1] + n * p.strides[2];
                 let head = &mut x[at..at + p.head_size];
@@ -1130,9 +1199,18 @@ fn rope_dispatch(call: &Call) -> Result<()> {
     if total == 0 {
         return Ok(());
     }
-    let cos = call.input(2)?;
     let transposed = x.rank()? == 4;
     let u = |what: &str, v: usize| u32_arg(ROPE, what, v);
+    // Without position_ids the kernel reads no ids (any tensor stands in for them).
+    let ids = match p.positions {
+        Positions::Rows => targ(&x),
+        _ => targ(&call.input(p.inputs[0])?),
+    };
+    let mode = match p.positions {
+        Positions::Ids => 0,
+        Positions::Start => 1,
+        Positions::Rows => 2,
+    };
     launch(&Launch {
         kernel: &kernel_name("kiln_rope", &[tag]),
         grid: [grid_for(total), 1, 1],
@@ -1140,18 +1218,18 @@ fn rope_dispatch(call: &Call) -> Result<()> {
         shared_mem_bytes: 0,
         args: vec![
             targ(&x),
-            targ(&call.input(1)?),
-            targ(&cos),
-            targ(&call.input(3)?),
+            ids,
+            targ(&call.input(p.inputs[1])?),
+            targ(&call.input(p.inputs[2])?),
             targ(&y),
             KernelArg::U64(total as u64),
             u("sequence", p.seq)?,
             u("heads", p.heads)?,
             u("head size", p.head_size)?,
             u("rotary width", p.rotary_dim / 2)?,
-            KernelArg::U64(cos.shape()?[0] as u64),
+            KernelArg::U64(p.cache_rows as u64),
             flag(transposed),
-            flag(p.scalar_pos),
+            KernelArg::U32(mode),
             flag(call.attr_i("interleaved", 0)? == 1),
             KernelArg::Status,
         ],

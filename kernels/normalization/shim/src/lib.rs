@@ -6,6 +6,7 @@
 //!   by onnxruntime in the ai.onnx domain, opset 1) and com.microsoft
 //!   SkipSimplifiedLayerNormalization-1, and ONNX's RMSNormalization-23 (the same computation).
 //! - [`batch_norm`]: BatchNormalization-9/14/15, inference and training mode.
+//! - [`lp_norm`]: LpNormalization-1/22, following ONNX Operators.md and its reference.
 //!
 //! The CPU references compute in f64 and round once to the output dtype.
 #![no_std]
@@ -13,6 +14,7 @@ extern crate alloc;
 
 mod batch_norm;
 mod layer_norm;
+mod lp_norm;
 mod rms_norm;
 mod softmax;
 
@@ -36,11 +38,29 @@ fn axis_error(call: &Call, e: ShimError) -> ShimError {
     }
 }
 
+/// A normalisation along one axis of X: `outer` groups of `n` elements `inner` apart.
+pub struct AxisPlan {
+    outer: usize,
+    n: usize,
+    inner: usize,
+}
+
+impl AxisPlan {
+    /// Along attribute `axis` (default `default`, negative from the end) of input 0.
+    /// Errors: an axis outside the input's rank.
+    fn along(call: &Call, default: i64) -> Result<AxisPlan> {
+        let dims = call.input(0)?.shape()?;
+        let a = shape::normalize_axis(call.attr_i("axis", default)?, dims.len()).map_err(|e| axis_error(call, e))?;
+        Ok(AxisPlan { outer: dims[..a].iter().product(), n: dims[a], inner: dims[a + 1..].iter().product() })
+    }
+}
+
 /// Helpers of the GPU dispatches (kernels in `cuda/normalization.cu`).
 mod gpu {
+    use alloc::format;
     use alloc::vec::Vec;
     use kiln_kernel_abi::guest::*;
-    use kiln_kernel_abi::unsupported;
+    use kiln_kernel_abi::{names, unsupported};
 
     /// The kernels' template argument for a floating-point dtype (the prelude's tag of a dtype
     /// the manifest instantiates them for).
@@ -53,6 +73,45 @@ mod gpu {
 
     pub fn tensor(handle: u32) -> KernelArg {
         KernelArg::Tensor { handle, offset: 0 }
+    }
+
+    /// Launches a normalisation along one axis of input 0 into output 0: `{name}_rows<tag>`
+    /// (a row kernel, [`row_launch`]) when the axis is the last one (`inner` 1), else
+    /// `{name}_cols<tag>` (a thread per (outer, inner) column); `mode` is the kernels' last
+    /// argument (Softmax: log; LpNormalization: p).
+    pub fn axis_launch(call: &Call, name: &str, p: &crate::AxisPlan, mode: u32) -> Result<()> {
+        let x = call.input(0)?;
+        let tag = kernel_tag(call, x.dtype()?)?;
+        let (outer, n, inner) = (p.outer as u64, p.n as u64, p.inner as u64);
+        if outer * n * inner == 0 {
+            return Ok(());
+        }
+        let (xh, yh) = (tensor(x.handle()), tensor(call.output(0)?.handle()));
+        if inner == 1 {
+            let (grid, block) = row_launch(outer, n);
+            launch(&Launch {
+                kernel: &names::kernel_name(&format!("{name}_rows"), &[tag]),
+                grid,
+                block,
+                shared_mem_bytes: 0,
+                args: vec![xh, yh, KernelArg::U64(outer), KernelArg::U64(n), KernelArg::U32(mode)],
+            })
+        } else {
+            launch(&Launch {
+                kernel: &names::kernel_name(&format!("{name}_cols"), &[tag]),
+                grid: [(outer * inner).div_ceil(256).min(1 << 20) as u32, 1, 1],
+                block: [256, 1, 1],
+                shared_mem_bytes: 0,
+                args: vec![
+                    xh,
+                    yh,
+                    KernelArg::U64(outer),
+                    KernelArg::U64(n),
+                    KernelArg::U64(inner),
+                    KernelArg::U32(mode),
+                ],
+            })
+        }
     }
 
     /// Grid and block of a row kernel over `rows` rows of `cols` elements: a warp per row (8
@@ -133,6 +192,7 @@ impl Shim for Normalization {
             "SimplifiedLayerNormalization" | "RMSNormalization" => rms_norm::simplified_infer(call),
             "SkipSimplifiedLayerNormalization" => rms_norm::skip_simplified_infer(call),
             "BatchNormalization" => batch_norm::infer(call),
+            "LpNormalization" => lp_norm::infer(call),
             other => unsupported!("kiln-normalization does not implement {other}"),
         }
     }
@@ -147,6 +207,7 @@ impl Shim for Normalization {
             "SimplifiedLayerNormalization" | "RMSNormalization" => rms_norm::simplified_cpu(call),
             "SkipSimplifiedLayerNormalization" => rms_norm::skip_simplified_cpu(call),
             "BatchNormalization" => batch_norm::cpu(call),
+            "LpNormalization" => lp_norm::cpu(call),
             other => unsupported!("kiln-normalization does not implement {other}"),
         }
     }
@@ -161,6 +222,7 @@ impl Shim for Normalization {
             "SimplifiedLayerNormalization" | "RMSNormalization" => rms_norm::simplified_dispatch(call),
             "SkipSimplifiedLayerNormalization" => rms_norm::skip_simplified_dispatch(call),
             "BatchNormalization" => batch_norm::dispatch(call),
+            "LpNormalization" => lp_norm::dispatch(call),
             other => unsupported!("kiln-normalization does not implement {other}"),
         }
     }
