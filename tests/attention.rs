@@ -116,6 +116,18 @@ fn run_node(
     outputs: &[&str],
     attrs: Vec<onnx::AttributeProto>,
 ) -> Result<Vec<Tensor>, Error> {
+    run_node_in(rt, ("com.microsoft", 1), op, inputs, outputs, attrs)
+}
+
+/// Runs a one-node model of `op` in (domain, opset), "" being ONNX's default domain.
+fn run_node_in(
+    rt: &Arc<Runtime>,
+    (domain, opset): (&str, i64),
+    op: &str,
+    inputs: Vec<(&str, Option<Tensor>)>,
+    outputs: &[&str],
+    attrs: Vec<onnx::AttributeProto>,
+) -> Result<Vec<Tensor>, Error> {
     let names: Vec<&str> = inputs.iter().map(|(n, t)| if t.is_some() { *n } else { "" }).collect();
     let decl: Vec<_> = inputs
         .iter()
@@ -125,9 +137,16 @@ fn run_node(
         .collect();
     let out_decl: Vec<_> = outputs.iter().map(|n| value(n, 0, &[])).map(untyped).collect();
     let mut n = node(op, &names, outputs, attrs);
-    n.domain = "com.microsoft".into();
+    n.domain = domain.into();
     let mut m = onnx::model(vec![n], decl, out_decl, vec![]);
-    m.opset_import.push(onnx::OperatorSetIdProto { domain: "com.microsoft".into(), version: 1, ..Default::default() });
+    match m.opset_import.iter_mut().find(|o| o.domain == domain) {
+        Some(o) => o.version = opset,
+        None => m.opset_import.push(onnx::OperatorSetIdProto {
+            domain: domain.into(),
+            version: opset,
+            ..Default::default()
+        }),
+    }
     let feeds = inputs.into_iter().filter_map(|(n, t)| t.map(|t| (n.to_string(), t))).collect();
     let model = model::load_bytes(&onnx::bytes(&m), None)?;
     // Every run also validates the GPU launch plan (kiln_dispatch on opaque tensors).
@@ -634,6 +653,101 @@ fn rotary_embedding_matches_float64() {
             &want,
             rel,
         );
+    }
+}
+
+/// ONNX's RotaryEmbedding-23 (input, cos_cache, sin_cache, optional position_ids; 4-D input
+/// [B, N, S, H] or 3-D with num_heads; without position_ids caches of [B, S, R/2]) against float64,
+/// and its malformed nodes refused with the reason.
+#[test]
+fn onnx_rotary_embedding_23_matches_float64_and_refuses_malformed_nodes() {
+    let rt = runtime();
+    let mut r = Rng(23);
+    for i in 0..24 {
+        let dtype = [DType::F32, DType::F32, DType::F16, DType::BF16][i % 4];
+        let (b, s, n) = (r.range(1, 3), r.range(1, 5), r.range(1, 3));
+        let h = r.pick(&[8, 16, 32]);
+        let partial = r.coin();
+        let rdim = if partial { h / 2 } else { h };
+        let four_d = r.coin();
+        let with_ids = r.coin();
+        let il = r.coin();
+        let rows = 12;
+        let x = r.vals(b * s * n * h);
+        let cache_rows = if with_ids { rows } else { b * s };
+        let cos = r.vals(cache_rows * rdim / 2);
+        let sin = r.vals(cache_rows * rdim / 2);
+        let pos: Vec<i64> = (0..b * s).map(|_| r.range(0, rows - 1) as i64).collect();
+        let (shape, strides) =
+            if four_d { (vec![b, n, s, h], [n * s * h, h, s * h]) } else { (vec![b, s, n * h], [s * n * h, n * h, h]) };
+        let pos_of = |bi: usize, si: usize| if with_ids { pos[bi * s + si] as usize } else { bi * s + si };
+        let want = rope_embedding_ref(&x, [b, s, n, h], strides, &pos_of, &cos, &sin, rdim, il);
+        let mut attrs = vec![attr_int("interleaved", il as i64)];
+        if partial {
+            attrs.push(attr_int("rotary_embedding_dim", rdim as i64));
+        }
+        if !four_d {
+            attrs.push(attr_int("num_heads", n as i64));
+        }
+        let cache_shape = if with_ids { vec![rows, rdim / 2] } else { vec![b, s, rdim / 2] };
+        let out = run_node_in(
+            &rt,
+            ("", 23),
+            "RotaryEmbedding",
+            vec![
+                ("input", Some(float_tensor(dtype, &shape, &x))),
+                ("cos_cache", Some(float_tensor(dtype, &cache_shape, &cos))),
+                ("sin_cache", Some(float_tensor(dtype, &cache_shape, &sin))),
+                ("position_ids", with_ids.then(|| i64_tensor(&[b, s], &pos))),
+            ],
+            &["output"],
+            attrs,
+        )
+        .unwrap_or_else(|e| panic!("case {i}: {e}"));
+        assert_eq!(out[0].shape, shape);
+        let rel = match dtype {
+            DType::F32 => 1e-6,
+            DType::F16 => 2e-3,
+            _ => 1e-2,
+        };
+        assert_close(
+            &format!("case {i} ({dtype:?}, {shape:?}, partial {partial}, ids {with_ids}, il {il})"),
+            &float_values(&out[0]),
+            &want,
+            rel,
+        );
+    }
+    // Malformed nodes: each refused, naming what is wrong.
+    let x3 = float_tensor(DType::F32, &[1, 2, 16], &r.vals(32));
+    let run = |x: &Tensor, cache: &[usize], ids: Option<Tensor>, attrs: Vec<onnx::AttributeProto>| {
+        let n: usize = cache.iter().product();
+        let c = float_tensor(DType::F32, cache, &vec![0.5; n]);
+        run_node_in(
+            &rt,
+            ("", 23),
+            "RotaryEmbedding",
+            vec![
+                ("input", Some(x.clone())),
+                ("cos_cache", Some(c.clone())),
+                ("sin_cache", Some(c)),
+                ("position_ids", ids),
+            ],
+            &["output"],
+            attrs,
+        )
+    };
+    let ids = || Some(i64_tensor(&[1, 2], &[0, 1]));
+    for (e, needle) in [
+        (run(&x3, &[4, 4], ids(), vec![]).unwrap_err(), "needs num_heads"),
+        (run(&x3, &[1, 3, 4], None, vec![attr_int("num_heads", 2)]).unwrap_err(), "without position_ids"),
+        (run(&x3, &[4, 3], ids(), vec![attr_int("num_heads", 2)]).unwrap_err(), "twice the cache width"),
+        (
+            run(&x3, &[4, 4], Some(i64_tensor(&[2], &[0, 1])), vec![attr_int("num_heads", 2)]).unwrap_err(),
+            "shape [1, 2]",
+        ),
+        (run(&x3, &[4, 4], Some(i64_tensor(&[1, 2], &[0, 4])), vec![attr_int("num_heads", 2)]).unwrap_err(), "outside"),
+    ] {
+        assert!(!e.is_unsupported() && e.to_string().contains(needle), "{needle}: {e}");
     }
 }
 

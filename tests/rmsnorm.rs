@@ -375,3 +375,46 @@ fn shapes_and_attributes_onnxruntime_rejects_fail_the_node() {
         assert!(err.contains("SimplifiedLayerNormalization"), "{err}");
     }
 }
+
+/// LpNormalization-22 (kiln-normalization) against float64 on random shapes, axes, p and dtypes,
+/// the last axis and an inner one (the row and column kernels' launch plans checked too); any
+/// p but 1 and 2 is refused with the reason.
+#[test]
+fn lp_normalization_matches_float64_and_refuses_other_orders() {
+    let rt = runtime();
+    let mut rng = Rng(0x5eed_00f1);
+    for trial in 0..24 {
+        let dtype = [DType::F32, DType::F16, DType::BF16][trial % 3];
+        let rank = rng.range(1, 4);
+        let shape: Vec<usize> = (0..rank).map(|_| rng.range(1, 9)).collect();
+        let axis = rng.range(0, rank - 1);
+        let p = rng.pick(&[1i64, 2]);
+        let (x, vals) = Feed::random(&mut rng, "x", dtype, &shape);
+        let (n, inner) = (shape[axis], shape[axis + 1..].iter().product::<usize>());
+        let mut want = vals.clone();
+        for o in 0..vals.len() / (n * inner) {
+            for i in 0..inner {
+                let at = |j: usize| (o * n + j) * inner + i;
+                let sum: f64 = (0..n).map(|j| if p == 1 { vals[at(j)].abs() } else { vals[at(j)] * vals[at(j)] }).sum();
+                let norm = if p == 1 { sum } else { sum.sqrt() };
+                for j in 0..n {
+                    want[at(j)] = vals[at(j)] / norm;
+                }
+            }
+        }
+        let n = node("LpNormalization", &["x"], &["y"], vec![attr_int("axis", axis as i64), attr_int("p", p)]);
+        let outs = run(&rt, &one_node_model(n, &[&x], &[("y", dtype, shape.clone())]), &[&x])
+            .unwrap_or_else(|e| panic!("trial {trial}: {e}"));
+        assert_close(
+            &format!("trial {trial} ({dtype}, {shape:?}, axis {axis}, p {p})"),
+            output(&outs, "y"),
+            dtype,
+            &shape,
+            &want,
+        );
+    }
+    let (x, _) = Feed::random(&mut rng, "x", DType::F32, &[2, 3]);
+    let n = node("LpNormalization", &["x"], &["y"], vec![attr_int("p", 3)]);
+    let e = run(&rt, &one_node_model(n, &[&x], &[("y", DType::F32, vec![2, 3])]), &[&x]).unwrap_err();
+    assert!(!e.is_unsupported() && e.to_string().contains("p must be 1 or 2, got 3"), "{e}");
+}

@@ -1,7 +1,8 @@
 //! Shim of `kiln-attention`: onnxruntime's `com.microsoft` GroupQueryAttention-1 and
 //! RotaryEmbedding-1, following docs/ContribOperators.md and onnxruntime's CPU kernels
 //! (`contrib_ops/cpu/bert/group_query_attention*`, `gqa_attention_base.h`,
-//! `rotary_embedding*`), cross-checked against onnxruntime 1.32 on random inputs.
+//! `rotary_embedding*`), cross-checked against onnxruntime 1.32 on random inputs; and ONNX's
+//! RotaryEmbedding-23, following ONNX Operators.md and its node tests.
 //!
 //! # GroupQueryAttention
 //!
@@ -42,6 +43,12 @@
 //! elements of each head are rotated (interleaved pairs (2i, 2i+1), or halves (i, i + R/2)),
 //! the rest copied. `scale` is accepted and, as in onnxruntime's kernels, unused.
 //! `is_packed_batching` = 1 is unsupported.
+//!
+//! ONNX's RotaryEmbedding-23 rotates the same way with other inputs: `input` [B,N,S,H] (heads
+//! and head size from its shape; `num_heads` ignored) or [B,S,hidden] with `num_heads`,
+//! `cos_cache`, `sin_cache`, and optional `position_ids` [B,S]. With position_ids the caches are
+//! [M, R/2]; without them [B, S, R/2], row s of batch row b at its own cache row. R is
+//! `rotary_embedding_dim`, else the head size.
 //!
 //! The CPU reference computes in f64; rotated Q and K are rounded to the tensor dtype before
 //! the attention, as onnxruntime stores them.
@@ -605,6 +612,9 @@ fn rope_plan(call: &Call) -> Result<RopePlan> {
     if num_heads < 0 || rot_attr < 0 {
         bail!("{ROPE}: num_heads ({num_heads}) and rotary_embedding_dim ({rot_attr}) must not be negative");
     }
+    if !onnx && rot_attr > 0 && num_heads == 0 {
+        bail!("{ROPE}: num_heads must be given with rotary_embedding_dim");
+    }
     let (batch, seq, hidden, transposed) = match xs[..] {
         [b, s, d] => (b, s, d, false),
         [b, n, s, h] => (b, s, n * h, true),
@@ -623,30 +633,30 @@ fn rope_plan(call: &Call) -> Result<RopePlan> {
             (batch * seq, c[2])
         }
     };
-    let head_size = if onnx {
+    // The head size, and the heads: ONNX's from a 4-D input's shape (num_heads is for 3-D input).
+    let (head_size, onnx_heads) = if onnx {
         match (transposed, num_heads) {
-            (true, 0) => xs[3],
-            (true, n) if n as usize == xs[1] => xs[3],
-            (true, n) => bail!("{ROPE}: num_heads {n} disagrees with the 4-D input {xs:?}"),
+            (true, _) => (xs[3], Some(xs[1])),
             (false, 0) => bail!("{ROPE}: a 3-D input needs num_heads"),
-            (false, n) if hidden % n as usize == 0 => hidden / n as usize,
+            (false, n) if hidden % n as usize == 0 => (hidden / n as usize, Some(n as usize)),
             (false, n) => bail!("{ROPE}: hidden size {hidden} is not a multiple of num_heads {n}"),
         }
     } else if rot_attr == 0 {
-        2 * half
+        (2 * half, None)
     } else {
-        if num_heads == 0 {
-            bail!("{ROPE}: num_heads must be given with rotary_embedding_dim");
-        }
         if hidden % num_heads as usize != 0 {
             bail!("{ROPE}: hidden size {hidden} is not a multiple of num_heads {num_heads}");
         }
-        hidden / num_heads as usize
+        (hidden / num_heads as usize, None)
     };
     if head_size == 0 || hidden % head_size != 0 {
         bail!("{ROPE}: hidden size {hidden} is not a positive multiple of the head size {head_size}");
     }
-    let heads = if num_heads > 0 { num_heads as usize } else { hidden / head_size };
+    let heads = match onnx_heads {
+        Some(n) => n,
+        None if num_heads > 0 => num_heads as usize,
+        None => hidden / head_size,
+    };
     if heads * head_size != hidden {
         bail!("{ROPE}: num_heads {heads} × head size {head_size} ≠ hidden size {hidden}");
     }

@@ -2,7 +2,9 @@
 //! `‖x‖_p = (Σ |x|^p)^(1/p)` and `p` 1 or 2 (default 2), following ONNX Operators.md. A zero norm
 //! divides as IEEE 754 does (0/0 is NaN), as ONNX 1.20's node test data expects
 //! (test_l2normalization_axis_0); later reference code returns 0 there. The reference computes
-//! in f64 and rounds once to X's dtype.
+//! in f64 and rounds once to X's dtype; the CUDA kernels sum in f32 (f64 for float64), so a
+//! float32 or bfloat16 row whose squares overflow or underflow f32 differs from it (as NumPy's
+//! and onnxruntime's float32 sums do).
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::bail;
