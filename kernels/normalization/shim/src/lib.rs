@@ -53,6 +53,19 @@ impl AxisPlan {
         let a = shape::normalize_axis(call.attr_i("axis", default)?, dims.len()).map_err(|e| axis_error(call, e))?;
         Ok(AxisPlan { outer: dims[..a].iter().product(), n: dims[a], inner: dims[a + 1..].iter().product() })
     }
+
+    /// Calls `f` once per line along the axis with the row-major indices of its `n` elements.
+    fn for_each_line(&self, mut f: impl FnMut(&[usize])) {
+        let mut line = vec![0; self.n];
+        for o in 0..self.outer {
+            for i in 0..self.inner {
+                for (j, at) in line.iter_mut().enumerate() {
+                    *at = (o * self.n + j) * self.inner + i;
+                }
+                f(&line);
+            }
+        }
+    }
 }
 
 /// Helpers of the GPU dispatches (kernels in `cuda/normalization.cu`).

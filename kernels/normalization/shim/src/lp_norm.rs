@@ -36,21 +36,16 @@ pub fn infer(call: &Call) -> Result<Vec<TensorType>> {
 pub fn cpu(call: &Call) -> Result<()> {
     let (p, order) = plan(call)?;
     let mut x = call.input(0)?.read_vec::<f64>()?;
-    let (n, inner) = (p.n, p.inner);
-    for o in 0..p.outer {
-        let base = o * n * inner;
-        for i in 0..inner {
-            let at = |j: usize| base + j * inner + i;
-            let norm = if order == 1 {
-                (0..n).map(|j| libm::fabs(x[at(j)])).sum::<f64>()
-            } else {
-                libm::sqrt((0..n).map(|j| x[at(j)] * x[at(j)]).sum::<f64>())
-            };
-            for j in 0..n {
-                x[at(j)] /= norm;
-            }
+    p.for_each_line(|line| {
+        let norm = if order == 1 {
+            line.iter().map(|&k| libm::fabs(x[k])).sum::<f64>()
+        } else {
+            libm::sqrt(line.iter().map(|&k| x[k] * x[k]).sum::<f64>())
+        };
+        for &k in line {
+            x[k] /= norm;
         }
-    }
+    });
     call.output(0)?.write_vec(&x)
 }
 

@@ -29,25 +29,20 @@ pub fn softmax_plan(call: &Call) -> Result<AxisPlan> {
 pub fn softmax_cpu(call: &Call, log: bool) -> Result<()> {
     let p = softmax_plan(call)?;
     let mut x = call.input(0)?.read_vec::<f64>()?;
-    let (n, inner) = (p.n, p.inner);
-    for o in 0..p.outer {
-        let base = o * n * inner;
-        for i in 0..inner {
-            let at = |j: usize| base + j * inner + i;
-            let max = (0..n).map(|j| x[at(j)]).fold(f64::NEG_INFINITY, |m, v| if v > m || v.is_nan() { v } else { m });
-            let sum: f64 = (0..n).map(|j| libm::exp(x[at(j)] - max)).sum();
-            if log {
-                let lse = max + libm::log(sum);
-                for j in 0..n {
-                    x[at(j)] -= lse;
-                }
-            } else {
-                for j in 0..n {
-                    x[at(j)] = libm::exp(x[at(j)] - max) / sum;
-                }
+    p.for_each_line(|line| {
+        let max = line.iter().map(|&k| x[k]).fold(f64::NEG_INFINITY, |m, v| if v > m || v.is_nan() { v } else { m });
+        let sum: f64 = line.iter().map(|&k| libm::exp(x[k] - max)).sum();
+        if log {
+            let lse = max + libm::log(sum);
+            for &k in line {
+                x[k] -= lse;
+            }
+        } else {
+            for &k in line {
+                x[k] = libm::exp(x[k] - max) / sum;
             }
         }
-    }
+    });
     call.output(0)?.write_vec(&x)
 }
 
