@@ -600,59 +600,89 @@ fn rope_embedding_ref(
     y
 }
 
-#[test]
-fn rotary_embedding_matches_float64() {
-    let rt = runtime();
-    let mut r = Rng(11);
-    for i in 0..24 {
+/// A random RotaryEmbedding case: dtype, batch b, sequence s, heads n, head size h, rotary
+/// dimension (the whole head or half), a 4-D [B, N, S, H] or 3-D [B, S, N·H] input x with its
+/// element strides of (batch, sequence, head), and interleaving.
+struct RopeCase {
+    dtype: DType,
+    b: usize,
+    s: usize,
+    n: usize,
+    h: usize,
+    rdim: usize,
+    partial: bool,
+    four_d: bool,
+    il: bool,
+    x: Vec<f64>,
+    shape: Vec<usize>,
+    strides: [usize; 3],
+}
+
+impl RopeCase {
+    fn random(r: &mut Rng, i: usize) -> RopeCase {
         let dtype = [DType::F32, DType::F32, DType::F16, DType::BF16][i % 4];
         let (b, s, n) = (r.range(1, 3), r.range(1, 5), r.range(1, 3));
         let h = r.pick(&[8, 16, 32]);
         let partial = r.coin();
         let rdim = if partial { h / 2 } else { h };
-        let four_d = r.coin();
-        let scalar = r.coin();
-        let il = r.coin();
-        let rows = 12;
+        let (four_d, il) = (r.coin(), r.coin());
         let x = r.vals(b * s * n * h);
-        let cos = r.vals(rows * rdim / 2);
-        let sin = r.vals(rows * rdim / 2);
-        let start = r.range(0, rows - s);
-        let pos: Vec<i64> = (0..b * s).map(|_| r.range(0, rows - 1) as i64).collect();
         let (shape, strides) =
             if four_d { (vec![b, n, s, h], [n * s * h, h, s * h]) } else { (vec![b, s, n * h], [s * n * h, n * h, h]) };
-        let pos_of = |bi: usize, si: usize| if scalar { start + si } else { pos[bi * s + si] as usize };
-        let want = rope_embedding_ref(&x, [b, s, n, h], strides, &pos_of, &cos, &sin, rdim, il);
-        let mut attrs = vec![attr_int("interleaved", il as i64), attr_float("scale", 2.0)];
-        if partial {
-            attrs.extend([attr_int("num_heads", n as i64), attr_int("rotary_embedding_dim", rdim as i64)]);
+        RopeCase { dtype, b, s, n, h, rdim, partial, four_d, il, x, shape, strides }
+    }
+
+    /// float64 output for cache row `pos(b, s)` of each row.
+    fn want(&self, pos: &dyn Fn(usize, usize) -> usize, cos: &[f64], sin: &[f64]) -> Vec<f64> {
+        let dims = [self.b, self.s, self.n, self.h];
+        rope_embedding_ref(&self.x, dims, self.strides, pos, cos, sin, self.rdim, self.il)
+    }
+
+    /// The output against `want` at the dtype's tolerance.
+    fn check(&self, what: &str, out: &Tensor, want: &[f64]) {
+        assert_eq!(out.shape, self.shape);
+        let rel = match self.dtype {
+            DType::F32 => 1e-6,
+            DType::F16 => 2e-3,
+            _ => 1e-2,
+        };
+        assert_close(what, &float_values(out), want, rel);
+    }
+}
+
+#[test]
+fn rotary_embedding_matches_float64() {
+    let rt = runtime();
+    let mut r = Rng(11);
+    for i in 0..24 {
+        let c = RopeCase::random(&mut r, i);
+        let scalar = r.coin();
+        let rows = 12;
+        let cos = r.vals(rows * c.rdim / 2);
+        let sin = r.vals(rows * c.rdim / 2);
+        let start = r.range(0, rows - c.s);
+        let pos: Vec<i64> = (0..c.b * c.s).map(|_| r.range(0, rows - 1) as i64).collect();
+        let want = c.want(&|bi, si| if scalar { start + si } else { pos[bi * c.s + si] as usize }, &cos, &sin);
+        let mut attrs = vec![attr_int("interleaved", c.il as i64), attr_float("scale", 2.0)];
+        if c.partial {
+            attrs.extend([attr_int("num_heads", c.n as i64), attr_int("rotary_embedding_dim", c.rdim as i64)]);
         }
-        let pos_t = if scalar { i64_tensor(&[1], &[start as i64]) } else { i64_tensor(&[b, s], &pos) };
+        let pos_t = if scalar { i64_tensor(&[1], &[start as i64]) } else { i64_tensor(&[c.b, c.s], &pos) };
         let out = run_node(
             &rt,
             "RotaryEmbedding",
             vec![
-                ("input", Some(float_tensor(dtype, &shape, &x))),
+                ("input", Some(float_tensor(c.dtype, &c.shape, &c.x))),
                 ("position_ids", Some(pos_t)),
-                ("cos_cache", Some(float_tensor(dtype, &[rows, rdim / 2], &cos))),
-                ("sin_cache", Some(float_tensor(dtype, &[rows, rdim / 2], &sin))),
+                ("cos_cache", Some(float_tensor(c.dtype, &[rows, c.rdim / 2], &cos))),
+                ("sin_cache", Some(float_tensor(c.dtype, &[rows, c.rdim / 2], &sin))),
             ],
             &["output"],
             attrs,
         )
         .unwrap_or_else(|e| panic!("case {i}: {e}"));
-        assert_eq!(out[0].shape, shape);
-        let rel = match dtype {
-            DType::F32 => 1e-6,
-            DType::F16 => 2e-3,
-            _ => 1e-2,
-        };
-        assert_close(
-            &format!("case {i} ({dtype:?}, {shape:?}, partial {partial}, il {il})"),
-            &float_values(&out[0]),
-            &want,
-            rel,
-        );
+        let what = format!("case {i} ({:?}, {:?}, partial {}, il {})", c.dtype, c.shape, c.partial, c.il);
+        c.check(&what, &out[0], &want);
     }
 }
 
@@ -664,58 +694,39 @@ fn onnx_rotary_embedding_23_matches_float64_and_refuses_malformed_nodes() {
     let rt = runtime();
     let mut r = Rng(23);
     for i in 0..24 {
-        let dtype = [DType::F32, DType::F32, DType::F16, DType::BF16][i % 4];
-        let (b, s, n) = (r.range(1, 3), r.range(1, 5), r.range(1, 3));
-        let h = r.pick(&[8, 16, 32]);
-        let partial = r.coin();
-        let rdim = if partial { h / 2 } else { h };
-        let four_d = r.coin();
+        let c = RopeCase::random(&mut r, i);
         let with_ids = r.coin();
-        let il = r.coin();
         let rows = 12;
-        let x = r.vals(b * s * n * h);
-        let cache_rows = if with_ids { rows } else { b * s };
-        let cos = r.vals(cache_rows * rdim / 2);
-        let sin = r.vals(cache_rows * rdim / 2);
-        let pos: Vec<i64> = (0..b * s).map(|_| r.range(0, rows - 1) as i64).collect();
-        let (shape, strides) =
-            if four_d { (vec![b, n, s, h], [n * s * h, h, s * h]) } else { (vec![b, s, n * h], [s * n * h, n * h, h]) };
-        let pos_of = |bi: usize, si: usize| if with_ids { pos[bi * s + si] as usize } else { bi * s + si };
-        let want = rope_embedding_ref(&x, [b, s, n, h], strides, &pos_of, &cos, &sin, rdim, il);
-        let mut attrs = vec![attr_int("interleaved", il as i64)];
-        if partial {
-            attrs.push(attr_int("rotary_embedding_dim", rdim as i64));
+        let cache_rows = if with_ids { rows } else { c.b * c.s };
+        let cos = r.vals(cache_rows * c.rdim / 2);
+        let sin = r.vals(cache_rows * c.rdim / 2);
+        let pos: Vec<i64> = (0..c.b * c.s).map(|_| r.range(0, rows - 1) as i64).collect();
+        let want = c.want(&|bi, si| if with_ids { pos[bi * c.s + si] as usize } else { bi * c.s + si }, &cos, &sin);
+        let mut attrs = vec![attr_int("interleaved", c.il as i64)];
+        if c.partial {
+            attrs.push(attr_int("rotary_embedding_dim", c.rdim as i64));
         }
-        if !four_d {
-            attrs.push(attr_int("num_heads", n as i64));
+        if !c.four_d {
+            attrs.push(attr_int("num_heads", c.n as i64));
         }
-        let cache_shape = if with_ids { vec![rows, rdim / 2] } else { vec![b, s, rdim / 2] };
+        let cache_shape = if with_ids { vec![rows, c.rdim / 2] } else { vec![c.b, c.s, c.rdim / 2] };
         let out = run_node_in(
             &rt,
             ("", 23),
             "RotaryEmbedding",
             vec![
-                ("input", Some(float_tensor(dtype, &shape, &x))),
-                ("cos_cache", Some(float_tensor(dtype, &cache_shape, &cos))),
-                ("sin_cache", Some(float_tensor(dtype, &cache_shape, &sin))),
-                ("position_ids", with_ids.then(|| i64_tensor(&[b, s], &pos))),
+                ("input", Some(float_tensor(c.dtype, &c.shape, &c.x))),
+                ("cos_cache", Some(float_tensor(c.dtype, &cache_shape, &cos))),
+                ("sin_cache", Some(float_tensor(c.dtype, &cache_shape, &sin))),
+                ("position_ids", with_ids.then(|| i64_tensor(&[c.b, c.s], &pos))),
             ],
             &["output"],
             attrs,
         )
         .unwrap_or_else(|e| panic!("case {i}: {e}"));
-        assert_eq!(out[0].shape, shape);
-        let rel = match dtype {
-            DType::F32 => 1e-6,
-            DType::F16 => 2e-3,
-            _ => 1e-2,
-        };
-        assert_close(
-            &format!("case {i} ({dtype:?}, {shape:?}, partial {partial}, ids {with_ids}, il {il})"),
-            &float_values(&out[0]),
-            &want,
-            rel,
-        );
+        let what =
+            format!("case {i} ({:?}, {:?}, partial {}, ids {with_ids}, il {})", c.dtype, c.shape, c.partial, c.il);
+        c.check(&what, &out[0], &want);
     }
     // Malformed nodes: each refused, naming what is wrong.
     let x3 = float_tensor(DType::F32, &[1, 2, 16], &r.vals(32));
