@@ -43,9 +43,14 @@ pub struct TestResult {
     pub no_dispatch: Vec<String>,
 }
 
-/// Test folders under `dir` whose names contain `filter`, sorted.
+/// Test folders under `dir` whose names contain `filter`, sorted; `dir` itself when it is one test
+/// folder (it holds model.onnx). Errors: `dir` cannot be read.
 pub fn test_dirs(dir: &Path, filter: Option<&str>) -> Result<Vec<PathBuf>> {
     let io = |source| Error::Io { path: dir.to_path_buf(), source };
+    if dir.join("model.onnx").is_file() {
+        // One test folder.
+        return Ok(vec![dir.to_path_buf()]);
+    }
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(io)?
         .filter_map(|e| e.ok().map(|e| e.path()))

@@ -149,12 +149,22 @@ fn conformance_prints_a_table_and_the_summary_line() {
     assert!(t.contains("Softmax") && t.contains("conformance: ") && t.contains(" passed, 0 failed, "), "{t}");
     let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(json.path()).unwrap()).unwrap();
     assert!(doc["passed"].as_u64().unwrap() >= 7, "{doc}");
+    // One test folder runs that test; a filter that matches no name says so.
+    let one = dir.join("test_softmax_axis_0");
+    let o = kiln(&["conformance", one.to_str().unwrap(), "--device", "cpu"]);
+    assert!(o.status.success() && text(&o).contains("conformance: 1 passed, 0 failed, 0 unsupported"), "{}", text(&o));
+    let o = kiln(&["conformance", dir.to_str().unwrap(), "--filter", "Softmax", "--device", "cpu"]);
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+    assert!(text(&o).contains("no test folder's name contains \"Softmax\""), "{}", text(&o));
 }
 
 #[test]
 fn bad_arguments_are_clear_errors() {
-    let cases: [(&[&str], &str); 8] = [
+    let cases: [(&[&str], &str); 11] = [
         (&["run", "nope.onnx"], "nope.onnx: No such file"),
+        (&["run", "examples/mlp"], "examples/mlp is a folder; give its model file: `kiln run examples/mlp/model.onnx`"),
+        (&["generate", "examples/mlp", "--prompt", "hi"], "examples/mlp is not an onnxruntime-genai model folder"),
+        (&["conformance", "examples/mlp/model.onnx"], "is a file: give a folder of node tests"),
         (&["run", "examples/mlp/model.onnx", "--device-memory-limit", "0"], "0 is not in 1..=17592186044415"),
         (&["generate", "x", "--device-memory-limit", "99999999999999999999"], "--device-memory-limit"),
         (&["run", "examples/mlp/model.onnx", "--input", "x"], "expected NAME=FILE"),

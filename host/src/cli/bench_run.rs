@@ -98,7 +98,7 @@ pub fn run(a: BenchRunArgs) -> Result<ExitCode> {
         let (name, dims) = parse_shape(s)?;
         given.insert(name, dims);
     }
-    let m = model::load(&a.model)?;
+    let m = model::load(super::inspect::onnx_file(&a.model, "bench run")?)?;
     let g = &m.graph;
     let names: Vec<String> = g.inputs.iter().map(|&i| g.values[i].name.clone()).collect();
     if let Some(n) = given.keys().find(|n| !names.contains(n)) {

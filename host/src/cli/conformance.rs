@@ -13,7 +13,7 @@ use super::{choose_device, registry, DeviceArg, PackageArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct ConformanceArgs {
-    /// A folder of ONNX node tests (onnx/backend/test/data/node).
+    /// A folder of ONNX node tests (onnx/backend/test/data/node), or one test folder.
     pub dir: PathBuf,
     #[arg(long, value_enum, default_value_t)]
     pub device: DeviceArg,
@@ -34,9 +34,21 @@ pub fn run(a: ConformanceArgs) -> Result<ExitCode> {
     super::output::check_path("--json", &a.json)?;
     let human = super::output::Human::new(&[&a.json]);
     let device = choose_device(a.device)?;
+    if a.dir.is_file() {
+        return Err(Error::Input(format!(
+            "{} is a file: give a folder of node tests (test_*/model.onnx) or one test folder",
+            a.dir.display()
+        )));
+    }
     let dirs = test_dirs(&a.dir, a.filter.as_deref())?;
     if dirs.is_empty() {
-        return Err(Error::Input(format!("{}: no test folders (test_*/model.onnx) found", a.dir.display())));
+        return Err(Error::Input(match &a.filter {
+            Some(f) if !test_dirs(&a.dir, None)?.is_empty() => format!(
+                "{}: no test folder's name contains {f:?} (names are matched as written, e.g. test_lpnormalization_default)",
+                a.dir.display()
+            ),
+            _ => format!("{}: no test folders (test_*/model.onnx) found", a.dir.display()),
+        }));
     }
     let rt = Runtime::new(registry(&a.packages)?, super::sandbox_config())?;
     let options = SessionOptions {

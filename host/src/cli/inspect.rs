@@ -211,6 +211,22 @@ impl Inspection {
 }
 
 /// The model file of `path`: the path itself, or a genai folder's model.
+/// `path` as the single .onnx file `kiln run` and `kiln bench run` take. Errors: a folder, saying
+/// what to give instead (its model.onnx, or `kiln generate` for an onnxruntime-genai folder).
+pub fn onnx_file<'p>(path: &'p Path, command: &str) -> Result<&'p Path> {
+    if !path.is_dir() {
+        return Ok(path);
+    }
+    let hint = if path.join("genai_config.json").is_file() {
+        format!("it is an onnxruntime-genai model folder, which `kiln generate {}` runs", path.display())
+    } else if path.join("model.onnx").is_file() {
+        format!("give its model file: `kiln {command} {}`", path.join("model.onnx").display())
+    } else {
+        "give an .onnx file".to_string()
+    };
+    Err(Error::Input(format!("{} is a folder; {hint}", path.display())))
+}
+
 pub fn model_file(path: &Path) -> Result<PathBuf> {
     if !path.is_dir() {
         return Ok(path.to_path_buf());

@@ -71,9 +71,10 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         let (name, file) = name_file(arg, "--expect")?;
         expect.push((name, read_tensor_file(&file)?.0));
     }
+    let file = super::inspect::onnx_file(&a.model, "run")?;
     std::fs::create_dir_all(&a.output_dir).map_err(|source| Error::Io { path: a.output_dir.clone(), source })?;
     let t0 = Instant::now();
-    let model = model::load(&a.model)?;
+    let model = model::load(file)?;
     for (name, _) in &expect {
         if !model.graph.outputs.iter().any(|&o| &model.graph.values[o].name == name) {
             return Err(Error::Input(format!("--expect {name}: the model has no output {name:?}")));

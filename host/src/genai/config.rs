@@ -105,14 +105,22 @@ impl Default for SearchConfig {
 }
 
 impl GenaiConfig {
-    /// Parses and checks the config; errors name the field.
-    /// `genai_config.json` of folder `dir`. Errors name the file.
+    /// `genai_config.json` of folder `dir`. Errors name the file; a `dir` without one (or not a
+    /// folder) is bad input that says what an onnxruntime-genai model folder is.
     pub fn read(dir: &std::path::Path) -> crate::Result<GenaiConfig> {
         let file = dir.join("genai_config.json");
+        if !file.is_file() && (dir.is_file() || (dir.is_dir() && !file.exists())) {
+            return Err(crate::Error::Input(format!(
+                "{} is not an onnxruntime-genai model folder (genai_config.json, the model, tokenizer.json); \
+                 `kiln run` takes a single .onnx file",
+                dir.display()
+            )));
+        }
         let text = std::fs::read_to_string(&file).map_err(|source| crate::Error::Io { path: file.clone(), source })?;
         GenaiConfig::parse(&text).map_err(|e| crate::Error::Input(format!("{}: {e}", file.display())))
     }
 
+    /// Parses and checks the config; errors name the field.
     pub fn parse(text: &str) -> Result<GenaiConfig, String> {
         let c: GenaiConfig = serde_json::from_str(text).map_err(|e| e.to_string())?;
         let d = &c.model.decoder;
