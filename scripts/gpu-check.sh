@@ -221,6 +221,7 @@ for w in glob.glob(".gpu/python/*.whl"):
     ;;
   ab)
     for v in builtin .gpu/variants/*; do
+      [ "$v" = builtin ] || [ -d "$v" ] || continue # no variants: the glob stays unexpanded
       [ "$v" = builtin ] && pk=() || pk=(--packages "$v")
       echo "== packages: $v"
       for p in ${AB_PROMPTS:-128 3840}; do
@@ -235,6 +236,7 @@ for w in glob.glob(".gpu/python/*.whl"):
     # .gpu/variants (a drop-in outranks the built-in one): batch 8 (and 1, 64) at context 128
     # and 3840 of a 4096 cache, graphs on, and ncu of the attention kernels at context 3840.
     for v in builtin .gpu/variants/*; do
+      [ "$v" = builtin ] || [ -d "$v" ] || continue # no variants: the glob stays unexpanded
       [ "$v" = builtin ] && pk=() || pk=(--packages "$v")
       echo "== attention: $v"
       for p in 128 3840; do

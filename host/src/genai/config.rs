@@ -109,7 +109,7 @@ impl GenaiConfig {
     /// folder) is bad input that says what an onnxruntime-genai model folder is.
     pub fn read(dir: &std::path::Path) -> crate::Result<GenaiConfig> {
         let file = dir.join("genai_config.json");
-        if !file.is_file() && (dir.is_file() || (dir.is_dir() && !file.exists())) {
+        if dir.exists() && !file.exists() {
             return Err(crate::Error::Input(format!(
                 "{} is not an onnxruntime-genai model folder (genai_config.json, the model, tokenizer.json); \
                  `kiln run` takes a single .onnx file",

@@ -564,8 +564,8 @@ struct RopePlan {
     strides: [usize; 3],
     /// Where each (batch row, position)'s cache row comes from.
     positions: Positions,
-    /// Input indices of position_ids (when `positions` reads them), cos_cache and sin_cache.
-    inputs: [usize; 3],
+    /// Input indices of cos_cache and sin_cache.
+    caches: [usize; 2],
     /// Rows of the caches (a [B, S, half] cache without position_ids counts B·S rows).
     cache_rows: usize,
 }
@@ -573,12 +573,31 @@ struct RopePlan {
 /// How a RotaryEmbedding node finds the cache row of batch row b, sequence index s.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Positions {
-    /// position_ids [B, S]: row position_ids[b, s].
-    Ids,
-    /// One start position (com.microsoft's scalar position_ids): row position_ids[0] + s.
-    Start,
+    /// position_ids [B, S] (input i): row position_ids[b, s].
+    Ids(usize),
+    /// One start position (com.microsoft's scalar position_ids, input i): row position_ids[0] + s.
+    Start(usize),
     /// No position_ids (ONNX's RotaryEmbedding-23): caches [B, S, half], row b·S + s.
     Rows,
+}
+
+impl Positions {
+    /// The position_ids input, when the node has one.
+    fn input(self) -> Option<usize> {
+        match self {
+            Positions::Ids(i) | Positions::Start(i) => Some(i),
+            Positions::Rows => None,
+        }
+    }
+
+    /// The kiln_rope kernel's pos_mode.
+    fn mode(self) -> u32 {
+        match self {
+            Positions::Ids(_) => 0,
+            Positions::Start(_) => 1,
+            Positions::Rows => 2,
+        }
+    }
 }
 
 /// com.microsoft RotaryEmbedding (input, position_ids, cos_cache, sin_cache; `num_heads` with
@@ -675,9 +694,9 @@ fn rope_plan(call: &Call) -> Result<RopePlan> {
         Some(i) => {
             let pos = call.input(i)?;
             if !onnx && pos.numel()? == 1 && pos.rank()? <= 1 {
-                Positions::Start
+                Positions::Start(i)
             } else if pos.shape()? == [batch, seq] {
-                Positions::Ids
+                Positions::Ids(i)
             } else if onnx {
                 bail!("{ROPE}: position_ids must have shape [{batch}, {seq}], got {:?}", pos.shape()?);
             } else {
@@ -690,24 +709,23 @@ fn rope_plan(call: &Call) -> Result<RopePlan> {
     } else {
         [seq * hidden, hidden, head_size]
     };
-    let inputs = [pos_input.unwrap_or(0), cos_i, sin_i];
-    Ok(RopePlan { batch, seq, heads, head_size, rotary_dim, strides, positions, inputs, cache_rows })
+    Ok(RopePlan { batch, seq, heads, head_size, rotary_dim, strides, positions, caches: [cos_i, sin_i], cache_rows })
 }
 
 fn rope_cpu(call: &Call) -> Result<()> {
     let p = rope_plan(call)?;
     let interleaved = call.attr_i("interleaved", 0)? == 1;
     let mut x = call.input(0)?.read_vec::<f64>()?;
-    let pos = match p.positions {
-        Positions::Rows => Vec::new(),
-        _ => call.input(p.inputs[0])?.read_i64s()?,
+    let pos = match p.positions.input() {
+        Some(i) => call.input(i)?.read_i64s()?,
+        None => Vec::new(),
     };
-    let caches = Caches::read_as(&call.input(p.inputs[1])?, &call.input(p.inputs[2])?, p.cache_rows, p.rotary_dim / 2)?;
+    let caches = Caches::read_as(&call.input(p.caches[0])?, &call.input(p.caches[1])?, p.cache_rows, p.rotary_dim / 2)?;
     for b in 0..p.batch {
         for s in 0..p.seq {
             let position = match p.positions {
-                Positions::Ids => pos[b * p.seq + s],
-                Positions::Start => pos[0].saturating_add(s as i64),
+                Positions::Ids(_) => pos[b * p.seq + s],
+                Positions::Start(_) => pos[0].saturating_add(s as i64),
                 Positions::Rows => (b * p.seq + s) as i64,
             };
             for n in 0..p.heads {
@@ -1212,14 +1230,9 @@ fn rope_dispatch(call: &Call) -> Result<()> {
     let transposed = x.rank()? == 4;
     let u = |what: &str, v: usize| u32_arg(ROPE, what, v);
     // Without position_ids the kernel reads no ids (any tensor stands in for them).
-    let ids = match p.positions {
-        Positions::Rows => targ(&x),
-        _ => targ(&call.input(p.inputs[0])?),
-    };
-    let mode = match p.positions {
-        Positions::Ids => 0,
-        Positions::Start => 1,
-        Positions::Rows => 2,
+    let ids = match p.positions.input() {
+        Some(i) => targ(&call.input(i)?),
+        None => targ(&x),
     };
     launch(&Launch {
         kernel: &kernel_name("kiln_rope", &[tag]),
@@ -1229,8 +1242,8 @@ fn rope_dispatch(call: &Call) -> Result<()> {
         args: vec![
             targ(&x),
             ids,
-            targ(&call.input(p.inputs[1])?),
-            targ(&call.input(p.inputs[2])?),
+            targ(&call.input(p.caches[0])?),
+            targ(&call.input(p.caches[1])?),
             targ(&y),
             KernelArg::U64(total as u64),
             u("sequence", p.seq)?,
@@ -1239,7 +1252,7 @@ fn rope_dispatch(call: &Call) -> Result<()> {
             u("rotary width", p.rotary_dim / 2)?,
             KernelArg::U64(p.cache_rows as u64),
             flag(transposed),
-            KernelArg::U32(mode),
+            KernelArg::U32(p.positions.mode()),
             flag(call.attr_i("interleaved", 0)? == 1),
             KernelArg::Status,
         ],
