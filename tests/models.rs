@@ -568,13 +568,13 @@ fn a_skipped_output_is_not_computed_and_its_inputs_need_not_be_fed() {
 
 #[test]
 fn one_error_names_every_op_no_package_runs() {
-    // Conv twice, MaxUnpool once, then a supported Relu: the error gives the first Conv's full
+    // DeformConv twice, MaxUnpool once, then a supported Relu: the error gives the first DeformConv's full
     // detail and names MaxUnpool (with its first node) as missing too.
     let m = onnx::model(
         vec![
-            node("Conv", &["x", "w"], &["c1"], vec![]),
+            node("DeformConv", &["x", "w"], &["c1"], vec![]),
             node("MaxUnpool", &["c1"], &["p"], vec![attr_ints("kernel_shape", &[2, 2])]),
-            node("Conv", &["p", "w"], &["c2"], vec![]),
+            node("DeformConv", &["p", "w"], &["c2"], vec![]),
             node("Relu", &["c2"], &["y"], vec![]),
         ],
         vec![value("x", 1, &[1, 1, 8, 8])],
@@ -593,16 +593,16 @@ fn one_error_names_every_op_no_package_runs() {
     );
     assert_eq!(ins.unsupported_ops, 2);
     let row = |op: &str| ins.ops.iter().find(|r| r.op == op).unwrap();
-    assert_eq!((row("ai.onnx::Conv").nodes, row("ai.onnx::Conv").package.as_deref()), (2, None));
+    assert_eq!((row("ai.onnx::DeformConv").nodes, row("ai.onnx::DeformConv").package.as_deref()), (2, None));
     assert!(row("ai.onnx::MaxUnpool").reason.as_deref().unwrap().contains("no kernel package runs ai.onnx::MaxUnpool"));
     assert_eq!(row("ai.onnx::Relu").package, Some(format!("kiln-unary@{}", kiln_tests::builtin_version("unary"))));
     assert_eq!(ins.inputs[0].shape, "1 × 1 × 8 × 8");
     let err = Session::new(runtime(&[]), model::load_bytes(&bytes, None).unwrap(), SessionOptions::default())
         .err()
-        .expect("no package runs Conv");
+        .expect("no package runs DeformConv");
     assert!(err.is_unsupported(), "{err}");
     let msg = err.to_string();
-    assert!(msg.starts_with("node \"Conv#0\": no kernel package runs ai.onnx::Conv"), "{msg}");
+    assert!(msg.starts_with("node \"DeformConv#0\": no kernel package runs ai.onnx::DeformConv"), "{msg}");
     assert!(
         msg.contains(
             "no package runs these ops of the model either: ai.onnx::MaxUnpool (1 node, first \"MaxUnpool#1\")"

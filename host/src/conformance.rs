@@ -61,10 +61,35 @@ pub fn test_dirs(dir: &Path, filter: Option<&str>) -> Result<Vec<PathBuf>> {
     Ok(dirs)
 }
 
+/// Why ONNX 1.20's QLinearMatMul int8 tests are not run.
+const QLINEAR_MATMUL_WRAPS: &str = "ONNX 1.20's expected output wraps an out-of-range int8 result instead of \
+     saturating it (onnx/onnx#7835; onnx/onnx#7868 regenerated the data): kiln saturates, as the specification and \
+     onnxruntime do (tests/quant.rs checks it on this test's data)";
+
+/// Node tests whose expected outputs ONNX 1.20 got wrong, each with the upstream issue: they are
+/// reported unsupported with that reason, never run against the wrong data (onnxruntime keeps
+/// such a list too, `onnx_backend_test_series_filters.jsonc`).
+const WRONG_EXPECTED: &[(&str, &str)] = &[
+    ("test_qlinearmatmul_2D_int8_float16", QLINEAR_MATMUL_WRAPS),
+    ("test_qlinearmatmul_2D_int8_float32", QLINEAR_MATMUL_WRAPS),
+    ("test_qlinearmatmul_3D_int8_float16", QLINEAR_MATMUL_WRAPS),
+    ("test_qlinearmatmul_3D_int8_float32", QLINEAR_MATMUL_WRAPS),
+];
+
 /// Runs one test folder.
 pub fn run_test(rt: &Arc<Runtime>, dir: &Path, options: &SessionOptions) -> TestResult {
     let start = Instant::now();
     let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    if let Some((_, why)) = WRONG_EXPECTED.iter().find(|(t, _)| *t == name) {
+        let op = model::load(&dir.join("model.onnx")).map(|m| test_op(&name, &m)).unwrap_or_default();
+        return TestResult {
+            name,
+            op,
+            outcome: Outcome::Unsupported(why.to_string()),
+            time_ms: start.elapsed().as_secs_f64() * 1e3,
+            no_dispatch: Vec::new(),
+        };
+    }
     let mut no_dispatch = Vec::new();
     let (op, result) = match model::load(&dir.join("model.onnx")) {
         Err(e) => ((if e.is_unsupported() { "(unsupported model)" } else { "(invalid model)" }).to_string(), Err(e)),

@@ -9,7 +9,7 @@
 //
 // Entry points are templates over the prelude's dtype tags (kiln_tag_f32 f16 bf16 f64):
 // kiln_softmax_rows<Tag>, kiln_softmax_cols<Tag>, kiln_lp_norm_rows<Tag>, kiln_lp_norm_cols<Tag>,
-// kiln_layer_norm<Tag>, kiln_skip_rms_norm<Tag>
+// kiln_layer_norm<Tag>, kiln_group_norm<Tag>, kiln_skip_rms_norm<Tag>
 // and kiln_rms_norm<XTag, YTag>; kernel.toml lists the instantiations (name expressions,
 // manifest schema 6), which NVRTC lowers; the shim names them with DType::cuda_tag.
 // kiln_norm_expand (bytes) is extern "C".
@@ -177,6 +177,39 @@ __device__ void layer_norm(const T* x, const T* scale, const T* bias, T* y, void
             if (has_inv) nst_code(inv_out, row, (double)inv_std, stat_code);
         }
     }
+}
+
+// GroupNormalization and InstanceNormalization: row r = (n, group g) of `cols` = channels per
+// group × spatial elements; element c of the row is channel g·cpg + c / spatial, whose scale and
+// bias are that channel's (per_channel) or the group's.
+template <typename Tag, typename T = typename Tag::storage, typename E = kiln_elem<Tag>,
+          typename A = typename kiln_elem<Tag>::C>
+__device__ void group_norm(const T* x, const T* scale, const T* bias, T* y, kiln_u64 rows, kiln_u64 cols,
+                           kiln_u64 groups, kiln_u64 cpg, kiln_u64 spatial, unsigned per_channel, float eps) {
+    ROW_LOOP(row, rows) {
+        const kiln_u64 base = row * cols, g = row % groups;
+        A s = 0;
+        COL_LOOP(c, cols) s += (A)E::ld(x[base + c]);
+        const A mean = row_reduce(s, kiln_op_sum()) / (A)cols;
+        A q = 0;
+        COL_LOOP(c, cols) {
+            const A d = (A)E::ld(x[base + c]) - mean;
+            q += d * d;
+        }
+        const A inv_std = (A)1 / kiln_sqrt(row_reduce(q, kiln_op_sum()) / (A)cols + (A)eps);
+        COL_LOOP(c, cols) {
+            const kiln_u64 at = per_channel ? g * cpg + c / spatial : g;
+            y[base + c] = E::st(((A)E::ld(x[base + c]) - mean) * inv_std * (A)E::ld(scale[at]) + (A)E::ld(bias[at]));
+        }
+    }
+}
+
+template <typename Tag>
+__global__ void kiln_group_norm(const typename Tag::storage* x, const typename Tag::storage* scale,
+                                const typename Tag::storage* bias, typename Tag::storage* y, kiln_u64 rows,
+                                kiln_u64 cols, kiln_u64 groups, kiln_u64 cpg, kiln_u64 spatial, unsigned per_channel,
+                                float eps) {
+    group_norm<Tag>(x, scale, bias, y, rows, cols, groups, cpg, spatial, per_channel, eps);
 }
 
 // ---- RMS normalisations (onnxruntime) ---------------------------------------------------------

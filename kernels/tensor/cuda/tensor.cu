@@ -599,3 +599,15 @@ extern "C" __global__ void kiln_tensor_pad(const char* src, char* dst, kiln_u64 
             dst[t * esize + e] = inside ? src[at * esize + e] : (char)(value >> (8 * e));
     }
 }
+
+// HannWindow, HammingWindow, BlackmanWindow: w[n] = a0 − a1·cos(2πn / N) + a2·cos(4πn / N) in
+// f64, rounded once. One thread per element.
+template <typename Tag>
+__global__ void kiln_tensor_window(typename Tag::storage* dst, kiln_u64 n, double a0, double a1, double a2, double N) {
+    typedef kiln_elem<Tag> E;
+    const double pi = 3.14159265358979323846;
+    KILN_FOR(i, n) {
+        const double x = (double)i;
+        dst[i] = E::st((typename E::C)(a0 - a1 * cos(x * (2.0 * pi) / N) + a2 * cos(x * (4.0 * pi) / N)));
+    }
+}

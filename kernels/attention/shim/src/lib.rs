@@ -63,11 +63,14 @@
 #![no_std]
 extern crate alloc;
 
+mod onnx_attention;
+
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
 use kiln_kernel_abi::names::kernel_name;
 use kiln_kernel_abi::wire::MAX_COUNTERS;
 use kiln_kernel_abi::{bail, export_shim, unsupported};
+use onnx_attention::ATTENTION;
 
 struct Attention;
 
@@ -1259,10 +1262,16 @@ fn rope_dispatch(call: &Call) -> Result<()> {
     })
 }
 
+/// Whether the call is of ONNX's own domain (com.microsoft has an Attention op of its own).
+fn is_onnx(call: &Call) -> bool {
+    matches!(call.domain(), "" | "ai.onnx")
+}
+
 impl Shim for Attention {
     fn infer(call: &Call) -> Result<Vec<TensorType>> {
         match call.op_type() {
             GQA => gqa_infer(call),
+            ATTENTION if is_onnx(call) => onnx_attention::infer(call),
             ROPE => {
                 rope_plan(call)?;
                 let x = call.input(0)?;
@@ -1275,6 +1284,7 @@ impl Shim for Attention {
     fn cpu(call: &Call) -> Result<()> {
         match call.op_type() {
             GQA => gqa_cpu(call),
+            ATTENTION if is_onnx(call) => onnx_attention::cpu(call),
             ROPE => rope_cpu(call),
             other => unsupported!("kiln-attention does not implement {other}"),
         }
@@ -1283,6 +1293,7 @@ impl Shim for Attention {
     fn dispatch(call: &Call) -> Result<()> {
         match call.op_type() {
             GQA => gqa_dispatch(call),
+            ATTENTION if is_onnx(call) => onnx_attention::dispatch(call),
             ROPE => rope_dispatch(call),
             other => unsupported!("kiln-attention does not implement {other}"),
         }

@@ -7,12 +7,14 @@
 //!   SkipSimplifiedLayerNormalization-1, and ONNX's RMSNormalization-23 (the same computation).
 //! - [`batch_norm`]: BatchNormalization-9/14/15, inference and training mode.
 //! - [`lp_norm`]: LpNormalization-1/22, following ONNX Operators.md and its reference.
+//! - [`group_norm`]: InstanceNormalization-1/6/22 and GroupNormalization-18/21.
 //!
 //! The CPU references compute in f64 and round once to the output dtype.
 #![no_std]
 extern crate alloc;
 
 mod batch_norm;
+mod group_norm;
 mod layer_norm;
 mod lp_norm;
 mod rms_norm;
@@ -197,6 +199,7 @@ impl Shim for Normalization {
                 softmax::softmax_plan(call)?;
                 Ok(vec![TensorType::new(x.dtype()?, x.shape()?)])
             }
+            "InstanceNormalization" | "GroupNormalization" => group_norm::infer(call),
             "LayerNormalization" => {
                 let p = layer_norm::layer_norm_plan(call)?;
                 let stat = TensorType::new(p.stat_dtype, p.stat_shape);
@@ -217,6 +220,7 @@ impl Shim for Normalization {
                 softmax::softmax_cpu(call, call.op_type() == "LogSoftmax")
             }
             "LayerNormalization" => layer_norm::layer_norm_cpu(call),
+            "InstanceNormalization" | "GroupNormalization" => group_norm::cpu(call),
             "SimplifiedLayerNormalization" | "RMSNormalization" => rms_norm::simplified_cpu(call),
             "SkipSimplifiedLayerNormalization" => rms_norm::skip_simplified_cpu(call),
             "BatchNormalization" => batch_norm::cpu(call),
@@ -232,6 +236,7 @@ impl Shim for Normalization {
                 softmax::softmax_dispatch(call, call.op_type() == "LogSoftmax")
             }
             "LayerNormalization" => layer_norm::layer_norm_dispatch(call),
+            "InstanceNormalization" | "GroupNormalization" => group_norm::dispatch(call),
             "SimplifiedLayerNormalization" | "RMSNormalization" => rms_norm::simplified_dispatch(call),
             "SkipSimplifiedLayerNormalization" => rms_norm::skip_simplified_dispatch(call),
             "BatchNormalization" => batch_norm::dispatch(call),

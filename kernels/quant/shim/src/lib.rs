@@ -13,8 +13,14 @@
 //!   first, or 8), `gather_axis` 0, output = `float(q − zero_point) · scale` in scales' dtype
 //!   (f32 arithmetic, rounded once, as onnxruntime); out-of-range indices give zeros.
 //!   int4/uint4/float8/float4 `data` have no kiln dtype.
+//!
+//! And ONNX's own quantization ops: QuantizeLinear, DequantizeLinear and DynamicQuantizeLinear
+//! ([`onnx_quant`]), QLinearMatMul and MatMulInteger ([`qmatmul`]).
 #![no_std]
 extern crate alloc;
+
+mod onnx_quant;
+mod qmatmul;
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
@@ -34,6 +40,8 @@ impl Shim for Pkg {
                 let p = GbqPlan::new(call)?;
                 Ok(vec![TensorType::new(p.dtype, p.out_shape)])
             }
+            "QuantizeLinear" | "DequantizeLinear" | "DynamicQuantizeLinear" => onnx_quant::infer(call),
+            "QLinearMatMul" | "MatMulInteger" => qmatmul::infer(call),
             other => unsupported!("kiln-quant does not implement {other}"),
         }
     }
@@ -42,6 +50,8 @@ impl Shim for Pkg {
         match call.op_type() {
             "MatMulNBits" => MnbPlan::new(call)?.run(call),
             "GatherBlockQuantized" => GbqPlan::new(call)?.run(call),
+            "QuantizeLinear" | "DequantizeLinear" | "DynamicQuantizeLinear" => onnx_quant::cpu(call),
+            "QLinearMatMul" | "MatMulInteger" => qmatmul::cpu(call),
             other => unsupported!("kiln-quant does not implement {other}"),
         }
     }
@@ -50,6 +60,8 @@ impl Shim for Pkg {
         match call.op_type() {
             "MatMulNBits" => MnbPlan::new(call)?.dispatch(call),
             "GatherBlockQuantized" => GbqPlan::new(call)?.dispatch(call),
+            "QuantizeLinear" | "DequantizeLinear" | "DynamicQuantizeLinear" => onnx_quant::dispatch(call),
+            "QLinearMatMul" | "MatMulInteger" => qmatmul::dispatch(call),
             other => unsupported!("kiln-quant does not implement {other}"),
         }
     }
@@ -413,10 +425,7 @@ impl MnbPlan {
                 b: op(w, k),
                 c: None,
                 d: op(y.handle(), n),
-                bias: match call.input_opt(5) {
-                    Some(t) => Some(op(t.handle(), n)),
-                    None => None,
-                },
+                bias: call.input_opt(5).map(|t| op(t.handle(), n)),
                 epilogue: Epilogue::None,
             });
         }

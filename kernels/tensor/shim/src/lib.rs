@@ -34,6 +34,7 @@ mod onehot;
 mod pad;
 mod strided;
 mod trilu;
+mod window;
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
@@ -48,9 +49,9 @@ impl Shim for Tensors {
                 let x = call.input(0)?;
                 Ok(vec![TensorType::new(x.dtype()?, layout::out_shape(call)?)])
             }
-            "Transpose" | "Slice" | "Expand" => {
+            "Transpose" | "Slice" | "Expand" | "Tile" | "DepthToSpace" | "SpaceToDepth" => {
                 let x = call.input(0)?;
-                Ok(vec![TensorType::new(x.dtype()?, strided::plan(call)?.shape)])
+                Ok(vec![TensorType::new(x.dtype()?, strided::plan(call)?.out)])
             }
             "Concat" => join::concat_infer(call),
             "Split" => join::split_infer(call),
@@ -65,6 +66,8 @@ impl Shim for Tensors {
             "OneHot" => onehot::onehot_infer(call),
             "EyeLike" => onehot::eyelike_infer(call),
             "Pad" => pad::infer(call),
+            "CenterCropPad" => pad::center_infer(call),
+            "HannWindow" | "HammingWindow" | "BlackmanWindow" => window::infer(call),
             other => unsupported!("kiln-tensor does not implement {other}"),
         }
     }
@@ -72,7 +75,7 @@ impl Shim for Tensors {
     fn dispatch(call: &Call) -> Result<()> {
         match call.op_type() {
             "Reshape" | "Flatten" | "Squeeze" | "Unsqueeze" | "Identity" => layout::dispatch(call),
-            "Transpose" | "Slice" | "Expand" => strided::dispatch(call),
+            "Transpose" | "Slice" | "Expand" | "Tile" | "DepthToSpace" | "SpaceToDepth" => strided::dispatch(call),
             "Concat" => join::concat_dispatch(call),
             "Split" => join::split_dispatch(call),
             "Gather" => join::gather_dispatch(call),
@@ -86,6 +89,8 @@ impl Shim for Tensors {
             "OneHot" => onehot::onehot_dispatch(call),
             "EyeLike" => onehot::eyelike_dispatch(call),
             "Pad" => pad::dispatch(call),
+            "CenterCropPad" => pad::center_dispatch(call),
+            "HannWindow" | "HammingWindow" | "BlackmanWindow" => window::dispatch(call),
             other => unsupported!("kiln-tensor does not implement {other}"),
         }
     }
@@ -93,7 +98,7 @@ impl Shim for Tensors {
     fn cpu(call: &Call) -> Result<()> {
         match call.op_type() {
             "Reshape" | "Flatten" | "Squeeze" | "Unsqueeze" | "Identity" => layout::cpu(call),
-            "Transpose" | "Slice" | "Expand" => strided::cpu(call),
+            "Transpose" | "Slice" | "Expand" | "Tile" | "DepthToSpace" | "SpaceToDepth" => strided::cpu(call),
             "Concat" => join::concat_cpu(call),
             "Split" => join::split_cpu(call),
             "Gather" => join::gather_cpu(call),
@@ -107,6 +112,8 @@ impl Shim for Tensors {
             "OneHot" => onehot::onehot_cpu(call),
             "EyeLike" => onehot::eyelike_cpu(call),
             "Pad" => pad::cpu(call),
+            "CenterCropPad" => pad::center_cpu(call),
+            "HannWindow" | "HammingWindow" | "BlackmanWindow" => window::cpu(call),
             other => unsupported!("kiln-tensor does not implement {other}"),
         }
     }

@@ -33,6 +33,17 @@ enum Mode {
     Wrap = 3,
 }
 
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Constant => "constant",
+            Mode::Edge => "edge",
+            Mode::Reflect => "reflect",
+            Mode::Wrap => "wrap",
+        }
+    }
+}
+
 struct Plan {
     esize: usize,
     mode: Mode,
@@ -69,30 +80,7 @@ fn plan(call: &Call) -> Result<Plan> {
         Some(t) => distinct_axes(OP, &t.read_i64s()?, input.len())?,
         None => (0..input.len()).collect(),
     };
-    if pads.len() != 2 * axes.len() {
-        bail!("{OP}: pads has {} values; {} axes need {}", pads.len(), axes.len(), 2 * axes.len());
-    }
-    let mut begin = alloc::vec![0i64; input.len()];
-    let mut out = input.clone();
-    for (i, &a) in axes.iter().enumerate() {
-        let (b, e) = (pads[i], pads[i + axes.len()]);
-        let Some(n) = (input[a] as i64).checked_add(b).and_then(|n| n.checked_add(e)) else {
-            bail!("{OP}: pads {b} and {e} overflow axis {a}");
-        };
-        if n < 0 {
-            bail!("{OP}: pads {b} and {e} leave axis {a} of {} elements with {n}", input[a]);
-        }
-        let Ok(n) = usize::try_from(n) else {
-            bail!("{OP}: pads {b} and {e} make axis {a} longer than a shim can address");
-        };
-        let (lo, hi) = window(input[a] as i64, b, n as i64);
-        if mode != Mode::Constant && hi <= lo && n > 0 {
-            bail!("{OP}: mode {:?} cannot pad axis {a}: pads {b} and {e} leave none of it", call.attr_s("mode", "")?);
-        }
-        begin[a] = b;
-        out[a] = n;
-    }
-    shape::numel(&out)?;
+    let (begin, out) = grow(OP, &input, &axes, &pads, mode)?;
     let value = match (old, call.input_opt(2)) {
         (true, _) => with_dtype!(dt, T => Ok(element::encode(&[T::from_f64(call.attr_f("value", 0.0)? as f64)])))?,
         (false, Some(v)) => {
@@ -107,6 +95,37 @@ fn plan(call: &Call) -> Result<Plan> {
         (false, None) => alloc::vec![0u8; esize],
     };
     Ok(Plan { esize, mode, input, out, begin, value })
+}
+
+/// Each axis of `axes` grown by `pads` (begins, then ends; negative crops): the pads before each
+/// axis and the output shape. Errors: an axis left negative or too long, or (modes other than
+/// constant) padded from an empty window.
+fn grow(op: &str, input: &[usize], axes: &[usize], pads: &[i64], mode: Mode) -> Result<(Vec<i64>, Vec<usize>)> {
+    if pads.len() != 2 * axes.len() {
+        bail!("{op}: pads has {} values; {} axes need {}", pads.len(), axes.len(), 2 * axes.len());
+    }
+    let mut begin = alloc::vec![0i64; input.len()];
+    let mut out = input.to_vec();
+    for (i, &a) in axes.iter().enumerate() {
+        let (b, e) = (pads[i], pads[i + axes.len()]);
+        let Some(n) = (input[a] as i64).checked_add(b).and_then(|n| n.checked_add(e)) else {
+            bail!("{op}: pads {b} and {e} overflow axis {a}");
+        };
+        if n < 0 {
+            bail!("{op}: pads {b} and {e} leave axis {a} of {} elements with {n}", input[a]);
+        }
+        let Ok(n) = usize::try_from(n) else {
+            bail!("{op}: pads {b} and {e} make axis {a} longer than a shim can address");
+        };
+        let (lo, hi) = window(input[a] as i64, b, n as i64);
+        if mode != Mode::Constant && hi <= lo && n > 0 {
+            bail!("{op}: mode {} cannot pad axis {a}: pads {b} and {e} leave none of it", mode.name());
+        }
+        begin[a] = b;
+        out[a] = n;
+    }
+    shape::numel(&out)?;
+    Ok((begin, out))
 }
 
 /// The window `[lo, hi)` of an axis of `n` input elements that an output of `out` elements,
@@ -145,7 +164,11 @@ pub fn infer(call: &Call) -> Result<Vec<TensorType>> {
 }
 
 pub fn cpu(call: &Call) -> Result<()> {
-    let p = plan(call)?;
+    cpu_with(call, &plan(call)?)
+}
+
+/// Output 0 = input 0 padded as `p` says.
+fn cpu_with(call: &Call, p: &Plan) -> Result<()> {
     let x = call.input(0)?;
     let data = if x.numel()? == 0 { Vec::new() } else { x.read_bytes()? };
     let n: usize = p.out.iter().product();
@@ -168,9 +191,12 @@ pub fn cpu(call: &Call) -> Result<()> {
 
 /// `kiln_tensor_pad`: one thread per output element.
 pub fn dispatch(call: &Call) -> Result<()> {
-    let p = plan(call)?;
+    dispatch_with(call, &plan(call)?)
+}
+
+fn dispatch_with(call: &Call, p: &Plan) -> Result<()> {
     if p.out.len() > MAX_RANK {
-        bail!("Pad: rank {} is more than {MAX_RANK}", p.out.len());
+        bail!("{}: rank {} is more than {MAX_RANK}", call.op_type(), p.out.len());
     }
     let n: usize = p.out.iter().product();
     let value = p.value.iter().rev().fold(0u64, |a, &b| (a << 8) | b as u64);
@@ -187,4 +213,46 @@ pub fn dispatch(call: &Call) -> Result<()> {
     args.extend((0..MAX_RANK).map(|k| KernelArg::I64(p.begin.get(k).copied().unwrap_or(0))));
     args.push(KernelArg::U64(value));
     launch_elems("kiln_tensor_pad", n as u64, args)
+}
+
+/// CenterCropPad-18 (ONNX Operators.md): each axis of `axes` (all when absent) cropped or padded
+/// with zeros, centred, to its length in `shape` (int64, a value input): a crop starts at
+/// floor((in − len) / 2), a pad puts floor((len − in) / 2) zeros before.
+fn center_plan(call: &Call) -> Result<Plan> {
+    const OP: &str = "CenterCropPad";
+    let x = call.input(0)?;
+    let esize = elem_size(OP, x.dtype()?)?;
+    let input = x.shape()?;
+    let axes = match call.attr_ints("axes")? {
+        Some(a) => distinct_axes(OP, &a, input.len())?,
+        None => (0..input.len()).collect(),
+    };
+    let want = call.input(1)?.read_i64s()?;
+    if want.len() != axes.len() {
+        bail!("{OP}: shape has {} values for {} axes", want.len(), axes.len());
+    }
+    let mut pads = alloc::vec![0i64; 2 * axes.len()];
+    for (i, (&a, &len)) in axes.iter().zip(&want).enumerate() {
+        if len < 0 {
+            bail!("{OP}: shape {want:?} has a negative length");
+        }
+        let diff = len - input[a] as i64;
+        let before = diff / 2; // toward zero: an odd crop or pad puts its extra element at the end
+        pads[i] = before;
+        pads[i + axes.len()] = diff - before;
+    }
+    let (begin, out) = grow(OP, &input, &axes, &pads, Mode::Constant)?;
+    Ok(Plan { esize, mode: Mode::Constant, input, out, begin, value: alloc::vec![0u8; esize] })
+}
+
+pub fn center_infer(call: &Call) -> Result<Vec<TensorType>> {
+    Ok(vec![TensorType::new(call.input(0)?.dtype()?, center_plan(call)?.out)])
+}
+
+pub fn center_cpu(call: &Call) -> Result<()> {
+    cpu_with(call, &center_plan(call)?)
+}
+
+pub fn center_dispatch(call: &Call) -> Result<()> {
+    dispatch_with(call, &center_plan(call)?)
 }

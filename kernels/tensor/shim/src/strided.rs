@@ -1,6 +1,7 @@
 //! Ops whose output element at a multi-index is the input element at an affine function of
 //! it: Transpose (permuted strides), Slice (offset and scaled strides, possibly negative),
-//! Expand (zero strides on broadcast axes).
+//! Expand (zero strides on broadcast axes), Tile (each axis split into [repeat, element], the
+//! repeat's stride 0), DepthToSpace and SpaceToDepth (a 6-D rearrangement of [N, C, H, W]).
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
@@ -8,12 +9,20 @@ use kiln_kernel_abi::{bail, unsupported};
 
 use crate::{distinct_axes, elem_size, gpu};
 
-/// The output shape, and for each output axis the input stride (in elements) to step by,
-/// from the input element `base`.
+/// The shape walked (row-major, as the output is written), and for each of its axes the input
+/// stride (in elements) to step by, from the input element `base`; `out` is the output's shape
+/// (the walked shape, or fewer axes over the same elements).
 pub struct Plan {
     pub shape: Vec<usize>,
     pub strides: Vec<isize>,
     pub base: isize,
+    pub out: Vec<usize>,
+}
+
+impl Plan {
+    fn walk(shape: Vec<usize>, strides: Vec<isize>, base: isize) -> Plan {
+        Plan { out: shape.clone(), shape, strides, base }
+    }
 }
 
 pub fn plan(call: &Call) -> Result<Plan> {
@@ -22,6 +31,8 @@ pub fn plan(call: &Call) -> Result<Plan> {
         "Transpose" => transpose(call, &dims),
         "Slice" => slice(call, &dims),
         "Expand" => expand(call, &dims),
+        "Tile" => tile(call, &dims),
+        "DepthToSpace" | "SpaceToDepth" => depth_space(call, &dims),
         other => unsupported!("kiln-tensor: {other} is not a strided op"),
     }
 }
@@ -64,11 +75,7 @@ fn transpose(call: &Call, dims: &[usize]) -> Result<Plan> {
         bail!("Transpose: perm {perm:?} is not a permutation of the {rank} axes");
     }
     let st = in_strides(dims);
-    Ok(Plan {
-        shape: perm.iter().map(|&p| dims[p as usize]).collect(),
-        strides: perm.iter().map(|&p| st[p as usize]).collect(),
-        base: 0,
-    })
+    Ok(Plan::walk(perm.iter().map(|&p| dims[p as usize]).collect(), perm.iter().map(|&p| st[p as usize]).collect(), 0))
 }
 
 /// Slice-10+ (`starts`, `ends`, `axes`, `steps` inputs) and Slice-1 (attributes, step 1).
@@ -122,7 +129,7 @@ fn slice(call: &Call, dims: &[usize]) -> Result<Plan> {
         // With more than one element, |step| < dim, so the scaled stride cannot overflow.
         strides[a] = if len > 1 { st[a] * steps[i] as isize } else { 0 };
     }
-    Ok(Plan { shape, strides, base })
+    Ok(Plan::walk(shape, strides, base))
 }
 
 /// Expand: bidirectional (numpy) broadcast of the input with the `shape` input.
@@ -143,7 +150,69 @@ fn expand(call: &Call, dims: &[usize]) -> Result<Plan> {
     let off = shape.len() - dims.len();
     let st = in_strides(dims);
     let strides = (0..shape.len()).map(|i| if i < off || dims[i - off] == 1 { 0 } else { st[i - off] }).collect();
-    Ok(Plan { shape, strides, base: 0 })
+    Ok(Plan::walk(shape, strides, 0))
+}
+
+/// Tile: each axis repeated `repeats` (int64 input 1, a value input) times.
+fn tile(call: &Call, dims: &[usize]) -> Result<Plan> {
+    let reps = call.input(1)?.read_i64s()?;
+    if reps.len() != dims.len() {
+        bail!("Tile: repeats has {} values for an input of rank {}", reps.len(), dims.len());
+    }
+    if let Some(r) = reps.iter().find(|&&r| r < 0) {
+        bail!("Tile: repeats {reps:?} has a negative count {r}");
+    }
+    let st = in_strides(dims);
+    let (mut shape, mut strides, mut out) = (Vec::new(), Vec::new(), Vec::new());
+    for (k, &d) in dims.iter().enumerate() {
+        let r = usize::try_from(reps[k]).unwrap_or(usize::MAX);
+        shape.extend([r, d]);
+        strides.extend([0, st[k]]);
+        match r.checked_mul(d) {
+            Some(n) => out.push(n),
+            None => bail!("Tile: axis {k} of {d} elements repeated {r} times is too long"),
+        }
+    }
+    shape::numel(&out)?;
+    Ok(Plan { shape, strides, base: 0, out })
+}
+
+/// DepthToSpace (`blocksize` b, `mode` DCR or CRD from opset 11) moves [N, C, H, W]'s channel
+/// blocks into b × b spatial tiles, [N, C/b², H·b, W·b]; SpaceToDepth the reverse,
+/// [N, C·b², H/b, W/b], channel (b1·b + b2)·C + c for tile position (b1, b2).
+fn depth_space(call: &Call, dims: &[usize]) -> Result<Plan> {
+    let op = call.op_type();
+    let &[n, c, h, w] = dims else { bail!("{op}: the input must be 4-D [N, C, H, W], not {dims:?}") };
+    let b = call.attr_i("blocksize", 0)?;
+    if !(1..=i32::MAX as i64).contains(&b) {
+        bail!("{op}: blocksize must be positive, not {b}");
+    }
+    let b = b as usize;
+    let (hw, bi) = ((h * w) as isize, b as isize);
+    if op == "DepthToSpace" {
+        if c % (b * b) != 0 {
+            bail!("{op}: {c} channels are not a multiple of blocksize² = {}", b * b);
+        }
+        let cc = c / (b * b);
+        let cci = cc as isize;
+        // Walk [N, C', H, b1, W, b2]; input channel (b1·b + b2)·C' + c' (DCR) or c'·b² + b1·b + b2 (CRD).
+        let (sc, sb1, sb2) = match call.attr_s("mode", "DCR")? {
+            "DCR" => (hw, bi * cci * hw, cci * hw),
+            "CRD" => (bi * bi * hw, bi * hw, hw),
+            m => bail!("{op}: mode must be DCR or CRD, not {m:?}"),
+        };
+        let shape = alloc::vec![n, cc, h, b, w, b];
+        let strides = alloc::vec![(c as isize) * hw, sc, w as isize, sb1, 1, sb2];
+        Ok(Plan { shape, strides, base: 0, out: alloc::vec![n, cc, h * b, w * b] })
+    } else {
+        if h % b != 0 || w % b != 0 {
+            bail!("{op}: H {h} and W {w} must be multiples of blocksize {b}");
+        }
+        // Walk [N, b1, b2, C, H/b, W/b]: input (c, h'·b + b1, w'·b + b2).
+        let shape = alloc::vec![n, b, b, c, h / b, w / b];
+        let strides = alloc::vec![(c as isize) * hw, w as isize, 1, hw, bi * w as isize, bi];
+        Ok(Plan { shape, strides, base: 0, out: alloc::vec![n, c * b * b, h / b, w / b] })
+    }
 }
 
 /// Copies elements of `esize` bytes from `src` into a new row-major buffer of `shape`: the

@@ -1,0 +1,169 @@
+// kiln-attention CUDA kernels of ONNX's Attention-23/24 (shim/src/onnx_attention.rs holds the CPU
+// reference and the semantics, after ONNX 1.20's node tests): the present K/V concatenation
+// and the attention itself. Argument order matches the shim's `launch` calls exactly.
+//
+// Every tensor is seen 4-D, [B, heads, S, head size]: 4-D inputs are that already; 3-D inputs
+// [B, S, heads · head size] (`three_d`) are the same elements through other strides.
+#include "kiln.cuh"
+
+// Largest head size (Q/K and V): each lane holds ceil(head / 32) ≤ 8 elements.
+#define ATT_MAX_CHUNKS 8
+#define ATT_WARPS 4
+
+// Element strides (batch, head, sequence) of a [B, heads, S, hs] tensor stored 4-D, or 3-D as
+// [B, S, heads · hs].
+struct att_strides {
+    kiln_u64 b, h, s;
+};
+
+__device__ __forceinline__ att_strides att_layout(bool three_d, unsigned heads, unsigned seq, unsigned hs) {
+    const kiln_u64 row = (kiln_u64)heads * seq * hs;
+    return three_d ? att_strides{row, hs, (kiln_u64)heads * hs} : att_strides{row, (kiln_u64)seq * hs, hs};
+}
+
+// present [B, Nkv, P + S, hs] = past [B, Nkv, P, hs] (when P > 0) followed by the new rows
+// `src` (4-D, or 3-D with three_d), one thread per present element (grid-stride).
+template <typename Tag>
+__global__ void kiln_attention_present(const typename Tag::storage* past, const typename Tag::storage* src,
+                                       typename Tag::storage* present, kiln_u64 total, unsigned Nkv, unsigned P,
+                                       unsigned S, unsigned hs, unsigned three_d) {
+    const att_strides ls = att_layout(three_d != 0, Nkv, S, hs);
+    const unsigned T = P + S;
+    KILN_FOR(i, total) {
+        const unsigned d = (unsigned)(i % hs);
+        const kiln_u64 r = i / hs;
+        const unsigned t = (unsigned)(r % T);
+        const kiln_u64 bj = r / T;
+        const unsigned j = (unsigned)(bj % Nkv), b = (unsigned)(bj / Nkv);
+        present[i] = t < P ? past[(bj * P + t) * hs + d] : src[b * ls.b + j * ls.h + (kiln_u64)(t - P) * ls.s + d];
+    }
+}
+
+// The score of key t for query row (b, h, s) after the attention bias: qk (the scaled product)
+// plus the mask (float, or bool: 0 / −inf; past its width −inf), the causal mask (key t after
+// position P + s: −inf) and the padding mask (t ≥ nonpad_kv_seqlen[b]: −inf), in ONNX 1.20's
+// order; then the softcap. `stage` gets qk_matmul_output's value for modes 0–2.
+struct att_bias {
+    const void* mask;
+    const long long* nonpad;
+    kiln_u64 mb, mh, ms;  // the mask's element strides (0 where it broadcasts)
+    unsigned mode;        // 0 none, 1 float (the dtype of Q), 2 bool
+    unsigned width;       // the mask's last dimension (≤ total)
+    unsigned causal, P;
+    float softcap;
+};
+
+template <typename Tag>
+__device__ __forceinline__ float att_score(float qk, const att_bias& a, unsigned b, unsigned h, unsigned s, unsigned t,
+                                           unsigned qk_mode, float* stage) {
+    const float neg_inf = -__int_as_float(0x7f800000);
+    float bias = 0.f;
+    if (a.mode != 0) {
+        const kiln_u64 at = b * a.mb + h * a.mh + s * a.ms + t;
+        if (t >= a.width)
+            bias = neg_inf;
+        else if (a.mode == 1)
+            bias = kiln_to_f32(Tag(), ((const typename Tag::storage*)a.mask)[at]);
+        else
+            bias = ((const unsigned char*)a.mask)[at] ? 0.f : neg_inf;
+    }
+    if (a.causal && t > a.P + s) bias += neg_inf;
+    if (a.nonpad && (long long)t >= a.nonpad[b]) bias += neg_inf;
+    float x = qk + bias;
+    float st = qk_mode == 0 ? qk : x;
+    if (a.softcap > 0.f) {
+        x = a.softcap * tanhf(x / a.softcap);
+        if (qk_mode == 2) st = x;
+    }
+    *stage = st;
+    return x;
+}
+
+// Attention for query row s = blockIdx.x, head h = blockIdx.y, batch row b = blockIdx.z:
+// each warp keeps an online softmax over keys warp, warp + ATT_WARPS, … (a key's product is a
+// warp reduction over the head), the warps merge through shared memory, and thread d writes
+// Y[b, h, s, d]. Keys t < P come from the past, the others from K/V (three_d: 3-D inputs).
+// Query head h reads KV head h / (Nq / Nkv). qk (has_qk) gets qk_matmul_output [B, Nq, Sq, T]
+// in mode qk_mode (3: the softmax, in a second pass). A row whose keys are all masked gives NaN
+// (0 / 0), as ONNX's reference softmax does.
+template <typename Tag>
+__global__ void __launch_bounds__(ATT_WARPS * 32)
+    kiln_attention(const typename Tag::storage* q, const typename Tag::storage* k, const typename Tag::storage* v,
+                   const typename Tag::storage* past_k, const typename Tag::storage* past_v, const void* mask,
+                   const long long* nonpad, typename Tag::storage* y, typename Tag::storage* qk, unsigned Nq,
+                   unsigned Nkv, unsigned Sq, unsigned Skv, unsigned P, unsigned H, unsigned Hv, unsigned three_d,
+                   kiln_u64 mb, kiln_u64 mh, kiln_u64 ms, unsigned mask_mode, unsigned mask_width, unsigned causal,
+                   unsigned has_nonpad, float scale, float softcap, unsigned has_qk, unsigned qk_mode) {
+    typedef typename Tag::storage T;
+    __shared__ float q_s[ATT_MAX_CHUNKS * 32];
+    __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
+    __shared__ float s_acc[ATT_WARPS][ATT_MAX_CHUNKS * 32];
+    const float neg_inf = -__int_as_float(0x7f800000);
+    const unsigned s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const unsigned j = h / (Nq / Nkv), Tn = P + Skv;
+    const bool td = three_d != 0;
+    const att_strides lq = att_layout(td, Nq, Sq, H), lk = att_layout(td, Nkv, Skv, H), lv = att_layout(td, Nkv, Skv, Hv),
+                      ly = att_layout(td, Nq, Sq, Hv);
+    const att_bias a{mask, has_nonpad ? nonpad : nullptr, mb, mh, ms, mask_mode, mask_width, causal, P, softcap};
+    for (unsigned d = threadIdx.x; d < H; d += blockDim.x)
+        q_s[d] = kiln_to_f32(Tag(), q[b * lq.b + h * lq.h + s * lq.s + d]);
+    __syncthreads();
+    const auto key = [&](unsigned t) {
+        return t < P ? past_k + (((kiln_u64)b * Nkv + j) * P + t) * H : k + b * lk.b + j * lk.h + (t - P) * lk.s;
+    };
+    const auto value = [&](unsigned t) {
+        return t < P ? past_v + (((kiln_u64)b * Nkv + j) * P + t) * Hv : v + b * lv.b + j * lv.h + (t - P) * lv.s;
+    };
+    const auto product = [&](unsigned t) {
+        const T* kr = key(t);
+        float dot = 0.f;
+        for (unsigned d = lane; d < H; d += 32) dot += q_s[d] * kiln_to_f32(Tag(), kr[d]);
+        return kiln_warp_sum(dot) * scale;
+    };
+    typename Tag::storage* qk_row = has_qk ? qk + (((kiln_u64)b * Nq + h) * Sq + s) * Tn : nullptr;
+    float m = neg_inf, l = 0.f, acc[ATT_MAX_CHUNKS];
+#pragma unroll
+    for (int c = 0; c < ATT_MAX_CHUNKS; ++c) acc[c] = 0.f;
+    for (unsigned t = warp; t < Tn; t += ATT_WARPS) {
+        float stage;
+        const float x = att_score<Tag>(product(t), a, b, h, s, t, qk_mode, &stage);
+        if (qk_row && qk_mode < 3 && lane == 0) qk_row[t] = kiln_from_f32(Tag(), stage);
+        if (x == neg_inf) continue;  // weight 0 (and no −inf − −inf)
+        const float m2 = fmaxf(m, x), c = expf(m - m2), p = expf(x - m2);
+        const T* vr = value(t);
+        l = l * c + p;
+#pragma unroll
+        for (int i = 0; i < ATT_MAX_CHUNKS; ++i) {
+            const unsigned d = lane + 32 * i;
+            if (d < Hv) acc[i] = acc[i] * c + p * kiln_to_f32(Tag(), vr[d]);
+        }
+        m = m2;
+    }
+    if (lane == 0) {
+        s_m[warp] = m;
+        s_l[warp] = l;
+    }
+#pragma unroll
+    for (int i = 0; i < ATT_MAX_CHUNKS; ++i)
+        if (lane + 32 * i < Hv) s_acc[warp][lane + 32 * i] = acc[i];
+    __syncthreads();
+    float M = neg_inf;
+    for (unsigned w = 0; w < ATT_WARPS; ++w)
+        if (s_l[w] > 0.f) M = fmaxf(M, s_m[w]);
+    float L = 0.f;
+    for (unsigned w = 0; w < ATT_WARPS; ++w)
+        if (s_l[w] > 0.f) L += s_l[w] * expf(s_m[w] - M);
+    for (unsigned d = threadIdx.x; d < Hv; d += blockDim.x) {
+        float o = 0.f;
+        for (unsigned w = 0; w < ATT_WARPS; ++w)
+            if (s_l[w] > 0.f) o += s_acc[w][d] * expf(s_m[w] - M);
+        y[b * ly.b + h * ly.h + s * ly.s + d] = kiln_from_f32(Tag(), o / L);
+    }
+    if (qk_row && qk_mode == 3)
+        for (unsigned t = warp; t < Tn; t += ATT_WARPS) {
+            float stage;
+            const float x = att_score<Tag>(product(t), a, b, h, s, t, qk_mode, &stage);
+            if (lane == 0) qk_row[t] = kiln_from_f32(Tag(), (x == neg_inf ? 0.f : expf(x - M)) / L);
+        }
+}

@@ -1,0 +1,439 @@
+//! ONNX's Attention-23 and -24 (`ai.onnx`), following ONNX Operators.md and the reference and
+//! node tests of ONNX 1.20 (`onnx/reference/ops/op_attention.py` at 1.20).
+//!
+//! Inputs: `Q`, `K`, `V` all 4-D — [B, Nq, Sq, H], [B, Nkv, Skv, H], [B, Nkv, Skv, Hv] — or all
+//! 3-D — [B, Sq, Nq·H], [B, Skv, Nkv·H], [B, Skv, Nkv·Hv] with the `q_num_heads` and
+//! `kv_num_heads` attributes; `attn_mask` (input 3, bool or Q's dtype, broadcastable to
+//! [B, Nq, Sq, T] with a last dimension of at most T, the rest of it masked); `past_key` /
+//! `past_value` (inputs 4, 5: [B, Nkv, P, H] / [B, Nkv, P, Hv]); from opset 24
+//! `nonpad_kv_seqlen` (input 6, int64 [B]). T = P + Skv.
+//!
+//! Outputs: `Y` (Q's rank: [B, Nq, Sq, Hv] or [B, Sq, Nq·Hv]), `present_key` / `present_value`
+//! (the past followed by K / V, [B, Nkv, T, H] / [B, Nkv, T, Hv]) and `qk_matmul_output`
+//! [B, Nq, Sq, T].
+//!
+//! * qk = Q·Kᵀ · `scale` (default 1/√H); query head h uses KV head h / (Nq / Nkv).
+//! * The bias: the mask (bool: true keeps a key, false gives −inf), −inf for key t > P + s
+//!   when `is_causal` = 1 (query row s), and −inf for t ≥ nonpad_kv_seqlen[b].
+//! * x = qk + bias, then `softcap`·tanh(x / `softcap`) when softcap > 0 — the softcap after the
+//!   bias, as ONNX 1.20's reference and test data have it (later ONNX releases moved it before
+//!   the bias, so that a masked key keeps weight 0 under a softcap).
+//! * softmax over t (a row whose keys are all masked gives NaN, as the reference does), then
+//!   the weighted sum of V.
+//! * `qk_matmul_output_mode`: 0 qk, 1 qk + bias, 2 after the softcap, 3 the softmax.
+//! * `softmax_precision` is accepted; the CPU reference computes in f64 and the GPU in f32,
+//!   never below the tensors' precision.
+use super::{check_float, flag, grid_for, kernel_tag, targ, u32_arg, BLOCK};
+use alloc::vec::Vec;
+use kiln_kernel_abi::guest::*;
+use kiln_kernel_abi::names::kernel_name;
+use kiln_kernel_abi::{bail, unsupported};
+
+pub(crate) const ATTENTION: &str = "Attention";
+
+/// Largest Q/K and V head size of the CUDA kernel (onnx_attention.cu's ATT_MAX_CHUNKS × 32).
+const GPU_MAX_HEAD: usize = 256;
+/// Warps per block of `kiln_attention` (onnx_attention.cu's ATT_WARPS).
+const GPU_WARPS: u32 = 4;
+
+/// `attn_mask` seen through [B, Nq, Sq, width] element strides (0 where it broadcasts; the
+/// last dimension is contiguous).
+struct Mask {
+    is_bool: bool,
+    strides: [usize; 3],
+    width: usize,
+}
+
+/// Geometry and attributes of an Attention node, every tensor seen 4-D (see the module docs).
+struct Plan {
+    dtype: DType,
+    batch: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    q_seq: usize,
+    kv_seq: usize,
+    past: usize,
+    head: usize,
+    v_head: usize,
+    three_d: bool,
+    mask: Option<Mask>,
+    nonpad: bool,
+    causal: bool,
+    scale: f64,
+    softcap: f64,
+    qk_mode: u32,
+}
+
+impl Plan {
+    fn total(&self) -> usize {
+        self.past + self.kv_seq
+    }
+
+    /// Element offset of (b, h, s, 0) in a tensor of `heads` × `seq` rows of `hs` elements,
+    /// stored 4-D or (three_d) 3-D.
+    fn at(&self, heads: usize, seq: usize, hs: usize, b: usize, h: usize, s: usize) -> usize {
+        if self.three_d {
+            (b * seq + s) * heads * hs + h * hs
+        } else {
+            ((b * heads + h) * seq + s) * hs
+        }
+    }
+}
+
+fn plan(call: &Call) -> Result<Plan> {
+    let (q, k, v) = (call.input(0)?, call.input(1)?, call.input(2)?);
+    let dtype = q.dtype()?;
+    check_float(ATTENTION, "Q", dtype)?;
+    for (name, t) in [("K", &k), ("V", &v)] {
+        if t.dtype()? != dtype {
+            bail!("{ATTENTION}: {name} is {} but Q is {dtype}", t.dtype()?);
+        }
+    }
+    let (qs, ks, vs) = (q.shape()?, k.shape()?, v.shape()?);
+    if qs.len() != ks.len() || qs.len() != vs.len() || !(qs.len() == 3 || qs.len() == 4) {
+        bail!(
+            "{ATTENTION}: Q, K and V must all be 3-D or all 4-D, not of ranks {}, {}, {}",
+            qs.len(),
+            ks.len(),
+            vs.len()
+        );
+    }
+    let three_d = qs.len() == 3;
+    let (q_heads, kv_heads, q_seq, kv_seq, head, v_head) = if three_d {
+        let nq = usize::try_from(call.attr_i("q_num_heads", 0)?).unwrap_or(0);
+        let nkv = usize::try_from(call.attr_i("kv_num_heads", 0)?).unwrap_or(0);
+        if nq == 0 || nkv == 0 {
+            bail!("{ATTENTION}: 3-D Q, K and V need positive q_num_heads and kv_num_heads attributes");
+        }
+        for (name, width, n) in [("Q", qs[2], nq), ("K", ks[2], nkv), ("V", vs[2], nkv)] {
+            if width % n != 0 {
+                bail!("{ATTENTION}: {name}'s hidden size {width} is not a multiple of its {n} heads");
+            }
+        }
+        (nq, nkv, qs[1], ks[1], qs[2] / nq, vs[2] / nkv)
+    } else {
+        (qs[1], ks[1], qs[2], ks[2], qs[3], vs[3])
+    };
+    let kv_head = if three_d { ks[2] / kv_heads } else { ks[3] };
+    let batch = qs[0];
+    if ks[0] != batch || vs[0] != batch {
+        bail!("{ATTENTION}: Q, K and V have batch sizes {batch}, {}, {}", ks[0], vs[0]);
+    }
+    if kv_head != head {
+        bail!("{ATTENTION}: K's head size {kv_head} differs from Q's {head}");
+    }
+    let v_rows = if three_d { (vs[1], kv_heads) } else { (vs[2], vs[1]) };
+    if v_rows != (kv_seq, kv_heads) {
+        bail!("{ATTENTION}: V has {} heads of {} rows where K has {kv_heads} of {kv_seq}", v_rows.1, v_rows.0);
+    }
+    if q_heads % kv_heads != 0 {
+        bail!("{ATTENTION}: {q_heads} query heads are not a multiple of {kv_heads} KV heads");
+    }
+
+    let past = match (call.input_opt(4), call.input_opt(5)) {
+        (None, None) => 0,
+        (Some(pk), Some(pv)) => {
+            let (pks, pvs) = (pk.shape()?, pv.shape()?);
+            if pk.dtype()? != dtype || pv.dtype()? != dtype {
+                bail!("{ATTENTION}: past_key and past_value must have Q's dtype {dtype}");
+            }
+            if pks.len() != 4 || pvs.len() != 4 || pks[2] != pvs[2] {
+                bail!(
+                    "{ATTENTION}: past_key {pks:?} and past_value {pvs:?} must be [B, kv heads, P, head size] of one P"
+                );
+            }
+            if pks != [batch, kv_heads, pks[2], head] || pvs != [batch, kv_heads, pks[2], v_head] {
+                bail!(
+                    "{ATTENTION}: past_key {pks:?} / past_value {pvs:?} do not match [{batch}, {kv_heads}, P, {head} / {v_head}]"
+                );
+            }
+            pks[2]
+        }
+        _ => bail!("{ATTENTION}: past_key and past_value come together"),
+    };
+    let total = past + kv_seq;
+
+    let mask = match call.input_opt(3) {
+        None => None,
+        Some(m) => {
+            let md = m.dtype()?;
+            if md != DType::Bool && md != dtype {
+                bail!("{ATTENTION}: attn_mask is {md}; it must be bool or Q's dtype {dtype}");
+            }
+            let ms = m.shape()?;
+            if ms.is_empty() || ms.len() > 4 {
+                bail!("{ATTENTION}: attn_mask has rank {}; ranks 1 to 4 broadcast to [B, q heads, Sq, T]", ms.len());
+            }
+            let width = ms[ms.len() - 1];
+            if width > total {
+                bail!("{ATTENTION}: attn_mask's last dimension {width} is longer than the {total} keys (past + K)");
+            }
+            // The mask's shape padded to 4-D and its row-major strides, 0 where it broadcasts.
+            let mut dims = [1usize; 4];
+            dims[4 - ms.len()..].copy_from_slice(&ms);
+            let want = [batch, q_heads, q_seq];
+            let mut strides = [0usize; 3];
+            let mut stride = width;
+            for i in (0..3).rev() {
+                if dims[i] != 1 && dims[i] != want[i] {
+                    bail!("{ATTENTION}: attn_mask {ms:?} does not broadcast to [{batch}, {q_heads}, {q_seq}, {total}]");
+                }
+                strides[i] = if dims[i] == 1 { 0 } else { stride };
+                stride *= dims[i];
+            }
+            Some(Mask { is_bool: md == DType::Bool, strides, width })
+        }
+    };
+    let nonpad = match call.input_opt(6) {
+        None => false,
+        Some(n) => {
+            if n.dtype()? != DType::I64 || n.shape()? != [batch] {
+                bail!("{ATTENTION}: nonpad_kv_seqlen must be int64 [{batch}], not {} {:?}", n.dtype()?, n.shape()?);
+            }
+            true
+        }
+    };
+    let qk_mode = match call.attr_i("qk_matmul_output_mode", 0)? {
+        m @ 0..=3 => m as u32,
+        m => bail!("{ATTENTION}: qk_matmul_output_mode {m} is not 0, 1, 2 or 3"),
+    };
+    let scale = match call.attr("scale") {
+        None => 1.0 / libm::sqrt(head as f64),
+        Some(_) => call.attr_f("scale", 0.0)? as f64,
+    };
+    Ok(Plan {
+        dtype,
+        batch,
+        q_heads,
+        kv_heads,
+        q_seq,
+        kv_seq,
+        past,
+        head,
+        v_head,
+        three_d,
+        mask,
+        nonpad,
+        causal: call.attr_i("is_causal", 0)? == 1,
+        scale,
+        softcap: call.attr_f("softcap", 0.0)? as f64,
+        qk_mode,
+    })
+}
+
+pub(crate) fn infer(call: &Call) -> Result<Vec<TensorType>> {
+    let p = plan(call)?;
+    let y = if p.three_d {
+        vec![p.batch, p.q_seq, p.q_heads * p.v_head]
+    } else {
+        vec![p.batch, p.q_heads, p.q_seq, p.v_head]
+    };
+    let t = p.total();
+    Ok(vec![
+        TensorType::new(p.dtype, y),
+        TensorType::new(p.dtype, vec![p.batch, p.kv_heads, t, p.head]),
+        TensorType::new(p.dtype, vec![p.batch, p.kv_heads, t, p.v_head]),
+        TensorType::new(p.dtype, vec![p.batch, p.q_heads, p.q_seq, t]),
+    ])
+}
+
+/// present [B, Nkv, T, hs] from the past [B, Nkv, P, hs] and the new rows (input `input`).
+fn present(p: &Plan, past: &[f64], new: &[f64], hs: usize) -> Vec<f64> {
+    let t_n = p.total();
+    let mut out = vec![0.0; p.batch * p.kv_heads * t_n * hs];
+    for b in 0..p.batch {
+        for j in 0..p.kv_heads {
+            let base = (b * p.kv_heads + j) * t_n * hs;
+            let pb = (b * p.kv_heads + j) * p.past * hs;
+            out[base..base + p.past * hs].copy_from_slice(&past[pb..pb + p.past * hs]);
+            for s in 0..p.kv_seq {
+                let src = p.at(p.kv_heads, p.kv_seq, hs, b, j, s);
+                let dst = base + (p.past + s) * hs;
+                out[dst..dst + hs].copy_from_slice(&new[src..src + hs]);
+            }
+        }
+    }
+    out
+}
+
+pub(crate) fn cpu(call: &Call) -> Result<()> {
+    let p = plan(call)?;
+    let read = |i: usize| -> Result<Vec<f64>> {
+        match call.input_opt(i) {
+            Some(t) => t.read_vec::<f64>(),
+            None => Ok(Vec::new()),
+        }
+    };
+    let (q, k, v) = (read(0)?, read(1)?, read(2)?);
+    let (past_k, past_v) = (read(4)?, read(5)?);
+    let mask = read(3)?;
+    let nonpad = match call.input_opt(6) {
+        Some(t) => t.read_i64s()?,
+        None => Vec::new(),
+    };
+    let pres_k = present(&p, &past_k, &k, p.head);
+    let pres_v = present(&p, &past_v, &v, p.v_head);
+    let t_n = p.total();
+    let group = p.q_heads / p.kv_heads;
+    let mut y = vec![0.0; p.batch * p.q_heads * p.q_seq * p.v_head];
+    let mut qk_out = vec![0.0; p.batch * p.q_heads * p.q_seq * t_n];
+    let mut x = vec![0.0; t_n];
+    for b in 0..p.batch {
+        for h in 0..p.q_heads {
+            let j = h / group;
+            let kh = &pres_k[(b * p.kv_heads + j) * t_n * p.head..][..t_n * p.head];
+            let vh = &pres_v[(b * p.kv_heads + j) * t_n * p.v_head..][..t_n * p.v_head];
+            for s in 0..p.q_seq {
+                let qr = &q[p.at(p.q_heads, p.q_seq, p.head, b, h, s)..][..p.head];
+                let stage = &mut qk_out[((b * p.q_heads + h) * p.q_seq + s) * t_n..][..t_n];
+                for t in 0..t_n {
+                    let qk =
+                        qr.iter().zip(&kh[t * p.head..(t + 1) * p.head]).map(|(a, c)| a * c).sum::<f64>() * p.scale;
+                    let mut bias = 0.0;
+                    if let Some(m) = &p.mask {
+                        bias = if t >= m.width {
+                            f64::NEG_INFINITY
+                        } else {
+                            let at = b * m.strides[0] + h * m.strides[1] + s * m.strides[2] + t;
+                            match (m.is_bool, mask[at]) {
+                                (true, keep) if keep != 0.0 => 0.0,
+                                (true, _) => f64::NEG_INFINITY,
+                                (false, value) => value,
+                            }
+                        };
+                    }
+                    if p.causal && t > p.past + s {
+                        bias += f64::NEG_INFINITY;
+                    }
+                    if !nonpad.is_empty() && t as i64 >= nonpad[b] {
+                        bias += f64::NEG_INFINITY;
+                    }
+                    let mut xt = qk + bias;
+                    stage[t] = if p.qk_mode == 0 { qk } else { xt };
+                    if p.softcap > 0.0 {
+                        xt = p.softcap * libm::tanh(xt / p.softcap);
+                        if p.qk_mode == 2 {
+                            stage[t] = xt;
+                        }
+                    }
+                    x[t] = xt;
+                }
+                let max = x.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v));
+                let mut den = 0.0;
+                for xt in x.iter_mut() {
+                    *xt = libm::exp(*xt - max);
+                    den += *xt;
+                }
+                let yr = p.at(p.q_heads, p.q_seq, p.v_head, b, h, s);
+                for (t, &w) in x.iter().enumerate() {
+                    let w = w / den;
+                    if p.qk_mode == 3 {
+                        stage[t] = w;
+                    }
+                    for (o, vd) in y[yr..yr + p.v_head].iter_mut().zip(&vh[t * p.v_head..(t + 1) * p.v_head]) {
+                        *o += w * vd;
+                    }
+                }
+            }
+        }
+    }
+    call.output(0)?.write_vec(&y)?;
+    for (i, values) in [(1, &pres_k), (2, &pres_v), (3, &qk_out)] {
+        if let Some(t) = call.output_opt(i) {
+            t.write_vec(values)?;
+        }
+    }
+    Ok(())
+}
+
+/// A grid dimension of `kiln_attention`, or unsupported over CUDA's limit for it.
+fn grid_dim(what: &str, v: usize, max: u32) -> Result<u32> {
+    match u32::try_from(v) {
+        Ok(d) if d <= max => Ok(d),
+        _ => unsupported!("{ATTENTION}: {what} = {v} is over the CUDA grid's {max} blocks"),
+    }
+}
+
+pub(crate) fn dispatch(call: &Call) -> Result<()> {
+    let p = plan(call)?;
+    let tag = kernel_tag(ATTENTION, p.dtype)?;
+    if p.head > GPU_MAX_HEAD || p.v_head > GPU_MAX_HEAD {
+        unsupported!("{ATTENTION}: head sizes {} / {} over the CUDA kernel's {GPU_MAX_HEAD}", p.head, p.v_head);
+    }
+    let u = |what: &str, v: usize| u32_arg(ATTENTION, what, v);
+    let (q, k, v) = (call.input(0)?, call.input(1)?, call.input(2)?);
+    // Absent optional inputs and outputs: any tensor stands in (the kernels do not touch them).
+    let or_q = |t: Option<Tensor>| t.as_ref().map_or(targ(&q), targ);
+    for (out, new, hs, past) in [(1, &k, p.head, 4), (2, &v, p.v_head, 5)] {
+        let Some(pres) = call.output_opt(out) else { continue };
+        let n = pres.numel()?;
+        if n == 0 {
+            continue;
+        }
+        launch(&Launch {
+            kernel: &kernel_name("kiln_attention_present", &[tag]),
+            grid: [grid_for(n), 1, 1],
+            block: [BLOCK, 1, 1],
+            shared_mem_bytes: 0,
+            args: vec![
+                or_q(call.input_opt(past)),
+                targ(new),
+                targ(&pres),
+                KernelArg::U64(n as u64),
+                u("kv heads", p.kv_heads)?,
+                u("past length", p.past)?,
+                u("kv sequence", p.kv_seq)?,
+                u("head size", hs)?,
+                flag(p.three_d),
+            ],
+        })?;
+    }
+    if p.batch == 0 || p.q_seq == 0 || p.q_heads == 0 || p.v_head == 0 {
+        return Ok(());
+    }
+    let (mask_mode, strides, width) = match &p.mask {
+        None => (0, [0; 3], 0),
+        Some(m) => (if m.is_bool { 2 } else { 1 }, m.strides, m.width),
+    };
+    let qk = call.output_opt(3);
+    launch(&Launch {
+        kernel: &kernel_name("kiln_attention", &[tag]),
+        grid: [
+            grid_dim("query sequence", p.q_seq, u32::MAX >> 1)?,
+            grid_dim("query heads", p.q_heads, 65535)?,
+            grid_dim("batch", p.batch, 65535)?,
+        ],
+        block: [GPU_WARPS * 32, 1, 1],
+        shared_mem_bytes: 0,
+        args: vec![
+            targ(&q),
+            targ(&k),
+            targ(&v),
+            or_q(call.input_opt(4)),
+            or_q(call.input_opt(5)),
+            or_q(call.input_opt(3)),
+            or_q(call.input_opt(6)),
+            targ(&call.output(0)?),
+            qk.as_ref().map_or(targ(&q), targ),
+            u("query heads", p.q_heads)?,
+            u("kv heads", p.kv_heads)?,
+            u("query sequence", p.q_seq)?,
+            u("kv sequence", p.kv_seq)?,
+            u("past length", p.past)?,
+            u("head size", p.head)?,
+            u("value head size", p.v_head)?,
+            flag(p.three_d),
+            KernelArg::U64(strides[0] as u64),
+            KernelArg::U64(strides[1] as u64),
+            KernelArg::U64(strides[2] as u64),
+            KernelArg::U32(mask_mode),
+            u("mask width", width)?,
+            flag(p.causal),
+            flag(p.nonpad),
+            KernelArg::F32(p.scale as f32),
+            KernelArg::F32(p.softcap as f32),
+            flag(qk.is_some()),
+            KernelArg::U32(p.qk_mode),
+        ],
+    })
+}

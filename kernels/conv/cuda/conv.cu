@@ -1,0 +1,92 @@
+// kiln-conv CUDA kernels: direct Conv and ConvTranspose (shim/src/lib.rs holds the CPU reference
+// and the geometry), one thread per output element, products accumulated in f32. Up to three
+// spatial axes, right-aligned in three slots (1 before them). Argument order matches the shim.
+#include "kiln.cuh"
+
+// The geometry both kernels take: per slot the input and output length, kernel size, stride,
+// dilation and padding before.
+struct cv_geom {
+    kiln_u64 in[3], out[3], k[3], s[3], d[3], b[3];
+};
+
+#define CV_GEOM_PARAMS                                                                                               \
+    kiln_u64 i0, kiln_u64 i1, kiln_u64 i2, kiln_u64 o0, kiln_u64 o1, kiln_u64 o2, kiln_u64 k0, kiln_u64 k1,         \
+        kiln_u64 k2, kiln_u64 s0, kiln_u64 s1, kiln_u64 s2, kiln_u64 d0, kiln_u64 d1, kiln_u64 d2, kiln_u64 b0,       \
+        kiln_u64 b1, kiln_u64 b2
+#define CV_GEOM (cv_geom{{i0, i1, i2}, {o0, o1, o2}, {k0, k1, k2}, {s0, s1, s2}, {d0, d1, d2}, {b0, b1, b2}})
+
+// Y [N, M, O...] = B + Σ X [N, C, I...] ⋆ W [M, C/group, K...] (Conv): output position o reads
+// input o·s − b + t·d for tap t.
+template <typename Tag>
+__global__ void kiln_conv(const typename Tag::storage* x, const typename Tag::storage* w,
+                          const typename Tag::storage* bias, typename Tag::storage* y, kiln_u64 total, kiln_u64 C,
+                          kiln_u64 M, kiln_u64 group, unsigned has_bias, CV_GEOM_PARAMS) {
+    const cv_geom g = CV_GEOM;
+    const kiln_u64 out_n = g.out[0] * g.out[1] * g.out[2], in_n = g.in[0] * g.in[1] * g.in[2];
+    const kiln_u64 taps = g.k[0] * g.k[1] * g.k[2], cg = C / group, mg = M / group;
+    KILN_FOR(i, total) {
+        const kiln_u64 o = i % out_n, nm = i / out_n, m = nm % M, n = nm / M, grp = m / mg;
+        long long start[3];
+        kiln_u64 rest = o;
+        for (int a = 2; a >= 0; --a) {
+            start[a] = (long long)((rest % g.out[a]) * g.s[a]) - (long long)g.b[a];
+            rest /= g.out[a];
+        }
+        float acc = has_bias ? kiln_to_f32(Tag(), bias[m]) : 0.f;
+        for (kiln_u64 t = 0; t < taps; ++t) {
+            kiln_u64 tr = t, at = 0;
+            bool inside = true;
+            for (int a = 0; a < 3; ++a) {
+                const kiln_u64 div = a == 0 ? g.k[1] * g.k[2] : (a == 1 ? g.k[2] : 1);
+                const long long p = start[a] + (long long)((tr / div) * g.d[a]);
+                tr %= div;
+                inside &= p >= 0 && p < (long long)g.in[a];
+                at = at * g.in[a] + (kiln_u64)p;
+            }
+            if (!inside) continue;
+            for (kiln_u64 c = 0; c < cg; ++c)
+                acc += kiln_to_f32(Tag(), x[(n * C + grp * cg + c) * in_n + at]) *
+                       kiln_to_f32(Tag(), w[(m * cg + c) * taps + t]);
+        }
+        y[i] = kiln_from_f32(Tag(), acc);
+    }
+}
+
+// Y [N, M, O...] = B + ConvTranspose(X [N, C, I...], W [C, M/group, K...]): output position o
+// gathers input i where i·s − b + t·d = o for tap t.
+template <typename Tag>
+__global__ void kiln_conv_transpose(const typename Tag::storage* x, const typename Tag::storage* w,
+                                    const typename Tag::storage* bias, typename Tag::storage* y, kiln_u64 total,
+                                    kiln_u64 C, kiln_u64 M, kiln_u64 group, unsigned has_bias, CV_GEOM_PARAMS) {
+    const cv_geom g = CV_GEOM;
+    const kiln_u64 out_n = g.out[0] * g.out[1] * g.out[2], in_n = g.in[0] * g.in[1] * g.in[2];
+    const kiln_u64 taps = g.k[0] * g.k[1] * g.k[2], cg = C / group, mg = M / group;
+    KILN_FOR(i, total) {
+        const kiln_u64 o = i % out_n, nm = i / out_n, m = nm % M, n = nm / M, grp = m / mg, mm = m % mg;
+        long long pos[3];
+        kiln_u64 rest = o;
+        for (int a = 2; a >= 0; --a) {
+            pos[a] = (long long)(rest % g.out[a]) + (long long)g.b[a];
+            rest /= g.out[a];
+        }
+        float acc = has_bias ? kiln_to_f32(Tag(), bias[m]) : 0.f;
+        for (kiln_u64 t = 0; t < taps; ++t) {
+            kiln_u64 tr = t, at = 0;
+            bool inside = true;
+            for (int a = 0; a < 3; ++a) {
+                const kiln_u64 div = a == 0 ? g.k[1] * g.k[2] : (a == 1 ? g.k[2] : 1);
+                const long long q = pos[a] - (long long)((tr / div) * g.d[a]);
+                tr %= div;
+                const long long ip = q >= 0 ? q / (long long)g.s[a] : -1;
+                inside &= q >= 0 && q % (long long)g.s[a] == 0 && ip < (long long)g.in[a];
+                at = at * g.in[a] + (kiln_u64)(ip < 0 ? 0 : ip);
+            }
+            if (!inside) continue;
+            for (kiln_u64 c = 0; c < cg; ++c) {
+                const kiln_u64 ci = grp * cg + c;
+                acc += kiln_to_f32(Tag(), x[(n * C + ci) * in_n + at]) * kiln_to_f32(Tag(), w[(ci * mg + mm) * taps + t]);
+            }
+        }
+        y[i] = kiln_from_f32(Tag(), acc);
+    }
+}

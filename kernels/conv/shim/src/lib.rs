@@ -1,0 +1,363 @@
+//! Shim of `kiln-conv`: Conv and ConvTranspose (1, 11, 22) over `[N, C, D1, …, Dk]` tensors,
+//! following ONNX Operators.md and ONNX's reference implementation. Its CUDA kernels are direct
+//! convolutions (one thread per output element): the fallback that runs where no cuDNN does.
+//!
+//! # Conv
+//!
+//! `X` [N, C, D…], `W` [M, C/group, K…], optional `B` [M]. Per spatial axis: `strides` s (1),
+//! `dilations` d (1), `pads` [b…, e…] (0) or `auto_pad` (`SAME_UPPER` / `SAME_LOWER`: output
+//! ceil(in / s), the total padding split with the odd one at the end / the beginning; `VALID`:
+//! none). Output length floor((in + b + e − ((K − 1)·d + 1)) / s) + 1; output o reads input
+//! o·s − b + t·d for tap t (zero outside). Output channel m reads the input channels of its
+//! group, m / (M / group).
+//!
+//! # ConvTranspose
+//!
+//! `X` [N, C, D…], `W` [C, M/group, K…], optional `B` [M]; `output_padding` (0), `output_shape`.
+//! As the reference: with `auto_pad` SAME_UPPER or SAME_LOWER (and no `pads`) the output is
+//! `output_shape` (default in·s) and the total padding s·(in − 1) + output_padding +
+//! (K − 1)·d + 1 − out is split as Conv splits it; otherwise the padding is `pads` and the output
+//! `output_shape`, or s·(in − 1) + output_padding + (K − 1)·d + 1 − b − e. Input i at tap t adds
+//! to output i·s − b + t·d.
+//!
+//! The CPU reference computes in f64 and rounds once; the CUDA kernels accumulate in f32, for up
+//! to 3 spatial axes.
+#![no_std]
+extern crate alloc;
+
+use alloc::vec::Vec;
+use kiln_kernel_abi::guest::*;
+use kiln_kernel_abi::names::kernel_name;
+use kiln_kernel_abi::{bail, export_shim, unsupported};
+
+struct ConvShim;
+
+/// Most spatial axes of the CUDA kernels.
+const GPU_MAX_SPATIAL: usize = 3;
+/// Largest kernel size, stride, dilation or padding taken (geometry then stays within i64).
+const MAX_ATTR: i64 = i32::MAX as i64;
+
+/// One node's geometry.
+struct Geom {
+    transpose: bool,
+    dtype: DType,
+    batch: usize,
+    in_ch: usize,
+    out_ch: usize,
+    group: usize,
+    input: Vec<usize>,
+    output: Vec<usize>,
+    kernel: Vec<usize>,
+    strides: Vec<usize>,
+    dilations: Vec<usize>,
+    /// Padding before each spatial axis (negative: ConvTranspose's output starts inside).
+    begin: Vec<i64>,
+}
+
+/// An integer list attribute of `len` entries, each in `min..=MAX_ATTR`, or `default` repeated.
+fn ints_attr(call: &Call, name: &str, len: usize, default: i64, min: i64) -> Result<Vec<i64>> {
+    let op = call.op_type();
+    let Some(v) = call.attr_ints(name)? else { return Ok(alloc::vec![default; len]) };
+    if v.len() != len {
+        bail!("{op}: {name} has {} entries, not {len}", v.len());
+    }
+    if let Some(x) = v.iter().find(|&&x| !(min..=MAX_ATTR).contains(&x)) {
+        bail!("{op}: {name} entries must be in {min}..={MAX_ATTR}, not {x}");
+    }
+    Ok(v)
+}
+
+fn len_of(op: &str, v: i64) -> Result<usize> {
+    match usize::try_from(v) {
+        Ok(v) => Ok(v),
+        Err(_) => bail!("{op}: an output length of {v} is not a valid size"),
+    }
+}
+
+fn geom(call: &Call) -> Result<Geom> {
+    let op = call.op_type();
+    let transpose = op == "ConvTranspose";
+    let (x, w) = (call.input(0)?, call.input(1)?);
+    let dtype = x.dtype()?;
+    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+        unsupported!("{op}: X has dtype {dtype}; float32, float16 and bfloat16 are supported");
+    }
+    if w.dtype()? != dtype {
+        bail!("{op}: W is {} but X is {dtype}", w.dtype()?);
+    }
+    let (xs, ws) = (x.shape()?, w.shape()?);
+    if xs.len() < 3 || ws.len() != xs.len() {
+        bail!("{op}: X {xs:?} and W {ws:?} must be [N, C, D1, ...] and a kernel of the same rank");
+    }
+    let k = xs.len() - 2;
+    let group = call.attr_i("group", 1)?;
+    if !(1..=MAX_ATTR).contains(&group) {
+        bail!("{op}: group must be positive, not {group}");
+    }
+    let group = group as usize;
+    let (in_ch, out_ch) = if transpose {
+        if ws[0] != xs[1] {
+            bail!("{op}: W {ws:?} must have X's {} channels first", xs[1]);
+        }
+        (xs[1], ws[1] * group)
+    } else {
+        if ws[1] * group != xs[1] {
+            bail!(
+                "{op}: W {ws:?} has {} channels per group; X's {} over {group} groups is {}",
+                ws[1],
+                xs[1],
+                xs[1] / group
+            );
+        }
+        (xs[1], ws[0])
+    };
+    if in_ch % group != 0 || out_ch % group != 0 {
+        bail!("{op}: {in_ch} input and {out_ch} output channels do not split into {group} groups");
+    }
+    if let Some(b) = call.input_opt(2) {
+        if b.shape()? != [out_ch] || b.dtype()? != dtype {
+            bail!("{op}: B must be {dtype} [{out_ch}], not {} {:?}", b.dtype()?, b.shape()?);
+        }
+    }
+    let kernel: Vec<usize> = ws[2..].to_vec();
+    if let Some(ks) = call.attr_ints("kernel_shape")? {
+        if ks.iter().map(|&v| v as usize).ne(kernel.iter().copied()) {
+            bail!("{op}: kernel_shape {ks:?} differs from W's spatial shape {kernel:?}");
+        }
+    }
+    let strides = ints_attr(call, "strides", k, 1, 1)?;
+    let dilations = ints_attr(call, "dilations", k, 1, 1)?;
+    let auto_pad = call.attr_s("auto_pad", "NOTSET")?;
+    let same = matches!(auto_pad, "SAME_UPPER" | "SAME_LOWER");
+    if !same && !matches!(auto_pad, "NOTSET" | "VALID" | "") {
+        bail!("{op}: auto_pad must be NOTSET, SAME_UPPER, SAME_LOWER or VALID, not {auto_pad:?}");
+    }
+    let input = xs[2..].to_vec();
+    let extent = |d: usize| (kernel[d] as i64 - 1) * dilations[d] + 1;
+    // Splits a total padding as SAME_UPPER (odd one at the end) or SAME_LOWER does.
+    let split = |total: i64| {
+        let small = total.div_euclid(2);
+        if auto_pad == "SAME_UPPER" {
+            (small, total - small)
+        } else {
+            (total - small, small)
+        }
+    };
+    let mut begin = Vec::with_capacity(k);
+    let mut output = Vec::with_capacity(k);
+    if transpose {
+        let out_pad = ints_attr(call, "output_padding", k, 0, 0)?;
+        let out_shape = match call.attr_ints("output_shape")? {
+            Some(v) if v.len() == k => Some(v),
+            Some(v) if v.len() == k + 2 => Some(v[2..].to_vec()),
+            Some(v) => bail!("{op}: output_shape {v:?} has neither {k} nor {} entries", k + 2),
+            None => None,
+        };
+        let explicit_pads = call.attr_ints("pads")?.is_some();
+        let pads = ints_attr(call, "pads", 2 * k, 0, 0)?;
+        for d in 0..k {
+            let natural = strides[d] * (input[d] as i64 - 1) + out_pad[d] + extent(d);
+            if same && !explicit_pads {
+                let o = out_shape.as_ref().map_or(input[d] as i64 * strides[d], |v| v[d]);
+                begin.push(split(natural - o).0);
+                output.push(len_of(op, o)?);
+            } else {
+                begin.push(pads[d]);
+                let o = out_shape.as_ref().map_or(natural - pads[d] - pads[k + d], |v| v[d]);
+                output.push(len_of(op, o)?);
+            }
+        }
+    } else {
+        let pads = ints_attr(call, "pads", 2 * k, 0, 0)?;
+        for d in 0..k {
+            let (i, s) = (input[d] as i64, strides[d]);
+            let o = match auto_pad {
+                "SAME_UPPER" | "SAME_LOWER" => {
+                    let o = (i + s - 1) / s;
+                    begin.push(split(((o.max(1) - 1) * s + extent(d) - i).max(0)).0);
+                    o
+                }
+                "VALID" => {
+                    begin.push(0);
+                    if i < extent(d) {
+                        0
+                    } else {
+                        (i - extent(d)) / s + 1
+                    }
+                }
+                _ => {
+                    begin.push(pads[d]);
+                    let span = i + pads[d] + pads[k + d];
+                    if span < extent(d) {
+                        0
+                    } else {
+                        (span - extent(d)) / s + 1
+                    }
+                }
+            };
+            output.push(len_of(op, o)?);
+        }
+    }
+    Ok(Geom {
+        transpose,
+        dtype,
+        batch: xs[0],
+        in_ch,
+        out_ch,
+        group,
+        input,
+        output,
+        kernel,
+        strides: strides.iter().map(|&v| v as usize).collect(),
+        dilations: dilations.iter().map(|&v| v as usize).collect(),
+        begin,
+    })
+}
+
+impl Geom {
+    fn out_shape(&self) -> Vec<usize> {
+        let mut s = alloc::vec![self.batch, self.out_ch];
+        s.extend_from_slice(&self.output);
+        s
+    }
+
+    /// Row-major index of `pos` in `dims`.
+    fn flat(pos: &[usize], dims: &[usize]) -> usize {
+        pos.iter().zip(dims).fold(0, |a, (&p, &d)| a * d + p)
+    }
+
+    /// The positions of a row-major index `i` over `dims`.
+    fn unflat(mut i: usize, dims: &[usize]) -> Vec<usize> {
+        let mut pos = alloc::vec![0; dims.len()];
+        for a in (0..dims.len()).rev() {
+            pos[a] = i % dims[a];
+            i /= dims[a];
+        }
+        pos
+    }
+
+    fn run_cpu(&self, x: &[f64], w: &[f64], b: Option<&[f64]>) -> Vec<f64> {
+        let (in_n, out_n) = (self.input.iter().product::<usize>(), self.output.iter().product::<usize>());
+        let taps: usize = self.kernel.iter().product();
+        let (cg, mg) = (self.in_ch / self.group, self.out_ch / self.group);
+        let mut y = alloc::vec![0.0; self.batch * self.out_ch * out_n];
+        for n in 0..self.batch {
+            for m in 0..self.out_ch {
+                let base = b.map_or(0.0, |b| b[m]);
+                y[(n * self.out_ch + m) * out_n..][..out_n].iter_mut().for_each(|v| *v = base);
+            }
+        }
+        // Every (input position, tap) pair that meets an output position, in input order.
+        let k = self.input.len();
+        for t in 0..taps {
+            let tp = Self::unflat(t, &self.kernel);
+            let (lo, hi) = (0usize, if self.transpose { in_n } else { out_n });
+            for p in lo..hi {
+                let pos = Self::unflat(p, if self.transpose { &self.input } else { &self.output });
+                // The other side's position: Conv reads input o·s − b + t·d; ConvTranspose writes
+                // output i·s − b + t·d.
+                let mut other = alloc::vec![0usize; k];
+                let mut inside = true;
+                for a in 0..k {
+                    let q = (pos[a] * self.strides[a]) as i64 - self.begin[a] + (tp[a] * self.dilations[a]) as i64;
+                    let lim = if self.transpose { self.output[a] } else { self.input[a] };
+                    inside &= q >= 0 && q < lim as i64;
+                    other[a] = q.max(0) as usize;
+                }
+                if !inside {
+                    continue;
+                }
+                let (xi, yi) = if self.transpose {
+                    (p, Self::flat(&other, &self.output))
+                } else {
+                    (Self::flat(&other, &self.input), p)
+                };
+                for n in 0..self.batch {
+                    for m in 0..self.out_ch {
+                        let (grp, mm) = (m / mg, m % mg);
+                        let mut acc = 0.0;
+                        for c in 0..cg {
+                            let ci = grp * cg + c;
+                            let wv =
+                                if self.transpose { w[(ci * mg + mm) * taps + t] } else { w[(m * cg + c) * taps + t] };
+                            acc += x[(n * self.in_ch + ci) * in_n + xi] * wv;
+                        }
+                        y[(n * self.out_ch + m) * out_n + yi] += acc;
+                    }
+                }
+            }
+        }
+        y
+    }
+}
+
+impl Shim for ConvShim {
+    fn infer(call: &Call) -> Result<Vec<TensorType>> {
+        let g = geom(call)?;
+        Ok(alloc::vec![TensorType::new(g.dtype, g.out_shape())])
+    }
+
+    fn cpu(call: &Call) -> Result<()> {
+        let g = geom(call)?;
+        let x = call.input(0)?.read_vec::<f64>()?;
+        let w = call.input(1)?.read_vec::<f64>()?;
+        let b = match call.input_opt(2) {
+            Some(t) => Some(t.read_vec::<f64>()?),
+            None => None,
+        };
+        call.output(0)?.write_vec(&g.run_cpu(&x, &w, b.as_deref()))
+    }
+
+    fn dispatch(call: &Call) -> Result<()> {
+        let g = geom(call)?;
+        let op = call.op_type();
+        let k = g.input.len();
+        if k > GPU_MAX_SPATIAL {
+            unsupported!("{op}: {k} spatial axes (the CUDA kernels take up to {GPU_MAX_SPATIAL})");
+        }
+        let Some(tag) = g.dtype.cuda_tag() else { unsupported!("{op}: no CUDA kernel for {}", g.dtype) };
+        let y = call.output(0)?;
+        let total = y.numel()? as u64;
+        if total == 0 {
+            return Ok(());
+        }
+        let x = call.input(0)?;
+        let t = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
+        let bias = call.input_opt(2);
+        let mut args = alloc::vec![
+            t(x.handle()),
+            t(call.input(1)?.handle()),
+            t(bias.as_ref().map_or(x.handle(), |b| b.handle())),
+            t(y.handle()),
+            KernelArg::U64(total),
+            KernelArg::U64(g.in_ch as u64),
+            KernelArg::U64(g.out_ch as u64),
+            KernelArg::U64(g.group as u64),
+            KernelArg::U32(bias.is_some() as u32),
+        ];
+        // Spatial values right-aligned in three slots; `pad` before them. The padding before
+        // goes as its two's complement (a ConvTranspose may start inside its output).
+        let slots = |v: &[u64], pad: u64| -> Vec<KernelArg> {
+            (0..GPU_MAX_SPATIAL)
+                .map(|i| KernelArg::U64(if i + k < GPU_MAX_SPATIAL { pad } else { v[i + k - GPU_MAX_SPATIAL] }))
+                .collect()
+        };
+        let u = |v: &[usize]| v.iter().map(|&x| x as u64).collect::<Vec<_>>();
+        args.extend(slots(&u(&g.input), 1));
+        args.extend(slots(&u(&g.output), 1));
+        args.extend(slots(&u(&g.kernel), 1));
+        args.extend(slots(&u(&g.strides), 1));
+        args.extend(slots(&u(&g.dilations), 1));
+        args.extend(slots(&g.begin.iter().map(|&b| b as u64).collect::<Vec<_>>(), 0));
+        let name = if g.transpose { "kiln_conv_transpose" } else { "kiln_conv" };
+        launch(&Launch {
+            kernel: &kernel_name(name, &[tag]),
+            grid: [total.div_ceil(256).clamp(1, 1 << 20) as u32, 1, 1],
+            block: [256, 1, 1],
+            shared_mem_bytes: 0,
+            args,
+        })
+    }
+}
+
+export_shim!(ConvShim);

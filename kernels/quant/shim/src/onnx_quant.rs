@@ -1,0 +1,336 @@
+//! ONNX's linear quantization: QuantizeLinear and DequantizeLinear (10, 13, 19, 21, 23, 24, 25)
+//! and DynamicQuantizeLinear (11), after ONNX Operators.md and its reference implementation.
+//!
+//! * QuantizeLinear: `y = saturate(rint(x / y_scale) + y_zero_point)` (x / y_scale in f32,
+//!   rint rounding half to even), `y` of y_zero_point's type, else `output_dtype` (21+), else
+//!   uint8: uint8, int8, uint16, int16 here.
+//! * DequantizeLinear: `y = (x − x_zero_point) · x_scale` in f32, `y` of x_scale's dtype; x
+//!   uint8, int8, uint16, int16 or int32 (whose zero point must be 0).
+//! * Scales and zero points: a scalar (per tensor), a 1-D tensor along `axis` (default 1; per
+//!   axis), or from opset 21 a tensor of x's rank whose `axis` dimension is ceil(D / block_size)
+//!   (`block_size` > 0; blocked).
+//! * DynamicQuantizeLinear: x float32; min and max of x and 0, `y_scale = (max − min) / 255`
+//!   (1 when x is all zeros), `y_zero_point = rint(clamp(−min / y_scale, 0, 255))`, `y` as
+//!   QuantizeLinear to uint8.
+//!
+//! float8, int4, uint4, int2, uint2 and float4 have no kiln dtype (the general-ONNX issue's
+//! item 8).
+use super::{grid_for, BLOCK};
+use alloc::vec::Vec;
+use kiln_kernel_abi::guest::*;
+use kiln_kernel_abi::names::kernel_name;
+use kiln_kernel_abi::{bail, unsupported};
+
+/// An integer element type of the kernels (onnx_quant.cu's codes) and its range.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Int {
+    U8 = 0,
+    I8 = 1,
+    U16 = 2,
+    I16 = 3,
+    I32 = 4,
+}
+
+impl Int {
+    pub(crate) fn of(d: DType) -> Option<Int> {
+        Some(match d {
+            DType::U8 => Int::U8,
+            DType::I8 => Int::I8,
+            DType::U16 => Int::U16,
+            DType::I16 => Int::I16,
+            DType::I32 => Int::I32,
+            _ => return None,
+        })
+    }
+    pub(crate) fn range(self) -> (f64, f64) {
+        match self {
+            Int::U8 => (0.0, 255.0),
+            Int::I8 => (-128.0, 127.0),
+            Int::U16 => (0.0, 65535.0),
+            Int::I16 => (-32768.0, 32767.0),
+            Int::I32 => (i32::MIN as f64, i32::MAX as f64),
+        }
+    }
+    /// `v` rounded already, saturated to the type.
+    pub(crate) fn saturate(self, v: f64) -> f64 {
+        let (lo, hi) = self.range();
+        if v.is_nan() {
+            0.0
+        } else {
+            v.clamp(lo, hi)
+        }
+    }
+}
+
+/// How scales and zero points map onto x, seen as [outer, A, inner] around `axis`.
+#[derive(Clone, Copy)]
+enum Layout {
+    Tensor,
+    Axis,
+    /// Blocks of this many along the axis.
+    Blocked(usize),
+}
+
+struct Plan {
+    layout: Layout,
+    axis_len: usize,
+    inner: usize,
+    /// The scale's length along the axis (blocked).
+    scale_axis: usize,
+}
+
+impl Plan {
+    fn param(&self, i: usize) -> usize {
+        let (inn, a, o) = (i % self.inner, (i / self.inner) % self.axis_len, i / (self.inner * self.axis_len));
+        match self.layout {
+            Layout::Tensor => 0,
+            Layout::Axis => a,
+            Layout::Blocked(b) => (o * self.scale_axis + a / b) * self.inner + inn,
+        }
+    }
+
+    fn args(&self) -> [KernelArg; 5] {
+        let (code, block) = match self.layout {
+            Layout::Tensor => (0, 1),
+            Layout::Axis => (1, 1),
+            Layout::Blocked(b) => (2, b),
+        };
+        [
+            KernelArg::U32(code),
+            KernelArg::U64(self.axis_len as u64),
+            KernelArg::U64(self.inner as u64),
+            KernelArg::U64(block as u64),
+            KernelArg::U64(self.scale_axis as u64),
+        ]
+    }
+}
+
+/// The layout of `scale` (and of the zero point, which must match it) over `x`.
+fn plan(call: &Call, x: &[usize]) -> Result<Plan> {
+    let op = call.op_type();
+    let scale = call.input(1)?;
+    let ss = scale.shape()?;
+    if let Some(z) = call.input_opt(2) {
+        if z.shape()? != ss && !(z.numel()? == 1 && scale.numel()? == 1) {
+            bail!("{op}: the zero point {:?} must have the scale's shape {ss:?}", z.shape()?);
+        }
+    }
+    let r = x.len() as i64;
+    let axis = call.attr_i("axis", 1)?;
+    let block = call.attr_i("block_size", 0)?;
+    let whole = Plan { layout: Layout::Tensor, axis_len: 1, inner: 1, scale_axis: 1 };
+    if scale.numel()? == 1 && block == 0 {
+        return Ok(Plan { inner: x.iter().product::<usize>().max(1), ..whole });
+    }
+    let a = if axis < 0 { axis + r } else { axis };
+    if !(0..r).contains(&a) {
+        bail!("{op}: axis {axis} is outside x's rank {r}");
+    }
+    let a = a as usize;
+    let (axis_len, inner) = (x[a], x[a + 1..].iter().product::<usize>().max(1));
+    if block == 0 {
+        if ss != [x[a]] {
+            bail!("{op}: a per-axis scale must be 1-D of x's axis-{a} length {}, not {ss:?}", x[a]);
+        }
+        return Ok(Plan { layout: Layout::Axis, axis_len, inner, scale_axis: 1 });
+    }
+    if block < 0 || call.opset() < 21 {
+        bail!("{op}: block_size {block} needs opset 21 and a positive value");
+    }
+    let b = block as usize;
+    let mut want = x.to_vec();
+    want[a] = x[a].div_ceil(b);
+    if ss != want {
+        bail!("{op}: a blocked scale over x {x:?} with block_size {b} along axis {a} must be {want:?}, not {ss:?}");
+    }
+    Ok(Plan { layout: Layout::Blocked(b), axis_len, inner, scale_axis: want[a] })
+}
+
+fn float(op: &str, what: &str, d: DType) -> Result<()> {
+    if !matches!(d, DType::F32 | DType::F16 | DType::BF16) {
+        unsupported!("{op}: {what} has dtype {d}; float32, float16 and bfloat16 are supported");
+    }
+    Ok(())
+}
+
+/// QuantizeLinear's output type.
+fn quantized(call: &Call) -> Result<(DType, Int)> {
+    let op = call.op_type();
+    let d = match (call.input_opt(2), call.attr_i("output_dtype", 0)?) {
+        (Some(z), o) => {
+            let d = z.dtype()?;
+            if o != 0 && o != d as i64 {
+                bail!("{op}: output_dtype {o} differs from y_zero_point's {d}");
+            }
+            d
+        }
+        (None, 0) => DType::U8,
+        (None, o) => match DType::from_code(o as i32) {
+            Some(d) => d,
+            None => unsupported!("{op}: output_dtype {o} is not a type kiln has"),
+        },
+    };
+    match Int::of(d) {
+        Some(i) if i != Int::I32 => Ok((d, i)),
+        _ => unsupported!("{op}: quantizing to {d}; uint8, int8, uint16 and int16 are supported"),
+    }
+}
+
+pub(crate) fn infer(call: &Call) -> Result<Vec<TensorType>> {
+    let op = call.op_type();
+    let x = call.input(0)?;
+    let shape = x.shape()?;
+    match op {
+        "QuantizeLinear" => {
+            float(op, "x", x.dtype()?)?;
+            float(op, "y_scale", call.input(1)?.dtype()?)?;
+            plan(call, &shape)?;
+            Ok(alloc::vec![TensorType::new(quantized(call)?.0, shape)])
+        }
+        "DequantizeLinear" => {
+            let s = call.input(1)?.dtype()?;
+            float(op, "x_scale", s)?;
+            if Int::of(x.dtype()?).is_none() {
+                unsupported!("{op}: x of {}; uint8, int8, uint16, int16 and int32 are supported", x.dtype()?);
+            }
+            plan(call, &shape)?;
+            Ok(alloc::vec![TensorType::new(s, shape)])
+        }
+        _ => {
+            if x.dtype()? != DType::F32 {
+                bail!("{op}: x must be float32, not {}", x.dtype()?);
+            }
+            Ok(alloc::vec![
+                TensorType::new(DType::U8, shape),
+                TensorType::new(DType::F32, Vec::new()),
+                TensorType::new(DType::U8, Vec::new()),
+            ])
+        }
+    }
+}
+
+pub(crate) fn cpu(call: &Call) -> Result<()> {
+    let op = call.op_type();
+    infer(call)?;
+    let x = call.input(0)?;
+    let shape = x.shape()?;
+    let xv = x.read_vec::<f64>()?;
+    match op {
+        "QuantizeLinear" | "DequantizeLinear" => {
+            let p = plan(call, &shape)?;
+            let scale = call.input(1)?.read_vec::<f64>()?;
+            let zp = match call.input_opt(2) {
+                Some(z) => z.read_vec::<f64>()?,
+                None => Vec::new(),
+            };
+            let z = |i: usize| zp.get(p.param(i)).copied().unwrap_or(0.0);
+            let y: Vec<f64> = if op == "QuantizeLinear" {
+                let (_, q) = quantized(call)?;
+                (0..xv.len())
+                    .map(|i| {
+                        let v = libm::rintf(xv[i] as f32 / scale[p.param(i)] as f32) as f64;
+                        q.saturate(if v.is_nan() { z(i) } else { v + z(i) })
+                    })
+                    .collect()
+            } else {
+                (0..xv.len()).map(|i| ((xv[i] - z(i)) as f32 * scale[p.param(i)] as f32) as f64).collect()
+            };
+            call.output(0)?.write_vec(&y)
+        }
+        _ => {
+            let (lo, hi) = xv.iter().fold((0f32, 0f32), |(lo, hi), &v| (lo.min(v as f32), hi.max(v as f32)));
+            let scale = if hi == lo { 1.0 } else { (hi - lo) / 255.0 };
+            let zp = libm::rintf((0.0 - lo / scale).clamp(0.0, 255.0));
+            let y: Vec<f64> =
+                xv.iter().map(|&v| (libm::rintf(v as f32 / scale) + zp).clamp(0.0, 255.0) as f64).collect();
+            call.output(0)?.write_vec(&y)?;
+            if let Some(t) = call.output_opt(1) {
+                t.write_vec(&[scale as f64])?;
+            }
+            if let Some(t) = call.output_opt(2) {
+                t.write_vec(&[zp as f64])?;
+            }
+            Ok(())
+        }
+    }
+}
+
+fn targ(h: u32) -> KernelArg {
+    KernelArg::Tensor { handle: h, offset: 0 }
+}
+
+pub(crate) fn dispatch(call: &Call) -> Result<()> {
+    let op = call.op_type();
+    infer(call)?;
+    let x = call.input(0)?;
+    let n = x.numel()?;
+    match op {
+        "QuantizeLinear" | "DequantizeLinear" => {
+            let p = plan(call, &x.shape()?)?;
+            let scale = call.input(1)?;
+            let zp = call.input_opt(2);
+            let y = call.output(0)?;
+            let quant = op == "QuantizeLinear";
+            let (float_dtype, int) = if quant {
+                (x.dtype()?, quantized(call)?.1)
+            } else {
+                (scale.dtype()?, Int::of(x.dtype()?).unwrap_or(Int::I32))
+            };
+            if scale.dtype()? != float_dtype {
+                unsupported!("{op}: the CUDA kernel takes a scale of {float_dtype}, not {}", scale.dtype()?);
+            }
+            let Some(tag) = float_dtype.cuda_tag() else { unsupported!("{op}: no CUDA kernel for {float_dtype}") };
+            if n == 0 {
+                return Ok(());
+            }
+            let name = if quant { "kiln_quantize_linear" } else { "kiln_dequantize_linear" };
+            let mut args = alloc::vec![
+                targ(x.handle()),
+                targ(scale.handle()),
+                targ(zp.as_ref().map_or(x.handle(), |z| z.handle())),
+                targ(y.handle()),
+                KernelArg::U64(n as u64),
+                KernelArg::U32(zp.is_some() as u32),
+                KernelArg::U32(int as u32),
+            ];
+            args.extend(p.args());
+            launch(&Launch {
+                kernel: &kernel_name(name, &[tag]),
+                grid: [grid_for(n), 1, 1],
+                block: [BLOCK, 1, 1],
+                shared_mem_bytes: 0,
+                args,
+            })
+        }
+        _ => {
+            let (y, scale, zp) = (call.output(0)?, call.output_opt(1), call.output_opt(2));
+            // The scale and zero point go to scratch when the node leaves them out.
+            let s = match &scale {
+                Some(t) => t.handle(),
+                None => scratch(4)?,
+            };
+            let z = match &zp {
+                Some(t) => t.handle(),
+                None => scratch(1)?,
+            };
+            let n64 = KernelArg::U64(n as u64);
+            launch(&Launch {
+                kernel: "kiln_dql_params",
+                grid: [1, 1, 1],
+                block: [1024, 1, 1],
+                shared_mem_bytes: 0,
+                args: alloc::vec![targ(x.handle()), targ(s), targ(z), n64],
+            })?;
+            if n == 0 {
+                return Ok(());
+            }
+            launch(&Launch {
+                kernel: "kiln_dql_apply",
+                grid: [grid_for(n), 1, 1],
+                block: [BLOCK, 1, 1],
+                shared_mem_bytes: 0,
+                args: alloc::vec![targ(x.handle()), targ(s), targ(z), targ(y.handle()), n64],
+            })
+        }
+    }
+}
