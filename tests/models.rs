@@ -647,6 +647,81 @@ fn malformed_pooling_and_loss_nodes_are_clear_errors() {
     assert!(err.contains("NegativeLogLikelihoodLoss: target 4294967297 is out of range for 3 classes"), "{err}");
 }
 
+/// The vision, quantization, normalization and attention ops added for general ONNX models refuse
+/// malformed nodes with the reason, never a panic (each case once made a shim divide by zero or
+/// read past a buffer), and the edge cases that have a value compute it.
+#[test]
+fn malformed_vision_quantization_and_attention_nodes_are_clear_errors() {
+    let one = |op: &str, ins: &[&str], attrs, inputs, inits| {
+        onnx::model(vec![node(op, ins, &["y"], attrs)], inputs, vec![value("y", 1, &[-1, -1, -1, -1])], inits)
+    };
+    // blocksize² past the shim's 32-bit sizes.
+    let m = one("DepthToSpace", &["x"], vec![attr_int("blocksize", 65536)], vec![value("x", 1, &[1, 4, 2, 2])], vec![]);
+    let e = load_err(&m);
+    assert!(e.contains("DepthToSpace: blocksize 65536 makes [1, 4, 2, 2] too large"), "{e}");
+    // num_groups of 2^32 is not 0 groups.
+    let m = one(
+        "GroupNormalization",
+        &["x", "s", "b"],
+        vec![attr_int("num_groups", 1 << 32)],
+        vec![value("x", 1, &[1, 4, 2, 2])],
+        vec![init_f32("s", &[4], &[1.0; 4]), init_f32("b", &[4], &[0.0; 4])],
+    );
+    let e = load_err(&m);
+    assert!(e.contains("GroupNormalization: num_groups 4294967296 must be positive and divide the 4 channels"), "{e}");
+    // Nothing to sample from.
+    let m = one(
+        "GridSample",
+        &["x", "g"],
+        vec![attr_string("padding_mode", "border")],
+        vec![value("x", 1, &[1, 1, 0, 2]), value("g", 1, &[1, 1, 1, 2])],
+        vec![],
+    );
+    let e = load_err(&m);
+    assert!(e.contains("GridSample: X [1, 1, 0, 2] has an empty spatial axis to sample from"), "{e}");
+    // A zero point of another type than x.
+    let m = onnx::model(
+        vec![node("DequantizeLinear", &["x", "s", "z"], &["y"], vec![])],
+        vec![value("x", 6, &[4]), value("s", 1, &[]), value("z", 3, &[])],
+        vec![value("y", 1, &[-1])],
+        vec![],
+    );
+    let e = load_err(&m);
+    assert!(e.contains("DequantizeLinear: x_zero_point is int8 but x is int32"), "{e}");
+    // Attention (opset 23) with no KV head, and with no key at all (Y is zero, as the reference's
+    // empty matmul gives).
+    let attention = |k: &[i64]| {
+        let mut m = onnx::model(
+            vec![node("Attention", &["q", "k", "v"], &["y"], vec![])],
+            vec![value("q", 1, &[1, 2, 3, 4]), value("k", 1, k), value("v", 1, k)],
+            vec![value("y", 1, &[-1, -1, -1, -1])],
+            vec![],
+        );
+        m.opset_import[0].version = 23;
+        m
+    };
+    let e = load_err(&attention(&[1, 0, 3, 4]));
+    assert!(e.contains("Attention: 2 query heads are not a multiple of 0 KV heads"), "{e}");
+    let rt = runtime(&[]);
+    let q = f32_tensor(&[1, 2, 3, 4], &[0.5; 24]);
+    let kv = f32_tensor(&[1, 1, 0, 4], &[]);
+    let feeds = vec![("q".into(), q), ("k".into(), kv.clone()), ("v".into(), kv)];
+    let out = run(&rt, &onnx::bytes(&attention(&[1, 1, 0, 4])), feeds).unwrap();
+    assert_eq!(out[0].1.shape, vec![1, 2, 3, 4]);
+    assert_eq!(f32_values(&out[0].1), vec![0.0; 24]);
+    // InstanceNormalization over no channel: an empty output.
+    let m = onnx::model(
+        vec![node("InstanceNormalization", &["x", "s", "b"], &["y"], vec![])],
+        vec![value("x", 1, &[1, 0, 4]), value("s", 1, &[0]), value("b", 1, &[0])],
+        vec![value("y", 1, &[-1, -1, -1])],
+        vec![],
+    );
+    let empty = f32_tensor(&[0], &[]);
+    let feeds = vec![("x".into(), f32_tensor(&[1, 0, 4], &[])), ("s".into(), empty.clone()), ("b".into(), empty)];
+    let out = run(&rt, &onnx::bytes(&m), feeds).unwrap();
+    assert_eq!(out[0].1.shape, vec![1, 0, 4]);
+}
+
 /// The index ops (kiln-tensor's GatherElements, ScatterND, OneHot, Pad; kiln-reduce's TopK)
 /// refuse out-of-range indices and bad geometry with the CPU reference's messages, and a
 /// scatter's repeated indices combine in order.

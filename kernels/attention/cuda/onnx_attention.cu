@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32)
         float o = 0.f;
         for (unsigned w = 0; w < ATT_WARPS; ++w)
             if (s_l[w] > 0.f) o += s_acc[w][d] * expf(s_m[w] - M);
-        y[b * ly.b + h * ly.h + s * ly.s + d] = kiln_from_f32(Tag(), o / L);
+        y[b * ly.b + h * ly.h + s * ly.s + d] = kiln_from_f32(Tag(), Tn == 0 ? 0.f : o / L);  // no key: 0, as the CPU
     }
     if (qk_row && qk_mode == 3)
         for (unsigned t = warp; t < Tn; t += ATT_WARPS) {

@@ -30,7 +30,7 @@
 #include "kiln-cuda-std/round.cuh"
 #include "kiln-cuda-std/math.cuh"
 
-enum ArithOp { ADD = 0, SUB, MUL, DIV, POW, FMOD, MOD, MAX, MIN, BIT_AND, BIT_OR, BIT_XOR, SHIFT_LEFT, SHIFT_RIGHT };
+enum ArithOp { ADD = 0, SUB, MUL, DIV, POW, FMOD, MOD, MAX, MIN, BIT_AND, BIT_OR, BIT_XOR, SHIFT_LEFT, SHIFT_RIGHT, PRELU };
 enum CmpOp { EQ = 0, LT, GT, LE, GE };
 enum LogicOp { AND = 0, OR, XOR, LEQ };
 
@@ -57,6 +57,7 @@ __device__ __forceinline__ C float_arith(C a, C b, unsigned op) {
         if (a != a) return a;
         if (b != b) return b;
         return a < b ? a : b;
+    case PRELU: return a < C(0) ? a * b : a;
     default: return a;
     }
 }
@@ -106,6 +107,7 @@ __device__ __forceinline__ kiln_u64 int_arith(bool sg, kiln_u64 a, kiln_u64 b, u
     }
     case MAX: return int_lt(sg, a, b) ? b : a;
     case MIN: return int_lt(sg, b, a) ? b : a;
+    case PRELU: return sg && (long long)a < 0 ? a * b : a;
     case BIT_AND: return a & b;
     case BIT_OR: return a | b;
     case BIT_XOR: return a ^ b;

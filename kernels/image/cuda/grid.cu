@@ -88,6 +88,12 @@ __global__ void kiln_grid_sample(const typename Tag::storage* x, const typename 
                 for (int j = 0; j < 4; ++j) idx[a][j] = gs_tap(i0 - 1 + j, d, padding, lo, hi);
             }
         }
+        bool nan = false;
+        for (unsigned a = 0; a < k; ++a) nan |= isnan(kiln_to_f32(Tag(), g[a]));
+        if (nan) {  // a NaN coordinate samples nothing (as the CPU reference)
+            y[i] = kiln_from_f32(Tag(), __int_as_float(0x7fc00000));
+            continue;
+        }
         double sum = 0.0;
         for (int p = 0; p < taps[0]; ++p)
             for (int q = 0; q < taps[1]; ++q)

@@ -601,7 +601,7 @@ extern "C" __global__ void kiln_tensor_pad(const char* src, char* dst, kiln_u64 
 }
 
 // HannWindow, HammingWindow, BlackmanWindow: w[n] = a0 − a1·cos(2πn / N) + a2·cos(4πn / N) in
-// f64, rounded once. One thread per element.
+// f64, rounded to the element type (float16 and bfloat16 through float32). One thread per element.
 template <typename Tag>
 __global__ void kiln_tensor_window(typename Tag::storage* dst, kiln_u64 n, double a0, double a1, double a2, double N) {
     typedef kiln_elem<Tag> E;

@@ -22,7 +22,7 @@ enum UnaryOp {
     RELU = 0, LEAKY_RELU, SIGMOID, TANH, EXP, LOG, SQRT, NEG, ABS, ERF, RECIPROCAL,
     COS, SIN, FLOOR, CEIL, GELU, GELU_TANH, SOFTPLUS, HARD_SIGMOID, ELU, SELU, CELU, HARD_SWISH, MISH,
     THRESHOLDED_RELU, SOFTSIGN, SHRINK, TAN, ASIN, ACOS, ATAN, SINH, COSH, ASINH, ACOSH, ATANH, SIGN, ROUND,
-    BITWISE_NOT
+    BITWISE_NOT, SWISH
 };
 
 // Same formulas as the CPU reference (`Op::apply`), in the compute type C (float or double).
@@ -88,6 +88,12 @@ __device__ __forceinline__ C unary_apply(C x, unsigned op, C alpha, C beta) {
     case SIGN: return x > C(0) ? C(1) : (x < C(0) ? C(-1) : x);
     // Halves to even (ONNX Round).
     case ROUND: return kiln_rint(x);
+    case SWISH: {
+        const C z = alpha * x;
+        if (z >= C(0)) return x * (C(1) / (C(1) + kiln_exp(-z)));
+        const C e = kiln_exp(z);
+        return x * (e / (C(1) + e));
+    }
     default: return x;
     }
 }

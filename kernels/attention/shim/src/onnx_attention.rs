@@ -19,7 +19,7 @@
 //!   bias, as ONNX 1.20's reference and test data have it (later ONNX releases moved it before
 //!   the bias, so that a masked key keeps weight 0 under a softcap).
 //! * softmax over t (a row whose keys are all masked gives NaN, as the reference does), then
-//!   the weighted sum of V.
+//!   the weighted sum of V (0 when there is no key at all, T = 0).
 //! * `qk_matmul_output_mode`: 0 qk, 1 qk + bias, 2 after the softcap, 3 the softmax.
 //! * `softmax_precision` is accepted; the CPU reference computes in f64 and the GPU in f32,
 //!   never below the tensors' precision.
@@ -126,7 +126,7 @@ fn plan(call: &Call) -> Result<Plan> {
     if v_rows != (kv_seq, kv_heads) {
         bail!("{ATTENTION}: V has {} heads of {} rows where K has {kv_heads} of {kv_seq}", v_rows.1, v_rows.0);
     }
-    if q_heads % kv_heads != 0 {
+    if kv_heads == 0 || q_heads % kv_heads != 0 {
         bail!("{ATTENTION}: {q_heads} query heads are not a multiple of {kv_heads} KV heads");
     }
 
@@ -388,7 +388,7 @@ pub(crate) fn dispatch(call: &Call) -> Result<()> {
             ],
         })?;
     }
-    if p.batch == 0 || p.q_seq == 0 || p.q_heads == 0 || p.v_head == 0 {
+    if p.batch == 0 || p.q_seq == 0 || p.q_heads == 0 {
         return Ok(());
     }
     let (mask_mode, strides, width) = match &p.mask {

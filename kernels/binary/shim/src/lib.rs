@@ -26,7 +26,9 @@ enum Op {
     Mul,
     Div,
     Pow,
-    Mod { fmod: bool },
+    Mod {
+        fmod: bool,
+    },
     Max,
     Min,
     Sum,
@@ -43,7 +45,11 @@ enum Op {
     BitwiseAnd,
     BitwiseOr,
     BitwiseXor,
-    BitShift { left: bool },
+    BitShift {
+        left: bool,
+    },
+    /// PRelu: x < 0 ? slope·x : x, slope broadcast to X.
+    PRelu,
 }
 
 impl Op {
@@ -72,6 +78,7 @@ impl Op {
             "Or" => Op::Or,
             "Xor" => Op::Xor,
             "Where" => Op::Where,
+            "PRelu" => Op::PRelu,
             "BitwiseAnd" => Op::BitwiseAnd,
             "BitwiseOr" => Op::BitwiseOr,
             "BitwiseXor" => Op::BitwiseXor,
@@ -140,6 +147,9 @@ fn check(call: &Call) -> Result<Checked> {
     }
     let refs: Vec<&[usize]> = shapes.iter().map(|s| s.as_slice()).collect();
     let out_shape = shape::broadcast_shapes(&refs)?;
+    if op == Op::PRelu && out_shape != shapes[0] {
+        bail!("PRelu: slope {:?} does not broadcast to X's shape {:?}", shapes[1], shapes[0]);
+    }
 
     // The inputs that must share one dtype, and the output dtype.
     let (same, out_dtype): (&[DType], DType) = match op {
@@ -273,6 +283,8 @@ fn float_op(op: Op, a: f64, b: f64) -> f64 {
         Op::Mod { .. } => libm::fmod(a, b),
         Op::Max => float_max(a, b),
         Op::Min => float_min(a, b),
+        Op::PRelu if a < 0.0 => a * b,
+        Op::PRelu => a,
         _ => f64::NAN,
     }
 }
@@ -304,6 +316,13 @@ fn int_op(op: Op, u: bool, a: i64, b: i64) -> Result<i64> {
                 } else {
                     r
                 }
+            }
+        }
+        Op::PRelu => {
+            if !u && a < 0 {
+                a.wrapping_mul(b)
+            } else {
+                a
             }
         }
         Op::Max => {
@@ -462,6 +481,7 @@ fn arith_code(op: Op) -> Option<u32> {
         Op::BitwiseXor => 11,
         Op::BitShift { left: true } => 12,
         Op::BitShift { left: false } => 13,
+        Op::PRelu => 14,
         _ => return None,
     })
 }

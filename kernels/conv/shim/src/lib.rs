@@ -198,6 +198,9 @@ fn geom(call: &Call) -> Result<Geom> {
             output.push(len_of(op, o)?);
         }
     }
+    let mut out = alloc::vec![xs[0], out_ch];
+    out.extend_from_slice(&output);
+    shape::numel(&out)?;
     Ok(Geom {
         transpose,
         dtype,

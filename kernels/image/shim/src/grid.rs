@@ -12,7 +12,7 @@
 //! Keys' kernel with a = −0.75). `padding_mode` for a coordinate outside [−½, d − ½] (or
 //! [0, d − 1] with align_corners): `zeros` (taps outside X read 0), `border` (the coordinate and
 //! the taps clamp to [0, d − 1]), `reflection` (the coordinate and the taps reflect off those
-//! bounds until inside).
+//! bounds until inside). A NaN coordinate gives NaN.
 //!
 //! # AffineGrid
 //!
@@ -94,6 +94,9 @@ fn plan(call: &Call) -> Result<Plan> {
         "reflection" => Padding::Reflection,
         m => bail!("{OP}: padding_mode {m:?} is not zeros, border or reflection"),
     };
+    if xs[2..].contains(&0) && gs[1..=k].iter().product::<usize>() * xs[0] * xs[1] > 0 {
+        bail!("{OP}: X {xs:?} has an empty spatial axis to sample from");
+    }
     Ok(Plan {
         dtype,
         batch: xs[0],
@@ -172,6 +175,9 @@ impl Plan {
         for a in 0..k {
             let d = self.input[a];
             let n = g[k - 1 - a] as f32;
+            if n.is_nan() {
+                return f64::NAN; // a NaN coordinate samples nothing: NaN on both devices
+            }
             let mut x =
                 if self.align { (n + 1.0) / 2.0 * (d as f32 - 1.0) } else { ((n + 1.0) * d as f32 - 1.0) / 2.0 };
             if self.mode == Mode::Nearest {
@@ -316,7 +322,11 @@ fn affine_plan(call: &Call) -> Result<(DType, usize, Vec<usize>)> {
     if let Some(d) = size[2..].iter().find(|&&d| !(1..=u32::MAX as i64).contains(&d)) {
         bail!("{OP}: size {size:?} has a spatial length {d}; lengths are positive");
     }
-    Ok((dtype, ts[0], size[2..].iter().map(|&d| d as usize).collect()))
+    let dims: Vec<usize> = size[2..].iter().map(|&d| d as usize).collect();
+    let mut out = alloc::vec![ts[0], k];
+    out.extend_from_slice(&dims);
+    shape::numel(&out)?;
+    Ok((dtype, ts[0], dims))
 }
 
 pub(crate) fn affine_infer(call: &Call) -> Result<Vec<TensorType>> {

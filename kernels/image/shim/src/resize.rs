@@ -217,8 +217,12 @@ fn plan(call: &Call) -> Result<Plan> {
                         out_shape[a] = z[i] as usize;
                     }
                     Some(s) => {
+                        let o = libm::floor(s * shape[a] as f64 + 0.5);
+                        if !(0.0..=u32::MAX as f64).contains(&o) {
+                            bail!("{op}: keep_aspect_ratio_policy makes axis {a} {o} long");
+                        }
                         scale[a] = s;
-                        out_shape[a] = libm::floor(s * shape[a] as f64 + 0.5) as usize;
+                        out_shape[a] = o as usize;
                     }
                 }
             }
@@ -226,6 +230,7 @@ fn plan(call: &Call) -> Result<Plan> {
         (Some(_), Some(_)) => bail!("{op}: give scales or sizes, not both"),
         (None, None) => bail!("{op}: needs scales or sizes"),
     }
+    shape::numel(&out_shape)?;
     let mut roi_of = alloc::vec![(0.0f64, 1.0f64); r];
     if coord == Coord::TfCropAndResize {
         let Some(roi) = roi else { bail!("{op}: tf_crop_and_resize needs roi") };

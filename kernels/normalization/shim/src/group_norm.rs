@@ -36,10 +36,10 @@ fn plan(call: &Call) -> Result<Plan> {
         (c, true)
     } else {
         let g = call.attr_i("num_groups", 0)?;
-        if g <= 0 || c % g as usize != 0 {
-            bail!("{op}: num_groups {g} must be positive and divide the {c} channels");
+        match usize::try_from(g) {
+            Ok(n) if n > 0 && c % n == 0 => (n, call.opset() >= 21),
+            _ => bail!("{op}: num_groups {g} must be positive and divide the {c} channels"),
         }
-        (g as usize, call.opset() >= 21)
     };
     let want = if per_channel { c } else { groups };
     for (i, what) in [(1, "scale"), (2, "bias")] {
@@ -56,7 +56,10 @@ impl Plan {
         self.shape[0] * self.groups
     }
     fn cols(&self) -> usize {
-        self.channels / self.groups * self.spatial
+        match self.groups {
+            0 => 0, // no channels
+            g => self.channels / g * self.spatial,
+        }
     }
 }
 
@@ -70,9 +73,9 @@ pub fn cpu(call: &Call) -> Result<()> {
     let eps = call.attr_f("epsilon", 1e-5)? as f64;
     let mut x = call.input(0)?.read_vec::<f64>()?;
     let (scale, bias) = (call.input(1)?.read_vec::<f64>()?, call.input(2)?.read_vec::<f64>()?);
-    let (cols, cpg) = (p.cols(), p.channels / p.groups);
+    let (cols, cpg) = (p.cols(), p.channels / p.groups.max(1));
     for r in 0..p.rows() {
-        let g = r % p.groups;
+        let g = r % p.groups.max(1);
         let row = &mut x[r * cols..(r + 1) * cols];
         let mean = row.iter().sum::<f64>() / cols as f64;
         let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / cols as f64;

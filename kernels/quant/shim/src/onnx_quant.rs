@@ -193,6 +193,15 @@ pub(crate) fn infer(call: &Call) -> Result<Vec<TensorType>> {
             if Int::of(x.dtype()?).is_none() {
                 unsupported!("{op}: x of {}; uint8, int8, uint16, int16 and int32 are supported", x.dtype()?);
             }
+            if let Some(z) = call.input_opt(2) {
+                if z.dtype()? != x.dtype()? {
+                    bail!("{op}: x_zero_point is {} but x is {}", z.dtype()?, x.dtype()?);
+                }
+            }
+            let o = call.attr_i("output_dtype", 0)?;
+            if o != 0 && o != s as i64 {
+                unsupported!("{op}: output_dtype {o} other than x_scale's {s}");
+            }
             plan(call, &shape)?;
             Ok(alloc::vec![TensorType::new(s, shape)])
         }

@@ -80,8 +80,12 @@ fn plan(call: &Call) -> Result<Plan> {
         }
         match z.numel()? {
             1 => Ok((Some(i), false)),
-            c if c == per && z.rank()? == 1 => Ok((Some(i), true)),
-            _ => bail!("{op}: {what} {:?} must be one value or {per}", z.shape()?),
+            c if c == per && z.rank()? == 1 && per > 1 => Ok((Some(i), true)),
+            _ => unsupported!(
+                "{op}: {what} {:?}; one value{} is supported",
+                z.shape()?,
+                if per > 1 { alloc::format!(" or a 1-D [{per}]") } else { alloc::string::String::new() }
+            ),
         }
     };
     let (a_zp, a_zp_rows) = zp(2, if ql { 1 } else { m }, a_int, "a_zero_point")?;
@@ -100,8 +104,8 @@ fn plan(call: &Call) -> Result<Plan> {
             match s.numel()? {
                 1 => {}
                 c if i == 4 && c == n => b_scale_cols = true,
-                _ => bail!(
-                    "{op}: {what} {:?} must be one value{}",
+                _ => unsupported!(
+                    "{op}: {what} {:?}; one value{} is supported",
                     s.shape()?,
                     if i == 4 { " or one per column" } else { "" }
                 ),
@@ -181,7 +185,7 @@ pub(crate) fn cpu(call: &Call) -> Result<()> {
                     let f = round_to(sd, round_to(sd, sa[0] * sb[if p.b_scale_cols { c } else { 0 }]) / sy[0]);
                     p.y_int.saturate(libm::rint(acc * f + zy[0]))
                 } else {
-                    acc
+                    acc as i64 as i32 as f64 // int32 accumulation wraps, as on the GPU
                 });
             }
         }

@@ -188,12 +188,16 @@ fn depth_space(call: &Call, dims: &[usize]) -> Result<Plan> {
         bail!("{op}: blocksize must be positive, not {b}");
     }
     let b = b as usize;
+    let mul = |x: usize, y: usize| {
+        x.checked_mul(y).ok_or_else(|| ShimError::Failed(format!("{op}: blocksize {b} makes {dims:?} too large")))
+    };
+    let bb = mul(b, b)?;
     let (hw, bi) = ((h * w) as isize, b as isize);
     if op == "DepthToSpace" {
-        if c % (b * b) != 0 {
-            bail!("{op}: {c} channels are not a multiple of blocksize² = {}", b * b);
+        if c % bb != 0 {
+            bail!("{op}: {c} channels are not a multiple of blocksize² = {bb}");
         }
-        let cc = c / (b * b);
+        let cc = c / bb;
         let cci = cc as isize;
         // Walk [N, C', H, b1, W, b2]; input channel (b1·b + b2)·C' + c' (DCR) or c'·b² + b1·b + b2 (CRD).
         let (sc, sb1, sb2) = match call.attr_s("mode", "DCR")? {
@@ -201,17 +205,21 @@ fn depth_space(call: &Call, dims: &[usize]) -> Result<Plan> {
             "CRD" => (bi * bi * hw, bi * hw, hw),
             m => bail!("{op}: mode must be DCR or CRD, not {m:?}"),
         };
+        let out = alloc::vec![n, cc, mul(h, b)?, mul(w, b)?];
+        shape::numel(&out)?;
         let shape = alloc::vec![n, cc, h, b, w, b];
         let strides = alloc::vec![(c as isize) * hw, sc, w as isize, sb1, 1, sb2];
-        Ok(Plan { shape, strides, base: 0, out: alloc::vec![n, cc, h * b, w * b] })
+        Ok(Plan { shape, strides, base: 0, out })
     } else {
         if h % b != 0 || w % b != 0 {
             bail!("{op}: H {h} and W {w} must be multiples of blocksize {b}");
         }
+        let out = alloc::vec![n, mul(c, bb)?, h / b, w / b];
+        shape::numel(&out)?;
         // Walk [N, b1, b2, C, H/b, W/b]: input (c, h'·b + b1, w'·b + b2).
         let shape = alloc::vec![n, b, b, c, h / b, w / b];
         let strides = alloc::vec![(c as isize) * hw, w as isize, 1, hw, bi * w as isize, bi];
-        Ok(Plan { shape, strides, base: 0, out: alloc::vec![n, c * b * b, h / b, w / b] })
+        Ok(Plan { shape, strides, base: 0, out })
     }
 }
 

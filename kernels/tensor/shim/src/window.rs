@@ -3,7 +3,8 @@
 //! w[n] = a0 − a1·cos(2πn / N) + a2·cos(4πn / N), N = size when `periodic` (default 1), else
 //! size − 1; Hann (½, ½, 0), Hamming (25/46, 21/46, 0), Blackman (0.42, 0.5, 0.08). The output
 //! type is `output_datatype` (default float32): float32, float16, bfloat16 or float64 here.
-//! Computed in f64 and rounded once (the GPU kernel too).
+//! Computed in f64 and rounded once (on the GPU float16 and bfloat16 through float32, which may
+//! differ by an ulp).
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;

@@ -3,7 +3,7 @@
 //! Reciprocal-13, Cos-7, Sin-7, Floor-13, Ceil-13, Not-1, Gelu-20, Softplus-1, HardSigmoid-6,
 //! Clip-6/11/13, Elu-6, Selu-6, Celu-12, HardSwish-14, Mish-18, ThresholdedRelu-10, Softsign-1,
 //! Shrink-9, Tan-7, Asin-7, Acos-7, Atan-7, Sinh-9, Cosh-9, Asinh-9, Acosh-9, Atanh-9, Sign-9,
-//! Round-11, BitwiseNot-18), IsNaN and IsInf (`classify`), and `ai.kiln::SwiGlu` (`swiglu`). The CPU reference computes
+//! Round-11, BitwiseNot-18, Swish-24), IsNaN and IsInf (`classify`), and `ai.kiln::SwiGlu` (`swiglu`). The CPU reference computes
 //! floating-point ops in f64 and rounds once.
 #![no_std]
 extern crate alloc;
@@ -65,6 +65,8 @@ enum Op {
     Round,
     /// Integers only.
     BitwiseNot,
+    /// x·sigmoid(alpha·x) (Swish-24).
+    Swish(f64),
 }
 
 impl Op {
@@ -112,6 +114,7 @@ impl Op {
             "Sign" => Op::Sign,
             "Round" => Op::Round,
             "BitwiseNot" => Op::BitwiseNot,
+            "Swish" => Op::Swish(call.attr_f("alpha", 1.0)? as f64),
             other => unsupported!("kiln-unary does not implement {other}"),
         })
     }
@@ -158,6 +161,7 @@ impl Op {
             Op::Sign => 36,
             Op::Round => 37,
             Op::BitwiseNot => 38,
+            Op::Swish(_) => 39,
         }
     }
 
@@ -165,7 +169,7 @@ impl Op {
         match self {
             Op::LeakyRelu(a) => (a, 0.0),
             Op::HardSigmoid(a, b) | Op::Selu(a, b) | Op::Shrink(a, b) => (a, b),
-            Op::Elu(a) | Op::Celu(a) | Op::ThresholdedRelu(a) => (a, 0.0),
+            Op::Elu(a) | Op::Celu(a) | Op::ThresholdedRelu(a) | Op::Swish(a) => (a, 0.0),
             _ => (0.0, 0.0),
         }
     }
@@ -251,6 +255,15 @@ impl Op {
                     x - bias
                 } else {
                     0.0
+                }
+            }
+            Op::Swish(a) => {
+                let z = a * x;
+                x * if z >= 0.0 {
+                    1.0 / (1.0 + exp(-z))
+                } else {
+                    let e = exp(z);
+                    e / (1.0 + e)
                 }
             }
             Op::Tan => tan(x),
