@@ -127,12 +127,14 @@ fn onnx_node_tests_that_pass_on_the_cpu_pass_on_the_gpu() {
     // Every node on the GPU kernels (no shape arithmetic on the host).
     let gpu_options = SessionOptions { small_integer_nodes_on_host: false, ..cuda() };
     let gpu: Vec<_> = dirs.iter().map(|d| run_test(&rt, d, &gpu_options)).collect();
-    // kiln's node tests of onnxruntime's contrib ops: all of them pass on the GPU.
-    let contrib = test_dirs(&kiln_tests::root().join("tests/contrib-node-tests"), None).unwrap();
+    // kiln's node tests of onnxruntime's contrib ops and of ONNX's ops beyond ONNX's own tests
+    // (expected outputs from onnxruntime): all of them pass on the GPU.
+    let mut contrib = test_dirs(&kiln_tests::root().join("tests/contrib-node-tests"), None).unwrap();
+    contrib.extend(test_dirs(&kiln_tests::root().join("tests/onnx-node-tests"), None).unwrap());
     let contrib: Vec<_> = contrib.iter().map(|d| run_test(&rt, d, &gpu_options)).collect();
     println!("{}", summary(&contrib));
     let contrib_failed: Vec<_> = contrib.iter().filter(|r| r.outcome != Outcome::Passed).collect();
-    assert!(contrib_failed.is_empty(), "contrib-op node tests on the GPU: {contrib_failed:#?}");
+    assert!(contrib_failed.is_empty(), "kiln's own node tests on the GPU: {contrib_failed:#?}");
     println!("{}", summary(&gpu));
     let regressions: Vec<_> = cpu
         .iter()

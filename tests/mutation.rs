@@ -85,6 +85,7 @@ fn model_corpus(rt: &Arc<Runtime>, ext: &Path) -> Vec<Original> {
     let root = kiln_tests::root();
     let mut dirs = kiln_host::conformance::test_dirs(&kiln_tests::onnx_node_tests(), None).unwrap();
     dirs.extend(kiln_host::conformance::test_dirs(&root.join("tests/contrib-node-tests"), None).unwrap());
+    dirs.extend(kiln_host::conformance::test_dirs(&root.join("tests/onnx-node-tests"), None).unwrap());
     let mut out: Vec<Original> = dirs
         .iter()
         .map(|d| {

@@ -122,9 +122,21 @@ fn kernels_list_shows_every_builtin_package() {
     let o = kiln(&["kernels", "list"]);
     let t = text(&o);
     assert!(o.status.success(), "{t}");
-    for dir in
-        ["unary", "binary", "cast", "matmul", "reduce", "normalization", "tensor", "pool", "loss", "image", "cuda-std"]
-    {
+    for dir in [
+        "unary",
+        "binary",
+        "cast",
+        "matmul",
+        "reduce",
+        "normalization",
+        "tensor",
+        "pool",
+        "loss",
+        "image",
+        "conv",
+        "rnn",
+        "cuda-std",
+    ] {
         let p = format!("kiln-{dir} {}", builtin_version(dir));
         assert!(t.contains(&p), "{p} missing from:\n{t}");
     }

@@ -36,11 +36,12 @@ pub struct VerifyArgs {
     pub device: DeviceArg,
     /// Folders of node tests (repeatable; relative to the working directory): ONNX's (fetched
     /// by scripts/fetch-onnx-node-tests.sh) and kiln's own for onnxruntime's contrib ops
-    /// (tests/contrib-node-tests). Missing folders are skipped, but one must exist.
+    /// (tests/contrib-node-tests) and for ONNX's ops beyond ONNX's tests (tests/onnx-node-tests).
+    /// Missing folders are skipped, but one must exist.
     #[arg(
         long,
         value_name = "DIR",
-        default_values = [".cache/onnx-node-1.20.0/node", "tests/contrib-node-tests"]
+        default_values = [".cache/onnx-node-1.20.0/node", "tests/contrib-node-tests", "tests/onnx-node-tests"]
     )]
     pub node_tests: Vec<PathBuf>,
     /// Random inputs per node-test model.

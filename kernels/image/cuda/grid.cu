@@ -68,7 +68,7 @@ __global__ void kiln_grid_sample(const typename Tag::storage* x, const typename 
             float xf = align ? (gn + 1.f) / 2.f * ((float)d - 1.f) : ((gn + 1.f) * (float)d - 1.f) / 2.f;
             if (mode == GS_NEAREST) xf = rintf(xf);
             const float lo = align ? 0.f : -0.5f, hi = align ? (float)d - 1.f : (float)d - 0.5f;
-            if (xf < lo || xf > hi) {
+            if (mode != GS_CUBIC && (xf < lo || xf > hi)) {  // cubic taps are padded one by one
                 if (padding == GS_BORDER) xf = fminf(fmaxf(xf, 0.f), (float)d - 1.f);
                 else if (padding == GS_REFLECTION) xf = gs_reflect(xf, lo, hi);
             }

@@ -12,7 +12,9 @@
 //! Keys' kernel with a = −0.75). `padding_mode` for a coordinate outside [−½, d − ½] (or
 //! [0, d − 1] with align_corners): `zeros` (taps outside X read 0), `border` (the coordinate and
 //! the taps clamp to [0, d − 1]), `reflection` (the coordinate and the taps reflect off those
-//! bounds until inside). A NaN coordinate gives NaN.
+//! bounds until inside); in cubic mode only the taps, one by one, as PyTorch and onnxruntime do
+//! (ONNX's reference moves the coordinate too; ONNX's node tests sample cubic with zeros only).
+//! A NaN coordinate gives NaN.
 //!
 //! # AffineGrid
 //!
@@ -184,7 +186,9 @@ impl Plan {
                 x = libm::rintf(x);
             }
             let (lo, hi) = self.bounds(d);
-            if x < lo || x > hi {
+            // Cubic taps are padded one by one (as PyTorch and onnxruntime do); the others move
+            // the coordinate itself.
+            if self.mode != Mode::Cubic && (x < lo || x > hi) {
                 x = match self.padding {
                     Padding::Zeros => x,
                     Padding::Border => x.clamp(0.0, d as f32 - 1.0),
