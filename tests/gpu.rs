@@ -1777,3 +1777,13 @@ fn a_kv_cache_growth_over_the_memory_limit_is_refused_and_the_batch_goes_on() {
     }
     assert_eq!(more.len(), 40, "a new sequence after the refusal");
 }
+
+/// tests/real-models on the GPU (the packages' CUDA kernels: direct convolutions, pooling,
+/// HardSwish, the BERT encoder's attention and layer norms): max|Δ| ≤ 1e-3·max|ref| of
+/// onnxruntime's CPU outputs and the same top-5 classes.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn small_real_models_match_onnxruntime_on_the_gpu() {
+    let checked = kiln_tests::check_real_models(&cuda());
+    println!("{checked:?}");
+}

@@ -195,6 +195,65 @@ pub fn builtin_runtime() -> std::sync::Arc<kiln_host::ep::Runtime> {
     kiln_host::ep::Runtime::new(reg, config).expect("runtime")
 }
 
+/// The small real models of tests/real-models (made by scripts/make-real-models.py: torchvision's
+/// MobileNetV3-Small and a 2-layer BERT, onnxruntime's CPU outputs): each run on its inputs with
+/// `options`, every output within 1e-3·max|ref| of onnxruntime's (the general-ONNX issue's
+/// criterion), and a classifier's top-5 classes (an output named `logits`) those of the
+/// reference, row by row. Returns the models checked, with their largest relative error.
+pub fn check_real_models(options: &kiln_host::ep::SessionOptions) -> Vec<(String, f64)> {
+    use kiln_host::ep::Session;
+    use kiln_host::tensorio::read_tensor_file;
+    let dir = root().join("tests/real-models");
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("model.onnx").is_file())
+        .collect();
+    dirs.sort();
+    assert!(dirs.len() >= 2, "tests/real-models holds {} models", dirs.len());
+    let rt = builtin_runtime();
+    let files = |d: &std::path::Path, prefix: &str| -> Vec<(Tensor, String)> {
+        let set = d.join("test_data_set_0");
+        (0..)
+            .map(|k| set.join(format!("{prefix}_{k}.pb")))
+            .take_while(|p| p.is_file())
+            .map(|p| read_tensor_file(&p).unwrap())
+            .collect()
+    };
+    let mut checked = Vec::new();
+    for d in dirs {
+        let name = d.file_name().unwrap().to_string_lossy().into_owned();
+        let m = kiln_host::model::load(&d.join("model.onnx")).unwrap();
+        let mut s = Session::new(rt.clone(), m, options.clone()).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let feeds = files(&d, "input").into_iter().map(|(t, n)| (n, t)).collect();
+        let outs = s.run(feeds).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let mut worst = 0f64;
+        for (want, out_name) in files(&d, "output") {
+            let got = &outs.iter().find(|(n, _)| *n == out_name).unwrap_or_else(|| panic!("{name}: no {out_name}")).1;
+            assert_eq!(got.shape, want.shape, "{name}: {out_name}");
+            let (g, w) = (f32_values(got), f32_values(&want));
+            let scale = w.iter().fold(0f64, |m, &v| m.max((v as f64).abs()));
+            let err = g.iter().zip(&w).fold(0f64, |m, (&a, &b)| m.max((a as f64 - b as f64).abs()));
+            assert!(err <= 1e-3 * scale, "{name}: {out_name}: max|Δ| {err} over 1e-3 · max|ref| {scale}");
+            worst = worst.max(err / scale);
+            if out_name == "logits" {
+                let classes = *want.shape.last().unwrap();
+                let top5 = |v: &[f32]| {
+                    let mut i: Vec<usize> = (0..v.len()).collect();
+                    i.sort_by(|&a, &b| v[b].total_cmp(&v[a]));
+                    i.truncate(5);
+                    i
+                };
+                for (r, (gr, wr)) in g.chunks(classes).zip(w.chunks(classes)).enumerate() {
+                    assert_eq!(top5(gr), top5(wr), "{name}: row {r}'s top-5 classes");
+                }
+            }
+        }
+        checked.push((name, worst));
+    }
+    checked
+}
+
 /// One step of a teacher-forced run: kiln's and onnxruntime's last-position logits.
 pub struct StepLogits<'a> {
     pub prompt: &'a str,

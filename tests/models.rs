@@ -804,3 +804,12 @@ fn i64_values(t: &kiln_host::Tensor) -> Vec<i64> {
     assert_eq!(t.dtype, kiln_kernel_abi::DType::I64);
     t.data.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()
 }
+
+/// tests/real-models (torchvision's MobileNetV3-Small at 64 × 64, a 2-layer BERT encoder;
+/// scripts/make-real-models.py) match onnxruntime on the CPU: max|Δ| ≤ 1e-3·max|ref|, the same
+/// top-5 classes.
+#[test]
+fn small_real_models_match_onnxruntime_on_the_cpu() {
+    let checked = kiln_tests::check_real_models(&SessionOptions::default());
+    println!("{checked:?}");
+}
