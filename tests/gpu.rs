@@ -1784,6 +1784,19 @@ fn a_kv_cache_growth_over_the_memory_limit_is_refused_and_the_batch_goes_on() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn small_real_models_match_onnxruntime_on_the_gpu() {
-    let checked = kiln_tests::check_real_models(&cuda());
+    let checked = kiln_tests::check_real_models(&kiln_tests::root().join("tests/real-models"), &cuda());
+    assert_eq!(checked.len(), 2, "{checked:?}");
     println!("{checked:?}");
+}
+
+/// The full-size models of scripts/make-big-models.py on the GPU, from the folder
+/// `KILN_BIG_MODELS` names (made on the GPU machine; too large to travel): max|Δ| ≤
+/// 1e-3·max|ref| of onnxruntime's CPU outputs, the same top-5 classes.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn big_real_models_match_onnxruntime_on_the_gpu() {
+    let Some(dir) = std::env::var_os("KILN_BIG_MODELS") else {
+        panic!("set KILN_BIG_MODELS to scripts/make-big-models.py's folder");
+    };
+    println!("{:?}", kiln_tests::check_real_models(std::path::Path::new(&dir), &cuda()));
 }

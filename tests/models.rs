@@ -810,6 +810,18 @@ fn i64_values(t: &kiln_host::Tensor) -> Vec<i64> {
 /// top-5 classes.
 #[test]
 fn small_real_models_match_onnxruntime_on_the_cpu() {
-    let checked = kiln_tests::check_real_models(&SessionOptions::default());
+    let checked =
+        kiln_tests::check_real_models(&kiln_tests::root().join("tests/real-models"), &SessionOptions::default());
+    assert_eq!(checked.len(), 2, "{checked:?}");
     println!("{checked:?}");
+}
+
+/// The full-size models of scripts/make-big-models.py (resnet50, mobilenet_v3_large,
+/// efficientnet_b0, vit_b_16, BERT-base; about 900 MB, so not in the repository) on the CPU,
+/// from the folder `KILN_BIG_MODELS` names: max|Δ| ≤ 1e-3·max|ref|, the same top-5 classes.
+#[test]
+#[ignore = "needs KILN_BIG_MODELS (scripts/make-big-models.py)"]
+fn big_real_models_match_onnxruntime_on_the_cpu() {
+    let dir = std::env::var_os("KILN_BIG_MODELS").expect("set KILN_BIG_MODELS to scripts/make-big-models.py's folder");
+    println!("{:?}", kiln_tests::check_real_models(Path::new(&dir), &SessionOptions::default()));
 }
