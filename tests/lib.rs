@@ -204,7 +204,7 @@ pub fn builtin_runtime() -> std::sync::Arc<kiln_host::ep::Runtime> {
 pub fn check_real_models(dir: &std::path::Path, options: &kiln_host::ep::SessionOptions) -> Vec<(String, f64)> {
     use kiln_host::ep::Session;
     use kiln_host::tensorio::read_tensor_file;
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&dir)
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.join("model.onnx").is_file())
