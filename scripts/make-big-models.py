@@ -13,34 +13,17 @@ Each model folder is in ONNX's backend test layout (model.onnx, test_data_set_0)
 statistics are made realistic by training-mode passes over random images first. Seeded.
 """
 import os
-import shutil
 import sys
 
-import numpy as np
-import onnx
-import onnxruntime as ort
 import torch
 import torchvision
-from onnx import numpy_helper
+from onnx_test_folder import export_torch_test
 
 
 def save(out, name, model, inputs, input_names, output_names):
-    d = os.path.join(out, name)
-    shutil.rmtree(d, ignore_errors=True)
-    os.makedirs(os.path.join(d, "test_data_set_0"))
-    path = os.path.join(d, "model.onnx")
-    kwargs = {"dynamo": False} if "dynamo" in torch.onnx.export.__code__.co_varnames else {}
-    torch.onnx.export(model, tuple(inputs), path, input_names=input_names, output_names=output_names,
-                      opset_version=17, do_constant_folding=True, **kwargs)
-    feeds = {n: t.numpy() for n, t in zip(input_names, inputs)}
-    results = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(output_names, feeds)
-    for i, (n, v) in enumerate(feeds.items()):
-        with open(os.path.join(d, "test_data_set_0", f"input_{i}.pb"), "wb") as f:
-            f.write(numpy_helper.from_array(v, n).SerializeToString())
-    for i, (n, r) in enumerate(zip(output_names, results)):
-        with open(os.path.join(d, "test_data_set_0", f"output_{i}.pb"), "wb") as f:
-            f.write(numpy_helper.from_array(r, n).SerializeToString())
-    print(f"{name}: " + ", ".join(f"{n}{list(r.shape)}" for n, r in zip(output_names, results)), flush=True)
+    size, outputs = export_torch_test(os.path.join(out, name), model, inputs, input_names,
+                                      output_names)
+    print(f"{name}: {size / 1e6:.2f} MB, outputs " + ", ".join(f"{n}{list(r.shape)}" for n, r in outputs), flush=True)
 
 
 def vision(out, name):

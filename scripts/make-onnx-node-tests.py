@@ -12,13 +12,13 @@ Needs numpy, onnx and onnxruntime (CPU). Inputs are seeded; re-running gives the
 the same onnxruntime version.
 """
 import os
-import shutil
 import sys
 
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
+from onnx_test_folder import write_test_folder
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "tests", "onnx-node-tests")
 rng = np.random.default_rng(20261204)
@@ -47,16 +47,7 @@ def write(name, node, inputs, outs, opset):
     del model.graph.output[:]
     model.graph.output.extend([vinfo(o, r) for o, r in zip(wanted, results)])
     onnx.checker.check_model(model)
-    d = os.path.join(OUT, f"test_{name}")
-    shutil.rmtree(d, ignore_errors=True)
-    os.makedirs(os.path.join(d, "test_data_set_0"))
-    onnx.save(model, os.path.join(d, "model.onnx"))
-    for i, (k, v) in enumerate(feeds.items()):
-        with open(os.path.join(d, "test_data_set_0", f"input_{i}.pb"), "wb") as f:
-            f.write(numpy_helper.from_array(v, k).SerializeToString())
-    for i, (o, r) in enumerate(zip(wanted, results)):
-        with open(os.path.join(d, "test_data_set_0", f"output_{i}.pb"), "wb") as f:
-            f.write(numpy_helper.from_array(r, o).SerializeToString())
+    write_test_folder(os.path.join(OUT, f"test_{name}"), model, feeds, list(zip(wanted, results)))
     print(f"test_{name}: " + ", ".join(f"{o} {r.dtype}{list(r.shape)}" for o, r in zip(wanted, results)))
 
 

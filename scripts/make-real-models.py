@@ -14,38 +14,19 @@ over random images before export. Seeded: re-running gives the same files for th
 library versions. The folders stay under 8 MB in all.
 """
 import os
-import shutil
 import sys
 
-import numpy as np
-import onnx
-import onnxruntime as ort
 import torch
 import torchvision
-from onnx import numpy_helper
+from onnx_test_folder import export_torch_test
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "tests", "real-models")
 
 
-def save(name, model, inputs, input_names, output_names, dynamic_axes=None):
-    d = os.path.join(OUT, name)
-    shutil.rmtree(d, ignore_errors=True)
-    os.makedirs(os.path.join(d, "test_data_set_0"))
-    path = os.path.join(d, "model.onnx")
-    torch.onnx.export(model, tuple(inputs), path, input_names=input_names, output_names=output_names,
-                      opset_version=17, dynamic_axes=dynamic_axes, do_constant_folding=True, dynamo=False)
-    onnx.checker.check_model(onnx.load(path))
-    feeds = {n: t.numpy() for n, t in zip(input_names, inputs)}
-    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    results = sess.run(output_names, feeds)
-    for i, (n, v) in enumerate(feeds.items()):
-        with open(os.path.join(d, "test_data_set_0", f"input_{i}.pb"), "wb") as f:
-            f.write(numpy_helper.from_array(v, n).SerializeToString())
-    for i, (n, r) in enumerate(zip(output_names, results)):
-        with open(os.path.join(d, "test_data_set_0", f"output_{i}.pb"), "wb") as f:
-            f.write(numpy_helper.from_array(r, n).SerializeToString())
-    size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(d) for f in fs)
-    print(f"{name}: {size / 1e6:.2f} MB, outputs " + ", ".join(f"{n}{list(r.shape)}" for n, r in zip(output_names, results)))
+def save(name, model, inputs, input_names, output_names):
+    size, outputs = export_torch_test(os.path.join(OUT, name), model, inputs, input_names,
+                                      output_names)
+    print(f"{name}: {size / 1e6:.2f} MB, outputs " + ", ".join(f"{n}{list(r.shape)}" for n, r in outputs), flush=True)
 
 
 def mobilenet():

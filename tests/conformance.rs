@@ -182,44 +182,45 @@ fn onnx_node_tests_pass_on_the_cpu() {
     );
 }
 
-/// kiln's node tests of onnxruntime's contrib ops (tests/contrib-node-tests, expected outputs
-/// from onnxruntime's CPU provider): every one passes, each launch plan checked too.
-#[test]
-fn contrib_op_node_tests_match_onnxruntime_on_the_cpu() {
-    let dir = kiln_tests::root().join("tests/contrib-node-tests");
+/// Runs kiln's own node tests in tests/`folder` (expected outputs from onnxruntime's CPU
+/// provider), each launch plan checked too: every one must pass, and `ops` each have one.
+fn own_node_tests_pass(folder: &str, ops: &[&str]) {
+    let dir = kiln_tests::root().join("tests").join(folder);
     let rt = kiln_tests::builtin_runtime();
     let options = SessionOptions { check_dispatch: true, ..SessionOptions::default() };
     let results: Vec<_> = test_dirs(&dir, None).unwrap().iter().map(|d| run_test(&rt, d, &options)).collect();
     println!("{}", summary(&results));
     let not_passed: Vec<_> = results.iter().filter(|r| r.outcome != Outcome::Passed).collect();
     assert!(not_passed.is_empty(), "{not_passed:#?}");
-    for op in [
-        "GroupQueryAttention",
-        "RotaryEmbedding",
-        "MatMulNBits",
-        "GatherBlockQuantized",
-        "SimplifiedLayerNormalization",
-        "SkipSimplifiedLayerNormalization",
-    ] {
-        assert!(results.iter().any(|r| r.op == op), "no node test of {op}");
+    for op in ops {
+        assert!(results.iter().any(|r| r.op == *op), "no node test of {op} in {folder}");
     }
 }
 
+/// kiln's node tests of onnxruntime's contrib ops (tests/contrib-node-tests).
+#[test]
+fn contrib_op_node_tests_match_onnxruntime_on_the_cpu() {
+    own_node_tests_pass(
+        "contrib-node-tests",
+        &[
+            "GroupQueryAttention",
+            "RotaryEmbedding",
+            "MatMulNBits",
+            "GatherBlockQuantized",
+            "SimplifiedLayerNormalization",
+            "SkipSimplifiedLayerNormalization",
+        ],
+    );
+}
+
 /// kiln's node tests of ONNX's own ops beyond what ONNX 1.20's tests cover (tests/onnx-node-tests,
-/// written by scripts/make-onnx-node-tests.py with onnxruntime's CPU outputs): bidirectional
-/// recurrent ops with sequence lengths, grouped and dilated convolutions with bias, grouped-query
-/// Attention with a past and masks, antialiased and 3-D Resize, GridSample, per-column integer
-/// matrix products. Every one passes, each launch plan checked too.
+/// written by scripts/make-onnx-node-tests.py): bidirectional recurrent ops with sequence
+/// lengths, grouped and dilated convolutions with bias, grouped-query Attention with a past and
+/// masks, antialiased and 3-D Resize, GridSample, per-column integer matrix products.
 #[test]
 fn onnx_op_node_tests_match_onnxruntime_on_the_cpu() {
-    let dir = kiln_tests::root().join("tests/onnx-node-tests");
-    let rt = kiln_tests::builtin_runtime();
-    let options = SessionOptions { check_dispatch: true, ..SessionOptions::default() };
-    let results: Vec<_> = test_dirs(&dir, None).unwrap().iter().map(|d| run_test(&rt, d, &options)).collect();
-    println!("{}", summary(&results));
-    let not_passed: Vec<_> = results.iter().filter(|r| r.outcome != Outcome::Passed).collect();
-    assert!(not_passed.is_empty(), "{not_passed:#?}");
-    for op in ["LSTM", "GRU", "RNN", "Conv", "ConvTranspose", "Attention", "Resize", "GridSample", "QLinearMatMul"] {
-        assert!(results.iter().any(|r| r.op == op), "no node test of {op}");
-    }
+    own_node_tests_pass(
+        "onnx-node-tests",
+        &["LSTM", "GRU", "RNN", "Conv", "ConvTranspose", "Attention", "Resize", "GridSample", "QLinearMatMul"],
+    );
 }

@@ -148,6 +148,22 @@ __device__ void lp_norm_cols(const T* x, T* y, kiln_u64 outer, kiln_u64 n, kiln_
 
 // ---- LayerNormalization ----------------------------------------------------------------------
 
+// The mean and 1 / sqrt(variance + eps) (population variance) of the row of `cols` elements at
+// x + base, every thread of the row getting them (LayerNormalization, GroupNormalization).
+template <typename E, typename A, typename T>
+__device__ __forceinline__ void row_stats(const T* x, kiln_u64 base, kiln_u64 cols, float eps, A* mean, A* inv_std) {
+    A s = 0;
+    COL_LOOP(c, cols) s += (A)E::ld(x[base + c]);
+    const A m = row_reduce(s, kiln_op_sum()) / (A)cols;
+    A q = 0;
+    COL_LOOP(c, cols) {
+        const A d = (A)E::ld(x[base + c]) - m;
+        q += d * d;
+    }
+    *mean = m;
+    *inv_std = (A)1 / kiln_sqrt(row_reduce(q, kiln_op_sum()) / (A)cols + (A)eps);
+}
+
 // y = (x - mean) · inv_std · scale (+ bias); Mean and InvStdDev (dtype stat_code) when has_*.
 template <typename Tag, typename T = typename Tag::storage, typename E = kiln_elem<Tag>,
           typename A = typename kiln_elem<Tag>::C>
@@ -156,16 +172,8 @@ __device__ void layer_norm(const T* x, const T* scale, const T* bias, T* y, void
                            float eps, unsigned stat_code, unsigned has_mean, unsigned has_inv) {
     ROW_LOOP(row, rows) {
         const kiln_u64 base = row * cols;
-        A s = 0;
-        COL_LOOP(c, cols) s += (A)E::ld(x[base + c]);
-        const A mean = row_reduce(s, kiln_op_sum()) / (A)cols;
-        A q = 0;
-        COL_LOOP(c, cols) {
-            const A d = (A)E::ld(x[base + c]) - mean;
-            q += d * d;
-        }
-        const A var = row_reduce(q, kiln_op_sum()) / (A)cols;
-        const A inv_std = (A)1 / kiln_sqrt(var + (A)eps);
+        A mean, inv_std;
+        row_stats<E>(x, base, cols, eps, &mean, &inv_std);
         COL_LOOP(c, cols) {
             const kiln_u64 k = base + c;
             A v = ((A)E::ld(x[k]) - mean) * inv_std * (A)E::ld(scale[suffix_idx(k, c, cols, scale_len)]);
@@ -188,15 +196,8 @@ __device__ void group_norm(const T* x, const T* scale, const T* bias, T* y, kiln
                            kiln_u64 groups, kiln_u64 cpg, kiln_u64 spatial, unsigned per_channel, float eps) {
     ROW_LOOP(row, rows) {
         const kiln_u64 base = row * cols, g = row % groups;
-        A s = 0;
-        COL_LOOP(c, cols) s += (A)E::ld(x[base + c]);
-        const A mean = row_reduce(s, kiln_op_sum()) / (A)cols;
-        A q = 0;
-        COL_LOOP(c, cols) {
-            const A d = (A)E::ld(x[base + c]) - mean;
-            q += d * d;
-        }
-        const A inv_std = (A)1 / kiln_sqrt(row_reduce(q, kiln_op_sum()) / (A)cols + (A)eps);
+        A mean, inv_std;
+        row_stats<E>(x, base, cols, eps, &mean, &inv_std);
         COL_LOOP(c, cols) {
             const kiln_u64 at = per_channel ? g * cpg + c / spatial : g;
             y[base + c] = E::st(((A)E::ld(x[base + c]) - mean) * inv_std * (A)E::ld(scale[at]) + (A)E::ld(bias[at]));
