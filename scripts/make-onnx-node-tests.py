@@ -155,6 +155,14 @@ def main():
           {"x": rand((2, 8, 3, 3)), "scale": rand((8,)), "bias": rand((8,))}, ["y"], 21)
     write("depth_to_space_crd_f16", helper.make_node("DepthToSpace", [], [], blocksize=2, mode="CRD"),
           {"x": rand((2, 8, 3, 2), np.float16)}, ["y"], 13)
+    # Einsum: attention-style contraction, broadcast ... axes, a trace, an implicit output, float16.
+    write("einsum_attention_scores", helper.make_node("Einsum", [], [], equation="bhqd,bhkd->bhqk"),
+          {"q": rand((2, 3, 4, 5)), "k": rand((2, 3, 6, 5))}, ["y"], 13)
+    write("einsum_broadcast_ellipsis", helper.make_node("Einsum", [], [], equation="...ij,...jk->...ik"),
+          {"a": rand((2, 1, 3, 4)), "b": rand((2, 5, 4, 2))}, ["y"], 13)
+    write("einsum_trace", helper.make_node("Einsum", [], [], equation="ii->"), {"x": rand((4, 4))}, ["y"], 13)
+    write("einsum_implicit_f16", helper.make_node("Einsum", [], [], equation="kj,ji"),
+          {"a": rand((3, 4), np.float16), "b": rand((4, 2), np.float16)}, ["y"], 13)
     write("tile_int64", helper.make_node("Tile", [], []),
           {"x": rng.integers(-9, 9, (2, 3, 1)).astype(np.int64), "repeats": np.array([2, 1, 3], np.int64)}, ["y"], 13)
 

@@ -107,3 +107,46 @@ extern "C" __global__ void kiln_matmul_bcast(const unsigned char* c, unsigned ch
         for (unsigned q = 0; q < esize; ++q) y[t * esize + q] = c[src * esize + q];
     }
 }
+
+// Einsum (shim/src/einsum.rs): y at output element i = Σ over the summed labels of x0[·]·x1[·]
+// (one or two inputs), labels reordered so that the `n_out` output labels come first. sizes,
+// s0, s1: each label's size and its element stride in each input (0 where it broadcasts; a
+// repeated label's strides added). One thread per output element.
+template <typename Tag>
+__global__ void kiln_einsum(const typename Tag::storage* x0, const typename Tag::storage* x1, typename Tag::storage* y,
+                            kiln_u64 total, unsigned n_inputs, unsigned n_labels, unsigned n_out, kiln_u64 z0,
+                            kiln_u64 z1, kiln_u64 z2, kiln_u64 z3, kiln_u64 z4, kiln_u64 z5, kiln_u64 z6, kiln_u64 z7,
+                            kiln_u64 a0, kiln_u64 a1, kiln_u64 a2, kiln_u64 a3, kiln_u64 a4, kiln_u64 a5, kiln_u64 a6,
+                            kiln_u64 a7, kiln_u64 b0, kiln_u64 b1, kiln_u64 b2, kiln_u64 b3, kiln_u64 b4, kiln_u64 b5,
+                            kiln_u64 b6, kiln_u64 b7) {
+    typedef kiln_elem<Tag> E;
+    typedef typename E::C A;
+    const kiln_u64 size[8] = {z0, z1, z2, z3, z4, z5, z6, z7};
+    const kiln_u64 s0[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+    const kiln_u64 s1[8] = {b0, b1, b2, b3, b4, b5, b6, b7};
+    kiln_u64 sum_n = 1;
+    for (unsigned k = n_out; k < n_labels; ++k) sum_n *= size[k];
+    KILN_FOR(i, total) {
+        kiln_u64 base0 = 0, base1 = 0, r = i;
+        for (int k = (int)n_out - 1; k >= 0; --k) {
+            const kiln_u64 v = r % size[k];
+            r /= size[k];
+            base0 += v * s0[k];
+            base1 += v * s1[k];
+        }
+        A acc = 0;
+        for (kiln_u64 s = 0; s < sum_n; ++s) {
+            kiln_u64 o0 = base0, o1 = base1, q = s;
+            for (int k = (int)n_labels - 1; k >= (int)n_out; --k) {
+                const kiln_u64 v = q % size[k];
+                q /= size[k];
+                o0 += v * s0[k];
+                o1 += v * s1[k];
+            }
+            A p = (A)E::ld(x0[o0]);
+            if (n_inputs > 1) p *= (A)E::ld(x1[o1]);
+            acc += p;
+        }
+        y[i] = E::st(acc);
+    }
+}

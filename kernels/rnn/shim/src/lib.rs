@@ -127,7 +127,8 @@ fn plan(call: &Call) -> Result<Plan> {
         _ => bail!("{op}: hidden_size must be positive, not {hidden}"),
     };
     let g = cell.gates();
-    let gh = hidden.checked_mul(g).ok_or_else(|| ShimError::Failed(format!("{op}: hidden_size {hidden} is too large")))?;
+    let gh =
+        hidden.checked_mul(g).ok_or_else(|| ShimError::Failed(format!("{op}: hidden_size {hidden} is too large")))?;
     let check = |i: usize, what: &str, want: &[usize]| -> Result<bool> {
         let Some(t) = call.input_opt(i) else { return Ok(false) };
         if t.dtype()? != dtype || t.shape()? != want {
@@ -285,7 +286,8 @@ impl Shim for Rnn {
         let mut gates = alloc::vec![0.0; gh];
         for d in 0..p.dirs {
             let (wd, rd) = (&w[d * gh * is..][..gh * is], &r[d * gh * hs..][..gh * hs]);
-            let bias_of = |k: usize| if bias.is_empty() { (0.0, 0.0) } else { (bias[d * 2 * gh + k], bias[d * 2 * gh + gh + k]) };
+            let bias_of =
+                |k: usize| if bias.is_empty() { (0.0, 0.0) } else { (bias[d * 2 * gh + k], bias[d * 2 * gh + gh + k]) };
             let [fa, ga, ha] = p.acts[d];
             for b in 0..p.batch {
                 let s0 = p.state_at(d, b);
@@ -317,8 +319,7 @@ impl Shim for Rnn {
                                         rg[j] * xr[k]
                                     } else {
                                         // (r ⊙ H)·Rhᵀ + Rbh
-                                        bias_of(k).1
-                                            + (0..hs).map(|m| rg[m] * h[m] * rd[k * hs + m]).sum::<f64>()
+                                        bias_of(k).1 + (0..hs).map(|m| rg[m] * h[m] * rd[k * hs + m]).sum::<f64>()
                                     };
                                     ga.apply(p.clip(gates[k] + rec))
                                 })
@@ -328,11 +329,13 @@ impl Shim for Rnn {
                             }
                         }
                         Cell::Lstm => {
-                            let pe = |k: usize, j: usize| if peep.is_empty() { 0.0 } else { peep[d * 3 * hs + k * hs + j] };
+                            let pe =
+                                |k: usize, j: usize| if peep.is_empty() { 0.0 } else { peep[d * 3 * hs + k * hs + j] };
                             for j in 0..hs {
                                 let pre = |k: usize| gates[k * hs + j] + xr[k * hs + j];
                                 let i = fa.apply(p.clip(pre(0) + pe(0, j) * c[j]));
-                                let f = if p.input_forget { 1.0 - i } else { fa.apply(p.clip(pre(2) + pe(2, j) * c[j])) };
+                                let f =
+                                    if p.input_forget { 1.0 - i } else { fa.apply(p.clip(pre(2) + pe(2, j) * c[j])) };
                                 let cc = ga.apply(p.clip(pre(3)));
                                 c[j] = f * c[j] + i * cc;
                                 let o = fa.apply(p.clip(pre(1) + pe(1, j) * c[j]));
