@@ -66,14 +66,22 @@ const QLINEAR_MATMUL_WRAPS: &str = "ONNX 1.20's expected output wraps an out-of-
      saturating it (onnx/onnx#7835; onnx/onnx#7868 regenerated the data): kiln saturates, as the specification and \
      onnxruntime do (tests/quant.rs checks it on this test's data)";
 
-/// Node tests whose expected outputs ONNX 1.20 got wrong, each with the upstream issue: they are
-/// reported unsupported with that reason, never run against the wrong data (onnxruntime keeps
+/// Why ONNX 1.20's inverse DFT tests are not run.
+const DFT_INVERSE_FLOAT32: &str = "ONNX 1.20's expected output is a float32 inverse FFT, up to 1.5e-6 from the \
+     exact transform (of values up to 54): at 10 of its 200 elements, where the exact value is about 0, that is more \
+     than the runner's atol of 1e-7; kiln sums in f64 (tests/models.rs checks it against the exact transform)";
+
+/// Node tests whose expected outputs ONNX 1.20 got wrong (or computed less precisely than the
+/// runner's tolerance), each with the reason: they are reported unsupported with it, never run
+/// against the wrong data (onnxruntime keeps
 /// such a list too, `onnx_backend_test_series_filters.jsonc`).
 const WRONG_EXPECTED: &[(&str, &str)] = &[
     ("test_qlinearmatmul_2D_int8_float16", QLINEAR_MATMUL_WRAPS),
     ("test_qlinearmatmul_2D_int8_float32", QLINEAR_MATMUL_WRAPS),
     ("test_qlinearmatmul_3D_int8_float16", QLINEAR_MATMUL_WRAPS),
     ("test_qlinearmatmul_3D_int8_float32", QLINEAR_MATMUL_WRAPS),
+    ("test_dft_inverse", DFT_INVERSE_FLOAT32),
+    ("test_dft_inverse_opset19", DFT_INVERSE_FLOAT32),
 ];
 
 /// Runs one test folder.

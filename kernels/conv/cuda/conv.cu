@@ -90,3 +90,37 @@ __global__ void kiln_conv_transpose(const typename Tag::storage* x, const typena
         y[i] = kiln_from_f32(Tag(), acc);
     }
 }
+
+// Col2Im (shim/src/col2im.rs): y [N, C, image…] gathers x [N, C·∏block, L]: image position o takes
+// block b's position t where b·s − pad + t·d = o (geometry: `in` the block grid, `out` the image,
+// `k` the block). One thread per image element.
+template <typename Tag>
+__global__ void kiln_col2im(const typename Tag::storage* x, typename Tag::storage* y, kiln_u64 total, CV_GEOM_PARAMS) {
+    const cv_geom g = CV_GEOM;
+    const kiln_u64 img = g.out[0] * g.out[1] * g.out[2], L = g.in[0] * g.in[1] * g.in[2];
+    const kiln_u64 taps = g.k[0] * g.k[1] * g.k[2];
+    KILN_FOR(i, total) {
+        const kiln_u64 o = i % img, nc = i / img;
+        long long pos[3];
+        kiln_u64 rest = o;
+        for (int a = 2; a >= 0; --a) {
+            pos[a] = (long long)(rest % g.out[a]) + (long long)g.b[a];
+            rest /= g.out[a];
+        }
+        float acc = 0.f;
+        for (kiln_u64 t = 0; t < taps; ++t) {
+            kiln_u64 tr = t, at = 0;
+            bool inside = true;
+            for (int a = 0; a < 3; ++a) {
+                const kiln_u64 div = a == 0 ? g.k[1] * g.k[2] : (a == 1 ? g.k[2] : 1);
+                const long long q = pos[a] - (long long)((tr / div) * g.d[a]);
+                tr %= div;
+                const long long bp = q >= 0 ? q / (long long)g.s[a] : -1;
+                inside &= q >= 0 && q % (long long)g.s[a] == 0 && bp < (long long)g.in[a];
+                at = at * g.in[a] + (kiln_u64)(bp < 0 ? 0 : bp);
+            }
+            if (inside) acc += kiln_to_f32(Tag(), x[(nc * taps + t) * L + at]);
+        }
+        y[i] = kiln_from_f32(Tag(), acc);
+    }
+}

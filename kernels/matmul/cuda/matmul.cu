@@ -150,3 +150,28 @@ __global__ void kiln_einsum(const typename Tag::storage* x0, const typename Tag:
         y[i] = E::st(acc);
     }
 }
+
+// DFT (shim/src/dft.rs): x [outer, n_in, inner, 1 | 2] → y [outer, n_out, inner, 2], one thread
+// per output value (re or im), summed in f64 over min(n, n_in) samples with twiddles from
+// (k·m mod n).
+template <typename Tag>
+__global__ void kiln_dft(const typename Tag::storage* x, typename Tag::storage* y, kiln_u64 total, kiln_u64 n_in,
+                         kiln_u64 inner, kiln_u64 n, kiln_u64 n_out, unsigned complex, unsigned inverse) {
+    typedef kiln_elem<Tag> E;
+    const unsigned c = complex ? 2 : 1;
+    const double sign = inverse ? 1.0 : -1.0, pi2 = 6.283185307179586476925286766559;
+    const kiln_u64 len = n < n_in ? n : n_in;
+    KILN_FOR(t, total) {
+        const unsigned part = (unsigned)(t & 1);
+        const kiln_u64 e = t >> 1, i = e % inner, k = (e / inner) % n_out, o = e / (inner * n_out);
+        double acc = 0.0;
+        for (kiln_u64 m = 0; m < len; ++m) {
+            const kiln_u64 at = ((o * n_in + m) * inner + i) * c;
+            const double xr = (double)E::ld(x[at]), xi = complex ? (double)E::ld(x[at + 1]) : 0.0;
+            double sn, cs;
+            sincos(sign * pi2 * (double)((k * m) % n) / (double)n, &sn, &cs);
+            acc += part == 0 ? xr * cs - xi * sn : xr * sn + xi * cs;
+        }
+        y[t] = E::st((typename E::C)(inverse ? acc / (double)n : acc));
+    }
+}

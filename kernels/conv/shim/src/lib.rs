@@ -20,10 +20,14 @@
 //! `output_shape`, or s·(in − 1) + output_padding + (K − 1)·d + 1 − b − e. Input i at tap t adds
 //! to output i·s − b + t·d.
 //!
+//! Col2Im-18 is in [`col2im`].
+//!
 //! The CPU reference computes in f64 and rounds once; the CUDA kernels accumulate in f32, for up
 //! to 3 spatial axes.
 #![no_std]
 extern crate alloc;
+
+mod col2im;
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
@@ -296,11 +300,17 @@ impl Geom {
 
 impl Shim for ConvShim {
     fn infer(call: &Call) -> Result<Vec<TensorType>> {
+        if call.op_type() == "Col2Im" {
+            return col2im::infer(call);
+        }
         let g = geom(call)?;
         Ok(alloc::vec![TensorType::new(g.dtype, g.out_shape())])
     }
 
     fn cpu(call: &Call) -> Result<()> {
+        if call.op_type() == "Col2Im" {
+            return col2im::cpu(call);
+        }
         let g = geom(call)?;
         let x = call.input(0)?.read_vec::<f64>()?;
         let w = call.input(1)?.read_vec::<f64>()?;
@@ -312,6 +322,9 @@ impl Shim for ConvShim {
     }
 
     fn dispatch(call: &Call) -> Result<()> {
+        if call.op_type() == "Col2Im" {
+            return col2im::dispatch(call);
+        }
         let g = geom(call)?;
         let op = call.op_type();
         let k = g.input.len();

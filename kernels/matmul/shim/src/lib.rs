@@ -4,7 +4,7 @@
 //! unidirectionally to (M, N)), following ONNX Operators.md.
 //!
 //! `ai.kiln::Linear`, `RmsNormLinear` and `SwiGluLinear` (weights stored `[N, K]`; the decode
-//! fusions) are in [`linear`]; Einsum-12 in [`einsum`].
+//! fusions) are in [`linear`]; Einsum-12 in [`einsum`]; DFT-17/19/20 in [`dft`].
 //!
 //! The CPU reference accumulates floating-point products in f64 and rounds once; integer
 //! products accumulate in i64 with wrapping arithmetic (the same result, modulo 2^bits, as
@@ -17,6 +17,7 @@ use kiln_kernel_abi::guest::*;
 use kiln_kernel_abi::names::kernel_name;
 use kiln_kernel_abi::{bail, export_shim, unsupported, with_dtype};
 
+mod dft;
 mod einsum;
 mod linear;
 
@@ -544,6 +545,7 @@ impl Shim for MatMulPkg {
                 Ok(vec![TensorType::new(dtype, vec![p.m, p.n])])
             }
             "Einsum" => einsum::infer(call),
+            "DFT" => dft::infer(call),
             other => unsupported!("kiln-matmul does not implement {other}"),
         }
     }
@@ -566,6 +568,7 @@ impl Shim for MatMulPkg {
             }
             "Gemm" => gemm_cpu(call, operand_dtype(call, &[0, 1, 2])?),
             "Einsum" => einsum::cpu(call),
+            "DFT" => dft::cpu(call),
             other => unsupported!("kiln-matmul does not implement {other}"),
         }
     }
@@ -578,6 +581,7 @@ impl Shim for MatMulPkg {
             "MatMul" => matmul_dispatch(call),
             "Gemm" => gemm_dispatch(call),
             "Einsum" => einsum::dispatch(call),
+            "DFT" => dft::dispatch(call),
             other => unsupported!("kiln-matmul does not implement {other}"),
         }
     }
