@@ -78,6 +78,7 @@ def main():
     recurrent("gru_reverse_seq_lens", "GRU", 3, 4, 2, 3, 5, "reverse", [2, 4])
     recurrent("rnn_bidirectional_relu", "RNN", 1, 4, 2, 3, 5, "bidirectional", [4, 3],
               activations=["Relu", "Tanh"])
+    recurrent("lstm_zero_length_row", "LSTM", 4, 3, 2, 3, 4, "forward", [0, 3])
 
     # Convolutions: groups, dilations, strides, SAME padding, bias; 1-D and 3-D.
     write("conv_groups_dilations_bias", helper.make_node("Conv", [], [], group=2, dilations=[2, 1], strides=[2, 2],
@@ -161,6 +162,8 @@ def main():
     write("einsum_broadcast_ellipsis", helper.make_node("Einsum", [], [], equation="...ij,...jk->...ik"),
           {"a": rand((2, 1, 3, 4)), "b": rand((2, 5, 4, 2))}, ["y"], 13)
     write("einsum_trace", helper.make_node("Einsum", [], [], equation="ii->"), {"x": rand((4, 4))}, ["y"], 13)
+    write("einsum_broadcast_letter", helper.make_node("Einsum", [], [], equation="bij,bjk->bik"),
+          {"a": rand((1, 2, 3)), "b": rand((4, 3, 5))}, ["y"], 13)
     write("einsum_implicit_f16", helper.make_node("Einsum", [], [], equation="kj,ji"),
           {"a": rand((3, 4), np.float16), "b": rand((4, 2), np.float16)}, ["y"], 13)
     write("tile_int64", helper.make_node("Tile", [], []),

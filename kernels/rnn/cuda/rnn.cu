@@ -108,8 +108,9 @@ __global__ void kiln_rnn(const typename Tag::storage* x, const typename Tag::sto
         for (unsigned j = threadIdx.x; j < H; j += blockDim.x) {
             if (flags >> 5 & 1)
                 for (unsigned t = (unsigned)len; t < S; ++t) y[y_at(t, b) + j] = kiln_from_f32(Tag(), 0.f);
-            if (flags >> 6 & 1) yh[s0 + j] = kiln_from_f32(Tag(), h[j]);
-            if (flags >> 7 & 1) yc[s0 + j] = kiln_from_f32(Tag(), c[j]);
+            // A row of no step ends at 0, as onnxruntime gives (and the CPU reference).
+            if (flags >> 6 & 1) yh[s0 + j] = kiln_from_f32(Tag(), len > 0 ? h[j] : 0.f);
+            if (flags >> 7 & 1) yc[s0 + j] = kiln_from_f32(Tag(), len > 0 ? c[j] : 0.f);
         }
         __syncthreads();
     }

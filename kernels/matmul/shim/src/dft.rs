@@ -59,8 +59,11 @@ fn plan(call: &Call) -> Result<Plan> {
     let n = match scalar(call.input_opt(1))? {
         None => n_in,
         Some(l) if l > 0 && l <= u32::MAX as i64 => l as usize,
-        Some(l) => bail!("{OP}: dft_length {l} must be positive"),
+        Some(l) => bail!("{OP}: dft_length {l} must be positive and fit 32 bits"),
     };
+    if n == 0 {
+        bail!("{OP}: the signal axis of {s:?} is empty and no dft_length is given");
+    }
     let complex = s[s.len() - 1] == 2;
     let onesided = call.attr_i("onesided", 0)? != 0;
     if onesided && complex {
@@ -107,7 +110,8 @@ pub(crate) fn cpu(call: &Call) -> Result<()> {
                 for m in 0..p.n.min(p.n_in) {
                     let at = ((o * p.n_in + m) * p.inner + i) * c;
                     let (xr, xi) = (x[at], if p.complex { x[at + 1] } else { 0.0 });
-                    let ang = sign * 2.0 * core::f64::consts::PI * ((k * m) % p.n) as f64 / p.n as f64;
+                    let ang =
+                        sign * 2.0 * core::f64::consts::PI * ((k as u64 * m as u64) % p.n as u64) as f64 / p.n as f64;
                     let (sn, cs) = (libm::sin(ang), libm::cos(ang));
                     re += xr * cs - xi * sn;
                     im += xr * sn + xi * cs;

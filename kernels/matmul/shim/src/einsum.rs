@@ -113,7 +113,26 @@ fn plan(call: &Call) -> Result<Plan> {
     }
     let n_letters = letters.len();
     let label = |l: &u8| letters.iter().position(|x| x == l).unwrap_or(0);
+    // Each letter's size: equal wherever it appears, or 1 where it broadcasts (numpy, onnxruntime).
     let mut known: Vec<Option<usize>> = alloc::vec![None; n_letters];
+    for (t, s) in terms.iter().zip(&shapes) {
+        let e = s.len() - t.iter().flatten().count();
+        let mut axis = 0;
+        for l in t {
+            match l {
+                Some(c) => {
+                    let k = label(c);
+                    known[k] = match known[k] {
+                        None | Some(1) => Some(s[axis]),
+                        Some(d) if s[axis] == 1 || s[axis] == d => Some(d),
+                        Some(d) => bail!("{OP}: label {:?} has sizes {d} and {}", *c as char, s[axis]),
+                    };
+                    axis += 1;
+                }
+                None => axis += e,
+            }
+        }
+    }
     let mut strides = Vec::with_capacity(inputs.len());
     for (t, s) in terms.iter().zip(&shapes) {
         let st = shape::strides(s);
@@ -124,11 +143,10 @@ fn plan(call: &Call) -> Result<Plan> {
             match l {
                 Some(c) => {
                     let k = label(c);
-                    if let Some(d) = known[k].filter(|&d| d != s[axis]) {
-                        bail!("{OP}: label {:?} has sizes {d} and {}", *c as char, s[axis]);
+                    // A size-1 axis of a longer label broadcasts (stride 0).
+                    if s[axis] != 1 || known[k] == Some(1) {
+                        per[k] += st[axis];
                     }
-                    known[k] = Some(s[axis]);
-                    per[k] += st[axis];
                     axis += 1;
                 }
                 None => {
@@ -156,6 +174,9 @@ fn plan(call: &Call) -> Result<Plan> {
                     None => out.extend(n_letters..n_letters + ell.len()),
                 }
             }
+            if terms.iter().any(|t| t.contains(&None)) && !r.contains("...") {
+                bail!("{OP}: the inputs have ... axes but the output {r:?} has no ...");
+            }
             out
         }
         None => {
@@ -172,6 +193,12 @@ fn plan(call: &Call) -> Result<Plan> {
     };
     let out_shape: Vec<usize> = out.iter().map(|&k| sizes[k]).collect();
     shape::numel(&out_shape)?;
+    // The terms summed per output element, bounded so that neither the CPU's 32-bit count nor a
+    // GPU thread's loop runs away.
+    let summed = (0..sizes.len()).filter(|k| !out.contains(k)).try_fold(1u64, |a, k| a.checked_mul(sizes[k] as u64));
+    if summed.is_none_or(|n| n > u32::MAX as u64) {
+        unsupported!("{OP}: equation {eq:?} sums more than 2^32 terms per output element");
+    }
     Ok(Plan { dtype, sizes, out, strides })
 }
 

@@ -3,7 +3,7 @@
 //!
 //! Inputs: `X` [S, B, I] (`layout` 0) or [B, S, I] (1); `W` [D, G·H, I] and `R` [D, G·H, H]
 //! (G gates: RNN 1, GRU 3 in order z, r, h, LSTM 4 in order i, o, f, c); optional `B`
-//! [D, 2·G·H] (W's biases, then R's); `sequence_lens` [B] (int32, each in 1..=S); `initial_h`
+//! [D, 2·G·H] (W's biases, then R's); `sequence_lens` [B] (int32, each in 0..=S); `initial_h`
 //! [D, B, H] (layout 1: [B, D, H]); LSTM also `initial_c` like initial_h and peepholes `P`
 //! [D, 3·H] (i, o, f). D = 2 for `direction` bidirectional (forward, then reverse), else 1.
 //!
@@ -18,7 +18,8 @@
 //!   o = f(X·Woᵀ + H·Roᵀ + Po ⊙ C + Wbo + Rbo), H = o ⊙ h(C).
 //!
 //! A row of batch b runs its first sequence_lens[b] steps (the reverse direction from the
-//! last of them back); its outputs past them are 0 and its last state is that of its last step.
+//! last of them back); its outputs past them are 0 and its last state is that of its last step
+//! (0 for a row of no step, as onnxruntime gives).
 //! Outputs: `Y` [S, D, B, H] (layout 1: [B, S, D, H]), `Y_h` [D, B, H] (layout 1: [B, D, H]),
 //! LSTM `Y_c` like Y_h.
 //!
@@ -345,8 +346,10 @@ impl Shim for Rnn {
                     }
                     y[p.y_at(t, d, b)..][..hs].copy_from_slice(&h);
                 }
-                yh[s0..s0 + hs].copy_from_slice(&h);
-                yc[s0..s0 + hs].copy_from_slice(&c);
+                if lens[b] > 0 {
+                    yh[s0..s0 + hs].copy_from_slice(&h);
+                    yc[s0..s0 + hs].copy_from_slice(&c);
+                }
             }
         }
         for (i, v) in [(0, &y), (1, &yh), (2, &yc)] {

@@ -25,7 +25,7 @@ fn plan(call: &Call) -> Result<Plan> {
     let op = call.op_type();
     let size = call.input(0)?.read_i64s()?;
     let &[size] = &size[..] else { bail!("{op}: size must be one value, not {}", size.len()) };
-    let Ok(size) = usize::try_from(size) else { bail!("{op}: size {size} is negative") };
+    let Ok(size) = usize::try_from(size) else { bail!("{op}: size {size} is negative or too large") };
     let code = call.attr_i("output_datatype", 1)?;
     let dtype = match i32::try_from(code).ok().and_then(DType::from_code) {
         Some(d @ (DType::F32 | DType::F16 | DType::BF16 | DType::F64)) => d,

@@ -1,1 +1,1 @@
-By_scaleJɦ=
+By_scaleJv6=

@@ -1,1 +1,1 @@
-By_zero_pointJï
+By_zero_pointJÅ

@@ -1,2 +1,2 @@
 
-BscaleJØ+k<Æ4
+BscaleJl¹Q°ô8

@@ -1,1 +1,1 @@
-Bb_zero_pointJ‰“Š“Š
+Bb_zero_pointJ‚…pj

@@ -1,1 +1,1 @@
-Bb_zero_pointJ†fdt
+Bb_zero_pointJ~u“m
