@@ -709,6 +709,17 @@ fn malformed_vision_quantization_and_attention_nodes_are_clear_errors() {
     let out = run(&rt, &onnx::bytes(&attention(&[1, 1, 0, 4])), feeds).unwrap();
     assert_eq!(out[0].1.shape, vec![1, 2, 3, 4]);
     assert_eq!(f32_values(&out[0].1), vec![0.0; 24]);
+    // ReverseSequence with a length past the time axis: the CPU reference's message (the GPU
+    // kernel reports the same through its status record).
+    let m = onnx::model(
+        vec![node("ReverseSequence", &["x", "l"], &["y"], vec![])],
+        vec![value("x", 1, &[3, 2]), value("l", 7, &[2])],
+        vec![value("y", 1, &[-1, -1])],
+        vec![],
+    );
+    let feeds = vec![("x".into(), f32_tensor(&[3, 2], &[0.0; 6])), ("l".into(), i64_tensor(&[2], &[3, 4]))];
+    let e = run(&rt, &onnx::bytes(&m), feeds).unwrap_err().to_string();
+    assert!(e.contains("ReverseSequence: sequence_lens[1] = 4 is out of range for 3 time steps"), "{e}");
     // InstanceNormalization over no channel: an empty output.
     let m = onnx::model(
         vec![node("InstanceNormalization", &["x", "s", "b"], &["y"], vec![])],

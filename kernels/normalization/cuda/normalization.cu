@@ -428,3 +428,22 @@ extern "C" __global__ void kiln_norm_expand(const unsigned char* src, unsigned c
         for (unsigned b = 0; b < esize; ++b) dst[i * esize + b] = src[off * esize + b];
     }
 }
+
+// LRN (shim/src/lrn.rs): y = x / (bias + alpha / size · Σ x²)^beta over the neighbouring channels
+// of x [N, C, inner], in f64. One thread per element.
+template <typename Tag>
+__global__ void kiln_lrn(const typename Tag::storage* x, typename Tag::storage* y, kiln_u64 total, kiln_u64 C,
+                         kiln_u64 inner, unsigned size, double alpha, double beta, double bias) {
+    typedef kiln_elem<Tag> E;
+    const kiln_u64 lo = (size - 1) / 2, hi = size / 2;
+    KILN_FOR(i, total) {
+        const kiln_u64 k = i % inner, c = (i / inner) % C, n = i / (inner * C);
+        const kiln_u64 c0 = c > lo ? c - lo : 0, c1 = c + hi < C ? c + hi : C - 1;
+        double sq = 0.0;
+        for (kiln_u64 cc = c0; cc <= c1; ++cc) {
+            const double v = (double)E::ld(x[(n * C + cc) * inner + k]);
+            sq += v * v;
+        }
+        y[i] = E::st((typename E::C)((double)E::ld(x[i]) / pow(bias + alpha / (double)size * sq, beta)));
+    }
+}

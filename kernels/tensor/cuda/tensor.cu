@@ -611,3 +611,24 @@ __global__ void kiln_tensor_window(typename Tag::storage* dst, kiln_u64 n, doubl
         dst[i] = E::st((typename E::C)(a0 - a1 * cos(x * (2.0 * pi) / N) + a2 * cos(x * (4.0 * pi) / N)));
     }
 }
+
+// ReverseSequence: element (a0, a1, k) of x [A0, A1, inner] (batch and time on axes 0 and 1,
+// batch first when `batch_first`) is read from the reversed time position when the time lies
+// within its row's length; a length outside 0..=T is reported (code 7) and clamped.
+extern "C" __global__ void kiln_tensor_reverse_sequence(const char* src, const void* lens, char* dst, kiln_u64 n,
+                                                        unsigned esize, kiln_u64 A0, kiln_u64 A1, kiln_u64 inner,
+                                                        unsigned batch_first, unsigned lens64, kiln_status* st) {
+    const kiln_u64 T = batch_first ? A1 : A0;
+    KILN_FOR(i, n) {
+        const kiln_u64 k = i % inner, r = i / inner, a1 = r % A1, a0 = r / A1;
+        const kiln_u64 b = batch_first ? a0 : a1, t = batch_first ? a1 : a0;
+        long long l = lens64 ? ((const long long*)lens)[b] : ((const int*)lens)[b];
+        if (l < 0 || l > (long long)T) {
+            if (t == 0 && k == 0) kiln_fail(st, 7, (long long)b, l, (long long)T);
+            l = l < 0 ? 0 : (long long)T;
+        }
+        const kiln_u64 ts = t < (kiln_u64)l ? (kiln_u64)l - 1 - t : t;
+        const kiln_u64 s0 = batch_first ? b : ts, s1 = batch_first ? ts : b;
+        kt_elem_copy(dst + i * esize, src + ((s0 * A1 + s1) * inner + k) * esize, esize);
+    }
+}

@@ -8,6 +8,7 @@
 //! - [`batch_norm`]: BatchNormalization-9/14/15, inference and training mode.
 //! - [`lp_norm`]: LpNormalization-1/22, following ONNX Operators.md and its reference.
 //! - [`group_norm`]: InstanceNormalization-1/6/22 and GroupNormalization-18/21.
+//! - [`lrn`]: LRN-1/13, after ONNX Operators.md.
 //!
 //! The CPU references compute in f64 and round once to the output dtype.
 #![no_std]
@@ -17,6 +18,7 @@ mod batch_norm;
 mod group_norm;
 mod layer_norm;
 mod lp_norm;
+mod lrn;
 mod rms_norm;
 mod softmax;
 
@@ -200,6 +202,7 @@ impl Shim for Normalization {
                 Ok(vec![TensorType::new(x.dtype()?, x.shape()?)])
             }
             "InstanceNormalization" | "GroupNormalization" => group_norm::infer(call),
+            "LRN" => lrn::infer(call),
             "LayerNormalization" => {
                 let p = layer_norm::layer_norm_plan(call)?;
                 let stat = TensorType::new(p.stat_dtype, p.stat_shape);
@@ -221,6 +224,7 @@ impl Shim for Normalization {
             }
             "LayerNormalization" => layer_norm::layer_norm_cpu(call),
             "InstanceNormalization" | "GroupNormalization" => group_norm::cpu(call),
+            "LRN" => lrn::cpu(call),
             "SimplifiedLayerNormalization" | "RMSNormalization" => rms_norm::simplified_cpu(call),
             "SkipSimplifiedLayerNormalization" => rms_norm::skip_simplified_cpu(call),
             "BatchNormalization" => batch_norm::cpu(call),
@@ -237,6 +241,7 @@ impl Shim for Normalization {
             }
             "LayerNormalization" => layer_norm::layer_norm_dispatch(call),
             "InstanceNormalization" | "GroupNormalization" => group_norm::dispatch(call),
+            "LRN" => lrn::dispatch(call),
             "SimplifiedLayerNormalization" | "RMSNormalization" => rms_norm::simplified_dispatch(call),
             "SkipSimplifiedLayerNormalization" => rms_norm::skip_simplified_dispatch(call),
             "BatchNormalization" => batch_norm::dispatch(call),

@@ -32,6 +32,7 @@ mod join;
 mod layout;
 mod onehot;
 mod pad;
+mod reverse;
 mod strided;
 mod trilu;
 mod window;
@@ -68,6 +69,7 @@ impl Shim for Tensors {
             "Pad" => pad::infer(call),
             "CenterCropPad" => pad::center_infer(call),
             "HannWindow" | "HammingWindow" | "BlackmanWindow" => window::infer(call),
+            "ReverseSequence" => reverse::infer(call),
             other => unsupported!("kiln-tensor does not implement {other}"),
         }
     }
@@ -91,6 +93,7 @@ impl Shim for Tensors {
             "Pad" => pad::dispatch(call),
             "CenterCropPad" => pad::center_dispatch(call),
             "HannWindow" | "HammingWindow" | "BlackmanWindow" => window::dispatch(call),
+            "ReverseSequence" => reverse::dispatch(call),
             other => unsupported!("kiln-tensor does not implement {other}"),
         }
     }
@@ -114,6 +117,7 @@ impl Shim for Tensors {
             "Pad" => pad::cpu(call),
             "CenterCropPad" => pad::center_cpu(call),
             "HannWindow" | "HammingWindow" | "BlackmanWindow" => window::cpu(call),
+            "ReverseSequence" => reverse::cpu(call),
             other => unsupported!("kiln-tensor does not implement {other}"),
         }
     }
