@@ -45,6 +45,16 @@ pub use crate::wire::{
 };
 pub use crate::{status, DType};
 
+/// Threads per block of [`grid_stride`] launches.
+pub const GRID_STRIDE_BLOCK: u32 = 256;
+
+/// The grid of a grid-stride kernel (`KILN_FOR`) over `units` work items at
+/// [`GRID_STRIDE_BLOCK`] threads a block: one block per 256 items, at least 1 and at most 2^20
+/// (the loop covers the rest). Grid y and z are 1.
+pub fn grid_stride(units: u64) -> [u32; 3] {
+    [units.div_ceil(GRID_STRIDE_BLOCK as u64).clamp(1, 1 << 20) as u32, 1, 1]
+}
+
 /// Why a shim call did not succeed.
 #[derive(Clone, Debug)]
 pub enum ShimError {

@@ -15,6 +15,32 @@ struct cv_geom {
         kiln_u64 b1, kiln_u64 b2
 #define CV_GEOM (cv_geom{{i0, i1, i2}, {o0, o1, o2}, {k0, k1, k2}, {s0, s1, s2}, {d0, d1, d2}, {b0, b1, b2}})
 
+// Output position o (row-major over g.out) plus the padding before: the position in the padded
+// frame that the transposed gathers (ConvTranspose, Col2Im) start from.
+__device__ __forceinline__ void cv_padded(const cv_geom& g, kiln_u64 o, long long* pos) {
+    for (int a = 2; a >= 0; --a) {
+        pos[a] = (long long)(o % g.out[a]) + (long long)g.b[a];
+        o /= g.out[a];
+    }
+}
+
+// The input position (row-major over g.in) that tap t of padded position `pos` reads in a
+// transposed gather — the i with i·s + t·d = pos on every axis — or false when there is none.
+__device__ __forceinline__ bool cv_gather_at(const cv_geom& g, const long long* pos, kiln_u64 t, kiln_u64* at) {
+    kiln_u64 tr = t, idx = 0;
+    bool inside = true;
+    for (int a = 0; a < 3; ++a) {
+        const kiln_u64 div = a == 0 ? g.k[1] * g.k[2] : (a == 1 ? g.k[2] : 1);
+        const long long q = pos[a] - (long long)((tr / div) * g.d[a]);
+        tr %= div;
+        const long long ip = q >= 0 ? q / (long long)g.s[a] : -1;
+        inside &= q >= 0 && q % (long long)g.s[a] == 0 && ip < (long long)g.in[a];
+        idx = idx * g.in[a] + (kiln_u64)(ip < 0 ? 0 : ip);
+    }
+    *at = idx;
+    return inside;
+}
+
 // Y [N, M, O...] = B + Σ X [N, C, I...] ⋆ W [M, C/group, K...] (Conv): output position o reads
 // input o·s − b + t·d for tap t.
 template <typename Tag>
@@ -64,24 +90,11 @@ __global__ void kiln_conv_transpose(const typename Tag::storage* x, const typena
     KILN_FOR(i, total) {
         const kiln_u64 o = i % out_n, nm = i / out_n, m = nm % M, n = nm / M, grp = m / mg, mm = m % mg;
         long long pos[3];
-        kiln_u64 rest = o;
-        for (int a = 2; a >= 0; --a) {
-            pos[a] = (long long)(rest % g.out[a]) + (long long)g.b[a];
-            rest /= g.out[a];
-        }
+        cv_padded(g, o, pos);
         float acc = has_bias ? kiln_to_f32(Tag(), bias[m]) : 0.f;
         for (kiln_u64 t = 0; t < taps; ++t) {
-            kiln_u64 tr = t, at = 0;
-            bool inside = true;
-            for (int a = 0; a < 3; ++a) {
-                const kiln_u64 div = a == 0 ? g.k[1] * g.k[2] : (a == 1 ? g.k[2] : 1);
-                const long long q = pos[a] - (long long)((tr / div) * g.d[a]);
-                tr %= div;
-                const long long ip = q >= 0 ? q / (long long)g.s[a] : -1;
-                inside &= q >= 0 && q % (long long)g.s[a] == 0 && ip < (long long)g.in[a];
-                at = at * g.in[a] + (kiln_u64)(ip < 0 ? 0 : ip);
-            }
-            if (!inside) continue;
+            kiln_u64 at;
+            if (!cv_gather_at(g, pos, t, &at)) continue;
             for (kiln_u64 c = 0; c < cg; ++c) {
                 const kiln_u64 ci = grp * cg + c;
                 acc += kiln_to_f32(Tag(), x[(n * C + ci) * in_n + at]) * kiln_to_f32(Tag(), w[(ci * mg + mm) * taps + t]);
@@ -102,24 +115,11 @@ __global__ void kiln_col2im(const typename Tag::storage* x, typename Tag::storag
     KILN_FOR(i, total) {
         const kiln_u64 o = i % img, nc = i / img;
         long long pos[3];
-        kiln_u64 rest = o;
-        for (int a = 2; a >= 0; --a) {
-            pos[a] = (long long)(rest % g.out[a]) + (long long)g.b[a];
-            rest /= g.out[a];
-        }
+        cv_padded(g, o, pos);
         float acc = 0.f;
         for (kiln_u64 t = 0; t < taps; ++t) {
-            kiln_u64 tr = t, at = 0;
-            bool inside = true;
-            for (int a = 0; a < 3; ++a) {
-                const kiln_u64 div = a == 0 ? g.k[1] * g.k[2] : (a == 1 ? g.k[2] : 1);
-                const long long q = pos[a] - (long long)((tr / div) * g.d[a]);
-                tr %= div;
-                const long long bp = q >= 0 ? q / (long long)g.s[a] : -1;
-                inside &= q >= 0 && q % (long long)g.s[a] == 0 && bp < (long long)g.in[a];
-                at = at * g.in[a] + (kiln_u64)(bp < 0 ? 0 : bp);
-            }
-            if (inside) acc += kiln_to_f32(Tag(), x[(nc * taps + t) * L + at]);
+            kiln_u64 at;
+            if (cv_gather_at(g, pos, t, &at)) acc += kiln_to_f32(Tag(), x[(nc * taps + t) * L + at]);
         }
         y[i] = kiln_from_f32(Tag(), acc);
     }

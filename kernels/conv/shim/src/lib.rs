@@ -368,8 +368,8 @@ impl Shim for ConvShim {
         let name = if g.transpose { "kiln_conv_transpose" } else { "kiln_conv" };
         launch(&Launch {
             kernel: &kernel_name(name, &[tag]),
-            grid: [total.div_ceil(256).clamp(1, 1 << 20) as u32, 1, 1],
-            block: [256, 1, 1],
+            grid: grid_stride(total),
+            block: [GRID_STRIDE_BLOCK, 1, 1],
             shared_mem_bytes: 0,
             args,
         })

@@ -295,8 +295,8 @@ pub(crate) fn grid_sample_dispatch(call: &Call) -> Result<()> {
     args.extend([KernelArg::U32(p.mode as u32), KernelArg::U32(p.padding as u32), KernelArg::U32(p.align as u32)]);
     launch(&Launch {
         kernel: &kernel_name("kiln_grid_sample", &[tag]),
-        grid: [total.div_ceil(256).clamp(1, 1 << 20) as u32, 1, 1],
-        block: [256, 1, 1],
+        grid: grid_stride(total),
+        block: [GRID_STRIDE_BLOCK, 1, 1],
         shared_mem_bytes: 0,
         args,
     })
@@ -308,12 +308,7 @@ fn affine_plan(call: &Call) -> Result<(DType, usize, Vec<usize>)> {
     let theta = call.input(0)?;
     let dtype = theta.dtype()?;
     float_dtype(OP, "theta", dtype)?;
-    let size = call.input(1)?;
-    let bytes = match size.value() {
-        Some(v) => Vec::from(v),
-        None => size.read_bytes()?,
-    };
-    let size = element::decode_as::<i64>(size.dtype()?, &bytes)?;
+    let size = call.input(1)?.read_i64s()?;
     let ts = theta.shape()?;
     let k = match size.len() {
         4 => 2,
@@ -400,8 +395,8 @@ pub(crate) fn affine_dispatch(call: &Call) -> Result<()> {
     };
     launch(&Launch {
         kernel: &kernel_name("kiln_affine_grid", &[tag]),
-        grid: [total.div_ceil(256).clamp(1, 1 << 20) as u32, 1, 1],
-        block: [256, 1, 1],
+        grid: grid_stride(total),
+        block: [GRID_STRIDE_BLOCK, 1, 1],
         shared_mem_bytes: 0,
         args: alloc::vec![
             KernelArg::Tensor { handle: call.input(0)?.handle(), offset: 0 },

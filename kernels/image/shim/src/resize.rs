@@ -451,12 +451,11 @@ fn launch_pass(p: &Plan, dims: &[usize], a: &Axis, src: (&str, u32), dst: (&str,
     let outer: u64 = dims[..a.axis].iter().map(|&d| d as u64).product();
     let inner: u64 = dims[a.axis + 1..].iter().map(|&d| d as u64).product();
     let total = outer * a.out_len as u64 * inner;
-    let grid = total.div_ceil(256).clamp(1, 1 << 20) as u32;
     let arg = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
     launch(&Launch {
         kernel: &kernel_name("kiln_resize_axis", &[src.0, dst.0]),
-        grid: [grid, 1, 1],
-        block: [256, 1, 1],
+        grid: grid_stride(total),
+        block: [GRID_STRIDE_BLOCK, 1, 1],
         shared_mem_bytes: 0,
         args: alloc::vec![
             arg(src.1),

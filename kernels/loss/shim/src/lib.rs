@@ -178,8 +178,8 @@ impl Shim for Loss {
         if positions > 0 {
             launch(&Launch {
                 kernel: &kernel_name("kiln_loss", &[tag]),
-                grid: [positions.div_ceil(256).clamp(1, 1 << 20) as u32, 1, 1],
-                block: [256, 1, 1],
+                grid: grid_stride(positions),
+                block: [GRID_STRIDE_BLOCK, 1, 1],
                 shared_mem_bytes: 0,
                 args: vec![
                     t(x.handle()),

@@ -76,7 +76,8 @@ fn plan(call: &Call) -> Result<Plan> {
     let n_out = if onesided { n / 2 + 1 } else { n };
     let mut out_shape = s.clone();
     out_shape[a] = n_out;
-    *out_shape.last_mut().unwrap_or(&mut 0) = 2;
+    let last = out_shape.len() - 1; // rank ≥ 2, checked above
+    out_shape[last] = 2;
     shape::numel(&out_shape)?;
     Ok(Plan {
         dtype,
@@ -136,8 +137,8 @@ pub(crate) fn dispatch(call: &Call) -> Result<()> {
     let u = |v: usize| KernelArg::U64(v as u64);
     launch(&Launch {
         kernel: &kernel_name("kiln_dft", &[tag]),
-        grid: [total.div_ceil(256).clamp(1, 1 << 20) as u32, 1, 1],
-        block: [256, 1, 1],
+        grid: grid_stride(total),
+        block: [GRID_STRIDE_BLOCK, 1, 1],
         shared_mem_bytes: 0,
         args: alloc::vec![
             KernelArg::Tensor { handle: call.input(0)?.handle(), offset: 0 },

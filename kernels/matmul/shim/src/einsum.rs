@@ -79,27 +79,10 @@ fn plan(call: &Call) -> Result<Plan> {
         };
         let start = t.iter().position(|l| l.is_none()).unwrap_or(0);
         let ed = &s[start..start + e];
-        if ed.len() > ell.len() {
-            let mut grown = ed.to_vec();
-            let off = ed.len() - ell.len();
-            for (k, &d) in ell.iter().enumerate() {
-                if grown[off + k] == 1 {
-                    grown[off + k] = d;
-                } else if d != 1 && d != grown[off + k] {
-                    bail!("{OP}: the ... axes {ed:?} do not broadcast with {ell:?}");
-                }
-            }
-            ell = grown;
-        } else {
-            let off = ell.len() - ed.len();
-            for (k, &d) in ed.iter().enumerate() {
-                if ell[off + k] == 1 {
-                    ell[off + k] = d;
-                } else if d != 1 && d != ell[off + k] {
-                    bail!("{OP}: the ... axes {ed:?} do not broadcast with {ell:?}");
-                }
-            }
-        }
+        ell = match shape::broadcast_shapes(&[&ell, ed]) {
+            Ok(b) => b,
+            Err(_) => bail!("{OP}: the ... axes {ed:?} do not broadcast with {ell:?}"),
+        };
         shapes.push(s);
     }
     // Labels: letters in order of first appearance, then the ... axes.
@@ -275,8 +258,8 @@ pub(crate) fn dispatch(call: &Call) -> Result<()> {
     args.extend(slot(&|k| p.strides.get(1).map_or(0, |s| s[k]) as u64));
     launch(&Launch {
         kernel: &kernel_name("kiln_einsum", &[tag]),
-        grid: [total.div_ceil(256).clamp(1, 1 << 20) as u32, 1, 1],
-        block: [256, 1, 1],
+        grid: grid_stride(total),
+        block: [GRID_STRIDE_BLOCK, 1, 1],
         shared_mem_bytes: 0,
         args,
     })

@@ -376,8 +376,8 @@ pub fn dispatch(call: &Call) -> Result<()> {
             let a = scratch(rows * k * esize as u64)?;
             launch(&Launch {
                 kernel: &kernel_name("kiln_linear_swiglu", &[tag]),
-                grid: [(rows * k).div_ceil(256).clamp(1, 1 << 20) as u32, 1, 1],
-                block: [256, 1, 1],
+                grid: grid_stride(rows * k),
+                block: [GRID_STRIDE_BLOCK, 1, 1],
                 shared_mem_bytes: 0,
                 args: alloc::vec![at(x), at(a), KernelArg::U64(rows), KernelArg::U64(k)],
             })?;

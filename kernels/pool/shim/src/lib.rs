@@ -354,8 +354,8 @@ impl Shim for Pool {
         }
         launch(&Launch {
             kernel: &kernel_name("kiln_pool", &[tag]),
-            grid: [total.div_ceil(256).clamp(1, 1 << 20) as u32, 1, 1],
-            block: [256, 1, 1],
+            grid: grid_stride(total),
+            block: [GRID_STRIDE_BLOCK, 1, 1],
             shared_mem_bytes: 0,
             args,
         })

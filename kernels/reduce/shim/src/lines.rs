@@ -193,8 +193,8 @@ pub fn dispatch(call: &Call) -> Result<()> {
     };
     launch(&Launch {
         kernel: &names::kernel_name(template, &[tag]),
-        grid: [lines.div_ceil(256).clamp(1, 1 << 20) as u32, 1, 1],
-        block: [256, 1, 1],
+        grid: grid_stride(lines),
+        block: [GRID_STRIDE_BLOCK, 1, 1],
         shared_mem_bytes: 0,
         args,
     })

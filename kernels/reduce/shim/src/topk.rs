@@ -128,8 +128,8 @@ pub fn dispatch(call: &Call) -> Result<()> {
     let t = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
     launch(&Launch {
         kernel: &names::kernel_name("kiln_topk", &[tag]),
-        grid: [lines.div_ceil(256).clamp(1, 1 << 20) as u32, 1, 1],
-        block: [256, 1, 1],
+        grid: grid_stride(lines),
+        block: [GRID_STRIDE_BLOCK, 1, 1],
         shared_mem_bytes: 0,
         args: vec![
             t(call.input(0)?.handle()),
