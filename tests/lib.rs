@@ -104,6 +104,26 @@ pub mod onnx {
         }
     }
 
+    /// A subgraph attribute (If's branches, Loop's and Scan's body).
+    pub fn attr_graph(name: &str, g: GraphProto) -> AttributeProto {
+        AttributeProto {
+            name: name.into(),
+            type_: EnumOrUnknown::new(attribute_proto::AttributeType::GRAPH),
+            g: MessageField::some(g),
+            ..Default::default()
+        }
+    }
+
+    /// A graph (a subgraph, or a model's) without initializers.
+    pub fn graph(
+        name: &str,
+        nodes: Vec<NodeProto>,
+        inputs: Vec<ValueInfoProto>,
+        outputs: Vec<ValueInfoProto>,
+    ) -> GraphProto {
+        GraphProto { name: name.into(), node: nodes, input: inputs, output: outputs, ..Default::default() }
+    }
+
     /// A tensor value declaration: ONNX dtype code and dims (negative = symbolic "n").
     pub fn value(name: &str, dtype: i32, dims: &[i64]) -> ValueInfoProto {
         let dim = dims

@@ -190,7 +190,9 @@ fn run_model(rt: &Arc<Runtime>, ext: &Path, model_bytes: &[u8], inputs: &[Input]
     }
     // Small tensors and a short shim deadline keep every mutant quick; the limits are the
     // ones a user sets, through the same checks.
-    let options = SessionOptions { max_tensor_bytes: 16 << 20, ..SessionOptions::default() };
+    // A mutated trip count must end as an error well inside the hang limit.
+    let options =
+        SessionOptions { max_tensor_bytes: 16 << 20, max_loop_iterations: 10_000, ..SessionOptions::default() };
     let mut s = match Session::new(rt.clone(), m, options) {
         Ok(s) => s,
         Err(e) => return stage("session", e),

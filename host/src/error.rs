@@ -68,6 +68,17 @@ impl std::fmt::Display for DeviceCheck {
 }
 
 impl Error {
+    /// The same error with `at` (where it happened: "node X's subgraph Y: ") before its message,
+    /// for the kinds whose message is text (the others already name their node or file).
+    pub fn context(self, at: &str) -> Error {
+        match self {
+            Error::Model(m) => Error::Model(format!("{at}{m}")),
+            Error::Unsupported(m) => Error::Unsupported(format!("{at}{m}")),
+            Error::Input(m) => Error::Input(format!("{at}{m}")),
+            other => other,
+        }
+    }
+
     /// Whether the error means "kiln cannot run this" rather than "this is wrong": an op,
     /// dtype, attribute or feature that no package (or the host) supports.
     pub fn is_unsupported(&self) -> bool {

@@ -51,6 +51,20 @@ pub struct Report {
     pub fusions: Fusions,
     /// kiln's device memory after the last run (GPU sessions).
     pub device_memory: Option<DeviceMemory>,
+    /// If, Loop and Scan nodes: their bodies' runs (whose nodes count above too).
+    pub control_flow: ControlFlowStats,
+}
+
+/// What control-flow nodes did, over all runs.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ControlFlowStats {
+    /// Body runs (an If's branch, one Loop or Scan iteration).
+    pub subgraph_runs: u64,
+    /// Loop and Scan iterations.
+    pub iterations: u64,
+    /// Device values control-flow nodes read on the host (a condition, a trip count, a loop's
+    /// state): each a seam that waits for the device.
+    pub host_reads: u64,
 }
 
 /// The device memory of a session, in bytes: the pool blocks it holds, the blocks the device's
@@ -227,6 +241,33 @@ impl Report {
         }
     }
 
+    /// Adds the counts of `other` (a control-flow body's session) to this report's.
+    pub fn absorb(&mut self, other: Report) {
+        self.nodes += other.nodes;
+        self.wasm_calls.infer += other.wasm_calls.infer;
+        self.wasm_calls.cpu += other.wasm_calls.cpu;
+        self.wasm_calls.dispatch += other.wasm_calls.dispatch;
+        for (p, n) in other.packages {
+            *self.packages.entry(p).or_default() += n;
+        }
+        for (op, st) in other.ops {
+            let s = self.ops.entry(op).or_default();
+            s.nodes += st.nodes;
+            s.time_us += st.time_us;
+            s.gpu_us += st.gpu_us;
+        }
+        self.instances += other.instances;
+        self.launches += other.launches;
+        self.plan_hits += other.plan_hits;
+        self.dispatch_steps += other.dispatch_steps;
+        for (op, n) in other.dispatch_unsupported {
+            *self.dispatch_unsupported.entry(op).or_default() += n;
+        }
+        self.control_flow.subgraph_runs += other.control_flow.subgraph_runs;
+        self.control_flow.iterations += other.control_flow.iterations;
+        self.control_flow.host_reads += other.control_flow.host_reads;
+    }
+
     /// Adds GPU time to an op's count.
     pub fn record_gpu(&mut self, op: &str, ms: f32) {
         if let Some(s) = self.ops.get_mut(op) {
@@ -253,6 +294,13 @@ impl Report {
         if self.launches > 0 || self.graphs.plans_built > 0 {
             s += &format!("gpu: {} eager launches, {} plan hits\n", self.launches, self.plan_hits);
             s += &self.graphs.render();
+        }
+        let cf = &self.control_flow;
+        if cf.subgraph_runs > 0 {
+            s += &format!(
+                "control flow: {} body runs ({} loop iterations), {} device values read on the host\n",
+                cf.subgraph_runs, cf.iterations, cf.host_reads
+            );
         }
         if let Some(m) = &self.device_memory {
             let mib = |b: u64| b as f64 / (1u64 << 20) as f64;

@@ -122,7 +122,7 @@ pub fn inspect(mut m: Model, reg: &OpRegistry, device: Device, caps: Option<&Dev
         crate::fuse::Fusions::default()
     };
     let mut ops: Vec<OpRow> = Vec::new();
-    for n in &m.graph.nodes {
+    for (g, n) in m.graph.nodes_with_subgraphs() {
         let domain = if n.domain.is_empty() || n.domain == "ai.onnx" { "ai.onnx" } else { n.domain.as_str() };
         let op = format!("{domain}::{}", n.op_type);
         if let Some(row) = ops.iter_mut().find(|r| r.op == op) {
@@ -130,9 +130,10 @@ pub fn inspect(mut m: Model, reg: &OpRegistry, device: Device, caps: Option<&Dev
             continue;
         }
         let opset = m.opset(&n.domain);
-        let input_dtypes = n.inputs.iter().map(|i| i.and_then(|v| m.graph.declared_dtype(v))).collect();
+        let input_dtypes = n.inputs.iter().map(|i| i.and_then(|v| g.declared_dtype(v))).collect();
         let (package, reason) = match opset {
             None => (None, Some(format!("the model does not import domain {domain:?} (opset_import)"))),
+            Some(_) if n.is_control_flow() => (Some(crate::ep::CONTROL_FLOW.to_string()), None),
             Some(opset) => {
                 let q = NodeQuery {
                     domain: &n.domain,

@@ -243,6 +243,10 @@ pub struct ModelRunArgs {
     /// an out-of-memory error (in `kiln serve`, only the requests that needed the room).
     #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..=(u64::MAX >> 20)))]
     pub device_memory_limit: Option<u64>,
+    /// Most times one If, Loop or Scan node may run its body in a run (a Loop's trip count and
+    /// condition are the model's values); past it the run fails rather than hangs.
+    #[arg(long, value_name = "N", default_value_t = crate::ep::MAX_LOOP_ITERATIONS)]
+    pub max_loop_iterations: u64,
 }
 
 impl ModelRunArgs {
@@ -265,6 +269,7 @@ impl ModelRunArgs {
             fuse: !self.fuse.no_fuse,
             pdl: self.pdl,
             device_memory_limit: limit,
+            max_loop_iterations: self.max_loop_iterations,
             ..crate::ep::SessionOptions::default()
         })
     }

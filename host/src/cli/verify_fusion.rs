@@ -77,6 +77,7 @@ fn pattern_model(f: &Fusion, dtype: DType, seed: u64) -> Result<Model> {
             op_type: p.op.clone(),
             domain: p.domain.clone(),
             inputs,
+            implicit_inputs: 0,
             outputs,
             attributes: Vec::new(),
         });

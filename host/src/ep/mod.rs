@@ -6,6 +6,7 @@
 
 mod backend;
 mod binding;
+mod control;
 mod infer;
 mod pages;
 mod plan;
@@ -24,8 +25,9 @@ use crate::Result;
 
 pub use crate::capture::GraphMode;
 pub use binding::{DeviceTensor, Feed, Fetch, Fetched, PendingRead};
+pub use control::CONTROL_FLOW;
 pub use pages::{KvPages, PageGeometry, PAGE_POSITIONS};
-pub use session::{Session, SessionOptions, VMM_CHUNK_BYTES};
+pub use session::{Session, SessionOptions, MAX_LOOP_ITERATIONS, VMM_CHUNK_BYTES};
 
 /// The device a session runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

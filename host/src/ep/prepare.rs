@@ -57,6 +57,10 @@ pub(super) fn prepare(
     for idx in 0..model.graph.nodes.len() {
         let node = model.graph.nodes[idx].clone();
         folded.push(false);
+        if node.is_control_flow() {
+            // Run by the executor (`control`), its bodies prepared with their own sessions.
+            continue;
+        }
         let ins: Vec<Option<Known>> = node.inputs.iter().map(|i| i.map(|v| known[v].clone())).collect();
         let dtypes: Vec<Option<DType>> = ins.iter().map(|k| k.as_ref().and_then(|k| k.dtype)).collect();
         let rank = ins.iter().flatten().filter_map(|k| k.shape.as_ref().map(Vec::len)).max();

@@ -25,6 +25,7 @@ use crate::{cpu, Error, Result, Tensor};
 
 use super::backend::{Backend, CpuBackend};
 use super::binding::{DeviceTensor, Feed, Fetch, Fetched, Held, HeldTensors, PendingRead};
+use super::control::ControlFlow;
 use super::infer::{infer_key, Call, InferInput, InferKey, NodeTypes, OutputTypes, Resolved, INFER_CACHE_ENTRIES};
 use super::plan::{Bindings, ExecutionPlan, RecIn, RecOut, Recorder};
 use super::shims::{node_call, opset_of, tensor_arg, Shims};
@@ -62,7 +63,14 @@ pub struct SessionOptions {
     /// costs driver calls per tensor); each tensor maps whole multiples of the device's
     /// granularity. 0: only the granularity. Default [`VMM_CHUNK_BYTES`].
     pub vmm_chunk_bytes: u64,
+    /// Most body runs one If, Loop or Scan node may make in a run (Loop's trip count and
+    /// condition come from the model's values): past it the run fails. Default
+    /// [`MAX_LOOP_ITERATIONS`].
+    pub max_loop_iterations: u64,
 }
+
+/// The default [`SessionOptions::max_loop_iterations`]: 2^20.
+pub const MAX_LOOP_ITERATIONS: u64 = 1 << 20;
 
 /// The default [`SessionOptions::vmm_chunk_bytes`]: 32 MiB.
 pub const VMM_CHUNK_BYTES: u64 = 32 << 20;
@@ -79,6 +87,7 @@ impl Default for SessionOptions {
             fuse: true,
             pdl: crate::capture::PdlMode::Auto,
             vmm_chunk_bytes: VMM_CHUNK_BYTES,
+            max_loop_iterations: MAX_LOOP_ITERATIONS,
         }
     }
 }
@@ -143,6 +152,8 @@ pub struct Session {
     resident_buffers: Vec<DevBuffer>,
     /// Nodes computed once at preparation (constant folding).
     folded: Vec<bool>,
+    /// Per node, its bodies' sessions when it is control flow (If, Loop, Scan).
+    control: Vec<Option<Box<ControlFlow>>>,
     /// Largest tensor a node may produce, in bytes.
     max_tensor_bytes: u64,
     /// For each value, the index of the last node that reads it (graph outputs: never freed).
@@ -279,7 +290,18 @@ impl Session {
             ms = started.elapsed().as_millis() as u64,
             "session prepared"
         );
+        let mut control = Vec::with_capacity(model.graph.nodes.len());
+        for (idx, node) in model.graph.nodes.iter().enumerate() {
+            control.push(match node.is_control_flow() {
+                true => {
+                    let opset = opset_of(&model, idx)?;
+                    Some(Box::new(ControlFlow::new(&shims.rt, &model, node, opset, &options)?))
+                }
+                false => None,
+            });
+        }
         let mut s = Session {
+            control,
             model,
             options,
             shims,
@@ -658,6 +680,12 @@ impl Session {
             }
             self.current_node = idx;
             let t0 = Instant::now();
+            if self.control[idx].is_some() {
+                self.run_control_flow(idx, values)?;
+                self.report.record_node(&self.model.graph.nodes[idx].op_type, super::CONTROL_FLOW, t0.elapsed());
+                self.release_dead(idx, values);
+                continue;
+            }
             let resolved = self.run_node(idx, values)?;
             if profiling {
                 self.backend.gpu().map_or(Ok(()), Gpu::mark)?;
@@ -666,19 +694,67 @@ impl Session {
             if self.recorder.is_none() {
                 self.report.record_node(&self.model.graph.nodes[idx].op_type, &resolved.package_id, t0.elapsed());
             }
-            // Release intermediates after their last use, and outputs nobody reads at once.
-            let node = &self.model.graph.nodes[idx];
-            let mut dead: Vec<ValueId> =
-                node.inputs.iter().flatten().copied().filter(|v| self.last_use[*v] == Some(idx)).collect();
-            dead.extend(node.outputs.iter().flatten().copied().filter(|v| self.last_use[*v].is_none()));
-            for v in dead {
-                if let Some(val) = values[v].take() {
-                    drop(val);
-                }
-            }
+            self.release_dead(idx, values);
         }
         if profiling {
             self.collect_gpu_profile(&order)?;
+        }
+        Ok(())
+    }
+
+    /// Releases node `idx`'s inputs after their last use, and its outputs nobody reads.
+    fn release_dead(&self, idx: usize, values: &mut [Option<Value>]) {
+        let node = &self.model.graph.nodes[idx];
+        let mut dead: Vec<ValueId> =
+            node.inputs.iter().flatten().copied().filter(|v| self.last_use[*v] == Some(idx)).collect();
+        dead.extend(node.outputs.iter().flatten().copied().filter(|v| self.last_use[*v].is_none()));
+        for v in dead {
+            if let Some(val) = values[v].take() {
+                drop(val);
+            }
+        }
+    }
+
+    /// Runs control-flow node `idx` (see `control`): its inputs on the host (a GPU's downloaded:
+    /// a seam), its bodies' sessions, its outputs as host values (uploaded when a GPU node
+    /// reads them). In a plan's dry run it is a seam.
+    fn run_control_flow(&mut self, idx: usize, values: &mut [Option<Value>]) -> Result<()> {
+        let node = self.model.graph.nodes[idx].clone();
+        if let Some(rec) = self.recorder.as_mut() {
+            let why =
+                format!("node {:?} ({}) is control flow, run by the executor on host values", node.name, node.op_type);
+            rec.seam(why.clone());
+            return Err(Error::Unsupported(why));
+        }
+        let mut inputs = Vec::with_capacity(node.inputs.len());
+        for v in &node.inputs {
+            let Some(v) = v else {
+                inputs.push(None);
+                continue;
+            };
+            let val = match values[*v].as_ref() {
+                Some(val) => val.clone_ref(),
+                None => self.resident(*v).ok_or_else(|| {
+                    Error::Model(format!(
+                        "node {:?} reads {:?} before it is computed",
+                        node.name, self.model.graph.values[*v].name
+                    ))
+                })?,
+            };
+            if val.host_bytes().is_none() {
+                self.report.control_flow.host_reads += 1;
+            }
+            inputs.push(Some(self.host_tensor(&val)?));
+        }
+        let mut cf = self.control[idx]
+            .take()
+            .ok_or_else(|| Error::Model(format!("node {:?} is not control flow", node.name)))?;
+        let outs = cf.run(&node, &self.model.graph, inputs, self.options.max_loop_iterations, &mut self.report);
+        self.control[idx] = Some(cf);
+        for (o, t) in node.outputs.iter().zip(outs?) {
+            if let (Some(id), Some(t)) = (o, t) {
+                values[*id] = Some(Value::Host(t));
+            }
         }
         Ok(())
     }

@@ -176,6 +176,7 @@ pub(super) fn apply(g: &mut Graph, f: &Fusion, b: &Binding, consts: Vec<NewConst
             op_type: r.op.clone(),
             domain: r.domain.clone(),
             inputs,
+            implicit_inputs: 0,
             outputs,
             attributes,
         });
@@ -318,6 +319,7 @@ mod tests {
             op_type: name.into(),
             domain: String::new(),
             inputs: inputs.into_iter().map(Some).collect(),
+            implicit_inputs: 0,
             outputs: outputs.into_iter().map(Some).collect(),
             attributes: Vec::new(),
         };

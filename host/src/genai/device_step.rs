@@ -137,6 +137,7 @@ pub fn augment(model: &mut Model, cfg: &GenaiConfig, registry: &OpRegistry) -> O
         op_type: "ArgMax".into(),
         domain: String::new(),
         inputs: vec![Some(logits)],
+        implicit_inputs: 0,
         outputs: vec![Some(next_ids)],
         attributes: vec![("axis".into(), AttrValue::Int(-1)), ("keepdims".into(), AttrValue::Int(0))],
     });
@@ -153,6 +154,7 @@ pub fn augment(model: &mut Model, cfg: &GenaiConfig, registry: &OpRegistry) -> O
             op_type: "Sample".into(),
             domain: KILN_DOMAIN.into(),
             inputs: vec![Some(logits), Some(mask), Some(history), Some(position), Some(sampling), Some(seeds)],
+            implicit_inputs: 0,
             outputs: vec![Some(sampled), Some(next_history)],
             attributes: Vec::new(),
         });
@@ -166,6 +168,7 @@ pub fn augment(model: &mut Model, cfg: &GenaiConfig, registry: &OpRegistry) -> O
         op_type: "AppendAttentionMask".into(),
         domain: KILN_DOMAIN.into(),
         inputs: vec![Some(mask), Some(position)],
+        implicit_inputs: 0,
         outputs: vec![Some(next_mask), Some(next_position)],
         attributes: Vec::new(),
     });

@@ -1,15 +1,17 @@
 //! ONNX protobuf → [`Model`]. Every inconsistency is an [`Error::Model`] naming what is
-//! wrong; features kiln does not run (subgraphs, sequences, sparse tensors) are
-//! [`Error::Unsupported`].
+//! wrong; features kiln does not run (sequences, sparse tensors, subgraphs nested past
+//! [`MAX_SUBGRAPH_DEPTH`]) are [`Error::Unsupported`]. Subgraphs (the bodies of If, Loop and
+//! Scan) load as graphs of their own, their reads of outer-scope values resolved here.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::Path;
+use std::sync::Arc;
 
 use kiln_kernel_abi::DType;
 use onnx_protobuf::attribute_proto::AttributeType;
-use onnx_protobuf::{type_proto, AttributeProto, Message, ModelProto, ValueInfoProto};
+use onnx_protobuf::{type_proto, AttributeProto, GraphProto, Message, ModelProto, ValueInfoProto};
 
-use super::{tensor_from_proto, AttrValue, Dim, ExternalData, Graph, Model, Node, Value, ValueId, ValueType};
+use super::{tensor_from_proto, AttrValue, Dim, ExternalData, Graph, Model, Node, Subgraph, Value, ValueId, ValueType};
 use crate::{Error, Tensor};
 
 /// Largest single tensor a model may declare, in bytes (64 GiB): beyond this a dimension is
@@ -48,13 +50,44 @@ pub fn load_bytes(bytes: &[u8], base: Option<std::path::PathBuf>) -> Result<Mode
         return Err(Error::Model("the model imports no opset (opset_import is empty)".into()));
     }
     let ext = ExternalData::new(base);
-    let mut b = Builder::default();
+    let (graph, _) = load_graph(g, None, &ext, 0)?;
+    Ok(Model { path: None, ir_version: proto.ir_version, opsets, producer: proto.producer_name.clone(), graph })
+}
 
+/// Most levels of subgraphs inside subgraphs (an If in a Loop body is 2): deeper nesting is
+/// refused at load as a model kiln does not run, rather than recursed into.
+pub const MAX_SUBGRAPH_DEPTH: usize = 16;
+
+/// The names a subgraph may read from the graphs around it (ONNX's outer scope): every value
+/// each enclosing graph defines, the innermost first.
+struct Scope<'a> {
+    names: HashSet<String>,
+    parent: Option<&'a Scope<'a>>,
+}
+
+impl Scope<'_> {
+    fn visible(&self, name: &str) -> bool {
+        self.names.contains(name) || self.parent.is_some_and(|p| p.visible(name))
+    }
+}
+
+/// Loads one graph: the main graph (`scope` `None`) or a subgraph at nesting `depth`, whose
+/// reads of outer-scope values become graph inputs after its own (returned as their names, in
+/// order: the captures a control-flow node feeds it).
+fn load_graph(
+    g: &GraphProto,
+    scope: Option<&Scope<'_>>,
+    ext: &ExternalData,
+    depth: usize,
+) -> Result<(Graph, Vec<String>), Error> {
+    let mut b = Builder::default();
+    let what = if scope.is_some() { format!("subgraph {:?}", g.name) } else { "the graph".to_string() };
+    let prefix = if scope.is_some() { format!("{what}: ") } else { String::new() };
     for t in &g.initializer {
         if t.name.is_empty() {
-            return Err(Error::Model("an initializer has no name".into()));
+            return Err(Error::Model(format!("an initializer of {what} has no name")));
         }
-        let tensor = tensor_from_proto(t, &format!("initializer {:?}", t.name), &ext)?;
+        let tensor = tensor_from_proto(t, &format!("initializer {:?}", t.name), ext)?;
         let id = b.define(&t.name, "initializer")?;
         b.graph.initializers.insert(id, tensor);
     }
@@ -75,70 +108,124 @@ pub fn load_bytes(bytes: &[u8], base: Option<std::path::PathBuf>) -> Result<Mode
     }
     for (i, n) in g.node.iter().enumerate() {
         let label = if n.name.is_empty() { format!("{}#{i}", n.op_type) } else { n.name.clone() };
-        let mut attributes = Vec::with_capacity(n.attribute.len());
-        for a in &n.attribute {
-            attributes.push((a.name.clone(), attr_value(&label, a, &ext)?));
-        }
         let mut outputs = Vec::with_capacity(n.output.len());
         for o in &n.output {
             outputs.push(if o.is_empty() { None } else { Some(b.define(o, &format!("output of node {label:?}"))?) });
         }
         b.graph.nodes.push(Node {
             // Unnamed nodes get a name for messages, fixed at load (file order).
-            name: label.clone(),
+            name: label,
             op_type: n.op_type.clone(),
             domain: if n.domain == "ai.onnx" { String::new() } else { n.domain.clone() },
             inputs: Vec::new(),
+            implicit_inputs: 0,
             outputs,
-            attributes,
+            attributes: Vec::new(),
         });
     }
-    // Inputs after every output is defined, so that order problems are reported as cycles.
+    // What this graph's subgraphs see: every name it defines, and what its own scope sees.
+    let inner = Scope { names: b.ids.keys().cloned().collect(), parent: scope };
+    // Attributes and inputs after every output is defined, so that order problems are reported
+    // as cycles, and a subgraph may read any value of this graph.
     for (i, n) in g.node.iter().enumerate() {
         let label = b.graph.nodes[i].name.clone();
-        let mut inputs = Vec::with_capacity(n.input.len());
+        let mut attributes = Vec::with_capacity(n.attribute.len());
+        let mut implicit: Vec<String> = Vec::new();
+        for a in &n.attribute {
+            let v = match attr_graphs(a) {
+                Some(graphs) => {
+                    if depth >= MAX_SUBGRAPH_DEPTH {
+                        return Err(Error::Unsupported(format!(
+                            "node {label:?}: attribute {:?} nests subgraphs more than {MAX_SUBGRAPH_DEPTH} deep",
+                            a.name
+                        )));
+                    }
+                    let mut subs = Vec::with_capacity(graphs.len());
+                    for sg in graphs {
+                        let (graph, captures) = load_graph(sg, Some(&inner), ext, depth + 1)
+                            .map_err(|e| e.context(&format!("in node {label:?}'s subgraph {:?}: ", a.name)))?;
+                        for c in &captures {
+                            if !implicit.contains(c) {
+                                implicit.push(c.clone());
+                            }
+                        }
+                        subs.push(Arc::new(Subgraph { formal_inputs: graph.inputs.len() - captures.len(), graph }));
+                    }
+                    match a.type_.enum_value() {
+                        Ok(AttributeType::GRAPH) => AttrValue::Graph(subs.pop().ok_or_else(|| {
+                            Error::Model(format!("node {label:?}: GRAPH attribute {:?} has no graph", a.name))
+                        })?),
+                        _ => AttrValue::Graphs(subs),
+                    }
+                }
+                None => attr_value(&label, a, ext)?,
+            };
+            attributes.push((a.name.clone(), v));
+        }
+        let mut inputs = Vec::with_capacity(n.input.len() + implicit.len());
         for name in &n.input {
             if name.is_empty() {
                 inputs.push(None);
                 continue;
             }
-            let id = b.ids.get(name).copied().ok_or_else(|| {
+            let id = b.read(name, scope).ok_or_else(|| {
                 Error::Model(format!(
                     "node {label:?} reads {name:?}, which no node produces and is neither an input nor an initializer"
                 ))
             })?;
             inputs.push(Some(id));
         }
-        b.graph.nodes[i].inputs = inputs;
+        for name in &implicit {
+            // A subgraph only captures names its scope (ours included) defines.
+            let id = b.read(name, scope).ok_or_else(|| {
+                Error::Model(format!("node {label:?}: a subgraph reads {name:?}, which no enclosing graph defines"))
+            })?;
+            inputs.push(Some(id));
+        }
+        let node = &mut b.graph.nodes[i];
+        node.implicit_inputs = implicit.len();
+        node.inputs = inputs;
+        node.attributes = attributes;
     }
     for vi in &g.output {
         let id = b
-            .ids
-            .get(&vi.name)
-            .copied()
-            .ok_or_else(|| Error::Model(format!("graph output {:?} is never produced", vi.name)))?;
+            .read(&vi.name, scope)
+            .ok_or_else(|| Error::Model(format!("{prefix}graph output {:?} is never produced", vi.name)))?;
         if let Some(ty) = value_type(vi)? {
             b.graph.values[id].ty.get_or_insert(ty);
         }
         b.graph.outputs.push(id);
     }
     if b.graph.outputs.is_empty() {
-        return Err(Error::Model("the graph declares no outputs".into()));
+        return Err(Error::Model(format!("{what} declares no outputs")));
     }
     for vi in &g.value_info {
         if let (Some(&id), Ok(Some(ty))) = (b.ids.get(&vi.name), value_type(vi)) {
             b.graph.values[id].ty.get_or_insert(ty);
         }
     }
+    let captures: Vec<String> = b.captures.iter().map(|&id| b.graph.values[id].name.clone()).collect();
     let mut graph = b.graph;
+    graph.inputs.extend(b.captures);
     graph.nodes = topological_order(&graph)?;
-    Ok(Model { path: None, ir_version: proto.ir_version, opsets, producer: proto.producer_name.clone(), graph })
+    Ok((graph, captures))
+}
+
+/// The subgraphs of a GRAPH or GRAPHS attribute (`None`: another type).
+fn attr_graphs(a: &AttributeProto) -> Option<Vec<&GraphProto>> {
+    match a.type_.enum_value() {
+        Ok(AttributeType::GRAPH) => Some(a.g.as_ref().into_iter().collect()),
+        Ok(AttributeType::GRAPHS) => Some(a.graphs.iter().collect()),
+        _ => None,
+    }
 }
 
 #[derive(Default)]
 struct Builder {
     graph: Graph,
     ids: HashMap<String, ValueId>,
+    /// Values read from an outer scope (a subgraph's captures), in the order first read.
+    captures: Vec<ValueId>,
 }
 
 impl Builder {
@@ -151,6 +238,20 @@ impl Builder {
         self.graph.values.push(Value { name: name.to_string(), ty: None });
         self.ids.insert(name.to_string(), id);
         Ok(id)
+    }
+
+    /// The value `name` reads: one of this graph's, or an outer-scope value `scope` sees, which
+    /// becomes a capture on its first read. `None`: no graph defines it.
+    fn read(&mut self, name: &str, scope: Option<&Scope<'_>>) -> Option<ValueId> {
+        if let Some(&id) = self.ids.get(name) {
+            return Some(id);
+        }
+        if !scope?.visible(name) {
+            return None;
+        }
+        let id = self.define(name, "outer-scope value").ok()?;
+        self.captures.push(id);
+        Some(id)
     }
 }
 
@@ -216,7 +317,7 @@ fn attr_value(node: &str, a: &AttributeProto, ext: &ExternalData) -> Result<Attr
         AttributeType::INTS => AttrValue::Ints(a.ints.clone()),
         AttributeType::STRINGS => AttrValue::Strings(a.strings.iter().map(|s| text(s)).collect()),
         AttributeType::GRAPH | AttributeType::GRAPHS => {
-            return unsupported("a subgraph (control flow is not supported)")
+            return Err(Error::Model(format!("node {node:?}: subgraph attribute {:?} reached attr_value", a.name)))
         }
         AttributeType::SPARSE_TENSOR | AttributeType::SPARSE_TENSORS => return unsupported("a sparse tensor"),
         AttributeType::TENSORS => return unsupported("a list of tensors"),

@@ -10,6 +10,7 @@ mod tensor_proto;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use kiln_kernel_abi::wire;
 use kiln_kernel_abi::DType;
@@ -17,7 +18,7 @@ use kiln_kernel_abi::DType;
 use crate::Tensor;
 
 pub use external::ExternalData;
-pub use load::{initializer, load, load_bytes, MAX_TENSOR_BYTES};
+pub use load::{initializer, load, load_bytes, MAX_SUBGRAPH_DEPTH, MAX_TENSOR_BYTES};
 pub use tensor_proto::tensor_from_proto;
 
 /// Index of a value in [`Graph::values`].
@@ -63,8 +64,8 @@ pub struct Value {
     pub ty: Option<ValueType>,
 }
 
-/// An attribute value (ONNX `AttributeProto`; graphs, sparse tensors and type protos are
-/// refused at load as unsupported).
+/// An attribute value (ONNX `AttributeProto`; sparse tensors and type protos are refused at
+/// load as unsupported).
 #[derive(Clone, Debug, PartialEq)]
 pub enum AttrValue {
     Float(f32),
@@ -74,6 +75,33 @@ pub enum AttrValue {
     Floats(Vec<f32>),
     Ints(Vec<i64>),
     Strings(Vec<String>),
+    /// A subgraph (If's branches, Loop's and Scan's body): run by the executor, never passed to
+    /// a package.
+    Graph(Arc<Subgraph>),
+    Graphs(Vec<Arc<Subgraph>>),
+}
+
+/// A subgraph of a control-flow node. Its graph inputs are its formal inputs (the first
+/// `formal_inputs`), then the outer-scope values it reads, each under its outer name; the node
+/// that holds it lists those values as its implicit inputs.
+#[derive(Debug)]
+pub struct Subgraph {
+    pub graph: Graph,
+    pub formal_inputs: usize,
+}
+
+impl Subgraph {
+    /// The outer-scope values the subgraph reads (its inputs after the formal ones).
+    pub fn captures(&self) -> &[ValueId] {
+        &self.graph.inputs[self.formal_inputs..]
+    }
+}
+
+impl PartialEq for Subgraph {
+    /// The same subgraph (graphs are not compared by content).
+    fn eq(&self, other: &Subgraph) -> bool {
+        std::ptr::eq(self, other)
+    }
 }
 
 /// A node of the graph.
@@ -84,21 +112,35 @@ pub struct Node {
     pub op_type: String,
     /// `""` for ai.onnx.
     pub domain: String,
-    /// `None` for an absent optional input (empty name).
+    /// `None` for an absent optional input (empty name). A control-flow node's last
+    /// `implicit_inputs` are the outer-scope values its subgraphs read (ONNX's implicit inputs),
+    /// after the op's own.
     pub inputs: Vec<Option<ValueId>>,
+    /// How many of `inputs`, at the end, are implicit (0 but for control flow).
+    pub implicit_inputs: usize,
     /// `None` for an output left out.
     pub outputs: Vec<Option<ValueId>>,
     pub attributes: Vec<(String, AttrValue)>,
 }
 
 impl Node {
-    /// Attributes in the ABI's borrowed form.
+    /// Whether this is control flow the executor runs rather than a package (ai.onnx If, Loop,
+    /// Scan).
+    pub fn is_control_flow(&self) -> bool {
+        self.domain.is_empty() && matches!(self.op_type.as_str(), "If" | "Loop" | "Scan")
+    }
+
+    /// The op's own inputs (without the implicit ones).
+    pub fn explicit_inputs(&self) -> &[Option<ValueId>] {
+        &self.inputs[..self.inputs.len() - self.implicit_inputs]
+    }
+
+    /// Attributes in the ABI's borrowed form (subgraphs, which no package reads, left out).
     pub fn wire_attributes(&self) -> Vec<wire::Attribute<'_>> {
         self.attributes
             .iter()
-            .map(|(name, v)| wire::Attribute {
-                name,
-                value: match v {
+            .filter_map(|(name, v)| {
+                let value = match v {
                     AttrValue::Float(x) => wire::AttrValue::Float(*x),
                     AttrValue::Int(x) => wire::AttrValue::Int(*x),
                     AttrValue::String(s) => wire::AttrValue::String(s),
@@ -108,7 +150,9 @@ impl Node {
                     AttrValue::Floats(x) => wire::AttrValue::Floats(x.clone()),
                     AttrValue::Ints(x) => wire::AttrValue::Ints(x.clone()),
                     AttrValue::Strings(x) => wire::AttrValue::Strings(x.iter().map(String::as_str).collect()),
-                },
+                    AttrValue::Graph(_) | AttrValue::Graphs(_) => return None,
+                };
+                Some(wire::Attribute { name, value })
             })
             .collect()
     }
@@ -129,6 +173,26 @@ impl Graph {
     /// The dtype of `v` known before a run: an initializer's, or the declared one.
     pub fn declared_dtype(&self, v: ValueId) -> Option<DType> {
         self.initializers.get(&v).map(|t| t.dtype).or_else(|| self.values.get(v)?.ty.as_ref().map(|t| t.dtype))
+    }
+
+    /// Every node with the graph it is in: this graph's, then, depth first, those of the
+    /// subgraphs its nodes hold.
+    pub fn nodes_with_subgraphs(&self) -> Vec<(&Graph, &Node)> {
+        let mut out = Vec::new();
+        for n in &self.nodes {
+            out.push((self, n));
+            for (_, v) in &n.attributes {
+                let subs: &[Arc<Subgraph>] = match v {
+                    AttrValue::Graph(g) => std::slice::from_ref(g),
+                    AttrValue::Graphs(gs) => gs,
+                    _ => &[],
+                };
+                for sub in subs {
+                    out.extend(sub.graph.nodes_with_subgraphs());
+                }
+            }
+        }
+        out
     }
 
     pub fn value_id(&self, name: &str) -> Option<ValueId> {
