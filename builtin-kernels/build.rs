@@ -44,6 +44,8 @@ fn main() {
     ] {
         cmd.env_remove(var);
     }
+    // Wasm SIMD128 (which wasmtime compiles to SSE/AVX): the shims' CPU loops vectorize.
+    cmd.env("CARGO_ENCODED_RUSTFLAGS", "-Ctarget-feature=+simd128");
     let status = cmd.status().expect("could not run cargo to build the kernel shims");
     if !status.success() {
         panic!("building the kernel shims (kernels/) for {TARGET} failed; see the compiler output above");

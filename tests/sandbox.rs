@@ -7,7 +7,7 @@ use bytes::Bytes;
 use kiln_host::sandbox::{
     Access, ArgTensor, CallArgs, CallKind, FailureKind, ParamKind, Sandbox, SandboxConfig, ShimFailure,
 };
-use kiln_kernel_abi::wire::{KernelArg, Launch};
+use kiln_kernel_abi::wire::{Conv, Epilogue, Gemm, KernelArg, Launch, Operand, TensorAt};
 use kiln_kernel_abi::DType;
 
 const PACKAGE: &str = "hostile@6.6.6";
@@ -24,6 +24,7 @@ fn shim(infer: &str, cpu: &str, dispatch: &str, extra: &str) -> Vec<u8> {
   (import "kiln" "scratch" (func $scratch (param i64) (result i32)))
   (import "kiln" "launch" (func $launch (param i32 i32) (result i32)))
   (import "kiln" "gemm" (func $gemm (param i32 i32) (result i32)))
+  (import "kiln" "conv" (func $conv (param i32 i32) (result i32)))
   (memory (export "memory") 2)
   (global $saved (mut i32) (i32.const 0))
   (data (i32.const 64) "\04\00\00\00\00\00\00\00")
@@ -215,6 +216,8 @@ fn garbage_pointers_and_lengths_are_refused_by_every_import() {
             "(drop (call $gemm (i32.const 0) (i32.const 200))) (i32.const 0)".into(),
             "gemm: malformed",
         ),
+        (CallKind::Cpu, format!("(drop (call $conv {far} (i32.const 64))) (i32.const 0)"), "conv: descriptor"),
+        (CallKind::Cpu, "(drop (call $conv (i32.const 0) (i32.const 200))) (i32.const 0)".into(), "conv: malformed"),
         // Imports outside the call kinds that may use them.
         (
             CallKind::Infer,
@@ -225,6 +228,11 @@ fn garbage_pointers_and_lengths_are_refused_by_every_import() {
             CallKind::Cpu,
             "(drop (call $launch (i32.const 0) (i32.const 4))) (i32.const 0)".into(),
             "launch may not be called during Cpu",
+        ),
+        (
+            CallKind::Dispatch,
+            "(drop (call $conv (i32.const 0) (i32.const 4))) (i32.const 0)".into(),
+            "conv may not be called during Dispatch",
         ),
     ];
     for (kind, body, why) in cases {
@@ -449,4 +457,85 @@ fn a_module_cache_entry_others_may_write_is_not_used() {
     std::fs::set_permissions(&entry, std::fs::Permissions::from_mode(0o666)).unwrap();
     sb.load(PACKAGE, &shim(INFER_OK, OK, OK, ""), vec![]).expect("compiled again");
     assert_eq!(std::fs::metadata(&entry).unwrap().permissions().mode() & 0o777, 0o600, "and replaced");
+}
+
+/// A CPU shim whose `kiln_cpu` passes the descriptor at 1024 (`len` bytes) to `import`.
+fn calling(import: &str, desc: &[u8]) -> Vec<u8> {
+    let body = format!("(call ${import} (i32.const 1024) (i32.const {}))", desc.len());
+    shim(INFER_OK, &body, OK, &data(1024, desc))
+}
+
+fn conv_desc(y: u32, w_channels: u64) -> Conv {
+    let at = |handle| TensorAt { handle, offset: 0 };
+    Conv {
+        dtype: DType::F32,
+        transposed: false,
+        batch: 1,
+        in_channels: w_channels,
+        out_channels: 1,
+        groups: 1,
+        input: vec![2, 2],
+        output: vec![1, 1],
+        kernel: vec![2, 2],
+        strides: vec![1, 1],
+        dilations: vec![1, 1],
+        pads_begin: vec![0, 0],
+        x: at(0x10000),
+        w: at(0x10000),
+        bias: None,
+        y: at(y),
+        epilogue: Epilogue::Relu,
+    }
+}
+
+#[test]
+fn cpu_calls_compute_gemm_and_conv_on_the_host_and_bad_descriptors_are_refused() {
+    let sb = sandbox();
+    let run = |wasm: &[u8]| -> Result<Vec<f32>, ShimFailure> {
+        let out = sb
+            .load(PACKAGE, wasm, vec![])
+            .expect("loads")
+            .instantiate()
+            .expect("instantiates")
+            .call(CallKind::Cpu, args())?;
+        match &out.slots[1].access {
+            Access::Write(v) => Ok(v.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
+            other => panic!("{other:?}"),
+        }
+    };
+    // X = [[1, -2], [3, -4]] (input 0), D the output: X·Xᵀ = [[5, 11], [11, 25]].
+    let op = |handle| Operand { handle, offset: 0, ld: 2, batch_stride: 0 };
+    let g = Gemm {
+        dtype: DType::F32,
+        trans_a: false,
+        trans_b: true,
+        m: 2,
+        n: 2,
+        k: 2,
+        batch: 1,
+        alpha: 1.0,
+        beta: 0.0,
+        a: op(0x10000),
+        b: op(0x10000),
+        c: None,
+        d: op(0x10001),
+        bias: None,
+        epilogue: Epilogue::None,
+    };
+    assert_eq!(run(&calling("gemm", &g.encode())).unwrap(), vec![5.0, 11.0, 11.0, 25.0]);
+    // A 2×2 kernel over the 2×2 input, the input as its own weight: Σ x² = 30, then relu.
+    assert_eq!(run(&calling("conv", &conv_desc(0x10001, 1).encode())).unwrap(), vec![30.0, 0.0, 0.0, 0.0]);
+    // Refused: an operand past its tensor, D an input, Y an input.
+    let past = Gemm { m: 3, ..g.clone() };
+    let into_input = Gemm { d: op(0x10000), ..g.clone() };
+    let wide = conv_desc(0x10001, 2);
+    let in_place = conv_desc(0x10000, 1);
+    for (wasm, why) in [
+        (calling("gemm", &past.encode()), "reaches past the end"),
+        (calling("gemm", &into_input.encode()), "is not an output or scratch tensor"),
+        (calling("conv", &wide.encode()), "reaches past the end"),
+        (calling("conv", &in_place.encode()), "is not an output or scratch tensor"),
+    ] {
+        check(&run(&wasm).expect_err(why), FailureKind::Refused, why);
+    }
 }

@@ -71,4 +71,5 @@ pub mod imports {
     pub const SCRATCH: &str = "scratch";
     pub const LAUNCH: &str = "launch";
     pub const GEMM: &str = "gemm";
+    pub const CONV: &str = "conv";
 }

@@ -91,8 +91,9 @@ pub enum ManifestError {
 /// paged tensors (`paged_inputs`, `paged_outputs` of `[[ops]]`) and the `counters` parameter kind;
 /// schema 6 added kernels named by C++ name expressions (`kiln_cast<kiln_tag_f16>`: an
 /// instantiation of a `__global__` function template, lowered by NVRTC; [`is_name_expression`]);
-/// schema 7 lets `pdl` list kernels by the signatures' `*` patterns.
-pub const MANIFEST_SCHEMA: u32 = 7;
+/// schema 7 lets `pdl` list kernels by the signatures' `*` patterns; schema 8 adds no field: it
+/// marks a package whose CPU reference calls `gemm` (ABI.md §4.7), which a host before it refuses.
+pub const MANIFEST_SCHEMA: u32 = 8;
 
 /// The folder of a package whose files are its exported headers.
 pub const HEADER_DIR: &str = "include/";

@@ -612,6 +612,140 @@ impl Gemm {
     }
 }
 
+/// A tensor operand of [`Conv`]: its handle and the byte offset of its first element.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TensorAt {
+    pub handle: u32,
+    pub offset: u64,
+}
+
+/// Most spatial axes a [`Conv`] may have.
+pub const CONV_MAX_SPATIAL: usize = 8;
+
+/// A convolution over `[N, C, D…]` tensors, row-major; argument of the `conv` import (ABI.md
+/// §4.8, §6.5), following ONNX's Conv and ConvTranspose:
+///
+/// - `transposed` false (Conv): `X` [N, C, in…], `W` [M, C/groups, kernel…], `Y` [N, M, out…];
+///   output position o of spatial axis a reads input `o·strides[a] − pads_begin[a] +
+///   t·dilations[a]` for tap t (zero outside the input);
+/// - `transposed` true (ConvTranspose): `W` [C, M/groups, kernel…]; input position i at tap t
+///   adds to output `i·strides[a] − pads_begin[a] + t·dilations[a]` (dropped outside the output).
+///
+/// Output channel m belongs to group `m / (M / groups)` and reads its group's input channels.
+/// `bias` has M elements added to every output position; then the epilogue (none or relu).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Conv {
+    /// float32, float16 or bfloat16 (X, W, bias, Y).
+    pub dtype: DType,
+    pub transposed: bool,
+    pub batch: u64,
+    pub in_channels: u64,
+    pub out_channels: u64,
+    pub groups: u64,
+    /// Per spatial axis (1 to [`CONV_MAX_SPATIAL`], all of one length).
+    pub input: Vec<u64>,
+    pub output: Vec<u64>,
+    pub kernel: Vec<u64>,
+    pub strides: Vec<u64>,
+    pub dilations: Vec<u64>,
+    /// Padding before each axis (negative: a ConvTranspose's output starts inside).
+    pub pads_begin: Vec<i64>,
+    pub x: TensorAt,
+    pub w: TensorAt,
+    pub bias: Option<TensorAt>,
+    pub y: TensorAt,
+    /// `None` or `Relu`.
+    pub epilogue: Epilogue,
+}
+
+impl Conv {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.i32(self.dtype.code());
+        w.u8(self.transposed as u8);
+        w.u8(self.input.len() as u8);
+        for v in [self.batch, self.in_channels, self.out_channels, self.groups] {
+            w.u64(v);
+        }
+        for axis in [&self.input, &self.output, &self.kernel, &self.strides, &self.dilations] {
+            axis.iter().for_each(|v| w.u64(*v));
+        }
+        self.pads_begin.iter().for_each(|v| w.i64(*v));
+        for t in [Some(self.x), Some(self.w), self.bias, Some(self.y)] {
+            match t {
+                None => w.u8(0),
+                Some(t) => {
+                    w.u8(1);
+                    w.u32(t.handle);
+                    w.u64(t.offset);
+                }
+            }
+        }
+        w.u32(self.epilogue as u32);
+        w.0
+    }
+
+    /// Decodes a descriptor. Errors: a malformed encoding, a spatial rank outside
+    /// 1..=[`CONV_MAX_SPATIAL`], X, W or Y absent, an epilogue other than none or relu.
+    pub fn decode(bytes: &[u8]) -> Result<Self, WireError> {
+        let mut r = Reader::new(bytes);
+        let dtype = r.dtype("conv dtype")?;
+        let transposed = r.bool("transposed")?;
+        let rank = r.u8("spatial rank")? as usize;
+        if !(1..=CONV_MAX_SPATIAL).contains(&rank) {
+            return Err(WireError::Invalid("conv: spatial rank (1 to 8)"));
+        }
+        let (batch, in_channels, out_channels, groups) =
+            (r.u64("batch")?, r.u64("in channels")?, r.u64("out channels")?, r.u64("groups")?);
+        let mut axes: [Vec<u64>; 5] = Default::default();
+        for a in axes.iter_mut() {
+            for _ in 0..rank {
+                a.push(r.u64("spatial value")?);
+            }
+        }
+        let mut pads_begin = Vec::with_capacity(rank);
+        for _ in 0..rank {
+            pads_begin.push(r.i64("pads begin")?);
+        }
+        let mut ts = [None; 4];
+        for t in ts.iter_mut() {
+            if r.bool("tensor tag")? {
+                *t = Some(TensorAt { handle: r.u32("tensor handle")?, offset: r.u64("tensor offset")? });
+            }
+        }
+        let epilogue = match r.u32("epilogue")? {
+            0 => Epilogue::None,
+            1 => Epilogue::Relu,
+            _ => return Err(WireError::Invalid("conv epilogue (none or relu)")),
+        };
+        r.finish()?;
+        let (x, w, y) = match (ts[0], ts[1], ts[3]) {
+            (Some(x), Some(w), Some(y)) => (x, w, y),
+            _ => return Err(WireError::Invalid("conv: X, W and Y are required")),
+        };
+        let [input, output, kernel, strides, dilations] = axes;
+        Ok(Conv {
+            dtype,
+            transposed,
+            batch,
+            in_channels,
+            out_channels,
+            groups,
+            input,
+            output,
+            kernel,
+            strides,
+            dilations,
+            pads_begin,
+            x,
+            w,
+            bias: ts[2],
+            y,
+            epilogue,
+        })
+    }
+}
+
 /// Little-endian writer.
 #[derive(Default)]
 pub struct Writer(pub Vec<u8>);
@@ -884,5 +1018,39 @@ mod tests {
             epilogue: Epilogue::Gelu,
         };
         assert_eq!(Gemm::decode(&g.encode()).unwrap(), g);
+    }
+
+    #[test]
+    fn conv_round_trips_and_refuses_what_it_cannot_describe() {
+        let at = |handle| TensorAt { handle, offset: 8 };
+        let c = Conv {
+            dtype: DType::BF16,
+            transposed: true,
+            batch: 2,
+            in_channels: 4,
+            out_channels: 6,
+            groups: 2,
+            input: vec![5, 7],
+            output: vec![9, 13],
+            kernel: vec![3, 2],
+            strides: vec![2, 2],
+            dilations: vec![1, 1],
+            pads_begin: vec![-1, 0],
+            x: at(1),
+            w: at(2),
+            bias: None,
+            y: at(4),
+            epilogue: Epilogue::Relu,
+        };
+        let bytes = c.encode();
+        assert_eq!(Conv::decode(&bytes).unwrap(), c);
+        for cut in 0..bytes.len() {
+            assert!(Conv::decode(&bytes[..cut]).is_err(), "a descriptor cut at {cut} decoded");
+        }
+        let mut no_rank = bytes.clone();
+        no_rank[5] = 0;
+        assert!(Conv::decode(&no_rank).is_err());
+        let gelu = Conv { epilogue: Epilogue::Gelu, ..c };
+        assert!(Conv::decode(&gelu.encode()).is_err(), "conv has no GELU epilogue");
     }
 }

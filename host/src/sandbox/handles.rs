@@ -104,6 +104,11 @@ impl HandleTable {
         self.index(handle).map(move |i| &mut self.slots[i])
     }
 
+    /// Every slot, by index (a checked `Gemm`'s handles are indices).
+    pub fn slots_mut(&mut self) -> &mut [Slot] {
+        &mut self.slots
+    }
+
     /// Takes the slots out, leaving the table empty (every handle now invalid).
     pub fn take(&mut self) -> Vec<Slot> {
         std::mem::take(&mut self.slots)

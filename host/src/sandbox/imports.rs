@@ -6,7 +6,7 @@ use std::ops::Range;
 
 use kiln_kernel_abi::manifest::ParamKind;
 use kiln_kernel_abi::status::{E_ARG, E_BOUNDS, E_CALL, E_HANDLE, E_LIMIT, E_MEMORY, E_READONLY};
-use kiln_kernel_abi::wire::{Gemm, KernelArg, Launch, Operand};
+use kiln_kernel_abi::wire::{Conv, Gemm, KernelArg, Launch, Operand, TensorAt};
 use kiln_kernel_abi::{imports as imp, DType, IMPORT_MODULE};
 use wasmtime::{Caller, Engine, Linker};
 
@@ -217,7 +217,7 @@ pub(super) fn linker(engine: &Engine) -> Linker<CallState> {
     .expect("define launch");
     l.func_wrap(m, imp::GEMM, |mut c: Caller<'_, CallState>, ptr: i32, len: i32| -> i32 {
         let Some((mem, st)) = split(&mut c) else { return E_CALL };
-        if let Err(code) = expect_kind(st, "gemm", &[CallKind::Dispatch]) {
+        if let Err(code) = expect_kind(st, "gemm", &[CallKind::Dispatch, CallKind::Cpu]) {
             return code;
         }
         let Some(r) = guest_range(mem.len(), ptr, len as u32 as usize) else {
@@ -227,12 +227,108 @@ pub(super) fn linker(engine: &Engine) -> Linker<CallState> {
             .map_err(|e| format!("gemm: malformed descriptor: {e}"))
             .and_then(|g| check_gemm(st, g))
         {
+            // A CPU call computes the product now, on the call's host tensors.
+            Ok(PlanStep::Gemm(g)) if st.kind == Some(CallKind::Cpu) => {
+                match super::cpu_gemm::run(st.table.slots_mut(), &g) {
+                    Ok(()) => 0,
+                    Err(msg) => st.refuse(E_ARG, msg),
+                }
+            }
             Ok(step) => push_step(st, step),
             Err(msg) => st.refuse(E_ARG, msg),
         }
     })
     .expect("define gemm");
+    l.func_wrap(m, imp::CONV, |mut c: Caller<'_, CallState>, ptr: i32, len: i32| -> i32 {
+        let Some((mem, st)) = split(&mut c) else { return E_CALL };
+        if let Err(code) = expect_kind(st, "conv", &[CallKind::Cpu]) {
+            return code;
+        }
+        let Some(r) = guest_range(mem.len(), ptr, len as u32 as usize) else {
+            return st.refuse(E_MEMORY, format!("conv: descriptor {ptr:#x}+{len} is outside the shim's memory"));
+        };
+        match Conv::decode(&mem[r])
+            .map_err(|e| format!("conv: malformed descriptor: {e}"))
+            .and_then(|cv| check_conv(st, cv))
+            .and_then(|cv| super::cpu_conv::run(st.table.slots_mut(), &cv))
+        {
+            Ok(()) => 0,
+            Err(msg) => st.refuse(E_ARG, msg),
+        }
+    })
+    .expect("define conv");
     l
+}
+
+/// Checks a convolution: dtype, channel and group counts, spatial values (each at most
+/// `i32::MAX`, so positions stay within i64), every operand's extent inside its tensor, Y an output
+/// or scratch tensor that no operand shares; rewrites handles to slot indices.
+fn check_conv(st: &CallState, mut c: Conv) -> Result<Conv, String> {
+    if !matches!(c.dtype, DType::F32 | DType::F16 | DType::BF16) {
+        return Err(format!("conv: dtype {} is not supported (float32, float16, bfloat16)", c.dtype));
+    }
+    let (n, cin, mout, g) = (c.batch, c.in_channels, c.out_channels, c.groups);
+    if [n, cin, mout, g].contains(&0) || cin % g != 0 || mout % g != 0 {
+        return Err(format!(
+            "conv: batch {n}, channels {cin} in and {mout} out and groups {g} must be at least 1, the channels whole \
+             multiples of groups"
+        ));
+    }
+    let rank = c.input.len();
+    let limit = i32::MAX as u64;
+    let axes = [&c.output, &c.kernel, &c.strides, &c.dilations];
+    if axes.iter().any(|a| a.len() != rank) || c.pads_begin.len() != rank {
+        return Err("conv: every spatial list must have the same length".into());
+    }
+    for (what, a) in [
+        ("input", &c.input),
+        ("output", &c.output),
+        ("kernel", &c.kernel),
+        ("strides", &c.strides),
+        ("dilations", &c.dilations),
+    ] {
+        if a.iter().any(|&v| v == 0 || v > limit) {
+            return Err(format!("conv: every {what} value must be 1 to {limit}, got {a:?}"));
+        }
+    }
+    if c.pads_begin.iter().any(|p| p.unsigned_abs() > limit) {
+        return Err(format!("conv: pads_begin {:?} are out of range (±{limit})", c.pads_begin));
+    }
+    let size = c.dtype.size().unwrap_or(4) as u64;
+    let prod = |v: &[u64]| v.iter().try_fold(1u64, |a, &b| a.checked_mul(b));
+    let taps = prod(&c.kernel);
+    let w_elems = match c.transposed {
+        false => taps.and_then(|t| t.checked_mul(mout)?.checked_mul(cin / g)),
+        true => taps.and_then(|t| t.checked_mul(cin)?.checked_mul(mout / g)),
+    };
+    let x_elems = prod(&c.input).and_then(|p| p.checked_mul(n)?.checked_mul(cin));
+    let y_elems = prod(&c.output).and_then(|p| p.checked_mul(n)?.checked_mul(mout));
+    let check = |name: &str, t: &mut TensorAt, elems: Option<u64>| -> Result<usize, String> {
+        let slot = st.table.index(t.handle).map_err(|e| format!("conv {name}: {e}"))?;
+        let nbytes = st.table.get(t.handle).map(|s| s.nbytes).unwrap_or(0);
+        match elems.and_then(|e| e.checked_mul(size)?.checked_add(t.offset)) {
+            Some(end) if end <= nbytes && t.offset.is_multiple_of(size) => {
+                t.handle = slot as u32;
+                Ok(slot)
+            }
+            _ => Err(format!(
+                "conv {name}: the operand (byte offset {}, whole elements) reaches past the end of handle {:#x} ({nbytes} bytes)",
+                t.offset, t.handle
+            )),
+        }
+    };
+    if !st.table.get(c.y.handle).is_ok_and(|s| s.writable) {
+        return Err(format!("conv Y: handle {:#x} is not an output or scratch tensor", c.y.handle));
+    }
+    let y = check("Y", &mut c.y, y_elems)?;
+    let mut read = vec![check("X", &mut c.x, x_elems)?, check("W", &mut c.w, w_elems)?];
+    if let Some(b) = c.bias.as_mut() {
+        read.push(check("bias", b, Some(mout))?);
+    }
+    if read.contains(&y) {
+        return Err("conv: Y must be a tensor of its own, not X, W or bias".into());
+    }
+    Ok(c)
 }
 
 fn push_step(st: &mut CallState, step: PlanStep) -> i32 {

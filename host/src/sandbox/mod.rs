@@ -9,6 +9,8 @@
 //! shim's own error) is a [`ShimFailure`] naming package, op, node and reason; the instance is
 //! then discarded and the next call gets a fresh one, so the host and other packages go on.
 
+mod cpu_conv;
+mod cpu_gemm;
 pub mod handles;
 mod imports;
 mod shim;
@@ -19,6 +21,8 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::native_cache;
+
+pub use cpu_gemm::cpu_threads;
 
 pub use handles::{Access, HandleTable, Slot};
 pub use kiln_kernel_abi::manifest::ParamKind;

@@ -3,7 +3,7 @@
 use alloc::vec::Vec;
 
 use super::{Result, ShimError};
-use crate::wire::{Gemm, Launch};
+use crate::wire::{Conv, Gemm, Launch};
 
 #[cfg(target_arch = "wasm32")]
 mod sys {
@@ -16,6 +16,7 @@ mod sys {
         pub fn scratch(nbytes: u64) -> i32;
         pub fn launch(desc: *const u8, len: usize) -> i32;
         pub fn gemm(desc: *const u8, len: usize) -> i32;
+        pub fn conv(desc: *const u8, len: usize) -> i32;
     }
 }
 
@@ -41,6 +42,9 @@ mod sys {
         E_CALL
     }
     pub unsafe fn gemm(_: *const u8, _: usize) -> i32 {
+        E_CALL
+    }
+    pub unsafe fn conv(_: *const u8, _: usize) -> i32 {
         E_CALL
     }
 }
@@ -77,6 +81,15 @@ pub fn scratch(nbytes: u64) -> Result<u32> {
         .map_err(|c| ShimError::Failed(alloc::format!("scratch of {nbytes} bytes refused ({c})")))
 }
 
+/// A scratch tensor holding `bytes` (CPU calls, where scratch is host memory the shim may
+/// write); returns its handle, which a `gemm` may then read.
+pub fn scratch_from(bytes: &[u8]) -> Result<u32> {
+    let h = scratch(bytes.len() as u64)?;
+    write(h, 0, bytes)
+        .map_err(|c| ShimError::Failed(alloc::format!("writing {} bytes of scratch refused ({c})", bytes.len())))?;
+    Ok(h)
+}
+
 /// Enqueues one launch of a kernel declared in the package manifest (dispatch calls only).
 pub fn launch(l: &Launch<'_>) -> Result<()> {
     let bytes: Vec<u8> = l.encode();
@@ -85,10 +98,20 @@ pub fn launch(l: &Launch<'_>) -> Result<()> {
         .map_err(|c| ShimError::Failed(alloc::format!("launch of {} refused ({c})", l.kernel)))
 }
 
-/// Enqueues one GEMM (dispatch calls only).
+/// One GEMM (ABI.md §4.7): enqueued in a dispatch call; in a CPU call the host computes it at
+/// once on the call's host tensors (manifest schema 8, a package that does so declares it).
 pub fn gemm(g: &Gemm) -> Result<()> {
     let bytes = g.encode();
     check(unsafe { sys::gemm(bytes.as_ptr(), bytes.len()) })
         .map(|_| ())
         .map_err(|c| ShimError::Failed(alloc::format!("gemm refused ({c})")))
+}
+
+/// One convolution (ABI.md §4.8): computed at once by the host in a CPU call (manifest schema 8;
+/// refused in a dispatch until the host takes it there).
+pub fn conv(c: &Conv) -> Result<()> {
+    let bytes = c.encode();
+    check(unsafe { sys::conv(bytes.as_ptr(), bytes.len()) })
+        .map(|_| ())
+        .map_err(|code| ShimError::Failed(alloc::format!("conv refused ({code})")))
 }

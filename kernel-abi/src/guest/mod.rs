@@ -27,6 +27,7 @@
 //! with a readable reason.
 
 pub mod element;
+pub mod fast;
 mod host;
 pub mod rt;
 pub mod shape;
@@ -37,11 +38,11 @@ use alloc::vec::Vec;
 pub use alloc::{format, vec};
 pub use element::{Bool, Element};
 pub use half::{bf16, f16};
-pub use host::{gemm, launch, log_fail, scratch};
+pub use host::{conv, gemm, launch, log_fail, scratch, scratch_from};
 pub use libm;
 
 pub use crate::wire::{
-    AttrValue, Epilogue, Gemm, KernelArg, Launch, NodeCall, Operand, Paged, TensorDesc, TensorValue,
+    AttrValue, Conv, Epilogue, Gemm, KernelArg, Launch, NodeCall, Operand, Paged, TensorAt, TensorDesc, TensorValue,
 };
 pub use crate::{status, DType};
 

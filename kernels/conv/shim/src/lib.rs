@@ -22,8 +22,9 @@
 //!
 //! Col2Im-18 is in [`col2im`].
 //!
-//! The CPU reference computes in f64 and rounds once; the CUDA kernels accumulate in f32, for up
-//! to 3 spatial axes.
+//! The CPU reference of float32, float16 and bfloat16 is the host's `conv` (ABI.md §4.8: im2col
+//! and multithreaded GEMMs accumulating in f32; manifest schema 8); float64 (CPU only) computes
+//! here in f64. The CUDA kernels accumulate in f32, for up to 3 spatial axes.
 #![no_std]
 extern crate alloc;
 
@@ -32,6 +33,7 @@ mod col2im;
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
 use kiln_kernel_abi::names::kernel_name;
+use kiln_kernel_abi::wire::CONV_MAX_SPATIAL;
 use kiln_kernel_abi::{bail, export_shim, unsupported};
 
 struct ConvShim;
@@ -83,8 +85,8 @@ fn geom(call: &Call) -> Result<Geom> {
     let transpose = op == "ConvTranspose";
     let (x, w) = (call.input(0)?, call.input(1)?);
     let dtype = x.dtype()?;
-    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
-        unsupported!("{op}: X has dtype {dtype}; float32, float16 and bfloat16 are supported");
+    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16 | DType::F64) {
+        unsupported!("{op}: X has dtype {dtype}; float32, float16, bfloat16 and float64 are supported");
     }
     if w.dtype()? != dtype {
         bail!("{op}: W is {} but X is {dtype}", w.dtype()?);
@@ -222,6 +224,39 @@ fn geom(call: &Call) -> Result<Geom> {
 }
 
 impl Geom {
+    /// The node as the host's `conv` (ABI.md §4.8), for a float32, float16 or bfloat16 node with
+    /// no empty axis; `None`: the shim's own loop computes it.
+    fn host_conv(&self, call: &Call) -> Result<Option<Conv>> {
+        let sizes = [self.batch, self.in_ch, self.out_ch].into_iter().chain(self.input.iter().copied());
+        if !matches!(self.dtype, DType::F32 | DType::F16 | DType::BF16)
+            || self.input.len() > CONV_MAX_SPATIAL
+            || sizes.chain(self.output.iter().copied()).any(|v| v == 0)
+        {
+            return Ok(None);
+        }
+        let at = |h: u32| TensorAt { handle: h, offset: 0 };
+        let u = |v: &[usize]| v.iter().map(|&x| x as u64).collect::<Vec<_>>();
+        Ok(Some(Conv {
+            dtype: self.dtype,
+            transposed: self.transpose,
+            batch: self.batch as u64,
+            in_channels: self.in_ch as u64,
+            out_channels: self.out_ch as u64,
+            groups: self.group as u64,
+            input: u(&self.input),
+            output: u(&self.output),
+            kernel: u(&self.kernel),
+            strides: u(&self.strides),
+            dilations: u(&self.dilations),
+            pads_begin: self.begin.clone(),
+            x: at(call.input(0)?.handle()),
+            w: at(call.input(1)?.handle()),
+            bias: call.input_opt(2).map(|b| at(b.handle())),
+            y: at(call.output(0)?.handle()),
+            epilogue: Epilogue::None,
+        }))
+    }
+
     fn out_shape(&self) -> Vec<usize> {
         let mut s = alloc::vec![self.batch, self.out_ch];
         s.extend_from_slice(&self.output);
@@ -312,6 +347,9 @@ impl Shim for ConvShim {
             return col2im::cpu(call);
         }
         let g = geom(call)?;
+        if let Some(c) = g.host_conv(call)? {
+            return conv(&c);
+        }
         let x = call.input(0)?.read_vec::<f64>()?;
         let w = call.input(1)?.read_vec::<f64>()?;
         let b = match call.input_opt(2) {
@@ -331,7 +369,9 @@ impl Shim for ConvShim {
         if k > GPU_MAX_SPATIAL {
             unsupported!("{op}: {k} spatial axes (the CUDA kernels take up to {GPU_MAX_SPATIAL})");
         }
-        let Some(tag) = g.dtype.cuda_tag() else { unsupported!("{op}: no CUDA kernel for {}", g.dtype) };
+        let Some(tag) = g.dtype.cuda_tag().filter(|_| g.dtype != DType::F64) else {
+            unsupported!("{op}: no CUDA kernel for {} (the CPU computes it)", g.dtype)
+        };
         let y = call.output(0)?;
         let total = y.numel()? as u64;
         if total == 0 {

@@ -6,9 +6,11 @@
 //! `ai.kiln::Linear`, `RmsNormLinear` and `SwiGluLinear` (weights stored `[N, K]`; the decode
 //! fusions) are in [`linear`]; Einsum-12 in [`einsum`]; DFT-17/19/20 in [`dft`].
 //!
-//! The CPU reference accumulates floating-point products in f64 and rounds once; integer
-//! products accumulate in i64 with wrapping arithmetic (the same result, modulo 2^bits, as
-//! wrapping in the element type).
+//! The CPU reference computes float32, float16 and bfloat16 products through the host's `gemm`
+//! (ABI.md §4.7: multithreaded, accumulating in f32 as cuBLASLt does; manifest schema 8), so a
+//! weight is never copied into the shim; float64 products accumulate in f64 and integer
+//! products in i64 with wrapping arithmetic (the same result, modulo 2^bits, as wrapping in the
+//! element type).
 #![no_std]
 extern crate alloc;
 
@@ -213,6 +215,9 @@ impl GemmPlan {
 
 fn gemm_cpu(call: &Call, dtype: DType) -> Result<()> {
     let p = gemm_plan(call)?;
+    if p.m * p.n > 0 && gemm_gemm(call, dtype, &p, true)? {
+        return Ok(());
+    }
     let y = call.output(0)?;
     // beta == 0 ignores C altogether (as the ONNX reference does).
     let c_used = p.c_shape.is_some() && p.beta != 0.0;
@@ -328,67 +333,78 @@ fn batch_groups(p: &MatMulPlan) -> Vec<BatchGroup> {
     groups
 }
 
+/// MatMul as host GEMMs (cuBLASLt in a dispatch, the host's CPU GEMM in a CPU call): `false`
+/// when they do not compute it (a dtype they do not take, K = 0, or more than
+/// [`MAX_GEMM_CALLS`] calls for the batch).
+fn matmul_gemms(call: &Call, dtype: DType, p: &MatMulPlan) -> Result<bool> {
+    let (a, b, y) = (call.input(0)?, call.input(1)?, call.output(0)?);
+    let (m, k, n) = (p.m as u64, p.k as u64, p.n as u64);
+    if !gemm_dtype(dtype) || k == 0 {
+        return Ok(false);
+    }
+    let groups = batch_groups(p);
+    let esize = dtype.size().unwrap_or(4) as u64;
+    // The innermost group is the gemm's batch (or, where B is shared and A's matrices are
+    // consecutive, folded into M); the outer groups are separate calls.
+    let (inner, outer) = match groups.split_last() {
+        Some((g, rest)) => (Some(*g), rest),
+        None => (None, &groups[..]),
+    };
+    let calls: u64 = outer.iter().map(|g| g.size).product();
+    if calls > MAX_GEMM_CALLS {
+        return Ok(false);
+    }
+    let (gm, batch, sa, sb, sy) = match inner {
+        None => (m, 1, 0, 0, 0),
+        Some(g) if g.b == 0 && g.a == m * k => (m * g.size, 1, 0, 0, 0),
+        Some(g) => (m, g.size, g.a, g.b, g.y),
+    };
+    for c in 0..calls {
+        let (mut rem, mut oa, mut ob, mut oy) = (c, 0u64, 0u64, 0u64);
+        for g in outer.iter().rev() {
+            let i = rem % g.size;
+            rem /= g.size;
+            oa += i * g.a;
+            ob += i * g.b;
+            oy += i * g.y;
+        }
+        let operand = |handle: u32, off: u64, ld: u64, stride: u64| Operand {
+            handle,
+            offset: off * esize,
+            ld,
+            batch_stride: stride,
+        };
+        gemm(&Gemm {
+            dtype,
+            trans_a: false,
+            trans_b: false,
+            m: gm,
+            n,
+            k,
+            batch,
+            alpha: 1.0,
+            beta: 0.0,
+            a: operand(a.handle(), oa, k, sa),
+            b: operand(b.handle(), ob, n, sb),
+            c: None,
+            d: operand(y.handle(), oy, n, sy),
+            bias: None,
+            epilogue: Epilogue::None,
+        })?;
+    }
+    Ok(true)
+}
+
 fn matmul_dispatch(call: &Call) -> Result<()> {
     let dtype = operand_dtype(call, &[0, 1])?;
     let (a, b) = (call.input(0)?, call.input(1)?);
     let p = matmul_plan(&a.shape()?, &b.shape()?)?;
     let y = call.output(0)?;
     let (m, k, n) = (p.m as u64, p.k as u64, p.n as u64);
-    if y.numel()? == 0 {
+    if y.numel()? == 0 || matmul_gemms(call, dtype, &p)? {
         return Ok(());
     }
     let groups = batch_groups(&p);
-    let esize = dtype.size().unwrap_or(4) as u64;
-    if gemm_dtype(dtype) && k > 0 {
-        // The innermost group is the gemm's batch (or, where B is shared and A's matrices are
-        // consecutive, folded into M); the outer groups are separate calls.
-        let (inner, outer) = match groups.split_last() {
-            Some((g, rest)) => (Some(*g), rest),
-            None => (None, &groups[..]),
-        };
-        let calls: u64 = outer.iter().map(|g| g.size).product();
-        if calls <= MAX_GEMM_CALLS {
-            let (gm, batch, sa, sb, sy) = match inner {
-                None => (m, 1, 0, 0, 0),
-                Some(g) if g.b == 0 && g.a == m * k => (m * g.size, 1, 0, 0, 0),
-                Some(g) => (m, g.size, g.a, g.b, g.y),
-            };
-            for c in 0..calls {
-                let (mut rem, mut oa, mut ob, mut oy) = (c, 0u64, 0u64, 0u64);
-                for g in outer.iter().rev() {
-                    let i = rem % g.size;
-                    rem /= g.size;
-                    oa += i * g.a;
-                    ob += i * g.b;
-                    oy += i * g.y;
-                }
-                let operand = |handle: u32, off: u64, ld: u64, stride: u64| Operand {
-                    handle,
-                    offset: off * esize,
-                    ld,
-                    batch_stride: stride,
-                };
-                gemm(&Gemm {
-                    dtype,
-                    trans_a: false,
-                    trans_b: false,
-                    m: gm,
-                    n,
-                    k,
-                    batch,
-                    alpha: 1.0,
-                    beta: 0.0,
-                    a: operand(a.handle(), oa, k, sa),
-                    b: operand(b.handle(), ob, n, sb),
-                    c: None,
-                    d: operand(y.handle(), oy, n, sy),
-                    bias: None,
-                    epilogue: Epilogue::None,
-                })?;
-            }
-            return Ok(());
-        }
-    }
     if groups.len() > 6 {
         unsupported!("MatMul: more than 6 batch dimensions");
     }
@@ -430,35 +446,51 @@ fn launch_tiled(op: &str, dtype: DType, m: u64, n: u64, batch: u64, args: Vec<Ke
     })
 }
 
-fn gemm_dispatch(call: &Call) -> Result<()> {
-    let dtype = operand_dtype(call, &[0, 1, 2])?;
-    let p = gemm_plan(call)?;
-    let (m, k, n) = (p.m as u64, p.k as u64, p.n as u64);
-    if m * n == 0 {
-        return Ok(());
-    }
-    let (a, b, y) = (call.input(0)?, call.input(1)?, call.output(0)?);
-    let c = call.input_opt(2).filter(|_| p.beta != 0.0);
-    // C's shape as (rows, cols) and its strides over (M, N), 0 where it broadcasts.
+/// C's shape as (rows, cols) and its element strides over (M, N), 0 where it broadcasts.
+fn c_geometry(p: &GemmPlan) -> ((u64, u64), (u64, u64)) {
     let (c_rows, c_cols) = match p.c_shape.as_deref() {
         Some([r, c]) => (*r as u64, *c as u64),
         Some([c]) => (1, *c as u64),
         _ => (1, 1),
     };
-    let (c_rs, c_cs) = (if c_rows == 1 { 0 } else { c_cols }, if c_cols == 1 { 0 } else { 1 });
+    ((c_rows, c_cols), (if c_rows == 1 { 0 } else { c_cols }, if c_cols == 1 { 0 } else { 1 }))
+}
+
+/// Gemm as one host GEMM (cuBLASLt in a dispatch, the host's CPU GEMM in a CPU call): `false`
+/// when it does not compute it (a dtype it does not take, or K = 0). A C that broadcasts other
+/// than as a bias row is made whole first: by a kernel in a dispatch, by the shim in a CPU call.
+fn gemm_gemm(call: &Call, dtype: DType, p: &GemmPlan, cpu: bool) -> Result<bool> {
+    let (m, k, n) = (p.m as u64, p.k as u64, p.n as u64);
+    if !gemm_dtype(dtype) || k == 0 {
+        return Ok(false);
+    }
+    let (a, b, y) = (call.input(0)?, call.input(1)?, call.output(0)?);
+    let c = call.input_opt(2).filter(|_| p.beta != 0.0);
+    let ((c_rows, c_cols), (c_rs, c_cs)) = c_geometry(p);
     let esize = dtype.size().unwrap_or(4) as u64;
-    let (alpha, beta) = (p.alpha as f32, p.beta as f32);
-    if gemm_dtype(dtype) && k > 0 {
-        let operand = |handle: u32, ld: u64| Operand { handle, offset: 0, ld, batch_stride: 0 };
-        let (mut c_op, mut bias, mut g_beta) = (None, None, 0.0);
-        if let Some(c) = c {
-            if (c_rows == m || m == 1) && (c_cols == n || n == 1) && c_rows * c_cols == m * n {
-                c_op = Some(operand(c.handle(), n));
-                g_beta = beta;
-            } else if c_rows == 1 && c_cols == n && beta == 1.0 {
-                bias = Some(operand(c.handle(), n));
+    let beta = p.beta as f32;
+    let operand = |handle: u32, ld: u64| Operand { handle, offset: 0, ld, batch_stride: 0 };
+    let (mut c_op, mut bias, mut g_beta) = (None, None, 0.0);
+    if let Some(c) = c {
+        if (c_rows == m || m == 1) && (c_cols == n || n == 1) && c_rows * c_cols == m * n {
+            c_op = Some(operand(c.handle(), n));
+            g_beta = beta;
+        } else if c_rows == 1 && c_cols == n && beta == 1.0 {
+            bias = Some(operand(c.handle(), n));
+        } else {
+            // Materialise the broadcast C, then use it with beta.
+            let full = if cpu {
+                let bytes = c.read_bytes()?;
+                let e = esize as usize;
+                let mut out = Vec::with_capacity((m * n) as usize * e);
+                for i in 0..m {
+                    for j in 0..n {
+                        let at = ((i * c_rs + j * c_cs) as usize) * e;
+                        out.extend_from_slice(&bytes[at..at + e]);
+                    }
+                }
+                scratch_from(&out)?
             } else {
-                // Materialise the broadcast C, then use it with beta.
                 let full = scratch(m * n * esize)?;
                 launch(&Launch {
                     kernel: "kiln_matmul_bcast",
@@ -475,29 +507,44 @@ fn gemm_dispatch(call: &Call) -> Result<()> {
                         KernelArg::U32(esize as u32),
                     ],
                 })?;
-                c_op = Some(operand(full, n));
-                g_beta = beta;
-            }
+                full
+            };
+            c_op = Some(operand(full, n));
+            g_beta = beta;
         }
-        let (a_shape, b_shape) = (a.shape()?, b.shape()?);
-        return gemm(&Gemm {
-            dtype,
-            trans_a: p.trans_a,
-            trans_b: p.trans_b,
-            m,
-            n,
-            k,
-            batch: 1,
-            alpha,
-            beta: g_beta,
-            a: operand(a.handle(), a_shape[1] as u64),
-            b: operand(b.handle(), b_shape[1] as u64),
-            c: c_op,
-            d: operand(y.handle(), n),
-            bias,
-            epilogue: Epilogue::None,
-        });
     }
+    let (a_shape, b_shape) = (a.shape()?, b.shape()?);
+    gemm(&Gemm {
+        dtype,
+        trans_a: p.trans_a,
+        trans_b: p.trans_b,
+        m,
+        n,
+        k,
+        batch: 1,
+        alpha: p.alpha as f32,
+        beta: g_beta,
+        a: operand(a.handle(), a_shape[1] as u64),
+        b: operand(b.handle(), b_shape[1] as u64),
+        c: c_op,
+        d: operand(y.handle(), n),
+        bias,
+        epilogue: Epilogue::None,
+    })?;
+    Ok(true)
+}
+
+fn gemm_dispatch(call: &Call) -> Result<()> {
+    let dtype = operand_dtype(call, &[0, 1, 2])?;
+    let p = gemm_plan(call)?;
+    let (m, k, n) = (p.m as u64, p.k as u64, p.n as u64);
+    if m * n == 0 || gemm_gemm(call, dtype, &p, false)? {
+        return Ok(());
+    }
+    let (a, b, y) = (call.input(0)?, call.input(1)?, call.output(0)?);
+    let c = call.input_opt(2).filter(|_| p.beta != 0.0);
+    let (_, (c_rs, c_cs)) = c_geometry(&p);
+    let (alpha, beta) = (p.alpha as f32, p.beta as f32);
     // The tiled kernel: transposes as strides; integers exact unless scaled.
     let (a_rs, a_cs) = if p.trans_a { (1, m) } else { (k, 1) };
     let (b_rs, b_cs) = if p.trans_b { (1, k) } else { (n, 1) };
@@ -560,6 +607,9 @@ impl Shim for MatMulPkg {
                 let (a, b) = (call.input(0)?, call.input(1)?);
                 let p = matmul_plan(&a.shape()?, &b.shape()?)?;
                 let y = call.output(0)?;
+                if y.numel()? > 0 && matmul_gemms(call, dtype, &p)? {
+                    return Ok(());
+                }
                 if dtype.is_float() {
                     y.write_vec(&matmul_run(&p, &a.read_vec::<f64>()?, &b.read_vec::<f64>()?))
                 } else {

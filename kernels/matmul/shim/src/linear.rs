@@ -22,8 +22,9 @@
 //!
 //! All operands share one dtype: float32, float16, bfloat16 (and float64 on the CPU). `A` is
 //! rounded to that dtype before the product, as the unfused graph stores it, so the fused op
-//! computes what the ops it replaces compute. The CPU reference computes in f64 and rounds `A`,
-//! `sum` and `Y` once each; the CUDA kernels compute in f32 (`cuda/linear.cu`).
+//! computes what the ops it replaces compute. The CPU reference computes `A` in f64 and rounds
+//! it and `sum` once each; its product goes through the host's `gemm` (f32 accumulation, as on
+//! the GPU; float64 sums in f64); the CUDA kernels compute in f32 (`cuda/linear.cu`).
 //!
 //! On the GPU, decode's few rows run as one kernel that computes `A` in its prologue: float16 and
 //! bfloat16 from 2 to [`MMA_MAX_ROWS`] rows on tensor cores (`kiln_linear_mma`, the weight as
@@ -244,8 +245,42 @@ pub fn cpu(call: &Call) -> Result<()> {
             _ => v,
         }
     };
+    let w_input = call.input(if g.prologue == Prologue::RmsNorm { 3 } else { 1 })?;
+    if g.dtype != DType::F64 && g.rows > 0 && g.n > 0 && g.k > 0 {
+        // The product through the host's gemm (W stays out of the shim): A is X itself, or the
+        // prologue's result in scratch.
+        let a = match g.prologue {
+            Prologue::Linear => call.input(0)?.handle(),
+            _ => {
+                let (a, s) = operand_a(call, &g, round)?;
+                if let Some(sum) = call.output_opt(1) {
+                    sum.write_vec(&s)?;
+                }
+                scratch_from(&element::encode_as(g.dtype, &a)?)?
+            }
+        };
+        let (rows, n, k) = (g.rows as u64, g.n as u64, g.k as u64);
+        let operand = |handle: u32, ld: u64| Operand { handle, offset: 0, ld, batch_stride: 0 };
+        return gemm(&Gemm {
+            dtype: g.dtype,
+            trans_a: false,
+            trans_b: true,
+            m: rows,
+            n,
+            k,
+            batch: 1,
+            alpha: 1.0,
+            beta: 0.0,
+            a: operand(a, k),
+            b: operand(w_input.handle(), k),
+            c: None,
+            d: operand(call.output(0)?.handle(), n),
+            bias: None,
+            epilogue: Epilogue::None,
+        });
+    }
     let (a, s) = operand_a(call, &g, round)?;
-    let w = call.input(if g.prologue == Prologue::RmsNorm { 3 } else { 1 })?.read_vec::<f64>()?;
+    let w = w_input.read_vec::<f64>()?;
     let a: Vec<f64> = a.into_iter().map(round).collect();
     let mut y = alloc::vec![0f64; g.rows * g.n];
     for r in 0..g.rows {

@@ -211,6 +211,44 @@ fn usize_of(op: &str, v: u64) -> Result<usize> {
 impl Plan {
     /// Output `o` (row-major over the spatial output) of plane `plane`: the value, and for Max
     /// the flat index of the first largest element.
+    /// 2-D float32 MaxPool without indices, as [`Plan::pool`] computes it (taps in order, the
+    /// first inside value, then any greater one; NaN where no tap is inside), in one pass of
+    /// plain loops.
+    fn max_pool_2d_f32(&self, x: &[u8]) -> Vec<u8> {
+        let (ih, iw) = (self.input[0], self.input[1]);
+        let (oh, ow) = (self.output[0], self.output[1]);
+        let xs: Vec<f32> = x.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        let mut out = Vec::with_capacity(self.planes * oh * ow * 4);
+        // The taps of one axis inside the input for output position o: kernel indices lo..hi.
+        let inside = |o: usize, d: usize, n: usize| {
+            let start = o as i64 * self.strides[d] as i64 - self.begin[d] as i64;
+            let dil = self.dilations[d] as i64;
+            (0..self.kernel[d] as i64)
+                .filter(move |t| (0..n as i64).contains(&(start + t * dil)))
+                .map(move |t| (start + t * dil) as usize)
+        };
+        let rows: Vec<Vec<usize>> = (0..oh).map(|o| inside(o, 0, ih).collect()).collect();
+        let cols: Vec<Vec<usize>> = (0..ow).map(|o| inside(o, 1, iw).collect()).collect();
+        for plane in xs.chunks_exact(ih * iw) {
+            for r in &rows {
+                for c in &cols {
+                    let mut best: Option<f32> = None;
+                    for &i in r {
+                        let line = &plane[i * iw..(i + 1) * iw];
+                        for &j in c {
+                            let v = line[j];
+                            if best.is_none_or(|b| v > b) {
+                                best = Some(v);
+                            }
+                        }
+                    }
+                    out.extend_from_slice(&best.unwrap_or(f32::NAN).to_le_bytes());
+                }
+            }
+        }
+        out
+    }
+
     fn pool(&self, x: &[f64], plane: usize, o: usize) -> (f64, i64) {
         let k = self.input.len();
         let mut rest = o;
@@ -292,7 +330,11 @@ impl Shim for Pool {
 
     fn cpu(call: &Call) -> Result<()> {
         let p = plan(call)?;
-        check_dtype(call, p.kind)?;
+        let dtype = check_dtype(call, p.kind)?;
+        if p.kind == Kind::Max && dtype == DType::F32 && p.input.len() == 2 && call.output_opt(1).is_none() {
+            let x = call.input(0)?.read_bytes()?;
+            return call.output(0)?.write_bytes(&p.max_pool_2d_f32(&x));
+        }
         let x = call.input(0)?.read_vec::<f64>()?;
         let per_plane: usize = p.output.iter().product();
         let (mut y, mut idx) = (Vec::with_capacity(p.planes * per_plane), Vec::new());

@@ -312,6 +312,23 @@ fn map<T: Element>(bytes: &[u8], f: impl Fn(T) -> Result<T>) -> Result<Vec<u8>> 
     Ok(element::encode(&ys))
 }
 
+/// float32 ops whose f32 result is the f64 reference's rounded, in one loop over `bytes` in place
+/// (`false`: another op, which the reference computes).
+fn fast_f32(op: Op, bytes: &mut [u8]) -> bool {
+    match op {
+        Op::Relu => fast::map_f32(bytes, |x| if x > 0.0 { x } else { 0.0 }),
+        Op::Neg => fast::map_f32(bytes, |x| -x),
+        Op::Abs => fast::map_f32(bytes, f32::abs),
+        Op::LeakyRelu(a) => {
+            // alpha is a float32 attribute: a·x rounds once either way.
+            let a = a as f32;
+            fast::map_f32(bytes, |x| if x >= 0.0 { x } else { a * x })
+        }
+        _ => return false,
+    }
+    true
+}
+
 /// Clip's bounds: inputs `min`/`max` (opset 11+) or attributes (opset 6), as f64 and i64.
 fn clip_bounds(call: &Call) -> Result<(Option<f64>, Option<f64>)> {
     if call.opset() < 11 {
@@ -357,7 +374,13 @@ impl Shim for Unary {
         }
         let x = call.input(0)?;
         let dtype = x.dtype()?;
-        let bytes = x.read_bytes()?;
+        let mut bytes = x.read_bytes()?;
+        if dtype == DType::F32
+            && !matches!(call.op_type(), "Not" | "Clip")
+            && fast_f32(Op::from_call(call)?, &mut bytes)
+        {
+            return call.output(0)?.write_bytes(&bytes);
+        }
         let out = match call.op_type() {
             "Not" => map::<Bool>(&bytes, |b| Ok(Bool(!b.0)))?,
             "Clip" => {

@@ -1,0 +1,283 @@
+//! The `gemm` import in `kiln_cpu` calls (ABI.md §4.7, manifest schema 8): computed at once on
+//! the call's host tensors with the `gemm` crate (multithreaded, its AVX2 / AVX-512 kernels
+//! chosen at run time), so that a shim's matrix products never copy their operands into its
+//! memory. float16 and bfloat16 operands are widened to float32 and the result rounded once:
+//! the products accumulate in f32, as cuBLASLt's do on the GPU.
+//!
+//! Threads: `KILN_CPU_THREADS`, else every core the process may use ([`cpu_threads`]).
+
+use std::borrow::Cow;
+use std::sync::OnceLock;
+
+use kiln_kernel_abi::wire::{Epilogue, Gemm, Operand};
+use kiln_kernel_abi::DType;
+
+use super::handles::{Access, Slot};
+
+/// Products smaller than this many multiply-adds run on the calling thread.
+const PARALLEL_MIN_FLOPS: u64 = 1 << 18;
+
+/// The threads CPU GEMMs use: `KILN_CPU_THREADS` when it is a positive number, else every core
+/// the process may use.
+pub fn cpu_threads() -> usize {
+    static THREADS: OnceLock<usize> = OnceLock::new();
+    *THREADS.get_or_init(|| {
+        std::env::var("KILN_CPU_THREADS")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|n| *n > 0)
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from))
+    })
+}
+
+/// The pool CPU GEMMs run on (`None`: it could not be made, and they run on one thread).
+fn pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
+    POOL.get_or_init(|| {
+        rayon::ThreadPoolBuilder::new().num_threads(cpu_threads()).thread_name(|i| format!("kiln-cpu-{i}")).build().ok()
+    })
+    .as_ref()
+}
+
+/// Runs `f` on the CPU pool (its rayon work on the pool's threads), or here without one.
+pub(super) fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    match pool() {
+        Some(p) => p.install(f),
+        None => f(),
+    }
+}
+
+/// `dst = keep·dst + scale·lhs·rhs` (`dst` m × n with row stride `dst.1`, read only when
+/// `dst.2`; operands as (pointer, row stride, column stride) in elements) on the CPU pool when the
+/// product is large enough to share.
+///
+/// # Safety
+/// Every element the strides reach over m × k (lhs), k × n (rhs) and m × n (dst) must be inside
+/// its allocation, and dst must not overlap the operands.
+pub(super) unsafe fn sgemm(
+    (m, n, k): (usize, usize, usize),
+    dst: (*mut f32, isize, bool),
+    lhs: (*const f32, isize, isize),
+    rhs: (*const f32, isize, isize),
+    (keep, scale): (f32, f32),
+) {
+    let threads = cpu_threads();
+    let parallel = (m as u64).saturating_mul(n as u64).saturating_mul(k as u64) >= PARALLEL_MIN_FLOPS && threads > 1;
+    // Addresses cross to the pool's thread as integers (the caller keeps them valid).
+    let (d, l, r) = (dst.0 as usize, lhs.0 as usize, rhs.0 as usize);
+    let product = move || unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            d as *mut f32,
+            1,
+            dst.1,
+            dst.2,
+            l as *const f32,
+            lhs.2,
+            lhs.1,
+            r as *const f32,
+            rhs.2,
+            rhs.1,
+            keep,
+            scale,
+            false,
+            false,
+            false,
+            if parallel { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None },
+        )
+    };
+    match pool().filter(|_| parallel) {
+        Some(p) => p.install(product),
+        None => product(),
+    }
+}
+
+/// Computes `g` into its D tensor. `g`'s handles are slot indices, its operands' extents
+/// checked (`check_gemm`). Errors: an operand without host bytes, or an offset that is not a
+/// whole number of elements.
+pub(super) fn run(slots: &mut [Slot], g: &Gemm) -> Result<(), String> {
+    let size = g.dtype.size().unwrap_or(4) as u64;
+    let d_slot = g.d.handle as usize;
+    let mut d_bytes = match slots.get_mut(d_slot).map(|s| &mut s.access) {
+        Some(Access::Write(v)) => std::mem::take(v),
+        _ => return Err("gemm D: the tensor has no writable host bytes".into()),
+    };
+    // An operand that is D's own tensor reads D as it was before this product.
+    let reads_d =
+        [Some(&g.a), Some(&g.b), g.c.as_ref(), g.bias.as_ref()].iter().flatten().any(|o| o.handle as usize == d_slot);
+    let d_before = reads_d.then(|| d_bytes.clone());
+    let result = compute(slots, d_before.as_deref(), g, size, &mut d_bytes);
+    if let Some(Access::Write(v)) = slots.get_mut(d_slot).map(|s| &mut s.access) {
+        *v = d_bytes;
+    }
+    result
+}
+
+fn compute(slots: &[Slot], d_before: Option<&[u8]>, g: &Gemm, size: u64, d: &mut [u8]) -> Result<(), String> {
+    let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
+    let (ar, ac) = if g.trans_a { (g.k, g.m) } else { (g.m, g.k) };
+    let (br, bc) = if g.trans_b { (g.n, g.k) } else { (g.k, g.n) };
+    let bytes_of = |o: &Operand| -> Result<&[u8], String> {
+        if o.handle as usize == g.d.handle as usize {
+            return d_before.ok_or_else(|| "gemm: D's earlier bytes are missing".to_string());
+        }
+        match slots.get(o.handle as usize).map(|s| &s.access) {
+            Some(Access::Read(b)) => Ok(&b[..]),
+            Some(Access::Write(v)) => Ok(&v[..]),
+            _ => Err("gemm: an operand has no host bytes".into()),
+        }
+    };
+    let view = |name: &str, o: &Operand, rows: u64, cols: u64| -> Result<Matrix<'_>, String> {
+        Matrix::new(name, bytes_of(o)?, o, g.dtype, size, g.batch, rows, cols)
+    };
+    let a = view("A", &g.a, ar, ac)?;
+    let b = view("B", &g.b, br, bc)?;
+    let c = match (&g.c, g.beta != 0.0) {
+        (Some(o), true) => Some(view("C", o, g.m, g.n)?),
+        _ => None,
+    };
+    let bias = match &g.bias {
+        Some(o) => Some(view("bias", &Operand { ld: g.n, batch_stride: 0, ..*o }, 1, g.n)?),
+        None => None,
+    };
+    let d_first = element_offset("D", &g.d, size)?;
+    let mut tmp = vec![0f32; m * n];
+    for batch in 0..g.batch as usize {
+        if let Some(c) = &c {
+            for i in 0..m {
+                for (j, t) in tmp[i * n..(i + 1) * n].iter_mut().enumerate() {
+                    *t = c.at(batch, i, j);
+                }
+            }
+        }
+        let (lhs, lhs_rs, lhs_cs) = a.operand(batch, g.trans_a);
+        let (rhs, rhs_rs, rhs_cs) = b.operand(batch, g.trans_b);
+        // SAFETY: `Matrix::new` checked that every element these strides reach, over m × k and
+        // k × n, lies in the operand's data; `tmp` is m × n, row-major.
+        unsafe {
+            sgemm(
+                (m, n, k),
+                (tmp.as_mut_ptr(), n as isize, c.is_some()),
+                (lhs.as_ptr(), lhs_rs, lhs_cs),
+                (rhs.as_ptr(), rhs_rs, rhs_cs),
+                (g.beta, g.alpha),
+            )
+        };
+        let d_base = d_first + batch as u64 * g.d.batch_stride;
+        for i in 0..m {
+            let row = &mut tmp[i * n..(i + 1) * n];
+            if let Some(bias) = &bias {
+                for (j, t) in row.iter_mut().enumerate() {
+                    *t += bias.at(0, 0, j);
+                }
+            }
+            epilogue(g.epilogue, row);
+            let start = ((d_base + i as u64 * g.d.ld) * size) as usize;
+            store(g.dtype, row, &mut d[start..start + n * size as usize]);
+        }
+    }
+    Ok(())
+}
+
+/// An operand's elements as f32: the range its batch of matrices reaches, borrowed when it is
+/// float32 and aligned, widened otherwise; offsets are relative to that range.
+struct Matrix<'a> {
+    data: Cow<'a, [f32]>,
+    ld: usize,
+    batch_stride: usize,
+}
+
+impl<'a> Matrix<'a> {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        name: &str,
+        bytes: &'a [u8],
+        o: &Operand,
+        dtype: DType,
+        size: u64,
+        batch: u64,
+        rows: u64,
+        cols: u64,
+    ) -> Result<Matrix<'a>, String> {
+        let first = element_offset(name, o, size)?;
+        // `check_gemm` bounded this extent inside the tensor.
+        let len = (batch - 1) * o.batch_stride + (rows - 1) * o.ld + cols;
+        let range = (first * size) as usize..((first + len) * size) as usize;
+        let raw = bytes.get(range).ok_or_else(|| format!("gemm {name}: the operand reaches past its tensor"))?;
+        let data = f32_view(raw, dtype).map_err(|e| format!("gemm: {e}"))?;
+        Ok(Matrix { data, ld: o.ld as usize, batch_stride: o.batch_stride as usize })
+    }
+
+    /// The element at row `i`, column `j` of matrix `batch`, as stored.
+    fn at(&self, batch: usize, i: usize, j: usize) -> f32 {
+        self.data[batch * self.batch_stride + i * self.ld + j]
+    }
+
+    /// Matrix `batch` for the `gemm` crate: its first element, and op(X)'s row and column
+    /// strides (transposed: the stored columns are op(X)'s rows).
+    fn operand(&self, batch: usize, transposed: bool) -> (&[f32], isize, isize) {
+        let m = &self.data[batch * self.batch_stride..];
+        if transposed {
+            (m, 1, self.ld as isize)
+        } else {
+            (m, self.ld as isize, 1)
+        }
+    }
+}
+
+/// `raw` (float32, float16 or bfloat16 elements) as f32: borrowed when float32 and aligned,
+/// widened otherwise.
+pub(super) fn f32_view(raw: &[u8], dtype: DType) -> Result<Cow<'_, [f32]>, String> {
+    Ok(match dtype {
+        // SAFETY: every bit pattern is an f32; only an aligned middle part is borrowed.
+        DType::F32 => match unsafe { raw.align_to::<f32>() } {
+            (&[], mid, &[]) => Cow::Borrowed(mid),
+            _ => Cow::Owned(raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
+        },
+        DType::F16 => {
+            Cow::Owned(raw.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect())
+        }
+        DType::BF16 => {
+            Cow::Owned(raw.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect())
+        }
+        other => return Err(format!("dtype {other} is not supported (float32, float16, bfloat16)")),
+    })
+}
+
+/// An operand's byte offset in elements. Errors: an offset inside an element.
+fn element_offset(name: &str, o: &Operand, size: u64) -> Result<u64, String> {
+    if !o.offset.is_multiple_of(size) {
+        return Err(format!("gemm {name}: byte offset {} is not a multiple of the element size {size}", o.offset));
+    }
+    Ok(o.offset / size)
+}
+
+/// Applies the epilogue to a row of results.
+pub(super) fn epilogue(e: Epilogue, row: &mut [f32]) {
+    match e {
+        Epilogue::None => {}
+        Epilogue::Relu => row.iter_mut().for_each(|v| *v = v.max(0.0)),
+        Epilogue::Gelu => {
+            // The tanh approximation, as cuBLASLt's GELU epilogue computes it.
+            const C: f32 = 0.797_884_6; // sqrt(2 / pi)
+            row.iter_mut().for_each(|v| *v = 0.5 * *v * (1.0 + (C * (*v + 0.044_715 * *v * *v * *v)).tanh()));
+        }
+    }
+}
+
+/// Writes f32 results as `dtype` (rounded to nearest even for the half types).
+pub(super) fn store(dtype: DType, row: &[f32], out: &mut [u8]) {
+    match dtype {
+        DType::F16 => row
+            .iter()
+            .zip(out.chunks_exact_mut(2))
+            .for_each(|(v, o)| o.copy_from_slice(&half::f16::from_f32(*v).to_le_bytes())),
+        DType::BF16 => row
+            .iter()
+            .zip(out.chunks_exact_mut(2))
+            .for_each(|(v, o)| o.copy_from_slice(&half::bf16::from_f32(*v).to_le_bytes())),
+        _ => row.iter().zip(out.chunks_exact_mut(4)).for_each(|(v, o)| o.copy_from_slice(&v.to_le_bytes())),
+    }
+}

@@ -1,0 +1,195 @@
+//! The CPU backend's host products (issue 11, item 5): float32 and float16 MatMul, Gemm, Conv and
+//! ConvTranspose go through the host's `gemm` and `conv` imports (multithreaded, f32
+//! accumulation), float64 through the packages' own loops (f64). Each case runs both ways on the
+//! same values and must agree to f32 (resp. f16) rounding of the sums.
+
+use kiln_host::ep::{Session, SessionOptions};
+use kiln_host::{model, Tensor};
+use kiln_kernel_abi::DType;
+use kiln_tests::builtin_runtime;
+use kiln_tests::onnx::{self, attr_float, attr_int, attr_ints, attr_string, node, value};
+use kiln_tests::Rng;
+
+const F16: i32 = 10;
+const F32: i32 = 1;
+const F64: i32 = 11;
+
+/// Values on a grid of 1/16 in [-2, 2]: exact in float16, float32 and float64.
+fn values(rng: &mut Rng, n: usize) -> Vec<f64> {
+    (0..n).map(|_| rng.int(-32, 32) as f64 / 16.0).collect()
+}
+
+fn tensor(dtype: i32, shape: &[usize], v: &[f64]) -> Tensor {
+    let (d, bytes): (DType, Vec<u8>) = match dtype {
+        F64 => (DType::F64, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        F32 => (DType::F32, v.iter().flat_map(|x| (*x as f32).to_le_bytes()).collect()),
+        _ => (DType::F16, v.iter().flat_map(|x| half::f16::from_f64(*x).to_le_bytes()).collect()),
+    };
+    Tensor::new(d, shape.to_vec(), bytes.into()).unwrap()
+}
+
+fn to_f64(t: &Tensor) -> Vec<f64> {
+    match t.dtype {
+        DType::F64 => t.data.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect(),
+        _ => t.to_f32().unwrap().into_iter().map(f64::from).collect(),
+    }
+}
+
+/// Runs `op(inputs) -> y` with `attrs` at `dtype` on the CPU; returns y's shape and values.
+fn run(op: &str, attrs: &[onnx::AttributeProto], inputs: &[(&[usize], &[f64])], dtype: i32) -> (Vec<usize>, Vec<f64>) {
+    let names: Vec<String> = (0..inputs.len()).map(|i| format!("in{i}")).collect();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let decl =
+        inputs.iter().zip(&names).map(|((s, _), n)| value(n, dtype, &s.iter().map(|&d| d as i64).collect::<Vec<_>>()));
+    let mut m = onnx::model(
+        vec![node(op, &refs, &["y"], attrs.to_vec())],
+        decl.collect(),
+        vec![value("y", dtype, &[])],
+        vec![],
+    );
+    m.graph.as_mut().unwrap().output[0].type_.as_mut().unwrap().mut_tensor_type().shape.clear();
+    let m = model::load_bytes(&onnx::bytes(&m), None).unwrap();
+    let mut s = Session::new(builtin_runtime(), m, SessionOptions::default()).unwrap();
+    let feeds = inputs.iter().zip(&names).map(|((shape, v), n)| (n.clone(), tensor(dtype, shape, v))).collect();
+    let out = s.run(feeds).unwrap_or_else(|e| panic!("{op} at dtype {dtype}: {e}"));
+    (out[0].1.shape.clone(), to_f64(&out[0].1))
+}
+
+/// `op` at float32 and float16 against float64: the same shape, every element within the
+/// rounding of a sum of `terms` products of magnitude up to 4 (f32), or f16 output rounding.
+fn agrees(what: &str, op: &str, attrs: &[onnx::AttributeProto], inputs: &[(&[usize], &[f64])], terms: usize) {
+    let (shape, want) = run(op, attrs, inputs, F64);
+    for (dtype, rel) in [(F32, 2f64.powi(-22)), (F16, 2f64.powi(-10))] {
+        let (s, got) = run(op, attrs, inputs, dtype);
+        assert_eq!(s, shape, "{what}: shape at dtype {dtype}");
+        let scale = want.iter().fold(1f64, |m, v| m.max(v.abs()));
+        let tol = if dtype == F32 { rel * 4.0 * terms as f64 } else { rel * scale * 2.0 };
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g - w).abs() <= tol,
+                "{what} at dtype {dtype}: element {i} is {g}, float64 gives {w} (tolerance {tol})"
+            );
+        }
+    }
+}
+
+#[test]
+fn matmul_and_gemm_through_the_host_gemm_match_float64() {
+    let mut rng = Rng(11);
+    let mut v = |n: usize| values(&mut rng, n);
+    let cases: Vec<(&str, Vec<usize>, Vec<usize>)> = vec![
+        ("batched A, shared B", vec![2, 3, 5, 7], vec![7, 4]),
+        ("both batched, broadcast", vec![3, 1, 5, 7], vec![1, 4, 7, 6]),
+        ("vector times matrix", vec![7], vec![7, 3]),
+        ("matrix times vector", vec![4, 300], vec![300]),
+        ("long K", vec![6, 1000], vec![1000, 5]),
+    ];
+    for (what, a, b) in cases {
+        let (x, y) = (v(a.iter().product()), v(b.iter().product()));
+        let k = *a.last().unwrap();
+        agrees(what, "MatMul", &[], &[(&a, &x), (&b, &y)], k);
+    }
+    // Gemm: transposes, alpha and beta, and every form of C.
+    let (m, k, n) = (5usize, 9usize, 4usize);
+    let (a, b) = (v(k * m), v(n * k));
+    let trans = [attr_int("transA", 1), attr_int("transB", 1), attr_float("alpha", 0.5), attr_float("beta", -2.0)];
+    for (what, c_shape) in [("scalar C", vec![1]), ("column C", vec![m, 1]), ("row C", vec![n]), ("full C", vec![m, n])]
+    {
+        let c = v(c_shape.iter().product());
+        agrees(what, "Gemm", &trans, &[(&[k, m], &a), (&[n, k], &b), (&c_shape, &c)], k);
+    }
+    let c = v(n);
+    agrees(
+        "bias row, beta 1",
+        "Gemm",
+        &[attr_int("transA", 1), attr_int("transB", 1)],
+        &[(&[k, m], &a), (&[n, k], &b), (&[n], &c)],
+        k,
+    );
+}
+
+#[test]
+fn conv_and_conv_transpose_through_the_host_conv_match_float64() {
+    let mut rng = Rng(12);
+    let mut v = |n: usize| values(&mut rng, n);
+    struct Case {
+        what: &'static str,
+        op: &'static str,
+        x: Vec<usize>,
+        w: Vec<usize>,
+        bias: bool,
+        attrs: Vec<onnx::AttributeProto>,
+    }
+    let case =
+        |what, op, x: &[usize], w: &[usize], bias, attrs| Case { what, op, x: x.into(), w: w.into(), bias, attrs };
+    let cases = vec![
+        case(
+            "2-D, groups, strides, dilations, uneven pads",
+            "Conv",
+            &[2, 4, 9, 8],
+            &[6, 2, 3, 2],
+            true,
+            vec![
+                attr_int("group", 2),
+                attr_ints("strides", &[2, 1]),
+                attr_ints("dilations", &[1, 2]),
+                attr_ints("pads", &[1, 0, 2, 1]),
+            ],
+        ),
+        case("pointwise", "Conv", &[1, 8, 5, 5], &[3, 8, 1, 1], false, vec![]),
+        case(
+            "1-D, same upper",
+            "Conv",
+            &[2, 3, 11],
+            &[4, 3, 4],
+            true,
+            vec![attr_string("auto_pad", "SAME_UPPER"), attr_ints("strides", &[3])],
+        ),
+        case("3-D", "Conv", &[1, 2, 4, 5, 3], &[2, 2, 2, 3, 2], true, vec![attr_ints("pads", &[1, 0, 1, 0, 1, 0])]),
+        case(
+            "depthwise, stride 2, pads",
+            "Conv",
+            &[1, 4, 7, 7],
+            &[4, 1, 3, 3],
+            true,
+            vec![attr_int("group", 4), attr_ints("strides", &[2, 2]), attr_ints("pads", &[1, 1, 1, 1])],
+        ),
+        case(
+            "transposed, groups, strides, output padding",
+            "ConvTranspose",
+            &[2, 4, 3, 4],
+            &[4, 3, 3, 2],
+            true,
+            vec![
+                attr_int("group", 2),
+                attr_ints("strides", &[2, 3]),
+                attr_ints("output_padding", &[1, 0]),
+                attr_ints("pads", &[1, 0, 0, 1]),
+            ],
+        ),
+        case(
+            "transposed 1-D, dilations",
+            "ConvTranspose",
+            &[1, 2, 5],
+            &[2, 3, 3],
+            false,
+            vec![attr_ints("dilations", &[2])],
+        ),
+    ];
+    for c in cases {
+        let (x, w) = (v(c.x.iter().product()), v(c.w.iter().product()));
+        let out_ch = if c.op == "Conv" {
+            c.w[0]
+        } else {
+            c.w[1] * c.attrs.iter().find(|a| a.name == "group").map_or(1, |a| a.i as usize)
+        };
+        let b = v(out_ch);
+        let mut inputs: Vec<(&[usize], &[f64])> = vec![(&c.x, &x), (&c.w, &w)];
+        let b_shape = [out_ch];
+        if c.bias {
+            inputs.push((&b_shape, &b));
+        }
+        let terms = c.w[1..].iter().product::<usize>() * if c.op == "Conv" { 1 } else { c.w[0] } + 1;
+        agrees(c.what, c.op, &c.attrs, &inputs, terms);
+    }
+}
