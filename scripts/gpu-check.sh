@@ -180,7 +180,7 @@ for w in glob.glob(".gpu/python/*.whl"):
   verify)
     # kiln-sampling's ops (ai.kiln) have no node tests: the device-sampling GPU test covers them.
     for p in kiln-unary kiln-binary kiln-cast kiln-matmul kiln-reduce kiln-normalization kiln-tensor kiln-quant \
-      kiln-attention; do
+      kiln-attention kiln-conv kiln-pool kiln-image kiln-rnn kiln-loss; do
       "$KILN" verify "$p" --device cuda --seeds 1 2>&1 | tail -6
     done | tee "$out/verify.log"
     summary+=("$(grep -E '^verify kiln-' "$out/verify.log" | tr '\n' ' ')")

@@ -193,3 +193,73 @@ fn conv_and_conv_transpose_through_the_host_conv_match_float64() {
         agrees(c.what, c.op, &c.attrs, &inputs, terms);
     }
 }
+
+/// Conv → Add(·, z) → Relu and Conv → Relu at `dtype`: fused into ai.kiln::ConvAddRelu and
+/// ConvRelu at float32 and float16 (the fusions take those), left as they are at float64.
+/// Returns both outputs and how many fusions applied.
+fn residual_block(dtype: i32, bias: bool, z_shape: &[usize], v: &[Vec<f64>]) -> (Vec<Vec<f64>>, usize) {
+    let (x_shape, w_shape) = ([2usize, 3, 6, 5], [4usize, 3, 3, 3]);
+    let conv_in: Vec<&str> = if bias { vec!["x", "w", "b"] } else { vec!["x", "w"] };
+    let pads = attr_ints("pads", &[1, 1, 1, 1]);
+    let nodes = vec![
+        node("Conv", &conv_in, &["c"], vec![pads.clone()]),
+        node("Add", &["z", "c"], &["s"], vec![]),
+        node("Relu", &["s"], &["y"], vec![]),
+        node("Conv", &conv_in, &["c2"], vec![pads, attr_ints("strides", &[2, 2])]),
+        node("Relu", &["c2"], &["y2"], vec![]),
+    ];
+    let dims = |s: &[usize]| s.iter().map(|&d| d as i64).collect::<Vec<_>>();
+    let inputs = vec![value("x", dtype, &dims(&x_shape)), value("z", dtype, &dims(z_shape))];
+    let mut inits = vec![onnx::TensorProto { name: "w".into(), dims: dims(&w_shape), ..Default::default() }];
+    if bias {
+        inits.push(onnx::TensorProto { name: "b".into(), dims: vec![4], ..Default::default() });
+    }
+    // The weights as initializers (a fusion needs W's dtype at load), raw little-endian bytes.
+    for (t, vals) in inits.iter_mut().zip(&v[2..]) {
+        let tensor = tensor(dtype, &[vals.len()], vals);
+        t.data_type = dtype;
+        t.raw_data = tensor.data.to_vec();
+    }
+    let outputs = vec![value("y", dtype, &[]), value("y2", dtype, &[])];
+    let mut m = onnx::model(nodes, inputs, outputs, inits);
+    for o in m.graph.as_mut().unwrap().output.iter_mut() {
+        o.type_.as_mut().unwrap().mut_tensor_type().shape.clear();
+    }
+    let m = model::load_bytes(&onnx::bytes(&m), None).unwrap();
+    let mut s = Session::new(builtin_runtime(), m, SessionOptions::default()).unwrap();
+    let fused = s.report.fusions.applied.len();
+    let feeds =
+        vec![("x".to_string(), tensor(dtype, &x_shape, &v[0])), ("z".to_string(), tensor(dtype, z_shape, &v[1]))];
+    let out = s.run(feeds).unwrap_or_else(|e| panic!("dtype {dtype}: {e}"));
+    (out.iter().map(|(_, t)| to_f64(t)).collect(), fused)
+}
+
+#[test]
+fn fused_conv_add_relu_matches_the_unfused_graph_in_float64() {
+    let mut rng = Rng(13);
+    for (bias, z_shape) in [(true, vec![2usize, 4, 6, 5]), (false, vec![1, 4, 1, 1]), (true, vec![5])] {
+        let mut v = vec![
+            values(&mut rng, 2 * 3 * 6 * 5),
+            values(&mut rng, z_shape.iter().product()),
+            values(&mut rng, 4 * 3 * 9),
+        ];
+        if bias {
+            v.push(values(&mut rng, 4));
+        }
+        let (want, unfused) = residual_block(F64, bias, &z_shape, &v);
+        assert_eq!(unfused, 0, "float64 is not fused");
+        for (dtype, tol) in [(F32, 1e-5), (F16, 2e-2)] {
+            let (got, fused) = residual_block(dtype, bias, &z_shape, &v);
+            assert_eq!(fused, 2, "dtype {dtype}, z {z_shape:?}: Conv+Add+Relu and Conv+Relu fuse");
+            for (g, w) in got.iter().zip(&want) {
+                assert_eq!(g.len(), w.len());
+                for (i, (a, b)) in g.iter().zip(w).enumerate() {
+                    assert!(
+                        (a - b).abs() <= tol * b.abs().max(1.0),
+                        "dtype {dtype}, z {z_shape:?}, element {i}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1800,3 +1800,24 @@ fn big_real_models_match_onnxruntime_on_the_gpu() {
     };
     println!("{:?}", kiln_tests::check_real_models(std::path::Path::new(&dir), &cuda()));
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fused_convolutions_on_the_gpu_match_the_unfused_graph_on_the_cpu() {
+    // kiln-conv's fusions (Conv + Relu, Conv + Add + Relu, with and without bias): each pattern
+    // fused on the GPU (conv.cu's epilogue) against the unfused ops on the CPU, as `kiln verify`.
+    let rt = runtime();
+    let pkg = rt.registry.packages().find(|p| p.manifest.package.name == "kiln-conv").expect("kiln-conv").clone();
+    let cases = kiln_host::cli::verify_fusion::fusion_cases(&rt, &pkg, Device::Cuda(0), 2);
+    assert!(cases.len() >= 4 * 3, "{} cases", cases.len());
+    for c in &cases {
+        assert!(
+            matches!(c.outcome, Outcome::Passed),
+            "{} {}: {:?} (max rel error {})",
+            c.fusion,
+            c.dtype,
+            c.outcome,
+            c.max_rel_error
+        );
+    }
+}

@@ -483,6 +483,7 @@ fn conv_desc(y: u32, w_channels: u64) -> Conv {
         x: at(0x10000),
         w: at(0x10000),
         bias: None,
+        z: None,
         y: at(y),
         epilogue: Epilogue::Relu,
     }

@@ -632,7 +632,8 @@ pub const CONV_MAX_SPATIAL: usize = 8;
 ///   adds to output `i·strides[a] − pads_begin[a] + t·dilations[a]` (dropped outside the output).
 ///
 /// Output channel m belongs to group `m / (M / groups)` and reads its group's input channels.
-/// `bias` has M elements added to every output position; then the epilogue (none or relu).
+/// `bias` has M elements added to every output position, `z` Y's shape, added element by element
+/// (a residual: ResNet's Conv → Add → Relu); then the epilogue (none or relu).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Conv {
     /// float32, float16 or bfloat16 (X, W, bias, Y).
@@ -653,6 +654,8 @@ pub struct Conv {
     pub x: TensorAt,
     pub w: TensorAt,
     pub bias: Option<TensorAt>,
+    /// Y's shape, added before the epilogue.
+    pub z: Option<TensorAt>,
     pub y: TensorAt,
     /// `None` or `Relu`.
     pub epilogue: Epilogue,
@@ -671,7 +674,7 @@ impl Conv {
             axis.iter().for_each(|v| w.u64(*v));
         }
         self.pads_begin.iter().for_each(|v| w.i64(*v));
-        for t in [Some(self.x), Some(self.w), self.bias, Some(self.y)] {
+        for t in [Some(self.x), Some(self.w), self.bias, self.z, Some(self.y)] {
             match t {
                 None => w.u8(0),
                 Some(t) => {
@@ -707,7 +710,7 @@ impl Conv {
         for _ in 0..rank {
             pads_begin.push(r.i64("pads begin")?);
         }
-        let mut ts = [None; 4];
+        let mut ts = [None; 5];
         for t in ts.iter_mut() {
             if r.bool("tensor tag")? {
                 *t = Some(TensorAt { handle: r.u32("tensor handle")?, offset: r.u64("tensor offset")? });
@@ -719,7 +722,7 @@ impl Conv {
             _ => return Err(WireError::Invalid("conv epilogue (none or relu)")),
         };
         r.finish()?;
-        let (x, w, y) = match (ts[0], ts[1], ts[3]) {
+        let (x, w, y) = match (ts[0], ts[1], ts[4]) {
             (Some(x), Some(w), Some(y)) => (x, w, y),
             _ => return Err(WireError::Invalid("conv: X, W and Y are required")),
         };
@@ -740,6 +743,7 @@ impl Conv {
             x,
             w,
             bias: ts[2],
+            z: ts[3],
             y,
             epilogue,
         })
@@ -1039,6 +1043,7 @@ mod tests {
             x: at(1),
             w: at(2),
             bias: None,
+            z: Some(at(3)),
             y: at(4),
             epilogue: Epilogue::Relu,
         };

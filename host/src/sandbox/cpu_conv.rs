@@ -13,7 +13,7 @@ use super::handles::{Access, Slot};
 const COL_BYTES: usize = 64 << 20;
 
 /// Computes `c` into its Y tensor. `c` was checked (`check_conv`): handles are slot indices,
-/// every operand's extent lies inside its tensor, Y is writable and distinct from X, W and bias.
+/// every operand's extent lies inside its tensor, Y is writable and distinct from X, W, bias and Z.
 pub(super) fn run(slots: &mut [Slot], c: &Conv) -> Result<(), String> {
     let y_slot = c.y.handle as usize;
     let mut y_bytes = match slots.get_mut(y_slot).map(|s| &mut s.access) {
@@ -81,6 +81,10 @@ fn compute(slots: &[Slot], c: &Conv, y: &mut [u8]) -> Result<(), String> {
         Some(b) => Some(f32_view(bytes(b, mout)?, c.dtype)?),
         None => None,
     };
+    let z = match &c.z {
+        Some(t) => Some(f32_view(bytes(t, g.batch * mout * g.out_n)?, c.dtype)?),
+        None => None,
+    };
     let start = c.y.offset as usize;
     let total = g.batch * mout * g.out_n;
     let y = y.get_mut(start..start + total * size).ok_or("conv Y: reaches past its tensor")?;
@@ -107,6 +111,9 @@ fn compute(slots: &[Slot], c: &Conv, y: &mut [u8]) -> Result<(), String> {
             if let Some(b) = &bias {
                 let v = b[row % mout];
                 o.iter_mut().for_each(|x| *x += v);
+            }
+            if let Some(z) = &z {
+                o.iter_mut().zip(&z[row * rows..]).for_each(|(x, v)| *x += v);
             }
             epilogue(c.epilogue, o);
         })

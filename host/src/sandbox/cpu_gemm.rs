@@ -142,12 +142,13 @@ fn compute(slots: &[Slot], d_before: Option<&[u8]>, g: &Gemm, size: u64, d: &mut
         Some(o) => Some(view("bias", &Operand { ld: g.n, batch_stride: 0, ..*o }, 1, g.n)?),
         None => None,
     };
-    let d_first = element_offset("D", &g.d, size)?;
-    let mut tmp = vec![0f32; m * n];
-    for batch in 0..g.batch as usize {
+    let d_first = element_offset("D", &g.d, size)? as usize;
+    let ld = g.d.ld as usize;
+    // Matrix `batch` into `dst` (m rows of n at row stride `rs`): C, the product, bias, epilogue.
+    let one = |dst: &mut [f32], rs: usize, batch: usize| {
         if let Some(c) = &c {
             for i in 0..m {
-                for (j, t) in tmp[i * n..(i + 1) * n].iter_mut().enumerate() {
+                for (j, t) in dst[i * rs..i * rs + n].iter_mut().enumerate() {
                     *t = c.at(batch, i, j);
                 }
             }
@@ -155,27 +156,46 @@ fn compute(slots: &[Slot], d_before: Option<&[u8]>, g: &Gemm, size: u64, d: &mut
         let (lhs, lhs_rs, lhs_cs) = a.operand(batch, g.trans_a);
         let (rhs, rhs_rs, rhs_cs) = b.operand(batch, g.trans_b);
         // SAFETY: `Matrix::new` checked that every element these strides reach, over m × k and
-        // k × n, lies in the operand's data; `tmp` is m × n, row-major.
+        // k × n, lies in the operand's data; the caller gives `dst` m rows of n at stride rs; D
+        // is no operand (one that shares its tensor reads the copy made before).
         unsafe {
             sgemm(
                 (m, n, k),
-                (tmp.as_mut_ptr(), n as isize, c.is_some()),
+                (dst.as_mut_ptr(), rs as isize, c.is_some()),
                 (lhs.as_ptr(), lhs_rs, lhs_cs),
                 (rhs.as_ptr(), rhs_rs, rhs_cs),
                 (g.beta, g.alpha),
             )
         };
-        let d_base = d_first + batch as u64 * g.d.batch_stride;
         for i in 0..m {
-            let row = &mut tmp[i * n..(i + 1) * n];
+            let row = &mut dst[i * rs..i * rs + n];
             if let Some(bias) = &bias {
                 for (j, t) in row.iter_mut().enumerate() {
                     *t += bias.at(0, 0, j);
                 }
             }
             epilogue(g.epilogue, row);
-            let start = ((d_base + i as u64 * g.d.ld) * size) as usize;
-            store(g.dtype, row, &mut d[start..start + n * size as usize]);
+        }
+    };
+    // SAFETY: every bit pattern is an f32; only an aligned middle part is used.
+    match unsafe { d.align_to_mut::<f32>() } {
+        // float32 D aligned for f32: computed in place (`check_gemm` bounded its rows in D).
+        (&mut [], mid, &mut []) if g.dtype == DType::F32 => {
+            for batch in 0..g.batch as usize {
+                one(&mut mid[d_first + batch * g.d.batch_stride as usize..], ld, batch);
+            }
+        }
+        // Otherwise each matrix through `tmp`, rounded into D.
+        _ => {
+            let mut tmp = vec![0f32; m * n];
+            for batch in 0..g.batch as usize {
+                one(&mut tmp, n, batch);
+                let base = d_first + batch * g.d.batch_stride as usize;
+                for (i, row) in tmp.chunks_exact(n).enumerate() {
+                    let start = (base + i * ld) * size as usize;
+                    store(g.dtype, row, &mut d[start..start + n * size as usize]);
+                }
+            }
         }
     }
     Ok(())

@@ -261,8 +261,8 @@ pub(super) fn linker(engine: &Engine) -> Linker<CallState> {
 }
 
 /// Checks a convolution: dtype, channel and group counts, spatial values (each at most
-/// `i32::MAX`, so positions stay within i64), every operand's extent inside its tensor, Y an output
-/// or scratch tensor that no operand shares; rewrites handles to slot indices.
+/// `i32::MAX`, so positions stay within i64), every operand's extent inside its tensor (Z: Y's),
+/// Y an output or scratch tensor that no operand shares; rewrites handles to slot indices.
 fn check_conv(st: &CallState, mut c: Conv) -> Result<Conv, String> {
     if !matches!(c.dtype, DType::F32 | DType::F16 | DType::BF16) {
         return Err(format!("conv: dtype {} is not supported (float32, float16, bfloat16)", c.dtype));
@@ -325,8 +325,11 @@ fn check_conv(st: &CallState, mut c: Conv) -> Result<Conv, String> {
     if let Some(b) = c.bias.as_mut() {
         read.push(check("bias", b, Some(mout))?);
     }
+    if let Some(z) = c.z.as_mut() {
+        read.push(check("Z", z, y_elems)?);
+    }
     if read.contains(&y) {
-        return Err("conv: Y must be a tensor of its own, not X, W or bias".into());
+        return Err("conv: Y must be a tensor of its own, not X, W, bias or Z".into());
     }
     Ok(c)
 }

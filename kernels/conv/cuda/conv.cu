@@ -15,6 +15,25 @@ struct cv_geom {
         kiln_u64 b1, kiln_u64 b2
 #define CV_GEOM (cv_geom{{i0, i1, i2}, {o0, o1, o2}, {k0, k1, k2}, {s0, s1, s2}, {d0, d1, d2}, {b0, b1, b2}})
 
+// The epilogue flags of kiln_conv and kiln_conv_transpose: add B[m], add Z (broadcast by its
+// element strides over n, m and the three output slots), then max(·, 0).
+#define CV_BIAS 1u
+#define CV_Z 2u
+#define CV_RELU 4u
+#define CV_Z_PARAMS kiln_u64 zn, kiln_u64 zm, kiln_u64 z0, kiln_u64 z1, kiln_u64 z2
+
+// The epilogue of output element (n, m, o): Z and relu as `flags` say (B is added first).
+template <typename Tag>
+__device__ __forceinline__ float cv_epilogue(const cv_geom& g, float acc, unsigned flags,
+                                             const typename Tag::storage* z, kiln_u64 n, kiln_u64 m, kiln_u64 o,
+                                             CV_Z_PARAMS) {
+    if (flags & CV_Z) {
+        const kiln_u64 o2 = o % g.out[2], o1 = (o / g.out[2]) % g.out[1], o0 = o / (g.out[2] * g.out[1]);
+        acc += kiln_to_f32(Tag(), z[n * zn + m * zm + o0 * z0 + o1 * z1 + o2 * z2]);
+    }
+    return (flags & CV_RELU) ? fmaxf(acc, 0.f) : acc;
+}
+
 // Output position o (row-major over g.out) plus the padding before: the position in the padded
 // frame that the transposed gathers (ConvTranspose, Col2Im) start from.
 __device__ __forceinline__ void cv_padded(const cv_geom& g, kiln_u64 o, long long* pos) {
@@ -45,8 +64,9 @@ __device__ __forceinline__ bool cv_gather_at(const cv_geom& g, const long long* 
 // input o·s − b + t·d for tap t.
 template <typename Tag>
 __global__ void kiln_conv(const typename Tag::storage* x, const typename Tag::storage* w,
-                          const typename Tag::storage* bias, typename Tag::storage* y, kiln_u64 total, kiln_u64 C,
-                          kiln_u64 M, kiln_u64 group, unsigned has_bias, CV_GEOM_PARAMS) {
+                          const typename Tag::storage* bias, const typename Tag::storage* z,
+                          typename Tag::storage* y, kiln_u64 total, kiln_u64 C, kiln_u64 M, kiln_u64 group,
+                          unsigned flags, CV_Z_PARAMS, CV_GEOM_PARAMS) {
     const cv_geom g = CV_GEOM;
     const kiln_u64 out_n = g.out[0] * g.out[1] * g.out[2], in_n = g.in[0] * g.in[1] * g.in[2];
     const kiln_u64 taps = g.k[0] * g.k[1] * g.k[2], cg = C / group, mg = M / group;
@@ -58,7 +78,7 @@ __global__ void kiln_conv(const typename Tag::storage* x, const typename Tag::st
             start[a] = (long long)((rest % g.out[a]) * g.s[a]) - (long long)g.b[a];
             rest /= g.out[a];
         }
-        float acc = has_bias ? kiln_to_f32(Tag(), bias[m]) : 0.f;
+        float acc = (flags & CV_BIAS) ? kiln_to_f32(Tag(), bias[m]) : 0.f;
         for (kiln_u64 t = 0; t < taps; ++t) {
             kiln_u64 tr = t, at = 0;
             bool inside = true;
@@ -74,7 +94,7 @@ __global__ void kiln_conv(const typename Tag::storage* x, const typename Tag::st
                 acc += kiln_to_f32(Tag(), x[(n * C + grp * cg + c) * in_n + at]) *
                        kiln_to_f32(Tag(), w[(m * cg + c) * taps + t]);
         }
-        y[i] = kiln_from_f32(Tag(), acc);
+        y[i] = kiln_from_f32(Tag(), cv_epilogue<Tag>(g, acc, flags, z, n, m, o, zn, zm, z0, z1, z2));
     }
 }
 
@@ -82,8 +102,9 @@ __global__ void kiln_conv(const typename Tag::storage* x, const typename Tag::st
 // gathers input i where i·s − b + t·d = o for tap t.
 template <typename Tag>
 __global__ void kiln_conv_transpose(const typename Tag::storage* x, const typename Tag::storage* w,
-                                    const typename Tag::storage* bias, typename Tag::storage* y, kiln_u64 total,
-                                    kiln_u64 C, kiln_u64 M, kiln_u64 group, unsigned has_bias, CV_GEOM_PARAMS) {
+                                    const typename Tag::storage* bias, const typename Tag::storage* z,
+                                    typename Tag::storage* y, kiln_u64 total, kiln_u64 C, kiln_u64 M,
+                                    kiln_u64 group, unsigned flags, CV_Z_PARAMS, CV_GEOM_PARAMS) {
     const cv_geom g = CV_GEOM;
     const kiln_u64 out_n = g.out[0] * g.out[1] * g.out[2], in_n = g.in[0] * g.in[1] * g.in[2];
     const kiln_u64 taps = g.k[0] * g.k[1] * g.k[2], cg = C / group, mg = M / group;
@@ -91,7 +112,7 @@ __global__ void kiln_conv_transpose(const typename Tag::storage* x, const typena
         const kiln_u64 o = i % out_n, nm = i / out_n, m = nm % M, n = nm / M, grp = m / mg, mm = m % mg;
         long long pos[3];
         cv_padded(g, o, pos);
-        float acc = has_bias ? kiln_to_f32(Tag(), bias[m]) : 0.f;
+        float acc = (flags & CV_BIAS) ? kiln_to_f32(Tag(), bias[m]) : 0.f;
         for (kiln_u64 t = 0; t < taps; ++t) {
             kiln_u64 at;
             if (!cv_gather_at(g, pos, t, &at)) continue;
@@ -100,7 +121,7 @@ __global__ void kiln_conv_transpose(const typename Tag::storage* x, const typena
                 acc += kiln_to_f32(Tag(), x[(n * C + ci) * in_n + at]) * kiln_to_f32(Tag(), w[(ci * mg + mm) * taps + t]);
             }
         }
-        y[i] = kiln_from_f32(Tag(), acc);
+        y[i] = kiln_from_f32(Tag(), cv_epilogue<Tag>(g, acc, flags, z, n, m, o, zn, zm, z0, z1, z2));
     }
 }
 

@@ -58,6 +58,11 @@ struct Geom {
     dilations: Vec<usize>,
     /// Padding before each spatial axis (negative: ConvTranspose's output starts inside).
     begin: Vec<i64>,
+    /// The fused ops' epilogue: max(·, 0) after the sums.
+    relu: bool,
+    /// ConvAddRelu's Z: its element strides over Y's axes (0 where Z broadcasts), and whether it
+    /// has Y's shape.
+    z: Option<(Vec<u64>, bool)>,
 }
 
 /// An integer list attribute of `len` entries, each in `min..=MAX_ATTR`, or `default` repeated.
@@ -83,6 +88,10 @@ fn len_of(op: &str, v: i64) -> Result<usize> {
 fn geom(call: &Call) -> Result<Geom> {
     let op = call.op_type();
     let transpose = op == "ConvTranspose";
+    let fused = call.domain() == "ai.kiln";
+    if fused && !matches!(op, "ConvRelu" | "ConvAddRelu") {
+        unsupported!("kiln-conv does not implement ai.kiln::{op}");
+    }
     let (x, w) = (call.input(0)?, call.input(1)?);
     let dtype = x.dtype()?;
     if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16 | DType::F64) {
@@ -207,6 +216,34 @@ fn geom(call: &Call) -> Result<Geom> {
     let mut out = alloc::vec![xs[0], out_ch];
     out.extend_from_slice(&output);
     shape::numel(&out)?;
+    let z = match (op, call.input_opt(3)) {
+        ("ConvAddRelu", Some(z)) => {
+            let zs = z.shape()?;
+            if z.dtype()? != dtype {
+                bail!("{op}: Z is {} but X is {dtype}", z.dtype()?);
+            }
+            // Z broadcasts to Y (numpy rules, Z's axes right-aligned), as the Add it replaces
+            // does when the convolution's output is the larger operand.
+            let lead = out
+                .len()
+                .checked_sub(zs.len())
+                .filter(|_| zs.iter().zip(&out[out.len().saturating_sub(zs.len())..]).all(|(&a, &b)| a == 1 || a == b));
+            let Some(lead) = lead else {
+                bail!("{op}: Z {zs:?} does not broadcast to the convolution's output {out:?}");
+            };
+            let mut strides = alloc::vec![0u64; out.len()];
+            let mut step = 1u64;
+            for a in (0..zs.len()).rev() {
+                if zs[a] != 1 {
+                    strides[lead + a] = step;
+                }
+                step *= zs[a] as u64;
+            }
+            Some((strides, zs == out))
+        }
+        ("ConvAddRelu", None) => bail!("{op}: Z (input 3) is required"),
+        _ => None,
+    };
     Ok(Geom {
         transpose,
         dtype,
@@ -220,6 +257,8 @@ fn geom(call: &Call) -> Result<Geom> {
         strides: strides.iter().map(|&v| v as usize).collect(),
         dilations: dilations.iter().map(|&v| v as usize).collect(),
         begin,
+        relu: fused,
+        z,
     })
 }
 
@@ -252,8 +291,24 @@ impl Geom {
             x: at(call.input(0)?.handle()),
             w: at(call.input(1)?.handle()),
             bias: call.input_opt(2).map(|b| at(b.handle())),
+            z: match &self.z {
+                None => None,
+                Some((_, true)) => Some(at(call.input(3)?.handle())),
+                // A broadcast Z made whole, in scratch.
+                Some((strides, false)) => {
+                    let e = self.dtype.size().unwrap_or(4);
+                    let bytes = call.input(3)?.read_bytes()?;
+                    let out = self.out_shape();
+                    let mut full = Vec::with_capacity(out.iter().product::<usize>() * e);
+                    for i in 0..out.iter().product::<usize>() {
+                        let at = Self::unflat(i, &out).iter().zip(strides).map(|(&p, &s)| p as u64 * s).sum::<u64>();
+                        full.extend_from_slice(&bytes[at as usize * e..][..e]);
+                    }
+                    Some(at(scratch_from(&full)?))
+                }
+            },
             y: at(call.output(0)?.handle()),
-            epilogue: Epilogue::None,
+            epilogue: if self.relu { Epilogue::Relu } else { Epilogue::None },
         }))
     }
 
@@ -356,7 +411,18 @@ impl Shim for ConvShim {
             Some(t) => Some(t.read_vec::<f64>()?),
             None => None,
         };
-        call.output(0)?.write_vec(&g.run_cpu(&x, &w, b.as_deref()))
+        let mut y = g.run_cpu(&x, &w, b.as_deref());
+        if let Some((strides, _)) = &g.z {
+            let z = call.input(3)?.read_vec::<f64>()?;
+            let out = g.out_shape();
+            for (i, v) in y.iter_mut().enumerate() {
+                *v += z[Geom::unflat(i, &out).iter().zip(strides).map(|(&p, &s)| p as u64 * s).sum::<u64>() as usize];
+            }
+        }
+        if g.relu {
+            y.iter_mut().for_each(|v| *v = v.max(0.0));
+        }
+        call.output(0)?.write_vec(&y)
     }
 
     fn dispatch(call: &Call) -> Result<()> {
@@ -380,17 +446,31 @@ impl Shim for ConvShim {
         let x = call.input(0)?;
         let t = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
         let bias = call.input_opt(2);
+        let z = match &g.z {
+            Some((strides, _)) => Some((call.input(3)?.handle(), strides)),
+            None => None,
+        };
+        // conv.cu's CV_BIAS, CV_Z, CV_RELU.
+        let flags = bias.is_some() as u32 | (z.is_some() as u32) << 1 | (g.relu as u32) << 2;
         let mut args = alloc::vec![
             t(x.handle()),
             t(call.input(1)?.handle()),
             t(bias.as_ref().map_or(x.handle(), |b| b.handle())),
+            t(z.map_or(x.handle(), |z| z.0)),
             t(y.handle()),
             KernelArg::U64(total),
             KernelArg::U64(g.in_ch as u64),
             KernelArg::U64(g.out_ch as u64),
             KernelArg::U64(g.group as u64),
-            KernelArg::U32(bias.is_some() as u32),
+            KernelArg::U32(flags),
         ];
+        // Z's strides over n, m and the three output slots (0 for the slots before the axes).
+        let zs = |i: usize| z.map_or(0, |(_, s)| s[i]);
+        args.extend([KernelArg::U64(zs(0)), KernelArg::U64(zs(1))]);
+        args.extend(
+            (0..GPU_MAX_SPATIAL)
+                .map(|i| KernelArg::U64(if i + k < GPU_MAX_SPATIAL { 0 } else { zs(2 + i + k - GPU_MAX_SPATIAL) })),
+        );
         // Spatial values right-aligned in three slots; `pad` before them. The padding before
         // goes as its two's complement (a ConvTranspose may start inside its output).
         let slots = |v: &[u64], pad: u64| -> Vec<KernelArg> {
