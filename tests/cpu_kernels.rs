@@ -263,3 +263,43 @@ fn fused_conv_add_relu_matches_the_unfused_graph_in_float64() {
         }
     }
 }
+
+#[test]
+fn a_weight_larger_than_a_shims_memory_multiplies_on_the_cpu() {
+    // y = x · W with W float32 [25000, 25000], 2.5 GB of external data: past the 2 GiB a shim's
+    // memory may hold, so only the host's gemm can multiply by it. The file is sparse: W is 0 but
+    // for W[k][j] = 1 at three places, so y[j] = x[k] there and 0 elsewhere.
+    let (k, n) = (25_000usize, 25_000usize);
+    let dir = tempfile::tempdir().unwrap();
+    let file = std::fs::File::create(dir.path().join("w.bin")).unwrap();
+    file.set_len((k * n * 4) as u64).unwrap();
+    let ones = [(7usize, 3usize), (24_999, 24_999), (12_345, 0)];
+    for &(r, c) in &ones {
+        std::os::unix::fs::FileExt::write_all_at(&file, &1f32.to_le_bytes(), ((r * n + c) * 4) as u64).unwrap();
+    }
+    drop(file);
+    let mut w =
+        onnx::TensorProto { name: "w".into(), data_type: F32, dims: vec![k as i64, n as i64], ..Default::default() };
+    w.data_location = protobuf::EnumOrUnknown::new(onnx::tensor_proto::DataLocation::EXTERNAL);
+    for (key, v) in [("location", "w.bin".to_string()), ("length", (k * n * 4).to_string())] {
+        w.external_data.push(onnx::StringStringEntryProto { key: key.into(), value: v, ..Default::default() });
+    }
+    let m = onnx::model(
+        vec![node("MatMul", &["x", "w"], &["y"], vec![])],
+        vec![value("x", F32, &[1, k as i64])],
+        vec![value("y", F32, &[1, n as i64])],
+        vec![w],
+    );
+    std::fs::write(dir.path().join("model.onnx"), onnx::bytes(&m)).unwrap();
+    let m = model::load(&dir.path().join("model.onnx")).unwrap();
+    // Unfused: the fusion that stores W transposed would copy it.
+    let options = SessionOptions { fuse: false, ..SessionOptions::default() };
+    let mut s = Session::new(builtin_runtime(), m, options).unwrap();
+    let x: Vec<f64> = (0..k).map(|i| (i % 13) as f64 - 6.0).collect();
+    let y = to_f64(&s.run(vec![("x".into(), tensor(F32, &[1, k], &x))]).unwrap()[0].1);
+    let mut want = vec![0.0; n];
+    for &(r, c) in &ones {
+        want[c] += x[r];
+    }
+    assert_eq!(y, want);
+}

@@ -93,13 +93,16 @@ pub(super) fn prepare(
         if !complete {
             continue;
         }
+        // Bytes inline only for the package's value inputs (ABI.md §5): a weight's never are
+        // (nor hashed into the inference memo's key).
         let infer_ins: Vec<Option<InferInput>> = ins
             .iter()
-            .map(|k| {
+            .enumerate()
+            .map(|(i, k)| {
                 k.as_ref().map(|k| InferInput {
                     dtype: k.dtype.unwrap_or(DType::F32),
                     shape: k.shape.clone().unwrap_or_default(),
-                    bytes: k.value.clone(),
+                    bytes: k.value.clone().filter(|_| res.entry.value_inputs.contains(&i)),
                 })
             })
             .collect();
