@@ -52,7 +52,6 @@ GROUPS = [
     (["TfIdfVectorizer", "TreeEnsemble", "ArrayFeatureExtractor", "Binarizer"],
      "stays unsupported: classical ML (ai.onnx.ml, text vectorizing) is outside what kiln runs"),
     (["Momentum", "Adagrad", "Adam"], "stays unsupported: training optimizers; kiln runs inference"),
-    (["OptionalHasElement", "OptionalGetElement"], "stays unsupported while kiln runs tensors only"),
 ]
 
 
@@ -80,10 +79,8 @@ def main():
         if m:
             by_type[TYPES.get(m.group(1), "code " + m.group(1))].append(t["name"])
             continue
-        if "sequence type" in r or "optional type" in r:
-            other["Sequence and optional values: stays unsupported while kiln runs tensors only"].append(t["name"])
-        elif "is a subgraph" in r:
-            other["Control flow (If, Loop, Scan: subgraph attributes are refused at load): " + NOT_BUILT].append(
+        if "a map type" in r or "sparse tensor type" in r:
+            other["Maps and sparse tensors: stay unsupported (kiln runs tensors, sequences and optionals)"].append(
                 t["name"])
         else:
             other[re.sub(r'node "[^"]+"', "the node", r.split(": unsupported: ")[-1])].append(t["name"])

@@ -42,6 +42,8 @@
 #   attn       decode attention variants (built-in, .gpu/variants/*): bench rows and ncu at context 3840
 #   longctx    ncu: time, DRAM throughput, occupancy and stalls of the decode attention kernels at
 #              batch 8, context 3840
+#   cpu        the fast CPU path beside onnxruntime's CPU provider at 16 threads and 1
+#              (scripts/bench-cpu.py: MatMul 1024³ and resnet50, made by scripts/make-big-models.py)
 # At most 8 files come back from the machine, so $OUT (or ./gpu-out) gets one log per phase
 # and the JSON in tar files; the last lines printed are a summary.
 set -uo pipefail
@@ -56,7 +58,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,memory.u
 models=/tmp/kiln-models
 m=$models/smollm2-arch-fp16-cuda
 needs_models=0
-for phase in $phases; do case "$phase" in quick | verify | floor | probe | bw) ;; *) needs_models=1 ;; esac; done
+for phase in $phases; do case "$phase" in quick | verify | floor | probe | bw | cpu) ;; *) needs_models=1 ;; esac; done
 if [ "$needs_models" = 1 ] && [ ! -f "$models/reference/smollm2-arch-ref.json" ]; then
   t0=$(date +%s)
   bash .gpu/device-fixtures/make-smollm2-arch.sh "$models" --results "$work/make" >"$work/make.log" 2>&1 ||
@@ -176,6 +178,13 @@ for w in glob.glob(".gpu/python/*.whl"):
         --graph off --runs 1 --new-tokens 8 --max-length 384 >"$work/ncu-b$b.csv" 2>"$work/ncu-b$b.err"
     done
     tar -C "$work" -cf "$out/ncu.tar" ncu-b1.csv ncu-b8.csv
+    ;;
+  cpu)
+    (cd scripts && python3 make-big-models.py "$work/big" resnet50) 2>&1 | tail -2
+    for t in 16 1; do
+      python3 scripts/bench-cpu.py --kiln "$KILN" --threads "$t" "$work/big/resnet50" 2>&1
+    done | tee "$out/cpu.log"
+    summary+=("cpu: $(grep -E '^\| (MatMul|resnet50)' "$out/cpu.log" | tr '\n' ' ')")
     ;;
   verify)
     # kiln-sampling's ops (ai.kiln) have no node tests: the device-sampling GPU test covers them.

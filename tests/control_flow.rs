@@ -1,9 +1,9 @@
-//! Control flow (issue 11, item 3): If, Loop and Scan run by the executor with a session per
-//! subgraph. Each result is checked against the same computation written out here in f64;
+//! Control flow (issue 11, item 3): If, Loop, Scan and SequenceMap run by the executor with a
+//! session per subgraph, and the sequence and optional values they carry. Each result is checked against the same computation written out here in f64;
 //! ONNX's own If, Loop and Scan node tests run in `conformance`.
 
 use kiln_host::ep::{Session, SessionOptions};
-use kiln_host::{model, Error, Tensor};
+use kiln_host::{model, Error, HostValue, Tensor};
 use kiln_kernel_abi::DType;
 use kiln_tests::onnx::{self, attr_graph, attr_int, attr_ints, graph, node, value};
 use kiln_tests::{builtin_runtime, f32_tensor, f32_values};
@@ -287,4 +287,103 @@ fn an_op_no_package_runs_inside_a_body_fails_the_model_at_load() {
     let err = session(&m, SessionOptions::default()).err().expect("unresolved");
     let msg = err.to_string();
     assert!(err.is_unsupported() && msg.contains("NoSuchOp") && msg.contains("else_branch"), "{msg}");
+}
+
+/// A Loop of `n` iterations carrying a sequence: each appends `x · i` (SequenceInsert at the
+/// end); then the sequence, its length, its element at `at`, and all of it concatenated.
+fn sequence_loop_model() -> onnx::ModelProto {
+    let body = graph(
+        "body",
+        vec![
+            node("Identity", &["cond_in"], &["cond_out"], vec![]),
+            node("Cast", &["i"], &["fi"], vec![attr_int("to", F32 as i64)]),
+            node("Mul", &["x", "fi"], &["xi"], vec![]),
+            node("SequenceInsert", &["seq_in", "xi"], &["seq_out"], vec![]),
+        ],
+        vec![value("i", I64, &[]), value("cond_in", BOOL, &[]), sequence_value("seq_in")],
+        vec![value("cond_out", BOOL, &[]), sequence_value("seq_out")],
+    );
+    onnx::model(
+        vec![
+            node("SequenceEmpty", &[], &["empty"], vec![attr_int("dtype", F32 as i64)]),
+            node("Loop", &["n", "", "empty"], &["seq"], vec![attr_graph("body", body)]),
+            node("SequenceLength", &["seq"], &["len"], vec![]),
+            node("SequenceAt", &["seq", "at"], &["one"], vec![]),
+            node("ConcatFromSequence", &["seq"], &["all"], vec![attr_int("axis", 0)]),
+        ],
+        vec![value("x", F32, &[2]), value("n", I64, &[]), value("at", I64, &[])],
+        vec![sequence_value("seq"), value("len", I64, &[]), value("one", F32, &[2]), value("all", F32, &[-1])],
+        vec![],
+    )
+}
+
+/// A graph value declared as a sequence of float32 tensors.
+fn sequence_value(name: &str) -> onnx::ValueInfoProto {
+    let elem = value("e", F32, &[2]).type_.unwrap();
+    onnx::ValueInfoProto {
+        name: name.into(),
+        type_: protobuf::MessageField::some(onnx::TypeProto {
+            value: Some(onnx::type_proto::Value::SequenceType(onnx::type_proto::Sequence {
+                elem_type: protobuf::MessageField::some(elem),
+                ..Default::default()
+            })),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn a_loop_carries_a_sequence_and_the_sequence_ops_read_it() {
+    let x = [1.5f32, -2.0];
+    let mut s = session(&sequence_loop_model(), SessionOptions::default()).unwrap();
+    for (n, at) in [(4i64, -1i64), (3, 0)] {
+        let feeds = vec![
+            ("x".to_string(), HostValue::Tensor(f32_tensor(&[2], &x))),
+            ("n".to_string(), HostValue::Tensor(i64_scalar(n))),
+            ("at".to_string(), HostValue::Tensor(i64_scalar(at))),
+        ];
+        let outs: Vec<HostValue> = s.run_values(feeds).unwrap().into_iter().map(|(_, v)| v).collect();
+        let step = |i: i64| x.map(|v| v * i as f32);
+        let HostValue::Sequence(seq) = &outs[0] else { panic!("{:?}", outs[0]) };
+        assert_eq!(seq.len(), n as usize);
+        for (i, t) in seq.iter().enumerate() {
+            assert_eq!(f32_values(t), step(i as i64).to_vec(), "element {i}");
+        }
+        let tensor = |v: &HostValue| match v {
+            HostValue::Tensor(t) => t.clone(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(tensor(&outs[1]).to_i64().unwrap(), vec![n]);
+        let at = if at < 0 { n + at } else { at };
+        assert_eq!(f32_values(&tensor(&outs[2])), step(at).to_vec());
+        let all: Vec<f32> = (0..n).flat_map(step).collect();
+        assert_eq!(f32_values(&tensor(&outs[3])), all);
+    }
+    // Session::run returns tensors only: the sequence output is refused, naming run_values.
+    let err =
+        s.run(vec![("x".into(), f32_tensor(&[2], &x)), ("n".into(), i64_scalar(2)), ("at".into(), i64_scalar(0))]);
+    let msg = err.unwrap_err().to_string();
+    assert!(msg.contains("\"seq\"") && msg.contains("run_values"), "{msg}");
+    // A position past the end names the node.
+    let feeds = vec![
+        ("x".to_string(), HostValue::Tensor(f32_tensor(&[2], &x))),
+        ("n".to_string(), HostValue::Tensor(i64_scalar(2))),
+        ("at".to_string(), HostValue::Tensor(i64_scalar(2))),
+    ];
+    let msg = s.run_values(feeds).unwrap_err().to_string();
+    assert!(msg.contains("SequenceAt") && msg.contains("position 2 is out of range"), "{msg}");
+}
+
+#[test]
+fn a_package_node_given_a_sequence_is_an_error_naming_it() {
+    let m = onnx::model(
+        vec![node("SplitToSequence", &["x"], &["seq"], vec![]), node("Relu", &["seq"], &["y"], vec![])],
+        vec![value("x", F32, &[3, 2])],
+        vec![value("y", F32, &[])],
+        vec![],
+    );
+    let mut s = session(&m, SessionOptions::default()).unwrap();
+    let msg = s.run(vec![("x".into(), f32_tensor(&[3, 2], &[1.0; 6]))]).unwrap_err().to_string();
+    assert!(msg.contains("Relu") && msg.contains("is a sequence") && msg.contains("packages take tensors"), "{msg}");
 }

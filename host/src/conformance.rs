@@ -11,9 +11,10 @@ use kiln_kernel_abi::DType;
 use serde::Serialize;
 
 use crate::ep::{Runtime, Session, SessionOptions};
+use crate::host_value::compare_values;
 use crate::model;
-use crate::tensorio::read_tensor_file;
-use crate::{Error, Result, Tensor};
+use crate::tensorio::read_value_file;
+use crate::{Error, HostValue, Result, Tensor};
 
 /// ONNX's default tolerances.
 pub const RTOL: f64 = 1e-3;
@@ -128,25 +129,30 @@ fn run_data_sets(s: &mut Session, dir: &Path) -> Result<Option<String>> {
         .filter(|p| p.is_dir() && p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("test_data_set_")))
         .collect();
     sets.sort();
+    let g = &s.model().graph;
+    let kinds = |ids: &[crate::model::ValueId]| ids.iter().map(|&v| g.kind(v)).collect::<Vec<_>>();
+    let (input_kinds, output_kinds) = (kinds(&g.inputs), kinds(&g.outputs));
     let inputs = s.input_names();
     for set in sets {
-        let files = |prefix: &str| -> Result<Vec<Tensor>> {
+        // Each file read as the model declares its value: a tensor, a sequence, an optional.
+        let files = |prefix: &str, kinds: &[crate::model::Kind]| -> Result<Vec<HostValue>> {
             let mut k = 0;
             let mut out = Vec::new();
             while let Ok(true) = set.join(format!("{prefix}_{k}.pb")).try_exists() {
-                out.push(read_tensor_file(&set.join(format!("{prefix}_{k}.pb")))?.0);
+                let kind = kinds.get(k).cloned().unwrap_or_default();
+                out.push(read_value_file(&set.join(format!("{prefix}_{k}.pb")), &kind)?);
                 k += 1;
             }
             Ok(out)
         };
-        let feeds: Vec<(String, Tensor)> = inputs.iter().cloned().zip(files("input")?).collect();
-        let expected = files("output")?;
-        let actual = s.run(feeds)?;
+        let feeds: Vec<(String, HostValue)> = inputs.iter().cloned().zip(files("input", &input_kinds)?).collect();
+        let expected = files("output", &output_kinds)?;
+        let actual = s.run_values(feeds)?;
         if actual.len() != expected.len() {
             return Ok(Some(format!("{} outputs, {} expected", actual.len(), expected.len())));
         }
         for ((name, a), e) in actual.iter().zip(&expected) {
-            if let Some(msg) = compare(a, e, RTOL, ATOL) {
+            if let Some(msg) = compare_values(a, e, RTOL, ATOL) {
                 return Ok(Some(format!(
                     "{}: output {name:?}: {msg}",
                     set.file_name().unwrap_or_default().to_string_lossy()

@@ -16,6 +16,7 @@ pub mod ep;
 pub mod error;
 pub mod fuse;
 pub mod genai;
+pub mod host_value;
 pub mod model;
 pub mod native_cache;
 pub mod packages;
@@ -26,4 +27,5 @@ pub mod tensorio;
 pub mod trace;
 
 pub use error::{Error, Result};
+pub use host_value::HostValue;
 pub use tensor::Tensor;

@@ -1,5 +1,6 @@
 //! Tensor files: NumPy `.npy` (read and write) and ONNX `TensorProto` `.pb` (read), as the
-//! CLI takes inputs and ONNX's test data stores them.
+//! CLI takes inputs and ONNX's test data stores them; and ONNX's `SequenceProto` and
+//! `OptionalProto` `.pb` values (read).
 
 use std::io::Write;
 use std::path::Path;
@@ -8,8 +9,8 @@ use bytes::Bytes;
 use kiln_kernel_abi::DType;
 use onnx_protobuf::{Message, TensorProto};
 
-use crate::model::{tensor_from_proto, ExternalData};
-use crate::{Error, Tensor};
+use crate::model::{tensor_from_proto, ExternalData, Kind};
+use crate::{Error, HostValue, Tensor};
 
 /// Reads a `.npy` (C order) or a `.pb` (`TensorProto`) file, by extension; returns the
 /// tensor and, for `.pb`, the name stored in it (may be empty).
@@ -35,6 +36,75 @@ pub fn read_pb(bytes: &[u8]) -> Result<(Tensor, String), Error> {
             other => other,
         })?;
     Ok((tensor, t.name.clone()))
+}
+
+/// Reads a `.pb` file holding a value of `kind`: a `TensorProto`, or ONNX's `SequenceProto`
+/// (of tensors) or `OptionalProto` (onnx-data.proto), as ONNX's test data stores them.
+pub fn read_value_file(path: &Path, kind: &Kind) -> Result<HostValue, Error> {
+    let bytes = std::fs::read(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+    read_value_pb(&bytes, kind).map_err(|e| e.context(&format!("{}: ", path.display())))
+}
+
+/// Parses a serialized value of `kind` (see [`read_value_file`]).
+pub fn read_value_pb(bytes: &[u8], kind: &Kind) -> Result<HostValue, Error> {
+    match kind {
+        Kind::Tensor => Ok(HostValue::Tensor(read_pb(bytes)?.0)),
+        Kind::Sequence => read_sequence(bytes).map(HostValue::Sequence),
+        Kind::Optional(_) => read_optional(bytes),
+    }
+}
+
+/// One field of a message: its number, and its bytes when length-delimited (`None` for other
+/// wire types, whose values are skipped).
+type Field = (u32, Option<Vec<u8>>);
+
+/// The fields of a message, in order.
+fn fields(bytes: &[u8], what: &str) -> Result<Vec<Field>, Error> {
+    use protobuf::rt::WireType;
+    let bad = |e: protobuf::Error| Error::Input(format!("not a {what}: {e}"));
+    let mut is = protobuf::CodedInputStream::from_bytes(bytes);
+    let mut out = Vec::new();
+    while let Some(tag) = is.read_raw_tag_or_eof().map_err(bad)? {
+        let (field, wire) = (tag >> 3, WireType::new(tag & 7));
+        match wire {
+            Some(WireType::LengthDelimited) => out.push((field, Some(is.read_bytes().map_err(bad)?))),
+            Some(w) => {
+                is.skip_field(w).map_err(bad)?;
+                out.push((field, None));
+            }
+            None => return Err(Error::Input(format!("not a {what}: wire type {}", tag & 7))),
+        }
+    }
+    Ok(out)
+}
+
+/// A `SequenceProto` of tensors (field 3, `tensor_values`).
+fn read_sequence(bytes: &[u8]) -> Result<Vec<Tensor>, Error> {
+    let mut seq = Vec::new();
+    for (field, data) in fields(bytes, "SequenceProto")? {
+        match (field, data) {
+            (3, Some(t)) => seq.push(read_pb(&t)?.0),
+            (4..=7, _) => {
+                return Err(Error::Unsupported("a sequence of sparse tensors, sequences, maps or optionals".into()))
+            }
+            _ => {}
+        }
+    }
+    Ok(seq)
+}
+
+/// An `OptionalProto`: a tensor (field 3), a sequence (field 5), or neither (empty).
+fn read_optional(bytes: &[u8]) -> Result<HostValue, Error> {
+    let mut value = None;
+    for (field, data) in fields(bytes, "OptionalProto")? {
+        match (field, data) {
+            (3, Some(t)) => value = Some(HostValue::Tensor(read_pb(&t)?.0)),
+            (5, Some(s)) => value = Some(HostValue::Sequence(read_sequence(&s)?)),
+            (4 | 6 | 7, _) => return Err(Error::Unsupported("an optional of a sparse tensor, map or optional".into())),
+            _ => {}
+        }
+    }
+    Ok(HostValue::Optional(value.map(Box::new)))
 }
 
 fn npy_dtype(descr: &str) -> Option<DType> {

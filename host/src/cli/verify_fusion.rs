@@ -62,7 +62,11 @@ fn pattern_model(f: &Fusion, dtype: DType, seed: u64) -> Result<Model> {
     for v in f.pattern_inputs() {
         let shape = &f.verify[v];
         let i = id(&mut g, v);
-        g.values[i].ty = Some(ValueType { dtype, dims: Some(shape.iter().map(|&d| Dim::Known(d)).collect()) });
+        g.values[i].ty = Some(ValueType {
+            dtype,
+            dims: Some(shape.iter().map(|&d| Dim::Known(d)).collect()),
+            kind: Default::default(),
+        });
         if f.constant.iter().any(|c| c == v) {
             g.initializers.insert(i, random_tensor(&mut rng, dtype, shape, ValueDomain::Any)?);
         } else {

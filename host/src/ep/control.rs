@@ -1,4 +1,4 @@
-//! Control flow: ONNX If, Loop and Scan, run by the executor rather than by a kernel package,
+//! Control flow: ONNX If, Loop, Scan and SequenceMap, run by the executor rather than by a kernel package,
 //! as onnxruntime runs them. Each subgraph is a [`Session`] of its own on the session's device,
 //! made with it (an op no package runs inside a body fails the model at load, not mid-loop).
 //! A control-flow node feeds a body host tensors: its formal inputs, then the outer-scope
@@ -19,7 +19,8 @@ use crate::model::{AttrValue, Dim, Model, Node, Subgraph};
 use crate::trace::Report;
 use crate::{Error, Result, Tensor};
 
-use super::{Runtime, Session, SessionOptions};
+use super::host_tensor::{slice_axis, stack};
+use super::{HostValue, Runtime, Session, SessionOptions};
 
 /// What runs a control-flow node, where a package's id would be (reports, `kiln inspect`).
 pub const CONTROL_FLOW: &str = "kiln (executor)";
@@ -35,25 +36,37 @@ impl Body {
     /// name); returns its outputs in order. Its report's counts move to `report`.
     fn run(
         &mut self,
-        formal: Vec<Tensor>,
-        outer: &HashMap<String, Tensor>,
+        formal: Vec<HostValue>,
+        outer: &HashMap<String, HostValue>,
         report: &mut Report,
-    ) -> Result<Vec<Tensor>> {
+    ) -> Result<Vec<HostValue>> {
         let g = &self.sub.graph;
         let mut feeds = Vec::with_capacity(g.inputs.len());
-        for (&id, t) in g.inputs.iter().zip(formal) {
-            feeds.push((g.values[id].name.clone(), t));
+        for (&id, v) in g.inputs.iter().zip(formal) {
+            feeds.push((g.values[id].name.clone(), v));
         }
         for &id in self.sub.captures() {
             let name = &g.values[id].name;
-            let t =
+            let v =
                 outer.get(name).ok_or_else(|| Error::Model(format!("the body reads {name:?}, which was not fed")))?;
-            feeds.push((name.clone(), t.clone()));
+            feeds.push((name.clone(), v.clone()));
         }
-        let outs = self.session.run(feeds);
+        let outs = self.session.run_values(feeds);
         report.absorb(std::mem::take(&mut self.session.report));
         report.control_flow.subgraph_runs += 1;
-        Ok(outs?.into_iter().map(|(_, t)| t).collect())
+        Ok(outs?.into_iter().map(|(_, v)| v).collect())
+    }
+
+    /// Runs the body on tensors and returns tensors (Scan's bodies). Errors: a sequence or
+    /// optional output.
+    fn run_tensors(
+        &mut self,
+        formal: Vec<Tensor>,
+        outer: &HashMap<String, HostValue>,
+        report: &mut Report,
+    ) -> Result<Vec<Tensor>> {
+        let outs = self.run(formal.into_iter().map(HostValue::Tensor).collect(), outer, report)?;
+        outs.into_iter().enumerate().map(|(i, v)| v.into_tensor(&format!("the body's output {i}"))).collect()
     }
 
     /// The declared dtype and shape of output `k`, when fully known.
@@ -99,10 +112,10 @@ impl ControlFlow {
         &mut self,
         node: &Node,
         graph: &crate::model::Graph,
-        inputs: Vec<Option<Tensor>>,
+        inputs: Vec<Option<HostValue>>,
         limit: u64,
         report: &mut Report,
-    ) -> Result<Vec<Option<Tensor>>> {
+    ) -> Result<Vec<Option<HostValue>>> {
         let explicit = node.inputs.len() - node.implicit_inputs;
         let mut outer = HashMap::new();
         for (id, t) in node.inputs[explicit..].iter().zip(&inputs[explicit..]) {
@@ -113,11 +126,19 @@ impl ControlFlow {
         let mut args = inputs;
         args.truncate(explicit);
         let ctx = Ctx { node, outer: &outer, limit };
+        let tensors = |args: Vec<Option<HostValue>>| -> Result<Vec<Option<Tensor>>> {
+            args.into_iter()
+                .enumerate()
+                .map(|(i, v)| v.map(|v| v.into_tensor(&format!("input {i}"))).transpose())
+                .collect()
+        };
+        let as_values = |ts: Vec<Tensor>| ts.into_iter().map(HostValue::Tensor).collect::<Vec<_>>();
         let outs = match node.op_type.as_str() {
             "If" => self.run_if(&ctx, args, report),
             "Loop" => self.run_loop(&ctx, args, report),
-            _ if self.opset < 9 => self.run_scan8(&ctx, args, report),
-            _ => self.run_scan(&ctx, args, report),
+            "SequenceMap" => self.run_sequence_map(&ctx, args, report),
+            _ if self.opset < 9 => tensors(args).and_then(|a| self.run_scan8(&ctx, a, report)).map(as_values),
+            _ => tensors(args).and_then(|a| self.run_scan(&ctx, a, report)).map(as_values),
         }
         .map_err(|e| at_node(e, node, None))?;
         if outs.len() != node.outputs.len() {
@@ -137,26 +158,29 @@ impl ControlFlow {
     }
 
     /// If: the branch the condition picks, its outputs.
-    fn run_if(&mut self, ctx: &Ctx<'_>, args: Vec<Option<Tensor>>, report: &mut Report) -> Result<Vec<Tensor>> {
-        let cond = truth(args.first().and_then(Option::as_ref), "cond")?;
+    fn run_if(&mut self, ctx: &Ctx<'_>, args: Vec<Option<HostValue>>, report: &mut Report) -> Result<Vec<HostValue>> {
+        let cond = match args.into_iter().next().flatten() {
+            Some(v) => truth(Some(&v.into_tensor("cond")?), "cond")?,
+            None => truth(None, "cond")?,
+        };
         let branch = if cond { "then_branch" } else { "else_branch" };
         self.body(branch)?.run(Vec::new(), ctx.outer, report)
     }
 
     /// Loop (opset 1 and later): `M` and `cond` optional, then the loop-carried values; outputs
     /// the final carried values, then each scan output stacked along a new first axis.
-    fn run_loop(&mut self, ctx: &Ctx<'_>, args: Vec<Option<Tensor>>, report: &mut Report) -> Result<Vec<Tensor>> {
+    fn run_loop(&mut self, ctx: &Ctx<'_>, args: Vec<Option<HostValue>>, report: &mut Report) -> Result<Vec<HostValue>> {
         let mut args = args.into_iter();
         let trip_count = match args.next().flatten() {
-            Some(t) => Some(scalar_i64(&t, "M (the trip count)")?),
+            Some(t) => Some(scalar_i64(&t.into_tensor("M")?, "M (the trip count)")?),
             None => None,
         };
-        let cond_given = args.next().flatten();
+        let cond_given = args.next().flatten().map(|c| c.into_tensor("cond")).transpose()?;
         let mut cond = match &cond_given {
             Some(t) => truth(Some(t), "cond")?,
             None => true,
         };
-        let mut carried: Vec<Tensor> = args
+        let mut carried: Vec<HostValue> = args
             .enumerate()
             .map(|(i, t)| t.ok_or_else(|| Error::Model(format!("loop-carried input {i} is left out"))))
             .collect::<Result<_>>()?;
@@ -179,7 +203,10 @@ impl ControlFlow {
         let mut i: i64 = 0;
         while cond && trip_count.is_none_or(|m| i < m) {
             ctx.check_limit(i as u64)?;
-            let mut formal = vec![scalar(DType::I64, &i.to_le_bytes()), scalar(DType::Bool, &[cond as u8])];
+            let mut formal = vec![
+                HostValue::Tensor(scalar(DType::I64, &i.to_le_bytes())),
+                HostValue::Tensor(scalar(DType::Bool, &[cond as u8])),
+            ];
             formal.append(&mut carried);
             let mut outs = body.run(formal, ctx.outer, report)?.into_iter();
             if outs.len() != 1 + n + k {
@@ -191,23 +218,73 @@ impl ControlFlow {
             }
             let cond_out = outs.next();
             if cond_given.is_some() {
-                cond = truth(cond_out.as_ref(), "the body's condition output")?;
+                let c = cond_out.map(|c| c.into_tensor("the body's condition output")).transpose()?;
+                cond = truth(c.as_ref(), "the body's condition output")?;
             }
             carried = outs.by_ref().take(n).collect();
-            for (s, t) in scans.iter_mut().zip(outs) {
-                s.push(t);
+            for (j, (s, v)) in scans.iter_mut().zip(outs).enumerate() {
+                s.push(v.into_tensor(&format!("scan output {j}"))?);
             }
             i += 1;
         }
         report.control_flow.iterations += i as u64;
         let mut outs = carried;
         for (j, parts) in scans.into_iter().enumerate() {
-            outs.push(match parts.is_empty() {
+            outs.push(HostValue::Tensor(match parts.is_empty() {
                 false => stack(&parts, 0, false)?,
                 true => empty_scan(body, 1 + n + j, 0)?,
-            });
+            }));
         }
         Ok(outs)
+    }
+
+    /// SequenceMap-17: the body once per position of the input sequences (each gives its
+    /// element there; a tensor among `additional_inputs` is given whole every time); each output
+    /// is the sequence of the body's outputs.
+    fn run_sequence_map(
+        &mut self,
+        ctx: &Ctx<'_>,
+        args: Vec<Option<HostValue>>,
+        report: &mut Report,
+    ) -> Result<Vec<HostValue>> {
+        let args: Vec<HostValue> = args
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| v.ok_or_else(|| Error::Model(format!("input {i} is left out"))))
+            .collect::<Result<_>>()?;
+        let len = match args.first() {
+            Some(HostValue::Sequence(s)) => s.len(),
+            _ => return Err(Error::Input("input_sequence must be a sequence".into())),
+        };
+        if let Some(odd) = args.iter().find_map(|a| match a {
+            HostValue::Sequence(s) if s.len() != len => Some(s.len()),
+            _ => None,
+        }) {
+            return Err(Error::Input(format!("the input sequences' lengths differ: {len} and {odd}")));
+        }
+        let k = ctx.node.outputs.len();
+        let body = self.body("body")?;
+        let mut outs: Vec<Vec<Tensor>> = vec![Vec::with_capacity(len); k];
+        for i in 0..len {
+            ctx.check_limit(i as u64)?;
+            let formal = args
+                .iter()
+                .map(|a| match a {
+                    HostValue::Sequence(s) => Ok(HostValue::Tensor(s[i].clone())),
+                    HostValue::Tensor(t) => Ok(HostValue::Tensor(t.clone())),
+                    HostValue::Optional(_) => Err(Error::Input("SequenceMap takes sequences and tensors".into())),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let got = body.run(formal, ctx.outer, report)?;
+            if got.len() != k {
+                return Err(Error::Model(format!("the body gives {} outputs; the node has {k}", got.len())));
+            }
+            for (j, (o, v)) in outs.iter_mut().zip(got).enumerate() {
+                o.push(v.into_tensor(&format!("the body's output {j}"))?);
+            }
+        }
+        report.control_flow.iterations += len as u64;
+        Ok(outs.into_iter().map(HostValue::Sequence).collect())
     }
 
     /// Scan (opset 9 and later): state variables, then `num_scan_inputs` scan inputs sliced along
@@ -305,7 +382,7 @@ impl ControlFlow {
 /// What a control-flow node's run knows: the node, its captured values, the iteration limit.
 struct Ctx<'a> {
     node: &'a Node,
-    outer: &'a HashMap<String, Tensor>,
+    outer: &'a HashMap<String, HostValue>,
     limit: u64,
 }
 
@@ -402,7 +479,7 @@ fn scan_loop(
         for ((x, &axis), &dir) in xs.iter().zip(axes).zip(dirs) {
             formal.push(slice_axis(x, axis, if dir == 1 { len - 1 - t } else { t })?);
         }
-        let outs = body.run(formal, ctx.outer, report)?;
+        let outs = body.run_tensors(formal, ctx.outer, report)?;
         if outs.len() != n + k {
             return Err(Error::Model(format!(
                 "the body gives {} outputs; a Scan with {n} state variables and {k} scan outputs needs {}",
@@ -457,46 +534,6 @@ fn to_i64_any(t: &Tensor) -> Result<Vec<i64>> {
 /// A rank-0 tensor of `dtype` holding `bytes`.
 fn scalar(dtype: DType, bytes: &[u8]) -> Tensor {
     Tensor { dtype, shape: Vec::new(), data: bytes::Bytes::copy_from_slice(bytes) }
-}
-
-/// Entry `i` of `t` along `axis`, that axis removed.
-fn slice_axis(t: &Tensor, axis: usize, i: usize) -> Result<Tensor> {
-    let size = t.dtype.size().ok_or_else(|| Error::Unsupported(format!("slicing {} tensors", t.dtype)))?;
-    let len = t.shape[axis];
-    let outer: usize = t.shape[..axis].iter().product();
-    let inner: usize = t.shape[axis + 1..].iter().product::<usize>() * size;
-    let mut data = Vec::with_capacity(outer * inner);
-    for o in 0..outer {
-        let start = (o * len + i) * inner;
-        data.extend_from_slice(&t.data[start..start + inner]);
-    }
-    let mut shape = t.shape.clone();
-    shape.remove(axis);
-    Tensor::new(t.dtype, shape, data.into())
-}
-
-/// `parts` (one dtype and shape) stacked along a new `axis`, last first when `reverse`.
-fn stack(parts: &[Tensor], axis: usize, reverse: bool) -> Result<Tensor> {
-    let Some(first) = parts.first() else { return Err(Error::Model("nothing to stack".into())) };
-    if let Some(odd) = parts.iter().find(|p| p.dtype != first.dtype || p.shape != first.shape) {
-        return Err(Error::Input(format!(
-            "a scan output changes type between iterations: {} {:?}, then {} {:?}",
-            first.dtype, first.shape, odd.dtype, odd.shape
-        )));
-    }
-    let size = first.dtype.size().ok_or_else(|| Error::Unsupported(format!("stacking {} tensors", first.dtype)))?;
-    let outer: usize = first.shape[..axis].iter().product();
-    let inner: usize = first.shape[axis..].iter().product::<usize>() * size;
-    let mut data = Vec::with_capacity(outer * inner * parts.len());
-    for o in 0..outer {
-        for j in 0..parts.len() {
-            let p = &parts[if reverse { parts.len() - 1 - j } else { j }];
-            data.extend_from_slice(&p.data[o * inner..(o + 1) * inner]);
-        }
-    }
-    let mut shape = first.shape.clone();
-    shape.insert(axis, parts.len());
-    Tensor::new(first.dtype, shape, data.into())
 }
 
 /// A scan output of zero iterations: the body's declared type with a 0 inserted at `axis`.

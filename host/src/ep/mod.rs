@@ -7,10 +7,12 @@
 mod backend;
 mod binding;
 mod control;
+mod host_tensor;
 mod infer;
 mod pages;
 mod plan;
 mod prepare;
+mod sequence;
 mod session;
 mod shims;
 mod value;
@@ -24,6 +26,7 @@ use crate::sandbox::{Sandbox, SandboxConfig, ShimModule};
 use crate::Result;
 
 pub use crate::capture::GraphMode;
+pub use crate::HostValue;
 pub use binding::{DeviceTensor, Feed, Fetch, Fetched, PendingRead};
 pub use control::CONTROL_FLOW;
 pub use pages::{KvPages, PageGeometry, PAGE_POSITIONS};

@@ -27,7 +27,7 @@ fn known_values(model: &Model) -> Vec<Known> {
     let g = &model.graph;
     let mut known = vec![Known::default(); g.values.len()];
     for (id, v) in g.values.iter().enumerate() {
-        if let Some(ty) = &v.ty {
+        if let Some(ty) = v.ty.as_ref().filter(|t| t.kind == crate::model::Kind::Tensor) {
             known[id].dtype = Some(ty.dtype);
             known[id].shape = ty
                 .dims
@@ -57,8 +57,9 @@ pub(super) fn prepare(
     for idx in 0..model.graph.nodes.len() {
         let node = model.graph.nodes[idx].clone();
         folded.push(false);
-        if node.is_control_flow() {
-            // Run by the executor (`control`), its bodies prepared with their own sessions.
+        if node.is_control_flow() || super::sequence::is_sequence_op(&node) {
+            // Run by the executor (`control`, its bodies prepared with their own sessions, and
+            // `sequence`).
             continue;
         }
         let ins: Vec<Option<Known>> = node.inputs.iter().map(|i| i.map(|v| known[v].clone())).collect();

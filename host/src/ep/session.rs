@@ -30,7 +30,7 @@ use super::infer::{infer_key, Call, InferInput, InferKey, NodeTypes, OutputTypes
 use super::plan::{Bindings, ExecutionPlan, RecIn, RecOut, Recorder};
 use super::shims::{node_call, opset_of, tensor_arg, Shims};
 use super::value::Value;
-use super::{Device, Runtime};
+use super::{Device, HostValue, Runtime};
 
 /// Options of a session.
 #[derive(Clone, Debug)]
@@ -152,8 +152,13 @@ pub struct Session {
     resident_buffers: Vec<DevBuffer>,
     /// Nodes computed once at preparation (constant folding).
     folded: Vec<bool>,
-    /// Per node, its bodies' sessions when it is control flow (If, Loop, Scan).
+    /// Per node, its bodies' sessions when it is control flow (If, Loop, Scan, SequenceMap).
     control: Vec<Option<Box<ControlFlow>>>,
+    /// During a run: the sequences and optionals (fed, or made by the executor's nodes); tensors
+    /// are in the run's value table.
+    non_tensors: HashMap<ValueId, HostValue>,
+    /// The sequences and optionals `run_values` feeds the run it starts.
+    fed_non_tensors: HashMap<ValueId, HostValue>,
     /// Largest tensor a node may produce, in bytes.
     max_tensor_bytes: u64,
     /// For each value, the index of the last node that reads it (graph outputs: never freed).
@@ -302,6 +307,8 @@ impl Session {
         }
         let mut s = Session {
             control,
+            non_tensors: HashMap::new(),
+            fed_non_tensors: HashMap::new(),
             model,
             options,
             shims,
@@ -363,8 +370,66 @@ impl Session {
     /// Runs the graph on `feeds` (graph input name → tensor) and returns the graph outputs
     /// in order, on the host. Every graph input must be fed (initializers listed as inputs may be).
     pub fn run(&mut self, feeds: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
-        let feeds = feeds.into_iter().map(|(n, t)| (n, Feed::Host(t))).collect();
-        self.run_with(feeds, &[])?.into_iter().map(|(n, f)| Ok((n, f.into_host()?))).collect()
+        let feeds = feeds.into_iter().map(|(n, t)| (n, HostValue::Tensor(t))).collect();
+        self.run_values(feeds)?
+            .into_iter()
+            .map(|(n, v)| {
+                let t = v.into_tensor(&format!("output {n:?}")).map_err(|e| {
+                    Error::Unsupported(format!("{e}: Session::run returns tensors, run_values any value"))
+                })?;
+                Ok((n, t))
+            })
+            .collect()
+    }
+
+    /// Runs the graph on host values, sequences and optionals included (graph input name →
+    /// value); returns every graph output in order. Errors: those of [`Session::run_with`], and
+    /// a value whose kind (tensor, sequence, optional) is not the input's declared one.
+    pub fn run_values(&mut self, feeds: Vec<(String, HostValue)>) -> Result<Vec<(String, HostValue)>> {
+        let mut tensors = Vec::with_capacity(feeds.len());
+        let mut others = HashMap::new();
+        for (name, v) in feeds {
+            match v {
+                HostValue::Tensor(t) => tensors.push((name, Feed::Host(t))),
+                other => {
+                    let g = &self.model.graph;
+                    let id = g
+                        .value_id(&name)
+                        .filter(|id| g.inputs.contains(id))
+                        .ok_or_else(|| Error::Input(format!("the model has no input {name:?}")))?;
+                    // An undeclared input (a body's outer-scope value) takes any kind.
+                    if let Some(declared) = g.values[id].ty.as_ref().map(|t| &t.kind) {
+                        if !other.fits(declared) {
+                            return Err(Error::Input(format!(
+                                "input {name:?} is declared {declared}; it was fed {}",
+                                other.kind()
+                            )));
+                        }
+                    }
+                    others.insert(id, other);
+                }
+            }
+        }
+        self.fed_non_tensors = others;
+        let mut outs: HashMap<String, Tensor> = HashMap::new();
+        for (n, f) in self.run_with(tensors, &[])? {
+            outs.insert(n, f.into_host()?);
+        }
+        let g = &self.model.graph;
+        let mut result = Vec::with_capacity(g.outputs.len());
+        for &o in &g.outputs {
+            let name = g.values[o].name.clone();
+            let v = match self.non_tensors.remove(&o) {
+                Some(v) => v,
+                None => HostValue::Tensor(
+                    outs.remove(&name)
+                        .ok_or_else(|| Error::Model(format!("graph output {name:?} was not computed")))?,
+                ),
+            };
+            result.push((name, v));
+        }
+        self.non_tensors.clear();
+        Ok(result)
     }
 
     /// Runs the graph with bound inputs and outputs (see [`Feed`] and [`Fetch`]): `feeds` gives
@@ -390,6 +455,7 @@ impl Session {
         }
         let wanted: Vec<bool> = g.outputs.iter().map(|o| !matches!(fetch_of.get(o), Some(Fetch::Skip))).collect();
         self.live = self.live_set(wanted);
+        self.non_tensors = std::mem::take(&mut self.fed_non_tensors);
         let mut values: Vec<Option<Value>> = (0..self.model.graph.values.len()).map(|_| None).collect();
         for (name, feed) in feeds {
             let g = &self.model.graph;
@@ -405,7 +471,11 @@ impl Session {
             values[id] = Some(v);
         }
         let g = &self.model.graph;
-        if let Some(missing) = g.inputs.iter().find(|i| values[**i].is_none() && self.live.values[**i]) {
+        if let Some(missing) = g
+            .inputs
+            .iter()
+            .find(|i| values[**i].is_none() && !self.non_tensors.contains_key(i) && self.live.values[**i])
+        {
             return Err(Error::Input(format!("input {:?} was not given", g.values[*missing].name)));
         }
         self.bound.clear();
@@ -456,6 +526,10 @@ impl Session {
                     continue;
                 }
                 let name = self.model.graph.values[o].name.clone();
+                if self.non_tensors.contains_key(&o) {
+                    // A sequence or optional: `run_values` returns it.
+                    continue;
+                }
                 let Some(v) = values[o].take().or_else(|| self.resident(o)) else {
                     failed = Some(Error::Model(format!("graph output {name:?} was not computed")));
                     break;
@@ -680,8 +754,8 @@ impl Session {
             }
             self.current_node = idx;
             let t0 = Instant::now();
-            if self.control[idx].is_some() {
-                self.run_control_flow(idx, values)?;
+            if self.runs_on_executor(idx) {
+                self.run_on_executor(idx, values)?;
                 self.report.record_node(&self.model.graph.nodes[idx].op_type, super::CONTROL_FLOW, t0.elapsed());
                 self.release_dead(idx, values);
                 continue;
@@ -715,14 +789,23 @@ impl Session {
         }
     }
 
-    /// Runs control-flow node `idx` (see `control`): its inputs on the host (a GPU's downloaded:
-    /// a seam), its bodies' sessions, its outputs as host values (uploaded when a GPU node
+    /// Whether node `idx` runs on the executor rather than a package: control flow, a sequence
+    /// or optional op, or a node reading a sequence or optional (Identity passes one through;
+    /// any other such node fails there, naming it).
+    fn runs_on_executor(&self, idx: usize) -> bool {
+        let node = &self.model.graph.nodes[idx];
+        self.control[idx].is_some()
+            || super::sequence::is_sequence_op(node)
+            || node.inputs.iter().flatten().any(|v| self.non_tensors.contains_key(v))
+    }
+
+    /// Runs node `idx` on the executor (see `control` and `sequence`): its inputs on the host (a
+    /// GPU's downloaded: a seam), its outputs as host values (tensors uploaded when a GPU node
     /// reads them). In a plan's dry run it is a seam.
-    fn run_control_flow(&mut self, idx: usize, values: &mut [Option<Value>]) -> Result<()> {
+    fn run_on_executor(&mut self, idx: usize, values: &mut [Option<Value>]) -> Result<()> {
         let node = self.model.graph.nodes[idx].clone();
         if let Some(rec) = self.recorder.as_mut() {
-            let why =
-                format!("node {:?} ({}) is control flow, run by the executor on host values", node.name, node.op_type);
+            let why = format!("node {:?} ({}) runs on the executor, on host values", node.name, node.op_type);
             rec.seam(why.clone());
             return Err(Error::Unsupported(why));
         }
@@ -732,6 +815,10 @@ impl Session {
                 inputs.push(None);
                 continue;
             };
+            if let Some(other) = self.non_tensors.get(v) {
+                inputs.push(Some(other.clone()));
+                continue;
+            }
             let val = match values[*v].as_ref() {
                 Some(val) => val.clone_ref(),
                 None => self.resident(*v).ok_or_else(|| {
@@ -744,16 +831,38 @@ impl Session {
             if val.host_bytes().is_none() {
                 self.report.control_flow.host_reads += 1;
             }
-            inputs.push(Some(self.host_tensor(&val)?));
+            inputs.push(Some(HostValue::Tensor(self.host_tensor(&val)?)));
         }
-        let mut cf = self.control[idx]
-            .take()
-            .ok_or_else(|| Error::Model(format!("node {:?} is not control flow", node.name)))?;
-        let outs = cf.run(&node, &self.model.graph, inputs, self.options.max_loop_iterations, &mut self.report);
-        self.control[idx] = Some(cf);
-        for (o, t) in node.outputs.iter().zip(outs?) {
-            if let (Some(id), Some(t)) = (o, t) {
-                values[*id] = Some(Value::Host(t));
+        let outs = if self.control[idx].is_some() {
+            let mut cf = self.control[idx]
+                .take()
+                .ok_or_else(|| Error::Model(format!("node {:?} lost its bodies", node.name)))?;
+            let outs = cf.run(&node, &self.model.graph, inputs, self.options.max_loop_iterations, &mut self.report);
+            self.control[idx] = Some(cf);
+            outs?
+        } else if super::sequence::is_sequence_op(&node) {
+            super::sequence::run(&node, inputs)?
+        } else if node.domain.is_empty() && node.op_type == "Identity" {
+            inputs
+        } else {
+            let (i, kind) = inputs
+                .iter()
+                .enumerate()
+                .find_map(|(i, v)| v.as_ref().filter(|v| !matches!(v, HostValue::Tensor(_))).map(|v| (i, v.kind())))
+                .unwrap_or((0, crate::model::Kind::Tensor));
+            return Err(Error::Unsupported(format!(
+                "node {:?} ({}): input {i} is a {kind}; packages take tensors (only the executor's ops, If, Loop, \
+                 SequenceMap and Identity take sequences and optionals)",
+                node.name, node.op_type
+            )));
+        };
+        for (o, v) in node.outputs.iter().zip(outs) {
+            match (o, v) {
+                (Some(id), Some(HostValue::Tensor(t))) => values[*id] = Some(Value::Host(t)),
+                (Some(id), Some(other)) => {
+                    self.non_tensors.insert(*id, other);
+                }
+                _ => {}
             }
         }
         Ok(())
@@ -1703,6 +1812,11 @@ fn caps_of(g: &Gpu) -> kiln_registry::DeviceCaps {
 /// Checks a fed value against the input's declared dtype and shape.
 fn check_input(model: &Model, id: ValueId, name: &str, dtype: DType, shape: &[usize]) -> Result<()> {
     let Some(ty) = &model.graph.values[id].ty else { return Ok(()) };
+    if !matches!(&ty.kind, crate::model::Kind::Tensor)
+        && ty.kind != crate::model::Kind::Optional(Box::new(crate::model::Kind::Tensor))
+    {
+        return Err(Error::Input(format!("input {name:?} is declared {}; it was fed a tensor", ty.kind)));
+    }
     if ty.dtype != dtype {
         return Err(Error::Input(format!("input {name:?} must be {}, not {dtype}", ty.dtype)));
     }

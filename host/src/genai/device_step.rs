@@ -179,7 +179,10 @@ pub fn augment(model: &mut Model, cfg: &GenaiConfig, registry: &OpRegistry) -> O
 
 /// Appends a typed value to `g`; returns its id.
 fn add(g: &mut Graph, name: &str, dtype: DType, dims: Vec<Dim>) -> ValueId {
-    g.values.push(Value { name: name.to_string(), ty: Some(ValueType { dtype, dims: Some(dims) }) });
+    g.values.push(Value {
+        name: name.to_string(),
+        ty: Some(ValueType { dtype, dims: Some(dims), kind: Default::default() }),
+    });
     g.values.len() - 1
 }
 

@@ -1,5 +1,5 @@
 //! ONNX protobuf → [`Model`]. Every inconsistency is an [`Error::Model`] naming what is
-//! wrong; features kiln does not run (sequences, sparse tensors, subgraphs nested past
+//! wrong; features kiln does not run (maps, sparse tensors, subgraphs nested past
 //! [`MAX_SUBGRAPH_DEPTH`]) are [`Error::Unsupported`]. Subgraphs (the bodies of If, Loop and
 //! Scan) load as graphs of their own, their reads of outer-scope values resolved here.
 
@@ -11,7 +11,9 @@ use kiln_kernel_abi::DType;
 use onnx_protobuf::attribute_proto::AttributeType;
 use onnx_protobuf::{type_proto, AttributeProto, GraphProto, Message, ModelProto, ValueInfoProto};
 
-use super::{tensor_from_proto, AttrValue, Dim, ExternalData, Graph, Model, Node, Subgraph, Value, ValueId, ValueType};
+use super::{
+    tensor_from_proto, AttrValue, Dim, ExternalData, Graph, Kind, Model, Node, Subgraph, Value, ValueId, ValueType,
+};
 use crate::{Error, Tensor};
 
 /// Largest single tensor a model may declare, in bytes (64 GiB): beyond this a dimension is
@@ -256,14 +258,26 @@ impl Builder {
 }
 
 fn value_type(vi: &ValueInfoProto) -> Result<Option<ValueType>, Error> {
-    let Some(tp) = vi.type_.as_ref() else { return Ok(None) };
+    match vi.type_.as_ref() {
+        None => Ok(None),
+        Some(tp) => type_of(tp, &vi.name),
+    }
+}
+
+/// A TypeProto as kiln runs it: a tensor, a sequence of tensors, or an optional of either.
+fn type_of(tp: &onnx_protobuf::TypeProto, name: &str) -> Result<Option<ValueType>, Error> {
+    let unsupported = |what: &str| {
+        Err(Error::Unsupported(format!(
+            "value {name:?} has {what} type; kiln runs tensors, sequences of tensors and optionals of them"
+        )))
+    };
     match &tp.value {
         None => Ok(None),
         Some(type_proto::Value::TensorType(t)) => {
             let dtype = DType::from_code(t.elem_type).filter(|d| *d != DType::String).ok_or_else(|| {
                 Error::Unsupported(format!(
-                    "value {:?} has element type {} (ONNX code), which kiln does not support",
-                    vi.name, t.elem_type
+                    "value {name:?} has element type {} (ONNX code), which kiln does not support",
+                    t.elem_type
                 ))
             })?;
             let dims = t.shape.as_ref().map(|s| {
@@ -280,18 +294,29 @@ fn value_type(vi: &ValueInfoProto) -> Result<Option<ValueType>, Error> {
                     })
                     .collect()
             });
-            Ok(Some(ValueType { dtype, dims }))
+            Ok(Some(ValueType { dtype, dims, kind: Kind::Tensor }))
         }
-        Some(other) => {
-            let kind = match other {
-                type_proto::Value::SequenceType(_) => "a sequence",
-                type_proto::Value::MapType(_) => "a map",
-                type_proto::Value::OptionalType(_) => "an optional",
-                type_proto::Value::SparseTensorType(_) => "a sparse tensor",
-                _ => "a non-tensor",
-            };
-            Err(Error::Unsupported(format!("value {:?} has {kind} type; kiln runs tensors only", vi.name)))
+        Some(type_proto::Value::SequenceType(s)) => {
+            match s.elem_type.as_ref().map(|e| type_of(e, name)).transpose()?.flatten() {
+                Some(ValueType { dtype, kind: Kind::Tensor, .. }) => {
+                    Ok(Some(ValueType { dtype, dims: None, kind: Kind::Sequence }))
+                }
+                Some(_) => unsupported("a sequence of non-tensors"),
+                None => unsupported("a sequence of an undeclared element"),
+            }
         }
+        Some(type_proto::Value::OptionalType(o)) => {
+            match o.elem_type.as_ref().map(|e| type_of(e, name)).transpose()?.flatten() {
+                Some(ValueType { dtype, kind: kind @ (Kind::Tensor | Kind::Sequence), .. }) => {
+                    Ok(Some(ValueType { dtype, dims: None, kind: Kind::Optional(Box::new(kind)) }))
+                }
+                Some(_) => unsupported("an optional of an optional"),
+                None => unsupported("an optional of an undeclared element"),
+            }
+        }
+        Some(type_proto::Value::MapType(_)) => unsupported("a map"),
+        Some(type_proto::Value::SparseTensorType(_)) => unsupported("a sparse tensor"),
+        Some(_) => unsupported("a non-tensor"),
     }
 }
 
@@ -321,7 +346,11 @@ fn attr_value(node: &str, a: &AttributeProto, ext: &ExternalData) -> Result<Attr
         }
         AttributeType::SPARSE_TENSOR | AttributeType::SPARSE_TENSORS => return unsupported("a sparse tensor"),
         AttributeType::TENSORS => return unsupported("a list of tensors"),
-        AttributeType::TYPE_PROTO | AttributeType::TYPE_PROTOS => return unsupported("a type"),
+        AttributeType::TYPE_PROTO => match a.tp.as_ref().map(|tp| type_of(tp, &a.name)).transpose()?.flatten() {
+            Some(ty) => AttrValue::Type(ty),
+            None => return Err(Error::Model(format!("node {node:?}: TYPE_PROTO attribute {:?} has no type", a.name))),
+        },
+        AttributeType::TYPE_PROTOS => return unsupported("a list of types"),
         AttributeType::UNDEFINED => {
             return Err(Error::Model(format!("node {node:?}: attribute {:?} has no type", a.name)));
         }

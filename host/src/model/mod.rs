@@ -49,12 +49,35 @@ pub fn format_dims(dims: &[Dim]) -> String {
     format!("[{}]", dims.iter().map(Dim::to_string).collect::<Vec<_>>().join(", "))
 }
 
+/// What a value holds (ONNX's TypeProto): a tensor, a sequence of tensors, or an optional of
+/// either (If, Loop and the sequence ops carry the last two; packages take tensors only).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Kind {
+    #[default]
+    Tensor,
+    Sequence,
+    Optional(Box<Kind>),
+}
+
+impl std::fmt::Display for Kind {
+    /// `tensor`, `sequence`, `optional tensor`, `optional sequence`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Kind::Tensor => f.write_str("tensor"),
+            Kind::Sequence => f.write_str("sequence"),
+            Kind::Optional(k) => write!(f, "optional {k}"),
+        }
+    }
+}
+
 /// The declared type of a value (from graph inputs, outputs and `value_info`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ValueType {
+    /// The element type (of the tensor, or of the sequence's or optional's tensors).
     pub dtype: DType,
-    /// `None` when the rank is unknown.
+    /// `None` when the rank is unknown, and for sequences and optionals.
     pub dims: Option<Vec<Dim>>,
+    pub kind: Kind,
 }
 
 /// A named value of the graph.
@@ -79,6 +102,8 @@ pub enum AttrValue {
     /// a package.
     Graph(Arc<Subgraph>),
     Graphs(Vec<Arc<Subgraph>>),
+    /// A type (Optional's `type`): read by the executor, never passed to a package.
+    Type(ValueType),
 }
 
 /// A subgraph of a control-flow node. Its graph inputs are its formal inputs (the first
@@ -125,9 +150,9 @@ pub struct Node {
 
 impl Node {
     /// Whether this is control flow the executor runs rather than a package (ai.onnx If, Loop,
-    /// Scan).
+    /// Scan, SequenceMap: the ops with subgraphs).
     pub fn is_control_flow(&self) -> bool {
-        self.domain.is_empty() && matches!(self.op_type.as_str(), "If" | "Loop" | "Scan")
+        self.domain.is_empty() && matches!(self.op_type.as_str(), "If" | "Loop" | "Scan" | "SequenceMap")
     }
 
     /// The op's own inputs (without the implicit ones).
@@ -135,7 +160,8 @@ impl Node {
         &self.inputs[..self.inputs.len() - self.implicit_inputs]
     }
 
-    /// Attributes in the ABI's borrowed form (subgraphs, which no package reads, left out).
+    /// Attributes in the ABI's borrowed form (subgraphs and types, which no package reads, left
+    /// out).
     pub fn wire_attributes(&self) -> Vec<wire::Attribute<'_>> {
         self.attributes
             .iter()
@@ -150,7 +176,7 @@ impl Node {
                     AttrValue::Floats(x) => wire::AttrValue::Floats(x.clone()),
                     AttrValue::Ints(x) => wire::AttrValue::Ints(x.clone()),
                     AttrValue::Strings(x) => wire::AttrValue::Strings(x.iter().map(String::as_str).collect()),
-                    AttrValue::Graph(_) | AttrValue::Graphs(_) => return None,
+                    AttrValue::Graph(_) | AttrValue::Graphs(_) | AttrValue::Type(_) => return None,
                 };
                 Some(wire::Attribute { name, value })
             })
@@ -170,9 +196,18 @@ pub struct Graph {
 }
 
 impl Graph {
-    /// The dtype of `v` known before a run: an initializer's, or the declared one.
+    /// The dtype of tensor `v` known before a run: an initializer's, or the declared one
+    /// (`None` for a sequence or optional).
     pub fn declared_dtype(&self, v: ValueId) -> Option<DType> {
-        self.initializers.get(&v).map(|t| t.dtype).or_else(|| self.values.get(v)?.ty.as_ref().map(|t| t.dtype))
+        self.initializers.get(&v).map(|t| t.dtype).or_else(|| {
+            let ty = self.values.get(v)?.ty.as_ref()?;
+            (ty.kind == Kind::Tensor).then_some(ty.dtype)
+        })
+    }
+
+    /// The declared kind of `v` (a tensor when undeclared).
+    pub fn kind(&self, v: ValueId) -> Kind {
+        self.values.get(v).and_then(|x| x.ty.as_ref()).map(|t| t.kind.clone()).unwrap_or_default()
     }
 
     /// Every node with the graph it is in: this graph's, then, depth first, those of the
