@@ -529,11 +529,16 @@ fn cpu_calls_compute_gemm_and_conv_on_the_host_and_bad_descriptors_are_refused()
     // Refused: an operand past its tensor, D an input, Y an input.
     let past = Gemm { m: 3, ..g.clone() };
     let into_input = Gemm { d: op(0x10000), ..g.clone() };
+    // A huge batch over one broadcast matrix would run without end: D's matrices must not overlap.
+    let one = |handle| Operand { handle, offset: 0, ld: 1, batch_stride: 0 };
+    let endless =
+        Gemm { m: 1, n: 1, k: 1, batch: 1 << 40, a: one(0x10000), b: one(0x10000), d: one(0x10001), ..g.clone() };
     let wide = conv_desc(0x10001, 2);
     let in_place = conv_desc(0x10000, 1);
     for (wasm, why) in [
         (calling("gemm", &past.encode()), "reaches past the end"),
         (calling("gemm", &into_input.encode()), "is not an output or scratch tensor"),
+        (calling("gemm", &endless.encode()), "overlaps its matrices"),
         (calling("conv", &wide.encode()), "reaches past the end"),
         (calling("conv", &in_place.encode()), "is not an output or scratch tensor"),
     ] {

@@ -8,7 +8,8 @@
 //! and a run with one is never a single execution plan.
 //!
 //! Limits: subgraphs nest at most [`crate::model::MAX_SUBGRAPH_DEPTH`] deep (checked at load);
-//! a node runs its body at most [`SessionOptions::max_loop_iterations`] times per run.
+//! one loop (a Loop node, a Scan over one batch entry, a SequenceMap) runs its body at most
+//! [`SessionOptions::max_loop_iterations`] times.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -41,8 +42,15 @@ impl Body {
         report: &mut Report,
     ) -> Result<Vec<HostValue>> {
         let g = &self.sub.graph;
+        if formal.len() != self.sub.formal_inputs {
+            return Err(Error::Model(format!(
+                "the body declares {} inputs; the node feeds it {}",
+                self.sub.formal_inputs,
+                formal.len()
+            )));
+        }
         let mut feeds = Vec::with_capacity(g.inputs.len());
-        for (&id, v) in g.inputs.iter().zip(formal) {
+        for (&id, v) in g.inputs[..self.sub.formal_inputs].iter().zip(formal) {
             feeds.push((g.values[id].name.clone(), v));
         }
         for &id in self.sub.captures() {
@@ -105,7 +113,7 @@ impl ControlFlow {
         Ok(ControlFlow { opset, bodies })
     }
 
-    /// Runs `node` on `inputs` (its explicit inputs, then its implicit ones, host tensors);
+    /// Runs `node` on `inputs` (its explicit inputs, then its implicit ones, host values);
     /// returns its outputs. `limit`: most body runs. Errors: a malformed node, a body's error,
     /// the limit reached.
     pub fn run(
@@ -340,6 +348,14 @@ impl ControlFlow {
             .filter(|m| (1..=args.len()).contains(m))
             .ok_or_else(|| Error::Model(format!("num_scan_inputs must be 1 to {} (the node's inputs)", args.len())))?;
         let n = args.len() - m;
+        // States carry a batch axis, scan inputs a batch and a sequence axis.
+        if let Some((i, t)) = args.iter().enumerate().find(|(i, t)| t.shape.len() < if *i < n { 1 } else { 2 }) {
+            return Err(Error::Model(format!(
+                "Scan-8's input {} has shape {:?}: states need a batch axis, scan inputs a batch and a sequence axis",
+                i + 1,
+                t.shape
+            )));
+        }
         let batch = args.iter().map(|t| t.shape.first().copied()).collect::<Option<Vec<_>>>();
         let batch = match batch.as_deref() {
             Some([b, rest @ ..]) if rest.iter().all(|r| r == b) => *b,

@@ -63,9 +63,9 @@ pub struct SessionOptions {
     /// costs driver calls per tensor); each tensor maps whole multiples of the device's
     /// granularity. 0: only the granularity. Default [`VMM_CHUNK_BYTES`].
     pub vmm_chunk_bytes: u64,
-    /// Most body runs one If, Loop or Scan node may make in a run (Loop's trip count and
-    /// condition come from the model's values): past it the run fails. Default
-    /// [`MAX_LOOP_ITERATIONS`].
+    /// Most body runs of one loop (a Loop node, a Scan over one batch entry, a SequenceMap) in a
+    /// run (Loop's trip count and condition come from the model's values): past it the run
+    /// fails. Default [`MAX_LOOP_ITERATIONS`].
     pub max_loop_iterations: u64,
 }
 
@@ -411,20 +411,18 @@ impl Session {
             }
         }
         self.fed_non_tensors = others;
-        let mut outs: HashMap<String, Tensor> = HashMap::new();
-        for (n, f) in self.run_with(tensors, &[])? {
-            outs.insert(n, f.into_host()?);
-        }
+        // `run_with` gives the tensor outputs in order, the others stay in `non_tensors`.
+        let mut tensors = self.run_with(tensors, &[])?.into_iter();
         let g = &self.model.graph;
         let mut result = Vec::with_capacity(g.outputs.len());
         for &o in &g.outputs {
             let name = g.values[o].name.clone();
-            let v = match self.non_tensors.remove(&o) {
-                Some(v) => v,
-                None => HostValue::Tensor(
-                    outs.remove(&name)
-                        .ok_or_else(|| Error::Model(format!("graph output {name:?} was not computed")))?,
-                ),
+            let v = match self.non_tensors.get(&o) {
+                Some(v) => v.clone(),
+                None => match tensors.next() {
+                    Some((_, f)) => HostValue::Tensor(f.into_host()?),
+                    None => return Err(Error::Model(format!("graph output {name:?} was not computed"))),
+                },
             };
             result.push((name, v));
         }
@@ -777,7 +775,7 @@ impl Session {
     }
 
     /// Releases node `idx`'s inputs after their last use, and its outputs nobody reads.
-    fn release_dead(&self, idx: usize, values: &mut [Option<Value>]) {
+    fn release_dead(&mut self, idx: usize, values: &mut [Option<Value>]) {
         let node = &self.model.graph.nodes[idx];
         let mut dead: Vec<ValueId> =
             node.inputs.iter().flatten().copied().filter(|v| self.last_use[*v] == Some(idx)).collect();
@@ -786,6 +784,7 @@ impl Session {
             if let Some(val) = values[v].take() {
                 drop(val);
             }
+            self.non_tensors.remove(&v);
         }
     }
 
@@ -831,7 +830,9 @@ impl Session {
             if val.host_bytes().is_none() {
                 self.report.control_flow.host_reads += 1;
             }
-            inputs.push(Some(HostValue::Tensor(self.host_tensor(&val)?)));
+            let t =
+                self.host_tensor(&val).map_err(|e| e.context(&format!("node {:?} ({}): ", node.name, node.op_type)))?;
+            inputs.push(Some(HostValue::Tensor(t)));
         }
         let outs = if self.control[idx].is_some() {
             let mut cf = self.control[idx]
@@ -857,6 +858,19 @@ impl Session {
             )));
         };
         for (o, v) in node.outputs.iter().zip(outs) {
+            if let Some(HostValue::Tensor(t)) = &v {
+                if t.data.len() as u64 > self.max_tensor_bytes {
+                    return Err(Error::Input(format!(
+                        "node {:?} ({}) made a {} {:?} output of {} bytes, over the session's tensor limit of {}",
+                        node.name,
+                        node.op_type,
+                        t.dtype,
+                        t.shape,
+                        t.data.len(),
+                        self.max_tensor_bytes
+                    )));
+                }
+            }
             match (o, v) {
                 (Some(id), Some(HostValue::Tensor(t))) => values[*id] = Some(Value::Host(t)),
                 (Some(id), Some(other)) => {

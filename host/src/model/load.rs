@@ -346,7 +346,14 @@ fn attr_value(node: &str, a: &AttributeProto, ext: &ExternalData) -> Result<Attr
         }
         AttributeType::SPARSE_TENSOR | AttributeType::SPARSE_TENSORS => return unsupported("a sparse tensor"),
         AttributeType::TENSORS => return unsupported("a list of tensors"),
-        AttributeType::TYPE_PROTO => match a.tp.as_ref().map(|tp| type_of(tp, &a.name)).transpose()?.flatten() {
+        AttributeType::TYPE_PROTO => match a
+            .tp
+            .as_ref()
+            .map(|tp| type_of(tp, &a.name))
+            .transpose()
+            .map_err(|e| e.context(&format!("node {node:?}: attribute {:?}: ", a.name)))?
+            .flatten()
+        {
             Some(ty) => AttrValue::Type(ty),
             None => return Err(Error::Model(format!("node {node:?}: TYPE_PROTO attribute {:?} has no type", a.name))),
         },

@@ -87,8 +87,8 @@ pub struct Value {
     pub ty: Option<ValueType>,
 }
 
-/// An attribute value (ONNX `AttributeProto`; sparse tensors and type protos are refused at
-/// load as unsupported).
+/// An attribute value (ONNX `AttributeProto`; sparse tensors, tensor lists and type lists are
+/// refused at load as unsupported).
 #[derive(Clone, Debug, PartialEq)]
 pub enum AttrValue {
     Float(f32),

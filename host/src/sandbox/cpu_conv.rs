@@ -9,8 +9,24 @@ use rayon::prelude::*;
 use super::cpu_gemm::{epilogue, f32_view, on_pool, sgemm, store};
 use super::handles::{Access, Slot};
 
-/// Most bytes of one im2col buffer: larger products are computed in slices of output rows.
+/// The im2col buffer a convolution aims for: larger products are computed in slices of output
+/// rows (one row at the least).
 const COL_BYTES: usize = 64 << 20;
+/// Most bytes of a convolution's work buffers (im2col, or ConvTranspose's columns and targets):
+/// past it the convolution is refused rather than allocated.
+const MAX_WORK_BYTES: usize = 4 << 30;
+
+/// A zeroed buffer of `n` elements, or an error naming `what` when it is past
+/// [`MAX_WORK_BYTES`] or cannot be allocated.
+fn work_buffer<T: Clone + Default>(n: usize, what: &str) -> Result<Vec<T>, String> {
+    let bytes = n.saturating_mul(std::mem::size_of::<T>());
+    let mut v = Vec::new();
+    if bytes > MAX_WORK_BYTES || v.try_reserve_exact(n).is_err() {
+        return Err(format!("conv: its {what} would take {bytes} bytes (at most {MAX_WORK_BYTES})"));
+    }
+    v.resize(n, T::default());
+    Ok(v)
+}
 
 /// Computes `c` into its Y tensor. `c` was checked (`check_conv`): handles are slot indices,
 /// every operand's extent lies inside its tensor, Y is writable and distinct from X, W, bias and Z.
@@ -101,9 +117,9 @@ fn compute(slots: &[Slot], c: &Conv, y: &mut [u8]) -> Result<(), String> {
     };
     if c.transposed {
         out.iter_mut().for_each(|v| *v = 0.0);
-        transposed(&g, &x, &w, out);
+        transposed(&g, &x, &w, out)?;
     } else {
-        forward(&g, &x, &w, out);
+        forward(&g, &x, &w, out)?;
     }
     let rows = g.out_n.max(1);
     on_pool(|| {
@@ -133,16 +149,32 @@ fn pointwise(g: &Geom) -> bool {
 }
 
 /// Conv: per batch entry and group, Y_g [mg × out] = W_g [mg × cg·taps] · col [cg·taps × out].
-fn forward(g: &Geom, x: &[f32], w: &[f32], y: &mut [f32]) {
+fn forward(g: &Geom, x: &[f32], w: &[f32], y: &mut [f32]) -> Result<(), String> {
     let k = g.cg * g.taps;
     let last = *g.output.last().unwrap_or(&1);
     // Output rows (positions of every axis but the last) per slice.
     let rows_total = g.out_n / last.max(1);
-    let rows_per_slice = (COL_BYTES / 4 / (k * last).max(1)).clamp(1, rows_total.max(1));
+    let rows_per_slice = (COL_BYTES / 4 / k.saturating_mul(last).max(1)).clamp(1, rows_total.max(1));
     COL.with(|col| {
         let mut col = col.borrow_mut();
-        forward_with(g, x, w, y, k, last, rows_total, rows_per_slice, &mut col)
-    });
+        if !pointwise(g) {
+            let need = k.saturating_mul(rows_per_slice).saturating_mul(last);
+            let more = need.saturating_sub(col.len());
+            if need.saturating_mul(4) > MAX_WORK_BYTES || col.try_reserve(more).is_err() {
+                return Err(format!(
+                    "conv: its im2col buffer would take {} bytes (at most {MAX_WORK_BYTES})",
+                    need.saturating_mul(4)
+                ));
+            }
+        }
+        forward_with(g, x, w, y, k, last, rows_total, rows_per_slice, &mut col);
+        // A rare huge buffer is not kept for the thread's later convolutions.
+        if col.capacity() > 2 * COL_BYTES / 4 {
+            col.clear();
+            col.shrink_to(COL_BYTES / 4);
+        }
+        Ok(())
+    })
 }
 
 thread_local! {
@@ -253,8 +285,11 @@ fn im2col_row(g: &Geom, xc: &[f32], tap: usize, rows: std::ops::Range<usize>, ds
 
 /// ConvTranspose: per batch entry and group, col [mg·taps × in] = W_gᵀ · X_g (W_g stored
 /// [cg × mg·taps]), then each column adds to the output position its tap reaches.
-fn transposed(g: &Geom, x: &[f32], w: &[f32], y: &mut [f32]) {
+fn transposed(g: &Geom, x: &[f32], w: &[f32], y: &mut [f32]) -> Result<(), String> {
     let rows = g.mg * g.taps;
+    if g.taps.saturating_mul(g.in_n).saturating_mul(std::mem::size_of::<usize>()) > MAX_WORK_BYTES {
+        return Err(format!("conv: ConvTranspose's {} taps × {} inputs are too many to map", g.taps, g.in_n));
+    }
     // Per tap, the output position each input position adds to (`usize::MAX`: outside).
     let targets: Vec<Vec<usize>> = (0..g.taps)
         .map(|tap| {
@@ -275,7 +310,7 @@ fn transposed(g: &Geom, x: &[f32], w: &[f32], y: &mut [f32]) {
                 .collect()
         })
         .collect();
-    let mut col = vec![0f32; rows * g.in_n];
+    let mut col: Vec<f32> = work_buffer(rows.saturating_mul(g.in_n), "ConvTranspose columns")?;
     for n in 0..g.batch {
         for grp in 0..g.groups {
             let xg = &x[(n * g.groups + grp) * g.cg * g.in_n..][..g.cg * g.in_n];
@@ -306,6 +341,7 @@ fn transposed(g: &Geom, x: &[f32], w: &[f32], y: &mut [f32]) {
             });
         }
     }
+    Ok(())
 }
 
 /// The positions of a row-major index `i` over `dims`, into `pos`.

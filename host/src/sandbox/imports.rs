@@ -452,6 +452,14 @@ fn check_gemm(st: &CallState, mut g: Gemm) -> Result<PlanStep, String> {
         if o.ld < cols && rows > 1 {
             return Err(format!("gemm {name}: leading dimension {} is below {cols} columns", o.ld));
         }
+        // A one-row operand's ld and a one-matrix batch's stride are never used: made plain so
+        // that no consumer sees an arbitrary stride.
+        if rows == 1 {
+            o.ld = cols;
+        }
+        if g.batch == 1 {
+            o.batch_stride = 0;
+        }
         let last = (g.batch - 1)
             .checked_mul(o.batch_stride)
             .and_then(|x| x.checked_add((rows - 1).checked_mul(o.ld)?))
@@ -478,6 +486,14 @@ fn check_gemm(st: &CallState, mut g: Gemm) -> Result<PlanStep, String> {
     check("A", &mut g.a, ar, ac)?;
     check("B", &mut g.b, br, bc)?;
     check("D", &mut g.d, m, n)?;
+    // D's matrices must not overlap (the batch then fits D's size, and no two write one
+    // element).
+    if g.batch > 1 && g.d.batch_stride < (m - 1) * g.d.ld + n {
+        return Err(format!(
+            "gemm D: batch stride {} overlaps its matrices of {m} rows (ld {}) of {n}",
+            g.d.batch_stride, g.d.ld
+        ));
+    }
     if let Some(c) = g.c.as_mut() {
         check("C", c, m, n)?;
     }
