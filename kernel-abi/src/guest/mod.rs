@@ -306,6 +306,18 @@ impl<'c, 'a> Tensor<'c, 'a> {
         element::decode_as::<T>(self.dtype()?, &self.read_bytes()?)
     }
 
+    /// Reads the first `count` elements converted to `T` (all of them when the tensor has
+    /// fewer): a table's leading rows without copying the rest into the shim.
+    pub fn read_vec_prefix<T: Element>(&self, count: usize) -> Result<Vec<T>> {
+        let dtype = self.dtype()?;
+        let size = dtype.size().ok_or_else(|| ShimError::Unsupported(format!("reading {dtype} elements")))?;
+        let n = self.nbytes()?.min(count.saturating_mul(size));
+        let mut buf = vec![0u8; n];
+        host::read(self.desc.handle, 0, &mut buf)
+            .map_err(|c| ShimError::Failed(format!("reading {}: host refused ({c})", self.what())))?;
+        element::decode_as::<T>(dtype, &buf)
+    }
+
     /// Writes `bytes` at `offset` (CPU calls only).
     pub fn write_bytes_at(&self, offset: u64, bytes: &[u8]) -> Result<()> {
         host::write(self.desc.handle, offset, bytes)

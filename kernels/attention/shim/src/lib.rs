@@ -104,28 +104,36 @@ fn rotate(x: &mut [f64], cos: &[f64], sin: &[f64], interleaved: bool) {
     }
 }
 
-/// The cos/sin caches: `rows` positions of `half` values each.
+/// The cos/sin caches: `rows` positions of `half` values each, of which the first `read` were
+/// read (the positions a call uses: a decode step never copies a table of 8,192 positions).
 struct Caches {
     cos: Vec<f64>,
     sin: Vec<f64>,
     rows: usize,
+    read: usize,
     half: usize,
 }
 
 impl Caches {
-    fn read(cos: &Tensor, sin: &Tensor) -> Result<Caches> {
+    /// The caches' first `needed` rows.
+    fn read(cos: &Tensor, sin: &Tensor, needed: usize) -> Result<Caches> {
         let [rows, half] = cache_shape(cos, sin)?;
-        Caches::read_as(cos, sin, rows, half)
+        let read = rows.min(needed);
+        let n = read * half;
+        Ok(Caches { cos: cos.read_vec_prefix(n)?, sin: sin.read_vec_prefix(n)?, rows, read, half })
     }
 
-    /// The caches as `rows` rows of `half` values (a shape the caller checked).
+    /// The caches as `rows` rows of `half` values (a shape the caller checked), all read.
     fn read_as(cos: &Tensor, sin: &Tensor, rows: usize, half: usize) -> Result<Caches> {
-        Ok(Caches { cos: cos.read_vec()?, sin: sin.read_vec()?, rows, half })
+        Ok(Caches { cos: cos.read_vec()?, sin: sin.read_vec()?, rows, read: rows, half })
     }
 
     fn rotate(&self, op: &str, x: &mut [f64], pos: i64, interleaved: bool) -> Result<()> {
         if pos < 0 || pos as u64 >= self.rows as u64 {
             bail!("{op}: position {pos} is outside the cos/sin caches of {} rows", self.rows);
+        }
+        if pos as u64 >= self.read as u64 {
+            bail!("{op}: position {pos} is past the {} cache rows read for this call", self.read);
         }
         let r = pos as usize * self.half..(pos as usize + 1) * self.half;
         rotate(x, &self.cos[r.clone()], &self.sin[r], interleaved);
@@ -414,8 +422,14 @@ fn gqa_cpu(call: &Call) -> Result<()> {
     let k_src = k_in.as_deref().unwrap_or(&q_in);
     let v_src = v_in.as_deref().unwrap_or(&q_in);
     let seqlens = call.input(5)?.read_i64s()?;
+    // Positions go up to the longest row's last token (seqlens_k + 1 rows of the caches), or
+    // the prompt's length (a first prompt rotates every one of its S positions).
     let caches = match p.rotary_half {
-        Some(_) => Some(Caches::read(&call.input(7)?, &call.input(8)?)?),
+        Some(_) => {
+            let longest = seqlens.iter().map(|&k| (k.max(0) as u64).saturating_add(1)).max().unwrap_or(0);
+            let needed = longest.max(p.seq as u64).min(usize::MAX as u64) as usize;
+            Some(Caches::read(&call.input(7)?, &call.input(8)?, needed)?)
+        }
         None => None,
     };
     let bias = match call.input_opt(10) {
