@@ -7,7 +7,7 @@ use bytes::Bytes;
 use kiln_host::sandbox::{
     Access, ArgTensor, CallArgs, CallKind, FailureKind, ParamKind, Sandbox, SandboxConfig, ShimFailure,
 };
-use kiln_kernel_abi::wire::{Conv, Epilogue, Gemm, KernelArg, Launch, Operand, TensorAt};
+use kiln_kernel_abi::wire::{Conv, Epilogue, Gemm, KernelArg, Launch, Operand, QGemm, QZeroPoints, TensorAt};
 use kiln_kernel_abi::DType;
 
 const PACKAGE: &str = "hostile@6.6.6";
@@ -25,6 +25,7 @@ fn shim(infer: &str, cpu: &str, dispatch: &str, extra: &str) -> Vec<u8> {
   (import "kiln" "launch" (func $launch (param i32 i32) (result i32)))
   (import "kiln" "gemm" (func $gemm (param i32 i32) (result i32)))
   (import "kiln" "conv" (func $conv (param i32 i32) (result i32)))
+  (import "kiln" "qgemm" (func $qgemm (param i32 i32) (result i32)))
   (memory (export "memory") 2)
   (global $saved (mut i32) (i32.const 0))
   (data (i32.const 64) "\04\00\00\00\00\00\00\00")
@@ -218,6 +219,12 @@ fn garbage_pointers_and_lengths_are_refused_by_every_import() {
         ),
         (CallKind::Cpu, format!("(drop (call $conv {far} (i32.const 64))) (i32.const 0)"), "conv: descriptor"),
         (CallKind::Cpu, "(drop (call $conv (i32.const 0) (i32.const 200))) (i32.const 0)".into(), "conv: malformed"),
+        (CallKind::Cpu, "(drop (call $qgemm (i32.const 0) (i32.const 90))) (i32.const 0)".into(), "qgemm: malformed"),
+        (
+            CallKind::Dispatch,
+            "(drop (call $qgemm (i32.const 0) (i32.const 4))) (i32.const 0)".into(),
+            "qgemm may not be called during Dispatch",
+        ),
         // Imports outside the call kinds that may use them.
         (
             CallKind::Infer,
@@ -524,6 +531,33 @@ fn cpu_calls_compute_gemm_and_conv_on_the_host_and_bad_descriptors_are_refused()
         epilogue: Epilogue::None,
     };
     assert_eq!(run(&calling("gemm", &g.encode())).unwrap(), vec![5.0, 11.0, 11.0, 25.0]);
+    // Y = A · dequant(B)ᵀ with A = the input [1, 4] = [1, -2, 3, -4] (float32), B one row of
+    // four 8-bit values (the input's first four bytes), the default zero point 2^7 and the scale
+    // the input's first float (1.0): Σ a·(q − 128).
+    let qd = |b: u32| TensorAt { handle: b, offset: 0 };
+    let q = QGemm {
+        dtype: DType::F32,
+        m: 1,
+        n: 1,
+        k: 4,
+        bits: 8,
+        block: 4,
+        a: qd(0x10000),
+        b: qd(0x10000),
+        scales: qd(0x10000),
+        zero_points: QZeroPoints::Default,
+        bias: None,
+        y: qd(0x10001),
+    };
+    let bytes: Vec<u8> = [1.0f32, -2.0, 3.0, -4.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let want: f32 = [1.0f32, -2.0, 3.0, -4.0].iter().zip(&bytes[..4]).map(|(a, &b)| a * (b as f32 - 128.0)).sum();
+    assert_eq!(run(&calling("qgemm", &q.encode())).unwrap()[0], want);
+    let q_past = QGemm { k: 8, block: 8, ..q.clone() };
+    check(
+        &run(&calling("qgemm", &q_past.encode())).expect_err("A past its end"),
+        FailureKind::Refused,
+        "reaches past the end",
+    );
     // A 2×2 kernel over the 2×2 input, the input as its own weight: Σ x² = 30, then relu.
     assert_eq!(run(&calling("conv", &conv_desc(0x10001, 1).encode())).unwrap(), vec![30.0, 0.0, 0.0, 0.0]);
     // Refused: an operand past its tensor, D an input, Y an input.

@@ -72,4 +72,5 @@ pub mod imports {
     pub const LAUNCH: &str = "launch";
     pub const GEMM: &str = "gemm";
     pub const CONV: &str = "conv";
+    pub const QGEMM: &str = "qgemm";
 }

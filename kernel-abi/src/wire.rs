@@ -750,6 +750,98 @@ impl Conv {
     }
 }
 
+/// The zero points of a [`QGemm`]'s blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QZeroPoints {
+    /// 2^(bits − 1) for every block.
+    Default,
+    /// uint8 `[n, ceil(k_blocks · bits / 8)]`: `bits` per block, packed from the low bits.
+    Packed(TensorAt),
+    /// The dtype's values `[n, k_blocks]`.
+    Float(TensorAt),
+}
+
+/// `Y [m, n] = A [m, k] · dequant(B)ᵀ + bias`, the product of onnxruntime's MatMulNBits; argument
+/// of the `qgemm` import (ABI.md §4.9, §6.6). B is uint8 `[n, k_blocks, block · bits / 8]`: row
+/// r's value j is the `j % block`-th of block `j / block`, `bits` of a byte from the low ones, and
+/// dequantizes to `(q − zero[r, b]) · scales[r, b]`; `k_blocks = ceil(k / block)`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct QGemm {
+    /// float32, float16 or bfloat16: A, scales, float zero points, bias, Y.
+    pub dtype: DType,
+    pub m: u64,
+    pub n: u64,
+    pub k: u64,
+    /// 2, 4 or 8.
+    pub bits: u32,
+    /// Values per block, a multiple of 8 / bits.
+    pub block: u64,
+    pub a: TensorAt,
+    pub b: TensorAt,
+    pub scales: TensorAt,
+    pub zero_points: QZeroPoints,
+    pub bias: Option<TensorAt>,
+    pub y: TensorAt,
+}
+
+impl QGemm {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.i32(self.dtype.code());
+        for v in [self.m, self.n, self.k] {
+            w.u64(v);
+        }
+        w.u32(self.bits);
+        w.u64(self.block);
+        let (zp_tag, zp) = match self.zero_points {
+            QZeroPoints::Default => (0, None),
+            QZeroPoints::Packed(t) => (1, Some(t)),
+            QZeroPoints::Float(t) => (2, Some(t)),
+        };
+        w.u8(zp_tag);
+        for t in [Some(self.a), Some(self.b), Some(self.scales), zp, self.bias, Some(self.y)] {
+            match t {
+                None => w.u8(0),
+                Some(t) => {
+                    w.u8(1);
+                    w.u32(t.handle);
+                    w.u64(t.offset);
+                }
+            }
+        }
+        w.0
+    }
+
+    /// Decodes a descriptor. Errors: a malformed encoding, A, B, scales or Y absent, a zero-point
+    /// kind without its tensor.
+    pub fn decode(bytes: &[u8]) -> Result<Self, WireError> {
+        let mut r = Reader::new(bytes);
+        let dtype = r.dtype("qgemm dtype")?;
+        let (m, n, k) = (r.u64("m")?, r.u64("n")?, r.u64("k")?);
+        let bits = r.u32("bits")?;
+        let block = r.u64("block")?;
+        let zp_tag = r.u8("zero point kind")?;
+        let mut ts = [None; 6];
+        for t in ts.iter_mut() {
+            if r.bool("tensor tag")? {
+                *t = Some(TensorAt { handle: r.u32("tensor handle")?, offset: r.u64("tensor offset")? });
+            }
+        }
+        r.finish()?;
+        let zero_points = match (zp_tag, ts[3]) {
+            (0, None) => QZeroPoints::Default,
+            (1, Some(t)) => QZeroPoints::Packed(t),
+            (2, Some(t)) => QZeroPoints::Float(t),
+            _ => return Err(WireError::Invalid("qgemm zero points")),
+        };
+        let (a, b, scales, y) = match (ts[0], ts[1], ts[2], ts[5]) {
+            (Some(a), Some(b), Some(s), Some(y)) => (a, b, s, y),
+            _ => return Err(WireError::Invalid("qgemm: A, B, scales and Y are required")),
+        };
+        Ok(QGemm { dtype, m, n, k, bits, block, a, b, scales, zero_points, bias: ts[4], y })
+    }
+}
+
 /// Little-endian writer.
 #[derive(Default)]
 pub struct Writer(pub Vec<u8>);
@@ -1022,6 +1114,32 @@ mod tests {
             epilogue: Epilogue::Gelu,
         };
         assert_eq!(Gemm::decode(&g.encode()).unwrap(), g);
+    }
+
+    #[test]
+    fn qgemm_round_trips() {
+        let at = |handle| TensorAt { handle, offset: 4 };
+        let q = QGemm {
+            dtype: DType::F16,
+            m: 3,
+            n: 5,
+            k: 70,
+            bits: 4,
+            block: 32,
+            a: at(1),
+            b: at(2),
+            scales: at(3),
+            zero_points: QZeroPoints::Packed(at(4)),
+            bias: Some(at(5)),
+            y: at(6),
+        };
+        let bytes = q.encode();
+        assert_eq!(QGemm::decode(&bytes).unwrap(), q);
+        for cut in 0..bytes.len() {
+            assert!(QGemm::decode(&bytes[..cut]).is_err(), "a descriptor cut at {cut} decoded");
+        }
+        let no_zp = QGemm { zero_points: QZeroPoints::Default, ..q.clone() };
+        assert_eq!(QGemm::decode(&no_zp.encode()).unwrap(), no_zp);
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::ops::Range;
 
 use kiln_kernel_abi::manifest::ParamKind;
 use kiln_kernel_abi::status::{E_ARG, E_BOUNDS, E_CALL, E_HANDLE, E_LIMIT, E_MEMORY, E_READONLY};
-use kiln_kernel_abi::wire::{Conv, Gemm, KernelArg, Launch, Operand, TensorAt};
+use kiln_kernel_abi::wire::{Conv, Gemm, KernelArg, Launch, Operand, QGemm, QZeroPoints, TensorAt};
 use kiln_kernel_abi::{imports as imp, DType, IMPORT_MODULE};
 use wasmtime::{Caller, Engine, Linker};
 
@@ -257,7 +257,84 @@ pub(super) fn linker(engine: &Engine) -> Linker<CallState> {
         }
     })
     .expect("define conv");
+    l.func_wrap(m, imp::QGEMM, |mut c: Caller<'_, CallState>, ptr: i32, len: i32| -> i32 {
+        let Some((mem, st)) = split(&mut c) else { return E_CALL };
+        if let Err(code) = expect_kind(st, "qgemm", &[CallKind::Cpu]) {
+            return code;
+        }
+        let Some(r) = guest_range(mem.len(), ptr, len as u32 as usize) else {
+            return st.refuse(E_MEMORY, format!("qgemm: descriptor {ptr:#x}+{len} is outside the shim's memory"));
+        };
+        match QGemm::decode(&mem[r])
+            .map_err(|e| format!("qgemm: malformed descriptor: {e}"))
+            .and_then(|q| check_qgemm(st, q))
+            .and_then(|q| super::cpu_qgemm::run(st.table.slots_mut(), &q))
+        {
+            Ok(()) => 0,
+            Err(msg) => st.refuse(E_ARG, msg),
+        }
+    })
+    .expect("define qgemm");
     l
+}
+
+/// Checks a block-quantized product: dtype, bits (2, 4, 8), a block that is a whole number of
+/// bytes, m, n, k at least 1, every operand's extent inside its tensor at a whole-element offset,
+/// Y an output or scratch tensor that no operand shares; rewrites handles to slot indices.
+fn check_qgemm(st: &CallState, mut q: QGemm) -> Result<QGemm, String> {
+    if !matches!(q.dtype, DType::F32 | DType::F16 | DType::BF16) {
+        return Err(format!("qgemm: dtype {} is not supported (float32, float16, bfloat16)", q.dtype));
+    }
+    if !matches!(q.bits, 2 | 4 | 8) || q.block == 0 || q.block > 1 << 16 || !(q.block * q.bits as u64).is_multiple_of(8)
+    {
+        return Err(format!(
+            "qgemm: {} bits in blocks of {} (2, 4 or 8 bits; whole bytes per block, at most 65536)",
+            q.bits, q.block
+        ));
+    }
+    if q.m == 0 || q.n == 0 || q.k == 0 {
+        return Err("qgemm: m, n and k must be at least 1".into());
+    }
+    let size = q.dtype.size().unwrap_or(4) as u64;
+    let kb = q.k.div_ceil(q.block);
+    let elems = |a: u64, b: u64| a.checked_mul(b);
+    let check = |name: &str, t: &mut TensorAt, bytes: Option<u64>, elem: u64| -> Result<usize, String> {
+        let slot = st.table.index(t.handle).map_err(|e| format!("qgemm {name}: {e}"))?;
+        let nbytes = st.table.get(t.handle).map(|s| s.nbytes).unwrap_or(0);
+        match bytes.and_then(|b| b.checked_add(t.offset)) {
+            Some(end) if end <= nbytes && t.offset.is_multiple_of(elem) => {
+                t.handle = slot as u32;
+                Ok(slot)
+            }
+            _ => Err(format!(
+                "qgemm {name}: the operand (byte offset {}) reaches past the end of handle {:#x} ({nbytes} bytes)",
+                t.offset, t.handle
+            )),
+        }
+    };
+    if !st.table.get(q.y.handle).is_ok_and(|s| s.writable) {
+        return Err(format!("qgemm Y: handle {:#x} is not an output or scratch tensor", q.y.handle));
+    }
+    let y = check("Y", &mut q.y, elems(q.m, q.n).and_then(|e| e.checked_mul(size)), size)?;
+    let mut read = vec![
+        check("A", &mut q.a, elems(q.m, q.k).and_then(|e| e.checked_mul(size)), size)?,
+        check("B", &mut q.b, elems(q.n, kb).and_then(|e| e.checked_mul(q.block * q.bits as u64 / 8)), 1)?,
+        check("scales", &mut q.scales, elems(q.n, kb).and_then(|e| e.checked_mul(size)), size)?,
+    ];
+    match &mut q.zero_points {
+        QZeroPoints::Default => {}
+        QZeroPoints::Packed(t) => read.push(check("zero points", t, elems(q.n, (kb * q.bits as u64).div_ceil(8)), 1)?),
+        QZeroPoints::Float(t) => {
+            read.push(check("zero points", t, elems(q.n, kb).and_then(|e| e.checked_mul(size)), size)?)
+        }
+    }
+    if let Some(b) = q.bias.as_mut() {
+        read.push(check("bias", b, q.n.checked_mul(size), size)?);
+    }
+    if read.contains(&y) {
+        return Err("qgemm: Y must be a tensor of its own, not an operand".into());
+    }
+    Ok(q)
 }
 
 /// Checks a convolution: dtype, channel and group counts, spatial values (each at most

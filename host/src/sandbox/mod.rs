@@ -11,6 +11,7 @@
 
 mod cpu_conv;
 mod cpu_gemm;
+mod cpu_qgemm;
 pub mod handles;
 mod imports;
 mod shim;

@@ -167,8 +167,17 @@ impl ShimModule {
             reason,
         };
         let module = sb.compile(wasm).map_err(|e| fail(format!("not a valid WebAssembly module: {e}")))?;
-        let known =
-            [imp::FAIL, imp::SET_OUTPUT, imp::READ, imp::WRITE, imp::SCRATCH, imp::LAUNCH, imp::GEMM, imp::CONV];
+        let known = [
+            imp::FAIL,
+            imp::SET_OUTPUT,
+            imp::READ,
+            imp::WRITE,
+            imp::SCRATCH,
+            imp::LAUNCH,
+            imp::GEMM,
+            imp::CONV,
+            imp::QGEMM,
+        ];
         for i in module.imports() {
             if i.module() != IMPORT_MODULE || !known.contains(&i.name()) {
                 return Err(fail(format!(

@@ -3,7 +3,7 @@
 use alloc::vec::Vec;
 
 use super::{Result, ShimError};
-use crate::wire::{Conv, Gemm, Launch};
+use crate::wire::{Conv, Gemm, Launch, QGemm};
 
 #[cfg(target_arch = "wasm32")]
 mod sys {
@@ -17,6 +17,7 @@ mod sys {
         pub fn launch(desc: *const u8, len: usize) -> i32;
         pub fn gemm(desc: *const u8, len: usize) -> i32;
         pub fn conv(desc: *const u8, len: usize) -> i32;
+        pub fn qgemm(desc: *const u8, len: usize) -> i32;
     }
 }
 
@@ -45,6 +46,9 @@ mod sys {
         E_CALL
     }
     pub unsafe fn conv(_: *const u8, _: usize) -> i32 {
+        E_CALL
+    }
+    pub unsafe fn qgemm(_: *const u8, _: usize) -> i32 {
         E_CALL
     }
 }
@@ -114,4 +118,13 @@ pub fn conv(c: &Conv) -> Result<()> {
     check(unsafe { sys::conv(bytes.as_ptr(), bytes.len()) })
         .map(|_| ())
         .map_err(|code| ShimError::Failed(alloc::format!("conv refused ({code})")))
+}
+
+/// One block-quantized product (ABI.md §4.9, MatMulNBits'): computed at once by the host in a CPU
+/// call (manifest schema 8; refused in a dispatch).
+pub fn qgemm(q: &QGemm) -> Result<()> {
+    let bytes = q.encode();
+    check(unsafe { sys::qgemm(bytes.as_ptr(), bytes.len()) })
+        .map(|_| ())
+        .map_err(|code| ShimError::Failed(alloc::format!("qgemm refused ({code})")))
 }

@@ -38,11 +38,12 @@ use alloc::vec::Vec;
 pub use alloc::{format, vec};
 pub use element::{Bool, Element};
 pub use half::{bf16, f16};
-pub use host::{conv, gemm, launch, log_fail, scratch, scratch_from};
+pub use host::{conv, gemm, launch, log_fail, qgemm, scratch, scratch_from};
 pub use libm;
 
 pub use crate::wire::{
-    AttrValue, Conv, Epilogue, Gemm, KernelArg, Launch, NodeCall, Operand, Paged, TensorAt, TensorDesc, TensorValue,
+    AttrValue, Conv, Epilogue, Gemm, KernelArg, Launch, NodeCall, Operand, Paged, QGemm, QZeroPoints, TensorAt,
+    TensorDesc, TensorValue,
 };
 pub use crate::{status, DType};
 
@@ -309,13 +310,27 @@ impl<'c, 'a> Tensor<'c, 'a> {
     /// Reads the first `count` elements converted to `T` (all of them when the tensor has
     /// fewer): a table's leading rows without copying the rest into the shim.
     pub fn read_vec_prefix<T: Element>(&self, count: usize) -> Result<Vec<T>> {
+        self.read_vec_range(0, count)
+    }
+
+    /// Reads up to `count` elements from element `start`, converted to `T` (fewer where the
+    /// tensor ends first): the rows a gather reads, without the rest of the table.
+    pub fn read_vec_range<T: Element>(&self, start: usize, count: usize) -> Result<Vec<T>> {
         let dtype = self.dtype()?;
         let size = dtype.size().ok_or_else(|| ShimError::Unsupported(format!("reading {dtype} elements")))?;
-        let n = self.nbytes()?.min(count.saturating_mul(size));
+        element::decode_as::<T>(dtype, &self.read_bytes_range(start.saturating_mul(size), count.saturating_mul(size))?)
+    }
+
+    /// Reads up to `len` bytes from byte `offset` (fewer where the tensor ends first).
+    pub fn read_bytes_range(&self, offset: usize, len: usize) -> Result<Vec<u8>> {
+        let total = self.nbytes()?;
+        let n = total.saturating_sub(offset).min(len);
         let mut buf = vec![0u8; n];
-        host::read(self.desc.handle, 0, &mut buf)
-            .map_err(|c| ShimError::Failed(format!("reading {}: host refused ({c})", self.what())))?;
-        element::decode_as::<T>(dtype, &buf)
+        if n > 0 {
+            host::read(self.desc.handle, offset as u64, &mut buf)
+                .map_err(|c| ShimError::Failed(format!("reading {}: host refused ({c})", self.what())))?;
+        }
+        Ok(buf)
     }
 
     /// Writes `bytes` at `offset` (CPU calls only).

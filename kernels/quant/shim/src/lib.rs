@@ -5,10 +5,11 @@
 //!   along K (low bits first), `dequant = (q − zero_point) · scale` per block of `block_size`
 //!   along K; bits 2, 4, 8; zero points absent (2^(bits−1)), packed uint8, or of A's dtype;
 //!   `g_idx` (deprecated) for 4 bits without packed zero points; an omitted projection (a zero
-//!   dimension in `B`) gives the bias or zeros. `accuracy_level` is ignored: the weights are
-//!   dequantized to f32 once per call (row by row of N) and the products summed in f32 lanes
-//!   per chunk of 64 and in f64 across chunks, then rounded once to A's dtype. The two inner
-//!   loops use wasm `simd128` (enabled by default in wasmtime).
+//!   dimension in `B`) gives the bias or zeros. `accuracy_level` is ignored. The CPU reference
+//!   is the host's `qgemm` (ABI.md §4.9, manifest schema 8: B never enters the shim, the output
+//!   columns share the cores, f32 sums, rounded once to A's dtype); with `g_idx` the shim
+//!   dequantizes to f32 row by row of N and sums in f32 lanes per chunk of 64 and in f64 across
+//!   chunks, its inner loops in wasm `simd128`.
 //! - **GatherBlockQuantized-1**: `data` uint8 (bits 2, 4 packed along the last axis, low bits
 //!   first, or 8), `gather_axis` 0, output = `float(q − zero_point) · scale` in scales' dtype
 //!   (f32 arithmetic, rounded once, as onnxruntime); out-of-range indices give zeros.
@@ -288,6 +289,30 @@ impl MnbPlan {
         if self.omitted || k == 0 {
             let out: Vec<f64> = (0..m).flat_map(|_| bias.iter().map(|&b| b as f64)).collect();
             return y.write_vec(&out);
+        }
+        if !self.g_idx && matches!(self.dtype, DType::F32 | DType::F16 | DType::BF16) && matches!(self.bits, 2 | 4 | 8)
+        {
+            // The host's block-quantized product (ABI.md §4.9): B never enters the shim, and
+            // the output columns share the CPU's cores.
+            let at = |t: &Tensor| TensorAt { handle: t.handle(), offset: 0 };
+            return qgemm(&QGemm {
+                dtype: self.dtype,
+                m: m as u64,
+                n: n as u64,
+                k: k as u64,
+                bits: self.bits as u32,
+                block: self.block as u64,
+                a: at(&call.input(0)?),
+                b: at(&call.input(1)?),
+                scales: at(&call.input(2)?),
+                zero_points: match self.zp {
+                    Zp::Default => QZeroPoints::Default,
+                    Zp::Packed => QZeroPoints::Packed(at(&call.input(3)?)),
+                    Zp::Float => QZeroPoints::Float(at(&call.input(3)?)),
+                },
+                bias: if self.bias { Some(at(&call.input(5)?)) } else { None },
+                y: at(&y),
+            });
         }
         let a: Vec<f32> = call.input(0)?.read_vec()?;
         let b = call.input(1)?.read_bytes()?;
@@ -700,7 +725,59 @@ impl GbqPlan {
         })
     }
 
+    /// Quantized along the last axis (an embedding table): reads only the gathered rows of data,
+    /// scales and zero points, the same values as [`GbqPlan::run`] computes.
+    fn run_rows(&self, call: &Call) -> Result<()> {
+        let (data, scales_t) = (call.input(0)?, call.input(2)?);
+        let indices = call.input(1)?.read_i64s()?;
+        let zp_t = if self.zero_points { Some(call.input(3)?) } else { None };
+        let bits = self.bits;
+        let comps = 8 / bits;
+        let mask = ((1u16 << bits) - 1) as u8;
+        let rows = self.logical[0];
+        let last = self.logical.len() - 1;
+        let q_dim = self.logical[last];
+        let sub_rows: usize = self.logical[1..last].iter().product();
+        let row_len = sub_rows * q_dim;
+        let q_blocks = q_dim.div_ceil(self.block);
+        let zp_row = if comps > 1 { q_blocks.div_ceil(comps) } else { q_blocks };
+        let default_zp = 1i32 << (bits - 1);
+        let mut out = vec![0f32; indices.len() * row_len];
+        for (o, &idx) in out.chunks_exact_mut(row_len.max(1)).zip(&indices) {
+            let g = rows as i64;
+            if idx < -g || idx >= g {
+                continue; // Out of range: zeros (onnxruntime's documented behaviour).
+            }
+            let row = if idx < 0 { idx + g } else { idx } as usize;
+            let d = data.read_bytes_range(row * row_len / comps, row_len / comps)?;
+            let sc: Vec<f32> = scales_t.read_vec_range(row * sub_rows * q_blocks, sub_rows * q_blocks)?;
+            let zp = match &zp_t {
+                Some(t) => t.read_bytes_range(row * sub_rows * zp_row, sub_rows * zp_row)?,
+                None => Vec::new(),
+            };
+            for (i, v) in o.iter_mut().enumerate() {
+                let q = ((d[i / comps] >> ((i % comps) * bits)) & mask) as i32;
+                let (sr, blk) = (i / q_dim, (i % q_dim) / self.block);
+                let zp_val = match (&zp_t, comps > 1) {
+                    (None, _) => default_zp,
+                    (Some(_), true) => ((zp[sr * zp_row + blk / comps] >> ((blk % comps) * bits)) & mask) as i32,
+                    (Some(_), false) => zp[sr * zp_row + blk] as i32,
+                };
+                *v = (q - zp_val) as f32 * sc[sr * q_blocks + blk];
+            }
+        }
+        let y = call.output(0)?;
+        match self.dtype {
+            DType::F16 => y.write_vec(&out.iter().map(|&v| f16::from_f32(v)).collect::<Vec<_>>()),
+            DType::BF16 => y.write_vec(&out.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()),
+            _ => y.write_vec(&out),
+        }
+    }
+
     fn run(&self, call: &Call) -> Result<()> {
+        if self.logical.len() >= 2 && self.quantize_axis + 1 == self.logical.len() {
+            return self.run_rows(call);
+        }
         let data = call.input(0)?.read_bytes()?;
         let indices = call.input(1)?.read_i64s()?;
         let scales: Vec<f32> = call.input(2)?.read_vec()?;
