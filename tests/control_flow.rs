@@ -237,7 +237,12 @@ fn a_while_loop_stops_on_its_condition_and_one_past_the_iteration_limit_is_an_er
     assert_eq!(s.report.control_flow.iterations, 6 + 1 + 50);
     let err = s.run(feeds(50, true)).unwrap_err();
     let msg = err.to_string();
-    assert!(msg.contains("node \"Loop#0\"") && msg.contains("iteration limit") && msg.contains("50"), "{msg}");
+    assert!(
+        msg.contains("node \"Loop#0\"")
+            && msg.contains("needs more than 50 iterations")
+            && msg.contains("--max-loop-iterations"),
+        "{msg}"
+    );
 }
 
 /// `depth` Ifs, each in the then-branch of the one before; the innermost returns `x`.

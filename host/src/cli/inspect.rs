@@ -98,7 +98,10 @@ fn io(m: &Model, id: ValueId) -> Io {
     let v = &m.graph.values[id];
     Io {
         name: v.name.clone(),
-        dtype: v.ty.as_ref().map(|t| t.dtype.to_string()),
+        dtype: v.ty.as_ref().map(|t| match &t.kind {
+            crate::model::Kind::Tensor => t.dtype.to_string(),
+            kind => format!("{kind} of {}", t.dtype),
+        }),
         shape: format_shape(v.ty.as_ref().and_then(|t| t.dims.as_deref())),
         dims: v.ty.as_ref().and_then(|t| t.dims.as_ref()).map(|d| {
             d.iter()
@@ -133,7 +136,9 @@ pub fn inspect(mut m: Model, reg: &OpRegistry, device: Device, caps: Option<&Dev
         let input_dtypes = n.inputs.iter().map(|i| i.and_then(|v| g.declared_dtype(v))).collect();
         let (package, reason) = match opset {
             None => (None, Some(format!("the model does not import domain {domain:?} (opset_import)"))),
-            Some(_) if n.is_control_flow() => (Some(crate::ep::CONTROL_FLOW.to_string()), None),
+            Some(_) if n.is_control_flow() || crate::ep::runs_on_executor(n) => {
+                (Some(crate::ep::CONTROL_FLOW.to_string()), None)
+            }
             Some(opset) => {
                 let q = NodeQuery {
                     domain: &n.domain,

@@ -243,8 +243,10 @@ pub struct ModelRunArgs {
     /// an out-of-memory error (in `kiln serve`, only the requests that needed the room).
     #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..=(u64::MAX >> 20)))]
     pub device_memory_limit: Option<u64>,
-    /// Most times one If, Loop or Scan node may run its body in a run (a Loop's trip count and
-    /// condition are the model's values); past it the run fails rather than hangs.
+    /// The maximum number of iterations of one loop in a run (a Loop node, a Scan over one batch
+    /// entry, a SequenceMap; nested loops count each on its own; If does not loop). A Loop's trip
+    /// count and condition come from the model's values: past the limit the run fails rather
+    /// than hangs.
     #[arg(long, value_name = "N", default_value_t = crate::ep::MAX_LOOP_ITERATIONS)]
     pub max_loop_iterations: u64,
 }

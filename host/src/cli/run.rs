@@ -7,8 +7,9 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use crate::ep::{DeviceTensor, Feed, Fetch, Fetched, Runtime, Session};
-use crate::tensorio::{read_tensor_file, write_npy};
-use crate::{conformance, model, Error, Result, Tensor};
+use crate::host_value::compare_values;
+use crate::tensorio::{read_tensor_file, read_value_file, write_npy};
+use crate::{conformance, model, Error, HostValue, Result, Tensor};
 
 use super::{choose_device, model_registry, GraphArgs, ModelRunArgs};
 
@@ -58,42 +59,59 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     if a.runs == 0 {
         return Err(Error::Input("--runs must be at least 1".into()));
     }
-    let mut feeds: Vec<(String, Tensor)> = Vec::new();
+    let mut inputs: Vec<(String, PathBuf)> = Vec::new();
     for arg in &a.inputs {
         let (name, file) = name_file(arg, "--input")?;
-        if feeds.iter().any(|(n, _)| *n == name) {
+        if inputs.iter().any(|(n, _)| *n == name) {
             return Err(Error::Input(format!("--input {name} is given twice")));
         }
-        feeds.push((name, read_tensor_file(&file)?.0));
+        inputs.push((name, file));
     }
-    let mut expect = Vec::new();
-    for arg in &a.expect {
-        let (name, file) = name_file(arg, "--expect")?;
-        expect.push((name, read_tensor_file(&file)?.0));
-    }
+    let expect_files: Vec<(String, PathBuf)> =
+        a.expect.iter().map(|arg| name_file(arg, "--expect")).collect::<Result<_>>()?;
     let file = super::inspect::onnx_file(&a.model, "run")?;
     std::fs::create_dir_all(&a.output_dir).map_err(|source| Error::Io { path: a.output_dir.clone(), source })?;
     let t0 = Instant::now();
     let model = model::load(file)?;
-    for (name, _) in &expect {
-        if !model.graph.outputs.iter().any(|&o| &model.graph.values[o].name == name) {
-            return Err(Error::Input(format!("--expect {name}: the model has no output {name:?}")));
+    // A .pb file holds what the model declares there: a tensor, or a sequence or optional.
+    let kind_of = |name: &str, among: &[model::ValueId]| {
+        among.iter().find(|&&v| model.graph.values[v].name == name).map(|&v| model.graph.kind(v))
+    };
+    let read = |file: &std::path::Path, kind: Option<model::Kind>| -> Result<HostValue> {
+        match (kind, file.extension().and_then(|e| e.to_str())) {
+            (Some(k), Some("pb")) if k != model::Kind::Tensor => read_value_file(file, &k),
+            _ => Ok(HostValue::Tensor(read_tensor_file(file)?.0)),
         }
+    };
+    let mut feeds: Vec<(String, HostValue)> = Vec::with_capacity(inputs.len());
+    for (name, file) in &inputs {
+        feeds.push((name.clone(), read(file, kind_of(name, &model.graph.inputs))?));
     }
+    let mut expect = Vec::with_capacity(expect_files.len());
+    for (name, file) in &expect_files {
+        let Some(kind) = kind_of(name, &model.graph.outputs) else {
+            return Err(Error::Input(format!("--expect {name}: the model has no output {name:?}")));
+        };
+        expect.push((name.clone(), read(file, Some(kind))?));
+    }
+    let non_tensors = feeds.iter().any(|(_, v)| !matches!(v, HostValue::Tensor(_)))
+        || model.graph.outputs.iter().any(|&o| model.graph.kind(o) != model::Kind::Tensor);
     let rt = Runtime::new(model_registry(&a.target.packages, &a.model)?, super::sandbox_config())?;
     let options = a.target.session_options(device, graphs)?;
     let loading = super::progress::Progress::spinner("loading the model");
     let mut session = Session::new(rt, model, options)?;
     drop(loading);
     let prepared = t0.elapsed();
-    let (outputs, last_ms) = if a.runs > 1 && device != crate::ep::Device::Cpu {
-        run_held(&mut session, feeds, a.runs)?
+    let (outputs, last_ms) = if a.runs > 1 && device != crate::ep::Device::Cpu && !non_tensors {
+        let tensors = feeds.into_iter().map(|(n, v)| Ok((n.clone(), v.into_tensor(&format!("input {n:?}"))?)));
+        let (out, last) = run_held(&mut session, tensors.collect::<Result<_>>()?, a.runs)?;
+        (out.into_iter().map(|(n, t)| (n, HostValue::Tensor(t))).collect(), last)
     } else {
         let mut out = Vec::new();
         let mut last = 0.0;
         for _ in 0..a.runs {
             let t = Instant::now();
-            out = session.run(feeds.clone())?;
+            out = session.run_values(feeds.clone())?;
             last = t.elapsed().as_secs_f64() * 1e3;
         }
         (out, last)
@@ -120,18 +138,40 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         a.model.display(),
         prepared.as_secs_f64() * 1e3
     );
-    for (name, t) in &outputs {
-        let file = a.output_dir.join(format!("{}.npy", sanitize(name)));
-        write_npy(&file, t)?;
-        say!(human, "{name}: {} {:?} -> {}", t.dtype, t.shape, file.display());
-        say!(human, "  {}", preview(t));
+    for (name, v) in &outputs {
+        // A sequence's tensors go to NAME_0.npy, NAME_1.npy, …; an empty optional writes nothing.
+        let (tensors, what): (Vec<(String, &Tensor)>, String) = match v {
+            HostValue::Tensor(t) => (vec![(sanitize(name), t)], String::new()),
+            HostValue::Sequence(ts) => (
+                ts.iter().enumerate().map(|(i, t)| (format!("{}_{i}", sanitize(name)), t)).collect(),
+                format!("a sequence of {} tensors", ts.len()),
+            ),
+            HostValue::Optional(None) => (Vec::new(), "an empty optional (nothing written)".into()),
+            HostValue::Optional(Some(inner)) => match inner.as_ref() {
+                HostValue::Tensor(t) => (vec![(sanitize(name), t)], "an optional holding".into()),
+                HostValue::Sequence(ts) => (
+                    ts.iter().enumerate().map(|(i, t)| (format!("{}_{i}", sanitize(name)), t)).collect(),
+                    format!("an optional holding a sequence of {} tensors", ts.len()),
+                ),
+                HostValue::Optional(_) => (Vec::new(), "an optional of an optional (not written)".into()),
+            },
+        };
+        if !what.is_empty() {
+            say!(human, "{name}: {what}");
+        }
+        for (stem, t) in tensors {
+            let file = a.output_dir.join(format!("{stem}.npy"));
+            write_npy(&file, t)?;
+            say!(human, "{name}: {} {:?} -> {}", t.dtype, t.shape, file.display());
+            say!(human, "  {}", preview(t));
+        }
     }
     let mut mismatches = 0;
     for (name, e) in &expect {
         let Some((_, t)) = outputs.iter().find(|(n, _)| n == name) else {
             return Err(Error::Input(format!("--expect {name}: the model has no output {name:?}")));
         };
-        match conformance::compare(t, e, conformance::RTOL, conformance::ATOL) {
+        match compare_values(t, e, conformance::RTOL, conformance::ATOL) {
             None => say!(human, "{name}: matches the expected output"),
             Some(m) => {
                 mismatches += 1;

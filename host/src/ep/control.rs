@@ -30,6 +30,8 @@ pub const CONTROL_FLOW: &str = "kiln (executor)";
 struct Body {
     sub: Arc<Subgraph>,
     session: Session,
+    /// The attribute that holds it (`body`, `then_branch`, …), for messages.
+    attr: String,
 }
 
 impl Body {
@@ -62,7 +64,8 @@ impl Body {
         let outs = self.session.run_values(feeds);
         report.absorb(std::mem::take(&mut self.session.report));
         report.control_flow.subgraph_runs += 1;
-        Ok(outs?.into_iter().map(|(_, v)| v).collect())
+        let attr = &self.attr;
+        Ok(outs.map_err(|e| e.context(&format!("in its subgraph {attr:?}: ")))?.into_iter().map(|(_, v)| v).collect())
     }
 
     /// Runs the body on tensors and returns tensors (Scan's bodies). Errors: a sequence or
@@ -108,7 +111,7 @@ impl ControlFlow {
                 graph: sub.graph.clone(),
             };
             let session = Session::new(rt.clone(), body, options.clone()).map_err(|e| at_node(e, node, Some(name)))?;
-            bodies.insert(name.clone(), Body { sub: sub.clone(), session });
+            bodies.insert(name.clone(), Body { sub: sub.clone(), session, attr: name.clone() });
         }
         Ok(ControlFlow { opset, bodies })
     }
@@ -456,9 +459,9 @@ impl Ctx<'_> {
     /// Errors once `done` body runs reach the limit.
     fn check_limit(&self, done: u64) -> Result<()> {
         if done >= self.limit {
-            return Err(Error::Unsupported(format!(
-                "the body ran {} times without the loop ending: past the session's iteration limit \
-                 (SessionOptions::max_loop_iterations, --max-loop-iterations)",
+            return Err(Error::Input(format!(
+                "the loop needs more than {} iterations, the limit of body runs per loop: raise it with \
+                 --max-loop-iterations (SessionOptions::max_loop_iterations)",
                 self.limit
             )));
         }

@@ -11,8 +11,9 @@ use super::HostValue;
 use crate::model::{AttrValue, Node};
 use crate::{Error, Result, Tensor};
 
-/// Whether `node` is a sequence or optional op the executor runs.
-pub(super) fn is_sequence_op(node: &Node) -> bool {
+/// Whether `node` is a sequence or optional op the executor runs (`kiln inspect` lists it as
+/// the executor's, as it does control flow).
+pub fn is_sequence_op(node: &Node) -> bool {
     node.domain.is_empty()
         && matches!(
             node.op_type.as_str(),
