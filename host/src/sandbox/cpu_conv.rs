@@ -6,8 +6,8 @@
 use kiln_kernel_abi::wire::{Conv, TensorAt};
 use rayon::prelude::*;
 
-use super::cpu_gemm::{epilogue, f32_view, on_pool, sgemm, store};
-use super::handles::{Access, Slot};
+use super::cpu_gemm::{epilogue, f32_view, on_pool, operand_bytes, sgemm, store, with_output};
+use super::handles::Slot;
 
 /// The im2col buffer a convolution aims for: larger products are computed in slices of output
 /// rows (one row at the least).
@@ -31,16 +31,7 @@ fn work_buffer<T: Clone + Default>(n: usize, what: &str) -> Result<Vec<T>, Strin
 /// Computes `c` into its Y tensor. `c` was checked (`check_conv`): handles are slot indices,
 /// every operand's extent lies inside its tensor, Y is writable and distinct from X, W, bias and Z.
 pub(super) fn run(slots: &mut [Slot], c: &Conv) -> Result<(), String> {
-    let y_slot = c.y.handle as usize;
-    let mut y_bytes = match slots.get_mut(y_slot).map(|s| &mut s.access) {
-        Some(Access::Write(v)) => std::mem::take(v),
-        _ => return Err("conv Y: the tensor has no writable host bytes".into()),
-    };
-    let result = compute(slots, c, &mut y_bytes);
-    if let Some(Access::Write(v)) = slots.get_mut(y_slot).map(|s| &mut s.access) {
-        *v = y_bytes;
-    }
-    result
+    with_output(slots, c.y.handle as usize, "conv Y", |slots, y| compute(slots, c, y))
 }
 
 /// The geometry in `usize`, every value already checked to fit.
@@ -80,15 +71,7 @@ fn compute(slots: &[Slot], c: &Conv, y: &mut [u8]) -> Result<(), String> {
         taps: c.kernel.iter().product::<u64>() as usize,
     };
     let size = c.dtype.size().unwrap_or(4);
-    let bytes = |t: &TensorAt, elems: usize| -> Result<&[u8], String> {
-        let raw = match slots.get(t.handle as usize).map(|s| &s.access) {
-            Some(Access::Read(b)) => &b[..],
-            Some(Access::Write(v)) => &v[..],
-            _ => return Err("conv: an operand has no host bytes".into()),
-        };
-        let start = t.offset as usize;
-        raw.get(start..start + elems * size).ok_or_else(|| "conv: an operand reaches past its tensor".to_string())
-    };
+    let bytes = |t: &TensorAt, elems: usize| operand_bytes(slots, t.handle, t.offset, elems * size, "conv");
     let (cin, mout) = (g.cg * g.groups, g.mg * g.groups);
     let x = f32_view(bytes(&c.x, g.batch * cin * g.in_n)?, c.dtype)?;
     let w_len = if c.transposed { cin * g.mg * g.taps } else { mout * g.cg * g.taps };

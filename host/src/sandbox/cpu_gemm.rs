@@ -100,19 +100,51 @@ pub(super) unsafe fn sgemm(
 pub(super) fn run(slots: &mut [Slot], g: &Gemm) -> Result<(), String> {
     let size = g.dtype.size().unwrap_or(4) as u64;
     let d_slot = g.d.handle as usize;
-    let mut d_bytes = match slots.get_mut(d_slot).map(|s| &mut s.access) {
-        Some(Access::Write(v)) => std::mem::take(v),
-        _ => return Err("gemm D: the tensor has no writable host bytes".into()),
-    };
     // An operand that is D's own tensor reads D as it was before this product.
     let reads_d =
         [Some(&g.a), Some(&g.b), g.c.as_ref(), g.bias.as_ref()].iter().flatten().any(|o| o.handle as usize == d_slot);
-    let d_before = reads_d.then(|| d_bytes.clone());
-    let result = compute(slots, d_before.as_deref(), g, size, &mut d_bytes);
-    if let Some(Access::Write(v)) = slots.get_mut(d_slot).map(|s| &mut s.access) {
-        *v = d_bytes;
+    with_output(slots, d_slot, "gemm D", |slots, d| {
+        let d_before = reads_d.then(|| d.clone());
+        compute(slots, d_before.as_deref(), g, size, d)
+    })
+}
+
+/// Runs `f` with output slot `slot`'s bytes taken out of the table (the other slots stay
+/// readable) and puts them back whatever `f` returns. Errors: a slot without writable host
+/// bytes, naming `what`.
+pub(super) fn with_output(
+    slots: &mut [Slot],
+    slot: usize,
+    what: &str,
+    f: impl FnOnce(&[Slot], &mut Vec<u8>) -> Result<(), String>,
+) -> Result<(), String> {
+    let mut bytes = match slots.get_mut(slot).map(|s| &mut s.access) {
+        Some(Access::Write(v)) => std::mem::take(v),
+        _ => return Err(format!("{what}: the tensor has no writable host bytes")),
+    };
+    let result = f(slots, &mut bytes);
+    if let Some(Access::Write(v)) = slots.get_mut(slot).map(|s| &mut s.access) {
+        *v = bytes;
     }
     result
+}
+
+/// `len` bytes of operand slot `handle` from byte `offset` (an input's, or an output's or
+/// scratch's written so far). Errors name `what`.
+pub(super) fn operand_bytes<'s>(
+    slots: &'s [Slot],
+    handle: u32,
+    offset: u64,
+    len: usize,
+    what: &str,
+) -> Result<&'s [u8], String> {
+    let raw = match slots.get(handle as usize).map(|s| &s.access) {
+        Some(Access::Read(b)) => &b[..],
+        Some(Access::Write(v)) => &v[..],
+        _ => return Err(format!("{what}: an operand has no host bytes")),
+    };
+    let start = offset as usize;
+    raw.get(start..start.saturating_add(len)).ok_or_else(|| format!("{what}: an operand reaches past its tensor"))
 }
 
 fn compute(slots: &[Slot], d_before: Option<&[u8]>, g: &Gemm, size: u64, d: &mut [u8]) -> Result<(), String> {

@@ -6,22 +6,13 @@
 use kiln_kernel_abi::wire::{QGemm, QZeroPoints, TensorAt};
 use rayon::prelude::*;
 
-use super::cpu_gemm::{f32_view, on_pool, store};
-use super::handles::{Access, Slot};
+use super::cpu_gemm::{f32_view, on_pool, operand_bytes, store, with_output};
+use super::handles::Slot;
 
 /// Computes `q` into its Y tensor. `q` was checked (`check_qgemm`): handles are slot indices,
 /// every operand's extent lies inside its tensor, Y is writable and none of the operands.
 pub(super) fn run(slots: &mut [Slot], q: &QGemm) -> Result<(), String> {
-    let y_slot = q.y.handle as usize;
-    let mut y_bytes = match slots.get_mut(y_slot).map(|s| &mut s.access) {
-        Some(Access::Write(v)) => std::mem::take(v),
-        _ => return Err("qgemm Y: the tensor has no writable host bytes".into()),
-    };
-    let result = compute(slots, q, &mut y_bytes);
-    if let Some(Access::Write(v)) = slots.get_mut(y_slot).map(|s| &mut s.access) {
-        *v = y_bytes;
-    }
-    result
+    with_output(slots, q.y.handle as usize, "qgemm Y", |slots, y| compute(slots, q, y))
 }
 
 fn compute(slots: &[Slot], q: &QGemm, y: &mut [u8]) -> Result<(), String> {
@@ -30,15 +21,7 @@ fn compute(slots: &[Slot], q: &QGemm, y: &mut [u8]) -> Result<(), String> {
     let kb = k.div_ceil(block);
     let blob = block * bits / 8;
     let size = q.dtype.size().unwrap_or(4);
-    let bytes = |t: &TensorAt, len: usize| -> Result<&[u8], String> {
-        let raw = match slots.get(t.handle as usize).map(|s| &s.access) {
-            Some(Access::Read(b)) => &b[..],
-            Some(Access::Write(v)) => &v[..],
-            _ => return Err("qgemm: an operand has no host bytes".into()),
-        };
-        let start = t.offset as usize;
-        raw.get(start..start + len).ok_or_else(|| "qgemm: an operand reaches past its tensor".to_string())
-    };
+    let bytes = |t: &TensorAt, len: usize| operand_bytes(slots, t.handle, t.offset, len, "qgemm");
     let a = f32_view(bytes(&q.a, m * k * size)?, q.dtype)?;
     let b = bytes(&q.b, n * kb * blob)?;
     let scales = f32_view(bytes(&q.scales, n * kb * size)?, q.dtype)?;

@@ -725,6 +725,16 @@ impl GbqPlan {
         })
     }
 
+    /// Writes the f32 results as the output's dtype (scales', rounded once).
+    fn write(&self, call: &Call, out: &[f32]) -> Result<()> {
+        let y = call.output(0)?;
+        match self.dtype {
+            DType::F16 => y.write_vec(&out.iter().map(|&v| f16::from_f32(v)).collect::<Vec<_>>()),
+            DType::BF16 => y.write_vec(&out.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()),
+            _ => y.write_vec(out),
+        }
+    }
+
     /// Quantized along the last axis (an embedding table): reads only the gathered rows of data,
     /// scales and zero points, the same values as [`GbqPlan::run`] computes.
     fn run_rows(&self, call: &Call) -> Result<()> {
@@ -766,12 +776,7 @@ impl GbqPlan {
                 *v = (q - zp_val) as f32 * sc[sr * q_blocks + blk];
             }
         }
-        let y = call.output(0)?;
-        match self.dtype {
-            DType::F16 => y.write_vec(&out.iter().map(|&v| f16::from_f32(v)).collect::<Vec<_>>()),
-            DType::BF16 => y.write_vec(&out.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()),
-            _ => y.write_vec(&out),
-        }
+        self.write(call, &out)
     }
 
     fn run(&self, call: &Call) -> Result<()> {
@@ -823,11 +828,6 @@ impl GbqPlan {
                 *v = (q - zp_val) as f32 * scales[s];
             }
         }
-        let y = call.output(0)?;
-        match self.dtype {
-            DType::F16 => y.write_vec(&out.iter().map(|&v| f16::from_f32(v)).collect::<Vec<_>>()),
-            DType::BF16 => y.write_vec(&out.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()),
-            _ => y.write_vec(&out),
-        }
+        self.write(call, &out)
     }
 }
