@@ -612,11 +612,34 @@ impl Gemm {
     }
 }
 
-/// A tensor operand of [`Conv`]: its handle and the byte offset of its first element.
+/// A tensor operand of [`Conv`] and [`QGemm`]: its handle and the byte offset of its first
+/// element.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TensorAt {
     pub handle: u32,
     pub offset: u64,
+}
+
+impl TensorAt {
+    /// Encodes an optional operand: u8 present, then u32 handle, u64 byte offset.
+    fn write(w: &mut Writer, t: Option<TensorAt>) {
+        match t {
+            None => w.u8(0),
+            Some(t) => {
+                w.u8(1);
+                w.u32(t.handle);
+                w.u64(t.offset);
+            }
+        }
+    }
+
+    /// Decodes what [`TensorAt::write`] encodes.
+    fn read(r: &mut Reader<'_>) -> Result<Option<TensorAt>, WireError> {
+        Ok(match r.bool("tensor tag")? {
+            true => Some(TensorAt { handle: r.u32("tensor handle")?, offset: r.u64("tensor offset")? }),
+            false => None,
+        })
+    }
 }
 
 /// Most spatial axes a [`Conv`] may have.
@@ -675,14 +698,7 @@ impl Conv {
         }
         self.pads_begin.iter().for_each(|v| w.i64(*v));
         for t in [Some(self.x), Some(self.w), self.bias, self.z, Some(self.y)] {
-            match t {
-                None => w.u8(0),
-                Some(t) => {
-                    w.u8(1);
-                    w.u32(t.handle);
-                    w.u64(t.offset);
-                }
-            }
+            TensorAt::write(&mut w, t);
         }
         w.u32(self.epilogue as u32);
         w.0
@@ -712,9 +728,7 @@ impl Conv {
         }
         let mut ts = [None; 5];
         for t in ts.iter_mut() {
-            if r.bool("tensor tag")? {
-                *t = Some(TensorAt { handle: r.u32("tensor handle")?, offset: r.u64("tensor offset")? });
-            }
+            *t = TensorAt::read(&mut r)?;
         }
         let epilogue = match r.u32("epilogue")? {
             0 => Epilogue::None,
@@ -800,14 +814,7 @@ impl QGemm {
         };
         w.u8(zp_tag);
         for t in [Some(self.a), Some(self.b), Some(self.scales), zp, self.bias, Some(self.y)] {
-            match t {
-                None => w.u8(0),
-                Some(t) => {
-                    w.u8(1);
-                    w.u32(t.handle);
-                    w.u64(t.offset);
-                }
-            }
+            TensorAt::write(&mut w, t);
         }
         w.0
     }
@@ -823,9 +830,7 @@ impl QGemm {
         let zp_tag = r.u8("zero point kind")?;
         let mut ts = [None; 6];
         for t in ts.iter_mut() {
-            if r.bool("tensor tag")? {
-                *t = Some(TensorAt { handle: r.u32("tensor handle")?, offset: r.u64("tensor offset")? });
-            }
+            *t = TensorAt::read(&mut r)?;
         }
         r.finish()?;
         let zero_points = match (zp_tag, ts[3]) {

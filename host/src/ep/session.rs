@@ -154,6 +154,9 @@ pub struct Session {
     folded: Vec<bool>,
     /// Per node, its bodies' sessions when it is control flow (If, Loop, Scan, SequenceMap).
     control: Vec<Option<Box<ControlFlow>>>,
+    /// Per node, whether it is a sequence or optional op (run by the executor), known at
+    /// preparation so that a run does not look again.
+    sequence_ops: Vec<bool>,
     /// During a run: the sequences and optionals (fed, or made by the executor's nodes); tensors
     /// are in the run's value table.
     non_tensors: HashMap<ValueId, HostValue>,
@@ -305,8 +308,10 @@ impl Session {
                 false => None,
             });
         }
+        let sequence_ops = model.graph.nodes.iter().map(super::sequence::is_sequence_op).collect();
         let mut s = Session {
             control,
+            sequence_ops,
             non_tensors: HashMap::new(),
             fed_non_tensors: HashMap::new(),
             model,
@@ -792,10 +797,10 @@ impl Session {
     /// or optional op, or a node reading a sequence or optional (Identity passes one through;
     /// any other such node fails there, naming it).
     fn runs_on_executor(&self, idx: usize) -> bool {
-        let node = &self.model.graph.nodes[idx];
         self.control[idx].is_some()
-            || super::sequence::is_sequence_op(node)
-            || node.inputs.iter().flatten().any(|v| self.non_tensors.contains_key(v))
+            || self.sequence_ops[idx]
+            || (!self.non_tensors.is_empty()
+                && self.model.graph.nodes[idx].inputs.iter().flatten().any(|v| self.non_tensors.contains_key(v)))
     }
 
     /// Runs node `idx` on the executor (see `control` and `sequence`): its inputs on the host (a
@@ -841,7 +846,7 @@ impl Session {
             let outs = cf.run(&node, &self.model.graph, inputs, self.options.max_loop_iterations, &mut self.report);
             self.control[idx] = Some(cf);
             outs?
-        } else if super::sequence::is_sequence_op(&node) {
+        } else if self.sequence_ops[idx] {
             super::sequence::run(&node, inputs)?
         } else if node.domain.is_empty() && node.op_type == "Identity" {
             inputs

@@ -58,17 +58,10 @@ fn compute(slots: &[Slot], q: &QGemm, y: &mut [u8]) -> Result<(), String> {
     let col = Column { a: &a, a_sums: &a_sums, k, kb, block, blob, bits, mask };
     on_pool(|| {
         out.par_chunks_mut(m).with_min_len(32).enumerate().for_each_init(
-            || vec![0f32; block],
-            |w, (r, out)| {
-                let zeros: Vec<f32> = (0..kb).map(|j| zero(r, j)).collect();
-                col.compute(
-                    avx2,
-                    &b[r * kb * blob..(r + 1) * kb * blob],
-                    &scales[r * kb..(r + 1) * kb],
-                    &zeros,
-                    w,
-                    out,
-                );
+            || (vec![0f32; block], vec![0f32; kb]),
+            |(w, zeros), (r, out)| {
+                zeros.iter_mut().enumerate().for_each(|(j, z)| *z = zero(r, j));
+                col.compute(avx2, &b[r * kb * blob..(r + 1) * kb * blob], &scales[r * kb..(r + 1) * kb], zeros, w, out);
                 if let Some(bias) = &bias {
                     out.iter_mut().for_each(|v| *v += bias[r]);
                 }

@@ -594,6 +594,16 @@ mod simd {
 // ---------------------------------------------------------------------------------------
 // GatherBlockQuantized
 
+/// Row `idx` of a table of `rows` (negative counting from the end); `None` out of range.
+fn gathered_row(idx: i64, rows: usize) -> Option<usize> {
+    let g = rows as i64;
+    match idx {
+        i if (0..g).contains(&i) => Some(i as usize),
+        i if (-g..0).contains(&i) => Some((i + g) as usize),
+        _ => None,
+    }
+}
+
 struct GbqPlan {
     /// Output dtype (scales').
     dtype: DType,
@@ -754,11 +764,8 @@ impl GbqPlan {
         let default_zp = 1i32 << (bits - 1);
         let mut out = vec![0f32; indices.len() * row_len];
         for (o, &idx) in out.chunks_exact_mut(row_len.max(1)).zip(&indices) {
-            let g = rows as i64;
-            if idx < -g || idx >= g {
-                continue; // Out of range: zeros (onnxruntime's documented behaviour).
-            }
-            let row = if idx < 0 { idx + g } else { idx } as usize;
+            // Out of range: zeros (onnxruntime's documented behaviour).
+            let Some(row) = gathered_row(idx, rows) else { continue };
             let d = data.read_bytes_range(row * row_len / comps, row_len / comps)?;
             let sc: Vec<f32> = scales_t.read_vec_range(row * sub_rows * q_blocks, sub_rows * q_blocks)?;
             let zp = match &zp_t {
@@ -804,11 +811,8 @@ impl GbqPlan {
 
         let mut out = vec![0f32; indices.len() * row_len];
         for (o, &idx) in out.chunks_exact_mut(row_len.max(1)).zip(&indices) {
-            let g = rows as i64;
-            if idx < -g || idx >= g {
-                continue; // Out of range: zeros (onnxruntime's documented behaviour).
-            }
-            let row = if idx < 0 { idx + g } else { idx } as usize;
+            // Out of range: zeros (onnxruntime's documented behaviour).
+            let Some(row) = gathered_row(idx, rows) else { continue };
             for (e, v) in o.iter_mut().enumerate() {
                 let i = row * row_len + e;
                 let q = ((data[i / comps] >> ((i % comps) * bits)) & mask) as i32;
