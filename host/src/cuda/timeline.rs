@@ -16,6 +16,11 @@ pub struct Timeline {
     used: usize,
 }
 
+// SAFETY: CUDA event handles are driver objects of the process, usable from any thread with
+// their context current (cudarc's own `CudaEvent` is Send for the same reason); a timeline is
+// only used through `&mut`, by one thread at a time.
+unsafe impl Send for Timeline {}
+
 impl Timeline {
     /// Records the next event on `stream`.
     pub fn mark(&mut self, stream: &CudaStream) -> Result<()> {

@@ -19,7 +19,7 @@ use crate::{Error, Result, Tensor};
 
 /// What a session needs of its device. Byte offsets and counts are the caller's to check
 /// against the values (`binding` does).
-pub(crate) trait Backend {
+pub(crate) trait Backend: Send {
     /// The device, for messages and reports.
     fn device(&self) -> Device;
 

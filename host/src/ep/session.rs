@@ -741,7 +741,16 @@ impl Session {
         Ok(())
     }
 
+    /// Runs the live nodes in order; on the CPU, on a thread of the CPU pool whose other threads
+    /// stay hot for the nodes' parallel work (see [`crate::sandbox::on_pool_hot`]).
     fn run_nodes(&mut self, values: &mut [Option<Value>]) -> Result<()> {
+        if self.backend.gpu_ref().is_none() {
+            return crate::sandbox::on_pool_hot(|| self.run_nodes_here(values));
+        }
+        self.run_nodes_here(values)
+    }
+
+    fn run_nodes_here(&mut self, values: &mut [Option<Value>]) -> Result<()> {
         let profiling = self.backend.gpu_ref().is_some_and(|g| g.timeline.is_some());
         let mut order = Vec::new();
         if profiling {

@@ -7,7 +7,9 @@
 //! Threads: `KILN_CPU_THREADS`, else every core the process may use ([`cpu_threads`]).
 
 use std::borrow::Cow;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 use kiln_kernel_abi::wire::{Epilogue, Gemm, Operand};
 use kiln_kernel_abi::DType;
@@ -30,17 +32,64 @@ pub fn cpu_threads() -> usize {
     })
 }
 
-/// The pool CPU GEMMs run on (`None`: it could not be made, and they run on one thread).
+/// Native stack of the pool's threads: a CPU session runs its nodes there, Wasm shims included.
+const POOL_STACK_BYTES: usize = 16 << 20;
+
+/// The pool CPU work runs on (`None`: it could not be made, and it runs on the caller's thread).
 fn pool() -> Option<&'static rayon::ThreadPool> {
     static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
     POOL.get_or_init(|| {
-        rayon::ThreadPoolBuilder::new().num_threads(cpu_threads()).thread_name(|i| format!("kiln-cpu-{i}")).build().ok()
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(cpu_threads())
+            .stack_size(POOL_STACK_BYTES)
+            .thread_name(|i| format!("kiln-cpu-{i}"))
+            .build()
+            .ok()
     })
     .as_ref()
 }
 
-/// Runs `f` on the CPU pool (its rayon work on the pool's threads), or here without one.
-pub(super) fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+/// How long a kept-hot thread of the pool spins without work before it also yields its core
+/// to the OS between looks.
+const HOT_SPIN: Duration = Duration::from_millis(2);
+
+/// Runs `f` (a CPU session's graph) on one of the CPU pool's threads while the others stay hot:
+/// until `f` returns they spin, taking any parallel work `f`'s nodes share out, instead of
+/// sleeping between nodes. Waking a sleeping thread costs tens of µs on a virtual machine,
+/// about what a decode step's matrix product takes, so without this a second thread joined
+/// each product too late to help (onnxruntime's intra-op threads spin the same way). After
+/// [`HOT_SPIN`] without work a spinning thread yields its core between looks.
+pub fn on_pool_hot<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    let Some(p) = pool() else { return f() };
+    let helpers = p.current_num_threads().saturating_sub(1);
+    if helpers == 0 || p.current_thread_index().is_some() {
+        return on_pool(f);
+    }
+    p.install(|| {
+        let done = AtomicBool::new(false);
+        rayon::scope(|s| {
+            for _ in 0..helpers {
+                s.spawn(|_| {
+                    let mut idle_since = Instant::now();
+                    while !done.load(Ordering::Acquire) {
+                        match rayon::yield_now() {
+                            Some(rayon::Yield::Executed) => idle_since = Instant::now(),
+                            _ if idle_since.elapsed() < HOT_SPIN => std::hint::spin_loop(),
+                            _ => std::thread::yield_now(),
+                        }
+                    }
+                });
+            }
+            let r = f();
+            done.store(true, Ordering::Release);
+            r
+        })
+    })
+}
+
+/// Runs `f` on the CPU pool (its rayon work on the pool's threads), or here without one; inline
+/// when called from one of the pool's threads.
+pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     match pool() {
         Some(p) => p.install(f),
         None => f(),

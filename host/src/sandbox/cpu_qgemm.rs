@@ -1,13 +1,29 @@
 //! The `qgemm` import in `kiln_cpu` calls (ABI.md §4.9): MatMulNBits' block-quantized product
-//! on the host, the output columns shared over the CPU pool, each weight row dequantized block
-//! by block once for every row of A (`Σ q·a` per block, then `scale · (Σ q·a − zero · Σ a)`), in
-//! f32. The inner loops are compiled twice, for AVX2 + FMA (chosen at run time) and the baseline.
+//! on the host, in f32, on the CPU pool. Two ways, by the rows of A:
+//!
+//! - fewer than [`GEMM_MIN_ROWS`] (decode, short prompts): each weight block is dotted with
+//!   the rows of A as `scale · (Σ q·a − zero · Σ a)`; 4-bit weights go through AVX2 + FMA
+//!   kernels that unpack eight values per instruction ([`super::cpu_q4`]): for one row of A,
+//!   four weight rows at once; for more, each weight row unpacked once for up to eight rows
+//!   of A;
+//! - more (prefill): the weights are dequantized to f32 a tile of rows at a time and multiplied
+//!   by the `gemm` crate.
+
+use std::borrow::Cow;
 
 use kiln_kernel_abi::wire::{QGemm, QZeroPoints, TensorAt};
 use rayon::prelude::*;
 
-use super::cpu_gemm::{f32_view, on_pool, operand_bytes, store, with_output};
+use super::cpu_gemm::{f32_view, on_pool, operand_bytes, sgemm, store, with_output};
+use super::cpu_q4;
 use super::handles::Slot;
+
+/// Rows of A from which the weights are dequantized once and multiplied as a GEMM (below, the
+/// `gemm` crate's packing of each tile costs more than the product).
+const GEMM_MIN_ROWS: usize = 64;
+
+/// f32 values of dequantized weights per tile of the GEMM path (1 MiB).
+const TILE_VALUES: usize = 1 << 18;
 
 /// Computes `q` into its Y tensor. `q` was checked (`check_qgemm`): handles are slot indices,
 /// every operand's extent lies inside its tensor, Y is writable and none of the operands.
@@ -23,143 +39,220 @@ fn compute(slots: &[Slot], q: &QGemm, y: &mut [u8]) -> Result<(), String> {
     let size = q.dtype.size().unwrap_or(4);
     let bytes = |t: &TensorAt, len: usize| operand_bytes(slots, t.handle, t.offset, len, "qgemm");
     let a = f32_view(bytes(&q.a, m * k * size)?, q.dtype)?;
-    let b = bytes(&q.b, n * kb * blob)?;
-    let scales = f32_view(bytes(&q.scales, n * kb * size)?, q.dtype)?;
     let zp_row = (kb * bits).div_ceil(8);
-    let (zp_packed, zp_float) = match &q.zero_points {
-        QZeroPoints::Default => (None, None),
-        QZeroPoints::Packed(t) => (Some(bytes(t, n * zp_row)?), None),
-        QZeroPoints::Float(t) => (None, Some(f32_view(bytes(t, n * kb * size)?, q.dtype)?)),
+    let zero_points = match &q.zero_points {
+        QZeroPoints::Default => Zeros::Default((1u32 << (bits - 1)) as f32),
+        QZeroPoints::Packed(t) => Zeros::Packed(bytes(t, n * zp_row)?, zp_row),
+        QZeroPoints::Float(t) => Zeros::Float(f32_view(bytes(t, n * kb * size)?, q.dtype)?.into_owned()),
     };
-    let bias = match &q.bias {
-        Some(t) => Some(f32_view(bytes(t, n * size)?, q.dtype)?),
-        None => None,
+    let w = Weights {
+        b: bytes(&q.b, n * kb * blob)?,
+        scales: f32_view(bytes(&q.scales, n * kb * size)?, q.dtype)?,
+        zeros: zero_points,
+        k,
+        kb,
+        block,
+        blob,
+        bits,
     };
-    let default_zp = (1u32 << (bits - 1)) as f32;
-    let mask = ((1u16 << bits) - 1) as u8;
-    let zero = |r: usize, j: usize| -> f32 {
-        match (&zp_packed, &zp_float) {
-            (Some(p), _) => {
-                let per = 8 / bits;
-                ((p[r * zp_row + j / per] >> ((j % per) * bits)) & mask) as f32
-            }
-            (_, Some(f)) => f[r * kb + j],
-            _ => default_zp,
+    // Row-major m × n results.
+    let mut out = vec![0f32; m * n];
+    if m >= GEMM_MIN_ROWS {
+        dequantized_product(&a, &w, m, n, &mut out);
+    } else {
+        direct_product(&a, &w, m, n, &mut out);
+    }
+    if let Some(t) = &q.bias {
+        let bias = f32_view(bytes(t, n * size)?, q.dtype)?;
+        for row in out.chunks_exact_mut(n) {
+            row.iter_mut().zip(bias.iter()).for_each(|(v, b)| *v += b);
         }
-    };
-    // Σ a over each block of each row of A.
-    let a_sums: Vec<f32> = (0..m)
-        .flat_map(|i| (0..kb).map(move |j| (i, j)))
-        .map(|(i, j)| a[i * k + j * block..i * k + ((j + 1) * block).min(k)].iter().sum())
-        .collect();
-    // Column-major results: out[r · m + i] is Y[i, r].
-    let mut out = vec![0f32; n * m];
-    let avx2 = avx2();
-    let col = Column { a: &a, a_sums: &a_sums, k, kb, block, blob, bits, mask };
-    on_pool(|| {
-        out.par_chunks_mut(m).with_min_len(32).enumerate().for_each_init(
-            || (vec![0f32; block], vec![0f32; kb]),
-            |(w, zeros), (r, out)| {
-                zeros.iter_mut().enumerate().for_each(|(j, z)| *z = zero(r, j));
-                col.compute(avx2, &b[r * kb * blob..(r + 1) * kb * blob], &scales[r * kb..(r + 1) * kb], zeros, w, out);
-                if let Some(bias) = &bias {
-                    out.iter_mut().for_each(|v| *v += bias[r]);
-                }
-            },
-        )
-    });
-    let mut row = vec![0f32; n];
-    for i in 0..m {
-        for (r, v) in row.iter_mut().enumerate() {
-            *v = out[r * m + i];
-        }
-        store(q.dtype, &row, &mut y[i * n * size..(i + 1) * n * size]);
+    }
+    for (i, row) in out.chunks_exact(n).enumerate() {
+        store(q.dtype, row, &mut y[i * n * size..(i + 1) * n * size]);
     }
     Ok(())
 }
 
-/// What every output column shares: A, its block sums, the geometry.
-struct Column<'a> {
-    a: &'a [f32],
-    a_sums: &'a [f32],
+/// The quantized weights: n rows of kb blocks of `block` values, `bits` each (packed from the
+/// low bits of each byte), a scale and a zero point per block.
+struct Weights<'a> {
+    b: &'a [u8],
+    scales: Cow<'a, [f32]>,
+    zeros: Zeros<'a>,
     k: usize,
     kb: usize,
     block: usize,
     blob: usize,
     bits: usize,
-    mask: u8,
 }
 
-impl Column<'_> {
-    /// Y[·, r] for weight row `row` (its blocks), `scales` and `zeros` of its blocks, into `out`
-    /// (one value per row of A); `w` holds one block.
-    fn compute(&self, avx2: bool, row: &[u8], scales: &[f32], zeros: &[f32], w: &mut [f32], out: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if avx2 {
-            // SAFETY: the CPU has AVX2 and FMA (checked by `avx2()`).
-            return unsafe { self.compute_avx2(row, scales, zeros, w, out) };
-        }
-        let _ = avx2;
-        self.compute_body(row, scales, zeros, w, out)
+/// Where the zero points come from.
+enum Zeros<'a> {
+    /// 2^(bits − 1) everywhere.
+    Default(f32),
+    /// `bits`-bit values packed per weight row, `.1` bytes a row.
+    Packed(&'a [u8], usize),
+    /// One float per block.
+    Float(Vec<f32>),
+}
+
+impl Weights<'_> {
+    /// Weight row `r`'s packed blocks.
+    fn row(&self, r: usize) -> &[u8] {
+        &self.b[r * self.kb * self.blob..(r + 1) * self.kb * self.blob]
     }
 
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn compute_avx2(&self, row: &[u8], scales: &[f32], zeros: &[f32], w: &mut [f32], out: &mut [f32]) {
-        self.compute_body(row, scales, zeros, w, out)
+    /// Weight row `r`'s scales.
+    fn scales(&self, r: usize) -> &[f32] {
+        &self.scales[r * self.kb..(r + 1) * self.kb]
     }
 
-    #[inline(always)]
-    fn compute_body(&self, row: &[u8], scales: &[f32], zeros: &[f32], w: &mut [f32], out: &mut [f32]) {
-        for j in 0..self.kb {
-            let len = self.block.min(self.k - j * self.block);
-            unpack(&row[j * self.blob..(j + 1) * self.blob], self.bits, self.mask, &mut w[..len]);
-            let (s, z) = (scales[j], zeros[j]);
-            for (i, acc) in out.iter_mut().enumerate() {
-                let x = &self.a[i * self.k + j * self.block..][..len];
-                *acc += s * (dot_lanes(x, &w[..len]) - z * self.a_sums[i * self.kb + j]);
-            }
+    /// Weight row `r`'s zero points into `z` (kb values).
+    fn zeros(&self, r: usize, z: &mut [f32]) {
+        match &self.zeros {
+            Zeros::Default(d) => z.fill(*d),
+            Zeros::Packed(p, row) => unpack(&p[r * row..(r + 1) * row], self.bits, z),
+            Zeros::Float(f) => z.copy_from_slice(&f[r * self.kb..(r + 1) * self.kb]),
         }
+    }
+
+    /// Weight row `r` dequantized, `scale · (q − zero)`, into `out` (kb · block values; those
+    /// past k are the padding of a partial last block). `z` is scratch for kb zero points.
+    fn dequantize(&self, r: usize, z: &mut [f32], out: &mut [f32]) {
+        self.zeros(r, z);
+        let (row, scales) = (self.row(r), self.scales(r));
+        if self.bits == 4 && cpu_q4::dequantize(row, scales, z, self.block, out) {
+            return;
+        }
+        for (j, vals) in out.chunks_exact_mut(self.block).enumerate() {
+            unpack(&row[j * self.blob..(j + 1) * self.blob], self.bits, vals);
+            let (s, zj) = (scales[j], z[j]);
+            vals.iter_mut().for_each(|v| *v = s * (*v - zj));
+        }
+    }
+}
+
+/// Y = A · dequant(B)ᵀ for a few rows of A: each weight row read once per row of A.
+fn direct_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
+    let padded = w.kb * w.block;
+    // A's rows padded with zeros to whole blocks, and Σ a over each block.
+    let mut x = vec![0f32; m * padded];
+    for (i, row) in x.chunks_exact_mut(padded).enumerate() {
+        row[..w.k].copy_from_slice(&a[i * w.k..(i + 1) * w.k]);
+    }
+    let a_sums: Vec<f32> = x.chunks_exact(w.block).map(|b| b.iter().sum()).collect();
+    // Column-major results, four weight rows per task: cols[r · m + i] is Y[i, r].
+    let mut cols = vec![0f32; n * m];
+    on_pool(|| {
+        cols.par_chunks_mut(4 * m).with_min_len(8).enumerate().for_each_init(
+            || (vec![0f32; 4 * w.kb], vec![0f32; w.block]),
+            |(z, scratch), (g, chunk)| {
+                let first = 4 * g;
+                let rows = chunk.len() / m;
+                for (t, zt) in z.chunks_exact_mut(w.kb).take(rows).enumerate() {
+                    w.zeros(first + t, zt);
+                }
+                let x_row = |i: usize| &x[i * padded..(i + 1) * padded];
+                let sums_row = |i: usize| &a_sums[i * w.kb..(i + 1) * w.kb];
+                // One row of A: four weight rows at once.
+                let mut dots = [0f32; 4];
+                if m == 1 && w.bits == 4 && rows == 4 && q4_dots(w, first, x_row(0), sums_row(0), z, &mut dots) {
+                    chunk.copy_from_slice(&dots);
+                    return;
+                }
+                for t in 0..rows {
+                    let (r, zt) = (first + t, &z[t * w.kb..(t + 1) * w.kb]);
+                    let out = &mut chunk[t * m..(t + 1) * m];
+                    for i0 in (0..m).step_by(cpu_q4::MAX_ROWS) {
+                        let i1 = (i0 + cpu_q4::MAX_ROWS).min(m);
+                        let xs: Vec<&[f32]> = (i0..i1).map(x_row).collect();
+                        let sums: Vec<&[f32]> = (i0..i1).map(sums_row).collect();
+                        let a_rows =
+                            cpu_q4::Rows { xs: &xs, sums: &sums, row: w.row(r), scales: w.scales(r), zeros: zt };
+                        let done = w.bits == 4 && cpu_q4::dots_rows(&a_rows, w.block, &mut out[i0..i1]);
+                        if !done {
+                            for i in i0..i1 {
+                                out[i] = row_dot(w, r, xs[i - i0], sums[i - i0], zt, scratch);
+                            }
+                        }
+                    }
+                }
+            },
+        )
+    });
+    for (i, row) in out.chunks_exact_mut(n).enumerate() {
+        row.iter_mut().enumerate().for_each(|(r, v)| *v = cols[r * m + i]);
+    }
+}
+
+/// [`row_dot`] for four 4-bit weight rows from `first`, whose zero points are `z`'s four runs
+/// of kb (false: no AVX2 here).
+fn q4_dots(w: &Weights, first: usize, x: &[f32], sums: &[f32], z: &[f32], dots: &mut [f32; 4]) -> bool {
+    let f = cpu_q4::Four {
+        x,
+        sums,
+        rows: [0, 1, 2, 3].map(|t| w.row(first + t)),
+        scales: [0, 1, 2, 3].map(|t| w.scales(first + t)),
+        zeros: [0, 1, 2, 3].map(|t| &z[t * w.kb..(t + 1) * w.kb]),
+    };
+    cpu_q4::dots4(&f, w.block, dots)
+}
+
+/// `Σ_j scale_j · (Σ q·x − zero_j · sums_j)` for weight row `r` (`x` padded to whole blocks,
+/// `sums` its sum over each block, `z` the row's zero points), one block at a time through
+/// `scratch`.
+fn row_dot(w: &Weights, r: usize, x: &[f32], sums: &[f32], z: &[f32], scratch: &mut [f32]) -> f32 {
+    let (row, scales) = (w.row(r), w.scales(r));
+    let mut acc = 0f32;
+    for (j, xb) in x.chunks_exact(w.block).enumerate() {
+        unpack(&row[j * w.blob..(j + 1) * w.blob], w.bits, scratch);
+        acc += scales[j] * (dot(xb, scratch) - z[j] * sums[j]);
+    }
+    acc
+}
+
+/// Y = A · dequant(B)ᵀ for many rows of A: a tile of weight rows dequantized at a time (on the
+/// pool), then multiplied by the `gemm` crate into Y's columns.
+fn dequantized_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
+    let padded = w.kb * w.block;
+    let tile_rows = (TILE_VALUES / padded).max(16).min(n);
+    let mut tile = vec![0f32; tile_rows * padded];
+    for first in (0..n).step_by(tile_rows) {
+        let rows = tile_rows.min(n - first);
+        on_pool(|| {
+            tile[..rows * padded]
+                .par_chunks_mut(padded)
+                .with_min_len(4)
+                .enumerate()
+                .for_each_init(|| vec![0f32; w.kb], |z, (t, vals)| w.dequantize(first + t, z, vals))
+        });
+        // SAFETY: lhs is A (m × k, row stride k); rhs is the tile transposed (k × rows: element
+        // (kk, c) at c · padded + kk, kk < k ≤ padded); dst is Y's columns first..first + rows of
+        // m rows at stride n, inside `out` (m · n) and apart from both operands.
+        unsafe {
+            sgemm(
+                (m, rows, w.k),
+                (out.as_mut_ptr().add(first), n as isize, false),
+                (a.as_ptr(), w.k as isize, 1),
+                (tile.as_ptr(), 1, padded as isize),
+                (0.0, 1.0),
+            )
+        };
     }
 }
 
 /// The `bits`-bit values of a block as f32, from the low bits of each byte.
-#[inline(always)]
-fn unpack(blob: &[u8], bits: usize, mask: u8, w: &mut [f32]) {
-    match bits {
-        4 => {
-            for (pair, &byte) in w.chunks_mut(2).zip(blob) {
-                pair[0] = (byte & 15) as f32;
-                if let Some(hi) = pair.get_mut(1) {
-                    *hi = (byte >> 4) as f32;
-                }
-            }
-        }
-        8 => w.iter_mut().zip(blob).for_each(|(v, &b)| *v = b as f32),
-        _ => {
-            let per = 8 / bits;
-            for (j, v) in w.iter_mut().enumerate() {
-                *v = ((blob[j / per] >> ((j % per) * bits)) & mask) as f32;
-            }
-        }
-    }
-}
-
-/// Whether the CPU has AVX2 and FMA (the faster `dot`).
-fn avx2() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
+fn unpack(blob: &[u8], bits: usize, w: &mut [f32]) {
+    let mask = ((1u16 << bits) - 1) as u8;
+    let per = 8 / bits;
+    for (j, v) in w.iter_mut().enumerate() {
+        *v = ((blob[j / per] >> ((j % per) * bits)) & mask) as f32;
     }
 }
 
 /// `Σ x·w` in f32, eight lanes.
-#[inline(always)]
-fn dot_lanes(x: &[f32], w: &[f32]) -> f32 {
+fn dot(x: &[f32], w: &[f32]) -> f32 {
     let mut lanes = [0f32; 8];
     let (xc, wc) = (x.chunks_exact(8), w.chunks_exact(8));
     let tail: f32 = xc.remainder().iter().zip(wc.remainder()).map(|(a, b)| a * b).sum();

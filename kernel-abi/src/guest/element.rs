@@ -31,23 +31,29 @@ macro_rules! int_element {
         impl Element for $t {
             const DTYPE: DType = $dt;
             const SIZE: usize = core::mem::size_of::<$t>();
+            #[inline]
             fn from_le(b: &[u8]) -> Self {
                 let mut a = [0u8; core::mem::size_of::<$t>()];
                 a.copy_from_slice(&b[..Self::SIZE]);
                 <$t>::from_le_bytes(a)
             }
+            #[inline]
             fn write_le(self, out: &mut [u8]) {
                 out[..Self::SIZE].copy_from_slice(&self.to_le_bytes())
             }
+            #[inline]
             fn to_f64(self) -> f64 {
                 self as f64
             }
+            #[inline]
             fn from_f64(v: f64) -> Self {
                 v as $t
             }
+            #[inline]
             fn to_i64(self) -> i64 {
                 self as i64
             }
+            #[inline]
             fn from_i64(v: i64) -> Self {
                 v as $t
             }
@@ -69,22 +75,27 @@ macro_rules! float_element {
         impl Element for $t {
             const DTYPE: DType = $dt;
             const SIZE: usize = core::mem::size_of::<$t>();
+            #[inline]
             fn from_le(b: &[u8]) -> Self {
                 let mut a = [0u8; core::mem::size_of::<$t>()];
                 a.copy_from_slice(&b[..Self::SIZE]);
                 <$t>::from_bits(<$bits>::from_le_bytes(a))
             }
+            #[inline]
             fn write_le(self, out: &mut [u8]) {
                 out[..Self::SIZE].copy_from_slice(&self.to_bits().to_le_bytes())
             }
+            #[inline]
             fn to_f64(self) -> f64 {
                 #[allow(clippy::redundant_closure_call)]
                 ($to)(self)
             }
+            #[inline]
             fn from_f64(v: f64) -> Self {
                 #[allow(clippy::redundant_closure_call)]
                 ($from)(v)
             }
+            #[inline]
             fn to_i64(self) -> i64 {
                 let v = self.to_f64();
                 if v.is_nan() {
@@ -93,6 +104,7 @@ macro_rules! float_element {
                     v as i64
                 }
             }
+            #[inline]
             fn from_i64(v: i64) -> Self {
                 Self::from_f64(v as f64)
             }
@@ -111,6 +123,7 @@ float_element!(bf16, DType::BF16, u16, |x: bf16| x.to_f64(), |v: f64| bf16::from
 /// format of at most 22 significant bits (float16, bfloat16) gives the correctly rounded
 /// value of `v` (Boldo & Melquiond, "Emulation of FMA and correctly rounded sums: proved
 /// algorithms using rounding to odd", 2008).
+#[inline]
 pub fn f32_round_odd(v: f64) -> f32 {
     let f = v as f32;
     if !f.is_finite() || f as f64 == v {
@@ -127,21 +140,27 @@ pub fn f32_round_odd(v: f64) -> f32 {
 impl Element for Bool {
     const DTYPE: DType = DType::Bool;
     const SIZE: usize = 1;
+    #[inline]
     fn from_le(b: &[u8]) -> Self {
         Bool(b[0] != 0)
     }
+    #[inline]
     fn write_le(self, out: &mut [u8]) {
         out[0] = self.0 as u8
     }
+    #[inline]
     fn to_f64(self) -> f64 {
         self.0 as u8 as f64
     }
+    #[inline]
     fn from_f64(v: f64) -> Self {
         Bool(v != 0.0)
     }
+    #[inline]
     fn to_i64(self) -> i64 {
         self.0 as i64
     }
+    #[inline]
     fn from_i64(v: i64) -> Self {
         Bool(v != 0)
     }
@@ -214,11 +233,13 @@ macro_rules! with_dtype {
 }
 
 /// Decodes little-endian bytes of `T` elements.
+#[inline]
 pub fn decode<T: Element>(bytes: &[u8]) -> Vec<T> {
     bytes.chunks_exact(T::SIZE).map(T::from_le).collect()
 }
 
 /// Encodes `T` elements as little-endian bytes.
+#[inline]
 pub fn encode<T: Element>(values: &[T]) -> Vec<u8> {
     let mut out = alloc::vec![0u8; values.len() * T::SIZE];
     for (v, o) in values.iter().zip(out.chunks_exact_mut(T::SIZE)) {
@@ -229,6 +250,7 @@ pub fn encode<T: Element>(values: &[T]) -> Vec<u8> {
 
 /// Converts one element type to another with [`Element`]'s rules (through i64 between
 /// integer types, through f64 otherwise).
+#[inline]
 pub fn convert<S: Element, T: Element>(v: S) -> T {
     if S::DTYPE.is_float() || T::DTYPE.is_float() {
         T::from_f64(v.to_f64())
@@ -238,6 +260,7 @@ pub fn convert<S: Element, T: Element>(v: S) -> T {
 }
 
 /// Decodes bytes of `dtype` elements into `T` values.
+#[inline]
 pub fn decode_as<T: Element>(dtype: DType, bytes: &[u8]) -> Result<Vec<T>> {
     if dtype == T::DTYPE {
         return Ok(decode::<T>(bytes));
@@ -246,6 +269,7 @@ pub fn decode_as<T: Element>(dtype: DType, bytes: &[u8]) -> Result<Vec<T>> {
 }
 
 /// Encodes `T` values as bytes of `dtype` elements.
+#[inline]
 pub fn encode_as<T: Element>(dtype: DType, values: &[T]) -> Result<Vec<u8>> {
     if dtype == T::DTYPE {
         return Ok(encode(values));

@@ -50,8 +50,10 @@
 //! [M, R/2]; without them [B, S, R/2], row s of batch row b at its own cache row. R is
 //! `rotary_embedding_dim`, else the head size.
 //!
-//! The CPU reference computes in f64; rotated Q and K are rounded to the tensor dtype before
-//! the attention, as onnxruntime stores them.
+//! The CPU reference computes in f64, except GroupQueryAttention on float32 tensors, which
+//! computes in f32 as the GPU kernels do (its dot products, softmax and weighted sums are an
+//! LLM decode step's CPU attention, and f64 made it several times slower); rotated Q and K are
+//! rounded to the tensor dtype before the attention, as onnxruntime stores them.
 //!
 //! # Paged KV caches
 //!
@@ -84,17 +86,69 @@ fn check_float(op: &str, what: &str, dtype: DType) -> Result<()> {
     Ok(())
 }
 
-/// Rounds an f64 to the precision of `dtype` (f32, f16, bf16).
-fn rounder(dtype: DType) -> fn(f64) -> f64 {
-    match dtype {
-        DType::F16 => |x| f16::from_f64(x).to_f64(),
-        DType::BF16 => |x| bf16::from_f64(x).to_f64(),
-        _ => |x| x as f32 as f64,
+/// A type the CPU references compute in: f64, or f32 where a reference says so.
+trait Real:
+    Element
+    + core::ops::Add<Output = Self>
+    + core::ops::Sub<Output = Self>
+    + core::ops::Mul<Output = Self>
+    + core::ops::Div<Output = Self>
+    + core::ops::AddAssign
+    + core::iter::Sum
+{
+    const ZERO: Self;
+    const NEG_INFINITY: Self;
+    fn exp(self) -> Self;
+    fn tanh(self) -> Self;
+    fn max(self, other: Self) -> Self;
+    /// Rounds to the precision of `dtype` (f32, f16, bf16).
+    fn round_to(self, dtype: DType) -> Self;
+}
+
+impl Real for f64 {
+    const ZERO: f64 = 0.0;
+    const NEG_INFINITY: f64 = f64::NEG_INFINITY;
+    fn exp(self) -> f64 {
+        libm::exp(self)
+    }
+    fn tanh(self) -> f64 {
+        libm::tanh(self)
+    }
+    fn max(self, other: f64) -> f64 {
+        f64::max(self, other)
+    }
+    fn round_to(self, dtype: DType) -> f64 {
+        match dtype {
+            DType::F16 => f16::from_f64(self).to_f64(),
+            DType::BF16 => bf16::from_f64(self).to_f64(),
+            _ => self as f32 as f64,
+        }
+    }
+}
+
+impl Real for f32 {
+    const ZERO: f32 = 0.0;
+    const NEG_INFINITY: f32 = f32::NEG_INFINITY;
+    fn exp(self) -> f32 {
+        libm::expf(self)
+    }
+    fn tanh(self) -> f32 {
+        libm::tanhf(self)
+    }
+    fn max(self, other: f32) -> f32 {
+        f32::max(self, other)
+    }
+    fn round_to(self, dtype: DType) -> f32 {
+        match dtype {
+            DType::F16 => f16::from_f32(self).to_f32(),
+            DType::BF16 => bf16::from_f32(self).to_f32(),
+            _ => self,
+        }
     }
 }
 
 /// Rotates `x` (one head, at least `2·half` elements) in place with the cache rows `cos`, `sin`.
-fn rotate(x: &mut [f64], cos: &[f64], sin: &[f64], interleaved: bool) {
+fn rotate<T: Real>(x: &mut [T], cos: &[T], sin: &[T], interleaved: bool) {
     let half = cos.len();
     for i in 0..half {
         let (a_idx, b_idx) = if interleaved { (2 * i, 2 * i + 1) } else { (i, i + half) };
@@ -106,17 +160,17 @@ fn rotate(x: &mut [f64], cos: &[f64], sin: &[f64], interleaved: bool) {
 
 /// The cos/sin caches: `rows` positions of `half` values each, of which the first `read` were
 /// read (the positions a call uses: a decode step never copies a table of 8,192 positions).
-struct Caches {
-    cos: Vec<f64>,
-    sin: Vec<f64>,
+struct Caches<T = f64> {
+    cos: Vec<T>,
+    sin: Vec<T>,
     rows: usize,
     read: usize,
     half: usize,
 }
 
-impl Caches {
+impl<T: Real> Caches<T> {
     /// The caches' first `needed` rows.
-    fn read(cos: &Tensor, sin: &Tensor, needed: usize) -> Result<Caches> {
+    fn read(cos: &Tensor, sin: &Tensor, needed: usize) -> Result<Caches<T>> {
         let [rows, half] = cache_shape(cos, sin)?;
         let read = rows.min(needed);
         let n = read * half;
@@ -124,11 +178,11 @@ impl Caches {
     }
 
     /// The caches as `rows` rows of `half` values (a shape the caller checked), all read.
-    fn read_as(cos: &Tensor, sin: &Tensor, rows: usize, half: usize) -> Result<Caches> {
+    fn read_as(cos: &Tensor, sin: &Tensor, rows: usize, half: usize) -> Result<Caches<T>> {
         Ok(Caches { cos: cos.read_vec()?, sin: sin.read_vec()?, rows, read: rows, half })
     }
 
-    fn rotate(&self, op: &str, x: &mut [f64], pos: i64, interleaved: bool) -> Result<()> {
+    fn rotate(&self, op: &str, x: &mut [T], pos: i64, interleaved: bool) -> Result<()> {
         if pos < 0 || pos as u64 >= self.rows as u64 {
             bail!("{op}: position {pos} is outside the cos/sin caches of {} rows", self.rows);
         }
@@ -388,36 +442,36 @@ fn gqa_infer(call: &Call) -> Result<Vec<TensorType>> {
 
 fn gqa_cpu(call: &Call) -> Result<()> {
     let p = gqa_plan(call)?;
+    match p.dtype {
+        DType::F32 => gqa_cpu_in::<f32>(call, p),
+        _ => gqa_cpu_in::<f64>(call, p),
+    }
+}
+
+/// The GroupQueryAttention reference computing in `T`.
+fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
     let caches = [call.input_opt(3), call.input_opt(4), call.output_opt(1), call.output_opt(2)];
     if caches.iter().flatten().any(|t| t.paged().is_some()) {
         unsupported!("{GQA}: the CPU reference reads row-major K/V caches, not paged ones");
     }
     let (b_n, s_n, n_h, n_kv, h_sz) = (p.batch, p.seq, p.heads, p.kv_heads, p.head_size);
     let group = n_h / n_kv;
-    let round = rounder(p.dtype);
     let interleaved = call.attr_i("rotary_interleaved", 0)? == 1;
-    let scale = match call.attr_f("scale", 0.0)? {
+    let scale = T::from_f64(match call.attr_f("scale", 0.0)? {
         0.0 => 1.0 / libm::sqrt(h_sz as f64),
         s => s as f64,
-    };
-    let softcap = call.attr_f("softcap", 0.0)? as f64;
+    });
+    let softcap = T::from_f64(call.attr_f("softcap", 0.0)? as f64);
     let window = call.attr_i("local_window_size", -1)?;
     let smooth = call.attr_i("smooth_softmax", 0)? == 1;
 
-    let q_in = call.input(0)?.read_vec::<f64>()?;
+    let q_in = call.input(0)?.read_vec::<T>()?;
     // Row widths and head offsets of Q, K, V in their inputs.
     let (q_w, k_in, v_in, k_off, v_off, kv_w) = if p.packed {
         let w = (n_h + 2 * n_kv) * h_sz;
         (w, None, None, n_h * h_sz, (n_h + n_kv) * h_sz, w)
     } else {
-        (
-            n_h * h_sz,
-            Some(call.input(1)?.read_vec::<f64>()?),
-            Some(call.input(2)?.read_vec::<f64>()?),
-            0,
-            0,
-            n_kv * h_sz,
-        )
+        (n_h * h_sz, Some(call.input(1)?.read_vec::<T>()?), Some(call.input(2)?.read_vec::<T>()?), 0, 0, n_kv * h_sz)
     };
     let k_src = k_in.as_deref().unwrap_or(&q_in);
     let v_src = v_in.as_deref().unwrap_or(&q_in);
@@ -428,16 +482,16 @@ fn gqa_cpu(call: &Call) -> Result<()> {
         Some(_) => {
             let longest = seqlens.iter().map(|&k| (k.max(0) as u64).saturating_add(1)).max().unwrap_or(0);
             let needed = longest.max(p.seq as u64).min(usize::MAX as u64) as usize;
-            Some(Caches::read(&call.input(7)?, &call.input(8)?, needed)?)
+            Some(Caches::<T>::read(&call.input(7)?, &call.input(8)?, needed)?)
         }
         None => None,
     };
     let bias = match call.input_opt(10) {
-        Some(t) => Some(t.read_vec::<f64>()?),
+        Some(t) => Some(t.read_vec::<T>()?),
         None => None,
     };
     let sink = match call.input_opt(11) {
-        Some(t) => Some(t.read_vec::<f64>()?),
+        Some(t) => Some(t.read_vec::<T>()?),
         None => None,
     };
 
@@ -445,14 +499,14 @@ fn gqa_cpu(call: &Call) -> Result<()> {
     let (pl, past) = (p.present_len, p.past_len);
     let shared = past >= p.total;
     let (past_k, past_v) = if past > 0 {
-        (call.input(3)?.read_vec::<f64>()?, call.input(4)?.read_vec::<f64>()?)
+        (call.input(3)?.read_vec::<T>()?, call.input(4)?.read_vec::<T>()?)
     } else {
         (Vec::new(), Vec::new())
     };
     let (mut pres_k, mut pres_v) = if shared && past > 0 {
         (past_k.clone(), past_v.clone())
     } else {
-        (vec![0.0; b_n * n_kv * pl * h_sz], vec![0.0; b_n * n_kv * pl * h_sz])
+        (vec![T::ZERO; b_n * n_kv * pl * h_sz], vec![T::ZERO; b_n * n_kv * pl * h_sz])
     };
 
     // Per batch row: total valid length and past length.
@@ -491,15 +545,15 @@ fn gqa_cpu(call: &Call) -> Result<()> {
                 kr.copy_from_slice(&k_src[src + k_off + j * h_sz..][..h_sz]);
                 if let Some(c) = &caches {
                     c.rotate(GQA, kr, (past_b + s) as i64, interleaved)?;
-                    kr.iter_mut().for_each(|x| *x = round(*x));
+                    kr.iter_mut().for_each(|x| *x = x.round_to(p.dtype));
                 }
                 pres_v[dst..dst + h_sz].copy_from_slice(&v_src[src + v_off + j * h_sz..][..h_sz]);
             }
         }
     }
 
-    let mut out = vec![0.0f64; b_n * s_n * n_h * h_sz];
-    let mut q = vec![0.0f64; h_sz];
+    let mut out = vec![T::ZERO; b_n * s_n * n_h * h_sz];
+    let mut q = vec![T::ZERO; h_sz];
     let mut scores = Vec::new();
     for (b, &(t_b, past_b)) in rows.iter().enumerate() {
         for h in 0..n_h {
@@ -516,14 +570,14 @@ fn gqa_cpu(call: &Call) -> Result<()> {
                 q.copy_from_slice(&q_in[(b * s_n + s) * q_w + h * h_sz..][..h_sz]);
                 if let Some(c) = &caches {
                     c.rotate(GQA, &mut q, (past_b + s) as i64, interleaved)?;
-                    q.iter_mut().for_each(|x| *x = round(*x));
+                    q.iter_mut().for_each(|x| *x = x.round_to(p.dtype));
                 }
                 scores.clear();
                 for t in start..end {
                     let kr = &kh[t * h_sz..(t + 1) * h_sz];
-                    let mut x = q.iter().zip(kr).map(|(a, b)| a * b).sum::<f64>() * scale;
-                    if softcap > 0.0 {
-                        x = softcap * libm::tanh(x / softcap);
+                    let mut x = q.iter().zip(kr).map(|(&a, &b)| a * b).sum::<T>() * scale;
+                    if softcap > T::ZERO {
+                        x = softcap * (x / softcap).tanh();
                     }
                     if let (Some(bias), Some(d)) = (&bias, p.bias_dims) {
                         let (bb, bh) = (if d[0] == 1 { 0 } else { b }, if d[1] == 1 { 0 } else { h });
@@ -531,25 +585,25 @@ fn gqa_cpu(call: &Call) -> Result<()> {
                     }
                     scores.push(x);
                 }
-                let mut max = scores.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x));
+                let mut max = scores.iter().fold(T::NEG_INFINITY, |m, &x| m.max(x));
                 let sink_v = match &sink {
                     Some(sv) => Some(sv[h]),
-                    None if smooth => Some(0.0),
+                    None if smooth => Some(T::ZERO),
                     None => None,
                 };
                 if let Some(sv) = sink_v {
                     max = max.max(sv);
                 }
-                let mut den = sink_v.map_or(0.0, |sv| libm::exp(sv - max));
+                let mut den = sink_v.map_or(T::ZERO, |sv| (sv - max).exp());
                 for x in scores.iter_mut() {
-                    *x = libm::exp(*x - max);
+                    *x = (*x - max).exp();
                     den += *x;
                 }
                 let o = &mut out[(b * s_n + s) * n_h * h_sz + h * h_sz..][..h_sz];
                 for (i, t) in (start..end).enumerate() {
                     let w = scores[i] / den;
                     for (od, vd) in o.iter_mut().zip(&vh[t * h_sz..(t + 1) * h_sz]) {
-                        *od += w * vd;
+                        *od += w * *vd;
                     }
                 }
             }

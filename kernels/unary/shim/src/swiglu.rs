@@ -5,8 +5,10 @@
 //! - `SwiGlu(packed [..., 2N])` → y [..., N]: each row holds the gate, then the up half (the
 //!   output of one GEMM over [Wg | Wu], which the `gate-up-swiglu` fusion makes).
 //!
-//! dtypes f32, f16, bf16, f64. The CPU reference computes in f64 and rounds once; the CUDA
-//! kernel computes in f32 (f64 for f64).
+//! dtypes f32, f16, bf16, f64. The CPU reference computes in f64 and rounds once, except for
+//! f32, which it computes in f32 as the CUDA kernel does (the f64 exponential made it an LLM
+//! decode step's costliest elementwise op on the CPU); the CUDA kernel computes in f32 (f64 for
+//! f64).
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
@@ -48,6 +50,17 @@ fn layout(call: &Call) -> Result<Layout> {
     }
 }
 
+/// [`silu_mul`] in f32.
+fn silu_mul_f32(g: f32, u: f32) -> f32 {
+    let s = if g >= 0.0 {
+        1.0 / (1.0 + libm::expf(-g))
+    } else {
+        let e = libm::expf(g);
+        e / (1.0 + e)
+    };
+    g * s * u
+}
+
 fn silu_mul(g: f64, u: f64) -> f64 {
     // sigmoid as Sigmoid's reference computes it (no overflow for large |g|).
     let s = if g >= 0.0 {
@@ -69,10 +82,24 @@ pub fn cpu(call: &Call) -> Result<()> {
     let dtype = call.input(0)?.dtype()?;
     let gate = call.input(0)?.read_bytes()?;
     let up = if l.packed { None } else { Some(call.input(1)?.read_bytes()?) };
+    let rows = if l.n == 0 { 0 } else { gate.len() / dtype.size().unwrap_or(1) / l.ld };
+    if dtype == DType::F32 {
+        let g = element::decode::<f32>(&gate);
+        let u = match &up {
+            Some(b) => element::decode::<f32>(b),
+            None => Vec::new(),
+        };
+        let mut y = Vec::with_capacity(rows * l.n);
+        for r in 0..rows {
+            let gr = &g[r * l.ld..][..l.n];
+            let ur = if l.packed { &g[r * l.ld + l.up_off..][..l.n] } else { &u[r * l.ld..][..l.n] };
+            y.extend(gr.iter().zip(ur).map(|(&gv, &uv)| silu_mul_f32(gv, uv)));
+        }
+        return call.output(0)?.write_vec(&y);
+    }
     let out = with_dtype!(dtype, T => {
         let g = element::decode::<T>(&gate);
         let u = match &up { Some(b) => element::decode::<T>(b), None => Vec::new() };
-        let rows = if l.n == 0 { 0 } else { g.len() / l.ld };
         let mut y = Vec::with_capacity(rows * l.n);
         for r in 0..rows {
             for c in 0..l.n {
