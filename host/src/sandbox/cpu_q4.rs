@@ -5,26 +5,24 @@
 //! Each function returns false, computing nothing, where the CPU lacks AVX2 or FMA or a block is
 //! not a whole number of 8-value groups; the caller then takes its portable path.
 
-/// One row of A against four weight rows: `x` (kb · block values) and `sums`, x's sum over each
-/// block (kb values); per weight row r, its blocks `rows[r]` (kb of block / 2 bytes), `scales[r]`
-/// and `zeros[r]` (kb values each).
+/// One row of A against four weight rows: `x` (kb · block values); per weight row r, its blocks
+/// `rows[r]` (kb of block / 2 bytes), `scales[r]` and `zeros[r]` (kb values each).
 pub(super) struct Four<'a> {
     pub x: &'a [f32],
-    pub sums: &'a [f32],
     pub rows: [&'a [u8]; 4],
     pub scales: [&'a [f32]; 4],
     pub zeros: [&'a [f32]; 4],
 }
 
-/// `dots[r] = Σ_j scale_rj · (Σ_t q_r[j·block + t] · x[j·block + t] − zero_rj · sums[j])`.
+/// `dots[r] = Σ_j scale_rj · Σ_t (q_r[j·block + t] − zero_rj) · x[j·block + t]`. The zero
+/// point is taken from each value before the product (exact for integer zero points), not from
+/// the block's sum after it, which cancels away low bits when the values sit far from zero.
 pub(super) fn dots4(f: &Four, block: usize, dots: &mut [f32; 4]) -> bool {
     #[cfg(target_arch = "x86_64")]
     if usable(block) {
         let kb = f.x.len() / block;
         assert!(
-            f.sums.len() >= kb
-                && f.rows.iter().all(|r| r.len() >= kb * block / 2)
-                && f.scales.iter().chain(&f.zeros).all(|s| s.len() >= kb)
+            f.rows.iter().all(|r| r.len() >= kb * block / 2) && f.scales.iter().chain(&f.zeros).all(|s| s.len() >= kb)
         );
         // SAFETY: the CPU has AVX2 and FMA (`usable`); the extents were checked above.
         unsafe { avx2::dots4(f, block, dots) };
@@ -34,18 +32,16 @@ pub(super) fn dots4(f: &Four, block: usize, dots: &mut [f32; 4]) -> bool {
     false
 }
 
-/// One weight row against up to [`MAX_ROWS`] rows of A: `xs[i]` (kb · block values each) and
-/// `sums[i]`, its sum over each block (kb values); the weight row's blocks `row` (kb of block / 2
-/// bytes), `scales` and `zeros` (kb values each).
+/// One weight row against up to [`MAX_ROWS`] rows of A: `xs[i]` (kb · block values each); the
+/// weight row's blocks `row` (kb of block / 2 bytes), `scales` and `zeros` (kb values each).
 pub(super) struct Rows<'a> {
     pub xs: &'a [&'a [f32]],
-    pub sums: &'a [&'a [f32]],
     pub row: &'a [u8],
     pub scales: &'a [f32],
     pub zeros: &'a [f32],
 }
 
-/// `out[i] = Σ_j scale_j · (Σ_t q[j·block + t] · xs[i][j·block + t] − zero_j · sums[i][j])`:
+/// `out[i] = Σ_j scale_j · Σ_t (q[j·block + t] − zero_j) · xs[i][j·block + t]` (as [`dots4`]):
 /// each group of eight weights is unpacked once for all the rows.
 pub(super) fn dots_rows(r: &Rows, block: usize, out: &mut [f32]) -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -54,10 +50,8 @@ pub(super) fn dots_rows(r: &Rows, block: usize, out: &mut [f32]) -> bool {
         assert!(
             r.row.len() >= kb * block / 2
                 && r.zeros.len() >= kb
-                && r.sums.len() == r.xs.len()
                 && out.len() >= r.xs.len()
                 && r.xs.iter().all(|x| x.len() >= kb * block)
-                && r.sums.iter().all(|s| s.len() >= kb)
         );
         // SAFETY: the CPU has AVX2 and FMA (`usable`); the extents were checked above.
         unsafe {
@@ -124,6 +118,12 @@ mod avx2 {
         _mm256_cvtepi32_ps(_mm256_and_si256(shifted, _mm256_set1_epi32(15)))
     }
 
+    /// [`eight`] less the zero point `zero` (broadcast).
+    #[inline(always)]
+    unsafe fn centered(p: *const u8, t: usize, zero: __m256) -> __m256 {
+        _mm256_sub_ps(eight(p, t), zero)
+    }
+
     /// The sum of the eight lanes.
     #[inline(always)]
     unsafe fn sum(v: __m256) -> f32 {
@@ -149,17 +149,15 @@ mod avx2 {
                 }
             }
             let mut acc = [_mm256_setzero_ps(); 4];
+            let zero = [0, 1, 2, 3].map(|r| _mm256_set1_ps(*f.zeros[r].get_unchecked(j)));
             for t in 0..block / 8 {
                 let xv = _mm256_loadu_ps(xb.add(8 * t));
                 for r in 0..4 {
-                    acc[r] = _mm256_fmadd_ps(eight(f.rows[r].as_ptr().add(j * block / 2), t), xv, acc[r]);
+                    acc[r] = _mm256_fmadd_ps(centered(f.rows[r].as_ptr().add(j * block / 2), t, zero[r]), xv, acc[r]);
                 }
             }
-            // Each lane takes an eighth of the zero-point term (exact: a power of two).
-            let sum8 = _mm256_set1_ps(*f.sums.get_unchecked(j) * 0.125);
             for r in 0..4 {
-                let centered = _mm256_fnmadd_ps(_mm256_set1_ps(*f.zeros[r].get_unchecked(j)), sum8, acc[r]);
-                total[r] = _mm256_fmadd_ps(centered, _mm256_set1_ps(*f.scales[r].get_unchecked(j)), total[r]);
+                total[r] = _mm256_fmadd_ps(acc[r], _mm256_set1_ps(*f.scales[r].get_unchecked(j)), total[r]);
             }
         }
         for r in 0..4 {
@@ -170,7 +168,7 @@ mod avx2 {
     /// See [`super::dots_rows`]; `R` is `xs.len()`; the caller checked the extents and the CPU.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn rows<const R: usize>(r: &super::Rows, block: usize, out: &mut [f32]) {
-        let super::Rows { xs, sums, row, scales, zeros } = *r;
+        let super::Rows { xs, row, scales, zeros } = *r;
         let kb = scales.len();
         let mut total = [_mm256_setzero_ps(); R];
         for j in 0..kb {
@@ -179,16 +177,16 @@ mod avx2 {
                 _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_ROWS * kb * block / 2) as *const i8);
             }
             let mut acc = [_mm256_setzero_ps(); R];
+            let zero = _mm256_set1_ps(*zeros.get_unchecked(j));
             for t in 0..block / 8 {
-                let w = eight(p, t);
+                let w = centered(p, t, zero);
                 for i in 0..R {
                     acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xs[i].as_ptr().add(j * block + 8 * t)), acc[i]);
                 }
             }
-            let (zero, scale) = (_mm256_set1_ps(*zeros.get_unchecked(j)), _mm256_set1_ps(*scales.get_unchecked(j)));
+            let scale = _mm256_set1_ps(*scales.get_unchecked(j));
             for i in 0..R {
-                let sum8 = _mm256_set1_ps(*sums[i].get_unchecked(j) * 0.125);
-                total[i] = _mm256_fmadd_ps(_mm256_fnmadd_ps(zero, sum8, acc[i]), scale, total[i]);
+                total[i] = _mm256_fmadd_ps(acc[i], scale, total[i]);
             }
         }
         for i in 0..R {

@@ -2,7 +2,7 @@
 //! on the host, in f32, on the CPU pool. Two ways, by the rows of A:
 //!
 //! - fewer than [`GEMM_MIN_ROWS`] (decode, short prompts): each weight block is dotted with
-//!   the rows of A as `scale · (Σ q·a − zero · Σ a)`; 4-bit weights go through AVX2 + FMA
+//!   the rows of A as `scale · Σ (q − zero)·a`; 4-bit weights go through AVX2 + FMA
 //!   kernels that unpack eight values per instruction ([`super::cpu_q4`]): for one row of A,
 //!   four weight rows at once; for more, each weight row unpacked once for up to eight rows
 //!   of A;
@@ -136,12 +136,11 @@ impl Weights<'_> {
 /// Y = A · dequant(B)ᵀ for a few rows of A: each weight row read once per row of A.
 fn direct_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
     let padded = w.kb * w.block;
-    // A's rows padded with zeros to whole blocks, and Σ a over each block.
+    // A's rows padded with zeros to whole blocks.
     let mut x = vec![0f32; m * padded];
     for (i, row) in x.chunks_exact_mut(padded).enumerate() {
         row[..w.k].copy_from_slice(&a[i * w.k..(i + 1) * w.k]);
     }
-    let a_sums: Vec<f32> = x.chunks_exact(w.block).map(|b| b.iter().sum()).collect();
     // Column-major results, four weight rows per task: cols[r · m + i] is Y[i, r].
     let mut cols = vec![0f32; n * m];
     on_pool(|| {
@@ -154,10 +153,9 @@ fn direct_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
                     w.zeros(first + t, zt);
                 }
                 let x_row = |i: usize| &x[i * padded..(i + 1) * padded];
-                let sums_row = |i: usize| &a_sums[i * w.kb..(i + 1) * w.kb];
                 // One row of A: four weight rows at once.
                 let mut dots = [0f32; 4];
-                if m == 1 && w.bits == 4 && rows == 4 && q4_dots(w, first, x_row(0), sums_row(0), z, &mut dots) {
+                if m == 1 && w.bits == 4 && rows == 4 && q4_dots(w, first, x_row(0), z, &mut dots) {
                     chunk.copy_from_slice(&dots);
                     return;
                 }
@@ -167,13 +165,11 @@ fn direct_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
                     for i0 in (0..m).step_by(cpu_q4::MAX_ROWS) {
                         let i1 = (i0 + cpu_q4::MAX_ROWS).min(m);
                         let xs: Vec<&[f32]> = (i0..i1).map(x_row).collect();
-                        let sums: Vec<&[f32]> = (i0..i1).map(sums_row).collect();
-                        let a_rows =
-                            cpu_q4::Rows { xs: &xs, sums: &sums, row: w.row(r), scales: w.scales(r), zeros: zt };
+                        let a_rows = cpu_q4::Rows { xs: &xs, row: w.row(r), scales: w.scales(r), zeros: zt };
                         let done = w.bits == 4 && cpu_q4::dots_rows(&a_rows, w.block, &mut out[i0..i1]);
                         if !done {
                             for i in i0..i1 {
-                                out[i] = row_dot(w, r, xs[i - i0], sums[i - i0], zt, scratch);
+                                out[i] = row_dot(w, r, xs[i - i0], zt, scratch);
                             }
                         }
                     }
@@ -188,10 +184,9 @@ fn direct_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
 
 /// [`row_dot`] for four 4-bit weight rows from `first`, whose zero points are `z`'s four runs
 /// of kb (false: no AVX2 here).
-fn q4_dots(w: &Weights, first: usize, x: &[f32], sums: &[f32], z: &[f32], dots: &mut [f32; 4]) -> bool {
+fn q4_dots(w: &Weights, first: usize, x: &[f32], z: &[f32], dots: &mut [f32; 4]) -> bool {
     let f = cpu_q4::Four {
         x,
-        sums,
         rows: [0, 1, 2, 3].map(|t| w.row(first + t)),
         scales: [0, 1, 2, 3].map(|t| w.scales(first + t)),
         zeros: [0, 1, 2, 3].map(|t| &z[t * w.kb..(t + 1) * w.kb]),
@@ -199,15 +194,15 @@ fn q4_dots(w: &Weights, first: usize, x: &[f32], sums: &[f32], z: &[f32], dots: 
     cpu_q4::dots4(&f, w.block, dots)
 }
 
-/// `Σ_j scale_j · (Σ q·x − zero_j · sums_j)` for weight row `r` (`x` padded to whole blocks,
-/// `sums` its sum over each block, `z` the row's zero points), one block at a time through
-/// `scratch`.
-fn row_dot(w: &Weights, r: usize, x: &[f32], sums: &[f32], z: &[f32], scratch: &mut [f32]) -> f32 {
+/// `Σ_j scale_j · Σ (q − zero_j)·x` for weight row `r` (`x` padded to whole blocks, `z` the
+/// row's zero points), one block at a time through `scratch`.
+fn row_dot(w: &Weights, r: usize, x: &[f32], z: &[f32], scratch: &mut [f32]) -> f32 {
     let (row, scales) = (w.row(r), w.scales(r));
     let mut acc = 0f32;
     for (j, xb) in x.chunks_exact(w.block).enumerate() {
         unpack(&row[j * w.blob..(j + 1) * w.blob], w.bits, scratch);
-        acc += scales[j] * (dot(xb, scratch) - z[j] * sums[j]);
+        scratch.iter_mut().for_each(|v| *v -= z[j]);
+        acc += scales[j] * dot(xb, scratch);
     }
     acc
 }
