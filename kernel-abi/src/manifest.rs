@@ -26,6 +26,8 @@
 //! value_inputs = []              # inputs whose bytes the shim needs for inference
 //! paged_inputs = []              # optional (schema 5; ABI.md §6.1.1): inputs and outputs the
 //! paged_outputs = []             #   shim accepts paged (a KV cache in pages)
+//! declines = []                  # optional (schema 9): attribute or input names whose use the
+//!                                #   shim refuses (UNSUPPORTED, naming it), e.g. "training_mode"
 //!
 //! [[cuda]]
 //! source = "cuda/unary.cu"
@@ -92,8 +94,9 @@ pub enum ManifestError {
 /// schema 6 added kernels named by C++ name expressions (`kiln_cast<kiln_tag_f16>`: an
 /// instantiation of a `__global__` function template, lowered by NVRTC; [`is_name_expression`]);
 /// schema 7 lets `pdl` list kernels by the signatures' `*` patterns; schema 8 adds no field: it
-/// marks a package whose CPU reference calls `gemm` (ABI.md §4.7), which a host before it refuses.
-pub const MANIFEST_SCHEMA: u32 = 8;
+/// marks a package whose CPU reference calls `gemm` (ABI.md §4.7), which a host before it refuses;
+/// schema 9 added `declines` to `[[ops]]`.
+pub const MANIFEST_SCHEMA: u32 = 9;
 
 /// The folder of a package whose files are its exported headers.
 pub const HEADER_DIR: &str = "include/";
@@ -257,6 +260,13 @@ pub struct OpEntry {
     /// Outputs likewise (an output bound in place to a paged tensor, such as `present_key`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub paged_outputs: Vec<usize>,
+    /// Uses of the op the package knowingly refuses at run time although it claims the op,
+    /// opset and dtype (schema 9): each an attribute or input name as ONNX spells it, such as
+    /// Dropout's `training_mode` (a random mask; kiln runs inference). The shim's UNSUPPORTED
+    /// message names it; `kiln verify` then counts such a node test unsupported rather than a
+    /// broken claim.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub declines: Vec<String>,
 }
 
 /// A CUDA C++ source file and the kernels it defines.
@@ -538,6 +548,12 @@ impl Manifest {
                 if let Some((k, x)) = list.iter().enumerate().find(|(k, x)| list[..*k].contains(x)) {
                     return bad(format!("ops[{i}]: {what}[{k}] lists index {x} twice"));
                 }
+            }
+            if !op.declines.is_empty() && self.schema < 9 {
+                return bad(format!("ops[{i}]: `declines` comes with manifest schema 9: set `schema = 9`"));
+            }
+            if let Some(d) = op.declines.iter().find(|d| d.is_empty() || d.contains(char::is_whitespace)) {
+                return bad(format!("ops[{i}]: declines {d:?} is not an attribute or input name"));
             }
         }
         // Launch names are manifest-wide (schema 6: a name declared twice is refused).
@@ -882,6 +898,26 @@ signatures = [{ kernels = ["relu_*"], params = ["tensor", "tensor", "u64"] }]
             ),
             (v5.replace("[3, 4]", "[3, 3]"), "paged_inputs[1] lists index 3 twice"),
             (v5.replace("[1, 2]", "[2, 2]"), "paged_outputs[1] lists index 2 twice"),
+        ];
+        for (text, want) in cases {
+            let err = Manifest::parse(&text).unwrap_err().to_string();
+            assert!(err.contains(want), "{want}: {err}");
+        }
+    }
+
+    /// Schema 9: the uses of an op its package declines, names without spaces; with an older
+    /// schema they are refused naming the schema that brought them.
+    #[test]
+    fn declines_come_with_schema_9() {
+        let declines = "max_rank = 8\ndeclines = [\"training_mode\"]\n";
+        let v9 = GOOD.replace("schema = 2", "schema = 9").replace("max_rank = 8\n", declines);
+        let m = Manifest::parse(&v9).unwrap();
+        assert_eq!(m.ops[0].declines, vec!["training_mode".to_string()]);
+        assert_eq!(Manifest::parse(&m.to_toml()).unwrap(), m, "round trip");
+        let cases = [
+            (v9.replace("schema = 9", "schema = 8"), "`declines` comes with manifest schema 9"),
+            (v9.replace("\"training_mode\"", "\"training mode\""), "is not an attribute or input name"),
+            (v9.replace("\"training_mode\"", "\"\""), "is not an attribute or input name"),
         ];
         for (text, want) in cases {
             let err = Manifest::parse(&text).unwrap_err().to_string();

@@ -32,7 +32,7 @@ fn check(call: &Call) -> Result<()> {
         bail!("Dropout: ratio must be in [0, 1), not {ratio}");
     }
     if training && ratio > 0.0 {
-        unsupported!("Dropout: training mode with ratio {ratio} draws a random mask; kiln runs inference");
+        unsupported!("Dropout: training_mode with ratio {ratio} draws a random mask; kiln runs inference");
     }
     Ok(())
 }
