@@ -1,7 +1,9 @@
 // kiln-conv CUDA kernels: direct Conv and ConvTranspose (shim/src/lib.rs holds the CPU reference
-// and the geometry), one thread per output element, products accumulated in f32. Up to three
-// spatial axes, right-aligned in three slots (1 before them). Argument order matches the shim.
+// and the geometry), one thread per output element, products accumulated in f32 (f64 for
+// float64: kiln-cuda-std/elem.cuh's compute type). Up to three spatial axes, right-aligned in
+// three slots (1 before them). Argument order matches the shim.
 #include "kiln.cuh"
+#include "kiln-cuda-std/elem.cuh"
 
 // The geometry both kernels take: per slot the input and output length, kernel size, stride,
 // dilation and padding before.
@@ -24,14 +26,16 @@ struct cv_geom {
 
 // The epilogue of output element (n, m, o): Z and relu as `flags` say (B is added first).
 template <typename Tag>
-__device__ __forceinline__ float cv_epilogue(const cv_geom& g, float acc, unsigned flags,
+__device__ __forceinline__ typename kiln_elem<Tag>::C cv_epilogue(const cv_geom& g, typename kiln_elem<Tag>::C acc,
+                                                                  unsigned flags,
                                              const typename Tag::storage* z, kiln_u64 n, kiln_u64 m, kiln_u64 o,
                                              CV_Z_PARAMS) {
     if (flags & CV_Z) {
         const kiln_u64 o2 = o % g.out[2], o1 = (o / g.out[2]) % g.out[1], o0 = o / (g.out[2] * g.out[1]);
-        acc += kiln_to_f32(Tag(), z[n * zn + m * zm + o0 * z0 + o1 * z1 + o2 * z2]);
+        acc += kiln_elem<Tag>::ld(z[n * zn + m * zm + o0 * z0 + o1 * z1 + o2 * z2]);
     }
-    return (flags & CV_RELU) ? fmaxf(acc, 0.f) : acc;
+    // As fmaxf(acc, 0): NaN gives 0.
+    return (flags & CV_RELU) ? (acc > 0 ? acc : 0) : acc;
 }
 
 // Output position o (row-major over g.out) plus the padding before: the position in the padded
@@ -78,7 +82,7 @@ __global__ void kiln_conv(const typename Tag::storage* x, const typename Tag::st
             start[a] = (long long)((rest % g.out[a]) * g.s[a]) - (long long)g.b[a];
             rest /= g.out[a];
         }
-        float acc = (flags & CV_BIAS) ? kiln_to_f32(Tag(), bias[m]) : 0.f;
+        typename kiln_elem<Tag>::C acc = (flags & CV_BIAS) ? kiln_elem<Tag>::ld(bias[m]) : 0;
         for (kiln_u64 t = 0; t < taps; ++t) {
             kiln_u64 tr = t, at = 0;
             bool inside = true;
@@ -91,10 +95,10 @@ __global__ void kiln_conv(const typename Tag::storage* x, const typename Tag::st
             }
             if (!inside) continue;
             for (kiln_u64 c = 0; c < cg; ++c)
-                acc += kiln_to_f32(Tag(), x[(n * C + grp * cg + c) * in_n + at]) *
-                       kiln_to_f32(Tag(), w[(m * cg + c) * taps + t]);
+                acc += kiln_elem<Tag>::ld(x[(n * C + grp * cg + c) * in_n + at]) *
+                       kiln_elem<Tag>::ld(w[(m * cg + c) * taps + t]);
         }
-        y[i] = kiln_from_f32(Tag(), cv_epilogue<Tag>(g, acc, flags, z, n, m, o, zn, zm, z0, z1, z2));
+        y[i] = kiln_elem<Tag>::st(cv_epilogue<Tag>(g, acc, flags, z, n, m, o, zn, zm, z0, z1, z2));
     }
 }
 
@@ -112,16 +116,16 @@ __global__ void kiln_conv_transpose(const typename Tag::storage* x, const typena
         const kiln_u64 o = i % out_n, nm = i / out_n, m = nm % M, n = nm / M, grp = m / mg, mm = m % mg;
         long long pos[3];
         cv_padded(g, o, pos);
-        float acc = (flags & CV_BIAS) ? kiln_to_f32(Tag(), bias[m]) : 0.f;
+        typename kiln_elem<Tag>::C acc = (flags & CV_BIAS) ? kiln_elem<Tag>::ld(bias[m]) : 0;
         for (kiln_u64 t = 0; t < taps; ++t) {
             kiln_u64 at;
             if (!cv_gather_at(g, pos, t, &at)) continue;
             for (kiln_u64 c = 0; c < cg; ++c) {
                 const kiln_u64 ci = grp * cg + c;
-                acc += kiln_to_f32(Tag(), x[(n * C + ci) * in_n + at]) * kiln_to_f32(Tag(), w[(ci * mg + mm) * taps + t]);
+                acc += kiln_elem<Tag>::ld(x[(n * C + ci) * in_n + at]) * kiln_elem<Tag>::ld(w[(ci * mg + mm) * taps + t]);
             }
         }
-        y[i] = kiln_from_f32(Tag(), cv_epilogue<Tag>(g, acc, flags, z, n, m, o, zn, zm, z0, z1, z2));
+        y[i] = kiln_elem<Tag>::st(cv_epilogue<Tag>(g, acc, flags, z, n, m, o, zn, zm, z0, z1, z2));
     }
 }
 
@@ -137,11 +141,11 @@ __global__ void kiln_col2im(const typename Tag::storage* x, typename Tag::storag
         const kiln_u64 o = i % img, nc = i / img;
         long long pos[3];
         cv_padded(g, o, pos);
-        float acc = 0.f;
+        typename kiln_elem<Tag>::C acc = 0;
         for (kiln_u64 t = 0; t < taps; ++t) {
             kiln_u64 at;
-            if (cv_gather_at(g, pos, t, &at)) acc += kiln_to_f32(Tag(), x[(nc * taps + t) * L + at]);
+            if (cv_gather_at(g, pos, t, &at)) acc += kiln_elem<Tag>::ld(x[(nc * taps + t) * L + at]);
         }
-        y[i] = kiln_from_f32(Tag(), acc);
+        y[i] = kiln_elem<Tag>::st(acc);
     }
 }

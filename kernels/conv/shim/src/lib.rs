@@ -23,8 +23,8 @@
 //! Col2Im-18 is in [`col2im`].
 //!
 //! The CPU reference of float32, float16 and bfloat16 is the host's `conv` (ABI.md §4.8: im2col
-//! and multithreaded GEMMs accumulating in f32; manifest schema 8); float64 (CPU only) computes
-//! here in f64. The CUDA kernels accumulate in f32, for up to 3 spatial axes.
+//! and multithreaded GEMMs accumulating in f32; manifest schema 8); float64 computes here in
+//! f64. The CUDA kernels accumulate in f32 (f64 for float64), for up to 3 spatial axes.
 #![no_std]
 extern crate alloc;
 
@@ -435,9 +435,7 @@ impl Shim for ConvShim {
         if k > GPU_MAX_SPATIAL {
             unsupported!("{op}: {k} spatial axes (the CUDA kernels take up to {GPU_MAX_SPATIAL})");
         }
-        let Some(tag) = g.dtype.cuda_tag().filter(|_| g.dtype != DType::F64) else {
-            unsupported!("{op}: no CUDA kernel for {} (the CPU computes it)", g.dtype)
-        };
+        let Some(tag) = g.dtype.cuda_tag() else { unsupported!("{op}: no CUDA kernel for {}", g.dtype) };
         let y = call.output(0)?;
         let total = y.numel()? as u64;
         if total == 0 {
