@@ -495,19 +495,15 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
         None => None,
     };
 
-    // Present K/V [B, Nk, PL, H].
+    // Present K/V [B, Nk, PL, H]. Only the rows a call reads or writes (each batch row's past
+    // and its S new positions) decode into `pres_k` / `pres_v`, each head `pc` rows (the most
+    // of any batch row); the present's other rows are the past's bytes (a shared buffer) or
+    // zeros.
     let (pl, past) = (p.present_len, p.past_len);
     let shared = past >= p.total;
-    let (past_k, past_v) = if past > 0 {
-        (call.input(3)?.read_vec::<T>()?, call.input(4)?.read_vec::<T>()?)
-    } else {
-        (Vec::new(), Vec::new())
-    };
-    let (mut pres_k, mut pres_v) = if shared && past > 0 {
-        (past_k.clone(), past_v.clone())
-    } else {
-        (vec![T::ZERO; b_n * n_kv * pl * h_sz], vec![T::ZERO; b_n * n_kv * pl * h_sz])
-    };
+    let size = p.dtype.size().unwrap_or(4);
+    let (past_k, past_v) =
+        if past > 0 { (call.input(3)?.read_bytes()?, call.input(4)?.read_bytes()?) } else { (Vec::new(), Vec::new()) };
 
     // Per batch row: total valid length and past length.
     let mut rows = Vec::with_capacity(b_n);
@@ -528,15 +524,17 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
         rows.push((t, past_b));
     }
 
-    let head = |b: usize, j: usize| (b * n_kv + j) * pl * h_sz;
-    let past_head = |b: usize, j: usize| (b * n_kv + j) * past * h_sz;
+    let pc = rows.iter().map(|&(t, past_b)| t.max(past_b + s_n)).max().unwrap_or(0).min(pl);
+    let (mut pres_k, mut pres_v) = (vec![T::ZERO; b_n * n_kv * pc * h_sz], vec![T::ZERO; b_n * n_kv * pc * h_sz]);
+    let head = |b: usize, j: usize| (b * n_kv + j) * pc * h_sz;
+    // Byte offset of head (b, j) in the past's bytes.
+    let past_head = |b: usize, j: usize| (b * n_kv + j) * past * h_sz * size;
     for (b, &(_, past_b)) in rows.iter().enumerate() {
         for j in 0..n_kv {
-            if !shared && past_b > 0 {
-                let (dst, src) = (head(b, j), past_head(b, j));
-                let n = past_b * h_sz;
-                pres_k[dst..dst + n].copy_from_slice(&past_k[src..src + n]);
-                pres_v[dst..dst + n].copy_from_slice(&past_v[src..src + n]);
+            if past_b > 0 {
+                let (dst, src, n) = (head(b, j), past_head(b, j), past_b * h_sz);
+                pres_k[dst..dst + n].copy_from_slice(&element::decode_as::<T>(p.dtype, &past_k[src..src + n * size])?);
+                pres_v[dst..dst + n].copy_from_slice(&element::decode_as::<T>(p.dtype, &past_v[src..src + n * size])?);
             }
             for s in 0..s_n {
                 let src = (b * s_n + s) * kv_w;
@@ -551,6 +549,19 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
             }
         }
     }
+    // The present's bytes: the past's (a shared buffer) or zeros, each batch row's past and new
+    // positions replaced.
+    let present_bytes = |past_bytes: Vec<u8>, pres: &[T]| -> Result<Vec<u8>> {
+        let mut raw = if shared && past > 0 { past_bytes } else { alloc::vec![0u8; b_n * n_kv * pl * h_sz * size] };
+        for (b, &(_, past_b)) in rows.iter().enumerate() {
+            for j in 0..n_kv {
+                let bytes = element::encode_as(p.dtype, &pres[head(b, j)..head(b, j) + (past_b + s_n) * h_sz])?;
+                let at = (b * n_kv + j) * pl * h_sz * size;
+                raw[at..at + bytes.len()].copy_from_slice(&bytes);
+            }
+        }
+        Ok(raw)
+    };
 
     let mut out = vec![T::ZERO; b_n * s_n * n_h * h_sz];
     let mut q = vec![T::ZERO; h_sz];
@@ -558,8 +569,8 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
     for (b, &(t_b, past_b)) in rows.iter().enumerate() {
         for h in 0..n_h {
             let j = h / group;
-            let kh = &pres_k[head(b, j)..head(b, j) + pl * h_sz];
-            let vh = &pres_v[head(b, j)..head(b, j) + pl * h_sz];
+            let kh = &pres_k[head(b, j)..head(b, j) + pc * h_sz];
+            let vh = &pres_v[head(b, j)..head(b, j) + pc * h_sz];
             for s in 0..s_n {
                 let causal = past_b + s + 1;
                 let start = if window >= 0 && causal as i64 > window { causal - window as usize } else { 0 };
@@ -575,7 +586,7 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
                 scores.clear();
                 for t in start..end {
                     let kr = &kh[t * h_sz..(t + 1) * h_sz];
-                    let mut x = q.iter().zip(kr).map(|(&a, &b)| a * b).sum::<T>() * scale;
+                    let mut x = dot(&q, kr) * scale;
                     if softcap > T::ZERO {
                         x = softcap * (x / softcap).tanh();
                     }
@@ -612,12 +623,25 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
 
     call.output(0)?.write_vec(&out)?;
     if let Some(t) = call.output_opt(1) {
-        t.write_vec(&pres_k)?;
+        t.write_bytes(&present_bytes(past_k, &pres_k)?)?;
     }
     if let Some(t) = call.output_opt(2) {
-        t.write_vec(&pres_v)?;
+        t.write_bytes(&present_bytes(past_v, &pres_v)?)?;
     }
     Ok(())
+}
+
+/// `Σ a·b` in eight partial sums (which the compiler keeps in SIMD lanes), then their sum.
+fn dot<T: Real>(a: &[T], b: &[T]) -> T {
+    let mut lanes = [T::ZERO; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: T = ac.remainder().iter().zip(bc.remainder()).map(|(&x, &y)| x * y).sum();
+    for (x, y) in ac.zip(bc) {
+        for l in 0..8 {
+            lanes[l] += x[l] * y[l];
+        }
+    }
+    lanes.iter().copied().sum::<T>() + tail
 }
 
 // ---------------------------------------------------------------------------------------------
