@@ -43,6 +43,9 @@
 #   attn       decode attention variants (built-in, .gpu/variants/*): bench rows and ncu at context 3840
 #   longctx    ncu: time, DRAM throughput, occupancy and stalls of the decode attention kernels at
 #              batch 8, context 3840
+#   sanitize-ops  compute-sanitizer memcheck over node tests of every op added for issue 11 (five
+#              conformance processes, --filter lists)
+#   big        the five full-size real models of scripts/make-big-models.py against onnxruntime
 #   cpu        the fast CPU path beside onnxruntime's CPU provider at 16 threads and 1
 #              (scripts/bench-cpu.py: MatMul 1024³ and resnet50, made by scripts/make-big-models.py)
 # At most 8 files come back from the machine, so $OUT (or ./gpu-out) gets one log per phase
@@ -59,7 +62,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,memory.u
 models=/tmp/kiln-models
 m=$models/smollm2-arch-fp16-cuda
 needs_models=0
-for phase in $phases; do case "$phase" in quick | verify | floor | probe | bw | cpu) ;; *) needs_models=1 ;; esac; done
+for phase in $phases; do case "$phase" in quick | verify | floor | probe | bw | cpu | sanitize-ops | big) ;; *) needs_models=1 ;; esac; done
 if [ "$needs_models" = 1 ] && [ ! -f "$models/reference/smollm2-arch-ref.json" ]; then
   t0=$(date +%s)
   bash .gpu/device-fixtures/make-smollm2-arch.sh "$models" --results "$work/make" >"$work/make.log" 2>&1 ||
@@ -179,6 +182,29 @@ for w in glob.glob(".gpu/python/*.whl"):
         --graph off --runs 1 --new-tokens 8 --max-length 384 >"$work/ncu-b$b.csv" 2>"$work/ncu-b$b.err"
     done
     tar -C "$work" -cf "$out/ncu.tar" ncu-b1.csv ncu-b8.csv
+    ;;
+  sanitize-ops)
+    # compute-sanitizer memcheck over node tests of the ops added since the decode work (issue 11:
+    # at least one per new op), in a few conformance processes rather than one per op.
+    groups=(
+      "test_conv,test_convtranspose,test_col2im,test_maxpool,test_averagepool,test_lppool,test_globalaveragepool,test_globalmaxpool,test_maxunpool"
+      "test_lstm,test_gru,test_rnn,test_einsum,test_dft,test_lrn,test_reversesequence,window,test_prelu,test_swish"
+      "test_resize,test_upsample,test_gridsample,test_affine_grid,test_batchnorm,test_instancenorm,test_group_normalization,test_depthtospace,test_spacetodepth,test_tile,test_center_crop_pad"
+      "test_if,test_loop,test_scan,test_sequence,test_optional,test_split_to_sequence,test_concat_from_sequence"
+      "test_quantizelinear,test_dequantizelinear,test_dynamicquantizelinear,test_qlinearmatmul,test_matmulinteger,test_nllloss,test_sce,test_attention,test_rotary_embedding,test_rms_normalization"
+    )
+    for g in "${groups[@]}"; do
+      compute-sanitizer --tool memcheck --report-api-errors no "$KILN" conformance .cache/onnx-node-1.20.0/node --device cuda \
+        --filter "$g" 2>&1 | grep -E "^conformance:|ERROR SUMMARY|Invalid|out of bounds" | head -12
+    done | tee "$out/sanitize-ops.log"
+    summary+=("sanitize-ops: $(grep -E 'ERROR SUMMARY|^conformance:' "$out/sanitize-ops.log" | tr '\n' ' ')")
+    ;;
+  big)
+    # The five full-size real models (scripts/make-big-models.py) against onnxruntime on the GPU.
+    (cd scripts && python3 make-big-models.py "$work/big") 2>&1 | tail -3
+    KILN_BIG_MODELS="$work/big" "$GPU_TESTS" --include-ignored --test-threads 1 --nocapture big_real_models 2>&1 |
+      tee "$out/big.log" | tail -15
+    summary+=("big: $(grep -E '^test result' "$out/big.log" | tail -1)")
     ;;
   cpu)
     (cd scripts && python3 make-big-models.py "$work/big" resnet50) 2>&1 | tail -2

@@ -306,12 +306,10 @@ fn verify_checks_a_package_on_the_cpu_and_names_unknown_packages() {
     assert!(t.contains("no package named \"nope\"") && t.contains("kiln-unary"), "{t}");
 }
 
-/// A package that claims an (op, opset, dtype) in its manifest but answers UNSUPPORTED for it
-/// fails `kiln verify` (the claim is what resolution trusts), naming the claim and the answer.
+/// kiln-tensor claims Dropout at opset 22 for float32 and declines `training_mode` (schema 9):
+/// ONNX's four training-mode tests are unsupported, not broken claims.
 #[test]
 fn verify_counts_a_declared_refusal_unsupported() {
-    // kiln-tensor claims Dropout at opset 22 for float32 and declines `training_mode` (schema 9):
-    // ONNX's four training-mode tests are unsupported, not broken claims.
     node_tests();
     let o = kiln(&["verify", "kiln-tensor", "--device", "cpu", "--seeds", "1"]);
     let t = text(&o);
@@ -319,6 +317,8 @@ fn verify_counts_a_declared_refusal_unsupported() {
     assert!(t.contains("verify kiln-tensor: ") && t.contains(" passed, 0 failed, 4 unsupported"), "{t}");
 }
 
+/// A package that claims an (op, opset, dtype) in its manifest but answers UNSUPPORTED for it
+/// fails `kiln verify` (the claim is what resolution trusts), naming the claim and the answer.
 #[test]
 fn verify_fails_a_package_that_answers_unsupported_for_what_it_claims() {
     use sha2::Digest;

@@ -17,7 +17,8 @@ pub struct ConformanceArgs {
     pub dir: PathBuf,
     #[arg(long, value_enum, default_value_t)]
     pub device: DeviceArg,
-    /// Only tests whose folder name contains this.
+    /// Only tests whose folder name contains this (comma-separated: any of them, as in
+    /// `--filter test_lstm,test_gru`).
     #[arg(long)]
     pub filter: Option<String>,
     /// On the CPU, also run every node's GPU dispatch and validate its launch plan.

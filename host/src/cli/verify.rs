@@ -122,7 +122,7 @@ pub fn run(mut a: VerifyArgs) -> Result<ExitCode> {
         let declines = declared_declines(&pkg, &m);
         let broken = |o: &mut Outcome, dtype: &str| {
             if let (Outcome::Unsupported(why), Some((c, _))) = (&*o, &claimed) {
-                if declined_by(&pkg, why) && !declines.iter().any(|d| why.contains(d.as_str())) {
+                if declined_by(&pkg, why) && !declines.iter().any(|d| names_use(why, d)) {
                     *o =
                         Outcome::Failed(format!("kernel.toml claims {c} for {dtype}, but the package answered: {why}"));
                 }
@@ -169,6 +169,17 @@ pub fn run(mut a: VerifyArgs) -> Result<ExitCode> {
 /// kind unsupported from that package), as opposed to the host or resolution.
 fn declined_by(pkg: &Package, why: &str) -> bool {
     why.contains(&format!("package {}, op ", pkg.id())) && why.contains("): unsupported: ")
+}
+
+/// Whether `why` names `name` as a whole word (not inside a longer identifier: a declined
+/// `mode` does not excuse a refusal about `training_mode`).
+fn names_use(why: &str, name: &str) -> bool {
+    let ident = |c: char| c.is_alphanumeric() || c == '_';
+    why.match_indices(name).any(|(i, _)| {
+        let before = why[..i].chars().next_back().is_none_or(|c| !ident(c));
+        let after = why[i + name.len()..].chars().next().is_none_or(|c| !ident(c));
+        before && after
+    })
 }
 
 /// The uses `pkg`'s manifest declines (`declines`, schema 9) for `m`'s ops: a refusal that names
@@ -513,4 +524,18 @@ fn report(tests: &[TestResult], cases: &[Case], device: Device) -> String {
         }
     }
     s + "\n"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::names_use;
+
+    #[test]
+    fn a_declined_use_is_named_as_a_whole_word() {
+        let why = "unsupported: Dropout: training_mode with ratio 0.5 draws a random mask";
+        assert!(names_use(why, "training_mode"));
+        assert!(!names_use(why, "mode"));
+        assert!(!names_use(why, "training"));
+        assert!(names_use("`axis` = 3 is not supported", "axis"));
+    }
 }

@@ -446,6 +446,10 @@ impl Session {
         fetches: &[(&str, Fetch<'_>)],
     ) -> Result<Vec<(String, Fetched)>> {
         self.reclaim();
+        // A session may have moved to this thread (it is Send): its CUDA context is made current.
+        if let Some(gpu) = self.backend.gpu_ref() {
+            gpu.device.ctx.bind_to_thread().map_err(|e| Error::Device(format!("cuCtxSetCurrent: {e}")))?;
+        }
         let start = Instant::now();
         let g = &self.model.graph;
         let mut fetch_of: HashMap<ValueId, &Fetch<'_>> = HashMap::new();

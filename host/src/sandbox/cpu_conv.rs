@@ -138,8 +138,10 @@ fn forward(g: &Geom, x: &[f32], w: &[f32], y: &mut [f32]) -> Result<(), String> 
     // Output rows (positions of every axis but the last) per slice.
     let rows_total = g.out_n / last.max(1);
     let rows_per_slice = (COL_BYTES / 4 / k.saturating_mul(last).max(1)).clamp(1, rows_total.max(1));
-    COL.with(|col| {
-        let mut col = col.borrow_mut();
+    // The buffer is taken out of the thread's cell for the product (a parallel product may run
+    // another convolution on this thread while it waits) and put back after it.
+    let mut col = COL.with(|c| std::mem::take(&mut *c.borrow_mut()));
+    let result = (|| {
         if !pointwise(g) {
             let need = k.saturating_mul(rows_per_slice).saturating_mul(last);
             let more = need.saturating_sub(col.len());
@@ -151,13 +153,15 @@ fn forward(g: &Geom, x: &[f32], w: &[f32], y: &mut [f32]) -> Result<(), String> 
             }
         }
         forward_with(g, x, w, y, k, last, rows_total, rows_per_slice, &mut col);
-        // A rare huge buffer is not kept for the thread's later convolutions.
-        if col.capacity() > 2 * COL_BYTES / 4 {
-            col.clear();
-            col.shrink_to(COL_BYTES / 4);
-        }
         Ok(())
-    })
+    })();
+    // A rare huge buffer is not kept for the thread's later convolutions.
+    if col.capacity() > 2 * COL_BYTES / 4 {
+        col.clear();
+        col.shrink_to(COL_BYTES / 4);
+    }
+    COL.with(|c| *c.borrow_mut() = col);
+    result
 }
 
 thread_local! {

@@ -199,12 +199,12 @@ mod avx2 {
     pub(super) unsafe fn dequantize(row: &[u8], scales: &[f32], zeros: &[f32], block: usize, out: &mut [f32]) {
         let kb = out.len() / block;
         for j in 0..kb {
-            let (s, z) = (*scales.get_unchecked(j), *zeros.get_unchecked(j));
-            let (scale, offset) = (_mm256_set1_ps(s), _mm256_set1_ps(-s * z));
+            let (scale, zero) = (_mm256_set1_ps(*scales.get_unchecked(j)), _mm256_set1_ps(*zeros.get_unchecked(j)));
             let p = row.as_ptr().add(j * block / 2);
             let o = out.as_mut_ptr().add(j * block);
             for t in 0..block / 8 {
-                _mm256_storeu_ps(o.add(8 * t), _mm256_fmadd_ps(eight(p, t), scale, offset));
+                // scale · (q − zero), as the portable path rounds it.
+                _mm256_storeu_ps(o.add(8 * t), _mm256_mul_ps(centered(p, t, zero), scale));
             }
         }
     }

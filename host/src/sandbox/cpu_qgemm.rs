@@ -43,7 +43,7 @@ fn compute(slots: &[Slot], q: &QGemm, y: &mut [u8]) -> Result<(), String> {
     let zero_points = match &q.zero_points {
         QZeroPoints::Default => Zeros::Default((1u32 << (bits - 1)) as f32),
         QZeroPoints::Packed(t) => Zeros::Packed(bytes(t, n * zp_row)?, zp_row),
-        QZeroPoints::Float(t) => Zeros::Float(f32_view(bytes(t, n * kb * size)?, q.dtype)?.into_owned()),
+        QZeroPoints::Float(t) => Zeros::Float(f32_view(bytes(t, n * kb * size)?, q.dtype)?),
     };
     let w = Weights {
         b: bytes(&q.b, n * kb * blob)?,
@@ -94,7 +94,7 @@ enum Zeros<'a> {
     /// `bits`-bit values packed per weight row, `.1` bytes a row.
     Packed(&'a [u8], usize),
     /// One float per block.
-    Float(Vec<f32>),
+    Float(Cow<'a, [f32]>),
 }
 
 impl Weights<'_> {
@@ -159,12 +159,12 @@ fn direct_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
                     chunk.copy_from_slice(&dots);
                     return;
                 }
-                for t in 0..rows {
-                    let (r, zt) = (first + t, &z[t * w.kb..(t + 1) * w.kb]);
-                    let out = &mut chunk[t * m..(t + 1) * m];
-                    for i0 in (0..m).step_by(cpu_q4::MAX_ROWS) {
-                        let i1 = (i0 + cpu_q4::MAX_ROWS).min(m);
-                        let xs: Vec<&[f32]> = (i0..i1).map(x_row).collect();
+                for i0 in (0..m).step_by(cpu_q4::MAX_ROWS) {
+                    let i1 = (i0 + cpu_q4::MAX_ROWS).min(m);
+                    let xs: Vec<&[f32]> = (i0..i1).map(x_row).collect();
+                    for t in 0..rows {
+                        let (r, zt) = (first + t, &z[t * w.kb..(t + 1) * w.kb]);
+                        let out = &mut chunk[t * m..(t + 1) * m];
                         let a_rows = cpu_q4::Rows { xs: &xs, row: w.row(r), scales: w.scales(r), zeros: zt };
                         let done = w.bits == 4 && cpu_q4::dots_rows(&a_rows, w.block, &mut out[i0..i1]);
                         if !done {
