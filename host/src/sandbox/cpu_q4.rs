@@ -170,6 +170,7 @@ mod avx2 {
     pub(super) unsafe fn rows<const R: usize>(r: &super::Rows, block: usize, out: &mut [f32]) {
         let super::Rows { xs, row, scales, zeros } = *r;
         let kb = scales.len();
+        let xp: [*const f32; R] = core::array::from_fn(|i| xs[i].as_ptr());
         let mut total = [_mm256_setzero_ps(); R];
         for j in 0..kb {
             let p = row.as_ptr().add(j * block / 2);
@@ -181,7 +182,7 @@ mod avx2 {
             for t in 0..block / 8 {
                 let w = centered(p, t, zero);
                 for i in 0..R {
-                    acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xs[i].as_ptr().add(j * block + 8 * t)), acc[i]);
+                    acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xp[i].add(j * block + 8 * t)), acc[i]);
                 }
             }
             let scale = _mm256_set1_ps(*scales.get_unchecked(j));
