@@ -6,7 +6,8 @@
 use kiln_kernel_abi::wire::{Conv, TensorAt};
 use rayon::prelude::*;
 
-use super::cpu_gemm::{epilogue, f32_view, on_pool, operand_bytes, sgemm, store, with_output};
+use super::cpu_gemm::{epilogue, f32_view, operand_bytes, sgemm, store, with_output};
+use super::cpu_pool::on_pool;
 use super::handles::Slot;
 
 /// The im2col buffer a convolution aims for: larger products are computed in slices of output

@@ -14,7 +14,8 @@ use std::borrow::Cow;
 use kiln_kernel_abi::wire::{QGemm, QZeroPoints, TensorAt};
 use rayon::prelude::*;
 
-use super::cpu_gemm::{f32_view, on_pool, operand_bytes, sgemm, store, with_output};
+use super::cpu_gemm::{f32_view, operand_bytes, sgemm, store, with_output};
+use super::cpu_pool::on_pool;
 use super::cpu_q4;
 use super::handles::Slot;
 

@@ -32,6 +32,30 @@ fn guest_range(size: usize, ptr: i32, len: usize) -> Option<Range<usize>> {
     (end <= size).then_some(start..end)
 }
 
+/// An import of `kiln_cpu` calls that takes one descriptor (`conv`, `qgemm`): refused outside a
+/// CPU call or for a descriptor outside the shim's memory; else `decode`d and `compute`d now on
+/// the call's host tensors. Returns 0, or the `E_*` code whose reason the call keeps.
+fn cpu_descriptor_call<D, E: std::fmt::Display>(
+    c: &mut Caller<'_, CallState>,
+    import: &str,
+    ptr: i32,
+    len: i32,
+    decode: fn(&[u8]) -> Result<D, E>,
+    compute: fn(&mut CallState, D) -> Result<(), String>,
+) -> i32 {
+    let Some((mem, st)) = split(c) else { return E_CALL };
+    if let Err(code) = expect_kind(st, import, &[CallKind::Cpu]) {
+        return code;
+    }
+    let Some(r) = guest_range(mem.len(), ptr, len as u32 as usize) else {
+        return st.refuse(E_MEMORY, format!("{import}: descriptor {ptr:#x}+{len} is outside the shim's memory"));
+    };
+    match decode(&mem[r]).map_err(|e| format!("{import}: malformed descriptor: {e}")).and_then(|d| compute(st, d)) {
+        Ok(()) => 0,
+        Err(msg) => st.refuse(E_ARG, msg),
+    }
+}
+
 fn expect_kind(st: &mut CallState, import: &str, allowed: &[CallKind]) -> Result<(), i32> {
     match st.kind {
         Some(k) if allowed.contains(&k) => Ok(()),
@@ -240,42 +264,43 @@ pub(super) fn linker(engine: &Engine) -> Linker<CallState> {
     })
     .expect("define gemm");
     l.func_wrap(m, imp::CONV, |mut c: Caller<'_, CallState>, ptr: i32, len: i32| -> i32 {
-        let Some((mem, st)) = split(&mut c) else { return E_CALL };
-        if let Err(code) = expect_kind(st, "conv", &[CallKind::Cpu]) {
-            return code;
-        }
-        let Some(r) = guest_range(mem.len(), ptr, len as u32 as usize) else {
-            return st.refuse(E_MEMORY, format!("conv: descriptor {ptr:#x}+{len} is outside the shim's memory"));
-        };
-        match Conv::decode(&mem[r])
-            .map_err(|e| format!("conv: malformed descriptor: {e}"))
-            .and_then(|cv| check_conv(st, cv))
-            .and_then(|cv| super::cpu_conv::run(st.table.slots_mut(), &cv))
-        {
-            Ok(()) => 0,
-            Err(msg) => st.refuse(E_ARG, msg),
-        }
+        cpu_descriptor_call(&mut c, "conv", ptr, len, Conv::decode, |st, cv| {
+            check_conv(st, cv).and_then(|cv| super::cpu_conv::run(st.table.slots_mut(), &cv))
+        })
     })
     .expect("define conv");
     l.func_wrap(m, imp::QGEMM, |mut c: Caller<'_, CallState>, ptr: i32, len: i32| -> i32 {
-        let Some((mem, st)) = split(&mut c) else { return E_CALL };
-        if let Err(code) = expect_kind(st, "qgemm", &[CallKind::Cpu]) {
-            return code;
-        }
-        let Some(r) = guest_range(mem.len(), ptr, len as u32 as usize) else {
-            return st.refuse(E_MEMORY, format!("qgemm: descriptor {ptr:#x}+{len} is outside the shim's memory"));
-        };
-        match QGemm::decode(&mem[r])
-            .map_err(|e| format!("qgemm: malformed descriptor: {e}"))
-            .and_then(|q| check_qgemm(st, q))
-            .and_then(|q| super::cpu_qgemm::run(st.table.slots_mut(), &q))
-        {
-            Ok(()) => 0,
-            Err(msg) => st.refuse(E_ARG, msg),
-        }
+        cpu_descriptor_call(&mut c, "qgemm", ptr, len, QGemm::decode, |st, q| {
+            check_qgemm(st, q).and_then(|q| super::cpu_qgemm::run(st.table.slots_mut(), &q))
+        })
     })
     .expect("define qgemm");
     l
+}
+
+/// Checks that the operand at `t`, `bytes` long (`None`: its size overflowed), lies inside its
+/// tensor at a byte offset that is a multiple of `elem`; rewrites its handle to the slot index
+/// and returns that. Errors name `what` (the import and operand).
+fn check_tensor_at(
+    st: &CallState,
+    what: &str,
+    t: &mut TensorAt,
+    bytes: Option<u64>,
+    elem: u64,
+) -> Result<usize, String> {
+    let slot = st.table.index(t.handle).map_err(|e| format!("{what}: {e}"))?;
+    let nbytes = st.table.get(t.handle).map(|s| s.nbytes).unwrap_or(0);
+    match bytes.and_then(|b| b.checked_add(t.offset)) {
+        Some(end) if end <= nbytes && t.offset.is_multiple_of(elem) => {
+            t.handle = slot as u32;
+            Ok(slot)
+        }
+        _ => Err(format!(
+            "{what}: the operand at byte offset {} reaches past the end of handle {:#x} ({nbytes} bytes) \
+             or does not start on a whole {elem}-byte element",
+            t.offset, t.handle
+        )),
+    }
 }
 
 /// Checks a block-quantized product: dtype, bits (2, 4, 8), a block that is a whole number of
@@ -298,19 +323,8 @@ fn check_qgemm(st: &CallState, mut q: QGemm) -> Result<QGemm, String> {
     let size = q.dtype.size().unwrap_or(4) as u64;
     let kb = q.k.div_ceil(q.block);
     let elems = |a: u64, b: u64| a.checked_mul(b);
-    let check = |name: &str, t: &mut TensorAt, bytes: Option<u64>, elem: u64| -> Result<usize, String> {
-        let slot = st.table.index(t.handle).map_err(|e| format!("qgemm {name}: {e}"))?;
-        let nbytes = st.table.get(t.handle).map(|s| s.nbytes).unwrap_or(0);
-        match bytes.and_then(|b| b.checked_add(t.offset)) {
-            Some(end) if end <= nbytes && t.offset.is_multiple_of(elem) => {
-                t.handle = slot as u32;
-                Ok(slot)
-            }
-            _ => Err(format!(
-                "qgemm {name}: the operand (byte offset {}) reaches past the end of handle {:#x} ({nbytes} bytes)",
-                t.offset, t.handle
-            )),
-        }
+    let check = |name: &str, t: &mut TensorAt, bytes: Option<u64>, elem: u64| {
+        check_tensor_at(st, &format!("qgemm {name}"), t, bytes, elem)
     };
     if !st.table.get(q.y.handle).is_ok_and(|s| s.writable) {
         return Err(format!("qgemm Y: handle {:#x} is not an output or scratch tensor", q.y.handle));
@@ -380,19 +394,8 @@ fn check_conv(st: &CallState, mut c: Conv) -> Result<Conv, String> {
     };
     let x_elems = prod(&c.input).and_then(|p| p.checked_mul(n)?.checked_mul(cin));
     let y_elems = prod(&c.output).and_then(|p| p.checked_mul(n)?.checked_mul(mout));
-    let check = |name: &str, t: &mut TensorAt, elems: Option<u64>| -> Result<usize, String> {
-        let slot = st.table.index(t.handle).map_err(|e| format!("conv {name}: {e}"))?;
-        let nbytes = st.table.get(t.handle).map(|s| s.nbytes).unwrap_or(0);
-        match elems.and_then(|e| e.checked_mul(size)?.checked_add(t.offset)) {
-            Some(end) if end <= nbytes && t.offset.is_multiple_of(size) => {
-                t.handle = slot as u32;
-                Ok(slot)
-            }
-            _ => Err(format!(
-                "conv {name}: the operand (byte offset {}, whole elements) reaches past the end of handle {:#x} ({nbytes} bytes)",
-                t.offset, t.handle
-            )),
-        }
+    let check = |name: &str, t: &mut TensorAt, elems: Option<u64>| {
+        check_tensor_at(st, &format!("conv {name}"), t, elems.and_then(|e| e.checked_mul(size)), size)
     };
     if !st.table.get(c.y.handle).is_ok_and(|s| s.writable) {
         return Err(format!("conv Y: handle {:#x} is not an output or scratch tensor", c.y.handle));

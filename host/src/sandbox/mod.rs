@@ -11,6 +11,7 @@
 
 mod cpu_conv;
 mod cpu_gemm;
+mod cpu_pool;
 mod cpu_q4;
 mod cpu_qgemm;
 pub mod handles;
@@ -24,7 +25,7 @@ use std::time::Duration;
 
 use crate::native_cache;
 
-pub use cpu_gemm::{cpu_threads, on_pool_hot};
+pub use cpu_pool::{cpu_threads, on_pool_hot};
 
 pub use handles::{Access, HandleTable, Slot};
 pub use kiln_kernel_abi::manifest::ParamKind;

@@ -1,0 +1,124 @@
+//! The CPU pool: the rayon threads that the host's CPU work runs on (`gemm`, `conv`, `qgemm`
+//! in `kiln_cpu` calls, and a CPU session's graph itself), `KILN_CPU_THREADS` of them (default:
+//! every core the process may use).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// The threads CPU work uses: `KILN_CPU_THREADS` when it is a positive number, else every core
+/// the process may use (another value is reported once, as a warning, and ignored).
+pub fn cpu_threads() -> usize {
+    static THREADS: OnceLock<usize> = OnceLock::new();
+    *THREADS.get_or_init(|| {
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        match std::env::var("KILN_CPU_THREADS") {
+            Err(_) => cores,
+            Ok(v) => match v.trim().parse::<usize>() {
+                Ok(n) if n > 0 => n,
+                _ => {
+                    tracing::warn!("KILN_CPU_THREADS={v:?} is not a positive number of threads; using {cores}");
+                    cores
+                }
+            },
+        }
+    })
+}
+
+/// Native stack of the pool's threads: a CPU session runs its nodes there, Wasm shims included.
+const POOL_STACK_BYTES: usize = 16 << 20;
+
+/// The pool CPU work runs on (`None`: it could not be made, and it runs on the caller's thread).
+pub(super) fn pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
+    POOL.get_or_init(|| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(cpu_threads())
+            .stack_size(POOL_STACK_BYTES)
+            .thread_name(|i| format!("kiln-cpu-{i}"))
+            .build()
+            .ok()
+    })
+    .as_ref()
+}
+
+/// How long a kept-hot thread of the pool spins without work before it naps between looks.
+const HOT_SPIN: Duration = Duration::from_millis(2);
+
+/// A kept-hot thread's nap between looks once it has spun [`HOT_SPIN`] without work: the core
+/// is free for the OS through a long single-threaded stretch, and the next parallel work waits
+/// at most this long for the thread (its first part starts on the thread that shares it out).
+const HOT_NAP: Duration = Duration::from_micros(50);
+
+/// Whether a session runs hot on the pool now ([`on_pool_hot`]): one at a time.
+static HOT: AtomicBool = AtomicBool::new(false);
+
+/// Runs `f` (a CPU session's graph) on one of the CPU pool's threads while the others stay hot:
+/// until `f` returns they spin (then nap, [`HOT_SPIN`], [`HOT_NAP`]), taking any parallel work
+/// `f`'s nodes share out, instead of sleeping until woken between nodes. Waking a sleeping
+/// thread costs tens of µs on a virtual machine, about what a decode step's matrix product
+/// takes, so without this a second thread joined each product too late to help (onnxruntime's
+/// intra-op threads spin the same way). One session runs hot at a time; another meanwhile runs `f` on its caller's
+/// thread, sharing out its parallel work through the pool as before (so one graph never runs
+/// nested inside another's wait).
+pub fn on_pool_hot<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    let Some(p) = pool() else { return f() };
+    let helpers = p.current_num_threads().saturating_sub(1);
+    if helpers == 0 || p.current_thread_index().is_some() {
+        return on_pool(f);
+    }
+    if HOT.swap(true, Ordering::Acquire) {
+        return f();
+    }
+    /// Sets a flag to `.1` when dropped, `f` returning or unwinding alike.
+    struct SetOnDrop<'a>(&'a AtomicBool, bool);
+    impl Drop for SetOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(self.1, Ordering::Release);
+        }
+    }
+    let _hot = SetOnDrop(&HOT, false);
+    p.install(|| {
+        let done = AtomicBool::new(false);
+        rayon::scope(|s| {
+            for _ in 0..helpers {
+                s.spawn(|_| {
+                    let mut idle_since = Instant::now();
+                    while !done.load(Ordering::Acquire) {
+                        match rayon::yield_now() {
+                            Some(rayon::Yield::Executed) => idle_since = Instant::now(),
+                            _ if idle_since.elapsed() < HOT_SPIN => std::hint::spin_loop(),
+                            _ => std::thread::sleep(HOT_NAP),
+                        }
+                    }
+                });
+            }
+            // The helpers stop when `f` returns or unwinds.
+            let _done = SetOnDrop(&done, true);
+            f()
+        })
+    })
+}
+
+/// Runs `f` on the CPU pool (its rayon work on the pool's threads), or here without one; inline
+/// when called from one of the pool's threads.
+pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    match pool() {
+        Some(p) => p.install(f),
+        None => f(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::on_pool_hot;
+
+    /// A panic in a hot run reaches the caller (the spinning helpers stop), and the next hot run
+    /// works.
+    #[test]
+    fn a_panic_in_a_hot_run_reaches_the_caller() {
+        let r = std::panic::catch_unwind(|| on_pool_hot(|| -> u32 { panic!("a node panicked") }));
+        assert!(r.is_err());
+        assert_eq!(on_pool_hot(|| 7), 7);
+    }
+}
