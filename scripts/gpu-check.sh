@@ -45,6 +45,12 @@
 #              batch 8, context 3840
 #   sanitize-ops  compute-sanitizer memcheck over node tests of every op added for issue 11 (five
 #              conformance processes, --filter lists)
+#   conv       convolutions through cuDNN: where cuDNN is, its GPU test (against the CPU, and the
+#              fallback with --cudnn off), the node tests on CUDA, the small real models, and
+#              kiln run --report of MobileNetV3 with cuDNN and without
+#   models     bench/model_peers.py: ResNet-50 and BERT-base at batch 1 and 32, float32 and float16,
+#              kiln bench run beside PyTorch eager and torch.compile (MODEL_PEERS="--methods
+#              kiln,eager --batches 1" and the like narrow it)
 #   big        the five full-size real models of scripts/make-big-models.py against onnxruntime
 #   cpu        the fast CPU path beside onnxruntime's CPU provider at 16 threads and 1
 #              (scripts/bench-cpu.py: MatMul 1024³ and resnet50, made by scripts/make-big-models.py)
@@ -62,7 +68,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,memory.u
 models=/tmp/kiln-models
 m=$models/smollm2-arch-fp16-cuda
 needs_models=0
-for phase in $phases; do case "$phase" in quick | verify | floor | probe | bw | cpu | sanitize-ops | big) ;; *) needs_models=1 ;; esac; done
+for phase in $phases; do case "$phase" in quick | verify | floor | probe | bw | cpu | sanitize-ops | big | conv | models) ;; *) needs_models=1 ;; esac; done
 if [ "$needs_models" = 1 ] && [ ! -f "$models/reference/smollm2-arch-ref.json" ]; then
   t0=$(date +%s)
   bash .gpu/device-fixtures/make-smollm2-arch.sh "$models" --results "$work/make" >"$work/make.log" 2>&1 ||
@@ -221,6 +227,26 @@ for w in glob.glob(".gpu/python/*.whl"):
       "$KILN" verify "$p" --device cuda --seeds 1 2>&1 | grep -v '  ok$' | tail -12
     done | tee "$out/verify.log"
     summary+=("$(grep -E '^verify kiln-' "$out/verify.log" | tr '\n' ' ')")
+    ;;
+  conv)
+    { find / -name 'libcudnn.so.9*' -not -path '*/proc/*' 2>/dev/null | head -3
+      find / -name 'libcublasLt.so*' -not -path '*/proc/*' 2>/dev/null | head -3; } | tee "$out/conv.log"
+    "$GPU_TESTS" --include-ignored --test-threads 1 --nocapture convolutions_run onnx_node_tests_that small_real_models 2>&1 |
+      tee -a "$out/conv.log" | grep -E "^cuDNN|^conformance:|^test .*(ok|FAILED)$|test result|panicked|assert"
+    mn=tests/real-models/mobilenet_v3_small_64
+    in=$(python3 -c "import onnx; print(onnx.load('$mn/model.onnx').graph.input[0].name)")
+    for c in auto off; do
+      "$KILN" run "$mn/model.onnx" --input "$in=$mn/test_data_set_0/input_0.pb" --output-dir "$work/mn-$c" \
+        --device cuda --cudnn $c --runs 20 --report 2>&1 | grep -E "runs in|convolutions|on the package|rror" | head -6
+    done | tee -a "$out/conv.log"
+    summary+=("conv: $(grep -E '^test result' "$out/conv.log" | tail -1)")
+    ;;
+  models)
+    # shellcheck disable=SC2086
+    python3 bench/model_peers.py --kiln "$KILN" --out "$work/peers" ${MODEL_PEERS:-} 2>&1 |
+      grep -vE "Warning|warn\(|^\s*$" | tee "$out/models.log" | tail -40
+    cp "$work/peers/model-peers.json" "$out/" 2>/dev/null
+    summary+=("models: $(grep -c ' ms (' "$out/models.log") rows")
     ;;
   quick)
     skip=()

@@ -1821,3 +1821,231 @@ fn fused_convolutions_on_the_gpu_match_the_unfused_graph_on_the_cpu() {
         );
     }
 }
+
+/// A convolution model at ONNX dtype `dtype` on `options`: `nodes` over graph inputs `inputs`
+/// (name, shape, values on a grid of 1/16, exact in every float dtype), outputs `outputs`. Returns
+/// the outputs as f64 and the session's convolution report.
+fn conv_model(
+    options: &SessionOptions,
+    dtype: i32,
+    nodes: Vec<kiln_tests::onnx::NodeProto>,
+    inputs: &[(&str, Vec<usize>, Vec<f64>)],
+    inits: &[(&str, Vec<usize>, Vec<f64>)],
+    outputs: &[&str],
+) -> (Vec<Vec<f64>>, kiln_host::trace::ConvStats) {
+    use kiln_tests::onnx;
+    let tensor = |shape: &[usize], v: &[f64]| -> kiln_host::Tensor {
+        let (d, bytes): (kiln_kernel_abi::DType, Vec<u8>) = match dtype {
+            1 => (kiln_kernel_abi::DType::F32, v.iter().flat_map(|x| (*x as f32).to_le_bytes()).collect()),
+            10 => (kiln_kernel_abi::DType::F16, v.iter().flat_map(|x| half::f16::from_f64(*x).to_le_bytes()).collect()),
+            _ => {
+                (kiln_kernel_abi::DType::BF16, v.iter().flat_map(|x| half::bf16::from_f64(*x).to_le_bytes()).collect())
+            }
+        };
+        kiln_host::Tensor::new(d, shape.to_vec(), bytes.into()).unwrap()
+    };
+    let dims = |s: &[usize]| s.iter().map(|&d| d as i64).collect::<Vec<_>>();
+    let decl = inputs.iter().map(|(n, s, _)| onnx::value(n, dtype, &dims(s))).collect();
+    // Weights as initializers: the fusions need their dtype at load.
+    let inits = inits
+        .iter()
+        .map(|(n, s, v)| onnx::TensorProto {
+            name: n.to_string(),
+            dims: dims(s),
+            data_type: dtype,
+            raw_data: tensor(s, v).data.to_vec(),
+            ..Default::default()
+        })
+        .collect();
+    let mut m = onnx::model(nodes, decl, outputs.iter().map(|o| onnx::value(o, dtype, &[])).collect(), inits);
+    for o in m.graph.as_mut().unwrap().output.iter_mut() {
+        o.type_.as_mut().unwrap().mut_tensor_type().shape.clear();
+    }
+    let m = model::load_bytes(&onnx::bytes(&m), None).unwrap();
+    let mut s = Session::new(runtime(), m, options.clone()).unwrap();
+    let feeds = inputs.iter().map(|(n, sh, v)| (n.to_string(), tensor(sh, v))).collect();
+    let out = s.run(feeds).unwrap_or_else(|e| panic!("dtype {dtype} on {:?}: {e}", options.device));
+    let values = out.iter().map(|(_, t)| t.to_f32().unwrap().into_iter().map(f64::from).collect()).collect();
+    (values, s.report.convolutions.clone())
+}
+
+/// Conv and ConvTranspose through cuDNN (ABI.md §4.8): float32, float16 and bfloat16, 1-D to 3-D,
+/// groups, strides, dilations, output padding, and ConvRelu / ConvAddRelu (cuDNN's fused bias and
+/// activation, or its steps one by one) give the CPU reference's values (the host's im2col GEMMs;
+/// on these exact grid values float32 sums agree but for Winograd's rounding); asymmetric padding
+/// runs kiln-conv's own kernels with the reason in the report. With `--cudnn off` every one runs
+/// kiln-conv's kernels, the report saying so, with the same values.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn convolutions_run_through_cudnn_and_fall_back_to_the_packages_kernels_with_the_reason() {
+    use kiln_tests::onnx::{attr_int, attr_ints, attr_string, node};
+    let lib = kiln_host::cuda::cudnn_library().unwrap_or_else(|why| panic!("cuDNN: {why}"));
+    println!("{lib}");
+    let mut rng = kiln_tests::Rng(31);
+    let mut v = |n: usize| -> Vec<f64> { (0..n).map(|_| rng.int(-32, 32) as f64 / 16.0).collect() };
+    struct Case {
+        what: &'static str,
+        op: &'static str,
+        x: Vec<usize>,
+        w: Vec<usize>,
+        out_ch: usize,
+        attrs: Vec<kiln_tests::onnx::AttributeProto>,
+        /// Whether cuDNN takes it (else: the fallback's reason contains this).
+        declined: Option<&'static str>,
+    }
+    let cases = vec![
+        Case {
+            what: "2-D, groups, strides, dilations",
+            op: "Conv",
+            x: vec![2, 4, 13, 12],
+            w: vec![6, 2, 3, 3],
+            out_ch: 6,
+            attrs: vec![
+                attr_int("group", 2),
+                attr_ints("strides", &[2, 1]),
+                attr_ints("dilations", &[1, 2]),
+                attr_ints("pads", &[1, 2, 1, 2]),
+            ],
+            declined: None,
+        },
+        Case {
+            what: "ResNet's stem: 7×7 stride 2",
+            op: "Conv",
+            x: vec![1, 3, 32, 32],
+            w: vec![16, 3, 7, 7],
+            out_ch: 16,
+            attrs: vec![attr_ints("strides", &[2, 2]), attr_ints("pads", &[3, 3, 3, 3])],
+            declined: None,
+        },
+        Case {
+            what: "1-D",
+            op: "Conv",
+            x: vec![2, 3, 17],
+            w: vec![4, 3, 5],
+            out_ch: 4,
+            attrs: vec![attr_ints("pads", &[2, 2])],
+            declined: None,
+        },
+        Case {
+            what: "3-D",
+            op: "Conv",
+            x: vec![1, 2, 5, 6, 4],
+            w: vec![4, 2, 3, 3, 3],
+            out_ch: 4,
+            attrs: vec![attr_ints("pads", &[1, 1, 1, 1, 1, 1])],
+            declined: None,
+        },
+        Case {
+            what: "depthwise, stride 2",
+            op: "Conv",
+            x: vec![1, 8, 9, 9],
+            w: vec![8, 1, 3, 3],
+            out_ch: 8,
+            attrs: vec![attr_int("group", 8), attr_ints("strides", &[2, 2]), attr_ints("pads", &[1, 1, 1, 1])],
+            declined: None,
+        },
+        Case {
+            what: "SAME_UPPER, stride 2 (padding 0 before, 1 after)",
+            op: "Conv",
+            x: vec![1, 3, 8, 8],
+            w: vec![4, 3, 3, 3],
+            out_ch: 4,
+            attrs: vec![attr_string("auto_pad", "SAME_UPPER"), attr_ints("strides", &[2, 2])],
+            declined: Some("same on both sides"),
+        },
+        Case {
+            what: "transposed, groups, strides, output padding",
+            op: "ConvTranspose",
+            x: vec![2, 4, 5, 4],
+            w: vec![4, 3, 3, 3],
+            out_ch: 6,
+            attrs: vec![
+                attr_int("group", 2),
+                attr_ints("strides", &[2, 2]),
+                attr_ints("output_padding", &[1, 1]),
+                attr_ints("pads", &[1, 1, 1, 1]),
+            ],
+            declined: None,
+        },
+        Case {
+            what: "transposed 1-D, dilations",
+            op: "ConvTranspose",
+            x: vec![1, 2, 7],
+            w: vec![2, 3, 3],
+            out_ch: 3,
+            attrs: vec![attr_ints("dilations", &[2])],
+            declined: None,
+        },
+    ];
+    let cpu = SessionOptions::default();
+    let gpu = cuda();
+    let off = SessionOptions { cudnn: kiln_host::ep::CudnnMode::Off, ..cuda() };
+    for c in &cases {
+        let (x, w, b) = (v(c.x.iter().product()), v(c.w.iter().product()), v(c.out_ch));
+        let inputs = [("x", c.x.clone(), x), ("w", c.w.clone(), w), ("b", vec![c.out_ch], b)];
+        for dtype in [1, 10, 16] {
+            let nodes = || vec![node(c.op, &["x", "w", "b"], &["y"], c.attrs.clone())];
+            let (want, _) = conv_model(&cpu, dtype, nodes(), &inputs, &[], &["y"]);
+            let scale = want[0].iter().fold(1f64, |m, v| m.max(v.abs()));
+            // float32: Winograd's and FFT's transforms round; the 16-bit types round their output.
+            let tol = match dtype {
+                1 => 1e-5 * scale,
+                10 => 2f64.powi(-10) * scale * 2.0,
+                _ => 2f64.powi(-7) * scale * 2.0,
+            };
+            for (options, mode) in [(&gpu, "cuDNN"), (&off, "off")] {
+                let (got, report) = conv_model(options, dtype, nodes(), &inputs, &[], &["y"]);
+                for (i, (g, w)) in got[0].iter().zip(&want[0]).enumerate() {
+                    assert!(
+                        (g - w).abs() <= tol,
+                        "{} ({mode}, dtype {dtype}): element {i} is {g}, the CPU gives {w}",
+                        c.what
+                    );
+                }
+                let fallbacks: Vec<&String> = report.fallbacks.keys().collect();
+                match (mode, c.declined) {
+                    ("cuDNN", None) => {
+                        assert_eq!((report.library_dispatches, fallbacks.len()), (1, 0), "{}: {report:?}", c.what)
+                    }
+                    ("cuDNN", Some(why)) => {
+                        assert_eq!(report.library_dispatches, 0, "{}", c.what);
+                        assert!(fallbacks.len() == 1 && fallbacks[0].contains(why), "{}: {report:?}", c.what);
+                    }
+                    _ => {
+                        assert_eq!(report.library_dispatches, 0, "{}", c.what);
+                        assert_eq!(fallbacks, [&"turned off (--cudnn off)".to_string()], "{}", c.what);
+                        assert!(report.render().contains("turned off (--cudnn off)"), "{}", report.render());
+                    }
+                }
+            }
+        }
+    }
+    // ConvRelu with a bias (cuDNN's fused bias + Relu), ConvAddRelu with a whole Z (fused, Z as
+    // its second addend), ConvRelu without a bias (the product, then cudnnActivationForward).
+    let nodes = || {
+        let pads = attr_ints("pads", &[1, 1, 1, 1]);
+        vec![
+            node("Conv", &["x", "w", "b"], &["c1"], vec![pads.clone()]),
+            node("Relu", &["c1"], &["y1"], vec![]),
+            node("Conv", &["x", "w", "b"], &["c2"], vec![pads.clone()]),
+            node("Add", &["c2", "z"], &["s"], vec![]),
+            node("Relu", &["s"], &["y2"], vec![]),
+            node("Conv", &["x", "w"], &["c3"], vec![pads, attr_ints("strides", &[2, 2])]),
+            node("Relu", &["c3"], &["y3"], vec![]),
+        ]
+    };
+    let inputs = [("x", vec![2, 8, 10, 10], v(1600)), ("z", vec![2, 16, 10, 10], v(3200))];
+    let inits = [("w", vec![16, 8, 3, 3], v(1152)), ("b", vec![16], v(16))];
+    for dtype in [1, 10] {
+        let (want, _) = conv_model(&cpu, dtype, nodes(), &inputs, &inits, &["y1", "y2", "y3"]);
+        let (got, report) = conv_model(&gpu, dtype, nodes(), &inputs, &inits, &["y1", "y2", "y3"]);
+        assert_eq!(report.library_dispatches, 3, "{report:?}");
+        for (o, (g, w)) in got.iter().zip(&want).enumerate() {
+            let scale = w.iter().fold(1f64, |m, v| m.max(v.abs()));
+            let tol = if dtype == 1 { 1e-5 * scale } else { 2f64.powi(-9) * scale };
+            for (i, (a, b)) in g.iter().zip(w).enumerate() {
+                assert!((a - b).abs() <= tol, "fused output {o} at dtype {dtype}, element {i}: {a} vs {b}");
+            }
+        }
+    }
+}

@@ -239,7 +239,17 @@ fn garbage_pointers_and_lengths_are_refused_by_every_import() {
         (
             CallKind::Dispatch,
             "(drop (call $conv (i32.const 0) (i32.const 4))) (i32.const 0)".into(),
-            "conv may not be called during Dispatch",
+            "conv: malformed descriptor",
+        ),
+        (
+            CallKind::Dispatch,
+            format!("(drop (call $conv {far} (i32.const 64))) (i32.const 0)"),
+            "conv: descriptor 0x7ffffff0+64 is outside the shim's memory",
+        ),
+        (
+            CallKind::Infer,
+            "(drop (call $conv (i32.const 0) (i32.const 4))) (i32.const 0)".into(),
+            "conv may not be called during Infer",
         ),
     ];
     for (kind, body, why) in cases {
@@ -577,5 +587,70 @@ fn cpu_calls_compute_gemm_and_conv_on_the_host_and_bad_descriptors_are_refused()
         (calling("conv", &in_place.encode()), "is not an output or scratch tensor"),
     ] {
         check(&run(&wasm).expect_err(why), FailureKind::Refused, why);
+    }
+}
+
+/// `conv` in a dispatch (ABI.md §4.8, manifest schema 10): a checked descriptor the session's
+/// service takes becomes a plan step over slots; where none serves, or the service declines it,
+/// the shim gets `E_UNAVAILABLE` (−8), which is no refusal (the call succeeds, its plan empty)
+/// and the reason is in the outcome's `declined`.
+#[test]
+fn conv_in_a_dispatch_is_served_or_declined_with_its_reason() {
+    use kiln_host::sandbox::ConvService;
+    let sb = sandbox();
+    let at = |handle| TensorAt { handle, offset: 0 };
+    // A 1-D convolution of X [1, 1, 4] by a one-tap W (X's first element) into Y [1, 1, 4].
+    let desc = Conv {
+        dtype: DType::F32,
+        transposed: false,
+        batch: 1,
+        in_channels: 1,
+        out_channels: 1,
+        groups: 1,
+        input: vec![4],
+        output: vec![4],
+        kernel: vec![1],
+        strides: vec![1],
+        dilations: vec![1],
+        pads_begin: vec![0],
+        x: at(0x10000),
+        w: at(0x10000),
+        bias: None,
+        z: None,
+        y: at(0x10001),
+        epilogue: Epilogue::None,
+    }
+    .encode();
+    // The dispatch returns 0 when conv answered `want`, else traps.
+    let body = |want: i32| {
+        format!(
+            "(if (i32.ne (call $conv (i32.const 1024) (i32.const {})) (i32.const {want})) (then unreachable)) (i32.const 0)",
+            desc.len()
+        )
+    };
+    let run = |want: i32, service: Option<ConvService>| {
+        let module = sb.load(PACKAGE, &shim(INFER_OK, OK, &body(want), &data(1024, &desc)), declared()).unwrap();
+        let mut inst = module.instantiate().unwrap();
+        if let Some(s) = service {
+            inst.set_conv_service(s);
+        }
+        inst.call(CallKind::Dispatch, args()).unwrap_or_else(|f| panic!("conv answered otherwise than {want}: {f}"))
+    };
+    let out = run(kiln_kernel_abi::status::E_UNAVAILABLE, None);
+    assert!(out.plan.steps.is_empty());
+    assert_eq!(out.declined.len(), 1);
+    assert!(out.declined[0].contains("CPU session"), "{:?}", out.declined);
+    let nope = ConvService::Library { takes: std::sync::Arc::new(|_| Err("cuDNN pads both sides alike".into())) };
+    let out = run(kiln_kernel_abi::status::E_UNAVAILABLE, Some(nope));
+    assert_eq!((out.plan.steps.len(), out.declined), (0, vec!["cuDNN pads both sides alike".to_string()]));
+    let yes =
+        ConvService::Library { takes: std::sync::Arc::new(|c| if c.input == [4] { Ok(()) } else { Err("?".into()) }) };
+    let out = run(0, Some(yes));
+    assert!(out.declined.is_empty());
+    match out.plan.steps.as_slice() {
+        [kiln_host::sandbox::PlanStep::Conv(c)] => {
+            assert_eq!((c.x.handle, c.w.handle, c.y.handle), (0, 0, 1), "handles become slots");
+        }
+        other => panic!("{other:?}"),
     }
 }

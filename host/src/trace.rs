@@ -53,6 +53,46 @@ pub struct Report {
     pub device_memory: Option<DeviceMemory>,
     /// If, Loop and Scan nodes: their bodies' runs (whose nodes count above too).
     pub control_flow: ControlFlowStats,
+    /// Convolutions dispatched to the device's library (cuDNN), and those that ran the
+    /// package's own kernels, with why (GPU sessions).
+    pub convolutions: ConvStats,
+}
+
+/// What the `conv` import did in a GPU session's dispatches (ABI.md §4.8). Dispatches are
+/// counted once per shape: later runs reuse the recorded plan.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ConvStats {
+    /// The library that serves `conv` ("cuDNN 9.x.y"), or `None`.
+    pub library: Option<String>,
+    /// Why no library serves it (not found, turned off), when none does.
+    pub unavailable: Option<String>,
+    /// Convolutions recorded as library calls.
+    pub library_dispatches: u64,
+    /// Convolutions that ran the package's own kernels, by reason.
+    pub fallbacks: BTreeMap<String, u64>,
+}
+
+impl ConvStats {
+    /// `convolutions: …` lines; empty when no convolution was dispatched.
+    pub fn render(&self) -> String {
+        let fallbacks: u64 = self.fallbacks.values().sum();
+        if self.library_dispatches == 0 && fallbacks == 0 {
+            return String::new();
+        }
+        let lib = match (&self.library, &self.unavailable) {
+            (Some(l), _) => l.clone(),
+            (None, Some(why)) => format!("no library ({why})"),
+            (None, None) => "no library".into(),
+        };
+        let mut s = format!(
+            "convolutions: {} through {lib}, {fallbacks} on the packages' own kernels\n",
+            self.library_dispatches
+        );
+        for (why, n) in &self.fallbacks {
+            s += &format!("  {n} on the package's kernels: {why}\n");
+        }
+        s
+    }
 }
 
 /// What control-flow nodes did, over all runs.
@@ -313,6 +353,7 @@ impl Report {
                 mib(m.peak_bytes)
             );
         }
+        s += &self.convolutions.render();
         s += &self.fusions.render();
         s += "ops (node executions, host time):\n";
         let mut ops: Vec<_> = self.ops.iter().collect();

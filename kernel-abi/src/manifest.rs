@@ -95,8 +95,9 @@ pub enum ManifestError {
 /// instantiation of a `__global__` function template, lowered by NVRTC; [`is_name_expression`]);
 /// schema 7 lets `pdl` list kernels by the signatures' `*` patterns; schema 8 adds no field: it
 /// marks a package whose CPU reference calls `gemm` (ABI.md §4.7), which a host before it refuses;
-/// schema 9 added `declines` to `[[ops]]`.
-pub const MANIFEST_SCHEMA: u32 = 9;
+/// schema 9 added `declines` to `[[ops]]`; schema 10 adds no field: the package's dispatch calls
+/// `conv` and runs its own kernels where the host answers `E_UNAVAILABLE`.
+pub const MANIFEST_SCHEMA: u32 = 10;
 
 /// The folder of a package whose files are its exported headers.
 pub const HEADER_DIR: &str = "include/";

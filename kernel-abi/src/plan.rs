@@ -1,5 +1,5 @@
 //! Launch plans: what a shim's dispatch asked the device to do, as pure data. The sandbox
-//! records them (its `launch` and `gemm` imports, checked against [`LaunchLimits`] and the call's
+//! records them (its `launch`, `gemm` and `conv` imports, checked against [`LaunchLimits`] and the call's
 //! tensors); device backends run them. A tensor argument is a *slot* of the call (inputs, then
 //! outputs, then scratch, in order) plus a byte offset, never a device pointer: the backend turns
 //! slots into pointers at the last moment, so a memoized plan runs with any buffers of the same
@@ -8,7 +8,7 @@
 use alloc::string::String;
 use alloc::vec::Vec;
 
-use crate::wire::{Gemm, KernelArg};
+use crate::wire::{Conv, Gemm, KernelArg};
 
 /// Device limits of a kernel launch (CUDA: `cudaDeviceProp`); the defaults are those of
 /// every GPU since compute capability 3.0 and 48 KiB of shared memory.
@@ -55,6 +55,9 @@ pub enum PlanStep {
     },
     /// Operand handles are rewritten to slot indices.
     Gemm(Gemm),
+    /// One convolution through the device's library (cuDNN), operand handles rewritten to slot
+    /// indices; recorded only where the host said it serves the descriptor (ABI.md §4.8).
+    Conv(Conv),
 }
 
 /// What a dispatch asked for: scratch sizes (slots after the outputs) and steps, in order.

@@ -29,3 +29,7 @@ pub const E_ARG: i32 = -5;
 pub const E_LIMIT: i32 = -6;
 /// A handle of a tensor that may not be written (an input).
 pub const E_READONLY: i32 = -7;
+/// The host does not serve this import for this call (ABI.md §4.8: `conv` in a dispatch where the
+/// device has no cuDNN, or for a descriptor cuDNN does not take). Not a failure: the host does not
+/// remember it, and the shim runs its own kernels instead (manifest schema 10).
+pub const E_UNAVAILABLE: i32 = -8;

@@ -237,6 +237,11 @@ pub struct ModelRunArgs {
     /// where the GPU has it, `on` makes a GPU without it an error, `off` launches plainly.
     #[arg(long = "pdl", value_enum, default_value_t)]
     pub pdl: crate::capture::PdlMode,
+    /// Convolutions on a GPU through cuDNN 9: `auto` uses it where it is found (the library
+    /// path, beside the CUDA libraries, or `KILN_CUDNN_PATH`), `on` makes a missing cuDNN an
+    /// error, `off` runs the packages' own kernels. `--report` says which ran, and why.
+    #[arg(long = "cudnn", value_enum, default_value_t)]
+    pub cudnn: crate::ep::CudnnMode,
     /// Most device memory the model's session may hold on a GPU, in MiB (default: all of the
     /// device's; the CPU ignores it): its tensors and what its KV caches map; the pool's cached
     /// blocks are freed before they would take kiln past it. An allocation past it fails with
@@ -270,6 +275,7 @@ impl ModelRunArgs {
             graphs,
             fuse: !self.fuse.no_fuse,
             pdl: self.pdl,
+            cudnn: self.cudnn,
             device_memory_limit: limit,
             max_loop_iterations: self.max_loop_iterations,
             ..crate::ep::SessionOptions::default()

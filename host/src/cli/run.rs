@@ -192,51 +192,59 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
 /// after the first run, so that later runs go through an execution plan (a graph replay from
 /// the third on, unless `--graph off`). Returns the last run's outputs and its wall time, ms.
 fn run_held(session: &mut Session, feeds: Vec<(String, Tensor)>, runs: u32) -> Result<(Vec<(String, Tensor)>, f64)> {
-    let mut held: Vec<(String, DeviceTensor)> = Vec::with_capacity(feeds.len());
-    for (name, t) in feeds {
-        let d = session.zeros(t.dtype, t.shape.clone())?;
-        session.write_tensor(&d, &t)?;
-        held.push((name, d));
-    }
-    let names: Vec<String> =
-        session.output_ids().iter().map(|&o| session.model().graph.values[o].name.clone()).collect();
-    fn fed(held: &[(String, DeviceTensor)]) -> Vec<(String, Feed<'_>)> {
-        held.iter().map(|(n, d)| (n.clone(), Feed::Device(d))).collect()
-    }
-    let first: Vec<(&str, Fetch<'_>)> = names.iter().map(|n| (n.as_str(), Fetch::Device)).collect();
-    let mut outs: Vec<(String, DeviceTensor)> = Vec::new();
-    let t = Instant::now();
-    let mut result = session.run_with(fed(&held), &first).map(|fetched| {
-        for (name, f) in fetched {
-            if let Fetched::Device(d) = f {
-                outs.push((name, d));
-            }
-        }
-    });
-    let mut last = t.elapsed().as_secs_f64() * 1e3;
-    for _ in 1..runs {
-        if result.is_err() {
-            break;
-        }
-        let into: Vec<(&str, Fetch<'_>)> = outs.iter().map(|(n, d)| (n.as_str(), Fetch::Into(d))).collect();
+    let mut held = HeldRuns::new(session, feeds)?;
+    let mut last = 0.0;
+    for _ in 0..runs {
         let t = Instant::now();
-        result = session.run_with(fed(&held), &into).map(|_| ()).and_then(|_| session.synchronize());
+        held.run(session)?;
         last = t.elapsed().as_secs_f64() * 1e3;
     }
-    let mut host = Vec::with_capacity(outs.len());
-    if result.is_ok() {
-        for (name, d) in &outs {
-            match session.read_tensor(d) {
-                Ok(t) => host.push((name.clone(), t)),
-                Err(e) => {
-                    result = Err(e);
-                    break;
+    Ok((held.outputs(session)?, last))
+}
+
+/// Runs of a session on inputs held on the device, each writing its outputs into the first run's
+/// device tensors and waiting for the device: from the third run on, one CUDA graph replay where
+/// the session's graph mode allows (`kiln run --runs`, `kiln bench run` on a GPU).
+pub(super) struct HeldRuns {
+    inputs: Vec<(String, DeviceTensor)>,
+    outputs: Vec<(String, DeviceTensor)>,
+    names: Vec<String>,
+}
+
+impl HeldRuns {
+    /// Uploads `feeds` into device tensors of the session. Errors: device memory, a transfer.
+    pub fn new(session: &mut Session, feeds: Vec<(String, Tensor)>) -> Result<HeldRuns> {
+        let mut inputs = Vec::with_capacity(feeds.len());
+        for (name, t) in feeds {
+            let d = session.zeros(t.dtype, t.shape.clone())?;
+            session.write_tensor(&d, &t)?;
+            inputs.push((name, d));
+        }
+        let names = session.output_ids().iter().map(|&o| session.model().graph.values[o].name.clone()).collect();
+        Ok(HeldRuns { inputs, outputs: Vec::new(), names })
+    }
+
+    /// One run, waited for. Errors: the run's.
+    pub fn run(&mut self, session: &mut Session) -> Result<()> {
+        let fed: Vec<(String, Feed<'_>)> = self.inputs.iter().map(|(n, d)| (n.clone(), Feed::Device(d))).collect();
+        if self.outputs.is_empty() {
+            let first: Vec<(&str, Fetch<'_>)> = self.names.iter().map(|n| (n.as_str(), Fetch::Device)).collect();
+            for (name, f) in session.run_with(fed, &first)? {
+                if let Fetched::Device(d) = f {
+                    self.outputs.push((name, d));
                 }
             }
+        } else {
+            let into: Vec<(&str, Fetch<'_>)> = self.outputs.iter().map(|(n, d)| (n.as_str(), Fetch::Into(d))).collect();
+            session.run_with(fed, &into)?;
         }
+        session.synchronize()
     }
-    drop((held, outs));
-    result.map(|_| (host, last))
+
+    /// The last run's outputs, on the host.
+    pub fn outputs(self, session: &mut Session) -> Result<Vec<(String, Tensor)>> {
+        self.outputs.iter().map(|(n, d)| Ok((n.clone(), session.read_tensor(d)?))).collect()
+    }
 }
 
 /// A file name for an output name (ONNX names may hold '/' or ':').

@@ -1,7 +1,7 @@
 //! One CUDA device as the process shares it: every session on device `ordinal` holds the same
 //! [`Device`] ([`Device::open`]), so they share its context, its compute stream and copy
 //! stream, its memory pool, its loaded modules (each package's kernels are compiled and loaded
-//! once per process) and its cuBLASLt handle. The server and Python hold several sessions; with
+//! once per process), its cuBLASLt handle and its cuDNN handle. The server and Python hold several sessions; with
 //! one stream, a block freed by one session is reused by another only behind the freeing work,
 //! as within one session.
 //!
@@ -19,13 +19,14 @@ use std::thread::ThreadId;
 
 use cudarc::driver::{CudaContext, CudaStream};
 
-use super::{open_context, Blas, DeviceInfo, KernelCache, Pool, Transfers};
+use super::{open_context, Blas, DeviceInfo, Dnn, KernelCache, Pool, Transfers};
 use crate::{Error, Result};
 
 /// The devices this process has open, by ordinal; an entry lives while a session holds it.
 static OPEN: Mutex<Vec<(usize, Weak<Device>)>> = Mutex::new(Vec::new());
 
-/// A shared CUDA device: context (event tracking off), streams, pool, module cache, cuBLASLt.
+/// A shared CUDA device: context (event tracking off), streams, pool, module cache, cuBLASLt,
+/// cuDNN.
 pub struct Device {
     pub info: DeviceInfo,
     stream: Arc<CudaStream>,
@@ -38,6 +39,8 @@ pub struct Device {
     modules: Mutex<HashMap<String, Arc<KernelCache>>>,
     transfers: Mutex<Transfers>,
     blas: Mutex<Option<Blas>>,
+    /// The cuDNN handle and its convolution plans, made on first use.
+    dnn: Mutex<Option<Dnn>>,
     /// Dropped last: the pool, the modules and the streams need the context.
     pub ctx: Arc<CudaContext>,
 }
@@ -54,6 +57,7 @@ impl Drop for Device {
         let _ = self.ctx.bind_to_thread();
         let _ = self.stream.synchronize();
         lock(&self.blas).take();
+        lock(&self.dnn).take();
         self.pool.release_cached();
     }
 }
@@ -112,6 +116,7 @@ impl Device {
             modules: Mutex::default(),
             transfers: Mutex::new(transfers),
             blas: Mutex::new(None),
+            dnn: Mutex::new(None),
             ctx,
         });
         open.push((ordinal, Arc::downgrade(&d)));
@@ -164,6 +169,16 @@ impl Device {
         match b.as_mut() {
             Some(blas) => f(blas),
             None => f(b.insert(Blas::new(&self.pool, self.info.compute_capability.0)?)),
+        }
+    }
+
+    /// Runs `f` with the cuDNN handle, made on first use. Errors: cuDNN not loaded (the reason),
+    /// or what `f` returns.
+    pub fn with_dnn<R>(&self, f: impl FnOnce(&mut Dnn) -> Result<R>) -> Result<R> {
+        let mut d = lock(&self.dnn);
+        match d.as_mut() {
+            Some(dnn) => f(dnn),
+            None => f(d.insert(Dnn::new()?)),
         }
     }
 

@@ -93,6 +93,9 @@ pub struct Gpu {
     /// The counters of the nodes whose launches take them (`KernelArg::Counters`, ABI.md §6.3),
     /// by node: `MAX_COUNTERS` words each, zeroed once, at one address for the session.
     counters: HashMap<usize, DevBuffer>,
+    /// The workspace of this session's cuDNN convolutions, grown (outside captures) to the
+    /// largest plan's, against the session's memory limit.
+    conv_workspace: Option<DevBuffer>,
     /// The process's device, shared with every other session on it. Last: the fields above
     /// (events, pinned memory, pool blocks) go while its context lives.
     pub device: Arc<Device>,
@@ -229,6 +232,7 @@ impl Gpu {
             readbacks: super::Readbacks::new()?,
             status: super::StatusRecords::new(1)?,
             counters: HashMap::new(),
+            conv_workspace: None,
         })
     }
 
@@ -509,7 +513,7 @@ impl Gpu {
                     let pdl = self.pdl && pkg.manifest.kernel_pdl(kernel);
                     self.function(pkg, kernel).map(|f| Some(Function { f, pdl }))
                 }
-                PlanStep::Gemm(_) => Ok(None),
+                PlanStep::Gemm(_) | PlanStep::Conv(_) => Ok(None),
             })
             .collect()
     }
@@ -520,7 +524,7 @@ impl Gpu {
     pub fn prepare_counters(&mut self, record: usize, plan: &LaunchPlan) -> Result<()> {
         let takes = plan.steps.iter().any(|s| match s {
             PlanStep::Launch { args, .. } => args.iter().any(|a| matches!(a, PlanArg::Scalar(KernelArg::Counters(_)))),
-            PlanStep::Gemm(_) => false,
+            PlanStep::Gemm(_) | PlanStep::Conv(_) => false,
         });
         if !takes || self.counters.contains_key(&record) {
             return Ok(());
@@ -551,6 +555,7 @@ impl Gpu {
             }
             &with_scratch
         };
+        self.prepare_library_steps(plan)?;
         // The scratch goes back to the pool after the launches are enqueued: only later work
         // can reuse it.
         self.run_steps(plan, functions, all, record)
@@ -574,16 +579,27 @@ impl Gpu {
                 self.launch(f, kernel, *grid, *block, *shared_mem_bytes, args, slots, (status, counters))
             }
             (PlanStep::Gemm(g), _) => self.gemm(g, slots),
+            (PlanStep::Conv(c), _) => self.conv(c, slots),
             (PlanStep::Launch { kernel, .. }, None) => Err(Error::Device(format!("kernel {kernel} was not loaded"))),
         })
     }
 
-    /// Readies everything `plan`'s GEMMs need before a capture (the cuBLASLt handle, its
-    /// workspace and each shape's algorithm), without enqueueing anything.
-    pub fn prepare_gemms(&mut self, plan: &LaunchPlan) -> Result<()> {
+    /// Readies everything `plan`'s GEMMs and convolutions need before a capture (the cuBLASLt
+    /// and cuDNN handles, each shape's algorithm, the workspaces), without enqueueing anything.
+    /// Errors: a library's, or the session's memory limit for the convolution workspace.
+    pub fn prepare_library_steps(&mut self, plan: &LaunchPlan) -> Result<()> {
         for step in &plan.steps {
-            if let PlanStep::Gemm(g) = step {
-                self.device.with_blas(|b| b.prepare(g))?;
+            match step {
+                PlanStep::Gemm(g) => self.device.with_blas(|b| b.prepare(g))?,
+                PlanStep::Conv(c) => {
+                    let bytes = self.device.with_dnn(|d| d.prepare(c))?;
+                    if bytes > self.conv_workspace.as_ref().map_or(0, |b| b.bytes) {
+                        // The old one goes back to the pool behind the work enqueued so far.
+                        self.conv_workspace = None;
+                        self.conv_workspace = Some(self.alloc.alloc(bytes)?);
+                    }
+                }
+                PlanStep::Launch { .. } => {}
             }
         }
         Ok(())
@@ -692,6 +708,27 @@ impl Gpu {
         };
         let stream = self.device.enqueue();
         self.device.with_blas(|blas| blas.gemm(g, a, b, d, bias, stream.cu_stream()))
+    }
+
+    /// Enqueues one cuDNN convolution ([`Gpu::prepare_library_steps`] made its plan and
+    /// workspace): no allocation, so it may run inside a capture.
+    fn conv(&mut self, c: &kiln_kernel_abi::wire::Conv, slots: &[(CUdeviceptr, u64)]) -> Result<()> {
+        let ptr = |t: &kiln_kernel_abi::wire::TensorAt| {
+            slots
+                .get(t.handle as usize)
+                .map(|s| s.0 + t.offset)
+                .ok_or_else(|| Error::Device("conv: operand slot missing".into()))
+        };
+        let p = super::ConvPtrs {
+            x: ptr(&c.x)?,
+            w: ptr(&c.w)?,
+            bias: c.bias.as_ref().map(ptr).transpose()?,
+            z: c.z.as_ref().map(ptr).transpose()?,
+            y: ptr(&c.y)?,
+        };
+        let ws = self.conv_workspace.as_ref().map_or((0, 0), |b| (b.ptr, b.bytes));
+        let stream = self.device.enqueue();
+        self.device.with_dnn(|d| d.conv(c, &p, ws, stream.cu_stream()))
     }
 
     /// GEMM plan-cache counters of the device: (hits, heuristic queries).

@@ -3,8 +3,8 @@
 //! a copy stream, the caching allocator's pool, the loaded modules, cuBLASLt), and per session a
 //! [`Gpu`] (its memory account and limit, status records, readbacks), the caching allocator,
 //! NVRTC compilation of package sources with an on-disk cache, transfers through pinned
-//! staging buffers, and execution of launch plans (kernel launches and cuBLASLt GEMMs with
-//! cached plans), CUDA graphs (`graph`: capture, instantiate, update, replay), and the nodes'
+//! staging buffers, and execution of launch plans (kernel launches, cuBLASLt GEMMs and cuDNN
+//! convolutions (`dnn`) with cached plans), CUDA graphs (`graph`: capture, instantiate, update, replay), and the nodes'
 //! device status records (`status`, ABI.md §7.5), and reserved address ranges that grow in
 //! place (`vmm`: the KV caches).
 //!
@@ -16,6 +16,7 @@
 mod alloc;
 mod blas;
 mod device;
+mod dnn;
 mod exec;
 mod graph;
 mod nvrtc;
@@ -33,6 +34,7 @@ use kiln_kernel_abi::plan::LaunchLimits;
 pub use alloc::{Account, Allocator, AllocatorStats, DevBuffer, Pool};
 pub use blas::Blas;
 pub use device::{CaptureGate, Device, Enqueue};
+pub use dnn::{cudnn_library, ConvPtrs, Dnn};
 pub use exec::{Function, Gpu, KernelCache};
 pub(crate) use graph::{capture, GraphExec};
 pub use nvrtc::{compile_cached, compile_package, nvrtc_archs, nvrtc_version, CompiledSource};

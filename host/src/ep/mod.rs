@@ -31,7 +31,7 @@ pub use binding::{DeviceTensor, Feed, Fetch, Fetched, PendingRead};
 pub use control::CONTROL_FLOW;
 pub use pages::{KvPages, PageGeometry, PAGE_POSITIONS};
 pub use sequence::is_sequence_op as runs_on_executor;
-pub use session::{Session, SessionOptions, MAX_LOOP_ITERATIONS, VMM_CHUNK_BYTES};
+pub use session::{CudnnMode, Session, SessionOptions, MAX_LOOP_ITERATIONS, VMM_CHUNK_BYTES};
 
 /// The device a session runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

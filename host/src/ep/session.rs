@@ -18,7 +18,7 @@ use kiln_registry::Resolution;
 use crate::capture::GraphMode;
 use crate::cuda::{DevBuffer, Function, Gpu};
 use crate::model::{Model, ValueId};
-use crate::sandbox::{Access, ArgTensor, CallKind, LaunchPlan};
+use crate::sandbox::{Access, ArgTensor, CallKind, ConvService, LaunchPlan};
 use crate::tensor::byte_size;
 use crate::trace::Report;
 use crate::{cpu, Error, Result, Tensor};
@@ -58,6 +58,9 @@ pub struct SessionOptions {
     pub fuse: bool,
     /// Programmatic dependent launch of the kernels packages declare PDL-safe (`--pdl`).
     pub pdl: crate::capture::PdlMode,
+    /// On a GPU, whether a dispatch's `conv` goes through cuDNN (`--cudnn`); without it the
+    /// packages' own convolution kernels run, and the report says why.
+    pub cudnn: CudnnMode,
     /// On a GPU, the least bytes one growth of a reserved KV cache maps, all its tensors
     /// together (a decode batch's rows then grow by at least this much at once, since mapping
     /// costs driver calls per tensor); each tensor maps whole multiples of the device's
@@ -67,6 +70,39 @@ pub struct SessionOptions {
     /// run (Loop's trip count and condition come from the model's values): past it the run
     /// fails. Default [`MAX_LOOP_ITERATIONS`].
     pub max_loop_iterations: u64,
+}
+
+/// Whether a GPU session's convolutions go through cuDNN (`--cudnn`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CudnnMode {
+    /// The packages' own kernels.
+    Off,
+    /// cuDNN; a GPU session without cuDNN 9 is an error.
+    On,
+    /// cuDNN where it is found (`KILN_CUDNN_PATH`, the library path, beside the CUDA libraries).
+    #[default]
+    Auto,
+}
+
+/// What a dispatch's `conv` gets in a session on `gpu` with `mode` (ABI.md §4.8). Errors:
+/// `--cudnn on` without cuDNN.
+fn conv_service(gpu: Option<&Gpu>, mode: CudnnMode, report: &mut Report) -> Result<ConvService> {
+    let Some(gpu) = gpu else { return Ok(ConvService::default()) };
+    let why = match (mode, crate::cuda::cudnn_library()) {
+        (CudnnMode::Off, _) => "turned off (--cudnn off)".to_string(),
+        (_, Ok(lib)) => {
+            report.convolutions.library = Some(lib.to_string());
+            let device = gpu.device.clone();
+            return Ok(ConvService::Library {
+                takes: Arc::new(move |c| device.with_dnn(|d| d.prepare(c)).map(|_| ()).map_err(|e| e.to_string())),
+            });
+        }
+        (CudnnMode::On, Err(why)) => return Err(Error::Unsupported(format!("--cudnn on: {why}"))),
+        (CudnnMode::Auto, Err(why)) => why.to_string(),
+    };
+    report.convolutions.unavailable = Some(why.clone());
+    Ok(ConvService::Unavailable(why.into()))
 }
 
 /// The default [`SessionOptions::max_loop_iterations`]: 2^20.
@@ -86,6 +122,7 @@ impl Default for SessionOptions {
             graphs: GraphMode::Auto,
             fuse: true,
             pdl: crate::capture::PdlMode::Auto,
+            cudnn: CudnnMode::Auto,
             vmm_chunk_bytes: VMM_CHUNK_BYTES,
             max_loop_iterations: MAX_LOOP_ITERATIONS,
         }
@@ -280,6 +317,7 @@ impl Session {
             last_use[*v] = Some(usize::MAX);
         }
         let mut report = Report { device: options.device.to_string(), fusions, ..Report::default() };
+        let conv = conv_service(backend.gpu_ref(), options.cudnn, &mut report)?;
         // On the CPU a tensor must fit in a shim's linear memory to be computed at all.
         let max_tensor_bytes = match options.device {
             Device::Cpu => options.max_tensor_bytes.min(rt.sandbox.config().memory_limit_bytes as u64),
@@ -288,7 +326,7 @@ impl Session {
         let memo = vec![None; g.nodes.len()];
         let live = Arc::new(LiveSet { nodes: vec![true; g.nodes.len()], values: vec![true; g.values.len()] });
         let shape_only = vec![None; g.nodes.len()];
-        let mut shims = Shims::new(rt, launch_limits);
+        let mut shims = Shims::new(rt, launch_limits, conv);
         let mut types = NodeTypes::new(caps, max_tensor_bytes);
         let started = std::time::Instant::now();
         let folded = super::prepare::prepare(&mut model, &mut types, &mut shims, &mut report)?;
@@ -1327,7 +1365,7 @@ impl Session {
         }
         let gpu = self.backend.gpu().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
         let result = if self.recorder.is_some() {
-            gpu.prepare_gemms(plan)
+            gpu.prepare_library_steps(plan)
         } else {
             self.report.launches += plan.steps.len() as u64;
             gpu.execute_resolved(plan, functions, &slots, idx)

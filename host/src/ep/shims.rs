@@ -5,13 +5,13 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use kiln_kernel_abi::plan::LaunchLimits;
+use kiln_kernel_abi::plan::{LaunchLimits, PlanStep};
 use kiln_registry::{Package, Resolution};
 
 use super::infer::OutputTypes;
 use super::Runtime;
 use crate::model::Model;
-use crate::sandbox::{Access, ArgTensor, CallArgs, CallKind, CallOutcome, ShimInstance};
+use crate::sandbox::{Access, ArgTensor, CallArgs, CallKind, CallOutcome, ConvService, ShimInstance};
 use crate::trace::Report;
 use crate::{cpu, Error, Result, Tensor};
 
@@ -64,11 +64,13 @@ pub(super) struct Shims {
     /// The device's launch limits, which every `launch` of a dispatch is checked against
     /// (`None`: the sandbox's defaults, on the CPU).
     launch_limits: Option<LaunchLimits>,
+    /// What a dispatch's `conv` gets on the session's device.
+    conv: ConvService,
 }
 
 impl Shims {
-    pub fn new(rt: Arc<Runtime>, launch_limits: Option<LaunchLimits>) -> Shims {
-        Shims { rt, instances: HashMap::new(), launch_limits }
+    pub fn new(rt: Arc<Runtime>, launch_limits: Option<LaunchLimits>, conv: ConvService) -> Shims {
+        Shims { rt, instances: HashMap::new(), launch_limits, conv }
     }
 
     /// Calls a shim export, instantiating the package's shim on first use and discarding
@@ -86,6 +88,7 @@ impl Shims {
             if let Some(limits) = self.launch_limits {
                 inst.set_launch_limits(limits);
             }
+            inst.set_conv_service(self.conv.clone());
             report.instances += 1;
             self.instances.insert(id.clone(), inst);
         }
@@ -95,10 +98,16 @@ impl Shims {
             CallKind::Dispatch => report.wasm_calls.dispatch += 1,
         }
         let inst = self.instances.get_mut(&id).ok_or_else(|| Error::Device("shim instance vanished".into()))?;
-        inst.call(kind, args).map_err(|f| {
+        let outcome = inst.call(kind, args).map_err(|f| {
             self.instances.remove(&id);
             Error::from(f)
-        })
+        })?;
+        let convs = &mut report.convolutions;
+        convs.library_dispatches += outcome.plan.steps.iter().filter(|s| matches!(s, PlanStep::Conv(_))).count() as u64;
+        for why in &outcome.declined {
+            *convs.fallbacks.entry(why.clone()).or_default() += 1;
+        }
+        Ok(outcome)
     }
 
     /// Runs node `idx` of `model` through its package's CPU reference on host tensors; with

@@ -5,13 +5,13 @@
 use std::ops::Range;
 
 use kiln_kernel_abi::manifest::ParamKind;
-use kiln_kernel_abi::status::{E_ARG, E_BOUNDS, E_CALL, E_HANDLE, E_LIMIT, E_MEMORY, E_READONLY};
+use kiln_kernel_abi::status::{E_ARG, E_BOUNDS, E_CALL, E_HANDLE, E_LIMIT, E_MEMORY, E_READONLY, E_UNAVAILABLE};
 use kiln_kernel_abi::wire::{Conv, Gemm, KernelArg, Launch, Operand, QGemm, QZeroPoints, TensorAt};
 use kiln_kernel_abi::{imports as imp, DType, IMPORT_MODULE};
 use wasmtime::{Caller, Engine, Linker};
 
 use super::handles::{Access, Slot};
-use super::shim::{CallKind, CallState};
+use super::shim::{CallKind, CallState, ConvService};
 use super::{PlanArg, PlanStep};
 
 /// Longest `fail` message kept, in bytes.
@@ -53,6 +53,35 @@ fn cpu_descriptor_call<D, E: std::fmt::Display>(
     match decode(&mem[r]).map_err(|e| format!("{import}: malformed descriptor: {e}")).and_then(|d| compute(st, d)) {
         Ok(()) => 0,
         Err(msg) => st.refuse(E_ARG, msg),
+    }
+}
+
+/// `conv` in a dispatch (manifest schema 10): a checked descriptor the session's
+/// [`ConvService`] takes becomes a [`PlanStep::Conv`]; one it does not, or every one where none
+/// serves, answers `E_UNAVAILABLE` (not remembered as a refusal: the shim runs its own kernels)
+/// and its reason goes to the call's `declined`.
+fn dispatch_conv(c: &mut Caller<'_, CallState>, ptr: i32, len: i32) -> i32 {
+    let Some((mem, st)) = split(c) else { return E_CALL };
+    let Some(r) = guest_range(mem.len(), ptr, len as u32 as usize) else {
+        return st.refuse(E_MEMORY, format!("conv: descriptor {ptr:#x}+{len} is outside the shim's memory"));
+    };
+    let cv = match Conv::decode(&mem[r])
+        .map_err(|e| format!("conv: malformed descriptor: {e}"))
+        .and_then(|cv| check_conv(st, cv))
+    {
+        Ok(cv) => cv,
+        Err(msg) => return st.refuse(E_ARG, msg),
+    };
+    let served = match &st.conv {
+        ConvService::Unavailable(why) => Err(why.to_string()),
+        ConvService::Library { takes } => takes(&cv),
+    };
+    match served {
+        Ok(()) => push_step(st, PlanStep::Conv(cv)),
+        Err(why) => {
+            st.declined.push(why);
+            E_UNAVAILABLE
+        }
     }
 }
 
@@ -264,6 +293,9 @@ pub(super) fn linker(engine: &Engine) -> Linker<CallState> {
     })
     .expect("define gemm");
     l.func_wrap(m, imp::CONV, |mut c: Caller<'_, CallState>, ptr: i32, len: i32| -> i32 {
+        if c.data().kind == Some(CallKind::Dispatch) {
+            return dispatch_conv(&mut c, ptr, len);
+        }
         cpu_descriptor_call(&mut c, "conv", ptr, len, Conv::decode, |st, cv| {
             check_conv(st, cv).and_then(|cv| super::cpu_conv::run(st.table.slots_mut(), &cv))
         })

@@ -29,7 +29,7 @@ pub use cpu_pool::{cpu_threads, on_pool_hot};
 
 pub use handles::{Access, HandleTable, Slot};
 pub use kiln_kernel_abi::manifest::ParamKind;
-pub use shim::{ArgTensor, CallArgs, CallKind, CallOutcome, KernelTable, ShimInstance, ShimModule};
+pub use shim::{ArgTensor, CallArgs, CallKind, CallOutcome, ConvService, KernelTable, ShimInstance, ShimModule};
 
 pub use kiln_kernel_abi::plan::{LaunchLimits, LaunchPlan, PlanArg, PlanStep};
 

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use kiln_kernel_abi::manifest::ParamKind;
-use kiln_kernel_abi::wire::{Attribute, NodeCall, TensorDesc, NO_HANDLE};
+use kiln_kernel_abi::wire::{Attribute, Conv, NodeCall, TensorDesc, NO_HANDLE};
 use kiln_kernel_abi::{exports, imports as imp, status, DType, ABI_VERSION, IMPORT_MODULE};
 use wasmtime::{ExternType, Instance, InstancePre, Memory, Store, TypedFunc, ValType};
 
@@ -18,7 +18,7 @@ pub enum CallKind {
     Infer,
     /// `kiln_cpu`: may call `read`, `write`, `scratch`.
     Cpu,
-    /// `kiln_dispatch`: may call `launch`, `gemm`, `scratch`.
+    /// `kiln_dispatch`: may call `launch`, `gemm`, `conv`, `scratch`.
     Dispatch,
 }
 
@@ -71,6 +71,9 @@ pub struct CallOutcome {
     pub slots: Vec<Slot>,
     /// Dispatch: the recorded plan.
     pub plan: LaunchPlan,
+    /// Dispatch: each `conv` the host did not serve here (`E_UNAVAILABLE`), with the reason;
+    /// the shim ran its own kernels for it.
+    pub declined: Vec<String>,
 }
 
 /// Store data: the memory limiter and the state of the call in progress.
@@ -88,9 +91,43 @@ pub(crate) struct CallState {
     /// The kernels `launch` may name, with their parameters (the manifest's signatures).
     pub kernels: Arc<KernelTable>,
     pub limits: LaunchLimits,
+    /// What a dispatch's `conv` gets on the instance's device.
+    pub conv: ConvService,
+    /// This call's `conv`s answered `E_UNAVAILABLE`, with their reasons.
+    pub declined: Vec<String>,
     pub scratch_total: u64,
     pub max_scratch: u64,
     pub max_steps: usize,
+}
+
+/// What a dispatch's `conv` import gets on a session's device (ABI.md §4.8).
+#[derive(Clone)]
+pub enum ConvService {
+    /// Never served here, and why (no GPU, no cuDNN, turned off): every `conv` of a dispatch
+    /// answers `E_UNAVAILABLE` and the shim runs its own kernels.
+    Unavailable(Arc<str>),
+    /// Served through the device's library (`PlanStep::Conv`) where `takes` accepts the checked
+    /// descriptor (and readies its plan); its error is the reason it does not (then
+    /// `E_UNAVAILABLE`).
+    Library { takes: ConvTakes },
+}
+
+/// The device's answer to one checked convolution descriptor: `Ok` when its library runs it.
+pub type ConvTakes = Arc<dyn Fn(&Conv) -> Result<(), String> + Send + Sync>;
+
+impl std::fmt::Debug for ConvService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ConvService::Unavailable(why) => write!(f, "Unavailable({why:?})"),
+            ConvService::Library { .. } => write!(f, "Library"),
+        }
+    }
+}
+
+impl Default for ConvService {
+    fn default() -> Self {
+        ConvService::Unavailable("no GPU library serves convolutions here (a CPU session)".into())
+    }
 }
 
 impl CallState {
@@ -259,6 +296,8 @@ impl ShimModule {
             plan: LaunchPlan::default(),
             kernels: self.kernels.clone(),
             limits: self.limits,
+            conv: ConvService::default(),
+            declined: Vec::new(),
             scratch_total: 0,
             max_scratch: self.max_scratch,
             max_steps: self.max_steps,
@@ -332,6 +371,12 @@ impl ShimInstance {
     /// those of the GPU the instance dispatches for, in place of the sandbox's defaults.
     pub fn set_launch_limits(&mut self, limits: LaunchLimits) {
         self.store.data_mut().limits = limits;
+    }
+
+    /// What this instance's dispatches get from `conv` (ABI.md §4.8); by default nothing
+    /// ([`ConvService::Unavailable`]).
+    pub fn set_conv_service(&mut self, conv: ConvService) {
+        self.store.data_mut().conv = conv;
     }
 
     /// Runs one export. On any failure the instance must be discarded (the caller gets the
@@ -417,6 +462,7 @@ impl ShimInstance {
             st.refusal = None;
             st.inferred = vec![None; n_outputs];
             st.plan = LaunchPlan::default();
+            st.declined.clear();
             st.scratch_total = 0;
             st.limiter.hit = false;
         }
@@ -496,7 +542,12 @@ impl ShimInstance {
                         return Err(fail(FailureKind::Failed, format!("kiln_infer did not set output {i}")));
                     }
                 }
-                Ok(CallOutcome { inferred, slots, plan: std::mem::take(&mut st.plan) })
+                Ok(CallOutcome {
+                    inferred,
+                    slots,
+                    plan: std::mem::take(&mut st.plan),
+                    declined: std::mem::take(&mut st.declined),
+                })
             }
         }
     }

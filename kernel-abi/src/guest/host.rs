@@ -111,13 +111,25 @@ pub fn gemm(g: &Gemm) -> Result<()> {
         .map_err(|c| ShimError::Failed(alloc::format!("gemm refused ({c})")))
 }
 
-/// One convolution (ABI.md §4.8): computed at once by the host in a CPU call (manifest schema 8;
-/// refused in a dispatch until the host takes it there).
+/// One convolution (ABI.md §4.8): computed at once by the host in a CPU call (manifest schema 8).
+/// In a dispatch use [`device_conv`].
 pub fn conv(c: &Conv) -> Result<()> {
     let bytes = c.encode();
     check(unsafe { sys::conv(bytes.as_ptr(), bytes.len()) })
         .map(|_| ())
         .map_err(|code| ShimError::Failed(alloc::format!("conv refused ({code})")))
+}
+
+/// One convolution in a dispatch (ABI.md §4.8, manifest schema 10): `Ok(true)` when the host
+/// enqueues it through the device's library (cuDNN), `Ok(false)` when it does not serve this
+/// descriptor here (`E_UNAVAILABLE`: no cuDNN, turned off, or a form cuDNN does not take), and
+/// the shim then launches its own kernels. Errors: a refused descriptor (bounds, dtype, …).
+pub fn device_conv(c: &Conv) -> Result<bool> {
+    let bytes = c.encode();
+    match unsafe { sys::conv(bytes.as_ptr(), bytes.len()) } {
+        crate::status::E_UNAVAILABLE => Ok(false),
+        code => check(code).map(|_| true).map_err(|code| ShimError::Failed(alloc::format!("conv refused ({code})"))),
+    }
 }
 
 /// One block-quantized product (ABI.md §4.9, MatMulNBits'): computed at once by the host in a CPU

@@ -1,6 +1,8 @@
 //! Shim of `kiln-conv`: Conv and ConvTranspose (1, 11, 22) over `[N, C, D1, …, Dk]` tensors,
-//! following ONNX Operators.md and ONNX's reference implementation. Its CUDA kernels are direct
-//! convolutions (one thread per output element): the fallback that runs where no cuDNN does.
+//! following ONNX Operators.md and ONNX's reference implementation. On the GPU a dispatch asks
+//! the host's `conv` for cuDNN first (ABI.md §4.8, manifest schema 10); where the host declines
+//! (no cuDNN, `--cudnn off`, asymmetric padding, more than 3 axes, a broadcast Z, float64) its own
+//! CUDA kernels run: direct convolutions, one thread per output element.
 //!
 //! # Conv
 //!
@@ -430,6 +432,15 @@ impl Shim for ConvShim {
             return col2im::dispatch(call);
         }
         let g = geom(call)?;
+        // cuDNN through the host, unless Z needs broadcasting (that reads its bytes, which a
+        // dispatch cannot) or the host declines the descriptor.
+        if !matches!(g.z, Some((_, false))) {
+            if let Some(c) = g.host_conv(call)? {
+                if device_conv(&c)? {
+                    return Ok(());
+                }
+            }
+        }
         let op = call.op_type();
         let k = g.input.len();
         if k > GPU_MAX_SPATIAL {

@@ -1,0 +1,702 @@
+//! Convolutions through cuDNN 9, loaded at run time (cudarc's `cudnn`), for the `conv` import of
+//! a dispatch (ABI.md §4.8): Conv as `cudnnConvolutionForward`, ConvTranspose as
+//! `cudnnConvolutionBackwardData` (the forward convolution whose input gradient it is), in NCHW
+//! with every tensor packed. A descriptor's plan (cuDNN descriptors, the heuristic's algorithm
+//! and its workspace size) is made once per shape when the shim's dispatch asks for it, and
+//! cached on the device; a later call only enqueues. A Conv's bias and Relu are
+//! `cudnnConvolutionBiasActivationForward`'s epilogue where cuDNN takes it (float32 and float16),
+//! else `cudnnAddTensor` and `cudnnActivationForward` after the product. float32 computes in
+//! FMA math only (no TF32, as `gemm` does); float16 and bfloat16 accumulate in f32 on tensor
+//! cores.
+//!
+//! cuDNN is found on the library path (`dlopen("libcudnn.so.9")`), else beside the CUDA
+//! libraries this process loaded (their folder, and the `nvidia/cudnn/lib` of a pip layout), or
+//! at `KILN_CUDNN_PATH` (the file or its folder).
+
+use std::collections::HashMap;
+use std::ffi::{c_int, c_void};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use cudarc::cudnn::result as dnn;
+use cudarc::cudnn::sys;
+use cudarc::driver::sys::{CUdeviceptr, CUstream};
+use kiln_kernel_abi::wire::{Conv, Epilogue};
+use kiln_kernel_abi::DType;
+
+use crate::{Error, Result};
+
+/// Most workspace one convolution's algorithm may take, in bytes: the heuristic's fastest
+/// algorithm within it is chosen.
+pub const WORKSPACE_CAP: u64 = 256 << 20;
+
+/// The cuDNN this process loaded ("cuDNN 9.10.2"), or why none: looked for once per process.
+pub fn cudnn_library() -> std::result::Result<&'static str, &'static str> {
+    static LIB: OnceLock<std::result::Result<String, String>> = OnceLock::new();
+    match LIB.get_or_init(load) {
+        Ok(s) => Ok(s),
+        Err(e) => Err(e),
+    }
+}
+
+fn load() -> std::result::Result<String, String> {
+    // SAFETY: dlopen of cuDNN's library names; nothing is called unless one loads.
+    let mut found = unsafe { sys::is_culib_present() };
+    let mut tried = Vec::new();
+    if !found {
+        for path in candidates() {
+            if !path.is_file() {
+                tried.push(path.display().to_string());
+                continue;
+            }
+            // Loaded globally and kept, so that cudarc's dlopen by soname finds it, with the
+            // sub-libraries of its folder (cuDNN 9 opens them by name at first use).
+            if preload(&path).is_ok() {
+                if let Some(dir) = path.parent() {
+                    preload_siblings(dir);
+                }
+                // SAFETY: as above.
+                found = unsafe { sys::is_culib_present() };
+                if found {
+                    break;
+                }
+            }
+            tried.push(path.display().to_string());
+        }
+    }
+    if !found {
+        return Err(format!(
+            "cuDNN 9 (libcudnn.so.9) is on neither the library path nor beside the CUDA libraries ({}); set \
+             KILN_CUDNN_PATH to its file or folder",
+            if tried.is_empty() { "no CUDA library folder found".to_string() } else { tried.join(", ") }
+        ));
+    }
+    let v = dnn::get_version();
+    let (major, minor, patch) = (v / 10000, v / 100 % 100, v % 100);
+    if major < 9 {
+        return Err(format!("cuDNN {major}.{minor}.{patch} found; kiln needs cuDNN 9"));
+    }
+    Ok(format!("cuDNN {major}.{minor}.{patch}"))
+}
+
+/// Where cuDNN may be when it is not on the library path: `KILN_CUDNN_PATH`, then beside each
+/// CUDA library this process mapped (cuBLASLt, NVRTC, the runtime) and in a pip layout's
+/// `nvidia/cudnn/lib` next to them.
+fn candidates() -> Vec<PathBuf> {
+    const FILE: &str = "libcudnn.so.9";
+    let mut out = Vec::new();
+    if let Some(p) = std::env::var_os("KILN_CUDNN_PATH").map(PathBuf::from) {
+        out.push(if p.is_dir() { p.join(FILE) } else { p });
+    }
+    // cuBLASLt is loaded for GEMMs anyway; mapping it now shows its folder.
+    // SAFETY: dlopen of cuBLASLt's names only.
+    if unsafe { cudarc::cublaslt::sys::is_culib_present() } {
+        // SAFETY: present (above); kept loaded for the process, as cudarc does on first use.
+        let _ = unsafe { cudarc::cublaslt::sys::culib() };
+    }
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    let mut dirs: Vec<&Path> = Vec::new();
+    for line in maps.lines() {
+        let Some(path) = line.split_whitespace().nth(5).map(Path::new) else { continue };
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        let cuda =
+            ["libcublasLt.so", "libcublas.so", "libnvrtc.so", "libcudart.so"].iter().any(|p| name.starts_with(p));
+        if let (true, Some(dir)) = (cuda, path.parent()) {
+            if !dirs.contains(&dir) {
+                dirs.push(dir);
+            }
+        }
+    }
+    for dir in dirs {
+        out.push(dir.join(FILE));
+        if let Some(nvidia) = dir.parent().and_then(Path::parent) {
+            out.push(nvidia.join("cudnn/lib").join(FILE));
+        }
+    }
+    out
+}
+
+/// dlopen(`path`, RTLD_NOW | RTLD_GLOBAL), kept for the process.
+fn preload(path: &Path) -> std::result::Result<(), String> {
+    use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
+    // SAFETY: loading cuDNN runs its initializers, which only register the library.
+    let lib = unsafe { Library::open(Some(path), RTLD_NOW | RTLD_GLOBAL) }.map_err(|e| e.to_string())?;
+    std::mem::forget(lib);
+    Ok(())
+}
+
+/// Preloads cuDNN 9's sub-libraries found in `dir` (graph, ops, cnn, engines, heuristic, adv).
+fn preload_siblings(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let mut libs: Vec<PathBuf> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("libcudnn_") && n.ends_with(".so.9"))
+        })
+        .collect();
+    // The graph library first: the others link against it.
+    libs.sort_by_key(|p| !p.to_string_lossy().contains("libcudnn_graph"));
+    for l in libs {
+        if let Err(e) = preload(&l) {
+            tracing::debug!(lib = %l.display(), "cuDNN sub-library not preloaded: {e}");
+        }
+    }
+}
+
+/// Whether cuDNN's legacy convolution API takes `c` as it is, without asking cuDNN: 1 to 3
+/// spatial axes, every size within `int`, padding the same on both sides of each axis (or a
+/// last row or column that no output reads), and for ConvTranspose a shape that is exactly the
+/// input gradient of a forward convolution. Errors: the reason, for the report.
+pub fn takes(c: &Conv) -> std::result::Result<(), String> {
+    let r = c.input.len();
+    if !(1..=3).contains(&r) {
+        return Err(format!("cuDNN convolves 1 to 3 spatial axes, this one has {r}"));
+    }
+    let int = |v: u64| v <= i32::MAX as u64;
+    let (cin, cout) = (c.in_channels, c.out_channels);
+    let elems = |ch: u64, sp: &[u64]| sp.iter().try_fold(c.batch.checked_mul(ch)?, |a, &d| a.checked_mul(d));
+    let filter = if c.transposed { cin } else { cout }.checked_mul(if c.transposed { cout } else { cin } / c.groups);
+    let sizes = [
+        elems(cin, &c.input),
+        elems(cout, &c.output),
+        filter.and_then(|f| c.kernel.iter().try_fold(f, |a, &k| a.checked_mul(k))),
+    ];
+    if !sizes.iter().all(|s| s.is_some_and(int)) {
+        return Err("a tensor of more than 2^31-1 elements (cuDNN's legacy API counts in int)".into());
+    }
+    if c.pads_begin.iter().any(|&p| p < 0) {
+        return Err("negative padding (a ConvTranspose output that starts inside)".into());
+    }
+    // cuDNN pads both sides alike: the forward output of (in, pad) must be what ONNX gives.
+    let (fwd_in, fwd_out) = if c.transposed { (&c.output, &c.input) } else { (&c.input, &c.output) };
+    for a in 0..r {
+        let span = (c.kernel[a] - 1) * c.dilations[a] + 1;
+        let padded = fwd_in[a] + 2 * c.pads_begin[a] as u64;
+        if padded < span || (padded - span) / c.strides[a] + 1 != fwd_out[a] {
+            return Err(format!(
+                "axis {a}: the padding is not the same on both sides (cuDNN pads {} before and after)",
+                c.pads_begin[a]
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A cuDNN descriptor, destroyed with its owner.
+macro_rules! owned_desc {
+    ($name:ident, $t:ty, $create:expr, $destroy:path) => {
+        struct $name($t);
+        impl $name {
+            fn new() -> Result<Self> {
+                $create.map($name).map_err(dnn_err(stringify!($name)))
+            }
+        }
+        impl Drop for $name {
+            fn drop(&mut self) {
+                // SAFETY: created by `new`, destroyed once.
+                let _ = unsafe { $destroy(self.0) };
+            }
+        }
+    };
+}
+
+owned_desc!(TensorDesc, sys::cudnnTensorDescriptor_t, dnn::create_tensor_descriptor(), dnn::destroy_tensor_descriptor);
+owned_desc!(FilterDesc, sys::cudnnFilterDescriptor_t, dnn::create_filter_descriptor(), dnn::destroy_filter_descriptor);
+owned_desc!(
+    ConvDesc,
+    sys::cudnnConvolutionDescriptor_t,
+    dnn::create_convolution_descriptor(),
+    dnn::destroy_convolution_descriptor
+);
+owned_desc!(
+    ActDesc,
+    sys::cudnnActivationDescriptor_t,
+    dnn::create_activation_descriptor(),
+    sys::cudnnDestroyActivationDescriptor
+);
+
+fn dnn_err(what: &str) -> impl Fn(dnn::CudnnError) -> Error + '_ {
+    move |e| Error::Device(format!("{what}: {e:?}"))
+}
+
+fn data_type(dtype: DType) -> Result<sys::cudnnDataType_t> {
+    match dtype {
+        DType::F32 => Ok(sys::cudnnDataType_t::CUDNN_DATA_FLOAT),
+        DType::F16 => Ok(sys::cudnnDataType_t::CUDNN_DATA_HALF),
+        DType::BF16 => Ok(sys::cudnnDataType_t::CUDNN_DATA_BFLOAT16),
+        other => Err(Error::Unsupported(format!("cuDNN convolution of {other}"))),
+    }
+}
+
+/// A packed NCHW (or NCDHW) tensor descriptor of `dims`.
+fn tensor(dtype: sys::cudnnDataType_t, dims: &[c_int]) -> Result<TensorDesc> {
+    let d = TensorDesc::new()?;
+    let mut strides = vec![1 as c_int; dims.len()];
+    for i in (0..dims.len() - 1).rev() {
+        strides[i] = strides[i + 1] * dims[i + 1];
+    }
+    // SAFETY: `d` is a live descriptor; `dims` and `strides` hold `dims.len()` values.
+    unsafe { dnn::set_tensornd_descriptor(d.0, dtype, dims.len() as c_int, dims.as_ptr(), strides.as_ptr()) }
+        .map_err(dnn_err("cudnnSetTensorNdDescriptor"))?;
+    Ok(d)
+}
+
+/// The algorithm of a plan.
+#[derive(Clone, Copy, Debug)]
+enum Algo {
+    Forward(sys::cudnnConvolutionFwdAlgo_t),
+    BackwardData(sys::cudnnConvolutionBwdDataAlgo_t),
+}
+
+/// Descriptors and algorithm of one convolution shape.
+struct Plan {
+    /// X and Y (for ConvTranspose: the gradient `dy` is X, `dx` is Y).
+    x: TensorDesc,
+    y: TensorDesc,
+    w: FilterDesc,
+    conv: ConvDesc,
+    /// `[1, M, 1, …]` when the node has a bias.
+    bias: Option<TensorDesc>,
+    /// Relu, or the identity (for the fused call without Relu).
+    act: ActDesc,
+    algo: Algo,
+    workspace: u64,
+    /// Whether the bias (and Relu, and Z) go through `cudnnConvolutionBiasActivationForward`;
+    /// cleared when cuDNN refuses it, so later calls run them one by one.
+    fused: bool,
+    /// Y's bytes (Z is copied into Y before an unfused product).
+    y_bytes: u64,
+}
+
+/// The key of a plan: everything of a [`Conv`] but its tensors' handles and offsets.
+fn key(c: &Conv) -> Vec<i64> {
+    let mut k = vec![c.dtype.code() as i64, c.transposed as i64, c.input.len() as i64];
+    k.extend([c.batch, c.in_channels, c.out_channels, c.groups].map(|v| v as i64));
+    for axis in [&c.input, &c.output, &c.kernel, &c.strides, &c.dilations] {
+        k.extend(axis.iter().map(|&v| v as i64));
+    }
+    k.extend(&c.pads_begin);
+    k.extend([c.bias.is_some() as i64, c.z.is_some() as i64, c.epilogue as i64]);
+    k
+}
+
+/// A cuDNN handle and the plans of the shapes it has seen.
+pub struct Dnn {
+    handle: sys::cudnnHandle_t,
+    plans: HashMap<Vec<i64>, Plan>,
+}
+
+// SAFETY: the handle and descriptors are host objects of cuDNN, used by one thread at a time: a
+// `Dnn` lives in its `Device`'s mutex, and every call sets the stream it enqueues on.
+unsafe impl Send for Dnn {}
+
+impl Drop for Dnn {
+    fn drop(&mut self) {
+        self.plans.clear();
+        // SAFETY: no plan refers to the handle any more; destroyed once.
+        let _ = unsafe { dnn::destroy_handle(self.handle) };
+    }
+}
+
+/// Device pointers of one convolution's operands.
+pub struct ConvPtrs {
+    pub x: CUdeviceptr,
+    pub w: CUdeviceptr,
+    pub bias: Option<CUdeviceptr>,
+    pub z: Option<CUdeviceptr>,
+    pub y: CUdeviceptr,
+}
+
+impl Dnn {
+    /// A handle on the calling thread's current context. Errors: cuDNN not loaded
+    /// ([`cudnn_library`]'s reason), or `cudnnCreate` failing.
+    pub fn new() -> Result<Dnn> {
+        cudnn_library().map_err(|why| Error::Unsupported(why.to_string()))?;
+        let handle = dnn::create_handle().map_err(dnn_err("cudnnCreate"))?;
+        Ok(Dnn { handle, plans: HashMap::new() })
+    }
+
+    /// Makes `c`'s plan (descriptors, the heuristic's fastest algorithm within
+    /// [`WORKSPACE_CAP`]) unless cached, and returns its workspace in bytes. Errors: a form
+    /// cuDNN refuses or has no algorithm for (the reason names cuDNN's status).
+    pub fn prepare(&mut self, c: &Conv) -> Result<u64> {
+        let k = key(c);
+        if let Some(p) = self.plans.get(&k) {
+            return Ok(p.workspace);
+        }
+        takes(c).map_err(Error::Unsupported)?;
+        let plan = self.make_plan(c)?;
+        let ws = plan.workspace;
+        self.plans.insert(k, plan);
+        Ok(ws)
+    }
+
+    fn make_plan(&self, c: &Conv) -> Result<Plan> {
+        let dt = data_type(c.dtype)?;
+        // One spatial axis becomes two (a leading axis of 1): cuDNN wants 4-D at least.
+        let lift = |v: &[u64], one: u64| -> Vec<c_int> {
+            let mut out: Vec<c_int> = v.iter().map(|&x| x as c_int).collect();
+            if out.len() == 1 {
+                out.insert(0, one as c_int);
+            }
+            out
+        };
+        let with = |a: u64, b: u64, sp: &[u64]| -> Vec<c_int> {
+            let mut d = vec![a as c_int, b as c_int];
+            d.extend(lift(sp, 1));
+            d
+        };
+        let x = tensor(dt, &with(c.batch, c.in_channels, &c.input))?;
+        let y = tensor(dt, &with(c.batch, c.out_channels, &c.output))?;
+        let w = FilterDesc::new()?;
+        let wdims = if c.transposed {
+            with(c.in_channels, c.out_channels / c.groups, &c.kernel)
+        } else {
+            with(c.out_channels, c.in_channels / c.groups, &c.kernel)
+        };
+        // SAFETY: live descriptor; `wdims` holds its length of values.
+        unsafe {
+            dnn::set_filternd_descriptor(
+                w.0,
+                dt,
+                sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW,
+                wdims.len() as c_int,
+                wdims.as_ptr(),
+            )
+        }
+        .map_err(dnn_err("cudnnSetFilterNdDescriptor"))?;
+        let conv = ConvDesc::new()?;
+        let pads = lift(&c.pads_begin.iter().map(|&p| p as u64).collect::<Vec<_>>(), 0);
+        let (strides, dilations) = (lift(&c.strides, 1), lift(&c.dilations, 1));
+        // SAFETY: live descriptor; the three arrays hold `pads.len()` values each.
+        unsafe {
+            dnn::set_convolutionnd_descriptor(
+                conv.0,
+                pads.len() as c_int,
+                pads.as_ptr(),
+                strides.as_ptr(),
+                dilations.as_ptr(),
+                sys::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
+                sys::cudnnDataType_t::CUDNN_DATA_FLOAT,
+            )
+            .map_err(dnn_err("cudnnSetConvolutionNdDescriptor"))?;
+            dnn::set_convolution_group_count(conv.0, c.groups as i32)
+                .map_err(dnn_err("cudnnSetConvolutionGroupCount"))?;
+        }
+        use sys::cudnnMathType_t::{CUDNN_FMA_MATH, CUDNN_TENSOR_OP_MATH};
+        let math = if c.dtype == DType::F32 { CUDNN_FMA_MATH } else { CUDNN_TENSOR_OP_MATH };
+        // SAFETY: live descriptor.
+        unsafe { dnn::set_convolution_math_type(conv.0, math) }.map_err(dnn_err("cudnnSetConvolutionMathType"))?;
+        // float32 takes FMA algorithms only: no TF32.
+        let math_ok = |m: sys::cudnnMathType_t| c.dtype != DType::F32 || m == CUDNN_FMA_MATH;
+        let (algo, math) = self.algorithm(c, &x, &w, &conv, &y, math_ok)?;
+        // SAFETY: live descriptor.
+        unsafe { dnn::set_convolution_math_type(conv.0, math) }.map_err(dnn_err("cudnnSetConvolutionMathType"))?;
+        // SAFETY: live handle and descriptors of one consistent shape.
+        let workspace = unsafe {
+            match algo {
+                Algo::Forward(a) => dnn::get_convolution_forward_workspace_size(self.handle, x.0, w.0, conv.0, y.0, a),
+                Algo::BackwardData(a) => {
+                    dnn::get_convolution_backward_data_workspace_size(self.handle, w.0, x.0, conv.0, y.0, a)
+                }
+            }
+        }
+        .map_err(dnn_err("cudnnGetConvolutionWorkspaceSize"))? as u64;
+        let bias = match c.bias {
+            Some(_) => {
+                let mut d = vec![1 as c_int; 2 + lift(&c.output, 1).len()];
+                d[1] = c.out_channels as c_int;
+                Some(tensor(dt, &d)?)
+            }
+            None => None,
+        };
+        let act = ActDesc::new()?;
+        let mode = if c.epilogue == Epilogue::Relu {
+            sys::cudnnActivationMode_t::CUDNN_ACTIVATION_RELU
+        } else {
+            sys::cudnnActivationMode_t::CUDNN_ACTIVATION_IDENTITY
+        };
+        // SAFETY: live descriptor.
+        unsafe { dnn::set_activation_descriptor(act.0, mode, sys::cudnnNanPropagation_t::CUDNN_PROPAGATE_NAN, 0.0) }
+            .map_err(dnn_err("cudnnSetActivationDescriptor"))?;
+        // cudnnConvolutionBiasActivationForward: forward, with a bias, float32 or float16; its
+        // identity activation only with the implicit precomputed GEMM.
+        let fused = !c.transposed
+            && c.bias.is_some()
+            && matches!(c.dtype, DType::F32 | DType::F16)
+            && (c.epilogue == Epilogue::Relu
+                || matches!(
+                    algo,
+                    Algo::Forward(sys::cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM)
+                ));
+        let size = c.dtype.size().unwrap_or(4) as u64;
+        let y_bytes = c.batch * c.out_channels * c.output.iter().product::<u64>() * size;
+        Ok(Plan { x, y, w, conv, bias, act, algo, workspace, fused, y_bytes })
+    }
+
+    /// The heuristic's first algorithm (cuDNN ranks them by expected speed) that succeeds with
+    /// an allowed math type within [`WORKSPACE_CAP`].
+    fn algorithm(
+        &self,
+        c: &Conv,
+        x: &TensorDesc,
+        w: &FilterDesc,
+        conv: &ConvDesc,
+        y: &TensorDesc,
+        math_ok: impl Fn(sys::cudnnMathType_t) -> bool,
+    ) -> Result<(Algo, sys::cudnnMathType_t)> {
+        const N: usize = 16;
+        let mut n: c_int = 0;
+        let ok = sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS;
+        let fits = |mem: usize| mem as u64 <= WORKSPACE_CAP;
+        let found = if c.transposed {
+            // SAFETY: zeroed C structs are valid; cuDNN writes `n` of them.
+            let mut perf: [sys::cudnnConvolutionBwdDataAlgoPerf_t; N] = unsafe { std::mem::zeroed() };
+            // SAFETY: live handle and descriptors; `perf` holds N results.
+            unsafe {
+                dnn::get_convolution_backward_data_algorithm(
+                    self.handle,
+                    w.0,
+                    x.0,
+                    conv.0,
+                    y.0,
+                    N as c_int,
+                    &mut n,
+                    perf.as_mut_ptr(),
+                )
+            }
+            .map_err(dnn_err("cudnnGetConvolutionBackwardDataAlgorithm_v7"))?;
+            perf[..(n.max(0) as usize).min(N)]
+                .iter()
+                .find(|p| p.status == ok && fits(p.memory) && math_ok(p.mathType))
+                .map(|p| (Algo::BackwardData(p.algo), p.mathType))
+        } else {
+            // SAFETY: as above.
+            let mut perf: [sys::cudnnConvolutionFwdAlgoPerf_t; N] = unsafe { std::mem::zeroed() };
+            // SAFETY: as above.
+            unsafe {
+                dnn::get_convolution_forward_algorithm(
+                    self.handle,
+                    x.0,
+                    w.0,
+                    conv.0,
+                    y.0,
+                    N as c_int,
+                    &mut n,
+                    perf.as_mut_ptr(),
+                )
+            }
+            .map_err(dnn_err("cudnnGetConvolutionForwardAlgorithm_v7"))?;
+            perf[..(n.max(0) as usize).min(N)]
+                .iter()
+                .find(|p| p.status == ok && fits(p.memory) && math_ok(p.mathType))
+                .map(|p| (Algo::Forward(p.algo), p.mathType))
+        };
+        found.ok_or_else(|| {
+            Error::Unsupported(format!(
+                "cuDNN has no algorithm for this convolution ({} of {n} candidates; {} math, at most {} MiB of workspace)",
+                c.dtype,
+                if c.dtype == DType::F32 { "FMA" } else { "any" },
+                WORKSPACE_CAP >> 20
+            ))
+        })
+    }
+
+    /// Enqueues `c` on `stream` with its cached plan ([`Dnn::prepare`] first) and a workspace of
+    /// at least the plan's size at `workspace`. No allocation: safe inside a capture.
+    pub(super) fn conv(
+        &mut self,
+        c: &Conv,
+        p: &ConvPtrs,
+        workspace: (CUdeviceptr, u64),
+        stream: CUstream,
+    ) -> Result<()> {
+        let handle = self.handle;
+        let plan = self.plans.get_mut(&key(c)).ok_or_else(|| Error::Device("cuDNN convolution not prepared".into()))?;
+        if workspace.1 < plan.workspace {
+            return Err(Error::Device(format!(
+                "cuDNN convolution: workspace of {} bytes prepared, {} needed",
+                workspace.1, plan.workspace
+            )));
+        }
+        // SAFETY: the handle is live; cudnnSetStream takes the driver's stream.
+        unsafe { dnn::set_stream(handle, stream as sys::cudaStream_t) }.map_err(dnn_err("cudnnSetStream"))?;
+        let (one, zero) = (1f32, 0f32);
+        let f = |v: &f32| v as *const f32 as *const c_void;
+        let ptr = |d: CUdeviceptr| d as *const c_void;
+        let ws = workspace.0 as *mut c_void;
+        if plan.fused {
+            let (Algo::Forward(algo), Some(bias), Some(bias_desc)) = (plan.algo, p.bias, plan.bias.as_ref()) else {
+                return Err(Error::Device("cuDNN fused convolution without a bias".into()));
+            };
+            let (alpha2, z) = match p.z {
+                Some(z) => (one, z),
+                None => (zero, p.y),
+            };
+            // SAFETY: the sandbox checked every operand's extent against its tensor; the
+            // descriptors describe those extents; the workspace holds `plan.workspace` bytes.
+            let r = unsafe {
+                dnn::convolution_bias_activation_forward(
+                    handle,
+                    f(&one),
+                    plan.x.0,
+                    ptr(p.x),
+                    plan.w.0,
+                    ptr(p.w),
+                    plan.conv.0,
+                    algo,
+                    ws,
+                    plan.workspace as usize,
+                    f(&alpha2),
+                    plan.y.0,
+                    ptr(z),
+                    bias_desc.0,
+                    ptr(bias),
+                    plan.act.0,
+                    plan.y.0,
+                    p.y as *mut c_void,
+                )
+            };
+            match r {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    tracing::debug!(
+                        "cudnnConvolutionBiasActivationForward refused ({e:?}): bias and activation one by one"
+                    );
+                    plan.fused = false;
+                }
+            }
+        }
+        let beta = match p.z {
+            Some(z) => {
+                // SAFETY: Z and Y hold `y_bytes` each (checked by the sandbox) and differ.
+                unsafe { cudarc::driver::result::memcpy_dtod_async(p.y, z, plan.y_bytes as usize, stream) }
+                    .map_err(|e| Error::Device(format!("cuMemcpyDtoDAsync: {e}")))?;
+                one
+            }
+            None => zero,
+        };
+        // SAFETY: as for the fused call.
+        unsafe {
+            match plan.algo {
+                Algo::Forward(a) => dnn::convolution_forward(
+                    handle,
+                    f(&one),
+                    plan.x.0,
+                    ptr(p.x),
+                    plan.w.0,
+                    ptr(p.w),
+                    plan.conv.0,
+                    a,
+                    ws,
+                    plan.workspace as usize,
+                    f(&beta),
+                    plan.y.0,
+                    p.y as *mut c_void,
+                ),
+                Algo::BackwardData(a) => dnn::convolution_backward_data(
+                    handle,
+                    f(&one),
+                    plan.w.0,
+                    ptr(p.w),
+                    plan.x.0,
+                    ptr(p.x),
+                    plan.conv.0,
+                    a,
+                    ws,
+                    plan.workspace as usize,
+                    f(&beta),
+                    plan.y.0,
+                    p.y as *mut c_void,
+                ),
+            }
+        }
+        .map_err(dnn_err("cuDNN convolution"))?;
+        if let (Some(bias), Some(desc)) = (p.bias, plan.bias.as_ref()) {
+            // SAFETY: bias holds M values, Y its extent.
+            unsafe { sys::cudnnAddTensor(handle, f(&one), desc.0, ptr(bias), f(&one), plan.y.0, p.y as *mut c_void) }
+                .result()
+                .map_err(dnn_err("cudnnAddTensor"))?;
+        }
+        if c.epilogue == Epilogue::Relu {
+            // SAFETY: in place over Y, which cuDNN allows.
+            unsafe {
+                dnn::activation_forward(
+                    handle,
+                    plan.act.0,
+                    f(&one),
+                    plan.y.0,
+                    ptr(p.y),
+                    f(&zero),
+                    plan.y.0,
+                    p.y as *mut c_void,
+                )
+            }
+            .map_err(dnn_err("cudnnActivationForward"))?;
+        }
+        Ok(())
+    }
+
+    /// Plans cached.
+    pub fn plans(&self) -> usize {
+        self.plans.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_kernel_abi::wire::TensorAt;
+
+    fn conv(input: u64, kernel: u64, stride: u64, pad: i64, output: u64, transposed: bool) -> Conv {
+        let at = TensorAt { handle: 0, offset: 0 };
+        Conv {
+            dtype: DType::F32,
+            transposed,
+            batch: 1,
+            in_channels: 4,
+            out_channels: 8,
+            groups: 2,
+            input: vec![input, input],
+            output: vec![output, output],
+            kernel: vec![kernel, kernel],
+            strides: vec![stride, stride],
+            dilations: vec![1, 1],
+            pads_begin: vec![pad, pad],
+            x: at,
+            w: at,
+            bias: None,
+            z: None,
+            y: at,
+            epilogue: Epilogue::None,
+        }
+    }
+
+    #[test]
+    fn takes_symmetric_padding_and_refuses_the_rest_with_its_reason() {
+        // 224 → 112 at stride 2, 3×3, pads 1 and 1 (or 1 and 0: the last column is never read).
+        assert_eq!(takes(&conv(224, 3, 2, 1, 112, false)), Ok(()));
+        // SAME_UPPER of a 4×4 kernel at stride 1: pads 1 before, 2 after → 8 outputs; cuDNN's
+        // symmetric 1 gives 7.
+        let err = takes(&conv(8, 4, 1, 1, 8, false)).unwrap_err();
+        assert!(err.contains("axis 0") && err.contains("same on both sides"), "{err}");
+        // ConvTranspose 3 → 5 (stride 2, 3×3, no pads) is the gradient of 5 → 3.
+        assert_eq!(takes(&conv(3, 3, 2, 0, 7, true)), Ok(()));
+        // output_padding 1 of a stride-2 ConvTranspose: 8, still floor((8 - 3) / 2) + 1 = 3.
+        assert_eq!(takes(&conv(3, 3, 2, 0, 8, true)), Ok(()));
+        let err = takes(&conv(3, 3, 2, -1, 9, true)).unwrap_err();
+        assert!(err.contains("negative padding"), "{err}");
+        let mut c = conv(8, 3, 1, 1, 8, false);
+        c.input = vec![8; 4];
+        c.output = vec![8; 4];
+        c.kernel = vec![3; 4];
+        c.strides = vec![1; 4];
+        c.dilations = vec![1; 4];
+        c.pads_begin = vec![1; 4];
+        assert!(takes(&c).unwrap_err().contains("1 to 3 spatial axes"));
+        let mut c = conv(1 << 16, 1, 1, 0, 1 << 16, false);
+        c.batch = 1 << 10;
+        assert!(takes(&c).unwrap_err().contains("2^31-1"));
+    }
+}
