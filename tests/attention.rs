@@ -231,7 +231,8 @@ fn random_case(r: &mut Rng, dtype: DType) -> Case {
     let (seq, lens, total, past_len);
     match mode {
         Mode::Prompt => {
-            seq = r.range(1, 6);
+            // From 8 rows a float32 prompt multiplies through the host's gemm.
+            seq = r.range(1, 12);
             lens = (0..batch).map(|_| r.range(1, seq)).collect::<Vec<_>>();
             total = seq;
             past_len = if shared { total + r.range(0, 3) } else { 0 };
@@ -246,7 +247,7 @@ fn random_case(r: &mut Rng, dtype: DType) -> Case {
             past_len = if shared { total + r.range(0, 3) } else { total - 1 };
         }
         Mode::Chunk => {
-            seq = r.range(2, 4);
+            seq = r.range(2, 10);
             let past = r.range(1, 5);
             lens = vec![past + seq];
             total = past + seq;
@@ -462,13 +463,16 @@ fn group_query_attention_matches_float64_on_random_configurations() {
     let rt = runtime();
     let mut r = Rng(0x6a09_e667_f3bc_c908);
     let mut seen = [0usize; 3];
+    let mut through_gemm = 0;
     for _ in 0..60 {
         let c = random_case(&mut r, DType::F32);
         seen[c.mode as usize] += 1;
+        through_gemm += (c.seq >= 8) as usize;
         let d = random_data(&mut r, &c);
         check_gqa(&rt, &c, &d, 1e-5);
     }
     assert!(seen.iter().all(|&n| n > 5), "{seen:?}");
+    assert!(through_gemm >= 4, "{through_gemm} prompts of 8 rows or more (the host-gemm path)");
 }
 
 #[test]

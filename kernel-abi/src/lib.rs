@@ -21,6 +21,7 @@
 extern crate alloc;
 
 pub mod dtype;
+pub mod math;
 pub mod names;
 pub mod philox;
 pub mod plan;

@@ -598,9 +598,11 @@ fn check_gemm(st: &CallState, mut g: Gemm) -> Result<PlanStep, String> {
     check("A", &mut g.a, ar, ac)?;
     check("B", &mut g.b, br, bc)?;
     check("D", &mut g.d, m, n)?;
-    // D's matrices must not overlap (the batch then fits D's size, and no two write one
-    // element).
-    if g.batch > 1 && g.d.batch_stride < (m - 1) * g.d.ld + n {
+    // D's matrices must not overlap (no two write one element): one after another, or side by
+    // side within each row (heads of one row, as an attention output lays them out).
+    let stacked = g.d.batch_stride >= (m - 1) * g.d.ld + n;
+    let side_by_side = g.d.batch_stride >= n && (g.batch - 1) * g.d.batch_stride + n <= g.d.ld;
+    if g.batch > 1 && !stacked && !side_by_side {
         return Err(format!(
             "gemm D: batch stride {} overlaps its matrices of {m} rows (ld {}) of {n}",
             g.d.batch_stride, g.d.ld

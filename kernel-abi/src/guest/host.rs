@@ -94,6 +94,18 @@ pub fn scratch_from(bytes: &[u8]) -> Result<u32> {
     Ok(h)
 }
 
+/// Reads `dst.len()` bytes at byte `offset` of the tensor `handle` names (CPU calls: an input,
+/// an output or a scratch tensor, such as a `gemm`'s D in scratch).
+pub fn read_handle(handle: u32, offset: u64, dst: &mut [u8]) -> Result<()> {
+    read(handle, offset, dst).map_err(|c| ShimError::Failed(alloc::format!("read of handle {handle:#x} refused ({c})")))
+}
+
+/// Writes `src` at byte `offset` of the output or scratch tensor `handle` names (CPU calls).
+pub fn write_handle(handle: u32, offset: u64, src: &[u8]) -> Result<()> {
+    write(handle, offset, src)
+        .map_err(|c| ShimError::Failed(alloc::format!("write of handle {handle:#x} refused ({c})")))
+}
+
 /// Enqueues one launch of a kernel declared in the package manifest (dispatch calls only).
 pub fn launch(l: &Launch<'_>) -> Result<()> {
     let bytes: Vec<u8> = l.encode();

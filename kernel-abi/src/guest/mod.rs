@@ -38,7 +38,7 @@ use alloc::vec::Vec;
 pub use alloc::{format, vec};
 pub use element::{Bool, Element};
 pub use half::{bf16, f16};
-pub use host::{conv, device_conv, gemm, launch, log_fail, qgemm, scratch, scratch_from};
+pub use host::{conv, device_conv, gemm, launch, log_fail, qgemm, read_handle, scratch, scratch_from, write_handle};
 pub use libm;
 
 pub use crate::wire::{

@@ -103,6 +103,7 @@ trait Real:
     fn max(self, other: Self) -> Self;
     /// Rounds to the precision of `dtype` (f32, f16, bf16).
     fn round_to(self, dtype: DType) -> Self;
+    fn to_f32(self) -> f32;
 }
 
 impl Real for f64 {
@@ -124,13 +125,17 @@ impl Real for f64 {
             _ => self as f32 as f64,
         }
     }
+    fn to_f32(self) -> f32 {
+        self as f32
+    }
 }
 
 impl Real for f32 {
     const ZERO: f32 = 0.0;
     const NEG_INFINITY: f32 = f32::NEG_INFINITY;
     fn exp(self) -> f32 {
-        libm::expf(self)
+        // Branch-free, so softmax loops vectorize; within 2 ulp (the f64 reference checks it).
+        kiln_kernel_abi::math::exp_f32(self)
     }
     fn tanh(self) -> f32 {
         libm::tanhf(self)
@@ -144,6 +149,9 @@ impl Real for f32 {
             DType::BF16 => bf16::from_f32(self).to_f32(),
             _ => self,
         }
+    }
+    fn to_f32(self) -> f32 {
+        self
     }
 }
 
@@ -563,8 +571,135 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
         Ok(raw)
     };
 
-    let mut out = vec![T::ZERO; b_n * s_n * n_h * h_sz];
+    // A float32 prompt multiplies through the host's `gemm` (Q·Kᵀ and P·V over each KV head's
+    // group), reading K and V from the presents, which are therefore written first.
+    let (pk, pv) = (call.output_opt(1), call.output_opt(2));
+    if let Some(t) = &pk {
+        t.write_bytes(&present_bytes(past_k, &pres_k)?)?;
+    }
+    if let Some(t) = &pv {
+        t.write_bytes(&present_bytes(past_v, &pres_v)?)?;
+    }
+    let sink_of = |h: usize| match &sink {
+        Some(sv) => Some(sv[h]),
+        None if smooth => Some(T::ZERO),
+        None => None,
+    };
+    // The logit of query row s against key t of head h in batch row b, from Q·K.
+    let logit = |qk: T, b: usize, h: usize, s: usize, t: usize| {
+        let mut x = qk;
+        if softcap > T::ZERO {
+            x = softcap * (x / softcap).tanh();
+        }
+        if let (Some(bias), Some(d)) = (&bias, p.bias_dims) {
+            let (bb, bh) = (if d[0] == 1 { 0 } else { b }, if d[1] == 1 { 0 } else { h });
+            x += bias[((bb * d[1] + bh) * d[2] + s) * d[3] + t];
+        }
+        x
+    };
+    // Query row s's keys in batch row b: [start, end).
+    let keys = |t_b: usize, past_b: usize, s: usize| {
+        let causal = past_b + s + 1;
+        let start = if window >= 0 && causal as i64 > window { causal - window as usize } else { 0 };
+        (start, causal.min(t_b))
+    };
     let mut q = vec![T::ZERO; h_sz];
+    if let (DType::F32, true, Some(pk), Some(pv)) = (p.dtype, s_n >= PROMPT_GEMM_ROWS, &pk, &pv) {
+        let rotate = |q: &mut [T], b: usize, h: usize, s: usize| -> Result<()> {
+            q.copy_from_slice(&q_in[(b * s_n + s) * q_w + h * h_sz..][..h_sz]);
+            if let Some(c) = &caches {
+                c.rotate(GQA, q, (rows[b].1 + s) as i64, interleaved)?;
+            }
+            Ok(())
+        };
+        let out = call.output(0)?.handle();
+        let t_max = rows.iter().map(|r| r.0).max().unwrap_or(1).max(1);
+        // Query rows per product: the group's scores of a chunk within PROMPT_SCORES values.
+        let chunk = (PROMPT_SCORES / (group * t_max)).clamp(1, s_n);
+        let qs = scratch((group * chunk * h_sz * 4) as u64)?;
+        let ss = scratch((group * chunk * t_max * 4) as u64)?;
+        let f32_op = |handle, offset: usize, ld: usize, batch_stride: usize| Operand {
+            handle,
+            offset: offset as u64 * 4,
+            ld: ld as u64,
+            batch_stride: batch_stride as u64,
+        };
+        for (b, &(t_b, past_b)) in rows.iter().enumerate() {
+            for j in 0..n_kv {
+                let kv = (b * n_kv + j) * pl * h_sz;
+                for s0 in (0..s_n).step_by(chunk) {
+                    let n = chunk.min(s_n - s0);
+                    let mut qb = Vec::with_capacity(group * n * h_sz * 4);
+                    for g in 0..group {
+                        for s in s0..s0 + n {
+                            rotate(&mut q, b, j * group + g, s)?;
+                            qb.extend(q.iter().flat_map(|x| x.to_f32().to_le_bytes()));
+                        }
+                    }
+                    write_handle(qs, 0, &qb)?;
+                    // Scores [group, n, t_b] = scale · Q [group, n, H] · Kᵀ.
+                    gemm(&Gemm {
+                        dtype: DType::F32,
+                        trans_a: false,
+                        trans_b: true,
+                        m: n as u64,
+                        n: t_b as u64,
+                        k: h_sz as u64,
+                        batch: group as u64,
+                        alpha: scale.to_f32(),
+                        beta: 0.0,
+                        a: f32_op(qs, 0, h_sz, n * h_sz),
+                        b: f32_op(pk.handle(), kv, h_sz, 0),
+                        c: None,
+                        d: f32_op(ss, 0, t_b, n * t_b),
+                        bias: None,
+                        epilogue: Epilogue::None,
+                    })?;
+                    let mut raw = alloc::vec![0u8; group * n * t_b * 4];
+                    read_handle(ss, 0, &mut raw)?;
+                    // Each row's logits softmaxed over its keys in place, 0 outside them.
+                    let mut scores = element::decode_as::<T>(DType::F32, &raw)?;
+                    for (r, row) in scores.chunks_exact_mut(t_b).enumerate() {
+                        let (h, s) = (j * group + r / n, s0 + r % n);
+                        // A padding row past the batch row's length (or a window past it) has none.
+                        let (start, end) = keys(t_b, past_b, s);
+                        let start = start.min(t_b);
+                        let end = end.max(start);
+                        if softcap > T::ZERO || bias.is_some() {
+                            for (t, x) in row.iter_mut().enumerate().take(end).skip(start) {
+                                *x = logit(*x, b, h, s, t);
+                            }
+                        }
+                        softmax_in_place(&mut row[start..end], sink_of(h));
+                        row[..start].fill(T::ZERO);
+                        row[end..].fill(T::ZERO);
+                    }
+                    write_handle(ss, 0, &element::encode_as(DType::F32, &scores)?)?;
+                    // Output rows s0.. of the group's heads = P [group, n, t_b] · V [t_b, H].
+                    gemm(&Gemm {
+                        dtype: DType::F32,
+                        trans_a: false,
+                        trans_b: false,
+                        m: n as u64,
+                        n: h_sz as u64,
+                        k: t_b as u64,
+                        batch: group as u64,
+                        alpha: 1.0,
+                        beta: 0.0,
+                        a: f32_op(ss, 0, t_b, n * t_b),
+                        b: f32_op(pv.handle(), kv, h_sz, 0),
+                        c: None,
+                        d: f32_op(out, ((b * s_n + s0) * n_h + j * group) * h_sz, n_h * h_sz, h_sz),
+                        bias: None,
+                        epilogue: Epilogue::None,
+                    })?;
+                }
+            }
+        }
+        return Ok(());
+    }
+
+    let mut out = vec![T::ZERO; b_n * s_n * n_h * h_sz];
     let mut scores = Vec::new();
     for (b, &(t_b, past_b)) in rows.iter().enumerate() {
         for h in 0..n_h {
@@ -572,9 +707,7 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
             let kh = &pres_k[head(b, j)..head(b, j) + pc * h_sz];
             let vh = &pres_v[head(b, j)..head(b, j) + pc * h_sz];
             for s in 0..s_n {
-                let causal = past_b + s + 1;
-                let start = if window >= 0 && causal as i64 > window { causal - window as usize } else { 0 };
-                let end = causal.min(t_b);
+                let (start, end) = keys(t_b, past_b, s);
                 if start >= end {
                     continue; // No key: the row stays zero.
                 }
@@ -585,50 +718,41 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
                 }
                 scores.clear();
                 for t in start..end {
-                    let kr = &kh[t * h_sz..(t + 1) * h_sz];
-                    let mut x = dot(&q, kr) * scale;
-                    if softcap > T::ZERO {
-                        x = softcap * (x / softcap).tanh();
-                    }
-                    if let (Some(bias), Some(d)) = (&bias, p.bias_dims) {
-                        let (bb, bh) = (if d[0] == 1 { 0 } else { b }, if d[1] == 1 { 0 } else { h });
-                        x += bias[((bb * d[1] + bh) * d[2] + s) * d[3] + t];
-                    }
-                    scores.push(x);
+                    scores.push(logit(dot(&q, &kh[t * h_sz..(t + 1) * h_sz]) * scale, b, h, s, t));
                 }
-                let mut max = scores.iter().fold(T::NEG_INFINITY, |m, &x| m.max(x));
-                let sink_v = match &sink {
-                    Some(sv) => Some(sv[h]),
-                    None if smooth => Some(T::ZERO),
-                    None => None,
-                };
-                if let Some(sv) = sink_v {
-                    max = max.max(sv);
-                }
-                let mut den = sink_v.map_or(T::ZERO, |sv| (sv - max).exp());
-                for x in scores.iter_mut() {
-                    *x = (*x - max).exp();
-                    den += *x;
-                }
+                softmax_in_place(&mut scores, sink_of(h));
                 let o = &mut out[(b * s_n + s) * n_h * h_sz + h * h_sz..][..h_sz];
-                for (i, t) in (start..end).enumerate() {
-                    let w = scores[i] / den;
+                for (w, t) in scores.iter().zip(start..end) {
                     for (od, vd) in o.iter_mut().zip(&vh[t * h_sz..(t + 1) * h_sz]) {
-                        *od += w * *vd;
+                        *od += *w * *vd;
                     }
                 }
             }
         }
     }
+    call.output(0)?.write_vec(&out)
+}
 
-    call.output(0)?.write_vec(&out)?;
-    if let Some(t) = call.output_opt(1) {
-        t.write_bytes(&present_bytes(past_k, &pres_k)?)?;
+/// Prompts of at least this many rows multiply through the host's `gemm` (float32).
+const PROMPT_GEMM_ROWS: usize = 8;
+/// Most scores (f32 values) one product of a prompt's attention writes at once.
+const PROMPT_SCORES: usize = 4 << 20;
+
+/// Softmax of `xs` in place, with `sink` as one more logit in the denominator (attention sinks,
+/// smooth softmax); empty `xs` stays empty.
+fn softmax_in_place<T: Real>(xs: &mut [T], sink: Option<T>) {
+    let mut max = xs.iter().fold(T::NEG_INFINITY, |m, &x| m.max(x));
+    if let Some(s) = sink {
+        max = max.max(s);
     }
-    if let Some(t) = call.output_opt(2) {
-        t.write_bytes(&present_bytes(past_v, &pres_v)?)?;
+    // Three loops: the exponentials and the division vectorize; the sum keeps its order.
+    for x in xs.iter_mut() {
+        *x = (*x - max).exp();
     }
-    Ok(())
+    let den = xs.iter().fold(sink.map_or(T::ZERO, |s| (s - max).exp()), |d, &x| d + x);
+    for x in xs.iter_mut() {
+        *x = *x / den;
+    }
 }
 
 /// `Σ a·b` in eight partial sums (which the compiler keeps in SIMD lanes), then their sum.
