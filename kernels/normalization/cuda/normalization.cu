@@ -106,6 +106,59 @@ __device__ void softmax_cols(const T* x, T* y, kiln_u64 outer, kiln_u64 n, kiln_
     }
 }
 
+// ---- MeanVarianceNormalization ---------------------------------------------------------------
+
+// Offset of reduced index r within kept index k over eight dims (bit i of `mask`: dim i reduced).
+__device__ __forceinline__ kiln_u64 mvn_offset(kiln_u64 k, kiln_u64 r, const kiln_u64* dims, unsigned mask) {
+    kiln_u64 off = 0, stride = 1;
+    for (int i = 7; i >= 0; --i) {
+        const kiln_u64 d = dims[i];
+        kiln_u64 idx;
+        if (mask >> i & 1u) {
+            idx = r % d;
+            r /= d;
+        } else {
+            idx = k % d;
+            k /= d;
+        }
+        off += idx * stride;
+        stride *= d;
+    }
+    return off;
+}
+
+// y = (x - E[x]) / (sqrt(E[x^2] - E[x]^2) + 1e-9) over the reduced dims: one block per kept
+// index (blocks loop over the rest), sums in A (f32; f64 for float64).
+template <typename Tag, typename T = typename Tag::storage, typename E = kiln_elem<Tag>,
+          typename A = typename kiln_elem<Tag>::C>
+__device__ void mvn(const T* x, T* y, kiln_u64 kept, kiln_u64 per, unsigned mask, const kiln_u64* dims) {
+    __shared__ A red[32];
+    for (kiln_u64 k = blockIdx.x; k < kept; k += gridDim.x) {
+        A s = 0, s2 = 0;
+        for (kiln_u64 r = threadIdx.x; r < per; r += blockDim.x) {
+            const A v = (A)E::ld(x[mvn_offset(k, r, dims, mask)]);
+            s += v;
+            s2 += v * v;
+        }
+        s = kiln_block_reduce_by(s, red, kiln_op_sum());
+        s2 = kiln_block_reduce_by(s2, red, kiln_op_sum());
+        const A mean = s / (A)per;
+        const A denom = kiln_sqrt(s2 / (A)per - mean * mean) + (A)1e-9;
+        for (kiln_u64 r = threadIdx.x; r < per; r += blockDim.x) {
+            const kiln_u64 at = mvn_offset(k, r, dims, mask);
+            y[at] = E::st(((A)E::ld(x[at]) - mean) / denom);
+        }
+    }
+}
+
+template <typename Tag>
+__global__ void kiln_mvn(const typename Tag::storage* x, typename Tag::storage* y, kiln_u64 kept, kiln_u64 per,
+                         unsigned mask, kiln_u64 d0, kiln_u64 d1, kiln_u64 d2, kiln_u64 d3, kiln_u64 d4, kiln_u64 d5,
+                         kiln_u64 d6, kiln_u64 d7) {
+    const kiln_u64 dims[8] = {d0, d1, d2, d3, d4, d5, d6, d7};
+    mvn<Tag>(x, y, kept, per, mask, dims);
+}
+
 // ---- LpNormalization -------------------------------------------------------------------------
 
 // y = x / ‖x‖_p along the row (p 1: Σ|x|; 2: √Σx²); a zero norm divides as IEEE 754 does.

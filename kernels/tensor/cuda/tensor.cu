@@ -632,3 +632,67 @@ extern "C" __global__ void kiln_tensor_reverse_sequence(const char* src, const v
         kt_elem_copy(dst + i * esize, src + ((s0 * A1 + s1) * inner + k) * esize, esize);
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// NonZero and Compress (shim/src/select.rs).
+
+// Whether one element's bytes are nonzero; a float by magnitude (its top byte's sign bit left
+// out), so -0.0 is zero and NaN is not.
+__device__ __forceinline__ bool kt_nonzero(const unsigned char* e, unsigned esize, unsigned is_float) {
+    unsigned char any = e[esize - 1] & (is_float ? 0x7f : 0xff);
+    for (unsigned b = 0; b + 1 < esize; ++b) any |= e[b];
+    return any != 0;
+}
+
+// The coordinates of x's nonzero elements in row-major order: out[a * nnz + k] is coordinate a
+// of the k-th, over dims d0..d{rank-1}. One block, blockDim.x a multiple of 32 (up to 1024),
+// walks the elements a block-width at a time: a warp ballot ranks each nonzero in its warp, the
+// warps' counts are scanned in shared memory, and `base` carries the count of earlier chunks.
+// Writes at most nnz coordinates (the shim counted them from the same values).
+extern "C" __global__ void kiln_tensor_nonzero(const unsigned char* x, long long* out, kiln_u64 n, unsigned esize,
+                                               unsigned is_float, kiln_u64 nnz, unsigned rank, KT_DIMS8(d)) {
+    const kiln_u64 dims[8] = KT_ARRAY8(d);
+    __shared__ unsigned warp_before[32];
+    __shared__ unsigned chunk_total;
+    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    kiln_u64 base = 0;
+    for (kiln_u64 c = 0; c < n; c += blockDim.x) {
+        const kiln_u64 t = c + threadIdx.x;
+        const bool hit = t < n && kt_nonzero(x + t * esize, esize, is_float);
+        const unsigned ballot = __ballot_sync(0xffffffffu, hit);
+        if (lane == 0) warp_before[warp] = __popc(ballot);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned acc = 0;
+            for (unsigned w = 0; w < warps; ++w) {
+                const unsigned v = warp_before[w];
+                warp_before[w] = acc;
+                acc += v;
+            }
+            chunk_total = acc;
+        }
+        __syncthreads();
+        if (hit) {
+            const kiln_u64 k = base + warp_before[warp] + __popc(ballot & ((1u << lane) - 1u));
+            if (k < nnz) {
+                kiln_u64 rest = t;
+                for (int a = (int)rank - 1; a >= 0; --a) {
+                    out[(kiln_u64)a * nnz + k] = (long long)(rest % dims[a]);
+                    rest /= dims[a];
+                }
+            }
+        }
+        base += chunk_total;
+        __syncthreads();
+    }
+}
+
+// Compress: output element t = (o, j, i) over (outer, count, inner) copies input slice sel[j]
+// of outer index o: src[(o * axis_len + sel[j]) * inner + i].
+extern "C" __global__ void kiln_tensor_compress(const char* src, const long long* sel, char* dst, kiln_u64 n,
+                                                unsigned esize, kiln_u64 inner, kiln_u64 count, kiln_u64 axis_len) {
+    KILN_FOR(t, n) {
+        const kiln_u64 i = t % inner, j = (t / inner) % count, o = t / (inner * count);
+        kt_elem_copy(dst + t * esize, src + ((o * axis_len + (kiln_u64)sel[j]) * inner + i) * esize, esize);
+    }
+}

@@ -1,6 +1,7 @@
 //! Shim of `kiln-image`: image and spatial-resampling ops over `[N, C, D1, …]`-style tensors,
 //! following ONNX Operators.md and ONNX's reference implementation: Resize (10, 11, 13, 18, 19)
-//! and Upsample (7, 9) in [`resize`], GridSample (16, 20, 22) and AffineGrid (20) in [`grid`].
+//! and Upsample (7, 9) in [`resize`], GridSample (16, 20, 22) and AffineGrid (20) in [`grid`],
+//! RoiAlign (10, 16, 22) in [`roi`].
 //!
 //! The CPU reference computes in f64 and rounds once; the CUDA kernels compute coordinates and
 //! weights in f64 and the values in f32.
@@ -9,6 +10,7 @@ extern crate alloc;
 
 mod grid;
 mod resize;
+mod roi;
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
@@ -22,6 +24,7 @@ impl Shim for Image {
             "Resize" | "Upsample" => resize::infer(call),
             "GridSample" => grid::grid_sample_infer(call),
             "AffineGrid" => grid::affine_infer(call),
+            "RoiAlign" => roi::infer(call),
             other => unsupported!("kiln-image does not implement {other}"),
         }
     }
@@ -31,6 +34,7 @@ impl Shim for Image {
             "Resize" | "Upsample" => resize::cpu(call),
             "GridSample" => grid::grid_sample_cpu(call),
             "AffineGrid" => grid::affine_cpu(call),
+            "RoiAlign" => roi::cpu(call),
             other => unsupported!("kiln-image does not implement {other}"),
         }
     }
@@ -40,6 +44,7 @@ impl Shim for Image {
             "Resize" | "Upsample" => resize::dispatch(call),
             "GridSample" => grid::grid_sample_dispatch(call),
             "AffineGrid" => grid::affine_dispatch(call),
+            "RoiAlign" => roi::dispatch(call),
             other => unsupported!("kiln-image does not implement {other}"),
         }
     }

@@ -9,6 +9,7 @@
 //! - [`lp_norm`]: LpNormalization-1/22, following ONNX Operators.md and its reference.
 //! - [`group_norm`]: InstanceNormalization-1/6/22 and GroupNormalization-18/21.
 //! - [`lrn`]: LRN-1/13, after ONNX Operators.md.
+//! - [`mvn`]: MeanVarianceNormalization-9/13, after its function body in ONNX Operators.md.
 //!
 //! The CPU references compute in f64 and round once to the output dtype.
 #![no_std]
@@ -19,6 +20,7 @@ mod group_norm;
 mod layer_norm;
 mod lp_norm;
 mod lrn;
+mod mvn;
 mod rms_norm;
 mod softmax;
 
@@ -212,6 +214,7 @@ impl Shim for Normalization {
             "SkipSimplifiedLayerNormalization" => rms_norm::skip_simplified_infer(call),
             "BatchNormalization" => batch_norm::infer(call),
             "LpNormalization" => lp_norm::infer(call),
+            "MeanVarianceNormalization" => mvn::infer(call),
             other => unsupported!("kiln-normalization does not implement {other}"),
         }
     }
@@ -229,6 +232,7 @@ impl Shim for Normalization {
             "SkipSimplifiedLayerNormalization" => rms_norm::skip_simplified_cpu(call),
             "BatchNormalization" => batch_norm::cpu(call),
             "LpNormalization" => lp_norm::cpu(call),
+            "MeanVarianceNormalization" => mvn::cpu(call),
             other => unsupported!("kiln-normalization does not implement {other}"),
         }
     }
@@ -246,6 +250,7 @@ impl Shim for Normalization {
             "SkipSimplifiedLayerNormalization" => rms_norm::skip_simplified_dispatch(call),
             "BatchNormalization" => batch_norm::dispatch(call),
             "LpNormalization" => lp_norm::dispatch(call),
+            "MeanVarianceNormalization" => mvn::dispatch(call),
             other => unsupported!("kiln-normalization does not implement {other}"),
         }
     }

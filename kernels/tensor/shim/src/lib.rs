@@ -14,6 +14,7 @@
 //! - [`onehot`]: OneHot, EyeLike.
 //! - [`pad`]: Pad (constant, edge, reflect and wrap).
 //! - [`dropout`]: Dropout for inference (the data, and an all-true mask).
+//! - [`select`]: NonZero and Compress (output shapes from the values of a value input).
 //!
 //! GPU dispatches ([`gpu`], kernels in `cuda/tensor.cu`) move bytes by element size, so
 //! they too serve every fixed-size dtype; Constant has none (the host folds it at load).
@@ -33,6 +34,7 @@ mod layout;
 mod onehot;
 mod pad;
 mod reverse;
+mod select;
 mod strided;
 mod trilu;
 mod window;
@@ -70,6 +72,8 @@ impl Shim for Tensors {
             "CenterCropPad" => pad::center_infer(call),
             "HannWindow" | "HammingWindow" | "BlackmanWindow" => window::infer(call),
             "ReverseSequence" => reverse::infer(call),
+            "NonZero" => select::nonzero_infer(call),
+            "Compress" => select::compress_infer(call),
             other => unsupported!("kiln-tensor does not implement {other}"),
         }
     }
@@ -94,6 +98,8 @@ impl Shim for Tensors {
             "CenterCropPad" => pad::center_dispatch(call),
             "HannWindow" | "HammingWindow" | "BlackmanWindow" => window::dispatch(call),
             "ReverseSequence" => reverse::dispatch(call),
+            "NonZero" => select::nonzero_dispatch(call),
+            "Compress" => select::compress_dispatch(call),
             other => unsupported!("kiln-tensor does not implement {other}"),
         }
     }
@@ -118,6 +124,8 @@ impl Shim for Tensors {
             "CenterCropPad" => pad::center_cpu(call),
             "HannWindow" | "HammingWindow" | "BlackmanWindow" => window::cpu(call),
             "ReverseSequence" => reverse::cpu(call),
+            "NonZero" => select::nonzero_cpu(call),
+            "Compress" => select::compress_cpu(call),
             other => unsupported!("kiln-tensor does not implement {other}"),
         }
     }
