@@ -175,3 +175,40 @@ __global__ void kiln_dft(const typename Tag::storage* x, typename Tag::storage* 
         y[t] = E::st((typename E::C)(inverse ? acc / (double)n : acc));
     }
 }
+
+// Det (shim/src/det.rs): one thread per matrix, LU with partial pivoting over its f64 copy in
+// `work` (m·m doubles per matrix).
+template <typename Tag>
+__global__ void kiln_det(const typename Tag::storage* x, double* work, typename Tag::storage* y, kiln_u64 n,
+                         kiln_u64 m) {
+    typedef kiln_elem<Tag> E;
+    KILN_FOR(b, n) {
+        double* a = work + b * m * m;
+        for (kiln_u64 i = 0; i < m * m; ++i) a[i] = (double)E::ld(x[b * m * m + i]);
+        double d = 1.0;
+        for (kiln_u64 k = 0; k < m && d != 0.0; ++k) {
+            kiln_u64 p = k;
+            for (kiln_u64 i = k + 1; i < m; ++i)
+                if (fabs(a[i * m + k]) > fabs(a[p * m + k])) p = i;
+            if (a[p * m + k] == 0.0) {
+                d = 0.0;
+                break;
+            }
+            if (p != k) {
+                for (kiln_u64 j = 0; j < m; ++j) {
+                    const double t = a[k * m + j];
+                    a[k * m + j] = a[p * m + j];
+                    a[p * m + j] = t;
+                }
+                d = -d;
+            }
+            const double pivot = a[k * m + k];
+            d *= pivot;
+            for (kiln_u64 i = k + 1; i < m; ++i) {
+                const double f = a[i * m + k] / pivot;
+                for (kiln_u64 j = k + 1; j < m; ++j) a[i * m + j] -= f * a[k * m + j];
+            }
+        }
+        y[b] = E::st((typename E::C)d);
+    }
+}

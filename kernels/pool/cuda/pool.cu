@@ -81,3 +81,34 @@ __global__ void kiln_pool(const typename Tag::storage* x, typename Tag::storage*
         if (kind == 0 && has_idx) idx[t] = (long long)(plane * plane_in) + (best_at < 0 ? 0 : best_at);
     }
 }
+
+// ---- MaxUnpool (shim/src/unpool.rs) ----------------------------------------------------------
+
+extern "C" __global__ void kiln_unpool_zero(unsigned char* y, kiln_u64 nbytes) {
+    KILN_FOR(t, nbytes) y[t] = 0;
+}
+
+// y at the output offset of unpooled flat index idx[e] gets x[e] (element bytes); the unpooled
+// and output dims are the first `rank` of their eight. An index outside [0, total) writes nothing
+// and fails the node (device error 1: element, index, total).
+extern "C" __global__ void kiln_unpool(const unsigned char* x, const long long* idx, unsigned char* y, kiln_u64 n,
+                                       unsigned esize, kiln_u64 total, unsigned rank, kiln_u64 u0, kiln_u64 u1,
+                                       kiln_u64 u2, kiln_u64 u3, kiln_u64 u4, kiln_u64 u5, kiln_u64 u6, kiln_u64 u7,
+                                       kiln_u64 o0, kiln_u64 o1, kiln_u64 o2, kiln_u64 o3, kiln_u64 o4, kiln_u64 o5,
+                                       kiln_u64 o6, kiln_u64 o7, kiln_status* st) {
+    const kiln_u64 from[8] = {u0, u1, u2, u3, u4, u5, u6, u7}, to[8] = {o0, o1, o2, o3, o4, o5, o6, o7};
+    KILN_FOR(e, n) {
+        const long long i = idx[e];
+        if (i < 0 || (kiln_u64)i >= total) {
+            kiln_fail(st, 1, (long long)e, i, (long long)total);
+            continue;
+        }
+        kiln_u64 rest = (kiln_u64)i, at = 0, stride = 1;
+        for (int a = (int)rank - 1; a >= 0; --a) {
+            at += (rest % from[a]) * stride;
+            rest /= from[a];
+            stride *= to[a];
+        }
+        for (unsigned b = 0; b < esize; ++b) y[at * esize + b] = x[e * esize + b];
+    }
+}

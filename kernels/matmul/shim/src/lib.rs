@@ -19,6 +19,7 @@ use kiln_kernel_abi::guest::*;
 use kiln_kernel_abi::names::kernel_name;
 use kiln_kernel_abi::{bail, export_shim, unsupported, with_dtype};
 
+mod det;
 mod dft;
 mod einsum;
 mod linear;
@@ -593,6 +594,7 @@ impl Shim for MatMulPkg {
             }
             "Einsum" => einsum::infer(call),
             "DFT" => dft::infer(call),
+            "Det" => det::infer(call),
             other => unsupported!("kiln-matmul does not implement {other}"),
         }
     }
@@ -619,6 +621,7 @@ impl Shim for MatMulPkg {
             "Gemm" => gemm_cpu(call, operand_dtype(call, &[0, 1, 2])?),
             "Einsum" => einsum::cpu(call),
             "DFT" => dft::cpu(call),
+            "Det" => det::cpu(call),
             other => unsupported!("kiln-matmul does not implement {other}"),
         }
     }
@@ -632,6 +635,7 @@ impl Shim for MatMulPkg {
             "Gemm" => gemm_dispatch(call),
             "Einsum" => einsum::dispatch(call),
             "DFT" => dft::dispatch(call),
+            "Det" => det::dispatch(call),
             other => unsupported!("kiln-matmul does not implement {other}"),
         }
     }

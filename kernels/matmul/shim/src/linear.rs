@@ -168,7 +168,7 @@ fn geometry(call: &Call) -> Result<Geometry> {
         }
         let default = if skip_len > 0 { 1e-12 } else { 1e-5 };
         eps = call.attr_f("epsilon", default)?;
-        if !(eps >= 0.0) {
+        if eps.is_nan() || eps < 0.0 {
             bail!("{op}: epsilon must not be negative, got {eps}");
         }
     }

@@ -1,7 +1,7 @@
 //! Shim of `kiln-pool`: pooling over the spatial dimensions of `[N, C, D1, …, Dk]` tensors,
 //! following ONNX Operators.md: MaxPool (1, 8, 10, 11, 12; the optional int64 `Indices`
 //! output), AveragePool (1, 7, 10, 11, 19), LpPool (1, 2, 11, 18), GlobalMaxPool,
-//! GlobalAveragePool and GlobalLpPool (1, 2).
+//! GlobalAveragePool and GlobalLpPool (1, 2); MaxUnpool (9, 11, 22) in [`unpool`].
 //!
 //! Geometry, per spatial dimension `d` (onnxruntime's and ONNX's reference semantics):
 //! `kernel_shape`, `strides` (1), `dilations` (1), `pads` (`[b1, …, bk, e1, …, ek]`, 0) or
@@ -21,6 +21,8 @@
 //! per output element, for up to 3 spatial dimensions.
 #![no_std]
 extern crate alloc;
+
+mod unpool;
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
@@ -316,6 +318,9 @@ fn check_dtype(call: &Call, kind: Kind) -> Result<DType> {
 
 impl Shim for Pool {
     fn infer(call: &Call) -> Result<Vec<TensorType>> {
+        if call.op_type() == "MaxUnpool" {
+            return unpool::infer(call);
+        }
         let p = plan(call)?;
         let dtype = check_dtype(call, p.kind)?;
         let mut out = vec![TensorType::new(dtype, p.out_shape.clone())];
@@ -329,6 +334,9 @@ impl Shim for Pool {
     }
 
     fn cpu(call: &Call) -> Result<()> {
+        if call.op_type() == "MaxUnpool" {
+            return unpool::cpu(call);
+        }
         let p = plan(call)?;
         let dtype = check_dtype(call, p.kind)?;
         if p.kind == Kind::Max && dtype == DType::F32 && p.input.len() == 2 && call.output_opt(1).is_none() {
@@ -353,6 +361,9 @@ impl Shim for Pool {
     }
 
     fn dispatch(call: &Call) -> Result<()> {
+        if call.op_type() == "MaxUnpool" {
+            return unpool::dispatch(call);
+        }
         let p = plan(call)?;
         let dtype = check_dtype(call, p.kind)?;
         let k = p.input.len();
