@@ -517,3 +517,77 @@ __global__ void kiln_topk(const typename Tag::storage* x, typename Tag::storage*
         }
     }
 }
+
+// ---- Unique (shim/src/unique.rs) -------------------------------------------------------------
+// X as [outer, n, inner]: slice j is the elements (o, j, i), compared in (o, i) order.
+
+// -1, 0 or 1: a against b as numbers (signed or unsigned integers, floats; NaN equal to NaN and
+// after every number).
+template <typename E> __device__ __forceinline__ int uq_cmp(typename E::C a, typename E::C b) {
+    if (E::is_float) {
+        const bool na = a != a, nb = b != b;
+        if (na || nb) return na == nb ? 0 : (na ? 1 : -1);
+        return a < b ? -1 : (a > b ? 1 : 0);
+    }
+    if (E::is_signed) {
+        const long long x = (long long)a, y = (long long)b;
+        return x < y ? -1 : (x > y ? 1 : 0);
+    }
+    return a < b ? -1 : (a > b ? 1 : 0);
+}
+
+template <typename Tag>
+__device__ int uq_cmp_slices(const typename Tag::storage* x, kiln_u64 a, kiln_u64 b, kiln_u64 n, kiln_u64 outer,
+                             kiln_u64 inner) {
+    typedef kiln_elem<Tag> E;
+    for (kiln_u64 o = 0; o < outer; ++o)
+        for (kiln_u64 i = 0; i < inner; ++i) {
+            const int c = uq_cmp<E>(E::ld(x[(o * n + a) * inner + i]), E::ld(x[(o * n + b) * inner + i]));
+            if (c != 0) return c;
+        }
+    return 0;
+}
+
+// first[e]: the first slice equal to slice e.
+template <typename Tag>
+__global__ void kiln_unique_first(const typename Tag::storage* x, long long* first, kiln_u64 n, kiln_u64 outer,
+                                  kiln_u64 inner) {
+    KILN_FOR(e, n) {
+        kiln_u64 f = e;
+        for (kiln_u64 j = 0; j < e; ++j)
+            if (uq_cmp_slices<Tag>(x, j, e, n, outer, inner) == 0) {
+                f = j;
+                break;
+            }
+        first[e] = (long long)f;
+    }
+}
+
+// For each first occurrence e: its output position p (sorted: the distinct slices below it;
+// else the first occurrences before it) into pos[e], its slice into y [outer, u, inner], and
+// (flags bit 0) indices[p] = e, (bit 1) counts[p] = the slices equal to it.
+template <typename Tag>
+__global__ void kiln_unique_place(const typename Tag::storage* x, const long long* first, long long* pos,
+                                  typename Tag::storage* y, long long* indices, long long* counts, kiln_u64 u,
+                                  unsigned sorted, unsigned flags, kiln_u64 n, kiln_u64 outer, kiln_u64 inner) {
+    KILN_FOR(e, n) {
+        if ((kiln_u64)first[e] != e) continue;
+        kiln_u64 p = 0, count = 0;
+        for (kiln_u64 j = 0; j < n; ++j) {
+            if ((kiln_u64)first[j] == e) ++count;
+            if ((kiln_u64)first[j] != j || j == e) continue;
+            if (sorted ? uq_cmp_slices<Tag>(x, j, e, n, outer, inner) < 0 : j < e) ++p;
+        }
+        pos[e] = (long long)p;
+        for (kiln_u64 o = 0; o < outer; ++o)
+            for (kiln_u64 i = 0; i < inner; ++i) y[(o * u + p) * inner + i] = x[(o * n + e) * inner + i];
+        if (flags & 1u) indices[p] = (long long)e;
+        if (flags & 2u) counts[p] = (long long)count;
+    }
+}
+
+// inverse[e] = pos[first[e]].
+extern "C" __global__ void kiln_unique_inverse(const long long* first, const long long* pos, long long* inverse,
+                                               kiln_u64 n, kiln_u64 outer, kiln_u64 inner) {
+    KILN_FOR(e, n) inverse[e] = pos[first[e]];
+}

@@ -696,3 +696,25 @@ extern "C" __global__ void kiln_tensor_compress(const char* src, const long long
         kt_elem_copy(dst + t * esize, src + ((o * axis_len + (kiln_u64)sel[j]) * inner + i) * esize, esize);
     }
 }
+
+// TensorScatter (shim/src/tensor_scatter.rs): output element t = (b, r, j, i) over (batch, rows,
+// max_seq, inner) is update row s of (b, r) when j is write_indices[b] + s (mod max_seq when
+// circular) for some s < seq, else the past's. A negative index, or a linear write past the
+// end, keeps the past and fails the node (device error 8: batch row, index, max_seq).
+extern "C" __global__ void kiln_tensor_scatter_seq(const char* past, const char* update, const long long* w, char* dst,
+                                                   kiln_u64 n, unsigned esize, kiln_u64 rows, kiln_u64 max_seq,
+                                                   kiln_u64 seq, kiln_u64 inner, unsigned circular, unsigned has_w,
+                                                   kiln_status* st) {
+    KILN_FOR(t, n) {
+        const kiln_u64 i = t % inner, j = (t / inner) % max_seq, br = t / (inner * max_seq), b = br / rows;
+        const long long start = has_w ? w[b] : 0;
+        const char* src = past + t * esize;
+        if (start < 0 || (!circular && (kiln_u64)start + seq > max_seq)) {
+            if (j == 0 && i == 0 && br % rows == 0) kiln_fail(st, 8, (long long)b, start, (long long)max_seq);
+        } else {
+            const kiln_u64 s = circular ? (j + max_seq - (kiln_u64)start % max_seq) % max_seq : j - (kiln_u64)start;
+            if ((circular || j >= (kiln_u64)start) && s < seq) src = update + ((br * seq + s) * inner + i) * esize;
+        }
+        kt_elem_copy(dst + t * esize, src, esize);
+    }
+}

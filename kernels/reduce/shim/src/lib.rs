@@ -1,6 +1,7 @@
 //! Shim of `kiln-reduce`: ReduceSum, ReduceMean, ReduceMax, ReduceMin, ReduceProd,
 //! ReduceSumSquare, ReduceL1, ReduceL2, ReduceLogSum and ReduceLogSumExp, ArgMax / ArgMin
-//! (`arg`), CumSum and Hardmax (`lines`), and TopK (`topk`), following ONNX Operators.md.
+//! (`arg`), CumSum and Hardmax (`lines`), TopK (`topk`) and Unique (`unique`), following ONNX
+//! Operators.md.
 //!
 //! `axes` is an attribute before ReduceSum-13 and ReduceMean-18/ReduceMax-18, the optional
 //! input 1 from then on (a value input: its bytes arrive inline). `keepdims` defaults to 1;
@@ -20,6 +21,7 @@ extern crate alloc;
 mod arg;
 mod lines;
 mod topk;
+mod unique;
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
@@ -337,6 +339,9 @@ impl Shim for Reduce {
         if call.op_type() == "TopK" {
             return topk::infer(call);
         }
+        if call.op_type() == "Unique" {
+            return unique::infer(call);
+        }
         let p = plan(call)?;
         let dtype = call.input(0)?.dtype()?;
         check_dtype(call, dtype, p.kind)?;
@@ -352,6 +357,9 @@ impl Shim for Reduce {
         }
         if call.op_type() == "TopK" {
             return topk::cpu(call);
+        }
+        if call.op_type() == "Unique" {
+            return unique::cpu(call);
         }
         let p = plan(call)?;
         let x = call.input(0)?;
@@ -408,6 +416,9 @@ impl Shim for Reduce {
         }
         if call.op_type() == "TopK" {
             return topk::dispatch(call);
+        }
+        if call.op_type() == "Unique" {
+            return unique::dispatch(call);
         }
         dispatch(call)
     }

@@ -15,6 +15,7 @@
 //! - [`pad`]: Pad (constant, edge, reflect and wrap).
 //! - [`dropout`]: Dropout for inference (the data, and an all-true mask).
 //! - [`select`]: NonZero and Compress (output shapes from the values of a value input).
+//! - [`tensor_scatter`]: TensorScatter (a KV cache update).
 //!
 //! GPU dispatches ([`gpu`], kernels in `cuda/tensor.cu`) move bytes by element size, so
 //! they too serve every fixed-size dtype; Constant has none (the host folds it at load).
@@ -36,6 +37,7 @@ mod pad;
 mod reverse;
 mod select;
 mod strided;
+mod tensor_scatter;
 mod trilu;
 mod window;
 
@@ -74,6 +76,7 @@ impl Shim for Tensors {
             "ReverseSequence" => reverse::infer(call),
             "NonZero" => select::nonzero_infer(call),
             "Compress" => select::compress_infer(call),
+            "TensorScatter" => tensor_scatter::infer(call),
             other => unsupported!("kiln-tensor does not implement {other}"),
         }
     }
@@ -100,6 +103,7 @@ impl Shim for Tensors {
             "ReverseSequence" => reverse::dispatch(call),
             "NonZero" => select::nonzero_dispatch(call),
             "Compress" => select::compress_dispatch(call),
+            "TensorScatter" => tensor_scatter::dispatch(call),
             other => unsupported!("kiln-tensor does not implement {other}"),
         }
     }
@@ -126,6 +130,7 @@ impl Shim for Tensors {
             "ReverseSequence" => reverse::cpu(call),
             "NonZero" => select::nonzero_cpu(call),
             "Compress" => select::compress_cpu(call),
+            "TensorScatter" => tensor_scatter::cpu(call),
             other => unsupported!("kiln-tensor does not implement {other}"),
         }
     }
