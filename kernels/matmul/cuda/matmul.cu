@@ -212,3 +212,28 @@ __global__ void kiln_det(const typename Tag::storage* x, double* work, typename 
         y[b] = E::st((typename E::C)d);
     }
 }
+
+// STFT (shim/src/stft.rs): output value t = ((b, f, k), re or im) of [B, frames, bins, 2], summed
+// in f64 over the frame's n samples, windowed (`has_window`), twiddles from (k·m mod n).
+template <typename Tag>
+__global__ void kiln_stft(const typename Tag::storage* x, const typename Tag::storage* window,
+                          typename Tag::storage* y, kiln_u64 total, kiln_u64 len, kiln_u64 step, kiln_u64 n,
+                          kiln_u64 frames, kiln_u64 bins, unsigned complex, unsigned has_window) {
+    typedef kiln_elem<Tag> E;
+    const unsigned c = complex ? 2 : 1;
+    const double pi2 = 6.283185307179586476925286766559;
+    KILN_FOR(t, total) {
+        const unsigned part = (unsigned)(t & 1);
+        const kiln_u64 e = t >> 1, k = e % bins, f = (e / bins) % frames, b = e / (bins * frames);
+        double acc = 0.0;
+        for (kiln_u64 m = 0; m < n; ++m) {
+            const kiln_u64 at = (b * len + f * step + m) * c;
+            const double wm = has_window ? (double)E::ld(window[m]) : 1.0;
+            const double xr = (double)E::ld(x[at]) * wm, xi = complex ? (double)E::ld(x[at + 1]) * wm : 0.0;
+            double sn, cs;
+            sincos(-pi2 * (double)((k * m) % n) / (double)n, &sn, &cs);
+            acc += part == 0 ? xr * cs - xi * sn : xr * sn + xi * cs;
+        }
+        y[t] = E::st((typename E::C)acc);
+    }
+}

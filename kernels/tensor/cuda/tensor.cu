@@ -718,3 +718,30 @@ extern "C" __global__ void kiln_tensor_scatter_seq(const char* past, const char*
         kt_elem_copy(dst + t * esize, src, esize);
     }
 }
+
+// MelWeightMatrix (shim/src/mel.rs): element (j, i) of [spec_bins, mel_bins], mel bin i's triangle
+// over the spectrum bins of mel points i, i + 1, i + 2.
+__device__ __forceinline__ long long kt_mel_point(kiln_u64 i, double low, double step, double dft, double rate) {
+    const double hz = 700.0 * (pow(10.0, ((double)i * step + low) / 2595.0) - 1.0);
+    return (long long)floor((dft + 1.0) * hz / rate);
+}
+
+template <typename Tag>
+__global__ void kiln_tensor_mel(typename Tag::storage* dst, kiln_u64 spec_bins, kiln_u64 mel_bins, double low,
+                                double step, double dft, double rate) {
+    typedef kiln_elem<Tag> E;
+    KILN_FOR(t, spec_bins * mel_bins) {
+        const kiln_u64 i = t % mel_bins;
+        const long long j = (long long)(t / mel_bins);
+        const long long lo = kt_mel_point(i, low, step, dft, rate), c = kt_mel_point(i + 1, low, step, dft, rate),
+                        hi = kt_mel_point(i + 2, low, step, dft, rate);
+        double v = 0.0;
+        if (lo == c) {
+            if (j == c) v = 1.0;
+        } else if (lo <= j && j <= c) {
+            v = (double)(j - lo) / (double)(c - lo);
+        }
+        if (hi > c && c <= j && j < hi) v = (double)(hi - j) / (double)(hi - c);
+        dst[t] = E::st((typename E::C)v);
+    }
+}

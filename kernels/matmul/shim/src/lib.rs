@@ -23,6 +23,7 @@ mod det;
 mod dft;
 mod einsum;
 mod linear;
+mod stft;
 
 struct MatMulPkg;
 
@@ -595,6 +596,7 @@ impl Shim for MatMulPkg {
             "Einsum" => einsum::infer(call),
             "DFT" => dft::infer(call),
             "Det" => det::infer(call),
+            "STFT" => stft::infer(call),
             other => unsupported!("kiln-matmul does not implement {other}"),
         }
     }
@@ -622,6 +624,7 @@ impl Shim for MatMulPkg {
             "Einsum" => einsum::cpu(call),
             "DFT" => dft::cpu(call),
             "Det" => det::cpu(call),
+            "STFT" => stft::cpu(call),
             other => unsupported!("kiln-matmul does not implement {other}"),
         }
     }
@@ -636,6 +639,7 @@ impl Shim for MatMulPkg {
             "Einsum" => einsum::dispatch(call),
             "DFT" => dft::dispatch(call),
             "Det" => det::dispatch(call),
+            "STFT" => stft::dispatch(call),
             other => unsupported!("kiln-matmul does not implement {other}"),
         }
     }

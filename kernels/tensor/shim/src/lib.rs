@@ -16,6 +16,7 @@
 //! - [`dropout`]: Dropout for inference (the data, and an all-true mask).
 //! - [`select`]: NonZero and Compress (output shapes from the values of a value input).
 //! - [`tensor_scatter`]: TensorScatter (a KV cache update).
+//! - [`mel`]: MelWeightMatrix (a generator, as the windows are).
 //!
 //! GPU dispatches ([`gpu`], kernels in `cuda/tensor.cu`) move bytes by element size, so
 //! they too serve every fixed-size dtype; Constant has none (the host folds it at load).
@@ -32,6 +33,7 @@ mod gpu;
 mod index;
 mod join;
 mod layout;
+mod mel;
 mod onehot;
 mod pad;
 mod reverse;
@@ -77,6 +79,7 @@ impl Shim for Tensors {
             "NonZero" => select::nonzero_infer(call),
             "Compress" => select::compress_infer(call),
             "TensorScatter" => tensor_scatter::infer(call),
+            "MelWeightMatrix" => mel::infer(call),
             other => unsupported!("kiln-tensor does not implement {other}"),
         }
     }
@@ -104,6 +107,7 @@ impl Shim for Tensors {
             "NonZero" => select::nonzero_dispatch(call),
             "Compress" => select::compress_dispatch(call),
             "TensorScatter" => tensor_scatter::dispatch(call),
+            "MelWeightMatrix" => mel::dispatch(call),
             other => unsupported!("kiln-tensor does not implement {other}"),
         }
     }
@@ -131,6 +135,7 @@ impl Shim for Tensors {
             "NonZero" => select::nonzero_cpu(call),
             "Compress" => select::compress_cpu(call),
             "TensorScatter" => tensor_scatter::cpu(call),
+            "MelWeightMatrix" => mel::cpu(call),
             other => unsupported!("kiln-tensor does not implement {other}"),
         }
     }
