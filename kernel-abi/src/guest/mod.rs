@@ -285,12 +285,16 @@ impl<'c, 'a> Tensor<'c, 'a> {
     /// The input's elements as i64 (from int32/int64/other integer types); from the inline
     /// value when given, otherwise read through the host. For shape-like inputs.
     pub fn read_i64s(&self) -> Result<Vec<i64>> {
-        let dtype = self.dtype()?;
-        let bytes = match self.value() {
-            Some(v) => Vec::from(v),
-            None => self.read_bytes()?,
-        };
-        element::decode_as::<i64>(dtype, &bytes)
+        element::decode_as::<i64>(self.dtype()?, &self.value_bytes()?)
+    }
+
+    /// The bytes of a value input: inline when given (every call, dispatch included), otherwise
+    /// read through the host (CPU calls).
+    pub fn value_bytes(&self) -> Result<Vec<u8>> {
+        match self.value() {
+            Some(v) => Ok(Vec::from(v)),
+            None => self.read_bytes(),
+        }
     }
 
     /// Reads all bytes of the tensor (CPU calls only).

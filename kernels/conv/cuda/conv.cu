@@ -149,3 +149,47 @@ __global__ void kiln_col2im(const typename Tag::storage* x, typename Tag::storag
         y[i] = kiln_elem<Tag>::st(acc);
     }
 }
+
+// ---- ConvInteger and QLinearConv (shim/src/qconv.rs) -----------------------------------------
+
+// dst[i] = src[i] (uint8, or int8 when `is_signed`) less zero[(i / inner) % zero_count] (of the
+// same type; none when !has_zero), as f64.
+extern "C" __global__ void kiln_qconv_widen(const unsigned char* src, const unsigned char* zero, double* dst,
+                                            kiln_u64 n, unsigned is_signed, unsigned has_zero, kiln_u64 zero_count,
+                                            kiln_u64 inner) {
+    KILN_FOR(i, n) {
+        const double v = is_signed ? (double)(signed char)src[i] : (double)src[i];
+        double z = 0.0;
+        if (has_zero) {
+            const unsigned char zb = zero[(i / inner) % zero_count];
+            z = is_signed ? (double)(signed char)zb : (double)zb;
+        }
+        dst[i] = v - z;
+    }
+}
+
+// Output element i of output channel m = (i / spatial) % channels from the exact f64 sums:
+// mode 0 (ConvInteger) the int32 sum; 1 and 2 (QLinearConv, 2 with the int32 bias B[m]) the
+// sum times x_scale·w_scale[m % factors] / y_scale (float32, as the CPU reference), plus the
+// zero point, saturated to uint8 or int8 (`is_signed`) and rounded half to even.
+extern "C" __global__ void kiln_qconv_narrow(const double* sums, const int* bias, const float* x_scale,
+                                             const float* w_scale, const float* y_scale, void* y, kiln_u64 n,
+                                             kiln_u64 spatial, kiln_u64 channels, kiln_u64 factors, double y_zero,
+                                             unsigned mode, unsigned is_signed) {
+    KILN_FOR(i, n) {
+        const kiln_u64 m = (i / spatial) % channels;
+        double v = sums[i];
+        if (mode == 0) {
+            ((int*)y)[i] = (int)v;
+            continue;
+        }
+        if (mode == 2) v += (double)bias[m];
+        const float factor = __fdiv_rn(__fmul_rn(x_scale[0], w_scale[m % factors]), y_scale[0]);
+        double r = v * (double)factor + y_zero;
+        const double lo = is_signed ? -128.0 : 0.0, hi = is_signed ? 127.0 : 255.0;
+        r = r < lo ? lo : (r > hi ? hi : r);
+        r = rint(r);
+        if (is_signed) ((signed char*)y)[i] = (signed char)r;
+        else ((unsigned char*)y)[i] = (unsigned char)r;
+    }
+}

@@ -22,7 +22,7 @@
 //! `output_shape`, or s·(in − 1) + output_padding + (K − 1)·d + 1 − b − e. Input i at tap t adds
 //! to output i·s − b + t·d.
 //!
-//! Col2Im-18 is in [`col2im`].
+//! Col2Im-18 is in [`col2im`]; ConvInteger-10 and QLinearConv-10 in [`qconv`].
 //!
 //! The CPU reference of float32, float16 and bfloat16 is the host's `conv` (ABI.md §4.8: im2col
 //! and multithreaded GEMMs accumulating in f32; manifest schema 8); float64 computes here in
@@ -31,6 +31,7 @@
 extern crate alloc;
 
 mod col2im;
+mod qconv;
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
@@ -39,6 +40,11 @@ use kiln_kernel_abi::wire::CONV_MAX_SPATIAL;
 use kiln_kernel_abi::{bail, export_shim, unsupported};
 
 struct ConvShim;
+
+/// ConvInteger and QLinearConv ([`qconv`]).
+fn is_quant(call: &Call) -> bool {
+    matches!(call.op_type(), "ConvInteger" | "QLinearConv")
+}
 
 /// Most spatial axes of the CUDA kernels.
 const GPU_MAX_SPATIAL: usize = 3;
@@ -94,12 +100,17 @@ fn geom(call: &Call) -> Result<Geom> {
     if fused && !matches!(op, "ConvRelu" | "ConvAddRelu") {
         unsupported!("kiln-conv does not implement ai.kiln::{op}");
     }
-    let (x, w) = (call.input(0)?, call.input(1)?);
+    // ConvInteger and QLinearConv: 8-bit X and W (QLinearConv's W is input 3).
+    let quant = matches!(op, "ConvInteger" | "QLinearConv");
+    let (x, w) = (call.input(0)?, call.input(if op == "QLinearConv" { 3 } else { 1 })?);
     let dtype = x.dtype()?;
-    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16 | DType::F64) {
+    if quant {
+        if !matches!(dtype, DType::U8 | DType::I8) || !matches!(w.dtype()?, DType::U8 | DType::I8) {
+            unsupported!("{op}: X {dtype} and W {}; uint8 and int8 are supported", w.dtype()?);
+        }
+    } else if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16 | DType::F64) {
         unsupported!("{op}: X has dtype {dtype}; float32, float16, bfloat16 and float64 are supported");
-    }
-    if w.dtype()? != dtype {
+    } else if w.dtype()? != dtype {
         bail!("{op}: W is {} but X is {dtype}", w.dtype()?);
     }
     let (xs, ws) = (x.shape()?, w.shape()?);
@@ -131,7 +142,7 @@ fn geom(call: &Call) -> Result<Geom> {
     if in_ch % group != 0 || out_ch % group != 0 {
         bail!("{op}: {in_ch} input and {out_ch} output channels do not split into {group} groups");
     }
-    if let Some(b) = call.input_opt(2) {
+    if let Some(b) = call.input_opt(2).filter(|_| !quant) {
         if b.shape()? != [out_ch] || b.dtype()? != dtype {
             bail!("{op}: B must be {dtype} [{out_ch}], not {} {:?}", b.dtype()?, b.shape()?);
         }
@@ -395,6 +406,9 @@ impl Shim for ConvShim {
         if call.op_type() == "Col2Im" {
             return col2im::infer(call);
         }
+        if is_quant(call) {
+            return qconv::infer(call, &geom(call)?);
+        }
         let g = geom(call)?;
         Ok(alloc::vec![TensorType::new(g.dtype, g.out_shape())])
     }
@@ -402,6 +416,9 @@ impl Shim for ConvShim {
     fn cpu(call: &Call) -> Result<()> {
         if call.op_type() == "Col2Im" {
             return col2im::cpu(call);
+        }
+        if is_quant(call) {
+            return qconv::cpu(call, &geom(call)?);
         }
         let g = geom(call)?;
         if let Some(c) = g.host_conv(call)? {
@@ -431,6 +448,9 @@ impl Shim for ConvShim {
         if call.op_type() == "Col2Im" {
             return col2im::dispatch(call);
         }
+        if is_quant(call) {
+            return qconv::dispatch(call, &geom(call)?);
+        }
         let g = geom(call)?;
         // cuDNN through the host, unless Z needs broadcasting (that reads its bytes, which a
         // dispatch cannot) or the host declines the descriptor.
@@ -448,25 +468,37 @@ impl Shim for ConvShim {
         }
         let Some(tag) = g.dtype.cuda_tag() else { unsupported!("{op}: no CUDA kernel for {}", g.dtype) };
         let y = call.output(0)?;
-        let total = y.numel()? as u64;
+        if y.numel()? == 0 {
+            return Ok(());
+        }
+        let z = match &g.z {
+            Some((strides, _)) => Some((call.input(3)?.handle(), strides.as_slice())),
+            None => None,
+        };
+        let bias = call.input_opt(2).map(|b| b.handle());
+        g.launch_direct(tag, call.input(0)?.handle(), call.input(1)?.handle(), bias, z, y.handle())
+    }
+}
+
+impl Geom {
+    /// Launches `kiln_conv<tag>` (or the transposed one) over X, W, an optional bias and Z
+    /// (with its strides over Y's axes) into Y: one thread per output element.
+    fn launch_direct(&self, tag: &str, x: u32, w: u32, bias: Option<u32>, z: Option<(u32, &[u64])>, y: u32) -> Result<()> {
+        let g = self;
+        let k = g.input.len();
+        let total = g.out_shape().iter().product::<usize>() as u64;
         if total == 0 {
             return Ok(());
         }
-        let x = call.input(0)?;
         let t = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
-        let bias = call.input_opt(2);
-        let z = match &g.z {
-            Some((strides, _)) => Some((call.input(3)?.handle(), strides)),
-            None => None,
-        };
         // conv.cu's CV_BIAS, CV_Z, CV_RELU.
         let flags = bias.is_some() as u32 | (z.is_some() as u32) << 1 | (g.relu as u32) << 2;
         let mut args = alloc::vec![
-            t(x.handle()),
-            t(call.input(1)?.handle()),
-            t(bias.as_ref().map_or(x.handle(), |b| b.handle())),
-            t(z.map_or(x.handle(), |z| z.0)),
-            t(y.handle()),
+            t(x),
+            t(w),
+            t(bias.unwrap_or(x)),
+            t(z.map_or(x, |z| z.0)),
+            t(y),
             KernelArg::U64(total),
             KernelArg::U64(g.in_ch as u64),
             KernelArg::U64(g.out_ch as u64),

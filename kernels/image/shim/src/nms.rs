@@ -27,17 +27,9 @@ struct Plan {
     center: bool,
 }
 
-/// A value input's bytes: inline, else read through the host.
-fn value_bytes(t: &Tensor) -> Result<Vec<u8>> {
-    match t.value() {
-        Some(v) => Ok(v.to_vec()),
-        None => t.read_bytes(),
-    }
-}
-
 fn scalar_f32(call: &Call, i: usize) -> Result<Option<f32>> {
     let Some(t) = call.input_opt(i) else { return Ok(None) };
-    match (t.dtype()?, &value_bytes(&t)?[..]) {
+    match (t.dtype()?, &t.value_bytes()?[..]) {
         (DType::F32, &[a, b, c, d]) => Ok(Some(f32::from_le_bytes([a, b, c, d]))),
         (d, v) => bail!("NonMaxSuppression: input {i} must be one float32, not {d} of {} bytes", v.len()),
     }
@@ -131,8 +123,8 @@ impl Plan {
 
 fn selections(call: &Call) -> Result<(Plan, Vec<[i64; 3]>)> {
     let p = plan(call)?;
-    let boxes = element::decode::<f32>(&value_bytes(&call.input(0)?)?);
-    let scores = element::decode::<f32>(&value_bytes(&call.input(1)?)?);
+    let boxes = element::decode::<f32>(&call.input(0)?.value_bytes()?);
+    let scores = element::decode::<f32>(&call.input(1)?.value_bytes()?);
     let sel = p.select(&boxes, &scores);
     Ok((p, sel))
 }

@@ -145,18 +145,9 @@ impl Plan {
     }
 }
 
-/// X's bytes: inline (a value input), else read through the host.
-fn x_bytes(call: &Call) -> Result<Vec<u8>> {
-    let x = call.input(0)?;
-    match x.value() {
-        Some(v) => Ok(v.to_vec()),
-        None => x.read_bytes(),
-    }
-}
-
 pub fn infer(call: &Call) -> Result<Vec<TensorType>> {
     let p = plan(call)?;
-    let f = p.find(&x_bytes(call)?);
+    let f = p.find(&call.input(0)?.value_bytes()?);
     let u = f.firsts.len();
     Ok(alloc::vec![
         TensorType::new(p.dtype, p.y_shape(u)),
@@ -168,7 +159,7 @@ pub fn infer(call: &Call) -> Result<Vec<TensorType>> {
 
 pub fn cpu(call: &Call) -> Result<()> {
     let p = plan(call)?;
-    let x = x_bytes(call)?;
+    let x = call.input(0)?.value_bytes()?;
     let f = p.find(&x);
     let u = f.firsts.len();
     let mut y = Vec::with_capacity(p.outer * u * p.inner * p.esize);
@@ -190,7 +181,7 @@ pub fn cpu(call: &Call) -> Result<()> {
 
 pub fn dispatch(call: &Call) -> Result<()> {
     let p = plan(call)?;
-    let u = p.find(&x_bytes(call)?).firsts.len();
+    let u = p.find(&call.input(0)?.value_bytes()?).firsts.len();
     if p.n == 0 {
         return Ok(());
     }

@@ -26,14 +26,6 @@ fn nonzero(e: &[u8], float: bool) -> bool {
     top != 0 || rest.iter().any(|&b| b != 0)
 }
 
-/// A value input's bytes: inline in every call (`value_inputs`), read through the host otherwise.
-fn value_bytes(t: &Tensor) -> Result<Vec<u8>> {
-    match t.value() {
-        Some(v) => Ok(v.to_vec()),
-        None => t.read_bytes(),
-    }
-}
-
 fn is_float(dtype: DType) -> bool {
     matches!(dtype, DType::F32 | DType::F16 | DType::BF16 | DType::F64)
 }
@@ -48,7 +40,7 @@ fn nonzero_plan(call: &Call) -> Result<(Vec<usize>, usize, Vec<usize>)> {
     if dims.is_empty() {
         dims.push(1);
     }
-    let bytes = value_bytes(&x)?;
+    let bytes = x.value_bytes()?;
     let hits = bytes.chunks_exact(esize).enumerate().filter(|(_, e)| nonzero(e, is_float(dtype))).map(|(i, _)| i);
     Ok((dims, esize, hits.collect()))
 }
@@ -130,7 +122,7 @@ fn compress_plan(call: &Call) -> Result<CompressPlan> {
     if cond.dtype()? != DType::Bool || cond.shape()?.len() != 1 {
         bail!("Compress: condition must be a 1-D bool tensor, not {} {:?}", cond.dtype()?, cond.shape()?);
     }
-    let flags = value_bytes(&cond)?;
+    let flags = cond.value_bytes()?;
     let (outer, axis_len, inner, a) = match call.attr("axis") {
         None => (1, shape.iter().product(), 1, None),
         Some(_) => {
