@@ -89,8 +89,9 @@ def main():
     w("# ONNX conformance: what kiln does not run")
     w("")
     w(f"ONNX 1.20.0's backend node tests on the CPU: **{d['passed']} passed, {d['failed']} failed, "
-      f"{d['unsupported']} unsupported**. On the H200 the tests that pass on the CPU pass through the packages' "
-      "CUDA kernels too (`tests/gpu.rs`, `onnx_node_tests_that_pass_on_the_cpu_pass_on_the_gpu`).")
+      f"{d['unsupported']} unsupported**. On the H200, `tests/gpu.rs` "
+      "(`onnx_node_tests_that_pass_on_the_cpu_pass_on_the_gpu`) runs every test that passes on the CPU "
+      "through the packages' CUDA kernels; bench/RESULTS.md records its last run and what it covered.")
     w("Every test below is reported as unsupported with its reason, never as a pass. Regenerate this list")
     w("after a change:")
     w("")

@@ -479,15 +479,15 @@ fn wrong_inputs_are_errors() {
 #[test]
 fn an_op_no_package_provides_names_node_op_and_candidates() {
     let m = onnx::model(
-        vec![node("RoiAlign", &["x"], &["y"], vec![])],
+        vec![node("Bernoulli", &["x"], &["y"], vec![])],
         vec![value("x", 1, &[4])],
         vec![value("y", 1, &[4])],
         vec![],
     );
     let e = load_err(&m);
     assert!(
-        e.contains("RoiAlign#0")
-            && e.contains("ai.onnx::RoiAlign")
+        e.contains("Bernoulli#0")
+            && e.contains("ai.onnx::Bernoulli")
             && e.contains("float32")
             && e.contains("no installed package"),
         "{e}"
@@ -568,12 +568,12 @@ fn a_skipped_output_is_not_computed_and_its_inputs_need_not_be_fed() {
 
 #[test]
 fn one_error_names_every_op_no_package_runs() {
-    // DeformConv twice, MaxUnpool once, then a supported Relu: the error gives the first DeformConv's full
-    // detail and names MaxUnpool (with its first node) as missing too.
+    // DeformConv twice, Bernoulli once, then a supported Relu: the error gives the first DeformConv's full
+    // detail and names Bernoulli (with its first node) as missing too.
     let m = onnx::model(
         vec![
             node("DeformConv", &["x", "w"], &["c1"], vec![]),
-            node("MaxUnpool", &["c1"], &["p"], vec![attr_ints("kernel_shape", &[2, 2])]),
+            node("Bernoulli", &["c1"], &["p"], vec![]),
             node("DeformConv", &["p", "w"], &["c2"], vec![]),
             node("Relu", &["c2"], &["y"], vec![]),
         ],
@@ -594,7 +594,7 @@ fn one_error_names_every_op_no_package_runs() {
     assert_eq!(ins.unsupported_ops, 2);
     let row = |op: &str| ins.ops.iter().find(|r| r.op == op).unwrap();
     assert_eq!((row("ai.onnx::DeformConv").nodes, row("ai.onnx::DeformConv").package.as_deref()), (2, None));
-    assert!(row("ai.onnx::MaxUnpool").reason.as_deref().unwrap().contains("no kernel package runs ai.onnx::MaxUnpool"));
+    assert!(row("ai.onnx::Bernoulli").reason.as_deref().unwrap().contains("no kernel package runs ai.onnx::Bernoulli"));
     assert_eq!(row("ai.onnx::Relu").package, Some(format!("kiln-unary@{}", kiln_tests::builtin_version("unary"))));
     assert_eq!(ins.inputs[0].shape, "1 × 1 × 8 × 8");
     let err = Session::new(runtime(&[]), model::load_bytes(&bytes, None).unwrap(), SessionOptions::default())
@@ -605,7 +605,7 @@ fn one_error_names_every_op_no_package_runs() {
     assert!(msg.starts_with("node \"DeformConv#0\": no kernel package runs ai.onnx::DeformConv"), "{msg}");
     assert!(
         msg.contains(
-            "no package runs these ops of the model either: ai.onnx::MaxUnpool (1 node, first \"MaxUnpool#1\")"
+            "no package runs these ops of the model either: ai.onnx::Bernoulli (1 node, first \"Bernoulli#1\")"
         ),
         "{msg}"
     );

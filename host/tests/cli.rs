@@ -913,17 +913,17 @@ fn inspect_shows_shapes_packages_fusions_and_what_is_missing() {
     let doc: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert!(doc["ops"].as_array().unwrap().iter().any(|r| r["op"] == "ai.onnx::Sigmoid" && r["nodes"] == 2), "{doc}");
 
-    let nonzero = node_tests().join("test_nonzero_example/model.onnx");
-    let o = kiln(&["inspect", nonzero.to_str().unwrap(), "--device", "cpu"]);
+    let bernoulli = node_tests().join("test_bernoulli/model.onnx");
+    let o = kiln(&["inspect", bernoulli.to_str().unwrap(), "--device", "cpu"]);
     let t = text(&o);
     assert_eq!(o.status.code(), Some(4), "unsupported: {t}");
     assert!(
-        t.contains("ai.onnx::NonZero")
+        t.contains("ai.onnx::Bernoulli")
             && t.contains("UNSUPPORTED")
-            && t.contains("no kernel package runs ai.onnx::NonZero"),
+            && t.contains("no kernel package runs ai.onnx::Bernoulli"),
         "{t}"
     );
-    assert!(t.contains("condition  ") && t.contains("bool      2 × 2"), "readable input shape: {t}");
+    assert!(t.contains("x  ") && t.contains("float64   10"), "readable input shape: {t}");
 }
 
 /// `kiln chat`: each stdin line is a turn; a greedy first answer is what `generate --chat`
