@@ -1869,8 +1869,9 @@ fn conv_model(
     (values, s.report.convolutions.clone())
 }
 
-/// Conv and ConvTranspose through cuDNN (ABI.md §4.8): float32, float16 and bfloat16, 1-D to 3-D,
-/// groups, strides, dilations, output padding, and ConvRelu / ConvAddRelu (cuDNN's fused bias and
+/// Conv and ConvTranspose through cuDNN (ABI.md §4.8): float32 and float16 (bfloat16 with a bias
+/// runs kiln-conv's kernels, the reason reported), 1-D to 3-D, groups, strides, dilations, output
+/// padding, and ConvRelu / ConvAddRelu (cuDNN's fused bias and
 /// activation, or its steps one by one) give the CPU reference's values (the host's im2col GEMMs;
 /// on these exact grid values float32 sums agree but for Winograd's rounding); asymmetric padding
 /// runs kiln-conv's own kernels with the reason in the report. With `--cudnn off` every one runs
@@ -2003,7 +2004,9 @@ fn convolutions_run_through_cudnn_and_fall_back_to_the_packages_kernels_with_the
                     );
                 }
                 let fallbacks: Vec<&String> = report.fallbacks.keys().collect();
-                match (mode, c.declined) {
+                // Every case has a bias, which cuDNN takes for float32 and float16 only.
+                let declined = if dtype == 16 { Some("bfloat16") } else { c.declined };
+                match (mode, declined) {
                     ("cuDNN", None) => {
                         assert_eq!((report.library_dispatches, fallbacks.len()), (1, 0), "{}: {report:?}", c.what)
                     }

@@ -225,6 +225,16 @@ pub struct GraphStats {
 }
 
 impl GraphStats {
+    /// "N captured, N replays, N fallbacks".
+    pub fn counts(&self) -> String {
+        format!(
+            "{} captured, {} replays, {} fallbacks",
+            self.captures,
+            self.replays,
+            self.fallbacks.values().sum::<u64>()
+        )
+    }
+
     /// Counts one fallback: `key` its kind (the report's key), `reason` the whole text.
     pub fn fallback(&mut self, key: &str, reason: String) {
         *self.fallbacks.entry(key.to_string()).or_default() += 1;

@@ -187,13 +187,7 @@ pub fn run(a: BenchRunArgs) -> Result<ExitCode> {
     }
     let g = &session.report.graphs;
     let graphs = if held {
-        format!(
-            "{} (inputs and outputs held on the device): {} captured, {} replays, {} fallbacks",
-            format!("{graph_mode:?}").to_lowercase(),
-            g.captures,
-            g.replays,
-            g.fallbacks.values().sum::<u64>()
-        )
+        format!("{} (inputs and outputs held on the device): {}", format!("{graph_mode:?}").to_lowercase(), g.counts())
     } else {
         "off (host inputs and outputs, copies included)".to_string()
     };

@@ -120,13 +120,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     let graph_note = if device == crate::ep::Device::Cpu {
         String::new()
     } else {
-        format!(
-            "; CUDA graphs {}: {} captured, {} replays, {} fallbacks",
-            format!("{graphs:?}").to_lowercase(),
-            g.captures,
-            g.replays,
-            g.fallbacks.values().sum::<u64>()
-        )
+        format!("; CUDA graphs {}: {}", format!("{graphs:?}").to_lowercase(), g.counts())
     };
     let runs = if a.runs == 1 {
         format!("ran in {:.1} ms", session.report.run_time_us as f64 / 1e3)

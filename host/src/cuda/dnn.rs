@@ -165,6 +165,11 @@ pub fn takes(c: &Conv) -> std::result::Result<(), String> {
     if !sizes.iter().all(|s| s.is_some_and(int)) {
         return Err("a tensor of more than 2^31-1 elements (cuDNN's legacy API counts in int)".into());
     }
+    if c.dtype == DType::BF16 && (c.bias.is_some() || c.z.is_some() || c.epilogue != Epilogue::None) {
+        return Err(
+            "a bfloat16 convolution's bias, residual or Relu (cuDNN's tensor ops here take float32 and float16)".into(),
+        );
+    }
     if c.pads_begin.iter().any(|&p| p < 0) {
         return Err("negative padding (a ConvTranspose output that starts inside)".into());
     }
@@ -698,5 +703,10 @@ mod tests {
         let mut c = conv(1 << 16, 1, 1, 0, 1 << 16, false);
         c.batch = 1 << 10;
         assert!(takes(&c).unwrap_err().contains("2^31-1"));
+        let mut c = conv(8, 3, 1, 1, 8, false);
+        c.dtype = DType::BF16;
+        assert_eq!(takes(&c), Ok(()));
+        c.epilogue = Epilogue::Relu;
+        assert!(takes(&c).unwrap_err().contains("bfloat16"));
     }
 }

@@ -96,6 +96,9 @@ pub struct Gpu {
     /// The workspace of this session's cuDNN convolutions, grown (outside captures) to the
     /// largest plan's, against the session's memory limit.
     conv_workspace: Option<DevBuffer>,
+    /// Workspaces a larger one replaced: a graph captured before the growth still uses its
+    /// address, so they live as long as the session.
+    retired_workspaces: Vec<DevBuffer>,
     /// The process's device, shared with every other session on it. Last: the fields above
     /// (events, pinned memory, pool blocks) go while its context lives.
     pub device: Arc<Device>,
@@ -233,6 +236,7 @@ impl Gpu {
             status: super::StatusRecords::new(1)?,
             counters: HashMap::new(),
             conv_workspace: None,
+            retired_workspaces: Vec::new(),
         })
     }
 
@@ -593,10 +597,11 @@ impl Gpu {
                 PlanStep::Gemm(g) => self.device.with_blas(|b| b.prepare(g))?,
                 PlanStep::Conv(c) => {
                     let bytes = self.device.with_dnn(|d| d.prepare(c))?;
-                    if bytes > self.conv_workspace.as_ref().map_or(0, |b| b.bytes) {
-                        // The old one goes back to the pool behind the work enqueued so far.
-                        self.conv_workspace = None;
-                        self.conv_workspace = Some(self.alloc.alloc(bytes)?);
+                    let held = self.conv_workspace.as_ref().map_or(0, |b| b.bytes);
+                    if bytes > held {
+                        // At least twice the old size, so that few are retired.
+                        let grown = self.alloc.alloc(bytes.max(2 * held))?;
+                        self.retired_workspaces.extend(self.conv_workspace.replace(grown));
                     }
                 }
                 PlanStep::Launch { .. } => {}

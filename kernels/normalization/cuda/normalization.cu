@@ -127,10 +127,9 @@ __device__ __forceinline__ kiln_u64 mvn_offset(kiln_u64 k, kiln_u64 r, const kil
     return off;
 }
 
-// y = (x - E[x]) / (sqrt(E[x^2] - E[x]^2) + 1e-9) over the reduced dims: one block per kept
-// index (blocks loop over the rest), sums in A (f32; f64 for float64).
-template <typename Tag, typename T = typename Tag::storage, typename E = kiln_elem<Tag>,
-          typename A = typename kiln_elem<Tag>::C>
+// y = (x - E[x]) / (sqrt(E[x^2] - E[x]^2) + 1e-9) over the reduced dims (a variance rounding
+// below 0 counts as 0): one block per kept index (blocks loop over the rest), sums in f64.
+template <typename Tag, typename T = typename Tag::storage, typename E = kiln_elem<Tag>, typename A = double>
 __device__ void mvn(const T* x, T* y, kiln_u64 kept, kiln_u64 per, unsigned mask, const kiln_u64* dims) {
     __shared__ A red[32];
     for (kiln_u64 k = blockIdx.x; k < kept; k += gridDim.x) {
@@ -143,10 +142,11 @@ __device__ void mvn(const T* x, T* y, kiln_u64 kept, kiln_u64 per, unsigned mask
         s = kiln_block_reduce_by(s, red, kiln_op_sum());
         s2 = kiln_block_reduce_by(s2, red, kiln_op_sum());
         const A mean = s / (A)per;
-        const A denom = kiln_sqrt(s2 / (A)per - mean * mean) + (A)1e-9;
+        const A var = s2 / (A)per - mean * mean;
+        const A denom = sqrt(var > 0 ? var : (A)0) + (A)1e-9;
         for (kiln_u64 r = threadIdx.x; r < per; r += blockDim.x) {
             const kiln_u64 at = mvn_offset(k, r, dims, mask);
-            y[at] = E::st(((A)E::ld(x[at]) - mean) / denom);
+            y[at] = E::st((typename E::C)(((A)E::ld(x[at]) - mean) / denom));
         }
     }
 }

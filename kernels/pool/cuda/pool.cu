@@ -109,6 +109,12 @@ extern "C" __global__ void kiln_unpool(const unsigned char* x, const long long* 
             rest /= from[a];
             stride *= to[a];
         }
-        for (unsigned b = 0; b < esize; ++b) y[at * esize + b] = x[e * esize + b];
+        // The whole element in one access: duplicate indices then never mix two values' bytes.
+        switch (esize) {
+        case 2: ((unsigned short*)y)[at] = ((const unsigned short*)x)[e]; break;
+        case 4: ((unsigned*)y)[at] = ((const unsigned*)x)[e]; break;
+        case 8: ((kiln_u64*)y)[at] = ((const kiln_u64*)x)[e]; break;
+        default: for (unsigned b = 0; b < esize; ++b) y[at * esize + b] = x[e * esize + b];
+        }
     }
 }

@@ -34,6 +34,9 @@ fn plan(call: &Call) -> Result<Plan> {
         unsupported!("RoiAlign: dtype {dtype} is not supported (float32, float16, bfloat16, float64)");
     }
     let [n, c, h, w] = x.shape()?[..] else { bail!("RoiAlign: X must be [N, C, H, W], not {:?}", x.shape()?) };
+    if h == 0 || w == 0 {
+        bail!("RoiAlign: X's feature maps are empty ({h} × {w})");
+    }
     let (rois, idx) = (call.input(1)?, call.input(2)?);
     let (rs, is) = (rois.shape()?, idx.shape()?);
     let r = match (&rs[..], &is[..]) {

@@ -45,6 +45,11 @@ fn plan(call: &Call) -> Result<Plan> {
         [b, l, 2] => (b, l, true),
         _ => bail!("STFT: signal must be [batch, length, 1 or 2], not {shape:?}"),
     };
+    if let Some(w) = call.input_opt(2) {
+        if w.dtype()? != dtype {
+            bail!("STFT: window is {} but signal is {dtype}", w.dtype()?);
+        }
+    }
     let window = call.input_opt(2).map(|w| w.shape()).transpose()?;
     let n = match (scalar(call, 3, "frame_length")?, &window) {
         (Some(n), _) => n,

@@ -1,8 +1,8 @@
 //! MeanVarianceNormalization-9/13 (ONNX Operators.md, whose function body defines it):
 //! `Y = (X − E[X]) / (√(E[X²] − E[X]²) + 1e−9)`, the expectations over `axes` (default
 //! `[0, 2, 3]`, negative from the end in opset 13). The reference computes in f64 and rounds once;
-//! the CUDA kernel (`kiln_mvn<Tag>`, one block per combination of the kept axes) sums in f32
-//! (f64 for float64).
+//! the CUDA kernel (`kiln_mvn<Tag>`, one block per combination of the kept axes) sums in f64
+//! too. A variance that rounds below 0 (a constant slice) counts as 0.
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::bail;
@@ -83,7 +83,8 @@ pub fn cpu(call: &Call) -> Result<()> {
             s2 += v * v;
         }
         let mean = s / per as f64;
-        let std = libm::sqrt(s2 / per as f64 - mean * mean);
+        // E[x²] − E[x]² can round below 0 for a constant slice: its deviation is 0.
+        let std = libm::sqrt((s2 / per as f64 - mean * mean).max(0.0));
         for r in 0..per {
             let at = p.offset(k, r);
             y[at] = (x[at] - mean) / (std + 1e-9);
