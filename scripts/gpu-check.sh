@@ -198,6 +198,7 @@ for w in glob.glob(".gpu/python/*.whl"):
       "test_resize,test_upsample,test_gridsample,test_affine_grid,test_batchnorm,test_instancenorm,test_group_normalization,test_depthtospace,test_spacetodepth,test_tile,test_center_crop_pad"
       "test_if,test_loop,test_scan,test_sequence,test_optional,test_split_to_sequence,test_concat_from_sequence"
       "test_quantizelinear,test_dequantizelinear,test_dynamicquantizelinear,test_qlinearmatmul,test_matmulinteger,test_nllloss,test_sce,test_attention,test_rotary_embedding,test_rms_normalization"
+      "test_nonzero,test_compress,test_unique,test_nonmaxsuppression,test_roialign,test_mvn,test_maxunpool,test_det,test_tensorscatter,test_stft,test_melweightmatrix,test_convinteger,test_qlinearconv,test_deform_conv,test_basic_deform_conv"
     )
     for g in "${groups[@]}"; do
       compute-sanitizer --tool memcheck --report-api-errors no "$KILN" conformance .cache/onnx-node-1.20.0/node --device cuda \

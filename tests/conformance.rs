@@ -178,6 +178,7 @@ const OPS: &[&str] = &[
     "MelWeightMatrix",
     "ConvInteger",
     "QLinearConv",
+    "DeformConv",
 ];
 
 #[test]
@@ -193,7 +194,7 @@ fn onnx_node_tests_pass_on_the_cpu() {
     let passed = results.iter().filter(|r| r.outcome == Outcome::Passed).count();
     let failed: Vec<_> = results.iter().filter(|r| matches!(r.outcome, Outcome::Failed(_))).collect();
     assert!(failed.is_empty(), "{} node tests failed:\n{failed:#?}", failed.len());
-    assert!(passed >= 1416, "only {passed} node tests passed (1416 did when this test was last raised)");
+    assert!(passed >= 1420, "only {passed} node tests passed (1420 did when this test was last raised)");
     for op in OPS {
         assert!(results.iter().any(|r| r.op == *op && r.outcome == Outcome::Passed), "no node test of {op} passed");
     }

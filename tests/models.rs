@@ -568,18 +568,18 @@ fn a_skipped_output_is_not_computed_and_its_inputs_need_not_be_fed() {
 
 #[test]
 fn one_error_names_every_op_no_package_runs() {
-    // DeformConv twice, Bernoulli once, then a supported Relu: the error gives the first DeformConv's full
-    // detail and names Bernoulli (with its first node) as missing too.
+    // RandomUniformLike twice, Bernoulli once, then a supported Relu: the error gives the first
+    // RandomUniformLike's full detail and names Bernoulli (with its first node) as missing too.
     let m = onnx::model(
         vec![
-            node("DeformConv", &["x", "w"], &["c1"], vec![]),
+            node("RandomUniformLike", &["x"], &["c1"], vec![]),
             node("Bernoulli", &["c1"], &["p"], vec![]),
-            node("DeformConv", &["p", "w"], &["c2"], vec![]),
+            node("RandomUniformLike", &["p"], &["c2"], vec![]),
             node("Relu", &["c2"], &["y"], vec![]),
         ],
         vec![value("x", 1, &[1, 1, 8, 8])],
         vec![value("y", 1, &[-1, -1, -1, -1])],
-        vec![init_f32("w", &[1, 1, 3, 3], &[0.5; 9])],
+        vec![],
     );
     let bytes = onnx::bytes(&m);
     // `kiln inspect` lists both, with their counts, and the Relu's package.
@@ -593,16 +593,22 @@ fn one_error_names_every_op_no_package_runs() {
     );
     assert_eq!(ins.unsupported_ops, 2);
     let row = |op: &str| ins.ops.iter().find(|r| r.op == op).unwrap();
-    assert_eq!((row("ai.onnx::DeformConv").nodes, row("ai.onnx::DeformConv").package.as_deref()), (2, None));
+    assert_eq!(
+        (row("ai.onnx::RandomUniformLike").nodes, row("ai.onnx::RandomUniformLike").package.as_deref()),
+        (2, None)
+    );
     assert!(row("ai.onnx::Bernoulli").reason.as_deref().unwrap().contains("no kernel package runs ai.onnx::Bernoulli"));
     assert_eq!(row("ai.onnx::Relu").package, Some(format!("kiln-unary@{}", kiln_tests::builtin_version("unary"))));
     assert_eq!(ins.inputs[0].shape, "1 × 1 × 8 × 8");
     let err = Session::new(runtime(&[]), model::load_bytes(&bytes, None).unwrap(), SessionOptions::default())
         .err()
-        .expect("no package runs DeformConv");
+        .expect("no package runs RandomUniformLike");
     assert!(err.is_unsupported(), "{err}");
     let msg = err.to_string();
-    assert!(msg.starts_with("node \"DeformConv#0\": no kernel package runs ai.onnx::DeformConv"), "{msg}");
+    assert!(
+        msg.starts_with("node \"RandomUniformLike#0\": no kernel package runs ai.onnx::RandomUniformLike"),
+        "{msg}"
+    );
     assert!(
         msg.contains(
             "no package runs these ops of the model either: ai.onnx::Bernoulli (1 node, first \"Bernoulli#1\")"

@@ -193,3 +193,48 @@ extern "C" __global__ void kiln_qconv_narrow(const double* sums, const int* bias
         else ((unsigned char*)y)[i] = (unsigned char)r;
     }
 }
+
+// ---- DeformConv (shim/src/deform.rs) ---------------------------------------------------------
+
+// Output element t = (n, m, r, q) of [N, M, oH, oW]: Σ over the group's input channels and the
+// taps of W · mask · X sampled bilinearly (zero outside) at the tap's offset position. flags bit
+// 0: B given; bit 1: mask given.
+template <typename Tag>
+__global__ void kiln_deform_conv(const typename Tag::storage* x, const typename Tag::storage* w,
+                                 const typename Tag::storage* off, const typename Tag::storage* bias,
+                                 const typename Tag::storage* mask, typename Tag::storage* y, kiln_u64 total,
+                                 unsigned flags, kiln_u64 c, kiln_u64 h, kiln_u64 wd, kiln_u64 m, kiln_u64 group,
+                                 kiln_u64 offset_group, kiln_u64 kh, kiln_u64 kw, kiln_u64 oh, kiln_u64 ow,
+                                 kiln_u64 sh, kiln_u64 sw, kiln_u64 dh, kiln_u64 dw, long long ph, long long pw) {
+    typedef kiln_elem<Tag> E;
+    typedef typename E::C A;
+    KILN_FOR(t, total) {
+        const kiln_u64 q = t % ow, r = (t / ow) % oh, mo = (t / (ow * oh)) % m, b = t / (ow * oh * m);
+        const kiln_u64 cg = c / group, g = mo / (m / group), cpo = c / offset_group, taps = kh * kw;
+        A acc = (flags & 1u) ? (A)E::ld(bias[mo]) : (A)0;
+        for (kiln_u64 ci = 0; ci < cg; ++ci) {
+            const kiln_u64 ch = g * cg + ci, og = ch / cpo;
+            const typename Tag::storage* map = x + (b * c + ch) * h * wd;
+            for (kiln_u64 i = 0; i < kh; ++i)
+                for (kiln_u64 j = 0; j < kw; ++j) {
+                    const kiln_u64 tap = (og * kh + i) * kw + j, pix = r * ow + q;
+                    const A dy = (A)E::ld(off[((b * offset_group * taps * 2) + tap * 2) * oh * ow + pix]);
+                    const A dx = (A)E::ld(off[((b * offset_group * taps * 2) + tap * 2 + 1) * oh * ow + pix]);
+                    const A sy = (A)((long long)(r * sh) - ph + (long long)(i * dh)) + dy;
+                    const A sx = (A)((long long)(q * sw) - pw + (long long)(j * dw)) + dx;
+                    const A mk = (flags & 2u) ? (A)E::ld(mask[((b * offset_group * taps) + tap) * oh * ow + pix]) : (A)1;
+                    const A y0 = floor(sy), x0 = floor(sx), ly = sy - y0, lx = sx - x0;
+                    A v = 0;
+                    for (int cy = 0; cy < 2; ++cy)
+                        for (int cx = 0; cx < 2; ++cx) {
+                            const A yy = y0 + (A)cy, xx = x0 + (A)cx;
+                            if (yy < (A)0 || xx < (A)0 || yy >= (A)h || xx >= (A)wd) continue;
+                            const A wgt = (cy ? ly : (A)1 - ly) * (cx ? lx : (A)1 - lx);
+                            v += wgt * (A)E::ld(map[(kiln_u64)yy * wd + (kiln_u64)xx]);
+                        }
+                    acc += (A)E::ld(w[((mo * cg + ci) * kh + i) * kw + j]) * mk * v;
+                }
+        }
+        y[t] = E::st(acc);
+    }
+}

@@ -22,7 +22,8 @@
 //! `output_shape`, or s·(in − 1) + output_padding + (K − 1)·d + 1 − b − e. Input i at tap t adds
 //! to output i·s − b + t·d.
 //!
-//! Col2Im-18 is in [`col2im`]; ConvInteger-10 and QLinearConv-10 in [`qconv`].
+//! Col2Im-18 is in [`col2im`]; ConvInteger-10 and QLinearConv-10 in [`qconv`]; DeformConv-19/22
+//! in [`deform`].
 //!
 //! The CPU reference of float32, float16 and bfloat16 is the host's `conv` (ABI.md §4.8: im2col
 //! and multithreaded GEMMs accumulating in f32; manifest schema 8); float64 computes here in
@@ -31,6 +32,7 @@
 extern crate alloc;
 
 mod col2im;
+mod deform;
 mod qconv;
 
 use alloc::vec::Vec;
@@ -406,6 +408,9 @@ impl Shim for ConvShim {
         if call.op_type() == "Col2Im" {
             return col2im::infer(call);
         }
+        if call.op_type() == "DeformConv" {
+            return deform::infer(call);
+        }
         if is_quant(call) {
             return qconv::infer(call, &geom(call)?);
         }
@@ -416,6 +421,9 @@ impl Shim for ConvShim {
     fn cpu(call: &Call) -> Result<()> {
         if call.op_type() == "Col2Im" {
             return col2im::cpu(call);
+        }
+        if call.op_type() == "DeformConv" {
+            return deform::cpu(call);
         }
         if is_quant(call) {
             return qconv::cpu(call, &geom(call)?);
@@ -447,6 +455,9 @@ impl Shim for ConvShim {
     fn dispatch(call: &Call) -> Result<()> {
         if call.op_type() == "Col2Im" {
             return col2im::dispatch(call);
+        }
+        if call.op_type() == "DeformConv" {
+            return deform::dispatch(call);
         }
         if is_quant(call) {
             return qconv::dispatch(call, &geom(call)?);
