@@ -455,48 +455,37 @@ impl Dnn {
         let mut n: c_int = 0;
         let ok = sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS;
         let fits = |mem: usize| mem as u64 <= WORKSPACE_CAP;
+        // One `_v7` query (its result struct, C function, operands and the Algo variant); the
+        // forward and backward-data structs have the same fields.
+        macro_rules! first_fitting {
+            ($perf:ty, $query:path, $name:literal, [$($arg:expr),*], $variant:path) => {{
+                // SAFETY: zeroed C structs are valid; cuDNN writes `n` of them.
+                let mut perf: [$perf; N] = unsafe { std::mem::zeroed() };
+                // SAFETY: live handle and descriptors of one shape; `perf` holds N results.
+                unsafe { $query(self.handle, $($arg),*, N as c_int, &mut n, perf.as_mut_ptr()) }
+                    .map_err(dnn_err($name))?;
+                perf[..(n.max(0) as usize).min(N)]
+                    .iter()
+                    .find(|p| p.status == ok && fits(p.memory) && math_ok(p.mathType))
+                    .map(|p| ($variant(p.algo), p.mathType))
+            }};
+        }
         let found = if c.transposed {
-            // SAFETY: zeroed C structs are valid; cuDNN writes `n` of them.
-            let mut perf: [sys::cudnnConvolutionBwdDataAlgoPerf_t; N] = unsafe { std::mem::zeroed() };
-            // SAFETY: live handle and descriptors; `perf` holds N results.
-            unsafe {
-                dnn::get_convolution_backward_data_algorithm(
-                    self.handle,
-                    w.0,
-                    x.0,
-                    conv.0,
-                    y.0,
-                    N as c_int,
-                    &mut n,
-                    perf.as_mut_ptr(),
-                )
-            }
-            .map_err(dnn_err("cudnnGetConvolutionBackwardDataAlgorithm_v7"))?;
-            perf[..(n.max(0) as usize).min(N)]
-                .iter()
-                .find(|p| p.status == ok && fits(p.memory) && math_ok(p.mathType))
-                .map(|p| (Algo::BackwardData(p.algo), p.mathType))
+            first_fitting!(
+                sys::cudnnConvolutionBwdDataAlgoPerf_t,
+                dnn::get_convolution_backward_data_algorithm,
+                "cudnnGetConvolutionBackwardDataAlgorithm_v7",
+                [w.0, x.0, conv.0, y.0],
+                Algo::BackwardData
+            )
         } else {
-            // SAFETY: as above.
-            let mut perf: [sys::cudnnConvolutionFwdAlgoPerf_t; N] = unsafe { std::mem::zeroed() };
-            // SAFETY: as above.
-            unsafe {
-                dnn::get_convolution_forward_algorithm(
-                    self.handle,
-                    x.0,
-                    w.0,
-                    conv.0,
-                    y.0,
-                    N as c_int,
-                    &mut n,
-                    perf.as_mut_ptr(),
-                )
-            }
-            .map_err(dnn_err("cudnnGetConvolutionForwardAlgorithm_v7"))?;
-            perf[..(n.max(0) as usize).min(N)]
-                .iter()
-                .find(|p| p.status == ok && fits(p.memory) && math_ok(p.mathType))
-                .map(|p| (Algo::Forward(p.algo), p.mathType))
+            first_fitting!(
+                sys::cudnnConvolutionFwdAlgoPerf_t,
+                dnn::get_convolution_forward_algorithm,
+                "cudnnGetConvolutionForwardAlgorithm_v7",
+                [x.0, w.0, conv.0, y.0],
+                Algo::Forward
+            )
         };
         found.ok_or_else(|| {
             Error::Unsupported(format!(

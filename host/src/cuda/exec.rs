@@ -559,7 +559,8 @@ impl Gpu {
             }
             &with_scratch
         };
-        self.prepare_library_steps(plan)?;
+        // GEMMs make their plan on first use; a convolution's workspace must exist first.
+        self.prepare_convs(plan)?;
         // The scratch goes back to the pool after the launches are enqueued: only later work
         // can reuse it.
         self.run_steps(plan, functions, all, record)
@@ -593,18 +594,25 @@ impl Gpu {
     /// Errors: a library's, or the session's memory limit for the convolution workspace.
     pub fn prepare_library_steps(&mut self, plan: &LaunchPlan) -> Result<()> {
         for step in &plan.steps {
-            match step {
-                PlanStep::Gemm(g) => self.device.with_blas(|b| b.prepare(g))?,
-                PlanStep::Conv(c) => {
-                    let bytes = self.device.with_dnn(|d| d.prepare(c))?;
-                    let held = self.conv_workspace.as_ref().map_or(0, |b| b.bytes);
-                    if bytes > held {
-                        // At least twice the old size, so that few are retired.
-                        let grown = self.alloc.alloc(bytes.max(2 * held))?;
-                        self.retired_workspaces.extend(self.conv_workspace.replace(grown));
-                    }
+            if let PlanStep::Gemm(g) = step {
+                self.device.with_blas(|b| b.prepare(g))?;
+            }
+        }
+        self.prepare_convs(plan)
+    }
+
+    /// Each convolution's cuDNN plan, and a workspace as large as the largest needs (never
+    /// inside a capture: it may allocate). Errors: cuDNN's, or the session's memory limit.
+    fn prepare_convs(&mut self, plan: &LaunchPlan) -> Result<()> {
+        for step in &plan.steps {
+            if let PlanStep::Conv(c) = step {
+                let bytes = self.device.with_dnn(|d| d.prepare(c))?;
+                let held = self.conv_workspace.as_ref().map_or(0, |b| b.bytes);
+                if bytes > held {
+                    // At least twice the old size, so that few are retired.
+                    let grown = self.alloc.alloc(bytes.max(2 * held))?;
+                    self.retired_workspaces.extend(self.conv_workspace.replace(grown));
                 }
-                PlanStep::Launch { .. } => {}
             }
         }
         Ok(())

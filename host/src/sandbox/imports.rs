@@ -32,57 +32,51 @@ fn guest_range(size: usize, ptr: i32, len: usize) -> Option<Range<usize>> {
     (end <= size).then_some(start..end)
 }
 
-/// An import of `kiln_cpu` calls that takes one descriptor (`conv`, `qgemm`): refused outside a
-/// CPU call or for a descriptor outside the shim's memory; else `decode`d and `compute`d now on
-/// the call's host tensors. Returns 0, or the `E_*` code whose reason the call keeps.
-fn cpu_descriptor_call<D, E: std::fmt::Display>(
+/// An import that takes one descriptor (`conv`, `qgemm`): refused in a call kind outside
+/// `allowed` or for a descriptor outside the shim's memory; else `decode`d and handed to
+/// `serve`, whose `Ok` is the import's return value (0, or `E_UNAVAILABLE` for a `conv` the
+/// device declines) and whose error becomes an `E_ARG` refusal the call keeps.
+fn descriptor_call<D, E: std::fmt::Display>(
     c: &mut Caller<'_, CallState>,
     import: &str,
-    ptr: i32,
-    len: i32,
+    allowed: &[CallKind],
+    (ptr, len): (i32, i32),
     decode: fn(&[u8]) -> Result<D, E>,
-    compute: fn(&mut CallState, D) -> Result<(), String>,
+    serve: fn(&mut CallState, D) -> Result<i32, String>,
 ) -> i32 {
     let Some((mem, st)) = split(c) else { return E_CALL };
-    if let Err(code) = expect_kind(st, import, &[CallKind::Cpu]) {
+    if let Err(code) = expect_kind(st, import, allowed) {
         return code;
     }
     let Some(r) = guest_range(mem.len(), ptr, len as u32 as usize) else {
         return st.refuse(E_MEMORY, format!("{import}: descriptor {ptr:#x}+{len} is outside the shim's memory"));
     };
-    match decode(&mem[r]).map_err(|e| format!("{import}: malformed descriptor: {e}")).and_then(|d| compute(st, d)) {
-        Ok(()) => 0,
+    match decode(&mem[r]).map_err(|e| format!("{import}: malformed descriptor: {e}")).and_then(|d| serve(st, d)) {
+        Ok(code) => code,
         Err(msg) => st.refuse(E_ARG, msg),
     }
 }
 
-/// `conv` in a dispatch (manifest schema 10): a checked descriptor the session's
-/// [`ConvService`] takes becomes a [`PlanStep::Conv`]; one it does not, or every one where none
-/// serves, answers `E_UNAVAILABLE` (not remembered as a refusal: the shim runs its own kernels)
-/// and its reason goes to the call's `declined`.
-fn dispatch_conv(c: &mut Caller<'_, CallState>, ptr: i32, len: i32) -> i32 {
-    let Some((mem, st)) = split(c) else { return E_CALL };
-    let Some(r) = guest_range(mem.len(), ptr, len as u32 as usize) else {
-        return st.refuse(E_MEMORY, format!("conv: descriptor {ptr:#x}+{len} is outside the shim's memory"));
-    };
-    let cv = match Conv::decode(&mem[r])
-        .map_err(|e| format!("conv: malformed descriptor: {e}"))
-        .and_then(|cv| check_conv(st, cv))
-    {
-        Ok(cv) => cv,
-        Err(msg) => return st.refuse(E_ARG, msg),
-    };
+/// `conv` (checked): in a CPU call computed now on the host tensors; in a dispatch (manifest
+/// schema 10) a [`PlanStep::Conv`] where the session's [`ConvService`] takes it, else
+/// `E_UNAVAILABLE` (not remembered as a refusal: the shim runs its own kernels) with the reason
+/// in the call's `declined`.
+fn serve_conv(st: &mut CallState, cv: Conv) -> Result<i32, String> {
+    let cv = check_conv(st, cv)?;
+    if st.kind != Some(CallKind::Dispatch) {
+        return super::cpu_conv::run(st.table.slots_mut(), &cv).map(|()| 0);
+    }
     let served = match &st.conv {
         ConvService::Unavailable(why) => Err(why.to_string()),
         ConvService::Library { takes } => takes(&cv),
     };
-    match served {
+    Ok(match served {
         Ok(()) => push_step(st, PlanStep::Conv(cv)),
         Err(why) => {
             st.declined.push(why);
             E_UNAVAILABLE
         }
-    }
+    })
 }
 
 fn expect_kind(st: &mut CallState, import: &str, allowed: &[CallKind]) -> Result<(), i32> {
@@ -293,17 +287,12 @@ pub(super) fn linker(engine: &Engine) -> Linker<CallState> {
     })
     .expect("define gemm");
     l.func_wrap(m, imp::CONV, |mut c: Caller<'_, CallState>, ptr: i32, len: i32| -> i32 {
-        if c.data().kind == Some(CallKind::Dispatch) {
-            return dispatch_conv(&mut c, ptr, len);
-        }
-        cpu_descriptor_call(&mut c, "conv", ptr, len, Conv::decode, |st, cv| {
-            check_conv(st, cv).and_then(|cv| super::cpu_conv::run(st.table.slots_mut(), &cv))
-        })
+        descriptor_call(&mut c, "conv", &[CallKind::Cpu, CallKind::Dispatch], (ptr, len), Conv::decode, serve_conv)
     })
     .expect("define conv");
     l.func_wrap(m, imp::QGEMM, |mut c: Caller<'_, CallState>, ptr: i32, len: i32| -> i32 {
-        cpu_descriptor_call(&mut c, "qgemm", ptr, len, QGemm::decode, |st, q| {
-            check_qgemm(st, q).and_then(|q| super::cpu_qgemm::run(st.table.slots_mut(), &q))
+        descriptor_call(&mut c, "qgemm", &[CallKind::Cpu], (ptr, len), QGemm::decode, |st, q| {
+            check_qgemm(st, q).and_then(|q| super::cpu_qgemm::run(st.table.slots_mut(), &q)).map(|()| 0)
         })
     })
     .expect("define qgemm");

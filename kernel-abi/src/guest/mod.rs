@@ -288,6 +288,15 @@ impl<'c, 'a> Tensor<'c, 'a> {
         element::decode_as::<i64>(self.dtype()?, &self.value_bytes()?)
     }
 
+    /// A floating-point value input's elements as f32 (inline, or read through the host).
+    /// Errors: an integer tensor.
+    pub fn value_f32s(&self) -> Result<Vec<f32>> {
+        match self.dtype()? {
+            d if d.is_float() => element::decode_as::<f32>(d, &self.value_bytes()?),
+            d => Err(ShimError::Failed(format!("a {d} tensor where floats are expected"))),
+        }
+    }
+
     /// The bytes of a value input: inline when given (every call, dispatch included), otherwise
     /// read through the host (CPU calls).
     pub fn value_bytes(&self) -> Result<Vec<u8>> {

@@ -603,15 +603,18 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
         let start = if window >= 0 && causal as i64 > window { causal - window as usize } else { 0 };
         (start, causal.min(t_b))
     };
+    // Query row s of head h in batch row b into `q`, rotated (and rounded to the dtype) as the
+    // keys were.
+    let rotated = |q: &mut [T], b: usize, h: usize, s: usize| -> Result<()> {
+        q.copy_from_slice(&q_in[(b * s_n + s) * q_w + h * h_sz..][..h_sz]);
+        if let Some(c) = &caches {
+            c.rotate(GQA, q, (rows[b].1 + s) as i64, interleaved)?;
+            q.iter_mut().for_each(|x| *x = x.round_to(p.dtype));
+        }
+        Ok(())
+    };
     let mut q = vec![T::ZERO; h_sz];
     if let (DType::F32, true, Some(pk), Some(pv)) = (p.dtype, s_n >= PROMPT_GEMM_ROWS, &pk, &pv) {
-        let rotate = |q: &mut [T], b: usize, h: usize, s: usize| -> Result<()> {
-            q.copy_from_slice(&q_in[(b * s_n + s) * q_w + h * h_sz..][..h_sz]);
-            if let Some(c) = &caches {
-                c.rotate(GQA, q, (rows[b].1 + s) as i64, interleaved)?;
-            }
-            Ok(())
-        };
         let out = call.output(0)?.handle();
         let t_max = rows.iter().map(|r| r.0).max().unwrap_or(1).max(1);
         // Query rows per product: the group's scores of a chunk within PROMPT_SCORES values.
@@ -632,7 +635,7 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
                     let mut qb = Vec::with_capacity(group * n * h_sz * 4);
                     for g in 0..group {
                         for s in s0..s0 + n {
-                            rotate(&mut q, b, j * group + g, s)?;
+                            rotated(&mut q, b, j * group + g, s)?;
                             qb.extend(q.iter().flat_map(|x| x.to_f32().to_le_bytes()));
                         }
                     }
@@ -711,11 +714,7 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
                 if start >= end {
                     continue; // No key: the row stays zero.
                 }
-                q.copy_from_slice(&q_in[(b * s_n + s) * q_w + h * h_sz..][..h_sz]);
-                if let Some(c) = &caches {
-                    c.rotate(GQA, &mut q, (past_b + s) as i64, interleaved)?;
-                    q.iter_mut().for_each(|x| *x = x.round_to(p.dtype));
-                }
+                rotated(&mut q, b, h, s)?;
                 scores.clear();
                 for t in start..end {
                     scores.push(logit(dot(&q, &kh[t * h_sz..(t + 1) * h_sz]) * scale, b, h, s, t));

@@ -29,9 +29,9 @@ struct Plan {
 
 fn scalar_f32(call: &Call, i: usize) -> Result<Option<f32>> {
     let Some(t) = call.input_opt(i) else { return Ok(None) };
-    match (t.dtype()?, &t.value_bytes()?[..]) {
-        (DType::F32, &[a, b, c, d]) => Ok(Some(f32::from_le_bytes([a, b, c, d]))),
-        (d, v) => bail!("NonMaxSuppression: input {i} must be one float32, not {d} of {} bytes", v.len()),
+    match (t.dtype()?, &t.value_f32s()?[..]) {
+        (DType::F32, &[v]) => Ok(Some(v)),
+        (d, v) => bail!("NonMaxSuppression: input {i} must be one float32, not {d} of {} values", v.len()),
     }
 }
 

@@ -115,7 +115,7 @@ pub fn cpu(call: &Call) -> Result<()> {
     let mut y = Vec::with_capacity(p.rois * p.c * p.oh * p.ow);
     let shift = if p.half_pixel { 0.5 } else { 0.0 };
     for (r, &b) in idx.iter().enumerate() {
-        if b < 0 || b as usize >= p.n {
+        if b < 0 || b as u64 >= p.n as u64 {
             bail!("RoiAlign: batch_indices[{r}] = {b} is out of range for a batch of {}", p.n);
         }
         let roi = &rois[r * 4..r * 4 + 4];

@@ -63,19 +63,21 @@ fn plan(call: &Call) -> Result<Plan> {
         }
     }
     let step = scalar(call, 1, "frame_step")?.unwrap_or(0);
-    if step < 1 || n < 1 || n as usize > len {
+    let (Ok(step), Ok(n)) = (usize::try_from(step), usize::try_from(n)) else {
+        bail!("STFT: frame_step {step} must be positive and frame_length {n} within 1..={len}");
+    };
+    if step < 1 || n < 1 || n > len {
         bail!("STFT: frame_step {step} must be positive and frame_length {n} within 1..={len}");
     }
-    let n = n as usize;
     let onesided = call.attr_i("onesided", 1)? != 0;
     Ok(Plan {
         dtype,
         batch,
         len,
         complex,
-        step: step as usize,
+        step,
         n,
-        frames: 1 + (len - n) / step as usize,
+        frames: 1 + (len - n) / step,
         bins: if onesided { n / 2 + 1 } else { n },
     })
 }

@@ -87,7 +87,7 @@ pub fn cpu(call: &Call) -> Result<()> {
     let total: usize = p.unpooled.iter().product();
     let mut y = alloc::vec![0u8; p.out.iter().product::<usize>() * p.esize];
     for (e, &i) in idx.iter().enumerate() {
-        if i < 0 || i as usize >= total {
+        if i < 0 || i as u64 >= total as u64 {
             bail!("MaxUnpool: I[{e}] = {i} is outside the unpooled tensor of {total} elements");
         }
         let at = remap(i as usize, &p.unpooled, &p.out) * p.esize;

@@ -27,9 +27,9 @@ struct Plan {
 
 fn scalar_f32(call: &Call, i: usize) -> Result<f32> {
     let t = call.input(i)?;
-    match (t.dtype()?, t.value()) {
-        (DType::F32, Some(&[a, b, c, d])) => Ok(f32::from_le_bytes([a, b, c, d])),
-        (d, _) => bail!("MelWeightMatrix: input {i} must be one float32 value, not {d}"),
+    match (t.dtype()?, &t.value_f32s()?[..]) {
+        (DType::F32, &[v]) => Ok(v),
+        (d, v) => bail!("MelWeightMatrix: input {i} must be one float32 value, not {d} of {} values", v.len()),
     }
 }
 
@@ -44,6 +44,11 @@ fn plan(call: &Call) -> Result<Plan> {
     if mel_bins < 1 || dft_length < 1 || sample_rate < 1 {
         bail!("MelWeightMatrix: num_mel_bins {mel_bins}, dft_length {dft_length} and sample_rate {sample_rate} must be positive");
     }
+    // Sizes the shim's 32-bit usize holds, the output's element count included.
+    let (mel_bins, spec_bins) = match (usize::try_from(mel_bins), usize::try_from(dft_length / 2 + 1)) {
+        (Ok(m), Ok(s)) if m.checked_mul(s).is_some() => (m, s),
+        _ => bail!("MelWeightMatrix: a [{}, {mel_bins}] output is too large", dft_length / 2 + 1),
+    };
     let (lo, hi) = (scalar_f32(call, 3)?, scalar_f32(call, 4)?);
     let code = call.attr_i("output_datatype", 1)?;
     let dtype = match i32::try_from(code).ok().and_then(DType::from_code) {
@@ -54,8 +59,8 @@ fn plan(call: &Call) -> Result<Plan> {
     let (low, high) = (mel(lo), mel(hi));
     let step = (high - low) / (mel_bins + 2) as f32;
     Ok(Plan {
-        mel_bins: mel_bins as usize,
-        spec_bins: (dft_length / 2 + 1) as usize,
+        mel_bins,
+        spec_bins,
         dft_length: dft_length as f64,
         sample_rate: sample_rate as f64,
         low_mel: low as f64,

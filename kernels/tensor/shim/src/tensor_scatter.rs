@@ -74,12 +74,13 @@ pub fn cpu(call: &Call) -> Result<()> {
     };
     let row = p.inner * p.esize;
     for (b, &start) in w.iter().enumerate() {
-        if start < 0 || (!p.circular && start as usize + p.seq > p.max_seq) {
+        // In u64: the shim's usize is 32 bits, an index may not fit it.
+        if start < 0 || (!p.circular && start as u64 + p.seq as u64 > p.max_seq as u64) {
             bail!("TensorScatter: write_indices[{b}] = {start} writes past the cache's {} positions", p.max_seq);
         }
         for r in 0..p.rows {
             for s in 0..p.seq {
-                let j = (start as usize + s) % p.max_seq;
+                let j = ((start as u64 + s as u64) % p.max_seq as u64) as usize;
                 let (dst, src) = (((b * p.rows + r) * p.max_seq + j) * row, ((b * p.rows + r) * p.seq + s) * row);
                 out[dst..dst + row].copy_from_slice(&update[src..src + row]);
             }
