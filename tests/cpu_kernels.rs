@@ -303,3 +303,70 @@ fn a_weight_larger_than_a_shims_memory_multiplies_on_the_cpu() {
     }
     assert_eq!(y, want);
 }
+
+/// A node whose package allows it (manifest `cpu_tiles`, ABI.md §6.1.2) runs as tiles on the
+/// CPU pool when large enough: an elementwise op by elements, SkipSimplifiedLayerNormalization
+/// and SwiGlu by rows, 37 of them over 3 tiles (uneven shares). The outputs, all four of the
+/// normalization's, are bit for bit those of whole-node calls, and the report counts the tiles.
+#[test]
+fn tiled_cpu_calls_give_the_outputs_of_whole_ones() {
+    use kiln_host::ep::CpuSplit;
+    let (rows, hidden) = (37usize, 300usize);
+    let mut rng = Rng(5);
+    let x: Vec<f32> = values(&mut rng, rows * hidden).into_iter().map(|v| v as f32).collect();
+    let skip: Vec<f32> = values(&mut rng, rows * hidden).into_iter().map(|v| v as f32 / 3.0).collect();
+    let gamma: Vec<f32> = values(&mut rng, hidden).into_iter().map(|v| v as f32).collect();
+    let mut m = onnx::model(
+        vec![
+            node("Sigmoid", &["x"], &["s"], vec![]),
+            node(
+                "SkipSimplifiedLayerNormalization",
+                &["s", "skip", "gamma"],
+                &["y", "mean", "inv_std", "sum"],
+                vec![attr_float("epsilon", 1e-5)],
+            ),
+            node("SwiGlu", &["s", "skip"], &["w"], vec![]),
+        ],
+        vec![value("x", F32, &[rows as i64, hidden as i64]), value("skip", F32, &[rows as i64, hidden as i64])],
+        ["y", "mean", "inv_std", "sum", "w"].iter().map(|n| value(n, F32, &[])).collect(),
+        vec![onnx::init_f32("gamma", &[hidden as i64], &gamma)],
+    );
+    m.graph.as_mut().unwrap().node[1].domain = "com.microsoft".into();
+    m.graph.as_mut().unwrap().node[2].domain = "ai.kiln".into();
+    for domain in ["com.microsoft", "ai.kiln"] {
+        m.opset_import.push(onnx::OperatorSetIdProto { domain: domain.into(), version: 1, ..Default::default() });
+    }
+    for o in &mut m.graph.as_mut().unwrap().output {
+        o.type_.as_mut().unwrap().mut_tensor_type().shape.clear();
+    }
+    let m = model::load_bytes(&onnx::bytes(&m), None).unwrap();
+    let run = |split: CpuSplit| {
+        let options = SessionOptions { cpu_split: split, ..SessionOptions::default() };
+        let mut s = Session::new(builtin_runtime(), m.clone(), options).unwrap();
+        let feeds = vec![
+            ("x".to_string(), kiln_tests::f32_tensor(&[rows, hidden], &x)),
+            ("skip".to_string(), kiln_tests::f32_tensor(&[rows, hidden], &skip)),
+        ];
+        let out = s.run(feeds).unwrap();
+        (out, s.report.wasm_calls.cpu_tiles)
+    };
+    let (whole, none) = run(CpuSplit { max_tiles: 1, min_tile_bytes: 1 });
+    let (tiled, tiles) = run(CpuSplit { max_tiles: 3, min_tile_bytes: 1 });
+    assert_eq!(none, 0);
+    assert_eq!(tiles, 9, "Sigmoid, the normalization and SwiGlu, 3 tiles each");
+    assert_eq!(whole.len(), 5);
+    for ((name, a), (_, b)) in tiled.iter().zip(&whole) {
+        assert_eq!(a, b, "output {name}");
+    }
+    // The normalization itself against f64 on one row: y = sum / rms(sum) · gamma.
+    let r = 20;
+    let sum: Vec<f64> = (0..hidden)
+        .map(|c| (1.0 / (1.0 + (-(x[r * hidden + c] as f64)).exp())) + skip[r * hidden + c] as f64)
+        .collect();
+    let rms = (sum.iter().map(|v| v * v).sum::<f64>() / hidden as f64 + 1e-5).sqrt();
+    let y = kiln_tests::f32_values(&tiled[0].1);
+    for c in 0..hidden {
+        let want = sum[c] / rms * gamma[c] as f64;
+        assert!((y[r * hidden + c] as f64 - want).abs() <= 1e-5 * want.abs().max(1.0), "y[{r}, {c}]");
+    }
+}

@@ -86,6 +86,7 @@ fn args() -> CallArgs<'static> {
         attributes: vec![],
         inputs: vec![Some(input([1.0, -2.0, 3.0, -4.0]))],
         outputs: vec![Some(output())],
+        tile: None,
     }
 }
 
@@ -653,4 +654,28 @@ fn conv_in_a_dispatch_is_served_or_declined_with_its_reason() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+/// A tile's call (ABI.md §6.1.2) reads and writes only its share of an output: bytes 8..16 of
+/// 16 here, which its window holds; a write elsewhere in the tensor is refused.
+#[test]
+fn a_tile_writes_only_its_share_of_an_output() {
+    let sb = sandbox();
+    let write = |off: i64| format!("(call $write (i32.const 0x10001) (i64.const {off}) (i32.const 128) (i32.const 8))");
+    let tiled = || CallArgs {
+        outputs: vec![Some(ArgTensor { access: Access::Window { start: 8, bytes: vec![0; 8] }, ..output() })],
+        tile: Some(kiln_kernel_abi::wire::Tile { start: 2, end: 4 }),
+        ..args()
+    };
+    let bytes = r#"(data (i32.const 128) "\01\02\03\04\05\06\07\08")"#;
+    let module = sb.load(PACKAGE, &shim(INFER_OK, &write(8), OK, bytes), vec![]).unwrap();
+    let out = module.instantiate().unwrap().call(CallKind::Cpu, tiled()).unwrap();
+    assert!(
+        matches!(&out.slots[1].access, Access::Window { start: 8, bytes } if bytes[..] == [1, 2, 3, 4, 5, 6, 7, 8]),
+        "{:?}",
+        out.slots[1].access
+    );
+    let module = sb.load(PACKAGE, &shim(INFER_OK, &write(4), OK, bytes), vec![]).unwrap();
+    let err = module.instantiate().unwrap().call(CallKind::Cpu, tiled()).unwrap_err();
+    check(&err, FailureKind::Refused, "bytes 4..12 of handle 0x10001 are outside this tile's share 8..16");
 }

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use kiln_kernel_abi::DType;
+use kiln_kernel_abi::{minifloat, DType};
 use serde::Serialize;
 
 use crate::ep::{Runtime, Session, SessionOptions};
@@ -180,7 +180,13 @@ pub fn compare(actual: &Tensor, expected: &Tensor, rtol: f64, atol: f64) -> Opti
     if actual.shape != expected.shape {
         return Some(format!("shape {:?} != expected {:?}", actual.shape, expected.shape));
     }
-    if !actual.dtype.is_float() {
+    if actual.dtype.is_packed() && !actual.dtype.is_minifloat() {
+        // 4-bit and 2-bit integers: element by element, exactly (padding bits aside).
+        let field = |t: &Tensor, i| minifloat::packed_get(t.dtype, &t.data, i);
+        let diff = (0..actual.numel()).position(|i| field(actual, i) != field(expected, i))?;
+        return Some(format!("element {diff}: {} != expected {}", int_value(actual, diff), int_value(expected, diff)));
+    }
+    if !actual.dtype.is_float() && !actual.dtype.is_minifloat() {
         // Integers and bools: exactly, bit for bit.
         let size = actual.dtype.size().unwrap_or(1);
         let diff = actual.data.chunks_exact(size).zip(expected.data.chunks_exact(size)).position(|(x, y)| x != y)?;
@@ -202,8 +208,11 @@ pub fn compare(actual: &Tensor, expected: &Tensor, rtol: f64, atol: f64) -> Opti
     None
 }
 
-/// Element `i` of an integer or bool tensor, exactly.
+/// Element `i` of an integer or bool tensor (4-bit and 2-bit ones included), exactly.
 pub fn int_value(t: &Tensor, i: usize) -> i128 {
+    if t.dtype.is_narrow_int() {
+        return minifloat::narrow_int_value(t.dtype, minifloat::packed_get(t.dtype, &t.data, i)) as i128;
+    }
     let size = t.dtype.size().unwrap_or(1);
     let b = &t.data[i * size..(i + 1) * size];
     let mut le = [0u8; 16];
@@ -239,7 +248,9 @@ pub fn to_f64_prefix(t: &Tensor, n: usize) -> Vec<f64> {
             DType::U32 => u32::from_le_bytes(get(i, 4).try_into().unwrap_or_default()) as f64,
             DType::I64 => i64::from_le_bytes(get(i, 8).try_into().unwrap_or_default()) as f64,
             DType::U64 => u64::from_le_bytes(get(i, 8).try_into().unwrap_or_default()) as f64,
-            DType::String => f64::NAN,
+            d if d.is_minifloat() => minifloat::to_f32(d, minifloat::packed_get(d, &t.data, i)) as f64,
+            d if d.is_narrow_int() => minifloat::narrow_int_value(d, minifloat::packed_get(d, &t.data, i)) as f64,
+            _ => f64::NAN, // strings
         })
         .collect()
 }

@@ -6,7 +6,7 @@ use kiln_kernel_abi::DType;
 use crate::Error;
 
 /// A dense tensor in host memory. `data` holds `numel × dtype.size()` bytes, little-endian,
-/// row-major; cloning shares the bytes (initializers may be memory-mapped external data).
+/// row-major (packed dtypes: [`DType::storage_bytes`], ONNX's packing); cloning shares the bytes (initializers may be memory-mapped external data).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Tensor {
     pub dtype: DType,
@@ -61,11 +61,15 @@ impl Tensor {
     }
 }
 
-/// Bytes of a `dtype` tensor of `shape`, refusing string tensors and sizes that overflow.
+/// Bytes of a `dtype` tensor of `shape` (packed dtypes: [`DType::storage_bytes`]), refusing
+/// string tensors and sizes that overflow.
 pub fn byte_size(dtype: DType, shape: &[usize]) -> Result<u64, Error> {
-    let size = dtype.size().ok_or_else(|| Error::Unsupported(format!("{dtype} tensors are not supported")))?;
+    if dtype.bits().is_none() {
+        return Err(Error::Unsupported(format!("{dtype} tensors are not supported")));
+    }
     shape
         .iter()
-        .try_fold(size as u64, |acc, &d| acc.checked_mul(d as u64))
+        .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64))
+        .and_then(|numel| dtype.storage_bytes(numel))
         .ok_or_else(|| Error::Input(format!("a {dtype} tensor of shape {shape:?} is larger than memory can address")))
 }

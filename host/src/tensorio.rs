@@ -6,7 +6,7 @@ use std::io::Write;
 use std::path::Path;
 
 use bytes::Bytes;
-use kiln_kernel_abi::DType;
+use kiln_kernel_abi::{minifloat, DType};
 use onnx_protobuf::{Message, TensorProto};
 
 use crate::model::{tensor_from_proto, ExternalData, Kind};
@@ -186,7 +186,8 @@ fn dict_value<'h>(header: &'h str, key: &str) -> Option<&'h str> {
     Some(rest[..end].trim())
 }
 
-/// Writes `t` as a version-1 `.npy`. bfloat16 (which NumPy lacks) is written as float32.
+/// Writes `t` as a version-1 `.npy`. bfloat16, float8 and float4 (which NumPy lacks) are written
+/// as float32, int4/int2 as int8 and uint4/uint2 as uint8, their values exact.
 pub fn write_npy(path: &Path, t: &Tensor) -> Result<(), Error> {
     let io = |source| Error::Io { path: path.to_path_buf(), source };
     let (descr, data): (&str, std::borrow::Cow<[u8]>) = match t.dtype {
@@ -211,6 +212,17 @@ pub fn write_npy(path: &Path, t: &Tensor) -> Result<(), Error> {
         DType::U64 => ("<u8", (&t.data[..]).into()),
         DType::Bool => ("|b1", (&t.data[..]).into()),
         DType::String => return Err(Error::Unsupported("writing string tensors".into())),
+        // NumPy has no float8, float4, 4-bit or 2-bit dtype: their values, widened exactly.
+        d if d.is_minifloat() => {
+            let n = t.numel();
+            let values = (0..n).flat_map(|i| minifloat::to_f32(d, minifloat::packed_get(d, &t.data, i)).to_le_bytes());
+            ("<f4", values.collect::<Vec<u8>>().into())
+        }
+        d => {
+            let n = t.numel();
+            let values = (0..n).map(|i| minifloat::narrow_int_value(d, minifloat::packed_get(d, &t.data, i)) as u8);
+            (if matches!(d, DType::I4 | DType::I2) { "|i1" } else { "|u1" }, values.collect::<Vec<u8>>().into())
+        }
     };
     let shape = match t.shape.len() {
         1 => format!("({},)", t.shape[0]),

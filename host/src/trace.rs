@@ -20,6 +20,9 @@ pub struct OpStat {
 pub struct WasmCalls {
     pub infer: u64,
     pub cpu: u64,
+    /// Of `cpu`: calls that computed one tile of a node split over the CPU pool's threads
+    /// (ABI.md §6.1.2).
+    pub cpu_tiles: u64,
     pub dispatch: u64,
 }
 
@@ -296,6 +299,7 @@ impl Report {
         self.nodes += other.nodes;
         self.wasm_calls.infer += other.wasm_calls.infer;
         self.wasm_calls.cpu += other.wasm_calls.cpu;
+        self.wasm_calls.cpu_tiles += other.wasm_calls.cpu_tiles;
         self.wasm_calls.dispatch += other.wasm_calls.dispatch;
         for (p, n) in other.packages {
             *self.packages.entry(p).or_default() += n;
@@ -328,13 +332,14 @@ impl Report {
     /// A human-readable table.
     pub fn render(&self) -> String {
         let mut s = format!(
-            "device: {}\nruns: {}  node executions: {}  time: {:.3} ms\nwasm calls: infer {}, cpu {}, dispatch {}  (instances {})\npackages (node executions):\n",
+            "device: {}\nruns: {}  node executions: {}  time: {:.3} ms\nwasm calls: infer {}, cpu {} ({} of them tiles), dispatch {}  (instances {})\npackages (node executions):\n",
             self.device,
             self.runs,
             self.nodes,
             self.run_time_us as f64 / 1e3,
             self.wasm_calls.infer,
             self.wasm_calls.cpu,
+            self.wasm_calls.cpu_tiles,
             self.wasm_calls.dispatch,
             self.instances
         );

@@ -141,7 +141,7 @@ fn kernels_list_shows_every_builtin_package() {
         assert!(t.contains(&p), "{p} missing from:\n{t}");
     }
     assert!(t.contains("LayerNormalization") && t.contains("bfloat16"));
-    assert!(t.contains("headers: kiln-cuda-std/vec.cuh") && t.contains("depends on: kiln-cuda-std ^1.0"), "{t}");
+    assert!(t.contains("headers: kiln-cuda-std/vec.cuh") && t.contains("depends on: kiln-cuda-std ^1.5"), "{t}");
 }
 
 #[test]

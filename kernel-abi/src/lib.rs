@@ -3,7 +3,8 @@
 //! The contract between the kiln host and a kernel package's WebAssembly shim. The normative
 //! text is `kernel-abi/ABI.md`; this crate holds the types that both sides share:
 //!
-//! - [`DType`]: element types, numbered as ONNX's `TensorProto.DataType`.
+//! - [`DType`]: element types, numbered as ONNX's `TensorProto.DataType`; [`minifloat`]: the
+//!   values of the float8, float4 and packed 4-bit/2-bit types.
 //! - [`wire`]: the little-endian encodings of a node call (host → shim), a kernel launch and a
 //!   GEMM descriptor (shim → host).
 //! - [`status`]: the return codes of shim exports and host imports.
@@ -22,6 +23,7 @@ extern crate alloc;
 
 pub mod dtype;
 pub mod math;
+pub mod minifloat;
 pub mod names;
 pub mod philox;
 pub mod plan;

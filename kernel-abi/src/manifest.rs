@@ -28,6 +28,8 @@
 //! paged_outputs = []             #   shim accepts paged (a KV cache in pages)
 //! declines = []                  # optional (schema 9): attribute or input names whose use the
 //!                                #   shim refuses (UNSUPPORTED, naming it), e.g. "training_mode"
+//! cpu_tiles = "elements"         # optional (schema 12; ABI.md §6.1.2): CPU calls may compute a
+//!                                #   tile of the outputs, in "elements" or "rows" of output 0
 //!
 //! [[cuda]]
 //! source = "cuda/unary.cu"
@@ -96,8 +98,11 @@ pub enum ManifestError {
 /// schema 7 lets `pdl` list kernels by the signatures' `*` patterns; schema 8 adds no field: it
 /// marks a package whose CPU reference calls `gemm` (ABI.md §4.7), which a host before it refuses;
 /// schema 9 added `declines` to `[[ops]]`; schema 10 adds no field: the package's dispatch calls
-/// `conv` and runs its own kernels where the host answers `E_UNAVAILABLE`.
-pub const MANIFEST_SCHEMA: u32 = 10;
+/// `conv` and runs its own kernels where the host answers `E_UNAVAILABLE`; schema 11 added the
+/// float8, float4e2m1, 4-bit and 2-bit dtypes ([`DType::since_schema_11`]): a package lists them
+/// in `dtypes` from schema 11, and the host passes tensors of them only to such packages;
+/// schema 12 added `cpu_tiles` to `[[ops]]` (CPU calls of one tile of the outputs).
+pub const MANIFEST_SCHEMA: u32 = 12;
 
 /// The folder of a package whose files are its exported headers.
 pub const HEADER_DIR: &str = "include/";
@@ -268,6 +273,22 @@ pub struct OpEntry {
     /// broken claim.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub declines: Vec<String>,
+    /// Whether the CPU reference computes a tile of the outputs when the call names one
+    /// ([`crate::wire::Tile`], ABI.md §6.1.2; schema 12), and in which units: the host may then
+    /// split a large node's CPU work over its threads, one shim instance per tile.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_tiles: Option<CpuTiles>,
+}
+
+/// The units a tiled `kiln_cpu` call's [`crate::wire::Tile`] counts (manifest `cpu_tiles`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CpuTiles {
+    /// Output 0's elements, in row-major order (elementwise ops).
+    Elements,
+    /// Output 0's rows: its elements grouped by every dimension but the last (ops that
+    /// normalize over the last axis).
+    Rows,
 }
 
 /// A CUDA C++ source file and the kernels it defines.
@@ -538,6 +559,9 @@ impl Manifest {
             if let Some(d) = op.dtypes.iter().find(|d| DType::from_name(d).is_none()) {
                 return bad(format!("ops[{i}]: unknown dtype {d:?}"));
             }
+            if let Some(d) = op.dtype_set().into_iter().find(|d| d.since_schema_11() && self.schema < 11) {
+                return bad(format!("ops[{i}]: dtype {d} comes with manifest schema 11: set `schema = 11`"));
+            }
             if op.max_rank > 64 {
                 return bad(format!("ops[{i}]: max_rank {} is over 64", op.max_rank));
             }
@@ -549,6 +573,9 @@ impl Manifest {
                 if let Some((k, x)) = list.iter().enumerate().find(|(k, x)| list[..*k].contains(x)) {
                     return bad(format!("ops[{i}]: {what}[{k}] lists index {x} twice"));
                 }
+            }
+            if op.cpu_tiles.is_some() && self.schema < 12 {
+                return bad(format!("ops[{i}]: `cpu_tiles` comes with manifest schema 12: set `schema = 12`"));
             }
             if !op.declines.is_empty() && self.schema < 9 {
                 return bad(format!("ops[{i}]: `declines` comes with manifest schema 9: set `schema = 9`"));
@@ -924,6 +951,31 @@ signatures = [{ kernels = ["relu_*"], params = ["tensor", "tensor", "u64"] }]
             let err = Manifest::parse(&text).unwrap_err().to_string();
             assert!(err.contains(want), "{want}: {err}");
         }
+    }
+
+    /// Schema 12: `cpu_tiles` names its units, and only a manifest that says so has it.
+    #[test]
+    fn cpu_tiles_come_with_schema_12() {
+        let v12 =
+            GOOD.replace("schema = 2", "schema = 12").replace("max_rank = 8\n", "max_rank = 8\ncpu_tiles = \"rows\"\n");
+        let m = Manifest::parse(&v12).unwrap();
+        assert_eq!(m.ops[0].cpu_tiles, Some(CpuTiles::Rows));
+        assert_eq!(Manifest::parse(&m.to_toml()).unwrap(), m, "round trip");
+        let err = Manifest::parse(&v12.replace("schema = 12", "schema = 11")).unwrap_err().to_string();
+        assert!(err.contains("`cpu_tiles` comes with manifest schema 12"), "{err}");
+        assert!(Manifest::parse(&v12.replace("\"rows\"", "\"columns\"")).is_err());
+    }
+
+    /// Schema 11: the float8, 4-bit and 2-bit dtypes are listed only by a manifest that says so.
+    #[test]
+    fn narrow_dtypes_come_with_schema_11() {
+        let v11 = GOOD
+            .replace("schema = 2", "schema = 11")
+            .replace("dtypes = [\"float32\"", "dtypes = [\"float32\", \"float8e4m3fn\", \"INT4\"");
+        let m = Manifest::parse(&v11).unwrap();
+        assert!(m.ops[0].dtype_set().contains(&DType::F8E4M3FN) && m.ops[0].dtype_set().contains(&DType::I4));
+        let err = Manifest::parse(&v11.replace("schema = 11", "schema = 10")).unwrap_err().to_string();
+        assert!(err.contains("dtype float8e4m3fn comes with manifest schema 11"), "{err}");
     }
 
     /// Schema 6: kernels named by the name expressions of template instantiations, in their

@@ -201,7 +201,23 @@ pub struct NodeCall<'a> {
     pub inputs: Vec<TensorDesc<'a>>,
     pub outputs: Vec<TensorDesc<'a>>,
     pub attributes: Vec<Attribute<'a>>,
+    /// A `kiln_cpu` call of one tile of the outputs (manifest schema 12, `cpu_tiles`; ABI.md
+    /// §6.1.2), or `None` for the whole node.
+    pub tile: Option<Tile>,
 }
+
+/// The part of a node's outputs one `kiln_cpu` call computes: units `start..end` of the
+/// manifest's `cpu_tiles` kind (output 0's elements, or its rows: every dimension but the last),
+/// and the same share of every other output's bytes. The host passes it only to an op entry
+/// that declares `cpu_tiles`; the call must write nothing outside its share.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tile {
+    pub start: u64,
+    pub end: u64,
+}
+
+/// The tag before a node call's tile (ASCII "TILE", little-endian).
+const TILE_TAG: u32 = u32::from_le_bytes(*b"TILE");
 
 impl<'a> NodeCall<'a> {
     /// The attribute named `name`, if the node has it.
@@ -246,6 +262,11 @@ impl<'a> NodeCall<'a> {
                     v.iter().for_each(|s| w.str(s));
                 }
             }
+        }
+        if let Some(t) = self.tile {
+            w.u32(TILE_TAG);
+            w.u64(t.start);
+            w.u64(t.end);
         }
         w.0
     }
@@ -292,8 +313,20 @@ impl<'a> NodeCall<'a> {
             };
             attributes.push(Attribute { name, value });
         }
+        let tile = if r.remaining() > 0 {
+            if r.u32("tile tag")? != TILE_TAG {
+                return Err(WireError::Invalid("tile tag"));
+            }
+            let (start, end) = (r.u64("tile start")?, r.u64("tile end")?);
+            if start >= end {
+                return Err(WireError::Invalid("tile"));
+            }
+            Some(Tile { start, end })
+        } else {
+            None
+        };
         r.finish()?;
-        Ok(NodeCall { abi_version, domain, op_type, opset, node_name, inputs, outputs, attributes })
+        Ok(NodeCall { abi_version, domain, op_type, opset, node_name, inputs, outputs, attributes, tile })
     }
 }
 
@@ -953,6 +986,11 @@ impl<'a> Reader<'a> {
         let n = self.count(what, 8)?;
         (0..n).map(|_| self.i64(what)).collect()
     }
+    /// Bytes not read yet.
+    pub fn remaining(&self) -> usize {
+        self.buf.len() - self.pos
+    }
+
     pub fn finish(&self) -> Result<(), WireError> {
         match self.buf.len() - self.pos {
             0 => Ok(()),
@@ -1002,6 +1040,7 @@ mod tests {
                     value: AttrValue::Tensor(TensorValue { dtype: DType::F16, dims: vec![1], data: &[0, 60] }),
                 },
             ],
+            tile: None,
         }
     }
 
@@ -1013,6 +1052,26 @@ mod tests {
         assert_eq!(NodeCall::decode(&bytes).unwrap(), call);
     }
 
+    /// A tile rides after the attributes; a call cut inside it, or one with an empty or
+    /// mistagged tile, is refused.
+    #[test]
+    fn a_tile_round_trips_and_a_broken_one_is_refused() {
+        let v = 6i64.to_le_bytes();
+        let call = NodeCall { tile: Some(Tile { start: 3, end: 9 }), ..sample(&v) };
+        let bytes = call.encode();
+        assert_eq!(NodeCall::decode(&bytes).unwrap(), call);
+        let untiled = sample(&v).encode().len();
+        assert_eq!(bytes.len(), untiled + 20);
+        for cut in untiled + 1..bytes.len() {
+            assert!(NodeCall::decode(&bytes[..cut]).is_err(), "a tile cut at {cut} decoded");
+        }
+        let empty = NodeCall { tile: Some(Tile { start: 4, end: 4 }), ..sample(&v) }.encode();
+        assert_eq!(NodeCall::decode(&empty), Err(WireError::Invalid("tile")));
+        let mut mistagged = bytes.clone();
+        mistagged[untiled] ^= 1;
+        assert_eq!(NodeCall::decode(&mistagged), Err(WireError::Invalid("tile tag")));
+    }
+
     #[test]
     fn every_truncation_of_a_node_call_is_an_error() {
         let v = 6i64.to_le_bytes();
@@ -1021,6 +1080,10 @@ mod tests {
             assert!(NodeCall::decode(&bytes[..cut]).is_err(), "prefix of {cut} bytes decoded");
         }
         let mut long = bytes.clone();
+        long.push(0);
+        assert_eq!(NodeCall::decode(&long), Err(WireError::Truncated("tile tag")), "a byte that starts no tile");
+        let tiled = NodeCall { tile: Some(Tile { start: 0, end: 1 }), ..sample(&v) }.encode();
+        let mut long = tiled.clone();
         long.push(0);
         assert_eq!(NodeCall::decode(&long), Err(WireError::Trailing(1)));
     }
@@ -1060,6 +1123,7 @@ mod tests {
                 inputs: vec![t],
                 outputs: vec![],
                 attributes: vec![],
+                tile: None,
             }
             .encode()
         };

@@ -72,6 +72,8 @@ fn type_string(dtype: DType) -> String {
         DType::U64 => "uint64",
         DType::Bool => "bool",
         DType::String => "string",
+        // onnxruntime's names of the rest are ONNX's in lower case, as kiln's.
+        other => other.name(),
     };
     format!("tensor({t})")
 }

@@ -529,6 +529,14 @@ fn check(pkg: &Package, entry: &OpEntry, q: &NodeQuery<'_>) -> Result<(), String
             ));
         }
     }
+    let narrow = q.input_dtypes.iter().enumerate().find_map(|(i, d)| d.filter(|d| d.since_schema_11()).map(|d| (i, d)));
+    if let Some((i, dtype)) = narrow.filter(|_| pkg.manifest.schema < 11) {
+        // Its shim predates the dtype code: it could not even decode the call.
+        return Err(format!(
+            "input {i} is {dtype}, which packages see from manifest schema 11; this one follows schema {}",
+            pkg.manifest.schema
+        ));
+    }
     if let Some(rank) = q.max_rank {
         if rank > entry.max_rank {
             return Err(format!("rank {rank} is over its max_rank {}", entry.max_rank));
@@ -618,6 +626,25 @@ mod tests {
         assert_eq!(err, "user@1.0.0");
         let note = r.versions_note("lost", &[], "none");
         assert!(note.contains("lost@1.0.0 (lost@1.0.0 depends on std ^3"), "{note}");
+    }
+
+    /// A package before manifest schema 11 never sees a float8, 4-bit or 2-bit input, even on
+    /// an input its dtype list does not govern: its shim could not decode the call.
+    #[test]
+    fn narrow_dtypes_go_only_to_schema_11_packages() {
+        let mut r = OpRegistry::new();
+        r.add(package("old", "1.0.0", "\"float32\"", "7.0"), BUILTIN);
+        let mut q = query(DType::F32, 13, 1);
+        q.input_dtypes.push(Some(DType::I4));
+        let err = r.resolve(&q).map(|res| res.package.id()).unwrap_err().to_string();
+        assert!(
+            err.contains("input 1 is int4, which packages see from manifest schema 11; this one follows schema 1"),
+            "{err}"
+        );
+        let mut new = package("new", "1.0.0", "\"float32\"", "7.0");
+        new.manifest.schema = 11;
+        r.add(new, BUILTIN);
+        assert_eq!(r.resolve(&q).unwrap().package.id(), "new@1.0.0");
     }
 
     fn query(dtype: DType, opset: i64, rank: usize) -> NodeQuery<'static> {

@@ -193,6 +193,7 @@ fn plan_for(pkg: &Package, op: &str, n_in: usize, dtype: DType, shape: &[usize])
         attributes: vec![],
         inputs: (0..n_in).map(|_| t()).collect(),
         outputs: vec![t()],
+        tile: None,
     };
     Ok(inst.call(CallKind::Dispatch, args)?.plan)
 }

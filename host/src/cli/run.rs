@@ -249,7 +249,7 @@ fn sanitize(name: &str) -> String {
 /// The first few elements.
 fn preview(t: &Tensor) -> String {
     let n = t.numel().min(8);
-    let shown: Vec<String> = if t.dtype.is_float() {
+    let shown: Vec<String> = if t.dtype.is_float() || t.dtype.is_minifloat() {
         conformance::to_f64_prefix(t, n).iter().map(|x| format!("{x:.6}")).collect()
     } else {
         (0..n).map(|i| conformance::int_value(t, i).to_string()).collect()

@@ -10,6 +10,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use kiln_kernel_abi::manifest::{OpEntry, ValueDomain};
+use kiln_kernel_abi::minifloat::{self, E8m0Rounding};
 use kiln_kernel_abi::DType;
 use kiln_registry::ops::normalize_domain;
 use kiln_registry::Package;
@@ -231,6 +232,7 @@ pub(super) fn random_tensor(rng: &mut StdRng, dtype: DType, shape: &[usize], r: 
     let n: usize = shape.iter().product();
     let unsigned = matches!(dtype, DType::U8 | DType::U16 | DType::U32 | DType::U64);
     let mut b = Vec::with_capacity(n * dtype.size().unwrap_or(1));
+    let mut fields = Vec::new(); // float8, float4, 4-bit and 2-bit elements, packed below
     for _ in 0..n {
         let x: f64 = rng.random_range(-2.0..=2.0);
         let i: i64 = match r {
@@ -259,9 +261,23 @@ pub(super) fn random_tensor(rng: &mut StdRng, dtype: DType, shape: &[usize], r: 
             DType::I32 | DType::U32 => b.extend((i as i32).to_le_bytes()),
             DType::I64 | DType::U64 => b.extend(i.to_le_bytes()),
             DType::String => return Err(Error::Unsupported("random string tensors".into())),
+            DType::F8E8M0 => fields.push(minifloat::e8m0_from_f32(x.abs() as f32, true, E8m0Rounding::Up)),
+            d if d.is_minifloat() => fields.push(minifloat::from_f64(d, x, true)),
+            d => fields.push(minifloat::narrow_int_field(d, if unsigned_narrow(d) { i.abs() } else { i })),
+        }
+    }
+    if !fields.is_empty() {
+        b = vec![0; dtype.storage_bytes(n as u64).unwrap_or(0) as usize];
+        for (i, f) in fields.into_iter().enumerate() {
+            minifloat::packed_set(dtype, &mut b, i, f);
         }
     }
     Tensor::new(dtype, shape.to_vec(), b.into())
+}
+
+/// Whether `d` is `uint4` or `uint2`.
+fn unsigned_narrow(d: DType) -> bool {
+    matches!(d, DType::U4 | DType::U2)
 }
 
 /// (rtol, atol) per dtype; integers and bools exactly.
@@ -271,6 +287,8 @@ pub(super) fn tolerance(d: DType) -> (f64, f64) {
         DType::F16 => (1e-2, 1e-3),
         DType::BF16 => (5e-2, 1e-2),
         DType::F64 => (1e-9, 1e-12),
+        // float8 and float4 codes convert exactly on both devices.
+        d if d.is_minifloat() => (1e-9, 1e-12),
         _ => (0.0, 0.0),
     }
 }
@@ -280,7 +298,7 @@ pub(super) fn max_rel_error(a: &Tensor, e: &Tensor) -> std::result::Result<f64, 
     if (a.dtype, &a.shape) != (e.dtype, &e.shape) {
         return Err(format!("{} {:?} != reference {} {:?}", a.dtype, a.shape, e.dtype, e.shape));
     }
-    if !e.dtype.is_float() {
+    if !e.dtype.is_float() && !e.dtype.is_minifloat() {
         let rel = |i| (int_value(a, i) - int_value(e, i)).abs() as f64 / (int_value(e, i).abs().max(1) as f64);
         return Ok((0..e.numel()).map(rel).fold(0.0, f64::max));
     }

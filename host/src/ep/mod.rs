@@ -15,6 +15,7 @@ mod prepare;
 mod sequence;
 mod session;
 mod shims;
+mod tiles;
 mod value;
 
 use std::collections::HashMap;
@@ -32,6 +33,7 @@ pub use control::CONTROL_FLOW;
 pub use pages::{KvPages, PageGeometry, PAGE_POSITIONS};
 pub use sequence::is_sequence_op as runs_on_executor;
 pub use session::{CudnnMode, Session, SessionOptions, MAX_LOOP_ITERATIONS, VMM_CHUNK_BYTES};
+pub use tiles::CpuSplit;
 
 /// The device a session runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -70,6 +70,9 @@ pub struct SessionOptions {
     /// run (Loop's trip count and condition come from the model's values): past it the run
     /// fails. Default [`MAX_LOOP_ITERATIONS`].
     pub max_loop_iterations: u64,
+    /// How a node's CPU work is split over the CPU pool's threads where its package allows it
+    /// (manifest `cpu_tiles`, ABI.md §6.1.2).
+    pub cpu_split: super::CpuSplit,
 }
 
 /// Whether a GPU session's convolutions go through cuDNN (`--cudnn`).
@@ -125,6 +128,7 @@ impl Default for SessionOptions {
             cudnn: CudnnMode::Auto,
             vmm_chunk_bytes: VMM_CHUNK_BYTES,
             max_loop_iterations: MAX_LOOP_ITERATIONS,
+            cpu_split: super::CpuSplit::default(),
         }
     }
 }
@@ -327,6 +331,7 @@ impl Session {
         let live = Arc::new(LiveSet { nodes: vec![true; g.nodes.len()], values: vec![true; g.values.len()] });
         let shape_only = vec![None; g.nodes.len()];
         let mut shims = Shims::new(rt, launch_limits, conv);
+        shims.split = options.cpu_split;
         let mut types = NodeTypes::new(caps, max_tensor_bytes);
         let started = std::time::Instant::now();
         let folded = super::prepare::prepare(&mut model, &mut types, &mut shims, &mut report)?;

@@ -6,12 +6,14 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use kiln_kernel_abi::plan::{LaunchLimits, PlanStep};
+use kiln_kernel_abi::wire::Tile;
 use kiln_registry::{Package, Resolution};
 
 use super::infer::OutputTypes;
+use super::tiles::{self, CpuSplit};
 use super::Runtime;
 use crate::model::Model;
-use crate::sandbox::{Access, ArgTensor, CallArgs, CallKind, CallOutcome, ConvService, ShimInstance};
+use crate::sandbox::{on_pool, Access, ArgTensor, CallArgs, CallKind, CallOutcome, ConvService, ShimInstance};
 use crate::trace::Report;
 use crate::{cpu, Error, Result, Tensor};
 
@@ -30,6 +32,7 @@ pub(super) fn node_call<'a>(
         attributes: node.wire_attributes(),
         inputs,
         outputs,
+        tile: None,
     }
 }
 
@@ -61,6 +64,10 @@ pub(super) fn opset_of(model: &Model, node: usize) -> Result<i64> {
 pub(super) struct Shims {
     pub rt: Arc<Runtime>,
     instances: HashMap<String, ShimInstance>,
+    /// More instances per package, for the tiles of a split CPU node (see [`super::tiles`]).
+    spares: HashMap<String, Vec<ShimInstance>>,
+    /// How CPU nodes are split into tiles.
+    pub split: CpuSplit,
     /// The device's launch limits, which every `launch` of a dispatch is checked against
     /// (`None`: the sandbox's defaults, on the CPU).
     launch_limits: Option<LaunchLimits>,
@@ -70,7 +77,18 @@ pub(super) struct Shims {
 
 impl Shims {
     pub fn new(rt: Arc<Runtime>, launch_limits: Option<LaunchLimits>, conv: ConvService) -> Shims {
-        Shims { rt, instances: HashMap::new(), launch_limits, conv }
+        Shims { rt, instances: HashMap::new(), spares: HashMap::new(), split: CpuSplit::default(), launch_limits, conv }
+    }
+
+    /// A new instance of `pkg`'s shim with the session's launch limits and `conv` service.
+    fn instantiate(&self, pkg: &Package, report: &mut Report) -> Result<ShimInstance> {
+        let mut inst = self.rt.module(pkg)?.instantiate()?;
+        if let Some(limits) = self.launch_limits {
+            inst.set_launch_limits(limits);
+        }
+        inst.set_conv_service(self.conv.clone());
+        report.instances += 1;
+        Ok(inst)
     }
 
     /// Calls a shim export, instantiating the package's shim on first use and discarding
@@ -84,12 +102,7 @@ impl Shims {
     ) -> Result<CallOutcome> {
         let id = pkg.id();
         if !self.instances.contains_key(&id) {
-            let mut inst = self.rt.module(pkg)?.instantiate()?;
-            if let Some(limits) = self.launch_limits {
-                inst.set_launch_limits(limits);
-            }
-            inst.set_conv_service(self.conv.clone());
-            report.instances += 1;
+            let inst = self.instantiate(pkg, report)?;
             self.instances.insert(id.clone(), inst);
         }
         match kind {
@@ -133,10 +146,16 @@ impl Shims {
                 .map(|(i, t)| t.as_ref().map(|t| tensor_arg(t, value_inputs.contains(&i), access(t))))
                 .collect()
         };
-        let args = node_call(node, opset, args_in(true), cpu::output_args(out_types));
         let n_in = inputs.iter().flatten().count();
-        let outcome = self.call(&res.package, CallKind::Cpu, args, report)?;
-        let outputs = cpu::collect_outputs(outcome, n_in, out_types)?;
+        let tiles = res.entry.cpu_tiles.and_then(|kind| tiles::plan(kind, out_types, self.split));
+        let outputs = match tiles {
+            Some(tiles) => self.run_tiles(&res.package, node, opset, &tiles, args_in(true), out_types, report)?,
+            None => {
+                let args = node_call(node, opset, args_in(true), cpu::output_args(out_types));
+                let outcome = self.call(&res.package, CallKind::Cpu, args, report)?;
+                cpu::collect_outputs(outcome, n_in, out_types)?
+            }
+        };
         if check_dispatch {
             let outs = outputs.iter().map(|t| t.as_ref().map(|t| tensor_arg(t, false, Access::Opaque))).collect();
             let args = node_call(node, opset, args_in(false), outs);
@@ -149,5 +168,98 @@ impl Shims {
             }
         }
         Ok(outputs)
+    }
+
+    /// Runs `node` on the CPU as `tiles` (ABI.md §6.1.2), each a `kiln_cpu` call on its own
+    /// instance of the package's shim, at once on the CPU pool; the outputs are the tiles'
+    /// windows joined in order. A failed tile fails the node (its instance is discarded).
+    #[allow(clippy::too_many_arguments)]
+    fn run_tiles(
+        &mut self,
+        pkg: &Package,
+        node: &crate::model::Node,
+        opset: i64,
+        tiles: &[Tile],
+        inputs: Vec<Option<ArgTensor<'_>>>,
+        out_types: &OutputTypes,
+        report: &mut Report,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let id = pkg.id();
+        let mut insts = Vec::with_capacity(tiles.len());
+        insts.extend(self.instances.remove(&id));
+        while insts.len() < tiles.len() {
+            match self.spares.get_mut(&id).and_then(Vec::pop) {
+                Some(i) => insts.push(i),
+                None => insts.push(self.instantiate(pkg, report)?),
+            }
+        }
+        let units = tiles::units(tiles);
+        let calls: Vec<CallArgs<'_>> = tiles
+            .iter()
+            .map(|t| {
+                let outputs = out_types
+                    .iter()
+                    .map(|o| {
+                        o.as_ref().map(|(dtype, shape)| {
+                            let nbytes = crate::tensor::byte_size(*dtype, shape).unwrap_or(0);
+                            ArgTensor {
+                                dtype: Some(*dtype),
+                                dims: Some(shape.iter().map(|&d| d as i64).collect()),
+                                value: None,
+                                nbytes,
+                                access: tiles::window(nbytes, units, *t),
+                                paged: None,
+                            }
+                        })
+                    })
+                    .collect();
+                CallArgs { tile: Some(*t), ..node_call(node, opset, inputs.to_vec(), outputs) }
+            })
+            .collect();
+        report.wasm_calls.cpu += tiles.len() as u64;
+        report.wasm_calls.cpu_tiles += tiles.len() as u64;
+        let results: Vec<std::result::Result<CallOutcome, crate::sandbox::ShimFailure>> = on_pool(|| {
+            use rayon::prelude::*;
+            insts.par_iter_mut().zip(calls).map(|(inst, args)| inst.call(CallKind::Cpu, args)).collect()
+        });
+        let mut outcomes = Vec::with_capacity(tiles.len());
+        let mut failure = None;
+        for (inst, r) in insts.into_iter().zip(results) {
+            match r {
+                Ok(o) => {
+                    match self.instances.contains_key(&id) {
+                        true => self.spares.entry(id.clone()).or_default().push(inst),
+                        false => drop(self.instances.insert(id.clone(), inst)),
+                    }
+                    outcomes.push(o);
+                }
+                Err(f) => failure = failure.or(Some(f)),
+            }
+        }
+        if let Some(f) = failure {
+            return Err(f.into());
+        }
+        let n_in = inputs.iter().flatten().count();
+        let mut joined: Vec<Option<Vec<u8>>> = out_types
+            .iter()
+            .map(|o| o.as_ref().map(|(d, s)| Vec::with_capacity(crate::tensor::byte_size(*d, s).unwrap_or(0) as usize)))
+            .collect();
+        for o in outcomes {
+            let mut slots = o.slots.into_iter().skip(n_in);
+            for out in joined.iter_mut().flatten() {
+                match slots.next().map(|s| s.access) {
+                    Some(Access::Window { bytes, .. }) => out.extend_from_slice(&bytes),
+                    _ => return Err(Error::Device("a CPU tile's output window went missing".into())),
+                }
+            }
+        }
+        joined
+            .into_iter()
+            .zip(out_types)
+            .map(|(bytes, t)| match (bytes, t) {
+                (Some(b), Some((dtype, shape))) => Tensor::new(*dtype, shape.clone(), b.into()).map(Some),
+                _ => Ok(None),
+            })
+            .collect()
     }
 }

@@ -17,7 +17,7 @@ use super::{ExternalData, MAX_TENSOR_BYTES};
 /// resolved by `ext`). `what` names the tensor in errors: `initializer "W"`,
 /// `node "c": attribute "value"`, `tensor "x"`.
 ///
-/// Errors: [`Error::Unsupported`] for a data type kiln does not run (strings, 4-bit types);
+/// Errors: [`Error::Unsupported`] for a data type kiln does not run (strings, complex);
 /// [`Error::Model`] for a negative dimension, a shape whose size overflows or is over
 /// [`MAX_TENSOR_BYTES`], data whose size differs from the shape's, and bad external data
 /// (see [`ExternalData::slice`]); [`Error::Io`] for an external file that cannot be read.
@@ -72,7 +72,8 @@ fn typed_field(t: &TensorProto, dtype: DType) -> (&'static str, usize) {
         DType::F64 => ("double_data", t.double_data.len()),
         DType::I64 => ("int64_data", t.int64_data.len()),
         DType::U32 | DType::U64 => ("uint64_data", t.uint64_data.len()),
-        // int32_data carries every narrower type; f16/bf16 as their 16-bit patterns.
+        // int32_data carries every narrower type; f16/bf16 as their 16-bit patterns, the float8
+        // types as their 8-bit codes, the packed types a byte per entry.
         _ => ("int32_data", t.int32_data.len()),
     }
 }
@@ -82,6 +83,16 @@ fn typed_field(t: &TensorProto, dtype: DType) -> (&'static str, usize) {
 fn typed_data(t: &TensorProto, what: &str, dtype: DType, shape: &[usize]) -> Result<Bytes, Error> {
     let numel: usize = shape.iter().product();
     let (field, count) = typed_field(t, dtype);
+    if dtype.is_packed() {
+        // onnx.proto: 4-bit and 2-bit elements come packed, one byte of them per int32_data entry.
+        let bytes = dtype.storage_bytes(numel as u64).unwrap_or(0) as usize;
+        if count != bytes {
+            return Err(Error::Model(format!(
+                "{what}: {dtype} {shape:?}: {bytes} packed bytes expected, {field} holds {count} (no raw_data)"
+            )));
+        }
+        return Ok(Bytes::from(t.int32_data.iter().map(|v| *v as u8).collect::<Vec<u8>>()));
+    }
     if count != numel {
         return Err(Error::Model(format!(
             "{what}: {dtype} {shape:?}: {numel} elements expected, {field} holds {count} (no raw_data)"
@@ -126,6 +137,26 @@ mod tests {
         };
         let bytes = m.write_to_bytes().unwrap();
         (bytes.len(), crate::model::load_bytes(&bytes, None).unwrap_err())
+    }
+
+    /// Without raw_data, float8 elements come one per int32_data entry and 4-bit ones packed, a
+    /// byte of them per entry (onnx.proto); a count that does not match is an error.
+    #[test]
+    fn float8_and_packed_int4_read_from_int32_data() {
+        let ext = ExternalData::default();
+        let t = |data_type, dims: Vec<i64>, vals: Vec<i32>| TensorProto {
+            name: "x".into(),
+            data_type,
+            dims,
+            int32_data: vals,
+            ..Default::default()
+        };
+        let f8 = tensor_from_proto(&t(17, vec![3], vec![0x38, 0x7E, 0xFF]), "x", &ext).unwrap();
+        assert_eq!((f8.dtype, f8.data.to_vec()), (DType::F8E4M3FN, vec![0x38, 0x7E, 0xFF]));
+        let i4 = tensor_from_proto(&t(22, vec![3], vec![0x78, 0x0F]), "x", &ext).unwrap();
+        assert_eq!((i4.dtype, i4.data.to_vec()), (DType::I4, vec![0x78, 0x0F]));
+        let err = tensor_from_proto(&t(22, vec![5], vec![0x78, 0x0F]), "x", &ext).unwrap_err().to_string();
+        assert!(err.contains("int4 [5]: 3 packed bytes expected, int32_data holds 2"), "{err}");
     }
 
     #[test]

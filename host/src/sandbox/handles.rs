@@ -8,12 +8,15 @@ use bytes::Bytes;
 use kiln_kernel_abi::DType;
 
 /// How the shim may reach a tensor's bytes.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub enum Access {
     /// Host bytes the shim may read (CPU inputs).
     Read(Bytes),
     /// Host bytes the shim may read and write (CPU outputs and scratch).
     Write(Vec<u8>),
+    /// A tile's share of a CPU output (ABI.md §6.1.2): `bytes` are the tensor's bytes from
+    /// `start`; reads and writes elsewhere in the tensor are refused.
+    Window { start: u64, bytes: Vec<u8> },
     /// Bytes the shim cannot reach (device memory during dispatch; anything during inference).
     Opaque,
 }

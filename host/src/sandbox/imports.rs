@@ -106,8 +106,26 @@ fn slot_range<'s>(
             format!("{import}: bytes {offset}..+{len} are outside handle {handle:#x} of {nbytes} bytes"),
         ));
     };
+    let (start, end) = (offset as u64, end);
+    // A tile's output holds only the tile's share of the tensor (ABI.md §6.1.2).
+    let window = match st.table.get(handle) {
+        Ok(Slot { access: Access::Window { start, bytes }, .. }) => Some((*start, *start + bytes.len() as u64)),
+        _ => None,
+    };
+    let shift = match window {
+        Some((lo, hi)) if start < lo || end > hi => {
+            return Err(st.refuse(
+                E_BOUNDS,
+                format!(
+                    "{import}: bytes {start}..{end} of handle {handle:#x} are outside this tile's share {lo}..{hi}"
+                ),
+            ));
+        }
+        Some((lo, _)) => lo,
+        None => 0,
+    };
     let slot = st.table.get_mut(handle).map_err(|_| E_HANDLE)?;
-    Ok((slot, offset as usize..end as usize))
+    Ok((slot, (start - shift) as usize..(end - shift) as usize))
 }
 
 pub(super) fn linker(engine: &Engine) -> Linker<CallState> {
@@ -191,7 +209,7 @@ pub(super) fn linker(engine: &Engine) -> Linker<CallState> {
         };
         match &slot.access {
             Access::Read(b) => mem[g].copy_from_slice(&b[r]),
-            Access::Write(v) => mem[g].copy_from_slice(&v[r]),
+            Access::Write(v) | Access::Window { bytes: v, .. } => mem[g].copy_from_slice(&v[r]),
             Access::Opaque => return st.refuse(E_CALL, format!("read: handle {handle:#x} has no host bytes")),
         }
         0
@@ -211,7 +229,7 @@ pub(super) fn linker(engine: &Engine) -> Linker<CallState> {
             Err(code) => return code,
         };
         match &mut slot.access {
-            Access::Write(v) => v[r].copy_from_slice(&mem[g]),
+            Access::Write(v) | Access::Window { bytes: v, .. } => v[r].copy_from_slice(&mem[g]),
             _ => return st.refuse(E_READONLY, format!("write: handle {handle:#x} is an input (read-only)")),
         }
         0

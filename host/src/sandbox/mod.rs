@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use crate::native_cache;
 
-pub use cpu_pool::{cpu_threads, on_pool_hot};
+pub use cpu_pool::{cpu_threads, on_pool, on_pool_hot};
 
 pub use handles::{Access, HandleTable, Slot};
 pub use kiln_kernel_abi::manifest::ParamKind;

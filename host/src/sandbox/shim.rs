@@ -32,8 +32,8 @@ impl CallKind {
     }
 }
 
-/// One tensor given to a call.
-#[derive(Debug)]
+/// One tensor given to a call (cloning shares a CPU input's bytes).
+#[derive(Clone, Debug)]
 pub struct ArgTensor<'a> {
     pub dtype: Option<DType>,
     pub dims: Option<Vec<i64>>,
@@ -59,6 +59,9 @@ pub struct CallArgs<'a> {
     pub inputs: Vec<Option<ArgTensor<'a>>>,
     /// `None` for an output the node leaves out.
     pub outputs: Vec<Option<ArgTensor<'a>>>,
+    /// A CPU call of one tile of the outputs (ABI.md §6.1.2): each output is then an
+    /// [`Access::Window`] of the tile's share.
+    pub tile: Option<kiln_kernel_abi::wire::Tile>,
 }
 
 /// What a successful call produced.
@@ -446,6 +449,7 @@ impl ShimInstance {
             inputs: descs_in,
             outputs: descs_out,
             attributes: args.attributes,
+            tile: args.tile,
         };
         let blob = call.encode();
         debug_assert!(call.inputs.iter().chain(&call.outputs).all(|d| d.present || d.handle == NO_HANDLE));

@@ -5,7 +5,7 @@ use alloc::vec::Vec;
 use half::{bf16, f16};
 
 use super::{format, Result, ShimError};
-use crate::DType;
+use crate::{minifloat, DType};
 
 /// ONNX `bool`: one byte, 0 or 1.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
@@ -167,7 +167,8 @@ impl Element for Bool {
 }
 
 /// Runs `$body` with `$T` bound to the Rust type of `$dtype` (a [`DType`] value); evaluates
-/// to `$body`'s value, or to `Err(Unsupported)` for `string`.
+/// to `$body`'s value, or to `Err(Unsupported)` for `string` and the float8, 4-bit and 2-bit
+/// types, which have no Rust element type ([`decode_as`] and [`encode_as`] convert them).
 #[macro_export]
 macro_rules! with_dtype {
     ($dtype:expr, $T:ident => $body:expr) => {{
@@ -228,6 +229,9 @@ macro_rules! with_dtype {
             __D::String => {
                 Err($crate::guest::ShimError::Unsupported($crate::guest::format!("string tensors are not supported")))
             }
+            other => Err($crate::guest::ShimError::Unsupported($crate::guest::format!(
+                "{other} elements have no Rust element type here"
+            ))),
         }
     }};
 }
@@ -259,20 +263,52 @@ pub fn convert<S: Element, T: Element>(v: S) -> T {
     }
 }
 
-/// Decodes bytes of `dtype` elements into `T` values.
+/// Decodes bytes of `dtype` elements into `T` values. A packed dtype gives every element the
+/// bytes hold, the last byte's padding included: [`super::Tensor::read_vec`] keeps `numel`.
+/// float8 and float4 values convert through their exact f32 value, 4-bit and 2-bit integers
+/// through i64 (see [`crate::minifloat`]).
 #[inline]
 pub fn decode_as<T: Element>(dtype: DType, bytes: &[u8]) -> Result<Vec<T>> {
     if dtype == T::DTYPE {
         return Ok(decode::<T>(bytes));
     }
+    if dtype.is_minifloat() || dtype.is_narrow_int() {
+        let n = bytes.len() * 8 / dtype.bits().unwrap_or(8) as usize;
+        return Ok((0..n).map(|i| narrow_value(dtype, minifloat::packed_get(dtype, bytes, i))).collect());
+    }
     with_dtype!(dtype, S => Ok(decode::<S>(bytes).into_iter().map(convert::<S, T>).collect()))
 }
 
-/// Encodes `T` values as bytes of `dtype` elements.
+/// One float8, float4, 4-bit or 2-bit element (its bits right-aligned) as `T`.
+#[inline]
+fn narrow_value<T: Element>(dtype: DType, field: u8) -> T {
+    if dtype.is_minifloat() {
+        T::from_f64(minifloat::to_f32(dtype, field) as f64)
+    } else {
+        let v = minifloat::narrow_int_value(dtype, field);
+        if T::DTYPE.is_float() {
+            T::from_f64(v as f64)
+        } else {
+            T::from_i64(v)
+        }
+    }
+}
+
+/// Encodes `T` values as bytes of `dtype` elements. To a float8 or float4 type: rounded to
+/// nearest even and saturated (Cast's default; `float8e8m0` rounds up); to a 4-bit or 2-bit
+/// integer: the low bits of the value converted to i64 (a float truncated toward zero).
 #[inline]
 pub fn encode_as<T: Element>(dtype: DType, values: &[T]) -> Result<Vec<u8>> {
     if dtype == T::DTYPE {
         return Ok(encode(values));
+    }
+    if dtype.is_minifloat() || dtype.is_narrow_int() {
+        let code = |v: &T| match dtype {
+            DType::F8E8M0 => minifloat::e8m0_from_f32(v.to_f64() as f32, true, minifloat::E8m0Rounding::Up),
+            d if d.is_minifloat() => minifloat::from_f64(d, v.to_f64(), true),
+            d => minifloat::narrow_int_field(d, v.to_i64()),
+        };
+        return Ok(minifloat::pack(dtype, values.iter().map(code)));
     }
     with_dtype!(dtype, D => Ok(encode::<D>(&values.iter().map(|v| convert::<T, D>(*v)).collect::<Vec<D>>())))
 }

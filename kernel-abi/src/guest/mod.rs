@@ -143,6 +143,23 @@ impl<'a> Call<'a> {
         self.node.outputs.len()
     }
 
+    /// The units (elements or rows of output 0, as the op entry's `cpu_tiles` says) this CPU
+    /// call computes: `0..units` for a whole-node call, else its tile's `start..end` (ABI.md
+    /// §6.1.2). `units` is the node's count, which the shim knows from the shapes. Errors: a
+    /// tile past `units` (a host that counts otherwise).
+    pub fn tile_units(&self, units: usize) -> Result<core::ops::Range<usize>> {
+        match self.node.tile {
+            None => Ok(0..units),
+            Some(t) if t.end <= units as u64 => Ok(t.start as usize..t.end as usize),
+            Some(t) => Err(ShimError::Failed(format!(
+                "{}: tile {}..{} is past the node's {units} units",
+                self.op_type(),
+                t.start,
+                t.end
+            ))),
+        }
+    }
+
     /// Input `i`, which must be present.
     pub fn input(&self, i: usize) -> Result<Tensor<'_, 'a>> {
         self.input_opt(i).ok_or_else(|| ShimError::Failed(format!("{}: input {i} is required", self.op_type())))
@@ -260,11 +277,25 @@ impl<'c, 'a> Tensor<'c, 'a> {
         Ok(self.shape()?.iter().product())
     }
 
-    /// Size in bytes.
+    /// Size in bytes: `numel × size`, or for packed dtypes (int4, float4e2m1, int2, …) the
+    /// bytes their packing takes ([`DType::storage_bytes`]).
     pub fn nbytes(&self) -> Result<usize> {
-        let size =
-            self.dtype()?.size().ok_or_else(|| ShimError::Unsupported(format!("{}: string tensors", self.what())))?;
-        Ok(self.numel()? * size)
+        let dtype = self.dtype()?;
+        let n = dtype
+            .storage_bytes(self.numel()? as u64)
+            .ok_or_else(|| ShimError::Unsupported(format!("{}: {dtype} tensors", self.what())))?;
+        usize::try_from(n)
+            .map_err(|_| ShimError::Failed(format!("{} is larger than the shim can address", self.what())))
+    }
+
+    /// `bytes` of this tensor's dtype decoded as `T`, `numel` of them (a packed dtype's last
+    /// byte may hold padding).
+    fn decode<T: Element>(&self, bytes: &[u8]) -> Result<Vec<T>> {
+        let mut v = element::decode_as::<T>(self.dtype()?, bytes)?;
+        if self.dtype()?.is_packed() {
+            v.truncate(self.numel()?);
+        }
+        Ok(v)
     }
 
     pub fn handle(&self) -> u32 {
@@ -285,14 +316,14 @@ impl<'c, 'a> Tensor<'c, 'a> {
     /// The input's elements as i64 (from int32/int64/other integer types); from the inline
     /// value when given, otherwise read through the host. For shape-like inputs.
     pub fn read_i64s(&self) -> Result<Vec<i64>> {
-        element::decode_as::<i64>(self.dtype()?, &self.value_bytes()?)
+        self.decode::<i64>(&self.value_bytes()?)
     }
 
     /// A floating-point value input's elements as f32 (inline, or read through the host).
     /// Errors: an integer tensor.
     pub fn value_f32s(&self) -> Result<Vec<f32>> {
         match self.dtype()? {
-            d if d.is_float() => element::decode_as::<f32>(d, &self.value_bytes()?),
+            d if d.is_float() => self.decode::<f32>(&self.value_bytes()?),
             d => Err(ShimError::Failed(format!("a {d} tensor where floats are expected"))),
         }
     }
@@ -317,7 +348,7 @@ impl<'c, 'a> Tensor<'c, 'a> {
 
     /// Reads the tensor converted to `T` (any numeric dtype; bool as 0/1).
     pub fn read_vec<T: Element>(&self) -> Result<Vec<T>> {
-        element::decode_as::<T>(self.dtype()?, &self.read_bytes()?)
+        self.decode::<T>(&self.read_bytes()?)
     }
 
     /// Reads the first `count` elements converted to `T` (all of them when the tensor has
@@ -360,5 +391,14 @@ impl<'c, 'a> Tensor<'c, 'a> {
     /// Writes `values` converted to this tensor's dtype.
     pub fn write_vec<T: Element>(&self, values: &[T]) -> Result<()> {
         self.write_bytes(&element::encode_as(self.dtype()?, values)?)
+    }
+
+    /// Writes `values` converted to this tensor's dtype from element `start` on (a tile's
+    /// share, ABI.md §6.1.2). Errors: a packed dtype (whose elements share bytes).
+    pub fn write_vec_at<T: Element>(&self, start: usize, values: &[T]) -> Result<()> {
+        let dtype = self.dtype()?;
+        let size =
+            dtype.size().ok_or_else(|| ShimError::Unsupported(format!("writing {dtype} elements at an offset")))?;
+        self.write_bytes_at((start * size) as u64, &element::encode_as(dtype, values)?)
     }
 }

@@ -7,12 +7,15 @@
 // - integer → float rounds to nearest even once; integer → integer wraps;
 // - anything → bool is `x != 0` (NaN → true); bool (any nonzero byte) → number is 0 or 1.
 //
-// Entry point: the template kiln_cast<Tag>(const Tag::storage* x, void* y, u64 n, u32 to), Tag
+// Entry points: the template kiln_cast<Tag>(const Tag::storage* x, void* y, u64 n, u32 to), Tag
 // the prelude's tag of x's dtype (kiln_tag_f32 … kiln_tag_bool) and `to` the ONNX dtype code of
 // y. kernel.toml lists the instantiations (name expressions, manifest schema 6), which NVRTC
-// lowers; the shim names them with DType::cuda_tag.
+// lowers; the shim names them with DType::cuda_tag. And kiln_cast_narrow(x, y, n, from, to,
+// flags) for a cast from or to a float8, float4, 4-bit or 2-bit type (dtype codes 17-26), both
+// dtypes by code: flags bit 0 is `saturate`, bits 1-2 `round_mode` (0 up, 1 down, 2 nearest).
 #include "kiln.cuh"
 #include "kiln-cuda-std/round.cuh"
+#include "kiln-cuda-std/minifloat.cuh"
 
 enum DTypeCode { DT_F32 = 1, DT_U8 = 2, DT_I8 = 3, DT_U16 = 4, DT_I16 = 5, DT_I32 = 6, DT_I64 = 7, DT_BOOL = 9,
                  DT_F16 = 10, DT_F64 = 11, DT_U32 = 12, DT_U64 = 13, DT_BF16 = 16 };
@@ -167,4 +170,100 @@ __device__ __forceinline__ void cast_from(const typename From::S* x, void* y, ki
 template <typename Tag>
 __global__ void kiln_cast(const typename Tag::storage* x, void* y, kiln_u64 n, unsigned to) {
     cast_from<Elem<Tag>>(x, y, n, to);
+}
+
+
+// One element of any dtype, as the conversions above take it: `kind` FLOAT with its exact value
+// in f, or SIGNED/UNSIGNED/BOOL with its 64-bit pattern in u (sign-extended when signed).
+struct AnyVal { int kind; double f; kiln_u64 u; };
+
+__device__ __forceinline__ AnyVal load_any(const unsigned char* x, unsigned from, kiln_u64 i) {
+    AnyVal v = {FLOAT, 0.0, 0};
+    switch (from) {
+    case DT_F32: v.f = ((const float*)x)[i]; break;
+    case DT_F64: v.f = ((const double*)x)[i]; break;
+    case DT_F16: v.f = kiln_f16_to_f32(((const TF16::S*)x)[i]); break;
+    case DT_BF16: v.f = kiln_bf16_to_f32(((const TBF16::S*)x)[i]); break;
+    case KILN_DT_F8E4M3FN: case KILN_DT_F8E4M3FNUZ: case KILN_DT_F8E5M2: case KILN_DT_F8E5M2FNUZ:
+    case KILN_DT_F8E8M0: v.f = kiln_minifloat_to_f32(from, x[i]); break;
+    case KILN_DT_F4E2M1: v.f = kiln_minifloat_to_f32(from, kiln_packed_get(x, 4, i)); break;
+    case KILN_DT_I4: case KILN_DT_U4: case KILN_DT_I2: case KILN_DT_U2:
+        v.kind = (from == KILN_DT_I4 || from == KILN_DT_I2) ? SIGNED : UNSIGNED;
+        v.u = (kiln_u64)kiln_narrow_int_value(from, kiln_packed_get(x, kiln_dtype_bits(from), i));
+        break;
+    case DT_I8: v.kind = SIGNED; v.u = (kiln_u64)(long long)((const TI8::S*)x)[i]; break;
+    case DT_I16: v.kind = SIGNED; v.u = (kiln_u64)(long long)((const TI16::S*)x)[i]; break;
+    case DT_I32: v.kind = SIGNED; v.u = (kiln_u64)(long long)((const TI32::S*)x)[i]; break;
+    case DT_I64: v.kind = SIGNED; v.u = (kiln_u64)((const TI64::S*)x)[i]; break;
+    case DT_U8: v.kind = UNSIGNED; v.u = ((const TU8::S*)x)[i]; break;
+    case DT_U16: v.kind = UNSIGNED; v.u = ((const TU16::S*)x)[i]; break;
+    case DT_U32: v.kind = UNSIGNED; v.u = ((const TU32::S*)x)[i]; break;
+    case DT_U64: v.kind = UNSIGNED; v.u = ((const TU64::S*)x)[i]; break;
+    default: v.kind = UNSIGNED; v.u = x[i] != 0 ? 1 : 0; break;  // bool
+    }
+    return v;
+}
+
+// v as a To element, by the rules of convert<> for a float64, int64 or uint64 source (which
+// give a bool's 0/1 the same results as a bool source).
+template <typename To>
+__device__ __forceinline__ typename To::S from_any(AnyVal v) {
+    if (v.kind == FLOAT) return convert<TF64, To>(v.f);
+    if (v.kind == SIGNED) return convert<TI64, To>((long long)v.u);
+    return convert<TU64, To>(v.u);
+}
+
+// v as a code of a float8, float4, 4-bit or 2-bit type.
+__device__ __forceinline__ unsigned narrow_code(AnyVal v, unsigned to, unsigned flags) {
+    const double f = v.kind == FLOAT ? v.f : v.kind == SIGNED ? (double)(long long)v.u : (double)v.u;
+    switch (to) {
+    case KILN_DT_F8E8M0: return kiln_e8m0_from_f32((float)f, flags & 1, (flags >> 1) & 3);
+    case KILN_DT_I4: case KILN_DT_U4: case KILN_DT_I2: case KILN_DT_U2: {
+        // Truncated toward zero (as Rust's `as`: saturating, NaN → 0), then the low bits.
+        const kiln_u64 u = v.kind == FLOAT ? sat_int<true, 64>(v.f) : v.u;
+        return (unsigned)(u & ((1u << kiln_dtype_bits(to)) - 1));
+    }
+    default: return kiln_minifloat_from_f64(to, f, flags & 1);
+    }
+}
+
+// Element i of y (a byte-or-wider dtype) from v.
+__device__ __forceinline__ void store_any(unsigned char* y, unsigned to, kiln_u64 i, AnyVal v, unsigned flags) {
+    switch (to) {
+    case DT_F32: ((TF32::S*)y)[i] = from_any<TF32>(v); break;
+    case DT_F16: ((TF16::S*)y)[i] = from_any<TF16>(v); break;
+    case DT_BF16: ((TBF16::S*)y)[i] = from_any<TBF16>(v); break;
+    case DT_F64: ((TF64::S*)y)[i] = from_any<TF64>(v); break;
+    case DT_I8: ((TI8::S*)y)[i] = from_any<TI8>(v); break;
+    case DT_I16: ((TI16::S*)y)[i] = from_any<TI16>(v); break;
+    case DT_I32: ((TI32::S*)y)[i] = from_any<TI32>(v); break;
+    case DT_I64: ((TI64::S*)y)[i] = from_any<TI64>(v); break;
+    case DT_U8: ((TU8::S*)y)[i] = from_any<TU8>(v); break;
+    case DT_U16: ((TU16::S*)y)[i] = from_any<TU16>(v); break;
+    case DT_U32: ((TU32::S*)y)[i] = from_any<TU32>(v); break;
+    case DT_U64: ((TU64::S*)y)[i] = from_any<TU64>(v); break;
+    case DT_BOOL: ((TBool::S*)y)[i] = from_any<TBool>(v); break;
+    default: y[i] = (unsigned char)narrow_code(v, to, flags); break;  // float8
+    }
+}
+
+// A cast from or to a float8, float4, 4-bit or 2-bit type, both dtypes by code. A packed target
+// is written a whole byte per thread (its 2 or 4 elements), so that no two threads share a byte.
+extern "C" __global__ void kiln_cast_narrow(const unsigned char* x, unsigned char* y, kiln_u64 n, unsigned from,
+                                            unsigned to, unsigned flags) {
+    const unsigned bits = kiln_dtype_bits(to);
+    if (bits >= 8) {
+        KILN_FOR(i, n) { store_any(y, to, i, load_any(x, from, i), flags); }
+        return;
+    }
+    const unsigned per = 8 / bits;
+    const kiln_u64 bytes = (n + per - 1) / per;
+    KILN_FOR(b, bytes) {
+        unsigned byte = 0;
+        for (unsigned k = 0; k < per; ++k) {
+            const kiln_u64 i = b * per + k;
+            if (i < n) byte |= narrow_code(load_any(x, from, i), to, flags) << (k * bits);
+        }
+        y[b] = (unsigned char)byte;
+    }
 }

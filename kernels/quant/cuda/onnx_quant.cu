@@ -2,8 +2,11 @@
 // shim/src/qmatmul.rs hold the CPU references and the semantics): QuantizeLinear,
 // DequantizeLinear, DynamicQuantizeLinear, QLinearMatMul and MatMulInteger. Integer tensors
 // are typed at run time by a code (the shim's `Int`): 0 uint8, 1 int8, 2 uint16, 3 int16,
-// 4 int32. Argument order matches the shim's `launch` calls.
+// 4 int32, and the ONNX dtype codes of uint4 (21), int4 (22), uint2 (25), int2 (26), packed;
+// QuantizeLinear and DequantizeLinear also take float8 (17-20) and float4e2m1 (23) codes.
+// Argument order matches the shim's `launch` calls.
 #include "kiln.cuh"
+#include "kiln-cuda-std/minifloat.cuh"
 
 __device__ __forceinline__ long long oq_load(const void* p, kiln_u64 i, unsigned code) {
     switch (code) {
@@ -11,14 +14,36 @@ __device__ __forceinline__ long long oq_load(const void* p, kiln_u64 i, unsigned
     case 1: return ((const signed char*)p)[i];
     case 2: return ((const unsigned short*)p)[i];
     case 3: return ((const short*)p)[i];
-    default: return ((const int*)p)[i];
+    case 4: return ((const int*)p)[i];
+    default:  // 4-bit and 2-bit integers
+        return kiln_narrow_int_value(code, kiln_packed_get((const unsigned char*)p, kiln_dtype_bits(code), i));
+    }
+}
+
+// Whether a code is a float8 or float4 type's.
+__device__ __forceinline__ bool oq_is_float(unsigned code) {
+    return (code >= KILN_DT_F8E4M3FN && code <= KILN_DT_F8E5M2FNUZ) || code == KILN_DT_F4E2M1;
+}
+
+// The range of an integer code.
+__device__ __forceinline__ void oq_range(unsigned code, long long* lo, long long* hi) {
+    switch (code) {
+    case 0: *lo = 0; *hi = 255; break;
+    case 1: *lo = -128; *hi = 127; break;
+    case 2: *lo = 0; *hi = 65535; break;
+    case 3: *lo = -32768; *hi = 32767; break;
+    case KILN_DT_U4: *lo = 0; *hi = 15; break;
+    case KILN_DT_I4: *lo = -8; *hi = 7; break;
+    case KILN_DT_U2: *lo = 0; *hi = 3; break;
+    case KILN_DT_I2: *lo = -2; *hi = 1; break;
+    default: *lo = -2147483648LL; *hi = 2147483647LL; break;
     }
 }
 
 __device__ __forceinline__ void oq_store(void* p, kiln_u64 i, unsigned code, long long v) {
-    const long long lo[5] = {0, -128, 0, -32768, -2147483648LL};
-    const long long hi[5] = {255, 127, 65535, 32767, 2147483647LL};
-    v = v < lo[code] ? lo[code] : (v > hi[code] ? hi[code] : v);
+    long long lo, hi;
+    oq_range(code, &lo, &hi);
+    v = v < lo ? lo : (v > hi ? hi : v);
     switch (code) {
     case 0: ((unsigned char*)p)[i] = (unsigned char)v; break;
     case 1: ((signed char*)p)[i] = (signed char)v; break;
@@ -39,29 +64,75 @@ __device__ __forceinline__ kiln_u64 oq_param(kiln_u64 i, unsigned layout, kiln_u
     return (o * SA + a / block) * inner + in;
 }
 
-// y = saturate(rint(x / scale) + zero_point), x / scale in f32.
+// Element i of QuantizeLinear's y as its code: saturate(rint(x / scale) + zero_point) for an
+// integer type (x / scale in f32); for float8, x / scale rounded to nearest even (the zero
+// point, 0, ignored), saturated when `saturate`; for float4e2m1, x / scale + zero_point.
+template <typename Tag>
+__device__ __forceinline__ unsigned long long oq_quantize(const typename Tag::storage* x,
+                                                          const typename Tag::storage* scale, const void* zp,
+                                                          kiln_u64 i, kiln_u64 p, unsigned flags, unsigned ycode) {
+    const bool has_zp = flags & 1;
+    const float q = kiln_to_f32(Tag(), x[i]) / kiln_to_f32(Tag(), scale[p]);
+    if (oq_is_float(ycode)) {
+        const float z = has_zp && ycode == KILN_DT_F4E2M1
+                            ? kiln_minifloat_to_f32(ycode, kiln_packed_get((const unsigned char*)zp, 4, p))
+                            : 0.f;
+        return kiln_minifloat_from_f64(ycode, (double)(q + z), (flags >> 1) & 1);
+    }
+    const float r = rintf(q);
+    const long long z = has_zp ? oq_load(zp, p, ycode) : 0;
+    const float rc = fminf(fmaxf(r, -4.0e18f), 4.0e18f);  // NaN and huge values saturate
+    long long v = r != r ? z : (long long)rc + z, lo, hi;
+    oq_range(ycode, &lo, &hi);
+    return (unsigned long long)(v < lo ? lo : (v > hi ? hi : v));
+}
+
+// y = QuantizeLinear(x); flags: bit 0 a zero point is given, bit 1 `saturate`. A packed y (4-bit
+// and 2-bit integers, float4e2m1) is written a whole byte per thread.
 template <typename Tag>
 __global__ void kiln_quantize_linear(const typename Tag::storage* x, const typename Tag::storage* scale,
-                                     const void* zp, void* y, kiln_u64 n, unsigned has_zp, unsigned ycode,
+                                     const void* zp, void* y, kiln_u64 n, unsigned flags, unsigned ycode,
                                      unsigned layout, kiln_u64 A, kiln_u64 inner, kiln_u64 block, kiln_u64 SA) {
+    const unsigned bits = ycode > 4 ? kiln_dtype_bits(ycode) : 8;
+    if (bits < 8) {
+        const unsigned per = 8 / bits;
+        KILN_FOR(b, (n + per - 1) / per) {
+            unsigned byte = 0;
+            for (unsigned k = 0; k < per; ++k) {
+                const kiln_u64 i = b * per + k;
+                if (i >= n) break;
+                const kiln_u64 p = oq_param(i, layout, A, inner, block, SA);
+                const unsigned v = (unsigned)oq_quantize<Tag>(x, scale, zp, i, p, flags, ycode);
+                byte |= (v & ((1u << bits) - 1)) << (k * bits);
+            }
+            ((unsigned char*)y)[b] = (unsigned char)byte;
+        }
+        return;
+    }
     KILN_FOR(i, n) {
         const kiln_u64 p = oq_param(i, layout, A, inner, block, SA);
-        const float q = rintf(kiln_to_f32(Tag(), x[i]) / kiln_to_f32(Tag(), scale[p]));
-        const long long z = has_zp ? oq_load(zp, p, ycode) : 0;
-        const float qc = fminf(fmaxf(q, -4.0e18f), 4.0e18f);  // NaN and huge values saturate
-        oq_store(y, i, ycode, q != q ? z : (long long)qc + z);
+        const unsigned long long v = oq_quantize<Tag>(x, scale, zp, i, p, flags, ycode);
+        if (oq_is_float(ycode)) ((unsigned char*)y)[i] = (unsigned char)v;
+        else oq_store(y, i, ycode, (long long)v);
     }
 }
 
-// y = (x − zero_point) · scale, in f32.
+// y = (x − zero_point) · scale, in f32; a float8 or float4 x's zero point is ignored.
 template <typename Tag>
 __global__ void kiln_dequantize_linear(const void* x, const typename Tag::storage* scale, const void* zp,
-                                       typename Tag::storage* y, kiln_u64 n, unsigned has_zp, unsigned xcode,
+                                       typename Tag::storage* y, kiln_u64 n, unsigned flags, unsigned xcode,
                                        unsigned layout, kiln_u64 A, kiln_u64 inner, kiln_u64 block, kiln_u64 SA) {
+    const unsigned char* xb = (const unsigned char*)x;
     KILN_FOR(i, n) {
         const kiln_u64 p = oq_param(i, layout, A, inner, block, SA);
-        const long long z = has_zp ? oq_load(zp, p, xcode) : 0;
-        y[i] = kiln_from_f32(Tag(), (float)(oq_load(x, i, xcode) - z) * kiln_to_f32(Tag(), scale[p]));
+        float d;
+        if (oq_is_float(xcode)) {
+            d = kiln_minifloat_to_f32(xcode, xcode == KILN_DT_F4E2M1 ? kiln_packed_get(xb, 4, i) : xb[i]);
+        } else {
+            const long long z = (flags & 1) ? oq_load(zp, p, xcode) : 0;
+            d = (float)(oq_load(x, i, xcode) - z);
+        }
+        y[i] = kiln_from_f32(Tag(), d * kiln_to_f32(Tag(), scale[p]));
     }
 }
 

@@ -1,23 +1,26 @@
 //! Shim of `kiln-cast`: Cast-6/9/13/19/21/23/24/25 and CastLike-15/19/21/23/24/25 between
-//! float32, float16, bfloat16, float64, int8…int64, uint8…uint64 and bool, following ONNX
+//! float32, float16, bfloat16, float64, int8…int64, uint8…uint64, bool, and (manifest schema
+//! 11) the float8 types, float4e2m1 and the 4-bit and 2-bit integers, following ONNX
 //! Operators.md:
 //!
 //! - float → float rounds to nearest even, once (float64 → float16/bfloat16 included);
 //!   NaN and ±inf are kept, values beyond the target's range become ±inf;
 //! - float → integer truncates toward zero (out of range, which ONNX leaves undefined,
-//!   saturates; NaN → 0);
+//!   saturates; NaN → 0); to a 4-bit or 2-bit integer the truncated value wraps, as ONNX's
+//!   test data has it;
 //! - integer → float rounds to nearest even; integer → integer wraps (two's complement);
-//! - anything → bool is `x != 0` (NaN → true); bool → number is 0 or 1.
+//! - anything → bool is `x != 0` (NaN → true); bool → number is 0 or 1;
+//! - to a float8 type or float4e2m1: round to nearest even, then `saturate` (default 1) as the
+//!   Cast tables say; to float8e8m0: `round_mode` (`up`, `down`, `nearest`) and `saturate`
+//!   (`kiln_kernel_abi::minifloat` has the rules).
 //!
-//! Strings, float8, float4, int4/uint4, int2/uint2 and float8e8m0 are not supported (their
-//! dtype codes are not representable in kiln). `saturate` and `round_mode` only concern float8
-//! targets and are ignored.
+//! Strings are not supported.
 #![no_std]
 extern crate alloc;
 
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
-use kiln_kernel_abi::{bail, export_shim, unsupported, with_dtype};
+use kiln_kernel_abi::{bail, export_shim, minifloat, unsupported, with_dtype};
 
 struct Cast;
 
@@ -64,17 +67,46 @@ enum Src {
     I(Vec<i128>),
 }
 
+/// `saturate` and `round_mode`: how a cast to a float8 or float4 type treats what it cannot
+/// represent.
+#[derive(Clone, Copy)]
+struct Narrowing {
+    saturate: bool,
+    round: minifloat::E8m0Rounding,
+}
+
+fn narrowing(call: &Call) -> Result<Narrowing> {
+    let mode = call.attr_s("round_mode", "up")?;
+    let Some(round) = minifloat::E8m0Rounding::from_name(mode) else {
+        bail!("{}: round_mode {mode:?} is not up, down or nearest", call.op_type())
+    };
+    Ok(Narrowing { saturate: call.attr_i("saturate", 1)? != 0, round })
+}
+
 fn load(t: &Tensor, dtype: DType) -> Result<Src> {
     Ok(match dtype {
-        DType::F32 | DType::F64 | DType::F16 | DType::BF16 => Src::F(t.read_vec::<f64>()?),
+        d if d.is_float() || d.is_minifloat() => Src::F(t.read_vec::<f64>()?),
         DType::U64 => Src::I(t.read_vec::<u64>()?.into_iter().map(|v| v as i128).collect()),
         // Sign- or zero-extended exactly by the SDK's integer conversion; bool as 0/1.
         _ => Src::I(t.read_vec::<i64>()?.into_iter().map(|v| v as i128).collect()),
     })
 }
 
-fn convert(src: &Src, to: DType) -> Result<Vec<u8>> {
+/// A float (exact as f64) as a `to` code, `to` a float8 or float4 type.
+fn minifloat_code(x: f64, to: DType, n: Narrowing) -> u8 {
+    match to {
+        DType::F8E8M0 => minifloat::e8m0_from_f32(x as f32, n.saturate, n.round),
+        _ => minifloat::from_f64(to, x, n.saturate),
+    }
+}
+
+fn convert(src: &Src, to: DType, n: Narrowing) -> Result<Vec<u8>> {
     Ok(match (src, to) {
+        (Src::F(v), to) if to.is_minifloat() => minifloat::pack(to, v.iter().map(|&x| minifloat_code(x, to, n))),
+        (Src::I(v), to) if to.is_minifloat() => minifloat::pack(to, v.iter().map(|&x| minifloat_code(x as f64, to, n))),
+        // Truncated toward zero (NaN → 0), then the low bits.
+        (Src::F(v), to) if to.is_narrow_int() => minifloat::pack(to, v.iter().map(|&x| minifloat::narrow_int_field(to, x as i64))),
+        (Src::I(v), to) if to.is_narrow_int() => minifloat::pack(to, v.iter().map(|&x| minifloat::narrow_int_field(to, x as i64))),
         (Src::F(v), DType::F64) => element::encode(v),
         (Src::F(v), DType::F32) => element::encode(&v.iter().map(|&x| x as f32).collect::<Vec<_>>()),
         (Src::F(v), DType::F16) => {
@@ -117,16 +149,11 @@ impl Shim for Cast {
         if from == to {
             return out.write_bytes(&x.read_bytes()?);
         }
-        out.write_bytes(&convert(&load(&x, from)?, to)?)
+        out.write_bytes(&convert(&load(&x, from)?, to, narrowing(call)?)?)
     }
 
     fn dispatch(call: &Call) -> Result<()> {
         let (from, to) = dtypes(call)?;
-        let Some(tag) = from.cuda_tag() else { unsupported!("{}: no CUDA kernel from {from}", call.op_type()) };
-        let kernel = kiln_kernel_abi::names::kernel_name("kiln_cast", &[tag]);
-        if to == DType::String {
-            unsupported!("{}: no CUDA kernel to {to}", call.op_type());
-        }
         let x = call.input(0)?;
         let n = x.numel()? as u64;
         if n == 0 {
@@ -134,18 +161,31 @@ impl Shim for Cast {
         }
         const BLOCK: u32 = 256;
         let grid = n.div_ceil(BLOCK as u64).clamp(1, 65535 * 32) as u32;
-        launch(&Launch {
-            kernel: &kernel,
-            grid: [grid, 1, 1],
-            block: [BLOCK, 1, 1],
-            shared_mem_bytes: 0,
-            args: vec![
-                KernelArg::Tensor { handle: x.handle(), offset: 0 },
-                KernelArg::Tensor { handle: call.output(0)?.handle(), offset: 0 },
-                KernelArg::U64(n),
+        let mut args = vec![
+            KernelArg::Tensor { handle: x.handle(), offset: 0 },
+            KernelArg::Tensor { handle: call.output(0)?.handle(), offset: 0 },
+            KernelArg::U64(n),
+        ];
+        let kernel = if from.since_schema_11() || to.since_schema_11() {
+            // Both dtypes by code, with saturate and round_mode.
+            let n = narrowing(call)?;
+            let round = match n.round {
+                minifloat::E8m0Rounding::Up => 0,
+                minifloat::E8m0Rounding::Down => 1,
+                minifloat::E8m0Rounding::Nearest => 2,
+            };
+            args.extend([
+                KernelArg::U32(from.code() as u32),
                 KernelArg::U32(to.code() as u32),
-            ],
-        })
+                KernelArg::U32(u32::from(n.saturate) | round << 1),
+            ]);
+            "kiln_cast_narrow".into()
+        } else {
+            let Some(tag) = from.cuda_tag() else { unsupported!("{}: no CUDA kernel from {from}", call.op_type()) };
+            args.push(KernelArg::U32(to.code() as u32));
+            kiln_kernel_abi::names::kernel_name("kiln_cast", &[tag])
+        };
+        launch(&Launch { kernel: &kernel, grid: [grid, 1, 1], block: [BLOCK, 1, 1], shared_mem_bytes: 0, args })
     }
 }
 

@@ -234,29 +234,39 @@ pub fn skip_simplified_infer(call: &Call) -> Result<Vec<TensorType>> {
     Ok(vec![data.clone(), stat.clone(), stat, data])
 }
 
+/// SkipSimplifiedLayerNormalization's rows `rows` (all of them, or a tile's: manifest
+/// `cpu_tiles = "rows"`).
 pub fn skip_simplified_cpu(call: &Call) -> Result<()> {
     let p = skip_plan(call)?;
-    let mut sum = call.input(0)?.read_vec::<f64>()?;
-    let skip = call.input(1)?.read_vec::<f64>()?;
+    let rows = call.tile_units(p.rows)?;
+    let (first, n) = (rows.start * p.hidden, rows.len() * p.hidden);
+    let mut sum = call.input(0)?.read_vec_range::<f64>(first, n)?;
+    // skip is input's shape (this call's rows of it) or one [sequence, hidden] slice repeated
+    // over the batch (all of it).
+    let skip_t = call.input(1)?;
+    let (skip, skip_from) = if skip_t.numel()? == call.input(0)?.numel()? {
+        (skip_t.read_vec_range::<f64>(first, n)?, first)
+    } else {
+        (skip_t.read_vec::<f64>()?, 0)
+    };
     let gamma = call.input(2)?.read_vec::<f64>()?;
     let bias = call.input_opt(3).map(|t| t.read_vec::<f64>()).transpose()?;
-    // skip is input's shape or one [sequence, hidden] slice repeated over the batch.
     for (k, v) in sum.iter_mut().enumerate() {
-        *v += skip[k % skip.len()];
+        *v += skip[(first + k - skip_from) % skip.len()];
         if let Some(b) = &bias {
             *v += b[k % p.hidden];
         }
     }
     if let Some(t) = call.output_opt(3) {
-        t.write_vec(&sum)?;
+        t.write_vec_at(first, &sum)?;
     }
-    let inv_std = rms_rows(&mut sum, p.rows, p.hidden, p.epsilon, |k| gamma[k % p.hidden]);
-    call.output(0)?.write_vec(&sum)?;
+    let inv_std = rms_rows(&mut sum, rows.len(), p.hidden, p.epsilon, |k| gamma[k % p.hidden]);
+    call.output(0)?.write_vec_at(first, &sum)?;
     if let Some(t) = call.output_opt(1) {
-        t.write_vec(&vec![0f64; p.rows])?;
+        t.write_vec_at(rows.start, &vec![0f64; rows.len()])?;
     }
     if let Some(t) = call.output_opt(2) {
-        t.write_vec(&inv_std)?;
+        t.write_vec_at(rows.start, &inv_std)?;
     }
     Ok(())
 }

@@ -3,25 +3,28 @@
 //!
 //! * QuantizeLinear: `y = saturate(rint(x / y_scale) + y_zero_point)` (x / y_scale in f32,
 //!   rint rounding half to even), `y` of y_zero_point's type, else `output_dtype` (21+), else
-//!   uint8: uint8, int8, uint16, int16 here.
+//!   uint8: uint8, int8, uint16, int16, and (manifest schema 11) int4, uint4, int2, uint2. To
+//!   a float8 type: `x / y_scale` rounded to nearest even, saturated when `saturate` (default 1),
+//!   the zero point (which must be 0) ignored; to float4e2m1: `x / y_scale + y_zero_point`,
+//!   rounded to nearest even and saturated.
 //! * DequantizeLinear: `y = (x − x_zero_point) · x_scale` in f32, `y` of x_scale's dtype; x
-//!   uint8, int8, uint16, int16 or int32 (whose zero point must be 0).
+//!   uint8, int8, uint16, int16, int32 (whose zero point must be 0), int4, uint4, int2, uint2;
+//!   or a float8 type or float4e2m1, whose zero point is ignored (`y = x · x_scale`, as ONNX's
+//!   reference).
 //! * Scales and zero points: a scalar (per tensor), a 1-D tensor along `axis` (default 1; per
 //!   axis), or from opset 21 a tensor of x's rank whose `axis` dimension is ceil(D / block_size)
 //!   (`block_size` > 0; blocked).
 //! * DynamicQuantizeLinear: x float32; min and max of x and 0, `y_scale = (max − min) / 255`
 //!   (1 when x is all zeros), `y_zero_point = rint(clamp(−min / y_scale, 0, 255))`, `y` as
 //!   QuantizeLinear to uint8.
-//!
-//! float8, int4, uint4, int2, uint2 and float4 have no kiln dtype (the general-ONNX issue's
-//! item 8).
 use super::{grid_for, BLOCK};
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
 use kiln_kernel_abi::names::kernel_name;
-use kiln_kernel_abi::{bail, unsupported};
+use kiln_kernel_abi::{bail, minifloat, unsupported};
 
-/// An integer element type of the kernels (onnx_quant.cu's codes) and its range.
+/// An integer element type of the kernels (onnx_quant.cu's codes: 0 … 4, and the ONNX dtype
+/// codes of the packed 4-bit and 2-bit types) and its range.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Int {
     U8 = 0,
@@ -29,6 +32,10 @@ pub(crate) enum Int {
     U16 = 2,
     I16 = 3,
     I32 = 4,
+    U4 = 21,
+    I4 = 22,
+    U2 = 25,
+    I2 = 26,
 }
 
 impl Int {
@@ -39,6 +46,10 @@ impl Int {
             DType::U16 => Int::U16,
             DType::I16 => Int::I16,
             DType::I32 => Int::I32,
+            DType::U4 => Int::U4,
+            DType::I4 => Int::I4,
+            DType::U2 => Int::U2,
+            DType::I2 => Int::I2,
             _ => return None,
         })
     }
@@ -49,6 +60,10 @@ impl Int {
             Int::U16 => (0.0, 65535.0),
             Int::I16 => (-32768.0, 32767.0),
             Int::I32 => (i32::MIN as f64, i32::MAX as f64),
+            Int::U4 => (0.0, 15.0),
+            Int::I4 => (-8.0, 7.0),
+            Int::U2 => (0.0, 3.0),
+            Int::I2 => (-2.0, 1.0),
         }
     }
     /// `v` rounded already, saturated to the type.
@@ -153,8 +168,26 @@ fn float(op: &str, what: &str, d: DType) -> Result<()> {
     Ok(())
 }
 
+/// What QuantizeLinear produces: integers, or codes of a float8 type or float4e2m1 (by their
+/// ONNX dtype code in the kernels).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Quantized {
+    Int(Int),
+    Float(DType),
+}
+
+impl Quantized {
+    /// The kernels' code of the output type.
+    fn code(self) -> u32 {
+        match self {
+            Quantized::Int(i) => i as u32,
+            Quantized::Float(d) => d.code() as u32,
+        }
+    }
+}
+
 /// QuantizeLinear's output type.
-fn quantized(call: &Call) -> Result<(DType, Int)> {
+fn quantized(call: &Call) -> Result<(DType, Quantized)> {
     let op = call.op_type();
     let d = match (call.input_opt(2), call.attr_i("output_dtype", 0)?) {
         (Some(z), o) => {
@@ -171,8 +204,11 @@ fn quantized(call: &Call) -> Result<(DType, Int)> {
         },
     };
     match Int::of(d) {
-        Some(i) if i != Int::I32 => Ok((d, i)),
-        _ => unsupported!("{op}: quantizing to {d}; uint8, int8, uint16 and int16 are supported"),
+        Some(i) if i != Int::I32 => Ok((d, Quantized::Int(i))),
+        _ if d.is_minifloat() && d != DType::F8E8M0 => Ok((d, Quantized::Float(d))),
+        _ => unsupported!(
+            "{op}: quantizing to {d}; uint8, int8, uint16, int16, 4-bit and 2-bit integers, float8 and float4e2m1 are supported"
+        ),
     }
 }
 
@@ -190,8 +226,11 @@ pub(crate) fn infer(call: &Call) -> Result<Vec<TensorType>> {
         "DequantizeLinear" => {
             let s = call.input(1)?.dtype()?;
             float(op, "x_scale", s)?;
-            if Int::of(x.dtype()?).is_none() {
-                unsupported!("{op}: x of {}; uint8, int8, uint16, int16 and int32 are supported", x.dtype()?);
+            let xd = x.dtype()?;
+            if Int::of(xd).is_none() && !(xd.is_minifloat() && xd != DType::F8E8M0) {
+                unsupported!(
+                    "{op}: x of {xd}; 8-, 16- and 32-bit, 4-bit and 2-bit integers, float8 and float4e2m1 are supported"
+                );
             }
             if let Some(z) = call.input_opt(2) {
                 if z.dtype()? != x.dtype()? {
@@ -233,18 +272,28 @@ pub(crate) fn cpu(call: &Call) -> Result<()> {
                 None => Vec::new(),
             };
             let z = |i: usize| zp.get(p.param(i)).copied().unwrap_or(0.0);
-            let y: Vec<f64> = if op == "QuantizeLinear" {
-                let (_, q) = quantized(call)?;
-                (0..xv.len())
-                    .map(|i| {
-                        let v = libm::rintf(xv[i] as f32 / scale[p.param(i)] as f32) as f64;
-                        q.saturate(if v.is_nan() { z(i) } else { v + z(i) })
-                    })
-                    .collect()
-            } else {
-                (0..xv.len()).map(|i| ((xv[i] - z(i)) as f32 * scale[p.param(i)] as f32) as f64).collect()
-            };
-            call.output(0)?.write_vec(&y)
+            let y = call.output(0)?;
+            if op == "QuantizeLinear" {
+                let q = |i: usize| xv[i] as f32 / scale[p.param(i)] as f32;
+                return match quantized(call)?.1 {
+                    Quantized::Int(t) => {
+                        let v = |i| libm::rintf(q(i)) as f64;
+                        let y_i = |i| t.saturate(if v(i).is_nan() { z(i) } else { v(i) + z(i) });
+                        y.write_vec(&(0..xv.len()).map(y_i).collect::<Vec<f64>>())
+                    }
+                    Quantized::Float(d) => {
+                        // float4e2m1 adds its zero point; a float8 one must be 0 and is ignored.
+                        let zf = |i| if d == DType::F4E2M1 { z(i) as f32 } else { 0.0 };
+                        let saturate = call.attr_i("saturate", 1)? != 0;
+                        let codes = (0..xv.len()).map(|i| minifloat::from_f64(d, (q(i) + zf(i)) as f64, saturate));
+                        y.write_bytes(&minifloat::pack(d, codes))
+                    }
+                };
+            }
+            // A float8 or float4 zero point is ignored (ONNX's reference).
+            let ignore_zp = x.dtype()?.is_minifloat();
+            let z = |i| if ignore_zp { 0.0 } else { z(i) };
+            y.write_vec(&(0..xv.len()).map(|i| ((xv[i] - z(i)) as f32 * scale[p.param(i)] as f32) as f64).collect::<Vec<_>>())
         }
         _ => {
             let (lo, hi) = xv.iter().fold((0f32, 0f32), |(lo, hi), &v| (lo.min(v as f32), hi.max(v as f32)));
@@ -280,11 +329,14 @@ pub(crate) fn dispatch(call: &Call) -> Result<()> {
             let zp = call.input_opt(2);
             let y = call.output(0)?;
             let quant = op == "QuantizeLinear";
-            let (float_dtype, int) = if quant {
-                (x.dtype()?, quantized(call)?.1)
+            // The integer or float8/float4 side's kernel code (onnx_quant.cu).
+            let (float_dtype, code) = if quant {
+                (x.dtype()?, quantized(call)?.1.code())
             } else {
-                (scale.dtype()?, Int::of(x.dtype()?).unwrap_or(Int::I32))
+                let xd = x.dtype()?;
+                (scale.dtype()?, Int::of(xd).map_or(xd.code() as u32, |i| i as u32))
             };
+            let saturate = quant && call.attr_i("saturate", 1)? != 0;
             if scale.dtype()? != float_dtype {
                 unsupported!("{op}: the CUDA kernel takes a scale of {float_dtype}, not {}", scale.dtype()?);
             }
@@ -299,8 +351,9 @@ pub(crate) fn dispatch(call: &Call) -> Result<()> {
                 targ(zp.as_ref().map_or(x.handle(), |z| z.handle())),
                 targ(y.handle()),
                 KernelArg::U64(n as u64),
-                KernelArg::U32(zp.is_some() as u32),
-                KernelArg::U32(int as u32),
+                // Flags: bit 0 a zero point is given, bit 1 `saturate` (to float8).
+                KernelArg::U32(u32::from(zp.is_some()) | u32::from(saturate) << 1),
+                KernelArg::U32(code),
             ];
             args.extend(p.args());
             launch(&Launch {

@@ -374,12 +374,16 @@ impl Shim for Unary {
         }
         let x = call.input(0)?;
         let dtype = x.dtype()?;
-        let mut bytes = x.read_bytes()?;
+        // This call's elements: all of them, or a tile's (manifest `cpu_tiles = "elements"`).
+        let size = dtype.size().ok_or_else(|| ShimError::Unsupported(format!("{dtype} elements")))?;
+        let tile = call.tile_units(x.numel()?)?;
+        let at = (tile.start * size) as u64;
+        let mut bytes = x.read_bytes_range(tile.start * size, tile.len() * size)?;
         if dtype == DType::F32
             && !matches!(call.op_type(), "Not" | "Clip")
             && fast_f32(Op::from_call(call)?, &mut bytes)
         {
-            return call.output(0)?.write_bytes(&bytes);
+            return call.output(0)?.write_bytes_at(at, &bytes);
         }
         let out = match call.op_type() {
             "Not" => map::<Bool>(&bytes, |b| Ok(Bool(!b.0)))?,
@@ -404,7 +408,7 @@ impl Shim for Unary {
                 }
             }
         };
-        call.output(0)?.write_bytes(&out)
+        call.output(0)?.write_bytes_at(at, &out)
     }
 
     fn dispatch(call: &Call) -> Result<()> {

@@ -76,9 +76,15 @@ pub fn infer(call: &Call) -> Result<Vec<TensorType>> {
 pub fn cpu(call: &Call) -> Result<()> {
     let l = layout(call)?;
     let dtype = call.input(0)?.dtype()?;
-    let gate = call.input(0)?.read_bytes()?;
-    let up = if l.packed { None } else { Some(call.input(1)?.read_bytes()?) };
-    let rows = if l.n == 0 { 0 } else { gate.len() / dtype.size().unwrap_or(1) / l.ld };
+    let size = dtype.size().unwrap_or(1);
+    // This call's rows: all of them, or a tile's (manifest `cpu_tiles = "rows"`).
+    let all_rows = l.out.iter().product::<usize>().checked_div(l.n).unwrap_or(0);
+    let tile = call.tile_units(all_rows)?;
+    let read = |t: Tensor| t.read_bytes_range(tile.start * l.ld * size, tile.len() * l.ld * size);
+    let gate = read(call.input(0)?)?;
+    let up = if l.packed { None } else { Some(read(call.input(1)?)?) };
+    let rows = tile.len();
+    let at = (tile.start * l.n * size) as u64;
     if dtype == DType::F32 {
         let g = element::decode::<f32>(&gate);
         let u = match &up {
@@ -91,7 +97,7 @@ pub fn cpu(call: &Call) -> Result<()> {
             let ur = if l.packed { &g[r * l.ld + l.up_off..][..l.n] } else { &u[r * l.ld..][..l.n] };
             y.extend(gr.iter().zip(ur).map(|(&gv, &uv)| silu_mul_f32(gv, uv)));
         }
-        return call.output(0)?.write_vec(&y);
+        return call.output(0)?.write_bytes_at(at, &element::encode(&y));
     }
     let out = with_dtype!(dtype, T => {
         let g = element::decode::<T>(&gate);
@@ -106,7 +112,7 @@ pub fn cpu(call: &Call) -> Result<()> {
         }
         Ok::<Vec<u8>, ShimError>(element::encode(&y))
     })?;
-    call.output(0)?.write_bytes(&out)
+    call.output(0)?.write_bytes_at(at, &out)
 }
 
 pub fn dispatch(call: &Call) -> Result<()> {
