@@ -180,6 +180,12 @@ pub fn compare(actual: &Tensor, expected: &Tensor, rtol: f64, atol: f64) -> Opti
     if actual.shape != expected.shape {
         return Some(format!("shape {:?} != expected {:?}", actual.shape, expected.shape));
     }
+    if actual.dtype == DType::String {
+        let (a, e) = (actual.strings().ok()?, expected.strings().ok()?);
+        let diff = a.iter().zip(&e).position(|(x, y)| x != y)?;
+        let show = |s: &[u8]| format!("{:?}", String::from_utf8_lossy(s));
+        return Some(format!("element {diff}: {} != expected {}", show(a[diff]), show(e[diff])));
+    }
     if actual.dtype.is_packed() && !actual.dtype.is_minifloat() {
         // 4-bit and 2-bit integers: element by element, exactly (padding bits aside).
         let field = |t: &Tensor, i| minifloat::packed_get(t.dtype, &t.data, i);

@@ -14,13 +14,20 @@ pub fn output_args(types: &[Option<(DType, Vec<usize>)>]) -> Vec<Option<ArgTenso
         .iter()
         .map(|t| {
             t.as_ref().map(|(dtype, shape)| {
-                let n = byte_size(*dtype, shape).unwrap_or(0);
+                let (n, access) = match dtype {
+                    // Strings: as many bytes as the shim writes, up to the tensor limit.
+                    DType::String => (crate::model::MAX_TENSOR_BYTES, Access::Strings(Vec::new())),
+                    d => {
+                        let n = byte_size(*d, shape).unwrap_or(0);
+                        (n, Access::Write(vec![0u8; n as usize]))
+                    }
+                };
                 ArgTensor {
                     dtype: Some(*dtype),
                     dims: Some(shape.iter().map(|&d| d as i64).collect()),
                     value: None,
                     nbytes: n,
-                    access: Access::Write(vec![0u8; n as usize]),
+                    access,
                     paged: None,
                 }
             })
@@ -41,9 +48,38 @@ pub fn collect_outputs(
             None => None,
             Some((dtype, shape)) => match slots.next().map(|s| s.access) {
                 Some(Access::Write(v)) => Some(Tensor::new(*dtype, shape.clone(), Bytes::from(v))?),
+                Some(Access::Strings(v)) => Some(
+                    Tensor::new(*dtype, shape.clone(), Bytes::from(v))
+                        .map_err(|e| Error::Device(format!("the shim's string output is not one of its shape: {e}")))?,
+                ),
                 _ => return Err(Error::Device("a CPU output buffer went missing".into())),
             },
         });
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sandbox::Slot;
+
+    /// A string output is whatever the shim wrote, checked as a string tensor of its shape.
+    #[test]
+    fn string_outputs_grow_to_what_the_shim_wrote_and_are_checked() {
+        let types = vec![Some((DType::String, vec![2]))];
+        let args = output_args(&types);
+        let out = args[0].as_ref().unwrap();
+        assert!(matches!(&out.access, Access::Strings(v) if v.is_empty()));
+        assert_eq!(out.nbytes, crate::model::MAX_TENSOR_BYTES, "room to grow");
+        let outcome = |bytes: Vec<u8>| CallOutcome {
+            slots: vec![Slot { dtype: Some(DType::String), nbytes: 0, access: Access::Strings(bytes), writable: true }],
+            ..Default::default()
+        };
+        let good = kiln_kernel_abi::strings::encode(&["ab", "c"]).unwrap();
+        let t = collect_outputs(outcome(good.clone()), 0, &types).unwrap().remove(0).unwrap();
+        assert_eq!(t.strings().unwrap(), [&b"ab"[..], b"c"]);
+        let err = collect_outputs(outcome(good[..good.len() - 1].to_vec()), 0, &types).unwrap_err().to_string();
+        assert!(err.contains("the shim's string output is not one of its shape"), "{err}");
+    }
 }

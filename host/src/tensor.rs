@@ -1,12 +1,13 @@
 //! Host tensors: a dtype, a shape and little-endian row-major bytes.
 
 use bytes::Bytes;
-use kiln_kernel_abi::DType;
+use kiln_kernel_abi::{strings, DType};
 
 use crate::Error;
 
 /// A dense tensor in host memory. `data` holds `numel × dtype.size()` bytes, little-endian,
-/// row-major (packed dtypes: [`DType::storage_bytes`], ONNX's packing); cloning shares the bytes (initializers may be memory-mapped external data).
+/// row-major (packed dtypes: [`DType::storage_bytes`], ONNX's packing; strings: ABI.md §6's
+/// offsets and text); cloning shares the bytes (initializers may be memory-mapped external data).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Tensor {
     pub dtype: DType,
@@ -15,8 +16,17 @@ pub struct Tensor {
 }
 
 impl Tensor {
-    /// Checks that `data` has the size the dtype and shape require.
+    /// Checks that `data` has the size the dtype and shape require (a string tensor: that it is
+    /// one of `shape`'s elements, ABI.md §6, `kiln_kernel_abi::strings`).
     pub fn new(dtype: DType, shape: Vec<usize>, data: Bytes) -> Result<Tensor, Error> {
+        if dtype == DType::String {
+            let numel = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+            let ok = numel.ok_or(strings::StringsError::TooLarge).and_then(|n| strings::decode(&data, n).map(|_| ()));
+            return match ok {
+                Ok(()) => Ok(Tensor { dtype, shape, data }),
+                Err(e) => Err(Error::Input(format!("a string tensor of shape {shape:?}: {e}"))),
+            };
+        }
         let expected = byte_size(dtype, &shape)?;
         if data.len() as u64 != expected {
             return Err(Error::Input(format!(
@@ -43,6 +53,22 @@ impl Tensor {
             }
             other => return Err(Error::Input(format!("{other} values are not floats"))),
         })
+    }
+
+    /// The elements of a string tensor, as bytes. Errors: another dtype (a string tensor's
+    /// bytes were checked when it was made).
+    pub fn strings(&self) -> Result<Vec<&[u8]>, Error> {
+        match self.dtype {
+            DType::String => strings::decode(&self.data, self.numel()).map_err(|e| Error::Input(e.to_string())),
+            other => Err(Error::Input(format!("{other} values are not strings"))),
+        }
+    }
+
+    /// A string tensor of `shape` holding `elements` in row-major order. Errors: a count other
+    /// than the shape's, or more than 4 GiB of text.
+    pub fn from_strings<S: AsRef<[u8]>>(shape: Vec<usize>, elements: &[S]) -> Result<Tensor, Error> {
+        let data = strings::encode(elements).map_err(|e| Error::Input(format!("strings: {e}")))?;
+        Tensor::new(DType::String, shape, data.into())
     }
 
     /// The elements of an int64 tensor. Errors: another dtype.
@@ -72,4 +98,18 @@ pub fn byte_size(dtype: DType, shape: &[usize]) -> Result<u64, Error> {
         .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64))
         .and_then(|numel| dtype.storage_bytes(numel))
         .ok_or_else(|| Error::Input(format!("a {dtype} tensor of shape {shape:?} is larger than memory can address")))
+}
+
+/// The fewest bytes a `dtype` tensor of `shape` takes: [`byte_size`], or for strings their offset
+/// table (ABI.md §6; the text's length is known only once the tensor is made).
+pub fn least_byte_size(dtype: DType, shape: &[usize]) -> Result<u64, Error> {
+    if dtype != DType::String {
+        return byte_size(dtype, shape);
+    }
+    shape
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .and_then(strings::table_bytes)
+        .map(|b| b as u64)
+        .ok_or_else(|| Error::Input(format!("a string tensor of shape {shape:?} has too many elements")))
 }

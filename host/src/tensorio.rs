@@ -187,41 +187,54 @@ fn dict_value<'h>(header: &'h str, key: &str) -> Option<&'h str> {
 }
 
 /// Writes `t` as a version-1 `.npy`. bfloat16, float8 and float4 (which NumPy lacks) are written
-/// as float32, int4/int2 as int8 and uint4/uint2 as uint8, their values exact.
+/// as float32, int4/int2 as int8 and uint4/uint2 as uint8, their values exact; strings as NumPy's
+/// fixed-width unicode (`<U`n, UTF-8 that does not decode replaced by U+FFFD).
 pub fn write_npy(path: &Path, t: &Tensor) -> Result<(), Error> {
     let io = |source| Error::Io { path: path.to_path_buf(), source };
-    let (descr, data): (&str, std::borrow::Cow<[u8]>) = match t.dtype {
+    let (descr, data): (std::borrow::Cow<str>, std::borrow::Cow<[u8]>) = match t.dtype {
         DType::BF16 => {
             let widened: Vec<u8> = t
                 .data
                 .chunks_exact(2)
                 .flat_map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16).to_le_bytes())
                 .collect();
-            ("<f4", widened.into())
+            ("<f4".into(), widened.into())
         }
-        DType::F16 => ("<f2", (&t.data[..]).into()),
-        DType::F32 => ("<f4", (&t.data[..]).into()),
-        DType::F64 => ("<f8", (&t.data[..]).into()),
-        DType::I8 => ("|i1", (&t.data[..]).into()),
-        DType::I16 => ("<i2", (&t.data[..]).into()),
-        DType::I32 => ("<i4", (&t.data[..]).into()),
-        DType::I64 => ("<i8", (&t.data[..]).into()),
-        DType::U8 => ("|u1", (&t.data[..]).into()),
-        DType::U16 => ("<u2", (&t.data[..]).into()),
-        DType::U32 => ("<u4", (&t.data[..]).into()),
-        DType::U64 => ("<u8", (&t.data[..]).into()),
-        DType::Bool => ("|b1", (&t.data[..]).into()),
-        DType::String => return Err(Error::Unsupported("writing string tensors".into())),
+        DType::F16 => ("<f2".into(), (&t.data[..]).into()),
+        DType::F32 => ("<f4".into(), (&t.data[..]).into()),
+        DType::F64 => ("<f8".into(), (&t.data[..]).into()),
+        DType::I8 => ("|i1".into(), (&t.data[..]).into()),
+        DType::I16 => ("<i2".into(), (&t.data[..]).into()),
+        DType::I32 => ("<i4".into(), (&t.data[..]).into()),
+        DType::I64 => ("<i8".into(), (&t.data[..]).into()),
+        DType::U8 => ("|u1".into(), (&t.data[..]).into()),
+        DType::U16 => ("<u2".into(), (&t.data[..]).into()),
+        DType::U32 => ("<u4".into(), (&t.data[..]).into()),
+        DType::U64 => ("<u8".into(), (&t.data[..]).into()),
+        DType::Bool => ("|b1".into(), (&t.data[..]).into()),
+        // NumPy's fixed-width unicode: UTF-32 code points, each element padded to the longest.
+        DType::String => {
+            let elements: Vec<Vec<char>> =
+                t.strings()?.iter().map(|s| String::from_utf8_lossy(s).chars().collect()).collect();
+            let width = elements.iter().map(Vec::len).max().unwrap_or(0).max(1);
+            let mut data = Vec::with_capacity(elements.len() * width * 4);
+            for e in &elements {
+                for i in 0..width {
+                    data.extend((e.get(i).map_or(0, |c| *c as u32)).to_le_bytes());
+                }
+            }
+            (format!("<U{width}").into(), data.into())
+        }
         // NumPy has no float8, float4, 4-bit or 2-bit dtype: their values, widened exactly.
         d if d.is_minifloat() => {
             let n = t.numel();
             let values = (0..n).flat_map(|i| minifloat::to_f32(d, minifloat::packed_get(d, &t.data, i)).to_le_bytes());
-            ("<f4", values.collect::<Vec<u8>>().into())
+            ("<f4".into(), values.collect::<Vec<u8>>().into())
         }
         d => {
             let n = t.numel();
             let values = (0..n).map(|i| minifloat::narrow_int_value(d, minifloat::packed_get(d, &t.data, i)) as u8);
-            (if matches!(d, DType::I4 | DType::I2) { "|i1" } else { "|u1" }, values.collect::<Vec<u8>>().into())
+            (if matches!(d, DType::I4 | DType::I2) { "|i1" } else { "|u1" }.into(), values.collect::<Vec<u8>>().into())
         }
     };
     let shape = match t.shape.len() {

@@ -135,6 +135,7 @@ fn kernels_list_shows_every_builtin_package() {
         "image",
         "conv",
         "rnn",
+        "string",
         "cuda-std",
     ] {
         let p = format!("kiln-{dir} {}", builtin_version(dir));

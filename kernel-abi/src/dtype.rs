@@ -5,8 +5,8 @@ use core::fmt;
 /// A tensor element type. The discriminant is the ONNX `TensorProto.DataType` code, which is
 /// also how the ABI encodes a dtype (`i32`).
 ///
-/// `String` tensors cannot cross the ABI (their bytes are not fixed-size); they exist here so
-/// that the host can name them in errors.
+/// `String` tensors cross the ABI in [`crate::strings`]' layout (manifest schema 12), and only
+/// on the CPU: their elements have no fixed size.
 ///
 /// The float8 types (`float8e4m3fn` … `float8e8m0`) take one byte per element. The 4-bit and
 /// 2-bit types (`int4`, `uint4`, `float4e2m1`, `int2`, `uint2`) are packed as ONNX packs them
@@ -144,10 +144,21 @@ impl DType {
         matches!(self, DType::U4 | DType::I4 | DType::U2 | DType::I2)
     }
 
-    /// Whether kiln's ABI and kernels have had this dtype since manifest schema 11 (the float8,
-    /// 4-bit and 2-bit types): a package lists them in `dtypes` only from that schema.
+    /// The manifest schema from which packages list this dtype in `dtypes` and the host passes
+    /// tensors of it (ABI.md §7.2): 11 for the float8, 4-bit and 2-bit types, 12 for `string`
+    /// (§6's string layout), 1 for the rest.
+    pub fn since_schema(self) -> u32 {
+        match self {
+            DType::String => 12,
+            d if d.is_minifloat() || d.is_narrow_int() => 11,
+            _ => 1,
+        }
+    }
+
+    /// Whether this is one of the dtypes of manifest schema 11 (the float8, 4-bit and 2-bit
+    /// types), which kernels take by their code.
     pub fn since_schema_11(self) -> bool {
-        self.is_minifloat() || self.is_narrow_int()
+        self.since_schema() == 11
     }
 
     /// The prelude's tag type of this dtype (`kiln.cuh`, ABI.md §7.3.1): `kiln_tag_f32`,

@@ -4,7 +4,8 @@
 //! text is `kernel-abi/ABI.md`; this crate holds the types that both sides share:
 //!
 //! - [`DType`]: element types, numbered as ONNX's `TensorProto.DataType`; [`minifloat`]: the
-//!   values of the float8, float4 and packed 4-bit/2-bit types.
+//!   values of the float8, float4 and packed 4-bit/2-bit types; [`strings`]: string tensors'
+//!   bytes.
 //! - [`wire`]: the little-endian encodings of a node call (host → shim), a kernel launch and a
 //!   GEMM descriptor (shim → host).
 //! - [`status`]: the return codes of shim exports and host imports.
@@ -29,6 +30,7 @@ pub mod philox;
 pub mod plan;
 pub mod sampling;
 pub mod status;
+pub mod strings;
 pub mod wire;
 
 #[cfg(feature = "manifest")]

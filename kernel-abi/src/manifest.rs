@@ -101,7 +101,8 @@ pub enum ManifestError {
 /// `conv` and runs its own kernels where the host answers `E_UNAVAILABLE`; schema 11 added the
 /// float8, float4e2m1, 4-bit and 2-bit dtypes ([`DType::since_schema_11`]): a package lists them
 /// in `dtypes` from schema 11, and the host passes tensors of them only to such packages;
-/// schema 12 added `cpu_tiles` to `[[ops]]` (CPU calls of one tile of the outputs).
+/// schema 12 added `cpu_tiles` to `[[ops]]` (CPU calls of one tile of the outputs) and string
+/// tensors ([`crate::strings`]) in `dtypes` and on the wire.
 pub const MANIFEST_SCHEMA: u32 = 12;
 
 /// The folder of a package whose files are its exported headers.
@@ -559,8 +560,9 @@ impl Manifest {
             if let Some(d) = op.dtypes.iter().find(|d| DType::from_name(d).is_none()) {
                 return bad(format!("ops[{i}]: unknown dtype {d:?}"));
             }
-            if let Some(d) = op.dtype_set().into_iter().find(|d| d.since_schema_11() && self.schema < 11) {
-                return bad(format!("ops[{i}]: dtype {d} comes with manifest schema 11: set `schema = 11`"));
+            if let Some(d) = op.dtype_set().into_iter().find(|d| d.since_schema() > self.schema) {
+                let n = d.since_schema();
+                return bad(format!("ops[{i}]: dtype {d} comes with manifest schema {n}: set `schema = {n}`"));
             }
             if op.max_rank > 64 {
                 return bad(format!("ops[{i}]: max_rank {} is over 64", op.max_rank));

@@ -529,12 +529,14 @@ fn check(pkg: &Package, entry: &OpEntry, q: &NodeQuery<'_>) -> Result<(), String
             ));
         }
     }
-    let narrow = q.input_dtypes.iter().enumerate().find_map(|(i, d)| d.filter(|d| d.since_schema_11()).map(|d| (i, d)));
-    if let Some((i, dtype)) = narrow.filter(|_| pkg.manifest.schema < 11) {
-        // Its shim predates the dtype code: it could not even decode the call.
+    let schema = pkg.manifest.schema;
+    let newer =
+        q.input_dtypes.iter().enumerate().find_map(|(i, d)| d.filter(|d| d.since_schema() > schema).map(|d| (i, d)));
+    if let Some((i, dtype)) = newer {
+        // Its shim predates the dtype's code or layout: it could not even decode the call.
         return Err(format!(
-            "input {i} is {dtype}, which packages see from manifest schema 11; this one follows schema {}",
-            pkg.manifest.schema
+            "input {i} is {dtype}, which packages see from manifest schema {}; this one follows schema {schema}",
+            dtype.since_schema()
         ));
     }
     if let Some(rank) = q.max_rank {
@@ -628,8 +630,9 @@ mod tests {
         assert!(note.contains("lost@1.0.0 (lost@1.0.0 depends on std ^3"), "{note}");
     }
 
-    /// A package before manifest schema 11 never sees a float8, 4-bit or 2-bit input, even on
-    /// an input its dtype list does not govern: its shim could not decode the call.
+    /// A package before manifest schema 11 never sees a float8, 4-bit or 2-bit input, nor one
+    /// before 12 a string, even on an input its dtype list does not govern: its shim could not
+    /// decode the call.
     #[test]
     fn narrow_dtypes_go_only_to_schema_11_packages() {
         let mut r = OpRegistry::new();
@@ -645,6 +648,13 @@ mod tests {
         new.manifest.schema = 11;
         r.add(new, BUILTIN);
         assert_eq!(r.resolve(&q).unwrap().package.id(), "new@1.0.0");
+        // Strings come with schema 12.
+        q.input_dtypes[1] = Some(DType::String);
+        let err = r.resolve(&q).map(|res| res.package.id()).unwrap_err().to_string();
+        assert!(
+            err.contains("input 1 is string, which packages see from manifest schema 12; this one follows schema 11"),
+            "{err}"
+        );
     }
 
     fn query(dtype: DType, opset: i64, rank: usize) -> NodeQuery<'static> {

@@ -249,7 +249,9 @@ fn sanitize(name: &str) -> String {
 /// The first few elements.
 fn preview(t: &Tensor) -> String {
     let n = t.numel().min(8);
-    let shown: Vec<String> = if t.dtype.is_float() || t.dtype.is_minifloat() {
+    let shown: Vec<String> = if let Ok(s) = t.strings() {
+        s.iter().take(n).map(|s| format!("{:?}", String::from_utf8_lossy(s))).collect()
+    } else if t.dtype.is_float() || t.dtype.is_minifloat() {
         conformance::to_f64_prefix(t, n).iter().map(|x| format!("{x:.6}")).collect()
     } else {
         (0..n).map(|i| conformance::int_value(t, i).to_string()).collect()

@@ -12,7 +12,7 @@ use kiln_registry::{DeviceCaps, NodeQuery, OpRegistry, Resolution};
 use super::shims::{node_call, opset_of, Shims};
 use crate::model::Model;
 use crate::sandbox::{Access, ArgTensor, CallKind};
-use crate::tensor::byte_size;
+use crate::tensor::{byte_size, least_byte_size};
 use crate::trace::Report;
 use crate::{Error, Result};
 
@@ -198,7 +198,7 @@ impl NodeTypes {
                             res.entry.max_rank
                         )));
                     }
-                    let nbytes = byte_size(dtype, &shape).map_err(|_| {
+                    let nbytes = least_byte_size(dtype, &shape).map_err(|_| {
                         Error::Model(format!(
                             "node {:?}: output {i} would be {dtype} {shape:?}, larger than memory can address",
                             node.name

@@ -1077,7 +1077,11 @@ impl Session {
         let key = infer_key(idx, &infer_ins);
         let call = Call { model: &self.model, shims: &mut self.shims, report: &mut self.report };
         let out_types = self.types.infer_keyed(call, idx, res, &infer_ins, key.clone())?;
+        // String tensors live on the host (ABI.md §6): a node that reads or makes one runs there.
+        let strings = inputs.iter().flatten().any(|v| v.dtype() == DType::String)
+            || out_types.iter().flatten().any(|(d, _)| *d == DType::String);
         let on_host = self.backend.gpu_ref().is_none()
+            || strings
             || (self.options.small_integer_nodes_on_host && Self::runs_on_host(&inputs, &out_types));
         // Shape arithmetic over device values (Shape of a fed tensor): the CPU reference runs
         // with those inputs opaque, and succeeds only when it never reads their bytes.

@@ -274,7 +274,7 @@ fn type_of(tp: &onnx_protobuf::TypeProto, name: &str) -> Result<Option<ValueType
     match &tp.value {
         None => Ok(None),
         Some(type_proto::Value::TensorType(t)) => {
-            let dtype = DType::from_code(t.elem_type).filter(|d| *d != DType::String).ok_or_else(|| {
+            let dtype = DType::from_code(t.elem_type).ok_or_else(|| {
                 Error::Unsupported(format!(
                     "value {name:?} has element type {} (ONNX code), which kiln does not support",
                     t.elem_type

@@ -17,13 +17,13 @@ use super::{ExternalData, MAX_TENSOR_BYTES};
 /// resolved by `ext`). `what` names the tensor in errors: `initializer "W"`,
 /// `node "c": attribute "value"`, `tensor "x"`.
 ///
-/// Errors: [`Error::Unsupported`] for a data type kiln does not run (strings, complex);
+/// Errors: [`Error::Unsupported`] for a data type kiln does not run (complex);
 /// [`Error::Model`] for a negative dimension, a shape whose size overflows or is over
 /// [`MAX_TENSOR_BYTES`], data whose size differs from the shape's, and bad external data
 /// (see [`ExternalData::slice`]); [`Error::Io`] for an external file that cannot be read.
 pub fn tensor_from_proto(t: &TensorProto, what: &str, ext: &ExternalData) -> Result<Tensor, Error> {
     let bad = |m: String| Error::Model(format!("{what}: {m}"));
-    let dtype = DType::from_code(t.data_type).filter(|d| *d != DType::String).ok_or_else(|| {
+    let dtype = DType::from_code(t.data_type).ok_or_else(|| {
         Error::Unsupported(format!(
             "{what} has data type {} (ONNX TensorProto code), which kiln does not support",
             t.data_type
@@ -32,6 +32,9 @@ pub fn tensor_from_proto(t: &TensorProto, what: &str, ext: &ExternalData) -> Res
     let mut shape = Vec::with_capacity(t.dims.len());
     for &d in &t.dims {
         shape.push(usize::try_from(d).map_err(|_| bad(format!("negative dimension {d}")))?);
+    }
+    if dtype == DType::String {
+        return string_tensor(t, what, shape);
     }
     let nbytes = byte_size(dtype, &shape).map_err(|_| bad(format!("shape {shape:?} overflows")))?;
     if nbytes > MAX_TENSOR_BYTES {
@@ -58,6 +61,28 @@ pub fn tensor_from_proto(t: &TensorProto, what: &str, ext: &ExternalData) -> Res
         return Err(size_mismatch(what, dtype, &shape, nbytes, data.len(), "the external data"));
     }
     Ok(Tensor { dtype, shape, data })
+}
+
+/// A string tensor from `string_data` (its elements as bytes; onnx.proto keeps strings nowhere
+/// else), counted against the shape before anything is allocated.
+fn string_tensor(t: &TensorProto, what: &str, shape: Vec<usize>) -> Result<Tensor, Error> {
+    let bad = |m: String| Error::Model(format!("{what}: {m}"));
+    let numel = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+    if numel != Some(t.string_data.len()) {
+        return Err(bad(format!(
+            "string {shape:?}: {} elements expected, string_data holds {}",
+            numel.map_or("too many".to_string(), |n| n.to_string()),
+            t.string_data.len()
+        )));
+    }
+    if t.data_location.value() == 1 || !t.raw_data.is_empty() {
+        return Err(bad("string tensors keep their elements in string_data, not raw or external data".into()));
+    }
+    let text: u64 = t.string_data.iter().map(|s| s.len() as u64).sum();
+    if text + 4 * (t.string_data.len() as u64 + 1) > MAX_TENSOR_BYTES {
+        return Err(bad(format!("{text} bytes of strings are over the limit of {MAX_TENSOR_BYTES}")));
+    }
+    Tensor::from_strings(shape, &t.string_data).map_err(|e| bad(e.to_string()))
 }
 
 fn size_mismatch(what: &str, dtype: DType, shape: &[usize], nbytes: u64, held: usize, source: &str) -> Error {
@@ -157,6 +182,25 @@ mod tests {
         assert_eq!((i4.dtype, i4.data.to_vec()), (DType::I4, vec![0x78, 0x0F]));
         let err = tensor_from_proto(&t(22, vec![5], vec![0x78, 0x0F]), "x", &ext).unwrap_err().to_string();
         assert!(err.contains("int4 [5]: 3 packed bytes expected, int32_data holds 2"), "{err}");
+    }
+
+    /// String tensors come from string_data, counted against the shape; raw data is refused.
+    #[test]
+    fn strings_read_from_string_data() {
+        let ext = ExternalData::default();
+        let t = |dims: Vec<i64>, vals: &[&str]| TensorProto {
+            name: "s".into(),
+            data_type: 8,
+            dims,
+            string_data: vals.iter().map(|v| v.as_bytes().to_vec()).collect(),
+            ..Default::default()
+        };
+        let s = tensor_from_proto(&t(vec![2], &["abc", "的"]), "s", &ext).unwrap();
+        assert_eq!(s.strings().unwrap(), [&b"abc"[..], "的".as_bytes()]);
+        let err = tensor_from_proto(&t(vec![3], &["abc", ""]), "s", &ext).unwrap_err().to_string();
+        assert!(err.contains("string [3]: 3 elements expected, string_data holds 2"), "{err}");
+        let raw = TensorProto { raw_data: vec![1, 2], ..t(vec![2], &["a", "b"]) };
+        assert!(tensor_from_proto(&raw, "s", &ext).unwrap_err().to_string().contains("not raw or external data"));
     }
 
     #[test]

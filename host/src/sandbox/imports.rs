@@ -158,10 +158,10 @@ pub(super) fn linker(engine: &Engine) -> Linker<CallState> {
                     format!("set_output: output {index} does not exist (the node has {} outputs)", st.n_outputs),
                 );
             }
-            let Some(dt) = DType::from_code(dtype).filter(|d| *d != DType::String) else {
+            let Some(dt) = DType::from_code(dtype) else {
                 return st.refuse(
                     E_ARG,
-                    format!("set_output: output {index}: dtype code {dtype} is not a fixed-size ONNX dtype"),
+                    format!("set_output: output {index}: dtype code {dtype} is not an ONNX dtype kiln has"),
                 );
             };
             if rank as u32 > MAX_RANK {
@@ -210,6 +210,14 @@ pub(super) fn linker(engine: &Engine) -> Linker<CallState> {
         match &slot.access {
             Access::Read(b) => mem[g].copy_from_slice(&b[r]),
             Access::Write(v) | Access::Window { bytes: v, .. } => mem[g].copy_from_slice(&v[r]),
+            Access::Strings(v) if r.end <= v.len() => mem[g].copy_from_slice(&v[r]),
+            Access::Strings(v) => {
+                let n = v.len();
+                return st.refuse(
+                    E_BOUNDS,
+                    format!("read: bytes {r:?} of string output {handle:#x} are past the {n} written"),
+                );
+            }
             Access::Opaque => return st.refuse(E_CALL, format!("read: handle {handle:#x} has no host bytes")),
         }
         0
@@ -230,6 +238,12 @@ pub(super) fn linker(engine: &Engine) -> Linker<CallState> {
         };
         match &mut slot.access {
             Access::Write(v) | Access::Window { bytes: v, .. } => v[r].copy_from_slice(&mem[g]),
+            Access::Strings(v) => {
+                if v.len() < r.end {
+                    v.resize(r.end, 0);
+                }
+                v[r].copy_from_slice(&mem[g])
+            }
             _ => return st.refuse(E_READONLY, format!("write: handle {handle:#x} is an input (read-only)")),
         }
         0

@@ -393,6 +393,42 @@ impl<'c, 'a> Tensor<'c, 'a> {
         self.write_bytes(&element::encode_as(self.dtype()?, values)?)
     }
 
+    /// The elements of a string tensor (ABI.md §6, [`crate::strings`]): inline for a value
+    /// input, else read through the host (CPU calls). Errors: another dtype, or bytes that are
+    /// not a string tensor of this shape.
+    pub fn read_strings(&self) -> Result<Vec<Vec<u8>>> {
+        let d = self.dtype()?;
+        if d != DType::String {
+            return Err(ShimError::Failed(format!("{}: a {d} tensor where strings are expected", self.what())));
+        }
+        let n = self.numel()?;
+        let bytes = match self.value() {
+            Some(v) => Vec::from(v),
+            None => {
+                let table = crate::strings::table_bytes(n)
+                    .ok_or_else(|| ShimError::Failed(format!("{}: too many strings", self.what())))?;
+                let refused = |c| ShimError::Failed(format!("reading {}: host refused ({c})", self.what()));
+                let mut all = vec![0u8; table];
+                host::read(self.desc.handle, 0, &mut all).map_err(refused)?;
+                let text = u32::from_le_bytes([all[4 * n], all[4 * n + 1], all[4 * n + 2], all[4 * n + 3]]) as usize;
+                all.resize(table + text, 0);
+                if text > 0 {
+                    host::read(self.desc.handle, table as u64, &mut all[table..]).map_err(refused)?;
+                }
+                all
+            }
+        };
+        let elements =
+            crate::strings::decode(&bytes, n).map_err(|e| ShimError::Failed(format!("{}: {e}", self.what())))?;
+        Ok(elements.into_iter().map(Vec::from).collect())
+    }
+
+    /// Writes a string tensor's elements (numel of them, in order; ABI.md §6).
+    pub fn write_strings<S: AsRef<[u8]>>(&self, elements: &[S]) -> Result<()> {
+        let bytes = crate::strings::encode(elements).map_err(|e| ShimError::Failed(format!("{}: {e}", self.what())))?;
+        self.write_bytes(&bytes)
+    }
+
     /// Writes `values` converted to this tensor's dtype from element `start` on (a tile's
     /// share, ABI.md §6.1.2). Errors: a packed dtype (whose elements share bytes).
     pub fn write_vec_at<T: Element>(&self, start: usize, values: &[T]) -> Result<()> {

@@ -105,8 +105,12 @@ fn convert(src: &Src, to: DType, n: Narrowing) -> Result<Vec<u8>> {
         (Src::F(v), to) if to.is_minifloat() => minifloat::pack(to, v.iter().map(|&x| minifloat_code(x, to, n))),
         (Src::I(v), to) if to.is_minifloat() => minifloat::pack(to, v.iter().map(|&x| minifloat_code(x as f64, to, n))),
         // Truncated toward zero (NaN → 0), then the low bits.
-        (Src::F(v), to) if to.is_narrow_int() => minifloat::pack(to, v.iter().map(|&x| minifloat::narrow_int_field(to, x as i64))),
-        (Src::I(v), to) if to.is_narrow_int() => minifloat::pack(to, v.iter().map(|&x| minifloat::narrow_int_field(to, x as i64))),
+        (Src::F(v), to) if to.is_narrow_int() => {
+            minifloat::pack(to, v.iter().map(|&x| minifloat::narrow_int_field(to, x as i64)))
+        }
+        (Src::I(v), to) if to.is_narrow_int() => {
+            minifloat::pack(to, v.iter().map(|&x| minifloat::narrow_int_field(to, x as i64)))
+        }
         (Src::F(v), DType::F64) => element::encode(v),
         (Src::F(v), DType::F32) => element::encode(&v.iter().map(|&x| x as f32).collect::<Vec<_>>()),
         (Src::F(v), DType::F16) => {

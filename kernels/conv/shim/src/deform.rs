@@ -150,10 +150,16 @@ pub fn cpu(call: &Call) -> Result<()> {
                         for i in 0..kh {
                             for j in 0..kw {
                                 let tap = (og * kh + i) * kw + j;
-                                let o = |k: usize| off[((b * p.offset_group * kh * kw * 2) + tap * 2 + k) * oh * ow + r * ow + q];
-                                let sy = (r * p.strides[0]) as f64 - p.pads[0] as f64 + (i * p.dilations[0]) as f64 + o(0);
-                                let sx = (q * p.strides[1]) as f64 - p.pads[1] as f64 + (j * p.dilations[1]) as f64 + o(1);
-                                let mk = mask.as_ref().map_or(1.0, |v| v[((b * p.offset_group * kh * kw) + tap) * oh * ow + r * ow + q]);
+                                let o = |k: usize| {
+                                    off[((b * p.offset_group * kh * kw * 2) + tap * 2 + k) * oh * ow + r * ow + q]
+                                };
+                                let sy =
+                                    (r * p.strides[0]) as f64 - p.pads[0] as f64 + (i * p.dilations[0]) as f64 + o(0);
+                                let sx =
+                                    (q * p.strides[1]) as f64 - p.pads[1] as f64 + (j * p.dilations[1]) as f64 + o(1);
+                                let mk = mask
+                                    .as_ref()
+                                    .map_or(1.0, |v| v[((b * p.offset_group * kh * kw) + tap) * oh * ow + r * ow + q]);
                                 acc += wt[((m * p.cg + ci) * kh + i) * kw + j] * mk * sample(map, h, w, sy, sx);
                             }
                         }

@@ -494,7 +494,15 @@ impl Shim for ConvShim {
 impl Geom {
     /// Launches `kiln_conv<tag>` (or the transposed one) over X, W, an optional bias and Z
     /// (with its strides over Y's axes) into Y: one thread per output element.
-    fn launch_direct(&self, tag: &str, x: u32, w: u32, bias: Option<u32>, z: Option<(u32, &[u64])>, y: u32) -> Result<()> {
+    fn launch_direct(
+        &self,
+        tag: &str,
+        x: u32,
+        w: u32,
+        bias: Option<u32>,
+        z: Option<(u32, &[u64])>,
+        y: u32,
+    ) -> Result<()> {
         let g = self;
         let k = g.input.len();
         let total = g.out_shape().iter().product::<usize>() as u64;

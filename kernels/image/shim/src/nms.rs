@@ -101,8 +101,7 @@ impl Plan {
             let bx = |i: usize| corners(&boxes[(b * self.spatial + i) * 4..][..4], self.center);
             for c in 0..self.classes {
                 let s = &scores[(b * self.classes + c) * self.spatial..][..self.spatial];
-                let mut cand: Vec<usize> =
-                    (0..self.spatial).filter(|&i| self.score.is_none_or(|t| s[i] > t)).collect();
+                let mut cand: Vec<usize> = (0..self.spatial).filter(|&i| self.score.is_none_or(|t| s[i] > t)).collect();
                 // Highest score first; the lower index first on equal scores.
                 cand.sort_by(|&i, &j| s[j].partial_cmp(&s[i]).unwrap_or(core::cmp::Ordering::Equal).then(i.cmp(&j)));
                 let mut taken: Vec<usize> = Vec::new();

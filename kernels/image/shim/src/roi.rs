@@ -126,7 +126,8 @@ pub fn cpu(call: &Call) -> Result<()> {
             rh = rh.max(1.0);
         }
         let (bh, bw) = (rh / p.oh as f64, rw / p.ow as f64);
-        let grid = |size: f64, bins: usize| if p.sampling > 0 { p.sampling } else { libm::ceil(size / bins as f64) as i64 };
+        let grid =
+            |size: f64, bins: usize| if p.sampling > 0 { p.sampling } else { libm::ceil(size / bins as f64) as i64 };
         let (gh, gw) = (grid(rh, p.oh), grid(rw, p.ow));
         let count = (gh * gw).max(1) as f64;
         for c in 0..p.c {

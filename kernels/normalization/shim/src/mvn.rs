@@ -19,7 +19,8 @@ struct Plan {
 impl Plan {
     /// Elements per combination of the kept axes, and combinations.
     fn counts(&self) -> (usize, usize) {
-        let of = |keep: bool| self.dims.iter().zip(&self.reduced).filter(|(_, &r)| r != keep).map(|(&d, _)| d).product();
+        let of =
+            |keep: bool| self.dims.iter().zip(&self.reduced).filter(|(_, &r)| r != keep).map(|(&d, _)| d).product();
         (of(false), of(true))
     }
 
@@ -54,8 +55,9 @@ fn plan(call: &Call) -> Result<Plan> {
     };
     let mut reduced = alloc::vec![false; dims.len()];
     for &a in &axes {
-        let i = shape::normalize_axis(a, dims.len())
-            .map_err(|_| ShimError::Failed(format!("MeanVarianceNormalization: axis {a} is outside rank {}", dims.len())))?;
+        let i = shape::normalize_axis(a, dims.len()).map_err(|_| {
+            ShimError::Failed(format!("MeanVarianceNormalization: axis {a} is outside rank {}", dims.len()))
+        })?;
         if reduced[i] {
             bail!("MeanVarianceNormalization: axis {a} is given twice");
         }
@@ -103,7 +105,10 @@ pub fn dispatch(call: &Call) -> Result<()> {
         return Ok(());
     }
     if p.dims.len() > 8 {
-        kiln_kernel_abi::unsupported!("MeanVarianceNormalization: rank {} (the CUDA kernel takes up to 8)", p.dims.len());
+        kiln_kernel_abi::unsupported!(
+            "MeanVarianceNormalization: rank {} (the CUDA kernel takes up to 8)",
+            p.dims.len()
+        );
     }
     let dtype = call.input(0)?.dtype()?;
     let tag = crate::gpu::kernel_tag(call, dtype)?;

@@ -47,7 +47,13 @@ fn plan(call: &Call) -> Result<Plan> {
     for d in 0..k {
         let v = (shape[2 + d] as i64 - 1) * strides[d] - pads[d] - pads[k + d] + kernel[d];
         if v < 1 || kernel[d] < 1 || strides[d] < 1 {
-            bail!("MaxUnpool: axis {d} unpools to {v} (kernel {}, stride {}, pads {} and {})", kernel[d], strides[d], pads[d], pads[k + d]);
+            bail!(
+                "MaxUnpool: axis {d} unpools to {v} (kernel {}, stride {}, pads {} and {})",
+                kernel[d],
+                strides[d],
+                pads[d],
+                pads[k + d]
+            );
         }
         unpooled.push(v as usize);
     }
@@ -132,5 +138,11 @@ pub fn dispatch(call: &Call) -> Result<()> {
     args.extend(dims8(&p.unpooled));
     args.extend(dims8(&p.out));
     args.push(KernelArg::Status);
-    launch(&Launch { kernel: "kiln_unpool", grid: grid_stride(n), block: [GRID_STRIDE_BLOCK, 1, 1], shared_mem_bytes: 0, args })
+    launch(&Launch {
+        kernel: "kiln_unpool",
+        grid: grid_stride(n),
+        block: [GRID_STRIDE_BLOCK, 1, 1],
+        shared_mem_bytes: 0,
+        args,
+    })
 }

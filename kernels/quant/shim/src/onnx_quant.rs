@@ -293,7 +293,9 @@ pub(crate) fn cpu(call: &Call) -> Result<()> {
             // A float8 or float4 zero point is ignored (ONNX's reference).
             let ignore_zp = x.dtype()?.is_minifloat();
             let z = |i| if ignore_zp { 0.0 } else { z(i) };
-            y.write_vec(&(0..xv.len()).map(|i| ((xv[i] - z(i)) as f32 * scale[p.param(i)] as f32) as f64).collect::<Vec<_>>())
+            y.write_vec(
+                &(0..xv.len()).map(|i| ((xv[i] - z(i)) as f32 * scale[p.param(i)] as f32) as f64).collect::<Vec<_>>(),
+            )
         }
         _ => {
             let (lo, hi) = xv.iter().fold((0f32, 0f32), |(lo, hi), &v| (lo.min(v as f32), hi.max(v as f32)));

@@ -192,7 +192,13 @@ pub fn dispatch(call: &Call) -> Result<()> {
     let geometry = [KernelArg::U64(p.n as u64), KernelArg::U64(p.outer as u64), KernelArg::U64(p.inner as u64)];
     let per_slice = |kernel: &str, mut args: Vec<KernelArg>| {
         args.extend(geometry);
-        launch(&Launch { kernel, grid: grid_stride(p.n as u64), block: [GRID_STRIDE_BLOCK, 1, 1], shared_mem_bytes: 0, args })
+        launch(&Launch {
+            kernel,
+            grid: grid_stride(p.n as u64),
+            block: [GRID_STRIDE_BLOCK, 1, 1],
+            shared_mem_bytes: 0,
+            args,
+        })
     };
     per_slice(&kernel_name("kiln_unique_first", &[tag]), alloc::vec![t(x), t(first)])?;
     // Absent outputs write into `pos` instead (sized for them), and are flagged off.

@@ -53,7 +53,9 @@ fn plan(call: &Call) -> Result<Plan> {
     let code = call.attr_i("output_datatype", 1)?;
     let dtype = match i32::try_from(code).ok().and_then(DType::from_code) {
         Some(d @ (DType::F32 | DType::F16 | DType::BF16 | DType::F64)) => d,
-        _ => unsupported!("MelWeightMatrix: output_datatype {code}; float32, float16, bfloat16 and float64 are supported"),
+        _ => unsupported!(
+            "MelWeightMatrix: output_datatype {code}; float32, float16, bfloat16 and float64 are supported"
+        ),
     };
     let mel = |f: f32| 2595.0f32 * libm::log10f(1.0 + f / 700.0);
     let (low, high) = (mel(lo), mel(hi));

@@ -14,8 +14,8 @@
 //! `kiln_tensor_compress`.
 
 use alloc::vec::Vec;
-use kiln_kernel_abi::{bail, unsupported};
 use kiln_kernel_abi::guest::*;
+use kiln_kernel_abi::{bail, unsupported};
 
 use crate::{axis, elem_size};
 

@@ -7,8 +7,8 @@
 //! device error 8).
 
 use alloc::vec::Vec;
-use kiln_kernel_abi::guest::*;
 use kiln_kernel_abi::bail;
+use kiln_kernel_abi::guest::*;
 
 use crate::{axis, elem_size};
 
