@@ -819,3 +819,38 @@ fn qlinear_matmul_saturates_out_of_range_results() {
         assert!(saturated > 0, "{dtype}: the case must leave the range");
     }
 }
+
+/// QuantizeLinear to float8 keeps the sign of −0 (ONNX's reference: `saturate_cast(x / scale)`,
+/// no zero point added), and float4e2m1 adds the zero point it is given; the codes are compared
+/// bit for bit, which the node tests (by value, −0 = +0) do not.
+#[test]
+fn quantize_to_float8_keeps_negative_zero_and_float4_adds_its_zero_point() {
+    let rt = runtime();
+    let x: Vec<u8> = [-0.0f32, 1.0, -3.0, 1000.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let scale = 1.0f32.to_le_bytes().to_vec();
+    let y = run_domain_op(
+        &rt,
+        "",
+        "QuantizeLinear",
+        vec![attr_int("output_dtype", DType::F8E4M3FN as i64)],
+        &[input(DType::F32, &[4], x.clone()), input(DType::F32, &[], scale.clone())],
+        &[1],
+        (DType::F8E4M3FN, &[4]),
+    )
+    .unwrap();
+    // -0, 1.0 (0.0111.000), -3.0 (1.1000.100), 1000 saturated to 448 (0.1111.110).
+    assert_eq!(&y.data[..], &[0x80, 0x38, 0xC4, 0x7E]);
+    // float4e2m1 with a zero point of 1.0 (code 0x2): -0 + 1 = 1.0 (0x2), 1 + 1 = 2.0 (0x4),
+    // -3 + 1 = -2.0 (0xC), 1001 saturated to 6.0 (0x7); packed low nibble first.
+    let y = run_domain_op(
+        &rt,
+        "",
+        "QuantizeLinear",
+        vec![],
+        &[input(DType::F32, &[4], x), input(DType::F32, &[], scale), input(DType::F4E2M1, &[], vec![0x2])],
+        &[1, 2],
+        (DType::F4E2M1, &[4]),
+    )
+    .unwrap();
+    assert_eq!(&y.data[..], &[0x42, 0x7C]);
+}

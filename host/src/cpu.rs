@@ -8,15 +8,16 @@ use crate::sandbox::{Access, ArgTensor, CallOutcome};
 use crate::tensor::byte_size;
 use crate::{Error, Result, Tensor};
 
-/// Writable output buffers for the inferred output types (`None`: absent output).
-pub fn output_args(types: &[Option<(DType, Vec<usize>)>]) -> Vec<Option<ArgTensor<'static>>> {
+/// Writable output buffers for the inferred output types (`None`: absent output); a string
+/// output grows to what the shim writes, up to `max_string_bytes` (the session's tensor limit).
+pub fn output_args(types: &[Option<(DType, Vec<usize>)>], max_string_bytes: u64) -> Vec<Option<ArgTensor<'static>>> {
     types
         .iter()
         .map(|t| {
             t.as_ref().map(|(dtype, shape)| {
                 let (n, access) = match dtype {
                     // Strings: as many bytes as the shim writes, up to the tensor limit.
-                    DType::String => (crate::model::MAX_TENSOR_BYTES, Access::Strings(Vec::new())),
+                    DType::String => (max_string_bytes, Access::Strings(Vec::new())),
                     d => {
                         let n = byte_size(*d, shape).unwrap_or(0);
                         (n, Access::Write(vec![0u8; n as usize]))
@@ -68,10 +69,10 @@ mod tests {
     #[test]
     fn string_outputs_grow_to_what_the_shim_wrote_and_are_checked() {
         let types = vec![Some((DType::String, vec![2]))];
-        let args = output_args(&types);
+        let args = output_args(&types, 1 << 20);
         let out = args[0].as_ref().unwrap();
         assert!(matches!(&out.access, Access::Strings(v) if v.is_empty()));
-        assert_eq!(out.nbytes, crate::model::MAX_TENSOR_BYTES, "room to grow");
+        assert_eq!(out.nbytes, 1 << 20, "room to grow, up to the limit");
         let outcome = |bytes: Vec<u8>| CallOutcome {
             slots: vec![Slot { dtype: Some(DType::String), nbytes: 0, access: Access::Strings(bytes), writable: true }],
             ..Default::default()

@@ -107,26 +107,62 @@ fn read_optional(bytes: &[u8]) -> Result<HostValue, Error> {
     Ok(HostValue::Optional(value.map(Box::new)))
 }
 
+/// NumPy's type codes of the dtypes `.npy` files hold as they are (little-endian; `<`, `|` or
+/// `=` before them).
+const NPY_CODES: [(&str, DType); 12] = [
+    ("f2", DType::F16),
+    ("f4", DType::F32),
+    ("f8", DType::F64),
+    ("i1", DType::I8),
+    ("i2", DType::I16),
+    ("i4", DType::I32),
+    ("i8", DType::I64),
+    ("u1", DType::U8),
+    ("u2", DType::U16),
+    ("u4", DType::U32),
+    ("u8", DType::U64),
+    ("b1", DType::Bool),
+];
+
 fn npy_dtype(descr: &str) -> Option<DType> {
     let (order, code) = descr.split_at_checked(1)?;
     if !matches!(order, "<" | "|" | "=") {
         return None;
     }
-    Some(match code {
-        "f2" => DType::F16,
-        "f4" => DType::F32,
-        "f8" => DType::F64,
-        "i1" => DType::I8,
-        "i2" => DType::I16,
-        "i4" => DType::I32,
-        "i8" => DType::I64,
-        "u1" => DType::U8,
-        "u2" => DType::U16,
-        "u4" => DType::U32,
-        "u8" => DType::U64,
-        "b1" => DType::Bool,
-        _ => return None,
-    })
+    NPY_CODES.iter().find(|(c, _)| *c == code).map(|(_, d)| *d)
+}
+
+/// A `.npy` array of NumPy's fixed-width unicode (`<U`width: UTF-32 code points, each element
+/// padded with zeros) as a string tensor, each element's trailing zeros dropped, as NumPy does.
+fn read_npy_unicode(data: &[u8], width: &str, shape: Vec<usize>) -> Result<Tensor, Error> {
+    let width: usize = width.parse().map_err(|_| Error::Input(format!("not a valid .npy file: dtype <U{width}")))?;
+    let numel = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+    let need = numel.and_then(|n| n.checked_mul(width)).and_then(|c| c.checked_mul(4));
+    let Some(need) = need.filter(|n| *n <= data.len()) else {
+        return Err(Error::Input(format!(
+            "the file holds {} data bytes, too few for shape {shape:?} of <U{width}",
+            data.len()
+        )));
+    };
+    let element = |e: &[u8]| -> Result<String, Error> {
+        let mut s = String::with_capacity(e.len() / 4);
+        for c in e.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])) {
+            s.push(char::from_u32(c).ok_or_else(|| {
+                Error::Input(format!("not a valid .npy file: {c:#x} is not a code point (in a <U array)"))
+            })?);
+        }
+        Ok(s.trim_end_matches('\0').to_string())
+    };
+    // Each element costs its offset (4 bytes) even when the file holds none of its text.
+    let numel = numel.filter(|n| (*n as u64).saturating_mul(4) <= crate::model::MAX_TENSOR_BYTES);
+    let Some(numel) = numel else {
+        return Err(Error::Input(format!("a string tensor of shape {shape:?} is over the tensor size limit")));
+    };
+    let elements: Vec<String> = match width {
+        0 => vec![String::new(); numel],
+        w => data[..need].chunks_exact(4 * w).map(element).collect::<Result<_, _>>()?,
+    };
+    Tensor::from_strings(shape, &elements)
 }
 
 /// Parses a `.npy` file (format versions 1–3, little-endian, C order; NumPy's
@@ -161,8 +197,12 @@ pub fn read_npy(bytes: &[u8]) -> Result<Tensor, Error> {
         .filter(|d| !d.is_empty())
         .map(|d| d.parse::<usize>().map_err(|_| bad(&format!("dimension {d:?} is not a number"))))
         .collect::<Result<Vec<usize>, Error>>()?;
-    let dtype = npy_dtype(descr)
-        .ok_or_else(|| Error::Input(format!("dtype {descr:?} is not supported (little-endian numbers and bools)")))?;
+    if let Some(width) = descr.strip_prefix("<U") {
+        return read_npy_unicode(&bytes[start + len..], width, shape);
+    }
+    let dtype = npy_dtype(descr).ok_or_else(|| {
+        Error::Input(format!("dtype {descr:?} is not supported (little-endian numbers, bools and unicode strings)"))
+    })?;
     let need = crate::tensor::byte_size(dtype, &shape)?;
     let data = &bytes[start + len..];
     if (data.len() as u64) < need {
@@ -200,24 +240,25 @@ pub fn write_npy(path: &Path, t: &Tensor) -> Result<(), Error> {
                 .collect();
             ("<f4".into(), widened.into())
         }
-        DType::F16 => ("<f2".into(), (&t.data[..]).into()),
-        DType::F32 => ("<f4".into(), (&t.data[..]).into()),
-        DType::F64 => ("<f8".into(), (&t.data[..]).into()),
-        DType::I8 => ("|i1".into(), (&t.data[..]).into()),
-        DType::I16 => ("<i2".into(), (&t.data[..]).into()),
-        DType::I32 => ("<i4".into(), (&t.data[..]).into()),
-        DType::I64 => ("<i8".into(), (&t.data[..]).into()),
-        DType::U8 => ("|u1".into(), (&t.data[..]).into()),
-        DType::U16 => ("<u2".into(), (&t.data[..]).into()),
-        DType::U32 => ("<u4".into(), (&t.data[..]).into()),
-        DType::U64 => ("<u8".into(), (&t.data[..]).into()),
-        DType::Bool => ("|b1".into(), (&t.data[..]).into()),
+        d if NPY_CODES.iter().any(|(_, n)| *n == d) => {
+            let code = NPY_CODES.iter().find(|(_, n)| *n == d).map_or("", |(c, _)| c);
+            let order = if d.size() == Some(1) { "|" } else { "<" };
+            (format!("{order}{code}").into(), (&t.data[..]).into())
+        }
         // NumPy's fixed-width unicode: UTF-32 code points, each element padded to the longest.
         DType::String => {
             let elements: Vec<Vec<char>> =
                 t.strings()?.iter().map(|s| String::from_utf8_lossy(s).chars().collect()).collect();
             let width = elements.iter().map(Vec::len).max().unwrap_or(0).max(1);
-            let mut data = Vec::with_capacity(elements.len() * width * 4);
+            // Every element padded to the longest: refused where that is past the tensor limit.
+            let size = elements.len().checked_mul(width).and_then(|c| c.checked_mul(4));
+            let Some(size) = size.filter(|s| *s as u64 <= crate::model::MAX_TENSOR_BYTES) else {
+                return Err(Error::Unsupported(format!(
+                    "writing {} strings padded to {width} characters as .npy: over the tensor size limit",
+                    elements.len()
+                )));
+            };
+            let mut data = Vec::with_capacity(size);
             for e in &elements {
                 for i in 0..width {
                     data.extend((e.get(i).map_or(0, |c| *c as u32)).to_le_bytes());
@@ -277,6 +318,24 @@ mod tests {
         assert!(read_tensor_file(&d.path().join("x.txt")).is_err());
     }
 
+    /// Strings go to NumPy's `<U` and come back; a `<U` file NumPy wrote (`np.save` of
+    /// `np.array(["ab", "的"])`: width 2) reads; a huge shape of empty strings is refused.
+    #[test]
+    fn string_tensors_round_trip_through_npy_unicode() {
+        let d = tempfile::tempdir().unwrap();
+        let t = Tensor::from_strings(vec![3], &["abc", "", "的x"]).unwrap();
+        let p = d.path().join("s.npy");
+        write_npy(&p, &t).unwrap();
+        assert_eq!(read_tensor_file(&p).unwrap().0, t);
+        let text: Vec<u8> = ['a', 'b', '的', '\0'].iter().flat_map(|c| (*c as u32).to_le_bytes()).collect();
+        let numpy = npy("{'descr': '<U2', 'fortran_order': False, 'shape': (2,), }", &text);
+        assert_eq!(read_npy(&numpy).unwrap().strings().unwrap(), [&b"ab"[..], "的".as_bytes()]);
+        let huge = npy("{'descr': '<U0', 'fortran_order': False, 'shape': (1000000000000,), }", &[]);
+        assert!(read_npy(&huge).unwrap_err().to_string().contains("over the tensor size limit"));
+        let short = npy("{'descr': '<U2', 'fortran_order': False, 'shape': (3,), }", &text);
+        assert!(read_npy(&short).is_err());
+    }
+
     fn npy(header: &str, data: &[u8]) -> Vec<u8> {
         let mut b = b"\x93NUMPY\x01\x00".to_vec();
         b.extend_from_slice(&(header.len() as u16).to_le_bytes());
@@ -308,7 +367,8 @@ mod tests {
             let header = format!("{{'descr': {descr}, 'fortran_order': False, 'shape': (1,), }}");
             let e = read_npy(&npy(&header, &[0; 4])).unwrap_err().to_string();
             assert!(
-                e.starts_with("dtype ") && e.ends_with(" is not supported (little-endian numbers and bools)"),
+                e.starts_with("dtype ")
+                    && e.ends_with(" is not supported (little-endian numbers, bools and unicode strings)"),
                 "{e}"
             );
         }

@@ -9,10 +9,13 @@
 //! - to a float8 or float4 type: round to nearest, ties to even, on the exact value; a rounded
 //!   value beyond the largest finite one (and ±inf) saturates to ±max when `saturate`, else it
 //!   becomes ±inf (`float8e5m2`) or NaN (the others). `float4e2m1` has no inf or NaN, so it
-//!   always saturates, and NaN becomes `0x8` (−0), as ml_dtypes does;
+//!   always saturates, and NaN becomes `0x8` (−0), −NaN `0x0`, as ml_dtypes does; a NaN keeps its
+//!   sign where the target has signed NaNs (`float8e4m3fn`, `float8e5m2`);
 //! - the `fnuz` forms have no −0: a negative value that rounds to zero is +0, and NaN is `0x80`;
 //! - to `float8e8m0`: the float32 exponent, rounded up, down or to nearest by the fraction's
-//!   bits (`round_mode`), as `onnx.numpy_helper.to_float8e8m0` does; NaN and ±inf become `0xFF`.
+//!   bits (`round_mode`), as `onnx.numpy_helper.to_float8e8m0` does; NaN and ±inf become `0xFF`
+//!   (NaN) even when saturating, as that reference and ONNX's test data have it, where Cast-25's
+//!   table gives E8M0_MAX for inf.
 //!
 //! Packed elements (see [`DType::is_packed`]): element `i` sits in byte `i × bits / 8`, in the
 //! bits above `(i × bits) mod 8`; the first element takes the lowest bits.
@@ -79,14 +82,16 @@ pub fn to_f32(dtype: DType, bits: u8) -> f32 {
     let e = (bits >> f.man) & ((1 << f.exp) - 1);
     let m = bits & ((1 << f.man) - 1);
     let all_ones = (1 << f.exp) - 1;
+    // A NaN keeps its sign (Cast-25: -NaN stays -NaN where the target has one).
+    let nan = if negative { -f32::NAN } else { f32::NAN };
     match f.kind {
         Kind::Fnuz if bits == 0x80 => return f32::NAN,
-        Kind::FiniteNan if e == all_ones && m == (1 << f.man) - 1 => return f32::NAN,
+        Kind::FiniteNan if e == all_ones && m == (1 << f.man) - 1 => return nan,
         Kind::Ieee if e == all_ones => {
             return match (m, negative) {
                 (0, false) => f32::INFINITY,
                 (0, true) => f32::NEG_INFINITY,
-                _ => f32::NAN,
+                _ => nan,
             }
         }
         _ => {}
@@ -110,7 +115,8 @@ pub fn from_f64(dtype: DType, x: f64, saturate: bool) -> u8 {
         Kind::Ieee => sign | 0x7E,
         Kind::FiniteNan => sign | 0x7F,
         Kind::Fnuz => 0x80,
-        Kind::Finite => 0x8,
+        // No NaN: ml_dtypes' -0 for NaN, +0 for -NaN.
+        Kind::Finite => sign ^ 0x8,
     };
     let overflow = || -> u8 {
         match f.kind {
@@ -297,6 +303,11 @@ mod tests {
         assert_eq!(from_f64(DType::F8E4M3FNUZ, -1e-7, true), 0x00);
         assert_eq!(from_f64(DType::F8E4M3FN, -1e-7, true), 0x80);
         assert_eq!(from_f64(DType::F4E2M1, f64::NAN, true), 0x8);
+        assert_eq!(from_f64(DType::F4E2M1, -f64::NAN, true), 0x0);
+        // -NaN stays -NaN from float8e5m2 to float8e4m3fn.
+        let neg_nan = to_f32(DType::F8E5M2, 0xFE);
+        assert!(neg_nan.is_nan() && neg_nan.is_sign_negative());
+        assert_eq!(from_f64(DType::F8E4M3FN, neg_nan as f64, true), 0xFF);
         // Ties to even: 464 lies halfway between 448 (mantissa 110) and 480 (the NaN code).
         assert_eq!(from_f64(DType::F8E4M3FN, 464.0, false), 0x7E);
         assert_eq!(from_f64(DType::F4E2M1, 0.25, true), 0x0);

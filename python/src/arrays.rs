@@ -4,7 +4,9 @@
 use bytes::Bytes;
 use kiln_host::Tensor;
 use kiln_kernel_abi::DType;
-use numpy::{Element, PyArray1, PyArrayDyn, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{
+    Element, PyArray1, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods,
+};
 use pyo3::prelude::*;
 
 use crate::errors::{raise, IntoPy, Kind};
@@ -64,11 +66,31 @@ fn read<T: Le>(a: &Bound<'_, PyAny>) -> Option<PyResult<Tensor>> {
     Some(Tensor::new(T::DTYPE, view.shape().to_vec(), Bytes::from(bytes)).py_err())
 }
 
+/// A numpy array of `str` (dtype `<U`n, or `object` holding `str`, as onnxruntime takes string
+/// inputs) as a string tensor; `None` for another dtype.
+fn read_strings(what: &str, a: &Bound<'_, PyAny>) -> Option<PyResult<Tensor>> {
+    let u = a.cast::<PyUntypedArray>().ok()?;
+    let kind = u.dtype().kind();
+    if kind != b'U' && kind != b'O' {
+        return None;
+    }
+    let shape = u.shape().to_vec();
+    let elements =
+        a.call_method0("ravel").and_then(|r| r.call_method0("tolist")).and_then(|l| l.extract::<Vec<String>>());
+    Some(match elements {
+        Ok(e) => Tensor::from_strings(shape, &e).py_err(),
+        Err(_) => Err(raise(Kind::InvalidInput, format!("{what}: an object array whose elements are not all str"))),
+    })
+}
+
 /// `a` (a numpy array) as a tensor. `what` names it in errors. Errors: not a numpy array, or a
-/// dtype kiln has no tensors of (complex, strings, objects).
+/// dtype kiln has no tensors of (complex, objects other than str).
 pub fn to_tensor(what: &str, a: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     if a.cast::<PyUntypedArray>().is_err() {
         return Err(raise(Kind::InvalidInput, format!("{what}: a numpy.ndarray, not {}", a.get_type().name()?)));
+    }
+    if let Some(t) = read_strings(what, a) {
+        return t;
     }
     read::<f32>(a)
         .or_else(|| read::<f64>(a))
@@ -94,10 +116,20 @@ fn write<'py, T: Le>(py: Python<'py>, t: &Tensor) -> PyResult<Bound<'py, PyAny>>
     Ok(PyArray1::from_vec(py, v).reshape(t.shape.clone())?.into_any())
 }
 
-/// A new numpy array with `t`'s values. Errors: a dtype numpy has no array of (bfloat16,
-/// strings).
+/// A new numpy array with `t`'s values; strings as an `object` array of `str`, as onnxruntime
+/// returns them (bytes that are not UTF-8 replaced by U+FFFD). Errors: a dtype numpy has no
+/// array of (bfloat16, float8, 4-bit and 2-bit types).
 pub fn to_numpy<'py>(py: Python<'py>, name: &str, t: &Tensor) -> PyResult<Bound<'py, PyAny>> {
     match t.dtype {
+        DType::String => {
+            let elements: Vec<String> =
+                t.strings().py_err()?.iter().map(|s| String::from_utf8_lossy(s).into_owned()).collect();
+            let np = py.import("numpy")?;
+            let kwargs = pyo3::types::PyDict::new(py);
+            kwargs.set_item("dtype", np.getattr("object_")?)?;
+            let flat = np.call_method("array", (elements,), Some(&kwargs))?;
+            flat.call_method1("reshape", (t.shape.clone(),))
+        }
         DType::F32 => write::<f32>(py, t),
         DType::F64 => write::<f64>(py, t),
         DType::F16 => write::<half::f16>(py, t),

@@ -249,3 +249,21 @@ def test_the_cuda_provider_matches_onnxruntime():
     while not gen.is_done():
         gen.generate_next_token()
     assert gen.get_sequence(0).tolist()[len(run["prompt_token_ids"]):] == run["generated_token_ids"][:8]
+
+
+def test_string_tensors_match_onnxruntime():
+    """StringConcat, StringSplit, RegexFullMatch (RE2's ASCII \\w) and Equal of strings
+    (python/tests/data/strings.onnx), fed a str array and an object array as onnxruntime
+    takes them; string outputs come back as object arrays of str, as onnxruntime gives them."""
+    model = str(ROOT / "python" / "tests" / "data" / "strings.onnx")
+    sess = kiln.InferenceSession(model, providers=CPU)
+    ref = ort.InferenceSession(model, providers=CPU)
+    words = ["banana", "monday", "Tuesday", "a", "的a", "x y"]
+    want = ref.run(None, {"x": np.array(words, dtype=object)})
+    for x in (np.array(words), np.array(words, dtype=object)):
+        got = sess.run(None, {"x": x})
+        for out, g, w in zip(sess.get_outputs(), got, want):
+            assert g.dtype == w.dtype and g.shape == w.shape, out.name
+            assert (g == w).all(), f"{out.name}: {g} != {w}"
+    with pytest.raises(kiln.InvalidInput):
+        sess.run(None, {"x": np.array([b"bytes", 1], dtype=object)})

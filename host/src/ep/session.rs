@@ -332,6 +332,7 @@ impl Session {
         let shape_only = vec![None; g.nodes.len()];
         let mut shims = Shims::new(rt, launch_limits, conv);
         shims.split = options.cpu_split;
+        shims.max_tensor_bytes = max_tensor_bytes;
         let mut types = NodeTypes::new(caps, max_tensor_bytes);
         let started = std::time::Instant::now();
         let folded = super::prepare::prepare(&mut model, &mut types, &mut shims, &mut report)?;
@@ -1479,7 +1480,7 @@ impl Session {
                 })
             })
             .collect();
-        let args = node_call(&node, opset, args_in, cpu::output_args(out_types));
+        let args = node_call(&node, opset, args_in, cpu::output_args(out_types, self.shims.max_tensor_bytes));
         let n_in = inputs.iter().flatten().count();
         match self.shims.call(&res.package, CallKind::Cpu, args, &mut self.report) {
             Ok(outcome) => cpu::collect_outputs(outcome, n_in, out_types).map(Some),

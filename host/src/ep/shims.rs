@@ -68,6 +68,8 @@ pub(super) struct Shims {
     spares: HashMap<String, Vec<ShimInstance>>,
     /// How CPU nodes are split into tiles.
     pub split: CpuSplit,
+    /// The session's largest tensor, in bytes: how far a CPU call's string output may grow.
+    pub max_tensor_bytes: u64,
     /// The device's launch limits, which every `launch` of a dispatch is checked against
     /// (`None`: the sandbox's defaults, on the CPU).
     launch_limits: Option<LaunchLimits>,
@@ -77,7 +79,15 @@ pub(super) struct Shims {
 
 impl Shims {
     pub fn new(rt: Arc<Runtime>, launch_limits: Option<LaunchLimits>, conv: ConvService) -> Shims {
-        Shims { rt, instances: HashMap::new(), spares: HashMap::new(), split: CpuSplit::default(), launch_limits, conv }
+        Shims {
+            rt,
+            instances: HashMap::new(),
+            spares: HashMap::new(),
+            split: CpuSplit::default(),
+            max_tensor_bytes: crate::model::MAX_TENSOR_BYTES,
+            launch_limits,
+            conv,
+        }
     }
 
     /// A new instance of `pkg`'s shim with the session's launch limits and `conv` service.
@@ -151,7 +161,7 @@ impl Shims {
         let outputs = match tiles {
             Some(tiles) => self.run_tiles(&res.package, node, opset, &tiles, args_in(true), out_types, report)?,
             None => {
-                let args = node_call(node, opset, args_in(true), cpu::output_args(out_types));
+                let args = node_call(node, opset, args_in(true), cpu::output_args(out_types, self.max_tensor_bytes));
                 let outcome = self.call(&res.package, CallKind::Cpu, args, report)?;
                 cpu::collect_outputs(outcome, n_in, out_types)?
             }

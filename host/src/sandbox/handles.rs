@@ -17,9 +17,9 @@ pub enum Access {
     /// A tile's share of a CPU output (ABI.md §6.1.2): `bytes` are the tensor's bytes from
     /// `start`; reads and writes elsewhere in the tensor are refused.
     Window { start: u64, bytes: Vec<u8> },
-    /// A string output of a CPU call (ABI.md §6): empty at first, it grows to the bytes the shim
-    /// writes, up to the slot's `nbytes` (the session's tensor limit); the host checks them as a
-    /// string tensor of the output's shape after the call.
+    /// A string output of a CPU call (ABI.md §6): empty at first, it grows by the bytes the shim
+    /// writes at its end, up to the slot's `nbytes` (the session's tensor limit); the host checks
+    /// them as a string tensor of the output's shape after the call.
     Strings(Vec<u8>),
     /// Bytes the shim cannot reach (device memory during dispatch; anything during inference).
     Opaque,

@@ -238,6 +238,17 @@ pub(super) fn linker(engine: &Engine) -> Linker<CallState> {
         };
         match &mut slot.access {
             Access::Write(v) | Access::Window { bytes: v, .. } => v[r].copy_from_slice(&mem[g]),
+            // A string output grows only by what is written at its end (no gaps to fill).
+            Access::Strings(v) if r.start > v.len() => {
+                let n = v.len();
+                return st.refuse(
+                    E_BOUNDS,
+                    format!(
+                        "write: string output {handle:#x} has {n} bytes; a write may start at most there, not at {}",
+                        r.start
+                    ),
+                );
+            }
             Access::Strings(v) => {
                 if v.len() < r.end {
                     v.resize(r.end, 0);

@@ -52,10 +52,11 @@ __device__ __forceinline__ float kiln_minifloat_to_f32(unsigned code, unsigned b
     const bool negative = (bits >> (width - 1)) != 0;
     const unsigned e = (bits >> f.man) & ((1u << f.exp) - 1), m = bits & ((1u << f.man) - 1);
     const unsigned ones = (1u << f.exp) - 1;
+    const float nan = __int_as_float(negative ? 0xffc00000 : 0x7fc00000);  // a NaN keeps its sign
     if (f.kind == 2 && bits == 0x80) return __int_as_float(0x7fc00000);
-    if (f.kind == 1 && e == ones && m == (1u << f.man) - 1) return __int_as_float(0x7fc00000);
+    if (f.kind == 1 && e == ones && m == (1u << f.man) - 1) return nan;
     if (f.kind == 0 && e == ones) {
-        if (m != 0) return __int_as_float(0x7fc00000);
+        if (m != 0) return nan;
         return negative ? __int_as_float(0xff800000) : __int_as_float(0x7f800000);
     }
     const float mag = e == 0 ? ldexpf((float)m, 1 - f.bias - f.man)
@@ -68,7 +69,7 @@ __device__ __forceinline__ unsigned kiln_minifloat_from_f64(unsigned code, doubl
     const KilnMiniFormat f = kiln_mini_format(code);
     const unsigned sign = signbit(x) ? 1u << (f.exp + f.man) : 0u;
     const unsigned maxc = sign | ((unsigned)(f.emax + f.bias) << f.man) | (unsigned)f.max_man;
-    const unsigned nan = f.kind == 0 ? (sign | 0x7E) : f.kind == 1 ? (sign | 0x7F) : f.kind == 2 ? 0x80u : 0x8u;
+    const unsigned nan = f.kind == 0 ? (sign | 0x7E) : f.kind == 1 ? (sign | 0x7F) : f.kind == 2 ? 0x80u : (sign ^ 0x8u);
     const unsigned overflow = (saturate || f.kind == 3) ? maxc : f.kind == 0 ? (sign | 0x7C) : nan;
     const unsigned zero = f.kind == 2 ? 0u : sign;
     if (x != x) return nan;

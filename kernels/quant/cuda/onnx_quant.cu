@@ -74,10 +74,12 @@ __device__ __forceinline__ unsigned long long oq_quantize(const typename Tag::st
     const bool has_zp = flags & 1;
     const float q = kiln_to_f32(Tag(), x[i]) / kiln_to_f32(Tag(), scale[p]);
     if (oq_is_float(ycode)) {
-        const float z = has_zp && ycode == KILN_DT_F4E2M1
-                            ? kiln_minifloat_to_f32(ycode, kiln_packed_get((const unsigned char*)zp, 4, p))
-                            : 0.f;
-        return kiln_minifloat_from_f64(ycode, (double)(q + z), (flags >> 1) & 1);
+        // float4e2m1 adds a zero point it is given; a float8 one is ignored (no + 0, which would
+        // turn -0 into +0).
+        const float v = has_zp && ycode == KILN_DT_F4E2M1
+                            ? q + kiln_minifloat_to_f32(ycode, kiln_packed_get((const unsigned char*)zp, 4, p))
+                            : q;
+        return kiln_minifloat_from_f64(ycode, (double)v, (flags >> 1) & 1);
     }
     const float r = rintf(q);
     const long long z = has_zp ? oq_load(zp, p, ycode) : 0;

@@ -282,10 +282,12 @@ pub(crate) fn cpu(call: &Call) -> Result<()> {
                         y.write_vec(&(0..xv.len()).map(y_i).collect::<Vec<f64>>())
                     }
                     Quantized::Float(d) => {
-                        // float4e2m1 adds its zero point; a float8 one must be 0 and is ignored.
-                        let zf = |i| if d == DType::F4E2M1 { z(i) as f32 } else { 0.0 };
+                        // float4e2m1 adds a zero point it is given; a float8 one must be 0 and is
+                        // ignored (no `+ 0`, which would turn -0 into +0).
+                        let add_zp = d == DType::F4E2M1 && !zp.is_empty();
+                        let v = |i| if add_zp { q(i) + z(i) as f32 } else { q(i) };
                         let saturate = call.attr_i("saturate", 1)? != 0;
-                        let codes = (0..xv.len()).map(|i| minifloat::from_f64(d, (q(i) + zf(i)) as f64, saturate));
+                        let codes = (0..xv.len()).map(|i| minifloat::from_f64(d, v(i) as f64, saturate));
                         y.write_bytes(&minifloat::pack(d, codes))
                     }
                 };

@@ -4,8 +4,8 @@
 //! - StringConcat-20: `x + y` element by element, with multidirectional broadcasting.
 //! - StringSplit-20: each element split at `delimiter` (every occurrence, consecutive ones giving
 //!   empty strings) or, without one or with an empty one, at runs of whitespace (leading and
-//!   trailing ignored), at most `maxsplit` times (the rest in the last substring), as Python's
-//!   `str.split`; Y is X's shape plus the most substrings of any element, padded with "", and
+//!   trailing ignored), at most `maxsplit` times (negative: no limit; the rest in the last
+//!   substring), as Python's `str.split`; Y is X's shape plus the most substrings of any element, padded with "", and
 //!   Z (int64, X's shape) counts each element's substrings.
 //! - StringNormalizer-10: the elements of a [C] or [1, C] X that are not `stopwords`
 //!   (compared as they are with `is_case_sensitive`, else in lower case), then changed to
@@ -14,8 +14,9 @@
 //! - Equal-19 of strings: byte-wise equality, with broadcasting, as bool.
 //! - RegexFullMatch-20: whether each element matches `pattern` whole, as bool. The pattern is
 //!   RE2's syntax as the regex crate reads it (regex-automata: no backreferences or
-//!   lookaround, as RE2); `\w`, `\d`, `\s` and `\b` are Unicode-aware where RE2's are ASCII,
-//!   which differs only for text beyond ASCII. An element that is not UTF-8 does not match.
+//!   lookaround, as RE2), with RE2's ASCII meaning of `\w`, `\d`, `\s`, `\b` and their
+//!   negations ([`re2_classes`]); `.` and `(?i)` are Unicode-aware, as RE2's. An element that is
+//!   not UTF-8 does not match.
 //!
 //! Elements are bytes; whitespace splitting and case changes need UTF-8 and refuse other bytes.
 #![no_std]
@@ -33,6 +34,11 @@ fn utf8<'s>(op: &str, s: &'s [u8]) -> Result<&'s str> {
     core::str::from_utf8(s).map_err(|_| ShimError::Failed(format!("{op}: an element is not UTF-8")))
 }
 
+/// Python's `str.isspace`: Unicode's White_Space and the ASCII separators U+001C to U+001F.
+fn space(c: char) -> bool {
+    c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
+}
+
 /// StringSplit's substrings of one element.
 fn split<'s>(s: &'s [u8], delimiter: &[u8], maxsplit: Option<usize>) -> Result<Vec<&'s [u8]>> {
     let max = maxsplit.unwrap_or(usize::MAX);
@@ -40,15 +46,15 @@ fn split<'s>(s: &'s [u8], delimiter: &[u8], maxsplit: Option<usize>) -> Result<V
     if delimiter.is_empty() {
         // Runs of whitespace; leading and trailing ones ignored.
         let text = utf8("StringSplit", s)?;
-        let mut rest = text.trim_start();
+        let mut rest = text.trim_start_matches(space);
         while !rest.is_empty() {
             if out.len() == max {
                 out.push(rest.as_bytes()); // the rest as it is, as Python keeps it
                 break;
             }
-            let end = rest.find(char::is_whitespace).unwrap_or(rest.len());
+            let end = rest.find(space).unwrap_or(rest.len());
             out.push(&rest.as_bytes()[..end]);
-            rest = rest[end..].trim_start();
+            rest = rest[end..].trim_start_matches(space);
         }
         return Ok(out);
     }
@@ -72,10 +78,8 @@ fn split_attrs(call: &Call) -> Result<(Vec<u8>, Option<usize>)> {
     let delimiter = Vec::from(call.attr_s("delimiter", "")?.as_bytes());
     let maxsplit = match call.attr("maxsplit") {
         None => None,
-        Some(_) => match call.attr_i("maxsplit", 0)? {
-            m if m >= 0 => Some(m as usize),
-            m => bail!("StringSplit: maxsplit {m} is negative"),
-        },
+        // A negative one is no limit, as Python's -1.
+        Some(_) => usize::try_from(call.attr_i("maxsplit", 0)?).ok(),
     };
     Ok((delimiter, maxsplit))
 }
@@ -130,12 +134,75 @@ fn normalized_shape(op: &str, x: &[usize], kept: usize) -> Result<Vec<usize>> {
     }
 }
 
-/// RegexFullMatch's matcher: `pattern` anchored at both ends.
+/// `pattern` with RE2's ASCII Perl classes in place of the regex crate's Unicode ones: `\w`,
+/// `\d`, `\s` (and `\W`, `\D`, `\S`) become the ASCII classes `[:word:]`, `[:digit:]` and
+/// RE2's `[\t\n\f\r ]`, inside or outside brackets, and `\b`, `\B` ASCII word boundaries.
+/// Other escapes pass through whole, so an escaped backslash never starts one.
+fn re2_classes(pattern: &str) -> String {
+    let mut out = String::with_capacity(pattern.len() + 16);
+    let mut depth = 0usize; // nesting of [...] classes
+    let mut chars = pattern.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => {
+                let Some(e) = chars.next() else {
+                    out.push('\\');
+                    break;
+                };
+                let class = match e {
+                    'w' => Some(("[:word:]", "[[:word:]]")),
+                    'W' => Some(("[:^word:]", "[^[:word:]]")),
+                    'd' => Some(("[:digit:]", "[[:digit:]]")),
+                    'D' => Some(("[:^digit:]", "[^[:digit:]]")),
+                    's' => Some((r"\t\n\x0C\r ", r"[\t\n\x0C\r ]")),
+                    // Inside brackets POSIX's class, which also excludes \v.
+                    'S' => Some(("[:^space:]", r"[^\t\n\x0C\r ]")),
+                    _ => None,
+                };
+                match (e, class) {
+                    (_, Some((inside, outside))) => out.push_str(if depth > 0 { inside } else { outside }),
+                    ('b' | 'B', _) if depth == 0 => {
+                        out.push_str("(?-u:\\");
+                        out.push(e);
+                        out.push(')');
+                    }
+                    _ => {
+                        out.push('\\');
+                        out.push(e);
+                    }
+                }
+            }
+            '[' => {
+                depth += 1;
+                out.push(c);
+                // A leading `]` (or `^]`) is a literal, not the end of the class.
+                if chars.peek() == Some(&'^') {
+                    out.push(chars.next().unwrap_or('^'));
+                }
+                if chars.peek() == Some(&']') {
+                    out.push(chars.next().unwrap_or(']'));
+                }
+            }
+            ']' if depth > 0 => {
+                depth -= 1;
+                out.push(c);
+            }
+            _ => out.push(c),
+        }
+    }
+    out
+}
+
+/// RegexFullMatch's matcher: `pattern` (RE2's classes, [`re2_classes`]) anchored at both ends.
 fn full_match(call: &Call) -> Result<regex_automata::meta::Regex> {
     let pattern = call.attr_s("pattern", "")?;
-    regex_automata::meta::Regex::new(&format!(r"\A(?:{pattern})\z")).map_err(|e| {
+    let bad = |e: regex_automata::meta::BuildError| {
         ShimError::Failed(format!("RegexFullMatch: pattern {pattern:?} is not a valid regular expression: {e}"))
-    })
+    };
+    // The pattern alone first: one like `a)|(b` must not become valid inside the anchors.
+    let classes = re2_classes(pattern);
+    regex_automata::meta::Regex::new(&classes).map_err(bad)?;
+    regex_automata::meta::Regex::new(&format!(r"\A(?:{classes})\z")).map_err(bad)
 }
 
 fn strings_of(t: &Tensor) -> Result<Vec<Vec<u8>>> {
