@@ -43,7 +43,7 @@
 #   attn       decode attention variants (built-in, .gpu/variants/*): bench rows and ncu at context 3840
 #   longctx    ncu: time, DRAM throughput, occupancy and stalls of the decode attention kernels at
 #              batch 8, context 3840
-#   sanitize-ops  compute-sanitizer memcheck over node tests of every op added for issue 11 (five
+#   sanitize-ops  compute-sanitizer memcheck over node tests of every op added for issue 11 (seven
 #              conformance processes, --filter lists)
 #   conv       convolutions through cuDNN: where cuDNN is, its GPU test (against the CPU, and the
 #              fallback with --cudnn off), the node tests on CUDA, the small real models, and
@@ -199,6 +199,7 @@ for w in glob.glob(".gpu/python/*.whl"):
       "test_if,test_loop,test_scan,test_sequence,test_optional,test_split_to_sequence,test_concat_from_sequence"
       "test_quantizelinear,test_dequantizelinear,test_dynamicquantizelinear,test_qlinearmatmul,test_matmulinteger,test_nllloss,test_sce,test_attention,test_rotary_embedding,test_rms_normalization"
       "test_nonzero,test_compress,test_unique,test_nonmaxsuppression,test_roialign,test_mvn,test_maxunpool,test_det,test_tensorscatter,test_stft,test_melweightmatrix,test_convinteger,test_qlinearconv,test_deform_conv,test_basic_deform_conv"
+      "test_cast_FLOAT_to_FLOAT8,test_cast_FLOAT16_to_INT4,test_cast_UINT2,test_cast_FLOAT_to_FLOAT4E2M1,test_cast_e8m0,test_cast_no_saturate,test_castlike_FLOAT_to_FLOAT8E4M3FN"
     )
     for g in "${groups[@]}"; do
       compute-sanitizer --tool memcheck --report-api-errors no "$KILN" conformance .cache/onnx-node-1.20.0/node --device cuda \
