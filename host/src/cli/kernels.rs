@@ -224,7 +224,9 @@ fn why_node(a: &WhyArgs, model_path: &std::path::Path, name: &str) -> Result<Exi
 /// The error for a node name the model does not have: the names that contain its last path
 /// segment (case-insensitively), else those under its parent path, else the first few.
 fn no_node<'a>(model: &std::path::Path, name: &str, names: impl Iterator<Item = &'a String>) -> crate::Error {
-    let names: Vec<&String> = names.collect();
+    // Each name once, in the model's order (the names before fusion and after share most).
+    let mut seen = std::collections::HashSet::new();
+    let names: Vec<&String> = names.filter(|n| seen.insert(*n)).collect();
     let key = name.rsplit('/').find(|s| !s.is_empty()).unwrap_or(name).to_lowercase();
     let mut like: Vec<&str> =
         names.iter().filter(|n| n.to_lowercase().contains(&key)).take(8).map(|n| n.as_str()).collect();

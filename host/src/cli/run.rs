@@ -24,7 +24,8 @@ pub struct RunArgs {
     /// atol 1e-7). Exits with status 5 on a mismatch.
     #[arg(long = "expect", value_name = "NAME=FILE")]
     pub expect: Vec<String>,
-    /// Where outputs are written as NAME.npy (bfloat16 outputs as float32, which NumPy lacks).
+    /// Where outputs are written as NAME.npy (NumPy lacks some dtypes: bfloat16, float8 and
+    /// float4 as float32, int4 and int2 as int8, uint4 and uint2 as uint8; strings as `<U`).
     #[arg(long, value_name = "DIR", default_value = "kiln-out")]
     pub output_dir: PathBuf,
     /// Print nodes, packages, Wasm calls and time per op.
@@ -250,7 +251,17 @@ fn sanitize(name: &str) -> String {
 fn preview(t: &Tensor) -> String {
     let n = t.numel().min(8);
     let shown: Vec<String> = if let Ok(s) = t.strings() {
-        s.iter().take(n).map(|s| format!("{:?}", String::from_utf8_lossy(s))).collect()
+        // Each string up to 40 characters, as the elements are up to 8.
+        let short = |s: &[u8]| {
+            let text = String::from_utf8_lossy(s);
+            match text.char_indices().nth(40) {
+                Some((cut, _)) => format!("{:?}…", &text[..cut]),
+                None => format!("{text:?}"),
+            }
+        };
+        s.iter().take(n).map(|s| short(s)).collect()
+    } else if t.dtype == kiln_kernel_abi::DType::Bool {
+        t.data.iter().take(n).map(|b| (*b != 0).to_string()).collect()
     } else if t.dtype.is_float() || t.dtype.is_minifloat() {
         conformance::to_f64_prefix(t, n).iter().map(|x| format!("{x:.6}")).collect()
     } else {

@@ -9,8 +9,9 @@
 //!   Z (int64, X's shape) counts each element's substrings.
 //! - StringNormalizer-10: the elements of a [C] or [1, C] X that are not `stopwords`
 //!   (compared as they are with `is_case_sensitive`, else in lower case), then changed to
-//!   `case_change_action` (`LOWER`, `UPPER`, `NONE`) by Unicode's default case mapping (not
-//!   `locale`); when no element remains, one "" ([1] or [1, 1]), as onnxruntime.
+//!   `case_change_action` (`LOWER`, `UPPER`, `NONE`) character by character, by Unicode's
+//!   one-to-one case mappings as C's `towupper`/`towlower` and onnxruntime (`locale` is not
+//!   read); when no element remains, one "" ([1] or [1, 1]), as onnxruntime.
 //! - Equal-19 of strings: byte-wise equality, with broadcasting, as bool.
 //! - RegexFullMatch-20: whether each element matches `pattern` whole, as bool. The pattern is
 //!   RE2's syntax as the regex crate reads it (regex-automata: no backreferences or
@@ -116,12 +117,22 @@ fn normalize(call: &Call, x: &[Vec<u8>]) -> Result<Vec<String>> {
             continue;
         }
         out.push(match action {
-            "LOWER" => s.to_lowercase(),
-            "UPPER" => s.to_uppercase(),
+            "LOWER" => s.chars().map(|c| simple_case(c, c.to_lowercase())).collect(),
+            "UPPER" => s.chars().map(|c| simple_case(c, c.to_uppercase())).collect(),
             _ => String::from(s),
         });
     }
     Ok(out)
+}
+
+/// A character's case mapping where it is one character, else the character itself: the
+/// one-to-one mapping of C's `towupper`/`towlower`, which onnxruntime applies (`ß` stays `ß`
+/// in upper case, where Unicode's full mapping gives `SS`).
+fn simple_case(c: char, mut mapped: impl Iterator<Item = char>) -> char {
+    match (mapped.next(), mapped.next()) {
+        (Some(m), None) => m,
+        _ => c,
+    }
 }
 
 /// StringNormalizer's output shape for X's and `kept` elements (one "" when none is kept).
@@ -197,7 +208,12 @@ fn re2_classes(pattern: &str) -> String {
 fn full_match(call: &Call) -> Result<regex_automata::meta::Regex> {
     let pattern = call.attr_s("pattern", "")?;
     let bad = |e: regex_automata::meta::BuildError| {
-        ShimError::Failed(format!("RegexFullMatch: pattern {pattern:?} is not a valid regular expression: {e}"))
+        // The parser's own message says what is wrong and where.
+        let why = match e.syntax_error() {
+            Some(syntax) => format!("{syntax}"),
+            None => format!("{e}"),
+        };
+        ShimError::Failed(format!("RegexFullMatch: pattern {pattern:?} is not a valid regular expression: {why}"))
     };
     // The pattern alone first: one like `a)|(b` must not become valid inside the anchors.
     let classes = re2_classes(pattern);
