@@ -874,3 +874,62 @@ fn inverse_dft_matches_the_exact_transform() {
     }
     assert!(worst < 1e-5, "max |kiln − exact| = {worst}");
 }
+
+/// String tensors move through the order-keeping shape ops (kiln-tensor's Reshape, Identity,
+/// Unsqueeze, Flatten) and into kiln-string's ops; a string op that no package runs for strings
+/// (Transpose) is refused by name.
+#[test]
+fn string_tensors_flow_through_shape_ops_and_string_ops() {
+    const STRING: i32 = 8;
+    let shape = onnx::TensorProto {
+        name: "shape".into(),
+        data_type: 7,
+        dims: vec![2],
+        int64_data: vec![3, 2],
+        ..Default::default()
+    };
+    let m = onnx::model(
+        vec![
+            node("Reshape", &["x", "shape"], &["r"], vec![]),
+            node("Identity", &["r"], &["i"], vec![]),
+            node("StringConcat", &["i", "i"], &["c"], vec![]),
+            node("Unsqueeze", &["c", "axes"], &["u"], vec![]),
+            node("Flatten", &["u"], &["y"], vec![attr_int("axis", 2)]),
+        ],
+        vec![value("x", STRING, &[2, 3])],
+        vec![value("y", STRING, &[])],
+        vec![
+            shape,
+            onnx::TensorProto {
+                name: "axes".into(),
+                data_type: 7,
+                dims: vec![1],
+                int64_data: vec![0],
+                ..Default::default()
+            },
+        ],
+    );
+    let mut m = m;
+    m.opset_import[0].version = 21;
+    m.graph.as_mut().unwrap().output[0].type_.as_mut().unwrap().mut_tensor_type().shape.clear();
+    let loaded = model::load_bytes(&onnx::bytes(&m), None).unwrap();
+    let mut s = Session::new(kiln_tests::builtin_runtime(), loaded, SessionOptions::default()).unwrap();
+    let x = kiln_host::Tensor::from_strings(vec![2, 3], &["a", "b", "c", "d", "e", "的"]).unwrap();
+    let y = s.run(vec![("x".into(), x)]).unwrap().remove(0).1;
+    assert_eq!(y.shape, vec![3, 2], "Flatten at axis 2 of [1, 3, 2]");
+    let want = ["aa", "bb", "cc", "dd", "ee", "的的"];
+    assert_eq!(y.strings().unwrap(), want.iter().map(|w| w.as_bytes()).collect::<Vec<_>>());
+    // Transpose of strings: no package claims it.
+    let t = onnx::model(
+        vec![node("Transpose", &["x"], &["y"], vec![])],
+        vec![value("x", STRING, &[2, 3])],
+        vec![value("y", STRING, &[3, 2])],
+        vec![],
+    );
+    let err = model::load_bytes(&onnx::bytes(&t), None)
+        .and_then(|m| Session::new(kiln_tests::builtin_runtime(), m, SessionOptions::default()))
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("Transpose") && err.contains("string"), "{err}");
+}
