@@ -20,8 +20,9 @@ impl Tensor {
     /// one of `shape`'s elements, ABI.md §6, `kiln_kernel_abi::strings`).
     pub fn new(dtype: DType, shape: Vec<usize>, data: Bytes) -> Result<Tensor, Error> {
         if dtype == DType::String {
-            let numel = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-            let ok = numel.ok_or(strings::StringsError::TooLarge).and_then(|n| strings::decode(&data, n).map(|_| ()));
+            let ok = checked_numel(&shape)
+                .ok_or(strings::StringsError::TooLarge)
+                .and_then(|n| strings::decode(&data, n).map(|_| ()));
             return match ok {
                 Ok(()) => Ok(Tensor { dtype, shape, data }),
                 Err(e) => Err(Error::Input(format!("a string tensor of shape {shape:?}: {e}"))),
@@ -106,10 +107,13 @@ pub fn least_byte_size(dtype: DType, shape: &[usize]) -> Result<u64, Error> {
     if dtype != DType::String {
         return byte_size(dtype, shape);
     }
-    shape
-        .iter()
-        .try_fold(1usize, |a, &d| a.checked_mul(d))
+    checked_numel(shape)
         .and_then(strings::table_bytes)
         .map(|b| b as u64)
         .ok_or_else(|| Error::Input(format!("a string tensor of shape {shape:?} has too many elements")))
+}
+
+/// The number of elements of `shape`, or `None` when it overflows `usize`.
+pub fn checked_numel(shape: &[usize]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d))
 }

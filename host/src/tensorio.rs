@@ -136,7 +136,7 @@ fn npy_dtype(descr: &str) -> Option<DType> {
 /// padded with zeros) as a string tensor, each element's trailing zeros dropped, as NumPy does.
 fn read_npy_unicode(data: &[u8], width: &str, shape: Vec<usize>) -> Result<Tensor, Error> {
     let width: usize = width.parse().map_err(|_| Error::Input(format!("not a valid .npy file: dtype <U{width}")))?;
-    let numel = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+    let numel = crate::tensor::checked_numel(&shape);
     let need = numel.and_then(|n| n.checked_mul(width)).and_then(|c| c.checked_mul(4));
     let Some(need) = need.filter(|n| *n <= data.len()) else {
         return Err(Error::Input(format!(

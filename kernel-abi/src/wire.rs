@@ -430,6 +430,13 @@ pub enum KernelArg {
     Counters(u32),
 }
 
+impl KernelArg {
+    /// The tensor named by `handle`, from its first byte.
+    pub fn tensor(handle: u32) -> KernelArg {
+        KernelArg::Tensor { handle, offset: 0 }
+    }
+}
+
 /// Most words of a launch's [`KernelArg::Counters`].
 pub const MAX_COUNTERS: u32 = 4096;
 

@@ -67,7 +67,7 @@ pub fn tensor_from_proto(t: &TensorProto, what: &str, ext: &ExternalData) -> Res
 /// else), counted against the shape before anything is allocated.
 fn string_tensor(t: &TensorProto, what: &str, shape: Vec<usize>) -> Result<Tensor, Error> {
     let bad = |m: String| Error::Model(format!("{what}: {m}"));
-    let numel = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+    let numel = crate::tensor::checked_numel(&shape);
     if numel != Some(t.string_data.len()) {
         return Err(bad(format!(
             "string {shape:?}: {} elements expected, string_data holds {}",

@@ -180,7 +180,7 @@ pub fn dispatch(call: &Call) -> Result<()> {
     }
     let Some(tag) = p.dtype.cuda_tag() else { unsupported!("DeformConv: no CUDA kernel for {}", p.dtype) };
     let x = call.input(0)?.handle();
-    let t = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
+    let t = KernelArg::tensor;
     let (bias, mask) = (call.input_opt(3).map(|b| b.handle()), call.input_opt(4).map(|b| b.handle()));
     let u = |v: usize| KernelArg::U64(v as u64);
     launch(&Launch {

@@ -509,7 +509,7 @@ impl Geom {
         if total == 0 {
             return Ok(());
         }
-        let t = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
+        let t = KernelArg::tensor;
         // conv.cu's CV_BIAS, CV_Z, CV_RELU.
         let flags = bias.is_some() as u32 | (z.is_some() as u32) << 1 | (g.relu as u32) << 2;
         let mut args = alloc::vec![

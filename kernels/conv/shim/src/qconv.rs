@@ -163,7 +163,7 @@ pub fn dispatch(call: &Call, g: &Geom) -> Result<()> {
     }
     let at = inputs(op);
     let (x, w) = (call.input(0)?, call.input(at.w)?);
-    let t = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
+    let t = KernelArg::tensor;
     // X and W less their zero points, as f64, in scratch (an absent zero point: X's own first
     // element with the flag off).
     let widen_into = |src: &Tensor, zero: Option<Tensor>, zero_count: usize, inner: usize| -> Result<u32> {

@@ -147,7 +147,7 @@ pub fn dispatch(call: &Call) -> Result<()> {
     let chosen = scratch(pairs * p.cap as u64 * 8)?;
     let counts = scratch(pairs * 8)?;
     let flags = scratch(pairs * p.spatial as u64)?;
-    let t = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
+    let t = KernelArg::tensor;
     launch(&Launch {
         kernel: "kiln_nms_select",
         grid: grid_stride(pairs),

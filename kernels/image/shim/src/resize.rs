@@ -451,7 +451,7 @@ fn launch_pass(p: &Plan, dims: &[usize], a: &Axis, src: (&str, u32), dst: (&str,
     let outer: u64 = dims[..a.axis].iter().map(|&d| d as u64).product();
     let inner: u64 = dims[a.axis + 1..].iter().map(|&d| d as u64).product();
     let total = outer * a.out_len as u64 * inner;
-    let arg = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
+    let arg = KernelArg::tensor;
     launch(&Launch {
         kernel: &kernel_name("kiln_resize_axis", &[src.0, dst.0]),
         grid: grid_stride(total),

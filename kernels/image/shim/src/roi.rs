@@ -168,7 +168,7 @@ pub fn dispatch(call: &Call) -> Result<()> {
         return Ok(());
     }
     let Some(tag) = call.input(0)?.dtype()?.cuda_tag() else { unsupported!("RoiAlign: no CUDA kernel") };
-    let t = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
+    let t = KernelArg::tensor;
     launch(&Launch {
         kernel: &kiln_kernel_abi::names::kernel_name("kiln_roi_align", &[tag]),
         grid: grid_stride(total as u64),

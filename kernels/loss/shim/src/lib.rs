@@ -174,7 +174,7 @@ impl Shim for Loss {
             Reduction::None => loss.handle(),
             _ => scratch((2 * positions).max(1) * esize)?,
         };
-        let t = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
+        let t = KernelArg::tensor;
         if positions > 0 {
             launch(&Launch {
                 kernel: &kernel_name("kiln_loss", &[tag]),

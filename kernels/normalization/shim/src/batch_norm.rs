@@ -123,7 +123,7 @@ pub fn dispatch(call: &Call) -> Result<()> {
     let x = call.input(0)?;
     let dtype = x.dtype()?;
     let Some(tag) = dtype.cuda_tag() else { unsupported!("{OP}: no CUDA kernel for {dtype}") };
-    let t = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
+    let t = KernelArg::tensor;
     let total = (p.n * p.c * p.s) as u64;
     if p.c == 0 {
         return Ok(());

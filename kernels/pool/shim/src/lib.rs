@@ -377,7 +377,7 @@ impl Shim for Pool {
         }
         let y = call.output(0)?;
         let idx = call.output_opt(1);
-        let t = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
+        let t = KernelArg::tensor;
         let mut args = vec![
             t(call.input(0)?.handle()),
             t(y.handle()),

@@ -124,7 +124,7 @@ pub fn dispatch(call: &Call) -> Result<()> {
     if n == 0 {
         return Ok(());
     }
-    let t = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
+    let t = KernelArg::tensor;
     let mut args = alloc::vec![
         t(call.input(0)?.handle()),
         t(call.input(1)?.handle()),

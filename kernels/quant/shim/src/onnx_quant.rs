@@ -317,10 +317,6 @@ pub(crate) fn cpu(call: &Call) -> Result<()> {
     }
 }
 
-fn targ(h: u32) -> KernelArg {
-    KernelArg::Tensor { handle: h, offset: 0 }
-}
-
 pub(crate) fn dispatch(call: &Call) -> Result<()> {
     let op = call.op_type();
     infer(call)?;
@@ -350,10 +346,10 @@ pub(crate) fn dispatch(call: &Call) -> Result<()> {
             }
             let name = if quant { "kiln_quantize_linear" } else { "kiln_dequantize_linear" };
             let mut args = alloc::vec![
-                targ(x.handle()),
-                targ(scale.handle()),
-                targ(zp.as_ref().map_or(x.handle(), |z| z.handle())),
-                targ(y.handle()),
+                KernelArg::tensor(x.handle()),
+                KernelArg::tensor(scale.handle()),
+                KernelArg::tensor(zp.as_ref().map_or(x.handle(), |z| z.handle())),
+                KernelArg::tensor(y.handle()),
                 KernelArg::U64(n as u64),
                 // Flags: bit 0 a zero point is given, bit 1 `saturate` (to float8).
                 KernelArg::U32(u32::from(zp.is_some()) | u32::from(saturate) << 1),
@@ -385,7 +381,7 @@ pub(crate) fn dispatch(call: &Call) -> Result<()> {
                 grid: [1, 1, 1],
                 block: [1024, 1, 1],
                 shared_mem_bytes: 0,
-                args: alloc::vec![targ(x.handle()), targ(s), targ(z), n64],
+                args: alloc::vec![KernelArg::tensor(x.handle()), KernelArg::tensor(s), KernelArg::tensor(z), n64],
             })?;
             if n == 0 {
                 return Ok(());
@@ -395,7 +391,13 @@ pub(crate) fn dispatch(call: &Call) -> Result<()> {
                 grid: [grid_for(n), 1, 1],
                 block: [BLOCK, 1, 1],
                 shared_mem_bytes: 0,
-                args: alloc::vec![targ(x.handle()), targ(s), targ(z), targ(y.handle()), n64],
+                args: alloc::vec![
+                    KernelArg::tensor(x.handle()),
+                    KernelArg::tensor(s),
+                    KernelArg::tensor(z),
+                    KernelArg::tensor(y.handle()),
+                    n64
+                ],
             })
         }
     }

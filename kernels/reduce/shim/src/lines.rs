@@ -176,7 +176,7 @@ pub fn dispatch(call: &Call) -> Result<()> {
     if lines == 0 || l.n == 0 {
         return Ok(());
     }
-    let t = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
+    let t = KernelArg::tensor;
     let mut args = vec![
         t(call.input(0)?.handle()),
         t(call.output(0)?.handle()),

@@ -125,7 +125,7 @@ pub fn dispatch(call: &Call) -> Result<()> {
     if lines == 0 || p.k == 0 {
         return Ok(());
     }
-    let t = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
+    let t = KernelArg::tensor;
     launch(&Launch {
         kernel: &names::kernel_name("kiln_topk", &[tag]),
         grid: grid_stride(lines),

@@ -186,7 +186,7 @@ pub fn dispatch(call: &Call) -> Result<()> {
         return Ok(());
     }
     let Some(tag) = p.dtype.cuda_tag() else { unsupported!("Unique: no CUDA kernel for {}", p.dtype) };
-    let t = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
+    let t = KernelArg::tensor;
     let (first, pos) = (scratch(p.n as u64 * 8)?, scratch(p.n as u64 * 8)?);
     let x = call.input(0)?.handle();
     let geometry = [KernelArg::U64(p.n as u64), KernelArg::U64(p.outer as u64), KernelArg::U64(p.inner as u64)];

@@ -374,7 +374,7 @@ impl Shim for Rnn {
             return Ok(());
         }
         let x = call.input(0)?;
-        let t = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
+        let t = KernelArg::tensor;
         let opt = |i: usize| t(call.input_opt(i).map_or(x.handle(), |v| v.handle()));
         let out = |i: usize| call.output_opt(i).map(|v| v.handle());
         // Absent outputs are written nowhere (their flag is 0); any tensor stands in.

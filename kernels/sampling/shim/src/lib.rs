@@ -158,7 +158,7 @@ fn kernel_tag(dtype: DType) -> Result<&'static str> {
 fn sample_dispatch(call: &Call) -> Result<()> {
     let SamplePlan { b, s, v, l } = plan_sample(call)?;
     let kernel = kernel_name("kiln_sample", &[kernel_tag(call.input(0)?.dtype()?)?]);
-    let t = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
+    let t = KernelArg::tensor;
     let mut args: Vec<KernelArg> = (0..6).map(|i| Ok(t(call.input(i)?.handle()))).collect::<Result<_>>()?;
     args.extend([t(call.output(0)?.handle()), t(call.output(1)?.handle())]);
     args.extend([KernelArg::U64(s as u64), KernelArg::U64(v as u64), KernelArg::U64(l as u64), KernelArg::Status]);
@@ -211,7 +211,7 @@ impl Shim for Sampling {
         let (b_n, l) = plan(call)?;
         let mask = call.input(0)?;
         let kernel = kernel_name("kiln_append_mask", &[kernel_tag(mask.dtype()?)?]);
-        let t = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
+        let t = KernelArg::tensor;
         launch(&Launch {
             kernel: &kernel,
             grid: [1, 1, 1],

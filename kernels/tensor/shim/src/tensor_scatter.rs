@@ -95,7 +95,7 @@ pub fn dispatch(call: &Call) -> Result<()> {
     if n == 0 {
         return Ok(());
     }
-    let t = |h: u32| KernelArg::Tensor { handle: h, offset: 0 };
+    let t = KernelArg::tensor;
     let past = call.input(0)?.handle();
     let w = call.input_opt(2);
     launch(&Launch {
