@@ -6,6 +6,10 @@
 #              opset and dtype on random inputs and node tests, against the CPU reference), more
 #              than 10 minutes: VERIFY_PACKAGES="kiln-quant kiln-conv" picks some; no models built
 #              when it runs alone or with quick
+#   int4       the SmolLM2-architecture int4 CUDA folder (MatMulNBits weights, fp16 activations; the
+#              model builder's `-p int4 -e cuda`, made once per machine with its onnxruntime-CPU
+#              reference of the same graph, `--ref-only`), its GPU test, the 4-bit linear-op test, and
+#              kiln bench decode (graphs on, batch 1 and 8) fused and --no-fuse
 #   quick      the GPU tests that need no SmolLM2-architecture model (those are skipped by name),
 #              without building the models when it is the only phase: kernels, node tests,
 #              tiny-llama, attention, graphs and memory
@@ -68,7 +72,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,memory.u
 models=/tmp/kiln-models
 m=$models/smollm2-arch-fp16-cuda
 needs_models=0
-for phase in $phases; do case "$phase" in quick | verify | floor | probe | bw | cpu | sanitize-ops | big | conv | models) ;; *) needs_models=1 ;; esac; done
+for phase in $phases; do case "$phase" in quick | verify | floor | probe | bw | cpu | sanitize-ops | big | conv | models | int4) ;; *) needs_models=1 ;; esac; done
 if [ "$needs_models" = 1 ] && [ ! -f "$models/reference/smollm2-arch-ref.json" ]; then
   t0=$(date +%s)
   bash .gpu/device-fixtures/make-smollm2-arch.sh "$models" --results "$work/make" >"$work/make.log" 2>&1 ||
@@ -80,7 +84,14 @@ for phase in $phases; do
   t0=$(date +%s)
   case "$phase" in
   tests)
-    "$GPU_TESTS" --include-ignored --test-threads 1 --nocapture 2>&1 | tee "$out/gpu-tests.log" | grep -E "^test .*(ok|FAILED)$|test result"
+    # The int4 folder's test runs where `int4` made its folder (earlier in this call or on this
+    # warm machine); it is skipped by name otherwise, and says so.
+    skip_int4=()
+    if [ ! -f "$models/reference/smollm2-arch-int4-cuda-ref.json" ]; then
+      skip_int4=(--skip smollm2_arch_int4)
+      echo "tests: smollm2_arch_int4_on_the_gpu_matches_onnxruntime_on_its_graph skipped (run the int4 phase first)"
+    fi
+    "$GPU_TESTS" --include-ignored --test-threads 1 --nocapture "${skip_int4[@]}" 2>&1 | tee "$out/gpu-tests.log" | grep -E "^test .*(ok|FAILED)$|test result"
     summary+=("tests: $(grep -E '^test result' "$out/gpu-tests.log" | tail -1)")
     ;;
   bench)
@@ -249,6 +260,33 @@ for w in glob.glob(".gpu/python/*.whl"):
       grep -vE "Warning|warn\(|^\s*$" | tee "$out/models.log" | tail -40
     cp "$work/peers/model-peers.json" "$out/" 2>/dev/null
     summary+=("models: $(grep -c ' ms (' "$out/models.log") rows")
+    ;;
+  int4)
+    i4=$models/smollm2-arch-int4-cuda
+    if [ ! -f "$models/reference/smollm2-arch-int4-cuda-ref.json" ]; then
+      t1=$(date +%s)
+      (cd .gpu/device-fixtures && PYTHONPATH=. python3 - "$models" <<'PYEOF'
+import os, sys
+import make_smollm2_arch as m
+out = sys.argv[1]
+hf = os.path.join(out, "hf", f"{m.NAME}-random")
+if not os.path.isfile(os.path.join(hf, "config.json")):
+    m.make_hf(hf, m.INIT_RANGE)
+m.build(hf, os.path.join(out, f"{m.NAME}-int4-cuda"), "int4", "cuda", os.path.join(out, ".cache-int4"))
+PYEOF
+      ) >"$work/int4-make.log" 2>&1 &&
+        bash .gpu/device-fixtures/make-smollm2-arch.sh "$models" --ref-only "$i4" >>"$work/int4-make.log" 2>&1 ||
+        { tail -30 "$work/int4-make.log"; exit 1; }
+      echo "int4 folder and reference made in $(($(date +%s) - t1)) s"
+      du -sh "$i4"
+    fi
+    "$GPU_TESTS" --include-ignored --test-threads 1 --nocapture smollm2_arch_int4 quantized_linear 2>&1 |
+      tee "$out/int4.log" | grep -E "^smollm2|^test .*(ok|FAILED)$|test result|panicked"
+    for f in "" --no-fuse; do
+      # shellcheck disable=SC2086
+      "$KILN" bench decode "$i4" --batch 1 --batch 8 --graph on $f --runs 3 --report 2>&1
+    done | tee -a "$out/int4.log" | grep -vE "^\s*$" | head -60
+    summary+=("int4: $(grep -E '^test result' "$out/int4.log" | tail -1)")
     ;;
   quick)
     skip=()

@@ -517,12 +517,10 @@ fn verify_proves_every_decode_fusion_of_kiln_matmul_on_the_cpu() {
     let pkg = rt.registry.packages().find(|p| p.name() == "kiln-matmul").expect("kiln-matmul is built in").clone();
     let cases = fusion_cases(&rt, &pkg, Device::Cpu, 1);
     let names: std::collections::BTreeSet<&str> = cases.iter().map(|c| c.fusion.as_str()).collect();
-    assert_eq!(
-        names,
-        ["linear", "rmsnorm-linear", "skip-rmsnorm-linear", "skip-rmsnorm-linear-last", "skip-rmsnorm-mlp"]
-            .into_iter()
-            .collect()
-    );
+    let dense = ["linear", "rmsnorm-linear", "skip-rmsnorm-linear", "skip-rmsnorm-linear-last", "skip-rmsnorm-mlp"];
+    let want: std::collections::BTreeSet<String> =
+        dense.iter().flat_map(|d| [d.to_string(), format!("{d}-nbits")]).collect();
+    assert_eq!(names, want.iter().map(String::as_str).collect());
     for c in &cases {
         assert!(
             matches!(c.outcome, kiln_host::conformance::Outcome::Passed),
@@ -533,7 +531,100 @@ fn verify_proves_every_decode_fusion_of_kiln_matmul_on_the_cpu() {
         );
     }
     // float32, float16 and bfloat16 each.
-    assert_eq!(cases.len(), 15);
+    assert_eq!(cases.len(), 30);
+}
+
+/// A MatMulNBits model: X [2, 64] float32 times a 4-bit weight [N = 8, K = 64] with blocks of
+/// `block` values (uint8 [8, 64 / block, block / 2], scales [8, 64 / block]), attributes as
+/// given.
+fn matmul_nbits(block: usize, attributes: Vec<onnx::AttributeProto>) -> Model {
+    let (n, k) = (8usize, 64usize);
+    let kb = k / block;
+    let bytes: Vec<u8> = (0..n * kb * block / 2).map(|i| (i * 37 % 256) as u8).collect();
+    let mut nb = node("MatMulNBits", &["x", "B", "scales"], &["y"], attributes);
+    nb.domain = "com.microsoft".into();
+    let b = onnx::TensorProto {
+        name: "B".into(),
+        data_type: 2,
+        dims: vec![n as i64, kb as i64, (block / 2) as i64],
+        raw_data: bytes,
+        ..Default::default()
+    };
+    let scales = onnx::init_f32("scales", &[n as i64, kb as i64], &values(n * kb, 7));
+    let mut m = onnx::model(
+        vec![nb],
+        vec![value("x", F32, &[2, k as i64])],
+        vec![value("y", F32, &[2, n as i64])],
+        vec![b, scales],
+    );
+    m.opset_import.push(onnx::OperatorSetIdProto { domain: "com.microsoft".into(), version: 1, ..Default::default() });
+    model::load_bytes(&onnx::bytes(&m), None).unwrap()
+}
+
+#[test]
+fn matmul_nbits_fuses_only_with_the_attributes_its_pattern_names() {
+    let int = onnx::attr_int;
+    let x = f32_tensor(&[2, 64], &values(128, 3));
+    let attrs = |block: i64, extra: Vec<onnx::AttributeProto>| {
+        let mut a = vec![int("K", 64), int("N", 8), int("bits", 4), int("block_size", block)];
+        a.extend(extra);
+        a
+    };
+    let run_model = |m: Model, fuse: bool| {
+        let mut s = session(m, fuse);
+        let out = run(&mut s, vec![("x", x.clone())]);
+        (out, s.report.fusions.clone())
+    };
+    // Blocks of 32 with accuracy_level (any value: "*"): linear-nbits, equal to the unfused op.
+    let (fused, report) = run_model(matmul_nbits(32, attrs(32, vec![int("accuracy_level", 4)])), true);
+    assert!(report.applied.iter().any(|a| a.fusion == "linear-nbits"), "{}", report.render());
+    let (plain, _) = run_model(matmul_nbits(32, attrs(32, vec![int("accuracy_level", 4)])), false);
+    assert_eq!(fused, plain);
+    // Blocks of 16: the pattern needs 32, so MatMulNBits runs unfused, the reason reported.
+    let (_, report) = run_model(matmul_nbits(16, attrs(16, vec![])), true);
+    assert!(report.applied.is_empty(), "{}", report.render());
+    let why = &report.rejected.iter().find(|r| r.fusion == "linear-nbits").expect("linear-nbits rejected").reason;
+    assert!(why.contains("attribute block_size is 16, the pattern needs 32"), "{why}");
+    // N contradicting B's first dimension: not fused (the unfused op then refuses it).
+    let mut bad = attrs(32, vec![]);
+    bad[1] = int("N", 9);
+    let m = matmul_nbits(32, bad);
+    let options = SessionOptions { device: Device::Cpu, ..SessionOptions::default() };
+    let err = match Session::new(kiln_tests::builtin_runtime(), m, options) {
+        Ok(s) => panic!("N = 9 over B [8, 2, 16] was accepted: {}", s.report.fusions.render()),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("MatMulNBits"), "{err}");
+}
+
+#[test]
+fn an_int4_decoder_fused_gives_the_unfused_logits() {
+    // tiny-llama's int4 folder (MatMulNBits, float32 activations): every projection becomes a
+    // kiln-matmul op over the 4-bit weights (the host's qgemm on the CPU) with the same logits.
+    use kiln_host::genai::{Generator, ModelFolder};
+    let folder = kiln_tests::fixture("llm/tiny-llama-v512-int4-acc1-cpu");
+    let logits = |fuse: bool| {
+        let options = SessionOptions { device: Device::Cpu, fuse, ..SessionOptions::default() };
+        let mut g =
+            Generator::new(kiln_tests::builtin_runtime(), ModelFolder::open(&folder).unwrap(), options).unwrap();
+        let applied: Vec<String> = g.session.report.fusions.applied.iter().map(|a| a.fusion.clone()).collect();
+        let (mut kv, first) = g.prefill(&[vec![1, 15, 27, 300, 4]], 16).unwrap();
+        let next = g.decode(&mut kv, &[42]).unwrap();
+        g.free(kv);
+        (applied, first, next)
+    };
+    let (applied, f1, n1) = logits(true);
+    let (none, f0, n0) = logits(false);
+    assert!(none.is_empty());
+    for name in ["skip-rmsnorm-mlp-nbits", "skip-rmsnorm-linear-nbits", "rmsnorm-linear-nbits", "linear-nbits"] {
+        assert!(applied.iter().any(|a| a == name), "{name} not applied: {applied:?}");
+    }
+    for (a, b) in [(&f1, &f0), (&n1, &n0)] {
+        let (a, b) = (&a[0], &b[0]);
+        let worst = a.iter().zip(b.iter()).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert!(worst <= 1e-4 * scale.max(1.0), "fused vs unfused logits differ by {worst} (max |logit| {scale})");
+    }
 }
 
 #[test]

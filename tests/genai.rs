@@ -101,11 +101,22 @@ fn tiny_llama_int4_matches_onnxruntime_logits() {
 
 #[test]
 fn smollm2_int4_matches_onnxruntime_logits() {
-    // Fused: each layer's Sigmoid·Mul·Mul is one SwiGlu (the gate and up projections are
-    // MatMulNBits, so the larger gate-up pattern does not apply).
+    // Fused: kiln-matmul's `*-nbits` fusions take every MatMulNBits with the norm before it or
+    // the SwiGLU between gate/up and down: per layer one RmsNormLinear for QKV, a Linear for the
+    // output projection, RmsNormLinear over [gate | up] and SwiGluLinear; the final norm and
+    // the LM head one more RmsNormLinear.
     let mut g = generator("smollm2-135m-int4-acc1-cpu");
     let f = &g.session.report.fusions;
-    assert_eq!(f.applied_counts().get("swiglu"), Some(&30), "{}", f.render());
+    let counts = f.applied_counts();
+    for (name, n) in [
+        ("skip-rmsnorm-mlp-nbits", 30),
+        ("skip-rmsnorm-linear-nbits", 29),
+        ("rmsnorm-linear-nbits", 1),
+        ("linear-nbits", 30),
+        ("skip-rmsnorm-linear-last-nbits", 1),
+    ] {
+        assert_eq!(counts.get(name), Some(&n), "{name}: {}", f.render());
+    }
     teacher_forced_logits_match_with(&mut g, "smollm2-135m-int4-acc1-cpu");
 }
 

@@ -174,14 +174,20 @@ fn tiny_llama_fp16_on_the_gpu_matches_onnxruntime_within_f16_tolerances() {
 /// GPU machine (`KILN_DEVICE_MODELS`, default `/tmp/kiln-models`), with its onnxruntime fp32
 /// references: the four-prompt batch (right-padded) teacher-forced through a prefill and 16
 /// decode steps in one batch. `check(row, step, kiln logits, reference logits, reference step)`.
-fn smollm2_arch_teacher_forced(folder: &str, mut check: impl FnMut(usize, usize, &[f32], &[f32], &serde_json::Value)) {
+/// `reference` names the JSON in the references folder (`smollm2-arch-ref.json`, or
+/// `FOLDER-ref.json` from `make-smollm2-arch.sh --ref-only`).
+fn smollm2_arch_teacher_forced(
+    folder: &str,
+    reference: &str,
+    mut check: impl FnMut(usize, usize, &[f32], &[f32], &serde_json::Value),
+) {
     use kiln_host::genai::{Generator, ModelFolder};
     let root = device_models();
     let refs = root.join("reference");
-    let json_path = refs.join("smollm2-arch-ref.json");
+    let json_path = refs.join(reference);
     assert!(
         json_path.is_file(),
-        "{} is missing: build the models first (bash .gpu/device-fixtures/make-smollm2-arch.sh {})",
+        "{} is missing: build the models first (bash .gpu/device-fixtures/make-smollm2-arch.sh {}; `gpu-check.sh int4` makes the int4 folder and its reference)",
         json_path.display(),
         root.display()
     );
@@ -224,19 +230,43 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 #[ignore = "needs a CUDA GPU"]
 fn smollm2_arch_fp16_on_the_gpu_matches_the_fp32_reference_within_f16_tolerances() {
     let mut worst = 0f32;
-    smollm2_arch_teacher_forced("smollm2-arch-fp16-cuda", |row, step, kiln, reference, r| {
-        let d = max_abs_diff(kiln, reference);
-        worst = worst.max(d);
-        assert!(d <= 3.0, "row {row} step {step}: max |Δlogit| {d}");
-        let a = argmax(kiln) as i64;
-        let top5: Vec<i64> = r["top5_ids"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect();
-        if r["margin_top1_top2"].as_f64().unwrap() >= 1.0 {
-            assert_eq!(a, r["argmax"].as_i64().unwrap(), "row {row} step {step}: argmax");
-        } else {
-            assert!(top5.contains(&a), "row {row} step {step}: argmax {a} not in the reference top 5 {top5:?}");
-        }
+    smollm2_arch_teacher_forced("smollm2-arch-fp16-cuda", "smollm2-arch-ref.json", |row, step, kiln, reference, r| {
+        check_f16_rules(row, step, kiln, reference, r, &mut worst);
     });
     println!("smollm2-arch fp16: max |Δlogit| {worst}");
+}
+
+/// fixtures/device/README.md's rules for a 16-bit SmolLM2-architecture folder against a float32
+/// (or onnxruntime-CPU) reference: |Δlogit| ≤ 3; the same argmax where the reference's top-2
+/// margin is ≥ 1, elsewhere kiln's argmax within the reference top 5. `worst` takes the largest
+/// |Δlogit|.
+fn check_f16_rules(row: usize, step: usize, kiln: &[f32], reference: &[f32], r: &serde_json::Value, worst: &mut f32) {
+    let d = max_abs_diff(kiln, reference);
+    *worst = worst.max(d);
+    assert!(d <= 3.0, "row {row} step {step}: max |Δlogit| {d}");
+    let a = argmax(kiln) as i64;
+    let top5: Vec<i64> = r["top5_ids"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect();
+    if r["margin_top1_top2"].as_f64().unwrap() >= 1.0 {
+        assert_eq!(a, r["argmax"].as_i64().unwrap(), "row {row} step {step}: argmax");
+    } else {
+        assert!(top5.contains(&a), "row {row} step {step}: argmax {a} not in the reference top 5 {top5:?}");
+    }
+}
+
+/// The int4 SmolLM2-architecture folder (MatMulNBits weights with fp16 activations:
+/// `make-smollm2-arch.sh --extra-builds int4-cuda`, made by `gpu-check.sh int4`) on the GPU,
+/// fused (kiln-matmul's `*-nbits` fusions, the 4-bit GEMV at decode), teacher-forced against
+/// onnxruntime's CPU run of that same graph (`--ref-only`), with the f16 rules.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn smollm2_arch_int4_on_the_gpu_matches_onnxruntime_on_its_graph() {
+    let mut worst = 0f32;
+    smollm2_arch_teacher_forced(
+        "smollm2-arch-int4-cuda",
+        "smollm2-arch-int4-cuda-ref.json",
+        |row, step, kiln, reference, r| check_f16_rules(row, step, kiln, reference, r, &mut worst),
+    );
+    println!("smollm2-arch int4: max |Δlogit| {worst}");
 }
 
 /// The fp32 SmolLM2-architecture folder on the GPU against the same references: |Δlogit| ≤
@@ -246,7 +276,7 @@ fn smollm2_arch_fp16_on_the_gpu_matches_the_fp32_reference_within_f16_tolerances
 #[ignore = "needs a CUDA GPU"]
 fn smollm2_arch_fp32_on_the_gpu_matches_the_fp32_reference() {
     let mut worst = 0f32;
-    smollm2_arch_teacher_forced("smollm2-arch-fp32-cpu", |row, step, kiln, reference, r| {
+    smollm2_arch_teacher_forced("smollm2-arch-fp32-cpu", "smollm2-arch-ref.json", |row, step, kiln, reference, r| {
         let d = max_abs_diff(kiln, reference);
         worst = worst.max(d);
         assert!(d <= 1e-2, "row {row} step {step}: max |Δlogit| {d}");
@@ -1190,6 +1220,138 @@ fn linear_ops_match_their_cpu_reference() {
         }
     }
     assert_eq!(cases, 72);
+}
+
+/// kiln-matmul's linear ops over MatMulNBits weights (4 bits, default zero point; uint8 W
+/// `[N, k_blocks, block / 2]` and scales `[N, k_blocks]`) on the GPU against the same ops on the
+/// CPU (the host's `qgemm`), float32, float16 and bfloat16, random shapes: 1 to 16 rows (the
+/// 4-bit GEMV, 1 to 8 rows per block), 20 to 40 rows and K not a multiple of 32 (the weight
+/// dequantized for cuBLASLt), blocks of 32, 64 and 128. Linear's Y is also checked against
+/// float64 (A = X rounded to the dtype, W dequantized exactly). Tolerance: as
+/// `linear_ops_match_their_cpu_reference`, with K · 2^-22 scaled by the largest |scale| · 8.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn quantized_linear_ops_match_their_cpu_reference_and_float64() {
+    use kiln_tests::onnx::{self, node, value};
+    let mut r = kiln_tests::Rng(0x4b17);
+    let int = onnx::attr_int;
+    let mut cases = 0;
+    for (code, ulp, dtype) in [
+        (1i64, 2f32.powi(-23), kiln_kernel_abi::DType::F32),
+        (10, 2f32.powi(-10), kiln_kernel_abi::DType::F16),
+        (16, 2f32.powi(-7), kiln_kernel_abi::DType::BF16),
+    ] {
+        for op in ["Linear", "RmsNormLinear", "SwiGluLinear"] {
+            for case in 0..7 {
+                let rows = match case {
+                    0 => 1,
+                    1 => 3,
+                    2 => 8,
+                    3 => r.range(9, 17),
+                    4 => r.range(20, 41),
+                    _ => r.range(1, 5),
+                };
+                let block = [32usize, 64, 128][r.range(0, 3)];
+                let k = if case == 6 { 32 * r.range(1, 20) + 8 } else { 32 * r.range(1, 60) };
+                let kb = k.div_ceil(block);
+                let n = r.range(8, 300);
+                let x_last = if op == "SwiGluLinear" { 2 * k } else { k };
+                let x_shape = vec![rows, x_last];
+                let mut vals = |len: usize| -> Vec<f32> {
+                    (0..len).map(|_| ((r.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).collect()
+                };
+                let dims = |s: &[usize]| s.iter().map(|&d| d as i64).collect::<Vec<_>>();
+                let xv = vals(rows * x_last);
+                let mut feeds = vec![("x".to_string(), kiln_tests::f32_tensor(&x_shape, &xv))];
+                let mut inputs = vec!["xc"];
+                let mut casts = vec![node("Cast", &["x"], &["xc"], vec![int("to", code)])];
+                let mut outputs = vec!["y"];
+                if op == "RmsNormLinear" {
+                    feeds.push(("skip".into(), kiln_tests::f32_tensor(&x_shape, &vals(rows * k))));
+                    casts.push(node("Cast", &["skip"], &["skipc"], vec![int("to", code)]));
+                    inputs.push("skipc");
+                    outputs.push("sum");
+                    feeds.push(("gamma".into(), kiln_tests::f32_tensor(&[k], &vals(k))));
+                    casts.push(node("Cast", &["gamma"], &["gammac"], vec![int("to", code)]));
+                    inputs.push("gammac");
+                }
+                let wbytes: Vec<u8> = vals(n * kb * block / 2).iter().map(|v| ((v + 1.0) * 127.9) as u8).collect();
+                feeds.push((
+                    "w".into(),
+                    kiln_host::Tensor::new(kiln_kernel_abi::DType::U8, vec![n, kb, block / 2], wbytes.clone().into())
+                        .unwrap(),
+                ));
+                inputs.push("w");
+                // Scales of a magnitude that keeps Y near 1 (exact in every dtype: multiples of 1/256).
+                let sv: Vec<f32> = vals(n * kb).iter().map(|v| (v * 16.0).round() / 256.0).collect();
+                feeds.push(("scales".into(), kiln_tests::f32_tensor(&[n, kb], &sv)));
+                casts.push(node("Cast", &["scales"], &["scalesc"], vec![int("to", code)]));
+                inputs.push("scalesc");
+                let mut op_node = node(op, &inputs, &outputs, vec![]);
+                op_node.domain = "ai.kiln".into();
+                casts.push(op_node);
+                let graph_inputs = feeds
+                    .iter()
+                    .map(|(name, t)| value(name, if name == "w" { 2 } else { 1 }, &dims(&t.shape)))
+                    .collect();
+                let graph_outputs = outputs
+                    .iter()
+                    .map(|o| {
+                        let mut v = value(o, 1, &[]);
+                        v.type_ = Default::default();
+                        v
+                    })
+                    .collect();
+                let mut m = onnx::model(casts, graph_inputs, graph_outputs, vec![]);
+                m.opset_import.push(onnx::OperatorSetIdProto {
+                    domain: "ai.kiln".into(),
+                    version: 1,
+                    ..Default::default()
+                });
+                let load = || model::load_bytes(&onnx::bytes(&m), None).unwrap();
+                let want =
+                    Session::new(runtime(), load(), SessionOptions::default()).unwrap().run(feeds.clone()).unwrap();
+                let got = Session::new(runtime(), load(), cuda()).unwrap().run(feeds).unwrap();
+                let what = format!("{op} dtype {code}, X {x_shape:?}, W [{n}, {kb}, {}] (block {block})", block / 2);
+                let slack = k as f32 * 2f32.powi(-22) * 4.0 * 8.0 / 16.0 + 16.0 * ulp.max(2f32.powi(-23));
+                for ((name, g), (_, w)) in got.iter().zip(&want) {
+                    let (g, w) = (g.to_f32().unwrap(), w.to_f32().unwrap());
+                    assert_eq!(g.len(), w.len(), "{what}: {name}");
+                    let slack = if name == "y" { slack } else { 0.0 };
+                    for (i, (a, b)) in g.iter().zip(&w).enumerate() {
+                        let tol = ulp * b.abs() + slack + 1e-7;
+                        assert!((a - b).abs() <= tol, "{what}: {name}[{i}]: GPU {a}, CPU {b} (|Δ| > {tol})");
+                    }
+                }
+                if op == "Linear" {
+                    // Y in float64 from X rounded to the dtype and W dequantized exactly.
+                    let round = |v: f32| -> f64 {
+                        match dtype {
+                            kiln_kernel_abi::DType::F16 => half::f16::from_f32(v).to_f64(),
+                            kiln_kernel_abi::DType::BF16 => half::bf16::from_f32(v).to_f64(),
+                            _ => v as f64,
+                        }
+                    };
+                    let y = got[0].1.to_f32().unwrap();
+                    for row in 0..rows {
+                        for col in 0..n {
+                            let mut acc = 0f64;
+                            for kk in 0..k {
+                                let byte = wbytes[col * kb * block / 2 + kk / 2];
+                                let q = if kk % 2 == 0 { byte & 15 } else { byte >> 4 } as f64;
+                                acc += round(xv[row * k + kk]) * (q - 8.0) * round(sv[col * kb + kk / block]);
+                            }
+                            let a = y[row * n + col] as f64;
+                            let tol = ulp as f64 * acc.abs() + slack as f64 + 1e-7;
+                            assert!((a - acc).abs() <= tol, "{what}: y[{row}, {col}]: GPU {a}, float64 {acc}");
+                        }
+                    }
+                }
+                cases += 1;
+            }
+        }
+    }
+    assert_eq!(cases, 63);
 }
 
 /// The resident set of this process, bytes (Linux `/proc/self/statm`).

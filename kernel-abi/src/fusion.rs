@@ -103,6 +103,62 @@ pub struct PatternNode {
     /// A replacement node takes every attribute of this match node (index into `match`).
     #[serde(default)]
     pub attributes_from: Option<usize>,
+    /// Attributes a match node must carry (manifest schema 13), each an integer it must equal
+    /// or a dimension of a pattern variable ([`AttrConstraint`]). `kiln verify` gives the
+    /// unfused node these values. Only on match nodes.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub attributes: BTreeMap<String, AttrConstraint>,
+}
+
+/// What a match node's integer attribute must be (manifest schema 13).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum AttrConstraint {
+    /// This value (`bits = 4`).
+    Int(i64),
+    /// `"VAR.AXIS"`: dimension AXIS (negative counts from the last) of pattern variable VAR's
+    /// shape (`N = "W.0"`). Checked where that dimension is known at load (a constant's always
+    /// is); where it is not, the op checks its own attributes when it runs. `kiln verify` takes
+    /// it from the verify shapes. `"*"`: any value or none, an attribute the replacement does
+    /// not depend on (such as MatMulNBits' `accuracy_level` where the replacement computes in
+    /// f32 at every level); verify leaves it out.
+    Dim(String),
+}
+
+impl AttrConstraint {
+    /// Whether this is `"*"`: any value.
+    pub fn is_any(&self) -> bool {
+        matches!(self, AttrConstraint::Dim(s) if s == "*")
+    }
+
+    /// The variable and axis of a [`AttrConstraint::Dim`], or `None` for an integer or a string
+    /// that is not `VAR.AXIS`.
+    pub fn dim(&self) -> Option<(&str, i64)> {
+        let AttrConstraint::Dim(s) = self else { return None };
+        let (var, axis) = s.rsplit_once('.')?;
+        if var.is_empty() {
+            return None;
+        }
+        Some((var, axis.parse().ok()?))
+    }
+
+    /// The value for a variable shape lookup `shape_of` (`None` where the dimension is unknown
+    /// or out of range): the integer itself, or the dimension.
+    pub fn resolve(&self, shape_of: impl Fn(&str) -> Option<Vec<Option<i64>>>) -> Option<i64> {
+        match self {
+            AttrConstraint::Int(v) => Some(*v),
+            AttrConstraint::Dim(_) => {
+                let (var, axis) = self.dim()?;
+                let shape = shape_of(var)?;
+                let rank = shape.len() as i64;
+                let a = if axis < 0 { axis + rank } else { axis };
+                if a < 0 || a >= rank {
+                    return None;
+                }
+                shape[a as usize]
+            }
+        }
+    }
 }
 
 /// `output` = Concat(`inputs`, `axis`) of constant variables, computed once at load.
@@ -180,6 +236,29 @@ impl Fusion {
             }
             if node.attributes_from.is_some() {
                 return at(format!("match[{i}]: attributes_from belongs on replacement nodes"));
+            }
+            for (name, c) in &node.attributes {
+                if name.is_empty() {
+                    return at(format!("match[{i}] ({}): an attribute constraint has no name", node.op));
+                }
+                if let AttrConstraint::Dim(s) = c {
+                    if c.is_any() {
+                        continue;
+                    }
+                    let Some((var, _)) = c.dim() else {
+                        return at(format!(
+                            "match[{i}] ({}): attributes.{name} = {s:?} is neither an integer nor \"VAR.AXIS\"",
+                            node.op
+                        ));
+                    };
+                    let known = self.pattern.iter().any(|n| n.inputs.iter().chain(&n.outputs).any(|v| v == var));
+                    if !known {
+                        return at(format!(
+                            "match[{i}] ({}): attributes.{name} names {var:?}, which is not a pattern variable",
+                            node.op
+                        ));
+                    }
+                }
             }
             for v in node.inputs.iter().filter(|v| !v.is_empty()) {
                 if defined.contains(v.as_str()) && !so_far.contains(v.as_str()) {
@@ -279,6 +358,9 @@ impl Fusion {
             if node.commutative {
                 return at(format!("replace[{i}]: commutative belongs on match nodes"));
             }
+            if !node.attributes.is_empty() {
+                return at(format!("replace[{i}]: attribute constraints belong on match nodes (use attributes_from)"));
+            }
             if let Some(a) = node.attributes_from.filter(|&a| a >= self.pattern.len()) {
                 return at(format!(
                     "replace[{i}]: attributes_from = {a} but the match has {} nodes",
@@ -359,6 +441,16 @@ verify = { x = [3, 8], Wg = [8, 6], Wu = [8, 6] }
         let f = parse(SWIGLU);
         f.validate().unwrap();
         assert_eq!(f.pattern_inputs(), vec!["x", "Wg", "Wu"]);
+        let sigmoid = r#"{ op = "Sigmoid", inputs = ["g"], outputs = ["s"] }"#;
+        let constrained = SWIGLU.replace(
+            sigmoid,
+            r#"{ op = "Sigmoid", inputs = ["g"], outputs = ["s"], attributes = { a = 4, b = "Wg.-1", c = "*" } }"#,
+        );
+        let f = parse(&constrained);
+        f.validate().unwrap();
+        let shapes = |v: &str| (v == "Wg").then(|| vec![Some(8), Some(6)]);
+        let a = &f.pattern[2].attributes;
+        assert_eq!((a["a"].resolve(shapes), a["b"].resolve(shapes), a["c"].resolve(shapes)), (Some(4), Some(6), None));
     }
 
     #[test]
@@ -404,6 +496,22 @@ verify"#,
                 "commutative",
             ),
         ];
+        let sigmoid = r#"{ op = "Sigmoid", inputs = ["g"], outputs = ["s"] }"#;
+        let with = |attrs: &str| SWIGLU.replace(sigmoid, &sigmoid.replace(" }", &format!(", attributes = {attrs} }}")));
+        let cases = cases.into_iter().chain([
+            (with(r#"{ k = "nope" }"#), "neither an integer nor"),
+            (with(r#"{ k = "zz.0" }"#), "not a pattern variable"),
+            (with(r#"{ "" = 1 }"#), "has no name"),
+            (
+                SWIGLU.replace(
+                    r#"outputs = ["y"] },
+]"#,
+                    r#"outputs = ["y"], attributes = { k = 1 } },
+]"#,
+                ),
+                "belong on match nodes",
+            ),
+        ]);
         for (text, needle) in cases {
             assert_ne!(text, SWIGLU, "case {needle:?} did not change the pattern");
             let err = parse(&text).validate().unwrap_err();

@@ -102,8 +102,9 @@ pub enum ManifestError {
 /// float8, float4e2m1, 4-bit and 2-bit dtypes ([`DType::since_schema_11`]): a package lists them
 /// in `dtypes` from schema 11, and the host passes tensors of them only to such packages;
 /// schema 12 added `cpu_tiles` to `[[ops]]` (CPU calls of one tile of the outputs) and string
-/// tensors ([`crate::strings`]) in `dtypes` and on the wire.
-pub const MANIFEST_SCHEMA: u32 = 12;
+/// tensors ([`crate::strings`]) in `dtypes` and on the wire; schema 13 added attribute
+/// constraints on fusion match nodes ([`crate::fusion::AttrConstraint`]).
+pub const MANIFEST_SCHEMA: u32 = 13;
 
 /// The folder of a package whose files are its exported headers.
 pub const HEADER_DIR: &str = "include/";
@@ -647,6 +648,12 @@ impl Manifest {
         }
         for (i, f) in self.fusions.iter().enumerate() {
             f.validate().map_err(ManifestError::Invalid)?;
+            if self.schema < 13 && f.pattern.iter().any(|n| !n.attributes.is_empty()) {
+                return bad(format!(
+                    "fusion {:?}: attribute constraints on match nodes come with manifest schema 13: set `schema = 13`",
+                    f.name
+                ));
+            }
             if self.fusions[..i].iter().any(|g| g.name == f.name) {
                 return bad(format!("fusion name {:?} is used twice", f.name));
             }
@@ -953,6 +960,27 @@ signatures = [{ kernels = ["relu_*"], params = ["tensor", "tensor", "u64"] }]
             let err = Manifest::parse(&text).unwrap_err().to_string();
             assert!(err.contains(want), "{want}: {err}");
         }
+    }
+
+    /// Schema 13: attribute constraints on fusion match nodes, only in a manifest that says so.
+    #[test]
+    fn fusion_attribute_constraints_come_with_schema_13() {
+        let fusion = r#"
+[[fusions]]
+name = "relu-of-bits"
+match = [{ op = "Relu", inputs = ["x"], outputs = ["y"], attributes = { bits = 4, n = "x.-1", level = "*" } }]
+replace = [{ op = "Relu", inputs = ["x"], outputs = ["y"] }]
+outputs = ["y"]
+"#;
+        let v13 = GOOD.replace("schema = 2", "schema = 13") + fusion;
+        let m = Manifest::parse(&v13).unwrap();
+        let c = &m.fusions[0].pattern[0].attributes;
+        assert_eq!(c["bits"], crate::fusion::AttrConstraint::Int(4));
+        assert_eq!(c["n"].dim(), Some(("x", -1)));
+        assert!(c["level"].is_any());
+        assert_eq!(Manifest::parse(&m.to_toml()).unwrap(), m, "round trip");
+        let err = Manifest::parse(&v13.replace("schema = 13", "schema = 12")).unwrap_err().to_string();
+        assert!(err.contains("attribute constraints on match nodes come with manifest schema 13"), "{err}");
     }
 
     /// Schema 12: `cpu_tiles` names its units, and only a manifest that says so has it.

@@ -15,7 +15,7 @@ use serde::Serialize;
 
 use crate::conformance::Outcome;
 use crate::ep::{Device, Runtime, Session, SessionOptions};
-use crate::model::{Dim, Graph, Model, Node, Value, ValueType};
+use crate::model::{AttrValue, Dim, Graph, Model, Node, Value, ValueType};
 use crate::{Result, Tensor};
 
 use super::verify::{max_rel_error, outcome, random_tensor, tolerance};
@@ -35,16 +35,49 @@ pub struct FusionCase {
     pub outcome: Outcome,
 }
 
+const FLOATS: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::F64];
+
 /// The dtypes a pattern is verified in: the float types its dtype constraint allows (that
-/// of the first pattern input with one, else of any constrained variable), else float32.
-/// Every pattern input takes the case's dtype.
+/// of the first pattern input whose constraint allows a float type, else of any constrained
+/// variable), else float32.
 fn case_dtypes(f: &Fusion) -> Vec<DType> {
-    let floats = [DType::F32, DType::F16, DType::BF16, DType::F64];
-    let constraint = f.pattern_inputs().into_iter().find_map(|v| f.dtypes.get(v)).or_else(|| f.dtypes.values().next());
+    let floats = |names: &Vec<String>| -> Vec<DType> {
+        FLOATS.into_iter().filter(|d| names.iter().any(|n| n == d.name())).collect()
+    };
+    let constraint = f
+        .pattern_inputs()
+        .into_iter()
+        .filter_map(|v| f.dtypes.get(v))
+        .find(|names| !floats(names).is_empty())
+        .or_else(|| f.dtypes.values().next());
     match constraint {
         None => vec![DType::F32],
-        Some(names) => floats.into_iter().filter(|d| names.iter().any(|n| n == d.name())).collect(),
+        Some(names) => floats(names),
     }
+}
+
+/// The dtype pattern input `v` takes in a case of `dtype`: the case's, unless the input's dtype
+/// constraint leaves it out, then the first dtype the constraint allows (MatMulNBits' packed
+/// uint8 weights beside float activations).
+fn input_dtype(f: &Fusion, v: &str, dtype: DType) -> DType {
+    match f.dtypes.get(v) {
+        Some(names) if !names.iter().any(|n| n == dtype.name()) => {
+            names.iter().find_map(|n| DType::from_name(n)).unwrap_or(dtype)
+        }
+        _ => dtype,
+    }
+}
+
+/// The attributes a match node gets in the verify graph: its integer constraints, and its
+/// `"VAR.AXIS"` constraints from the verify shapes (`"*"` and unknown dimensions left out).
+fn verify_attributes(f: &Fusion, p: &kiln_kernel_abi::fusion::PatternNode) -> Vec<(String, AttrValue)> {
+    p.attributes
+        .iter()
+        .filter_map(|(name, c)| {
+            let shape = |var: &str| f.verify.get(var).map(|s| s.iter().map(|&d| Some(d as i64)).collect());
+            c.resolve(shape).map(|v| (name.clone(), AttrValue::Int(v)))
+        })
+        .collect()
 }
 
 /// The pattern as a model: its match nodes, inputs of `dtype` at the `verify` shapes
@@ -62,6 +95,7 @@ fn pattern_model(f: &Fusion, dtype: DType, seed: u64) -> Result<Model> {
     for v in f.pattern_inputs() {
         let shape = &f.verify[v];
         let i = id(&mut g, v);
+        let dtype = input_dtype(f, v, dtype);
         g.values[i].ty = Some(ValueType {
             dtype,
             dims: Some(shape.iter().map(|&d| Dim::Known(d)).collect()),
@@ -83,7 +117,7 @@ fn pattern_model(f: &Fusion, dtype: DType, seed: u64) -> Result<Model> {
             inputs,
             implicit_inputs: 0,
             outputs,
-            attributes: Vec::new(),
+            attributes: verify_attributes(f, p),
         });
     }
     g.outputs = f.outputs.iter().map(|v| id(&mut g, v)).collect();
@@ -159,8 +193,8 @@ fn run_case(
     let mut feeds = Vec::new();
     for v in f.pattern_inputs() {
         if !f.constant.iter().any(|c| c == v) {
-            let t: Tensor =
-                random_tensor(&mut rng, dtype, &f.verify[v], ValueDomain::Any).map_err(|e| outcome(&e, "inputs"))?;
+            let t: Tensor = random_tensor(&mut rng, input_dtype(f, v, dtype), &f.verify[v], ValueDomain::Any)
+                .map_err(|e| outcome(&e, "inputs"))?;
             feeds.push((v.to_string(), t));
         }
     }
@@ -185,7 +219,8 @@ pub fn render(cases: &[FusionCase], device: Device) -> String {
         return String::new();
     }
     let mut s = format!("fusions, fused on {device} against the unfused ops on the CPU\n");
-    s += &format!("{:<24} {:<9} {:>6} {:>13} {:>10}  status\n", "fusion", "dtype", "cases", "max rel err", "tolerance");
+    let w = cases.iter().map(|c| c.fusion.len()).max().unwrap_or(0).max(24);
+    s += &format!("{:<w$} {:<9} {:>6} {:>13} {:>10}  status\n", "fusion", "dtype", "cases", "max rel err", "tolerance");
     // (fusion, dtype) → cases, max relative error, tolerance, outcomes.
     type Row<'a> = (usize, f64, f64, Vec<&'a Outcome>);
     let mut rows: BTreeMap<(&str, &str), Row<'_>> = BTreeMap::new();
@@ -202,7 +237,7 @@ pub fn render(cases: &[FusionCase], device: Device) -> String {
             Some(Outcome::Unsupported(m)) => format!("unsupported: {m}"),
             Some(Outcome::Passed) => "ok".to_string(),
         };
-        s += &format!("{name:<24} {dtype:<9} {n:>6} {err:>13.3e} {tol:>10.0e}  {status}\n");
+        s += &format!("{name:<w$} {dtype:<9} {n:>6} {err:>13.3e} {tol:>10.0e}  {status}\n");
     }
     s + "\n"
 }

@@ -168,6 +168,34 @@ fn known_shape(model: &Model, v: ValueId) -> Option<Vec<crate::model::Dim>> {
     Some(dims.clone())
 }
 
+/// Pattern node `p`'s attribute constraints (manifest schema 13) on graph node `node`: each
+/// named attribute an integer equal to the constraint's value, where that value is known at
+/// load (a dimension of a value whose shape is not known is the op's to check when it runs).
+fn check_attributes(
+    model: &Model,
+    b: &Binding,
+    p: &kiln_kernel_abi::fusion::PatternNode,
+    node: &crate::model::Node,
+) -> Result<(), String> {
+    use crate::model::{AttrValue, Dim};
+    for (name, c) in &p.attributes {
+        if c.is_any() {
+            continue;
+        }
+        let Some(AttrValue::Int(actual)) = node.attributes.iter().find(|(a, _)| a == name).map(|(_, v)| v) else {
+            return Err(format!("node {} has no integer attribute {name}", node.name));
+        };
+        let want = c.resolve(|var| {
+            let dims = known_shape(model, *b.vars.get(var)?)?;
+            Some(dims.iter().map(|d| if let Dim::Known(n) = d { Some(*n as i64) } else { None }).collect())
+        });
+        if let Some(want) = want.filter(|w| w != actual) {
+            return Err(format!("node {}: attribute {name} is {actual}, the pattern needs {want}", node.name));
+        }
+    }
+    Ok(())
+}
+
 /// The constraints of `c` on binding `b`: what the rewrite needs, or why the match is not
 /// rewritten.
 fn check(
@@ -224,16 +252,22 @@ fn check(
             return Err(format!("shapes differ: {}", list.join(", ")));
         }
     }
-    // A matched node's attributes must carry over to a replacement node, else the pattern
-    // would match whatever attributes the node has.
+    // A matched node's attributes must carry over to a replacement node or be named by the
+    // pattern's constraints, else the pattern would match whatever attributes the node has.
     for (k, &n) in b.nodes.iter().enumerate() {
         let node = &g.nodes[n];
-        if !node.attributes.is_empty() && !f.replace.iter().any(|r| r.attributes_from == Some(k)) {
-            let names: Vec<&str> = node.attributes.iter().map(|(a, _)| a.as_str()).collect();
+        let p = &f.pattern[k];
+        check_attributes(model, b, p, node)?;
+        if f.replace.iter().any(|r| r.attributes_from == Some(k)) {
+            continue;
+        }
+        let free: Vec<&str> =
+            node.attributes.iter().map(|(a, _)| a.as_str()).filter(|a| !p.attributes.contains_key(*a)).collect();
+        if !free.is_empty() {
             return Err(format!(
                 "node {} has attributes ({}) the replacement does not take",
                 node.name,
-                names.join(", ")
+                free.join(", ")
             ));
         }
     }
@@ -250,15 +284,20 @@ fn check(
         return Err(format!("node {} lies between matched nodes", g.nodes[between].name));
     }
     let consts = rewrite::new_constants(g, f, b)?;
-    // Every replacement node must resolve, with the dtype of its first input where known.
+    // Every replacement node must resolve, with the dtype of its first input where known (an
+    // output of an earlier replacement node taking that node's dtype): SwiGluLinear(gu, B,
+    // scales) resolves as gu's float type, not as its uint8 weight's.
     let mut opsets = Vec::new();
+    let mut made: HashMap<&str, Option<DType>> = HashMap::new();
     for r in &f.replace {
-        let dtype = r.inputs.iter().filter(|v| !v.is_empty()).find_map(|v| {
+        let dtype = r.inputs.first().filter(|v| !v.is_empty()).and_then(|v| {
             b.vars
                 .get(v)
                 .and_then(|&x| known_dtype(model, x))
                 .or_else(|| consts.iter().find(|k| &k.var == v).map(|k| k.tensor.dtype))
+                .or_else(|| made.get(v.as_str()).copied().flatten())
         });
+        made.extend(r.outputs.iter().map(|o| (o.as_str(), dtype)));
         let imported = model.opset(&r.domain);
         let q = NodeQuery {
             domain: &r.domain,

@@ -419,6 +419,165 @@ __device__ __forceinline__ void gemv(const typename T::S* x, const typename T::S
     }
 }
 
+// ---- 4-bit weights (MatMulNBits' layout) ----------------------------------------------------
+//
+// W is uint8 [N, kb, block / 2]: value k of row n is the low (k even) or high nibble of byte k / 2
+// of the row, and dequantizes to (q − 8) · scales[n·kb + k / block] (MatMulNBits with 4 bits and
+// its default zero point). A 16-byte chunk holds 32 values of one block (block a multiple of
+// 32), so a lane takes whole chunks and one scale per chunk. A sits in shared memory as f32 in
+// groups of 4: group g (values 4g .. 4g + 3 of each chunk) of chunk c of row r at float4
+// (r·8 + g)·kc + c, so the lanes of a warp, on consecutive chunks, read consecutive float4s.
+#define Q4_VALUES 32  // values per 16-byte chunk
+
+// A's rows for the 4-bit GEMV (see above): the prologue's chunk c of VEC values, rounded to the
+// storage type as store_a does.
+template <typename T>
+struct RowsQ4 {
+    float4* a;
+    unsigned kc;  // 32-value chunks per row
+    struct Row {
+        float4* p;
+        unsigned kc;
+        __device__ __forceinline__ void operator()(unsigned c, const float* f) const {
+#pragma unroll
+            for (int i = 0; i < T::VEC / 4; ++i) {
+                const unsigned v = c * T::VEC + 4 * i, chunk = v / Q4_VALUES, g = (v % Q4_VALUES) / 4;
+                p[g * kc + chunk] = make_float4(T::ld(T::st(f[4 * i])), T::ld(T::st(f[4 * i + 1])),
+                                                T::ld(T::st(f[4 * i + 2])), T::ld(T::st(f[4 * i + 3])));
+            }
+        }
+    };
+    __device__ __forceinline__ Row row(unsigned r) const { return Row{a + (kiln_u64)r * 8 * kc, kc}; }
+};
+
+// Σ a·(q − 8) over the 32 values of chunk c of one row of A (`a`: the row's first float4): each
+// nibble becomes the float 2^23 + q by its bits, then q − 8 by one subtraction, both exact.
+__device__ __forceinline__ float q4_dot(const uint4& w, const float4* a, unsigned c, unsigned kc) {
+    const unsigned words[4] = {w.x, w.y, w.z, w.w};
+    float s = 0.f;
+#pragma unroll
+    for (int g = 0; g < 8; ++g) {
+        const float4 av = a[g * kc + c];
+        const unsigned x = words[g / 2] >> (16 * (g % 2));
+        const float q0 = __uint_as_float(0x4B000000u | (x & 0xfu)) - 8388616.f;
+        const float q1 = __uint_as_float(0x4B000000u | ((x >> 4) & 0xfu)) - 8388616.f;
+        const float q2 = __uint_as_float(0x4B000000u | ((x >> 8) & 0xfu)) - 8388616.f;
+        const float q3 = __uint_as_float(0x4B000000u | ((x >> 12) & 0xfu)) - 8388616.f;
+        s = fmaf(av.x, q0, s);
+        s = fmaf(av.y, q1, s);
+        s = fmaf(av.z, q2, s);
+        s = fmaf(av.w, q3, s);
+    }
+    return s;
+}
+
+// The chunks of one pass of the 4-bit GEMV and their scales: outputs col..col+LIN_COLS-1, chunks
+// base + u·32 + lane (zeros past the row or past N); rc chunks per W row, cpb chunks per block.
+template <typename T>
+__device__ __forceinline__ void q4_load(uint4 (&wv)[LIN_COLS][LIN_UNROLL], float (&sv)[LIN_COLS][LIN_UNROLL],
+                                        const uint4* w, const typename T::S* scales, kiln_u64 col, kiln_u64 n,
+                                        unsigned kc, unsigned rc, unsigned cpb, unsigned kb, unsigned base,
+                                        unsigned lane) {
+#pragma unroll
+    for (int j = 0; j < LIN_COLS; ++j) {
+#pragma unroll
+        for (int u = 0; u < LIN_UNROLL; ++u) {
+            const unsigned c = base + u * 32 + lane;
+            const bool ok = col + j < n && c < kc;
+            wv[j][u] = ok ? __ldg(w + (col + j) * rc + c) : make_uint4(0, 0, 0, 0);
+            sv[j][u] = ok ? T::ld(scales[(col + j) * kb + c / cpb]) : 0.f;
+        }
+    }
+}
+
+// prefetch.global.L2 of the lines q4_load(…, base 0, …) reads, weights and scales.
+template <typename T>
+__device__ __forceinline__ void q4_prefetch(const uint4* w, const typename T::S* scales, kiln_u64 col, kiln_u64 n,
+                                            unsigned kc, unsigned rc, unsigned kb, unsigned lane) {
+#pragma unroll
+    for (int j = 0; j < LIN_COLS; ++j) {
+        if (col + j >= n) break;
+#pragma unroll
+        for (int u = 0; u < LIN_UNROLL; ++u) {
+            const unsigned c = u * 32 + lane;
+            if (c < kc) asm volatile("prefetch.global.L2 [%0];" ::"l"(w + (col + j) * rc + c));
+        }
+        if (lane == 0) asm volatile("prefetch.global.L2 [%0];" ::"l"(scales + (col + j) * kb));
+    }
+}
+
+// Y[rows, n] = A · dequant(W)ᵀ for at most ROWS rows per block, W 4-bit (see above): gemv's
+// structure and PDL contract (L2 prefetches of the first pass before the grid-dependency wait),
+// with 32 values per 16-byte weight load. kc = k / 32 chunks of A per row, rc = kb·block / 32
+// chunks per W row.
+template <typename T, int MODE, int ROWS>
+__device__ __forceinline__ void gemv_q4(const typename T::S* x, const typename T::S* skip,
+                                        const typename T::S* gamma, const unsigned char* w,
+                                        const typename T::S* scales, typename T::S* y, typename T::S* sum,
+                                        kiln_u64 rows, kiln_u64 n, kiln_u64 k, kiln_u64 skip_len, unsigned flags,
+                                        float eps, unsigned kb, unsigned block) {
+    extern __shared__ __align__(16) unsigned char lin_shared[];
+    float4* a = (float4*)lin_shared;
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const kiln_u64 row0 = (kiln_u64)blockIdx.y * ROWS;
+    const unsigned rows_here = (unsigned)min((kiln_u64)ROWS, rows - row0);
+    const unsigned kc = (unsigned)(k / Q4_VALUES), rc = kb * block / Q4_VALUES, cpb = block / Q4_VALUES;
+    const uint4* w4 = (const uint4*)w;
+    const kiln_u64 col_step = (kiln_u64)gridDim.x * LIN_WARPS * LIN_COLS;
+    kiln_u64 col = ((kiln_u64)blockIdx.x * LIN_WARPS + warp) * LIN_COLS;
+
+    q4_prefetch<T>(w4, scales, col, n, kc, rc, kb, lane);
+    if (MODE == LIN_RMSNORM && blockIdx.x == 0 && blockIdx.y == 0 && warp == 0)
+        prefetch_gamma(gamma, (unsigned)(k / T::VEC), lane);
+    kiln_griddep_launch_dependents();
+    kiln_griddep_wait();
+    uint4 wv[LIN_COLS][LIN_UNROLL];
+    float sv[LIN_COLS][LIN_UNROLL];
+    q4_load<T>(wv, sv, w4, scales, col, n, kc, rc, cpb, kb, 0, lane);
+
+    prologue<T, MODE>(x, skip, gamma, sum, RowsQ4<T>{a, kc}, row0, rows_here, k, (unsigned)(k / T::VEC), skip_len,
+                      flags, eps);
+    __syncthreads();
+
+    bool loaded = true;
+    for (; col < n; col += col_step) {
+        float acc[ROWS][LIN_COLS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+            for (int j = 0; j < LIN_COLS; ++j) acc[r][j] = 0.f;
+        for (unsigned base = 0; base < kc; base += 32 * LIN_UNROLL) {
+            if (!loaded) q4_load<T>(wv, sv, w4, scales, col, n, kc, rc, cpb, kb, base, lane);
+            loaded = false;
+#pragma unroll
+            for (int u = 0; u < LIN_UNROLL; ++u) {
+                const unsigned c = base + u * 32 + lane;
+                if (c < kc) {
+#pragma unroll
+                    for (int r = 0; r < ROWS; ++r) {
+                        if (ROWS == 1 || r < (int)rows_here) {
+                            const float4* ar = a + (kiln_u64)r * 8 * kc;
+#pragma unroll
+                            for (int j = 0; j < LIN_COLS; ++j)
+                                acc[r][j] = fmaf(q4_dot(wv[j][u], ar, c, kc), sv[j][u], acc[r][j]);
+                        }
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            if (ROWS == 1 || r < (int)rows_here) {
+#pragma unroll
+                for (int j = 0; j < LIN_COLS; ++j) {
+                    const float v = kiln_warp_sum(acc[r][j]);
+                    if (lane == 0 && col + j < n) y[(row0 + r) * n + col + j] = T::st(v);
+                }
+            }
+        }
+    }
+}
+
 // ---- Tensor-core GEMV for 2–16 rows ("swap-AB") ----------------------------------------------
 //
 // W's rows are the M side of mma.m16n8k16 (16 outputs per tile) and A's rows the N side (8 per
@@ -595,6 +754,43 @@ __global__ void __launch_bounds__(MMA_WARPS * 32)
                     typename Tag::storage* sum, kiln_u64 rows, kiln_u64 n, kiln_u64 k, kiln_u64 skip_len,
                     unsigned flags, float eps, unsigned ksplit) {
     lin::gemv_mma<lin::Elem<Tag>, MODE, NT>(x, skip, gamma, w, y, sum, rows, n, k, skip_len, flags, eps, ksplit);
+}
+
+// kiln_linear_q4gemv<Tag, MODE, R>(const T* x, const T* skip, const T* gamma, const u8* w, const T* scales,
+//                                  T* y, T* sum, u64 rows, u64 n, u64 k, u64 skip_len, u32 flags, float eps,
+//                                  u32 kb, u32 block)
+// kiln_linear_gemv over 4-bit weights W uint8 [n, kb, block / 2] with scales [n, kb] (MatMulNBits'
+// layout, default zero point 8): block a multiple of 32, k a multiple of 32 with kb = ceil(k /
+// block). R (1, 2, 4, 8) rows per block: grid [column blocks, ceil(rows / R), 1], block [128, 1,
+// 1], dynamic shared memory min(rows, R) · k · 4; W 16-byte aligned.
+template <typename Tag, int MODE, int R>
+__global__ void __launch_bounds__(LIN_WARPS * 32)
+    kiln_linear_q4gemv(const typename Tag::storage* x, const typename Tag::storage* skip,
+                       const typename Tag::storage* gamma, const unsigned char* w,
+                       const typename Tag::storage* scales, typename Tag::storage* y, typename Tag::storage* sum,
+                       kiln_u64 rows, kiln_u64 n, kiln_u64 k, kiln_u64 skip_len, unsigned flags, float eps,
+                       unsigned kb, unsigned block) {
+    lin::gemv_q4<lin::Elem<Tag>, MODE, R>(x, skip, gamma, w, scales, y, sum, rows, n, k, skip_len, flags, eps, kb,
+                                          block);
+}
+
+// kiln_linear_dequant<Tag>(const u8* w, const T* scales, T* out, u64 n, u64 k, u32 kb, u32 block, u32 bits)
+// The prefill path's weight: out [n, k] = (q − 2^(bits − 1)) · scale of W uint8 [n, kb, block·bits/8]
+// (MatMulNBits' layout, bits 2, 4 or 8, values from the low bits of each byte), rounded to T;
+// grid-stride over n · k.
+template <typename Tag>
+__global__ void kiln_linear_dequant(const unsigned char* w, const typename Tag::storage* scales,
+                                    typename Tag::storage* out, kiln_u64 n, kiln_u64 k, unsigned kb, unsigned block,
+                                    unsigned bits) {
+    typedef lin::Elem<Tag> T;
+    kiln_griddep_wait();
+    const unsigned per = 8u / bits, mask = (1u << bits) - 1u;
+    const kiln_u64 row_bytes = (kiln_u64)kb * block * bits / 8u;
+    KILN_FOR(i, n * k) {
+        const kiln_u64 r = i / k, c = i - r * k;
+        const unsigned q = (w[r * row_bytes + c / per] >> ((c % per) * bits)) & mask;
+        out[i] = T::st(((float)q - (float)(1u << (bits - 1))) * T::ld(scales[r * kb + c / block]));
+    }
 }
 
 // kiln_linear_rmsnorm<Tag>(const T* x, const T* skip, const T* gamma, T* a, T* sum, u64 rows, u64 k,

@@ -20,6 +20,19 @@
 //!   three roundings; rounding once differs by an ulp, which the down projection's sum
 //!   magnifies where it cancels).
 //!
+//! Each op also takes its weight in onnxruntime's MatMulNBits layout (the `*-nbits` fusions of
+//! `kernel.toml` replace MatMulNBits without zero points, g_idx or bias): `W` is then uint8
+//! `[N, k_blocks, block_size · bits / 8]` followed by one more input, `scales` (X's dtype,
+//! `N · k_blocks` values, `[N, k_blocks]` or flat), and row `n`'s value `k` dequantizes to
+//! `(q − 2^(bits − 1)) · scales[n, k / block_size]`, with `q` the `bits` of its byte from the low
+//! ones (MatMulNBits' default zero point). `bits` (2, 4 or 8) and `block_size` (a power of two
+//! ≥ 16) follow from the shapes: `k_blocks = ceil(K / block_size)`, as MatMulNBits defines them;
+//! a weight whose shape fits no such pair is refused. The CPU takes the product through the
+//! host's `qgemm` (as kiln-quant's MatMulNBits); the GPU runs 4-bit weights with a block of 32
+//! or more and up to [`Q4_MAX_ROWS`] rows as one kernel (`kiln_linear_q4gemv`: 32 values per
+//! 16-byte load, f32 accumulation), and otherwise dequantizes the weight into scratch
+//! (`kiln_linear_dequant`) for cuBLASLt.
+//!
 //! All operands share one dtype: float32, float16, bfloat16 (and float64 on the CPU). `A` is
 //! rounded to that dtype before the product, as the unfused graph stores it, so the fused op
 //! computes what the ops it replaces compute. The CPU reference computes `A` in f64 and rounds
@@ -61,6 +74,45 @@ const MMA_WARPS: usize = 8;
 /// tiles, with its warps splitting K, until the grid has this many blocks or one tile per block.
 const MMA_MIN_BLOCKS: usize = 128;
 
+/// Most rows the 4-bit GEMV takes (`kiln_linear_q4gemv`, up to [`Q4_BLOCK_ROWS`] per block);
+/// more go to the dequantized weight and cuBLASLt.
+pub const Q4_MAX_ROWS: usize = 16;
+/// Most rows of A one 4-bit GEMV block holds: its kernels come for 1, 2, 4 and 8.
+const Q4_BLOCK_ROWS: usize = 8;
+/// Values per 16-byte chunk of a 4-bit weight row (linear.cu's `Q4_VALUES`).
+const Q4_VALUES: usize = 32;
+
+/// A weight in MatMulNBits' block-quantized layout (see the module docs).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct Quant {
+    bits: u32,
+    block: usize,
+    k_blocks: usize,
+}
+
+impl Quant {
+    /// The `bits` and `block_size` of a MatMulNBits weight `[n, k_blocks, blob]` for K = `k`:
+    /// the power-of-two block ≥ 16 with `ceil(k / block) = k_blocks`, and `bits = blob · 8 /
+    /// block` ∈ {2, 4, 8}; `None` where no pair fits.
+    fn of(k: usize, k_blocks: usize, blob: usize) -> Option<Quant> {
+        if k == 0 || k_blocks == 0 {
+            return None;
+        }
+        let mut block = 16usize;
+        while block <= k.max(16) * 2 {
+            if k.div_ceil(block) == k_blocks {
+                let bits = blob.checked_mul(8)? / block;
+                if matches!(bits, 2 | 4 | 8) && bits * block == blob * 8 {
+                    return Some(Quant { bits: bits as u32, block, k_blocks });
+                }
+                return None;
+            }
+            block *= 2;
+        }
+        None
+    }
+}
+
 /// What the product's left operand A is made of (the `MODE` of `kiln_linear_gemv<tag, MODE, R>`).
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Prologue {
@@ -92,6 +144,10 @@ struct Geometry {
     /// Elements of `skip` (RmsNormLinear with skip), else 0.
     skip_len: usize,
     eps: f32,
+    /// A MatMulNBits weight (uint8 W, then `scales`), else `None` (W `[N, K]` of X's dtype).
+    quant: Option<Quant>,
+    /// The index of W among the inputs.
+    w_index: usize,
 }
 
 fn op_prologue(op: &str) -> Result<Prologue> {
@@ -106,12 +162,14 @@ fn op_prologue(op: &str) -> Result<Prologue> {
 fn geometry(call: &Call) -> Result<Geometry> {
     let op = call.op_type();
     let prologue = op_prologue(op)?;
-    let (w_index, max_inputs) = match prologue {
-        Prologue::RmsNorm => (3, 4),
-        _ => (1, 2),
-    };
-    if call.num_inputs() != max_inputs {
-        bail!("{op}: takes {max_inputs} inputs, the node has {}", call.num_inputs());
+    let w_index = if prologue == Prologue::RmsNorm { 3 } else { 1 };
+    let dense_inputs = w_index + 1;
+    if call.num_inputs() != dense_inputs && call.num_inputs() != dense_inputs + 1 {
+        bail!(
+            "{op}: takes {dense_inputs} inputs (W of X's dtype) or {} (a MatMulNBits weight and its scales), the node has {}",
+            dense_inputs + 1,
+            call.num_inputs()
+        );
     }
     let max_outputs = if prologue == Prologue::RmsNorm { 2 } else { 1 };
     if call.num_outputs() > max_outputs {
@@ -130,18 +188,45 @@ fn geometry(call: &Call) -> Result<Geometry> {
         }
         t.shape()
     };
-    let w = same(w_index, "W")?;
     let x_shape = x.shape()?;
     let Some(&last) = x_shape.last() else { bail!("{op}: X must have rank ≥ 1, not a scalar") };
-    if w.len() != 2 {
-        bail!("{op}: W must be a matrix [N, K], got shape {w:?}");
-    }
-    let (n, k) = (w[0], w[1]);
-    let want = if prologue == Prologue::SwiGlu { k.checked_mul(2) } else { Some(k) };
-    let Some(want) = want else { bail!("{op}: W {w:?} is too large") };
-    if last != want {
-        bail!("{op}: X's last dimension is {last}, W {w:?} needs {want}");
-    }
+    let quantized = call.num_inputs() == dense_inputs + 1;
+    let (n, k, quant) = if quantized {
+        let wt = call.input(w_index)?;
+        let (wd, w) = (wt.dtype()?, wt.shape()?);
+        if wd != DType::U8 || w.len() != 3 {
+            bail!("{op}: with scales, W must be MatMulNBits' uint8 [N, k_blocks, blob], got {wd} {w:?}");
+        }
+        if dtype == DType::F64 {
+            unsupported!("{op}: a MatMulNBits weight takes float32, float16 or bfloat16 X, not float64");
+        }
+        let k = if prologue == Prologue::SwiGlu { last / 2 } else { last };
+        if prologue == Prologue::SwiGlu && last % 2 != 0 {
+            bail!("{op}: X's last dimension {last} is not [gate | up] of two halves");
+        }
+        let Some(q) = Quant::of(k, w[1], w[2]) else {
+            bail!(
+                "{op}: W {w:?} is not MatMulNBits' [N, ceil(K / block_size), block_size · bits / 8] for K = {k} (block_size a power of two ≥ 16, bits 2, 4 or 8)"
+            );
+        };
+        let sc = same(w_index + 1, "scales")?;
+        let numel = sc.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        if numel != w[0].checked_mul(q.k_blocks) {
+            bail!("{op}: scales {sc:?} must hold N · k_blocks = {} · {} values", w[0], q.k_blocks);
+        }
+        (w[0], k, Some(q))
+    } else {
+        let w = same(w_index, "W")?;
+        if w.len() != 2 {
+            bail!("{op}: W must be a matrix [N, K], got shape {w:?}");
+        }
+        let want = if prologue == Prologue::SwiGlu { w[1].checked_mul(2) } else { Some(w[1]) };
+        let Some(want) = want else { bail!("{op}: W {w:?} is too large") };
+        if last != want {
+            bail!("{op}: X's last dimension is {last}, W {w:?} needs {want}");
+        }
+        (w[0], w[1], None)
+    };
     let rows = x_shape[..x_shape.len() - 1].iter().product();
     let mut y_shape = x_shape.clone();
     *y_shape.last_mut().unwrap_or(&mut 0) = n;
@@ -172,7 +257,7 @@ fn geometry(call: &Call) -> Result<Geometry> {
             bail!("{op}: epsilon must not be negative, got {eps}");
         }
     }
-    Ok(Geometry { prologue, dtype, rows, k, n, y_shape, x_shape, skip_len, eps })
+    Ok(Geometry { prologue, dtype, rows, k, n, y_shape, x_shape, skip_len, eps, quant, w_index })
 }
 
 pub fn infer(call: &Call) -> Result<Vec<TensorType>> {
@@ -245,10 +330,10 @@ pub fn cpu(call: &Call) -> Result<()> {
             _ => v,
         }
     };
-    let w_input = call.input(if g.prologue == Prologue::RmsNorm { 3 } else { 1 })?;
+    let w_input = call.input(g.w_index)?;
     if g.dtype != DType::F64 && g.rows > 0 && g.n > 0 && g.k > 0 {
-        // The product through the host's gemm (W stays out of the shim): A is X itself, or the
-        // prologue's result in scratch.
+        // The product through the host's gemm or qgemm (W stays out of the shim): A is X
+        // itself, or the prologue's result in scratch.
         let a = match g.prologue {
             Prologue::Linear => call.input(0)?.handle(),
             _ => {
@@ -260,6 +345,23 @@ pub fn cpu(call: &Call) -> Result<()> {
             }
         };
         let (rows, n, k) = (g.rows as u64, g.n as u64, g.k as u64);
+        if let Some(q) = g.quant {
+            let at = |handle: u32| TensorAt { handle, offset: 0 };
+            return qgemm(&QGemm {
+                dtype: g.dtype,
+                m: rows,
+                n,
+                k,
+                bits: q.bits,
+                block: q.block as u64,
+                a: at(a),
+                b: at(w_input.handle()),
+                scales: at(call.input(g.w_index + 1)?.handle()),
+                zero_points: QZeroPoints::Default,
+                bias: None,
+                y: at(call.output(0)?.handle()),
+            });
+        }
         let operand = |handle: u32, ld: u64| Operand { handle, offset: 0, ld, batch_stride: 0 };
         return gemm(&Gemm {
             dtype: g.dtype,
@@ -280,6 +382,14 @@ pub fn cpu(call: &Call) -> Result<()> {
         });
     }
     let (a, s) = operand_a(call, &g, round)?;
+    if g.quant.is_some() {
+        // An empty product (no rows, no outputs or K = 0): zeros, and the sum.
+        call.output(0)?.write_vec(&alloc::vec![0f64; g.rows * g.n])?;
+        if let Some(sum) = call.output_opt(1) {
+            sum.write_vec(&s)?;
+        }
+        return Ok(());
+    }
     let w = w_input.read_vec::<f64>()?;
     let a: Vec<f64> = a.into_iter().map(round).collect();
     let mut y = alloc::vec![0f64; g.rows * g.n];
@@ -318,22 +428,17 @@ pub fn dispatch(call: &Call) -> Result<()> {
     let x = call.input(0)?.handle();
     let y = call.output(0)?.handle();
     let sum = call.output_opt(1).map(|t| t.handle());
-    let (skip, gamma, w) = match g.prologue {
-        Prologue::RmsNorm => {
-            (call.input_opt(1).map(|t| t.handle()), Some(call.input(2)?.handle()), call.input(3)?.handle())
-        }
-        _ => (None, None, call.input(1)?.handle()),
+    let (skip, gamma) = match g.prologue {
+        Prologue::RmsNorm => (call.input_opt(1).map(|t| t.handle()), Some(call.input(2)?.handle())),
+        _ => (None, None),
     };
+    let w = call.input(g.w_index)?.handle();
     let flags = skip.is_some() as u32 | (sum.is_some() as u32) << 1;
     if g.rows == 0 || g.n == 0 && sum.is_none() {
         return Ok(());
     }
     let vec = 16 / esize;
-    let operands = alloc::vec![
-        at(x),
-        at(skip.unwrap_or(x)),
-        at(gamma.unwrap_or(x)),
-        at(w),
+    let tail = [
         at(y),
         at(sum.unwrap_or(y)),
         KernelArg::U64(g.rows as u64),
@@ -343,6 +448,29 @@ pub fn dispatch(call: &Call) -> Result<()> {
         KernelArg::U32(flags),
         KernelArg::F32(g.eps),
     ];
+    let mut operands = alloc::vec![at(x), at(skip.unwrap_or(x)), at(gamma.unwrap_or(x)), at(w)];
+    if let Some(q) = g.quant {
+        // A 4-bit weight with whole 16-byte chunks per block: decode rows in one kernel.
+        let block_rows = g.rows.next_power_of_two().min(Q4_BLOCK_ROWS);
+        let shared = g.rows.min(block_rows) as u64 * g.k as u64 * 4;
+        let fits = q.bits == 4 && q.block % Q4_VALUES == 0 && g.k % Q4_VALUES == 0 && g.k % vec == 0;
+        if fits && g.rows <= Q4_MAX_ROWS && g.n > 0 && shared <= GEMV_MAX_SHARED as u64 {
+            operands.push(at(call.input(g.w_index + 1)?.handle()));
+            operands.extend(tail);
+            operands.push(KernelArg::U32(q.k_blocks as u32));
+            operands.push(KernelArg::U32(q.block as u32));
+            let blocks = g.n.div_ceil(GEMV_COLS_PER_BLOCK).min(GEMV_MAX_BLOCKS);
+            return launch(&Launch {
+                kernel: &kernel_name("kiln_linear_q4gemv", &[tag, g.prologue.kernel_mode(), &block_rows.to_string()]),
+                grid: [blocks as u32, g.rows.div_ceil(block_rows) as u32, 1],
+                block: [GEMV_THREADS, 1, 1],
+                shared_mem_bytes: shared as u32,
+                args: operands,
+            });
+        }
+        return prefill(call, &g, tag, skip, gamma, flags);
+    }
+    operands.extend(tail);
     let tensor_cores = matches!(g.dtype, DType::F16 | DType::BF16) && (MMA_MIN_ROWS..=MMA_MAX_ROWS).contains(&g.rows);
     if tensor_cores && g.k > 0 && g.k % vec == 0 && g.n > 0 {
         // A in the storage type, 8·NT rows of K rounded up to 64; the split-K partial sums reuse it.
@@ -381,7 +509,17 @@ pub fn dispatch(call: &Call) -> Result<()> {
             args: operands,
         });
     }
-    // Prefill: A into scratch (or X itself), then cuBLASLt.
+    prefill(call, &g, tag, skip, gamma, flags)
+}
+
+/// Many rows (or a weight the GEMVs do not take): A into scratch (or X itself), a quantized W
+/// dequantized into scratch, then cuBLASLt.
+fn prefill(call: &Call, g: &Geometry, tag: &str, skip: Option<u32>, gamma: Option<u32>, flags: u32) -> Result<()> {
+    let esize = g.dtype.size().unwrap_or(4);
+    let x = call.input(0)?.handle();
+    let y = call.output(0)?.handle();
+    let sum = call.output_opt(1).map(|t| t.handle());
+    let mut w = call.input(g.w_index)?.handle();
     let (rows, k) = (g.rows as u64, g.k as u64);
     let a = match g.prologue {
         Prologue::Linear => x,
@@ -421,8 +559,29 @@ pub fn dispatch(call: &Call) -> Result<()> {
     };
     if g.n == 0 || k == 0 {
         // No output, or (with a norm's sum written above) nothing left: K = 0 with outputs took
-        // the GEMV.
+        // the GEMV (a quantized weight has K > 0).
         return Ok(());
+    }
+    if let Some(q) = g.quant {
+        let n = g.n as u64;
+        let dense = scratch(n * k * esize as u64)?;
+        launch(&Launch {
+            kernel: &kernel_name("kiln_linear_dequant", &[tag]),
+            grid: grid_stride(n * k),
+            block: [GRID_STRIDE_BLOCK, 1, 1],
+            shared_mem_bytes: 0,
+            args: alloc::vec![
+                at(w),
+                at(call.input(g.w_index + 1)?.handle()),
+                at(dense),
+                KernelArg::U64(n),
+                KernelArg::U64(k),
+                KernelArg::U32(q.k_blocks as u32),
+                KernelArg::U32(q.block as u32),
+                KernelArg::U32(q.bits),
+            ],
+        })?;
+        w = dense;
     }
     let operand = |handle: u32, ld: u64| Operand { handle, offset: 0, ld, batch_stride: 0 };
     gemm(&Gemm {
