@@ -598,6 +598,76 @@ fn matmul_nbits_fuses_only_with_the_attributes_its_pattern_names() {
 }
 
 #[test]
+fn matmul_nbits_with_zero_points_is_left_to_its_own_op() {
+    // linear-nbits names MatMulNBits(x, B, scales): a node with zero points (a fourth input) does
+    // not match, and runs as MatMulNBits.
+    let int = onnx::attr_int;
+    let base = matmul_nbits(32, vec![int("K", 64), int("N", 8), int("bits", 4), int("block_size", 32)]);
+    let mut g = base.graph.clone();
+    let zp = g.values.len();
+    g.values.push(kiln_host::model::Value { name: "zp".into(), ty: None });
+    g.initializers.insert(zp, Tensor::new(kiln_kernel_abi::DType::U8, vec![8, 1], vec![0x88u8; 8].into()).unwrap());
+    g.nodes[0].inputs.push(Some(zp));
+    let with_zp = Model { graph: g, ..base };
+    let mut s = session(with_zp, true);
+    assert!(s.report.fusions.applied.is_empty(), "{}", s.report.fusions.render());
+    let out = run(&mut s, vec![("x", f32_tensor(&[2, 64], &values(128, 3)))]);
+    // Zero point 8 in every block is MatMulNBits' default: the same as the fused model.
+    let mut fused =
+        session(matmul_nbits(32, vec![int("K", 64), int("N", 8), int("bits", 4), int("block_size", 32)]), true);
+    assert_eq!(run(&mut fused, vec![("x", f32_tensor(&[2, 64], &values(128, 3)))]), out);
+}
+
+#[test]
+fn a_quantized_linear_takes_bits_and_block_size_or_refuses_ambiguous_shapes() {
+    // W [8, 1, 16] for K = 16 fits 4 bits in blocks of 32 and 8 bits in blocks of 16: without
+    // the attributes the op refuses it; with them it computes MatMulNBits' product.
+    let int = onnx::attr_int;
+    let model_with = |attrs: Vec<onnx::AttributeProto>, op: &str, domain: &str| {
+        let mut n = node(op, &["x", "B", "scales"], &["y"], attrs);
+        n.domain = domain.into();
+        let b = onnx::TensorProto {
+            name: "B".into(),
+            data_type: 2,
+            dims: vec![8, 1, 16],
+            raw_data: (0..128u32).map(|i| (i * 29 % 256) as u8).collect(),
+            ..Default::default()
+        };
+        let scales = onnx::init_f32("scales", &[8], &values(8, 5));
+        let mut m =
+            onnx::model(vec![n], vec![value("x", F32, &[3, 16])], vec![value("y", F32, &[3, 8])], vec![b, scales]);
+        m.opset_import.push(onnx::OperatorSetIdProto { domain: domain.into(), version: 1, ..Default::default() });
+        model::load_bytes(&onnx::bytes(&m), None).unwrap()
+    };
+    let options = SessionOptions { device: Device::Cpu, fuse: false, ..SessionOptions::default() };
+    let err =
+        match Session::new(kiln_tests::builtin_runtime(), model_with(vec![], "Linear", "ai.kiln"), options.clone()) {
+            Ok(_) => panic!("an ambiguous quantized weight must be refused"),
+            Err(e) => e.to_string(),
+        };
+    assert!(err.contains("fits more than one bits / block_size pair for K = 16"), "{err}");
+    let attrs = || vec![int("bits", 4), int("block_size", 32)];
+    let x = f32_tensor(&[3, 16], &values(48, 9));
+    let mut linear =
+        Session::new(kiln_tests::builtin_runtime(), model_with(attrs(), "Linear", "ai.kiln"), options.clone()).unwrap();
+    let mut nbits_attrs = attrs();
+    nbits_attrs.extend([int("K", 16), int("N", 8)]);
+    let mut reference = Session::new(
+        kiln_tests::builtin_runtime(),
+        model_with(nbits_attrs, "MatMulNBits", "com.microsoft"),
+        options.clone(),
+    )
+    .unwrap();
+    assert_eq!(run(&mut linear, vec![("x", x.clone())]), run(&mut reference, vec![("x", x.clone())]));
+    let bad = vec![int("bits", 8), int("block_size", 32)];
+    let err = match Session::new(kiln_tests::builtin_runtime(), model_with(bad, "Linear", "ai.kiln"), options) {
+        Ok(_) => panic!("bits 8 over blobs of 16 bytes for blocks of 32 must be refused"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("bits 8 and block_size 32 do not fit W [N, 1, 16] for K = 16"), "{err}");
+}
+
+#[test]
 fn an_int4_decoder_fused_gives_the_unfused_logits() {
     // tiny-llama's int4 folder (MatMulNBits, float32 activations): every projection becomes a
     // kiln-matmul op over the 4-bit weights (the host's qgemm on the CPU) with the same logits.

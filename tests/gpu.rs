@@ -1287,7 +1287,7 @@ fn quantized_linear_ops_match_their_cpu_reference_and_float64() {
                 feeds.push(("scales".into(), kiln_tests::f32_tensor(&[n, kb], &sv)));
                 casts.push(node("Cast", &["scales"], &["scalesc"], vec![int("to", code)]));
                 inputs.push("scalesc");
-                let mut op_node = node(op, &inputs, &outputs, vec![]);
+                let mut op_node = node(op, &inputs, &outputs, vec![int("bits", 4), int("block_size", block as i64)]);
                 op_node.domain = "ai.kiln".into();
                 casts.push(op_node);
                 let graph_inputs = feeds

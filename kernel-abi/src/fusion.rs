@@ -103,9 +103,10 @@ pub struct PatternNode {
     /// A replacement node takes every attribute of this match node (index into `match`).
     #[serde(default)]
     pub attributes_from: Option<usize>,
-    /// Attributes a match node must carry (manifest schema 13), each an integer it must equal
-    /// or a dimension of a pattern variable ([`AttrConstraint`]). `kiln verify` gives the
-    /// unfused node these values. Only on match nodes.
+    /// On a match node, attributes it must carry (manifest schema 13), each an integer it must
+    /// equal or a dimension of a pattern variable ([`AttrConstraint`]); `kiln verify` gives the
+    /// unfused node these values. On a replacement node, integer attributes it gets (after
+    /// those of `attributes_from`, replacing one of the same name).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub attributes: BTreeMap<String, AttrConstraint>,
 }
@@ -118,8 +119,7 @@ pub enum AttrConstraint {
     Int(i64),
     /// `"VAR.AXIS"`: dimension AXIS (negative counts from the last) of pattern variable VAR's
     /// shape (`N = "W.0"`). Checked where that dimension is known at load (a constant's always
-    /// is); where it is not, the op checks its own attributes when it runs. `kiln verify` takes
-    /// it from the verify shapes. `"*"`: any value or none, an attribute the replacement does
+    /// is), not where it is not. `kiln verify` takes it from the verify shapes. `"*"`: any value or none, an attribute the replacement does
     /// not depend on (such as MatMulNBits' `accuracy_level` where the replacement computes in
     /// f32 at every level); verify leaves it out.
     Dim(String),
@@ -358,8 +358,11 @@ impl Fusion {
             if node.commutative {
                 return at(format!("replace[{i}]: commutative belongs on match nodes"));
             }
-            if !node.attributes.is_empty() {
-                return at(format!("replace[{i}]: attribute constraints belong on match nodes (use attributes_from)"));
+            if let Some((name, _)) = node.attributes.iter().find(|(_, c)| !matches!(c, AttrConstraint::Int(_))) {
+                return at(format!(
+                    "replace[{i}] ({}): attributes.{name} must be an integer (a replacement node's attributes are values it gets; \"VAR.AXIS\" and \"*\" constrain match nodes)",
+                    node.op
+                ));
             }
             if let Some(a) = node.attributes_from.filter(|&a| a >= self.pattern.len()) {
                 return at(format!(
@@ -506,10 +509,10 @@ verify"#,
                 SWIGLU.replace(
                     r#"outputs = ["y"] },
 ]"#,
-                    r#"outputs = ["y"], attributes = { k = 1 } },
+                    r#"outputs = ["y"], attributes = { k = "*" } },
 ]"#,
                 ),
-                "belong on match nodes",
+                "must be an integer",
             ),
         ]);
         for (text, needle) in cases {

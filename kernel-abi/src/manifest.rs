@@ -648,9 +648,9 @@ impl Manifest {
         }
         for (i, f) in self.fusions.iter().enumerate() {
             f.validate().map_err(ManifestError::Invalid)?;
-            if self.schema < 13 && f.pattern.iter().any(|n| !n.attributes.is_empty()) {
+            if self.schema < 13 && f.pattern.iter().chain(&f.replace).any(|n| !n.attributes.is_empty()) {
                 return bad(format!(
-                    "fusion {:?}: attribute constraints on match nodes come with manifest schema 13: set `schema = 13`",
+                    "fusion {:?}: `attributes` of match and replacement nodes come with manifest schema 13: set `schema = 13`",
                     f.name
                 ));
             }
@@ -980,7 +980,7 @@ outputs = ["y"]
         assert!(c["level"].is_any());
         assert_eq!(Manifest::parse(&m.to_toml()).unwrap(), m, "round trip");
         let err = Manifest::parse(&v13.replace("schema = 13", "schema = 12")).unwrap_err().to_string();
-        assert!(err.contains("attribute constraints on match nodes come with manifest schema 13"), "{err}");
+        assert!(err.contains("`attributes` of match and replacement nodes come with manifest schema 13"), "{err}");
     }
 
     /// Schema 12: `cpu_tiles` names its units, and only a manifest that says so has it.

@@ -170,7 +170,14 @@ pub(super) fn apply(g: &mut Graph, f: &Fusion, b: &Binding, consts: Vec<NewConst
         };
         let inputs = r.inputs.iter().map(|v| var_id(v, g)).collect();
         let outputs = r.outputs.iter().map(|v| var_id(v, g)).collect();
-        let attributes = r.attributes_from.map(|a| g.nodes[b.nodes[a]].attributes.clone()).unwrap_or_default();
+        let mut attributes = r.attributes_from.map(|a| g.nodes[b.nodes[a]].attributes.clone()).unwrap_or_default();
+        // Integer attributes the declaration sets (schema 13), over any of the same name.
+        for (name, c) in &r.attributes {
+            if let kiln_kernel_abi::fusion::AttrConstraint::Int(v) = c {
+                attributes.retain(|(a, _)| a != name);
+                attributes.push((name.clone(), crate::model::AttrValue::Int(*v)));
+            }
+        }
         g.nodes.push(Node {
             name: if many { format!("{base}/{}#{i}", f.name) } else { format!("{base}/{}", f.name) },
             op_type: r.op.clone(),

@@ -25,11 +25,13 @@
 //! `[N, k_blocks, block_size · bits / 8]` followed by one more input, `scales` (X's dtype,
 //! `N · k_blocks` values, `[N, k_blocks]` or flat), and row `n`'s value `k` dequantizes to
 //! `(q − 2^(bits − 1)) · scales[n, k / block_size]`, with `q` the `bits` of its byte from the low
-//! ones (MatMulNBits' default zero point). `bits` (2, 4 or 8) and `block_size` (a power of two
-//! ≥ 16) follow from the shapes: `k_blocks = ceil(K / block_size)`, as MatMulNBits defines them;
-//! a weight whose shape fits no such pair is refused. The CPU takes the product through the
+//! ones (MatMulNBits' default zero point). Attributes `bits` (2, 4 or 8) and `block_size` (a
+//! power of two ≥ 16), as MatMulNBits names them (the fusions set both), must fit the shapes:
+//! `k_blocks = ceil(K / block_size)`, `blob = block_size · bits / 8`; without them the shapes
+//! must fit exactly one such pair. The CPU takes the product through the
 //! host's `qgemm` (as kiln-quant's MatMulNBits); the GPU runs 4-bit weights with a block of 32
-//! or more and up to [`Q4_MAX_ROWS`] rows as one kernel (`kiln_linear_q4gemv`: 32 values per
+//! or more, K a multiple of 32 and up to [`Q4_MAX_ROWS`] rows whose A fits a block's 48 KiB of
+//! shared memory (at least one row of K ≤ 12,288) as one kernel (`kiln_linear_q4gemv`: 32 values per
 //! 16-byte load, f32 accumulation), and otherwise dequantizes the weight into scratch
 //! (`kiln_linear_dequant`) for cuBLASLt.
 //!
@@ -91,25 +93,47 @@ struct Quant {
 }
 
 impl Quant {
-    /// The `bits` and `block_size` of a MatMulNBits weight `[n, k_blocks, blob]` for K = `k`:
-    /// the power-of-two block ≥ 16 with `ceil(k / block) = k_blocks`, and `bits = blob · 8 /
-    /// block` ∈ {2, 4, 8}; `None` where no pair fits.
-    fn of(k: usize, k_blocks: usize, blob: usize) -> Option<Quant> {
-        if k == 0 || k_blocks == 0 {
-            return None;
-        }
-        let mut block = 16usize;
-        while block <= k.max(16) * 2 {
-            if k.div_ceil(block) == k_blocks {
-                let bits = blob.checked_mul(8)? / block;
-                if matches!(bits, 2 | 4 | 8) && bits * block == blob * 8 {
-                    return Some(Quant { bits: bits as u32, block, k_blocks });
-                }
-                return None;
+    /// The layout of a MatMulNBits weight `[n, k_blocks, blob]` for K = `k`: `bits` and
+    /// `block_size` as the node gives them (the `*-nbits` fusions set both), checked against the
+    /// shapes (`k_blocks = ceil(k / block_size)`, `blob = block_size · bits / 8`); where the node
+    /// gives neither, the one pair of a power-of-two block ≥ 16 and bits ∈ {2, 4, 8} that fits
+    /// the shapes. Errors: a given pair that does not fit, or shapes that fit no pair or more than
+    /// one (one block per row of at most half a block), each naming the shapes.
+    fn of(op: &str, k: usize, k_blocks: usize, blob: usize, given: Option<(i64, i64)>) -> Result<Quant> {
+        let fits = |bits: usize, block: usize| {
+            k > 0 && k.div_ceil(block) == k_blocks && block.checked_mul(bits) == blob.checked_mul(8)
+        };
+        if let Some((bits, block)) = given {
+            let ok = matches!(bits, 2 | 4 | 8) && block >= 16 && (block as u64).is_power_of_two();
+            if !ok || !fits(bits as usize, block as usize) {
+                bail!(
+                    "{op}: bits {bits} and block_size {block} do not fit W [N, {k_blocks}, {blob}] for K = {k} (k_blocks = ceil(K / block_size), blob = block_size · bits / 8; bits 2, 4 or 8, block_size a power of two ≥ 16)"
+                );
             }
-            block *= 2;
+            return Ok(Quant { bits: bits as u32, block: block as usize, k_blocks });
         }
-        None
+        let mut found = Vec::new();
+        let mut block = 16usize;
+        while block <= k.saturating_mul(2).max(16) {
+            for bits in [2usize, 4, 8] {
+                if fits(bits, block) {
+                    found.push(Quant { bits: bits as u32, block, k_blocks });
+                }
+            }
+            block = match block.checked_mul(2) {
+                Some(b) => b,
+                None => break,
+            };
+        }
+        match found.as_slice() {
+            [q] => Ok(*q),
+            [] => bail!(
+                "{op}: W [N, {k_blocks}, {blob}] is not MatMulNBits' [N, ceil(K / block_size), block_size · bits / 8] for K = {k} (block_size a power of two ≥ 16, bits 2, 4 or 8)"
+            ),
+            _ => bail!(
+                "{op}: W [N, {k_blocks}, {blob}] fits more than one bits / block_size pair for K = {k}: give the node `bits` and `block_size`"
+            ),
+        }
     }
 }
 
@@ -204,11 +228,11 @@ fn geometry(call: &Call) -> Result<Geometry> {
         if prologue == Prologue::SwiGlu && last % 2 != 0 {
             bail!("{op}: X's last dimension {last} is not [gate | up] of two halves");
         }
-        let Some(q) = Quant::of(k, w[1], w[2]) else {
-            bail!(
-                "{op}: W {w:?} is not MatMulNBits' [N, ceil(K / block_size), block_size · bits / 8] for K = {k} (block_size a power of two ≥ 16, bits 2, 4 or 8)"
-            );
+        let given = match (call.attr_i("bits", 0)?, call.attr_i("block_size", 0)?) {
+            (0, 0) => None,
+            (bits, block) => Some((bits, block)),
         };
+        let q = Quant::of(op, k, w[1], w[2], given)?;
         let sc = same(w_index + 1, "scales")?;
         let numel = sc.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
         if numel != w[0].checked_mul(q.k_blocks) {
@@ -451,7 +475,11 @@ pub fn dispatch(call: &Call) -> Result<()> {
     let mut operands = alloc::vec![at(x), at(skip.unwrap_or(x)), at(gamma.unwrap_or(x)), at(w)];
     if let Some(q) = g.quant {
         // A 4-bit weight with whole 16-byte chunks per block: decode rows in one kernel.
-        let block_rows = g.rows.next_power_of_two().min(Q4_BLOCK_ROWS);
+        // The most rows per block (8, 4, 2, 1) whose A fits the shared memory.
+        let mut block_rows = g.rows.next_power_of_two().min(Q4_BLOCK_ROWS);
+        while block_rows > 1 && g.rows.min(block_rows) as u64 * g.k as u64 * 4 > GEMV_MAX_SHARED as u64 {
+            block_rows /= 2;
+        }
         let shared = g.rows.min(block_rows) as u64 * g.k as u64 * 4;
         let fits = q.bits == 4 && q.block % Q4_VALUES == 0 && g.k % Q4_VALUES == 0 && g.k % vec == 0;
         if fits && g.rows <= Q4_MAX_ROWS && g.n > 0 && shared <= GEMV_MAX_SHARED as u64 {
