@@ -350,11 +350,18 @@ fn graph_decode_matches_eager(folder: &std::path::Path) {
         assert_eq!(after.replays - before.replays, again.timings.decode_steps as u64, "one replay per step: {after:?}");
         assert_eq!(after.fallbacks, before.fallbacks, "no fallback: {after:?}");
         assert_eq!(after.recaptures, before.recaptures, "same buffers, no re-capture");
+        // The graph's kernel nodes (kiln's and cuBLASLt's kernels) are most of its nodes, and a
+        // kernel per plan launch at least.
+        assert!(after.graph_kernels > 0 && after.graph_kernels <= after.graph_nodes, "{after:?}");
+        assert!(after.graph_kernels + after.graph_memsets + after.graph_memcpys <= after.graph_nodes, "{after:?}");
         println!(
-            "{}: batch {rows}: {} steps replayed; graph {} nodes",
+            "{}: batch {rows}: {} steps replayed; graph {} nodes, {} kernels, {} memsets, {} memcpys",
             folder.display(),
             again.timings.decode_steps,
-            after.graph_nodes
+            after.graph_nodes,
+            after.graph_kernels,
+            after.graph_memsets,
+            after.graph_memcpys
         );
     }
 }

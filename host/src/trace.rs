@@ -221,6 +221,11 @@ pub struct GraphStats {
     pub instantiate_us: u64,
     /// Nodes of the last instantiated graph.
     pub graph_nodes: u64,
+    /// Of those, kernel nodes (kiln's and the libraries' kernels: a decode graph's kernels per
+    /// token), memset and memcpy nodes (`cuGraphNodeGetType`).
+    pub graph_kernels: u64,
+    pub graph_memsets: u64,
+    pub graph_memcpys: u64,
     /// Kernel launches and GEMMs of the last plan built.
     pub plan_launches: u64,
     /// Of those, the kernels launched with programmatic dependent launch (`--pdl`).
@@ -248,8 +253,8 @@ impl GraphStats {
     pub fn render(&self) -> String {
         let mut s = format!(
             "graphs: {} plans ({} B arena, {} first runs eager), {} captures, {} replays, {} re-captures ({} by cuGraphExecUpdate), \
-             capture {:.3} ms, instantiate {:.3} ms, {} nodes in the last graph; the last plan launches {} kernels and GEMMs, \
-             {} with programmatic dependent launch\n",
+             capture {:.3} ms, instantiate {:.3} ms, {} nodes in the last graph ({} kernels, {} memsets, {} memcpys); \
+             the last plan launches {} kernels and GEMMs, {} with programmatic dependent launch\n",
             self.plans_built,
             self.arena_bytes,
             self.first_runs,
@@ -260,6 +265,9 @@ impl GraphStats {
             self.capture_us as f64 / 1e3,
             self.instantiate_us as f64 / 1e3,
             self.graph_nodes,
+            self.graph_kernels,
+            self.graph_memsets,
+            self.graph_memcpys,
             self.plan_launches,
             self.pdl_launches
         );

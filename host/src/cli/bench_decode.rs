@@ -226,8 +226,11 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
         }
     );
     let graphs_label = if g.session.captures_graphs() { "on" } else { "off" };
-    say!(human, "| batch (bucket) | graphs | decode ms/step | decode tok/s | prefill ms | × floor | host ms/step | replays/step |");
-    say!(human, "|---:|---|---:|---:|---:|---:|---:|---:|");
+    say!(
+        human,
+        "| batch (bucket) | graphs | decode ms/step | decode tok/s | prefill ms | × floor | host ms/step | replays/step | kernels/step |"
+    );
+    say!(human, "|---:|---|---:|---:|---:|---:|---:|---:|---:|");
     let mut rows = Vec::new();
     let mut rng = StdRng::seed_from_u64(a.seed);
     let progress = super::progress::Progress::bar((a.batches.len() * (a.runs + 1)) as u64, "bench decode");
@@ -255,10 +258,13 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
         let steps_timed: usize = runs.iter().map(|r| r.steps).sum();
         let replays = (r.graphs.replays - report_before.graphs.replays) as f64 / steps_timed.max(1) as f64;
         let bucket = runs.first().map_or(batch, |r| r.bucket);
+        // The kernel nodes of the decode step's graph (the last one captured), where steps replay.
+        let kernels = (replays > 0.0).then_some(r.graphs.graph_kernels);
+        let kernels_cell = kernels.map_or("-".to_string(), |k| k.to_string());
         progress.suspend(|| {
             say!(
                 human,
-                "| {batch} ({bucket}) | {graphs_label} | {ms_step:.3} | {tok_s:.0} | {prefill_ms:.1} | {:.0} | {enqueue:.3} | {replays:.2} |",
+                "| {batch} ({bucket}) | {graphs_label} | {ms_step:.3} | {tok_s:.0} | {prefill_ms:.1} | {:.0} | {enqueue:.3} | {replays:.2} | {kernels_cell} |",
                 ms_step / floor_ms
             )
         });
@@ -270,6 +276,7 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
             "graphs": graphs_label,
             "paged_kv": paged,
             "graph_replays_per_step": replays,
+            "graph_kernel_nodes": kernels,
             "graph_fallbacks_timed": fallbacks,
             "decode_ms_per_step": ms_step,
             "decode_tokens_per_s": tok_s,

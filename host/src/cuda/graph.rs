@@ -13,7 +13,8 @@
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::{
-    self, CUgraph, CUgraphExec, CUgraphExecUpdateResult, CUgraphExecUpdateResultInfo, CUstream, CUstreamCaptureMode,
+    self, CUgraph, CUgraphExec, CUgraphExecUpdateResult, CUgraphExecUpdateResultInfo, CUgraphNode, CUgraphNodeType,
+    CUstream, CUstreamCaptureMode,
 };
 
 use crate::{Error, Result};
@@ -72,15 +73,50 @@ impl Captured {
         Ok(n)
     }
 
+    /// The graph's nodes by type (`cuGraphGetNodes`, `cuGraphNodeGetType`): a decode step's
+    /// kernels per token, library kernels (cuBLASLt's, split-K reductions) included.
+    pub fn node_kinds(&self) -> Result<NodeKinds> {
+        let mut n = self.node_count()?;
+        let mut nodes: Vec<CUgraphNode> = vec![std::ptr::null_mut(); n];
+        // SAFETY: a live graph; `nodes` has room for the `n` nodes the driver writes.
+        check("cuGraphGetNodes", unsafe { sys::cuGraphGetNodes(self.graph, nodes.as_mut_ptr(), &mut n) })?;
+        nodes.truncate(n);
+        let mut kinds = NodeKinds::default();
+        for node in nodes {
+            let mut t = CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+            // SAFETY: a node of the live graph.
+            check("cuGraphNodeGetType", unsafe { sys::cuGraphNodeGetType(node, &mut t) })?;
+            match t {
+                CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL => kinds.kernels += 1,
+                CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMSET => kinds.memsets += 1,
+                CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMCPY => kinds.memcpys += 1,
+                _ => kinds.other += 1,
+            }
+        }
+        Ok(kinds)
+    }
+
     /// Instantiates the graph; the returned value owns both the graph and its executable.
     pub fn instantiate(self) -> Result<GraphExec> {
         let nodes = self.node_count()?;
+        let kinds = self.node_kinds()?;
         let t0 = Instant::now();
         let mut exec: CUgraphExec = std::ptr::null_mut();
         // SAFETY: a live graph; `exec` receives the executable (owned by the value returned).
         check("cuGraphInstantiate", unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, self.graph, 0) })?;
-        Ok(GraphExec { exec, graph: self, nodes, instantiate_time: t0.elapsed() })
+        Ok(GraphExec { exec, graph: self, nodes, kinds, instantiate_time: t0.elapsed() })
     }
+}
+
+/// Nodes of a graph by type.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct NodeKinds {
+    /// Kernel nodes: kiln's packages' kernels and the libraries' (cuBLASLt, cuDNN).
+    pub kernels: usize,
+    pub memsets: usize,
+    pub memcpys: usize,
+    /// Every other type (events, empty nodes, child graphs).
+    pub other: usize,
 }
 
 /// An instantiated graph (`CUgraphExec`) and the graph it came from; both destroyed on drop.
@@ -90,6 +126,8 @@ pub struct GraphExec {
     graph: Captured,
     /// Nodes of the graph.
     pub nodes: usize,
+    /// The nodes by type.
+    pub kinds: NodeKinds,
     /// Wall time of the instantiation.
     pub instantiate_time: Duration,
 }

@@ -423,6 +423,9 @@ impl ExecutionPlan {
                 };
                 stats.instantiate_us += exec.instantiate_time.as_micros() as u64;
                 stats.graph_nodes = exec.nodes as u64;
+                stats.graph_kernels = exec.kinds.kernels as u64;
+                stats.graph_memsets = exec.kinds.memsets as u64;
+                stats.graph_memcpys = exec.kinds.memcpys as u64;
                 if self.capture.exec.is_some() {
                     // The old executable may still have a launch in flight.
                     gpu.synchronize()?;
