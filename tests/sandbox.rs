@@ -63,6 +63,7 @@ fn input(values: [f32; 4]) -> ArgTensor<'static> {
         nbytes: 16,
         access: Access::Read(Bytes::from(bytes)),
         paged: None,
+        constant: false,
     }
 }
 
@@ -74,6 +75,7 @@ fn output() -> ArgTensor<'static> {
         nbytes: 16,
         access: Access::Write(vec![0; 16]),
         paged: None,
+        constant: false,
     }
 }
 

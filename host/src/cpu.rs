@@ -30,6 +30,7 @@ pub fn output_args(types: &[Option<(DType, Vec<usize>)>], max_string_bytes: u64)
                     nbytes: n,
                     access,
                     paged: None,
+                    constant: false,
                 }
             })
         })

@@ -103,8 +103,10 @@ pub enum ManifestError {
 /// in `dtypes` from schema 11, and the host passes tensors of them only to such packages;
 /// schema 12 added `cpu_tiles` to `[[ops]]` (CPU calls of one tile of the outputs) and string
 /// tensors ([`crate::strings`]) in `dtypes` and on the wire; schema 13 added attribute
-/// constraints on fusion match nodes ([`crate::fusion::AttrConstraint`]).
-pub const MANIFEST_SCHEMA: u32 = 13;
+/// constraints on fusion match nodes ([`crate::fusion::AttrConstraint`]); schema 14 adds no
+/// field: the package's shim reads tensor flag bit 4 (an input constant for the session,
+/// [`crate::wire::TensorDesc::constant`]), which the host sends only to such packages.
+pub const MANIFEST_SCHEMA: u32 = 14;
 
 /// The folder of a package whose files are its exported headers.
 pub const HEADER_DIR: &str = "include/";

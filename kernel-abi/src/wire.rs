@@ -60,12 +60,24 @@ pub struct TensorDesc<'a> {
     /// Where the tensor is paged rather than row-major (flag bit 3): only for the inputs and
     /// outputs the op's manifest entry declares `paged_inputs` / `paged_outputs` (schema 5).
     pub paged: Option<Paged>,
+    /// The input is constant for the session (flag bit 4, manifest schema 14): an initializer,
+    /// whose bytes no kernel writes, so a kernel may read it before its grid-dependency wait
+    /// (ABI.md §7.7). Sent only to packages of schema 14 or later, only in `kiln_dispatch` calls.
+    pub constant: bool,
 }
 
 impl<'a> TensorDesc<'a> {
     /// An absent tensor.
     pub fn absent() -> Self {
-        TensorDesc { present: false, dtype: None, dims: None, handle: NO_HANDLE, value: None, paged: None }
+        TensorDesc {
+            present: false,
+            dtype: None,
+            dims: None,
+            handle: NO_HANDLE,
+            value: None,
+            paged: None,
+            constant: false,
+        }
     }
 
     /// Number of elements, when every dimension is known and non-negative.
@@ -334,6 +346,7 @@ const FLAG_PRESENT: u32 = 1;
 const FLAG_VALUE: u32 = 2;
 const FLAG_RANK: u32 = 4;
 const FLAG_PAGED: u32 = 8;
+const FLAG_CONSTANT: u32 = 16;
 
 fn encode_tensor(w: &mut Writer, t: &TensorDesc<'_>) {
     let mut flags = 0;
@@ -348,6 +361,9 @@ fn encode_tensor(w: &mut Writer, t: &TensorDesc<'_>) {
     }
     if t.paged.is_some() {
         flags |= FLAG_PAGED;
+    }
+    if t.constant {
+        flags |= FLAG_CONSTANT;
     }
     w.u32(flags);
     w.i32(t.dtype.map_or(0, DType::code));
@@ -367,7 +383,7 @@ fn encode_tensor(w: &mut Writer, t: &TensorDesc<'_>) {
 
 fn decode_tensor<'a>(r: &mut Reader<'a>) -> Result<TensorDesc<'a>, WireError> {
     let flags = r.u32("tensor flags")?;
-    if flags & !(FLAG_PRESENT | FLAG_VALUE | FLAG_RANK | FLAG_PAGED) != 0 {
+    if flags & !(FLAG_PRESENT | FLAG_VALUE | FLAG_RANK | FLAG_PAGED | FLAG_CONSTANT) != 0 {
         return Err(WireError::Invalid("tensor flags"));
     }
     let code = r.i32("tensor dtype")?;
@@ -396,6 +412,7 @@ fn decode_tensor<'a>(r: &mut Reader<'a>) -> Result<TensorDesc<'a>, WireError> {
         handle,
         value,
         paged,
+        constant: flags & FLAG_CONSTANT != 0,
     })
 }
 
@@ -1026,6 +1043,7 @@ mod tests {
                     handle: 7,
                     value: None,
                     paged: Some(Paged { axis: 2, shift: 2, page_stride: 96, strides: [400, 16, 4, 1].to_vec() }),
+                    constant: true,
                 },
                 TensorDesc {
                     present: true,
@@ -1034,10 +1052,19 @@ mod tests {
                     handle: 8,
                     value: Some(value),
                     paged: None,
+                    constant: false,
                 },
                 TensorDesc::absent(),
             ],
-            outputs: vec![TensorDesc { present: true, dtype: None, dims: None, handle: 9, value: None, paged: None }],
+            outputs: vec![TensorDesc {
+                present: true,
+                dtype: None,
+                dims: None,
+                handle: 9,
+                value: None,
+                paged: None,
+                constant: false,
+            }],
             attributes: vec![
                 Attribute { name: "allowzero", value: AttrValue::Int(0) },
                 Attribute { name: "f", value: AttrValue::Floats(vec![1.5, -2.0]) },
@@ -1119,8 +1146,15 @@ mod tests {
     fn a_paged_layout_that_does_not_fit_its_tensor_is_refused() {
         let good = Paged { axis: 2, shift: 2, page_stride: 96, strides: vec![192, 16, 4, 1] };
         let call = |paged: Paged, dims: Option<Vec<i64>>| {
-            let t =
-                TensorDesc { present: true, dtype: Some(DType::F16), dims, handle: 1, value: None, paged: Some(paged) };
+            let t = TensorDesc {
+                present: true,
+                dtype: Some(DType::F16),
+                dims,
+                handle: 1,
+                value: None,
+                paged: Some(paged),
+                constant: false,
+            };
             NodeCall {
                 abi_version: 1,
                 domain: "",

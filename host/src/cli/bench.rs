@@ -183,6 +183,7 @@ fn plan_for(pkg: &Package, op: &str, n_in: usize, dtype: DType, shape: &[usize])
             nbytes,
             access: Access::Opaque,
             paged: None,
+            constant: false,
         })
     };
     let args = CallArgs {

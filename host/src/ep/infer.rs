@@ -59,6 +59,7 @@ impl InferInput {
             nbytes: byte_size(self.dtype, &self.shape).unwrap_or(0),
             access: Access::Opaque,
             paged: None,
+            constant: false,
         }
     }
 }
@@ -179,6 +180,7 @@ impl NodeTypes {
                         nbytes: 0,
                         access: Access::Opaque,
                         paged: None,
+                        constant: false,
                     })
                 })
                 .collect(),

@@ -1268,11 +1268,25 @@ impl Session {
                 let node = self.model.graph.nodes[idx].clone();
                 let (in_paged, out_paged) = &key.1;
                 let paged = |l: Option<&Option<Arc<Paged>>>| l.cloned().flatten().map(|p| Paged::clone(&p));
+                // Inputs constant for the session (ABI.md §7.7): resident initializers that no feed
+                // replaces, told to packages of manifest schema 14 or later.
+                let g = &self.model.graph;
+                let tells = res.package.manifest.schema >= 14;
+                let constant = |i: usize| {
+                    let v = node.inputs.get(i).copied().flatten();
+                    tells && v.is_some_and(|v| g.initializers.contains_key(&v) && !g.inputs.contains(&v))
+                };
                 let args = node_call(
                     &node,
                     opset,
                     (infer_ins.iter().enumerate())
-                        .map(|(i, t)| t.as_ref().map(|t| ArgTensor { paged: paged(in_paged.get(i)), ..t.opaque_arg() }))
+                        .map(|(i, t)| {
+                            t.as_ref().map(|t| ArgTensor {
+                                paged: paged(in_paged.get(i)),
+                                constant: constant(i),
+                                ..t.opaque_arg()
+                            })
+                        })
                         .collect(),
                     (out_types.iter().enumerate())
                         .map(|(i, t)| {
@@ -1283,6 +1297,7 @@ impl Session {
                                 nbytes: byte_size(*d, s).unwrap_or(0),
                                 access: Access::Opaque,
                                 paged: paged(out_paged.get(i)),
+                                constant: false,
                             })
                         })
                         .collect(),
@@ -1476,6 +1491,7 @@ impl Session {
                         nbytes: v.nbytes(),
                         access: Access::Opaque,
                         paged: None,
+                        constant: false,
                     },
                 })
             })

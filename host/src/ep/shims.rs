@@ -45,6 +45,7 @@ pub(super) fn tensor_arg(t: &Tensor, value_input: bool, access: Access) -> ArgTe
         nbytes: t.data.len() as u64,
         access,
         paged: None,
+        constant: false,
     }
 }
 
@@ -219,6 +220,7 @@ impl Shims {
                                 nbytes,
                                 access: tiles::window(nbytes, units, *t),
                                 paged: None,
+                                constant: false,
                             }
                         })
                     })

@@ -45,6 +45,9 @@ pub struct ArgTensor<'a> {
     /// The tensor's paged layout (ABI.md §6.1.1), sent for the inputs and outputs the op's
     /// manifest entry declares paged; `None`: row-major.
     pub paged: Option<kiln_kernel_abi::wire::Paged>,
+    /// An input constant for the session (an initializer: no kernel writes it), sent as tensor
+    /// flag bit 4 to packages of manifest schema 14 or later (ABI.md §7.7).
+    pub constant: bool,
 }
 
 /// A node call, before handles are assigned.
@@ -429,6 +432,7 @@ impl ShimInstance {
                             handle,
                             value: t.value,
                             paged: t.paged,
+                            constant: t.constant,
                         }
                     }
                 };

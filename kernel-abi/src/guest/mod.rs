@@ -308,6 +308,13 @@ impl<'c, 'a> Tensor<'c, 'a> {
         self.desc.paged.as_ref()
     }
 
+    /// Whether the input is constant for the session (ABI.md §7.7, manifest schema 14): an
+    /// initializer, which no kernel writes, so a kernel may read it before its grid-dependency
+    /// wait. The host says so only in `kiln_dispatch` calls; `false` elsewhere.
+    pub fn is_constant(&self) -> bool {
+        self.desc.constant
+    }
+
     /// The bytes given inline for a value input (see the manifest's `value_inputs`).
     pub fn value(&self) -> Option<&'a [u8]> {
         self.desc.value

@@ -11,7 +11,9 @@
 // of a weight row (all loads of a pass issued before the first FMA), partial sums meet in warp
 // shuffles. The first pass's weight lines are prefetched into L2 before the grid-dependency
 // wait, so under programmatic dependent launch they stream in while the previous kernel ends;
-// before that wait the kernel reads nothing and writes nothing (every block reaches the wait). It
+// before that wait the kernel reads nothing and writes nothing (every block reaches the wait),
+// except a W constant for the session (W_CONST: an initializer, which no kernel writes), whose
+// first pass it loads into registers there. It
 // lets the next kernel launch at once (griddepcontrol.launch_dependents): a GEMV after it
 // prefetches its own weights while this one runs.
 //
@@ -76,8 +78,10 @@ struct Elem<kiln_tag_bf16> : kiln_elem<kiln_tag_bf16>, Packed16<Elem<kiln_tag_bf
 typedef Elem<kiln_tag_f16> F16;
 typedef Elem<kiln_tag_bf16> BF16;
 
-// Flags of the RMS prologue.
-enum { HAS_SKIP = 1, HAS_SUM = 2 };
+// Flags of the RMS prologue (HAS_SKIP, HAS_SUM) and of the weight: W_CONST, W is constant for the
+// session (an initializer no kernel writes: ABI.md §7.7), so its first pass is loaded into
+// registers before the grid-dependency wait instead of only prefetched into L2.
+enum { HAS_SKIP = 1, HAS_SUM = 2, W_CONST = 4 };
 
 #define LIN_WARPS 4    // warps per block
 #define LIN_COLS 2     // outputs (weight rows) per warp
@@ -364,12 +368,16 @@ __device__ __forceinline__ void gemv(const typename T::S* x, const typename T::S
     // Before the wait, only an L2 prefetch of the first pass's weight lines: W may be any tensor
     // (the op does not know that it is an initializer), and L2 is where every SM's writes meet,
     // so a prefetch cannot bring in a stale copy; the loads themselves come after the wait.
-    prefetch_pass(w4, col, n, kc, lane);
+    uint4 wv[LIN_COLS][LIN_UNROLL];
+    const bool w_const = flags & W_CONST;
+    if (w_const)
+        load_pass(wv, w4, col, n, kc, 0, lane);
+    else
+        prefetch_pass(w4, col, n, kc, lane);
     if (MODE == LIN_RMSNORM && blockIdx.x == 0 && blockIdx.y == 0 && warp == 0) prefetch_gamma(gamma, kc, lane);
     kiln_griddep_launch_dependents();
     kiln_griddep_wait();
-    uint4 wv[LIN_COLS][LIN_UNROLL];
-    load_pass(wv, w4, col, n, kc, 0, lane);
+    if (!w_const) load_pass(wv, w4, col, n, kc, 0, lane);
 
     // Prologue: A for this block's rows.
     prologue<T, MODE>(x, skip, gamma, sum, RowsF32<T>{a, k}, row0, rows_here, k, kc, skip_len, flags, eps);
@@ -526,14 +534,18 @@ __device__ __forceinline__ void gemv_q4(const typename T::S* x, const typename T
     const kiln_u64 col_step = (kiln_u64)gridDim.x * LIN_WARPS * LIN_COLS;
     kiln_u64 col = ((kiln_u64)blockIdx.x * LIN_WARPS + warp) * LIN_COLS;
 
-    q4_prefetch<T>(w4, scales, col, n, kc, rc, kb, lane);
+    uint4 wv[LIN_COLS][LIN_UNROLL];
+    float sv[LIN_COLS][LIN_UNROLL];
+    const bool w_const = flags & W_CONST;  // W and its scales: initializers
+    if (w_const)
+        q4_load<T>(wv, sv, w4, scales, col, n, kc, rc, cpb, kb, 0, lane);
+    else
+        q4_prefetch<T>(w4, scales, col, n, kc, rc, kb, lane);
     if (MODE == LIN_RMSNORM && blockIdx.x == 0 && blockIdx.y == 0 && warp == 0)
         prefetch_gamma(gamma, (unsigned)(k / T::VEC), lane);
     kiln_griddep_launch_dependents();
     kiln_griddep_wait();
-    uint4 wv[LIN_COLS][LIN_UNROLL];
-    float sv[LIN_COLS][LIN_UNROLL];
-    q4_load<T>(wv, sv, w4, scales, col, n, kc, rc, cpb, kb, 0, lane);
+    if (!w_const) q4_load<T>(wv, sv, w4, scales, col, n, kc, rc, cpb, kb, 0, lane);
 
     prologue<T, MODE>(x, skip, gamma, sum, RowsQ4<T>{a, kc}, row0, rows_here, k, (unsigned)(k / T::VEC), skip_len,
                       flags, eps);
@@ -640,20 +652,26 @@ __device__ __forceinline__ void gemv_mma(const typename T::S* x, const typename 
     const uint4* w0 = (const uint4*)w + (ok0 ? (m0 + g) * kc : 0);
     const uint4* w1 = (const uint4*)w + (ok1 ? (m0 + g + 8) * kc : 0);
 
+    uint4 wa[MMA_UNROLL], wb[MMA_UNROLL];
+    const bool w_const = flags & W_CONST;
+    if (w_const) {
+        mma_load(wa, wb, w0, w1, ok0, ok1, ks, ksplit, kc, q);
+    } else {
 #pragma unroll
-    for (unsigned u = 0; u < MMA_UNROLL; ++u) {
-        const unsigned c = (ks + u * ksplit) * 4 + q;
-        if (c < kc) {
-            if (ok0) asm volatile("prefetch.global.L2 [%0];" ::"l"(w0 + c));
-            if (ok1) asm volatile("prefetch.global.L2 [%0];" ::"l"(w1 + c));
+        for (unsigned u = 0; u < MMA_UNROLL; ++u) {
+            const unsigned c = (ks + u * ksplit) * 4 + q;
+            if (c < kc) {
+                if (ok0) asm volatile("prefetch.global.L2 [%0];" ::"l"(w0 + c));
+                if (ok1) asm volatile("prefetch.global.L2 [%0];" ::"l"(w1 + c));
+            }
         }
     }
     if (MODE == LIN_RMSNORM && blockIdx.x == 0 && blockIdx.y == 0 && warp == 0) prefetch_gamma(gamma, kc, lane);
     kiln_griddep_launch_dependents();
     kiln_griddep_wait();
-    // The first weight groups stream in while the prologue runs; each pass loads the next.
-    uint4 wa[MMA_UNROLL], wb[MMA_UNROLL];
-    mma_load(wa, wb, w0, w1, ok0, ok1, ks, ksplit, kc, q);
+    // The first weight groups stream in while the prologue runs (or since before the wait, for
+    // a constant W); each pass loads the next.
+    if (!w_const) mma_load(wa, wb, w0, w1, ok0, ok1, ks, ksplit, kc, q);
 
     // Zeros where A has no values (rows past `rows`, chunks past kc), then A itself.
     for (unsigned i = threadIdx.x; i < 8 * NT * kcp; i += blockDim.x) {

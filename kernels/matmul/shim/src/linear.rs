@@ -456,8 +456,12 @@ pub fn dispatch(call: &Call) -> Result<()> {
         Prologue::RmsNorm => (call.input_opt(1).map(|t| t.handle()), Some(call.input(2)?.handle())),
         _ => (None, None),
     };
-    let w = call.input(g.w_index)?.handle();
-    let flags = skip.is_some() as u32 | (sum.is_some() as u32) << 1;
+    let w_input = call.input(g.w_index)?;
+    let w = w_input.handle();
+    // W_CONST: W (and a quantized W's scales) constant for the session (ABI.md §7.7), so the
+    // kernels load their first weights before the grid-dependency wait.
+    let w_const = w_input.is_constant() && (g.quant.is_none() || call.input(g.w_index + 1)?.is_constant());
+    let flags = skip.is_some() as u32 | (sum.is_some() as u32) << 1 | (w_const as u32) << 2;
     if g.rows == 0 || g.n == 0 && sum.is_none() {
         return Ok(());
     }
