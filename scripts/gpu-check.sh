@@ -9,7 +9,7 @@
 #   int4       the SmolLM2-architecture int4 CUDA folder (MatMulNBits weights, fp16 activations; the
 #              model builder's `-p int4 -e cuda`, made once per machine with its onnxruntime-CPU
 #              reference of the same graph, `--ref-only`), its GPU test, the 4-bit linear-op test, and
-#              kiln bench decode (graphs on, batch 1 and 8) fused and --no-fuse
+#              kiln bench decode (graphs on, batch 1 and 8) fused, with --constant-inputs off, and --no-fuse
 #   quick      the GPU tests that need no SmolLM2-architecture model (those are skipped by name),
 #              without building the models when it is the only phase: kernels, node tests,
 #              tiny-llama, attention, graphs and memory
@@ -282,10 +282,11 @@ PYEOF
     fi
     "$GPU_TESTS" --include-ignored --test-threads 1 --nocapture smollm2_arch_int4 quantized_linear 2>&1 |
       tee "$out/int4.log" | grep -E "^smollm2|^test .*(ok|FAILED)$|test result|panicked"
-    for f in "" --no-fuse; do
+    for f in "" "--constant-inputs off" --no-fuse; do
+      echo "== int4 bench decode --graph on $f"
       # shellcheck disable=SC2086
-      "$KILN" bench decode "$i4" --batch 1 --batch 8 --graph on $f --runs 3 --report 2>&1
-    done | tee -a "$out/int4.log" | grep -vE "^\s*$" | head -60
+      "$KILN" bench decode "$i4" --batch 1 --batch 8 --graph on $f --runs 3 2>&1
+    done | tee -a "$out/int4.log" | grep -E "^==|^\||floor" | head -40
     summary+=("int4: $(grep -E '^test result' "$out/int4.log" | tail -1)")
     ;;
   quick)

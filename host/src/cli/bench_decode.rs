@@ -68,8 +68,13 @@ pub struct DecodeArgs {
     /// The KV cache on a GPU: `on` pages it (its rows map as they grow, where the attention
     /// package takes paged caches, as kiln-attention does), `off` takes the pool's row-major
     /// buffers of the whole cache length, to compare the two.
-    #[arg(long, value_enum, default_value_t = PagedKv::On)]
-    pub paged_kv: PagedKv,
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    pub paged_kv: Switch,
+    /// Whether packages hear which kernel inputs are constant initializers (ABI.md §7.7), so
+    /// that kiln-matmul's decode GEMVs load their weights before the grid-dependency wait: `off`
+    /// to compare.
+    #[arg(long, value_enum, default_value_t = Switch::On, value_name = "on|off")]
+    pub constant_inputs: Switch,
     /// Print the session's report (per-op host time, launches, plan hits) after the runs.
     #[arg(long)]
     pub report: bool,
@@ -84,9 +89,9 @@ pub struct DecodeArgs {
     pub target: ModelRunArgs,
 }
 
-/// `--paged-kv`.
+/// `--paged-kv`, `--constant-inputs`.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PagedKv {
+pub enum Switch {
     On,
     Off,
 }
@@ -191,8 +196,12 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
     let rt = Runtime::new(model_registry(&a.target.packages, &a.model_dir)?, super::sandbox_config())?;
     let t_setup = Instant::now();
     let loading = super::progress::Progress::spinner("loading the model");
-    let mut g = Generator::new(rt, folder, a.target.session_options(device, graphs)?)?;
-    let paged = g.set_paged_kv(a.paged_kv == PagedKv::On);
+    let options = crate::ep::SessionOptions {
+        constant_inputs: a.constant_inputs == Switch::On,
+        ..a.target.session_options(device, graphs)?
+    };
+    let mut g = Generator::new(rt, folder, options)?;
+    let paged = g.set_paged_kv(a.paged_kv == Switch::On);
     drop(loading);
     let setup_s = t_setup.elapsed().as_secs_f64();
     let penalty = if a.repetition_penalty == 1.0 {

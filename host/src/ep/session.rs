@@ -58,6 +58,9 @@ pub struct SessionOptions {
     pub fuse: bool,
     /// Programmatic dependent launch of the kernels packages declare PDL-safe (`--pdl`).
     pub pdl: crate::capture::PdlMode,
+    /// Tell packages of manifest schema 14 which dispatch inputs are constant for the session
+    /// (ABI.md §7.7); default on (`kiln bench decode --constant-inputs off` compares).
+    pub constant_inputs: bool,
     /// On a GPU, whether a dispatch's `conv` goes through cuDNN (`--cudnn`); without it the
     /// packages' own convolution kernels run, and the report says why.
     pub cudnn: CudnnMode,
@@ -125,6 +128,7 @@ impl Default for SessionOptions {
             graphs: GraphMode::Auto,
             fuse: true,
             pdl: crate::capture::PdlMode::Auto,
+            constant_inputs: true,
             cudnn: CudnnMode::Auto,
             vmm_chunk_bytes: VMM_CHUNK_BYTES,
             max_loop_iterations: MAX_LOOP_ITERATIONS,
@@ -1271,7 +1275,7 @@ impl Session {
                 // Inputs constant for the session (ABI.md §7.7): resident initializers that no feed
                 // replaces, told to packages of manifest schema 14 or later.
                 let g = &self.model.graph;
-                let tells = res.package.manifest.schema >= 14;
+                let tells = self.options.constant_inputs && res.package.manifest.schema >= 14;
                 let constant = |i: usize| {
                     let v = node.inputs.get(i).copied().flatten();
                     tells && v.is_some_and(|v| g.initializers.contains_key(&v) && !g.inputs.contains(&v))
