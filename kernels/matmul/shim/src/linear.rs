@@ -38,7 +38,8 @@
 //! All operands share one dtype: float32, float16, bfloat16 (and float64 on the CPU). `A` is
 //! rounded to that dtype before the product, as the unfused graph stores it, so the fused op
 //! computes what the ops it replaces compute. The CPU reference computes `A` in f64 and rounds
-//! it and `sum` once each; its product goes through the host's `gemm` (f32 accumulation, as on
+//! it and `sum` once each (float32 SwiGluLinear over a MatMulNBits weight in f32, as kiln-unary's
+//! SwiGlu does, within a few ulp); its product goes through the host's `gemm` (f32 accumulation, as on
 //! the GPU; float64 sums in f64); the CUDA kernels compute in f32 (`cuda/linear.cu`).
 //!
 //! On the GPU, decode's few rows run as one kernel that computes `A` in its prologue: float16 and
@@ -304,6 +305,14 @@ fn silu_mul(g: f64, u: f64, round: impl Fn(f64) -> f64) -> f64 {
     round(round(g * round(s)) * u)
 }
 
+/// SiLU(g)·u in f32, g / (1 + e^−g) · u, branch-free so that its loop vectorizes: kiln-unary's
+/// float32 SwiGlu, within a few ulp of the f64 [`silu_mul`] (its e^−g through
+/// `kiln_kernel_abi::math::exp_f32`, within 2 ulp).
+#[inline]
+fn silu_mul_f32(g: f32, u: f32) -> f32 {
+    g / (1.0 + kiln_kernel_abi::math::exp_f32(-g)) * u
+}
+
 /// A `[rows, k]` in f64, not yet rounded (`round` rounds the values the unfused ops would
 /// store on the way), and, for RmsNorm, `s = X + skip`.
 fn operand_a(call: &Call, g: &Geometry, round: impl Fn(f64) -> f64) -> Result<(Vec<f64>, Vec<f64>)> {
@@ -360,6 +369,18 @@ pub fn cpu(call: &Call) -> Result<()> {
         // itself, or the prologue's result in scratch.
         let a = match g.prologue {
             Prologue::Linear => call.input(0)?.handle(),
+            Prologue::SwiGlu if g.dtype == DType::F32 && g.quant.is_some() => {
+                // Over a MatMulNBits weight, float32 in f32 as kiln-unary's SwiGlu computes it (a
+                // loop that vectorizes; its gate-up-swiglu fusion took these graphs before): each
+                // row's SiLU(gate)·up.
+                let x: Vec<f32> = call.input(0)?.read_vec()?;
+                let mut a = Vec::with_capacity(g.rows * g.k);
+                for row in x.chunks_exact(2 * g.k) {
+                    let (gate, up) = row.split_at(g.k);
+                    a.extend(gate.iter().zip(up).map(|(&gv, &uv)| silu_mul_f32(gv, uv)));
+                }
+                scratch_from(&element::encode_as(DType::F32, &a)?)?
+            }
             _ => {
                 let (a, s) = operand_a(call, &g, round)?;
                 if let Some(sum) = call.output_opt(1) {
