@@ -1120,6 +1120,37 @@ fn decode_sized_matmul_matches_the_float64_reference() {
     }
 }
 
+/// Named outputs of a run.
+type Outputs = Vec<(String, kiln_host::Tensor)>;
+
+/// A graph of `nodes` (an ai.kiln op after Casts of its float32 inputs) whose graph inputs are
+/// `feeds` (float32, or uint8 where the feed is), outputs `outputs` of inferred types, run on the
+/// CPU and on the GPU: (CPU outputs, GPU outputs).
+fn run_kiln_op_on_cpu_and_gpu(
+    nodes: Vec<kiln_tests::onnx::NodeProto>,
+    outputs: &[&str],
+    feeds: Vec<(String, kiln_host::Tensor)>,
+) -> (Outputs, Outputs) {
+    use kiln_tests::onnx::{self, value};
+    let dims = |s: &[usize]| s.iter().map(|&d| d as i64).collect::<Vec<_>>();
+    let code = |t: &kiln_host::Tensor| if t.dtype == kiln_kernel_abi::DType::U8 { 2 } else { 1 };
+    let graph_inputs = feeds.iter().map(|(name, t)| value(name, code(t), &dims(&t.shape))).collect();
+    let graph_outputs = outputs
+        .iter()
+        .map(|o| {
+            let mut v = value(o, 1, &[]);
+            v.type_ = Default::default();
+            v
+        })
+        .collect();
+    let mut m = onnx::model(nodes, graph_inputs, graph_outputs, vec![]);
+    m.opset_import.push(onnx::OperatorSetIdProto { domain: "ai.kiln".into(), version: 1, ..Default::default() });
+    let load = || model::load_bytes(&onnx::bytes(&m), None).unwrap();
+    let want = Session::new(runtime(), load(), SessionOptions::default()).unwrap().run(feeds.clone()).unwrap();
+    let got = Session::new(runtime(), load(), cuda()).unwrap().run(feeds).unwrap();
+    (want, got)
+}
+
 /// kiln-matmul's `ai.kiln::Linear`, `RmsNormLinear` and `SwiGluLinear` on the GPU against their
 /// CPU reference (f64, A rounded to the dtype, then Y rounded once), on random shapes: 1 to 4
 /// rows (the CUDA-core GEMV for 1 row and float32; the tensor-core GEMV for 2 to 16 rows of
@@ -1131,7 +1162,7 @@ fn decode_sized_matmul_matches_the_float64_reference() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn linear_ops_match_their_cpu_reference() {
-    use kiln_tests::onnx::{self, node, value};
+    use kiln_tests::onnx::{self, node};
     let mut r = kiln_tests::Rng(0x11ea);
     let int = onnx::attr_int;
     let mut cases = 0;
@@ -1156,7 +1187,6 @@ fn linear_ops_match_their_cpu_reference() {
                 let mut vals = |len: usize| -> Vec<f32> {
                     (0..len).map(|_| ((r.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).collect()
                 };
-                let dims = |s: &[usize]| s.iter().map(|&d| d as i64).collect::<Vec<_>>();
                 let mut feeds =
                     vec![("x".to_string(), kiln_tests::f32_tensor(&x_shape, &vals(x_shape.iter().product())))];
                 let mut inputs = vec!["xc"];
@@ -1187,25 +1217,7 @@ fn linear_ops_match_their_cpu_reference() {
                 let mut op_node = node(op, &inputs, &outputs, vec![]);
                 op_node.domain = "ai.kiln".into();
                 casts.push(op_node);
-                let graph_inputs = feeds.iter().map(|(name, t)| value(name, 1, &dims(&t.shape))).collect();
-                let graph_outputs = outputs
-                    .iter()
-                    .map(|o| {
-                        let mut v = value(o, 1, &[]);
-                        v.type_ = Default::default();
-                        v
-                    })
-                    .collect();
-                let mut m = onnx::model(casts, graph_inputs, graph_outputs, vec![]);
-                m.opset_import.push(onnx::OperatorSetIdProto {
-                    domain: "ai.kiln".into(),
-                    version: 1,
-                    ..Default::default()
-                });
-                let load = || model::load_bytes(&onnx::bytes(&m), None).unwrap();
-                let want =
-                    Session::new(runtime(), load(), SessionOptions::default()).unwrap().run(feeds.clone()).unwrap();
-                let got = Session::new(runtime(), load(), cuda()).unwrap().run(feeds).unwrap();
+                let (want, got) = run_kiln_op_on_cpu_and_gpu(casts, &outputs, feeds);
                 for ((name, g), (_, w)) in got.iter().zip(&want) {
                     let (g, w) = (g.to_f32().unwrap(), w.to_f32().unwrap());
                     assert_eq!(g.len(), w.len());
@@ -1239,7 +1251,7 @@ fn linear_ops_match_their_cpu_reference() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn quantized_linear_ops_match_their_cpu_reference_and_float64() {
-    use kiln_tests::onnx::{self, node, value};
+    use kiln_tests::onnx::{self, node};
     let mut r = kiln_tests::Rng(0x4b17);
     let int = onnx::attr_int;
     let mut cases = 0;
@@ -1267,7 +1279,6 @@ fn quantized_linear_ops_match_their_cpu_reference_and_float64() {
                 let mut vals = |len: usize| -> Vec<f32> {
                     (0..len).map(|_| ((r.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).collect()
                 };
-                let dims = |s: &[usize]| s.iter().map(|&d| d as i64).collect::<Vec<_>>();
                 let xv = vals(rows * x_last);
                 let mut feeds = vec![("x".to_string(), kiln_tests::f32_tensor(&x_shape, &xv))];
                 let mut inputs = vec!["xc"];
@@ -1297,28 +1308,7 @@ fn quantized_linear_ops_match_their_cpu_reference_and_float64() {
                 let mut op_node = node(op, &inputs, &outputs, vec![int("bits", 4), int("block_size", block as i64)]);
                 op_node.domain = "ai.kiln".into();
                 casts.push(op_node);
-                let graph_inputs = feeds
-                    .iter()
-                    .map(|(name, t)| value(name, if name == "w" { 2 } else { 1 }, &dims(&t.shape)))
-                    .collect();
-                let graph_outputs = outputs
-                    .iter()
-                    .map(|o| {
-                        let mut v = value(o, 1, &[]);
-                        v.type_ = Default::default();
-                        v
-                    })
-                    .collect();
-                let mut m = onnx::model(casts, graph_inputs, graph_outputs, vec![]);
-                m.opset_import.push(onnx::OperatorSetIdProto {
-                    domain: "ai.kiln".into(),
-                    version: 1,
-                    ..Default::default()
-                });
-                let load = || model::load_bytes(&onnx::bytes(&m), None).unwrap();
-                let want =
-                    Session::new(runtime(), load(), SessionOptions::default()).unwrap().run(feeds.clone()).unwrap();
-                let got = Session::new(runtime(), load(), cuda()).unwrap().run(feeds).unwrap();
+                let (want, got) = run_kiln_op_on_cpu_and_gpu(casts, &outputs, feeds);
                 let what = format!("{op} dtype {code}, X {x_shape:?}, W [{n}, {kb}, {}] (block {block})", block / 2);
                 let slack = k as f32 * 2f32.powi(-22) * 4.0 * 8.0 / 16.0 + 16.0 * ulp.max(2f32.powi(-23));
                 for ((name, g), (_, w)) in got.iter().zip(&want) {

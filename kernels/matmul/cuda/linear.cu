@@ -347,6 +347,23 @@ __device__ __forceinline__ void prefetch_gamma(const void* gamma, unsigned kc, u
     for (unsigned c = lane; c < kc; c += 32) asm volatile("prefetch.global.L2 [%0];" ::"l"((const uint4*)gamma + c));
 }
 
+// A warp's outputs col .. col + LIN_COLS − 1 of its rows: each partial sum summed over the lanes
+// and written by lane 0 (rows past rows_here and columns past n skipped).
+template <typename T, int ROWS>
+__device__ __forceinline__ void store_cols(const float (&acc)[ROWS][LIN_COLS], typename T::S* y, kiln_u64 row0,
+                                           unsigned rows_here, kiln_u64 n, kiln_u64 col, unsigned lane) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        if (ROWS == 1 || r < (int)rows_here) {
+#pragma unroll
+            for (int j = 0; j < LIN_COLS; ++j) {
+                const float v = kiln_warp_sum(acc[r][j]);
+                if (lane == 0 && col + j < n) y[(row0 + r) * n + col + j] = T::st(v);
+            }
+        }
+    }
+}
+
 // Y[rows, n] = A · Wᵀ for at most ROWS rows per block (blockIdx.y picks them); see the top.
 // MODE is the prologue; ROWS (1, 2 or 4) sizes the accumulators, so that a decode step of one
 // row carries no arithmetic for four.
@@ -414,16 +431,7 @@ __device__ __forceinline__ void gemv(const typename T::S* x, const typename T::S
                 }
             }
         }
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            if (ROWS == 1 || r < (int)rows_here) {
-#pragma unroll
-                for (int j = 0; j < LIN_COLS; ++j) {
-                    const float v = kiln_warp_sum(acc[r][j]);
-                    if (lane == 0 && col + j < n) y[(row0 + r) * n + col + j] = T::st(v);
-                }
-            }
-        }
+        store_cols<T, ROWS>(acc, y, row0, rows_here, n, col, lane);
     }
 }
 
@@ -577,16 +585,7 @@ __device__ __forceinline__ void gemv_q4(const typename T::S* x, const typename T
                 }
             }
         }
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            if (ROWS == 1 || r < (int)rows_here) {
-#pragma unroll
-                for (int j = 0; j < LIN_COLS; ++j) {
-                    const float v = kiln_warp_sum(acc[r][j]);
-                    if (lane == 0 && col + j < n) y[(row0 + r) * n + col + j] = T::st(v);
-                }
-            }
-        }
+        store_cols<T, ROWS>(acc, y, row0, rows_here, n, col, lane);
     }
 }
 

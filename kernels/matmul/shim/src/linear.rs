@@ -512,14 +512,7 @@ pub fn dispatch(call: &Call) -> Result<()> {
             operands.extend(tail);
             operands.push(KernelArg::U32(q.k_blocks as u32));
             operands.push(KernelArg::U32(q.block as u32));
-            let blocks = g.n.div_ceil(GEMV_COLS_PER_BLOCK).min(GEMV_MAX_BLOCKS);
-            return launch(&Launch {
-                kernel: &kernel_name("kiln_linear_q4gemv", &[tag, g.prologue.kernel_mode(), &block_rows.to_string()]),
-                grid: [blocks as u32, g.rows.div_ceil(block_rows) as u32, 1],
-                block: [GEMV_THREADS, 1, 1],
-                shared_mem_bytes: shared as u32,
-                args: operands,
-            });
+            return launch_gemv("kiln_linear_q4gemv", tag, &g, block_rows, shared, operands);
         }
         return prefill(call, &g, tag, skip, gamma, flags);
     }
@@ -553,16 +546,30 @@ pub fn dispatch(call: &Call) -> Result<()> {
     let shared = g.rows.min(block_rows) as u64 * g.k as u64 * 4;
     // K = 0 takes the GEMV at any row count: it writes the zeros of an empty product.
     if (g.rows <= GEMV_MAX_ROWS || g.k == 0) && g.k % vec == 0 && shared <= GEMV_MAX_SHARED as u64 && g.n > 0 {
-        let blocks = g.n.div_ceil(GEMV_COLS_PER_BLOCK).min(GEMV_MAX_BLOCKS);
-        return launch(&Launch {
-            kernel: &kernel_name("kiln_linear_gemv", &[tag, g.prologue.kernel_mode(), &block_rows.to_string()]),
-            grid: [blocks as u32, g.rows.div_ceil(block_rows) as u32, 1],
-            block: [GEMV_THREADS, 1, 1],
-            shared_mem_bytes: shared as u32,
-            args: operands,
-        });
+        return launch_gemv("kiln_linear_gemv", tag, &g, block_rows, shared, operands);
     }
     prefill(call, &g, tag, skip, gamma, flags)
+}
+
+/// Launches CUDA-core GEMV `kernel` (`kiln_linear_gemv`, `kiln_linear_q4gemv`) at `block_rows`
+/// rows per block: a block per `GEMV_COLS_PER_BLOCK` outputs (at most `GEMV_MAX_BLOCKS`, which
+/// then loop), `shared` bytes of A.
+fn launch_gemv(
+    kernel: &str,
+    tag: &str,
+    g: &Geometry,
+    block_rows: usize,
+    shared: u64,
+    args: Vec<KernelArg>,
+) -> Result<()> {
+    let blocks = g.n.div_ceil(GEMV_COLS_PER_BLOCK).min(GEMV_MAX_BLOCKS);
+    launch(&Launch {
+        kernel: &kernel_name(kernel, &[tag, g.prologue.kernel_mode(), &block_rows.to_string()]),
+        grid: [blocks as u32, g.rows.div_ceil(block_rows) as u32, 1],
+        block: [GEMV_THREADS, 1, 1],
+        shared_mem_bytes: shared as u32,
+        args,
+    })
 }
 
 /// Many rows (or a weight the GEMVs do not take): A into scratch (or X itself), a quantized W
