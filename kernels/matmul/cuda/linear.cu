@@ -466,23 +466,29 @@ struct RowsQ4 {
     __device__ __forceinline__ Row row(unsigned r) const { return Row{a + (kiln_u64)r * 8 * kc, kc}; }
 };
 
-// Σ a·(q − 8) over the 32 values of chunk c of one row of A (`a`: the row's first float4): each
-// nibble becomes the float 2^23 + q by its bits, then q − 8 by one subtraction, both exact.
-__device__ __forceinline__ float q4_dot(const uint4& w, const float4* a, unsigned c, unsigned kc) {
+// The 32 values of a chunk as q − 8 in f32: each nibble becomes the float 2^23 + q by its bits,
+// then q − 8 by one subtraction, both exact. Value 4g + i is nibble i of the g-th 16 bits.
+__device__ __forceinline__ void q4_unpack(const uint4& w, float (&q)[Q4_VALUES]) {
     const unsigned words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int g = 0; g < 8; ++g) {
+        const unsigned x = words[g / 2] >> (16 * (g % 2));
+#pragma unroll
+        for (int i = 0; i < 4; ++i) q[4 * g + i] = __uint_as_float(0x4B000000u | ((x >> (4 * i)) & 0xfu)) - 8388616.f;
+    }
+}
+
+// Σ a·(q − 8) over the 32 values of chunk c of one row of A (`a`: the row's first float4), q
+// from q4_unpack.
+__device__ __forceinline__ float q4_dot(const float (&q)[Q4_VALUES], const float4* a, unsigned c, unsigned kc) {
     float s = 0.f;
 #pragma unroll
     for (int g = 0; g < 8; ++g) {
         const float4 av = a[g * kc + c];
-        const unsigned x = words[g / 2] >> (16 * (g % 2));
-        const float q0 = __uint_as_float(0x4B000000u | (x & 0xfu)) - 8388616.f;
-        const float q1 = __uint_as_float(0x4B000000u | ((x >> 4) & 0xfu)) - 8388616.f;
-        const float q2 = __uint_as_float(0x4B000000u | ((x >> 8) & 0xfu)) - 8388616.f;
-        const float q3 = __uint_as_float(0x4B000000u | ((x >> 12) & 0xfu)) - 8388616.f;
-        s = fmaf(av.x, q0, s);
-        s = fmaf(av.y, q1, s);
-        s = fmaf(av.z, q2, s);
-        s = fmaf(av.w, q3, s);
+        s = fmaf(av.x, q[4 * g], s);
+        s = fmaf(av.y, q[4 * g + 1], s);
+        s = fmaf(av.z, q[4 * g + 2], s);
+        s = fmaf(av.w, q[4 * g + 3], s);
     }
     return s;
 }
@@ -573,13 +579,15 @@ __device__ __forceinline__ void gemv_q4(const typename T::S* x, const typename T
             for (int u = 0; u < LIN_UNROLL; ++u) {
                 const unsigned c = base + u * 32 + lane;
                 if (c < kc) {
+                    // Each weight chunk unpacked once for all the block's rows.
 #pragma unroll
-                    for (int r = 0; r < ROWS; ++r) {
-                        if (ROWS == 1 || r < (int)rows_here) {
-                            const float4* ar = a + (kiln_u64)r * 8 * kc;
+                    for (int j = 0; j < LIN_COLS; ++j) {
+                        float q[Q4_VALUES];
+                        q4_unpack(wv[j][u], q);
 #pragma unroll
-                            for (int j = 0; j < LIN_COLS; ++j)
-                                acc[r][j] = fmaf(q4_dot(wv[j][u], ar, c, kc), sv[j][u], acc[r][j]);
+                        for (int r = 0; r < ROWS; ++r) {
+                            if (ROWS == 1 || r < (int)rows_here)
+                                acc[r][j] = fmaf(q4_dot(q, a + (kiln_u64)r * 8 * kc, c, kc), sv[j][u], acc[r][j]);
                         }
                     }
                 }
