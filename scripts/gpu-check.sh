@@ -280,7 +280,7 @@ PYEOF
       echo "int4 folder and reference made in $(($(date +%s) - t1)) s"
       du -sh "$i4"
     fi
-    "$GPU_TESTS" --include-ignored --test-threads 1 --nocapture smollm2_arch_int4 quantized_linear 2>&1 |
+    "$GPU_TESTS" --include-ignored --test-threads 1 --nocapture smollm2_arch_int4 quantized_linear constant_inputs 2>&1 |
       tee "$out/int4.log" | grep -E "^smollm2|^test .*(ok|FAILED)$|test result|panicked"
     for f in "" "--constant-inputs off" --no-fuse; do
       echo "== int4 bench decode --graph on $f"

@@ -1120,16 +1120,46 @@ fn decode_sized_matmul_matches_the_float64_reference() {
     }
 }
 
+/// Constant inputs (ABI.md §7.7) change when kiln-matmul's GEMVs load their weights, not what
+/// they compute: tiny-llama fp16 (fused: RmsNormLinear, Linear, SwiGluLinear over initializers)
+/// gives bit-identical logits with and without the host telling the packages which inputs are
+/// constant, at one row (the CUDA-core GEMV) and three (the tensor-core GEMV), prefill and four
+/// decode steps.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn constant_inputs_change_no_logit() {
+    use kiln_host::genai::{Generator, ModelFolder};
+    let folder = kiln_tests::fixture("llm/tiny-llama-v512-fp16-cuda");
+    let run = |constant_inputs: bool, prompts: &[Vec<i64>]| -> Vec<Vec<Vec<f32>>> {
+        let options = SessionOptions { constant_inputs, ..cuda() };
+        let mut g = Generator::new(runtime(), ModelFolder::open(&folder).unwrap(), options).unwrap();
+        let (mut kv, first) = g.prefill(prompts, 32).unwrap();
+        let mut all = vec![first];
+        for step in 0..4 {
+            let next: Vec<i64> = (0..prompts.len()).map(|r| (7 + step + r) as i64).collect();
+            all.push(g.decode(&mut kv, &next).unwrap());
+        }
+        g.free(kv);
+        all
+    };
+    for prompts in [vec![vec![1i64, 5, 9, 13]], vec![vec![1, 5, 9, 13], vec![1, 2], vec![3, 4, 5]]] {
+        let (on, off) = (run(true, &prompts), run(false, &prompts));
+        assert!(on == off, "{} rows: logits differ with constant inputs", prompts.len());
+    }
+}
+
 /// Named outputs of a run.
 type Outputs = Vec<(String, kiln_host::Tensor)>;
 
 /// A graph of `nodes` (an ai.kiln op after Casts of its float32 inputs) whose graph inputs are
-/// `feeds` (float32, or uint8 where the feed is), outputs `outputs` of inferred types, run on the
-/// CPU and on the GPU: (CPU outputs, GPU outputs).
+/// `feeds` (float32, or uint8 where the feed is) and whose initializers are `inits` (constant
+/// inputs: ABI.md §7.7), outputs `outputs` of inferred types, run on the CPU and on the GPU:
+/// (CPU outputs, GPU outputs).
 fn run_kiln_op_on_cpu_and_gpu(
     nodes: Vec<kiln_tests::onnx::NodeProto>,
     outputs: &[&str],
     feeds: Vec<(String, kiln_host::Tensor)>,
+    inits: Vec<kiln_tests::onnx::TensorProto>,
 ) -> (Outputs, Outputs) {
     use kiln_tests::onnx::{self, value};
     let dims = |s: &[usize]| s.iter().map(|&d| d as i64).collect::<Vec<_>>();
@@ -1143,7 +1173,7 @@ fn run_kiln_op_on_cpu_and_gpu(
             v
         })
         .collect();
-    let mut m = onnx::model(nodes, graph_inputs, graph_outputs, vec![]);
+    let mut m = onnx::model(nodes, graph_inputs, graph_outputs, inits);
     m.opset_import.push(onnx::OperatorSetIdProto { domain: "ai.kiln".into(), version: 1, ..Default::default() });
     let load = || model::load_bytes(&onnx::bytes(&m), None).unwrap();
     let want = Session::new(runtime(), load(), SessionOptions::default()).unwrap().run(feeds.clone()).unwrap();
@@ -1217,7 +1247,7 @@ fn linear_ops_match_their_cpu_reference() {
                 let mut op_node = node(op, &inputs, &outputs, vec![]);
                 op_node.domain = "ai.kiln".into();
                 casts.push(op_node);
-                let (want, got) = run_kiln_op_on_cpu_and_gpu(casts, &outputs, feeds);
+                let (want, got) = run_kiln_op_on_cpu_and_gpu(casts, &outputs, feeds, vec![]);
                 for ((name, g), (_, w)) in got.iter().zip(&want) {
                     let (g, w) = (g.to_f32().unwrap(), w.to_f32().unwrap());
                     assert_eq!(g.len(), w.len());
@@ -1245,7 +1275,9 @@ fn linear_ops_match_their_cpu_reference() {
 /// `[N, k_blocks, block / 2]` and scales `[N, k_blocks]`) on the GPU against the same ops on the
 /// CPU (the host's `qgemm`), float32, float16 and bfloat16, random shapes: 1 to 16 rows (the
 /// 4-bit GEMV, 1 to 8 rows per block), 20 to 40 rows and K not a multiple of 32 (the weight
-/// dequantized for cuBLASLt), blocks of 32, 64 and 128. Linear's Y is also checked against
+/// dequantized for cuBLASLt), blocks of 32, 64 and 128; odd cases hold W and its scales as
+/// initializers (constant inputs, ABI.md §7.7: loaded before the grid-dependency wait), even
+/// cases feed them. Linear's Y is also checked against
 /// float64 (A = X rounded to the dtype, W dequantized exactly). Tolerance: as
 /// `linear_ops_match_their_cpu_reference`, with K · 2^-22 scaled by the largest |scale| · 8.
 #[test]
@@ -1294,22 +1326,55 @@ fn quantized_linear_ops_match_their_cpu_reference_and_float64() {
                     inputs.push("gammac");
                 }
                 let wbytes: Vec<u8> = vals(n * kb * block / 2).iter().map(|v| ((v + 1.0) * 127.9) as u8).collect();
-                feeds.push((
-                    "w".into(),
-                    kiln_host::Tensor::new(kiln_kernel_abi::DType::U8, vec![n, kb, block / 2], wbytes.clone().into())
-                        .unwrap(),
-                ));
-                inputs.push("w");
                 // Scales of a magnitude that keeps Y near 1 (exact in every dtype: multiples of 1/256).
                 let sv: Vec<f32> = vals(n * kb).iter().map(|v| (v * 16.0).round() / 256.0).collect();
-                feeds.push(("scales".into(), kiln_tests::f32_tensor(&[n, kb], &sv)));
-                casts.push(node("Cast", &["scales"], &["scalesc"], vec![int("to", code)]));
+                // Odd cases hold W and its scales as initializers, which the host tells the package
+                // are constant (the GEMVs then load them before the grid-dependency wait); even cases
+                // feed them.
+                let mut inits = Vec::new();
+                if case % 2 == 1 {
+                    let scale_bytes: Vec<u8> = match dtype {
+                        kiln_kernel_abi::DType::F16 => {
+                            sv.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect()
+                        }
+                        kiln_kernel_abi::DType::BF16 => {
+                            sv.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect()
+                        }
+                        _ => sv.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                    };
+                    let init = |name: &str, data_type: i32, dims: Vec<i64>, raw_data: Vec<u8>| onnx::TensorProto {
+                        name: name.into(),
+                        data_type,
+                        dims,
+                        raw_data,
+                        ..Default::default()
+                    };
+                    inits.push(init("w", 2, vec![n as i64, kb as i64, (block / 2) as i64], wbytes.clone()));
+                    inits.push(init("scalesc", code as i32, vec![n as i64, kb as i64], scale_bytes));
+                } else {
+                    feeds.push((
+                        "w".into(),
+                        kiln_host::Tensor::new(
+                            kiln_kernel_abi::DType::U8,
+                            vec![n, kb, block / 2],
+                            wbytes.clone().into(),
+                        )
+                        .unwrap(),
+                    ));
+                    feeds.push(("scales".into(), kiln_tests::f32_tensor(&[n, kb], &sv)));
+                    casts.push(node("Cast", &["scales"], &["scalesc"], vec![int("to", code)]));
+                }
+                inputs.push("w");
                 inputs.push("scalesc");
                 let mut op_node = node(op, &inputs, &outputs, vec![int("bits", 4), int("block_size", block as i64)]);
                 op_node.domain = "ai.kiln".into();
                 casts.push(op_node);
-                let (want, got) = run_kiln_op_on_cpu_and_gpu(casts, &outputs, feeds);
-                let what = format!("{op} dtype {code}, X {x_shape:?}, W [{n}, {kb}, {}] (block {block})", block / 2);
+                let (want, got) = run_kiln_op_on_cpu_and_gpu(casts, &outputs, feeds, inits);
+                let what = format!(
+                    "{op} dtype {code}, X {x_shape:?}, W [{n}, {kb}, {}] (block {block}, constant: {})",
+                    block / 2,
+                    case % 2 == 1
+                );
                 let slack = k as f32 * 2f32.powi(-22) * 4.0 * 8.0 / 16.0 + 16.0 * ulp.max(2f32.powi(-23));
                 for ((name, g), (_, w)) in got.iter().zip(&want) {
                     let (g, w) = (g.to_f32().unwrap(), w.to_f32().unwrap());

@@ -83,13 +83,16 @@ impl Captured {
         nodes.truncate(n);
         let mut kinds = NodeKinds::default();
         for node in nodes {
-            let mut t = CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
-            // SAFETY: a node of the live graph.
-            check("cuGraphNodeGetType", unsafe { sys::cuGraphNodeGetType(node, &mut t) })?;
+            // Read as a plain u32: a newer driver may return a type this binding's enum lacks.
+            let mut t: u32 = u32::MAX;
+            // SAFETY: a node of the live graph; the driver writes one 32-bit enumerator.
+            check("cuGraphNodeGetType", unsafe {
+                sys::cuGraphNodeGetType(node, (&mut t as *mut u32).cast::<CUgraphNodeType>())
+            })?;
             match t {
-                CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL => kinds.kernels += 1,
-                CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMSET => kinds.memsets += 1,
-                CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMCPY => kinds.memcpys += 1,
+                t if t == CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL as u32 => kinds.kernels += 1,
+                t if t == CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMSET as u32 => kinds.memsets += 1,
+                t if t == CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMCPY as u32 => kinds.memcpys += 1,
                 _ => kinds.other += 1,
             }
         }
@@ -99,7 +102,8 @@ impl Captured {
     /// Instantiates the graph; the returned value owns both the graph and its executable.
     pub fn instantiate(self) -> Result<GraphExec> {
         let nodes = self.node_count()?;
-        let kinds = self.node_kinds()?;
+        // Statistics only: a failure to read the types leaves them zero rather than the graph off.
+        let kinds = self.node_kinds().unwrap_or_default();
         let t0 = Instant::now();
         let mut exec: CUgraphExec = std::ptr::null_mut();
         // SAFETY: a live graph; `exec` receives the executable (owned by the value returned).

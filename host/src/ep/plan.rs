@@ -422,15 +422,18 @@ impl ExecutionPlan {
                     Err(e) => return self.disable(gpu, mode, b, stats, e),
                 };
                 stats.instantiate_us += exec.instantiate_time.as_micros() as u64;
-                stats.graph_nodes = exec.nodes as u64;
-                stats.graph_kernels = exec.kinds.kernels as u64;
-                stats.graph_memsets = exec.kinds.memsets as u64;
-                stats.graph_memcpys = exec.kinds.memcpys as u64;
                 if self.capture.exec.is_some() {
                     // The old executable may still have a launch in flight.
                     gpu.synchronize()?;
                 }
                 self.capture.exec = Some(exec);
+            }
+            // This plan's graph, instantiated or updated in place (the same topology).
+            if let Some(exec) = &self.capture.exec {
+                stats.graph_nodes = exec.nodes as u64;
+                stats.graph_kernels = exec.kinds.kernels as u64;
+                stats.graph_memsets = exec.kinds.memsets as u64;
+                stats.graph_memcpys = exec.kinds.memcpys as u64;
             }
             self.capture.bindings = bindings;
         }

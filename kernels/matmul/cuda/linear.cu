@@ -13,9 +13,8 @@
 // wait, so under programmatic dependent launch they stream in while the previous kernel ends;
 // before that wait the kernel reads nothing and writes nothing (every block reaches the wait),
 // except a W constant for the session (W_CONST: an initializer, which no kernel writes), whose
-// first pass it loads into registers there. It
-// lets the next kernel launch at once (griddepcontrol.launch_dependents): a GEMV after it
-// prefetches its own weights while this one runs.
+// first pass it loads into registers there. It lets the next kernel launch at once
+// (griddepcontrol.launch_dependents): a GEMV after it fetches its own weights while this one runs.
 //
 // Prefill (many rows): the shim writes A with kiln_linear_rmsnorm<Tag> / kiln_linear_swiglu<Tag>
 // into scratch and calls cuBLASLt (gemm with transB) for the product.
@@ -382,9 +381,10 @@ __device__ __forceinline__ void gemv(const typename T::S* x, const typename T::S
     const kiln_u64 col_step = (kiln_u64)gridDim.x * LIN_WARPS * LIN_COLS;
     kiln_u64 col = ((kiln_u64)blockIdx.x * LIN_WARPS + warp) * LIN_COLS;
 
-    // Before the wait, only an L2 prefetch of the first pass's weight lines: W may be any tensor
-    // (the op does not know that it is an initializer), and L2 is where every SM's writes meet,
-    // so a prefetch cannot bring in a stale copy; the loads themselves come after the wait.
+    // Before the wait, the first pass's weights: loaded into registers when W is constant for the
+    // session (W_CONST: an initializer, which no kernel writes), else only prefetched into L2 (W
+    // may then be any tensor, and L2 is where every SM's writes meet, so a prefetch cannot bring
+    // in a stale copy; the loads come after the wait).
     uint4 wv[LIN_COLS][LIN_UNROLL];
     const bool w_const = flags & W_CONST;
     if (w_const)
@@ -529,8 +529,8 @@ __device__ __forceinline__ void q4_prefetch(const uint4* w, const typename T::S*
 }
 
 // Y[rows, n] = A · dequant(W)ᵀ for at most ROWS rows per block, W 4-bit (see above): gemv's
-// structure and PDL contract (L2 prefetches of the first pass before the grid-dependency wait),
-// with 32 values per 16-byte weight load. kc = k / 32 chunks of A per row, rc = kb·block / 32
+// structure and PDL contract (the first pass's weights and scales loaded, when constant, or
+// prefetched into L2 before the grid-dependency wait), with 32 values per 16-byte weight load. kc = k / 32 chunks of A per row, rc = kb·block / 32
 // chunks per W row.
 template <typename T, int MODE, int ROWS>
 __device__ __forceinline__ void gemv_q4(const typename T::S* x, const typename T::S* skip,
@@ -642,7 +642,8 @@ __device__ __forceinline__ void mma_load(uint4 (&wa)[MMA_UNROLL], uint4 (&wb)[MM
 }
 
 // Y[rows, n] = A · Wᵀ for rows ≤ 8·NT on tensor cores; see above. Same PDL contract as gemv:
-// only L2 prefetches of the first weight groups before the grid-dependency wait.
+// before the grid-dependency wait, the first weight groups loaded (a constant W) or prefetched
+// into L2.
 template <typename T, int MODE, int NT>
 __device__ __forceinline__ void gemv_mma(const typename T::S* x, const typename T::S* skip,
                                          const typename T::S* gamma, const typename T::S* w, typename T::S* y,
