@@ -182,7 +182,7 @@ fn smollm2_arch_teacher_forced(
     mut check: impl FnMut(usize, usize, &[f32], &[f32], &serde_json::Value),
 ) {
     use kiln_host::genai::{Generator, ModelFolder};
-    let root = device_models();
+    let root = device_models_root();
     let refs = root.join("reference");
     let json_path = refs.join(reference);
     assert!(
@@ -427,9 +427,14 @@ fn sessions_share_the_device_and_two_threads_capture_apart() {
     drop(first);
 }
 
+/// Where `make-smollm2-arch.sh` put its folders (`KILN_DEVICE_MODELS`, default `/tmp/kiln-models`).
+fn device_models_root() -> std::path::PathBuf {
+    std::path::PathBuf::from(std::env::var("KILN_DEVICE_MODELS").unwrap_or_else(|_| "/tmp/kiln-models".into()))
+}
+
+/// [`device_models_root`], which must hold the SmolLM2-architecture fp16 folder.
 fn device_models() -> std::path::PathBuf {
-    let root =
-        std::path::PathBuf::from(std::env::var("KILN_DEVICE_MODELS").unwrap_or_else(|_| "/tmp/kiln-models".into()));
+    let root = device_models_root();
     assert!(
         root.join("smollm2-arch-fp16-cuda/genai_config.json").is_file(),
         "{} has no SmolLM2-architecture folders: build them first (bash .gpu/device-fixtures/make-smollm2-arch.sh {})",
@@ -1302,7 +1307,7 @@ fn quantized_linear_ops_match_their_cpu_reference_and_float64() {
                     4 => r.range(20, 41),
                     _ => r.range(1, 5),
                 };
-                let block = [32usize, 64, 128][r.range(0, 3)];
+                let block = r.pick(&[32usize, 64, 128]);
                 let k = if case == 6 { 32 * r.range(1, 20) + 8 } else { 32 * r.range(1, 60) };
                 let kb = k.div_ceil(block);
                 let n = r.range(8, 300);
