@@ -660,11 +660,18 @@ fn a_quantized_linear_takes_bits_and_block_size_or_refuses_ambiguous_shapes() {
     .unwrap();
     assert_eq!(run(&mut linear, vec![("x", x.clone())]), run(&mut reference, vec![("x", x.clone())]));
     let bad = vec![int("bits", 8), int("block_size", 32)];
-    let err = match Session::new(kiln_tests::builtin_runtime(), model_with(bad, "Linear", "ai.kiln"), options) {
+    let err = match Session::new(kiln_tests::builtin_runtime(), model_with(bad, "Linear", "ai.kiln"), options.clone()) {
         Ok(_) => panic!("bits 8 over blobs of 16 bytes for blocks of 32 must be refused"),
         Err(e) => e.to_string(),
     };
     assert!(err.contains("bits 8 and block_size 32 do not fit W [N, 1, 16] for K = 16"), "{err}");
+    // A block size past the shim's 32-bit usize is refused, not wrapped to 0.
+    let huge = vec![int("bits", 4), int("block_size", 1 << 32)];
+    let err = match Session::new(kiln_tests::builtin_runtime(), model_with(huge, "Linear", "ai.kiln"), options) {
+        Ok(_) => panic!("block_size 2^32 must be refused"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("bits 4 and block_size 4294967296 do not fit"), "{err}");
 }
 
 #[test]

@@ -170,7 +170,7 @@ fn known_shape(model: &Model, v: ValueId) -> Option<Vec<crate::model::Dim>> {
 
 /// Pattern node `p`'s attribute constraints (manifest schema 13) on graph node `node`: each
 /// named attribute an integer equal to the constraint's value, where that value is known at
-/// load (a dimension of a value whose shape is not known is the op's to check when it runs).
+/// load (a dimension the load does not know is not checked; `"*"` takes any value or none).
 fn check_attributes(
     model: &Model,
     b: &Binding,

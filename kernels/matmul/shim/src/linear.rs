@@ -105,13 +105,14 @@ impl Quant {
             k > 0 && k.div_ceil(block) == k_blocks && block.checked_mul(bits) == blob.checked_mul(8)
         };
         if let Some((bits, block)) = given {
-            let ok = matches!(bits, 2 | 4 | 8) && block >= 16 && (block as u64).is_power_of_two();
-            if !ok || !fits(bits as usize, block as usize) {
-                bail!(
+            // usize::try_from: the shim's usize is 32 bits, and a block past it must not wrap to 0.
+            let size = usize::try_from(block).ok().filter(|&b| b >= 16 && b.is_power_of_two());
+            match size.filter(|&b| matches!(bits, 2 | 4 | 8) && fits(bits as usize, b)) {
+                Some(block) => return Ok(Quant { bits: bits as u32, block, k_blocks }),
+                None => bail!(
                     "{op}: bits {bits} and block_size {block} do not fit W [N, {k_blocks}, {blob}] for K = {k} (k_blocks = ceil(K / block_size), blob = block_size · bits / 8; bits 2, 4 or 8, block_size a power of two ≥ 16)"
-                );
+                ),
             }
-            return Ok(Quant { bits: bits as u32, block: block as usize, k_blocks });
         }
         let mut found = Vec::new();
         let mut block = 16usize;
