@@ -9,7 +9,8 @@
 #   int4       the SmolLM2-architecture int4 CUDA folder (MatMulNBits weights, fp16 activations; the
 #              model builder's `-p int4 -e cuda`, made once per machine with its onnxruntime-CPU
 #              reference of the same graph, `--ref-only`), its GPU test, the 4-bit linear-op test, and
-#              kiln bench decode (graphs on, batch 1 and 8) fused, with --constant-inputs off, and --no-fuse
+#              kiln bench decode (graphs on, batch 1 and 8) fused, with --constant-inputs off, --no-fuse,
+#              and with each package folder in .gpu/variants/* as a drop-in
 #   quick      the GPU tests that need no SmolLM2-architecture model (those are skipped by name),
 #              without building the models when it is the only phase: kernels, node tests,
 #              tiny-llama, attention, graphs and memory
@@ -287,6 +288,12 @@ PYEOF
       # shellcheck disable=SC2086
       "$KILN" bench decode "$i4" --batch 1 --batch 8 --graph on $f --runs 3 2>&1
     done | tee -a "$out/int4.log" | grep -E "^==|^\||floor" | head -40
+    # Each package folder in .gpu/variants as a drop-in, graphs on (an A/B of kernel changes).
+    for v in .gpu/variants/*; do
+      [ -d "$v" ] || continue # no variants: the glob stays unexpanded
+      echo "== int4 bench decode --graph on --packages $v"
+      "$KILN" bench decode "$i4" --batch 1 --batch 8 --graph on --runs 3 --packages "$v" 2>&1
+    done | tee -a "$out/int4.log" | grep -E "^==|^\||[Ee]rror"
     summary+=("int4: $(grep -E '^test result' "$out/int4.log" | tail -1)")
     ;;
   quick)

@@ -1276,15 +1276,16 @@ fn linear_ops_match_their_cpu_reference() {
     assert_eq!(cases, 72);
 }
 
-/// kiln-matmul's linear ops over MatMulNBits weights (4 bits, default zero point; uint8 W
-/// `[N, k_blocks, block / 2]` and scales `[N, k_blocks]`) on the GPU against the same ops on the
-/// CPU (the host's `qgemm`), float32, float16 and bfloat16, random shapes: 1 to 16 rows (the
-/// 4-bit GEMV, 1 to 8 rows per block), 20 to 40 rows and K not a multiple of 32 (the weight
+/// kiln-matmul's linear ops over MatMulNBits weights (4 and 8 bits, default zero point; uint8 W
+/// `[N, k_blocks, block · bits / 8]` and scales `[N, k_blocks]`) on the GPU against the same ops
+/// on the CPU (the host's `qgemm`), float32, float16 and bfloat16, random shapes: 1 to 16 rows
+/// (one kernel: 4 bits from 2 rows in float16 and bfloat16 on tensor cores, the rest on CUDA
+/// cores, 1 to 8 rows per block), 20 to 40 rows and K not a multiple of 32 (the weight
 /// dequantized for cuBLASLt), blocks of 32, 64 and 128; odd cases hold W and its scales as
 /// initializers (constant inputs, ABI.md §7.7: loaded before the grid-dependency wait), even
-/// cases feed them. Linear's Y is also checked against
-/// float64 (A = X rounded to the dtype, W dequantized exactly). Tolerance: as
-/// `linear_ops_match_their_cpu_reference`, with K · 2^-22 scaled by the largest |scale| · 8.
+/// cases feed them. Linear's Y is also checked against float64 (A = X rounded to the dtype, W
+/// dequantized exactly). Tolerance: as `linear_ops_match_their_cpu_reference`, with K · 2^-22
+/// scaled by the largest |scale| · 2^(bits − 1) (1/2).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn quantized_linear_ops_match_their_cpu_reference_and_float64() {
@@ -1297,7 +1298,8 @@ fn quantized_linear_ops_match_their_cpu_reference_and_float64() {
         (10, 2f32.powi(-10), kiln_kernel_abi::DType::F16),
         (16, 2f32.powi(-7), kiln_kernel_abi::DType::BF16),
     ] {
-        for op in ["Linear", "RmsNormLinear", "SwiGluLinear"] {
+        for (op, bits) in ["Linear", "RmsNormLinear", "SwiGluLinear"].into_iter().flat_map(|op| [(op, 4usize), (op, 8)])
+        {
             for case in 0..7 {
                 let rows = match case {
                     0 => 1,
@@ -1330,9 +1332,12 @@ fn quantized_linear_ops_match_their_cpu_reference_and_float64() {
                     casts.push(node("Cast", &["gamma"], &["gammac"], vec![int("to", code)]));
                     inputs.push("gammac");
                 }
-                let wbytes: Vec<u8> = vals(n * kb * block / 2).iter().map(|v| ((v + 1.0) * 127.9) as u8).collect();
-                // Scales of a magnitude that keeps Y near 1 (exact in every dtype: multiples of 1/256).
-                let sv: Vec<f32> = vals(n * kb).iter().map(|v| (v * 16.0).round() / 256.0).collect();
+                let blob = block * bits / 8;
+                let wbytes: Vec<u8> = vals(n * kb * blob).iter().map(|v| ((v + 1.0) * 127.9) as u8).collect();
+                // Scales of a magnitude that keeps Y near 1 (exact in every dtype: multiples of
+                // 1/256 for 4 bits, 1/4096 for 8, so that |scale| · 2^(bits − 1) ≤ 1/2 either way).
+                let sv: Vec<f32> =
+                    vals(n * kb).iter().map(|v| (v * 16.0).round() / 256.0 * 8.0 / (1 << (bits - 1)) as f32).collect();
                 // Odd cases hold W and its scales as initializers, which the host tells the package
                 // are constant (the GEMVs then load them before the grid-dependency wait); even cases
                 // feed them.
@@ -1354,30 +1359,26 @@ fn quantized_linear_ops_match_their_cpu_reference_and_float64() {
                         raw_data,
                         ..Default::default()
                     };
-                    inits.push(init("w", 2, vec![n as i64, kb as i64, (block / 2) as i64], wbytes.clone()));
+                    inits.push(init("w", 2, vec![n as i64, kb as i64, blob as i64], wbytes.clone()));
                     inits.push(init("scalesc", code as i32, vec![n as i64, kb as i64], scale_bytes));
                 } else {
                     feeds.push((
                         "w".into(),
-                        kiln_host::Tensor::new(
-                            kiln_kernel_abi::DType::U8,
-                            vec![n, kb, block / 2],
-                            wbytes.clone().into(),
-                        )
-                        .unwrap(),
+                        kiln_host::Tensor::new(kiln_kernel_abi::DType::U8, vec![n, kb, blob], wbytes.clone().into())
+                            .unwrap(),
                     ));
                     feeds.push(("scales".into(), kiln_tests::f32_tensor(&[n, kb], &sv)));
                     casts.push(node("Cast", &["scales"], &["scalesc"], vec![int("to", code)]));
                 }
                 inputs.push("w");
                 inputs.push("scalesc");
-                let mut op_node = node(op, &inputs, &outputs, vec![int("bits", 4), int("block_size", block as i64)]);
+                let mut op_node =
+                    node(op, &inputs, &outputs, vec![int("bits", bits as i64), int("block_size", block as i64)]);
                 op_node.domain = "ai.kiln".into();
                 casts.push(op_node);
                 let (want, got) = run_kiln_op_on_cpu_and_gpu(casts, &outputs, feeds, inits);
                 let what = format!(
-                    "{op} dtype {code}, X {x_shape:?}, W [{n}, {kb}, {}] (block {block}, constant: {})",
-                    block / 2,
+                    "{op} dtype {code}, X {x_shape:?}, W [{n}, {kb}, {blob}] ({bits} bits, block {block}, constant: {})",
                     case % 2 == 1
                 );
                 let slack = k as f32 * 2f32.powi(-22) * 4.0 * 8.0 / 16.0 + 16.0 * ulp.max(2f32.powi(-23));
@@ -1404,9 +1405,10 @@ fn quantized_linear_ops_match_their_cpu_reference_and_float64() {
                         for col in 0..n {
                             let mut acc = 0f64;
                             for kk in 0..k {
-                                let byte = wbytes[col * kb * block / 2 + kk / 2];
-                                let q = if kk % 2 == 0 { byte & 15 } else { byte >> 4 } as f64;
-                                acc += round(xv[row * k + kk]) * (q - 8.0) * round(sv[col * kb + kk / block]);
+                                let byte = wbytes[col * kb * blob + kk * bits / 8];
+                                let q = if bits == 8 { byte } else { (byte >> (4 * (kk % 2))) & 15 } as f64;
+                                let q = q - (1 << (bits - 1)) as f64;
+                                acc += round(xv[row * k + kk]) * q * round(sv[col * kb + kk / block]);
                             }
                             let a = y[row * n + col] as f64;
                             let tol = ulp as f64 * acc.abs() + slack as f64 + 1e-7;
@@ -1418,7 +1420,7 @@ fn quantized_linear_ops_match_their_cpu_reference_and_float64() {
             }
         }
     }
-    assert_eq!(cases, 63);
+    assert_eq!(cases, 126);
 }
 
 /// The resident set of this process, bytes (Linux `/proc/self/statm`).

@@ -191,6 +191,10 @@ fn bad_arguments_are_clear_errors() {
     // A usage error is 2, an invalid input 3 (README, "Exit codes").
     let o = kiln(&["run", "--no-such-flag"]);
     assert_eq!(o.status.code(), Some(2), "usage: {}", text(&o));
+    let o = kiln(&["run", "examples/mlp/model.onnx", "--expect", "=probs.npy"]);
+    assert_eq!(o.status.code(), Some(2), "a malformed NAME=FILE is usage: {}", text(&o));
+    let o = kiln(&["run", "examples/mlp/model.onnx", "--input", "x=examples/mlp/model.onnx"]);
+    assert_eq!(o.status.code(), Some(3), "a well-formed but wrong file is invalid input: {}", text(&o));
     for (args, needle) in cases {
         let o = kiln(args);
         assert!(!o.status.success(), "{args:?} succeeded");

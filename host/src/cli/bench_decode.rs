@@ -161,7 +161,7 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
     }
     super::output::check_path("--json", &a.json)?;
     let human = super::output::Human::new(&[&a.json]);
-    let device = choose_device(a.target.device)?;
+    let device = choose_device(a.target.resolve.device)?;
     let folder = ModelFolder::open(&a.model_dir)?;
     let vocab = folder.config.model.vocab_size;
     if vocab == 0 {
@@ -193,7 +193,7 @@ pub fn run(a: DecodeArgs) -> Result<ExitCode> {
     };
     let weight_bytes: u64 = folder.model.graph.initializers.values().map(|t| t.data.len() as u64).sum();
     let floor_ms = weight_bytes as f64 / (a.bandwidth_gbps * 1e9) * 1e3;
-    let rt = Runtime::new(model_registry(&a.target.packages, &a.model_dir)?, super::sandbox_config())?;
+    let rt = Runtime::new(model_registry(&a.target.resolve.packages, &a.model_dir)?, super::sandbox_config())?;
     let t_setup = Instant::now();
     let loading = super::progress::Progress::spinner("loading the model");
     let options = crate::ep::SessionOptions {

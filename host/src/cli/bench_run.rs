@@ -149,10 +149,10 @@ pub fn run(a: BenchRunArgs) -> Result<ExitCode> {
         };
         specs.push((v.name.clone(), ty.dtype, shape));
     }
-    let device = choose_device(a.target.device)?;
+    let device = choose_device(a.target.resolve.device)?;
     let human = super::output::Human::new(&[&a.json]);
     let t0 = Instant::now();
-    let rt = crate::ep::Runtime::new(model_registry(&a.target.packages, &a.model)?, super::sandbox_config())?;
+    let rt = crate::ep::Runtime::new(model_registry(&a.target.resolve.packages, &a.model)?, super::sandbox_config())?;
     let graph_mode = a.graph.mode(device)?;
     let options = a.target.session_options(device, graph_mode)?;
     let loading = super::progress::Progress::spinner("loading the model");

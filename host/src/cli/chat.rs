@@ -104,7 +104,7 @@ fn fit(
 
 /// `kiln chat`.
 pub fn run(a: ChatArgs) -> Result<ExitCode> {
-    let device = choose_device(a.target.device)?;
+    let device = choose_device(a.target.resolve.device)?;
     let graphs = a.graph.mode(device)?;
     if a.max_new_tokens == 0 {
         return Err(Error::Input("--max-new-tokens must be at least 1".into()));
@@ -125,7 +125,7 @@ pub fn run(a: ChatArgs) -> Result<ExitCode> {
         )));
     }
     let params = sampling(&a.sampling, &folder)?;
-    let rt = Runtime::new(model_registry(&a.target.packages, &a.model_dir)?, super::sandbox_config())?;
+    let rt = Runtime::new(model_registry(&a.target.resolve.packages, &a.model_dir)?, super::sandbox_config())?;
     let options = a.target.session_options(device, graphs)?;
     let loading = super::progress::Progress::spinner("loading the model");
     let mut generator = Generator::new(rt, folder, options)?;

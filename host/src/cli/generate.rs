@@ -185,7 +185,7 @@ pub fn run(mut a: GenerateArgs) -> Result<ExitCode> {
     let files = read_prompt_files(&a.prompt_files)?;
     a.prompts.extend(files);
     let human = super::output::Human::new(&[&a.json, &a.report_json]);
-    let device = choose_device(a.target.device)?;
+    let device = choose_device(a.target.resolve.device)?;
     let graphs = a.graph.mode(device)?;
     if a.max_new_tokens == 0 {
         return Err(Error::Input("--max-new-tokens must be at least 1".into()));
@@ -199,7 +199,7 @@ pub fn run(mut a: GenerateArgs) -> Result<ExitCode> {
         let text = if a.chat { folder.chat_prompt(p)? } else { p.clone() };
         prompts.push(folder.encode(&text)?);
     }
-    let rt = Runtime::new(model_registry(&a.target.packages, &a.model_dir)?, super::sandbox_config())?;
+    let rt = Runtime::new(model_registry(&a.target.resolve.packages, &a.model_dir)?, super::sandbox_config())?;
     let loading = super::progress::Progress::spinner("loading the model");
     let mut generator = Generator::new(rt, folder, a.target.session_options(device, graphs)?)?;
     drop(loading);

@@ -14,7 +14,7 @@ use crate::ep::Device;
 use crate::model::{self, Dim, Model, ValueId};
 use crate::{Error, Result};
 
-use super::{choose_device, model_registry, ModelRunArgs};
+use super::{choose_device, model_registry, ResolveArgs};
 
 /// Arguments of `kiln inspect`.
 #[derive(clap::Args, Debug)]
@@ -25,7 +25,7 @@ pub struct InspectArgs {
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
     #[command(flatten)]
-    pub target: ModelRunArgs,
+    pub target: ResolveArgs,
 }
 
 /// `kiln lock`.
@@ -37,7 +37,7 @@ pub struct LockArgs {
     #[arg(short, long, value_name = "FILE")]
     pub output: Option<PathBuf>,
     #[command(flatten)]
-    pub target: ModelRunArgs,
+    pub target: ResolveArgs,
 }
 
 /// A graph input or output.

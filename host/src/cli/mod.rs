@@ -222,9 +222,10 @@ pub fn model_registry(args: &PackageArgs, model: &std::path::Path) -> Result<kil
     Ok(reg)
 }
 
-/// Where and with what a command runs a model: `--device`, `--packages`, `--no-fuse`.
+/// Which packages run a model's nodes, and where: `--device`, `--packages` (and the registry and
+/// lock flags), `--no-fuse`. `kiln inspect` and `kiln lock` take only these.
 #[derive(clap::Args, Debug, Clone)]
-pub struct ModelRunArgs {
+pub struct ResolveArgs {
     /// Where to run: `auto` takes the GPU when one is usable, else the CPU.
     #[arg(long, value_enum, default_value_t)]
     pub device: DeviceArg,
@@ -232,6 +233,14 @@ pub struct ModelRunArgs {
     pub packages: PackageArgs,
     #[command(flatten)]
     pub fuse: FuseArgs,
+}
+
+/// Where and with what a command runs a model: [`ResolveArgs`], then how the session executes
+/// (PDL, cuDNN, device memory, loop and CPU tile limits).
+#[derive(clap::Args, Debug, Clone)]
+pub struct ModelRunArgs {
+    #[command(flatten)]
+    pub resolve: ResolveArgs,
     /// Programmatic dependent launch (Hopper and later): kernels that their package declares
     /// PDL-safe start, and load their weights, while the kernel before them ends. `auto` uses it
     /// where the GPU has it, `on` makes a GPU without it an error, `off` launches plainly.
@@ -280,7 +289,7 @@ impl ModelRunArgs {
         Ok(crate::ep::SessionOptions {
             device,
             graphs,
-            fuse: !self.fuse.no_fuse,
+            fuse: !self.resolve.fuse.no_fuse,
             pdl: self.pdl,
             cudnn: self.cudnn,
             device_memory_limit: limit,

@@ -18,12 +18,12 @@ pub struct RunArgs {
     /// The ONNX model.
     pub model: PathBuf,
     /// An input: NAME=FILE (.npy or .pb). Repeat for each graph input.
-    #[arg(long = "input", value_name = "NAME=FILE")]
-    pub inputs: Vec<String>,
+    #[arg(long = "input", value_name = "NAME=FILE", value_parser = name_file)]
+    pub inputs: Vec<(String, PathBuf)>,
     /// Check an output against a reference: NAME=FILE, at ONNX's tolerances (rtol 1e-3,
     /// atol 1e-7). Exits with status 5 on a mismatch.
-    #[arg(long = "expect", value_name = "NAME=FILE")]
-    pub expect: Vec<String>,
+    #[arg(long = "expect", value_name = "NAME=FILE", value_parser = name_file)]
+    pub expect: Vec<(String, PathBuf)>,
     /// Where outputs are written as NAME.npy (NumPy lacks some dtypes: bfloat16, float8 and
     /// float4 as float32, int4 and int2 as int8, uint4 and uint2 as uint8; strings as `<U`).
     #[arg(long, value_name = "DIR", default_value = "kiln-out")]
@@ -45,31 +45,31 @@ pub struct RunArgs {
     pub target: ModelRunArgs,
 }
 
-fn name_file(arg: &str, flag: &str) -> Result<(String, PathBuf)> {
+/// `NAME=FILE` of `--input` and `--expect`, both parts nonempty; anything else is a usage error
+/// (exit 2).
+fn name_file(arg: &str) -> std::result::Result<(String, PathBuf), String> {
     match arg.split_once('=') {
         Some((n, f)) if !n.is_empty() && !f.is_empty() => Ok((n.to_string(), PathBuf::from(f))),
-        _ => Err(Error::Input(format!("{flag} {arg:?}: expected NAME=FILE"))),
+        _ => Err("expected NAME=FILE".into()),
     }
 }
 
 pub fn run(a: RunArgs) -> Result<ExitCode> {
     super::output::check_path("--report-json", &a.report_json)?;
     let human = super::output::Human::new(&[&a.report_json]);
-    let device = choose_device(a.target.device)?;
+    let device = choose_device(a.target.resolve.device)?;
     let graphs = a.graph.mode(device)?;
     if a.runs == 0 {
         return Err(Error::Input("--runs must be at least 1".into()));
     }
     let mut inputs: Vec<(String, PathBuf)> = Vec::new();
-    for arg in &a.inputs {
-        let (name, file) = name_file(arg, "--input")?;
+    for (name, file) in a.inputs {
         if inputs.iter().any(|(n, _)| *n == name) {
             return Err(Error::Input(format!("--input {name} is given twice")));
         }
         inputs.push((name, file));
     }
-    let expect_files: Vec<(String, PathBuf)> =
-        a.expect.iter().map(|arg| name_file(arg, "--expect")).collect::<Result<_>>()?;
+    let expect_files = a.expect;
     let file = super::inspect::onnx_file(&a.model, "run")?;
     std::fs::create_dir_all(&a.output_dir).map_err(|source| Error::Io { path: a.output_dir.clone(), source })?;
     let t0 = Instant::now();
@@ -97,7 +97,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     }
     let non_tensors = feeds.iter().any(|(_, v)| !matches!(v, HostValue::Tensor(_)))
         || model.graph.outputs.iter().any(|&o| model.graph.kind(o) != model::Kind::Tensor);
-    let rt = Runtime::new(model_registry(&a.target.packages, &a.model)?, super::sandbox_config())?;
+    let rt = Runtime::new(model_registry(&a.target.resolve.packages, &a.model)?, super::sandbox_config())?;
     let options = a.target.session_options(device, graphs)?;
     let loading = super::progress::Progress::spinner("loading the model");
     let mut session = Session::new(rt, model, options)?;

@@ -77,7 +77,7 @@ pub fn run(a: ServeArgs) -> Result<ExitCode> {
     if a.default_max_tokens == 0 {
         return Err(Error::Input("--default-max-tokens must be at least 1".into()));
     }
-    let device = choose_device(a.target.device)?;
+    let device = choose_device(a.target.resolve.device)?;
     let graphs = a.graph.mode(device)?;
     let folder = ModelFolder::open(&a.model_dir)?;
     let max_length =
@@ -90,7 +90,7 @@ pub fn run(a: ServeArgs) -> Result<ExitCode> {
         .unwrap_or_else(|| a.model_dir.display().to_string());
     let limits =
         Limits { max_length, default_max_tokens: a.default_max_tokens, default_top_k: folder.config.search.top_k };
-    let rt = Runtime::new(model_registry(&a.target.packages, &a.model_dir)?, super::sandbox_config())?;
+    let rt = Runtime::new(model_registry(&a.target.resolve.packages, &a.model_dir)?, super::sandbox_config())?;
     let options = a.target.session_options(device, graphs)?;
     let opts = ServeOptions {
         addr: SocketAddr::new(a.host, a.port),

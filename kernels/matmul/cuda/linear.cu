@@ -435,55 +435,66 @@ __device__ __forceinline__ void gemv(const typename T::S* x, const typename T::S
     }
 }
 
-// ---- 4-bit weights (MatMulNBits' layout) ----------------------------------------------------
+// ---- 4-bit and 8-bit weights (MatMulNBits' layout) ------------------------------------------
 //
-// W is uint8 [N, kb, block / 2]: value k of row n is the low (k even) or high nibble of byte k / 2
-// of the row, and dequantizes to (q − 8) · scales[n·kb + k / block] (MatMulNBits with 4 bits and
-// its default zero point). A 16-byte chunk holds 32 values of one block (block a multiple of
-// 32), so a lane takes whole chunks and one scale per chunk. A sits in shared memory as f32 in
-// groups of 4: group g (values 4g .. 4g + 3 of each chunk) of chunk c of row r at float4
-// (r·8 + g)·kc + c, so the lanes of a warp, on consecutive chunks, read consecutive float4s.
-#define Q4_VALUES 32  // values per 16-byte chunk
+// W is uint8 [N, kb, block · BITS / 8]: value k of row n is bits (k · BITS) % 8 .. of byte
+// k · BITS / 8 of the row (the low nibble first for 4 bits), and dequantizes to
+// (q − 2^(BITS − 1)) · scales[n·kb + k / block] (MatMulNBits with its default zero point). A
+// 16-byte chunk holds 128 / BITS values (32 or 16) of one block (block a multiple of that), so a
+// lane takes whole chunks and one scale per chunk. A sits in shared memory as f32 in groups of 4:
+// group g (values 4g .. 4g + 3 of each chunk) of chunk c of row r at float4 (r·G + g)·kc + c with
+// G = 128 / BITS / 4 groups per chunk, so the lanes of a warp, on consecutive chunks, read
+// consecutive float4s.
+#define Q4_VALUES 32  // values per 16-byte chunk of 4-bit weights
 
-// A's rows for the 4-bit GEMV (see above): the prologue's chunk c of VEC values, rounded to the
-// storage type as store_a does.
-template <typename T>
-struct RowsQ4 {
+// Values and 4-value groups per 16-byte chunk of BITS-bit weights.
+template <int BITS>
+struct QChunk {
+    enum { VALUES = 128 / BITS, GROUPS = 128 / BITS / 4 };
+};
+
+// A's rows for the BITS-bit GEMV (see above): the prologue's chunk c of VEC values, rounded to
+// the storage type as store_a does.
+template <typename T, int BITS>
+struct RowsQ {
+    typedef QChunk<BITS> Q;
     float4* a;
-    unsigned kc;  // 32-value chunks per row
+    unsigned kc;  // weight chunks per row
     struct Row {
         float4* p;
         unsigned kc;
         __device__ __forceinline__ void operator()(unsigned c, const float* f) const {
 #pragma unroll
             for (int i = 0; i < T::VEC / 4; ++i) {
-                const unsigned v = c * T::VEC + 4 * i, chunk = v / Q4_VALUES, g = (v % Q4_VALUES) / 4;
+                const unsigned v = c * T::VEC + 4 * i, chunk = v / Q::VALUES, g = (v % Q::VALUES) / 4;
                 p[g * kc + chunk] = make_float4(T::ld(T::st(f[4 * i])), T::ld(T::st(f[4 * i + 1])),
                                                 T::ld(T::st(f[4 * i + 2])), T::ld(T::st(f[4 * i + 3])));
             }
         }
     };
-    __device__ __forceinline__ Row row(unsigned r) const { return Row{a + (kiln_u64)r * 8 * kc, kc}; }
+    __device__ __forceinline__ Row row(unsigned r) const { return Row{a + (kiln_u64)r * Q::GROUPS * kc, kc}; }
 };
 
-// The 32 values of a chunk as q − 8 in f32: each nibble becomes the float 2^23 + q by its bits,
-// then q − 8 by one subtraction, both exact. Value 4g + i is nibble i of the g-th 16 bits.
-__device__ __forceinline__ void q4_unpack(const uint4& w, float (&q)[Q4_VALUES]) {
+// The values of a chunk as q − 2^(BITS − 1) in f32: each becomes the float 2^23 + q by its bits,
+// then q − 2^(BITS − 1) by one subtraction, both exact. Value v is bits (v · BITS) % 32 .. of word
+// v · BITS / 32.
+template <int BITS>
+__device__ __forceinline__ void q_unpack(const uint4& w, float (&q)[QChunk<BITS>::VALUES]) {
     const unsigned words[4] = {w.x, w.y, w.z, w.w};
+    const float bias = 8388608.f + (float)(1 << (BITS - 1));
 #pragma unroll
-    for (int g = 0; g < 8; ++g) {
-        const unsigned x = words[g / 2] >> (16 * (g % 2));
-#pragma unroll
-        for (int i = 0; i < 4; ++i) q[4 * g + i] = __uint_as_float(0x4B000000u | ((x >> (4 * i)) & 0xfu)) - 8388616.f;
-    }
+    for (int v = 0; v < QChunk<BITS>::VALUES; ++v)
+        q[v] = __uint_as_float(0x4B000000u | ((words[v * BITS / 32] >> ((v * BITS) % 32)) & ((1u << BITS) - 1u))) -
+               bias;
 }
 
-// Σ a·(q − 8) over the 32 values of chunk c of one row of A (`a`: the row's first float4), q
-// from q4_unpack.
-__device__ __forceinline__ float q4_dot(const float (&q)[Q4_VALUES], const float4* a, unsigned c, unsigned kc) {
+// Σ a·q over the values of chunk c of one row of A (`a`: the row's first float4), q from q_unpack.
+template <int BITS>
+__device__ __forceinline__ float q_dot(const float (&q)[QChunk<BITS>::VALUES], const float4* a, unsigned c,
+                                       unsigned kc) {
     float s = 0.f;
 #pragma unroll
-    for (int g = 0; g < 8; ++g) {
+    for (int g = 0; g < QChunk<BITS>::GROUPS; ++g) {
         const float4 av = a[g * kc + c];
         s = fmaf(av.x, q[4 * g], s);
         s = fmaf(av.y, q[4 * g + 1], s);
@@ -493,10 +504,10 @@ __device__ __forceinline__ float q4_dot(const float (&q)[Q4_VALUES], const float
     return s;
 }
 
-// The chunks of one pass of the 4-bit GEMV and their scales: outputs col..col+LIN_COLS-1, chunks
+// The chunks of one pass of the quantized GEMV and their scales: outputs col..col+LIN_COLS-1, chunks
 // base + u·32 + lane (zeros past the row or past N); rc chunks per W row, cpb chunks per block.
 template <typename T>
-__device__ __forceinline__ void q4_load(uint4 (&wv)[LIN_COLS][LIN_UNROLL], float (&sv)[LIN_COLS][LIN_UNROLL],
+__device__ __forceinline__ void q_load(uint4 (&wv)[LIN_COLS][LIN_UNROLL], float (&sv)[LIN_COLS][LIN_UNROLL],
                                         const uint4* w, const typename T::S* scales, kiln_u64 col, kiln_u64 n,
                                         unsigned kc, unsigned rc, unsigned cpb, unsigned kb, unsigned base,
                                         unsigned lane) {
@@ -512,9 +523,9 @@ __device__ __forceinline__ void q4_load(uint4 (&wv)[LIN_COLS][LIN_UNROLL], float
     }
 }
 
-// prefetch.global.L2 of the lines q4_load(…, base 0, …) reads, weights and scales.
+// prefetch.global.L2 of the lines q_load(…, base 0, …) reads, weights and scales.
 template <typename T>
-__device__ __forceinline__ void q4_prefetch(const uint4* w, const typename T::S* scales, kiln_u64 col, kiln_u64 n,
+__device__ __forceinline__ void q_prefetch(const uint4* w, const typename T::S* scales, kiln_u64 col, kiln_u64 n,
                                             unsigned kc, unsigned rc, unsigned kb, unsigned lane) {
 #pragma unroll
     for (int j = 0; j < LIN_COLS; ++j) {
@@ -528,12 +539,12 @@ __device__ __forceinline__ void q4_prefetch(const uint4* w, const typename T::S*
     }
 }
 
-// Y[rows, n] = A · dequant(W)ᵀ for at most ROWS rows per block, W 4-bit (see above): gemv's
+// Y[rows, n] = A · dequant(W)ᵀ for at most ROWS rows per block, W BITS-bit (see above): gemv's
 // structure and PDL contract (the first pass's weights and scales loaded, when constant, or
-// prefetched into L2 before the grid-dependency wait), with 32 values per 16-byte weight load. kc = k / 32 chunks of A per row, rc = kb·block / 32
-// chunks per W row.
-template <typename T, int MODE, int ROWS>
-__device__ __forceinline__ void gemv_q4(const typename T::S* x, const typename T::S* skip,
+// prefetched into L2 before the grid-dependency wait), with 128 / BITS values per 16-byte weight
+// load: kc = k / (128 / BITS) chunks of A per row, rc = kb·block / (128 / BITS) chunks per W row.
+template <typename T, int MODE, int ROWS, int BITS>
+__device__ __forceinline__ void gemv_q(const typename T::S* x, const typename T::S* skip,
                                         const typename T::S* gamma, const unsigned char* w,
                                         const typename T::S* scales, typename T::S* y, typename T::S* sum,
                                         kiln_u64 rows, kiln_u64 n, kiln_u64 k, kiln_u64 skip_len, unsigned flags,
@@ -543,7 +554,8 @@ __device__ __forceinline__ void gemv_q4(const typename T::S* x, const typename T
     const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const kiln_u64 row0 = (kiln_u64)blockIdx.y * ROWS;
     const unsigned rows_here = (unsigned)min((kiln_u64)ROWS, rows - row0);
-    const unsigned kc = (unsigned)(k / Q4_VALUES), rc = kb * block / Q4_VALUES, cpb = block / Q4_VALUES;
+    typedef QChunk<BITS> Q;
+    const unsigned kc = (unsigned)(k / Q::VALUES), rc = kb * block / Q::VALUES, cpb = block / Q::VALUES;
     const uint4* w4 = (const uint4*)w;
     const kiln_u64 col_step = (kiln_u64)gridDim.x * LIN_WARPS * LIN_COLS;
     kiln_u64 col = ((kiln_u64)blockIdx.x * LIN_WARPS + warp) * LIN_COLS;
@@ -552,16 +564,16 @@ __device__ __forceinline__ void gemv_q4(const typename T::S* x, const typename T
     float sv[LIN_COLS][LIN_UNROLL];
     const bool w_const = flags & W_CONST;  // W and its scales: initializers
     if (w_const)
-        q4_load<T>(wv, sv, w4, scales, col, n, kc, rc, cpb, kb, 0, lane);
+        q_load<T>(wv, sv, w4, scales, col, n, kc, rc, cpb, kb, 0, lane);
     else
-        q4_prefetch<T>(w4, scales, col, n, kc, rc, kb, lane);
+        q_prefetch<T>(w4, scales, col, n, kc, rc, kb, lane);
     if (MODE == LIN_RMSNORM && blockIdx.x == 0 && blockIdx.y == 0 && warp == 0)
         prefetch_gamma(gamma, (unsigned)(k / T::VEC), lane);
     kiln_griddep_launch_dependents();
     kiln_griddep_wait();
-    if (!w_const) q4_load<T>(wv, sv, w4, scales, col, n, kc, rc, cpb, kb, 0, lane);
+    if (!w_const) q_load<T>(wv, sv, w4, scales, col, n, kc, rc, cpb, kb, 0, lane);
 
-    prologue<T, MODE>(x, skip, gamma, sum, RowsQ4<T>{a, kc}, row0, rows_here, k, (unsigned)(k / T::VEC), skip_len,
+    prologue<T, MODE>(x, skip, gamma, sum, RowsQ<T, BITS>{a, kc}, row0, rows_here, k, (unsigned)(k / T::VEC), skip_len,
                       flags, eps);
     __syncthreads();
 
@@ -573,7 +585,7 @@ __device__ __forceinline__ void gemv_q4(const typename T::S* x, const typename T
 #pragma unroll
             for (int j = 0; j < LIN_COLS; ++j) acc[r][j] = 0.f;
         for (unsigned base = 0; base < kc; base += 32 * LIN_UNROLL) {
-            if (!loaded) q4_load<T>(wv, sv, w4, scales, col, n, kc, rc, cpb, kb, base, lane);
+            if (!loaded) q_load<T>(wv, sv, w4, scales, col, n, kc, rc, cpb, kb, base, lane);
             loaded = false;
 #pragma unroll
             for (int u = 0; u < LIN_UNROLL; ++u) {
@@ -582,12 +594,12 @@ __device__ __forceinline__ void gemv_q4(const typename T::S* x, const typename T
                     // Each weight chunk unpacked once for all the block's rows.
 #pragma unroll
                     for (int j = 0; j < LIN_COLS; ++j) {
-                        float q[Q4_VALUES];
-                        q4_unpack(wv[j][u], q);
+                        float q[Q::VALUES];
+                        q_unpack<BITS>(wv[j][u], q);
 #pragma unroll
                         for (int r = 0; r < ROWS; ++r) {
                             if (ROWS == 1 || r < (int)rows_here)
-                                acc[r][j] = fmaf(q4_dot(q, a + (kiln_u64)r * 8 * kc, c, kc), sv[j][u], acc[r][j]);
+                                acc[r][j] = fmaf(q_dot<BITS>(q, a + (kiln_u64)r * Q::GROUPS * kc, c, kc), sv[j][u], acc[r][j]);
                         }
                     }
                 }
@@ -639,6 +651,42 @@ __device__ __forceinline__ void mma_load(uint4 (&wa)[MMA_UNROLL], uint4 (&wb)[MM
         wa[u] = ok0 && c < kc ? __ldg(w0 + c) : make_uint4(0, 0, 0, 0);
         wb[u] = ok1 && c < kc ? __ldg(w1 + c) : make_uint4(0, 0, 0, 0);
     }
+}
+
+// A tile's outputs from gemv_mma / gemv_q4mma's accumulators: with ksplit warps per tile, their
+// f32 partial sums meet in shared memory (A's space, after a barrier) and the tile's first warp
+// sums them in warp order (deterministic) and writes. Fragment i of n-tile t is output
+// m0 + g + 8·(i / 2), row 8t + 2q + i % 2.
+template <typename T, int NT>
+__device__ __forceinline__ void mma_store(float (&acc)[NT][4], typename T::S* y, kiln_u64 rows, kiln_u64 n,
+                                          kiln_u64 m0, unsigned ksplit) {
+    extern __shared__ __align__(16) unsigned char lin_shared[];
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, q = lane % 4;
+    if (ksplit > 1) {
+        float* red = (float*)lin_shared;  // [warp][NT][4][32]
+        __syncthreads();
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) red[((warp * NT + t) * 4 + i) * 32 + lane] = acc[t][i];
+        __syncthreads();
+        if (warp % ksplit != 0) return;
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float v = acc[t][i];
+                for (unsigned s = 1; s < ksplit; ++s) v += red[(((warp + s) * NT + t) * 4 + i) * 32 + lane];
+                acc[t][i] = v;
+            }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const kiln_u64 m = m0 + g + 8 * (i / 2), r = 8 * t + 2 * q + i % 2;
+            if (m < n && r < rows) y[r * n + m] = T::st(acc[t][i]);
+        }
 }
 
 // Y[rows, n] = A · Wᵀ for rows ≤ 8·NT on tensor cores; see above. Same PDL contract as gemv:
@@ -717,33 +765,212 @@ __device__ __forceinline__ void gemv_mma(const typename T::S* x, const typename 
         }
     }
 
-    if (ksplit > 1) {
-        // The tile's partial sums, summed in warp order by its first warp; A's space is reused.
-        float* red = (float*)lin_shared;  // [warp][NT][4][32]
-        __syncthreads();
+    mma_store<T, NT>(acc, y, rows, n, m0, ksplit);
+}
+
+// ---- Tensor-core GEMV over 4-bit weights, 1–16 rows ---------------------------------------------
+//
+// gemv_mma's swap-AB over MatMulNBits' 4-bit W: 16 outputs per tile on the M side, A's rows on the N
+// side. Each mma's 16 K columns lie in one 32-value chunk of W (one scale), so the products are
+// summed exactly in f32 by the mma and scaled once per chunk: acc += (Σ a·(q − 8)) · scale, the
+// order the CPU reference sums in up to f32 reassociation. Lane (g, q) takes the 8 values 8q ..
+// 8q + 7 of each chunk, word q of its 16 bytes: the quad's four lanes load chunks 4G .. 4G + 3 of
+// its rows as whole 16-byte runs and transpose them by three shuffles. Nibble i of word q is value
+// 8q + i; nibbles i and i + 4 dequantize together into one register (1024 + q or 128 + q by its
+// bits, minus 1032 or 136: exact), which fixes the order A's row is stored in: unit c of a row (8
+// values, 16 bytes, c = 4·chunk + q) holds values {0, 4, 1, 5, 2, 6, 3, 7} of those 8, so a lane's
+// 16-byte read of A is its B fragments for the chunk's two mma steps. Row r's unit c sits at r·kup +
+// (c ^ 4·(r & 1)) (kup: units per row rounded up to 8), so a quarter-warp's two rows read distinct
+// banks.
+#define Q4MMA_GROUP 4  // 32-value chunks per lane-quad load (one 16-byte run per lane and W row)
+
+template <typename T>
+struct RowsQ4Mma {
+    uint4* a;
+    unsigned kup;
+    struct Row {
+        uint4* p;
+        unsigned sw;
+        __device__ __forceinline__ void operator()(unsigned c, const float* f) const {
+            const float v[8] = {f[0], f[4], f[1], f[5], f[2], f[6], f[3], f[7]};
+            p[c ^ sw] = T::pack(v);
+        }
+    };
+    __device__ __forceinline__ Row row(unsigned r) const { return Row{a + r * kup, (r & 1u) << 2}; }
+};
+
+// Nibbles i and i + 4 of word t (i < 4) as the tag's two 16-bit values q − 8, nibble i in the low
+// half: on sm_80 and later each nibble becomes 1024 + q (float16) or 128 + q (bfloat16) by its bits
+// and one packed fma subtracts 1032 or 136 from both (all exact); before that, through f32.
+template <typename Tag>
+__device__ __forceinline__ unsigned q4_pair(unsigned t, int i) {
+    const unsigned x = (t >> (4 * i)) & 0x000f000fu;
+    return kiln_pack2<Tag>((float)(x & 0xfu) - 8.f, (float)(x >> 16) - 8.f);
+}
+#if __CUDA_ARCH__ >= 800
+template <>
+__device__ __forceinline__ unsigned q4_pair<kiln_tag_f16>(unsigned t, int i) {
+    unsigned r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;"
+        : "=r"(r)
+        : "r"(((t >> (4 * i)) & 0x000f000fu) | 0x64006400u), "r"(0x3c003c00u), "r"(0xe408e408u));
+    return r;
+}
+template <>
+__device__ __forceinline__ unsigned q4_pair<kiln_tag_bf16>(unsigned t, int i) {
+    unsigned r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;"
+        : "=r"(r)
+        : "r"(((t >> (4 * i)) & 0x000f000fu) | 0x43004300u), "r"(0x3f803f80u), "r"(0xc308c308u));
+    return r;
+}
+#endif
+
+// Word `sel` of v (sel < 4, the same for no two lanes of a quad).
+__device__ __forceinline__ unsigned word_of(const uint4& v, unsigned sel) {
+    return sel == 0 ? v.x : sel == 1 ? v.y : sel == 2 ? v.z : v.w;
+}
+
+// Within each lane-quad: lane q holds chunk 4G + q of a W row (v); afterwards t[j] is word q of
+// chunk 4G + j. Lane q receives from lane q ^ i what that lane sends, its word q: chunk 4G + (q ^ i).
+__device__ __forceinline__ void quad_transpose(const uint4& v, unsigned (&t)[Q4MMA_GROUP], unsigned q) {
+    const unsigned own = word_of(v, q);
+    const unsigned g1 = __shfl_xor_sync(0xffffffffu, word_of(v, q ^ 1u), 1);
+    const unsigned g2 = __shfl_xor_sync(0xffffffffu, word_of(v, q ^ 2u), 2);
+    const unsigned g3 = __shfl_xor_sync(0xffffffffu, word_of(v, q ^ 3u), 3);
 #pragma unroll
-        for (int t = 0; t < NT; ++t)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) red[((warp * NT + t) * 4 + i) * 32 + lane] = acc[t][i];
-        __syncthreads();
-        if (ks != 0) return;
-#pragma unroll
-        for (int t = 0; t < NT; ++t)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                float v = acc[t][i];
-                for (unsigned s = 1; s < ksplit; ++s) v += red[(((warp + s) * NT + t) * 4 + i) * 32 + lane];
-                acc[t][i] = v;
-            }
+    for (unsigned j = 0; j < Q4MMA_GROUP; ++j) {
+        const unsigned d = j ^ q;
+        t[j] = d == 0 ? own : d == 1 ? g1 : d == 2 ? g2 : g3;
     }
-    // Fragment i of n-tile t: output m0 + g + 8·(i / 2), row 8t + 2q + i % 2.
+}
+
+// The 16-byte runs of chunk groups G = g0, g0 + ksplit, … (MMA_UNROLL of them) of W rows m0 + g
+// (w0) and m0 + g + 8 (w1) for lane quarter q, chunk 4G + q of each, and that chunk's scales (zeros
+// past the row or past N; their products are skipped).
+template <typename T>
+__device__ __forceinline__ void q4mma_load(uint4 (&wa)[MMA_UNROLL], uint4 (&wb)[MMA_UNROLL], float (&sa)[MMA_UNROLL],
+                                           float (&sb)[MMA_UNROLL], const uint4* w0, const uint4* w1,
+                                           const typename T::S* s0, const typename T::S* s1, bool ok0, bool ok1,
+                                           unsigned g0, unsigned ksplit, unsigned kc, unsigned cpb, unsigned q) {
+#pragma unroll
+    for (unsigned u = 0; u < MMA_UNROLL; ++u) {
+        const unsigned c = (g0 + u * ksplit) * Q4MMA_GROUP + q;
+        wa[u] = ok0 && c < kc ? __ldg(w0 + c) : make_uint4(0, 0, 0, 0);
+        wb[u] = ok1 && c < kc ? __ldg(w1 + c) : make_uint4(0, 0, 0, 0);
+        sa[u] = ok0 && c < kc ? T::ld(s0[c / cpb]) : 0.f;
+        sb[u] = ok1 && c < kc ? T::ld(s1[c / cpb]) : 0.f;
+    }
+}
+
+// Y[rows, n] = A · dequant(W)ᵀ for rows ≤ 8·NT on tensor cores, W 4-bit (see above): gemv_mma's
+// tiles, split over K by chunk groups of 128 values, and its PDL contract (the first groups
+// loaded before the grid-dependency wait when W is constant, else prefetched into L2). kc = k /
+// 32 chunks of A per row, rc = kb·block / 32 chunks per W row, cpb = block / 32 chunks per scale.
+template <typename T, int MODE, int NT>
+__device__ __forceinline__ void gemv_q4mma(const typename T::S* x, const typename T::S* skip,
+                                           const typename T::S* gamma, const unsigned char* w,
+                                           const typename T::S* scales, typename T::S* y, typename T::S* sum,
+                                           kiln_u64 rows, kiln_u64 n, kiln_u64 k, kiln_u64 skip_len, unsigned flags,
+                                           float eps, unsigned kb, unsigned block, unsigned ksplit) {
+    typedef typename T::tag Tag;
+    extern __shared__ __align__(16) unsigned char lin_shared[];
+    uint4* as = (uint4*)lin_shared;
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, q = lane % 4;
+    const unsigned kc = (unsigned)(k / Q4_VALUES), units = (unsigned)(k / T::VEC), kup = (units + 7) & ~7u;
+    const unsigned rc = kb * block / Q4_VALUES, cpb = block / Q4_VALUES;
+    const unsigned groups = (kc + Q4MMA_GROUP - 1) / Q4MMA_GROUP;
+    const unsigned rows_here = (unsigned)min(rows, (kiln_u64)(8 * NT));
+    const unsigned ks = warp % ksplit;
+    const kiln_u64 m0 = ((kiln_u64)blockIdx.x * (MMA_WARPS / ksplit) + warp / ksplit) * 16;
+    const bool ok0 = m0 + g < n, ok1 = m0 + g + 8 < n;
+    const uint4* w0 = (const uint4*)w + (ok0 ? (m0 + g) * rc : 0);
+    const uint4* w1 = (const uint4*)w + (ok1 ? (m0 + g + 8) * rc : 0);
+    const typename T::S* s0 = scales + (ok0 ? (m0 + g) * kb : 0);
+    const typename T::S* s1 = scales + (ok1 ? (m0 + g + 8) * kb : 0);
+
+    uint4 wa[MMA_UNROLL], wb[MMA_UNROLL];
+    float sa[MMA_UNROLL], sb[MMA_UNROLL];
+    const bool w_const = flags & W_CONST;  // W and its scales: initializers
+    if (w_const) {
+        q4mma_load<T>(wa, wb, sa, sb, w0, w1, s0, s1, ok0, ok1, ks, ksplit, kc, cpb, q);
+    } else {
+#pragma unroll
+        for (unsigned u = 0; u < MMA_UNROLL; ++u) {
+            const unsigned c = (ks + u * ksplit) * Q4MMA_GROUP + q;
+            if (c < kc) {
+                if (ok0) asm volatile("prefetch.global.L2 [%0];" ::"l"(w0 + c));
+                if (ok1) asm volatile("prefetch.global.L2 [%0];" ::"l"(w1 + c));
+            }
+        }
+        if (q == 0 && ok0) asm volatile("prefetch.global.L2 [%0];" ::"l"(s0));
+        if (q == 0 && ok1) asm volatile("prefetch.global.L2 [%0];" ::"l"(s1));
+    }
+    if (MODE == LIN_RMSNORM && blockIdx.x == 0 && warp == 0) prefetch_gamma(gamma, units, lane);
+    kiln_griddep_launch_dependents();
+    kiln_griddep_wait();
+    if (!w_const) q4mma_load<T>(wa, wb, sa, sb, w0, w1, s0, s1, ok0, ok1, ks, ksplit, kc, cpb, q);
+
+    // Zeros where A has no values (rows past `rows`, units past k), then A itself.
+    for (unsigned i = threadIdx.x; i < 8 * NT * kup; i += blockDim.x) {
+        const unsigned r = i / kup, c = i - r * kup;
+        if (r >= rows_here || c >= units) as[r * kup + (c ^ ((r & 1u) << 2))] = make_uint4(0, 0, 0, 0);
+    }
+    prologue<T, MODE>(x, skip, gamma, sum, RowsQ4Mma<T>{as, kup}, 0, rows_here, k, units, skip_len, flags, eps);
+    __syncthreads();
+
+    float acc[NT][4];
 #pragma unroll
     for (int t = 0; t < NT; ++t)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const kiln_u64 m = m0 + g + 8 * (i / 2), r = 8 * t + 2 * q + i % 2;
-            if (m < n && r < rows) y[r * n + m] = T::st(acc[t][i]);
+        for (int i = 0; i < 4; ++i) acc[t][i] = 0.f;
+    const unsigned sw = (g & 1u) << 2;
+    for (unsigned g0 = ks; g0 < groups; g0 += MMA_UNROLL * ksplit) {
+        uint4 na[MMA_UNROLL], nb[MMA_UNROLL];
+        float nsa[MMA_UNROLL], nsb[MMA_UNROLL];
+        q4mma_load<T>(na, nb, nsa, nsb, w0, w1, s0, s1, ok0, ok1, g0 + MMA_UNROLL * ksplit, ksplit, kc, cpb, q);
+#pragma unroll
+        for (unsigned u = 0; u < MMA_UNROLL; ++u) {
+            const unsigned gi = g0 + u * ksplit;
+            if (gi >= groups) break;  // the same for the whole warp
+            unsigned ta[Q4MMA_GROUP], tb[Q4MMA_GROUP];
+            quad_transpose(wa[u], ta, q);
+            quad_transpose(wb[u], tb, q);
+#pragma unroll
+            for (unsigned j = 0; j < Q4MMA_GROUP; ++j) {
+                const unsigned c = gi * Q4MMA_GROUP + j;  // the chunk
+                if (c >= kc) break;                        // the same for the whole warp
+                // Its scales, from lane j of the quad; its W values as mma fragments of rows g, g + 8.
+                const float sg = __shfl_sync(0xffffffffu, sa[u], (lane & ~3u) | j);
+                const float sh = __shfl_sync(0xffffffffu, sb[u], (lane & ~3u) | j);
+                unsigned wg[4], wh[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    wg[i] = q4_pair<Tag>(ta[j], i);
+                    wh[i] = q4_pair<Tag>(tb[j], i);
+                }
+#pragma unroll
+                for (int t = 0; t < NT; ++t) {
+                    const uint4 av = as[(t * 8 + g) * kup + ((c * 4 + q) ^ sw)];
+                    float part[4] = {0.f, 0.f, 0.f, 0.f};
+                    kiln_mma16816<Tag>(part, wg[0], wh[0], wg[1], wh[1], av.x, av.y);
+                    kiln_mma16816<Tag>(part, wg[2], wh[2], wg[3], wh[3], av.z, av.w);
+                    acc[t][0] = fmaf(part[0], sg, acc[t][0]);
+                    acc[t][1] = fmaf(part[1], sg, acc[t][1]);
+                    acc[t][2] = fmaf(part[2], sh, acc[t][2]);
+                    acc[t][3] = fmaf(part[3], sh, acc[t][3]);
+                }
+            }
         }
+#pragma unroll
+        for (unsigned u = 0; u < MMA_UNROLL; ++u) {
+            wa[u] = na[u];
+            wb[u] = nb[u];
+            sa[u] = nsa[u];
+            sb[u] = nsb[u];
+        }
+    }
+    mma_store<T, NT>(acc, y, rows, n, m0, ksplit);
 }
 
 }  // namespace lin
@@ -782,22 +1009,40 @@ __global__ void __launch_bounds__(MMA_WARPS * 32)
     lin::gemv_mma<lin::Elem<Tag>, MODE, NT>(x, skip, gamma, w, y, sum, rows, n, k, skip_len, flags, eps, ksplit);
 }
 
-// kiln_linear_q4gemv<Tag, MODE, R>(const T* x, const T* skip, const T* gamma, const u8* w, const T* scales,
-//                                  T* y, T* sum, u64 rows, u64 n, u64 k, u64 skip_len, u32 flags, float eps,
-//                                  u32 kb, u32 block)
-// kiln_linear_gemv over 4-bit weights W uint8 [n, kb, block / 2] with scales [n, kb] (MatMulNBits'
-// layout, default zero point 8): block a multiple of 32, k a multiple of 32 with kb = ceil(k /
-// block). R (1, 2, 4, 8) rows per block: grid [column blocks, ceil(rows / R), 1], block [128, 1,
-// 1], dynamic shared memory min(rows, R) · k · 4; W 16-byte aligned.
-template <typename Tag, int MODE, int R>
+// kiln_linear_qgemv<Tag, MODE, R, BITS>(const T* x, const T* skip, const T* gamma, const u8* w,
+//                                        const T* scales, T* y, T* sum, u64 rows, u64 n, u64 k,
+//                                        u64 skip_len, u32 flags, float eps, u32 kb, u32 block)
+// kiln_linear_gemv over BITS-bit weights (4 or 8) W uint8 [n, kb, block · BITS / 8] with scales
+// [n, kb] (MatMulNBits' layout, default zero point 2^(BITS − 1)): block and k multiples of
+// 128 / BITS with kb = ceil(k / block). R (1, 2, 4, 8) rows per block: grid [column blocks,
+// ceil(rows / R), 1], block [128, 1, 1], dynamic shared memory min(rows, R) · k · 4; W 16-byte
+// aligned.
+template <typename Tag, int MODE, int R, int BITS>
 __global__ void __launch_bounds__(LIN_WARPS * 32)
-    kiln_linear_q4gemv(const typename Tag::storage* x, const typename Tag::storage* skip,
-                       const typename Tag::storage* gamma, const unsigned char* w,
-                       const typename Tag::storage* scales, typename Tag::storage* y, typename Tag::storage* sum,
-                       kiln_u64 rows, kiln_u64 n, kiln_u64 k, kiln_u64 skip_len, unsigned flags, float eps,
-                       unsigned kb, unsigned block) {
-    lin::gemv_q4<lin::Elem<Tag>, MODE, R>(x, skip, gamma, w, scales, y, sum, rows, n, k, skip_len, flags, eps, kb,
-                                          block);
+    kiln_linear_qgemv(const typename Tag::storage* x, const typename Tag::storage* skip,
+                      const typename Tag::storage* gamma, const unsigned char* w, const typename Tag::storage* scales,
+                      typename Tag::storage* y, typename Tag::storage* sum, kiln_u64 rows, kiln_u64 n, kiln_u64 k,
+                      kiln_u64 skip_len, unsigned flags, float eps, unsigned kb, unsigned block) {
+    lin::gemv_q<lin::Elem<Tag>, MODE, R, BITS>(x, skip, gamma, w, scales, y, sum, rows, n, k, skip_len, flags, eps,
+                                               kb, block);
+}
+
+// kiln_linear_q4mma<Tag, MODE, NT>(const T* x, const T* skip, const T* gamma, const u8* w, const T* scales,
+//                                 T* y, T* sum, u64 rows, u64 n, u64 k, u64 skip_len, u32 flags, float eps,
+//                                 u32 kb, u32 block, u32 ksplit)
+// The tensor-core GEMV over kiln_linear_qgemv's 4-bit weights (float16 and bfloat16) for rows ≤
+// 8·NT (NT 1 or 2): grid [ceil(ceil(n / 16) / (MMA_WARPS / ksplit)), 1, 1], block [256, 1, 1],
+// ksplit ∈ {1, 2, 4, 8}, dynamic shared memory max(8·NT · kup · 16, MMA_WARPS · NT · 512) with kup =
+// ceil(k / 64) · 8; block a multiple of 32, k a multiple of 32, W 16-byte aligned.
+template <typename Tag, int MODE, int NT>
+__global__ void __launch_bounds__(MMA_WARPS * 32)
+    kiln_linear_q4mma(const typename Tag::storage* x, const typename Tag::storage* skip,
+                      const typename Tag::storage* gamma, const unsigned char* w,
+                      const typename Tag::storage* scales, typename Tag::storage* y, typename Tag::storage* sum,
+                      kiln_u64 rows, kiln_u64 n, kiln_u64 k, kiln_u64 skip_len, unsigned flags, float eps,
+                      unsigned kb, unsigned block, unsigned ksplit) {
+    lin::gemv_q4mma<lin::Elem<Tag>, MODE, NT>(x, skip, gamma, w, scales, y, sum, rows, n, k, skip_len, flags, eps,
+                                              kb, block, ksplit);
 }
 
 // kiln_linear_dequant<Tag>(const u8* w, const T* scales, T* out, u64 n, u64 k, u32 kb, u32 block, u32 bits)

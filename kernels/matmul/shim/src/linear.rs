@@ -29,10 +29,13 @@
 //! power of two ≥ 16), as MatMulNBits names them (the fusions set both), must fit the shapes:
 //! `k_blocks = ceil(K / block_size)`, `blob = block_size · bits / 8`; without them the shapes
 //! must fit exactly one such pair. The CPU takes the product through the
-//! host's `qgemm` (as kiln-quant's MatMulNBits); the GPU runs 4-bit weights with a block of 32
-//! or more, K a multiple of 32 and up to [`Q4_MAX_ROWS`] rows whose A fits a block's 48 KiB of
-//! shared memory (at least one row of K ≤ 12,288) as one kernel (`kiln_linear_q4gemv`: 32 values per
-//! 16-byte load, f32 accumulation), and otherwise dequantizes the weight into scratch
+//! host's `qgemm` (as kiln-quant's MatMulNBits). The GPU runs decode's rows as one kernel for 4- and
+//! 8-bit weights whose block and K are multiples of a 16-byte chunk's values (32 or 16), up to
+//! [`Q_MAX_ROWS`] rows whose A fits a block's 48 KiB of shared memory (at least one row of K ≤
+//! 12,288): 4-bit float16 and bfloat16 from [`Q4_MMA_MIN_ROWS`] rows on tensor cores
+//! (`kiln_linear_q4mma`: nibbles dequantized exactly into mma fragments, each 32-value chunk's sum
+//! scaled once in f32), the rest on CUDA cores (`kiln_linear_qgemv`: a 16-byte load per chunk, f32
+//! accumulation); other weights and more rows dequantize the weight into scratch
 //! (`kiln_linear_dequant`) for cuBLASLt.
 //!
 //! All operands share one dtype: float32, float16, bfloat16 (and float64 on the CPU). `A` is
@@ -77,13 +80,16 @@ const MMA_WARPS: usize = 8;
 /// tiles, with its warps splitting K, until the grid has this many blocks or one tile per block.
 const MMA_MIN_BLOCKS: usize = 128;
 
-/// Most rows the 4-bit GEMV takes (`kiln_linear_q4gemv`, up to [`Q4_BLOCK_ROWS`] per block);
-/// more go to the dequantized weight and cuBLASLt.
-pub const Q4_MAX_ROWS: usize = 16;
-/// Most rows of A one 4-bit GEMV block holds: its kernels come for 1, 2, 4 and 8.
-const Q4_BLOCK_ROWS: usize = 8;
+/// Most rows the 4- and 8-bit CUDA-core GEMV takes (`kiln_linear_qgemv`, up to [`Q_BLOCK_ROWS`]
+/// per block); more go to the dequantized weight and cuBLASLt.
+pub const Q_MAX_ROWS: usize = 16;
+/// Most rows of A one quantized GEMV block holds: its kernels come for 1, 2, 4 and 8.
+const Q_BLOCK_ROWS: usize = 8;
 /// Values per 16-byte chunk of a 4-bit weight row (linear.cu's `Q4_VALUES`).
 const Q4_VALUES: usize = 32;
+/// Fewest rows (float16, bfloat16) that take the 4-bit tensor-core GEMV
+/// `kiln_linear_q4mma<tag, MODE, NT>` (up to [`MMA_MAX_ROWS`]); one row takes `kiln_linear_qgemv`.
+const Q4_MMA_MIN_ROWS: usize = 2;
 
 /// A weight in MatMulNBits' block-quantized layout (see the module docs).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -499,47 +505,51 @@ pub fn dispatch(call: &Call) -> Result<()> {
         KernelArg::F32(g.eps),
     ];
     let mut operands = alloc::vec![at(x), at(skip.unwrap_or(x)), at(gamma.unwrap_or(x)), at(w)];
+    let tensor_cores = |min_rows: usize| {
+        matches!(g.dtype, DType::F16 | DType::BF16) && (min_rows..=MMA_MAX_ROWS).contains(&g.rows) && g.n > 0
+    };
+    // A in the storage type for the tensor-core GEMVs: 8·NT rows of K rounded up to 64; the
+    // split-K partial sums reuse it.
+    let n_tiles = g.rows.div_ceil(8) as u64;
+    let mma_shared = (8 * n_tiles * ((g.k / vec).div_ceil(8) as u64 * 8) * 16).max(MMA_WARPS as u64 * n_tiles * 512);
     if let Some(q) = g.quant {
-        // A 4-bit weight with whole 16-byte chunks per block: decode rows in one kernel.
+        let q4 = q.bits == 4 && q.block % Q4_VALUES == 0 && g.k % Q4_VALUES == 0 && g.k % vec == 0;
+        let scales = at(call.input(g.w_index + 1)?.handle());
+        let quant_args = [KernelArg::U32(q.k_blocks as u32), KernelArg::U32(q.block as u32)];
+        if q4 && tensor_cores(Q4_MMA_MIN_ROWS) && mma_shared <= GEMV_MAX_SHARED as u64 {
+            operands.push(scales);
+            operands.extend(tail);
+            operands.extend(quant_args);
+            return launch_mma("kiln_linear_q4mma", tag, &g, n_tiles, mma_shared, operands);
+        }
+        // A 4- or 8-bit weight with whole 16-byte chunks per block: decode rows in one kernel.
         // The most rows per block (8, 4, 2, 1) whose A fits the shared memory.
-        let mut block_rows = g.rows.next_power_of_two().min(Q4_BLOCK_ROWS);
+        let mut block_rows = g.rows.next_power_of_two().min(Q_BLOCK_ROWS);
         while block_rows > 1 && g.rows.min(block_rows) as u64 * g.k as u64 * 4 > GEMV_MAX_SHARED as u64 {
             block_rows /= 2;
         }
         let shared = g.rows.min(block_rows) as u64 * g.k as u64 * 4;
-        let fits = q.bits == 4 && q.block % Q4_VALUES == 0 && g.k % Q4_VALUES == 0 && g.k % vec == 0;
-        if fits && g.rows <= Q4_MAX_ROWS && g.n > 0 && shared <= GEMV_MAX_SHARED as u64 {
-            operands.push(at(call.input(g.w_index + 1)?.handle()));
+        let chunk = 128 / q.bits as usize; // values per 16-byte chunk
+        let fits = matches!(q.bits, 4 | 8) && q.block % chunk == 0 && g.k % chunk == 0 && g.k % vec == 0;
+        if fits && g.rows <= Q_MAX_ROWS && g.n > 0 && shared <= GEMV_MAX_SHARED as u64 {
+            operands.push(scales);
             operands.extend(tail);
-            operands.push(KernelArg::U32(q.k_blocks as u32));
-            operands.push(KernelArg::U32(q.block as u32));
-            return launch_gemv("kiln_linear_q4gemv", tag, &g, block_rows, shared, operands);
+            operands.extend(quant_args);
+            let bits = q.bits.to_string();
+            return launch_gemv(
+                "kiln_linear_qgemv",
+                &[tag, g.prologue.kernel_mode(), &block_rows.to_string(), &bits],
+                &g,
+                block_rows,
+                shared,
+                operands,
+            );
         }
         return prefill(call, &g, tag, skip, gamma, flags);
     }
     operands.extend(tail);
-    let tensor_cores = matches!(g.dtype, DType::F16 | DType::BF16) && (MMA_MIN_ROWS..=MMA_MAX_ROWS).contains(&g.rows);
-    if tensor_cores && g.k > 0 && g.k % vec == 0 && g.n > 0 {
-        // A in the storage type, 8·NT rows of K rounded up to 64; the split-K partial sums reuse it.
-        let n_tiles = g.rows.div_ceil(8) as u64;
-        let row_chunks = (g.k / vec).div_ceil(8) as u64 * 8;
-        let shared = (8 * n_tiles * row_chunks * 16).max(MMA_WARPS as u64 * n_tiles * 512);
-        if shared <= GEMV_MAX_SHARED as u64 {
-            let tiles = g.n.div_ceil(16);
-            let mut per_block = MMA_WARPS;
-            while per_block > 1 && tiles.div_ceil(per_block) < MMA_MIN_BLOCKS {
-                per_block /= 2;
-            }
-            let mut args = operands;
-            args.push(KernelArg::U32((MMA_WARPS / per_block) as u32));
-            return launch(&Launch {
-                kernel: &kernel_name("kiln_linear_mma", &[tag, g.prologue.kernel_mode(), &n_tiles.to_string()]),
-                grid: [tiles.div_ceil(per_block) as u32, 1, 1],
-                block: [(MMA_WARPS * 32) as u32, 1, 1],
-                shared_mem_bytes: shared as u32,
-                args,
-            });
-        }
+    if tensor_cores(MMA_MIN_ROWS) && g.k > 0 && g.k % vec == 0 && mma_shared <= GEMV_MAX_SHARED as u64 {
+        return launch_mma("kiln_linear_mma", tag, &g, n_tiles, mma_shared, operands);
     }
     // Rows per block: the smallest kernel that holds them all, else GEMV_BLOCK_ROWS per block.
     let block_rows = g.rows.next_power_of_two().min(GEMV_BLOCK_ROWS);
@@ -547,17 +557,52 @@ pub fn dispatch(call: &Call) -> Result<()> {
     let shared = g.rows.min(block_rows) as u64 * g.k as u64 * 4;
     // K = 0 takes the GEMV at any row count: it writes the zeros of an empty product.
     if (g.rows <= GEMV_MAX_ROWS || g.k == 0) && g.k % vec == 0 && shared <= GEMV_MAX_SHARED as u64 && g.n > 0 {
-        return launch_gemv("kiln_linear_gemv", tag, &g, block_rows, shared, operands);
+        let rows = block_rows.to_string();
+        return launch_gemv(
+            "kiln_linear_gemv",
+            &[tag, g.prologue.kernel_mode(), &rows],
+            &g,
+            block_rows,
+            shared,
+            operands,
+        );
     }
     prefill(call, &g, tag, skip, gamma, flags)
 }
 
-/// Launches CUDA-core GEMV `kernel` (`kiln_linear_gemv`, `kiln_linear_q4gemv`) at `block_rows`
-/// rows per block: a block per `GEMV_COLS_PER_BLOCK` outputs (at most `GEMV_MAX_BLOCKS`, which
-/// then loop), `shared` bytes of A.
-fn launch_gemv(
+/// Launches tensor-core GEMV `kernel` (`kiln_linear_mma`, `kiln_linear_q4mma`) over `n_tiles`
+/// n-tiles of 8 rows with `shared` bytes: blocks of [`MMA_WARPS`] warps hold fewer 16-output tiles,
+/// their warps splitting K (the `ksplit` argument appended to `args`), until the grid has
+/// [`MMA_MIN_BLOCKS`] blocks or one tile per block.
+fn launch_mma(
     kernel: &str,
     tag: &str,
+    g: &Geometry,
+    n_tiles: u64,
+    shared: u64,
+    mut args: Vec<KernelArg>,
+) -> Result<()> {
+    let tiles = g.n.div_ceil(16);
+    let mut per_block = MMA_WARPS;
+    while per_block > 1 && tiles.div_ceil(per_block) < MMA_MIN_BLOCKS {
+        per_block /= 2;
+    }
+    args.push(KernelArg::U32((MMA_WARPS / per_block) as u32));
+    launch(&Launch {
+        kernel: &kernel_name(kernel, &[tag, g.prologue.kernel_mode(), &n_tiles.to_string()]),
+        grid: [tiles.div_ceil(per_block) as u32, 1, 1],
+        block: [(MMA_WARPS * 32) as u32, 1, 1],
+        shared_mem_bytes: shared as u32,
+        args,
+    })
+}
+
+/// Launches CUDA-core GEMV `kernel` (`kiln_linear_gemv`, `kiln_linear_qgemv`) with template
+/// arguments `params` at `block_rows` rows per block: a block per `GEMV_COLS_PER_BLOCK` outputs (at
+/// most `GEMV_MAX_BLOCKS`, which then loop), `shared` bytes of A.
+fn launch_gemv(
+    kernel: &str,
+    params: &[&str],
     g: &Geometry,
     block_rows: usize,
     shared: u64,
@@ -565,7 +610,7 @@ fn launch_gemv(
 ) -> Result<()> {
     let blocks = g.n.div_ceil(GEMV_COLS_PER_BLOCK).min(GEMV_MAX_BLOCKS);
     launch(&Launch {
-        kernel: &kernel_name(kernel, &[tag, g.prologue.kernel_mode(), &block_rows.to_string()]),
+        kernel: &kernel_name(kernel, params),
         grid: [blocks as u32, g.rows.div_ceil(block_rows) as u32, 1],
         block: [GEMV_THREADS, 1, 1],
         shared_mem_bytes: shared as u32,
