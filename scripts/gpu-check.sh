@@ -36,7 +36,8 @@
 #   prefill    ncu: GPU time by kernel of a batch-64 prefill (128-token prompts)
 #   ab         kiln bench decode (graphs on, batch 1 and 8, prompt 128 and 3840 of a 4096 cache; AB_PROMPTS
 #              and AB_MAX_LENGTH change them) with
-#              the built-in packages, then with each package folder in .gpu/variants/* as a drop-in
+#              the built-in packages, with them and --constant-inputs off, then with each package
+#              folder in .gpu/variants/* as a drop-in
 #              (a drop-in outranks the built-in package of its name): an A/B of kernel changes
 #   floor      bench/stage_floor.cu (nvcc): µs per dependent stage of a graph of small kernels, plain,
 #              with programmatic dependent launch, and as grid barriers inside one persistent kernel
@@ -331,9 +332,12 @@ PYEOF
     summary+=("probe: $(grep -E '^==|^\| [0-9]|^position' "$out/probe.log" | tr '\n' ' ')")
     ;;
   ab)
-    for v in builtin .gpu/variants/*; do
-      [ "$v" = builtin ] || [ -d "$v" ] || continue # no variants: the glob stays unexpanded
-      [ "$v" = builtin ] && pk=() || pk=(--packages "$v")
+    for v in builtin constant-inputs-off .gpu/variants/*; do
+      case "$v" in
+      builtin) pk=() ;;
+      constant-inputs-off) pk=(--constant-inputs off) ;; # the built-in packages, told nothing is constant
+      *) [ -d "$v" ] || continue; pk=(--packages "$v") ;; # no variants: the glob stays unexpanded
+      esac
       echo "== packages: $v"
       for p in ${AB_PROMPTS:-128 3840}; do
         "$KILN" bench decode "$m" --batch 1 --batch 8 --graph on --runs 3 --prompt-len $p --max-length ${AB_MAX_LENGTH:-4096} \
