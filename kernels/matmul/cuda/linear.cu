@@ -808,22 +808,21 @@ __device__ __forceinline__ unsigned q4_pair(unsigned t, int i) {
     return kiln_pack2<Tag>((float)(x & 0xfu) - 8.f, (float)(x >> 16) - 8.f);
 }
 #if __CUDA_ARCH__ >= 800
-template <>
-__device__ __forceinline__ unsigned q4_pair<kiln_tag_f16>(unsigned t, int i) {
-    unsigned r;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;"
-        : "=r"(r)
-        : "r"(((t >> (4 * i)) & 0x000f000fu) | 0x64006400u), "r"(0x3c003c00u), "r"(0xe408e408u));
-    return r;
-}
-template <>
-__device__ __forceinline__ unsigned q4_pair<kiln_tag_bf16>(unsigned t, int i) {
-    unsigned r;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;"
-        : "=r"(r)
-        : "r"(((t >> (4 * i)) & 0x000f000fu) | 0x43004300u), "r"(0x3f803f80u), "r"(0xc308c308u));
-    return r;
-}
+// BASE: the 16-bit pattern of 1024 (float16) or 128 (bfloat16), whose last mantissa bits are a
+// nibble's; ONE: 1.0; BIAS: −(BASE's value + 8).
+#define LIN_Q4_PAIR(TAG, PTX, BASE, ONE, BIAS)                                                       \
+    template <>                                                                                    \
+    __device__ __forceinline__ unsigned q4_pair<TAG>(unsigned t, int i) {                          \
+        unsigned r;                                                                                \
+        asm("fma.rn." PTX " %0, %1, %2, %3;"                                                       \
+            : "=r"(r)                                                                              \
+            : "r"(((t >> (4 * i)) & 0x000f000fu) | (BASE * 0x10001u)), "r"(ONE * 0x10001u),        \
+              "r"(BIAS * 0x10001u));                                                               \
+        return r;                                                                                  \
+    }
+LIN_Q4_PAIR(kiln_tag_f16, "f16x2", 0x6400u, 0x3c00u, 0xe408u)
+LIN_Q4_PAIR(kiln_tag_bf16, "bf16x2", 0x4300u, 0x3f80u, 0xc308u)
+#undef LIN_Q4_PAIR
 #endif
 
 // Word `sel` of v (sel < 4, the same for no two lanes of a quad).
