@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Makes a drop-in variant of a built-in package for an A/B on the GPU machine (`gpu-check.sh ab`,
+# `int4`, `attn`): .gpu/variants/NAME, a copy of the package as the last `cargo build --release`
+# built it (kernel.toml with its [files] digests, cuda/, shim.wasm), with sed expressions applied
+# to its CUDA sources and, when given, to its shim's sources (the shim is then rebuilt for
+# wasm32 and the sources restored). Run it after scripts/stage-gpu.sh, which clears .gpu/.
+#   scripts/make-variant.sh NAME PKG [--cu FILE EXPR]... [--shim FILE EXPR]...
+# FILE is relative to kernels/PKG/cuda/ (--cu) or kernels/PKG/shim/src/ (--shim); EXPR is a sed
+# expression. Example: the GEMV at one output per warp, 8 loads in flight:
+#   scripts/make-variant.sh gemv-c1u8 matmul \
+#     --cu linear.cu 's/^#define LIN_COLS 2 /#define LIN_COLS 1 /; s/^#define LIN_UNROLL 4 /#define LIN_UNROLL 8 /' \
+#     --shim linear.rs 's/^const GEMV_COLS_PER_BLOCK: usize = 8;/const GEMV_COLS_PER_BLOCK: usize = 4;/'
+set -euo pipefail
+[ $# -ge 2 ] || { sed -n '2,13p' "$0"; exit 2; }
+name=$1 pkg=$2
+shift 2
+built=$(ls -td target/release/build/kiln-builtin-kernels-*/out/packages/"$pkg" 2>/dev/null | head -1)
+[ -n "$built" ] || { echo "no built package $pkg: run cargo build --release first" >&2; exit 1; }
+v=.gpu/variants/$name
+rm -rf "$v" && mkdir -p "$v"
+cp -r "$built"/. "$v"/
+shim_edits=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+  --cu) sed -i "$3" "$v/cuda/$2"; cmp -s "$v/cuda/$2" "$built/cuda/$2" && { echo "--cu $2: '$3' changed nothing" >&2; exit 1; } ;;
+  --shim) shim_edits+=("$2" "$3") ;;
+  *) echo "unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift 3
+done
+if [ ${#shim_edits[@]} -gt 0 ]; then
+  src=kernels/$pkg/shim/src
+  backup=$(mktemp -d)
+  cp -r "$src"/. "$backup"/
+  restore() { cp -r "$backup"/. "$src"/; rm -rf "$backup" kernels/target; }
+  trap restore EXIT
+  for ((i = 0; i < ${#shim_edits[@]}; i += 2)); do
+    sed -i "${shim_edits[i + 1]}" "$src/${shim_edits[i]}"
+    cmp -s "$src/${shim_edits[i]}" "$backup/${shim_edits[i]}" &&
+      { echo "--shim ${shim_edits[i]}: '${shim_edits[i + 1]}' changed nothing" >&2; exit 1; }
+  done
+  crate=$(sed -n 's/^name = "\(.*\)"/\1/p' "kernels/$pkg/shim/Cargo.toml" | head -1)
+  (cd kernels && cargo build -q --release --target wasm32-unknown-unknown -p "$crate")
+  cp "kernels/target/wasm32-unknown-unknown/release/${crate//-/_}.wasm" "$v/shim.wasm"
+fi
+# The [files] digests of what changed.
+for f in $(cd "$v" && find cuda shim.wasm -type f); do
+  h=$(sha256sum "$v/$f" | cut -d' ' -f1)
+  sed -i "s|^\"$f\" = \".*\"|\"$f\" = \"$h\"|" "$v/kernel.toml"
+done
+target/release/kiln kernels list --packages "$v" 2>&1 | grep -E "BROKEN|\($v\)" | head -3
