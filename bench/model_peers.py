@@ -13,7 +13,8 @@ in the same run on one GPU. Random weights (torchvision's and transformers' init
   graphs), the strongest at small batches.
 - Each PyTorch figure is the median of `--iters` runs, each synchronized (latency), after warm-up.
 - kiln: each configuration is exported by torch.onnx (TorchScript exporter, opset 17, constant
-  folding: BatchNormalization folds into the convolutions) into DIR, then timed by `kiln bench run
+  folding: BatchNormalization folds into the convolutions; BERT with transformers' eager attention,
+  whose float16 export is a valid graph, unlike sdpa's) into DIR, then timed by `kiln bench run
   --device cuda` (random inputs held on the device, outputs written in place, CUDA graphs auto; the
   p50 of `--iters` runs, each waited for).
 - Rows are printed as they finish and written to DIR/model-peers.json.
@@ -38,27 +39,29 @@ def resnet50():
 
 
 class Encoder(torch.nn.Module):
-    """BERT-base's encoder on input_ids and attention_mask; last hidden state and pooled output."""
+    """BERT-base's encoder on input_ids and attention_mask; last hidden state and pooled output.
+    `attn`: transformers' attention implementation ("sdpa", PyTorch's fastest, or "eager": the
+    same weights and arithmetic)."""
 
-    def __init__(self):
+    def __init__(self, attn="sdpa"):
         super().__init__()
         from transformers import BertConfig, BertModel
 
         torch.manual_seed(1)
-        self.bert = BertModel(BertConfig(attn_implementation="sdpa"))
+        self.bert = BertModel(BertConfig(attn_implementation=attn))
 
     def forward(self, input_ids, attention_mask):
         o = self.bert(input_ids=input_ids, attention_mask=attention_mask)
         return o.last_hidden_state, o.pooler_output
 
 
-def make(model, dtype, batch):
-    """(module on the GPU, its inputs, input names, output names)."""
+def make(model, dtype, batch, attn="sdpa"):
+    """(module on the GPU, its inputs, input names, output names); `attn` as Encoder's."""
     dt = torch.float16 if dtype == "fp16" else torch.float32
     if model == "resnet50":
         m = resnet50().to("cuda", dt)
         return m, [torch.randn(batch, 3, 224, 224, device="cuda", dtype=dt)], ["images"], ["logits"]
-    m = Encoder().eval().to("cuda", dt)
+    m = Encoder(attn).eval().to("cuda", dt)
     ids = torch.randint(0, 30522, (batch, SEQ), device="cuda")
     mask = torch.ones(batch, SEQ, dtype=torch.int64, device="cuda")
     return m, [ids, mask], ["input_ids", "attention_mask"], ["last_hidden_state", "pooler_output"]
@@ -104,7 +107,10 @@ def torch_rows(model, dtype, batch, methods, iters):
 
 
 def kiln_row(kiln, out, model, dtype, batch, iters):
-    m, inputs, in_names, out_names = make(model, dtype, batch)
+    # BERT is exported with eager attention: the TorchScript exporter's float16 sdpa adds the mask in
+    # float32, so LayerNormalization gets float32 X with float16 Scale, which ONNX's type
+    # constraint (one T) forbids and onnxruntime refuses at load as kiln does.
+    m, inputs, in_names, out_names = make(model, dtype, batch, attn="eager")
     path = os.path.join(out, f"{model}-{dtype}-b{batch}.onnx")
     if not os.path.exists(path):
         kwargs = {"dynamo": False} if "dynamo" in torch.onnx.export.__code__.co_varnames else {}
