@@ -370,3 +370,93 @@ fn tiled_cpu_calls_give_the_outputs_of_whole_ones() {
         assert!((y[r * hidden + c] as f64 - want).abs() <= 1e-5 * want.abs().max(1.0), "y[{r}, {c}]");
     }
 }
+
+/// kiln-pool's CPU pooling split over tiles (ABI.md §6.1.2) gives what whole calls give, bit for
+/// bit, NaN included; its 2-D float32 MaxPool without indices (a row pass per stride: 2, 3 and a
+/// runtime 5 here) gives bit for bit what the general path gives (the same MaxPool with its
+/// Indices output): the first tap's NaN propagates, a later NaN is skipped, −∞ stays; and on the
+/// NaN-free plane the max against float64.
+#[test]
+fn tiled_pooling_gives_the_outputs_of_whole_calls() {
+    use kiln_host::ep::CpuSplit;
+    let shape = [2usize, 5, 17, 19];
+    let n: usize = shape.iter().product();
+    let mut rng = Rng(11);
+    let mut x: Vec<f32> = values(&mut rng, n).into_iter().map(|v| v as f32).collect();
+    // Plane 0: NaN at a window's first tap (row 0, col 0) and inside others, and a −∞.
+    for (i, v) in [(0usize, f32::NAN), (2 * 19 + 3, f32::NAN), (7 * 19 + 8, f32::NAN), (9 * 19 + 9, f32::NEG_INFINITY)]
+    {
+        x[i] = v;
+    }
+    let pads = |p: i64| attr_ints("pads", &[p, p, p, p]);
+    let kernel = |k: i64| attr_ints("kernel_shape", &[k, k]);
+    let strides = |s: i64| attr_ints("strides", &[s, s]);
+    let shapes = [
+        (vec![kernel(3), strides(2), pads(1)], "a"),
+        (vec![kernel(2), strides(3), attr_ints("dilations", &[2, 2]), attr_int("ceil_mode", 1)], "b"),
+        (vec![kernel(3), strides(5), pads(2)], "c"),
+    ];
+    let mut nodes = Vec::new();
+    let mut outputs = Vec::new();
+    for (attrs, tag) in &shapes {
+        let fast = format!("fast_{tag}");
+        let general = format!("general_{tag}");
+        let indices = format!("indices_{tag}");
+        nodes.push(node("MaxPool", &["x"], &[fast.as_str()], attrs.clone()));
+        nodes.push(node("MaxPool", &["x"], &[general.as_str(), indices.as_str()], attrs.clone()));
+        outputs.extend([fast, general, indices]);
+    }
+    nodes.push(node(
+        "AveragePool",
+        &["x"],
+        &["avg"],
+        vec![kernel(3), strides(2), pads(1), attr_int("count_include_pad", 1)],
+    ));
+    nodes.push(node("GlobalAveragePool", &["x"], &["gavg"], vec![]));
+    outputs.extend(["avg".to_string(), "gavg".to_string()]);
+    let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+    let mut m =
+        onnx::model(nodes, vec![value("x", F32, &dims)], outputs.iter().map(|n| value(n, F32, &[])).collect(), vec![]);
+    for o in &mut m.graph.as_mut().unwrap().output {
+        o.type_.as_mut().unwrap().mut_tensor_type().shape.clear();
+        if o.name.starts_with("indices") {
+            o.type_.as_mut().unwrap().mut_tensor_type().elem_type = 7;
+        }
+    }
+    let m = model::load_bytes(&onnx::bytes(&m), None).unwrap();
+    let run = |split: CpuSplit| {
+        let options = SessionOptions { cpu_split: split, ..SessionOptions::default() };
+        let mut s = Session::new(builtin_runtime(), m.clone(), options).unwrap();
+        let out = s.run(vec![("x".to_string(), kiln_tests::f32_tensor(&shape, &x))]).unwrap();
+        (out, s.report.wasm_calls.cpu_tiles)
+    };
+    let (whole, none) = run(CpuSplit { max_tiles: 1, min_tile_bytes: 1 });
+    let (tiled, tiles) = run(CpuSplit { max_tiles: 4, min_tile_bytes: 1 });
+    assert_eq!(none, 0);
+    assert!(tiles >= 8 * 3, "every pooling node in tiles: {tiles}");
+    for ((name, a), (_, b)) in tiled.iter().zip(&whole) {
+        assert_eq!(a, b, "output {name}: tiled against whole");
+    }
+    let bits = |t: &Tensor| kiln_tests::f32_values(t).into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    let get = |name: &str| &whole.iter().find(|(n, _)| n == name).unwrap().1;
+    for (_, tag) in &shapes {
+        assert_eq!(bits(get(&format!("fast_{tag}"))), bits(get(&format!("general_{tag}"))), "MaxPool {tag}");
+    }
+    // Shape a (3×3, stride 2, pads 1): plane 0's output (0, 0) starts at the NaN, output (1, 1)
+    // covers the NaN at (2, 3) after other taps, and plane 1 has none: float64 max there.
+    let a = kiln_tests::f32_values(get("fast_a"));
+    let (oh, ow) = (9usize, 10usize);
+    assert!(a[0].is_nan() && !a[ow + 1].is_nan(), "{:?}", &a[..ow + 2]);
+    for plane in 1..10 {
+        for (r, c) in (0..oh).flat_map(|r| (0..ow).map(move |c| (r, c))) {
+            let mut want = f64::NEG_INFINITY;
+            for (i, j) in (0..3).flat_map(|i| (0..3).map(move |j| (i, j))) {
+                let (y, z) = ((2 * r + i) as i64 - 1, (2 * c + j) as i64 - 1);
+                if (0..17).contains(&y) && (0..19).contains(&z) {
+                    want = want.max(x[plane * 17 * 19 + y as usize * 19 + z as usize] as f64);
+                }
+            }
+            assert_eq!(a[plane * oh * ow + r * ow + c] as f64, want, "plane {plane} ({r}, {c})");
+        }
+    }
+}

@@ -17,8 +17,10 @@
 //!   the window positions before `in + e` (padding counted, ceil's overhang not).
 //! - Lp: `(Σ |v|^p)^(1/p)` over in-bounds values (`p`, default 2).
 //!
-//! The CPU reference computes in f64 and rounds once. On the GPU `kiln_pool<Tag>` runs one thread
-//! per output element, for up to 3 spatial dimensions.
+//! The CPU reference computes in f64 and rounds once (2-D float32 MaxPool without indices in f32:
+//! a max rounds nothing), any range of the output elements from the input planes they read, so
+//! the host may split a large node over its CPU threads (`cpu_tiles`, ABI.md §6.1.2). On the GPU
+//! `kiln_pool<Tag>` runs one thread per output element, for up to 3 spatial dimensions.
 #![no_std]
 extern crate alloc;
 
@@ -211,47 +213,103 @@ fn usize_of(op: &str, v: u64) -> Result<usize> {
 }
 
 impl Plan {
-    /// Output `o` (row-major over the spatial output) of plane `plane`: the value, and for Max
-    /// the flat index of the first largest element.
-    /// 2-D float32 MaxPool without indices, as [`Plan::pool`] computes it (taps in order, the
-    /// first inside value, then any greater one; NaN where no tap is inside), in one pass of
-    /// plain loops.
-    fn max_pool_2d_f32(&self, x: &[u8]) -> Vec<u8> {
+    /// 2-D float32 MaxPool without indices, as [`Plan::pool`] computes it (taps in row-major
+    /// order, the first inside value, then any greater one; NaN where no tap is inside), a row of
+    /// outputs at a time: outputs `units` (row-major over planes and the spatial output) from `x`,
+    /// planes `first_plane..` as little-endian f32. That fold is NaN where its first tap is NaN
+    /// and otherwise the first largest of the other values (a NaN is never greater), which is
+    /// what the row pass keeps: it starts from −∞ and takes a value only when greater.
+    fn max_pool_2d_f32(&self, x: &[u8], first_plane: usize, units: core::ops::Range<usize>) -> Vec<f32> {
+        // Under wasmtime a loop over a constant stride runs several times faster than one over a
+        // runtime stride (`chunks(S)` against `step_by`): the common strides get their own copy.
+        match self.strides[1] {
+            1 => self.max_pool_rows::<1>(x, first_plane, units),
+            2 => self.max_pool_rows::<2>(x, first_plane, units),
+            3 => self.max_pool_rows::<3>(x, first_plane, units),
+            4 => self.max_pool_rows::<4>(x, first_plane, units),
+            _ => self.max_pool_rows::<0>(x, first_plane, units),
+        }
+    }
+
+    /// [`Plan::max_pool_2d_f32`] with column stride S (0: `self.strides[1]`, any).
+    fn max_pool_rows<const S: usize>(&self, x: &[u8], first_plane: usize, units: core::ops::Range<usize>) -> Vec<f32> {
         let (ih, iw) = (self.input[0], self.input[1]);
         let (oh, ow) = (self.output[0], self.output[1]);
         let xs: Vec<f32> = x.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-        let mut out = Vec::with_capacity(self.planes * oh * ow * 4);
-        // The taps of one axis inside the input for output position o: kernel indices lo..hi.
-        let inside = |o: usize, d: usize, n: usize| {
-            let start = o as i64 * self.strides[d] as i64 - self.begin[d] as i64;
-            let dil = self.dilations[d] as i64;
-            (0..self.kernel[d] as i64)
-                .filter(move |t| (0..n as i64).contains(&(start + t * dil)))
-                .map(move |t| (start + t * dil) as usize)
-        };
-        let rows: Vec<Vec<usize>> = (0..oh).map(|o| inside(o, 0, ih).collect()).collect();
-        let cols: Vec<Vec<usize>> = (0..ow).map(|o| inside(o, 1, iw).collect()).collect();
-        for plane in xs.chunks_exact(ih * iw) {
-            for r in &rows {
-                for c in &cols {
-                    let mut best: Option<f32> = None;
-                    for &i in r {
-                        let line = &plane[i * iw..(i + 1) * iw];
-                        for &j in c {
-                            let v = line[j];
-                            if best.is_none_or(|b| v > b) {
-                                best = Some(v);
-                            }
+        let stride = if S > 0 { S } else { self.strides[1] };
+        let (dil, begin) = (self.dilations[1] as i64, self.begin[1] as i64);
+        // Input rows of output row o: first, step and count (those inside the input).
+        let rows: Vec<(usize, usize, usize)> = (0..oh)
+            .map(|o| {
+                let start = o as i64 * self.strides[0] as i64 - self.begin[0] as i64;
+                let d = self.dilations[0] as i64;
+                let mut taps =
+                    (0..self.kernel[0] as i64).map(|t| start + t * d).filter(|&i| (0..ih as i64).contains(&i));
+                match taps.next() {
+                    Some(first) => (first as usize, d as usize, 1 + taps.count()),
+                    None => (0, 1, 0),
+                }
+            })
+            .collect();
+        // For column tap t: the output columns lo..hi whose tap t is inside, and the input column
+        // of the first of them.
+        let col_of = |o: usize, t: usize| o as i64 * stride as i64 - begin + t as i64 * dil;
+        let spans: Vec<(usize, usize, usize)> = (0..self.kernel[1])
+            .filter_map(|t| {
+                let lo = (0..ow).find(|&o| col_of(o, t) >= 0)?;
+                let hi = (lo..ow).find(|&o| col_of(o, t) >= iw as i64).unwrap_or(ow);
+                (lo < hi).then(|| (lo, hi, col_of(lo, t) as usize))
+            })
+            .collect();
+        // Each output column's first inside tap (NaN there makes the output NaN); usize::MAX where
+        // none is inside.
+        let first_col: Vec<usize> = (0..ow)
+            .map(|o| {
+                let mut cols = (0..self.kernel[1]).map(|t| col_of(o, t));
+                cols.find(|c| (0..iw as i64).contains(c)).map_or(usize::MAX, |c| c as usize)
+            })
+            .collect();
+        let mut out = Vec::with_capacity(units.len());
+        let mut acc = alloc::vec![0f32; ow];
+        let (first, last) = (units.start / ow, (units.end - 1) / ow); // output rows over all planes
+        for row in first..=last {
+            let (plane, r) = (row / oh - first_plane, row % oh);
+            let plane = &xs[plane * ih * iw..][..ih * iw];
+            let (r0, rs, rn) = rows[r];
+            acc.iter_mut().for_each(|a| *a = f32::NEG_INFINITY);
+            for i in 0..rn {
+                let line = &plane[(r0 + i * rs) * iw..][..iw];
+                for &(lo, hi, c0) in &spans {
+                    // The taps of outputs lo..hi: every stride-th value from c0.
+                    let taps = &line[c0..=c0 + (hi - 1 - lo) * stride];
+                    let acc = &mut acc[lo..hi];
+                    if S > 0 {
+                        for (a, c) in acc.iter_mut().zip(taps.chunks(S)) {
+                            *a = if c[0] > *a { c[0] } else { *a };
+                        }
+                    } else {
+                        for (a, &v) in acc.iter_mut().zip(taps.iter().step_by(stride)) {
+                            *a = if v > *a { v } else { *a };
                         }
                     }
-                    out.extend_from_slice(&best.unwrap_or(f32::NAN).to_le_bytes());
                 }
             }
+            let line0 = &plane[r0 * iw..][..iw];
+            for (a, &c0) in acc.iter_mut().zip(&first_col) {
+                if rn == 0 || c0 == usize::MAX || line0[c0].is_nan() {
+                    *a = f32::NAN;
+                }
+            }
+            let (a, b) = (units.start.max(row * ow) - row * ow, units.end.min((row + 1) * ow) - row * ow);
+            out.extend_from_slice(&acc[a..b]);
         }
         out
     }
 
-    fn pool(&self, x: &[f64], plane: usize, o: usize) -> (f64, i64) {
+    /// Output `o` (row-major over the spatial output) of plane `plane` from `x`, which holds the
+    /// planes from `first_plane` on: the value, and for Max the flat index in X of the first
+    /// largest element.
+    fn pool(&self, x: &[f64], first_plane: usize, plane: usize, o: usize) -> (f64, i64) {
         let k = self.input.len();
         let mut rest = o;
         let mut start = [0i64; MAX_SPATIAL];
@@ -286,7 +344,7 @@ impl Plan {
                 col += p as usize * stride_c;
                 stride_c *= n;
             }
-            let v = x[plane * spatial + row];
+            let v = x[(plane - first_plane) * spatial + row];
             values += 1;
             match self.kind {
                 Kind::Max => {
@@ -339,23 +397,32 @@ impl Shim for Pool {
         }
         let p = plan(call)?;
         let dtype = check_dtype(call, p.kind)?;
-        if p.kind == Kind::Max && dtype == DType::F32 && p.input.len() == 2 && call.output_opt(1).is_none() {
-            let x = call.input(0)?.read_bytes()?;
-            return call.output(0)?.write_bytes(&p.max_pool_2d_f32(&x));
-        }
-        let x = call.input(0)?.read_vec::<f64>()?;
+        // The outputs of this call (a tile of them, §6.1.2: the host splits a large node over its
+        // CPU threads) and the input planes they read.
         let per_plane: usize = p.output.iter().product();
-        let (mut y, mut idx) = (Vec::with_capacity(p.planes * per_plane), Vec::new());
-        for plane in 0..p.planes {
-            for o in 0..per_plane {
-                let (v, at) = p.pool(&x, plane, o);
-                y.push(v);
-                idx.push(at);
-            }
+        let spatial: usize = p.input.iter().product();
+        let units = call.tile_units(p.planes * per_plane)?;
+        if units.is_empty() || per_plane == 0 {
+            return Ok(());
         }
-        call.output(0)?.write_vec(&y)?;
+        let first_plane = units.start / per_plane;
+        let planes = (units.end - 1) / per_plane + 1 - first_plane;
+        let x = call.input(0)?;
+        if p.kind == Kind::Max && dtype == DType::F32 && p.input.len() == 2 && call.output_opt(1).is_none() {
+            let bytes = x.read_bytes_range(first_plane * spatial * 4, planes * spatial * 4)?;
+            let start = units.start;
+            return call.output(0)?.write_vec_at(start, &p.max_pool_2d_f32(&bytes, first_plane, units));
+        }
+        let x = x.read_vec_range::<f64>(first_plane * spatial, planes * spatial)?;
+        let (mut y, mut idx) = (Vec::with_capacity(units.len()), Vec::new());
+        for u in units.clone() {
+            let (v, at) = p.pool(&x, first_plane, u / per_plane, u % per_plane);
+            y.push(v);
+            idx.push(at);
+        }
+        call.output(0)?.write_vec_at(units.start, &y)?;
         if let Some(t) = call.output_opt(1) {
-            t.write_vec(&idx)?;
+            t.write_vec_at(units.start, &idx)?;
         }
         Ok(())
     }
