@@ -383,27 +383,40 @@ fn tiled_pooling_gives_the_outputs_of_whole_calls() {
     let n: usize = shape.iter().product();
     let mut rng = Rng(11);
     let mut x: Vec<f32> = values(&mut rng, n).into_iter().map(|v| v as f32).collect();
-    // Plane 0: NaN at a window's first tap (row 0, col 0) and inside others, and a −∞.
-    for (i, v) in [(0usize, f32::NAN), (2 * 19 + 3, f32::NAN), (7 * 19 + 8, f32::NAN), (9 * 19 + 9, f32::NEG_INFINITY)]
-    {
+    // Plane 0: NaN at a window's first tap (row 0, col 0), a negative NaN with a payload at the
+    // first tap of a window of column 4 (row 0, col 7: shape a's output (0, 4)), NaN inside
+    // other windows, and a −∞.
+    let odd_nan = f32::from_bits(0xffc0_1234);
+    let specials = [
+        (0usize, f32::NAN),
+        (7, odd_nan),
+        (2 * 19 + 3, f32::NAN),
+        (7 * 19 + 8, f32::NAN),
+        (9 * 19 + 9, f32::NEG_INFINITY),
+    ];
+    for (i, v) in specials {
         x[i] = v;
     }
     let pads = |p: i64| attr_ints("pads", &[p, p, p, p]);
     let kernel = |k: i64| attr_ints("kernel_shape", &[k, k]);
     let strides = |s: i64| attr_ints("strides", &[s, s]);
     let shapes = [
-        (vec![kernel(3), strides(2), pads(1)], "a"),
-        (vec![kernel(2), strides(3), attr_ints("dilations", &[2, 2]), attr_int("ceil_mode", 1)], "b"),
-        (vec![kernel(3), strides(5), pads(2)], "c"),
+        (vec![kernel(3), strides(2), pads(1)], "a", "x"),
+        (vec![kernel(2), strides(3), attr_ints("dilations", &[2, 2]), attr_int("ceil_mode", 1)], "b", "x"),
+        (vec![kernel(3), strides(5), pads(2)], "c", "x"),
+        (vec![kernel(3), strides(4), pads(1)], "e", "x"),
+        (vec![kernel(2), strides(1), pads(1)], "f", "x"),
+        // On the 2 × 2 planes of `small`: taps at −1 and 2 of each axis, none inside.
+        (vec![kernel(2), attr_ints("dilations", &[3, 3]), pads(1)], "d", "small"),
     ];
     let mut nodes = Vec::new();
     let mut outputs = Vec::new();
-    for (attrs, tag) in &shapes {
+    for (attrs, tag, input) in &shapes {
         let fast = format!("fast_{tag}");
         let general = format!("general_{tag}");
         let indices = format!("indices_{tag}");
-        nodes.push(node("MaxPool", &["x"], &[fast.as_str()], attrs.clone()));
-        nodes.push(node("MaxPool", &["x"], &[general.as_str(), indices.as_str()], attrs.clone()));
+        nodes.push(node("MaxPool", &[input], &[fast.as_str()], attrs.clone()));
+        nodes.push(node("MaxPool", &[input], &[general.as_str(), indices.as_str()], attrs.clone()));
         outputs.extend([fast, general, indices]);
     }
     nodes.push(node(
@@ -415,8 +428,12 @@ fn tiled_pooling_gives_the_outputs_of_whole_calls() {
     nodes.push(node("GlobalAveragePool", &["x"], &["gavg"], vec![]));
     outputs.extend(["avg".to_string(), "gavg".to_string()]);
     let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
-    let mut m =
-        onnx::model(nodes, vec![value("x", F32, &dims)], outputs.iter().map(|n| value(n, F32, &[])).collect(), vec![]);
+    let mut m = onnx::model(
+        nodes,
+        vec![value("x", F32, &dims), value("small", F32, &[1, 2, 2, 2])],
+        outputs.iter().map(|n| value(n, F32, &[])).collect(),
+        vec![],
+    );
     for o in &mut m.graph.as_mut().unwrap().output {
         o.type_.as_mut().unwrap().mut_tensor_type().shape.clear();
         if o.name.starts_with("indices") {
@@ -427,19 +444,21 @@ fn tiled_pooling_gives_the_outputs_of_whole_calls() {
     let run = |split: CpuSplit| {
         let options = SessionOptions { cpu_split: split, ..SessionOptions::default() };
         let mut s = Session::new(builtin_runtime(), m.clone(), options).unwrap();
-        let out = s.run(vec![("x".to_string(), kiln_tests::f32_tensor(&shape, &x))]).unwrap();
+        let small = kiln_tests::f32_tensor(&[1, 2, 2, 2], &[1.0, -2.0, 3.0, 0.5, f32::NAN, 2.0, -1.0, 4.0]);
+        let out =
+            s.run(vec![("x".to_string(), kiln_tests::f32_tensor(&shape, &x)), ("small".to_string(), small)]).unwrap();
         (out, s.report.wasm_calls.cpu_tiles)
     };
     let (whole, none) = run(CpuSplit { max_tiles: 1, min_tile_bytes: 1 });
     let (tiled, tiles) = run(CpuSplit { max_tiles: 4, min_tile_bytes: 1 });
     assert_eq!(none, 0);
-    assert!(tiles >= 8 * 3, "every pooling node in tiles: {tiles}");
+    assert!(tiles >= 12 * 3, "every pooling node of x in tiles: {tiles}");
     for ((name, a), (_, b)) in tiled.iter().zip(&whole) {
         assert_eq!(a, b, "output {name}: tiled against whole");
     }
     let bits = |t: &Tensor| kiln_tests::f32_values(t).into_iter().map(f32::to_bits).collect::<Vec<_>>();
     let get = |name: &str| &whole.iter().find(|(n, _)| n == name).unwrap().1;
-    for (_, tag) in &shapes {
+    for (_, tag, _) in &shapes {
         assert_eq!(bits(get(&format!("fast_{tag}"))), bits(get(&format!("general_{tag}"))), "MaxPool {tag}");
     }
     // Shape a (3×3, stride 2, pads 1): plane 0's output (0, 0) starts at the NaN, output (1, 1)
@@ -447,6 +466,9 @@ fn tiled_pooling_gives_the_outputs_of_whole_calls() {
     let a = kiln_tests::f32_values(get("fast_a"));
     let (oh, ow) = (9usize, 10usize);
     assert!(a[0].is_nan() && !a[ow + 1].is_nan(), "{:?}", &a[..ow + 2]);
+    assert_eq!(a[4].to_bits(), 0xffc0_1234, "a NaN first tap comes out as it is");
+    let d = kiln_tests::f32_values(get("fast_d"));
+    assert!(d.len() == 2 && d.iter().all(|v| v.is_nan()), "windows with no tap inside are NaN: {d:?}");
     for plane in 1..10 {
         for (r, c) in (0..oh).flat_map(|r| (0..ow).map(move |c| (r, c))) {
             let mut want = f64::NEG_INFINITY;

@@ -1280,8 +1280,9 @@ fn linear_ops_match_their_cpu_reference() {
 /// `[N, k_blocks, block · bits / 8]` and scales `[N, k_blocks]`) on the GPU against the same ops
 /// on the CPU (the host's `qgemm`), float32, float16 and bfloat16, random shapes: 1 to 16 rows
 /// (one kernel: 4 bits from 2 rows in float16 and bfloat16 on tensor cores, the rest on CUDA
-/// cores, 1 to 8 rows per block), 20 to 40 rows and K not a multiple of 32 (the weight
-/// dequantized for cuBLASLt), blocks of 32, 64 and 128; odd cases hold W and its scales as
+/// cores, 1 to 8 rows per block), 20 to 40 rows and 4-bit K not a multiple of 32 (the weight
+/// dequantized for cuBLASLt), blocks of 32, 64 and 128 (and 16 for 8 bits, with 8-bit K of 16
+/// past a multiple of 32 in the GEMV); odd cases hold W and its scales as
 /// initializers (constant inputs, ABI.md §7.7: loaded before the grid-dependency wait), even
 /// cases feed them. Linear's Y is also checked against float64 (A = X rounded to the dtype, W
 /// dequantized exactly). Tolerance: as `linear_ops_match_their_cpu_reference`, with K · 2^-22
@@ -1309,8 +1310,14 @@ fn quantized_linear_ops_match_their_cpu_reference_and_float64() {
                     4 => r.range(20, 41),
                     _ => r.range(1, 5),
                 };
-                let block = r.pick(&[32usize, 64, 128]);
-                let k = if case == 6 { 32 * r.range(1, 20) + 8 } else { 32 * r.range(1, 60) };
+                // 8 bits also take blocks of 16 and a K of 16 past a multiple of 32 in the GEMV
+                // (16 values per 16-byte chunk); 4 bits send a K of 8 past one to the prefill path.
+                let block = if bits == 8 { r.pick(&[16usize, 32, 64, 128]) } else { r.pick(&[32usize, 64, 128]) };
+                let k = match case {
+                    6 if bits == 8 => 32 * r.range(1, 20) + 16,
+                    6 => 32 * r.range(1, 20) + 8,
+                    _ => 32 * r.range(1, 60),
+                };
                 let kb = k.div_ceil(block);
                 let n = r.range(8, 300);
                 let x_last = if op == "SwiGluLinear" { 2 * k } else { k };

@@ -265,7 +265,7 @@ pub struct ModelRunArgs {
     pub max_loop_iterations: u64,
     /// On the CPU, the most tiles one node's work splits into, run at once on the CPU threads,
     /// where its package allows it (manifest `cpu_tiles`: the built-in unary elementwise ops,
-    /// SwiGlu and SkipSimplifiedLayerNormalization) and the node is large enough (64 KiB of
+    /// SwiGlu, SkipSimplifiedLayerNormalization and the pooling ops) and the node is large enough (64 KiB of
     /// output per tile). Default: the CPU threads
     /// (`KILN_CPU_THREADS`); 1 runs every node whole.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1024))]

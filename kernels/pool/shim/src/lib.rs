@@ -261,8 +261,8 @@ impl Plan {
                 (lo < hi).then(|| (lo, hi, col_of(lo, t) as usize))
             })
             .collect();
-        // Each output column's first inside tap (NaN there makes the output NaN); usize::MAX where
-        // none is inside.
+        // Each output column's first inside tap (a NaN there is the output); usize::MAX where none
+        // is inside.
         let first_col: Vec<usize> = (0..ow)
             .map(|o| {
                 let mut cols = (0..self.kernel[1]).map(|t| col_of(o, t));
@@ -294,10 +294,18 @@ impl Plan {
                     }
                 }
             }
-            let line0 = &plane[r0 * iw..][..iw];
-            for (a, &c0) in acc.iter_mut().zip(&first_col) {
-                if rn == 0 || c0 == usize::MAX || line0[c0].is_nan() {
-                    *a = f32::NAN;
+            // No tap inside: NaN; a NaN first tap: that NaN, quieted (its sign and payload, as the
+            // general path's conversions through f64 keep them).
+            if rn == 0 {
+                acc.iter_mut().for_each(|a| *a = f32::NAN);
+            } else {
+                let line0 = &plane[r0 * iw..][..iw];
+                for (a, &c0) in acc.iter_mut().zip(&first_col) {
+                    match line0.get(c0) {
+                        None => *a = f32::NAN,
+                        Some(&v) if v.is_nan() => *a = f32::from_bits(v.to_bits() | 0x0040_0000),
+                        Some(_) => {}
+                    }
                 }
             }
             let (a, b) = (units.start.max(row * ow) - row * ow, units.end.min((row + 1) * ow) - row * ow);
