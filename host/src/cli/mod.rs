@@ -226,7 +226,8 @@ pub fn model_registry(args: &PackageArgs, model: &std::path::Path) -> Result<kil
 /// lock flags), `--no-fuse`. `kiln inspect` and `kiln lock` take only these.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ResolveArgs {
-    /// Where to run: `auto` takes the GPU when one is usable, else the CPU.
+    /// The device whose packages run the model (`inspect` and `lock`: whose packages they
+    /// resolve): `auto` takes the GPU when one is usable, else the CPU.
     #[arg(long, value_enum, default_value_t)]
     pub device: DeviceArg,
     #[command(flatten)]

@@ -71,7 +71,8 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     }
     let expect_files = a.expect;
     let file = super::inspect::onnx_file(&a.model, "run")?;
-    std::fs::create_dir_all(&a.output_dir).map_err(|source| Error::Io { path: a.output_dir.clone(), source })?;
+    std::fs::create_dir_all(&a.output_dir)
+        .map_err(|e| Error::Input(format!("--output-dir {}: {e}", a.output_dir.display())))?;
     let t0 = Instant::now();
     let model = model::load(file)?;
     // A .pb file holds what the model declares there: a tensor, or a sequence or optional.
@@ -85,15 +86,18 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         }
     };
     let mut feeds: Vec<(String, HostValue)> = Vec::with_capacity(inputs.len());
+    // A file that cannot be read is named with the flag and input that gave it.
+    let flagged = |flag: &str, name: &str, e: Error| Error::Input(format!("{flag} {name}: {e}"));
     for (name, file) in &inputs {
-        feeds.push((name.clone(), read(file, kind_of(name, &model.graph.inputs))?));
+        let value = read(file, kind_of(name, &model.graph.inputs)).map_err(|e| flagged("--input", name, e))?;
+        feeds.push((name.clone(), value));
     }
     let mut expect = Vec::with_capacity(expect_files.len());
     for (name, file) in &expect_files {
         let Some(kind) = kind_of(name, &model.graph.outputs) else {
             return Err(Error::Input(format!("--expect {name}: the model has no output {name:?}")));
         };
-        expect.push((name.clone(), read(file, Some(kind))?));
+        expect.push((name.clone(), read(file, Some(kind)).map_err(|e| flagged("--expect", name, e))?));
     }
     let non_tensors = feeds.iter().any(|(_, v)| !matches!(v, HostValue::Tensor(_)))
         || model.graph.outputs.iter().any(|&o| model.graph.kind(o) != model::Kind::Tensor);
