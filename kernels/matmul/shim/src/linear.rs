@@ -85,8 +85,6 @@ const MMA_MIN_BLOCKS: usize = 128;
 pub const Q_MAX_ROWS: usize = 16;
 /// Most rows of A one quantized GEMV block holds: its kernels come for 1, 2, 4 and 8.
 const Q_BLOCK_ROWS: usize = 8;
-/// Values per 16-byte chunk of a 4-bit weight row (linear.cu's `Q4_VALUES`).
-const Q4_VALUES: usize = 32;
 /// Fewest rows (float16, bfloat16) that take the 4-bit tensor-core GEMV
 /// `kiln_linear_q4mma<tag, MODE, NT>` (up to [`MMA_MAX_ROWS`]); one row takes `kiln_linear_qgemv`.
 const Q4_MMA_MIN_ROWS: usize = 2;
@@ -513,24 +511,24 @@ pub fn dispatch(call: &Call) -> Result<()> {
     let n_tiles = g.rows.div_ceil(8) as u64;
     let mma_shared = (8 * n_tiles * ((g.k / vec).div_ceil(8) as u64 * 8) * 16).max(MMA_WARPS as u64 * n_tiles * 512);
     if let Some(q) = g.quant {
-        let q4 = q.bits == 4 && q.block % Q4_VALUES == 0 && g.k % Q4_VALUES == 0 && g.k % vec == 0;
+        // Whole 16-byte chunks of 128 / bits values in every block and row: decode rows in one
+        // kernel, on tensor cores for 4 bits from Q4_MMA_MIN_ROWS rows.
+        let chunk = 128 / q.bits as usize;
+        let fits = matches!(q.bits, 4 | 8) && q.block % chunk == 0 && g.k % chunk == 0 && g.k % vec == 0;
         let scales = at(call.input(g.w_index + 1)?.handle());
         let quant_args = [KernelArg::U32(q.k_blocks as u32), KernelArg::U32(q.block as u32)];
-        if q4 && tensor_cores(Q4_MMA_MIN_ROWS) && mma_shared <= GEMV_MAX_SHARED as u64 {
+        if fits && q.bits == 4 && tensor_cores(Q4_MMA_MIN_ROWS) && mma_shared <= GEMV_MAX_SHARED as u64 {
             operands.push(scales);
             operands.extend(tail);
             operands.extend(quant_args);
             return launch_mma("kiln_linear_q4mma", tag, &g, n_tiles, mma_shared, operands);
         }
-        // A 4- or 8-bit weight with whole 16-byte chunks per block: decode rows in one kernel.
         // The most rows per block (8, 4, 2, 1) whose A fits the shared memory.
         let mut block_rows = g.rows.next_power_of_two().min(Q_BLOCK_ROWS);
         while block_rows > 1 && g.rows.min(block_rows) as u64 * g.k as u64 * 4 > GEMV_MAX_SHARED as u64 {
             block_rows /= 2;
         }
         let shared = g.rows.min(block_rows) as u64 * g.k as u64 * 4;
-        let chunk = 128 / q.bits as usize; // values per 16-byte chunk
-        let fits = matches!(q.bits, 4 | 8) && q.block % chunk == 0 && g.k % chunk == 0 && g.k % vec == 0;
         if fits && g.rows <= Q_MAX_ROWS && g.n > 0 && shared <= GEMV_MAX_SHARED as u64 {
             operands.push(scales);
             operands.extend(tail);
