@@ -232,7 +232,32 @@ for w in glob.glob(".gpu/python/*.whl"):
     for t in 16 1; do
       python3 scripts/bench-cpu.py --kiln "$KILN" --threads "$t" "$work/big/resnet50" 2>&1
     done | tee "$out/cpu.log"
-    summary+=("cpu: $(grep -E '^\| (MatMul|resnet50)' "$out/cpu.log" | tr '\n' ' ')")
+    # Where ResNet-50's time goes at 16 threads: host time by op.
+    KILN_CPU_THREADS=16 "$KILN" run "$work/big/resnet50/model.onnx" --device cpu --runs 20 --report \
+      --input images="$work/big/resnet50/test_data_set_0/input_0.pb" --output-dir "$work/cpu-out" 2>&1 |
+      sed -n '/^ops/,$p' | head -14 | tee -a "$out/cpu.log"
+    # int4 decode beside onnxruntime's CPU provider on the same folder (the builder's `-p int4 -e
+    # cpu` of the SmolLM2-135M architecture, random weights): prompt 16, 32 new tokens.
+    i4c=$models/smollm2-arch-int4-cpu
+    if [ ! -f "$i4c/model.onnx" ]; then
+      (cd .gpu/device-fixtures && PYTHONPATH=. python3 - "$models" <<'PYEOF'
+import os, sys
+import make_smollm2_arch as m
+out = sys.argv[1]
+hf = os.path.join(out, "hf", f"{m.NAME}-random")
+if not os.path.isfile(os.path.join(hf, "config.json")):
+    m.make_hf(hf, m.INIT_RANGE)
+m.build(hf, os.path.join(out, f"{m.NAME}-int4-cpu"), "int4", "cpu", os.path.join(out, ".cache-int4-cpu"))
+PYEOF
+      ) >"$work/int4-cpu-make.log" 2>&1 || tail -20 "$work/int4-cpu-make.log"
+    fi
+    for t in 16 1; do
+      echo "== int4 CPU decode, $t threads"
+      KILN_CPU_THREADS=$t "$KILN" bench decode "$i4c" --device cpu --prompt-len 16 --new-tokens 32 --runs 3 2>&1 |
+        grep -E "^\| [0-9]"
+      python3 bench/ort_decode_cpu.py "$i4c" --threads $t --prompt-len 16 --new-tokens 32 --runs 3 2>&1 | tail -1
+    done | tee -a "$out/cpu.log"
+    summary+=("cpu: $(grep -E '^\| (MatMul|resnet50)|^\| 1 \(1\)|^onnxruntime' "$out/cpu.log" | tr '\n' ' ')")
     ;;
   verify)
     # kiln-sampling's ops (ai.kiln) have no node tests: the device-sampling GPU test covers them.

@@ -83,6 +83,9 @@ fn matmul_and_gemm_through_the_host_gemm_match_float64() {
         ("vector times matrix", vec![7], vec![7, 3]),
         ("matrix times vector", vec![4, 300], vec![300]),
         ("long K", vec![6, 1000], vec![1000, 5]),
+        // Past 2²¹ multiply-adds the product is cut into tiles shared over the CPU threads.
+        ("tiles of a product", vec![150, 400], vec![400, 170]),
+        ("tiles of a batched product", vec![2, 70, 300], vec![300, 250]),
     ];
     for (what, a, b) in cases {
         let (x, y) = (v(a.iter().product()), v(b.iter().product()));
@@ -98,6 +101,10 @@ fn matmul_and_gemm_through_the_host_gemm_match_float64() {
         let c = v(c_shape.iter().product());
         agrees(what, "Gemm", &trans, &[(&[k, m], &a), (&[n, k], &b), (&c_shape, &c)], k);
     }
+    // Transposed operands cut into tiles (120 × 90 × 300).
+    let (mt, kt, nt) = (120usize, 300usize, 90usize);
+    let (at, bt, ct) = (v(kt * mt), v(nt * kt), v(mt * nt));
+    agrees("tiles, transposed", "Gemm", &trans, &[(&[kt, mt], &at), (&[nt, kt], &bt), (&[mt, nt], &ct)], kt);
     let c = v(n);
     agrees(
         "bias row, beta 1",

@@ -319,6 +319,39 @@ impl Plan {
         out
     }
 
+    /// The outputs `units` when every window is its whole plane (GlobalAveragePool, GlobalMaxPool,
+    /// or a kernel as large as the unpadded input) and no indices are asked for: Average and Max
+    /// over each plane as one contiguous run, the values and their order as [`Plan::pool`] takes
+    /// them (a sum in f64 in input order; the first tap, then each larger one). `None` for any
+    /// other geometry, Lp, or an empty plane.
+    fn whole_planes(
+        &self,
+        x: &[f64],
+        first_plane: usize,
+        units: core::ops::Range<usize>,
+        indices: bool,
+    ) -> Option<Vec<f64>> {
+        let spatial: usize = self.input.iter().product();
+        let whole = self.kernel == self.input
+            && self.output.iter().all(|&o| o == 1)
+            && self.dilations.iter().all(|&d| d == 1)
+            && self.begin.iter().chain(&self.end).all(|&b| b == 0);
+        if !whole || indices || spatial == 0 || self.kind == Kind::Lp {
+            return None;
+        }
+        let planes = x.chunks_exact(spatial);
+        Some(
+            planes
+                .skip(units.start - first_plane)
+                .take(units.len())
+                .map(|v| match self.kind {
+                    Kind::Max => v[1..].iter().fold(v[0], |best, &t| if t > best { t } else { best }),
+                    _ => v.iter().sum::<f64>() / spatial as f64,
+                })
+                .collect(),
+        )
+    }
+
     /// Output `o` (row-major over the spatial output) of plane `plane` from `x`, which holds the
     /// planes from `first_plane` on: the value, and for Max the flat index in X of the first
     /// largest element.
@@ -427,6 +460,9 @@ impl Shim for Pool {
             return call.output(0)?.write_vec_at(start, &p.max_pool_2d_f32(&xs, first_plane, units));
         }
         let x = x.read_vec_range::<f64>(first_plane * spatial, planes * spatial)?;
+        if let Some(y) = p.whole_planes(&x, first_plane, units.clone(), call.output_opt(1).is_some()) {
+            return call.output(0)?.write_vec_at(units.start, &y);
+        }
         let (mut y, mut idx) = (Vec::with_capacity(units.len()), Vec::new());
         for u in units.clone() {
             let (v, at) = p.pool(&x, first_plane, u / per_plane, u % per_plane);
