@@ -59,7 +59,9 @@
 #              kiln,eager --batches 1" and the like narrow it)
 #   big        the five full-size real models of scripts/make-big-models.py against onnxruntime
 #   cpu        the fast CPU path beside onnxruntime's CPU provider at 16 threads and 1
-#              (scripts/bench-cpu.py: MatMul 1024³ and resnet50, made by scripts/make-big-models.py)
+#              (scripts/bench-cpu.py: MatMul 1024³ and resnet50, made by scripts/make-big-models.py),
+#              resnet50's host time by op at 16 threads, and int4 decode (the builder's `-p int4 -e cpu`
+#              SmolLM2-architecture folder, made once per machine) beside bench/ort_decode_cpu.py
 # At most 8 files come back from the machine, so $OUT (or ./gpu-out) gets one log per phase
 # and the JSON in tar files; the last lines printed are a summary.
 set -uo pipefail
@@ -251,13 +253,13 @@ m.build(hf, os.path.join(out, f"{m.NAME}-int4-cpu"), "int4", "cpu", os.path.join
 PYEOF
       ) >"$work/int4-cpu-make.log" 2>&1 || tail -20 "$work/int4-cpu-make.log"
     fi
-    for t in 16 1; do
+    [ -f "$i4c/model.onnx" ] && for t in 16 1; do
       echo "== int4 CPU decode, $t threads"
       KILN_CPU_THREADS=$t "$KILN" bench decode "$i4c" --device cpu --prompt-len 16 --new-tokens 32 --runs 3 2>&1 |
-        grep -E "^\| [0-9]"
+        grep -E "^\| [0-9]|[Ee]rror"
       python3 bench/ort_decode_cpu.py "$i4c" --threads $t --prompt-len 16 --new-tokens 32 --runs 3 2>&1 | tail -1
     done | tee -a "$out/cpu.log"
-    summary+=("cpu: $(grep -E '^\| (MatMul|resnet50)|^\| 1 \(1\)|^onnxruntime' "$out/cpu.log" | tr '\n' ' ')")
+    summary+=("cpu: $(grep -E '^\| (MatMul|resnet50)|^==|^\| 1 \(1\)|^onnxruntime' "$out/cpu.log" | tr '\n' ' ')")
     ;;
   verify)
     # kiln-sampling's ops (ai.kiln) have no node tests: the device-sampling GPU test covers them.

@@ -86,6 +86,7 @@ fn matmul_and_gemm_through_the_host_gemm_match_float64() {
         // Past 2²¹ multiply-adds the product is cut into tiles shared over the CPU threads.
         ("tiles of a product", vec![150, 400], vec![400, 170]),
         ("tiles of a batched product", vec![2, 70, 300], vec![300, 250]),
+        ("tiles of rows", vec![300, 200], vec![200, 60]),
     ];
     for (what, a, b) in cases {
         let (x, y) = (v(a.iter().product()), v(b.iter().product()));
@@ -433,11 +434,14 @@ fn tiled_pooling_gives_the_outputs_of_whole_calls() {
         vec![kernel(3), strides(2), pads(1), attr_int("count_include_pad", 1)],
     ));
     nodes.push(node("GlobalAveragePool", &["x"], &["gavg"], vec![]));
-    outputs.extend(["avg".to_string(), "gavg".to_string()]);
+    nodes.push(node("GlobalMaxPool", &["x"], &["gmax"], vec![]));
+    nodes.push(node("GlobalAveragePool", &["signs"], &["gavg_s"], vec![]));
+    nodes.push(node("GlobalMaxPool", &["signs"], &["gmax_s"], vec![]));
+    outputs.extend(["avg", "gavg", "gmax", "gavg_s", "gmax_s"].map(String::from));
     let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
     let mut m = onnx::model(
         nodes,
-        vec![value("x", F32, &dims), value("small", F32, &[1, 2, 2, 2])],
+        vec![value("x", F32, &dims), value("small", F32, &[1, 2, 2, 2]), value("signs", F32, &[1, 2, 2, 2])],
         outputs.iter().map(|n| value(n, F32, &[])).collect(),
         vec![],
     );
@@ -452,8 +456,15 @@ fn tiled_pooling_gives_the_outputs_of_whole_calls() {
         let options = SessionOptions { cpu_split: split, ..SessionOptions::default() };
         let mut s = Session::new(builtin_runtime(), m.clone(), options).unwrap();
         let small = kiln_tests::f32_tensor(&[1, 2, 2, 2], &[1.0, -2.0, 3.0, 0.5, f32::NAN, 2.0, -1.0, 4.0]);
-        let out =
-            s.run(vec![("x".to_string(), kiln_tests::f32_tensor(&shape, &x)), ("small".to_string(), small)]).unwrap();
+        // Plane 0 all −0 (its mean is +0: sums start from +0), plane 1 with a NaN first tap.
+        let signs = kiln_tests::f32_tensor(&[1, 2, 2, 2], &[-0.0, -0.0, -0.0, -0.0, f32::NAN, 2.0, -1.0, 4.0]);
+        let out = s
+            .run(vec![
+                ("x".to_string(), kiln_tests::f32_tensor(&shape, &x)),
+                ("small".to_string(), small),
+                ("signs".to_string(), signs),
+            ])
+            .unwrap();
         (out, s.report.wasm_calls.cpu_tiles)
     };
     let (whole, none) = run(CpuSplit { max_tiles: 1, min_tile_bytes: 1 });
@@ -476,6 +487,19 @@ fn tiled_pooling_gives_the_outputs_of_whole_calls() {
     assert_eq!(a[4].to_bits(), 0xffc0_1234, "a NaN first tap comes out as it is");
     let d = kiln_tests::f32_values(get("fast_d"));
     assert!(d.len() == 2 && d.iter().all(|v| v.is_nan()), "windows with no tap inside are NaN: {d:?}");
+    // Whole-plane windows against float64: the mean (a sum in input order) and the max.
+    let (gavg, gmax) = (kiln_tests::f32_values(get("gavg")), kiln_tests::f32_values(get("gmax")));
+    assert!(gavg[0].is_nan() && gmax[0].is_nan(), "plane 0 holds NaNs, its first tap one");
+    for plane in 1..10 {
+        let p = &x[plane * 17 * 19..][..17 * 19];
+        let mean = p.iter().fold(0f64, |s, &v| s + v as f64) / p.len() as f64;
+        let max = p.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
+        assert_eq!((gavg[plane], gmax[plane] as f64), (mean as f32, max), "plane {plane}");
+    }
+    assert_eq!(bits(get("gavg_s"))[0], 0, "the mean of −0s is +0");
+    assert_eq!(kiln_tests::f32_values(get("gavg_s"))[1].to_bits(), f32::NAN.to_bits());
+    let gmax_s = kiln_tests::f32_values(get("gmax_s"));
+    assert!(gmax_s[0] == 0.0 && gmax_s[1].is_nan(), "{gmax_s:?}");
     for plane in 1..10 {
         for (r, c) in (0..oh).flat_map(|r| (0..ow).map(move |c| (r, c))) {
             let mut want = f64::NEG_INFINITY;

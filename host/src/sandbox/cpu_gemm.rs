@@ -1,6 +1,6 @@
 //! The `gemm` import in `kiln_cpu` calls (ABI.md §4.7, manifest schema 8): computed at once on
-//! the call's host tensors with the `gemm` crate (multithreaded, its AVX2 / AVX-512 kernels
-//! chosen at run time), so that a shim's matrix products never copy their operands into its
+//! the call's host tensors with the `gemm` crate (its AVX2 / AVX-512 kernels chosen at run
+//! time; a product cut into tiles shared over the CPU threads, [`sgemm`]), so that a shim's matrix products never copy their operands into its
 //! memory. float16 and bfloat16 operands are widened to float32 and the result rounded once:
 //! the products accumulate in f32, as cuBLASLt's do on the GPU.
 //!
@@ -14,12 +14,13 @@ use kiln_kernel_abi::DType;
 use super::cpu_pool::{cpu_threads, pool};
 use super::handles::{Access, Slot};
 
-/// Multiply-adds a tile of a shared product aims for: a product smaller than two of them runs
-/// whole on the calling thread.
-const TILE_MACS: u64 = 1 << 20;
+/// Multiply-adds a tile of a shared product aims for: a product smaller than two of them (or
+/// whose longer side is under 2·[`TILE_EDGE`]) runs whole on the calling thread, about where the
+/// `gemm` crate's own threading began (48·48·256).
+const TILE_MACS: u64 = 1 << 18;
 /// Most tiles one product is cut into.
 const MAX_TILES: u64 = 64;
-/// Fewest rows or columns of a tile (a multiple of the micro-kernels' panels).
+/// Fewest rows or columns of a cut (each but the last a multiple of 16).
 const TILE_EDGE: usize = 32;
 
 /// The tiles of an m × n × k product: (rows, columns) of each, the last one smaller. The longer
@@ -27,8 +28,8 @@ const TILE_EDGE: usize = 32;
 /// whole short-side operand: the long side's operand is packed once in all, as one call packs it
 /// (cutting both sides packed each operand once per tile across: 64 tiles of a 1024³ product
 /// took 1.75× the time of the whole one on one thread, cuts of one side 0.97–1.03×). About
-/// `m·n·k / TILE_MACS` tiles (at most [`MAX_TILES`]), none narrower than [`TILE_EDGE`]. The tiles
-/// depend on the shape alone, not on the thread count.
+/// `m·n·k / TILE_MACS` tiles (at most [`MAX_TILES`]), each but the last at least [`TILE_EDGE`]
+/// wide. The tiles depend on the shape alone, not on the thread count.
 fn tiles(m: usize, n: usize, k: usize) -> (usize, usize) {
     let macs = (m as u64).saturating_mul(n as u64).saturating_mul(k as u64);
     let long = m.max(n);
@@ -362,7 +363,9 @@ mod tests {
         }
         assert_eq!(tiles(1024, 1024, 1024), (1024, 32));
         assert_eq!(tiles(512, 49, 4608), (32, 49));
-        assert_eq!(tiles(100, 100, 100), (100, 100), "a small product stays whole");
+        assert_eq!(tiles(100, 100, 40), (100, 100), "a product of under 2¹⁹ multiply-adds stays whole");
+        assert_eq!(tiles(60, 60, 4096), (60, 60), "so does one whose sides are both under 64");
+        assert_eq!(tiles(128, 128, 64), (128, 32));
         assert_eq!(tiles(0, 5, 7), (1, 5));
     }
 }

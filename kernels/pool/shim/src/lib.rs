@@ -346,7 +346,8 @@ impl Plan {
                 .take(units.len())
                 .map(|v| match self.kind {
                     Kind::Max => v[1..].iter().fold(v[0], |best, &t| if t > best { t } else { best }),
-                    _ => v.iter().sum::<f64>() / spatial as f64,
+                    // From +0 as `pool` sums (`Iterator::sum` starts from −0).
+                    _ => v.iter().fold(0f64, |sum, &t| sum + t) / spatial as f64,
                 })
                 .collect(),
         )
