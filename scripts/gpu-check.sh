@@ -83,6 +83,20 @@ if [ "$needs_models" = 1 ] && [ ! -f "$models/reference/smollm2-arch-ref.json" ]
     { tail -30 "$work/make.log"; exit 1; }
   echo "models built in $(($(date +%s) - t0)) s"
 fi
+# build_folder PRECISION EP: the model builder's `-p PRECISION -e EP` folder of the SmolLM2-135M
+# architecture (random weights, the HF model made first where missing) in $models/smollm2-arch-PRECISION-EP.
+build_folder() {
+  (cd .gpu/device-fixtures && PYTHONPATH=. python3 - "$models" "$1" "$2" <<'PYEOF'
+import os, sys
+import make_smollm2_arch as m
+out, precision, ep = sys.argv[1:4]
+hf = os.path.join(out, "hf", f"{m.NAME}-random")
+if not os.path.isfile(os.path.join(hf, "config.json")):
+    m.make_hf(hf, m.INIT_RANGE)
+m.build(hf, os.path.join(out, f"{m.NAME}-{precision}-{ep}"), precision, ep, os.path.join(out, f".cache-{precision}-{ep}"))
+PYEOF
+  )
+}
 summary=()
 for phase in $phases; do
   t0=$(date +%s)
@@ -242,16 +256,7 @@ for w in glob.glob(".gpu/python/*.whl"):
     # cpu` of the SmolLM2-135M architecture, random weights): prompt 16, 32 new tokens.
     i4c=$models/smollm2-arch-int4-cpu
     if [ ! -f "$i4c/model.onnx" ]; then
-      (cd .gpu/device-fixtures && PYTHONPATH=. python3 - "$models" <<'PYEOF'
-import os, sys
-import make_smollm2_arch as m
-out = sys.argv[1]
-hf = os.path.join(out, "hf", f"{m.NAME}-random")
-if not os.path.isfile(os.path.join(hf, "config.json")):
-    m.make_hf(hf, m.INIT_RANGE)
-m.build(hf, os.path.join(out, f"{m.NAME}-int4-cpu"), "int4", "cpu", os.path.join(out, ".cache-int4-cpu"))
-PYEOF
-      ) >"$work/int4-cpu-make.log" 2>&1 || tail -20 "$work/int4-cpu-make.log"
+      build_folder int4 cpu >"$work/int4-cpu-make.log" 2>&1 || tail -20 "$work/int4-cpu-make.log"
     fi
     [ -f "$i4c/model.onnx" ] && for t in 16 1; do
       echo "== int4 CPU decode, $t threads"
@@ -294,16 +299,7 @@ PYEOF
     i4=$models/smollm2-arch-int4-cuda
     if [ ! -f "$models/reference/smollm2-arch-int4-cuda-ref.json" ]; then
       t1=$(date +%s)
-      (cd .gpu/device-fixtures && PYTHONPATH=. python3 - "$models" <<'PYEOF'
-import os, sys
-import make_smollm2_arch as m
-out = sys.argv[1]
-hf = os.path.join(out, "hf", f"{m.NAME}-random")
-if not os.path.isfile(os.path.join(hf, "config.json")):
-    m.make_hf(hf, m.INIT_RANGE)
-m.build(hf, os.path.join(out, f"{m.NAME}-int4-cuda"), "int4", "cuda", os.path.join(out, ".cache-int4"))
-PYEOF
-      ) >"$work/int4-make.log" 2>&1 &&
+      build_folder int4 cuda >"$work/int4-make.log" 2>&1 &&
         bash .gpu/device-fixtures/make-smollm2-arch.sh "$models" --ref-only "$i4" >>"$work/int4-make.log" 2>&1 ||
         { tail -30 "$work/int4-make.log"; exit 1; }
       echo "int4 folder and reference made in $(($(date +%s) - t1)) s"
