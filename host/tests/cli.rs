@@ -1016,6 +1016,11 @@ fn bench_run_times_a_model_on_random_inputs() {
     );
     assert!(0.0 < min && min <= p50 && p50 <= p90 && p90 <= p99, "{doc}");
     assert!(String::from_utf8_lossy(&o.stderr).contains("latency ms: p50"), "{}", text(&o));
+    // Integer inputs are drawn as valid indices: BERT's token types index a 2-row table.
+    let bert = "tests/real-models/bert_2_layers/model.onnx";
+    let o = kiln(&["bench", "run", bert, "--runs", "2", "--device", "cpu"]);
+    assert_eq!(o.status.code(), Some(0), "{bert}: {}", text(&o));
+    assert!(text(&o).contains("token_type_ids int64 2×16"), "{}", text(&o));
     for (args, want) in [
         (vec!["bench", "run", "examples/mlp/model.onnx"], "give its shape with --shape x=DIMS"),
         (
