@@ -1,11 +1,12 @@
 //! `kiln bench run MODEL`: latency of whole-model runs in the manner of onnxruntime's
 //! `onnxruntime_perf_test`: random inputs of the declared shapes (`--shape NAME=DIMS` for
-//! named or unknown dimensions; integers 0 or 1, valid as indices and masks), warm-up runs, then timed runs reported as p50 / p90 / p99 /
-//! mean / min latency and runs per second. On the CPU, or on a GPU with `--graph off`, each run
-//! is `Session::run` with host inputs and outputs (copies included); on a GPU otherwise the
-//! inputs stay on the device and each run writes its outputs in place and waits for the device
-//! (as PyTorch is timed), so from the third run on a run is one CUDA graph replay where the model
-//! allows (the report's capture and fallback counts say).
+//! named or unknown dimensions; integers 0 or 1, valid as indices and masks), warm-up runs,
+//! then timed runs reported as p50 / p90 / p99 / mean / min latency and runs per second. On the
+//! CPU, or on a GPU with `--graph off`, each run is `Session::run` with host inputs and outputs
+//! (copies included); on a GPU otherwise the inputs stay on the device and each run writes its
+//! outputs in place and waits for the device (as PyTorch is timed), so from the third run on a
+//! run is one CUDA graph replay where the model allows (the report's capture and fallback counts
+//! say).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
