@@ -172,7 +172,8 @@ fn run_data_sets(s: &mut Session, dir: &Path) -> Result<Option<String>> {
 }
 
 /// Compares `actual` with `expected`; `None` when equal within tolerance, else the first
-/// difference.
+/// difference (for floating-point tensors also how many elements differ and the largest
+/// difference).
 pub fn compare(actual: &Tensor, expected: &Tensor, rtol: f64, atol: f64) -> Option<String> {
     if actual.dtype != expected.dtype {
         return Some(format!("dtype {} != expected {}", actual.dtype, expected.dtype));
@@ -199,19 +200,35 @@ pub fn compare(actual: &Tensor, expected: &Tensor, rtol: f64, atol: f64) -> Opti
         return Some(format!("element {diff}: {} != expected {}", int_value(actual, diff), int_value(expected, diff)));
     }
     let (a, e) = (to_f64(actual), to_f64(expected));
-    for (i, (x, y)) in a.iter().zip(&e).enumerate() {
-        let ok = if x.is_nan() || y.is_nan() {
+    let close = |x: f64, y: f64| {
+        if x.is_nan() || y.is_nan() {
             x.is_nan() && y.is_nan()
         } else if x.is_infinite() || y.is_infinite() {
             x == y
         } else {
             (x - y).abs() <= atol + rtol * y.abs()
-        };
-        if !ok {
-            return Some(format!("element {i}: {x} != expected {y} (rtol {rtol}, atol {atol})"));
+        }
+    };
+    let first = a.iter().zip(&e).position(|(&x, &y)| !close(x, y))?;
+    let (x, y) = (a[first], e[first]);
+    let mut msg = format!("element {first}: {x} != expected {y} (rtol {rtol}, atol {atol})");
+    // How far off the whole tensor is: the count of differing elements and the largest finite
+    // difference (a NaN or infinity against a number counts, but has no size).
+    let differ = a.iter().zip(&e).filter(|(&x, &y)| !close(x, y)).count();
+    let largest = a
+        .iter()
+        .zip(&e)
+        .enumerate()
+        .filter(|(_, (x, y))| !close(**x, **y) && (**x - **y).is_finite())
+        .map(|(i, (x, y))| (i, (x - y).abs()))
+        .fold(None, |m: Option<(usize, f64)>, (i, d)| if m.is_some_and(|(_, b)| b >= d) { m } else { Some((i, d)) });
+    if differ > 1 {
+        msg += &format!("; {differ} of {} elements differ", a.len());
+        if let Some((i, d)) = largest.filter(|&(i, _)| i != first) {
+            msg += &format!(", the most at element {i}: {} != expected {} (|Δ| {d:.3e})", a[i], e[i]);
         }
     }
-    None
+    Some(msg)
 }
 
 /// Element `i` of an integer or bool tensor (4-bit and 2-bit ones included), exactly.
@@ -342,7 +359,28 @@ fn first_line(s: &str) -> &str {
 
 #[cfg(test)]
 mod tests {
-    use super::matches_filter;
+    use super::{compare, matches_filter};
+    use crate::tensor::Tensor;
+    use kiln_kernel_abi::DType;
+
+    fn f32s(v: &[f32]) -> Tensor {
+        Tensor::new(DType::F32, vec![v.len()], v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>().into())
+            .unwrap()
+    }
+
+    #[test]
+    fn a_float_mismatch_names_the_first_difference_the_count_and_the_largest() {
+        let want = f32s(&[1.0, 2.0, 3.0, 4.0, 5.0]);
+        assert_eq!(compare(&want, &want, 1e-3, 1e-7), None);
+        let one = f32s(&[1.0, 2.5, 3.0, 4.0, 5.0]);
+        assert_eq!(compare(&one, &want, 1e-3, 0.0).unwrap(), "element 1: 2.5 != expected 2 (rtol 0.001, atol 0)");
+        let three = f32s(&[1.0, 2.5, f32::NAN, 4.0, 1.0]);
+        assert_eq!(
+            compare(&three, &want, 1e-3, 0.0).unwrap(),
+            "element 1: 2.5 != expected 2 (rtol 0.001, atol 0); 3 of 5 elements differ, the most at element 4: 1 != \
+             expected 5 (|Δ| 4.000e0)"
+        );
+    }
 
     #[test]
     fn a_filter_matches_any_of_its_comma_separated_parts() {
