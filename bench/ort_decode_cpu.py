@@ -18,7 +18,8 @@ machine has onnxruntime, not its generate() API).
 - MatMulNBits computes as the folder says (the model builder's CPU int4 folders ask for
   `accuracy_level` 4: activations quantized to int8 where onnxruntime has the kernel).
 - onnxruntime: `intra_op_num_threads` N, `inter_op_num_threads` 1, graph optimizations all.
-- Prints ms per decode step (the steps after the prompt's), median over --runs generations.
+- Prints ms per decode step (the steps after the prompt's), median over --runs generations;
+  with ORT_DECODE_TOKENS set, each generation's greedy tokens too.
 """
 import argparse
 import json
@@ -38,7 +39,10 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--runs", type=int, default=3)
     a = ap.parse_args()
-    cfg = json.load(open(os.path.join(a.folder, "genai_config.json")))["model"]
+    if a.new_tokens < 2:
+        ap.error("--new-tokens must be at least 2 (the first comes from the prompt's step)")
+    genai = json.load(open(os.path.join(a.folder, "genai_config.json")))
+    cfg = genai["model"]
     dec = cfg["decoder"]
     so = ort.SessionOptions()
     so.intra_op_num_threads = a.threads
@@ -51,9 +55,7 @@ def main():
     np_dtype = np.float16 if "float16" in kv_dtype else np.float32
     names = [(ins[p] % i, outs[o] % i) for i in range(layers) for p, o in
              (("past_key_names", "present_key_names"), ("past_value_names", "present_value_names"))]
-    if a.new_tokens < 2:
-        ap.error("--new-tokens must be at least 2 (the first comes from the prompt's step)")
-    share = json.load(open(os.path.join(a.folder, "genai_config.json")))["search"].get("past_present_share_buffer", False)
+    share = genai["search"].get("past_present_share_buffer", False)
     max_len = a.prompt_len + a.new_tokens
     rng = np.random.default_rng(0)
 

@@ -209,21 +209,19 @@ pub fn compare(actual: &Tensor, expected: &Tensor, rtol: f64, atol: f64) -> Opti
             (x - y).abs() <= atol + rtol * y.abs()
         }
     };
-    let first = a.iter().zip(&e).position(|(&x, &y)| !close(x, y))?;
-    let (x, y) = (a[first], e[first]);
-    let mut msg = format!("element {first}: {x} != expected {y} (rtol {rtol}, atol {atol})");
-    // How far off the whole tensor is: the count of differing elements and the largest finite
-    // difference (a NaN or infinity against a number counts, but has no size).
-    let differ = a.iter().zip(&e).filter(|(&x, &y)| !close(x, y)).count();
-    let largest = a
-        .iter()
-        .zip(&e)
-        .enumerate()
-        .filter(|(_, (x, y))| !close(**x, **y) && (**x - **y).is_finite())
-        .map(|(i, (x, y))| (i, (x - y).abs()))
-        .fold(None, |m: Option<(usize, f64)>, (i, d)| if m.is_some_and(|(_, b)| b >= d) { m } else { Some((i, d)) });
-    if differ > 1 {
-        msg += &format!("; {differ} of {} elements differ", a.len());
+    let differ: Vec<usize> = (0..a.len()).filter(|&i| !close(a[i], e[i])).collect();
+    let &first = differ.first()?;
+    let mut msg = format!("element {first}: {} != expected {} (rtol {rtol}, atol {atol})", a[first], e[first]);
+    if differ.len() > 1 {
+        msg += &format!("; {} of {} elements differ", differ.len(), a.len());
+        // The largest finite difference, the first of equals (a NaN or infinity against a number
+        // differs, but has no size).
+        let largest = differ
+            .iter()
+            .map(|&i| (i, (a[i] - e[i]).abs()))
+            .filter(|(_, d)| d.is_finite())
+            .rev()
+            .max_by(|x, y| x.1.total_cmp(&y.1));
         if let Some((i, d)) = largest.filter(|&(i, _)| i != first) {
             msg += &format!(", the most at element {i}: {} != expected {} (|Δ| {d:.3e})", a[i], e[i]);
         }

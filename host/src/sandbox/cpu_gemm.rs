@@ -1,7 +1,7 @@
 //! The `gemm` import in `kiln_cpu` calls (ABI.md §4.7, manifest schema 8): computed at once on
 //! the call's host tensors with the `gemm` crate (its AVX2 / AVX-512 kernels chosen at run
-//! time; a product cut into tiles shared over the CPU threads, [`sgemm`]), so that a shim's matrix products never copy their operands into its
-//! memory. float16 and bfloat16 operands are widened to float32 and the result rounded once:
+//! time; a product cut into tiles shared over the CPU threads, [`sgemm`]), so that a shim's
+//! matrix products never copy their operands into its memory. float16 and bfloat16 operands are widened to float32 and the result rounded once:
 //! the products accumulate in f32, as cuBLASLt's do on the GPU.
 //!
 //! Threads: the CPU pool's ([`super::cpu_pool`]).
@@ -27,7 +27,7 @@ const TILE_EDGE: usize = 32;
 /// side alone is cut, so every tile packs its own part of the operand along that side and the
 /// whole short-side operand: the long side's operand is packed once in all, as one call packs it
 /// (cutting both sides packed each operand once per tile across: 64 tiles of a 1024³ product
-/// took 1.75× the time of the whole one on one thread, cuts of one side 0.97–1.03×). About
+/// took 1.75× the time of the whole one on one thread, cuts of one side 0.95–1.04×). About
 /// `m·n·k / TILE_MACS` tiles (at most [`MAX_TILES`]), each but the last at least [`TILE_EDGE`]
 /// wide. The tiles depend on the shape alone, not on the thread count.
 fn tiles(m: usize, n: usize, k: usize) -> (usize, usize) {
