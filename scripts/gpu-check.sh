@@ -32,7 +32,7 @@
 #   peers      PyTorch eager, CUDA graph and torch.compile on the same architecture
 #              (PEER_METHODS=graph leaves PyTorch eager out: about 45 s less)
 #   profile    ncu: GPU time of every kernel of one eager decode step (batch 1 and 8, cache of 384
-#              positions as in the bench rows)
+#              positions as in the bench rows) of the fp16 folder, or of PROFILE_MODEL (a folder path)
 #   prefill    ncu: GPU time by kernel of a batch-64 prefill (128-token prompts)
 #   ab         kiln bench decode (graphs on, batch 1 and 8, prompt 128 and 3840 of a 4096 cache; AB_PROMPTS
 #              and AB_MAX_LENGTH change them) with
@@ -213,7 +213,7 @@ for w in glob.glob(".gpu/python/*.whl"):
   profile)
     for b in 1 8; do
       ncu --cache-control none --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
-        --launch-skip 1300 --launch-count 460 "$KILN" bench decode "$m" --batch $b \
+        --launch-skip 1300 --launch-count 460 "$KILN" bench decode "${PROFILE_MODEL:-$m}" --batch $b \
         --graph off --runs 1 --new-tokens 8 --max-length 384 >"$work/ncu-b$b.csv" 2>"$work/ncu-b$b.err"
     done
     tar -C "$work" -cf "$out/ncu.tar" ncu-b1.csv ncu-b8.csv

@@ -1186,6 +1186,49 @@ fn run_kiln_op_on_cpu_and_gpu(
     (want, got)
 }
 
+/// ArgMax and ArgMin over few long rows (kiln-reduce's `kiln_arg_rows_split`: a row's eight
+/// slices in eight blocks, one thread block cluster on compute capability 9.0) give the planted
+/// index and the CPU's: float32, float16 and bfloat16; 1, 8 and 64 rows (65 take one block per
+/// row); 49,152 elements (a logits row) and 50,257 (rows off the 16-byte vector, scanned element
+/// by element); the extreme twice in different slices (first index, or the last with
+/// `select_last_index`); a row with NaN in two slices (the first NaN, or the last, wins).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn arg_max_and_min_over_long_rows_match_the_cpu() {
+    use kiln_tests::onnx::{attr_int, node};
+    let mut r = kiln_tests::Rng(0xa26);
+    let mut cases = 0;
+    for (code, rows, n) in [(1i64, 1usize, 49152usize), (10, 8, 49152), (16, 1, 50257), (10, 64, 50257), (1, 65, 20000)]
+    {
+        for (op, last) in [("ArgMax", 0i64), ("ArgMin", 1)] {
+            let sign = if op == "ArgMax" { 1.0 } else { -1.0 };
+            let mut x: Vec<f32> =
+                (0..rows * n).map(|_| ((r.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).collect();
+            let mut want = Vec::with_capacity(rows);
+            for row in 0..rows {
+                // Two equal extremes in different eighths of the row, or two NaNs for row 2.
+                let a = r.range(0, n / 8 * 3);
+                let b = r.range(n / 8 * 5, n - 1);
+                let v = if row == 2 { f32::NAN } else { 2.0 * sign };
+                x[row * n + a] = v;
+                x[row * n + b] = v;
+                want.push(if last == 1 { b } else { a } as i64);
+            }
+            let feeds = vec![("x".to_string(), kiln_tests::f32_tensor(&[rows, n], &x))];
+            let nodes = vec![
+                node("Cast", &["x"], &["xc"], vec![attr_int("to", code)]),
+                node(op, &["xc"], &["y"], vec![attr_int("axis", -1), attr_int("select_last_index", last)]),
+            ];
+            let (cpu, gpu) = run_kiln_op_on_cpu_and_gpu(nodes, &["y"], feeds, vec![]);
+            let (cpu, gpu) = (cpu[0].1.to_i64().unwrap(), gpu[0].1.to_i64().unwrap());
+            assert_eq!(cpu, want, "{op} dtype {code}, [{rows}, {n}]: the CPU against the planted indices");
+            assert_eq!(gpu, want, "{op} dtype {code}, [{rows}, {n}]: the GPU against the planted indices");
+            cases += 1;
+        }
+    }
+    assert_eq!(cases, 10);
+}
+
 /// kiln-matmul's `ai.kiln::Linear`, `RmsNormLinear` and `SwiGluLinear` on the GPU against their
 /// CPU reference (f64, A rounded to the dtype, then Y rounded once), on random shapes: 1 to 4
 /// rows (the CUDA-core GEMV for 1 row and float32; the tensor-core GEMV for 2 to 16 rows of

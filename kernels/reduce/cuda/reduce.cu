@@ -326,6 +326,8 @@ extern "C" __global__ void kiln_reduce_copy(const unsigned char* x, unsigned cha
 //   1,024 threads), else element by element; then warp shuffles merge (value, index) pairs
 //   within each warp and across the warps. The pairs' order is total (arg_better), so the
 //   result does not depend on the order they meet in.
+// - kiln_arg_rows_split<Tag>: the same over a row cut into ARG_SPLIT slices, one block each,
+//   merged through a thread block cluster (below).
 // - kiln_arg_strided<Tag>: inner > 1; one thread per output (grid-stride), scanning n.
 template <typename M>
 __device__ __forceinline__ bool arg_better(M v, long long i, M best, long long bi, unsigned is_min, unsigned last) {
@@ -350,55 +352,72 @@ __device__ __forceinline__ void arg_warp(M& best, long long& bi, unsigned is_min
     });
 }
 
+// One thread's best (value, index) pair over the elements [lo, hi) of row `xr` of n elements:
+// over a 16-byte aligned row as 16-byte vectors (lo a multiple of a vector's elements), ARG_UNROLL
+// of them in flight, strided by the block; the rest element by element.
+template <typename Tag, typename T = typename Tag::storage, typename M = typename RT<Tag>::M>
+__device__ __forceinline__ void arg_scan(const T* xr, kiln_u64 lo, kiln_u64 hi, unsigned is_min, unsigned last, M& best,
+                                         long long& bi) {
+    const unsigned VE = 16 / sizeof(T);  // elements per 16-byte vector (every T's size divides 16)
+    best = RT<Tag>::lowest();
+    bi = -1;
+    const auto take = [&](M v, kiln_u64 j) {
+        if (arg_better(v, (long long)j, best, bi, is_min, last)) {
+            best = v;
+            bi = (long long)j;
+        }
+    };
+    const kiln_u64 v0 = lo / VE, nv = kiln_aligned(xr, 16) ? (hi - lo) / VE : 0;
+    const uint4* xv = (const uint4*)xr + v0;
+    for (kiln_u64 c0 = threadIdx.x; c0 < nv; c0 += (kiln_u64)blockDim.x * ARG_UNROLL) {
+        uint4 raw[ARG_UNROLL];
+#pragma unroll
+        for (int u = 0; u < ARG_UNROLL; ++u) {
+            const kiln_u64 c = c0 + (kiln_u64)u * blockDim.x;
+            raw[u] = c < nv ? xv[c] : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < ARG_UNROLL; ++u) {
+            const kiln_u64 c = c0 + (kiln_u64)u * blockDim.x;
+            if (c >= nv) break;
+            const T* e = (const T*)&raw[u];
+            for (unsigned k = 0; k < VE; ++k) take(RT<Tag>::ld(e[k]), (v0 + c) * VE + k);
+        }
+    }
+    for (kiln_u64 j = lo + nv * VE + threadIdx.x; j < hi; j += blockDim.x) take(RT<Tag>::ld(xr[j]), j);
+}
+
+// Merges every thread's pair into warp 0's (every lane of warp 0 gets the block's pair). Every
+// thread of the block calls it; `s_v` and `s_i` hold 32 pairs, reusable at once after it.
+template <typename M>
+__device__ __forceinline__ void arg_block(M& best, long long& bi, M* s_v, long long* s_i, M lowest, unsigned is_min,
+                                          unsigned last) {
+    arg_warp(best, bi, is_min, last);
+    const unsigned warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+    __syncthreads();  // the previous merge's pairs are read
+    if (lane == 0) {
+        s_v[threadIdx.x >> 5] = best;
+        s_i[threadIdx.x >> 5] = bi;
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        best = lane < warps ? s_v[lane] : lowest;
+        bi = lane < warps ? s_i[lane] : -1;
+        arg_warp(best, bi, is_min, last);
+    }
+}
+
 template <typename Tag, typename T = typename Tag::storage>
 __device__ void arg_rows(const T* x, long long* y, kiln_u64 rows, kiln_u64 n, unsigned is_min, unsigned last) {
     typedef typename RT<Tag>::M M;
-    const unsigned VE = 16 / sizeof(T);  // elements per 16-byte vector (every T's size divides 16)
     __shared__ M s_v[32];
     __shared__ long long s_i[32];
     for (kiln_u64 row = blockIdx.x; row < rows; row += gridDim.x) {
-        const T* xr = x + row * n;
-        M best = RT<Tag>::lowest();
-        long long bi = -1;
-        const auto take = [&](M v, kiln_u64 j) {
-            if (arg_better(v, (long long)j, best, bi, is_min, last)) {
-                best = v;
-                bi = (long long)j;
-            }
-        };
-        // Vectors over an aligned row, then its tail element by element.
-        const kiln_u64 nv = kiln_aligned(xr, 16) ? n / VE : 0;
-        const uint4* xv = (const uint4*)xr;
-        for (kiln_u64 c0 = threadIdx.x; c0 < nv; c0 += (kiln_u64)blockDim.x * ARG_UNROLL) {
-            uint4 raw[ARG_UNROLL];
-#pragma unroll
-            for (int u = 0; u < ARG_UNROLL; ++u) {
-                const kiln_u64 c = c0 + (kiln_u64)u * blockDim.x;
-                raw[u] = c < nv ? xv[c] : make_uint4(0, 0, 0, 0);
-            }
-#pragma unroll
-            for (int u = 0; u < ARG_UNROLL; ++u) {
-                const kiln_u64 c = c0 + (kiln_u64)u * blockDim.x;
-                if (c >= nv) break;
-                const T* e = (const T*)&raw[u];
-                for (unsigned k = 0; k < VE; ++k) take(RT<Tag>::ld(e[k]), c * VE + k);
-            }
-        }
-        for (kiln_u64 j = nv * VE + threadIdx.x; j < n; j += blockDim.x) take(RT<Tag>::ld(xr[j]), j);
-        arg_warp(best, bi, is_min, last);
-        const unsigned warps = blockDim.x >> 5, lane = threadIdx.x & 31;
-        __syncthreads();  // the previous row's pairs are read
-        if (lane == 0) {
-            s_v[threadIdx.x >> 5] = best;
-            s_i[threadIdx.x >> 5] = bi;
-        }
-        __syncthreads();
-        if (threadIdx.x < 32) {
-            best = lane < warps ? s_v[lane] : RT<Tag>::lowest();
-            bi = lane < warps ? s_i[lane] : -1;
-            arg_warp(best, bi, is_min, last);
-            if (lane == 0) y[row] = bi < 0 ? 0 : bi;
-        }
+        M best;
+        long long bi;
+        arg_scan<Tag>(x + row * n, 0, n, is_min, last, best, bi);
+        arg_block(best, bi, s_v, s_i, RT<Tag>::lowest(), is_min, last);
+        if (threadIdx.x == 0) y[row] = bi < 0 ? 0 : bi;
     }
 }
 
@@ -426,6 +445,76 @@ template <typename Tag>
 __global__ void __launch_bounds__(1024) kiln_arg_rows(const typename Tag::storage* x, long long* y, kiln_u64 rows,
                                                       kiln_u64 n, unsigned is_min, unsigned last) {
     arg_rows<Tag>(x, y, rows, n, is_min, last);
+}
+
+// kiln_arg_rows_split<Tag>: inner == 1, one row per ARG_SPLIT blocks (grid rows · ARG_SPLIT),
+// for few long rows (a decode step's logits: one block of one SM took 11 µs over 49,152 values on
+// an H100). Block r of a row scans its r-th slice (a multiple of 16 bytes of elements); on compute
+// capability 9.0 and later the row's blocks are one thread block cluster, and block 0 merges the
+// others' pairs from their shared memory (PTX ISA: mapa, generic addressing) after a cluster
+// barrier. Before 9.0 the row's block 0 scans the whole row and the others return.
+#define ARG_SPLIT 8
+#if __CUDA_ARCH__ >= 900
+#define KILN_ARG_CLUSTER_DIMS __cluster_dims__(ARG_SPLIT, 1, 1)
+#else
+#define KILN_ARG_CLUSTER_DIMS
+#endif
+
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void arg_cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// `p` (in this block's shared memory) at the same place in cluster block `rank`, as a generic address.
+template <typename T>
+__device__ __forceinline__ const T* arg_cluster_ptr(const T* p, unsigned rank) {
+    unsigned long long remote;
+    asm volatile("mapa.u64 %0, %1, %2;" : "=l"(remote) : "l"(p), "r"(rank));
+    return (const T*)remote;
+}
+#endif
+
+template <typename Tag>
+__global__ void KILN_ARG_CLUSTER_DIMS __launch_bounds__(1024)
+    kiln_arg_rows_split(const typename Tag::storage* x, long long* y, kiln_u64 rows, kiln_u64 n, unsigned is_min,
+                        unsigned last) {
+    typedef typename Tag::storage T;
+    typedef typename RT<Tag>::M M;
+    __shared__ M s_v[32];
+    __shared__ long long s_i[32];
+    const kiln_u64 row = blockIdx.x / ARG_SPLIT;
+    const unsigned rank = blockIdx.x % ARG_SPLIT;
+    M best;
+    long long bi;
+#if __CUDA_ARCH__ >= 900
+    const unsigned VE = 16 / sizeof(T);
+    const kiln_u64 slice = (n + ARG_SPLIT * VE - 1) / (ARG_SPLIT * VE) * VE;
+    const kiln_u64 lo = min(n, rank * slice), hi = min(n, lo + slice);
+    best = RT<Tag>::lowest();
+    bi = -1;
+    if (row < rows) arg_scan<Tag>(x + row * n, lo, hi, is_min, last, best, bi);
+    arg_block(best, bi, s_v, s_i, RT<Tag>::lowest(), is_min, last);
+    __shared__ M c_v;
+    __shared__ long long c_i;
+    if (threadIdx.x == 0) {
+        c_v = best;
+        c_i = bi;
+    }
+    arg_cluster_sync();  // every block's pair is in its shared memory
+    if (rank == 0 && threadIdx.x < 32) {
+        const unsigned lane = threadIdx.x;
+        best = lane < ARG_SPLIT ? *arg_cluster_ptr(&c_v, lane) : RT<Tag>::lowest();
+        bi = lane < ARG_SPLIT ? *arg_cluster_ptr(&c_i, lane) : -1;
+        arg_warp(best, bi, is_min, last);
+        if (lane == 0 && row < rows) y[row] = bi < 0 ? 0 : bi;
+    }
+    arg_cluster_sync();  // block 0 has read every block's pair before any block exits
+#else
+    if (rank != 0 || row >= rows) return;
+    arg_scan<Tag>(x + row * n, 0, n, is_min, last, best, bi);
+    arg_block(best, bi, s_v, s_i, RT<Tag>::lowest(), is_min, last);
+    if (threadIdx.x == 0) y[row] = bi < 0 ? 0 : bi;
+#endif
 }
 
 template <typename Tag>

@@ -112,11 +112,20 @@ pub fn cpu(call: &Call) -> Result<()> {
     call.output(0)?.write_vec(&out)
 }
 
+/// Blocks per row of `kiln_arg_rows_split` (reduce.cu's ARG_SPLIT: a thread block cluster on
+/// compute capability 9.0).
+const SPLIT: u64 = 8;
+/// Rows at least this long, and at most [`SPLIT_MAX_ROWS`] of them, take `kiln_arg_rows_split`:
+/// one block per row leaves most SMs idle, and each of a row's blocks scans 2,048 elements or more.
+const SPLIT_MIN_N: usize = 16384;
+const SPLIT_MAX_ROWS: u64 = 64;
+
 pub fn dispatch(call: &Call) -> Result<()> {
     let p = plan(call)?;
     let x = call.input(0)?;
-    let tag = super::kernel_tag(call, x.dtype()?)?;
-    if x.dtype()? == DType::Bool {
+    let dtype = x.dtype()?;
+    let tag = super::kernel_tag(call, dtype)?;
+    if dtype == DType::Bool {
         unsupported!("{}: bool input", call.op_type());
     }
     let y = call.output(0)?;
@@ -126,6 +135,19 @@ pub fn dispatch(call: &Call) -> Result<()> {
     }
     let flags = [KernelArg::U32(p.is_min as u32), KernelArg::U32(p.last as u32)];
     let (x, y) = (super::tensor(x.handle()), super::tensor(y.handle()));
+    let float = matches!(dtype, DType::F32 | DType::F16 | DType::BF16);
+    if p.inner == 1 && p.n >= SPLIT_MIN_N && n_out <= SPLIT_MAX_ROWS && float {
+        // Few long rows (a decode step's logits): each row over SPLIT blocks (reduce.cu).
+        let mut args = vec![x, y, KernelArg::U64(n_out), KernelArg::U64(p.n as u64)];
+        args.extend(flags);
+        return launch(&Launch {
+            kernel: &names::kernel_name("kiln_arg_rows_split", &[tag]),
+            grid: [(n_out * SPLIT) as u32, 1, 1],
+            block: [512, 1, 1],
+            shared_mem_bytes: 0,
+            args,
+        });
+    }
     if p.inner == 1 {
         let threads = if p.n >= 8192 {
             1024
