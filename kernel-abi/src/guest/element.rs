@@ -18,6 +18,11 @@ pub struct Bool(pub bool);
 pub trait Element: Copy + Default + PartialOrd + 'static {
     const DTYPE: DType;
     const SIZE: usize;
+    /// Every `SIZE`-byte pattern is a value, held in memory as its `SIZE` bytes (no padding):
+    /// the integers and floats, not [`Bool`]. On a little-endian target (Wasm) such elements are
+    /// their tensor bytes as they lie, so [`decode`], [`encode`] and the tensor reads and writes
+    /// copy them whole instead of element by element.
+    const PLAIN: bool = false;
     fn from_le(b: &[u8]) -> Self;
     fn write_le(self, out: &mut [u8]);
     fn to_f64(self) -> f64;
@@ -31,6 +36,7 @@ macro_rules! int_element {
         impl Element for $t {
             const DTYPE: DType = $dt;
             const SIZE: usize = core::mem::size_of::<$t>();
+            const PLAIN: bool = true;
             #[inline]
             fn from_le(b: &[u8]) -> Self {
                 let mut a = [0u8; core::mem::size_of::<$t>()];
@@ -75,6 +81,7 @@ macro_rules! float_element {
         impl Element for $t {
             const DTYPE: DType = $dt;
             const SIZE: usize = core::mem::size_of::<$t>();
+            const PLAIN: bool = true;
             #[inline]
             fn from_le(b: &[u8]) -> Self {
                 let mut a = [0u8; core::mem::size_of::<$t>()];
@@ -236,15 +243,49 @@ macro_rules! with_dtype {
     }};
 }
 
-/// Decodes little-endian bytes of `T` elements.
+/// Whether `T`'s elements are their little-endian tensor bytes as they lie in memory.
+#[inline]
+const fn as_laid<T: Element>() -> bool {
+    T::PLAIN && cfg!(target_endian = "little")
+}
+
+/// The bytes of `values` as they lie, where those are their little-endian tensor bytes
+/// ([`Element::PLAIN`] on a little-endian target); `None` otherwise.
+#[inline]
+pub fn laid_bytes<T: Element>(values: &[T]) -> Option<&[u8]> {
+    // SAFETY: a plain T is SIZE bytes without padding, so the slice's memory is
+    // `len · SIZE` initialized bytes, borrowed as long as `values`.
+    as_laid::<T>()
+        .then(|| unsafe { core::slice::from_raw_parts(values.as_ptr() as *const u8, core::mem::size_of_val(values)) })
+}
+
+/// The bytes of `values` as they lie, to write elements into, under [`laid_bytes`]'s condition.
+#[inline]
+pub fn laid_bytes_mut<T: Element>(values: &mut [T]) -> Option<&mut [u8]> {
+    // SAFETY: as `laid_bytes`; any bytes written make valid plain T elements.
+    as_laid::<T>().then(|| unsafe {
+        core::slice::from_raw_parts_mut(values.as_mut_ptr() as *mut u8, core::mem::size_of_val(values))
+    })
+}
+
+/// Decodes little-endian bytes of `T` elements (a trailing part of an element is ignored).
 #[inline]
 pub fn decode<T: Element>(bytes: &[u8]) -> Vec<T> {
-    bytes.chunks_exact(T::SIZE).map(T::from_le).collect()
+    let n = bytes.len() / T::SIZE;
+    let mut out = alloc::vec![T::default(); n];
+    match laid_bytes_mut(&mut out) {
+        Some(dst) => dst.copy_from_slice(&bytes[..n * T::SIZE]),
+        None => out.iter_mut().zip(bytes.chunks_exact(T::SIZE)).for_each(|(o, b)| *o = T::from_le(b)),
+    }
+    out
 }
 
 /// Encodes `T` elements as little-endian bytes.
 #[inline]
 pub fn encode<T: Element>(values: &[T]) -> Vec<u8> {
+    if let Some(bytes) = laid_bytes(values) {
+        return bytes.to_vec();
+    }
     let mut out = alloc::vec![0u8; values.len() * T::SIZE];
     for (v, o) in values.iter().zip(out.chunks_exact_mut(T::SIZE)) {
         v.write_le(o);

@@ -355,6 +355,9 @@ impl<'c, 'a> Tensor<'c, 'a> {
 
     /// Reads the tensor converted to `T` (any numeric dtype; bool as 0/1).
     pub fn read_vec<T: Element>(&self) -> Result<Vec<T>> {
+        if self.dtype()? == T::DTYPE && T::PLAIN {
+            return self.read_vec_range(0, usize::MAX);
+        }
         self.decode::<T>(&self.read_bytes()?)
     }
 
@@ -369,6 +372,16 @@ impl<'c, 'a> Tensor<'c, 'a> {
     pub fn read_vec_range<T: Element>(&self, start: usize, count: usize) -> Result<Vec<T>> {
         let dtype = self.dtype()?;
         let size = dtype.size().ok_or_else(|| ShimError::Unsupported(format!("reading {dtype} elements")))?;
+        if dtype == T::DTYPE && T::PLAIN {
+            // Straight into the elements' memory: no byte buffer, no conversion.
+            let n = (self.nbytes()? / size).saturating_sub(start).min(count);
+            let mut out = vec![T::default(); n];
+            if let Some(bytes) = element::laid_bytes_mut(&mut out).filter(|b| !b.is_empty()) {
+                host::read(self.desc.handle, (start * size) as u64, bytes)
+                    .map_err(|c| ShimError::Failed(format!("reading {}: host refused ({c})", self.what())))?;
+                return Ok(out);
+            }
+        }
         element::decode_as::<T>(dtype, &self.read_bytes_range(start.saturating_mul(size), count.saturating_mul(size))?)
     }
 
@@ -397,7 +410,7 @@ impl<'c, 'a> Tensor<'c, 'a> {
 
     /// Writes `values` converted to this tensor's dtype.
     pub fn write_vec<T: Element>(&self, values: &[T]) -> Result<()> {
-        self.write_bytes(&element::encode_as(self.dtype()?, values)?)
+        self.write_vec_at(0, values)
     }
 
     /// The elements of a string tensor (ABI.md §6, [`crate::strings`]): inline for a value
@@ -437,11 +450,18 @@ impl<'c, 'a> Tensor<'c, 'a> {
     }
 
     /// Writes `values` converted to this tensor's dtype from element `start` on (a tile's
-    /// share, ABI.md §6.1.2). Errors: a packed dtype (whose elements share bytes).
+    /// share, ABI.md §6.1.2). Errors: a packed dtype past element 0 (its elements share bytes).
     pub fn write_vec_at<T: Element>(&self, start: usize, values: &[T]) -> Result<()> {
         let dtype = self.dtype()?;
+        if let Some(bytes) = element::laid_bytes(values).filter(|_| dtype == T::DTYPE) {
+            // The elements' own memory: no byte buffer, no conversion.
+            return self.write_bytes_at(start as u64 * T::SIZE as u64, bytes);
+        }
+        if start == 0 {
+            return self.write_bytes(&element::encode_as(dtype, values)?);
+        }
         let size =
             dtype.size().ok_or_else(|| ShimError::Unsupported(format!("writing {dtype} elements at an offset")))?;
-        self.write_bytes_at((start * size) as u64, &element::encode_as(dtype, values)?)
+        self.write_bytes_at(start as u64 * size as u64, &element::encode_as(dtype, values)?)
     }
 }
