@@ -3,10 +3,10 @@
 //! through the CPU GEMM of [`super::cpu_gemm`]. float16 and bfloat16 are widened to f32 and Y
 //! rounded once. A 1×…×1 kernel with unit strides and no padding multiplies X itself.
 
-use kiln_kernel_abi::wire::{Conv, TensorAt};
+use kiln_kernel_abi::wire::{Conv, Epilogue, TensorAt};
 use rayon::prelude::*;
 
-use super::cpu_gemm::{epilogue, f32_view, operand_bytes, sgemm, store, with_output};
+use super::cpu_gemm::{epilogue, f32_view, operand_bytes, sgemm, store, with_output, Finish};
 use super::cpu_pool::on_pool;
 use super::handles::Slot;
 
@@ -99,25 +99,29 @@ fn compute(slots: &[Slot], c: &Conv, y: &mut [u8]) -> Result<(), String> {
         buffer.resize(total, 0.0);
         &mut buffer
     };
+    // Bias, Z and the activation on a piece of Y's output row `row` (an output channel of a
+    // batch entry) from position `at`.
+    let finish = |row: usize, at: usize, o: &mut [f32]| {
+        if let Some(b) = &bias {
+            let v = b[row % mout];
+            o.iter_mut().for_each(|x| *x += v);
+        }
+        if let Some(z) = &z {
+            o.iter_mut().zip(&z[row * g.out_n + at..]).for_each(|(x, v)| *x += v);
+        }
+        epilogue(c.epilogue, o);
+    };
+    let plain = bias.is_none() && z.is_none() && c.epilogue == Epilogue::None;
     if c.transposed {
         out.iter_mut().for_each(|v| *v = 0.0);
         transposed(&g, &x, &w, out)?;
+        if !plain {
+            on_pool(|| out.par_chunks_mut(g.out_n.max(1)).enumerate().for_each(|(row, o)| finish(row, 0, o)));
+        }
     } else {
-        forward(&g, &x, &w, out)?;
+        // Each tile of each product finishes its rows while they are in cache.
+        forward(&g, &x, &w, out, (!plain).then_some(&finish))?;
     }
-    let rows = g.out_n.max(1);
-    on_pool(|| {
-        out.par_chunks_mut(rows).enumerate().for_each(|(row, o)| {
-            if let Some(b) = &bias {
-                let v = b[row % mout];
-                o.iter_mut().for_each(|x| *x += v);
-            }
-            if let Some(z) = &z {
-                o.iter_mut().zip(&z[row * rows..]).for_each(|(x, v)| *x += v);
-            }
-            epilogue(c.epilogue, o);
-        })
-    });
     if !direct {
         store(c.dtype, &buffer, y);
     }
@@ -132,8 +136,10 @@ fn pointwise(g: &Geom) -> bool {
         && g.input == g.output
 }
 
-/// Conv: per batch entry and group, Y_g [mg × out] = W_g [mg × cg·taps] · col [cg·taps × out].
-fn forward(g: &Geom, x: &[f32], w: &[f32], y: &mut [f32]) -> Result<(), String> {
+/// Conv: per batch entry and group, Y_g [mg × out] = W_g [mg × cg·taps] · col [cg·taps × out],
+/// then `finish(row, at, piece)` on each piece of Y's rows (row: batch entry · channels +
+/// channel; at: its first output position) as its tile is computed.
+fn forward(g: &Geom, x: &[f32], w: &[f32], y: &mut [f32], finish: Finish) -> Result<(), String> {
     let k = g.cg * g.taps;
     let last = *g.output.last().unwrap_or(&1);
     // Output rows (positions of every axis but the last) per slice.
@@ -153,7 +159,7 @@ fn forward(g: &Geom, x: &[f32], w: &[f32], y: &mut [f32]) -> Result<(), String> 
                 ));
             }
         }
-        forward_with(g, x, w, y, k, last, rows_total, rows_per_slice, &mut col);
+        forward_with(g, x, w, y, k, last, rows_total, rows_per_slice, &mut col, finish);
         Ok(())
     })();
     // A rare huge buffer is not kept for the thread's later convolutions.
@@ -182,13 +188,24 @@ fn forward_with(
     rows_total: usize,
     rows_per_slice: usize,
     col: &mut Vec<f32>,
+    finish: Finish,
 ) {
     for n in 0..g.batch {
         for grp in 0..g.groups {
             let xg = &x[(n * g.groups + grp) * g.cg * g.in_n..][..g.cg * g.in_n];
             let wg = &w[grp * g.mg * k..][..g.mg * k];
             let yg = &mut y[(n * g.groups + grp) * g.mg * g.out_n..][..g.mg * g.out_n];
+            // Y's rows of this batch entry and group, the product's columns from `first`.
+            let row0 = (n * g.groups + grp) * g.mg;
+            let piece = |first: usize| {
+                move |i: usize, j0: usize, o: &mut [f32]| {
+                    if let Some(f) = finish {
+                        f(row0 + i, first + j0, o)
+                    }
+                }
+            };
             if pointwise(g) {
+                let finish_tile = piece(0);
                 // SAFETY: W_g is mg × cg, X_g cg × out, Y_g mg × out, all row-major and disjoint.
                 unsafe {
                     sgemm(
@@ -197,6 +214,7 @@ fn forward_with(
                         (wg.as_ptr(), g.cg as isize, 1),
                         (xg.as_ptr(), g.out_n as isize, 1),
                         (0.0, 1.0),
+                        finish.and(Some(&finish_tile)),
                     )
                 };
                 continue;
@@ -213,6 +231,7 @@ fn forward_with(
                         im2col_row(g, &xg[ch * g.in_n..][..g.in_n], tap, r0..r1, dst);
                     })
                 });
+                let finish_tile = piece(r0 * last);
                 // SAFETY: W_g is mg × k, col k × cols, and Y_g's columns r0·last.. with row stride
                 // out_n hold mg × cols; col and Y_g are distinct buffers.
                 unsafe {
@@ -222,6 +241,7 @@ fn forward_with(
                         (wg.as_ptr(), k as isize, 1),
                         (col.as_ptr(), cols as isize, 1),
                         (0.0, 1.0),
+                        finish.and(Some(&finish_tile)),
                     )
                 };
                 r0 = r1;
@@ -312,6 +332,7 @@ fn transposed(g: &Geom, x: &[f32], w: &[f32], y: &mut [f32]) -> Result<(), Strin
                     (wg.as_ptr(), 1, rows as isize),
                     (xg.as_ptr(), g.in_n as isize, 1),
                     (0.0, 1.0),
+                    None,
                 )
             };
             let yg = &mut y[(n * g.groups + grp) * g.mg * g.out_n..][..g.mg * g.out_n];

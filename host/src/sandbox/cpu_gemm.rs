@@ -42,9 +42,15 @@ fn tiles(m: usize, n: usize, k: usize) -> (usize, usize) {
     }
 }
 
+/// What each row of a tile of [`sgemm`] gets right after the tile's product, while it is in
+/// cache (bias, residual, activation): `finish(i, j0, row)` with `row` the tile's columns
+/// `j0..j0 + row.len()` of dst's row `i`.
+pub(super) type Finish<'a> = Option<&'a (dyn Fn(usize, usize, &mut [f32]) + Sync)>;
+
 /// `dst = keep·dst + scale·lhs·rhs` (`dst` m × n with row stride `dst.1`, read only when
 /// `dst.2`; operands as (pointer, row stride, column stride) in elements), in the tiles of
-/// [`tiles`], shared out over the CPU pool; each tile is one single-threaded `gemm` call.
+/// [`tiles`], shared out over the CPU pool; each tile is one single-threaded `gemm` call, then
+/// `finish` over its rows.
 ///
 /// # Safety
 /// Every element the strides reach over m × k (lhs), k × n (rhs) and m × n (dst) must be inside
@@ -55,6 +61,7 @@ pub(super) unsafe fn sgemm(
     lhs: (*const f32, isize, isize),
     rhs: (*const f32, isize, isize),
     (keep, scale): (f32, f32),
+    finish: Finish,
 ) {
     if m == 0 || n == 0 {
         return;
@@ -90,7 +97,12 @@ pub(super) unsafe fn sgemm(
                 false,
                 false,
                 gemm::Parallelism::None,
-            )
+            );
+            if let Some(f) = finish {
+                for i in i0..i0 + mh {
+                    f(i, j0, std::slice::from_raw_parts_mut((d as *mut f32).offset(i as isize * dst.1 + j0 as isize), nh));
+                }
+            }
         }
     };
     let count = rows * cols;
@@ -199,6 +211,15 @@ fn compute(slots: &[Slot], d_before: Option<&[u8]>, g: &Gemm, size: u64, d: &mut
         // SAFETY: `Matrix::new` checked that every element these strides reach, over m × k and
         // k × n, lies in the operand's data; the caller gives `dst` m rows of n at stride rs; D
         // is no operand (one that shares its tensor reads the copy made before).
+        let finish = |_: usize, j0: usize, row: &mut [f32]| {
+            if let Some(bias) = &bias {
+                for (j, t) in row.iter_mut().enumerate() {
+                    *t += bias.at(0, 0, j0 + j);
+                }
+            }
+            epilogue(g.epilogue, row);
+        };
+        let finish: Finish = (bias.is_some() || g.epilogue != Epilogue::None).then_some(&finish);
         unsafe {
             sgemm(
                 (m, n, k),
@@ -206,17 +227,9 @@ fn compute(slots: &[Slot], d_before: Option<&[u8]>, g: &Gemm, size: u64, d: &mut
                 (lhs.as_ptr(), lhs_rs, lhs_cs),
                 (rhs.as_ptr(), rhs_rs, rhs_cs),
                 (g.beta, g.alpha),
+                finish,
             )
         };
-        for i in 0..m {
-            let row = &mut dst[i * rs..i * rs + n];
-            if let Some(bias) = &bias {
-                for (j, t) in row.iter_mut().enumerate() {
-                    *t += bias.at(0, 0, j);
-                }
-            }
-            epilogue(g.epilogue, row);
-        }
     };
     // SAFETY: every bit pattern is an f32; only an aligned middle part is used.
     match unsafe { d.align_to_mut::<f32>() } {

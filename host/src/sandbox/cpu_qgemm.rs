@@ -233,6 +233,7 @@ fn dequantized_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f3
                 (a.as_ptr(), w.k as isize, 1),
                 (tile.as_ptr(), 1, padded as isize),
                 (0.0, 1.0),
+                None,
             )
         };
     }
