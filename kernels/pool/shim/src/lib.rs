@@ -407,38 +407,33 @@ impl Plan {
         out
     }
 
-    /// The outputs `units` when every window is its whole plane (GlobalAveragePool, GlobalMaxPool,
-    /// or a kernel as large as the unpadded input) and no indices are asked for: Average and Max
-    /// over each plane as one contiguous run, the values and their order as [`Plan::pool`] takes
-    /// them (a sum in f64 in input order; the first tap, then each larger one). `None` for any
-    /// other geometry, Lp, or an empty plane.
-    fn whole_planes(
-        &self,
-        x: &[f64],
-        first_plane: usize,
-        units: core::ops::Range<usize>,
-        indices: bool,
-    ) -> Option<Vec<f64>> {
-        let spatial: usize = self.input.iter().product();
-        let whole = self.kernel == self.input
+    /// Whether every window is its whole plane (GlobalAveragePool, GlobalMaxPool, or a kernel as
+    /// large as the unpadded input) for Average or Max without indices: [`Plan::whole_planes`].
+    fn is_whole(&self, indices: bool) -> bool {
+        self.kernel == self.input
             && self.output.iter().all(|&o| o == 1)
             && self.dilations.iter().all(|&d| d == 1)
-            && self.begin.iter().chain(&self.end).all(|&b| b == 0);
-        if !whole || indices || spatial == 0 || self.kind == Kind::Lp {
-            return None;
-        }
-        let planes = x.chunks_exact(spatial);
-        Some(
-            planes
-                .skip(units.start - first_plane)
-                .take(units.len())
-                .map(|v| match self.kind {
-                    Kind::Max => v[1..].iter().fold(v[0], |best, &t| if t > best { t } else { best }),
-                    // From +0 as `pool` sums (`Iterator::sum` starts from −0).
-                    _ => v.iter().fold(0f64, |sum, &t| sum + t) / spatial as f64,
-                })
-                .collect(),
-        )
+            && self.begin.iter().chain(&self.end).all(|&b| b == 0)
+            && !indices
+            && self.input.iter().product::<usize>() > 0
+            && self.kind != Kind::Lp
+    }
+
+    /// The outputs `units` of an [`Plan::is_whole`] geometry from `x` (the planes from
+    /// `first_plane` on, in the input's own type): Average and Max over each plane as one
+    /// contiguous run, the values and their order as [`Plan::pool`] takes them (a sum in f64 in
+    /// input order; the first tap, then each larger one).
+    fn whole_planes<T: Element>(&self, x: &[T], first_plane: usize, units: core::ops::Range<usize>) -> Vec<f64> {
+        let spatial: usize = self.input.iter().product();
+        x.chunks_exact(spatial)
+            .skip(units.start - first_plane)
+            .take(units.len())
+            .map(|v| match self.kind {
+                Kind::Max => v[1..].iter().fold(v[0], |best, &t| if t > best { t } else { best }).to_f64(),
+                // From +0 as `pool` sums (`Iterator::sum` starts from −0).
+                _ => v.iter().fold(0f64, |sum, &t| sum + t.to_f64()) / spatial as f64,
+            })
+            .collect()
     }
 
     /// Output `o` (row-major over the spatial output) of plane `plane` from `x`, which holds the
@@ -548,10 +543,16 @@ impl Shim for Pool {
             let start = units.start;
             return call.output(0)?.write_vec_at(start, &p.max_pool_2d_f32(&xs, first_plane, units));
         }
-        let x = x.read_vec_range::<f64>(first_plane * spatial, planes * spatial)?;
-        if let Some(y) = p.whole_planes(&x, first_plane, units.clone(), call.output_opt(1).is_some()) {
+        if p.is_whole(call.output_opt(1).is_some()) {
+            // float32 read as it lies (f32 → f64 is exact, so the sums are those of f64 input).
+            let (at, len) = (first_plane * spatial, planes * spatial);
+            let y = match dtype {
+                DType::F32 => p.whole_planes(&x.read_vec_range::<f32>(at, len)?, first_plane, units.clone()),
+                _ => p.whole_planes(&x.read_vec_range::<f64>(at, len)?, first_plane, units.clone()),
+            };
             return call.output(0)?.write_vec_at(units.start, &y);
         }
+        let x = x.read_vec_range::<f64>(first_plane * spatial, planes * spatial)?;
         let (mut y, mut idx) = (Vec::with_capacity(units.len()), Vec::new());
         for u in units.clone() {
             let (v, at) = p.pool(&x, first_plane, u / per_plane, u % per_plane);
