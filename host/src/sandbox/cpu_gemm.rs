@@ -100,7 +100,11 @@ pub(super) unsafe fn sgemm(
             );
             if let Some(f) = finish {
                 for i in i0..i0 + mh {
-                    f(i, j0, std::slice::from_raw_parts_mut((d as *mut f32).offset(i as isize * dst.1 + j0 as isize), nh));
+                    f(
+                        i,
+                        j0,
+                        std::slice::from_raw_parts_mut((d as *mut f32).offset(i as isize * dst.1 + j0 as isize), nh),
+                    );
                 }
             }
         }
