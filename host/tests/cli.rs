@@ -98,6 +98,23 @@ fn the_readme_example_runs_and_matches_onnxruntime() {
     assert_eq!(report["packages"][format!("kiln-matmul@{}", builtin_version("matmul"))], 2);
 }
 
+/// A flag's value out of its range is invalid input (exit 3, README's exit codes), whichever
+/// flag it is; a value that is not a number at all is clap's usage error (exit 2).
+#[test]
+fn flag_values_out_of_range_are_invalid_input() {
+    for (flag, value, why) in [
+        ("--runs", "0", "--runs must be at least 1"),
+        ("--cpu-tiles", "0", "--cpu-tiles must be in 1..=1024, got 0"),
+        ("--cpu-tiles", "1025", "--cpu-tiles must be in 1..=1024, got 1025"),
+    ] {
+        let o = run_example(&[flag, value]);
+        assert_eq!(o.status.code(), Some(3), "{flag} {value}: {}", text(&o));
+        assert!(text(&o).contains(why), "{flag} {value}: {}", text(&o));
+    }
+    let o = run_example(&["--cpu-tiles", "many"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+}
+
 #[test]
 fn a_wrong_expectation_exits_with_the_mismatch_code() {
     let out = tempfile::tempdir().unwrap();

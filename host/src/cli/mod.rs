@@ -269,13 +269,16 @@ pub struct ModelRunArgs {
     /// SwiGlu, SkipSimplifiedLayerNormalization and the pooling ops) and the node is large enough (64 KiB of
     /// output per tile). Default: the CPU threads
     /// (`KILN_CPU_THREADS`); 1 runs every node whole.
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1024))]
+    #[arg(long, value_name = "N")]
     pub cpu_tiles: Option<u64>,
 }
 
+/// Most `--cpu-tiles`.
+const MAX_CPU_TILES: u64 = 1024;
+
 impl ModelRunArgs {
     /// The session options these flags give on `device` with graph mode `graphs`. Errors: a
-    /// `--device-memory-limit` too large to count in bytes.
+    /// `--device-memory-limit` too large to count in bytes, `--cpu-tiles` outside 1..=1024.
     pub fn session_options(
         &self,
         device: Device,
@@ -296,7 +299,10 @@ impl ModelRunArgs {
             device_memory_limit: limit,
             max_loop_iterations: self.max_loop_iterations,
             cpu_split: match self.cpu_tiles {
-                Some(n) => crate::ep::CpuSplit { max_tiles: n as usize, ..crate::ep::CpuSplit::default() },
+                Some(n @ 1..=MAX_CPU_TILES) => {
+                    crate::ep::CpuSplit { max_tiles: n as usize, ..crate::ep::CpuSplit::default() }
+                }
+                Some(n) => return Err(Error::Input(format!("--cpu-tiles must be in 1..={MAX_CPU_TILES}, got {n}"))),
                 None => crate::ep::CpuSplit::default(),
             },
             ..crate::ep::SessionOptions::default()
@@ -367,7 +373,7 @@ pub fn choose_device(arg: DeviceArg) -> Result<Device> {
         DeviceArg::Cpu => Ok(Device::Cpu),
         DeviceArg::Auto | DeviceArg::Cuda if gpus > 0 => Ok(Device::Cuda(0)),
         DeviceArg::Auto => {
-            output::note!("kiln: {}; running on the CPU (package CPU references)", missing());
+            output::note!("kiln: {}; using the CPU (package CPU references)", missing());
             Ok(Device::Cpu)
         }
         // A flag's value that cannot be met is invalid input (exit 3), as `--graph on` is.
