@@ -89,7 +89,7 @@ fn the_readme_example_runs_and_matches_onnxruntime() {
     let t = text(&o);
     assert!(o.status.success(), "{t}");
     assert!(t.contains("probs: float32 [3, 4]") && t.contains("probs: matches the expected output"), "{t}");
-    assert!(t.contains("running on the CPU"), "auto says it picked the CPU: {t}");
+    assert!(t.contains("using the CPU (package CPU references)"), "auto says it picked the CPU: {t}");
     assert!(out.path().join("probs.npy").is_file());
     let report: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.path().join("report.json")).unwrap()).unwrap();

@@ -18,11 +18,6 @@ pub struct Bool(pub bool);
 pub trait Element: Copy + Default + PartialOrd + 'static {
     const DTYPE: DType;
     const SIZE: usize;
-    /// Every `SIZE`-byte pattern is a value, held in memory as its `SIZE` bytes (no padding):
-    /// the integers and floats, not [`Bool`]. On a little-endian target (Wasm) such elements are
-    /// their tensor bytes as they lie, so [`decode`], [`encode`] and the tensor reads and writes
-    /// copy them whole instead of element by element.
-    const PLAIN: bool = false;
     fn from_le(b: &[u8]) -> Self;
     fn write_le(self, out: &mut [u8]);
     fn to_f64(self) -> f64;
@@ -36,7 +31,6 @@ macro_rules! int_element {
         impl Element for $t {
             const DTYPE: DType = $dt;
             const SIZE: usize = core::mem::size_of::<$t>();
-            const PLAIN: bool = true;
             #[inline]
             fn from_le(b: &[u8]) -> Self {
                 let mut a = [0u8; core::mem::size_of::<$t>()];
@@ -81,7 +75,6 @@ macro_rules! float_element {
         impl Element for $t {
             const DTYPE: DType = $dt;
             const SIZE: usize = core::mem::size_of::<$t>();
-            const PLAIN: bool = true;
             #[inline]
             fn from_le(b: &[u8]) -> Self {
                 let mut a = [0u8; core::mem::size_of::<$t>()];
@@ -243,14 +236,40 @@ macro_rules! with_dtype {
     }};
 }
 
+/// Whether `T` is one of this module's integer and float types: every `SIZE`-byte pattern is a
+/// value, held in memory as its `SIZE` bytes (no padding; not [`Bool`]). Decided by type identity,
+/// so no other `Element` implementation can claim it. On a little-endian target (Wasm) such
+/// elements are their tensor bytes as they lie, so [`decode`], [`encode`] and the tensor reads
+/// and writes copy them whole instead of element by element.
+#[inline]
+pub fn is_plain<T: Element>() -> bool {
+    use core::any::TypeId;
+    let t = TypeId::of::<T>();
+    [
+        TypeId::of::<i8>(),
+        TypeId::of::<i16>(),
+        TypeId::of::<i32>(),
+        TypeId::of::<i64>(),
+        TypeId::of::<u8>(),
+        TypeId::of::<u16>(),
+        TypeId::of::<u32>(),
+        TypeId::of::<u64>(),
+        TypeId::of::<f32>(),
+        TypeId::of::<f64>(),
+        TypeId::of::<f16>(),
+        TypeId::of::<bf16>(),
+    ]
+    .contains(&t)
+}
+
 /// Whether `T`'s elements are their little-endian tensor bytes as they lie in memory.
 #[inline]
-const fn as_laid<T: Element>() -> bool {
-    T::PLAIN && cfg!(target_endian = "little")
+fn as_laid<T: Element>() -> bool {
+    cfg!(target_endian = "little") && is_plain::<T>()
 }
 
 /// The bytes of `values` as they lie, where those are their little-endian tensor bytes
-/// ([`Element::PLAIN`] on a little-endian target); `None` otherwise.
+/// ([`is_plain`] on a little-endian target); `None` otherwise.
 #[inline]
 pub fn laid_bytes<T: Element>(values: &[T]) -> Option<&[u8]> {
     // SAFETY: a plain T is SIZE bytes without padding, so the slice's memory is

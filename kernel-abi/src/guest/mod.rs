@@ -355,7 +355,7 @@ impl<'c, 'a> Tensor<'c, 'a> {
 
     /// Reads the tensor converted to `T` (any numeric dtype; bool as 0/1).
     pub fn read_vec<T: Element>(&self) -> Result<Vec<T>> {
-        if self.dtype()? == T::DTYPE && T::PLAIN {
+        if self.dtype()? == T::DTYPE && element::is_plain::<T>() {
             return self.read_vec_range(0, usize::MAX);
         }
         self.decode::<T>(&self.read_bytes()?)
@@ -372,7 +372,7 @@ impl<'c, 'a> Tensor<'c, 'a> {
     pub fn read_vec_range<T: Element>(&self, start: usize, count: usize) -> Result<Vec<T>> {
         let dtype = self.dtype()?;
         let size = dtype.size().ok_or_else(|| ShimError::Unsupported(format!("reading {dtype} elements")))?;
-        if dtype == T::DTYPE && T::PLAIN {
+        if dtype == T::DTYPE && element::is_plain::<T>() {
             // Straight into the elements' memory: no byte buffer, no conversion.
             let n = (self.nbytes()? / size).saturating_sub(start).min(count);
             let mut out = vec![T::default(); n];
