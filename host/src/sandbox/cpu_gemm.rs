@@ -212,9 +212,6 @@ fn compute(slots: &[Slot], d_before: Option<&[u8]>, g: &Gemm, size: u64, d: &mut
         }
         let (lhs, lhs_rs, lhs_cs) = a.operand(batch, g.trans_a);
         let (rhs, rhs_rs, rhs_cs) = b.operand(batch, g.trans_b);
-        // SAFETY: `Matrix::new` checked that every element these strides reach, over m × k and
-        // k × n, lies in the operand's data; the caller gives `dst` m rows of n at stride rs; D
-        // is no operand (one that shares its tensor reads the copy made before).
         let finish = |_: usize, j0: usize, row: &mut [f32]| {
             if let Some(bias) = &bias {
                 for (j, t) in row.iter_mut().enumerate() {
@@ -224,6 +221,9 @@ fn compute(slots: &[Slot], d_before: Option<&[u8]>, g: &Gemm, size: u64, d: &mut
             epilogue(g.epilogue, row);
         };
         let finish: Finish = (bias.is_some() || g.epilogue != Epilogue::None).then_some(&finish);
+        // SAFETY: `Matrix::new` checked that every element these strides reach, over m × k and
+        // k × n, lies in the operand's data; the caller gives `dst` m rows of n at stride rs; D
+        // is no operand (one that shares its tensor reads the copy made before).
         unsafe {
             sgemm(
                 (m, n, k),

@@ -322,10 +322,10 @@ extern "C" __global__ void kiln_reduce_copy(const unsigned char* x, unsigned cha
 //
 // - kiln_arg_rows<Tag>: inner == 1; one block per row (grid-stride over rows). Each thread scans
 //   a strided part of the row: over a 16-byte aligned row as 16-byte vectors, ARG_UNROLL of them
-//   in flight (a decode step's logits row of 49,152 float16 values is two rounds of loads for
-//   1,024 threads), else element by element; then warp shuffles merge (value, index) pairs
-//   within each warp and across the warps. The pairs' order is total (arg_better), so the
-//   result does not depend on the order they meet in.
+//   in flight (a row of 8,192 float16 values is one round of loads for 1,024 threads), else
+//   element by element; then warp shuffles merge (value, index) pairs within each warp and
+//   across the warps. The pairs' order is total (arg_better), so the result does not depend on
+//   the order they meet in.
 // - kiln_arg_rows_split<Tag>: the same over a row cut into ARG_SPLIT slices, one block each,
 //   merged through a thread block cluster (below).
 // - kiln_arg_strided<Tag>: inner > 1; one thread per output (grid-stride), scanning n.
@@ -461,8 +461,9 @@ __global__ void __launch_bounds__(1024) kiln_arg_rows(const typename Tag::storag
 #endif
 
 #if __CUDA_ARCH__ >= 900
+// A cluster barrier; not `.aligned`, since the second one follows a branch taken by one warp.
 __device__ __forceinline__ void arg_cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+    asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
 }
 
 // `p` (in this block's shared memory) at the same place in cluster block `rank`, as a generic address.
@@ -484,14 +485,12 @@ __global__ void KILN_ARG_CLUSTER_DIMS __launch_bounds__(1024)
     __shared__ long long s_i[32];
     const kiln_u64 row = blockIdx.x / ARG_SPLIT;
     const unsigned rank = blockIdx.x % ARG_SPLIT;
-    M best;
-    long long bi;
+    M best = RT<Tag>::lowest();
+    long long bi = -1;
 #if __CUDA_ARCH__ >= 900
     const unsigned VE = 16 / sizeof(T);
     const kiln_u64 slice = (n + ARG_SPLIT * VE - 1) / (ARG_SPLIT * VE) * VE;
     const kiln_u64 lo = min(n, rank * slice), hi = min(n, lo + slice);
-    best = RT<Tag>::lowest();
-    bi = -1;
     if (row < rows) arg_scan<Tag>(x + row * n, lo, hi, is_min, last, best, bi);
     arg_block(best, bi, s_v, s_i, RT<Tag>::lowest(), is_min, last);
     __shared__ M c_v;

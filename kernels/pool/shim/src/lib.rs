@@ -263,8 +263,7 @@ impl Plan {
     /// and otherwise the first largest of the other values (a NaN is never greater), which is
     /// what the row pass keeps: it starts from −∞ and takes a value only when greater.
     fn max_pool_2d_f32(&self, x: &[f32], first_plane: usize, units: core::ops::Range<usize>) -> Vec<f32> {
-        // Strides 1 and 2 take 128-bit SIMD (`max_taps`); 3 and 4 a loop over a constant stride,
-        // which wasmtime runs faster than one over a runtime stride.
+        // Strides 1 and 2 take 128-bit SIMD (`max_taps`); the rest its indexed scalar loop.
         match self.strides[1] {
             1 => self.max_pool_rows::<1>(x, first_plane, units),
             2 => self.max_pool_rows::<2>(x, first_plane, units),
@@ -327,7 +326,7 @@ impl Plan {
         };
         // Tap t's column from tap 0's.
         #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-        let tap_offsets: Vec<usize> = (0..kw).map(|t| t * self.dilations[1]).collect();
+        let tap_offsets: Vec<usize> = (0..if g_hi > g_lo { kw } else { 0 }).map(|t| t * self.dilations[1]).collect();
         let spans: Vec<(usize, usize, usize)> = spans
             .into_iter()
             .flat_map(|(lo, hi, c0)| {
