@@ -267,7 +267,7 @@ pub struct ModelRunArgs {
     /// On the CPU, the most tiles one node's work splits into, run at once on the CPU threads,
     /// where its package allows it (manifest `cpu_tiles`: the built-in unary elementwise ops,
     /// SwiGlu, SkipSimplifiedLayerNormalization and the pooling ops) and the node is large enough (64 KiB of
-    /// output per tile). Default: the CPU threads
+    /// output 0 or of its largest input per tile). Default: the CPU threads
     /// (`KILN_CPU_THREADS`); 1 runs every node whole; at most 1024.
     #[arg(long, value_name = "N")]
     pub cpu_tiles: Option<u64>,

@@ -158,7 +158,8 @@ impl Shims {
                 .collect()
         };
         let n_in = inputs.iter().flatten().count();
-        let tiles = res.entry.cpu_tiles.and_then(|kind| tiles::plan(kind, out_types, self.split));
+        let input_bytes = inputs.iter().flatten().map(|t| t.data.len() as u64).max().unwrap_or(0);
+        let tiles = res.entry.cpu_tiles.and_then(|kind| tiles::plan(kind, out_types, input_bytes, self.split));
         let outputs = match tiles {
             Some(tiles) => self.run_tiles(&res.package, node, opset, &tiles, args_in(true), out_types, report)?,
             None => {

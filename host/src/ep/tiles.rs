@@ -15,8 +15,9 @@ pub struct CpuSplit {
     /// Most tiles of one node (1: never split). Default: the CPU pool's threads
     /// (`KILN_CPU_THREADS`).
     pub max_tiles: usize,
-    /// Least bytes of output 0 a tile computes: smaller nodes run whole, since a tile costs a
-    /// shim call and a thread's wake-up. Default 64 KiB.
+    /// Least bytes a tile computes or reads (its share of output 0 or of the largest input,
+    /// whichever is larger: a pooling or reduction reads far more than it writes): smaller
+    /// nodes run whole, since a tile costs a shim call and a thread's wake-up. Default 64 KiB.
     pub min_tile_bytes: u64,
 }
 
@@ -26,9 +27,10 @@ impl Default for CpuSplit {
     }
 }
 
-/// The tiles of a node whose outputs are `outputs`, in `kind` units, or `None` to run it whole:
-/// fewer than two tiles would do, or an output's bytes are not a whole number per unit.
-pub(super) fn plan(kind: CpuTiles, outputs: &OutputTypes, split: CpuSplit) -> Option<Vec<Tile>> {
+/// The tiles of a node whose outputs are `outputs` and whose largest input has `input_bytes`, in
+/// `kind` units, or `None` to run it whole: fewer than two tiles would do, or an output's bytes
+/// are not a whole number per unit.
+pub(super) fn plan(kind: CpuTiles, outputs: &OutputTypes, input_bytes: u64, split: CpuSplit) -> Option<Vec<Tile>> {
     let (dtype, shape) = outputs.first()?.as_ref()?;
     let numel: u64 = shape.iter().map(|&d| d as u64).product();
     let units = match kind {
@@ -44,7 +46,7 @@ pub(super) fn plan(kind: CpuTiles, outputs: &OutputTypes, split: CpuSplit) -> Op
     if units == 0 || !outputs.iter().all(fits) {
         return None;
     }
-    let n = (split.max_tiles as u64).min(units).min(bytes / split.min_tile_bytes.max(1));
+    let n = (split.max_tiles as u64).min(units).min(bytes.max(input_bytes) / split.min_tile_bytes.max(1));
     if n < 2 {
         return None;
     }
@@ -72,14 +74,17 @@ mod tests {
         let split = CpuSplit { max_tiles: 3, min_tile_bytes: 1 << 10 };
         let out = |dtype, shape: &[usize]| Some((dtype, shape.to_vec()));
         // 7 rows of 512 float32: 3 tiles of rows.
-        let t = plan(CpuTiles::Rows, &vec![out(DType::F32, &[7, 512]), None, out(DType::F32, &[7, 1])], split);
+        let t = plan(CpuTiles::Rows, &vec![out(DType::F32, &[7, 512]), None, out(DType::F32, &[7, 1])], 0, split);
         let t = t.unwrap();
         assert_eq!(t.iter().map(|t| (t.start, t.end)).collect::<Vec<_>>(), [(0, 2), (2, 4), (4, 7)]);
         assert_eq!(units(&t), 7);
-        // Too small for two tiles of 1 KiB.
-        assert!(plan(CpuTiles::Elements, &vec![out(DType::F32, &[300])], split).is_none());
+        // Too small for two tiles of 1 KiB, unless an input is large enough (a global pooling's
+        // 300 planes of 49 values: 57 KiB read, 1.2 KiB written).
+        assert!(plan(CpuTiles::Elements, &vec![out(DType::F32, &[300])], 1200, split).is_none());
+        let t = plan(CpuTiles::Elements, &vec![out(DType::F32, &[300])], 300 * 49 * 4, split).unwrap();
+        assert_eq!(t.iter().map(|t| (t.start, t.end)).collect::<Vec<_>>(), [(0, 100), (100, 200), (200, 300)]);
         // An output whose bytes are not a whole number per row.
-        assert!(plan(CpuTiles::Rows, &vec![out(DType::F32, &[7, 512]), out(DType::F32, &[3])], split).is_none());
+        assert!(plan(CpuTiles::Rows, &vec![out(DType::F32, &[7, 512]), out(DType::F32, &[3])], 0, split).is_none());
         let w = window(7 * 2048, 7, Tile { start: 2, end: 4 });
         assert!(matches!(w, Access::Window { start: 4096, ref bytes } if bytes.len() == 4096));
     }
