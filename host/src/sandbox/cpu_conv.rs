@@ -6,7 +6,7 @@
 use kiln_kernel_abi::wire::{Conv, Epilogue, TensorAt};
 use rayon::prelude::*;
 
-use super::cpu_gemm::{epilogue, f32_view, operand_bytes, sgemm, store, with_output, Finish};
+use super::cpu_gemm::{epilogue, f32_view, operand_bytes, sgemm, store, with_output, Finish, FinishRows};
 use super::cpu_pool::on_pool;
 use super::handles::Slot;
 
@@ -195,15 +195,11 @@ fn forward_with(
             let xg = &x[(n * g.groups + grp) * g.cg * g.in_n..][..g.cg * g.in_n];
             let wg = &w[grp * g.mg * k..][..g.mg * k];
             let yg = &mut y[(n * g.groups + grp) * g.mg * g.out_n..][..g.mg * g.out_n];
-            // Y's rows of this batch entry and group, the product's columns from `first`.
+            // `finish` of a product whose rows are Y's from this batch entry and group's first and
+            // whose columns are Y's from `first`.
             let row0 = (n * g.groups + grp) * g.mg;
-            let piece = |first: usize| {
-                move |i: usize, j0: usize, o: &mut [f32]| {
-                    if let Some(f) = finish {
-                        f(row0 + i, first + j0, o)
-                    }
-                }
-            };
+            let piece =
+                |first: usize| finish.map(|f| move |i: usize, j0: usize, o: &mut [f32]| f(row0 + i, first + j0, o));
             if pointwise(g) {
                 let finish_tile = piece(0);
                 // SAFETY: W_g is mg × cg, X_g cg × out, Y_g mg × out, all row-major and disjoint.
@@ -214,7 +210,7 @@ fn forward_with(
                         (wg.as_ptr(), g.cg as isize, 1),
                         (xg.as_ptr(), g.out_n as isize, 1),
                         (0.0, 1.0),
-                        finish.and(Some(&finish_tile)),
+                        finish_tile.as_ref().map(|f| f as &FinishRows<'_>),
                     )
                 };
                 continue;
@@ -241,7 +237,7 @@ fn forward_with(
                         (wg.as_ptr(), k as isize, 1),
                         (col.as_ptr(), cols as isize, 1),
                         (0.0, 1.0),
-                        finish.and(Some(&finish_tile)),
+                        finish_tile.as_ref().map(|f| f as &FinishRows<'_>),
                     )
                 };
                 r0 = r1;

@@ -1,8 +1,9 @@
 //! The `gemm` import in `kiln_cpu` calls (ABI.md §4.7, manifest schema 8): computed at once on
 //! the call's host tensors with the `gemm` crate (its AVX2 / AVX-512 kernels chosen at run
 //! time; a product cut into tiles shared over the CPU threads, [`sgemm`]), so that a shim's
-//! matrix products never copy their operands into its memory. float16 and bfloat16 operands are widened to float32 and the result rounded once:
-//! the products accumulate in f32, as cuBLASLt's do on the GPU.
+//! matrix products never copy their operands into its memory. float16 and bfloat16 operands
+//! are widened to float32 and the result rounded once: the products accumulate in f32, as
+//! cuBLASLt's do on the GPU.
 //!
 //! Threads: the CPU pool's ([`super::cpu_pool`]).
 
@@ -45,7 +46,9 @@ fn tiles(m: usize, n: usize, k: usize) -> (usize, usize) {
 /// What each row of a tile of [`sgemm`] gets right after the tile's product, while it is in
 /// cache (bias, residual, activation): `finish(i, j0, row)` with `row` the tile's columns
 /// `j0..j0 + row.len()` of dst's row `i`.
-pub(super) type Finish<'a> = Option<&'a (dyn Fn(usize, usize, &mut [f32]) + Sync)>;
+pub(super) type Finish<'a> = Option<&'a FinishRows<'a>>;
+/// The function of a [`Finish`].
+pub(super) type FinishRows<'a> = dyn Fn(usize, usize, &mut [f32]) + Sync + 'a;
 
 /// `dst = keep·dst + scale·lhs·rhs` (`dst` m × n with row stride `dst.1`, read only when
 /// `dst.2`; operands as (pointer, row stride, column stride) in elements), in the tiles of

@@ -457,11 +457,16 @@ impl<'c, 'a> Tensor<'c, 'a> {
             // The elements' own memory: no byte buffer, no conversion.
             return self.write_bytes_at(start as u64 * T::SIZE as u64, bytes);
         }
-        if start == 0 {
-            return self.write_bytes(&element::encode_as(dtype, values)?);
-        }
-        let size =
-            dtype.size().ok_or_else(|| ShimError::Unsupported(format!("writing {dtype} elements at an offset")))?;
-        self.write_bytes_at(start as u64 * size as u64, &element::encode_as(dtype, values)?)
+        // From element 0 any dtype, packed ones included; past it a whole number of bytes each.
+        let at = match start {
+            0 => 0,
+            _ => {
+                let size = dtype
+                    .size()
+                    .ok_or_else(|| ShimError::Unsupported(format!("writing {dtype} elements at an offset")))?;
+                start as u64 * size as u64
+            }
+        };
+        self.write_bytes_at(at, &element::encode_as(dtype, values)?)
     }
 }
