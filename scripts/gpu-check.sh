@@ -41,6 +41,9 @@
 #              (a drop-in outranks the built-in package of its name): an A/B of kernel changes
 #   floor      bench/stage_floor.cu (nvcc): µs per dependent stage of a graph of small kernels, plain,
 #              with programmatic dependent launch, and as grid barriers inside one persistent kernel
+#   layer      bench/layer_probe.cu (nvcc): 30 decoder layers of the five fused decode kernels in one
+#              graph, batch 1: µs per layer, the per-kernel timeline of one replay (global timer), and
+#              the step without the O projection; LAYER_FLAGS adds nvcc -D flags to every build
 #   probe      bench/attn_probe.cu (nvcc): decode attention alone, the three decode kernels (batch 1 at a
 #              384 cache; the tiled one at batch 8 over 4096, 256 and 128 keys per block), GPU time
 #              and the error against float64; PROBE_OLD=path/attention.cu adds that source's tiled rows
@@ -76,7 +79,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,memory.u
 models=/tmp/kiln-models
 m=$models/smollm2-arch-fp16-cuda
 needs_models=0
-for phase in $phases; do case "$phase" in quick | verify | floor | probe | bw | cpu | sanitize-ops | big | conv | models | int4) ;; *) needs_models=1 ;; esac; done
+for phase in $phases; do case "$phase" in quick | verify | floor | layer | probe | bw | cpu | sanitize-ops | big | conv | models | int4) ;; *) needs_models=1 ;; esac; done
 if [ "$needs_models" = 1 ] && [ ! -f "$models/reference/smollm2-arch-ref.json" ]; then
   t0=$(date +%s)
   bash .gpu/device-fixtures/make-smollm2-arch.sh "$models" --results "$work/make" >"$work/make.log" 2>&1 ||
@@ -331,6 +334,24 @@ for w in glob.glob(".gpu/python/*.whl"):
     # The cost of one dependent stage of a CUDA graph without kiln (bench/stage_floor.cu).
     nvcc -O3 -arch=sm_90 -o "$work/stage_floor" bench/stage_floor.cu && "$work/stage_floor" | tee "$out/floor.log"
     summary+=("floor: $(grep -E '^\| [0-9]' "$out/floor.log" | tr '\n' ' ')")
+    ;;
+  layer)
+    # Where a decode layer's time goes (bench/layer_probe.cu): plain, with timeline marks, no O.
+    inc="$work/inc" && mkdir -p "$inc/kiln-cuda-std" && cp kernels/cuda-std/include/* "$inc/kiln-cuda-std/" &&
+      cp host/cuda/kiln.cuh "$inc/"
+    specs=("plain:" "marks:-DLP_MARKS" "no-O:-DLP_NO_O")
+    for spec in "${specs[@]}"; do # the builds side by side
+      IFS=: read -r v flags <<<"$spec"
+      # shellcheck disable=SC2086 # flags are words
+      nvcc -O3 -arch=sm_90 -std=c++17 -I"$inc" -I. $flags ${LAYER_FLAGS:-} -o "$work/layer-$v" bench/layer_probe.cu \
+        >"$work/layer-$v.log" 2>&1 &
+    done
+    wait
+    for spec in "${specs[@]}"; do
+      v=${spec%%:*}
+      echo "== $v" && cat "$work/layer-$v.log" && "$work/layer-$v"
+    done 2>&1 | tee "$out/layer.log"
+    summary+=("layer: $(grep -E '^==|^graph|^\| [a-zQgOd]|^sum' "$out/layer.log" | tr '\n' ' ')")
     ;;
   bw)
     # Read bandwidth of a layer's batch-8 K/V cache by access pattern (bench/bw_probe.cu).
