@@ -14,7 +14,7 @@
 // exit. Per kernel of the layer (medians over layers 2–29, µs): the stage (its last block's exit
 // after the previous kernel's), its first block's entry and first wait return after the previous
 // kernel's last exit, and its work (last exit after first wait return). -DLP_NO_O leaves the O
-// projection out (its stage's cost).
+// projection out (its stage's cost); -DLIN_SRC='"path"' takes the GEMVs from another linear.cu.
 //
 //   mkdir -p inc/kiln-cuda-std && cp kernels/cuda-std/include/* inc/kiln-cuda-std/ && cp host/cuda/kiln.cuh inc/
 //   nvcc -O3 -arch=sm_90 -std=c++17 -Iinc -I. [-DLP_MARKS] -o layer_probe bench/layer_probe.cu
@@ -46,7 +46,10 @@ __device__ __forceinline__ void lp_begin(unsigned launch) {
 #define lp_begin(launch) ((void)(launch))
 #endif
 
-#include "kernels/matmul/cuda/linear.cu"
+#ifndef LIN_SRC
+#define LIN_SRC "kernels/matmul/cuda/linear.cu"  // -DLIN_SRC='"path"' probes another GEMV source
+#endif
+#include LIN_SRC
 #include "kernels/attention/cuda/attention.cu"
 
 typedef kiln_tag_f16::storage S;
@@ -169,12 +172,14 @@ int main() {
                                  (kiln_u64)kk, (kiln_u64)kk, flags, eps));
         kind.push_back(k);
     };
+    // GEMV blocks for n outputs (the shim's: LIN_WARPS · LIN_COLS outputs per block).
+    const auto cols = [](unsigned n) { return (n + LIN_WARPS * LIN_COLS - 1) / (LIN_WARPS * LIN_COLS); };
     const auto step = [&]() {
         launch = 0;
         kind.clear();
         for (auto& l : layers) {
             // QKV: RMS(h + res_b) · g1, sum → res_a.
-            gemv(0, lp_gemv<LIN_RMSNORM>, (QKV + 7) / 8, h, res_b, l.g1, l.wqkv, qkv, res_a, QKV, D,
+            gemv(0, lp_gemv<LIN_RMSNORM>, cols(QKV), h, res_b, l.g1, l.wqkv, qkv, res_a, QKV, D,
                  lin::HAS_SKIP | lin::HAS_SUM | lin::W_CONST);
             lp_attn<kiln_tag_f16><<<dim3(GQA_DEC_CLUSTER, Nk, 1), 256, 0, s>>>(
                 launch++, qkv, l.k, l.v, seq, cs, cs, qkv, qkv, partial, attn, N, Nk, H, PL, (kiln_u64)QKV,
@@ -184,12 +189,12 @@ int main() {
             CHECK(cudaGetLastError());
             kind.push_back(1);
 #ifndef LP_NO_O
-            gemv(2, lp_gemv<LIN_LINEAR>, (D + 7) / 8, attn, attn, attn, l.wo, o, o, D, N * H, lin::W_CONST);
+            gemv(2, lp_gemv<LIN_LINEAR>, cols(D), attn, attn, attn, l.wo, o, o, D, N * H, lin::W_CONST);
 #endif
             // gate·up: RMS(o + res_a) · g2, sum → res_b.
-            gemv(3, lp_gemv<LIN_RMSNORM>, (2 * I + 7) / 8, o, res_a, l.g2, l.wgu, gu, res_b, 2 * I, D,
+            gemv(3, lp_gemv<LIN_RMSNORM>, cols(2 * I), o, res_a, l.g2, l.wgu, gu, res_b, 2 * I, D,
                  lin::HAS_SKIP | lin::HAS_SUM | lin::W_CONST);
-            gemv(4, lp_gemv<LIN_SWIGLU>, (D + 7) / 8, gu, gu, gu, l.wd, h, h, D, I, lin::W_CONST);
+            gemv(4, lp_gemv<LIN_SWIGLU>, cols(D), gu, gu, gu, l.wd, h, h, D, I, lin::W_CONST);
         }
     };
     cudaGraph_t graph;

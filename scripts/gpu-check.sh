@@ -43,7 +43,8 @@
 #              with programmatic dependent launch, and as grid barriers inside one persistent kernel
 #   layer      bench/layer_probe.cu (nvcc): 30 decoder layers of the five fused decode kernels in one
 #              graph, batch 1: µs per layer, the per-kernel timeline of one replay (global timer), and
-#              the step without the O projection; LAYER_FLAGS adds nvcc -D flags to every build
+#              the step without the O projection, and the same with the linear.cu of each variant in
+#              .gpu/variants/*; LAYER_FLAGS adds nvcc -D flags to every build
 #   probe      bench/attn_probe.cu (nvcc): decode attention alone, the three decode kernels (batch 1 at a
 #              384 cache; the tiled one at batch 8 over 4096, 256 and 128 keys per block), GPU time
 #              and the error against float64; PROBE_OLD=path/attention.cu adds that source's tiled rows
@@ -340,6 +341,11 @@ for w in glob.glob(".gpu/python/*.whl"):
     inc="$work/inc" && mkdir -p "$inc/kiln-cuda-std" && cp kernels/cuda-std/include/* "$inc/kiln-cuda-std/" &&
       cp host/cuda/kiln.cuh "$inc/"
     specs=("plain:" "marks:-DLP_MARKS" "no-O:-DLP_NO_O")
+    for v in .gpu/variants/*/cuda/linear.cu; do # drop-in GEMV variants, plain and with marks
+      [ -f "$v" ] && ! cmp -s "$v" kernels/matmul/cuda/linear.cu || continue
+      n=$(basename "$(dirname "$(dirname "$v")")")
+      specs+=("$n:-DLIN_SRC=\"$v\"" "$n-marks:-DLIN_SRC=\"$v\" -DLP_MARKS")
+    done
     for spec in "${specs[@]}"; do # the builds side by side
       IFS=: read -r v flags <<<"$spec"
       # shellcheck disable=SC2086 # flags are words
