@@ -14,7 +14,9 @@
 // exit. Per kernel of the layer (medians over layers 2–29, µs): the stage (its last block's exit
 // after the previous kernel's), its first block's entry and first wait return after the previous
 // kernel's last exit, and its work (last exit after first wait return). -DLP_NO_O leaves the O
-// projection out (its stage's cost); -DLIN_SRC='"path"' takes the GEMVs from another linear.cu.
+// projection out (its stage's cost); -DLP_ATTN_PDL launches attention with programmatic stream
+// serialization and a grid-dependency wait at its start (-DLP_ATTN_TRIGGER: and lets the O GEMV
+// launch right after it); -DLIN_SRC='"path"' takes the GEMVs from another linear.cu.
 //
 //   mkdir -p inc/kiln-cuda-std && cp kernels/cuda-std/include/* inc/kiln-cuda-std/ && cp host/cuda/kiln.cuh inc/
 //   nvcc -O3 -arch=sm_90 -std=c++17 -Iinc -I. [-DLP_MARKS] -o layer_probe bench/layer_probe.cu
@@ -67,7 +69,14 @@ template <typename Tag>
 __global__ void __cluster_dims__(GQA_DEC_CLUSTER, 1, 1) __launch_bounds__(256, 2)
     lp_attn(unsigned launch, KILN_GQA_DECODE_PARAMS) {
     lp_begin(launch);
+#ifdef LP_ATTN_PDL
+    kiln_griddep_wait();
+#ifdef LP_ATTN_TRIGGER
+    kiln_griddep_launch_dependents();
+#endif
+#else
     lp_mark(1);
+#endif
     gqa_decode_regs<Tag, 4, GQA_DEC_CLUSTER>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out,
                                              N, Nk, H, PL, q_w, cache_rows, rotary_half, interleaved, scale, softcap,
                                              window, has_bias, bias_b, bias_h, total, sink_mode, k_src, v_src, past_k,
@@ -181,12 +190,22 @@ int main() {
             // QKV: RMS(h + res_b) · g1, sum → res_a.
             gemv(0, lp_gemv<LIN_RMSNORM>, cols(QKV), h, res_b, l.g1, l.wqkv, qkv, res_a, QKV, D,
                  lin::HAS_SKIP | lin::HAS_SUM | lin::W_CONST);
-            lp_attn<kiln_tag_f16><<<dim3(GQA_DEC_CLUSTER, Nk, 1), 256, 0, s>>>(
-                launch++, qkv, l.k, l.v, seq, cs, cs, qkv, qkv, partial, attn, N, Nk, H, PL, (kiln_u64)QKV,
+            cudaLaunchConfig_t acfg = {};
+            acfg.gridDim = dim3(GQA_DEC_CLUSTER, Nk, 1);
+            acfg.blockDim = dim3(256, 1, 1);
+            acfg.stream = s;
+#ifdef LP_ATTN_PDL
+            cudaLaunchAttribute aat[1];
+            aat[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+            aat[0].val.programmaticStreamSerializationAllowed = 1;
+            acfg.attrs = aat;
+            acfg.numAttrs = 1;
+#endif
+            CHECK(cudaLaunchKernelEx(&acfg, lp_attn<kiln_tag_f16>,
+                launch++, (const S*)qkv, l.k, l.v, seq, cs, cs, qkv, qkv, partial, attn, N, Nk, H, PL, (kiln_u64)QKV,
                 (kiln_u64)rows, half, 0u, 0.125f, 0.f, -1, 0u, 1u, 1u, PL, 0u, qkv, qkv, l.k, l.v, PL, (kiln_u64)QKV,
                 (kiln_u64)(N * H), (kiln_u64)((N + Nk) * H), 1u, kpb, (kiln_u64)Nk * PL * H, (kiln_u64)PL * H, 0ull,
-                31u, 1u, ctr, st);
-            CHECK(cudaGetLastError());
+                31u, 1u, ctr, st));
             kind.push_back(1);
 #ifndef LP_NO_O
             gemv(2, lp_gemv<LIN_LINEAR>, cols(D), attn, attn, attn, l.wo, o, o, D, N * H, lin::W_CONST);
