@@ -43,8 +43,9 @@
 #              with programmatic dependent launch, and as grid barriers inside one persistent kernel
 #   layer      bench/layer_probe.cu (nvcc): 30 decoder layers of the five fused decode kernels in one
 #              graph, batch 1: µs per layer, the per-kernel timeline of one replay (global timer), the
-#              step without the O projection, attention under programmatic dependent launch, and the same with the linear.cu of each variant in
-#              .gpu/variants/*; LAYER_FLAGS adds nvcc -D flags to every build
+#              step without the O projection, attention under programmatic dependent launch, and
+#              the same with the linear.cu of each variant in .gpu/variants/*; LAYER_FLAGS adds nvcc
+#              -D flags to every build
 #   probe      bench/attn_probe.cu (nvcc): decode attention alone, the three decode kernels (batch 1 at a
 #              384 cache; the tiled one at batch 8 over 4096, 256 and 128 keys per block), GPU time
 #              and the error against float64; PROBE_OLD=path/attention.cu adds that source's tiled rows
