@@ -6,8 +6,9 @@
 #     builds one kiln per TILES:EDGE (default 32:64 16:128) into .gpu/kiln-tiles-TILES-EDGE.xz,
 #     restoring cpu_gemm.rs and the release binary after;
 #   there:                              bash scripts/cpu-tile-ab.sh run [ROUNDS]
-#     runs the staged kiln (the built-in tiles) and every .gpu/kiln-tiles-*.xz, ROUNDS times (2);
-#     the table goes to $OUT/cpu-tile-ab.log.
+#     runs the staged kiln (the built-in tiles) and every .gpu/kiln-tiles-*.xz, ROUNDS times (2),
+#     then the staged kiln at 1, 2, 4, 8 and 16 threads (its scaling beside onnxruntime's); the
+#     tables go to $OUT/cpu-tile-ab.log.
 set -euo pipefail
 mode=${1:-}
 shift || true
@@ -52,6 +53,11 @@ run)
         grep -E "^\| (MatMul|resnet)" | sed "s/^/${nb%%:*} round $r /"
     done
   done | tee "${OUT:-.}/cpu-tile-ab.log"
+  # How the built-in tiles scale: ResNet-50 and MatMul at 1 to 16 threads, kiln beside onnxruntime.
+  for t in 1 2 4 8 16; do
+    python3 scripts/bench-cpu.py --kiln "${bins[0]#*:}" --threads "$t" --runs 10 "$work/big/resnet50" 2>&1 |
+      grep -E "^\| (MatMul|resnet)"
+  done | tee -a "${OUT:-.}/cpu-tile-ab.log"
   ;;
 *) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac
