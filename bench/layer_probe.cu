@@ -15,7 +15,9 @@
 // after the previous kernel's), its first block's entry and first wait return after the previous
 // kernel's last exit, and its work (last exit after first wait return). -DLP_NO_O leaves the O
 // projection out (its stage's cost); -DLP_FUSED_OGU runs O, the residual add and RMS norm and
-// gate·up as one kernel (lp_ogu, checked first against the two it replaces); -DLP_ATTN_PDL launches attention with programmatic stream
+// gate·up as one kernel (lp_fused, clusters of 8), -DLP_FUSED_ALL also each QKV with the previous
+// layer's down (clusters of 16): three kernels per layer (each fused kernel is first checked
+// against the two it replaces); -DLP_ATTN_PDL launches attention with programmatic stream
 // serialization and a grid-dependency wait at its start (-DLP_ATTN_TRIGGER: and lets the O GEMV
 // launch right after it); -DLIN_SRC='"path"' takes the GEMVs from another linear.cu.
 //
@@ -86,22 +88,22 @@ __global__ void __cluster_dims__(GQA_DEC_CLUSTER, 1, 1) __launch_bounds__(256, 2
     lp_mark(2);
 }
 
-// ---- -DLP_FUSED_OGU: the O projection, the residual add and RMS norm, and gate·up in one kernel ----
+// ---- Two projections with a residual add and RMS norm between them, as one kernel ----------
 //
-// One row. Y2 = RMS(X·W1ᵀ + skip) · gamma · W2ᵀ, sum = X·W1ᵀ + skip, each step rounded to float16
-// where the unfused Linear and RmsNormLinear store it. Clusters of OGU_CL blocks: each cluster
-// computes all of X·W1ᵀ, block `rank` of it outputs rank·c1 .. (c1 = n1 / OGU_CL, its W1 rows
-// copied into shared memory before the grid-dependency wait), and the blocks read each other's
-// through distributed shared memory; then every block normalizes the whole row and computes its
-// OGU_COLS2 outputs per warp of Y2 with W2 rows loaded into registers before the wait.
-#define OGU_CL 8
-#define OGU_WARPS 8
-#define OGU_COLS2 3   // Y2 outputs per warp
-#define OGU_UNROLL 3  // 16-byte W2 chunks per lane and output (k ≤ 32·3·8 = 768)
+// One row. Y2 = RMS(A·W1ᵀ + skip) · gamma · W2ᵀ and sum = A·W1ᵀ + skip, each step rounded to
+// float16 where the unfused kernels store it; A = X (MODE1 LIN_LINEAR: the O projection, then
+// gate·up) or SiLU(gate)·up of X [gate | up] (LIN_SWIGLU: the down projection, then the next
+// layer's QKV). Thread block clusters of any size cl (the launch's cluster dimension; 16 is past
+// the portable 8): each cluster computes all of A·W1ᵀ, block `rank` of it outputs rank·c1 .. (c1 =
+// n1 / cl, its W1 rows copied into shared memory before the grid-dependency wait), and the blocks
+// read each other's through distributed shared memory; every block then normalizes the whole row
+// and computes COLS2 outputs per warp of Y2, their W2 rows loaded into registers before the wait.
+#define FU_WARPS 8
+#define FU_UNROLL 3  // 16-byte W2 chunks per lane and output (n1 ≤ 32·3·8 = 768)
 
-__device__ __forceinline__ void ogu_cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void ogu_cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-__device__ __forceinline__ float ogu_cluster_ld(const float* p, unsigned rank) {
+__device__ __forceinline__ void fu_cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void fu_cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+__device__ __forceinline__ float fu_cluster_ld(const float* p, unsigned rank) {
     const unsigned local = (unsigned)__cvta_generic_to_shared(p);
     unsigned remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
@@ -110,90 +112,100 @@ __device__ __forceinline__ float ogu_cluster_ld(const float* p, unsigned rank) {
     return v;
 }
 
-// Dynamic shared memory: W1's c1 rows (c1·k1 values), then f32 x [k1], skip [n1], gamma [n1],
-// a [n1], o [c1], red [32].
-__global__ void __cluster_dims__(OGU_CL, 1, 1) __launch_bounds__(OGU_WARPS * 32, 1)
-    lp_ogu(unsigned launch, const S* x, const S* w1, const S* skip, const S* gamma, const S* w2, S* y, S* sum,
-           unsigned k1, unsigned n1, unsigned n2, float eps) {
+// Dynamic shared memory: W1's c1 rows (c1·k1 values), then f32 a [k1], skip [n1], gamma [n1],
+// s [n1], o [c1], red [32].
+template <int MODE1, int COLS2>
+__global__ void __launch_bounds__(FU_WARPS * 32, 1)
+    lp_fused(unsigned launch, const S* x, const S* w1, const S* skip, const S* gamma, const S* w2, S* y, S* sum,
+             unsigned k1, unsigned n1, unsigned n2, float eps) {
     typedef lin::F16 T;
     lp_begin(launch);
-    extern __shared__ __align__(16) unsigned char ogu_shared[];
-    unsigned rank;
+    extern __shared__ __align__(16) unsigned char fu_shared[];
+    unsigned rank, cl;
     asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(cl));
     const unsigned tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const unsigned c1 = n1 / OGU_CL, kc1 = k1 / 8, kc2 = n1 / 8;
-    uint4* w1s = (uint4*)ogu_shared;
-    float* xs = (float*)(w1s + c1 * kc1);
-    float* ks = xs + k1;
+    const unsigned c1 = n1 / cl, kc1 = k1 / 8, kc2 = n1 / 8;
+    uint4* w1s = (uint4*)fu_shared;
+    float* as = (float*)(w1s + c1 * kc1);
+    float* ks = as + k1;
     float* gs = ks + n1;
-    float* as = gs + n1;
-    float* os = as + n1;
+    float* ss = gs + n1;
+    float* os = ss + n1;
     float* red = os + c1;
     // Before the wait: W1's rows rank·c1 .. into shared memory, this warp's W2 rows into registers.
     const uint4* w1r = (const uint4*)w1 + (size_t)rank * c1 * kc1;
     for (unsigned i = tid; i < c1 * kc1; i += blockDim.x) kiln_cp_async16(&w1s[i], &w1r[i]);
     kiln_cp_async_commit();
-    const unsigned col2 = (blockIdx.x * OGU_WARPS + warp) * OGU_COLS2;
-    uint4 wv[OGU_COLS2][OGU_UNROLL];
+    const unsigned col2 = (blockIdx.x * FU_WARPS + warp) * COLS2;
+    uint4 wv[COLS2][FU_UNROLL];
 #pragma unroll
-    for (int j = 0; j < OGU_COLS2; ++j)
+    for (int j = 0; j < COLS2; ++j)
 #pragma unroll
-        for (int u = 0; u < OGU_UNROLL; ++u) {
+        for (int u = 0; u < FU_UNROLL; ++u) {
             const unsigned c = u * 32 + lane;
             wv[j][u] = col2 + j < n2 && c < kc2 ? __ldg((const uint4*)w2 + (size_t)(col2 + j) * kc2 + c)
                                                 : make_uint4(0, 0, 0, 0);
         }
     kiln_griddep_launch_dependents();
     kiln_griddep_wait();
-    // x, skip and gamma as f32.
+    // A (rounded as the unfused graph stores it), skip and gamma as f32.
     for (unsigned i = tid; i < kc1 + 2 * kc2; i += blockDim.x) {
-        const uint4* src = i < kc1 ? (const uint4*)x + i : i < kc1 + kc2 ? (const uint4*)skip + (i - kc1)
-                                                                          : (const uint4*)gamma + (i - kc1 - kc2);
-        float* dst = i < kc1 ? xs + 8 * i : i < kc1 + kc2 ? ks + 8 * (i - kc1) : gs + 8 * (i - kc1 - kc2);
         float f[8];
-        T::unpack(*src, f);
+        if (i < kc1) {
+            T::unpack(((const uint4*)x)[i], f);
+            if (MODE1 == LIN_SWIGLU) {
+                float u[8];
+                T::unpack(((const uint4*)x)[kc1 + i], u);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) f[e] = T::ld(T::st(lin::silu_mul<T>(f[e], u[e])));
+            }
+        } else {
+            T::unpack(i < kc1 + kc2 ? ((const uint4*)skip)[i - kc1] : ((const uint4*)gamma)[i - kc1 - kc2], f);
+        }
+        float* dst = i < kc1 ? as + 8 * i : i < kc1 + kc2 ? ks + 8 * (i - kc1) : gs + 8 * (i - kc1 - kc2);
 #pragma unroll
         for (int e = 0; e < 8; ++e) dst[e] = f[e];
     }
     kiln_cp_async_wait<0>();
     __syncthreads();
-    // This block's outputs of X·W1ᵀ, rounded as Linear stores them.
-    for (unsigned c = warp; c < c1; c += OGU_WARPS) {
+    // This block's outputs of A·W1ᵀ, rounded as the unfused projection stores them.
+    for (unsigned c = warp; c < c1; c += FU_WARPS) {
         float acc = 0.f;
         for (unsigned ch = lane; ch < kc1; ch += 32) {
             float wf[8];
             T::unpack(w1s[c * kc1 + ch], wf);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) acc = fmaf(xs[8 * ch + e], wf[e], acc);
+            for (int e = 0; e < 8; ++e) acc = fmaf(as[8 * ch + e], wf[e], acc);
         }
         acc = kiln_warp_sum(acc);
         if (lane == 0) os[c] = T::ld(T::st(acc));
     }
-    ogu_cluster_arrive();
-    ogu_cluster_wait();
-    // s = X·W1ᵀ + skip over the whole row (other blocks' parts through the cluster).
+    fu_cluster_arrive();
+    fu_cluster_wait();
+    // s = A·W1ᵀ + skip over the whole row (the other blocks' parts through the cluster).
     float q = 0.f;
     for (unsigned i = tid; i < n1; i += blockDim.x) {
-        const float s = ogu_cluster_ld(os + i % c1, i / c1) + ks[i];
-        as[i] = s;
-        q += s * s;
-        if (blockIdx.x == 0) sum[i] = T::st(s);
+        const float v = fu_cluster_ld(os + i % c1, i / c1) + ks[i];
+        ss[i] = v;
+        q += v * v;
+        if (blockIdx.x == 0) sum[i] = T::st(v);
     }
-    ogu_cluster_arrive();  // this block reads no other block's shared memory after this
+    fu_cluster_arrive();  // this block reads no other block's shared memory after this
     const float inv = 1.f / sqrtf(kiln_block_reduce(q, red, false) / (float)n1 + eps);
-    for (unsigned i = tid; i < n1; i += blockDim.x) as[i] = T::ld(T::st(as[i] * inv * gs[i]));
+    for (unsigned i = tid; i < n1; i += blockDim.x) ss[i] = T::ld(T::st(ss[i] * inv * gs[i]));
     __syncthreads();
-    float acc[OGU_COLS2];
+    float acc[COLS2];
 #pragma unroll
-    for (int j = 0; j < OGU_COLS2; ++j) acc[j] = 0.f;
+    for (int j = 0; j < COLS2; ++j) acc[j] = 0.f;
 #pragma unroll
-    for (int u = 0; u < OGU_UNROLL; ++u) {
+    for (int u = 0; u < FU_UNROLL; ++u) {
         const unsigned c = u * 32 + lane;
         if (c < kc2) {
             float af[8];
-            lin::load_a<T>(as + 8 * c, af);
+            lin::load_a<T>(ss + 8 * c, af);
 #pragma unroll
-            for (int j = 0; j < OGU_COLS2; ++j) {
+            for (int j = 0; j < COLS2; ++j) {
                 float wf[8];
                 T::unpack(wv[j][u], wf);
 #pragma unroll
@@ -202,17 +214,17 @@ __global__ void __cluster_dims__(OGU_CL, 1, 1) __launch_bounds__(OGU_WARPS * 32,
         }
     }
 #pragma unroll
-    for (int j = 0; j < OGU_COLS2; ++j) {
+    for (int j = 0; j < COLS2; ++j) {
         const float v = kiln_warp_sum(acc[j]);
         if (lane == 0 && col2 + j < n2) y[col2 + j] = T::st(v);
     }
-    ogu_cluster_wait();  // every block has read this one's outputs
+    fu_cluster_wait();  // every block has read this one's outputs
     lp_mark(2);
 }
 
-// lp_ogu's dynamic shared memory for W1 [n1, k1].
-static inline unsigned ogu_shared_bytes(unsigned k1, unsigned n1) {
-    return (n1 / OGU_CL) * k1 * 2 + (k1 + 3 * n1 + n1 / OGU_CL + 32) * 4;
+// lp_fused's dynamic shared memory for W1 [n1, k1] over clusters of cl blocks.
+static inline unsigned fused_shared_bytes(unsigned k1, unsigned n1, unsigned cl) {
+    return (n1 / cl) * k1 * 2 + (k1 + 3 * n1 + n1 / cl + 32) * 4;
 }
 
 #ifdef __CUDACC_RTC__
@@ -223,7 +235,8 @@ __global__ void lp_instances(void** p) {
     p[1] = (void*)lp_gemv<LIN_RMSNORM>;
     p[2] = (void*)lp_gemv<LIN_SWIGLU>;
     p[3] = (void*)lp_attn<kiln_tag_f16>;
-    p[4] = (void*)lp_ogu;
+    p[4] = (void*)lp_fused<LIN_LINEAR, 3>;
+    p[5] = (void*)lp_fused<LIN_SWIGLU, 4>;
 }
 #else
 #include <algorithm>
@@ -303,7 +316,15 @@ int main() {
     cudaStream_t s;
     CHECK(cudaStreamCreate(&s));
     unsigned launch = 0;
-    std::vector<int> kind;  // kernel of the layer (0 QKV, 1 attention, 2 O, 3 gate·up, 4 down) per launch
+    // Kernel of each launch: 0 QKV, 1 attention, 2 O, 3 gate·up, 4 down, 5 O + gate·up fused,
+    // 6 down + QKV fused.
+    std::vector<int> kind;
+    const char* names[7] = {"QKV (RmsNormLinear)", "attention (cluster)", "O (Linear)", "gate.up (RmsNormLinear)",
+                            "down (SwiGluLinear)", "O + gate.up (fused)", "down + QKV (fused)"};
+    (void)names;  // read by the timeline (-DLP_MARKS)
+    cudaLaunchAttribute pdl;
+    pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    pdl.val.programmaticStreamSerializationAllowed = 1;
     const auto gemv = [&](int k, auto kernel, unsigned blocks, const S* x, const S* skip, const S* gamma, const S* w,
                           S* y, S* sum, unsigned n, unsigned kk, unsigned flags) {
         cudaLaunchConfig_t cfg = {};
@@ -311,10 +332,7 @@ int main() {
         cfg.blockDim = dim3(LIN_WARPS * 32, 1, 1);
         cfg.dynamicSmemBytes = kk * 4;
         cfg.stream = s;
-        cudaLaunchAttribute at[1];
-        at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        at[0].val.programmaticStreamSerializationAllowed = 1;
-        cfg.attrs = at;
+        cfg.attrs = &pdl;
         cfg.numAttrs = 1;
         CHECK(cudaLaunchKernelEx(&cfg, kernel, launch++, x, skip, gamma, w, y, sum, (kiln_u64)1, (kiln_u64)n,
                                  (kiln_u64)kk, (kiln_u64)kk, flags, eps));
@@ -322,84 +340,122 @@ int main() {
     };
     // GEMV blocks for n outputs (the shim's: LIN_WARPS · LIN_COLS outputs per block).
     const auto cols = [](unsigned n) { return (n + LIN_WARPS * LIN_COLS - 1) / (LIN_WARPS * LIN_COLS); };
-    // O, residual add, RMS norm and gate·up in one kernel (lp_ogu): RMS(attn·Woᵀ + res_a) · g2 · Wguᵀ.
-    const unsigned ogu_smem = ogu_shared_bytes(N * H, D);
-    CHECK(cudaFuncSetAttribute(lp_ogu, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ogu_smem));
-    const auto ogu = [&](const Layer& l, const S* x, S* y, S* sum_out) {
+    // lp_fused over clusters of `cl` blocks: Y2 [n2] = RMS(A·W1ᵀ + skip) · gamma · W2ᵀ, A from x [k1] (or
+    // [2·k1], SwiGlu), sum [n1].
+    const unsigned OGU_CL = 8, DQKV_CL = 16;
+    const auto fused = [&](int k, auto kernel, unsigned cols2, unsigned cl, const S* x, const S* w1, const S* skip,
+                           const S* gamma, const S* w2, S* y, S* sum, unsigned k1, unsigned n1, unsigned n2) {
+        const unsigned smem = fused_shared_bytes(k1, n1, cl);
+        CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        if (cl > 8) CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+        const unsigned blocks = (n2 + FU_WARPS * cols2 - 1) / (FU_WARPS * cols2);
         cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3((2 * I + OGU_WARPS * OGU_COLS2 - 1) / (OGU_WARPS * OGU_COLS2), 1, 1);
-        cfg.blockDim = dim3(OGU_WARPS * 32, 1, 1);
-        cfg.dynamicSmemBytes = ogu_smem;
+        cfg.gridDim = dim3((blocks + cl - 1) / cl * cl, 1, 1);
+        cfg.blockDim = dim3(FU_WARPS * 32, 1, 1);
+        cfg.dynamicSmemBytes = smem;
         cfg.stream = s;
-        cudaLaunchAttribute at[1];
-        at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        at[0].val.programmaticStreamSerializationAllowed = 1;
+        cudaLaunchAttribute at[2];
+        at[0] = pdl;
+        at[1].id = cudaLaunchAttributeClusterDimension;
+        at[1].val.clusterDim.x = cl;
+        at[1].val.clusterDim.y = 1;
+        at[1].val.clusterDim.z = 1;
         cfg.attrs = at;
-        cfg.numAttrs = 1;
-        CHECK(cudaLaunchKernelEx(&cfg, lp_ogu, launch++, x, (const S*)l.wo, (const S*)res_a, (const S*)l.g2,
-                                 (const S*)l.wgu, y, sum_out, N * H, D, 2 * I, eps));
-        kind.push_back(5);
+        cfg.numAttrs = 2;
+        CHECK(cudaLaunchKernelEx(&cfg, kernel, launch++, x, w1, skip, gamma, w2, y, sum, k1, n1, n2, eps));
+        kind.push_back(k);
     };
-    (void)ogu;  // launched only with -DLP_FUSED_OGU
-#ifdef LP_FUSED_OGU
+    const auto ogu = [&](const Layer& l, const S* skip, S* sum_out) {
+        fused(5, lp_fused<LIN_LINEAR, 3>, 3, OGU_CL, attn, l.wo, skip, l.g2, l.wgu, gu, sum_out, N * H, D, 2 * I);
+    };
+    const auto dqkv = [&](const Layer& prev, const Layer& l, const S* skip, S* sum_out) {
+        fused(6, lp_fused<LIN_SWIGLU, 4>, 4, DQKV_CL, gu, prev.wd, skip, l.g1, l.wqkv, qkv, sum_out, I, D, QKV);
+    };
+    const auto attention = [&](const Layer& l) {
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(GQA_DEC_CLUSTER, Nk, 1);
+        cfg.blockDim = dim3(256, 1, 1);
+        cfg.stream = s;
+#ifdef LP_ATTN_PDL
+        cfg.attrs = &pdl;
+        cfg.numAttrs = 1;
+#endif
+        CHECK(cudaLaunchKernelEx(&cfg, lp_attn<kiln_tag_f16>, launch++, (const S*)qkv, l.k, l.v, seq, cs, cs, qkv, qkv,
+                                 partial, attn, N, Nk, H, PL, (kiln_u64)QKV, (kiln_u64)rows, half, 0u, 0.125f, 0.f, -1,
+                                 0u, 1u, 1u, PL, 0u, qkv, qkv, l.k, l.v, PL, (kiln_u64)QKV, (kiln_u64)(N * H),
+                                 (kiln_u64)((N + Nk) * H), 1u, kpb, (kiln_u64)Nk * PL * H, (kiln_u64)PL * H, 0ull, 31u,
+                                 1u, ctr, st));
+        kind.push_back(1);
+    };
+    (void)ogu;
+    (void)dqkv;
+#if defined(LP_FUSED_OGU) || defined(LP_FUSED_ALL)
     {
-        // The fused kernel against the two it replaces, on layer 0.
-        S *gu_ref = random_f16(2 * I, 1.f), *sum_ref = random_f16(D, 1.f), *sum2 = random_f16(D, 1.f);
-        gemv(2, lp_gemv<LIN_LINEAR>, cols(D), attn, attn, attn, layers[0].wo, o, o, D, N * H, lin::W_CONST);
-        gemv(3, lp_gemv<LIN_RMSNORM>, cols(2 * I), o, res_a, layers[0].g2, layers[0].wgu, gu_ref, sum_ref, 2 * I, D,
-             lin::HAS_SKIP | lin::HAS_SUM | lin::W_CONST);
-        ogu(layers[0], attn, gu, sum2);
-        CHECK(cudaStreamSynchronize(s));
-        std::vector<S> a1(2 * I), a2(2 * I), b1(D), b2(D);
-        CHECK(cudaMemcpy(a1.data(), gu_ref, a1.size() * 2, cudaMemcpyDeviceToHost));
-        CHECK(cudaMemcpy(a2.data(), gu, a2.size() * 2, cudaMemcpyDeviceToHost));
-        CHECK(cudaMemcpy(b1.data(), sum_ref, b1.size() * 2, cudaMemcpyDeviceToHost));
-        CHECK(cudaMemcpy(b2.data(), sum2, b2.size() * 2, cudaMemcpyDeviceToHost));
-        const auto cmp = [](const std::vector<S>& r, const std::vector<S>& g, const char* what) {
-            double worst = 0, top = 0;
-            for (size_t i = 0; i < r.size(); ++i) {
-                worst = std::max(worst, std::fabs(f64(g[i]) - f64(r[i])));
-                top = std::max(top, std::fabs(f64(r[i])));
-            }
-            printf("fused O + gate.up against the two kernels: %s max |diff| %.3g (max |ref| %.3g)\n", what, worst, top);
+        // Each fused kernel against the two it replaces, on layer 1's weights (and layer 0's down).
+        const auto check = [&](const char* what, S* y, size_t ny, S* sum_out, S* y_ref, S* sum_ref) {
+            CHECK(cudaStreamSynchronize(s));
+            std::vector<S> a1(ny), a2(ny), b1(D), b2(D);
+            CHECK(cudaMemcpy(a1.data(), y_ref, ny * 2, cudaMemcpyDeviceToHost));
+            CHECK(cudaMemcpy(a2.data(), y, ny * 2, cudaMemcpyDeviceToHost));
+            CHECK(cudaMemcpy(b1.data(), sum_ref, D * 2, cudaMemcpyDeviceToHost));
+            CHECK(cudaMemcpy(b2.data(), sum_out, D * 2, cudaMemcpyDeviceToHost));
+            const auto cmp = [](const std::vector<S>& r, const std::vector<S>& g, double* worst, double* top) {
+                for (size_t i = 0; i < r.size(); ++i) {
+                    *worst = std::max(*worst, std::fabs(f64(g[i]) - f64(r[i])));
+                    *top = std::max(*top, std::fabs(f64(r[i])));
+                }
+            };
+            double w1 = 0, t1 = 0, w2 = 0, t2 = 0;
+            cmp(a1, a2, &w1, &t1);
+            cmp(b1, b2, &w2, &t2);
+            printf("%s against the two kernels: output max |diff| %.3g (max |ref| %.3g), sum max |diff| %.3g (max "
+                   "|ref| %.3g)\n", what, w1, t1, w2, t2);
         };
-        cmp(a1, a2, "gate.up");
-        cmp(b1, b2, "sum");
+        S *y_ref = random_f16(2 * I, 1.f), *sum_ref = random_f16(D, 1.f), *sum2 = random_f16(D, 1.f);
+        const Layer& l = layers[1];
+        gemv(2, lp_gemv<LIN_LINEAR>, cols(D), attn, attn, attn, l.wo, o, o, D, N * H, lin::W_CONST);
+        gemv(3, lp_gemv<LIN_RMSNORM>, cols(2 * I), o, res_a, l.g2, l.wgu, y_ref, sum_ref, 2 * I, D,
+             lin::HAS_SKIP | lin::HAS_SUM | lin::W_CONST);
+        ogu(l, res_a, sum2);
+        check("O + gate.up (fused)", gu, 2 * I, sum2, y_ref, sum_ref);
+        gemv(4, lp_gemv<LIN_SWIGLU>, cols(D), gu, gu, gu, layers[0].wd, h, h, D, I, lin::W_CONST);
+        gemv(0, lp_gemv<LIN_RMSNORM>, cols(QKV), h, res_b, l.g1, l.wqkv, y_ref, sum_ref, QKV, D,
+             lin::HAS_SKIP | lin::HAS_SUM | lin::W_CONST);
+        dqkv(layers[0], l, res_b, sum2);
+        check("down + QKV (fused)", qkv, QKV, sum2, y_ref, sum_ref);
     }
 #endif
+    // One decode step: per layer QKV (RMS(h + res_b) · g1, sum → res_a), attention, O, gate·up
+    // (RMS(o + res_a) · g2, sum → res_b), down; -DLP_FUSED_OGU: O + gate·up as one kernel;
+    // -DLP_FUSED_ALL: that, and each layer's QKV fused with the previous layer's down (three
+    // kernels per layer; the first QKV and the last down stay alone).
     const auto step = [&]() {
         launch = 0;
         kind.clear();
-        for (auto& l : layers) {
-            // QKV: RMS(h + res_b) · g1, sum → res_a.
+        for (unsigned li = 0; li < L; ++li) {
+            const Layer& l = layers[li];
+#ifdef LP_FUSED_ALL
+            if (li == 0)
+                gemv(0, lp_gemv<LIN_RMSNORM>, cols(QKV), h, res_b, l.g1, l.wqkv, qkv, res_a, QKV, D,
+                     lin::HAS_SKIP | lin::HAS_SUM | lin::W_CONST);
+            else
+                dqkv(layers[li - 1], l, res_b, res_a);
+#else
             gemv(0, lp_gemv<LIN_RMSNORM>, cols(QKV), h, res_b, l.g1, l.wqkv, qkv, res_a, QKV, D,
                  lin::HAS_SKIP | lin::HAS_SUM | lin::W_CONST);
-            cudaLaunchConfig_t acfg = {};
-            acfg.gridDim = dim3(GQA_DEC_CLUSTER, Nk, 1);
-            acfg.blockDim = dim3(256, 1, 1);
-            acfg.stream = s;
-#ifdef LP_ATTN_PDL
-            cudaLaunchAttribute aat[1];
-            aat[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-            aat[0].val.programmaticStreamSerializationAllowed = 1;
-            acfg.attrs = aat;
-            acfg.numAttrs = 1;
 #endif
-            CHECK(cudaLaunchKernelEx(&acfg, lp_attn<kiln_tag_f16>,
-                launch++, (const S*)qkv, l.k, l.v, seq, cs, cs, qkv, qkv, partial, attn, N, Nk, H, PL, (kiln_u64)QKV,
-                (kiln_u64)rows, half, 0u, 0.125f, 0.f, -1, 0u, 1u, 1u, PL, 0u, qkv, qkv, l.k, l.v, PL, (kiln_u64)QKV,
-                (kiln_u64)(N * H), (kiln_u64)((N + Nk) * H), 1u, kpb, (kiln_u64)Nk * PL * H, (kiln_u64)PL * H, 0ull,
-                31u, 1u, ctr, st));
-            kind.push_back(1);
-#ifdef LP_FUSED_OGU
-            ogu(l, attn, gu, res_b);
+            attention(l);
+#if defined(LP_FUSED_OGU) || defined(LP_FUSED_ALL)
+            ogu(l, res_a, res_b);
 #else
 #ifndef LP_NO_O
             gemv(2, lp_gemv<LIN_LINEAR>, cols(D), attn, attn, attn, l.wo, o, o, D, N * H, lin::W_CONST);
 #endif
-            // gate·up: RMS(o + res_a) · g2, sum → res_b.
             gemv(3, lp_gemv<LIN_RMSNORM>, cols(2 * I), o, res_a, l.g2, l.wgu, gu, res_b, 2 * I, D,
                  lin::HAS_SKIP | lin::HAS_SUM | lin::W_CONST);
+#endif
+#ifdef LP_FUSED_ALL
+            if (li + 1 < L) continue;
 #endif
             gemv(4, lp_gemv<LIN_SWIGLU>, cols(D), gu, gu, gu, l.wd, h, h, D, I, lin::W_CONST);
         }
@@ -437,45 +493,45 @@ int main() {
     CHECK(cudaStreamSynchronize(s));
     CHECK(cudaMemcpyFromSymbol(t, g_lp, sizeof(t)));
     struct Span {
-        unsigned long long entry_min = ~0ull, wait_min = ~0ull, wait_max = 0, end_max = 0;
-        unsigned blocks = 0;
+        unsigned long long entry_min = ~0ull, wait_min = ~0ull, end_max = 0;
     };
     std::vector<Span> sp(launch);
-    for (unsigned i = 0; i < launch; ++i)
+    std::vector<unsigned> blocks(launch, 0);
+    for (unsigned i = 0; i < launch && i < LP_LAUNCHES; ++i)
         for (unsigned blk = 0; blk < LP_BLOCKS; ++blk) {
             const unsigned long long* m = &t[(i * LP_BLOCKS + blk) * 3];
             if (!m[0]) continue;
-            Span& x = sp[i];
-            ++x.blocks;
-            x.entry_min = std::min(x.entry_min, m[0]);
-            x.wait_min = std::min(x.wait_min, m[1]);
-            x.wait_max = std::max(x.wait_max, m[1]);
-            x.end_max = std::max(x.end_max, m[2]);
+            ++blocks[i];
+            sp[i].entry_min = std::min(sp[i].entry_min, m[0]);
+            sp[i].wait_min = std::min(sp[i].wait_min, m[1]);
+            sp[i].end_max = std::max(sp[i].end_max, m[2]);
         }
-    const char* names[6] = {"QKV (RmsNormLinear)", "attention (cluster)", "O (Linear)", "gate.up (RmsNormLinear)",
-                            "down (SwiGluLinear)", "O + gate.up (fused)"};
-    printf("| kernel | blocks | stage | first entry | first wait return | last wait return | work |\n");
+    // Per kernel kind, medians over the launches of layers 2 .. L − 2 (µs from the previous
+    // kernel's last block exit: its own last exit, first entry and first wait return; its work is
+    // its last exit after its first wait return).
+    printf("| kernel | blocks | launches | stage | first entry | first wait return | work |\n");
     printf("| --- | ---: | ---: | ---: | ---: | ---: | ---: |\n");
-    const unsigned per = launch / L;
+    const auto med = [](std::vector<double> v) {
+        std::sort(v.begin(), v.end());
+        return v.empty() ? 0.0 : v[v.size() / 2];
+    };
     double total = 0;
-    for (unsigned k = 0; k < per; ++k) {
-        std::vector<double> stage, entry, w0, w1, work;
-        for (unsigned l = 2; l < L; ++l) {
-            const unsigned i = l * per + k;
+    for (int k = 0; k < 7; ++k) {
+        std::vector<double> stage, entry, w0, work;
+        unsigned nb = 0;
+        for (unsigned i = launch / 15; i + launch / 15 < launch; ++i) {
+            if (kind[i] != k || !blocks[i] || !blocks[i - 1]) continue;
             const Span &x = sp[i], &p = sp[i - 1];
+            nb = blocks[i];
             stage.push_back(((long long)(x.end_max - p.end_max)) / 1000.0);
             entry.push_back(((long long)(x.entry_min - p.end_max)) / 1000.0);
             w0.push_back(((long long)(x.wait_min - p.end_max)) / 1000.0);
-            w1.push_back(((long long)(x.wait_max - p.end_max)) / 1000.0);
             work.push_back(((long long)(x.end_max - x.wait_min)) / 1000.0);
         }
-        const auto med = [](std::vector<double> v) {
-            std::sort(v.begin(), v.end());
-            return v[v.size() / 2];
-        };
+        if (stage.empty()) continue;
         total += med(stage);
-        printf("| %s | %u | %.2f | %.2f | %.2f | %.2f | %.2f |\n", names[kind[k]], sp[k].blocks, med(stage), med(entry),
-               med(w0), med(w1), med(work));
+        printf("| %s | %u | %zu | %.2f | %.2f | %.2f | %.2f |\n", names[k], nb, stage.size(), med(stage), med(entry),
+               med(w0), med(work));
     }
     printf("sum of the median stages: %.2f us per layer (timeline of one replay: %.1f us for the step)\n", total,
            (sp[launch - 1].end_max - sp[0].entry_min) / 1000.0);

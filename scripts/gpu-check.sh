@@ -44,7 +44,8 @@
 #   layer      bench/layer_probe.cu (nvcc): 30 decoder layers of the five fused decode kernels in one
 #              graph, batch 1: µs per layer, the per-kernel timeline of one replay (global timer), the
 #              step without the O projection, attention under programmatic dependent launch, O +
-#              residual + RMS norm + gate·up as one cluster kernel, and the same with the linear.cu of each variant in .gpu/variants/*; LAYER_FLAGS adds nvcc
+#              residual + RMS norm + gate·up as one cluster kernel (and down + QKV too: three
+#              kernels per layer), and the same with the linear.cu of each variant in .gpu/variants/*; LAYER_FLAGS adds nvcc
 #              -D flags to every build
 #   probe      bench/attn_probe.cu (nvcc): decode attention alone, the three decode kernels (batch 1 at a
 #              384 cache; the tiled one at batch 8 over 4096, 256 and 128 keys per block), GPU time
@@ -341,8 +342,9 @@ for w in glob.glob(".gpu/python/*.whl"):
     # Where a decode layer's time goes (bench/layer_probe.cu): plain, with timeline marks, no O.
     inc="$work/inc" && mkdir -p "$inc/kiln-cuda-std" && cp kernels/cuda-std/include/* "$inc/kiln-cuda-std/" &&
       cp host/cuda/kiln.cuh "$inc/"
-    specs=("plain:" "marks:-DLP_MARKS" "no-O:-DLP_NO_O" "attn-pdl:-DLP_ATTN_PDL" "attn-pdl-marks:-DLP_ATTN_PDL -DLP_MARKS"
-      "attn-pdl-trigger:-DLP_ATTN_PDL -DLP_ATTN_TRIGGER" "fused-ogu:-DLP_FUSED_OGU" "fused-ogu-marks:-DLP_FUSED_OGU -DLP_MARKS")
+    specs=("plain:" "marks:-DLP_MARKS" "no-O:-DLP_NO_O" "attn-pdl:-DLP_ATTN_PDL"
+      "attn-pdl-trigger:-DLP_ATTN_PDL -DLP_ATTN_TRIGGER" "fused-ogu:-DLP_FUSED_OGU" "fused-ogu-marks:-DLP_FUSED_OGU -DLP_MARKS"
+      "fused-all:-DLP_FUSED_ALL" "fused-all-marks:-DLP_FUSED_ALL -DLP_MARKS")
     for v in .gpu/variants/*/cuda/linear.cu; do # drop-in GEMV variants, plain and with marks
       [ -f "$v" ] && ! cmp -s "$v" kernels/matmul/cuda/linear.cu || continue
       n=$(basename "$(dirname "$(dirname "$v")")")
