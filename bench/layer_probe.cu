@@ -346,8 +346,6 @@ int main() {
     const auto fused = [&](int k, auto kernel, unsigned cols2, unsigned cl, const S* x, const S* w1, const S* skip,
                            const S* gamma, const S* w2, S* y, S* sum, unsigned k1, unsigned n1, unsigned n2) {
         const unsigned smem = fused_shared_bytes(k1, n1, cl);
-        CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        if (cl > 8) CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
         const unsigned blocks = (n2 + FU_WARPS * cols2 - 1) / (FU_WARPS * cols2);
         cudaLaunchConfig_t cfg = {};
         cfg.gridDim = dim3((blocks + cl - 1) / cl * cl, 1, 1);
@@ -365,6 +363,13 @@ int main() {
         CHECK(cudaLaunchKernelEx(&cfg, kernel, launch++, x, w1, skip, gamma, w2, y, sum, k1, n1, n2, eps));
         kind.push_back(k);
     };
+    // Their attributes, set outside the capture: the shared memory of W1's slice, and clusters
+    // past the portable 8.
+    CHECK(cudaFuncSetAttribute(lp_fused<LIN_LINEAR, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               (int)fused_shared_bytes(N * H, D, OGU_CL)));
+    CHECK(cudaFuncSetAttribute(lp_fused<LIN_SWIGLU, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               (int)fused_shared_bytes(I, D, DQKV_CL)));
+    CHECK(cudaFuncSetAttribute(lp_fused<LIN_SWIGLU, 4>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     const auto ogu = [&](const Layer& l, const S* skip, S* sum_out) {
         fused(5, lp_fused<LIN_LINEAR, 3>, 3, OGU_CL, attn, l.wo, skip, l.g2, l.wgu, gu, sum_out, N * H, D, 2 * I);
     };
