@@ -11,7 +11,7 @@
 // Prints the graph replay's time per step and per layer (CUDA events, mean of 200 replays), and,
 // built with -DLP_MARKS, one replay's timeline from the global timer (32 ns ticks) at three marks
 // per block: entry, return from the grid-dependency wait (entry for attention, which has none),
-// exit. Per kernel of the layer (medians over layers 2–29, µs): the stage (its last block's exit
+// exit. Per kernel of the layer (medians over the launches of the middle layers, µs): the stage (its last block's exit
 // after the previous kernel's), its first block's entry and first wait return after the previous
 // kernel's last exit, and its work (last exit after first wait return). -DLP_NO_O leaves the O
 // projection out (its stage's cost); -DLP_FUSED_OGU runs O, the residual add and RMS norm and
@@ -173,14 +173,16 @@ __global__ void __launch_bounds__(FU_WARPS * 32, 1)
     for (unsigned c = warp; c < c1; c += FU_WARPS) {
         float acc = 0.f;
         for (unsigned ch = lane; ch < kc1; ch += 32) {
-            float wf[8];
+            float wf[8], af[8];
             T::unpack(w1s[c * kc1 + ch], wf);
+            lin::load_a<T>(as + 8 * ch, af);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) acc = fmaf(as[8 * ch + e], wf[e], acc);
+            for (int e = 0; e < 8; ++e) acc = fmaf(af[e], wf[e], acc);
         }
         acc = kiln_warp_sum(acc);
         if (lane == 0) os[c] = T::ld(T::st(acc));
     }
+    __syncwarp();
     fu_cluster_arrive();
     fu_cluster_wait();
     // s = A·W1ᵀ + skip over the whole row (the other blocks' parts through the cluster).
@@ -191,6 +193,7 @@ __global__ void __launch_bounds__(FU_WARPS * 32, 1)
         q += v * v;
         if (blockIdx.x == 0) sum[i] = T::st(v);
     }
+    __syncwarp();
     fu_cluster_arrive();  // this block reads no other block's shared memory after this
     const float inv = 1.f / sqrtf(kiln_block_reduce(q, red, false) / (float)n1 + eps);
     for (unsigned i = tid; i < n1; i += blockDim.x) ss[i] = T::ld(T::st(ss[i] * inv * gs[i]));
@@ -321,7 +324,7 @@ int main() {
     std::vector<int> kind;
     [[maybe_unused]] const char* names[7] = {"QKV (RmsNormLinear)", "attention (cluster)", "O (Linear)", "gate.up (RmsNormLinear)",
                             "down (SwiGluLinear)", "O + gate.up (fused)", "down + QKV (fused)"};
-    cudaLaunchAttribute pdl;
+    cudaLaunchAttribute pdl = {};
     pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     pdl.val.programmaticStreamSerializationAllowed = 1;
     const auto gemv = [&](int k, auto kernel, unsigned blocks, const S* x, const S* skip, const S* gamma, const S* w,
@@ -351,7 +354,7 @@ int main() {
         cfg.blockDim = dim3(FU_WARPS * 32, 1, 1);
         cfg.dynamicSmemBytes = smem;
         cfg.stream = s;
-        cudaLaunchAttribute at[2];
+        cudaLaunchAttribute at[2] = {};
         at[0] = pdl;
         at[1].id = cudaLaunchAttributeClusterDimension;
         at[1].val.clusterDim.x = cl;
@@ -369,6 +372,27 @@ int main() {
     CHECK(cudaFuncSetAttribute(lp_fused<LIN_SWIGLU, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                (int)fused_shared_bytes(I, D, DQKV_CL)));
     CHECK(cudaFuncSetAttribute(lp_fused<LIN_SWIGLU, 4>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+#ifdef LP_FUSED_ALL
+    {
+        // Clusters of 16 need 16 free multiprocessors of one GPC: stop where the GPU has none.
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(32, 1, 1);
+        cfg.blockDim = dim3(FU_WARPS * 32, 1, 1);
+        cfg.dynamicSmemBytes = fused_shared_bytes(I, D, DQKV_CL);
+        cudaLaunchAttribute at[1] = {};
+        at[0].id = cudaLaunchAttributeClusterDimension;
+        at[0].val.clusterDim.x = DQKV_CL;
+        at[0].val.clusterDim.y = 1;
+        at[0].val.clusterDim.z = 1;
+        cfg.attrs = at;
+        cfg.numAttrs = 1;
+        int clusters = 0;
+        CHECK(cudaOccupancyMaxActiveClusters(&clusters, lp_fused<LIN_SWIGLU, 4>, &cfg));
+        printf("clusters of %u blocks (%u B of shared memory each) at once: %d\n", DQKV_CL, cfg.dynamicSmemBytes,
+               clusters);
+        if (clusters < 1) return 1;
+    }
+#endif
     const auto ogu = [&](const Layer& l, const S* skip, S* sum_out) {
         fused(5, lp_fused<LIN_LINEAR, 3>, 3, OGU_CL, attn, l.wo, skip, l.g2, l.wgu, gu, sum_out, N * H, D, 2 * I);
     };
@@ -510,7 +534,7 @@ int main() {
             sp[i].wait_min = std::min(sp[i].wait_min, m[1]);
             sp[i].end_max = std::max(sp[i].end_max, m[2]);
         }
-    // Per kernel kind, medians over the launches of layers 2 .. L − 2 (µs from the previous
+    // Per kernel kind, medians over the launches past the first and last fifteenth (µs from the previous
     // kernel's last block exit: its own last exit, first entry and first wait return; its work is
     // its last exit after its first wait return).
     printf("| kernel | blocks | launches | stage | first entry | first wait return | work |\n");
