@@ -388,7 +388,7 @@ int main() {
         cfg.numAttrs = 1;
         int clusters = 0;
         CHECK(cudaOccupancyMaxActiveClusters(&clusters, lp_fused<LIN_SWIGLU, 4>, &cfg));
-        printf("clusters of %u blocks (%u B of shared memory each) at once: %d\n", DQKV_CL, cfg.dynamicSmemBytes,
+        printf("clusters of %u blocks (%zu B of shared memory each) at once: %d\n", DQKV_CL, cfg.dynamicSmemBytes,
                clusters);
         if (clusters < 1) return 1;
     }
