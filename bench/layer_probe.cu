@@ -11,7 +11,8 @@
 // Prints the graph replay's time per step and per layer (CUDA events, mean of 200 replays), and,
 // built with -DLP_MARKS, one replay's timeline from the global timer (32 ns ticks) at three marks
 // per block: entry, return from the grid-dependency wait (entry for attention, which has none),
-// exit. Per kernel of the layer (medians over the launches of the middle layers, µs): the stage (its last block's exit
+// exit (and decode attention's phases, attention.cu's GQA_MARK). Per kernel of the layer
+// (medians over the launches of the middle layers, µs): the stage (its last block's exit
 // after the previous kernel's), its first block's entry and first wait return after the previous
 // kernel's last exit, and its work (last exit after first wait return). -DLP_NO_O leaves the O
 // projection out (its stage's cost); -DLP_FUSED_OGU runs O, the residual add and RMS norm and
@@ -27,25 +28,29 @@
 
 #define LP_LAUNCHES 160
 #define LP_BLOCKS 512
+#define LP_PER 9  // marks per block: 0 entry, 1 wait return, 2 exit, 3–8 decode attention's phases
 
 #ifdef LP_MARKS
-__device__ unsigned long long g_lp[LP_LAUNCHES * LP_BLOCKS * 3];
+__device__ unsigned long long g_lp[LP_LAUNCHES * LP_BLOCKS * LP_PER];
 __shared__ unsigned lp_launch;
-// Mark i (0 entry, 1 wait returned, 2 exit) of this block of launch lp_launch, by thread 0.
+// Mark i (0 entry, 1 wait returned, 2 exit, 3–8 attention.cu's GQA_MARK phases) of this block of
+// launch lp_launch, by thread 0.
 __device__ __forceinline__ void lp_mark(int i) {
     if (threadIdx.x == 0) {
         const unsigned blk = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
         unsigned long long t;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        if (blk < LP_BLOCKS && lp_launch < LP_LAUNCHES) g_lp[(lp_launch * LP_BLOCKS + blk) * 3 + i] = t;
+        if (blk < LP_BLOCKS && lp_launch < LP_LAUNCHES) g_lp[(lp_launch * LP_BLOCKS + blk) * LP_PER + i] = t;
     }
 }
 __device__ __forceinline__ void lp_begin(unsigned launch) {
     if (threadIdx.x == 0) lp_launch = launch;
     lp_mark(0);
 }
-// The kernels' grid-dependency wait, then mark 1 (the name inside is not expanded again).
+// The kernels' grid-dependency wait, then mark 1 (the name inside is not expanded again); the
+// decode attention kernel's phases.
 #define kiln_griddep_wait() (kiln_griddep_wait(), lp_mark(1))
+#define GQA_MARK(i) lp_mark(i)
 #else
 #define lp_mark(i) ((void)0)
 #define lp_begin(launch) ((void)(launch))
@@ -514,7 +519,7 @@ int main() {
     if (hst.code) printf("attention status code %u\n", hst.code);
 
 #ifdef LP_MARKS
-    static unsigned long long t[LP_LAUNCHES * LP_BLOCKS * 3];
+    static unsigned long long t[LP_LAUNCHES * LP_BLOCKS * LP_PER];
     memset(t, 0, sizeof(t));
     CHECK(cudaMemcpyToSymbol(g_lp, t, sizeof(t)));
     CHECK(cudaGraphLaunch(exec, s));
@@ -527,7 +532,7 @@ int main() {
     std::vector<unsigned> blocks(launch, 0);
     for (unsigned i = 0; i < launch && i < LP_LAUNCHES; ++i)
         for (unsigned blk = 0; blk < LP_BLOCKS; ++blk) {
-            const unsigned long long* m = &t[(i * LP_BLOCKS + blk) * 3];
+            const unsigned long long* m = &t[(i * LP_BLOCKS + blk) * LP_PER];
             if (!m[0]) continue;
             ++blocks[i];
             sp[i].entry_min = std::min(sp[i].entry_min, m[0]);
@@ -563,6 +568,21 @@ int main() {
     }
     printf("sum of the median stages: %.2f us per layer (timeline of one replay: %.1f us for the step)\n", total,
            (sp[launch - 1].end_max - sp[0].entry_min) / 1000.0);
+    // Decode attention's phases: per launch, the last block to reach each mark (µs after the
+    // launch's first block entry), median over the middle layers' launches.
+    const char* phases[LP_PER] = {"", "", "exit (after the cluster merge)", "row length read", "append written",
+                                  "queries in shared memory", "scores", "weights", "sum of weight.V reduced"};
+    printf("| attention phase | last block, us after the first entry |\n| --- | ---: |\n");
+    for (int m : {3, 4, 5, 6, 7, 8, 2}) {
+        std::vector<double> v;
+        for (unsigned i = launch / 15; i + launch / 15 < launch && i < LP_LAUNCHES; ++i) {
+            if (kind[i] != 1 || !blocks[i]) continue;
+            unsigned long long last = 0;
+            for (unsigned blk = 0; blk < LP_BLOCKS; ++blk) last = std::max(last, t[(i * LP_BLOCKS + blk) * LP_PER + m]);
+            if (last) v.push_back((long long)(last - sp[i].entry_min) / 1000.0);
+        }
+        if (!v.empty()) printf("| %s | %.2f |\n", phases[m], med(v));
+    }
 #endif
     CHECK(cudaGetLastError());
     return 0;

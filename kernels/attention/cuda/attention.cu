@@ -6,6 +6,14 @@
 #include "kiln-cuda-std/mma.cuh"
 #include "kiln-cuda-std/reduce.cuh"
 
+// Phase marks of the decode kernel for bench/layer_probe.cu (-DLP_MARKS defines GQA_MARK to record
+// the global timer of each block reaching mark i); nothing otherwise.
+#ifndef GQA_MARK
+#define GQA_MARK(i) \
+    do {            \
+    } while (0)
+#endif
+
 // Largest head size of the attention kernel: each lane holds ceil(H / 32) ≤ 8 elements.
 #define GQA_MAX_CHUNKS 8
 // Most warps per attention block.
@@ -1147,6 +1155,7 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
         gqa_check(st, seqlens, gridDim.z, 1, 0, total, 0, 0, cache_rows, rotary_half);
     long long start, end, pos;
     gqa_range(seqlens, b, 0, 1, 0, window, PL, &start, &end, &pos);
+    GQA_MARK(3);  // the row's length read
     long long lo = (long long)split * kpb, hi = lo + kpb;
     if (lo < start) lo = start;
     if (hi > end) hi = end;
@@ -1176,6 +1185,7 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
     if (append)
         gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v, split, kpb, j, b, Nk, H,
                                PL, P, pos, kv_w, k_off, v_off, cache_rows, rotary_half, interleaved, lay);
+    GQA_MARK(4);  // the append written
     const bool merge_after = !fold && splits > 1;
     const gqa_dec_span span = gqa_dec_spans(start, end, kpb, splits, merge_after);
     const bool direct = !merge_after && span.used <= 1;
@@ -1194,6 +1204,7 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
     // 1. Query rows.
     queries.finish(q_s);
     __syncthreads();  // the appended rows and q_s
+    GQA_MARK(5);
     // 2. Scores, one key per thread (n ≤ blockDim.x).
     if (tid < n) {
         const unsigned k = tid;
@@ -1215,9 +1226,11 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
         gqa_dec_scores<Tag, G>(dot, s_sc, k, lo, scale, softcap, bias, has_bias, bias_b, bias_h, b, j, group, total);
     }
     __syncthreads();
+    GQA_MARK(6);  // the scores
     // 3. Weights, one warp per query row.
     gqa_dec_weights(s_sc, s_m, s_l, n, group);
     __syncthreads();
+    GQA_MARK(7);  // the weights
     // 4. Σ weight·V: thread (key lane kl, vector vi), GQA_DEC_REG_V_KEYS keys' loads in flight (the
     // first ones loaded above).
     float acc[G][8];
@@ -1244,6 +1257,7 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
     // Reduce over the key lanes of a warp (lanes vi + vpr·i), then over the warps.
     gqa_dec_reduce<Tag, G>(acc, &s_red[0][0], GQA_DEC_MAX_QH, vpr, vi, H, group);
     __syncthreads();
+    GQA_MARK(8);  // Σ weight·V reduced over the block
 #if __CUDA_ARCH__ >= 900
     if (CL > 0) {
         // q_s and s_sc are read no more.
