@@ -58,26 +58,6 @@ __global__ void probe_flush(uint4* p, size_t n, unsigned* sink) {
     if (acc == 0x12345678u) sink[0] = acc;
 }
 
-static kiln_f16 h16(float f) {
-    // float → binary16 bits (round to nearest even; small normal values only here).
-    unsigned u;
-    memcpy(&u, &f, 4);
-    const unsigned sign = (u >> 16) & 0x8000u;
-    int e = (int)((u >> 23) & 0xff) - 127 + 15;
-    unsigned m = u & 0x7fffffu;
-    if (e <= 0) return (kiln_f16)sign;
-    unsigned h = sign | ((unsigned)e << 10) | (m >> 13);
-    if ((m & 0x1fffu) > 0x1000u || ((m & 0x1fffu) == 0x1000u && (h & 1u))) ++h;
-    return (kiln_f16)h;
-}
-
-static double f32h(kiln_f16 h) {
-    // binary16 bits → double.
-    const int e = (h >> 10) & 0x1f, m = h & 0x3ff;
-    const double v = e == 0 ? ldexp(m, -24) : ldexp(1024 + m, e - 25);
-    return (h & 0x8000) ? -v : v;
-}
-
 int main() {
 #ifdef TILED
     const unsigned B = 8, PL = 4096;
@@ -102,9 +82,9 @@ int main() {
 #endif
     std::vector<kiln_f16> qkv(B * kv_w), cache((size_t)B * Nk * PL * H), cs((size_t)rows * half);
     srand(1);
-    for (auto& v : qkv) v = h16((rand() % 2001 - 1000) / 1000.f);
-    for (auto& v : cache) v = h16((rand() % 2001 - 1000) / 1000.f);
-    for (auto& v : cs) v = h16((rand() % 2001 - 1000) / 1000.f);
+    for (auto& v : qkv) v = probe_h16((rand() % 2001 - 1000) / 1000.f);
+    for (auto& v : cache) v = probe_h16((rand() % 2001 - 1000) / 1000.f);
+    for (auto& v : cs) v = probe_h16((rand() % 2001 - 1000) / 1000.f);
     kiln_f16 *d_qkv, *d_k, *d_v, *d_cos, *d_sin, *d_out;
     float* d_part;
     int* d_seq;
@@ -213,17 +193,18 @@ int main() {
             for (unsigned d = 0; d < H; ++d) {
                 const kiln_f16* x = &qkv[b * kv_w + h * H];
                 const unsigned i = d < half ? d : d - half;
-                const double c = f32h(cs[(size_t)pos * half + i]), sn = f32h(cs[(size_t)pos * half + i]);
-                const double r = d < half ? f32h(x[d]) * c - f32h(x[d + half]) * sn
-                                          : f32h(x[d - half]) * sn + f32h(x[d]) * c;
-                q[d] = f32h(h16((float)r));  // rounded to float16 as the kernels do
+                const double c = probe_f64(cs[(size_t)pos * half + i]);
+                const double sn = probe_f64(cs[(size_t)pos * half + i]);
+                const double r = d < half ? probe_f64(x[d]) * c - probe_f64(x[d + half]) * sn
+                                          : probe_f64(x[d - half]) * sn + probe_f64(x[d]) * c;
+                q[d] = probe_f64(probe_h16((float)r));  // rounded to float16 as the kernels do
             }
             std::vector<double> sc(pos + 1);
             double m = -INFINITY, l = 0;
             for (int t = 0; t <= pos; ++t) {
                 const kiln_f16* kr = &hk[((size_t)(b * Nk + j) * PL + t) * H];
                 double dot = 0;
-                for (unsigned d = 0; d < H; ++d) dot += q[d] * f32h(kr[d]);
+                for (unsigned d = 0; d < H; ++d) dot += q[d] * probe_f64(kr[d]);
                 sc[t] = dot * 0.125;
                 m = fmax(m, sc[t]);
             }
@@ -231,10 +212,10 @@ int main() {
                 const double p = exp(sc[t] - m);
                 l += p;
                 const kiln_f16* vr = &hv[((size_t)(b * Nk + j) * PL + t) * H];
-                for (unsigned d = 0; d < H; ++d) o[d] += p * f32h(vr[d]);
+                for (unsigned d = 0; d < H; ++d) o[d] += p * probe_f64(vr[d]);
             }
             for (unsigned d = 0; d < H; ++d) {
-                const double want = o[d] / l, got = f32h(ho[(b * N + h) * H + d]);
+                const double want = o[d] / l, got = probe_f64(ho[(b * N + h) * H + d]);
                 worst = fmax(worst, fabs(got - want));
                 worst_rel = fmax(worst_rel, fabs(got - want) / fmax(fabs(want), 1e-3));
             }

@@ -61,6 +61,7 @@ __device__ __forceinline__ void lp_begin(unsigned launch) {
 #endif
 #include LIN_SRC
 #include "kernels/attention/cuda/attention.cu"
+#include "kiln-cuda-std/cluster.cuh"
 
 typedef kiln_tag_f16::storage S;
 
@@ -106,17 +107,6 @@ __global__ void __cluster_dims__(GQA_DEC_CLUSTER, 1, 1) __launch_bounds__(256, 2
 #define FU_WARPS 8
 #define FU_UNROLL 3  // 16-byte W2 chunks per lane and output (n1 ≤ 32·3·8 = 768)
 
-__device__ __forceinline__ void fu_cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void fu_cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-__device__ __forceinline__ float fu_cluster_ld(const float* p, unsigned rank) {
-    const unsigned local = (unsigned)__cvta_generic_to_shared(p);
-    unsigned remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-    return v;
-}
-
 // Dynamic shared memory: W1's c1 rows (c1·k1 values), then f32 a [k1], skip [n1], gamma [n1],
 // s [n1], o [c1], red [32].
 template <int MODE1, int COLS2>
@@ -126,8 +116,8 @@ __global__ void __launch_bounds__(FU_WARPS * 32, 1)
     typedef lin::F16 T;
     lp_begin(launch);
     extern __shared__ __align__(16) unsigned char fu_shared[];
-    unsigned rank, cl;
-    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    const unsigned rank = kiln_cluster_rank();
+    unsigned cl;
     asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(cl));
     const unsigned tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const unsigned c1 = n1 / cl, kc1 = k1 / 8, kc2 = n1 / 8;
@@ -187,19 +177,17 @@ __global__ void __launch_bounds__(FU_WARPS * 32, 1)
         acc = kiln_warp_sum(acc);
         if (lane == 0) os[c] = T::ld(T::st(acc));
     }
-    __syncwarp();
-    fu_cluster_arrive();
-    fu_cluster_wait();
+    kiln_cluster_arrive();
+    kiln_cluster_wait();
     // s = A·W1ᵀ + skip over the whole row (the other blocks' parts through the cluster).
     float q = 0.f;
     for (unsigned i = tid; i < n1; i += blockDim.x) {
-        const float v = fu_cluster_ld(os + i % c1, i / c1) + ks[i];
+        const float v = kiln_cluster_ld(os + i % c1, i / c1) + ks[i];
         ss[i] = v;
         q += v * v;
         if (blockIdx.x == 0) sum[i] = T::st(v);
     }
-    __syncwarp();
-    fu_cluster_arrive();  // this block reads no other block's shared memory after this
+    kiln_cluster_arrive();  // this block reads no other block's shared memory after this
     const float inv = 1.f / sqrtf(kiln_block_reduce(q, red, false) / (float)n1 + eps);
     for (unsigned i = tid; i < n1; i += blockDim.x) ss[i] = T::ld(T::st(ss[i] * inv * gs[i]));
     __syncthreads();
@@ -226,7 +214,7 @@ __global__ void __launch_bounds__(FU_WARPS * 32, 1)
         const float v = kiln_warp_sum(acc[j]);
         if (lane == 0 && col2 + j < n2) y[col2 + j] = T::st(v);
     }
-    fu_cluster_wait();  // every block has read this one's outputs
+    kiln_cluster_wait();  // every block has read this one's outputs
     lp_mark(2);
 }
 
@@ -257,30 +245,10 @@ __global__ void lp_instances(void** p) {
 
 #include "bench/check.cuh"
 
-static S h16(float f) {
-    // float → binary16 bits (round to nearest even; small normal values only here).
-    unsigned u;
-    memcpy(&u, &f, 4);
-    const unsigned sign = (u >> 16) & 0x8000u;
-    int e = (int)((u >> 23) & 0xff) - 127 + 15;
-    unsigned m = u & 0x7fffffu;
-    if (e <= 0) return (S)sign;
-    unsigned h = sign | ((unsigned)e << 10) | (m >> 13);
-    if ((m & 0x1fffu) > 0x1000u || ((m & 0x1fffu) == 0x1000u && (h & 1u))) ++h;
-    return (S)h;
-}
-
-[[maybe_unused]] static double f64(S h) {
-    // binary16 bits → double.
-    const int e = (h >> 10) & 0x1f, m = h & 0x3ff;
-    const double v = e == 0 ? std::ldexp((double)m, -24) : std::ldexp((double)(1024 + m), e - 25);
-    return (h & 0x8000) ? -v : v;
-}
-
 // A device buffer of n float16 values, uniform in [-scale, scale].
 static S* random_f16(size_t n, float scale) {
     std::vector<S> h(n);
-    for (auto& v : h) v = h16(scale * ((rand() % 2001) - 1000) / 1000.f);
+    for (auto& v : h) v = probe_h16(scale * ((rand() % 2001) - 1000) / 1000.f);
     S* d;
     CHECK(cudaMalloc(&d, n * 2));
     CHECK(cudaMemcpy(d, h.data(), n * 2, cudaMemcpyHostToDevice));
@@ -350,6 +318,15 @@ int main() {
     // lp_fused over clusters of `cl` blocks: Y2 [n2] = RMS(A·W1ᵀ + skip) · gamma · W2ᵀ, A from x [k1] (or
     // [2·k1], SwiGlu), sum [n1].
     const unsigned OGU_CL = 8, DQKV_CL = 16;
+    // The launch attribute of clusters of `cl` blocks along x.
+    const auto cluster = [](unsigned cl) {
+        cudaLaunchAttribute a = {};
+        a.id = cudaLaunchAttributeClusterDimension;
+        a.val.clusterDim.x = cl;
+        a.val.clusterDim.y = 1;
+        a.val.clusterDim.z = 1;
+        return a;
+    };
     const auto fused = [&](int k, auto kernel, unsigned cols2, unsigned cl, const S* x, const S* w1, const S* skip,
                            const S* gamma, const S* w2, S* y, S* sum, unsigned k1, unsigned n1, unsigned n2) {
         const unsigned smem = fused_shared_bytes(k1, n1, cl);
@@ -359,12 +336,7 @@ int main() {
         cfg.blockDim = dim3(FU_WARPS * 32, 1, 1);
         cfg.dynamicSmemBytes = smem;
         cfg.stream = s;
-        cudaLaunchAttribute at[2] = {};
-        at[0] = pdl;
-        at[1].id = cudaLaunchAttributeClusterDimension;
-        at[1].val.clusterDim.x = cl;
-        at[1].val.clusterDim.y = 1;
-        at[1].val.clusterDim.z = 1;
+        cudaLaunchAttribute at[2] = {pdl, cluster(cl)};
         cfg.attrs = at;
         cfg.numAttrs = 2;
         CHECK(cudaLaunchKernelEx(&cfg, kernel, launch++, x, w1, skip, gamma, w2, y, sum, k1, n1, n2, eps));
@@ -384,11 +356,7 @@ int main() {
         cfg.gridDim = dim3(32, 1, 1);
         cfg.blockDim = dim3(FU_WARPS * 32, 1, 1);
         cfg.dynamicSmemBytes = fused_shared_bytes(I, D, DQKV_CL);
-        cudaLaunchAttribute at[1] = {};
-        at[0].id = cudaLaunchAttributeClusterDimension;
-        at[0].val.clusterDim.x = DQKV_CL;
-        at[0].val.clusterDim.y = 1;
-        at[0].val.clusterDim.z = 1;
+        cudaLaunchAttribute at[1] = {cluster(DQKV_CL)};
         cfg.attrs = at;
         cfg.numAttrs = 1;
         int clusters = 0;
@@ -434,8 +402,8 @@ int main() {
             CHECK(cudaMemcpy(b2.data(), sum_out, D * 2, cudaMemcpyDeviceToHost));
             const auto cmp = [](const std::vector<S>& r, const std::vector<S>& g, double* worst, double* top) {
                 for (size_t i = 0; i < r.size(); ++i) {
-                    *worst = std::max(*worst, std::fabs(f64(g[i]) - f64(r[i])));
-                    *top = std::max(*top, std::fabs(f64(r[i])));
+                    *worst = std::max(*worst, std::fabs(probe_f64(g[i]) - probe_f64(r[i])));
+                    *top = std::max(*top, std::fabs(probe_f64(r[i])));
                 }
             };
             double w1 = 0, t1 = 0, w2 = 0, t2 = 0;

@@ -3,6 +3,7 @@
 // shim/src/lib.rs. Argument order matches the shim's `launch` calls exactly.
 #include "kiln.cuh"
 #include "kiln-cuda-std/async.cuh"
+#include "kiln-cuda-std/cluster.cuh"
 #include "kiln-cuda-std/mma.cuh"
 #include "kiln-cuda-std/reduce.cuh"
 
@@ -1037,7 +1038,7 @@ __device__ __noinline__ void gqa_dec_fold(const float* partial, kiln_counter* co
 // The split merge through a thread block cluster (compute capability 9.0): the GQA_DEC_CLUSTER
 // blocks of one (KV head, batch row) are one cluster, each leaves its partial state (maxima, sums,
 // Σ weight·V) in its shared memory, and block 0 of the cluster reads the others' through
-// distributed shared memory (PTX ISA: mapa, ld.shared::cluster) after a cluster barrier, merges
+// distributed shared memory (kiln-cuda-std's cluster.cuh) after a cluster barrier, merges
 // them as gqa_dec_fold does and writes the output; a second barrier keeps every block's shared
 // memory alive until then. No global memory, fence or atomic on the way: a few hundred cycles
 // where the fold's counter and L2 round trips take thousands (bench/RESULTS.md, 2026-12-04,
@@ -1045,20 +1046,6 @@ __device__ __noinline__ void gqa_dec_fold(const float* partial, kiln_counter* co
 #define GQA_DEC_CLUSTER 8
 
 #if __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void gqa_cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// The float at `p` in this block's shared memory, read from the same place in cluster block `rank`.
-__device__ __forceinline__ float gqa_cluster_ld(const float* p, unsigned rank) {
-    const unsigned local = (unsigned)__cvta_generic_to_shared(p);
-    unsigned remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-    return v;
-}
-
 // has_keys: this block's state is s_m, s_l and the warps' sums in s_red [warp][stride] (as
 // gqa_dec_write reads them); otherwise it holds no key. no_keys: the row attends to no key
 // (zeros, as kiln_gqa_merge writes). The block's partial state goes to shared memory the kernel
@@ -1082,10 +1069,8 @@ __device__ __noinline__ void gqa_dec_cluster(const float* s_red, unsigned stride
         ml[tid] = has_keys ? s_m[tid] : -__int_as_float(0x7f800000);
         ml[GQA_DEC_MAX_GROUP + tid] = has_keys ? s_l[tid] : 0.f;
     }
-    gqa_cluster_sync();
-    unsigned rank;
-    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-    if (rank == 0) {
+    kiln_cluster_sync();
+    if (kiln_cluster_rank() == 0) {
         for (unsigned i = tid; i < group * H; i += blockDim.x) {
             const unsigned g = i / H, d = i - g * H, h = j * group + g;
             typename Tag::storage* o = out + (kiln_u64)b * N * H + (kiln_u64)h * H;
@@ -1096,9 +1081,9 @@ __device__ __noinline__ void gqa_dec_cluster(const float* s_red, unsigned stride
             float m[GQA_DEC_CLUSTER], l[GQA_DEC_CLUSTER], v[GQA_DEC_CLUSTER];
 #pragma unroll
             for (unsigned r = 0; r < GQA_DEC_CLUSTER; ++r) {
-                m[r] = gqa_cluster_ld(ml + g, r);
-                l[r] = gqa_cluster_ld(ml + GQA_DEC_MAX_GROUP + g, r);
-                v[r] = gqa_cluster_ld(acc + i, r);
+                m[r] = kiln_cluster_ld(ml + g, r);
+                l[r] = kiln_cluster_ld(ml + GQA_DEC_MAX_GROUP + g, r);
+                v[r] = kiln_cluster_ld(acc + i, r);
             }
             float M = -__int_as_float(0x7f800000);
 #pragma unroll
@@ -1118,7 +1103,7 @@ __device__ __noinline__ void gqa_dec_cluster(const float* s_red, unsigned stride
             o[d] = kiln_from_f32(Tag(), a / den);
         }
     }
-    gqa_cluster_sync();  // block 0 has read every block's partial state
+    kiln_cluster_sync();  // block 0 has read every block's partial state
 }
 #endif
 

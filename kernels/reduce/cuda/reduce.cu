@@ -23,6 +23,7 @@
 #include "kiln-cuda-std/reduce.cuh"
 #include "kiln-cuda-std/math.cuh"
 #include "kiln-cuda-std/vec.cuh"
+#include "kiln-cuda-std/cluster.cuh"
 
 // Op codes (the shim's `Kind`).
 #define RED_SUM 0u
@@ -451,28 +452,13 @@ __global__ void __launch_bounds__(1024) kiln_arg_rows(const typename Tag::storag
 // for few long rows (a decode step's logits: one block of one SM took 11 µs over 49,152 values on
 // an H100). Block r of a row scans its r-th slice (a multiple of 16 bytes of elements); on compute
 // capability 9.0 and later the row's blocks are one thread block cluster, and block 0 merges the
-// others' pairs from their shared memory (PTX ISA: mapa, generic addressing) after a cluster
-// barrier. Before 9.0 the row's block 0 scans the whole row and the others return.
+// others' pairs from their shared memory (kiln-cuda-std's cluster.cuh: mapa, generic addresses)
+// after a cluster barrier. Before 9.0 the row's block 0 scans the whole row and the others return.
 #define ARG_SPLIT 8
 #if __CUDA_ARCH__ >= 900
 #define KILN_ARG_CLUSTER_DIMS __cluster_dims__(ARG_SPLIT, 1, 1)
 #else
 #define KILN_ARG_CLUSTER_DIMS
-#endif
-
-#if __CUDA_ARCH__ >= 900
-// A cluster barrier; not `.aligned`, since the second one follows a branch taken by one warp.
-__device__ __forceinline__ void arg_cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
-}
-
-// `p` (in this block's shared memory) at the same place in cluster block `rank`, as a generic address.
-template <typename T>
-__device__ __forceinline__ const T* arg_cluster_ptr(const T* p, unsigned rank) {
-    unsigned long long remote;
-    asm volatile("mapa.u64 %0, %1, %2;" : "=l"(remote) : "l"(p), "r"(rank));
-    return (const T*)remote;
-}
 #endif
 
 template <typename Tag>
@@ -499,15 +485,15 @@ __global__ void KILN_ARG_CLUSTER_DIMS __launch_bounds__(1024)
         c_v = best;
         c_i = bi;
     }
-    arg_cluster_sync();  // every block's pair is in its shared memory
+    kiln_cluster_sync();  // every block's pair is in its shared memory
     if (rank == 0 && threadIdx.x < 32) {
         const unsigned lane = threadIdx.x;
-        best = lane < ARG_SPLIT ? *arg_cluster_ptr(&c_v, lane) : RT<Tag>::lowest();
-        bi = lane < ARG_SPLIT ? *arg_cluster_ptr(&c_i, lane) : -1;
+        best = lane < ARG_SPLIT ? *kiln_cluster_map(&c_v, lane) : RT<Tag>::lowest();
+        bi = lane < ARG_SPLIT ? *kiln_cluster_map(&c_i, lane) : -1;
         arg_warp(best, bi, is_min, last);
         if (lane == 0 && row < rows) y[row] = bi < 0 ? 0 : bi;
     }
-    arg_cluster_sync();  // block 0 has read every block's pair before any block exits
+    kiln_cluster_sync();  // block 0 has read every block's pair before any block exits
 #else
     if (rank != 0 || row >= rows) return;
     arg_scan<Tag>(x + row * n, 0, n, is_min, last, best, bi);
