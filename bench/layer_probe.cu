@@ -9,9 +9,9 @@
 // the step streams them from HBM as a real one does).
 //
 // Prints the graph replay's time per step and per layer (CUDA events, mean of 200 replays), and,
-// built with -DLP_MARKS, one replay's timeline from the global timer (32 ns ticks) at three marks
-// per block: entry, return from the grid-dependency wait (entry for attention, which has none),
-// exit (and decode attention's phases, attention.cu's GQA_MARK). Per kernel of the layer
+// built with -DLP_MARKS, one replay's timeline from the global timer (32 ns ticks) at marks per
+// block: entry, return from the grid-dependency wait (entry for attention, which has none), exit,
+// and decode attention's six phases (attention.cu's GQA_MARK). Per kernel of the layer
 // (medians over the launches of the middle layers, µs): the stage (its last block's exit
 // after the previous kernel's), its first block's entry and first wait return after the previous
 // kernel's last exit, and its work (last exit after first wait return). -DLP_NO_O leaves the O
@@ -20,7 +20,8 @@
 // layer's down (clusters of 16): three kernels per layer (each fused kernel is first checked
 // against the two it replaces); -DLP_ATTN_PDL launches attention with programmatic stream
 // serialization and a grid-dependency wait at its start (-DLP_ATTN_TRIGGER: and lets the O GEMV
-// launch right after it); -DLIN_SRC='"path"' takes the GEMVs from another linear.cu.
+// launch right after it); -DLIN_SRC='"path"' takes the GEMVs from another linear.cu. On an H100
+// (bench/RESULTS.md, 2026-12-06) both fused forms and attention under PDL were slower.
 //
 //   mkdir -p inc/kiln-cuda-std && cp kernels/cuda-std/include/* inc/kiln-cuda-std/ && cp host/cuda/kiln.cuh inc/
 //   nvcc -O3 -arch=sm_90 -std=c++17 -Iinc -I. [-DLP_MARKS] -o layer_probe bench/layer_probe.cu
@@ -116,9 +117,7 @@ __global__ void __launch_bounds__(FU_WARPS * 32, 1)
     typedef lin::F16 T;
     lp_begin(launch);
     extern __shared__ __align__(16) unsigned char fu_shared[];
-    const unsigned rank = kiln_cluster_rank();
-    unsigned cl;
-    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(cl));
+    const unsigned rank = kiln_cluster_rank(), cl = kiln_cluster_size();
     const unsigned tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const unsigned c1 = n1 / cl, kc1 = k1 / 8, kc2 = n1 / 8;
     uint4* w1s = (uint4*)fu_shared;

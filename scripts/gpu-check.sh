@@ -45,8 +45,8 @@
 #              graph, batch 1: µs per layer, the per-kernel timeline of one replay (global timer), the
 #              step without the O projection, attention under programmatic dependent launch, O +
 #              residual + RMS norm + gate·up as one cluster kernel (and down + QKV too: three
-#              kernels per layer), and the same with the linear.cu of each variant in .gpu/variants/*; LAYER_FLAGS adds nvcc
-#              -D flags to every build
+#              kernels per layer), and the same with the linear.cu of each variant in
+#              .gpu/variants/*; LAYER_FLAGS adds nvcc -D flags to every build
 #   probe      bench/attn_probe.cu (nvcc): decode attention alone, the three decode kernels (batch 1 at a
 #              384 cache; the tiled one at batch 8 over 4096, 256 and 128 keys per block), GPU time
 #              and the error against float64; PROBE_OLD=path/attention.cu adds that source's tiled rows
@@ -339,7 +339,7 @@ for w in glob.glob(".gpu/python/*.whl"):
     summary+=("floor: $(grep -E '^\| [0-9]' "$out/floor.log" | tr '\n' ' ')")
     ;;
   layer)
-    # Where a decode layer's time goes (bench/layer_probe.cu): plain, with timeline marks, no O.
+    # Where a decode layer's time goes (bench/layer_probe.cu): each build of `specs`, then run.
     inc="$work/inc" && mkdir -p "$inc/kiln-cuda-std" && cp kernels/cuda-std/include/* "$inc/kiln-cuda-std/" &&
       cp host/cuda/kiln.cuh "$inc/"
     specs=("plain:" "marks:-DLP_MARKS" "no-O:-DLP_NO_O" "attn-pdl:-DLP_ATTN_PDL"

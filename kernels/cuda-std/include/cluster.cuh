@@ -16,6 +16,17 @@ __device__ __forceinline__ unsigned kiln_cluster_rank() {
 #endif
 }
 
+// Blocks in this block's cluster (1 without one).
+__device__ __forceinline__ unsigned kiln_cluster_size() {
+#if __CUDA_ARCH__ >= 900
+    unsigned n;
+    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+    return n;
+#else
+    return 1;
+#endif
+}
+
 // Arrives at the cluster barrier with release semantics: this thread's earlier writes to shared
 // memory are visible to every thread of the cluster once it returns from the matching
 // kiln_cluster_wait(). Every thread of every block of the cluster arrives once per phase. Not
