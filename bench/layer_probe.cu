@@ -2,26 +2,34 @@
 // SmolLM2-135M architecture's 30 decoder layers (hidden 576, 9 query heads, 3 KV heads, head size
 // 64, MLP 1536, float16, a 384-position cache at position 200) as kiln's fused decode runs them,
 // five kernels per layer captured in one CUDA graph: kiln_linear_gemv RMSNORM (residual add, RMS
-// norm, QKV), kiln_gqa_decode_cluster (rotary, KV append, attention), kiln_linear_gemv LINEAR (O),
+// norm, QKV), kiln_gqa_decode_cluster_plain (rotary, KV append, attention), kiln_linear_gemv LINEAR (O),
 // kiln_linear_gemv RMSNORM (residual add, RMS norm, gate·up), kiln_linear_gemv SWIGLU (SiLU·mul,
 // down). The GEMVs are launched with programmatic stream serialization, attention without, as the
 // manifests' `pdl` lists make kiln launch them. Weights are random, distinct per layer (160 MiB:
 // the step streams them from HBM as a real one does).
 //
-// Prints the graph replay's time per step and per layer (CUDA events, mean of 200 replays), and,
-// built with -DLP_MARKS, one replay's timeline from the global timer (32 ns ticks) at marks per
-// block: entry, return from the grid-dependency wait (entry for attention, which has none), exit,
-// and decode attention's six phases (attention.cu's GQA_MARK). Per kernel of the layer
-// (medians over the launches of the middle layers, µs): the stage (its last block's exit
-// after the previous kernel's), its first block's entry and first wait return after the previous
-// kernel's last exit, and its work (last exit after first wait return). -DLP_NO_O leaves the O
-// projection out (its stage's cost); -DLP_FUSED_OGU runs O, the residual add and RMS norm and
-// gate·up as one kernel (lp_fused, clusters of 8), -DLP_FUSED_ALL also each QKV with the previous
-// layer's down (clusters of 16): three kernels per layer (each fused kernel is first checked
-// against the two it replaces); -DLP_ATTN_PDL launches attention with programmatic stream
-// serialization and a grid-dependency wait at its start (-DLP_ATTN_TRIGGER: and lets the O GEMV
-// launch right after it); -DLIN_SRC='"path"' takes the GEMVs from another linear.cu. On an H100
-// (bench/RESULTS.md, 2026-12-06) both fused forms and attention under PDL were slower.
+// First checks layer 0's attention against a float64 reference at positions 0, 7, 64, 383 and
+// 200 (the query and new K row rotated and rounded as the kernel does); then prints the graph
+// replay's time per step and per layer (CUDA events, mean of 200 replays), and, built with
+// -DLP_MARKS, one replay's timeline from the global timer (32 ns ticks) at marks per block:
+// entry, return from the grid-dependency wait (entry for attention, which has none), exit, and
+// decode attention's phases (attention.cu's GQA_MARK 3–10), and the SM clock over the blocks
+// (clock64 against the global timer). Per kernel of the layer (medians over the launches of the
+// middle layers, µs): the stage (its last block's exit after the previous kernel's), its first
+// block's entry and first wait return after the previous kernel's last exit, and its work (last
+// exit after first wait return); attention's phases by last block and by block of KV head 0.
+// Options: -DLP_NO_O leaves the O projection out (its stage's cost); -DLP_FUSED_OGU runs O, the
+// residual add and RMS norm and gate·up as one kernel (lp_fused, clusters of 8), -DLP_FUSED_ALL
+// also each QKV with the previous layer's down (clusters of 16): three kernels per layer (each
+// fused kernel is first checked against the two it replaces); -DLP_ATTN_PDL launches attention
+// with programmatic stream serialization and a grid-dependency wait at its start
+// (-DLP_ATTN_TRIGGER: and lets the O GEMV launch right after it; -DLP_ATTN_EARLY: the wait after
+// the kernel's K/V loads instead, attention.cu's GQA_EARLY_WAIT); -DLP_KV_SHARED makes every layer
+// read layer 0's K/V cache (L2-resident), -DLP_KV_ARENA puts every layer's in one allocation;
+// -DLIN_SRC='"path"' and -DATTN_SRC='"path"' take the GEMVs or attention from other sources
+// (-DLP_OLD_ATTN for an attention.cu before session 26). On an H100 (bench/RESULTS.md, 2026-12-06)
+// both fused forms and attention under PDL (early wait or not) were slower, and the L2-resident
+// cache changed nothing.
 //
 //   mkdir -p inc/kiln-cuda-std && cp kernels/cuda-std/include/* inc/kiln-cuda-std/ && cp host/cuda/kiln.cuh inc/
 //   nvcc -O3 -arch=sm_90 -std=c++17 -Iinc -I. [-DLP_MARKS] -o layer_probe bench/layer_probe.cu
@@ -29,10 +37,11 @@
 
 #define LP_LAUNCHES 160
 #define LP_BLOCKS 512
-#define LP_PER 9  // marks per block: 0 entry, 1 wait return, 2 exit, 3–8 decode attention's phases
+#define LP_PER 11  // marks per block: 0 entry, 1 wait return, 2 exit, 3–10 decode attention's phases
 
 #ifdef LP_MARKS
 __device__ unsigned long long g_lp[LP_LAUNCHES * LP_BLOCKS * LP_PER];
+__device__ long long g_clk[LP_LAUNCHES * LP_BLOCKS * 2];  // the SM clock at entry and exit
 __shared__ unsigned lp_launch;
 // Mark i (0 entry, 1 wait returned, 2 exit, 3–8 attention.cu's GQA_MARK phases) of this block of
 // launch lp_launch, by thread 0.
@@ -41,7 +50,10 @@ __device__ __forceinline__ void lp_mark(int i) {
         const unsigned blk = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
         unsigned long long t;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        if (blk < LP_BLOCKS && lp_launch < LP_LAUNCHES) g_lp[(lp_launch * LP_BLOCKS + blk) * LP_PER + i] = t;
+        if (blk < LP_BLOCKS && lp_launch < LP_LAUNCHES) {
+            g_lp[(lp_launch * LP_BLOCKS + blk) * LP_PER + i] = t;
+            if (i == 0 || i == 2) g_clk[(lp_launch * LP_BLOCKS + blk) * 2 + i / 2] = clock64();
+        }
     }
 }
 __device__ __forceinline__ void lp_begin(unsigned launch) {
@@ -61,7 +73,13 @@ __device__ __forceinline__ void lp_begin(unsigned launch) {
 #define LIN_SRC "kernels/matmul/cuda/linear.cu"  // -DLIN_SRC='"path"' probes another GEMV source
 #endif
 #include LIN_SRC
-#include "kernels/attention/cuda/attention.cu"
+#ifdef LP_ATTN_EARLY  // with LP_ATTN_PDL: the wait after the decode kernel's K/V loads
+#define GQA_EARLY_WAIT() kiln_griddep_wait()
+#endif
+#ifndef ATTN_SRC
+#define ATTN_SRC "kernels/attention/cuda/attention.cu"  // -DATTN_SRC='"path"' probes another attention source
+#endif
+#include ATTN_SRC
 #include "kiln-cuda-std/cluster.cuh"
 
 typedef kiln_tag_f16::storage S;
@@ -79,7 +97,7 @@ template <typename Tag>
 __global__ void __cluster_dims__(GQA_DEC_CLUSTER, 1, 1) __launch_bounds__(256, 2)
     lp_attn(unsigned launch, KILN_GQA_DECODE_PARAMS) {
     lp_begin(launch);
-#ifdef LP_ATTN_PDL
+#if defined(LP_ATTN_PDL) && !defined(LP_ATTN_EARLY)
     kiln_griddep_wait();
 #ifdef LP_ATTN_TRIGGER
     kiln_griddep_launch_dependents();
@@ -87,7 +105,12 @@ __global__ void __cluster_dims__(GQA_DEC_CLUSTER, 1, 1) __launch_bounds__(256, 2
 #else
     lp_mark(1);
 #endif
-    gqa_decode_regs<Tag, 4, GQA_DEC_CLUSTER>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out,
+#ifdef LP_OLD_ATTN  // an attention.cu before session 26's (ATTN_SRC), without gqa_decode_regs' PLAIN
+#define LP_REGS_ARGS Tag, 4, GQA_DEC_CLUSTER
+#else
+#define LP_REGS_ARGS Tag, 4, GQA_DEC_CLUSTER, true
+#endif
+    gqa_decode_regs<LP_REGS_ARGS>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out,
                                              N, Nk, H, PL, q_w, cache_rows, rotary_half, interleaved, scale, softcap,
                                              window, has_bias, bias_b, bias_h, total, sink_mode, k_src, v_src, past_k,
                                              past_v, P, kv_w, k_off, v_off, append, kpb, KILN_GQA_LAYOUT, fold,
@@ -273,6 +296,27 @@ int main() {
         l.k = random_f16((size_t)Nk * PL * H, 1.f);
         l.v = random_f16((size_t)Nk * PL * H, 1.f);
     }
+#ifdef LP_KV_SHARED
+    // Every layer reads layer 0's K/V cache (L2-resident: the K/V loads' latency without HBM).
+    for (auto& l : layers) {
+        l.k = layers[0].k;
+        l.v = layers[0].v;
+    }
+#endif
+#ifdef LP_KV_ARENA
+    {
+        // Every layer's K/V cache in one allocation, as kiln's arena holds them.
+        S* arena;
+        const size_t per = (size_t)Nk * PL * H;
+        CHECK(cudaMalloc(&arena, 2 * L * per * 2));
+        for (unsigned li = 0; li < L; ++li) {
+            CHECK(cudaMemcpy(arena + 2 * li * per, layers[li].k, per * 2, cudaMemcpyDeviceToDevice));
+            CHECK(cudaMemcpy(arena + (2 * li + 1) * per, layers[li].v, per * 2, cudaMemcpyDeviceToDevice));
+            layers[li].k = arena + 2 * li * per;
+            layers[li].v = arena + (2 * li + 1) * per;
+        }
+    }
+#endif
     S *h = random_f16(D, 1.f), *res_a = random_f16(D, 1.f), *res_b = random_f16(D, 1.f);
     S *qkv = random_f16(QKV, 1.f), *attn = random_f16(N * H, 1.f), *o = random_f16(D, 1.f);
     S *gu = random_f16(2 * I, 1.f), *cs = random_f16((size_t)rows * half, 1.f);
@@ -389,6 +433,65 @@ int main() {
     };
     (void)ogu;
     (void)dqkv;
+    for (const unsigned pos : {0u, 7u, 64u, PL - 1, 200u}) {
+        // Layer 0's attention against a float64 reference on the same inputs: the query and the
+        // new K row rotated and rounded to float16 as the kernel does, keys 0 … pos (the graph
+        // runs at the last one).
+        CHECK(cudaMemcpy(seq, &pos, 4, cudaMemcpyHostToDevice));
+        attention(layers[0]);
+        CHECK(cudaStreamSynchronize(s));
+        std::vector<S> hq(QKV), ho(N * H), hk((size_t)Nk * PL * H), hv((size_t)Nk * PL * H), hc((size_t)rows * half);
+        CHECK(cudaMemcpy(hq.data(), qkv, QKV * 2, cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(ho.data(), attn, N * H * 2, cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(hk.data(), layers[0].k, hk.size() * 2, cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(hv.data(), layers[0].v, hv.size() * 2, cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(hc.data(), cs, hc.size() * 2, cudaMemcpyDeviceToHost));
+        const auto rope = [&](const S* x, unsigned d) {
+            const unsigned i = d < half ? d : d - half;
+            const float c = (float)probe_f64(hc[(size_t)pos * half + i]), sn = c;  // cos and sin are one table
+            const float xa = (float)probe_f64(x[i]), xb = (float)probe_f64(x[i + half]);
+            return probe_f64(probe_h16(d < half ? xa * c - xb * sn : xa * sn + xb * c));
+        };
+        double worst = 0, top = 0, worst_row = 0;
+        for (unsigned j = 0; j < Nk; ++j) {
+            for (unsigned d = 0; d < H; ++d) {  // the appended row, K rotated
+                const double kd = rope(&hq[(N + j) * H], d), kg = probe_f64(hk[(size_t)j * PL * H + pos * H + d]);
+                const double vd = probe_f64(hq[(N + Nk + j) * H + d]);
+                const double vg = probe_f64(hv[(size_t)j * PL * H + pos * H + d]);
+                worst_row = std::max(worst_row, std::max(std::fabs(kd - kg), std::fabs(vd - vg)));
+            }
+            for (unsigned g = 0; g < N / Nk; ++g) {
+                const unsigned h = j * (N / Nk) + g;
+                std::vector<double> q(H), sc(pos + 1);
+                for (unsigned d = 0; d < H; ++d) q[d] = rope(&hq[h * H], d);
+                double m = -1e300, l = 0;
+                for (unsigned t = 0; t <= pos; ++t) {
+                    double dot = 0;
+                    for (unsigned d = 0; d < H; ++d)
+                        dot += q[d] * (t < pos ? probe_f64(hk[(size_t)j * PL * H + t * H + d])
+                                               : rope(&hq[(N + j) * H], d));
+                    sc[t] = 0.125 * dot;
+                    m = std::max(m, sc[t]);
+                }
+                for (auto& x : sc) l += (x = std::exp(x - m));
+                for (unsigned d = 0; d < H; ++d) {
+                    double o = 0;
+                    for (unsigned t = 0; t <= pos; ++t)
+                        o += sc[t] * (t < pos ? probe_f64(hv[(size_t)j * PL * H + t * H + d])
+                                              : probe_f64(hq[(N + Nk + j) * H + d]));
+                    o /= l;
+                    worst = std::max(worst, std::fabs(o - probe_f64(ho[h * H + d])));
+                    top = std::max(top, std::fabs(o));
+                }
+            }
+        }
+        printf("attention at position %u against float64: max |diff| %.3g (max |ref| %.3g), appended row max "
+               "|diff| %.3g\n", pos, worst, top, worst_row);
+        if (!(worst <= 2e-3 * std::max(1.0, top)) || !(worst_row <= 4e-3)) {
+            printf("attention output wrong\n");
+            return 1;
+        }
+    }
 #if defined(LP_FUSED_OGU) || defined(LP_FUSED_ALL)
     {
         // Each fused kernel against the two it replaces, on layer 1's weights (and layer 0's down).
@@ -492,6 +595,8 @@ int main() {
     CHECK(cudaGraphLaunch(exec, s));
     CHECK(cudaStreamSynchronize(s));
     CHECK(cudaMemcpyFromSymbol(t, g_lp, sizeof(t)));
+    static long long clk[LP_LAUNCHES * LP_BLOCKS * 2];
+    CHECK(cudaMemcpyFromSymbol(clk, g_clk, sizeof(clk)));
     struct Span {
         unsigned long long entry_min = ~0ull, wait_min = ~0ull, end_max = 0;
     };
@@ -533,14 +638,31 @@ int main() {
         printf("| %s | %u | %zu | %.2f | %.2f | %.2f | %.2f |\n", names[k], nb, stage.size(), med(stage), med(entry),
                med(w0), med(work));
     }
+    {
+        // The SM clock while the blocks ran: cycles over nanoseconds from entry to exit, blocks
+        // that ran at least 1 µs.
+        std::vector<double> mhz;
+        for (unsigned i = 0; i < launch && i < LP_LAUNCHES; ++i)
+            for (unsigned blk = 0; blk < LP_BLOCKS; ++blk) {
+                const unsigned long long* m = &t[(i * LP_BLOCKS + blk) * LP_PER];
+                const long long* c = &clk[(i * LP_BLOCKS + blk) * 2];
+                if (m[0] && m[2] > m[0] + 1000) mhz.push_back(1000.0 * (c[1] - c[0]) / (double)(m[2] - m[0]));
+            }
+        std::sort(mhz.begin(), mhz.end());
+        if (!mhz.empty())
+            printf("SM clock over the blocks of the replay: median %.0f MHz (10th percentile %.0f, 90th %.0f)\n",
+                   mhz[mhz.size() / 2], mhz[mhz.size() / 10], mhz[mhz.size() * 9 / 10]);
+    }
     printf("sum of the median stages: %.2f us per layer (timeline of one replay: %.1f us for the step)\n", total,
            (sp[launch - 1].end_max - sp[0].entry_min) / 1000.0);
     // Decode attention's phases: per launch, the last block to reach each mark (µs after the
     // launch's first block entry), median over the middle layers' launches.
     const char* phases[LP_PER] = {"", "", "exit (after the cluster merge)", "row length read", "append written",
-                                  "queries in shared memory", "scores", "weights", "sum of weight.V reduced"};
+                                  "queries in shared memory", "warp 0's keys (scores, weights, sum of weight.V)",
+                                  "cluster merge: the start barrier passed", "the warps' states in shared memory",
+                                  "cluster merge: the block's state sent", "cluster merge: every state received"};
     printf("| attention phase | last block, us after the first entry |\n| --- | ---: |\n");
-    for (int m : {3, 4, 5, 6, 7, 8, 2}) {
+    for (int m : {3, 4, 5, 6, 8, 7, 9, 10, 2}) {
         std::vector<double> v;
         for (unsigned i = launch / 15; i + launch / 15 < launch && i < LP_LAUNCHES; ++i) {
             if (kind[i] != 1 || !blocks[i]) continue;
@@ -548,7 +670,23 @@ int main() {
             for (unsigned blk = 0; blk < LP_BLOCKS; ++blk) last = std::max(last, t[(i * LP_BLOCKS + blk) * LP_PER + m]);
             if (last) v.push_back((long long)(last - sp[i].entry_min) / 1000.0);
         }
-        if (!v.empty()) printf("| %s | %.2f |\n", phases[m], med(v));
+        if (!v.empty() && phases[m][0]) printf("| %s | %.2f |\n", phases[m], med(v));
+    }
+    // The same per block of KV head 0 (split = block x), each block's own mark, median over the
+    // middle layers' launches: which split holds the kernel up.
+    printf("| attention phase, KV head 0 | split 0 | 1 | 2 | 3 | 4 | 5 | 6 | 7 |\n| --- |%s\n",
+           " ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    for (int m : {3, 4, 5, 6, 8, 7, 9, 10, 2}) {
+        printf("| %s |", phases[m]);
+        for (unsigned blk = 0; blk < GQA_DEC_CLUSTER; ++blk) {
+            std::vector<double> v;
+            for (unsigned i = launch / 15; i + launch / 15 < launch && i < LP_LAUNCHES; ++i) {
+                const unsigned long long x = t[(i * LP_BLOCKS + blk) * LP_PER + m];
+                if (kind[i] == 1 && blocks[i] && x) v.push_back((long long)(x - sp[i].entry_min) / 1000.0);
+            }
+            printf(v.empty() ? " |" : " %.2f |", med(v));
+        }
+        printf("\n");
     }
 #endif
     CHECK(cudaGetLastError());

@@ -7,12 +7,18 @@
 #include "kiln-cuda-std/mma.cuh"
 #include "kiln-cuda-std/reduce.cuh"
 
-// Phase marks of the decode kernel for bench/layer_probe.cu (-DLP_MARKS defines GQA_MARK to record
+// Phase marks of the cluster decode kernel for bench/layer_probe.cu (-DLP_MARKS defines GQA_MARK to record
 // the global timer of each block reaching mark i); nothing otherwise.
 #ifndef GQA_MARK
 #define GQA_MARK(i) \
     do {            \
     } while (0)
+#endif
+
+// The layer probe's hook for a grid-dependency wait after the cluster decode kernel's first
+// loads (-DLP_ATTN_EARLY); nothing otherwise.
+#ifndef GQA_EARLY_WAIT
+#define GQA_EARLY_WAIT() ((void)0)
 #endif
 
 // Largest head size of the attention kernel: each lane holds ceil(H / 32) ≤ 8 elements.
@@ -543,6 +549,7 @@ __device__ void gqa_decode_split(const typename Tag::storage* q_src, const typen
 #define GQA_DEC_MAX_QH 1024
 #define GQA_DEC_WARPS 8
 #define GQA_DEC_ROW_VECS 8  // 16-byte vectors of a K row in registers together
+#define GQA_DEC_MAX_ROW_BYTES 512  // bytes of one K/V row (H·sizeof(T))
 #define GQA_DEC_V_KEYS 4    // V rows per thread gqa_decode_tiled reads from shared memory together
 
 // Bytes of gqa_decode_tiled's K tile, which the cross-warp reduction reuses once the scores are
@@ -552,21 +559,23 @@ __host__ __device__ __forceinline__ unsigned gqa_decode_k_bytes(unsigned kpb, un
     return k > red ? k : red;
 }
 
-// The present rows block (split, j, b) of a decode kernel owns, rows split·kpb .. + kpb of KV head
-// j, batch row b, as kiln_gqa_kv writes them for a shared past and present (S = 1): bound in
-// place (present is the past buffer) only the new row at `pos`, else every owned row (the new
-// row, past rows below P, zeros). Every key a block reads is a row it owns, so the append needs
-// no other block: a decode step runs one kernel fewer.
+// The present rows [r0, r1) of KV head j, batch row b that a block of a decode kernel owns (rows
+// split·kpb .. + kpb, or the keys it attends to, gqa_decode_regs), as kiln_gqa_kv writes them
+// for a shared past and present (S = 1): bound in place (present is the past buffer) only the
+// new row at `pos`, else every owned row (the new row, past rows below P, zeros). Every key a block reads is a row it owns, so the append needs
+// no other block: a decode step runs one kernel fewer. knew / vnew (this block's shared memory,
+// H values each, or null) also receive the new row at `pos` (K rotated), so that the block's own
+// reads of it wait on no global store.
 template <typename Tag>
 __device__ __forceinline__ void gqa_decode_append(
     const typename Tag::storage* k_src, const typename Tag::storage* v_src, const typename Tag::storage* past_k,
     const typename Tag::storage* past_v, const typename Tag::storage* cos_c, const typename Tag::storage* sin_c,
-    typename Tag::storage* pres_k, typename Tag::storage* pres_v, unsigned split, unsigned kpb, unsigned j, unsigned b,
+    typename Tag::storage* pres_k, typename Tag::storage* pres_v, long long r0, long long r1, unsigned j, unsigned b,
     unsigned Nk, unsigned H, unsigned PL, unsigned P, long long pos, kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off,
-    kiln_u64 cache_rows, unsigned rotary_half, unsigned interleaved, const gqa_layout& lay) {
+    kiln_u64 cache_rows, unsigned rotary_half, unsigned interleaved, const gqa_layout& lay,
+    typename Tag::storage* knew = 0, typename Tag::storage* vnew = 0) {
     typedef typename Tag::storage T;
-    const long long r0 = (long long)split * kpb;
-    const long long r1 = r0 + kpb < (long long)PL ? r0 + kpb : (long long)PL;
+    if (r1 > (long long)PL) r1 = PL;
     const T* kr = k_src + (kiln_u64)b * kv_w + k_off + (kiln_u64)j * H;
     const T* vr = v_src + (kiln_u64)b * kv_w + v_off + (kiln_u64)j * H;
     const bool in_place = pres_k == past_k && pres_v == past_v;
@@ -585,6 +594,10 @@ __device__ __forceinline__ void gqa_decode_append(
             else
                 kv = kr[d];
             vv = vr[d];
+            if (knew) {
+                knew[d] = kv;
+                vnew[d] = vv;
+            }
         } else if (t < (long long)P) {
             const kiln_u64 src = gqa_past_at(lay, b, j, t, H, Nk, P, PL) + d;
             kv = past_k[src];
@@ -920,20 +933,26 @@ __device__ __forceinline__ void gqa_dec_reduce(float (&acc)[G][8], float* s_red,
     }
 }
 
-// Sums the warps' rows of s_red [warp][stride] and writes the output (`direct`: the only split
-// with keys; sink_mode as gqa_attn) or the partial state of gqa_decode_split, for the fold or
-// kiln_gqa_merge.
+// Sums the warps' rows of s_red [warp][stride], each weighted by wscale [warp][GQA_DEC_MAX_GROUP]
+// (per query head; null: all 1) and writes the output (`direct`: the only split with keys;
+// sink_mode as gqa_attn) or the partial state of gqa_decode_split, for the fold or kiln_gqa_merge.
 template <typename Tag>
 __device__ __forceinline__ void gqa_dec_write(const float* s_red, unsigned stride, unsigned warps_used,
                                               const float* s_m, const float* s_l,
                                               const typename Tag::storage* sink, unsigned sink_mode,
                                               typename Tag::storage* out, float* partial, unsigned b, unsigned N,
                                               unsigned H, unsigned j, unsigned group, unsigned split,
-                                              unsigned splits, bool direct) {
+                                              unsigned splits, bool direct, const float* wscale = 0) {
     for (unsigned i = threadIdx.x; i < group * H; i += blockDim.x) {
         const unsigned g = i / H, d = i - g * H;
         float a = 0.f;
-        for (unsigned w = 0; w < warps_used; ++w) a += s_red[w * stride + i];
+        for (unsigned w = 0; w < warps_used; ++w) {
+            if (!wscale) {
+                a += s_red[w * stride + i];
+            } else if (wscale[w * GQA_DEC_MAX_GROUP + g] > 0.f) {  // an empty warp's sums are unset
+                a += wscale[w * GQA_DEC_MAX_GROUP + g] * s_red[w * stride + i];
+            }
+        }
         const unsigned h = j * group + g;
         if (direct) {
             float den = s_l[g], scale_o = 1.f;
@@ -1036,88 +1055,140 @@ __device__ __noinline__ void gqa_dec_fold(const float* partial, kiln_counter* co
 }
 
 // The split merge through a thread block cluster (compute capability 9.0): the GQA_DEC_CLUSTER
-// blocks of one (KV head, batch row) are one cluster, each leaves its partial state (maxima, sums,
-// Σ weight·V) in its shared memory, and block 0 of the cluster reads the others' through
-// distributed shared memory (kiln-cuda-std's cluster.cuh) after a cluster barrier, merges
-// them as gqa_dec_fold does and writes the output; a second barrier keeps every block's shared
-// memory alive until then. No global memory, fence or atomic on the way: a few hundred cycles
-// where the fold's counter and L2 round trips take thousands (bench/RESULTS.md, 2026-12-04,
-// session 14). Block-uniform: every thread of every block of the cluster calls it once.
+// blocks of one (KV head, batch row) are one cluster, and each block merges one slice of the
+// group's query heads × dimensions (gqa_dec_slice elements, in order of rank) and writes that
+// slice of the output. Each block pushes its partial state (maxima, sums, and every slice of its
+// Σ weight·V) into the receiving blocks' shared memory (s_recv [sender rank]) by asynchronous
+// stores that count their bytes on the receiver's mbarrier (kiln-cuda-std's cluster.cuh, the
+// pattern of Hopper's distributed shared memory pipelines); the receiver waits on its own mbarrier
+// and merges from its own shared memory as gqa_dec_fold does. No fence, no global memory and no
+// second barrier: a cluster barrier's release (a GPU-scope MEMBAR in the SASS, behind every
+// outstanding store of the append and the output) and a block 0 that merged alone took 2.6 µs of
+// an 8.1 µs attention kernel on an H100 (bench/RESULTS.md, 2026-12-06, session 26). The mbarrier
+// is initialised at the kernel's start (gqa_dec_cluster_begin), whose cluster barrier the senders
+// wait on before their first store. Block-uniform: every thread of every block of the cluster
+// calls both once.
 #define GQA_DEC_CLUSTER 8
+// Floats of one sender's row of s_recv: maxima and sums of up to GQA_DEC_MAX_GROUP heads, then a
+// slice of Σ weight·V.
+#define GQA_DEC_RECV_ROW (2 * GQA_DEC_MAX_GROUP + GQA_DEC_MAX_QH / GQA_DEC_CLUSTER)
+
+// Elements of the group's qh = group·H outputs per block of the cluster: a multiple of 4 (one
+// float4 store), so that a slice starts 16-byte aligned; the last blocks' slices may be short
+// or empty.
+__device__ __forceinline__ unsigned gqa_dec_slice(unsigned qh) {
+    return ((qh + GQA_DEC_CLUSTER - 1) / GQA_DEC_CLUSTER + 3u) & ~3u;
+}
 
 #if __CUDA_ARCH__ >= 900
-// has_keys: this block's state is s_m, s_l and the warps' sums in s_red [warp][stride] (as
-// gqa_dec_write reads them); otherwise it holds no key. no_keys: the row attends to no key
-// (zeros, as kiln_gqa_merge writes). The block's partial state goes to shared memory the kernel
-// no longer reads (the 48 KiB of static shared memory hold nothing more): the maxima and sums to
-// ml [2·GQA_DEC_MAX_GROUP], Σ weight·V to acc [group·H].
+// At the kernel's start: thread 0 initialises the block's mbarrier (one arrival, its own), then
+// every thread arrives (relaxed) at the cluster barrier gqa_dec_cluster_merge waits on.
+__device__ __forceinline__ void gqa_dec_cluster_begin(unsigned long long* bar) {
+    if (threadIdx.x == 0) kiln_mbar_init_cluster(bar, 1);
+    kiln_cluster_arrive_relaxed();
+}
+
+// has_keys: this block's state is s_m, s_l [GQA_DEC_MAX_GROUP] and its warps' Σ weight·V in s_red
+// [warp][stride] (16-byte aligned) for `warps` warps, each weighted by ws [warp][GQA_DEC_MAX_GROUP]
+// (gqa_dec_combine); otherwise it holds no key. no_keys: the row attends to no key (zeros, as
+// kiln_gqa_merge writes). s_recv [GQA_DEC_CLUSTER][GQA_DEC_RECV_ROW], 16-byte aligned, receives
+// the senders' states.
 template <typename Tag>
-__device__ __noinline__ void gqa_dec_cluster(const float* s_red, unsigned stride, unsigned warps_used, const float* s_m,
-                                             const float* s_l, float* ml, float* acc, bool has_keys, bool no_keys,
-                                             const typename Tag::storage* sink, unsigned sink_mode,
-                                             typename Tag::storage* out, unsigned b, unsigned N, unsigned H,
-                                             unsigned j, unsigned group) {
-    const unsigned tid = threadIdx.x;
-    if (has_keys) {
-        for (unsigned i = tid; i < group * H; i += blockDim.x) {
-            float a = 0.f;
-            for (unsigned w = 0; w < warps_used; ++w) a += s_red[w * stride + i];
-            acc[i] = a;
+__device__ __forceinline__ void gqa_dec_cluster_merge(const float* s_red, unsigned stride, unsigned warps,
+                                                   const float* ws, const float* s_m, const float* s_l, float* s_recv,
+                                                   unsigned long long* bar, bool has_keys, bool no_keys,
+                                                   const typename Tag::storage* sink, unsigned sink_mode,
+                                                   typename Tag::storage* out, unsigned b, unsigned N, unsigned H,
+                                                   unsigned j, unsigned group) {
+    const unsigned tid = threadIdx.x, qh = group * H, c = gqa_dec_slice(qh), rank = kiln_cluster_rank();
+    const unsigned mine = qh > rank * c ? (qh - rank * c < c ? qh - rank * c : c) : 0;
+    if (tid == 0) kiln_mbar_arrive_expect_tx(bar, GQA_DEC_CLUSTER * (2 * group + mine) * 4u);
+    kiln_cluster_wait();  // every block's mbarrier is initialised
+    GQA_MARK(7);  // the cluster barrier of the start passed
+    float* row = s_recv + rank * GQA_DEC_RECV_ROW;  // this block's row, in every receiver
+    // Σ weight·V over the warps, four outputs (of one query head) per thread, to the block that
+    // merges them.
+    for (unsigned v = tid; v < qh / 4; v += blockDim.x) {
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (has_keys) {
+            // Every warp's weight and sums loaded at once, then the products.
+            const unsigned g = 4 * v / H;
+            float f[GQA_DEC_WARPS];
+            float4 x[GQA_DEC_WARPS];
+#pragma unroll
+            for (unsigned w = 0; w < GQA_DEC_WARPS; ++w) {
+                f[w] = w < warps ? ws[w * GQA_DEC_MAX_GROUP + g] : 0.f;
+                x[w] = w < warps ? *(const float4*)(s_red + w * stride + 4 * v) : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (unsigned w = 0; w < GQA_DEC_WARPS; ++w) {
+                if (f[w] == 0.f) continue;  // an empty warp's sums are unset
+                a.x += f[w] * x[w].x;
+                a.y += f[w] * x[w].y;
+                a.z += f[w] * x[w].z;
+                a.w += f[w] * x[w].w;
+            }
         }
+        const unsigned to = 4 * v / c;
+        kiln_cluster_st_async(row + 2 * GQA_DEC_MAX_GROUP + (4 * v - to * c), to, a, bar);
     }
-    if (tid < group) {
-        ml[tid] = has_keys ? s_m[tid] : -__int_as_float(0x7f800000);
-        ml[GQA_DEC_MAX_GROUP + tid] = has_keys ? s_l[tid] : 0.f;
+    // The maxima and sums, to every block (an empty block's: −∞ and 0).
+    for (unsigned i = tid; i < GQA_DEC_CLUSTER * 2 * group; i += blockDim.x) {
+        const unsigned to = i / (2 * group), e = i - to * 2 * group, g = e < group ? e : e - group;
+        const float x = e < group ? (has_keys ? s_m[g] : -__int_as_float(0x7f800000)) : (has_keys ? s_l[g] : 0.f);
+        kiln_cluster_st_async(row + (e < group ? 0 : GQA_DEC_MAX_GROUP) + g, to, x, bar);
     }
-    kiln_cluster_sync();
-    if (kiln_cluster_rank() == 0) {
-        for (unsigned i = tid; i < group * H; i += blockDim.x) {
-            const unsigned g = i / H, d = i - g * H, h = j * group + g;
-            typename Tag::storage* o = out + (kiln_u64)b * N * H + (kiln_u64)h * H;
-            if (no_keys) {
-                o[d] = kiln_from_f32(Tag(), 0.f);
-                continue;
-            }
-            float m[GQA_DEC_CLUSTER], l[GQA_DEC_CLUSTER], v[GQA_DEC_CLUSTER];
-#pragma unroll
-            for (unsigned r = 0; r < GQA_DEC_CLUSTER; ++r) {
-                m[r] = kiln_cluster_ld(ml + g, r);
-                l[r] = kiln_cluster_ld(ml + GQA_DEC_MAX_GROUP + g, r);
-                v[r] = kiln_cluster_ld(acc + i, r);
-            }
-            float M = -__int_as_float(0x7f800000);
-#pragma unroll
-            for (unsigned r = 0; r < GQA_DEC_CLUSTER; ++r)
-                if (l[r] > 0.f) M = fmaxf(M, m[r]);  // an empty block's maximum is unset
-            float sink_v = 0.f;
-            if (sink_mode == 2) sink_v = kiln_to_f32(Tag(), sink[h]);
-            if (sink_mode != 0) M = fmaxf(M, sink_v);
-            float den = 0.f, a = 0.f;
-#pragma unroll
-            for (unsigned r = 0; r < GQA_DEC_CLUSTER; ++r) {
-                const float w = l[r] > 0.f ? expf(m[r] - M) : 0.f;
-                den += l[r] > 0.f ? l[r] * w : 0.f;
-                a += w > 0.f ? v[r] * w : 0.f;  // an empty block's sums are unset
-            }
-            if (sink_mode != 0) den += expf(sink_v - M);
-            o[d] = kiln_from_f32(Tag(), a / den);
+    GQA_MARK(9);  // the block's state sent
+    kiln_mbar_wait_cluster(bar, 0);
+    GQA_MARK(10);  // every block's state received
+    for (unsigned i = tid; i < mine; i += blockDim.x) {
+        const unsigned e = rank * c + i, g = e / H, d = e - g * H, h = j * group + g;
+        typename Tag::storage* o = out + (kiln_u64)b * N * H + (kiln_u64)h * H;
+        if (no_keys) {
+            o[d] = kiln_from_f32(Tag(), 0.f);
+            continue;
         }
+        float m[GQA_DEC_CLUSTER], l[GQA_DEC_CLUSTER], v[GQA_DEC_CLUSTER];
+#pragma unroll
+        for (unsigned r = 0; r < GQA_DEC_CLUSTER; ++r) {
+            m[r] = s_recv[r * GQA_DEC_RECV_ROW + g];
+            l[r] = s_recv[r * GQA_DEC_RECV_ROW + GQA_DEC_MAX_GROUP + g];
+            v[r] = s_recv[r * GQA_DEC_RECV_ROW + 2 * GQA_DEC_MAX_GROUP + i];
+        }
+        float M = -__int_as_float(0x7f800000);
+#pragma unroll
+        for (unsigned r = 0; r < GQA_DEC_CLUSTER; ++r)
+            if (l[r] > 0.f) M = fmaxf(M, m[r]);
+        float sink_v = 0.f;
+        if (sink_mode == 2) sink_v = kiln_to_f32(Tag(), sink[h]);
+        if (sink_mode != 0) M = fmaxf(M, sink_v);
+        float den = 0.f, a = 0.f;
+#pragma unroll
+        for (unsigned r = 0; r < GQA_DEC_CLUSTER; ++r) {
+            const float w = l[r] > 0.f ? expf(m[r] - M) : 0.f;
+            den += l[r] > 0.f ? l[r] * w : 0.f;
+            a += w > 0.f ? v[r] * w : 0.f;
+        }
+        if (sink_mode != 0) den += expf(sink_v - M);
+        o[d] = kiln_from_f32(Tag(), a / den);
     }
-    kiln_cluster_sync();  // block 0 has read every block's partial state
 }
 #endif
 
-// Decode attention by KV head for latency-bound grids (the shim's choice for few keys in all):
-// the same steps as gqa_decode_tiled, but each thread loads its K row and GQA_DEC_REG_V_KEYS V rows
-// into registers at the start, before the append and the query rows, so their latency
-// overlaps those. No dynamic shared memory; 2 blocks per SM (128 registers). Block (split, j, b)
-// reads keys [split·kpb, (split + 1)·kpb) ∩ [start, end) (kpb ≤ GQA_DEC_KEYS). CL = GQA_DEC_CLUSTER:
-// the grid's GQA_DEC_CLUSTER splits are one thread block cluster and merge through it
-// (gqa_dec_cluster) on compute capability 9.0 and later; before it they fold (`fold` must be set).
-#define GQA_DEC_REG_V_KEYS 8  // V rows per thread loaded together (every V row of a 64-wide f16 block at once)
+// Decode attention by KV head for the plain kernel kiln_gqa_decode (the shim's choice for a
+// present past the cluster kernel's and few keys in all: blocks of up to GQA_DEC_KEYS keys, split
+// over the present and folded): each thread loads its K row and GQA_DEC_ROWS_V_KEYS V rows into
+// registers at the start, before the append and the query rows, then the scores one key per
+// thread, the weights one warp per query row and Σ weight·V over (key lane, V vector), with a
+// block barrier between. Its 256 K rows and V rows of a block are in flight at once, which at long
+// contexts beats gqa_decode_regs' chunks of 2 keys per key lane (its one-chunk-ahead prefetch
+// ran batch 1 at context 3840 of a 4096 cache in 0.948 ms/step where this took 0.768 on an H100,
+// bench/RESULTS.md, 2026-12-06, session 26). Block (split, j, b) reads keys
+// [split·kpb, (split + 1)·kpb) ∩ [start, end) (kpb ≤ GQA_DEC_KEYS).
+#define GQA_DEC_ROWS_V_KEYS 8  // V rows per thread loaded together (every V row of a 64-wide f16 block at once)
 
-template <typename Tag, int G, int CL>
-__device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag::storage* pres_k,
+template <typename Tag, int G>
+__device__ void gqa_decode_rows(const typename Tag::storage* q_src, typename Tag::storage* pres_k,
                            typename Tag::storage* pres_v, const int* seqlens, const typename Tag::storage* cos_c,
                            const typename Tag::storage* sin_c, const typename Tag::storage* bias,
                            const typename Tag::storage* sink, float* partial, typename Tag::storage* out, unsigned N,
@@ -1140,7 +1211,6 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
         gqa_check(st, seqlens, gridDim.z, 1, 0, total, 0, 0, cache_rows, rotary_half);
     long long start, end, pos;
     gqa_range(seqlens, b, 0, 1, 0, window, PL, &start, &end, &pos);
-    GQA_MARK(3);  // the row's length read
     long long lo = (long long)split * kpb, hi = lo + kpb;
     if (lo < start) lo = start;
     if (hi > end) hi = end;
@@ -1159,28 +1229,21 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
     const unsigned lanes = blockDim.x / vpr;
     const unsigned kl = tid / vpr, vi = tid - kl * vpr;
     const auto vrow = [&](unsigned k) { return ((const uint4*)(pres_v + gqa_at(lay, b, j, lo + k, H)))[vi]; };
-    uint4 vraw[GQA_DEC_REG_V_KEYS];
+    uint4 vraw[GQA_DEC_ROWS_V_KEYS];
 #pragma unroll
-    for (unsigned u = 0; u < GQA_DEC_REG_V_KEYS; ++u) {
+    for (unsigned u = 0; u < GQA_DEC_ROWS_V_KEYS; ++u) {
         const unsigned k = kl + u * lanes;
         vraw[u] = k < n && !late(k) ? vrow(k) : make_uint4(0, 0, 0, 0);
     }
     gqa_dec_queries<Tag> queries{q_src, cos_c, sin_c, pos, cache_rows, q_w, rotary_half, interleaved, b, j, group, H};
     queries.start();
     if (append)
-        gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v, split, kpb, j, b, Nk, H,
-                               PL, P, pos, kv_w, k_off, v_off, cache_rows, rotary_half, interleaved, lay);
-    GQA_MARK(4);  // the append written
+        gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v, (long long)split * kpb,
+                               (long long)split * kpb + kpb, j, b, Nk, H, PL, P, pos, kv_w, k_off, v_off, cache_rows,
+                               rotary_half, interleaved, lay);
     const bool merge_after = !fold && splits > 1;
     const gqa_dec_span span = gqa_dec_spans(start, end, kpb, splits, merge_after);
     const bool direct = !merge_after && span.used <= 1;
-#if __CUDA_ARCH__ >= 900
-    if (CL > 0 && n == 0) {
-        gqa_dec_cluster<Tag>(&s_red[0][0], GQA_DEC_MAX_QH, 0, s_m, s_l, &s_sc[0][0], q_s, false, start >= end, sink,
-                             sink_mode, out, b, N, H, j, group);
-        return;
-    }
-#endif
     if (n == 0) {
         if (merge_after || (span.used == 0 && split == 0))
             gqa_dec_empty<Tag>(out, partial, b, N, H, j, group, split, splits, !merge_after);
@@ -1189,7 +1252,6 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
     // 1. Query rows.
     queries.finish(q_s);
     __syncthreads();  // the appended rows and q_s
-    GQA_MARK(5);
     // 2. Scores, one key per thread (n ≤ blockDim.x).
     if (tid < n) {
         const unsigned k = tid;
@@ -1211,12 +1273,10 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
         gqa_dec_scores<Tag, G>(dot, s_sc, k, lo, scale, softcap, bias, has_bias, bias_b, bias_h, b, j, group, total);
     }
     __syncthreads();
-    GQA_MARK(6);  // the scores
     // 3. Weights, one warp per query row.
     gqa_dec_weights(s_sc, s_m, s_l, n, group);
     __syncthreads();
-    GQA_MARK(7);  // the weights
-    // 4. Σ weight·V: thread (key lane kl, vector vi), GQA_DEC_REG_V_KEYS keys' loads in flight (the
+    // 4. Σ weight·V: thread (key lane kl, vector vi), GQA_DEC_ROWS_V_KEYS keys' loads in flight (the
     // first ones loaded above).
     float acc[G][8];
 #pragma unroll
@@ -1224,15 +1284,15 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
 #pragma unroll
         for (int x = 0; x < 8; ++x) acc[g][x] = 0.f;
     if (kl < lanes) {
-        for (unsigned k0 = kl; k0 < n; k0 += GQA_DEC_REG_V_KEYS * lanes) {
-            uint4 raw[GQA_DEC_REG_V_KEYS];
+        for (unsigned k0 = kl; k0 < n; k0 += GQA_DEC_ROWS_V_KEYS * lanes) {
+            uint4 raw[GQA_DEC_ROWS_V_KEYS];
 #pragma unroll
-            for (unsigned u = 0; u < GQA_DEC_REG_V_KEYS; ++u) {
+            for (unsigned u = 0; u < GQA_DEC_ROWS_V_KEYS; ++u) {
                 const unsigned k = k0 + u * lanes;
                 raw[u] = k0 == kl && !late(k) ? vraw[u] : k < n ? vrow(k) : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
-            for (unsigned u = 0; u < GQA_DEC_REG_V_KEYS; ++u) {
+            for (unsigned u = 0; u < GQA_DEC_ROWS_V_KEYS; ++u) {
                 const unsigned k = k0 + u * lanes;
                 if (k >= n) break;
                 gqa_dec_accumulate<Tag, G>(acc, raw[u], s_sc, k, group);
@@ -1242,17 +1302,293 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
     // Reduce over the key lanes of a warp (lanes vi + vpr·i), then over the warps.
     gqa_dec_reduce<Tag, G>(acc, &s_red[0][0], GQA_DEC_MAX_QH, vpr, vi, H, group);
     __syncthreads();
-    GQA_MARK(8);  // Σ weight·V reduced over the block
+    gqa_dec_write<Tag>(&s_red[0][0], GQA_DEC_MAX_QH, (lanes * vpr + 31) / 32, s_m, s_l, sink, sink_mode, out, partial,
+                       b, N, H, j, group, split, splits, direct);
+    if (!direct && fold)
+        gqa_dec_fold<Tag>(partial, counters, sink, sink_mode, out, b, N, H, j, group, splits, span.first, span.used);
+}
+
+// The block's state from its warps' (s_wm, s_wl [warp][GQA_DEC_MAX_GROUP], gqa_decode_regs): per
+// query head g the maximum s_m [g] and sum s_l [g] over the warps, and warp w's weight in them,
+// ws [w][g] = e^(s_wm − s_m) (0 for a warp with no weight), for GQA_DEC_WARPS warps. Thread (w, g)
+// computes its own weight and, redundantly but in parallel, the head's sum; a __syncthreads must
+// follow.
+__device__ __forceinline__ void gqa_dec_combine(const float* s_wm, const float* s_wl, float* ws, float* s_m, float* s_l,
+                                                unsigned group) {
+    const unsigned tid = threadIdx.x;
+    if (tid >= GQA_DEC_WARPS * group) return;
+    const unsigned w = tid / group, g = tid - w * group;
+    // Every warp's maximum and sum loaded at once, then the arithmetic: a chain of shared-memory
+    // round trips and exponentials one warp after another took 1 µs.
+    float m[GQA_DEC_WARPS], l[GQA_DEC_WARPS];
+#pragma unroll
+    for (unsigned x = 0; x < GQA_DEC_WARPS; ++x) {
+        m[x] = s_wm[x * GQA_DEC_MAX_GROUP + g];
+        l[x] = s_wl[x * GQA_DEC_MAX_GROUP + g];
+    }
+    float M = -__int_as_float(0x7f800000), L = 0.f, mine = 0.f;
+#pragma unroll
+    for (unsigned x = 0; x < GQA_DEC_WARPS; ++x)
+        if (l[x] > 0.f) M = fmaxf(M, m[x]);
+#pragma unroll
+    for (unsigned x = 0; x < GQA_DEC_WARPS; ++x) {
+        const float f = l[x] > 0.f ? expf(m[x] - M) : 0.f;
+        L += f * l[x];
+        mine = x == w ? f : mine;
+    }
+    ws[w * GQA_DEC_MAX_GROUP + g] = mine;
+    if (w == 0) {
+        s_m[g] = M;
+        s_l[g] = L;
+    }
+}
+
+// Decode attention by KV head over a thread block cluster, kiln_gqa_decode_cluster (the shim's
+// choice for a short present and few keys in all). Block (split, j, b) takes an even share of the
+// row's keys [start, end) (or, where the present is not the past buffer and the block copies the
+// rows it owns, keys [split·kpb, (split + 1)·kpb) ∩ [start, end)), in chunks of KR·256 / vpr keys:
+// thread (key lane, 16-byte vector) loads its vector of the K and V rows of KR keys into
+// registers at the start, before the append and the query rows, so their latency overlaps
+// those, and the next chunk's while it computes one. Each warp runs an online softmax over its
+// own keys with no block barrier: a key's score summed over its row's threads by warp shuffles,
+// the running maximum, the weights and Σ weight·V of the thread's V vector; the warps' states
+// are then combined (gqa_dec_combine) and the GQA_DEC_CLUSTER blocks' states merged through the
+// cluster (gqa_dec_cluster_merge) on compute capability 9.0 and later; before it they fold
+// (`fold` must be set). No dynamic shared memory; 2 blocks per SM (128 registers, none spilled
+// below groups of 8: a spilled register that a load is still filling stalls the thread for the
+// whole load). On an H100 these steps took a 30-layer batch-1 step's attention from 8.2 to about
+// 6 µs per layer (bench/RESULTS.md, 2026-12-06, session 26). PLAIN: no bias, softcap, sink or
+// window (the caller guarantees it), compiled without them.
+#ifndef GQA_DEC_CLUSTER_KEYS
+#define GQA_DEC_CLUSTER_KEYS 2  // KR of kiln_gqa_decode_cluster (its blocks hold ⌈present / 8⌉ keys)
+#endif
+
+template <typename Tag, int G, int CL, bool PLAIN = false, int KR = (G >= 8 ? 1 : GQA_DEC_CLUSTER_KEYS)>
+__device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag::storage* pres_k,
+                           typename Tag::storage* pres_v, const int* seqlens, const typename Tag::storage* cos_c,
+                           const typename Tag::storage* sin_c, const typename Tag::storage* bias,
+                           const typename Tag::storage* sink, float* partial, typename Tag::storage* out, unsigned N,
+                           unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w, kiln_u64 cache_rows,
+                           unsigned rotary_half, unsigned interleaved, float scale, float softcap, int window,
+                           unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode,
+                           const typename Tag::storage* k_src, const typename Tag::storage* v_src,
+                           const typename Tag::storage* past_k, const typename Tag::storage* past_v, unsigned P,
+                           kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off, unsigned append, unsigned kpb,
+                           gqa_layout lay, unsigned fold, kiln_counter* counters, kiln_status* st) {
+    typedef typename Tag::storage T;
+    const unsigned VE = 16 / sizeof(T);  // elements per 16-byte vector
+    __shared__ __align__(16) float q_s[GQA_DEC_MAX_QH];
+    __shared__ float s_m[G], s_l[G];
+    __shared__ float s_wm[GQA_DEC_WARPS][GQA_DEC_MAX_GROUP], s_wl[GQA_DEC_WARPS][GQA_DEC_MAX_GROUP];
+    __shared__ __align__(16) float s_red[GQA_DEC_WARPS][GQA_DEC_MAX_QH];
+    // The appended row (K rotated), which this block reads from here rather than from the present.
+    __shared__ __align__(16) T s_new[2][GQA_DEC_MAX_ROW_BYTES / sizeof(T)];
+    const unsigned split = blockIdx.x, j = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
+    const unsigned group = N / Nk, tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    if (PLAIN) {  // the compiler drops what these options add (0.5 µs of a layer's attention)
+        has_bias = 0;
+        softcap = 0.f;
+        sink_mode = 0;
+        window = -1;
+    }
+    // The checks run in one thread once the block's loads are in flight, where it would wait for
+    // them anyway (at the kernel's start, their loads and cold code delayed the block by 0.4 µs).
+    const auto check = [&] {
+        if (split == 0 && j == 0 && b == 0 && tid == 0)
+            gqa_check(st, seqlens, gridDim.z, 1, 0, total, 0, 0, cache_rows, rotary_half);
+    };
 #if __CUDA_ARCH__ >= 900
-    if (CL > 0) {
-        // q_s and s_sc are read no more.
-        gqa_dec_cluster<Tag>(&s_red[0][0], GQA_DEC_MAX_QH, (lanes * vpr + 31) / 32, s_m, s_l, &s_sc[0][0], q_s, true,
-                             false, sink, sink_mode, out, b, N, H, j, group);
+    __shared__ __align__(16) float s_recv[CL > 0 ? GQA_DEC_CLUSTER * GQA_DEC_RECV_ROW : 1];
+    __shared__ __align__(8) unsigned long long s_bar;
+    if (CL > 0) gqa_dec_cluster_begin(&s_bar);
+#endif
+    long long start, end, pos;
+    gqa_range(seqlens, b, 0, 1, 0, window, PL, &start, &end, &pos);
+    GQA_MARK(3);  // the row's length read
+    // The keys [lo, hi) this block attends to and the present rows it owns: split·kpb .. + kpb,
+    // or, in a cluster whose append writes only the new row (in place, or no append), an even
+    // share of the row's keys [start, end), so that a short row spreads over every block of the
+    // cluster rather than the first few (the new row, the last key, is then the last non-empty
+    // block's).
+    const bool in_place = pres_k == past_k && pres_v == past_v;
+    long long lo, hi;
+    if (CL > 0 && (!append || in_place)) {
+        const long long share = (end - start + splits - 1) / splits;
+        lo = start + (long long)split * share;
+        hi = lo + share < end ? lo + share : end;
+    } else {
+        lo = (long long)split * kpb;
+        hi = lo + kpb;
+        if (lo < start) lo = start;
+        if (hi > end) hi = end;
+    }
+    const unsigned n = lo < hi ? (unsigned)(hi - lo) : 0;  // ≤ kpb ≤ GQA_DEC_KEYS = blockDim.x
+    const unsigned vpr = H / VE;  // 16-byte vectors per K/V row (≤ 32)
+    // Thread (key lane kl, vector vi) holds vector vi of the K and V rows of keys kl + u·lanes,
+    // u < KR, of each chunk of KR·lanes keys; the first chunk's rows are loaded here, before the
+    // append and the query rows (their latency overlaps), except rows this block writes first:
+    // the new row (read from s_new), or every owned row when the present is not the past buffer
+    // (loaded after the __syncthreads below).
+    const auto late = [&](unsigned k) { return append && (!in_place || lo + (long long)k == pos); };
+    const unsigned lanes = blockDim.x / vpr;
+    const unsigned kl = tid / vpr, vi = tid - kl * vpr;
+    const unsigned kw = (tid & ~31u) / vpr;  // the warp's first key lane
+    const auto krow = [&](unsigned k) { return ((const uint4*)(pres_k + gqa_at(lay, b, j, lo + k, H)))[vi]; };
+    const auto vrow = [&](unsigned k) { return ((const uint4*)(pres_v + gqa_at(lay, b, j, lo + k, H)))[vi]; };
+    uint4 kraw[KR], vraw[KR];
+#pragma unroll
+    for (unsigned u = 0; u < KR; ++u) {
+        const unsigned k = kl + u * lanes;
+        const bool early = k < n && !late(k);
+        kraw[u] = early ? krow(k) : make_uint4(0, 0, 0, 0);
+        vraw[u] = early ? vrow(k) : make_uint4(0, 0, 0, 0);
+    }
+    GQA_EARLY_WAIT();
+    // Key k's row vector vi: loaded above (first chunk), the appended row from s_new, else loaded.
+    const auto kvec = [&](unsigned k, unsigned u, bool first, unsigned which) {
+        const uint4* held = which ? vraw : kraw;
+        return k >= n                     ? make_uint4(0, 0, 0, 0)
+               : first && !late(k)        ? held[u]
+               : append && lo + k == pos ? ((const uint4*)s_new[which])[vi]
+               : which                    ? vrow(k)
+                                          : krow(k);
+    };
+    gqa_dec_queries<Tag> queries{q_src, cos_c, sin_c, pos, cache_rows, q_w, rotary_half, interleaved, b, j, group, H};
+    queries.start();
+    if (append)
+        gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v,
+                               CL > 0 && in_place ? lo : (long long)split * kpb,
+                               CL > 0 && in_place ? hi : (long long)split * kpb + kpb, j, b, Nk, H, PL, P, pos, kv_w,
+                               k_off, v_off, cache_rows, rotary_half, interleaved, lay, s_new[0], s_new[1]);
+    GQA_MARK(4);  // the append written
+    const bool merge_after = !fold && splits > 1;
+    const gqa_dec_span span = gqa_dec_spans(start, end, kpb, splits, merge_after);
+    const bool direct = !merge_after && span.used <= 1;
+#if __CUDA_ARCH__ >= 900
+    if (CL > 0 && n == 0) {
+        check();
+        gqa_dec_cluster_merge<Tag>(&s_red[0][0], GQA_DEC_MAX_QH, 0, &s_wm[0][0], s_m, s_l, s_recv, &s_bar, false,
+                                   start >= end, sink, sink_mode, out, b, N, H, j, group);
         return;
     }
 #endif
-    gqa_dec_write<Tag>(&s_red[0][0], GQA_DEC_MAX_QH, (lanes * vpr + 31) / 32, s_m, s_l, sink, sink_mode, out, partial,
-                       b, N, H, j, group, split, splits, direct);
+    if (n == 0) {
+        check();
+        if (merge_after || (span.used == 0 && split == 0))
+            gqa_dec_empty<Tag>(out, partial, b, N, H, j, group, split, splits, !merge_after);
+        return;
+    }
+    // 1. Query rows.
+    check();
+    queries.finish(q_s);
+    __syncthreads();  // the appended rows and q_s
+    GQA_MARK(5);
+    // 2. Per warp, an online softmax over the warp's keys, with no block barrier: each thread's
+    // products of its K vector with the query rows, summed over the key's vpr threads
+    // (neighbouring lanes) by shuffles, so that every thread of a key holds its scores; the
+    // warp's running maximum over its key lanes; the weights; Σ weight·V of the thread's V vector.
+    const float ninf = -__int_as_float(0x7f800000);
+    float acc[G][8], wm[G], wl[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        wm[g] = ninf;
+        wl[g] = 0.f;
+#pragma unroll
+        for (int x = 0; x < 8; ++x) acc[g][x] = 0.f;
+    }
+    for (unsigned k0 = 0; k0 < n; k0 += KR * lanes) {
+        if (k0 + kw >= n) break;  // the warp has no key from here on
+        // This chunk's rows (the first as loaded above, the others as prefetched below), then
+        // the next chunk's loads in flight into kraw, vraw while this one is computed.
+        uint4 kr[KR], vr[KR];
+#pragma unroll
+        for (unsigned u = 0; u < KR; ++u) {
+            kr[u] = k0 == 0 ? kvec(kl + u * lanes, u, true, 0) : kraw[u];
+            vr[u] = k0 == 0 ? kvec(kl + u * lanes, u, true, 1) : vraw[u];
+        }
+        const unsigned k1 = k0 + KR * lanes;
+        if (k1 + kw < n)
+#pragma unroll
+            for (unsigned u = 0; u < KR; ++u) {
+                kraw[u] = kvec(k1 + kl + u * lanes, u, false, 0);
+                vraw[u] = kvec(k1 + kl + u * lanes, u, false, 1);
+            }
+        float sc[KR][G];
+#pragma unroll
+        for (unsigned u = 0; u < KR; ++u) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) sc[u][g] = ninf;
+            if (k0 + kw + u * lanes >= n) continue;  // none of the warp's keys
+            float dot[G];
+#pragma unroll
+            for (int g = 0; g < G; ++g) dot[g] = 0.f;
+            gqa_dec_dot<Tag, G>(dot, kr[u], q_s, vi, H, group);
+            for (unsigned o = 1; o < vpr; o <<= 1)
+#pragma unroll
+                for (int g = 0; g < G; ++g)
+                    if (g < (int)group) dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], o);
+            const unsigned k = k0 + kl + u * lanes;
+            if (k < n)
+#pragma unroll
+                for (int g = 0; g < G; ++g)
+                    if (g < (int)group)
+                        sc[u][g] = gqa_dec_score<Tag>(dot[g], lo + k, g, scale, softcap, bias, has_bias, bias_b,
+                                                      bias_h, b, j, group, total);
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            if (g >= (int)group) break;
+            float cm = sc[0][g];
+#pragma unroll
+            for (unsigned u = 1; u < KR; ++u) cm = fmaxf(cm, sc[u][g]);
+            for (unsigned o = vpr; o < 32; o <<= 1) cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, o));
+            const float mn = fmaxf(wm[g], cm);
+            if (mn == ninf) continue;  // no finite score yet
+            const float alpha = expf(wm[g] - mn);  // 0 for the first keys
+            wm[g] = mn;
+            wl[g] *= alpha;
+#pragma unroll
+            for (int x = 0; x < 8; ++x) acc[g][x] *= alpha;
+#pragma unroll
+            for (unsigned u = 0; u < KR; ++u) {
+                const float p = expf(sc[u][g] - mn);
+                wl[g] += p;
+                const T* e = (const T*)&vr[u];
+#pragma unroll
+                for (int x = 0; x < 8; ++x)
+                    if (x < (int)VE) acc[g][x] += p * kiln_to_f32(Tag(), e[x]);
+            }
+        }
+    }
+    GQA_MARK(6);  // the warp's keys
+    // 3. Each warp's state to shared memory: Σ weight·V reduced over its key lanes (lanes
+    // vi + vpr·i) into s_red [warp], its maxima and sums into s_wm, s_wl [warp].
+    gqa_dec_reduce<Tag, G>(acc, &s_red[0][0], GQA_DEC_MAX_QH, vpr, vi, H, group);
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        if (g >= (int)group) break;
+        for (unsigned o = vpr; o < 32; o <<= 1) wl[g] += __shfl_xor_sync(0xffffffffu, wl[g], o);
+        if (lane == 0) {
+            s_wm[warp][g] = wm[g];
+            s_wl[warp][g] = wl[g];
+        }
+    }
+    __syncthreads();
+    GQA_MARK(8);  // the warps' states
+    // 4. The block's state from its warps'.
+    const unsigned warps = blockDim.x >> 5;
+    __shared__ float s_ws[GQA_DEC_WARPS][GQA_DEC_MAX_GROUP];
+    gqa_dec_combine(&s_wm[0][0], &s_wl[0][0], &s_ws[0][0], s_m, s_l, group);
+    __syncthreads();
+#if __CUDA_ARCH__ >= 900
+    if (CL > 0) {
+        gqa_dec_cluster_merge<Tag>(&s_red[0][0], GQA_DEC_MAX_QH, warps, &s_ws[0][0], s_m, s_l, s_recv, &s_bar, true,
+                                   false, sink, sink_mode, out, b, N, H, j, group);
+        return;
+    }
+#endif
+    gqa_dec_write<Tag>(&s_red[0][0], GQA_DEC_MAX_QH, warps, s_m, s_l, sink, sink_mode, out, partial, b, N, H, j, group,
+                       split, splits, direct, &s_ws[0][0]);
     if (!direct && fold)
         gqa_dec_fold<Tag>(partial, counters, sink, sink_mode, out, b, N, H, j, group, splits, span.first, span.used);
 }
@@ -1331,8 +1667,9 @@ __device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Ta
     gqa_dec_queries<Tag> queries{q_src, cos_c, sin_c, pos, cache_rows, q_w, rotary_half, interleaved, b, j, group, H};
     queries.start();
     if (append)
-        gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v, split, kpb, j, b, Nk, H,
-                               PL, P, pos, kv_w, k_off, v_off, cache_rows, rotary_half, interleaved, lay);
+        gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v, (long long)split * kpb,
+                               (long long)split * kpb + kpb, j, b, Nk, H, PL, P, pos, kv_w, k_off, v_off, cache_rows,
+                               rotary_half, interleaved, lay);
     const bool merge_after = !fold && splits > 1;
     const gqa_dec_span span = gqa_dec_spans(start, end, kpb, splits, merge_after);
     const bool direct = !merge_after && span.used <= 1;
@@ -1588,7 +1925,7 @@ __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, c
 // Decode attention by KV head, K/V rows loaded into registers (G query heads per block).
 template <typename Tag, int G>
 __global__ void __launch_bounds__(256, 2) kiln_gqa_decode(KILN_GQA_DECODE_PARAMS) {
-    gqa_decode_regs<Tag, G, 0>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out, N, Nk, H, PL, q_w,
+    gqa_decode_rows<Tag, G>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out, N, Nk, H, PL, q_w,
                             cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b, bias_h,
                             total, sink_mode, k_src, v_src, past_k, past_v, P, kv_w, k_off, v_off, append, kpb,
                             KILN_GQA_LAYOUT, fold, counters, st);
@@ -1610,6 +1947,16 @@ __global__ void KILN_GQA_CLUSTER_DIMS __launch_bounds__(256, 2) kiln_gqa_decode_
                                             window, has_bias, bias_b, bias_h, total, sink_mode, k_src, v_src, past_k,
                                             past_v, P, kv_w, k_off, v_off, append, kpb, KILN_GQA_LAYOUT, fold,
                                             counters, st);
+}
+
+// kiln_gqa_decode_cluster for a node without bias, softcap, sink or window (gqa_decode_regs' PLAIN).
+template <typename Tag, int G>
+__global__ void KILN_GQA_CLUSTER_DIMS __launch_bounds__(256, 2) kiln_gqa_decode_cluster_plain(KILN_GQA_DECODE_PARAMS) {
+    gqa_decode_regs<Tag, G, GQA_DEC_CLUSTER, true>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial,
+                                                  out, N, Nk, H, PL, q_w, cache_rows, rotary_half, interleaved, scale,
+                                                  softcap, window, has_bias, bias_b, bias_h, total, sink_mode, k_src,
+                                                  v_src, past_k, past_v, P, kv_w, k_off, v_off, append, kpb,
+                                                  KILN_GQA_LAYOUT, fold, counters, st);
 }
 
 // Decode attention by KV head, K/V tiles copied into shared memory (G query heads per block).

@@ -82,9 +82,12 @@ typedef Elem<kiln_tag_bf16> BF16;
 // registers before the grid-dependency wait instead of only prefetched into L2.
 enum { HAS_SKIP = 1, HAS_SUM = 2, W_CONST = 4 };
 
-#define LIN_WARPS 4    // warps per block
+// 8 warps of 6 loads in flight: on an H100 the 30-layer decode step's GEMVs took 51 µs less
+// than at 4 warps of 4 (bench/RESULTS.md, 2026-12-06, session 26), the down projection most.
+#define LIN_WARPS 8    // warps per block
 #define LIN_COLS 2     // outputs (weight rows) per warp
-#define LIN_UNROLL 4   // 16-byte weight loads per lane and output in flight
+#define LIN_UNROLL 6   // 16-byte weight loads per lane and output in flight
+#define LIN_QUNROLL 4  // the same for the quantized GEMV (its unpacking needs the registers)
 #define LIN_PRO 4      // 16-byte activation loads per thread in flight in the prologue
 
 // Sigmoid without overflow and without a branch: with e = exp(-|g|), 1 / (1 + e) for g ≥ 0 and
@@ -507,14 +510,14 @@ __device__ __forceinline__ float q_dot(const float (&q)[QChunk<BITS>::VALUES], c
 // The chunks of one pass of the quantized GEMV and their scales: outputs col..col+LIN_COLS-1, chunks
 // base + u·32 + lane (zeros past the row or past N); rc chunks per W row, cpb chunks per block.
 template <typename T>
-__device__ __forceinline__ void q_load(uint4 (&wv)[LIN_COLS][LIN_UNROLL], float (&sv)[LIN_COLS][LIN_UNROLL],
+__device__ __forceinline__ void q_load(uint4 (&wv)[LIN_COLS][LIN_QUNROLL], float (&sv)[LIN_COLS][LIN_QUNROLL],
                                         const uint4* w, const typename T::S* scales, kiln_u64 col, kiln_u64 n,
                                         unsigned kc, unsigned rc, unsigned cpb, unsigned kb, unsigned base,
                                         unsigned lane) {
 #pragma unroll
     for (int j = 0; j < LIN_COLS; ++j) {
 #pragma unroll
-        for (int u = 0; u < LIN_UNROLL; ++u) {
+        for (int u = 0; u < LIN_QUNROLL; ++u) {
             const unsigned c = base + u * 32 + lane;
             const bool ok = col + j < n && c < kc;
             wv[j][u] = ok ? __ldg(w + (col + j) * rc + c) : make_uint4(0, 0, 0, 0);
@@ -531,7 +534,7 @@ __device__ __forceinline__ void q_prefetch(const uint4* w, const typename T::S* 
     for (int j = 0; j < LIN_COLS; ++j) {
         if (col + j >= n) break;
 #pragma unroll
-        for (int u = 0; u < LIN_UNROLL; ++u) {
+        for (int u = 0; u < LIN_QUNROLL; ++u) {
             const unsigned c = u * 32 + lane;
             if (c < kc) asm volatile("prefetch.global.L2 [%0];" ::"l"(w + (col + j) * rc + c));
         }
@@ -560,8 +563,8 @@ __device__ __forceinline__ void gemv_q(const typename T::S* x, const typename T:
     const kiln_u64 col_step = (kiln_u64)gridDim.x * LIN_WARPS * LIN_COLS;
     kiln_u64 col = ((kiln_u64)blockIdx.x * LIN_WARPS + warp) * LIN_COLS;
 
-    uint4 wv[LIN_COLS][LIN_UNROLL];
-    float sv[LIN_COLS][LIN_UNROLL];
+    uint4 wv[LIN_COLS][LIN_QUNROLL];
+    float sv[LIN_COLS][LIN_QUNROLL];
     const bool w_const = flags & W_CONST;  // W and its scales: initializers
     if (w_const)
         q_load<T>(wv, sv, w4, scales, col, n, kc, rc, cpb, kb, 0, lane);
@@ -584,11 +587,11 @@ __device__ __forceinline__ void gemv_q(const typename T::S* x, const typename T:
         for (int r = 0; r < ROWS; ++r)
 #pragma unroll
             for (int j = 0; j < LIN_COLS; ++j) acc[r][j] = 0.f;
-        for (unsigned base = 0; base < kc; base += 32 * LIN_UNROLL) {
+        for (unsigned base = 0; base < kc; base += 32 * LIN_QUNROLL) {
             if (!loaded) q_load<T>(wv, sv, w4, scales, col, n, kc, rc, cpb, kb, base, lane);
             loaded = false;
 #pragma unroll
-            for (int u = 0; u < LIN_UNROLL; ++u) {
+            for (int u = 0; u < LIN_QUNROLL; ++u) {
                 const unsigned c = base + u * 32 + lane;
                 if (c < kc) {
                     // Each weight chunk unpacked once for all the block's rows.

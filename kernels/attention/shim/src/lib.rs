@@ -1316,8 +1316,12 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
                 3..=4 => "4",
                 _ => "8",
             };
+            // Without bias, softcap, sink or window the cluster kernel's plain instantiation, compiled
+            // without them (0.5 µs of a layer's 6 on an H100: bench/RESULTS.md, 2026-12-06).
+            let plain = sink_mode == 0 && softcap <= 0.0 && p.bias_dims.is_none() && window < 0;
             let (kernel, smem) = match (tiled, cluster) {
                 (true, _) => ("kiln_gqa_decode_tiled", tiled_shared_bytes(keys, row_bytes, group * h_sz)),
+                (false, true) if plain => ("kiln_gqa_decode_cluster_plain", 0),
                 (false, true) => ("kiln_gqa_decode_cluster", 0),
                 (false, false) => ("kiln_gqa_decode", 0),
             };

@@ -64,8 +64,8 @@ pub const GEMV_MAX_ROWS: usize = 4;
 /// Most rows of A one GEMV block holds in shared memory: its kernels come for 1, 2 and 4.
 const GEMV_BLOCK_ROWS: usize = 4;
 /// Threads per GEMV block and outputs per block (`LIN_WARPS` · 32, `LIN_WARPS` · `LIN_COLS`).
-const GEMV_THREADS: u32 = 128;
-const GEMV_COLS_PER_BLOCK: usize = 8;
+const GEMV_THREADS: u32 = 256;
+const GEMV_COLS_PER_BLOCK: usize = 16;
 /// Most GEMV column blocks; larger N loops inside the blocks.
 const GEMV_MAX_BLOCKS: usize = 1024;
 /// Shared memory a GEMV block may use for A (the portable per-block limit).
