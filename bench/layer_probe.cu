@@ -105,16 +105,15 @@ __global__ void __cluster_dims__(GQA_DEC_CLUSTER, 1, 1) __launch_bounds__(256, 2
 #else
     lp_mark(1);
 #endif
-#ifdef LP_OLD_ATTN  // an attention.cu before session 26's (ATTN_SRC), without gqa_decode_regs' PLAIN
-#define LP_REGS_ARGS Tag, 4, GQA_DEC_CLUSTER
-#else
-#define LP_REGS_ARGS Tag, 4, GQA_DEC_CLUSTER, true
-#endif
-    gqa_decode_regs<LP_REGS_ARGS>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out,
+#ifdef LP_OLD_ATTN  // an attention.cu before session 26 (ATTN_SRC): no PLAIN, the layout as one argument
+    gqa_decode_regs<Tag, 4, GQA_DEC_CLUSTER>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out,
                                              N, Nk, H, PL, q_w, cache_rows, rotary_half, interleaved, scale, softcap,
                                              window, has_bias, bias_b, bias_h, total, sink_mode, k_src, v_src, past_k,
                                              past_v, P, kv_w, k_off, v_off, append, kpb, KILN_GQA_LAYOUT, fold,
                                              counters, st);
+#else
+    gqa_decode_regs<Tag, 4, GQA_DEC_CLUSTER, true>(KILN_GQA_DECODE_ARGS);
+#endif
     lp_mark(2);
 }
 

@@ -552,6 +552,28 @@ __device__ void gqa_decode_split(const typename Tag::storage* q_src, const typen
 #define GQA_DEC_MAX_ROW_BYTES 512  // bytes of one K/V row (H·sizeof(T))
 #define GQA_DEC_V_KEYS 4    // V rows per thread gqa_decode_tiled reads from shared memory together
 
+// The K/V layout parameters every kernel that reads or writes the present takes before its status
+// record (gqa_layout), and the layout they make.
+#define KILN_GQA_LAYOUT_PARAMS kiln_u64 kv_row, kiln_u64 kv_head, kiln_u64 kv_page, unsigned kv_shift
+#define KILN_GQA_LAYOUT (gqa_layout{kv_row, kv_head, kv_page, kv_shift})
+
+// The parameters of both decode kernels (one signature in kernel.toml).
+#define KILN_GQA_DECODE_PARAMS                                                                                         \
+    const typename Tag::storage *q_src, typename Tag::storage *pres_k, typename Tag::storage *pres_v,                  \
+        const int *seqlens, const typename Tag::storage *cos_c, const typename Tag::storage *sin_c,                    \
+        const typename Tag::storage *bias, const typename Tag::storage *sink, float *partial,                          \
+        typename Tag::storage *out, unsigned N, unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w,                    \
+        kiln_u64 cache_rows, unsigned rotary_half, unsigned interleaved, float scale, float softcap, int window,        \
+        unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode,                       \
+        const typename Tag::storage *k_src, const typename Tag::storage *v_src, const typename Tag::storage *past_k,   \
+        const typename Tag::storage *past_v, unsigned P, kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off,                \
+        unsigned append, unsigned kpb, KILN_GQA_LAYOUT_PARAMS, unsigned fold, kiln_counter *counters, kiln_status *st
+// The decode kernels' parameters as arguments, for the kernels that pass them on.
+#define KILN_GQA_DECODE_ARGS                                                                                           \
+    q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out, N, Nk, H, PL, q_w, cache_rows, rotary_half, \
+        interleaved, scale, softcap, window, has_bias, bias_b, bias_h, total, sink_mode, k_src, v_src, past_k, past_v,  \
+        P, kv_w, k_off, v_off, append, kpb, kv_row, kv_head, kv_page, kv_shift, fold, counters, st
+
 // Bytes of gqa_decode_tiled's K tile, which the cross-warp reduction reuses once the scores are
 // computed; the V tile follows it.
 __host__ __device__ __forceinline__ unsigned gqa_decode_k_bytes(unsigned kpb, unsigned row_bytes, unsigned qh) {
@@ -1188,18 +1210,9 @@ __device__ __forceinline__ void gqa_dec_cluster_merge(const float* s_red, unsign
 #define GQA_DEC_ROWS_V_KEYS 8  // V rows per thread loaded together (every V row of a 64-wide f16 block at once)
 
 template <typename Tag, int G>
-__device__ void gqa_decode_rows(const typename Tag::storage* q_src, typename Tag::storage* pres_k,
-                           typename Tag::storage* pres_v, const int* seqlens, const typename Tag::storage* cos_c,
-                           const typename Tag::storage* sin_c, const typename Tag::storage* bias,
-                           const typename Tag::storage* sink, float* partial, typename Tag::storage* out, unsigned N,
-                           unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w, kiln_u64 cache_rows,
-                           unsigned rotary_half, unsigned interleaved, float scale, float softcap, int window,
-                           unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode,
-                           const typename Tag::storage* k_src, const typename Tag::storage* v_src,
-                           const typename Tag::storage* past_k, const typename Tag::storage* past_v, unsigned P,
-                           kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off, unsigned append, unsigned kpb,
-                           gqa_layout lay, unsigned fold, kiln_counter* counters, kiln_status* st) {
+__device__ void gqa_decode_rows(KILN_GQA_DECODE_PARAMS) {
     typedef typename Tag::storage T;
+    const gqa_layout lay = KILN_GQA_LAYOUT;
     const unsigned VE = 16 / sizeof(T);  // elements per 16-byte vector
     __shared__ __align__(16) float q_s[GQA_DEC_MAX_QH];
     __shared__ float s_sc[G][GQA_DEC_KEYS];
@@ -1364,18 +1377,9 @@ __device__ __forceinline__ void gqa_dec_combine(const float* s_wm, const float* 
 #endif
 
 template <typename Tag, int G, int CL, bool PLAIN = false, int KR = (G >= 8 ? 1 : GQA_DEC_CLUSTER_KEYS)>
-__device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag::storage* pres_k,
-                           typename Tag::storage* pres_v, const int* seqlens, const typename Tag::storage* cos_c,
-                           const typename Tag::storage* sin_c, const typename Tag::storage* bias,
-                           const typename Tag::storage* sink, float* partial, typename Tag::storage* out, unsigned N,
-                           unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w, kiln_u64 cache_rows,
-                           unsigned rotary_half, unsigned interleaved, float scale, float softcap, int window,
-                           unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode,
-                           const typename Tag::storage* k_src, const typename Tag::storage* v_src,
-                           const typename Tag::storage* past_k, const typename Tag::storage* past_v, unsigned P,
-                           kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off, unsigned append, unsigned kpb,
-                           gqa_layout lay, unsigned fold, kiln_counter* counters, kiln_status* st) {
+__device__ void gqa_decode_regs(KILN_GQA_DECODE_PARAMS) {
     typedef typename Tag::storage T;
+    const gqa_layout lay = KILN_GQA_LAYOUT;
     const unsigned VE = 16 / sizeof(T);  // elements per 16-byte vector
     __shared__ __align__(16) float q_s[GQA_DEC_MAX_QH];
     __shared__ float s_m[G], s_l[G];
@@ -1615,18 +1619,9 @@ __device__ void gqa_decode_regs(const typename Tag::storage* q_src, typename Tag
 // kpb ≤ GQA_DEC_KEYS, 256 threads, and gqa_decode_k_bytes(kpb, H·sizeof(T), group·H) +
 // kpb·H·sizeof(T) bytes of dynamic shared memory.
 template <typename Tag, int G>
-__device__ void gqa_decode_tiled(const typename Tag::storage* q_src, typename Tag::storage* pres_k,
-                           typename Tag::storage* pres_v, const int* seqlens, const typename Tag::storage* cos_c,
-                           const typename Tag::storage* sin_c, const typename Tag::storage* bias,
-                           const typename Tag::storage* sink, float* partial, typename Tag::storage* out, unsigned N,
-                           unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w, kiln_u64 cache_rows,
-                           unsigned rotary_half, unsigned interleaved, float scale, float softcap, int window,
-                           unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode,
-                           const typename Tag::storage* k_src, const typename Tag::storage* v_src,
-                           const typename Tag::storage* past_k, const typename Tag::storage* past_v, unsigned P,
-                           kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off, unsigned append, unsigned kpb,
-                           gqa_layout lay, unsigned fold, kiln_counter* counters, kiln_status* st) {
+__device__ void gqa_decode_tiled(KILN_GQA_DECODE_PARAMS) {
     typedef typename Tag::storage T;
+    const gqa_layout lay = KILN_GQA_LAYOUT;
     const unsigned VE = 16 / sizeof(T);  // elements per 16-byte vector
     extern __shared__ __align__(16) unsigned char gqa_dyn[];
     __shared__ __align__(16) float q_s[GQA_DEC_MAX_QH];
@@ -1902,22 +1897,6 @@ __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, c
     }
 }
 
-// The K/V layout parameters every kernel that reads or writes the present takes before its status
-// record (gqa_layout), and the layout they make.
-#define KILN_GQA_LAYOUT_PARAMS kiln_u64 kv_row, kiln_u64 kv_head, kiln_u64 kv_page, unsigned kv_shift
-#define KILN_GQA_LAYOUT (gqa_layout{kv_row, kv_head, kv_page, kv_shift})
-
-// The parameters of both decode kernels (one signature in kernel.toml).
-#define KILN_GQA_DECODE_PARAMS                                                                                         \
-    const typename Tag::storage *q_src, typename Tag::storage *pres_k, typename Tag::storage *pres_v,                  \
-        const int *seqlens, const typename Tag::storage *cos_c, const typename Tag::storage *sin_c,                    \
-        const typename Tag::storage *bias, const typename Tag::storage *sink, float *partial,                          \
-        typename Tag::storage *out, unsigned N, unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w,                    \
-        kiln_u64 cache_rows, unsigned rotary_half, unsigned interleaved, float scale, float softcap, int window,        \
-        unsigned has_bias, unsigned bias_b, unsigned bias_h, unsigned total, unsigned sink_mode,                       \
-        const typename Tag::storage *k_src, const typename Tag::storage *v_src, const typename Tag::storage *past_k,   \
-        const typename Tag::storage *past_v, unsigned P, kiln_u64 kv_w, kiln_u64 k_off, kiln_u64 v_off,                \
-        unsigned append, unsigned kpb, KILN_GQA_LAYOUT_PARAMS, unsigned fold, kiln_counter *counters, kiln_status *st
 
 // The kernels, templates over the prelude's dtype tag (and the decode kernels over the query heads
 // per KV head, G), instantiated by the name expressions kernel.toml lists (schema 6).
@@ -1925,16 +1904,13 @@ __device__ void rope(const typename Tag::storage* x, const long long* pos_ids, c
 // Decode attention by KV head, K/V rows loaded into registers (G query heads per block).
 template <typename Tag, int G>
 __global__ void __launch_bounds__(256, 2) kiln_gqa_decode(KILN_GQA_DECODE_PARAMS) {
-    gqa_decode_rows<Tag, G>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out, N, Nk, H, PL, q_w,
-                            cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b, bias_h,
-                            total, sink_mode, k_src, v_src, past_k, past_v, P, kv_w, k_off, v_off, append, kpb,
-                            KILN_GQA_LAYOUT, fold, counters, st);
+    gqa_decode_rows<Tag, G>(KILN_GQA_DECODE_ARGS);
 }
 
-// Decode attention by KV head over GQA_DEC_CLUSTER splits of kpb keys (grid [GQA_DEC_CLUSTER, Nk, B]
-// exactly: each cluster is one (KV head, batch row), and its block 0 writes the whole output),
-// K/V rows in registers, the splits merged through a thread block cluster on compute capability
-// 9.0 and later (folded before it: the shim sets `fold`). G query heads per block.
+// Decode attention by KV head over GQA_DEC_CLUSTER splits (grid [GQA_DEC_CLUSTER, Nk, B] exactly:
+// each cluster is one (KV head, batch row), and each block writes a slice of its output), K/V rows
+// in registers, the splits merged through a thread block cluster on compute capability 9.0 and
+// later (folded before it: the shim sets `fold`): gqa_decode_regs. G query heads per block.
 #if __CUDA_ARCH__ >= 900
 #define KILN_GQA_CLUSTER_DIMS __cluster_dims__(GQA_DEC_CLUSTER, 1, 1)
 #else
@@ -1942,30 +1918,19 @@ __global__ void __launch_bounds__(256, 2) kiln_gqa_decode(KILN_GQA_DECODE_PARAMS
 #endif
 template <typename Tag, int G>
 __global__ void KILN_GQA_CLUSTER_DIMS __launch_bounds__(256, 2) kiln_gqa_decode_cluster(KILN_GQA_DECODE_PARAMS) {
-    gqa_decode_regs<Tag, G, GQA_DEC_CLUSTER>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out, N,
-                                            Nk, H, PL, q_w, cache_rows, rotary_half, interleaved, scale, softcap,
-                                            window, has_bias, bias_b, bias_h, total, sink_mode, k_src, v_src, past_k,
-                                            past_v, P, kv_w, k_off, v_off, append, kpb, KILN_GQA_LAYOUT, fold,
-                                            counters, st);
+    gqa_decode_regs<Tag, G, GQA_DEC_CLUSTER>(KILN_GQA_DECODE_ARGS);
 }
 
 // kiln_gqa_decode_cluster for a node without bias, softcap, sink or window (gqa_decode_regs' PLAIN).
 template <typename Tag, int G>
 __global__ void KILN_GQA_CLUSTER_DIMS __launch_bounds__(256, 2) kiln_gqa_decode_cluster_plain(KILN_GQA_DECODE_PARAMS) {
-    gqa_decode_regs<Tag, G, GQA_DEC_CLUSTER, true>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial,
-                                                  out, N, Nk, H, PL, q_w, cache_rows, rotary_half, interleaved, scale,
-                                                  softcap, window, has_bias, bias_b, bias_h, total, sink_mode, k_src,
-                                                  v_src, past_k, past_v, P, kv_w, k_off, v_off, append, kpb,
-                                                  KILN_GQA_LAYOUT, fold, counters, st);
+    gqa_decode_regs<Tag, G, GQA_DEC_CLUSTER, true>(KILN_GQA_DECODE_ARGS);
 }
 
 // Decode attention by KV head, K/V tiles copied into shared memory (G query heads per block).
 template <typename Tag, int G>
 __global__ void __launch_bounds__(256, G <= 4 ? 3 : 2) kiln_gqa_decode_tiled(KILN_GQA_DECODE_PARAMS) {
-    gqa_decode_tiled<Tag, G>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, bias, sink, partial, out, N, Nk, H, PL, q_w,
-                             cache_rows, rotary_half, interleaved, scale, softcap, window, has_bias, bias_b, bias_h,
-                             total, sink_mode, k_src, v_src, past_k, past_v, P, kv_w, k_off, v_off, append, kpb,
-                             KILN_GQA_LAYOUT, fold, counters, st);
+    gqa_decode_tiled<Tag, G>(KILN_GQA_DECODE_ARGS);
 }
 
 // The present K/V: past rows copied, new rows rotated and appended.
