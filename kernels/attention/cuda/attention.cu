@@ -1410,13 +1410,19 @@ __device__ void gqa_decode_regs(KILN_GQA_DECODE_PARAMS) {
     gqa_range(seqlens, b, 0, 1, 0, window, PL, &start, &end, &pos);
     GQA_MARK(3);  // the row's length read
     // The keys [lo, hi) this block attends to and the present rows it owns: split·kpb .. + kpb,
-    // or, in a cluster whose append writes only the new row (in place, or no append), an even
-    // share of the row's keys [start, end), so that a short row spreads over every block of the
-    // cluster rather than the first few (the new row, the last key, is then the last non-empty
-    // block's).
+    // or, where the cluster merges (compute capability 9.0; the fold before it counts the splits
+    // by kpb) and the append writes only the new row (in place, or no append), an even share of
+    // the row's keys [start, end), so that a short row spreads over every block of the cluster
+    // rather than the first few. The new row, the last key, is then the last non-empty block's;
+    // with no key to attend to (a window of 0), the last block's.
     const bool in_place = pres_k == past_k && pres_v == past_v;
+#if __CUDA_ARCH__ >= 900
+    const bool even = CL > 0 && (!append || in_place);
+#else
+    const bool even = false;
+#endif
     long long lo, hi;
-    if (CL > 0 && (!append || in_place)) {
+    if (even) {
         const long long share = (end - start + splits - 1) / splits;
         lo = start + (long long)split * share;
         hi = lo + share < end ? lo + share : end;
@@ -1426,7 +1432,7 @@ __device__ void gqa_decode_regs(KILN_GQA_DECODE_PARAMS) {
         if (lo < start) lo = start;
         if (hi > end) hi = end;
     }
-    const unsigned n = lo < hi ? (unsigned)(hi - lo) : 0;  // ≤ kpb ≤ GQA_DEC_KEYS = blockDim.x
+    const unsigned n = lo < hi ? (unsigned)(hi - lo) : 0;  // any count: the chunks below loop
     const unsigned vpr = H / VE;  // 16-byte vectors per K/V row (≤ 32)
     // Thread (key lane kl, vector vi) holds vector vi of the K and V rows of keys kl + u·lanes,
     // u < KR, of each chunk of KR·lanes keys; the first chunk's rows are loaded here, before the
@@ -1459,11 +1465,14 @@ __device__ void gqa_decode_regs(KILN_GQA_DECODE_PARAMS) {
     };
     gqa_dec_queries<Tag> queries{q_src, cos_c, sin_c, pos, cache_rows, q_w, rotary_half, interleaved, b, j, group, H};
     queries.start();
-    if (append)
-        gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v,
-                               CL > 0 && in_place ? lo : (long long)split * kpb,
-                               CL > 0 && in_place ? hi : (long long)split * kpb + kpb, j, b, Nk, H, PL, P, pos, kv_w,
-                               k_off, v_off, cache_rows, rotary_half, interleaved, lay, s_new[0], s_new[1]);
+    if (append) {
+        const bool last_owns = even && start >= end && split == splits - 1;  // no key: the new row still goes in
+        const long long r0 = !even ? (long long)split * kpb : last_owns ? pos : lo;
+        const long long r1 = !even ? (long long)split * kpb + kpb : last_owns ? pos + 1 : hi;
+        gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v, r0, r1, j, b, Nk, H, PL, P,
+                               pos, kv_w, k_off, v_off, cache_rows, rotary_half, interleaved, lay, s_new[0],
+                               s_new[1]);
+    }
     GQA_MARK(4);  // the append written
     const bool merge_after = !fold && splits > 1;
     const gqa_dec_span span = gqa_dec_spans(start, end, kpb, splits, merge_after);

@@ -985,8 +985,8 @@ __device__ __forceinline__ void gemv_q4mma(const typename T::S* x, const typenam
 // MODE LIN_LINEAR: A = X [rows, k]; LIN_RMSNORM: A = RMS(X + skip) · gamma, s = X + skip written to
 // sum when flags has HAS_SUM (by the blocks of column block 0); LIN_SWIGLU: A = SiLU(X[:, :k]) ·
 // X[:, k:], X [rows, 2k]. R (1, 2, 4) rows per block: grid [column blocks, ceil(rows / R), 1],
-// block [128, 1, 1], dynamic shared memory min(rows, R) · k · 4 (A in f32). k is a multiple of
-// 16 / sizeof(T); every operand 16-byte aligned.
+// block [LIN_WARPS · 32, 1, 1], dynamic shared memory min(rows, R) · k · 4 (A in f32). k is a
+// multiple of 16 / sizeof(T); every operand 16-byte aligned.
 template <typename Tag, int MODE, int R>
 __global__ void __launch_bounds__(LIN_WARPS * 32)
     kiln_linear_gemv(const typename Tag::storage* x, const typename Tag::storage* skip,
@@ -1017,8 +1017,8 @@ __global__ void __launch_bounds__(MMA_WARPS * 32)
 // kiln_linear_gemv over BITS-bit weights (4 or 8) W uint8 [n, kb, block · BITS / 8] with scales
 // [n, kb] (MatMulNBits' layout, default zero point 2^(BITS − 1)): block and k multiples of
 // 128 / BITS with kb = ceil(k / block). R (1, 2, 4, 8) rows per block: grid [column blocks,
-// ceil(rows / R), 1], block [128, 1, 1], dynamic shared memory min(rows, R) · k · 4; W 16-byte
-// aligned.
+// ceil(rows / R), 1], block [LIN_WARPS · 32, 1, 1], dynamic shared memory min(rows, R) · k · 4;
+// W 16-byte aligned.
 template <typename Tag, int MODE, int R, int BITS>
 __global__ void __launch_bounds__(LIN_WARPS * 32)
     kiln_linear_qgemv(const typename Tag::storage* x, const typename Tag::storage* skip,
