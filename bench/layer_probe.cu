@@ -26,6 +26,8 @@
 // (-DLP_ATTN_TRIGGER: and lets the O GEMV launch right after it; -DLP_ATTN_EARLY: the wait after
 // the kernel's K/V loads instead, attention.cu's GQA_EARLY_WAIT); -DLP_KV_SHARED makes every layer
 // read layer 0's K/V cache (L2-resident), -DLP_KV_ARENA puts every layer's in one allocation;
+// -DLP_BATCH=2..8 runs that many batch rows at the same position, the projections as kiln
+// runs them there (kiln_linear_mma: tensor cores, the weight as the M side; not yet run on a GPU);
 // -DLIN_SRC='"path"' and -DATTN_SRC='"path"' take the GEMVs or attention from other sources
 // (-DLP_OLD_ATTN for an attention.cu before session 26). On an H100 (bench/RESULTS.md, 2026-12-06)
 // both fused forms and attention under PDL (early wait or not) were slower, and the L2-resident
@@ -92,6 +94,32 @@ __global__ void __launch_bounds__(LIN_WARPS * 32)
     lin::gemv<lin::F16, MODE, 1>(x, skip, gamma, w, y, sum, rows, n, k, skip_len, flags, eps);
     lp_mark(2);
 }
+
+#ifndef LP_BATCH
+#define LP_BATCH 1  // batch rows: 1 runs kiln_linear_gemv, 2–8 kiln_linear_mma (tensor cores, NT = 1)
+#endif
+#if LP_BATCH > 8
+#error "LP_BATCH is 1 to 8"
+#endif
+#if LP_BATCH > 1 && (defined(LP_FUSED_OGU) || defined(LP_FUSED_ALL))
+#error "the fused forms are batch 1 only"
+#endif
+
+template <int MODE>
+__global__ void __launch_bounds__(MMA_WARPS * 32)
+    lp_mma(unsigned launch, const S* x, const S* skip, const S* gamma, const S* w, S* y, S* sum, kiln_u64 rows,
+           kiln_u64 n, kiln_u64 k, kiln_u64 skip_len, unsigned flags, float eps, unsigned ksplit) {
+    lp_begin(launch);
+    lin::gemv_mma<lin::F16, MODE, 1>(x, skip, gamma, w, y, sum, rows, n, k, skip_len, flags, eps, ksplit);
+    lp_mark(2);
+}
+
+// The decode GEMV of MODE that kiln runs at LP_BATCH rows.
+#if LP_BATCH > 1
+#define LP_GEMV(MODE) lp_mma<MODE>
+#else
+#define LP_GEMV(MODE) lp_gemv<MODE>
+#endif
 
 template <typename Tag>
 __global__ void __cluster_dims__(GQA_DEC_CLUSTER, 1, 1) __launch_bounds__(256, 2)
@@ -278,6 +306,7 @@ static S* random_f16(size_t n, float scale) {
 
 int main() {
     const unsigned L = 30, D = 576, N = 9, Nk = 3, H = 64, I = 1536, PL = 384, pos = 200, rows = 4096, half = 32;
+    const unsigned B = LP_BATCH;
     const unsigned QKV = (N + 2 * Nk) * H, kpb = (PL + GQA_DEC_CLUSTER - 1) / GQA_DEC_CLUSTER;
     const float eps = 1e-5f;
     srand(1);
@@ -292,8 +321,8 @@ int main() {
         l.g2 = random_f16(D, 1.f);
         l.wgu = random_f16((size_t)2 * I * D, 0.05f);
         l.wd = random_f16((size_t)D * I, 0.03f);
-        l.k = random_f16((size_t)Nk * PL * H, 1.f);
-        l.v = random_f16((size_t)Nk * PL * H, 1.f);
+        l.k = random_f16((size_t)B * Nk * PL * H, 1.f);
+        l.v = random_f16((size_t)B * Nk * PL * H, 1.f);
     }
 #ifdef LP_KV_SHARED
     // Every layer reads layer 0's K/V cache (L2-resident: the K/V loads' latency without HBM).
@@ -306,7 +335,7 @@ int main() {
     {
         // Every layer's K/V cache in one allocation, as kiln's arena holds them.
         S* arena;
-        const size_t per = (size_t)Nk * PL * H;
+        const size_t per = (size_t)B * Nk * PL * H;
         CHECK(cudaMalloc(&arena, 2 * L * per * 2));
         for (unsigned li = 0; li < L; ++li) {
             CHECK(cudaMemcpy(arena + 2 * li * per, layers[li].k, per * 2, cudaMemcpyDeviceToDevice));
@@ -316,18 +345,23 @@ int main() {
         }
     }
 #endif
-    S *h = random_f16(D, 1.f), *res_a = random_f16(D, 1.f), *res_b = random_f16(D, 1.f);
-    S *qkv = random_f16(QKV, 1.f), *attn = random_f16(N * H, 1.f), *o = random_f16(D, 1.f);
+    S *h = random_f16(B * D, 1.f), *res_a = random_f16(B * D, 1.f), *res_b = random_f16(B * D, 1.f);
+    S *qkv = random_f16(B * QKV, 1.f), *attn = random_f16(B * N * H, 1.f), *o = random_f16(B * D, 1.f);
     S *gu = random_f16(2 * I, 1.f), *cs = random_f16((size_t)rows * half, 1.f);
     float* partial;
     int* seq;
     kiln_counter* ctr;
     kiln_status* st;
-    CHECK(cudaMalloc(&partial, (size_t)N * GQA_DEC_CLUSTER * (H + 2) * 4));
-    CHECK(cudaMalloc(&seq, 4));
-    CHECK(cudaMemcpy(seq, &pos, 4, cudaMemcpyHostToDevice));
-    CHECK(cudaMalloc(&ctr, Nk * 4));
-    CHECK(cudaMemset(ctr, 0, Nk * 4));
+    // Every batch row at the same position.
+    const auto set_position = [&](unsigned p) {
+        const std::vector<int> v(B, (int)p);
+        CHECK(cudaMemcpy(seq, v.data(), B * 4, cudaMemcpyHostToDevice));
+    };
+    CHECK(cudaMalloc(&partial, (size_t)B * N * GQA_DEC_CLUSTER * (H + 2) * 4));
+    CHECK(cudaMalloc(&seq, B * 4));
+    set_position(pos);
+    CHECK(cudaMalloc(&ctr, B * Nk * 4));
+    CHECK(cudaMemset(ctr, 0, B * Nk * 4));
     CHECK(cudaMalloc(&st, sizeof(kiln_status)));
     CHECK(cudaMemset(st, 0, sizeof(kiln_status)));
 
@@ -345,14 +379,29 @@ int main() {
     const auto gemv = [&](int k, auto kernel, unsigned blocks, const S* x, const S* skip, const S* gamma, const S* w,
                           S* y, S* sum, unsigned n, unsigned kk, unsigned flags) {
         cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(blocks, 1, 1);
-        cfg.blockDim = dim3(LIN_WARPS * 32, 1, 1);
-        cfg.dynamicSmemBytes = kk * 4;
         cfg.stream = s;
         cfg.attrs = &pdl;
         cfg.numAttrs = 1;
+#if LP_BATCH > 1
+        // The shim's launch_mma: 16-output tiles, blocks of MMA_WARPS warps holding fewer tiles
+        // (their warps splitting K) until the grid has 128 blocks; A in shared memory.
+        (void)blocks;
+        const unsigned tiles = (n + 15) / 16;
+        unsigned per_block = MMA_WARPS;
+        while (per_block > 1 && (tiles + per_block - 1) / per_block < 128) per_block /= 2;
+        const unsigned kcp = (kk / 8 + 7) / 8 * 8;
+        cfg.gridDim = dim3((tiles + per_block - 1) / per_block, 1, 1);
+        cfg.blockDim = dim3(MMA_WARPS * 32, 1, 1);
+        cfg.dynamicSmemBytes = std::max(8u * kcp * 16u, (unsigned)MMA_WARPS * 512u);
+        CHECK(cudaLaunchKernelEx(&cfg, kernel, launch++, x, skip, gamma, w, y, sum, (kiln_u64)B, (kiln_u64)n,
+                                 (kiln_u64)kk, (kiln_u64)kk, flags, eps, (unsigned)(MMA_WARPS / per_block)));
+#else
+        cfg.gridDim = dim3(blocks, 1, 1);
+        cfg.blockDim = dim3(LIN_WARPS * 32, 1, 1);
+        cfg.dynamicSmemBytes = kk * 4;
         CHECK(cudaLaunchKernelEx(&cfg, kernel, launch++, x, skip, gamma, w, y, sum, (kiln_u64)1, (kiln_u64)n,
                                  (kiln_u64)kk, (kiln_u64)kk, flags, eps));
+#endif
         kind.push_back(k);
     };
     // GEMV blocks for n outputs (the shim's: LIN_WARPS · LIN_COLS outputs per block).
@@ -416,7 +465,7 @@ int main() {
     };
     const auto attention = [&](const Layer& l) {
         cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(GQA_DEC_CLUSTER, Nk, 1);
+        cfg.gridDim = dim3(GQA_DEC_CLUSTER, Nk, B);
         cfg.blockDim = dim3(256, 1, 1);
         cfg.stream = s;
 #ifdef LP_ATTN_PDL
@@ -436,14 +485,15 @@ int main() {
         // Layer 0's attention against a float64 reference on the same inputs: the query and the
         // new K row rotated and rounded to float16 as the kernel does, keys 0 … pos (the graph
         // runs at the last one).
-        CHECK(cudaMemcpy(seq, &pos, 4, cudaMemcpyHostToDevice));
+        set_position(pos);
         attention(layers[0]);
         CHECK(cudaStreamSynchronize(s));
-        std::vector<S> hq(QKV), ho(N * H), hk((size_t)Nk * PL * H), hv((size_t)Nk * PL * H), hc((size_t)rows * half);
-        CHECK(cudaMemcpy(hq.data(), qkv, QKV * 2, cudaMemcpyDeviceToHost));
-        CHECK(cudaMemcpy(ho.data(), attn, N * H * 2, cudaMemcpyDeviceToHost));
-        CHECK(cudaMemcpy(hk.data(), layers[0].k, hk.size() * 2, cudaMemcpyDeviceToHost));
-        CHECK(cudaMemcpy(hv.data(), layers[0].v, hv.size() * 2, cudaMemcpyDeviceToHost));
+        std::vector<S> hqa((size_t)B * QKV), hoa((size_t)B * N * H), hka((size_t)B * Nk * PL * H),
+            hva((size_t)B * Nk * PL * H), hc((size_t)rows * half);
+        CHECK(cudaMemcpy(hqa.data(), qkv, hqa.size() * 2, cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(hoa.data(), attn, hoa.size() * 2, cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(hka.data(), layers[0].k, hka.size() * 2, cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(hva.data(), layers[0].v, hva.size() * 2, cudaMemcpyDeviceToHost));
         CHECK(cudaMemcpy(hc.data(), cs, hc.size() * 2, cudaMemcpyDeviceToHost));
         const auto rope = [&](const S* x, unsigned d) {
             const unsigned i = d < half ? d : d - half;
@@ -452,7 +502,13 @@ int main() {
             return probe_f64(probe_h16(d < half ? xa * c - xb * sn : xa * sn + xb * c));
         };
         double worst = 0, top = 0, worst_row = 0;
+        for (unsigned b = 0; b < B; ++b)
         for (unsigned j = 0; j < Nk; ++j) {
+            // Batch row b's query, K/V caches and output.
+            const S* hq = &hqa[(size_t)b * QKV];
+            const S* hk = &hka[(size_t)b * Nk * PL * H];
+            const S* hv = &hva[(size_t)b * Nk * PL * H];
+            const S* ho = &hoa[(size_t)b * N * H];
             for (unsigned d = 0; d < H; ++d) {  // the appended row, K rotated
                 const double kd = rope(&hq[(N + j) * H], d), kg = probe_f64(hk[(size_t)j * PL * H + pos * H + d]);
                 const double vd = probe_f64(hq[(N + Nk + j) * H + d]);
@@ -515,13 +571,13 @@ int main() {
         };
         S *y_ref = random_f16(2 * I, 1.f), *sum_ref = random_f16(D, 1.f), *sum2 = random_f16(D, 1.f);
         const Layer& l = layers[1];
-        gemv(2, lp_gemv<LIN_LINEAR>, cols(D), attn, attn, attn, l.wo, o, o, D, N * H, lin::W_CONST);
-        gemv(3, lp_gemv<LIN_RMSNORM>, cols(2 * I), o, res_a, l.g2, l.wgu, y_ref, sum_ref, 2 * I, D,
+        gemv(2, LP_GEMV(LIN_LINEAR), cols(D), attn, attn, attn, l.wo, o, o, D, N * H, lin::W_CONST);
+        gemv(3, LP_GEMV(LIN_RMSNORM), cols(2 * I), o, res_a, l.g2, l.wgu, y_ref, sum_ref, 2 * I, D,
              lin::HAS_SKIP | lin::HAS_SUM | lin::W_CONST);
         ogu(l, res_a, sum2);
         check("O + gate.up (fused)", gu, 2 * I, sum2, y_ref, sum_ref);
-        gemv(4, lp_gemv<LIN_SWIGLU>, cols(D), gu, gu, gu, layers[0].wd, h, h, D, I, lin::W_CONST);
-        gemv(0, lp_gemv<LIN_RMSNORM>, cols(QKV), h, res_b, l.g1, l.wqkv, y_ref, sum_ref, QKV, D,
+        gemv(4, LP_GEMV(LIN_SWIGLU), cols(D), gu, gu, gu, layers[0].wd, h, h, D, I, lin::W_CONST);
+        gemv(0, LP_GEMV(LIN_RMSNORM), cols(QKV), h, res_b, l.g1, l.wqkv, y_ref, sum_ref, QKV, D,
              lin::HAS_SKIP | lin::HAS_SUM | lin::W_CONST);
         dqkv(layers[0], l, res_b, sum2);
         check("down + QKV (fused)", qkv, QKV, sum2, y_ref, sum_ref);
@@ -538,12 +594,12 @@ int main() {
             const Layer& l = layers[li];
 #ifdef LP_FUSED_ALL
             if (li == 0)
-                gemv(0, lp_gemv<LIN_RMSNORM>, cols(QKV), h, res_b, l.g1, l.wqkv, qkv, res_a, QKV, D,
+                gemv(0, LP_GEMV(LIN_RMSNORM), cols(QKV), h, res_b, l.g1, l.wqkv, qkv, res_a, QKV, D,
                      lin::HAS_SKIP | lin::HAS_SUM | lin::W_CONST);
             else
                 dqkv(layers[li - 1], l, res_b, res_a);
 #else
-            gemv(0, lp_gemv<LIN_RMSNORM>, cols(QKV), h, res_b, l.g1, l.wqkv, qkv, res_a, QKV, D,
+            gemv(0, LP_GEMV(LIN_RMSNORM), cols(QKV), h, res_b, l.g1, l.wqkv, qkv, res_a, QKV, D,
                  lin::HAS_SKIP | lin::HAS_SUM | lin::W_CONST);
 #endif
             attention(l);
@@ -551,15 +607,15 @@ int main() {
             ogu(l, res_a, res_b);
 #else
 #ifndef LP_NO_O
-            gemv(2, lp_gemv<LIN_LINEAR>, cols(D), attn, attn, attn, l.wo, o, o, D, N * H, lin::W_CONST);
+            gemv(2, LP_GEMV(LIN_LINEAR), cols(D), attn, attn, attn, l.wo, o, o, D, N * H, lin::W_CONST);
 #endif
-            gemv(3, lp_gemv<LIN_RMSNORM>, cols(2 * I), o, res_a, l.g2, l.wgu, gu, res_b, 2 * I, D,
+            gemv(3, LP_GEMV(LIN_RMSNORM), cols(2 * I), o, res_a, l.g2, l.wgu, gu, res_b, 2 * I, D,
                  lin::HAS_SKIP | lin::HAS_SUM | lin::W_CONST);
 #endif
 #ifdef LP_FUSED_ALL
             if (li + 1 < L) continue;
 #endif
-            gemv(4, lp_gemv<LIN_SWIGLU>, cols(D), gu, gu, gu, l.wd, h, h, D, I, lin::W_CONST);
+            gemv(4, LP_GEMV(LIN_SWIGLU), cols(D), gu, gu, gu, l.wd, h, h, D, I, lin::W_CONST);
         }
     };
     cudaGraph_t graph;
@@ -582,7 +638,8 @@ int main() {
     float ms;
     CHECK(cudaEventElapsedTime(&ms, a, b));
     const double step_us = ms * 1000.0 / reps;
-    printf("graph of %zu kernels, %u layers: %.1f us per step, %.2f us per layer\n", nodes, L, step_us, step_us / L);
+    printf("graph of %zu kernels, %u layers, batch %u: %.1f us per step, %.2f us per layer\n", nodes, L, B, step_us,
+           step_us / L);
     kiln_status hst;
     CHECK(cudaMemcpy(&hst, st, sizeof(hst), cudaMemcpyDeviceToHost));
     if (hst.code) printf("attention status code %u\n", hst.code);
