@@ -1358,8 +1358,9 @@ __device__ __forceinline__ void gqa_dec_combine(const float* s_wm, const float* 
 
 // Decode attention by KV head over a thread block cluster, kiln_gqa_decode_cluster (the shim's
 // choice for a short present and few keys in all). Block (split, j, b) takes an even share of the
-// row's keys [start, end) (or, where the present is not the past buffer and the block copies the
-// rows it owns, keys [split·kpb, (split + 1)·kpb) ∩ [start, end)), in chunks of KR·256 / vpr keys:
+// row's keys [start, end) on compute capability 9.0 (else, or where the present is not the past
+// buffer and the block copies the rows it owns, keys [split·kpb, (split + 1)·kpb) ∩ [start, end)),
+// in chunks of KR·256 / vpr keys (KR = 1 for groups of 8, else GQA_DEC_CLUSTER_KEYS):
 // thread (key lane, 16-byte vector) loads its vector of the K and V rows of KR keys into
 // registers at the start, before the append and the query rows, so their latency overlaps
 // those, and the next chunk's while it computes one. Each warp runs an online softmax over its
@@ -1373,7 +1374,7 @@ __device__ __forceinline__ void gqa_dec_combine(const float* s_wm, const float* 
 // 6 µs per layer (bench/RESULTS.md, 2026-12-06, session 26). PLAIN: no bias, softcap, sink or
 // window (the caller guarantees it), compiled without them.
 #ifndef GQA_DEC_CLUSTER_KEYS
-#define GQA_DEC_CLUSTER_KEYS 2  // KR of kiln_gqa_decode_cluster (its blocks hold ⌈present / 8⌉ keys)
+#define GQA_DEC_CLUSTER_KEYS 2  // KR of kiln_gqa_decode_cluster below groups of 8
 #endif
 
 template <typename Tag, int G, int CL, bool PLAIN = false, int KR = (G >= 8 ? 1 : GQA_DEC_CLUSTER_KEYS)>
