@@ -28,6 +28,8 @@
 // read layer 0's K/V cache (L2-resident), -DLP_KV_ARENA puts every layer's in one allocation;
 // -DLP_BATCH=2..8 runs that many batch rows at the same position, the projections as kiln
 // runs them there (kiln_linear_mma: tensor cores, the weight as the M side; not yet run on a GPU);
+// -DGQA_FIXED_H=64 -DGQA_FIXED_GROUP=3 compile attention with the head size and group as constants
+// (37 integer divisions by a runtime value in its SASS become 6; not yet run on a GPU);
 // -DLIN_SRC='"path"' and -DATTN_SRC='"path"' take the GEMVs or attention from other sources
 // (-DLP_OLD_ATTN for an attention.cu before session 26). On an H100 (bench/RESULTS.md, 2026-12-06)
 // both fused forms and attention under PDL (early wait or not) were slower, and the L2-resident

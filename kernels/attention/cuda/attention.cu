@@ -1389,13 +1389,24 @@ __device__ void gqa_decode_regs(KILN_GQA_DECODE_PARAMS) {
     // The appended row (K rotated), which this block reads from here rather than from the present.
     __shared__ __align__(16) T s_new[2][GQA_DEC_MAX_ROW_BYTES / sizeof(T)];
     const unsigned split = blockIdx.x, j = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
-    const unsigned group = N / Nk, tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
     if (PLAIN) {  // the compiler drops what these options add (0.5 µs of a layer's attention)
         has_bias = 0;
         softcap = 0.f;
         sink_mode = 0;
         window = -1;
     }
+    // The layer probe's experiment: the head size and query group as compile-time constants
+    // (-DGQA_FIXED_H=64 -DGQA_FIXED_GROUP=3), so that the divisions by them become shifts and
+    // multiplications and their loops unroll; nothing otherwise.
+#ifdef GQA_FIXED_H
+    H = GQA_FIXED_H;
+#endif
+#ifdef GQA_FIXED_GROUP
+    const unsigned group = GQA_FIXED_GROUP;
+#else
+    const unsigned group = N / Nk;
+#endif
+    const unsigned tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
     // The checks run in one thread once the block's loads are in flight, where it would wait for
     // them anyway (at the kernel's start, their loads and cold code delayed the block by 0.4 µs).
     const auto check = [&] {
