@@ -284,6 +284,9 @@ __global__ void lp_instances(void** p) {
     p[3] = (void*)lp_attn<kiln_tag_f16>;
     p[4] = (void*)lp_fused<LIN_LINEAR, 3>;
     p[5] = (void*)lp_fused<LIN_SWIGLU, 4>;
+    p[6] = (void*)lp_mma<LIN_LINEAR>;
+    p[7] = (void*)lp_mma<LIN_RMSNORM>;
+    p[8] = (void*)lp_mma<LIN_SWIGLU>;
 }
 #else
 #include <algorithm>
@@ -349,7 +352,7 @@ int main() {
 #endif
     S *h = random_f16(B * D, 1.f), *res_a = random_f16(B * D, 1.f), *res_b = random_f16(B * D, 1.f);
     S *qkv = random_f16(B * QKV, 1.f), *attn = random_f16(B * N * H, 1.f), *o = random_f16(B * D, 1.f);
-    S *gu = random_f16(2 * I, 1.f), *cs = random_f16((size_t)rows * half, 1.f);
+    S *gu = random_f16((size_t)B * 2 * I, 1.f), *cs = random_f16((size_t)rows * half, 1.f);
     float* partial;
     int* seq;
     kiln_counter* ctr;
@@ -396,7 +399,7 @@ int main() {
         cfg.blockDim = dim3(MMA_WARPS * 32, 1, 1);
         cfg.dynamicSmemBytes = std::max(8u * kcp * 16u, (unsigned)MMA_WARPS * 512u);
         CHECK(cudaLaunchKernelEx(&cfg, kernel, launch++, x, skip, gamma, w, y, sum, (kiln_u64)B, (kiln_u64)n,
-                                 (kiln_u64)kk, (kiln_u64)kk, flags, eps, (unsigned)(MMA_WARPS / per_block)));
+                                 (kiln_u64)kk, (kiln_u64)B * kk, flags, eps, (unsigned)(MMA_WARPS / per_block)));
 #else
         cfg.gridDim = dim3(blocks, 1, 1);
         cfg.blockDim = dim3(LIN_WARPS * 32, 1, 1);

@@ -1478,7 +1478,9 @@ __device__ void gqa_decode_regs(KILN_GQA_DECODE_PARAMS) {
     gqa_dec_queries<Tag> queries{q_src, cos_c, sin_c, pos, cache_rows, q_w, rotary_half, interleaved, b, j, group, H};
     queries.start();
     if (append) {
-        const bool last_owns = even && start >= end && split == splits - 1;  // no key: the new row still goes in
+        // No key to attend to (a window of 0): the new row still goes in, unless its position is
+        // invalid (seqlens_k < 0: the checks report it, and nothing is written).
+        const bool last_owns = even && start >= end && pos >= 0 && split == splits - 1;
         const long long r0 = !even ? (long long)split * kpb : last_owns ? pos : lo;
         const long long r1 = !even ? (long long)split * kpb + kpb : last_owns ? pos + 1 : hi;
         gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v, r0, r1, j, b, Nk, H, PL, P,
