@@ -584,10 +584,10 @@ __host__ __device__ __forceinline__ unsigned gqa_decode_k_bytes(unsigned kpb, un
 // The present rows [r0, r1) of KV head j, batch row b that a block of a decode kernel owns (rows
 // split·kpb .. + kpb, or the keys it attends to, gqa_decode_regs), as kiln_gqa_kv writes them
 // for a shared past and present (S = 1): bound in place (present is the past buffer) only the
-// new row at `pos`, else every owned row (the new row, past rows below P, zeros). Every key a block reads is a row it owns, so the append needs
-// no other block: a decode step runs one kernel fewer. knew / vnew (this block's shared memory,
-// H values each, or null) also receive the new row at `pos` (K rotated), so that the block's own
-// reads of it wait on no global store.
+// new row at `pos`, else every owned row (the new row, past rows below P, zeros). Every key a
+// block reads is a row it owns, so the append needs no other block: a decode step runs one kernel
+// fewer. knew / vnew (this block's shared memory, H values each, or null) also receive the new row
+// at `pos` (K rotated), so that the block's own reads of it wait on no global store.
 template <typename Tag>
 __device__ __forceinline__ void gqa_decode_append(
     const typename Tag::storage* k_src, const typename Tag::storage* v_src, const typename Tag::storage* past_k,
@@ -1110,14 +1110,14 @@ __device__ __forceinline__ void gqa_dec_cluster_begin(unsigned long long* bar) {
     kiln_cluster_arrive_relaxed();
 }
 
-// has_keys: this block's state is s_m, s_l [GQA_DEC_MAX_GROUP] and its warps' Σ weight·V in s_red
-// [warp][stride] (16-byte aligned) for `warps` warps, each weighted by ws [warp][GQA_DEC_MAX_GROUP]
-// (gqa_dec_combine); otherwise it holds no key. no_keys: the row attends to no key (zeros, as
+// has_keys: this block's state is s_m, s_l [GQA_DEC_MAX_GROUP] and its GQA_DEC_WARPS warps' Σ
+// weight·V in s_red [warp][GQA_DEC_MAX_QH] (16-byte aligned), each weighted by ws
+// [warp][GQA_DEC_MAX_GROUP] (gqa_dec_combine); otherwise it holds no key. no_keys: the row attends to no key (zeros, as
 // kiln_gqa_merge writes). s_recv [GQA_DEC_CLUSTER][GQA_DEC_RECV_ROW], 16-byte aligned, receives
 // the senders' states.
 template <typename Tag>
-__device__ __forceinline__ void gqa_dec_cluster_merge(const float* s_red, unsigned stride, unsigned warps,
-                                                   const float* ws, const float* s_m, const float* s_l, float* s_recv,
+__device__ __forceinline__ void gqa_dec_cluster_merge(const float* s_red, const float* ws, const float* s_m,
+                                                      const float* s_l, float* s_recv,
                                                    unsigned long long* bar, bool has_keys, bool no_keys,
                                                    const typename Tag::storage* sink, unsigned sink_mode,
                                                    typename Tag::storage* out, unsigned b, unsigned N, unsigned H,
@@ -1139,8 +1139,8 @@ __device__ __forceinline__ void gqa_dec_cluster_merge(const float* s_red, unsign
             float4 x[GQA_DEC_WARPS];
 #pragma unroll
             for (unsigned w = 0; w < GQA_DEC_WARPS; ++w) {
-                f[w] = w < warps ? ws[w * GQA_DEC_MAX_GROUP + g] : 0.f;
-                x[w] = w < warps ? *(const float4*)(s_red + w * stride + 4 * v) : make_float4(0.f, 0.f, 0.f, 0.f);
+                f[w] = ws[w * GQA_DEC_MAX_GROUP + g];
+                x[w] = *(const float4*)(s_red + w * GQA_DEC_MAX_QH + 4 * v);
             }
 #pragma unroll
             for (unsigned w = 0; w < GQA_DEC_WARPS; ++w) {
@@ -1494,8 +1494,8 @@ __device__ void gqa_decode_regs(KILN_GQA_DECODE_PARAMS) {
 #if __CUDA_ARCH__ >= 900
     if (CL > 0 && n == 0) {
         check();
-        gqa_dec_cluster_merge<Tag>(&s_red[0][0], GQA_DEC_MAX_QH, 0, &s_wm[0][0], s_m, s_l, s_recv, &s_bar, false,
-                                   start >= end, sink, sink_mode, out, b, N, H, j, group);
+        gqa_dec_cluster_merge<Tag>(&s_red[0][0], &s_wm[0][0], s_m, s_l, s_recv, &s_bar, false, start >= end, sink,
+                                   sink_mode, out, b, N, H, j, group);
         return;
     }
 #endif
@@ -1602,20 +1602,19 @@ __device__ void gqa_decode_regs(KILN_GQA_DECODE_PARAMS) {
     }
     __syncthreads();
     GQA_MARK(8);  // the warps' states
-    // 4. The block's state from its warps'.
-    const unsigned warps = blockDim.x >> 5;
+    // 4. The block's state from its warps' (GQA_DEC_WARPS of them: 256 threads).
     __shared__ float s_ws[GQA_DEC_WARPS][GQA_DEC_MAX_GROUP];
     gqa_dec_combine(&s_wm[0][0], &s_wl[0][0], &s_ws[0][0], s_m, s_l, group);
     __syncthreads();
 #if __CUDA_ARCH__ >= 900
     if (CL > 0) {
-        gqa_dec_cluster_merge<Tag>(&s_red[0][0], GQA_DEC_MAX_QH, warps, &s_ws[0][0], s_m, s_l, s_recv, &s_bar, true,
-                                   false, sink, sink_mode, out, b, N, H, j, group);
+        gqa_dec_cluster_merge<Tag>(&s_red[0][0], &s_ws[0][0], s_m, s_l, s_recv, &s_bar, true, false, sink, sink_mode,
+                                   out, b, N, H, j, group);
         return;
     }
 #endif
-    gqa_dec_write<Tag>(&s_red[0][0], GQA_DEC_MAX_QH, warps, s_m, s_l, sink, sink_mode, out, partial, b, N, H, j, group,
-                       split, splits, direct, &s_ws[0][0]);
+    gqa_dec_write<Tag>(&s_red[0][0], GQA_DEC_MAX_QH, GQA_DEC_WARPS, s_m, s_l, sink, sink_mode, out, partial, b, N, H, j,
+                       group, split, splits, direct, &s_ws[0][0]);
     if (!direct && fold)
         gqa_dec_fold<Tag>(partial, counters, sink, sink_mode, out, b, N, H, j, group, splits, span.first, span.used);
 }
