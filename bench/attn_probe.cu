@@ -9,8 +9,10 @@
 // blocks reached each mark in one launch (the global timer; min, median and max over blocks). The kernel:
 //   (default)   kiln_gqa_decode at batch 1 over a 384-position cache (256 keys per block);
 //   -DCLUSTER   kiln_gqa_decode_cluster at batch 1 over 384 positions (8 blocks per KV head);
+//   -DCLUSTER_ROWS kiln_gqa_decode_cluster_rows, likewise (with -DPB, -DPPL: caches up to 2,048);
 //   -DTILED     kiln_gqa_decode_tiled at batch 8 over a 4096-position cache (256 keys per block,
 //               16 splits folded in the kernel): the long-context batch-8 case.
+// -DPB=8 -DPPL=2048 set the batch and the cache length of any of them; -DKPB=128 the keys per block.
 //
 //   mkdir -p inc/kiln-cuda-std && cp kernels/cuda-std/include/* inc/kiln-cuda-std/ && cp host/cuda/kiln.cuh inc/
 //   nvcc -O3 -arch=sm_90 -Iinc -DATTN_SRC='"kernels/attention/cuda/attention.cu"' -o attn_probe bench/attn_probe.cu
@@ -59,7 +61,11 @@ __global__ void probe_flush(uint4* p, size_t n, unsigned* sink) {
 }
 
 int main() {
-#ifdef TILED
+#if defined(PB) && defined(PPL)
+    // -DPB=rows -DPPL=positions: any batch and cache length (positions spread over the cache).
+    const unsigned B = PB, PL = PPL;
+    const int positions[] = {100, PL / 4, PL / 2, PL - PL / 16, PL - 2};
+#elif defined(TILED)
     const unsigned B = 8, PL = 4096;
     const int positions[] = {128, 1024, 3840, 4095};
 #else
@@ -67,8 +73,8 @@ int main() {
     const int positions[] = {100, 200, 300, 380};
 #endif
     const unsigned N = 9, Nk = 3, H = 64, rows = 4096, half = 32, kv_w = (N + 2 * Nk) * H;
-#ifdef CLUSTER
-    // kiln_gqa_decode_cluster: 8 blocks per KV head over ceil(PL / 8) keys each.
+#if defined(CLUSTER) || defined(CLUSTER_ROWS)
+    // kiln_gqa_decode_cluster(_rows): 8 blocks per KV head over ceil(PL / 8) keys each.
     const unsigned splits = 8, kpb = (PL + 7) / 8;
 #else
 #ifndef KPB
@@ -79,6 +85,11 @@ int main() {
 #ifdef TILED
     // kiln_gqa_decode_tiled's K and V tiles (the shim's tiled_shared_bytes for 128-byte rows).
     const unsigned smem = 2 * kpb * H * 2;
+#elif defined(CLUSTER_ROWS)
+    // kiln_gqa_decode_cluster_rows' K and V rows (the shim's cluster_rows_shared_bytes), for shares
+    // of at most GQA_DEC_KEYS keys.
+    static_assert((PL + 7) / 8 <= GQA_DEC_KEYS, "-DCLUSTER_ROWS takes caches of up to 8 x GQA_DEC_KEYS positions");
+    const unsigned smem = gqa_decode_rows_smem(kpb, H * 2);
 #endif
     std::vector<kiln_f16> qkv(B * kv_w), cache((size_t)B * Nk * PL * H), cs((size_t)rows * half);
     srand(1);
@@ -105,6 +116,9 @@ int main() {
 #ifdef TILED
     CHECK(cudaFuncSetAttribute(kiln_gqa_decode_tiled<kiln_tag_f16, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                (int)smem));
+#elif defined(CLUSTER_ROWS)
+    CHECK(cudaFuncSetAttribute(kiln_gqa_decode_cluster_rows<kiln_tag_f16, 4>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
 #endif
     CHECK(cudaMalloc(&d_st, sizeof(kiln_status)));
     CHECK(cudaMalloc(&d_flush, flush_bytes));
@@ -125,6 +139,8 @@ int main() {
     const auto launch = [&]() {
 #ifdef CLUSTER
         kiln_gqa_decode_cluster<kiln_tag_f16, 4><<<dim3(splits, Nk, B), 256, 0, s>>>(
+#elif defined(CLUSTER_ROWS)
+        kiln_gqa_decode_cluster_rows<kiln_tag_f16, 4><<<dim3(splits, Nk, B), 256, smem, s>>>(
 #elif defined(TILED)
         kiln_gqa_decode_tiled<kiln_tag_f16, 4><<<dim3(splits, Nk, B), 256, smem, s>>>(
 #else

@@ -50,8 +50,9 @@
 #              residual + RMS norm + gate·up as one cluster kernel (and down + QKV too: three
 #              kernels per layer), and the same with the linear.cu of each variant in
 #              .gpu/variants/*; LAYER_FLAGS adds nvcc -D flags to every build
-#   probe      bench/attn_probe.cu (nvcc): decode attention alone, the three decode kernels (batch 1 at a
-#              384 cache; the tiled one at batch 8 over 4096, 256 and 128 keys per block), GPU time
+#   probe      bench/attn_probe.cu (nvcc): decode attention alone, the decode kernels (batch 1 at a
+#              384 cache, the cluster rows one at 2048; the tiled one at batch 8 over 4096, 256 and 128
+#              keys per block), GPU time
 #              and the error against float64; PROBE_OLD=path/attention.cu adds that source's tiled rows
 #   bw         bench/bw_probe.cu (nvcc): how fast one kernel reads a batch-8 layer's 24 MiB K/V cache,
 #              by access pattern, after a clean and after a dirty L2 flush
@@ -373,12 +374,13 @@ for w in glob.glob(".gpu/python/*.whl"):
     summary+=("bw: $(grep -E '^\| [a-z]' "$out/bw.log" | tr '\n' ' ')")
     ;;
   probe)
-    # Decode attention alone (bench/attn_probe.cu): kiln_gqa_decode, kiln_gqa_decode_cluster and
+    # Decode attention alone (bench/attn_probe.cu): kiln_gqa_decode, kiln_gqa_decode_cluster(_rows) and
     # kiln_gqa_decode_tiled of this tree, L2 flushed before each launch.
     inc="$work/inc" && mkdir -p "$inc/kiln-cuda-std" && cp kernels/cuda-std/include/* "$inc/kiln-cuda-std/" &&
       cp host/cuda/kiln.cuh "$inc/"
     # PROBE_OLD: another attention.cu (a path in the tree) whose tiled kernel runs beside this one.
     variants=("decode::kernels/attention/cuda/attention.cu" "cluster:-DCLUSTER:kernels/attention/cuda/attention.cu"
+      "cluster-rows-2048:-DCLUSTER_ROWS -DPB=1 -DPPL=2048:kernels/attention/cuda/attention.cu"
       "tiled:-DTILED:kernels/attention/cuda/attention.cu" "tiled-kpb128:-DTILED -DKPB=128:kernels/attention/cuda/attention.cu")
     [ -n "${PROBE_OLD:-}" ] && variants+=("tiled-old:-DTILED:$PROBE_OLD" "tiled-old-kpb128:-DTILED -DKPB=128:$PROBE_OLD")
     for spec in "${variants[@]}"; do

@@ -621,20 +621,26 @@ fn the_example_replays_as_a_graph_and_a_moving_binding_exhausts_the_budget() {
 /// in all: the kernel by KV head over shared-memory tiles, 24 splits, here with every row
 /// written first since present and past are separate buffers) and 9 (one block per query head,
 /// then `kiln_gqa_merge`); and 2 over 1 in a 40,960-position buffer (320 splits: more than
-/// the decode kernels fold, so `kiln_gqa_merge` follows them). max |Δ| ≤ 1e-4 on the output
+/// the decode kernels fold, so `kiln_gqa_merge` follows them); and rows of 1000, 700 and 1 in a
+/// 1024-position buffer (`kiln_gqa_decode_cluster_rows`: 8 blocks of up to 128 keys merged
+/// through a cluster, each block's rows copied into shared memory). max |Δ| ≤ 1e-4 on the output
 /// and the present K/V.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn long_context_decode_attention_matches_the_cpu_reference() {
-    long_context_decode_attention(4, 2, 3072);
-    long_context_decode_attention(32, 8, 3072);
-    long_context_decode_attention(18, 2, 3072);
-    long_context_decode_attention(2, 1, 40_960);
+    long_context_decode_attention(4, 2, 3072, &[3000, 700, 1]);
+    long_context_decode_attention(32, 8, 3072, &[3000, 700, 1]);
+    long_context_decode_attention(18, 2, 3072, &[3000, 700, 1]);
+    long_context_decode_attention(2, 1, 40_960, &[3000, 700, 1]);
+    long_context_decode_attention(4, 2, 1024, &[1000, 700, 1]);
 }
 
-fn long_context_decode_attention(n: usize, nk: usize, past: usize) {
+fn long_context_decode_attention(n: usize, nk: usize, past: usize, lens: &[i32]) {
+    // total_sequence_length (and the rotary cache's rows): the longest row's positions and a
+    // few more, within the buffer.
+    let total = (*lens.iter().max().expect("rows") as usize + 72).min(past);
     for window in [-1i64, 1000] {
-        let (m, feeds) = gqa_model(n, nk, window, &[3000, 700, 1], (1, 3072), true, past, 3072);
+        let (m, feeds) = gqa_model(n, nk, window, lens, (1, total), true, past, total);
         let load = || model::load_bytes(&kiln_tests::onnx::bytes(&m), None).unwrap();
         let want = Session::new(runtime(), load(), SessionOptions::default()).unwrap().run(feeds.clone()).unwrap();
         let mut gpu =
@@ -651,7 +657,8 @@ fn long_context_decode_attention(n: usize, nk: usize, past: usize) {
 /// `Session::reserve_pages` cache from row-major tensors, past and present bound in place to its
 /// views) gives the CPU reference's output on the row-major caches: decode over rows of 3000,
 /// 700 and 1 positions of a 3072-position cache (2 query heads per KV head: the kernel with rows
-/// in registers; 32 over 8: 73,728 positions in all, shared-memory tiles) and a prompt of 37
+/// in registers; 32 over 8: 73,728 positions in all, shared-memory tiles), of 1000, 700 and 1 of a
+/// 1024-position cache (even shares over a cluster of 8 blocks) and a prompt of 37
 /// tokens over 263 (kiln_gqa_kv appends them, kiln_gqa_prefill reads them back), with and
 /// without a local window. After a decode step, a second one attends to the rows the first
 /// appended in place, against the CPU's next step over the first one's present. max |Δ| ≤ 1e-4.
@@ -662,6 +669,7 @@ fn attention_over_a_paged_kv_cache_matches_the_cpu_reference() {
     for (n, nk, lens, seq_total, past) in [
         (4, 2, vec![3000, 700, 1], (1, 3072), 3072),
         (32, 8, vec![3000, 700, 1], (1, 3072), 3072),
+        (4, 2, vec![1000, 700, 1], (1, 1024), 1024),
         (4, 2, vec![300], (37, 300), 512),
     ] {
         for window in [-1i64, 1000] {

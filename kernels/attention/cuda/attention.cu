@@ -1112,7 +1112,8 @@ __device__ __forceinline__ void gqa_dec_cluster_begin(unsigned long long* bar) {
 
 // has_keys: this block's state is s_m, s_l [GQA_DEC_MAX_GROUP] and its GQA_DEC_WARPS warps' Σ
 // weight·V in s_red [warp][GQA_DEC_MAX_QH] (16-byte aligned), each weighted by ws
-// [warp][GQA_DEC_MAX_GROUP] (gqa_dec_combine); otherwise it holds no key. no_keys: the row attends to no key (zeros, as
+// [warp][GQA_DEC_MAX_GROUP] (gqa_dec_combine; null: every warp's sums against the block's
+// maximum, weight 1); otherwise it holds no key. no_keys: the row attends to no key (zeros, as
 // kiln_gqa_merge writes). s_recv [GQA_DEC_CLUSTER][GQA_DEC_RECV_ROW], 16-byte aligned, receives
 // the senders' states.
 template <typename Tag>
@@ -1139,7 +1140,7 @@ __device__ __forceinline__ void gqa_dec_cluster_merge(const float* s_red, const 
             float4 x[GQA_DEC_WARPS];
 #pragma unroll
             for (unsigned w = 0; w < GQA_DEC_WARPS; ++w) {
-                f[w] = ws[w * GQA_DEC_MAX_GROUP + g];
+                f[w] = ws ? ws[w * GQA_DEC_MAX_GROUP + g] : 1.f;
                 x[w] = *(const float4*)(s_red + w * GQA_DEC_MAX_QH + 4 * v);
             }
 #pragma unroll
@@ -1197,6 +1198,49 @@ __device__ __forceinline__ void gqa_dec_cluster_merge(const float* s_red, const 
 }
 #endif
 
+// Whether a decode kernel's blocks take even shares (gqa_dec_share_of): a cluster kernel (CL > 0)
+// merging through its cluster (compute capability 9.0), where the append writes only the new row
+// (the present bound in place, or no append).
+template <int CL>
+__device__ __forceinline__ bool gqa_dec_even(unsigned append, bool in_place) {
+#if __CUDA_ARCH__ >= 900
+    return CL > 0 && (!append || in_place);
+#else
+    return false;
+#endif
+}
+
+// The keys [lo, hi) block `split` of a decode kernel's `splits` attends to within the row's
+// [start, end), and the present rows [r0, r1) its append owns (gqa_decode_append). Split by
+// kpb: keys split·kpb .. + kpb, which it also owns. `even` (gqa_dec_even): an even share of
+// the row's keys, so that a short row spreads over every block of the cluster rather than the
+// first few, at most kpb of them (the shim's ceil(present / splits), which a share never exceeds);
+// the new row, the row's last key, is then the last non-empty block's, and with no key to attend
+// to (a window of 0) the last block's, unless its position is invalid (seqlens_k < 0: the checks
+// report it, and nothing is written).
+struct gqa_dec_share {
+    long long lo, hi, r0, r1;
+};
+__device__ __forceinline__ gqa_dec_share gqa_dec_share_of(long long start, long long end, long long pos,
+                                                          unsigned split, unsigned splits, unsigned kpb, bool even) {
+    gqa_dec_share r;
+    if (even) {
+        const long long share = (end - start + splits - 1) / splits;
+        r.lo = start + (long long)split * share;
+        r.hi = r.lo + (share < (long long)kpb ? share : (long long)kpb);
+        if (r.hi > end) r.hi = end;
+        const bool last_owns = start >= end && pos >= 0 && split == splits - 1;
+        r.r0 = last_owns ? pos : r.lo;
+        r.r1 = last_owns ? pos + 1 : r.hi;
+    } else {
+        r.r0 = (long long)split * kpb;
+        r.r1 = r.r0 + kpb;
+        r.lo = r.r0 < start ? start : r.r0;
+        r.hi = r.r1 > end ? end : r.r1;
+    }
+    return r;
+}
+
 // Decode attention by KV head for the plain kernel kiln_gqa_decode (the shim's choice for a
 // present past the cluster kernel's and few keys in all: blocks of up to GQA_DEC_KEYS keys, split
 // over the present and folded): each thread loads its K row and GQA_DEC_ROWS_V_KEYS V rows into
@@ -1206,10 +1250,27 @@ __device__ __forceinline__ void gqa_dec_cluster_merge(const float* s_red, const 
 // contexts beats gqa_decode_regs' chunks of 2 keys per key lane (its one-chunk-ahead prefetch
 // ran batch 1 at context 3840 of a 4096 cache in 0.948 ms/step where this took 0.768 on an H100,
 // bench/RESULTS.md, 2026-12-06, session 26). Block (split, j, b) reads keys
-// [split·kpb, (split + 1)·kpb) ∩ [start, end) (kpb ≤ GQA_DEC_KEYS).
+// [split·kpb, (split + 1)·kpb) ∩ [start, end) (kpb ≤ GQA_DEC_KEYS). With CL (GQA_DEC_CLUSTER,
+// kiln_gqa_decode_cluster_rows) the block takes an even share of the row's keys where the append
+// allows it (compute capability 9.0), copies its rows into dynamic shared memory rather than
+// registers (cp.async, every row in flight at once) and merges through the cluster as
+// gqa_decode_regs does: at prompt 1,792 of a 2,048 cache this took batch 1 from 0.811 ms/step
+// (gqa_decode_regs' chunks of 64 keys one after another) to 0.681 in the same run on an H100
+// (bench/RESULTS.md, 2026-12-06, session 27).
 #define GQA_DEC_ROWS_V_KEYS 8  // V rows per thread loaded together (every V row of a 64-wide f16 block at once)
 
-template <typename Tag, int G>
+// Dynamic shared memory of kiln_gqa_decode_cluster_rows for kpb keys of row_bytes-byte rows: the K
+// rows, or the warps' Σ weight·V (GQA_DEC_WARPS·GQA_DEC_MAX_QH floats) that go over them once the
+// scores are computed, whichever is larger (gqa_decode_rows_k_bytes), then the V rows.
+__host__ __device__ __forceinline__ unsigned gqa_decode_rows_k_bytes(unsigned kpb, unsigned row_bytes) {
+    const unsigned k = kpb * row_bytes, red = GQA_DEC_WARPS * GQA_DEC_MAX_QH * 4u;
+    return k > red ? k : red;
+}
+__host__ __device__ __forceinline__ unsigned gqa_decode_rows_smem(unsigned kpb, unsigned row_bytes) {
+    return gqa_decode_rows_k_bytes(kpb, row_bytes) + kpb * row_bytes;
+}
+
+template <typename Tag, int G, int CL = 0>
 __device__ void gqa_decode_rows(KILN_GQA_DECODE_PARAMS) {
     typedef typename Tag::storage T;
     const gqa_layout lay = KILN_GQA_LAYOUT;
@@ -1217,43 +1278,78 @@ __device__ void gqa_decode_rows(KILN_GQA_DECODE_PARAMS) {
     __shared__ __align__(16) float q_s[GQA_DEC_MAX_QH];
     __shared__ float s_sc[G][GQA_DEC_KEYS];
     __shared__ float s_m[G], s_l[G];
-    __shared__ float s_red[GQA_DEC_WARPS][GQA_DEC_MAX_QH];
+    // The cluster kernel's dynamic shared memory (gqa_decode_rows_smem): the K rows, over which the
+    // warps' Σ weight·V [GQA_DEC_WARPS][GQA_DEC_MAX_QH] go once the scores are computed (its static
+    // memory stays under 48 KiB beside s_recv), then the V rows.
+    __shared__ __align__(16) float s_red_static[CL > 0 ? 4 : GQA_DEC_WARPS * GQA_DEC_MAX_QH];
+    extern __shared__ __align__(16) unsigned char gqa_dyn[];
+    float* const s_red = CL > 0 ? (float*)gqa_dyn : s_red_static;
     const unsigned split = blockIdx.x, j = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
     const unsigned group = N / Nk, tid = threadIdx.x;
+#if __CUDA_ARCH__ >= 900
+    __shared__ __align__(16) float s_recv[CL > 0 ? GQA_DEC_CLUSTER * GQA_DEC_RECV_ROW : 1];
+    __shared__ __align__(8) unsigned long long s_bar;
+    if (CL > 0) gqa_dec_cluster_begin(&s_bar);
+#endif
     if (split == 0 && j == 0 && b == 0 && tid == 0)
         gqa_check(st, seqlens, gridDim.z, 1, 0, total, 0, 0, cache_rows, rotary_half);
     long long start, end, pos;
     gqa_range(seqlens, b, 0, 1, 0, window, PL, &start, &end, &pos);
-    long long lo = (long long)split * kpb, hi = lo + kpb;
-    if (lo < start) lo = start;
-    if (hi > end) hi = end;
+    // The keys [lo, hi) this block attends to (gqa_dec_share_of): split·kpb .. + kpb, or, where
+    // the cluster merges (compute capability 9.0) and the append writes only the new row (in
+    // place, or no append), an even share of the row's keys.
+    const bool in_place = pres_k == past_k && pres_v == past_v;
+    const bool even = gqa_dec_even<CL>(append, in_place);
+    const gqa_dec_share sh = gqa_dec_share_of(start, end, pos, split, splits, kpb, even);
+    const long long lo = sh.lo, hi = sh.hi;
     const unsigned n = lo < hi ? (unsigned)(hi - lo) : 0;  // ≤ kpb ≤ GQA_DEC_KEYS = blockDim.x
     const unsigned vpr = H / VE;  // 16-byte vectors per K/V row
     // Key k's K and V rows are loaded before the append and the query rows (their latency
     // overlaps), except rows this block writes first: the new row, or every owned row when the
-    // present is not the past buffer. Those are loaded after the __syncthreads below.
-    const bool in_place = pres_k == past_k && pres_v == past_v;
+    // present is not the past buffer. Those are read after the __syncthreads below, from the
+    // present. kiln_gqa_decode holds its rows in registers (kraw, vraw); the cluster kernel copies
+    // them into dynamic shared memory (k_s, v_s, swizzled by 16-byte vector as gqa_decode_tiled's:
+    // gqa_decode_rows_smem bytes for kpb keys), so that its registers hold no load and none spills.
     const auto late = [&](unsigned k) { return append && (!in_place || lo + (long long)k == pos); };
-    const uint4* krow = (const uint4*)(pres_k + gqa_at(lay, b, j, lo + tid, H));
-    uint4 kraw[GQA_DEC_ROW_VECS];
-#pragma unroll
-    for (unsigned u = 0; u < GQA_DEC_ROW_VECS; ++u)
-        kraw[u] = tid < n && u < vpr && !late(tid) ? krow[u] : make_uint4(0, 0, 0, 0);
+    const auto krow = [&](unsigned k) { return (const uint4*)(pres_k + gqa_at(lay, b, j, lo + k, H)); };
+    const auto vrow = [&](unsigned k) { return (const uint4*)(pres_v + gqa_at(lay, b, j, lo + k, H)); };
     const unsigned lanes = blockDim.x / vpr;
     const unsigned kl = tid / vpr, vi = tid - kl * vpr;
-    const auto vrow = [&](unsigned k) { return ((const uint4*)(pres_v + gqa_at(lay, b, j, lo + k, H)))[vi]; };
-    uint4 vraw[GQA_DEC_ROWS_V_KEYS];
+    uint4 kraw[GQA_DEC_ROW_VECS], vraw[GQA_DEC_ROWS_V_KEYS];
+    uint4* const k_s = (uint4*)gqa_dyn;
+    uint4* const v_s = (uint4*)(gqa_dyn + gqa_decode_rows_k_bytes(kpb, vpr * 16u));
+    // Thread tid copies vector cu of keys key0, key0 + kstep, … (vpr a power of two).
+    const unsigned lg_vpr = __ffs(vpr) - 1, cu = tid & (vpr - 1), key0 = tid >> lg_vpr, kstep = blockDim.x >> lg_vpr;
+    const auto copy = [&](uint4* dst, bool v) {
+        for (unsigned k = key0; k < n; k += kstep)
+            if (!late(k)) kiln_cp_async16(&dst[gqa_swz(k, cu, vpr)], (v ? vrow(k) : krow(k)) + cu);
+        kiln_cp_async_commit();
+    };
+    if (CL == 0) {
 #pragma unroll
-    for (unsigned u = 0; u < GQA_DEC_ROWS_V_KEYS; ++u) {
-        const unsigned k = kl + u * lanes;
-        vraw[u] = k < n && !late(k) ? vrow(k) : make_uint4(0, 0, 0, 0);
+        for (unsigned u = 0; u < GQA_DEC_ROW_VECS; ++u)
+            kraw[u] = tid < n && u < vpr && !late(tid) ? krow(tid)[u] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (unsigned u = 0; u < GQA_DEC_ROWS_V_KEYS; ++u) {
+            const unsigned k = kl + u * lanes;
+            vraw[u] = k < n && !late(k) ? vrow(k)[vi] : make_uint4(0, 0, 0, 0);
+        }
+    } else if (n > 0) {
+        copy(k_s, false);
+        copy(v_s, true);
     }
     gqa_dec_queries<Tag> queries{q_src, cos_c, sin_c, pos, cache_rows, q_w, rotary_half, interleaved, b, j, group, H};
     queries.start();
     if (append)
-        gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v, (long long)split * kpb,
-                               (long long)split * kpb + kpb, j, b, Nk, H, PL, P, pos, kv_w, k_off, v_off, cache_rows,
-                               rotary_half, interleaved, lay);
+        gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v, sh.r0, sh.r1, j, b, Nk, H, PL,
+                               P, pos, kv_w, k_off, v_off, cache_rows, rotary_half, interleaved, lay);
+#if __CUDA_ARCH__ >= 900
+    if (CL > 0 && n == 0) {
+        gqa_dec_cluster_merge<Tag>(s_red, 0, s_m, s_l, s_recv, &s_bar, false, start >= end, sink, sink_mode, out, b, N,
+                                   H, j, group);
+        return;
+    }
+#endif
     const bool merge_after = !fold && splits > 1;
     const gqa_dec_span span = gqa_dec_spans(start, end, kpb, splits, merge_after);
     const bool direct = !merge_after && span.used <= 1;
@@ -1264,8 +1360,9 @@ __device__ void gqa_decode_rows(KILN_GQA_DECODE_PARAMS) {
     }
     // 1. Query rows.
     queries.finish(q_s);
-    __syncthreads();  // the appended rows and q_s
-    // 2. Scores, one key per thread (n ≤ blockDim.x).
+    if (CL > 0) kiln_cp_async_wait<1>();  // this thread's copies of the K rows
+    __syncthreads();  // the appended rows, q_s and everyone's K rows
+    // 2. Scores, one key per thread.
     if (tid < n) {
         const unsigned k = tid;
         float dot[G];
@@ -1275,8 +1372,14 @@ __device__ void gqa_decode_rows(KILN_GQA_DECODE_PARAMS) {
             // The row's vectors in flight together (the first ones loaded above), then the products.
             uint4 raw[GQA_DEC_ROW_VECS];
 #pragma unroll
-            for (unsigned u = 0; u < GQA_DEC_ROW_VECS; ++u)
-                raw[u] = c0 == 0 && !late(k) ? kraw[u] : c0 + u < vpr ? krow[c0 + u] : make_uint4(0, 0, 0, 0);
+            for (unsigned u = 0; u < GQA_DEC_ROW_VECS; ++u) {
+                const unsigned c = c0 + u;
+                raw[u] = c >= vpr    ? make_uint4(0, 0, 0, 0)
+                         : late(k)   ? krow(k)[c]
+                         : CL > 0    ? k_s[gqa_swz(k, c, vpr)]
+                         : c0 == 0   ? kraw[u]
+                                     : krow(k)[c];
+            }
 #pragma unroll
             for (unsigned u = 0; u < GQA_DEC_ROW_VECS; ++u) {
                 if (c0 + u >= vpr) break;
@@ -1288,8 +1391,9 @@ __device__ void gqa_decode_rows(KILN_GQA_DECODE_PARAMS) {
     __syncthreads();
     // 3. Weights, one warp per query row.
     gqa_dec_weights(s_sc, s_m, s_l, n, group);
+    if (CL > 0) kiln_cp_async_wait<0>();  // the V rows
     __syncthreads();
-    // 4. Σ weight·V: thread (key lane kl, vector vi), GQA_DEC_ROWS_V_KEYS keys' loads in flight (the
+    // 4. Σ weight·V: thread (key lane kl, vector vi), GQA_DEC_ROWS_V_KEYS keys read together (the
     // first ones loaded above).
     float acc[G][8];
 #pragma unroll
@@ -1302,7 +1406,11 @@ __device__ void gqa_decode_rows(KILN_GQA_DECODE_PARAMS) {
 #pragma unroll
             for (unsigned u = 0; u < GQA_DEC_ROWS_V_KEYS; ++u) {
                 const unsigned k = k0 + u * lanes;
-                raw[u] = k0 == kl && !late(k) ? vraw[u] : k < n ? vrow(k) : make_uint4(0, 0, 0, 0);
+                raw[u] = k >= n      ? make_uint4(0, 0, 0, 0)
+                         : late(k)   ? vrow(k)[vi]
+                         : CL > 0    ? v_s[gqa_swz(k, vi, vpr)]
+                         : k0 == kl  ? vraw[u]
+                                     : vrow(k)[vi];
             }
 #pragma unroll
             for (unsigned u = 0; u < GQA_DEC_ROWS_V_KEYS; ++u) {
@@ -1313,10 +1421,18 @@ __device__ void gqa_decode_rows(KILN_GQA_DECODE_PARAMS) {
         }
     }
     // Reduce over the key lanes of a warp (lanes vi + vpr·i), then over the warps.
-    gqa_dec_reduce<Tag, G>(acc, &s_red[0][0], GQA_DEC_MAX_QH, vpr, vi, H, group);
+    gqa_dec_reduce<Tag, G>(acc, s_red, GQA_DEC_MAX_QH, vpr, vi, H, group);
     __syncthreads();
-    gqa_dec_write<Tag>(&s_red[0][0], GQA_DEC_MAX_QH, (lanes * vpr + 31) / 32, s_m, s_l, sink, sink_mode, out, partial,
-                       b, N, H, j, group, split, splits, direct);
+#if __CUDA_ARCH__ >= 900
+    if (CL > 0) {
+        // Every warp's sums share the block's maximum: weight 1 each (null).
+        gqa_dec_cluster_merge<Tag>(s_red, 0, s_m, s_l, s_recv, &s_bar, true, false, sink, sink_mode, out, b, N, H, j,
+                                   group);
+        return;
+    }
+#endif
+    gqa_dec_write<Tag>(s_red, GQA_DEC_MAX_QH, (lanes * vpr + 31) / 32, s_m, s_l, sink, sink_mode, out, partial, b, N, H,
+                       j, group, split, splits, direct);
     if (!direct && fold)
         gqa_dec_fold<Tag>(partial, counters, sink, sink_mode, out, b, N, H, j, group, splits, span.first, span.used);
 }
@@ -1421,29 +1537,14 @@ __device__ void gqa_decode_regs(KILN_GQA_DECODE_PARAMS) {
     long long start, end, pos;
     gqa_range(seqlens, b, 0, 1, 0, window, PL, &start, &end, &pos);
     GQA_MARK(3);  // the row's length read
-    // The keys [lo, hi) this block attends to and the present rows it owns: split·kpb .. + kpb,
-    // or, where the cluster merges (compute capability 9.0; the fold before it counts the splits
-    // by kpb) and the append writes only the new row (in place, or no append), an even share of
-    // the row's keys [start, end), so that a short row spreads over every block of the cluster
-    // rather than the first few. The new row, the last key, is then the last non-empty block's;
-    // with no key to attend to (a window of 0), the last block's.
+    // The keys [lo, hi) this block attends to and the present rows it owns (gqa_dec_share_of):
+    // split·kpb .. + kpb, or, where the cluster merges (compute capability 9.0; the fold before it
+    // counts the splits by kpb) and the append writes only the new row (in place, or no append),
+    // an even share of the row's keys.
     const bool in_place = pres_k == past_k && pres_v == past_v;
-#if __CUDA_ARCH__ >= 900
-    const bool even = CL > 0 && (!append || in_place);
-#else
-    const bool even = false;
-#endif
-    long long lo, hi;
-    if (even) {
-        const long long share = (end - start + splits - 1) / splits;
-        lo = start + (long long)split * share;
-        hi = lo + share < end ? lo + share : end;
-    } else {
-        lo = (long long)split * kpb;
-        hi = lo + kpb;
-        if (lo < start) lo = start;
-        if (hi > end) hi = end;
-    }
+    const bool even = gqa_dec_even<CL>(append, in_place);
+    const gqa_dec_share sh = gqa_dec_share_of(start, end, pos, split, splits, kpb, even);
+    const long long lo = sh.lo, hi = sh.hi;
     const unsigned n = lo < hi ? (unsigned)(hi - lo) : 0;  // any count: the chunks below loop
     const unsigned vpr = H / VE;  // 16-byte vectors per K/V row (≤ 32)
     // Thread (key lane kl, vector vi) holds vector vi of the K and V rows of keys kl + u·lanes,
@@ -1477,16 +1578,10 @@ __device__ void gqa_decode_regs(KILN_GQA_DECODE_PARAMS) {
     };
     gqa_dec_queries<Tag> queries{q_src, cos_c, sin_c, pos, cache_rows, q_w, rotary_half, interleaved, b, j, group, H};
     queries.start();
-    if (append) {
-        // No key to attend to (a window of 0): the new row still goes in, unless its position is
-        // invalid (seqlens_k < 0: the checks report it, and nothing is written).
-        const bool last_owns = even && start >= end && pos >= 0 && split == splits - 1;
-        const long long r0 = !even ? (long long)split * kpb : last_owns ? pos : lo;
-        const long long r1 = !even ? (long long)split * kpb + kpb : last_owns ? pos + 1 : hi;
-        gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v, r0, r1, j, b, Nk, H, PL, P,
-                               pos, kv_w, k_off, v_off, cache_rows, rotary_half, interleaved, lay, s_new[0],
+    if (append)
+        gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v, sh.r0, sh.r1, j, b, Nk, H, PL,
+                               P, pos, kv_w, k_off, v_off, cache_rows, rotary_half, interleaved, lay, s_new[0],
                                s_new[1]);
-    }
     GQA_MARK(4);  // the append written
     const bool merge_after = !fold && splits > 1;
     const gqa_dec_span span = gqa_dec_spans(start, end, kpb, splits, merge_after);
@@ -1941,6 +2036,16 @@ __global__ void __launch_bounds__(256, 2) kiln_gqa_decode(KILN_GQA_DECODE_PARAMS
 template <typename Tag, int G>
 __global__ void KILN_GQA_CLUSTER_DIMS __launch_bounds__(256, 2) kiln_gqa_decode_cluster(KILN_GQA_DECODE_PARAMS) {
     gqa_decode_regs<Tag, G, GQA_DEC_CLUSTER>(KILN_GQA_DECODE_ARGS);
+}
+
+// Decode attention by KV head over GQA_DEC_CLUSTER splits merged through a thread block cluster
+// (grid [GQA_DEC_CLUSTER, Nk, B] exactly), each block over an even share of the row's keys (at
+// most kpb ≤ GQA_DEC_KEYS) with every row of it in flight at once: gqa_decode_rows, the rows
+// copied into gqa_decode_rows_smem(kpb, H·sizeof(T)) bytes of dynamic shared memory. The shim's
+// choice for shares longer than one chunk of kiln_gqa_decode_cluster.
+template <typename Tag, int G>
+__global__ void KILN_GQA_CLUSTER_DIMS __launch_bounds__(256, 2) kiln_gqa_decode_cluster_rows(KILN_GQA_DECODE_PARAMS) {
+    gqa_decode_rows<Tag, G, GQA_DEC_CLUSTER>(KILN_GQA_DECODE_ARGS);
 }
 
 // kiln_gqa_decode_cluster for a node without bias, softcap, sink or window (gqa_decode_regs' PLAIN).

@@ -1015,14 +1015,35 @@ const DEC_TILE_BYTES: usize = 64 << 10;
 const DEC_TILED_MIN_KEYS: usize = 64 << 10;
 
 /// Below the tiled kernel's threshold, a present buffer of at most `DEC_CLUSTER × DEC_KEYS`
-/// positions runs `kiln_gqa_decode_cluster`: DEC_CLUSTER blocks (attention.cu's GQA_DEC_CLUSTER)
-/// per (KV head, batch row), each over ceil(present / DEC_CLUSTER) keys, whose partial states
-/// merge through a thread block cluster on compute capability 9.0 (folded on the node's counters
-/// before it). Spreading a short cache over 8 multiprocessors instead of 1 or 2 cuts the
-/// latency-bound step: on the H200, decode attention at batch 1 over a 384-position cache spent
-/// most of its 7–10 µs loading 64 KiB per block into one multiprocessor and in the fold's
-/// counter and L2 round trips (bench/RESULTS.md, 2026-12-04, session 14).
+/// positions runs a cluster kernel: DEC_CLUSTER blocks (attention.cu's GQA_DEC_CLUSTER) per (KV
+/// head, batch row), each over ceil(present / DEC_CLUSTER) keys, whose partial states merge
+/// through a thread block cluster on compute capability 9.0 (folded on the node's counters before
+/// it). Spreading a short cache over 8 multiprocessors instead of 1 or 2 cuts the latency-bound
+/// step: on the H200, decode attention at batch 1 over a 384-position cache spent most of its
+/// 7–10 µs loading 64 KiB per block into one multiprocessor and in the fold's counter and L2
+/// round trips (bench/RESULTS.md, 2026-12-04, session 14). Up to `DEC_CLUSTER_MAX_PRESENT`
+/// positions (shares of up to 64 keys) it is `kiln_gqa_decode_cluster`, whose blocks hold their
+/// keys in registers in chunks of 2 per key lane (64 keys of 64-wide 16-bit rows), one chunk
+/// after another; past it `kiln_gqa_decode_cluster_rows`, whose blocks copy every row of their
+/// share into shared memory at once, where that fits `DEC_ROWS_SMEM` bytes
+/// ([`cluster_rows_shared_bytes`]: 2,048 positions of 64-wide 16-bit rows). On an H100
+/// (bench/RESULTS.md, 2026-12-06, session 27), batch 1 at prompt 1,792 of a 2,048 cache ran
+/// 0.811 ms/step with `kiln_gqa_decode_cluster` and 0.681 with `kiln_gqa_decode_cluster_rows` in
+/// the same run (0.711 with `kiln_gqa_decode`'s folded splits in another); shares of two passes
+/// of rows per block at prompt 3,840 of 4,096 lost to `kiln_gqa_decode` (0.938 against 0.752), so
+/// longer presents keep it.
 const DEC_CLUSTER: usize = 8;
+const DEC_CLUSTER_MAX_PRESENT: usize = 512;
+/// The most dynamic shared memory `kiln_gqa_decode_cluster_rows` takes (DEC_TILE_BYTES, the
+/// tiled kernel's: ABI 1 gives a shim no device limits).
+const DEC_ROWS_SMEM: usize = DEC_TILE_BYTES;
+
+/// Dynamic shared memory of `kiln_gqa_decode_cluster_rows` for shares of up to `kpb` keys of
+/// `row_bytes`-byte rows (attention.cu's gqa_decode_rows_smem): the K rows or the warps' Σ
+/// weight·V (DEC_WARPS × DEC_MAX_QH floats), whichever is larger, then the V rows.
+fn cluster_rows_shared_bytes(kpb: usize, row_bytes: usize) -> usize {
+    (kpb * row_bytes).max(DEC_WARPS * DEC_MAX_QH * 4) + kpb * row_bytes
+}
 
 /// Keys per block of `kiln_gqa_decode_tiled` for K/V rows of `row_bytes` bytes: the most
 /// (at most DEC_KEYS) whose K and V tiles fit DEC_TILE_BYTES.
@@ -1262,8 +1283,9 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
         let pairs = p.batch * n_kv;
         let tiled = by_kv_head && p.present_len.saturating_mul(pairs) >= DEC_TILED_MIN_KEYS;
         let cluster = by_kv_head && !tiled && p.present_len <= DEC_CLUSTER * DEC_KEYS && pairs <= MAX_COUNTERS as usize;
+        let cluster_keys = p.present_len.div_ceil(DEC_CLUSTER).max(1);
         let keys = match (by_kv_head, tiled, cluster) {
-            (true, _, true) => p.present_len.div_ceil(DEC_CLUSTER).max(1),
+            (true, _, true) => cluster_keys,
             (true, true, false) => tiled_keys_per_block(row_bytes),
             (true, false, false) => DEC_KEYS,
             (false, _, _) => SPLIT_KEYS,
@@ -1319,8 +1341,11 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
             // Without bias, softcap, sink or window the cluster kernel's plain instantiation, compiled
             // without them (0.5 µs of a layer's 6 on an H100: bench/RESULTS.md, 2026-12-06).
             let plain = sink_mode == 0 && softcap <= 0.0 && p.bias_dims.is_none() && window < 0;
+            let rows =
+                p.present_len > DEC_CLUSTER_MAX_PRESENT && cluster_rows_shared_bytes(keys, row_bytes) <= DEC_ROWS_SMEM;
             let (kernel, smem) = match (tiled, cluster) {
                 (true, _) => ("kiln_gqa_decode_tiled", tiled_shared_bytes(keys, row_bytes, group * h_sz)),
+                (false, true) if rows => ("kiln_gqa_decode_cluster_rows", cluster_rows_shared_bytes(keys, row_bytes)),
                 (false, true) if plain => ("kiln_gqa_decode_cluster_plain", 0),
                 (false, true) => ("kiln_gqa_decode_cluster", 0),
                 (false, false) => ("kiln_gqa_decode", 0),
@@ -1357,7 +1382,7 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
             kernel: &kernel,
             grid,
             block: [block, 1, 1],
-            shared_mem_bytes: smem as u32, // at most DEC_TILE_BYTES (K and V tiles, the reduction ≤ 32 KiB)
+            shared_mem_bytes: smem as u32, // at most DEC_TILE_BYTES (tiled: K and V tiles, the reduction ≤ 32 KiB) or DEC_ROWS_SMEM (cluster rows)
             args,
         })?;
         if !merged || fold {
