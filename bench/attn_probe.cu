@@ -9,7 +9,8 @@
 // blocks reached each mark in one launch (the global timer; min, median and max over blocks). The kernel:
 //   (default)   kiln_gqa_decode at batch 1 over a 384-position cache (256 keys per block);
 //   -DCLUSTER   kiln_gqa_decode_cluster at batch 1 over 384 positions (8 blocks per KV head);
-//   -DCLUSTER_ROWS kiln_gqa_decode_cluster_rows, likewise (with -DPB, -DPPL: caches up to 2,048);
+//   -DCLUSTER_ROWS kiln_gqa_decode_cluster_rows, likewise (with -DPB, -DPPL: caches up to 2,048;
+//               -DGQA_DEC_CLUSTER=16: 16 blocks per KV head, a non-portable cluster, up to 4,096);
 //   -DTILED     kiln_gqa_decode_tiled at batch 8 over a 4096-position cache (256 keys per block,
 //               16 splits folded in the kernel): the long-context batch-8 case.
 // -DPB=8 -DPPL=2048 set the batch and the cache length of any of them; -DKPB=128 the keys per block.
@@ -74,8 +75,9 @@ int main() {
 #endif
     const unsigned N = 9, Nk = 3, H = 64, rows = 4096, half = 32, kv_w = (N + 2 * Nk) * H;
 #if defined(CLUSTER) || defined(CLUSTER_ROWS)
-    // kiln_gqa_decode_cluster(_rows): 8 blocks per KV head over ceil(PL / 8) keys each.
-    const unsigned splits = 8, kpb = (PL + 7) / 8;
+    // kiln_gqa_decode_cluster(_rows): GQA_DEC_CLUSTER blocks per KV head (8; -DGQA_DEC_CLUSTER=16
+    // tries the non-portable 16) over ceil(PL / GQA_DEC_CLUSTER) keys each.
+    const unsigned splits = GQA_DEC_CLUSTER, kpb = (PL + GQA_DEC_CLUSTER - 1) / GQA_DEC_CLUSTER;
 #else
 #ifndef KPB
 #define KPB 256  // keys per block (-DKPB=128 tries smaller tiles)
@@ -88,7 +90,8 @@ int main() {
 #elif defined(CLUSTER_ROWS)
     // kiln_gqa_decode_cluster_rows' K and V rows (the shim's cluster_rows_shared_bytes), for shares
     // of at most GQA_DEC_KEYS keys.
-    static_assert((PL + 7) / 8 <= GQA_DEC_KEYS, "-DCLUSTER_ROWS takes caches of up to 8 x GQA_DEC_KEYS positions");
+    static_assert((PL + GQA_DEC_CLUSTER - 1) / GQA_DEC_CLUSTER <= GQA_DEC_KEYS,
+                  "-DCLUSTER_ROWS takes caches of up to GQA_DEC_CLUSTER x GQA_DEC_KEYS positions");
     const unsigned smem = gqa_decode_rows_smem(kpb, H * 2);
 #endif
     std::vector<kiln_f16> qkv(B * kv_w), cache((size_t)B * Nk * PL * H), cs((size_t)rows * half);
@@ -119,6 +122,13 @@ int main() {
 #elif defined(CLUSTER_ROWS)
     CHECK(cudaFuncSetAttribute(kiln_gqa_decode_cluster_rows<kiln_tag_f16, 4>,
                                cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+#endif
+#if GQA_DEC_CLUSTER > 8 && defined(CLUSTER_ROWS)
+    CHECK(cudaFuncSetAttribute(kiln_gqa_decode_cluster_rows<kiln_tag_f16, 4>,
+                               cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+#elif GQA_DEC_CLUSTER > 8
+    CHECK(cudaFuncSetAttribute(kiln_gqa_decode_cluster<kiln_tag_f16, 4>, cudaFuncAttributeNonPortableClusterSizeAllowed,
+                               1));
 #endif
     CHECK(cudaMalloc(&d_st, sizeof(kiln_status)));
     CHECK(cudaMalloc(&d_flush, flush_bytes));

@@ -1090,7 +1090,9 @@ __device__ __noinline__ void gqa_dec_fold(const float* partial, kiln_counter* co
 // is initialised at the kernel's start (gqa_dec_cluster_begin), whose cluster barrier the senders
 // wait on before their first store. Block-uniform: every thread of every block of the cluster
 // calls both once.
+#ifndef GQA_DEC_CLUSTER  // bench/attn_probe.cu tries 16 (a non-portable cluster size on sm_90)
 #define GQA_DEC_CLUSTER 8
+#endif
 // Floats of one sender's row of s_recv: maxima and sums of up to GQA_DEC_MAX_GROUP heads, then a
 // slice of Σ weight·V.
 #define GQA_DEC_RECV_ROW (2 * GQA_DEC_MAX_GROUP + GQA_DEC_MAX_QH / GQA_DEC_CLUSTER)
