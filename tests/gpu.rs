@@ -623,8 +623,8 @@ fn the_example_replays_as_a_graph_and_a_moving_binding_exhausts_the_budget() {
 /// then `kiln_gqa_merge`); and 2 over 1 in a 40,960-position buffer (320 splits: more than
 /// the decode kernels fold, so `kiln_gqa_merge` follows them); and rows of 1000, 700 and 1 in a
 /// 1024-position buffer (`kiln_gqa_decode_cluster_rows`: 8 blocks of up to 128 keys merged
-/// through a cluster, each block's rows copied into shared memory). max |Δ| ≤ 1e-4 on the output
-/// and the present K/V.
+/// through a cluster, each block's rows copied into shared memory), with 2 and 8 query heads per
+/// KV head. max |Δ| ≤ 1e-4 on the output and the present K/V.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn long_context_decode_attention_matches_the_cpu_reference() {
@@ -633,6 +633,7 @@ fn long_context_decode_attention_matches_the_cpu_reference() {
     long_context_decode_attention(18, 2, 3072, &[3000, 700, 1]);
     long_context_decode_attention(2, 1, 40_960, &[3000, 700, 1]);
     long_context_decode_attention(4, 2, 1024, &[1000, 700, 1]);
+    long_context_decode_attention(16, 2, 1024, &[1000, 700, 1]);
 }
 
 fn long_context_decode_attention(n: usize, nk: usize, past: usize, lens: &[i32]) {
