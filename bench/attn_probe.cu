@@ -13,7 +13,9 @@
 //               -DGQA_DEC_CLUSTER=16: 16 blocks per KV head, a non-portable cluster, up to 4,096);
 //   -DTILED     kiln_gqa_decode_tiled at batch 8 over a 4096-position cache (256 keys per block,
 //               16 splits folded in the kernel): the long-context batch-8 case.
-// -DPB=8 -DPPL=2048 set the batch and the cache length of any of them; -DKPB=128 the keys per block.
+// -DPB=8 -DPPL=2048 set the batch and the cache length of any of them; -DKPB=128 the keys per block;
+// -DNO_FLUSH times with the K/V cache left in L2 by the launch before (what prefetching it into L2
+// while the projections run could gain at most).
 //
 //   mkdir -p inc/kiln-cuda-std && cp kernels/cuda-std/include/* inc/kiln-cuda-std/ && cp host/cuda/kiln.cuh inc/
 //   nvcc -O3 -arch=sm_90 -Iinc -DATTN_SRC='"kernels/attention/cuda/attention.cu"' -o attn_probe bench/attn_probe.cu
@@ -161,7 +163,11 @@ int main() {
             (kiln_u64)(N * H), (kiln_u64)((N + Nk) * H), 1u, kpb, (kiln_u64)Nk * PL * H, (kiln_u64)PL * H, 0ull, 31u,
             1u, d_ctr, d_st);
     };
+    #ifdef NO_FLUSH
+    printf("| position | keys used | us per launch (events, L2 warm) |\n| ---: | ---: | ---: |\n");
+#else
     printf("| position | keys used | us per launch (events, L2 flushed) |\n| ---: | ---: | ---: |\n");
+#endif
     int pos = 0;
     for (int p : positions) {
         pos = p;
@@ -170,7 +176,9 @@ int main() {
         float total = 0;
         const int reps = 50;
         for (int i = 0; i < reps + 5; ++i) {
+#ifndef NO_FLUSH
             probe_flush<<<1056, 256, 0, s>>>((uint4*)d_flush, flush_bytes / 16, d_sink);
+#endif
             CHECK(cudaEventRecord(a, s));
             launch();
             CHECK(cudaEventRecord(b, s));
