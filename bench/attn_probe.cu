@@ -90,11 +90,11 @@ int main() {
     // kiln_gqa_decode_tiled's K and V tiles (the shim's tiled_shared_bytes for 128-byte rows).
     const unsigned smem = 2 * kpb * H * 2;
 #elif defined(CLUSTER_ROWS)
-    // kiln_gqa_decode_cluster_rows' K and V rows (the shim's cluster_rows_shared_bytes), for shares
+    // kiln_gqa_decode_cluster_rows' K and V rows (the shim's tiled_shared_bytes at DEC_MAX_QH), for shares
     // of at most GQA_DEC_KEYS keys.
     static_assert((PL + GQA_DEC_CLUSTER - 1) / GQA_DEC_CLUSTER <= GQA_DEC_KEYS,
                   "-DCLUSTER_ROWS takes caches of up to GQA_DEC_CLUSTER x GQA_DEC_KEYS positions");
-    const unsigned smem = gqa_decode_rows_smem(kpb, H * 2);
+    const unsigned smem = gqa_decode_k_bytes(kpb, H * 2, GQA_DEC_MAX_QH) + kpb * H * 2;
 #endif
     std::vector<kiln_f16> qkv(B * kv_w), cache((size_t)B * Nk * PL * H), cs((size_t)rows * half);
     srand(1);

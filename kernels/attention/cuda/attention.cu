@@ -1261,16 +1261,10 @@ __device__ __forceinline__ gqa_dec_share gqa_dec_share_of(long long start, long 
 // (bench/RESULTS.md, 2026-12-06, session 27).
 #define GQA_DEC_ROWS_V_KEYS 8  // V rows per thread loaded together (every V row of a 64-wide f16 block at once)
 
-// Dynamic shared memory of kiln_gqa_decode_cluster_rows for kpb keys of row_bytes-byte rows: the K
-// rows, or the warps' Σ weight·V (GQA_DEC_WARPS·GQA_DEC_MAX_QH floats) that go over them once the
-// scores are computed, whichever is larger (gqa_decode_rows_k_bytes), then the V rows.
-__host__ __device__ __forceinline__ unsigned gqa_decode_rows_k_bytes(unsigned kpb, unsigned row_bytes) {
-    const unsigned k = kpb * row_bytes, red = GQA_DEC_WARPS * GQA_DEC_MAX_QH * 4u;
-    return k > red ? k : red;
-}
-__host__ __device__ __forceinline__ unsigned gqa_decode_rows_smem(unsigned kpb, unsigned row_bytes) {
-    return gqa_decode_rows_k_bytes(kpb, row_bytes) + kpb * row_bytes;
-}
+// kiln_gqa_decode_cluster_rows' dynamic shared memory for kpb keys of row_bytes-byte rows is
+// gqa_decode_tiled's layout with the reduction at its fixed stride (the cluster merge reads
+// GQA_DEC_MAX_QH per warp): gqa_decode_k_bytes(kpb, row_bytes, GQA_DEC_MAX_QH) bytes of K rows, over
+// which the warps' Σ weight·V go once the scores are computed, then kpb·row_bytes of V rows.
 
 template <typename Tag, int G, int CL = 0>
 __device__ void gqa_decode_rows(KILN_GQA_DECODE_PARAMS) {
@@ -1280,9 +1274,9 @@ __device__ void gqa_decode_rows(KILN_GQA_DECODE_PARAMS) {
     __shared__ __align__(16) float q_s[GQA_DEC_MAX_QH];
     __shared__ float s_sc[G][GQA_DEC_KEYS];
     __shared__ float s_m[G], s_l[G];
-    // The cluster kernel's dynamic shared memory (gqa_decode_rows_smem): the K rows, over which the
-    // warps' Σ weight·V [GQA_DEC_WARPS][GQA_DEC_MAX_QH] go once the scores are computed (its static
-    // memory stays under 48 KiB beside s_recv), then the V rows.
+    // The cluster kernel's dynamic shared memory (above): the K rows, over which the warps' Σ
+    // weight·V [GQA_DEC_WARPS][GQA_DEC_MAX_QH] go once the scores are computed (its static memory
+    // stays under 48 KiB beside s_recv), then the V rows.
     __shared__ __align__(16) float s_red_static[CL > 0 ? 4 : GQA_DEC_WARPS * GQA_DEC_MAX_QH];
     extern __shared__ __align__(16) unsigned char gqa_dyn[];
     float* const s_red = CL > 0 ? (float*)gqa_dyn : s_red_static;
@@ -1311,7 +1305,7 @@ __device__ void gqa_decode_rows(KILN_GQA_DECODE_PARAMS) {
     // present is not the past buffer. Those are read after the __syncthreads below, from the
     // present. kiln_gqa_decode holds its rows in registers (kraw, vraw); the cluster kernel copies
     // them into dynamic shared memory (k_s, v_s, swizzled by 16-byte vector as gqa_decode_tiled's:
-    // gqa_decode_rows_smem bytes for kpb keys), so that its registers hold no load and none spills.
+    // as sized above for kpb keys), so that its registers hold no load and none spills.
     const auto late = [&](unsigned k) { return append && (!in_place || lo + (long long)k == pos); };
     const auto krow = [&](unsigned k) { return (const uint4*)(pres_k + gqa_at(lay, b, j, lo + k, H)); };
     const auto vrow = [&](unsigned k) { return (const uint4*)(pres_v + gqa_at(lay, b, j, lo + k, H)); };
@@ -1319,7 +1313,7 @@ __device__ void gqa_decode_rows(KILN_GQA_DECODE_PARAMS) {
     const unsigned kl = tid / vpr, vi = tid - kl * vpr;
     uint4 kraw[GQA_DEC_ROW_VECS], vraw[GQA_DEC_ROWS_V_KEYS];
     uint4* const k_s = (uint4*)gqa_dyn;
-    uint4* const v_s = (uint4*)(gqa_dyn + gqa_decode_rows_k_bytes(kpb, vpr * 16u));
+    uint4* const v_s = (uint4*)(gqa_dyn + gqa_decode_k_bytes(kpb, vpr * 16u, GQA_DEC_MAX_QH));
     // Thread tid copies vector cu of keys key0, key0 + kstep, … (vpr a power of two).
     const unsigned lg_vpr = __ffs(vpr) - 1, cu = tid & (vpr - 1), key0 = tid >> lg_vpr, kstep = blockDim.x >> lg_vpr;
     const auto copy = [&](uint4* dst, bool v) {
@@ -2043,7 +2037,8 @@ __global__ void KILN_GQA_CLUSTER_DIMS __launch_bounds__(256, 2) kiln_gqa_decode_
 // Decode attention by KV head over GQA_DEC_CLUSTER splits merged through a thread block cluster
 // (grid [GQA_DEC_CLUSTER, Nk, B] exactly), each block over an even share of the row's keys (at
 // most kpb ≤ GQA_DEC_KEYS) with every row of it in flight at once: gqa_decode_rows, the rows
-// copied into gqa_decode_rows_smem(kpb, H·sizeof(T)) bytes of dynamic shared memory. The shim's
+// copied into gqa_decode_k_bytes(kpb, H·sizeof(T), GQA_DEC_MAX_QH) + kpb·H·sizeof(T) bytes of
+// dynamic shared memory. The shim's
 // choice for shares longer than one chunk of kiln_gqa_decode_cluster.
 template <typename Tag, int G>
 __global__ void KILN_GQA_CLUSTER_DIMS __launch_bounds__(256, 2) kiln_gqa_decode_cluster_rows(KILN_GQA_DECODE_PARAMS) {

@@ -1026,7 +1026,8 @@ const DEC_TILED_MIN_KEYS: usize = 64 << 10;
 /// keys in registers in chunks of 2 per key lane (64 keys of 64-wide 16-bit rows), one chunk
 /// after another; past it `kiln_gqa_decode_cluster_rows`, whose blocks copy every row of their
 /// share into shared memory at once, where that fits `DEC_ROWS_SMEM` bytes
-/// ([`cluster_rows_shared_bytes`]: 2,048 positions of 64-wide 16-bit rows). On an H100
+/// ([`tiled_shared_bytes`] at the cluster merge's fixed reduction stride, `DEC_MAX_QH`: 2,048
+/// positions of 64-wide 16-bit rows). On an H100
 /// (bench/RESULTS.md, 2026-12-06, session 27), batch 1 at prompt 1,792 of a 2,048 cache ran
 /// 0.811 ms/step with `kiln_gqa_decode_cluster` and 0.681 with `kiln_gqa_decode_cluster_rows` in
 /// the same run (0.711 with `kiln_gqa_decode`'s folded splits in another); shares of two passes
@@ -1038,13 +1039,6 @@ const DEC_CLUSTER_MAX_PRESENT: usize = 512;
 /// tiled kernel's: ABI 1 gives a shim no device limits).
 const DEC_ROWS_SMEM: usize = DEC_TILE_BYTES;
 
-/// Dynamic shared memory of `kiln_gqa_decode_cluster_rows` for shares of up to `kpb` keys of
-/// `row_bytes`-byte rows (attention.cu's gqa_decode_rows_smem): the K rows or the warps' Σ
-/// weight·V (DEC_WARPS × DEC_MAX_QH floats), whichever is larger, then the V rows.
-fn cluster_rows_shared_bytes(kpb: usize, row_bytes: usize) -> usize {
-    (kpb * row_bytes).max(DEC_WARPS * DEC_MAX_QH * 4) + kpb * row_bytes
-}
-
 /// Keys per block of `kiln_gqa_decode_tiled` for K/V rows of `row_bytes` bytes: the most
 /// (at most DEC_KEYS) whose K and V tiles fit DEC_TILE_BYTES.
 fn tiled_keys_per_block(row_bytes: usize) -> usize {
@@ -1055,9 +1049,10 @@ fn tiled_keys_per_block(row_bytes: usize) -> usize {
     kpb
 }
 
-/// Dynamic shared memory of `kiln_gqa_decode_tiled` (attention.cu's gqa_decode_k_bytes, then
-/// the V tile): the K tile, or the cross-warp reduction that reuses it when larger, and the V
-/// tile.
+/// Dynamic shared memory of `kiln_gqa_decode_tiled` and `kiln_gqa_decode_cluster_rows` (attention.cu's
+/// gqa_decode_k_bytes, then the V rows) for `kpb` keys of `row_bytes`-byte rows: the K rows, or the
+/// cross-warp reduction of `group_head` values per warp that reuses them when larger, and the V
+/// rows. The cluster rows kernel's reduction has the cluster merge's fixed stride, `DEC_MAX_QH`.
 fn tiled_shared_bytes(kpb: usize, row_bytes: usize, group_head: usize) -> usize {
     (kpb * row_bytes).max(DEC_WARPS * group_head * 4) + kpb * row_bytes
 }
@@ -1341,11 +1336,11 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
             // Without bias, softcap, sink or window the cluster kernel's plain instantiation, compiled
             // without them (0.5 µs of a layer's 6 on an H100: bench/RESULTS.md, 2026-12-06).
             let plain = sink_mode == 0 && softcap <= 0.0 && p.bias_dims.is_none() && window < 0;
-            let rows =
-                p.present_len > DEC_CLUSTER_MAX_PRESENT && cluster_rows_shared_bytes(keys, row_bytes) <= DEC_ROWS_SMEM;
+            let rows_smem = tiled_shared_bytes(keys, row_bytes, DEC_MAX_QH);
+            let rows = p.present_len > DEC_CLUSTER_MAX_PRESENT && rows_smem <= DEC_ROWS_SMEM;
             let (kernel, smem) = match (tiled, cluster) {
                 (true, _) => ("kiln_gqa_decode_tiled", tiled_shared_bytes(keys, row_bytes, group * h_sz)),
-                (false, true) if rows => ("kiln_gqa_decode_cluster_rows", cluster_rows_shared_bytes(keys, row_bytes)),
+                (false, true) if rows => ("kiln_gqa_decode_cluster_rows", rows_smem),
                 (false, true) if plain => ("kiln_gqa_decode_cluster_plain", 0),
                 (false, true) => ("kiln_gqa_decode_cluster", 0),
                 (false, false) => ("kiln_gqa_decode", 0),
