@@ -9,13 +9,16 @@
 // blocks reached each mark in one launch (the global timer; min, median and max over blocks). The kernel:
 //   (default)   kiln_gqa_decode at batch 1 over a 384-position cache (256 keys per block);
 //   -DCLUSTER   kiln_gqa_decode_cluster at batch 1 over 384 positions (8 blocks per KV head);
-//   -DCLUSTER_ROWS kiln_gqa_decode_cluster_rows, likewise (with -DPB, -DPPL: caches up to 2,048;
-//               -DGQA_DEC_CLUSTER=16: 16 blocks per KV head, a non-portable cluster, up to 4,096);
+//   -DCLUSTER_ROWS kiln_gqa_decode_cluster_rows, likewise (with -DPB, -DPPL: caches up to 2,048);
+//   -DCLUSTER16_ROWS kiln_gqa_decode_cluster16_rows (16 blocks per KV head, a non-portable
+//               cluster, caches up to 4,096);
 //   -DTILED     kiln_gqa_decode_tiled at batch 8 over a 4096-position cache (256 keys per block,
 //               16 splits folded in the kernel): the long-context batch-8 case.
 // -DPB=8 -DPPL=2048 set the batch and the cache length of any of them; -DKPB=128 the keys per block;
 // -DNO_FLUSH times with the K/V cache left in L2 by the launch before (what prefetching it into L2
-// while the projections run could gain at most).
+// while the projections run could gain at most); a one-block kernel that waits 20 µs without
+// touching memory stands in for the flush, so that the timed launch still queues behind work (a
+// launch into an idle stream would time the host's submission too).
 //
 //   mkdir -p inc/kiln-cuda-std && cp kernels/cuda-std/include/* inc/kiln-cuda-std/ && cp host/cuda/kiln.cuh inc/
 //   nvcc -O3 -arch=sm_90 -Iinc -DATTN_SRC='"kernels/attention/cuda/attention.cu"' -o attn_probe bench/attn_probe.cu
@@ -63,6 +66,15 @@ __global__ void probe_flush(uint4* p, size_t n, unsigned* sink) {
     if (acc == 0x12345678u) sink[0] = acc;
 }
 
+// Keeps the stream busy for `ns` nanoseconds without touching memory (-DNO_FLUSH).
+__global__ void probe_spin(unsigned long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < ns);
+}
+
 int main() {
 #if defined(PB) && defined(PPL)
     // -DPB=rows -DPPL=positions: any batch and cache length (positions spread over the cache).
@@ -76,10 +88,18 @@ int main() {
     const int positions[] = {100, 200, 300, 380};
 #endif
     const unsigned N = 9, Nk = 3, H = 64, rows = 4096, half = 32, kv_w = (N + 2 * Nk) * H;
+#if defined(CLUSTER16_ROWS)
+#define CLUSTER_ROWS
+#define PROBE_CL GQA_DEC_CLUSTER_WIDE
+#define PROBE_ROWS_KERNEL kiln_gqa_decode_cluster16_rows
+#else
+#define PROBE_CL GQA_DEC_CLUSTER
+#define PROBE_ROWS_KERNEL kiln_gqa_decode_cluster_rows
+#endif
 #if defined(CLUSTER) || defined(CLUSTER_ROWS)
-    // kiln_gqa_decode_cluster(_rows): GQA_DEC_CLUSTER blocks per KV head (8; -DGQA_DEC_CLUSTER=16
-    // tries the non-portable 16) over ceil(PL / GQA_DEC_CLUSTER) keys each.
-    const unsigned splits = GQA_DEC_CLUSTER, kpb = (PL + GQA_DEC_CLUSTER - 1) / GQA_DEC_CLUSTER;
+    // kiln_gqa_decode_cluster(_rows): GQA_DEC_CLUSTER blocks per KV head (8), or
+    // kiln_gqa_decode_cluster16_rows' GQA_DEC_CLUSTER_WIDE (16), over ceil(PL / blocks) keys each.
+    const unsigned splits = PROBE_CL, kpb = (PL + PROBE_CL - 1) / PROBE_CL;
 #else
 #ifndef KPB
 #define KPB 256  // keys per block (-DKPB=128 tries smaller tiles)
@@ -92,8 +112,8 @@ int main() {
 #elif defined(CLUSTER_ROWS)
     // kiln_gqa_decode_cluster_rows' K and V rows (the shim's tiled_shared_bytes at DEC_MAX_QH), for shares
     // of at most GQA_DEC_KEYS keys.
-    static_assert((PL + GQA_DEC_CLUSTER - 1) / GQA_DEC_CLUSTER <= GQA_DEC_KEYS,
-                  "-DCLUSTER_ROWS takes caches of up to GQA_DEC_CLUSTER x GQA_DEC_KEYS positions");
+    static_assert((PL + PROBE_CL - 1) / PROBE_CL <= GQA_DEC_KEYS,
+                  "-DCLUSTER_ROWS takes caches of up to 8 x GQA_DEC_KEYS positions, -DCLUSTER16_ROWS 16 x");
     const unsigned smem = gqa_decode_k_bytes(kpb, H * 2, GQA_DEC_MAX_QH) + kpb * H * 2;
 #endif
     std::vector<kiln_f16> qkv(B * kv_w), cache((size_t)B * Nk * PL * H), cs((size_t)rows * half);
@@ -122,15 +142,11 @@ int main() {
     CHECK(cudaFuncSetAttribute(kiln_gqa_decode_tiled<kiln_tag_f16, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                (int)smem));
 #elif defined(CLUSTER_ROWS)
-    CHECK(cudaFuncSetAttribute(kiln_gqa_decode_cluster_rows<kiln_tag_f16, 4>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    CHECK(cudaFuncSetAttribute(PROBE_ROWS_KERNEL<kiln_tag_f16, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               (int)smem));
 #endif
-#if GQA_DEC_CLUSTER > 8 && defined(CLUSTER_ROWS)
-    CHECK(cudaFuncSetAttribute(kiln_gqa_decode_cluster_rows<kiln_tag_f16, 4>,
-                               cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-#elif GQA_DEC_CLUSTER > 8
-    CHECK(cudaFuncSetAttribute(kiln_gqa_decode_cluster<kiln_tag_f16, 4>, cudaFuncAttributeNonPortableClusterSizeAllowed,
-                               1));
+#ifdef CLUSTER16_ROWS
+    CHECK(cudaFuncSetAttribute(PROBE_ROWS_KERNEL<kiln_tag_f16, 4>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
 #endif
     CHECK(cudaMalloc(&d_st, sizeof(kiln_status)));
     CHECK(cudaMalloc(&d_flush, flush_bytes));
@@ -152,7 +168,7 @@ int main() {
 #ifdef CLUSTER
         kiln_gqa_decode_cluster<kiln_tag_f16, 4><<<dim3(splits, Nk, B), 256, 0, s>>>(
 #elif defined(CLUSTER_ROWS)
-        kiln_gqa_decode_cluster_rows<kiln_tag_f16, 4><<<dim3(splits, Nk, B), 256, smem, s>>>(
+        PROBE_ROWS_KERNEL<kiln_tag_f16, 4><<<dim3(splits, Nk, B), 256, smem, s>>>(
 #elif defined(TILED)
         kiln_gqa_decode_tiled<kiln_tag_f16, 4><<<dim3(splits, Nk, B), 256, smem, s>>>(
 #else
@@ -178,6 +194,8 @@ int main() {
         for (int i = 0; i < reps + 5; ++i) {
 #ifndef NO_FLUSH
             probe_flush<<<1056, 256, 0, s>>>((uint4*)d_flush, flush_bytes / 16, d_sink);
+#else
+            probe_spin<<<1, 32, 0, s>>>(20000);
 #endif
             CHECK(cudaEventRecord(a, s));
             launch();

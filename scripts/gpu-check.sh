@@ -51,8 +51,8 @@
 #              kernels per layer), and the same with the linear.cu of each variant in
 #              .gpu/variants/*; LAYER_FLAGS adds nvcc -D flags to every build
 #   probe      bench/attn_probe.cu (nvcc): decode attention alone, the decode kernels (batch 1 at a
-#              384 cache, the cluster rows one at 2048, kiln_gqa_decode at 4096 beside the cluster rows
-#              kernel over a non-portable cluster of 16 blocks at batch 1 and 8; the tiled one at batch 8
+#              384 cache, the cluster rows one at 2048, kiln_gqa_decode at 4096 beside
+#              kiln_gqa_decode_cluster16_rows at batch 1 and 4; the tiled one at batch 8
 #              over 4096, 256 and 128 keys per block, and with its K/V left in L2), GPU time
 #              and the error against float64; PROBE_OLD=path/attention.cu adds that source's tiled rows
 #   bw         bench/bw_probe.cu (nvcc): how fast one kernel reads a batch-8 layer's 24 MiB K/V cache,
@@ -383,8 +383,9 @@ for w in glob.glob(".gpu/python/*.whl"):
     variants=("decode::kernels/attention/cuda/attention.cu" "cluster:-DCLUSTER:kernels/attention/cuda/attention.cu"
       "cluster-rows-2048:-DCLUSTER_ROWS -DPB=1 -DPPL=2048:kernels/attention/cuda/attention.cu"
       "decode-4096:-DPB=1 -DPPL=4096:kernels/attention/cuda/attention.cu"
-      "cluster16-rows-4096:-DCLUSTER_ROWS -DPB=1 -DPPL=4096 -DGQA_DEC_CLUSTER=16:kernels/attention/cuda/attention.cu"
-      "cluster16-rows-b8-4096:-DCLUSTER_ROWS -DPB=8 -DPPL=4096 -DGQA_DEC_CLUSTER=16:kernels/attention/cuda/attention.cu"
+      "cluster16-rows-4096:-DCLUSTER16_ROWS -DPB=1 -DPPL=4096:kernels/attention/cuda/attention.cu"
+      "cluster16-rows-b4-4096:-DCLUSTER16_ROWS -DPB=4 -DPPL=4096:kernels/attention/cuda/attention.cu"
+      "decode-b4-4096:-DPB=4 -DPPL=4096:kernels/attention/cuda/attention.cu"
       "tiled-b8-4096-warm:-DTILED -DNO_FLUSH:kernels/attention/cuda/attention.cu"
       "tiled:-DTILED:kernels/attention/cuda/attention.cu" "tiled-kpb128:-DTILED -DKPB=128:kernels/attention/cuda/attention.cu")
     [ -n "${PROBE_OLD:-}" ] && variants+=("tiled-old:-DTILED:$PROBE_OLD" "tiled-old-kpb128:-DTILED -DKPB=128:$PROBE_OLD")

@@ -163,6 +163,30 @@ fn opt_in_shared_memory(f: &CudaFunction, limit: u32) -> std::result::Result<(),
     f.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dynamic)
 }
 
+/// Lets `f` launch as clusters of more than 8 blocks where it was compiled for one
+/// (`__cluster_dims__`, read back as `CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH` × height × depth):
+/// 8 is the portable maximum, and past it the driver refuses a launch unless the function's
+/// `CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED` is set (CUDA Programming Guide, "Thread
+/// Block Clusters": Hopper runs clusters of 16 with it, where the blocks fit a GPC). A permission
+/// only, as `opt_in_shared_memory`; kernels without compiled cluster dimensions are left alone.
+fn allow_wide_clusters(f: &CudaFunction) -> std::result::Result<(), cudarc::driver::DriverError> {
+    use cudarc::driver::sys::CUfunction_attribute_enum as FuncAttr;
+    let dims = [
+        FuncAttr::CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH,
+        FuncAttr::CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_HEIGHT,
+        FuncAttr::CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_DEPTH,
+    ];
+    let mut blocks = 1i64;
+    for d in dims {
+        // Drivers or devices without clusters report an error or 0: no compiled cluster.
+        blocks *= i64::from(f.get_attribute(d).unwrap_or(0).max(1));
+    }
+    if blocks <= 8 {
+        return Ok(());
+    }
+    f.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+}
+
 /// The parameters of a loaded kernel as compiled (`cuFuncGetParamInfo`, CUDA 12.4: each one's
 /// size, in order) against its signature in the package's manifest (ABI.md §7.3), once per
 /// kernel at load: a count or a size that differs would have the driver read a parameter buffer
@@ -465,6 +489,10 @@ impl Gpu {
                     if let Err(e) = opt_in_shared_memory(&f, info.launch_limits.max_shared_mem_bytes) {
                         // A permission only: the kernel still runs within 48 KiB.
                         tracing::warn!("{id}: kernel {k} of {}: no shared memory past 48 KiB: {e}", src.source);
+                    }
+                    if let Err(e) = allow_wide_clusters(&f) {
+                        // Its launches then fail with the driver's error, naming the kernel.
+                        tracing::warn!("{id}: kernel {k} of {}: no cluster past 8 blocks: {e}", src.source);
                     }
                     fns.insert(k.clone(), f);
                 }

@@ -1076,8 +1076,8 @@ __device__ __noinline__ void gqa_dec_fold(const float* partial, kiln_counter* co
     if (threadIdx.x == 0) counters[b * gridDim.y + j] = 0;
 }
 
-// The split merge through a thread block cluster (compute capability 9.0): the GQA_DEC_CLUSTER
-// blocks of one (KV head, batch row) are one cluster, and each block merges one slice of the
+// The split merge through a thread block cluster (compute capability 9.0): the CL blocks
+// (GQA_DEC_CLUSTER, or GQA_DEC_CLUSTER_WIDE) of one (KV head, batch row) are one cluster, and each block merges one slice of the
 // group's query heads × dimensions (gqa_dec_slice elements, in order of rank) and writes that
 // slice of the output. Each block pushes its partial state (maxima, sums, and every slice of its
 // Σ weight·V) into the receiving blocks' shared memory (s_recv [sender rank]) by asynchronous
@@ -1090,18 +1090,18 @@ __device__ __noinline__ void gqa_dec_fold(const float* partial, kiln_counter* co
 // is initialised at the kernel's start (gqa_dec_cluster_begin), whose cluster barrier the senders
 // wait on before their first store. Block-uniform: every thread of every block of the cluster
 // calls both once.
-#ifndef GQA_DEC_CLUSTER  // bench/attn_probe.cu tries 16 (a non-portable cluster size on sm_90)
-#define GQA_DEC_CLUSTER 8
-#endif
-// Floats of one sender's row of s_recv: maxima and sums of up to GQA_DEC_MAX_GROUP heads, then a
-// slice of Σ weight·V.
-#define GQA_DEC_RECV_ROW (2 * GQA_DEC_MAX_GROUP + GQA_DEC_MAX_QH / GQA_DEC_CLUSTER)
+#define GQA_DEC_CLUSTER 8        // the portable cluster size: kiln_gqa_decode_cluster(_rows, _plain)
+#define GQA_DEC_CLUSTER_WIDE 16  // kiln_gqa_decode_cluster16_rows: a non-portable size on sm_90
+// Floats of one sender's row of s_recv in a cluster of CL blocks: maxima and sums of up to
+// GQA_DEC_MAX_GROUP heads, then a slice of Σ weight·V.
+#define GQA_DEC_RECV_ROW(CL) (2 * GQA_DEC_MAX_GROUP + GQA_DEC_MAX_QH / (CL))
 
-// Elements of the group's qh = group·H outputs per block of the cluster: a multiple of 4 (one
-// float4 store), so that a slice starts 16-byte aligned; the last blocks' slices may be short
-// or empty.
+// Elements of the group's qh = group·H outputs per block of a cluster of CL blocks: a multiple of
+// 4 (one float4 store), so that a slice starts 16-byte aligned; the last blocks' slices may be
+// short or empty.
+template <int CL>
 __device__ __forceinline__ unsigned gqa_dec_slice(unsigned qh) {
-    return ((qh + GQA_DEC_CLUSTER - 1) / GQA_DEC_CLUSTER + 3u) & ~3u;
+    return ((qh + CL - 1) / CL + 3u) & ~3u;
 }
 
 #if __CUDA_ARCH__ >= 900
@@ -1116,21 +1116,21 @@ __device__ __forceinline__ void gqa_dec_cluster_begin(unsigned long long* bar) {
 // weight·V in s_red [warp][GQA_DEC_MAX_QH] (16-byte aligned), each weighted by ws
 // [warp][GQA_DEC_MAX_GROUP] (gqa_dec_combine; null: every warp's sums against the block's
 // maximum, weight 1); otherwise it holds no key. no_keys: the row attends to no key (zeros, as
-// kiln_gqa_merge writes). s_recv [GQA_DEC_CLUSTER][GQA_DEC_RECV_ROW], 16-byte aligned, receives
+// kiln_gqa_merge writes). s_recv [CL][GQA_DEC_RECV_ROW(CL)], 16-byte aligned, receives
 // the senders' states.
-template <typename Tag>
+template <typename Tag, int CL>
 __device__ __forceinline__ void gqa_dec_cluster_merge(const float* s_red, const float* ws, const float* s_m,
                                                       const float* s_l, float* s_recv,
                                                    unsigned long long* bar, bool has_keys, bool no_keys,
                                                    const typename Tag::storage* sink, unsigned sink_mode,
                                                    typename Tag::storage* out, unsigned b, unsigned N, unsigned H,
                                                    unsigned j, unsigned group) {
-    const unsigned tid = threadIdx.x, qh = group * H, c = gqa_dec_slice(qh), rank = kiln_cluster_rank();
+    const unsigned tid = threadIdx.x, qh = group * H, c = gqa_dec_slice<CL>(qh), rank = kiln_cluster_rank();
     const unsigned mine = qh > rank * c ? (qh - rank * c < c ? qh - rank * c : c) : 0;
-    if (tid == 0) kiln_mbar_arrive_expect_tx(bar, GQA_DEC_CLUSTER * (2 * group + mine) * 4u);
+    if (tid == 0) kiln_mbar_arrive_expect_tx(bar, CL * (2 * group + mine) * 4u);
     kiln_cluster_wait();  // every block's mbarrier is initialised
     GQA_MARK(7);  // the cluster barrier of the start passed
-    float* row = s_recv + rank * GQA_DEC_RECV_ROW;  // this block's row, in every receiver
+    float* row = s_recv + rank * GQA_DEC_RECV_ROW(CL);  // this block's row, in every receiver
     // Σ weight·V over the warps, four outputs (of one query head) per thread, to the block that
     // merges them.
     for (unsigned v = tid; v < qh / 4; v += blockDim.x) {
@@ -1158,7 +1158,7 @@ __device__ __forceinline__ void gqa_dec_cluster_merge(const float* s_red, const 
         kiln_cluster_st_async(row + 2 * GQA_DEC_MAX_GROUP + (4 * v - to * c), to, a, bar);
     }
     // The maxima and sums, to every block (an empty block's: −∞ and 0).
-    for (unsigned i = tid; i < GQA_DEC_CLUSTER * 2 * group; i += blockDim.x) {
+    for (unsigned i = tid; i < CL * 2 * group; i += blockDim.x) {
         const unsigned to = i / (2 * group), e = i - to * 2 * group, g = e < group ? e : e - group;
         const float x = e < group ? (has_keys ? s_m[g] : -__int_as_float(0x7f800000)) : (has_keys ? s_l[g] : 0.f);
         kiln_cluster_st_async(row + (e < group ? 0 : GQA_DEC_MAX_GROUP) + g, to, x, bar);
@@ -1173,23 +1173,23 @@ __device__ __forceinline__ void gqa_dec_cluster_merge(const float* s_red, const 
             o[d] = kiln_from_f32(Tag(), 0.f);
             continue;
         }
-        float m[GQA_DEC_CLUSTER], l[GQA_DEC_CLUSTER], v[GQA_DEC_CLUSTER];
+        float m[CL], l[CL], v[CL];
 #pragma unroll
-        for (unsigned r = 0; r < GQA_DEC_CLUSTER; ++r) {
-            m[r] = s_recv[r * GQA_DEC_RECV_ROW + g];
-            l[r] = s_recv[r * GQA_DEC_RECV_ROW + GQA_DEC_MAX_GROUP + g];
-            v[r] = s_recv[r * GQA_DEC_RECV_ROW + 2 * GQA_DEC_MAX_GROUP + i];
+        for (unsigned r = 0; r < CL; ++r) {
+            m[r] = s_recv[r * GQA_DEC_RECV_ROW(CL) + g];
+            l[r] = s_recv[r * GQA_DEC_RECV_ROW(CL) + GQA_DEC_MAX_GROUP + g];
+            v[r] = s_recv[r * GQA_DEC_RECV_ROW(CL) + 2 * GQA_DEC_MAX_GROUP + i];
         }
         float M = -__int_as_float(0x7f800000);
 #pragma unroll
-        for (unsigned r = 0; r < GQA_DEC_CLUSTER; ++r)
+        for (unsigned r = 0; r < CL; ++r)
             if (l[r] > 0.f) M = fmaxf(M, m[r]);
         float sink_v = 0.f;
         if (sink_mode == 2) sink_v = kiln_to_f32(Tag(), sink[h]);
         if (sink_mode != 0) M = fmaxf(M, sink_v);
         float den = 0.f, a = 0.f;
 #pragma unroll
-        for (unsigned r = 0; r < GQA_DEC_CLUSTER; ++r) {
+        for (unsigned r = 0; r < CL; ++r) {
             const float w = l[r] > 0.f ? expf(m[r] - M) : 0.f;
             den += l[r] > 0.f ? l[r] * w : 0.f;
             a += w > 0.f ? v[r] * w : 0.f;
@@ -1283,7 +1283,7 @@ __device__ void gqa_decode_rows(KILN_GQA_DECODE_PARAMS) {
     const unsigned split = blockIdx.x, j = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
     const unsigned group = N / Nk, tid = threadIdx.x;
 #if __CUDA_ARCH__ >= 900
-    __shared__ __align__(16) float s_recv[CL > 0 ? GQA_DEC_CLUSTER * GQA_DEC_RECV_ROW : 1];
+    __shared__ __align__(16) float s_recv[CL > 0 ? CL * GQA_DEC_RECV_ROW(CL > 0 ? CL : 1) : 1];
     __shared__ __align__(8) unsigned long long s_bar;
     if (CL > 0) gqa_dec_cluster_begin(&s_bar);
 #endif
@@ -1340,11 +1340,12 @@ __device__ void gqa_decode_rows(KILN_GQA_DECODE_PARAMS) {
         gqa_decode_append<Tag>(k_src, v_src, past_k, past_v, cos_c, sin_c, pres_k, pres_v, sh.r0, sh.r1, j, b, Nk, H, PL,
                                P, pos, kv_w, k_off, v_off, cache_rows, rotary_half, interleaved, lay);
 #if __CUDA_ARCH__ >= 900
-    if (CL > 0 && n == 0) {
-        gqa_dec_cluster_merge<Tag>(s_red, 0, s_m, s_l, s_recv, &s_bar, false, start >= end, sink, sink_mode, out, b, N,
-                                   H, j, group);
-        return;
-    }
+    if constexpr (CL > 0)
+        if (n == 0) {
+            gqa_dec_cluster_merge<Tag, CL>(s_red, 0, s_m, s_l, s_recv, &s_bar, false, start >= end, sink, sink_mode, out, b, N,
+                                       H, j, group);
+            return;
+        }
 #endif
     const bool merge_after = !fold && splits > 1;
     const gqa_dec_span span = gqa_dec_spans(start, end, kpb, splits, merge_after);
@@ -1420,9 +1421,9 @@ __device__ void gqa_decode_rows(KILN_GQA_DECODE_PARAMS) {
     gqa_dec_reduce<Tag, G>(acc, s_red, GQA_DEC_MAX_QH, vpr, vi, H, group);
     __syncthreads();
 #if __CUDA_ARCH__ >= 900
-    if (CL > 0) {
+    if constexpr (CL > 0) {
         // Every warp's sums share the block's maximum: weight 1 each (null).
-        gqa_dec_cluster_merge<Tag>(s_red, 0, s_m, s_l, s_recv, &s_bar, true, false, sink, sink_mode, out, b, N, H, j,
+        gqa_dec_cluster_merge<Tag, CL>(s_red, 0, s_m, s_l, s_recv, &s_bar, true, false, sink, sink_mode, out, b, N, H, j,
                                    group);
         return;
     }
@@ -1526,7 +1527,7 @@ __device__ void gqa_decode_regs(KILN_GQA_DECODE_PARAMS) {
             gqa_check(st, seqlens, gridDim.z, 1, 0, total, 0, 0, cache_rows, rotary_half);
     };
 #if __CUDA_ARCH__ >= 900
-    __shared__ __align__(16) float s_recv[CL > 0 ? GQA_DEC_CLUSTER * GQA_DEC_RECV_ROW : 1];
+    __shared__ __align__(16) float s_recv[CL > 0 ? CL * GQA_DEC_RECV_ROW(CL > 0 ? CL : 1) : 1];
     __shared__ __align__(8) unsigned long long s_bar;
     if (CL > 0) gqa_dec_cluster_begin(&s_bar);
 #endif
@@ -1583,12 +1584,13 @@ __device__ void gqa_decode_regs(KILN_GQA_DECODE_PARAMS) {
     const gqa_dec_span span = gqa_dec_spans(start, end, kpb, splits, merge_after);
     const bool direct = !merge_after && span.used <= 1;
 #if __CUDA_ARCH__ >= 900
-    if (CL > 0 && n == 0) {
-        check();
-        gqa_dec_cluster_merge<Tag>(&s_red[0][0], &s_wm[0][0], s_m, s_l, s_recv, &s_bar, false, start >= end, sink,
-                                   sink_mode, out, b, N, H, j, group);
-        return;
-    }
+    if constexpr (CL > 0)
+        if (n == 0) {
+            check();
+            gqa_dec_cluster_merge<Tag, CL>(&s_red[0][0], &s_wm[0][0], s_m, s_l, s_recv, &s_bar, false, start >= end, sink,
+                                       sink_mode, out, b, N, H, j, group);
+            return;
+        }
 #endif
     if (n == 0) {
         check();
@@ -1698,8 +1700,8 @@ __device__ void gqa_decode_regs(KILN_GQA_DECODE_PARAMS) {
     gqa_dec_combine(&s_wm[0][0], &s_wl[0][0], &s_ws[0][0], s_m, s_l, group);
     __syncthreads();
 #if __CUDA_ARCH__ >= 900
-    if (CL > 0) {
-        gqa_dec_cluster_merge<Tag>(&s_red[0][0], &s_ws[0][0], s_m, s_l, s_recv, &s_bar, true, false, sink, sink_mode,
+    if constexpr (CL > 0) {
+        gqa_dec_cluster_merge<Tag, CL>(&s_red[0][0], &s_ws[0][0], s_m, s_l, s_recv, &s_bar, true, false, sink, sink_mode,
                                    out, b, N, H, j, group);
         return;
     }
@@ -2026,8 +2028,10 @@ __global__ void __launch_bounds__(256, 2) kiln_gqa_decode(KILN_GQA_DECODE_PARAMS
 // later (folded before it: the shim sets `fold`): gqa_decode_regs. G query heads per block.
 #if __CUDA_ARCH__ >= 900
 #define KILN_GQA_CLUSTER_DIMS __cluster_dims__(GQA_DEC_CLUSTER, 1, 1)
+#define KILN_GQA_CLUSTER_WIDE_DIMS __cluster_dims__(GQA_DEC_CLUSTER_WIDE, 1, 1)
 #else
 #define KILN_GQA_CLUSTER_DIMS
+#define KILN_GQA_CLUSTER_WIDE_DIMS
 #endif
 template <typename Tag, int G>
 __global__ void KILN_GQA_CLUSTER_DIMS __launch_bounds__(256, 2) kiln_gqa_decode_cluster(KILN_GQA_DECODE_PARAMS) {
@@ -2043,6 +2047,19 @@ __global__ void KILN_GQA_CLUSTER_DIMS __launch_bounds__(256, 2) kiln_gqa_decode_
 template <typename Tag, int G>
 __global__ void KILN_GQA_CLUSTER_DIMS __launch_bounds__(256, 2) kiln_gqa_decode_cluster_rows(KILN_GQA_DECODE_PARAMS) {
     gqa_decode_rows<Tag, G, GQA_DEC_CLUSTER>(KILN_GQA_DECODE_ARGS);
+}
+
+// kiln_gqa_decode_cluster_rows over GQA_DEC_CLUSTER_WIDE splits (grid [GQA_DEC_CLUSTER_WIDE, Nk,
+// B] exactly): a cluster of 16 blocks, past the 8 that CUDA guarantees (the host allows it at
+// load: CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, which Hopper grants to clusters of
+// 16 small blocks). The shim's choice for presents of 2,049 to 4,096 positions at a few rows:
+// at batch 1 over a 4,096 cache on an H100, 12.59 µs per launch at position 4,094 against 13.96
+// for kiln_gqa_decode's 16 folded splits, 10.82 against 12.06 for the 8-block cluster rows at
+// 2,048 (bench/attn_probe.cu, L2 flushed; bench/RESULTS.md, 2026-12-06, session 28).
+template <typename Tag, int G>
+__global__ void KILN_GQA_CLUSTER_WIDE_DIMS __launch_bounds__(256, 2)
+    kiln_gqa_decode_cluster16_rows(KILN_GQA_DECODE_PARAMS) {
+    gqa_decode_rows<Tag, G, GQA_DEC_CLUSTER_WIDE>(KILN_GQA_DECODE_ARGS);
 }
 
 // kiln_gqa_decode_cluster for a node without bias, softcap, sink or window (gqa_decode_regs' PLAIN).

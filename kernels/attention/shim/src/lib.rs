@@ -1035,6 +1035,14 @@ const DEC_TILED_MIN_KEYS: usize = 64 << 10;
 /// longer presents keep it.
 const DEC_CLUSTER: usize = 8;
 const DEC_CLUSTER_MAX_PRESENT: usize = 512;
+/// Past `DEC_CLUSTER × DEC_KEYS` positions and up to `DEC_CLUSTER_WIDE × DEC_KEYS`, below the tiled
+/// kernel's threshold, `kiln_gqa_decode_cluster16_rows`: the cluster rows kernel over 16 blocks
+/// per (KV head, batch row), a non-portable cluster size that the host allows at load
+/// (attention.cu's GQA_DEC_CLUSTER_WIDE), where its shares' rows fit `DEC_ROWS_SMEM`. On an H100
+/// (bench/attn_probe.cu, batch 1, a 4,096 cache; bench/RESULTS.md, 2026-12-06, session 28) it took
+/// 12.59 µs per launch at position 4,094 where `kiln_gqa_decode`'s 16 folded splits took 13.96,
+/// and 9.52 against 9.94 at position 100.
+const DEC_CLUSTER_WIDE: usize = 16;
 /// The most dynamic shared memory `kiln_gqa_decode_cluster_rows` takes (DEC_TILE_BYTES, the
 /// tiled kernel's: ABI 1 gives a shim no device limits).
 const DEC_ROWS_SMEM: usize = DEC_TILE_BYTES;
@@ -1277,15 +1285,28 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
         let row_bytes = h_sz * esize;
         let pairs = p.batch * n_kv;
         let tiled = by_kv_head && p.present_len.saturating_mul(pairs) >= DEC_TILED_MIN_KEYS;
-        let cluster = by_kv_head && !tiled && p.present_len <= DEC_CLUSTER * DEC_KEYS && pairs <= MAX_COUNTERS as usize;
-        let cluster_keys = p.present_len.div_ceil(DEC_CLUSTER).max(1);
-        let keys = match (by_kv_head, tiled, cluster) {
-            (true, _, true) => cluster_keys,
-            (true, true, false) => tiled_keys_per_block(row_bytes),
-            (true, false, false) => DEC_KEYS,
-            (false, _, _) => SPLIT_KEYS,
+        let few_pairs = by_kv_head && !tiled && pairs <= MAX_COUNTERS as usize;
+        let cluster = few_pairs && p.present_len <= DEC_CLUSTER * DEC_KEYS;
+        // Past the 8-block cluster, one of 16 whose shares' rows fit shared memory (16-bit rows:
+        // the kernel has no float32 instantiation, whose rows never fit there).
+        let wide_keys = p.present_len.div_ceil(DEC_CLUSTER_WIDE).max(1);
+        let wide = few_pairs
+            && !cluster
+            && esize < 4
+            && wide_keys <= DEC_KEYS
+            && tiled_shared_bytes(wide_keys, row_bytes, DEC_MAX_QH) <= DEC_ROWS_SMEM;
+        let keys = match (by_kv_head, tiled, cluster, wide) {
+            (true, _, true, _) => p.present_len.div_ceil(DEC_CLUSTER).max(1),
+            (true, _, _, true) => wide_keys,
+            (true, true, _, _) => tiled_keys_per_block(row_bytes),
+            (true, false, false, false) => DEC_KEYS,
+            (false, ..) => SPLIT_KEYS,
         };
-        let splits = if cluster { DEC_CLUSTER } else { p.present_len.div_ceil(keys).max(1) };
+        let splits = match (cluster, wide) {
+            (true, _) => DEC_CLUSTER,
+            (_, true) => DEC_CLUSTER_WIDE,
+            _ => p.present_len.div_ceil(keys).max(1),
+        };
         if splits > 65535 {
             unsupported!("{GQA}: present length {} needs {splits} splits (at most 65535)", p.present_len);
         }
@@ -1343,6 +1364,7 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
                 (false, true) if rows => ("kiln_gqa_decode_cluster_rows", rows_smem),
                 (false, true) if plain => ("kiln_gqa_decode_cluster_plain", 0),
                 (false, true) => ("kiln_gqa_decode_cluster", 0),
+                (false, false) if wide => ("kiln_gqa_decode_cluster16_rows", rows_smem),
                 (false, false) => ("kiln_gqa_decode", 0),
             };
             let kernel = kernel_name(kernel, &[tag, g]);
