@@ -115,12 +115,17 @@ for phase in $phases; do
   tests)
     # The int4 folder's test runs where `int4` made its folder (earlier in this call or on this
     # warm machine); it is skipped by name otherwise, and says so.
-    skip_int4=()
+    skips=()
     if [ ! -f "$models/reference/smollm2-arch-int4-cuda-ref.json" ]; then
-      skip_int4=(--skip smollm2_arch_int4)
+      skips=(--skip smollm2_arch_int4)
       echo "tests: smollm2_arch_int4_on_the_gpu_matches_onnxruntime_on_its_graph skipped (run the int4 phase first)"
     fi
-    "$GPU_TESTS" --include-ignored --test-threads 1 --nocapture "${skip_int4[@]}" 2>&1 | tee "$out/gpu-tests.log" | grep -E "^test .*(ok|FAILED)$|test result"
+    # The big real models' test runs where `big` made them (KILN_BIG_MODELS); skipped by name otherwise.
+    if [ -z "${KILN_BIG_MODELS:-}" ]; then
+      skips+=(--skip big_real_models)
+      echo "tests: big_real_models_match_onnxruntime_on_the_gpu skipped (run the big phase first)"
+    fi
+    "$GPU_TESTS" --include-ignored --test-threads 1 --nocapture "${skips[@]}" 2>&1 | tee "$out/gpu-tests.log" | grep -E "^test .*(ok|FAILED)$|test result"
     summary+=("tests: $(grep -E '^test result' "$out/gpu-tests.log" | tail -1)")
     ;;
   bench)
@@ -334,6 +339,7 @@ for w in glob.glob(".gpu/python/*.whl"):
   quick)
     skip=()
     for t in smollm2 device_sampling soak continuous_batch batch_invariant kv_cache_grow; do skip+=(--skip "$t"); done
+    [ -n "${KILN_BIG_MODELS:-}" ] || skip+=(--skip big_real_models) # made by the big phase
     "$GPU_TESTS" --include-ignored --test-threads 1 --nocapture "${skip[@]}" 2>&1 | tee "$out/gpu-tests.log" |
       grep -E "^test .*(ok|FAILED)$|test result"
     summary+=("quick: $(grep -E '^test result' "$out/gpu-tests.log" | tail -1)")
