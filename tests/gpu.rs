@@ -694,10 +694,8 @@ fn gqa_in_f16(
             if t.dtype != DType::F32 {
                 return (name, t);
             }
-            let bytes: Vec<u8> = kiln_tests::f32_values(&t)
-                .iter()
-                .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
-                .collect();
+            let bytes: Vec<u8> =
+                kiln_tests::f32_values(&t).iter().flat_map(|&x| half::f16::from_f32(x).to_le_bytes()).collect();
             (name, kiln_host::Tensor::new(DType::F16, t.shape.clone(), bytes.into()).unwrap())
         })
         .collect();
