@@ -54,7 +54,8 @@
 #              384 cache, the cluster rows one at 2048, kiln_gqa_decode at 4096 beside
 #              kiln_gqa_decode_cluster16_rows at batch 1 and 4; the tiled one at batch 8
 #              over 4096, 256 and 128 keys per block, and with its K/V left in L2), GPU time
-#              and the error against float64; PROBE_OLD=path/attention.cu adds that source's tiled rows
+#              and the error against float64; PROBE_OLD=path/attention.cu adds that source's tiled rows;
+#              then bench/prefill_probe.cu: prompt attention on tensor cores beside kiln_gqa_prefill
 #   bw         bench/bw_probe.cu (nvcc): how fast one kernel reads a batch-8 layer's 24 MiB K/V cache,
 #              by access pattern, after a clean and after a dirty L2 flush
 #   attn       decode attention variants (built-in, .gpu/variants/*): bench rows and ncu at context 3840
@@ -401,7 +402,10 @@ for w in glob.glob(".gpu/python/*.whl"):
       nvcc -O3 -arch=sm_90 -I"$inc" -I. $flags -DATTN_SRC="\"$src\"" -o "$work/probe-$v" bench/attn_probe.cu &&
         echo "== $v ($src)" && "$work/probe-$v"
     done 2>&1 | tee "$out/probe.log"
-    summary+=("probe: $(grep -E '^==|^\| [0-9]|^position' "$out/probe.log" | tr '\n' ' ')")
+    # Prompt attention on tensor cores (bench/prefill_probe.cu) beside kiln_gqa_prefill.
+    nvcc -O3 -arch=sm_90 -std=c++17 -I"$inc" -I. -Ibench -DATTN_SRC='"kernels/attention/cuda/attention.cu"' \
+      -o "$work/prefill-probe" bench/prefill_probe.cu && "$work/prefill-probe" 2>&1 | tee -a "$out/probe.log"
+    summary+=("probe: $(grep -E '^==|^\| [0-9]|^position|float64|FAILED' "$out/probe.log" | tr '\n' ' ')")
     ;;
   ab)
     for v in builtin constant-inputs-off .gpu/variants/*; do
