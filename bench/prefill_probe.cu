@@ -27,11 +27,11 @@
 // Prompt attention by tiles on tensor cores (S > 1, no bias, softcap or sink; float16 or
 // bfloat16; head size HD = H, 64 or 128): block (query tile, h, b) takes GQA_PFM_ROWS query rows
 // s0 … of head h, batch row b, 16 per warp, and walks the keys any of them attends to in tiles
-// of GQA_PFM_KEYS, each tile's K and V rows copied into shared memory (cp.async, the next tile's
+// of gqa_pfm_keys(HD), each tile's K and V rows copied into shared memory (cp.async, the next tile's
 // copies in flight while the warps work on this one), as FlashAttention-2 does:
 // 1. the block's query rows, rotated and rounded as gqa_attn does, into shared memory, then each
 //    warp's 16 rows into registers as mma A fragments;
-// 2. per tile, the warp's scores S = Q·Kᵀ (16 × 64, m16n8k16 with f32 accumulators, K rows as the
+// 2. per tile, the warp's scores S = Q·Kᵀ (16 rows × the tile's keys, m16n8k16 with f32 accumulators, K rows as the
 //    B operand through ldmatrix), scaled and masked by each row's causal and window range;
 // 3. the rows' online softmax in registers (a row's values are spread over the 4 lanes of a quad);
 // 4. O += P·V, P straight from the score fragments (the C layout of two 8-key tiles is the A layout
@@ -40,13 +40,16 @@
 // Rows and dimensions are swizzled by 16-byte vector (gqa_swz), so ldmatrix's eight rows hit eight
 // bank groups. The output is O / Σ weight (zeros for a row with no key), as gqa_attn's.
 #define GQA_PFM_ROWS 64
-#define GQA_PFM_KEYS 64
 #define GQA_PFM_THREADS 128
 
+// Keys per tile at head size HD: 64, and 32 at 128 (shared memory within the 48 KiB every device
+// grants, and fewer score registers).
+__host__ __device__ constexpr unsigned gqa_pfm_keys(unsigned HD) { return HD > 64 ? 32 : 64; }
+
 // Dynamic shared memory of kiln_gqa_prefill_mma at head size HD: the query rows, and two K and V
-// tiles, of 16-bit elements.
+// tiles, of 16-bit elements (40 KiB at 64, 48 KiB at 128).
 __host__ __device__ constexpr unsigned gqa_pfm_smem(unsigned HD) {
-    return (GQA_PFM_ROWS + 4 * GQA_PFM_KEYS) * HD * 2;
+    return (GQA_PFM_ROWS + 4 * gqa_pfm_keys(HD)) * HD * 2;
 }
 
 template <typename Tag, int HD>
@@ -61,10 +64,11 @@ __device__ void gqa_prefill_mma(const typename Tag::storage* q_src, const typena
     constexpr unsigned VPR = HD / 8;  // 16-byte vectors per row
     constexpr unsigned KS = HD / 16;  // 16-dimension steps of Q·Kᵀ
     constexpr unsigned NT = HD / 8;   // 8-dimension tiles of O
+    constexpr unsigned KEYS = gqa_pfm_keys(HD);
     const float NEG_INF = -__int_as_float(0x7f800000);
     extern __shared__ __align__(16) unsigned char gqa_dyn[];
     uint4* const q_s = (uint4*)gqa_dyn;                   // [GQA_PFM_ROWS][VPR]
-    uint4* const kv_s = q_s + GQA_PFM_ROWS * VPR;         // [2][K, V][GQA_PFM_KEYS][VPR]
+    uint4* const kv_s = q_s + GQA_PFM_ROWS * VPR;         // [2][K, V][KEYS][VPR]
     const unsigned s0 = blockIdx.x * GQA_PFM_ROWS, h = blockIdx.y, b = blockIdx.z;
     const unsigned tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5, g = lane >> 2, q2 = (lane & 3u) * 2;
     if (blockIdx.x == 0 && h == 0 && b == 0 && tid == 0)
@@ -115,10 +119,10 @@ __device__ void gqa_prefill_mma(const typename Tag::storage* q_src, const typena
     // Tile `it` (keys lo + 64·it …) into buffer it & 1: cp.async for keys below hi, zeros past it
     // (a weight of 0 would not clear NaN bits there).
     const auto load_tile = [&](unsigned it) {
-        uint4* const k_t = kv_s + (it & 1u) * 2 * GQA_PFM_KEYS * VPR;
-        uint4* const v_t = k_t + GQA_PFM_KEYS * VPR;
-        const long long t0 = lo + (long long)GQA_PFM_KEYS * it;
-        for (unsigned i = tid; i < GQA_PFM_KEYS * VPR; i += blockDim.x) {
+        uint4* const k_t = kv_s + (it & 1u) * 2 * KEYS * VPR;
+        uint4* const v_t = k_t + KEYS * VPR;
+        const long long t0 = lo + (long long)KEYS * it;
+        for (unsigned i = tid; i < KEYS * VPR; i += blockDim.x) {
             const unsigned k = i / VPR, u = i % VPR;
             const unsigned at = gqa_swz(k, u, VPR);
             if (t0 + k < hi) {
@@ -132,7 +136,7 @@ __device__ void gqa_prefill_mma(const typename Tag::storage* q_src, const typena
         }
         kiln_cp_async_commit();
     };
-    const unsigned tiles = lo < hi ? (unsigned)((hi - lo + GQA_PFM_KEYS - 1) / GQA_PFM_KEYS) : 0;
+    const unsigned tiles = lo < hi ? (unsigned)((hi - lo + KEYS - 1) / KEYS) : 0;
     if (tiles > 0) load_tile(0);
     __syncthreads();  // q_s
     unsigned qa[KS][4];
@@ -153,21 +157,21 @@ __device__ void gqa_prefill_mma(const typename Tag::storage* q_src, const typena
             kiln_cp_async_wait<0>();
         }
         __syncthreads();  // tile it in shared memory
-        const long long t0 = lo + (long long)GQA_PFM_KEYS * it;
-        if (whi > t0 && wlo < t0 + GQA_PFM_KEYS) {
-            const uint4* const k_t = kv_s + (it & 1u) * 2 * GQA_PFM_KEYS * VPR;
-            const uint4* const v_t = k_t + GQA_PFM_KEYS * VPR;
+        const long long t0 = lo + (long long)KEYS * it;
+        if (whi > t0 && wlo < t0 + KEYS) {
+            const uint4* const k_t = kv_s + (it & 1u) * 2 * KEYS * VPR;
+            const uint4* const v_t = k_t + KEYS * VPR;
             // 2. Scores: n-tile nt is keys 8·nt …; ldmatrix x4 gives the B fragments of two n-tiles
             // (matrix i: keys 16·p + 8·(i >> 1), dimensions 16·s + 8·(i & 1)).
-            float sc[GQA_PFM_KEYS / 8][4];
+            float sc[KEYS / 8][4];
 #pragma unroll
-            for (unsigned nt = 0; nt < GQA_PFM_KEYS / 8; ++nt)
+            for (unsigned nt = 0; nt < KEYS / 8; ++nt)
 #pragma unroll
                 for (unsigned i = 0; i < 4; ++i) sc[nt][i] = 0.f;
 #pragma unroll
             for (unsigned s = 0; s < KS; ++s)
 #pragma unroll
-                for (unsigned p = 0; p < GQA_PFM_KEYS / 16; ++p) {
+                for (unsigned p = 0; p < KEYS / 16; ++p) {
                     unsigned kb[4];
                     kiln_ldmatrix_x4<false>(
                         kb, &k_t[gqa_swz(16 * p + (lane & 7u) + ((lane >> 4) << 3), 2 * s + ((lane >> 3) & 1u), VPR)]);
@@ -177,7 +181,7 @@ __device__ void gqa_prefill_mma(const typename Tag::storage* q_src, const typena
             // Scaled and masked: sc[nt][i] is row g + 8·(i >> 1), key t0 + 8·nt + q2 + (i & 1).
             float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-            for (unsigned nt = 0; nt < GQA_PFM_KEYS / 8; ++nt)
+            for (unsigned nt = 0; nt < KEYS / 8; ++nt)
 #pragma unroll
                 for (unsigned i = 0; i < 4; ++i) {
                     const unsigned r = i >> 1;
@@ -198,7 +202,7 @@ __device__ void gqa_prefill_mma(const typename Tag::storage* q_src, const typena
                 l[r] *= corr[r];
             }
 #pragma unroll
-            for (unsigned nt = 0; nt < GQA_PFM_KEYS / 8; ++nt)
+            for (unsigned nt = 0; nt < KEYS / 8; ++nt)
 #pragma unroll
                 for (unsigned i = 0; i < 4; ++i) {
                     const unsigned r = i >> 1;
@@ -217,7 +221,7 @@ __device__ void gqa_prefill_mma(const typename Tag::storage* q_src, const typena
             // high and low parts; B from V rows by ldmatrix.trans (matrix i: keys 16·kt + 8·(i & 1),
             // dimensions 8·(2·n2 + (i >> 1))).
 #pragma unroll
-            for (unsigned kt = 0; kt < GQA_PFM_KEYS / 16; ++kt) {
+            for (unsigned kt = 0; kt < KEYS / 16; ++kt) {
                 unsigned ah[4], al[4];
 #pragma unroll
                 for (unsigned i = 0; i < 4; ++i) {
@@ -280,7 +284,7 @@ static bool run_case(unsigned B, unsigned S, unsigned past, unsigned N, unsigned
     unsigned seed = 12345u + S + 7u * B + past;
     const auto rnd = [&]() {
         seed = seed * 1664525u + 1013904223u;
-        return probe_h16(((seed >> 8) % 2001 - 1000) / 1000.f);
+        return probe_h16(((int)((seed >> 8) % 2001u) - 1000) / 1000.f);
     };
     for (auto& x : q) x = rnd();
     for (size_t i = 0; i < kc.size(); ++i) {

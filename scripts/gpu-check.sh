@@ -121,10 +121,11 @@ for phase in $phases; do
       skips=(--skip smollm2_arch_int4)
       echo "tests: smollm2_arch_int4_on_the_gpu_matches_onnxruntime_on_its_graph skipped (run the int4 phase first)"
     fi
-    # The big real models' test runs where `big` made them (KILN_BIG_MODELS); skipped by name otherwise.
+    # The big real models' test runs where KILN_BIG_MODELS names them (set, or the big phase earlier
+    # in this call); skipped by name otherwise.
     if [ -z "${KILN_BIG_MODELS:-}" ]; then
       skips+=(--skip big_real_models)
-      echo "tests: big_real_models_match_onnxruntime_on_the_gpu skipped (run the big phase first)"
+      echo "tests: big_real_models_match_onnxruntime_on_the_gpu skipped (set KILN_BIG_MODELS, or run the big phase before it)"
     fi
     "$GPU_TESTS" --include-ignored --test-threads 1 --nocapture "${skips[@]}" 2>&1 | tee "$out/gpu-tests.log" | grep -E "^test .*(ok|FAILED)$|test result"
     summary+=("tests: $(grep -E '^test result' "$out/gpu-tests.log" | tail -1)")
@@ -256,7 +257,8 @@ for w in glob.glob(".gpu/python/*.whl"):
   big)
     # The five full-size real models (scripts/make-big-models.py) against onnxruntime on the GPU.
     (cd scripts && python3 make-big-models.py "$work/big") 2>&1 | tail -3
-    KILN_BIG_MODELS="$work/big" "$GPU_TESTS" --include-ignored --test-threads 1 --nocapture big_real_models 2>&1 |
+    export KILN_BIG_MODELS="$work/big" # for a tests or quick phase after this one
+    "$GPU_TESTS" --include-ignored --test-threads 1 --nocapture big_real_models 2>&1 |
       tee "$out/big.log" | tail -15
     summary+=("big: $(grep -E '^test result' "$out/big.log" | tail -1)")
     ;;
@@ -340,7 +342,7 @@ for w in glob.glob(".gpu/python/*.whl"):
   quick)
     skip=()
     for t in smollm2 device_sampling soak continuous_batch batch_invariant kv_cache_grow; do skip+=(--skip "$t"); done
-    [ -n "${KILN_BIG_MODELS:-}" ] || skip+=(--skip big_real_models) # made by the big phase
+    [ -n "${KILN_BIG_MODELS:-}" ] || skip+=(--skip big_real_models) # KILN_BIG_MODELS: set, or the big phase before it
     "$GPU_TESTS" --include-ignored --test-threads 1 --nocapture "${skip[@]}" 2>&1 | tee "$out/gpu-tests.log" |
       grep -E "^test .*(ok|FAILED)$|test result"
     summary+=("quick: $(grep -E '^test result' "$out/gpu-tests.log" | tail -1)")

@@ -1077,9 +1077,9 @@ __device__ __noinline__ void gqa_dec_fold(const float* partial, kiln_counter* co
 }
 
 // The split merge through a thread block cluster (compute capability 9.0): the CL blocks
-// (GQA_DEC_CLUSTER, or GQA_DEC_CLUSTER_WIDE) of one (KV head, batch row) are one cluster, and each block merges one slice of the
-// group's query heads × dimensions (gqa_dec_slice elements, in order of rank) and writes that
-// slice of the output. Each block pushes its partial state (maxima, sums, and every slice of its
+// (GQA_DEC_CLUSTER, or GQA_DEC_CLUSTER_WIDE) of one (KV head, batch row) are one cluster, and
+// each block merges one slice of the group's query heads × dimensions (gqa_dec_slice elements, in
+// order of rank) and writes that slice of the output. Each block pushes its partial state (maxima, sums, and every slice of its
 // Σ weight·V) into the receiving blocks' shared memory (s_recv [sender rank]) by asynchronous
 // stores that count their bytes on the receiver's mbarrier (kiln-cuda-std's cluster.cuh, the
 // pattern of Hopper's distributed shared memory pipelines); the receiver waits on its own mbarrier
@@ -1125,6 +1125,7 @@ __device__ __forceinline__ void gqa_dec_cluster_merge(const float* s_red, const 
                                                    const typename Tag::storage* sink, unsigned sink_mode,
                                                    typename Tag::storage* out, unsigned b, unsigned N, unsigned H,
                                                    unsigned j, unsigned group) {
+    static_assert(CL > 0 && GQA_DEC_MAX_QH % (4 * CL) == 0, "a cluster's slices are whole float4 rows");
     const unsigned tid = threadIdx.x, qh = group * H, c = gqa_dec_slice<CL>(qh), rank = kiln_cluster_rank();
     const unsigned mine = qh > rank * c ? (qh - rank * c < c ? qh - rank * c : c) : 0;
     if (tid == 0) kiln_mbar_arrive_expect_tx(bar, CL * (2 * group + mine) * 4u);
@@ -1244,7 +1245,7 @@ __device__ __forceinline__ gqa_dec_share gqa_dec_share_of(long long start, long 
 }
 
 // Decode attention by KV head for the plain kernel kiln_gqa_decode (the shim's choice for a
-// present past the cluster kernel's and few keys in all: blocks of up to GQA_DEC_KEYS keys, split
+// present past the cluster kernels' and few keys in all: blocks of up to GQA_DEC_KEYS keys, split
 // over the present and folded): each thread loads its K row and GQA_DEC_ROWS_V_KEYS V rows into
 // registers at the start, before the append and the query rows, then the scores one key per
 // thread, the weights one warp per query row and Σ weight·V over (key lane, V vector), with a
@@ -1252,8 +1253,9 @@ __device__ __forceinline__ gqa_dec_share gqa_dec_share_of(long long start, long 
 // contexts beats gqa_decode_regs' chunks of 2 keys per key lane (its one-chunk-ahead prefetch
 // ran batch 1 at context 3840 of a 4096 cache in 0.948 ms/step where this took 0.768 on an H100,
 // bench/RESULTS.md, 2026-12-06, session 26). Block (split, j, b) reads keys
-// [split·kpb, (split + 1)·kpb) ∩ [start, end) (kpb ≤ GQA_DEC_KEYS). With CL (GQA_DEC_CLUSTER,
-// kiln_gqa_decode_cluster_rows) the block takes an even share of the row's keys where the append
+// [split·kpb, (split + 1)·kpb) ∩ [start, end) (kpb ≤ GQA_DEC_KEYS). With CL, the cluster size
+// (GQA_DEC_CLUSTER for kiln_gqa_decode_cluster_rows, GQA_DEC_CLUSTER_WIDE for
+// kiln_gqa_decode_cluster16_rows), the block takes an even share of the row's keys where the append
 // allows it (compute capability 9.0), copies its rows into dynamic shared memory rather than
 // registers (cp.async, every row in flight at once) and merges through the cluster as
 // gqa_decode_regs does: at prompt 1,792 of a 2,048 cache this took batch 1 from 0.811 ms/step
@@ -1261,7 +1263,7 @@ __device__ __forceinline__ gqa_dec_share gqa_dec_share_of(long long start, long 
 // (bench/RESULTS.md, 2026-12-06, session 27).
 #define GQA_DEC_ROWS_V_KEYS 8  // V rows per thread loaded together (every V row of a 64-wide f16 block at once)
 
-// kiln_gqa_decode_cluster_rows' dynamic shared memory for kpb keys of row_bytes-byte rows is
+// The cluster rows kernels' dynamic shared memory for kpb keys of row_bytes-byte rows is
 // gqa_decode_tiled's layout with the reduction at its fixed stride (the cluster merge reads
 // GQA_DEC_MAX_QH per warp): gqa_decode_k_bytes(kpb, row_bytes, GQA_DEC_MAX_QH) bytes of K rows, over
 // which the warps' Σ weight·V go once the scores are computed, then kpb·row_bytes of V rows.
@@ -1342,8 +1344,8 @@ __device__ void gqa_decode_rows(KILN_GQA_DECODE_PARAMS) {
 #if __CUDA_ARCH__ >= 900
     if constexpr (CL > 0)
         if (n == 0) {
-            gqa_dec_cluster_merge<Tag, CL>(s_red, 0, s_m, s_l, s_recv, &s_bar, false, start >= end, sink, sink_mode, out, b, N,
-                                       H, j, group);
+            gqa_dec_cluster_merge<Tag, CL>(s_red, 0, s_m, s_l, s_recv, &s_bar, false, start >= end, sink, sink_mode,
+                                           out, b, N, H, j, group);
             return;
         }
 #endif
@@ -1423,8 +1425,8 @@ __device__ void gqa_decode_rows(KILN_GQA_DECODE_PARAMS) {
 #if __CUDA_ARCH__ >= 900
     if constexpr (CL > 0) {
         // Every warp's sums share the block's maximum: weight 1 each (null).
-        gqa_dec_cluster_merge<Tag, CL>(s_red, 0, s_m, s_l, s_recv, &s_bar, true, false, sink, sink_mode, out, b, N, H, j,
-                                   group);
+        gqa_dec_cluster_merge<Tag, CL>(s_red, 0, s_m, s_l, s_recv, &s_bar, true, false, sink, sink_mode, out, b, N, H,
+                                       j, group);
         return;
     }
 #endif
@@ -1587,8 +1589,8 @@ __device__ void gqa_decode_regs(KILN_GQA_DECODE_PARAMS) {
     if constexpr (CL > 0)
         if (n == 0) {
             check();
-            gqa_dec_cluster_merge<Tag, CL>(&s_red[0][0], &s_wm[0][0], s_m, s_l, s_recv, &s_bar, false, start >= end, sink,
-                                       sink_mode, out, b, N, H, j, group);
+            gqa_dec_cluster_merge<Tag, CL>(&s_red[0][0], &s_wm[0][0], s_m, s_l, s_recv, &s_bar, false, start >= end,
+                                           sink, sink_mode, out, b, N, H, j, group);
             return;
         }
 #endif
@@ -1701,8 +1703,8 @@ __device__ void gqa_decode_regs(KILN_GQA_DECODE_PARAMS) {
     __syncthreads();
 #if __CUDA_ARCH__ >= 900
     if constexpr (CL > 0) {
-        gqa_dec_cluster_merge<Tag, CL>(&s_red[0][0], &s_ws[0][0], s_m, s_l, s_recv, &s_bar, true, false, sink, sink_mode,
-                                   out, b, N, H, j, group);
+        gqa_dec_cluster_merge<Tag, CL>(&s_red[0][0], &s_ws[0][0], s_m, s_l, s_recv, &s_bar, true, false, sink,
+                                       sink_mode, out, b, N, H, j, group);
         return;
     }
 #endif
@@ -2053,9 +2055,9 @@ __global__ void KILN_GQA_CLUSTER_DIMS __launch_bounds__(256, 2) kiln_gqa_decode_
 // B] exactly): a cluster of 16 blocks, past the 8 that CUDA guarantees (the host allows it at
 // load: CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, which Hopper grants to clusters of
 // 16 small blocks). The shim's choice for presents of 2,049 to 4,096 positions at a few rows:
-// at batch 1 over a 4,096 cache on an H100, 12.59 µs per launch at position 4,094 against 13.96
-// for kiln_gqa_decode's 16 folded splits, 10.82 against 12.06 for the 8-block cluster rows at
-// 2,048 (bench/attn_probe.cu, L2 flushed; bench/RESULTS.md, 2026-12-06, session 28).
+// at batch 1 over a 4,096 cache on an H100, 12.70 µs per launch at position 4,094 against 13.92
+// for kiln_gqa_decode's 16 folded splits (bench/attn_probe.cu, L2 flushed; bench/RESULTS.md,
+// 2026-12-06, session 28).
 template <typename Tag, int G>
 __global__ void KILN_GQA_CLUSTER_WIDE_DIMS __launch_bounds__(256, 2)
     kiln_gqa_decode_cluster16_rows(KILN_GQA_DECODE_PARAMS) {

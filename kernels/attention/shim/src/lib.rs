@@ -1032,19 +1032,27 @@ const DEC_TILED_MIN_KEYS: usize = 64 << 10;
 /// 0.811 ms/step with `kiln_gqa_decode_cluster` and 0.681 with `kiln_gqa_decode_cluster_rows` in
 /// the same run (0.711 with `kiln_gqa_decode`'s folded splits in another); shares of two passes
 /// of rows per block at prompt 3,840 of 4,096 lost to `kiln_gqa_decode` (0.938 against 0.752), so
-/// longer presents keep it.
+/// longer presents take 16 blocks of one pass (below) or keep `kiln_gqa_decode`.
 const DEC_CLUSTER: usize = 8;
 const DEC_CLUSTER_MAX_PRESENT: usize = 512;
 /// Past `DEC_CLUSTER × DEC_KEYS` positions and up to `DEC_CLUSTER_WIDE × DEC_KEYS`, below the tiled
-/// kernel's threshold, `kiln_gqa_decode_cluster16_rows`: the cluster rows kernel over 16 blocks
-/// per (KV head, batch row), a non-portable cluster size that the host allows at load
-/// (attention.cu's GQA_DEC_CLUSTER_WIDE), where its shares' rows fit `DEC_ROWS_SMEM`. On an H100
-/// (bench/attn_probe.cu, batch 1, a 4,096 cache; bench/RESULTS.md, 2026-12-06, session 28) it took
-/// 12.59 µs per launch at position 4,094 where `kiln_gqa_decode`'s 16 folded splits took 13.96,
-/// and 9.52 against 9.94 at position 100.
+/// kernel's threshold and for at most `DEC_CLUSTER_WIDE_MAX_PAIRS` (KV head, batch row) pairs,
+/// `kiln_gqa_decode_cluster16_rows`: the cluster rows kernel over 16 blocks per pair, a
+/// non-portable cluster size that the host allows at load (attention.cu's GQA_DEC_CLUSTER_WIDE),
+/// where its shares' rows fit `DEC_ROWS_SMEM`. On an H100 (bench/attn_probe.cu, a 4,096 cache;
+/// bench/RESULTS.md, 2026-12-06, session 28) it took 12.70 µs per launch at batch 1 and position
+/// 4,094 where `kiln_gqa_decode`'s 16 folded splits took 13.92, and 9.67 against 10.01 at position
+/// 100; at batch 4 (12 pairs) 12.77 against 15.27 at position 2,048 and level near the end (16.24
+/// against 15.99), and the decode step at batch 4 and prompt 3,840 went from 1.095 to 1.042 ms. At
+/// batch 8 (24 pairs) it took 27.3 µs where the tiled kernel takes 20.1, so more pairs keep the
+/// other kernels. Like the tiled kernel's, its 64 KiB of dynamic shared memory at a 4,096 present
+/// do not fit a compute capability 7.5 device (64 KiB in all per block; ABI 1 gives a shim no
+/// device limits).
 const DEC_CLUSTER_WIDE: usize = 16;
-/// The most dynamic shared memory `kiln_gqa_decode_cluster_rows` takes (DEC_TILE_BYTES, the
-/// tiled kernel's: ABI 1 gives a shim no device limits).
+const DEC_CLUSTER_WIDE_MAX_PAIRS: usize = 12;
+/// The most dynamic shared memory `kiln_gqa_decode_cluster_rows` and
+/// `kiln_gqa_decode_cluster16_rows` take (DEC_TILE_BYTES, the tiled kernel's: ABI 1 gives a shim
+/// no device limits).
 const DEC_ROWS_SMEM: usize = DEC_TILE_BYTES;
 
 /// Keys per block of `kiln_gqa_decode_tiled` for K/V rows of `row_bytes` bytes: the most
@@ -1287,11 +1295,12 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
         let tiled = by_kv_head && p.present_len.saturating_mul(pairs) >= DEC_TILED_MIN_KEYS;
         let few_pairs = by_kv_head && !tiled && pairs <= MAX_COUNTERS as usize;
         let cluster = few_pairs && p.present_len <= DEC_CLUSTER * DEC_KEYS;
-        // Past the 8-block cluster, one of 16 whose shares' rows fit shared memory (16-bit rows:
-        // the kernel has no float32 instantiation, whose rows never fit there).
+        // Past the 8-block cluster, one of 16 for the pairs measured, whose shares' rows fit
+        // shared memory (16-bit rows: the kernel has no float32 instantiation).
         let wide_keys = p.present_len.div_ceil(DEC_CLUSTER_WIDE).max(1);
         let wide = few_pairs
             && !cluster
+            && pairs <= DEC_CLUSTER_WIDE_MAX_PAIRS
             && esize < 4
             && wide_keys <= DEC_KEYS
             && tiled_shared_bytes(wide_keys, row_bytes, DEC_MAX_QH) <= DEC_ROWS_SMEM;
