@@ -75,16 +75,8 @@ __device__ void gqa_prefill_mma(const typename Tag::storage* q_src, const typena
         gqa_check(st, seqlens, gridDim.z, S, first_prompt, total, 0, 0, cache_rows, rotary_half);
     const unsigned j = h / (N / Nk);
     const unsigned rows = S - s0 < GQA_PFM_ROWS ? S - s0 : GQA_PFM_ROWS;
-    // The block's keys: the union of its rows' ranges.
-    long long lo = (long long)PL, hi = 0;
-    for (unsigned r = 0; r < rows; ++r) {
-        long long a, e, p;
-        gqa_range(seqlens, b, s0 + r, S, first_prompt, window, PL, &a, &e, &p);
-        if (a < e) {
-            lo = a < lo ? a : lo;
-            hi = e > hi ? e : hi;
-        }
-    }
+    long long lo, hi;  // the block's keys
+    gqa_rows_keys(seqlens, b, s0, rows, S, first_prompt, window, PL, &lo, &hi);
     // This lane's two rows (g and g + 8 of the warp's 16): their key ranges ([0, 0) past the prompt).
     long long ra[2] = {0, 0}, re[2] = {0, 0};
 #pragma unroll

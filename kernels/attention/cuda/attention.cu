@@ -374,6 +374,23 @@ __device__ void gqa_attn(const typename Tag::storage* q_src, const typename Tag:
     for (unsigned d = threadIdx.x; d < H; d += blockDim.x) o[d] = kiln_from_f32(Tag(), s_acc[0][d] / den);
 }
 
+// The keys [lo, hi) that any of query rows s0 … s0 + rows − 1 of batch row b attends to: the
+// union of their gqa_range ranges (lo = PL, hi = 0 when none attends to a key).
+__device__ __forceinline__ void gqa_rows_keys(const int* seqlens, unsigned b, unsigned s0, unsigned rows, unsigned S,
+                                              unsigned first_prompt, int window, unsigned PL, long long* lo,
+                                              long long* hi) {
+    *lo = (long long)PL;
+    *hi = 0;
+    for (unsigned r = 0; r < rows; ++r) {
+        long long a, e, p;
+        gqa_range(seqlens, b, s0 + r, S, first_prompt, window, PL, &a, &e, &p);
+        if (a < e) {
+            *lo = a < *lo ? a : *lo;
+            *hi = e > *hi ? e : *hi;
+        }
+    }
+}
+
 // Prompt attention by tiles (S > 1, no bias, softcap or sink; H ≤ GQA_PF_MAX_HEAD): block
 // (query tile, h, b) takes GQA_PF_ROWS query rows s0 … of head h, batch row b, and folds the
 // keys any of them attends to in tiles of GQA_PF_KEYS, each tile's K and V rows loaded once
@@ -409,16 +426,8 @@ __device__ void gqa_prefill(const typename Tag::storage* q_src, const typename T
         gqa_check(st, seqlens, gridDim.z, S, first_prompt, total, 0, 0, cache_rows, rotary_half);
     const unsigned j = h / (N / Nk);
     const unsigned rows = S - s0 < GQA_PF_ROWS ? S - s0 : GQA_PF_ROWS;
-    // The block's keys: the union of its rows' ranges.
-    long long lo = (long long)PL, hi = 0;
-    for (unsigned r = 0; r < rows; ++r) {
-        long long a, e, p;
-        gqa_range(seqlens, b, s0 + r, S, first_prompt, window, PL, &a, &e, &p);
-        if (a < e) {
-            lo = a < lo ? a : lo;
-            hi = e > hi ? e : hi;
-        }
-    }
+    long long lo, hi;
+    gqa_rows_keys(seqlens, b, s0, rows, S, first_prompt, window, PL, &lo, &hi);
     // 1. Query rows, rotated and rounded as gqa_query does.
     for (unsigned i = tid; i < rows * H; i += blockDim.x) {
         const unsigned r = i / H, d = i - r * H;
