@@ -9,7 +9,16 @@
 #                                     PyTorch peer benchmark) with a slimmed builder wheel
 #   .gpu/python/                      the kiln wheel (release) and pytest's wheels, for the
 #                                     Python package's tests there (the machine has no network)
+#   .gpu/nvrtc-cache.tar.xz           with KILN_STAGE_NVRTC (below): every package's NVRTC cubins
+#                                     for sm_90, unpacked into the run's KILN_CACHE_DIR there
 #   .gpu/setup.sh                     run first on the GPU machine: unpacks into /tmp/kiln-gpu
+#
+# KILN_STAGE_NVRTC=DIR (a folder holding the libnvrtc.so.13 of the GPU machine's NVRTC version,
+# 13.0: `pip download "nvidia-cuda-nvrtc==13.0.*"` and unzip, then DIR is its nvidia/cu13/lib)
+# compiles every package's sources for sm_90 here with it (the cache key holds NVRTC's version,
+# the architecture, the options and the sources), so that runs there load them instead of
+# compiling each package on first use. The cubins are kept in .cache/nvrtc-stage between
+# stagings (only changed sources compile again; entries older than 3 days are dropped).
 #
 # On the GPU machine, from the repository root:
 #   source .gpu/setup.sh            # sets KILN, GPU_TESTS, KILN_FIXTURES, KILN_CACHE_DIR
@@ -42,6 +51,14 @@ venv=target/py-venv
 [ -x "$venv/bin/maturin" ] || { python3 -m venv "$venv" && "$venv/bin/pip" install -q "maturin>=1.5,<2"; }
 "$venv/bin/maturin" build --release -m python/Cargo.toml -o .gpu/python >/dev/null
 "$venv/bin/pip" download -q --no-deps -d .gpu/python pytest pluggy iniconfig packaging
+if [ -n "${KILN_STAGE_NVRTC:-}" ]; then
+  stage_cache="$root/.cache/nvrtc-stage"
+  mkdir -p "$stage_cache" && chmod 700 "$stage_cache"
+  find "$stage_cache" -type f -mtime +3 -delete
+  KILN_CACHE_DIR="$stage_cache" LD_LIBRARY_PATH="$KILN_STAGE_NVRTC" "$tests_bin" --ignored --exact \
+    package_sources_compile_and_define_their_kernels >/dev/null
+  tar -C "$stage_cache" -cJf .gpu/nvrtc-cache.tar.xz nvrtc
+fi
 xz -T2 -6 -c target/release/kiln > .gpu/kiln.xz
 xz -T2 -6 -c "$tests_bin" > .gpu/gpu-tests.xz
 tar -C "$root" -cJf .gpu/node-tests.tar.xz .cache/onnx-node-1.20.0
@@ -76,6 +93,13 @@ built_root=$(cat .gpu/built-root)
 if [ "$built_root" != "$R" ]; then mkdir -p "$(dirname "$built_root")"; ln -sfn "$R" "$built_root"; fi
 export KILN=/tmp/kiln-gpu/kiln GPU_TESTS=/tmp/kiln-gpu/gpu-tests
 export KILN_FIXTURES=$R/.gpu/fixtures KILN_CACHE_DIR=/tmp/kiln-cache
+# The packages' cubins compiled at staging (KILN_STAGE_NVRTC): owner-only, as kiln's cache
+# requires; entries whose key differs (another NVRTC version) are simply not found.
+if [ -f .gpu/nvrtc-cache.tar.xz ]; then
+  mkdir -p "$KILN_CACHE_DIR" && chmod 700 "$KILN_CACHE_DIR"
+  tar --no-same-owner -xJf .gpu/nvrtc-cache.tar.xz -C "$KILN_CACHE_DIR"
+  chmod 700 "$KILN_CACHE_DIR/nvrtc" && chmod 600 "$KILN_CACHE_DIR"/nvrtc/*
+fi
 EOF
 echo "$root" > .gpu/built-root
 du -sh .gpu
