@@ -136,6 +136,12 @@ pub fn compile_cached(
         match (native_cache::read_sealed(path), lowered) {
             (Ok(Some(cubin)), Ok(Some(lowered))) if !cubin.is_empty() => {
                 tracing::debug!(package, file, "NVRTC: from the cache");
+                // An entry's modification time is its last use (best effort), so that a cache
+                // can be pruned, or packed, by use (scripts/stage-gpu.sh).
+                for p in [path, names_path] {
+                    let now = std::time::SystemTime::now();
+                    let _ = std::fs::File::options().append(true).open(p).and_then(|f| f.set_modified(now));
+                }
                 return Ok(CompiledSource { cubin, lowered, cache_hit: true });
             }
             (Err(why), _) | (_, Err(why)) => {
