@@ -235,7 +235,7 @@ fn f16_excess(got: &[f32], want: &[f32]) -> f32 {
 /// Whether an attention result `got` matches `want`: float32 within `f32_tol`, float16 within one
 /// rounding (`f16_excess`). Errors: the measured difference, for the caller's message.
 fn attention_close(got: &kiln_host::Tensor, want: &kiln_host::Tensor, f32_tol: f32) -> Result<(), String> {
-    let (a, b) = (float_values(got), float_values(want));
+    let (a, b) = (got.to_f32().expect("a float result"), want.to_f32().expect("a float reference"));
     if got.dtype == kiln_kernel_abi::DType::F16 {
         let e = f16_excess(&a, &b);
         return if e <= 0.0 { Ok(()) } else { Err(format!("|Δ| past 1e-3·|ref| + 1e-5 by {e}")) };
@@ -685,17 +685,23 @@ fn long_context_decode_attention_as(n: usize, nk: usize, past: usize, lens: &[i3
     let total = (*lens.iter().max().expect("rows") as usize + 72).min(past);
     for window in [-1i64, 1000] {
         let model = gqa_model(n, nk, window, lens, (1, total), true, past, total);
-        let (m, feeds) = if f16 { gqa_in_f16(model) } else { model };
-        let load = || model::load_bytes(&kiln_tests::onnx::bytes(&m), None).unwrap();
-        let want = Session::new(runtime(), load(), SessionOptions::default()).unwrap().run(feeds.clone()).unwrap();
-        let mut gpu =
-            Session::new(runtime(), load(), SessionOptions { small_integer_nodes_on_host: false, ..cuda() }).unwrap();
-        let got = gpu.run(feeds).unwrap();
-        for ((name, a), (_, b)) in got.iter().zip(&want) {
-            assert_eq!((a.dtype, &a.shape), (b.dtype, &b.shape), "{name}");
-            if let Err(e) = attention_close(a, b, 1e-4) {
-                panic!("{n} heads, {nk} KV heads, {past} positions, window {window}: {name}: {e}");
-            }
+        gqa_gpu_matches_cpu(model, f16, &format!("{n} heads, {nk} KV heads, {past} positions, window {window}"));
+    }
+}
+
+/// Runs a `gqa_model` (rounded to float16 with `f16`) on the CPU, the package's reference, and on
+/// the GPU, and checks every output: the same dtype and shape, and `attention_close` (float32
+/// within 1e-4, float16 within one rounding). `what` names the case in a failure.
+fn gqa_gpu_matches_cpu(model: (kiln_tests::onnx::ModelProto, Vec<(String, kiln_host::Tensor)>), f16: bool, what: &str) {
+    let (m, feeds) = if f16 { gqa_in_f16(model) } else { model };
+    let load = || model::load_bytes(&kiln_tests::onnx::bytes(&m), None).unwrap();
+    let want = Session::new(runtime(), load(), SessionOptions::default()).unwrap().run(feeds.clone()).unwrap();
+    let gpu_options = SessionOptions { small_integer_nodes_on_host: false, ..cuda() };
+    let got = Session::new(runtime(), load(), gpu_options).unwrap().run(feeds).unwrap();
+    for ((name, a), (_, b)) in got.iter().zip(&want) {
+        assert_eq!((a.dtype, &a.shape), (b.dtype, &b.shape), "{what}: {name}");
+        if let Err(e) = attention_close(a, b, 1e-4) {
+            panic!("{what}, f16 {f16}: {name}: {e}");
         }
     }
 }
@@ -725,16 +731,6 @@ fn gqa_in_f16(
         })
         .collect();
     (m, feeds)
-}
-
-/// The elements of a float32 or float16 tensor, as f32.
-fn float_values(t: &kiln_host::Tensor) -> Vec<f32> {
-    match t.dtype {
-        kiln_kernel_abi::DType::F16 => {
-            t.data.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
-        }
-        _ => kiln_tests::f32_values(t),
-    }
 }
 
 /// GroupQueryAttention over a paged KV cache (ABI.md §6.1.1: the past copied into pages of a
@@ -910,17 +906,8 @@ fn prompt_attention_matches_the_cpu_reference() {
             for window in [-1i64, 40] {
                 for (lens, s, total, past) in [(vec![150, 97, 1], 150, 150, 256), (vec![300], 37, 300, 512)] {
                     let model = gqa_model(n, nk, window, &lens, (s, total), true, past, 1024);
-                    let (m, feeds) = if f16 { gqa_in_f16(model) } else { model };
-                    let load = || model::load_bytes(&kiln_tests::onnx::bytes(&m), None).unwrap();
-                    let want =
-                        Session::new(runtime(), load(), SessionOptions::default()).unwrap().run(feeds.clone()).unwrap();
-                    let gpu_options = SessionOptions { small_integer_nodes_on_host: false, ..cuda() };
-                    let got = Session::new(runtime(), load(), gpu_options).unwrap().run(feeds).unwrap();
-                    for ((name, a), (_, b)) in got.iter().zip(&want) {
-                        if let Err(e) = attention_close(a, b, 1e-4) {
-                            panic!("{n} heads, {nk} KV heads, window {window}, S {s}, total {total}, f16 {f16}: {name}: {e}");
-                        }
-                    }
+                    let what = format!("{n} heads, {nk} KV heads, window {window}, S {s}, total {total}");
+                    gqa_gpu_matches_cpu(model, f16, &what);
                 }
             }
         }

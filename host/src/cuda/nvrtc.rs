@@ -138,8 +138,8 @@ pub fn compile_cached(
                 tracing::debug!(package, file, "NVRTC: from the cache");
                 // An entry's modification time is its last use (best effort), so that a cache
                 // can be pruned, or packed, by use (scripts/stage-gpu.sh).
+                let now = std::time::SystemTime::now();
                 for p in [path, names_path] {
-                    let now = std::time::SystemTime::now();
                     let _ = std::fs::File::options().append(true).open(p).and_then(|f| f.set_modified(now));
                 }
                 return Ok(CompiledSource { cubin, lowered, cache_hit: true });

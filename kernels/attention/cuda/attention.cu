@@ -1104,6 +1104,11 @@ __device__ __noinline__ void gqa_dec_fold(const float* partial, kiln_counter* co
 // Floats of one sender's row of s_recv in a cluster of CL blocks: maxima and sums of up to
 // GQA_DEC_MAX_GROUP heads, then a slice of Σ weight·V.
 #define GQA_DEC_RECV_ROW(CL) (2 * GQA_DEC_MAX_GROUP + GQA_DEC_MAX_QH / (CL))
+// Floats of a decode kernel's s_recv for a cluster of CL blocks (1 without a cluster, CL = 0).
+template <int CL>
+__host__ __device__ constexpr unsigned gqa_dec_recv_floats() {
+    return CL > 0 ? CL * GQA_DEC_RECV_ROW(CL > 0 ? CL : 1) : 1;
+}
 
 // Elements of the group's qh = group·H outputs per block of a cluster of CL blocks: a multiple of
 // 4 (one float4 store), so that a slice starts 16-byte aligned; the last blocks' slices may be
@@ -1294,7 +1299,7 @@ __device__ void gqa_decode_rows(KILN_GQA_DECODE_PARAMS) {
     const unsigned split = blockIdx.x, j = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
     const unsigned group = N / Nk, tid = threadIdx.x;
 #if __CUDA_ARCH__ >= 900
-    __shared__ __align__(16) float s_recv[CL > 0 ? CL * GQA_DEC_RECV_ROW(CL > 0 ? CL : 1) : 1];
+    __shared__ __align__(16) float s_recv[gqa_dec_recv_floats<CL>()];
     __shared__ __align__(8) unsigned long long s_bar;
     if (CL > 0) gqa_dec_cluster_begin(&s_bar);
 #endif
@@ -1538,7 +1543,7 @@ __device__ void gqa_decode_regs(KILN_GQA_DECODE_PARAMS) {
             gqa_check(st, seqlens, gridDim.z, 1, 0, total, 0, 0, cache_rows, rotary_half);
     };
 #if __CUDA_ARCH__ >= 900
-    __shared__ __align__(16) float s_recv[CL > 0 ? CL * GQA_DEC_RECV_ROW(CL > 0 ? CL : 1) : 1];
+    __shared__ __align__(16) float s_recv[gqa_dec_recv_floats<CL>()];
     __shared__ __align__(8) unsigned long long s_bar;
     if (CL > 0) gqa_dec_cluster_begin(&s_bar);
 #endif
