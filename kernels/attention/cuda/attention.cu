@@ -2120,6 +2120,234 @@ __global__ void kiln_gqa_attn(const typename Tag::storage* q_src, const typename
                   sink_mode, KILN_GQA_LAYOUT, st);
 }
 
+// Prompt attention by tiles on tensor cores (S > 1, no bias, softcap or sink; float16 or
+// bfloat16; head size HD = H, 64 or 128): block (query tile, h, b) takes GQA_PFM_ROWS query rows
+// s0 … of head h, batch row b, 16 per warp, and walks the keys any of them attends to in tiles
+// of gqa_pfm_keys(HD), each tile's K and V rows copied into shared memory (cp.async, the next tile's
+// copies in flight while the warps work on this one), as FlashAttention-2 does:
+// 1. the block's query rows, rotated and rounded as gqa_attn does, into shared memory, then each
+//    warp's 16 rows into registers as mma A fragments;
+// 2. per tile, the warp's scores S = Q·Kᵀ (16 rows × the tile's keys, m16n8k16 with f32 accumulators, K rows as the
+//    B operand through ldmatrix), scaled and masked by each row's causal and window range;
+// 3. the rows' online softmax in registers (a row's values are spread over the 4 lanes of a quad);
+// 4. O += P·V, P straight from the score fragments (the C layout of two 8-key tiles is the A layout
+//    of one 16-key step), split into its 16-bit rounding and the rest (two mma's: about 22 bits of
+//    each weight, as gqa_dec_pv_mma), V rows as B through ldmatrix.trans.
+// Rows and dimensions are swizzled by 16-byte vector (gqa_swz), so ldmatrix's eight rows hit eight
+// bank groups. The output is O / Σ weight (zeros for a row with no key), as gqa_attn's.
+#define GQA_PFM_ROWS 64
+#define GQA_PFM_THREADS 128
+
+// Keys per tile at head size HD: 64, and 32 at 128 (shared memory within the 48 KiB every device
+// grants, and fewer score registers).
+__host__ __device__ constexpr unsigned gqa_pfm_keys(unsigned HD) { return HD > 64 ? 32 : 64; }
+
+// Dynamic shared memory of kiln_gqa_prefill_mma at head size HD: the query rows, and two K and V
+// tiles, of 16-bit elements (40 KiB at 64, 48 KiB at 128).
+__host__ __device__ constexpr unsigned gqa_pfm_smem(unsigned HD) {
+    return (GQA_PFM_ROWS + 4 * gqa_pfm_keys(HD)) * HD * 2;
+}
+
+template <typename Tag, int HD>
+__device__ void gqa_prefill_mma(const typename Tag::storage* q_src, const typename Tag::storage* pres_k,
+                                const typename Tag::storage* pres_v, const int* seqlens,
+                                const typename Tag::storage* cos_c, const typename Tag::storage* sin_c,
+                                typename Tag::storage* out, unsigned S, unsigned N, unsigned Nk, unsigned PL,
+                                kiln_u64 q_w, unsigned first_prompt, kiln_u64 cache_rows, unsigned rotary_half,
+                                unsigned interleaved, float scale, int window, unsigned total, gqa_layout lay,
+                                kiln_status* st) {
+    typedef typename Tag::storage T;
+    constexpr unsigned VPR = HD / 8;  // 16-byte vectors per row
+    constexpr unsigned KS = HD / 16;  // 16-dimension steps of Q·Kᵀ
+    constexpr unsigned NT = HD / 8;   // 8-dimension tiles of O
+    constexpr unsigned KEYS = gqa_pfm_keys(HD);
+    const float NEG_INF = -__int_as_float(0x7f800000);
+    extern __shared__ __align__(16) unsigned char gqa_dyn[];
+    uint4* const q_s = (uint4*)gqa_dyn;                   // [GQA_PFM_ROWS][VPR]
+    uint4* const kv_s = q_s + GQA_PFM_ROWS * VPR;         // [2][K, V][KEYS][VPR]
+    const unsigned s0 = blockIdx.x * GQA_PFM_ROWS, h = blockIdx.y, b = blockIdx.z;
+    const unsigned tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5, g = lane >> 2, q2 = (lane & 3u) * 2;
+    if (blockIdx.x == 0 && h == 0 && b == 0 && tid == 0)
+        gqa_check(st, seqlens, gridDim.z, S, first_prompt, total, 0, 0, cache_rows, rotary_half);
+    const unsigned j = h / (N / Nk);
+    const unsigned rows = S - s0 < GQA_PFM_ROWS ? S - s0 : GQA_PFM_ROWS;
+    long long lo, hi;  // the block's keys
+    gqa_rows_keys(seqlens, b, s0, rows, S, first_prompt, window, PL, &lo, &hi);
+    // This lane's two rows (g and g + 8 of the warp's 16): their key ranges ([0, 0) past the prompt).
+    long long ra[2] = {0, 0}, re[2] = {0, 0};
+#pragma unroll
+    for (unsigned i = 0; i < 2; ++i) {
+        const unsigned r = 16 * warp + g + 8 * i;
+        long long p;
+        if (r < rows) gqa_range(seqlens, b, s0 + r, S, first_prompt, window, PL, &ra[i], &re[i], &p);
+    }
+    // The warp's keys (warp-uniform): tiles outside them are skipped.
+    long long wlo = ra[0] < re[0] ? ra[0] : (long long)PL, whi = re[0];
+    if (ra[1] < re[1]) {
+        wlo = ra[1] < wlo ? ra[1] : wlo;
+        whi = re[1] > whi ? re[1] : whi;
+    }
+#pragma unroll
+    for (unsigned o = 16; o > 0; o >>= 1) {
+        wlo = min(wlo, __shfl_xor_sync(0xffffffffu, wlo, o));
+        whi = max(whi, __shfl_xor_sync(0xffffffffu, whi, o));
+    }
+    // 1. Query rows (zeros past the prompt), rotated and rounded.
+    for (unsigned i = tid; i < GQA_PFM_ROWS * HD; i += blockDim.x) {
+        const unsigned r = i / HD, d = i - r * HD;
+        float x = 0.f;
+        if (r < rows) {
+            long long a, e, pos;
+            gqa_range(seqlens, b, s0 + r, S, first_prompt, window, PL, &a, &e, &pos);
+            const T* qr = q_src + ((kiln_u64)b * S + s0 + r) * q_w + (kiln_u64)h * HD;
+            x = gqa_query_elem<Tag>(qr, cos_c, sin_c, pos, cache_rows, rotary_half, d, interleaved);
+        }
+        ((T*)&q_s[gqa_swz(r, d / 8, VPR)])[d % 8] = kiln_from_f32(Tag(), x);
+    }
+    // Tile `it` (keys lo + 64·it …) into buffer it & 1: cp.async for keys below hi, zeros past it
+    // (a weight of 0 would not clear NaN bits there).
+    const auto load_tile = [&](unsigned it) {
+        uint4* const k_t = kv_s + (it & 1u) * 2 * KEYS * VPR;
+        uint4* const v_t = k_t + KEYS * VPR;
+        const long long t0 = lo + (long long)KEYS * it;
+        for (unsigned i = tid; i < KEYS * VPR; i += blockDim.x) {
+            const unsigned k = i / VPR, u = i % VPR;
+            const unsigned at = gqa_swz(k, u, VPR);
+            if (t0 + k < hi) {
+                const kiln_u64 src = gqa_at(lay, b, j, t0 + k, HD) + u * 8;
+                kiln_cp_async16(&k_t[at], pres_k + src);
+                kiln_cp_async16(&v_t[at], pres_v + src);
+            } else {
+                k_t[at] = make_uint4(0, 0, 0, 0);
+                v_t[at] = make_uint4(0, 0, 0, 0);
+            }
+        }
+        kiln_cp_async_commit();
+    };
+    const unsigned tiles = lo < hi ? (unsigned)((hi - lo + KEYS - 1) / KEYS) : 0;
+    if (tiles > 0) load_tile(0);
+    __syncthreads();  // q_s
+    unsigned qa[KS][4];
+#pragma unroll
+    for (unsigned s = 0; s < KS; ++s)
+        kiln_ldmatrix_x4<false>(qa[s], &q_s[gqa_swz(16 * warp + (lane & 15u), 2 * s + (lane >> 4), VPR)]);
+    float o[NT][4];
+#pragma unroll
+    for (unsigned n = 0; n < NT; ++n)
+#pragma unroll
+        for (unsigned i = 0; i < 4; ++i) o[n][i] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    for (unsigned it = 0; it < tiles; ++it) {
+        if (it + 1 < tiles) {
+            load_tile(it + 1);
+            kiln_cp_async_wait<1>();
+        } else {
+            kiln_cp_async_wait<0>();
+        }
+        __syncthreads();  // tile it in shared memory
+        const long long t0 = lo + (long long)KEYS * it;
+        if (whi > t0 && wlo < t0 + KEYS) {
+            const uint4* const k_t = kv_s + (it & 1u) * 2 * KEYS * VPR;
+            const uint4* const v_t = k_t + KEYS * VPR;
+            // 2. Scores: n-tile nt is keys 8·nt …; ldmatrix x4 gives the B fragments of two n-tiles
+            // (matrix i: keys 16·p + 8·(i >> 1), dimensions 16·s + 8·(i & 1)).
+            float sc[KEYS / 8][4];
+#pragma unroll
+            for (unsigned nt = 0; nt < KEYS / 8; ++nt)
+#pragma unroll
+                for (unsigned i = 0; i < 4; ++i) sc[nt][i] = 0.f;
+#pragma unroll
+            for (unsigned s = 0; s < KS; ++s)
+#pragma unroll
+                for (unsigned p = 0; p < KEYS / 16; ++p) {
+                    unsigned kb[4];
+                    kiln_ldmatrix_x4<false>(
+                        kb, &k_t[gqa_swz(16 * p + (lane & 7u) + ((lane >> 4) << 3), 2 * s + ((lane >> 3) & 1u), VPR)]);
+                    kiln_mma16816<Tag>(sc[2 * p], qa[s][0], qa[s][1], qa[s][2], qa[s][3], kb[0], kb[1]);
+                    kiln_mma16816<Tag>(sc[2 * p + 1], qa[s][0], qa[s][1], qa[s][2], qa[s][3], kb[2], kb[3]);
+                }
+            // Scaled and masked: sc[nt][i] is row g + 8·(i >> 1), key t0 + 8·nt + q2 + (i & 1).
+            float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+            for (unsigned nt = 0; nt < KEYS / 8; ++nt)
+#pragma unroll
+                for (unsigned i = 0; i < 4; ++i) {
+                    const unsigned r = i >> 1;
+                    const long long t = t0 + 8 * nt + q2 + (i & 1u);
+                    const float x = t >= ra[r] && t < re[r] ? sc[nt][i] * scale : NEG_INF;
+                    sc[nt][i] = x;
+                    mx[r] = fmaxf(mx[r], x);
+                }
+            // 3. Online softmax per row: the quad's maximum, the correction of the running sums.
+            float corr[2];
+#pragma unroll
+            for (unsigned r = 0; r < 2; ++r) {
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                const float m_new = fmaxf(m[r], mx[r]);
+                corr[r] = m[r] == NEG_INF ? 0.f : expf(m[r] - m_new);
+                m[r] = m_new;
+                l[r] *= corr[r];
+            }
+#pragma unroll
+            for (unsigned nt = 0; nt < KEYS / 8; ++nt)
+#pragma unroll
+                for (unsigned i = 0; i < 4; ++i) {
+                    const unsigned r = i >> 1;
+                    const float p = sc[nt][i] == NEG_INF ? 0.f : expf(sc[nt][i] - m[r]);
+                    sc[nt][i] = p;
+                    l[r] += p;  // this lane's part; the quad's parts are summed at the end
+                }
+#pragma unroll
+            for (unsigned n = 0; n < NT; ++n) {
+                o[n][0] *= corr[0];
+                o[n][1] *= corr[0];
+                o[n][2] *= corr[1];
+                o[n][3] *= corr[1];
+            }
+            // 4. O += P·V, 16 keys a step: A from the score fragments of n-tiles 2·kt and 2·kt + 1,
+            // high and low parts; B from V rows by ldmatrix.trans (matrix i: keys 16·kt + 8·(i & 1),
+            // dimensions 8·(2·n2 + (i >> 1))).
+#pragma unroll
+            for (unsigned kt = 0; kt < KEYS / 16; ++kt) {
+                unsigned ah[4], al[4];
+#pragma unroll
+                for (unsigned i = 0; i < 4; ++i) {
+                    const float* c = &sc[2 * kt + (i >> 1)][(i & 1u) * 2];
+                    const float h0 = kiln_to_f32(Tag(), kiln_from_f32(Tag(), c[0]));
+                    const float h1 = kiln_to_f32(Tag(), kiln_from_f32(Tag(), c[1]));
+                    ah[i] = kiln_pack2<Tag>(h0, h1);
+                    al[i] = kiln_pack2<Tag>(c[0] - h0, c[1] - h1);
+                }
+#pragma unroll
+                for (unsigned n2 = 0; n2 < NT / 2; ++n2) {
+                    unsigned vb[4];
+                    kiln_ldmatrix_x4<true>(
+                        vb, &v_t[gqa_swz(16 * kt + (lane & 7u) + (((lane >> 3) & 1u) << 3), 2 * n2 + (lane >> 4), VPR)]);
+                    kiln_mma16816<Tag>(o[2 * n2], ah[0], ah[1], ah[2], ah[3], vb[0], vb[1]);
+                    kiln_mma16816<Tag>(o[2 * n2], al[0], al[1], al[2], al[3], vb[0], vb[1]);
+                    kiln_mma16816<Tag>(o[2 * n2 + 1], ah[0], ah[1], ah[2], ah[3], vb[2], vb[3]);
+                    kiln_mma16816<Tag>(o[2 * n2 + 1], al[0], al[1], al[2], al[3], vb[2], vb[3]);
+                }
+            }
+        }
+        __syncthreads();  // buffer it & 1 is free for tile it + 2
+    }
+    // Out: O / Σ weight, two dimensions per store (zeros for a row with no key).
+#pragma unroll
+    for (unsigned r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        const unsigned row = 16 * warp + g + 8 * r;
+        if (row >= rows) continue;
+        T* const dst = out + ((kiln_u64)b * S + s0 + row) * ((kiln_u64)N * HD) + (kiln_u64)h * HD;
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+#pragma unroll
+        for (unsigned n = 0; n < NT; ++n)
+            *(unsigned*)(dst + 8 * n + q2) = kiln_pack2<Tag>(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+    }
+}
+
 // Prompt attention by tiles of query rows and keys.
 template <typename Tag>
 __global__ void __launch_bounds__(GQA_PF_WARPS * 32)
@@ -2131,6 +2359,20 @@ __global__ void __launch_bounds__(GQA_PF_WARPS * 32)
                      KILN_GQA_LAYOUT_PARAMS, kiln_status* st) {
     gqa_prefill<Tag>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, out, S, N, Nk, H, PL, q_w, first_prompt, cache_rows,
                      rotary_half, interleaved, scale, window, total, KILN_GQA_LAYOUT, st);
+}
+
+// Prompt attention by tiles of query rows and keys on tensor cores (head size HD).
+template <typename Tag, int HD>
+__global__ void __launch_bounds__(GQA_PFM_THREADS)
+    kiln_gqa_prefill_mma(const typename Tag::storage* q_src, const typename Tag::storage* pres_k,
+                         const typename Tag::storage* pres_v, const int* seqlens, const typename Tag::storage* cos_c,
+                         const typename Tag::storage* sin_c, typename Tag::storage* out, unsigned S, unsigned N,
+                         unsigned Nk, unsigned H, unsigned PL, kiln_u64 q_w, unsigned first_prompt,
+                         kiln_u64 cache_rows, unsigned rotary_half, unsigned interleaved, float scale, int window,
+                         unsigned total, KILN_GQA_LAYOUT_PARAMS, kiln_status* st) {
+    (void)H;  // = HD: the shim picks the instantiation by head size
+    gqa_prefill_mma<Tag, HD>(q_src, pres_k, pres_v, seqlens, cos_c, sin_c, out, S, N, Nk, PL, q_w, first_prompt,
+                             cache_rows, rotary_half, interleaved, scale, window, total, KILN_GQA_LAYOUT, st);
 }
 
 // Decode attention by query head, split along the keys (partials for kiln_gqa_merge).

@@ -1095,6 +1095,24 @@ const PREFILL_ROWS: usize = 16;
 const PREFILL_THREADS: u32 = 128;
 const PREFILL_MAX_HEAD: usize = 128;
 
+/// Prompt attention on tensor cores (`kiln_gqa_prefill_mma`, attention.cu's GQA_PFM_* values and
+/// `gqa_pfm_keys`, `gqa_pfm_smem`) for 16-bit floats at head sizes 64 and 128: query rows per
+/// block (16 per warp), threads per block, and keys per tile at a head size, whose K and V tiles,
+/// two of each, share the block's dynamic shared memory with its query rows (40 KiB at 64, 48 KiB
+/// at 128).
+const PREFILL_MMA_ROWS: usize = 64;
+const PREFILL_MMA_THREADS: u32 = 128;
+fn prefill_mma_keys(head: usize) -> usize {
+    if head > 64 {
+        32
+    } else {
+        64
+    }
+}
+fn prefill_mma_shared_bytes(head: usize) -> usize {
+    (PREFILL_MMA_ROWS + 4 * prefill_mma_keys(head)) * head * 2
+}
+
 /// The present K/V layout the kernels address (attention.cu's `gqa_layout`, in elements): batch
 /// row stride, KV head stride, page stride and log2 of the positions per page. Paged: the present
 /// outputs' layout, which a paged past must share (same layout and length: one buffer bound in
@@ -1158,7 +1176,9 @@ const GQA_MAX_HEAD: usize = 256;
 /// read from `seqlens_k`), then `kiln_gqa_attn` runs one block per (query row, head, batch
 /// row) with an online softmax in f32 (16 warps splitting the keys for decode, 4 for prompts).
 /// Prompts without bias, softcap or sink and heads of at most PREFILL_MAX_HEAD run
-/// `kiln_gqa_prefill` instead: a block per PREFILL_ROWS query rows, K/V tiles shared by them.
+/// `kiln_gqa_prefill` instead: a block per PREFILL_ROWS query rows, K/V tiles shared by them; of
+/// float16 or bfloat16 at head sizes 64 and 128, `kiln_gqa_prefill_mma`: a block per
+/// PREFILL_MMA_ROWS query rows, the scores and Σ weight·V on tensor cores.
 /// Decode by KV head over a shared past and present (the decode graphs' case) runs without
 /// `kiln_gqa_kv`: each `kiln_gqa_decode` block writes the present rows it reads.
 /// Without a past, absent present outputs become scratch buffers.
@@ -1448,13 +1468,21 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
         KernelArg::F32(scale),
     ];
     if p.seq > 1 && sink_mode == 0 && softcap <= 0.0 && p.bias_dims.is_none() && h_sz <= PREFILL_MAX_HEAD {
-        // A prompt: `kiln_gqa_prefill` tiles the query rows and keys (K/V loaded once per tile of
-        // PREFILL_ROWS query rows, not once per row).
+        // A prompt: `kiln_gqa_prefill(_mma)` tiles the query rows and keys (K/V loaded once per
+        // tile of query rows, not once per row).
+        let mma = esize == 2 && (h_sz == 64 || h_sz == 128);
+        let (kernel, rows, threads, smem) = if mma {
+            let hd = if h_sz == 64 { "64" } else { "128" };
+            let smem = prefill_mma_shared_bytes(h_sz);
+            (kernel_name("kiln_gqa_prefill_mma", &[tag, hd]), PREFILL_MMA_ROWS, PREFILL_MMA_THREADS, smem)
+        } else {
+            (kernel_name("kiln_gqa_prefill", &[tag]), PREFILL_ROWS, PREFILL_THREADS, 0)
+        };
         return launch(&Launch {
-            kernel: &kernel_name("kiln_gqa_prefill", &[tag]),
-            grid: [p.seq.div_ceil(PREFILL_ROWS) as u32, p.heads as u32, p.batch as u32],
-            block: [PREFILL_THREADS, 1, 1],
-            shared_mem_bytes: 0,
+            kernel: &kernel,
+            grid: [p.seq.div_ceil(rows) as u32, p.heads as u32, p.batch as u32],
+            block: [threads, 1, 1],
+            shared_mem_bytes: smem as u32, // at most 48 KiB (head size 128)
             args: [
                 vec![targ(&query), harg(pres_k), harg(pres_v), seqlens, cos, sin, targ(&out)],
                 geometry,
