@@ -159,11 +159,13 @@ int main() {
     ok &= run_case<64>(2, 300, 500, 9, 3, -1, false);
     ok &= run_case<64>(1, 333, 0, 9, 3, 100, false);
     ok &= run_case<128>(2, 150, 40, 4, 2, -1, false);
+#ifndef CHECK_ONLY  // -DCHECK_ONLY: the float64 checks alone (for compute-sanitizer)
     printf("| batch | prompt | head size | kiln_gqa_prefill µs | kiln_gqa_prefill_mma µs | speed-up |\n");
     printf("| ---: | ---: | ---: | ---: | ---: | ---: |\n");
     for (unsigned B : {1u, 8u})
         for (unsigned S : {128u, 1024u, 3840u}) ok &= run_case<64>(B, S, 0, 9, 3, -1, true);
     ok &= run_case<128>(1, 3840, 0, 32, 8, -1, true);
+#endif
     printf(ok ? "all cases within 2e-3 of float64\n" : "FAILED\n");
     return ok ? 0 : 1;
 }
