@@ -30,6 +30,9 @@
 // runs them there (kiln_linear_mma: tensor cores, the weight as the M side; not yet run on a GPU);
 // -DGQA_FIXED_H=64 -DGQA_FIXED_GROUP=3 compile attention with the head size and group as constants
 // (37 integer divisions by a runtime value in its SASS become 6; not yet run on a GPU);
+// -DLP_SPLITK=2|4|8 runs O and down with their K range split over a thread block cluster of that
+// many blocks (lp_split, first checked against kiln_linear_gemv; written in session 29, not yet
+// run on a GPU);
 // -DLIN_SRC='"path"' and -DATTN_SRC='"path"' take the GEMVs or attention from other sources
 // (-DLP_OLD_ATTN for an attention.cu before session 26). On an H100 (bench/RESULTS.md, 2026-12-06)
 // both fused forms and attention under PDL (early wait or not) were slower, and the L2-resident
@@ -105,6 +108,9 @@ __global__ void __launch_bounds__(LIN_WARPS * 32)
 #endif
 #if LP_BATCH > 1 && (defined(LP_FUSED_OGU) || defined(LP_FUSED_ALL))
 #error "the fused forms are batch 1 only"
+#endif
+#if defined(LP_SPLITK) && (LP_BATCH > 1 || defined(LP_FUSED_OGU) || defined(LP_FUSED_ALL) || defined(LP_NO_O))
+#error "LP_SPLITK replaces batch 1's plain O and down GEMVs"
 #endif
 
 template <int MODE>
@@ -269,6 +275,98 @@ __global__ void __launch_bounds__(FU_WARPS * 32, 1)
     lp_mark(2);
 }
 
+// ---- One projection with its K range split over a thread block cluster (-DLP_SPLITK=cl) ----------
+//
+// One row, Y [n] = A · Wᵀ with A = X (LIN_LINEAR: the O projection) or SiLU(gate)·up of X [gate |
+// up] (LIN_SWIGLU: down), as kiln_linear_gemv computes it, but each of its blocks of LIN_WARPS ·
+// LIN_COLS outputs is a cluster of cl blocks (the launch's cluster dimension) that split K: block
+// `rank` loads chunks rank·kcs .. of the outputs' weight rows (kcs = ⌈k / 8 / cl⌉) and computes
+// that slice of A, so the projection runs on cl times the multiprocessors, each with a cl-th of
+// the weight bytes and of the prologue. Rank 0 sums the blocks' f32 partial sums in rank order
+// from their shared memory (distributed shared memory) and writes Y. The question it answers: O
+// and down have 576 outputs, so kiln_linear_gemv runs them on 36 blocks; is their stage (3.0 and
+// 4.0 µs in session 25's timeline) bound by that?
+#define SP_UNROLL 2  // 16-byte weight loads per lane and output in flight
+
+template <int MODE>
+__global__ void __launch_bounds__(LIN_WARPS * 32)
+    lp_split(unsigned launch, const S* x, const S* w, S* y, unsigned n, unsigned k) {
+    typedef lin::F16 T;
+    lp_begin(launch);
+    extern __shared__ __align__(16) unsigned char sp_shared[];
+    const unsigned rank = kiln_cluster_rank(), cl = kiln_cluster_size();
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const unsigned kc = k / 8, kcs = (kc + cl - 1) / cl, c0 = rank * kcs;
+    const unsigned kch = c0 < kc ? min(kcs, kc - c0) : 0;  // this block's chunks
+    float* a = (float*)sp_shared;                          // [kcs · 8]
+    float* part = a + kcs * 8;                             // [LIN_WARPS · LIN_COLS]
+    const unsigned col = ((blockIdx.x / cl) * LIN_WARPS + warp) * LIN_COLS;
+    const uint4* w4 = (const uint4*)w;
+    const auto load = [&](uint4 (&wv)[LIN_COLS][SP_UNROLL], unsigned base) {
+#pragma unroll
+        for (int j = 0; j < LIN_COLS; ++j)
+#pragma unroll
+            for (int u = 0; u < SP_UNROLL; ++u) {
+                const unsigned c = base + u * 32 + lane;
+                wv[j][u] = col + j < n && c < kch ? __ldg(w4 + (size_t)(col + j) * kc + c0 + c) : make_uint4(0, 0, 0, 0);
+            }
+    };
+    // Before the wait: the first pass of this warp's weight chunks (W constant) into registers.
+    uint4 wv[LIN_COLS][SP_UNROLL];
+    load(wv, 0);
+    kiln_griddep_launch_dependents();
+    kiln_griddep_wait();
+    const uint4* x4 = (const uint4*)x;
+    for (unsigned i = threadIdx.x; i < kch; i += blockDim.x) {
+        float f[8];
+        T::unpack(x4[c0 + i], f);
+        if (MODE == LIN_SWIGLU) {
+            float u[8];
+            T::unpack(x4[kc + c0 + i], u);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) f[e] = lin::silu_mul<T>(f[e], u[e]);
+        }
+        lin::store_a<T>(a + 8 * i, f);
+    }
+    __syncthreads();
+    float acc[LIN_COLS];
+#pragma unroll
+    for (int j = 0; j < LIN_COLS; ++j) acc[j] = 0.f;
+    for (unsigned base = 0; base < kch; base += 32 * SP_UNROLL) {
+        if (base > 0) load(wv, base);
+#pragma unroll
+        for (int u = 0; u < SP_UNROLL; ++u) {
+            const unsigned c = base + u * 32 + lane;
+            if (c >= kch) continue;
+            float af[8];
+            lin::load_a<T>(a + 8 * c, af);
+#pragma unroll
+            for (int j = 0; j < LIN_COLS; ++j) {
+                float wf[8];
+                T::unpack(wv[j][u], wf);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[j] = fmaf(af[e], wf[e], acc[j]);
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < LIN_COLS; ++j) {
+        const float v = kiln_warp_sum(acc[j]);
+        if (lane == 0) part[warp * LIN_COLS + j] = v;
+    }
+    kiln_cluster_arrive();
+    kiln_cluster_wait();  // every block's partial sums
+    if (rank == 0 && threadIdx.x < LIN_WARPS * LIN_COLS) {
+        float v = 0.f;
+        for (unsigned r = 0; r < cl; ++r) v += kiln_cluster_ld(part + threadIdx.x, r);
+        const unsigned o = (blockIdx.x / cl) * LIN_WARPS * LIN_COLS + threadIdx.x;
+        if (o < n) y[o] = T::st(v);
+    }
+    kiln_cluster_arrive();
+    kiln_cluster_wait();  // rank 0 has read every block's sums
+    lp_mark(2);
+}
+
 // lp_fused's dynamic shared memory for W1 [n1, k1] over clusters of cl blocks.
 static inline unsigned fused_shared_bytes(unsigned k1, unsigned n1, unsigned cl) {
     return (n1 / cl) * k1 * 2 + (k1 + 3 * n1 + n1 / cl + 32) * 4;
@@ -287,6 +385,8 @@ __global__ void lp_instances(void** p) {
     p[6] = (void*)lp_mma<LIN_LINEAR>;
     p[7] = (void*)lp_mma<LIN_RMSNORM>;
     p[8] = (void*)lp_mma<LIN_SWIGLU>;
+    p[9] = (void*)lp_split<LIN_LINEAR>;
+    p[10] = (void*)lp_split<LIN_SWIGLU>;
 }
 #else
 #include <algorithm>
@@ -468,6 +568,47 @@ int main() {
     const auto dqkv = [&](const Layer& prev, const Layer& l, const S* skip, S* sum_out) {
         fused(6, lp_fused<LIN_SWIGLU, 4>, 4, DQKV_CL, gu, prev.wd, skip, l.g1, l.wqkv, qkv, sum_out, I, D, QKV);
     };
+#ifdef LP_SPLITK
+    // lp_split: a cluster of LP_SPLITK blocks per block of kiln_linear_gemv's outputs.
+    const auto split = [&](int k, auto kernel, const S* x, const S* w, S* y, unsigned n, unsigned kk) {
+        const unsigned cl = LP_SPLITK, kcs = (kk / 8 + cl - 1) / cl;
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(cols(n) * cl, 1, 1);
+        cfg.blockDim = dim3(LIN_WARPS * 32, 1, 1);
+        cfg.dynamicSmemBytes = (kcs * 8 + LIN_WARPS * LIN_COLS) * 4;
+        cfg.stream = s;
+        cudaLaunchAttribute at[2] = {pdl, cluster(cl)};
+        cfg.attrs = at;
+        cfg.numAttrs = 2;
+        CHECK(cudaLaunchKernelEx(&cfg, kernel, launch++, x, w, y, n, kk));
+        kind.push_back(k);
+    };
+    {
+        // Each split projection against kiln_linear_gemv on the same inputs (the sums differ only
+        // in their order: a float16 rounding at most).
+        const Layer& l = layers[1];
+        S *y_ref = random_f16(D, 1.f), *y_split = random_f16(D, 1.f);
+        const auto compare = [&](const char* what) {
+            CHECK(cudaStreamSynchronize(s));
+            std::vector<S> r(D), g(D);
+            CHECK(cudaMemcpy(r.data(), y_ref, D * 2, cudaMemcpyDeviceToHost));
+            CHECK(cudaMemcpy(g.data(), y_split, D * 2, cudaMemcpyDeviceToHost));
+            double worst = 0, top = 0;
+            for (unsigned i = 0; i < D; ++i) {
+                worst = std::max(worst, std::fabs(probe_f64(g[i]) - probe_f64(r[i])));
+                top = std::max(top, std::fabs(probe_f64(r[i])));
+            }
+            printf("%s split over clusters of %d against kiln_linear_gemv: max |diff| %.3g (max |ref| %.3g)\n", what,
+                   LP_SPLITK, worst, top);
+        };
+        gemv(2, LP_GEMV(LIN_LINEAR), cols(D), attn, attn, attn, l.wo, y_ref, y_ref, D, N * H, lin::W_CONST);
+        split(2, lp_split<LIN_LINEAR>, attn, l.wo, y_split, D, N * H);
+        compare("O (Linear)");
+        gemv(4, LP_GEMV(LIN_SWIGLU), cols(D), gu, gu, gu, l.wd, y_ref, y_ref, D, I, lin::W_CONST);
+        split(4, lp_split<LIN_SWIGLU>, gu, l.wd, y_split, D, I);
+        compare("down (SwiGluLinear)");
+    }
+#endif
     const auto attention = [&](const Layer& l) {
         cudaLaunchConfig_t cfg = {};
         cfg.gridDim = dim3(GQA_DEC_CLUSTER, Nk, B);
@@ -611,7 +752,9 @@ int main() {
 #if defined(LP_FUSED_OGU) || defined(LP_FUSED_ALL)
             ogu(l, res_a, res_b);
 #else
-#ifndef LP_NO_O
+#if defined(LP_SPLITK)
+            split(2, lp_split<LIN_LINEAR>, attn, l.wo, o, D, N * H);
+#elif !defined(LP_NO_O)
             gemv(2, LP_GEMV(LIN_LINEAR), cols(D), attn, attn, attn, l.wo, o, o, D, N * H, lin::W_CONST);
 #endif
             gemv(3, LP_GEMV(LIN_RMSNORM), cols(2 * I), o, res_a, l.g2, l.wgu, gu, res_b, 2 * I, D,
@@ -620,7 +763,11 @@ int main() {
 #ifdef LP_FUSED_ALL
             if (li + 1 < L) continue;
 #endif
+#ifdef LP_SPLITK
+            split(4, lp_split<LIN_SWIGLU>, gu, l.wd, h, D, I);
+#else
             gemv(4, LP_GEMV(LIN_SWIGLU), cols(D), gu, gu, gu, l.wd, h, h, D, I, lin::W_CONST);
+#endif
         }
     };
     cudaGraph_t graph;

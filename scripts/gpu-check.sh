@@ -46,7 +46,8 @@
 #              per-kernel timeline of one replay and attention's phases per block (global timer),
 #              the SM clock, the step without the O projection, attention under programmatic
 #              dependent launch (its wait at the start, or after the K/V loads), every layer on one
-#              L2-resident K/V cache, attention with a compile-time head size and group, O +
+#              L2-resident K/V cache, attention with a compile-time head size and group, O and down
+#              with K split over clusters of 2, 4 and 8 blocks (LP_SPLITK), O +
 #              residual + RMS norm + gate·up as one cluster kernel (and down + QKV too: three
 #              kernels per layer), and the same with the linear.cu of each variant in
 #              .gpu/variants/*; LAYER_FLAGS adds nvcc -D flags to every build
@@ -359,7 +360,8 @@ for w in glob.glob(".gpu/python/*.whl"):
     specs=("plain:" "marks:-DLP_MARKS" "no-O:-DLP_NO_O" "attn-pdl:-DLP_ATTN_PDL"
       "attn-pdl-early:-DLP_ATTN_PDL -DLP_ATTN_EARLY" "kv-shared:-DLP_KV_SHARED" "fused-ogu:-DLP_FUSED_OGU"
       "fused-all:-DLP_FUSED_ALL" "b8:-DLP_BATCH=8" "b8-marks:-DLP_BATCH=8 -DLP_MARKS"
-      "fixed-h:-DGQA_FIXED_H=64 -DGQA_FIXED_GROUP=3" "fixed-h-marks:-DGQA_FIXED_H=64 -DGQA_FIXED_GROUP=3 -DLP_MARKS")
+      "fixed-h:-DGQA_FIXED_H=64 -DGQA_FIXED_GROUP=3" "fixed-h-marks:-DGQA_FIXED_H=64 -DGQA_FIXED_GROUP=3 -DLP_MARKS"
+      "splitk-2:-DLP_SPLITK=2" "splitk-4:-DLP_SPLITK=4" "splitk-8:-DLP_SPLITK=8" "splitk-4-marks:-DLP_SPLITK=4 -DLP_MARKS")
     for v in .gpu/variants/*/cuda/linear.cu; do # drop-in GEMV variants, plain and with marks
       [ -f "$v" ] && ! cmp -s "$v" kernels/matmul/cuda/linear.cu || continue
       n=$(basename "$(dirname "$(dirname "$v")")")
