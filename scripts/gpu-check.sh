@@ -378,7 +378,7 @@ for w in glob.glob(".gpu/python/*.whl"):
       v=${spec%%:*}
       echo "== $v" && cat "$work/layer-$v.log" && "$work/layer-$v"
     done 2>&1 | tee "$out/layer.log"
-    summary+=("layer: $(grep -E '^==|^graph|^\| [a-zQgOd]|^sum' "$out/layer.log" | tr '\n' ' ')")
+    summary+=("layer: $(grep -E '^==|^graph|^\| [a-zQgOd]|^sum|split over|FAILED' "$out/layer.log" | tr '\n' ' ')")
     ;;
   bw)
     # Read bandwidth of a layer's batch-8 K/V cache by access pattern (bench/bw_probe.cu).
