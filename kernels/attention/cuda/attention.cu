@@ -2204,7 +2204,7 @@ __device__ void gqa_prefill_mma(const typename Tag::storage* q_src, const typena
         }
         ((T*)&q_s[gqa_swz(r, d / 8, VPR)])[d % 8] = kiln_from_f32(Tag(), x);
     }
-    // Tile `it` (keys lo + 64·it …) into buffer it & 1: cp.async for keys below hi, zeros past it
+    // Tile `it` (keys lo + KEYS·it …) into buffer it & 1: cp.async for keys below hi, zeros past it
     // (a weight of 0 would not clear NaN bits there).
     const auto load_tile = [&](unsigned it) {
         uint4* const k_t = kv_s + (it & 1u) * 2 * KEYS * VPR;
