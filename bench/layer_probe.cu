@@ -27,12 +27,13 @@
 // the kernel's K/V loads instead, attention.cu's GQA_EARLY_WAIT); -DLP_KV_SHARED makes every layer
 // read layer 0's K/V cache (L2-resident), -DLP_KV_ARENA puts every layer's in one allocation;
 // -DLP_BATCH=2..8 runs that many batch rows at the same position, the projections as kiln
-// runs them there (kiln_linear_mma: tensor cores, the weight as the M side; not yet run on a GPU);
+// runs them there (kiln_linear_mma: tensor cores, the weight as the M side);
 // -DGQA_FIXED_H=64 -DGQA_FIXED_GROUP=3 compile attention with the head size and group as constants
-// (37 integer divisions by a runtime value in its SASS become 6; not yet run on a GPU);
+// (gqa_decode_regs' FH, FG, as kiln_gqa_decode_cluster_plain_hg; 37 integer divisions by a runtime
+// value in its SASS become 6: 1.24 µs less per layer on an H100, session 30);
 // -DLP_SPLITK=2|4|8 runs O and down with their K range split over a thread block cluster of that
-// many blocks (lp_split, first checked against kiln_linear_gemv; written in session 29, not yet
-// run on a GPU; at 2, down's slice takes a second pass of loads after the wait);
+// many blocks (lp_split, first checked against kiln_linear_gemv; at 2, down's slice takes a
+// second pass of loads after the wait; slower than plain at 2, 4 and 8 on an H100, session 30);
 // -DLIN_SRC='"path"' and -DATTN_SRC='"path"' take the GEMVs or attention from other sources
 // (-DLP_OLD_ATTN for an attention.cu before session 26). On an H100 (bench/RESULTS.md, 2026-12-06)
 // both fused forms and attention under PDL (early wait or not) were slower, and the L2-resident
@@ -74,6 +75,13 @@ __device__ __forceinline__ void lp_begin(unsigned launch) {
 #else
 #define lp_mark(i) ((void)0)
 #define lp_begin(launch) ((void)(launch))
+#endif
+
+#ifndef GQA_FIXED_H
+#define GQA_FIXED_H 0  // the head size compiled into attention (0: a kernel argument)
+#endif
+#ifndef GQA_FIXED_GROUP
+#define GQA_FIXED_GROUP 0  // the query group compiled into attention (0: num_heads / kv_num_heads)
 #endif
 
 #ifndef LIN_SRC
@@ -148,7 +156,11 @@ __global__ void __cluster_dims__(GQA_DEC_CLUSTER, 1, 1) __launch_bounds__(256, 2
                                              past_v, P, kv_w, k_off, v_off, append, kpb, KILN_GQA_LAYOUT, fold,
                                              counters, st);
 #else
+#if GQA_FIXED_H || GQA_FIXED_GROUP  // an attention.cu of session 30 or later (FH, FG)
+    gqa_decode_regs<Tag, 4, GQA_DEC_CLUSTER, true, GQA_FIXED_H, GQA_FIXED_GROUP>(KILN_GQA_DECODE_ARGS);
+#else
     gqa_decode_regs<Tag, 4, GQA_DEC_CLUSTER, true>(KILN_GQA_DECODE_ARGS);
+#endif
 #endif
     lp_mark(2);
 }

@@ -46,11 +46,12 @@
 #              per-kernel timeline of one replay and attention's phases per block (global timer),
 #              the SM clock, the step without the O projection, attention under programmatic
 #              dependent launch (its wait at the start, or after the K/V loads), every layer on one
-#              L2-resident K/V cache, attention with a compile-time head size and group, O and down
-#              with K split over clusters of 2, 4 and 8 blocks (LP_SPLITK), O +
+#              L2-resident K/V cache, attention with a compile-time head size and group, O +
 #              residual + RMS norm + gate·up as one cluster kernel (and down + QKV too: three
 #              kernels per layer), and the same with the linear.cu of each variant in
-#              .gpu/variants/*; LAYER_FLAGS adds nvcc -D flags to every build
+#              .gpu/variants/*; LAYER_FLAGS adds nvcc -D flags to every build;
+#              LAYER_SPECS="name:flags;…" runs only those builds, LAYER_ROUNDS times over (O and
+#              down with K split over a cluster, slower in session 30: "splitk-4:-DLP_SPLITK=4")
 #   probe      bench/attn_probe.cu (nvcc): decode attention alone, the decode kernels (batch 1 at a
 #              384 cache, the cluster rows one at 2048, kiln_gqa_decode at 4096 beside
 #              kiln_gqa_decode_cluster16_rows at batch 1 and 4; the tiled one at batch 8
@@ -360,13 +361,14 @@ for w in glob.glob(".gpu/python/*.whl"):
     specs=("plain:" "marks:-DLP_MARKS" "no-O:-DLP_NO_O" "attn-pdl:-DLP_ATTN_PDL"
       "attn-pdl-early:-DLP_ATTN_PDL -DLP_ATTN_EARLY" "kv-shared:-DLP_KV_SHARED" "fused-ogu:-DLP_FUSED_OGU"
       "fused-all:-DLP_FUSED_ALL" "b8:-DLP_BATCH=8" "b8-marks:-DLP_BATCH=8 -DLP_MARKS"
-      "fixed-h:-DGQA_FIXED_H=64 -DGQA_FIXED_GROUP=3" "fixed-h-marks:-DGQA_FIXED_H=64 -DGQA_FIXED_GROUP=3 -DLP_MARKS"
-      "splitk-2:-DLP_SPLITK=2" "splitk-4:-DLP_SPLITK=4" "splitk-8:-DLP_SPLITK=8" "splitk-4-marks:-DLP_SPLITK=4 -DLP_MARKS")
+      "fixed-h:-DGQA_FIXED_H=64 -DGQA_FIXED_GROUP=3" "fixed-h-marks:-DGQA_FIXED_H=64 -DGQA_FIXED_GROUP=3 -DLP_MARKS")
     for v in .gpu/variants/*/cuda/linear.cu; do # drop-in GEMV variants, plain and with marks
       [ -f "$v" ] && ! cmp -s "$v" kernels/matmul/cuda/linear.cu || continue
       n=$(basename "$(dirname "$(dirname "$v")")")
       specs+=("$n:-DLIN_SRC=\"$v\"" "$n-marks:-DLIN_SRC=\"$v\" -DLP_MARKS")
     done
+    # LAYER_SPECS="name:flags;name:flags" runs those builds instead (each once per LAYER_ROUNDS).
+    [ -n "${LAYER_SPECS:-}" ] && IFS=';' read -ra specs <<<"$LAYER_SPECS"
     for spec in "${specs[@]}"; do # the builds side by side
       IFS=: read -r v flags <<<"$spec"
       # shellcheck disable=SC2086 # flags are words
@@ -374,9 +376,11 @@ for w in glob.glob(".gpu/python/*.whl"):
         >"$work/layer-$v.log" 2>&1 &
     done
     wait
-    for spec in "${specs[@]}"; do
-      v=${spec%%:*}
-      echo "== $v" && cat "$work/layer-$v.log" && "$work/layer-$v"
+    for ((round = 0; round < ${LAYER_ROUNDS:-1}; ++round)); do
+      for spec in "${specs[@]}"; do
+        v=${spec%%:*}
+        echo "== $v" && cat "$work/layer-$v.log" && "$work/layer-$v"
+      done
     done 2>&1 | tee "$out/layer.log"
     summary+=("layer: $(grep -E '^==|^graph|^\| [a-zQgOd]|^sum|split over|FAILED' "$out/layer.log" | tr '\n' ' ')")
     ;;

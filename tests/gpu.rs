@@ -663,8 +663,8 @@ fn long_context_decode_attention_matches_the_cpu_reference() {
 
 /// Decode attention over float16 caches of 4,096 positions at one and two batch rows
 /// (`kiln_gqa_decode_cluster16_rows`: 16 blocks of up to 256 keys merged through a non-portable
-/// cluster of 16, which the host allows at load; its rows have no float32 instantiation), with
-/// 3 query heads per KV head as SmolLM2's and 8, with and without a local window, against the
+/// cluster of 16, which the host allows at load; its rows have no float32 instantiation; here its
+/// `_hg` form, head size 64 compiled in), with 3 query heads per KV head as SmolLM2's and 8, with and without a local window, against the
 /// package's CPU reference on the same float16 inputs: every element within one float16 rounding
 /// (`f16_excess`: the reference sums in float64, the kernel in float32, both round once).
 #[test]
@@ -673,6 +673,40 @@ fn long_context_f16_decode_attention_over_a_cluster_of_16_matches_the_cpu_refere
     long_context_decode_attention_as(9, 3, 4096, &[4000], true);
     long_context_decode_attention_as(9, 3, 4096, &[4095, 2100], true);
     long_context_decode_attention_as(16, 2, 4096, &[3000, 1], true);
+}
+
+/// Decode attention in float16 at the head sizes and groups that the cluster kernels are compiled
+/// for (the shim's HG_HEADS, HG_GROUPS, HG_PLAIN_GROUPS: `kiln_gqa_decode_cluster_plain_hg`,
+/// `kiln_gqa_decode_cluster_rows_hg`, `kiln_gqa_decode_cluster16_rows_hg`) and at head size 32,
+/// which keeps the runtime forms: 1 to 8 query heads per KV head over 2 KV heads, two batch rows,
+/// with and without a local window (with one, the plain kernels' option-bearing forms), against
+/// the package's CPU reference on the same float16 inputs (every element within one float16
+/// rounding). The shim's choices, by cache (present) size:
+/// - 384 positions, rows of 300 and 17: the plain cluster kernel, its `_hg` form at groups 1, 2, 3,
+///   5 and 8, the runtime form at 4, 6 and 7;
+/// - 1,024 (rows of 1,000 and 513): the cluster rows kernel, its `_hg` form at head sizes 64 and
+///   128 (128-wide rows fill its 64 KiB exactly);
+/// - 2,048 (rows of 2,000 and 1,100): at head size 128 the rows no longer fit, and the plain
+///   cluster kernel loops over chunks of keys; at 32 and 64 the cluster rows kernel;
+/// - 4,096 (rows of 4,000 and 2,100): 16 blocks of rows at head sizes 32 and 64 (`_hg` at 64), and
+///   `kiln_gqa_decode`'s folded splits at 128.
+/// The float16 kernels only: the GPU tests have no bfloat16 attention case.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_attention_at_compiled_head_sizes_and_groups_matches_the_cpu_reference() {
+    let caches = [(384, vec![300, 17]), (1024, vec![1000, 513]), (2048, vec![2000, 1100]), (4096, vec![4000, 2100])];
+    for h in [32, 64, 128] {
+        for group in 1..=8 {
+            for (past, lens) in &caches {
+                let total = (lens[0] as usize + 72).min(*past);
+                for window in [-1i64, 200] {
+                    let model = gqa_model_hs(h, 2 * group, 2, window, lens, (1, total), true, *past, total);
+                    let what = format!("head size {h}, group {group}, {past} positions, window {window}");
+                    gqa_gpu_matches_cpu(model, true, &what);
+                }
+            }
+        }
+    }
 }
 
 fn long_context_decode_attention(n: usize, nk: usize, past: usize, lens: &[i32]) {
@@ -931,10 +965,26 @@ fn gqa_model(
     past: usize,
     cache_rows: usize,
 ) -> (kiln_tests::onnx::ModelProto, Vec<(String, kiln_host::Tensor)>) {
+    gqa_model_hs(64, n, nk, window, lens, seq_total, total_fed, past, cache_rows)
+}
+
+/// `gqa_model` at head size `h` (rotary over all of it), scale 1/√h (0.125 at 64).
+#[allow(clippy::too_many_arguments)]
+fn gqa_model_hs(
+    h: usize,
+    n: usize,
+    nk: usize,
+    window: i64,
+    lens: &[i32],
+    seq_total: (usize, usize),
+    total_fed: bool,
+    past: usize,
+    cache_rows: usize,
+) -> (kiln_tests::onnx::ModelProto, Vec<(String, kiln_host::Tensor)>) {
     use kiln_host::Tensor;
     use kiln_kernel_abi::DType;
     use kiln_tests::onnx::{self, attr_float, node, value};
-    let ((s, pl), b, h, half) = (seq_total, lens.len(), 64usize, 32usize);
+    let ((s, pl), b, half) = (seq_total, lens.len(), h / 2);
     let mut r = kiln_tests::Rng(0x5eed);
     let f32t = |shape: &[usize], v: Vec<f32>| kiln_tests::f32_tensor(shape, &v);
     let mut vals = |k: usize| {
@@ -961,7 +1011,7 @@ fn gqa_model(
         vec![
             int("num_heads", n as i64),
             int("kv_num_heads", nk as i64),
-            attr_float("scale", 0.125),
+            attr_float("scale", 1.0 / (h as f32).sqrt()),
             int("local_window_size", window),
             int("do_rotary", 1),
         ],

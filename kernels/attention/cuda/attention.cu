@@ -1282,7 +1282,7 @@ __device__ __forceinline__ gqa_dec_share gqa_dec_share_of(long long start, long 
 // GQA_DEC_MAX_QH per warp): gqa_decode_k_bytes(kpb, row_bytes, GQA_DEC_MAX_QH) bytes of K rows, over
 // which the warps' Σ weight·V go once the scores are computed, then kpb·row_bytes of V rows.
 
-template <typename Tag, int G, int CL = 0>
+template <typename Tag, int G, int CL = 0, int FH = 0, int FG = 0>
 __device__ void gqa_decode_rows(KILN_GQA_DECODE_PARAMS) {
     typedef typename Tag::storage T;
     const gqa_layout lay = KILN_GQA_LAYOUT;
@@ -1297,7 +1297,9 @@ __device__ void gqa_decode_rows(KILN_GQA_DECODE_PARAMS) {
     extern __shared__ __align__(16) unsigned char gqa_dyn[];
     float* const s_red = CL > 0 ? (float*)gqa_dyn : s_red_static;
     const unsigned split = blockIdx.x, j = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
-    const unsigned group = N / Nk, tid = threadIdx.x;
+    // FH, FG: the head size and query group compiled in (kiln_gqa_decode_cluster_*_hg), else 0.
+    if constexpr (FH > 0) H = FH;
+    const unsigned group = FG > 0 ? (unsigned)FG : N / Nk, tid = threadIdx.x;
 #if __CUDA_ARCH__ >= 900
     __shared__ __align__(16) float s_recv[gqa_dec_recv_floats<CL>()];
     __shared__ __align__(8) unsigned long long s_bar;
@@ -1506,7 +1508,8 @@ __device__ __forceinline__ void gqa_dec_combine(const float* s_wm, const float* 
 #define GQA_DEC_CLUSTER_KEYS 2  // KR of kiln_gqa_decode_cluster below groups of 8
 #endif
 
-template <typename Tag, int G, int CL, bool PLAIN = false, int KR = (G >= 8 ? 1 : GQA_DEC_CLUSTER_KEYS)>
+template <typename Tag, int G, int CL, bool PLAIN = false, int FH = 0, int FG = 0,
+          int KR = (G >= 8 ? 1 : GQA_DEC_CLUSTER_KEYS)>
 __device__ void gqa_decode_regs(KILN_GQA_DECODE_PARAMS) {
     typedef typename Tag::storage T;
     const gqa_layout lay = KILN_GQA_LAYOUT;
@@ -1524,17 +1527,9 @@ __device__ void gqa_decode_regs(KILN_GQA_DECODE_PARAMS) {
         sink_mode = 0;
         window = -1;
     }
-    // The layer probe's experiment: the head size and query group as compile-time constants
-    // (-DGQA_FIXED_H=64 -DGQA_FIXED_GROUP=3), so that the divisions by them become shifts and
-    // multiplications and their loops unroll; nothing otherwise.
-#ifdef GQA_FIXED_H
-    H = GQA_FIXED_H;
-#endif
-#ifdef GQA_FIXED_GROUP
-    const unsigned group = GQA_FIXED_GROUP;
-#else
-    const unsigned group = N / Nk;
-#endif
+    // FH, FG: the head size and query group compiled in (kiln_gqa_decode_cluster_*_hg), else 0.
+    if constexpr (FH > 0) H = FH;
+    const unsigned group = FG > 0 ? (unsigned)FG : N / Nk;
     const unsigned tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
     // The checks run in one thread once the block's loads are in flight, where it would wait for
     // them anyway (at the kernel's start, their loads and cold code delayed the block by 0.4 µs).
@@ -2082,6 +2077,32 @@ __global__ void KILN_GQA_CLUSTER_WIDE_DIMS __launch_bounds__(256, 2)
 template <typename Tag, int G>
 __global__ void KILN_GQA_CLUSTER_DIMS __launch_bounds__(256, 2) kiln_gqa_decode_cluster_plain(KILN_GQA_DECODE_PARAMS) {
     gqa_decode_regs<Tag, G, GQA_DEC_CLUSTER, true>(KILN_GQA_DECODE_ARGS);
+}
+
+// The cluster kernels with the head size HS and the query group GS (num_heads / kv_num_heads)
+// compiled in, for the shapes of common models (the shim's choice where the node's match; the
+// kernel then ignores its head-size argument and N / Nk): the divisions by them become shifts and
+// multiplications by constants, and their loops unroll. On an H100 a 30-layer batch-1 decode layer
+// (bench/layer_probe.cu, head size 64, group 3) took 15.02 µs against 16.26 with both runtime, 15.60
+// with the head size alone compiled in and 15.81 with the group alone (bench/RESULTS.md,
+// 2026-12-06, session 30).
+
+// The group rounded up to a power of two: the per-thread arrays' G, as the shim's runtime kernels.
+constexpr int gqa_group_pow2(int gs) { return gs <= 1 ? 1 : gs <= 2 ? 2 : gs <= 4 ? 4 : 8; }
+template <typename Tag, int HS, int GS>
+__global__ void KILN_GQA_CLUSTER_DIMS __launch_bounds__(256, 2)
+    kiln_gqa_decode_cluster_plain_hg(KILN_GQA_DECODE_PARAMS) {
+    gqa_decode_regs<Tag, gqa_group_pow2(GS), GQA_DEC_CLUSTER, true, HS, GS>(KILN_GQA_DECODE_ARGS);
+}
+template <typename Tag, int HS, int GS>
+__global__ void KILN_GQA_CLUSTER_DIMS __launch_bounds__(256, 2)
+    kiln_gqa_decode_cluster_rows_hg(KILN_GQA_DECODE_PARAMS) {
+    gqa_decode_rows<Tag, gqa_group_pow2(GS), GQA_DEC_CLUSTER, HS, GS>(KILN_GQA_DECODE_ARGS);
+}
+template <typename Tag, int HS, int GS>
+__global__ void KILN_GQA_CLUSTER_WIDE_DIMS __launch_bounds__(256, 2)
+    kiln_gqa_decode_cluster16_rows_hg(KILN_GQA_DECODE_PARAMS) {
+    gqa_decode_rows<Tag, gqa_group_pow2(GS), GQA_DEC_CLUSTER_WIDE, HS, GS>(KILN_GQA_DECODE_ARGS);
 }
 
 // Decode attention by KV head, K/V tiles copied into shared memory (G query heads per block).

@@ -1050,6 +1050,22 @@ const DEC_CLUSTER_MAX_PRESENT: usize = 512;
 /// device limits).
 const DEC_CLUSTER_WIDE: usize = 16;
 const DEC_CLUSTER_WIDE_MAX_PAIRS: usize = 12;
+/// Head sizes and query groups (num_heads / kv_num_heads) that the float16 cluster kernels
+/// `kiln_gqa_decode_cluster_plain`, `kiln_gqa_decode_cluster_rows` and
+/// `kiln_gqa_decode_cluster16_rows` are also compiled for, as `*_hg<tag, head size, group>`
+/// (attention.cu): the divisions by them become shifts and multiplications by constants, and their
+/// loops unroll. On an H100 a 30-layer batch-1 decode layer took 15.02 µs with head size 64 and
+/// group 3 compiled in, against 16.26 (bench/layer_probe.cu; bench/RESULTS.md, 2026-12-06, session
+/// 30). `kiln_gqa_decode_cluster_plain_hg` leaves out groups 4, 6 and 7, where NVRTC (sm_90) gives
+/// its compiled form spilled registers that the runtime form does not have (8–68 bytes). The
+/// 16-block kernel's rows fit `DEC_ROWS_SMEM` only at head size 64 (`HG_WIDE_HEAD`), so it is
+/// compiled for that one. bfloat16 keeps the runtime forms: each compiled form costs about a
+/// second of a cold NVRTC compile, and the GPU tests have no bfloat16 attention case.
+const HG_HEADS: [usize; 2] = [64, 128];
+const HG_GROUPS: [usize; 8] = [1, 2, 3, 4, 5, 6, 7, 8];
+const HG_PLAIN_GROUPS: [usize; 5] = [1, 2, 3, 5, 8];
+const HG_WIDE_HEAD: usize = 64;
+
 /// The most dynamic shared memory `kiln_gqa_decode_cluster_rows` and
 /// `kiln_gqa_decode_cluster16_rows` take (DEC_TILE_BYTES, the tiled kernel's: ABI 1 gives a shim
 /// no device limits).
@@ -1396,7 +1412,19 @@ fn gqa_dispatch(call: &Call) -> Result<()> {
                 (false, false) if wide => ("kiln_gqa_decode_cluster16_rows", rows_smem),
                 (false, false) => ("kiln_gqa_decode", 0),
             };
-            let kernel = kernel_name(kernel, &[tag, g]);
+            // A cluster kernel compiled for the node's head size and group where there is one.
+            let compiled_groups: &[usize] = match kernel {
+                "kiln_gqa_decode_cluster_plain" => &HG_PLAIN_GROUPS,
+                "kiln_gqa_decode_cluster_rows" => &HG_GROUPS,
+                "kiln_gqa_decode_cluster16_rows" if h_sz == HG_WIDE_HEAD => &HG_GROUPS,
+                _ => &[],
+            };
+            let kernel = if p.dtype == DType::F16 && HG_HEADS.contains(&h_sz) && compiled_groups.contains(&group) {
+                let (h_s, g_s) = (alloc::format!("{h_sz}"), alloc::format!("{group}"));
+                kernel_name(&alloc::format!("{kernel}_hg"), &[tag, &h_s, &g_s])
+            } else {
+                kernel_name(kernel, &[tag, g])
+            };
             (kernel, [splits as u32, n_kv as u32, p.batch as u32], 256, smem, t, KernelArg::U32(sink_mode))
         } else {
             let t = vec![targ(&query), harg(pres_k), harg(pres_v), seqlens, cos, sin, bias, harg(partial)];
