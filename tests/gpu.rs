@@ -690,6 +690,7 @@ fn long_context_f16_decode_attention_over_a_cluster_of_16_matches_the_cpu_refere
 ///   cluster kernel loops over chunks of keys; at 32 and 64 the cluster rows kernel;
 /// - 4,096 (rows of 4,000 and 2,100): 16 blocks of rows at head sizes 32 and 64 (`_hg` at 64), and
 ///   `kiln_gqa_decode`'s folded splits at 128.
+///
 /// The float16 kernels only: the GPU tests have no bfloat16 attention case.
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -700,7 +701,7 @@ fn decode_attention_at_compiled_head_sizes_and_groups_matches_the_cpu_reference(
             for (past, lens) in &caches {
                 let total = (lens[0] as usize + 72).min(*past);
                 for window in [-1i64, 200] {
-                    let model = gqa_model_hs(h, 2 * group, 2, window, lens, (1, total), true, *past, total);
+                    let model = gqa_model(h, 2 * group, 2, window, lens, (1, total), true, *past, total);
                     let what = format!("head size {h}, group {group}, {past} positions, window {window}");
                     gqa_gpu_matches_cpu(model, true, &what);
                 }
@@ -718,7 +719,7 @@ fn long_context_decode_attention_as(n: usize, nk: usize, past: usize, lens: &[i3
     // few more, within the buffer.
     let total = (*lens.iter().max().expect("rows") as usize + 72).min(past);
     for window in [-1i64, 1000] {
-        let model = gqa_model(n, nk, window, lens, (1, total), true, past, total);
+        let model = gqa_model(64, n, nk, window, lens, (1, total), true, past, total);
         gqa_gpu_matches_cpu(model, f16, &format!("{n} heads, {nk} KV heads, {past} positions, window {window}"));
     }
 }
@@ -788,7 +789,7 @@ fn attention_over_a_paged_kv_cache_matches_the_cpu_reference() {
     ] {
         for window in [-1i64, 1000] {
             let what = format!("{n} heads over {nk}, rows {lens:?}, S {}, window {window}", seq_total.0);
-            let (m, mut feeds) = gqa_model(n, nk, window, &lens, seq_total, true, past, 3072);
+            let (m, mut feeds) = gqa_model(64, n, nk, window, &lens, seq_total, true, past, 3072);
             let load = || model::load_bytes(&kiln_tests::onnx::bytes(&m), None).unwrap();
             let mut cpu = Session::new(runtime(), load(), SessionOptions::default()).unwrap();
             let mut gpu = Session::new(runtime(), load(), cuda()).unwrap();
@@ -832,7 +833,7 @@ fn attention_over_a_paged_kv_cache_matches_the_cpu_reference() {
                 // The next step: one more token per row (a decode step after a prompt), over the
                 // CPU's present as its past.
                 let grown: Vec<i32> = lens.iter().map(|&l| (l + 1).min(past as i32)).collect();
-                let next = gqa_model(n, nk, window, &grown, (1, past), true, past, 3072).1;
+                let next = gqa_model(64, n, nk, window, &grown, (1, past), true, past, 3072).1;
                 feeds = next
                     .into_iter()
                     .map(|(nm, t)| match nm.as_str() {
@@ -939,7 +940,7 @@ fn prompt_attention_matches_the_cpu_reference() {
         for (n, nk) in [(4, 2), (9, 3)] {
             for window in [-1i64, 40] {
                 for (lens, s, total, past) in [(vec![150, 97, 1], 150, 150, 256), (vec![300], 37, 300, 512)] {
-                    let model = gqa_model(n, nk, window, &lens, (s, total), true, past, 1024);
+                    let model = gqa_model(64, n, nk, window, &lens, (s, total), true, past, 1024);
                     let what = format!("{n} heads, {nk} KV heads, window {window}, S {s}, total {total}");
                     gqa_gpu_matches_cpu(model, f16, &what);
                 }
@@ -951,26 +952,12 @@ fn prompt_attention_matches_the_cpu_reference() {
 /// One GroupQueryAttention node of `seq_total.0` new positions with total_sequence_length
 /// `seq_total.1` over a past of `past` positions (shared with the present when
 /// total_sequence_length or more) and cos/sin caches of `cache_rows` rows (float32, head size
-/// 64, rotary on, scale 0.125, local window `window`), `n` query heads and `nk` KV heads, rows
-/// of `lens` valid positions, random values: the model and its feeds. total_sequence_length is
-/// a feed when `total_fed`, else an initializer (so that every feed may be a device tensor).
+/// `h`, rotary over all of it, scale 1/√h, local window `window`), `n` query heads and `nk` KV
+/// heads, rows of `lens` valid positions, random values: the model and its feeds.
+/// total_sequence_length is a feed when `total_fed`, else an initializer (so that every feed may
+/// be a device tensor).
 #[allow(clippy::too_many_arguments)]
 fn gqa_model(
-    n: usize,
-    nk: usize,
-    window: i64,
-    lens: &[i32],
-    seq_total: (usize, usize),
-    total_fed: bool,
-    past: usize,
-    cache_rows: usize,
-) -> (kiln_tests::onnx::ModelProto, Vec<(String, kiln_host::Tensor)>) {
-    gqa_model_hs(64, n, nk, window, lens, seq_total, total_fed, past, cache_rows)
-}
-
-/// `gqa_model` at head size `h` (rotary over all of it), scale 1/√h (0.125 at 64).
-#[allow(clippy::too_many_arguments)]
-fn gqa_model_hs(
     h: usize,
     n: usize,
     nk: usize,
@@ -1057,7 +1044,7 @@ fn crafted_indices_fail_a_captured_run_with_the_cpu_error_and_the_next_run_works
     use kiln_host::ep::{Feed, Fetch, GraphMode};
     use kiln_host::Error;
     let good = [3000, 700, 1];
-    let (m, feeds) = gqa_model(4, 2, -1, &good, (1, 3072), false, 3072, 3072);
+    let (m, feeds) = gqa_model(64, 4, 2, -1, &good, (1, 3072), false, 3072, 3072);
     let load = || model::load_bytes(&kiln_tests::onnx::bytes(&m), None).unwrap();
     let mut cpu = Session::new(runtime(), load(), SessionOptions::default()).unwrap();
     let want = cpu.run(feeds.clone()).unwrap();
@@ -1132,9 +1119,9 @@ fn crafted_indices_fail_a_captured_run_with_the_cpu_error_and_the_next_run_works
             other => panic!("{what}: expected a device check failure, got {:?}", other.map(|_| ())),
         }
     };
-    let (m, feeds) = gqa_model(4, 2, -1, &good, (1, 3072), false, 2048, 3072);
+    let (m, feeds) = gqa_model(64, 4, 2, -1, &good, (1, 3072), false, 2048, 3072);
     same_error(&m, feeds, "past of 2048 positions");
-    let (m, feeds) = gqa_model(4, 2, -1, &good, (1, 3072), false, 3072, 2048);
+    let (m, feeds) = gqa_model(64, 4, 2, -1, &good, (1, 3072), false, 3072, 2048);
     same_error(&m, feeds, "cos/sin caches of 2048 rows");
     let dir = kiln_tests::root().join("tests/contrib-node-tests/test_rotary_embedding");
     let rm = <kiln_tests::onnx::ModelProto as protobuf::Message>::parse_from_bytes(
