@@ -664,9 +664,10 @@ fn long_context_decode_attention_matches_the_cpu_reference() {
 /// Decode attention over float16 caches of 4,096 positions at one and two batch rows
 /// (`kiln_gqa_decode_cluster16_rows`: 16 blocks of up to 256 keys merged through a non-portable
 /// cluster of 16, which the host allows at load; its rows have no float32 instantiation; here its
-/// `_hg` form, head size 64 compiled in), with 3 query heads per KV head as SmolLM2's and 8, with and without a local window, against the
-/// package's CPU reference on the same float16 inputs: every element within one float16 rounding
-/// (`f16_excess`: the reference sums in float64, the kernel in float32, both round once).
+/// `_hg` form, head size 64 compiled in), with 3 query heads per KV head as SmolLM2's and 8, with
+/// and without a local window, against the package's CPU reference on the same float16 inputs:
+/// every element within one float16 rounding (`f16_excess`: the reference sums in float64, the
+/// kernel in float32, both round once).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn long_context_f16_decode_attention_over_a_cluster_of_16_matches_the_cpu_reference() {
