@@ -27,7 +27,8 @@
 // the kernel's K/V loads instead, attention.cu's GQA_EARLY_WAIT); -DLP_KV_SHARED makes every layer
 // read layer 0's K/V cache (L2-resident), -DLP_KV_ARENA puts every layer's in one allocation;
 // -DLP_BATCH=2..8 runs that many batch rows at the same position, the projections as kiln
-// runs them there (kiln_linear_mma: tensor cores, the weight as the M side);
+// runs them there (kiln_linear_mma: tensor cores, the weight as the M side); -DLP_EPI computes
+// the SwiGLU in gate·up's epilogue and runs down as a plain Linear (kiln-matmul 1.11.0);
 // -DGQA_FIXED_H=64 -DGQA_FIXED_GROUP=3 compile attention with the head size and group as constants
 // (gqa_decode_regs' FH, FG, as kiln_gqa_decode_cluster_plain_hg; 37 integer divisions by a runtime
 // value in its SASS become 6: 1.24 µs less per layer on an H100, session 30);
@@ -129,6 +130,16 @@ __global__ void __launch_bounds__(MMA_WARPS * 32)
     lin::gemv_mma<lin::F16, MODE, 1>(x, skip, gamma, w, y, sum, rows, n, k, skip_len, flags, eps, ksplit);
     lp_mark(2);
 }
+
+// Gate·up's and down's modes: RMS prologue, then SwiGLU in down's prologue; -DLP_EPI: the
+// SwiGLU as gate·up's epilogue (kiln-matmul 1.11.0's fusion; h [I] between them), down plain.
+#ifdef LP_EPI
+#define LP_GU_MODE LIN_RMSNORM_SWIGLU
+#define LP_DOWN_MODE LIN_LINEAR
+#else
+#define LP_GU_MODE LIN_RMSNORM
+#define LP_DOWN_MODE LIN_SWIGLU
+#endif
 
 // The decode GEMV of MODE that kiln runs at LP_BATCH rows.
 #if LP_BATCH > 1
@@ -399,6 +410,8 @@ __global__ void lp_instances(void** p) {
     p[8] = (void*)lp_mma<LIN_SWIGLU>;
     p[9] = (void*)lp_split<LIN_LINEAR>;
     p[10] = (void*)lp_split<LIN_SWIGLU>;
+    p[11] = (void*)lp_gemv<LIN_RMSNORM_SWIGLU>;
+    p[12] = (void*)lp_mma<LIN_RMSNORM_SWIGLU>;
 }
 #else
 #include <algorithm>
@@ -773,7 +786,7 @@ int main() {
 #elif !defined(LP_NO_O)
             gemv(2, LP_GEMV(LIN_LINEAR), cols(D), attn, attn, attn, l.wo, o, o, D, N * H, lin::W_CONST);
 #endif
-            gemv(3, LP_GEMV(LIN_RMSNORM), cols(2 * I), o, res_a, l.g2, l.wgu, gu, res_b, 2 * I, D,
+            gemv(3, LP_GEMV(LP_GU_MODE), cols(2 * I), o, res_a, l.g2, l.wgu, gu, res_b, 2 * I, D,
                  lin::HAS_SKIP | lin::HAS_SUM | lin::W_CONST);
 #endif
 #ifdef LP_FUSED_ALL
@@ -782,7 +795,7 @@ int main() {
 #ifdef LP_SPLITK
             split(4, lp_split<LIN_SWIGLU>, gu, l.wd, h, D, I);
 #else
-            gemv(4, LP_GEMV(LIN_SWIGLU), cols(D), gu, gu, gu, l.wd, h, h, D, I, lin::W_CONST);
+            gemv(4, LP_GEMV(LP_DOWN_MODE), cols(D), gu, gu, gu, l.wd, h, h, D, I, lin::W_CONST);
 #endif
         }
     };

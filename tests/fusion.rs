@@ -481,7 +481,7 @@ fn decoder_layer_reference(x: &[f32]) -> (Vec<f64>, Vec<f64>) {
 }
 
 #[test]
-fn a_decoder_layer_becomes_rms_norm_linears_a_swiglu_linear_and_a_linear() {
+fn a_decoder_layer_becomes_rms_norm_linears_one_with_the_swiglu_and_linears() {
     // 3 rows take the GEMV path on a GPU, 40 the prologue + cuBLASLt path; the CPU reference
     // is the same for both.
     for (rows, sum_out) in [(3, false), (40, true)] {
@@ -494,7 +494,19 @@ fn a_decoder_layer_becomes_rms_norm_linears_a_swiglu_linear_and_a_linear() {
             [("rmsnorm-linear", 1), ("linear", 1), ("skip-rmsnorm-mlp", 1), (last, 1)].into_iter().collect();
         assert_eq!(counts, want, "{}", f.render());
         let ops: Vec<&str> = fused.model().graph.nodes.iter().map(|n| n.op_type.as_str()).collect();
-        assert_eq!(ops, ["RmsNormLinear", "Linear", "RmsNormLinear", "SwiGluLinear", "RmsNormLinear"]);
+        assert_eq!(ops, ["RmsNormLinear", "Linear", "RmsNormLinear", "Linear", "RmsNormLinear"]);
+        // Gate/up's RmsNormLinear computes the SwiGLU (its epilogue), the down projection is Linear.
+        let swiglu: Vec<i64> = fused
+            .model()
+            .graph
+            .nodes
+            .iter()
+            .map(|n| match n.attributes.iter().find(|(name, _)| name == "swiglu") {
+                Some((_, model::AttrValue::Int(v))) => *v,
+                _ => 0,
+            })
+            .collect();
+        assert_eq!(swiglu, [0, 0, 1, 0, 0]);
         // Every weight is stored [N, K] now: Wq, Wo [H, H], [Wg | Wu]ᵀ [2F, H], Wdᵀ [H, F], Wlᵀ [V, H].
         let mut shapes: Vec<Vec<usize>> =
             fused.model().graph.initializers.values().filter(|t| t.shape.len() == 2).map(|t| t.shape.clone()).collect();
@@ -731,4 +743,49 @@ fn rms_norm_linear_refuses_a_skip_that_is_not_whole_rows() {
         Err(e) => e.to_string(),
     };
     assert!(err.contains("skip of shape [1] must have X's shape [2, 16] or a suffix of it that ends in K"), "{err}");
+}
+
+/// `RmsNormLinear(x, skip, gamma, W [2F, H])` with `swiglu = 1` as one node on the CPU: Y
+/// `[rows, F]` is SiLU of the product's first half times its second, against float64; an odd N
+/// and a value other than 0 or 1 are refused with the node's reason.
+#[test]
+fn rms_norm_linear_with_swiglu_gives_silu_of_gate_times_up_and_refuses_odd_n() {
+    const F: usize = 12;
+    let build = |n_rows: usize, swiglu: i64| {
+        let mut n = node("RmsNormLinear", &["x", "skip", "gamma", "W"], &["y"], vec![onnx::attr_int("swiglu", swiglu)]);
+        n.domain = "ai.kiln".into();
+        let inits = vec![
+            onnx::init_f32("gamma", &[H as i64], &values(H, 3)),
+            onnx::init_f32("W", &[n_rows as i64, H as i64], &values(n_rows * H, 4)),
+        ];
+        let mut m = onnx::model(
+            vec![n],
+            vec![value("x", F32, &[2, H as i64]), value("skip", F32, &[2, H as i64])],
+            vec![value("y", F32, &[2, (n_rows / 2) as i64])],
+            inits,
+        );
+        m.opset_import.push(onnx::OperatorSetIdProto { domain: "ai.kiln".into(), version: 1, ..Default::default() });
+        model::load_bytes(&onnx::bytes(&m), None).unwrap()
+    };
+    let (x, skip) = (values(2 * H, 5), values(2 * H, 6));
+    let mut s = session(build(2 * F, 1), false);
+    let y = run(&mut s, vec![("x", f32_tensor(&[2, H], &x)), ("skip", f32_tensor(&[2, H], &skip))]);
+    let sum: Vec<f64> = x.iter().zip(&skip).map(|(a, b)| *a as f64 + *b as f64).collect();
+    let a = rms64(&sum, &values(H, 3), 1e-12);
+    let w = values(2 * F * H, 4);
+    let dot = |r: usize, c: usize| (0..H).map(|i| a[r * H + i] * w[c * H + i] as f64).sum::<f64>();
+    let want: Vec<f64> =
+        (0..2).flat_map(|r| (0..F).map(move |j| (r, j))).map(|(r, j)| silu_mul(dot(r, j), dot(r, F + j))).collect();
+    assert_close(&y[0], &want, 1e-5);
+    let refused = |n_rows: usize, swiglu: i64| {
+        let options = SessionOptions { device: Device::Cpu, fuse: false, ..SessionOptions::default() };
+        match Session::new(kiln_tests::builtin_runtime(), build(n_rows, swiglu), options) {
+            Ok(_) => panic!("RmsNormLinear with {n_rows} weight rows and swiglu = {swiglu} must be refused"),
+            Err(e) => e.to_string(),
+        }
+    };
+    let err = refused(2 * F + 1, 1);
+    assert!(err.contains("swiglu = 1 needs W's N = 25 rows as [gate | up] halves, an even count"), "{err}");
+    let err = refused(2 * F, 2);
+    assert!(err.contains("swiglu must be 0 or 1, got 2"), "{err}");
 }

@@ -1243,7 +1243,8 @@ fn decode_sized_matmul_matches_the_float64_reference() {
 }
 
 /// Constant inputs (ABI.md §7.7) change when kiln-matmul's GEMVs load their weights, not what
-/// they compute: tiny-llama fp16 (fused: RmsNormLinear, Linear, SwiGluLinear over initializers)
+/// they compute: tiny-llama fp16 (fused: RmsNormLinear, gate/up's with the SwiGLU epilogue, and
+/// Linear over initializers)
 /// gives bit-identical logits with and without the host telling the packages which inputs are
 /// constant, at one row (the CUDA-core GEMV) and three (the tensor-core GEMV), prefill and four
 /// decode steps.
@@ -1434,6 +1435,75 @@ fn linear_ops_match_their_cpu_reference() {
         }
     }
     assert_eq!(cases, 72);
+}
+
+/// kiln-matmul's SwiGLU epilogue (`RmsNormLinear` with `swiglu = 1`, the `skip-rmsnorm-mlp`
+/// fusion's gate/up) gives exactly SiLU(gate) · up of the product the plain `RmsNormLinear`
+/// computes beside it on the same device: P rounded to the dtype, then Sigmoid, Mul and Mul each
+/// rounded (here in f64, the kernels in f32), on the GPU and on the CPU. Float32, float16 and
+/// bfloat16 at 1 to 4 rows (the CUDA-core GEMV's epilogue), 2 to 16 (the tensor-core GEMV's, one
+/// or two n-tiles), 40 rows and K off the 16-byte vector (P in scratch, then
+/// `kiln_linear_swiglu`), F odd and even. Tolerance: 4 ulp of the dtype relative to |Y| (the
+/// sigmoid's f32 and f64 values may round to neighbouring values of the dtype) and 1e-6; a wrong
+/// pairing of gate and up rows is off by O(|Y|).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn swiglu_epilogue_is_silu_of_the_plain_product() {
+    use kiln_tests::onnx::{self, node};
+    let mut r = kiln_tests::Rng(0x5e1f);
+    let int = onnx::attr_int;
+    let mut cases = 0;
+    for (code, ulp, vec) in [(1i64, 2f32.powi(-23), 4usize), (10, 2f32.powi(-10), 8), (16, 2f32.powi(-7), 8)] {
+        let round = |v: f64| -> f64 {
+            match code {
+                10 => half::f16::from_f64(v).to_f64(),
+                16 => half::bf16::from_f64(v).to_f64(),
+                _ => v as f32 as f64,
+            }
+        };
+        for rows in [1usize, 2, 3, 4, 8, 13, 16, 40, 3] {
+            let k = if cases % 9 == 8 { vec * r.range(1, 40) + 1 } else { vec * r.range(1, 120) };
+            let f = r.range(1, 150);
+            let mut vals = |len: usize| -> Vec<f32> {
+                (0..len).map(|_| ((r.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).collect()
+            };
+            let feeds = vec![
+                ("x".to_string(), kiln_tests::f32_tensor(&[rows, k], &vals(rows * k))),
+                ("skip".to_string(), kiln_tests::f32_tensor(&[rows, k], &vals(rows * k))),
+                ("gamma".to_string(), kiln_tests::f32_tensor(&[k], &vals(k))),
+                ("w".to_string(), kiln_tests::f32_tensor(&[2 * f, k], &vals(2 * f * k))),
+            ];
+            let mut nodes: Vec<_> = ["x", "skip", "gamma", "w"]
+                .iter()
+                .map(|i| node("Cast", &[i], &[&format!("{i}c")], vec![int("to", code)]))
+                .collect();
+            for (out, swiglu) in [("p", 0), ("y", 1)] {
+                let mut n =
+                    node("RmsNormLinear", &["xc", "skipc", "gammac", "wc"], &[out], vec![int("swiglu", swiglu)]);
+                n.domain = "ai.kiln".into();
+                nodes.push(n);
+            }
+            let (cpu, gpu) = run_kiln_op_on_cpu_and_gpu(nodes, &["p", "y"], feeds, vec![]);
+            for (device, outs) in [("CPU", &cpu), ("GPU", &gpu)] {
+                let (p, y) = (outs[0].1.to_f32().unwrap(), outs[1].1.to_f32().unwrap());
+                assert_eq!((p.len(), y.len()), (rows * 2 * f, rows * f));
+                for (i, got) in y.iter().enumerate() {
+                    let (row, j) = (i / f, i % f);
+                    let (g, u) = (p[row * 2 * f + j] as f64, p[row * 2 * f + f + j] as f64);
+                    let s = if g >= 0.0 { 1.0 / (1.0 + (-g).exp()) } else { g.exp() / (1.0 + g.exp()) };
+                    let want = round(round(g * round(s)) * u);
+                    let tol = 4.0 * ulp as f64 * want.abs() + 1e-6;
+                    assert!(
+                        (*got as f64 - want).abs() <= tol,
+                        "{device}, dtype {code}, X [{rows}, {k}], W [{}, {k}]: y[{i}] = {got}, SiLU(gate)·up of the plain product {want} (|Δ| > {tol})",
+                        2 * f
+                    );
+                }
+            }
+            cases += 1;
+        }
+    }
+    assert_eq!(cases, 27);
 }
 
 /// kiln-matmul's linear ops over MatMulNBits weights (4 and 8 bits, default zero point; uint8 W

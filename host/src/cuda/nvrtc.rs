@@ -18,8 +18,18 @@ use crate::{native_cache, Error, Result};
 /// The prelude every source includes as `kiln.cuh`.
 pub const PRELUDE: &str = include_str!("../../cuda/kiln.cuh");
 
-/// NVRTC options besides the architecture.
-const OPTIONS: &[&str] = &["--std=c++17", "-default-device"];
+/// NVRTC options besides the architecture, for NVRTC `version` (major, minor). From 12.4 on
+/// (a conservative bound: 13.0 is the version checked), `--split-compile` spreads the device
+/// code's optimization over threads: a fixed 8, not the host's core count, so that a CUBIN and
+/// its cache key are the same on every machine (a staged cache, `scripts/stage-gpu.sh`, stays
+/// valid on the GPU machine). On 2 cores, every built-in package cold: 200 → 132 s.
+fn options(version: (i32, i32)) -> Vec<&'static str> {
+    let mut options = vec!["--std=c++17", "-default-device"];
+    if version >= (12, 4) {
+        options.push("--split-compile=8");
+    }
+    options
+}
 
 /// The CUBIN (machine code for the device's `sm_XY`) of one source, the mangled name of each
 /// name expression it was compiled with, and whether it came from the cache.
@@ -106,12 +116,13 @@ pub fn compile_cached(
     let mut all: Vec<(&str, &str)> = vec![("kiln.cuh", PRELUDE)];
     all.extend(headers.iter().map(|(n, t)| (n.as_str(), t.as_str())));
     let mut h = Sha256::new();
+    let options = options(version);
     let version = format!("{version:?}");
-    let options = OPTIONS.join(" ");
+    let joined = options.join(" ");
     let parts = all
         .iter()
         .flat_map(|(n, t)| [*n, *t])
-        .chain([source, arch, version.as_str(), options.as_str()])
+        .chain([source, arch, version.as_str(), joined.as_str()])
         .chain(expressions.iter().copied());
     for part in parts {
         h.update((part.len() as u64).to_le_bytes());
@@ -184,7 +195,7 @@ pub fn compile_cached(
         }
     }
     let mut opts: Vec<String> = vec![format!("--gpu-architecture={arch}")];
-    opts.extend(OPTIONS.iter().map(|s| s.to_string()));
+    opts.extend(options.iter().map(|s| s.to_string()));
     // SAFETY: prog is a live program; options are valid strings.
     let compiled = unsafe { cudarc::nvrtc::result::compile_program(prog, &opts) };
     let log = unsafe { cudarc::nvrtc::result::get_program_log(prog) }
@@ -297,6 +308,14 @@ mod tests {
         for tag in tags {
             assert!(super::PRELUDE.contains(&format!("struct {tag} {{ typedef ")), "kiln.cuh lacks {tag}");
         }
+    }
+
+    #[test]
+    fn split_compile_is_given_a_fixed_count_from_nvrtc_12_4_only() {
+        assert_eq!(super::options((13, 0)), ["--std=c++17", "-default-device", "--split-compile=8"]);
+        assert_eq!(super::options((12, 4)).last(), Some(&"--split-compile=8"));
+        assert_eq!(super::options((12, 3)), ["--std=c++17", "-default-device"], "an older NVRTC gets no split");
+        assert_eq!(super::options((11, 8)), ["--std=c++17", "-default-device"]);
     }
 
     #[test]

@@ -23,8 +23,15 @@
 #include "kiln-cuda-std/mma.cuh"
 #include "kiln-cuda-std/reduce.cuh"
 
-// Modes of the GEMV's prologue (the shim's `Prologue`): the kernels' MODE template argument.
-enum { LIN_LINEAR = 0, LIN_RMSNORM = 1, LIN_SWIGLU = 2 };
+// The kernels' MODE template argument: the GEMV's prologue (the shim's `Prologue`) in the low
+// two bits, and LIN_OUT_SWIGLU for the SwiGLU epilogue (the shim's `swiglu` attribute): W's rows
+// are [gate | up] halves of n / 2 each, and the kernel writes Y [rows, n / 2] = SiLU(gate) · up
+// of the product's two halves, each rounded to the storage type first (as the unfused graph stores
+// the product) and then as Sigmoid, Mul and Mul round (silu_mul). A warp or tile then holds gate
+// row j and up row n / 2 + j together, each output's sum over K in the order the plain kernel
+// takes, so the product is the plain kernel's to the bit.
+enum { LIN_LINEAR = 0, LIN_RMSNORM = 1, LIN_SWIGLU = 2, LIN_OUT_SWIGLU = 4 };
+enum { LIN_RMSNORM_SWIGLU = LIN_RMSNORM | LIN_OUT_SWIGLU };
 
 namespace lin {
 
@@ -276,12 +283,13 @@ struct RowsF32 {
 // A's rows row0 .. row0 + rows_here into shared memory through `out` (RowsF32 or RowsMma), by the
 // whole block: RMS (one warp per row, `sum` written by the blocks of column block 0 when flags has
 // HAS_SUM), SwiGlu (chunk i of A from the gate and up chunks of X's row) or a copy (Linear).
-template <typename T, int MODE, typename Rows>
+template <typename T, int MODE_, typename Rows>
 __device__ __forceinline__ void prologue(const typename T::S* x, const typename T::S* skip,
                                          const typename T::S* gamma, typename T::S* sum, Rows out, kiln_u64 row0,
                                          unsigned rows_here, kiln_u64 k, unsigned kc, kiln_u64 skip_len,
                                          unsigned flags, float eps) {
     typedef typename T::S S;
+    enum { MODE = MODE_ & 3 };  // the prologue's bits
     const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
     if (MODE == LIN_RMSNORM) {
         for (unsigned r = warp; r < rows_here; r += warps) {
@@ -317,28 +325,32 @@ __device__ __forceinline__ void prologue(const typename T::S* x, const typename 
     }
 }
 
-// Loads the weight runs of one pass: outputs col..col+LIN_COLS-1, 16-byte chunks
-// base + u·32 + lane (zeros past the row or past N).
-__device__ __forceinline__ void load_pass(uint4 (&wv)[LIN_COLS][LIN_UNROLL], const uint4* w, kiln_u64 col, kiln_u64 n,
-                                          unsigned kc, unsigned base, unsigned lane) {
+// Loads the weight runs of one pass: W rows col + j·stride for j < LIN_COLS (stride 1: outputs
+// col .. col + LIN_COLS − 1; n / 2 under LIN_OUT_SWIGLU: gate row col and up row n / 2 + col),
+// 16-byte chunks base + u·32 + lane (zeros past the row or past W's n rows).
+__device__ __forceinline__ void load_pass(uint4 (&wv)[LIN_COLS][LIN_UNROLL], const uint4* w, kiln_u64 col,
+                                          kiln_u64 stride, kiln_u64 n, unsigned kc, unsigned base, unsigned lane) {
 #pragma unroll
     for (int j = 0; j < LIN_COLS; ++j) {
+        const kiln_u64 row = col + j * stride;
 #pragma unroll
         for (int u = 0; u < LIN_UNROLL; ++u) {
             const unsigned c = base + u * 32 + lane;
-            wv[j][u] = col + j < n && c < kc ? __ldg(w + (col + j) * kc + c) : make_uint4(0, 0, 0, 0);
+            wv[j][u] = row < n && c < kc ? __ldg(w + row * kc + c) : make_uint4(0, 0, 0, 0);
         }
     }
 }
 
 // prefetch.global.L2 of the lines load_pass(…, base 0, …) reads.
-__device__ __forceinline__ void prefetch_pass(const uint4* w, kiln_u64 col, kiln_u64 n, unsigned kc, unsigned lane) {
+__device__ __forceinline__ void prefetch_pass(const uint4* w, kiln_u64 col, kiln_u64 stride, kiln_u64 n, unsigned kc,
+                                              unsigned lane) {
 #pragma unroll
     for (int j = 0; j < LIN_COLS; ++j) {
+        const kiln_u64 row = col + j * stride;
 #pragma unroll
         for (int u = 0; u < LIN_UNROLL; ++u) {
             const unsigned c = u * 32 + lane;
-            if (col + j < n && c < kc) asm volatile("prefetch.global.L2 [%0];" ::"l"(w + (col + j) * kc + c));
+            if (row < n && c < kc) asm volatile("prefetch.global.L2 [%0];" ::"l"(w + row * kc + c));
         }
     }
 }
@@ -366,9 +378,24 @@ __device__ __forceinline__ void store_cols(const float (&acc)[ROWS][LIN_COLS], t
     }
 }
 
+// Under LIN_OUT_SWIGLU, a warp's output col of its rows from its accumulators of gate row col
+// (slot 0) and up row n_out + col (slot 1), written by lane 0 to Y [rows, n_out].
+template <typename T, int ROWS>
+__device__ __forceinline__ void store_swiglu(const float (&acc)[ROWS][LIN_COLS], typename T::S* y, kiln_u64 row0,
+                                             unsigned rows_here, kiln_u64 n_out, kiln_u64 col, unsigned lane) {
+    static_assert(LIN_COLS == 2, "the SwiGLU epilogue pairs a warp's two weight rows");
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        if (ROWS == 1 || r < (int)rows_here) {
+            const float g = T::ld(T::st(kiln_warp_sum(acc[r][0]))), u = T::ld(T::st(kiln_warp_sum(acc[r][1])));
+            if (lane == 0) y[(row0 + r) * n_out + col] = T::st(silu_mul<T>(g, u));
+        }
+    }
+}
+
 // Y[rows, n] = A · Wᵀ for at most ROWS rows per block (blockIdx.y picks them); see the top.
-// MODE is the prologue; ROWS (1, 2 or 4) sizes the accumulators, so that a decode step of one
-// row carries no arithmetic for four.
+// MODE is the prologue (and LIN_OUT_SWIGLU: one output per warp, Y [rows, n / 2]); ROWS (1, 2
+// or 4) sizes the accumulators, so that a decode step of one row carries no arithmetic for four.
 template <typename T, int MODE, int ROWS>
 __device__ __forceinline__ void gemv(const typename T::S* x, const typename T::S* skip, const typename T::S* gamma,
                                      const typename T::S* w, typename T::S* y, typename T::S* sum, kiln_u64 rows,
@@ -381,8 +408,12 @@ __device__ __forceinline__ void gemv(const typename T::S* x, const typename T::S
     const unsigned rows_here = (unsigned)min((kiln_u64)ROWS, rows - row0);
     const unsigned kc = (unsigned)(k / T::VEC);
     const uint4* w4 = (const uint4*)w;
-    const kiln_u64 col_step = (kiln_u64)gridDim.x * LIN_WARPS * LIN_COLS;
-    kiln_u64 col = ((kiln_u64)blockIdx.x * LIN_WARPS + warp) * LIN_COLS;
+    // A warp's LIN_COLS weight rows: outputs col .. col + LIN_COLS − 1, or (SwiGLU) gate row col
+    // and up row n / 2 + col for output col.
+    const bool epi = MODE & LIN_OUT_SWIGLU;
+    const kiln_u64 n_out = epi ? n / 2 : n, stride = epi ? n_out : 1, per_warp = epi ? 1 : LIN_COLS;
+    const kiln_u64 col_step = (kiln_u64)gridDim.x * LIN_WARPS * per_warp;
+    kiln_u64 col = ((kiln_u64)blockIdx.x * LIN_WARPS + warp) * per_warp;
 
     // Before the wait, the first pass's weights: loaded into registers when W is constant for the
     // session (W_CONST: an initializer, which no kernel writes), else only prefetched into L2 (W
@@ -391,27 +422,27 @@ __device__ __forceinline__ void gemv(const typename T::S* x, const typename T::S
     uint4 wv[LIN_COLS][LIN_UNROLL];
     const bool w_const = flags & W_CONST;
     if (w_const)
-        load_pass(wv, w4, col, n, kc, 0, lane);
+        load_pass(wv, w4, col, stride, n, kc, 0, lane);
     else
-        prefetch_pass(w4, col, n, kc, lane);
-    if (MODE == LIN_RMSNORM && blockIdx.x == 0 && blockIdx.y == 0 && warp == 0) prefetch_gamma(gamma, kc, lane);
+        prefetch_pass(w4, col, stride, n, kc, lane);
+    if ((MODE & 3) == LIN_RMSNORM && blockIdx.x == 0 && blockIdx.y == 0 && warp == 0) prefetch_gamma(gamma, kc, lane);
     kiln_griddep_launch_dependents();
     kiln_griddep_wait();
-    if (!w_const) load_pass(wv, w4, col, n, kc, 0, lane);
+    if (!w_const) load_pass(wv, w4, col, stride, n, kc, 0, lane);
 
     // Prologue: A for this block's rows.
     prologue<T, MODE>(x, skip, gamma, sum, RowsF32<T>{a, k}, row0, rows_here, k, kc, skip_len, flags, eps);
     __syncthreads();
 
     bool loaded = true;
-    for (; col < n; col += col_step) {
+    for (; col < n_out; col += col_step) {
         float acc[ROWS][LIN_COLS];
 #pragma unroll
         for (int r = 0; r < ROWS; ++r)
 #pragma unroll
             for (int j = 0; j < LIN_COLS; ++j) acc[r][j] = 0.f;
         for (unsigned base = 0; base < kc; base += 32 * LIN_UNROLL) {
-            if (!loaded) load_pass(wv, w4, col, n, kc, base, lane);
+            if (!loaded) load_pass(wv, w4, col, stride, n, kc, base, lane);
             loaded = false;
 #pragma unroll
             for (int u = 0; u < LIN_UNROLL; ++u) {
@@ -434,7 +465,10 @@ __device__ __forceinline__ void gemv(const typename T::S* x, const typename T::S
                 }
             }
         }
-        store_cols<T, ROWS>(acc, y, row0, rows_here, n, col, lane);
+        if (epi)
+            store_swiglu<T, ROWS>(acc, y, row0, rows_here, n_out, col, lane);
+        else
+            store_cols<T, ROWS>(acc, y, row0, rows_here, n, col, lane);
     }
 }
 
@@ -659,8 +693,9 @@ __device__ __forceinline__ void mma_load(uint4 (&wa)[MMA_UNROLL], uint4 (&wb)[MM
 // A tile's outputs from gemv_mma / gemv_q4mma's accumulators: with ksplit warps per tile, their
 // f32 partial sums meet in shared memory (A's space, after a barrier) and the tile's first warp
 // sums them in warp order (deterministic) and writes. Fragment i of n-tile t is output
-// m0 + g + 8·(i / 2), row 8t + 2q + i % 2.
-template <typename T, int NT>
+// m0 + g + 8·(i / 2), row 8t + 2q + i % 2; under SWIGLU (LIN_OUT_SWIGLU) fragments i and i + 2
+// (i < 2) are gate and up of output m0 + g, row 8t + 2q + i, and Y is [rows, n].
+template <typename T, int NT, bool SWIGLU = false>
 __device__ __forceinline__ void mma_store(float (&acc)[NT][4], typename T::S* y, kiln_u64 rows, kiln_u64 n,
                                           kiln_u64 m0, unsigned ksplit) {
     extern __shared__ __align__(16) unsigned char lin_shared[];
@@ -687,14 +722,21 @@ __device__ __forceinline__ void mma_store(float (&acc)[NT][4], typename T::S* y,
     for (int t = 0; t < NT; ++t)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const kiln_u64 m = m0 + g + 8 * (i / 2), r = 8 * t + 2 * q + i % 2;
-            if (m < n && r < rows) y[r * n + m] = T::st(acc[t][i]);
+            if (SWIGLU) {
+                const kiln_u64 m = m0 + g, r = 8 * t + 2 * q + i;
+                if (i < 2 && m < n && r < rows)
+                    y[r * n + m] = T::st(silu_mul<T>(T::ld(T::st(acc[t][i])), T::ld(T::st(acc[t][i + 2]))));
+            } else {
+                const kiln_u64 m = m0 + g + 8 * (i / 2), r = 8 * t + 2 * q + i % 2;
+                if (m < n && r < rows) y[r * n + m] = T::st(acc[t][i]);
+            }
         }
 }
 
 // Y[rows, n] = A · Wᵀ for rows ≤ 8·NT on tensor cores; see above. Same PDL contract as gemv:
 // before the grid-dependency wait, the first weight groups loaded (a constant W) or prefetched
-// into L2.
+// into L2. Under LIN_OUT_SWIGLU a tile holds 8 outputs j0 .. j0 + 7: gate rows j0 + g on the M
+// side's first 8 rows, up rows n / 2 + j0 + g on its last 8, and Y is [rows, n / 2].
 template <typename T, int MODE, int NT>
 __device__ __forceinline__ void gemv_mma(const typename T::S* x, const typename T::S* skip,
                                          const typename T::S* gamma, const typename T::S* w, typename T::S* y,
@@ -706,10 +748,14 @@ __device__ __forceinline__ void gemv_mma(const typename T::S* x, const typename 
     const unsigned kc = (unsigned)(k / T::VEC), kcp = (kc + 7) & ~7u, groups = kcp / 4;
     const unsigned rows_here = (unsigned)min(rows, (kiln_u64)(8 * NT));
     const unsigned ks = warp % ksplit;
-    const kiln_u64 m0 = ((kiln_u64)blockIdx.x * (MMA_WARPS / ksplit) + warp / ksplit) * 16;
-    const bool ok0 = m0 + g < n, ok1 = m0 + g + 8 < n;
-    const uint4* w0 = (const uint4*)w + (ok0 ? (m0 + g) * kc : 0);
-    const uint4* w1 = (const uint4*)w + (ok1 ? (m0 + g + 8) * kc : 0);
+    const kiln_u64 tile = (kiln_u64)blockIdx.x * (MMA_WARPS / ksplit) + warp / ksplit;
+    const bool epi = MODE & LIN_OUT_SWIGLU;
+    // The M side's rows g and g + 8: outputs m0 + g and m0 + g + 8, or gate and up of output m0 + g.
+    const kiln_u64 n_out = epi ? n / 2 : n, m0 = tile * (epi ? 8 : 16);
+    const kiln_u64 row0 = m0 + g, row1 = epi ? n_out + m0 + g : m0 + g + 8;
+    const bool ok0 = epi ? m0 + g < n_out : row0 < n, ok1 = epi ? ok0 : row1 < n;
+    const uint4* w0 = (const uint4*)w + (ok0 ? row0 * kc : 0);
+    const uint4* w1 = (const uint4*)w + (ok1 ? row1 * kc : 0);
 
     uint4 wa[MMA_UNROLL], wb[MMA_UNROLL];
     const bool w_const = flags & W_CONST;
@@ -725,7 +771,7 @@ __device__ __forceinline__ void gemv_mma(const typename T::S* x, const typename 
             }
         }
     }
-    if (MODE == LIN_RMSNORM && blockIdx.x == 0 && blockIdx.y == 0 && warp == 0) prefetch_gamma(gamma, kc, lane);
+    if ((MODE & 3) == LIN_RMSNORM && blockIdx.x == 0 && blockIdx.y == 0 && warp == 0) prefetch_gamma(gamma, kc, lane);
     kiln_griddep_launch_dependents();
     kiln_griddep_wait();
     // The first weight groups stream in while the prologue runs (or since before the wait, for
@@ -768,7 +814,7 @@ __device__ __forceinline__ void gemv_mma(const typename T::S* x, const typename 
         }
     }
 
-    mma_store<T, NT>(acc, y, rows, n, m0, ksplit);
+    mma_store<T, NT, (MODE & LIN_OUT_SWIGLU) != 0>(acc, y, rows, n_out, m0, ksplit);
 }
 
 // ---- Tensor-core GEMV over 4-bit weights, 1–16 rows ---------------------------------------------
@@ -984,9 +1030,11 @@ __device__ __forceinline__ void gemv_q4mma(const typename T::S* x, const typenam
 //                                u64 rows, u64 n, u64 k, u64 skip_len, u32 flags, float eps)
 // MODE LIN_LINEAR: A = X [rows, k]; LIN_RMSNORM: A = RMS(X + skip) · gamma, s = X + skip written to
 // sum when flags has HAS_SUM (by the blocks of column block 0); LIN_SWIGLU: A = SiLU(X[:, :k]) ·
-// X[:, k:], X [rows, 2k]. R (1, 2, 4) rows per block: grid [column blocks, ceil(rows / R), 1],
-// block [LIN_WARPS · 32, 1, 1], dynamic shared memory min(rows, R) · k · 4 (A in f32). k is a
-// multiple of 16 / sizeof(T); every operand 16-byte aligned.
+// X[:, k:], X [rows, 2k]; LIN_RMSNORM_SWIGLU: LIN_RMSNORM's A and the SwiGLU epilogue (at the top),
+// y [rows, n / 2]. R (1, 2, 4) rows per block: grid [column blocks, ceil(rows / R), 1] (a column
+// block holds LIN_WARPS · LIN_COLS outputs, LIN_WARPS under the epilogue), block [LIN_WARPS · 32,
+// 1, 1], dynamic shared memory min(rows, R) · k · 4 (A in f32). k is a multiple of 16 / sizeof(T);
+// every operand 16-byte aligned.
 template <typename Tag, int MODE, int R>
 __global__ void __launch_bounds__(LIN_WARPS * 32)
     kiln_linear_gemv(const typename Tag::storage* x, const typename Tag::storage* skip,
@@ -999,9 +1047,10 @@ __global__ void __launch_bounds__(LIN_WARPS * 32)
 // kiln_linear_mma<Tag, MODE, NT>(const T* x, const T* skip, const T* gamma, const T* w, T* y, T* sum,
 //                                u64 rows, u64 n, u64 k, u64 skip_len, u32 flags, float eps, u32 ksplit)
 // The tensor-core GEMV (float16 and bfloat16) for 2 ≤ rows ≤ 8·NT (NT 1 or 2), same operands as
-// kiln_linear_gemv: grid [ceil(ceil(n / 16) / (MMA_WARPS / ksplit)), 1, 1], block [256, 1, 1],
-// ksplit ∈ {1, 2, 4, 8}, dynamic shared memory max(8·NT · kcp · 16, MMA_WARPS · NT · 512) with
-// kcp = ceil(k / 64) · 8. k is a multiple of 8; every operand 16-byte aligned.
+// kiln_linear_gemv: grid [ceil(tiles / (MMA_WARPS / ksplit)), 1, 1] with tiles = ceil(n / 16)
+// (ceil(n / 2 / 8) under LIN_RMSNORM_SWIGLU), block [256, 1, 1], ksplit ∈ {1, 2, 4, 8}, dynamic
+// shared memory max(8·NT · kcp · 16, MMA_WARPS · NT · 512) with kcp = ceil(k / 64) · 8. k is a
+// multiple of 8; every operand 16-byte aligned.
 template <typename Tag, int MODE, int NT>
 __global__ void __launch_bounds__(MMA_WARPS * 32)
     kiln_linear_mma(const typename Tag::storage* x, const typename Tag::storage* skip,

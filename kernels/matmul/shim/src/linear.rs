@@ -20,6 +20,16 @@
 //!   three roundings; rounding once differs by an ulp, which the down projection's sum
 //!   magnifies where it cancels).
 //!
+//! Attribute `swiglu` (each op; 0 by default): 1 makes the output SwiGLU of the product,
+//! `Y [..., N / 2] = SiLU(P[..., :N/2]) · P[..., N/2:]` with `P = A · Wᵀ` rounded to the dtype
+//! (W's rows: the gate projection's, then the up projection's), computed as the Sigmoid, Mul and
+//! Mul it replaces compute it, each rounded to the dtype (the `skip-rmsnorm-mlp` fusion's
+//! `RmsNormLinear`, whose down projection is then a plain `Linear`). N must be even. The GPU
+//! computes it in the GEMV's epilogue for `RmsNormLinear` over a weight of X's dtype (gate row `j`
+//! and up row `N / 2 + j` in one warp or tensor-core tile, so that SiLU runs once per output
+//! instead of in every block of the down projection's prologue); elsewhere P goes to scratch
+//! and `kiln_linear_swiglu` follows.
+//!
 //! Each op also takes its weight in onnxruntime's MatMulNBits layout (the `*-nbits` fusions of
 //! `kernel.toml` replace MatMulNBits without zero points, g_idx or bias): `W` is then uint8
 //! `[N, k_blocks, block_size · bits / 8]` followed by one more input, `scales` (X's dtype,
@@ -178,6 +188,8 @@ struct Geometry {
     quant: Option<Quant>,
     /// The index of W among the inputs.
     w_index: usize,
+    /// The output is SwiGLU of the product's halves (attribute `swiglu`), `[..., n / 2]`.
+    swiglu: bool,
 }
 
 fn op_prologue(op: &str) -> Result<Prologue> {
@@ -257,9 +269,15 @@ fn geometry(call: &Call) -> Result<Geometry> {
         }
         (w[0], w[1], None)
     };
+    let swiglu = match call.attr_i("swiglu", 0)? {
+        0 => false,
+        1 if n % 2 == 0 => true,
+        1 => bail!("{op}: swiglu = 1 needs W's N = {n} rows as [gate | up] halves, an even count"),
+        v => bail!("{op}: swiglu must be 0 or 1, got {v}"),
+    };
     let rows = x_shape[..x_shape.len() - 1].iter().product();
     let mut y_shape = x_shape.clone();
-    *y_shape.last_mut().unwrap_or(&mut 0) = n;
+    *y_shape.last_mut().unwrap_or(&mut 0) = if swiglu { n / 2 } else { n };
     let mut skip_len = 0;
     let mut eps = 0.0;
     if prologue == Prologue::RmsNorm {
@@ -287,7 +305,7 @@ fn geometry(call: &Call) -> Result<Geometry> {
             bail!("{op}: epsilon must not be negative, got {eps}");
         }
     }
-    Ok(Geometry { prologue, dtype, rows, k, n, y_shape, x_shape, skip_len, eps, quant, w_index })
+    Ok(Geometry { prologue, dtype, rows, k, n, y_shape, x_shape, skip_len, eps, quant, w_index, swiglu })
 }
 
 pub fn infer(call: &Call) -> Result<Vec<TensorType>> {
@@ -316,6 +334,20 @@ fn silu_mul(g: f64, u: f64, round: impl Fn(f64) -> f64) -> f64 {
 #[inline]
 fn silu_mul_f32(g: f32, u: f32) -> f32 {
     g / (1.0 + kiln_kernel_abi::math::exp_f32(-g)) * u
+}
+
+/// The `swiglu` output of the product `p` `[rows, n]` (values as the dtype stores them):
+/// each row's `SiLU(gate) · up` of its halves, `[rows, n / 2]`.
+fn swiglu_rows(p: &[f64], n: usize, round: impl Fn(f64) -> f64) -> Vec<f64> {
+    if n == 0 {
+        return Vec::new();
+    }
+    let mut y = Vec::with_capacity(p.len() / 2);
+    for row in p.chunks_exact(n) {
+        let (gate, up) = row.split_at(n / 2);
+        y.extend(gate.iter().zip(up).map(|(&g, &u)| silu_mul(g, u, &round)));
+    }
+    y
 }
 
 /// A `[rows, k]` in f64, not yet rounded (`round` rounds the values the unfused ops would
@@ -370,6 +402,9 @@ pub fn cpu(call: &Call) -> Result<()> {
     };
     let w_input = call.input(g.w_index)?;
     if g.dtype != DType::F64 && g.rows > 0 && g.n > 0 && g.k > 0 {
+        // The product's destination: Y, or (swiglu) P in scratch, read back for the SwiGLU.
+        let p_bytes = g.rows as u64 * g.n as u64 * g.dtype.size().unwrap_or(4) as u64;
+        let p = if g.swiglu { scratch(p_bytes)? } else { call.output(0)?.handle() };
         // The product through the host's gemm or qgemm (W stays out of the shim): A is X
         // itself, or the prologue's result in scratch.
         let a = match g.prologue {
@@ -397,7 +432,7 @@ pub fn cpu(call: &Call) -> Result<()> {
         let (rows, n, k) = (g.rows as u64, g.n as u64, g.k as u64);
         if let Some(q) = g.quant {
             let at = |handle: u32| TensorAt { handle, offset: 0 };
-            return qgemm(&QGemm {
+            qgemm(&QGemm {
                 dtype: g.dtype,
                 m: rows,
                 n,
@@ -409,32 +444,26 @@ pub fn cpu(call: &Call) -> Result<()> {
                 scales: at(call.input(g.w_index + 1)?.handle()),
                 zero_points: QZeroPoints::Default,
                 bias: None,
-                y: at(call.output(0)?.handle()),
-            });
+                y: at(p),
+            })?;
+        } else {
+            gemm_transposed(g.dtype, rows, n, k, a, w_input.handle(), p)?;
         }
-        let operand = |handle: u32, ld: u64| Operand { handle, offset: 0, ld, batch_stride: 0 };
-        return gemm(&Gemm {
-            dtype: g.dtype,
-            trans_a: false,
-            trans_b: true,
-            m: rows,
-            n,
-            k,
-            batch: 1,
-            alpha: 1.0,
-            beta: 0.0,
-            a: operand(a, k),
-            b: operand(w_input.handle(), k),
-            c: None,
-            d: operand(call.output(0)?.handle(), n),
-            bias: None,
-            epilogue: Epilogue::None,
-        });
+        if g.swiglu {
+            let Ok(len) = usize::try_from(p_bytes) else {
+                bail!("{}: the product's {p_bytes} bytes do not fit the shim's memory", call.op_type())
+            };
+            let mut bytes = alloc::vec![0u8; len];
+            read_handle(p, 0, &mut bytes)?;
+            let product = element::decode_as::<f64>(g.dtype, &bytes)?;
+            call.output(0)?.write_vec(&swiglu_rows(&product, g.n, round))?;
+        }
+        return Ok(());
     }
     let (a, s) = operand_a(call, &g, round)?;
     if g.quant.is_some() {
-        // An empty product (no rows, no outputs or K = 0): zeros, and the sum.
-        call.output(0)?.write_vec(&alloc::vec![0f64; g.rows * g.n])?;
+        // An empty product (no rows, no outputs or K = 0): zeros (their SwiGLU too), and the sum.
+        call.output(0)?.write_vec(&alloc::vec![0f64; g.rows * g.y_shape.last().copied().unwrap_or(0)])?;
         if let Some(sum) = call.output_opt(1) {
             sum.write_vec(&s)?;
         }
@@ -449,6 +478,10 @@ pub fn cpu(call: &Call) -> Result<()> {
             let wr = &w[c * g.k..(c + 1) * g.k];
             *out = ar.iter().zip(wr).map(|(x, w)| x * w).sum();
         }
+    }
+    if g.swiglu {
+        let stored: Vec<f64> = y.into_iter().map(round).collect();
+        y = swiglu_rows(&stored, g.n, round);
     }
     call.output(0)?.write_vec(&y)?;
     if let Some(sum) = call.output_opt(1) {
@@ -472,11 +505,74 @@ fn at(handle: u32) -> KernelArg {
 
 pub fn dispatch(call: &Call) -> Result<()> {
     let g = geometry(call)?;
-    let op = call.op_type();
-    let tag = kernel_tag(op, g.dtype)?;
+    let tag = kernel_tag(call.op_type(), g.dtype)?;
+    let y = call.output(0)?.handle();
+    // The SwiGLU epilogue inside the GEMV kernels (RmsNormLinear over a weight of X's dtype),
+    // else the product into scratch and kiln_linear_swiglu after it. Without rows or outputs
+    // there is no product (a sum output is still written).
+    if !g.swiglu || g.rows == 0 || g.n == 0 {
+        return product(call, &g, tag, y, false);
+    }
+    if g.prologue == Prologue::RmsNorm && g.quant.is_none() && decode_kernel(&g).is_some() {
+        return product(call, &g, tag, y, true);
+    }
+    let (rows, half) = (g.rows as u64, (g.n / 2) as u64);
+    let p = scratch(rows * g.n as u64 * g.dtype.size().unwrap_or(4) as u64)?;
+    product(call, &g, tag, p, false)?;
+    launch(&Launch {
+        kernel: &kernel_name("kiln_linear_swiglu", &[tag]),
+        grid: grid_stride(rows * half),
+        block: [GRID_STRIDE_BLOCK, 1, 1],
+        shared_mem_bytes: 0,
+        args: alloc::vec![at(p), at(y), KernelArg::U64(rows), KernelArg::U64(half)],
+    })
+}
+
+/// The decode kernel a weight of X's dtype takes: the tensor-core GEMV `kiln_linear_mma` (float16
+/// and bfloat16, [`MMA_MIN_ROWS`] to [`MMA_MAX_ROWS`] rows, A within a block's shared memory) or the
+/// CUDA-core `kiln_linear_gemv` (up to [`GEMV_MAX_ROWS`] rows, or any at K = 0: it writes an empty
+/// product's zeros); `None`: the prefill path.
+enum DecodeKernel {
+    Mma { n_tiles: u64, shared: u64 },
+    Gemv { block_rows: usize, shared: u64 },
+}
+
+fn decode_kernel(g: &Geometry) -> Option<DecodeKernel> {
+    let vec = 16 / g.dtype.size().unwrap_or(4);
+    if !g.k.is_multiple_of(vec) || g.n == 0 {
+        return None;
+    }
+    let (shared, n_tiles) = mma_shared(g);
+    if tensor_cores(g, MMA_MIN_ROWS) && g.k > 0 && shared <= GEMV_MAX_SHARED as u64 {
+        return Some(DecodeKernel::Mma { n_tiles, shared });
+    }
+    // Rows per block: the smallest kernel that holds them all, else GEMV_BLOCK_ROWS per block; A
+    // in f32 in shared memory (u64: the shim's usize is 32 bits).
+    let block_rows = g.rows.next_power_of_two().min(GEMV_BLOCK_ROWS);
+    let shared = g.rows.min(block_rows) as u64 * g.k as u64 * 4;
+    ((g.rows <= GEMV_MAX_ROWS || g.k == 0) && shared <= GEMV_MAX_SHARED as u64)
+        .then_some(DecodeKernel::Gemv { block_rows, shared })
+}
+
+/// Whether the rows take a tensor-core GEMV from `min_rows` rows (float16, bfloat16).
+fn tensor_cores(g: &Geometry, min_rows: usize) -> bool {
+    matches!(g.dtype, DType::F16 | DType::BF16) && (min_rows..=MMA_MAX_ROWS).contains(&g.rows) && g.n > 0
+}
+
+/// The tensor-core GEMVs' shared memory and n-tiles of 8 rows: A in the storage type, 8·NT rows
+/// of K rounded up to 64; the split-K partial sums reuse it.
+fn mma_shared(g: &Geometry) -> (u64, u64) {
+    let vec = 16 / g.dtype.size().unwrap_or(4);
+    let n_tiles = g.rows.div_ceil(8) as u64;
+    ((8 * n_tiles * ((g.k / vec).div_ceil(8) as u64 * 8) * 16).max(MMA_WARPS as u64 * n_tiles * 512), n_tiles)
+}
+
+/// The product (and the sum output) into `y`: Y, or scratch for the SwiGLU after it. With
+/// `epilogue`, Y through the GEMV kernels' SwiGLU epilogue (`LIN_RMSNORM_SWIGLU`: the caller
+/// checked that [`decode_kernel`] takes the call).
+fn product(call: &Call, g: &Geometry, tag: &str, y: u32, epilogue: bool) -> Result<()> {
     let esize = g.dtype.size().unwrap_or(4);
     let x = call.input(0)?.handle();
-    let y = call.output(0)?.handle();
     let sum = call.output_opt(1).map(|t| t.handle());
     let (skip, gamma) = match g.prologue {
         Prologue::RmsNorm => (call.input_opt(1).map(|t| t.handle()), Some(call.input(2)?.handle())),
@@ -503,25 +599,23 @@ pub fn dispatch(call: &Call) -> Result<()> {
         KernelArg::F32(g.eps),
     ];
     let mut operands = alloc::vec![at(x), at(skip.unwrap_or(x)), at(gamma.unwrap_or(x)), at(w)];
-    let tensor_cores = |min_rows: usize| {
-        matches!(g.dtype, DType::F16 | DType::BF16) && (min_rows..=MMA_MAX_ROWS).contains(&g.rows) && g.n > 0
-    };
-    // A in the storage type for the tensor-core GEMVs: 8·NT rows of K rounded up to 64; the
-    // split-K partial sums reuse it.
-    let n_tiles = g.rows.div_ceil(8) as u64;
-    let mma_shared = (8 * n_tiles * ((g.k / vec).div_ceil(8) as u64 * 8) * 16).max(MMA_WARPS as u64 * n_tiles * 512);
+    let mode = if epilogue { "LIN_RMSNORM_SWIGLU" } else { g.prologue.kernel_mode() };
     if let Some(q) = g.quant {
         // Whole 16-byte chunks of 128 / bits values in every block and row: decode rows in one
         // kernel, on tensor cores for 4 bits from Q4_MMA_MIN_ROWS rows.
         let chunk = 128 / q.bits as usize;
-        let fits = matches!(q.bits, 4 | 8) && q.block % chunk == 0 && g.k % chunk == 0 && g.k % vec == 0;
+        let fits = matches!(q.bits, 4 | 8)
+            && q.block.is_multiple_of(chunk)
+            && g.k.is_multiple_of(chunk)
+            && g.k.is_multiple_of(vec);
         let scales = at(call.input(g.w_index + 1)?.handle());
         let quant_args = [KernelArg::U32(q.k_blocks as u32), KernelArg::U32(q.block as u32)];
-        if fits && q.bits == 4 && tensor_cores(Q4_MMA_MIN_ROWS) && mma_shared <= GEMV_MAX_SHARED as u64 {
+        let (mma_shared, n_tiles) = mma_shared(g);
+        if fits && q.bits == 4 && tensor_cores(g, Q4_MMA_MIN_ROWS) && mma_shared <= GEMV_MAX_SHARED as u64 {
             operands.push(scales);
             operands.extend(tail);
             operands.extend(quant_args);
-            return launch_mma("kiln_linear_q4mma", tag, &g, n_tiles, mma_shared, operands);
+            return launch_mma("kiln_linear_q4mma", tag, mode, g, n_tiles, mma_shared, operands);
         }
         // The most rows per block (8, 4, 2, 1) whose A fits the shared memory.
         let mut block_rows = g.rows.next_power_of_two().min(Q_BLOCK_ROWS);
@@ -536,36 +630,36 @@ pub fn dispatch(call: &Call) -> Result<()> {
             let bits = q.bits.to_string();
             return launch_gemv(
                 "kiln_linear_qgemv",
-                &[tag, g.prologue.kernel_mode(), &block_rows.to_string(), &bits],
-                &g,
-                block_rows,
+                &[tag, mode, &block_rows.to_string(), &bits],
+                g.n.div_ceil(GEMV_COLS_PER_BLOCK),
+                g.rows.div_ceil(block_rows),
                 shared,
                 operands,
             );
         }
-        return prefill(call, &g, tag, skip, gamma, flags);
+        return prefill(call, g, tag, y, skip, gamma, flags);
     }
     operands.extend(tail);
-    if tensor_cores(MMA_MIN_ROWS) && g.k > 0 && g.k % vec == 0 && mma_shared <= GEMV_MAX_SHARED as u64 {
-        return launch_mma("kiln_linear_mma", tag, &g, n_tiles, mma_shared, operands);
+    match decode_kernel(g) {
+        Some(DecodeKernel::Mma { n_tiles, shared }) => {
+            launch_mma("kiln_linear_mma", tag, mode, g, n_tiles, shared, operands)
+        }
+        Some(DecodeKernel::Gemv { block_rows, shared }) => {
+            // GEMV_COLS_PER_BLOCK outputs per block; under the epilogue a warp's two weight rows
+            // are one output's gate and up.
+            let per_block = if epilogue { GEMV_COLS_PER_BLOCK / 2 } else { GEMV_COLS_PER_BLOCK };
+            let outputs = if epilogue { g.n / 2 } else { g.n };
+            launch_gemv(
+                "kiln_linear_gemv",
+                &[tag, mode, &block_rows.to_string()],
+                outputs.div_ceil(per_block),
+                g.rows.div_ceil(block_rows),
+                shared,
+                operands,
+            )
+        }
+        None => prefill(call, g, tag, y, skip, gamma, flags),
     }
-    // Rows per block: the smallest kernel that holds them all, else GEMV_BLOCK_ROWS per block.
-    let block_rows = g.rows.next_power_of_two().min(GEMV_BLOCK_ROWS);
-    // A in f32 in shared memory (u64: the shim's usize is 32 bits).
-    let shared = g.rows.min(block_rows) as u64 * g.k as u64 * 4;
-    // K = 0 takes the GEMV at any row count: it writes the zeros of an empty product.
-    if (g.rows <= GEMV_MAX_ROWS || g.k == 0) && g.k % vec == 0 && shared <= GEMV_MAX_SHARED as u64 && g.n > 0 {
-        let rows = block_rows.to_string();
-        return launch_gemv(
-            "kiln_linear_gemv",
-            &[tag, g.prologue.kernel_mode(), &rows],
-            &g,
-            block_rows,
-            shared,
-            operands,
-        );
-    }
-    prefill(call, &g, tag, skip, gamma, flags)
 }
 
 /// Launches tensor-core GEMV `kernel` (`kiln_linear_mma`, `kiln_linear_q4mma`) over `n_tiles`
@@ -575,19 +669,21 @@ pub fn dispatch(call: &Call) -> Result<()> {
 fn launch_mma(
     kernel: &str,
     tag: &str,
+    mode: &str,
     g: &Geometry,
     n_tiles: u64,
     shared: u64,
     mut args: Vec<KernelArg>,
 ) -> Result<()> {
-    let tiles = g.n.div_ceil(16);
+    // 16 weight rows per tile: 16 outputs, or (the SwiGLU epilogue) the gate and up rows of 8.
+    let tiles = if mode == "LIN_RMSNORM_SWIGLU" { (g.n / 2).div_ceil(8) } else { g.n.div_ceil(16) };
     let mut per_block = MMA_WARPS;
     while per_block > 1 && tiles.div_ceil(per_block) < MMA_MIN_BLOCKS {
         per_block /= 2;
     }
     args.push(KernelArg::U32((MMA_WARPS / per_block) as u32));
     launch(&Launch {
-        kernel: &kernel_name(kernel, &[tag, g.prologue.kernel_mode(), &n_tiles.to_string()]),
+        kernel: &kernel_name(kernel, &[tag, mode, &n_tiles.to_string()]),
         grid: [tiles.div_ceil(per_block) as u32, 1, 1],
         block: [(MMA_WARPS * 32) as u32, 1, 1],
         shared_mem_bytes: shared as u32,
@@ -596,20 +692,19 @@ fn launch_mma(
 }
 
 /// Launches CUDA-core GEMV `kernel` (`kiln_linear_gemv`, `kiln_linear_qgemv`) with template
-/// arguments `params` at `block_rows` rows per block: a block per `GEMV_COLS_PER_BLOCK` outputs (at
-/// most `GEMV_MAX_BLOCKS`, which then loop), `shared` bytes of A.
+/// arguments `params` over `column_blocks` blocks of outputs (at most `GEMV_MAX_BLOCKS`, which then
+/// loop) and `row_blocks` blocks of rows, `shared` bytes of A.
 fn launch_gemv(
     kernel: &str,
     params: &[&str],
-    g: &Geometry,
-    block_rows: usize,
+    column_blocks: usize,
+    row_blocks: usize,
     shared: u64,
     args: Vec<KernelArg>,
 ) -> Result<()> {
-    let blocks = g.n.div_ceil(GEMV_COLS_PER_BLOCK).min(GEMV_MAX_BLOCKS);
     launch(&Launch {
         kernel: &kernel_name(kernel, params),
-        grid: [blocks as u32, g.rows.div_ceil(block_rows) as u32, 1],
+        grid: [column_blocks.min(GEMV_MAX_BLOCKS) as u32, row_blocks as u32, 1],
         block: [GEMV_THREADS, 1, 1],
         shared_mem_bytes: shared as u32,
         args,
@@ -618,10 +713,17 @@ fn launch_gemv(
 
 /// Many rows (or a weight the GEMVs do not take): A into scratch (or X itself), a quantized W
 /// dequantized into scratch, then cuBLASLt.
-fn prefill(call: &Call, g: &Geometry, tag: &str, skip: Option<u32>, gamma: Option<u32>, flags: u32) -> Result<()> {
+fn prefill(
+    call: &Call,
+    g: &Geometry,
+    tag: &str,
+    y: u32,
+    skip: Option<u32>,
+    gamma: Option<u32>,
+    flags: u32,
+) -> Result<()> {
     let esize = g.dtype.size().unwrap_or(4);
     let x = call.input(0)?.handle();
-    let y = call.output(0)?.handle();
     let sum = call.output_opt(1).map(|t| t.handle());
     let mut w = call.input(g.w_index)?.handle();
     let (rows, k) = (g.rows as u64, g.k as u64);
@@ -687,13 +789,19 @@ fn prefill(call: &Call, g: &Geometry, tag: &str, skip: Option<u32>, gamma: Optio
         })?;
         w = dense;
     }
+    gemm_transposed(g.dtype, rows, g.n as u64, k, a, w, y)
+}
+
+/// `Y [m, n] = A [m, k] · Wᵀ` with W stored `[n, k]`, through the host's `gemm` (ABI.md §4.7:
+/// cuBLASLt with `transB` on the GPU, the host's f32-accumulating gemm on the CPU).
+fn gemm_transposed(dtype: DType, m: u64, n: u64, k: u64, a: u32, w: u32, y: u32) -> Result<()> {
     let operand = |handle: u32, ld: u64| Operand { handle, offset: 0, ld, batch_stride: 0 };
     gemm(&Gemm {
-        dtype: g.dtype,
+        dtype,
         trans_a: false,
         trans_b: true,
-        m: rows,
-        n: g.n as u64,
+        m,
+        n,
         k,
         batch: 1,
         alpha: 1.0,
@@ -701,7 +809,7 @@ fn prefill(call: &Call, g: &Geometry, tag: &str, skip: Option<u32>, gamma: Optio
         a: operand(a, k),
         b: operand(w, k),
         c: None,
-        d: operand(y, g.n as u64),
+        d: operand(y, n),
         bias: None,
         epilogue: Epilogue::None,
     })
