@@ -362,7 +362,7 @@ for w in glob.glob(".gpu/python/*.whl"):
       "attn-pdl-early:-DLP_ATTN_PDL -DLP_ATTN_EARLY" "kv-shared:-DLP_KV_SHARED" "fused-ogu:-DLP_FUSED_OGU"
       "fused-all:-DLP_FUSED_ALL" "b8:-DLP_BATCH=8" "b8-marks:-DLP_BATCH=8 -DLP_MARKS"
       "fixed-h:-DGQA_FIXED_H=64 -DGQA_FIXED_GROUP=3" "fixed-h-marks:-DGQA_FIXED_H=64 -DGQA_FIXED_GROUP=3 -DLP_MARKS"
-      "epi:-DLP_EPI" "b8-epi:-DLP_BATCH=8 -DLP_EPI")
+      "epi:-DLP_EPI" "b8-epi:-DLP_BATCH=8 -DLP_EPI" "b8-epi-pro8:-DLP_BATCH=8 -DLP_EPI -DLIN_PRO_COPY=8")
     for v in .gpu/variants/*/cuda/linear.cu; do # drop-in GEMV variants, plain and with marks
       [ -f "$v" ] && ! cmp -s "$v" kernels/matmul/cuda/linear.cu || continue
       n=$(basename "$(dirname "$(dirname "$v")")")

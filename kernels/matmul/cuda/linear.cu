@@ -96,6 +96,9 @@ enum { HAS_SKIP = 1, HAS_SUM = 2, W_CONST = 4 };
 #define LIN_UNROLL 6   // 16-byte weight loads per lane and output in flight
 #define LIN_QUNROLL 4  // the same for the quantized GEMV (its unpacking needs the registers)
 #define LIN_PRO 4      // 16-byte activation loads per thread in flight in the prologue
+#ifndef LIN_PRO_COPY   // the same for Linear's copy (no up operand); -D for bench/layer_probe.cu:
+#define LIN_PRO_COPY 4 // 8 would load batch 8's down (8 rows of 1,536) in one round trip instead
+#endif                 // of two (its b8-epi-pro8 build; not yet run on a GPU)
 
 // Sigmoid without overflow and without a branch: with e = exp(-|g|), 1 / (1 + e) for g ≥ 0 and
 // e / (1 + e) below (kiln-unary's formula, the division as a correctly rounded reciprocal).
@@ -299,17 +302,18 @@ __device__ __forceinline__ void prologue(const typename T::S* x, const typename 
         return;
     }
     const unsigned total = rows_here * kc;
-    for (unsigned i0 = threadIdx.x; i0 < total; i0 += blockDim.x * LIN_PRO) {
-        uint4 gv[LIN_PRO], uv[LIN_PRO];
+    enum { PRO = MODE == LIN_SWIGLU ? LIN_PRO : LIN_PRO_COPY };
+    for (unsigned i0 = threadIdx.x; i0 < total; i0 += blockDim.x * PRO) {
+        uint4 gv[PRO], uv[PRO];
 #pragma unroll
-        for (int u = 0; u < LIN_PRO; ++u) {
+        for (int u = 0; u < PRO; ++u) {
             const unsigned i = i0 + u * blockDim.x, r = i / kc, c = i - r * kc;
             const uint4* xr = (const uint4*)(x + (row0 + r) * (MODE == LIN_SWIGLU ? 2 : 1) * k);
             gv[u] = i < total ? xr[c] : make_uint4(0, 0, 0, 0);
             if (MODE == LIN_SWIGLU) uv[u] = i < total ? xr[kc + c] : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
-        for (int u = 0; u < LIN_PRO; ++u) {
+        for (int u = 0; u < PRO; ++u) {
             const unsigned i = i0 + u * blockDim.x, r = i / kc, c = i - r * kc;
             if (i >= total) continue;
             float f[T::VEC];
