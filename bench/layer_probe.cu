@@ -133,6 +133,9 @@ __global__ void __launch_bounds__(MMA_WARPS * 32)
 
 // Gate·up's and down's modes: RMS prologue, then SwiGLU in down's prologue; -DLP_EPI: the
 // SwiGLU as gate·up's epilogue (kiln-matmul 1.11.0's fusion; h [I] between them), down plain.
+#if defined(LP_EPI) && (defined(LP_SPLITK) || defined(LP_FUSED_OGU) || defined(LP_FUSED_ALL))
+#error "LP_EPI changes gate·up's output to h [I]: the split and fused forms still read [gate | up]"
+#endif
 #ifdef LP_EPI
 #define LP_GU_MODE LIN_RMSNORM_SWIGLU
 #define LP_DOWN_MODE LIN_LINEAR

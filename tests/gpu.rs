@@ -1437,13 +1437,25 @@ fn linear_ops_match_their_cpu_reference() {
     assert_eq!(cases, 72);
 }
 
+/// `values` as the little-endian bytes of ONNX float type `code` (10 float16, 16 bfloat16, else
+/// float32), each rounded to nearest even: an initializer's `raw_data`.
+fn float_bytes(code: i64, values: &[f32]) -> Vec<u8> {
+    match code {
+        10 => values.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(),
+        16 => values.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect(),
+        _ => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    }
+}
+
 /// kiln-matmul's SwiGLU epilogue (`RmsNormLinear` with `swiglu = 1`, the `skip-rmsnorm-mlp`
 /// fusion's gate/up) gives exactly SiLU(gate) · up of the product the plain `RmsNormLinear`
 /// computes beside it on the same device: P rounded to the dtype, then Sigmoid, Mul and Mul each
 /// rounded (here in f64, the kernels in f32), on the GPU and on the CPU. Float32, float16 and
 /// bfloat16 at 1 to 4 rows (the CUDA-core GEMV's epilogue), 2 to 16 (the tensor-core GEMV's, one
 /// or two n-tiles), 40 rows and K off the 16-byte vector (P in scratch, then
-/// `kiln_linear_swiglu`), F odd and even. Tolerance: 4 ulp of the dtype relative to |Y| (the
+/// `kiln_linear_swiglu`), F odd and even; F of 8,200 at 1 and 8 rows (the CUDA-core GEMV's blocks
+/// looping past 1,024, the tensor-core GEMV at one warp per tile); odd cases hold W as an
+/// initializer of the dtype (constant: loaded before the grid-dependency wait). Tolerance: 4 ulp of the dtype relative to |Y| (the
 /// sigmoid's f32 and f64 values may round to neighbouring values of the dtype) and 1e-6; a wrong
 /// pairing of gate and up rows is off by O(|Y|).
 #[test]
@@ -1461,29 +1473,49 @@ fn swiglu_epilogue_is_silu_of_the_plain_product() {
                 _ => v as f32 as f64,
             }
         };
-        for rows in [1usize, 2, 3, 4, 8, 13, 16, 40, 3] {
-            let k = if cases % 9 == 8 { vec * r.range(1, 40) + 1 } else { vec * r.range(1, 120) };
-            let f = r.range(1, 150);
+        for (case, rows) in [1usize, 2, 3, 4, 8, 13, 16, 40, 3, 1, 8].into_iter().enumerate() {
+            let k = match case {
+                8 => vec * r.range(1, 40) + 1,
+                9 | 10 => vec * 4,
+                _ => vec * r.range(1, 120),
+            };
+            let f = if case >= 9 { 8200 } else { r.range(1, 150) };
             let mut vals = |len: usize| -> Vec<f32> {
                 (0..len).map(|_| ((r.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).collect()
             };
-            let feeds = vec![
+            let mut feeds = vec![
                 ("x".to_string(), kiln_tests::f32_tensor(&[rows, k], &vals(rows * k))),
                 ("skip".to_string(), kiln_tests::f32_tensor(&[rows, k], &vals(rows * k))),
                 ("gamma".to_string(), kiln_tests::f32_tensor(&[k], &vals(k))),
-                ("w".to_string(), kiln_tests::f32_tensor(&[2 * f, k], &vals(2 * f * k))),
             ];
-            let mut nodes: Vec<_> = ["x", "skip", "gamma", "w"]
+            let w = vals(2 * f * k);
+            let mut nodes: Vec<_> = ["x", "skip", "gamma"]
                 .iter()
                 .map(|i| node("Cast", &[i], &[&format!("{i}c")], vec![int("to", code)]))
                 .collect();
+            let mut inits = Vec::new();
+            if case % 2 == 1 {
+                // W as an initializer of the dtype: a constant input.
+                let raw_data = float_bytes(code, &w);
+                let dims = vec![2 * f as i64, k as i64];
+                inits.push(onnx::TensorProto {
+                    name: "wc".into(),
+                    data_type: code as i32,
+                    dims,
+                    raw_data,
+                    ..Default::default()
+                });
+            } else {
+                feeds.push(("w".to_string(), kiln_tests::f32_tensor(&[2 * f, k], &w)));
+                nodes.push(node("Cast", &["w"], &["wc"], vec![int("to", code)]));
+            }
             for (out, swiglu) in [("p", 0), ("y", 1)] {
                 let mut n =
                     node("RmsNormLinear", &["xc", "skipc", "gammac", "wc"], &[out], vec![int("swiglu", swiglu)]);
                 n.domain = "ai.kiln".into();
                 nodes.push(n);
             }
-            let (cpu, gpu) = run_kiln_op_on_cpu_and_gpu(nodes, &["p", "y"], feeds, vec![]);
+            let (cpu, gpu) = run_kiln_op_on_cpu_and_gpu(nodes, &["p", "y"], feeds, inits);
             for (device, outs) in [("CPU", &cpu), ("GPU", &gpu)] {
                 let (p, y) = (outs[0].1.to_f32().unwrap(), outs[1].1.to_f32().unwrap());
                 assert_eq!((p.len(), y.len()), (rows * 2 * f, rows * f));
@@ -1495,15 +1527,16 @@ fn swiglu_epilogue_is_silu_of_the_plain_product() {
                     let tol = 4.0 * ulp as f64 * want.abs() + 1e-6;
                     assert!(
                         (*got as f64 - want).abs() <= tol,
-                        "{device}, dtype {code}, X [{rows}, {k}], W [{}, {k}]: y[{i}] = {got}, SiLU(gate)·up of the plain product {want} (|Δ| > {tol})",
-                        2 * f
+                        "{device}, dtype {code}, X [{rows}, {k}], W [{}, {k}] (constant: {}): y[{i}] = {got}, SiLU(gate)·up of the plain product {want} (|Δ| > {tol})",
+                        2 * f,
+                        case % 2 == 1
                     );
                 }
             }
             cases += 1;
         }
     }
-    assert_eq!(cases, 27);
+    assert_eq!(cases, 33);
 }
 
 /// kiln-matmul's linear ops over MatMulNBits weights (4 and 8 bits, default zero point; uint8 W
@@ -1580,15 +1613,7 @@ fn quantized_linear_ops_match_their_cpu_reference_and_float64() {
                 // feed them.
                 let mut inits = Vec::new();
                 if case % 2 == 1 {
-                    let scale_bytes: Vec<u8> = match dtype {
-                        kiln_kernel_abi::DType::F16 => {
-                            sv.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect()
-                        }
-                        kiln_kernel_abi::DType::BF16 => {
-                            sv.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect()
-                        }
-                        _ => sv.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                    };
+                    let scale_bytes = float_bytes(code, &sv);
                     let init = |name: &str, data_type: i32, dims: Vec<i64>, raw_data: Vec<u8>| onnx::TensorProto {
                         name: name.into(),
                         data_type,

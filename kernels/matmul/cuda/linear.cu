@@ -7,7 +7,8 @@
 //
 // Decode (few rows): kiln_linear_gemv<Tag, MODE, R>, one kernel. Every block first computes A for its rows
 // into shared memory (the prologue; every block does it again, which costs L2 reads of a few
-// KiB), then each warp computes LIN_COLS outputs for all those rows: lanes stream 16-byte runs
+// KiB), then each warp computes LIN_COLS outputs for all those rows (one under the SwiGLU
+// epilogue, LIN_OUT_SWIGLU below: its gate and up rows): lanes stream 16-byte runs
 // of a weight row (all loads of a pass issued before the first FMA), partial sums meet in warp
 // shuffles. The first pass's weight lines are prefetched into L2 before the grid-dependency
 // wait, so under programmatic dependent launch they stream in while the previous kernel ends;
@@ -652,15 +653,17 @@ __device__ __forceinline__ void gemv_q(const typename T::S* x, const typename T:
 
 // ---- Tensor-core GEMV for 2–16 rows ("swap-AB") ----------------------------------------------
 //
-// W's rows are the M side of mma.m16n8k16 (16 outputs per tile) and A's rows the N side (8 per
+// W's rows are the M side of mma.m16n8k16 (16 outputs per tile; under LIN_OUT_SWIGLU the gate
+// rows of 8 outputs, then their up rows) and A's rows the N side (8 per
 // n-tile, NT n-tiles), so a decode batch of a few rows fills the instruction's narrow side. The
 // sum over K does not depend on the order of its terms, so each lane loads its fragments as
 // whole 16-byte runs and the K order inside a 32-wide group is permuted alike for W and A: lane
-// (g = lane / 4, q = lane % 4) reads W rows m0 + g and m0 + g + 8 and A row g, elements
+// (g = lane / 4, q = lane % 4) reads W rows m0 + g and m0 + g + 8 (gate row m0 + g and up row
+// n / 2 + m0 + g under the epilogue) and A row g, elements
 // kb + 8q .. kb + 8q + 7, and feeds elements 8q + 4s + {0, 1} as the fragment's columns 2q, 2q + 1
 // and 8q + 4s + {2, 3} as columns 2q + 8, 2q + 9 of mma step s ∈ {0, 1} (PTX ISA, "Matrix
-// Fragments for mma.m16n8k16"). A block of MMA_WARPS warps holds MMA_WARPS / ksplit tiles of 16
-// outputs; the ksplit warps of a tile take interleaved K groups, and their f32 partial sums meet in
+// Fragments for mma.m16n8k16"). A block of MMA_WARPS warps holds MMA_WARPS / ksplit tiles; the
+// ksplit warps of a tile take interleaved K groups, and their f32 partial sums meet in
 // shared memory in warp order (deterministic). A is in shared memory in the storage type, row r's
 // 16-byte chunk c at r·kcp + (c ^ mma_swizzle(r)) (kcp: chunks per row rounded up to 8), so the 8
 // rows a quarter-warp reads land in distinct banks; rows and chunks past A's are zeros.

@@ -16,9 +16,10 @@
 //! - `ai.kiln::SwiGluLinear(GU [..., 2F], W [N, F])` → `Y [..., N]`: `A = SiLU(gate) · up` of
 //!   each row's gate half then up half (kiln-unary's packed SwiGlu), `Y = A · Wᵀ`, with A
 //!   computed as the ops it replaces compute it: `Sigmoid(gate)`, `gate · that` and `· up`,
-//!   each rounded to the dtype (the verify of `skip-rmsnorm-mlp` holds the fused op to those
-//!   three roundings; rounding once differs by an ulp, which the down projection's sum
-//!   magnifies where it cancels).
+//!   each rounded to the dtype (the verify of `skip-rmsnorm-mlp-nbits`, and that of
+//!   `skip-rmsnorm-mlp` for the `swiglu` epilogue below, hold the fused ops to those three
+//!   roundings; rounding once differs by an ulp, which the down projection's sum magnifies where
+//!   it cancels).
 //!
 //! Attribute `swiglu` (each op; 0 by default): 1 makes the output SwiGLU of the product,
 //! `Y [..., N / 2] = SiLU(P[..., :N/2]) · P[..., N/2:]` with `P = A · Wᵀ` rounded to the dtype
@@ -84,10 +85,11 @@ const GEMV_MAX_SHARED: usize = 48 * 1024;
 /// n-tiles of 8 rows each.
 const MMA_MIN_ROWS: usize = 2;
 pub const MMA_MAX_ROWS: usize = 16;
-/// Warps per tensor-core GEMV block (linear.cu's `MMA_WARPS`); each holds 16 outputs of W.
+/// Warps per tensor-core GEMV block (linear.cu's `MMA_WARPS`); each holds a tile of 16 weight
+/// rows: 16 outputs, or the gate and up rows of 8 under the `swiglu` epilogue.
 const MMA_WARPS: usize = 8;
-/// Blocks the tensor-core GEMV aims for (about an H200's 132 SMs): a block holds fewer 16-output
-/// tiles, with its warps splitting K, until the grid has this many blocks or one tile per block.
+/// Blocks the tensor-core GEMV aims for (about an H200's 132 SMs): a block holds fewer tiles,
+/// with its warps splitting K, until the grid has this many blocks or one tile per block.
 const MMA_MIN_BLOCKS: usize = 128;
 
 /// Most rows the 4- and 8-bit CUDA-core GEMV takes (`kiln_linear_qgemv`, up to [`Q_BLOCK_ROWS`]
@@ -567,6 +569,16 @@ fn mma_shared(g: &Geometry) -> (u64, u64) {
     ((8 * n_tiles * ((g.k / vec).div_ceil(8) as u64 * 8) * 16).max(MMA_WARPS as u64 * n_tiles * 512), n_tiles)
 }
 
+/// The dense GEMV kernels' MODE: the prologue's, or `LIN_RMSNORM_SWIGLU` with the epilogue (only
+/// RmsNormLinear over a weight of X's dtype takes it: [`dispatch`]).
+fn kernel_mode(g: &Geometry, epilogue: bool) -> &'static str {
+    if epilogue {
+        "LIN_RMSNORM_SWIGLU"
+    } else {
+        g.prologue.kernel_mode()
+    }
+}
+
 /// The product (and the sum output) into `y`: Y, or scratch for the SwiGLU after it. With
 /// `epilogue`, Y through the GEMV kernels' SwiGLU epilogue (`LIN_RMSNORM_SWIGLU`: the caller
 /// checked that [`decode_kernel`] takes the call).
@@ -599,7 +611,6 @@ fn product(call: &Call, g: &Geometry, tag: &str, y: u32, epilogue: bool) -> Resu
         KernelArg::F32(g.eps),
     ];
     let mut operands = alloc::vec![at(x), at(skip.unwrap_or(x)), at(gamma.unwrap_or(x)), at(w)];
-    let mode = if epilogue { "LIN_RMSNORM_SWIGLU" } else { g.prologue.kernel_mode() };
     if let Some(q) = g.quant {
         // Whole 16-byte chunks of 128 / bits values in every block and row: decode rows in one
         // kernel, on tensor cores for 4 bits from Q4_MMA_MIN_ROWS rows.
@@ -615,7 +626,7 @@ fn product(call: &Call, g: &Geometry, tag: &str, y: u32, epilogue: bool) -> Resu
             operands.push(scales);
             operands.extend(tail);
             operands.extend(quant_args);
-            return launch_mma("kiln_linear_q4mma", tag, mode, g, n_tiles, mma_shared, operands);
+            return launch_mma("kiln_linear_q4mma", tag, g, false, n_tiles, mma_shared, operands);
         }
         // The most rows per block (8, 4, 2, 1) whose A fits the shared memory.
         let mut block_rows = g.rows.next_power_of_two().min(Q_BLOCK_ROWS);
@@ -630,7 +641,7 @@ fn product(call: &Call, g: &Geometry, tag: &str, y: u32, epilogue: bool) -> Resu
             let bits = q.bits.to_string();
             return launch_gemv(
                 "kiln_linear_qgemv",
-                &[tag, mode, &block_rows.to_string(), &bits],
+                &[tag, g.prologue.kernel_mode(), &block_rows.to_string(), &bits],
                 g.n.div_ceil(GEMV_COLS_PER_BLOCK),
                 g.rows.div_ceil(block_rows),
                 shared,
@@ -642,7 +653,7 @@ fn product(call: &Call, g: &Geometry, tag: &str, y: u32, epilogue: bool) -> Resu
     operands.extend(tail);
     match decode_kernel(g) {
         Some(DecodeKernel::Mma { n_tiles, shared }) => {
-            launch_mma("kiln_linear_mma", tag, mode, g, n_tiles, shared, operands)
+            launch_mma("kiln_linear_mma", tag, g, epilogue, n_tiles, shared, operands)
         }
         Some(DecodeKernel::Gemv { block_rows, shared }) => {
             // GEMV_COLS_PER_BLOCK outputs per block; under the epilogue a warp's two weight rows
@@ -651,7 +662,7 @@ fn product(call: &Call, g: &Geometry, tag: &str, y: u32, epilogue: bool) -> Resu
             let outputs = if epilogue { g.n / 2 } else { g.n };
             launch_gemv(
                 "kiln_linear_gemv",
-                &[tag, mode, &block_rows.to_string()],
+                &[tag, kernel_mode(g, epilogue), &block_rows.to_string()],
                 outputs.div_ceil(per_block),
                 g.rows.div_ceil(block_rows),
                 shared,
@@ -663,27 +674,28 @@ fn product(call: &Call, g: &Geometry, tag: &str, y: u32, epilogue: bool) -> Resu
 }
 
 /// Launches tensor-core GEMV `kernel` (`kiln_linear_mma`, `kiln_linear_q4mma`) over `n_tiles`
-/// n-tiles of 8 rows with `shared` bytes: blocks of [`MMA_WARPS`] warps hold fewer 16-output tiles,
-/// their warps splitting K (the `ksplit` argument appended to `args`), until the grid has
-/// [`MMA_MIN_BLOCKS`] blocks or one tile per block.
+/// n-tiles of 8 rows with `shared` bytes: blocks of [`MMA_WARPS`] warps hold fewer tiles of 16
+/// weight rows (16 outputs, or with `epilogue` 8 outputs' gate and up rows), their warps splitting
+/// K (the `ksplit` argument appended to `args`), until the grid has [`MMA_MIN_BLOCKS`] blocks or
+/// one tile per block.
 fn launch_mma(
     kernel: &str,
     tag: &str,
-    mode: &str,
     g: &Geometry,
+    epilogue: bool,
     n_tiles: u64,
     shared: u64,
     mut args: Vec<KernelArg>,
 ) -> Result<()> {
     // 16 weight rows per tile: 16 outputs, or (the SwiGLU epilogue) the gate and up rows of 8.
-    let tiles = if mode == "LIN_RMSNORM_SWIGLU" { (g.n / 2).div_ceil(8) } else { g.n.div_ceil(16) };
+    let tiles = if epilogue { (g.n / 2).div_ceil(8) } else { g.n.div_ceil(16) };
     let mut per_block = MMA_WARPS;
     while per_block > 1 && tiles.div_ceil(per_block) < MMA_MIN_BLOCKS {
         per_block /= 2;
     }
     args.push(KernelArg::U32((MMA_WARPS / per_block) as u32));
     launch(&Launch {
-        kernel: &kernel_name(kernel, &[tag, mode, &n_tiles.to_string()]),
+        kernel: &kernel_name(kernel, &[tag, kernel_mode(g, epilogue), &n_tiles.to_string()]),
         grid: [tiles.div_ceil(per_block) as u32, 1, 1],
         block: [(MMA_WARPS * 32) as u32, 1, 1],
         shared_mem_bytes: shared as u32,
