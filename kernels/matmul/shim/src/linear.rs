@@ -518,15 +518,20 @@ pub fn dispatch(call: &Call) -> Result<()> {
     if g.prologue == Prologue::RmsNorm && g.quant.is_none() && decode_kernel(&g).is_some() {
         return product(call, &g, tag, y, true);
     }
-    let (rows, half) = (g.rows as u64, (g.n / 2) as u64);
-    let p = scratch(rows * g.n as u64 * g.dtype.size().unwrap_or(4) as u64)?;
+    let p = scratch(g.rows as u64 * g.n as u64 * g.dtype.size().unwrap_or(4) as u64)?;
     product(call, &g, tag, p, false)?;
+    launch_swiglu(tag, p, y, g.rows as u64, (g.n / 2) as u64)
+}
+
+/// Launches `kiln_linear_swiglu`: `a [rows, half]` = SiLU(gate) · up of `gu [rows, 2·half]`'s
+/// halves, rounded as Sigmoid, Mul and Mul round.
+fn launch_swiglu(tag: &str, gu: u32, a: u32, rows: u64, half: u64) -> Result<()> {
     launch(&Launch {
         kernel: &kernel_name("kiln_linear_swiglu", &[tag]),
         grid: grid_stride(rows * half),
         block: [GRID_STRIDE_BLOCK, 1, 1],
         shared_mem_bytes: 0,
-        args: alloc::vec![at(p), at(y), KernelArg::U64(rows), KernelArg::U64(half)],
+        args: alloc::vec![at(gu), at(a), KernelArg::U64(rows), KernelArg::U64(half)],
     })
 }
 
@@ -583,6 +588,7 @@ fn kernel_mode(g: &Geometry, epilogue: bool) -> &'static str {
 /// `epilogue`, Y through the GEMV kernels' SwiGLU epilogue (`LIN_RMSNORM_SWIGLU`: the caller
 /// checked that [`decode_kernel`] takes the call).
 fn product(call: &Call, g: &Geometry, tag: &str, y: u32, epilogue: bool) -> Result<()> {
+    debug_assert!(!epilogue || (g.quant.is_none() && decode_kernel(g).is_some()));
     let esize = g.dtype.size().unwrap_or(4);
     let x = call.input(0)?.handle();
     let sum = call.output_opt(1).map(|t| t.handle());
@@ -765,13 +771,7 @@ fn prefill(
         }
         Prologue::SwiGlu => {
             let a = scratch(rows * k * esize as u64)?;
-            launch(&Launch {
-                kernel: &kernel_name("kiln_linear_swiglu", &[tag]),
-                grid: grid_stride(rows * k),
-                block: [GRID_STRIDE_BLOCK, 1, 1],
-                shared_mem_bytes: 0,
-                args: alloc::vec![at(x), at(a), KernelArg::U64(rows), KernelArg::U64(k)],
-            })?;
+            launch_swiglu(tag, x, a, rows, k)?;
             a
         }
     };
