@@ -546,38 +546,42 @@ __device__ __forceinline__ float q_dot(const float (&q)[QChunk<BITS>::VALUES], c
     return s;
 }
 
-// The chunks of one pass of the quantized GEMV and their scales: outputs col..col+LIN_COLS-1, chunks
-// base + u·32 + lane (zeros past the row or past N); rc chunks per W row, cpb chunks per block.
+// The chunks of one pass of the quantized GEMV and their scales: W rows col + j·stride for j <
+// LIN_COLS (as load_pass: stride 1, or n / 2 under LIN_OUT_SWIGLU), chunks base + u·32 + lane
+// (zeros past the row or past W's n rows); rc chunks per W row, cpb chunks per block.
 template <typename T>
 __device__ __forceinline__ void q_load(uint4 (&wv)[LIN_COLS][LIN_QUNROLL], float (&sv)[LIN_COLS][LIN_QUNROLL],
-                                        const uint4* w, const typename T::S* scales, kiln_u64 col, kiln_u64 n,
-                                        unsigned kc, unsigned rc, unsigned cpb, unsigned kb, unsigned base,
-                                        unsigned lane) {
+                                        const uint4* w, const typename T::S* scales, kiln_u64 col, kiln_u64 stride,
+                                        kiln_u64 n, unsigned kc, unsigned rc, unsigned cpb, unsigned kb,
+                                        unsigned base, unsigned lane) {
 #pragma unroll
     for (int j = 0; j < LIN_COLS; ++j) {
+        const kiln_u64 row = col + j * stride;
 #pragma unroll
         for (int u = 0; u < LIN_QUNROLL; ++u) {
             const unsigned c = base + u * 32 + lane;
-            const bool ok = col + j < n && c < kc;
-            wv[j][u] = ok ? __ldg(w + (col + j) * rc + c) : make_uint4(0, 0, 0, 0);
-            sv[j][u] = ok ? T::ld(scales[(col + j) * kb + c / cpb]) : 0.f;
+            const bool ok = row < n && c < kc;
+            wv[j][u] = ok ? __ldg(w + row * rc + c) : make_uint4(0, 0, 0, 0);
+            sv[j][u] = ok ? T::ld(scales[row * kb + c / cpb]) : 0.f;
         }
     }
 }
 
 // prefetch.global.L2 of the lines q_load(…, base 0, …) reads, weights and scales.
 template <typename T>
-__device__ __forceinline__ void q_prefetch(const uint4* w, const typename T::S* scales, kiln_u64 col, kiln_u64 n,
-                                            unsigned kc, unsigned rc, unsigned kb, unsigned lane) {
+__device__ __forceinline__ void q_prefetch(const uint4* w, const typename T::S* scales, kiln_u64 col,
+                                            kiln_u64 stride, kiln_u64 n, unsigned kc, unsigned rc, unsigned kb,
+                                            unsigned lane) {
 #pragma unroll
     for (int j = 0; j < LIN_COLS; ++j) {
-        if (col + j >= n) break;
+        const kiln_u64 row = col + j * stride;
+        if (row >= n) break;
 #pragma unroll
         for (int u = 0; u < LIN_QUNROLL; ++u) {
             const unsigned c = u * 32 + lane;
-            if (c < kc) asm volatile("prefetch.global.L2 [%0];" ::"l"(w + (col + j) * rc + c));
+            if (c < kc) asm volatile("prefetch.global.L2 [%0];" ::"l"(w + row * rc + c));
         }
-        if (lane == 0) asm volatile("prefetch.global.L2 [%0];" ::"l"(scales + (col + j) * kb));
+        if (lane == 0) asm volatile("prefetch.global.L2 [%0];" ::"l"(scales + row * kb));
     }
 }
 
@@ -585,6 +589,7 @@ __device__ __forceinline__ void q_prefetch(const uint4* w, const typename T::S* 
 // structure and PDL contract (the first pass's weights and scales loaded, when constant, or
 // prefetched into L2 before the grid-dependency wait), with 128 / BITS values per 16-byte weight
 // load: kc = k / (128 / BITS) chunks of A per row, rc = kb·block / (128 / BITS) chunks per W row.
+// Under LIN_OUT_SWIGLU a warp holds gate row col and up row n / 2 + col (gemv's epilogue).
 template <typename T, int MODE, int ROWS, int BITS>
 __device__ __forceinline__ void gemv_q(const typename T::S* x, const typename T::S* skip,
                                         const typename T::S* gamma, const unsigned char* w,
@@ -599,35 +604,37 @@ __device__ __forceinline__ void gemv_q(const typename T::S* x, const typename T:
     typedef QChunk<BITS> Q;
     const unsigned kc = (unsigned)(k / Q::VALUES), rc = kb * block / Q::VALUES, cpb = block / Q::VALUES;
     const uint4* w4 = (const uint4*)w;
-    const kiln_u64 col_step = (kiln_u64)gridDim.x * LIN_WARPS * LIN_COLS;
-    kiln_u64 col = ((kiln_u64)blockIdx.x * LIN_WARPS + warp) * LIN_COLS;
+    const bool epi = MODE & LIN_OUT_SWIGLU;
+    const kiln_u64 n_out = epi ? n / 2 : n, stride = epi ? n_out : 1, per_warp = epi ? 1 : LIN_COLS;
+    const kiln_u64 col_step = (kiln_u64)gridDim.x * LIN_WARPS * per_warp;
+    kiln_u64 col = ((kiln_u64)blockIdx.x * LIN_WARPS + warp) * per_warp;
 
     uint4 wv[LIN_COLS][LIN_QUNROLL];
     float sv[LIN_COLS][LIN_QUNROLL];
     const bool w_const = flags & W_CONST;  // W and its scales: initializers
     if (w_const)
-        q_load<T>(wv, sv, w4, scales, col, n, kc, rc, cpb, kb, 0, lane);
+        q_load<T>(wv, sv, w4, scales, col, stride, n, kc, rc, cpb, kb, 0, lane);
     else
-        q_prefetch<T>(w4, scales, col, n, kc, rc, kb, lane);
-    if (MODE == LIN_RMSNORM && blockIdx.x == 0 && blockIdx.y == 0 && warp == 0)
+        q_prefetch<T>(w4, scales, col, stride, n, kc, rc, kb, lane);
+    if ((MODE & 3) == LIN_RMSNORM && blockIdx.x == 0 && blockIdx.y == 0 && warp == 0)
         prefetch_gamma(gamma, (unsigned)(k / T::VEC), lane);
     kiln_griddep_launch_dependents();
     kiln_griddep_wait();
-    if (!w_const) q_load<T>(wv, sv, w4, scales, col, n, kc, rc, cpb, kb, 0, lane);
+    if (!w_const) q_load<T>(wv, sv, w4, scales, col, stride, n, kc, rc, cpb, kb, 0, lane);
 
     prologue<T, MODE>(x, skip, gamma, sum, RowsQ<T, BITS>{a, kc}, row0, rows_here, k, (unsigned)(k / T::VEC), skip_len,
                       flags, eps);
     __syncthreads();
 
     bool loaded = true;
-    for (; col < n; col += col_step) {
+    for (; col < n_out; col += col_step) {
         float acc[ROWS][LIN_COLS];
 #pragma unroll
         for (int r = 0; r < ROWS; ++r)
 #pragma unroll
             for (int j = 0; j < LIN_COLS; ++j) acc[r][j] = 0.f;
         for (unsigned base = 0; base < kc; base += 32 * LIN_QUNROLL) {
-            if (!loaded) q_load<T>(wv, sv, w4, scales, col, n, kc, rc, cpb, kb, base, lane);
+            if (!loaded) q_load<T>(wv, sv, w4, scales, col, stride, n, kc, rc, cpb, kb, base, lane);
             loaded = false;
 #pragma unroll
             for (int u = 0; u < LIN_QUNROLL; ++u) {
@@ -647,7 +654,10 @@ __device__ __forceinline__ void gemv_q(const typename T::S* x, const typename T:
                 }
             }
         }
-        store_cols<T, ROWS>(acc, y, row0, rows_here, n, col, lane);
+        if (epi)
+            store_swiglu<T, ROWS>(acc, y, row0, rows_here, n_out, col, lane);
+        else
+            store_cols<T, ROWS>(acc, y, row0, rows_here, n, col, lane);
     }
 }
 
@@ -937,12 +947,17 @@ __device__ __forceinline__ void gemv_q4mma(const typename T::S* x, const typenam
     const unsigned groups = (kc + Q4MMA_GROUP - 1) / Q4MMA_GROUP;
     const unsigned rows_here = (unsigned)min(rows, (kiln_u64)(8 * NT));
     const unsigned ks = warp % ksplit;
-    const kiln_u64 m0 = ((kiln_u64)blockIdx.x * (MMA_WARPS / ksplit) + warp / ksplit) * 16;
-    const bool ok0 = m0 + g < n, ok1 = m0 + g + 8 < n;
-    const uint4* w0 = (const uint4*)w + (ok0 ? (m0 + g) * rc : 0);
-    const uint4* w1 = (const uint4*)w + (ok1 ? (m0 + g + 8) * rc : 0);
-    const typename T::S* s0 = scales + (ok0 ? (m0 + g) * kb : 0);
-    const typename T::S* s1 = scales + (ok1 ? (m0 + g + 8) * kb : 0);
+    const kiln_u64 tile = (kiln_u64)blockIdx.x * (MMA_WARPS / ksplit) + warp / ksplit;
+    const bool epi = MODE & LIN_OUT_SWIGLU;
+    // The M side's rows g and g + 8, as in gemv_mma: outputs m0 + g and m0 + g + 8, or gate and up
+    // of output m0 + g.
+    const kiln_u64 n_out = epi ? n / 2 : n, m0 = tile * (epi ? 8 : 16);
+    const kiln_u64 row0 = m0 + g, row1 = epi ? n_out + m0 + g : m0 + g + 8;
+    const bool ok0 = epi ? m0 + g < n_out : row0 < n, ok1 = epi ? ok0 : row1 < n;
+    const uint4* w0 = (const uint4*)w + (ok0 ? row0 * rc : 0);
+    const uint4* w1 = (const uint4*)w + (ok1 ? row1 * rc : 0);
+    const typename T::S* s0 = scales + (ok0 ? row0 * kb : 0);
+    const typename T::S* s1 = scales + (ok1 ? row1 * kb : 0);
 
     uint4 wa[MMA_UNROLL], wb[MMA_UNROLL];
     float sa[MMA_UNROLL], sb[MMA_UNROLL];
@@ -961,7 +976,7 @@ __device__ __forceinline__ void gemv_q4mma(const typename T::S* x, const typenam
         if (q == 0 && ok0) asm volatile("prefetch.global.L2 [%0];" ::"l"(s0));
         if (q == 0 && ok1) asm volatile("prefetch.global.L2 [%0];" ::"l"(s1));
     }
-    if (MODE == LIN_RMSNORM && blockIdx.x == 0 && warp == 0) prefetch_gamma(gamma, units, lane);
+    if ((MODE & 3) == LIN_RMSNORM && blockIdx.x == 0 && warp == 0) prefetch_gamma(gamma, units, lane);
     kiln_griddep_launch_dependents();
     kiln_griddep_wait();
     if (!w_const) q4mma_load<T>(wa, wb, sa, sb, w0, w1, s0, s1, ok0, ok1, ks, ksplit, kc, cpb, q);
@@ -1025,7 +1040,7 @@ __device__ __forceinline__ void gemv_q4mma(const typename T::S* x, const typenam
             sb[u] = nsb[u];
         }
     }
-    mma_store<T, NT>(acc, y, rows, n, m0, ksplit);
+    mma_store<T, NT, (MODE & LIN_OUT_SWIGLU) != 0>(acc, y, rows, n_out, m0, ksplit);
 }
 
 }  // namespace lin

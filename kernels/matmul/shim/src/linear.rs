@@ -16,8 +16,8 @@
 //! - `ai.kiln::SwiGluLinear(GU [..., 2F], W [N, F])` → `Y [..., N]`: `A = SiLU(gate) · up` of
 //!   each row's gate half then up half (kiln-unary's packed SwiGlu), `Y = A · Wᵀ`, with A
 //!   computed as the ops it replaces compute it: `Sigmoid(gate)`, `gate · that` and `· up`,
-//!   each rounded to the dtype (the verify of `skip-rmsnorm-mlp-nbits`, and that of
-//!   `skip-rmsnorm-mlp` for the `swiglu` epilogue below, hold the fused ops to those three
+//!   each rounded to the dtype (the verify of `skip-rmsnorm-mlp` and `skip-rmsnorm-mlp-nbits`,
+//!   whose `swiglu` epilogue below computes the same, hold the fused ops to those three
 //!   roundings; rounding once differs by an ulp, which the down projection's sum magnifies where
 //!   it cancels).
 //!
@@ -25,11 +25,12 @@
 //! `Y [..., N / 2] = SiLU(P[..., :N/2]) · P[..., N/2:]` with `P = A · Wᵀ` rounded to the dtype
 //! (W's rows: the gate projection's, then the up projection's), computed as the Sigmoid, Mul and
 //! Mul it replaces compute it, each rounded to the dtype (the `skip-rmsnorm-mlp` fusion's
-//! `RmsNormLinear`, whose down projection is then a plain `Linear`). N must be even. The GPU
-//! computes it in the GEMV's epilogue for `RmsNormLinear` over a weight of X's dtype (gate row `j`
-//! and up row `N / 2 + j` in one warp or tensor-core tile, so that SiLU runs once per output
-//! instead of in every block of the down projection's prologue); elsewhere P goes to scratch
-//! and `kiln_linear_swiglu` follows.
+//! `RmsNormLinear`, and the `*-nbits` fusions' over 4-bit weights, whose down projection is then
+//! a plain `Linear`). N must be even. The GPU computes it in the decode GEMVs' epilogue for
+//! `RmsNormLinear` (gate row `j` and up row `N / 2 + j` in one warp or tensor-core tile, dense or
+//! quantized, so that SiLU runs once per output instead of in every block of the down
+//! projection's prologue); elsewhere (prefill, `Linear`, `SwiGluLinear`) P goes to scratch and
+//! `kiln_linear_swiglu` follows.
 //!
 //! Each op also takes its weight in onnxruntime's MatMulNBits layout (the `*-nbits` fusions of
 //! `kernel.toml` replace MatMulNBits without zero points, g_idx or bias): `W` is then uint8
@@ -509,13 +510,13 @@ pub fn dispatch(call: &Call) -> Result<()> {
     let g = geometry(call)?;
     let tag = kernel_tag(call.op_type(), g.dtype)?;
     let y = call.output(0)?.handle();
-    // The SwiGLU epilogue inside the GEMV kernels (RmsNormLinear over a weight of X's dtype),
-    // else the product into scratch and kiln_linear_swiglu after it. Without rows or outputs
-    // there is no product (a sum output is still written).
+    // The SwiGLU epilogue inside the decode GEMV kernels (RmsNormLinear), else the product into
+    // scratch and kiln_linear_swiglu after it. Without rows or outputs there is no product (a
+    // sum output is still written).
     if !g.swiglu || g.rows == 0 || g.n == 0 {
         return product(call, &g, tag, y, false);
     }
-    if g.prologue == Prologue::RmsNorm && g.quant.is_none() && decode_kernel(&g).is_some() {
+    if g.prologue == Prologue::RmsNorm && decode_kernel(&g).is_some() {
         return product(call, &g, tag, y, true);
     }
     let p = scratch(g.rows as u64 * g.n as u64 * g.dtype.size().unwrap_or(4) as u64)?;
@@ -535,10 +536,15 @@ fn launch_swiglu(tag: &str, gu: u32, a: u32, rows: u64, half: u64) -> Result<()>
     })
 }
 
-/// The decode kernel a weight of X's dtype takes: the tensor-core GEMV `kiln_linear_mma` (float16
-/// and bfloat16, [`MMA_MIN_ROWS`] to [`MMA_MAX_ROWS`] rows, A within a block's shared memory) or the
-/// CUDA-core `kiln_linear_gemv` (up to [`GEMV_MAX_ROWS`] rows, or any at K = 0: it writes an empty
-/// product's zeros); `None`: the prefill path.
+/// The decode kernel a call takes, `None` for the prefill path:
+/// - a weight of X's dtype: the tensor-core GEMV `kiln_linear_mma` (float16 and bfloat16,
+///   [`MMA_MIN_ROWS`] to [`MMA_MAX_ROWS`] rows, A within a block's shared memory) or the CUDA-core
+///   `kiln_linear_gemv` (up to [`GEMV_MAX_ROWS`] rows, or any at K = 0: it writes an empty
+///   product's zeros);
+/// - a 4- or 8-bit weight (whole 16-byte chunks of 128 / bits values in every block and row): the
+///   4-bit tensor-core `kiln_linear_q4mma` ([`Q4_MMA_MIN_ROWS`] to [`MMA_MAX_ROWS`] rows of float16
+///   or bfloat16) or the CUDA-core `kiln_linear_qgemv` (up to [`Q_MAX_ROWS`] rows, the most per
+///   block of 8, 4, 2, 1 whose A fits the shared memory).
 enum DecodeKernel {
     Mma { n_tiles: u64, shared: u64 },
     Gemv { block_rows: usize, shared: u64 },
@@ -550,6 +556,22 @@ fn decode_kernel(g: &Geometry) -> Option<DecodeKernel> {
         return None;
     }
     let (shared, n_tiles) = mma_shared(g);
+    if let Some(q) = g.quant {
+        let chunk = 128 / q.bits as usize;
+        if !matches!(q.bits, 4 | 8) || !q.block.is_multiple_of(chunk) || !g.k.is_multiple_of(chunk) {
+            return None;
+        }
+        if q.bits == 4 && tensor_cores(g, Q4_MMA_MIN_ROWS) && shared <= GEMV_MAX_SHARED as u64 {
+            return Some(DecodeKernel::Mma { n_tiles, shared });
+        }
+        let mut block_rows = g.rows.next_power_of_two().min(Q_BLOCK_ROWS);
+        while block_rows > 1 && g.rows.min(block_rows) as u64 * g.k as u64 * 4 > GEMV_MAX_SHARED as u64 {
+            block_rows /= 2;
+        }
+        let shared = g.rows.min(block_rows) as u64 * g.k as u64 * 4;
+        return (g.rows <= Q_MAX_ROWS && shared <= GEMV_MAX_SHARED as u64)
+            .then_some(DecodeKernel::Gemv { block_rows, shared });
+    }
     if tensor_cores(g, MMA_MIN_ROWS) && g.k > 0 && shared <= GEMV_MAX_SHARED as u64 {
         return Some(DecodeKernel::Mma { n_tiles, shared });
     }
@@ -574,8 +596,8 @@ fn mma_shared(g: &Geometry) -> (u64, u64) {
     ((8 * n_tiles * ((g.k / vec).div_ceil(8) as u64 * 8) * 16).max(MMA_WARPS as u64 * n_tiles * 512), n_tiles)
 }
 
-/// The dense GEMV kernels' MODE: the prologue's, or `LIN_RMSNORM_SWIGLU` with the epilogue (only
-/// RmsNormLinear over a weight of X's dtype takes it: [`dispatch`]).
+/// The GEMV kernels' MODE: the prologue's, or `LIN_RMSNORM_SWIGLU` with the epilogue (only
+/// RmsNormLinear takes it: [`dispatch`]).
 fn kernel_mode(g: &Geometry, epilogue: bool) -> &'static str {
     if epilogue {
         "LIN_RMSNORM_SWIGLU"
@@ -588,8 +610,7 @@ fn kernel_mode(g: &Geometry, epilogue: bool) -> &'static str {
 /// `epilogue`, Y through the GEMV kernels' SwiGLU epilogue (`LIN_RMSNORM_SWIGLU`: the caller
 /// checked that [`decode_kernel`] takes the call).
 fn product(call: &Call, g: &Geometry, tag: &str, y: u32, epilogue: bool) -> Result<()> {
-    debug_assert!(!epilogue || (g.quant.is_none() && decode_kernel(g).is_some()));
-    let esize = g.dtype.size().unwrap_or(4);
+    debug_assert!(!epilogue || decode_kernel(g).is_some());
     let x = call.input(0)?.handle();
     let sum = call.output_opt(1).map(|t| t.handle());
     let (skip, gamma) = match g.prologue {
@@ -605,7 +626,6 @@ fn product(call: &Call, g: &Geometry, tag: &str, y: u32, epilogue: bool) -> Resu
     if g.rows == 0 || g.n == 0 && sum.is_none() {
         return Ok(());
     }
-    let vec = 16 / esize;
     let tail = [
         at(y),
         at(sum.unwrap_or(y)),
@@ -617,63 +637,29 @@ fn product(call: &Call, g: &Geometry, tag: &str, y: u32, epilogue: bool) -> Resu
         KernelArg::F32(g.eps),
     ];
     let mut operands = alloc::vec![at(x), at(skip.unwrap_or(x)), at(gamma.unwrap_or(x)), at(w)];
-    if let Some(q) = g.quant {
-        // Whole 16-byte chunks of 128 / bits values in every block and row: decode rows in one
-        // kernel, on tensor cores for 4 bits from Q4_MMA_MIN_ROWS rows.
-        let chunk = 128 / q.bits as usize;
-        let fits = matches!(q.bits, 4 | 8)
-            && q.block.is_multiple_of(chunk)
-            && g.k.is_multiple_of(chunk)
-            && g.k.is_multiple_of(vec);
-        let scales = at(call.input(g.w_index + 1)?.handle());
-        let quant_args = [KernelArg::U32(q.k_blocks as u32), KernelArg::U32(q.block as u32)];
-        let (mma_shared, n_tiles) = mma_shared(g);
-        if fits && q.bits == 4 && tensor_cores(g, Q4_MMA_MIN_ROWS) && mma_shared <= GEMV_MAX_SHARED as u64 {
-            operands.push(scales);
-            operands.extend(tail);
-            operands.extend(quant_args);
-            return launch_mma("kiln_linear_q4mma", tag, g, false, n_tiles, mma_shared, operands);
+    // A quantized W's scales follow it; its layout's k_blocks and block close the arguments.
+    let (mma, gemv, bits) = match g.quant {
+        Some(q) => {
+            operands.push(at(call.input(g.w_index + 1)?.handle()));
+            ("kiln_linear_q4mma", "kiln_linear_qgemv", Some(q.bits.to_string()))
         }
-        // The most rows per block (8, 4, 2, 1) whose A fits the shared memory.
-        let mut block_rows = g.rows.next_power_of_two().min(Q_BLOCK_ROWS);
-        while block_rows > 1 && g.rows.min(block_rows) as u64 * g.k as u64 * 4 > GEMV_MAX_SHARED as u64 {
-            block_rows /= 2;
-        }
-        let shared = g.rows.min(block_rows) as u64 * g.k as u64 * 4;
-        if fits && g.rows <= Q_MAX_ROWS && g.n > 0 && shared <= GEMV_MAX_SHARED as u64 {
-            operands.push(scales);
-            operands.extend(tail);
-            operands.extend(quant_args);
-            let bits = q.bits.to_string();
-            return launch_gemv(
-                "kiln_linear_qgemv",
-                &[tag, g.prologue.kernel_mode(), &block_rows.to_string(), &bits],
-                g.n.div_ceil(GEMV_COLS_PER_BLOCK),
-                g.rows.div_ceil(block_rows),
-                shared,
-                operands,
-            );
-        }
-        return prefill(call, g, tag, y, skip, gamma, flags);
-    }
+        None => ("kiln_linear_mma", "kiln_linear_gemv", None),
+    };
     operands.extend(tail);
+    if let Some(q) = g.quant {
+        operands.extend([KernelArg::U32(q.k_blocks as u32), KernelArg::U32(q.block as u32)]);
+    }
     match decode_kernel(g) {
-        Some(DecodeKernel::Mma { n_tiles, shared }) => {
-            launch_mma("kiln_linear_mma", tag, g, epilogue, n_tiles, shared, operands)
-        }
+        Some(DecodeKernel::Mma { n_tiles, shared }) => launch_mma(mma, tag, g, epilogue, n_tiles, shared, operands),
         Some(DecodeKernel::Gemv { block_rows, shared }) => {
             // GEMV_COLS_PER_BLOCK outputs per block; under the epilogue a warp's two weight rows
             // are one output's gate and up.
             let per_block = if epilogue { GEMV_COLS_PER_BLOCK / 2 } else { GEMV_COLS_PER_BLOCK };
             let outputs = if epilogue { g.n / 2 } else { g.n };
-            launch_gemv(
-                "kiln_linear_gemv",
-                &[tag, kernel_mode(g, epilogue), &block_rows.to_string()],
-                outputs.div_ceil(per_block),
-                g.rows.div_ceil(block_rows),
-                shared,
-                operands,
-            )
+            let rows = block_rows.to_string();
+            let mut params = alloc::vec![tag, kernel_mode(g, epilogue), rows.as_str()];
+            params.extend(bits.as_deref());
+            launch_gemv(gemv, &params, outputs.div_ceil(per_block), g.rows.div_ceil(block_rows), shared, operands)
         }
         None => prefill(call, g, tag, y, skip, gamma, flags),
     }
