@@ -750,6 +750,25 @@ __device__ __forceinline__ void mma_store(float (&acc)[NT][4], typename T::S* y,
         }
 }
 
+// The two W rows lane group g (lane / 4) of tensor-core tile `tile` holds on the M side, for W of
+// n rows: rows m0 + g and m0 + g + 8 (outputs of those indices, Y [rows, n]), or under
+// LIN_OUT_SWIGLU gate row m0 + g and up row n / 2 + m0 + g of output m0 + g (Y [rows, n / 2],
+// 8 outputs per tile); ok0 / ok1: whether each row exists.
+template <int MODE>
+struct MmaTile {
+    kiln_u64 n_out, m0, row0, row1;
+    bool ok0, ok1;
+    __device__ __forceinline__ MmaTile(kiln_u64 n, kiln_u64 tile, unsigned g) {
+        const bool epi = MODE & LIN_OUT_SWIGLU;
+        n_out = epi ? n / 2 : n;
+        m0 = tile * (epi ? 8 : 16);
+        row0 = m0 + g;
+        row1 = epi ? n_out + m0 + g : m0 + g + 8;
+        ok0 = epi ? m0 + g < n_out : row0 < n;
+        ok1 = epi ? ok0 : row1 < n;
+    }
+};
+
 // Y[rows, n] = A · Wᵀ for rows ≤ 8·NT on tensor cores; see above. Same PDL contract as gemv:
 // before the grid-dependency wait, the first weight groups loaded (a constant W) or prefetched
 // into L2. Under LIN_OUT_SWIGLU a tile holds 8 outputs j0 .. j0 + 7: gate rows j0 + g on the M
@@ -765,14 +784,10 @@ __device__ __forceinline__ void gemv_mma(const typename T::S* x, const typename 
     const unsigned kc = (unsigned)(k / T::VEC), kcp = (kc + 7) & ~7u, groups = kcp / 4;
     const unsigned rows_here = (unsigned)min(rows, (kiln_u64)(8 * NT));
     const unsigned ks = warp % ksplit;
-    const kiln_u64 tile = (kiln_u64)blockIdx.x * (MMA_WARPS / ksplit) + warp / ksplit;
-    const bool epi = MODE & LIN_OUT_SWIGLU;
-    // The M side's rows g and g + 8: outputs m0 + g and m0 + g + 8, or gate and up of output m0 + g.
-    const kiln_u64 n_out = epi ? n / 2 : n, m0 = tile * (epi ? 8 : 16);
-    const kiln_u64 row0 = m0 + g, row1 = epi ? n_out + m0 + g : m0 + g + 8;
-    const bool ok0 = epi ? m0 + g < n_out : row0 < n, ok1 = epi ? ok0 : row1 < n;
-    const uint4* w0 = (const uint4*)w + (ok0 ? row0 * kc : 0);
-    const uint4* w1 = (const uint4*)w + (ok1 ? row1 * kc : 0);
+    const MmaTile<MODE> tile(n, (kiln_u64)blockIdx.x * (MMA_WARPS / ksplit) + warp / ksplit, g);
+    const bool ok0 = tile.ok0, ok1 = tile.ok1;
+    const uint4* w0 = (const uint4*)w + (ok0 ? tile.row0 * kc : 0);
+    const uint4* w1 = (const uint4*)w + (ok1 ? tile.row1 * kc : 0);
 
     uint4 wa[MMA_UNROLL], wb[MMA_UNROLL];
     const bool w_const = flags & W_CONST;
@@ -831,7 +846,7 @@ __device__ __forceinline__ void gemv_mma(const typename T::S* x, const typename 
         }
     }
 
-    mma_store<T, NT, (MODE & LIN_OUT_SWIGLU) != 0>(acc, y, rows, n_out, m0, ksplit);
+    mma_store<T, NT, (MODE & LIN_OUT_SWIGLU) != 0>(acc, y, rows, tile.n_out, tile.m0, ksplit);
 }
 
 // ---- Tensor-core GEMV over 4-bit weights, 1–16 rows ---------------------------------------------
@@ -947,17 +962,12 @@ __device__ __forceinline__ void gemv_q4mma(const typename T::S* x, const typenam
     const unsigned groups = (kc + Q4MMA_GROUP - 1) / Q4MMA_GROUP;
     const unsigned rows_here = (unsigned)min(rows, (kiln_u64)(8 * NT));
     const unsigned ks = warp % ksplit;
-    const kiln_u64 tile = (kiln_u64)blockIdx.x * (MMA_WARPS / ksplit) + warp / ksplit;
-    const bool epi = MODE & LIN_OUT_SWIGLU;
-    // The M side's rows g and g + 8, as in gemv_mma: outputs m0 + g and m0 + g + 8, or gate and up
-    // of output m0 + g.
-    const kiln_u64 n_out = epi ? n / 2 : n, m0 = tile * (epi ? 8 : 16);
-    const kiln_u64 row0 = m0 + g, row1 = epi ? n_out + m0 + g : m0 + g + 8;
-    const bool ok0 = epi ? m0 + g < n_out : row0 < n, ok1 = epi ? ok0 : row1 < n;
-    const uint4* w0 = (const uint4*)w + (ok0 ? row0 * rc : 0);
-    const uint4* w1 = (const uint4*)w + (ok1 ? row1 * rc : 0);
-    const typename T::S* s0 = scales + (ok0 ? row0 * kb : 0);
-    const typename T::S* s1 = scales + (ok1 ? row1 * kb : 0);
+    const MmaTile<MODE> tile(n, (kiln_u64)blockIdx.x * (MMA_WARPS / ksplit) + warp / ksplit, g);
+    const bool ok0 = tile.ok0, ok1 = tile.ok1;
+    const uint4* w0 = (const uint4*)w + (ok0 ? tile.row0 * rc : 0);
+    const uint4* w1 = (const uint4*)w + (ok1 ? tile.row1 * rc : 0);
+    const typename T::S* s0 = scales + (ok0 ? tile.row0 * kb : 0);
+    const typename T::S* s1 = scales + (ok1 ? tile.row1 * kb : 0);
 
     uint4 wa[MMA_UNROLL], wb[MMA_UNROLL];
     float sa[MMA_UNROLL], sb[MMA_UNROLL];
@@ -1040,7 +1050,7 @@ __device__ __forceinline__ void gemv_q4mma(const typename T::S* x, const typenam
             sb[u] = nsb[u];
         }
     }
-    mma_store<T, NT, (MODE & LIN_OUT_SWIGLU) != 0>(acc, y, rows, n_out, m0, ksplit);
+    mma_store<T, NT, (MODE & LIN_OUT_SWIGLU) != 0>(acc, y, rows, tile.n_out, tile.m0, ksplit);
 }
 
 }  // namespace lin
