@@ -103,8 +103,8 @@ fn tiny_llama_int4_matches_onnxruntime_logits() {
 fn smollm2_int4_matches_onnxruntime_logits() {
     // Fused: kiln-matmul's `*-nbits` fusions take every MatMulNBits with the norm before it or
     // the SwiGLU between gate/up and down: per layer one RmsNormLinear for QKV, a Linear for the
-    // output projection, RmsNormLinear over [gate | up] and SwiGluLinear; the final norm and
-    // the LM head one more RmsNormLinear.
+    // output projection, RmsNormLinear over [gate | up] with the SwiGLU (swiglu = 1) and a Linear
+    // for down; the final norm and the LM head one more RmsNormLinear.
     let mut g = generator("smollm2-135m-int4-acc1-cpu");
     let f = &g.session.report.fusions;
     let counts = f.applied_counts();
@@ -117,6 +117,9 @@ fn smollm2_int4_matches_onnxruntime_logits() {
     ] {
         assert_eq!(counts.get(name), Some(&n), "{name}: {}", f.render());
     }
+    let nodes = &g.session.model().graph.nodes;
+    let ops = |op: &str| nodes.iter().filter(|n| n.op_type == op).count();
+    assert_eq!((ops("RmsNormLinear"), ops("Linear"), ops("SwiGluLinear"), ops("MatMulNBits")), (61, 60, 0, 0));
     teacher_forced_logits_match_with(&mut g, "smollm2-135m-int4-acc1-cpu");
 }
 

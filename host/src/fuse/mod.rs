@@ -285,8 +285,8 @@ fn check(
     }
     let consts = rewrite::new_constants(g, f, b)?;
     // Every replacement node must resolve, with the dtype of its first input where known (an
-    // output of an earlier replacement node taking that node's dtype): SwiGluLinear(gu, B,
-    // scales) resolves as gu's float type, not as its uint8 weight's.
+    // output of an earlier replacement node taking that node's dtype): Linear(h, Bd, Sd) of
+    // skip-rmsnorm-mlp-nbits resolves as h's float type, not as its uint8 weight's.
     let mut opsets = Vec::new();
     let mut made: HashMap<&str, Option<DType>> = HashMap::new();
     for r in &f.replace {

@@ -694,8 +694,8 @@ struct RowsMma {
     __device__ __forceinline__ Row row(unsigned r) const { return Row{a + r * kcp, mma_swizzle(r)}; }
 };
 
-// The 16-byte weight runs of K groups g0, g0 + ksplit, … (MMA_UNROLL of them) of rows m0 + g
-// (w0) and m0 + g + 8 (w1) for lane quarter q; zeros past the row or past N.
+// The 16-byte weight runs of K groups g0, g0 + ksplit, … (MMA_UNROLL of them) of the tile's W
+// rows (MmaTile's row0 at w0, row1 at w1) for lane quarter q; zeros past the row or past N.
 __device__ __forceinline__ void mma_load(uint4 (&wa)[MMA_UNROLL], uint4 (&wb)[MMA_UNROLL], const uint4* w0,
                                          const uint4* w1, bool ok0, bool ok1, unsigned g0, unsigned ksplit,
                                          unsigned kc, unsigned q) {
@@ -851,8 +851,8 @@ __device__ __forceinline__ void gemv_mma(const typename T::S* x, const typename 
 
 // ---- Tensor-core GEMV over 4-bit weights, 1–16 rows ---------------------------------------------
 //
-// gemv_mma's swap-AB over MatMulNBits' 4-bit W: 16 outputs per tile on the M side, A's rows on the N
-// side. Each mma's 16 K columns lie in one 32-value chunk of W (one scale), so the products are
+// gemv_mma's swap-AB over MatMulNBits' 4-bit W: 16 outputs per tile on the M side (8 outputs'
+// gate and up rows under LIN_OUT_SWIGLU, each with its scales), A's rows on the N side. Each mma's 16 K columns lie in one 32-value chunk of W (one scale), so the products are
 // summed exactly in f32 by the mma and scaled once per chunk: acc += (Σ a·(q − 8)) · scale, the
 // order the CPU reference sums in up to f32 reassociation. Lane (g, q) takes the 8 values 8q ..
 // 8q + 7 of each chunk, word q of its 16 bytes: the quad's four lanes load chunks 4G .. 4G + 3 of
@@ -925,8 +925,8 @@ __device__ __forceinline__ void quad_transpose(const uint4& v, unsigned (&t)[Q4M
     }
 }
 
-// The 16-byte runs of chunk groups G = g0, g0 + ksplit, … (MMA_UNROLL of them) of W rows m0 + g
-// (w0) and m0 + g + 8 (w1) for lane quarter q, chunk 4G + q of each, and that chunk's scales (zeros
+// The 16-byte runs of chunk groups G = g0, g0 + ksplit, … (MMA_UNROLL of them) of the tile's W
+// rows (MmaTile's row0 at w0, row1 at w1) for lane quarter q, chunk 4G + q of each, and that chunk's scales (zeros
 // past the row or past N; their products are skipped).
 template <typename T>
 __device__ __forceinline__ void q4mma_load(uint4 (&wa)[MMA_UNROLL], uint4 (&wb)[MMA_UNROLL], float (&sa)[MMA_UNROLL],
@@ -947,6 +947,7 @@ __device__ __forceinline__ void q4mma_load(uint4 (&wa)[MMA_UNROLL], uint4 (&wb)[
 // tiles, split over K by chunk groups of 128 values, and its PDL contract (the first groups
 // loaded before the grid-dependency wait when W is constant, else prefetched into L2). kc = k /
 // 32 chunks of A per row, rc = kb·block / 32 chunks per W row, cpb = block / 32 chunks per scale.
+// Under LIN_OUT_SWIGLU a tile holds 8 outputs' gate and up rows, as in gemv_mma (MmaTile).
 template <typename T, int MODE, int NT>
 __device__ __forceinline__ void gemv_q4mma(const typename T::S* x, const typename T::S* skip,
                                            const typename T::S* gamma, const unsigned char* w,
@@ -1097,9 +1098,10 @@ __global__ void __launch_bounds__(MMA_WARPS * 32)
 //                                        u64 skip_len, u32 flags, float eps, u32 kb, u32 block)
 // kiln_linear_gemv over BITS-bit weights (4 or 8) W uint8 [n, kb, block · BITS / 8] with scales
 // [n, kb] (MatMulNBits' layout, default zero point 2^(BITS − 1)): block and k multiples of
-// 128 / BITS with kb = ceil(k / block). R (1, 2, 4, 8) rows per block: grid [column blocks,
-// ceil(rows / R), 1], block [LIN_WARPS · 32, 1, 1], dynamic shared memory min(rows, R) · k · 4;
-// W 16-byte aligned.
+// 128 / BITS with kb = ceil(k / block); the same modes (LIN_RMSNORM_SWIGLU: y [rows, n / 2]).
+// R (1, 2, 4, 8) rows per block: grid [column blocks, ceil(rows / R), 1] (a column block holds
+// LIN_WARPS · LIN_COLS outputs, LIN_WARPS under the epilogue), block [LIN_WARPS · 32, 1, 1],
+// dynamic shared memory min(rows, R) · k · 4; W 16-byte aligned.
 template <typename Tag, int MODE, int R, int BITS>
 __global__ void __launch_bounds__(LIN_WARPS * 32)
     kiln_linear_qgemv(const typename Tag::storage* x, const typename Tag::storage* skip,
@@ -1114,7 +1116,8 @@ __global__ void __launch_bounds__(LIN_WARPS * 32)
 //                                 T* y, T* sum, u64 rows, u64 n, u64 k, u64 skip_len, u32 flags, float eps,
 //                                 u32 kb, u32 block, u32 ksplit)
 // The tensor-core GEMV over kiln_linear_qgemv's 4-bit weights (float16 and bfloat16) for rows ≤
-// 8·NT (NT 1 or 2): grid [ceil(ceil(n / 16) / (MMA_WARPS / ksplit)), 1, 1], block [256, 1, 1],
+// 8·NT (NT 1 or 2): grid [ceil(tiles / (MMA_WARPS / ksplit)), 1, 1] with tiles = ceil(n / 16)
+// (ceil(n / 2 / 8) under LIN_RMSNORM_SWIGLU, y [rows, n / 2]), block [256, 1, 1],
 // ksplit ∈ {1, 2, 4, 8}, dynamic shared memory max(8·NT · kup · 16, MMA_WARPS · NT · 512) with kup =
 // ceil(k / 64) · 8; block a multiple of 32, k a multiple of 32, W 16-byte aligned.
 template <typename Tag, int MODE, int NT>

@@ -24,9 +24,9 @@
 //! Attribute `swiglu` (each op; 0 by default): 1 makes the output SwiGLU of the product,
 //! `Y [..., N / 2] = SiLU(P[..., :N/2]) · P[..., N/2:]` with `P = A · Wᵀ` rounded to the dtype
 //! (W's rows: the gate projection's, then the up projection's), computed as the Sigmoid, Mul and
-//! Mul it replaces compute it, each rounded to the dtype (the `skip-rmsnorm-mlp` fusion's
-//! `RmsNormLinear`, and the `*-nbits` fusions' over 4-bit weights, whose down projection is then
-//! a plain `Linear`). N must be even. The GPU computes it in the decode GEMVs' epilogue for
+//! Mul it replaces compute it, each rounded to the dtype (the `skip-rmsnorm-mlp` and
+//! `skip-rmsnorm-mlp-nbits` fusions' `RmsNormLinear`, whose down projection is then a plain
+//! `Linear`). N must be even. The GPU computes it in the decode GEMVs' epilogue for
 //! `RmsNormLinear` (gate row `j` and up row `N / 2 + j` in one warp or tensor-core tile, dense or
 //! quantized, so that SiLU runs once per output instead of in every block of the down
 //! projection's prologue); elsewhere (prefill, `Linear`, `SwiGluLinear`) P goes to scratch and
@@ -53,8 +53,9 @@
 //! All operands share one dtype: float32, float16, bfloat16 (and float64 on the CPU). `A` is
 //! rounded to that dtype before the product, as the unfused graph stores it, so the fused op
 //! computes what the ops it replaces compute. The CPU reference computes `A` in f64 and rounds
-//! it and `sum` once each (float32 SwiGluLinear over a MatMulNBits weight in f32, as kiln-unary's
-//! SwiGlu does, within a few ulp); its product goes through the host's `gemm` (f32 accumulation, as on
+//! it and `sum` once each (over a MatMulNBits weight, float32's SiLU(gate)·up, of SwiGluLinear's
+//! prologue or of the `swiglu` epilogue, in f32 as kiln-unary's SwiGlu computes it, within a few
+//! ulp); its product goes through the host's `gemm` (f32 accumulation, as on
 //! the GPU; float64 sums in f64); the CUDA kernels compute in f32 (`cuda/linear.cu`).
 //!
 //! On the GPU, decode's few rows run as one kernel that computes `A` in its prologue: float16 and
@@ -458,8 +459,21 @@ pub fn cpu(call: &Call) -> Result<()> {
             };
             let mut bytes = alloc::vec![0u8; len];
             read_handle(p, 0, &mut bytes)?;
-            let product = element::decode_as::<f64>(g.dtype, &bytes)?;
-            call.output(0)?.write_vec(&swiglu_rows(&product, g.n, round))?;
+            if g.dtype == DType::F32 && g.quant.is_some() {
+                // Over a MatMulNBits weight, float32 in f32 as SwiGluLinear's prologue above (the
+                // `skip-rmsnorm-mlp-nbits` fusion's int4 CPU prefill: millions of values).
+                let product = element::decode_as::<f32>(DType::F32, &bytes)?;
+                let half = g.n / 2;
+                let mut y = Vec::with_capacity(g.rows * half);
+                for row in product.chunks_exact(g.n) {
+                    let (gate, up) = row.split_at(half);
+                    y.extend(gate.iter().zip(up).map(|(&gv, &uv)| silu_mul_f32(gv, uv)));
+                }
+                call.output(0)?.write_vec(&y)?;
+            } else {
+                let product = element::decode_as::<f64>(g.dtype, &bytes)?;
+                call.output(0)?.write_vec(&swiglu_rows(&product, g.n, round))?;
+            }
         }
         return Ok(());
     }
