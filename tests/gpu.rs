@@ -975,20 +975,17 @@ fn gqa_model(
     let ((s, pl), b, half) = (seq_total, lens.len(), h / 2);
     let mut r = kiln_tests::Rng(0x5eed);
     let f32t = |shape: &[usize], v: Vec<f32>| kiln_tests::f32_tensor(shape, &v);
-    let mut vals = |k: usize| {
-        (0..k).map(|_| ((r.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).collect::<Vec<f32>>()
-    };
     let total = Tensor::new(DType::I32, vec![], (pl as i32).to_le_bytes().to_vec().into()).unwrap();
     let mut inputs = vec![
-        ("query", f32t(&[b, s, n * h], vals(b * s * n * h))),
-        ("key", f32t(&[b, s, nk * h], vals(b * s * nk * h))),
-        ("value", f32t(&[b, s, nk * h], vals(b * s * nk * h))),
-        ("past_key", f32t(&[b, nk, past, h], vals(b * nk * past * h))),
-        ("past_value", f32t(&[b, nk, past, h], vals(b * nk * past * h))),
+        ("query", f32t(&[b, s, n * h], r.signed_unit(b * s * n * h))),
+        ("key", f32t(&[b, s, nk * h], r.signed_unit(b * s * nk * h))),
+        ("value", f32t(&[b, s, nk * h], r.signed_unit(b * s * nk * h))),
+        ("past_key", f32t(&[b, nk, past, h], r.signed_unit(b * nk * past * h))),
+        ("past_value", f32t(&[b, nk, past, h], r.signed_unit(b * nk * past * h))),
         ("seqlens_k", seqlens_k(lens)),
         ("total_sequence_length", total),
-        ("cos_cache", f32t(&[cache_rows, half], vals(cache_rows * half))),
-        ("sin_cache", f32t(&[cache_rows, half], vals(cache_rows * half))),
+        ("cos_cache", f32t(&[cache_rows, half], r.signed_unit(cache_rows * half))),
+        ("sin_cache", f32t(&[cache_rows, half], r.signed_unit(cache_rows * half))),
     ];
     let names: Vec<&str> = inputs.iter().map(|(nm, _)| *nm).collect();
     let int = onnx::attr_int;
@@ -1206,11 +1203,8 @@ fn decode_sized_matmul_matches_the_float64_reference() {
                 1 => vec![r.range(1, 8), 1, k],
                 _ => vec![2, r.range(1, 4), k],
             };
-            let mut vals = |len: usize| -> Vec<f32> {
-                (0..len).map(|_| ((r.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).collect()
-            };
-            let x = kiln_tests::f32_tensor(&a_shape, &vals(a_shape.iter().product()));
-            let w = kiln_tests::f32_tensor(&[k, n], &vals(k * n));
+            let x = kiln_tests::f32_tensor(&a_shape, &r.signed_unit(a_shape.iter().product()));
+            let w = kiln_tests::f32_tensor(&[k, n], &r.signed_unit(k * n));
             let dims = |s: &[usize]| s.iter().map(|&d| d as i64).collect::<Vec<_>>();
             let mut y = value("y", 1, &[]);
             y.type_ = Default::default();
@@ -1320,8 +1314,7 @@ fn arg_max_and_min_over_long_rows_match_the_cpu() {
     {
         for (op, last) in [("ArgMax", 0i64), ("ArgMin", 1)] {
             let sign = if op == "ArgMax" { 1.0 } else { -1.0 };
-            let mut x: Vec<f32> =
-                (0..rows * n).map(|_| ((r.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).collect();
+            let mut x: Vec<f32> = r.signed_unit(rows * n);
             let mut want = Vec::with_capacity(rows);
             for row in 0..rows {
                 // Two equal extremes in different eighths of the row, or two NaNs for row 2.
@@ -1380,11 +1373,8 @@ fn linear_ops_match_their_cpu_reference() {
                 let lead: Vec<usize> = if rows % 2 == 0 && r.coin() { vec![2, rows / 2] } else { vec![rows] };
                 let x_last = if op == "SwiGluLinear" { 2 * k } else { k };
                 let x_shape: Vec<usize> = lead.iter().copied().chain([x_last]).collect();
-                let mut vals = |len: usize| -> Vec<f32> {
-                    (0..len).map(|_| ((r.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).collect()
-                };
                 let mut feeds =
-                    vec![("x".to_string(), kiln_tests::f32_tensor(&x_shape, &vals(x_shape.iter().product())))];
+                    vec![("x".to_string(), kiln_tests::f32_tensor(&x_shape, &r.signed_unit(x_shape.iter().product())))];
                 let mut inputs = vec!["xc"];
                 let mut casts = vec![node("Cast", &["x"], &["xc"], vec![int("to", code)])];
                 let mut outputs = vec!["y"];
@@ -1396,18 +1386,18 @@ fn linear_ops_match_their_cpu_reference() {
                         _ => None,
                     };
                     if let Some(s) = &skip_shape {
-                        feeds.push(("skip".into(), kiln_tests::f32_tensor(s, &vals(s.iter().product()))));
+                        feeds.push(("skip".into(), kiln_tests::f32_tensor(s, &r.signed_unit(s.iter().product()))));
                         casts.push(node("Cast", &["skip"], &["skipc"], vec![int("to", code)]));
                         inputs.push("skipc");
                         outputs.push("sum");
                     } else {
                         inputs.push("");
                     }
-                    feeds.push(("gamma".into(), kiln_tests::f32_tensor(&[k], &vals(k))));
+                    feeds.push(("gamma".into(), kiln_tests::f32_tensor(&[k], &r.signed_unit(k))));
                     casts.push(node("Cast", &["gamma"], &["gammac"], vec![int("to", code)]));
                     inputs.push("gammac");
                 }
-                feeds.push(("w".into(), kiln_tests::f32_tensor(&[n, k], &vals(n * k))));
+                feeds.push(("w".into(), kiln_tests::f32_tensor(&[n, k], &r.signed_unit(n * k))));
                 casts.push(node("Cast", &["w"], &["wc"], vec![int("to", code)]));
                 inputs.push("wc");
                 let mut op_node = node(op, &inputs, &outputs, vec![]);
@@ -1480,15 +1470,12 @@ fn swiglu_epilogue_is_silu_of_the_plain_product() {
                 _ => vec * r.range(1, 120),
             };
             let f = if case >= 9 { 8200 } else { r.range(1, 150) };
-            let mut vals = |len: usize| -> Vec<f32> {
-                (0..len).map(|_| ((r.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).collect()
-            };
             let mut feeds = vec![
-                ("x".to_string(), kiln_tests::f32_tensor(&[rows, k], &vals(rows * k))),
-                ("skip".to_string(), kiln_tests::f32_tensor(&[rows, k], &vals(rows * k))),
-                ("gamma".to_string(), kiln_tests::f32_tensor(&[k], &vals(k))),
+                ("x".to_string(), kiln_tests::f32_tensor(&[rows, k], &r.signed_unit(rows * k))),
+                ("skip".to_string(), kiln_tests::f32_tensor(&[rows, k], &r.signed_unit(rows * k))),
+                ("gamma".to_string(), kiln_tests::f32_tensor(&[k], &r.signed_unit(k))),
             ];
-            let w = vals(2 * f * k);
+            let w = r.signed_unit(2 * f * k);
             let mut nodes: Vec<_> = ["x", "skip", "gamma"]
                 .iter()
                 .map(|i| node("Cast", &[i], &[&format!("{i}c")], vec![int("to", code)]))
@@ -1595,29 +1582,29 @@ fn quantized_linear_ops_match_their_cpu_reference_and_float64() {
                 };
                 let x_last = if op == "SwiGluLinear" { 2 * k } else { k };
                 let x_shape = vec![rows, x_last];
-                let mut vals = |len: usize| -> Vec<f32> {
-                    (0..len).map(|_| ((r.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).collect()
-                };
-                let xv = vals(rows * x_last);
+                let xv = r.signed_unit(rows * x_last);
                 let mut feeds = vec![("x".to_string(), kiln_tests::f32_tensor(&x_shape, &xv))];
                 let mut inputs = vec!["xc"];
                 let mut casts = vec![node("Cast", &["x"], &["xc"], vec![int("to", code)])];
                 let mut outputs = vec!["y"];
                 if op == "RmsNormLinear" {
-                    feeds.push(("skip".into(), kiln_tests::f32_tensor(&x_shape, &vals(rows * k))));
+                    feeds.push(("skip".into(), kiln_tests::f32_tensor(&x_shape, &r.signed_unit(rows * k))));
                     casts.push(node("Cast", &["skip"], &["skipc"], vec![int("to", code)]));
                     inputs.push("skipc");
                     outputs.push("sum");
-                    feeds.push(("gamma".into(), kiln_tests::f32_tensor(&[k], &vals(k))));
+                    feeds.push(("gamma".into(), kiln_tests::f32_tensor(&[k], &r.signed_unit(k))));
                     casts.push(node("Cast", &["gamma"], &["gammac"], vec![int("to", code)]));
                     inputs.push("gammac");
                 }
                 let blob = block * bits / 8;
-                let wbytes: Vec<u8> = vals(n * kb * blob).iter().map(|v| ((v + 1.0) * 127.9) as u8).collect();
+                let wbytes: Vec<u8> = r.signed_unit(n * kb * blob).iter().map(|v| ((v + 1.0) * 127.9) as u8).collect();
                 // Scales of a magnitude that keeps Y near 1 (exact in every dtype: multiples of
                 // 1/256 for 4 bits, 1/4096 for 8, so that |scale| · 2^(bits − 1) ≤ 1/2 either way).
-                let sv: Vec<f32> =
-                    vals(n * kb).iter().map(|v| (v * 16.0).round() / 256.0 * 8.0 / (1 << (bits - 1)) as f32).collect();
+                let sv: Vec<f32> = r
+                    .signed_unit(n * kb)
+                    .iter()
+                    .map(|v| (v * 16.0).round() / 256.0 * 8.0 / (1 << (bits - 1)) as f32)
+                    .collect();
                 // Odd cases hold W and its scales as initializers, which the host tells the package
                 // are constant (the GEMVs then load them before the grid-dependency wait); even cases
                 // feed them.

@@ -345,6 +345,10 @@ impl Rng {
     pub fn int(&mut self, lo: i64, hi: i64) -> i64 {
         lo + (self.next_u64() % (hi - lo + 1) as u64) as i64
     }
+    /// `len` values uniform in `[-1, 1)`, each from the top 24 bits of one draw (exact in f32).
+    pub fn signed_unit(&mut self, len: usize) -> Vec<f32> {
+        (0..len).map(|_| ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).collect()
+    }
     pub fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
         xs[self.below(xs.len())]
     }

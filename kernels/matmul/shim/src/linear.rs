@@ -340,6 +340,20 @@ fn silu_mul_f32(g: f32, u: f32) -> f32 {
     g / (1.0 + kiln_kernel_abi::math::exp_f32(-g)) * u
 }
 
+/// Each row of `x` (rows of `2 · half` values: gate, then up) as SiLU(gate)·up in f32
+/// ([`silu_mul_f32`]), `[rows, half]`.
+fn swiglu_rows_f32(x: &[f32], half: usize) -> Vec<f32> {
+    if half == 0 {
+        return Vec::new();
+    }
+    let mut y = Vec::with_capacity(x.len() / 2);
+    for row in x.chunks_exact(2 * half) {
+        let (gate, up) = row.split_at(half);
+        y.extend(gate.iter().zip(up).map(|(&gv, &uv)| silu_mul_f32(gv, uv)));
+    }
+    y
+}
+
 /// The `swiglu` output of the product `p` `[rows, n]` (values as the dtype stores them):
 /// each row's `SiLU(gate) · up` of its halves, `[rows, n / 2]`.
 fn swiglu_rows(p: &[f64], n: usize, round: impl Fn(f64) -> f64) -> Vec<f64> {
@@ -418,12 +432,7 @@ pub fn cpu(call: &Call) -> Result<()> {
                 // loop that vectorizes; its gate-up-swiglu fusion took these graphs before): each
                 // row's SiLU(gate)·up.
                 let x: Vec<f32> = call.input(0)?.read_vec()?;
-                let mut a = Vec::with_capacity(g.rows * g.k);
-                for row in x.chunks_exact(2 * g.k) {
-                    let (gate, up) = row.split_at(g.k);
-                    a.extend(gate.iter().zip(up).map(|(&gv, &uv)| silu_mul_f32(gv, uv)));
-                }
-                scratch_from(&element::encode_as(DType::F32, &a)?)?
+                scratch_from(&element::encode_as(DType::F32, &swiglu_rows_f32(&x, g.k))?)?
             }
             _ => {
                 let (a, s) = operand_a(call, &g, round)?;
@@ -463,13 +472,7 @@ pub fn cpu(call: &Call) -> Result<()> {
                 // Over a MatMulNBits weight, float32 in f32 as SwiGluLinear's prologue above (the
                 // `skip-rmsnorm-mlp-nbits` fusion's int4 CPU prefill: millions of values).
                 let product = element::decode_as::<f32>(DType::F32, &bytes)?;
-                let half = g.n / 2;
-                let mut y = Vec::with_capacity(g.rows * half);
-                for row in product.chunks_exact(g.n) {
-                    let (gate, up) = row.split_at(half);
-                    y.extend(gate.iter().zip(up).map(|(&gv, &uv)| silu_mul_f32(gv, uv)));
-                }
-                call.output(0)?.write_vec(&y)?;
+                call.output(0)?.write_vec(&swiglu_rows_f32(&product, g.n / 2))?;
             } else {
                 let product = element::decode_as::<f64>(g.dtype, &bytes)?;
                 call.output(0)?.write_vec(&swiglu_rows(&product, g.n, round))?;
