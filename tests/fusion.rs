@@ -162,6 +162,51 @@ fn silu_times_up_becomes_swiglu_where_the_dtype_is_known() {
     assert!(f.rejected[0].reason.contains("dtype of g (g) is not known at load"), "{}", f.rejected[0].reason);
 }
 
+/// GELU as torch.onnx exports transformers' GELUActivation: x · 0.5 · (1 + erf(x / √2)), its
+/// constants made by Constant nodes (√2 and 0.5 as `value` tensors, 1 as `value_float`); `half`
+/// is the last factor's value.
+fn exported_gelu(half: f32) -> Model {
+    let scalar = |name: &str, v: f32| onnx::attr_tensor("value", onnx::init_f32(name, &[], &[v]));
+    let nodes = vec![
+        node("Constant", &[], &["c_sqrt2"], vec![scalar("c_sqrt2", std::f32::consts::SQRT_2)]),
+        node("Constant", &[], &["c_one"], vec![onnx::attr_float("value_float", 1.0)]),
+        node("Constant", &[], &["c_half"], vec![scalar("c_half", half)]),
+        node("Div", &["x", "c_sqrt2"], &["d"], vec![]),
+        node("Erf", &["d"], &["e"], vec![]),
+        node("Add", &["e", "c_one"], &["p"], vec![]),
+        node("Mul", &["x", "p"], &["m"], vec![]),
+        node("Mul", &["m", "c_half"], &["y"], vec![]),
+    ];
+    let m = onnx::model(nodes, vec![value("x", F32, &[3, 8])], vec![value("y", F32, &[3, 8])], vec![]);
+    model::load_bytes(&onnx::bytes(&m), None).unwrap()
+}
+
+#[test]
+fn an_exported_gelu_becomes_one_gelu_and_a_wrong_constant_keeps_it_unfused() {
+    let x = values(24, 11);
+    let feeds = || vec![("x", f32_tensor(&[3, 8], &x))];
+    let mut fused = session(exported_gelu(0.5), true);
+    let f = &fused.report.fusions;
+    assert_eq!(f.applied.len(), 1, "{}", f.render());
+    assert_eq!(f.applied[0].fusion, "gelu-erf");
+    let ops: Vec<(&str, &str)> =
+        fused.model().graph.nodes.iter().map(|n| (n.domain.as_str(), n.op_type.as_str())).collect();
+    assert_eq!(ops, [("com.microsoft", "Gelu")]);
+    let want: Vec<f64> =
+        x.iter().map(|&v| 0.5 * v as f64 * (1.0 + libm::erf(v as f64 / std::f64::consts::SQRT_2))).collect();
+    assert_close(&run(&mut fused, feeds())[0], &want, 1e-6);
+
+    // 0.6 where the pattern needs 0.5: the match is turned down with the value named, and the
+    // unfused graph computes x · 0.6 · (1 + erf(x / √2)).
+    let mut s = session(exported_gelu(0.6), true);
+    let f = &s.report.fusions;
+    assert!(f.applied.is_empty(), "{}", f.render());
+    let r = f.rejected.iter().find(|r| r.fusion == "gelu-erf").expect("the GELU match is reported");
+    assert!(r.reason.contains("half (c_half) is 0.6") && r.reason.contains("needs 0.5"), "{}", r.reason);
+    let want: Vec<f64> = want.iter().map(|w| w / 0.5 * 0.6f32 as f64).collect();
+    assert_close(&run(&mut s, feeds())[0], &want, 1e-6);
+}
+
 /// A package manifest providing float32 Abs, with one `[[fusions]]` entry and a tail.
 fn manifest(name: &str, fusion: &str, tail: &str) -> String {
     format!(

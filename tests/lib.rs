@@ -104,6 +104,16 @@ pub mod onnx {
         }
     }
 
+    /// A tensor attribute (Constant's `value`).
+    pub fn attr_tensor(name: &str, t: TensorProto) -> AttributeProto {
+        AttributeProto {
+            name: name.into(),
+            type_: EnumOrUnknown::new(attribute_proto::AttributeType::TENSOR),
+            t: MessageField::some(t),
+            ..Default::default()
+        }
+    }
+
     /// A subgraph attribute (If's branches, Loop's and Scan's body).
     pub fn attr_graph(name: &str, g: GraphProto) -> AttributeProto {
         AttributeProto {

@@ -56,6 +56,34 @@ impl Tensor {
         })
     }
 
+    /// The value of a one-element float tensor (f32, f16, bf16, f64) as f64, or `None` for
+    /// another dtype or element count.
+    pub fn scalar_f64(&self) -> Option<f64> {
+        if self.numel() != 1 {
+            return None;
+        }
+        let d = &self.data;
+        match self.dtype {
+            DType::F64 => Some(f64::from_le_bytes(d.get(..8)?.try_into().ok()?)),
+            DType::F32 | DType::F16 | DType::BF16 => self.to_f32().ok()?.first().map(|&x| f64::from(x)),
+            _ => None,
+        }
+    }
+
+    /// A float tensor of `shape` whose every element is `x` rounded to `dtype` (f32, f16, bf16,
+    /// f64). Errors: another dtype.
+    pub fn filled_f64(dtype: DType, shape: Vec<usize>, x: f64) -> Result<Tensor, Error> {
+        let one: Vec<u8> = match dtype {
+            DType::F64 => x.to_le_bytes().to_vec(),
+            DType::F32 => (x as f32).to_le_bytes().to_vec(),
+            DType::F16 => half::f16::from_f64(x).to_le_bytes().to_vec(),
+            DType::BF16 => half::bf16::from_f64(x).to_le_bytes().to_vec(),
+            other => return Err(Error::Input(format!("{other} values are not floats"))),
+        };
+        let n = checked_numel(&shape).ok_or_else(|| Error::Input(format!("shape {shape:?} is too large")))?;
+        Tensor::new(dtype, shape, one.repeat(n).into())
+    }
+
     /// The elements of a string tensor, as bytes. Errors: another dtype (a string tensor's
     /// bytes were checked when it was made).
     pub fn strings(&self) -> Result<Vec<&[u8]>, Error> {

@@ -85,6 +85,11 @@ pub struct Fusion {
     /// Shapes of the pattern inputs for `kiln verify` (the input domain of the declaration).
     #[serde(default)]
     pub verify: BTreeMap<String, Vec<usize>>,
+    /// Constant pattern inputs that must hold one element of a float dtype equal to this number
+    /// rounded to that dtype (manifest schema 15): the 1/√2, 1 and 0.5 of an exported GELU, which
+    /// the replacement computes itself. `kiln verify` gives them these values.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub values: BTreeMap<String, f64>,
 }
 
 /// A node of a pattern or of its replacement.
@@ -111,12 +116,14 @@ pub struct PatternNode {
     pub attributes: BTreeMap<String, AttrConstraint>,
 }
 
-/// What a match node's integer attribute must be (manifest schema 13).
+/// What a match node's integer attribute must be (manifest schema 13; lists from schema 15).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum AttrConstraint {
     /// This value (`bits = 4`).
     Int(i64),
+    /// This list of integers (`perm = [0, 2, 1, 3]`; manifest schema 15).
+    Ints(Vec<i64>),
     /// `"VAR.AXIS"`: dimension AXIS (negative counts from the last) of pattern variable VAR's
     /// shape (`N = "W.0"`). Checked where that dimension is known at load (a constant's always
     /// is), not where it is not. `kiln verify` takes it from the verify shapes. `"*"`: any value or none, an attribute the replacement does
@@ -144,9 +151,11 @@ impl AttrConstraint {
 
     /// The value for a variable shape lookup `shape_of` (`None` where the dimension is unknown
     /// or out of range): the integer itself, or the dimension.
+    /// A list ([`AttrConstraint::Ints`]) resolves to `None`: it is compared as a whole.
     pub fn resolve(&self, shape_of: impl Fn(&str) -> Option<Vec<Option<i64>>>) -> Option<i64> {
         match self {
             AttrConstraint::Int(v) => Some(*v),
+            AttrConstraint::Ints(_) => None,
             AttrConstraint::Dim(_) => {
                 let (var, axis) = self.dim()?;
                 let shape = shape_of(var)?;
@@ -305,6 +314,14 @@ impl Fusion {
                 return at(format!("dtypes.{v}: unknown dtype {d:?}"));
             }
         }
+        for (v, x) in &self.values {
+            if !self.constant.contains(v) {
+                return at(format!("values: {v:?} is not a constant (values are checked on constants)"));
+            }
+            if !x.is_finite() {
+                return at(format!("values.{v}: {x} is not a finite number"));
+            }
+        }
         for v in self.ranks.keys() {
             if !self.constant.contains(v) {
                 return at(format!("ranks: {v:?} is not a constant (ranks are checked on constants)"));
@@ -358,9 +375,11 @@ impl Fusion {
             if node.commutative {
                 return at(format!("replace[{i}]: commutative belongs on match nodes"));
             }
-            if let Some((name, _)) = node.attributes.iter().find(|(_, c)| !matches!(c, AttrConstraint::Int(_))) {
+            if let Some((name, _)) =
+                node.attributes.iter().find(|(_, c)| !matches!(c, AttrConstraint::Int(_) | AttrConstraint::Ints(_)))
+            {
                 return at(format!(
-                    "replace[{i}] ({}): attributes.{name} must be an integer (a replacement node's attributes are values it gets; \"VAR.AXIS\" and \"*\" constrain match nodes)",
+                    "replace[{i}] ({}): attributes.{name} must be an integer or a list of integers (a replacement node's attributes are values it gets; \"VAR.AXIS\" and \"*\" constrain match nodes)",
                     node.op
                 ));
             }
@@ -457,6 +476,22 @@ verify = { x = [3, 8], Wg = [8, 6], Wu = [8, 6] }
     }
 
     #[test]
+    fn integer_lists_and_scalar_values_parse() {
+        let sigmoid = r#"{ op = "Sigmoid", inputs = ["g"], outputs = ["s"] }"#;
+        let text = SWIGLU
+            .replace(
+                sigmoid,
+                r#"{ op = "Sigmoid", inputs = ["g"], outputs = ["s"], attributes = { perm = [0, 2, 1, 3] } }"#,
+            )
+            .replace("ranks = {", "values = { Wu = 0.5 }\nranks = {");
+        let f = parse(&text);
+        f.validate().unwrap();
+        assert_eq!(f.pattern[2].attributes["perm"], AttrConstraint::Ints(vec![0, 2, 1, 3]));
+        assert_eq!(f.pattern[2].attributes["perm"].resolve(|_| None), None);
+        assert_eq!(f.values["Wu"], 0.5);
+    }
+
+    #[test]
     fn hostile_patterns_are_refused_with_the_reason() {
         let cases = [
             // A cycle: Sigmoid reads `a`, which a later node defines.
@@ -514,6 +549,9 @@ verify"#,
                 ),
                 "must be an integer",
             ),
+            // Schema 15: `values` on constants only, finite.
+            (SWIGLU.replace("ranks = {", "values = { x = 0.5 }\nranks = {"), "values: \"x\" is not a constant"),
+            (SWIGLU.replace("ranks = {", "values = { Wg = inf }\nranks = {"), "not a finite number"),
         ]);
         for (text, needle) in cases {
             assert_ne!(text, SWIGLU, "case {needle:?} did not change the pattern");

@@ -105,8 +105,10 @@ pub enum ManifestError {
 /// tensors ([`crate::strings`]) in `dtypes` and on the wire; schema 13 added attribute
 /// constraints on fusion match nodes ([`crate::fusion::AttrConstraint`]); schema 14 adds no
 /// field: the package's shim reads tensor flag bit 4 (an input constant for the session,
-/// [`crate::wire::TensorDesc::constant`]), which the host sends only to such packages.
-pub const MANIFEST_SCHEMA: u32 = 14;
+/// [`crate::wire::TensorDesc::constant`]), which the host sends only to such packages; schema 15
+/// added `values` (scalar constants a fusion pattern needs) and integer-list attribute
+/// constraints ([`crate::fusion::AttrConstraint::Ints`]) to `[[fusions]]`.
+pub const MANIFEST_SCHEMA: u32 = 15;
 
 /// The folder of a package whose files are its exported headers.
 pub const HEADER_DIR: &str = "include/";
@@ -656,6 +658,17 @@ impl Manifest {
                     f.name
                 ));
             }
+            let lists = f
+                .pattern
+                .iter()
+                .chain(&f.replace)
+                .any(|n| n.attributes.values().any(|c| matches!(c, crate::fusion::AttrConstraint::Ints(_))));
+            if self.schema < 15 && (lists || !f.values.is_empty()) {
+                return bad(format!(
+                    "fusion {:?}: `values` and integer-list `attributes` come with manifest schema 15: set `schema = 15`",
+                    f.name
+                ));
+            }
             if self.fusions[..i].iter().any(|g| g.name == f.name) {
                 return bad(format!("fusion name {:?} is used twice", f.name));
             }
@@ -983,6 +996,34 @@ outputs = ["y"]
         assert_eq!(Manifest::parse(&m.to_toml()).unwrap(), m, "round trip");
         let err = Manifest::parse(&v13.replace("schema = 13", "schema = 12")).unwrap_err().to_string();
         assert!(err.contains("`attributes` of match and replacement nodes come with manifest schema 13"), "{err}");
+    }
+
+    /// Schema 15: fusion `values` and integer-list attribute constraints, only in a manifest that
+    /// says so.
+    #[test]
+    fn fusion_values_and_integer_lists_come_with_schema_15() {
+        let fusion = r#"
+[[fusions]]
+name = "scaled-transpose"
+match = [
+    { op = "Transpose", inputs = ["x"], outputs = ["t"], attributes = { perm = [0, 2, 1, 3] } },
+    { op = "Mul", inputs = ["t", "c"], outputs = ["y"] },
+]
+constant = ["c"]
+values = { c = 0.125 }
+replace = [{ op = "Transpose", inputs = ["x"], outputs = ["y"], attributes = { perm = [0, 2, 1, 3] } }]
+outputs = ["y"]
+"#;
+        let v15 = GOOD.replace("schema = 2", "schema = 15") + fusion;
+        let m = Manifest::parse(&v15).unwrap();
+        assert_eq!(m.fusions[0].values["c"], 0.125);
+        assert_eq!(m.fusions[0].pattern[0].attributes["perm"], crate::fusion::AttrConstraint::Ints(vec![0, 2, 1, 3]));
+        assert_eq!(Manifest::parse(&m.to_toml()).unwrap(), m, "round trip");
+        let err = Manifest::parse(&v15.replace("schema = 15", "schema = 14")).unwrap_err().to_string();
+        assert!(err.contains("come with manifest schema 15"), "{err}");
+        let no_values = v15.replace("values = { c = 0.125 }\n", "");
+        let err = Manifest::parse(&no_values.replace("schema = 15", "schema = 14")).unwrap_err().to_string();
+        assert!(err.contains("integer-list `attributes` come with manifest schema 15"), "{err}");
     }
 
     /// Schema 12: `cpu_tiles` names its units, and only a manifest that says so has it.

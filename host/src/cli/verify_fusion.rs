@@ -76,6 +76,9 @@ fn verify_attributes(f: &Fusion, p: &kiln_kernel_abi::fusion::PatternNode) -> Ve
     p.attributes
         .iter()
         .filter_map(|(name, c)| {
+            if let kiln_kernel_abi::fusion::AttrConstraint::Ints(v) = c {
+                return Some((name.clone(), AttrValue::Ints(v.clone())));
+            }
             let shape = |var: &str| f.verify.get(var).map(|s| s.iter().map(|&d| Some(d as i64)).collect());
             c.resolve(shape).map(|v| (name.clone(), AttrValue::Int(v)))
         })
@@ -103,7 +106,9 @@ fn pattern_model(f: &Fusion, dtype: DType, seed: u64) -> Result<Model> {
             dims: Some(shape.iter().map(|&d| Dim::Known(d)).collect()),
             kind: Default::default(),
         });
-        if f.constant.iter().any(|c| c == v) {
+        if let Some(&x) = f.values.get(v) {
+            g.initializers.insert(i, Tensor::filled_f64(dtype, shape.clone(), x)?);
+        } else if f.constant.iter().any(|c| c == v) {
             g.initializers.insert(i, random_tensor(&mut rng, dtype, shape, ValueDomain::Any)?);
         } else {
             g.inputs.push(i);

@@ -75,6 +75,7 @@ fn candidates(registry: &OpRegistry) -> Vec<Candidate<'_>> {
 /// package proves its patterns.)
 pub fn fuse(model: &mut Model, registry: &OpRegistry, device: Option<&DeviceCaps>) -> Fusions {
     let mut report = Fusions::default();
+    constants_as_initializers(&mut model.graph);
     for c in candidates(registry) {
         let ix = Index::new(&model.graph);
         let mut used = vec![false; model.graph.nodes.len()];
@@ -147,6 +148,44 @@ pub fn fuse(model: &mut Model, registry: &OpRegistry, device: Option<&DeviceCaps
     report
 }
 
+/// Replaces each ONNX `Constant` node whose value is a tensor, a float, an integer or a list of
+/// them by an initializer of that value, so that patterns see exporters' scalar constants (a
+/// GELU's √2) as constants. A session would fold these nodes at preparation anyway.
+fn constants_as_initializers(g: &mut crate::model::Graph) {
+    use crate::model::AttrValue;
+    g.nodes.retain(|n| {
+        let onnx = n.domain.is_empty() || n.domain == "ai.onnx";
+        let (true, "Constant", [Some(out)], [(_, value)]) =
+            (onnx, n.op_type.as_str(), n.outputs.as_slice(), n.attributes.as_slice())
+        else {
+            return true;
+        };
+        let tensor = match value {
+            AttrValue::Tensor(t) => Ok(t.clone()),
+            AttrValue::Float(x) => crate::Tensor::new(DType::F32, vec![], x.to_le_bytes().to_vec().into()),
+            AttrValue::Int(x) => crate::Tensor::new(DType::I64, vec![], x.to_le_bytes().to_vec().into()),
+            AttrValue::Floats(v) => crate::Tensor::new(
+                DType::F32,
+                vec![v.len()],
+                v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<_>>().into(),
+            ),
+            AttrValue::Ints(v) => crate::Tensor::new(
+                DType::I64,
+                vec![v.len()],
+                v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<_>>().into(),
+            ),
+            _ => return true,
+        };
+        match tensor {
+            Ok(t) if !g.initializers.contains_key(out) => {
+                g.initializers.insert(*out, t);
+                false
+            }
+            _ => true,
+        }
+    });
+}
+
 /// The dtype of `v` where the load knows it: an initializer or a declared type.
 fn known_dtype(model: &Model, v: ValueId) -> Option<DType> {
     model.graph.declared_dtype(v)
@@ -170,7 +209,8 @@ fn known_shape(model: &Model, v: ValueId) -> Option<Vec<crate::model::Dim>> {
 
 /// Pattern node `p`'s attribute constraints (manifest schema 13) on graph node `node`: each
 /// named attribute an integer equal to the constraint's value, where that value is known at
-/// load (a dimension the load does not know is not checked; `"*"` takes any value or none).
+/// load (a dimension the load does not know is not checked; `"*"` takes any value or none), or
+/// an integer list equal to the constraint's list (schema 15).
 fn check_attributes(
     model: &Model,
     b: &Binding,
@@ -182,7 +222,20 @@ fn check_attributes(
         if c.is_any() {
             continue;
         }
-        let Some(AttrValue::Int(actual)) = node.attributes.iter().find(|(a, _)| a == name).map(|(_, v)| v) else {
+        let value = node.attributes.iter().find(|(a, _)| a == name).map(|(_, v)| v);
+        if let kiln_kernel_abi::fusion::AttrConstraint::Ints(want) = c {
+            match value {
+                Some(AttrValue::Ints(actual)) if actual == want => continue,
+                Some(AttrValue::Ints(actual)) => {
+                    return Err(format!(
+                        "node {}: attribute {name} is {actual:?}, the pattern needs {want:?}",
+                        node.name
+                    ))
+                }
+                _ => return Err(format!("node {} has no integer-list attribute {name}", node.name)),
+            }
+        }
+        let Some(AttrValue::Int(actual)) = value else {
             return Err(format!("node {} has no integer attribute {name}", node.name));
         };
         let want = c.resolve(|var| {
@@ -217,6 +270,19 @@ fn check(
         if let Some(&rank) = f.ranks.get(var) {
             if t.shape.len() != rank {
                 return Err(format!("{var} ({}) has rank {}, not {rank}", name(v), t.shape.len()));
+            }
+        }
+    }
+    for (var, want) in &f.values {
+        let v = b.vars[var];
+        let t = &g.initializers[&v];
+        match t.scalar_f64() {
+            None => return Err(format!("{var} ({}) is not a single float value", name(v))),
+            Some(x) => {
+                let rounded = crate::Tensor::filled_f64(t.dtype, vec![], *want).ok().and_then(|r| r.scalar_f64());
+                if rounded != Some(x) {
+                    return Err(format!("{var} ({}) is {x}, the pattern needs {want}", name(v)));
+                }
             }
         }
     }

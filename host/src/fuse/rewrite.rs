@@ -171,12 +171,17 @@ pub(super) fn apply(g: &mut Graph, f: &Fusion, b: &Binding, consts: Vec<NewConst
         let inputs = r.inputs.iter().map(|v| var_id(v, g)).collect();
         let outputs = r.outputs.iter().map(|v| var_id(v, g)).collect();
         let mut attributes = r.attributes_from.map(|a| g.nodes[b.nodes[a]].attributes.clone()).unwrap_or_default();
-        // Integer attributes the declaration sets (schema 13), over any of the same name.
+        // Integer (schema 13) and integer-list (schema 15) attributes the declaration sets, over
+        // any of the same name.
         for (name, c) in &r.attributes {
-            if let kiln_kernel_abi::fusion::AttrConstraint::Int(v) = c {
-                attributes.retain(|(a, _)| a != name);
-                attributes.push((name.clone(), crate::model::AttrValue::Int(*v)));
-            }
+            use kiln_kernel_abi::fusion::AttrConstraint;
+            let value = match c {
+                AttrConstraint::Int(v) => crate::model::AttrValue::Int(*v),
+                AttrConstraint::Ints(v) => crate::model::AttrValue::Ints(v.clone()),
+                AttrConstraint::Dim(_) => continue,
+            };
+            attributes.retain(|(a, _)| a != name);
+            attributes.push((name.clone(), value));
         }
         g.nodes.push(Node {
             name: if many { format!("{base}/{}#{i}", f.name) } else { format!("{base}/{}", f.name) },
