@@ -207,6 +207,203 @@ fn an_exported_gelu_becomes_one_gelu_and_a_wrong_constant_keeps_it_unfused() {
     assert_close(&run(&mut s, feeds())[0], &want, 1e-6);
 }
 
+const AB: usize = 2; // batch
+const AS: usize = 5; // query rows
+const AT: usize = 6; // keys
+const AH: usize = 3; // heads
+const AD: usize = 4; // head size
+
+/// Eager attention as torch.onnx exports transformers' BERT: q [B, S, H·D], k and v [B, T, H·D]
+/// split into heads by Reshape (q's with `allowzero` = `q_allowzero`) and Transpose, scores / 2,
+/// an additive mask
+/// [B, 1, 1, T], Softmax, the weighted v merged back into y [B, S, H·D].
+fn exported_attention(q_allowzero: i64) -> Model {
+    let (b, s, t, h, d) = (AB as i64, AS as i64, AT as i64, AH as i64, AD as i64);
+    let reshape_az = |x: &str, shape: &str, y: &str, az: i64| {
+        node("Reshape", &[x, shape], &[y], vec![onnx::attr_int("allowzero", az)])
+    };
+    let reshape = |x: &str, shape: &str, y: &str| reshape_az(x, shape, y, 0);
+    let transpose = |x: &str, y: &str, perm: &[i64]| node("Transpose", &[x], &[y], vec![onnx::attr_ints("perm", perm)]);
+    let nodes = vec![
+        reshape_az("q", "sq", "qr", q_allowzero),
+        transpose("qr", "qt", &[0, 2, 1, 3]),
+        reshape("k", "sk", "kr"),
+        transpose("kr", "kt", &[0, 2, 3, 1]),
+        node("MatMul", &["qt", "kt"], &["sc"], vec![]),
+        node("Div", &["sc", "c"], &["sd"], vec![]),
+        node("Add", &["sd", "mask"], &["sm"], vec![]),
+        node("Softmax", &["sm"], &["p"], vec![onnx::attr_int("axis", -1)]),
+        reshape("v", "sv", "vr"),
+        transpose("vr", "vt", &[0, 2, 1, 3]),
+        node("MatMul", &["p", "vt"], &["o"], vec![]),
+        transpose("o", "ot", &[0, 2, 1, 3]),
+        reshape("ot", "so", "y"),
+    ];
+    let inits = vec![
+        onnx::init_f32("c", &[], &[2.0]),
+        onnx::init_i64("sq", &[4], &[b, s, h, d]),
+        onnx::init_i64("sk", &[4], &[b, t, h, d]),
+        onnx::init_i64("sv", &[4], &[0, 0, h, d]),
+        onnx::init_i64("so", &[3], &[b, s, -1]),
+    ];
+    let inputs = vec![
+        value("q", F32, &[b, s, h * d]),
+        value("k", F32, &[b, t, h * d]),
+        value("v", F32, &[b, t, h * d]),
+        value("mask", F32, &[b, 1, 1, t]),
+    ];
+    let m = onnx::model(nodes, inputs, vec![value("y", F32, &[b, s, h * d])], inits);
+    model::load_bytes(&onnx::bytes(&m), None).unwrap()
+}
+
+#[test]
+fn exported_eager_attention_becomes_one_reshaped_attention() {
+    let (q, k, v) = (values(AB * AS * AH * AD, 21), values(AB * AT * AH * AD, 22), values(AB * AT * AH * AD, 23));
+    // The second row masks its last two keys.
+    let mask: Vec<f32> = (0..AB * AT).map(|i| if i >= 2 * AT - 2 { -10000.0 } else { 0.0 }).collect();
+    let feeds = || {
+        vec![
+            ("q", f32_tensor(&[AB, AS, AH * AD], &q)),
+            ("k", f32_tensor(&[AB, AT, AH * AD], &k)),
+            ("v", f32_tensor(&[AB, AT, AH * AD], &v)),
+            ("mask", f32_tensor(&[AB, 1, 1, AT], &mask)),
+        ]
+    };
+    // float64: y[b, s, h·D + e] = Σ_t softmax_t(q·k / 2 + mask[b, t]) v[b, t, h·D + e].
+    let mut want = vec![0.0f64; AB * AS * AH * AD];
+    for b in 0..AB {
+        for h in 0..AH {
+            for s in 0..AS {
+                let row = |x: &[f32], r: usize, len: usize| -> Vec<f64> {
+                    x[(b * len + r) * AH * AD + h * AD..][..AD].iter().map(|&v| v as f64).collect()
+                };
+                let qr = row(&q, s, AS);
+                let sc: Vec<f64> = (0..AT)
+                    .map(|t| {
+                        qr.iter().zip(row(&k, t, AT)).map(|(a, c)| a * c).sum::<f64>() / 2.0 + mask[b * AT + t] as f64
+                    })
+                    .collect();
+                let max = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let den: f64 = sc.iter().map(|x| (x - max).exp()).sum();
+                for (t, x) in sc.iter().enumerate() {
+                    for (e, vv) in row(&v, t, AT).iter().enumerate() {
+                        want[(b * AS + s) * AH * AD + h * AD + e] += (x - max).exp() / den * vv;
+                    }
+                }
+            }
+        }
+    }
+    let mut fused = session(exported_attention(0), true);
+    let f = &fused.report.fusions;
+    assert_eq!(f.applied_counts().into_iter().collect::<Vec<_>>(), vec![("reshaped-attention", 1)], "{}", f.render());
+    let ops: Vec<&str> = fused.model().graph.nodes.iter().map(|n| n.op_type.as_str()).collect();
+    assert_eq!(ops, ["ReshapedAttention"]);
+    assert_close(&run(&mut fused, feeds())[0], &want, 1e-6);
+    let mut unfused = session(exported_attention(0), false);
+    assert_close(&run(&mut unfused, feeds())[0], &want, 1e-6);
+
+    // Q's Reshape with allowzero = 1 (the same here: its target has no 0): the pattern asks for
+    // 0, so the match is turned down with the attribute named, and the unfused ops run.
+    let mut s = session(exported_attention(1), true);
+    let f = &s.report.fusions;
+    assert!(f.applied.iter().all(|a| a.fusion != "reshaped-attention"), "{}", f.render());
+    let r = f.rejected.iter().find(|r| r.fusion == "reshaped-attention").expect("the attention match is reported");
+    assert!(r.reason.contains("attribute allowzero is 1, the pattern needs 0"), "{}", r.reason);
+    assert_close(&run(&mut s, feeds())[0], &want, 1e-6);
+}
+
+/// y = x [ROWS, K] · W [K, N] + b, b reaching the Add through an Identity of an initializer (as
+/// torch.onnx writes equal weights), of `b_len` values (N, or 1 to broadcast).
+fn biased_matmul(b_len: usize) -> Model {
+    let nodes = vec![
+        node("Identity", &["b0"], &["b"], vec![]),
+        node("MatMul", &["x", "W"], &["p"], vec![]),
+        node("Add", &["b", "p"], &["y"], vec![]),
+    ];
+    let inits = vec![
+        onnx::init_f32("W", &[K as i64, N as i64], &values(K * N, 31)),
+        onnx::init_f32("b0", &[b_len as i64], &values(b_len, 32)),
+    ];
+    let outputs = vec![value("y", F32, &[ROWS as i64, N as i64])];
+    let m = onnx::model(nodes, vec![value("x", F32, &[ROWS as i64, K as i64])], outputs, inits);
+    model::load_bytes(&onnx::bytes(&m), None).unwrap()
+}
+
+#[test]
+fn a_matmul_and_its_bias_become_one_linear_and_a_bias_of_another_length_does_not() {
+    let x = values(ROWS * K, 33);
+    let (w, b) = (values(K * N, 31), values(N, 32));
+    let want: Vec<f64> = (0..ROWS * N)
+        .map(|i| (0..K).map(|k| x[i / N * K + k] as f64 * w[k * N + i % N] as f64).sum::<f64>() + b[i % N] as f64)
+        .collect();
+    let mut s = session(biased_matmul(N), true);
+    let f = &s.report.fusions;
+    assert_eq!(f.applied_counts().into_iter().collect::<Vec<_>>(), vec![("linear-bias", 1)], "{}", f.render());
+    let ops: Vec<&str> = s.model().graph.nodes.iter().map(|n| n.op_type.as_str()).collect();
+    assert_eq!(ops, ["Linear"]);
+    assert_close(&run(&mut s, vec![("x", f32_tensor(&[ROWS, K], &x))])[0], &want, 1e-6);
+
+    // A bias of one value broadcasts in Add; Linear's bias is [N]: not fused, the shape named.
+    let b1 = values(1, 32)[0] as f64;
+    let want: Vec<f64> = want.iter().enumerate().map(|(i, v)| v - b[i % N] as f64 + b1).collect();
+    let mut s = session(biased_matmul(1), true);
+    let f = &s.report.fusions;
+    let r = f.rejected.iter().find(|r| r.fusion == "linear-bias").expect("the biased match is reported");
+    assert!(r.reason.contains("b (b) has shape [1], the pattern needs [6]"), "{}", r.reason);
+    assert_eq!(f.applied_counts().into_iter().collect::<Vec<_>>(), vec![("linear", 1)], "{}", f.render());
+    assert_close(&run(&mut s, vec![("x", f32_tensor(&[ROWS, K], &x))])[0], &want, 1e-6);
+}
+
+/// s = a + r, y = LayerNormalization(s, gamma, beta) over the last axis (epsilon 1e-5); with
+/// `sum_out`, s is a graph output too (a pre-norm residual stream reads it).
+fn add_layer_norm(sum_out: bool) -> Model {
+    let nodes = vec![
+        node("Add", &["a", "r"], &["s"], vec![]),
+        node(
+            "LayerNormalization",
+            &["s", "gamma", "beta"],
+            &["y"],
+            vec![onnx::attr_int("axis", -1), onnx::attr_float("epsilon", 1e-5)],
+        ),
+    ];
+    let inits =
+        vec![onnx::init_f32("gamma", &[N as i64], &values(N, 41)), onnx::init_f32("beta", &[N as i64], &values(N, 42))];
+    let shape = [ROWS as i64, N as i64];
+    let mut outputs = vec![value("y", F32, &shape)];
+    if sum_out {
+        outputs.push(value("s", F32, &shape));
+    }
+    let m = onnx::model(nodes, vec![value("a", F32, &shape), value("r", F32, &shape)], outputs, inits);
+    model::load_bytes(&onnx::bytes(&m), None).unwrap()
+}
+
+#[test]
+fn a_residual_add_and_its_layer_norm_become_one_skip_layer_normalization() {
+    let (a, r) = (values(ROWS * N, 43), values(ROWS * N, 44));
+    let (gamma, beta) = (values(N, 41), values(N, 42));
+    let sum: Vec<f64> = a.iter().zip(&r).map(|(x, y)| *x as f64 + *y as f64).collect();
+    let mut want = Vec::new();
+    for row in sum.chunks(N) {
+        let mean = row.iter().sum::<f64>() / N as f64;
+        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / N as f64;
+        let inv = 1.0 / (var + 1e-5).sqrt();
+        want.extend(row.iter().enumerate().map(|(c, v)| (v - mean) * inv * gamma[c] as f64 + beta[c] as f64));
+    }
+    let feeds = || vec![("a", f32_tensor(&[ROWS, N], &a)), ("r", f32_tensor(&[ROWS, N], &r))];
+    for (sum_out, fusion) in [(false, "skip-layernorm"), (true, "skip-layernorm-sum")] {
+        let mut s = session(add_layer_norm(sum_out), true);
+        let f = &s.report.fusions;
+        assert_eq!(f.applied_counts().into_iter().collect::<Vec<_>>(), vec![(fusion, 1)], "{}", f.render());
+        let ops: Vec<&str> = s.model().graph.nodes.iter().map(|n| n.op_type.as_str()).collect();
+        assert_eq!(ops, ["SkipLayerNormalization"]);
+        let out = run(&mut s, feeds());
+        assert_close(&out[0], &want, 1e-5);
+        if sum_out {
+            assert_close(&out[1], &sum, 1e-6);
+        }
+    }
+}
+
 /// A package manifest providing float32 Abs, with one `[[fusions]]` entry and a tail.
 fn manifest(name: &str, fusion: &str, tail: &str) -> String {
     format!(
@@ -570,15 +767,16 @@ fn a_decoder_layer_becomes_rms_norm_linears_one_with_the_swiglu_and_linears() {
 }
 
 #[test]
-fn verify_proves_every_decode_fusion_of_kiln_matmul_on_the_cpu() {
+fn verify_proves_every_fusion_of_kiln_matmul_on_the_cpu() {
     use kiln_host::cli::verify_fusion::fusion_cases;
     let rt = kiln_tests::builtin_runtime();
     let pkg = rt.registry.packages().find(|p| p.name() == "kiln-matmul").expect("kiln-matmul is built in").clone();
     let cases = fusion_cases(&rt, &pkg, Device::Cpu, 1);
     let names: std::collections::BTreeSet<&str> = cases.iter().map(|c| c.fusion.as_str()).collect();
     let dense = ["linear", "rmsnorm-linear", "skip-rmsnorm-linear", "skip-rmsnorm-linear-last", "skip-rmsnorm-mlp"];
-    let want: std::collections::BTreeSet<String> =
+    let mut want: std::collections::BTreeSet<String> =
         dense.iter().flat_map(|d| [d.to_string(), format!("{d}-nbits")]).collect();
+    want.insert("linear-bias".into());
     assert_eq!(names, want.iter().map(String::as_str).collect());
     for c in &cases {
         assert!(
@@ -590,7 +788,7 @@ fn verify_proves_every_decode_fusion_of_kiln_matmul_on_the_cpu() {
         );
     }
     // float32, float16 and bfloat16 each.
-    assert_eq!(cases.len(), 30);
+    assert_eq!(cases.len(), 33);
 }
 
 /// A MatMulNBits model: X [2, 64] float32 times a 4-bit weight [N = 8, K = 64] with blocks of

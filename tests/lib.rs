@@ -172,6 +172,17 @@ pub mod onnx {
         }
     }
 
+    /// An int64 initializer.
+    pub fn init_i64(name: &str, dims: &[i64], v: &[i64]) -> TensorProto {
+        TensorProto {
+            name: name.into(),
+            data_type: 7,
+            dims: dims.to_vec(),
+            int64_data: v.to_vec(),
+            ..Default::default()
+        }
+    }
+
     /// A model with one graph, opset 21 of ai.onnx.
     pub fn model(
         nodes: Vec<NodeProto>,

@@ -84,6 +84,25 @@ impl Tensor {
         Tensor::new(dtype, shape, one.repeat(n).into())
     }
 
+    /// A tensor of `shape` holding `xs` converted to `dtype` (floats rounded, integers
+    /// truncated toward zero). Errors: a dtype that is neither float nor a plain integer, or a
+    /// count that does not fit the shape.
+    pub fn from_f64s(dtype: DType, shape: Vec<usize>, xs: &[f64]) -> Result<Tensor, Error> {
+        let mut data = Vec::new();
+        for &x in xs {
+            match dtype {
+                DType::F64 => data.extend(x.to_le_bytes()),
+                DType::F32 => data.extend((x as f32).to_le_bytes()),
+                DType::F16 => data.extend(half::f16::from_f64(x).to_le_bytes()),
+                DType::BF16 => data.extend(half::bf16::from_f64(x).to_le_bytes()),
+                DType::I64 => data.extend((x as i64).to_le_bytes()),
+                DType::I32 => data.extend((x as i32).to_le_bytes()),
+                other => return Err(Error::Input(format!("cannot make a {other} tensor of numbers"))),
+            }
+        }
+        Tensor::new(dtype, shape, data.into())
+    }
+
     /// The elements of a string tensor, as bytes. Errors: another dtype (a string tensor's
     /// bytes were checked when it was made).
     pub fn strings(&self) -> Result<Vec<&[u8]>, Error> {

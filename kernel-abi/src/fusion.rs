@@ -90,6 +90,17 @@ pub struct Fusion {
     /// the replacement computes itself. `kiln verify` gives them these values.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub values: BTreeMap<String, f64>,
+    /// Exact shapes of pattern variables, each dimension an integer or `"VAR.AXIS"` (a dimension
+    /// of another variable, [`AttrConstraint`]) (manifest schema 15): `b = ["W.1"]`, a bias as
+    /// long as W's columns. The variable's shape must be known at load; a `"VAR.AXIS"` the load
+    /// does not know is not checked.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub shapes: BTreeMap<String, Vec<AttrConstraint>>,
+    /// The elements `kiln verify` gives constant pattern inputs whose random values would not
+    /// be valid (a Reshape's target shape), as many as their `verify` shape holds (manifest
+    /// schema 15). Not a match constraint.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub verify_values: BTreeMap<String, Vec<f64>>,
 }
 
 /// A node of a pattern or of its replacement.
@@ -320,6 +331,38 @@ impl Fusion {
             }
             if !x.is_finite() {
                 return at(format!("values.{v}: {x} is not a finite number"));
+            }
+        }
+        for (v, dims) in &self.shapes {
+            if !inputs.contains(v.as_str()) && !defined.contains(v.as_str()) {
+                return at(format!("shapes: {v:?} is not a pattern variable"));
+            }
+            for d in dims {
+                let ok = match d {
+                    AttrConstraint::Int(n) => *n >= 0,
+                    AttrConstraint::Dim(_) => {
+                        d.dim().is_some_and(|(var, _)| inputs.contains(var) || defined.contains(var))
+                    }
+                    AttrConstraint::Ints(_) => false,
+                };
+                if !ok {
+                    return at(format!(
+                        "shapes.{v}: {d:?} is neither a dimension (an integer ≥ 0) nor \"VAR.AXIS\" of a pattern variable"
+                    ));
+                }
+            }
+        }
+        for (v, xs) in &self.verify_values {
+            if !self.constant.contains(v) {
+                return at(format!("verify_values: {v:?} is not a constant"));
+            }
+            let n = self.verify.get(v).map(|s| s.iter().product::<usize>());
+            if n.is_some_and(|n| n != xs.len()) {
+                return at(format!(
+                    "verify_values.{v}: {} values for a verify shape of {} elements",
+                    xs.len(),
+                    n.unwrap_or(0)
+                ));
             }
         }
         for v in self.ranks.keys() {

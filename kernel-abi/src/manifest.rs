@@ -106,8 +106,8 @@ pub enum ManifestError {
 /// constraints on fusion match nodes ([`crate::fusion::AttrConstraint`]); schema 14 adds no
 /// field: the package's shim reads tensor flag bit 4 (an input constant for the session,
 /// [`crate::wire::TensorDesc::constant`]), which the host sends only to such packages; schema 15
-/// added `values` (scalar constants a fusion pattern needs) and integer-list attribute
-/// constraints ([`crate::fusion::AttrConstraint::Ints`]) to `[[fusions]]`.
+/// added `values` (scalar constants a fusion pattern needs), `shapes`, `verify_values` and
+/// integer-list attribute constraints ([`crate::fusion::AttrConstraint::Ints`]) to `[[fusions]]`.
 pub const MANIFEST_SCHEMA: u32 = 15;
 
 /// The folder of a package whose files are its exported headers.
@@ -663,9 +663,11 @@ impl Manifest {
                 .iter()
                 .chain(&f.replace)
                 .any(|n| n.attributes.values().any(|c| matches!(c, crate::fusion::AttrConstraint::Ints(_))));
-            if self.schema < 15 && (lists || !f.values.is_empty()) {
+            if self.schema < 15
+                && (lists || !f.values.is_empty() || !f.verify_values.is_empty() || !f.shapes.is_empty())
+            {
                 return bad(format!(
-                    "fusion {:?}: `values` and integer-list `attributes` come with manifest schema 15: set `schema = 15`",
+                    "fusion {:?}: `values`, `shapes`, `verify_values` and integer-list `attributes` come with manifest schema 15: set `schema = 15`",
                     f.name
                 ));
             }
@@ -1024,6 +1026,13 @@ outputs = ["y"]
         let no_values = v15.replace("values = { c = 0.125 }\n", "");
         let err = Manifest::parse(&no_values.replace("schema = 15", "schema = 14")).unwrap_err().to_string();
         assert!(err.contains("integer-list `attributes` come with manifest schema 15"), "{err}");
+        let verify_only = no_values.replace(
+            "replace = [{ op = \"Transpose\"",
+            "verify_values = { c = [0.5] }\nreplace = [{ op = \"Transpose\"",
+        );
+        let verify_only = verify_only.replace(", attributes = { perm = [0, 2, 1, 3] }", "");
+        let err = Manifest::parse(&verify_only.replace("schema = 15", "schema = 14")).unwrap_err().to_string();
+        assert!(err.contains("`verify_values`"), "{err}");
     }
 
     /// Schema 12: `cpu_tiles` names its units, and only a manifest that says so has it.

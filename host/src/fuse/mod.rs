@@ -149,12 +149,23 @@ pub fn fuse(model: &mut Model, registry: &OpRegistry, device: Option<&DeviceCaps
 }
 
 /// Replaces each ONNX `Constant` node whose value is a tensor, a float, an integer or a list of
-/// them by an initializer of that value, so that patterns see exporters' scalar constants (a
-/// GELU's √2) as constants. A session would fold these nodes at preparation anyway.
+/// them by an initializer of that value, and each `Identity` of an initializer by a copy of it
+/// (torch.onnx writes one initializer and Identity nodes for equal weights, such as freshly
+/// initialized zero biases), so that patterns see exporters' constants (a GELU's √2, a bias)
+/// as constants. A session would fold these nodes at preparation anyway.
 fn constants_as_initializers(g: &mut crate::model::Graph) {
     use crate::model::AttrValue;
+    let graph_outputs: HashSet<ValueId> = g.outputs.iter().copied().collect();
     g.nodes.retain(|n| {
         let onnx = n.domain.is_empty() || n.domain == "ai.onnx";
+        if let (true, "Identity", [Some(input)], [Some(out)]) =
+            (onnx, n.op_type.as_str(), n.inputs.as_slice(), n.outputs.as_slice())
+        {
+            let Some(t) = g.initializers.get(input).filter(|_| !graph_outputs.contains(out)) else { return true };
+            let t = t.clone();
+            g.initializers.insert(*out, t);
+            return false;
+        }
         let (true, "Constant", [Some(out)], [(_, value)]) =
             (onnx, n.op_type.as_str(), n.outputs.as_slice(), n.attributes.as_slice())
         else {
@@ -207,6 +218,13 @@ fn known_shape(model: &Model, v: ValueId) -> Option<Vec<crate::model::Dim>> {
     Some(dims.clone())
 }
 
+/// The dimensions of pattern variable `var` as far as the load knows them (for `"VAR.AXIS"`).
+fn shape_of(model: &Model, b: &Binding, var: &str) -> Option<Vec<Option<i64>>> {
+    use crate::model::Dim;
+    let dims = known_shape(model, *b.vars.get(var)?)?;
+    Some(dims.iter().map(|d| if let Dim::Known(n) = d { Some(*n as i64) } else { None }).collect())
+}
+
 /// Pattern node `p`'s attribute constraints (manifest schema 13) on graph node `node`: each
 /// named attribute an integer equal to the constraint's value, where that value is known at
 /// load (a dimension the load does not know is not checked; `"*"` takes any value or none), or
@@ -217,7 +235,7 @@ fn check_attributes(
     p: &kiln_kernel_abi::fusion::PatternNode,
     node: &crate::model::Node,
 ) -> Result<(), String> {
-    use crate::model::{AttrValue, Dim};
+    use crate::model::AttrValue;
     for (name, c) in &p.attributes {
         if c.is_any() {
             continue;
@@ -238,10 +256,7 @@ fn check_attributes(
         let Some(AttrValue::Int(actual)) = value else {
             return Err(format!("node {} has no integer attribute {name}", node.name));
         };
-        let want = c.resolve(|var| {
-            let dims = known_shape(model, *b.vars.get(var)?)?;
-            Some(dims.iter().map(|d| if let Dim::Known(n) = d { Some(*n as i64) } else { None }).collect())
-        });
+        let want = c.resolve(|var| shape_of(model, b, var));
         if let Some(want) = want.filter(|w| w != actual) {
             return Err(format!("node {}: attribute {name} is {actual}, the pattern needs {want}", node.name));
         }
@@ -284,6 +299,28 @@ fn check(
                     return Err(format!("{var} ({}) is {x}, the pattern needs {want}", name(v)));
                 }
             }
+        }
+    }
+    for (var, dims) in &f.shapes {
+        let v = b.vars[var];
+        let Some(shape) = known_shape(model, v) else {
+            return Err(format!("the shape of {var} ({}) is not known at load", name(v)));
+        };
+        let want: Vec<Option<i64>> = dims.iter().map(|d| d.resolve(|x| shape_of(model, b, x))).collect();
+        let fits = shape.len() == want.len()
+            && shape.iter().zip(&want).all(|(d, w)| match (d, w) {
+                (crate::model::Dim::Known(n), Some(w)) => *n as i64 == *w,
+                (_, None) => true,
+                _ => false,
+            });
+        if !fits {
+            let want: Vec<String> = want.iter().map(|w| w.map_or("?".into(), |n| n.to_string())).collect();
+            return Err(format!(
+                "{var} ({}) has shape {}, the pattern needs [{}]",
+                name(v),
+                crate::model::format_dims(&shape),
+                want.join(", ")
+            ));
         }
     }
     for (var, allowed) in &f.dtypes {

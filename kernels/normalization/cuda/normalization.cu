@@ -9,7 +9,7 @@
 //
 // Entry points are templates over the prelude's dtype tags (kiln_tag_f32 f16 bf16 f64):
 // kiln_softmax_rows<Tag>, kiln_softmax_cols<Tag>, kiln_lp_norm_rows<Tag>, kiln_lp_norm_cols<Tag>,
-// kiln_layer_norm<Tag>, kiln_group_norm<Tag>, kiln_skip_rms_norm<Tag>
+// kiln_layer_norm<Tag>, kiln_group_norm<Tag>, kiln_skip_rms_norm<Tag>, kiln_skip_layer_norm<Tag>
 // and kiln_rms_norm<XTag, YTag>; kernel.toml lists the instantiations (name expressions,
 // manifest schema 6), which NVRTC lowers; the shim names them with DType::cuda_tag.
 // kiln_norm_expand (bytes) is extern "C".
@@ -294,21 +294,25 @@ __device__ void rms_norm(const X* x, const Y* scale, Y* y, void* inv_out, kiln_u
 // Elements per thread a SkipSimplifiedLayerNormalization row keeps in registers.
 #define SKIP_RMS_CACHE 8
 
-// SkipSimplifiedLayerNormalization: s = input + skip (+ bias), out = s · inv_std · gamma; mean
-// (float32 zeros), inv_std_var (float32) and input_skip_bias_sum when has_*.
-template <typename Tag, typename T = typename Tag::storage, typename E = kiln_elem<Tag>,
+// SkipSimplifiedLayerNormalization (CENTER false): s = input + skip (+ bias), out = s · inv_std ·
+// gamma, mean float32 zeros; SkipLayerNormalization (CENTER true): out = (s − mean) · inv_std ·
+// gamma (+ beta) with inv_std over the centred values; mean and inv_std_var (float32) and
+// input_skip_bias_sum when has_*.
+template <bool CENTER, typename Tag, typename T = typename Tag::storage, typename E = kiln_elem<Tag>,
           typename A = typename kiln_elem<Tag>::C>
-__device__ void skip_rms_norm(const T* x, const T* skip, const T* gamma, const T* bias, T* out, float* mean_out,
-                              float* inv_out, T* sum_out, kiln_u64 rows, kiln_u64 hidden, kiln_u64 skip_len,
-                              unsigned has_bias, unsigned has_mean, unsigned has_inv, unsigned has_sum, float eps) {
+__device__ void skip_norm(const T* x, const T* skip, const T* gamma, const T* beta, const T* bias, T* out,
+                          float* mean_out, float* inv_out, T* sum_out, kiln_u64 rows, kiln_u64 hidden,
+                          kiln_u64 skip_len, unsigned has_beta, unsigned has_bias, unsigned has_mean,
+                          unsigned has_inv, unsigned has_sum, float eps) {
     ROW_LOOP(row, rows) {
         const kiln_u64 base = row * hidden;
-        A q = 0, rms;
+        A q = 0, rms, mean = 0;
         if (hidden <= (kiln_u64)SKIP_RMS_CACHE * blockDim.x) {
             // A row of at most SKIP_RMS_CACHE elements per thread stays in registers: every load
             // is issued before the first store (which the compiler must assume may alias them),
             // and the row is read once. Same arithmetic, in the same order, as the loop below.
             A v[SKIP_RMS_CACHE], g[SKIP_RMS_CACHE];
+            A t = 0;
 #pragma unroll
             for (int i = 0; i < SKIP_RMS_CACHE; ++i) {
                 const kiln_u64 c = threadIdx.x + (kiln_u64)i * blockDim.x, k = base + c;
@@ -319,7 +323,18 @@ __device__ void skip_rms_norm(const T* x, const T* skip, const T* gamma, const T
                     if (has_bias) s += (A)E::ld(bias[c]);
                     v[i] = s;
                     g[i] = (A)E::ld(gamma[c]);
-                    q += s * s;
+                    if (CENTER)
+                        t += s;
+                    else
+                        q += s * s;
+                }
+            }
+            if (CENTER) {
+                mean = row_reduce(t, kiln_op_sum()) / (A)hidden;
+#pragma unroll
+                for (int i = 0; i < SKIP_RMS_CACHE; ++i) {
+                    const kiln_u64 c = threadIdx.x + (kiln_u64)i * blockDim.x;
+                    if (c < hidden) q += (v[i] - mean) * (v[i] - mean);
                 }
             }
             rms = kiln_sqrt(row_reduce(q, kiln_op_sum()) / (A)hidden + (A)eps);
@@ -328,27 +343,38 @@ __device__ void skip_rms_norm(const T* x, const T* skip, const T* gamma, const T
                 const kiln_u64 c = threadIdx.x + (kiln_u64)i * blockDim.x, k = base + c;
                 if (c < hidden) {
                     if (has_sum) sum_out[k] = E::st(v[i]);
-                    out[k] = E::st(v[i] / rms * g[i]);
+                    A o = (v[i] - mean) / rms * g[i];
+                    if (CENTER && has_beta) o += (A)E::ld(beta[c]);
+                    out[k] = E::st(o);
                 }
             }
         } else {
-            COL_LOOP(c, hidden) {
+            // s at column c of this row, read again in each pass.
+            auto sum_at = [&](kiln_u64 c) {
                 const kiln_u64 k = base + c;
                 A v = (A)E::ld(x[k]) + (A)E::ld(skip[suffix_idx(k, c, hidden, skip_len)]);
                 if (has_bias) v += (A)E::ld(bias[c]);
-                if (has_sum) sum_out[k] = E::st(v);
-                q += v * v;
+                return v;
+            };
+            if (CENTER) {
+                A t = 0;
+                COL_LOOP(c, hidden) t += sum_at(c);
+                mean = row_reduce(t, kiln_op_sum()) / (A)hidden;
+            }
+            COL_LOOP(c, hidden) {
+                const A v = sum_at(c);
+                if (has_sum) sum_out[base + c] = E::st(v);
+                q += (v - mean) * (v - mean);
             }
             rms = kiln_sqrt(row_reduce(q, kiln_op_sum()) / (A)hidden + (A)eps);
             COL_LOOP(c, hidden) {
-                const kiln_u64 k = base + c;
-                A v = (A)E::ld(x[k]) + (A)E::ld(skip[suffix_idx(k, c, hidden, skip_len)]);
-                if (has_bias) v += (A)E::ld(bias[c]);
-                out[k] = E::st(v / rms * (A)E::ld(gamma[c]));
+                A o = (sum_at(c) - mean) / rms * (A)E::ld(gamma[c]);
+                if (CENTER && has_beta) o += (A)E::ld(beta[c]);
+                out[base + c] = E::st(o);
             }
         }
         if (threadIdx.x == 0) {
-            if (has_mean) mean_out[row] = 0.f;
+            if (has_mean) mean_out[row] = (float)mean;
             if (has_inv) inv_out[row] = (float)((A)1 / rms);
         }
     }
@@ -397,8 +423,19 @@ __global__ void kiln_skip_rms_norm(const typename Tag::storage* x, const typenam
                                    typename Tag::storage* sum_out, kiln_u64 rows, kiln_u64 hidden, kiln_u64 skip_len,
                                    unsigned has_bias, unsigned has_mean, unsigned has_inv, unsigned has_sum,
                                    float eps) {
-    skip_rms_norm<Tag>(x, skip, gamma, bias, out, mean_out, inv_out, sum_out, rows, hidden, skip_len, has_bias,
-                       has_mean, has_inv, has_sum, eps);
+    skip_norm<false, Tag>(x, skip, gamma, gamma, bias, out, mean_out, inv_out, sum_out, rows, hidden, skip_len, 0,
+                          has_bias, has_mean, has_inv, has_sum, eps);
+}
+
+template <typename Tag>
+__global__ void kiln_skip_layer_norm(const typename Tag::storage* x, const typename Tag::storage* skip,
+                                     const typename Tag::storage* gamma, const typename Tag::storage* beta,
+                                     const typename Tag::storage* bias, typename Tag::storage* out, float* mean_out,
+                                     float* inv_out, typename Tag::storage* sum_out, kiln_u64 rows, kiln_u64 hidden,
+                                     kiln_u64 skip_len, unsigned has_beta, unsigned has_bias, unsigned has_mean,
+                                     unsigned has_inv, unsigned has_sum, float eps) {
+    skip_norm<true, Tag>(x, skip, gamma, beta, bias, out, mean_out, inv_out, sum_out, rows, hidden, skip_len,
+                         has_beta, has_bias, has_mean, has_inv, has_sum, eps);
 }
 
 // X and Y (scale's dtype, the output's) by their tags; f64 statistics when either is float64.

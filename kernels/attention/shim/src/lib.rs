@@ -72,7 +72,7 @@ use kiln_kernel_abi::guest::*;
 use kiln_kernel_abi::names::kernel_name;
 use kiln_kernel_abi::wire::MAX_COUNTERS;
 use kiln_kernel_abi::{bail, export_shim, unsupported};
-use onnx_attention::ATTENTION;
+use onnx_attention::{ATTENTION, RESHAPED};
 
 struct Attention;
 
@@ -1598,6 +1598,7 @@ impl Shim for Attention {
         match call.op_type() {
             GQA => gqa_infer(call),
             ATTENTION if is_onnx(call) => onnx_attention::infer(call),
+            RESHAPED if call.domain() == "ai.kiln" => onnx_attention::infer(call),
             ROPE => {
                 rope_plan(call)?;
                 let x = call.input(0)?;
@@ -1611,6 +1612,7 @@ impl Shim for Attention {
         match call.op_type() {
             GQA => gqa_cpu(call),
             ATTENTION if is_onnx(call) => onnx_attention::cpu(call),
+            RESHAPED if call.domain() == "ai.kiln" => onnx_attention::cpu(call),
             ROPE => rope_cpu(call),
             other => unsupported!("kiln-attention does not implement {other}"),
         }
@@ -1620,6 +1622,7 @@ impl Shim for Attention {
         match call.op_type() {
             GQA => gqa_dispatch(call),
             ATTENTION if is_onnx(call) => onnx_attention::dispatch(call),
+            RESHAPED if call.domain() == "ai.kiln" => onnx_attention::dispatch(call),
             ROPE => rope_dispatch(call),
             other => unsupported!("kiln-attention does not implement {other}"),
         }

@@ -62,6 +62,8 @@ struct Plan {
     scale: f64,
     softcap: f64,
     qk_mode: u32,
+    /// A `ReshapedAttention` call: inputs 4.. are its divisor and shapes, not past or nonpad.
+    reshaped: bool,
 }
 
 impl Plan {
@@ -78,6 +80,43 @@ impl Plan {
             ((b * heads + h) * seq + s) * hs
         }
     }
+}
+
+/// `attn_mask` (input 3) of an attention over [B, heads, Sq, T] = `dims` and `total` keys: bool
+/// or `dtype`, ranks 1 to 4, broadcasting to [B, heads, Sq, width ≤ T].
+fn mask_of(call: &Call, op: &str, dtype: DType, dims: [usize; 3], total: usize) -> Result<Option<Mask>> {
+    let [batch, q_heads, q_seq] = dims;
+    Ok(match call.input_opt(3) {
+        None => None,
+        Some(m) => {
+            let md = m.dtype()?;
+            if md != DType::Bool && md != dtype {
+                bail!("{op}: attn_mask is {md}; it must be bool or Q's dtype {dtype}");
+            }
+            let ms = m.shape()?;
+            if ms.is_empty() || ms.len() > 4 {
+                bail!("{op}: attn_mask has rank {}; ranks 1 to 4 broadcast to [B, q heads, Sq, T]", ms.len());
+            }
+            let width = ms[ms.len() - 1];
+            if width > total {
+                bail!("{op}: attn_mask's last dimension {width} is longer than the {total} keys (past + K)");
+            }
+            // The mask's shape padded to 4-D and its row-major strides, 0 where it broadcasts.
+            let mut dims = [1usize; 4];
+            dims[4 - ms.len()..].copy_from_slice(&ms);
+            let want = [batch, q_heads, q_seq];
+            let mut strides = [0usize; 3];
+            let mut stride = width;
+            for i in (0..3).rev() {
+                if dims[i] != 1 && dims[i] != want[i] {
+                    bail!("{op}: attn_mask {ms:?} does not broadcast to [{batch}, {q_heads}, {q_seq}, {total}]");
+                }
+                strides[i] = if dims[i] == 1 { 0 } else { stride };
+                stride *= dims[i];
+            }
+            Some(Mask { is_bool: md == DType::Bool, strides, width })
+        }
+    })
 }
 
 fn plan(call: &Call) -> Result<Plan> {
@@ -153,37 +192,7 @@ fn plan(call: &Call) -> Result<Plan> {
     };
     let total = past + kv_seq;
 
-    let mask = match call.input_opt(3) {
-        None => None,
-        Some(m) => {
-            let md = m.dtype()?;
-            if md != DType::Bool && md != dtype {
-                bail!("{ATTENTION}: attn_mask is {md}; it must be bool or Q's dtype {dtype}");
-            }
-            let ms = m.shape()?;
-            if ms.is_empty() || ms.len() > 4 {
-                bail!("{ATTENTION}: attn_mask has rank {}; ranks 1 to 4 broadcast to [B, q heads, Sq, T]", ms.len());
-            }
-            let width = ms[ms.len() - 1];
-            if width > total {
-                bail!("{ATTENTION}: attn_mask's last dimension {width} is longer than the {total} keys (past + K)");
-            }
-            // The mask's shape padded to 4-D and its row-major strides, 0 where it broadcasts.
-            let mut dims = [1usize; 4];
-            dims[4 - ms.len()..].copy_from_slice(&ms);
-            let want = [batch, q_heads, q_seq];
-            let mut strides = [0usize; 3];
-            let mut stride = width;
-            for i in (0..3).rev() {
-                if dims[i] != 1 && dims[i] != want[i] {
-                    bail!("{ATTENTION}: attn_mask {ms:?} does not broadcast to [{batch}, {q_heads}, {q_seq}, {total}]");
-                }
-                strides[i] = if dims[i] == 1 { 0 } else { stride };
-                stride *= dims[i];
-            }
-            Some(Mask { is_bool: md == DType::Bool, strides, width })
-        }
-    };
+    let mask = mask_of(call, ATTENTION, dtype, [batch, q_heads, q_seq], total)?;
     let nonpad = match call.input_opt(6) {
         None => false,
         Some(n) => {
@@ -218,11 +227,137 @@ fn plan(call: &Call) -> Result<Plan> {
         scale,
         softcap: call.attr_f("softcap", 0.0)? as f64,
         qk_mode,
+        reshaped: false,
     })
 }
 
+/// kiln's `ReshapedAttention` (the `reshaped-attention` fusion's op): attention over heads that
+/// Reshape and Transpose split out of 3-D rows, as exporters write eager attention (transformers'
+/// BERT through torch.onnx): inputs Q [B, S, E], K [B, T, E], V [B, T, Ev], `attn_mask` (3,
+/// optional, additive, Q's dtype, broadcasting to [B, H, S, T] with its last dimension T), the
+/// divisor of the scores (4, one float element), and the four Reshape targets of Q, K, V (5, 6,
+/// 7: [B, S, H, D], [B, T, H, D], [B, T, H, Dv]) and of the output (8: [B, S, H·Dv]), with
+/// Reshape's `allowzero` = 0 (a 0 copies the input's dimension, one −1 is inferred).
+/// Y = Reshape(Transpose(Softmax(Q'·K'ᵀ / divisor + mask) · V')), the ops it replaces.
+pub(crate) const RESHAPED: &str = "ReshapedAttention";
+
+/// Reshape's target `shape` (allowzero 0) resolved against the input dims `from`.
+fn reshape_target(from: &[usize], shape: &[i64]) -> Result<Vec<usize>> {
+    let total: usize = from.iter().product();
+    let mut out = Vec::with_capacity(shape.len());
+    let mut infer = None;
+    for (i, &d) in shape.iter().enumerate() {
+        match d {
+            0 => out.push(*from.get(i).ok_or_else(|| {
+                ShimError::Failed(alloc::format!(
+                    "{RESHAPED}: shape {shape:?} copies dimension {i} of a rank-{} input",
+                    from.len()
+                ))
+            })?),
+            -1 if infer.is_none() => {
+                infer = Some(i);
+                out.push(1);
+            }
+            d if d > 0 => out.push(d as usize),
+            _ => bail!("{RESHAPED}: shape {shape:?} is not a Reshape target"),
+        }
+    }
+    if let Some(i) = infer {
+        let known: usize = out.iter().product();
+        if known == 0 || !total.is_multiple_of(known) {
+            bail!("{RESHAPED}: shape {shape:?} does not fit {total} elements");
+        }
+        out[i] = total / known;
+    }
+    if out.iter().product::<usize>() != total {
+        bail!("{RESHAPED}: shape {shape:?} does not fit an input of shape {from:?}");
+    }
+    Ok(out)
+}
+
+fn plan_reshaped(call: &Call) -> Result<Plan> {
+    let (q, k, v) = (call.input(0)?, call.input(1)?, call.input(2)?);
+    let dtype = q.dtype()?;
+    check_float(RESHAPED, "Q", dtype)?;
+    let (qs, ks, vs) = (q.shape()?, k.shape()?, v.shape()?);
+    for (name, t, sh) in [("K", &k, &ks), ("V", &v, &vs)] {
+        if t.dtype()? != dtype || sh.len() != 3 {
+            bail!("{RESHAPED}: {name} must be 3-D {dtype} like Q, not {} {sh:?}", t.dtype()?);
+        }
+    }
+    if qs.len() != 3 {
+        bail!("{RESHAPED}: Q must be 3-D [B, S, E], not {qs:?}");
+    }
+    let split = |i: usize, name: &str, from: &[usize]| -> Result<[usize; 4]> {
+        let to = reshape_target(from, &call.input(i)?.read_i64s()?)?;
+        match to[..] {
+            [b, s, h, d] if b == from[0] && s == from[1] => Ok([b, s, h, d]),
+            _ => bail!(
+                "{RESHAPED}: {name}'s Reshape to {to:?} does not split its rows {from:?} into [B, S, heads, head size]"
+            ),
+        }
+    };
+    let [batch, q_seq, heads, head] = split(5, "Q", &qs)?;
+    let [_, kv_seq, k_heads, k_head] = split(6, "K", &ks)?;
+    let [_, _, v_heads, v_head] = split(7, "V", &vs)?;
+    if ks[0] != batch || vs[0] != batch || vs[1] != kv_seq {
+        bail!("{RESHAPED}: Q {qs:?}, K {ks:?} and V {vs:?} disagree on batch or key rows");
+    }
+    if (k_heads, v_heads, k_head) != (heads, heads, head) {
+        bail!("{RESHAPED}: Q is split into {heads} heads of {head}, K into {k_heads} of {k_head}, V into {v_heads}");
+    }
+    let y = reshape_target(&[batch, q_seq, heads, v_head], &call.input(8)?.read_i64s()?)?;
+    if y != [batch, q_seq, heads * v_head] {
+        bail!(
+            "{RESHAPED}: the output's Reshape to {y:?} is not [B, S, heads · head size] = [{batch}, {q_seq}, {}]",
+            heads * v_head
+        );
+    }
+    let divisor = match call.input(4)?.value_f32s()?[..] {
+        [d] => d as f64,
+        _ => bail!("{RESHAPED}: the divisor must be one value"),
+    };
+    let mask = mask_of(call, RESHAPED, dtype, [batch, heads, q_seq], kv_seq)?;
+    if let Some(m) = &mask {
+        if m.is_bool || m.width != kv_seq {
+            bail!("{RESHAPED}: attn_mask must be additive ({dtype}) with a last dimension of the {kv_seq} keys");
+        }
+    }
+    Ok(Plan {
+        dtype,
+        batch,
+        q_heads: heads,
+        kv_heads: heads,
+        q_seq,
+        kv_seq,
+        past: 0,
+        head,
+        v_head,
+        three_d: true,
+        mask,
+        nonpad: false,
+        causal: false,
+        scale: 1.0 / divisor,
+        softcap: 0.0,
+        qk_mode: 0,
+        reshaped: true,
+    })
+}
+
+/// The plan of an ONNX Attention or a kiln ReshapedAttention call.
+fn plan_of(call: &Call) -> Result<Plan> {
+    if call.op_type() == RESHAPED {
+        plan_reshaped(call)
+    } else {
+        plan(call)
+    }
+}
+
 pub(crate) fn infer(call: &Call) -> Result<Vec<TensorType>> {
-    let p = plan(call)?;
+    let p = plan_of(call)?;
+    if p.reshaped {
+        return Ok(vec![TensorType::new(p.dtype, vec![p.batch, p.q_seq, p.q_heads * p.v_head])]);
+    }
     let y = if p.three_d {
         vec![p.batch, p.q_seq, p.q_heads * p.v_head]
     } else {
@@ -256,10 +391,101 @@ fn present(p: &Plan, past: &[f64], new: &[f64], hs: usize) -> Vec<f64> {
     out
 }
 
+/// ReshapedAttention on the CPU: per batch entry, the heads' scores Q·Kᵀ / divisor through the
+/// host's `gemm` (a batch of H products over the heads' column slices, no copy), the mask and
+/// the softmax of each row in f64, the weights rounded to the dtype (as Softmax stores them),
+/// then Σ weight·V through `gemm` again, straight into Y's columns of each head.
+fn cpu_reshaped(call: &Call, p: &Plan) -> Result<()> {
+    let (h_n, s_n, t_n, d, dv) = (p.q_heads, p.q_seq, p.kv_seq, p.head, p.v_head);
+    let (e, ev) = ((h_n * d) as u64, (h_n * dv) as u64);
+    let size = p.dtype.size().unwrap_or(4) as u64;
+    let (q, k, v, y) =
+        (call.input(0)?.handle(), call.input(1)?.handle(), call.input(2)?.handle(), call.output(0)?.handle());
+    if p.batch == 0 || s_n == 0 || h_n == 0 || dv == 0 {
+        return Ok(());
+    }
+    let mask = match call.input_opt(3) {
+        Some(t) => t.read_vec::<f64>()?,
+        None => Vec::new(),
+    };
+    let scores_len = (h_n * s_n * t_n) as u64;
+    let scores = scratch(scores_len * size)?;
+    let op = |handle: u32, offset: u64, ld: u64, batch_stride: u64| Operand {
+        handle,
+        offset: offset * size,
+        ld,
+        batch_stride,
+    };
+    for b in 0..p.batch {
+        let (qb, kb) = ((b * s_n) as u64 * e, (b * t_n) as u64 * e);
+        if t_n > 0 {
+            gemm(&Gemm {
+                dtype: p.dtype,
+                trans_a: false,
+                trans_b: true,
+                m: s_n as u64,
+                n: t_n as u64,
+                k: d as u64,
+                batch: h_n as u64,
+                alpha: p.scale as f32,
+                beta: 0.0,
+                a: op(q, qb, e, d as u64),
+                b: op(k, kb, e, d as u64),
+                c: None,
+                d: op(scores, 0, t_n as u64, (s_n * t_n) as u64),
+                bias: None,
+                epilogue: Epilogue::None,
+            })?;
+        }
+        let mut raw = alloc::vec![0u8; (scores_len * size) as usize];
+        read_handle(scores, 0, &mut raw)?;
+        let mut x = element::decode_as::<f64>(p.dtype, &raw)?;
+        for h in 0..h_n {
+            for s in 0..s_n {
+                let row = &mut x[(h * s_n + s) * t_n..][..t_n];
+                if let Some(m) = &p.mask {
+                    for (t, xt) in row.iter_mut().enumerate() {
+                        *xt += mask[b * m.strides[0] + h * m.strides[1] + s * m.strides[2] + t];
+                    }
+                }
+                let max = row.iter().fold(f64::NEG_INFINITY, |a, &v| a.max(v));
+                let mut den = 0.0;
+                for xt in row.iter_mut() {
+                    *xt = libm::exp(*xt - max);
+                    den += *xt;
+                }
+                row.iter_mut().for_each(|xt| *xt /= den);
+            }
+        }
+        write_handle(scores, 0, &element::encode_as(p.dtype, &x)?)?;
+        gemm(&Gemm {
+            dtype: p.dtype,
+            trans_a: false,
+            trans_b: false,
+            m: s_n as u64,
+            n: dv as u64,
+            k: t_n as u64,
+            batch: h_n as u64,
+            alpha: 1.0,
+            beta: 0.0,
+            a: op(scores, 0, t_n as u64, (s_n * t_n) as u64),
+            b: op(v, (b * t_n) as u64 * ev, ev, dv as u64),
+            c: None,
+            d: op(y, (b * s_n) as u64 * ev, ev, dv as u64),
+            bias: None,
+            epilogue: Epilogue::None,
+        })?;
+    }
+    Ok(())
+}
+
 pub(crate) fn cpu(call: &Call) -> Result<()> {
-    let p = plan(call)?;
+    let p = plan_of(call)?;
+    if p.reshaped {
+        return cpu_reshaped(call, &p);
+    }
     let read = |i: usize| -> Result<Vec<f64>> {
-        match call.input_opt(i) {
+        match call.input_opt(i).filter(|_| !p.reshaped || i < 4) {
             Some(t) => t.read_vec::<f64>(),
             None => Ok(Vec::new()),
         }
@@ -267,7 +493,7 @@ pub(crate) fn cpu(call: &Call) -> Result<()> {
     let (q, k, v) = (read(0)?, read(1)?, read(2)?);
     let (past_k, past_v) = (read(4)?, read(5)?);
     let mask = read(3)?;
-    let nonpad = match call.input_opt(6) {
+    let nonpad = match call.input_opt(6).filter(|_| p.nonpad) {
         Some(t) => t.read_i64s()?,
         None => Vec::new(),
     };
@@ -355,7 +581,7 @@ fn grid_dim(what: &str, v: usize, max: u32) -> Result<u32> {
 }
 
 pub(crate) fn dispatch(call: &Call) -> Result<()> {
-    let p = plan(call)?;
+    let p = plan_of(call)?;
     let tag = kernel_tag(ATTENTION, p.dtype)?;
     if p.head > GPU_MAX_HEAD || p.v_head > GPU_MAX_HEAD {
         unsupported!("{ATTENTION}: head sizes {} / {} over the CUDA kernel's {GPU_MAX_HEAD}", p.head, p.v_head);
@@ -363,7 +589,8 @@ pub(crate) fn dispatch(call: &Call) -> Result<()> {
     let u = |what: &str, v: usize| u32_arg(ATTENTION, what, v);
     let (q, k, v) = (call.input(0)?, call.input(1)?, call.input(2)?);
     // Absent optional inputs and outputs: any tensor stands in (the kernels do not touch them).
-    let or_q = |t: Option<Tensor>| t.as_ref().map_or(targ(&q), targ);
+    // (A ReshapedAttention's inputs 4.. are no past or nonpad.)
+    let or_q = |t: Option<Tensor>| t.filter(|_| !p.reshaped).as_ref().map_or(targ(&q), targ);
     for (out, new, hs, past) in [(1, &k, p.head, 4), (2, &v, p.v_head, 5)] {
         let Some(pres) = call.output_opt(out) else { continue };
         let n = pres.numel()?;
@@ -411,7 +638,7 @@ pub(crate) fn dispatch(call: &Call) -> Result<()> {
             targ(&v),
             or_q(call.input_opt(4)),
             or_q(call.input_opt(5)),
-            or_q(call.input_opt(3)),
+            call.input_opt(3).as_ref().map_or(targ(&q), targ),
             or_q(call.input_opt(6)),
             targ(&call.output(0)?),
             qk.as_ref().map_or(targ(&q), targ),

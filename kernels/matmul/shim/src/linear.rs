@@ -2,8 +2,11 @@
 //! it; the decode fusions of `kernel.toml` transpose ONNX's `[K, N]` MatMul weights once at
 //! load):
 //!
-//! - `ai.kiln::Linear(X [..., K], W [N, K])` → `Y [..., N]`, `Y = X · Wᵀ`
-//!   (`torch.nn.functional.linear` without bias);
+//! - `ai.kiln::Linear(X [..., K], W [N, K], scales?, bias? [N])` → `Y [..., N]`, `Y = X · Wᵀ +
+//!   bias` (`torch.nn.functional.linear`; the `linear-bias` fusion's MatMul and Add: the product
+//!   and the bias are summed in f32 and rounded once, where the ops it replaces round the
+//!   product first). A bias runs through cuBLASLt's bias epilogue on the GPU, a decode row
+//!   too, and cannot be combined with `swiglu`;
 //! - `ai.kiln::RmsNormLinear(X [..., K], skip?, gamma [K], W [N, K])` → `Y [..., N]`,
 //!   `sum [..., K]?`: onnxruntime's SkipSimplifiedLayerNormalization (or, without `skip`,
 //!   SimplifiedLayerNormalization over the last axis) followed by the MatMul that reads its
@@ -194,6 +197,8 @@ struct Geometry {
     w_index: usize,
     /// The output is SwiGLU of the product's halves (attribute `swiglu`), `[..., n / 2]`.
     swiglu: bool,
+    /// The input index of Linear's `bias` `[N]` when given.
+    bias: Option<usize>,
 }
 
 fn op_prologue(op: &str) -> Result<Prologue> {
@@ -210,10 +215,13 @@ fn geometry(call: &Call) -> Result<Geometry> {
     let prologue = op_prologue(op)?;
     let w_index = if prologue == Prologue::RmsNorm { 3 } else { 1 };
     let dense_inputs = w_index + 1;
-    if call.num_inputs() != dense_inputs && call.num_inputs() != dense_inputs + 1 {
+    // Linear's optional bias follows the scales' place (empty for a weight of X's dtype).
+    let most = if prologue == Prologue::Linear { dense_inputs + 2 } else { dense_inputs + 1 };
+    if call.num_inputs() < dense_inputs || call.num_inputs() > most {
         bail!(
-            "{op}: takes {dense_inputs} inputs (W of X's dtype) or {} (a MatMulNBits weight and its scales), the node has {}",
+            "{op}: takes {dense_inputs} inputs (W of X's dtype), {} (a MatMulNBits weight and its scales){}, the node has {}",
             dense_inputs + 1,
+            if prologue == Prologue::Linear { ", then an optional bias" } else { "" },
             call.num_inputs()
         );
     }
@@ -236,7 +244,7 @@ fn geometry(call: &Call) -> Result<Geometry> {
     };
     let x_shape = x.shape()?;
     let Some(&last) = x_shape.last() else { bail!("{op}: X must have rank ≥ 1, not a scalar") };
-    let quantized = call.num_inputs() == dense_inputs + 1;
+    let quantized = call.input_opt(w_index + 1).is_some();
     let (n, k, quant) = if quantized {
         let wt = call.input(w_index)?;
         let (wd, w) = (wt.dtype()?, wt.shape()?);
@@ -279,6 +287,16 @@ fn geometry(call: &Call) -> Result<Geometry> {
         1 => bail!("{op}: swiglu = 1 needs W's N = {n} rows as [gate | up] halves, an even count"),
         v => bail!("{op}: swiglu must be 0 or 1, got {v}"),
     };
+    let bias = match call.input_opt(w_index + 2) {
+        None => None,
+        Some(_) => {
+            let b = same(w_index + 2, "bias")?;
+            if b != [n] || swiglu {
+                bail!("{op}: bias must be [{n}] (N) without swiglu, got {b:?}");
+            }
+            Some(w_index + 2)
+        }
+    };
     let rows = x_shape[..x_shape.len() - 1].iter().product();
     let mut y_shape = x_shape.clone();
     *y_shape.last_mut().unwrap_or(&mut 0) = if swiglu { n / 2 } else { n };
@@ -309,7 +327,7 @@ fn geometry(call: &Call) -> Result<Geometry> {
             bail!("{op}: epsilon must not be negative, got {eps}");
         }
     }
-    Ok(Geometry { prologue, dtype, rows, k, n, y_shape, x_shape, skip_len, eps, quant, w_index, swiglu })
+    Ok(Geometry { prologue, dtype, rows, k, n, y_shape, x_shape, skip_len, eps, quant, w_index, swiglu, bias })
 }
 
 pub fn infer(call: &Call) -> Result<Vec<TensorType>> {
@@ -419,6 +437,7 @@ pub fn cpu(call: &Call) -> Result<()> {
         }
     };
     let w_input = call.input(g.w_index)?;
+    let bias = g.bias.map(|i| call.input(i).map(|t| t.handle())).transpose()?;
     if g.dtype != DType::F64 && g.rows > 0 && g.n > 0 && g.k > 0 {
         // The product's destination: Y, or (swiglu) P in scratch, read back for the SwiGLU.
         let p_bytes = g.rows as u64 * g.n as u64 * g.dtype.size().unwrap_or(4) as u64;
@@ -456,11 +475,11 @@ pub fn cpu(call: &Call) -> Result<()> {
                 b: at(w_input.handle()),
                 scales: at(call.input(g.w_index + 1)?.handle()),
                 zero_points: QZeroPoints::Default,
-                bias: None,
+                bias: bias.map(at),
                 y: at(p),
             })?;
         } else {
-            gemm_transposed(g.dtype, rows, n, k, a, w_input.handle(), p)?;
+            gemm_transposed(g.dtype, (rows, n, k), a, w_input.handle(), bias, p)?;
         }
         if g.swiglu {
             let Ok(len) = usize::try_from(p_bytes) else {
@@ -490,13 +509,17 @@ pub fn cpu(call: &Call) -> Result<()> {
         return Ok(());
     }
     let w = w_input.read_vec::<f64>()?;
+    let b = match g.bias {
+        Some(i) => call.input(i)?.read_vec::<f64>()?,
+        None => alloc::vec![0f64; g.n],
+    };
     let a: Vec<f64> = a.into_iter().map(round).collect();
     let mut y = alloc::vec![0f64; g.rows * g.n];
     for r in 0..g.rows {
         let ar = &a[r * g.k..(r + 1) * g.k];
         for (c, out) in y[r * g.n..(r + 1) * g.n].iter_mut().enumerate() {
             let wr = &w[c * g.k..(c + 1) * g.k];
-            *out = ar.iter().zip(wr).map(|(x, w)| x * w).sum();
+            *out = ar.iter().zip(wr).map(|(x, w)| x * w).sum::<f64>() + b[c];
         }
     }
     if g.swiglu {
@@ -526,6 +549,9 @@ fn at(handle: u32) -> KernelArg {
 pub fn dispatch(call: &Call) -> Result<()> {
     let g = geometry(call)?;
     let tag = kernel_tag(call.op_type(), g.dtype)?;
+    if g.bias.is_some() && g.k == 0 && g.rows > 0 && g.n > 0 {
+        unsupported!("{}: a bias over an empty product (K = 0) has no CUDA path", call.op_type());
+    }
     let y = call.output(0)?.handle();
     // The SwiGLU epilogue inside the decode GEMV kernels (RmsNormLinear), else the product into
     // scratch and kiln_linear_swiglu after it. Without rows or outputs there is no product (a
@@ -569,7 +595,8 @@ enum DecodeKernel {
 
 fn decode_kernel(g: &Geometry) -> Option<DecodeKernel> {
     let vec = 16 / g.dtype.size().unwrap_or(4);
-    if !g.k.is_multiple_of(vec) || g.n == 0 {
+    // A bias takes cuBLASLt's bias epilogue (one kernel still).
+    if !g.k.is_multiple_of(vec) || g.n == 0 || g.bias.is_some() {
         return None;
     }
     let (shared, n_tiles) = mma_shared(g);
@@ -804,12 +831,14 @@ fn prefill(
         })?;
         w = dense;
     }
-    gemm_transposed(g.dtype, rows, g.n as u64, k, a, w, y)
+    let bias = g.bias.map(|i| call.input(i).map(|t| t.handle())).transpose()?;
+    gemm_transposed(g.dtype, (rows, g.n as u64, k), a, w, bias, y)
 }
 
-/// `Y [m, n] = A [m, k] · Wᵀ` with W stored `[n, k]`, through the host's `gemm` (ABI.md §4.7:
-/// cuBLASLt with `transB` on the GPU, the host's f32-accumulating gemm on the CPU).
-fn gemm_transposed(dtype: DType, m: u64, n: u64, k: u64, a: u32, w: u32, y: u32) -> Result<()> {
+/// `Y [m, n] = A [m, k] · Wᵀ (+ bias [n])` with W stored `[n, k]`, through the host's `gemm`
+/// (ABI.md §4.7: cuBLASLt with `transB` and its bias epilogue on the GPU, the host's
+/// f32-accumulating gemm on the CPU).
+fn gemm_transposed(dtype: DType, (m, n, k): (u64, u64, u64), a: u32, w: u32, bias: Option<u32>, y: u32) -> Result<()> {
     let operand = |handle: u32, ld: u64| Operand { handle, offset: 0, ld, batch_stride: 0 };
     gemm(&Gemm {
         dtype,
@@ -825,7 +854,7 @@ fn gemm_transposed(dtype: DType, m: u64, n: u64, k: u64, a: u32, w: u32, y: u32)
         b: operand(w, k),
         c: None,
         d: operand(y, n),
-        bias: None,
+        bias: bias.map(|b| operand(b, n)),
         epilogue: Epilogue::None,
     })
 }

@@ -35,6 +35,23 @@
 //! which is what onnxruntime's CPU kernel writes (RMS normalisation does not centre).
 //! `epsilon` must not be negative.
 //!
+//! **SkipLayerNormalization** (`ai.kiln`, opset 1; onnxruntime's com.microsoft op of that name
+//! computes the same, with another `epsilon` default): inputs `input`, `skip`, `gamma`, optional
+//! `beta` and `bias`; the same outputs; attribute `epsilon` (1e-5, LayerNormalization's); centred:
+//!
+//! ```text
+//! input_skip_bias_sum = input + skip (+ bias)
+//! mean                = mean(input_skip_bias_sum, over the last axis)
+//! inv_std_var         = 1 / sqrt(mean((input_skip_bias_sum − mean)²) + epsilon)
+//! output              = (input_skip_bias_sum − mean) · inv_std_var · gamma (+ beta)
+//! ```
+//!
+//! What kiln-normalization's `skip-layernorm` fusions make of an Add and the
+//! LayerNormalization over its last axis that reads it: `skip` may also be any suffix of
+//! input's shape (leading 1s allowed), and where `input` is the suffix of `skip`'s shape the two
+//! swap (Add is commutative); the LayerNormalization's `axis` (-1, or the last) and `stash_type`
+//! (1) are accepted.
+//!
 //! The reference computes in f64 from the inputs' values and rounds each output once.
 
 use alloc::vec::Vec;
@@ -46,6 +63,7 @@ use crate::{axis_error, check_float};
 const SIMPLIFIED: &str = "SimplifiedLayerNormalization";
 const RMS: &str = "RMSNormalization";
 const SKIP: &str = "SkipSimplifiedLayerNormalization";
+const SKIP_LN: &str = "SkipLayerNormalization";
 
 /// Maps each element of a tensor of shape `out` (row-major) to the element of an input that
 /// broadcasts onto it. An input whose shape, leading 1s dropped, is a suffix of `out` (the usual
@@ -165,7 +183,7 @@ pub fn simplified_cpu(call: &Call) -> Result<()> {
     Ok(())
 }
 
-/// SkipSimplifiedLayerNormalization's geometry.
+/// SkipSimplifiedLayerNormalization's and SkipLayerNormalization's geometry.
 struct SkipPlan {
     shape: Vec<usize>,
     dtype: DType,
@@ -174,49 +192,81 @@ struct SkipPlan {
     /// Shape of mean and inv_std_var: the last dimension set to 1.
     stat_shape: Vec<usize>,
     epsilon: f64,
+    /// SkipLayerNormalization: centred, with `beta`.
+    center: bool,
+    /// The inputs holding the full-shape operand and the one added to it (0 and 1, or swapped
+    /// where `input` is the suffix of `skip`'s shape).
+    input: usize,
+    skip: usize,
+    /// The input index of `bias` (3, or 4 after SkipLayerNormalization's `beta`).
+    bias: usize,
 }
 
 fn skip_plan(call: &Call) -> Result<SkipPlan> {
-    check_arity(call, SKIP, 4, 4)?;
-    let input = call.input(0)?;
-    let dtype = input.dtype()?;
+    let center = call.op_type() == SKIP_LN;
+    let (op, bias) = if center { (SKIP_LN, 4) } else { (SKIP, 3) };
+    check_arity(call, op, bias + 1, 4)?;
+    let dtype = call.input(0)?.dtype()?;
     check_float(call, dtype)?;
-    let shape = input.shape()?;
-    if !(2..=3).contains(&shape.len()) {
-        bail!("{SKIP}: input must be [batch, sequence, hidden] or [sequence, hidden], not of shape {shape:?}");
-    }
-    for (i, what) in [(1, "skip"), (2, "gamma"), (3, "bias")] {
+    for (i, what) in [(1, "skip"), (2, "gamma"), (3, if center { "beta" } else { "bias" }), (4, "bias")] {
         if let Some(t) = call.input_opt(i) {
             if t.dtype()? != dtype {
-                bail!("{SKIP}: {what} has dtype {}, input has {dtype}", t.dtype()?);
+                bail!("{op}: {what} has dtype {}, input has {dtype}", t.dtype()?);
             }
         }
     }
-    let skip = call.input(1)?.shape()?;
-    let tail = &shape[shape.len() - 2..];
-    let skip_ok = skip == shape
-        || (shape.len() == 3 && (skip == tail || (skip.len() == 3 && skip[0] == 1 && skip[1..] == *tail)));
-    if !skip_ok {
-        bail!(
-            "{SKIP}: skip of shape {skip:?} is neither input's shape {shape:?} nor, for a 3-D input, \
-             [sequence, hidden] or [1, sequence, hidden]"
-        );
-    }
-    let hidden = shape[shape.len() - 1];
+    let (a, b) = (call.input(0)?.shape()?, call.input(1)?.shape()?);
+    // Any suffix (leading 1s dropped) for SkipLayerNormalization, either way round.
+    let suffix = |full: &[usize], part: &[usize]| {
+        let core = &part[part.iter().take_while(|&&d| d == 1).count()..];
+        part.len() <= full.len() && !core.is_empty() && full.ends_with(core)
+    };
+    let (input, skip, shape) = if !center {
+        let tail = &a[a.len().saturating_sub(2)..];
+        let skip_ok = b == a || (a.len() == 3 && (b == tail || (b.len() == 3 && b[0] == 1 && b[1..] == *tail)));
+        if !(2..=3).contains(&a.len()) {
+            bail!("{op}: input must be [batch, sequence, hidden] or [sequence, hidden], not of shape {a:?}");
+        }
+        if !skip_ok {
+            bail!(
+                "{op}: skip of shape {b:?} is neither input's shape {a:?} nor, for a 3-D input, \
+                 [sequence, hidden] or [1, sequence, hidden]"
+            );
+        }
+        (0, 1, a)
+    } else if suffix(&a, &b) {
+        (0, 1, a)
+    } else if suffix(&b, &a) {
+        (1, 0, b)
+    } else {
+        bail!("{op}: neither of input {a:?} and skip {b:?} is the other's shape or a suffix of it");
+    };
+    let Some(&hidden) = shape.last() else { bail!("{op}: input must have rank ≥ 1") };
     call.input(2)?;
-    for (i, what) in [(2, "gamma"), (3, "bias")] {
+    for (i, what) in [(2, "gamma"), (3, if center { "beta" } else { "bias" }), (4, "bias")] {
         if let Some(t) = call.input_opt(i) {
             if t.shape()? != [hidden] {
-                bail!("{SKIP}: {what} must be [hidden] = [{hidden}], not of shape {:?}", t.shape()?);
+                bail!("{op}: {what} must be [hidden] = [{hidden}], not of shape {:?}", t.shape()?);
             }
         }
     }
-    let epsilon = call.attr_f("epsilon", 1e-12)?;
+    if center {
+        let axis = call.attr_i("axis", -1)?;
+        if axis != -1 && axis != shape.len() as i64 - 1 {
+            bail!("{op}: normalises the last axis only, not axis {axis}");
+        }
+        if call.attr_i("stash_type", 1)? != 1 {
+            bail!("{op}: stash_type must be 1 (float32 statistics)");
+        }
+    }
+    let epsilon = call.attr_f("epsilon", if center { 1e-5 } else { 1e-12 })?;
     if epsilon.is_nan() || epsilon < 0.0 {
-        bail!("{SKIP}: epsilon must be at least 0, not {epsilon}");
+        bail!("{op}: epsilon must be at least 0, not {epsilon}");
     }
     let mut stat_shape = shape.clone();
-    *stat_shape.last_mut().expect("rank 2 or 3") = 1;
+    if let Some(l) = stat_shape.last_mut() {
+        *l = 1;
+    }
     Ok(SkipPlan {
         rows: shape[..shape.len() - 1].iter().product(),
         hidden,
@@ -224,6 +274,10 @@ fn skip_plan(call: &Call) -> Result<SkipPlan> {
         stat_shape,
         shape,
         epsilon: epsilon as f64,
+        center,
+        input,
+        skip,
+        bias,
     })
 }
 
@@ -240,17 +294,17 @@ pub fn skip_simplified_cpu(call: &Call) -> Result<()> {
     let p = skip_plan(call)?;
     let rows = call.tile_units(p.rows)?;
     let (first, n) = (rows.start * p.hidden, rows.len() * p.hidden);
-    let mut sum = call.input(0)?.read_vec_range::<f64>(first, n)?;
-    // skip is input's shape (this call's rows of it) or one [sequence, hidden] slice repeated
-    // over the batch (all of it).
-    let skip_t = call.input(1)?;
-    let (skip, skip_from) = if skip_t.numel()? == call.input(0)?.numel()? {
+    let mut sum = call.input(p.input)?.read_vec_range::<f64>(first, n)?;
+    // skip is input's shape (this call's rows of it) or a suffix of it repeated over the leading
+    // dimensions (all of it).
+    let skip_t = call.input(p.skip)?;
+    let (skip, skip_from) = if skip_t.numel()? == call.input(p.input)?.numel()? {
         (skip_t.read_vec_range::<f64>(first, n)?, first)
     } else {
         (skip_t.read_vec::<f64>()?, 0)
     };
     let gamma = call.input(2)?.read_vec::<f64>()?;
-    let bias = call.input_opt(3).map(|t| t.read_vec::<f64>()).transpose()?;
+    let bias = call.input_opt(p.bias).map(|t| t.read_vec::<f64>()).transpose()?;
     for (k, v) in sum.iter_mut().enumerate() {
         *v += skip[(first + k - skip_from) % skip.len()];
         if let Some(b) = &bias {
@@ -260,10 +314,22 @@ pub fn skip_simplified_cpu(call: &Call) -> Result<()> {
     if let Some(t) = call.output_opt(3) {
         t.write_vec_at(first, &sum)?;
     }
+    let mut means = vec![0f64; rows.len()];
+    if p.center {
+        for (r, row) in sum.chunks_mut(p.hidden.max(1)).enumerate() {
+            means[r] = row.iter().sum::<f64>() / p.hidden as f64;
+            row.iter_mut().for_each(|v| *v -= means[r]);
+        }
+    }
     let inv_std = rms_rows(&mut sum, rows.len(), p.hidden, p.epsilon, |k| gamma[k % p.hidden]);
+    if p.center {
+        if let Some(beta) = call.input_opt(3).map(|t| t.read_vec::<f64>()).transpose()? {
+            sum.iter_mut().enumerate().for_each(|(k, v)| *v += beta[k % p.hidden]);
+        }
+    }
     call.output(0)?.write_vec_at(first, &sum)?;
     if let Some(t) = call.output_opt(1) {
-        t.write_vec_at(rows.start, &vec![0f64; rows.len()])?;
+        t.write_vec_at(rows.start, &means)?;
     }
     if let Some(t) = call.output_opt(2) {
         t.write_vec_at(rows.start, &inv_std)?;
@@ -317,35 +383,38 @@ pub fn skip_simplified_dispatch(call: &Call) -> Result<()> {
     if rows == 0 {
         return Ok(());
     }
-    let x = call.input(0)?;
-    let skip = call.input(1)?;
+    let x = call.input(p.input)?;
+    let skip = call.input(p.skip)?;
     let skip_len = (skip.numel()? as u64).max(1);
-    let bias = call.input_opt(3);
+    let bias = call.input_opt(p.bias);
     let out = call.output(0)?;
     let (mean, inv, sum) = (call.output_opt(1), call.output_opt(2), call.output_opt(3));
     let (grid, block) = row_launch(rows, hidden);
-    launch(&Launch {
-        kernel: &names::kernel_name("kiln_skip_rms_norm", &[tag]),
-        grid,
-        block,
-        shared_mem_bytes: 0,
-        args: vec![
-            tensor(x.handle()),
-            tensor(skip.handle()),
-            tensor(call.input(2)?.handle()),
-            tensor(bias.map_or(x.handle(), |t| t.handle())),
-            tensor(out.handle()),
-            tensor(mean.map_or(out.handle(), |t| t.handle())),
-            tensor(inv.map_or(out.handle(), |t| t.handle())),
-            tensor(sum.map_or(out.handle(), |t| t.handle())),
-            KernelArg::U64(rows),
-            KernelArg::U64(hidden),
-            KernelArg::U64(skip_len),
-            KernelArg::U32(bias.is_some() as u32),
-            KernelArg::U32(mean.is_some() as u32),
-            KernelArg::U32(inv.is_some() as u32),
-            KernelArg::U32(sum.is_some() as u32),
-            KernelArg::F32(p.epsilon as f32),
-        ],
-    })
+    let mut args = vec![tensor(x.handle()), tensor(skip.handle()), tensor(call.input(2)?.handle())];
+    let beta = call.input_opt(3).filter(|_| p.center);
+    if p.center {
+        args.push(tensor(beta.as_ref().map_or(x.handle(), |t| t.handle())));
+    }
+    args.extend([
+        tensor(bias.as_ref().map_or(x.handle(), |t| t.handle())),
+        tensor(out.handle()),
+        tensor(mean.map_or(out.handle(), |t| t.handle())),
+        tensor(inv.map_or(out.handle(), |t| t.handle())),
+        tensor(sum.map_or(out.handle(), |t| t.handle())),
+        KernelArg::U64(rows),
+        KernelArg::U64(hidden),
+        KernelArg::U64(skip_len),
+    ]);
+    if p.center {
+        args.push(KernelArg::U32(beta.is_some() as u32));
+    }
+    args.extend([
+        KernelArg::U32(bias.is_some() as u32),
+        KernelArg::U32(mean.is_some() as u32),
+        KernelArg::U32(inv.is_some() as u32),
+        KernelArg::U32(sum.is_some() as u32),
+        KernelArg::F32(p.epsilon as f32),
+    ]);
+    let kernel = if p.center { "kiln_skip_layer_norm" } else { "kiln_skip_rms_norm" };
+    launch(&Launch { kernel: &names::kernel_name(kernel, &[tag]), grid, block, shared_mem_bytes: 0, args })
 }
