@@ -85,8 +85,8 @@ pub struct Fusion {
     /// Shapes of the pattern inputs for `kiln verify` (the input domain of the declaration).
     #[serde(default)]
     pub verify: BTreeMap<String, Vec<usize>>,
-    /// Constant pattern inputs that must hold one element of a float dtype equal to this number
-    /// rounded to that dtype (manifest schema 15): the 1/√2, 1 and 0.5 of an exported GELU, which
+    /// Constant pattern inputs that must hold one element (rank 0 or 1) of a float dtype equal to
+    /// this number rounded to that dtype (manifest schema 15): the 1/√2, 1 and 0.5 of an exported GELU, which
     /// the replacement computes itself. `kiln verify` gives them these values.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub values: BTreeMap<String, f64>,
@@ -458,7 +458,7 @@ impl Fusion {
             let elements = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
             if shape.contains(&0) || shape.len() > 8 || elements.is_none_or(|n| n > MAX_VERIFY_ELEMENTS) {
                 return at(format!(
-                    "verify.{v}: shape {shape:?} must have 1..=8 non-zero dimensions and at most {MAX_VERIFY_ELEMENTS} elements"
+                    "verify.{v}: shape {shape:?} must have at most 8 dimensions, none 0, and at most {MAX_VERIFY_ELEMENTS} elements"
                 ));
             }
         }

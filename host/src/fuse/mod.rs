@@ -291,8 +291,9 @@ fn check(
     for (var, want) in &f.values {
         let v = b.vars[var];
         let t = &g.initializers[&v];
-        match t.scalar_f64() {
-            None => return Err(format!("{var} ({}) is not a single float value", name(v))),
+        // At most rank 1: a [1, 1, 1] constant would broadcast the unfused result to rank 3.
+        match t.scalar_f64().filter(|_| t.shape.len() <= 1) {
+            None => return Err(format!("{var} ({}) is not a single float value of rank 0 or 1", name(v))),
             Some(x) => {
                 let rounded = crate::Tensor::filled_f64(t.dtype, vec![], *want).ok().and_then(|r| r.scalar_f64());
                 if rounded != Some(x) {

@@ -1179,3 +1179,13 @@ __global__ void kiln_linear_swiglu(const typename Tag::storage* gu, typename Tag
         a[i] = T::st(lin::silu_mul<T>(T::ld(gu[r * 2 * k + c]), T::ld(gu[r * 2 * k + k + c])));
     }
 }
+
+// kiln_linear_bias<Tag>(T* y, const T* bias, u64 rows, u64 n): Y[r, c] += bias[c] in place, Y
+// [rows, n] (Linear's bias after a decode GEMV; grid-stride over rows · n).
+template <typename Tag>
+__global__ void kiln_linear_bias(typename Tag::storage* y, const typename Tag::storage* bias, kiln_u64 rows,
+                                 kiln_u64 n) {
+    typedef lin::Elem<Tag> T;
+    kiln_griddep_wait();
+    KILN_FOR(i, rows * n) { y[i] = T::st(T::ld(y[i]) + T::ld(bias[i % n])); }
+}

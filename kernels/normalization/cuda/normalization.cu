@@ -295,15 +295,17 @@ __device__ void rms_norm(const X* x, const Y* scale, Y* y, void* inv_out, kiln_u
 #define SKIP_RMS_CACHE 8
 
 // SkipSimplifiedLayerNormalization (CENTER false): s = input + skip (+ bias), out = s · inv_std ·
-// gamma, mean float32 zeros; SkipLayerNormalization (CENTER true): out = (s − mean) · inv_std ·
-// gamma (+ beta) with inv_std over the centred values; mean and inv_std_var (float32) and
-// input_skip_bias_sum when has_*.
+// gamma, mean float32 zeros; SkipLayerNormalization (CENTER true): s rounded to the dtype (as the
+// Add it replaces stores it), out = (s − mean) · inv_std · gamma (+ beta) with inv_std over the
+// centred values, gamma and beta of one value broadcast (one_mask bit 0 / 1); mean and
+// inv_std_var (float32) and input_skip_bias_sum when has_*.
 template <bool CENTER, typename Tag, typename T = typename Tag::storage, typename E = kiln_elem<Tag>,
           typename A = typename kiln_elem<Tag>::C>
 __device__ void skip_norm(const T* x, const T* skip, const T* gamma, const T* beta, const T* bias, T* out,
                           float* mean_out, float* inv_out, T* sum_out, kiln_u64 rows, kiln_u64 hidden,
                           kiln_u64 skip_len, unsigned has_beta, unsigned has_bias, unsigned has_mean,
-                          unsigned has_inv, unsigned has_sum, float eps) {
+                          unsigned has_inv, unsigned has_sum, float eps, unsigned one_mask = 0) {
+    const kiln_u64 gmul = (one_mask & 1) ? 0 : 1, bmul = (one_mask & 2) ? 0 : 1;
     ROW_LOOP(row, rows) {
         const kiln_u64 base = row * hidden;
         A q = 0, rms, mean = 0;
@@ -321,8 +323,9 @@ __device__ void skip_norm(const T* x, const T* skip, const T* gamma, const T* be
                 if (c < hidden) {
                     A s = (A)E::ld(x[k]) + (A)E::ld(skip[suffix_idx(k, c, hidden, skip_len)]);
                     if (has_bias) s += (A)E::ld(bias[c]);
+                    if (CENTER) s = (A)E::ld(E::st(s));
                     v[i] = s;
-                    g[i] = (A)E::ld(gamma[c]);
+                    g[i] = (A)E::ld(gamma[c * gmul]);
                     if (CENTER)
                         t += s;
                     else
@@ -344,7 +347,7 @@ __device__ void skip_norm(const T* x, const T* skip, const T* gamma, const T* be
                 if (c < hidden) {
                     if (has_sum) sum_out[k] = E::st(v[i]);
                     A o = (v[i] - mean) / rms * g[i];
-                    if (CENTER && has_beta) o += (A)E::ld(beta[c]);
+                    if (CENTER && has_beta) o += (A)E::ld(beta[c * bmul]);
                     out[k] = E::st(o);
                 }
             }
@@ -354,7 +357,7 @@ __device__ void skip_norm(const T* x, const T* skip, const T* gamma, const T* be
                 const kiln_u64 k = base + c;
                 A v = (A)E::ld(x[k]) + (A)E::ld(skip[suffix_idx(k, c, hidden, skip_len)]);
                 if (has_bias) v += (A)E::ld(bias[c]);
-                return v;
+                return CENTER ? (A)E::ld(E::st(v)) : v;
             };
             if (CENTER) {
                 A t = 0;
@@ -368,8 +371,8 @@ __device__ void skip_norm(const T* x, const T* skip, const T* gamma, const T* be
             }
             rms = kiln_sqrt(row_reduce(q, kiln_op_sum()) / (A)hidden + (A)eps);
             COL_LOOP(c, hidden) {
-                A o = (sum_at(c) - mean) / rms * (A)E::ld(gamma[c]);
-                if (CENTER && has_beta) o += (A)E::ld(beta[c]);
+                A o = (sum_at(c) - mean) / rms * (A)E::ld(gamma[c * gmul]);
+                if (CENTER && has_beta) o += (A)E::ld(beta[c * bmul]);
                 out[base + c] = E::st(o);
             }
         }
@@ -433,9 +436,9 @@ __global__ void kiln_skip_layer_norm(const typename Tag::storage* x, const typen
                                      const typename Tag::storage* bias, typename Tag::storage* out, float* mean_out,
                                      float* inv_out, typename Tag::storage* sum_out, kiln_u64 rows, kiln_u64 hidden,
                                      kiln_u64 skip_len, unsigned has_beta, unsigned has_bias, unsigned has_mean,
-                                     unsigned has_inv, unsigned has_sum, float eps) {
+                                     unsigned has_inv, unsigned has_sum, float eps, unsigned one_mask) {
     skip_norm<true, Tag>(x, skip, gamma, beta, bias, out, mean_out, inv_out, sum_out, rows, hidden, skip_len,
-                         has_beta, has_bias, has_mean, has_inv, has_sum, eps);
+                         has_beta, has_bias, has_mean, has_inv, has_sum, eps, one_mask);
 }
 
 // X and Y (scale's dtype, the output's) by their tags; f64 statistics when either is float64.

@@ -243,7 +243,8 @@ pub(crate) const RESHAPED: &str = "ReshapedAttention";
 
 /// Reshape's target `shape` (allowzero 0) resolved against the input dims `from`.
 fn reshape_target(from: &[usize], shape: &[i64]) -> Result<Vec<usize>> {
-    let total: usize = from.iter().product();
+    let product = |dims: &[usize]| dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+    let Some(total) = product(from) else { bail!("{RESHAPED}: an input of shape {from:?} is too large") };
     let mut out = Vec::with_capacity(shape.len());
     let mut infer = None;
     for (i, &d) in shape.iter().enumerate() {
@@ -258,60 +259,65 @@ fn reshape_target(from: &[usize], shape: &[i64]) -> Result<Vec<usize>> {
                 infer = Some(i);
                 out.push(1);
             }
-            d if d > 0 => out.push(d as usize),
+            d if d > 0 => match usize::try_from(d) {
+                Ok(d) => out.push(d),
+                Err(_) => bail!("{RESHAPED}: shape {shape:?} has a dimension too large"),
+            },
             _ => bail!("{RESHAPED}: shape {shape:?} is not a Reshape target"),
         }
     }
     if let Some(i) = infer {
-        let known: usize = out.iter().product();
+        let known = product(&out).unwrap_or(0);
         if known == 0 || !total.is_multiple_of(known) {
             bail!("{RESHAPED}: shape {shape:?} does not fit {total} elements");
         }
         out[i] = total / known;
     }
-    if out.iter().product::<usize>() != total {
+    if product(&out) != Some(total) {
         bail!("{RESHAPED}: shape {shape:?} does not fit an input of shape {from:?}");
     }
     Ok(out)
 }
 
+/// ReshapedAttention's Q, K, V (inputs 0–2) seen as [B, S, H, D] through their Reshape targets
+/// (inputs 5–7; a contiguous tensor's elements in any shape are its target's rows), and its
+/// output's shape: the output Reshape (input 8) of [B, S, H, Dv], any rank.
+fn reshaped_heads(call: &Call) -> Result<([[usize; 4]; 3], Vec<usize>)> {
+    let mut heads = [[0usize; 4]; 3];
+    for (j, name) in ["Q", "K", "V"].into_iter().enumerate() {
+        let from = call.input(j)?.shape()?;
+        match reshape_target(&from, &call.input(5 + j)?.read_i64s()?)?[..] {
+            [b, s, h, d] => heads[j] = [b, s, h, d],
+            ref to => bail!("{RESHAPED}: {name}'s Reshape to {to:?} does not split it into [B, S, heads, head size]"),
+        }
+    }
+    let [b, s, h, _] = heads[0];
+    let y = reshape_target(&[b, s, h, heads[2][3]], &call.input(8)?.read_i64s()?)?;
+    Ok((heads, y))
+}
+
 fn plan_reshaped(call: &Call) -> Result<Plan> {
-    let (q, k, v) = (call.input(0)?, call.input(1)?, call.input(2)?);
-    let dtype = q.dtype()?;
+    if call.num_inputs() != 9 || call.num_outputs() != 1 {
+        bail!(
+            "{RESHAPED}: takes 9 inputs (Q, K, V, mask or \"\", divisor, 4 shapes) and 1 output, the node has {} and {}",
+            call.num_inputs(),
+            call.num_outputs()
+        );
+    }
+    let dtype = call.input(0)?.dtype()?;
     check_float(RESHAPED, "Q", dtype)?;
-    let (qs, ks, vs) = (q.shape()?, k.shape()?, v.shape()?);
-    for (name, t, sh) in [("K", &k, &ks), ("V", &v, &vs)] {
-        if t.dtype()? != dtype || sh.len() != 3 {
-            bail!("{RESHAPED}: {name} must be 3-D {dtype} like Q, not {} {sh:?}", t.dtype()?);
+    for (i, name) in [(1, "K"), (2, "V")] {
+        if call.input(i)?.dtype()? != dtype {
+            bail!("{RESHAPED}: {name} is {} but Q is {dtype}", call.input(i)?.dtype()?);
         }
     }
-    if qs.len() != 3 {
-        bail!("{RESHAPED}: Q must be 3-D [B, S, E], not {qs:?}");
-    }
-    let split = |i: usize, name: &str, from: &[usize]| -> Result<[usize; 4]> {
-        let to = reshape_target(from, &call.input(i)?.read_i64s()?)?;
-        match to[..] {
-            [b, s, h, d] if b == from[0] && s == from[1] => Ok([b, s, h, d]),
-            _ => bail!(
-                "{RESHAPED}: {name}'s Reshape to {to:?} does not split its rows {from:?} into [B, S, heads, head size]"
-            ),
-        }
-    };
-    let [batch, q_seq, heads, head] = split(5, "Q", &qs)?;
-    let [_, kv_seq, k_heads, k_head] = split(6, "K", &ks)?;
-    let [_, _, v_heads, v_head] = split(7, "V", &vs)?;
-    if ks[0] != batch || vs[0] != batch || vs[1] != kv_seq {
-        bail!("{RESHAPED}: Q {qs:?}, K {ks:?} and V {vs:?} disagree on batch or key rows");
+    let ([[batch, q_seq, heads, head], [kb, kv_seq, k_heads, k_head], [vb, v_seq, v_heads, v_head]], _) =
+        reshaped_heads(call)?;
+    if (kb, vb, v_seq) != (batch, batch, kv_seq) {
+        bail!("{RESHAPED}: Q's {batch} batch rows, K's {kb} of {kv_seq} keys and V's {vb} of {v_seq} disagree");
     }
     if (k_heads, v_heads, k_head) != (heads, heads, head) {
         bail!("{RESHAPED}: Q is split into {heads} heads of {head}, K into {k_heads} of {k_head}, V into {v_heads}");
-    }
-    let y = reshape_target(&[batch, q_seq, heads, v_head], &call.input(8)?.read_i64s()?)?;
-    if y != [batch, q_seq, heads * v_head] {
-        bail!(
-            "{RESHAPED}: the output's Reshape to {y:?} is not [B, S, heads · head size] = [{batch}, {q_seq}, {}]",
-            heads * v_head
-        );
     }
     let divisor = match call.input(4)?.value_f32s()?[..] {
         [d] => d as f64,
@@ -356,7 +362,7 @@ fn plan_of(call: &Call) -> Result<Plan> {
 pub(crate) fn infer(call: &Call) -> Result<Vec<TensorType>> {
     let p = plan_of(call)?;
     if p.reshaped {
-        return Ok(vec![TensorType::new(p.dtype, vec![p.batch, p.q_seq, p.q_heads * p.v_head])]);
+        return Ok(vec![TensorType::new(p.dtype, reshaped_heads(call)?.1)]);
     }
     let y = if p.three_d {
         vec![p.batch, p.q_seq, p.q_heads * p.v_head]
@@ -404,6 +410,10 @@ fn cpu_reshaped(call: &Call, p: &Plan) -> Result<()> {
     if p.batch == 0 || s_n == 0 || h_n == 0 || dv == 0 {
         return Ok(());
     }
+    if t_n == 0 {
+        // No key: Σ weight·V over none is 0 (the host's gemm takes no empty sum).
+        return call.output(0)?.write_vec(&alloc::vec![0f64; p.batch * s_n * h_n * dv]);
+    }
     let mask = match call.input_opt(3) {
         Some(t) => t.read_vec::<f64>()?,
         None => Vec::new(),
@@ -418,7 +428,10 @@ fn cpu_reshaped(call: &Call, p: &Plan) -> Result<()> {
     };
     for b in 0..p.batch {
         let (qb, kb) = ((b * s_n) as u64 * e, (b * t_n) as u64 * e);
-        if t_n > 0 {
+        if d == 0 {
+            // Empty products: every score is 0.
+            write_handle(scores, 0, &alloc::vec![0u8; (scores_len * size) as usize])?;
+        } else {
             gemm(&Gemm {
                 dtype: p.dtype,
                 trans_a: false,
@@ -572,21 +585,22 @@ pub(crate) fn cpu(call: &Call) -> Result<()> {
     Ok(())
 }
 
-/// A grid dimension of `kiln_attention`, or unsupported over CUDA's limit for it.
-fn grid_dim(what: &str, v: usize, max: u32) -> Result<u32> {
+/// A grid dimension of `kiln_attention` for `op`, or unsupported over CUDA's limit for it.
+fn grid_dim(op: &str, what: &str, v: usize, max: u32) -> Result<u32> {
     match u32::try_from(v) {
         Ok(d) if d <= max => Ok(d),
-        _ => unsupported!("{ATTENTION}: {what} = {v} is over the CUDA grid's {max} blocks"),
+        _ => unsupported!("{op}: {what} = {v} is over the CUDA grid's {max} blocks"),
     }
 }
 
 pub(crate) fn dispatch(call: &Call) -> Result<()> {
     let p = plan_of(call)?;
-    let tag = kernel_tag(ATTENTION, p.dtype)?;
+    let op = call.op_type();
+    let tag = kernel_tag(op, p.dtype)?;
     if p.head > GPU_MAX_HEAD || p.v_head > GPU_MAX_HEAD {
-        unsupported!("{ATTENTION}: head sizes {} / {} over the CUDA kernel's {GPU_MAX_HEAD}", p.head, p.v_head);
+        unsupported!("{op}: head sizes {} / {} over the CUDA kernel's {GPU_MAX_HEAD}", p.head, p.v_head);
     }
-    let u = |what: &str, v: usize| u32_arg(ATTENTION, what, v);
+    let u = |what: &str, v: usize| u32_arg(op, what, v);
     let (q, k, v) = (call.input(0)?, call.input(1)?, call.input(2)?);
     // Absent optional inputs and outputs: any tensor stands in (the kernels do not touch them).
     // (A ReshapedAttention's inputs 4.. are no past or nonpad.)
@@ -626,9 +640,9 @@ pub(crate) fn dispatch(call: &Call) -> Result<()> {
     launch(&Launch {
         kernel: &kernel_name("kiln_attention", &[tag]),
         grid: [
-            grid_dim("query sequence", p.q_seq, u32::MAX >> 1)?,
-            grid_dim("query heads", p.q_heads, 65535)?,
-            grid_dim("batch", p.batch, 65535)?,
+            grid_dim(op, "query sequence", p.q_seq, u32::MAX >> 1)?,
+            grid_dim(op, "query heads", p.q_heads, 65535)?,
+            grid_dim(op, "batch", p.batch, 65535)?,
         ],
         block: [GPU_WARPS * 32, 1, 1],
         shared_mem_bytes: 0,

@@ -5,8 +5,8 @@
 //! - `ai.kiln::Linear(X [..., K], W [N, K], scales?, bias? [N])` → `Y [..., N]`, `Y = X · Wᵀ +
 //!   bias` (`torch.nn.functional.linear`; the `linear-bias` fusion's MatMul and Add: the product
 //!   and the bias are summed in f32 and rounded once, where the ops it replaces round the
-//!   product first). A bias runs through cuBLASLt's bias epilogue on the GPU, a decode row
-//!   too, and cannot be combined with `swiglu`;
+//!   product first). On the GPU a bias is cuBLASLt's bias epilogue (prefill) or
+//!   `kiln_linear_bias` after a decode GEMV; it cannot be combined with `swiglu`;
 //! - `ai.kiln::RmsNormLinear(X [..., K], skip?, gamma [K], W [N, K])` → `Y [..., N]`,
 //!   `sum [..., K]?`: onnxruntime's SkipSimplifiedLayerNormalization (or, without `skip`,
 //!   SimplifiedLayerNormalization over the last axis) followed by the MatMul that reads its
@@ -549,9 +549,6 @@ fn at(handle: u32) -> KernelArg {
 pub fn dispatch(call: &Call) -> Result<()> {
     let g = geometry(call)?;
     let tag = kernel_tag(call.op_type(), g.dtype)?;
-    if g.bias.is_some() && g.k == 0 && g.rows > 0 && g.n > 0 {
-        unsupported!("{}: a bias over an empty product (K = 0) has no CUDA path", call.op_type());
-    }
     let y = call.output(0)?.handle();
     // The SwiGLU epilogue inside the decode GEMV kernels (RmsNormLinear), else the product into
     // scratch and kiln_linear_swiglu after it. Without rows or outputs there is no product (a
@@ -595,8 +592,7 @@ enum DecodeKernel {
 
 fn decode_kernel(g: &Geometry) -> Option<DecodeKernel> {
     let vec = 16 / g.dtype.size().unwrap_or(4);
-    // A bias takes cuBLASLt's bias epilogue (one kernel still).
-    if !g.k.is_multiple_of(vec) || g.n == 0 || g.bias.is_some() {
+    if !g.k.is_multiple_of(vec) || g.n == 0 {
         return None;
     }
     let (shared, n_tiles) = mma_shared(g);
@@ -693,7 +689,38 @@ fn product(call: &Call, g: &Geometry, tag: &str, y: u32, epilogue: bool) -> Resu
     if let Some(q) = g.quant {
         operands.extend([KernelArg::U32(q.k_blocks as u32), KernelArg::U32(q.block as u32)]);
     }
-    match decode_kernel(g) {
+    let bias = g.bias.map(|i| call.input(i).map(|t| t.handle())).transpose()?;
+    let decode = decode_kernel(g);
+    if let (Some(b), Some(_)) = (bias, &decode) {
+        // A decode GEMV, then the bias in place (prefill adds it in cuBLASLt's epilogue).
+        product_decode(g, tag, epilogue, decode, bits.as_deref(), (mma, gemv), operands)?;
+        let total = g.rows as u64 * g.n as u64;
+        return launch(&Launch {
+            kernel: &kernel_name("kiln_linear_bias", &[tag]),
+            grid: grid_stride(total),
+            block: [GRID_STRIDE_BLOCK, 1, 1],
+            shared_mem_bytes: 0,
+            args: alloc::vec![at(y), at(b), KernelArg::U64(g.rows as u64), KernelArg::U64(g.n as u64)],
+        });
+    }
+    match decode {
+        None => prefill(call, g, tag, y, skip, gamma, flags),
+        Some(_) => product_decode(g, tag, epilogue, decode, bits.as_deref(), (mma, gemv), operands),
+    }
+}
+
+/// Launches the decode kernel `decode` (`kernels`: the tensor-core and CUDA-core names) with
+/// `operands`.
+fn product_decode(
+    g: &Geometry,
+    tag: &str,
+    epilogue: bool,
+    decode: Option<DecodeKernel>,
+    bits: Option<&str>,
+    (mma, gemv): (&str, &str),
+    operands: Vec<KernelArg>,
+) -> Result<()> {
+    match decode {
         Some(DecodeKernel::Mma { n_tiles, shared }) => launch_mma(mma, tag, g, epilogue, n_tiles, shared, operands),
         Some(DecodeKernel::Gemv { block_rows, shared }) => {
             // GEMV_COLS_PER_BLOCK outputs per block; under the epilogue a warp's two weight rows
@@ -702,10 +729,10 @@ fn product(call: &Call, g: &Geometry, tag: &str, y: u32, epilogue: bool) -> Resu
             let outputs = if epilogue { g.n / 2 } else { g.n };
             let rows = block_rows.to_string();
             let mut params = alloc::vec![tag, kernel_mode(g, epilogue), rows.as_str()];
-            params.extend(bits.as_deref());
+            params.extend(bits);
             launch_gemv(gemv, &params, outputs.div_ceil(per_block), g.rows.div_ceil(block_rows), shared, operands)
         }
-        None => prefill(call, g, tag, y, skip, gamma, flags),
+        None => Ok(()),
     }
 }
 

@@ -243,10 +243,14 @@ fn skip_plan(call: &Call) -> Result<SkipPlan> {
     };
     let Some(&hidden) = shape.last() else { bail!("{op}: input must have rank ≥ 1") };
     call.input(2)?;
+    // SkipLayerNormalization's gamma and beta may be one value (LayerNormalization broadcasts
+    // them); its bias and the other op's are [hidden].
     for (i, what) in [(2, "gamma"), (3, if center { "beta" } else { "bias" }), (4, "bias")] {
         if let Some(t) = call.input_opt(i) {
-            if t.shape()? != [hidden] {
-                bail!("{op}: {what} must be [hidden] = [{hidden}], not of shape {:?}", t.shape()?);
+            let s = t.shape()?;
+            let one = center && i < 4 && s.iter().all(|&d| d == 1) && s.len() <= 1;
+            if s != [hidden] && !one {
+                bail!("{op}: {what} must be [hidden] = [{hidden}], not of shape {s:?}");
             }
         }
     }
@@ -255,8 +259,11 @@ fn skip_plan(call: &Call) -> Result<SkipPlan> {
         if axis != -1 && axis != shape.len() as i64 - 1 {
             bail!("{op}: normalises the last axis only, not axis {axis}");
         }
-        if call.attr_i("stash_type", 1)? != 1 {
-            bail!("{op}: stash_type must be 1 (float32 statistics)");
+        // The statistics' precision (LayerNormalization's U): kiln computes them in f32, or f64
+        // for float64, either way.
+        let stash = call.attr_i("stash_type", 1)?;
+        if stash != 1 && stash != 11 {
+            bail!("{op}: stash_type must be 1 (float32) or 11 (float64), not {stash}");
         }
     }
     let epsilon = call.attr_f("epsilon", if center { 1e-5 } else { 1e-12 })?;
@@ -311,6 +318,10 @@ pub fn skip_simplified_cpu(call: &Call) -> Result<()> {
             *v += b[k % p.hidden];
         }
     }
+    if p.center {
+        // The sum as the Add it replaces stores it, rounded to the dtype.
+        sum = element::decode_as::<f64>(p.dtype, &element::encode_as(p.dtype, &sum)?)?;
+    }
     if let Some(t) = call.output_opt(3) {
         t.write_vec_at(first, &sum)?;
     }
@@ -321,10 +332,11 @@ pub fn skip_simplified_cpu(call: &Call) -> Result<()> {
             row.iter_mut().for_each(|v| *v -= means[r]);
         }
     }
-    let inv_std = rms_rows(&mut sum, rows.len(), p.hidden, p.epsilon, |k| gamma[k % p.hidden]);
+    // gamma and beta: [hidden], or (SkipLayerNormalization) one value.
+    let inv_std = rms_rows(&mut sum, rows.len(), p.hidden, p.epsilon, |k| gamma[k % p.hidden % gamma.len()]);
     if p.center {
         if let Some(beta) = call.input_opt(3).map(|t| t.read_vec::<f64>()).transpose()? {
-            sum.iter_mut().enumerate().for_each(|(k, v)| *v += beta[k % p.hidden]);
+            sum.iter_mut().enumerate().for_each(|(k, v)| *v += beta[k % p.hidden % beta.len()]);
         }
     }
     call.output(0)?.write_vec_at(first, &sum)?;
@@ -415,6 +427,12 @@ pub fn skip_simplified_dispatch(call: &Call) -> Result<()> {
         KernelArg::U32(sum.is_some() as u32),
         KernelArg::F32(p.epsilon as f32),
     ]);
+    if p.center {
+        let one = |i: usize| -> Result<u32> {
+            Ok((call.input_opt(i).map(|t| t.numel()).transpose()? == Some(1) && hidden != 1) as u32)
+        };
+        args.push(KernelArg::U32(one(2)? | one(3)? << 1));
+    }
     let kernel = if p.center { "kiln_skip_layer_norm" } else { "kiln_skip_rms_norm" };
     launch(&Launch { kernel: &names::kernel_name(kernel, &[tag]), grid, block, shared_mem_bytes: 0, args })
 }
