@@ -95,7 +95,11 @@ enum { HAS_SKIP = 1, HAS_SUM = 2, W_CONST = 4 };
 #define LIN_WARPS 8    // warps per block
 #define LIN_COLS 2     // outputs (weight rows) per warp
 #define LIN_UNROLL 6   // 16-byte weight loads per lane and output in flight
-#define LIN_QUNROLL 4  // the same for the quantized GEMV (its unpacking needs the registers)
+// The same for the quantized GEMV (its unpacking needs the registers): at 2 instead of 4 the
+// 4-bit Linear form's code halves (46 → 25 KB of CUBIN text) and an int4 decode step at batch 1
+// took 0.578 against 0.615 ms (H100, bench/RESULTS.md, 2026-12-06, session 33); K ≤ 2,048 at 4
+// bits is one pass either way.
+#define LIN_QUNROLL 2
 #define LIN_PRO 4      // 16-byte activation loads per thread in flight in the prologue
 #ifndef LIN_PRO_COPY   // the same for Linear's copy (no up operand); -D for bench/layer_probe.cu:
 #define LIN_PRO_COPY 4 // 8 would load batch 8's down (8 rows of 1,536) in one round trip instead
