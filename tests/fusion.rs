@@ -214,23 +214,31 @@ const AH: usize = 3; // heads
 const AD: usize = 4; // head size
 
 /// Eager attention as torch.onnx exports transformers' BERT: q [B, S, H·D], k and v [B, T, H·D]
-/// split into heads by Reshape (q's with `allowzero` = `q_allowzero`) and Transpose, scores / 2,
-/// an additive mask
+/// split into heads by Reshape (q's with `allowzero` = `q_allowzero`) and Transpose, scores / 2
+/// (or, `mul_form`, as transformers 5's eager attention writes it: K transposed twice and the
+/// scores · 0.5), an additive mask
 /// [B, 1, 1, T], Softmax, the weighted v merged back into y [B, S, H·D].
-fn exported_attention(q_allowzero: i64) -> Model {
+fn exported_attention(q_allowzero: i64, mul_form: bool) -> Model {
     let (b, s, t, h, d) = (AB as i64, AS as i64, AT as i64, AH as i64, AD as i64);
     let reshape_az = |x: &str, shape: &str, y: &str, az: i64| {
         node("Reshape", &[x, shape], &[y], vec![onnx::attr_int("allowzero", az)])
     };
     let reshape = |x: &str, shape: &str, y: &str| reshape_az(x, shape, y, 0);
     let transpose = |x: &str, y: &str, perm: &[i64]| node("Transpose", &[x], &[y], vec![onnx::attr_ints("perm", perm)]);
-    let nodes = vec![
-        reshape_az("q", "sq", "qr", q_allowzero),
-        transpose("qr", "qt", &[0, 2, 1, 3]),
-        reshape("k", "sk", "kr"),
-        transpose("kr", "kt", &[0, 2, 3, 1]),
+    let nodes =
+        vec![reshape_az("q", "sq", "qr", q_allowzero), transpose("qr", "qt", &[0, 2, 1, 3]), reshape("k", "sk", "kr")];
+    let mut nodes = [
+        nodes,
+        if mul_form {
+            vec![transpose("kr", "kh", &[0, 2, 1, 3]), transpose("kh", "kt", &[0, 1, 3, 2])]
+        } else {
+            vec![transpose("kr", "kt", &[0, 2, 3, 1])]
+        },
+    ]
+    .concat();
+    nodes.extend([
         node("MatMul", &["qt", "kt"], &["sc"], vec![]),
-        node("Div", &["sc", "c"], &["sd"], vec![]),
+        node(if mul_form { "Mul" } else { "Div" }, &["sc", "c"], &["sd"], vec![]),
         node("Add", &["sd", "mask"], &["sm"], vec![]),
         node("Softmax", &["sm"], &["p"], vec![onnx::attr_int("axis", -1)]),
         reshape("v", "sv", "vr"),
@@ -238,9 +246,9 @@ fn exported_attention(q_allowzero: i64) -> Model {
         node("MatMul", &["p", "vt"], &["o"], vec![]),
         transpose("o", "ot", &[0, 2, 1, 3]),
         reshape("ot", "so", "y"),
-    ];
+    ]);
     let inits = vec![
-        onnx::init_f32("c", &[], &[2.0]),
+        onnx::init_f32("c", &[], &[if mul_form { 0.5 } else { 2.0 }]),
         onnx::init_i64("sq", &[4], &[b, s, h, d]),
         onnx::init_i64("sk", &[4], &[b, t, h, d]),
         onnx::init_i64("sv", &[4], &[0, 0, h, d]),
@@ -293,18 +301,20 @@ fn exported_eager_attention_becomes_one_reshaped_attention() {
             }
         }
     }
-    let mut fused = session(exported_attention(0), true);
-    let f = &fused.report.fusions;
-    assert_eq!(f.applied_counts().into_iter().collect::<Vec<_>>(), vec![("reshaped-attention", 1)], "{}", f.render());
-    let ops: Vec<&str> = fused.model().graph.nodes.iter().map(|n| n.op_type.as_str()).collect();
-    assert_eq!(ops, ["ReshapedAttention"]);
-    assert_close(&run(&mut fused, feeds())[0], &want, 1e-6);
-    let mut unfused = session(exported_attention(0), false);
-    assert_close(&run(&mut unfused, feeds())[0], &want, 1e-6);
+    for (mul_form, fusion) in [(false, "reshaped-attention"), (true, "reshaped-attention-mul")] {
+        let mut fused = session(exported_attention(0, mul_form), true);
+        let f = &fused.report.fusions;
+        assert_eq!(f.applied_counts().into_iter().collect::<Vec<_>>(), vec![(fusion, 1)], "{}", f.render());
+        let ops: Vec<&str> = fused.model().graph.nodes.iter().map(|n| n.op_type.as_str()).collect();
+        assert_eq!(ops, ["ReshapedAttention"]);
+        assert_close(&run(&mut fused, feeds())[0], &want, 1e-6);
+        let mut unfused = session(exported_attention(0, mul_form), false);
+        assert_close(&run(&mut unfused, feeds())[0], &want, 1e-6);
+    }
 
     // Q's Reshape with allowzero = 1 (the same here: its target has no 0): the pattern asks for
     // 0, so the match is turned down with the attribute named, and the unfused ops run.
-    let mut s = session(exported_attention(1), true);
+    let mut s = session(exported_attention(1, false), true);
     let f = &s.report.fusions;
     assert!(f.applied.iter().all(|a| a.fusion != "reshaped-attention"), "{}", f.render());
     let r = f.rejected.iter().find(|r| r.fusion == "reshaped-attention").expect("the attention match is reported");

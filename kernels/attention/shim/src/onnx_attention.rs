@@ -235,8 +235,9 @@ fn plan(call: &Call) -> Result<Plan> {
 /// Reshape and Transpose split out of 3-D rows, as exporters write eager attention (transformers'
 /// BERT through torch.onnx): inputs Q [B, S, E], K [B, T, E], V [B, T, Ev], `attn_mask` (3,
 /// optional, additive, Q's dtype, broadcasting to [B, H, S, T] with its last dimension T), the
-/// divisor of the scores (4, one float element), and the four Reshape targets of Q, K, V (5, 6,
-/// 7: [B, S, H, D], [B, T, H, D], [B, T, H, Dv]) and of the output (8: [B, S, H·Dv]), with
+/// divisor of the scores (4, one float element; with attribute `multiply` = 1 their factor, as
+/// transformers' eager attention writes `· scaling`), and the four Reshape targets of Q, K, V
+/// (5, 6, 7: [B, S, H, D], [B, T, H, D], [B, T, H, Dv]) and of the output (8: [B, S, H·Dv]), with
 /// Reshape's `allowzero` = 0 (a 0 copies the input's dimension, one −1 is inferred).
 /// Y = Reshape(Transpose(Softmax(Q'·K'ᵀ / divisor + mask) · V')), the ops it replaces.
 pub(crate) const RESHAPED: &str = "ReshapedAttention";
@@ -319,9 +320,12 @@ fn plan_reshaped(call: &Call) -> Result<Plan> {
     if (k_heads, v_heads, k_head) != (heads, heads, head) {
         bail!("{RESHAPED}: Q is split into {heads} heads of {head}, K into {k_heads} of {k_head}, V into {v_heads}");
     }
-    let divisor = match call.input(4)?.value_f32s()?[..] {
-        [d] => d as f64,
-        _ => bail!("{RESHAPED}: the divisor must be one value"),
+    // Input 4 divides the scores, or (attribute `multiply` = 1, the Mul form) multiplies them.
+    let scale = match (&call.input(4)?.value_f32s()?[..], call.attr_i("multiply", 0)?) {
+        (&[c], 1) => c as f64,
+        (&[d], 0) => 1.0 / d as f64,
+        (_, 0 | 1) => bail!("{RESHAPED}: the scores' divisor or factor must be one value"),
+        (_, m) => bail!("{RESHAPED}: multiply must be 0 or 1, not {m}"),
     };
     let mask = mask_of(call, RESHAPED, dtype, [batch, heads, q_seq], kv_seq)?;
     if let Some(m) = &mask {
@@ -343,7 +347,7 @@ fn plan_reshaped(call: &Call) -> Result<Plan> {
         mask,
         nonpad: false,
         causal: false,
-        scale: 1.0 / divisor,
+        scale,
         softcap: 0.0,
         qk_mode: 0,
         reshaped: true,

@@ -133,12 +133,19 @@ mod gpu {
         }
     }
 
+    /// Rows below which a row kernel takes a block per row. At 128 rows of 768 (BERT-base,
+    /// batch 1) a warp per row put the rows on 16 blocks, and SkipLayerNormalization's loop
+    /// over a row's 24 values per lane took 26 µs a launch (ncu, H100, bench/RESULTS.md,
+    /// 2026-12-06, session 33).
+    const FEW_ROWS: u64 = 1024;
+
     /// Grid and block of a row kernel over `rows` rows of `cols` elements: a warp per row (8
-    /// rows a block) for short rows, a block per row for long ones, and for a few rows (a
-    /// decode step) a block per row with about 4 elements a thread, so that a row's loads are
-    /// spread over many threads rather than queued on one warp.
+    /// rows a block) for short rows, a block per row for long ones, and for fewer rows than
+    /// [`FEW_ROWS`] (a decode step, an encoder's 128-token sequence) a block per row with about 4
+    /// elements a thread, so that a row's loads are spread over many threads rather than queued
+    /// on one warp.
     pub fn row_launch(rows: u64, cols: u64) -> ([u32; 3], [u32; 3]) {
-        if rows < 128 && cols > 128 {
+        if rows < FEW_ROWS && cols > 128 {
             let threads = (cols.div_ceil(4).div_ceil(32) * 32).clamp(32, 1024) as u32;
             return ([rows.max(1) as u32, 1, 1], [threads, 1, 1]);
         }
