@@ -71,6 +71,8 @@
 #   models     bench/model_peers.py: ResNet-50 and BERT-base at batch 1 and 32, float32 and float16,
 #              kiln bench run beside PyTorch eager and torch.compile (MODEL_PEERS="--methods
 #              kiln,eager --batches 1" and the like narrow it)
+#   encoder    BERT-base fp16 at batch 1 (bench/model_peers.py's export): kiln on the GPU against
+#              kiln's CPU run of the same file, its time, and ncu's table of its kernels (one eager run)
 #   big        the five full-size real models of scripts/make-big-models.py against onnxruntime
 #   cpu        the fast CPU path beside onnxruntime's CPU provider at 16 threads and 1
 #              (scripts/bench-cpu.py: MatMul 1024³ and resnet50, made by scripts/make-big-models.py),
@@ -90,7 +92,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,memory.u
 models=/tmp/kiln-models
 m=$models/smollm2-arch-fp16-cuda
 needs_models=0
-for phase in $phases; do case "$phase" in quick | verify | floor | layer | probe | bw | cpu | sanitize-ops | big | conv | models | int4) ;; *) needs_models=1 ;; esac; done
+for phase in $phases; do case "$phase" in quick | verify | floor | layer | probe | bw | cpu | sanitize-ops | big | conv | models | encoder | int4) ;; *) needs_models=1 ;; esac; done
 if [ "$needs_models" = 1 ] && [ ! -f "$models/reference/smollm2-arch-ref.json" ]; then
   t0=$(date +%s)
   bash .gpu/device-fixtures/make-smollm2-arch.sh "$models" --results "$work/make" >"$work/make.log" 2>&1 ||
@@ -308,6 +310,41 @@ for w in glob.glob(".gpu/python/*.whl"):
         --device cuda --cudnn $c --runs 20 --report 2>&1 | grep -E "runs in|convolutions|on the package|rror" | head -6
     done | tee -a "$out/conv.log"
     summary+=("conv: $(grep -E '^test result' "$out/conv.log" | tail -1)")
+    ;;
+  encoder)
+    ew=$work/encoder && mkdir -p "$ew"
+    python3 bench/model_peers.py --kiln "$KILN" --out "$ew" --methods kiln --models bert_base --dtypes fp16 --batches 1 2>&1 |
+      grep -E ' ms ' | tee "$out/encoder.log"
+    python3 -c "
+import numpy as np
+np.save('$ew/ids.npy', np.random.default_rng(0).integers(0, 30522, (1, 128)).astype(np.int64))
+np.save('$ew/mask.npy', np.ones((1, 128), np.int64))"
+    em=$ew/bert_base-fp16-b1.onnx
+    ein=(--input input_ids="$ew/ids.npy" --input attention_mask="$ew/mask.npy")
+    for d in cpu cuda; do "$KILN" run "$em" --device $d "${ein[@]}" --output-dir "$ew/out-$d" -q 2>&1 | tail -2; done
+    python3 -c "
+import numpy as np
+a = np.load('$ew/out-cpu/last_hidden_state.npy').astype(np.float64)
+b = np.load('$ew/out-cuda/last_hidden_state.npy').astype(np.float64)
+print('encoder: cuda vs cpu max|d| / max|ref| = %.3e' % (np.abs(a - b).max() / np.abs(a).max()))" | tee -a "$out/encoder.log"
+    ncu --cache-control none --clock-control none --print-units base --metrics gpu__time_duration.sum --csv \
+      "$KILN" run "$em" --device cuda --graph off --runs 2 "${ein[@]}" --output-dir "$ew/out-ncu" >"$ew/ncu.csv" 2>/dev/null
+    python3 - "$ew/ncu.csv" <<'PYEOF' | tee -a "$out/encoder.log"
+import collections, csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+h = rows[0]
+ki, vi = h.index("Kernel Name"), h.index("Metric Value")
+data = [(r[ki], float(r[vi].replace(",", ""))) for r in rows[1:] if r[vi].replace(",", "").replace(".", "").isdigit()]
+second = data[len(data) // 2:]  # the second of the two runs
+t = collections.defaultdict(lambda: [0, 0.0])
+for k, v in second:
+    t[k.split("(")[0][:70]][0] += 1
+    t[k.split("(")[0][:70]][1] += v / 1000
+print(f"encoder: {len(second)} kernels, {sum(v for _, v in second) / 1000:.1f} us summed")
+for k, (c, us) in sorted(t.items(), key=lambda x: -x[1][1])[:12]:
+    print(f"{us:9.1f} us {c:4d}  {k}")
+PYEOF
+    summary+=("$(grep -E '^bert|^encoder' "$out/encoder.log" | head -3 | tr '\n' ' ')")
     ;;
   models)
     # shellcheck disable=SC2086
