@@ -364,9 +364,10 @@ fn a_matmul_and_its_bias_become_one_linear_and_a_bias_of_another_length_does_not
     assert_close(&run(&mut s, vec![("x", f32_tensor(&[ROWS, K], &x))])[0], &want, 1e-6);
 }
 
-/// s = a + r, y = LayerNormalization(s, gamma, beta) over the last axis (epsilon 1e-5); with
-/// `sum_out`, s is a graph output too (a pre-norm residual stream reads it).
-fn add_layer_norm(sum_out: bool) -> Model {
+/// s = a + r, y = LayerNormalization(s, gamma, beta) over the last axis (epsilon 1e-5), r [ROWS,
+/// r_cols] (N, or 1 to broadcast over each row); with `sum_out`, s is a graph output too (a
+/// pre-norm residual stream reads it).
+fn add_layer_norm(sum_out: bool, r_cols: usize) -> Model {
     let nodes = vec![
         node("Add", &["a", "r"], &["s"], vec![]),
         node(
@@ -383,15 +384,23 @@ fn add_layer_norm(sum_out: bool) -> Model {
     if sum_out {
         outputs.push(value("s", F32, &shape));
     }
-    let m = onnx::model(nodes, vec![value("a", F32, &shape), value("r", F32, &shape)], outputs, inits);
+    let r = value("r", F32, &[ROWS as i64, r_cols as i64]);
+    let m = onnx::model(nodes, vec![value("a", F32, &shape), r], outputs, inits);
     model::load_bytes(&onnx::bytes(&m), None).unwrap()
 }
 
 #[test]
 fn a_residual_add_and_its_layer_norm_become_one_skip_layer_normalization() {
-    let (a, r) = (values(ROWS * N, 43), values(ROWS * N, 44));
+    for r_cols in [N, 1] {
+        skip_layer_norm_case(r_cols);
+    }
+}
+
+fn skip_layer_norm_case(r_cols: usize) {
+    let (a, r) = (values(ROWS * N, 43), values(ROWS * r_cols, 44));
     let (gamma, beta) = (values(N, 41), values(N, 42));
-    let sum: Vec<f64> = a.iter().zip(&r).map(|(x, y)| *x as f64 + *y as f64).collect();
+    let sum: Vec<f64> =
+        a.iter().enumerate().map(|(i, x)| *x as f64 + r[i / N * r_cols + i % N % r_cols] as f64).collect();
     let mut want = Vec::new();
     for row in sum.chunks(N) {
         let mean = row.iter().sum::<f64>() / N as f64;
@@ -399,9 +408,9 @@ fn a_residual_add_and_its_layer_norm_become_one_skip_layer_normalization() {
         let inv = 1.0 / (var + 1e-5).sqrt();
         want.extend(row.iter().enumerate().map(|(c, v)| (v - mean) * inv * gamma[c] as f64 + beta[c] as f64));
     }
-    let feeds = || vec![("a", f32_tensor(&[ROWS, N], &a)), ("r", f32_tensor(&[ROWS, N], &r))];
+    let feeds = || vec![("a", f32_tensor(&[ROWS, N], &a)), ("r", f32_tensor(&[ROWS, r_cols], &r))];
     for (sum_out, fusion) in [(false, "skip-layernorm"), (true, "skip-layernorm-sum")] {
-        let mut s = session(add_layer_norm(sum_out), true);
+        let mut s = session(add_layer_norm(sum_out, r_cols), true);
         let f = &s.report.fusions;
         assert_eq!(f.applied_counts().into_iter().collect::<Vec<_>>(), vec![(fusion, 1)], "{}", f.render());
         let ops: Vec<&str> = s.model().graph.nodes.iter().map(|n| n.op_type.as_str()).collect();

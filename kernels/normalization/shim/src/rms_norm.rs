@@ -200,6 +200,8 @@ struct SkipPlan {
     skip: usize,
     /// The input index of `bias` (3, or 4 after SkipLayerNormalization's `beta`).
     bias: usize,
+    /// The shape of the operand added to the full-shape one (broadcast to it).
+    skip_shape: Vec<usize>,
 }
 
 fn skip_plan(call: &Call) -> Result<SkipPlan> {
@@ -216,10 +218,9 @@ fn skip_plan(call: &Call) -> Result<SkipPlan> {
         }
     }
     let (a, b) = (call.input(0)?.shape()?, call.input(1)?.shape()?);
-    // Any suffix (leading 1s dropped) for SkipLayerNormalization, either way round.
-    let suffix = |full: &[usize], part: &[usize]| {
-        let core = &part[part.iter().take_while(|&&d| d == 1).count()..];
-        part.len() <= full.len() && !core.is_empty() && full.ends_with(core)
+    // For SkipLayerNormalization, either operand broadcasting to the other (Add is commutative).
+    let broadcasts = |full: &[usize], part: &[usize]| {
+        part.len() <= full.len() && part.iter().rev().zip(full.iter().rev()).all(|(&p, &f)| p == 1 || p == f)
     };
     let (input, skip, shape) = if !center {
         let tail = &a[a.len().saturating_sub(2)..];
@@ -234,13 +235,14 @@ fn skip_plan(call: &Call) -> Result<SkipPlan> {
             );
         }
         (0, 1, a)
-    } else if suffix(&a, &b) {
+    } else if broadcasts(&a, &b) {
         (0, 1, a)
-    } else if suffix(&b, &a) {
+    } else if broadcasts(&b, &a) {
         (1, 0, b)
     } else {
-        bail!("{op}: neither of input {a:?} and skip {b:?} is the other's shape or a suffix of it");
+        bail!("{op}: neither of input {a:?} and skip {b:?} broadcasts to the other");
     };
+    let skip_shape = call.input(skip)?.shape()?;
     let Some(&hidden) = shape.last() else { bail!("{op}: input must have rank ≥ 1") };
     call.input(2)?;
     // SkipLayerNormalization's gamma and beta may be one value (LayerNormalization broadcasts
@@ -285,6 +287,7 @@ fn skip_plan(call: &Call) -> Result<SkipPlan> {
         input,
         skip,
         bias,
+        skip_shape,
     })
 }
 
@@ -302,18 +305,16 @@ pub fn skip_simplified_cpu(call: &Call) -> Result<()> {
     let rows = call.tile_units(p.rows)?;
     let (first, n) = (rows.start * p.hidden, rows.len() * p.hidden);
     let mut sum = call.input(p.input)?.read_vec_range::<f64>(first, n)?;
-    // skip is input's shape (this call's rows of it) or a suffix of it repeated over the leading
-    // dimensions (all of it).
+    // skip is input's shape (this call's rows of it) or broadcasts to it (all of it: a suffix
+    // repeated over the leading dimensions, or through an index table).
     let skip_t = call.input(p.skip)?;
-    let (skip, skip_from) = if skip_t.numel()? == call.input(p.input)?.numel()? {
-        (skip_t.read_vec_range::<f64>(first, n)?, first)
-    } else {
-        (skip_t.read_vec::<f64>()?, 0)
-    };
+    let full = skip_t.numel()? == call.input(p.input)?.numel()?;
+    let skip = if full { skip_t.read_vec_range::<f64>(first, n)? } else { skip_t.read_vec::<f64>()? };
+    let at = (!full).then(|| Broadcast::new(&p.skip_shape, &p.shape));
     let gamma = call.input(2)?.read_vec::<f64>()?;
     let bias = call.input_opt(p.bias).map(|t| t.read_vec::<f64>()).transpose()?;
     for (k, v) in sum.iter_mut().enumerate() {
-        *v += skip[(first + k - skip_from) % skip.len()];
+        *v += skip[at.as_ref().map_or(k, |b| b.at(first + k))];
         if let Some(b) = &bias {
             *v += b[k % p.hidden];
         }
@@ -396,13 +397,14 @@ pub fn skip_simplified_dispatch(call: &Call) -> Result<()> {
         return Ok(());
     }
     let x = call.input(p.input)?;
-    let skip = call.input(p.skip)?;
-    let skip_len = (skip.numel()? as u64).max(1);
+    // A skip that is not input's shape or a suffix of it is expanded to input's shape first.
+    let (skip, skip_len) = crate::gpu::suffix_operand(call.input(p.skip)?.handle(), p.dtype, &p.skip_shape, &p.shape)?;
+    let skip_len = skip_len.max(1);
     let bias = call.input_opt(p.bias);
     let out = call.output(0)?;
     let (mean, inv, sum) = (call.output_opt(1), call.output_opt(2), call.output_opt(3));
     let (grid, block) = row_launch(rows, hidden);
-    let mut args = vec![tensor(x.handle()), tensor(skip.handle()), tensor(call.input(2)?.handle())];
+    let mut args = vec![tensor(x.handle()), tensor(skip), tensor(call.input(2)?.handle())];
     let beta = call.input_opt(3).filter(|_| p.center);
     if p.center {
         args.push(tensor(beta.as_ref().map_or(x.handle(), |t| t.handle())));
