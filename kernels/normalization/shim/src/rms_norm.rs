@@ -47,10 +47,10 @@
 //! ```
 //!
 //! What kiln-normalization's `skip-layernorm` fusions make of an Add and the
-//! LayerNormalization over its last axis that reads it: `skip` may also be any suffix of
-//! input's shape (leading 1s allowed), and where `input` is the suffix of `skip`'s shape the two
-//! swap (Add is commutative); the LayerNormalization's `axis` (-1, or the last) and `stash_type`
-//! (1) are accepted.
+//! LayerNormalization over its last axis that reads it: `skip` may have any shape that
+//! broadcasts to input's (ONNX's multidirectional rule, one way), and where `input` broadcasts
+//! to `skip`'s shape the two swap (Add is commutative); gamma and beta may be one value; the
+//! LayerNormalization's `axis` (-1, or the last) and `stash_type` (1 or 11) are accepted.
 //!
 //! The reference computes in f64 from the inputs' values and rounds each output once.
 
@@ -195,7 +195,7 @@ struct SkipPlan {
     /// SkipLayerNormalization: centred, with `beta`.
     center: bool,
     /// The inputs holding the full-shape operand and the one added to it (0 and 1, or swapped
-    /// where `input` is the suffix of `skip`'s shape).
+    /// where `input` broadcasts to `skip`'s shape).
     input: usize,
     skip: usize,
     /// The input index of `bias` (3, or 4 after SkipLayerNormalization's `beta`).
