@@ -70,20 +70,6 @@ impl Tensor {
         }
     }
 
-    /// A float tensor of `shape` whose every element is `x` rounded to `dtype` (f32, f16, bf16,
-    /// f64). Errors: another dtype.
-    pub fn filled_f64(dtype: DType, shape: Vec<usize>, x: f64) -> Result<Tensor, Error> {
-        let one: Vec<u8> = match dtype {
-            DType::F64 => x.to_le_bytes().to_vec(),
-            DType::F32 => (x as f32).to_le_bytes().to_vec(),
-            DType::F16 => half::f16::from_f64(x).to_le_bytes().to_vec(),
-            DType::BF16 => half::bf16::from_f64(x).to_le_bytes().to_vec(),
-            other => return Err(Error::Input(format!("{other} values are not floats"))),
-        };
-        let n = checked_numel(&shape).ok_or_else(|| Error::Input(format!("shape {shape:?} is too large")))?;
-        Tensor::new(dtype, shape, one.repeat(n).into())
-    }
-
     /// A tensor of `shape` holding `xs` converted to `dtype` (floats rounded, integers
     /// truncated toward zero). Errors: a dtype that is neither float nor a plain integer, or a
     /// count that does not fit the shape.

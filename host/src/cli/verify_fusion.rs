@@ -109,7 +109,7 @@ fn pattern_model(f: &Fusion, dtype: DType, seed: u64) -> Result<Model> {
         if let Some(xs) = f.verify_values.get(v) {
             g.initializers.insert(i, Tensor::from_f64s(dtype, shape.clone(), xs)?);
         } else if let Some(&x) = f.values.get(v) {
-            g.initializers.insert(i, Tensor::filled_f64(dtype, shape.clone(), x)?);
+            g.initializers.insert(i, Tensor::from_f64s(dtype, shape.clone(), &vec![x; shape.iter().product()])?);
         } else if f.constant.iter().any(|c| c == v) {
             g.initializers.insert(i, random_tensor(&mut rng, dtype, shape, ValueDomain::Any)?);
         } else {

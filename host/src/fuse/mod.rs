@@ -295,7 +295,7 @@ fn check(
         match t.scalar_f64().filter(|_| t.shape.len() <= 1) {
             None => return Err(format!("{var} ({}) is not a single float value of rank 0 or 1", name(v))),
             Some(x) => {
-                let rounded = crate::Tensor::filled_f64(t.dtype, vec![], *want).ok().and_then(|r| r.scalar_f64());
+                let rounded = crate::Tensor::from_f64s(t.dtype, vec![], &[*want]).ok().and_then(|r| r.scalar_f64());
                 if rounded != Some(x) {
                     return Err(format!("{var} ({}) is {x}, the pattern needs {want}", name(v)));
                 }

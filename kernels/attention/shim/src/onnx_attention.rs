@@ -62,8 +62,9 @@ struct Plan {
     scale: f64,
     softcap: f64,
     qk_mode: u32,
-    /// A `ReshapedAttention` call: inputs 4.. are its divisor and shapes, not past or nonpad.
-    reshaped: bool,
+    /// A `ReshapedAttention` call's output shape (its output Reshape's target): its inputs 4..
+    /// are its divisor and shapes, not past or nonpad.
+    reshaped: Option<Vec<usize>>,
 }
 
 impl Plan {
@@ -227,7 +228,7 @@ fn plan(call: &Call) -> Result<Plan> {
         scale,
         softcap: call.attr_f("softcap", 0.0)? as f64,
         qk_mode,
-        reshaped: false,
+        reshaped: None,
     })
 }
 
@@ -312,7 +313,7 @@ fn plan_reshaped(call: &Call) -> Result<Plan> {
             bail!("{RESHAPED}: {name} is {} but Q is {dtype}", call.input(i)?.dtype()?);
         }
     }
-    let ([[batch, q_seq, heads, head], [kb, kv_seq, k_heads, k_head], [vb, v_seq, v_heads, v_head]], _) =
+    let ([[batch, q_seq, heads, head], [kb, kv_seq, k_heads, k_head], [vb, v_seq, v_heads, v_head]], y_shape) =
         reshaped_heads(call)?;
     if (kb, vb, v_seq) != (batch, batch, kv_seq) {
         bail!("{RESHAPED}: Q's {batch} batch rows, K's {kb} of {kv_seq} keys and V's {vb} of {v_seq} disagree");
@@ -350,7 +351,7 @@ fn plan_reshaped(call: &Call) -> Result<Plan> {
         scale,
         softcap: 0.0,
         qk_mode: 0,
-        reshaped: true,
+        reshaped: Some(y_shape),
     })
 }
 
@@ -365,8 +366,8 @@ fn plan_of(call: &Call) -> Result<Plan> {
 
 pub(crate) fn infer(call: &Call) -> Result<Vec<TensorType>> {
     let p = plan_of(call)?;
-    if p.reshaped {
-        return Ok(vec![TensorType::new(p.dtype, reshaped_heads(call)?.1)]);
+    if let Some(y) = p.reshaped {
+        return Ok(vec![TensorType::new(p.dtype, y)]);
     }
     let y = if p.three_d {
         vec![p.batch, p.q_seq, p.q_heads * p.v_head]
@@ -498,11 +499,11 @@ fn cpu_reshaped(call: &Call, p: &Plan) -> Result<()> {
 
 pub(crate) fn cpu(call: &Call) -> Result<()> {
     let p = plan_of(call)?;
-    if p.reshaped {
+    if p.reshaped.is_some() {
         return cpu_reshaped(call, &p);
     }
     let read = |i: usize| -> Result<Vec<f64>> {
-        match call.input_opt(i).filter(|_| !p.reshaped || i < 4) {
+        match call.input_opt(i).filter(|_| p.reshaped.is_none() || i < 4) {
             Some(t) => t.read_vec::<f64>(),
             None => Ok(Vec::new()),
         }
@@ -608,7 +609,7 @@ pub(crate) fn dispatch(call: &Call) -> Result<()> {
     let (q, k, v) = (call.input(0)?, call.input(1)?, call.input(2)?);
     // Absent optional inputs and outputs: any tensor stands in (the kernels do not touch them).
     // (A ReshapedAttention's inputs 4.. are no past or nonpad.)
-    let or_q = |t: Option<Tensor>| t.filter(|_| !p.reshaped).as_ref().map_or(targ(&q), targ);
+    let or_q = |t: Option<Tensor>| t.filter(|_| p.reshaped.is_none()).as_ref().map_or(targ(&q), targ);
     for (out, new, hs, past) in [(1, &k, p.head, 4), (2, &v, p.v_head, 5)] {
         let Some(pres) = call.output_opt(out) else { continue };
         let n = pres.numel()?;

@@ -437,7 +437,7 @@ pub fn cpu(call: &Call) -> Result<()> {
         }
     };
     let w_input = call.input(g.w_index)?;
-    let bias = g.bias.map(|i| call.input(i).map(|t| t.handle())).transpose()?;
+    let bias = bias_handle(call, &g)?;
     if g.dtype != DType::F64 && g.rows > 0 && g.n > 0 && g.k > 0 {
         // The product's destination: Y, or (swiglu) P in scratch, read back for the SwiGLU.
         let p_bytes = g.rows as u64 * g.n as u64 * g.dtype.size().unwrap_or(4) as u64;
@@ -689,40 +689,40 @@ fn product(call: &Call, g: &Geometry, tag: &str, y: u32, epilogue: bool) -> Resu
     if let Some(q) = g.quant {
         operands.extend([KernelArg::U32(q.k_blocks as u32), KernelArg::U32(q.block as u32)]);
     }
-    let bias = g.bias.map(|i| call.input(i).map(|t| t.handle())).transpose()?;
-    let decode = decode_kernel(g);
-    if let (Some(b), Some(_)) = (bias, &decode) {
-        // A decode GEMV, then the bias in place (prefill adds it in cuBLASLt's epilogue).
-        product_decode(g, tag, epilogue, decode, bits.as_deref(), (mma, gemv), operands)?;
-        let total = g.rows as u64 * g.n as u64;
-        return launch(&Launch {
+    let Some(decode) = decode_kernel(g) else { return prefill(call, g, tag, y, skip, gamma, flags) };
+    launch_decode(g, tag, epilogue, decode, bits.as_deref(), (mma, gemv), operands)?;
+    match bias_handle(call, g)? {
+        // The bias in place after the decode GEMV (prefill adds it in cuBLASLt's epilogue).
+        Some(b) => launch(&Launch {
             kernel: &kernel_name("kiln_linear_bias", &[tag]),
-            grid: grid_stride(total),
+            grid: grid_stride(g.rows as u64 * g.n as u64),
             block: [GRID_STRIDE_BLOCK, 1, 1],
             shared_mem_bytes: 0,
             args: alloc::vec![at(y), at(b), KernelArg::U64(g.rows as u64), KernelArg::U64(g.n as u64)],
-        });
-    }
-    match decode {
-        None => prefill(call, g, tag, y, skip, gamma, flags),
-        Some(_) => product_decode(g, tag, epilogue, decode, bits.as_deref(), (mma, gemv), operands),
+        }),
+        None => Ok(()),
     }
 }
 
-/// Launches the decode kernel `decode` (`kernels`: the tensor-core and CUDA-core names) with
-/// `operands`.
-fn product_decode(
+/// Linear's bias tensor, when the node has one.
+fn bias_handle(call: &Call, g: &Geometry) -> Result<Option<u32>> {
+    g.bias.map(|i| call.input(i).map(|t| t.handle())).transpose()
+}
+
+/// Launches the decode kernel `decode` (`mma` / `gemv`: the tensor-core and CUDA-core kernel
+/// names) with `operands`.
+fn launch_decode(
     g: &Geometry,
     tag: &str,
     epilogue: bool,
-    decode: Option<DecodeKernel>,
+    decode: DecodeKernel,
     bits: Option<&str>,
     (mma, gemv): (&str, &str),
     operands: Vec<KernelArg>,
 ) -> Result<()> {
     match decode {
-        Some(DecodeKernel::Mma { n_tiles, shared }) => launch_mma(mma, tag, g, epilogue, n_tiles, shared, operands),
-        Some(DecodeKernel::Gemv { block_rows, shared }) => {
+        DecodeKernel::Mma { n_tiles, shared } => launch_mma(mma, tag, g, epilogue, n_tiles, shared, operands),
+        DecodeKernel::Gemv { block_rows, shared } => {
             // GEMV_COLS_PER_BLOCK outputs per block; under the epilogue a warp's two weight rows
             // are one output's gate and up.
             let per_block = if epilogue { GEMV_COLS_PER_BLOCK / 2 } else { GEMV_COLS_PER_BLOCK };
@@ -732,7 +732,6 @@ fn product_decode(
             params.extend(bits);
             launch_gemv(gemv, &params, outputs.div_ceil(per_block), g.rows.div_ceil(block_rows), shared, operands)
         }
-        None => Ok(()),
     }
 }
 
@@ -858,8 +857,7 @@ fn prefill(
         })?;
         w = dense;
     }
-    let bias = g.bias.map(|i| call.input(i).map(|t| t.handle())).transpose()?;
-    gemm_transposed(g.dtype, (rows, g.n as u64, k), a, w, bias, y)
+    gemm_transposed(g.dtype, (rows, g.n as u64, k), a, w, bias_handle(call, g)?, y)
 }
 
 /// `Y [m, n] = A [m, k] · Wᵀ (+ bias [n])` with W stored `[n, k]`, through the host's `gemm`

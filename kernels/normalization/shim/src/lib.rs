@@ -218,7 +218,7 @@ impl Shim for Normalization {
                 Ok(vec![TensorType::new(call.input(0)?.dtype()?, p.x_shape), stat.clone(), stat])
             }
             "SimplifiedLayerNormalization" | "RMSNormalization" => rms_norm::simplified_infer(call),
-            "SkipSimplifiedLayerNormalization" | "SkipLayerNormalization" => rms_norm::skip_simplified_infer(call),
+            "SkipSimplifiedLayerNormalization" | "SkipLayerNormalization" => rms_norm::skip_norm_infer(call),
             "BatchNormalization" => batch_norm::infer(call),
             "LpNormalization" => lp_norm::infer(call),
             "MeanVarianceNormalization" => mvn::infer(call),
@@ -236,7 +236,7 @@ impl Shim for Normalization {
             "InstanceNormalization" | "GroupNormalization" => group_norm::cpu(call),
             "LRN" => lrn::cpu(call),
             "SimplifiedLayerNormalization" | "RMSNormalization" => rms_norm::simplified_cpu(call),
-            "SkipSimplifiedLayerNormalization" | "SkipLayerNormalization" => rms_norm::skip_simplified_cpu(call),
+            "SkipSimplifiedLayerNormalization" | "SkipLayerNormalization" => rms_norm::skip_norm_cpu(call),
             "BatchNormalization" => batch_norm::cpu(call),
             "LpNormalization" => lp_norm::cpu(call),
             "MeanVarianceNormalization" => mvn::cpu(call),
@@ -254,7 +254,7 @@ impl Shim for Normalization {
             "InstanceNormalization" | "GroupNormalization" => group_norm::dispatch(call),
             "LRN" => lrn::dispatch(call),
             "SimplifiedLayerNormalization" | "RMSNormalization" => rms_norm::simplified_dispatch(call),
-            "SkipSimplifiedLayerNormalization" | "SkipLayerNormalization" => rms_norm::skip_simplified_dispatch(call),
+            "SkipSimplifiedLayerNormalization" | "SkipLayerNormalization" => rms_norm::skip_norm_dispatch(call),
             "BatchNormalization" => batch_norm::dispatch(call),
             "LpNormalization" => lp_norm::dispatch(call),
             "MeanVarianceNormalization" => mvn::dispatch(call),

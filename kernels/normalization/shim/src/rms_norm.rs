@@ -291,7 +291,7 @@ fn skip_plan(call: &Call) -> Result<SkipPlan> {
     })
 }
 
-pub fn skip_simplified_infer(call: &Call) -> Result<Vec<TensorType>> {
+pub fn skip_norm_infer(call: &Call) -> Result<Vec<TensorType>> {
     let p = skip_plan(call)?;
     let stat = TensorType::new(DType::F32, p.stat_shape);
     let data = TensorType::new(p.dtype, p.shape);
@@ -300,7 +300,7 @@ pub fn skip_simplified_infer(call: &Call) -> Result<Vec<TensorType>> {
 
 /// SkipSimplifiedLayerNormalization's rows `rows` (all of them, or a tile's: manifest
 /// `cpu_tiles = "rows"`).
-pub fn skip_simplified_cpu(call: &Call) -> Result<()> {
+pub fn skip_norm_cpu(call: &Call) -> Result<()> {
     let p = skip_plan(call)?;
     let rows = call.tile_units(p.rows)?;
     let (first, n) = (rows.start * p.hidden, rows.len() * p.hidden);
@@ -388,7 +388,7 @@ pub fn simplified_dispatch(call: &Call) -> Result<()> {
     })
 }
 
-pub fn skip_simplified_dispatch(call: &Call) -> Result<()> {
+pub fn skip_norm_dispatch(call: &Call) -> Result<()> {
     use crate::gpu::{kernel_tag, row_launch, tensor};
     let p = skip_plan(call)?;
     let tag = kernel_tag(call, p.dtype)?;
