@@ -73,6 +73,8 @@
 #              kiln,eager --batches 1" and the like narrow it)
 #   encoder    BERT-base fp16 at batch 1 (bench/model_peers.py's export): kiln on the GPU against
 #              kiln's CPU run of the same file, its time, and ncu's table of its kernels (one eager run)
+#   convnet    ResNet-50 fp16 at batch 1 (bench/model_peers.py's export): its time and ncu's table of
+#              its kernels (one eager run)
 #   big        the five full-size real models of scripts/make-big-models.py against onnxruntime
 #   cpu        the fast CPU path beside onnxruntime's CPU provider at 16 threads and 1
 #              (scripts/bench-cpu.py: MatMul 1024³ and resnet50, made by scripts/make-big-models.py),
@@ -92,7 +94,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,memory.u
 models=/tmp/kiln-models
 m=$models/smollm2-arch-fp16-cuda
 needs_models=0
-for phase in $phases; do case "$phase" in quick | verify | floor | layer | probe | bw | cpu | sanitize-ops | big | conv | models | encoder | int4) ;; *) needs_models=1 ;; esac; done
+for phase in $phases; do case "$phase" in quick | convnet | verify | floor | layer | probe | bw | cpu | sanitize-ops | big | conv | models | encoder | int4) ;; *) needs_models=1 ;; esac; done
 if [ "$needs_models" = 1 ] && [ ! -f "$models/reference/smollm2-arch-ref.json" ]; then
   t0=$(date +%s)
   bash .gpu/device-fixtures/make-smollm2-arch.sh "$models" --results "$work/make" >"$work/make.log" 2>&1 ||
@@ -112,6 +114,29 @@ if not os.path.isfile(os.path.join(hf, "config.json")):
 m.build(hf, os.path.join(out, f"{m.NAME}-{precision}-{ep}"), precision, ep, os.path.join(out, f".cache-{precision}-{ep}"))
 PYEOF
   )
+}
+# ncu_table LABEL PREFIX CMD...: ncu's GPU time of every kernel of CMD (a kiln run of --runs 2), the
+# second run's kernels summed by name, the 12 largest printed; the CSV is kept at PREFIX.csv.
+ncu_table() {
+  local label=$1 prefix=$2
+  shift 2
+  ncu --cache-control none --clock-control none --print-units base --metrics gpu__time_duration.sum --csv \
+    "$@" >"$prefix.csv" 2>/dev/null
+  python3 - "$prefix.csv" "$label" <<'PYEOF'
+import collections, csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+h = rows[0]
+ki, vi = h.index("Kernel Name"), h.index("Metric Value")
+data = [(r[ki], float(r[vi].replace(",", ""))) for r in rows[1:] if r[vi].replace(",", "").replace(".", "").isdigit()]
+second = data[len(data) // 2:]  # the second of the two runs
+t = collections.defaultdict(lambda: [0, 0.0])
+for k, v in second:
+    t[k.split("(")[0][:70]][0] += 1
+    t[k.split("(")[0][:70]][1] += v / 1000
+print(f"{sys.argv[2]}: {len(second)} kernels, {sum(v for _, v in second) / 1000:.1f} us summed")
+for k, (c, us) in sorted(t.items(), key=lambda x: -x[1][1])[:12]:
+    print(f"{us:9.1f} us {c:4d}  {k}")
+PYEOF
 }
 summary=()
 for phase in $phases; do
@@ -327,24 +352,22 @@ import numpy as np
 a = np.load('$ew/out-cpu/last_hidden_state.npy').astype(np.float64)
 b = np.load('$ew/out-cuda/last_hidden_state.npy').astype(np.float64)
 print('encoder: cuda vs cpu max|d| / max|ref| = %.3e' % (np.abs(a - b).max() / np.abs(a).max()))" | tee -a "$out/encoder.log"
-    ncu --cache-control none --clock-control none --print-units base --metrics gpu__time_duration.sum --csv \
-      "$KILN" run "$em" --device cuda --graph off --runs 2 "${ein[@]}" --output-dir "$ew/out-ncu" >"$ew/ncu.csv" 2>/dev/null
-    python3 - "$ew/ncu.csv" <<'PYEOF' | tee -a "$out/encoder.log"
-import collections, csv, sys
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
-h = rows[0]
-ki, vi = h.index("Kernel Name"), h.index("Metric Value")
-data = [(r[ki], float(r[vi].replace(",", ""))) for r in rows[1:] if r[vi].replace(",", "").replace(".", "").isdigit()]
-second = data[len(data) // 2:]  # the second of the two runs
-t = collections.defaultdict(lambda: [0, 0.0])
-for k, v in second:
-    t[k.split("(")[0][:70]][0] += 1
-    t[k.split("(")[0][:70]][1] += v / 1000
-print(f"encoder: {len(second)} kernels, {sum(v for _, v in second) / 1000:.1f} us summed")
-for k, (c, us) in sorted(t.items(), key=lambda x: -x[1][1])[:12]:
-    print(f"{us:9.1f} us {c:4d}  {k}")
-PYEOF
+    ncu_table encoder "$ew/ncu" "$KILN" run "$em" --device cuda --graph off --runs 2 "${ein[@]}" --output-dir "$ew/out-ncu" |
+      tee -a "$out/encoder.log"
     summary+=("$(grep -E '^bert|^encoder' "$out/encoder.log" | head -3 | tr '\n' ' ')")
+    ;;
+  convnet)
+    cw=$work/convnet && mkdir -p "$cw"
+    python3 bench/model_peers.py --kiln "$KILN" --out "$cw" --methods kiln --models resnet50 --dtypes fp16 --batches 1 2>&1 |
+      grep -E ' ms ' | tee "$out/convnet.log"
+    python3 -c "
+import numpy as np
+np.save('$cw/x.npy', np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float16))"
+    cm=$cw/resnet50-fp16-b1.onnx
+    cin=$(python3 -c "import onnx; print(onnx.load('$cm').graph.input[0].name)")
+    ncu_table convnet "$cw/ncu" "$KILN" run "$cm" --device cuda --graph off --runs 2 --input "$cin=$cw/x.npy" \
+      --output-dir "$cw/out-ncu" | tee -a "$out/convnet.log"
+    summary+=("$(grep -E '^resnet|^convnet' "$out/convnet.log" | head -2 | tr '\n' ' ')")
     ;;
   models)
     # shellcheck disable=SC2086

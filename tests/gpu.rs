@@ -219,17 +219,32 @@ fn smollm2_arch_teacher_forced(
     g.free(kv);
 }
 
+/// The largest |a − b|; NaN meets NaN (0), NaN against a number counts as infinite.
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| match (x.is_nan(), y.is_nan()) {
+            (true, true) => 0.0,
+            (false, false) => (x - y).abs(),
+            _ => f32::INFINITY,
+        })
+        .fold(0.0, f32::max)
 }
 
 /// Float16 results against a float16 reference: the largest excess of |got − want| over
 /// 1e-3·|want| + 1e-5, ≤ 0 when every element is within one float16 rounding of the reference
-/// (an ulp is at most 2⁻¹⁰ of the value; the 1e-5 covers values near 0). A reference computed in
+/// (an ulp is at most 2⁻¹⁰ of the value; the 1e-5 covers values near 0); NaN must meet NaN. A reference computed in
 /// float64 and a kernel in float32 may round a value to neighbouring float16s, but a dropped or
 /// extra key moves an attention output by far more.
 fn f16_excess(got: &[f32], want: &[f32]) -> f32 {
-    got.iter().zip(want).map(|(x, y)| (x - y).abs() - (1e-3 * y.abs() + 1e-5)).fold(f32::MIN, f32::max)
+    got.iter()
+        .zip(want)
+        .map(|(x, y)| match (x.is_nan(), y.is_nan()) {
+            (true, true) => f32::MIN,
+            (false, false) => (x - y).abs() - (1e-3 * y.abs() + 1e-5),
+            _ => f32::INFINITY, // NaN on one side only
+        })
+        .fold(f32::MIN, f32::max)
 }
 
 /// Whether an attention result `got` matches `want`: float32 within `f32_tol`, float16 within one
@@ -948,6 +963,102 @@ fn prompt_attention_matches_the_cpu_reference() {
             }
         }
     }
+}
+
+/// ONNX Attention-23/24 in float16 on tensor cores (`kiln_attention_mma`, head sizes 64 and 128)
+/// against the CPU reference (float64, rounded once): 4-D and 3-D Q/K/V, 4 query heads over 2 KV
+/// heads, query tiles of 64 rows with a partial last tile (100 and 70 rows), as many and more keys
+/// than queries (130: a partial key tile), causal or not, an additive float mask (random values,
+/// every seventh key −inf, broadcast over heads) and opset 24's nonpad_kv_seqlen; every element
+/// within one float16 rounding (`f16_excess`). A float32 case checks the same node still takes
+/// `kiln_attention` (max |Δ| ≤ 1e-4).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn onnx_attention_on_tensor_cores_matches_the_cpu_reference() {
+    for head in [64, 128] {
+        for (sq, skv) in [(100, 100), (70, 130)] {
+            for (causal, mask, three_d, nonpad) in [
+                (false, false, false, false),
+                (true, false, true, false),
+                (false, true, false, true),
+                (true, true, true, true),
+            ] {
+                let what = format!(
+                    "head {head}, Sq {sq}, Skv {skv}, causal {causal}, mask {mask}, 3-D {three_d}, nonpad {nonpad}"
+                );
+                let model = onnx_attention_model(head, (sq, skv), causal, mask, three_d, nonpad);
+                gqa_gpu_matches_cpu(model, true, &what);
+                if head == 64 && sq == 70 && causal && mask {
+                    gqa_gpu_matches_cpu(
+                        onnx_attention_model(head, (sq, skv), causal, mask, three_d, nonpad),
+                        false,
+                        &what,
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// One ONNX Attention node (opset 24 with `nonpad`, else 23) of 2 batch rows, 4 query heads over
+/// 2 KV heads of `head` dimensions, `seq.0` queries and `seq.1` keys, random float32 values:
+/// Q/K/V 4-D, or 3-D with q_num_heads / kv_num_heads (`three_d`); `is_causal`; an additive mask
+/// [B, 1, Sq, Skv] (every seventh key but a row's first −inf) when `mask`; nonpad_kv_seqlen [Skv, Skv − 29] when
+/// `nonpad`.
+fn onnx_attention_model(
+    head: usize,
+    (sq, skv): (usize, usize),
+    causal: bool,
+    mask: bool,
+    three_d: bool,
+    nonpad: bool,
+) -> (kiln_tests::onnx::ModelProto, Vec<(String, kiln_host::Tensor)>) {
+    use kiln_host::Tensor;
+    use kiln_kernel_abi::DType;
+    use kiln_tests::onnx::{self, attr_int, node, value};
+    let (b, n, nk) = (2usize, 4usize, 2usize);
+    let mut r = kiln_tests::Rng(0xa77e);
+    let f32t = |shape: &[usize], v: Vec<f32>| kiln_tests::f32_tensor(shape, &v);
+    let shape = |heads: usize, seq: usize| if three_d { vec![b, seq, heads * head] } else { vec![b, heads, seq, head] };
+    let mut inputs = vec![
+        ("Q", f32t(&shape(n, sq), r.signed_unit(b * n * sq * head))),
+        ("K", f32t(&shape(nk, skv), r.signed_unit(b * nk * skv * head))),
+        ("V", f32t(&shape(nk, skv), r.signed_unit(b * nk * skv * head))),
+    ];
+    let mut names = vec!["Q", "K", "V"];
+    if mask {
+        let v: Vec<f32> = r
+            .signed_unit(b * sq * skv)
+            .into_iter()
+            .enumerate()
+            .map(|(i, x)| if i % 7 == 3 && i % skv != 0 { f32::NEG_INFINITY } else { x })
+            .collect();
+        inputs.push(("attn_mask", f32t(&[b, 1, sq, skv], v)));
+        names.push("attn_mask");
+    } else if nonpad {
+        names.push("");
+    }
+    if nonpad {
+        names.extend(["", ""]);
+        let lens: Vec<u8> = [skv as i64, skv as i64 - 29].iter().flat_map(|l| l.to_le_bytes()).collect();
+        inputs.push(("nonpad_kv_seqlen", Tensor::new(DType::I64, vec![b], lens.into()).unwrap()));
+        names.push("nonpad_kv_seqlen");
+    }
+    let mut attrs = vec![attr_int("is_causal", causal as i64)];
+    if three_d {
+        attrs.extend([attr_int("q_num_heads", n as i64), attr_int("kv_num_heads", nk as i64)]);
+    }
+    let g = node("Attention", &names, &["Y"], attrs);
+    let code = |d: DType| if d == DType::F32 { 1 } else { 7 };
+    let decl: Vec<_> = inputs
+        .iter()
+        .map(|(nm, t)| value(nm, code(t.dtype), &t.shape.iter().map(|&d| d as i64).collect::<Vec<_>>()))
+        .collect();
+    let mut y = value("Y", 1, &[]);
+    y.type_ = Default::default();
+    let mut m = onnx::model(vec![g], decl, vec![y], Vec::new());
+    m.opset_import[0].version = if nonpad { 24 } else { 23 };
+    (m, inputs.into_iter().map(|(nm, t)| (nm.to_string(), t)).collect())
 }
 
 /// One GroupQueryAttention node of `seq_total.0` new positions with total_sequence_length

@@ -4,6 +4,7 @@
 #include "kiln.cuh"
 #include "kiln-cuda-std/async.cuh"
 #include "kiln-cuda-std/cluster.cuh"
+#include "kiln-cuda-std/flash.cuh"
 #include "kiln-cuda-std/mma.cuh"
 #include "kiln-cuda-std/reduce.cuh"
 
@@ -639,12 +640,6 @@ __device__ __forceinline__ void gqa_decode_append(
     }
 }
 
-// Index of 16-byte vector u of row r in a swizzled tile of rows of `vpr` vectors (a power of
-// two): rows r … r + 7 keep vector u in 8 different bank groups.
-__device__ __forceinline__ unsigned gqa_swz(unsigned r, unsigned u, unsigned vpr) {
-    return r * vpr + (u ^ (r & (vpr - 1) & 7u));
-}
-
 // Steps both decode kernels share (gqa_decode_regs, gqa_decode_tiled); the scores and weights
 // live in s_sc [G][GQA_DEC_KEYS].
 
@@ -801,7 +796,7 @@ __device__ __forceinline__ bool gqa_dec_tc(unsigned H) {
 }
 
 // Scores S [keys × heads] = K · Qᵀ of keys [0, n) into s_sc (as gqa_dec_scores): A is the K tile
-// k_s (gqa_swz rows of vpr 16-byte vectors) through ldmatrix, B the query rows q_s, exact in the
+// k_s (kiln_swz rows of vpr 16-byte vectors) through ldmatrix, B the query rows q_s, exact in the
 // 16-bit type (gqa_dec_queries rounds them to it).
 template <typename Tag, int G>
 __device__ __forceinline__ void gqa_dec_scores_mma(const uint4* k_s, const float* q_s, float (*s_sc)[GQA_DEC_KEYS],
@@ -827,7 +822,7 @@ __device__ __forceinline__ void gqa_dec_scores_mma(const uint4* k_s, const float
             if (t >= steps) break;
             // A: matrix i (lanes 8i …) is keys + 8·(i & 1), dimensions 16s + 8·(i >> 1).
             unsigned a[4];
-            kiln_ldmatrix_x4<false>(a, &k_s[gqa_swz(m0 + 16 * t + (lane & 15u), 2 * s + (lane >> 4), vpr)]);
+            kiln_ldmatrix_x4<false>(a, &k_s[kiln_swz(m0 + 16 * t + (lane & 15u), 2 * s + (lane >> 4), vpr)]);
             kiln_mma16816<Tag>(acc[t], a[0], a[1], a[2], a[3], b0, b1);
         }
     }
@@ -886,7 +881,7 @@ __device__ __forceinline__ void gqa_dec_pv_mma(const uint4* v_s, const float (*s
                 if (dt >= H / 16) break;
                 // A (transposed): matrix i is keys + 8·(i >> 1), dimensions 16·dt + 8·(i & 1).
                 unsigned a[4];
-                kiln_ldmatrix_x4<true>(a, &v_s[gqa_swz(k0 + 16 * t + (lane & 7u) + ((lane >> 4) << 3),
+                kiln_ldmatrix_x4<true>(a, &v_s[kiln_swz(k0 + 16 * t + (lane & 7u) + ((lane >> 4) << 3),
                                                        2 * dt + ((lane >> 3) & 1u), vpr)]);
                 kiln_mma16816<Tag>(acc[q], a[0], a[1], a[2], a[3], bh[t][0], bh[t][1]);
                 kiln_mma16816<Tag>(acc[q], a[0], a[1], a[2], a[3], bl[t][0], bl[t][1]);
@@ -1336,7 +1331,7 @@ __device__ void gqa_decode_rows(KILN_GQA_DECODE_PARAMS) {
     const unsigned lg_vpr = __ffs(vpr) - 1, cu = tid & (vpr - 1), key0 = tid >> lg_vpr, kstep = blockDim.x >> lg_vpr;
     const auto copy = [&](uint4* dst, bool v) {
         for (unsigned k = key0; k < n; k += kstep)
-            if (!late(k)) kiln_cp_async16(&dst[gqa_swz(k, cu, vpr)], (v ? vrow(k) : krow(k)) + cu);
+            if (!late(k)) kiln_cp_async16(&dst[kiln_swz(k, cu, vpr)], (v ? vrow(k) : krow(k)) + cu);
         kiln_cp_async_commit();
     };
     if (CL == 0) {
@@ -1391,7 +1386,7 @@ __device__ void gqa_decode_rows(KILN_GQA_DECODE_PARAMS) {
                 const unsigned c = c0 + u;
                 raw[u] = c >= vpr    ? make_uint4(0, 0, 0, 0)
                          : late(k)   ? krow(k)[c]
-                         : CL > 0    ? k_s[gqa_swz(k, c, vpr)]
+                         : CL > 0    ? k_s[kiln_swz(k, c, vpr)]
                          : c0 == 0   ? kraw[u]
                                      : krow(k)[c];
             }
@@ -1423,7 +1418,7 @@ __device__ void gqa_decode_rows(KILN_GQA_DECODE_PARAMS) {
                 const unsigned k = k0 + u * lanes;
                 raw[u] = k >= n      ? make_uint4(0, 0, 0, 0)
                          : late(k)   ? vrow(k)[vi]
-                         : CL > 0    ? v_s[gqa_swz(k, vi, vpr)]
+                         : CL > 0    ? v_s[kiln_swz(k, vi, vpr)]
                          : k0 == kl  ? vraw[u]
                                      : vrow(k)[vi];
             }
@@ -1780,10 +1775,10 @@ __device__ void gqa_decode_tiled(KILN_GQA_DECODE_PARAMS) {
     const kiln_u64 kv_base = (kiln_u64)b * lay.row + (kiln_u64)j * lay.head + cu * VE;
     const auto at = [&](unsigned k) { return kv_base + gqa_at(gqa_layout{0, 0, lay.page, lay.shift}, 0, 0, lo + k, H); };
     for (unsigned k = key0; k < n; k += kstep)
-        if (!late(k)) kiln_cp_async16(&k_s[gqa_swz(k, cu, vpr)], pres_k + at(k));
+        if (!late(k)) kiln_cp_async16(&k_s[kiln_swz(k, cu, vpr)], pres_k + at(k));
     kiln_cp_async_commit();
     for (unsigned k = key0; k < n; k += kstep)
-        if (!late(k)) kiln_cp_async16(&v_s[gqa_swz(k, cu, vpr)], pres_v + at(k));
+        if (!late(k)) kiln_cp_async16(&v_s[kiln_swz(k, cu, vpr)], pres_v + at(k));
     kiln_cp_async_commit();
     gqa_dec_queries<Tag> queries{q_src, cos_c, sin_c, pos, cache_rows, q_w, rotary_half, interleaved, b, j, group, H};
     queries.start();
@@ -1805,14 +1800,14 @@ __device__ void gqa_decode_tiled(KILN_GQA_DECODE_PARAMS) {
         __syncthreads();  // the appended rows
         for (unsigned k = key0; k < n; k += kstep)
             if (late(k)) {
-                k_s[gqa_swz(k, cu, vpr)] = *(const uint4*)(pres_k + at(k));
-                v_s[gqa_swz(k, cu, vpr)] = *(const uint4*)(pres_v + at(k));
+                k_s[kiln_swz(k, cu, vpr)] = *(const uint4*)(pres_k + at(k));
+                v_s[kiln_swz(k, cu, vpr)] = *(const uint4*)(pres_v + at(k));
             }
     }
     const bool tc = gqa_dec_tc<Tag>(H);
     if (tc)  // the V rows of the last 16-key step past n (no copy targets them)
         for (unsigned i = n * vpr + tid; i < ((n + 15) & ~15u) * vpr; i += blockDim.x)
-            v_s[gqa_swz(i / vpr, i % vpr, vpr)] = make_uint4(0, 0, 0, 0);
+            v_s[kiln_swz(i / vpr, i % vpr, vpr)] = make_uint4(0, 0, 0, 0);
     kiln_cp_async_wait<1>();
     __syncthreads();  // K in shared memory, q_s
     // 2. Scores: on tensor cores, or one key per thread (n ≤ blockDim.x).
@@ -1829,7 +1824,7 @@ __device__ void gqa_decode_tiled(KILN_GQA_DECODE_PARAMS) {
             uint4 raw[GQA_DEC_ROW_VECS];
 #pragma unroll
             for (unsigned u = 0; u < GQA_DEC_ROW_VECS; ++u)
-                if (c0 + u < vpr) raw[u] = k_s[gqa_swz(k, c0 + u, vpr)];
+                if (c0 + u < vpr) raw[u] = k_s[kiln_swz(k, c0 + u, vpr)];
 #pragma unroll
             for (unsigned u = 0; u < GQA_DEC_ROW_VECS; ++u) {
                 if (c0 + u >= vpr) break;
@@ -1862,7 +1857,7 @@ __device__ void gqa_decode_tiled(KILN_GQA_DECODE_PARAMS) {
 #pragma unroll
             for (unsigned u = 0; u < GQA_DEC_V_KEYS; ++u) {
                 const unsigned k = k0 + u * lanes;
-                if (k < n) raw[u] = v_s[gqa_swz(k, vi, vpr)];
+                if (k < n) raw[u] = v_s[kiln_swz(k, vi, vpr)];
             }
 #pragma unroll
             for (unsigned u = 0; u < GQA_DEC_V_KEYS; ++u) {
@@ -2148,14 +2143,10 @@ __global__ void kiln_gqa_attn(const typename Tag::storage* q_src, const typename
 // copies in flight while the warps work on this one), as FlashAttention-2 does:
 // 1. the block's query rows, rotated and rounded as gqa_attn does, into shared memory, then each
 //    warp's 16 rows into registers as mma A fragments;
-// 2. per tile, the warp's scores S = Q·Kᵀ (16 rows × the tile's keys, m16n8k16 with f32 accumulators, K rows as the
-//    B operand through ldmatrix), scaled and masked by each row's causal and window range;
-// 3. the rows' online softmax in registers (a row's values are spread over the 4 lanes of a quad);
-// 4. O += P·V, P straight from the score fragments (the C layout of two 8-key tiles is the A layout
-//    of one 16-key step), split into its 16-bit rounding and the rest (two mma's: about 22 bits of
-//    each weight, as gqa_dec_pv_mma), V rows as B through ldmatrix.trans.
-// Rows and dimensions are swizzled by 16-byte vector (gqa_swz), so ldmatrix's eight rows hit eight
-// bank groups. The output is O / Σ weight (zeros for a row with no key), as gqa_attn's.
+// 2. per tile, kiln-cuda-std's kiln_flash_tile (flash.cuh): the warp's scores S = Q·Kᵀ, scaled and
+//    masked by each row's causal and window range, the rows' online softmax in registers, and
+//    O += P·V with about 22 bits of each weight (as gqa_dec_pv_mma).
+// The output is O / Σ weight (zeros for a row with no key), as gqa_attn's.
 #define GQA_PFM_ROWS 64
 #define GQA_PFM_THREADS 128
 
@@ -2180,14 +2171,13 @@ __device__ void gqa_prefill_mma(const typename Tag::storage* q_src, const typena
     typedef typename Tag::storage T;
     constexpr unsigned VPR = HD / 8;  // 16-byte vectors per row
     constexpr unsigned KS = HD / 16;  // 16-dimension steps of Q·Kᵀ
-    constexpr unsigned NT = HD / 8;   // 8-dimension tiles of O
     constexpr unsigned KEYS = gqa_pfm_keys(HD);
     const float NEG_INF = -__int_as_float(0x7f800000);
     extern __shared__ __align__(16) unsigned char gqa_dyn[];
     uint4* const q_s = (uint4*)gqa_dyn;                   // [GQA_PFM_ROWS][VPR]
     uint4* const kv_s = q_s + GQA_PFM_ROWS * VPR;         // [2][K, V][KEYS][VPR]
     const unsigned s0 = blockIdx.x * GQA_PFM_ROWS, h = blockIdx.y, b = blockIdx.z;
-    const unsigned tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5, g = lane >> 2, q2 = (lane & 3u) * 2;
+    const unsigned tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5, g = lane >> 2;
     if (blockIdx.x == 0 && h == 0 && b == 0 && tid == 0)
         gqa_check(st, seqlens, gridDim.z, S, first_prompt, total, 0, 0, cache_rows, rotary_half);
     const unsigned j = h / (N / Nk);
@@ -2223,7 +2213,7 @@ __device__ void gqa_prefill_mma(const typename Tag::storage* q_src, const typena
             const T* qr = q_src + ((kiln_u64)b * S + s0 + r) * q_w + (kiln_u64)h * HD;
             x = gqa_query_elem<Tag>(qr, cos_c, sin_c, pos, cache_rows, rotary_half, d, interleaved);
         }
-        ((T*)&q_s[gqa_swz(r, d / 8, VPR)])[d % 8] = kiln_from_f32(Tag(), x);
+        ((T*)&q_s[kiln_swz(r, d / 8, VPR)])[d % 8] = kiln_from_f32(Tag(), x);
     }
     // Tile `it` (keys lo + KEYS·it …) into buffer it & 1: cp.async for keys below hi, zeros past it
     // (a weight of 0 would not clear NaN bits there).
@@ -2233,7 +2223,7 @@ __device__ void gqa_prefill_mma(const typename Tag::storage* q_src, const typena
         const long long t0 = lo + (long long)KEYS * it;
         for (unsigned i = tid; i < KEYS * VPR; i += blockDim.x) {
             const unsigned k = i / VPR, u = i % VPR;
-            const unsigned at = gqa_swz(k, u, VPR);
+            const unsigned at = kiln_swz(k, u, VPR);
             if (t0 + k < hi) {
                 const kiln_u64 src = gqa_at(lay, b, j, t0 + k, HD) + u * 8;
                 kiln_cp_async16(&k_t[at], pres_k + src);
@@ -2251,13 +2241,9 @@ __device__ void gqa_prefill_mma(const typename Tag::storage* q_src, const typena
     unsigned qa[KS][4];
 #pragma unroll
     for (unsigned s = 0; s < KS; ++s)
-        kiln_ldmatrix_x4<false>(qa[s], &q_s[gqa_swz(16 * warp + (lane & 15u), 2 * s + (lane >> 4), VPR)]);
-    float o[NT][4];
-#pragma unroll
-    for (unsigned n = 0; n < NT; ++n)
-#pragma unroll
-        for (unsigned i = 0; i < 4; ++i) o[n][i] = 0.f;
-    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+        kiln_ldmatrix_x4<false>(qa[s], &q_s[kiln_swz(16 * warp + (lane & 15u), 2 * s + (lane >> 4), VPR)]);
+    kiln_flash_rows<HD> f;
+    kiln_flash_init(f);
     for (unsigned it = 0; it < tiles; ++it) {
         if (it + 1 < tiles) {
             load_tile(it + 1);
@@ -2269,103 +2255,23 @@ __device__ void gqa_prefill_mma(const typename Tag::storage* q_src, const typena
         const long long t0 = lo + (long long)KEYS * it;
         if (whi > t0 && wlo < t0 + KEYS) {
             const uint4* const k_t = kv_s + (it & 1u) * 2 * KEYS * VPR;
-            const uint4* const v_t = k_t + KEYS * VPR;
-            // 2. Scores: n-tile nt is keys 8·nt …; ldmatrix x4 gives the B fragments of two n-tiles
-            // (matrix i: keys 16·p + 8·(i >> 1), dimensions 16·s + 8·(i & 1)).
-            float sc[KEYS / 8][4];
-#pragma unroll
-            for (unsigned nt = 0; nt < KEYS / 8; ++nt)
-#pragma unroll
-                for (unsigned i = 0; i < 4; ++i) sc[nt][i] = 0.f;
-#pragma unroll
-            for (unsigned s = 0; s < KS; ++s)
-#pragma unroll
-                for (unsigned p = 0; p < KEYS / 16; ++p) {
-                    unsigned kb[4];
-                    kiln_ldmatrix_x4<false>(
-                        kb, &k_t[gqa_swz(16 * p + (lane & 7u) + ((lane >> 4) << 3), 2 * s + ((lane >> 3) & 1u), VPR)]);
-                    kiln_mma16816<Tag>(sc[2 * p], qa[s][0], qa[s][1], qa[s][2], qa[s][3], kb[0], kb[1]);
-                    kiln_mma16816<Tag>(sc[2 * p + 1], qa[s][0], qa[s][1], qa[s][2], qa[s][3], kb[2], kb[3]);
-                }
-            // Scaled and masked: sc[nt][i] is row g + 8·(i >> 1), key t0 + 8·nt + q2 + (i & 1).
-            float mx[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-            for (unsigned nt = 0; nt < KEYS / 8; ++nt)
-#pragma unroll
-                for (unsigned i = 0; i < 4; ++i) {
-                    const unsigned r = i >> 1;
-                    const long long t = t0 + 8 * nt + q2 + (i & 1u);
-                    const float x = t >= ra[r] && t < re[r] ? sc[nt][i] * scale : NEG_INF;
-                    sc[nt][i] = x;
-                    mx[r] = fmaxf(mx[r], x);
-                }
-            // 3. Online softmax per row: the quad's maximum, the correction of the running sums.
-            float corr[2];
-#pragma unroll
-            for (unsigned r = 0; r < 2; ++r) {
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                const float m_new = fmaxf(m[r], mx[r]);
-                corr[r] = m[r] == NEG_INF ? 0.f : expf(m[r] - m_new);
-                m[r] = m_new;
-                l[r] *= corr[r];
-            }
-#pragma unroll
-            for (unsigned nt = 0; nt < KEYS / 8; ++nt)
-#pragma unroll
-                for (unsigned i = 0; i < 4; ++i) {
-                    const unsigned r = i >> 1;
-                    const float p = sc[nt][i] == NEG_INF ? 0.f : expf(sc[nt][i] - m[r]);
-                    sc[nt][i] = p;
-                    l[r] += p;  // this lane's part; the quad's parts are summed at the end
-                }
-#pragma unroll
-            for (unsigned n = 0; n < NT; ++n) {
-                o[n][0] *= corr[0];
-                o[n][1] *= corr[0];
-                o[n][2] *= corr[1];
-                o[n][3] *= corr[1];
-            }
-            // 4. O += P·V, 16 keys a step: A from the score fragments of n-tiles 2·kt and 2·kt + 1,
-            // high and low parts; B from V rows by ldmatrix.trans (matrix i: keys 16·kt + 8·(i & 1),
-            // dimensions 8·(2·n2 + (i >> 1))).
-#pragma unroll
-            for (unsigned kt = 0; kt < KEYS / 16; ++kt) {
-                unsigned ah[4], al[4];
-#pragma unroll
-                for (unsigned i = 0; i < 4; ++i) {
-                    const float* c = &sc[2 * kt + (i >> 1)][(i & 1u) * 2];
-                    const float h0 = kiln_to_f32(Tag(), kiln_from_f32(Tag(), c[0]));
-                    const float h1 = kiln_to_f32(Tag(), kiln_from_f32(Tag(), c[1]));
-                    ah[i] = kiln_pack2<Tag>(h0, h1);
-                    al[i] = kiln_pack2<Tag>(c[0] - h0, c[1] - h1);
-                }
-#pragma unroll
-                for (unsigned n2 = 0; n2 < NT / 2; ++n2) {
-                    unsigned vb[4];
-                    kiln_ldmatrix_x4<true>(
-                        vb, &v_t[gqa_swz(16 * kt + (lane & 7u) + (((lane >> 3) & 1u) << 3), 2 * n2 + (lane >> 4), VPR)]);
-                    kiln_mma16816<Tag>(o[2 * n2], ah[0], ah[1], ah[2], ah[3], vb[0], vb[1]);
-                    kiln_mma16816<Tag>(o[2 * n2], al[0], al[1], al[2], al[3], vb[0], vb[1]);
-                    kiln_mma16816<Tag>(o[2 * n2 + 1], ah[0], ah[1], ah[2], ah[3], vb[2], vb[3]);
-                    kiln_mma16816<Tag>(o[2 * n2 + 1], al[0], al[1], al[2], al[3], vb[2], vb[3]);
-                }
-            }
+            // 2.–4. Scores scaled and masked by each row's causal and window range, the online
+            // softmax, O += P·V.
+            kiln_flash_tile<Tag, HD, KEYS>(f, qa, k_t, k_t + KEYS * VPR, [&](unsigned r, unsigned key, float qk) {
+                const long long t = t0 + key;
+                return t >= ra[r] && t < re[r] ? qk * scale : NEG_INF;
+            });
         }
         __syncthreads();  // buffer it & 1 is free for tile it + 2
     }
-    // Out: O / Σ weight, two dimensions per store (zeros for a row with no key).
+    // Out: O / Σ weight (zeros for a row with no key).
+    kiln_flash_finish(f);
 #pragma unroll
     for (unsigned r = 0; r < 2; ++r) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
         const unsigned row = 16 * warp + g + 8 * r;
         if (row >= rows) continue;
         T* const dst = out + ((kiln_u64)b * S + s0 + row) * ((kiln_u64)N * HD) + (kiln_u64)h * HD;
-        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-#pragma unroll
-        for (unsigned n = 0; n < NT; ++n)
-            *(unsigned*)(dst + 8 * n + q2) = kiln_pack2<Tag>(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+        kiln_flash_store_row<Tag, HD>(f, r, dst, f.l[r] > 0.f ? 1.f / f.l[r] : 0.f);
     }
 }
 

@@ -5,6 +5,8 @@
 // Every tensor is seen 4-D, [B, heads, S, head size]: 4-D inputs are that already; 3-D inputs
 // [B, S, heads · head size] (`three_d`) are the same elements through other strides.
 #include "kiln.cuh"
+#include "kiln-cuda-std/async.cuh"
+#include "kiln-cuda-std/flash.cuh"
 
 // Largest head size (Q/K and V): each lane holds ceil(head / 32) ≤ 8 elements.
 #define ATT_MAX_CHUNKS 8
@@ -166,4 +168,129 @@ __global__ void __launch_bounds__(ATT_WARPS * 32)
             const float x = att_score<Tag>(product(t), a, b, h, s, t, qk_mode, &stage);
             if (lane == 0) qk_row[t] = kiln_from_f32(Tag(), (x == neg_inf ? 0.f : expf(x - M)) / L);
         }
+}
+
+// Tensor-core attention (the shim takes it for float16 / bfloat16, head sizes Q = V = HD of 64 or
+// 128, no past, no softcap and no qk_matmul_output): block (query tile, h, b) takes ATT_MMA_ROWS
+// query rows s0 … of head h, batch row b, 16 per warp, and walks keys 0 … in tiles of
+// att_mma_keys(HD), each tile's K and V rows copied into shared memory (cp.async when Q, K and V
+// are 16-byte aligned, the next tile's copies in flight while the warps work on this one), each
+// tile through kiln-cuda-std's kiln_flash_tile (FlashAttention-2's step). A score is qk · scale
+// plus att_score's bias (the mask, −inf past its width, the causal and padding masks); keys at
+// or past the row's last possible key (nonpad_kv_seqlen[b], the causal bound) are not read.
+// A row whose keys are all masked gives NaN and a row with no key at all 0, as kiln_attention.
+#define ATT_MMA_ROWS 64
+#define ATT_MMA_THREADS 128
+
+// Keys per tile at head size HD: 64, and 32 at 128 (shared memory within the 48 KiB every device
+// grants).
+__host__ __device__ constexpr unsigned att_mma_keys(unsigned HD) { return HD > 64 ? 32 : 64; }
+
+// Eight 16-bit elements from `src` (2-byte aligned) as one vector.
+template <typename T>
+__device__ __forceinline__ uint4 att_row8(const T* src) {
+    union {
+        uint4 v;
+        T e[8];
+    } u;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) u.e[i] = src[i];
+    return u.v;
+}
+
+template <typename Tag, int HD>
+__global__ void __launch_bounds__(ATT_MMA_THREADS)
+    kiln_attention_mma(const typename Tag::storage* q, const typename Tag::storage* k, const typename Tag::storage* v,
+                       const void* mask, const long long* nonpad, typename Tag::storage* y, unsigned Nq, unsigned Nkv,
+                       unsigned Sq, unsigned Skv, unsigned three_d, kiln_u64 mb, kiln_u64 mh, kiln_u64 ms,
+                       unsigned mask_mode, unsigned mask_width, unsigned causal, unsigned has_nonpad, float scale) {
+    typedef typename Tag::storage T;
+    constexpr unsigned VPR = HD / 8, KS = HD / 16, KEYS = att_mma_keys(HD);
+    const float neg_inf = -__int_as_float(0x7f800000);
+    extern __shared__ __align__(16) unsigned char att_dyn[];
+    uint4* const q_s = (uint4*)att_dyn;            // [ATT_MMA_ROWS][VPR]
+    uint4* const kv_s = q_s + ATT_MMA_ROWS * VPR;  // [2][K, V][KEYS][VPR]
+    const unsigned s0 = blockIdx.x * ATT_MMA_ROWS, h = blockIdx.y, b = blockIdx.z;
+    const unsigned tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5, g = lane >> 2;
+    const unsigned j = h / (Nq / Nkv);
+    const bool td = three_d != 0;
+    const att_strides lq = att_layout(td, Nq, Sq, HD), lk = att_layout(td, Nkv, Skv, HD),
+                      ly = att_layout(td, Nq, Sq, HD);
+    const unsigned rows = Sq - s0 < ATT_MMA_ROWS ? Sq - s0 : ATT_MMA_ROWS;
+    const bool vec = (((kiln_u64)q | (kiln_u64)k | (kiln_u64)v) & 15u) == 0;
+    const att_bias a{mask, has_nonpad ? nonpad : nullptr, mb, mh, ms, mask_mode, mask_width, causal, 0, 0.f};
+    // The block's keys [0, hi): none at or past nonpad_kv_seqlen[b] or after its last row.
+    unsigned hi = Skv;
+    if (has_nonpad) hi = nonpad[b] <= 0 ? 0u : (nonpad[b] < (long long)hi ? (unsigned)nonpad[b] : hi);
+    if (causal && s0 + rows < hi) hi = s0 + rows;
+    // 1. The block's query rows (zeros past Sq), then each warp's 16 as A fragments.
+    for (unsigned i = tid; i < ATT_MMA_ROWS * VPR; i += blockDim.x) {
+        const unsigned r = i / VPR, u = i % VPR;
+        uint4 x = make_uint4(0, 0, 0, 0);
+        if (r < rows) {
+            const T* src = q + b * lq.b + h * lq.h + (s0 + r) * lq.s + u * 8;
+            x = vec ? *(const uint4*)src : att_row8(src);
+        }
+        q_s[kiln_swz(r, u, VPR)] = x;
+    }
+    // Tile `it` (keys KEYS·it …) into buffer it & 1; zeros past hi (a weight of 0 would not clear
+    // NaN bits there).
+    const auto load_tile = [&](unsigned it) {
+        uint4* const k_t = kv_s + (it & 1u) * 2 * KEYS * VPR;
+        uint4* const v_t = k_t + KEYS * VPR;
+        const unsigned t0 = KEYS * it;
+        for (unsigned i = tid; i < KEYS * VPR; i += blockDim.x) {
+            const unsigned kk = i / VPR, u = i % VPR, at = kiln_swz(kk, u, VPR);
+            if (t0 + kk < hi) {
+                const kiln_u64 src = b * lk.b + j * lk.h + (kiln_u64)(t0 + kk) * lk.s + u * 8;
+                if (vec) {
+                    kiln_cp_async16(&k_t[at], k + src);
+                    kiln_cp_async16(&v_t[at], v + src);
+                } else {
+                    k_t[at] = att_row8(k + src);
+                    v_t[at] = att_row8(v + src);
+                }
+            } else {
+                k_t[at] = make_uint4(0, 0, 0, 0);
+                v_t[at] = make_uint4(0, 0, 0, 0);
+            }
+        }
+        kiln_cp_async_commit();
+    };
+    const unsigned tiles = (hi + KEYS - 1) / KEYS;
+    if (tiles > 0) load_tile(0);
+    __syncthreads();  // q_s
+    unsigned qa[KS][4];
+#pragma unroll
+    for (unsigned s = 0; s < KS; ++s)
+        kiln_ldmatrix_x4<false>(qa[s], &q_s[kiln_swz(16 * warp + (lane & 15u), 2 * s + (lane >> 4), VPR)]);
+    kiln_flash_rows<HD> f;
+    kiln_flash_init(f);
+    for (unsigned it = 0; it < tiles; ++it) {
+        if (it + 1 < tiles) {
+            load_tile(it + 1);
+            kiln_cp_async_wait<1>();
+        } else {
+            kiln_cp_async_wait<0>();
+        }
+        __syncthreads();  // tile it in shared memory
+        const uint4* const k_t = kv_s + (it & 1u) * 2 * KEYS * VPR;
+        const unsigned t0 = KEYS * it;
+        kiln_flash_tile<Tag, HD, KEYS>(f, qa, k_t, k_t + KEYS * VPR, [&](unsigned r, unsigned key, float qk) {
+            const unsigned t = t0 + key, s = s0 + 16 * warp + g + 8 * r;
+            if (t >= hi || s >= Sq) return neg_inf;  // past the keys read, or a row past Sq
+            float stage;
+            return att_score<Tag>(qk * scale, a, b, h, s, t, 0, &stage);
+        });
+        __syncthreads();  // buffer it & 1 is free for tile it + 2
+    }
+    kiln_flash_finish(f);
+    const float nan = __int_as_float(0x7fc00000);
+#pragma unroll
+    for (unsigned r = 0; r < 2; ++r) {
+        const unsigned row = 16 * warp + g + 8 * r;
+        if (row >= rows) continue;
+        const float inv = f.l[r] > 0.f ? 1.f / f.l[r] : (Skv == 0 ? 0.f : nan);
+        kiln_flash_store_row<Tag, HD>(f, r, y + b * ly.b + h * ly.h + (s0 + row) * ly.s, inv);
+    }
 }

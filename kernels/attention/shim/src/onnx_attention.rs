@@ -23,7 +23,10 @@
 //! * `qk_matmul_output_mode`: 0 qk, 1 qk + bias, 2 after the softcap, 3 the softmax.
 //! * `softmax_precision` is accepted; the CPU reference computes in f64 and the GPU in f32,
 //!   never below the tensors' precision.
-use super::{check_float, flag, grid_for, kernel_tag, targ, u32_arg, BLOCK};
+use super::{
+    check_float, flag, grid_for, kernel_tag, prefill_mma_shared_bytes, targ, u32_arg, BLOCK, PREFILL_MMA_ROWS,
+    PREFILL_MMA_THREADS,
+};
 use alloc::vec::Vec;
 use kiln_kernel_abi::guest::*;
 use kiln_kernel_abi::names::kernel_name;
@@ -598,6 +601,18 @@ fn grid_dim(op: &str, what: &str, v: usize, max: u32) -> Result<u32> {
     }
 }
 
+/// The head size (its template argument) of `kiln_attention_mma` when it computes `p`: float16 or
+/// bfloat16, Q and V head sizes both 64 or both 128, no past, no softcap, and no
+/// qk_matmul_output (`has_qk`); otherwise `kiln_attention` does.
+fn mma_head(p: &Plan, has_qk: bool) -> Option<&'static str> {
+    let plain = matches!(p.dtype, DType::F16 | DType::BF16) && p.past == 0 && p.softcap == 0.0 && !has_qk;
+    match (p.head, p.v_head) {
+        (64, 64) if plain => Some("64"),
+        (128, 128) if plain => Some("128"),
+        _ => None,
+    }
+}
+
 pub(crate) fn dispatch(call: &Call) -> Result<()> {
     let p = plan_of(call)?;
     let op = call.op_type();
@@ -642,6 +657,42 @@ pub(crate) fn dispatch(call: &Call) -> Result<()> {
         Some(m) => (if m.is_bool { 2 } else { 1 }, m.strides, m.width),
     };
     let qk = call.output_opt(3);
+    let mask = call.input_opt(3).as_ref().map_or(targ(&q), targ);
+    if let Some(hd) = mma_head(&p, qk.is_some()) {
+        // Tensor cores: a block per 64 query rows of a head (onnx_attention.cu's ATT_MMA_* and
+        // att_mma_keys, the same geometry as GroupQueryAttention's prompt kernel).
+        return launch(&Launch {
+            kernel: &kernel_name("kiln_attention_mma", &[tag, hd]),
+            grid: [
+                grid_dim(op, "query tiles", p.q_seq.div_ceil(PREFILL_MMA_ROWS), u32::MAX >> 1)?,
+                grid_dim(op, "query heads", p.q_heads, 65535)?,
+                grid_dim(op, "batch", p.batch, 65535)?,
+            ],
+            block: [PREFILL_MMA_THREADS, 1, 1],
+            shared_mem_bytes: prefill_mma_shared_bytes(p.head) as u32, // at most 48 KiB (head size 128)
+            args: vec![
+                targ(&q),
+                targ(&k),
+                targ(&v),
+                mask,
+                or_q(call.input_opt(6)),
+                targ(&call.output(0)?),
+                u("query heads", p.q_heads)?,
+                u("kv heads", p.kv_heads)?,
+                u("query sequence", p.q_seq)?,
+                u("kv sequence", p.kv_seq)?,
+                flag(p.three_d),
+                KernelArg::U64(strides[0] as u64),
+                KernelArg::U64(strides[1] as u64),
+                KernelArg::U64(strides[2] as u64),
+                KernelArg::U32(mask_mode),
+                u("mask width", width)?,
+                flag(p.causal),
+                flag(p.nonpad),
+                KernelArg::F32(p.scale as f32),
+            ],
+        });
+    }
     launch(&Launch {
         kernel: &kernel_name("kiln_attention", &[tag]),
         grid: [
@@ -657,7 +708,7 @@ pub(crate) fn dispatch(call: &Call) -> Result<()> {
             targ(&v),
             or_q(call.input_opt(4)),
             or_q(call.input_opt(5)),
-            call.input_opt(3).as_ref().map_or(targ(&q), targ),
+            mask,
             or_q(call.input_opt(6)),
             targ(&call.output(0)?),
             qk.as_ref().map_or(targ(&q), targ),
