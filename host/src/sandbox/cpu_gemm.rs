@@ -389,7 +389,10 @@ mod tests {
             let count = m.div_ceil(tm) * n.div_ceil(tn);
             let want = ((m * n * k) as u64 / TILE_MACS).min(MAX_TILES) as usize;
             assert!(tm.min(tn) >= TILE_EDGE.min(m.min(n)), "{m}×{n}×{k}: tile {tm}×{tn}");
-            assert!(count <= want && 8 * count >= 5 * want.min(m.max(n) / TILE_EDGE), "{m}×{n}×{k}: {count} tiles, {want} wanted");
+            assert!(
+                count <= want && 8 * count >= 5 * want.min(m.max(n) / TILE_EDGE),
+                "{m}×{n}×{k}: {count} tiles, {want} wanted"
+            );
         }
         // The short side is cut only where the long one gives fewer tiles than wanted.
         assert_eq!(tiles(64, 3136, 576), (64, 64));
