@@ -136,13 +136,45 @@ struct FloatOp {
     }
 };
 
+// FloatOp with the op fixed at compile time: unary_apply's switch folds away, so the elements of
+// a thread's vector interleave instead of each taking the switch in turn.
+template <typename T, unsigned OP>
+struct FixedFloatOp {
+    typename T::C alpha, beta;
+    __device__ typename T::S operator()(typename T::S v) const {
+        return T::st(unary_apply<typename T::C>(T::ld(v), OP, alpha, beta));
+    }
+};
+
 template <typename T>
 __device__ __forceinline__ void unary_float(const typename T::S* x, typename T::S* y, kiln_u64 n, unsigned op,
                                             float alpha, float beta) {
+    typedef typename T::C C;
+    // The ops models run on large tensors (activations), each with a loop of its own; the rest
+    // share one loop that switches per element.
+#define KILN_UNARY_FIXED(OP)                                    \
+    case OP:                                                    \
+        map_contiguous(x, y, n, FixedFloatOp<T, OP>{(C)alpha, (C)beta}); \
+        return;
+    switch (op) {
+        KILN_UNARY_FIXED(RELU)
+        KILN_UNARY_FIXED(LEAKY_RELU)
+        KILN_UNARY_FIXED(SIGMOID)
+        KILN_UNARY_FIXED(TANH)
+        KILN_UNARY_FIXED(EXP)
+        KILN_UNARY_FIXED(ERF)
+        KILN_UNARY_FIXED(GELU)
+        KILN_UNARY_FIXED(GELU_TANH)
+        KILN_UNARY_FIXED(HARD_SIGMOID)
+        KILN_UNARY_FIXED(HARD_SWISH)
+        KILN_UNARY_FIXED(SWISH)
+    default: break;
+    }
+#undef KILN_UNARY_FIXED
     FloatOp<T> f;
     f.op = op;
-    f.alpha = (typename T::C)alpha;
-    f.beta = (typename T::C)beta;
+    f.alpha = (C)alpha;
+    f.beta = (C)beta;
     map_contiguous(x, y, n, f);
 }
 
