@@ -217,16 +217,29 @@ const AD: usize = 4; // head size
 /// split into heads by Reshape (q's with `allowzero` = `q_allowzero`) and Transpose, scores / 2
 /// (or, `mul_form`, as transformers 5's eager attention writes it: K transposed twice and the
 /// scores · 0.5), an additive mask
-/// [B, 1, 1, T], Softmax, the weighted v merged back into y [B, S, H·D].
-fn exported_attention(q_allowzero: i64, mul_form: bool) -> Model {
-    let (b, s, t, h, d) = (AB as i64, AS as i64, AT as i64, AH as i64, AD as i64);
+/// [B, 1, 1, T], Softmax, the weighted v merged back into y [B, S, H·D]. With `projected`, q, k
+/// and v are x [B, S, H·D] · W + b for each of three constant W [H·D, H·D] and b [H·D] (values
+/// seeds 31–36, W scaled by 0.25), and T = S.
+fn exported_attention(q_allowzero: i64, mul_form: bool, projected: bool) -> Model {
+    let at = if projected { AS } else { AT };
+    let (b, s, t, h, d) = (AB as i64, AS as i64, at as i64, AH as i64, AD as i64);
     let reshape_az = |x: &str, shape: &str, y: &str, az: i64| {
         node("Reshape", &[x, shape], &[y], vec![onnx::attr_int("allowzero", az)])
     };
     let reshape = |x: &str, shape: &str, y: &str| reshape_az(x, shape, y, 0);
     let transpose = |x: &str, y: &str, perm: &[i64]| node("Transpose", &[x], &[y], vec![onnx::attr_ints("perm", perm)]);
-    let nodes =
-        vec![reshape_az("q", "sq", "qr", q_allowzero), transpose("qr", "qt", &[0, 2, 1, 3]), reshape("k", "sk", "kr")];
+    let mut nodes = Vec::new();
+    if projected {
+        for x in ["q", "k", "v"] {
+            nodes.push(node("MatMul", &["x", &format!("W{x}")], &[&format!("p{x}")], vec![]));
+            nodes.push(node("Add", &[&format!("p{x}"), &format!("b{x}")], &[x], vec![]));
+        }
+    }
+    nodes.extend([
+        reshape_az("q", "sq", "qr", q_allowzero),
+        transpose("qr", "qt", &[0, 2, 1, 3]),
+        reshape("k", "sk", "kr"),
+    ]);
     let mut nodes = [
         nodes,
         if mul_form {
@@ -247,21 +260,65 @@ fn exported_attention(q_allowzero: i64, mul_form: bool) -> Model {
         transpose("o", "ot", &[0, 2, 1, 3]),
         reshape("ot", "so", "y"),
     ]);
-    let inits = vec![
+    let mut inits = vec![
         onnx::init_f32("c", &[], &[if mul_form { 0.5 } else { 2.0 }]),
         onnx::init_i64("sq", &[4], &[b, s, h, d]),
         onnx::init_i64("sk", &[4], &[b, t, h, d]),
         onnx::init_i64("sv", &[4], &[0, 0, h, d]),
         onnx::init_i64("so", &[3], &[b, s, -1]),
     ];
-    let inputs = vec![
-        value("q", F32, &[b, s, h * d]),
-        value("k", F32, &[b, t, h * d]),
-        value("v", F32, &[b, t, h * d]),
-        value("mask", F32, &[b, 1, 1, t]),
-    ];
+    let e = AH * AD;
+    let mut inputs = vec![value("mask", F32, &[b, 1, 1, t])];
+    if projected {
+        for (i, x) in ["q", "k", "v"].into_iter().enumerate() {
+            inits.push(onnx::init_f32(&format!("W{x}"), &[e as i64, e as i64], &projection(31 + i as u64)));
+            inits.push(onnx::init_f32(&format!("b{x}"), &[e as i64], &values(e, 34 + i as u64)));
+        }
+        inputs.push(value("x", F32, &[b, s, h * d]));
+    } else {
+        inputs.extend([
+            value("q", F32, &[b, s, h * d]),
+            value("k", F32, &[b, t, h * d]),
+            value("v", F32, &[b, t, h * d]),
+        ]);
+    }
     let m = onnx::model(nodes, inputs, vec![value("y", F32, &[b, s, h * d])], inits);
     model::load_bytes(&onnx::bytes(&m), None).unwrap()
+}
+
+/// A projection weight of `exported_attention`: values of `seed` · 0.25 (so that the scores stay
+/// in a range where the float64 reference is not all one key).
+fn projection(seed: u64) -> Vec<f32> {
+    values(AH * AD * AH * AD, seed).iter().map(|w| w * 0.25).collect()
+}
+
+/// float64 eager attention over q [B, S, H·D], k and v [B, T, H·D]: y[b, s, h·D + e] =
+/// Σ_t softmax_t(q·k · scale + mask[b, t]) v[b, t, h·D + e].
+fn attention_reference(q: &[f64], k: &[f64], v: &[f64], mask: &[f32], t_n: usize, scale: f64) -> Vec<f64> {
+    let e = AH * AD;
+    let mut want = vec![0.0f64; AB * AS * e];
+    for b in 0..AB {
+        for h in 0..AH {
+            for s in 0..AS {
+                let row = |x: &[f64], r: usize, len: usize| x[(b * len + r) * e + h * AD..][..AD].to_vec();
+                let qr = row(q, s, AS);
+                let sc: Vec<f64> = (0..t_n)
+                    .map(|t| {
+                        qr.iter().zip(row(k, t, t_n)).map(|(a, c)| a * c).sum::<f64>() * scale
+                            + mask[b * t_n + t] as f64
+                    })
+                    .collect();
+                let max = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let den: f64 = sc.iter().map(|x| (x - max).exp()).sum();
+                for (t, x) in sc.iter().enumerate() {
+                    for (i, vv) in row(v, t, t_n).iter().enumerate() {
+                        want[(b * AS + s) * e + h * AD + i] += (x - max).exp() / den * vv;
+                    }
+                }
+            }
+        }
+    }
+    want
 }
 
 #[test]
@@ -277,49 +334,67 @@ fn exported_eager_attention_becomes_one_reshaped_attention() {
             ("mask", f32_tensor(&[AB, 1, 1, AT], &mask)),
         ]
     };
-    // float64: y[b, s, h·D + e] = Σ_t softmax_t(q·k / 2 + mask[b, t]) v[b, t, h·D + e].
-    let mut want = vec![0.0f64; AB * AS * AH * AD];
-    for b in 0..AB {
-        for h in 0..AH {
-            for s in 0..AS {
-                let row = |x: &[f32], r: usize, len: usize| -> Vec<f64> {
-                    x[(b * len + r) * AH * AD + h * AD..][..AD].iter().map(|&v| v as f64).collect()
-                };
-                let qr = row(&q, s, AS);
-                let sc: Vec<f64> = (0..AT)
-                    .map(|t| {
-                        qr.iter().zip(row(&k, t, AT)).map(|(a, c)| a * c).sum::<f64>() / 2.0 + mask[b * AT + t] as f64
-                    })
-                    .collect();
-                let max = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let den: f64 = sc.iter().map(|x| (x - max).exp()).sum();
-                for (t, x) in sc.iter().enumerate() {
-                    for (e, vv) in row(&v, t, AT).iter().enumerate() {
-                        want[(b * AS + s) * AH * AD + h * AD + e] += (x - max).exp() / den * vv;
-                    }
-                }
-            }
-        }
-    }
+    let wide = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<_>>();
+    let want = attention_reference(&wide(&q), &wide(&k), &wide(&v), &mask, AT, 0.5);
     for (mul_form, fusion) in [(false, "reshaped-attention"), (true, "reshaped-attention-mul")] {
-        let mut fused = session(exported_attention(0, mul_form), true);
+        let mut fused = session(exported_attention(0, mul_form, false), true);
         let f = &fused.report.fusions;
         assert_eq!(f.applied_counts().into_iter().collect::<Vec<_>>(), vec![(fusion, 1)], "{}", f.render());
         let ops: Vec<&str> = fused.model().graph.nodes.iter().map(|n| n.op_type.as_str()).collect();
         assert_eq!(ops, ["ReshapedAttention"]);
         assert_close(&run(&mut fused, feeds())[0], &want, 1e-6);
-        let mut unfused = session(exported_attention(0, mul_form), false);
+        let mut unfused = session(exported_attention(0, mul_form, false), false);
         assert_close(&run(&mut unfused, feeds())[0], &want, 1e-6);
     }
 
     // Q's Reshape with allowzero = 1 (the same here: its target has no 0): the pattern asks for
     // 0, so the match is turned down with the attribute named, and the unfused ops run.
-    let mut s = session(exported_attention(1, false), true);
+    let mut s = session(exported_attention(1, false, false), true);
     let f = &s.report.fusions;
     assert!(f.applied.iter().all(|a| a.fusion != "reshaped-attention"), "{}", f.render());
     let r = f.rejected.iter().find(|r| r.fusion == "reshaped-attention").expect("the attention match is reported");
     assert!(r.reason.contains("attribute allowzero is 1, the pattern needs 0"), "{}", r.reason);
     assert_close(&run(&mut s, feeds())[0], &want, 1e-6);
+}
+
+/// Q, K and V projected from one x: the three MatMul + Add pairs and the attention become one
+/// Linear over [Wq | Wk | Wv]ᵀ and a packed ReshapedAttention reading its rows' column blocks,
+/// in both export forms, against float64 (and the unfused graph against the same).
+#[test]
+fn projected_attention_becomes_one_linear_and_a_packed_reshaped_attention() {
+    let e = AH * AD;
+    let x = values(AB * AS * e, 30);
+    let mask: Vec<f32> = (0..AB * AS).map(|i| if i >= 2 * AS - 1 { -10000.0 } else { 0.0 }).collect();
+    let feeds = || vec![("x", f32_tensor(&[AB, AS, e], &x)), ("mask", f32_tensor(&[AB, 1, 1, AS], &mask))];
+    // q, k, v = x · W + b in float64 (the weights as the model stores them).
+    let project = |i: u64| -> Vec<f64> {
+        let (w, bias) = (projection(31 + i), values(e, 34 + i));
+        let mut out = vec![0.0; AB * AS * e];
+        for r in 0..AB * AS {
+            for c in 0..e {
+                out[r * e + c] =
+                    bias[c] as f64 + (0..e).map(|j| x[r * e + j] as f64 * w[j * e + c] as f64).sum::<f64>();
+            }
+        }
+        out
+    };
+    let want = attention_reference(&project(0), &project(1), &project(2), &mask, AS, 0.5);
+    for (mul_form, fusion) in [(false, "qkv-reshaped-attention"), (true, "qkv-reshaped-attention-mul")] {
+        let mut fused = session(exported_attention(0, mul_form, true), true);
+        let f = &fused.report.fusions;
+        assert_eq!(f.applied_counts().into_iter().collect::<Vec<_>>(), vec![(fusion, 1)], "{}", f.render());
+        let g = &fused.model().graph;
+        let ops: Vec<&str> = g.nodes.iter().map(|n| n.op_type.as_str()).collect();
+        assert_eq!(ops, ["Linear", "ReshapedAttention"]);
+        let packed = g.nodes[1].attributes.iter().find(|(name, _)| name == "packed");
+        assert!(
+            matches!(packed, Some((_, kiln_host::model::AttrValue::Int(1)))),
+            "the attention reads Q, K and V from the Linear's rows: {packed:?}"
+        );
+        assert_close(&run(&mut fused, feeds())[0], &want, 1e-5);
+        let mut unfused = session(exported_attention(0, mul_form, true), false);
+        assert_close(&run(&mut unfused, feeds())[0], &want, 1e-5);
+    }
 }
 
 /// y = x [ROWS, K] · W [K, N] + b, b reaching the Add through an Identity of an initializer (as

@@ -971,7 +971,8 @@ fn prompt_attention_matches_the_cpu_reference() {
 /// than queries (130: a partial key tile), causal or not, an additive float mask (random values,
 /// every seventh key −inf, broadcast over heads) and opset 24's nonpad_kv_seqlen; every element
 /// within one float16 rounding (`f16_excess`). A float32 case checks the same node still takes
-/// `kiln_attention` (max |Δ| ≤ 1e-4).
+/// `kiln_attention` (max |Δ| ≤ 1e-4). Then kiln's packed ReshapedAttention (`packed_attention_model`)
+/// in float16 (tensor cores) and float32 (`kiln_attention` over the packed rows).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn onnx_attention_on_tensor_cores_matches_the_cpu_reference() {
@@ -997,7 +998,47 @@ fn onnx_attention_on_tensor_cores_matches_the_cpu_reference() {
                 }
             }
         }
+        // kiln's packed ReshapedAttention (the qkv-reshaped-attention fusions' op): Q, K and V
+        // as the column blocks of one [B, S, 3E] tensor, in float16 and float32.
+        for f16 in [true, false] {
+            gqa_gpu_matches_cpu(packed_attention_model(head, 100), f16, &format!("packed, head {head}"));
+        }
     }
+}
+
+/// One `ai.kiln::ReshapedAttention` node with packed = 1 and multiply = 1 (what the
+/// `qkv-reshaped-attention-mul` fusion makes): qkv [2, `seq`, 3·4·`head`] random, 4 heads of
+/// `head`, an additive mask [2, 1, 1, seq] (every fifth key of the second row −10000), the
+/// scores · 1/√head; the model and its feeds.
+fn packed_attention_model(head: usize, seq: usize) -> (kiln_tests::onnx::ModelProto, Vec<(String, kiln_host::Tensor)>) {
+    use kiln_tests::onnx::{self, attr_int, node, value};
+    let (b, n) = (2usize, 4usize);
+    let e = n * head;
+    let mut r = kiln_tests::Rng(0x9acd);
+    let qkv = kiln_tests::f32_tensor(&[b, seq, 3 * e], &r.signed_unit(b * seq * 3 * e));
+    let m: Vec<f32> = (0..b * seq).map(|i| if i >= seq && i % 5 == 4 { -10000.0 } else { 0.0 }).collect();
+    let mask = kiln_tests::f32_tensor(&[b, 1, 1, seq], &m);
+    let mut g = node(
+        "ReshapedAttention",
+        &["qkv", "", "", "mask", "c", "sq", "sk", "sv", "so"],
+        &["Y"],
+        vec![attr_int("multiply", 1), attr_int("packed", 1)],
+    );
+    g.domain = "ai.kiln".into();
+    let (bi, si, ni, hi) = (b as i64, seq as i64, n as i64, head as i64);
+    let inits = vec![
+        onnx::init_f32("c", &[], &[1.0 / (head as f32).sqrt()]),
+        onnx::init_i64("sq", &[4], &[bi, si, -1, hi]),
+        onnx::init_i64("sk", &[4], &[bi, si, ni, hi]),
+        onnx::init_i64("sv", &[4], &[0, 0, ni, hi]),
+        onnx::init_i64("so", &[3], &[bi, si, -1]),
+    ];
+    let decl = vec![value("qkv", 1, &[bi, si, 3 * e as i64]), value("mask", 1, &[bi, 1, 1, si])];
+    let mut y = value("Y", 1, &[]);
+    y.type_ = Default::default();
+    let mut model = onnx::model(vec![g], decl, vec![y], inits);
+    model.opset_import.push(onnx::OperatorSetIdProto { domain: "ai.kiln".into(), version: 1, ..Default::default() });
+    (model, vec![("qkv".to_string(), qkv), ("mask".to_string(), mask)])
 }
 
 /// One ONNX Attention node (opset 24 with `nonpad`, else 23) of 2 batch rows, 4 query heads over

@@ -13,14 +13,16 @@
 #define ATT_WARPS 4
 
 // Element strides (batch, head, sequence) of a [B, heads, S, hs] tensor stored 4-D, or 3-D as
-// [B, S, heads · hs].
+// rows of `rs` elements whose first heads · hs are [heads, hs] (rs = heads · hs, or wider: a
+// column block of packed [Q | K | V] rows).
 struct att_strides {
     kiln_u64 b, h, s;
 };
 
-__device__ __forceinline__ att_strides att_layout(bool three_d, unsigned heads, unsigned seq, unsigned hs) {
-    const kiln_u64 row = (kiln_u64)heads * seq * hs;
-    return three_d ? att_strides{row, hs, (kiln_u64)heads * hs} : att_strides{row, (kiln_u64)seq * hs, hs};
+__device__ __forceinline__ att_strides att_layout(bool three_d, unsigned heads, unsigned seq, unsigned hs,
+                                                  kiln_u64 rs) {
+    return three_d ? att_strides{(kiln_u64)seq * rs, hs, rs}
+                   : att_strides{(kiln_u64)heads * seq * hs, (kiln_u64)seq * hs, hs};
 }
 
 // present [B, Nkv, P + S, hs] = past [B, Nkv, P, hs] (when P > 0) followed by the new rows
@@ -29,7 +31,7 @@ template <typename Tag>
 __global__ void kiln_attention_present(const typename Tag::storage* past, const typename Tag::storage* src,
                                        typename Tag::storage* present, kiln_u64 total, unsigned Nkv, unsigned P,
                                        unsigned S, unsigned hs, unsigned three_d) {
-    const att_strides ls = att_layout(three_d != 0, Nkv, S, hs);
+    const att_strides ls = att_layout(three_d != 0, Nkv, S, hs, (kiln_u64)Nkv * hs);
     const unsigned T = P + S;
     KILN_FOR(i, total) {
         const unsigned d = (unsigned)(i % hs);
@@ -84,7 +86,8 @@ __device__ __forceinline__ float att_score(float qk, const att_bias& a, unsigned
 // Attention for query row s = blockIdx.x, head h = blockIdx.y, batch row b = blockIdx.z:
 // each warp keeps an online softmax over keys warp, warp + ATT_WARPS, … (a key's product is a
 // warp reduction over the head), the warps merge through shared memory, and thread d writes
-// Y[b, h, s, d]. Keys t < P come from the past, the others from K/V (three_d: 3-D inputs).
+// Y[b, h, s, d]. Keys t < P come from the past, the others from K/V (three_d: 3-D inputs, rows of
+// q_rs, k_rs and v_rs elements).
 // Query head h reads KV head h / (Nq / Nkv). qk (has_qk) gets qk_matmul_output [B, Nq, Sq, T]
 // in mode qk_mode (3: the softmax, in a second pass). A row whose keys are all masked gives NaN
 // (0 / 0), as ONNX's reference softmax does.
@@ -94,7 +97,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32)
                    const typename Tag::storage* past_k, const typename Tag::storage* past_v, const void* mask,
                    const long long* nonpad, typename Tag::storage* y, typename Tag::storage* qk, unsigned Nq,
                    unsigned Nkv, unsigned Sq, unsigned Skv, unsigned P, unsigned H, unsigned Hv, unsigned three_d,
-                   kiln_u64 mb, kiln_u64 mh, kiln_u64 ms, unsigned mask_mode, unsigned mask_width, unsigned causal,
+                   kiln_u64 q_rs, kiln_u64 k_rs, kiln_u64 v_rs, kiln_u64 mb, kiln_u64 mh, kiln_u64 ms, unsigned mask_mode, unsigned mask_width, unsigned causal,
                    unsigned has_nonpad, float scale, float softcap, unsigned has_qk, unsigned qk_mode) {
     typedef typename Tag::storage T;
     __shared__ float q_s[ATT_MAX_CHUNKS * 32];
@@ -105,8 +108,8 @@ __global__ void __launch_bounds__(ATT_WARPS * 32)
     const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const unsigned j = h / (Nq / Nkv), Tn = P + Skv;
     const bool td = three_d != 0;
-    const att_strides lq = att_layout(td, Nq, Sq, H), lk = att_layout(td, Nkv, Skv, H), lv = att_layout(td, Nkv, Skv, Hv),
-                      ly = att_layout(td, Nq, Sq, Hv);
+    const att_strides lq = att_layout(td, Nq, Sq, H, q_rs), lk = att_layout(td, Nkv, Skv, H, k_rs),
+                      lv = att_layout(td, Nkv, Skv, Hv, v_rs), ly = att_layout(td, Nq, Sq, Hv, (kiln_u64)Nq * Hv);
     const att_bias a{mask, has_nonpad ? nonpad : nullptr, mb, mh, ms, mask_mode, mask_width, causal, P, softcap};
     for (unsigned d = threadIdx.x; d < H; d += blockDim.x)
         q_s[d] = kiln_to_f32(Tag(), q[b * lq.b + h * lq.h + s * lq.s + d]);
@@ -171,7 +174,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32)
 }
 
 // Tensor-core attention (the shim takes it for float16 / bfloat16, head sizes Q = V = HD of 64 or
-// 128, no past, no softcap and no qk_matmul_output): block (query tile, h, b) takes ATT_MMA_ROWS
+// 128, no past, no softcap and no qk_matmul_output; 3-D rows of q_rs, k_rs, v_rs elements): block (query tile, h, b) takes ATT_MMA_ROWS
 // query rows s0 … of head h, batch row b, 16 per warp, and walks keys 0 … in tiles of
 // att_mma_keys(HD), each tile's K and V rows copied into shared memory (cp.async when Q, K and V
 // are 16-byte aligned, the next tile's copies in flight while the warps work on this one), each
@@ -202,7 +205,8 @@ template <typename Tag, int HD>
 __global__ void __launch_bounds__(ATT_MMA_THREADS)
     kiln_attention_mma(const typename Tag::storage* q, const typename Tag::storage* k, const typename Tag::storage* v,
                        const void* mask, const long long* nonpad, typename Tag::storage* y, unsigned Nq, unsigned Nkv,
-                       unsigned Sq, unsigned Skv, unsigned three_d, kiln_u64 mb, kiln_u64 mh, kiln_u64 ms,
+                       unsigned Sq, unsigned Skv, unsigned three_d, kiln_u64 q_rs, kiln_u64 k_rs, kiln_u64 v_rs,
+                       kiln_u64 mb, kiln_u64 mh, kiln_u64 ms,
                        unsigned mask_mode, unsigned mask_width, unsigned causal, unsigned has_nonpad, float scale) {
     typedef typename Tag::storage T;
     constexpr unsigned VPR = HD / 8, KS = HD / 16, KEYS = att_mma_keys(HD);
@@ -214,10 +218,12 @@ __global__ void __launch_bounds__(ATT_MMA_THREADS)
     const unsigned tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5, g = lane >> 2;
     const unsigned j = h / (Nq / Nkv);
     const bool td = three_d != 0;
-    const att_strides lq = att_layout(td, Nq, Sq, HD), lk = att_layout(td, Nkv, Skv, HD),
-                      ly = att_layout(td, Nq, Sq, HD);
+    const att_strides lq = att_layout(td, Nq, Sq, HD, q_rs), lk = att_layout(td, Nkv, Skv, HD, k_rs),
+                      lv = att_layout(td, Nkv, Skv, HD, v_rs), ly = att_layout(td, Nq, Sq, HD, (kiln_u64)Nq * HD);
     const unsigned rows = Sq - s0 < ATT_MMA_ROWS ? Sq - s0 : ATT_MMA_ROWS;
-    const bool vec = (((kiln_u64)q | (kiln_u64)k | (kiln_u64)v) & 15u) == 0;
+    // 16-byte copies when every row starts 16-byte aligned (the row strides are multiples of 8
+    // elements but for odd packed layouts).
+    const bool vec = (((kiln_u64)q | (kiln_u64)k | (kiln_u64)v | (q_rs * 2) | (k_rs * 2) | (v_rs * 2)) & 15u) == 0;
     const att_bias a{mask, has_nonpad ? nonpad : nullptr, mb, mh, ms, mask_mode, mask_width, causal, 0, 0.f};
     // The block's keys [0, hi): none at or past nonpad_kv_seqlen[b] or after its last row.
     unsigned hi = Skv;
@@ -242,13 +248,14 @@ __global__ void __launch_bounds__(ATT_MMA_THREADS)
         for (unsigned i = tid; i < KEYS * VPR; i += blockDim.x) {
             const unsigned kk = i / VPR, u = i % VPR, at = kiln_swz(kk, u, VPR);
             if (t0 + kk < hi) {
-                const kiln_u64 src = b * lk.b + j * lk.h + (kiln_u64)(t0 + kk) * lk.s + u * 8;
+                const T* const ks = k + b * lk.b + j * lk.h + (kiln_u64)(t0 + kk) * lk.s + u * 8;
+                const T* const vs = v + b * lv.b + j * lv.h + (kiln_u64)(t0 + kk) * lv.s + u * 8;
                 if (vec) {
-                    kiln_cp_async16(&k_t[at], k + src);
-                    kiln_cp_async16(&v_t[at], v + src);
+                    kiln_cp_async16(&k_t[at], ks);
+                    kiln_cp_async16(&v_t[at], vs);
                 } else {
-                    k_t[at] = att_row8(k + src);
-                    v_t[at] = att_row8(v + src);
+                    k_t[at] = att_row8(ks);
+                    v_t[at] = att_row8(vs);
                 }
             } else {
                 k_t[at] = make_uint4(0, 0, 0, 0);

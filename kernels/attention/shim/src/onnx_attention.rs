@@ -68,6 +68,11 @@ struct Plan {
     /// A `ReshapedAttention` call's output shape (its output Reshape's target): its inputs 4..
     /// are its divisor and shapes, not past or nonpad.
     reshaped: Option<Vec<usize>>,
+    /// Q's, K's and V's 3-D rows: the element offset of their first column and the row stride.
+    /// Rows of their own ([B, S, heads · head size]), or (`packed`) column blocks of input 0.
+    rows: [(usize, usize); 3],
+    /// K and V are columns of input 0 (ReshapedAttention with `packed` = 1), not inputs 1 and 2.
+    packed: bool,
 }
 
 impl Plan {
@@ -232,6 +237,8 @@ fn plan(call: &Call) -> Result<Plan> {
         softcap: call.attr_f("softcap", 0.0)? as f64,
         qk_mode,
         reshaped: None,
+        rows: [(0, q_heads * head), (0, kv_heads * head), (0, kv_heads * v_head)],
+        packed: false,
     })
 }
 
@@ -284,13 +291,27 @@ fn reshape_target(from: &[usize], shape: &[i64]) -> Result<Vec<usize>> {
     Ok(out)
 }
 
-/// ReshapedAttention's Q, K, V (inputs 0–2) seen as [B, S, H, D] through their Reshape targets
-/// (inputs 5–7; a contiguous tensor's elements in any shape are its target's rows), and its
-/// output's shape: the output Reshape (input 8) of [B, S, H, Dv], any rank.
-fn reshaped_heads(call: &Call) -> Result<([[usize; 4]; 3], Vec<usize>)> {
+/// ReshapedAttention's Q, K, V (inputs 0–2, or with `packed` the three equal column blocks of
+/// input 0's rows) seen as [B, S, H, D] through their Reshape targets (inputs 5–7; a contiguous
+/// tensor's elements in any shape are its target's rows), and its output's shape: the output
+/// Reshape (input 8) of [B, S, H, Dv], any rank.
+fn reshaped_heads(call: &Call, packed: bool) -> Result<([[usize; 4]; 3], Vec<usize>)> {
+    let part = if packed {
+        let mut s = call.input(0)?.shape()?;
+        match s.last_mut() {
+            Some(w) if *w % 3 == 0 => *w /= 3,
+            _ => bail!("{RESHAPED}: packed Q, K, V rows {s:?} do not split into three equal column blocks"),
+        }
+        Some(s)
+    } else {
+        None
+    };
     let mut heads = [[0usize; 4]; 3];
     for (j, name) in ["Q", "K", "V"].into_iter().enumerate() {
-        let from = call.input(j)?.shape()?;
+        let from = match &part {
+            Some(s) => s.clone(),
+            None => call.input(j)?.shape()?,
+        };
         match reshape_target(&from, &call.input(5 + j)?.read_i64s()?)?[..] {
             [b, s, h, d] => heads[j] = [b, s, h, d],
             ref to => bail!("{RESHAPED}: {name}'s Reshape to {to:?} does not split it into [B, S, heads, head size]"),
@@ -311,13 +332,21 @@ fn plan_reshaped(call: &Call) -> Result<Plan> {
     }
     let dtype = call.input(0)?.dtype()?;
     check_float(RESHAPED, "Q", dtype)?;
+    let packed = match call.attr_i("packed", 0)? {
+        0 => false,
+        1 => true,
+        m => bail!("{RESHAPED}: packed must be 0 or 1, not {m}"),
+    };
     for (i, name) in [(1, "K"), (2, "V")] {
-        if call.input(i)?.dtype()? != dtype {
-            bail!("{RESHAPED}: {name} is {} but Q is {dtype}", call.input(i)?.dtype()?);
+        match (call.input_opt(i), packed) {
+            (Some(t), false) if t.dtype()? != dtype => bail!("{RESHAPED}: {name} is {} but Q is {dtype}", t.dtype()?),
+            (Some(_), false) | (None, true) => {}
+            (None, false) => bail!("{RESHAPED}: {name} (input {i}) is missing"),
+            (Some(_), true) => bail!("{RESHAPED}: with packed = 1, {name} is input 0's columns and input {i} is empty"),
         }
     }
     let ([[batch, q_seq, heads, head], [kb, kv_seq, k_heads, k_head], [vb, v_seq, v_heads, v_head]], y_shape) =
-        reshaped_heads(call)?;
+        reshaped_heads(call, packed)?;
     if (kb, vb, v_seq) != (batch, batch, kv_seq) {
         bail!("{RESHAPED}: Q's {batch} batch rows, K's {kb} of {kv_seq} keys and V's {vb} of {v_seq} disagree");
     }
@@ -355,6 +384,13 @@ fn plan_reshaped(call: &Call) -> Result<Plan> {
         softcap: 0.0,
         qk_mode: 0,
         reshaped: Some(y_shape),
+        rows: if packed {
+            let w = heads * head;
+            [(0, 3 * w), (w, 3 * w), (2 * w, 3 * w)]
+        } else {
+            [(0, heads * head), (0, heads * head), (0, heads * v_head)]
+        },
+        packed,
     })
 }
 
@@ -411,10 +447,11 @@ fn present(p: &Plan, past: &[f64], new: &[f64], hs: usize) -> Vec<f64> {
 /// then Σ weight·V through `gemm` again, straight into Y's columns of each head.
 fn cpu_reshaped(call: &Call, p: &Plan) -> Result<()> {
     let (h_n, s_n, t_n, d, dv) = (p.q_heads, p.q_seq, p.kv_seq, p.head, p.v_head);
-    let (e, ev) = ((h_n * d) as u64, (h_n * dv) as u64);
+    let ev = (h_n * dv) as u64;
     let size = p.dtype.size().unwrap_or(4) as u64;
-    let (q, k, v, y) =
-        (call.input(0)?.handle(), call.input(1)?.handle(), call.input(2)?.handle(), call.output(0)?.handle());
+    let [(q_off, q_rs), (k_off, k_rs), (v_off, v_rs)] = p.rows.map(|(o, r)| (o as u64, r as u64));
+    let (q, y) = (call.input(0)?.handle(), call.output(0)?.handle());
+    let (k, v) = if p.packed { (q, q) } else { (call.input(1)?.handle(), call.input(2)?.handle()) };
     if p.batch == 0 || s_n == 0 || h_n == 0 || dv == 0 {
         return Ok(());
     }
@@ -435,7 +472,7 @@ fn cpu_reshaped(call: &Call, p: &Plan) -> Result<()> {
         batch_stride,
     };
     for b in 0..p.batch {
-        let (qb, kb) = ((b * s_n) as u64 * e, (b * t_n) as u64 * e);
+        let (qb, kb) = ((b * s_n) as u64 * q_rs + q_off, (b * t_n) as u64 * k_rs + k_off);
         if d == 0 {
             // Empty products: every score is 0.
             write_handle(scores, 0, &alloc::vec![0u8; (scores_len * size) as usize])?;
@@ -450,8 +487,8 @@ fn cpu_reshaped(call: &Call, p: &Plan) -> Result<()> {
                 batch: h_n as u64,
                 alpha: p.scale as f32,
                 beta: 0.0,
-                a: op(q, qb, e, d as u64),
-                b: op(k, kb, e, d as u64),
+                a: op(q, qb, q_rs, d as u64),
+                b: op(k, kb, k_rs, d as u64),
                 c: None,
                 d: op(scores, 0, t_n as u64, (s_n * t_n) as u64),
                 bias: None,
@@ -490,7 +527,7 @@ fn cpu_reshaped(call: &Call, p: &Plan) -> Result<()> {
             alpha: 1.0,
             beta: 0.0,
             a: op(scores, 0, t_n as u64, (s_n * t_n) as u64),
-            b: op(v, (b * t_n) as u64 * ev, ev, dv as u64),
+            b: op(v, (b * t_n) as u64 * v_rs + v_off, v_rs, dv as u64),
             c: None,
             d: op(y, (b * s_n) as u64 * ev, ev, dv as u64),
             bias: None,
@@ -621,7 +658,16 @@ pub(crate) fn dispatch(call: &Call) -> Result<()> {
         unsupported!("{op}: head sizes {} / {} over the CUDA kernel's {GPU_MAX_HEAD}", p.head, p.v_head);
     }
     let u = |what: &str, v: usize| u32_arg(op, what, v);
-    let (q, k, v) = (call.input(0)?, call.input(1)?, call.input(2)?);
+    let q = call.input(0)?;
+    // K and V: their inputs, or (packed) input 0 from their first column.
+    let esize = p.dtype.size().unwrap_or(4) as u64;
+    let (k, v) = if p.packed {
+        let at = |col: usize| KernelArg::Tensor { handle: q.handle(), offset: col as u64 * esize };
+        (at(p.rows[1].0), at(p.rows[2].0))
+    } else {
+        (targ(&call.input(1)?), targ(&call.input(2)?))
+    };
+    let row_strides = p.rows.map(|(_, rs)| KernelArg::U64(rs as u64));
     // Absent optional inputs and outputs: any tensor stands in (the kernels do not touch them).
     // (A ReshapedAttention's inputs 4.. are no past or nonpad.)
     let or_q = |t: Option<Tensor>| t.filter(|_| p.reshaped.is_none()).as_ref().map_or(targ(&q), targ);
@@ -638,7 +684,7 @@ pub(crate) fn dispatch(call: &Call) -> Result<()> {
             shared_mem_bytes: 0,
             args: vec![
                 or_q(call.input_opt(past)),
-                targ(new),
+                *new,
                 targ(&pres),
                 KernelArg::U64(n as u64),
                 u("kv heads", p.kv_heads)?,
@@ -672,8 +718,8 @@ pub(crate) fn dispatch(call: &Call) -> Result<()> {
             shared_mem_bytes: prefill_mma_shared_bytes(p.head) as u32, // at most 48 KiB (head size 128)
             args: vec![
                 targ(&q),
-                targ(&k),
-                targ(&v),
+                k,
+                v,
                 mask,
                 or_q(call.input_opt(6)),
                 targ(&call.output(0)?),
@@ -682,6 +728,9 @@ pub(crate) fn dispatch(call: &Call) -> Result<()> {
                 u("query sequence", p.q_seq)?,
                 u("kv sequence", p.kv_seq)?,
                 flag(p.three_d),
+                row_strides[0],
+                row_strides[1],
+                row_strides[2],
                 KernelArg::U64(strides[0] as u64),
                 KernelArg::U64(strides[1] as u64),
                 KernelArg::U64(strides[2] as u64),
@@ -704,8 +753,8 @@ pub(crate) fn dispatch(call: &Call) -> Result<()> {
         shared_mem_bytes: 0,
         args: vec![
             targ(&q),
-            targ(&k),
-            targ(&v),
+            k,
+            v,
             or_q(call.input_opt(4)),
             or_q(call.input_opt(5)),
             mask,
@@ -720,6 +769,9 @@ pub(crate) fn dispatch(call: &Call) -> Result<()> {
             u("head size", p.head)?,
             u("value head size", p.v_head)?,
             flag(p.three_d),
+            row_strides[0],
+            row_strides[1],
+            row_strides[2],
             KernelArg::U64(strides[0] as u64),
             KernelArg::U64(strides[1] as u64),
             KernelArg::U64(strides[2] as u64),
