@@ -2239,19 +2239,10 @@ __device__ void gqa_prefill_mma(const typename Tag::storage* q_src, const typena
     if (tiles > 0) load_tile(0);
     __syncthreads();  // q_s
     unsigned qa[KS][4];
-#pragma unroll
-    for (unsigned s = 0; s < KS; ++s)
-        kiln_ldmatrix_x4<false>(qa[s], &q_s[kiln_swz(16 * warp + (lane & 15u), 2 * s + (lane >> 4), VPR)]);
+    kiln_flash_load_q<HD>(qa, q_s);
     kiln_flash_rows<HD> f;
     kiln_flash_init(f);
-    for (unsigned it = 0; it < tiles; ++it) {
-        if (it + 1 < tiles) {
-            load_tile(it + 1);
-            kiln_cp_async_wait<1>();
-        } else {
-            kiln_cp_async_wait<0>();
-        }
-        __syncthreads();  // tile it in shared memory
+    kiln_flash_pipeline(tiles, load_tile, [&](unsigned it) {
         const long long t0 = lo + (long long)KEYS * it;
         if (whi > t0 && wlo < t0 + KEYS) {
             const uint4* const k_t = kv_s + (it & 1u) * 2 * KEYS * VPR;
@@ -2262,8 +2253,7 @@ __device__ void gqa_prefill_mma(const typename Tag::storage* q_src, const typena
                 return t >= ra[r] && t < re[r] ? qk * scale : NEG_INF;
             });
         }
-        __syncthreads();  // buffer it & 1 is free for tile it + 2
-    }
+    });
     // Out: O / Σ weight (zeros for a row with no key).
     kiln_flash_finish(f);
 #pragma unroll

@@ -268,19 +268,10 @@ __global__ void __launch_bounds__(ATT_MMA_THREADS)
     if (tiles > 0) load_tile(0);
     __syncthreads();  // q_s
     unsigned qa[KS][4];
-#pragma unroll
-    for (unsigned s = 0; s < KS; ++s)
-        kiln_ldmatrix_x4<false>(qa[s], &q_s[kiln_swz(16 * warp + (lane & 15u), 2 * s + (lane >> 4), VPR)]);
+    kiln_flash_load_q<HD>(qa, q_s);
     kiln_flash_rows<HD> f;
     kiln_flash_init(f);
-    for (unsigned it = 0; it < tiles; ++it) {
-        if (it + 1 < tiles) {
-            load_tile(it + 1);
-            kiln_cp_async_wait<1>();
-        } else {
-            kiln_cp_async_wait<0>();
-        }
-        __syncthreads();  // tile it in shared memory
+    kiln_flash_pipeline(tiles, load_tile, [&](unsigned it) {
         const uint4* const k_t = kv_s + (it & 1u) * 2 * KEYS * VPR;
         const unsigned t0 = KEYS * it;
         kiln_flash_tile<Tag, HD, KEYS>(f, qa, k_t, k_t + KEYS * VPR, [&](unsigned r, unsigned key, float qk) {
@@ -289,8 +280,7 @@ __global__ void __launch_bounds__(ATT_MMA_THREADS)
             float stage;
             return att_score<Tag>(qk * scale, a, b, h, s, t, 0, &stage);
         });
-        __syncthreads();  // buffer it & 1 is free for tile it + 2
-    }
+    });
     kiln_flash_finish(f);
     const float nan = __int_as_float(0x7fc00000);
 #pragma unroll

@@ -8,6 +8,7 @@
 // vectors swizzled by kiln_swz so that ldmatrix's eight rows hit eight bank groups.
 #pragma once
 #include "kiln.cuh"
+#include "kiln-cuda-std/async.cuh"
 #include "kiln-cuda-std/mma.cuh"
 
 // Index of 16-byte vector u of row r in a swizzled tile of rows of `vpr` vectors (a power of
@@ -34,6 +35,35 @@ __device__ __forceinline__ void kiln_flash_init(kiln_flash_rows<HD>& f) {
         for (unsigned i = 0; i < 4; ++i) f.o[n][i] = 0.f;
     f.m[0] = f.m[1] = neg_inf;
     f.l[0] = f.l[1] = 0.f;
+}
+
+// The A fragments of the warp's 16 query rows (rows 16·warp … of `q_s`, swizzled rows of HD
+// elements), HD / 16 steps of 16 dimensions. Every lane of the warp calls it.
+template <int HD>
+__device__ __forceinline__ void kiln_flash_load_q(unsigned (&qa)[HD / 16][4], const uint4* q_s) {
+    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (unsigned s = 0; s < HD / 16; ++s)
+        kiln_ldmatrix_x4<false>(qa[s], &q_s[kiln_swz(16 * warp + (lane & 15u), 2 * s + (lane >> 4), HD / 8)]);
+}
+
+// Key tiles 0 … tiles − 1 through two shared-memory buffers: tile it + 1's copies
+// (`load(it + 1)`: cp.async and one commit per thread) in flight while `step(it)` works on tile
+// it, which the block's barrier made visible; the caller issued tile 0's copies. Every thread of
+// the block calls it.
+template <typename Load, typename Step>
+__device__ __forceinline__ void kiln_flash_pipeline(unsigned tiles, const Load& load, const Step& step) {
+    for (unsigned it = 0; it < tiles; ++it) {
+        if (it + 1 < tiles) {
+            load(it + 1);
+            kiln_cp_async_wait<1>();
+        } else {
+            kiln_cp_async_wait<0>();
+        }
+        __syncthreads();  // tile it in shared memory
+        step(it);
+        __syncthreads();  // its buffer is free for tile it + 2
+    }
 }
 
 // One tile of KEYS keys (a multiple of 16) for the warp's rows: `qa` the rows' A fragments (HD / 16

@@ -704,6 +704,21 @@ pub(crate) fn dispatch(call: &Call) -> Result<()> {
     };
     let qk = call.output_opt(3);
     let mask = call.input_opt(3).as_ref().map_or(targ(&q), targ);
+    // Both kernels' arguments from `three_d` to `scale`: the layout, the mask and the scale.
+    let layout_args = [
+        flag(p.three_d),
+        row_strides[0],
+        row_strides[1],
+        row_strides[2],
+        KernelArg::U64(strides[0] as u64),
+        KernelArg::U64(strides[1] as u64),
+        KernelArg::U64(strides[2] as u64),
+        KernelArg::U32(mask_mode),
+        u("mask width", width)?,
+        flag(p.causal),
+        flag(p.nonpad),
+        KernelArg::F32(p.scale as f32),
+    ];
     if let Some(hd) = mma_head(&p, qk.is_some()) {
         // Tensor cores: a block per 64 query rows of a head (onnx_attention.cu's ATT_MMA_* and
         // att_mma_keys, the same geometry as GroupQueryAttention's prompt kernel).
@@ -716,30 +731,22 @@ pub(crate) fn dispatch(call: &Call) -> Result<()> {
             ],
             block: [PREFILL_MMA_THREADS, 1, 1],
             shared_mem_bytes: prefill_mma_shared_bytes(p.head) as u32, // at most 48 KiB (head size 128)
-            args: vec![
-                targ(&q),
-                k,
-                v,
-                mask,
-                or_q(call.input_opt(6)),
-                targ(&call.output(0)?),
-                u("query heads", p.q_heads)?,
-                u("kv heads", p.kv_heads)?,
-                u("query sequence", p.q_seq)?,
-                u("kv sequence", p.kv_seq)?,
-                flag(p.three_d),
-                row_strides[0],
-                row_strides[1],
-                row_strides[2],
-                KernelArg::U64(strides[0] as u64),
-                KernelArg::U64(strides[1] as u64),
-                KernelArg::U64(strides[2] as u64),
-                KernelArg::U32(mask_mode),
-                u("mask width", width)?,
-                flag(p.causal),
-                flag(p.nonpad),
-                KernelArg::F32(p.scale as f32),
-            ],
+            args: [
+                vec![
+                    targ(&q),
+                    k,
+                    v,
+                    mask,
+                    or_q(call.input_opt(6)),
+                    targ(&call.output(0)?),
+                    u("query heads", p.q_heads)?,
+                    u("kv heads", p.kv_heads)?,
+                    u("query sequence", p.q_seq)?,
+                    u("kv sequence", p.kv_seq)?,
+                ],
+                layout_args.to_vec(),
+            ]
+            .concat(),
         });
     }
     launch(&Launch {
@@ -751,38 +758,28 @@ pub(crate) fn dispatch(call: &Call) -> Result<()> {
         ],
         block: [GPU_WARPS * 32, 1, 1],
         shared_mem_bytes: 0,
-        args: vec![
-            targ(&q),
-            k,
-            v,
-            or_q(call.input_opt(4)),
-            or_q(call.input_opt(5)),
-            mask,
-            or_q(call.input_opt(6)),
-            targ(&call.output(0)?),
-            qk.as_ref().map_or(targ(&q), targ),
-            u("query heads", p.q_heads)?,
-            u("kv heads", p.kv_heads)?,
-            u("query sequence", p.q_seq)?,
-            u("kv sequence", p.kv_seq)?,
-            u("past length", p.past)?,
-            u("head size", p.head)?,
-            u("value head size", p.v_head)?,
-            flag(p.three_d),
-            row_strides[0],
-            row_strides[1],
-            row_strides[2],
-            KernelArg::U64(strides[0] as u64),
-            KernelArg::U64(strides[1] as u64),
-            KernelArg::U64(strides[2] as u64),
-            KernelArg::U32(mask_mode),
-            u("mask width", width)?,
-            flag(p.causal),
-            flag(p.nonpad),
-            KernelArg::F32(p.scale as f32),
-            KernelArg::F32(p.softcap as f32),
-            flag(qk.is_some()),
-            KernelArg::U32(p.qk_mode),
-        ],
+        args: [
+            vec![
+                targ(&q),
+                k,
+                v,
+                or_q(call.input_opt(4)),
+                or_q(call.input_opt(5)),
+                mask,
+                or_q(call.input_opt(6)),
+                targ(&call.output(0)?),
+                qk.as_ref().map_or(targ(&q), targ),
+                u("query heads", p.q_heads)?,
+                u("kv heads", p.kv_heads)?,
+                u("query sequence", p.q_seq)?,
+                u("kv sequence", p.kv_seq)?,
+                u("past length", p.past)?,
+                u("head size", p.head)?,
+                u("value head size", p.v_head)?,
+            ],
+            layout_args.to_vec(),
+            vec![KernelArg::F32(p.softcap as f32), flag(qk.is_some()), KernelArg::U32(p.qk_mode)],
+        ]
+        .concat(),
     })
 }
