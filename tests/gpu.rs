@@ -219,13 +219,15 @@ fn smollm2_arch_teacher_forced(
     g.free(kv);
 }
 
-/// The largest |a − b|; NaN meets NaN (0), NaN against a number counts as infinite.
+/// The largest |a − b|; NaN meets NaN and an infinity the same infinity (0), and either
+/// against anything else counts as infinite.
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter()
         .zip(b)
         .map(|(x, y)| match (x.is_nan(), y.is_nan()) {
             (true, true) => 0.0,
-            (false, false) => (x - y).abs(),
+            (false, false) if x == y => 0.0,
+            (false, false) => (x - y).abs(), // inf − finite is inf; inf − (−inf) too
             _ => f32::INFINITY,
         })
         .fold(0.0, f32::max)
@@ -241,6 +243,8 @@ fn f16_excess(got: &[f32], want: &[f32]) -> f32 {
         .zip(want)
         .map(|(x, y)| match (x.is_nan(), y.is_nan()) {
             (true, true) => f32::MIN,
+            (false, false) if (x.is_infinite() || y.is_infinite()) && x == y => f32::MIN,
+            (false, false) if x.is_infinite() || y.is_infinite() => f32::INFINITY, // against another value
             (false, false) => (x - y).abs() - (1e-3 * y.abs() + 1e-5),
             _ => f32::INFINITY, // NaN on one side only
         })
@@ -1044,8 +1048,8 @@ fn packed_attention_model(head: usize, seq: usize) -> (kiln_tests::onnx::ModelPr
 /// One ONNX Attention node (opset 24 with `nonpad`, else 23) of 2 batch rows, 4 query heads over
 /// 2 KV heads of `head` dimensions, `seq.0` queries and `seq.1` keys, random float32 values:
 /// Q/K/V 4-D, or 3-D with q_num_heads / kv_num_heads (`three_d`); `is_causal`; an additive mask
-/// [B, 1, Sq, Skv] (every seventh key but a row's first −inf) when `mask`; nonpad_kv_seqlen [Skv, Skv − 29] when
-/// `nonpad`.
+/// [B, 1, Sq, Skv] (−inf at every seventh element in row-major order, but never a row's first
+/// key) when `mask`; nonpad_kv_seqlen [Skv − 29, 0] when `nonpad` (the second row all NaN).
 fn onnx_attention_model(
     head: usize,
     (sq, skv): (usize, usize),
@@ -1081,7 +1085,8 @@ fn onnx_attention_model(
     }
     if nonpad {
         names.extend(["", ""]);
-        let lens: Vec<u8> = [skv as i64, skv as i64 - 29].iter().flat_map(|l| l.to_le_bytes()).collect();
+        // The second batch row attends to no key: every output of it is NaN, on both devices.
+        let lens: Vec<u8> = [skv as i64 - 29, 0].iter().flat_map(|l| l.to_le_bytes()).collect();
         inputs.push(("nonpad_kv_seqlen", Tensor::new(DType::I64, vec![b], lens.into()).unwrap()));
         names.push("nonpad_kv_seqlen");
     }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use kiln_host::ep::{Runtime, Session, SessionOptions};
 use kiln_host::sandbox::SandboxConfig;
 use kiln_host::{model, packages, Error};
-use kiln_tests::onnx::{self, attr_float, attr_int, attr_ints, attr_string, init_f32, node, value};
+use kiln_tests::onnx::{self, attr_float, attr_int, attr_ints, attr_string, init_f32, init_i64, node, value};
 use kiln_tests::{f32_tensor, f32_values};
 use sha2::{Digest, Sha256};
 
@@ -715,6 +715,36 @@ fn malformed_vision_quantization_and_attention_nodes_are_clear_errors() {
     let out = run(&rt, &onnx::bytes(&attention(&[1, 1, 0, 4])), feeds).unwrap();
     assert_eq!(out[0].1.shape, vec![1, 2, 3, 4]);
     assert_eq!(f32_values(&out[0].1), vec![0.0; 24]);
+    // A packed ReshapedAttention whose Reshape targets do not split a 6-column block into heads
+    // of its width ([2, 8, 1, 3] has a block's 48 elements but rows of 3): refused at load, not
+    // read at the wrong stride.
+    let packed = |sq: &[i64]| {
+        let mut n = node(
+            "ReshapedAttention",
+            &["qkv", "", "", "", "c", "sq", "sq", "sq", "so"],
+            &["y"],
+            vec![attr_int("packed", 1)],
+        );
+        n.domain = "ai.kiln".into();
+        let mut m = onnx::model(
+            vec![n],
+            vec![value("qkv", 1, &[2, 4, 18])],
+            vec![value("y", 1, &[-1, -1, -1])],
+            vec![init_f32("c", &[], &[2.0]), init_i64("sq", &[4], sq), init_i64("so", &[3], &[2, 4, -1])],
+        );
+        m.opset_import.push(onnx::OperatorSetIdProto { domain: "ai.kiln".into(), version: 1, ..Default::default() });
+        m
+    };
+    let e = load_err(&packed(&[2, 8, 1, 3]));
+    assert!(
+        e.contains("ReshapedAttention: packed Q, K, V blocks of 6 columns are not split into heads: Q's target gives 1 heads of 3"),
+        "{e}"
+    );
+    // The same with targets that split each block into 2 heads of 3 runs.
+    let rt = runtime(&[]);
+    let qkv = f32_tensor(&[2, 4, 18], &(0..144).map(|i| (i % 7) as f32 * 0.1).collect::<Vec<_>>());
+    let out = run(&rt, &onnx::bytes(&packed(&[2, 4, 2, 3])), vec![("qkv".into(), qkv)]).unwrap();
+    assert_eq!(out[0].1.shape, vec![2, 4, 6]);
     // ReverseSequence with a length past the time axis: the CPU reference's message (the GPU
     // kernel reports the same through its status record).
     let m = onnx::model(

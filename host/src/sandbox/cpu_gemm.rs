@@ -26,13 +26,14 @@ const TILE_EDGE: usize = 32;
 
 /// The tiles of an m × n × k product: (rows, columns) of each, the last one smaller. About
 /// `m·n·k / TILE_MACS` tiles are wanted (at most [`MAX_TILES`]), each but the last at least
-/// [`TILE_EDGE`] wide. The longer side is cut first, so every tile packs its own part of the
-/// operand along that side and the whole short-side operand: the long side's operand is packed
-/// once in all, as one call packs it (cutting both sides into 64 tiles of a 1024³ product took
-/// 1.75× the time of the whole one on one thread, cuts of one side 0.95–1.04×). Only when the
-/// long side gives fewer tiles than wanted is the short side cut too, into as many parts as
-/// make up the rest: ResNet-50's 256 × 196 products had 8 tiles, half of 16 threads idle. The
-/// tiles depend on the shape alone, not on the thread count.
+/// [`TILE_EDGE`] wide. The longer side is cut first, so that every tile packs its own part of
+/// the operand along that side and the whole short-side operand: the long side's operand is
+/// packed once in all, as one call packs it (cutting both sides into 64 tiles of a 1024³ product
+/// took 1.75× the time of the whole one on one thread, cuts of one side 0.95–1.04×). Only when
+/// the long side gives under half the wanted tiles is the short side cut too, into as many
+/// parts as make up the rest (each tile then packs its part of the short-side operand):
+/// ResNet-50's 256 × 196 products had 8 tiles, half of 16 threads idle. The tiles depend on the
+/// shape alone, not on the thread count.
 fn tiles(m: usize, n: usize, k: usize) -> (usize, usize) {
     let macs = (m as u64).saturating_mul(n as u64).saturating_mul(k as u64);
     let (long, short) = (m.max(n), m.min(n));
@@ -40,7 +41,9 @@ fn tiles(m: usize, n: usize, k: usize) -> (usize, usize) {
     // `side` in about `parts` cuts: their width, a multiple of TILE_EDGE / 2.
     let cut = |side: usize, parts: usize| side.div_ceil(parts.max(1)).next_multiple_of(TILE_EDGE / 2).min(side).max(1);
     let long_edge = cut(long, want.min(long / TILE_EDGE));
-    let short_parts = (want / long.div_ceil(long_edge)).min(short / TILE_EDGE);
+    let long_parts = long.div_ceil(long_edge).max(1);
+    // Under half the wanted tiles along the long side: cut the short side into the rest.
+    let short_parts = if 2 * long_parts < want { (want / long_parts).min(short / TILE_EDGE) } else { 1 };
     let short_edge = cut(short, short_parts);
     if n >= m {
         (short_edge, long_edge)
@@ -398,7 +401,8 @@ mod tests {
         assert_eq!(tiles(64, 3136, 576), (64, 64));
         assert_eq!(tiles(256, 196, 2304), (32, 48), "8 cuts of the rows, 5 of the columns: 40 tiles");
         assert_eq!(tiles(128, 784, 1152), (48, 48));
-        assert_eq!(tiles(1024, 1024, 1024), (512, 32));
+        assert_eq!(tiles(1024, 1024, 1024), (1024, 32), "32 cuts of the long side: half the 64 wanted, enough");
+        assert_eq!(tiles(0, 0, 7), (1, 1));
         assert_eq!(tiles(512, 49, 4608), (32, 49));
         assert_eq!(tiles(100, 100, 40), (100, 100), "a product of under 2¹⁹ multiply-adds stays whole");
         assert_eq!(tiles(60, 60, 4096), (60, 60), "so does one whose sides are both under 64");

@@ -180,7 +180,8 @@ __global__ void __launch_bounds__(ATT_WARPS * 32)
 // are 16-byte aligned, the next tile's copies in flight while the warps work on this one), each
 // tile through kiln-cuda-std's kiln_flash_tile (FlashAttention-2's step). A score is qk · scale
 // plus att_score's bias (the mask, −inf past its width, the causal and padding masks); keys at
-// or past the row's last possible key (nonpad_kv_seqlen[b], the causal bound) are not read.
+// or past nonpad_kv_seqlen[b], or after the block's last row (causal), are not read, and a warp
+// skips a tile whose keys all come after its rows (causal).
 // A row whose keys are all masked gives NaN and a row with no key at all 0, as kiln_attention.
 #define ATT_MMA_ROWS 64
 #define ATT_MMA_THREADS 128
@@ -221,8 +222,8 @@ __global__ void __launch_bounds__(ATT_MMA_THREADS)
     const att_strides lq = att_layout(td, Nq, Sq, HD, q_rs), lk = att_layout(td, Nkv, Skv, HD, k_rs),
                       lv = att_layout(td, Nkv, Skv, HD, v_rs), ly = att_layout(td, Nq, Sq, HD, (kiln_u64)Nq * HD);
     const unsigned rows = Sq - s0 < ATT_MMA_ROWS ? Sq - s0 : ATT_MMA_ROWS;
-    // 16-byte copies when every row starts 16-byte aligned (the row strides are multiples of 8
-    // elements but for odd packed layouts).
+    // 16-byte copies when every row starts 16-byte aligned (at head sizes 64 and 128 the row
+    // strides and packed offsets are multiples of 8 elements: only a base pointer can break it).
     const bool vec = (((kiln_u64)q | (kiln_u64)k | (kiln_u64)v | (q_rs * 2) | (k_rs * 2) | (v_rs * 2)) & 15u) == 0;
     const att_bias a{mask, has_nonpad ? nonpad : nullptr, mb, mh, ms, mask_mode, mask_width, causal, 0, 0.f};
     // The block's keys [0, hi): none at or past nonpad_kv_seqlen[b] or after its last row.
@@ -274,6 +275,7 @@ __global__ void __launch_bounds__(ATT_MMA_THREADS)
     kiln_flash_pipeline(tiles, load_tile, [&](unsigned it) {
         const uint4* const k_t = kv_s + (it & 1u) * 2 * KEYS * VPR;
         const unsigned t0 = KEYS * it;
+        if (causal && t0 > s0 + 16 * warp + 15) return;  // every key of the tile after the warp's rows
         kiln_flash_tile<Tag, HD, KEYS>(f, qa, k_t, k_t + KEYS * VPR, [&](unsigned r, unsigned key, float qk) {
             const unsigned t = t0 + key, s = s0 + 16 * warp + g + 8 * r;
             if (t >= hi || s >= Sq) return neg_inf;  // past the keys read, or a row past Sq

@@ -68,8 +68,9 @@ struct Plan {
     /// A `ReshapedAttention` call's output shape (its output Reshape's target): its inputs 4..
     /// are its divisor and shapes, not past or nonpad.
     reshaped: Option<Vec<usize>>,
-    /// Q's, K's and V's 3-D rows: the element offset of their first column and the row stride.
-    /// Rows of their own ([B, S, heads · head size]), or (`packed`) column blocks of input 0.
+    /// Q's, K's and V's rows when 3-D (`three_d`; unused 4-D): the element offset of their first
+    /// column and the row stride. Rows of their own ([B, S, heads · head size]), or (`packed`)
+    /// column blocks of input 0.
     rows: [(usize, usize); 3],
     /// K and V are columns of input 0 (ReshapedAttention with `packed` = 1), not inputs 1 and 2.
     packed: bool,
@@ -250,7 +251,10 @@ fn plan(call: &Call) -> Result<Plan> {
 /// transformers' eager attention writes `· scaling`), and the four Reshape targets of Q, K, V
 /// (5, 6, 7: [B, S, H, D], [B, T, H, D], [B, T, H, Dv]) and of the output (8: [B, S, H·Dv]), with
 /// Reshape's `allowzero` = 0 (a 0 copies the input's dimension, one −1 is inferred).
-/// Y = Reshape(Transpose(Softmax(Q'·K'ᵀ / divisor + mask) · V')), the ops it replaces.
+/// Y = Reshape(Transpose(Softmax(Q'·K'ᵀ / divisor + mask) · V')), the ops it replaces. With
+/// attribute `packed` = 1 (the `qkv-reshaped-attention` fusions' op), inputs 1 and 2 are empty
+/// and Q, K and V are the three equal column blocks of input 0's rows ([B, S, 3E], T = S), each
+/// block's targets splitting it into heads of its full width.
 pub(crate) const RESHAPED: &str = "ReshapedAttention";
 
 /// Reshape's target `shape` (allowzero 0) resolved against the input dims `from`.
@@ -352,6 +356,15 @@ fn plan_reshaped(call: &Call) -> Result<Plan> {
     }
     if (k_heads, v_heads, k_head) != (heads, heads, head) {
         bail!("{RESHAPED}: Q is split into {heads} heads of {head}, K into {k_heads} of {k_head}, V into {v_heads}");
+    }
+    if packed {
+        // The kernels read each block's rows as [heads, head size] at a stride of 3 blocks.
+        let width = call.input(0)?.shape()?.last().copied().unwrap_or(0) / 3;
+        if heads * head != width || heads * v_head != width {
+            bail!(
+                "{RESHAPED}: packed Q, K, V blocks of {width} columns are not split into heads: Q's target gives {heads} heads of {head}, V's of {v_head}"
+            );
+        }
     }
     // Input 4 divides the scores, or (attribute `multiply` = 1, the Mul form) multiplies them.
     let scale = match (&call.input(4)?.value_f32s()?[..], call.attr_i("multiply", 0)?) {
