@@ -115,6 +115,12 @@ m.build(hf, os.path.join(out, f"{m.NAME}-{precision}-{ep}"), precision, ep, os.p
 PYEOF
   )
 }
+# kiln_export MODEL DIR LOG: bench/model_peers.py's fp16 batch-1 export of MODEL (resnet50,
+# bert_base) into DIR as DIR/MODEL-fp16-b1.onnx, and kiln's time of it, written to LOG.
+kiln_export() {
+  python3 bench/model_peers.py --kiln "$KILN" --out "$2" --methods kiln --models "$1" --dtypes fp16 --batches 1 2>&1 |
+    grep -E ' ms ' | tee "$3"
+}
 # ncu_table LABEL PREFIX CMD...: ncu's GPU time of every kernel of CMD (a kiln run of --runs 2), the
 # second run's kernels summed by name, the 12 largest printed; the CSV is kept at PREFIX.csv.
 ncu_table() {
@@ -338,8 +344,7 @@ for w in glob.glob(".gpu/python/*.whl"):
     ;;
   encoder)
     ew=$work/encoder && mkdir -p "$ew"
-    python3 bench/model_peers.py --kiln "$KILN" --out "$ew" --methods kiln --models bert_base --dtypes fp16 --batches 1 2>&1 |
-      grep -E ' ms ' | tee "$out/encoder.log"
+    kiln_export bert_base "$ew" "$out/encoder.log"
     python3 -c "
 import numpy as np
 np.save('$ew/ids.npy', np.random.default_rng(0).integers(0, 30522, (1, 128)).astype(np.int64))
@@ -358,8 +363,7 @@ print('encoder: cuda vs cpu max|d| / max|ref| = %.3e' % (np.abs(a - b).max() / n
     ;;
   convnet)
     cw=$work/convnet && mkdir -p "$cw"
-    python3 bench/model_peers.py --kiln "$KILN" --out "$cw" --methods kiln --models resnet50 --dtypes fp16 --batches 1 2>&1 |
-      grep -E ' ms ' | tee "$out/convnet.log"
+    kiln_export resnet50 "$cw" "$out/convnet.log"
     python3 -c "
 import numpy as np
 np.save('$cw/x.npy', np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float16))"

@@ -320,6 +320,16 @@ fn reshaped_heads(call: &Call, packed: bool) -> Result<([[usize; 4]; 3], Vec<usi
             [b, s, h, d] => heads[j] = [b, s, h, d],
             ref to => bail!("{RESHAPED}: {name}'s Reshape to {to:?} does not split it into [B, S, heads, head size]"),
         }
+        // Packed, the kernels read each block's rows as [heads, head size] at a stride of three
+        // blocks: the target must split the block's width, not only its element count.
+        let width = from.last().copied().unwrap_or(0);
+        if part.is_some() && heads[j][2] * heads[j][3] != width {
+            bail!(
+                "{RESHAPED}: packed Q, K, V blocks of {width} columns are not split into heads: {name}'s target gives {} heads of {}",
+                heads[j][2],
+                heads[j][3]
+            );
+        }
     }
     let [b, s, h, _] = heads[0];
     let y = reshape_target(&[b, s, h, heads[2][3]], &call.input(8)?.read_i64s()?)?;
@@ -356,15 +366,6 @@ fn plan_reshaped(call: &Call) -> Result<Plan> {
     }
     if (k_heads, v_heads, k_head) != (heads, heads, head) {
         bail!("{RESHAPED}: Q is split into {heads} heads of {head}, K into {k_heads} of {k_head}, V into {v_heads}");
-    }
-    if packed {
-        // The kernels read each block's rows as [heads, head size] at a stride of 3 blocks.
-        let width = call.input(0)?.shape()?.last().copied().unwrap_or(0) / 3;
-        if heads * head != width || heads * v_head != width {
-            bail!(
-                "{RESHAPED}: packed Q, K, V blocks of {width} columns are not split into heads: Q's target gives {heads} heads of {head}, V's of {v_head}"
-            );
-        }
     }
     // Input 4 divides the scores, or (attribute `multiply` = 1, the Mul form) multiplies them.
     let scale = match (&call.input(4)?.value_f32s()?[..], call.attr_i("multiply", 0)?) {
