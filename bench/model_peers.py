@@ -97,6 +97,7 @@ def torch_rows(model, dtype, batch, methods, iters):
             t0 = time.time()
             ms = median_ms(f, xs, iters, warmup=10 if method == "eager" else 20)
             note = f"{layout}" + (f", compiled+warm-up {time.time() - t0:.0f} s" if method == "compile" else "")
+            print(f"  {model} {dtype} batch {batch} PyTorch {method} {layout}: {ms:.3f} ms", file=sys.stderr)
             if best is None or ms < best[0]:
                 best = (ms, note)
             if method == "compile":

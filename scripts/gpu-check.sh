@@ -73,8 +73,9 @@
 #              kiln,eager --batches 1" and the like narrow it)
 #   encoder    BERT-base fp16 at batch 1 (bench/model_peers.py's export): kiln on the GPU against
 #              kiln's CPU run of the same file, its time, and ncu's table of its kernels (one eager run)
-#   convnet    ResNet-50 fp16 at batch 1 (bench/model_peers.py's export): its time and ncu's table of
-#              its kernels (one eager run)
+#   convnet    ResNet-50 fp16 at batch 1 (bench/model_peers.py's export): its time with
+#              --channels-last off and auto (alternated), each against kiln's CPU run of the file,
+#              and ncu's table of its kernels (one eager run) with each
 #   big        the five full-size real models of scripts/make-big-models.py against onnxruntime
 #   cpu        the fast CPU path beside onnxruntime's CPU provider at 16 threads and 1
 #              (scripts/bench-cpu.py: MatMul 1024³ and resnet50, made by scripts/make-big-models.py),
@@ -369,9 +370,30 @@ import numpy as np
 np.save('$cw/x.npy', np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float16))"
     cm=$cw/resnet50-fp16-b1.onnx
     cin=$(python3 -c "import onnx; print(onnx.load('$cm').graph.input[0].name)")
-    ncu_table convnet "$cw/ncu" "$KILN" run "$cm" --device cuda --graph off --runs 2 --input "$cin=$cw/x.npy" \
-      --output-dir "$cw/out-ncu" | tee -a "$out/convnet.log"
-    summary+=("$(grep -E '^resnet|^convnet' "$out/convnet.log" | head -2 | tr '\n' ' ')")
+    # Channels-last convolutions against every value NCHW, alternated, then each against the CPU
+    # (kiln run --runs 3: the last run a graph replay of the plan).
+    for cl in off auto off auto; do
+      "$KILN" bench run "$cm" --device cuda --channels-last $cl --warmup 5 --runs 50 2>&1 | grep -E "p50" |
+        sed "s/^/convnet channels-last $cl: /" | tee -a "$out/convnet.log"
+    done
+    "$KILN" run "$cm" --device cpu --input "$cin=$cw/x.npy" --output-dir "$cw/out-cpu" -q
+    for cl in auto off; do
+      "$KILN" run "$cm" --device cuda --runs 3 --channels-last $cl --report --input "$cin=$cw/x.npy" \
+        --output-dir "$cw/out-$cl" 2>&1 | grep -E "^convolutions|channels-last|captured" | sed "s/^/convnet $cl: /" |
+        tee -a "$out/convnet.log"
+      python3 -c "
+import numpy as np
+a = np.load('$cw/out-cpu/logits.npy').astype(np.float64).ravel()
+b = np.load('$cw/out-$cl/logits.npy').astype(np.float64).ravel()
+t5 = lambda v: list(np.argsort(-v)[:5])
+print('convnet $cl: cuda vs cpu max|d| / max|ref| = %.3e, top-5 %s' % (np.abs(a - b).max() / np.abs(a).max(), 'same' if t5(a) == t5(b) else 'DIFFERENT'))" |
+        tee -a "$out/convnet.log"
+    done
+    for cl in auto off; do
+      ncu_table "convnet $cl" "$cw/ncu-$cl" "$KILN" run "$cm" --device cuda --graph off --runs 2 --channels-last $cl \
+        --input "$cin=$cw/x.npy" --output-dir "$cw/out-ncu" | tee -a "$out/convnet.log"
+    done
+    summary+=("$(grep -E '^resnet|^convnet (auto|off):' "$out/convnet.log" | tr '\n' ' ')")
     ;;
   models)
     # shellcheck disable=SC2086

@@ -215,8 +215,8 @@ const AD: usize = 4; // head size
 
 /// Eager attention as torch.onnx exports transformers' BERT: q [B, S, H·D], k and v [B, T, H·D]
 /// split into heads by Reshape (q's with `allowzero` = `q_allowzero`) and Transpose, scores / 2
-/// (or, `mul_form`, as transformers 5's eager attention writes it: K transposed twice and the
-/// scores · 0.5), an additive mask
+/// (or, `mul_form`, as torch.onnx writes transformers 5's eager attention: the scores · 0.5),
+/// an additive mask
 /// [B, 1, 1, T], Softmax, the weighted v merged back into y [B, S, H·D]. With `projected`, q, k
 /// and v are x [B, S, H·D] · W + b for each of three constant W [H·D, H·D] and b [H·D] (values
 /// seeds 31–36, W scaled by 0.25), and T = S.
@@ -239,17 +239,7 @@ fn exported_attention(q_allowzero: i64, mul_form: bool, projected: bool) -> Mode
         reshape_az("q", "sq", "qr", q_allowzero),
         transpose("qr", "qt", &[0, 2, 1, 3]),
         reshape("k", "sk", "kr"),
-    ]);
-    let mut nodes = [
-        nodes,
-        if mul_form {
-            vec![transpose("kr", "kh", &[0, 2, 1, 3]), transpose("kh", "kt", &[0, 1, 3, 2])]
-        } else {
-            vec![transpose("kr", "kt", &[0, 2, 3, 1])]
-        },
-    ]
-    .concat();
-    nodes.extend([
+        transpose("kr", "kt", &[0, 2, 3, 1]),
         node("MatMul", &["qt", "kt"], &["sc"], vec![]),
         node(if mul_form { "Mul" } else { "Div" }, &["sc", "c"], &["sd"], vec![]),
         node("Add", &["sd", "mask"], &["sm"], vec![]),

@@ -71,6 +71,9 @@ pub struct ConvStats {
     pub unavailable: Option<String>,
     /// Convolutions recorded as library calls.
     pub library_dispatches: u64,
+    /// Of those, convolutions that compute channels-last in the last execution plan built
+    /// (`ep::layout`).
+    pub channels_last: u64,
     /// Convolutions that ran the package's own kernels, by reason.
     pub fallbacks: BTreeMap<String, u64>,
 }
@@ -91,6 +94,12 @@ impl ConvStats {
             "convolutions: {} through {lib}, {fallbacks} on the packages' own kernels\n",
             self.library_dispatches
         );
+        if self.channels_last > 0 {
+            s += &format!(
+                "  {} compute channels-last in the execution plan (the values only convolutions read stay NHWC)\n",
+                self.channels_last
+            );
+        }
         for (why, n) in &self.fallbacks {
             s += &format!("  {n} on the package's kernels: {why}\n");
         }

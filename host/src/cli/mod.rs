@@ -252,6 +252,12 @@ pub struct ModelRunArgs {
     /// error, `off` runs the packages' own kernels. `--report` says which ran, and why.
     #[arg(long = "cudnn", value_enum, default_value_t)]
     pub cudnn: crate::ep::CudnnMode,
+    /// On a GPU, float16 and bfloat16 convolutions through cuDNN keep the values only they read
+    /// channels-last (NHWC) inside an execution plan, so cuDNN does not transpose each one's input
+    /// and output: `auto` (the default) where that applies, `off` keeps every value NCHW.
+    /// `--report` counts the channels-last convolutions.
+    #[arg(long = "channels-last", value_enum, default_value_t)]
+    pub channels_last: ChannelsLast,
     /// Most device memory the model's session may hold on a GPU, in MiB (default: all of the
     /// device's; the CPU ignores it): its tensors and what its KV caches map; the pool's cached
     /// blocks are freed before they would take kiln past it. An allocation past it fails with
@@ -271,6 +277,16 @@ pub struct ModelRunArgs {
     /// (`KILN_CPU_THREADS`); 1 runs every node whole; at most 1024.
     #[arg(long, value_name = "N")]
     pub cpu_tiles: Option<u64>,
+}
+
+/// `--channels-last`: whether GPU convolutions keep their values NHWC between them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum ChannelsLast {
+    /// Every value NCHW, as ONNX lays it out.
+    Off,
+    /// Channels-last where only float16 or bfloat16 cuDNN convolutions read a value.
+    #[default]
+    Auto,
 }
 
 /// Most `--cpu-tiles`.
@@ -296,6 +312,7 @@ impl ModelRunArgs {
             fuse: !self.resolve.fuse.no_fuse,
             pdl: self.pdl,
             cudnn: self.cudnn,
+            channels_last: self.channels_last == ChannelsLast::Auto,
             device_memory_limit: limit,
             max_loop_iterations: self.max_loop_iterations,
             cpu_split: match self.cpu_tiles {

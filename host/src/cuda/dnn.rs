@@ -9,6 +9,17 @@
 //! FMA math only (no TF32, as `gemm` does); float16 and bfloat16 accumulate in f32 on tensor
 //! cores.
 //!
+//! Channels-last (NHWC) convolutions: cuDNN's tensor-core kernels read and write NHWC, so a float16
+//! or bfloat16 convolution of NCHW tensors pays a transposition of X and of Y around each call.
+//! An execution plan (`ep::plan`) therefore keeps a 2-D 16-bit activation channels-last when only
+//! lone cuDNN convolutions write and read it (as X or Z), and tells each convolution where its
+//! operands live ([`ConvLayout`]). Such a convolution computes channels-last, with its filter
+//! transposed once to `[M, kh, kw, C/groups]` ([`Dnn::filter_to_last`]); an operand kept
+//! channels-first (a graph input, a pooling's output) is transformed into the workspace before
+//! the product, and a channels-first Y after it (`cudnnTransformTensor`). The values only
+//! convolutions touch are never seen channels-first by anything else, so no package and no
+//! result sees the difference.
+//!
 //! cuDNN is found on the library path (`dlopen("libcudnn.so.9")`), else beside the CUDA
 //! libraries this process loaded (their folder, and the `nvidia/cudnn/lib` of a pip layout), or
 //! at `KILN_CUDNN_PATH` (the file or its folder).
@@ -234,12 +245,21 @@ fn data_type(dtype: DType) -> Result<sys::cudnnDataType_t> {
     }
 }
 
-/// A packed NCHW (or NCDHW) tensor descriptor of `dims`.
-fn tensor(dtype: sys::cudnnDataType_t, dims: &[c_int]) -> Result<TensorDesc> {
+/// A packed tensor descriptor of `dims` (`[N, C, spatial…]`): NCHW (or NCDHW), or with
+/// `last` NHWC (channels-last: C varies fastest, then the spatial axes, then N).
+fn tensor(dtype: sys::cudnnDataType_t, dims: &[c_int], last: bool) -> Result<TensorDesc> {
     let d = TensorDesc::new()?;
+    // The axes from the fastest-varying out.
+    let mut order: Vec<usize> = (0..dims.len()).rev().collect();
+    if last {
+        order.retain(|&a| a != 1);
+        order.insert(0, 1);
+    }
     let mut strides = vec![1 as c_int; dims.len()];
-    for i in (0..dims.len() - 1).rev() {
-        strides[i] = strides[i + 1] * dims[i + 1];
+    let mut step: c_int = 1;
+    for a in order {
+        strides[a] = step;
+        step *= dims[a];
     }
     // SAFETY: `d` is a live descriptor; `dims` and `strides` hold `dims.len()` values.
     unsafe { dnn::set_tensornd_descriptor(d.0, dtype, dims.len() as c_int, dims.as_ptr(), strides.as_ptr()) }
@@ -254,6 +274,29 @@ enum Algo {
     BackwardData(sys::cudnnConvolutionBwdDataAlgo_t),
 }
 
+/// Where a convolution's activations live in device memory: channels-first (ONNX's NCHW, the
+/// default) or channels-last (NHWC) for X, Z (the residual) and Y. A layout with any operand
+/// channels-last computes channels-last (module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ConvLayout {
+    pub x_last: bool,
+    pub z_last: bool,
+    pub y_last: bool,
+}
+
+impl ConvLayout {
+    /// Whether the convolution computes channels-last (any operand lives so).
+    pub fn computes_last(&self) -> bool {
+        self.x_last || self.z_last || self.y_last
+    }
+}
+
+/// Whether `c` may compute channels-last: a forward 2-D float16 or bfloat16 convolution that
+/// cuDNN takes ([`takes`]). Its filter must be a constant, which the caller checks.
+pub fn takes_channels_last(c: &Conv) -> bool {
+    !c.transposed && c.input.len() == 2 && matches!(c.dtype, DType::F16 | DType::BF16) && takes(c).is_ok()
+}
+
 /// Descriptors and algorithm of one convolution shape.
 struct Plan {
     /// X and Y (for ConvTranspose: the gradient `dy` is X, `dx` is Y).
@@ -266,7 +309,12 @@ struct Plan {
     /// Relu, or the identity (for the fused call without Relu).
     act: ActDesc,
     algo: Algo,
+    /// The algorithm's workspace, at the start of the step's.
+    algo_workspace: u64,
+    /// The step's whole workspace: the algorithm's, then a channels-last plan's staging.
     workspace: u64,
+    /// A channels-last plan's operands kept channels-first, staged in the workspace.
+    staging: Staging,
     /// Whether the bias (and Relu, and Z) go through `cudnnConvolutionBiasActivationForward`;
     /// cleared when cuDNN refuses it, so later calls run them one by one.
     fused: bool,
@@ -274,8 +322,18 @@ struct Plan {
     y_bytes: u64,
 }
 
-/// The key of a plan: everything of a [`Conv`] but its tensors' handles and offsets.
-fn key(c: &Conv) -> Vec<i64> {
+/// Where a channels-last plan stages the operands its layout keeps channels-first: byte offsets
+/// in the workspace, each with its channels-first descriptor to transform from or to.
+#[derive(Default)]
+struct Staging {
+    x: Option<(u64, TensorDesc)>,
+    z: Option<(u64, TensorDesc)>,
+    y: Option<(u64, TensorDesc)>,
+}
+
+/// The key of a plan: everything of a [`Conv`] but its tensors' handles and offsets, and the
+/// layout.
+fn key(c: &Conv, layout: ConvLayout) -> Vec<i64> {
     let mut k = vec![c.dtype.code() as i64, c.transposed as i64, c.input.len() as i64];
     k.extend([c.batch, c.in_channels, c.out_channels, c.groups].map(|v| v as i64));
     for axis in [&c.input, &c.output, &c.kernel, &c.strides, &c.dilations] {
@@ -283,6 +341,7 @@ fn key(c: &Conv) -> Vec<i64> {
     }
     k.extend(&c.pads_begin);
     k.extend([c.bias.is_some() as i64, c.z.is_some() as i64, c.epilogue as i64]);
+    k.extend([layout.x_last, layout.z_last, layout.y_last].map(i64::from));
     k
 }
 
@@ -305,6 +364,7 @@ impl Drop for Dnn {
 }
 
 /// Device pointers of one convolution's operands.
+#[derive(Clone, Copy)]
 pub struct ConvPtrs {
     pub x: CUdeviceptr,
     pub w: CUdeviceptr,
@@ -325,20 +385,24 @@ impl Dnn {
     /// Makes `c`'s plan (descriptors, the heuristic's fastest algorithm within
     /// [`WORKSPACE_CAP`]) unless cached, and returns its workspace in bytes. Errors: a form
     /// cuDNN refuses or has no algorithm for (the reason names cuDNN's status).
-    pub fn prepare(&mut self, c: &Conv) -> Result<u64> {
-        let k = key(c);
+    pub fn prepare(&mut self, c: &Conv, layout: ConvLayout) -> Result<u64> {
+        let k = key(c, layout);
         if let Some(p) = self.plans.get(&k) {
             return Ok(p.workspace);
         }
         takes(c).map_err(Error::Unsupported)?;
-        let plan = self.make_plan(c)?;
+        if layout.computes_last() && !takes_channels_last(c) {
+            return Err(Error::Device("a channels-last layout for a convolution that cannot compute so".into()));
+        }
+        let plan = self.make_plan(c, layout)?;
         let ws = plan.workspace;
         self.plans.insert(k, plan);
         Ok(ws)
     }
 
-    fn make_plan(&self, c: &Conv) -> Result<Plan> {
+    fn make_plan(&self, c: &Conv, layout: ConvLayout) -> Result<Plan> {
         let dt = data_type(c.dtype)?;
+        let last = layout.computes_last();
         // One spatial axis becomes two (a leading axis of 1): cuDNN wants 4-D at least.
         let lift = |v: &[u64], one: u64| -> Vec<c_int> {
             let mut out: Vec<c_int> = v.iter().map(|&x| x as c_int).collect();
@@ -352,8 +416,8 @@ impl Dnn {
             d.extend(lift(sp, 1));
             d
         };
-        let x = tensor(dt, &with(c.batch, c.in_channels, &c.input))?;
-        let y = tensor(dt, &with(c.batch, c.out_channels, &c.output))?;
+        let (xdims, ydims) = (with(c.batch, c.in_channels, &c.input), with(c.batch, c.out_channels, &c.output));
+        let (x, y) = (tensor(dt, &xdims, last)?, tensor(dt, &ydims, last)?);
         let w = FilterDesc::new()?;
         let wdims = if c.transposed {
             with(c.in_channels, c.out_channels / c.groups, &c.kernel)
@@ -365,7 +429,11 @@ impl Dnn {
             dnn::set_filternd_descriptor(
                 w.0,
                 dt,
-                sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW,
+                if last {
+                    sys::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC
+                } else {
+                    sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW
+                },
                 wdims.len() as c_int,
                 wdims.as_ptr(),
             )
@@ -399,7 +467,7 @@ impl Dnn {
         // SAFETY: live descriptor.
         unsafe { dnn::set_convolution_math_type(conv.0, math) }.map_err(dnn_err("cudnnSetConvolutionMathType"))?;
         // SAFETY: live handle and descriptors of one consistent shape.
-        let workspace = unsafe {
+        let algo_workspace = unsafe {
             match algo {
                 Algo::Forward(a) => dnn::get_convolution_forward_workspace_size(self.handle, x.0, w.0, conv.0, y.0, a),
                 Algo::BackwardData(a) => {
@@ -412,7 +480,7 @@ impl Dnn {
             Some(_) => {
                 let mut d = vec![1 as c_int; 2 + lift(&c.output, 1).len()];
                 d[1] = c.out_channels as c_int;
-                Some(tensor(dt, &d)?)
+                Some(tensor(dt, &d, false)?)
             }
             None => None,
         };
@@ -437,7 +505,28 @@ impl Dnn {
                 ));
         let size = c.dtype.size().unwrap_or(4) as u64;
         let y_bytes = c.batch * c.out_channels * c.output.iter().product::<u64>() * size;
-        Ok(Plan { x, y, w, conv, bias, act, algo, workspace, fused, y_bytes })
+        let x_bytes = c.batch * c.in_channels * c.input.iter().product::<u64>() * size;
+        // The staging buffers follow the algorithm's workspace, each at a 256-byte boundary.
+        let mut workspace = if last { algo_workspace.next_multiple_of(256) } else { algo_workspace };
+        let mut stage = |bytes: u64| {
+            let at = workspace;
+            workspace += bytes.next_multiple_of(256);
+            at
+        };
+        let staging = if last {
+            Staging {
+                x: if layout.x_last { None } else { Some((stage(x_bytes), tensor(dt, &xdims, false)?)) },
+                z: if c.z.is_some() && !layout.z_last {
+                    Some((stage(y_bytes), tensor(dt, &ydims, false)?))
+                } else {
+                    None
+                },
+                y: if layout.y_last { None } else { Some((stage(y_bytes), tensor(dt, &ydims, false)?)) },
+            }
+        } else {
+            Staging::default()
+        };
+        Ok(Plan { x, y, w, conv, bias, act, algo, algo_workspace, workspace, staging, fused, y_bytes })
     }
 
     /// The heuristic's first algorithm (cuDNN ranks them by expected speed) that succeeds with
@@ -497,17 +586,23 @@ impl Dnn {
         })
     }
 
-    /// Enqueues `c` on `stream` with its cached plan ([`Dnn::prepare`] first) and a workspace of
-    /// at least the plan's size at `workspace`. No allocation: safe inside a capture.
+    /// Enqueues `c` on `stream` with its cached plan for `layout` ([`Dnn::prepare`] first) and a
+    /// workspace of at least the plan's size at `workspace`. A channels-last layout's filter
+    /// `p.w` is the `[M, kh, kw, C/groups]` copy of [`Dnn::filter_to_last`]. No allocation:
+    /// safe inside a capture.
     pub(super) fn conv(
         &mut self,
         c: &Conv,
+        layout: ConvLayout,
         p: &ConvPtrs,
         workspace: (CUdeviceptr, u64),
         stream: CUstream,
     ) -> Result<()> {
         let handle = self.handle;
-        let plan = self.plans.get_mut(&key(c)).ok_or_else(|| Error::Device("cuDNN convolution not prepared".into()))?;
+        let plan = self
+            .plans
+            .get_mut(&key(c, layout))
+            .ok_or_else(|| Error::Device("cuDNN convolution not prepared".into()))?;
         if workspace.1 < plan.workspace {
             return Err(Error::Device(format!(
                 "cuDNN convolution: workspace of {} bytes prepared, {} needed",
@@ -520,6 +615,47 @@ impl Dnn {
         let f = |v: &f32| v as *const f32 as *const c_void;
         let ptr = |d: CUdeviceptr| d as *const c_void;
         let ws = workspace.0 as *mut c_void;
+        // Channels-first operands of a channels-last plan go through the workspace.
+        let transform = |from: &TensorDesc, src: CUdeviceptr, to: &TensorDesc, dst: CUdeviceptr| {
+            // SAFETY: both descriptors have the operand's dims; src and dst hold its extent (the
+            // sandbox checked the tensor, the plan sized the staging).
+            unsafe { sys::cudnnTransformTensor(handle, f(&one), from.0, ptr(src), f(&zero), to.0, dst as *mut c_void) }
+                .result()
+                .map_err(dnn_err("cudnnTransformTensor"))
+        };
+        let mut p = *p;
+        if let Some((at, first)) = &plan.staging.x {
+            transform(first, p.x, &plan.x, workspace.0 + at)?;
+            p.x = workspace.0 + at;
+        }
+        if let (Some((at, first)), Some(z)) = (&plan.staging.z, p.z) {
+            transform(first, z, &plan.y, workspace.0 + at)?;
+            p.z = Some(workspace.0 + at);
+        }
+        let y_out = p.y;
+        if let Some((at, _)) = &plan.staging.y {
+            p.y = workspace.0 + at;
+        }
+        Self::product(handle, c, plan, &p, ws, stream)?;
+        if let Some((at, first)) = &plan.staging.y {
+            transform(&plan.y, workspace.0 + at, first, y_out)?;
+        }
+        Ok(())
+    }
+
+    /// The convolution of a plan with its epilogue (bias, Z, Relu) on `stream` (`handle`'s),
+    /// every operand in the plan's layout.
+    fn product(
+        handle: sys::cudnnHandle_t,
+        c: &Conv,
+        plan: &mut Plan,
+        p: &ConvPtrs,
+        ws: *mut c_void,
+        stream: CUstream,
+    ) -> Result<()> {
+        let (one, zero) = (1f32, 0f32);
+        let f = |v: &f32| v as *const f32 as *const c_void;
+        let ptr = |d: CUdeviceptr| d as *const c_void;
         if plan.fused {
             let (Algo::Forward(algo), Some(bias), Some(bias_desc)) = (plan.algo, p.bias, plan.bias.as_ref()) else {
                 return Err(Error::Device("cuDNN fused convolution without a bias".into()));
@@ -541,7 +677,7 @@ impl Dnn {
                     plan.conv.0,
                     algo,
                     ws,
-                    plan.workspace as usize,
+                    plan.algo_workspace as usize,
                     f(&alpha2),
                     plan.y.0,
                     ptr(z),
@@ -584,7 +720,7 @@ impl Dnn {
                     plan.conv.0,
                     a,
                     ws,
-                    plan.workspace as usize,
+                    plan.algo_workspace as usize,
                     f(&beta),
                     plan.y.0,
                     p.y as *mut c_void,
@@ -599,7 +735,7 @@ impl Dnn {
                     plan.conv.0,
                     a,
                     ws,
-                    plan.workspace as usize,
+                    plan.algo_workspace as usize,
                     f(&beta),
                     plan.y.0,
                     p.y as *mut c_void,
@@ -630,6 +766,42 @@ impl Dnn {
             .map_err(dnn_err("cudnnActivationForward"))?;
         }
         Ok(())
+    }
+
+    /// Enqueues on `stream` the copy of `c`'s filter at `src` (`[M, C/groups, kh, kw]`) into
+    /// `dst` as `[M, kh, kw, C/groups]`, the filter of its channels-last plan; `dst` holds as
+    /// many bytes. Errors: a convolution that cannot compute channels-last, cuDNN's.
+    pub(super) fn filter_to_last(
+        &mut self,
+        c: &Conv,
+        src: CUdeviceptr,
+        dst: CUdeviceptr,
+        stream: CUstream,
+    ) -> Result<()> {
+        if !takes_channels_last(c) {
+            return Err(Error::Device("a channels-last filter for a convolution that cannot compute so".into()));
+        }
+        let dt = data_type(c.dtype)?;
+        let mut dims = vec![c.out_channels as c_int, (c.in_channels / c.groups) as c_int];
+        dims.extend(c.kernel.iter().map(|&k| k as c_int));
+        let (first, last) = (tensor(dt, &dims, false)?, tensor(dt, &dims, true)?);
+        let (one, zero) = (1f32, 0f32);
+        // SAFETY: the handle is live; cudnnSetStream takes the driver's stream; src and dst
+        // hold the filter's elements (the caller's buffers), both descriptors have its dims.
+        unsafe {
+            dnn::set_stream(self.handle, stream as sys::cudaStream_t).map_err(dnn_err("cudnnSetStream"))?;
+            sys::cudnnTransformTensor(
+                self.handle,
+                &one as *const f32 as *const c_void,
+                first.0,
+                src as *const c_void,
+                &zero as *const f32 as *const c_void,
+                last.0,
+                dst as *mut c_void,
+            )
+        }
+        .result()
+        .map_err(dnn_err("cudnnTransformTensor"))
     }
 
     /// Plans cached.

@@ -11,11 +11,11 @@ use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::CudaFunction;
 use cudarc::nvrtc::Ptx;
 use kiln_kernel_abi::plan::{LaunchPlan, PlanArg, PlanStep};
-use kiln_kernel_abi::wire::{Gemm, KernelArg};
+use kiln_kernel_abi::wire::{Conv, Gemm, KernelArg};
 use kiln_kernel_abi::DType;
 use kiln_registry::Package;
 
-use super::{compile_cached, Allocator, DevBuffer, Device, DeviceInfo};
+use super::{compile_cached, Allocator, ConvLayout, DevBuffer, Device, DeviceInfo};
 use crate::{Error, Result, Tensor};
 
 /// A loaded kernel (`CUfunction`), valid while its [`Device`] lives.
@@ -591,18 +591,20 @@ impl Gpu {
         self.prepare_convs(plan)?;
         // The scratch goes back to the pool after the launches are enqueued: only later work
         // can reuse it.
-        self.run_steps(plan, functions, all, record)
+        self.run_steps(plan, functions, all, record, ConvLayout::default())
     }
 
     /// Enqueues `plan`'s launches and GEMMs with every slot given (inputs, outputs, then
     /// scratch) and status record `record`: no allocation, no synchronization, so an execution
-    /// plan can run it inside a capture.
+    /// plan can run it inside a capture. Its convolutions run in `layout` (an execution plan's
+    /// channels-last convolution; [`Gpu::prepare_conv`] made that plan).
     pub fn run_steps(
         &mut self,
         plan: &LaunchPlan,
         functions: &[Option<Function>],
         slots: &[(CUdeviceptr, u64)],
         record: usize,
+        layout: ConvLayout,
     ) -> Result<()> {
         let status = self.status.device_ptr(record)?;
         // 0 when the node has none: a launch that takes them then fails (never prepared).
@@ -612,7 +614,7 @@ impl Gpu {
                 self.launch(f, kernel, *grid, *block, *shared_mem_bytes, args, slots, (status, counters))
             }
             (PlanStep::Gemm(g), _) => self.gemm(g, slots),
-            (PlanStep::Conv(c), _) => self.conv(c, slots),
+            (PlanStep::Conv(c), _) => self.conv(c, layout, slots),
             (PlanStep::Launch { kernel, .. }, None) => Err(Error::Device(format!("kernel {kernel} was not loaded"))),
         })
     }
@@ -634,16 +636,32 @@ impl Gpu {
     fn prepare_convs(&mut self, plan: &LaunchPlan) -> Result<()> {
         for step in &plan.steps {
             if let PlanStep::Conv(c) = step {
-                let bytes = self.device.with_dnn(|d| d.prepare(c))?;
-                let held = self.conv_workspace.as_ref().map_or(0, |b| b.bytes);
-                if bytes > held {
-                    // At least twice the old size, so that few are retired.
-                    let grown = self.alloc.alloc(bytes.max(2 * held))?;
-                    self.retired_workspaces.extend(self.conv_workspace.replace(grown));
-                }
+                self.prepare_conv(c, ConvLayout::default())?;
             }
         }
         Ok(())
+    }
+
+    /// `c`'s cuDNN plan in `layout`, and a workspace as large as it needs (never inside a
+    /// capture: it may allocate). Errors: cuDNN's, or the session's memory limit.
+    pub fn prepare_conv(&mut self, c: &Conv, layout: ConvLayout) -> Result<()> {
+        let bytes = self.device.with_dnn(|d| d.prepare(c, layout))?;
+        let held = self.conv_workspace.as_ref().map_or(0, |b| b.bytes);
+        if bytes > held {
+            // At least twice the old size, so that few are retired.
+            let grown = self.alloc.alloc(bytes.max(2 * held))?;
+            self.retired_workspaces.extend(self.conv_workspace.replace(grown));
+        }
+        Ok(())
+    }
+
+    /// A copy of `c`'s filter (at `src`, `bytes` long) as its channels-last plan reads it
+    /// (`[M, kh, kw, C/groups]`), made on the stream. Errors: device memory, cuDNN's.
+    pub fn filter_to_last(&mut self, c: &Conv, src: CUdeviceptr, bytes: u64) -> Result<DevBuffer> {
+        let dst = self.alloc.alloc(bytes)?;
+        let stream = self.device.enqueue();
+        self.device.with_dnn(|d| d.filter_to_last(c, src, dst.ptr, stream.cu_stream()))?;
+        Ok(dst)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -753,7 +771,7 @@ impl Gpu {
 
     /// Enqueues one cuDNN convolution ([`Gpu::prepare_library_steps`] made its plan and
     /// workspace): no allocation, so it may run inside a capture.
-    fn conv(&mut self, c: &kiln_kernel_abi::wire::Conv, slots: &[(CUdeviceptr, u64)]) -> Result<()> {
+    fn conv(&mut self, c: &Conv, layout: ConvLayout, slots: &[(CUdeviceptr, u64)]) -> Result<()> {
         let ptr = |t: &kiln_kernel_abi::wire::TensorAt| {
             slots
                 .get(t.handle as usize)
@@ -769,7 +787,7 @@ impl Gpu {
         };
         let ws = self.conv_workspace.as_ref().map_or((0, 0), |b| (b.ptr, b.bytes));
         let stream = self.device.enqueue();
-        self.device.with_dnn(|d| d.conv(c, &p, ws, stream.cu_stream()))
+        self.device.with_dnn(|d| d.conv(c, layout, &p, ws, stream.cu_stream()))
     }
 
     /// GEMM plan-cache counters of the device: (hits, heuristic queries).

@@ -34,7 +34,7 @@ use kiln_kernel_abi::plan::LaunchLimits;
 pub use alloc::{Account, Allocator, AllocatorStats, DevBuffer, Pool};
 pub use blas::Blas;
 pub use device::{CaptureGate, Device, Enqueue};
-pub use dnn::{cudnn_library, ConvPtrs, Dnn};
+pub use dnn::{cudnn_library, takes_channels_last, ConvLayout, ConvPtrs, Dnn};
 pub use exec::{Function, Gpu, KernelCache};
 pub(crate) use graph::{capture, GraphExec};
 pub use nvrtc::{compile_cached, compile_package, nvrtc_archs, nvrtc_version, CompiledSource};

@@ -9,6 +9,7 @@ mod binding;
 mod control;
 mod host_tensor;
 mod infer;
+mod layout;
 mod pages;
 mod plan;
 mod prepare;

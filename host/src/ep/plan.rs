@@ -15,6 +15,10 @@
 //! last step that reads it; scratch lives for its step), so nothing is allocated or freed while
 //! the plan runs and every address is fixed: the conditions of a CUDA graph capture.
 //!
+//! Values that only cuDNN convolutions touch live channels-last (`layout`); their convolutions
+//! run with that layout, each with a channels-last copy of its filter among the plan's
+//! constants.
+//!
 //! A dry run that needs a device value's bytes on the host (a value input computed on the GPU)
 //! or an output not written in place has a *seam*; such a signature is not planned and runs
 //! node by node, with the reason counted.
@@ -23,11 +27,12 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUdeviceptr;
-use kiln_kernel_abi::plan::LaunchPlan;
+use kiln_kernel_abi::plan::{LaunchPlan, PlanStep};
 use kiln_kernel_abi::DType;
 
+use super::layout::{conv_layouts, StepView};
 use crate::capture::{CaptureState, Fallback, GraphMode, RECAPTURE_BUDGET};
-use crate::cuda::{capture, DevBuffer, Function, Gpu};
+use crate::cuda::{capture, ConvLayout, DevBuffer, Function, Gpu};
 use crate::model::ValueId;
 use crate::trace::GraphStats;
 use crate::{Error, Result, Tensor};
@@ -142,10 +147,16 @@ impl Recorder {
     }
 
     /// Lays out the arena and uploads the constants. `outputs` are the graph outputs the run
-    /// returns (each must have been written in place into its bound tensor). `Ok(Err(seam))`:
+    /// returns (each must have been written in place into its bound tensor); `channels_last`:
+    /// whether convolutions may keep their values channels-last (`layout`). `Ok(Err(seam))`:
     /// the signature cannot be planned, for that reason. Errors: the arena or a constant does
-    /// not fit in device memory (nothing is kept).
-    pub fn finish(self, gpu: &mut Gpu, outputs: &[(ValueId, String)]) -> Result<Result<ExecutionPlan, String>> {
+    /// not fit in device memory, cuDNN's (nothing is kept).
+    pub fn finish(
+        self,
+        gpu: &mut Gpu,
+        outputs: &[(ValueId, String)],
+        channels_last: bool,
+    ) -> Result<Result<ExecutionPlan, String>> {
         if let Some(s) = self.seam {
             return Ok(Err(s));
         }
@@ -184,6 +195,25 @@ impl Recorder {
             }
             step_buffers.push(own);
         }
+        let mut layouts = vec![ConvLayout::default(); self.steps.len()];
+        if channels_last {
+            let views: Vec<StepView<'_>> = self
+                .steps
+                .iter()
+                .map(|s| StepView { launch: &s.launch, inputs: &s.inputs, outputs: &s.outputs })
+                .collect();
+            let last = conv_layouts(&views);
+            // Every channels-last convolution's cuDNN plan first: should one be refused, the
+            // plan keeps every value NCHW (a value's writer and readers must agree).
+            let refused = self.steps.iter().zip(&last).find_map(|(s, layout)| match s.launch.steps.as_slice() {
+                [PlanStep::Conv(c)] if layout.computes_last() => gpu.prepare_conv(c, *layout).err(),
+                _ => None,
+            });
+            match refused {
+                None => layouts = last,
+                Some(e) => tracing::warn!("channels-last convolutions left out of this plan: {e}"),
+            }
+        }
         let (offsets, arena_bytes) = assign_offsets(&intervals);
         let arena = if arena_bytes > 0 { Some(gpu.alloc.alloc(arena_bytes)?) } else { None };
         let mut plan = ExecutionPlan {
@@ -197,13 +227,16 @@ impl Recorder {
                 .collect(),
             launches: 0,
             pdl_launches: 0,
+            channels_last: 0,
             binds: Vec::new(),
             runs: 0,
             capture: CaptureState::default(),
         };
         let mut const_of: HashMap<ValueId, usize> = HashMap::new();
+        // Channels-last filter copies, by the resident filter's address.
+        let mut filter_of: HashMap<CUdeviceptr, usize> = HashMap::new();
         let (uploaded, steps) = (self.uploaded, self.steps);
-        for (s, own) in steps.into_iter().zip(step_buffers) {
+        for ((s, own), layout) in steps.into_iter().zip(step_buffers).zip(layouts) {
             let mut slots = Vec::with_capacity(s.inputs.len() + s.outputs.len() + own.len());
             for (inp, n) in s.inputs {
                 let loc = match inp {
@@ -242,9 +275,30 @@ impl Recorder {
             for (&n, &k) in s.launch.scratch_bytes.iter().zip(own_iter) {
                 slots.push((Loc::Arena(offsets[k]), n));
             }
+            if layout.computes_last() {
+                let [PlanStep::Conv(conv)] = s.launch.steps.as_slice() else {
+                    return Err(Error::Device("execution plan: a channels-last step without its convolution".into()));
+                };
+                let w = conv.w.handle as usize;
+                let Some(&(Loc::Fixed(src), bytes)) = slots.get(w) else {
+                    return Err(Error::Device(
+                        "execution plan: a channels-last convolution's filter is not resident".into(),
+                    ));
+                };
+                let k = match filter_of.get(&src) {
+                    Some(&k) => k,
+                    None => {
+                        plan.consts.push(gpu.filter_to_last(conv, src, bytes)?);
+                        filter_of.insert(src, plan.consts.len() - 1);
+                        plan.consts.len() - 1
+                    }
+                };
+                slots[w] = (Loc::Const(k), bytes);
+                plan.channels_last += 1;
+            }
             plan.launches += s.launch.steps.len() as u64;
             plan.pdl_launches += s.functions.iter().flatten().filter(|f| f.pdl).count() as u64;
-            plan.steps.push(Step { node: s.node, launch: s.launch, functions: s.functions, slots });
+            plan.steps.push(Step { node: s.node, launch: s.launch, functions: s.functions, slots, layout });
         }
         let mut seen = HashSet::new();
         plan.binds = plan
@@ -294,6 +348,8 @@ struct Step {
     functions: Vec<Option<Function>>,
     /// Inputs, outputs, then scratch, each with its size in bytes.
     slots: Vec<(Loc, u64)>,
+    /// Where its convolution's activations live (`layout`).
+    layout: ConvLayout,
 }
 
 /// The addresses of a run's fed and bound tensors.
@@ -314,6 +370,8 @@ pub struct ExecutionPlan {
     pub launches: u64,
     /// Of those, kernels launched with programmatic dependent launch.
     pub pdl_launches: u64,
+    /// Convolutions that compute channels-last (`layout`).
+    pub channels_last: u64,
     /// The fed and bound values the steps use, each once, in order of first use: what a
     /// captured graph's addresses depend on.
     binds: Vec<Loc>,
@@ -351,7 +409,7 @@ impl ExecutionPlan {
             for &(loc, n) in &s.slots {
                 slots.push((self.ptr(loc, b)?, n));
             }
-            gpu.run_steps(&s.launch, &s.functions, &slots, s.node)
+            gpu.run_steps(&s.launch, &s.functions, &slots, s.node, s.layout)
                 .map_err(|e| Error::Device(format!("execution plan, node #{}: {e}", s.node)))?;
         }
         Ok(())

@@ -64,6 +64,10 @@ pub struct SessionOptions {
     /// On a GPU, whether a dispatch's `conv` goes through cuDNN (`--cudnn`); without it the
     /// packages' own convolution kernels run, and the report says why.
     pub cudnn: CudnnMode,
+    /// On a GPU, whether an execution plan keeps the values that only its float16 and bfloat16
+    /// cuDNN convolutions touch channels-last (`layout`; default on, `--channels-last off`
+    /// compares).
+    pub channels_last: bool,
     /// On a GPU, the least bytes one growth of a reserved KV cache maps, all its tensors
     /// together (a decode batch's rows then grow by at least this much at once, since mapping
     /// costs driver calls per tensor); each tensor maps whole multiples of the device's
@@ -101,7 +105,12 @@ fn conv_service(gpu: Option<&Gpu>, mode: CudnnMode, report: &mut Report) -> Resu
             report.convolutions.library = Some(lib.to_string());
             let device = gpu.device.clone();
             return Ok(ConvService::Library {
-                takes: Arc::new(move |c| device.with_dnn(|d| d.prepare(c)).map(|_| ()).map_err(|e| e.to_string())),
+                takes: Arc::new(move |c| {
+                    device
+                        .with_dnn(|d| d.prepare(c, crate::cuda::ConvLayout::default()))
+                        .map(|_| ())
+                        .map_err(|e| e.to_string())
+                }),
             });
         }
         (CudnnMode::On, Err(why)) => return Err(Error::Unsupported(format!("--cudnn on: {why}"))),
@@ -130,6 +139,7 @@ impl Default for SessionOptions {
             pdl: crate::capture::PdlMode::Auto,
             constant_inputs: true,
             cudnn: CudnnMode::Auto,
+            channels_last: true,
             vmm_chunk_bytes: VMM_CHUNK_BYTES,
             max_loop_iterations: MAX_LOOP_ITERATIONS,
             cpu_split: super::CpuSplit::default(),
@@ -760,12 +770,13 @@ impl Session {
             };
         }
         let gpu = self.backend.gpu().ok_or_else(|| Error::Device("no GPU in this session".into()))?;
-        Ok(match rec.finish(gpu, outputs)? {
+        Ok(match rec.finish(gpu, outputs, self.options.channels_last)? {
             Ok(plan) => {
                 self.report.graphs.plans_built += 1;
                 self.report.graphs.arena_bytes += plan.arena_bytes;
                 self.report.graphs.plan_launches = plan.launches;
                 self.report.graphs.pdl_launches = plan.pdl_launches;
+                self.report.convolutions.channels_last = plan.channels_last;
                 PlanEntry::Plan(Box::new(plan))
             }
             Err(why) => PlanEntry::Unplanned(why),

@@ -173,6 +173,128 @@ __global__ void __launch_bounds__(ATT_WARPS * 32)
         }
 }
 
+// Attention over tiles on CUDA cores (the shim takes it where the tensor-core kernel does not
+// and there is no qk_matmul_output, head sizes up to ATT_TILE_MAX_HEAD: float32 above all, where
+// TF32 is not allowed): block (query tile, h, b) takes ATT_TILE_ROWS query rows of head h, batch
+// row b, and walks the keys in tiles of ATT_TILE_KEYS whose K and V rows (as float) it stages
+// in shared memory, so that each key row is read once per block instead of once per query row.
+// Thread (r, g) = (tid / 4, tid % 4) owns row r: it computes the scores of keys g, g + 4, … of a
+// tile, the four threads of a row (one warp's adjacent lanes) merge their online-softmax
+// statistics by shuffles, and the thread accumulates the row's outputs d = g, g + 4, … over the
+// tile's weights. Scores, masks and outputs as kiln_attention (att_score; a row whose keys are
+// all masked gives NaN, no key at all 0). Shared memory (dynamic): Q [ROWS][H + 1], K [KEYS][H + 1],
+// V [KEYS][Hv + 1] and the weights [ROWS][KEYS + 1] as float, the + 1s against bank conflicts;
+// the shim sizes it (attention_tiled_shared_bytes).
+#define ATT_TILE_ROWS 32
+#define ATT_TILE_KEYS 16
+#define ATT_TILE_THREADS 128
+#define ATT_TILE_MAX_HEAD 128
+
+template <typename Tag>
+__global__ void __launch_bounds__(ATT_TILE_THREADS)
+    kiln_attention_tiled(const typename Tag::storage* q, const typename Tag::storage* k,
+                         const typename Tag::storage* v, const typename Tag::storage* past_k,
+                         const typename Tag::storage* past_v, const void* mask, const long long* nonpad,
+                         typename Tag::storage* y, typename Tag::storage* qk_unused, unsigned Nq, unsigned Nkv,
+                         unsigned Sq, unsigned Skv, unsigned P, unsigned H, unsigned Hv, unsigned three_d,
+                         kiln_u64 q_rs, kiln_u64 k_rs, kiln_u64 v_rs, kiln_u64 mb, kiln_u64 mh, kiln_u64 ms,
+                         unsigned mask_mode, unsigned mask_width, unsigned causal, unsigned has_nonpad, float scale,
+                         float softcap, unsigned has_qk_unused, unsigned qk_mode_unused) {
+    constexpr unsigned R = ATT_TILE_ROWS, KT = ATT_TILE_KEYS, PER = ATT_TILE_KEYS / 4,
+                       OUT = ATT_TILE_MAX_HEAD / 4;
+    extern __shared__ float att_tile_smem[];
+    const unsigned hp = H + 1, vp = Hv + 1;
+    float* qs = att_tile_smem;  // [R][hp]
+    float* ks = qs + R * hp;    // [KT][hp]
+    float* vs = ks + KT * hp;   // [KT][vp]
+    float* ps = vs + KT * vp;   // [R][KT + 1]
+    const float neg_inf = -__int_as_float(0x7f800000);
+    const unsigned s0 = blockIdx.x * R, h = blockIdx.y, b = blockIdx.z;
+    const unsigned tid = threadIdx.x, r = tid >> 2, g = tid & 3, s = s0 + r;
+    const unsigned j = h / (Nq / Nkv), Tn = P + Skv;
+    const bool td = three_d != 0;
+    const att_strides lq = att_layout(td, Nq, Sq, H, q_rs), lk = att_layout(td, Nkv, Skv, H, k_rs),
+                      lv = att_layout(td, Nkv, Skv, Hv, v_rs), ly = att_layout(td, Nq, Sq, Hv, (kiln_u64)Nq * Hv);
+    const att_bias a{mask, has_nonpad ? nonpad : nullptr, mb, mh, ms, mask_mode, mask_width, causal, P, softcap};
+    for (unsigned i = tid; i < R * H; i += ATT_TILE_THREADS) {
+        const unsigned rr = i / H, d = i % H;
+        qs[rr * hp + d] =
+            s0 + rr < Sq ? kiln_to_f32(Tag(), q[b * lq.b + h * lq.h + (kiln_u64)(s0 + rr) * lq.s + d]) : 0.f;
+    }
+    const auto key = [&](unsigned t) {
+        return t < P ? past_k + (((kiln_u64)b * Nkv + j) * P + t) * H : k + b * lk.b + j * lk.h + (t - P) * lk.s;
+    };
+    const auto value = [&](unsigned t) {
+        return t < P ? past_v + (((kiln_u64)b * Nkv + j) * P + t) * Hv : v + b * lv.b + j * lv.h + (t - P) * lv.s;
+    };
+    float o[OUT];
+#pragma unroll
+    for (int i = 0; i < OUT; ++i) o[i] = 0.f;
+    float m = neg_inf, l = 0.f;
+    for (unsigned t0 = 0; t0 < Tn; t0 += KT) {
+        __syncthreads();  // the last tile's K, V and weights are read (and Q written, the first time)
+        for (unsigned i = tid; i < KT * H; i += ATT_TILE_THREADS) {
+            const unsigned kk = i / H, d = i % H;
+            ks[kk * hp + d] = t0 + kk < Tn ? kiln_to_f32(Tag(), key(t0 + kk)[d]) : 0.f;
+        }
+        for (unsigned i = tid; i < KT * Hv; i += ATT_TILE_THREADS) {
+            const unsigned kk = i / Hv, d = i % Hv;
+            vs[kk * vp + d] = t0 + kk < Tn ? kiln_to_f32(Tag(), value(t0 + kk)[d]) : 0.f;
+        }
+        __syncthreads();
+        float x[PER];
+#pragma unroll
+        for (int i = 0; i < PER; ++i) x[i] = 0.f;
+        for (unsigned d = 0; d < H; ++d) {
+            const float qd = qs[r * hp + d];
+#pragma unroll
+            for (int i = 0; i < PER; ++i) x[i] += qd * ks[(g + 4 * i) * hp + d];
+        }
+        float tm = neg_inf;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const unsigned t = t0 + g + 4 * i;
+            float stage;
+            x[i] = t < Tn && s < Sq ? att_score<Tag>(x[i] * scale, a, b, h, s, t, 0, &stage) : neg_inf;
+            tm = fmaxf(tm, x[i]);
+        }
+        tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 1));
+        tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 2));
+        const float m2 = fmaxf(m, tm);
+        // Only −inf so far: nothing to rescale (and no −inf − −inf).
+        const float c = m2 == neg_inf ? 1.f : expf(m - m2);
+        float ts = 0.f;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const float p = x[i] == neg_inf ? 0.f : expf(x[i] - m2);
+            ps[r * (KT + 1) + g + 4 * i] = p;
+            ts += p;
+        }
+        ts += __shfl_xor_sync(0xffffffffu, ts, 1);
+        ts += __shfl_xor_sync(0xffffffffu, ts, 2);
+        l = l * c + ts;
+        m = m2;
+        __syncwarp();  // the row's weights, written by its four lanes of this warp
+#pragma unroll
+        for (int i = 0; i < OUT; ++i) o[i] *= c;
+        for (unsigned kk = 0; kk < KT; ++kk) {
+            const float p = ps[r * (KT + 1) + kk];
+            const float* vr = vs + kk * vp;
+#pragma unroll
+            for (int i = 0; i < OUT; ++i) {
+                const unsigned d = g + 4 * i;
+                if (d < Hv) o[i] += p * vr[d];
+            }
+        }
+    }
+    if (s >= Sq) return;
+#pragma unroll
+    for (int i = 0; i < OUT; ++i) {
+        const unsigned d = g + 4 * i;
+        if (d < Hv) y[b * ly.b + h * ly.h + s * ly.s + d] = kiln_from_f32(Tag(), Tn == 0 ? 0.f : o[i] / l);
+    }
+}
+
 // Tensor-core attention (the shim takes it for float16 / bfloat16, head sizes Q = V = HD of 64 or
 // 128, no past, no softcap and no qk_matmul_output; 3-D rows of q_rs, k_rs, v_rs elements): block (query tile, h, b) takes ATT_MMA_ROWS
 // query rows s0 … of head h, batch row b, 16 per warp, and walks keys 0 … in tiles of

@@ -38,6 +38,19 @@ pub(crate) const ATTENTION: &str = "Attention";
 const GPU_MAX_HEAD: usize = 256;
 /// Warps per block of `kiln_attention` (onnx_attention.cu's ATT_WARPS).
 const GPU_WARPS: u32 = 4;
+/// Query rows per block, keys per tile, threads and largest head size of `kiln_attention_tiled`
+/// (onnx_attention.cu's ATT_TILE_*).
+const TILE_ROWS: usize = 32;
+const TILE_KEYS: usize = 16;
+const TILE_THREADS: u32 = 128;
+const TILE_MAX_HEAD: usize = 128;
+
+/// `kiln_attention_tiled`'s dynamic shared memory in bytes at head sizes `h` (Q and K) and `hv`
+/// (V): a tile of Q rows, of K rows, of V rows and of weights as float, each row padded by one
+/// (35,200 bytes at 128 / 128).
+fn attention_tiled_shared_bytes(h: usize, hv: usize) -> usize {
+    4 * (TILE_ROWS * (h + 1) + TILE_KEYS * (h + 1) + TILE_KEYS * (hv + 1) + TILE_ROWS * (TILE_KEYS + 1))
+}
 
 /// `attn_mask` seen through [B, Nq, Sq, width] element strides (0 where it broadcasts; the
 /// last dimension is contiguous).
@@ -763,15 +776,24 @@ pub(crate) fn dispatch(call: &Call) -> Result<()> {
             .concat(),
         });
     }
+    // Without qk_matmul_output and at head sizes up to 128 (float32 above all), tiles of query rows
+    // that share their K and V reads; otherwise a block per query row.
+    let tiled = qk.is_none() && p.head <= TILE_MAX_HEAD && p.v_head <= TILE_MAX_HEAD;
+    let (kernel, rows, block, shared) = if tiled {
+        let bytes = attention_tiled_shared_bytes(p.head, p.v_head) as u32;
+        ("kiln_attention_tiled", p.q_seq.div_ceil(TILE_ROWS), TILE_THREADS, bytes)
+    } else {
+        ("kiln_attention", p.q_seq, GPU_WARPS * 32, 0)
+    };
     launch(&Launch {
-        kernel: &kernel_name("kiln_attention", &[tag]),
+        kernel: &kernel_name(kernel, &[tag]),
         grid: [
-            grid_dim(op, "query sequence", p.q_seq, u32::MAX >> 1)?,
+            grid_dim(op, "query blocks", rows, u32::MAX >> 1)?,
             grid_dim(op, "query heads", p.q_heads, 65535)?,
             grid_dim(op, "batch", p.batch, 65535)?,
         ],
-        block: [GPU_WARPS * 32, 1, 1],
-        shared_mem_bytes: 0,
+        block: [block, 1, 1],
+        shared_mem_bytes: shared,
         args: [
             vec![
                 targ(&q),
