@@ -99,6 +99,9 @@ pub struct Gpu {
     /// Workspaces a larger one replaced: a graph captured before the growth still uses its
     /// address, so they live as long as the session.
     retired_workspaces: Vec<DevBuffer>,
+    /// Channels-last copies of the session's resident convolution filters, by the filter's
+    /// address: one per filter, whatever the execution plans that read it.
+    filters_last: HashMap<CUdeviceptr, DevBuffer>,
     /// The process's device, shared with every other session on it. Last: the fields above
     /// (events, pinned memory, pool blocks) go while its context lives.
     pub device: Arc<Device>,
@@ -261,6 +264,7 @@ impl Gpu {
             counters: HashMap::new(),
             conv_workspace: None,
             retired_workspaces: Vec::new(),
+            filters_last: HashMap::new(),
         })
     }
 
@@ -655,13 +659,20 @@ impl Gpu {
         Ok(())
     }
 
-    /// A copy of `c`'s filter (at `src`, `bytes` long) as its channels-last plan reads it
-    /// (`[M, kh, kw, C/groups]`), made on the stream. Errors: device memory, cuDNN's.
-    pub fn filter_to_last(&mut self, c: &Conv, src: CUdeviceptr, bytes: u64) -> Result<DevBuffer> {
+    /// The address of a copy of `c`'s resident filter (at `src`, `bytes` long) as its
+    /// channels-last plan reads it (`[M, kh, kw, C/groups]`): made on the stream on first use,
+    /// then kept for the session (its filters stay where they are). Never inside a capture: it
+    /// may allocate. Errors: device memory, cuDNN's.
+    pub fn filter_to_last(&mut self, c: &Conv, src: CUdeviceptr, bytes: u64) -> Result<CUdeviceptr> {
+        if let Some(b) = self.filters_last.get(&src).filter(|b| b.bytes >= bytes) {
+            return Ok(b.ptr);
+        }
         let dst = self.alloc.alloc(bytes)?;
         let stream = self.device.enqueue();
         self.device.with_dnn(|d| d.filter_to_last(c, src, dst.ptr, stream.cu_stream()))?;
-        Ok(dst)
+        let ptr = dst.ptr;
+        self.filters_last.insert(src, dst);
+        Ok(ptr)
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -9,7 +9,7 @@
 //!
 //! A convolution qualifies when its node's launch plan is that one cuDNN step, it can compute
 //! channels-last ([`takes_channels_last`]: 2-D, float16 or bfloat16, forward), its filter is a
-//! resident initializer (the plan keeps a transposed copy) and every operand starts at its
+//! resident initializer (the session keeps a transposed copy) and every operand starts at its
 //! tensor's first byte. A qualifying convolution that reads or writes a channels-last value
 //! computes channels-last; its other activations (a graph input, a pooling's output, a value
 //! some other node reads) stay NCHW and are transformed in its workspace.
@@ -49,9 +49,14 @@ fn written(s: &StepView<'_>, handle: u32) -> Option<ValueId> {
 }
 
 /// The layout of each step's convolution (the default, channels-first, for every step that is
-/// not a qualifying convolution or touches no channels-last value).
-pub(super) fn conv_layouts(steps: &[StepView<'_>]) -> Vec<ConvLayout> {
-    let lone: Vec<Option<&Conv>> = steps.iter().map(lone_conv).collect();
+/// not a qualifying convolution or touches no channels-last value). Steps flagged in `refused`
+/// (cuDNN would not compute them channels-last) count as not qualifying.
+pub(super) fn conv_layouts(steps: &[StepView<'_>], refused: &[bool]) -> Vec<ConvLayout> {
+    let lone: Vec<Option<&Conv>> = steps
+        .iter()
+        .enumerate()
+        .map(|(i, s)| lone_conv(s).filter(|_| !refused.get(i).copied().unwrap_or(false)))
+        .collect();
     let mut readers: HashMap<ValueId, Vec<(usize, usize)>> = HashMap::new();
     for (i, s) in steps.iter().enumerate() {
         for (slot, (input, _)) in s.inputs.iter().enumerate() {
@@ -153,7 +158,7 @@ mod tests {
     fn layouts(recs: &[Rec]) -> Vec<(bool, bool, bool)> {
         let views: Vec<StepView<'_>> =
             recs.iter().map(|r| StepView { launch: &r.launch, inputs: &r.inputs, outputs: &r.outputs }).collect();
-        conv_layouts(&views).into_iter().map(|l| (l.x_last, l.z_last, l.y_last)).collect()
+        conv_layouts(&views, &[]).into_iter().map(|l| (l.x_last, l.z_last, l.y_last)).collect()
     }
 
     #[test]
@@ -182,6 +187,26 @@ mod tests {
                 (false, false, false),
             ]
         );
+    }
+
+    #[test]
+    fn a_refused_convolution_keeps_its_values_nchw_and_the_others_keep_theirs() {
+        use RecIn::{Feed, Produced};
+        // Conv 0 → conv 1 → conv 2 → conv 3; cuDNN refuses conv 2 channels-last: values 2 and
+        // 3 (its input and output) stay NCHW, value 1 (conv 0 → conv 1) stays NHWC.
+        let recs = [
+            conv(Feed(0), None, 1),
+            conv(Produced(1), None, 2),
+            conv(Produced(2), None, 3),
+            conv(Produced(3), None, 4),
+        ];
+        let views: Vec<StepView<'_>> =
+            recs.iter().map(|r| StepView { launch: &r.launch, inputs: &r.inputs, outputs: &r.outputs }).collect();
+        let got: Vec<_> = conv_layouts(&views, &[false, false, true, false])
+            .into_iter()
+            .map(|l| (l.x_last, l.z_last, l.y_last))
+            .collect();
+        assert_eq!(got, vec![(false, false, true), (true, false, false), (false, false, false), (false, false, false)]);
     }
 
     #[test]

@@ -16,8 +16,8 @@
 //! the plan runs and every address is fixed: the conditions of a CUDA graph capture.
 //!
 //! Values that only cuDNN convolutions touch live channels-last (`layout`); their convolutions
-//! run with that layout, each with a channels-last copy of its filter among the plan's
-//! constants.
+//! run with that layout, each reading a channels-last copy of its filter that the session keeps
+//! (`Gpu::filter_to_last`).
 //!
 //! A dry run that needs a device value's bytes on the host (a value input computed on the GPU)
 //! or an output not written in place has a *seam*; such a signature is not planned and runs
@@ -195,25 +195,8 @@ impl Recorder {
             }
             step_buffers.push(own);
         }
-        let mut layouts = vec![ConvLayout::default(); self.steps.len()];
-        if channels_last {
-            let views: Vec<StepView<'_>> = self
-                .steps
-                .iter()
-                .map(|s| StepView { launch: &s.launch, inputs: &s.inputs, outputs: &s.outputs })
-                .collect();
-            let last = conv_layouts(&views);
-            // Every channels-last convolution's cuDNN plan first: should one be refused, the
-            // plan keeps every value NCHW (a value's writer and readers must agree).
-            let refused = self.steps.iter().zip(&last).find_map(|(s, layout)| match s.launch.steps.as_slice() {
-                [PlanStep::Conv(c)] if layout.computes_last() => gpu.prepare_conv(c, *layout).err(),
-                _ => None,
-            });
-            match refused {
-                None => layouts = last,
-                Some(e) => tracing::warn!("channels-last convolutions left out of this plan: {e}"),
-            }
-        }
+        let (layouts, filters) =
+            if channels_last { conv_layouts_ready(&self.steps, gpu) } else { (Vec::new(), Vec::new()) };
         let (offsets, arena_bytes) = assign_offsets(&intervals);
         let arena = if arena_bytes > 0 { Some(gpu.alloc.alloc(arena_bytes)?) } else { None };
         let mut plan = ExecutionPlan {
@@ -233,10 +216,9 @@ impl Recorder {
             capture: CaptureState::default(),
         };
         let mut const_of: HashMap<ValueId, usize> = HashMap::new();
-        // Channels-last filter copies, by the resident filter's address.
-        let mut filter_of: HashMap<CUdeviceptr, usize> = HashMap::new();
         let (uploaded, steps) = (self.uploaded, self.steps);
-        for ((s, own), layout) in steps.into_iter().zip(step_buffers).zip(layouts) {
+        for (i, (s, own)) in steps.into_iter().zip(step_buffers).enumerate() {
+            let layout = layouts.get(i).copied().unwrap_or_default();
             let mut slots = Vec::with_capacity(s.inputs.len() + s.outputs.len() + own.len());
             for (inp, n) in s.inputs {
                 let loc = match inp {
@@ -275,25 +257,14 @@ impl Recorder {
             for (&n, &k) in s.launch.scratch_bytes.iter().zip(own_iter) {
                 slots.push((Loc::Arena(offsets[k]), n));
             }
-            if layout.computes_last() {
-                let [PlanStep::Conv(conv)] = s.launch.steps.as_slice() else {
-                    return Err(Error::Device("execution plan: a channels-last step without its convolution".into()));
-                };
+            if let (true, [PlanStep::Conv(conv)], Some(&Some(filter))) =
+                (layout.computes_last(), s.launch.steps.as_slice(), filters.get(i))
+            {
+                // The filter's channels-last copy in place of the filter.
                 let w = conv.w.handle as usize;
-                let Some(&(Loc::Fixed(src), bytes)) = slots.get(w) else {
-                    return Err(Error::Device(
-                        "execution plan: a channels-last convolution's filter is not resident".into(),
-                    ));
-                };
-                let k = match filter_of.get(&src) {
-                    Some(&k) => k,
-                    None => {
-                        plan.consts.push(gpu.filter_to_last(conv, src, bytes)?);
-                        filter_of.insert(src, plan.consts.len() - 1);
-                        plan.consts.len() - 1
-                    }
-                };
-                slots[w] = (Loc::Const(k), bytes);
+                if let Some(slot) = slots.get_mut(w) {
+                    slot.0 = Loc::Fixed(filter);
+                }
                 plan.channels_last += 1;
             }
             plan.launches += s.launch.steps.len() as u64;
@@ -308,6 +279,45 @@ impl Recorder {
             .filter(|loc| matches!(loc, Loc::Feed(_) | Loc::Bound(_)) && seen.insert(*loc))
             .collect();
         Ok(Ok(plan))
+    }
+}
+
+/// The layout of each recorded step's convolution (`layout`), every channels-last one's cuDNN
+/// plan made, and where each reads its filter's channels-last copy. A convolution that cuDNN
+/// will not compute channels-last (its plan or its filter's copy fails: a form its NHWC kernels
+/// do not take, the memory limit) leaves the choice, which is made again without it (a value's
+/// writer and readers must agree), so the others keep theirs. Never inside a capture.
+fn conv_layouts_ready(steps: &[RecStep], gpu: &mut Gpu) -> (Vec<ConvLayout>, Vec<Option<CUdeviceptr>>) {
+    let views: Vec<StepView<'_>> =
+        steps.iter().map(|s| StepView { launch: &s.launch, inputs: &s.inputs, outputs: &s.outputs }).collect();
+    let mut refused = vec![false; steps.len()];
+    loop {
+        let layouts = conv_layouts(&views, &refused);
+        let mut filters = vec![None; steps.len()];
+        let mut again = false;
+        for (i, (s, layout)) in steps.iter().zip(&layouts).enumerate() {
+            let [PlanStep::Conv(c)] = s.launch.steps.as_slice() else { continue };
+            if !layout.computes_last() {
+                continue;
+            }
+            let ready = match s.inputs.get(c.w.handle as usize) {
+                Some(&(RecIn::Fixed(src), bytes)) => {
+                    gpu.prepare_conv(c, *layout).and_then(|()| gpu.filter_to_last(c, src, bytes))
+                }
+                _ => Err(Error::Device("the filter is not resident".into())),
+            };
+            match ready {
+                Ok(filter) => filters[i] = Some(filter),
+                Err(e) => {
+                    tracing::warn!("node #{}: its convolution stays NCHW in this execution plan: {e}", s.node);
+                    refused[i] = true;
+                    again = true;
+                }
+            }
+        }
+        if !again {
+            return (layouts, filters);
+        }
     }
 }
 
