@@ -990,10 +990,11 @@ fn prompt_attention_matches_the_cpu_reference() {
 /// heads, query tiles of 64 rows with a partial last tile (100 and 70 rows), as many and more keys
 /// than queries (130: a partial key tile), causal or not, an additive float mask (random values,
 /// every seventh key −inf, broadcast over heads) and opset 24's nonpad_kv_seqlen; every element
-/// within one float16 rounding (`f16_excess`). The same cases in float32 take `kiln_attention_tiled`
-/// (tiles of 32 query rows and 16 keys on CUDA cores: partial tiles of both here; max |Δ| ≤ 1e-4).
-/// Then kiln's packed ReshapedAttention (`packed_attention_model`) in float16 (tensor cores) and
-/// float32 (`kiln_attention_tiled` over the packed rows).
+/// within one float16 rounding (`f16_excess`). The same cases in float32 (a block per query row,
+/// `kiln_attention`), and 1,030 query rows over 1,033 keys in float32, enough tiles for
+/// `kiln_attention_tiled` (32 query rows and 16 keys a tile on CUDA cores, partial tiles of both);
+/// max |Δ| ≤ 1e-4. Then kiln's packed ReshapedAttention (`packed_attention_model`) in float16
+/// (tensor cores) and float32.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn onnx_attention_on_tensor_cores_matches_the_cpu_reference() {
@@ -1012,6 +1013,13 @@ fn onnx_attention_on_tensor_cores_matches_the_cpu_reference() {
                 gqa_gpu_matches_cpu(model(), true, &what);
                 gqa_gpu_matches_cpu(model(), false, &what);
             }
+        }
+        // float32 over enough query tiles for `kiln_attention_tiled` (33 tiles × 4 heads × 2 ≥ 256
+        // blocks; the smaller cases above run a block per query row): partial tiles of rows and
+        // keys, a mask, causal.
+        for (causal, mask) in [(false, true), (true, false)] {
+            let what = format!("head {head}, Sq 1030, Skv 1033, causal {causal}, mask {mask}, tiled");
+            gqa_gpu_matches_cpu(onnx_attention_model(head, (1030, 1033), causal, mask, true, false), false, &what);
         }
         // kiln's packed ReshapedAttention (the qkv-reshaped-attention fusions' op): Q, K and V
         // as the column blocks of one [B, S, 3E] tensor, in float16 and float32. Its CPU

@@ -174,8 +174,8 @@ __global__ void __launch_bounds__(ATT_WARPS * 32)
 }
 
 // Attention over tiles on CUDA cores (the shim takes it where the tensor-core kernel does not
-// and there is no qk_matmul_output, head sizes up to ATT_TILE_MAX_HEAD: float32 above all, where
-// TF32 is not allowed): block (query tile, h, b) takes ATT_TILE_ROWS query rows of head h, batch
+// and there is no qk_matmul_output, head sizes up to ATT_TILE_MAX_HEAD, and the tiles make at
+// least 256 blocks: float32 above all, where TF32 is not allowed): block (query tile, h, b) takes ATT_TILE_ROWS query rows of head h, batch
 // row b, and walks the keys in tiles of ATT_TILE_KEYS whose K and V rows (as float) it stages
 // in shared memory, so that each key row is read once per block instead of once per query row.
 // Thread (r, g) = (tid / 4, tid % 4) owns row r: it computes the scores of keys g, g + 4, … of a
