@@ -71,8 +71,9 @@
 #   models     bench/model_peers.py: ResNet-50 and BERT-base at batch 1 and 32, float32 and float16,
 #              kiln bench run beside PyTorch eager and torch.compile (MODEL_PEERS="--methods
 #              kiln,eager --batches 1" and the like narrow it)
-#   encoder    BERT-base fp16 at batch 1 (bench/model_peers.py's export): kiln on the GPU against
-#              kiln's CPU run of the same file, its time, and ncu's table of its kernels (one eager run)
+#   encoder    BERT-base fp16 at batch 1 (bench/model_peers.py's export; ENCODER="fp32 32" picks
+#              another dtype and batch): kiln on the GPU against kiln's CPU run of the same file, its
+#              time, and ncu's table of its kernels (one eager run)
 #   convnet    ResNet-50 fp16 at batch 1 (bench/model_peers.py's export): its time with
 #              --channels-last off and auto (alternated), each against kiln's CPU run of the file,
 #              and ncu's table of its kernels (one eager run) with each
@@ -116,11 +117,12 @@ m.build(hf, os.path.join(out, f"{m.NAME}-{precision}-{ep}"), precision, ep, os.p
 PYEOF
   )
 }
-# kiln_export MODEL DIR LOG: bench/model_peers.py's fp16 batch-1 export of MODEL (resnet50,
-# bert_base) into DIR as DIR/MODEL-fp16-b1.onnx, and kiln's time of it, written to LOG.
+# kiln_export MODEL DIR LOG [DTYPE BATCH]: bench/model_peers.py's export of MODEL (resnet50,
+# bert_base) at DTYPE (fp16) and BATCH (1) into DIR as DIR/MODEL-DTYPE-bBATCH.onnx, and kiln's time
+# of it, written to LOG.
 kiln_export() {
-  python3 bench/model_peers.py --kiln "$KILN" --out "$2" --methods kiln --models "$1" --dtypes fp16 --batches 1 2>&1 |
-    grep -E ' ms ' | tee "$3"
+  python3 bench/model_peers.py --kiln "$KILN" --out "$2" --methods kiln --models "$1" --dtypes "${4:-fp16}" \
+    --batches "${5:-1}" 2>&1 | grep -E ' ms ' | tee "$3"
 }
 # ncu_table LABEL PREFIX CMD...: ncu's GPU time of every kernel of CMD (a kiln run of --runs 2), the
 # second run's kernels summed by name, the 12 largest printed; the CSV is kept at PREFIX.csv.
@@ -345,12 +347,13 @@ for w in glob.glob(".gpu/python/*.whl"):
     ;;
   encoder)
     ew=$work/encoder && mkdir -p "$ew"
-    kiln_export bert_base "$ew" "$out/encoder.log"
+    read -r edt eb <<<"${ENCODER:-fp16 1}"
+    kiln_export bert_base "$ew" "$out/encoder.log" "$edt" "$eb"
     python3 -c "
 import numpy as np
-np.save('$ew/ids.npy', np.random.default_rng(0).integers(0, 30522, (1, 128)).astype(np.int64))
-np.save('$ew/mask.npy', np.ones((1, 128), np.int64))"
-    em=$ew/bert_base-fp16-b1.onnx
+np.save('$ew/ids.npy', np.random.default_rng(0).integers(0, 30522, ($eb, 128)).astype(np.int64))
+np.save('$ew/mask.npy', np.ones(($eb, 128), np.int64))"
+    em=$ew/bert_base-$edt-b$eb.onnx
     ein=(--input input_ids="$ew/ids.npy" --input attention_mask="$ew/mask.npy")
     for d in cpu cuda; do "$KILN" run "$em" --device $d "${ein[@]}" --output-dir "$ew/out-$d" -q 2>&1 | tail -2; done
     python3 -c "
