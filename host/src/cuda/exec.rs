@@ -100,8 +100,9 @@ pub struct Gpu {
     /// address, so they live as long as the session.
     retired_workspaces: Vec<DevBuffer>,
     /// Channels-last copies of the session's resident convolution filters, by the filter's
-    /// address: one per filter, whatever the execution plans that read it.
-    filters_last: HashMap<CUdeviceptr, DevBuffer>,
+    /// address and bytes: one per filter, whatever the execution plans that read it, kept (never
+    /// replaced) while the session lives, since those plans hold their addresses.
+    filters_last: HashMap<(CUdeviceptr, u64), DevBuffer>,
     /// The process's device, shared with every other session on it. Last: the fields above
     /// (events, pinned memory, pool blocks) go while its context lives.
     pub device: Arc<Device>,
@@ -664,14 +665,14 @@ impl Gpu {
     /// then kept for the session (its filters stay where they are). Never inside a capture: it
     /// may allocate. Errors: device memory, cuDNN's.
     pub fn filter_to_last(&mut self, c: &Conv, src: CUdeviceptr, bytes: u64) -> Result<CUdeviceptr> {
-        if let Some(b) = self.filters_last.get(&src).filter(|b| b.bytes >= bytes) {
+        if let Some(b) = self.filters_last.get(&(src, bytes)) {
             return Ok(b.ptr);
         }
         let dst = self.alloc.alloc(bytes)?;
         let stream = self.device.enqueue();
         self.device.with_dnn(|d| d.filter_to_last(c, src, dst.ptr, stream.cu_stream()))?;
         let ptr = dst.ptr;
-        self.filters_last.insert(src, dst);
+        self.filters_last.insert((src, bytes), dst);
         Ok(ptr)
     }
 

@@ -195,8 +195,7 @@ impl Recorder {
             }
             step_buffers.push(own);
         }
-        let (layouts, filters) =
-            if channels_last { conv_layouts_ready(&self.steps, gpu) } else { (Vec::new(), Vec::new()) };
+        let last = if channels_last { channels_last_steps(&self.steps, gpu) } else { Vec::new() };
         let (offsets, arena_bytes) = assign_offsets(&intervals);
         let arena = if arena_bytes > 0 { Some(gpu.alloc.alloc(arena_bytes)?) } else { None };
         let mut plan = ExecutionPlan {
@@ -218,7 +217,7 @@ impl Recorder {
         let mut const_of: HashMap<ValueId, usize> = HashMap::new();
         let (uploaded, steps) = (self.uploaded, self.steps);
         for (i, (s, own)) in steps.into_iter().zip(step_buffers).enumerate() {
-            let layout = layouts.get(i).copied().unwrap_or_default();
+            let last = last.get(i).copied().flatten();
             let mut slots = Vec::with_capacity(s.inputs.len() + s.outputs.len() + own.len());
             for (inp, n) in s.inputs {
                 let loc = match inp {
@@ -257,16 +256,14 @@ impl Recorder {
             for (&n, &k) in s.launch.scratch_bytes.iter().zip(own_iter) {
                 slots.push((Loc::Arena(offsets[k]), n));
             }
-            if let (true, [PlanStep::Conv(conv)], Some(&Some(filter))) =
-                (layout.computes_last(), s.launch.steps.as_slice(), filters.get(i))
-            {
+            if let Some(l) = last {
                 // The filter's channels-last copy in place of the filter.
-                let w = conv.w.handle as usize;
-                if let Some(slot) = slots.get_mut(w) {
-                    slot.0 = Loc::Fixed(filter);
+                if let Some(slot) = slots.get_mut(l.filter_slot) {
+                    slot.0 = Loc::Fixed(l.filter);
                 }
                 plan.channels_last += 1;
             }
+            let layout = last.map_or_else(ConvLayout::default, |l| l.layout);
             plan.launches += s.launch.steps.len() as u64;
             plan.pdl_launches += s.functions.iter().flatten().filter(|f| f.pdl).count() as u64;
             plan.steps.push(Step { node: s.node, launch: s.launch, functions: s.functions, slots, layout });
@@ -282,42 +279,48 @@ impl Recorder {
     }
 }
 
-/// The layout of each recorded step's convolution (`layout`), every channels-last one's cuDNN
-/// plan made, and where each reads its filter's channels-last copy. A convolution that cuDNN
-/// will not compute channels-last (its plan or its filter's copy fails: a form its NHWC kernels
-/// do not take, the memory limit) leaves the choice, which is made again without it (a value's
-/// writer and readers must agree), so the others keep theirs. Never inside a capture.
-fn conv_layouts_ready(steps: &[RecStep], gpu: &mut Gpu) -> (Vec<ConvLayout>, Vec<Option<CUdeviceptr>>) {
+/// A recorded step whose convolution computes channels-last: its layout, and its filter's slot
+/// with the address of the filter's channels-last copy.
+#[derive(Clone, Copy)]
+struct ChannelsLastStep {
+    layout: ConvLayout,
+    filter_slot: usize,
+    filter: CUdeviceptr,
+}
+
+/// Each recorded step's channels-last convolution (`layout`), its cuDNN plan made and its
+/// filter's channels-last copy ready; `None` for every other step. A convolution that cuDNN will
+/// not compute channels-last (its plan or its filter's copy fails: a form its NHWC kernels do not
+/// take, the memory limit) leaves the choice, which is made again without it (a value's writer
+/// and readers must agree), so the others keep theirs. Never inside a capture.
+fn channels_last_steps(steps: &[RecStep], gpu: &mut Gpu) -> Vec<Option<ChannelsLastStep>> {
     let views: Vec<StepView<'_>> =
         steps.iter().map(|s| StepView { launch: &s.launch, inputs: &s.inputs, outputs: &s.outputs }).collect();
     let mut refused = vec![false; steps.len()];
-    loop {
-        let layouts = conv_layouts(&views, &refused);
-        let mut filters = vec![None; steps.len()];
-        let mut again = false;
-        for (i, (s, layout)) in steps.iter().zip(&layouts).enumerate() {
+    'choose: loop {
+        let mut ready = vec![None; steps.len()];
+        for (i, (s, layout)) in steps.iter().zip(conv_layouts(&views, &refused)).enumerate() {
             let [PlanStep::Conv(c)] = s.launch.steps.as_slice() else { continue };
             if !layout.computes_last() {
                 continue;
             }
-            let ready = match s.inputs.get(c.w.handle as usize) {
+            let filter_slot = c.w.handle as usize;
+            let copy = match s.inputs.get(filter_slot) {
                 Some(&(RecIn::Fixed(src), bytes)) => {
-                    gpu.prepare_conv(c, *layout).and_then(|()| gpu.filter_to_last(c, src, bytes))
+                    gpu.prepare_conv(c, layout).and_then(|()| gpu.filter_to_last(c, src, bytes))
                 }
                 _ => Err(Error::Device("the filter is not resident".into())),
             };
-            match ready {
-                Ok(filter) => filters[i] = Some(filter),
+            match copy {
+                Ok(filter) => ready[i] = Some(ChannelsLastStep { layout, filter_slot, filter }),
                 Err(e) => {
                     tracing::warn!("node #{}: its convolution stays NCHW in this execution plan: {e}", s.node);
                     refused[i] = true;
-                    again = true;
+                    continue 'choose;
                 }
             }
         }
-        if !again {
-            return (layouts, filters);
-        }
+        return ready;
     }
 }
 
