@@ -475,6 +475,31 @@ fn group_query_attention_matches_float64_on_random_configurations() {
     assert!(through_gemm >= 4, "{through_gemm} prompts of 8 rows or more (the host-gemm path)");
 }
 
+/// Decode steps over 128 to 300 keys: from 128 a float32 step multiplies through the host's gemm
+/// (the CPU reference's long-context path), shared buffers or growing pasts, padded batch rows,
+/// windows, softcaps, sinks and biases as `random_case` draws them.
+#[test]
+fn group_query_attention_decodes_long_contexts_through_the_host_gemm() {
+    let rt = runtime();
+    let mut r = Rng(0xbb67_ae85_84ca_a73b);
+    let mut cases = 0;
+    while cases < 12 {
+        let mut c = random_case(&mut r, DType::F32);
+        if c.mode != Mode::Decode {
+            continue;
+        }
+        let max = r.range(128, 300);
+        let mut lens: Vec<_> = (0..c.batch).map(|_| r.range(1, max)).collect();
+        lens[r.range(0, c.batch - 1)] = max;
+        c.lens = lens;
+        c.total = max;
+        c.past_len = if c.shared { max + r.range(0, 3) } else { max - 1 };
+        let d = random_data(&mut r, &c);
+        check_gqa(&rt, &c, &d, 1e-5);
+        cases += 1;
+    }
+}
+
 #[test]
 fn group_query_attention_in_float16_and_bfloat16() {
     let rt = runtime();

@@ -991,13 +991,22 @@ fn prompt_attention_matches_the_cpu_reference() {
 /// than queries (130: a partial key tile), causal or not, an additive float mask (random values,
 /// every seventh key −inf, broadcast over heads) and opset 24's nonpad_kv_seqlen; every element
 /// within one float16 rounding (`f16_excess`). The same cases in float32 (a block per query row,
-/// `kiln_attention`), and 1,030 query rows over 1,033 keys in float32, enough tiles for
-/// `kiln_attention_tiled` (32 query rows and 16 keys a tile on CUDA cores, partial tiles of both);
-/// max |Δ| ≤ 1e-4. Then kiln's packed ReshapedAttention (`packed_attention_model`) in float16
+/// `kiln_attention`), and 2,050 query rows over 2,053 keys in float32, enough tiles for
+/// `kiln_attention_tiled` (64 query rows and 32 keys a tile on CUDA cores, partial tiles of both),
+/// at head sizes 40 (outputs past the last full group of 32), 64 and 128; max |Δ| ≤ 1e-4. Then kiln's packed ReshapedAttention (`packed_attention_model`) in float16
 /// (tensor cores) and float32.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn onnx_attention_on_tensor_cores_matches_the_cpu_reference() {
+    // float32 over enough query tiles for `kiln_attention_tiled` (33 tiles × 4 heads × 2 ≥ 256
+    // blocks; the smaller cases below run a block per query row): partial tiles of rows and keys,
+    // a mask, causal.
+    for head in [40, 64, 128] {
+        for (causal, mask) in [(false, true), (true, false)] {
+            let what = format!("head {head}, Sq 2050, Skv 2053, causal {causal}, mask {mask}, tiled");
+            gqa_gpu_matches_cpu(onnx_attention_model(head, (2050, 2053), causal, mask, true, false), false, &what);
+        }
+    }
     for head in [64, 128] {
         for (sq, skv) in [(100, 100), (70, 130)] {
             for (causal, mask, three_d, nonpad) in [
@@ -1013,13 +1022,6 @@ fn onnx_attention_on_tensor_cores_matches_the_cpu_reference() {
                 gqa_gpu_matches_cpu(model(), true, &what);
                 gqa_gpu_matches_cpu(model(), false, &what);
             }
-        }
-        // float32 over enough query tiles for `kiln_attention_tiled` (33 tiles × 4 heads × 2 ≥ 256
-        // blocks; the smaller cases above run a block per query row): partial tiles of rows and
-        // keys, a mask, causal.
-        for (causal, mask) in [(false, true), (true, false)] {
-            let what = format!("head {head}, Sq 1030, Skv 1033, causal {causal}, mask {mask}, tiled");
-            gqa_gpu_matches_cpu(onnx_attention_model(head, (1030, 1033), causal, mask, true, false), false, &what);
         }
         // kiln's packed ReshapedAttention (the qkv-reshaped-attention fusions' op): Q, K and V
         // as the column blocks of one [B, S, 3E] tensor, in float16 and float32. Its CPU
@@ -2754,8 +2756,8 @@ fn convolutions_run_through_cudnn_and_fall_back_to_the_packages_kernels_with_the
 /// tensors, so that it goes through a plan and is captured and replayed. The four convolutions
 /// between the pool and the global pooling keep their values NHWC (the stem's output, the
 /// pool's and the graph outputs stay NCHW, transformed in the workspace); their outputs match
-/// the CPU's within float16 roundings, and the same graph with `--channels-last off` or in
-/// float32 keeps every value NCHW.
+/// the CPU's within float16 roundings, as in bfloat16 within its roundings, and the same graph
+/// with `--channels-last off` or in float32 keeps every value NCHW.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn channels_last_convolutions_in_an_execution_plan_match_the_cpu() {
@@ -2813,26 +2815,30 @@ fn channels_last_convolutions_in_an_execution_plan_match_the_cpu() {
         assert_eq!((g.plans_built, g.captures, g.replays), (1, 1, 2), "dtype {dtype}: {g:?}");
         (got, s.report.convolutions.clone())
     };
-    let cpu = {
-        let m = float_model(10, nodes(), &inputs, &inits, &outputs);
+    let cpu = |dtype: i32| {
+        let m = float_model(dtype, nodes(), &inputs, &inits, &outputs);
         let mut s = Session::new(runtime(), m, SessionOptions::default()).unwrap();
-        let out = s.run(vec![("x".into(), float_tensor(10, &inputs[0].1, &inputs[0].2))]).unwrap();
+        let out = s.run(vec![("x".into(), float_tensor(dtype, &inputs[0].1, &inputs[0].2))]).unwrap();
         out.iter().map(|(_, t)| t.to_f32().unwrap()).collect::<Vec<_>>()
     };
     let graphs = || SessionOptions { graphs: GraphMode::Auto, ..cuda() };
-    let (last, report) = run(graphs(), 10);
-    assert_eq!((report.library_dispatches, report.channels_last), (5, 4), "{report:?}");
-    assert!(report.render().contains("4 compute channels-last"), "{}", report.render());
-    let (first, report_off) = run(SessionOptions { channels_last: false, ..graphs() }, 10);
-    assert_eq!((report_off.library_dispatches, report_off.channels_last), (5, 0), "{report_off:?}");
-    for (o, name) in outputs.iter().enumerate() {
-        let scale = cpu[o].iter().fold(1f32, |m, x| m.max(x.abs()));
-        // Five float16 layers, each output rounded once on both devices: a few roundings of the
-        // largest value.
-        let tol = 8.0 * 2f32.powi(-11) * scale;
-        for (what, got) in [("channels-last", &last[o]), ("NCHW", &first[o])] {
-            let d = max_abs_diff(got, &cpu[o]);
-            assert!(d <= tol, "{name} ({what}): max |Δ| {d} against the CPU, tolerance {tol}");
+    // float16 (10), then bfloat16 (16): its unit roundoff 2⁻⁸ where float16's is 2⁻¹¹.
+    for (dtype, eps) in [(10, 2f32.powi(-11)), (16, 2f32.powi(-8))] {
+        let cpu = cpu(dtype);
+        let (last, report) = run(graphs(), dtype);
+        assert_eq!((report.library_dispatches, report.channels_last), (5, 4), "dtype {dtype}: {report:?}");
+        assert!(report.render().contains("4 compute channels-last"), "{}", report.render());
+        let (first, report_off) = run(SessionOptions { channels_last: false, ..graphs() }, dtype);
+        assert_eq!((report_off.library_dispatches, report_off.channels_last), (5, 0), "dtype {dtype}: {report_off:?}");
+        for (o, name) in outputs.iter().enumerate() {
+            let scale = cpu[o].iter().fold(1f32, |m, x| m.max(x.abs()));
+            // Five 16-bit layers, each output rounded once on both devices: a few roundings of
+            // the largest value.
+            let tol = 8.0 * eps * scale;
+            for (what, got) in [("channels-last", &last[o]), ("NCHW", &first[o])] {
+                let d = max_abs_diff(got, &cpu[o]);
+                assert!(d <= tol, "dtype {dtype}, {name} ({what}): max |Δ| {d} against the CPU, tolerance {tol}");
+            }
         }
     }
     let (_, report32) = run(graphs(), 1);

@@ -145,13 +145,20 @@ fn direct_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
     // Column-major results, four weight rows per task: cols[r · m + i] is Y[i, r].
     let mut cols = vec![0f32; n * m];
     on_pool(|| {
+        // Default zero points are the same for every row: filled once per task's scratch.
+        let default = match w.zeros {
+            Zeros::Default(d) => Some(d),
+            _ => None,
+        };
         cols.par_chunks_mut(4 * m).with_min_len(8).enumerate().for_each_init(
-            || (vec![0f32; 4 * w.kb], vec![0f32; w.block]),
+            || (vec![default.unwrap_or(0.0); 4 * w.kb], vec![0f32; w.block]),
             |(z, scratch), (g, chunk)| {
                 let first = 4 * g;
                 let rows = chunk.len() / m;
-                for (t, zt) in z.chunks_exact_mut(w.kb).take(rows).enumerate() {
-                    w.zeros(first + t, zt);
+                if default.is_none() {
+                    for (t, zt) in z.chunks_exact_mut(w.kb).take(rows).enumerate() {
+                        w.zeros(first + t, zt);
+                    }
                 }
                 let x_row = |i: usize| &x[i * padded..(i + 1) * padded];
                 // One row of A: four weight rows at once.
@@ -186,11 +193,13 @@ fn direct_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
 /// [`row_dot`] for four 4-bit weight rows from `first`, whose zero points are `z`'s four runs
 /// of kb (false: no AVX2 here).
 fn q4_dots(w: &Weights, first: usize, x: &[f32], z: &[f32], dots: &mut [f32; 4]) -> bool {
+    // Literal arrays, not array maps: those stayed calls in this per-four-rows path.
+    let zr = |t: usize| &z[t * w.kb..(t + 1) * w.kb];
     let f = cpu_q4::Four {
         x,
-        rows: [0, 1, 2, 3].map(|t| w.row(first + t)),
-        scales: [0, 1, 2, 3].map(|t| w.scales(first + t)),
-        zeros: [0, 1, 2, 3].map(|t| &z[t * w.kb..(t + 1) * w.kb]),
+        rows: [w.row(first), w.row(first + 1), w.row(first + 2), w.row(first + 3)],
+        scales: [w.scales(first), w.scales(first + 1), w.scales(first + 2), w.scales(first + 3)],
+        zeros: [zr(0), zr(1), zr(2), zr(3)],
     };
     cpu_q4::dots4(&f, w.block, dots)
 }

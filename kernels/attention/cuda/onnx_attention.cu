@@ -83,6 +83,34 @@ __device__ __forceinline__ float att_score(float qk, const att_bias& a, unsigned
     return x;
 }
 
+// The rows kiln_attention and kiln_attention_tiled read and write for query head h of batch row
+// b (KV head j = h / (Nq / Nkv)): Q's and Y's row s, and row t of the present keys and values
+// (t < P from the past [B, Nkv, P, head size], the others from K / V; three_d: 3-D inputs, rows of
+// q_rs, k_rs and v_rs elements, and a 3-D Y).
+template <typename Tag>
+struct att_rows {
+    typedef typename Tag::storage T;
+    const T *q, *k, *v, *past_k, *past_v;
+    T* y;
+    att_strides lq, lk, lv, ly;
+    unsigned Nkv, P, H, Hv, b, h, j;
+    __device__ att_rows(const T* q_, const T* k_, const T* v_, const T* past_k_, const T* past_v_, T* y_, unsigned Nq,
+                        unsigned Nkv_, unsigned Sq, unsigned Skv, unsigned P_, unsigned H_, unsigned Hv_, bool td,
+                        kiln_u64 q_rs, kiln_u64 k_rs, kiln_u64 v_rs, unsigned b_, unsigned h_)
+        : q(q_), k(k_), v(v_), past_k(past_k_), past_v(past_v_), y(y_), lq(att_layout(td, Nq, Sq, H_, q_rs)),
+          lk(att_layout(td, Nkv_, Skv, H_, k_rs)), lv(att_layout(td, Nkv_, Skv, Hv_, v_rs)),
+          ly(att_layout(td, Nq, Sq, Hv_, (kiln_u64)Nq * Hv_)), Nkv(Nkv_), P(P_), H(H_), Hv(Hv_), b(b_), h(h_),
+          j(h_ / (Nq / Nkv_)) {}
+    __device__ const T* query(unsigned s) const { return q + b * lq.b + h * lq.h + (kiln_u64)s * lq.s; }
+    __device__ T* out(unsigned s) const { return y + b * ly.b + h * ly.h + (kiln_u64)s * ly.s; }
+    __device__ const T* key(unsigned t) const {
+        return t < P ? past_k + (((kiln_u64)b * Nkv + j) * P + t) * H : k + b * lk.b + j * lk.h + (t - P) * lk.s;
+    }
+    __device__ const T* value(unsigned t) const {
+        return t < P ? past_v + (((kiln_u64)b * Nkv + j) * P + t) * Hv : v + b * lv.b + j * lv.h + (t - P) * lv.s;
+    }
+};
+
 // Attention for query row s = blockIdx.x, head h = blockIdx.y, batch row b = blockIdx.z:
 // each warp keeps an online softmax over keys warp, warp + ATT_WARPS, … (a key's product is a
 // warp reduction over the head), the warps merge through shared memory, and thread d writes
@@ -106,22 +134,13 @@ __global__ void __launch_bounds__(ATT_WARPS * 32)
     const float neg_inf = -__int_as_float(0x7f800000);
     const unsigned s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const unsigned j = h / (Nq / Nkv), Tn = P + Skv;
-    const bool td = three_d != 0;
-    const att_strides lq = att_layout(td, Nq, Sq, H, q_rs), lk = att_layout(td, Nkv, Skv, H, k_rs),
-                      lv = att_layout(td, Nkv, Skv, Hv, v_rs), ly = att_layout(td, Nq, Sq, Hv, (kiln_u64)Nq * Hv);
+    const unsigned Tn = P + Skv;
+    const att_rows<Tag> rw(q, k, v, past_k, past_v, y, Nq, Nkv, Sq, Skv, P, H, Hv, three_d != 0, q_rs, k_rs, v_rs, b, h);
     const att_bias a{mask, has_nonpad ? nonpad : nullptr, mb, mh, ms, mask_mode, mask_width, causal, P, softcap};
-    for (unsigned d = threadIdx.x; d < H; d += blockDim.x)
-        q_s[d] = kiln_to_f32(Tag(), q[b * lq.b + h * lq.h + s * lq.s + d]);
+    for (unsigned d = threadIdx.x; d < H; d += blockDim.x) q_s[d] = kiln_to_f32(Tag(), rw.query(s)[d]);
     __syncthreads();
-    const auto key = [&](unsigned t) {
-        return t < P ? past_k + (((kiln_u64)b * Nkv + j) * P + t) * H : k + b * lk.b + j * lk.h + (t - P) * lk.s;
-    };
-    const auto value = [&](unsigned t) {
-        return t < P ? past_v + (((kiln_u64)b * Nkv + j) * P + t) * Hv : v + b * lv.b + j * lv.h + (t - P) * lv.s;
-    };
     const auto product = [&](unsigned t) {
-        const T* kr = key(t);
+        const T* kr = rw.key(t);
         float dot = 0.f;
         for (unsigned d = lane; d < H; d += 32) dot += q_s[d] * kiln_to_f32(Tag(), kr[d]);
         return kiln_warp_sum(dot) * scale;
@@ -136,7 +155,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32)
         if (qk_row && qk_mode < 3 && lane == 0) qk_row[t] = kiln_from_f32(Tag(), stage);
         if (x == neg_inf) continue;  // weight 0 (and no −inf − −inf)
         const float m2 = fmaxf(m, x), c = expf(m - m2), p = expf(x - m2);
-        const T* vr = value(t);
+        const T* vr = rw.value(t);
         l = l * c + p;
 #pragma unroll
         for (int i = 0; i < ATT_MAX_CHUNKS; ++i) {
@@ -163,7 +182,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32)
         float o = 0.f;
         for (unsigned w = 0; w < ATT_WARPS; ++w)
             if (s_l[w] > 0.f) o += s_acc[w][d] * expf(s_m[w] - M);
-        y[b * ly.b + h * ly.h + s * ly.s + d] = kiln_from_f32(Tag(), Tn == 0 ? 0.f : o / L);  // no key: 0, as the CPU
+        rw.out(s)[d] = kiln_from_f32(Tag(), Tn == 0 ? 0.f : o / L);  // no key: 0, as the CPU
     }
     if (qk_row && qk_mode == 3)
         for (unsigned t = warp; t < Tn; t += ATT_WARPS) {
@@ -175,23 +194,26 @@ __global__ void __launch_bounds__(ATT_WARPS * 32)
 
 // Attention over tiles on CUDA cores (the shim takes it where the tensor-core kernel does not
 // and there is no qk_matmul_output, head sizes up to ATT_TILE_MAX_HEAD, and the tiles make at
-// least 256 blocks: float32 above all, where TF32 is not allowed): block (query tile, h, b) takes ATT_TILE_ROWS query rows of head h, batch
-// row b, and walks the keys in tiles of ATT_TILE_KEYS whose K and V rows (as float) it stages
-// in shared memory, so that each key row is read once per block instead of once per query row.
-// Thread (r, g) = (tid / 4, tid % 4) owns row r: it computes the scores of keys g, g + 4, … of a
-// tile, the four threads of a row (one warp's adjacent lanes) merge their online-softmax
-// statistics by shuffles, and the thread accumulates the row's outputs d = g, g + 4, … over the
-// tile's weights. Scores, masks and outputs as kiln_attention (att_score; a row whose keys are
-// all masked gives NaN, no key at all 0). Shared memory (dynamic): Q [ROWS][H + 1], K [KEYS][H + 1],
-// V [KEYS][Hv + 1] and the weights [ROWS][KEYS + 1] as float, the + 1s against bank conflicts;
-// the shim sizes it (attention_tiled_shared_bytes).
-#define ATT_TILE_ROWS 32
-#define ATT_TILE_KEYS 16
+// least 256 blocks: float32 above all, where TF32 is not allowed). Block (query tile, h, b) takes
+// ATT_TILE_ROWS query rows of head h, batch row b, and walks the keys in tiles of ATT_TILE_KEYS
+// whose K and V rows (as float) it stages in shared memory, so that each key row is read once
+// per block. The products are register tiles, as a SIMT GEMM's: thread (ty, tx) = (tid / 8,
+// tid % 8) owns query rows 4·ty … 4·ty + 3; it computes their scores against keys 4·tx … 4·tx + 3
+// of the tile (per head element one float4 of Q and one of K for 16 products), merges the rows'
+// online-softmax statistics with the other seven lanes of its rows (shuffles), and accumulates
+// the rows' outputs d = 32·c + 4·tx … + 3 (one float4 of the weights and one of V per key and c).
+// Scores, masks and outputs as kiln_attention (att_score; a row whose keys are all masked gives
+// NaN, no key at all 0). Shared memory (dynamic), as float: Q transposed [H][ROWS + 4], K
+// transposed [H][KEYS + 4], V [KEYS][Hv rounded up to 32] and the weights transposed
+// [KEYS][ROWS + 4] (the + 4s keep float4 alignment and spread the transposing stores over
+// banks); the shim sizes it (attention_tiled_shared_bytes).
+#define ATT_TILE_ROWS 64
+#define ATT_TILE_KEYS 32
 #define ATT_TILE_THREADS 128
 #define ATT_TILE_MAX_HEAD 128
 
 template <typename Tag>
-__global__ void __launch_bounds__(ATT_TILE_THREADS)
+__global__ void __launch_bounds__(ATT_TILE_THREADS, 1)
     kiln_attention_tiled(const typename Tag::storage* q, const typename Tag::storage* k,
                          const typename Tag::storage* v, const typename Tag::storage* past_k,
                          const typename Tag::storage* past_v, const void* mask, const long long* nonpad,
@@ -200,98 +222,123 @@ __global__ void __launch_bounds__(ATT_TILE_THREADS)
                          kiln_u64 q_rs, kiln_u64 k_rs, kiln_u64 v_rs, kiln_u64 mb, kiln_u64 mh, kiln_u64 ms,
                          unsigned mask_mode, unsigned mask_width, unsigned causal, unsigned has_nonpad, float scale,
                          float softcap, unsigned has_qk_unused, unsigned qk_mode_unused) {
-    constexpr unsigned R = ATT_TILE_ROWS, KT = ATT_TILE_KEYS, PER = ATT_TILE_KEYS / 4,
-                       OUT = ATT_TILE_MAX_HEAD / 4;
-    extern __shared__ float att_tile_smem[];
-    const unsigned hp = H + 1, vp = Hv + 1;
-    float* qs = att_tile_smem;  // [R][hp]
-    float* ks = qs + R * hp;    // [KT][hp]
-    float* vs = ks + KT * hp;   // [KT][vp]
-    float* ps = vs + KT * vp;   // [R][KT + 1]
+    constexpr unsigned R = ATT_TILE_ROWS, KT = ATT_TILE_KEYS, RP = R + 4, KP = KT + 4,
+                       C = ATT_TILE_MAX_HEAD / 32;  // float4 column groups of the outputs, at most
+    extern __shared__ __align__(16) float att_tile_smem[];
+    const unsigned vp = (Hv + 31) / 32 * 32, groups = vp / 32;
+    float* qs = att_tile_smem;  // [H][RP]
+    float* ks = qs + H * RP;    // [H][KP]
+    float* vs = ks + H * KP;    // [KT][vp]
+    float* ps = vs + KT * vp;   // [KT][RP]
     const float neg_inf = -__int_as_float(0x7f800000);
     const unsigned s0 = blockIdx.x * R, h = blockIdx.y, b = blockIdx.z;
-    const unsigned tid = threadIdx.x, r = tid >> 2, g = tid & 3, s = s0 + r;
-    const unsigned j = h / (Nq / Nkv), Tn = P + Skv;
-    const bool td = three_d != 0;
-    const att_strides lq = att_layout(td, Nq, Sq, H, q_rs), lk = att_layout(td, Nkv, Skv, H, k_rs),
-                      lv = att_layout(td, Nkv, Skv, Hv, v_rs), ly = att_layout(td, Nq, Sq, Hv, (kiln_u64)Nq * Hv);
+    const unsigned tid = threadIdx.x, tx = tid & 7u, ty = tid >> 3;
+    const unsigned Tn = P + Skv;
+    const att_rows<Tag> rw(q, k, v, past_k, past_v, y, Nq, Nkv, Sq, Skv, P, H, Hv, three_d != 0, q_rs, k_rs, v_rs, b, h);
     const att_bias a{mask, has_nonpad ? nonpad : nullptr, mb, mh, ms, mask_mode, mask_width, causal, P, softcap};
     for (unsigned i = tid; i < R * H; i += ATT_TILE_THREADS) {
         const unsigned rr = i / H, d = i % H;
-        qs[rr * hp + d] =
-            s0 + rr < Sq ? kiln_to_f32(Tag(), q[b * lq.b + h * lq.h + (kiln_u64)(s0 + rr) * lq.s + d]) : 0.f;
+        qs[d * RP + rr] = s0 + rr < Sq ? kiln_to_f32(Tag(), rw.query(s0 + rr)[d]) : 0.f;
     }
-    const auto key = [&](unsigned t) {
-        return t < P ? past_k + (((kiln_u64)b * Nkv + j) * P + t) * H : k + b * lk.b + j * lk.h + (t - P) * lk.s;
-    };
-    const auto value = [&](unsigned t) {
-        return t < P ? past_v + (((kiln_u64)b * Nkv + j) * P + t) * Hv : v + b * lv.b + j * lv.h + (t - P) * lv.s;
-    };
-    float o[OUT];
+    float o[4][4 * C];
 #pragma unroll
-    for (int i = 0; i < OUT; ++i) o[i] = 0.f;
-    float m = neg_inf, l = 0.f;
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int i = 0; i < 4 * C; ++i) o[r][i] = 0.f;
+    float m[4], l[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) m[r] = neg_inf, l[r] = 0.f;
     for (unsigned t0 = 0; t0 < Tn; t0 += KT) {
         __syncthreads();  // the last tile's K, V and weights are read (and Q written, the first time)
         for (unsigned i = tid; i < KT * H; i += ATT_TILE_THREADS) {
             const unsigned kk = i / H, d = i % H;
-            ks[kk * hp + d] = t0 + kk < Tn ? kiln_to_f32(Tag(), key(t0 + kk)[d]) : 0.f;
+            ks[d * KP + kk] = t0 + kk < Tn ? kiln_to_f32(Tag(), rw.key(t0 + kk)[d]) : 0.f;
         }
-        for (unsigned i = tid; i < KT * Hv; i += ATT_TILE_THREADS) {
-            const unsigned kk = i / Hv, d = i % Hv;
-            vs[kk * vp + d] = t0 + kk < Tn ? kiln_to_f32(Tag(), value(t0 + kk)[d]) : 0.f;
+        for (unsigned i = tid; i < KT * vp; i += ATT_TILE_THREADS) {
+            const unsigned kk = i / vp, d = i % vp;
+            vs[kk * vp + d] = t0 + kk < Tn && d < Hv ? kiln_to_f32(Tag(), rw.value(t0 + kk)[d]) : 0.f;
         }
         __syncthreads();
-        float x[PER];
+        float x[4][4];
 #pragma unroll
-        for (int i = 0; i < PER; ++i) x[i] = 0.f;
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) x[r][c] = 0.f;
+#pragma unroll 4
         for (unsigned d = 0; d < H; ++d) {
-            const float qd = qs[r * hp + d];
+            const float4 qv = *(const float4*)&qs[d * RP + 4 * ty];
+            const float4 kv = *(const float4*)&ks[d * KP + 4 * tx];
+            const float qa[4] = {qv.x, qv.y, qv.z, qv.w}, ka[4] = {kv.x, kv.y, kv.z, kv.w};
 #pragma unroll
-            for (int i = 0; i < PER; ++i) x[i] += qd * ks[(g + 4 * i) * hp + d];
+            for (int r = 0; r < 4; ++r)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) x[r][c] = fmaf(qa[r], ka[c], x[r][c]);
         }
-        float tm = neg_inf;
+        float cr[4];
 #pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            const unsigned t = t0 + g + 4 * i;
-            float stage;
-            x[i] = t < Tn && s < Sq ? att_score<Tag>(x[i] * scale, a, b, h, s, t, 0, &stage) : neg_inf;
-            tm = fmaxf(tm, x[i]);
+        for (int r = 0; r < 4; ++r) {
+            const unsigned s = s0 + 4 * ty + r;
+            float tm = neg_inf;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const unsigned t = t0 + 4 * tx + c;
+                float stage;
+                x[r][c] = t < Tn && s < Sq ? att_score<Tag>(x[r][c] * scale, a, b, h, s, t, 0, &stage) : neg_inf;
+                tm = fmaxf(tm, x[r][c]);
+            }
+            tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 1));
+            tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 2));
+            tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 4));
+            const float m2 = fmaxf(m[r], tm);
+            // Only −inf so far: nothing to rescale (and no −inf − −inf).
+            cr[r] = m2 == neg_inf ? 1.f : expf(m[r] - m2);
+            float ts = 0.f;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                x[r][c] = x[r][c] == neg_inf ? 0.f : expf(x[r][c] - m2);
+                ts += x[r][c];
+            }
+            ts += __shfl_xor_sync(0xffffffffu, ts, 1);
+            ts += __shfl_xor_sync(0xffffffffu, ts, 2);
+            ts += __shfl_xor_sync(0xffffffffu, ts, 4);
+            l[r] = l[r] * cr[r] + ts;
+            m[r] = m2;
         }
-        tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 1));
-        tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 2));
-        const float m2 = fmaxf(m, tm);
-        // Only −inf so far: nothing to rescale (and no −inf − −inf).
-        const float c = m2 == neg_inf ? 1.f : expf(m - m2);
-        float ts = 0.f;
 #pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            const float p = x[i] == neg_inf ? 0.f : expf(x[i] - m2);
-            ps[r * (KT + 1) + g + 4 * i] = p;
-            ts += p;
-        }
-        ts += __shfl_xor_sync(0xffffffffu, ts, 1);
-        ts += __shfl_xor_sync(0xffffffffu, ts, 2);
-        l = l * c + ts;
-        m = m2;
-        __syncwarp();  // the row's weights, written by its four lanes of this warp
+        for (int c = 0; c < 4; ++c)
+            *(float4*)&ps[(4 * tx + c) * RP + 4 * ty] = make_float4(x[0][c], x[1][c], x[2][c], x[3][c]);
+        __syncwarp();  // the rows' weights, written by the eight lanes of their warp
 #pragma unroll
-        for (int i = 0; i < OUT; ++i) o[i] *= c;
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int i = 0; i < 4 * C; ++i) o[r][i] *= cr[r];
+#pragma unroll 2
         for (unsigned kk = 0; kk < KT; ++kk) {
-            const float p = ps[r * (KT + 1) + kk];
-            const float* vr = vs + kk * vp;
+            const float4 pv = *(const float4*)&ps[kk * RP + 4 * ty];
+            const float pa[4] = {pv.x, pv.y, pv.z, pv.w};
 #pragma unroll
-            for (int i = 0; i < OUT; ++i) {
-                const unsigned d = g + 4 * i;
-                if (d < Hv) o[i] += p * vr[d];
+            for (unsigned g = 0; g < C; ++g) {
+                if (g >= groups) break;
+                const float4 vv = *(const float4*)&vs[kk * vp + 32 * g + 4 * tx];
+                const float va[4] = {vv.x, vv.y, vv.z, vv.w};
+#pragma unroll
+                for (int r = 0; r < 4; ++r)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) o[r][4 * g + e] = fmaf(pa[r], va[e], o[r][4 * g + e]);
             }
         }
     }
-    if (s >= Sq) return;
 #pragma unroll
-    for (int i = 0; i < OUT; ++i) {
-        const unsigned d = g + 4 * i;
-        if (d < Hv) y[b * ly.b + h * ly.h + s * ly.s + d] = kiln_from_f32(Tag(), Tn == 0 ? 0.f : o[i] / l);
+    for (int r = 0; r < 4; ++r) {
+        const unsigned s = s0 + 4 * ty + r;
+        if (s >= Sq) continue;
+#pragma unroll
+        for (unsigned g = 0; g < C; ++g)
+#pragma unroll
+            for (unsigned e = 0; e < 4; ++e) {
+                const unsigned d = 32 * g + 4 * tx + e;
+                if (d < Hv) rw.out(s)[d] = kiln_from_f32(Tag(), Tn == 0 ? 0.f : o[r][4 * g + e] / l[r]);
+            }
     }
 }
 

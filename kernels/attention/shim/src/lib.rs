@@ -510,8 +510,6 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
     let (pl, past) = (p.present_len, p.past_len);
     let shared = past >= p.total;
     let size = p.dtype.size().unwrap_or(4);
-    let (past_k, past_v) =
-        if past > 0 { (call.input(3)?.read_bytes()?, call.input(4)?.read_bytes()?) } else { (Vec::new(), Vec::new()) };
 
     // Per batch row: total valid length and past length.
     let mut rows = Vec::with_capacity(b_n);
@@ -535,14 +533,15 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
     let pc = rows.iter().map(|&(t, past_b)| t.max(past_b + s_n)).max().unwrap_or(0).min(pl);
     let (mut pres_k, mut pres_v) = (vec![T::ZERO; b_n * n_kv * pc * h_sz], vec![T::ZERO; b_n * n_kv * pc * h_sz]);
     let head = |b: usize, j: usize| (b * n_kv + j) * pc * h_sz;
-    // Byte offset of head (b, j) in the past's bytes.
-    let past_head = |b: usize, j: usize| (b * n_kv + j) * past * h_sz * size;
+    // Each head's past rows straight from the past tensors (only the rows a batch row uses; a
+    // decode step's context, not the whole buffer).
+    let (past_kt, past_vt) = if past > 0 { (Some(call.input(3)?), Some(call.input(4)?)) } else { (None, None) };
     for (b, &(_, past_b)) in rows.iter().enumerate() {
         for j in 0..n_kv {
-            if past_b > 0 {
-                let (dst, src, n) = (head(b, j), past_head(b, j), past_b * h_sz);
-                pres_k[dst..dst + n].copy_from_slice(&element::decode_as::<T>(p.dtype, &past_k[src..src + n * size])?);
-                pres_v[dst..dst + n].copy_from_slice(&element::decode_as::<T>(p.dtype, &past_v[src..src + n * size])?);
+            if let (Some(kt), Some(vt), true) = (&past_kt, &past_vt, past_b > 0) {
+                let (dst, src, n) = (head(b, j), (b * n_kv + j) * past * h_sz, past_b * h_sz);
+                pres_k[dst..dst + n].copy_from_slice(&kt.read_vec_range::<T>(src, n)?);
+                pres_v[dst..dst + n].copy_from_slice(&vt.read_vec_range::<T>(src, n)?);
             }
             for s in 0..s_n {
                 let src = (b * s_n + s) * kv_w;
@@ -557,28 +556,36 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
             }
         }
     }
-    // The present's bytes: the past's (a shared buffer) or zeros, each batch row's past and new
-    // positions replaced.
-    let present_bytes = |past_bytes: Vec<u8>, pres: &[T]| -> Result<Vec<u8>> {
-        let mut raw = if shared && past > 0 { past_bytes } else { alloc::vec![0u8; b_n * n_kv * pl * h_sz * size] };
-        for (b, &(_, past_b)) in rows.iter().enumerate() {
-            for j in 0..n_kv {
-                let bytes = element::encode_as(p.dtype, &pres[head(b, j)..head(b, j) + (past_b + s_n) * h_sz])?;
-                let at = (b * n_kv + j) * pl * h_sz * size;
-                raw[at..at + bytes.len()].copy_from_slice(&bytes);
+    // The presents: each batch row's past and new positions written per head; the other rows
+    // are the past's bytes (a shared buffer: the whole past is copied first) or zeros.
+    let write_present = |t: &Tensor, past_t: Option<&Tensor>, pres: &[T]| -> Result<()> {
+        if shared && past > 0 {
+            if let Some(pt) = past_t {
+                t.write_bytes(&pt.read_bytes()?)?;
             }
         }
-        Ok(raw)
+        for (b, &(_, past_b)) in rows.iter().enumerate() {
+            for j in 0..n_kv {
+                let at = (b * n_kv + j) * pl * h_sz;
+                let used = (past_b + s_n).min(pl);
+                t.write_vec_at(at, &pres[head(b, j)..head(b, j) + used * h_sz])?;
+                if !shared && used < pl {
+                    t.write_bytes_at(((at + used * h_sz) * size) as u64, &alloc::vec![0u8; (pl - used) * h_sz * size])?;
+                }
+            }
+        }
+        Ok(())
     };
 
-    // A float32 prompt multiplies through the host's `gemm` (Q·Kᵀ and P·V over each KV head's
-    // group), reading K and V from the presents, which are therefore written first.
+    // A float32 prompt, or a decode step over a long context, multiplies through the host's
+    // `gemm` (Q·Kᵀ and P·V over each KV head's group), reading K and V from the presents, which
+    // are therefore written first.
     let (pk, pv) = (call.output_opt(1), call.output_opt(2));
     if let Some(t) = &pk {
-        t.write_bytes(&present_bytes(past_k, &pres_k)?)?;
+        write_present(t, past_kt.as_ref(), &pres_k)?;
     }
     if let Some(t) = &pv {
-        t.write_bytes(&present_bytes(past_v, &pres_v)?)?;
+        write_present(t, past_vt.as_ref(), &pres_v)?;
     }
     let sink_of = |h: usize| match &sink {
         Some(sv) => Some(sv[h]),
@@ -614,9 +621,10 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
         Ok(())
     };
     let mut q = vec![T::ZERO; h_sz];
-    if let (DType::F32, true, Some(pk), Some(pv)) = (p.dtype, s_n >= PROMPT_GEMM_ROWS, &pk, &pv) {
+    let t_max = rows.iter().map(|r| r.0).max().unwrap_or(1).max(1);
+    let through_gemm = s_n >= PROMPT_GEMM_ROWS || t_max >= DECODE_GEMM_KEYS;
+    if let (DType::F32, true, Some(pk), Some(pv)) = (p.dtype, through_gemm, &pk, &pv) {
         let out = call.output(0)?.handle();
-        let t_max = rows.iter().map(|r| r.0).max().unwrap_or(1).max(1);
         // Query rows per product: the group's scores of a chunk within PROMPT_SCORES values.
         let chunk = (PROMPT_SCORES / (group * t_max)).clamp(1, s_n);
         let qs = scratch((group * chunk * h_sz * 4) as u64)?;
@@ -734,6 +742,10 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
 
 /// Prompts of at least this many rows multiply through the host's `gemm` (float32).
 const PROMPT_GEMM_ROWS: usize = 8;
+/// So do decode steps (fewer rows) over at least this many keys: the host's products read K and
+/// V where they are, where the shim's own loops took about 1 µs per key and head (a 1,040-token
+/// context of SmolLM2-135M's 9 heads cost 1.2 ms a layer on the CPU).
+const DECODE_GEMM_KEYS: usize = 128;
 /// Most scores (f32 values) one product of a prompt's attention writes at once.
 const PROMPT_SCORES: usize = 4 << 20;
 

@@ -40,21 +40,23 @@ const GPU_MAX_HEAD: usize = 256;
 const GPU_WARPS: u32 = 4;
 /// Query rows per block, keys per tile, threads and largest head size of `kiln_attention_tiled`
 /// (onnx_attention.cu's ATT_TILE_*).
-const TILE_ROWS: usize = 32;
-const TILE_KEYS: usize = 16;
+const TILE_ROWS: usize = 64;
+const TILE_KEYS: usize = 32;
 const TILE_THREADS: u32 = 128;
 const TILE_MAX_HEAD: usize = 128;
 /// Fewest blocks `kiln_attention_tiled` takes a node with: about two per multiprocessor of an
 /// H100 or H200. Below it a block per query row spreads the work wider: at BERT-base's batch 1
-/// (48 tiles) the tiled kernel took BERT fp32 from 1.95 to 2.37 ms (one H100 run and one H200
-/// run, session 35), where at batch 32 (1,536 tiles) it took it from 37.0 to 23.9 ms.
+/// (48 tiles of 32 rows) the first tiled kernel took BERT fp32 from 1.95 to 2.37 ms (one H100
+/// run and one H200 run, session 35), where at batch 32 (1,536 tiles) it took it from 37.0 to
+/// 23.9 ms.
 const TILE_MIN_BLOCKS: usize = 256;
 
 /// `kiln_attention_tiled`'s dynamic shared memory in bytes at head sizes `h` (Q and K) and `hv`
-/// (V): a tile of Q rows, of K rows, of V rows and of weights as float, each row padded by one
-/// (35,200 bytes at 128 / 128).
+/// (V), as float: Q and K transposed ([h][rows + 4], [h][keys + 4]), a tile of V rows (`hv`
+/// rounded up to 32) and the weights transposed ([keys][rows + 4]). 43,520 bytes at 64 / 64,
+/// 78,336 at 128 / 128 (past 48 KiB: the host opts the kernel in to the device's maximum).
 fn attention_tiled_shared_bytes(h: usize, hv: usize) -> usize {
-    4 * (TILE_ROWS * (h + 1) + TILE_KEYS * (h + 1) + TILE_KEYS * (hv + 1) + TILE_ROWS * (TILE_KEYS + 1))
+    4 * (h * (TILE_ROWS + 4) + h * (TILE_KEYS + 4) + TILE_KEYS * hv.div_ceil(32) * 32 + TILE_KEYS * (TILE_ROWS + 4))
 }
 
 /// `attn_mask` seen through [B, Nq, Sq, width] element strides (0 where it broadcasts; the
