@@ -141,11 +141,14 @@ mod gpu {
 
     /// Grid and block of a row kernel over `rows` rows of `cols` elements: a warp per row (8
     /// rows a block) for short rows, a block per row for long ones, and for fewer rows than
-    /// [`FEW_ROWS`] (a decode step, an encoder's 128-token sequence) a block per row with about 4
-    /// elements a thread, so that a row's loads are spread over many threads rather than queued
-    /// on one warp.
+    /// [`FEW_ROWS`] (a decode step, an encoder's 128-token sequence) or rows of 257 to 1,024
+    /// elements a block per row with about 4 elements a thread, so that a row's loads are spread
+    /// over many threads rather than queued on one warp. (At 4,096 rows of 768, BERT-base at
+    /// batch 32, a warp per row left SkipLayerNormalization's 24 values a lane past what it keeps
+    /// in registers, three passes over memory: 86 µs a launch in float32, ncu on an H100,
+    /// bench/RESULTS.md, session 36.)
     pub fn row_launch(rows: u64, cols: u64) -> ([u32; 3], [u32; 3]) {
-        if rows < FEW_ROWS && cols > 128 {
+        if cols > 128 && (rows < FEW_ROWS || (256 < cols && cols <= 1024)) {
             let threads = (cols.div_ceil(4).div_ceil(32) * 32).clamp(32, 1024) as u32;
             return ([rows.max(1) as u32, 1, 1], [threads, 1, 1]);
         }
