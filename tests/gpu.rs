@@ -1529,6 +1529,64 @@ fn arg_max_and_min_over_long_rows_match_the_cpu() {
     assert_eq!(cases, 10);
 }
 
+/// kiln-normalization's `ai.kiln::SkipLayerNormalization` on the GPU against its CPU reference
+/// (f64, the sum rounded to the dtype, the output rounded once) on both row paths of
+/// `kiln_skip_layer_norm`: whole 4-element chunks (`skip_norm_vec`: BERT's 768-wide rows, 1,000
+/// columns with skip, beta and bias broadcast over the leading dimensions, and rows of 4,096 that
+/// take a 1,024-thread block, which the kernel's 64-register bound lets launch) and element by
+/// element (770 columns, off the chunk). float32 and float16. Tolerance: four units of the
+/// dtype's last place relative to each value (at least 1): a wrong chunk or row is off by O(1).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn skip_layer_normalization_matches_the_cpu_on_both_row_paths() {
+    use kiln_tests::onnx::{self, node};
+    let mut r = kiln_tests::Rng(0x5c1a);
+    let mut cases = 0;
+    for (code, ulp) in [(1i64, 2f32.powi(-23)), (10, 2f32.powi(-10))] {
+        for (x_shape, suffix, extras) in [
+            (vec![512usize, 768], false, false),
+            (vec![2, 4096], false, false),
+            (vec![2, 3, 1000], true, true),
+            (vec![3, 770], false, true),
+        ] {
+            let hidden = x_shape[x_shape.len() - 1];
+            let skip_shape = if suffix { vec![hidden] } else { x_shape.clone() };
+            let mut feeds = vec![
+                ("x".to_string(), kiln_tests::f32_tensor(&x_shape, &r.signed_unit(x_shape.iter().product()))),
+                ("skip".into(), kiln_tests::f32_tensor(&skip_shape, &r.signed_unit(skip_shape.iter().product()))),
+                ("gamma".into(), kiln_tests::f32_tensor(&[hidden], &r.signed_unit(hidden))),
+            ];
+            let mut names = vec!["x", "skip", "gamma"];
+            if extras {
+                feeds.push(("beta".into(), kiln_tests::f32_tensor(&[hidden], &r.signed_unit(hidden))));
+                feeds.push(("bias".into(), kiln_tests::f32_tensor(&[hidden], &r.signed_unit(hidden))));
+                names.extend(["beta", "bias"]);
+            }
+            let cast: Vec<String> = names.iter().map(|n| format!("{n}c")).collect();
+            let mut nodes: Vec<_> = names
+                .iter()
+                .zip(&cast)
+                .map(|(n, c)| node("Cast", &[n], &[c], vec![onnx::attr_int("to", code)]))
+                .collect();
+            let inputs: Vec<&str> = cast.iter().map(String::as_str).collect();
+            let mut op = node("SkipLayerNormalization", &inputs, &["y"], vec![onnx::attr_float("epsilon", 1e-5)]);
+            op.domain = "ai.kiln".into();
+            nodes.push(op);
+            let (want, got) = run_kiln_op_on_cpu_and_gpu(nodes, &["y"], feeds, vec![]);
+            let (w, g) = (want[0].1.to_f32().unwrap(), got[0].1.to_f32().unwrap());
+            assert_eq!(w.len(), g.len());
+            for (i, (a, b)) in w.iter().zip(&g).enumerate() {
+                assert!(
+                    (a - b).abs() <= 4.0 * ulp * a.abs().max(1.0),
+                    "dtype {code}, {x_shape:?}: element {i} is {b} on the GPU, {a} on the CPU"
+                );
+            }
+            cases += 1;
+        }
+    }
+    assert_eq!(cases, 8);
+}
+
 /// kiln-matmul's `ai.kiln::Linear`, `RmsNormLinear` and `SwiGluLinear` on the GPU against their
 /// CPU reference (f64, A rounded to the dtype, then Y rounded once), on random shapes: 1 to 4
 /// rows (the CUDA-core GEMV for 1 row and float32; the tensor-core GEMV for 2 to 16 rows of

@@ -7,6 +7,7 @@
 #include "kiln.cuh"
 #include "kiln-cuda-std/async.cuh"
 #include "kiln-cuda-std/flash.cuh"
+#include "kiln-cuda-std/vec.cuh"
 
 // Largest head size (Q/K and V): each lane holds ceil(head / 32) ≤ 8 elements.
 #define ATT_MAX_CHUNKS 8
@@ -57,9 +58,9 @@ struct att_bias {
     float softcap;
 };
 
+// The attention bias of key t for query row (b, h, s): the mask, the causal and the padding masks.
 template <typename Tag>
-__device__ __forceinline__ float att_score(float qk, const att_bias& a, unsigned b, unsigned h, unsigned s, unsigned t,
-                                           unsigned qk_mode, float* stage) {
+__device__ __forceinline__ float att_bias_at(const att_bias& a, unsigned b, unsigned h, unsigned s, unsigned t) {
     const float neg_inf = -__int_as_float(0x7f800000);
     float bias = 0.f;
     if (a.mode != 0) {
@@ -73,6 +74,12 @@ __device__ __forceinline__ float att_score(float qk, const att_bias& a, unsigned
     }
     if (a.causal && t > a.P + s) bias += neg_inf;
     if (a.nonpad && (long long)t >= a.nonpad[b]) bias += neg_inf;
+    return bias;
+}
+
+// The score from qk (the scaled product) and its bias (att_bias_at), then the softcap; `stage`
+// gets qk_matmul_output's value for modes 0–2.
+__device__ __forceinline__ float att_finish(float qk, float bias, const att_bias& a, unsigned qk_mode, float* stage) {
     float x = qk + bias;
     float st = qk_mode == 0 ? qk : x;
     if (a.softcap > 0.f) {
@@ -81,6 +88,12 @@ __device__ __forceinline__ float att_score(float qk, const att_bias& a, unsigned
     }
     *stage = st;
     return x;
+}
+
+template <typename Tag>
+__device__ __forceinline__ float att_score(float qk, const att_bias& a, unsigned b, unsigned h, unsigned s, unsigned t,
+                                           unsigned qk_mode, float* stage) {
+    return att_finish(qk, att_bias_at<Tag>(a, b, h, s, t), a, qk_mode, stage);
 }
 
 // The rows kiln_attention and kiln_attention_tiled read and write for query head h of batch row
@@ -197,12 +210,15 @@ __global__ void __launch_bounds__(ATT_WARPS * 32)
 // least 256 blocks: float32 above all, where TF32 is not allowed). Block (query tile, h, b) takes
 // ATT_TILE_ROWS query rows of head h, batch row b, and walks the keys in tiles of ATT_TILE_KEYS
 // whose K and V rows (as float) it stages in shared memory, so that each key row is read once
-// per block. The products are register tiles, as a SIMT GEMM's: thread (ty, tx) = (tid / 8,
+// per block (att_stage_t and the V loop: batches of four 4-element groups a thread, every load of
+// a batch issued before its stores; the tile's mask terms are loaded before its products, so
+// their latency hides behind them). Under __launch_bounds__(128, 3), 3 blocks share an SM at head
+// size 64 (167 registers, sm_90). The products are register tiles, as a SIMT GEMM's: thread (ty, tx) = (tid / 8,
 // tid % 8) owns query rows 4·ty … 4·ty + 3; it computes their scores against keys 4·tx … 4·tx + 3
 // of the tile (per head element one float4 of Q and one of K for 16 products), merges the rows'
 // online-softmax statistics with the other seven lanes of its rows (shuffles), and accumulates
 // the rows' outputs d = 32·c + 4·tx … + 3 (one float4 of the weights and one of V per key and c).
-// Scores, masks and outputs as kiln_attention (att_score; a row whose keys are all masked gives
+// Scores, masks and outputs as kiln_attention (att_bias_at and att_finish; a row whose keys are all masked gives
 // NaN, no key at all 0). Shared memory (dynamic), as float: Q transposed [H][ROWS + 4], K
 // transposed [H][KEYS + 4], V [KEYS][Hv rounded up to 32] and the weights transposed
 // [KEYS][ROWS + 4] (the + 4s keep float4 alignment and spread the transposing stores over
@@ -212,8 +228,53 @@ __global__ void __launch_bounds__(ATT_WARPS * 32)
 #define ATT_TILE_THREADS 128
 #define ATT_TILE_MAX_HEAD 128
 
+// Four elements of a row at p (n of them there, zeros after) as float: one access of
+// 4 · sizeof(T) bytes when `vec` (p aligned to that) and n ≥ 4, else element by element.
 template <typename Tag>
-__global__ void __launch_bounds__(ATT_TILE_THREADS, 1)
+__device__ __forceinline__ float4 att_ld4(const typename Tag::storage* p, unsigned n, bool vec) {
+    typedef typename Tag::storage T;
+    if (vec && n >= 4) {
+        const kiln_vec<T, 4> w = *(const kiln_vec<T, 4>*)p;
+        return make_float4(kiln_to_f32(Tag(), w.e[0]), kiln_to_f32(Tag(), w.e[1]), kiln_to_f32(Tag(), w.e[2]),
+                           kiln_to_f32(Tag(), w.e[3]));
+    }
+    float e[4];
+#pragma unroll
+    for (unsigned i = 0; i < 4; ++i) e[i] = i < n ? kiln_to_f32(Tag(), p[i]) : 0.f;
+    return make_float4(e[0], e[1], e[2], e[3]);
+}
+
+// Rows 0 … NR − 1 of a tile (row r at src(r) for r < valid, zeros after), H elements each, into
+// dst transposed as float (dst[d · pitch + r]): thread tid takes row tid % NR and, per batch of
+// 4 · (threads / NR) column groups of four, the four consecutive groups 4 · (tid / NR) …, all
+// four loaded before any is stored (one memory latency a batch, not one an element); a warp
+// stores 32 consecutive rows of one column, so the transposing stores hit 32 banks.
+template <unsigned NR, typename Tag, typename Src>
+__device__ __forceinline__ void att_stage_t(float* dst, unsigned pitch, unsigned H, unsigned valid, bool vec,
+                                            Src src) {
+    constexpr unsigned PER = ATT_TILE_THREADS / NR;
+    const unsigned r = threadIdx.x % NR, q4 = 4 * (threadIdx.x / NR), groups = (H + 3) / 4;
+    const typename Tag::storage* p = r < valid ? src(r) : nullptr;
+    for (unsigned base = 0; base < groups; base += 4 * PER) {
+        float4 w[4];
+#pragma unroll
+        for (unsigned j = 0; j < 4; ++j) {
+            const unsigned g = base + q4 + j;
+            w[j] = p && g < groups ? att_ld4<Tag>(p + 4 * g, H - 4 * g, vec) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (unsigned j = 0; j < 4; ++j) {
+            const unsigned d = 4 * (base + q4 + j);
+            const float e[4] = {w[j].x, w[j].y, w[j].z, w[j].w};
+#pragma unroll
+            for (unsigned i = 0; i < 4; ++i)
+                if (d + i < H) dst[(d + i) * pitch + r] = e[i];
+        }
+    }
+}
+
+template <typename Tag>
+__global__ void __launch_bounds__(ATT_TILE_THREADS, 3)
     kiln_attention_tiled(const typename Tag::storage* q, const typename Tag::storage* k,
                          const typename Tag::storage* v, const typename Tag::storage* past_k,
                          const typename Tag::storage* past_v, const void* mask, const long long* nonpad,
@@ -236,10 +297,12 @@ __global__ void __launch_bounds__(ATT_TILE_THREADS, 1)
     const unsigned Tn = P + Skv;
     const att_rows<Tag> rw(q, k, v, past_k, past_v, y, Nq, Nkv, Sq, Skv, P, H, Hv, three_d != 0, q_rs, k_rs, v_rs, b, h);
     const att_bias a{mask, has_nonpad ? nonpad : nullptr, mb, mh, ms, mask_mode, mask_width, causal, P, softcap};
-    for (unsigned i = tid; i < R * H; i += ATT_TILE_THREADS) {
-        const unsigned rr = i / H, d = i % H;
-        qs[d * RP + rr] = s0 + rr < Sq ? kiln_to_f32(Tag(), rw.query(s0 + rr)[d]) : 0.f;
-    }
+    // Whole float4-sized accesses where every row start allows them.
+    const unsigned vb = 4 * sizeof(typename Tag::storage);
+    const bool vec = H % 4 == 0 && Hv % 4 == 0 && kiln_aligned(q, vb) && kiln_aligned(k, vb) && kiln_aligned(v, vb) &&
+                     (P == 0 || (kiln_aligned(past_k, vb) && kiln_aligned(past_v, vb))) &&
+                     (!three_d || (q_rs % 4 == 0 && k_rs % 4 == 0 && v_rs % 4 == 0));
+    att_stage_t<R, Tag>(qs, RP, H, s0 < Sq ? Sq - s0 : 0, vec, [&](unsigned r) { return rw.query(s0 + r); });
     float o[4][4 * C];
 #pragma unroll
     for (int r = 0; r < 4; ++r)
@@ -250,15 +313,34 @@ __global__ void __launch_bounds__(ATT_TILE_THREADS, 1)
     for (int r = 0; r < 4; ++r) m[r] = neg_inf, l[r] = 0.f;
     for (unsigned t0 = 0; t0 < Tn; t0 += KT) {
         __syncthreads();  // the last tile's K, V and weights are read (and Q written, the first time)
-        for (unsigned i = tid; i < KT * H; i += ATT_TILE_THREADS) {
-            const unsigned kk = i / H, d = i % H;
-            ks[d * KP + kk] = t0 + kk < Tn ? kiln_to_f32(Tag(), rw.key(t0 + kk)[d]) : 0.f;
-        }
-        for (unsigned i = tid; i < KT * vp; i += ATT_TILE_THREADS) {
-            const unsigned kk = i / vp, d = i % vp;
-            vs[kk * vp + d] = t0 + kk < Tn && d < Hv ? kiln_to_f32(Tag(), rw.value(t0 + kk)[d]) : 0.f;
+        att_stage_t<KT, Tag>(ks, KP, H, Tn - t0, vec, [&](unsigned r) { return rw.key(t0 + r); });
+        // V as rows, four elements a thread: a warp reads whole rows, each batch of four loaded
+        // before it is stored.
+        const unsigned gv = vp / 4;
+        for (unsigned i0 = tid; i0 < KT * gv; i0 += 4 * ATT_TILE_THREADS) {
+            float4 w[4];
+#pragma unroll
+            for (unsigned j = 0; j < 4; ++j) {
+                const unsigned i = i0 + j * ATT_TILE_THREADS, kk = i / gv, d = 4 * (i % gv);
+                w[j] = i < KT * gv && t0 + kk < Tn && d < Hv ? att_ld4<Tag>(rw.value(t0 + kk) + d, Hv - d, vec)
+                                                             : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (unsigned j = 0; j < 4; ++j) {
+                const unsigned i = i0 + j * ATT_TILE_THREADS;
+                if (i < KT * gv) *(float4*)&vs[i / gv * vp + 4 * (i % gv)] = w[j];
+            }
         }
         __syncthreads();
+        // The tile's mask terms, loaded while the products run.
+        float bias[4][4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const unsigned s = s0 + 4 * ty + r, t = t0 + 4 * tx + c;
+                bias[r][c] = t < Tn && s < Sq ? att_bias_at<Tag>(a, b, h, s, t) : 0.f;
+            }
         float x[4][4];
 #pragma unroll
         for (int r = 0; r < 4; ++r)
@@ -283,7 +365,7 @@ __global__ void __launch_bounds__(ATT_TILE_THREADS, 1)
             for (int c = 0; c < 4; ++c) {
                 const unsigned t = t0 + 4 * tx + c;
                 float stage;
-                x[r][c] = t < Tn && s < Sq ? att_score<Tag>(x[r][c] * scale, a, b, h, s, t, 0, &stage) : neg_inf;
+                x[r][c] = t < Tn && s < Sq ? att_finish(x[r][c] * scale, bias[r][c], a, 0, &stage) : neg_inf;
                 tm = fmaxf(tm, x[r][c]);
             }
             tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 1));

@@ -17,6 +17,7 @@
 #include "kiln-cuda-std/elem.cuh"
 #include "kiln-cuda-std/reduce.cuh"
 #include "kiln-cuda-std/math.cuh"
+#include "kiln-cuda-std/vec.cuh"
 
 // Element types by the prelude's dtype tag come from kiln-cuda-std's kiln_elem<Tag>: storage S,
 // ld / st, and C, the type statistics accumulate in (f32; f64 for float64).
@@ -291,6 +292,22 @@ __device__ void rms_norm(const X* x, const Y* scale, Y* y, void* inv_out, kiln_u
     }
 }
 
+// One element of a skip row: s = x + skip (+ bias), rounded to the dtype when CENTER (as the Add
+// SkipLayerNormalization replaces stores it), into v; its gamma into g; and s into the row's first
+// statistic: t += s (CENTER) or q += s² (the RMS form).
+template <bool CENTER, typename E, typename A, typename T>
+__device__ __forceinline__ void skip_elem(T x, T skip, T bias, unsigned has_bias, T gamma, A& v, A& g, A& t, A& q) {
+    A s = (A)E::ld(x) + (A)E::ld(skip);
+    if (has_bias) s += (A)E::ld(bias);
+    if (CENTER) s = (A)E::ld(E::st(s));
+    v = s;
+    g = (A)E::ld(gamma);
+    if (CENTER)
+        t += s;
+    else
+        q += s * s;
+}
+
 // Elements per thread a SkipSimplifiedLayerNormalization row keeps in registers.
 #define SKIP_RMS_CACHE 8
 
@@ -320,17 +337,9 @@ __device__ void skip_norm(const T* x, const T* skip, const T* gamma, const T* be
                 const kiln_u64 c = threadIdx.x + (kiln_u64)i * blockDim.x, k = base + c;
                 v[i] = 0;
                 g[i] = 0;
-                if (c < hidden) {
-                    A s = (A)E::ld(x[k]) + (A)E::ld(skip[suffix_idx(k, c, hidden, skip_len)]);
-                    if (has_bias) s += (A)E::ld(bias[c]);
-                    if (CENTER) s = (A)E::ld(E::st(s));
-                    v[i] = s;
-                    g[i] = (A)E::ld(gamma[c * gmul]);
-                    if (CENTER)
-                        t += s;
-                    else
-                        q += s * s;
-                }
+                if (c < hidden)
+                    skip_elem<CENTER, E>(x[k], skip[suffix_idx(k, c, hidden, skip_len)], has_bias ? bias[c] : T(),
+                                         has_bias, gamma[c * gmul], v[i], g[i], t, q);
             }
             if (CENTER) {
                 mean = row_reduce(t, kiln_op_sum()) / (A)hidden;
@@ -383,6 +392,87 @@ __device__ void skip_norm(const T* x, const T* skip, const T* gamma, const T* be
     }
 }
 
+// Chunks of four a thread of skip_norm_vec keeps in registers (rows up to 8 · blockDim.x).
+#define SKIP_VEC_CHUNKS 2
+
+// Whether skip_norm_vec takes the row: whole chunks of four (hidden % 4 == 0), skip a whole
+// number of rows, gamma and beta whole rows, every tensor it touches aligned to a chunk, and the
+// row within SKIP_VEC_CHUNKS chunks a thread. Uniform over the grid.
+template <typename T>
+__device__ __forceinline__ bool skip_vec_ok(const T* x, const T* skip, const T* gamma, const T* beta, const T* bias,
+                                            const T* out, const T* sum_out, kiln_u64 hidden, kiln_u64 skip_len,
+                                            unsigned has_beta, unsigned has_bias, unsigned has_sum, unsigned one_mask) {
+    const unsigned a = 4 * sizeof(T);
+    return hidden % 4 == 0 && skip_len % hidden == 0 && one_mask == 0 &&
+           hidden <= (kiln_u64)SKIP_VEC_CHUNKS * 4 * blockDim.x && kiln_aligned(x, a) && kiln_aligned(skip, a) &&
+           kiln_aligned(gamma, a) && kiln_aligned(out, a) && (!has_beta || kiln_aligned(beta, a)) &&
+           (!has_bias || kiln_aligned(bias, a)) && (!has_sum || kiln_aligned(sum_out, a));
+}
+
+// skip_norm over whole chunks of four (skip_vec_ok): each thread loads its chunks of x, skip,
+// bias and gamma as single accesses of 4 · sizeof(T) bytes, keeps the row's sums in registers
+// and writes out (and sum_out) the same way; one row's addresses, not one per element, stay live.
+template <bool CENTER, typename Tag, typename T = typename Tag::storage, typename E = kiln_elem<Tag>,
+          typename A = typename kiln_elem<Tag>::C>
+__device__ void skip_norm_vec(const T* x, const T* skip, const T* gamma, const T* beta, const T* bias, T* out,
+                              float* mean_out, float* inv_out, T* sum_out, kiln_u64 rows, kiln_u64 hidden,
+                              kiln_u64 skip_len, unsigned has_beta, unsigned has_bias, unsigned has_mean,
+                              unsigned has_inv, unsigned has_sum, float eps) {
+    typedef kiln_vec<T, 4> V;
+    const unsigned chunks = (unsigned)(hidden / 4);
+    ROW_LOOP(row, rows) {
+        const kiln_u64 base = row * hidden;
+        const V* xr = (const V*)(x + base);
+        const V* sr = (const V*)(skip + base % skip_len);
+        A v[SKIP_VEC_CHUNKS][4], g[SKIP_VEC_CHUNKS][4];
+        A t = 0, q = 0, mean = 0;
+#pragma unroll
+        for (int i = 0; i < SKIP_VEC_CHUNKS; ++i) {
+            const unsigned c = threadIdx.x + i * blockDim.x;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) v[i][e] = g[i][e] = 0;
+            if (c < chunks) {
+                const V xv = xr[c], sv = sr[c], gv = ((const V*)gamma)[c];
+                V bv;
+                if (has_bias) bv = ((const V*)bias)[c];
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    skip_elem<CENTER, E>(xv.e[e], sv.e[e], has_bias ? bv.e[e] : T(), has_bias, gv.e[e], v[i][e],
+                                         g[i][e], t, q);
+            }
+        }
+        if (CENTER) {
+            mean = row_reduce(t, kiln_op_sum()) / (A)hidden;
+#pragma unroll
+            for (int i = 0; i < SKIP_VEC_CHUNKS; ++i)
+                if (threadIdx.x + i * blockDim.x < chunks)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) q += (v[i][e] - mean) * (v[i][e] - mean);
+        }
+        const A rms = kiln_sqrt(row_reduce(q, kiln_op_sum()) / (A)hidden + (A)eps);
+#pragma unroll
+        for (int i = 0; i < SKIP_VEC_CHUNKS; ++i) {
+            const unsigned c = threadIdx.x + i * blockDim.x;
+            if (c >= chunks) continue;
+            V ov, sv, bv;
+            if (CENTER && has_beta) bv = ((const V*)beta)[c];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                sv.e[e] = E::st(v[i][e]);
+                A o = (v[i][e] - mean) / rms * g[i][e];
+                if (CENTER && has_beta) o += (A)E::ld(bv.e[e]);
+                ov.e[e] = E::st(o);
+            }
+            ((V*)(out + base))[c] = ov;
+            if (has_sum) ((V*)(sum_out + base))[c] = sv;
+        }
+        if (threadIdx.x == 0) {
+            if (has_mean) mean_out[row] = (float)mean;
+            if (has_inv) inv_out[row] = (float)((A)1 / rms);
+        }
+    }
+}
+
 // ---- entry points ----------------------------------------------------------------------------
 
 template <typename Tag>
@@ -420,25 +510,33 @@ __global__ void kiln_layer_norm(const typename Tag::storage* x, const typename T
 }
 
 template <typename Tag>
-__global__ void kiln_skip_rms_norm(const typename Tag::storage* x, const typename Tag::storage* skip,
+__global__ void __launch_bounds__(1024) kiln_skip_rms_norm(const typename Tag::storage* x, const typename Tag::storage* skip,
                                    const typename Tag::storage* gamma, const typename Tag::storage* bias,
                                    typename Tag::storage* out, float* mean_out, float* inv_out,
                                    typename Tag::storage* sum_out, kiln_u64 rows, kiln_u64 hidden, kiln_u64 skip_len,
                                    unsigned has_bias, unsigned has_mean, unsigned has_inv, unsigned has_sum,
                                    float eps) {
-    skip_norm<false, Tag>(x, skip, gamma, gamma, bias, out, mean_out, inv_out, sum_out, rows, hidden, skip_len, 0,
-                          has_bias, has_mean, has_inv, has_sum, eps);
+    if (skip_vec_ok(x, skip, gamma, gamma, bias, out, sum_out, hidden, skip_len, 0, has_bias, has_sum, 0))
+        skip_norm_vec<false, Tag>(x, skip, gamma, gamma, bias, out, mean_out, inv_out, sum_out, rows, hidden, skip_len,
+                                  0, has_bias, has_mean, has_inv, has_sum, eps);
+    else
+        skip_norm<false, Tag>(x, skip, gamma, gamma, bias, out, mean_out, inv_out, sum_out, rows, hidden, skip_len, 0,
+                              has_bias, has_mean, has_inv, has_sum, eps);
 }
 
 template <typename Tag>
-__global__ void kiln_skip_layer_norm(const typename Tag::storage* x, const typename Tag::storage* skip,
+__global__ void __launch_bounds__(1024) kiln_skip_layer_norm(const typename Tag::storage* x, const typename Tag::storage* skip,
                                      const typename Tag::storage* gamma, const typename Tag::storage* beta,
                                      const typename Tag::storage* bias, typename Tag::storage* out, float* mean_out,
                                      float* inv_out, typename Tag::storage* sum_out, kiln_u64 rows, kiln_u64 hidden,
                                      kiln_u64 skip_len, unsigned has_beta, unsigned has_bias, unsigned has_mean,
                                      unsigned has_inv, unsigned has_sum, float eps, unsigned one_mask) {
-    skip_norm<true, Tag>(x, skip, gamma, beta, bias, out, mean_out, inv_out, sum_out, rows, hidden, skip_len,
-                         has_beta, has_bias, has_mean, has_inv, has_sum, eps, one_mask);
+    if (skip_vec_ok(x, skip, gamma, beta, bias, out, sum_out, hidden, skip_len, has_beta, has_bias, has_sum, one_mask))
+        skip_norm_vec<true, Tag>(x, skip, gamma, beta, bias, out, mean_out, inv_out, sum_out, rows, hidden, skip_len,
+                                 has_beta, has_bias, has_mean, has_inv, has_sum, eps);
+    else
+        skip_norm<true, Tag>(x, skip, gamma, beta, bias, out, mean_out, inv_out, sum_out, rows, hidden, skip_len,
+                             has_beta, has_bias, has_mean, has_inv, has_sum, eps, one_mask);
 }
 
 // X and Y (scale's dtype, the output's) by their tags; f64 statistics when either is float64.
