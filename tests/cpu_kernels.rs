@@ -513,3 +513,80 @@ fn tiled_pooling_gives_the_outputs_of_whole_calls() {
         }
     }
 }
+
+/// ArgMax and ArgMin along the last axis of float32 rows (kiln-reduce's vector scan, and the
+/// generic loop for rows with a NaN) against a scalar reference with numpy's rules: the first
+/// extreme, or the last with `select_last_index`; a NaN wins over every number; −0 and +0 tie.
+/// Rows of 1 to 50,257 values (off and on the 4- and 8-value vectors), with the extreme planted
+/// twice, rows of one repeated value, of −∞ only, with NaNs, and with −0 and +0 as the extreme.
+#[test]
+fn arg_max_and_min_over_float32_rows_match_a_scalar_reference() {
+    fn reference(row: &[f32], min: bool, last: bool) -> i64 {
+        let mut best = 0usize;
+        for (i, &v) in row.iter().enumerate().skip(1) {
+            let b = row[best];
+            let wins = match (v.is_nan(), b.is_nan()) {
+                (true, false) => true,
+                (false, true) => false,
+                (true, true) => last,
+                _ if v == b => last,
+                _ => (v < b) == min,
+            };
+            if wins {
+                best = i;
+            }
+        }
+        best as i64
+    }
+    let mut rng = Rng(0xa49);
+    let mut cases = 0;
+    for n in [1usize, 3, 4, 7, 8, 9, 33, 1000, 49152, 50257] {
+        for kind in 0..7 {
+            let rows = 3;
+            let mut x: Vec<f32> = (0..rows * n).map(|_| rng.int(-1000, 1000) as f32 / 7.0).collect();
+            for row in x.chunks_exact_mut(n) {
+                match kind {
+                    // The extreme twice (first and last differ) and a −0 / +0 pair.
+                    0 | 1 => {
+                        let v = if kind == 0 { 1e3 } else { -1e3 };
+                        row[rng.range(0, n - 1)] = v;
+                        row[rng.range(0, n - 1)] = v;
+                        row[rng.range(0, n - 1)] = -0.0;
+                        row[rng.range(0, n - 1)] = 0.0;
+                    }
+                    2 => row.fill(f32::NEG_INFINITY),
+                    3 => row.fill(0.0),
+                    // −0 and +0 tie at the extreme: ArgMax's over negative values, ArgMin's over
+                    // positive ones.
+                    5 | 6 => {
+                        let sign = if kind == 5 { -1.0 } else { 1.0 };
+                        row.iter_mut().for_each(|v| *v = sign * (1.0 + v.abs()));
+                        row[rng.range(0, n - 1)] = -0.0;
+                        row[rng.range(0, n - 1)] = 0.0;
+                    }
+                    _ => {
+                        row[rng.range(0, n - 1)] = f32::NAN;
+                        row[rng.range(0, n - 1)] = f32::NAN;
+                    }
+                }
+            }
+            for op in ["ArgMax", "ArgMin"] {
+                for last in [0i64, 1] {
+                    let decl = vec![value("x", F32, &[rows as i64, n as i64])];
+                    let attrs = vec![attr_int("axis", -1), attr_int("select_last_index", last)];
+                    let m = onnx::model(vec![node(op, &["x"], &["y"], attrs)], decl, vec![value("y", 7, &[])], vec![]);
+                    let m = model::load_bytes(&onnx::bytes(&m), None).unwrap();
+                    let mut s = Session::new(builtin_runtime(), m, SessionOptions::default()).unwrap();
+                    let xs = x.iter().map(|&v| v as f64).collect::<Vec<_>>();
+                    let out = s.run(vec![("x".into(), tensor(F32, &[rows, n], &xs))]).unwrap();
+                    let got = out[0].1.to_i64().unwrap();
+                    let want: Vec<i64> =
+                        x.chunks_exact(n).map(|row| reference(row, op == "ArgMin", last == 1)).collect();
+                    assert_eq!(got, want, "{op}, select_last_index {last}, rows of {n}, case {kind}");
+                    cases += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(cases, 280);
+}

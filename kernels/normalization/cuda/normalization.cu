@@ -403,7 +403,7 @@ __device__ __forceinline__ bool skip_vec_ok(const T* x, const T* skip, const T* 
                                             const T* out, const T* sum_out, kiln_u64 hidden, kiln_u64 skip_len,
                                             unsigned has_beta, unsigned has_bias, unsigned has_sum, unsigned one_mask) {
     const unsigned a = 4 * sizeof(T);
-    return hidden % 4 == 0 && skip_len % hidden == 0 && one_mask == 0 &&
+    return hidden != 0 && hidden % 4 == 0 && skip_len % hidden == 0 && one_mask == 0 &&
            hidden <= (kiln_u64)SKIP_VEC_CHUNKS * 4 * blockDim.x && kiln_aligned(x, a) && kiln_aligned(skip, a) &&
            kiln_aligned(gamma, a) && kiln_aligned(out, a) && (!has_beta || kiln_aligned(beta, a)) &&
            (!has_bias || kiln_aligned(bias, a)) && (!has_sum || kiln_aligned(sum_out, a));

@@ -82,7 +82,9 @@ const GEMV_BLOCK_ROWS: usize = 4;
 /// Threads per GEMV block and outputs per block (`LIN_WARPS` · 32, `LIN_WARPS` · `LIN_COLS`).
 const GEMV_THREADS: u32 = 256;
 const GEMV_COLS_PER_BLOCK: usize = 16;
-/// Most GEMV column blocks; larger N loops inside the blocks (the LM head's 49,152 outputs).
+/// Most GEMV column blocks; larger N loops inside the blocks (the LM head's 49,152 outputs: in
+/// SmolLM2-135M the only GEMV past the cap; a larger model's layer GEMVs past 4,224 outputs
+/// loop too, not measured).
 /// Two a streaming multiprocessor of a 132-SM H100 or H200: on an H100, one call, the fp16 decode
 /// step at batch 1 took 0.502 ms at 264 against 0.506 at 1,024 and 0.513 at 4,096 (one block per
 /// 16 outputs), the int4 step 0.569 against 0.576 and 0.581 (bench/RESULTS.md, session 37).
