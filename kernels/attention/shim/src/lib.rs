@@ -627,8 +627,12 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
         let out = call.output(0)?.handle();
         // Query rows per product: the group's scores of a chunk within PROMPT_SCORES values.
         let chunk = (PROMPT_SCORES / (group * t_max)).clamp(1, s_n);
-        let qs = scratch((group * chunk * h_sz * 4) as u64)?;
-        let ss = scratch((group * chunk * t_max * 4) as u64)?;
+        // KV heads per product: every one at a decode step (one query row: each head's output row
+        // sits h_sz after the last, so one batched product over the KV heads writes them all),
+        // one for prompts. One import per product, instead of one per KV head.
+        let kvp = if s_n == 1 { n_kv } else { 1 };
+        let qs = scratch((kvp * group * chunk * h_sz * 4) as u64)?;
+        let ss = scratch((kvp * group * chunk * t_max * 4) as u64)?;
         let f32_op = |handle, offset: usize, ld: usize, batch_stride: usize| Operand {
             handle,
             offset: offset as u64 * 4,
@@ -636,42 +640,43 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
             batch_stride: batch_stride as u64,
         };
         for (b, &(t_b, past_b)) in rows.iter().enumerate() {
-            for j in 0..n_kv {
-                let kv = (b * n_kv + j) * pl * h_sz;
+            for j0 in (0..n_kv).step_by(kvp) {
+                let kv = (b * n_kv + j0) * pl * h_sz;
                 for s0 in (0..s_n).step_by(chunk) {
                     let n = chunk.min(s_n - s0);
-                    let mut qb = Vec::with_capacity(group * n * h_sz * 4);
-                    for g in 0..group {
+                    // Q rows [kvp, group, n, H]: KV head j0 + jj, its group's heads, the chunk's rows.
+                    let mut qb = Vec::with_capacity(kvp * group * n * h_sz * 4);
+                    for h in j0 * group..(j0 + kvp) * group {
                         for s in s0..s0 + n {
-                            rotated(&mut q, b, j * group + g, s)?;
+                            rotated(&mut q, b, h, s)?;
                             qb.extend(q.iter().flat_map(|x| x.to_f32().to_le_bytes()));
                         }
                     }
                     write_handle(qs, 0, &qb)?;
-                    // Scores [group, n, t_b] = scale · Q [group, n, H] · Kᵀ.
+                    // Scores [kvp, group · n, t_b] = scale · Q [kvp, group · n, H] · Kᵀ per KV head.
                     gemm(&Gemm {
                         dtype: DType::F32,
                         trans_a: false,
                         trans_b: true,
-                        m: n as u64,
+                        m: (group * n) as u64,
                         n: t_b as u64,
                         k: h_sz as u64,
-                        batch: group as u64,
+                        batch: kvp as u64,
                         alpha: scale.to_f32(),
                         beta: 0.0,
-                        a: f32_op(qs, 0, h_sz, n * h_sz),
-                        b: f32_op(pk.handle(), kv, h_sz, 0),
+                        a: f32_op(qs, 0, h_sz, group * n * h_sz),
+                        b: f32_op(pk.handle(), kv, h_sz, pl * h_sz),
                         c: None,
-                        d: f32_op(ss, 0, t_b, n * t_b),
+                        d: f32_op(ss, 0, t_b, group * n * t_b),
                         bias: None,
                         epilogue: Epilogue::None,
                     })?;
-                    let mut raw = alloc::vec![0u8; group * n * t_b * 4];
+                    let mut raw = alloc::vec![0u8; kvp * group * n * t_b * 4];
                     read_handle(ss, 0, &mut raw)?;
                     // Each row's logits softmaxed over its keys in place, 0 outside them.
                     let mut scores = element::decode_as::<T>(DType::F32, &raw)?;
                     for (r, row) in scores.chunks_exact_mut(t_b).enumerate() {
-                        let (h, s) = (j * group + r / n, s0 + r % n);
+                        let (h, s) = (j0 * group + r / n, s0 + r % n);
                         // A padding row past the batch row's length (or a window past it) has none.
                         let (start, end) = keys(t_b, past_b, s);
                         let start = start.min(t_b);
@@ -686,21 +691,29 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
                         row[end..].fill(T::ZERO);
                     }
                     write_handle(ss, 0, &element::encode_as(DType::F32, &scores)?)?;
-                    // Output rows s0.. of the group's heads = P [group, n, t_b] · V [t_b, H].
+                    // Output rows s0.. of the heads = P · V [t_b, H]: at a decode step one product
+                    // over the KV heads (P [kvp, group, t_b], each head's row h_sz after the last),
+                    // else over the group's heads (P [group, n, t_b], rows n_h · h_sz apart).
+                    let d_at = ((b * s_n + s0) * n_h + j0 * group) * h_sz;
+                    let (batch, m, a, d) = if kvp > 1 {
+                        (kvp, group, f32_op(ss, 0, t_b, group * t_b), f32_op(out, d_at, h_sz, group * h_sz))
+                    } else {
+                        (group, n, f32_op(ss, 0, t_b, n * t_b), f32_op(out, d_at, n_h * h_sz, h_sz))
+                    };
                     gemm(&Gemm {
                         dtype: DType::F32,
                         trans_a: false,
                         trans_b: false,
-                        m: n as u64,
+                        m: m as u64,
                         n: h_sz as u64,
                         k: t_b as u64,
-                        batch: group as u64,
+                        batch: batch as u64,
                         alpha: 1.0,
                         beta: 0.0,
-                        a: f32_op(ss, 0, t_b, n * t_b),
-                        b: f32_op(pv.handle(), kv, h_sz, 0),
+                        a,
+                        b: f32_op(pv.handle(), kv, h_sz, if kvp > 1 { pl * h_sz } else { 0 }),
                         c: None,
-                        d: f32_op(out, ((b * s_n + s0) * n_h + j * group) * h_sz, n_h * h_sz, h_sz),
+                        d,
                         bias: None,
                         epilogue: Epilogue::None,
                     })?;
