@@ -59,8 +59,34 @@ pub(super) fn pool() -> Option<&'static rayon::ThreadPool> {
     .as_ref()
 }
 
-/// How long a kept-hot thread of the pool spins without work before it naps between looks.
+/// How long a kept-hot thread of the pool spins without work before it naps between looks, by
+/// default.
 const HOT_SPIN: Duration = Duration::from_millis(2);
+
+/// How long kept-hot threads spin without work: `KILN_CPU_HOT_SPIN_US` microseconds when it is a
+/// number, else [`HOT_SPIN`]. 0 keeps no thread hot: a session's parallel work then wakes the
+/// pool's sleeping threads as any other caller's does (an A/B of the spinning; another value is
+/// reported once, as a warning, and ignored).
+fn hot_spin() -> Duration {
+    static SPIN: OnceLock<Duration> = OnceLock::new();
+    *SPIN.get_or_init(|| match std::env::var("KILN_CPU_HOT_SPIN_US") {
+        Err(_) => HOT_SPIN,
+        Ok(v) => match v.trim().parse::<u64>() {
+            Ok(us) => Duration::from_micros(us),
+            Err(_) => {
+                tracing::warn!("KILN_CPU_HOT_SPIN_US={v:?} is not a number of microseconds; using {HOT_SPIN:?}");
+                HOT_SPIN
+            }
+        },
+    })
+}
+
+/// Spins of a kept-hot thread between looks at the clock (a `clock_gettime`) and offers of its
+/// core to other threads (a `sched_yield`). Spinning without the offers, on this 2-core VM with a
+/// busy process beside kiln, a 2-thread int4 decode step took 27.0 ms against 15.9–17.4 with no
+/// spinning at all; with them, 17.1 ms, and 10.3–11.0 ms unloaded against 11.5–12.9 without
+/// spinning (bench/RESULTS.md, session 37).
+const SPINS_PER_LOOK: u32 = 64;
 
 /// A kept-hot thread's nap between looks once it has spun [`HOT_SPIN`] without work: the core
 /// is free for the OS through a long single-threaded stretch, and the next parallel work waits
@@ -71,7 +97,7 @@ const HOT_NAP: Duration = Duration::from_micros(50);
 static HOT: AtomicBool = AtomicBool::new(false);
 
 /// Runs `f` (a CPU session's graph) on one of the CPU pool's threads while the others stay hot:
-/// until `f` returns they spin (then nap, [`HOT_SPIN`], [`HOT_NAP`]), taking any parallel work
+/// until `f` returns they spin (then nap, [`hot_spin`], [`HOT_NAP`]), taking any parallel work
 /// `f`'s nodes share out, instead of sleeping until woken between nodes. Waking a sleeping
 /// thread costs tens of µs on a virtual machine, about what a decode step's matrix product
 /// takes, so without this a second thread joined each product too late to help (onnxruntime's
@@ -81,7 +107,8 @@ static HOT: AtomicBool = AtomicBool::new(false);
 pub fn on_pool_hot<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     let Some(p) = pool() else { return f() };
     let helpers = p.current_num_threads().saturating_sub(1);
-    if helpers == 0 || p.current_thread_index().is_some() {
+    let spin = hot_spin();
+    if helpers == 0 || p.current_thread_index().is_some() || spin.is_zero() {
         return on_pool(f);
     }
     if HOT.swap(true, Ordering::Acquire) {
@@ -101,10 +128,25 @@ pub fn on_pool_hot<R: Send>(f: impl FnOnce() -> R + Send) -> R {
             for _ in 0..helpers {
                 s.spawn(|_| {
                     let mut idle_since = Instant::now();
+                    let mut spins = 0u32;
                     while !done.load(Ordering::Acquire) {
                         match rayon::yield_now() {
-                            Some(rayon::Yield::Executed) => idle_since = Instant::now(),
-                            _ if idle_since.elapsed() < HOT_SPIN => std::hint::spin_loop(),
+                            Some(rayon::Yield::Executed) => {
+                                idle_since = Instant::now();
+                                spins = 0;
+                            }
+                            _ if spins < SPINS_PER_LOOK => {
+                                spins += 1;
+                                std::hint::spin_loop();
+                            }
+                            // Every SPINS_PER_LOOK idle spins: the clock, and the core offered to
+                            // any other runnable thread (sched_yield returns at once when there
+                            // is none), so that a spinner never holds a core the graph's thread
+                            // or another process waits for.
+                            _ if idle_since.elapsed() < spin => {
+                                spins = 0;
+                                std::thread::yield_now();
+                            }
                             _ => std::thread::sleep(HOT_NAP),
                         }
                     }
