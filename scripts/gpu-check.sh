@@ -81,7 +81,9 @@
 #   cpu        the fast CPU path beside onnxruntime's CPU provider at 16 threads and 1
 #              (scripts/bench-cpu.py: MatMul 1024³ and resnet50, made by scripts/make-big-models.py),
 #              resnet50's host time by op at 16 threads, and int4 decode (the builder's `-p int4 -e cpu`
-#              SmolLM2-architecture folder, made once per machine) beside bench/ort_decode_cpu.py
+#              SmolLM2-architecture folder, made once per machine) beside bench/ort_decode_cpu.py,
+#              then int4 decode at 16 threads with KILN_CPU_HOT_SPIN_US=0 (no spinning pool threads)
+#              and the default
 # At most 8 files come back from the machine, so $OUT (or ./gpu-out) gets one log per phase
 # and the JSON in tar files; the last lines printed are a summary.
 set -uo pipefail
@@ -320,6 +322,13 @@ for w in glob.glob(".gpu/python/*.whl"):
       KILN_CPU_THREADS=$t "$KILN" bench decode "$i4c" --device cpu --prompt-len 16 --new-tokens 32 --runs 3 2>&1 |
         grep -E "^\| [0-9]|[Ee]rror"
       python3 bench/ort_decode_cpu.py "$i4c" --threads $t --prompt-len 16 --new-tokens 32 --runs 3 2>&1 | tail -1
+    done | tee -a "$out/cpu.log"
+    # The kept-hot pool's A/B at 16 threads: no spinning threads (KILN_CPU_HOT_SPIN_US=0), then
+    # the default again.
+    [ -f "$i4c/model.onnx" ] && for v in 0 2000; do
+      echo "== int4 CPU decode, 16 threads, KILN_CPU_HOT_SPIN_US=$v"
+      KILN_CPU_HOT_SPIN_US=$v KILN_CPU_THREADS=16 "$KILN" bench decode "$i4c" --device cpu --prompt-len 16 \
+        --new-tokens 32 --runs 3 2>&1 | grep -E "^\| [0-9]|[Ee]rror"
     done | tee -a "$out/cpu.log"
     summary+=("cpu: $(grep -E '^\| (MatMul|resnet50)|^==|^\| 1 \(1\)|^onnxruntime' "$out/cpu.log" | tr '\n' ' ')")
     ;;
