@@ -82,13 +82,13 @@ fn hot_spin() -> Duration {
 }
 
 /// Spins of a kept-hot thread between looks at the clock (a `clock_gettime`) and offers of its
-/// core to other threads (a `sched_yield`). Spinning without the offers, on this 2-core VM with a
+/// core to other threads (a `sched_yield`). Spinning without the offers, on a 2-core VM with a
 /// busy process beside kiln, a 2-thread int4 decode step took 27.0 ms against 15.9–17.4 with no
-/// spinning at all; with them, 17.1 ms, and 10.3–11.0 ms unloaded against 11.5–12.9 without
-/// spinning (bench/RESULTS.md, session 37).
+/// spinning at all; with them, 17.1 ms. Unloaded, the two were within that VM's noise
+/// (bench/RESULTS.md, session 37).
 const SPINS_PER_LOOK: u32 = 64;
 
-/// A kept-hot thread's nap between looks once it has spun [`HOT_SPIN`] without work: the core
+/// A kept-hot thread's nap between looks once it has spun [`hot_spin`] without work: the core
 /// is free for the OS through a long single-threaded stretch, and the next parallel work waits
 /// at most this long for the thread (its first part starts on the thread that shares it out).
 const HOT_NAP: Duration = Duration::from_micros(50);

@@ -695,10 +695,11 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
                     // over the KV heads (P [kvp, group, t_b], each head's row h_sz after the last),
                     // else over the group's heads (P [group, n, t_b], rows n_h · h_sz apart).
                     let d_at = ((b * s_n + s0) * n_h + j0 * group) * h_sz;
-                    let (batch, m, a, d) = if kvp > 1 {
-                        (kvp, group, f32_op(ss, 0, t_b, group * t_b), f32_op(out, d_at, h_sz, group * h_sz))
+                    // (batch, rows, P, V's batch stride, Y) of the product.
+                    let (batch, m, a, v_stride, d) = if kvp > 1 {
+                        (kvp, group, f32_op(ss, 0, t_b, group * t_b), pl * h_sz, f32_op(out, d_at, h_sz, group * h_sz))
                     } else {
-                        (group, n, f32_op(ss, 0, t_b, n * t_b), f32_op(out, d_at, n_h * h_sz, h_sz))
+                        (group, n, f32_op(ss, 0, t_b, n * t_b), 0, f32_op(out, d_at, n_h * h_sz, h_sz))
                     };
                     gemm(&Gemm {
                         dtype: DType::F32,
@@ -711,7 +712,7 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
                         alpha: 1.0,
                         beta: 0.0,
                         a,
-                        b: f32_op(pv.handle(), kv, h_sz, if kvp > 1 { pl * h_sz } else { 0 }),
+                        b: f32_op(pv.handle(), kv, h_sz, v_stride),
                         c: None,
                         d,
                         bias: None,
