@@ -393,6 +393,13 @@ fn gqa_ref(c: &Case, d: &Data) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
 }
 
 fn run_gqa(rt: &Arc<Runtime>, c: &Case, d: &Data) -> Result<Vec<Tensor>, Error> {
+    let (inputs, attrs) = gqa_node(c, d);
+    run_node(rt, "GroupQueryAttention", inputs, &["output", "present_key", "present_value"], attrs)
+}
+
+/// GroupQueryAttention's inputs (by name, absent ones `None`) and attributes for case `c` on
+/// data `d`.
+fn gqa_node(c: &Case, d: &Data) -> (Vec<(&'static str, Option<Tensor>)>, Vec<onnx::AttributeProto>) {
     let (b, s, h, dt) = (c.batch, c.seq, c.head_size, c.dtype);
     let (query, key, value_t) = if c.packed {
         // Interleave per token: [q heads | k heads | v heads].
@@ -442,7 +449,7 @@ fn run_gqa(rt: &Arc<Runtime>, c: &Case, d: &Data) -> Result<Vec<Tensor>, Error> 
     if c.smooth {
         attrs.push(attr_int("smooth_softmax", 1));
     }
-    run_node(rt, "GroupQueryAttention", inputs, &["output", "present_key", "present_value"], attrs)
+    (inputs, attrs)
 }
 
 fn check_gqa(rt: &Arc<Runtime>, c: &Case, d: &Data, rel: f64) {
@@ -562,6 +569,95 @@ fn group_query_attention_prompt_then_decode_through_a_shared_buffer() {
         d.k = r.vals(2 * 2 * 16);
         d.v = r.vals(2 * 2 * 16);
     }
+}
+
+/// Decode steps whose present K/V are bound in place to the held past buffer (`Feed::Device`
+/// and `Fetch::Into` of one tensor, as generation over `past_present_share_buffer` runs them):
+/// on the CPU the shim is told that the presents start as the past (ABI.md §7.8) and writes only
+/// the new positions. Contexts of 9 to 20 keys: the shim's own loops, then the host `gemm`
+/// (from 16 keys), against float64, the output and the whole buffer after every step.
+#[test]
+fn group_query_attention_decodes_in_place_into_a_bound_shared_buffer() {
+    use kiln_host::ep::{Feed, Fetch, Fetched};
+    let rt = runtime();
+    let mut r = Rng(0x3c6e_f372_fe94_f82b);
+    let (max_len, shape) = (24, vec![2, 2, 24, 16]);
+    let mut c = Case {
+        dtype: DType::F32,
+        mode: Mode::Decode,
+        batch: 2,
+        seq: 1,
+        heads: 4,
+        kv_heads: 2,
+        head_size: 16,
+        packed: false,
+        shared: true,
+        rotary: Some((8, false)),
+        window: -1,
+        softcap: 0.0,
+        scale: 0.25,
+        smooth: false,
+        sink: false,
+        bias: false,
+        lens: vec![9, 6],
+        total: 9,
+        past_len: max_len,
+    };
+    let mut d = random_data(&mut r, &c);
+    let (inputs, attrs) = gqa_node(&c, &d);
+    let names: Vec<&str> = inputs.iter().map(|(n, t)| if t.is_some() { *n } else { "" }).collect();
+    let decl: Vec<_> = (inputs.iter())
+        .filter_map(|(n, t)| {
+            t.as_ref().map(|t| value(n, dtype_code(t.dtype), &t.shape.iter().map(|&d| d as i64).collect::<Vec<_>>()))
+        })
+        .collect();
+    let outputs = ["output", "present_key", "present_value"];
+    let out_decl: Vec<_> = outputs.iter().map(|n| value(n, 0, &[])).map(untyped).collect();
+    let mut n = node("GroupQueryAttention", &names, &outputs, attrs);
+    n.domain = "com.microsoft".into();
+    let mut m = onnx::model(vec![n], decl, out_decl, vec![]);
+    m.opset_import.push(onnx::OperatorSetIdProto { domain: "com.microsoft".into(), version: 1, ..Default::default() });
+    let model = model::load_bytes(&onnx::bytes(&m), None).unwrap();
+    let mut session = Session::new(rt, model, SessionOptions::default()).unwrap();
+    let held = |s: &mut Session, v: &[f64]| {
+        let t = s.zeros(DType::F32, shape.clone()).unwrap();
+        s.write_tensor(&t, &float_tensor(DType::F32, &shape, v)).unwrap();
+        t
+    };
+    let (pk, pv) = (held(&mut session, &d.past_k), held(&mut session, &d.past_v));
+    for step in 0..12 {
+        let (o, want_k, want_v) = gqa_ref(&c, &d);
+        let (inputs, _) = gqa_node(&c, &d);
+        let mut feeds = Vec::new();
+        for (name, t) in inputs {
+            match (name, t) {
+                ("past_key", _) => feeds.push((name.to_string(), Feed::Device(&pk))),
+                ("past_value", _) => feeds.push((name.to_string(), Feed::Device(&pv))),
+                (_, Some(t)) => feeds.push((name.to_string(), Feed::Host(t))),
+                (_, None) => {}
+            }
+        }
+        let fetches = [("present_key", Fetch::Into(&pk)), ("present_value", Fetch::Into(&pv))];
+        let out = session.run_with(feeds, &fetches).unwrap_or_else(|e| panic!("step {step}: {e}"));
+        let got = out.into_iter().find_map(|(n, f)| match (n.as_str(), f) {
+            ("output", Fetched::Host(t)) => Some(t),
+            _ => None,
+        });
+        let got = got.unwrap_or_else(|| panic!("step {step}: no output"));
+        assert_close(&format!("step {step} (keys {:?}) output", c.lens), &float_values(&got), &o, 1e-5);
+        let (k, v) = (session.read_tensor(&pk).unwrap(), session.read_tensor(&pv).unwrap());
+        assert_close(&format!("step {step} present_key"), &float_values(&k), &want_k, 1e-5);
+        assert_close(&format!("step {step} present_value"), &float_values(&v), &want_v, 1e-5);
+        // The next token of each row, into the same buffer.
+        d.past_k = want_k;
+        d.past_v = want_v;
+        c.lens = c.lens.iter().map(|l| l + 1).collect();
+        c.total = *c.lens.iter().max().unwrap();
+        d.q = r.vals(2 * 4 * 16);
+        d.k = r.vals(2 * 2 * 16);
+        d.v = r.vals(2 * 2 * 16);
+    }
+    assert!(c.total > 16, "the last steps went through the host gemm");
 }
 
 #[test]

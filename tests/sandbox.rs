@@ -64,6 +64,7 @@ fn input(values: [f32; 4]) -> ArgTensor<'static> {
         access: Access::Read(Bytes::from(bytes)),
         paged: None,
         constant: false,
+        in_place_of: None,
     }
 }
 
@@ -76,6 +77,7 @@ fn output() -> ArgTensor<'static> {
         access: Access::Write(vec![0; 16]),
         paged: None,
         constant: false,
+        in_place_of: None,
     }
 }
 

@@ -31,6 +31,7 @@ pub fn output_args(types: &[Option<(DType, Vec<usize>)>], max_string_bytes: u64)
                     access,
                     paged: None,
                     constant: false,
+                    in_place_of: None,
                 }
             })
         })

@@ -107,8 +107,11 @@ pub enum ManifestError {
 /// field: the package's shim reads tensor flag bit 4 (an input constant for the session,
 /// [`crate::wire::TensorDesc::constant`]), which the host sends only to such packages; schema 15
 /// added `values` (scalar constants a fusion pattern needs), `shapes`, `verify_values` and
-/// integer-list attribute constraints ([`crate::fusion::AttrConstraint::Ints`]) to `[[fusions]]`.
-pub const MANIFEST_SCHEMA: u32 = 15;
+/// integer-list attribute constraints ([`crate::fusion::AttrConstraint::Ints`]) to `[[fusions]]`;
+/// schema 16 adds no field: the package's shim reads tensor flag bit 5 (an output bound in place
+/// to an input's buffer, [`crate::wire::TensorDesc::in_place_of`]), which the host sends only to
+/// such packages, in `kiln_cpu` calls.
+pub const MANIFEST_SCHEMA: u32 = 16;
 
 /// The folder of a package whose files are its exported headers.
 pub const HEADER_DIR: &str = "include/";

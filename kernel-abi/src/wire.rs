@@ -64,6 +64,11 @@ pub struct TensorDesc<'a> {
     /// whose bytes no kernel writes, so a kernel may read it before its grid-dependency wait
     /// (ABI.md §7.7). Sent only to packages of schema 14 or later, only in `kiln_dispatch` calls.
     pub constant: bool,
+    /// An output bound in place to input `i`'s buffer (flag bit 5, manifest schema 16): its
+    /// bytes start as that input's, so a CPU reference need write only what changes (a KV
+    /// cache's new positions, ABI.md §7.8). Sent only to packages of schema 16 or later, only in
+    /// `kiln_cpu` calls, only on outputs.
+    pub in_place_of: Option<u32>,
 }
 
 impl<'a> TensorDesc<'a> {
@@ -77,6 +82,7 @@ impl<'a> TensorDesc<'a> {
             value: None,
             paged: None,
             constant: false,
+            in_place_of: None,
         }
     }
 
@@ -347,6 +353,7 @@ const FLAG_VALUE: u32 = 2;
 const FLAG_RANK: u32 = 4;
 const FLAG_PAGED: u32 = 8;
 const FLAG_CONSTANT: u32 = 16;
+const FLAG_IN_PLACE: u32 = 32;
 
 fn encode_tensor(w: &mut Writer, t: &TensorDesc<'_>) {
     let mut flags = 0;
@@ -365,6 +372,9 @@ fn encode_tensor(w: &mut Writer, t: &TensorDesc<'_>) {
     if t.constant {
         flags |= FLAG_CONSTANT;
     }
+    if t.in_place_of.is_some() {
+        flags |= FLAG_IN_PLACE;
+    }
     w.u32(flags);
     w.i32(t.dtype.map_or(0, DType::code));
     w.dims(t.dims.as_deref().unwrap_or(&[]));
@@ -379,11 +389,14 @@ fn encode_tensor(w: &mut Writer, t: &TensorDesc<'_>) {
         w.u32(p.strides.len() as u32);
         p.strides.iter().for_each(|&s| w.u64(s));
     }
+    if let Some(i) = t.in_place_of {
+        w.u32(i);
+    }
 }
 
 fn decode_tensor<'a>(r: &mut Reader<'a>) -> Result<TensorDesc<'a>, WireError> {
     let flags = r.u32("tensor flags")?;
-    if flags & !(FLAG_PRESENT | FLAG_VALUE | FLAG_RANK | FLAG_PAGED | FLAG_CONSTANT) != 0 {
+    if flags & !(FLAG_PRESENT | FLAG_VALUE | FLAG_RANK | FLAG_PAGED | FLAG_CONSTANT | FLAG_IN_PLACE) != 0 {
         return Err(WireError::Invalid("tensor flags"));
     }
     let code = r.i32("tensor dtype")?;
@@ -405,6 +418,7 @@ fn decode_tensor<'a>(r: &mut Reader<'a>) -> Result<TensorDesc<'a>, WireError> {
     } else {
         None
     };
+    let in_place_of = if flags & FLAG_IN_PLACE != 0 { Some(r.u32("in-place input")?) } else { None };
     Ok(TensorDesc {
         present: flags & FLAG_PRESENT != 0,
         dtype,
@@ -413,6 +427,7 @@ fn decode_tensor<'a>(r: &mut Reader<'a>) -> Result<TensorDesc<'a>, WireError> {
         value,
         paged,
         constant: flags & FLAG_CONSTANT != 0,
+        in_place_of,
     })
 }
 
@@ -1044,6 +1059,7 @@ mod tests {
                     value: None,
                     paged: Some(Paged { axis: 2, shift: 2, page_stride: 96, strides: [400, 16, 4, 1].to_vec() }),
                     constant: true,
+                    in_place_of: None,
                 },
                 TensorDesc {
                     present: true,
@@ -1053,6 +1069,7 @@ mod tests {
                     value: Some(value),
                     paged: None,
                     constant: false,
+                    in_place_of: None,
                 },
                 TensorDesc::absent(),
             ],
@@ -1064,6 +1081,7 @@ mod tests {
                 value: None,
                 paged: None,
                 constant: false,
+                in_place_of: Some(0),
             }],
             attributes: vec![
                 Attribute { name: "allowzero", value: AttrValue::Int(0) },
@@ -1154,6 +1172,7 @@ mod tests {
                 value: None,
                 paged: Some(paged),
                 constant: false,
+                in_place_of: None,
             };
             NodeCall {
                 abi_version: 1,

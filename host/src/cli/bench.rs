@@ -184,6 +184,7 @@ fn plan_for(pkg: &Package, op: &str, n_in: usize, dtype: DType, shape: &[usize])
             access: Access::Opaque,
             paged: None,
             constant: false,
+            in_place_of: None,
         })
     };
     let args = CallArgs {

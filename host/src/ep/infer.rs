@@ -60,6 +60,7 @@ impl InferInput {
             access: Access::Opaque,
             paged: None,
             constant: false,
+            in_place_of: None,
         }
     }
 }
@@ -181,6 +182,7 @@ impl NodeTypes {
                         access: Access::Opaque,
                         paged: None,
                         constant: false,
+                        in_place_of: None,
                     })
                 })
                 .collect(),

@@ -121,7 +121,7 @@ pub(super) fn prepare(
                 .iter()
                 .map(|k| k.as_ref().and_then(|k| crate::Tensor::new(k.dtype?, k.shape.clone()?, k.value.clone()?).ok()))
                 .collect();
-            let outs = shims.run_reference(model, idx, &res, &host, &inferred, false, report)?;
+            let outs = shims.run_reference(model, idx, &res, (&host, &[]), &inferred, false, report)?;
             for (o, t) in node.outputs.iter().zip(outs) {
                 if let (Some(v), Some(t)) = (o, t) {
                     known[*v].value = Some(t.data.clone());

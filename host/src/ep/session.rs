@@ -1125,8 +1125,9 @@ impl Session {
                 });
             }
             let check = self.options.check_dispatch && self.backend.gpu_ref().is_none();
+            let in_place = self.cpu_in_place(res, &host, &out_ids, &out_types);
             self.shims
-                .run_reference(&self.model, idx, res, &host, &out_types, check, &mut self.report)?
+                .run_reference(&self.model, idx, res, (&host, &in_place), &out_types, check, &mut self.report)?
                 .into_iter()
                 .map(|t| t.map(Value::Host))
                 .collect()
@@ -1182,6 +1183,34 @@ impl Session {
             }
         }
         Ok(resolved)
+    }
+
+    /// For each output of a node that runs through its CPU reference on `host` inputs: the input
+    /// whose buffer it is bound in place to (ABI.md §7.8), where the output is bound to a held
+    /// host tensor (`Fetch::Into`) whose bytes that input is, of the output's dtype and size.
+    /// Told only to packages of manifest schema 16 or later (a shim on an older SDK refuses the
+    /// flag); `None` everywhere else.
+    fn cpu_in_place(
+        &self,
+        res: &Resolution,
+        host: &[Option<Tensor>],
+        out_ids: &[Option<ValueId>],
+        out_types: &OutputTypes,
+    ) -> Vec<Option<u32>> {
+        if self.bound.is_empty() || res.package.manifest.schema < 16 {
+            return vec![None; out_types.len()];
+        }
+        (out_ids.iter().zip(out_types))
+            .map(|(id, t)| {
+                let t = t.as_ref()?;
+                let nbytes = byte_size(t.0, &t.1).ok()?;
+                let held = self.bound_target(*id, t)?.value.host_bytes()?;
+                let same = |x: &Tensor| {
+                    x.dtype == t.0 && x.data.len() as u64 == nbytes && x.data.as_ptr() == held.data.as_ptr()
+                };
+                host.iter().position(|x| x.as_ref().is_some_and(same)).and_then(|i| u32::try_from(i).ok())
+            })
+            .collect()
     }
 
     /// The held tensor output `id` of type `t` is written into (bound by `Fetch::Into`, and
@@ -1299,6 +1328,7 @@ impl Session {
                             t.as_ref().map(|t| ArgTensor {
                                 paged: paged(in_paged.get(i)),
                                 constant: constant(i),
+                                in_place_of: None,
                                 ..t.opaque_arg()
                             })
                         })
@@ -1313,6 +1343,7 @@ impl Session {
                                 access: Access::Opaque,
                                 paged: paged(out_paged.get(i)),
                                 constant: false,
+                                in_place_of: None,
                             })
                         })
                         .collect(),
@@ -1507,6 +1538,7 @@ impl Session {
                         access: Access::Opaque,
                         paged: None,
                         constant: false,
+                        in_place_of: None,
                     },
                 })
             })

@@ -46,6 +46,7 @@ pub(super) fn tensor_arg(t: &Tensor, value_input: bool, access: Access) -> ArgTe
         access,
         paged: None,
         constant: false,
+        in_place_of: None,
     }
 }
 
@@ -135,14 +136,16 @@ impl Shims {
     }
 
     /// Runs node `idx` of `model` through its package's CPU reference on host tensors; with
-    /// `check_dispatch`, validates its GPU launch plan as well.
+    /// `check_dispatch`, validates its GPU launch plan as well. `in_place[j]`: the input whose
+    /// buffer output j is bound in place to (ABI.md §7.8; empty: none): that output starts as a
+    /// copy of the input's bytes, and the shim is told so (not in a call of one tile).
     #[allow(clippy::too_many_arguments)]
     pub fn run_reference(
         &mut self,
         model: &Model,
         idx: usize,
         res: &Resolution,
-        inputs: &[Option<Tensor>],
+        (inputs, in_place): (&[Option<Tensor>], &[Option<u32>]),
         out_types: &OutputTypes,
         check_dispatch: bool,
         report: &mut Report,
@@ -163,7 +166,15 @@ impl Shims {
         let outputs = match tiles {
             Some(tiles) => self.run_tiles(&res.package, node, opset, &tiles, args_in(true), out_types, report)?,
             None => {
-                let args = node_call(node, opset, args_in(true), cpu::output_args(out_types, self.max_tensor_bytes));
+                let mut outs = cpu::output_args(out_types, self.max_tensor_bytes);
+                for (out, i) in outs.iter_mut().zip(in_place) {
+                    let (Some(out), Some(i)) = (out, i) else { continue };
+                    if let Some(Some(t)) = inputs.get(*i as usize) {
+                        out.access = Access::Write(t.data.to_vec());
+                        out.in_place_of = Some(*i);
+                    }
+                }
+                let args = node_call(node, opset, args_in(true), outs);
                 let outcome = self.call(&res.package, CallKind::Cpu, args, report)?;
                 cpu::collect_outputs(outcome, n_in, out_types)?
             }
@@ -222,6 +233,7 @@ impl Shims {
                                 access: tiles::window(nbytes, units, *t),
                                 paged: None,
                                 constant: false,
+                                in_place_of: None,
                             }
                         })
                     })

@@ -2,7 +2,9 @@
 //!
 //! A handle is `generation << 16 | index`. The generation changes with every call of an
 //! instance (and is never 0), so a handle kept from an earlier call is recognised as stale,
-//! and small integers (0, 1, …) are recognised as forged.
+//! and small integers (0, 1, …) are recognised as forged. Generations run from 1 to
+//! [`MAX_GENERATION`] and start over, so that every handle is a positive `i32`: `scratch`
+//! returns its handle as one, and a negative return is a refusal.
 
 use bytes::Bytes;
 use kiln_kernel_abi::DType;
@@ -65,10 +67,15 @@ pub struct HandleTable {
     slots: Vec<Slot>,
 }
 
+/// The last generation before they start over at 1: handles stay below 2³¹. (Generations up
+/// to 0xffff made the 32,768th call of an instance hand `scratch` a negative handle, which the
+/// shim read as a refusal: a CPU decode of 600 tokens failed in its RmsNormLinear.)
+pub const MAX_GENERATION: u16 = 0x7fff;
+
 impl HandleTable {
     /// An empty table for the call after one of generation `previous`.
     pub fn next(previous: u16) -> HandleTable {
-        let generation = if previous == u16::MAX { 1 } else { previous + 1 };
+        let generation = if previous >= MAX_GENERATION { 1 } else { previous + 1 };
         HandleTable { generation, slots: Vec::new() }
     }
 
@@ -141,5 +148,27 @@ mod tests {
         t2.push(slot());
         assert_eq!(t2.index(h), Err(HandleError::Stale(h)));
         assert_eq!(HandleTable::next(u16::MAX).generation(), 1, "generation 0 is never issued");
+    }
+
+    /// Over more calls than generations, every handle is a positive `i32` (what `scratch`
+    /// returns) of a generation that is never 0, and the previous call's handles stay stale.
+    #[test]
+    fn handles_stay_positive_i32_over_every_generation() {
+        let mut generation = 0;
+        let mut previous: Option<u32> = None;
+        for call in 0..3 * (MAX_GENERATION as u32 + 1) {
+            let mut t = HandleTable::next(generation);
+            generation = t.generation();
+            assert_ne!(generation, 0, "call {call}");
+            for _ in 0..3 {
+                t.push(slot());
+            }
+            let h = t.push(slot());
+            assert!(i32::try_from(h).is_ok_and(|v| v > 0), "call {call}: handle {h:#x} is not a positive i32");
+            if let Some(p) = previous {
+                assert_eq!(t.index(p), Err(HandleError::Stale(p)), "call {call}");
+            }
+            previous = Some(h);
+        }
     }
 }

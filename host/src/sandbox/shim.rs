@@ -48,6 +48,9 @@ pub struct ArgTensor<'a> {
     /// An input constant for the session (an initializer: no kernel writes it), sent as tensor
     /// flag bit 4 to packages of manifest schema 14 or later (ABI.md §7.7).
     pub constant: bool,
+    /// An output whose bytes start as input `i`'s (bound in place to its buffer), sent as tensor
+    /// flag bit 5 to packages of manifest schema 16 or later, in `kiln_cpu` calls (ABI.md §7.8).
+    pub in_place_of: Option<u32>,
 }
 
 /// A node call, before handles are assigned.
@@ -433,6 +436,7 @@ impl ShimInstance {
                             value: t.value,
                             paged: t.paged,
                             constant: t.constant,
+                            in_place_of: t.in_place_of,
                         }
                     }
                 };

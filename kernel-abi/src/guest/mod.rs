@@ -315,6 +315,17 @@ impl<'c, 'a> Tensor<'c, 'a> {
         self.desc.constant
     }
 
+    /// For an output bound in place to an input's buffer (ABI.md §7.8, manifest schema 16): that
+    /// input's index. The output's bytes then start as the input's, so a CPU reference need write
+    /// only what changes (GroupQueryAttention's present K/V over a shared past buffer: the new
+    /// positions). The host says so only in `kiln_cpu` calls; `None` elsewhere, and for inputs.
+    pub fn in_place_of(&self) -> Option<usize> {
+        if self.is_input {
+            return None;
+        }
+        self.desc.in_place_of.map(|i| i as usize)
+    }
+
     /// The bytes given inline for a value input (see the manifest's `value_inputs`).
     pub fn value(&self) -> Option<&'a [u8]> {
         self.desc.value

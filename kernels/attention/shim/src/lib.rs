@@ -531,21 +531,34 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
     }
 
     let pc = rows.iter().map(|&(t, past_b)| t.max(past_b + s_n)).max().unwrap_or(0).min(pl);
-    let (mut pres_k, mut pres_v) = (vec![T::ZERO; b_n * n_kv * pc * h_sz], vec![T::ZERO; b_n * n_kv * pc * h_sz]);
-    let head = |b: usize, j: usize| (b * n_kv + j) * pc * h_sz;
-    // Each head's past rows straight from the past tensors (only the rows a batch row uses; a
-    // decode step's context, not the whole buffer).
+    // A float32 prompt, or a decode step over a long context, multiplies through the host's
+    // `gemm` (Q·Kᵀ and P·V over each KV head's group), reading K and V from the presents.
+    let (pk, pv) = (call.output_opt(1), call.output_opt(2));
+    let t_max = rows.iter().map(|r| r.0).max().unwrap_or(1).max(1);
+    let through_gemm =
+        p.dtype == DType::F32 && (s_n >= PROMPT_GEMM_ROWS || t_max >= DECODE_GEMM_KEYS) && pk.is_some() && pv.is_some();
+    // Each head's past rows come straight from the past tensors (only the rows a batch row uses;
+    // a decode step's context, not the whole buffer) where the shim's own loops read them or the
+    // presents get them from `pres_*`; products over a shared buffer, whose presents start as the
+    // whole past, keep only each head's S new rows.
     let (past_kt, past_vt) = if past > 0 { (Some(call.input(3)?), Some(call.input(4)?)) } else { (None, None) };
+    let past_rows = !(through_gemm && shared && past > 0);
+    let kept = if past_rows { pc } else { s_n };
+    // Position `pos` of batch row b's head j in `pres_*` (from the row's first kept position).
+    let first_kept = |b: usize| if past_rows { 0 } else { rows[b].1 };
+    let (mut pres_k, mut pres_v) = (vec![T::ZERO; b_n * n_kv * kept * h_sz], vec![T::ZERO; b_n * n_kv * kept * h_sz]);
+    let head = |b: usize, j: usize| (b * n_kv + j) * kept * h_sz;
+    let at_pos = |b: usize, j: usize, pos: usize| head(b, j) + (pos - first_kept(b)) * h_sz;
     for (b, &(_, past_b)) in rows.iter().enumerate() {
         for j in 0..n_kv {
-            if let (Some(kt), Some(vt), true) = (&past_kt, &past_vt, past_b > 0) {
+            if let (Some(kt), Some(vt), true) = (&past_kt, &past_vt, past_b > 0 && past_rows) {
                 let (dst, src, n) = (head(b, j), (b * n_kv + j) * past * h_sz, past_b * h_sz);
                 pres_k[dst..dst + n].copy_from_slice(&kt.read_vec_range::<T>(src, n)?);
                 pres_v[dst..dst + n].copy_from_slice(&vt.read_vec_range::<T>(src, n)?);
             }
             for s in 0..s_n {
                 let src = (b * s_n + s) * kv_w;
-                let dst = head(b, j) + (past_b + s) * h_sz;
+                let dst = at_pos(b, j, past_b + s);
                 let kr = &mut pres_k[dst..dst + h_sz];
                 kr.copy_from_slice(&k_src[src + k_off + j * h_sz..][..h_sz]);
                 if let Some(c) = &caches {
@@ -557,18 +570,20 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
         }
     }
     // The presents: each batch row's past and new positions written per head; the other rows
-    // are the past's bytes (a shared buffer: the whole past is copied first) or zeros.
-    let write_present = |t: &Tensor, past_t: Option<&Tensor>, pres: &[T]| -> Result<()> {
-        if shared && past > 0 {
-            if let Some(pt) = past_t {
-                t.write_bytes(&pt.read_bytes()?)?;
-            }
+    // are the past's bytes (a shared buffer: the present starts as the whole past, and then
+    // only the new positions are written) or zeros. A present bound in place to its past's
+    // buffer (ABI.md §7.8) already holds the past's bytes; another gets a copy.
+    let write_present = |t: &Tensor, past_i: usize, past_t: Option<&Tensor>, pres: &[T]| -> Result<()> {
+        let copied = shared && past > 0 && past_t.is_some();
+        if let (true, Some(pt), false) = (copied, past_t, t.in_place_of() == Some(past_i)) {
+            t.write_bytes(&pt.read_bytes()?)?;
         }
         for (b, &(_, past_b)) in rows.iter().enumerate() {
             for j in 0..n_kv {
                 let at = (b * n_kv + j) * pl * h_sz;
                 let used = (past_b + s_n).min(pl);
-                t.write_vec_at(at, &pres[head(b, j)..head(b, j) + used * h_sz])?;
+                let from = if copied { past_b.min(used) } else { 0 };
+                t.write_vec_at(at + from * h_sz, &pres[at_pos(b, j, from)..at_pos(b, j, used)])?;
                 if !shared && used < pl {
                     t.write_bytes_at(((at + used * h_sz) * size) as u64, &alloc::vec![0u8; (pl - used) * h_sz * size])?;
                 }
@@ -577,15 +592,12 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
         Ok(())
     };
 
-    // A float32 prompt, or a decode step over a long context, multiplies through the host's
-    // `gemm` (Q·Kᵀ and P·V over each KV head's group), reading K and V from the presents, which
-    // are therefore written first.
-    let (pk, pv) = (call.output_opt(1), call.output_opt(2));
+    // The products read K and V from the presents, which are therefore written first.
     if let Some(t) = &pk {
-        write_present(t, past_kt.as_ref(), &pres_k)?;
+        write_present(t, 3, past_kt.as_ref(), &pres_k)?;
     }
     if let Some(t) = &pv {
-        write_present(t, past_vt.as_ref(), &pres_v)?;
+        write_present(t, 4, past_vt.as_ref(), &pres_v)?;
     }
     let sink_of = |h: usize| match &sink {
         Some(sv) => Some(sv[h]),
@@ -621,9 +633,7 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
         Ok(())
     };
     let mut q = vec![T::ZERO; h_sz];
-    let t_max = rows.iter().map(|r| r.0).max().unwrap_or(1).max(1);
-    let through_gemm = s_n >= PROMPT_GEMM_ROWS || t_max >= DECODE_GEMM_KEYS;
-    if let (DType::F32, true, Some(pk), Some(pv)) = (p.dtype, through_gemm, &pk, &pv) {
+    if let (true, Some(pk), Some(pv)) = (through_gemm, &pk, &pv) {
         let out = call.output(0)?.handle();
         // Query rows per product: the group's scores of a chunk within PROMPT_SCORES values.
         let chunk = (PROMPT_SCORES / (group * t_max)).clamp(1, s_n);
