@@ -575,7 +575,8 @@ fn group_query_attention_prompt_then_decode_through_a_shared_buffer() {
 /// and `Fetch::Into` of one tensor, as generation over `past_present_share_buffer` runs them):
 /// on the CPU the shim is told that the presents start as the past (ABI.md §7.8) and writes only
 /// the new positions. Contexts of 9 to 20 keys: the shim's own loops, then the host `gemm`
-/// (from 16 keys), against float64, the output and the whole buffer after every step.
+/// (from 16 keys), against float64, the output and the whole buffer after every step; the last
+/// step writes its presents into other buffers, which the shim is not told start as the past.
 #[test]
 fn group_query_attention_decodes_in_place_into_a_bound_shared_buffer() {
     use kiln_host::ep::{Feed, Fetch, Fetched};
@@ -625,6 +626,8 @@ fn group_query_attention_decodes_in_place_into_a_bound_shared_buffer() {
         t
     };
     let (pk, pv) = (held(&mut session, &d.past_k), held(&mut session, &d.past_v));
+    let (other_k, other_v) =
+        (session.zeros(DType::F32, shape.clone()).unwrap(), session.zeros(DType::F32, shape.clone()).unwrap());
     for step in 0..12 {
         let (o, want_k, want_v) = gqa_ref(&c, &d);
         let (inputs, _) = gqa_node(&c, &d);
@@ -637,15 +640,21 @@ fn group_query_attention_decodes_in_place_into_a_bound_shared_buffer() {
                 (_, None) => {}
             }
         }
-        let fetches = [("present_key", Fetch::Into(&pk)), ("present_value", Fetch::Into(&pv))];
+        // The last step writes the presents into buffers of their own (copied from the pasts).
+        let last = step == 11;
+        let (to_k, to_v) = if last { (&other_k, &other_v) } else { (&pk, &pv) };
+        let before = session.report.cpu_in_place;
+        let fetches = [("present_key", Fetch::Into(to_k)), ("present_value", Fetch::Into(to_v))];
         let out = session.run_with(feeds, &fetches).unwrap_or_else(|e| panic!("step {step}: {e}"));
+        let told = if last { 0 } else { 2 };
+        assert_eq!(session.report.cpu_in_place - before, told, "step {step}: presents told in place");
         let got = out.into_iter().find_map(|(n, f)| match (n.as_str(), f) {
             ("output", Fetched::Host(t)) => Some(t),
             _ => None,
         });
         let got = got.unwrap_or_else(|| panic!("step {step}: no output"));
         assert_close(&format!("step {step} (keys {:?}) output", c.lens), &float_values(&got), &o, 1e-5);
-        let (k, v) = (session.read_tensor(&pk).unwrap(), session.read_tensor(&pv).unwrap());
+        let (k, v) = (session.read_tensor(to_k).unwrap(), session.read_tensor(to_v).unwrap());
         assert_close(&format!("step {step} present_key"), &float_values(&k), &want_k, 1e-5);
         assert_close(&format!("step {step} present_value"), &float_values(&v), &want_v, 1e-5);
         // The next token of each row, into the same buffer.

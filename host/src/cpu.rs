@@ -1,5 +1,6 @@
 //! The CPU backend: a node runs through its package's CPU reference (`kiln_cpu`) on host
-//! bytes. Outputs are zeroed buffers the shim writes through the `write` import.
+//! bytes. Outputs are zeroed buffers the shim writes through the `write` import (one bound in
+//! place to an input starts as that input's bytes instead: `ep::shims`, ABI.md §7.8).
 
 use bytes::Bytes;
 use kiln_kernel_abi::DType;

@@ -46,6 +46,9 @@ pub struct Report {
     pub plan_hits: u64,
     /// Launch-plan steps recorded by checked dispatches (`SessionOptions::check_dispatch`).
     pub dispatch_steps: u64,
+    /// CPU outputs bound in place to an input's buffer that started as its bytes, the shim told
+    /// so (ABI.md §7.8: a KV cache's present over its past).
+    pub cpu_in_place: u64,
     /// Nodes whose package has no GPU dispatch for them, by op.
     pub dispatch_unsupported: BTreeMap<String, u64>,
     /// Execution plans and CUDA graphs.

@@ -1203,8 +1203,8 @@ impl Session {
         (out_ids.iter().zip(out_types))
             .map(|(id, t)| {
                 let t = t.as_ref()?;
-                let nbytes = byte_size(t.0, &t.1).ok()?;
                 let held = self.bound_target(*id, t)?.value.host_bytes()?;
+                let nbytes = byte_size(t.0, &t.1).ok()?;
                 let same = |x: &Tensor| {
                     x.dtype == t.0 && x.data.len() as u64 == nbytes && x.data.as_ptr() == held.data.as_ptr()
                 };

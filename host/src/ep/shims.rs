@@ -169,9 +169,14 @@ impl Shims {
                 let mut outs = cpu::output_args(out_types, self.max_tensor_bytes);
                 for (out, i) in outs.iter_mut().zip(in_place) {
                     let (Some(out), Some(i)) = (out, i) else { continue };
-                    if let Some(Some(t)) = inputs.get(*i as usize) {
-                        out.access = Access::Write(t.data.to_vec());
-                        out.in_place_of = Some(*i);
+                    // The output starts as the input's bytes, which must be of its dtype and size.
+                    match inputs.get(*i as usize) {
+                        Some(Some(t)) if out.dtype == Some(t.dtype) && out.nbytes == t.data.len() as u64 => {
+                            out.access = Access::Write(t.data.to_vec());
+                            out.in_place_of = Some(*i);
+                            report.cpu_in_place += 1;
+                        }
+                        _ => {}
                     }
                 }
                 let args = node_call(node, opset, args_in(true), outs);

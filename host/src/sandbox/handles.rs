@@ -69,7 +69,8 @@ pub struct HandleTable {
 
 /// The last generation before they start over at 1: handles stay below 2³¹. (Generations up
 /// to 0xffff made the 32,768th call of an instance hand `scratch` a negative handle, which the
-/// shim read as a refusal: a CPU decode of 600 tokens failed in its RmsNormLinear.)
+/// shim read as a refusal: a CPU decode failed once its RmsNormLinear instance had made that many
+/// calls, inference and CPU references together.)
 pub const MAX_GENERATION: u16 = 0x7fff;
 
 impl HandleTable {
@@ -103,7 +104,7 @@ impl HandleTable {
         let (generation, index) = ((handle >> 16) as u16, (handle & 0xffff) as usize);
         if generation == self.generation && index < self.slots.len() {
             Ok(index)
-        } else if generation != 0 && generation != self.generation && index < 0xffff {
+        } else if (1..=MAX_GENERATION).contains(&generation) && generation != self.generation && index < 0xffff {
             Err(HandleError::Stale(handle))
         } else {
             Err(HandleError::Forged(handle))

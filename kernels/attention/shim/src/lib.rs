@@ -542,7 +542,7 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
     // presents get them from `pres_*`; products over a shared buffer, whose presents start as the
     // whole past, keep only each head's S new rows.
     let (past_kt, past_vt) = if past > 0 { (Some(call.input(3)?), Some(call.input(4)?)) } else { (None, None) };
-    let past_rows = !(through_gemm && shared && past > 0);
+    let past_rows = !(through_gemm && shared);
     let kept = if past_rows { pc } else { s_n };
     // Position `pos` of batch row b's head j in `pres_*` (from the row's first kept position).
     let first_kept = |b: usize| if past_rows { 0 } else { rows[b].1 };
@@ -574,15 +574,15 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
     // only the new positions are written) or zeros. A present bound in place to its past's
     // buffer (ABI.md §7.8) already holds the past's bytes; another gets a copy.
     let write_present = |t: &Tensor, past_i: usize, past_t: Option<&Tensor>, pres: &[T]| -> Result<()> {
-        let copied = shared && past > 0 && past_t.is_some();
-        if let (true, Some(pt), false) = (copied, past_t, t.in_place_of() == Some(past_i)) {
+        let starts_as_past = shared && past_t.is_some();
+        if let (true, Some(pt), false) = (starts_as_past, past_t, t.in_place_of() == Some(past_i)) {
             t.write_bytes(&pt.read_bytes()?)?;
         }
         for (b, &(_, past_b)) in rows.iter().enumerate() {
             for j in 0..n_kv {
                 let at = (b * n_kv + j) * pl * h_sz;
                 let used = (past_b + s_n).min(pl);
-                let from = if copied { past_b.min(used) } else { 0 };
+                let from = if starts_as_past { past_b.min(used) } else { 0 };
                 t.write_vec_at(at + from * h_sz, &pres[at_pos(b, j, from)..at_pos(b, j, used)])?;
                 if !shared && used < pl {
                     t.write_bytes_at(((at + used * h_sz) * size) as u64, &alloc::vec![0u8; (pl - used) * h_sz * size])?;
@@ -739,8 +739,9 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
     for (b, &(t_b, past_b)) in rows.iter().enumerate() {
         for h in 0..n_h {
             let j = h / group;
-            let kh = &pres_k[head(b, j)..head(b, j) + pc * h_sz];
-            let vh = &pres_v[head(b, j)..head(b, j) + pc * h_sz];
+            // Here every head keeps its `pc` rows (`past_rows`: the products return above).
+            let kh = &pres_k[head(b, j)..head(b, j) + kept * h_sz];
+            let vh = &pres_v[head(b, j)..head(b, j) + kept * h_sz];
             for s in 0..s_n {
                 let (start, end) = keys(t_b, past_b, s);
                 if start >= end {
