@@ -11,17 +11,33 @@ use crate::{Error, Result, Tensor};
 
 /// Writable output buffers for the inferred output types (`None`: absent output); a string
 /// output grows to what the shim writes, up to `max_string_bytes` (the session's tensor limit).
-pub fn output_args(types: &[Option<(DType, Vec<usize>)>], max_string_bytes: u64) -> Vec<Option<ArgTensor<'static>>> {
+/// Outputs are zeros, except output j where `starts[j]` is `(i, bytes)` of its size: bound in
+/// place to input i (ABI.md §7.8), it starts as those bytes (input i's) and says so.
+pub fn output_args(
+    types: &[Option<(DType, Vec<usize>)>],
+    max_string_bytes: u64,
+    mut starts: Vec<Option<(u32, Vec<u8>)>>,
+) -> Vec<Option<ArgTensor<'static>>> {
+    starts.resize_with(types.len(), || None);
     types
         .iter()
-        .map(|t| {
+        .zip(starts)
+        .map(|(t, start)| {
             t.as_ref().map(|(dtype, shape)| {
+                let mut in_place_of = None;
                 let (n, access) = match dtype {
                     // Strings: as many bytes as the shim writes, up to the tensor limit.
                     DType::String => (max_string_bytes, Access::Strings(Vec::new())),
                     d => {
                         let n = byte_size(*d, shape).unwrap_or(0);
-                        (n, Access::Write(vec![0u8; n as usize]))
+                        let bytes = match start {
+                            Some((i, bytes)) if bytes.len() as u64 == n => {
+                                in_place_of = Some(i);
+                                bytes
+                            }
+                            _ => vec![0u8; n as usize],
+                        };
+                        (n, Access::Write(bytes))
                     }
                 };
                 ArgTensor {
@@ -32,7 +48,7 @@ pub fn output_args(types: &[Option<(DType, Vec<usize>)>], max_string_bytes: u64)
                     access,
                     paged: None,
                     constant: false,
-                    in_place_of: None,
+                    in_place_of,
                 }
             })
         })
@@ -72,7 +88,7 @@ mod tests {
     #[test]
     fn string_outputs_grow_to_what_the_shim_wrote_and_are_checked() {
         let types = vec![Some((DType::String, vec![2]))];
-        let args = output_args(&types, 1 << 20);
+        let args = output_args(&types, 1 << 20, vec![]);
         let out = args[0].as_ref().unwrap();
         assert!(matches!(&out.access, Access::Strings(v) if v.is_empty()));
         assert_eq!(out.nbytes, 1 << 20, "room to grow, up to the limit");

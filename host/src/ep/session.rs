@@ -1543,7 +1543,7 @@ impl Session {
                 })
             })
             .collect();
-        let args = node_call(&node, opset, args_in, cpu::output_args(out_types, self.shims.max_tensor_bytes));
+        let args = node_call(&node, opset, args_in, cpu::output_args(out_types, self.shims.max_tensor_bytes, vec![]));
         let n_in = inputs.iter().flatten().count();
         match self.shims.call(&res.package, CallKind::Cpu, args, &mut self.report) {
             Ok(outcome) => cpu::collect_outputs(outcome, n_in, out_types).map(Some),

@@ -166,19 +166,16 @@ impl Shims {
         let outputs = match tiles {
             Some(tiles) => self.run_tiles(&res.package, node, opset, &tiles, args_in(true), out_types, report)?,
             None => {
-                let mut outs = cpu::output_args(out_types, self.max_tensor_bytes);
-                for (out, i) in outs.iter_mut().zip(in_place) {
-                    let (Some(out), Some(i)) = (out, i) else { continue };
-                    // The output starts as the input's bytes, which must be of its dtype and size.
-                    match inputs.get(*i as usize) {
-                        Some(Some(t)) if out.dtype == Some(t.dtype) && out.nbytes == t.data.len() as u64 => {
-                            out.access = Access::Write(t.data.to_vec());
-                            out.in_place_of = Some(*i);
-                            report.cpu_in_place += 1;
-                        }
-                        _ => {}
-                    }
-                }
+                // An output bound in place starts as a copy of its input's bytes, which must be
+                // of its dtype (`output_args` checks the size).
+                let starts = (in_place.iter().zip(out_types))
+                    .map(|(i, t)| match (i, t, i.and_then(|i| inputs.get(i as usize))) {
+                        (Some(i), Some((dtype, _)), Some(Some(x))) if x.dtype == *dtype => Some((*i, x.data.to_vec())),
+                        _ => None,
+                    })
+                    .collect();
+                let outs = cpu::output_args(out_types, self.max_tensor_bytes, starts);
+                report.cpu_in_place += outs.iter().flatten().filter(|o| o.in_place_of.is_some()).count() as u64;
                 let args = node_call(node, opset, args_in(true), outs);
                 let outcome = self.call(&res.package, CallKind::Cpu, args, report)?;
                 cpu::collect_outputs(outcome, n_in, out_types)?
