@@ -128,6 +128,29 @@ fn run_node_in(
     outputs: &[&str],
     attrs: Vec<onnx::AttributeProto>,
 ) -> Result<Vec<Tensor>, Error> {
+    let model = node_model((domain, opset), op, &inputs, outputs, attrs)?;
+    let feeds = inputs.into_iter().filter_map(|(n, t)| t.map(|t| (n.to_string(), t))).collect();
+    // Every run also validates the GPU launch plan (kiln_dispatch on opaque tensors).
+    let mut session = Session::new(rt.clone(), model, SessionOptions { check_dispatch: true, ..Default::default() })?;
+    let out = session.run(feeds)?;
+    assert!(
+        session.report.dispatch_unsupported.is_empty(),
+        "{op}: no GPU dispatch: {:?}",
+        session.report.dispatch_unsupported
+    );
+    assert!(session.report.dispatch_steps > 0, "{op}: an empty launch plan");
+    Ok(out.into_iter().map(|(_, t)| t).collect())
+}
+
+/// A one-node model of `op` in (domain, opset) whose inputs are declared with the types of
+/// `inputs` (absent ones `None`) and whose outputs are inferred.
+fn node_model(
+    (domain, opset): (&str, i64),
+    op: &str,
+    inputs: &[(&str, Option<Tensor>)],
+    outputs: &[&str],
+    attrs: Vec<onnx::AttributeProto>,
+) -> Result<model::Model, Error> {
     let names: Vec<&str> = inputs.iter().map(|(n, t)| if t.is_some() { *n } else { "" }).collect();
     let decl: Vec<_> = inputs
         .iter()
@@ -147,18 +170,7 @@ fn run_node_in(
             ..Default::default()
         }),
     }
-    let feeds = inputs.into_iter().filter_map(|(n, t)| t.map(|t| (n.to_string(), t))).collect();
-    let model = model::load_bytes(&onnx::bytes(&m), None)?;
-    // Every run also validates the GPU launch plan (kiln_dispatch on opaque tensors).
-    let mut session = Session::new(rt.clone(), model, SessionOptions { check_dispatch: true, ..Default::default() })?;
-    let out = session.run(feeds)?;
-    assert!(
-        session.report.dispatch_unsupported.is_empty(),
-        "{op}: no GPU dispatch: {:?}",
-        session.report.dispatch_unsupported
-    );
-    assert!(session.report.dispatch_steps > 0, "{op}: an empty launch plan");
-    Ok(out.into_iter().map(|(_, t)| t).collect())
+    model::load_bytes(&onnx::bytes(&m), None)
 }
 
 /// An output declaration without a type (inferred).
@@ -520,19 +532,15 @@ fn group_query_attention_in_float16_and_bfloat16() {
     }
 }
 
-/// tiny-llama-v512's configuration (do_rotary 1, non-interleaved, scale 0.25, 4 heads, 2 KV
-/// heads, head size 16), a padded two-row prompt, then decoding into the shared buffer fed
-/// back as the next past.
-#[test]
-fn group_query_attention_prompt_then_decode_through_a_shared_buffer() {
-    let rt = runtime();
-    let mut r = Rng(7);
-    let max_len = 12;
-    let mut c = Case {
+/// tiny-llama-v512's attention (do_rotary 1, non-interleaved, scale 0.25, 4 heads, 2 KV heads,
+/// head size 16) in float32 over a shared buffer of `max_len` positions: batch rows of `lens`
+/// tokens, `seq` of them new.
+fn tiny_llama_case(mode: Mode, seq: usize, lens: Vec<usize>, max_len: usize) -> Case {
+    Case {
         dtype: DType::F32,
-        mode: Mode::Prompt,
-        batch: 2,
-        seq: 5,
+        mode,
+        batch: lens.len(),
+        seq,
         heads: 4,
         kv_heads: 2,
         head_size: 16,
@@ -545,10 +553,21 @@ fn group_query_attention_prompt_then_decode_through_a_shared_buffer() {
         smooth: false,
         sink: false,
         bias: false,
-        lens: vec![5, 3],
-        total: 5,
+        total: lens.iter().copied().max().unwrap_or(0),
+        lens,
         past_len: max_len,
-    };
+    }
+}
+
+/// tiny-llama-v512's configuration (do_rotary 1, non-interleaved, scale 0.25, 4 heads, 2 KV
+/// heads, head size 16), a padded two-row prompt, then decoding into the shared buffer fed
+/// back as the next past.
+#[test]
+fn group_query_attention_prompt_then_decode_through_a_shared_buffer() {
+    let rt = runtime();
+    let mut r = Rng(7);
+    let max_len = 12;
+    let mut c = tiny_llama_case(Mode::Prompt, 5, vec![5, 3], max_len);
     let mut d = random_data(&mut r, &c);
     d.past_k = vec![0.0; 2 * 2 * max_len * 16];
     d.past_v = d.past_k.clone();
@@ -583,42 +602,11 @@ fn group_query_attention_decodes_in_place_into_a_bound_shared_buffer() {
     let rt = runtime();
     let mut r = Rng(0x3c6e_f372_fe94_f82b);
     let (max_len, shape) = (24, vec![2, 2, 24, 16]);
-    let mut c = Case {
-        dtype: DType::F32,
-        mode: Mode::Decode,
-        batch: 2,
-        seq: 1,
-        heads: 4,
-        kv_heads: 2,
-        head_size: 16,
-        packed: false,
-        shared: true,
-        rotary: Some((8, false)),
-        window: -1,
-        softcap: 0.0,
-        scale: 0.25,
-        smooth: false,
-        sink: false,
-        bias: false,
-        lens: vec![9, 6],
-        total: 9,
-        past_len: max_len,
-    };
+    let mut c = tiny_llama_case(Mode::Decode, 1, vec![9, 6], max_len);
     let mut d = random_data(&mut r, &c);
     let (inputs, attrs) = gqa_node(&c, &d);
-    let names: Vec<&str> = inputs.iter().map(|(n, t)| if t.is_some() { *n } else { "" }).collect();
-    let decl: Vec<_> = (inputs.iter())
-        .filter_map(|(n, t)| {
-            t.as_ref().map(|t| value(n, dtype_code(t.dtype), &t.shape.iter().map(|&d| d as i64).collect::<Vec<_>>()))
-        })
-        .collect();
     let outputs = ["output", "present_key", "present_value"];
-    let out_decl: Vec<_> = outputs.iter().map(|n| value(n, 0, &[])).map(untyped).collect();
-    let mut n = node("GroupQueryAttention", &names, &outputs, attrs);
-    n.domain = "com.microsoft".into();
-    let mut m = onnx::model(vec![n], decl, out_decl, vec![]);
-    m.opset_import.push(onnx::OperatorSetIdProto { domain: "com.microsoft".into(), version: 1, ..Default::default() });
-    let model = model::load_bytes(&onnx::bytes(&m), None).unwrap();
+    let model = node_model(("com.microsoft", 1), "GroupQueryAttention", &inputs, &outputs, attrs).unwrap();
     let mut session = Session::new(rt, model, SessionOptions::default()).unwrap();
     let held = |s: &mut Session, v: &[f64]| {
         let t = s.zeros(DType::F32, shape.clone()).unwrap();
