@@ -330,6 +330,13 @@ for w in glob.glob(".gpu/python/*.whl"):
       KILN_CPU_HOT_SPIN_US=$v KILN_CPU_THREADS=16 "$KILN" bench decode "$i4c" --device cpu --prompt-len 16 \
         --new-tokens 32 --runs 3 2>&1 | grep -E "^\| [0-9]|[Ee]rror"
     done | tee -a "$out/cpu.log"
+    # The decode products shared out to the kept-hot threads by one counter (cpu_share) against
+    # rayon's tasks, at 16 and 8 threads, alternated.
+    [ -f "$i4c/model.onnx" ] && for t in 16 8; do for v in 1 0 1 0; do
+      echo "== int4 CPU decode, $t threads, KILN_CPU_SHARE=$v"
+      KILN_CPU_SHARE=$v KILN_CPU_THREADS=$t "$KILN" bench decode "$i4c" --device cpu --prompt-len 16 \
+        --new-tokens 32 --runs 3 2>&1 | grep -E "^\| [0-9]|[Ee]rror"
+    done; done | tee -a "$out/cpu.log"
     summary+=("cpu: $(grep -E '^\| (MatMul|resnet50)|^==|^\| 1 \(1\)|^onnxruntime' "$out/cpu.log" | tr '\n' ' ')")
     ;;
   verify)

@@ -130,6 +130,12 @@ pub fn on_pool_hot<R: Send>(f: impl FnOnce() -> R + Send) -> R {
                     let mut idle_since = Instant::now();
                     let mut spins = 0u32;
                     while !done.load(Ordering::Acquire) {
+                        // A loop the graph's thread shares out first (`cpu_share`), then rayon's work.
+                        if super::cpu_share::help() {
+                            idle_since = Instant::now();
+                            spins = 0;
+                            continue;
+                        }
                         match rayon::yield_now() {
                             Some(rayon::Yield::Executed) => {
                                 idle_since = Instant::now();
@@ -152,8 +158,16 @@ pub fn on_pool_hot<R: Send>(f: impl FnOnce() -> R + Send) -> R {
                     }
                 });
             }
-            // The helpers stop when `f` returns or unwinds.
+            // The helpers stop when `f` returns or unwinds; this thread shares loops out until then.
             let _done = SetOnDrop(&done, true);
+            super::cpu_share::set_publisher(true);
+            struct Unpublish;
+            impl Drop for Unpublish {
+                fn drop(&mut self) {
+                    super::cpu_share::set_publisher(false);
+                }
+            }
+            let _unpublish = Unpublish;
             f()
         })
     })

@@ -15,8 +15,9 @@ use kiln_kernel_abi::wire::{QGemm, QZeroPoints, TensorAt};
 use rayon::prelude::*;
 
 use super::cpu_gemm::{f32_view, operand_bytes, sgemm, store, with_output};
-use super::cpu_pool::on_pool;
+use super::cpu_pool::{cpu_threads, on_pool};
 use super::cpu_q4;
+use super::cpu_share;
 use super::handles::Slot;
 
 /// Rows of A from which the weights are dequantized once and multiplied as a GEMM (below, the
@@ -142,49 +143,69 @@ fn direct_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
     for (i, row) in x.chunks_exact_mut(padded).enumerate() {
         row[..w.k].copy_from_slice(&a[i * w.k..(i + 1) * w.k]);
     }
-    // Column-major results, four weight rows per task: cols[r · m + i] is Y[i, r].
+    // Column-major results, four weight rows per group: cols[r · m + i] is Y[i, r].
     let mut cols = vec![0f32; n * m];
-    on_pool(|| {
-        // Default zero points are the same for every row: filled once per task's scratch.
-        let default = match w.zeros {
-            Zeros::Default(d) => Some(d),
-            _ => None,
-        };
-        cols.par_chunks_mut(4 * m).with_min_len(8).enumerate().for_each_init(
-            || (vec![default.unwrap_or(0.0); 4 * w.kb], vec![0f32; w.block]),
-            |(z, scratch), (g, chunk)| {
-                let first = 4 * g;
-                let rows = chunk.len() / m;
-                if default.is_none() {
-                    for (t, zt) in z.chunks_exact_mut(w.kb).take(rows).enumerate() {
-                        w.zeros(first + t, zt);
+    // Default zero points are the same for every row: filled once per task's scratch.
+    let default = match w.zeros {
+        Zeros::Default(d) => Some(d),
+        _ => None,
+    };
+    let scratch = || (vec![default.unwrap_or(0.0); 4 * w.kb], vec![0f32; w.block]);
+    // Group g: weight rows 4g.. (fewer in the last), whose results are `chunk`.
+    let group = |(z, scratch): &mut (Vec<f32>, Vec<f32>), g: usize, chunk: &mut [f32]| {
+        let first = 4 * g;
+        let rows = chunk.len() / m;
+        if default.is_none() {
+            for (t, zt) in z.chunks_exact_mut(w.kb).take(rows).enumerate() {
+                w.zeros(first + t, zt);
+            }
+        }
+        let x_row = |i: usize| &x[i * padded..(i + 1) * padded];
+        // One row of A: four weight rows at once.
+        let mut dots = [0f32; 4];
+        if m == 1 && w.bits == 4 && rows == 4 && q4_dots(w, first, x_row(0), z, &mut dots) {
+            chunk.copy_from_slice(&dots);
+            return;
+        }
+        for i0 in (0..m).step_by(cpu_q4::MAX_ROWS) {
+            let i1 = (i0 + cpu_q4::MAX_ROWS).min(m);
+            let xs: Vec<&[f32]> = (i0..i1).map(x_row).collect();
+            for t in 0..rows {
+                let (r, zt) = (first + t, &z[t * w.kb..(t + 1) * w.kb]);
+                let out = &mut chunk[t * m..(t + 1) * m];
+                let a_rows = cpu_q4::Rows { xs: &xs, row: w.row(r), scales: w.scales(r), zeros: zt };
+                let done = w.bits == 4 && cpu_q4::dots_rows(&a_rows, w.block, &mut out[i0..i1]);
+                if !done {
+                    for i in i0..i1 {
+                        out[i] = row_dot(w, r, xs[i - i0], zt, scratch);
                     }
                 }
-                let x_row = |i: usize| &x[i * padded..(i + 1) * padded];
-                // One row of A: four weight rows at once.
-                let mut dots = [0f32; 4];
-                if m == 1 && w.bits == 4 && rows == 4 && q4_dots(w, first, x_row(0), z, &mut dots) {
-                    chunk.copy_from_slice(&dots);
-                    return;
-                }
-                for i0 in (0..m).step_by(cpu_q4::MAX_ROWS) {
-                    let i1 = (i0 + cpu_q4::MAX_ROWS).min(m);
-                    let xs: Vec<&[f32]> = (i0..i1).map(x_row).collect();
-                    for t in 0..rows {
-                        let (r, zt) = (first + t, &z[t * w.kb..(t + 1) * w.kb]);
-                        let out = &mut chunk[t * m..(t + 1) * m];
-                        let a_rows = cpu_q4::Rows { xs: &xs, row: w.row(r), scales: w.scales(r), zeros: zt };
-                        let done = w.bits == 4 && cpu_q4::dots_rows(&a_rows, w.block, &mut out[i0..i1]);
-                        if !done {
-                            for i in i0..i1 {
-                                out[i] = row_dot(w, r, xs[i - i0], zt, scratch);
-                            }
-                        }
-                    }
-                }
-            },
-        )
+            }
+        }
+    };
+    let groups = n.div_ceil(4);
+    // The kept-hot threads take chunks of groups (about four a thread, at least two groups);
+    // else rayon's tasks of at least eight.
+    let chunk = groups.div_ceil(4 * cpu_threads()).max(2);
+    let base = cols.as_mut_ptr() as usize;
+    let shared = cpu_share::share(groups, chunk, &|g0, g1| {
+        let mut s = scratch();
+        for g in g0..g1 {
+            let (lo, hi) = (4 * g * m, (4 * g + 4).min(n) * m);
+            // SAFETY: groups are disjoint ranges of `cols` (n · m values), each run once, and
+            // `cols` outlives the loop (`share` returns after every chunk).
+            let chunk = unsafe { std::slice::from_raw_parts_mut((base as *mut f32).add(lo), hi - lo) };
+            group(&mut s, g, chunk);
+        }
     });
+    if !shared {
+        on_pool(|| {
+            cols.par_chunks_mut(4 * m)
+                .with_min_len(8)
+                .enumerate()
+                .for_each_init(scratch, |s, (g, chunk)| group(s, g, chunk))
+        });
+    }
     for (i, row) in out.chunks_exact_mut(n).enumerate() {
         row.iter_mut().enumerate().for_each(|(r, v)| *v = cols[r * m + i]);
     }

@@ -14,6 +14,7 @@ mod cpu_gemm;
 mod cpu_pool;
 mod cpu_q4;
 mod cpu_qgemm;
+mod cpu_share;
 pub mod handles;
 mod imports;
 mod shim;
