@@ -67,7 +67,7 @@ const HOT_SPIN: Duration = Duration::from_millis(2);
 /// number, else [`HOT_SPIN`]. 0 keeps no thread hot: a session's parallel work then wakes the
 /// pool's sleeping threads as any other caller's does (an A/B of the spinning; another value is
 /// reported once, as a warning, and ignored).
-fn hot_spin() -> Duration {
+pub(super) fn hot_spin() -> Duration {
     static SPIN: OnceLock<Duration> = OnceLock::new();
     *SPIN.get_or_init(|| match std::env::var("KILN_CPU_HOT_SPIN_US") {
         Err(_) => HOT_SPIN,
@@ -101,7 +101,8 @@ static HOT: AtomicBool = AtomicBool::new(false);
 /// `f`'s nodes share out, instead of sleeping until woken between nodes. Waking a sleeping
 /// thread costs tens of µs on a virtual machine, about what a decode step's matrix product
 /// takes, so without this a second thread joined each product too late to help (onnxruntime's
-/// intra-op threads spin the same way). One session runs hot at a time; another meanwhile runs `f` on its caller's
+/// intra-op threads spin the same way); with `KILN_CPU_SHARE=1` they also take chunks of the
+/// loops `f`'s thread shares out (`cpu_share`). One session runs hot at a time; another meanwhile runs `f` on its caller's
 /// thread, sharing out its parallel work through the pool as before (so one graph never runs
 /// nested inside another's wait).
 pub fn on_pool_hot<R: Send>(f: impl FnOnce() -> R + Send) -> R {

@@ -145,7 +145,7 @@ fn direct_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
     }
     // Column-major results, four weight rows per group: cols[r · m + i] is Y[i, r].
     let mut cols = vec![0f32; n * m];
-    // Default zero points are the same for every row: filled once per task's scratch.
+    // Default zero points are the same for every row: filled once per scratch (a chunk's or a task's).
     let default = match w.zeros {
         Zeros::Default(d) => Some(d),
         _ => None,
@@ -289,4 +289,45 @@ fn dot(x: &[f32], w: &[f32]) -> f32 {
         }
     }
     lanes.iter().sum::<f32>() + tail
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+
+    use super::*;
+
+    /// A decode product whose groups of weight rows go to the kept-hot threads (`cpu_share`)
+    /// gives exactly rayon's results, for one and three rows of A and a weight row count that is
+    /// not a multiple of four.
+    #[test]
+    fn shared_and_rayon_decode_products_agree() {
+        let (n, k, block) = (4 * 37 + 3, 96, 32);
+        let (kb, blob) = (k / block, block / 2);
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            (seed >> 33) as u32
+        };
+        let b: Vec<u8> = (0..n * kb * blob).map(|_| next() as u8).collect();
+        let scales: Vec<f32> = (0..n * kb).map(|_| (next() % 1000) as f32 / 1000.0 + 0.01).collect();
+        let w =
+            Weights { b: &b, scales: Cow::Borrowed(&scales), zeros: Zeros::Default(8.0), k, kb, block, blob, bits: 4 };
+        for m in [1, 3] {
+            let a: Vec<f32> = (0..m * k).map(|_| (next() % 2000) as f32 / 1000.0 - 1.0).collect();
+            let mut want = vec![0f32; m * n];
+            direct_product(&a, &w, m, n, &mut want);
+            assert!(want.iter().any(|v| *v != 0.0));
+            cpu_share::FORCE.store(true, Ordering::Relaxed);
+            let got = cpu_share::tests::hot(|| {
+                let mut got = vec![0f32; m * n];
+                direct_product(&a, &w, m, n, &mut got);
+                got
+            });
+            cpu_share::FORCE.store(false, Ordering::Relaxed);
+            if let Some(got) = got {
+                assert_eq!(got, want, "{m} rows of A");
+            }
+        }
+    }
 }

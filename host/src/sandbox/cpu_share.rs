@@ -10,9 +10,12 @@
 //! threads (bench/RESULTS.md, session 38); whether it pays where it should, at 16 threads, is an
 //! A/B for a 16-core machine (`scripts/gpu-check.sh cpu`).
 
+use std::any::Any;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
-use std::sync::OnceLock;
+#[cfg(test)]
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 /// One published loop. It lives on its publisher's stack: [`share`] returns only after it is
 /// unpublished and no helper is inside it.
@@ -25,8 +28,8 @@ struct Job<'a> {
     next: AtomicUsize,
     /// Items finished.
     done: AtomicUsize,
-    /// A chunk panicked (on a helper: its panic is lost, the publisher panics after the loop).
-    panicked: AtomicBool,
+    /// The first panic of a chunk, which the publisher resumes after the loop.
+    panic: Mutex<Option<Box<dyn Any + Send>>>,
 }
 
 /// The published job (a `Job` with its lifetime erased), or null.
@@ -36,14 +39,37 @@ static JOB: AtomicPtr<Job<'static>> = AtomicPtr::new(std::ptr::null_mut());
 static INSIDE: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
-    /// Whether this thread runs a hot session's graph, which alone publishes jobs.
+    /// Whether this thread runs a hot session's graph, which publishes jobs (its own nodes', or
+    /// another session's it runs while it waits in a rayon join).
     static PUBLISHER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
+
+/// Tests of the loops that share their work turn sharing on whatever `KILN_CPU_SHARE` says.
+#[cfg(test)]
+pub(super) static FORCE: AtomicBool = AtomicBool::new(false);
 
 /// Whether shared loops are on (`KILN_CPU_SHARE=1`).
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
+    #[cfg(test)]
+    if FORCE.load(Ordering::Relaxed) {
+        return true;
+    }
     *ON.get_or_init(|| std::env::var("KILN_CPU_SHARE").is_ok_and(|v| v.trim() == "1"))
+}
+
+/// Spins while `busy()`, offering the core to other threads every 64 spins (a helper the
+/// publisher waits for may have been descheduled on its core).
+fn spin_while(busy: impl Fn() -> bool) {
+    let mut spins = 0u32;
+    while busy() {
+        spins = spins.wrapping_add(1);
+        if spins.is_multiple_of(64) {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
 }
 
 /// Marks (or unmarks) this thread as the one running the hot session's graph.
@@ -66,8 +92,7 @@ fn share_on(n: usize, chunk: usize, run: &(dyn Fn(usize, usize) + Sync)) -> bool
         return false;
     }
     let chunk = chunk.max(1);
-    let job =
-        Job { run, n, chunk, next: AtomicUsize::new(0), done: AtomicUsize::new(0), panicked: AtomicBool::new(false) };
+    let job = Job { run, n, chunk, next: AtomicUsize::new(0), done: AtomicUsize::new(0), panic: Mutex::new(None) };
     // SAFETY (of the erased lifetime): the job is unpublished below, and this function returns
     // only once no helper is inside it.
     let ptr = &job as *const Job<'_> as *mut Job<'static>;
@@ -75,21 +100,17 @@ fn share_on(n: usize, chunk: usize, run: &(dyn Fn(usize, usize) + Sync)) -> bool
         return false;
     }
     take_chunks(&job);
-    while job.done.load(Ordering::Acquire) < n {
-        std::hint::spin_loop();
-    }
+    spin_while(|| job.done.load(Ordering::Acquire) < n);
     JOB.store(std::ptr::null_mut(), Ordering::SeqCst);
-    while INSIDE.load(Ordering::SeqCst) != 0 {
-        std::hint::spin_loop();
-    }
-    if job.panicked.load(Ordering::Acquire) {
-        resume_unwind(Box::new("a chunk of a shared CPU loop panicked"));
+    spin_while(|| INSIDE.load(Ordering::SeqCst) != 0);
+    if let Some(payload) = job.panic.lock().ok().and_then(|mut p| p.take()) {
+        resume_unwind(payload);
     }
     true
 }
 
 /// A kept-hot helper's look for a published job: takes its chunks until none is left. Returns
-/// whether it ran any.
+/// whether it ran any. It looks first without counting itself in: one load of a shared pointer.
 pub(super) fn help() -> bool {
     if JOB.load(Ordering::Relaxed).is_null() {
         return false;
@@ -107,13 +128,19 @@ pub(super) fn help() -> bool {
 fn take_chunks(job: &Job<'_>) -> bool {
     let mut ran = false;
     loop {
+        // A look before the counter is taken: idle helpers do not write it once it is spent.
+        if job.next.load(Ordering::Relaxed) >= job.n {
+            return ran;
+        }
         let start = job.next.fetch_add(job.chunk, Ordering::Relaxed);
         if start >= job.n {
             return ran;
         }
         let end = (start + job.chunk).min(job.n);
-        if catch_unwind(AssertUnwindSafe(|| (job.run)(start, end))).is_err() {
-            job.panicked.store(true, Ordering::Release);
+        if let Err(payload) = catch_unwind(AssertUnwindSafe(|| (job.run)(start, end))) {
+            if let Ok(mut p) = job.panic.lock() {
+                p.get_or_insert(payload);
+            }
         }
         job.done.fetch_add(end - start, Ordering::Release);
         ran = true;
@@ -121,20 +148,20 @@ fn take_chunks(job: &Job<'_>) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use std::sync::atomic::{AtomicU32, Ordering};
 
     use super::share_on;
-    use crate::sandbox::cpu_pool::{cpu_threads, on_pool_hot};
+    use crate::sandbox::cpu_pool::{cpu_threads, hot_spin, on_pool_hot};
 
     /// Runs `f` in a hot run that shares loops (retried while another test's hot run holds the
-    /// pool); `None` with one CPU thread, where no run is hot.
-    fn hot<R: Send>(f: impl Fn() -> R + Send + Sync) -> Option<R> {
+    /// pool); `None` with one CPU thread or no kept-hot helpers, where no run is hot.
+    pub(in crate::sandbox) fn hot<R: Send>(f: impl Fn() -> R + Send + Sync) -> Option<R> {
         for _ in 0..500 {
             if let Some(r) = on_pool_hot(|| share_on(0, 1, &|_, _| {}).then(&f)) {
                 return Some(r);
             }
-            if cpu_threads() == 1 {
+            if cpu_threads() == 1 || hot_spin().is_zero() {
                 return None;
             }
             std::thread::sleep(std::time::Duration::from_millis(5));
@@ -171,5 +198,14 @@ mod tests {
         assert!(r.is_err(), "the chunk's panic reaches the caller");
         assert_eq!(ran.load(Ordering::Relaxed), 64, "every other chunk ran");
         assert_eq!(hot(|| share_on(8, 3, &|_, _| {})), Some(true), "the next loop is shared");
+        // The helpers take chunks too: 32 chunks of 200 µs each do not all go to the publisher.
+        let threads = std::sync::Mutex::new(std::collections::HashSet::new());
+        hot(|| {
+            share_on(32, 1, &|_, _| {
+                threads.lock().unwrap().insert(std::thread::current().id());
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            })
+        });
+        assert!(threads.lock().unwrap().len() > 1, "only the publisher ran chunks");
     }
 }
