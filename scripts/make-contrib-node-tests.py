@@ -29,16 +29,19 @@ def vinfo(name, arr):
     return helper.make_tensor_value_info(name, ONNX_TYPE[arr.dtype.type], list(arr.shape))
 
 
-def write(name, node, inputs, n_outputs, output_names=None):
+def write(name, node, inputs, n_outputs, output_names=None, out=None, constants=()):
     """Builds a one-node model over `inputs` (name → array; None leaves an optional input out),
-    runs it in onnxruntime and writes the test folder."""
-    graph_inputs = [vinfo(k, v) for k, v in inputs.items() if v is not None]
+    runs it in onnxruntime and writes the test folder (under `out`, default OUT). Inputs named in
+    `constants` are initializers of the model instead of graph inputs."""
+    graph_inputs = [vinfo(k, v) for k, v in inputs.items() if v is not None and k not in constants]
     outs = output_names or [f"y{i}" for i in range(n_outputs)]
     node.output[:] = outs
-    graph = helper.make_graph([node], name, graph_inputs, [helper.make_empty_tensor_value_info(o) for o in outs])
+    inits = [onnx.numpy_helper.from_array(v, k) for k, v in inputs.items() if v is not None and k in constants]
+    graph = helper.make_graph([node], name, graph_inputs, [helper.make_empty_tensor_value_info(o) for o in outs],
+                              initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 10
-    feeds = {k: v for k, v in inputs.items() if v is not None}
+    feeds = {k: v for k, v in inputs.items() if v is not None and k not in constants}
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     results = sess.run(outs, feeds)
     # Declare the outputs' real types in the stored model.
@@ -46,7 +49,7 @@ def write(name, node, inputs, n_outputs, output_names=None):
     model.graph.output.extend([vinfo(o, r) for o, r in zip(outs, results)])
     if node.domain == "com.microsoft":  # SimplifiedLayerNormalization is onnxruntime's, in ai.onnx
         onnx.checker.check_model(model)
-    write_test_folder(os.path.join(OUT, f"test_{name}"), model, feeds, list(zip(outs, results)))
+    write_test_folder(os.path.join(out or OUT, f"test_{name}"), model, feeds, list(zip(outs, results)))
     print(f"test_{name}: " + ", ".join(f"{o} {r.dtype}{list(r.shape)}" for o, r in zip(outs, results)))
 
 
@@ -95,7 +98,7 @@ def rotary(name, dtype, b, s, n, h, interleaved):
     write(name, node, inputs, 1)
 
 
-def matmul_nbits(name, dtype, m, k, n, bits, block, zero_points, bias):
+def matmul_nbits(name, dtype, m, k, n, bits, block, zero_points, bias, accuracy_level=None, out=None):
     blocks = -(-k // block)
     q = rng.integers(0, 1 << bits, (n, blocks * block)).astype(np.uint8)
     per = 8 // bits
@@ -118,8 +121,13 @@ def matmul_nbits(name, dtype, m, k, n, bits, block, zero_points, bias):
     names = [k_ if v is not None else "" for k_, v in inputs.items()]
     while names and names[-1] == "":
         names.pop()
-    node = helper.make_node("MatMulNBits", names, [], domain="com.microsoft", K=k, N=n, bits=bits, block_size=block)
-    write(name, node, inputs, 1)
+    attrs = {} if accuracy_level is None else {"accuracy_level": accuracy_level}
+    node = helper.make_node("MatMulNBits", names, [], domain="com.microsoft", K=k, N=n, bits=bits, block_size=block,
+                            **attrs)
+    # At accuracy_level 4 onnxruntime quantizes A only where B is an initializer (it prepacks B
+    # at load); with B a graph input it computes in f32.
+    constants = ("B", "scales", "zero_points", "bias") if accuracy_level == 4 else ()
+    write(name, node, inputs, 1, out=out, constants=constants)
 
 
 def gather_block_quantized(name, dtype, vocab, dim, block, ids_shape):
@@ -174,3 +182,15 @@ simplified_layer_norm("simplified_layer_normalization", np.float32, (2, 3, 40))
 simplified_layer_norm("simplified_layer_normalization_f16", np.float16, (4, 600))
 skip_simplified_layer_norm("skip_simplified_layer_normalization_sum", np.float32, (2, 3, 48), bias=False)
 skip_simplified_layer_norm("skip_simplified_layer_normalization_bias_f16", np.float16, (1, 2, 576), bias=True)
+
+# MatMulNBits at accuracy_level 4 over constant weights, where onnxruntime's CPU provider quantizes
+# each block of A to int8 (on CPUs with its int8 kernels: AVX2, AVX-512 VNNI): a folder of its own, as kiln's GPU
+# computes in f32 at every level (which the level allows) and so matches these only within f32's
+# distance from int8 (about 5e-3 of the largest output). Decode-size products, fewer than 64 rows.
+INT8_OUT = OUT.rstrip("/") + "-int8"
+matmul_nbits("matmul_nbits_4bit_block32_accuracy4", np.float32, m=1, k=80, n=24, bits=4, block=32, zero_points=False,
+             bias=False, accuracy_level=4, out=INT8_OUT)
+matmul_nbits("matmul_nbits_4bit_block64_zero_points_bias_accuracy4", np.float32, m=3, k=128, n=20, bits=4, block=64,
+             zero_points=True, bias=True, accuracy_level=4, out=INT8_OUT)
+matmul_nbits("matmul_nbits_4bit_block32_rows5_accuracy4", np.float32, m=5, k=576, n=36, bits=4, block=32,
+             zero_points=False, bias=False, accuracy_level=4, out=INT8_OUT)

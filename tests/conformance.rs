@@ -276,6 +276,15 @@ fn contrib_op_node_tests_match_onnxruntime_on_the_cpu() {
     );
 }
 
+/// MatMulNBits at accuracy_level 4 over constant weights (tests/contrib-node-tests-int8, from
+/// scripts/make-contrib-node-tests.py): the CPU quantizes each block of A to int8 as onnxruntime's
+/// CPU provider does and matches its outputs within the runner's tolerance, which an f32 product
+/// misses (by about 1e-2 of the largest output). Decode-size products: 1, 3 and 5 rows of A.
+#[test]
+fn matmul_nbits_at_accuracy_level_4_matches_onnxruntimes_int8_on_the_cpu() {
+    own_node_tests_pass("contrib-node-tests-int8", &["MatMulNBits"]);
+}
+
 /// kiln's node tests of ONNX's own ops beyond what ONNX 1.20's tests cover (tests/onnx-node-tests,
 /// written by scripts/make-onnx-node-tests.py): bidirectional recurrent ops with sequence
 /// lengths, grouped and dilated convolutions with bias, grouped-query Attention with a past and

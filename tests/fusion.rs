@@ -938,6 +938,114 @@ fn matmul_nbits_fuses_only_with_the_attributes_its_pattern_names() {
     assert!(err.contains("MatMulNBits"), "{err}");
 }
 
+/// A 4-bit weight `name` [n, k / 32, 16] (blocks of 32) and its scales `{name}_s` [n, k / 32].
+fn nbits_weight(name: &str, n: usize, k: usize, seed: u64) -> [onnx::TensorProto; 2] {
+    let kb = k / 32;
+    let bytes: Vec<u8> = (0..n * kb * 16).map(|i| ((i as u64 * 37 + seed * 11) % 256) as u8).collect();
+    let b = onnx::TensorProto {
+        name: name.into(),
+        data_type: 2,
+        dims: vec![n as i64, kb as i64, 16],
+        raw_data: bytes,
+        ..Default::default()
+    };
+    [b, onnx::init_f32(&format!("{name}_s"), &[n as i64, kb as i64], &values(n * kb, seed))]
+}
+
+/// The model builder's int4 MLP: SkipSimplifiedLayerNormalization of x [2, 64] and skip, then
+/// MatMulNBits gate and up (F = 32), SiLU as Sigmoid·Mul, Mul, and MatMulNBits down, the three
+/// MatMulNBits at `levels` of accuracy_level (None: the attribute left out).
+fn nbits_mlp(levels: [Option<i64>; 3]) -> Model {
+    let int = onnx::attr_int;
+    let mnb = |a: &str, b: &str, y: &str, k: i64, n: i64, level: Option<i64>| {
+        let mut attrs = vec![int("K", k), int("N", n), int("bits", 4), int("block_size", 32)];
+        attrs.extend(level.map(|l| int("accuracy_level", l)));
+        let mut nd = node("MatMulNBits", &[a, b, &format!("{b}_s")], &[y], attrs);
+        nd.domain = "com.microsoft".into();
+        nd
+    };
+    let mut norm = node(
+        "SkipSimplifiedLayerNormalization",
+        &["x", "skip", "gamma"],
+        &["n", "", "", "sum"],
+        vec![onnx::attr_float("epsilon", 1e-6)],
+    );
+    norm.domain = "com.microsoft".into();
+    let nodes = vec![
+        norm,
+        mnb("n", "Bg", "g", 64, 32, levels[0]),
+        mnb("n", "Bu", "u", 64, 32, levels[1]),
+        node("Sigmoid", &["g"], &["s"], vec![]),
+        node("Mul", &["g", "s"], &["a"], vec![]),
+        node("Mul", &["a", "u"], &["h"], vec![]),
+        mnb("h", "Bd", "y", 32, 64, levels[2]),
+    ];
+    let mut inits = vec![onnx::init_f32("gamma", &[64], &values(64, 9))];
+    inits.extend(nbits_weight("Bg", 32, 64, 1));
+    inits.extend(nbits_weight("Bu", 32, 64, 2));
+    inits.extend(nbits_weight("Bd", 64, 32, 3));
+    let mut m = onnx::model(
+        nodes,
+        vec![value("x", F32, &[2, 64]), value("skip", F32, &[2, 64])],
+        vec![value("y", F32, &[2, 64]), value("sum", F32, &[2, 64])],
+        inits,
+    );
+    m.opset_import.push(onnx::OperatorSetIdProto { domain: "com.microsoft".into(), version: 1, ..Default::default() });
+    model::load_bytes(&onnx::bytes(&m), None).unwrap()
+}
+
+/// MatMulNBits' accuracy_level reaches the fused ops through the attribute variable `$acc`
+/// (manifest schema 17): one level across the match, carried to RmsNormLinear and Linear (at 4
+/// the CPU quantizes A to int8 in both, so fused equals unfused); left out where the match has
+/// none; and a match whose MatMulNBits disagree is not fused, the reason naming the variable.
+#[test]
+fn matmul_nbits_accuracy_level_carries_over_to_the_fused_ops() {
+    let feeds = || vec![("x", f32_tensor(&[2, 64], &values(128, 4))), ("skip", f32_tensor(&[2, 64], &values(128, 5)))];
+    let level_of = |s: &Session, op: &str| -> Vec<Option<i64>> {
+        s.model()
+            .graph
+            .nodes
+            .iter()
+            .filter(|n| n.op_type == op)
+            .map(|n| {
+                n.attributes.iter().find(|(a, _)| a == "accuracy_level").map(|(_, v)| match v {
+                    kiln_host::model::AttrValue::Int(i) => *i,
+                    other => panic!("accuracy_level is {other:?}"),
+                })
+            })
+            .collect()
+    };
+    for level in [Some(4), Some(1), None] {
+        let mut fused = session(nbits_mlp([level; 3]), true);
+        let applied: Vec<&str> = fused.report.fusions.applied.iter().map(|a| a.fusion.as_str()).collect();
+        assert_eq!(applied, ["skip-rmsnorm-mlp-nbits"], "{}", fused.report.fusions.render());
+        assert_eq!(level_of(&fused, "RmsNormLinear"), [level]);
+        assert_eq!(level_of(&fused, "Linear"), [level]);
+        // The fused ops round A once from f64 where the unfused graph rounds each op (a few
+        // ulp); at level 4 the int8 quantization of the same A gives the same sums.
+        let mut plain = session(nbits_mlp([level; 3]), false);
+        let (f, p) = (run(&mut fused, feeds()), run(&mut plain, feeds()));
+        for (a, b) in f.iter().flatten().zip(p.iter().flatten()) {
+            let scale = p.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
+            assert!((a - b).abs() <= 1e-5 * scale, "accuracy_level {level:?}: {a} vs {b}");
+        }
+    }
+    // Level 4 computes otherwise than level 1 (int8 against f32 activations).
+    let mut int8 = session(nbits_mlp([Some(4); 3]), true);
+    let mut f32s = session(nbits_mlp([Some(1); 3]), true);
+    assert_ne!(run(&mut int8, feeds()), run(&mut f32s, feeds()));
+    // Gate at 4, up at 1: the MLP fusion is refused, naming $acc.
+    let mixed = session(nbits_mlp([Some(4), Some(1), Some(4)]), true);
+    let report = &mixed.report.fusions;
+    assert!(!report.applied.iter().any(|a| a.fusion == "skip-rmsnorm-mlp-nbits"), "{}", report.render());
+    let why = report
+        .rejected
+        .iter()
+        .find(|r| r.fusion == "skip-rmsnorm-mlp-nbits" && r.reason.contains("$acc"))
+        .unwrap_or_else(|| panic!("no rejection naming $acc: {}", report.render()));
+    assert!(why.reason.contains("Int(4)") && why.reason.contains("Int(1)"), "{}", why.reason);
+}
+
 #[test]
 fn matmul_nbits_with_zero_points_is_left_to_its_own_op() {
     // linear-nbits names MatMulNBits(x, B, scales): a node with zero points (a fourth input) does

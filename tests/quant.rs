@@ -243,8 +243,39 @@ struct MnbCase {
     inits: bool,
 }
 
-/// Runs one MatMulNBits case and checks it against float64.
+/// Runs one MatMulNBits case (accuracy_level unset) and checks it against float64.
 fn check_mnb(rt: &Arc<Runtime>, c: &MnbCase, rng: &mut Rng) {
+    check_mnb_at(rt, c, rng, 0)
+}
+
+/// Whether the CPU quantizes A to int8 for `c` at `level` (ABI.md §6.6, the host's `qgemm`):
+/// level 4, float32, 4-bit weights in blocks of a power of two ≥ 32 with whole-number zero
+/// points, no g_idx, fewer than 64 rows of A.
+fn int8_on_the_cpu(c: &MnbCase, level: i64) -> bool {
+    let m: usize = c.lead.iter().product();
+    level == 4
+        && c.f == F::F32
+        && c.bits == 4
+        && c.block >= 32
+        && c.block.is_power_of_two()
+        && c.zp != Zp::Float
+        && c.g_idx.is_none()
+        && m < 64
+}
+
+/// `round(a · 127 / max|a|)` (ties to even) of one block of A in f32, as onnxruntime's CPU
+/// provider quantizes it at accuracy_level 4, and its scale `max|a| / 127`.
+fn int8_block(a: &[f64]) -> (Vec<i64>, f64) {
+    let a: Vec<f32> = a.iter().map(|&v| v as f32).collect();
+    let amax = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let inverse = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+    (a.iter().map(|v| (v * inverse).round_ties_even() as i64).collect(), (amax / 127.0) as f64)
+}
+
+/// Runs one MatMulNBits case at `accuracy_level` = `level` and checks it against float64: of
+/// the f32 product, or where the CPU quantizes A to int8 ([`int8_on_the_cpu`]) of that product,
+/// its integer sums exact.
+fn check_mnb_at(rt: &Arc<Runtime>, c: &MnbCase, rng: &mut Rng, level: i64) {
     let (f, bits, bs, k, n) = (c.f, c.bits, c.block, c.k, c.n);
     let kb = k.div_ceil(bs);
     let blob = bs * bits / 8;
@@ -306,7 +337,7 @@ fn check_mnb(rt: &Arc<Runtime>, c: &MnbCase, rng: &mut Rng) {
         attr_int("N", n as i64),
         attr_int("bits", bits as i64),
         attr_int("block_size", bs as i64),
-        attr_int("accuracy_level", 4),
+        attr_int("accuracy_level", level),
     ];
     let mut y_shape = c.lead.clone();
     y_shape.push(n);
@@ -315,14 +346,28 @@ fn check_mnb(rt: &Arc<Runtime>, c: &MnbCase, rng: &mut Rng) {
         run_op(rt, "MatMulNBits", attrs, &ins, inits, (f.dtype(), &y_shape)).unwrap_or_else(|e| panic!("{c:?}: {e}"));
     let y = f.decode(&y.data);
 
+    let int8 = int8_on_the_cpu(c, level);
     for i in 0..m {
         for j in 0..n {
             let (mut sum, mut mag) = (0f64, 0f64);
-            for kk in 0..k {
-                let grp = g[kk];
-                let w = (q[j * kb * bs + kk] as f64 - zps[j * kb + grp]) * scales[j * kb + grp];
-                sum += a[i * k + kk] * w;
-                mag += (a[i * k + kk] * w).abs();
+            if int8 {
+                for blk in 0..kb {
+                    let (lo, hi) = (blk * bs, ((blk + 1) * bs).min(k));
+                    let (qa, sa) = int8_block(&a[i * k + lo..i * k + hi]);
+                    let scale = scales[j * kb + blk] * sa;
+                    for (t, kk) in (lo..hi).enumerate() {
+                        let term = qa[t] as f64 * (q[j * kb * bs + kk] as f64 - zps[j * kb + blk]) * scale;
+                        sum += term;
+                        mag += term.abs();
+                    }
+                }
+            } else {
+                for kk in 0..k {
+                    let grp = g[kk];
+                    let w = (q[j * kb * bs + kk] as f64 - zps[j * kb + grp]) * scales[j * kb + grp];
+                    sum += a[i * k + kk] * w;
+                    mag += (a[i * k + kk] * w).abs();
+                }
             }
             if c.bias {
                 sum += bias[j];
@@ -368,6 +413,29 @@ fn matmul_nbits_matches_float64_on_random_cases() {
         let c = random_mnb(&mut rng, F::F32);
         check_mnb(&rt, &c, &mut rng);
     }
+}
+
+/// accuracy_level 4 on the CPU: float32 decode-size products over 4-bit weights quantize A's
+/// blocks to int8 (checked against that arithmetic in float64: the integer sums exact, so an f32
+/// product misses it by far more than the tolerance); float16, other bit widths, blocks of 16,
+/// float zero points and 64 rows or more keep the f32 product (checked against float64 of it).
+#[test]
+fn matmul_nbits_at_accuracy_level_4_quantizes_a_to_int8_on_the_cpu() {
+    let rt = runtime();
+    let mut rng = Rng(0x5eed_0007);
+    let mut int8 = 0;
+    for i in 0..40 {
+        let mut c = random_mnb(&mut rng, if i % 8 == 7 { F::F16 } else { F::F32 });
+        if i % 2 == 0 {
+            c.bits = 4;
+        }
+        if i % 10 == 9 {
+            c.lead = vec![2, 35];
+        }
+        int8 += int8_on_the_cpu(&c, 4) as usize;
+        check_mnb_at(&rt, &c, &mut rng, 4);
+    }
+    assert!(int8 >= 10, "only {int8} cases took the int8 product");
 }
 
 #[test]

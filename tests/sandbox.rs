@@ -563,6 +563,7 @@ fn cpu_calls_compute_gemm_and_conv_on_the_host_and_bad_descriptors_are_refused()
         zero_points: QZeroPoints::Default,
         bias: None,
         y: qd(0x10001),
+        accuracy_level: 0,
     };
     let bytes: Vec<u8> = [1.0f32, -2.0, 3.0, -4.0].iter().flat_map(|v| v.to_le_bytes()).collect();
     let want: f32 = [1.0f32, -2.0, 3.0, -4.0].iter().zip(&bytes[..4]).map(|(a, &b)| a * (b as f32 - 128.0)).sum();

@@ -139,7 +139,11 @@ pub enum AttrConstraint {
     /// shape (`N = "W.0"`). Checked where that dimension is known at load (a constant's always
     /// is), not where it is not. `kiln verify` takes it from the verify shapes. `"*"`: any value or none, an attribute the replacement does
     /// not depend on (such as MatMulNBits' `accuracy_level` where the replacement computes in
-    /// f32 at every level); verify leaves it out.
+    /// f32 at every level); verify leaves it out. `"$NAME"` (manifest schema 17): an attribute
+    /// variable. On match nodes it takes any value or none, and every match node that names
+    /// `$NAME` must carry the same value (or all none); on a replacement node it gives the node
+    /// that value, or leaves the attribute out where the match had none (MatMulNBits'
+    /// `accuracy_level` carried to the fused op that replaces it); verify leaves it out.
     Dim(String),
 }
 
@@ -147,6 +151,15 @@ impl AttrConstraint {
     /// Whether this is `"*"`: any value.
     pub fn is_any(&self) -> bool {
         matches!(self, AttrConstraint::Dim(s) if s == "*")
+    }
+
+    /// The name of an attribute variable `"$NAME"` (manifest schema 17), or `None` for any
+    /// other constraint. NAME is `[A-Za-z0-9_]+`; `"$"` alone or other characters are no
+    /// variable (and [`Fusion::validate`] refuses them).
+    pub fn attribute_var(&self) -> Option<&str> {
+        let AttrConstraint::Dim(s) = self else { return None };
+        let name = s.strip_prefix('$')?;
+        (!name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')).then_some(name)
     }
 
     /// The variable and axis of a [`AttrConstraint::Dim`], or `None` for an integer or a string
@@ -262,12 +275,12 @@ impl Fusion {
                     return at(format!("match[{i}] ({}): an attribute constraint has no name", node.op));
                 }
                 if let AttrConstraint::Dim(s) = c {
-                    if c.is_any() {
+                    if c.is_any() || c.attribute_var().is_some() {
                         continue;
                     }
                     let Some((var, _)) = c.dim() else {
                         return at(format!(
-                            "match[{i}] ({}): attributes.{name} = {s:?} is neither an integer nor \"VAR.AXIS\"",
+                            "match[{i}] ({}): attributes.{name} = {s:?} is neither an integer nor \"VAR.AXIS\", \"*\" or \"$NAME\"",
                             node.op
                         ));
                     };
@@ -418,11 +431,14 @@ impl Fusion {
             if node.commutative {
                 return at(format!("replace[{i}]: commutative belongs on match nodes"));
             }
-            if let Some((name, _)) =
-                node.attributes.iter().find(|(_, c)| !matches!(c, AttrConstraint::Int(_) | AttrConstraint::Ints(_)))
-            {
+            let bound =
+                |var: &str| self.pattern.iter().any(|p| p.attributes.values().any(|c| c.attribute_var() == Some(var)));
+            if let Some((name, _)) = node.attributes.iter().find(|(_, c)| match c {
+                AttrConstraint::Int(_) | AttrConstraint::Ints(_) => false,
+                AttrConstraint::Dim(_) => !c.attribute_var().is_some_and(bound),
+            }) {
                 return at(format!(
-                    "replace[{i}] ({}): attributes.{name} must be an integer or a list of integers (a replacement node's attributes are values it gets; \"VAR.AXIS\" and \"*\" constrain match nodes)",
+                    "replace[{i}] ({}): attributes.{name} must be an integer, a list of integers or \"$NAME\" of an attribute variable a match node binds (a replacement node's attributes are values it gets; \"VAR.AXIS\" and \"*\" constrain match nodes)",
                     node.op
                 ));
             }
@@ -583,6 +599,18 @@ verify"#,
             (with(r#"{ k = "nope" }"#), "neither an integer nor"),
             (with(r#"{ k = "zz.0" }"#), "not a pattern variable"),
             (with(r#"{ "" = 1 }"#), "has no name"),
+            (with(r#"{ k = "$" }"#), "neither an integer nor"),
+            (with(r#"{ k = "$a-b" }"#), "neither an integer nor"),
+            // A replacement's attribute variable must be one a match node binds.
+            (
+                SWIGLU.replace(
+                    r#"outputs = ["y"] },
+]"#,
+                    r#"outputs = ["y"], attributes = { k = "$level" } },
+]"#,
+                ),
+                "attribute variable a match node binds",
+            ),
             (
                 SWIGLU.replace(
                     r#"outputs = ["y"] },
@@ -601,6 +629,15 @@ verify"#,
             let err = parse(&text).validate().unwrap_err();
             assert!(err.contains(needle), "{err:?} should mention {needle:?}");
         }
+        // Bound by a match node, the same variable is a valid replacement attribute.
+        let bound = with(r#"{ level = "$level" }"#).replace(
+            r#"outputs = ["y"] },
+]"#,
+            r#"outputs = ["y"], attributes = { accuracy_level = "$level" } },
+]"#,
+        );
+        assert!(bound.contains("accuracy_level"));
+        parse(&bound).validate().unwrap();
         let empty = Fusion { pattern: vec![], ..parse(SWIGLU) };
         assert!(empty.validate().unwrap_err().contains("match nothing"));
     }

@@ -110,8 +110,10 @@ pub enum ManifestError {
 /// integer-list attribute constraints ([`crate::fusion::AttrConstraint::Ints`]) to `[[fusions]]`;
 /// schema 16 adds no field: the package's shim reads tensor flag bit 5 (an output bound in place
 /// to an input's buffer, [`crate::wire::TensorDesc::in_place_of`]), which the host sends only to
-/// such packages, in `kiln_cpu` calls.
-pub const MANIFEST_SCHEMA: u32 = 16;
+/// such packages, in `kiln_cpu` calls; schema 17 added attribute variables (`"$NAME"`) to
+/// fusion nodes' `attributes` ([`crate::fusion::AttrConstraint::attribute_var`]), and a package of
+/// it may send `qgemm` descriptors with `accuracy_level` ([`crate::wire::QGemm`]).
+pub const MANIFEST_SCHEMA: u32 = 17;
 
 /// The folder of a package whose files are its exported headers.
 pub const HEADER_DIR: &str = "include/";
@@ -671,6 +673,14 @@ impl Manifest {
             {
                 return bad(format!(
                     "fusion {:?}: `values`, `shapes`, `verify_values` and integer-list `attributes` come with manifest schema 15: set `schema = 15`",
+                    f.name
+                ));
+            }
+            let variables =
+                f.pattern.iter().chain(&f.replace).any(|n| n.attributes.values().any(|c| c.attribute_var().is_some()));
+            if self.schema < 17 && variables {
+                return bad(format!(
+                    "fusion {:?}: attribute variables (\"$NAME\" in `attributes`) come with manifest schema 17: set `schema = 17`",
                     f.name
                 ));
             }

@@ -868,6 +868,13 @@ pub struct QGemm {
     pub zero_points: QZeroPoints,
     pub bias: Option<TensorAt>,
     pub y: TensorAt,
+    /// MatMulNBits' `accuracy_level` (manifest schema 17): 0 unset, 1 float32, 2 float16, 3
+    /// bfloat16, 4 int8, the least precise computation of A the op allows. At 4 the CPU host
+    /// may quantize each block of A's rows (`block` values) to int8, `round(a · 127 / max|a|)`
+    /// with scale `max|a| / 127`, and sum integer products, as onnxruntime's CPU provider does
+    /// (ABI.md §6.6). Encoded as a trailing byte when not 0, so a descriptor without it reads
+    /// as 0.
+    pub accuracy_level: u8,
 }
 
 impl QGemm {
@@ -888,6 +895,9 @@ impl QGemm {
         for t in [Some(self.a), Some(self.b), Some(self.scales), zp, self.bias, Some(self.y)] {
             TensorAt::write(&mut w, t);
         }
+        if self.accuracy_level != 0 {
+            w.u8(self.accuracy_level);
+        }
         w.0
     }
 
@@ -904,6 +914,7 @@ impl QGemm {
         for t in ts.iter_mut() {
             *t = TensorAt::read(&mut r)?;
         }
+        let accuracy_level = if r.remaining() > 0 { r.u8("accuracy level")? } else { 0 };
         r.finish()?;
         let zero_points = match (zp_tag, ts[3]) {
             (0, None) => QZeroPoints::Default,
@@ -915,7 +926,7 @@ impl QGemm {
             (Some(a), Some(b), Some(s), Some(y)) => (a, b, s, y),
             _ => return Err(WireError::Invalid("qgemm: A, B, scales and Y are required")),
         };
-        Ok(QGemm { dtype, m, n, k, bits, block, a, b, scales, zero_points, bias: ts[4], y })
+        Ok(QGemm { dtype, m, n, k, bits, block, a, b, scales, zero_points, bias: ts[4], y, accuracy_level })
     }
 }
 
@@ -1261,6 +1272,7 @@ mod tests {
             zero_points: QZeroPoints::Packed(at(4)),
             bias: Some(at(5)),
             y: at(6),
+            accuracy_level: 0,
         };
         let bytes = q.encode();
         assert_eq!(QGemm::decode(&bytes).unwrap(), q);
@@ -1269,6 +1281,14 @@ mod tests {
         }
         let no_zp = QGemm { zero_points: QZeroPoints::Default, ..q.clone() };
         assert_eq!(QGemm::decode(&no_zp.encode()).unwrap(), no_zp);
+        // accuracy_level is one trailing byte, absent at 0 (a schema-16 shim's descriptor).
+        let int8 = QGemm { accuracy_level: 4, ..q.clone() };
+        let int8_bytes = int8.encode();
+        assert_eq!(int8_bytes.len(), bytes.len() + 1);
+        assert_eq!(QGemm::decode(&int8_bytes).unwrap(), int8);
+        let mut long = int8_bytes.clone();
+        long.push(0);
+        assert!(QGemm::decode(&long).is_err(), "a second trailing byte decoded");
     }
 
     #[test]

@@ -237,7 +237,7 @@ fn check_attributes(
 ) -> Result<(), String> {
     use crate::model::AttrValue;
     for (name, c) in &p.attributes {
-        if c.is_any() {
+        if c.is_any() || c.attribute_var().is_some() {
             continue;
         }
         let value = node.attributes.iter().find(|(a, _)| a == name).map(|(_, v)| v);
@@ -262,6 +262,42 @@ fn check_attributes(
         }
     }
     Ok(())
+}
+
+/// The value of each attribute variable (`"$NAME"`, manifest schema 17) on binding `b`: the
+/// attribute of the first match node that names it, `None` where that node has none. Errors:
+/// two match nodes that name one variable carry different values (or one carries none).
+fn attribute_vars(
+    f: &kiln_kernel_abi::fusion::Fusion,
+    g: &crate::model::Graph,
+    b: &Binding,
+) -> Result<HashMap<String, Option<crate::model::AttrValue>>, String> {
+    let mut values: HashMap<String, (Option<crate::model::AttrValue>, usize)> = HashMap::new();
+    for (k, p) in f.pattern.iter().enumerate() {
+        let node = &g.nodes[b.nodes[k]];
+        for (name, c) in &p.attributes {
+            let Some(var) = c.attribute_var() else { continue };
+            let value = node.attributes.iter().find(|(a, _)| a == name).map(|(_, v)| v.clone());
+            match values.get(var) {
+                None => {
+                    values.insert(var.to_string(), (value, k));
+                }
+                Some((first, j)) if *first != value => {
+                    let show =
+                        |v: &Option<crate::model::AttrValue>| v.as_ref().map_or("absent".into(), |v| format!("{v:?}"));
+                    return Err(format!(
+                        "attribute variable ${var} is {} at node {} but {} at node {}",
+                        show(first),
+                        g.nodes[b.nodes[*j]].name,
+                        show(&value),
+                        node.name
+                    ));
+                }
+                Some(_) => {}
+            }
+        }
+    }
+    Ok(values.into_iter().map(|(k, (v, _))| (k, v)).collect())
 }
 
 /// The constraints of `c` on binding `b`: what the rewrite needs, or why the match is not
@@ -375,6 +411,7 @@ fn check(
             ));
         }
     }
+    attribute_vars(f, g, b)?;
     // Intermediates must stay inside the match.
     for node in &b.nodes {
         for v in g.nodes[*node].outputs.iter().flatten() {

@@ -151,6 +151,8 @@ pub(super) fn node_between(g: &Graph, ix: &Index, nodes: &[usize]) -> Option<usi
 pub(super) fn apply(g: &mut Graph, f: &Fusion, b: &Binding, consts: Vec<NewConstant>) {
     let base = g.nodes[*b.nodes.last().unwrap_or(&0)].name.clone();
     let mut vars: HashMap<String, ValueId> = b.vars.clone();
+    // Checked to agree across the match (`check`).
+    let attribute_vars = super::attribute_vars(f, g, b).unwrap_or_default();
     for c in consts {
         let id = g.values.len();
         g.values.push(Value { name: format!("{base}/{}/{}", f.name, c.var), ty: None });
@@ -173,15 +175,19 @@ pub(super) fn apply(g: &mut Graph, f: &Fusion, b: &Binding, consts: Vec<NewConst
         let mut attributes = r.attributes_from.map(|a| g.nodes[b.nodes[a]].attributes.clone()).unwrap_or_default();
         // Integer (schema 13) and integer-list (schema 15) attributes the declaration sets, over
         // any of the same name.
+        // and (schema 17) attribute variables' values from the match, where it had one.
         for (name, c) in &r.attributes {
             use kiln_kernel_abi::fusion::AttrConstraint;
             let value = match c {
-                AttrConstraint::Int(v) => crate::model::AttrValue::Int(*v),
-                AttrConstraint::Ints(v) => crate::model::AttrValue::Ints(v.clone()),
-                AttrConstraint::Dim(_) => continue,
+                AttrConstraint::Int(v) => Some(crate::model::AttrValue::Int(*v)),
+                AttrConstraint::Ints(v) => Some(crate::model::AttrValue::Ints(v.clone())),
+                AttrConstraint::Dim(_) => match c.attribute_var() {
+                    Some(var) => attribute_vars.get(var).cloned().flatten(),
+                    None => continue,
+                },
             };
             attributes.retain(|(a, _)| a != name);
-            attributes.push((name.clone(), value));
+            attributes.extend(value.map(|v| (name.clone(), v)));
         }
         g.nodes.push(Node {
             name: if many { format!("{base}/{}#{i}", f.name) } else { format!("{base}/{}", f.name) },

@@ -79,6 +79,11 @@ pub(super) fn dots_rows(r: &Rows, block: usize, out: &mut [f32]) -> bool {
     false
 }
 
+/// How many weight rows ahead the kernels prefetch (here and in [`super::cpu_q4i8`]): the
+/// weights of a decode step (tens of MB) come from DRAM, and the hardware prefetcher alone leaves
+/// a kernel waiting on them (1.6× slower over 66 MB on a Sapphire Rapids VM).
+pub(super) const PREFETCH_ROWS: usize = 8;
+
 /// Rows of A [`dots_rows`] takes at once.
 pub(super) const MAX_ROWS: usize = 8;
 
@@ -211,10 +216,7 @@ mod avx512 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    /// How many weight rows ahead [`dots4`] prefetches: the weights of a decode step (tens of
-    /// MB) come from DRAM, and the hardware prefetcher alone leaves the kernel waiting on them
-    /// (1.6× slower over 66 MB on a Sapphire Rapids VM).
-    pub(super) const PREFETCH_ROWS: usize = 8;
+    pub(super) use super::PREFETCH_ROWS;
 
     /// Values 8t..8t + 8 of the block at `p` as f32 lanes.
     #[inline(always)]

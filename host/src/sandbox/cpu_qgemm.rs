@@ -12,11 +12,13 @@
 use std::borrow::Cow;
 
 use kiln_kernel_abi::wire::{QGemm, QZeroPoints, TensorAt};
+use kiln_kernel_abi::DType;
 use rayon::prelude::*;
 
 use super::cpu_gemm::{f32_view, operand_bytes, sgemm, store, with_output};
 use super::cpu_pool::{cpu_threads, on_pool};
 use super::cpu_q4;
+use super::cpu_q4i8;
 use super::cpu_share;
 use super::handles::Slot;
 
@@ -61,6 +63,8 @@ fn compute(slots: &[Slot], q: &QGemm, y: &mut [u8]) -> Result<(), String> {
     let mut out = vec![0f32; m * n];
     if m >= GEMM_MIN_ROWS {
         dequantized_product(&a, &w, m, n, &mut out);
+    } else if int8_activations(q, &w) {
+        int8_product(&a, &w, m, n, &mut out);
     } else {
         direct_product(&a, &w, m, n, &mut out);
     }
@@ -183,9 +187,25 @@ fn direct_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
             }
         }
     };
+    over_groups(&mut cols, m, n, scratch, group);
+    for (i, row) in out.chunks_exact_mut(n).enumerate() {
+        row.iter_mut().enumerate().for_each(|(r, v)| *v = cols[r * m + i]);
+    }
+}
+
+/// Runs `group(scratch, g, results)` for each group g of four weight rows (fewer in the last)
+/// over the CPU pool, `results` being the group's part of `cols` (column-major n × m: weight row
+/// r's m results at r · m): on the kept-hot threads in chunks of groups (about four a thread, at
+/// least two groups), else as rayon's tasks of at least eight; `scratch` makes each thread's or
+/// chunk's scratch.
+fn over_groups<S>(
+    cols: &mut [f32],
+    m: usize,
+    n: usize,
+    scratch: impl Fn() -> S + Sync + Send,
+    group: impl Fn(&mut S, usize, &mut [f32]) + Sync + Send,
+) {
     let groups = n.div_ceil(4);
-    // The kept-hot threads take chunks of groups (about four a thread, at least two groups);
-    // else rayon's tasks of at least eight.
     let chunk = groups.div_ceil(4 * cpu_threads()).max(2);
     let base = cols.as_mut_ptr() as usize;
     let shared = cpu_share::share(groups, chunk, &|g0, g1| {
@@ -203,9 +223,63 @@ fn direct_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
             cols.par_chunks_mut(4 * m)
                 .with_min_len(8)
                 .enumerate()
-                .for_each_init(scratch, |s, (g, chunk)| group(s, g, chunk))
+                .for_each_init(&scratch, |s, (g, chunk)| group(s, g, chunk))
         });
     }
+}
+
+/// Whether `q` takes the int8-activation product ([`cpu_q4i8`]): MatMulNBits' accuracy_level
+/// 4 with float32 A over 4-bit weights in blocks of a power of two ≥ 32 values with whole-number
+/// zero points (the default or packed ones; float zero points keep f32), for fewer than
+/// [`GEMM_MIN_ROWS`] rows of A. Level 4 allows int8 (ABI.md §6.6) and onnxruntime's CPU provider
+/// takes it there (over constant weights: tests/contrib-node-tests-int8); the many rows of a
+/// prefill keep the f32 GEMM, which the level allows as well.
+fn int8_activations(q: &QGemm, w: &Weights) -> bool {
+    q.accuracy_level == 4
+        && q.dtype == DType::F32
+        && w.bits == 4
+        && w.block.is_multiple_of(cpu_q4i8::CHUNK)
+        && w.block.is_power_of_two()
+        && !matches!(w.zeros, Zeros::Float(_))
+}
+
+/// Y = A · dequant(B)ᵀ for a few rows of A quantized to int8 per block ([`cpu_q4i8`]), up to four
+/// rows of A at a time against each group of four weight rows.
+fn int8_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
+    let qa = cpu_q4i8::QuantizedA::new(a, m, w.k, w.block);
+    let mut cols = vec![0f32; n * m];
+    let default = match w.zeros {
+        Zeros::Default(d) => Some(d),
+        _ => None,
+    };
+    let scratch = || vec![default.unwrap_or(0.0); 4 * w.kb];
+    let group = |z: &mut Vec<f32>, g: usize, chunk: &mut [f32]| {
+        let first = 4 * g;
+        let rows = chunk.len() / m;
+        if default.is_none() {
+            for (t, zt) in z.chunks_exact_mut(w.kb).take(rows).enumerate() {
+                w.zeros(first + t, zt);
+            }
+        }
+        let weights = cpu_q4i8::WeightRows {
+            bytes: &w.b[first * w.kb * w.blob..(first + rows) * w.kb * w.blob],
+            scales: &w.scales[first * w.kb..(first + rows) * w.kb],
+            zeros: &z[..rows * w.kb],
+            rows,
+            zero: default,
+        };
+        // Rows of A four at a time: results r · m + i of the group's chunk.
+        let mut part = [0f32; 16];
+        for i0 in (0..m).step_by(4) {
+            let i1 = (i0 + 4).min(m);
+            let take = i1 - i0;
+            cpu_q4i8::dots(&qa, i0..i1, &weights, w.block, &mut part[..rows * take]);
+            for t in 0..rows {
+                chunk[t * m + i0..t * m + i1].copy_from_slice(&part[t * take..(t + 1) * take]);
+            }
+        }
+    };
+    over_groups(&mut cols, m, n, scratch, group);
     for (i, row) in out.chunks_exact_mut(n).enumerate() {
         row.iter_mut().enumerate().for_each(|(r, v)| *v = cols[r * m + i]);
     }

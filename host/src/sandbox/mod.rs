@@ -13,6 +13,7 @@ mod cpu_conv;
 mod cpu_gemm;
 mod cpu_pool;
 mod cpu_q4;
+mod cpu_q4i8;
 mod cpu_qgemm;
 mod cpu_share;
 pub mod handles;

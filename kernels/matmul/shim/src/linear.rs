@@ -40,7 +40,10 @@
 //! `[N, k_blocks, block_size · bits / 8]` followed by one more input, `scales` (X's dtype,
 //! `N · k_blocks` values, `[N, k_blocks]` or flat), and row `n`'s value `k` dequantizes to
 //! `(q − 2^(bits − 1)) · scales[n, k / block_size]`, with `q` the `bits` of its byte from the low
-//! ones (MatMulNBits' default zero point). Attributes `bits` (2, 4 or 8) and `block_size` (a
+//! ones (MatMulNBits' default zero point). Attribute `accuracy_level` (0 to 4, default 0) is
+//! MatMulNBits' (the fusions carry it over): at 4 the CPU's `qgemm` may quantize A's blocks to
+//! int8 as onnxruntime's CPU provider does (ABI.md §6.6); the GPU computes in f32 at every
+//! level. Attributes `bits` (2, 4 or 8) and `block_size` (a
 //! power of two ≥ 16), as MatMulNBits names them (the fusions set both), must fit the shapes:
 //! `k_blocks = ceil(K / block_size)`, `blob = block_size · bits / 8`; without them the shapes
 //! must fit exactly one such pair. The CPU takes the product through the
@@ -204,6 +207,9 @@ struct Geometry {
     swiglu: bool,
     /// The input index of Linear's `bias` `[N]` when given.
     bias: Option<usize>,
+    /// MatMulNBits' `accuracy_level` (0 to 4; the `*-nbits` fusions carry it over), passed to the
+    /// host's `qgemm`: at 4 the CPU may quantize A's blocks to int8 (ABI.md §6.6).
+    accuracy_level: u8,
 }
 
 fn op_prologue(op: &str) -> Result<Prologue> {
@@ -332,7 +338,26 @@ fn geometry(call: &Call) -> Result<Geometry> {
             bail!("{op}: epsilon must not be negative, got {eps}");
         }
     }
-    Ok(Geometry { prologue, dtype, rows, k, n, y_shape, x_shape, skip_len, eps, quant, w_index, swiglu, bias })
+    let accuracy_level = match call.attr_i("accuracy_level", 0)? {
+        level @ 0..=4 => level as u8,
+        other => bail!("{op}: accuracy_level must be 0 to 4, got {other}"),
+    };
+    Ok(Geometry {
+        prologue,
+        dtype,
+        rows,
+        k,
+        n,
+        y_shape,
+        x_shape,
+        skip_len,
+        eps,
+        quant,
+        w_index,
+        swiglu,
+        bias,
+        accuracy_level,
+    })
 }
 
 pub fn infer(call: &Call) -> Result<Vec<TensorType>> {
@@ -482,6 +507,7 @@ pub fn cpu(call: &Call) -> Result<()> {
                 zero_points: QZeroPoints::Default,
                 bias: bias.map(at),
                 y: at(p),
+                accuracy_level: g.accuracy_level,
             })?;
         } else {
             gemm_transposed(g.dtype, (rows, n, k), a, w_input.handle(), bias, p)?;

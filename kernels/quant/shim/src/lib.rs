@@ -5,9 +5,11 @@
 //!   along K (low bits first), `dequant = (q − zero_point) · scale` per block of `block_size`
 //!   along K; bits 2, 4, 8; zero points absent (2^(bits−1)), packed uint8, or of A's dtype;
 //!   `g_idx` (deprecated) for 4 bits without packed zero points; an omitted projection (a zero
-//!   dimension in `B`) gives the bias or zeros. `accuracy_level` is ignored. The CPU reference
-//!   is the host's `qgemm` (ABI.md §4.9, manifest schema 8: B never enters the shim, the output
-//!   columns share the cores, f32 sums, rounded once to A's dtype); with `g_idx` the shim
+//!   dimension in `B`) gives the bias or zeros. The CPU reference is the host's `qgemm`
+//!   (ABI.md §4.9, manifest schema 8: B never enters the shim, the output columns share the
+//!   cores, f32 sums, rounded once to A's dtype); `accuracy_level` 4 lets the host quantize A's
+//!   blocks to int8 as onnxruntime's CPU provider does (§6.6; schema 17), and the GPU computes in
+//!   f32 at every level; with `g_idx` the shim
 //!   dequantizes to f32 row by row of N and sums in f32 lanes per chunk of 64 and in f64 across
 //!   chunks, its inner loops in wasm `simd128`.
 //! - **GatherBlockQuantized-1**: `data` uint8 (bits 2, 4 packed along the last axis, low bits
@@ -153,6 +155,9 @@ struct MnbPlan {
     bias: bool,
     /// `B` has a zero dimension: the projection is omitted (Y = bias or 0).
     omitted: bool,
+    /// Attribute `accuracy_level` (0 to 4), passed to the host's `qgemm`: at 4 the host may
+    /// quantize A's blocks to int8 as onnxruntime does (ABI.md §6.6).
+    accuracy_level: u8,
 }
 
 impl MnbPlan {
@@ -273,7 +278,11 @@ impl MnbPlan {
             }
         };
 
-        Ok(MnbPlan { dtype, k, n, bits, block, k_blocks, blob, m, out_shape, zp, g_idx, bias, omitted })
+        let accuracy_level = match call.attr_i("accuracy_level", 0)? {
+            level @ 0..=4 => level as u8,
+            other => bail!("{op}: accuracy_level must be 0 to 4, got {other}"),
+        };
+        Ok(MnbPlan { dtype, k, n, bits, block, k_blocks, blob, m, out_shape, zp, g_idx, bias, omitted, accuracy_level })
     }
 
     fn run(&self, call: &Call) -> Result<()> {
@@ -312,6 +321,7 @@ impl MnbPlan {
                 },
                 bias: if self.bias { Some(at(&call.input(5)?)) } else { None },
                 y: at(&y),
+                accuracy_level: self.accuracy_level,
             });
         }
         let a: Vec<f32> = call.input(0)?.read_vec()?;
