@@ -916,7 +916,8 @@ fn matmul_nbits_fuses_only_with_the_attributes_its_pattern_names() {
         let out = run(&mut s, vec![("x", x.clone())]);
         (out, s.report.fusions.clone())
     };
-    // Blocks of 32 with accuracy_level (any value: "*"): linear-nbits, equal to the unfused op.
+    // Blocks of 32 with accuracy_level (any value, carried over as "$acc"): linear-nbits, equal to
+    // the unfused op.
     let (fused, report) = run_model(matmul_nbits(32, attrs(32, vec![int("accuracy_level", 4)])), true);
     assert!(report.applied.iter().any(|a| a.fusion == "linear-nbits"), "{}", report.render());
     let (plain, _) = run_model(matmul_nbits(32, attrs(32, vec![int("accuracy_level", 4)])), false);

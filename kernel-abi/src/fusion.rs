@@ -138,8 +138,7 @@ pub enum AttrConstraint {
     /// `"VAR.AXIS"`: dimension AXIS (negative counts from the last) of pattern variable VAR's
     /// shape (`N = "W.0"`). Checked where that dimension is known at load (a constant's always
     /// is), not where it is not. `kiln verify` takes it from the verify shapes. `"*"`: any value or none, an attribute the replacement does
-    /// not depend on (such as MatMulNBits' `accuracy_level` where the replacement computes in
-    /// f32 at every level); verify leaves it out. `"$NAME"` (manifest schema 17): an attribute
+    /// not depend on; verify leaves it out. `"$NAME"` (manifest schema 17): an attribute
     /// variable. On match nodes it takes any value or none, and every match node that names
     /// `$NAME` must carry the same value (or all none); on a replacement node it gives the node
     /// that value, or leaves the attribute out where the match had none (MatMulNBits'

@@ -1016,6 +1016,24 @@ outputs = ["y"]
     /// Schema 15: fusion `values` and integer-list attribute constraints, only in a manifest that
     /// says so.
     #[test]
+    fn fusion_attribute_variables_come_with_schema_17() {
+        let fusion = r#"
+[[fusions]]
+name = "nbits-linear"
+match = [{ domain = "com.microsoft", op = "MatMulNBits", inputs = ["x", "B", "S"], outputs = ["y"], attributes = { accuracy_level = "$acc" } }]
+constant = ["B", "S"]
+replace = [{ domain = "ai.kiln", op = "Linear", inputs = ["x", "B", "S"], outputs = ["y"], attributes = { accuracy_level = "$acc" } }]
+outputs = ["y"]
+"#;
+        let v17 = GOOD.replace("schema = 2", "schema = 17") + fusion;
+        let m = Manifest::parse(&v17).unwrap();
+        assert_eq!(m.fusions[0].replace[0].attributes["accuracy_level"].attribute_var(), Some("acc"));
+        assert_eq!(Manifest::parse(&m.to_toml()).unwrap(), m, "round trip");
+        let err = Manifest::parse(&v17.replace("schema = 17", "schema = 16")).unwrap_err().to_string();
+        assert!(err.contains("attribute variables") && err.contains("set `schema = 17`"), "{err}");
+    }
+
+    #[test]
     fn fusion_values_and_integer_lists_come_with_schema_15() {
         let fusion = r#"
 [[fusions]]

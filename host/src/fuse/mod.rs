@@ -31,6 +31,8 @@ use matcher::{bindings_from, Binding, Index};
 struct Accepted {
     constants: Vec<rewrite::NewConstant>,
     opsets: Vec<(String, i64)>,
+    /// Each attribute variable's value on the match ([`attribute_vars`]).
+    attribute_vars: HashMap<String, Option<crate::model::AttrValue>>,
 }
 
 /// A pattern and the package that declares it.
@@ -117,10 +119,10 @@ pub fn fuse(model: &mut Model, registry: &OpRegistry, device: Option<&DeviceCaps
         // outputs. Rewrite them one by one and undo one that would make a cycle.
         let mut removed = std::collections::BTreeSet::new();
         let mut places = HashMap::new();
-        for (b, Accepted { constants, opsets }) in accepted {
+        for (b, Accepted { constants, opsets, attribute_vars }) in accepted {
             let names: Vec<String> = b.nodes.iter().map(|&i| model.graph.nodes[i].name.clone()).collect();
             let mark = rewrite::Mark::of(&model.graph);
-            rewrite::apply(&mut model.graph, c.fusion, &b, constants);
+            rewrite::apply(&mut model.graph, c.fusion, &b, constants, &attribute_vars);
             removed.extend(b.nodes.iter().copied());
             let last = b.nodes.iter().copied().max().unwrap_or(0);
             places.extend((mark.nodes()..model.graph.nodes.len()).map(|i| (i, last)));
@@ -266,7 +268,9 @@ fn check_attributes(
 
 /// The value of each attribute variable (`"$NAME"`, manifest schema 17) on binding `b`: the
 /// attribute of the first match node that names it, `None` where that node has none. Errors:
-/// two match nodes that name one variable carry different values (or one carries none).
+/// two match nodes that name one variable carry different values, or one carries none (an
+/// attribute set to its default and one left out count as different: the pattern sees the
+/// model's attributes, not the op's defaults).
 fn attribute_vars(
     f: &kiln_kernel_abi::fusion::Fusion,
     g: &crate::model::Graph,
@@ -411,7 +415,7 @@ fn check(
             ));
         }
     }
-    attribute_vars(f, g, b)?;
+    let attribute_vars = attribute_vars(f, g, b)?;
     // Intermediates must stay inside the match.
     for node in &b.nodes {
         for v in g.nodes[*node].outputs.iter().flatten() {
@@ -453,5 +457,5 @@ fn check(
             opsets.push((r.domain.clone(), res.entry.since_opset));
         }
     }
-    Ok(Accepted { constants: consts, opsets })
+    Ok(Accepted { constants: consts, opsets, attribute_vars })
 }

@@ -148,11 +148,16 @@ pub(super) fn node_between(g: &Graph, ix: &Index, nodes: &[usize]) -> Option<usi
 
 /// Appends the replacement of binding `b` (its constants, values and nodes) to `g`. The
 /// matched nodes stay until [`finish`] removes them.
-pub(super) fn apply(g: &mut Graph, f: &Fusion, b: &Binding, consts: Vec<NewConstant>) {
+/// `attribute_vars` holds the match's attribute variables (`check`'s [`super::attribute_vars`]).
+pub(super) fn apply(
+    g: &mut Graph,
+    f: &Fusion,
+    b: &Binding,
+    consts: Vec<NewConstant>,
+    attribute_vars: &HashMap<String, Option<crate::model::AttrValue>>,
+) {
     let base = g.nodes[*b.nodes.last().unwrap_or(&0)].name.clone();
     let mut vars: HashMap<String, ValueId> = b.vars.clone();
-    // Checked to agree across the match (`check`).
-    let attribute_vars = super::attribute_vars(f, g, b).unwrap_or_default();
     for c in consts {
         let id = g.values.len();
         g.values.push(Value { name: format!("{base}/{}/{}", f.name, c.var), ty: None });

@@ -21,17 +21,21 @@ pub(super) const CHUNK: usize = 32;
 /// Rows of A quantized to int8 per block, in the chunk order of the module doc.
 pub(super) struct QuantizedA {
     /// Rows × chunks × 32 values, each chunk's even-indexed values then its odd ones.
-    pub q: Vec<i8>,
+    q: Vec<i8>,
     /// The scale of each chunk's block, rows × chunks (a block of 64 repeats its scale for its two
     /// chunks).
-    pub chunk_scales: Vec<f32>,
+    chunk_scales: Vec<f32>,
     /// Per row, chunk and group of four values (in the stored order), their sum: rows × chunks ×
     /// 8. The zero points' term `zero · Σ q_a` starts each integer sum at `−zero` times these.
-    pub quad_sums: Vec<i32>,
-    /// Chunks per row (`blocks · block / 32`).
-    pub chunks: usize,
+    quad_sums: Vec<i32>,
+    /// Rows.
+    rows: usize,
+    /// Chunks per row (`blocks << shift`).
+    chunks: usize,
     /// Blocks per row.
-    pub blocks: usize,
+    blocks: usize,
+    /// log2 of the chunks a block: chunk c lies in block `c >> shift`.
+    shift: u32,
 }
 
 /// `v` rounded to the nearest whole number, ties to even, for |v| < 2²² (the default rounding of
@@ -46,10 +50,11 @@ fn round_even(v: f32) -> f32 {
 }
 
 impl QuantizedA {
-    /// Quantizes the `m` rows of `a` (m × k) in blocks of `block` values (a multiple of
-    /// [`CHUNK`]); values past k are zeros.
+    /// Quantizes the `m` rows of `a` (m × k) in blocks of `block` values (a power of two, a
+    /// multiple of [`CHUNK`]); values past k are zeros. A NaN in a block counts as 0 (its
+    /// maximum skips it, and it quantizes to 0), where the f32 product would give NaN.
     pub fn new(a: &[f32], m: usize, k: usize, block: usize) -> QuantizedA {
-        debug_assert!(block.is_multiple_of(CHUNK) && a.len() >= m * k);
+        assert!(block.is_multiple_of(CHUNK) && block.is_power_of_two() && a.len() >= m * k);
         let blocks = k.div_ceil(block);
         let chunks = blocks * block / CHUNK;
         let mut q = vec![0i8; m * chunks * CHUNK];
@@ -83,7 +88,7 @@ impl QuantizedA {
                 }
             }
         }
-        QuantizedA { q, chunk_scales, quad_sums, chunks, blocks }
+        QuantizedA { q, chunk_scales, quad_sums, rows: m, chunks, blocks, shift: (block / CHUNK).trailing_zeros() }
     }
 
     /// Row i's quantized chunks.
@@ -116,20 +121,18 @@ pub(super) struct WeightRows<'a> {
 }
 
 /// `out[r · rows_a + i]`, for each weight row r of `w` and each row i of A (`a_rows` of
-/// `a`, at most 4): the row's product (module doc). `block` is A's block, a power of two.
-pub(super) fn dots(a: &QuantizedA, a_rows: std::ops::Range<usize>, w: &WeightRows, block: usize, out: &mut [f32]) {
+/// `a`, at most 4): the row's product (module doc), in A's blocks.
+pub(super) fn dots(a: &QuantizedA, a_rows: std::ops::Range<usize>, w: &WeightRows, out: &mut [f32]) {
     assert!(
         a_rows.len() <= 4
-            && a_rows.end * a.chunks <= a.chunk_scales.len()
+            && a_rows.end <= a.rows
+            && a.chunks == a.blocks << a.shift
             && out.len() >= w.rows * a_rows.len()
-            && block.is_power_of_two()
             && w.bytes.len() >= w.rows * a.chunks * CHUNK / 2
             && w.scales.len() >= w.rows * a.blocks
             && w.zeros.len() >= w.rows * a.blocks
     );
-    // Chunk c's block is c >> shift.
-    let shift = (block / CHUNK).trailing_zeros();
-    kernel()(a, a_rows, w, shift, out);
+    kernel()(a, a_rows, w, a.shift, out);
 }
 
 /// A kernel of [`dots`]: `out[r · rows_a + i] = Σ_c scale_w · scale_a · Σ q_a · (q_w − zero_w)`
@@ -282,7 +285,9 @@ mod x86 {
     #[inline(always)]
     unsafe fn pair(p: *const f32, shift: u32) -> __m512 {
         if shift == 0 {
-            let two = _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(p as *const f64)));
+            // Two f32 at a 4-byte-aligned address: one unaligned 8-byte read.
+            let bits = (p as *const u64).read_unaligned();
+            let two = _mm512_castps128_ps512(_mm_castsi128_ps(_mm_cvtsi64_si128(bits as i64)));
             _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), two)
         } else {
             _mm512_set1_ps(*p)
@@ -474,9 +479,9 @@ mod tests {
     }
 
     /// Every kernel this CPU has gives the f64 reference (within f32 sums of blocks), for weight
-    /// row counts that are and are not multiples of four, 1 to 4 rows of A, K that ends in a
-    /// partial block, blocks of 32, 64 and 128, zero points of 8 and packed ones, and a block of
-    /// zeros.
+    /// row counts that are and are not multiples of four (the one-row kernels with per-block zero
+    /// points too), 1 to 4 rows of A, odd and even chunk counts, K that ends in a partial block,
+    /// blocks of 32, 64 and 128, zero points of 8 and per-block ones, and a block of zeros.
     #[test]
     fn int8_kernels_match_the_integer_reference() {
         let mut rng = Rng(0x2545_f491_4f6c_dd1d);
@@ -491,24 +496,30 @@ mod tests {
                 kernels.push(("avx2", x86::dots_avx2));
             }
         }
-        for &(block, k, n, m) in
-            &[(32usize, 96usize, 9usize, 1usize), (32, 80, 8, 3), (64, 200, 5, 4), (128, 130, 4, 2), (32, 32, 7, 1)]
-        {
+        let cases = [
+            (32usize, 96usize, 9usize, 1usize),
+            (32, 80, 7, 3),
+            (64, 200, 5, 4),
+            (128, 130, 6, 2),
+            (32, 32, 7, 1),
+            (32, 64, 9, 2),
+        ];
+        for (case, &(block, k, n, m)) in cases.iter().enumerate() {
             let blocks = k.div_ceil(block);
             let mut a: Vec<f32> = (0..m * k).map(|_| rng.f() * 3.0).collect();
             // Row 0's first block all zeros: scale 0, quantized zeros.
             a[..block.min(k)].fill(0.0);
             let bytes: Vec<u8> = (0..n * blocks * block / 2).map(|_| rng.next() as u8).collect();
             let scales: Vec<f32> = (0..n * blocks).map(|_| rng.f().abs() * 0.1 + 0.001).collect();
-            let zeros: Vec<f32> =
-                (0..n * blocks).map(|i| if n % 2 == 1 { 8.0 } else { ((i * 7) % 16) as f32 }).collect();
-            let uniform = n % 2 == 1;
+            // Per-block zero points for every second case (packed ones), 8 for the others.
+            let uniform = case % 2 == 0;
+            let zeros: Vec<f32> = (0..n * blocks).map(|i| if uniform { 8.0 } else { ((i * 7) % 16) as f32 }).collect();
             let rows =
                 WeightRows { bytes: &bytes, scales: &scales, zeros: &zeros, rows: n, zero: uniform.then_some(8.0) };
             let qa = QuantizedA::new(&a, m, k, block);
             for (name, kern) in &kernels {
                 let mut out = vec![0f32; n * m];
-                kern(&qa, 0..m, &rows, (block / CHUNK).trailing_zeros(), &mut out);
+                kern(&qa, 0..m, &rows, qa.shift, &mut out);
                 for r in 0..n {
                     for i in 0..m {
                         let got = out[r * m + i] as f64;
@@ -526,7 +537,7 @@ mod tests {
             // `dots` (the fastest kernel) over one row of A, the second where there is one.
             let mut out = vec![0f32; n];
             let lo = m.min(2) - 1;
-            dots(&qa, lo..lo + 1, &rows, block, &mut out);
+            dots(&qa, lo..lo + 1, &rows, &mut out);
             for (r, got) in out.iter().enumerate() {
                 let want = reference(&a[lo * k..(lo + 1) * k], k, block, &rows, r);
                 assert!((*got as f64 - want).abs() <= 1e-5 * want.abs().max(1.0), "dots row {r}");

@@ -1,5 +1,7 @@
 //! The `qgemm` import in `kiln_cpu` calls (ABI.md §4.9): MatMulNBits' block-quantized product
-//! on the host, in f32, on the CPU pool. Two ways, by the rows of A:
+//! on the host, on the CPU pool. At `accuracy_level` 4 a decode-size float32 product over 4-bit
+//! weights quantizes A to int8 ([`super::cpu_q4i8`], [`int8_activations`]); otherwise in f32,
+//! two ways by the rows of A:
 //!
 //! - fewer than [`GEMM_MIN_ROWS`] (decode, short prompts): each weight block is dotted with
 //!   the rows of A as `scale · Σ (q − zero)·a`; 4-bit weights go through AVX2 + FMA
@@ -273,7 +275,7 @@ fn int8_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
         for i0 in (0..m).step_by(4) {
             let i1 = (i0 + 4).min(m);
             let take = i1 - i0;
-            cpu_q4i8::dots(&qa, i0..i1, &weights, w.block, &mut part[..rows * take]);
+            cpu_q4i8::dots(&qa, i0..i1, &weights, &mut part[..rows * take]);
             for t in 0..rows {
                 chunk[t * m + i0..t * m + i1].copy_from_slice(&part[t * take..(t + 1) * take]);
             }

@@ -40,7 +40,7 @@
 //! `[N, k_blocks, block_size · bits / 8]` followed by one more input, `scales` (X's dtype,
 //! `N · k_blocks` values, `[N, k_blocks]` or flat), and row `n`'s value `k` dequantizes to
 //! `(q − 2^(bits − 1)) · scales[n, k / block_size]`, with `q` the `bits` of its byte from the low
-//! ones (MatMulNBits' default zero point). Attribute `accuracy_level` (0 to 4, default 0) is
+//! ones (MatMulNBits' default zero point). Attribute `accuracy_level` (default 0, clamped to 0..=4) is
 //! MatMulNBits' (the fusions carry it over): at 4 the CPU's `qgemm` may quantize A's blocks to
 //! int8 as onnxruntime's CPU provider does (ABI.md §6.6); the GPU computes in f32 at every
 //! level. Attributes `bits` (2, 4 or 8) and `block_size` (a
@@ -207,7 +207,7 @@ struct Geometry {
     swiglu: bool,
     /// The input index of Linear's `bias` `[N]` when given.
     bias: Option<usize>,
-    /// MatMulNBits' `accuracy_level` (0 to 4; the `*-nbits` fusions carry it over), passed to the
+    /// MatMulNBits' `accuracy_level` (clamped to 0..=4; the `*-nbits` fusions carry it over), passed to the
     /// host's `qgemm`: at 4 the CPU may quantize A's blocks to int8 (ABI.md §6.6).
     accuracy_level: u8,
 }
@@ -338,10 +338,8 @@ fn geometry(call: &Call) -> Result<Geometry> {
             bail!("{op}: epsilon must not be negative, got {eps}");
         }
     }
-    let accuracy_level = match call.attr_i("accuracy_level", 0)? {
-        level @ 0..=4 => level as u8,
-        other => bail!("{op}: accuracy_level must be 0 to 4, got {other}"),
-    };
+    // Clamped to 0..=4, as onnxruntime's MatMulNBits reads it.
+    let accuracy_level = call.attr_i("accuracy_level", 0)?.clamp(0, 4) as u8;
     Ok(Geometry {
         prologue,
         dtype,

@@ -155,7 +155,7 @@ struct MnbPlan {
     bias: bool,
     /// `B` has a zero dimension: the projection is omitted (Y = bias or 0).
     omitted: bool,
-    /// Attribute `accuracy_level` (0 to 4), passed to the host's `qgemm`: at 4 the host may
+    /// Attribute `accuracy_level` (clamped to 0..=4 as onnxruntime does), passed to the host's `qgemm`: at 4 the host may
     /// quantize A's blocks to int8 as onnxruntime does (ABI.md §6.6).
     accuracy_level: u8,
 }
@@ -278,10 +278,8 @@ impl MnbPlan {
             }
         };
 
-        let accuracy_level = match call.attr_i("accuracy_level", 0)? {
-            level @ 0..=4 => level as u8,
-            other => bail!("{op}: accuracy_level must be 0 to 4, got {other}"),
-        };
+        // Clamped to 0..=4, as onnxruntime's MatMulNBits reads it.
+        let accuracy_level = call.attr_i("accuracy_level", 0)?.clamp(0, 4) as u8;
         Ok(MnbPlan { dtype, k, n, bits, block, k_blocks, blob, m, out_shape, zp, g_idx, bias, omitted, accuracy_level })
     }
 
