@@ -83,7 +83,11 @@
 #              resnet50's host time by op at 16 threads, and int4 decode (the builder's `-p int4 -e cpu`
 #              SmolLM2-architecture folder, made once per machine) beside bench/ort_decode_cpu.py,
 #              then int4 decode at 16 threads with KILN_CPU_HOT_SPIN_US=0 (no spinning pool threads)
-#              and the default
+#              and the default, and at 16 and 8 threads with KILN_CPU_SHARE=1 and 0, alternated
+#   cpu-profile  where a CPU int4 decode step's time goes: the int4 CPU folder's host time by op at
+#              1 and 16 threads (kiln bench decode --profile), and where `perf` is on the machine a
+#              16-thread perf record of KILN_PROF (a kiln binary with symbols; .gpu/kiln-sym.xz
+#              when staged, else $KILN): the top functions, and the graph thread's apart
 # At most 8 files come back from the machine, so $OUT (or ./gpu-out) gets one log per phase
 # and the JSON in tar files; the last lines printed are a summary.
 set -uo pipefail
@@ -98,7 +102,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,memory.u
 models=/tmp/kiln-models
 m=$models/smollm2-arch-fp16-cuda
 needs_models=0
-for phase in $phases; do case "$phase" in quick | convnet | verify | floor | layer | probe | bw | cpu | sanitize-ops | big | conv | models | encoder | int4) ;; *) needs_models=1 ;; esac; done
+for phase in $phases; do case "$phase" in quick | convnet | verify | floor | layer | probe | bw | cpu | cpu-profile | sanitize-ops | big | conv | models | encoder | int4) ;; *) needs_models=1 ;; esac; done
 if [ "$needs_models" = 1 ] && [ ! -f "$models/reference/smollm2-arch-ref.json" ]; then
   t0=$(date +%s)
   bash .gpu/device-fixtures/make-smollm2-arch.sh "$models" --results "$work/make" >"$work/make.log" 2>&1 ||
@@ -338,6 +342,40 @@ for w in glob.glob(".gpu/python/*.whl"):
         --new-tokens 32 --runs 3 2>&1 | grep -E "^\| [0-9]|[Ee]rror"
     done; done | tee -a "$out/cpu.log"
     summary+=("cpu: $(grep -E '^\| (MatMul|resnet50)|^==|^\| 1 \(1\)|^onnxruntime' "$out/cpu.log" | tr '\n' ' ')")
+    ;;
+  cpu-profile)
+    i4c=$models/smollm2-arch-int4-cpu
+    if [ ! -f "$i4c/model.onnx" ]; then
+      build_folder int4 cpu >"$work/int4-cpu-make.log" 2>&1 || tail -20 "$work/int4-cpu-make.log"
+    fi
+    prof=$KILN
+    if [ -f .gpu/kiln-sym.xz ]; then
+      python3 -c 'import lzma,sys; open(sys.argv[2],"wb").write(lzma.open(sys.argv[1]).read())' .gpu/kiln-sym.xz "$work/kiln-sym" &&
+        chmod +x "$work/kiln-sym" && prof=$work/kiln-sym
+    fi
+    prof=${KILN_PROF:-$prof}
+    for t in 1 16; do
+      echo "== int4 CPU decode, $t threads, host time by op"
+      KILN_CPU_THREADS=$t "$KILN" bench decode "$i4c" --device cpu --prompt-len 16 --new-tokens 32 --runs 2 --profile 2>&1 |
+        grep -E "^\| [0-9]|^  [A-Z][A-Za-z]+ +[0-9]+ +[0-9.]+ ms" | head -9
+    done | tee "$out/cpu-profile.log"
+    if command -v perf >/dev/null; then
+      KILN_CPU_THREADS=16 perf record -F 999 -g -o "$work/perf.data" "$prof" bench decode "$i4c" --device cpu \
+        --prompt-len 16 --new-tokens 64 --runs 2 2>&1 | grep -E "^\| [0-9]"
+      { echo "== perf, 16 threads: all threads"
+        perf report -i "$work/perf.data" --no-children --sort sym --stdio -g none 2>/dev/null | grep -E "^ +[0-9]" | head -30
+        echo "== perf, 16 threads: by thread"
+        perf report -i "$work/perf.data" --no-children --sort comm --stdio -g none 2>/dev/null | grep -E "^ +[0-9]" | head -6
+        graph=$(perf report -i "$work/perf.data" --no-children --sort comm,sym --stdio -g none 2>/dev/null |
+          grep -E "run_nodes_here" | awk '{print $2}' | head -1)
+        echo "== perf, 16 threads: the graph thread ($graph)"
+        [ -n "$graph" ] && perf report -i "$work/perf.data" --no-children --comms "$graph" --sort sym --stdio -g none 2>/dev/null |
+          grep -E "^ +[0-9]" | head -30
+      } | tee -a "$out/cpu-profile.log"
+    else
+      echo "no perf on this machine" | tee -a "$out/cpu-profile.log"
+    fi
+    summary+=("cpu-profile: $(grep -cE '^ +[0-9]' "$out/cpu-profile.log") profile rows")
     ;;
   verify)
     # kiln-sampling's ops (ai.kiln) have no node tests: the device-sampling GPU test covers them.
