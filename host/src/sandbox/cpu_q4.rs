@@ -213,7 +213,7 @@ mod avx512 {
 // The kernels index several register arrays in lockstep (accumulators, rows, scales).
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)]
-mod avx2 {
+pub(super) mod avx2 {
     use std::arch::x86_64::*;
 
     pub(super) use super::PREFETCH_ROWS;
@@ -232,9 +232,9 @@ mod avx2 {
         _mm256_sub_ps(eight(p, t), zero)
     }
 
-    /// The sum of the eight lanes.
+    /// The sum of the eight lanes (also [`super::super::cpu_q4i8`]'s).
     #[inline(always)]
-    unsafe fn sum(v: __m256) -> f32 {
+    pub(in crate::sandbox) unsafe fn sum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))

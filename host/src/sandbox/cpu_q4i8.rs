@@ -198,6 +198,9 @@ mod x86 {
 
     use super::{QuantizedA, WeightRows, CHUNK};
 
+    /// One of the kernels below: weight rows `first..first + W` against row `ai` of A.
+    type RowsKernel = unsafe fn(&QuantizedA, usize, &WeightRows, usize, u32, &mut [f32; 4]);
+
     /// [`super::Kernel`] with AVX-512 VNNI; the CPU was checked ([`super::kernel`]).
     pub(super) fn dots_vnni(
         a: &QuantizedA,
@@ -206,16 +209,9 @@ mod x86 {
         shift: u32,
         out: &mut [f32],
     ) {
-        each(a, a_rows, w, out, |ai, r, take, dots| {
-            // SAFETY: `kernel` picks this only where the CPU has AVX-512F and VNNI; `dots` checked
-            // the rows' extents against A's chunks and blocks.
-            unsafe {
-                match take {
-                    4 => vnni::<4>(a, ai, w, r, shift, dots),
-                    _ => vnni::<1>(a, ai, w, r, shift, dots),
-                }
-            }
-        })
+        // SAFETY (of the calls in `each`): `kernel` picks this only where the CPU has AVX-512F and
+        // VNNI; `dots` checked the rows' extents against A's chunks and blocks.
+        unsafe { each(a, a_rows, w, shift, out, [vnni::<4>, vnni::<1>]) }
     }
 
     /// [`super::Kernel`] with AVX2 and FMA; the CPU was checked ([`super::kernel`]).
@@ -226,26 +222,23 @@ mod x86 {
         shift: u32,
         out: &mut [f32],
     ) {
-        each(a, a_rows, w, out, |ai, r, take, dots| {
-            // SAFETY: `kernel` picks this only where the CPU has AVX2 and FMA; `dots` checked the
-            // extents.
-            unsafe {
-                match take {
-                    4 => avx2::<4>(a, ai, w, r, shift, dots),
-                    _ => avx2::<1>(a, ai, w, r, shift, dots),
-                }
-            }
-        })
+        // SAFETY (of the calls in `each`): `kernel` picks this only where the CPU has AVX2 and
+        // FMA; `dots` checked the extents.
+        unsafe { each(a, a_rows, w, shift, out, [avx2::<4>, avx2::<1>]) }
     }
 
-    /// Runs `f(row of A, first weight row, rows, results)` over whole groups of four weight rows,
-    /// then one row at a time over the rest, for each row of A, writing `out[r · rows_a + i]`.
-    fn each(
-        _a: &QuantizedA,
+    /// Runs `kernels[0]` (four weight rows) over whole groups of four weight rows, then
+    /// `kernels[1]` (one) over the rest, for each row of A, writing `out[r · rows_a + i]`.
+    ///
+    /// # Safety
+    /// The CPU has the kernels' features, and `dots` checked the extents.
+    unsafe fn each(
+        a: &QuantizedA,
         a_rows: std::ops::Range<usize>,
         w: &WeightRows,
+        shift: u32,
         out: &mut [f32],
-        f: impl Fn(usize, usize, usize, &mut [f32; 4]),
+        kernels: [RowsKernel; 2],
     ) {
         let n_a = a_rows.len();
         for (i, ai) in a_rows.enumerate() {
@@ -253,7 +246,7 @@ mod x86 {
             let mut dots = [0f32; 4];
             while r < w.rows {
                 let take = if w.rows - r >= 4 { 4 } else { 1 };
-                f(ai, r, take, &mut dots);
+                kernels[if take == 4 { 0 } else { 1 }](a, ai, w, r, shift, &mut dots);
                 for t in 0..take {
                     out[(r + t) * n_a + i] = dots[t];
                 }
@@ -371,14 +364,6 @@ mod x86 {
         }
     }
 
-    /// The sum of the eight lanes.
-    #[inline(always)]
-    unsafe fn sum8(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
-    }
-
     /// As [`vnni`], one chunk an iteration: the weights' 16 bytes as [low nibbles | high nibbles],
     /// multiplied with A's 32 bytes in pairs to i16 (at most 2 · 15 · 127, no saturation), then in
     /// fours to i32, less `zero ·` A's sums of four.
@@ -421,7 +406,7 @@ mod x86 {
             }
         }
         for r in 0..W {
-            out[r] = sum8(total[r]);
+            out[r] = super::super::cpu_q4::avx2::sum(total[r]);
         }
     }
 
