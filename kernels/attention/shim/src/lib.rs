@@ -166,38 +166,46 @@ fn rotate<T: Real>(x: &mut [T], cos: &[T], sin: &[T], interleaved: bool) {
     }
 }
 
-/// The cos/sin caches: `rows` positions of `half` values each, of which the first `read` were
-/// read (the positions a call uses: a decode step never copies a table of 8,192 positions).
+/// The cos/sin caches: `rows` positions of `half` values each, of which positions
+/// `first..first + read` were read (the positions a call uses: a decode step at position 4,000
+/// copies one row, not the 4,000 before it nor a table of 8,192).
 struct Caches<T = f64> {
     cos: Vec<T>,
     sin: Vec<T>,
     rows: usize,
+    first: usize,
     read: usize,
     half: usize,
 }
 
 impl<T: Real> Caches<T> {
-    /// The caches' first `needed` rows.
-    fn read(cos: &Tensor, sin: &Tensor, needed: usize) -> Result<Caches<T>> {
+    /// The caches' rows `positions` (as far as the caches reach; a position past them is refused
+    /// by [`Caches::rotate`]).
+    fn read(cos: &Tensor, sin: &Tensor, positions: core::ops::Range<usize>) -> Result<Caches<T>> {
         let [rows, half] = cache_shape(cos, sin)?;
-        let read = rows.min(needed);
-        let n = read * half;
-        Ok(Caches { cos: cos.read_vec_prefix(n)?, sin: sin.read_vec_prefix(n)?, rows, read, half })
+        let first = positions.start.min(rows);
+        let read = positions.end.min(rows).saturating_sub(first);
+        let (at, n) = (first * half, read * half);
+        Ok(Caches { cos: cos.read_vec_range(at, n)?, sin: sin.read_vec_range(at, n)?, rows, first, read, half })
     }
 
     /// The caches as `rows` rows of `half` values (a shape the caller checked), all read.
     fn read_as(cos: &Tensor, sin: &Tensor, rows: usize, half: usize) -> Result<Caches<T>> {
-        Ok(Caches { cos: cos.read_vec()?, sin: sin.read_vec()?, rows, read: rows, half })
+        Ok(Caches { cos: cos.read_vec()?, sin: sin.read_vec()?, rows, first: 0, read: rows, half })
     }
 
     fn rotate(&self, op: &str, x: &mut [T], pos: i64, interleaved: bool) -> Result<()> {
         if pos < 0 || pos as u64 >= self.rows as u64 {
             bail!("{op}: position {pos} is outside the cos/sin caches of {} rows", self.rows);
         }
-        if pos as u64 >= self.read as u64 {
-            bail!("{op}: position {pos} is past the {} cache rows read for this call", self.read);
-        }
-        let r = pos as usize * self.half..(pos as usize + 1) * self.half;
+        let Some(row) = (pos as usize).checked_sub(self.first).filter(|&r| r < self.read) else {
+            bail!(
+                "{op}: position {pos} is outside the cache rows {}..{} read for this call",
+                self.first,
+                self.first + self.read
+            );
+        };
+        let r = row * self.half..(row + 1) * self.half;
         rotate(x, &self.cos[r.clone()], &self.sin[r], interleaved);
         Ok(())
     }
@@ -485,12 +493,14 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
     let v_src = v_in.as_deref().unwrap_or(&q_in);
     let seqlens = call.input(5)?.read_i64s()?;
     // Positions go up to the longest row's last token (seqlens_k + 1 rows of the caches), or
-    // the prompt's length (a first prompt rotates every one of its S positions).
+    // the prompt's length (a first prompt rotates every one of its S positions); they start at
+    // the shortest row's first new token (seqlens_k + 1 − S; 0 for a first prompt).
     let caches = match p.rotary_half {
         Some(_) => {
-            let longest = seqlens.iter().map(|&k| (k.max(0) as u64).saturating_add(1)).max().unwrap_or(0);
-            let needed = longest.max(p.seq as u64).min(usize::MAX as u64) as usize;
-            Some(Caches::<T>::read(&call.input(7)?, &call.input(8)?, needed)?)
+            let ends = seqlens.iter().map(|&k| (k.max(0) as u64).saturating_add(1).min(usize::MAX as u64) as usize);
+            let longest = ends.clone().max().unwrap_or(0);
+            let first = if p.first_prompt { 0 } else { ends.map(|t| t.saturating_sub(s_n)).min().unwrap_or(0) };
+            Some(Caches::<T>::read(&call.input(7)?, &call.input(8)?, first..longest.max(s_n))?)
         }
         None => None,
     };
