@@ -178,9 +178,9 @@ pub(super) fn apply(
         let inputs = r.inputs.iter().map(|v| var_id(v, g)).collect();
         let outputs = r.outputs.iter().map(|v| var_id(v, g)).collect();
         let mut attributes = r.attributes_from.map(|a| g.nodes[b.nodes[a]].attributes.clone()).unwrap_or_default();
-        // Integer (schema 13) and integer-list (schema 15) attributes the declaration sets, over
-        // any of the same name.
-        // and (schema 17) attribute variables' values from the match, where it had one.
+        // Integer (schema 13) and integer-list (schema 15) attributes the declaration sets, and
+        // attribute variables' values from the match where it had one (schema 17), over any of
+        // the same name.
         for (name, c) in &r.attributes {
             use kiln_kernel_abi::fusion::AttrConstraint;
             let value = match c {

@@ -132,12 +132,27 @@ pub(super) fn dots(a: &QuantizedA, a_rows: std::ops::Range<usize>, w: &WeightRow
             && w.scales.len() >= w.rows * a.blocks
             && w.zeros.len() >= w.rows * a.blocks
     );
-    kernel()(a, a_rows, w, a.shift, out);
+    kernel().run(a, a_rows, w, a.shift, out);
 }
 
 /// A kernel of [`dots`]: `out[r · rows_a + i] = Σ_c scale_w · scale_a · Σ q_a · (q_w − zero_w)`
 /// over chunks c, chunk c's block `c >> shift`.
-type Kernel = fn(&QuantizedA, std::ops::Range<usize>, &WeightRows, u32, &mut [f32]);
+#[derive(Clone, Copy)]
+enum Kernel {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    X86(x86::Simd),
+}
+
+impl Kernel {
+    fn run(self, a: &QuantizedA, a_rows: std::ops::Range<usize>, w: &WeightRows, shift: u32, out: &mut [f32]) {
+        match self {
+            Kernel::Portable => portable(a, a_rows, w, shift, out),
+            #[cfg(target_arch = "x86_64")]
+            Kernel::X86(simd) => x86::dots(simd, a, a_rows, w, shift, out),
+        }
+    }
+}
 
 /// The fastest kernel this CPU runs (`KILN_CPU_NO_AVX512` leaves the AVX-512 one out, as for the
 /// f32 kernels).
@@ -151,13 +166,13 @@ fn kernel() -> Kernel {
                 && std::is_x86_feature_detected!("avx512f")
                 && std::is_x86_feature_detected!("avx512vnni")
             {
-                return x86::dots_vnni;
+                return Kernel::X86(x86::Simd::Vnni);
             }
             if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-                return x86::dots_avx2;
+                return Kernel::X86(x86::Simd::Avx2);
             }
         }
-        portable
+        Kernel::Portable
     })
 }
 
@@ -201,30 +216,32 @@ mod x86 {
     /// One of the kernels below: weight rows `first..first + W` against row `ai` of A.
     type RowsKernel = unsafe fn(&QuantizedA, usize, &WeightRows, usize, u32, &mut [f32; 4]);
 
-    /// [`super::Kernel`] with AVX-512 VNNI; the CPU was checked ([`super::kernel`]).
-    pub(super) fn dots_vnni(
-        a: &QuantizedA,
-        a_rows: std::ops::Range<usize>,
-        w: &WeightRows,
-        shift: u32,
-        out: &mut [f32],
-    ) {
-        // SAFETY (of the calls in `each`): `kernel` picks this only where the CPU has AVX-512F and
-        // VNNI; `dots` checked the rows' extents against A's chunks and blocks.
-        unsafe { each(a, a_rows, w, shift, out, [vnni::<4>, vnni::<1>]) }
+    /// The x86 kernels, one pair (four weight rows, one) each.
+    #[derive(Clone, Copy)]
+    pub(super) enum Simd {
+        /// AVX-512F and AVX-512 VNNI.
+        Vnni,
+        /// AVX2 and FMA.
+        Avx2,
     }
 
-    /// [`super::Kernel`] with AVX2 and FMA; the CPU was checked ([`super::kernel`]).
-    pub(super) fn dots_avx2(
+    /// [`super::Kernel`] through `simd`'s pair, a pair this CPU runs: [`super::kernel`] picks it
+    /// by feature detection (the tests after [`available`]).
+    pub(super) fn dots(
+        simd: Simd,
         a: &QuantizedA,
         a_rows: std::ops::Range<usize>,
         w: &WeightRows,
         shift: u32,
         out: &mut [f32],
     ) {
-        // SAFETY (of the calls in `each`): `kernel` picks this only where the CPU has AVX2 and
-        // FMA; `dots` checked the extents.
-        unsafe { each(a, a_rows, w, shift, out, [avx2::<4>, avx2::<1>]) }
+        let kernels: [RowsKernel; 2] = match simd {
+            Simd::Vnni => [vnni::<4>, vnni::<1>],
+            Simd::Avx2 => [avx2::<4>, avx2::<1>],
+        };
+        // SAFETY: the CPU has the pair's features (above); `super::dots` checked the rows'
+        // extents against A's chunks and blocks.
+        unsafe { each(a, a_rows, w, shift, out, kernels) }
     }
 
     /// Runs `kernels[0]` (four weight rows) over whole groups of four weight rows, then
@@ -272,6 +289,23 @@ mod x86 {
         })
     }
 
+    /// At every 64 bytes of the rows (each fourth chunk c), the same line of each weight row
+    /// [`PREFETCH_ROWS`](super::super::cpu_q4::PREFETCH_ROWS) rows on, as the f32 kernels do: a
+    /// decode's weights stream from DRAM (a prefetch never faults, wherever it points).
+    #[inline(always)]
+    unsafe fn prefetch_ahead<const W: usize>(
+        rows: &[(*const u8, *const f32, *const f32); W],
+        c: usize,
+        row_bytes: usize,
+    ) {
+        if c.is_multiple_of(4) {
+            for (bytes, _, _) in rows {
+                let ahead = bytes.wrapping_add(c * CHUNK / 2 + super::super::cpu_q4::PREFETCH_ROWS * row_bytes);
+                _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+            }
+        }
+    }
+
     /// Lanes 0..8 the f32 at `p`, lanes 8..16 the one after it (`shift` 0: chunks c and c + 1
     /// have blocks `b` and `b + 1`), or all lanes the f32 at `p` (`shift` > 0: both chunks of a
     /// pair lie in one block).
@@ -317,14 +351,7 @@ mod x86 {
         };
         let mut c = 0;
         while c + 1 < chunks {
-            if c % 4 == 0 {
-                // The same line of the weight rows PREFETCH_ROWS rows on, as the f32 kernels do:
-                // a decode's weights stream from DRAM (a prefetch never faults).
-                for r in 0..W {
-                    let ahead = rows[r].0.wrapping_add(c * CHUNK / 2 + super::super::cpu_q4::PREFETCH_ROWS * row_bytes);
-                    _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
-                }
-            }
+            prefetch_ahead(&rows, c, row_bytes);
             let av = _mm512_loadu_si512(qa.add(c * CHUNK) as *const _);
             let sums = _mm512_loadu_si512(quads.add(c * 8) as *const _);
             let sa2 = pair(sa.add(c), 0);
@@ -383,12 +410,7 @@ mod x86 {
         let mut total = [_mm256_setzero_ps(); W];
         let row_bytes = a.chunks * CHUNK / 2;
         for c in 0..a.chunks {
-            if c % 4 == 0 {
-                for r in 0..W {
-                    let ahead = rows[r].0.wrapping_add(c * CHUNK / 2 + super::super::cpu_q4::PREFETCH_ROWS * row_bytes);
-                    _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
-                }
-            }
+            prefetch_ahead(&rows, c, row_bytes);
             let av = _mm256_loadu_si256(qa.add(c * CHUNK) as *const __m256i);
             let sums = _mm256_loadu_si256(quads.add(c * 8) as *const __m256i);
             let (b, sac) = (c >> shift, *sa.get_unchecked(c));
@@ -470,15 +492,15 @@ mod tests {
     #[test]
     fn int8_kernels_match_the_integer_reference() {
         let mut rng = Rng(0x2545_f491_4f6c_dd1d);
-        let mut kernels: Vec<(&str, Kernel)> = vec![("portable", portable)];
+        let mut kernels: Vec<(&str, Kernel)> = vec![("portable", Kernel::Portable)];
         #[cfg(target_arch = "x86_64")]
         {
             let (vnni, avx2) = x86::available();
             if vnni {
-                kernels.push(("vnni", x86::dots_vnni));
+                kernels.push(("vnni", Kernel::X86(x86::Simd::Vnni)));
             }
             if avx2 {
-                kernels.push(("avx2", x86::dots_avx2));
+                kernels.push(("avx2", Kernel::X86(x86::Simd::Avx2)));
             }
         }
         let cases = [
@@ -504,7 +526,7 @@ mod tests {
             let qa = QuantizedA::new(&a, m, k, block);
             for (name, kern) in &kernels {
                 let mut out = vec![0f32; n * m];
-                kern(&qa, 0..m, &rows, qa.shift, &mut out);
+                kern.run(&qa, 0..m, &rows, qa.shift, &mut out);
                 for r in 0..n {
                     for i in 0..m {
                         let got = out[r * m + i] as f64;

@@ -116,6 +116,30 @@ impl Weights<'_> {
         &self.scales[r * self.kb..(r + 1) * self.kb]
     }
 
+    /// The zero point of every block where they are all one (the default 2^(bits − 1)).
+    fn default_zero(&self) -> Option<f32> {
+        match self.zeros {
+            Zeros::Default(d) => Some(d),
+            _ => None,
+        }
+    }
+
+    /// Scratch for a group's zero points ([`Weights::group_zeros`]): four rows of kb, filled
+    /// once here where every zero point is the default.
+    fn group_zeros_scratch(&self) -> Vec<f32> {
+        vec![self.default_zero().unwrap_or(0.0); 4 * self.kb]
+    }
+
+    /// Weight rows `first..first + rows`' zero points into `z` (from [`Weights::group_zeros_scratch`];
+    /// nothing to do for default ones, filled already).
+    fn group_zeros(&self, first: usize, rows: usize, z: &mut [f32]) {
+        if self.default_zero().is_none() {
+            for (t, zt) in z.chunks_exact_mut(self.kb).take(rows).enumerate() {
+                self.zeros(first + t, zt);
+            }
+        }
+    }
+
     /// Weight row `r`'s zero points into `z` (kb values).
     fn zeros(&self, r: usize, z: &mut [f32]) {
         match &self.zeros {
@@ -149,23 +173,12 @@ fn direct_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
     for (i, row) in x.chunks_exact_mut(padded).enumerate() {
         row[..w.k].copy_from_slice(&a[i * w.k..(i + 1) * w.k]);
     }
-    // Column-major results, four weight rows per group: cols[r · m + i] is Y[i, r].
-    let mut cols = vec![0f32; n * m];
-    // Default zero points are the same for every row: filled once per scratch (a chunk's or a task's).
-    let default = match w.zeros {
-        Zeros::Default(d) => Some(d),
-        _ => None,
-    };
-    let scratch = || (vec![default.unwrap_or(0.0); 4 * w.kb], vec![0f32; w.block]);
+    let scratch = || (w.group_zeros_scratch(), vec![0f32; w.block]);
     // Group g: weight rows 4g.. (fewer in the last), whose results are `chunk`.
     let group = |(z, scratch): &mut (Vec<f32>, Vec<f32>), g: usize, chunk: &mut [f32]| {
         let first = 4 * g;
         let rows = chunk.len() / m;
-        if default.is_none() {
-            for (t, zt) in z.chunks_exact_mut(w.kb).take(rows).enumerate() {
-                w.zeros(first + t, zt);
-            }
-        }
+        w.group_zeros(first, rows, z);
         let x_row = |i: usize| &x[i * padded..(i + 1) * padded];
         // One row of A: four weight rows at once.
         let mut dots = [0f32; 4];
@@ -189,24 +202,22 @@ fn direct_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
             }
         }
     };
-    over_groups(&mut cols, m, n, scratch, group);
-    for (i, row) in out.chunks_exact_mut(n).enumerate() {
-        row.iter_mut().enumerate().for_each(|(r, v)| *v = cols[r * m + i]);
-    }
+    over_groups(out, m, n, scratch, group);
 }
 
 /// Runs `group(scratch, g, results)` for each group g of four weight rows (fewer in the last)
-/// over the CPU pool, `results` being the group's part of `cols` (column-major n × m: weight row
-/// r's m results at r · m): on the kept-hot threads in chunks of groups (about four a thread, at
-/// least two groups), else as rayon's tasks of at least eight; `scratch` makes each thread's or
-/// chunk's scratch.
+/// over the CPU pool, `results` being the group's part of a column-major n × m result (weight
+/// row r's m results at r · m), then writes the results row-major into `out` (m × n): on the
+/// kept-hot threads in chunks of groups (about four a thread, at least two groups), else as
+/// rayon's tasks of at least eight; `scratch` makes each thread's or chunk's scratch.
 fn over_groups<S>(
-    cols: &mut [f32],
+    out: &mut [f32],
     m: usize,
     n: usize,
     scratch: impl Fn() -> S + Sync + Send,
     group: impl Fn(&mut S, usize, &mut [f32]) + Sync + Send,
 ) {
+    let mut cols = vec![0f32; n * m];
     let groups = n.div_ceil(4);
     let chunk = groups.div_ceil(4 * cpu_threads()).max(2);
     let base = cols.as_mut_ptr() as usize;
@@ -227,6 +238,9 @@ fn over_groups<S>(
                 .enumerate()
                 .for_each_init(&scratch, |s, (g, chunk)| group(s, g, chunk))
         });
+    }
+    for (i, row) in out.chunks_exact_mut(n).enumerate() {
+        row.iter_mut().enumerate().for_each(|(r, v)| *v = cols[r * m + i]);
     }
 }
 
@@ -249,26 +263,16 @@ fn int8_activations(q: &QGemm, w: &Weights) -> bool {
 /// rows of A at a time against each group of four weight rows.
 fn int8_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
     let qa = cpu_q4i8::QuantizedA::new(a, m, w.k, w.block);
-    let mut cols = vec![0f32; n * m];
-    let default = match w.zeros {
-        Zeros::Default(d) => Some(d),
-        _ => None,
-    };
-    let scratch = || vec![default.unwrap_or(0.0); 4 * w.kb];
     let group = |z: &mut Vec<f32>, g: usize, chunk: &mut [f32]| {
         let first = 4 * g;
         let rows = chunk.len() / m;
-        if default.is_none() {
-            for (t, zt) in z.chunks_exact_mut(w.kb).take(rows).enumerate() {
-                w.zeros(first + t, zt);
-            }
-        }
+        w.group_zeros(first, rows, z);
         let weights = cpu_q4i8::WeightRows {
             bytes: &w.b[first * w.kb * w.blob..(first + rows) * w.kb * w.blob],
             scales: &w.scales[first * w.kb..(first + rows) * w.kb],
             zeros: &z[..rows * w.kb],
             rows,
-            zero: default,
+            zero: w.default_zero(),
         };
         // Rows of A four at a time: results r · m + i of the group's chunk.
         let mut part = [0f32; 16];
@@ -281,10 +285,7 @@ fn int8_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
             }
         }
     };
-    over_groups(&mut cols, m, n, scratch, group);
-    for (i, row) in out.chunks_exact_mut(n).enumerate() {
-        row.iter_mut().enumerate().for_each(|(r, v)| *v = cols[r * m + i]);
-    }
+    over_groups(out, m, n, || w.group_zeros_scratch(), group);
 }
 
 /// [`row_dot`] for four 4-bit weight rows from `first`, whose zero points are `z`'s four runs
