@@ -593,7 +593,7 @@ fn group_query_attention_prompt_then_decode_through_a_shared_buffer() {
 /// Decode steps whose present K/V are bound in place to the held past buffer (`Feed::Device`
 /// and `Fetch::Into` of one tensor, as generation over `past_present_share_buffer` runs them):
 /// on the CPU the shim is told that the presents start as the past (ABI.md §7.8) and writes only
-/// the new positions. Contexts of 9 to 20 keys: the shim's own loops, then the host `gemm`
+/// the new positions, into the past's own buffer (manifest schema 18: no copy of the cache). Contexts of 9 to 20 keys: the shim's own loops, then the host `gemm`
 /// (from 16 keys), against float64, the output and the whole buffer after every step; the last
 /// step writes its presents into other buffers, which the shim is not told start as the past.
 #[test]
@@ -631,11 +631,13 @@ fn group_query_attention_decodes_in_place_into_a_bound_shared_buffer() {
         // The last step writes the presents into buffers of their own (copied from the pasts).
         let last = step == 11;
         let (to_k, to_v) = if last { (&other_k, &other_v) } else { (&pk, &pv) };
-        let before = session.report.cpu_in_place;
+        let before = (session.report.cpu_in_place, session.report.cpu_in_place_shared);
         let fetches = [("present_key", Fetch::Into(to_k)), ("present_value", Fetch::Into(to_v))];
         let out = session.run_with(feeds, &fetches).unwrap_or_else(|e| panic!("step {step}: {e}"));
         let told = if last { 0 } else { 2 };
-        assert_eq!(session.report.cpu_in_place - before, told, "step {step}: presents told in place");
+        assert_eq!(session.report.cpu_in_place - before.0, told, "step {step}: presents told in place");
+        // kiln-attention (manifest schema 18) takes each past's buffer itself, no copy.
+        assert_eq!(session.report.cpu_in_place_shared - before.1, told, "step {step}: presents in the pasts' buffers");
         let got = out.into_iter().find_map(|(n, f)| match (n.as_str(), f) {
             ("output", Fetched::Host(t)) => Some(t),
             _ => None,
@@ -655,6 +657,27 @@ fn group_query_attention_decodes_in_place_into_a_bound_shared_buffer() {
         d.v = r.vals(2 * 2 * 16);
     }
     assert!(c.total > 16, "the last steps went through the host gemm");
+    // A step that fails (seqlens_k past total_sequence_length) after the pasts' buffers went into
+    // its call: the error names the input, and the bound tensors hold zeros of their shape.
+    let (inputs, _) = gqa_node(&c, &d);
+    let mut feeds = Vec::new();
+    for (name, t) in inputs {
+        match (name, t) {
+            ("past_key", _) => feeds.push((name.to_string(), Feed::Device(&pk))),
+            ("past_value", _) => feeds.push((name.to_string(), Feed::Device(&pv))),
+            ("seqlens_k", _) => feeds.push((name.to_string(), Feed::Host(i32_tensor(&[2], &[40, 40])))),
+            (_, Some(t)) => feeds.push((name.to_string(), Feed::Host(t))),
+            (_, None) => {}
+        }
+    }
+    let fetches = [("present_key", Fetch::Into(&pk)), ("present_value", Fetch::Into(&pv))];
+    let err = session.run_with(feeds, &fetches).expect_err("seqlens_k out of range").to_string();
+    assert!(err.contains("seqlens_k[0] = 40 is out of range"), "{err}");
+    for t in [&pk, &pv] {
+        let k = session.read_tensor(t).unwrap();
+        assert_eq!(k.shape, shape);
+        assert!(float_values(&k).iter().all(|v| *v == 0.0), "a failed step leaves zeros");
+    }
 }
 
 #[test]

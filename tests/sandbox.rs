@@ -684,3 +684,34 @@ fn a_tile_writes_only_its_share_of_an_output() {
     let err = module.instantiate().unwrap().call(CallKind::Cpu, tiled()).unwrap_err();
     check(&err, FailureKind::Refused, "bytes 4..12 of handle 0x10001 are outside this tile's share 8..16");
 }
+
+/// An input bound in place to an output's buffer (ABI.md §7.8, schema 18: `Access::InPlace`, the
+/// output's `in_place_of`) reads the output's bytes, what the shim wrote there included: the shim
+/// writes bytes 0..4 of the output, reads the input's 16 bytes and writes their first four at 12,
+/// so the output ends as the write, the output's own 8 bytes, then the write again. Without an
+/// output bound in place to it, such an input has no host bytes and a read is refused.
+#[test]
+fn an_input_bound_in_place_reads_its_outputs_bytes() {
+    let sb = sandbox();
+    let cpu = "(drop (call $write (i32.const 0x10001) (i64.const 0) (i32.const 128) (i32.const 4))) \
+               (if (call $read (i32.const 0x10000) (i64.const 0) (i32.const 256) (i32.const 16)) \
+                   (then (return (i32.const 7)))) \
+               (call $write (i32.const 0x10001) (i64.const 12) (i32.const 256) (i32.const 4))";
+    let bytes = r#"(data (i32.const 128) "\01\02\03\04")"#;
+    let module = sb.load(PACKAGE, &shim(INFER_OK, cpu, OK, bytes), vec![]).unwrap();
+    let in_place = |bound: bool| CallArgs {
+        inputs: vec![Some(ArgTensor { access: Access::InPlace, ..input([0.0; 4]) })],
+        outputs: vec![Some(ArgTensor {
+            access: Access::Write(vec![9; 16]),
+            in_place_of: bound.then_some(0),
+            ..output()
+        })],
+        ..args()
+    };
+    let out = module.instantiate().unwrap().call(CallKind::Cpu, in_place(true)).unwrap();
+    let want = [1, 2, 3, 4, 9, 9, 9, 9, 9, 9, 9, 9, 1, 2, 3, 4];
+    assert!(matches!(&out.slots[1].access, Access::Write(v) if v[..] == want), "{:?}", out.slots[1].access);
+    assert!(matches!(out.slots[0].access, Access::Alias(1)), "{:?}", out.slots[0].access);
+    let err = module.instantiate().unwrap().call(CallKind::Cpu, in_place(false)).unwrap_err();
+    check(&err, FailureKind::Refused, "read: handle 0x10000 has no host bytes");
+}

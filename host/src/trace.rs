@@ -49,6 +49,9 @@ pub struct Report {
     /// CPU outputs bound in place to an input's buffer that started as its bytes, the shim told
     /// so (ABI.md §7.8: a KV cache's present over its past).
     pub cpu_in_place: u64,
+    /// Of those, outputs that took over their input's buffer itself, without a copy (packages of
+    /// manifest schema 18, where nothing else held the input's bytes).
+    pub cpu_in_place_shared: u64,
     /// Nodes whose package has no GPU dispatch for them, by op.
     pub dispatch_unsupported: BTreeMap<String, u64>,
     /// Execution plans and CUDA graphs.

@@ -112,8 +112,10 @@ pub enum ManifestError {
 /// to an input's buffer, [`crate::wire::TensorDesc::in_place_of`]), which the host sends only to
 /// such packages, in `kiln_cpu` calls; schema 17 added attribute variables (`"$NAME"`) to
 /// fusion nodes' `attributes` ([`crate::fusion::AttrConstraint::attribute_var`]), and a package of
-/// it may send `qgemm` descriptors with `accuracy_level` ([`crate::wire::QGemm`]).
-pub const MANIFEST_SCHEMA: u32 = 17;
+/// it may send `qgemm` descriptors with `accuracy_level` ([`crate::wire::QGemm`]); schema 18
+/// adds no field: in `kiln_cpu` calls an output bound in place takes over its input's buffer, and
+/// the input reads the output's bytes (ABI.md §7.8), as on the GPU.
+pub const MANIFEST_SCHEMA: u32 = 18;
 
 /// The folder of a package whose files are its exported headers.
 pub const HEADER_DIR: &str = "include/";

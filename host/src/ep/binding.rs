@@ -218,6 +218,11 @@ impl HeldTensors {
         self.map.get(&id)
     }
 
+    /// [`HeldTensors::by_id`], to change.
+    pub fn by_id_mut(&mut self, id: u64) -> Option<&mut Held> {
+        self.map.get_mut(&id)
+    }
+
     /// How many tensors are held (dropped ones not reclaimed yet included).
     pub fn len(&self) -> usize {
         self.map.len()

@@ -117,11 +117,11 @@ pub(super) fn prepare(
         // Constant folding: a node whose every input is a constant runs once, here, through
         // its package's CPU reference; its outputs become initializers.
         if ins.iter().flatten().all(|k| k.value.is_some()) {
-            let host: Vec<Option<crate::Tensor>> = ins
+            let mut host: Vec<Option<crate::Tensor>> = ins
                 .iter()
                 .map(|k| k.as_ref().and_then(|k| crate::Tensor::new(k.dtype?, k.shape.clone()?, k.value.clone()?).ok()))
                 .collect();
-            let outs = shims.run_reference(model, idx, &res, (&host, &[]), &inferred, false, report)?;
+            let outs = shims.run_reference(model, idx, &res, (&mut host, &[]), &inferred, false, report)?;
             for (o, t) in node.outputs.iter().zip(outs) {
                 if let (Some(v), Some(t)) = (o, t) {
                     known[*v].value = Some(t.data.clone());

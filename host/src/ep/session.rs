@@ -28,7 +28,7 @@ use super::binding::{DeviceTensor, Feed, Fetch, Fetched, Held, HeldTensors, Pend
 use super::control::ControlFlow;
 use super::infer::{infer_key, Call, InferInput, InferKey, NodeTypes, OutputTypes, Resolved, INFER_CACHE_ENTRIES};
 use super::plan::{Bindings, ExecutionPlan, RecIn, RecOut, Recorder};
-use super::shims::{node_call, opset_of, tensor_arg, Shims};
+use super::shims::{node_call, opset_of, tensor_arg, Shims, IN_PLACE_SHARED_SCHEMA};
 use super::value::Value;
 use super::{Device, HostValue, Runtime};
 
@@ -1126,11 +1126,18 @@ impl Session {
             }
             let check = self.options.check_dispatch && self.backend.gpu_ref().is_none();
             let in_place = self.cpu_in_place(res, &host, &out_ids, &out_types);
-            self.shims
-                .run_reference(&self.model, idx, res, (&host, &in_place), &out_types, check, &mut self.report)?
-                .into_iter()
-                .map(|t| t.map(Value::Host))
-                .collect()
+            let lent = self.lend_in_place(idx, res, &in_place, (&in_ids, &out_ids), &mut inputs, values);
+            let outs = self.shims.run_reference(
+                &self.model,
+                idx,
+                res,
+                (&mut host, &in_place),
+                &out_types,
+                check,
+                &mut self.report,
+            );
+            self.return_lent(&lent, outs.as_ref().ok());
+            outs?.into_iter().map(|t| t.map(Value::Host)).collect()
         } else {
             // Host values go to the device once, for every later reader too (and for a value
             // this node reads twice, once).
@@ -1211,6 +1218,57 @@ impl Session {
                 host.iter().position(|x| x.as_ref().is_some_and(same)).and_then(|i| u32::try_from(i).ok())
             })
             .collect()
+    }
+
+    /// Where node `idx`'s package takes an output bound in place as its input's own buffer
+    /// (manifest schema [`IN_PLACE_SHARED_SCHEMA`], ABI.md §7.8), lets go of every other holder of
+    /// that input's bytes, so that the output takes the buffer without a copy: the node's own
+    /// reference (`inputs`), the input's value where this node reads it last, and the bytes of the
+    /// held tensor the output is bound to, lent out until [`Session::return_lent`]. A KV cache's
+    /// present then grows in its past's buffer, as on a GPU, instead of a copy of the whole cache
+    /// a step. Returns (output index, held id) of each held tensor lent.
+    fn lend_in_place(
+        &mut self,
+        idx: usize,
+        res: &Resolution,
+        in_place: &[Option<u32>],
+        (in_ids, out_ids): (&[Option<ValueId>], &[Option<ValueId>]),
+        inputs: &mut [Option<Value>],
+        values: &mut [Option<Value>],
+    ) -> Vec<(usize, u64)> {
+        if res.package.manifest.schema < IN_PLACE_SHARED_SCHEMA {
+            return Vec::new();
+        }
+        let mut lent = Vec::new();
+        for (j, i) in in_place.iter().enumerate() {
+            let Some(i) = i.map(|i| i as usize) else { continue };
+            if let Some(slot) = inputs.get_mut(i) {
+                *slot = None;
+            }
+            if let Some(v) = in_ids.get(i).copied().flatten().filter(|v| self.last_use[*v] == Some(idx)) {
+                values[v] = None;
+            }
+            let Some(h) = out_ids.get(j).copied().flatten().and_then(|o| self.bound.get(&o)).copied() else { continue };
+            if let Some(Held { value: Value::Host(t), .. }) = self.held.by_id_mut(h) {
+                drop(std::mem::take(&mut t.data));
+                lent.push((j, h));
+            }
+        }
+        lent
+    }
+
+    /// Gives the held tensors [`Session::lend_in_place`] lent their bytes back: the node's output
+    /// bound to each (`outs`, what it returned), or where it failed zeros of the tensor's size (its
+    /// past went into the failed call; a GPU step that fails leaves its cache part written too).
+    fn return_lent(&mut self, lent: &[(usize, u64)], outs: Option<&Vec<Option<Tensor>>>) {
+        for &(j, h) in lent {
+            let Some(Held { value: Value::Host(t), .. }) = self.held.by_id_mut(h) else { continue };
+            let nbytes = byte_size(t.dtype, &t.shape).unwrap_or(0);
+            t.data = match outs.and_then(|o| o.get(j)).and_then(Option::as_ref) {
+                Some(out) if out.data.len() as u64 == nbytes => out.data.clone(),
+                _ => bytes::Bytes::from(vec![0u8; nbytes as usize]),
+            };
+        }
     }
 
     /// The held tensor output `id` of type `t` is written into (bound by `Fetch::Into`, and

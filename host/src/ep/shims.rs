@@ -14,8 +14,13 @@ use super::tiles::{self, CpuSplit};
 use super::Runtime;
 use crate::model::Model;
 use crate::sandbox::{on_pool, Access, ArgTensor, CallArgs, CallKind, CallOutcome, ConvService, ShimInstance};
+use crate::tensor::byte_size;
 use crate::trace::Report;
 use crate::{cpu, Error, Result, Tensor};
+
+/// The manifest schema from which a CPU output bound in place takes over its input's buffer
+/// instead of a copy of its bytes, the input reading through it (ABI.md §7.8).
+pub const IN_PLACE_SHARED_SCHEMA: u32 = 18;
 
 /// The call of `node` with these inputs and outputs.
 pub(super) fn node_call<'a>(
@@ -137,15 +142,19 @@ impl Shims {
 
     /// Runs node `idx` of `model` through its package's CPU reference on host tensors; with
     /// `check_dispatch`, validates its GPU launch plan as well. `in_place[j]`: the input whose
-    /// buffer output j is bound in place to (ABI.md §7.8; empty: none): that output starts as a
-    /// copy of the input's bytes, and the shim is told so (not in a call of one tile).
+    /// buffer output j is bound in place to (ABI.md §7.8; empty: none): that output starts as the
+    /// input's bytes, and the shim is told so (not in a call of one tile). For a package of
+    /// manifest schema [`IN_PLACE_SHARED_SCHEMA`] or later the output takes the input's buffer
+    /// itself, which the input then reads through (without a copy where nothing else holds those
+    /// bytes: the caller lets go of its own), and `inputs[i]` is left without bytes; for an older
+    /// one the output is a copy.
     #[allow(clippy::too_many_arguments)]
     pub fn run_reference(
         &mut self,
         model: &Model,
         idx: usize,
         res: &Resolution,
-        (inputs, in_place): (&[Option<Tensor>], &[Option<u32>]),
+        (inputs, in_place): (&mut [Option<Tensor>], &[Option<u32>]),
         out_types: &OutputTypes,
         check_dispatch: bool,
         report: &mut Report,
@@ -153,27 +162,60 @@ impl Shims {
         let opset = opset_of(model, idx)?;
         let node = &model.graph.nodes[idx];
         let value_inputs = &res.entry.value_inputs;
-        // The inputs as arguments: readable by the CPU reference, opaque to dispatch.
-        let args_in = |readable: bool| -> Vec<Option<ArgTensor<'_>>> {
-            let access = |t: &Tensor| if readable { Access::Read(t.data.clone()) } else { Access::Opaque };
-            (inputs.iter().enumerate())
-                .map(|(i, t)| t.as_ref().map(|t| tensor_arg(t, value_inputs.contains(&i), access(t))))
-                .collect()
-        };
         let n_in = inputs.iter().flatten().count();
         let input_bytes = inputs.iter().flatten().map(|t| t.data.len() as u64).max().unwrap_or(0);
         let tiles = res.entry.cpu_tiles.and_then(|kind| tiles::plan(kind, out_types, input_bytes, self.split));
+        // Inputs whose buffer an output bound in place took over (their byte size).
+        let mut shared: Vec<Option<u64>> = vec![None; inputs.len()];
+        // An output bound in place starts as its input's bytes, which must be of its dtype and size.
+        let mut starts = Vec::with_capacity(out_types.len());
+        if tiles.is_none() {
+            let take = res.package.manifest.schema >= IN_PLACE_SHARED_SCHEMA;
+            for (i, t) in in_place.iter().zip(out_types) {
+                let i = i.map(|i| i as usize);
+                let x = i.and_then(|i| inputs.get_mut(i)).and_then(Option::as_mut);
+                starts.push(match (i, t, x) {
+                    (Some(i), Some((dtype, shape)), Some(x))
+                        if x.dtype == *dtype && byte_size(*dtype, shape).is_ok_and(|n| n == x.data.len() as u64) =>
+                    {
+                        let at = x.data.as_ptr();
+                        let bytes = if take && shared[i].is_none() && !value_inputs.contains(&i) {
+                            shared[i] = Some(x.data.len() as u64);
+                            // The buffer itself where these bytes are its only holder, else a copy.
+                            let bytes = Vec::from(std::mem::take(&mut x.data));
+                            report.cpu_in_place_shared += u64::from(bytes.as_ptr() == at);
+                            bytes
+                        } else {
+                            x.data.to_vec()
+                        };
+                        Some((i as u32, bytes))
+                    }
+                    _ => None,
+                });
+            }
+        }
+        // The inputs as arguments: readable by the CPU reference (one whose buffer an output took
+        // reads that output's), opaque to dispatch.
+        let args_in = |readable: bool| -> Vec<Option<ArgTensor<'_>>> {
+            (inputs.iter().enumerate())
+                .map(|(i, t)| {
+                    t.as_ref().map(|t| match shared[i] {
+                        Some(nbytes) => ArgTensor {
+                            nbytes,
+                            access: if readable { Access::InPlace } else { Access::Opaque },
+                            ..tensor_arg(t, false, Access::Opaque)
+                        },
+                        None => {
+                            let access = if readable { Access::Read(t.data.clone()) } else { Access::Opaque };
+                            tensor_arg(t, value_inputs.contains(&i), access)
+                        }
+                    })
+                })
+                .collect()
+        };
         let outputs = match tiles {
             Some(tiles) => self.run_tiles(&res.package, node, opset, &tiles, args_in(true), out_types, report)?,
             None => {
-                // An output bound in place starts as a copy of its input's bytes, which must be
-                // of its dtype (`output_args` checks the size).
-                let starts = (in_place.iter().zip(out_types))
-                    .map(|(i, t)| match (i, t, i.and_then(|i| inputs.get(i as usize))) {
-                        (Some(i), Some((dtype, _)), Some(Some(x))) if x.dtype == *dtype => Some((*i, x.data.to_vec())),
-                        _ => None,
-                    })
-                    .collect();
                 let outs = cpu::output_args(out_types, self.max_tensor_bytes, starts);
                 report.cpu_in_place += outs.iter().flatten().filter(|o| o.in_place_of.is_some()).count() as u64;
                 let args = node_call(node, opset, args_in(true), outs);

@@ -60,9 +60,9 @@ use crate::{Error, Result};
 /// On the CPU the cache holds as many positions as the running sequences need (twice the
 /// longest, rounded up to a power of two, at least this many, at most `max_length`): it grows
 /// when the longest sequence outgrows it, and shrinks at a rewrite of every row once it is over
-/// four times too long. A CPU step passes each layer's whole present through the package's CPU
-/// reference, so its cost follows the cache's length. On a GPU the cache is `max_length` long
-/// from the start, so its addresses never move (graphs).
+/// four times too long, so its memory follows the sequences (a step appends in the past's own
+/// buffer, ABI.md §7.8, and copies none of it). On a GPU the cache is `max_length` long from the
+/// start, so its addresses never move (graphs).
 pub const CPU_MIN_LIMIT: usize = 128;
 
 /// On a GPU the rows shrink only after this many steps in a row could have run on a quarter of

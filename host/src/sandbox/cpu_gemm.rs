@@ -13,7 +13,7 @@ use kiln_kernel_abi::wire::{Epilogue, Gemm, Operand};
 use kiln_kernel_abi::DType;
 
 use super::cpu_pool::{cpu_threads, pool};
-use super::handles::{Access, Slot};
+use super::handles::{readable, Access, Slot};
 
 /// Multiply-adds a tile of a shared product aims for: a product smaller than two of them (or
 /// whose longer side is under 2·[`TILE_EDGE`]) runs whole on the calling thread, about where the
@@ -167,7 +167,8 @@ pub(super) fn with_output(
 }
 
 /// `len` bytes of operand slot `handle` from byte `offset` (an input's, or an output's or
-/// scratch's written so far). Errors name `what`.
+/// scratch's written so far; an input bound in place reads its output's, [`readable`]). Errors
+/// name `what`.
 pub(super) fn operand_bytes<'s>(
     slots: &'s [Slot],
     handle: u32,
@@ -175,10 +176,8 @@ pub(super) fn operand_bytes<'s>(
     len: usize,
     what: &str,
 ) -> Result<&'s [u8], String> {
-    let raw = match slots.get(handle as usize).map(|s| &s.access) {
-        Some(Access::Read(b)) => &b[..],
-        Some(Access::Write(v)) => &v[..],
-        _ => return Err(format!("{what}: an operand has no host bytes")),
+    let Some(raw) = readable(slots, handle as usize) else {
+        return Err(format!("{what}: an operand has no host bytes"));
     };
     let start = offset as usize;
     raw.get(start..start.saturating_add(len)).ok_or_else(|| format!("{what}: an operand reaches past its tensor"))
@@ -192,11 +191,7 @@ fn compute(slots: &[Slot], d_before: Option<&[u8]>, g: &Gemm, size: u64, d: &mut
         if o.handle as usize == g.d.handle as usize {
             return d_before.ok_or_else(|| "gemm: D's earlier bytes are missing".to_string());
         }
-        match slots.get(o.handle as usize).map(|s| &s.access) {
-            Some(Access::Read(b)) => Ok(&b[..]),
-            Some(Access::Write(v)) => Ok(&v[..]),
-            _ => Err("gemm: an operand has no host bytes".into()),
-        }
+        readable(slots, o.handle as usize).ok_or_else(|| "gemm: an operand has no host bytes".to_string())
     };
     let view = |name: &str, o: &Operand, rows: u64, cols: u64| -> Result<Matrix<'_>, String> {
         Matrix::new(name, bytes_of(o)?, o, g.dtype, size, g.batch, rows, cols)

@@ -25,6 +25,12 @@ pub enum Access {
     Strings(Vec<u8>),
     /// Bytes the shim cannot reach (device memory during dispatch; anything during inference).
     Opaque,
+    /// A CPU input whose buffer the output bound in place to it takes over (ABI.md §7.8, manifest
+    /// schema 18 and later): the node call turns it into [`Access::Alias`] of that output's slot.
+    InPlace,
+    /// A CPU input that is output slot `.0`'s buffer: reads see the output's bytes, what the shim
+    /// has written there included, as a kernel sees a buffer bound in place on the GPU.
+    Alias(usize),
 }
 
 /// One tensor of the table.
@@ -119,14 +125,45 @@ impl HandleTable {
         self.index(handle).map(move |i| &mut self.slots[i])
     }
 
+    /// Every slot, by index.
+    pub fn slots(&self) -> &[Slot] {
+        &self.slots
+    }
+
     /// Every slot, by index (a checked `Gemm`'s handles are indices).
     pub fn slots_mut(&mut self) -> &mut [Slot] {
         &mut self.slots
     }
 
+    /// Points each [`Access::InPlace`] input at the output bound in place to it: `in_place` lists
+    /// (input slot, output slot) pairs. An `InPlace` input with no output stays without host bytes.
+    pub fn alias_in_place(&mut self, in_place: &[(usize, usize)]) {
+        for &(input, output) in in_place {
+            if let Some(s) = self.slots.get_mut(input).filter(|s| matches!(s.access, Access::InPlace)) {
+                s.access = Access::Alias(output);
+            }
+        }
+    }
+
     /// Takes the slots out, leaving the table empty (every handle now invalid).
     pub fn take(&mut self) -> Vec<Slot> {
         std::mem::take(&mut self.slots)
+    }
+}
+
+/// The host bytes of slot `index` that a host import may read: an input's, an output's or
+/// scratch's written so far, or for an [`Access::Alias`] input its output's. `None`: no such slot,
+/// or no whole host bytes (opaque, a tile's window, a string output, an output taken out while an
+/// import writes it).
+pub fn readable(slots: &[Slot], index: usize) -> Option<&[u8]> {
+    match &slots.get(index)?.access {
+        Access::Read(b) => Some(&b[..]),
+        Access::Write(v) => Some(&v[..]),
+        Access::Alias(output) => match &slots.get(*output)?.access {
+            Access::Write(v) => Some(&v[..]),
+            _ => None,
+        },
+        _ => None,
     }
 }
 

@@ -207,6 +207,17 @@ pub(super) fn linker(engine: &Engine) -> Linker<CallState> {
             Ok(x) => x,
             Err(code) => return code,
         };
+        // An input bound in place reads its output's bytes (ABI.md §7.8).
+        if let Access::Alias(output) = slot.access {
+            let Some(src) = super::handles::readable(st.table.slots(), output).and_then(|b| b.get(r)) else {
+                return st.refuse(
+                    E_CALL,
+                    format!("read: handle {handle:#x} is bound in place to an output without host bytes"),
+                );
+            };
+            mem[g].copy_from_slice(src);
+            return 0;
+        }
         match &slot.access {
             Access::Read(b) => mem[g].copy_from_slice(&b[r]),
             Access::Write(v) | Access::Window { bytes: v, .. } => mem[g].copy_from_slice(&v[r]),
@@ -218,7 +229,9 @@ pub(super) fn linker(engine: &Engine) -> Linker<CallState> {
                     format!("read: bytes {r:?} of string output {handle:#x} are past the {n} written"),
                 );
             }
-            Access::Opaque => return st.refuse(E_CALL, format!("read: handle {handle:#x} has no host bytes")),
+            Access::Opaque | Access::InPlace | Access::Alias(_) => {
+                return st.refuse(E_CALL, format!("read: handle {handle:#x} has no host bytes"))
+            }
         }
         0
     })

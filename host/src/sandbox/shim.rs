@@ -50,6 +50,7 @@ pub struct ArgTensor<'a> {
     pub constant: bool,
     /// An output whose bytes start as input `i`'s (bound in place to its buffer), sent as tensor
     /// flag bit 5 to packages of manifest schema 16 or later, in `kiln_cpu` calls (ABI.md §7.8).
+    /// Input `i` given as [`Access::InPlace`] (schema 18) then reads this output's bytes.
     pub in_place_of: Option<u32>,
 }
 
@@ -413,12 +414,17 @@ impl ShimInstance {
         let mut descs_in = Vec::with_capacity(args.inputs.len());
         let mut output_slots = Vec::with_capacity(args.outputs.len());
         let mut descs_out = Vec::with_capacity(args.outputs.len());
+        // Slot of each input (None: absent), and (input slot, output slot) of outputs bound in place.
+        let mut input_slots = Vec::with_capacity(args.inputs.len());
+        let mut in_place = Vec::new();
         for (list, is_out) in [(args.inputs, false), (args.outputs, true)] {
             for t in list {
                 let desc = match t {
                     None => {
                         if is_out {
                             output_slots.push(None);
+                        } else {
+                            input_slots.push(None);
                         }
                         TensorDesc::absent()
                     }
@@ -427,6 +433,10 @@ impl ShimInstance {
                             table.push(Slot { dtype: t.dtype, nbytes: t.nbytes, access: t.access, writable: is_out });
                         if is_out {
                             output_slots.push(Some(table.len() - 1));
+                            let input = t.in_place_of.and_then(|i| input_slots.get(i as usize).copied().flatten());
+                            in_place.extend(input.map(|i| (i, table.len() - 1)));
+                        } else {
+                            input_slots.push(Some(table.len() - 1));
                         }
                         TensorDesc {
                             present: true,
@@ -447,6 +457,7 @@ impl ShimInstance {
                 }
             }
         }
+        table.alias_in_place(&in_place);
         let n_outputs = descs_out.len();
         let call = NodeCall {
             abi_version: ABI_VERSION,

@@ -319,6 +319,8 @@ impl<'c, 'a> Tensor<'c, 'a> {
     /// input's index. The output's bytes then start as the input's, so a CPU reference need write
     /// only what changes (GroupQueryAttention's present K/V over a shared past buffer: the new
     /// positions). The host says so only in `kiln_cpu` calls; `None` elsewhere, and for inputs.
+    /// From manifest schema 18 the output is that input's buffer itself: reads of the input see
+    /// what the shim has written to the output, so read the input's bytes before overwriting them.
     pub fn in_place_of(&self) -> Option<usize> {
         if self.is_input {
             return None;
