@@ -657,8 +657,11 @@ fn group_query_attention_decodes_in_place_into_a_bound_shared_buffer() {
         d.v = r.vals(2 * 2 * 16);
     }
     assert!(c.total > 16, "the last steps went through the host gemm");
+    let (past_k_before, past_v_before) =
+        (float_values(&session.read_tensor(&pk).unwrap()), float_values(&session.read_tensor(&pv).unwrap()));
     // A step that fails (seqlens_k past total_sequence_length) after the pasts' buffers went into
-    // its call: the error names the input, and the bound tensors hold zeros of their shape.
+    // its call: the error names the input, and the bound tensors get their pasts back unchanged
+    // (a continuous batch goes on over its cache after a failed step).
     let (inputs, _) = gqa_node(&c, &d);
     let mut feeds = Vec::new();
     for (name, t) in inputs {
@@ -673,11 +676,59 @@ fn group_query_attention_decodes_in_place_into_a_bound_shared_buffer() {
     let fetches = [("present_key", Fetch::Into(&pk)), ("present_value", Fetch::Into(&pv))];
     let err = session.run_with(feeds, &fetches).expect_err("seqlens_k out of range").to_string();
     assert!(err.contains("seqlens_k[0] = 40 is out of range"), "{err}");
-    for t in [&pk, &pv] {
-        let k = session.read_tensor(t).unwrap();
-        assert_eq!(k.shape, shape);
-        assert!(float_values(&k).iter().all(|v| *v == 0.0), "a failed step leaves zeros");
+    let (kept_k, kept_v) = (session.read_tensor(&pk).unwrap(), session.read_tensor(&pv).unwrap());
+    assert_eq!((kept_k.shape.clone(), kept_v.shape.clone()), (shape.clone(), shape.clone()));
+    assert_eq!(float_values(&kept_k), past_k_before, "the failed step left past_key as it was");
+    assert_eq!(float_values(&kept_v), past_v_before, "the failed step left past_value as it was");
+}
+
+/// Presents bound crosswise (present_key into past_value's buffer, present_value into
+/// past_key's): from manifest schema 18 each present is the other past's own buffer, and the
+/// shim still reads each past before it writes either present. One decode step against float64.
+#[test]
+fn group_query_attention_presents_bound_crosswise_read_each_past_first() {
+    use kiln_host::ep::{Feed, Fetch};
+    let rt = runtime();
+    let mut r = Rng(0x51_7cc1_b727_220a);
+    let (max_len, shape) = (24, vec![2, 2, 24, 16]);
+    let c = tiny_llama_case(Mode::Decode, 1, vec![9, 6], max_len);
+    let d = random_data(&mut r, &c);
+    let (inputs, attrs) = gqa_node(&c, &d);
+    let outputs = ["output", "present_key", "present_value"];
+    let model = node_model(("com.microsoft", 1), "GroupQueryAttention", &inputs, &outputs, attrs).unwrap();
+    let mut session = Session::new(rt, model, SessionOptions::default()).unwrap();
+    let held = |s: &mut Session, v: &[f64]| {
+        let t = s.zeros(DType::F32, shape.clone()).unwrap();
+        s.write_tensor(&t, &float_tensor(DType::F32, &shape, v)).unwrap();
+        t
+    };
+    let (pk, pv) = (held(&mut session, &d.past_k), held(&mut session, &d.past_v));
+    let (_, want_k, want_v) = gqa_ref(&c, &d);
+    let mut feeds = Vec::new();
+    for (name, t) in inputs {
+        match (name, t) {
+            ("past_key", _) => feeds.push((name.to_string(), Feed::Device(&pk))),
+            ("past_value", _) => feeds.push((name.to_string(), Feed::Device(&pv))),
+            (_, Some(t)) => feeds.push((name.to_string(), Feed::Host(t))),
+            (_, None) => {}
+        }
     }
+    let before = session.report.cpu_in_place;
+    let fetches = [("present_key", Fetch::Into(&pv)), ("present_value", Fetch::Into(&pk))];
+    session.run_with(feeds, &fetches).unwrap();
+    assert_eq!(session.report.cpu_in_place - before, 2, "both presents told in place");
+    assert_close(
+        "present_key in past_value's buffer",
+        &float_values(&session.read_tensor(&pv).unwrap()),
+        &want_k,
+        1e-5,
+    );
+    assert_close(
+        "present_value in past_key's buffer",
+        &float_values(&session.read_tensor(&pk).unwrap()),
+        &want_v,
+        1e-5,
+    );
 }
 
 #[test]

@@ -1136,7 +1136,7 @@ impl Session {
                 check,
                 &mut self.report,
             );
-            self.return_lent(&lent, outs.as_ref().ok());
+            self.return_lent(&lent, outs.as_ref().ok(), &host);
             outs?.into_iter().map(|t| t.map(Value::Host)).collect()
         } else {
             // Host values go to the device once, for every later reader too (and for a value
@@ -1226,7 +1226,7 @@ impl Session {
     /// reference (`inputs`), the input's value where this node reads it last, and the bytes of the
     /// held tensor the output is bound to, lent out until [`Session::return_lent`]. A KV cache's
     /// present then grows in its past's buffer, as on a GPU, instead of a copy of the whole cache
-    /// a step. Returns (output index, held id) of each held tensor lent.
+    /// a step. Returns (output index, input index, held id) of each held tensor lent.
     fn lend_in_place(
         &mut self,
         idx: usize,
@@ -1235,7 +1235,7 @@ impl Session {
         (in_ids, out_ids): (&[Option<ValueId>], &[Option<ValueId>]),
         inputs: &mut [Option<Value>],
         values: &mut [Option<Value>],
-    ) -> Vec<(usize, u64)> {
+    ) -> Vec<(usize, usize, u64)> {
         if res.package.manifest.schema < IN_PLACE_SHARED_SCHEMA {
             return Vec::new();
         }
@@ -1251,21 +1251,32 @@ impl Session {
             let Some(h) = out_ids.get(j).copied().flatten().and_then(|o| self.bound.get(&o)).copied() else { continue };
             if let Some(Held { value: Value::Host(t), .. }) = self.held.by_id_mut(h) {
                 drop(std::mem::take(&mut t.data));
-                lent.push((j, h));
+                lent.push((j, i, h));
             }
         }
         lent
     }
 
     /// Gives the held tensors [`Session::lend_in_place`] lent their bytes back: the node's output
-    /// bound to each (`outs`, what it returned), or where it failed zeros of the tensor's size (its
-    /// past went into the failed call; a GPU step that fails leaves its cache part written too).
-    fn return_lent(&mut self, lent: &[(usize, u64)], outs: Option<&Vec<Option<Tensor>>>) {
-        for &(j, h) in lent {
+    /// bound to each (`outs`, what it returned), or where the node failed its input's bytes in
+    /// `host`, which the call gave back (the past, and whatever new positions the shim wrote
+    /// before it failed), as a failed GPU step leaves its cache. Only where those are missing too
+    /// (a host error after the call) does the tensor get zeros of its size.
+    fn return_lent(
+        &mut self,
+        lent: &[(usize, usize, u64)],
+        outs: Option<&Vec<Option<Tensor>>>,
+        host: &[Option<Tensor>],
+    ) {
+        for &(j, i, h) in lent {
             let Some(Held { value: Value::Host(t), .. }) = self.held.by_id_mut(h) else { continue };
             let nbytes = byte_size(t.dtype, &t.shape).unwrap_or(0);
-            t.data = match outs.and_then(|o| o.get(j)).and_then(Option::as_ref) {
-                Some(out) if out.data.len() as u64 == nbytes => out.data.clone(),
+            let back = match outs {
+                Some(outs) => outs.get(j).and_then(Option::as_ref),
+                None => host.get(i).and_then(Option::as_ref),
+            };
+            t.data = match back {
+                Some(x) if x.data.len() as u64 == nbytes => x.data.clone(),
                 _ => bytes::Bytes::from(vec![0u8; nbytes as usize]),
             };
         }

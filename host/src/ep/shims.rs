@@ -82,6 +82,45 @@ pub(super) struct Shims {
     launch_limits: Option<LaunchLimits>,
     /// What a dispatch's `conv` gets on the session's device.
     conv: ConvService,
+    /// The buffers of outputs bound in place that the last failed call gave back
+    /// ([`ShimInstance::take_returned`]), for [`Shims::run_reference`] to return to its inputs.
+    returned: Vec<(usize, Vec<u8>)>,
+}
+
+/// The inputs of a CPU call as arguments: readable by the CPU reference (one whose buffer an output
+/// took over, `shared[i]` its size, reads that output's), opaque to dispatch (`readable` false).
+fn input_args<'t>(
+    inputs: &'t [Option<Tensor>],
+    shared: &[Option<u64>],
+    value_inputs: &[usize],
+    readable: bool,
+) -> Vec<Option<ArgTensor<'t>>> {
+    (inputs.iter().enumerate())
+        .map(|(i, t)| {
+            t.as_ref().map(|t| match shared[i] {
+                Some(nbytes) => ArgTensor {
+                    nbytes,
+                    access: if readable { Access::InPlace } else { Access::Opaque },
+                    ..tensor_arg(t, false, Access::Opaque)
+                },
+                None => {
+                    let access = if readable { Access::Read(t.data.clone()) } else { Access::Opaque };
+                    tensor_arg(t, value_inputs.contains(&i), access)
+                }
+            })
+        })
+        .collect()
+}
+
+/// Puts `bytes` back as input `i`'s where its buffer went to an output bound in place
+/// (`shared[i]` holds its size) and they are of that size.
+fn give_back(inputs: &mut [Option<Tensor>], i: Option<u32>, shared: &[Option<u64>], bytes: bytes::Bytes) {
+    let Some(i) = i.map(|i| i as usize) else { return };
+    if let (Some(Some(t)), Some(Some(n))) = (inputs.get_mut(i), shared.get(i)) {
+        if bytes.len() as u64 == *n {
+            t.data = bytes;
+        }
+    }
 }
 
 impl Shims {
@@ -94,6 +133,7 @@ impl Shims {
             max_tensor_bytes: crate::model::MAX_TENSOR_BYTES,
             launch_limits,
             conv,
+            returned: Vec::new(),
         }
     }
 
@@ -128,10 +168,14 @@ impl Shims {
             CallKind::Dispatch => report.wasm_calls.dispatch += 1,
         }
         let inst = self.instances.get_mut(&id).ok_or_else(|| Error::Device("shim instance vanished".into()))?;
-        let outcome = inst.call(kind, args).map_err(|f| {
-            self.instances.remove(&id);
-            Error::from(f)
-        })?;
+        let outcome = match inst.call(kind, args) {
+            Ok(o) => o,
+            Err(f) => {
+                self.returned = inst.take_returned();
+                self.instances.remove(&id);
+                return Err(f.into());
+            }
+        };
         let convs = &mut report.convolutions;
         convs.library_dispatches += outcome.plan.steps.iter().filter(|s| matches!(s, PlanStep::Conv(_))).count() as u64;
         for why in &outcome.declined {
@@ -194,44 +238,43 @@ impl Shims {
                 });
             }
         }
-        // The inputs as arguments: readable by the CPU reference (one whose buffer an output took
-        // reads that output's), opaque to dispatch.
-        let args_in = |readable: bool| -> Vec<Option<ArgTensor<'_>>> {
-            (inputs.iter().enumerate())
-                .map(|(i, t)| {
-                    t.as_ref().map(|t| match shared[i] {
-                        Some(nbytes) => ArgTensor {
-                            nbytes,
-                            access: if readable { Access::InPlace } else { Access::Opaque },
-                            ..tensor_arg(t, false, Access::Opaque)
-                        },
-                        None => {
-                            let access = if readable { Access::Read(t.data.clone()) } else { Access::Opaque };
-                            tensor_arg(t, value_inputs.contains(&i), access)
-                        }
-                    })
-                })
-                .collect()
-        };
+        let args_in = |inputs, readable| input_args(inputs, &shared, value_inputs, readable);
         let outputs = match tiles {
-            Some(tiles) => self.run_tiles(&res.package, node, opset, &tiles, args_in(true), out_types, report)?,
+            Some(tiles) => {
+                self.run_tiles(&res.package, node, opset, &tiles, args_in(inputs, true), out_types, report)?
+            }
             None => {
                 let outs = cpu::output_args(out_types, self.max_tensor_bytes, starts);
                 report.cpu_in_place += outs.iter().flatten().filter(|o| o.in_place_of.is_some()).count() as u64;
-                let args = node_call(node, opset, args_in(true), outs);
-                let outcome = self.call(&res.package, CallKind::Cpu, args, report)?;
-                cpu::collect_outputs(outcome, n_in, out_types)?
+                let args = node_call(node, opset, args_in(inputs, true), outs);
+                match self.call(&res.package, CallKind::Cpu, args, report) {
+                    Ok(outcome) => cpu::collect_outputs(outcome, n_in, out_types)?,
+                    Err(e) => {
+                        // The inputs get their buffers back from the failed call (the shim wrote
+                        // only what it wrote): the caller's cache keeps its past.
+                        for (j, bytes) in std::mem::take(&mut self.returned) {
+                            give_back(inputs, in_place.get(j).copied().flatten(), &shared, bytes.into());
+                        }
+                        return Err(e);
+                    }
+                }
             }
         };
         if check_dispatch {
             let outs = outputs.iter().map(|t| t.as_ref().map(|t| tensor_arg(t, false, Access::Opaque))).collect();
-            let args = node_call(node, opset, args_in(false), outs);
+            let args = node_call(node, opset, args_in(inputs, false), outs);
             match self.call(&res.package, CallKind::Dispatch, args, report) {
                 Ok(o) => report.dispatch_steps += o.plan.steps.len() as u64,
                 Err(e) if e.is_unsupported() => {
                     *report.dispatch_unsupported.entry(node.op_type.clone()).or_default() += 1;
                 }
-                Err(e) => return Err(e),
+                Err(e) => {
+                    for (j, t) in outputs.iter().enumerate() {
+                        let i = in_place.get(j).copied().flatten();
+                        give_back(inputs, i, &shared, t.as_ref().map(|t| t.data.clone()).unwrap_or_default());
+                    }
+                    return Err(e);
+                }
             }
         }
         Ok(outputs)

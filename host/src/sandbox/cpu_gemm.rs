@@ -276,13 +276,13 @@ pub(super) fn with_output(
     what: &str,
     f: impl FnOnce(&[Slot], &mut Vec<u8>) -> Result<(), String>,
 ) -> Result<(), String> {
-    let mut bytes = match slots.get_mut(slot).map(|s| &mut s.access) {
-        Some(Access::Write(v)) => std::mem::take(v),
-        _ => return Err(format!("{what}: the tensor has no writable host bytes")),
-    };
+    let no_bytes = || format!("{what}: the tensor has no writable host bytes");
+    let s = slots.get_mut(slot).filter(|s| matches!(s.access, Access::Write(_))).ok_or_else(no_bytes)?;
+    // Opaque while taken: an input bound in place to it (`Access::Alias`) has no bytes meanwhile.
+    let Access::Write(mut bytes) = std::mem::replace(&mut s.access, Access::Opaque) else { return Err(no_bytes()) };
     let result = f(slots, &mut bytes);
-    if let Some(Access::Write(v)) = slots.get_mut(slot).map(|s| &mut s.access) {
-        *v = bytes;
+    if let Some(s) = slots.get_mut(slot) {
+        s.access = Access::Write(bytes);
     }
     result
 }

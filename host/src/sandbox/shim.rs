@@ -356,6 +356,7 @@ impl ShimModule {
             cpu,
             abi_version,
             generation: 0,
+            returned: Vec::new(),
         })
     }
 }
@@ -374,6 +375,8 @@ pub struct ShimInstance {
     cpu: TypedFunc<(i32, i32), i32>,
     abi_version: TypedFunc<(), i32>,
     generation: u16,
+    /// [`ShimInstance::take_returned`]'s buffers.
+    returned: Vec<(usize, Vec<u8>)>,
 }
 
 impl ShimInstance {
@@ -390,10 +393,12 @@ impl ShimInstance {
     }
 
     /// Runs one export. On any failure the instance must be discarded (the caller gets the
-    /// failure and should instantiate anew); on success it may be reused.
+    /// failure and should instantiate anew, after [`ShimInstance::take_returned`]); on success it
+    /// may be reused.
     pub fn call(&mut self, kind: CallKind, args: CallArgs<'_>) -> Result<CallOutcome, ShimFailure> {
+        let package = self.package.clone();
         let fail = |kind: FailureKind, reason: String| ShimFailure {
-            package: self.package.clone(),
+            package: package.clone(),
             op: args.op_type.to_string(),
             node: args.node_name.to_string(),
             kind,
@@ -513,6 +518,42 @@ impl ShimInstance {
         let st = self.store.data_mut();
         st.kind = None;
         let slots = st.table.take();
+        let out_slots = std::mem::take(&mut st.output_slots);
+        let verdict = self.verdict(kind, result, &out_slots, &fail);
+        match verdict {
+            Err(f) => {
+                self.returned = returned_in_place(slots, &out_slots);
+                Err(f)
+            }
+            Ok(()) => {
+                let st = self.store.data_mut();
+                Ok(CallOutcome {
+                    inferred: std::mem::take(&mut st.inferred),
+                    slots,
+                    plan: std::mem::take(&mut st.plan),
+                    declined: std::mem::take(&mut st.declined),
+                })
+            }
+        }
+    }
+
+    /// The buffers of the outputs bound in place that took over their input's (ABI.md §7.8) in
+    /// the last call, when it failed: (output index, bytes), what the input held but for what
+    /// the shim wrote, so that the caller can put them back. Empty after a call that succeeded.
+    pub fn take_returned(&mut self) -> Vec<(usize, Vec<u8>)> {
+        std::mem::take(&mut self.returned)
+    }
+
+    /// Whether a finished call succeeded, from its `result` and the state its imports left: its
+    /// failure (limit, deadline, refusal, trap, status, an output `kiln_infer` did not set).
+    fn verdict(
+        &mut self,
+        kind: CallKind,
+        result: wasmtime::Result<i32>,
+        out_slots: &[Option<usize>],
+        fail: &dyn Fn(FailureKind, String) -> ShimFailure,
+    ) -> Result<(), ShimFailure> {
+        let st = self.store.data_mut();
         let failure_msg = st.failure.take();
         let refusal = st.refusal.take();
         match result {
@@ -557,21 +598,34 @@ impl ShimInstance {
                     }
                 }
                 let st = self.store.data_mut();
-                let inferred = std::mem::take(&mut st.inferred);
                 if kind == CallKind::Infer {
                     if let Some(i) =
-                        st.output_slots.iter().zip(&inferred).position(|(s, inf)| s.is_some() && inf.is_none())
+                        out_slots.iter().zip(&st.inferred).position(|(s, inf)| s.is_some() && inf.is_none())
                     {
                         return Err(fail(FailureKind::Failed, format!("kiln_infer did not set output {i}")));
                     }
                 }
-                Ok(CallOutcome {
-                    inferred,
-                    slots,
-                    plan: std::mem::take(&mut st.plan),
-                    declined: std::mem::take(&mut st.declined),
-                })
+                Ok(())
             }
         }
     }
+}
+
+/// [`ShimInstance::take_returned`]'s buffers from a failed call's `slots`: each output (index in
+/// `out_slots`, the slot of each output) whose input reads through it ([`Access::Alias`]).
+fn returned_in_place(mut slots: Vec<Slot>, out_slots: &[Option<usize>]) -> Vec<(usize, Vec<u8>)> {
+    let shared: Vec<usize> = (slots.iter())
+        .filter_map(|s| match s.access {
+            Access::Alias(out) => Some(out),
+            _ => None,
+        })
+        .collect();
+    let mut returned = Vec::new();
+    for out in shared {
+        let j = out_slots.iter().position(|s| *s == Some(out));
+        if let (Some(j), Some(Access::Write(v))) = (j, slots.get_mut(out).map(|s| &mut s.access)) {
+            returned.push((j, std::mem::take(v)));
+        }
+    }
+    returned
 }

@@ -582,11 +582,20 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
     // The presents: each batch row's past and new positions written per head; the other rows
     // are the past's bytes (a shared buffer: the present starts as the whole past, and then
     // only the new positions are written) or zeros. A present bound in place to its past's
-    // buffer (ABI.md §7.8) already holds the past's bytes; another gets a copy.
-    let write_present = |t: &Tensor, past_i: usize, past_t: Option<&Tensor>, pres: &[T]| -> Result<()> {
-        let starts_as_past = shared && past_t.is_some();
-        if let (true, Some(pt), false) = (starts_as_past, past_t, t.in_place_of() == Some(past_i)) {
-            t.write_bytes(&pt.read_bytes()?)?;
+    // buffer (ABI.md §7.8) already holds the past's bytes; another gets a copy, read before any
+    // present is written (from schema 18 a present bound in place to the other past's buffer
+    // is that buffer, so writing it first would change what the copy reads).
+    let starts_as_past = shared && past_kt.is_some();
+    let copy_of = |t: Option<&Tensor>, past_i: usize, past_t: Option<&Tensor>| -> Result<Option<Vec<u8>>> {
+        match (t, past_t) {
+            (Some(t), Some(pt)) if starts_as_past && t.in_place_of() != Some(past_i) => Ok(Some(pt.read_bytes()?)),
+            _ => Ok(None),
+        }
+    };
+    let starts = (copy_of(pk.as_ref(), 3, past_kt.as_ref())?, copy_of(pv.as_ref(), 4, past_vt.as_ref())?);
+    let write_present = |t: &Tensor, start: Option<&[u8]>, pres: &[T]| -> Result<()> {
+        if let Some(bytes) = start {
+            t.write_bytes(bytes)?;
         }
         for (b, &(_, past_b)) in rows.iter().enumerate() {
             for j in 0..n_kv {
@@ -604,10 +613,10 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
 
     // The products read K and V from the presents, which are therefore written first.
     if let Some(t) = &pk {
-        write_present(t, 3, past_kt.as_ref(), &pres_k)?;
+        write_present(t, starts.0.as_deref(), &pres_k)?;
     }
     if let Some(t) = &pv {
-        write_present(t, 4, past_vt.as_ref(), &pres_v)?;
+        write_present(t, starts.1.as_deref(), &pres_v)?;
     }
     let sink_of = |h: usize| match &sink {
         Some(sv) => Some(sv[h]),
