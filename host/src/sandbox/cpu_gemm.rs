@@ -80,16 +80,6 @@ pub(super) unsafe fn sgemm(
     }
     let (tm, tn) = tiles(m, n, k);
     let (rows, cols) = (m.div_ceil(tm), n.div_ceil(tn));
-    // SAFETY: as the caller vouched for sgemm's.
-    if rows * cols == 1 && unsafe { few_rows((m, n, k), dst, lhs, rhs, (keep, scale)) } {
-        if let Some(f) = finish {
-            for i in 0..m {
-                // SAFETY: row i of dst, inside m × n.
-                f(i, 0, unsafe { std::slice::from_raw_parts_mut(dst.0.offset(i as isize * dst.1), n) });
-            }
-        }
-        return;
-    }
     // Addresses cross to the pool's threads as integers (the caller keeps them valid).
     let (d, l, r) = (dst.0 as usize, lhs.0 as usize, rhs.0 as usize);
     let tile = move |t: usize| {
@@ -139,117 +129,6 @@ pub(super) unsafe fn sgemm(
         }),
         None => (0..count).for_each(tile),
     }
-}
-
-/// Most rows of a one-tile product that [`few_rows`] computes instead of the `gemm` crate.
-const FEW_ROWS: usize = 4;
-
-/// [`sgemm`]'s product of at most [`FEW_ROWS`] rows of lhs (each contiguous) and an rhs whose
-/// columns or rows are contiguous, without the `gemm` crate: each output a dot of a lhs row and
-/// an rhs column, or each output row a sum of rhs rows scaled by the lhs row. The crate packs
-/// both operands before its kernels, which for a few rows is a copy of all of rhs: a CPU decode
-/// step's attention (GroupQueryAttention's Q·Kᵀ and P·V over each KV head's cached keys, three
-/// rows a head in SmolLM2-135M) spent more time packing K and V than multiplying. Returns false,
-/// having done nothing, for other shapes and strides.
-///
-/// # Safety
-/// As [`sgemm`]'s.
-unsafe fn few_rows(
-    (m, n, k): (usize, usize, usize),
-    dst: (*mut f32, isize, bool),
-    lhs: (*const f32, isize, isize),
-    rhs: (*const f32, isize, isize),
-    (keep, scale): (f32, f32),
-) -> bool {
-    let (by_columns, by_rows) = (rhs.1 == 1, rhs.2 == 1);
-    if m > FEW_ROWS || lhs.2 != 1 || !(by_columns || by_rows) {
-        return false;
-    }
-    #[cfg(target_arch = "x86_64")]
-    {
-        static AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        if *AVX2.get_or_init(|| std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")) {
-            // SAFETY: the CPU has AVX2 and FMA; the rest as the caller vouched for.
-            unsafe { few_rows_avx2((m, n, k), dst, lhs, rhs, (keep, scale), by_columns) };
-            return true;
-        }
-    }
-    // SAFETY: as the caller vouched for.
-    unsafe { few_rows_body((m, n, k), dst, lhs, rhs, (keep, scale), by_columns) };
-    true
-}
-
-/// [`few_rows_body`] compiled for AVX2 and FMA.
-///
-/// # Safety
-/// As [`sgemm`]'s, on a CPU with AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn few_rows_avx2(
-    mnk: (usize, usize, usize),
-    dst: (*mut f32, isize, bool),
-    lhs: (*const f32, isize, isize),
-    rhs: (*const f32, isize, isize),
-    keep_scale: (f32, f32),
-    by_columns: bool,
-) {
-    // SAFETY: as the caller vouched for.
-    unsafe { few_rows_body(mnk, dst, lhs, rhs, keep_scale, by_columns) }
-}
-
-/// The loops of [`few_rows`] (`by_columns`: rhs's columns are contiguous, else its rows).
-///
-/// # Safety
-/// As [`sgemm`]'s, with lhs's rows contiguous and rhs's columns (`by_columns`) or rows contiguous.
-#[inline(always)]
-unsafe fn few_rows_body(
-    (m, n, k): (usize, usize, usize),
-    dst: (*mut f32, isize, bool),
-    lhs: (*const f32, isize, isize),
-    rhs: (*const f32, isize, isize),
-    (keep, scale): (f32, f32),
-    by_columns: bool,
-) {
-    let mut sums = vec![0f32; n];
-    for i in 0..m {
-        // SAFETY: row i of lhs (k contiguous elements) and of dst (n) lie where the caller said.
-        let (a, out) = unsafe {
-            (
-                std::slice::from_raw_parts(lhs.0.offset(i as isize * lhs.1), k),
-                std::slice::from_raw_parts_mut(dst.0.offset(i as isize * dst.1), n),
-            )
-        };
-        if by_columns {
-            for (j, s) in sums.iter_mut().enumerate() {
-                // SAFETY: column j of rhs, k contiguous elements.
-                *s = dot(a, unsafe { std::slice::from_raw_parts(rhs.0.offset(j as isize * rhs.2), k) });
-            }
-        } else {
-            sums.fill(0.0);
-            for (kk, &x) in a.iter().enumerate() {
-                // SAFETY: row kk of rhs, n contiguous elements.
-                let row = unsafe { std::slice::from_raw_parts(rhs.0.offset(kk as isize * rhs.1), n) };
-                sums.iter_mut().zip(row).for_each(|(s, r)| *s += x * r);
-            }
-        }
-        for (o, s) in out.iter_mut().zip(&sums) {
-            *o = if dst.2 { keep * *o + scale * s } else { scale * s };
-        }
-    }
-}
-
-/// Σ a·b over equal-length slices, in 16 running sums (vectorized).
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    let (ac, bc) = (a.chunks_exact(16), b.chunks_exact(16));
-    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
-    for (x, y) in ac.zip(bc) {
-        for l in 0..16 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
 }
 
 /// Computes `g` into its D tensor. `g`'s handles are slot indices, its operands' extents
@@ -524,48 +403,5 @@ mod tests {
         assert_eq!(tiles(60, 60, 4096), (60, 60), "so does one whose sides are both under 64");
         assert_eq!(tiles(128, 128, 64), (128, 32));
         assert_eq!(tiles(0, 5, 7), (1, 5));
-    }
-
-    /// Products of 1 to 4 rows through `few_rows` (rhs by columns, as GroupQueryAttention's Q·Kᵀ,
-    /// and by rows, as its P·V; lengths off the 16-value chunks) against float64, D read with
-    /// `keep` and not; 5 rows and an lhs of strided columns go to the `gemm` crate, and agree too.
-    #[test]
-    fn few_row_products_match_float64() {
-        let mut state = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        };
-        for (m, n, k) in [(1, 7, 64), (3, 100, 64), (4, 64, 333), (2, 1, 17), (5, 40, 24), (3, 33, 1)] {
-            for (rhs_by_columns, read, lhs_strided) in
-                [(true, false, false), (false, false, false), (true, true, false), (false, true, true)]
-            {
-                let a: Vec<f32> = (0..m * k).map(|_| next()).collect();
-                let b: Vec<f32> = (0..k * n).map(|_| next()).collect();
-                let d0: Vec<f32> = (0..m * n).map(|_| next()).collect();
-                let (keep, scale) = (if read { 0.5 } else { 0.0 }, 0.75);
-                // op(B) is k × n: stored n × k (columns contiguous) or k × n (rows contiguous).
-                let b_at = |kk: usize, j: usize| if rhs_by_columns { b[j * k + kk] } else { b[kk * n + j] };
-                let a_at = |i: usize, kk: usize| if lhs_strided { a[kk * m + i] } else { a[i * k + kk] };
-                let mut d = d0.clone();
-                let rhs = if rhs_by_columns { (b.as_ptr(), 1, k as isize) } else { (b.as_ptr(), n as isize, 1) };
-                let lhs = if lhs_strided { (a.as_ptr(), 1, m as isize) } else { (a.as_ptr(), k as isize, 1) };
-                // SAFETY: the strides reach exactly the m × k, k × n and m × n elements of a, b, d.
-                unsafe { sgemm((m, n, k), (d.as_mut_ptr(), n as isize, read), lhs, rhs, (keep, scale), None) };
-                for i in 0..m {
-                    for j in 0..n {
-                        let sum: f64 = (0..k).map(|kk| a_at(i, kk) as f64 * b_at(kk, j) as f64).sum();
-                        let want = if read { keep as f64 * d0[i * n + j] as f64 } else { 0.0 } + scale as f64 * sum;
-                        let got = d[i * n + j] as f64;
-                        assert!(
-                            (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
-                            "{m}×{n}×{k} ({rhs_by_columns}, {read}, {lhs_strided}) at {i},{j}: {got} vs {want}"
-                        );
-                    }
-                }
-            }
-        }
     }
 }
