@@ -590,44 +590,73 @@ fn group_query_attention_prompt_then_decode_through_a_shared_buffer() {
     }
 }
 
-/// Decode steps whose present K/V are bound in place to the held past buffer (`Feed::Device`
-/// and `Fetch::Into` of one tensor, as generation over `past_present_share_buffer` runs them):
-/// on the CPU the shim is told that the presents start as the past (ABI.md §7.8) and writes only
-/// the new positions, into the past's own buffer (manifest schema 18: no copy of the cache). Contexts of 9 to 20 keys: the shim's own loops, then the host `gemm`
-/// (from 16 keys), against float64, the output and the whole buffer after every step; the last
-/// step writes its presents into other buffers, which the shim is not told start as the past.
-#[test]
-fn group_query_attention_decodes_in_place_into_a_bound_shared_buffer() {
-    use kiln_host::ep::{Feed, Fetch, Fetched};
+/// The KV cache shape of the in-place decode tests: 2 rows, 2 KV heads, 24 positions, head size 16.
+const IN_PLACE_SHAPE: [usize; 4] = [2, 2, 24, 16];
+
+/// A CPU session of one GroupQueryAttention decode node (tiny-llama's heads, rows of 9 and 6
+/// keys in a shared buffer of 24 positions, random data from `seed`) with its past K and V
+/// written into held tensors.
+fn in_place_setup(seed: u64) -> (Session, Case, Data, kiln_host::ep::DeviceTensor, kiln_host::ep::DeviceTensor) {
     let rt = runtime();
-    let mut r = Rng(0x3c6e_f372_fe94_f82b);
-    let (max_len, shape) = (24, vec![2, 2, 24, 16]);
-    let mut c = tiny_llama_case(Mode::Decode, 1, vec![9, 6], max_len);
-    let mut d = random_data(&mut r, &c);
+    let mut r = Rng(seed);
+    let c = tiny_llama_case(Mode::Decode, 1, vec![9, 6], IN_PLACE_SHAPE[2]);
+    let d = random_data(&mut r, &c);
     let (inputs, attrs) = gqa_node(&c, &d);
     let outputs = ["output", "present_key", "present_value"];
     let model = node_model(("com.microsoft", 1), "GroupQueryAttention", &inputs, &outputs, attrs).unwrap();
     let mut session = Session::new(rt, model, SessionOptions::default()).unwrap();
-    let held = |s: &mut Session, v: &[f64]| {
-        let t = s.zeros(DType::F32, shape.clone()).unwrap();
-        s.write_tensor(&t, &float_tensor(DType::F32, &shape, v)).unwrap();
+    let mut held = |v: &[f64]| {
+        let t = session.zeros(DType::F32, IN_PLACE_SHAPE.to_vec()).unwrap();
+        session.write_tensor(&t, &float_tensor(DType::F32, &IN_PLACE_SHAPE, v)).unwrap();
         t
     };
-    let (pk, pv) = (held(&mut session, &d.past_k), held(&mut session, &d.past_v));
+    let (pk, pv) = (held(&d.past_k), held(&d.past_v));
+    (session, c, d, pk, pv)
+}
+
+/// The node's feeds for case `c` and data `d`, its pasts from held `pk` and `pv`, and `seqlens_k`
+/// replaced by `seqlens` where given.
+fn past_feeds<'t>(
+    c: &Case,
+    d: &Data,
+    (pk, pv): (&'t kiln_host::ep::DeviceTensor, &'t kiln_host::ep::DeviceTensor),
+    seqlens: Option<Tensor>,
+) -> Vec<(String, kiln_host::ep::Feed<'t>)> {
+    use kiln_host::ep::Feed;
+    let (inputs, _) = gqa_node(c, d);
+    let mut feeds = Vec::new();
+    for (name, t) in inputs {
+        let feed = match (name, t) {
+            ("past_key", _) => Feed::Device(pk),
+            ("past_value", _) => Feed::Device(pv),
+            ("seqlens_k", Some(t)) => Feed::Host(seqlens.clone().unwrap_or(t)),
+            (_, Some(t)) => Feed::Host(t),
+            (_, None) => continue,
+        };
+        feeds.push((name.to_string(), feed));
+    }
+    feeds
+}
+
+/// Decode steps whose present K/V are bound in place to the held past buffer (`Feed::Device`
+/// and `Fetch::Into` of one tensor, as generation over `past_present_share_buffer` runs them):
+/// on the CPU the shim is told that the presents start as the past (ABI.md §7.8) and writes only
+/// the new positions, into the past's own buffer (manifest schema 18: no copy of the cache).
+/// Contexts of 9 to 20 keys: the shim's own loops, then the host `gemm` (from 16 keys), against
+/// float64, the output and the whole buffer after every step; the last step writes its presents
+/// into other buffers, which the shim is not told start as the past.
+#[test]
+fn group_query_attention_decodes_in_place_into_a_bound_shared_buffer() {
+    use kiln_host::ep::{Fetch, Fetched};
+    let (mut session, mut c, mut d, pk, pv) = in_place_setup(0x3c6e_f372_fe94_f82b);
+    // The later steps' new tokens.
+    let mut r = Rng(0x9b05_688c_2b3e_6c1f);
+    let shape = IN_PLACE_SHAPE.to_vec();
     let (other_k, other_v) =
         (session.zeros(DType::F32, shape.clone()).unwrap(), session.zeros(DType::F32, shape.clone()).unwrap());
     for step in 0..12 {
         let (o, want_k, want_v) = gqa_ref(&c, &d);
-        let (inputs, _) = gqa_node(&c, &d);
-        let mut feeds = Vec::new();
-        for (name, t) in inputs {
-            match (name, t) {
-                ("past_key", _) => feeds.push((name.to_string(), Feed::Device(&pk))),
-                ("past_value", _) => feeds.push((name.to_string(), Feed::Device(&pv))),
-                (_, Some(t)) => feeds.push((name.to_string(), Feed::Host(t))),
-                (_, None) => {}
-            }
-        }
+        let feeds = past_feeds(&c, &d, (&pk, &pv), None);
         // The last step writes the presents into buffers of their own (copied from the pasts).
         let last = step == 11;
         let (to_k, to_v) = if last { (&other_k, &other_v) } else { (&pk, &pv) };
@@ -662,17 +691,7 @@ fn group_query_attention_decodes_in_place_into_a_bound_shared_buffer() {
     // A step that fails (seqlens_k past total_sequence_length) after the pasts' buffers went into
     // its call: the error names the input, and the bound tensors get their pasts back unchanged
     // (a continuous batch goes on over its cache after a failed step).
-    let (inputs, _) = gqa_node(&c, &d);
-    let mut feeds = Vec::new();
-    for (name, t) in inputs {
-        match (name, t) {
-            ("past_key", _) => feeds.push((name.to_string(), Feed::Device(&pk))),
-            ("past_value", _) => feeds.push((name.to_string(), Feed::Device(&pv))),
-            ("seqlens_k", _) => feeds.push((name.to_string(), Feed::Host(i32_tensor(&[2], &[40, 40])))),
-            (_, Some(t)) => feeds.push((name.to_string(), Feed::Host(t))),
-            (_, None) => {}
-        }
-    }
+    let feeds = past_feeds(&c, &d, (&pk, &pv), Some(i32_tensor(&[2], &[40, 40])));
     let fetches = [("present_key", Fetch::Into(&pk)), ("present_value", Fetch::Into(&pv))];
     let err = session.run_with(feeds, &fetches).expect_err("seqlens_k out of range").to_string();
     assert!(err.contains("seqlens_k[0] = 40 is out of range"), "{err}");
@@ -687,48 +706,17 @@ fn group_query_attention_decodes_in_place_into_a_bound_shared_buffer() {
 /// shim still reads each past before it writes either present. One decode step against float64.
 #[test]
 fn group_query_attention_presents_bound_crosswise_read_each_past_first() {
-    use kiln_host::ep::{Feed, Fetch};
-    let rt = runtime();
-    let mut r = Rng(0x51_7cc1_b727_220a);
-    let (max_len, shape) = (24, vec![2, 2, 24, 16]);
-    let c = tiny_llama_case(Mode::Decode, 1, vec![9, 6], max_len);
-    let d = random_data(&mut r, &c);
-    let (inputs, attrs) = gqa_node(&c, &d);
-    let outputs = ["output", "present_key", "present_value"];
-    let model = node_model(("com.microsoft", 1), "GroupQueryAttention", &inputs, &outputs, attrs).unwrap();
-    let mut session = Session::new(rt, model, SessionOptions::default()).unwrap();
-    let held = |s: &mut Session, v: &[f64]| {
-        let t = s.zeros(DType::F32, shape.clone()).unwrap();
-        s.write_tensor(&t, &float_tensor(DType::F32, &shape, v)).unwrap();
-        t
-    };
-    let (pk, pv) = (held(&mut session, &d.past_k), held(&mut session, &d.past_v));
+    use kiln_host::ep::Fetch;
+    let (mut session, c, d, pk, pv) = in_place_setup(0x51_7cc1_b727_220a);
     let (_, want_k, want_v) = gqa_ref(&c, &d);
-    let mut feeds = Vec::new();
-    for (name, t) in inputs {
-        match (name, t) {
-            ("past_key", _) => feeds.push((name.to_string(), Feed::Device(&pk))),
-            ("past_value", _) => feeds.push((name.to_string(), Feed::Device(&pv))),
-            (_, Some(t)) => feeds.push((name.to_string(), Feed::Host(t))),
-            (_, None) => {}
-        }
-    }
+    let feeds = past_feeds(&c, &d, (&pk, &pv), None);
     let before = session.report.cpu_in_place;
     let fetches = [("present_key", Fetch::Into(&pv)), ("present_value", Fetch::Into(&pk))];
     session.run_with(feeds, &fetches).unwrap();
     assert_eq!(session.report.cpu_in_place - before, 2, "both presents told in place");
-    assert_close(
-        "present_key in past_value's buffer",
-        &float_values(&session.read_tensor(&pv).unwrap()),
-        &want_k,
-        1e-5,
-    );
-    assert_close(
-        "present_value in past_key's buffer",
-        &float_values(&session.read_tensor(&pk).unwrap()),
-        &want_v,
-        1e-5,
-    );
+    let read = |s: &mut Session, t| float_values(&s.read_tensor(t).unwrap());
+    assert_close("present_key in past_value's buffer", &read(&mut session, &pv), &want_k, 1e-5);
+    assert_close("present_value in past_key's buffer", &read(&mut session, &pk), &want_v, 1e-5);
 }
 
 #[test]
