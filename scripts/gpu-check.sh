@@ -88,6 +88,13 @@
 #              1 and 16 threads (kiln bench decode --profile), and where `perf` is on the machine a
 #              16-thread perf record of KILN_PROF (a kiln binary with symbols; .gpu/kiln-sym.xz
 #              when staged, else $KILN): the top functions, and the graph thread's apart
+#   cpu-nodes  where a node's CPU time goes at 1, 4 and 16 threads, beside onnxruntime: the chains
+#              of bench/cpu_node_models.py (p50 of kiln bench run against onnxruntime's, and at 16
+#              threads with KILN_CPU_SHARE=1 and KILN_CPU_TASK_KB=32), then the int4 CPU folder's
+#              decode at 16 threads with those pool settings (alternated, twice) and its host time
+#              by op at 16 and 1 threads, split into shim calls and the host's products
+#              (`--profile`); KILN_AB (a second kiln binary, e.g. the last commit's) joins the
+#              decode rows
 # At most 8 files come back from the machine, so $OUT (or ./gpu-out) gets one log per phase
 # and the JSON in tar files; the last lines printed are a summary.
 set -uo pipefail
@@ -102,7 +109,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,memory.u
 models=/tmp/kiln-models
 m=$models/smollm2-arch-fp16-cuda
 needs_models=0
-for phase in $phases; do case "$phase" in quick | convnet | verify | floor | layer | probe | bw | cpu | cpu-profile | sanitize-ops | big | conv | models | encoder | int4) ;; *) needs_models=1 ;; esac; done
+for phase in $phases; do case "$phase" in quick | convnet | verify | floor | layer | probe | bw | cpu | cpu-nodes | cpu-profile | sanitize-ops | big | conv | models | encoder | int4) ;; *) needs_models=1 ;; esac; done
 if [ "$needs_models" = 1 ] && [ ! -f "$models/reference/smollm2-arch-ref.json" ]; then
   t0=$(date +%s)
   bash .gpu/device-fixtures/make-smollm2-arch.sh "$models" --results "$work/make" >"$work/make.log" 2>&1 ||
@@ -342,6 +349,49 @@ for w in glob.glob(".gpu/python/*.whl"):
         --new-tokens 32 --runs 3 2>&1 | grep -E "^\| [0-9]|[Ee]rror"
     done; done | tee -a "$out/cpu.log"
     summary+=("cpu: $(grep -E '^\| (MatMul|resnet50)|^==|^\| 1 \(1\)|^onnxruntime' "$out/cpu.log" | tr '\n' ' ')")
+    ;;
+  cpu-nodes)
+    python3 bench/cpu_node_models.py make "$work/nodes" >/dev/null
+    for m in chain60_576x576 mlp30 normlin30 one_576x49152; do
+      for t in 1 4 16; do
+        echo "== $m, $t threads: kiln $(KILN_CPU_THREADS=$t "$KILN" bench run "$work/nodes/$m.onnx" --device cpu --runs 200 \
+          --warmup 20 2>&1 | grep -oE 'p50 [0-9.]+') ms; $(python3 bench/cpu_node_models.py ort "$work/nodes/$m.onnx" $t)"
+      done
+      for v in KILN_CPU_SHARE=1 KILN_CPU_TASK_KB=32 "KILN_CPU_SHARE=1 KILN_CPU_TASK_KB=32"; do
+        # shellcheck disable=SC2086
+        echo "== $m, 16 threads, $v: kiln $(env $v KILN_CPU_THREADS=16 "$KILN" bench run "$work/nodes/$m.onnx" --device cpu \
+          --runs 200 --warmup 20 2>&1 | grep -oE 'p50 [0-9.]+') ms"
+      done
+    done 2>&1 | tee "$out/cpu-nodes.log"
+    i4c=$models/smollm2-arch-int4-cpu
+    if [ ! -f "$i4c/model.onnx" ]; then
+      build_folder int4 cpu >"$work/int4-cpu-make.log" 2>&1 || tail -20 "$work/int4-cpu-make.log"
+    fi
+    # decode BINARY ENV...: ms/step of the int4 CPU folder, prompt 16 + 64 new tokens, medians of 3.
+    decode() {
+      local b=$1
+      shift
+      env "$@" "$b" bench decode "$i4c" --device cpu --prompt-len 16 --new-tokens 64 --runs 3 2>&1 |
+        grep -E "^\| [0-9]" | cut -d'|' -f4
+    }
+    [ -f "$i4c/model.onnx" ] && {
+      python3 bench/ort_decode_cpu.py "$i4c" --threads 16 --prompt-len 16 --new-tokens 64 --runs 3 2>&1 | tail -1
+      for round in 1 2; do
+        [ -n "${KILN_AB:-}" ] && echo "== decode, 16 threads, $KILN_AB: $(decode "$KILN_AB" KILN_CPU_THREADS=16)"
+        for v in KILN_CPU_SHARE=0 KILN_CPU_SHARE=1 KILN_CPU_TASK_KB=32 "KILN_CPU_SHARE=1 KILN_CPU_TASK_KB=32" \
+          KILN_CPU_HOT_SPIN_US=0; do
+          # shellcheck disable=SC2086
+          echo "== decode, 16 threads, $v (round $round): $(decode "$KILN" KILN_CPU_THREADS=16 $v)"
+        done
+      done
+      for t in 16 1; do
+        echo "== int4 CPU decode, $t threads, host time by op"
+        KILN_CPU_THREADS=$t "$KILN" bench decode "$i4c" --device cpu --prompt-len 16 --new-tokens 64 --runs 3 --profile 2>&1 |
+          grep -E "^\| [0-9]|^  [A-Z][A-Za-z]+ +[0-9]+ +[0-9.]+ ms" | head -6
+      done
+      python3 bench/ort_decode_cpu.py "$i4c" --threads 1 --prompt-len 16 --new-tokens 64 --runs 3 2>&1 | tail -1
+    } 2>&1 | tee -a "$out/cpu-nodes.log"
+    summary+=("cpu-nodes: $(grep -E '^== decode' "$out/cpu-nodes.log" | tr '\n' ' ')")
     ;;
   cpu-profile)
     i4c=$models/smollm2-arch-int4-cpu

@@ -196,6 +196,21 @@ fn run_domain_op(
     let (_, y) = outs.remove(0);
     assert_eq!(y.dtype, out.0);
     assert_eq!(y.shape, out.1);
+    // The report splits each node's host time (its op, or the fused op that replaced it): its
+    // shim calls, and in them the host's products (time_us counts whole µs a node).
+    for (name, st) in &session.report.ops {
+        assert!(
+            st.host_compute_us <= st.shim_us && st.shim_us <= (st.time_us + st.nodes) as f64,
+            "{op} ({name}): host time {} µs, shim {} µs, products {} µs",
+            st.time_us,
+            st.shim_us,
+            st.host_compute_us
+        );
+    }
+    // A MatMulNBits that became kiln-matmul's Linear computes through the host's `qgemm`.
+    if let (Some(st), false) = (session.report.ops.get("Linear"), y.data.is_empty()) {
+        assert!(st.host_compute_us > 0.0, "{op}: Linear's qgemm counts as the host's product: {st:?}");
+    }
     Ok(y)
 }
 

@@ -13,6 +13,13 @@ pub struct OpStat {
     pub time_us: u64,
     /// GPU time in microseconds, when profiling (see `Session::set_gpu_profiling`).
     pub gpu_us: f64,
+    /// Of `time_us`: microseconds inside the package's `kiln_cpu` calls (the call's encoding, the
+    /// Wasm code and its imports); the rest is the session's own work around the node
+    /// (resolution, shape inference, values).
+    pub shim_us: f64,
+    /// Of `shim_us`: microseconds in the products the host computes for `kiln_cpu` calls (the
+    /// `gemm`, `qgemm` and `conv` imports, on the CPU pool).
+    pub host_compute_us: f64,
 }
 
 /// Shim export calls, by export.
@@ -317,6 +324,18 @@ impl Report {
         }
     }
 
+    /// Adds one `kiln_cpu` call of an `op` node to its op's times: `shim` inside the call, of
+    /// which `host_compute` in the host's products.
+    pub fn record_shim(&mut self, op: &str, shim: Duration, host_compute: Duration) {
+        if !self.ops.contains_key(op) {
+            self.ops.insert(op.to_string(), OpStat::default());
+        }
+        if let Some(s) = self.ops.get_mut(op) {
+            s.shim_us += shim.as_secs_f64() * 1e6;
+            s.host_compute_us += host_compute.as_secs_f64() * 1e6;
+        }
+    }
+
     /// Adds the counts of `other` (a control-flow body's session) to this report's.
     pub fn absorb(&mut self, other: Report) {
         self.nodes += other.nodes;
@@ -332,6 +351,8 @@ impl Report {
             s.nodes += st.nodes;
             s.time_us += st.time_us;
             s.gpu_us += st.gpu_us;
+            s.shim_us += st.shim_us;
+            s.host_compute_us += st.host_compute_us;
         }
         self.instances += other.instances;
         self.launches += other.launches;
@@ -393,14 +414,22 @@ impl Report {
         }
         s += &self.convolutions.render();
         s += &self.fusions.render();
-        s += "ops (node executions, host time):\n";
+        let profiled = self.ops.values().any(|s| s.gpu_us > 0.0);
+        // CPU sessions: the host time split into the shim calls and the host's products in them.
+        let split = !profiled && self.ops.values().any(|s| s.shim_us > 0.0);
+        s += if split {
+            "ops (node executions, host time; of it in shim calls; of that in the host's products):\n"
+        } else {
+            "ops (node executions, host time):\n"
+        };
         let mut ops: Vec<_> = self.ops.iter().collect();
         ops.sort_by_key(|(_, s)| std::cmp::Reverse(s.time_us));
-        let profiled = self.ops.values().any(|s| s.gpu_us > 0.0);
         for (op, st) in ops {
             s += &format!("  {op:<34} {:>6} {:>12.3} ms", st.nodes, st.time_us as f64 / 1e3);
             if profiled {
                 s += &format!(" {:>12.3} ms GPU", st.gpu_us / 1e3);
+            } else if split {
+                s += &format!(" {:>10.3} ms shim {:>10.3} ms products", st.shim_us / 1e3, st.host_compute_us / 1e3);
             }
             s += "\n";
         }

@@ -80,11 +80,21 @@ pub(super) struct Call<'a> {
     pub report: &'a mut Report,
 }
 
+/// A node's last resolution and inference ([`NodeTypes::last`]).
+#[derive(Default)]
+struct LastTypes {
+    resolved: Option<(ResolveKey, Arc<Resolved>)>,
+    inferred: Option<(InferKey, OutputTypes)>,
+}
+
 /// The memoized resolutions and inferred types of one session's nodes.
 pub(super) struct NodeTypes {
     resolutions: HashMap<ResolveKey, Arc<Resolved>>,
     /// Shims' inference is a pure function of the node and its inputs (ABI.md §3).
     inferred: HashMap<InferKey, OutputTypes>,
+    /// Per node, its last resolution and inference: a decode step's nodes see the same inputs as
+    /// the step before, found by comparing keys rather than hashing them.
+    last: Vec<LastTypes>,
     /// What the session's GPU offers packages (`None` on the CPU, where device requirements do
     /// not apply).
     pub caps: Option<DeviceCaps>,
@@ -94,7 +104,7 @@ pub(super) struct NodeTypes {
 
 impl NodeTypes {
     pub fn new(caps: Option<DeviceCaps>, max_tensor_bytes: u64) -> NodeTypes {
-        NodeTypes { resolutions: HashMap::new(), inferred: HashMap::new(), caps, max_tensor_bytes }
+        NodeTypes { resolutions: HashMap::new(), inferred: HashMap::new(), last: Vec::new(), caps, max_tensor_bytes }
     }
 
     /// The package that runs node `idx` of `model` with these input dtypes and largest rank
@@ -108,8 +118,15 @@ impl NodeTypes {
         rank: usize,
     ) -> Result<Arc<Resolved>> {
         let key = (idx, dtypes, rank);
+        if let Some((k, r)) = self.last.get(idx).and_then(|l| l.resolved.as_ref()) {
+            if *k == key {
+                return Ok(r.clone());
+            }
+        }
         if let Some(r) = self.resolutions.get(&key) {
-            return Ok(r.clone());
+            let r = r.clone();
+            self.last_of(idx).resolved = Some((key, r.clone()));
+            return Ok(r);
         }
         let node = &model.graph.nodes[idx];
         let opset = opset_of(model, idx)?;
@@ -134,8 +151,17 @@ impl NodeTypes {
             _ => res.package.id(),
         };
         let r = Arc::new(Resolved { package_id, res });
-        self.resolutions.insert(key, r.clone());
+        self.resolutions.insert(key.clone(), r.clone());
+        self.last_of(idx).resolved = Some((key, r.clone()));
         Ok(r)
+    }
+
+    /// Node `idx`'s last resolution and inference, made where missing.
+    fn last_of(&mut self, idx: usize) -> &mut LastTypes {
+        if self.last.len() <= idx {
+            self.last.resize_with(idx + 1, LastTypes::default);
+        }
+        &mut self.last[idx]
     }
 
     /// Output types of node `idx` for these inputs: from the cache, or from the shim's
@@ -161,8 +187,15 @@ impl NodeTypes {
         inputs: &[Option<InferInput>],
         key: InferKey,
     ) -> Result<OutputTypes> {
+        if let Some((k, t)) = self.last.get(idx).and_then(|l| l.inferred.as_ref()) {
+            if *k == key {
+                return Ok(t.clone());
+            }
+        }
         if let Some(t) = self.inferred.get(&key) {
-            return Ok(t.clone());
+            let t = t.clone();
+            self.last_of(idx).inferred = Some((key, t.clone()));
+            return Ok(t);
         }
         let Call { model, shims, report } = at;
         let opset = opset_of(model, idx)?;
@@ -222,7 +255,8 @@ impl NodeTypes {
         if self.inferred.len() >= INFER_CACHE_ENTRIES {
             self.inferred.clear();
         }
-        self.inferred.insert(key, out.clone());
+        self.inferred.insert(key.clone(), out.clone());
+        self.last_of(idx).inferred = Some((key, out.clone()));
         Ok(out)
     }
 }

@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Instant;
 
 use kiln_kernel_abi::plan::{LaunchLimits, PlanStep};
 use kiln_kernel_abi::wire::Tile;
@@ -168,8 +169,15 @@ impl Shims {
             CallKind::Dispatch => report.wasm_calls.dispatch += 1,
         }
         let inst = self.instances.get_mut(&id).ok_or_else(|| Error::Device("shim instance vanished".into()))?;
+        let op = args.op_type;
+        let t0 = Instant::now();
         let outcome = match inst.call(kind, args) {
-            Ok(o) => o,
+            Ok(o) => {
+                if kind == CallKind::Cpu {
+                    report.record_shim(op, t0.elapsed(), o.host_compute);
+                }
+                o
+            }
             Err(f) => {
                 self.returned = inst.take_returned();
                 self.instances.remove(&id);

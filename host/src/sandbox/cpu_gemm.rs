@@ -122,6 +122,11 @@ pub(super) unsafe fn sgemm(
         }
     };
     let count = rows * cols;
+    // On the kept-hot threads of a running session where loops are shared (`cpu_share`), else
+    // as rayon's tasks.
+    if count > 1 && super::cpu_share::share(count, 1, &|t0, t1| (t0..t1).for_each(tile)) {
+        return;
+    }
     match pool().filter(|_| count > 1 && cpu_threads() > 1) {
         Some(p) => p.install(|| {
             use rayon::prelude::*;

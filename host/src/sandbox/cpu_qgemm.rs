@@ -12,6 +12,7 @@
 //!   by the `gemm` crate.
 
 use std::borrow::Cow;
+use std::ops::Range;
 
 use kiln_kernel_abi::wire::{QGemm, QZeroPoints, TensorAt};
 use kiln_kernel_abi::DType;
@@ -140,6 +141,21 @@ impl Weights<'_> {
         }
     }
 
+    /// Weight rows `first..first + rows`' zero points into `z` (grown to rows · kb values; the
+    /// default ones are written only where `z` grows).
+    fn range_zeros(&self, first: usize, rows: usize, z: &mut Vec<f32>) {
+        let len = rows * self.kb;
+        match self.default_zero() {
+            Some(d) => z.resize(len.max(z.len()), d),
+            None => {
+                z.resize(len.max(z.len()), 0.0);
+                for (t, zt) in z[..len].chunks_exact_mut(self.kb).enumerate() {
+                    self.zeros(first + t, zt);
+                }
+            }
+        }
+    }
+
     /// Weight row `r`'s zero points into `z` (kb values).
     fn zeros(&self, r: usize, z: &mut [f32]) {
         match &self.zeros {
@@ -202,46 +218,69 @@ fn direct_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
             }
         }
     };
-    over_groups(out, m, n, scratch, group);
+    over_groups(out, (m, n, w.kb * (w.blob + 4)), scratch, |s, groups, results| {
+        for (g, part) in groups.zip(results.chunks_mut(4 * m)) {
+            group(s, g, part);
+        }
+    });
 }
 
-/// Runs `group(scratch, g, results)` for each group g of four weight rows (fewer in the last)
-/// over the CPU pool, `results` being the group's part of a column-major n × m result (weight
-/// row r's m results at r · m), then writes the results row-major into `out` (m × n): on the
-/// kept-hot threads in chunks of groups (about four a thread, at least two groups), else as
-/// rayon's tasks of at least eight; `scratch` makes each thread's or chunk's scratch.
+/// Runs `run(scratch, groups, results)` over the groups of four weight rows (fewer in the
+/// last) on the CPU pool, a range of groups at a time, `results` being the range's part of a
+/// column-major n × m result (weight row r's m results at r · m), then writes the results
+/// row-major into `out` (m × n; for one row of A the two are one layout, written in place): on
+/// the kept-hot threads in chunks (about four a thread, at least two groups), else as rayon's
+/// tasks of eight groups; either at least [`task_bytes`] of weights (`row_bytes` a row).
+/// `scratch` makes each chunk's or thread's scratch.
 fn over_groups<S>(
     out: &mut [f32],
-    m: usize,
-    n: usize,
+    (m, n, row_bytes): (usize, usize, usize),
     scratch: impl Fn() -> S + Sync + Send,
-    group: impl Fn(&mut S, usize, &mut [f32]) + Sync + Send,
+    run: impl Fn(&mut S, Range<usize>, &mut [f32]) + Sync + Send,
 ) {
-    let mut cols = vec![0f32; n * m];
     let groups = n.div_ceil(4);
-    let chunk = groups.div_ceil(4 * cpu_threads()).max(2);
+    // Groups a task covers at least: `task_bytes` of weights.
+    let least = task_bytes().div_ceil(4 * row_bytes.max(1)).max(1);
+    let chunk = groups.div_ceil(4 * cpu_threads()).max(2).max(least);
+    let task = least.max(8);
+    let mut transposed = Vec::new();
+    let cols: &mut [f32] = if m == 1 {
+        out
+    } else {
+        transposed.resize(n * m, 0f32);
+        &mut transposed
+    };
     let base = cols.as_mut_ptr() as usize;
     let shared = cpu_share::share(groups, chunk, &|g0, g1| {
-        let mut s = scratch();
-        for g in g0..g1 {
-            let (lo, hi) = (4 * g * m, (4 * g + 4).min(n) * m);
-            // SAFETY: groups are disjoint ranges of `cols` (n · m values), each run once, and
-            // `cols` outlives the loop (`share` returns after every chunk).
-            let chunk = unsafe { std::slice::from_raw_parts_mut((base as *mut f32).add(lo), hi - lo) };
-            group(&mut s, g, chunk);
-        }
+        let (lo, hi) = (4 * g0 * m, (4 * g1).min(n) * m);
+        // SAFETY: chunks are disjoint ranges of `cols` (n · m values), each run once, and
+        // `cols` outlives the loop (`share` returns after every chunk).
+        let results = unsafe { std::slice::from_raw_parts_mut((base as *mut f32).add(lo), hi - lo) };
+        run(&mut scratch(), g0..g1, results);
     });
     if !shared {
         on_pool(|| {
-            cols.par_chunks_mut(4 * m)
-                .with_min_len(8)
-                .enumerate()
-                .for_each_init(&scratch, |s, (g, chunk)| group(s, g, chunk))
+            cols.par_chunks_mut(4 * m * task).enumerate().for_each_init(&scratch, |s, (t, results)| {
+                let g0 = t * task;
+                run(s, g0..g0 + results.len().div_ceil(4 * m), results)
+            })
         });
     }
-    for (i, row) in out.chunks_exact_mut(n).enumerate() {
-        row.iter_mut().enumerate().for_each(|(r, v)| *v = cols[r * m + i]);
+    if m > 1 {
+        for (i, row) in out.chunks_exact_mut(n).enumerate() {
+            row.iter_mut().enumerate().for_each(|(r, v)| *v = transposed[r * m + i]);
+        }
     }
+}
+
+/// The least bytes of weights (packed values and scales) one task of a decode product covers:
+/// `KILN_CPU_TASK_KB` KiB, 0 (tasks of at least eight groups of four rows) unless set (an A/B of
+/// how many threads a small product is worth).
+fn task_bytes() -> usize {
+    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BYTES.get_or_init(|| {
+        std::env::var("KILN_CPU_TASK_KB").ok().and_then(|v| v.trim().parse::<usize>().ok()).unwrap_or(0) << 10
+    })
 }
 
 /// Whether `q` takes the int8-activation product ([`cpu_q4i8`]): MatMulNBits' accuracy_level
@@ -263,10 +302,9 @@ fn int8_activations(q: &QGemm, w: &Weights) -> bool {
 /// rows of A at a time against each group of four weight rows.
 fn int8_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
     let qa = cpu_q4i8::QuantizedA::new(a, m, w.k, w.block);
-    let group = |z: &mut Vec<f32>, g: usize, chunk: &mut [f32]| {
-        let first = 4 * g;
-        let rows = chunk.len() / m;
-        w.group_zeros(first, rows, z);
+    let run = |z: &mut Vec<f32>, groups: Range<usize>, results: &mut [f32]| {
+        let (first, rows) = (4 * groups.start, results.len() / m);
+        w.range_zeros(first, rows, z);
         let weights = cpu_q4i8::WeightRows {
             bytes: &w.b[first * w.kb * w.blob..(first + rows) * w.kb * w.blob],
             scales: &w.scales[first * w.kb..(first + rows) * w.kb],
@@ -274,18 +312,23 @@ fn int8_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
             rows,
             zero: w.default_zero(),
         };
-        // Rows of A four at a time: results r · m + i of the group's chunk.
-        let mut part = [0f32; 16];
+        if m <= 4 {
+            // Every row of A at once: the kernel writes results r · m + i itself.
+            cpu_q4i8::dots(&qa, 0..m, &weights, results);
+            return;
+        }
+        // Rows of A four at a time: results r · m + i of the range.
+        let mut part = vec![0f32; rows * 4];
         for i0 in (0..m).step_by(4) {
             let i1 = (i0 + 4).min(m);
             let take = i1 - i0;
             cpu_q4i8::dots(&qa, i0..i1, &weights, &mut part[..rows * take]);
             for t in 0..rows {
-                chunk[t * m + i0..t * m + i1].copy_from_slice(&part[t * take..(t + 1) * take]);
+                results[t * m + i0..t * m + i1].copy_from_slice(&part[t * take..(t + 1) * take]);
             }
         }
     };
-    over_groups(out, m, n, || w.group_zeros_scratch(), group);
+    over_groups(out, (m, n, w.kb * (w.blob + 4)), Vec::new, run);
 }
 
 /// [`row_dot`] for four 4-bit weight rows from `first`, whose zero points are `z`'s four runs

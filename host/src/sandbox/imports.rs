@@ -32,6 +32,15 @@ fn guest_range(size: usize, ptr: i32, len: usize) -> Option<Range<usize>> {
     (end <= size).then_some(start..end)
 }
 
+/// Runs `product` (a host product of a CPU call) and adds its time to the call's
+/// `host_compute`.
+fn timed<R>(st: &mut CallState, product: impl FnOnce(&mut CallState) -> R) -> R {
+    let t0 = std::time::Instant::now();
+    let r = product(st);
+    st.host_compute += t0.elapsed();
+    r
+}
+
 /// An import that takes one descriptor (`conv`, `qgemm`): refused in a call kind outside
 /// `allowed` or for a descriptor outside the shim's memory; else `decode`d and handed to
 /// `serve`, whose `Ok` is the import's return value (0, or `E_UNAVAILABLE` for a `conv` the
@@ -64,7 +73,7 @@ fn descriptor_call<D, E: std::fmt::Display>(
 fn serve_conv(st: &mut CallState, cv: Conv) -> Result<i32, String> {
     let cv = check_conv(st, cv)?;
     if st.kind != Some(CallKind::Dispatch) {
-        return super::cpu_conv::run(st.table.slots_mut(), &cv).map(|()| 0);
+        return timed(st, |st| super::cpu_conv::run(st.table.slots_mut(), &cv)).map(|()| 0);
     }
     let served = match &st.conv {
         ConvService::Unavailable(why) => Err(why.to_string()),
@@ -332,7 +341,7 @@ pub(super) fn linker(engine: &Engine) -> Linker<CallState> {
         {
             // A CPU call computes the product now, on the call's host tensors.
             Ok(PlanStep::Gemm(g)) if st.kind == Some(CallKind::Cpu) => {
-                match super::cpu_gemm::run(st.table.slots_mut(), &g) {
+                match timed(st, |st| super::cpu_gemm::run(st.table.slots_mut(), &g)) {
                     Ok(()) => 0,
                     Err(msg) => st.refuse(E_ARG, msg),
                 }
@@ -348,7 +357,7 @@ pub(super) fn linker(engine: &Engine) -> Linker<CallState> {
     .expect("define conv");
     l.func_wrap(m, imp::QGEMM, |mut c: Caller<'_, CallState>, ptr: i32, len: i32| -> i32 {
         descriptor_call(&mut c, "qgemm", &[CallKind::Cpu], (ptr, len), QGemm::decode, |st, q| {
-            check_qgemm(st, q).and_then(|q| super::cpu_qgemm::run(st.table.slots_mut(), &q)).map(|()| 0)
+            check_qgemm(st, q).and_then(|q| timed(st, |st| super::cpu_qgemm::run(st.table.slots_mut(), &q))).map(|()| 0)
         })
     })
     .expect("define qgemm");

@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use kiln_kernel_abi::manifest::ParamKind;
 use kiln_kernel_abi::wire::{Attribute, Conv, NodeCall, TensorDesc, NO_HANDLE};
@@ -84,6 +85,8 @@ pub struct CallOutcome {
     /// Dispatch: each `conv` the host did not serve here (`E_UNAVAILABLE`), with the reason;
     /// the shim ran its own kernels for it.
     pub declined: Vec<String>,
+    /// CPU: the time the host spent computing the call's `gemm`, `qgemm` and `conv` imports.
+    pub host_compute: Duration,
 }
 
 /// Store data: the memory limiter and the state of the call in progress.
@@ -108,6 +111,8 @@ pub(crate) struct CallState {
     pub scratch_total: u64,
     pub max_scratch: u64,
     pub max_steps: usize,
+    /// Time in the host's products of this call's CPU imports (see [`CallOutcome::host_compute`]).
+    pub host_compute: Duration,
 }
 
 /// What a dispatch's `conv` import gets on a session's device (ABI.md §4.8).
@@ -311,6 +316,7 @@ impl ShimModule {
             scratch_total: 0,
             max_scratch: self.max_scratch,
             max_steps: self.max_steps,
+            host_compute: Duration::ZERO,
         };
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| &mut s.limiter);
@@ -492,6 +498,7 @@ impl ShimInstance {
             st.plan = LaunchPlan::default();
             st.declined.clear();
             st.scratch_total = 0;
+            st.host_compute = Duration::ZERO;
             st.limiter.hit = false;
         }
         self.store.set_epoch_deadline(self.deadline_ticks);
@@ -532,6 +539,7 @@ impl ShimInstance {
                     slots,
                     plan: std::mem::take(&mut st.plan),
                     declined: std::mem::take(&mut st.declined),
+                    host_compute: st.host_compute,
                 })
             }
         }

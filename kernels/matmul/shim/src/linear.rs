@@ -453,6 +453,30 @@ fn operand_a(call: &Call, g: &Geometry, round: impl Fn(f64) -> f64) -> Result<(V
     }
 }
 
+/// [`operand_a`]'s RmsNorm for float32 X, rounded as `cpu` rounds it: `A` and (with `sum`) `s`
+/// as float32, from the same f64 arithmetic (`s = X + skip` unrounded in f64 within a row, its
+/// mean square and each `s / rms · gamma` in f64, each result rounded once to f32).
+fn rmsnorm_f32(call: &Call, g: &Geometry, sum: bool) -> Result<(Vec<f32>, Vec<f32>)> {
+    let x: Vec<f32> = call.input(0)?.read_vec()?;
+    let skip: Option<Vec<f32>> = call.input_opt(1).map(|t| t.read_vec()).transpose()?.filter(|v| !v.is_empty());
+    let gamma: Vec<f32> = call.input(2)?.read_vec()?;
+    let k = g.k;
+    let (mut a, mut s) = (Vec::with_capacity(g.rows * k), Vec::with_capacity(if sum { g.rows * k } else { 0 }));
+    let mut row = vec![0f64; k];
+    for r in 0..g.rows {
+        for (c, v) in row.iter_mut().enumerate() {
+            let i = r * k + c;
+            *v = x[i] as f64 + skip.as_ref().map_or(0.0, |sk| sk[i % sk.len()] as f64);
+        }
+        if sum {
+            s.extend(row.iter().map(|&v| v as f32));
+        }
+        let rms = libm::sqrt(row.iter().map(|v| v * v).sum::<f64>() / k as f64 + g.eps as f64);
+        a.extend(row.iter().zip(&gamma).map(|(&v, &gm)| (v / rms * gm as f64) as f32));
+    }
+    Ok((a, s))
+}
+
 pub fn cpu(call: &Call) -> Result<()> {
     let g = geometry(call)?;
     // A as the unfused graph stores it: rounded to the dtype.
@@ -480,6 +504,15 @@ pub fn cpu(call: &Call) -> Result<()> {
                 // row's SiLU(gate)·up.
                 let x: Vec<f32> = call.input(0)?.read_vec()?;
                 scratch_from(&element::encode_as(DType::F32, &swiglu_rows_f32(&x, g.k))?)?
+            }
+            Prologue::RmsNorm if g.dtype == DType::F32 => {
+                // float32: the same values as `operand_a` and its rounding, without f64 copies
+                // of X, skip, gamma and the sum (a decode step's serial work on the CPU).
+                let (a, s) = rmsnorm_f32(call, &g, call.output_opt(1).is_some())?;
+                if let Some(sum) = call.output_opt(1) {
+                    sum.write_vec(&s)?;
+                }
+                scratch_from(&element::encode_as(DType::F32, &a)?)?
             }
             _ => {
                 let (a, s) = operand_a(call, &g, round)?;
