@@ -12,6 +12,9 @@ Models (input x [1, 576] float32, output y):
 - mlp30.onnx: 30 pairs 576 -> 1536 -> 576 (33 MB);
 - normlin30.onnx: 30 SkipSimplifiedLayerNormalization + MatMulNBits pairs (kiln fuses each into
   RmsNormLinear);
+- swiglu30.onnx: 30 MLP blocks as the model builder writes them (SkipSimplifiedLayerNormalization,
+  gate and up MatMulNBits 576 -> 1536, Sigmoid, Mul, Mul, down 1536 -> 576: kiln's RmsNormLinear
+  with the SwiGLU epilogue, then Linear);
 - add60.onnx: 60 Adds of 576 values (a node's fixed cost).
 
 `kiln bench run MODEL --device cpu` times kiln on the same models (`KILN_CPU_THREADS=N`), and
@@ -73,6 +76,22 @@ def make(out):
         nodes.append(mnb(f"p{i}", f"n{i}", y, 576, 576, inits))
         cur, skip = y, f"s{i}"
     save("normlin30.onnx", nodes, inits, 576, 576)
+    # 30 MLP blocks as the model builder writes them (kiln fuses each into RmsNormLinear with the
+    # SwiGLU epilogue, then Linear).
+    inits = [numpy_helper.from_array(np.ones(576, dtype=np.float32), "gamma")]
+    nodes, cur, skip = [], "x", "x"
+    for i in range(30):
+        nodes.append(helper.make_node("SkipSimplifiedLayerNormalization", [cur, skip, "gamma"],
+                                      [f"n{i}", "", "", f"s{i}"], name=f"ln{i}", domain="com.microsoft", epsilon=1e-5))
+        nodes.append(mnb(f"g{i}", f"n{i}", f"g{i}", 576, 1536, inits))
+        nodes.append(mnb(f"u{i}", f"n{i}", f"u{i}", 576, 1536, inits))
+        nodes.append(helper.make_node("Sigmoid", [f"g{i}"], [f"sg{i}"], name=f"sig{i}"))
+        nodes.append(helper.make_node("Mul", [f"g{i}", f"sg{i}"], [f"a{i}"], name=f"mul{i}"))
+        nodes.append(helper.make_node("Mul", [f"a{i}", f"u{i}"], [f"h{i}"], name=f"mulu{i}"))
+        y = "y" if i == 29 else f"d{i}"
+        nodes.append(mnb(f"d{i}", f"h{i}", y, 1536, 576, inits))
+        cur, skip = y, f"s{i}"
+    save("swiglu30.onnx", nodes, inits, 576, 576)
     nodes, cur = [], "x"
     for i in range(60):
         y = "y" if i == 59 else f"a{i}"

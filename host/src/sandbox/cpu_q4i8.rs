@@ -510,6 +510,11 @@ mod tests {
             (128, 130, 6, 2),
             (32, 32, 7, 1),
             (32, 64, 9, 2),
+            // SmolLM2-135M's K (18 chunks), and more rows of A over longer rows.
+            (32, 576, 9, 1),
+            (32, 160, 6, 3),
+            (32, 128, 5, 4),
+            (64, 256, 5, 2),
         ];
         for (case, &(block, k, n, m)) in cases.iter().enumerate() {
             let blocks = k.div_ceil(block);
