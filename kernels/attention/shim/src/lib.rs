@@ -141,7 +141,13 @@ impl Real for f32 {
         libm::tanhf(self)
     }
     fn max(self, other: f32) -> f32 {
-        f32::max(self, other)
+        // f32::max's result (the other operand where one is NaN) as a compare and a select, so
+        // that softmax's maximum vectorizes instead of calling `fmaxf` for each value.
+        if other > self || self.is_nan() {
+            other
+        } else {
+            self
+        }
     }
     fn round_to(self, dtype: DType) -> f32 {
         match dtype {
@@ -674,14 +680,14 @@ fn gqa_cpu_in<T: Real>(call: &Call, p: GqaPlan) -> Result<()> {
                 for s0 in (0..s_n).step_by(chunk) {
                     let n = chunk.min(s_n - s0);
                     // Q rows [kvp, group, n, H]: KV head j0 + jj, its group's heads, the chunk's rows.
-                    let mut qb = Vec::with_capacity(kvp * group * n * h_sz * 4);
+                    let mut qf = Vec::with_capacity(kvp * group * n * h_sz);
                     for h in j0 * group..(j0 + kvp) * group {
                         for s in s0..s0 + n {
                             rotated(&mut q, b, h, s)?;
-                            qb.extend(q.iter().flat_map(|x| x.to_f32().to_le_bytes()));
+                            qf.extend(q.iter().map(|x| x.to_f32()));
                         }
                     }
-                    write_handle(qs, 0, &qb)?;
+                    write_handle(qs, 0, &element::encode_as(DType::F32, &qf)?)?;
                     // Scores [kvp, group · n, t_b] = scale · Q [kvp, group · n, H] · Kᵀ per KV head.
                     gemm(&Gemm {
                         dtype: DType::F32,
