@@ -351,8 +351,9 @@ for w in glob.glob(".gpu/python/*.whl"):
     summary+=("cpu: $(grep -E '^\| (MatMul|resnet50)|^==|^\| 1 \(1\)|^onnxruntime' "$out/cpu.log" | tr '\n' ' ')")
     ;;
   cpu-nodes)
-    python3 bench/cpu_node_models.py make "$work/nodes" >/dev/null
-    for m in chain60_576x576 mlp30 normlin30 one_576x49152; do
+    python3 bench/cpu_node_models.py make "$work/nodes" >"$work/nodes.log" 2>&1 ||
+      { echo "cpu-nodes: bench/cpu_node_models.py make failed"; tail -5 "$work/nodes.log"; }
+    for m in chain60_576x576 mlp30 swiglu30 normlin30 one_576x49152; do
       for t in 1 4 16; do
         echo "== $m, $t threads: kiln $(KILN_CPU_THREADS=$t "$KILN" bench run "$work/nodes/$m.onnx" --device cpu --runs 200 \
           --warmup 20 2>&1 | grep -oE 'p50 [0-9.]+') ms; $(python3 bench/cpu_node_models.py ort "$work/nodes/$m.onnx" $t)"
@@ -387,7 +388,7 @@ for w in glob.glob(".gpu/python/*.whl"):
       for t in 16 1; do
         echo "== int4 CPU decode, $t threads, host time by op"
         KILN_CPU_THREADS=$t "$KILN" bench decode "$i4c" --device cpu --prompt-len 16 --new-tokens 64 --runs 3 --profile 2>&1 |
-          grep -E "^\| [0-9]|^  [A-Z][A-Za-z]+ +[0-9]+ +[0-9.]+ ms" | head -6
+          grep -E "^\| [0-9]|^  [A-Z][A-Za-z]+ +[0-9]+ +[0-9.]+ ms" | head -9
       done
       python3 bench/ort_decode_cpu.py "$i4c" --threads 1 --prompt-len 16 --new-tokens 64 --runs 3 2>&1 | tail -1
     } 2>&1 | tee -a "$out/cpu-nodes.log"

@@ -324,8 +324,8 @@ impl Report {
         }
     }
 
-    /// Adds one `kiln_cpu` call of an `op` node to its op's times: `shim` inside the call, of
-    /// which `host_compute` in the host's products.
+    /// Adds an `op` node's `kiln_cpu` calls to its op's times: `shim` inside the calls (a tiled
+    /// node's: their parallel section), of which `host_compute` in the host's products.
     pub fn record_shim(&mut self, op: &str, shim: Duration, host_compute: Duration) {
         if !self.ops.contains_key(op) {
             self.ops.insert(op.to_string(), OpStat::default());
@@ -416,7 +416,7 @@ impl Report {
         s += &self.fusions.render();
         let profiled = self.ops.values().any(|s| s.gpu_us > 0.0);
         // CPU sessions: the host time split into the shim calls and the host's products in them.
-        let split = !profiled && self.ops.values().any(|s| s.shim_us > 0.0);
+        let split = self.device == "cpu" && self.ops.values().any(|s| s.shim_us > 0.0);
         s += if split {
             "ops (node executions, host time; of it in shim calls; of that in the host's products):\n"
         } else {

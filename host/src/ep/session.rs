@@ -828,6 +828,8 @@ impl Session {
                 continue;
             }
             self.current_node = idx;
+            // The node's own kiln_cpu time, not what folding or an earlier node left.
+            self.shims.take_cpu_time();
             let t0 = Instant::now();
             if self.runs_on_executor(idx) {
                 self.run_on_executor(idx, values)?;
@@ -841,7 +843,10 @@ impl Session {
                 order.push(idx);
             }
             if self.recorder.is_none() {
-                self.report.record_node(&self.model.graph.nodes[idx].op_type, &resolved.package_id, t0.elapsed());
+                let op = &self.model.graph.nodes[idx].op_type;
+                self.report.record_node(op, &resolved.package_id, t0.elapsed());
+                let (calls, products) = self.shims.take_cpu_time();
+                self.report.record_shim(op, calls, products);
             }
             self.release_dead(idx, values);
         }

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kiln_kernel_abi::plan::{LaunchLimits, PlanStep};
 use kiln_kernel_abi::wire::Tile;
@@ -86,6 +86,9 @@ pub(super) struct Shims {
     /// The buffers of outputs bound in place that the last failed call gave back
     /// ([`ShimInstance::take_returned`]), for [`Shims::run_reference`] to return to its inputs.
     returned: Vec<(usize, Vec<u8>)>,
+    /// Time in `kiln_cpu` calls since [`Shims::take_cpu_time`] last took it: the calls' wall
+    /// time (a node's tiles: their parallel section's), and the host's products in them.
+    cpu_time: (Duration, Duration),
 }
 
 /// The inputs of a CPU call as arguments: readable by the CPU reference (one whose buffer an output
@@ -135,7 +138,14 @@ impl Shims {
             launch_limits,
             conv,
             returned: Vec::new(),
+            cpu_time: (Duration::ZERO, Duration::ZERO),
         }
+    }
+
+    /// The time in `kiln_cpu` calls since the last take (see [`Shims::cpu_time`]): (calls,
+    /// host products in them). The session takes it around each node.
+    pub fn take_cpu_time(&mut self) -> (Duration, Duration) {
+        std::mem::replace(&mut self.cpu_time, (Duration::ZERO, Duration::ZERO))
     }
 
     /// A new instance of `pkg`'s shim with the session's launch limits and `conv` service.
@@ -169,12 +179,12 @@ impl Shims {
             CallKind::Dispatch => report.wasm_calls.dispatch += 1,
         }
         let inst = self.instances.get_mut(&id).ok_or_else(|| Error::Device("shim instance vanished".into()))?;
-        let op = args.op_type;
         let t0 = Instant::now();
         let outcome = match inst.call(kind, args) {
             Ok(o) => {
                 if kind == CallKind::Cpu {
-                    report.record_shim(op, t0.elapsed(), o.host_compute);
+                    self.cpu_time.0 += t0.elapsed();
+                    self.cpu_time.1 += o.host_compute;
                 }
                 o
             }
@@ -338,10 +348,13 @@ impl Shims {
             .collect();
         report.wasm_calls.cpu += tiles.len() as u64;
         report.wasm_calls.cpu_tiles += tiles.len() as u64;
+        let t0 = Instant::now();
         let results: Vec<std::result::Result<CallOutcome, crate::sandbox::ShimFailure>> = on_pool(|| {
             use rayon::prelude::*;
             insts.par_iter_mut().zip(calls).map(|(inst, args)| inst.call(CallKind::Cpu, args)).collect()
         });
+        self.cpu_time.0 += t0.elapsed();
+        self.cpu_time.1 += results.iter().flatten().map(|o| o.host_compute).sum::<Duration>();
         let mut outcomes = Vec::with_capacity(tiles.len());
         let mut failure = None;
         for (inst, r) in insts.into_iter().zip(results) {

@@ -240,7 +240,7 @@ fn over_groups<S>(
 ) {
     let groups = n.div_ceil(4);
     // Groups a task covers at least: `task_bytes` of weights.
-    let least = task_bytes().div_ceil(4 * row_bytes.max(1)).max(1);
+    let least = task_bytes().div_ceil(4 * row_bytes.max(1)).clamp(1, groups.max(1));
     let chunk = groups.div_ceil(4 * cpu_threads()).max(2).max(least);
     let task = least.max(8);
     let mut transposed = Vec::new();
@@ -279,7 +279,8 @@ fn over_groups<S>(
 fn task_bytes() -> usize {
     static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *BYTES.get_or_init(|| {
-        std::env::var("KILN_CPU_TASK_KB").ok().and_then(|v| v.trim().parse::<usize>().ok()).unwrap_or(0) << 10
+        let kib = std::env::var("KILN_CPU_TASK_KB").ok().and_then(|v| v.trim().parse::<usize>().ok());
+        kib.unwrap_or(0).saturating_mul(1024)
     })
 }
 
@@ -302,33 +303,38 @@ fn int8_activations(q: &QGemm, w: &Weights) -> bool {
 /// rows of A at a time against each group of four weight rows.
 fn int8_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
     let qa = cpu_q4i8::QuantizedA::new(a, m, w.k, w.block);
-    let run = |z: &mut Vec<f32>, groups: Range<usize>, results: &mut [f32]| {
-        let (first, rows) = (4 * groups.start, results.len() / m);
-        w.range_zeros(first, rows, z);
-        let weights = cpu_q4i8::WeightRows {
-            bytes: &w.b[first * w.kb * w.blob..(first + rows) * w.kb * w.blob],
-            scales: &w.scales[first * w.kb..(first + rows) * w.kb],
-            zeros: &z[..rows * w.kb],
-            rows,
-            zero: w.default_zero(),
-        };
-        if m <= 4 {
-            // Every row of A at once: the kernel writes results r · m + i itself.
-            cpu_q4i8::dots(&qa, 0..m, &weights, results);
-            return;
-        }
-        // Rows of A four at a time: results r · m + i of the range.
-        let mut part = vec![0f32; rows * 4];
-        for i0 in (0..m).step_by(4) {
-            let i1 = (i0 + 4).min(m);
-            let take = i1 - i0;
-            cpu_q4i8::dots(&qa, i0..i1, &weights, &mut part[..rows * take]);
-            for t in 0..rows {
-                results[t * m + i0..t * m + i1].copy_from_slice(&part[t * take..(t + 1) * take]);
+    // Each call of the kernel covers at most this many weight rows, which it reads once per row
+    // of A: they stay in cache between the rows of A.
+    const CALL_ROWS: usize = 16;
+    let run = |(z, part): &mut (Vec<f32>, Vec<f32>), groups: Range<usize>, results: &mut [f32]| {
+        for (c, results) in results.chunks_mut(CALL_ROWS * m).enumerate() {
+            let (first, rows) = (4 * groups.start + c * CALL_ROWS, results.len() / m);
+            w.range_zeros(first, rows, z);
+            let weights = cpu_q4i8::WeightRows {
+                bytes: &w.b[first * w.kb * w.blob..(first + rows) * w.kb * w.blob],
+                scales: &w.scales[first * w.kb..(first + rows) * w.kb],
+                zeros: &z[..rows * w.kb],
+                rows,
+                zero: w.default_zero(),
+            };
+            if m <= 4 {
+                // Every row of A at once: the kernel writes results r · m + i itself.
+                cpu_q4i8::dots(&qa, 0..m, &weights, results);
+                continue;
+            }
+            // Rows of A four at a time: results r · m + i of the rows.
+            part.resize(rows * 4, 0.0);
+            for i0 in (0..m).step_by(4) {
+                let i1 = (i0 + 4).min(m);
+                let take = i1 - i0;
+                cpu_q4i8::dots(&qa, i0..i1, &weights, &mut part[..rows * take]);
+                for t in 0..rows {
+                    results[t * m + i0..t * m + i1].copy_from_slice(&part[t * take..(t + 1) * take]);
+                }
             }
         }
     };
-    over_groups(out, (m, n, w.kb * (w.blob + 4)), Vec::new, run);
+    over_groups(out, (m, n, w.kb * (w.blob + 4)), || (Vec::new(), Vec::new()), run);
 }
 
 /// [`row_dot`] for four 4-bit weight rows from `first`, whose zero points are `z`'s four runs
@@ -416,6 +422,50 @@ mod tests {
     use std::sync::atomic::Ordering;
 
     use super::*;
+
+    /// The int8 decode product over ranges of weight rows (rayon's tasks, several kernel calls
+    /// each) gives exactly each weight row's product computed alone, for 1, 3 and 6 rows of A
+    /// (the last through four and two), default and packed zero points, and a weight row count
+    /// that is not a multiple of four.
+    #[test]
+    fn int8_ranges_match_each_weight_row_alone() {
+        let (n, k, block) = (4 * 37 + 3, 96, 32);
+        let (kb, blob) = (k / block, block / 2);
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            (seed >> 33) as u32
+        };
+        let b: Vec<u8> = (0..n * kb * blob).map(|_| next() as u8).collect();
+        let scales: Vec<f32> = (0..n * kb).map(|_| (next() % 1000) as f32 / 1000.0 + 0.01).collect();
+        let zp_row = (kb * 4usize).div_ceil(8);
+        let packed: Vec<u8> = (0..n * zp_row).map(|_| next() as u8).collect();
+        for zeros in [Zeros::Default(8.0), Zeros::Packed(&packed, zp_row)] {
+            let w = Weights { b: &b, scales: Cow::Borrowed(&scales), zeros, k, kb, block, blob, bits: 4 };
+            for m in [1, 3, 6] {
+                let a: Vec<f32> = (0..m * k).map(|_| (next() % 2000) as f32 / 1000.0 - 1.0).collect();
+                let mut got = vec![0f32; m * n];
+                int8_product(&a, &w, m, n, &mut got);
+                let qa = cpu_q4i8::QuantizedA::new(&a, m, k, block);
+                let mut z = vec![0f32; kb];
+                for r in 0..n {
+                    w.zeros(r, &mut z);
+                    let row = cpu_q4i8::WeightRows {
+                        bytes: w.row(r),
+                        scales: w.scales(r),
+                        zeros: &z,
+                        rows: 1,
+                        zero: w.default_zero(),
+                    };
+                    for i in 0..m {
+                        let mut one = [0f32];
+                        cpu_q4i8::dots(&qa, i..i + 1, &row, &mut one);
+                        assert_eq!(got[i * n + r], one[0], "{m} rows of A, weight row {r}, A row {i}");
+                    }
+                }
+            }
+        }
+    }
 
     /// A decode product whose groups of weight rows go to the kept-hot threads (`cpu_share`)
     /// gives exactly rayon's results, for one and three rows of A and a weight row count that is

@@ -141,8 +141,8 @@ impl Real for f32 {
         libm::tanhf(self)
     }
     fn max(self, other: f32) -> f32 {
-        // f32::max's result (the other operand where one is NaN) as a compare and a select, so
-        // that softmax's maximum vectorizes instead of calling `fmaxf` for each value.
+        // f32::max's result (the other operand where one is NaN) as a compare and a select,
+        // where f32::max calls `fmaxf` for each of softmax's values.
         if other > self || self.is_nan() {
             other
         } else {
