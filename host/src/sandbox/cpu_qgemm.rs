@@ -423,21 +423,40 @@ mod tests {
 
     use super::*;
 
+    /// Random 4-bit weights of 151 rows (not a multiple of four) over K = 96 in blocks of 32, and
+    /// the generator that made them.
+    struct Case {
+        n: usize,
+        k: usize,
+        block: usize,
+        kb: usize,
+        blob: usize,
+        b: Vec<u8>,
+        scales: Vec<f32>,
+        next: Box<dyn FnMut() -> u32>,
+    }
+
+    impl Case {
+        fn new(mut seed: u64) -> Case {
+            let (n, k, block) = (4 * 37 + 3, 96, 32);
+            let (kb, blob) = (k / block, block / 2);
+            let mut next: Box<dyn FnMut() -> u32> = Box::new(move || {
+                seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                (seed >> 33) as u32
+            });
+            let b: Vec<u8> = (0..n * kb * blob).map(|_| next() as u8).collect();
+            let scales: Vec<f32> = (0..n * kb).map(|_| (next() % 1000) as f32 / 1000.0 + 0.01).collect();
+            Case { n, k, block, kb, blob, b, scales, next }
+        }
+    }
+
     /// The int8 decode product over ranges of weight rows (rayon's tasks, several kernel calls
     /// each) gives exactly each weight row's product computed alone, for 1, 3 and 6 rows of A
     /// (the last through four and two), default and packed zero points, and a weight row count
     /// that is not a multiple of four.
     #[test]
     fn int8_ranges_match_each_weight_row_alone() {
-        let (n, k, block) = (4 * 37 + 3, 96, 32);
-        let (kb, blob) = (k / block, block / 2);
-        let mut seed = 0x2545_f491_4f6c_dd1du64;
-        let mut next = move || {
-            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
-            (seed >> 33) as u32
-        };
-        let b: Vec<u8> = (0..n * kb * blob).map(|_| next() as u8).collect();
-        let scales: Vec<f32> = (0..n * kb).map(|_| (next() % 1000) as f32 / 1000.0 + 0.01).collect();
+        let Case { n, k, block, kb, blob, b, scales, mut next } = Case::new(0x2545_f491_4f6c_dd1d);
         let zp_row = (kb * 4usize).div_ceil(8);
         let packed: Vec<u8> = (0..n * zp_row).map(|_| next() as u8).collect();
         for zeros in [Zeros::Default(8.0), Zeros::Packed(&packed, zp_row)] {
@@ -472,15 +491,7 @@ mod tests {
     /// not a multiple of four.
     #[test]
     fn shared_and_rayon_decode_products_agree() {
-        let (n, k, block) = (4 * 37 + 3, 96, 32);
-        let (kb, blob) = (k / block, block / 2);
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move || {
-            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
-            (seed >> 33) as u32
-        };
-        let b: Vec<u8> = (0..n * kb * blob).map(|_| next() as u8).collect();
-        let scales: Vec<f32> = (0..n * kb).map(|_| (next() % 1000) as f32 / 1000.0 + 0.01).collect();
+        let Case { n, k, block, kb, blob, b, scales, mut next } = Case::new(0x9e37_79b9_7f4a_7c15);
         let w =
             Weights { b: &b, scales: Cow::Borrowed(&scales), zeros: Zeros::Default(8.0), k, kb, block, blob, bits: 4 };
         for m in [1, 3] {
