@@ -142,8 +142,8 @@ impl Shims {
         }
     }
 
-    /// The time in `kiln_cpu` calls since the last take (see [`Shims::cpu_time`]): (calls,
-    /// host products in them). The session takes it around each node.
+    /// The time in `kiln_cpu` calls since the last take: (the calls' wall time, a tiled node's as
+    /// its parallel section; the host's products in them). The session takes it around each node.
     pub fn take_cpu_time(&mut self) -> (Duration, Duration) {
         std::mem::replace(&mut self.cpu_time, (Duration::ZERO, Duration::ZERO))
     }
