@@ -307,7 +307,10 @@ impl GraphStats {
 }
 
 impl Report {
-    pub fn record_node(&mut self, op: &str, package: &str, t: Duration) {
+    /// Counts one node of `op`, run by `package`, that took `t` on the host, `cpu.0` of it in its
+    /// `kiln_cpu` calls (a tiled node's: their parallel section) and `cpu.1` of that in the host's
+    /// products.
+    pub fn record_node(&mut self, op: &str, package: &str, t: Duration, cpu: (Duration, Duration)) {
         self.nodes += 1;
         match self.packages.get_mut(package) {
             Some(n) => *n += 1,
@@ -321,18 +324,8 @@ impl Report {
         if let Some(s) = self.ops.get_mut(op) {
             s.nodes += 1;
             s.time_us += t.as_micros() as u64;
-        }
-    }
-
-    /// Adds an `op` node's `kiln_cpu` calls to its op's times: `shim` inside the calls (a tiled
-    /// node's: their parallel section), of which `host_compute` in the host's products.
-    pub fn record_shim(&mut self, op: &str, shim: Duration, host_compute: Duration) {
-        if !self.ops.contains_key(op) {
-            self.ops.insert(op.to_string(), OpStat::default());
-        }
-        if let Some(s) = self.ops.get_mut(op) {
-            s.shim_us += shim.as_secs_f64() * 1e6;
-            s.host_compute_us += host_compute.as_secs_f64() * 1e6;
+            s.shim_us += cpu.0.as_secs_f64() * 1e6;
+            s.host_compute_us += cpu.1.as_secs_f64() * 1e6;
         }
     }
 

@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kiln_kernel_abi::wire::Paged;
 use kiln_kernel_abi::DType;
@@ -833,7 +833,8 @@ impl Session {
             let t0 = Instant::now();
             if self.runs_on_executor(idx) {
                 self.run_on_executor(idx, values)?;
-                self.report.record_node(&self.model.graph.nodes[idx].op_type, super::CONTROL_FLOW, t0.elapsed());
+                let op = &self.model.graph.nodes[idx].op_type;
+                self.report.record_node(op, super::CONTROL_FLOW, t0.elapsed(), (Duration::ZERO, Duration::ZERO));
                 self.release_dead(idx, values);
                 continue;
             }
@@ -843,10 +844,8 @@ impl Session {
                 order.push(idx);
             }
             if self.recorder.is_none() {
-                let op = &self.model.graph.nodes[idx].op_type;
-                self.report.record_node(op, &resolved.package_id, t0.elapsed());
-                let (calls, products) = self.shims.take_cpu_time();
-                self.report.record_shim(op, calls, products);
+                let cpu = self.shims.take_cpu_time();
+                self.report.record_node(&self.model.graph.nodes[idx].op_type, &resolved.package_id, t0.elapsed(), cpu);
             }
             self.release_dead(idx, values);
         }

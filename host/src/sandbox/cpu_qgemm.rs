@@ -125,20 +125,9 @@ impl Weights<'_> {
         }
     }
 
-    /// Scratch for a group's zero points ([`Weights::group_zeros`]): four rows of kb, filled
-    /// once here where every zero point is the default.
-    fn group_zeros_scratch(&self) -> Vec<f32> {
-        vec![self.default_zero().unwrap_or(0.0); 4 * self.kb]
-    }
-
-    /// Weight rows `first..first + rows`' zero points into `z` (from [`Weights::group_zeros_scratch`];
-    /// nothing to do for default ones, filled already).
-    fn group_zeros(&self, first: usize, rows: usize, z: &mut [f32]) {
-        if self.default_zero().is_none() {
-            for (t, zt) in z.chunks_exact_mut(self.kb).take(rows).enumerate() {
-                self.zeros(first + t, zt);
-            }
-        }
+    /// Bytes of one weight row: its packed values and its f32 scales.
+    fn row_bytes(&self) -> usize {
+        self.kb * (self.blob + 4)
     }
 
     /// Weight rows `first..first + rows`' zero points into `z` (grown to rows · kb values; the
@@ -189,12 +178,12 @@ fn direct_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
     for (i, row) in x.chunks_exact_mut(padded).enumerate() {
         row[..w.k].copy_from_slice(&a[i * w.k..(i + 1) * w.k]);
     }
-    let scratch = || (w.group_zeros_scratch(), vec![0f32; w.block]);
+    let scratch = || (Vec::new(), vec![0f32; w.block]);
     // Group g: weight rows 4g.. (fewer in the last), whose results are `chunk`.
     let group = |(z, scratch): &mut (Vec<f32>, Vec<f32>), g: usize, chunk: &mut [f32]| {
         let first = 4 * g;
         let rows = chunk.len() / m;
-        w.group_zeros(first, rows, z);
+        w.range_zeros(first, rows, z);
         let x_row = |i: usize| &x[i * padded..(i + 1) * padded];
         // One row of A: four weight rows at once.
         let mut dots = [0f32; 4];
@@ -218,7 +207,7 @@ fn direct_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
             }
         }
     };
-    over_groups(out, (m, n, w.kb * (w.blob + 4)), scratch, |s, groups, results| {
+    over_groups(out, (m, n, w.row_bytes()), scratch, |s, groups, results| {
         for (g, part) in groups.zip(results.chunks_mut(4 * m)) {
             group(s, g, part);
         }
@@ -275,12 +264,19 @@ fn over_groups<S>(
 
 /// The least bytes of weights (packed values and scales) one task of a decode product covers:
 /// `KILN_CPU_TASK_KB` KiB, 0 (tasks of at least eight groups of four rows) unless set (an A/B of
-/// how many threads a small product is worth).
+/// how many threads a small product is worth; another value is reported once, as a warning, and
+/// ignored).
 fn task_bytes() -> usize {
     static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *BYTES.get_or_init(|| {
-        let kib = std::env::var("KILN_CPU_TASK_KB").ok().and_then(|v| v.trim().parse::<usize>().ok());
-        kib.unwrap_or(0).saturating_mul(1024)
+    *BYTES.get_or_init(|| match std::env::var("KILN_CPU_TASK_KB") {
+        Err(_) => 0,
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(kib) => kib.saturating_mul(1024),
+            Err(_) => {
+                tracing::warn!("KILN_CPU_TASK_KB={v:?} is not a number of KiB; using 0 (tasks of eight groups)");
+                0
+            }
+        },
     })
 }
 
@@ -299,8 +295,8 @@ fn int8_activations(q: &QGemm, w: &Weights) -> bool {
         && !matches!(w.zeros, Zeros::Float(_))
 }
 
-/// Y = A · dequant(B)ᵀ for a few rows of A quantized to int8 per block ([`cpu_q4i8`]), up to four
-/// rows of A at a time against each group of four weight rows.
+/// Y = A · dequant(B)ᵀ for a few rows of A quantized to int8 per block ([`cpu_q4i8`]): each
+/// task's weight rows 16 at a time, against up to four rows of A at once.
 fn int8_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
     let qa = cpu_q4i8::QuantizedA::new(a, m, w.k, w.block);
     // Each call of the kernel covers at most this many weight rows, which it reads once per row
@@ -334,7 +330,7 @@ fn int8_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
             }
         }
     };
-    over_groups(out, (m, n, w.kb * (w.blob + 4)), || (Vec::new(), Vec::new()), run);
+    over_groups(out, (m, n, w.row_bytes()), || (Vec::new(), Vec::new()), run);
 }
 
 /// [`row_dot`] for four 4-bit weight rows from `first`, whose zero points are `z`'s four runs

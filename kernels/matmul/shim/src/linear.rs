@@ -414,6 +414,11 @@ fn swiglu_rows(p: &[f64], n: usize, round: impl Fn(f64) -> f64) -> Vec<f64> {
     y
 }
 
+/// `sqrt(mean(row²) + eps)` of one row of `s`, in f64.
+fn rms(row: &[f64], eps: f32) -> f64 {
+    libm::sqrt(row.iter().map(|v| v * v).sum::<f64>() / row.len() as f64 + eps as f64)
+}
+
 /// A `[rows, k]` in f64, not yet rounded (`round` rounds the values the unfused ops would
 /// store on the way), and, for RmsNorm, `s = X + skip`.
 fn operand_a(call: &Call, g: &Geometry, round: impl Fn(f64) -> f64) -> Result<(Vec<f64>, Vec<f64>)> {
@@ -443,7 +448,7 @@ fn operand_a(call: &Call, g: &Geometry, round: impl Fn(f64) -> f64) -> Result<(V
             let mut a = s.clone();
             for r in 0..g.rows {
                 let row = &mut a[r * g.k..(r + 1) * g.k];
-                let rms = libm::sqrt(row.iter().map(|v| v * v).sum::<f64>() / g.k as f64 + g.eps as f64);
+                let rms = rms(row, g.eps);
                 for (c, v) in row.iter_mut().enumerate() {
                     *v = *v / rms * gamma[c];
                 }
@@ -471,7 +476,7 @@ fn rmsnorm_f32(call: &Call, g: &Geometry, sum: bool) -> Result<(Vec<f32>, Vec<f3
         if sum {
             s.extend(row.iter().map(|&v| v as f32));
         }
-        let rms = libm::sqrt(row.iter().map(|v| v * v).sum::<f64>() / k as f64 + g.eps as f64);
+        let rms = rms(&row, g.eps);
         a.extend(row.iter().zip(&gamma).map(|(&v, &gm)| (v / rms * gm as f64) as f32));
     }
     Ok((a, s))
