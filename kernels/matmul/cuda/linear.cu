@@ -100,6 +100,14 @@ enum { HAS_SKIP = 1, HAS_SUM = 2, W_CONST = 4 };
 // took 0.578 against 0.615 ms (H100, bench/RESULTS.md, 2026-12-06, session 33); K ≤ 2,048 at 4
 // bits is one pass either way.
 #define LIN_QUNROLL 2
+#define LIN_QWARPS 8   // warps per block of the quantized GEMV (the shim's Q_GEMV_WARPS; 4 and 2 slower)
+// Independent partial sums a lane keeps per output, added at the end: LIN_QCHAINS (1, 2 or 4) over
+// a 4- or 8-bit chunk's products, LIN_CHAINS (1 or 2) over the 16-bit GEMV's. One keeps the sums
+// in K order; more shorten the chain of dependent FMAs (ncu, H100, session 42: the 4-bit Linear
+// form issues an instruction every 3.8 cycles a scheduler with 2 warps, 74 % of cycles with none
+// eligible). Compile-time constants for drop-in A/Bs (scripts/make-variant.sh).
+#define LIN_QCHAINS 1
+#define LIN_CHAINS 1
 #define LIN_PRO 4      // 16-byte activation loads per thread in flight in the prologue
 #ifndef LIN_PRO_COPY   // the same for Linear's copy (no up operand); -D for bench/layer_probe.cu:
 #define LIN_PRO_COPY 4 // 8 would load batch 8's down (8 rows of 1,536) in one round trip instead
@@ -445,11 +453,15 @@ __device__ __forceinline__ void gemv(const typename T::S* x, const typename T::S
 
     bool loaded = true;
     for (; col < n_out; col += col_step) {
-        float acc[ROWS][LIN_COLS];
+        // LIN_CHAINS independent sums per output (value e of a chunk into sum e % LIN_CHAINS),
+        // added at the end.
+        float accs[LIN_CHAINS][ROWS][LIN_COLS];
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r)
+        for (int h = 0; h < LIN_CHAINS; ++h)
 #pragma unroll
-            for (int j = 0; j < LIN_COLS; ++j) acc[r][j] = 0.f;
+            for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+                for (int j = 0; j < LIN_COLS; ++j) accs[h][r][j] = 0.f;
         for (unsigned base = 0; base < kc; base += 32 * LIN_UNROLL) {
             if (!loaded) load_pass(wv, w4, col, stride, n, kc, base, lane);
             loaded = false;
@@ -468,12 +480,19 @@ __device__ __forceinline__ void gemv(const typename T::S* x, const typename T::S
 #pragma unroll
                             for (int j = 0; j < LIN_COLS; ++j)
 #pragma unroll
-                                for (int e = 0; e < T::VEC; ++e) acc[r][j] = fmaf(af[e], wf[j][e], acc[r][j]);
+                                for (int e = 0; e < T::VEC; ++e)
+                                    accs[e % LIN_CHAINS][r][j] = fmaf(af[e], wf[j][e], accs[e % LIN_CHAINS][r][j]);
                         }
                     }
                 }
             }
         }
+        float acc[ROWS][LIN_COLS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+            for (int j = 0; j < LIN_COLS; ++j)
+                acc[r][j] = LIN_CHAINS == 2 ? accs[0][r][j] + accs[(LIN_CHAINS - 1)][r][j] : accs[0][r][j];
         if (epi)
             store_swiglu<T, ROWS>(acc, y, row0, rows_here, n_out, col, lane);
         else
@@ -538,16 +557,22 @@ __device__ __forceinline__ void q_unpack(const uint4& w, float (&q)[QChunk<BITS>
 template <int BITS>
 __device__ __forceinline__ float q_dot(const float (&q)[QChunk<BITS>::VALUES], const float4* a, unsigned c,
                                        unsigned kc) {
-    float s = 0.f;
+    // LIN_QCHAINS independent partial sums (value e of a group into sum e % LIN_QCHAINS), added
+    // in a tree at the end.
+    float s[LIN_QCHAINS];
+#pragma unroll
+    for (int i = 0; i < LIN_QCHAINS; ++i) s[i] = 0.f;
 #pragma unroll
     for (int g = 0; g < QChunk<BITS>::GROUPS; ++g) {
         const float4 av = a[g * kc + c];
-        s = fmaf(av.x, q[4 * g], s);
-        s = fmaf(av.y, q[4 * g + 1], s);
-        s = fmaf(av.z, q[4 * g + 2], s);
-        s = fmaf(av.w, q[4 * g + 3], s);
+        s[0] = fmaf(av.x, q[4 * g], s[0]);
+        s[1 % LIN_QCHAINS] = fmaf(av.y, q[4 * g + 1], s[1 % LIN_QCHAINS]);
+        s[2 % LIN_QCHAINS] = fmaf(av.z, q[4 * g + 2], s[2 % LIN_QCHAINS]);
+        s[3 % LIN_QCHAINS] = fmaf(av.w, q[4 * g + 3], s[3 % LIN_QCHAINS]);
     }
-    return s;
+    if (LIN_QCHAINS == 4) return (s[0] + s[1]) + (s[2 % LIN_QCHAINS] + s[3 % LIN_QCHAINS]);
+    if (LIN_QCHAINS == 2) return s[0] + s[1 % LIN_QCHAINS];
+    return s[0];
 }
 
 // The chunks of one pass of the quantized GEMV and their scales: W rows col + j·stride for j <
@@ -610,8 +635,8 @@ __device__ __forceinline__ void gemv_q(const typename T::S* x, const typename T:
     const uint4* w4 = (const uint4*)w;
     const bool epi = MODE & LIN_OUT_SWIGLU;
     const kiln_u64 n_out = epi ? n / 2 : n, stride = epi ? n_out : 1, per_warp = epi ? 1 : LIN_COLS;
-    const kiln_u64 col_step = (kiln_u64)gridDim.x * LIN_WARPS * per_warp;
-    kiln_u64 col = ((kiln_u64)blockIdx.x * LIN_WARPS + warp) * per_warp;
+    const kiln_u64 col_step = (kiln_u64)gridDim.x * LIN_QWARPS * per_warp;
+    kiln_u64 col = ((kiln_u64)blockIdx.x * LIN_QWARPS + warp) * per_warp;
 
     uint4 wv[LIN_COLS][LIN_QUNROLL];
     float sv[LIN_COLS][LIN_QUNROLL];
@@ -1104,10 +1129,10 @@ __global__ void __launch_bounds__(MMA_WARPS * 32)
 // [n, kb] (MatMulNBits' layout, default zero point 2^(BITS − 1)): block and k multiples of
 // 128 / BITS with kb = ceil(k / block); the same modes (LIN_RMSNORM_SWIGLU: y [rows, n / 2]).
 // R (1, 2, 4, 8) rows per block: grid [column blocks, ceil(rows / R), 1] (a column block holds
-// LIN_WARPS · LIN_COLS outputs, LIN_WARPS under the epilogue), block [LIN_WARPS · 32, 1, 1],
+// LIN_QWARPS · LIN_COLS outputs, LIN_QWARPS under the epilogue), block [LIN_QWARPS · 32, 1, 1],
 // dynamic shared memory min(rows, R) · k · 4; W 16-byte aligned.
 template <typename Tag, int MODE, int R, int BITS>
-__global__ void __launch_bounds__(LIN_WARPS * 32)
+__global__ void __launch_bounds__(LIN_QWARPS * 32)
     kiln_linear_qgemv(const typename Tag::storage* x, const typename Tag::storage* skip,
                       const typename Tag::storage* gamma, const unsigned char* w, const typename Tag::storage* scales,
                       typename Tag::storage* y, typename Tag::storage* sum, kiln_u64 rows, kiln_u64 n, kiln_u64 k,

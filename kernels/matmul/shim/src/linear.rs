@@ -82,9 +82,15 @@ use kiln_kernel_abi::{bail, unsupported};
 pub const GEMV_MAX_ROWS: usize = 4;
 /// Most rows of A one GEMV block holds in shared memory: its kernels come for 1, 2 and 4.
 const GEMV_BLOCK_ROWS: usize = 4;
-/// Threads per GEMV block and outputs per block (`LIN_WARPS` · 32, `LIN_WARPS` · `LIN_COLS`).
-const GEMV_THREADS: u32 = 256;
-const GEMV_COLS_PER_BLOCK: usize = 16;
+/// Warps per GEMV block (`LIN_WARPS`).
+const GEMV_WARPS: usize = 8;
+/// Warps per block of the 4- and 8-bit CUDA-core GEMV (`LIN_QWARPS`); `LIN_COLS` outputs each.
+/// Fewer warps a block spread the small projections over more SMs, but on an H100 the int4 decode
+/// step at batch 1 took 0.642 ms at 4 and 0.814 at 2 against 0.575 at 8 (bench/RESULTS.md,
+/// session 42): the kernel waits on latency, and 8 warps hide more of it.
+const Q_GEMV_WARPS: usize = 8;
+/// Outputs (weight rows) per GEMV warp (`LIN_COLS`).
+const GEMV_COLS_PER_WARP: usize = 2;
 /// Most GEMV column blocks; larger N loops inside the blocks (the LM head's 49,152 outputs: in
 /// SmolLM2-135M the only GEMV past the cap; a larger model's layer GEMVs past 4,224 outputs
 /// loop too, not measured).
@@ -790,14 +796,21 @@ fn launch_decode(
     match decode {
         DecodeKernel::Mma { n_tiles, shared } => launch_mma(mma, tag, g, epilogue, n_tiles, shared, operands),
         DecodeKernel::Gemv { block_rows, shared } => {
-            // GEMV_COLS_PER_BLOCK outputs per block; under the epilogue a warp's two weight rows
+            // GEMV_COLS_PER_WARP outputs per warp; under the epilogue a warp's two weight rows
             // are one output's gate and up.
-            let per_block = if epilogue { GEMV_COLS_PER_BLOCK / 2 } else { GEMV_COLS_PER_BLOCK };
+            let warps = if bits.is_some() { Q_GEMV_WARPS } else { GEMV_WARPS };
+            let per_block = if epilogue { warps } else { warps * GEMV_COLS_PER_WARP };
             let outputs = if epilogue { g.n / 2 } else { g.n };
             let rows = block_rows.to_string();
             let mut params = alloc::vec![tag, kernel_mode(g, epilogue), rows.as_str()];
             params.extend(bits);
-            launch_gemv(gemv, &params, outputs.div_ceil(per_block), g.rows.div_ceil(block_rows), shared, operands)
+            launch_gemv(
+                gemv,
+                &params,
+                [outputs.div_ceil(per_block), g.rows.div_ceil(block_rows), warps],
+                shared,
+                operands,
+            )
         }
     }
 }
@@ -834,19 +847,19 @@ fn launch_mma(
 
 /// Launches CUDA-core GEMV `kernel` (`kiln_linear_gemv`, `kiln_linear_qgemv`) with template
 /// arguments `params` over `column_blocks` blocks of outputs (at most `GEMV_MAX_BLOCKS`, which then
-/// loop) and `row_blocks` blocks of rows, `shared` bytes of A.
+/// loop) and `row_blocks` blocks of rows, `warps` warps a block (the kernel's `LIN_WARPS` or
+/// `LIN_QWARPS`), `shared` bytes of A.
 fn launch_gemv(
     kernel: &str,
     params: &[&str],
-    column_blocks: usize,
-    row_blocks: usize,
+    [column_blocks, row_blocks, warps]: [usize; 3],
     shared: u64,
     args: Vec<KernelArg>,
 ) -> Result<()> {
     launch(&Launch {
         kernel: &kernel_name(kernel, params),
         grid: [column_blocks.min(GEMV_MAX_BLOCKS) as u32, row_blocks as u32, 1],
-        block: [GEMV_THREADS, 1, 1],
+        block: [(warps * 32) as u32, 1, 1],
         shared_mem_bytes: shared as u32,
         args,
     })
