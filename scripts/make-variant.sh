@@ -7,12 +7,11 @@
 # scripts/stage-gpu.sh, which clears .gpu/.
 #   scripts/make-variant.sh NAME PKG [--cu FILE EXPR]... [--shim FILE EXPR]...
 # FILE is relative to kernels/PKG/cuda/ (--cu) or kernels/PKG/shim/src/ (--shim); EXPR is a sed
-# expression. Example: the GEMV at one output per warp, 8 loads in flight:
-#   scripts/make-variant.sh gemv-c1u8 matmul \
-#     --cu linear.cu 's/^#define LIN_COLS 2 /#define LIN_COLS 1 /; s/^#define LIN_UNROLL 4 /#define LIN_UNROLL 8 /' \
-#     --shim linear.rs 's/^const GEMV_COLS_PER_BLOCK: usize = 8;/const GEMV_COLS_PER_BLOCK: usize = 4;/'
+# expression. Example: the 4-bit GEMV at 4 warps a block (kernel and shim change together):
+#   scripts/make-variant.sh qw4 matmul --cu linear.cu 's/^#define LIN_QWARPS 8 /#define LIN_QWARPS 4 /' \
+#     --shim linear.rs 's/^const Q_GEMV_WARPS: usize = 8;/const Q_GEMV_WARPS: usize = 4;/'
 set -euo pipefail
-usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 [ $# -ge 2 ] || usage
 name=$1 pkg=$2
 shift 2

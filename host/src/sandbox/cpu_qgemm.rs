@@ -262,19 +262,27 @@ fn over_groups<S>(
     }
 }
 
-/// The least bytes of weights (packed values and scales) one task of a decode product covers:
-/// `KILN_CPU_TASK_KB` KiB, 0 (tasks of at least eight groups of four rows) unless set (an A/B of
-/// how many threads a small product is worth; another value is reported once, as a warning, and
-/// ignored).
+/// The least bytes of weights (packed values and scales) one task of a decode product covers by
+/// default: a 576 × 576 4-bit product (about 200 KiB with its scales) then takes at most 7 tasks.
+/// With tasks of eight groups (18 for that product) a 16-core H100 host ran 60 such products in
+/// 1.89–2.04 ms at 16 threads and 1.98 at 4, against 1.38–1.48 on one thread; at 32 KiB 1.80–1.87
+/// and 1.51, and the SmolLM2-135M int4 decode step at 16 threads took 6.67–6.93 ms against
+/// 7.00–8.80 (bench/RESULTS.md, session 42). Larger tasks (128 KiB, 1 MiB) were slower again.
+const TASK_BYTES: usize = 32 << 10;
+
+/// The least bytes of weights one task of a decode product covers: `KILN_CPU_TASK_KB` KiB when
+/// set (0: tasks of at least eight groups of four rows, the split before [`TASK_BYTES`]; an A/B
+/// of how many threads a small product is worth), else [`TASK_BYTES`] (another value is
+/// reported once, as a warning, and ignored).
 fn task_bytes() -> usize {
     static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *BYTES.get_or_init(|| match std::env::var("KILN_CPU_TASK_KB") {
-        Err(_) => 0,
+        Err(_) => TASK_BYTES,
         Ok(v) => match v.trim().parse::<usize>() {
             Ok(kib) => kib.saturating_mul(1024),
             Err(_) => {
-                tracing::warn!("KILN_CPU_TASK_KB={v:?} is not a number of KiB; using 0 (tasks of eight groups)");
-                0
+                tracing::warn!("KILN_CPU_TASK_KB={v:?} is not a number of KiB; using {}", TASK_BYTES >> 10);
+                TASK_BYTES
             }
         },
     })
@@ -434,7 +442,8 @@ mod tests {
 
     impl Case {
         fn new(mut seed: u64) -> Case {
-            let (n, k, block) = (4 * 37 + 3, 96, 32);
+            // 1,203 weight rows of 60 bytes: three tasks of at least TASK_BYTES.
+            let (n, k, block) = (4 * 300 + 3, 96, 32);
             let (kb, blob) = (k / block, block / 2);
             let mut next: Box<dyn FnMut() -> u32> = Box::new(move || {
                 seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);

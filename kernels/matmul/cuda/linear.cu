@@ -104,10 +104,13 @@ enum { HAS_SKIP = 1, HAS_SUM = 2, W_CONST = 4 };
 // Independent partial sums a lane keeps per output, added at the end: LIN_QCHAINS (1, 2 or 4) over
 // a 4- or 8-bit chunk's products, LIN_CHAINS (1 or 2) over the 16-bit GEMV's. One keeps the sums
 // in K order; more shorten the chain of dependent FMAs (ncu, H100, session 42: the 4-bit Linear
-// form issues an instruction every 3.8 cycles a scheduler with 2 warps, 74 % of cycles with none
-// eligible). Compile-time constants for drop-in A/Bs (scripts/make-variant.sh).
+// form's O and down projections issue an instruction every 2.9–3.8 cycles a scheduler with 2
+// warps, 65–74 % of cycles with none eligible). Compile-time constants for drop-in A/Bs
+// (scripts/make-variant.sh).
 #define LIN_QCHAINS 1
 #define LIN_CHAINS 1
+static_assert(LIN_QCHAINS == 1 || LIN_QCHAINS == 2 || LIN_QCHAINS == 4, "LIN_QCHAINS is 1, 2 or 4");
+static_assert(LIN_CHAINS == 1 || LIN_CHAINS == 2, "LIN_CHAINS is 1 or 2");
 #define LIN_PRO 4      // 16-byte activation loads per thread in flight in the prologue
 #ifndef LIN_PRO_COPY   // the same for Linear's copy (no up operand); -D for bench/layer_probe.cu:
 #define LIN_PRO_COPY 4 // 8 would load batch 8's down (8 rows of 1,536) in one round trip instead
@@ -570,8 +573,8 @@ __device__ __forceinline__ float q_dot(const float (&q)[QChunk<BITS>::VALUES], c
         s[2 % LIN_QCHAINS] = fmaf(av.z, q[4 * g + 2], s[2 % LIN_QCHAINS]);
         s[3 % LIN_QCHAINS] = fmaf(av.w, q[4 * g + 3], s[3 % LIN_QCHAINS]);
     }
-    if (LIN_QCHAINS == 4) return (s[0] + s[1]) + (s[2 % LIN_QCHAINS] + s[3 % LIN_QCHAINS]);
-    if (LIN_QCHAINS == 2) return s[0] + s[1 % LIN_QCHAINS];
+    if constexpr (LIN_QCHAINS == 4) return (s[0] + s[1 % LIN_QCHAINS]) + (s[2 % LIN_QCHAINS] + s[3 % LIN_QCHAINS]);
+    if constexpr (LIN_QCHAINS == 2) return s[0] + s[1 % LIN_QCHAINS];
     return s[0];
 }
 

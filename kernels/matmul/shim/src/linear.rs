@@ -84,7 +84,8 @@ pub const GEMV_MAX_ROWS: usize = 4;
 const GEMV_BLOCK_ROWS: usize = 4;
 /// Warps per GEMV block (`LIN_WARPS`).
 const GEMV_WARPS: usize = 8;
-/// Warps per block of the 4- and 8-bit CUDA-core GEMV (`LIN_QWARPS`); `LIN_COLS` outputs each.
+/// Warps per block of the 4- and 8-bit CUDA-core GEMV (`LIN_QWARPS`); each holds `LIN_COLS`
+/// weight rows (one output's gate and up rows under the `swiglu` epilogue).
 /// Fewer warps a block spread the small projections over more SMs, but on an H100 the int4 decode
 /// step at batch 1 took 0.642 ms at 4 and 0.814 at 2 against 0.575 at 8 (bench/RESULTS.md,
 /// session 42): the kernel waits on latency, and 8 warps hide more of it.
