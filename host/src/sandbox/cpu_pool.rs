@@ -2,7 +2,7 @@
 //! in `kiln_cpu` calls, and a CPU session's graph itself), `KILN_CPU_THREADS` of them (default:
 //! every core the process may use).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -96,6 +96,14 @@ const HOT_NAP: Duration = Duration::from_micros(50);
 /// Whether a session runs hot on the pool now ([`on_pool_hot`]): one at a time.
 static HOT: AtomicBool = AtomicBool::new(false);
 
+/// Parallel sections open on the pool ([`on_pool`]). A kept-hot helper looks for rayon's work
+/// only while one is open, and otherwise spins on this word and `cpu_share`'s. Rayon's look
+/// (`yield_now`) walks every thread's deque; on a 16-core H100 host a node whose product ran as
+/// one task on the graph's thread took 44 µs at 16 threads against 25 at one (bench/RESULTS.md,
+/// session 42), the helpers' looks beside it the likely cost (on a core's other hyperthread
+/// they share its issue slots).
+static OPEN: AtomicUsize = AtomicUsize::new(0);
+
 /// Runs `f` (a CPU session's graph) on one of the CPU pool's threads while the others stay hot:
 /// until `f` returns they spin (then nap, [`hot_spin`], [`HOT_NAP`]), taking any parallel work
 /// `f`'s nodes share out, instead of sleeping until woken between nodes. Waking a sleeping
@@ -131,13 +139,15 @@ pub fn on_pool_hot<R: Send>(f: impl FnOnce() -> R + Send) -> R {
                     let mut idle_since = Instant::now();
                     let mut spins = 0u32;
                     while !done.load(Ordering::Acquire) {
-                        // A loop the graph's thread shares out first (`cpu_share`), then rayon's work.
+                        // A loop the graph's thread shares out first (`cpu_share`), then rayon's
+                        // work while a parallel section is open.
                         if super::cpu_share::help() {
                             idle_since = Instant::now();
                             spins = 0;
                             continue;
                         }
-                        match rayon::yield_now() {
+                        let open = OPEN.load(Ordering::Acquire) > 0;
+                        match if open { rayon::yield_now() } else { None } {
                             Some(rayon::Yield::Executed) => {
                                 idle_since = Instant::now();
                                 spins = 0;
@@ -175,10 +185,22 @@ pub fn on_pool_hot<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 }
 
 /// Runs `f` on the CPU pool (its rayon work on the pool's threads), or here without one; inline
-/// when called from one of the pool's threads.
+/// when called from one of the pool's threads. While it runs, a hot session's helpers look for
+/// its rayon work ([`OPEN`]).
 pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     match pool() {
-        Some(p) => p.install(f),
+        Some(p) => {
+            /// Closes the section when dropped, `f` returning or unwinding alike.
+            struct Close;
+            impl Drop for Close {
+                fn drop(&mut self) {
+                    OPEN.fetch_sub(1, Ordering::Release);
+                }
+            }
+            OPEN.fetch_add(1, Ordering::Release);
+            let _close = Close;
+            p.install(f)
+        }
         None => f(),
     }
 }
