@@ -90,7 +90,8 @@
 #              when staged, else $KILN): the top functions, and the graph thread's apart
 #   cpu-nodes  where a node's CPU time goes at 1, 4 and 16 threads, beside onnxruntime: the chains
 #              of bench/cpu_node_models.py (p50 of kiln bench run against onnxruntime's, and at 16
-#              threads with KILN_CPU_SHARE=1 and KILN_CPU_TASK_KB=32), then the int4 CPU folder's
+#              threads with KILN_CPU_TASK_KB=32 (the default), 0 (the old split) and 1024 (one task a
+#              product) and KILN_CPU_SHARE=1, for KILN_AB's binary too), then the int4 CPU folder's
 #              decode at 16 threads with those pool settings (alternated, twice) and its host time
 #              by op at 16 and 1 threads, split into shim calls and the host's products
 #              (`--profile`); KILN_AB (a second kiln binary, e.g. the last commit's) joins the
@@ -358,10 +359,14 @@ for w in glob.glob(".gpu/python/*.whl"):
         echo "== $m, $t threads: kiln $(KILN_CPU_THREADS=$t "$KILN" bench run "$work/nodes/$m.onnx" --device cpu --runs 200 \
           --warmup 20 2>&1 | grep -oE 'p50 [0-9.]+') ms; $(python3 bench/cpu_node_models.py ort "$work/nodes/$m.onnx" $t)"
       done
-      for v in KILN_CPU_SHARE=1 KILN_CPU_TASK_KB=32 "KILN_CPU_SHARE=1 KILN_CPU_TASK_KB=32"; do
-        # shellcheck disable=SC2086
-        echo "== $m, 16 threads, $v: kiln $(env $v KILN_CPU_THREADS=16 "$KILN" bench run "$work/nodes/$m.onnx" --device cpu \
-          --runs 200 --warmup 20 2>&1 | grep -oE 'p50 [0-9.]+') ms"
+      # At 16 threads: the default (tasks of at least 32 KiB), the old split (0), one task a
+      # product (1024: no parallel section), the shared counter; KILN_AB's binary beside this one.
+      for b in "$KILN" ${KILN_AB:-}; do
+        for v in KILN_CPU_TASK_KB=32 KILN_CPU_TASK_KB=0 KILN_CPU_TASK_KB=1024 KILN_CPU_SHARE=1; do
+          # shellcheck disable=SC2086
+          echo "== $m, 16 threads, $v, $b: kiln $(env $v KILN_CPU_THREADS=16 "$b" bench run "$work/nodes/$m.onnx" \
+            --device cpu --runs 200 --warmup 20 2>&1 | grep -oE 'p50 [0-9.]+') ms"
+        done
       done
     done 2>&1 | tee "$out/cpu-nodes.log"
     i4c=$models/smollm2-arch-int4-cpu
@@ -379,7 +384,7 @@ for w in glob.glob(".gpu/python/*.whl"):
       python3 bench/ort_decode_cpu.py "$i4c" --threads 16 --prompt-len 16 --new-tokens 64 --runs 3 2>&1 | tail -1
       for round in 1 2; do
         [ -n "${KILN_AB:-}" ] && echo "== decode, 16 threads, $KILN_AB: $(decode "$KILN_AB" KILN_CPU_THREADS=16)"
-        for v in KILN_CPU_SHARE=0 KILN_CPU_SHARE=1 KILN_CPU_TASK_KB=32 "KILN_CPU_SHARE=1 KILN_CPU_TASK_KB=32" \
+        for v in KILN_CPU_SHARE=0 KILN_CPU_SHARE=1 KILN_CPU_TASK_KB=0 "KILN_CPU_SHARE=1 KILN_CPU_TASK_KB=0" \
           KILN_CPU_HOT_SPIN_US=0; do
           # shellcheck disable=SC2086
           echo "== decode, 16 threads, $v (round $round): $(decode "$KILN" KILN_CPU_THREADS=16 $v)"

@@ -12,7 +12,7 @@ use std::borrow::Cow;
 use kiln_kernel_abi::wire::{Epilogue, Gemm, Operand};
 use kiln_kernel_abi::DType;
 
-use super::cpu_pool::{cpu_threads, on_pool};
+use super::cpu_pool::{cpu_threads, on_pool, pool};
 use super::handles::{readable, Access, Slot};
 
 /// Multiply-adds a tile of a shared product aims for: a product smaller than two of them (or
@@ -127,7 +127,7 @@ pub(super) unsafe fn sgemm(
     if count > 1 && super::cpu_share::share(count, 1, &|t0, t1| (t0..t1).for_each(tile)) {
         return;
     }
-    if count > 1 && cpu_threads() > 1 {
+    if count > 1 && cpu_threads() > 1 && pool().is_some() {
         on_pool(|| {
             use rayon::prelude::*;
             (0..count).into_par_iter().for_each(tile)

@@ -117,8 +117,13 @@ pub fn on_pool_hot<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     let Some(p) = pool() else { return f() };
     let helpers = p.current_num_threads().saturating_sub(1);
     let spin = hot_spin();
-    if helpers == 0 || p.current_thread_index().is_some() || spin.is_zero() {
-        return on_pool(f);
+    // A run inside a pool thread (a Loop, Scan or If body) runs inline; without helpers, as a
+    // plain install. Neither opens a parallel section: the nodes' own products do.
+    if p.current_thread_index().is_some() {
+        return f();
+    }
+    if helpers == 0 || spin.is_zero() {
+        return p.install(f);
     }
     if HOT.swap(true, Ordering::Acquire) {
         return f();
@@ -184,8 +189,8 @@ pub fn on_pool_hot<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     })
 }
 
-/// Runs `f` on the CPU pool (its rayon work on the pool's threads), or here without one; inline
-/// when called from one of the pool's threads. While it runs, a hot session's helpers look for
+/// Runs `f` on the CPU pool (its rayon work on the pool's threads), or here without one (its
+/// rayon calls then go to rayon's global pool); inline when called from one of the pool's threads. While it runs, a hot session's helpers look for
 /// its rayon work ([`OPEN`]).
 pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     match pool() {

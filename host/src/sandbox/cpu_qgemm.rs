@@ -219,7 +219,9 @@ fn direct_product(a: &[f32], w: &Weights, m: usize, n: usize, out: &mut [f32]) {
 /// column-major n × m result (weight row r's m results at r · m), then writes the results
 /// row-major into `out` (m × n; for one row of A the two are one layout, written in place): on
 /// the kept-hot threads in chunks (about four a thread, at least two groups), else as rayon's
-/// tasks of eight groups; either at least [`task_bytes`] of weights (`row_bytes` a row).
+/// tasks of eight groups; either at least [`task_bytes`] of weights (`row_bytes` a row), so a
+/// product of at most that many runs here as one task. The task size counts weight bytes only:
+/// m rows of A make each task m times the work (measured for one row of A; for more, not).
 /// `scratch` makes each chunk's or thread's scratch.
 fn over_groups<S>(
     out: &mut [f32],
@@ -239,6 +241,28 @@ fn over_groups<S>(
         transposed.resize(n * m, 0f32);
         &mut transposed
     };
+    if groups <= least {
+        // One task's weights or fewer: here, without the pool (no parallel section opens).
+        run(&mut scratch(), 0..groups, cols);
+    } else {
+        over_pool(cols, (m, n, groups), (chunk, task), &scratch, &run);
+    }
+    if m > 1 {
+        for (i, row) in out.chunks_exact_mut(n).enumerate() {
+            row.iter_mut().enumerate().for_each(|(r, v)| *v = transposed[r * m + i]);
+        }
+    }
+}
+
+/// [`over_groups`]' parallel part: `groups` groups of `cols` (column-major, n · m) in chunks of
+/// `chunk` groups on the kept-hot threads (`cpu_share`), else as rayon's tasks of `task` groups.
+fn over_pool<S>(
+    cols: &mut [f32],
+    (m, n, groups): (usize, usize, usize),
+    (chunk, task): (usize, usize),
+    scratch: &(impl Fn() -> S + Sync + Send),
+    run: &(impl Fn(&mut S, Range<usize>, &mut [f32]) + Sync + Send),
+) {
     let base = cols.as_mut_ptr() as usize;
     let shared = cpu_share::share(groups, chunk, &|g0, g1| {
         let (lo, hi) = (4 * g0 * m, (4 * g1).min(n) * m);
@@ -249,24 +273,19 @@ fn over_groups<S>(
     });
     if !shared {
         on_pool(|| {
-            cols.par_chunks_mut(4 * m * task).enumerate().for_each_init(&scratch, |s, (t, results)| {
+            cols.par_chunks_mut(4 * m * task).enumerate().for_each_init(scratch, |s, (t, results)| {
                 let g0 = t * task;
                 run(s, g0..g0 + results.len().div_ceil(4 * m), results)
             })
         });
-    }
-    if m > 1 {
-        for (i, row) in out.chunks_exact_mut(n).enumerate() {
-            row.iter_mut().enumerate().for_each(|(r, v)| *v = transposed[r * m + i]);
-        }
     }
 }
 
 /// The least bytes of weights (packed values and scales) one task of a decode product covers by
 /// default: a 576 × 576 4-bit product (about 200 KiB with its scales) then takes at most 7 tasks.
 /// With tasks of eight groups (18 for that product) a 16-core H100 host ran 60 such products in
-/// 1.89–2.04 ms at 16 threads and 1.98 at 4, against 1.38–1.48 on one thread; at 32 KiB 1.80–1.87
-/// and 1.51, and the SmolLM2-135M int4 decode step at 16 threads took 6.67–6.93 ms against
+/// 1.89–2.04 ms at 16 threads and 1.85–1.98 at 4, against 1.38–1.48 on one thread (two machines of
+/// the kind); at 32 KiB 1.80–1.87 and 1.51, and the SmolLM2-135M int4 decode step at 16 threads took 6.67–6.93 ms against
 /// 7.00–8.80 (bench/RESULTS.md, session 42). Larger tasks (128 KiB, 1 MiB) were slower again.
 const TASK_BYTES: usize = 32 << 10;
 
@@ -427,7 +446,7 @@ mod tests {
 
     use super::*;
 
-    /// Random 4-bit weights of 151 rows (not a multiple of four) over K = 96 in blocks of 32, and
+    /// Random 4-bit weights of 1,203 rows (not a multiple of four) over K = 96 in blocks of 32, and
     /// the generator that made them.
     struct Case {
         n: usize,
@@ -442,7 +461,7 @@ mod tests {
 
     impl Case {
         fn new(mut seed: u64) -> Case {
-            // 1,203 weight rows of 60 bytes: three tasks of at least TASK_BYTES.
+            // 1,203 weight rows of 60 bytes: 301 groups, three tasks at TASK_BYTES (137, 137, 27).
             let (n, k, block) = (4 * 300 + 3, 96, 32);
             let (kb, blob) = (k / block, block / 2);
             let mut next: Box<dyn FnMut() -> u32> = Box::new(move || {
