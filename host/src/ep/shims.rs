@@ -179,10 +179,11 @@ impl Shims {
             CallKind::Dispatch => report.wasm_calls.dispatch += 1,
         }
         let inst = self.instances.get_mut(&id).ok_or_else(|| Error::Device("shim instance vanished".into()))?;
-        let t0 = Instant::now();
+        // Timed for the report's CPU split only: a GPU dispatch's path takes no clock reading.
+        let t0 = (kind == CallKind::Cpu).then(Instant::now);
         let outcome = match inst.call(kind, args) {
             Ok(o) => {
-                if kind == CallKind::Cpu {
+                if let Some(t0) = t0 {
                     self.cpu_time.0 += t0.elapsed();
                     self.cpu_time.1 += o.host_compute;
                 }

@@ -190,8 +190,8 @@ pub fn on_pool_hot<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 }
 
 /// Runs `f` on the CPU pool (its rayon work on the pool's threads), or here without one (its
-/// rayon calls then go to rayon's global pool); inline when called from one of the pool's threads. While it runs, a hot session's helpers look for
-/// its rayon work ([`OPEN`]).
+/// rayon calls then go to rayon's global pool); inline when called from one of the pool's
+/// threads. While it runs, a hot session's helpers look for its rayon work ([`OPEN`]).
 pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     match pool() {
         Some(p) => {

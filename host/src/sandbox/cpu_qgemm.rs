@@ -284,9 +284,10 @@ fn over_pool<S>(
 /// The least bytes of weights (packed values and scales) one task of a decode product covers by
 /// default: a 576 × 576 4-bit product (about 200 KiB with its scales) then takes at most 7 tasks.
 /// With tasks of eight groups (18 for that product) a 16-core H100 host ran 60 such products in
-/// 1.89–2.04 ms at 16 threads and 1.85–1.98 at 4, against 1.38–1.48 on one thread (two machines of
-/// the kind); at 32 KiB 1.80–1.87 and 1.51, and the SmolLM2-135M int4 decode step at 16 threads took 6.67–6.93 ms against
-/// 7.00–8.80 (bench/RESULTS.md, session 42). Larger tasks (128 KiB, 1 MiB) were slower again.
+/// 1.89–2.04 ms at 16 threads and 1.85–1.98 at 4, against 1.38–1.48 on one thread (two machines
+/// of the kind); at 32 KiB 1.80–1.87 and 1.51, and the SmolLM2-135M int4 decode step at 16
+/// threads took 6.67–6.93 ms against 7.00–8.80 (bench/RESULTS.md, session 42). Larger tasks
+/// (128 KiB, 1 MiB) were slower again.
 const TASK_BYTES: usize = 32 << 10;
 
 /// The least bytes of weights one task of a decode product covers: `KILN_CPU_TASK_KB` KiB when
