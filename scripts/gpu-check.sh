@@ -78,12 +78,14 @@
 #              --channels-last off and auto (alternated), each against kiln's CPU run of the file,
 #              and ncu's table of its kernels (one eager run) with each
 #   big        the five full-size real models of scripts/make-big-models.py against onnxruntime
-#   cpu        the fast CPU path beside onnxruntime's CPU provider at 16 threads and 1
+#   cpu        the fast CPU path beside onnxruntime's CPU provider at 16 threads and 1 (CPU_THREADS="16"
+#              picks the counts)
 #              (scripts/bench-cpu.py: MatMul 1024³ and resnet50, made by scripts/make-big-models.py),
 #              resnet50's host time by op at 16 threads, and int4 decode (the builder's `-p int4 -e cpu`
 #              SmolLM2-architecture folder, made once per machine) beside bench/ort_decode_cpu.py,
 #              then int4 decode at 16 threads with KILN_CPU_HOT_SPIN_US=0 (no spinning pool threads)
-#              and the default, and at 16 and 8 threads with KILN_CPU_SHARE=1 and 0, alternated
+#              and the default, and at 16 and 8 threads with KILN_CPU_SHARE=1 and 0, alternated (CPU_AB=0
+#              leaves these two A/Bs out)
 #   cpu-profile  where a CPU int4 decode step's time goes: the int4 CPU folder's host time by op at
 #              1 and 16 threads (kiln bench decode --profile), and where `perf` is on the machine a
 #              16-thread perf record of KILN_PROF (a kiln binary with symbols; .gpu/kiln-sym.xz
@@ -316,7 +318,7 @@ for w in glob.glob(".gpu/python/*.whl"):
     ;;
   cpu)
     (cd scripts && python3 make-big-models.py "$work/big" resnet50) 2>&1 | tail -2
-    for t in 16 1; do
+    for t in ${CPU_THREADS:-16 1}; do
       python3 scripts/bench-cpu.py --kiln "$KILN" --threads "$t" "$work/big/resnet50" 2>&1
     done | tee "$out/cpu.log"
     # Where ResNet-50's time goes at 16 threads: host time by op.
@@ -329,22 +331,22 @@ for w in glob.glob(".gpu/python/*.whl"):
     if [ ! -f "$i4c/model.onnx" ]; then
       build_folder int4 cpu >"$work/int4-cpu-make.log" 2>&1 || tail -20 "$work/int4-cpu-make.log"
     fi
-    [ -f "$i4c/model.onnx" ] && for t in 16 1; do
+    [ -f "$i4c/model.onnx" ] && for t in ${CPU_THREADS:-16 1}; do
       echo "== int4 CPU decode, $t threads"
       KILN_CPU_THREADS=$t "$KILN" bench decode "$i4c" --device cpu --prompt-len 16 --new-tokens 32 --runs 3 2>&1 |
         grep -E "^\| [0-9]|[Ee]rror"
       python3 bench/ort_decode_cpu.py "$i4c" --threads $t --prompt-len 16 --new-tokens 32 --runs 3 2>&1 | tail -1
     done | tee -a "$out/cpu.log"
     # The kept-hot pool's A/B at 16 threads: no spinning threads (KILN_CPU_HOT_SPIN_US=0), then
-    # the default again.
-    [ -f "$i4c/model.onnx" ] && for v in 0 2000; do
+    # the default again (CPU_AB=0 leaves this and the next A/B out).
+    [ -f "$i4c/model.onnx" ] && [ "${CPU_AB:-1}" = 1 ] && for v in 0 2000; do
       echo "== int4 CPU decode, 16 threads, KILN_CPU_HOT_SPIN_US=$v"
       KILN_CPU_HOT_SPIN_US=$v KILN_CPU_THREADS=16 "$KILN" bench decode "$i4c" --device cpu --prompt-len 16 \
         --new-tokens 32 --runs 3 2>&1 | grep -E "^\| [0-9]|[Ee]rror"
     done | tee -a "$out/cpu.log"
     # The decode products shared out to the kept-hot threads by one counter (cpu_share) against
     # rayon's tasks, at 16 and 8 threads, alternated.
-    [ -f "$i4c/model.onnx" ] && for t in 16 8; do for v in 1 0 1 0; do
+    [ -f "$i4c/model.onnx" ] && [ "${CPU_AB:-1}" = 1 ] && for t in 16 8; do for v in 1 0 1 0; do
       echo "== int4 CPU decode, $t threads, KILN_CPU_SHARE=$v"
       KILN_CPU_SHARE=$v KILN_CPU_THREADS=$t "$KILN" bench decode "$i4c" --device cpu --prompt-len 16 \
         --new-tokens 32 --runs 3 2>&1 | grep -E "^\| [0-9]|[Ee]rror"
