@@ -10,7 +10,8 @@
 #              model builder's `-p int4 -e cuda`, made once per machine with its onnxruntime-CPU
 #              reference of the same graph, `--ref-only`), its GPU test, the 4-bit linear-op test, and
 #              kiln bench decode (graphs on, batch 1 and 8) fused, with --constant-inputs off, --no-fuse,
-#              and with each package folder in .gpu/variants/* as a drop-in
+#              and with each package folder in .gpu/variants/* as a drop-in (its greedy text checked
+#              against the built-in packages')
 #   quick      the GPU tests that need no SmolLM2-architecture model (those are skipped by name),
 #              without building the models when it is the only phase: kernels, node tests,
 #              tiny-llama, attention, graphs and memory
@@ -534,12 +535,19 @@ print('convnet $cl: cuda vs cpu max|d| / max|ref| = %.3e, top-5 %s' % (np.abs(a 
       # shellcheck disable=SC2086
       "$KILN" bench decode "$i4" --batch 1 --batch 8 --graph on $f --runs 3 2>&1
     done | tee -a "$out/int4.log" | grep -E "^==|^\||floor" | head -40
-    # Each package folder in .gpu/variants as a drop-in, graphs on (an A/B of kernel changes).
+    # Each package folder in .gpu/variants as a drop-in, graphs on (an A/B of kernel changes), and
+    # its greedy text against the built-in packages' (the same tokens where the variant keeps the
+    # arithmetic).
+    gen() { "$KILN" generate "$i4" --prompt "Once upon a time" --max-new-tokens 64 --graph on "$@" 2>/dev/null; }
     for v in .gpu/variants/*; do
       [ -d "$v" ] || continue # no variants: the glob stays unexpanded
       echo "== int4 bench decode --graph on --packages $v"
       "$KILN" bench decode "$i4" --batch 1 --batch 8 --graph on --runs 3 --packages "$v" 2>&1
-    done | tee -a "$out/int4.log" | grep -E "^==|^\||[Ee]rror"
+      a=$(gen) b=$(gen --packages "$v")
+      if [ -z "$a" ] || [ -z "$b" ]; then echo "$v: greedy text: a generation failed"
+      elif [ "$a" = "$b" ]; then echo "$v: the built-in packages' greedy tokens"
+      else echo "$v: greedy text differs from the built-in packages'"; fi
+    done | tee -a "$out/int4.log" | grep -E "^==|^\||[Ee]rror|greedy"
     summary+=("int4: $(grep -E '^test result' "$out/int4.log" | tail -1)")
     ;;
   quick)

@@ -111,6 +111,17 @@ enum { HAS_SKIP = 1, HAS_SUM = 2, W_CONST = 4 };
 #define LIN_CHAINS 1
 static_assert(LIN_QCHAINS == 1 || LIN_QCHAINS == 2 || LIN_QCHAINS == 4, "LIN_QCHAINS is 1, 2 or 4");
 static_assert(LIN_CHAINS == 1 || LIN_CHAINS == 2, "LIN_CHAINS is 1 or 2");
+// Where W is constant, the quantized GEMV loads its first pass's weights before the
+// grid-dependency wait. LIN_QPRE 1: its Linear form (MODE LIN_LINEAR: O and down in a decoder
+// layer) also unpacks there each output's first chunk per lane, so that the ~3 instructions a
+// value (a third of an O projection warp's 651, ncu, session 42) overlap the kernel before
+// instead of following the wait; 2: every form does; 0: every form unpacks them after the
+// prologue, as every other chunk. The values stay in registers across the prologue: NVRTC 13.0
+// gives the 4-bit Linear form 128 registers instead of 64 (2 blocks of 256 threads an SM still
+// fit) and the RMS forms 176 instead of 108 (one block an SM: the gate·up projection's 192 blocks
+// and the LM head's 264 then take two waves). A compile-time constant for drop-in A/Bs.
+#define LIN_QPRE 0
+static_assert(LIN_QPRE == 0 || LIN_QPRE == 1 || LIN_QPRE == 2, "LIN_QPRE is 0, 1 or 2");
 #define LIN_PRO 4      // 16-byte activation loads per thread in flight in the prologue
 #ifndef LIN_PRO_COPY   // the same for Linear's copy (no up operand); -D for bench/layer_probe.cu:
 #define LIN_PRO_COPY 4 // 8 would load batch 8's down (8 rows of 1,536) in one round trip instead
@@ -643,11 +654,21 @@ __device__ __forceinline__ void gemv_q(const typename T::S* x, const typename T:
 
     uint4 wv[LIN_COLS][LIN_QUNROLL];
     float sv[LIN_COLS][LIN_QUNROLL];
+    // The values of chunk u = 0 of each output, unpacked (LIN_QPRE: before the wait, when W is
+    // constant, for the first pass; then `unpacked` until that pass has used them).
+    float q0[LIN_COLS][Q::VALUES];
     const bool w_const = flags & W_CONST;  // W and its scales: initializers
-    if (w_const)
+    bool unpacked = false;
+    if (w_const) {
         q_load<T>(wv, sv, w4, scales, col, stride, n, kc, rc, cpb, kb, 0, lane);
-    else
+        if constexpr (LIN_QPRE == 2 || (LIN_QPRE == 1 && (MODE & 3) == LIN_LINEAR)) {
+#pragma unroll
+            for (int j = 0; j < LIN_COLS; ++j) q_unpack<BITS>(wv[j][0], q0[j]);
+            unpacked = true;
+        }
+    } else {
         q_prefetch<T>(w4, scales, col, stride, n, kc, rc, kb, lane);
+    }
     if ((MODE & 3) == LIN_RMSNORM && blockIdx.x == 0 && blockIdx.y == 0 && warp == 0)
         prefetch_gamma(gamma, (unsigned)(k / T::VEC), lane);
     kiln_griddep_launch_dependents();
@@ -672,11 +693,13 @@ __device__ __forceinline__ void gemv_q(const typename T::S* x, const typename T:
             for (int u = 0; u < LIN_QUNROLL; ++u) {
                 const unsigned c = base + u * 32 + lane;
                 if (c < kc) {
-                    // Each weight chunk unpacked once for all the block's rows.
+                    // Each weight chunk unpacked once for all the block's rows (chunk u = 0 into
+                    // q0, which may hold it already).
 #pragma unroll
                     for (int j = 0; j < LIN_COLS; ++j) {
-                        float q[Q::VALUES];
-                        q_unpack<BITS>(wv[j][u], q);
+                        float qu[Q::VALUES];
+                        float(&q)[Q::VALUES] = u == 0 ? q0[j] : qu;
+                        if (u != 0 || !unpacked) q_unpack<BITS>(wv[j][u], q);
 #pragma unroll
                         for (int r = 0; r < ROWS; ++r) {
                             if (ROWS == 1 || r < (int)rows_here)
@@ -685,6 +708,7 @@ __device__ __forceinline__ void gemv_q(const typename T::S* x, const typename T:
                     }
                 }
             }
+            unpacked = false;
         }
         if (epi)
             store_swiglu<T, ROWS>(acc, y, row0, rows_here, n_out, col, lane);
