@@ -18,11 +18,10 @@ Models (input x float32, output y):
 random (He-scaled, so activations keep their scale through the 50 layers), seeded.
 """
 import os
-import statistics
-import sys
-import time
 
 import numpy as np
+
+from cpu_node_models import cli, ort_p50
 
 # (name, in channels, out channels, kernel, stride, input side): single convolutions of ResNet-50.
 CONVS = [
@@ -114,27 +113,12 @@ def make(out):
 
 
 def ort(path, threads, runs=20):
-    import onnxruntime as rt
+    def feeds(s):
+        i = s.get_inputs()[0]
+        return {i.name: np.random.default_rng(0).standard_normal(i.shape).astype(np.float32)}
 
-    o = rt.SessionOptions()
-    o.intra_op_num_threads, o.inter_op_num_threads = threads, 1
-    s = rt.InferenceSession(path, o, providers=["CPUExecutionProvider"])
-    i = s.get_inputs()[0]
-    x = np.random.default_rng(0).standard_normal(i.shape).astype(np.float32)
-    for _ in range(3):
-        s.run(None, {i.name: x})
-    ts = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        s.run(None, {i.name: x})
-        ts.append(time.perf_counter() - t)
-    print(f"onnxruntime p50 {1e3 * statistics.median(ts):.3f} ms ({threads} threads)")
+    print(f"onnxruntime p50 {ort_p50(path, threads, feeds, 3, runs):.3f} ms ({threads} threads)")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "make":
-        make(sys.argv[2])
-    elif len(sys.argv) == 4 and sys.argv[1] == "ort":
-        ort(sys.argv[2], int(sys.argv[3]))
-    else:
-        sys.exit(__doc__)
+    cli(__doc__, make, ort)

@@ -101,27 +101,40 @@ def make(out):
     np.save(os.path.join(out, "x.npy"), rng.uniform(-2, 2, (1, 576)).astype(np.float32))
 
 
-def ort(path, threads, runs=200):
+def ort_p50(path, threads, feeds, warmup, runs):
+    """onnxruntime CPU's p50 ms over `runs` runs of the model at `path` (`threads` intra-op threads,
+    after `warmup` runs), on the inputs `feeds(session)` returns (a dict by input name)."""
     import onnxruntime as rt
 
     o = rt.SessionOptions()
     o.intra_op_num_threads, o.inter_op_num_threads = threads, 1
     s = rt.InferenceSession(path, o, providers=["CPUExecutionProvider"])
-    x = np.random.default_rng(0).uniform(-2, 2, (1, 576)).astype(np.float32)
-    for _ in range(20):
-        s.run(None, {"x": x})
+    inputs = feeds(s)
+    for _ in range(warmup):
+        s.run(None, inputs)
     ts = []
     for _ in range(runs):
         t = time.perf_counter()
-        s.run(None, {"x": x})
+        s.run(None, inputs)
         ts.append(time.perf_counter() - t)
-    print(f"onnxruntime p50 {1e3 * statistics.median(ts):.3f} ms ({threads} threads)")
+    return 1e3 * statistics.median(ts)
 
 
-if __name__ == "__main__":
+def ort(path, threads, runs=200):
+    x = np.random.default_rng(0).uniform(-2, 2, (1, 576)).astype(np.float32)
+    ms = ort_p50(path, threads, lambda s: {"x": x}, 20, runs)
+    print(f"onnxruntime p50 {ms:.3f} ms ({threads} threads)")
+
+
+def cli(doc, make, ort):
+    """`make DIR` and `ort MODEL N` as the module docstrings give them."""
     if len(sys.argv) == 3 and sys.argv[1] == "make":
         make(sys.argv[2])
     elif len(sys.argv) == 4 and sys.argv[1] == "ort":
         ort(sys.argv[2], int(sys.argv[3]))
     else:
-        sys.exit(__doc__)
+        sys.exit(doc)
+
+
+if __name__ == "__main__":
+    cli(__doc__, make, ort)
