@@ -79,8 +79,8 @@
 #              --channels-last off and auto (alternated), each against kiln's CPU run of the file,
 #              and ncu's table of its kernels (one eager run) with each
 #   big        the five full-size real models of scripts/make-big-models.py against onnxruntime
-#   cpu        the fast CPU path beside onnxruntime's CPU provider at 16 threads and 1 (CPU_THREADS="16"
-#              picks the counts)
+#   cpu        the fast CPU path beside onnxruntime's CPU provider at 16 threads and 1 (CPU_THREADS,
+#              default "16 1", picks the thread counts)
 #              (scripts/bench-cpu.py: MatMul 1024³ and resnet50, made by scripts/make-big-models.py),
 #              resnet50's host time by op at 16 threads, and int4 decode (the builder's `-p int4 -e cpu`
 #              SmolLM2-architecture folder, made once per machine) beside bench/ort_decode_cpu.py,
@@ -340,14 +340,14 @@ for w in glob.glob(".gpu/python/*.whl"):
     done | tee -a "$out/cpu.log"
     # The kept-hot pool's A/B at 16 threads: no spinning threads (KILN_CPU_HOT_SPIN_US=0), then
     # the default again (CPU_AB=0 leaves this and the next A/B out).
-    [ -f "$i4c/model.onnx" ] && [ "${CPU_AB:-1}" = 1 ] && for v in 0 2000; do
+    [ -f "$i4c/model.onnx" ] && [ "${CPU_AB:-1}" != 0 ] && for v in 0 2000; do
       echo "== int4 CPU decode, 16 threads, KILN_CPU_HOT_SPIN_US=$v"
       KILN_CPU_HOT_SPIN_US=$v KILN_CPU_THREADS=16 "$KILN" bench decode "$i4c" --device cpu --prompt-len 16 \
         --new-tokens 32 --runs 3 2>&1 | grep -E "^\| [0-9]|[Ee]rror"
     done | tee -a "$out/cpu.log"
     # The decode products shared out to the kept-hot threads by one counter (cpu_share) against
     # rayon's tasks, at 16 and 8 threads, alternated.
-    [ -f "$i4c/model.onnx" ] && [ "${CPU_AB:-1}" = 1 ] && for t in 16 8; do for v in 1 0 1 0; do
+    [ -f "$i4c/model.onnx" ] && [ "${CPU_AB:-1}" != 0 ] && for t in 16 8; do for v in 1 0 1 0; do
       echo "== int4 CPU decode, $t threads, KILN_CPU_SHARE=$v"
       KILN_CPU_SHARE=$v KILN_CPU_THREADS=$t "$KILN" bench decode "$i4c" --device cpu --prompt-len 16 \
         --new-tokens 32 --runs 3 2>&1 | grep -E "^\| [0-9]|[Ee]rror"
@@ -538,13 +538,16 @@ print('convnet $cl: cuda vs cpu max|d| / max|ref| = %.3e, top-5 %s' % (np.abs(a 
     # Each package folder in .gpu/variants as a drop-in, graphs on (an A/B of kernel changes), and
     # its greedy text against the built-in packages' (the same tokens where the variant keeps the
     # arithmetic).
-    gen() { "$KILN" generate "$i4" --prompt "Once upon a time" --max-new-tokens 64 --graph on "$@" 2>/dev/null; }
+    gen() {
+      "$KILN" generate "$i4" --prompt "Once upon a time" --max-new-tokens 64 --greedy --graph on "$@" \
+        2>>"$work/int4-generate.log"
+    }
     for v in .gpu/variants/*; do
       [ -d "$v" ] || continue # no variants: the glob stays unexpanded
       echo "== int4 bench decode --graph on --packages $v"
       "$KILN" bench decode "$i4" --batch 1 --batch 8 --graph on --runs 3 --packages "$v" 2>&1
-      a=$(gen) b=$(gen --packages "$v")
-      if [ -z "$a" ] || [ -z "$b" ]; then echo "$v: greedy text: a generation failed"
+      if ! a=$(gen) || ! b=$(gen --packages "$v"); then
+        echo "$v: greedy text: a generation failed ($(tail -1 "$work/int4-generate.log"))"
       elif [ "$a" = "$b" ]; then echo "$v: the built-in packages' greedy tokens"
       else echo "$v: greedy text differs from the built-in packages'"; fi
     done | tee -a "$out/int4.log" | grep -E "^==|^\||[Ee]rror|greedy"

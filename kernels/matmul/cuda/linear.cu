@@ -113,13 +113,16 @@ static_assert(LIN_QCHAINS == 1 || LIN_QCHAINS == 2 || LIN_QCHAINS == 4, "LIN_QCH
 static_assert(LIN_CHAINS == 1 || LIN_CHAINS == 2, "LIN_CHAINS is 1 or 2");
 // Where W is constant, the quantized GEMV loads its first pass's weights before the
 // grid-dependency wait. LIN_QPRE 1: its Linear form (MODE LIN_LINEAR: O and down in a decoder
-// layer) also unpacks there each output's first chunk per lane, so that the ~3 instructions a
-// value (a third of an O projection warp's 651, ncu, session 42) overlap the kernel before
-// instead of following the wait; 2: every form does; 0: every form unpacks them after the
-// prologue, as every other chunk. The values stay in registers across the prologue: NVRTC 13.0
-// gives the 4-bit Linear form 128 registers instead of 64 (2 blocks of 256 threads an SM still
-// fit) and the RMS forms 176 instead of 108 (one block an SM: the gate·up projection's 192 blocks
-// and the LM head's 264 then take two waves). A compile-time constant for drop-in A/Bs.
+// layer) also unpacks there, after triggering its dependents, each output's first chunk per lane,
+// so that the ~3 instructions a value (about 190 of an O projection warp's 651, ncu, session 42)
+// overlap the kernel before instead of following the wait; 2: every form does (the RMS and
+// SwiGluLinear prologues too); 0: every form unpacks them after the prologue, as every other
+// chunk. The cost: the unpacking waits for the weights before the wait, so when the kernel before
+// has already finished, the prologue's loads of X start after the weights have come instead of
+// beside them. The values stay in registers across the prologue: NVRTC 13.0 gives the 4-bit
+// Linear form 128 registers instead of 64 (2 blocks of 256 threads an SM still fit), and at 2 the
+// RMS forms 176 instead of 108 (one block an SM: the gate·up projection's 192 blocks and the LM
+// head's 264 then take two waves). A compile-time constant for drop-in A/Bs.
 #define LIN_QPRE 0
 static_assert(LIN_QPRE == 0 || LIN_QPRE == 1 || LIN_QPRE == 2, "LIN_QPRE is 0, 1 or 2");
 #define LIN_PRO 4      // 16-byte activation loads per thread in flight in the prologue
@@ -659,19 +662,21 @@ __device__ __forceinline__ void gemv_q(const typename T::S* x, const typename T:
     float q0[LIN_COLS][Q::VALUES];
     const bool w_const = flags & W_CONST;  // W and its scales: initializers
     bool unpacked = false;
-    if (w_const) {
+    if (w_const)
         q_load<T>(wv, sv, w4, scales, col, stride, n, kc, rc, cpb, kb, 0, lane);
-        if constexpr (LIN_QPRE == 2 || (LIN_QPRE == 1 && (MODE & 3) == LIN_LINEAR)) {
+    else
+        q_prefetch<T>(w4, scales, col, stride, n, kc, rc, kb, lane);
+    if ((MODE & 3) == LIN_RMSNORM && blockIdx.x == 0 && blockIdx.y == 0 && warp == 0)
+        prefetch_gamma(gamma, (unsigned)(k / T::VEC), lane);
+    kiln_griddep_launch_dependents();
+    // After the trigger, which then does not wait for the loads: the unpacking needs their data.
+    if constexpr (LIN_QPRE == 2 || (LIN_QPRE == 1 && (MODE & 3) == LIN_LINEAR)) {
+        if (w_const) {
 #pragma unroll
             for (int j = 0; j < LIN_COLS; ++j) q_unpack<BITS>(wv[j][0], q0[j]);
             unpacked = true;
         }
-    } else {
-        q_prefetch<T>(w4, scales, col, stride, n, kc, rc, kb, lane);
     }
-    if ((MODE & 3) == LIN_RMSNORM && blockIdx.x == 0 && blockIdx.y == 0 && warp == 0)
-        prefetch_gamma(gamma, (unsigned)(k / T::VEC), lane);
-    kiln_griddep_launch_dependents();
     kiln_griddep_wait();
     if (!w_const) q_load<T>(wv, sv, w4, scales, col, stride, n, kc, rc, cpb, kb, 0, lane);
 
